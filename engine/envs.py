@@ -1,0 +1,27 @@
+"""Every environment variable the project reads, in one place.
+
+Each is read when accessed (not at import), so tests can set them with monkeypatch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where built-in models are materialized: ``LLM_CLUSTER_CACHE_DIR``, default ~/.cache/llm-cluster."""
+    value = os.environ.get("LLM_CLUSTER_CACHE_DIR")
+    if value:
+        return Path(value).expanduser()
+    return Path.home() / ".cache" / "llm-cluster"
+
+
+def log_level() -> str:
+    """``LLM_CLUSTER_LOG_LEVEL``: level of the ``llm_cluster`` loggers (default INFO)."""
+    return os.environ.get("LLM_CLUSTER_LOG_LEVEL", "INFO").upper()
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET=1`` runs Triton kernels on CPU tensors through the Triton interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
