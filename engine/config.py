@@ -1,0 +1,366 @@
+"""The engine's one frozen root config, built from keyword arguments with vLLM's names.
+
+    EngineConfig
+    ├── model:     ModelConfig      (what to load, dtype, max_model_len)
+    ├── cache:     CacheConfig      (block_size, prefix caching, KV pool size, swap space)
+    ├── scheduler: SchedulerConfig  (token budget, sequence cap, chunked prefill, policy, preemption)
+    ├── parallel:  ParallelConfig   (tensor_parallel_size, pipeline_parallel_size)
+    └── device:    DeviceConfig     (cpu | cuda | auto)
+
+Every config is a frozen dataclass, validated in ``__post_init__``; per-rank copies use
+``dataclasses.replace``. The number of KV blocks measured at startup is runtime state (see
+``Worker.determine_num_available_blocks``), not a config field; ``num_kv_blocks`` is only the
+optional explicit override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown or out of range; the message names the key."""
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _positive_int(value: Any, key: str) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value > 0,
+        key,
+        f"must be a positive integer, got {value!r}",
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load. ``model`` is a local HF directory or ``builtin:<name>``."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    trust_remote_code: bool = False
+    # Filled from the checkpoint's config.json by ``EngineConfig.from_kwargs``.
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    model_path: str = ""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
+        _require(
+            self.dtype == "auto" or self.dtype in _DTYPES,
+            "dtype",
+            f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}",
+        )
+        if self.max_model_len is not None:
+            _positive_int(self.max_model_len, "max_model_len")
+        _require(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _require(self.trust_remote_code is False, "trust_remote_code", "remote code is never run")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        name = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
+        return _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or []
+        return archs[0] if archs else ""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_attention_heads(self) -> int:
+        return int(self.hf_config["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf_config.get("num_key_value_heads") or self.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        head_dim = self.hf_config.get("head_dim")
+        return int(head_dim) if head_dim else int(self.hf_config["hidden_size"]) // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space: float = 4.0
+    swap_space: float = 4.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (8, 16, 32, 64, 128),
+            "block_size",
+            f"must be one of 8, 16, 32, 64, 128, got {self.block_size!r}",
+        )
+        if self.num_kv_blocks is not None:
+            _positive_int(self.num_kv_blocks, "num_kv_blocks")
+        _require(
+            isinstance(self.gpu_memory_utilization, (int, float))
+            and 0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization!r}",
+        )
+        _require(
+            isinstance(self.cpu_kv_cache_space, (int, float)) and self.cpu_kv_cache_space > 0,
+            "cpu_kv_cache_space",
+            f"must be > 0 GiB, got {self.cpu_kv_cache_space!r}",
+        )
+        _require(
+            isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
+            "swap_space",
+            f"must be >= 0 GiB, got {self.swap_space!r}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+
+    def __post_init__(self) -> None:
+        _positive_int(self.max_num_seqs, "max_num_seqs")
+        _positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
+        _positive_int(self.max_model_len, "max_model_len")
+        _require(
+            self.policy in ("fcfs", "priority"),
+            "scheduling_policy",
+            f"must be 'fcfs' or 'priority', got {self.policy!r}",
+        )
+        _require(
+            self.preemption_mode in ("recompute", "swap"),
+            "preemption_mode",
+            f"must be 'recompute' or 'swap', got {self.preemption_mode!r}",
+        )
+        if not self.enable_chunked_prefill:
+            # Without chunking a whole prompt must fit in one step's budget.
+            _require(
+                self.max_num_batched_tokens >= self.max_model_len,
+                "max_num_batched_tokens",
+                f"must be >= max_model_len ({self.max_model_len}) when enable_chunked_prefill is "
+                f"False, got {self.max_num_batched_tokens}",
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: Literal["auto", "uni", "ray"] = "auto"
+    placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    # Set per rank with dataclasses.replace by the executor that spawns the workers.
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int(self.tensor_parallel_size, "tensor_parallel_size")
+        _positive_int(self.pipeline_parallel_size, "pipeline_parallel_size")
+        _require(
+            self.distributed_executor_backend in ("auto", "uni", "ray"),
+            "distributed_executor_backend",
+            f"must be 'auto', 'uni' or 'ray', got {self.distributed_executor_backend!r}",
+        )
+        strategies = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+        _require(
+            self.placement_group_strategy in strategies,
+            "placement_group_strategy",
+            f"must be one of {strategies}, got {self.placement_group_strategy!r}",
+        )
+        _require(
+            0 <= self.rank < self.world_size,
+            "rank",
+            f"must be in [0, {self.world_size}), got {self.rank}",
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend != "auto":
+            return self.distributed_executor_backend
+        return "ray" if self.world_size > 1 else "uni"
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.device in ("auto", "cpu", "cuda"),
+            "device",
+            f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}",
+        )
+
+    @property
+    def device_type(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
+_ENGINE_ARGS: dict[str, tuple[str, str]] = {
+    "model": ("model", "model"),
+    "tokenizer": ("model", "tokenizer"),
+    "dtype": ("model", "dtype"),
+    "max_model_len": ("model", "max_model_len"),
+    "seed": ("model", "seed"),
+    "trust_remote_code": ("model", "trust_remote_code"),
+    "block_size": ("cache", "block_size"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "num_kv_blocks": ("cache", "num_kv_blocks"),
+    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
+    "cpu_kv_cache_space": ("cache", "cpu_kv_cache_space"),
+    "swap_space": ("cache", "swap_space"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "scheduling_policy": ("scheduler", "policy"),
+    "preemption_mode": ("scheduler", "preemption_mode"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
+    "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
+    "placement_group_strategy": ("parallel", "placement_group_strategy"),
+    "device": ("device", "device"),
+}
+
+ENGINE_ARG_NAMES: tuple[str, ...] = tuple(_ENGINE_ARGS)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from vLLM-named engine arguments; unknown keys raise ``ConfigError``."""
+        check_engine_arg_names(kwargs)
+        if "model" not in kwargs:
+            raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
+        groups: dict[str, dict[str, Any]] = {g: {} for g in ("model", "cache", "scheduler", "parallel", "device")}
+        for key, value in kwargs.items():
+            group, name = _ENGINE_ARGS[key]
+            groups[group][name] = value
+        model = ModelConfig(**groups["model"])
+        model = _with_checkpoint(model)
+        parallel = ParallelConfig(**groups["parallel"])
+        _check_parallel_shape(model, parallel)
+        max_model_len = _derive_max_model_len(model)
+        model = dataclasses.replace(model, max_model_len=max_model_len)
+        sched_kwargs = groups["scheduler"]
+        chunked = sched_kwargs.get("enable_chunked_prefill", True)
+        if "max_num_batched_tokens" not in sched_kwargs:
+            sched_kwargs["max_num_batched_tokens"] = 2048 if chunked else max(2048, max_model_len)
+        scheduler = SchedulerConfig(max_model_len=max_model_len, **sched_kwargs)
+        return cls(
+            model=model,
+            cache=CacheConfig(**groups["cache"]),
+            scheduler=scheduler,
+            parallel=parallel,
+            device=DeviceConfig(**groups["device"]),
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+
+def check_engine_arg_names(kwargs: dict[str, Any], path: str = "") -> None:
+    """Reject unknown engine arguments, suggesting the closest known name."""
+    for key in kwargs:
+        if key not in _ENGINE_ARGS:
+            close = difflib.get_close_matches(key, ENGINE_ARG_NAMES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{path}{key}: unknown engine argument{hint}")
+
+
+def _with_checkpoint(model: ModelConfig) -> ModelConfig:
+    # Imported here: tiny_models pulls in transformers, which a bare config check need not load.
+    from engine.tiny_models import resolve_model_source
+
+    path = resolve_model_source(model.model)
+    config_file = Path(path) / "config.json"
+    hf_config = json.loads(config_file.read_text())
+    return dataclasses.replace(model, hf_config=hf_config, model_path=str(path))
+
+
+def _derive_max_model_len(model: ModelConfig) -> int:
+    hf = model.hf_config
+    limit = int(hf.get("max_position_embeddings") or 2048)
+    # A sliding window we do not implement bounds the usable context: beyond it HF attends to
+    # the window only, so we refuse longer sequences rather than compute something different.
+    window = hf.get("sliding_window")
+    if window and hf.get("use_sliding_window", True):
+        limit = min(limit, int(window))
+    if model.max_model_len is None:
+        return limit
+    _require(
+        model.max_model_len <= limit,
+        "max_model_len",
+        f"must be <= {limit} (the model's max_position_embeddings / sliding window), "
+        f"got {model.max_model_len}",
+    )
+    return model.max_model_len
+
+
+def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
+    tp = parallel.tensor_parallel_size
+    _require(
+        model.num_attention_heads % tp == 0,
+        "tensor_parallel_size",
+        f"must divide num_attention_heads ({model.num_attention_heads}), got {tp}",
+    )
+    kv = model.num_kv_heads
+    _require(
+        kv % tp == 0 or tp % kv == 0,
+        "tensor_parallel_size",
+        f"must divide or be a multiple of num_key_value_heads ({kv}), got {tp}",
+    )
+    pp = parallel.pipeline_parallel_size
+    _require(
+        pp <= model.num_hidden_layers,
+        "pipeline_parallel_size",
+        f"must be <= num_hidden_layers ({model.num_hidden_layers}), got {pp}",
+    )

@@ -1,0 +1,352 @@
+"""Iteration-level (continuous) batching with chunked prefill and preemption.
+
+Each request tracks ``num_computed_tokens``; a step gives each scheduled request some tokens
+under a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``):
+
+1. running requests first, in policy order (a decode token, or the next chunk of a prompt);
+   when blocks run out, the lowest-priority / latest-arrived running request is preempted —
+   recompute (free its blocks, requeue it) or swap (move its blocks to CPU swap space);
+2. then, if nothing was preempted, swapped requests come back (swap-in);
+3. then, if nothing is swapped out, waiting requests are admitted, reusing prefix-cache hits.
+
+A prompt longer than the remaining budget is chunked across steps, so decodes never starve.
+This module is a CPU-only state machine: it never touches a model or a tensor.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager, KVCacheBlock
+from engine.config import SchedulerConfig
+from engine.protocol import CachedRequestData, ExecuteModelRequest, NewRequestData
+from engine.request import Request, RequestStatus
+
+logger = logging.getLogger("llm_cluster.scheduler")
+
+
+class WaitingQueue:
+    """FCFS: a deque (preempted requests go back to the front). Priority: a heap on the sort key."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[tuple[float, ...], int, Request]] = []
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        if self.policy == "fcfs":
+            return iter(self._fifo)
+        return (entry[2] for entry in sorted(self._heap))
+
+    def add(self, request: Request, *, front: bool = False) -> None:
+        if self.policy == "fcfs":
+            if front:
+                self._fifo.appendleft(request)
+            else:
+                self._fifo.append(request)
+        else:
+            heapq.heappush(self._heap, (request.sort_key("priority"), next(self._counter), request))
+
+    def peek(self) -> Request:
+        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][2]
+
+    def pop(self) -> Request:
+        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[2]
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.remove(request)
+        else:
+            self._heap = [e for e in self._heap if e[2] is not request]
+            heapq.heapify(self._heap)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes; ``make_execute_model_request`` turns it into the wire message."""
+
+    new_reqs: list[Request] = field(default_factory=list)
+    cached_reqs: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_req_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- request lifecycle --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests (abort, or a stop string found by the detokenizer) and free their blocks."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.swapped:
+            self.swapped.remove(request)
+        self.block_manager.free(request)
+        self.block_manager.free_swapped(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_req_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.swapped)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = []
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_req_ids:
+            budget = self._schedule_swapped(out, budget)
+        if not out.preempted_req_ids and not self.swapped:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _tokens_to_compute(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        return max(0, min(remaining, budget, self.config.max_model_len - request.num_computed_tokens))
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        if self.config.policy == "priority":
+            self.running.sort(key=lambda r: r.sort_key("priority"))
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop as someone's victim
+            num_new = self._tokens_to_compute(request, budget)
+            if num_new == 0:
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, out)
+            if new_blocks is None:
+                continue
+            budget -= num_new
+            self._record(out, request, num_new, new_blocks)
+        return budget
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, out: SchedulerOutput
+    ) -> list[KVCacheBlock] | None:
+        while True:
+            new_blocks = self.block_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = max(self.running, key=lambda r: r.sort_key(self.config.policy))
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        if request.request_id in out.num_scheduled_tokens:
+            # Scheduled earlier in this step: take it back out of the step.
+            del out.num_scheduled_tokens[request.request_id]
+            out.new_block_ids.pop(request.request_id, None)
+            out.cached_reqs.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_req_ids.append(request.request_id)
+        request.needs_full_table = True
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(request):
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(request))
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            return
+        if self.config.preemption_mode == "swap":
+            logger.warning("swap space full: preempting %s by recompute", request.request_id)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.add(request, front=True)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        self.swapped.sort(key=lambda r: r.sort_key(self.config.policy))
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = self._tokens_to_compute(request, budget)
+            needed = len(self.block_manager.req_to_cpu_blocks[request.request_id])
+            # Swap in only when the next chunk fits too, so a swapped-in request makes progress.
+            extra = -(-(request.num_computed_tokens + num_new) // self.block_manager.block_size) - needed
+            if needed + max(0, extra) > self.block_manager.num_free_blocks or num_new == 0:
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(self.block_manager.swap_in(request))
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_blocks = self.block_manager.allocate_slots(request, num_new) or []
+            budget -= num_new
+            self._record(out, request, num_new, new_blocks)
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed = self.block_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            # A waiting request has num_computed_tokens == 0: its cache hits count via the blocks.
+            new_blocks = self.block_manager.allocate_slots(request, num_new, computed_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+                self.block_manager.prefix_queries += request.num_tokens
+                self.block_manager.prefix_hits += num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= num_new
+            self._record(out, request, num_new, computed_blocks + new_blocks)
+
+    def _record(
+        self, out: SchedulerOutput, request: Request, num_new: int, new_blocks: list[KVCacheBlock]
+    ) -> None:
+        rid = request.request_id
+        out.num_scheduled_tokens[rid] = num_new
+        if request.num_tokens_sent == 0:
+            out.new_reqs.append(request)
+            out.new_block_ids[rid] = self.block_manager.get_block_ids(rid)
+            return
+        out.cached_reqs.append(request)
+        if request.needs_full_table:
+            request.needs_full_table = False
+            out.resumed_req_ids.add(rid)
+            out.new_block_ids[rid] = self.block_manager.get_block_ids(rid)
+        else:
+            out.new_block_ids[rid] = [b.block_id for b in new_blocks]
+
+    # ---- after the forward pass ---------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, req_ids: list[str], sampled_token_ids: list[list[int]]
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests that hit a stop.
+
+        Returns the requests that got new tokens (finished ones included).
+        """
+        for rid, num in out.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num
+            self.block_manager.cache_blocks(request)
+        updated = []
+        for rid, token_ids in zip(req_ids, sampled_token_ids):
+            request = self.requests.get(rid)
+            if request is None or request.is_finished or not token_ids:
+                continue
+            request.append_output_token_ids(token_ids)
+            status = check_token_stop(request, self.config.max_model_len)
+            if status is not None:
+                request.status = status
+                self._free_request(request)
+            updated.append(request)
+        return updated
+
+
+def check_token_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    """Stop conditions that need no text: EOS, stop_token_ids, max_tokens, max_model_len."""
+    params = request.sampling_params
+    last = request.output_token_ids[-1]
+    if not params.ignore_eos and last in request.eos_token_ids:
+        request.stop_reason = None
+        return RequestStatus.FINISHED_STOPPED
+    if params.stop_token_ids and last in params.stop_token_ids:
+        request.stop_reason = last
+        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def make_execute_model_request(out: SchedulerOutput) -> ExecuteModelRequest:
+    """The wire message for one step: new requests in full, running ones as deltas."""
+    new = []
+    for request in out.new_reqs:
+        new.append(
+            NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=list(request.all_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=out.new_block_ids[request.request_id],
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        )
+        request.num_tokens_sent = request.num_tokens
+    cached = []
+    for request in out.cached_reqs:
+        rid = request.request_id
+        cached.append(
+            CachedRequestData(
+                req_id=rid,
+                new_token_ids=request.all_token_ids[request.num_tokens_sent :],
+                new_block_ids=out.new_block_ids[rid],
+                num_computed_tokens=request.num_computed_tokens,
+                resumed_from_preemption=rid in out.resumed_req_ids,
+            )
+        )
+        request.num_tokens_sent = request.num_tokens
+    return ExecuteModelRequest(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=dict(out.num_scheduled_tokens),
+        total_num_scheduled_tokens=out.total_num_scheduled_tokens,
+        finished_req_ids=list(out.finished_req_ids),
+        blocks_to_swap_in=out.blocks_to_swap_in,
+        blocks_to_swap_out=out.blocks_to_swap_out,
+        blocks_to_copy=out.blocks_to_copy,
+    )

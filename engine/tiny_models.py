@@ -1,0 +1,380 @@
+"""Built-in tiny models: seeded random-weight checkpoints written locally in Hugging Face format.
+
+They exist so that demos and tests (greedy token equality against HF transformers, TP=2 vs TP=1,
+detokenization) run offline on a CPU in seconds. Nothing here ever touches a model hub: the
+weights come from ``torch.manual_seed`` and the byte-level BPE tokenizer is trained at build time
+on ``engine/data/corpus.txt``, which the project ships.
+
+Every model shares one tokenizer, so token ids mean the same thing across the three:
+
+    id  token            role
+    0   <pad>            padding
+    1   <s>              bos, prepended to every encoded prompt
+    2   </s>             eos, the token generation stops on
+    3   <|im_start|>     ChatML turn start
+    4   <|im_end|>       ChatML turn end, a second stop token in generation_config.json
+
+A directory written by :func:`make_tiny_model` holds ``config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` and
+``generation_config.json``, and loads with ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` like any hub checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
+
+from engine import envs
+
+# Bump whenever the recipe (corpus, tokenizer, init, config) changes, so that a cache written by an
+# older recipe is never mistaken for the current one.
+VERSION = 1
+
+TINY_MODEL_NAMES: tuple[str, ...] = ("tiny-llama", "tiny-mistral", "tiny-qwen2")
+BUILTIN_PREFIX = "builtin:"
+
+PAD_TOKEN = "<pad>"
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+# The trainer gives special tokens the first ids, in this order: <pad>=0, <s>=1, </s>=2, ...
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
+PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, IM_START_TOKEN_ID, IM_END_TOKEN_ID = range(5)
+
+TOKENIZER_VOCAB_SIZE = 1024
+# Qwen2's pre-tokenizer split (contractions, letter runs, single digits, punctuation runs,
+# newlines, spaces); see _trained_tokenizer_json for why every tiny model uses it.
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+MAX_POSITION_EMBEDDINGS = 2048
+
+# ChatML. It starts with the bos token because chat prompts are encoded without special tokens
+# (HF ``apply_chat_template(tokenize=True)`` and OpenAI-style servers both do so), while plain
+# prompts are encoded with them; either way a model input starts with exactly one <s>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# HF's default initializer_range of 0.02 makes a 2-layer, 64-wide model nearly uniform over the
+# vocabulary: the top-2 logit gap of a greedy step can be ~1e-5, so fp32 rounding differences
+# between two correct implementations flip the argmax and token-equality tests fail for no
+# reason. A wider init makes attention and MLPs far from linear and spreads the logits.
+INITIALIZER_RANGE = 0.2
+# Multiplies lm_head (the embedding, when tied) after init, spreading the logits further.
+LM_HEAD_SCALE = 2.0
+# Special tokens' output rows are shrunk so their logits sit near 0, far below the top of ~1000
+# random logits: greedy generation then practically never emits </s> (which would end a 64-token
+# test after a handful of tokens) nor a ChatML marker.
+SPECIAL_TOKEN_ROW_SCALE = 0.05
+# RMSNorm weights start at exactly 1 and biases at exactly 0, so a loader that dropped them would
+# still match HF. Perturbing them makes a missed or misplaced tensor change the output.
+NORM_WEIGHT_NOISE = 0.1
+BIAS_NOISE = 0.1
+
+_COMMON_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "initializer_range": INITIALIZER_RANGE,
+    "bos_token_id": BOS_TOKEN_ID,
+    "eos_token_id": EOS_TOKEN_ID,
+    "pad_token_id": PAD_TOKEN_ID,
+    "use_cache": True,
+}
+
+_MODEL_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
+    "tiny-llama": (
+        LlamaConfig,
+        {
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
+        },
+    ),
+    "tiny-mistral": (
+        MistralConfig,
+        {"num_key_value_heads": 1, "tie_word_embeddings": False, "sliding_window": None},
+    ),
+    # Qwen2 always has q/k/v biases (and none on o_proj); there is no config switch for them.
+    "tiny-qwen2": (
+        Qwen2Config,
+        {
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": True,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        },
+    ),
+}
+
+
+def make_tiny_model(name: str, out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Write the tiny model ``name`` with weights drawn from ``seed`` into ``out_dir``.
+
+    The same name and seed always give byte-identical files. ``out_dir`` is created if missing;
+    files already in it are overwritten.
+    """
+    _check_name(name)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = _build_config(name, tokenizer.get_vocab_size())
+    model = _build_model(config, seed)
+    _write_weights(model, config, out / "model.safetensors")
+    _write_config(config, type(model).__name__, out / "config.json")
+    _write_tokenizer(tokenizer, out)
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": BOS_TOKEN_ID,
+            "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
+            "pad_token_id": PAD_TOKEN_ID,
+        },
+    )
+    return out
+
+
+def resolve_model_source(source: str) -> Path:
+    """Turn a model source into a local checkpoint directory.
+
+    ``builtin:<name>`` is materialized once into ``<cache_dir>/models/<name>-v<VERSION>``; any
+    other string is a local directory that must hold a ``config.json``. Nothing is downloaded.
+    """
+    if source.startswith(BUILTIN_PREFIX):
+        return _materialize_builtin(source[len(BUILTIN_PREFIX) :])
+    path = Path(source).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model source {source!r}: {path} is not a directory with a config.json "
+            f"(local paths only, nothing is downloaded; built-ins are "
+            f"{', '.join(BUILTIN_PREFIX + n for n in TINY_MODEL_NAMES)})"
+        )
+    return path
+
+
+def _check_name(name: str) -> None:
+    if name not in TINY_MODEL_NAMES:
+        raise ValueError(
+            f"unknown tiny model name {name!r}; valid names are {', '.join(TINY_MODEL_NAMES)}"
+        )
+
+
+def _materialize_builtin(name: str) -> Path:
+    _check_name(name)
+    final = envs.cache_dir() / "models" / f"{name}-v{VERSION}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the final path and rename into place: a rename within one file system is
+    # atomic, so a concurrent reader (another Ray worker) sees either no directory or a whole one.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        make_tiny_model(name, tmp, seed=0)
+        # mkdtemp makes the directory private (0700); a shared cache should be readable.
+        tmp.chmod(0o755)
+        os.rename(tmp, final)
+    except OSError as exc:
+        # Losing the race leaves the winner's complete directory at ``final``: use it.
+        lost_race = exc.errno in (errno.EEXIST, errno.ENOTEMPTY)
+        if not (lost_race and (final / "config.json").is_file()):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+@functools.lru_cache(maxsize=1)
+def _trained_tokenizer_json() -> str:
+    corpus = resources.files("engine").joinpath("data", "corpus.txt").read_text(encoding="utf-8")
+    tokenizer = Tokenizer(models.BPE())
+    # The pipeline is exactly the one transformers 5 ``Qwen2Tokenizer`` rebuilds when it loads a
+    # qwen2 checkpoint (it ignores tokenizer.json's normalizer and pre-tokenizer), so all three
+    # models and both loaders (``AutoTokenizer``, raw ``tokenizers``) give the same ids. Byte-level:
+    # every UTF-8 byte is in the base alphabet, so any NFC string round-trips and a character
+    # absent from the corpus (most CJK, emoji) splits into several byte tokens.
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
+    # Encoding with special tokens prepends <s> and appends nothing, like Llama and Mistral. The
+    # template is the one transformers 5 writes for add_bos_token=True, so reloading is a no-op.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN}:0 $A:0",
+        pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
+        special_tokens=[(BOS_TOKEN, BOS_TOKEN_ID)],
+    )
+    for want, token in enumerate(SPECIAL_TOKENS):
+        got = tokenizer.token_to_id(token)
+        if got != want:
+            raise RuntimeError(f"tokenizer trainer gave {token!r} id {got}, expected {want}")
+    return tokenizer.to_str()
+
+
+def build_tokenizer() -> Tokenizer:
+    """The byte-level BPE tokenizer shared by all tiny models, trained on the shipped corpus."""
+    return Tokenizer.from_str(_trained_tokenizer_json())
+
+
+def _build_config(name: str, vocab_size: int) -> PretrainedConfig:
+    config_class, specific = _MODEL_CONFIGS[name]
+    config = config_class(vocab_size=vocab_size, **_COMMON_CONFIG, **specific)
+    # Set after construction: older transformers ignore an unknown ``dtype`` kwarg.
+    config.dtype = torch.float32
+    config.head_dim = _COMMON_CONFIG["head_dim"]
+    return config
+
+
+def _build_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    # fork_rng leaves the caller's global RNG as it was; HF's init draws from the global one.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param_name, param in sorted(model.named_parameters()):
+            if param_name.endswith("norm.weight"):
+                param.add_(NORM_WEIGHT_NOISE * _randn_like(param, generator))
+            elif param_name.endswith(".bias"):
+                param.copy_(BIAS_NOISE * _randn_like(param, generator))
+        output_rows = model.get_output_embeddings().weight
+        output_rows.mul_(LM_HEAD_SCALE)
+        output_rows[: len(SPECIAL_TOKENS)].mul_(SPECIAL_TOKEN_ROW_SCALE)
+    return model.eval()
+
+
+def _randn_like(param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(param.shape, generator=generator, dtype=param.dtype)
+
+
+def _write_weights(model: PreTrainedModel, config: PretrainedConfig, path: Path) -> None:
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        # Tied checkpoints store the matrix once, under the embedding's name, as HF does.
+        state.pop("lm_head.weight", None)
+    tensors = {key: state[key].detach().contiguous().clone() for key in sorted(state)}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    # safetensors creates the file private (0600); a shared cache must be readable by others.
+    path.chmod(0o644)
+
+
+def _write_config(config: PretrainedConfig, architecture: str, path: Path) -> None:
+    data = {k: v for k, v in config.to_dict().items() if k not in _GENERIC_CONFIG_KEYS}
+    data["architectures"] = [architecture]
+    # Older readers (transformers 4.x, vLLM-style loaders) look for these top-level keys.
+    data["torch_dtype"] = "float32"
+    data["dtype"] = "float32"
+    data["rope_theta"] = _COMMON_CONFIG["rope_theta"]
+    _write_json(path, data)
+
+
+# Keys every PretrainedConfig carries for heads and outputs that a causal LM checkpoint never uses.
+_GENERIC_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "chunk_size_feed_forward",
+        "id2label",
+        "label2id",
+        "is_encoder_decoder",
+        "output_attentions",
+        "output_hidden_states",
+        "problem_type",
+        "return_dict",
+    }
+)
+
+
+def _write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    added_tokens_decoder = {
+        str(token_id): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token_id, token in enumerate(SPECIAL_TOKENS)
+    }
+    special_tokens_map = {
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+    }
+    # Written by hand rather than by ``save_pretrained``: transformers 5 would name its own
+    # ``TokenizersBackend`` class and move the template to chat_template.jinja, which 4.x cannot
+    # read. ``add_bos_token`` documents what the tokenizer.json post-processor already does.
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        # Without an explicit null, Qwen2Tokenizer would add its default <|endoftext|> as unk.
+        "unk_token": None,
+        "added_tokens_decoder": added_tokens_decoder,
+        **special_tokens_map,
+        "chat_template": CHAT_TEMPLATE,
+        # Byte-level decoding is exact; the cleanup would turn " ," into "," and break round-trips.
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MAX_POSITION_EMBEDDINGS,
+    }
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
+    _write_json(out / "special_tokens_map.json", special_tokens_map)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", "utf-8")

@@ -1,0 +1,123 @@
+"""One worker = one device: its model shard, its paged KV cache and its model runner.
+
+The executor drives every worker through the same calls (``collective_rpc``):
+``init_device`` -> ``load_model`` -> ``determine_num_available_blocks`` (the head takes the
+minimum over workers) -> ``initialize_cache`` -> ``execute_model`` every step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
+from engine.protocol import ExecuteModelRequest, ModelRunnerOutput
+from parallel.state import ParallelContext
+
+logger = logging.getLogger("llm_cluster.worker")
+
+_GiB = 1 << 30
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, ctx: ParallelContext | None = None) -> None:
+        self.config = config
+        self.ctx = ctx or ParallelContext()
+        self.rank = config.parallel.rank
+        self.device = torch.device("cpu")
+        self.model_runner: ModelRunner | None = None
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("worker: load_model() has not run")
+        return self.model_runner
+
+    def init_device(self, local_device_index: int = 0) -> None:
+        if self.config.device.device_type == "cuda":
+            self.device = torch.device("cuda", local_device_index)
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(self.config.model.seed)
+
+    def load_model(self) -> None:
+        model = load_model(self.config, self.ctx, self.device)
+        self.model_runner = ModelRunner(self.config, model, self.device)
+
+    def kv_block_bytes(self) -> int:
+        return self.runner.kv_block_bytes()
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """(device KV blocks, CPU swap blocks) that fit this worker's memory budget."""
+        runner = self.runner
+        block_bytes = runner.kv_block_bytes()
+        num_cpu_blocks = int(self.config.cache.swap_space * _GiB // block_bytes)
+        if self.config.cache.num_kv_blocks is not None:
+            return self.config.cache.num_kv_blocks, num_cpu_blocks
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget_bytes()
+        else:
+            budget = int(self.config.cache.cpu_kv_cache_space * _GiB)
+        num_blocks = budget // block_bytes
+        if num_blocks <= 0:
+            raise RuntimeError(
+                f"no memory left for the KV cache (budget {budget / _GiB:.2f} GiB); raise "
+                "gpu_memory_utilization / cpu_kv_cache_space or lower max_num_batched_tokens"
+            )
+        return int(num_blocks), num_cpu_blocks
+
+    def _cuda_kv_budget_bytes(self) -> int:
+        """free device memory x utilization, minus the weights and the activation peak of a
+        full-budget step, measured by a profiling forward pass."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        return int(total * self.config.cache.gpu_memory_utilization) - peak
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        runner = self.runner
+        sched = self.config.scheduler
+        num_tokens = sched.max_num_batched_tokens
+        seq_len = min(num_tokens, sched.max_model_len)
+        num_seqs = -(-num_tokens // seq_len)
+        bs = self.config.cache.block_size
+        blocks_per_seq = -(-seq_len // bs)
+        runner.initialize_kv_cache(num_seqs * blocks_per_seq, 0)
+        query_lens = np.array([seq_len] * num_seqs, dtype=np.int32)
+        block_table = np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, -1)
+        positions = np.tile(np.arange(seq_len), num_seqs)
+        rows = np.repeat(np.arange(num_seqs), seq_len)
+        slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        from kernels.attention import AttentionMetadata
+
+        meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=query_lens, block_table=block_table,
+                                       slot_mapping=slots, block_size=bs, device=self.device)
+        ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
+        pos = torch.from_numpy(positions).to(self.device)
+        hidden, _ = runner.model(ids, pos, meta)
+        if runner.model.lm_head is not None:
+            runner.model.compute_logits(hidden[-min(sched.max_num_seqs, len(positions)):])
+        torch.cuda.synchronize(self.device)
+        runner.initialize_kv_cache(0, 0)
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
+
+    def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput | None:
+        return self.runner.execute_model(request)
+
+    def num_request_states(self) -> int:
+        """Per-request state held between steps (0 once every request finished)."""
+        return len(self.runner.requests)
+
+    def check_health(self) -> bool:
+        return self.model_runner is not None

@@ -1,0 +1,550 @@
+"""PagedAttention in plain torch: the CPU serving path and the reference for the Triton kernels.
+
+KV cache layout, one tensor per layer::
+
+    kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
+             │  └─ physical block id      └─ offset inside the block
+             └─ 0 = K, 1 = V
+
+    slot = block_id * block_size + offset
+
+A request's ``block_table`` row lists its physical block ids in logical order; they need not be
+contiguous or sorted. Logical position ``p`` of a request lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+A step's batch is packed: request ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b+1]``,
+which are the last ``query_len[b]`` tokens of its ``seq_len[b]``-token context (their K/V are
+written by ``reshape_and_cache`` before attention runs). New token ``i`` sits at position
+``seq_len[b] - query_len[b] + i`` and attends to every position ``<=`` its own.
+
+How the torch path batches work (all of it decided once per step in ``AttentionMetadata.build``):
+
+* decode requests (``query_len == 1``) are sorted by context length and cut into a few
+  ``DecodeGroup``s whose padding is bounded; each group is one block gather plus one SDPA call;
+* every other request is a ``PrefillChunk`` handled on its own (there are few per step), so one
+  long prefill never pads the decode requests sharing its batch, nor they it.
+
+Scores and softmax are computed in float32 whatever the cache dtype; the output is cast back.
+The gathered K/V land in a ``GatherWorkspace`` owned by the metadata, so the layers of a step
+reuse one buffer instead of allocating (and page-faulting) a fresh one each.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+
+__all__ = [
+    "AttentionMetadata",
+    "DecodeGroup",
+    "GatherWorkspace",
+    "PrefillChunk",
+    "copy_blocks",
+    "paged_attention",
+    "reshape_and_cache",
+    "swap_blocks",
+]
+
+# A decode group only grows while its longest request needs at most this factor more blocks than
+# its shortest one, which bounds the padded gather at twice the real one...
+_DECODE_GROUP_MAX_PADDING_FACTOR = 2
+# ...unless the group is short anyway: below this many blocks an extra group costs more in
+# per-call overhead than the padding it would save.
+_DECODE_GROUP_MIN_SPLIT_BLOCKS = 8
+
+
+class GatherWorkspace:
+    """Scratch buffers for the K/V gathers, reused by every layer that shares one metadata.
+
+    A decode batch gathers tens of MB of K/V per layer. On CPU, allocating that fresh each time
+    costs more in first-touch page faults than the copy itself (glibc serves large blocks with
+    mmap and unmaps them on free), so the buffers live as long as the step's metadata.
+    Invariant that makes reuse safe: a gather is consumed by its SDPA call before the next
+    gather takes the buffer, so calls sharing one metadata must not run concurrently.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+
+    def take(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        """An uninitialized ``shape`` view of buffer ``name``, grown when too small."""
+        numel = math.prod(shape)
+        key = (name, dtype, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:numel].view(shape)
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode requests (one new token each) attended together in one padded SDPA call.
+
+    Invariant: ``block_ids`` holds, per request, its first ``max_blocks`` block-table entries;
+    entries past ``ceil(seq_len / block_size)`` are 0 (a block that always exists) and every
+    position they cover is False in ``key_mask``.
+    """
+
+    num_seqs: int
+    max_blocks: int
+    # int64 [num_seqs]: the packed-batch row of each request's single new token.
+    token_rows: Tensor
+    # int64 [num_seqs * max_blocks]: the requests' block-table rows, flattened for index_select.
+    block_ids: Tensor
+    # bool [num_seqs, 1, 1, max_blocks * block_size]: True where key position < seq_len.
+    key_mask: Tensor
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One request with ``query_len > 1``: rows ``token_start:token_end`` of the packed batch,
+    the last ``token_end - token_start`` positions of its ``seq_len``-token context."""
+
+    token_start: int
+    token_end: int
+    seq_len: int
+    # int64 [ceil(seq_len / block_size)]: the request's meaningful block-table entries.
+    block_ids: Tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs about one step, built once and shared by every layer.
+
+    The device tensors (``slot_mapping``, ``block_table``, ``seq_lens``, ``query_start_loc``) are
+    the contract for the fused kernels; ``decode_groups`` and ``prefill_chunks`` are the torch
+    path's precomputed plan, so a layer does no host-to-device copy and no per-token Python loop.
+    """
+
+    num_seqs: int
+    num_tokens: int
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    # Largest physical block id referenced; checked against each layer's kv_cache.
+    max_block_id: int
+    # int64 [num_tokens]: where each new token's K/V is written; < 0 means "do not write".
+    slot_mapping: Tensor
+    # int32 [num_seqs, max_blocks_per_seq]: physical block ids in logical order, padded with 0.
+    block_table: Tensor
+    # int32 [num_seqs]: context length including this step's new tokens.
+    seq_lens: Tensor
+    # int32 [num_seqs + 1]: request b's rows are query_start_loc[b]:query_start_loc[b + 1].
+    query_start_loc: Tensor
+    decode_groups: tuple[DecodeGroup, ...]
+    prefill_chunks: tuple[PrefillChunk, ...]
+    # Scratch for the K/V gathers, shared by the layers of this step (see GatherWorkspace).
+    workspace: GatherWorkspace = field(default_factory=GatherWorkspace, repr=False, compare=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mapping.device
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        block_table: np.ndarray,
+        slot_mapping: np.ndarray,
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """Validate one step's host-side batch description and move it to ``device``.
+
+        ``query_lens``/``seq_lens`` are integer ``[B]``; ``block_table`` is integer
+        ``[B, max_blocks_per_seq]`` where only the first ``ceil(seq_len / block_size)`` entries
+        of a row are meaningful; ``slot_mapping`` is integer ``[query_lens.sum()]``.
+        """
+        query_lens_np = _as_int_array("query_lens", query_lens, ndim=1)
+        seq_lens_np = _as_int_array("seq_lens", seq_lens, ndim=1)
+        block_table_np = _as_int_array("block_table", block_table, ndim=2)
+        slot_mapping_np = _as_int_array("slot_mapping", slot_mapping, ndim=1)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        num_seqs = len(query_lens_np)
+        if len(seq_lens_np) != num_seqs:
+            raise ValueError(
+                f"seq_lens has {len(seq_lens_np)} entries but query_lens has {num_seqs}"
+            )
+        if block_table_np.shape[0] != num_seqs:
+            raise ValueError(
+                f"block_table has {block_table_np.shape[0]} rows but query_lens has {num_seqs}"
+            )
+        if (query_lens_np < 0).any():
+            raise ValueError(f"query_lens must be >= 0, got {query_lens_np.tolist()}")
+        if (seq_lens_np < query_lens_np).any():
+            raise ValueError(
+                "seq_lens must be >= query_lens (seq_len counts the new tokens), got "
+                f"seq_lens={seq_lens_np.tolist()} query_lens={query_lens_np.tolist()}"
+            )
+        num_tokens = int(query_lens_np.sum())
+        if len(slot_mapping_np) != num_tokens:
+            raise ValueError(
+                f"slot_mapping has {len(slot_mapping_np)} entries but query_lens sums to "
+                f"{num_tokens}"
+            )
+        num_blocks_per_seq = -(-seq_lens_np // block_size)
+        max_blocks_needed = int(num_blocks_per_seq.max(initial=0))
+        if block_table_np.shape[1] < max_blocks_needed:
+            raise ValueError(
+                f"block_table has {block_table_np.shape[1]} columns but a seq_len of "
+                f"{int(seq_lens_np.max())} needs {max_blocks_needed} blocks of {block_size}"
+            )
+        # Only the meaningful prefix of each row is trusted; the rest is forced to block 0 so
+        # that padded gathers read a block that exists.
+        meaningful = np.arange(block_table_np.shape[1])[None, :] < num_blocks_per_seq[:, None]
+        block_table_np = np.where(meaningful, block_table_np, 0)
+        if (block_table_np < 0).any():
+            raise ValueError("block_table entries within a request's seq_len must be >= 0")
+
+        query_start_loc_np = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens_np, out=query_start_loc_np[1:])
+        return cls(
+            num_seqs=num_seqs,
+            num_tokens=num_tokens,
+            block_size=block_size,
+            max_query_len=int(query_lens_np.max(initial=0)),
+            max_seq_len=int(seq_lens_np.max(initial=0)),
+            max_block_id=int(block_table_np.max(initial=0)),
+            slot_mapping=_to_device(slot_mapping_np, torch.int64, device),
+            block_table=_to_device(block_table_np, torch.int32, device),
+            seq_lens=_to_device(seq_lens_np, torch.int32, device),
+            query_start_loc=_to_device(query_start_loc_np, torch.int32, device),
+            decode_groups=_plan_decode_groups(
+                query_lens_np, seq_lens_np, block_table_np, query_start_loc_np, block_size, device
+            ),
+            prefill_chunks=_plan_prefill_chunks(
+                query_lens_np, seq_lens_np, block_table_np, query_start_loc_np, block_size, device
+            ),
+        )
+
+
+def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write the new tokens' ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into
+    ``kv_cache`` at ``slot_mapping``; tokens whose slot is < 0 are not written."""
+    _check_kv_cache("kv_cache", kv_cache)
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    for name, t in (("key", key), ("value", value)):
+        _check_same_device_dtype(name, t, kv_cache)
+        if t.dim() != 3 or t.shape[1:] != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"{name} must have shape [num_tokens, {num_kv_heads}, {head_dim}] to match "
+                f"kv_cache, got {list(t.shape)}"
+            )
+    if key.shape != value.shape:
+        raise ValueError(f"value has shape {list(value.shape)} but key has {list(key.shape)}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"slot_mapping must have shape [{key.shape[0]}] (one slot per key row), "
+            f"got {list(slot_mapping.shape)}"
+        )
+    if slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    if slot_mapping.device != kv_cache.device:
+        raise ValueError(
+            f"slot_mapping is on {slot_mapping.device} but kv_cache is on {kv_cache.device}"
+        )
+
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    key_cache.index_copy_(0, slots, key[keep])
+    value_cache.index_copy_(0, slots, value[keep])
+
+
+def paged_attention(
+    query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float
+) -> Tensor:
+    """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
+    request's paged context; returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+
+    Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA/MQA).
+    """
+    _check_kv_cache("kv_cache", kv_cache)
+    _check_same_device_dtype("query", query, kv_cache)
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must have shape [num_tokens, num_heads, head_dim], got {list(query.shape)}"
+        )
+    num_tokens, num_heads, query_head_dim = query.shape
+    if num_tokens != metadata.num_tokens:
+        raise ValueError(
+            f"query has {num_tokens} tokens but metadata describes {metadata.num_tokens}"
+        )
+    if query_head_dim != head_dim:
+        raise ValueError(f"query has head_dim {query_head_dim} but kv_cache has {head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"query has {num_heads} heads but kv_cache has {num_kv_heads} kv heads; "
+            "num_heads must be a multiple of num_kv_heads"
+        )
+    if block_size != metadata.block_size:
+        raise ValueError(
+            f"kv_cache has block_size {block_size} but metadata was built for {metadata.block_size}"
+        )
+    if metadata.max_block_id >= num_blocks:
+        raise ValueError(
+            f"metadata.block_table references block {metadata.max_block_id} but kv_cache has "
+            f"{num_blocks} blocks"
+        )
+    if metadata.device != kv_cache.device:
+        raise ValueError(f"metadata is on {metadata.device} but kv_cache is on {kv_cache.device}")
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale!r}")
+
+    # Contiguous even when `query` is a strided view (say, of a fused QKV projection), so that
+    # the caller can flatten the heads for the output projection without a copy.
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    # Every row of `out` is written: each request with query_len >= 1 is in exactly one decode
+    # group or prefill chunk, and together they cover all num_tokens rows.
+    for group in metadata.decode_groups:
+        _attend_decode_group(query, kv_cache, group, scale, metadata.workspace, out)
+    for chunk in metadata.prefill_chunks:
+        _attend_prefill_chunk(query, kv_cache, chunk, scale, metadata.workspace, out)
+    return out
+
+
+def copy_blocks(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> None:
+    """For every layer's cache, copy K and V of block ``src`` into block ``dst`` for each row
+    ``(src, dst)`` of ``block_mapping`` (int64 ``[K, 2]``); used for copy-on-write.
+
+    All copies read the caches as they were before the call (gather, then scatter).
+    """
+    _check_block_mapping(block_mapping)
+    id_range = _id_range(block_mapping)
+    for layer, kv_cache in enumerate(kv_caches):
+        _check_kv_cache(f"kv_caches[{layer}]", kv_cache)
+        _check_block_range("block_mapping", id_range, kv_cache.shape[1], f"kv_caches[{layer}]")
+    on_device: dict[torch.device, Tensor] = {}
+    for kv_cache in kv_caches:
+        if kv_cache.device not in on_device:
+            on_device[kv_cache.device] = block_mapping.to(kv_cache.device)
+        mapping = on_device[kv_cache.device]
+        kv_cache[:, mapping[:, 1]] = kv_cache[:, mapping[:, 0]]
+
+
+def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
+    """Copy K and V of block ``src_id`` of ``src`` into block ``dst_id`` of ``dst`` for each row
+    ``(src_id, dst_id)`` of ``block_mapping``; one layer, caches possibly on different devices
+    (device cache <-> CPU swap space)."""
+    _check_kv_cache("src", src)
+    _check_kv_cache("dst", dst)
+    if src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:]:
+        raise ValueError(
+            f"dst has shape {list(dst.shape)} but src has {list(src.shape)}; they may differ "
+            "only in num_blocks (dim 1)"
+        )
+    if src.dtype != dst.dtype:
+        raise ValueError(f"dst has dtype {dst.dtype} but src has {src.dtype}")
+    _check_block_mapping(block_mapping)
+    _check_block_range("block_mapping[:, 0]", _id_range(block_mapping[:, 0]), src.shape[1], "src")
+    _check_block_range("block_mapping[:, 1]", _id_range(block_mapping[:, 1]), dst.shape[1], "dst")
+    src_ids = block_mapping[:, 0].to(src.device)
+    dst_ids = block_mapping[:, 1].to(dst.device)
+    dst[:, dst_ids] = src[:, src_ids].to(dst.device)
+
+
+def _attend_decode_group(
+    query: Tensor,
+    kv_cache: Tensor,
+    group: DecodeGroup,
+    scale: float,
+    workspace: GatherWorkspace,
+    out: Tensor,
+) -> None:
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    # One query row per request, so the G = num_heads // num_kv_heads query heads that share a
+    # kv head can stand in for SDPA's query-length dim: q[b, kv_head, g] attends over
+    # k[b, kv_head] with the same key mask for every g. That is GQA with no kv expansion.
+    q = query.index_select(0, group.token_rows).view(
+        group.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim
+    )
+    kv = _gather_kv(kv_cache, group.block_ids, workspace).view(
+        2, group.num_seqs, group.max_blocks * block_size, num_kv_heads, head_dim
+    )
+    o = F.scaled_dot_product_attention(
+        q.float(),
+        kv[0].transpose(1, 2),
+        kv[1].transpose(1, 2),
+        attn_mask=group.key_mask,
+        scale=scale,
+    )
+    out.index_copy_(0, group.token_rows, o.reshape(group.num_seqs, num_heads, head_dim).to(out))
+
+
+def _attend_prefill_chunk(
+    query: Tensor,
+    kv_cache: Tensor,
+    chunk: PrefillChunk,
+    scale: float,
+    workspace: GatherWorkspace,
+    out: Tensor,
+) -> None:
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    query_len = chunk.token_end - chunk.token_start
+    q = query[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)
+    kv = _gather_kv(kv_cache, chunk.block_ids, workspace).view(2, -1, num_kv_heads, head_dim)
+    k, v = (kv[i, : chunk.seq_len].transpose(0, 1).unsqueeze(0) for i in (0, 1))
+    # The queries are the *last* query_len of seq_len positions, so the causal diagonal is
+    # anchored bottom-right (query i sees keys <= seq_len - query_len + i); SDPA's is_causal
+    # anchors it top-left, which is only right when the chunk starts at position 0.
+    o = F.scaled_dot_product_attention(
+        q.float(),
+        k,
+        v,
+        attn_mask=causal_lower_right(query_len, chunk.seq_len),
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    out[chunk.token_start : chunk.token_end] = o[0].transpose(0, 1)
+
+
+def _gather_kv(kv_cache: Tensor, block_ids: Tensor, workspace: GatherWorkspace) -> Tensor:
+    """K and V of ``block_ids``, in that order, as float32
+    ``[2, len(block_ids), block_size, num_kv_heads, head_dim]`` (a workspace view)."""
+    shape = (2, block_ids.numel(), *kv_cache.shape[2:])
+    gathered = workspace.take("gather", shape, kv_cache.dtype, kv_cache.device)
+    for i in (0, 1):
+        torch.index_select(kv_cache[i], 0, block_ids, out=gathered[i])
+    if kv_cache.dtype == torch.float32:
+        return gathered
+    # Scores and softmax run in float32 for fp16/bf16 caches too, to stay close to the fp32
+    # reference; on CPU the fp32 SDPA kernel is also faster than the bf16 one.
+    return workspace.take("fp32", shape, torch.float32, kv_cache.device).copy_(gathered)
+
+
+def _plan_decode_groups(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    query_start_loc: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> tuple[DecodeGroup, ...]:
+    decode_seqs = np.flatnonzero(query_lens == 1)
+    num_blocks = -(-seq_lens[decode_seqs] // block_size)
+    order = np.argsort(num_blocks, kind="stable")
+    decode_seqs, num_blocks = decode_seqs[order], num_blocks[order]
+
+    groups: list[DecodeGroup] = []
+    start = 0
+    for end in range(1, len(decode_seqs) + 1):
+        # Sorted by length, so a group's first member is its shortest and num_blocks[end] its
+        # longest if it were added.
+        if end < len(decode_seqs) and (
+            num_blocks[end] <= _DECODE_GROUP_MIN_SPLIT_BLOCKS
+            or num_blocks[end] <= _DECODE_GROUP_MAX_PADDING_FACTOR * num_blocks[start]
+        ):
+            continue
+        seqs = decode_seqs[start:end]
+        max_blocks = int(num_blocks[end - 1])
+        positions = torch.arange(max_blocks * block_size, device=device)
+        group_seq_lens = _to_device(seq_lens[seqs], torch.int64, device)
+        groups.append(
+            DecodeGroup(
+                num_seqs=len(seqs),
+                max_blocks=max_blocks,
+                token_rows=_to_device(query_start_loc[seqs], torch.int64, device),
+                block_ids=_to_device(block_table[seqs, :max_blocks].ravel(), torch.int64, device),
+                key_mask=(positions[None, :] < group_seq_lens[:, None])[:, None, None, :],
+            )
+        )
+        start = end
+    return tuple(groups)
+
+
+def _plan_prefill_chunks(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    query_start_loc: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> tuple[PrefillChunk, ...]:
+    return tuple(
+        PrefillChunk(
+            token_start=int(query_start_loc[b]),
+            token_end=int(query_start_loc[b + 1]),
+            seq_len=int(seq_lens[b]),
+            block_ids=_to_device(
+                block_table[b, : -(-int(seq_lens[b]) // block_size)], torch.int64, device
+            ),
+        )
+        for b in np.flatnonzero(query_lens > 1)
+    )
+
+
+def _as_int_array(name: str, array: np.ndarray, *, ndim: int) -> np.ndarray:
+    array = np.asarray(array)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} must be an integer array, got dtype {array.dtype}")
+    if array.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {list(array.shape)}")
+    return array.astype(np.int64)
+
+
+def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> Tensor:
+    # Copy: callers may reuse their numpy buffers for the next step while this one runs.
+    return torch.tensor(array, dtype=dtype, device=device)
+
+
+def _check_kv_cache(name: str, kv_cache: Tensor) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"{name} must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {list(kv_cache.shape)}"
+        )
+    if not kv_cache.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {kv_cache.dtype}")
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (slots are addressed through a flat view)")
+
+
+def _check_same_device_dtype(name: str, t: Tensor, kv_cache: Tensor) -> None:
+    if t.dtype != kv_cache.dtype:
+        raise ValueError(f"{name} has dtype {t.dtype} but kv_cache has {kv_cache.dtype}")
+    if t.device != kv_cache.device:
+        raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
+
+
+def _check_block_mapping(block_mapping: Tensor) -> None:
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(
+            f"block_mapping must have shape [K, 2] of (src, dst), got {list(block_mapping.shape)}"
+        )
+    if block_mapping.dtype != torch.int64:
+        raise ValueError(f"block_mapping must be int64, got {block_mapping.dtype}")
+
+
+def _id_range(block_ids: Tensor) -> tuple[int, int] | None:
+    # An out-of-range id would be a device-side assert on GPU; one tiny host sync per call is
+    # cheaper to debug, and these copies run once per step, not per layer.
+    if block_ids.numel() == 0:
+        return None
+    return int(block_ids.min()), int(block_ids.max())
+
+
+def _check_block_range(
+    name: str, id_range: tuple[int, int] | None, num_blocks: int, cache_name: str
+) -> None:
+    if id_range is not None and (id_range[0] < 0 or id_range[1] >= num_blocks):
+        raise ValueError(
+            f"{name} must be in [0, {num_blocks}) for {cache_name}, "
+            f"got values in [{id_range[0]}, {id_range[1]}]"
+        )

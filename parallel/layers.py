@@ -1,0 +1,202 @@
+"""Tensor-parallel layers: each allocates only its shard, and its ``weight_loader`` reads only
+that shard's slice of the checkpoint tensor.
+
+``loaded`` in a weight loader is either a torch tensor or a safetensors slice (``get_slice``);
+both support basic slicing, so a worker reads just its rows/columns from disk and a 70B tensor
+is never materialized whole. With a TP group of size 1 these are plain layers.
+
+    ColumnParallel:  W [out, in]  split on out   y_shard = x @ W_shard^T          (no comm)
+    RowParallel:     W [out, in]  split on in    y = all_reduce(x_shard @ W_shard^T) + b
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.state import SINGLE, GroupCoordinator
+
+
+def _shape(loaded: Any) -> tuple[int, ...]:
+    return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+
+
+def narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
+    """``loaded[..., start:start+size, ...]`` along dim 0 or 1, read lazily from a slice."""
+    if dim == 0:
+        return loaded[start : start + size]
+    if dim == 1:
+        return loaded[:, start : start + size]
+    raise ValueError(f"dim: must be 0 or 1, got {dim}")
+
+
+def load_full(param: nn.Parameter, loaded: Any) -> None:
+    tensor = loaded[:] if not isinstance(loaded, torch.Tensor) else loaded
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) must be divisible by the tensor parallel size ({denominator})")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W split by output rows; output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
+                 tp: GroupCoordinator = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size_per_partition = divide(output_size, tp.size, "output size")
+        self.weight = _param(self.output_size_per_partition, input_size)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(self.output_size_per_partition) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        size = param.shape[0]
+        param.data.copy_(narrow(loaded, 0, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections fused into one matmul (gate_proj + up_proj).
+
+    Each rank holds [shard of output 0; shard of output 1; ...]; checkpoint tensor number i
+    is loaded into part i.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool = False,
+                 tp: GroupCoordinator = SINGLE) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias=bias, tp=tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if shard_id is None:
+            raise ValueError("merged linear layers load one part at a time (shard_id required)")
+        part = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        param.data[offset : offset + part].copy_(narrow(loaded, 0, self.tp.rank * part, part))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads split across TP ranks.
+
+    When TP > num_kv_heads, each KV head is replicated on tp_size / num_kv_heads ranks.
+    Rank layout of the fused output: [q heads of this rank | its kv heads (k) | (v)].
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *,
+                 bias: bool = False, tp: GroupCoordinator = SINGLE) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
+        if tp.size >= num_kv_heads:
+            divide(tp.size, num_kv_heads, "tensor parallel size vs num_key_value_heads")
+            self.num_kv_heads = 1
+            self.kv_replicas = tp.size // num_kv_heads
+        else:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
+            self.kv_replicas = 1
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
+        super().__init__(hidden_size, out, bias=bias, tp=tp)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if shard_id == "q":
+            offset, size, index = 0, self.q_size, self.tp.rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, index = self.kv_size, self.tp.rank // self.kv_replicas
+        else:
+            raise ValueError(f"shard_id: must be 'q', 'k' or 'v', got {shard_id!r}")
+        param.data[offset : offset + size].copy_(narrow(loaded, 0, index * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) + b with W split by input columns; bias added once."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
+                 tp: GroupCoordinator = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size_per_partition = divide(input_size, tp.size, "input size")
+        self.weight = _param(output_size, self.input_size_per_partition)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(output_size) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = load_full_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        size = param.shape[1]
+        param.data.copy_(narrow(loaded, 1, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+def load_full_loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+    load_full(param, loaded)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding split by vocabulary: rank r owns rows [r*shard, (r+1)*shard) of the padded vocab;
+    tokens outside its range embed to zero, and an all-reduce sums the one non-zero row."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: GroupCoordinator = SINGLE,
+                 pad_to: int = 64) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        multiple = pad_to * tp.size if tp.size > 1 else 1
+        padded = -(-num_embeddings // multiple) * multiple
+        self.shard_size = padded // tp.size
+        self.vocab_start = tp.rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        self.weight = _param(self.shard_size, embedding_dim)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        rows = self.vocab_end - self.vocab_start
+        param.data.zero_()
+        if rows > 0:
+            param.data[:rows].copy_(narrow(loaded, 0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = (input_ids - self.vocab_start).masked_fill(mask, 0)
+        out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """LM head split by vocabulary; logits are gathered to TP rank 0 (which samples)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.tp.gather(F.linear(hidden, self.weight), dim=-1)
+        if logits is None:
+            return None
+        return logits[..., : self.num_embeddings]

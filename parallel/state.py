@@ -1,0 +1,63 @@
+"""Process-group handles passed explicitly to layers (no module-global parallel state).
+
+A ``GroupCoordinator`` wraps one torch.distributed group (a TP group inside a pipeline stage, or
+the PP group across stages). With size 1 every collective is the identity and no
+torch.distributed state is needed, so TP = 1 runs the same model code in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class GroupCoordinator:
+    rank: int = 0  # rank inside this group
+    size: int = 1
+    group: Any = None  # torch.distributed.ProcessGroup when size > 1
+    ranks: tuple[int, ...] = (0,)  # global ranks of the members, in group-rank order
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every member's ``x`` along ``dim`` on group rank 0; None elsewhere."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=self.ranks[0], group=self.group)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+
+SINGLE = GroupCoordinator()
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """The groups one worker belongs to: its TP group (inside its stage) and the PP group."""
+
+    tp: GroupCoordinator = SINGLE
+    pp: GroupCoordinator = SINGLE
