@@ -111,6 +111,9 @@ class LLMEngine:
         return request
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str) and not text:
+            raise InvalidRequestError("must not be empty", param="prompt")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:

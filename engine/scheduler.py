@@ -100,6 +100,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_req_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_swap_outs = 0
 
     # ---- request lifecycle --------------------------------------------------------------
 
@@ -200,6 +201,7 @@ class Scheduler:
         request.needs_full_table = True
         if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(request):
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(request))
+            self.num_swap_outs += 1
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             return
