@@ -33,7 +33,8 @@ class KVCacheBlock:
         self.block_hash: bytes | None = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+        cached = self.block_hash is not None
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={cached})"
 
 
 class FreeBlockQueue:
@@ -166,9 +167,13 @@ class BlockManager:
 
     # ---- allocation ---------------------------------------------------------------------
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_new_computed: int = 0) -> int:
+    def num_blocks_needed(
+        self, request: Request, num_new_tokens: int, num_new_computed: int = 0
+    ) -> int:
         held = len(self.req_to_blocks.get(request.request_id, ())) + num_new_computed
-        total_tokens = request.num_computed_tokens + num_new_computed * self.block_size + num_new_tokens
+        total_tokens = (
+            request.num_computed_tokens + num_new_computed * self.block_size + num_new_tokens
+        )
         return max(0, -(-total_tokens // self.block_size) - held)
 
     def allocate_slots(
@@ -283,17 +288,28 @@ class BlockManager:
         for block in self.blocks:
             expected = holders.get(block.block_id, 0)
             if block.ref_cnt != expected:
-                raise RuntimeError(f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {expected}")
+                raise RuntimeError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {expected}"
+                )
             if (block.ref_cnt == 0) != (block in self.free_queue):
-                raise RuntimeError(f"block {block.block_id}: ref_cnt {block.ref_cnt} but free={block in self.free_queue}")
+                raise RuntimeError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} "
+                    f"but in_free_queue={block in self.free_queue}"
+                )
         used = sum(1 for b in self.blocks if b.ref_cnt > 0)
         if used + len(self.free_queue) != self.num_blocks:
-            raise RuntimeError(f"free {len(self.free_queue)} + used {used} != total {self.num_blocks}")
+            raise RuntimeError(
+                f"free {len(self.free_queue)} + used {used} != total {self.num_blocks}"
+            )
         for block_hash, block in self.cached.items():
             if block.block_hash != block_hash:
-                raise RuntimeError(f"prefix cache entry points at block {block.block_id} with another hash")
+                raise RuntimeError(
+                    f"prefix cache entry points at block {block.block_id} with another hash"
+                )
         swapped = [c for ids in self.req_to_cpu_blocks.values() for c in ids]
         cpu_ids = swapped + self.free_cpu_blocks
         if sorted(cpu_ids) != list(range(self.num_cpu_blocks)):
-            raise RuntimeError(f"cpu blocks: {len(swapped)} swapped + {len(self.free_cpu_blocks)} free "
-                               f"do not partition {self.num_cpu_blocks}")
+            raise RuntimeError(
+                f"cpu blocks: {len(swapped)} swapped + {len(self.free_cpu_blocks)} free "
+                f"do not partition {self.num_cpu_blocks}"
+            )

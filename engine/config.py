@@ -3,7 +3,7 @@
     EngineConfig
     ├── model:     ModelConfig      (what to load, dtype, max_model_len)
     ├── cache:     CacheConfig      (block_size, prefix caching, KV pool size, swap space)
-    ├── scheduler: SchedulerConfig  (token budget, sequence cap, chunked prefill, policy, preemption)
+    ├── scheduler: SchedulerConfig  (token budget, sequence cap, chunking, policy, preemption)
     ├── parallel:  ParallelConfig   (tensor_parallel_size, pipeline_parallel_size)
     └── device:    DeviceConfig     (cpu | cuda | auto)
 
@@ -65,7 +65,9 @@ class ModelConfig:
     model_path: str = ""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
+        _require(
+            isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string"
+        )
         _require(
             self.dtype == "auto" or self.dtype in _DTYPES,
             "dtype",
@@ -107,7 +109,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         head_dim = self.hf_config.get("head_dim")
-        return int(head_dim) if head_dim else int(self.hf_config["hidden_size"]) // self.num_attention_heads
+        return (
+            int(head_dim)
+            if head_dim
+            else int(self.hf_config["hidden_size"]) // self.num_attention_heads
+        )
 
 
 @dataclass(frozen=True)
@@ -279,7 +285,9 @@ class EngineConfig:
         check_engine_arg_names(kwargs)
         if "model" not in kwargs:
             raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
-        groups: dict[str, dict[str, Any]] = {g: {} for g in ("model", "cache", "scheduler", "parallel", "device")}
+        groups: dict[str, dict[str, Any]] = {
+            g: {} for g in ("model", "cache", "scheduler", "parallel", "device")
+        }
         for key, value in kwargs.items():
             group, name = _ENGINE_ARGS[key]
             groups[group][name] = value

@@ -23,7 +23,9 @@ class IncrementalDetokenizer:
         if backend is None:
             raise ValueError("tokenizer: a fast (tokenizers-backed) tokenizer is required")
         self._backend = backend
-        self._stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(
+            ids=list(prompt_token_ids), skip_special_tokens=skip_special_tokens
+        )
         self.stop = stop or []
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.skip_special_tokens = skip_special_tokens
@@ -61,5 +63,7 @@ class IncrementalDetokenizer:
         """At the end of generation, emit what the stream still holds back, decoded as a full
         decode would (an incomplete character becomes U+FFFD)."""
         if self._pending and self.stop_string is None:
-            self.output_text += self._backend.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
+            self.output_text += self._backend.decode(
+                self._pending, skip_special_tokens=self.skip_special_tokens
+            )
             self._pending.clear()

@@ -48,13 +48,17 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(
-                    f"has {len(params_list)} entries for {len(prompts)} prompts", param="sampling_params"
+                    f"has {len(params_list)} entries for {len(prompts)} prompts",
+                    param="sampling_params",
                 )
         ids = self._add_all(prompts, params_list, priority)
         return self._run(ids, use_tqdm)
 
     def _add_all(
-        self, prompts: list[PromptType], params: list[SamplingParams], priority: Sequence[int] | None
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None,
     ) -> list[str]:
         ids: list[str] = []
         try:
@@ -90,8 +94,13 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = [
-            {"prompt_token_ids": list(tokenizer.apply_chat_template(
-                c, add_generation_prompt=True, tokenize=True, return_dict=False))}
+            {
+                "prompt_token_ids": list(
+                    tokenizer.apply_chat_template(
+                        c, add_generation_prompt=True, tokenize=True, return_dict=False
+                    )
+                )
+            }
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

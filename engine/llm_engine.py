@@ -73,8 +73,13 @@ class LLMEngine:
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1fx max_model_len %d), %.2f GiB "
             "across workers; swap space: %d blocks",
-            num_blocks, bs, num_blocks * bs, num_blocks * bs / self.config.max_model_len,
-            self.config.max_model_len, num_blocks * block_bytes / (1 << 30), num_cpu_blocks,
+            num_blocks,
+            bs,
+            num_blocks * bs,
+            num_blocks * bs / self.config.max_model_len,
+            self.config.max_model_len,
+            num_blocks * block_bytes / (1 << 30),
+            num_cpu_blocks,
         )
 
     # ---- requests -----------------------------------------------------------------------
@@ -97,14 +102,22 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         request = Request(
-            request_id, token_ids, params,
-            eos_token_ids=self.eos_token_ids, max_tokens=max_tokens,
-            arrival_time=arrival_time or time.monotonic(), priority=priority, cache_salt=cache_salt,
+            request_id,
+            token_ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+            arrival_time=arrival_time or time.monotonic(),
+            priority=priority,
+            cache_salt=cache_salt,
         )
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
         self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+            self.tokenizer,
+            token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
         )
         self._prompts[request_id] = text
         self.scheduler.add_request(request)
@@ -127,7 +140,8 @@ class LLMEngine:
             text, token_ids = None, prompt
         else:
             raise InvalidRequestError(
-                "must be a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'",
+                "must be a string, a list of token ids, "
+                "or a dict with 'prompt' or 'prompt_token_ids'",
                 param="prompt",
             )
         if not isinstance(token_ids, list) or not all(
@@ -188,7 +202,10 @@ class LLMEngine:
             return []
         output = self.executor.execute_model(make_execute_model_request(sched))
         updated = self.scheduler.update_from_output(sched, output.req_ids, output.sampled_token_ids)
-        outputs = [self._process(request, num_new) for request, num_new in self._new_tokens(updated, output)]
+        outputs = [
+            self._process(request, num_new)
+            for request, num_new in self._new_tokens(updated, output)
+        ]
         if not self.scheduler.has_unfinished_requests() and self.scheduler._finished_req_ids:
             self._flush_finished()
         return outputs

@@ -37,7 +37,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def iterate_checkpoint(model_path: str | Path, *, progress: bool = True) -> Iterator[tuple[str, Any]]:
+def iterate_checkpoint(
+    model_path: str | Path, *, progress: bool = True
+) -> Iterator[tuple[str, Any]]:
     """(name, lazy slice) for every tensor of every ``*.safetensors`` file, shard by shard."""
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:

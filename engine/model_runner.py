@@ -130,7 +130,9 @@ class ModelRunner:
     def prepare_inputs(self, req: ExecuteModelRequest) -> StepInputs:
         bs = self.block_size
         states = [self.requests[rid] for rid in req.num_scheduled_tokens]
-        query_lens = np.fromiter(req.num_scheduled_tokens.values(), dtype=np.int32, count=len(states))
+        query_lens = np.fromiter(
+            req.num_scheduled_tokens.values(), dtype=np.int32, count=len(states)
+        )
         starts = np.array([s.num_computed_tokens for s in states], dtype=np.int32)
         seq_lens = starts + query_lens
         num_tokens = int(query_lens.sum())
@@ -168,7 +170,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, inputs: StepInputs, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.model(inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual)
 

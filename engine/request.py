@@ -63,7 +63,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # set at the first schedule: prompt tokens found in the prefix cache
+        self.num_cached_tokens = (
+            -1
+        )  # set at the first schedule: prompt tokens found in the prefix cache
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

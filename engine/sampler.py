@@ -38,7 +38,9 @@ class SamplingMetadata:
         ps = [p.top_p for p in params]
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(ks, dtype=torch.int64, device=device) if min(ks) < vocab_size else None,
+            top_k=torch.tensor(ks, dtype=torch.int64, device=device)
+            if min(ks) < vocab_size
+            else None,
             top_p=torch.tensor(ps, dtype=torch.float32, device=device) if min(ps) < 1.0 else None,
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),

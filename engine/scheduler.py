@@ -156,7 +156,9 @@ class Scheduler:
 
     def _tokens_to_compute(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
-        return max(0, min(remaining, budget, self.config.max_model_len - request.num_computed_tokens))
+        return max(
+            0, min(remaining, budget, self.config.max_model_len - request.num_computed_tokens)
+        )
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         if self.config.policy == "priority":
@@ -219,7 +221,10 @@ class Scheduler:
             num_new = self._tokens_to_compute(request, budget)
             needed = len(self.block_manager.req_to_cpu_blocks[request.request_id])
             # Swap in only when the next chunk fits too, so a swapped-in request makes progress.
-            extra = -(-(request.num_computed_tokens + num_new) // self.block_manager.block_size) - needed
+            extra = (
+                -(-(request.num_computed_tokens + num_new) // self.block_manager.block_size)
+                - needed
+            )
             if needed + max(0, extra) > self.block_manager.num_free_blocks or num_new == 0:
                 break
             self.swapped.pop(0)

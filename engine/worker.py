@@ -103,13 +103,19 @@ class Worker:
         slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         from kernels.attention import AttentionMetadata
 
-        meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=query_lens, block_table=block_table,
-                                       slot_mapping=slots, block_size=bs, device=self.device)
+        meta = AttentionMetadata.build(
+            query_lens=query_lens,
+            seq_lens=query_lens,
+            block_table=block_table,
+            slot_mapping=slots,
+            block_size=bs,
+            device=self.device,
+        )
         ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
         hidden, _ = runner.model(ids, pos, meta)
         if runner.model.lm_head is not None:
-            runner.model.compute_logits(hidden[-min(sched.max_num_seqs, len(positions)):])
+            runner.model.compute_logits(hidden[-min(sched.max_num_seqs, len(positions)) :])
         torch.cuda.synchronize(self.device)
         runner.initialize_kv_cache(0, 0)
 

@@ -60,7 +60,9 @@ def _rope_inv_freq(head_dim: int, base: float, rope: dict[str, Any]) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling.rope_type: {rope_type!r} is not supported (default, linear, llama3)")
+    raise ValueError(
+        f"rope_scaling.rope_type: {rope_type!r} is not supported (default, linear, llama3)"
+    )
 
 
 class RotaryEmbedding(nn.Module):

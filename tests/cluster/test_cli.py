@@ -8,8 +8,9 @@ import sys
 
 
 def _cluster(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_make_model_writes_an_hf_directory(tmp_path) -> None:
@@ -21,8 +22,9 @@ def test_make_model_writes_an_hf_directory(tmp_path) -> None:
 
 
 def test_generate_prints_a_completion() -> None:
-    result = _cluster("generate", "Hello there", "--max-tokens", "5",
-                      "--engine-arg", "num_kv_blocks=64")
+    result = _cluster(
+        "generate", "Hello there", "--max-tokens", "5", "--engine-arg", "num_kv_blocks=64"
+    )
     assert result.returncode == 0, result.stderr
     assert "completion:" in result.stdout and "finish_reason=length" in result.stdout
 

@@ -37,10 +37,13 @@ def _shared_prefix_prompts(vocab: int, seed: int) -> list[list[int]]:
 def _hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_tokens,
         pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 class Reference:
@@ -97,8 +100,13 @@ def test_greedy_matches_hf(ref: Reference, setting: str) -> None:
 
 
 def test_greedy_matches_hf_with_shared_prefix_cached(ref: Reference) -> None:
-    llm, got = _generate(ref, ref.prefix_prompts, [16] * len(ref.prefix_prompts),
-                         enable_prefix_caching=True, max_num_seqs=2)
+    llm, got = _generate(
+        ref,
+        ref.prefix_prompts,
+        [16] * len(ref.prefix_prompts),
+        enable_prefix_caching=True,
+        max_num_seqs=2,
+    )
     assert got == ref.prefix_expected
     assert llm.llm_engine.block_manager.prefix_hits > 0
     _assert_all_blocks_released(llm)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from transformers import AutoTokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -28,7 +30,7 @@ def test_token_by_token_text_equals_full_decode_across_multibyte_splits() -> Non
         assert "\ufffd" not in detok.output_text, "a partial character was emitted"
     detok.finish()
     assert detok.output_text == tok.decode(ids) == TEXT
-    assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:])), "text only ever grows"
+    assert all(a == b[: len(a)] for a, b in itertools.pairwise(seen)), "text only ever grows"
 
 
 def test_trailing_incomplete_character_is_flushed_at_finish() -> None:

@@ -70,36 +70,47 @@ def test_outputs_come_back_in_input_order(llm: LLM) -> None:
 
 
 def test_max_tokens_finishes_with_length(llm: LLM) -> None:
-    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert (len(out.token_ids), out.finish_reason) == (5, "length")
 
 
 def test_stop_string_ends_generation_and_is_excluded(llm: LLM) -> None:
-    free = llm.generate("The", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    free = llm.generate(
+        "The", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     stop = free.text[10:13]
     assert stop.strip(), "need a non-blank stop string from the free-running text"
-    out = llm.generate("The", SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "The",
+        SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == free.text[: free.text.index(stop)]
     assert len(out.token_ids) < len(free.token_ids)
 
 
 def test_stop_token_id_ends_generation(llm: LLM) -> None:
-    free = llm.generate("A", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    free = llm.generate(
+        "A", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     token = free.token_ids[5]
-    out = llm.generate("A", SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[token],
-                                           ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "A",
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[token], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == free.token_ids[: free.token_ids.index(token) + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", token)
 
 
 def test_abort_frees_blocks_and_worker_state(llm: LLM) -> None:
     engine = llm.llm_engine
-    engine.add_request("abort-me", {"prompt_token_ids": _ids(4, 100)}, SamplingParams(max_tokens=50))
+    engine.add_request(
+        "abort-me", {"prompt_token_ids": _ids(4, 100)}, SamplingParams(max_tokens=50)
+    )
     engine.step()
     assert engine.get_kv_cache_stats().used > 0
     engine.abort_request("abort-me")
@@ -167,7 +178,9 @@ def test_batch_with_one_invalid_prompt_enqueues_nothing(llm: LLM) -> None:
 
 
 def test_unknown_engine_argument_is_named() -> None:
-    with pytest.raises(ConfigError, match="max_num_seq: unknown engine argument; did you mean 'max_num_seqs'"):
+    with pytest.raises(
+        ConfigError, match="max_num_seq: unknown engine argument; did you mean 'max_num_seqs'"
+    ):
         LLM(MODEL, max_num_seq=4)
 
 

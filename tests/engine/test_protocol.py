@@ -19,11 +19,24 @@ from engine.sampling_params import SamplingParams
 
 def test_execute_model_request_round_trips() -> None:
     msg = ExecuteModelRequest(
-        scheduled_new_reqs=[NewRequestData(req_id="a", prompt_token_ids=[1, 2, 3],
-                                           sampling_params=SamplingParams(temperature=0.5, stop=["x"], seed=3),
-                                           block_ids=[4, 9], num_computed_tokens=0)],
-        scheduled_cached_reqs=[CachedRequestData(req_id="b", new_token_ids=[7], new_block_ids=[],
-                                                 num_computed_tokens=40, resumed_from_preemption=True)],
+        scheduled_new_reqs=[
+            NewRequestData(
+                req_id="a",
+                prompt_token_ids=[1, 2, 3],
+                sampling_params=SamplingParams(temperature=0.5, stop=["x"], seed=3),
+                block_ids=[4, 9],
+                num_computed_tokens=0,
+            )
+        ],
+        scheduled_cached_reqs=[
+            CachedRequestData(
+                req_id="b",
+                new_token_ids=[7],
+                new_block_ids=[],
+                num_computed_tokens=40,
+                resumed_from_preemption=True,
+            )
+        ],
         num_scheduled_tokens={"a": 3, "b": 1},
         total_num_scheduled_tokens=4,
         finished_req_ids=["c"],
