@@ -31,7 +31,7 @@ def _prompts(vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
 def _shared_prefix_prompts(vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(vocab) for _ in range(200)]
-    return [prefix + [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(8)]
+    return [prefix + [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(16)]
 
 
 def _hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
