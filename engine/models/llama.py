@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, default_ops
 from kernels.attention import AttentionMetadata
+from kernels.backend import KernelOps
 from parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -34,7 +35,7 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool) -> None:
+    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         num_heads = hf["num_attention_heads"]
@@ -45,8 +46,8 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         base = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        self.rotary = RotaryEmbedding(head_dim, hf["max_position_embeddings"], base, rope)
-        self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim)
+        self.rotary = RotaryEmbedding(head_dim, hf["max_position_embeddings"], base, rope, ops)
+        self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, ops)
         self.head_dim = head_dim
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -61,8 +62,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext) -> None:
+    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         hidden, inter = hf["hidden_size"], hf["intermediate_size"]
         act = hf.get("hidden_act", "silu")
         if act != "silu":
@@ -71,17 +73,17 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, tp=ctx.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool) -> None:
+    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(hf, ctx, qkv_bias)
-        self.mlp = LlamaMLP(hf, ctx)
-        self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
+        self.self_attn = LlamaAttention(hf, ctx, qkv_bias, ops)
+        self.mlp = LlamaMLP(hf, ctx, ops)
+        self.input_layernorm = RMSNorm(hf["hidden_size"], eps, ops)
+        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps, ops)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -98,7 +100,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool) -> None:
+    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps) -> None:
         super().__init__()
         self.ctx = ctx
         self.start_layer, self.end_layer = pp_layer_range(hf["num_hidden_layers"], ctx.pp.rank, ctx.pp.size)
@@ -106,9 +108,9 @@ class LlamaModel(nn.Module):
             VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp) if ctx.pp.is_first else None
         )
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(hf, ctx, qkv_bias) for i in range(self.start_layer, self.end_layer)}
+            {str(i): LlamaDecoderLayer(hf, ctx, qkv_bias, ops) for i in range(self.start_layer, self.end_layer)}
         )
-        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)) if ctx.pp.is_last else None
+        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6), ops) if ctx.pp.is_last else None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
@@ -140,11 +142,13 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias = False
 
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext) -> None:
+    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps | None = None) -> None:
         super().__init__()
         self.hf = hf
         self.ctx = ctx
-        self.model = LlamaModel(hf, ctx, self.qkv_bias or bool(hf.get("attention_bias", False)))
+        # The kernel backend, fixed for this model's lifetime (torch unless the loader says).
+        self.kernel_ops = default_ops(ops)
+        self.model = LlamaModel(hf, ctx, self.qkv_bias or bool(hf.get("attention_bias", False)), self.kernel_ops)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp) if ctx.pp.is_last else None
         if self.lm_head is not None and self.tie_word_embeddings and self.model.embed_tokens is not None:
