@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeCudaGraphRunner
 from engine.protocol import ExecuteModelRequest, ModelRunnerOutput
 from engine.sampler import SamplingMetadata, sample
 from engine.sampling_params import SamplingParams
-from engine.cuda_graphs import DecodeCudaGraphRunner
 from kernels.attention import AttentionMetadata
 
 

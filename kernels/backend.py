@@ -70,7 +70,9 @@ def get_kernel_ops(name: str) -> KernelOps:
         )
     if name == "triton":
         if not triton_available():
-            raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)")
+            raise ValueError(
+                "attention_backend 'triton' needs the triton package (pip install triton)"
+            )
         from kernels import triton_attention, triton_cache, triton_ops
 
         return KernelOps(

@@ -18,10 +18,13 @@ per request keeps tiles of different requests apart), found by binary search in 
 the grid depends only on ``num_tokens`` and ``num_seqs``, so no host work per step and the
 launch is CUDA-graph safe.
 
+Under the Triton interpreter, bf16 ``tl.dot`` operands are upcast to float32 first: the
+interpreter (numpy has no bfloat16) computes bf16 dots wrongly in triton 3.9, and bf16 values
+are exact in float32. The interpreter also truncates float32 -> bf16 casts where the GPU
+rounds to nearest, so bf16 results differ from the GPU's by up to one unit in the last place.
+
 The program walks its keys in tiles of TILE_N positions (several cache blocks, looked up per
-key row), keeping an online softmax in float32 (base 2). Under the Triton interpreter bf16
-``tl.dot`` operands are upcast to float32 first: the interpreter (numpy, which has no
-bfloat16) computes bf16 dots wrongly in triton 3.9; bf16 values are exact in float32. With ``num_kv_splits > 1`` the keys
+key row), keeping an online softmax in float32 (base 2). With ``num_kv_splits > 1`` the keys
 are cut into that many ranges, one program each; each writes its normalized partial output
 and log-sum-exp, and a second kernel merges them. That is what keeps a GPU busy when a few
 long decodes leave ``num_seqs * num_kv_heads`` programs too few to fill it.
@@ -263,7 +266,9 @@ def paged_attention(
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(metadata, kv_cache.shape[3])
     if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= _MAX_KV_SPLITS:
-        raise ValueError(f"num_kv_splits must be an int in [1, {_MAX_KV_SPLITS}], got {num_kv_splits!r}")
+        raise ValueError(
+            f"num_kv_splits must be an int in [1, {_MAX_KV_SPLITS}], got {num_kv_splits!r}"
+        )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if metadata.num_tokens == 0:
         return out
@@ -284,7 +289,9 @@ def paged_attention(
             device=query.device,
         )
         partial_lse = torch.empty(
-            (metadata.num_tokens, num_heads, num_kv_splits), dtype=torch.float32, device=query.device
+            (metadata.num_tokens, num_heads, num_kv_splits),
+            dtype=torch.float32,
+            device=query.device,
         )
     grid = (metadata.num_tokens // block_q + metadata.num_seqs, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
@@ -339,7 +346,9 @@ def paged_attention(
     return out
 
 
-def _check_inputs(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float) -> None:
+def _check_inputs(
+    query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float
+) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
             "kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
@@ -348,7 +357,9 @@ def _check_inputs(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, 
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
     if kv_cache.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"kv_cache dtype must be float16, bfloat16 or float32, got {kv_cache.dtype}")
+        raise ValueError(
+            f"kv_cache dtype must be float16, bfloat16 or float32, got {kv_cache.dtype}"
+        )
     if query.dtype != kv_cache.dtype:
         raise ValueError(f"query has dtype {query.dtype} but kv_cache has {kv_cache.dtype}")
     if query.dim() != 3 or query.stride(2) != 1:
@@ -368,7 +379,9 @@ def _check_inputs(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, 
             "num_heads must be a multiple of num_kv_heads"
         )
     if num_tokens != metadata.num_tokens:
-        raise ValueError(f"query has {num_tokens} tokens but metadata describes {metadata.num_tokens}")
+        raise ValueError(
+            f"query has {num_tokens} tokens but metadata describes {metadata.num_tokens}"
+        )
     if block_size != metadata.block_size:
         raise ValueError(
             f"kv_cache has block_size {block_size} but metadata was built for {metadata.block_size}"

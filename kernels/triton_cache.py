@@ -141,8 +141,7 @@ def copy_blocks(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> None:
     sources, destinations = {p[0] for p in pairs}, [p[1] for p in pairs]
     if len(set(destinations)) != len(destinations) or sources & set(destinations):
         raise ValueError(
-            "block_mapping: destinations must be distinct and never also a source, got "
-            f"{pairs}"
+            f"block_mapping: destinations must be distinct and never also a source, got {pairs}"
         )
     low, high = min(min(p) for p in pairs), max(max(p) for p in pairs)
     for layer, kv_cache in enumerate(kv_caches):

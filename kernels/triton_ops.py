@@ -172,7 +172,9 @@ def rotary_embedding(
         raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dim() != 2 or t.shape[1] != head_dim or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32 [max_position, {head_dim}], got {t.dtype} {list(t.shape)}")
+            raise ValueError(
+                f"{name} must be float32 [max_position, {head_dim}], got {t.dtype} {list(t.shape)}"
+            )
         if not t.is_contiguous() or t.device != query.device:
             raise ValueError(f"{name} must be contiguous and on {query.device}")
     check_triton_device(query.device, "query")
