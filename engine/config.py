@@ -323,7 +323,8 @@ class EngineConfig:
         check_engine_arg_names(kwargs)
         if "model" not in kwargs:
             raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
-        groups: dict[str, dict[str, Any]] = {g: {} for g in ("model", "cache", "scheduler", "parallel", "device", "kernel")}
+        sections = ("model", "cache", "scheduler", "parallel", "device", "kernel")
+        groups: dict[str, dict[str, Any]] = {g: {} for g in sections}
         for key, value in kwargs.items():
             group, name = _ENGINE_ARGS[key]
             groups[group][name] = value

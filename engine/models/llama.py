@@ -35,7 +35,9 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps
+    ) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         num_heads = hf["num_attention_heads"]
@@ -47,7 +49,9 @@ class LlamaAttention(nn.Module):
         rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         base = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         self.rotary = RotaryEmbedding(head_dim, hf["max_position_embeddings"], base, rope, ops)
-        self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, ops)
+        self.attn = PagedAttention(
+            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, ops
+        )
         self.head_dim = head_dim
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -77,7 +81,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps
+    ) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
         self.self_attn = LlamaAttention(hf, ctx, qkv_bias, ops)
@@ -100,7 +106,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps
+    ) -> None:
         super().__init__()
         self.ctx = ctx
         self.start_layer, self.end_layer = pp_layer_range(hf["num_hidden_layers"], ctx.pp.rank, ctx.pp.size)
@@ -108,9 +116,13 @@ class LlamaModel(nn.Module):
             VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp) if ctx.pp.is_first else None
         )
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(hf, ctx, qkv_bias, ops) for i in range(self.start_layer, self.end_layer)}
+            {
+                str(i): LlamaDecoderLayer(hf, ctx, qkv_bias, ops)
+                for i in range(self.start_layer, self.end_layer)
+            }
         )
-        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6), ops) if ctx.pp.is_last else None
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.norm = RMSNorm(hf["hidden_size"], eps, ops) if ctx.pp.is_last else None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
@@ -142,13 +154,16 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias = False
 
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps | None = None) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps | None = None
+    ) -> None:
         super().__init__()
         self.hf = hf
         self.ctx = ctx
         # The kernel backend, fixed for this model's lifetime (torch unless the loader says).
         self.kernel_ops = default_ops(ops)
-        self.model = LlamaModel(hf, ctx, self.qkv_bias or bool(hf.get("attention_bias", False)), self.kernel_ops)
+        qkv_bias = self.qkv_bias or bool(hf.get("attention_bias", False))
+        self.model = LlamaModel(hf, ctx, qkv_bias, self.kernel_ops)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp) if ctx.pp.is_last else None
         if self.lm_head is not None and self.tie_word_embeddings and self.model.embed_tokens is not None:
