@@ -5,7 +5,8 @@
     ├── cache:     CacheConfig      (block_size, prefix caching, KV pool size, swap space)
     ├── scheduler: SchedulerConfig  (token budget, sequence cap, chunking, policy, preemption)
     ├── parallel:  ParallelConfig   (tensor_parallel_size, pipeline_parallel_size)
-    └── device:    DeviceConfig     (cpu | cuda | auto)
+    ├── device:    DeviceConfig     (cpu | cuda | auto)
+    └── kernel:    KernelConfig     (attention_backend, enforce_eager)
 
 Every config is a frozen dataclass, validated in ``__post_init__``; per-rank copies use
 ``dataclasses.replace``. The number of KV blocks measured at startup is runtime state (see
@@ -23,6 +24,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from engine import envs
+from kernels.backend import resolve_attention_backend, triton_available
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -242,6 +246,43 @@ class DeviceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels run the model and whether decode steps may replay CUDA graphs.
+
+    ``attention_backend``: ``auto`` (Triton on CUDA, torch on CPU), ``triton`` or ``torch``;
+    it selects the attention, cache and fused pointwise kernels together.
+    ``enforce_eager``: never capture CUDA graphs (they are only used on CUDA with Triton).
+    """
+
+    attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.attention_backend in ("auto", "triton", "torch"),
+            "attention_backend",
+            f"must be 'auto', 'triton' or 'torch', got {self.attention_backend!r}",
+        )
+        _require(
+            isinstance(self.enforce_eager, bool),
+            "enforce_eager",
+            f"must be a bool, got {self.enforce_eager!r}",
+        )
+        if self.attention_backend == "triton":
+            _require(
+                triton_available(),
+                "attention_backend",
+                "'triton' needs the triton package, which is not installed "
+                "(pip install 'llm-cluster[triton]'), or use 'torch'",
+            )
+
+    def resolved_backend(self, device_type: str) -> str:
+        """The backend that runs on ``device_type``: ``auto`` means Triton on CUDA when the
+        triton package is installed, torch otherwise."""
+        return resolve_attention_backend(self.attention_backend, device_type)
+
+
 # Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
 _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "model": ("model", "model"),
@@ -266,6 +307,8 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
     "placement_group_strategy": ("parallel", "placement_group_strategy"),
     "device": ("device", "device"),
+    "attention_backend": ("kernel", "attention_backend"),
+    "enforce_eager": ("kernel", "enforce_eager"),
 }
 
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(_ENGINE_ARGS)
@@ -278,6 +321,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -285,9 +329,8 @@ class EngineConfig:
         check_engine_arg_names(kwargs)
         if "model" not in kwargs:
             raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
-        groups: dict[str, dict[str, Any]] = {
-            g: {} for g in ("model", "cache", "scheduler", "parallel", "device")
-        }
+        sections = ("model", "cache", "scheduler", "parallel", "device", "kernel")
+        groups: dict[str, dict[str, Any]] = {g: {} for g in sections}
         for key, value in kwargs.items():
             group, name = _ENGINE_ARGS[key]
             groups[group][name] = value
@@ -302,12 +345,16 @@ class EngineConfig:
         if "max_num_batched_tokens" not in sched_kwargs:
             sched_kwargs["max_num_batched_tokens"] = 2048 if chunked else max(2048, max_model_len)
         scheduler = SchedulerConfig(max_model_len=max_model_len, **sched_kwargs)
+        device = DeviceConfig(**groups["device"])
+        kernel = KernelConfig(**groups["kernel"])
+        _check_kernel_device(kernel, device)
         return cls(
             model=model,
             cache=CacheConfig(**groups["cache"]),
             scheduler=scheduler,
             parallel=parallel,
-            device=DeviceConfig(**groups["device"]),
+            device=device,
+            kernel=kernel,
         )
 
     @property
@@ -371,4 +418,17 @@ def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
         pp <= model.num_hidden_layers,
         "pipeline_parallel_size",
         f"must be <= num_hidden_layers ({model.num_hidden_layers}), got {pp}",
+    )
+
+
+def _check_kernel_device(kernel: KernelConfig, device: DeviceConfig) -> None:
+    # Triton compiles for GPUs; on CPU its kernels only run through the interpreter, which
+    # must be switched on before the kernels are imported.
+    _require(
+        kernel.attention_backend != "triton"
+        or device.device_type == "cuda"
+        or envs.triton_interpret(),
+        "attention_backend",
+        "'triton' on CPU needs TRITON_INTERPRET=1 in the environment (the Triton "
+        "interpreter; slow, meant for tests); use 'torch' or 'auto' on CPU",
     )

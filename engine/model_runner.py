@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeCudaGraphRunner
 from engine.protocol import ExecuteModelRequest, ModelRunnerOutput
 from engine.sampler import SamplingMetadata, sample
 from engine.sampling_params import SamplingParams
-from kernels.attention import AttentionMetadata, copy_blocks, swap_blocks
+from kernels.attention import AttentionMetadata
 
 
 @dataclass
@@ -52,6 +53,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_kv_caches: list[torch.Tensor] = []
+        # Set once the KV cache exists, when decode steps may replay CUDA graphs.
+        self.graph_runner: DecodeCudaGraphRunner | None = None
 
     # ---- KV cache -----------------------------------------------------------------------
 
@@ -71,6 +74,8 @@ class ModelRunner:
         dtype = self.config.model.torch_dtype
         self.kv_caches = []
         self.cpu_kv_caches = []
+        # Captured graphs hold the old caches' addresses.
+        self.graph_runner = None
         for attn in self.model.attention_layers():
             cache = torch.zeros(self.kv_cache_shape(num_blocks), dtype=dtype, device=self.device)
             attn.kv_cache = cache
@@ -81,6 +86,25 @@ class ModelRunner:
                 self.cpu_kv_caches.append(
                     torch.empty(self.kv_cache_shape(num_cpu_blocks), dtype=dtype, pin_memory=pin)
                 )
+        if num_blocks and self._use_cuda_graphs():
+            self.graph_runner = DecodeCudaGraphRunner(
+                self.model,
+                self.device,
+                block_size=self.block_size,
+                max_model_len=self.config.max_model_len,
+                max_num_seqs=self.config.scheduler.max_num_seqs,
+                num_kv_blocks=num_blocks,
+            )
+
+    def _use_cuda_graphs(self) -> bool:
+        # Only the Triton kernels take every per-step value from device memory; collectives
+        # (TP) and stage hand-offs (PP) are not captured.
+        return (
+            self.device.type == "cuda"
+            and not self.config.kernel.enforce_eager
+            and self.model.kernel_ops.name == "triton"
+            and self.config.parallel.world_size == 1
+        )
 
     # ---- persistent batch ---------------------------------------------------------------
 
@@ -113,6 +137,8 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def apply_block_ops(self, req: ExecuteModelRequest) -> None:
+        swap_blocks = self.model.kernel_ops.swap_blocks
+        copy_blocks = self.model.kernel_ops.copy_blocks
         if req.blocks_to_swap_out:
             mapping = torch.tensor(req.blocks_to_swap_out, dtype=torch.int64)
             for device_cache, cpu_cache in zip(self.kv_caches, self.cpu_kv_caches):
@@ -203,5 +229,8 @@ class ModelRunner:
         if req.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(req)
-        hidden, _ = self.forward(inputs)
+        if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
+            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        else:
+            hidden, _ = self.forward(inputs)
         return self.sample(inputs, hidden)

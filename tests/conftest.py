@@ -1,17 +1,25 @@
-"""Suite-wide setup: offline, a per-session cache for built-in models, few threads."""
+"""Suite-wide setup: offline, a per-checkout cache for built-in models, Triton's interpreter
+without CUDA.
+
+Without CUDA, Triton kernels run on CPU tensors through the Triton interpreter. The switch is
+read when a kernel module is imported (its ``@triton.jit`` decides then), so it is set here,
+before any test module imports ``kernels.triton_*``. With CUDA the kernels compile for the GPU.
+"""
 
 from __future__ import annotations
 
 import os
 
-# Before anything imports transformers / torch: never reach a model hub; keep the 2-core CI
-# machine from oversubscribing when several engines run in one process.
+# Before anything imports transformers: never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("LLM_CLUSTER_CACHE_DIR", os.path.join(os.getcwd(), ".cache", "llm-cluster"))
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

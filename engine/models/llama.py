@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, default_ops
 from kernels.attention import AttentionMetadata
+from kernels.backend import KernelOps
 from parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -34,7 +35,9 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps
+    ) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         num_heads = hf["num_attention_heads"]
@@ -47,8 +50,10 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         base = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        self.rotary = RotaryEmbedding(head_dim, hf["max_position_embeddings"], base, rope)
-        self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim)
+        self.rotary = RotaryEmbedding(head_dim, hf["max_position_embeddings"], base, rope, ops)
+        self.attn = PagedAttention(
+            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, ops
+        )
         self.head_dim = head_dim
 
     def forward(
@@ -65,8 +70,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext) -> None:
+    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         hidden, inter = hf["hidden_size"], hf["intermediate_size"]
         act = hf.get("hidden_act", "silu")
         if act != "silu":
@@ -75,17 +81,19 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, tp=ctx.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps
+    ) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(hf, ctx, qkv_bias)
-        self.mlp = LlamaMLP(hf, ctx)
-        self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
+        self.self_attn = LlamaAttention(hf, ctx, qkv_bias, ops)
+        self.mlp = LlamaMLP(hf, ctx, ops)
+        self.input_layernorm = RMSNorm(hf["hidden_size"], eps, ops)
+        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps, ops)
 
     def forward(
         self,
@@ -105,7 +113,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps
+    ) -> None:
         super().__init__()
         self.ctx = ctx
         self.start_layer, self.end_layer = pp_layer_range(
@@ -118,13 +128,12 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleDict(
             {
-                str(i): LlamaDecoderLayer(hf, ctx, qkv_bias)
+                str(i): LlamaDecoderLayer(hf, ctx, qkv_bias, ops)
                 for i in range(self.start_layer, self.end_layer)
             }
         )
-        self.norm = (
-            RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)) if ctx.pp.is_last else None
-        )
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.norm = RMSNorm(hf["hidden_size"], eps, ops) if ctx.pp.is_last else None
 
     def forward(
         self,
@@ -160,11 +169,16 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias = False
 
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps | None = None
+    ) -> None:
         super().__init__()
         self.hf = hf
         self.ctx = ctx
-        self.model = LlamaModel(hf, ctx, self.qkv_bias or bool(hf.get("attention_bias", False)))
+        # The kernel backend, fixed for this model's lifetime (torch unless the loader says).
+        self.kernel_ops = default_ops(ops)
+        qkv_bias = self.qkv_bias or bool(hf.get("attention_bias", False))
+        self.model = LlamaModel(hf, ctx, qkv_bias, self.kernel_ops)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         self.lm_head = (
             ParallelLMHead(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp)
