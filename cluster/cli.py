@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine argument with vLLM's name, e.g. max_model_len=1024 (repeatable)",
     )
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (measurements, printed and written as JSON)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from cluster.bench import throughput
+
+    tp = bench_sub.add_parser("throughput", help="offline throughput: engine vs HF transformers")
+    throughput.add_arguments(tp)
+    tp.set_defaults(func=lambda a: (throughput.run(a), 0)[1])
     return parser
 
 

@@ -20,6 +20,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, make_execute_model_request
+from engine.timing import StepTimer
 
 logger = logging.getLogger("llm_cluster.engine")
 
@@ -60,6 +61,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.step_timer = StepTimer()
         self._prompts: dict[str, str | None] = {}
         self._log_cache_size(num_blocks, num_cpu_blocks)
 
@@ -197,15 +199,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute one step on the workers, and return outputs of updated requests."""
+        clock = self.step_timer
+        clock.start()
         sched = self.scheduler.schedule()
         if sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids:
             return []
-        output = self.executor.execute_model(make_execute_model_request(sched))
+        message = make_execute_model_request(sched)
+        clock.lap("schedule")
+        output = self.executor.execute_model(message)
+        clock.lap("execute")
         updated = self.scheduler.update_from_output(sched, output.req_ids, output.sampled_token_ids)
+        clock.lap("update")
         outputs = [
             self._process(request, num_new)
             for request, num_new in self._new_tokens(updated, output)
         ]
+        clock.lap("detokenize")
         if not self.scheduler.has_unfinished_requests() and self.scheduler._finished_req_ids:
             self._flush_finished()
         return outputs

@@ -21,6 +21,7 @@ from engine.cuda_graphs import DecodeCudaGraphRunner
 from engine.protocol import ExecuteModelRequest, ModelRunnerOutput
 from engine.sampler import SamplingMetadata, sample
 from engine.sampling_params import SamplingParams
+from engine.timing import StepTimer
 from kernels.attention import AttentionMetadata
 
 
@@ -50,6 +51,7 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
+        self.step_timer = StepTimer(sync_cuda=device.type == "cuda")
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_kv_caches: list[torch.Tensor] = []
@@ -224,13 +226,19 @@ class ModelRunner:
 
     def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
         """Single-stage path (PP = 1)."""
+        clock = self.step_timer
+        clock.start()
         self.update_states(req)
         self.apply_block_ops(req)
         if req.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(req)
+        clock.lap("prepare_inputs")
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
         else:
             hidden, _ = self.forward(inputs)
-        return self.sample(inputs, hidden)
+        clock.lap("forward")
+        output = self.sample(inputs, hidden)
+        clock.lap("sample")
+        return output
