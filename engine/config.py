@@ -5,7 +5,8 @@
     ├── cache:     CacheConfig      (block_size, prefix caching, KV pool size, swap space)
     ├── scheduler: SchedulerConfig  (token budget, sequence cap, chunking, policy, preemption)
     ├── parallel:  ParallelConfig   (tensor_parallel_size, pipeline_parallel_size)
-    └── device:    DeviceConfig     (cpu | cuda | auto)
+    ├── device:    DeviceConfig     (cpu | cuda | auto)
+    └── sampling:  SamplingConfig   (server-wide request caps: max_n, max_logprobs)
 
 Every config is a frozen dataclass, validated in ``__post_init__``; per-rank copies use
 ``dataclasses.replace``. The number of KV blocks measured at startup is runtime state (see
@@ -242,6 +243,24 @@ class DeviceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Server-wide caps checked before a request is enqueued (vLLM: ``max_logprobs`` 20)."""
+
+    max_logprobs: int = 20
+    max_n: int = 128
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.max_logprobs, int)
+            and not isinstance(self.max_logprobs, bool)
+            and self.max_logprobs >= 0,
+            "max_logprobs",
+            f"must be a non-negative integer, got {self.max_logprobs!r}",
+        )
+        _positive_int(self.max_n, "max_n")
+
+
 # Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
 _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "model": ("model", "model"),
@@ -266,6 +285,8 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
     "placement_group_strategy": ("parallel", "placement_group_strategy"),
     "device": ("device", "device"),
+    "max_logprobs": ("sampling", "max_logprobs"),
+    "max_n": ("sampling", "max_n"),
 }
 
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(_ENGINE_ARGS)
@@ -278,6 +299,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -286,7 +308,7 @@ class EngineConfig:
         if "model" not in kwargs:
             raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
         groups: dict[str, dict[str, Any]] = {
-            g: {} for g in ("model", "cache", "scheduler", "parallel", "device")
+            g: {} for g in ("model", "cache", "scheduler", "parallel", "device", "sampling")
         }
         for key, value in kwargs.items():
             group, name = _ENGINE_ARGS[key]
@@ -308,6 +330,7 @@ class EngineConfig:
             scheduler=scheduler,
             parallel=parallel,
             device=DeviceConfig(**groups["device"]),
+            sampling=SamplingConfig(**groups["sampling"]),
         )
 
     @property
