@@ -219,6 +219,10 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         if logits is None:
             return None
+        if not inputs.sampled_req_ids:  # every scheduled request is mid-prompt
+            return ModelRunnerOutput(
+                req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs
+            )
         states = [self.requests[rid] for rid in inputs.sampled_req_ids]
         params = [s.sampling_params for s in states]
         needs_history = any(
