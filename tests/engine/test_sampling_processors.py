@@ -158,3 +158,24 @@ def test_logprobs_are_the_raw_log_softmax_not_the_processed_one() -> None:
     assert out.logprobs.token_ids[0].tolist() == [4, 3, 0]
     assert out.logprobs.logprobs[0].tolist() == pytest.approx(raw[[4, 3, 0]].tolist())
     assert out.logprobs.ranks.item() == 6
+
+
+@pytest.mark.gpu
+def test_processors_on_cuda_equal_cpu() -> None:
+    params = [
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.3),
+        SamplingParams(logit_bias={2: 4.0}, bad_words_token_ids=[[0, 1], [5]], min_tokens=3),
+    ]
+    history = {"outputs": [[1, 1, 4], [0]], "prompts": [[2, 3], [4]], "eos": [[3], [3]]}
+    logits = torch.cat([LOGITS, LOGITS.flip(-1)])
+    cpu = process_logits(logits, _meta(params, **history))
+    meta = SamplingMetadata.build(
+        params,
+        [None, None],
+        VOCAB,
+        torch.device("cuda"),
+        prompt_token_ids=history["prompts"],
+        output_token_ids=history["outputs"],
+        eos_token_ids=history["eos"],
+    )
+    assert torch.equal(process_logits(logits.cuda(), meta).cpu(), cpu)
