@@ -321,13 +321,14 @@ class LLMEngine:
         if sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids:
             return []
         output = self.executor.execute_model(make_execute_model_request(sched))
-        self._record_prompt_logprobs(output.prompt_logprobs)
+        texts = self._decode_logprob_tokens(output)
+        self._record_prompt_logprobs(output.prompt_logprobs, texts)
         updated = self.scheduler.update_from_output(sched, output.req_ids, output.sampled_token_ids)
         logprobs = dict(zip(output.req_ids, output.logprobs or ()))
         groups: dict[str, RequestGroup] = {}
         for request, num_new in self._new_tokens(updated, output):
             group, index = self._samples[request.request_id]
-            self._process(group.samples[index], num_new, logprobs.get(request.request_id))
+            self._process(group.samples[index], num_new, logprobs.get(request.request_id), texts)
             groups[group.request_id] = group
         outputs = []
         for group in groups.values():
@@ -343,10 +344,16 @@ class LLMEngine:
         counts = dict(zip(output.req_ids, (len(t) for t in output.sampled_token_ids)))
         return [(r, counts[r.request_id]) for r in updated]
 
-    def _process(self, sample: SampleState, num_new: int, logprobs: LogprobsLists | None) -> None:
+    def _process(
+        self,
+        sample: SampleState,
+        num_new: int,
+        logprobs: LogprobsLists | None,
+        texts: dict[int, str],
+    ) -> None:
         request, detok = sample.request, sample.detokenizer
         if logprobs is not None and sample.logprobs is not None:
-            entries = self._logprob_dicts(logprobs)
+            entries = _logprob_dicts(logprobs, texts)
             sample.logprobs.extend(entries)
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + sum(
                 lps[0] for lps in logprobs.logprobs
@@ -360,30 +367,26 @@ class LLMEngine:
         if request.is_finished:
             detok.finish()
 
-    def _record_prompt_logprobs(self, chunks: dict[str, PromptLogprobs]) -> None:
+    def _record_prompt_logprobs(
+        self, chunks: dict[str, PromptLogprobs], texts: dict[int, str]
+    ) -> None:
         for rid, chunk in chunks.items():
             group = self._samples.get(rid, (None, 0))[0]
             if group is None or group.prompt_logprobs is None:
                 continue
-            for offset, entry in enumerate(self._logprob_dicts(chunk.lists)):
+            for offset, entry in enumerate(_logprob_dicts(chunk.lists, texts)):
                 group.prompt_logprobs[chunk.start + offset] = entry
 
-    def _logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
-        """Rows of (chosen, top-k...) as vLLM's dicts: token id -> Logprob(logprob, rank, text);
-        the chosen token first, with its own rank, the top-k ranked 1..k."""
-        unique = sorted({t for row in lists.token_ids for t in row})
-        texts = dict(zip(unique, self._decode_each(unique)))
-        entries = []
-        for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
-            entry = {ids[0]: Logprob(lps[0], rank, texts[ids[0]])}
-            for r, (t, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
-                entry.setdefault(t, Logprob(lp, r, texts[t]))
-            entries.append(entry)
-        return entries
-
-    def _decode_each(self, token_ids: list[int]) -> list[str]:
+    def _decode_logprob_tokens(self, output: ModelRunnerOutput) -> dict[int, str]:
+        """Text of every token id in this step's logprobs, decoded in one batch."""
+        rows = [row for lists in output.logprobs or () if lists for row in lists.token_ids]
+        rows += [row for chunk in output.prompt_logprobs.values() for row in chunk.lists.token_ids]
+        if not rows:
+            return {}
+        unique = sorted({t for row in rows for t in row})
         backend = self.tokenizer.backend_tokenizer
-        return backend.decode_batch([[t] for t in token_ids], skip_special_tokens=False)
+        texts = backend.decode_batch([[t] for t in unique], skip_special_tokens=False)
+        return dict(zip(unique, texts))
 
     def make_output(self, group: RequestGroup) -> RequestOutput:
         completions = [
@@ -444,6 +447,18 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _logprob_dicts(lists: LogprobsLists, texts: dict[int, str]) -> list[dict[int, Logprob]]:
+    """Rows of (chosen, top-k...) as vLLM's dicts: token id -> Logprob(logprob, rank, text); the
+    chosen token first, with its own rank, then the top-k ranked 1..k."""
+    entries = []
+    for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+        entry = {ids[0]: Logprob(lps[0], rank, texts.get(ids[0]))}
+        for r, (token, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            entry.setdefault(token, Logprob(lp, r, texts.get(token)))
+        entries.append(entry)
+    return entries
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -82,6 +82,10 @@ def test_logprobs_zero_returns_only_the_sampled_token() -> None:
         use_tqdm=False,
     )[0].outputs[0]
     assert [list(e) for e in out.logprobs] == [[t] for t in out.token_ids]
+    tokenizer = llm.get_tokenizer()
+    assert [e[t].decoded_token for e, t in zip(out.logprobs, out.token_ids)] == [
+        tokenizer.decode([t]) for t in out.token_ids
+    ]
     assert out.cumulative_logprob == pytest.approx(
         sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids))
     )
