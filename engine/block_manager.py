@@ -6,6 +6,15 @@
                                              └───┴───┴───┴───┴───┴───┴───┴───┴───┴───┘
     slot of token t = block_table[t // block_size] * block_size + t % block_size
 
+Copy-on-write: several block tables may hold one block (prefix-cache hits, and the prompt
+blocks a parallel sample shares with its siblings after ``fork``). Prefix-cache hits are full
+blocks that are never written again; the only shared block a request writes into is the one
+holding a forked group's last prompt token (each forked sample recomputes that token, and the
+first sample appends after it). A request about to write into a block whose ref count is above 1
+gets a fresh block instead, and the (src, dst) pair is queued in ``pending_copies`` for the
+workers to copy before the forward pass. The last holder writes in place, so a group of n
+samples makes at most n - 1 copies.
+
 Invariants (``check_integrity``): a block is in the free queue iff its ref count is 0; its ref
 count equals the number of block tables holding it; free + used = total. A full block whose
 tokens are computed gets a chained sha256 hash (parent hash, token ids, cache salt) and is
@@ -114,6 +123,8 @@ class BlockManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
+        # (src, dst, request_id) copy-on-write pairs not yet handed to a step.
+        self.pending_copies: list[tuple[int, int, str]] = []
         self.prefix_queries = 0  # tokens of admitted requests looked up in the prefix cache
         self.prefix_hits = 0  # of those, found cached
 
@@ -133,9 +144,10 @@ class BlockManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of a request about to be scheduled: (blocks, num tokens).
 
-        At least one token is always left to compute, since the step must produce logits.
+        At least one token is always left to compute, since the step must produce logits. A
+        request that wants prompt logprobs gets no hits: every prompt position must be computed.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -191,9 +203,12 @@ class BlockManager:
         needed = self.num_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
         # Touching a cached block that sits in the free queue takes it out of the free count.
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if needed > len(self.free_queue) - revived:
+        shared = None if new_computed_blocks else self._shared_write_index(request, num_new_tokens)
+        if needed + (shared is not None) > len(self.free_queue) - revived:
             return None
         table = self.req_to_blocks.setdefault(request.request_id, [])
+        if shared is not None:
+            self._copy_on_write(request.request_id, table, shared)
         for block in new_computed_blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
@@ -204,6 +219,38 @@ class BlockManager:
         new_blocks = [self._pop_free_block() for _ in range(needed)]
         table.extend(new_blocks)
         return new_blocks
+
+    def _shared_write_index(self, request: Request, num_new_tokens: int) -> int | None:
+        """Index in the table of a shared block the next tokens would be written into."""
+        offset = request.num_computed_tokens % self.block_size
+        index = request.num_computed_tokens // self.block_size
+        table = self.req_to_blocks.get(request.request_id, ())
+        if num_new_tokens == 0 or offset == 0 or index >= len(table):
+            return None
+        return index if table[index].ref_cnt > 1 else None
+
+    def _copy_on_write(self, request_id: str, table: list[KVCacheBlock], index: int) -> None:
+        src = table[index]
+        dst = self._pop_free_block()
+        src.ref_cnt -= 1  # still >= 1: another table holds it
+        table[index] = dst
+        self.pending_copies.append((src.block_id, dst.block_id, request_id))
+
+    def take_copies(self) -> list[tuple[int, int, str]]:
+        """The copy-on-write pairs queued since the last call, for this step's workers."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Give ``child`` the parent's blocks that hold tokens ``[0, num_tokens)``: shared, one
+        more reference each; a partially filled last one is copied when the child writes."""
+        num_blocks = -(-num_tokens // self.block_size)
+        blocks = self.req_to_blocks[parent.request_id][:num_blocks]
+        if child.request_id in self.req_to_blocks:
+            raise RuntimeError(f"fork: {child.request_id!r} already holds blocks")
+        for block in blocks:
+            block.ref_cnt += 1
+        self.req_to_blocks[child.request_id] = list(blocks)
 
     def _pop_free_block(self) -> KVCacheBlock:
         block = self.free_queue.popleft()

@@ -6,7 +6,8 @@
     ├── scheduler: SchedulerConfig  (token budget, sequence cap, chunking, policy, preemption)
     ├── parallel:  ParallelConfig   (tensor_parallel_size, pipeline_parallel_size)
     ├── device:    DeviceConfig     (cpu | cuda | auto)
-    └── kernel:    KernelConfig     (attention_backend, enforce_eager)
+    ├── kernel:    KernelConfig     (attention_backend, enforce_eager)
+    └── sampling:  SamplingConfig   (server-wide request caps: max_n, max_logprobs)
 
 Every config is a frozen dataclass, validated in ``__post_init__``; per-rank copies use
 ``dataclasses.replace``. The number of KV blocks measured at startup is runtime state (see
@@ -283,6 +284,24 @@ class KernelConfig:
         return resolve_attention_backend(self.attention_backend, device_type)
 
 
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Server-wide caps checked before a request is enqueued (vLLM: ``max_logprobs`` 20)."""
+
+    max_logprobs: int = 20
+    max_n: int = 128
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.max_logprobs, int)
+            and not isinstance(self.max_logprobs, bool)
+            and self.max_logprobs >= 0,
+            "max_logprobs",
+            f"must be a non-negative integer, got {self.max_logprobs!r}",
+        )
+        _positive_int(self.max_n, "max_n")
+
+
 # Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
 _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "model": ("model", "model"),
@@ -309,6 +328,8 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "device": ("device", "device"),
     "attention_backend": ("kernel", "attention_backend"),
     "enforce_eager": ("kernel", "enforce_eager"),
+    "max_logprobs": ("sampling", "max_logprobs"),
+    "max_n": ("sampling", "max_n"),
 }
 
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(_ENGINE_ARGS)
@@ -322,6 +343,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -329,7 +351,7 @@ class EngineConfig:
         check_engine_arg_names(kwargs)
         if "model" not in kwargs:
             raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
-        sections = ("model", "cache", "scheduler", "parallel", "device", "kernel")
+        sections = ("model", "cache", "scheduler", "parallel", "device", "kernel", "sampling")
         groups: dict[str, dict[str, Any]] = {g: {} for g in sections}
         for key, value in kwargs.items():
             group, name = _ENGINE_ARGS[key]
@@ -355,6 +377,7 @@ class EngineConfig:
             parallel=parallel,
             device=device,
             kernel=kernel,
+            sampling=SamplingConfig(**groups["sampling"]),
         )
 
     @property

@@ -8,8 +8,10 @@ import re
 from engine.protocol import (
     CachedRequestData,
     ExecuteModelRequest,
+    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     decode_output,
     decode_request,
     encode,
@@ -48,6 +50,17 @@ def test_execute_model_request_round_trips() -> None:
 
 def test_model_runner_output_round_trips() -> None:
     out = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], [6]])
+    assert decode_output(encode(out)) == out
+
+
+def test_model_runner_output_with_logprobs_round_trips() -> None:
+    lists = LogprobsLists(token_ids=[[5, 5, 9]], logprobs=[[-0.25, -0.25, -2.5]], ranks=[1])
+    out = ModelRunnerOutput(
+        req_ids=["a", "b"],
+        sampled_token_ids=[[5], [6]],
+        logprobs=[lists, None],
+        prompt_logprobs={"a": PromptLogprobs(start=1, lists=lists)},
+    )
     assert decode_output(encode(out)) == out
 
 

@@ -22,7 +22,7 @@ def _meta(params: list[SamplingParams], seeds: bool = False) -> SamplingMetadata
 
 def test_greedy_is_argmax() -> None:
     meta = _meta([SamplingParams(temperature=0)] * 2)
-    assert sample(LOGITS, meta).tolist() == [0, 4]
+    assert sample(LOGITS, meta).token_ids.tolist() == [0, 4]
 
 
 def test_top_k_keeps_exactly_k_per_row() -> None:
@@ -48,14 +48,14 @@ def test_sampling_frequencies_follow_temperature_scaled_softmax() -> None:
     torch.manual_seed(0)
     params = [SamplingParams(temperature=2.0)] * 4000
     logits = LOGITS[:1].expand(4000, 5).contiguous()
-    counts = torch.bincount(sample(logits, _meta(params)), minlength=5).float() / 4000
+    counts = torch.bincount(sample(logits, _meta(params)).token_ids, minlength=5).float() / 4000
     expected = (LOGITS[0] / 2.0).softmax(-1)
     assert torch.allclose(counts, expected, atol=0.03)
 
 
 def test_seeded_row_does_not_depend_on_other_rows() -> None:
     seeded = SamplingParams(temperature=1.0, seed=99)
-    alone = [sample(LOGITS[:1], _meta([seeded], seeds=True)).item() for _ in range(1)]
+    alone = [sample(LOGITS[:1], _meta([seeded], seeds=True)).token_ids.item() for _ in range(1)]
     meta = _meta([SamplingParams(temperature=1.0), seeded], seeds=True)
-    batched = sample(torch.stack([LOGITS[1], LOGITS[0]]), meta)[1].item()
+    batched = sample(torch.stack([LOGITS[1], LOGITS[0]]), meta).token_ids[1].item()
     assert alone[0] == batched
