@@ -1,0 +1,193 @@
+"""Tensor and pipeline parallelism through the RayExecutor, on CPU with gloo and a local Ray.
+
+Reference: the same engine with TP = PP = 1 in-process (itself checked token-for-token against
+HF transformers). Chunked prefill is on with a small token budget, so prompts are split across
+steps while other requests decode.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from engine import LLM, EngineDeadError, SamplingParams
+from engine.config import EngineConfig
+
+PROMPTS = [
+    "hello",
+    "the quick brown fox",
+    "once upon a time there was a little dragon who",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z",
+    "Paris is the capital of",
+    "one two three four five six seven eight nine ten eleven twelve thirteen",
+    "why",
+    "the rain in spain falls mainly on the plain, said the professor again",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+# 16-token budget: the longer prompts are prefilled in several chunks beside running decodes.
+ENGINE_ARGS: dict[str, Any] = {
+    "num_kv_blocks": 128,
+    "max_num_batched_tokens": 16,
+    "enable_chunked_prefill": True,
+    "max_model_len": 256,
+}
+SHAPES = [(2, 1), (1, 2), (2, 2), (4, 1)]  # (tensor_parallel_size, pipeline_parallel_size)
+MODELS = ["builtin:tiny-llama", "builtin:tiny-qwen2"]  # 4 heads / 2 KV heads; qwen2 ties lm_head
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    # 8 logical CPUs: the 4 single-CPU bundles of TP = 4 fit with room to spare.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, tuple[list[list[int]], int]]:
+    """model -> (greedy tokens, parameter bytes) of the in-process TP = PP = 1 engine."""
+    results = {}
+    for model in MODELS:
+        llm = LLM(model, distributed_executor_backend="uni", **ENGINE_ARGS)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        (param_bytes,) = llm.llm_engine.executor.collective_rpc("parameter_bytes")
+        llm.llm_engine.shutdown()
+        results[model] = (tokens, param_bytes)
+    return results
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(m, t, p) for m in MODELS for t, p in SHAPES],
+    ids=lambda c: f"{c[0].removeprefix('builtin:')}-tp{c[1]}-pp{c[2]}",
+)
+def parallel_llm(request: pytest.FixtureRequest) -> Iterator[tuple[LLM, str, int, int]]:
+    model, tp, pp = request.param
+    llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE_ARGS)
+    yield llm, model, tp, pp
+    llm.llm_engine.shutdown()
+
+
+def test_parallel_engine_runs_on_ray_worker_actors(parallel_llm: tuple[LLM, str, int, int]) -> None:
+    llm, _, tp, pp = parallel_llm
+    executor = llm.llm_engine.executor
+    assert type(executor).__name__ == "RayExecutor"
+    assert len(executor.workers) == tp * pp
+
+
+def test_greedy_tokens_equal_single_worker(
+    parallel_llm: tuple[LLM, str, int, int], reference: dict[str, tuple[list[list[int]], int]]
+) -> None:
+    llm, model, _, _ = parallel_llm
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference[model][0]
+
+
+def test_each_worker_holds_its_share_of_the_parameters(
+    parallel_llm: tuple[LLM, str, int, int], reference: dict[str, tuple[list[list[int]], int]]
+) -> None:
+    llm, model, tp, pp = parallel_llm
+    config: EngineConfig = llm.llm_engine.config
+    total = reference[model][1]
+    hf = config.model.hf_config
+    if hf.get("tie_word_embeddings") and pp > 1:
+        # Tied LM head: with one stage it is the embedding itself; across stages the last one
+        # needs its own copy of the (vocabulary-split) matrix.
+        total += hf["vocab_size"] * hf["hidden_size"] * config.model.torch_dtype.itemsize
+    per_worker = llm.llm_engine.executor.collective_rpc("parameter_bytes")
+    share = total / (tp * pp)
+    # Slack for what every TP rank replicates: norms, row-parallel biases, KV heads when
+    # TP > num_key_value_heads, and vocabulary padding.
+    for rank, nbytes in enumerate(per_worker):
+        assert share * 0.97 <= nbytes <= share * 1.12, (rank, nbytes, share)
+
+
+@pytest.fixture(scope="module")
+def killed_engine() -> Iterator[dict[str, Any]]:
+    """Generate with TP = 2 and kill worker rank 1 after a few steps, mid-generation."""
+    llm = LLM("builtin:tiny-llama", tensor_parallel_size=2, **ENGINE_ARGS)
+    engine = llm.llm_engine
+    executor = engine.executor
+    pg = executor._pg
+    survivor, victim = executor.workers
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=150))
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        ray.kill(victim, no_restart=True)
+        killed_at.append(time.monotonic())
+
+    error: EngineDeadError | None = None
+    steps = 0
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+            if steps == 3:
+                threading.Thread(target=kill).start()
+    except EngineDeadError as exc:
+        error = exc
+    failed_at = time.monotonic()
+    yield {
+        "engine": engine,
+        "error": error,
+        "seconds_to_fail": failed_at - killed_at[0] if killed_at else None,
+        "pg": pg,
+        "survivor": survivor,
+    }
+    engine.shutdown()
+
+
+def test_killing_a_worker_fails_in_flight_requests_within_30_s(
+    killed_engine: dict[str, Any],
+) -> None:
+    assert isinstance(killed_engine["error"], EngineDeadError)
+    assert killed_engine["engine"].has_unfinished_requests()
+    assert killed_engine["seconds_to_fail"] < 30
+
+
+def test_dead_engine_refuses_new_requests(killed_engine: dict[str, Any]) -> None:
+    with pytest.raises(EngineDeadError):
+        killed_engine["engine"].add_request("late", "hello", GREEDY)
+
+
+def test_dead_engine_refuses_to_step(killed_engine: dict[str, Any]) -> None:
+    with pytest.raises(EngineDeadError):
+        killed_engine["engine"].step()
+
+
+def test_check_health_reports_the_dead_worker(killed_engine: dict[str, Any]) -> None:
+    with pytest.raises(EngineDeadError):
+        killed_engine["engine"].check_health()
+
+
+def test_dead_executor_kills_surviving_workers_and_removes_its_placement_group(
+    killed_engine: dict[str, Any],
+) -> None:
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(killed_engine["survivor"].ping.remote(), timeout=30)
+    state = ray.util.placement_group_table(killed_engine["pg"])["state"]
+    assert state == "REMOVED"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ray_executor_on_cuda_equals_in_process_executor() -> None:
+    args = {**ENGINE_ARGS, "device": "cuda"}
+    local = LLM("builtin:tiny-llama", distributed_executor_backend="uni", **args)
+    expected = [o.outputs[0].token_ids for o in local.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    local.llm_engine.shutdown()
+    remote = LLM("builtin:tiny-llama", distributed_executor_backend="ray", **args)
+    try:
+        assert type(remote.llm_engine.executor).__name__ == "RayExecutor"
+        outputs = remote.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    finally:
+        remote.llm_engine.shutdown()
