@@ -44,7 +44,8 @@ MODELS = ["builtin:tiny-llama", "builtin:tiny-qwen2"]  # 4 heads / 2 KV heads; q
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
     # 8 logical CPUs: the 4 single-CPU bundles of TP = 4 fit with room to spare.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # address="local": a fresh instance even if another Ray cluster runs on this machine.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
