@@ -182,6 +182,10 @@ class ModelRunner:
     def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput | None:
         """Logits of the rows that end their request's known tokens, then sampling.
         Returns None on TP ranks other than 0 (they hold no logits)."""
+        if not inputs.sampled_req_ids:
+            # Every scheduled request is mid-prompt (a long prompt's chunk): nothing to sample.
+            # All TP ranks see the same batch, so they all skip the logits gather together.
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if logits is None:
             return None

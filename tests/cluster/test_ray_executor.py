@@ -29,6 +29,11 @@ PROMPTS = [
     "why",
     "the rain in spain falls mainly on the plain, said the professor again",
 ]
+# Alone, with the 16-token budget below, its first steps compute prompt chunks and sample nothing.
+LONG_PROMPT = (
+    "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen"
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 # 16-token budget: the longer prompts are prefilled in several chunks beside running decodes.
 ENGINE_ARGS: dict[str, Any] = {
@@ -36,6 +41,7 @@ ENGINE_ARGS: dict[str, Any] = {
     "max_num_batched_tokens": 16,
     "enable_chunked_prefill": True,
     "max_model_len": 256,
+    "device": "cpu",  # the gloo tier, even on a machine with GPUs
 }
 SHAPES = [(2, 1), (1, 2), (2, 2), (4, 1)]  # (tensor_parallel_size, pipeline_parallel_size)
 MODELS = ["builtin:tiny-llama", "builtin:tiny-qwen2"]  # 4 heads / 2 KV heads; qwen2 ties lm_head
@@ -51,16 +57,23 @@ def local_ray() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, tuple[list[list[int]], int]]:
-    """model -> (greedy tokens, parameter bytes) of the in-process TP = PP = 1 engine."""
+def reference() -> dict[str, dict[str, Any]]:
+    """model -> greedy tokens and parameter bytes of the in-process TP = PP = 1 engine."""
     results = {}
     for model in MODELS:
         llm = LLM(model, distributed_executor_backend="uni", **ENGINE_ARGS)
-        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         (param_bytes,) = llm.llm_engine.executor.collective_rpc("parameter_bytes")
+        results[model] = {
+            "tokens": _greedy(llm, PROMPTS),
+            "long_prompt_tokens": _greedy(llm, [LONG_PROMPT]),
+            "param_bytes": param_bytes,
+        }
         llm.llm_engine.shutdown()
-        results[model] = (tokens, param_bytes)
     return results
+
+
+def _greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
 @pytest.fixture(
@@ -83,19 +96,25 @@ def test_parallel_engine_runs_on_ray_worker_actors(parallel_llm: tuple[LLM, str,
 
 
 def test_greedy_tokens_equal_single_worker(
-    parallel_llm: tuple[LLM, str, int, int], reference: dict[str, tuple[list[list[int]], int]]
+    parallel_llm: tuple[LLM, str, int, int], reference: dict[str, dict[str, Any]]
 ) -> None:
     llm, model, _, _ = parallel_llm
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == reference[model][0]
+    assert _greedy(llm, PROMPTS) == reference[model]["tokens"]
+
+
+def test_lone_long_prompt_in_chunks_equals_single_worker(
+    parallel_llm: tuple[LLM, str, int, int], reference: dict[str, dict[str, Any]]
+) -> None:
+    llm, model, _, _ = parallel_llm
+    assert _greedy(llm, [LONG_PROMPT]) == reference[model]["long_prompt_tokens"]
 
 
 def test_each_worker_holds_its_share_of_the_parameters(
-    parallel_llm: tuple[LLM, str, int, int], reference: dict[str, tuple[list[list[int]], int]]
+    parallel_llm: tuple[LLM, str, int, int], reference: dict[str, dict[str, Any]]
 ) -> None:
     llm, model, tp, pp = parallel_llm
     config: EngineConfig = llm.llm_engine.config
-    total = reference[model][1]
+    total = reference[model]["param_bytes"]
     hf = config.model.hf_config
     if hf.get("tie_word_embeddings") and pp > 1:
         # Tied LM head: with one stage it is the embedding itself; across stages the last one
