@@ -7,14 +7,17 @@ steps while other requests decode.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine import LLM, EngineDeadError, SamplingParams
 from engine.config import EngineConfig
@@ -195,6 +198,54 @@ def test_dead_executor_kills_surviving_workers_and_removes_its_placement_group(
         ray.get(killed_engine["survivor"].ping.remote(), timeout=30)
     state = ray.util.placement_group_table(killed_engine["pg"])["state"]
     assert state == "REMOVED"
+
+
+class ExecutorHost:
+    """Stands in for a Serve replica: an actor in bundle 0 of a placement group it did not make."""
+
+    def run(self, config: EngineConfig) -> dict[str, Any]:
+        from cluster.ray_executor import RayExecutor
+
+        executor = RayExecutor(config)
+        try:
+            return {
+                "pg_id": executor._pg.id.hex(),
+                "owns_pg": executor._owns_pg,
+                "param_bytes": executor.collective_rpc("parameter_bytes"),
+            }
+        finally:
+            executor.shutdown()
+
+
+def test_executor_inside_a_placement_group_uses_its_bundles_and_leaves_it_in_place() -> None:
+    config = EngineConfig.from_kwargs(
+        model="builtin:tiny-llama", tensor_parallel_size=2, **ENGINE_ARGS
+    )
+    pg = ray.util.placement_group([{"CPU": 1}] * 3)
+    ray.get(pg.ready(), timeout=60)
+    # The host actor imports this module (its class) and the project.
+    here = Path(__file__).resolve()
+    pythonpath = os.pathsep.join([str(here.parents[2]), str(here.parent)])
+    host = (
+        ray.remote(ExecutorHost)
+        .options(
+            num_cpus=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0
+            ),
+            runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+        )
+        .remote()
+    )
+    try:
+        result = ray.get(host.run.remote(config), timeout=120)
+        assert result["pg_id"] == pg.id.hex()
+        assert not result["owns_pg"]
+        assert len(result["param_bytes"]) == 2
+        assert ray.util.placement_group_table(pg)["state"] == "CREATED"
+    finally:
+        ray.kill(host)
+        ray.util.remove_placement_group(pg)
 
 
 @pytest.mark.gpu
