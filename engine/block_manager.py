@@ -6,6 +6,15 @@
                                              └───┴───┴───┴───┴───┴───┴───┴───┴───┴───┘
     slot of token t = block_table[t // block_size] * block_size + t % block_size
 
+Copy-on-write: several block tables may hold one block (prefix-cache hits, and the prompt
+blocks a parallel sample shares with its siblings after ``fork``). Prefix-cache hits are full
+blocks that are never written again; the only shared block a request writes into is the one
+holding a forked group's last prompt token (each forked sample recomputes that token, and the
+first sample appends after it). A request about to write into a block whose ref count is above 1
+gets a fresh block instead, and the (src, dst) pair is queued in ``pending_copies`` for the
+workers to copy before the forward pass. The last holder writes in place, so a group of n
+samples makes at most n - 1 copies.
+
 Invariants (``check_integrity``): a block is in the free queue iff its ref count is 0; its ref
 count equals the number of block tables holding it; free + used = total. A full block whose
 tokens are computed gets a chained sha256 hash (parent hash, token ids, cache salt) and is
@@ -33,7 +42,8 @@ class KVCacheBlock:
         self.block_hash: bytes | None = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+        cached = self.block_hash is not None
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={cached})"
 
 
 class FreeBlockQueue:
@@ -113,6 +123,8 @@ class BlockManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
+        # (src, dst, request_id) copy-on-write pairs not yet handed to a step.
+        self.pending_copies: list[tuple[int, int, str]] = []
         self.prefix_queries = 0  # tokens of admitted requests looked up in the prefix cache
         self.prefix_hits = 0  # of those, found cached
 
@@ -132,9 +144,10 @@ class BlockManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of a request about to be scheduled: (blocks, num tokens).
 
-        At least one token is always left to compute, since the step must produce logits.
+        At least one token is always left to compute, since the step must produce logits. A
+        request that wants prompt logprobs gets no hits: every prompt position must be computed.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -166,9 +179,13 @@ class BlockManager:
 
     # ---- allocation ---------------------------------------------------------------------
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_new_computed: int = 0) -> int:
+    def num_blocks_needed(
+        self, request: Request, num_new_tokens: int, num_new_computed: int = 0
+    ) -> int:
         held = len(self.req_to_blocks.get(request.request_id, ())) + num_new_computed
-        total_tokens = request.num_computed_tokens + num_new_computed * self.block_size + num_new_tokens
+        total_tokens = (
+            request.num_computed_tokens + num_new_computed * self.block_size + num_new_tokens
+        )
         return max(0, -(-total_tokens // self.block_size) - held)
 
     def allocate_slots(
@@ -186,9 +203,12 @@ class BlockManager:
         needed = self.num_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
         # Touching a cached block that sits in the free queue takes it out of the free count.
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if needed > len(self.free_queue) - revived:
+        shared = None if new_computed_blocks else self._shared_write_index(request, num_new_tokens)
+        if needed + (shared is not None) > len(self.free_queue) - revived:
             return None
         table = self.req_to_blocks.setdefault(request.request_id, [])
+        if shared is not None:
+            self._copy_on_write(request.request_id, table, shared)
         for block in new_computed_blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
@@ -199,6 +219,38 @@ class BlockManager:
         new_blocks = [self._pop_free_block() for _ in range(needed)]
         table.extend(new_blocks)
         return new_blocks
+
+    def _shared_write_index(self, request: Request, num_new_tokens: int) -> int | None:
+        """Index in the table of a shared block the next tokens would be written into."""
+        offset = request.num_computed_tokens % self.block_size
+        index = request.num_computed_tokens // self.block_size
+        table = self.req_to_blocks.get(request.request_id, ())
+        if num_new_tokens == 0 or offset == 0 or index >= len(table):
+            return None
+        return index if table[index].ref_cnt > 1 else None
+
+    def _copy_on_write(self, request_id: str, table: list[KVCacheBlock], index: int) -> None:
+        src = table[index]
+        dst = self._pop_free_block()
+        src.ref_cnt -= 1  # still >= 1: another table holds it
+        table[index] = dst
+        self.pending_copies.append((src.block_id, dst.block_id, request_id))
+
+    def take_copies(self) -> list[tuple[int, int, str]]:
+        """The copy-on-write pairs queued since the last call, for this step's workers."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Give ``child`` the parent's blocks that hold tokens ``[0, num_tokens)``: shared, one
+        more reference each; a partially filled last one is copied when the child writes."""
+        num_blocks = -(-num_tokens // self.block_size)
+        blocks = self.req_to_blocks[parent.request_id][:num_blocks]
+        if child.request_id in self.req_to_blocks:
+            raise RuntimeError(f"fork: {child.request_id!r} already holds blocks")
+        for block in blocks:
+            block.ref_cnt += 1
+        self.req_to_blocks[child.request_id] = list(blocks)
 
     def _pop_free_block(self) -> KVCacheBlock:
         block = self.free_queue.popleft()
@@ -283,17 +335,28 @@ class BlockManager:
         for block in self.blocks:
             expected = holders.get(block.block_id, 0)
             if block.ref_cnt != expected:
-                raise RuntimeError(f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {expected}")
+                raise RuntimeError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {expected}"
+                )
             if (block.ref_cnt == 0) != (block in self.free_queue):
-                raise RuntimeError(f"block {block.block_id}: ref_cnt {block.ref_cnt} but free={block in self.free_queue}")
+                raise RuntimeError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} "
+                    f"but in_free_queue={block in self.free_queue}"
+                )
         used = sum(1 for b in self.blocks if b.ref_cnt > 0)
         if used + len(self.free_queue) != self.num_blocks:
-            raise RuntimeError(f"free {len(self.free_queue)} + used {used} != total {self.num_blocks}")
+            raise RuntimeError(
+                f"free {len(self.free_queue)} + used {used} != total {self.num_blocks}"
+            )
         for block_hash, block in self.cached.items():
             if block.block_hash != block_hash:
-                raise RuntimeError(f"prefix cache entry points at block {block.block_id} with another hash")
+                raise RuntimeError(
+                    f"prefix cache entry points at block {block.block_id} with another hash"
+                )
         swapped = [c for ids in self.req_to_cpu_blocks.values() for c in ids]
         cpu_ids = swapped + self.free_cpu_blocks
         if sorted(cpu_ids) != list(range(self.num_cpu_blocks)):
-            raise RuntimeError(f"cpu blocks: {len(swapped)} swapped + {len(self.free_cpu_blocks)} free "
-                               f"do not partition {self.num_cpu_blocks}")
+            raise RuntimeError(
+                f"cpu blocks: {len(swapped)} swapped + {len(self.free_cpu_blocks)} free "
+                f"do not partition {self.num_cpu_blocks}"
+            )

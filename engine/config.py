@@ -3,9 +3,11 @@
     EngineConfig
     ├── model:     ModelConfig      (what to load, dtype, max_model_len)
     ├── cache:     CacheConfig      (block_size, prefix caching, KV pool size, swap space)
-    ├── scheduler: SchedulerConfig  (token budget, sequence cap, chunked prefill, policy, preemption)
+    ├── scheduler: SchedulerConfig  (token budget, sequence cap, chunking, policy, preemption)
     ├── parallel:  ParallelConfig   (tensor_parallel_size, pipeline_parallel_size)
-    └── device:    DeviceConfig     (cpu | cuda | auto)
+    ├── device:    DeviceConfig     (cpu | cuda | auto)
+    ├── kernel:    KernelConfig     (attention_backend, enforce_eager)
+    └── sampling:  SamplingConfig   (server-wide request caps: max_n, max_logprobs)
 
 Every config is a frozen dataclass, validated in ``__post_init__``; per-rank copies use
 ``dataclasses.replace``. The number of KV blocks measured at startup is runtime state (see
@@ -23,6 +25,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from engine import envs
+from kernels.backend import resolve_attention_backend, triton_available
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -65,7 +70,9 @@ class ModelConfig:
     model_path: str = ""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
+        _require(
+            isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string"
+        )
         _require(
             self.dtype == "auto" or self.dtype in _DTYPES,
             "dtype",
@@ -107,7 +114,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         head_dim = self.hf_config.get("head_dim")
-        return int(head_dim) if head_dim else int(self.hf_config["hidden_size"]) // self.num_attention_heads
+        return (
+            int(head_dim)
+            if head_dim
+            else int(self.hf_config["hidden_size"]) // self.num_attention_heads
+        )
 
 
 @dataclass(frozen=True)
@@ -236,6 +247,61 @@ class DeviceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels run the model and whether decode steps may replay CUDA graphs.
+
+    ``attention_backend``: ``auto`` (Triton on CUDA, torch on CPU), ``triton`` or ``torch``;
+    it selects the attention, cache and fused pointwise kernels together.
+    ``enforce_eager``: never capture CUDA graphs (they are only used on CUDA with Triton).
+    """
+
+    attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.attention_backend in ("auto", "triton", "torch"),
+            "attention_backend",
+            f"must be 'auto', 'triton' or 'torch', got {self.attention_backend!r}",
+        )
+        _require(
+            isinstance(self.enforce_eager, bool),
+            "enforce_eager",
+            f"must be a bool, got {self.enforce_eager!r}",
+        )
+        if self.attention_backend == "triton":
+            _require(
+                triton_available(),
+                "attention_backend",
+                "'triton' needs the triton package, which is not installed "
+                "(pip install 'llm-cluster[triton]'), or use 'torch'",
+            )
+
+    def resolved_backend(self, device_type: str) -> str:
+        """The backend that runs on ``device_type``: ``auto`` means Triton on CUDA when the
+        triton package is installed, torch otherwise."""
+        return resolve_attention_backend(self.attention_backend, device_type)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Server-wide caps checked before a request is enqueued (vLLM: ``max_logprobs`` 20)."""
+
+    max_logprobs: int = 20
+    max_n: int = 128
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.max_logprobs, int)
+            and not isinstance(self.max_logprobs, bool)
+            and self.max_logprobs >= 0,
+            "max_logprobs",
+            f"must be a non-negative integer, got {self.max_logprobs!r}",
+        )
+        _positive_int(self.max_n, "max_n")
+
+
 # Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
 _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "model": ("model", "model"),
@@ -260,6 +326,10 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
     "placement_group_strategy": ("parallel", "placement_group_strategy"),
     "device": ("device", "device"),
+    "attention_backend": ("kernel", "attention_backend"),
+    "enforce_eager": ("kernel", "enforce_eager"),
+    "max_logprobs": ("sampling", "max_logprobs"),
+    "max_n": ("sampling", "max_n"),
 }
 
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(_ENGINE_ARGS)
@@ -272,6 +342,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -279,7 +351,8 @@ class EngineConfig:
         check_engine_arg_names(kwargs)
         if "model" not in kwargs:
             raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
-        groups: dict[str, dict[str, Any]] = {g: {} for g in ("model", "cache", "scheduler", "parallel", "device")}
+        sections = ("model", "cache", "scheduler", "parallel", "device", "kernel", "sampling")
+        groups: dict[str, dict[str, Any]] = {g: {} for g in sections}
         for key, value in kwargs.items():
             group, name = _ENGINE_ARGS[key]
             groups[group][name] = value
@@ -294,12 +367,17 @@ class EngineConfig:
         if "max_num_batched_tokens" not in sched_kwargs:
             sched_kwargs["max_num_batched_tokens"] = 2048 if chunked else max(2048, max_model_len)
         scheduler = SchedulerConfig(max_model_len=max_model_len, **sched_kwargs)
+        device = DeviceConfig(**groups["device"])
+        kernel = KernelConfig(**groups["kernel"])
+        _check_kernel_device(kernel, device)
         return cls(
             model=model,
             cache=CacheConfig(**groups["cache"]),
             scheduler=scheduler,
             parallel=parallel,
-            device=DeviceConfig(**groups["device"]),
+            device=device,
+            kernel=kernel,
+            sampling=SamplingConfig(**groups["sampling"]),
         )
 
     @property
@@ -371,4 +449,17 @@ def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
         pp <= model.num_hidden_layers,
         "pipeline_parallel_size",
         f"must be <= num_hidden_layers ({model.num_hidden_layers}), got {pp}",
+    )
+
+
+def _check_kernel_device(kernel: KernelConfig, device: DeviceConfig) -> None:
+    # Triton compiles for GPUs; on CPU its kernels only run through the interpreter, which
+    # must be switched on before the kernels are imported.
+    _require(
+        kernel.attention_backend != "triton"
+        or device.device_type == "cuda"
+        or envs.triton_interpret(),
+        "attention_backend",
+        "'triton' on CPU needs TRITON_INTERPRET=1 in the environment (the Triton "
+        "interpreter; slow, meant for tests); use 'torch' or 'auto' on CPU",
     )

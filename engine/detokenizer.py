@@ -18,13 +18,21 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ValueError("tokenizer: a fast (tokenizers-backed) tokenizer is required")
         self._backend = backend
-        self._stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(
+            ids=list(prompt_token_ids), skip_special_tokens=skip_special_tokens
+        )
         self.stop = stop or []
+        self.include_stop_str_in_output = include_stop_str_in_output
+        # Stop strings are matched only once more than min_tokens tokens were generated.
+        self.min_tokens = min_tokens
+        self._num_tokens = 0
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.skip_special_tokens = skip_special_tokens
         self.output_text = ""
@@ -33,8 +41,10 @@ class IncrementalDetokenizer:
         self._pending: list[int] = []
 
     def update(self, new_token_ids: list[int]) -> bool:
-        """Append decoded text; True if a stop string appeared (the text is cut before it)."""
+        """Append decoded text; True if a stop string appeared (the text is cut before it, or
+        after it with ``include_stop_str_in_output``)."""
         start = len(self.output_text)
+        self._num_tokens += len(new_token_ids)
         for token_id in new_token_ids:
             chunk = self._stream.step(self._backend, token_id)
             if chunk is None:
@@ -42,7 +52,7 @@ class IncrementalDetokenizer:
             else:
                 self._pending.clear()
                 self.output_text += chunk
-        if not self.stop or len(self.output_text) == start:
+        if not self.stop or len(self.output_text) == start or self._num_tokens <= self.min_tokens:
             return False
         # A stop string can straddle old and new text: search from max_stop_len - 1 back.
         search_from = max(0, start - self._max_stop_len + 1)
@@ -53,7 +63,8 @@ class IncrementalDetokenizer:
                 best = (pos, stop)
         if best is None:
             return False
-        self.output_text = self.output_text[: best[0]]
+        end = best[0] + len(best[1]) if self.include_stop_str_in_output else best[0]
+        self.output_text = self.output_text[:end]
         self.stop_string = best[1]
         return True
 
@@ -61,5 +72,7 @@ class IncrementalDetokenizer:
         """At the end of generation, emit what the stream still holds back, decoded as a full
         decode would (an incomplete character becomes U+FFFD)."""
         if self._pending and self.stop_string is None:
-            self.output_text += self._backend.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
+            self.output_text += self._backend.decode(
+                self._pending, skip_special_tokens=self.skip_special_tokens
+            )
             self._pending.clear()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """Where built-in models are materialized: ``LLM_CLUSTER_CACHE_DIR``, default ~/.cache/llm-cluster."""
+    """Where built-in models are materialized: ``LLM_CLUSTER_CACHE_DIR``
+    (default ~/.cache/llm-cluster)."""
     value = os.environ.get("LLM_CLUSTER_CACHE_DIR")
     if value:
         return Path(value).expanduser()

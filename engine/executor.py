@@ -28,7 +28,9 @@ class Executor(ABC):
         self.is_dead = False
 
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         """Call ``method`` on every worker; their results in rank order."""
 
     @abstractmethod
@@ -47,7 +49,7 @@ class Executor(ABC):
         if self.is_dead:
             raise EngineDeadError("the engine's workers are dead")
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 (optional hook: in-process workers hold nothing)
         """Release workers; the default has nothing to release."""
 
 
@@ -60,7 +62,9 @@ class UniProcExecutor(Executor):
         self.worker.init_device()
         self.worker.load_model()
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
     def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput:

@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine.beam_search import beam_search
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, PromptType
@@ -48,13 +49,69 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(
-                    f"has {len(params_list)} entries for {len(prompts)} prompts", param="sampling_params"
+                    f"has {len(params_list)} entries for {len(prompts)} prompts",
+                    param="sampling_params",
                 )
+        if any(p.use_beam_search for p in params_list):
+            return self._generate_with_beam_search(prompts, params_list, priority, use_tqdm)
         ids = self._add_all(prompts, params_list, priority)
         return self._run(ids, use_tqdm)
 
+    def _generate_with_beam_search(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """Beam-search prompts run one after another on the engine; the others in one batch."""
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        plain = [i for i, p in enumerate(params) if not p.use_beam_search]
+        if plain:
+            sub_priority = [priority[i] for i in plain] if priority else None
+            ids = self._add_all(
+                [prompts[i] for i in plain], [params[i] for i in plain], sub_priority
+            )
+            for i, out in zip(plain, self._run(ids, use_tqdm)):
+                outputs[i] = out
+        for i, p in enumerate(params):
+            if p.use_beam_search:
+                outputs[i] = beam_search(self.llm_engine, [prompts[i]], p)[0]
+        return [o for o in outputs if o is not None]
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        beam_width: int,
+        max_tokens: int = 16,
+        ignore_eos: bool = False,
+        length_penalty: float = 1.0,
+        logprobs: bool = False,
+    ) -> list[RequestOutput]:
+        """Beam search (vLLM's ``LLM.beam_search``): per prompt, the ``beam_width`` best
+        sequences by cumulative logprob / length ** length_penalty, best first."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = SamplingParams(
+            n=beam_width,
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+            use_beam_search=True,
+            beam_width=beam_width,
+            length_penalty=length_penalty,
+            logprobs=1 if logprobs else None,
+        )
+        return beam_search(self.llm_engine, list(prompts), params)
+
     def _add_all(
-        self, prompts: list[PromptType], params: list[SamplingParams], priority: Sequence[int] | None
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None,
     ) -> list[str]:
         ids: list[str] = []
         try:
@@ -90,8 +147,13 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = [
-            {"prompt_token_ids": list(tokenizer.apply_chat_template(
-                c, add_generation_prompt=True, tokenize=True, return_dict=False))}
+            {
+                "prompt_token_ids": list(
+                    tokenizer.apply_chat_template(
+                        c, add_generation_prompt=True, tokenize=True, return_dict=False
+                    )
+                )
+            }
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

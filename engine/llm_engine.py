@@ -1,11 +1,20 @@
 """``LLMEngine``: the head's synchronous core — tokenize and validate, schedule, run a step on
-the executor, update requests, detokenize, produce ``RequestOutput``s."""
+the executor, update requests, detokenize, produce ``RequestOutput``s.
+
+A user request with ``n`` samples becomes n scheduler ``Request``s: sample 0 keeps the request
+id, sample i > 0 is ``"{i}_{request_id}"``; samples 1.. fork from sample 0's prompt blocks (see
+``engine.scheduler``) and draw from their own seed stream (``seed + i``). The engine gathers
+them back into one ``RequestOutput`` with n ``CompletionOutput``s ordered by index, finished
+when all are. Aborting the request aborts every sample. Beam search runs outside the engine
+core, on top of it (``engine.beam_search``).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +25,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor import Executor, get_executor_class
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, make_execute_model_request
@@ -42,6 +52,32 @@ def eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+@dataclass
+class SampleState:
+    """Head-side state of one of a request's n samples, beside its scheduler ``Request``."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+
+
+@dataclass
+class RequestGroup:
+    """A user request: its prompt, its n samples, and its prompt logprobs (position -> dict)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
@@ -59,8 +95,9 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._prompts: dict[str, str | None] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        # Scheduler request id of every live sample -> (its group, its index).
+        self._samples: dict[str, tuple[RequestGroup, int]] = {}
         self._log_cache_size(num_blocks, num_cpu_blocks)
 
     @classmethod
@@ -73,8 +110,13 @@ class LLMEngine:
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1fx max_model_len %d), %.2f GiB "
             "across workers; swap space: %d blocks",
-            num_blocks, bs, num_blocks * bs, num_blocks * bs / self.config.max_model_len,
-            self.config.max_model_len, num_blocks * block_bytes / (1 << 30), num_cpu_blocks,
+            num_blocks,
+            bs,
+            num_blocks * bs,
+            num_blocks * bs / self.config.max_model_len,
+            self.config.max_model_len,
+            num_blocks * block_bytes / (1 << 30),
+            num_cpu_blocks,
         )
 
     # ---- requests -----------------------------------------------------------------------
@@ -97,21 +139,108 @@ class LLMEngine:
             raise InvalidRequestError("must be a SamplingParams", param="sampling_params")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
-        request = Request(
-            request_id, token_ids, params,
-            eos_token_ids=self.eos_token_ids, max_tokens=max_tokens,
-            arrival_time=arrival_time or time.monotonic(), priority=priority, cache_salt=cache_salt,
-        )
-        if request_id in self.scheduler.requests:
+        params = self._check_sampling(params, max_tokens)
+        sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]
+        if request_id in self._groups or any(r in self.scheduler.requests for r in sample_ids):
             raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+        arrival_time = arrival_time or time.monotonic()
+        samples = [
+            Request(
+                rid,
+                token_ids,
+                _sample_params(params, i),
+                eos_token_ids=self.eos_token_ids,
+                max_tokens=max_tokens,
+                arrival_time=arrival_time,
+                priority=priority,
+                cache_salt=cache_salt,
+                parent_request_id=request_id,
+                index=i,
+            )
+            for i, rid in enumerate(sample_ids)
+        ]
+        group = RequestGroup(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            samples=[self._sample_state(r) for r in samples],
+            prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
         )
-        self._prompts[request_id] = text
-        self.scheduler.add_request(request)
-        return request
+        self.scheduler.add_request(samples[0], forks=samples[1:])
+        self._groups[request_id] = group
+        for i, rid in enumerate(sample_ids):
+            self._samples[rid] = (group, i)
+        return samples[0]
+
+    def _sample_state(self, request: Request) -> SampleState:
+        params = request.sampling_params
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
+        wants_logprobs = params.logprobs is not None
+        return SampleState(
+            request=request,
+            detokenizer=detokenizer,
+            logprobs=[] if wants_logprobs else None,
+            cumulative_logprob=0.0 if wants_logprobs else None,
+        )
+
+    def _check_sampling(self, params: SamplingParams, max_tokens: int) -> SamplingParams:
+        """Checks that need the server's caps, the model or the tokenizer; returns the params
+        with ``bad_words`` tokenized into ``bad_words_token_ids``."""
+        caps = self.config.sampling
+        if params.use_beam_search:
+            raise InvalidRequestError(
+                "beam search runs outside the engine core: use LLM.beam_search / LLM.generate "
+                "or engine.beam_search.beam_search",
+                param="use_beam_search",
+            )
+        _within(params.n, caps.max_n, "n", "max_n")
+        _within(params.n, self.config.scheduler.max_num_seqs, "n", "max_num_seqs")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) is not None:
+                _within(getattr(params, name), caps.max_logprobs, name, "max_logprobs")
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"must be <= max_tokens ({max_tokens}), got {params.min_tokens}",
+                param="min_tokens",
+            )
+        vocab = self.config.model.vocab_size
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="logit_bias"
+            )
+        banned = [list(seq) for seq in params.bad_words_token_ids or ()]
+        for word in params.bad_words or ():
+            banned.extend(self._bad_word_token_ids(word))
+        if any(t >= vocab for seq in banned for t in seq):
+            raise InvalidRequestError(
+                f"token ids must be in [0, {vocab})", param="bad_words_token_ids"
+            )
+        if banned != (params.bad_words_token_ids or []):
+            params = params.clone(bad_words_token_ids=_unique(banned))
+        return params
+
+    def _bad_word_token_ids(self, word: str) -> list[list[int]]:
+        """A bad word as it would appear mid-text and at the start: with and without a leading
+        space (their tokenizations differ for BPE / sentencepiece vocabularies)."""
+        bare = word.lstrip()
+        variants = [bare, " " + bare]
+        return [
+            ids for v in variants if (ids := self.tokenizer.encode(v, add_special_tokens=False))
+        ]
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str) and not text:
+            raise InvalidRequestError("must not be empty", param="prompt")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -125,7 +254,8 @@ class LLMEngine:
             text, token_ids = None, prompt
         else:
             raise InvalidRequestError(
-                "must be a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'",
+                "must be a string, a list of token ids, "
+                "or a dict with 'prompt' or 'prompt_token_ids'",
                 param="prompt",
             )
         if not isinstance(token_ids, list) or not all(
@@ -169,13 +299,20 @@ class LLMEngine:
         return max_tokens
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (every one of their samples) and free their blocks."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for request in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
-            self._forget(request.request_id)
+        for rid in ids:
+            group = self._groups.get(rid)
+            if group is None:
+                continue
+            sample_ids = [s.request.request_id for s in group.samples]
+            self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
+            self._forget(group)
 
-    def _forget(self, request_id: str) -> None:
-        self._detokenizers.pop(request_id, None)
-        self._prompts.pop(request_id, None)
+    def _forget(self, group: RequestGroup) -> None:
+        self._groups.pop(group.request_id, None)
+        for sample in group.samples:
+            self._samples.pop(sample.request.request_id, None)
 
     # ---- the step -----------------------------------------------------------------------
 
@@ -187,19 +324,43 @@ class LLMEngine:
         if sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids:
             return []
         output = self.executor.execute_model(make_execute_model_request(sched))
+        texts = self._decode_logprob_tokens(output)
+        self._record_prompt_logprobs(output.prompt_logprobs, texts)
         updated = self.scheduler.update_from_output(sched, output.req_ids, output.sampled_token_ids)
-        outputs = [self._process(request, num_new) for request, num_new in self._new_tokens(updated, output)]
+        logprobs = dict(zip(output.req_ids, output.logprobs or ()))
+        groups: dict[str, RequestGroup] = {}
+        for request, num_new in self._new_tokens(updated, output):
+            group, index = self._samples[request.request_id]
+            self._process(group.samples[index], num_new, logprobs.get(request.request_id), texts)
+            groups[group.request_id] = group
+        outputs = []
+        for group in groups.values():
+            outputs.append(self.make_output(group))
+            if group.finished:
+                self._forget(group)
         if not self.scheduler.has_unfinished_requests() and self.scheduler._finished_req_ids:
             self._flush_finished()
         return outputs
 
     @staticmethod
-    def _new_tokens(updated: list[Request], output: Any) -> list[tuple[Request, int]]:
+    def _new_tokens(updated: list[Request], output: ModelRunnerOutput) -> list[tuple[Request, int]]:
         counts = dict(zip(output.req_ids, (len(t) for t in output.sampled_token_ids)))
         return [(r, counts[r.request_id]) for r in updated]
 
-    def _process(self, request: Request, num_new: int) -> RequestOutput:
-        detok = self._detokenizers[request.request_id]
+    def _process(
+        self,
+        sample: SampleState,
+        num_new: int,
+        logprobs: LogprobsLists | None,
+        texts: dict[int, str],
+    ) -> None:
+        request, detok = sample.request, sample.detokenizer
+        if logprobs is not None and sample.logprobs is not None:
+            entries = _logprob_dicts(logprobs, texts)
+            sample.logprobs.extend(entries)
+            sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + sum(
+                lps[0] for lps in logprobs.logprobs
+            )
         if detok.update(request.output_token_ids[-num_new:]):
             request.stop_reason = detok.stop_string
             if request.is_finished:
@@ -208,27 +369,52 @@ class LLMEngine:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
             detok.finish()
-        output = self.make_output(request)
-        if request.is_finished:
-            self._forget(request.request_id)
-        return output
 
-    def make_output(self, request: Request) -> RequestOutput:
-        detok = self._detokenizers[request.request_id]
-        completion = CompletionOutput(
-            index=0,
-            text=detok.output_text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-        )
+    def _record_prompt_logprobs(
+        self, chunks: dict[str, PromptLogprobs], texts: dict[int, str]
+    ) -> None:
+        for rid, chunk in chunks.items():
+            group = self._samples.get(rid, (None, 0))[0]
+            if group is None or group.prompt_logprobs is None:
+                continue
+            for offset, entry in enumerate(_logprob_dicts(chunk.lists, texts)):
+                group.prompt_logprobs[chunk.start + offset] = entry
+
+    def _decode_logprob_tokens(self, output: ModelRunnerOutput) -> dict[int, str]:
+        """Text of every token id in this step's logprobs, decoded in one batch."""
+        rows = [row for lists in output.logprobs or () if lists for row in lists.token_ids]
+        rows += [row for chunk in output.prompt_logprobs.values() for row in chunk.lists.token_ids]
+        if not rows:
+            return {}
+        unique = sorted({t for row in rows for t in row})
+        backend = self.tokenizer.backend_tokenizer
+        texts = backend.decode_batch([[t] for t in unique], skip_special_tokens=False)
+        return dict(zip(unique, texts))
+
+    def make_output(self, group: RequestGroup) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=sample.detokenizer.output_text,
+                token_ids=list(sample.request.output_token_ids),
+                cumulative_logprob=sample.cumulative_logprob,
+                logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+                finish_reason=sample.request.status.finish_reason,
+                stop_reason=sample.request.stop_reason,
+            )
+            for i, sample in enumerate(group.samples)
+        ]
+        first = group.samples[0].request
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=self._prompts.get(request.request_id),
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.is_finished,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            prompt_logprobs=list(group.prompt_logprobs)
+            if group.prompt_logprobs is not None
+            else None,
         )
 
     def _flush_finished(self) -> None:
@@ -260,6 +446,7 @@ class LLMEngine:
         self.block_manager.check_integrity()
         sched = self.scheduler
         queued = list(sched.waiting) + sched.running + sched.swapped
+        queued += [r for forks in sched.pending_forks.values() for r in forks]
         if sorted(r.request_id for r in queued) != sorted(sched.requests):
             raise RuntimeError("scheduler queues disagree with the set of live requests")
         for request in sched.running:
@@ -271,3 +458,38 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _logprob_dicts(lists: LogprobsLists, texts: dict[int, str]) -> list[dict[int, Logprob]]:
+    """Rows of (chosen, top-k...) as vLLM's dicts: token id -> Logprob(logprob, rank, text); the
+    chosen token first, with its own rank, then the top-k ranked 1..k."""
+    entries = []
+    for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+        entry = {ids[0]: Logprob(lps[0], rank, texts.get(ids[0]))}
+        for r, (token, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            entry.setdefault(token, Logprob(lp, r, texts.get(token)))
+        entries.append(entry)
+    return entries
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample ``index``'s own params: n = 1, its own seed stream, prompt logprobs only once."""
+    if params.n == 1:
+        return params
+    changes: dict[str, Any] = {"n": 1}
+    if params.seed is not None:
+        changes["seed"] = params.seed + index
+    if index > 0:
+        changes["prompt_logprobs"] = None
+    return params.clone(**changes)
+
+
+def _within(value: int, cap: int, name: str, cap_name: str) -> None:
+    if value > cap:
+        raise InvalidRequestError(
+            f"must be <= {cap} (the server's {cap_name}), got {value}", param=name
+        )
+
+
+def _unique(seqs: list[list[int]]) -> list[list[int]]:
+    return [list(s) for s in dict.fromkeys(tuple(s) for s in seqs)]

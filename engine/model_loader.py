@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.models import get_model_class
+from kernels.backend import get_kernel_ops
 from parallel.layers import load_full_loader
 from parallel.state import ParallelContext
 
@@ -37,7 +38,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def iterate_checkpoint(model_path: str | Path, *, progress: bool = True) -> Iterator[tuple[str, Any]]:
+def iterate_checkpoint(
+    model_path: str | Path, *, progress: bool = True
+) -> Iterator[tuple[str, Any]]:
     """(name, lazy slice) for every tensor of every ``*.safetensors`` file, shard by shard."""
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
@@ -76,8 +79,9 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> None:
 
 def load_model(config: EngineConfig, ctx: ParallelContext, device: torch.device) -> nn.Module:
     model_class = get_model_class(config.model.architecture)
+    backend = config.kernel.resolved_backend(device.type)
     with torch.device(device), _default_dtype(config.model.torch_dtype):
-        model = model_class(config.model.hf_config, ctx)
+        model = model_class(config.model.hf_config, ctx, ops=get_kernel_ops(backend))
     progress = ctx.tp.rank == 0 and ctx.pp.rank == 0
     load_weights(model, iterate_checkpoint(config.model.model_path, progress=progress))
     model.eval()

@@ -6,6 +6,10 @@ Per step, for each scheduled request r with c = num_computed_tokens and n schedu
     input_ids   = tokens[c : c+n]            positions = c .. c+n-1
     slot_mapping[t] = block_ids[pos // block_size] * block_size + pos % block_size
     seq_len = c + n                          sampled iff c + n == len(tokens)
+
+A request with ``prompt_logprobs`` also gets the logits of every chunk position t with
+t + 1 < num_prompt_tokens: they score prompt token t + 1 (chunked prefill returns them chunk
+by chunk; the head stitches them together by position).
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.protocol import ExecuteModelRequest, ModelRunnerOutput
-from engine.sampler import SamplingMetadata, sample
+from engine.cuda_graphs import DecodeCudaGraphRunner
+from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
+from engine.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
 from engine.sampling_params import SamplingParams
-from kernels.attention import AttentionMetadata, copy_blocks, swap_blocks
+from kernels.attention import AttentionMetadata
 from parallel.distributed import recv_intermediate, send_intermediate
 from parallel.state import ParallelContext
 
@@ -33,6 +38,12 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     num_computed_tokens: int = 0
+    num_prompt_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -42,6 +53,9 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the packed batch whose logits are sampled
     sampled_req_ids: list[str] = field(default_factory=list)
+    # Prompt logprobs wanted this step: (req_id, first prompt token scored, rows in the packed
+    # batch whose logits score it and the following ones).
+    prompt_logprobs_rows: list[tuple[str, int, np.ndarray]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -58,6 +72,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_kv_caches: list[torch.Tensor] = []
+        # Set once the KV cache exists, when decode steps may replay CUDA graphs.
+        self.graph_runner: DecodeCudaGraphRunner | None = None
 
     # ---- KV cache -----------------------------------------------------------------------
 
@@ -77,6 +93,8 @@ class ModelRunner:
         dtype = self.config.model.torch_dtype
         self.kv_caches = []
         self.cpu_kv_caches = []
+        # Captured graphs hold the old caches' addresses.
+        self.graph_runner = None
         for attn in self.model.attention_layers():
             cache = torch.zeros(self.kv_cache_shape(num_blocks), dtype=dtype, device=self.device)
             attn.kv_cache = cache
@@ -87,6 +105,25 @@ class ModelRunner:
                 self.cpu_kv_caches.append(
                     torch.empty(self.kv_cache_shape(num_cpu_blocks), dtype=dtype, pin_memory=pin)
                 )
+        if num_blocks and self._use_cuda_graphs():
+            self.graph_runner = DecodeCudaGraphRunner(
+                self.model,
+                self.device,
+                block_size=self.block_size,
+                max_model_len=self.config.max_model_len,
+                max_num_seqs=self.config.scheduler.max_num_seqs,
+                num_kv_blocks=num_blocks,
+            )
+
+    def _use_cuda_graphs(self) -> bool:
+        # Only the Triton kernels take every per-step value from device memory; collectives
+        # (TP) and stage hand-offs (PP) are not captured.
+        return (
+            self.device.type == "cuda"
+            and not self.config.kernel.enforce_eager
+            and self.model.kernel_ops.name == "triton"
+            and self.config.parallel.world_size == 1
+        )
 
     # ---- persistent batch ---------------------------------------------------------------
 
@@ -99,6 +136,7 @@ class ModelRunner:
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
+            num_prompt = new.num_prompt_tokens
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids),
@@ -106,6 +144,8 @@ class ModelRunner:
                 sampling_params=params,
                 generator=generator,
                 num_computed_tokens=new.num_computed_tokens,
+                num_prompt_tokens=num_prompt if num_prompt >= 0 else len(new.prompt_token_ids),
+                eos_token_ids=tuple(new.eos_token_ids),
             )
         for cached in req.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)
@@ -119,6 +159,14 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def apply_block_ops(self, req: ExecuteModelRequest) -> None:
+        swap_blocks = self.model.kernel_ops.swap_blocks
+        copy_blocks = self.model.kernel_ops.copy_blocks
+        # Copies first: a copy-on-write destination may be swapped out in the same step (its
+        # request was preempted right after the copy was scheduled), and a copy source is held by
+        # a live request, so it is never a swap-in destination.
+        if req.blocks_to_copy:
+            mapping = torch.tensor(req.blocks_to_copy, dtype=torch.int64, device=self.device)
+            copy_blocks(self.kv_caches, mapping)
         if req.blocks_to_swap_out:
             mapping = torch.tensor(req.blocks_to_swap_out, dtype=torch.int64)
             for device_cache, cpu_cache in zip(self.kv_caches, self.cpu_kv_caches):
@@ -127,16 +175,15 @@ class ModelRunner:
             mapping = torch.tensor(req.blocks_to_swap_in, dtype=torch.int64)
             for device_cache, cpu_cache in zip(self.kv_caches, self.cpu_kv_caches):
                 swap_blocks(cpu_cache, device_cache, mapping)
-        if req.blocks_to_copy:
-            mapping = torch.tensor(req.blocks_to_copy, dtype=torch.int64, device=self.device)
-            copy_blocks(self.kv_caches, mapping)
 
     # ---- inputs -------------------------------------------------------------------------
 
     def prepare_inputs(self, req: ExecuteModelRequest) -> StepInputs:
         bs = self.block_size
         states = [self.requests[rid] for rid in req.num_scheduled_tokens]
-        query_lens = np.fromiter(req.num_scheduled_tokens.values(), dtype=np.int32, count=len(states))
+        query_lens = np.fromiter(
+            req.num_scheduled_tokens.values(), dtype=np.int32, count=len(states)
+        )
         starts = np.array([s.num_computed_tokens for s in states], dtype=np.int32)
         seq_lens = starts + query_lens
         num_tokens = int(query_lens.sum())
@@ -168,13 +215,31 @@ class ModelRunner:
             metadata=metadata,
             logits_indices=torch.tensor(cu[1:][sampled] - 1, dtype=torch.int64, device=self.device),
             sampled_req_ids=[states[i].req_id for i in sampled],
+            prompt_logprobs_rows=self._prompt_logprobs_rows(states, starts, seq_lens, cu),
         )
+
+    @staticmethod
+    def _prompt_logprobs_rows(
+        states: list[CachedRequestState], starts: np.ndarray, ends: np.ndarray, cu: np.ndarray
+    ) -> list[tuple[str, int, np.ndarray]]:
+        rows = []
+        for i, state in enumerate(states):
+            if state.sampling_params.prompt_logprobs is None:
+                continue
+            # Positions t in [start, end) with t + 1 < num_prompt_tokens score prompt token t + 1.
+            last = min(int(ends[i]), state.num_prompt_tokens - 1)
+            if last > starts[i]:
+                rows.append((state.req_id, int(starts[i]) + 1, cu[i] + np.arange(last - starts[i])))
+        return rows
 
     # ---- one step -----------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(
-        self, inputs: StepInputs, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.model(inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual)
 
@@ -182,24 +247,78 @@ class ModelRunner:
     def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput | None:
         """Logits of the rows that end their request's known tokens, then sampling.
         Returns None on TP ranks other than 0 (they hold no logits)."""
-        if not inputs.sampled_req_ids:
-            # Every scheduled request is mid-prompt (a long prompt's chunk): nothing to sample.
-            # All TP ranks see the same batch, so they all skip the logits gather together.
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         if logits is None:
             return None
+        if not inputs.sampled_req_ids:  # every scheduled request is mid-prompt
+            return ModelRunnerOutput(
+                req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs
+            )
         states = [self.requests[rid] for rid in inputs.sampled_req_ids]
+        params = [s.sampling_params for s in states]
+        needs_history = any(
+            p.has_penalties or p.bad_words_token_ids or p.min_tokens for p in params
+        )
         meta = SamplingMetadata.build(
-            [s.sampling_params for s in states],
+            params,
             [s.generator for s in states],
             self.vocab_size,
             self.device,
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states]
+            if needs_history
+            else None,
+            output_token_ids=[s.output_token_ids for s in states] if needs_history else None,
+            eos_token_ids=[s.eos_token_ids for s in states],
         )
-        token_ids = sample(logits, meta).tolist()
+        out = sample(logits, meta)
+        logprobs = None
+        if out.logprobs is not None and meta.num_logprobs is not None:
+            logprobs = _split_logprobs(out.logprobs, meta.num_logprobs)
         return ModelRunnerOutput(
-            req_ids=inputs.sampled_req_ids, sampled_token_ids=[[t] for t in token_ids]
+            req_ids=inputs.sampled_req_ids,
+            sampled_token_ids=[[t] for t in out.token_ids.tolist()],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(
+        self, inputs: StepInputs, hidden: torch.Tensor
+    ) -> dict[str, PromptLogprobs]:
+        """Raw logprobs of the prompt tokens this step's chunks score (every TP rank joins the
+        logits gather; only rank 0 gets a result)."""
+        if not inputs.prompt_logprobs_rows:
+            return {}
+        rows = np.concatenate([r for _, _, r in inputs.prompt_logprobs_rows])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+        if logits is None:
+            return {}
+        targets, ks = [], []
+        for rid, first, req_rows in inputs.prompt_logprobs_rows:
+            state = self.requests[rid]
+            targets.extend(state.token_ids[first : first + len(req_rows)])
+            ks.append(state.sampling_params.prompt_logprobs or 0)
+        raw = logits.to(torch.float32).log_softmax(dim=-1)
+        chosen = torch.tensor(targets, dtype=torch.int64, device=self.device)
+        tensors = gather_logprobs(raw, chosen, min(max(ks), self.vocab_size))
+        token_ids, lps, ranks = (
+            tensors.token_ids.tolist(),
+            tensors.logprobs.tolist(),
+            tensors.ranks.tolist(),
+        )
+        result, offset = {}, 0
+        for (rid, first, req_rows), k in zip(inputs.prompt_logprobs_rows, ks):
+            span = slice(offset, offset + len(req_rows))
+            result[rid] = PromptLogprobs(
+                start=first,
+                lists=LogprobsLists(
+                    token_ids=[t[: k + 1] for t in token_ids[span]],
+                    logprobs=[lp[: k + 1] for lp in lps[span]],
+                    ranks=ranks[span],
+                ),
+            )
+            offset += len(req_rows)
+        return result
 
     def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
         """One step on this rank. Stages after the first continue from the previous stage's
@@ -210,6 +329,10 @@ class ModelRunner:
         if req.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         inputs = self.prepare_inputs(req)
+        if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
+            # Only with TP = PP = 1 (see _use_cuda_graphs): the whole model in one replay.
+            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
+            return self.sample(inputs, hidden)
         pp = self.ctx.pp
         hidden = residual = None
         if not pp.is_first:

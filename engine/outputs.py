@@ -6,12 +6,29 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's raw log-probability, its 1-based rank in the distribution, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob (the chosen token first, then the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
+    """One of a request's n samples. ``cumulative_logprob`` (sum of the sampled tokens' raw
+    logprobs) and ``logprobs`` are set only when the request asked for ``logprobs``."""
+
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
@@ -25,7 +42,9 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # n of them, ordered by index
     finished: bool
+    # One entry per prompt token (the first is None), when the request asked for them.
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)

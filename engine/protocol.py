@@ -15,17 +15,23 @@ from engine.sampling_params import SamplingParams
 
 class NewRequestData(msgspec.Struct, kw_only=True):
     req_id: str
+    # All known tokens: the prompt, then (after a recompute) tokens generated so far.
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # How many of prompt_token_ids are the prompt (-1: all); penalties count the rest as output.
+    num_prompt_tokens: int = -1
+    # EOS ids that min_tokens masks (the head knows them from the generation config).
+    eos_token_ids: list[int] = []
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
     req_id: str
     # Tokens the head appended (sampled) since this request was last sent.
     new_token_ids: list[int]
-    # Appended to the block table; when resumed_from_preemption they replace it instead.
+    # Appended to the block table; when resumed_from_preemption they replace it instead (also
+    # sent that way after a copy-on-write replaced a block in the middle of the table).
     new_block_ids: list[int]
     num_computed_tokens: int
     resumed_from_preemption: bool = False
@@ -49,11 +55,32 @@ class ExecuteModelRequest(msgspec.Struct, kw_only=True):
         return self.total_num_scheduled_tokens == 0
 
 
-class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Log-probabilities of some positions, one row each: column 0 is the chosen token (sampled,
+    or the actual next prompt token), columns 1.. the top-k; ``ranks`` is the chosen token's
+    1-based rank in the raw distribution."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Prompt logprobs computed by one prefill chunk: row i is prompt token ``start + i``."""
+
+    start: int
+    lists: LogprobsLists
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Requests that reached the end of their known tokens this step, in batch order, and the
     # token(s) sampled for each. A request whose prefill chunk ended mid-prompt is absent.
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
+    # Aligned with req_ids when any request asked for logprobs (None for those that did not).
+    logprobs: list[LogprobsLists | None] | None = None
+    # req_id -> prompt logprobs of this step's chunk, for requests that asked.
+    prompt_logprobs: dict[str, PromptLogprobs] = {}
 
 
 _encoder = msgspec.msgpack.Encoder()

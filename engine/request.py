@@ -10,6 +10,9 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # A parallel sample (n > 1) waiting for its group's first sample to compute the shared
+    # prompt; it then forks from that sample's blocks (see ``Scheduler``).
+    WAITING_FOR_PROMPT = "waiting_for_prompt"
     RUNNING = "running"
     PREEMPTED = "preempted"  # recompute: blocks freed, back in the waiting queue
     SWAPPED = "swapped"  # swap: blocks moved to CPU swap space
@@ -51,8 +54,13 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        parent_request_id: str | None = None,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Parallel sampling: the user's request id and this sample's index among its n.
+        self.parent_request_id = parent_request_id or request_id
+        self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
@@ -63,7 +71,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # set at the first schedule: prompt tokens found in the prefix cache
+        self.num_cached_tokens = (
+            -1
+        )  # set at the first schedule: prompt tokens found in the prefix cache
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -1,7 +1,9 @@
 """``SamplingParams``: what a request asks of decoding, with vLLM's names, defaults and ranges.
 
 It is a ``msgspec.Struct`` so that it travels inside ``ExecuteModelRequest`` through the typed
-codec, never through pickle.
+codec, never through pickle. Ranges that need no model (penalty bounds, ``min_tokens <=
+max_tokens``) are checked here; those that need the model or the server's caps (token ids inside
+the vocabulary, ``n <= max_n``, ``logprobs <= max_logprobs``) in ``LLMEngine.add_request``.
 """
 
 from __future__ import annotations
@@ -13,52 +15,253 @@ import msgspec
 from engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+_MAX_LOGIT_BIAS = 100.0
+
+# Fields that must keep their default under beam search: the driver ranks beams by the model's
+# raw log-probabilities, so these would silently do nothing.
+_NOT_WITH_BEAM_SEARCH = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logit_bias",
+    "bad_words",
+    "prompt_logprobs",
+)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Decoding parameters of one request.
+    """Decoding parameters of one request (vLLM's ``SamplingParams`` names and ranges).
 
-    ``temperature`` 0 means greedy. ``top_k`` 0 (or -1) and ``top_p`` 1 disable those filters.
+    ``temperature`` 0 means greedy. ``top_k`` 0 (or -1) and ``top_p`` 1 disable those filters;
+    ``min_p`` drops tokens whose probability is below ``min_p`` times the top token's.
     ``max_tokens`` None means "up to max_model_len". ``stop`` strings end generation and are
-    excluded from the text; ``stop_token_ids`` end it too (the token is kept in ``token_ids``).
+    excluded from the text unless ``include_stop_str_in_output``; ``stop_token_ids`` end it
+    too (the token is kept in ``token_ids``). Until ``min_tokens`` tokens are generated, EOS and
+    ``stop_token_ids`` cannot be sampled and stop strings are not matched.
+
+    Penalties: ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] subtract
+    ``penalty * [count > 0]`` / ``penalty * count`` over the generated tokens (OpenAI);
+    ``repetition_penalty`` > 0 divides positive logits and multiplies negative ones of every
+    token seen in the prompt or the output (HF / CTRL). ``logit_bias`` maps token id -> bias in
+    [-100, 100], added to the logits. ``bad_words`` are strings never to generate: the head
+    tokenizes them into ``bad_words_token_ids`` (which may also be given directly).
+
+    ``n`` independent samples share the prompt's KV blocks. ``logprobs`` = k returns, per
+    generated token, the top-k log-probabilities plus the sampled token's own;
+    ``prompt_logprobs`` = k the same for every prompt token after the first. Log-probabilities
+    are those of the raw model (log_softmax of the logits before penalties and temperature), as
+    vLLM v1 returns by default.
+
+    ``use_beam_search`` runs beam search (``LLM.beam_search``) with ``beam_width`` beams
+    (default ``n``) and returns the ``n`` best by cumulative logprob / length**length_penalty.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int | None = 16
+    min_tokens: int = 0
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               "temperature", f"must be >= 0, got {self.temperature!r}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
-               "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
-               "top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self._check_filters()
+        self._check_penalties()
+        self._check_lengths_and_stops()
+        self._check_logprobs()
+        self._check_logit_bias()
+        self._check_bad_words()
+        self._check_beam_search()
+
+    def _check_filters(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", f"must be >= 1, got {self.n!r}")
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be >= 0, got {self.temperature!r}",
+        )
+        _check(
+            _is_number(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            _is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
+            "top_k",
+            f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+        )
+        _check(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            f"must be in [0, 1], got {self.min_p!r}",
+        )
         if self.seed is not None:
             _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}"
+            )
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty!r}",
+        )
+
+    def _check_lengths_and_stops(self) -> None:
         if self.max_tokens is not None:
-            _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
-                   "max_tokens", f"must be >= 1, got {self.max_tokens!r}")
+            _check(
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
+                "max_tokens",
+                f"must be >= 1, got {self.max_tokens!r}",
+            )
+        _check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be >= 0, got {self.min_tokens!r}",
+        )
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
         if self.stop is not None:
-            _check(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop),
-                   "stop", "must be a string or a list of strings")
+            _check(
+                isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop),
+                "stop",
+                "must be a string or a list of strings",
+            )
             _check(all(self.stop), "stop", "must not contain empty strings")
         if self.stop_token_ids is not None:
-            _check(isinstance(self.stop_token_ids, list)
-                   and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-                   "stop_token_ids", "must be a list of non-negative integers")
+            _check(
+                isinstance(self.stop_token_ids, list)
+                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "must be a list of non-negative integers",
+            )
+
+    def _check_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(_is_int(value) and value >= 0, name, f"must be >= 0, got {value!r}")
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            # JSON object keys are strings: accept "50256" as well as 50256.
+            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            _check(
+                _is_int(token) and token >= 0,
+                "logit_bias",
+                f"keys must be non-negative token ids, got {key!r}",
+            )
+            _check(
+                _is_number(value) and -_MAX_LOGIT_BIAS <= value <= _MAX_LOGIT_BIAS,
+                "logit_bias",
+                f"bias of token {token} must be in [-100, 100], got {value!r}",
+            )
+            bias[token] = float(value)
+        self.logit_bias = bias
+
+    def _check_bad_words(self) -> None:
+        if self.bad_words is not None:
+            _check(
+                isinstance(self.bad_words, list)
+                and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words",
+                "must be a list of non-blank strings",
+            )
+        if self.bad_words_token_ids is not None:
+            _check(
+                isinstance(self.bad_words_token_ids, list)
+                and all(
+                    isinstance(seq, list) and seq and all(_is_int(t) and t >= 0 for t in seq)
+                    for seq in self.bad_words_token_ids
+                ),
+                "bad_words_token_ids",
+                "must be a list of non-empty lists of non-negative token ids",
+            )
+
+    def _check_beam_search(self) -> None:
+        if self.beam_width is not None:
+            _check(
+                _is_int(self.beam_width) and self.beam_width >= 1,
+                "beam_width",
+                f"must be >= 1, got {self.beam_width!r}",
+            )
+        _check(
+            _is_number(self.length_penalty),
+            "length_penalty",
+            f"must be a number, got {self.length_penalty!r}",
+        )
+        if not self.use_beam_search:
+            return
+        _check(
+            self.n <= self.num_beams,
+            "n",
+            f"must be <= beam_width ({self.num_beams}) with use_beam_search, got {self.n}",
+        )
+        _check(
+            self.greedy,
+            "temperature",
+            f"must be 0 with use_beam_search, got {self.temperature!r}",
+        )
+        defaults = SamplingParams()
+        for name in _NOT_WITH_BEAM_SEARCH:
+            _check(
+                getattr(self, name) == getattr(defaults, name),
+                name,
+                "is not supported with use_beam_search (beams are ranked by raw logprobs)",
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_beams(self) -> int:
+        return self.beam_width if self.beam_width is not None else self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     def clone(self, **changes: Any) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)

@@ -11,6 +11,17 @@ under a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_
 
 A prompt longer than the remaining budget is chunked across steps, so decodes never starve.
 This module is a CPU-only state machine: it never touches a model or a tensor.
+
+Parallel sampling (n > 1): the engine adds the n samples of a request as n ``Request``s; sample 0
+is scheduled like any request, samples 1..n-1 wait (``WAITING_FOR_PROMPT``, in no queue) until
+sample 0 has computed the whole prompt (P tokens). Then each forks: it shares sample 0's blocks
+holding tokens [0, P - 1) (ref counts + 1, see ``BlockManager.fork``), starts with P - 1
+computed tokens and recomputes only the last prompt token, whose logits it samples its first
+token from (with its own seed). Its write into the shared, partially filled last block is a
+copy-on-write (``blocks_to_copy``). So the prompt is computed once, one token per extra sample
+is recomputed, and a group holds ceil(P / block_size) prompt blocks plus at most one copied block
+per sample. Admission reserves ``max_num_seqs`` room for the whole group; if sample 0 ends before
+the fork (abort, or a stop), the waiting samples fall back to the waiting queue.
 """
 
 from __future__ import annotations
@@ -99,15 +110,27 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_req_ids: list[str] = []
+        # Parallel samples waiting for the prompt, by the request id of the sample they fork from.
+        self.pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        self.num_swap_outs = 0
 
     # ---- request lifecycle --------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+    def add_request(self, request: Request, forks: Iterable[Request] = ()) -> None:
+        """Enqueue ``request``; ``forks`` (its sibling samples) fork from it once its prompt is
+        computed."""
+        forks = list(forks)
+        for r in [request, *forks]:
+            if r.request_id in self.requests:
+                raise ValueError(f"request_id: {r.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        for fork in forks:
+            fork.status = RequestStatus.WAITING_FOR_PROMPT
+            self.requests[fork.request_id] = fork
+        if forks:
+            self.pending_forks[request.request_id] = forks
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests (abort, or a stop string found by the detokenizer) and free their blocks."""
@@ -118,12 +141,25 @@ class Scheduler:
                 continue
             if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 self.waiting.remove(request)
+            if request.status is RequestStatus.WAITING_FOR_PROMPT:
+                self._remove_pending_fork(request)
             request.status = status
             self._free_request(request)
             finished.append(request)
         return finished
 
+    def _remove_pending_fork(self, request: Request) -> None:
+        for source_id, forks in list(self.pending_forks.items()):
+            if request in forks:
+                forks.remove(request)
+                if not forks:
+                    del self.pending_forks[source_id]
+
     def _free_request(self, request: Request) -> None:
+        # Samples still waiting to fork from this one compute their own prompt instead.
+        for fork in self.pending_forks.pop(request.request_id, []):
+            fork.status = RequestStatus.WAITING
+            self.waiting.add(fork)
         if request in self.running:
             self.running.remove(request)
         if request in self.swapped:
@@ -151,11 +187,26 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
         if not out.preempted_req_ids and not self.swapped:
             self._schedule_waiting(out, budget)
+        self._record_copies(out)
         return out
+
+    def _record_copies(self, out: SchedulerOutput) -> None:
+        """Hand this step's copy-on-write pairs to the workers. A copy replaced a block in the
+        middle of its request's table, so a request the workers already know gets its whole
+        table again (a copy of a request preempted later in the step is harmless: its
+        destination block was freed, or swapped out after the copy)."""
+        for src, dst, rid in self.block_manager.take_copies():
+            out.blocks_to_copy.append((src, dst))
+            request = self.requests.get(rid)
+            if request is not None and request in out.cached_reqs:
+                out.resumed_req_ids.add(rid)
+                out.new_block_ids[rid] = self.block_manager.get_block_ids(rid)
 
     def _tokens_to_compute(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
-        return max(0, min(remaining, budget, self.config.max_model_len - request.num_computed_tokens))
+        return max(
+            0, min(remaining, budget, self.config.max_model_len - request.num_computed_tokens)
+        )
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         if self.config.policy == "priority":
@@ -200,6 +251,7 @@ class Scheduler:
         request.needs_full_table = True
         if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(request):
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(request))
+            self.num_swap_outs += 1
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             return
@@ -217,7 +269,10 @@ class Scheduler:
             num_new = self._tokens_to_compute(request, budget)
             needed = len(self.block_manager.req_to_cpu_blocks[request.request_id])
             # Swap in only when the next chunk fits too, so a swapped-in request makes progress.
-            extra = -(-(request.num_computed_tokens + num_new) // self.block_manager.block_size) - needed
+            extra = (
+                -(-(request.num_computed_tokens + num_new) // self.block_manager.block_size)
+                - needed
+            )
             if needed + max(0, extra) > self.block_manager.num_free_blocks or num_new == 0:
                 break
             self.swapped.pop(0)
@@ -229,9 +284,21 @@ class Scheduler:
             self._record(out, request, num_new, new_blocks)
         return budget
 
+    def _num_reserved_seqs(self) -> int:
+        """Sequence slots promised to samples that will fork from an admitted request."""
+        return sum(
+            len(forks)
+            for rid, forks in self.pending_forks.items()
+            if self.requests[rid].status in (RequestStatus.RUNNING, RequestStatus.SWAPPED)
+        )
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        reserved = self._num_reserved_seqs()
+        while self.waiting and budget > 0:
             request = self.waiting.peek()
+            group = 1 + len(self.pending_forks.get(request.request_id, ()))
+            if len(self.running) + reserved + group > self.config.max_num_seqs:
+                break
             computed_blocks, num_computed = self.block_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -249,6 +316,7 @@ class Scheduler:
                 self.block_manager.prefix_hits += num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            reserved += group - 1
             budget -= num_new
             self._record(out, request, num_new, computed_blocks + new_blocks)
 
@@ -284,6 +352,11 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num
             self.block_manager.cache_blocks(request)
+            if (
+                rid in self.pending_forks
+                and request.num_computed_tokens >= request.num_prompt_tokens
+            ):
+                self._fork(request, self.pending_forks.pop(rid))
         updated = []
         for rid, token_ids in zip(req_ids, sampled_token_ids):
             request = self.requests.get(rid)
@@ -297,17 +370,29 @@ class Scheduler:
             updated.append(request)
         return updated
 
+    def _fork(self, source: Request, forks: list[Request]) -> None:
+        """``source`` has just computed its whole prompt: its sibling samples share the blocks of
+        all prompt tokens but the last, which each recomputes to sample its own first token."""
+        num_shared = source.num_prompt_tokens - 1
+        for fork in forks:
+            self.block_manager.fork(source, fork, num_shared)
+            fork.num_computed_tokens = num_shared
+            fork.status = RequestStatus.RUNNING
+            self.running.append(fork)
+
 
 def check_token_stop(request: Request, max_model_len: int) -> RequestStatus | None:
-    """Stop conditions that need no text: EOS, stop_token_ids, max_tokens, max_model_len."""
+    """Stop conditions that need no text: EOS, stop_token_ids (both only once min_tokens are
+    generated), max_tokens, max_model_len."""
     params = request.sampling_params
     last = request.output_token_ids[-1]
-    if not params.ignore_eos and last in request.eos_token_ids:
-        request.stop_reason = None
-        return RequestStatus.FINISHED_STOPPED
-    if params.stop_token_ids and last in params.stop_token_ids:
-        request.stop_reason = last
-        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and last in request.eos_token_ids:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_token_ids and last in params.stop_token_ids:
+            request.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None
@@ -324,6 +409,8 @@ def make_execute_model_request(out: SchedulerOutput) -> ExecuteModelRequest:
                 sampling_params=request.sampling_params,
                 block_ids=out.new_block_ids[request.request_id],
                 num_computed_tokens=request.num_computed_tokens,
+                num_prompt_tokens=request.num_prompt_tokens,
+                eos_token_ids=sorted(request.eos_token_ids),
             )
         )
         request.num_tokens_sent = request.num_tokens

@@ -92,17 +92,21 @@ class Worker:
         """(device KV blocks, CPU swap blocks) that fit this worker's memory budget."""
         runner = self.runner
         block_bytes = runner.kv_block_bytes()
-        num_cpu_blocks = int(self.config.cache.swap_space * _GiB // block_bytes)
+        sched = self.config.scheduler
+        max_useful = sched.max_num_seqs * -(-sched.max_model_len // self.config.cache.block_size)
+        num_cpu_blocks = min(int(self.config.cache.swap_space * _GiB // block_bytes), max_useful)
         if self.config.cache.num_kv_blocks is not None:
             return self.config.cache.num_kv_blocks, num_cpu_blocks
         if self.device.type == "cuda":
-            budget = self._cuda_kv_budget_bytes()
+            num_blocks = self._cuda_kv_budget_bytes() // block_bytes
         else:
-            budget = int(self.config.cache.cpu_kv_cache_space * _GiB)
-        num_blocks = budget // block_bytes
+            num_blocks = int(self.config.cache.cpu_kv_cache_space * _GiB) // block_bytes
+            # On CPU the pool shares RAM with everything else: never take more than the
+            # scheduler can fill (max_num_seqs sequences of max_model_len tokens).
+            num_blocks = min(num_blocks, max_useful)
         if num_blocks <= 0:
             raise RuntimeError(
-                f"no memory left for the KV cache (budget {budget / _GiB:.2f} GiB); raise "
+                "no memory left for the KV cache; raise "
                 "gpu_memory_utilization / cpu_kv_cache_space or lower max_num_batched_tokens"
             )
         return int(num_blocks), num_cpu_blocks
@@ -134,8 +138,14 @@ class Worker:
         slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         from kernels.attention import AttentionMetadata
 
-        meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=query_lens, block_table=block_table,
-                                       slot_mapping=slots, block_size=bs, device=self.device)
+        meta = AttentionMetadata.build(
+            query_lens=query_lens,
+            seq_lens=query_lens,
+            block_table=block_table,
+            slot_mapping=slots,
+            block_size=bs,
+            device=self.device,
+        )
         ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
         hidden = residual = None
@@ -148,7 +158,7 @@ class Worker:
             residual = torch.zeros(shape, dtype=dtype, device=self.device)
         hidden, _ = runner.model(ids, pos, meta, hidden, residual)
         if runner.model.lm_head is not None:
-            runner.model.compute_logits(hidden[-min(sched.max_num_seqs, len(positions)):])
+            runner.model.compute_logits(hidden[-min(sched.max_num_seqs, len(positions)) :])
         torch.cuda.synchronize(self.device)
         runner.initialize_kv_cache(0, 0)
 

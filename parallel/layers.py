@@ -36,7 +36,9 @@ def narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
 def load_full(param: nn.Parameter, loaded: Any) -> None:
     tensor = loaded[:] if not isinstance(loaded, torch.Tensor) else loaded
     if tuple(tensor.shape) != tuple(param.shape):
-        raise ValueError(f"checkpoint tensor shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}"
+        )
     param.data.copy_(tensor)
 
 
@@ -46,15 +48,23 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) must be divisible by the tensor parallel size ({denominator})")
+        raise ValueError(
+            f"{what} ({numerator}) must be divisible by the tensor parallel size ({denominator})"
+        )
     return numerator // denominator
 
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W split by output rows; output stays sharded."""
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
-                 tp: GroupCoordinator = SINGLE) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        tp: GroupCoordinator = SINGLE,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.input_size = input_size
@@ -80,8 +90,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     is loaded into part i.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool = False,
-                 tp: GroupCoordinator = SINGLE) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool = False,
+        tp: GroupCoordinator = SINGLE,
+    ) -> None:
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias=bias, tp=tp)
 
@@ -100,8 +116,16 @@ class QKVParallelLinear(ColumnParallelLinear):
     Rank layout of the fused output: [q heads of this rank | its kv heads (k) | (v)].
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *,
-                 bias: bool = False, tp: GroupCoordinator = SINGLE) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool = False,
+        tp: GroupCoordinator = SINGLE,
+    ) -> None:
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
         if tp.size >= num_kv_heads:
@@ -136,8 +160,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard W_shard^T) + b with W split by input columns; bias added once."""
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
-                 tp: GroupCoordinator = SINGLE) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        tp: GroupCoordinator = SINGLE,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.input_size_per_partition = divide(input_size, tp.size, "input size")
@@ -164,8 +194,14 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding split by vocabulary: rank r owns rows [r*shard, (r+1)*shard) of the padded vocab;
     tokens outside its range embed to zero, and an all-reduce sums the one non-zero row."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: GroupCoordinator = SINGLE,
-                 pad_to: int = 64) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp: GroupCoordinator = SINGLE,
+        pad_to: int = 64,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.num_embeddings = num_embeddings

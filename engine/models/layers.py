@@ -1,5 +1,9 @@
 """Model layers without parallelism in them: RMSNorm, rotary embedding, SiLU-and-mul, and the
-paged attention layer that writes K/V into this layer's cache and attends through block tables."""
+paged attention layer that writes K/V into this layer's cache and attends through block tables.
+
+Each layer computes through the ``KernelOps`` it was built with (torch or Triton, see
+``kernels.backend``); the default is the torch backend.
+"""
 
 from __future__ import annotations
 
@@ -7,39 +11,30 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import AttentionMetadata, paged_attention, reshape_and_cache
+from kernels.attention import AttentionMetadata
+from kernels.backend import KernelOps, get_kernel_ops
+
+
+def default_ops(ops: KernelOps | None) -> KernelOps:
+    return ops if ops is not None else get_kernel_ops("torch")
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 like HF's; ``forward(x, residual)`` fuses the residual add:
     returns (norm(x + residual), x + residual)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        self.ops = default_ops(ops)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def _rope_inv_freq(head_dim: int, base: float, rope: dict[str, Any]) -> torch.Tensor:
@@ -60,14 +55,24 @@ def _rope_inv_freq(head_dim: int, base: float, rope: dict[str, Any]) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling.rope_type: {rope_type!r} is not supported (default, linear, llama3)")
+    raise ValueError(
+        f"rope_scaling.rope_type: {rope_type!r} is not supported (default, linear, llama3)"
+    )
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (HF's rotate_half), cos/sin cached for every position."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, rope: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope: dict[str, Any],
+        ops: KernelOps | None = None,
+    ) -> None:
         super().__init__()
+        self.ops = default_ops(ops)
         inv_freq = _rope_inv_freq(head_dim, base, rope)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -79,14 +84,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return self.ops.rotary_embedding(positions, q, k, self.cos, self.sin)
 
 
 class PagedAttention(nn.Module):
@@ -94,8 +92,11 @@ class PagedAttention(nn.Module):
     token over its request's whole context through the block table. ``kv_cache`` is bound by
     the model runner once the cache is allocated."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, ops: KernelOps | None = None
+    ) -> None:
         super().__init__()
+        self.ops = default_ops(ops)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -107,5 +108,5 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not allocated yet (initialize_cache first)")
-        reshape_and_cache(k, v, self.kv_cache, metadata.slot_mapping)
-        return paged_attention(q, self.kv_cache, metadata, self.scale)
+        self.ops.reshape_and_cache(k, v, self.kv_cache, metadata.slot_mapping)
+        return self.ops.paged_attention(q, self.kv_cache, metadata, self.scale)

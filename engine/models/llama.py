@@ -9,13 +9,14 @@ embeddings, both read from the HF config.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, default_ops
 from kernels.attention import AttentionMetadata
+from kernels.backend import KernelOps
 from parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -34,22 +35,30 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps
+    ) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         num_heads = hf["num_attention_heads"]
         num_kv_heads = hf.get("num_key_value_heads") or num_heads
         head_dim = hf.get("head_dim") or hidden // num_heads
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias, tp=ctx.tp)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias, tp=ctx.tp
+        )
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=False, tp=ctx.tp)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         base = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        self.rotary = RotaryEmbedding(head_dim, hf["max_position_embeddings"], base, rope)
-        self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim)
+        self.rotary = RotaryEmbedding(head_dim, hf["max_position_embeddings"], base, rope, ops)
+        self.attn = PagedAttention(
+            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, ops
+        )
         self.head_dim = head_dim
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.attn.num_heads, self.head_dim)
@@ -61,8 +70,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext) -> None:
+    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         hidden, inter = hf["hidden_size"], hf["intermediate_size"]
         act = hf.get("hidden_act", "silu")
         if act != "silu":
@@ -71,20 +81,25 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, tp=ctx.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps
+    ) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(hf, ctx, qkv_bias)
-        self.mlp = LlamaMLP(hf, ctx)
-        self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
+        self.self_attn = LlamaAttention(hf, ctx, qkv_bias, ops)
+        self.mlp = LlamaMLP(hf, ctx, ops)
+        self.input_layernorm = RMSNorm(hf["hidden_size"], eps, ops)
+        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps, ops)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -98,21 +113,35 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, qkv_bias: bool, ops: KernelOps
+    ) -> None:
         super().__init__()
         self.ctx = ctx
-        self.start_layer, self.end_layer = pp_layer_range(hf["num_hidden_layers"], ctx.pp.rank, ctx.pp.size)
+        self.start_layer, self.end_layer = pp_layer_range(
+            hf["num_hidden_layers"], ctx.pp.rank, ctx.pp.size
+        )
         self.embed_tokens = (
-            VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp) if ctx.pp.is_first else None
+            VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp)
+            if ctx.pp.is_first
+            else None
         )
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(hf, ctx, qkv_bias) for i in range(self.start_layer, self.end_layer)}
+            {
+                str(i): LlamaDecoderLayer(hf, ctx, qkv_bias, ops)
+                for i in range(self.start_layer, self.end_layer)
+            }
         )
-        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)) if ctx.pp.is_last else None
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.norm = RMSNorm(hf["hidden_size"], eps, ops) if ctx.pp.is_last else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-        hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stage 0 embeds ``input_ids``; later stages continue from (hidden, residual).
         The last stage returns (normed hidden, None)."""
@@ -131,7 +160,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # HF checkpoint name -> (our fused parameter, part); see weight loading in model_loader.
-    packed_modules_mapping: dict[str, tuple[str, Any]] = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
@@ -140,19 +169,37 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias = False
 
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext) -> None:
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps | None = None
+    ) -> None:
         super().__init__()
         self.hf = hf
         self.ctx = ctx
-        self.model = LlamaModel(hf, ctx, self.qkv_bias or bool(hf.get("attention_bias", False)))
+        # The kernel backend, fixed for this model's lifetime (torch unless the loader says).
+        self.kernel_ops = default_ops(ops)
+        qkv_bias = self.qkv_bias or bool(hf.get("attention_bias", False))
+        self.model = LlamaModel(hf, ctx, qkv_bias, self.kernel_ops)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp) if ctx.pp.is_last else None
-        if self.lm_head is not None and self.tie_word_embeddings and self.model.embed_tokens is not None:
+        self.lm_head = (
+            ParallelLMHead(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp)
+            if ctx.pp.is_last
+            else None
+        )
+        if (
+            self.lm_head is not None
+            and self.tie_word_embeddings
+            and self.model.embed_tokens is not None
+        ):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.model(input_ids, positions, metadata, hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -11,22 +11,36 @@ from engine.scheduler import Scheduler, SchedulerOutput, make_execute_model_requ
 BS = 4
 
 
-def make_scheduler(num_blocks: int = 64, *, budget: int = 64, max_seqs: int = 16, cpu_blocks: int = 0,
-                   **kw: object) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64, **kw)
+def make_scheduler(
+    num_blocks: int = 64, *, budget: int = 64, max_seqs: int = 16, cpu_blocks: int = 0, **kw: object
+) -> Scheduler:
+    cfg = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64, **kw
+    )
     return Scheduler(cfg, BlockManager(num_blocks, BS, num_cpu_blocks=cpu_blocks))
 
 
-def make_request(rid: str, n: int, max_tokens: int = 4, arrival: float = 0.0, priority: int = 0) -> Request:
-    return Request(rid, list(range(100, 100 + n)), SamplingParams(), max_tokens=max_tokens,
-                   arrival_time=arrival, priority=priority)
+def make_request(
+    rid: str, n: int, max_tokens: int = 4, arrival: float = 0.0, priority: int = 0
+) -> Request:
+    return Request(
+        rid,
+        list(range(100, 100 + n)),
+        SamplingParams(),
+        max_tokens=max_tokens,
+        arrival_time=arrival,
+        priority=priority,
+    )
 
 
 def run_step(s: Scheduler) -> SchedulerOutput:
     out = s.schedule()
     make_execute_model_request(out)
-    finished_rows = [rid for rid, n in out.num_scheduled_tokens.items()
-                     if s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens]
+    finished_rows = [
+        rid
+        for rid, n in out.num_scheduled_tokens.items()
+        if s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens
+    ]
     s.update_from_output(out, finished_rows, [[7] for _ in finished_rows])
     return out
 
@@ -67,7 +81,10 @@ def test_requests_finish_at_max_tokens_and_free_blocks() -> None:
 def test_recompute_preemption_picks_latest_arrival_and_resumes() -> None:
     # 6 blocks of 4 slots: two requests of 8 prompt tokens + 8 outputs cannot both finish.
     s = make_scheduler(num_blocks=6)
-    a, b = make_request("a", 8, max_tokens=8, arrival=0), make_request("b", 8, max_tokens=8, arrival=1)
+    a, b = (
+        make_request("a", 8, max_tokens=8, arrival=0),
+        make_request("b", 8, max_tokens=8, arrival=1),
+    )
     s.add_request(a)
     s.add_request(b)
     preempted: list[str] = []
@@ -105,7 +122,10 @@ def test_priority_policy_admits_highest_priority_first() -> None:
 
 def test_swap_preemption_moves_blocks_to_cpu_and_back() -> None:
     s = make_scheduler(num_blocks=6, cpu_blocks=8, preemption_mode="swap")
-    a, b = make_request("a", 8, max_tokens=8, arrival=0), make_request("b", 8, max_tokens=8, arrival=1)
+    a, b = (
+        make_request("a", 8, max_tokens=8, arrival=0),
+        make_request("b", 8, max_tokens=8, arrival=1),
+    )
     s.add_request(a)
     s.add_request(b)
     swapped_out = swapped_in = 0

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.layers import silu_and_mul
 from parallel.distributed import (
     connect_store,
     coordinates,
@@ -90,7 +89,8 @@ def _layer_outputs(tp: GroupCoordinator, t: dict[str, torch.Tensor]) -> dict[str
     _load(gate_up.weight, t["w_up"], 1)
     down = RowParallelLinear(INTER, HIDDEN, tp=tp)
     _load(down.weight, t["w_row"])
-    out["mlp"] = down(silu_and_mul(gate_up(t["x"])))
+    gate, up = gate_up(t["x"]).chunk(2, dim=-1)
+    out["mlp"] = down(F.silu(gate) * up)
 
     qkv = QKVParallelLinear(HIDDEN, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, bias=True, tp=tp)
     q_size = NUM_HEADS * HEAD_DIM

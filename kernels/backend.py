@@ -1,0 +1,88 @@
+"""Which implementation of the kernels a model uses: plain torch or Triton.
+
+A model asks once, at construction, for a ``KernelOps`` bundle and keeps it; nothing here is
+mutable module state, so two models in one process may use different backends. The Triton
+modules are imported only when asked for: importing them decorates the kernels, and whether
+they are decorated for the GPU or for the interpreter depends on ``TRITON_INTERPRET`` then.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "KernelOps",
+    "get_kernel_ops",
+    "resolve_attention_backend",
+    "triton_available",
+]
+
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The kernels one backend provides; every function has the torch reference's contract."""
+
+    name: str
+    reshape_and_cache: Callable[[Tensor, Tensor, Tensor, Tensor], None]
+    paged_attention: Callable[..., Tensor]
+    copy_blocks: Callable[[Sequence[Tensor], Tensor], None]
+    swap_blocks: Callable[[Tensor, Tensor, Tensor], None]
+    rms_norm: Callable[..., Any]
+    rotary_embedding: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+    silu_and_mul: Callable[[Tensor], Tensor]
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_attention_backend(name: str, device_type: str) -> str:
+    """``auto`` -> ``triton`` on CUDA, ``torch`` elsewhere; other names pass through checked."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name != "auto":
+        return name
+    return "triton" if device_type == "cuda" and triton_available() else "torch"
+
+
+def get_kernel_ops(name: str) -> KernelOps:
+    """The kernels of backend ``name`` (``torch`` or ``triton``; resolve ``auto`` first)."""
+    if name == "torch":
+        from kernels import attention, ops
+
+        return KernelOps(
+            name="torch",
+            reshape_and_cache=attention.reshape_and_cache,
+            paged_attention=attention.paged_attention,
+            copy_blocks=attention.copy_blocks,
+            swap_blocks=attention.swap_blocks,
+            rms_norm=ops.rms_norm,
+            rotary_embedding=ops.rotary_embedding,
+            silu_and_mul=ops.silu_and_mul,
+        )
+    if name == "triton":
+        if not triton_available():
+            raise ValueError(
+                "attention_backend 'triton' needs the triton package (pip install triton)"
+            )
+        from kernels import triton_attention, triton_cache, triton_ops
+
+        return KernelOps(
+            name="triton",
+            reshape_and_cache=triton_cache.reshape_and_cache,
+            paged_attention=triton_attention.paged_attention,
+            copy_blocks=triton_cache.copy_blocks,
+            swap_blocks=triton_cache.swap_blocks,
+            rms_norm=triton_ops.rms_norm,
+            rotary_embedding=triton_ops.rotary_embedding,
+            silu_and_mul=triton_ops.silu_and_mul,
+        )
+    raise ValueError(f"attention_backend must be 'torch' or 'triton' here, got {name!r}")

@@ -1,0 +1,417 @@
+"""PagedAttention in Triton: one kernel for a packed batch mixing decode tokens and prefill
+chunks, reading K/V through block tables; plus a split-KV (flash-decoding) path.
+
+Same contract as ``kernels.attention.paged_attention`` (the torch reference): KV cache
+``[2, num_blocks, block_size, num_kv_heads, head_dim]``, query ``[num_tokens, num_heads,
+head_dim]`` packed by ``query_start_loc``, request ``b``'s new tokens being the last
+``query_len[b]`` of its ``seq_len[b]`` positions, causal inside the chunk.
+
+Work split. A program owns one *query tile* of one request and one kv head::
+
+    tile rows m = 0 .. BLOCK_M-1      token  = m // G_PAD   (BLOCK_Q tokens of the request)
+                                      q head = kv_head * G + m % G_PAD   (the G heads sharing it)
+
+so GQA/MQA reads each K/V tile once for all G query heads, and a decode token (BLOCK_Q = 1)
+still fills the BLOCK_M >= 16 rows ``tl.dot`` needs once G_PAD is 16, or pads up to it.
+Request ``b``'s tiles are programs ``query_start_loc[b] // BLOCK_Q + b`` onward (one spare id
+per request keeps tiles of different requests apart), found by binary search in the kernel:
+the grid depends only on ``num_tokens`` and ``num_seqs``, so no host work per step and the
+launch is CUDA-graph safe.
+
+Under the Triton interpreter, bf16 ``tl.dot`` operands are upcast to float32 first: the
+interpreter (numpy has no bfloat16) computes bf16 dots wrongly in triton 3.9, and bf16 values
+are exact in float32. The interpreter also truncates float32 -> bf16 casts where the GPU
+rounds to nearest, so bf16 results differ from the GPU's by up to one unit in the last place.
+
+The program walks its keys in tiles of TILE_N positions (several cache blocks, looked up per
+key row), keeping an online softmax in float32 (base 2). With ``num_kv_splits > 1`` the keys
+are cut into that many ranges, one program each; each writes its normalized partial output
+and log-sum-exp, and a second kernel merges them. That is what keeps a GPU busy when a few
+long decodes leave ``num_seqs * num_kv_heads`` programs too few to fill it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.attention import AttentionMetadata
+
+__all__ = ["choose_num_kv_splits", "paged_attention"]
+
+_LOG2E = 1.4426950408889634
+# Rows of a tile: tl.dot needs >= 16; 64 keeps prefill tiles efficient without spilling.
+_DECODE_BLOCK_M = 16
+_PREFILL_BLOCK_M = 64
+# Split-KV only pays when the grid would otherwise leave SMs idle and each split still has
+# a few hundred keys to amortize its partial write.
+_SPLIT_TARGET_PROGRAMS = 256
+_SPLIT_MIN_KEYS = 256
+_MAX_KV_SPLITS = 64
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """The request whose tiles include program ``pid``: the largest ``b`` with
+    ``query_start_loc[b] // BLOCK_Q + b <= pid``."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    q_ptr,
+    kv_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    num_heads,
+    scale_log2,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_kv,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_block_table,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tile = pid - (q_start // BLOCK_Q + seq)
+    if tile * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    d_valid = offs_d < HEAD_DIM
+    q_pos = tile * BLOCK_Q + offs_m // G_PAD  # position inside this step's chunk
+    group = offs_m % G_PAD
+    head = kv_head * G + group
+    row_valid = (q_pos < query_len) & (group < G)
+    token = (q_start + q_pos).to(tl.int64)
+
+    q_offsets = token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+
+    # Keys this tile can see: up to its last query's position (causal), never past seq_len.
+    last_q = tl.minimum((tile + 1) * BLOCK_Q, query_len)
+    kv_bound = tl.minimum(context_len + last_q, seq_len)
+    num_tiles = tl.cdiv(kv_bound, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    block_row = block_table_ptr + seq.to(tl.int64) * stride_block_table
+    for kv_tile in range(tile_lo, tile_hi):
+        k_pos = kv_tile * TILE_N + tl.arange(0, TILE_N)
+        k_valid = k_pos < kv_bound
+        block_id = tl.load(block_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
+        kv_offsets = (
+            block_id.to(tl.int64) * stride_kv_block
+            + (k_pos % BLOCK_SIZE) * stride_kv_slot
+            + kv_head * stride_kv_head
+        )
+        k = tl.load(
+            kv_ptr + kv_offsets[None, :] + offs_d[:, None],
+            mask=k_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )
+        s = _dot(q, k, DOT_UPCAST, DOT_PRECISION) * scale_log2
+        visible = (k_pos[None, :] <= (context_len + q_pos)[:, None]) & k_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
+        # exp2 at 0 rather than NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            kv_ptr + stride_kv + kv_offsets[:, None] + offs_d[None, :],
+            mask=k_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    store_mask = row_valid[:, None] & d_valid[None, :]
+    if NUM_SPLITS == 1:
+        out_offsets = (
+            token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
+        )
+        tl.store(out_ptr + out_offsets, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # partial_out [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM], partial_lse [.., NUM_SPLITS]
+        row = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=store_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        tl.store(partial_lse_ptr + row, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    num_heads,
+    stride_out_token,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    row = (token * num_heads + head) * NUM_SPLITS
+    lse = tl.load(partial_lse_ptr + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.math.exp2(lse - lse_max)
+    o = tl.load(
+        partial_out_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=(offs_s < NUM_SPLITS)[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, 0)
+    merged = tl.sum(o * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + offs_d,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def choose_num_kv_splits(metadata: AttentionMetadata, num_kv_heads: int) -> int:
+    """How many key ranges each decode tile is cut into: 1 for batches with a prefill chunk
+    or enough (request, kv head) pairs to fill the GPU, more for a few long decodes.
+
+    Depends only on host integers of the metadata, so a CUDA graph captured with
+    ``max_seq_len = max_model_len`` keeps a choice valid for every later length.
+    """
+    if metadata.max_query_len != 1:
+        return 1
+    programs = max(metadata.num_seqs * num_kv_heads, 1)
+    if programs >= _SPLIT_TARGET_PROGRAMS:
+        return 1
+    by_length = max(metadata.max_seq_len // _SPLIT_MIN_KEYS, 1)
+    return min(math.ceil(_SPLIT_TARGET_PROGRAMS / programs), by_length, _MAX_KV_SPLITS)
+
+
+def paged_attention(
+    query: Tensor,
+    kv_cache: Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    num_kv_splits: int | None = None,
+) -> Tensor:
+    """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
+    request's paged context; returns a new contiguous tensor shaped and typed like ``query``.
+
+    ``num_kv_splits`` forces the split-KV path's split count (default: ``choose_num_kv_splits``).
+    """
+    _check_inputs(query, kv_cache, metadata, scale)
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(metadata, kv_cache.shape[3])
+    if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= _MAX_KV_SPLITS:
+        raise ValueError(
+            f"num_kv_splits must be an int in [1, {_MAX_KV_SPLITS}], got {num_kv_splits!r}"
+        )
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if metadata.num_tokens == 0:
+        return out
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(_DECODE_BLOCK_M if metadata.max_query_len == 1 else _PREFILL_BLOCK_M, group_pad)
+    block_q = block_m // group_pad
+    d_pad = max(triton.next_power_of_2(head_dim), 16)
+    # Register budget: a 256-wide head takes half the keys per tile.
+    tile_n = max(block_size, 32 if d_pad > 128 else 64)
+    partial_out = partial_lse = out  # unused placeholders when there is one split
+    if num_kv_splits > 1:
+        partial_out = torch.empty(
+            (metadata.num_tokens, num_heads, num_kv_splits, head_dim),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        partial_lse = torch.empty(
+            (metadata.num_tokens, num_heads, num_kv_splits),
+            dtype=torch.float32,
+            device=query.device,
+        )
+    grid = (metadata.num_tokens // block_q + metadata.num_seqs, num_kv_heads, num_kv_splits)
+    _paged_attention_kernel[grid](
+        out,
+        partial_out,
+        partial_lse,
+        query,
+        kv_cache,
+        metadata.block_table,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        metadata.num_seqs,
+        num_heads,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        metadata.block_table.stride(0),
+        G=group,
+        G_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_kv_splits,
+        # fp32 caches are meant to match the fp32 reference, so no TF32 rounding.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=query.dtype == torch.bfloat16 and interpreter_enabled(),
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_kv_splits > 1:
+        _merge_splits_kernel[(metadata.num_tokens, num_heads)](
+            out,
+            partial_out,
+            partial_lse,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            NUM_SPLITS=num_kv_splits,
+            SPLITS_PAD=max(triton.next_power_of_2(num_kv_splits), 2),
+        )
+    return out
+
+
+def _check_inputs(
+    query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float
+) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            "kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {list(kv_cache.shape)}"
+        )
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    if kv_cache.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(
+            f"kv_cache dtype must be float16, bfloat16 or float32, got {kv_cache.dtype}"
+        )
+    if query.dtype != kv_cache.dtype:
+        raise ValueError(f"query has dtype {query.dtype} but kv_cache has {kv_cache.dtype}")
+    if query.dim() != 3 or query.stride(2) != 1:
+        raise ValueError(
+            "query must have shape [num_tokens, num_heads, head_dim] with a contiguous last "
+            f"dim, got shape {list(query.shape)} strides {list(query.stride())}"
+        )
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_tokens, num_heads, query_head_dim = query.shape
+    if query_head_dim != head_dim:
+        raise ValueError(f"query has head_dim {query_head_dim} but kv_cache has {head_dim}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim must be <= 256, got {head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"query has {num_heads} heads but kv_cache has {num_kv_heads} kv heads; "
+            "num_heads must be a multiple of num_kv_heads"
+        )
+    if num_tokens != metadata.num_tokens:
+        raise ValueError(
+            f"query has {num_tokens} tokens but metadata describes {metadata.num_tokens}"
+        )
+    if block_size != metadata.block_size:
+        raise ValueError(
+            f"kv_cache has block_size {block_size} but metadata was built for {metadata.block_size}"
+        )
+    if metadata.max_block_id >= num_blocks:
+        raise ValueError(
+            f"metadata.block_table references block {metadata.max_block_id} but kv_cache has "
+            f"{num_blocks} blocks"
+        )
+    for name, t in (("query", query), ("metadata", metadata.slot_mapping)):
+        if t.device != kv_cache.device:
+            raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
+    check_triton_device(kv_cache.device, "kv_cache")
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale!r}")
+
+
+def check_triton_device(device: torch.device, name: str) -> None:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter."""
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and interpreter_enabled():
+        return
+    raise ValueError(
+        f"{name} is on {device}: Triton kernels need CUDA tensors, or CPU tensors with "
+        "TRITON_INTERPRET=1 set before kernels.triton_* is first imported"
+    )
+
+
+def interpreter_enabled() -> bool:
+    """Whether this process's kernels were decorated for the Triton interpreter (decided by
+    TRITON_INTERPRET when the kernel modules were imported, not by its value now)."""
+    return type(_paged_attention_kernel).__name__ == "InterpretedFunction"

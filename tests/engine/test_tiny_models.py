@@ -1,0 +1,252 @@
+"""Built-in tiny models: offline HF checkpoints with a real byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import tiny_models
+from engine.tiny_models import (
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    IM_END_TOKEN_ID,
+    TINY_MODEL_NAMES,
+    VERSION,
+    make_tiny_model,
+    resolve_model_source,
+)
+
+# (architecture, num_key_value_heads, tie_word_embeddings)
+EXPECTED_SHAPE = {
+    "tiny-llama": ("LlamaForCausalLM", 2, False),
+    "tiny-mistral": ("MistralForCausalLM", 1, False),
+    "tiny-qwen2": ("Qwen2ForCausalLM", 2, True),
+}
+MULTILINGUAL = "naïve café, Ελληνικά, русский, 日本語, 🙂"
+GAP_PROMPTS = (
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "Question: Why is the sky blue?\nAnswer:",
+    "Смотритель маяка",
+    "日本語の文章",
+    "1, 2, 3, 4,",
+    "The scheduler keeps a list of tasks",
+)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("llm-cluster-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLM_CLUSTER_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def model_dirs(cache_dir: Path) -> dict[str, Path]:
+    return {name: resolve_model_source(f"builtin:{name}") for name in TINY_MODEL_NAMES}
+
+
+@pytest.mark.parametrize("name", TINY_MODEL_NAMES)
+def test_loads_with_hf_auto_classes_and_gives_finite_logits(
+    model_dirs: dict[str, Path], name: str
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(model_dirs[name], local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs[name], local_files_only=True)
+    architecture, num_kv_heads, tied = EXPECTED_SHAPE[name]
+    config = model.config
+
+    assert type(model).__name__ == architecture
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, num_kv_heads)
+    assert (config.hidden_size, config.head_dim, config.num_hidden_layers) == (64, 16, 2)
+    assert config.tie_word_embeddings is tied
+    assert config.vocab_size == len(tokenizer)
+    input_ids = torch.tensor([tokenizer.encode("The river and the stone")])
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    assert logits.shape == (1, input_ids.shape[1], len(tokenizer))
+    assert torch.isfinite(logits).all()
+
+
+def test_qwen2_has_nonzero_qkv_bias(model_dirs: dict[str, Path]) -> None:
+    weights = load_file(model_dirs["tiny-qwen2"] / "model.safetensors")
+
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert weights[f"model.layers.0.self_attn.{proj}.bias"].abs().min() > 0
+
+
+def test_tied_checkpoint_stores_the_embedding_once(model_dirs: dict[str, Path]) -> None:
+    tied = load_file(model_dirs["tiny-qwen2"] / "model.safetensors")
+    untied = load_file(model_dirs["tiny-llama"] / "model.safetensors")
+
+    assert "lm_head.weight" not in tied
+    assert "lm_head.weight" in untied
+
+
+def test_same_seed_gives_identical_weights_and_another_seed_differs(tmp_path: Path) -> None:
+    first = make_tiny_model("tiny-llama", tmp_path / "a", seed=0)
+    again = make_tiny_model("tiny-llama", tmp_path / "b", seed=0)
+    other = make_tiny_model("tiny-llama", tmp_path / "c", seed=1)
+
+    first_bytes = (first / "model.safetensors").read_bytes()
+    assert (again / "model.safetensors").read_bytes() == first_bytes
+    assert (other / "model.safetensors").read_bytes() != first_bytes
+    first_weights = load_file(first / "model.safetensors")
+    other_weights = load_file(other / "model.safetensors")
+    embed = "model.embed_tokens.weight"
+    assert not torch.equal(first_weights[embed], other_weights[embed])
+
+
+def test_tokenizer_round_trips_multibyte_text(model_dirs: dict[str, Path]) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["tiny-llama"], local_files_only=True)
+
+    ids = tokenizer.encode(MULTILINGUAL, add_special_tokens=False)
+
+    assert tokenizer.decode(ids) == MULTILINGUAL
+
+
+def test_tokenizer_splits_a_multibyte_character_across_tokens(
+    model_dirs: dict[str, Path],
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["tiny-llama"], local_files_only=True)
+
+    ids = tokenizer.encode("🙂", add_special_tokens=False)
+
+    assert len(ids) > 1
+    assert all("\ufffd" in tokenizer.decode([token_id]) for token_id in ids)
+
+
+def test_all_models_and_loaders_give_the_same_token_ids(model_dirs: dict[str, Path]) -> None:
+    # transformers 5 rebuilds a qwen2 tokenizer's pre-tokenizer itself; the ids must still agree
+    # with the raw tokenizer.json and with the other two models.
+    expected = Tokenizer.from_file(str(model_dirs["tiny-llama"] / "tokenizer.json"))
+    expected_ids = expected.encode(MULTILINGUAL).ids
+
+    for name in TINY_MODEL_NAMES:
+        tokenizer = AutoTokenizer.from_pretrained(model_dirs[name], local_files_only=True)
+        assert tokenizer.encode(MULTILINGUAL) == expected_ids, name
+
+
+def test_encoding_a_prompt_prepends_exactly_one_bos(model_dirs: dict[str, Path]) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["tiny-mistral"], local_files_only=True)
+
+    ids = tokenizer.encode("hello world")
+
+    assert ids[0] == BOS_TOKEN_ID
+    assert ids.count(BOS_TOKEN_ID) == 1
+    assert ids[-1] != EOS_TOKEN_ID
+
+
+def test_chat_template_renders_conversation_with_generation_prompt(
+    model_dirs: dict[str, Path],
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["tiny-qwen2"], local_files_only=True)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a river."},
+    ]
+
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+
+    assert text == (
+        "<s><|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nName a river.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert ids.count(BOS_TOKEN_ID) == 1
+
+
+def test_generation_config_stops_on_eos_and_im_end(model_dirs: dict[str, Path]) -> None:
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["tiny-llama"], local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["tiny-llama"], local_files_only=True)
+
+    assert tokenizer.eos_token == "</s>"
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == IM_END_TOKEN_ID
+    assert model.generation_config.eos_token_id == [EOS_TOKEN_ID, IM_END_TOKEN_ID]
+
+
+def test_resolve_builtin_materializes_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_CLUSTER_CACHE_DIR", str(tmp_path))
+
+    first = resolve_model_source("builtin:tiny-llama")
+    written_at = (first / "model.safetensors").stat().st_mtime_ns
+    second = resolve_model_source("builtin:tiny-llama")
+
+    assert first == second == tmp_path / "models" / f"tiny-llama-v{VERSION}"
+    assert (second / "model.safetensors").stat().st_mtime_ns == written_at
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [first.name]
+
+
+def test_losing_the_rename_race_uses_the_winners_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLM_CLUSTER_CACHE_DIR", str(tmp_path))
+    real_make = tiny_models.make_tiny_model
+
+    def make_after_a_rival_finished(name: str, out_dir: Path, seed: int = 0) -> Path:
+        # A rival process completes its whole materialization while this one is still writing.
+        monkeypatch.setattr(tiny_models, "make_tiny_model", real_make)
+        winner = resolve_model_source(f"builtin:{name}")
+        (winner / "winner").touch()
+        return real_make(name, out_dir, seed)
+
+    monkeypatch.setattr(tiny_models, "make_tiny_model", make_after_a_rival_finished)
+
+    path = resolve_model_source("builtin:tiny-llama")
+
+    assert (path / "winner").exists()
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [path.name]
+
+
+def test_unknown_builtin_name_raises_value_error_listing_valid_names() -> None:
+    with pytest.raises(ValueError, match="tiny-llama, tiny-mistral, tiny-qwen2"):
+        resolve_model_source("builtin:tiny-gpt")
+
+
+def test_missing_local_path_raises_file_not_found(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        resolve_model_source(str(missing))
+
+
+def test_local_directory_with_config_resolves_to_itself(model_dirs: dict[str, Path]) -> None:
+    assert resolve_model_source(str(model_dirs["tiny-mistral"])) == model_dirs["tiny-mistral"]
+
+
+@pytest.mark.parametrize("name", TINY_MODEL_NAMES)
+def test_greedy_top2_logit_gap_is_large(model_dirs: dict[str, Path], name: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(model_dirs[name], local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs[name], local_files_only=True)
+    gaps: list[float] = []
+    generated: list[list[int]] = []
+
+    for prompt in GAP_PROMPTS:
+        inputs = tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(
+                **inputs,
+                max_new_tokens=32,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        generated.append(out.sequences[0, inputs["input_ids"].shape[1] :].tolist())
+        for logits in out.logits:
+            top2 = logits[0].topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+
+    assert min(gaps) > 1e-4
+    # Never stopped early on </s> or <|im_end|>, and did not collapse into one repeated token.
+    assert all(len(tokens) == 32 for tokens in generated)
+    assert all(len(set(tokens)) > 8 for tokens in generated)
