@@ -60,7 +60,10 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model: nn.Module, device: torch.device,
+        self,
+        config: EngineConfig,
+        model: nn.Module,
+        device: torch.device,
         ctx: ParallelContext | None = None,
     ) -> None:
         self.config = config
@@ -337,8 +340,11 @@ class ModelRunner:
         hidden = residual = None
         if not pp.is_first:
             hidden, residual = recv_intermediate(
-                pp, req.total_num_scheduled_tokens, self.config.model.hf_config["hidden_size"],
-                self.config.model.torch_dtype, self.device,
+                pp,
+                req.total_num_scheduled_tokens,
+                self.config.model.hf_config["hidden_size"],
+                self.config.model.torch_dtype,
+                self.device,
             )
         hidden, residual = self.forward(inputs, hidden, residual)
         if not pp.is_last:
@@ -350,3 +356,22 @@ class ModelRunner:
     def is_driver(self) -> bool:
         """The rank that samples: TP rank 0 of the last pipeline stage."""
         return self.ctx.pp.is_last and self.ctx.tp.is_first
+
+
+def _split_logprobs(
+    tensors: LogprobsTensors, num_logprobs: list[int | None]
+) -> list[LogprobsLists | None]:
+    """One row per request, trimmed to the k it asked for (None where it asked for none)."""
+    token_ids, lps, ranks = (
+        tensors.token_ids.tolist(),
+        tensors.logprobs.tolist(),
+        tensors.ranks.tolist(),
+    )
+    return [
+        None
+        if k is None
+        else LogprobsLists(
+            token_ids=[token_ids[i][: k + 1]], logprobs=[lps[i][: k + 1]], ranks=[ranks[i]]
+        )
+        for i, k in enumerate(num_logprobs)
+    ]

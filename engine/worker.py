@@ -68,8 +68,12 @@ class Worker:
         else:
             store = connect_store(host, port, parallel.world_size, timeout_s)
         self.ctx = init_distributed(
-            store, self.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-            self.device, timeout_s,
+            store,
+            self.rank,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            self.device,
+            timeout_s,
         )
 
     def shutdown(self) -> None:
