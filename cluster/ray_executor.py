@@ -128,19 +128,21 @@ class RayExecutor(Executor):
 
     def _init_workers(self) -> None:
         self._get([w.init_device.remote() for w in self.workers], "init_device")
-        host, port = self._get(
-            [self.workers[0].start_rendezvous.remote(self._dist_timeout_s)], "start_rendezvous"
-        )[0]
-        self.collective_rpc("init_distributed", (host, port, self._dist_timeout_s))
+        rendezvous = "none (one worker)"
+        if self.world_size > 1:
+            host, port = self._get(
+                [self.workers[0].start_rendezvous.remote(self._dist_timeout_s)], "start_rendezvous"
+            )[0]
+            self.collective_rpc("init_distributed", (host, port, self._dist_timeout_s))
+            rendezvous = f"{host}:{port}"
         self.collective_rpc("load_model")
         logger.info(
-            "%d worker actors ready (TP %d x PP %d, %s), rendezvous at %s:%d",
+            "%d worker actors ready (TP %d x PP %d, %s), rendezvous: %s",
             self.world_size,
             self.config.parallel.tensor_parallel_size,
             self.config.parallel.pipeline_parallel_size,
             self._resource,
-            host,
-            port,
+            rendezvous,
         )
 
     # ---- calls --------------------------------------------------------------------------

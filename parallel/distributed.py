@@ -112,6 +112,8 @@ def init_distributed(
     order everywhere, even for groups the caller is not in)."""
     world = tp_size * pp_size
     tp_rank, pp_rank = coordinates(rank, tp_size, pp_size)
+    if world == 1:
+        return ParallelContext()  # every collective is the identity: no process group needed
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(

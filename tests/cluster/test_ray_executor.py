@@ -131,6 +131,17 @@ def test_each_worker_holds_its_share_of_the_parameters(
         assert share * 0.97 <= nbytes <= share * 1.12, (rank, nbytes, share)
 
 
+def test_single_worker_through_ray_equals_in_process_executor(
+    reference: dict[str, dict[str, Any]],
+) -> None:
+    llm = LLM("builtin:tiny-llama", distributed_executor_backend="ray", **ENGINE_ARGS)
+    try:
+        assert len(llm.llm_engine.executor.workers) == 1
+        assert _greedy(llm, PROMPTS) == reference["builtin:tiny-llama"]["tokens"]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def killed_engine() -> Iterator[dict[str, Any]]:
     """Generate with TP = 2 and kill worker rank 1 after a few steps, mid-generation."""
