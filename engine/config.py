@@ -430,6 +430,14 @@ def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
         "tensor_parallel_size",
         f"must divide num_attention_heads ({model.num_attention_heads}), got {tp}",
     )
+    inter = model.hf_config.get("intermediate_size")
+    # Checked here so that a bad shape is a ConfigError on the head, not a worker that dies
+    # while building its MLP shard.
+    _require(
+        not inter or inter % tp == 0,
+        "tensor_parallel_size",
+        f"must divide intermediate_size ({inter}), got {tp}",
+    )
     kv = model.num_kv_heads
     _require(
         kv % tp == 0 or tp % kv == 0,

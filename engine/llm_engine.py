@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from engine.block_manager import BlockManager, KVCacheStats
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor import Executor, get_executor_class
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs
@@ -132,7 +132,8 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Validate and enqueue; raises ``InvalidRequestError`` (naming the field) and enqueues
-        nothing if the request is invalid."""
+        nothing if the request is invalid. Raises ``EngineDeadError`` once the workers are dead."""
+        self._check_alive()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("must be a SamplingParams", param="sampling_params")
@@ -316,7 +317,9 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute one step on the workers, and return outputs of updated requests."""
+        """Schedule, execute one step on the workers, and return outputs of updated requests.
+        Raises ``EngineDeadError`` (failing every in-flight request) if a worker died."""
+        self._check_alive()
         sched = self.scheduler.schedule()
         if sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids:
             return []
@@ -418,6 +421,14 @@ class LLMEngine:
         """Tell the workers to drop finished requests' state now rather than at the next step."""
         sched = self.scheduler.schedule()
         self.executor.execute_model(make_execute_model_request(sched))
+
+    def _check_alive(self) -> None:
+        if self.executor.is_dead:
+            raise EngineDeadError("the engine's workers are dead; build a new engine to continue")
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if a worker is gone."""
+        self.executor.check_health()
 
     # ---- introspection ------------------------------------------------------------------
 

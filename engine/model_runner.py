@@ -26,6 +26,8 @@ from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutpu
 from engine.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
 from engine.sampling_params import SamplingParams
 from kernels.attention import AttentionMetadata
+from parallel.distributed import recv_intermediate, send_intermediate
+from parallel.state import ParallelContext
 
 
 @dataclass
@@ -57,10 +59,17 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: nn.Module,
+        device: torch.device,
+        ctx: ParallelContext | None = None,
+    ) -> None:
         self.config = config
         self.model = model
         self.device = device
+        self.ctx = ctx or ParallelContext()
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.requests: dict[str, CachedRequestState] = {}
@@ -315,17 +324,38 @@ class ModelRunner:
         return result
 
     def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
-        """Single-stage path (PP = 1)."""
+        """One step on this rank. Stages after the first continue from the previous stage's
+        (hidden, residual); stages before the last pass theirs on. Only TP rank 0 of the last
+        stage returns the sampler output; every other rank returns None."""
         self.update_states(req)
         self.apply_block_ops(req)
         if req.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         inputs = self.prepare_inputs(req)
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
+            # Only with TP = PP = 1 (see _use_cuda_graphs): the whole model in one replay.
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
-        else:
-            hidden, _ = self.forward(inputs)
+            return self.sample(inputs, hidden)
+        pp = self.ctx.pp
+        hidden = residual = None
+        if not pp.is_first:
+            hidden, residual = recv_intermediate(
+                pp,
+                req.total_num_scheduled_tokens,
+                self.config.model.hf_config["hidden_size"],
+                self.config.model.torch_dtype,
+                self.device,
+            )
+        hidden, residual = self.forward(inputs, hidden, residual)
+        if not pp.is_last:
+            send_intermediate(pp, hidden, residual)
+            return None
         return self.sample(inputs, hidden)
+
+    @property
+    def is_driver(self) -> bool:
+        """The rank that samples: TP rank 0 of the last pipeline stage."""
+        return self.ctx.pp.is_last and self.ctx.tp.is_first
 
 
 def _split_logprobs(
