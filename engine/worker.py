@@ -7,6 +7,7 @@ minimum over workers) -> ``initialize_cache`` -> ``execute_model`` every step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -83,6 +84,9 @@ class Worker:
             self._rendezvous = None
 
     def load_model(self) -> None:
+        partition = self.config.parallel.pp_layer_partition
+        if partition is not None:
+            self.ctx = dataclasses.replace(self.ctx, layer_partition=partition)
         model = load_model(self.config, self.ctx, self.device)
         self.model_runner = ModelRunner(self.config, model, self.device, self.ctx)
 

@@ -79,3 +79,5 @@ class ParallelContext:
 
     tp: GroupCoordinator = SINGLE
     pp: GroupCoordinator = SINGLE
+    # Decoder layers per pipeline stage (an override); None splits them evenly.
+    layer_partition: tuple[int, ...] | None = None
