@@ -167,10 +167,15 @@ class LLMEngine:
             )
         return max_tokens
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort live requests (unknown or finished ids are ignored) and free their blocks now;
+        returns the aborted requests' final outputs (finish_reason "abort")."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outputs = []
         for request in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
+            outputs.append(self.make_output(request))
             self._forget(request.request_id)
+        return outputs
 
     def _forget(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)
