@@ -1,7 +1,7 @@
 """The ``cluster`` command line.
 
-    cluster make-model tiny-llama DIR     write a built-in tiny model (HF format) to DIR
-    cluster generate --model M PROMPT...  offline generation with the engine
+cluster make-model tiny-llama DIR     write a built-in tiny model (HF format) to DIR
+cluster generate --model M PROMPT...  offline generation with the engine
 """
 
 from __future__ import annotations
@@ -40,17 +40,22 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         llm = LLM(args.model, **_parse_engine_args(args.engine_arg))
         params = SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            max_tokens=args.max_tokens, seed=args.seed,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
         )
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
     except (ConfigError, InvalidRequestError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for prompt, output in zip(args.prompts, outputs):
+    for prompt, output in zip(args.prompts, outputs, strict=True):
         completion = output.outputs[0]
-        print(f"prompt: {prompt!r}\ncompletion: {completion.text!r}  "
-              f"({len(completion.token_ids)} tokens, finish_reason={completion.finish_reason})")
+        print(
+            f"prompt: {prompt!r}\ncompletion: {completion.text!r}  "
+            f"({len(completion.token_ids)} tokens, finish_reason={completion.finish_reason})"
+        )
     return 0
 
 
@@ -58,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cluster", description="llm-cluster: LLM serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    make = sub.add_parser("make-model", help="write a built-in tiny random-weight model in HF format")
+    make = sub.add_parser(
+        "make-model", help="write a built-in tiny random-weight model in HF format"
+    )
     make.add_argument("name", help="tiny-llama | tiny-mistral | tiny-qwen2")
     make.add_argument("out_dir")
     make.add_argument("--seed", type=int, default=0)
@@ -72,8 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                     help="engine argument with vLLM's name, e.g. max_model_len=1024 (repeatable)")
+    gen.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine argument with vLLM's name, e.g. max_model_len=1024 (repeatable)",
+    )
     gen.set_defaults(func=_generate)
     return parser
 

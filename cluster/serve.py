@@ -1,0 +1,238 @@
+"""The Ray Serve application: one ``LLMServer`` deployment per model (the heads) and one ingress
+that speaks OpenAI over HTTP (and the ``LLM`` service over gRPC) and routes by ``model``
+through streaming deployment handles.
+
+    build_app("configs/tiny.yaml")  ->  serve.Application  (``serve.run`` or ``cluster deploy``)
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the route parameters' types
+# at runtime, and Serve pickles the ingress class by value, so string annotations would not
+# resolve in the replica.
+
+import asyncio
+import os
+import re
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import ray
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config import DeploymentConfig, ModelDeployment, load_config
+from cluster.llm_server import LLMServer
+from cluster.metrics import PREFIX
+from cluster.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_payload,
+    completion_payload,
+    error_body,
+    error_response,
+    metrics_response,
+    new_app,
+    stream_sse,
+)
+
+INGRESS_NAME = "OpenAIIngress"
+_FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "HF_HUB_OFFLINE",
+                  "OMP_NUM_THREADS", "TRITON_INTERPRET")  # fmt: skip
+
+
+async def _response(response: Any) -> Any:
+    return await response
+
+
+def _unwrap(result: dict[str, Any]) -> Any:
+    if result.get("type") == "error":
+        return JSONResponse(
+            error_body(result["status"], result["message"], result.get("param")),
+            status_code=result["status"],
+        )
+    return result
+
+
+def scrape_cluster_metrics() -> str:
+    """Every alive node's Ray metrics agent, filtered to this project's metrics: one scrape
+    shows every replica of every model."""
+    lines: list[str] = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node.get("Alive") or not port:
+            continue
+        url = f"http://{node['NodeManagerAddress']}:{port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            continue
+        lines += [line for line in text.splitlines() if PREFIX in line]
+    return "\n".join(lines) + "\n"
+
+
+# Serve pickles the ingress class by value with the globals it sees when decorated: every
+# helper it calls is defined above it.
+app = new_app()
+
+
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(
+        self,
+        servers: dict[str, DeploymentHandle],
+        api_key_hashes: list[str],
+        max_body_bytes: int,
+    ) -> None:
+        self.servers = servers
+        app.state.api_key_hashes = api_key_hashes
+        app.state.max_body_bytes = max_body_bytes
+
+    # ---- routing -------------------------------------------------------------------------
+
+    def _server(self, model: str) -> DeploymentHandle:
+        if model not in self.servers:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        return self.servers[model]
+
+    async def open_stream(self, model: str, payload: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """Start a generation; returns its "start" item and the handle's stream, or raises
+        ``APIError`` (the server's validation error, 404, 503) before any byte is sent."""
+        stream = self._server(model).options(stream=True).generate.remote(payload)
+        try:
+            first = await stream.__anext__()
+        except BackPressureError as exc:
+            raise APIError(503, f"model {model!r} is overloaded, retry later", None,
+                           "overloaded") from exc  # fmt: skip
+        except (ray.exceptions.RayError, StopAsyncIteration) as exc:
+            raise APIError(503, f"model {model!r} is not available", None, "unavailable") from exc
+        if first["type"] == "error":
+            raise APIError(first["status"], first["message"], first.get("param"))
+        return first, stream
+
+    async def _generate(
+        self, model: str, payload: dict[str, Any], chat: bool, stream: bool, include_usage: bool
+    ) -> Any:
+        first, items = await self.open_stream(model, payload)
+        completion = Completion(model, chat, include_usage)
+        completion.absorb(first)
+        if stream:
+            body = stream_sse(completion, items, items.cancel)
+            return StreamingResponse(body, media_type="text/event-stream")
+        try:
+            async for item in items:
+                if item["type"] == "error":
+                    raise APIError(item["status"], item["message"], item.get("param"))
+                completion.absorb(item)
+        finally:
+            items.cancel()
+        return completion.whole()
+
+    # ---- OpenAI routes -------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, req: CompletionRequest) -> Any:
+        payload = completion_payload(req)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await self._generate(req.model, payload, False, req.stream, usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, req: ChatCompletionRequest) -> Any:
+        payload = chat_payload(req)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await self._generate(req.model, payload, True, req.stream, usage)
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "llm-cluster"}
+                for m in self.servers]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    @app.post("/tokenize")
+    async def tokenize(self, req: TokenizeRequest) -> Any:
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
+        payload: dict[str, Any] = {"prompt": req.prompt}
+        if req.messages is not None:
+            payload = {"messages": [m.model_dump(exclude_none=True) for m in req.messages]}
+        return _unwrap(await self._server(req.model).tokenize.remote(payload))
+
+    @app.post("/detokenize")
+    async def detokenize(self, req: DetokenizeRequest) -> Any:
+        return _unwrap(await self._server(req.model).detokenize.remote({"tokens": req.tokens}))
+
+    @app.get("/health")
+    async def health(self) -> Any:
+        problems = {}
+        for model, handle in self.servers.items():
+            try:
+                status = await asyncio.wait_for(_response(handle.health.remote()), 10)
+            except Exception as exc:  # unreachable replica: unhealthy, whatever the cause
+                status = {"healthy": False, "error": type(exc).__name__}
+            if not status["healthy"]:
+                problems[model] = status.get("error", "unhealthy")
+        if problems:
+            message = "; ".join(f"{m}: {e}" for m, e in problems.items())
+            return error_response(APIError(503, message, None, "engine_dead"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(self) -> Any:
+        return metrics_response(await asyncio.to_thread(scrape_cluster_metrics))
+
+    # ---- handle methods for tools (``cluster status``, tests) -------------------------------
+
+    async def model_stats(self, model: str) -> dict[str, Any]:
+        return await self._server(model).stats.remote()
+
+
+# ---- building the application ------------------------------------------------------------
+
+
+def deployment_name(model_id: str) -> str:
+    return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+
+
+def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig) -> Any:
+    """The Serve application for a deployment config (validated first; raises ``ConfigError``)."""
+    if not isinstance(config, DeploymentConfig):
+        config = load_config(config)
+    servers = {m.model_id: _server_deployment(m) for m in config.models}
+    hashes = config.api_keys.load_key_hashes() if config.api_keys else []
+    ingress = serve.deployment(OpenAIIngress).options(
+        name=INGRESS_NAME,
+        num_replicas=1,
+        max_ongoing_requests=1024,
+        ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env()},
+    )
+    return ingress.bind(servers, hashes, config.http_options.max_body_bytes)
+
+
+def _server_deployment(model: ModelDeployment) -> Any:
+    options = model.serve_options()
+    first_bundle = options["placement_group_bundles"][0]
+    actor: dict[str, Any] = {"num_cpus": first_bundle.get("CPU", 0), "runtime_env": runtime_env()}
+    if first_bundle.get("GPU"):
+        actor["num_gpus"] = first_bundle["GPU"]
+    deployment = serve.deployment(LLMServer).options(
+        name=deployment_name(model.model_id), ray_actor_options=actor, **options
+    )
+    return deployment.bind(model.model_id, model.engine_args())
+
+
+def runtime_env() -> dict[str, Any]:
+    """Forward this project's environment settings, and its source tree when it runs from a
+    checkout rather than an installed package (replicas must import ``cluster``)."""
+    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file():
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p
+        )
+    return {"env_vars": env} if env else {}
