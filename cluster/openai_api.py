@@ -231,7 +231,11 @@ def _authorized(scope: Scope, key_hashes: list[str]) -> bool:
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or not token:
         token = _header(scope, b"x-api-key") or ""
-    if not token:
+    return api_key_matches(token, key_hashes)
+
+
+def api_key_matches(token: str, key_hashes: list[str]) -> bool:
+    if not token.strip():
         return False
     digest = hashlib.sha256(token.strip().encode()).hexdigest()
     # Compare against every key without an early exit: timing does not reveal which matched.

@@ -16,10 +16,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import grpc
 import ray
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
+from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import DeploymentConfig, ModelDeployment, load_config
@@ -32,6 +34,7 @@ from cluster.openai_api import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    api_key_matches,
     chat_payload,
     completion_payload,
     error_body,
@@ -40,6 +43,7 @@ from cluster.openai_api import (
     new_app,
     stream_sse,
 )
+from cluster.proto import llm_pb2
 
 INGRESS_NAME = "OpenAIIngress"
 _FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "HF_HUB_OFFLINE",
@@ -77,6 +81,48 @@ def scrape_cluster_metrics() -> str:
     return "\n".join(lines) + "\n"
 
 
+_GRPC_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def grpc_payload(request: llm_pb2.GenerateRequest) -> dict[str, Any]:
+    """The server payload for a gRPC request; unset optional fields keep the engine default."""
+    params: dict[str, Any] = {"ignore_eos": request.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "skip_special_tokens"):
+        if request.HasField(name):
+            params[name] = getattr(request, name)
+    if request.stop:
+        params["stop"] = list(request.stop)
+    if request.stop_token_ids:
+        params["stop_token_ids"] = list(request.stop_token_ids)
+    if bool(request.prompt) == bool(request.prompt_token_ids):
+        raise APIError(400, "prompt: give exactly one of prompt or prompt_token_ids", "prompt")
+    if request.prompt_token_ids:
+        return {"prompt_token_ids": list(request.prompt_token_ids), "params": params}
+    return {"prompt": request.prompt, "params": params}
+
+
+def grpc_abort(context: RayServegRPCContext, error: APIError) -> None:
+    """Set the status for ``error`` and raise: Serve's proxy sends that status to the client."""
+    context.set_code(_GRPC_CODES.get(error.status, grpc.StatusCode.INTERNAL))
+    context.set_details(error.message)
+    raise error
+
+
+def grpc_check_key(context: RayServegRPCContext, key_hashes: list[str]) -> None:
+    if not key_hashes:
+        return
+    metadata = dict(context.invocation_metadata())
+    token = metadata.get("authorization", "").removeprefix("Bearer ").strip()
+    if not api_key_matches(token or metadata.get("x-api-key", ""), key_hashes):
+        grpc_abort(context, APIError(401, "missing or invalid API key"))
+
+
 # Serve pickles the ingress class by value with the globals it sees when decorated: every
 # helper it calls is defined above it.
 app = new_app()
@@ -91,6 +137,7 @@ class OpenAIIngress:
         max_body_bytes: int,
     ) -> None:
         self.servers = servers
+        self.api_key_hashes = api_key_hashes
         app.state.api_key_hashes = api_key_hashes
         app.state.max_body_bytes = max_body_bytes
 
@@ -185,6 +232,47 @@ class OpenAIIngress:
     @app.get("/metrics")
     async def metrics(self) -> Any:
         return metrics_response(await asyncio.to_thread(scrape_cluster_metrics))
+
+    # ---- gRPC (service ``llmcluster.LLM``, through Serve's gRPC proxy) -----------------------
+
+    async def Generate(  # the RPC method name
+        self, request: llm_pb2.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> Any:
+        grpc_check_key(grpc_context, self.api_key_hashes)
+        try:
+            first, items = await self.open_stream(request.model, grpc_payload(request))
+        except APIError as exc:
+            grpc_abort(grpc_context, exc)
+        try:
+            async for item in items:
+                if item["type"] == "error":
+                    grpc_abort(grpc_context, APIError(item["status"], item["message"]))
+                yield llm_pb2.GenerateResponse(
+                    text=item["text"],
+                    token_ids=item["token_ids"],
+                    finish_reason=item["finish_reason"] or "",
+                    prompt_tokens=first["prompt_tokens"],
+                    completion_tokens=item["num_output_tokens"],
+                )
+        finally:
+            items.cancel()
+
+    async def Health(  # the RPC method name
+        self, request: llm_pb2.HealthRequest, grpc_context: RayServegRPCContext
+    ) -> llm_pb2.HealthResponse:
+        grpc_check_key(grpc_context, self.api_key_hashes)
+        models = [request.model] if request.model else list(self.servers)
+        for model in models:
+            try:
+                status = await _response(self._server(model).health.remote())
+            except APIError as exc:
+                grpc_abort(grpc_context, exc)
+            except Exception as exc:  # unreachable replica
+                status = {"healthy": False, "error": type(exc).__name__}
+            if not status["healthy"]:
+                message = f"{model}: {status.get('error', 'unhealthy')}"
+                grpc_abort(grpc_context, APIError(503, message))
+        return llm_pb2.HealthResponse(healthy=True, message="ok")
 
     # ---- handle methods for tools (``cluster status``, tests) -------------------------------
 
