@@ -110,6 +110,10 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
+    def __reduce__(self) -> tuple[type[APIError], tuple[int, str, str | None, str | None]]:
+        # Ray ships exceptions by pickle (Serve's gRPC proxy, handles): keep every field.
+        return (APIError, (self.status, self.message, self.param, self.code))
+
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
