@@ -54,8 +54,9 @@ class AutoscalingConfig:
     target_ongoing_requests: float = 16.0
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
-    metrics_interval_s: float = 10.0
     look_back_period_s: float = 30.0
+    # Deprecated by Serve but still bounds look_back_period_s from below; omitted when unset.
+    metrics_interval_s: float | None = None
 
     def check(self, path: str) -> None:
         _check(self.min_replicas >= 0, f"{path}.min_replicas", "must be >= 0")
@@ -70,8 +71,9 @@ class AutoscalingConfig:
                 f"{path}.initial_replicas",
                 f"must be in [{self.min_replicas}, {self.max_replicas}]",
             )
-        for name in ("target_ongoing_requests", "metrics_interval_s", "look_back_period_s"):
-            _check(getattr(self, name) > 0, f"{path}.{name}", "must be > 0")
+        for name in ("target_ongoing_requests", "look_back_period_s", "metrics_interval_s"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, f"{path}.{name}", "must be > 0")
         for name in ("upscale_delay_s", "downscale_delay_s"):
             _check(getattr(self, name) >= 0, f"{path}.{name}", "must be >= 0")
 

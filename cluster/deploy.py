@@ -13,7 +13,6 @@ from ray import serve
 
 from cluster.config import DeploymentConfig
 from cluster.serve import INGRESS_NAME, build_app, deployment_name, runtime_env
-from engine import envs
 
 GRPC_SERVICER = "cluster.proto.llm_pb2_grpc.add_LLMServicer_to_server"
 
@@ -23,16 +22,30 @@ def connect(address: str | None, log_to_driver: bool = False) -> None:
     when ``address`` is None. The driver carries this project's environment (runtime_env)."""
     if ray.is_initialized():
         return
-    if address is not None:
-        envs.use_ray_token_auth_if_available()
+    if address not in (None, "local"):
+        _token_auth_if_available()
     ray.init(
         address=address,
         namespace="llm-cluster",
-        include_dashboard=False if address is None else None,
+        include_dashboard=False if address in (None, "local") else None,
         runtime_env=runtime_env() or None,
         logging_level="WARNING",
         log_to_driver=log_to_driver,
     )
+
+
+def _token_auth_if_available() -> None:
+    """``ray start`` (Ray >= 2.5x) turns on token authentication and keeps the token in
+    ~/.ray/auth_token, but a driver joining by address stays in 'disabled' mode unless told.
+    Do what a local ``ray.init()`` does: token mode when RAY_AUTH_MODE is unset and a token is
+    available. The helper is Ray's own (private, hence the guard)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def start_serve(config: DeploymentConfig) -> None:

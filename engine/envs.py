@@ -26,15 +26,3 @@ def log_level() -> str:
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET=1`` runs Triton kernels on CPU tensors through the Triton interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def use_ray_token_auth_if_available() -> None:
-    """Ray 2.5x+ ``ray start`` enables token authentication and writes the token to
-    ``~/.ray/auth_token``, but a driver joining by address does not turn token mode on by
-    itself. Do what a local ``ray.init()`` does: token mode when ``RAY_AUTH_MODE`` is unset
-    and a token is at hand (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or the default file)."""
-    if "RAY_AUTH_MODE" in os.environ:
-        return
-    token_path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
-    if os.environ.get("RAY_AUTH_TOKEN") or Path(token_path).is_file():
-        os.environ["RAY_AUTH_MODE"] = "token"
