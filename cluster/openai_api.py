@@ -11,6 +11,7 @@ overloaded or engine dead. Bad input never yields a 500 or a stack trace.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -193,28 +194,37 @@ class GuardMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > max_body:
             await _too_large(max_body)(scope, receive, send)
             return
+        await self._limit_body(scope, receive, send, max_body)
+
+    async def _limit_body(self, scope: Scope, receive: Receive, send: Send, max_body: int) -> None:
+        """Count body bytes as the app reads them; past the limit the app's own response (its
+        body parser fails on the truncated read) is replaced by a 413."""
         received = 0
-        started = False
+        too_large = False
+        replied = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, too_large
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > max_body:
+                    too_large = True
                     raise _BodyTooLarge
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
+        async def guarded_send(message: Message) -> None:
+            nonlocal replied
+            if not too_large:
+                await send(message)
+            elif not replied:
+                replied = True
                 await _too_large(max_body)(scope, receive, send)
+
+        with contextlib.suppress(_BodyTooLarge):
+            await self.app(scope, limited_receive, guarded_send)
+        if too_large and not replied:
+            await _too_large(max_body)(scope, receive, send)
 
 
 def _too_large(max_body: int) -> JSONResponse:
