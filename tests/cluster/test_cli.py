@@ -8,6 +8,7 @@ The Ray cluster is stopped by ending its ``ray start --block`` process rather th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -95,8 +96,18 @@ def ray_head() -> Iterator[str]:
         assert head.poll() is None, "ray start --head exited"
         yield f"127.0.0.1:{port}"
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(60)
+        stop_process_group(head)
+
+
+def stop_process_group(process: subprocess.Popen[str], grace_s: float = 10) -> None:
+    """SIGTERM the group (Ray's own graceful stop signal), SIGKILL whatever outlives the grace."""
+    with contextlib.suppress(ProcessLookupError):  # the group may have exited already
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(30)
 
 
 def test_deploy_request_status_shutdown(ray_head: str, tmp_path: Path) -> None:
@@ -137,5 +148,4 @@ def test_serve_blocks_until_ctrl_c_then_shuts_down(tmp_path: Path) -> None:
         assert serving.wait(120) == 0
         assert refuses_connections(http_port)
     finally:
-        if serving.poll() is None:
-            os.killpg(serving.pid, signal.SIGKILL)
+        stop_process_group(serving)

@@ -8,6 +8,7 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -229,7 +230,14 @@ def test_health_is_ok_while_the_engine_lives(base_url: str) -> None:
 
 
 def test_metrics_show_the_model_in_prometheus_format(base_url: str, client: OpenAI) -> None:
-    client.completions.create(model=MODEL, prompt="for the metrics", max_tokens=4)
+    # Five requests of ~1,000 tokens need 5 x 63 KV blocks of 16 tokens; tiny.yaml has 256, so
+    # the scheduler must preempt: every metric, preemptions included, gets a sample.
+    before = engine_stats()["num_preemptions"]
+    with ThreadPoolExecutor(5) as pool:
+        list(pool.map(lambda i: client.completions.create(
+            model=MODEL, prompt=f"metrics {i}", max_tokens=1000, extra_body={"ignore_eos": True}
+        ), range(5)))  # fmt: skip
+    assert engine_stats()["num_preemptions"] > before
     wanted = ["time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
               "e2e_request_latency_seconds_count", "kv_cache_usage_perc", "requests_running",
               "requests_waiting", "prompt_tokens_total", "generation_tokens_total",
