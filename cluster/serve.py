@@ -235,7 +235,7 @@ class OpenAIIngress:
 
     # ---- gRPC (service ``llmcluster.LLM``, through Serve's gRPC proxy) -----------------------
 
-    async def Generate(  # the RPC method name
+    async def Generate(  # Serve's gRPC proxy calls the method named as the RPC
         self, request: llm_pb2.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> Any:
         grpc_check_key(grpc_context, self.api_key_hashes)
@@ -257,7 +257,7 @@ class OpenAIIngress:
         finally:
             items.cancel()
 
-    async def Health(  # the RPC method name
+    async def Health(  # Serve's gRPC proxy calls the method named as the RPC
         self, request: llm_pb2.HealthRequest, grpc_context: RayServegRPCContext
     ) -> llm_pb2.HealthResponse:
         grpc_check_key(grpc_context, self.api_key_hashes)

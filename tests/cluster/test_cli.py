@@ -110,7 +110,7 @@ def stop_process_group(process: subprocess.Popen[str], grace_s: float = 10) -> N
     process.wait(30)
 
 
-def test_deploy_request_status_shutdown(ray_head: str, tmp_path: Path) -> None:
+def test_deploy_request_status_redeploy_shutdown(ray_head: str, tmp_path: Path) -> None:
     config, http_port = tiny_config(tmp_path)
     deployed = cluster_cli("deploy", str(config), "--address", ray_head)
     assert deployed.returncode == 0, deployed.stderr[-3000:]
@@ -125,6 +125,18 @@ def test_deploy_request_status_shutdown(ray_head: str, tmp_path: Path) -> None:
     assert model["replicas"] == {"RUNNING": 1}
     assert model["stats"]["kv_total_blocks"] == 256
     assert model["stats"]["generation_tokens_total"] >= 4
+
+    # Re-deploying updates the running application in place: same app and endpoint, Serve
+    # rolls the replica over to the new engine settings.
+    changed = yaml.safe_load(config.read_text())
+    changed["models"][0]["engine_kwargs"]["num_kv_blocks"] = 128
+    config.write_text(yaml.safe_dump(changed))
+    redeployed = cluster_cli("deploy", str(config), "--address", ray_head)
+    assert redeployed.returncode == 0, redeployed.stderr[-3000:]
+    after = json.loads(cluster_cli("status", "--address", ray_head, "--json").stdout)
+    assert after["models"]["tiny-llama"]["replicas"] == {"RUNNING": 1}
+    assert after["models"]["tiny-llama"]["stats"]["kv_total_blocks"] == 128
+    assert complete(http_port)["usage"]["completion_tokens"] == 4
 
     shutdown = cluster_cli("shutdown", "--address", ray_head, timeout=120)
     assert shutdown.returncode == 0, shutdown.stderr[-3000:]
