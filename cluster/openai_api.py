@@ -17,8 +17,8 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -422,8 +422,60 @@ def metrics_response(text: str) -> PlainTextResponse:
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def new_app() -> FastAPI:
+def new_app(api_key_hashes: Sequence[str] = (), max_body_bytes: int = 1 << 20) -> FastAPI:
+    """A FastAPI app with the OpenAI error handlers and the key / body-size guard."""
     app = FastAPI(title="llm-cluster OpenAI-compatible API", docs_url=None, redoc_url=None)
+    app.state.api_key_hashes = list(api_key_hashes)
+    app.state.max_body_bytes = max_body_bytes
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware)
+    return app
+
+
+class OpenAIServing(Protocol):
+    """What the routes call: the Serve ingress implements it."""
+
+    async def completions(self, req: CompletionRequest) -> Any: ...
+    async def chat_completions(self, req: ChatCompletionRequest) -> Any: ...
+    async def models(self) -> dict[str, Any]: ...
+    async def tokenize(self, req: TokenizeRequest) -> Any: ...
+    async def detokenize(self, req: DetokenizeRequest) -> Any: ...
+    async def health(self) -> Any: ...
+    async def metrics(self) -> Any: ...
+
+
+def make_openai_app(
+    serving: OpenAIServing, api_key_hashes: Sequence[str] = (), max_body_bytes: int = 1 << 20
+) -> FastAPI:
+    """The HTTP routes over ``serving``."""
+    app = new_app(api_key_hashes, max_body_bytes)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Any:
+        return await serving.completions(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        return await serving.chat_completions(req)
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return await serving.models()
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Any:
+        return await serving.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Any:
+        return await serving.detokenize(req)
+
+    @app.get("/health")
+    async def health() -> Any:
+        return await serving.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return await serving.metrics()
+
     return app

@@ -5,9 +5,7 @@ through streaming deployment handles.
     build_app("configs/tiny.yaml")  ->  serve.Application  (``serve.run`` or ``cluster deploy``)
 """
 
-# No ``from __future__ import annotations`` here: FastAPI reads the route parameters' types
-# at runtime, and Serve pickles the ingress class by value, so string annotations would not
-# resolve in the replica.
+from __future__ import annotations
 
 import asyncio
 import os
@@ -18,6 +16,7 @@ from typing import Any
 
 import grpc
 import ray
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -39,8 +38,8 @@ from cluster.openai_api import (
     completion_payload,
     error_body,
     error_response,
+    make_openai_app,
     metrics_response,
-    new_app,
     stream_sse,
 )
 from cluster.proto import llm_pb2
@@ -124,11 +123,9 @@ def grpc_check_key(context: RayServegRPCContext, key_hashes: list[str]) -> None:
 
 
 # Serve pickles the ingress class by value with the globals it sees when decorated: every
-# helper it calls is defined above it.
-app = new_app()
-
-
-@serve.ingress(app)
+# helper it calls is defined above it. The FastAPI app is built per replica, after __init__
+# (``__serve_build_asgi_app__``), so the API keys and body limit live on the app that serves.
+@serve.ingress()
 class OpenAIIngress:
     def __init__(
         self,
@@ -138,8 +135,10 @@ class OpenAIIngress:
     ) -> None:
         self.servers = servers
         self.api_key_hashes = api_key_hashes
-        app.state.api_key_hashes = api_key_hashes
-        app.state.max_body_bytes = max_body_bytes
+        self.max_body_bytes = max_body_bytes
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return make_openai_app(self, self.api_key_hashes, self.max_body_bytes)
 
     # ---- routing -------------------------------------------------------------------------
 
@@ -183,25 +182,21 @@ class OpenAIIngress:
 
     # ---- OpenAI routes -------------------------------------------------------------------
 
-    @app.post("/v1/completions")
     async def completions(self, req: CompletionRequest) -> Any:
         payload = completion_payload(req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._generate(req.model, payload, False, req.stream, usage)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(self, req: ChatCompletionRequest) -> Any:
         payload = chat_payload(req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._generate(req.model, payload, True, req.stream, usage)
 
-    @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "llm-cluster"}
                 for m in self.servers]  # fmt: skip
         return {"object": "list", "data": data}
 
-    @app.post("/tokenize")
     async def tokenize(self, req: TokenizeRequest) -> Any:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
@@ -210,11 +205,9 @@ class OpenAIIngress:
             payload = {"messages": [m.model_dump(exclude_none=True) for m in req.messages]}
         return _unwrap(await self._server(req.model).tokenize.remote(payload))
 
-    @app.post("/detokenize")
     async def detokenize(self, req: DetokenizeRequest) -> Any:
         return _unwrap(await self._server(req.model).detokenize.remote({"tokens": req.tokens}))
 
-    @app.get("/health")
     async def health(self) -> Any:
         problems = {}
         for model, handle in self.servers.items():
@@ -229,7 +222,6 @@ class OpenAIIngress:
             return error_response(APIError(503, message, None, "engine_dead"))
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
     async def metrics(self) -> Any:
         return metrics_response(await asyncio.to_thread(scrape_cluster_metrics))
 

@@ -23,9 +23,7 @@ KEY = "sk-test-key"
 
 
 def make_client(key_hashes: list[str], max_body_bytes: int = 4096) -> TestClient:
-    app = new_app()
-    app.state.api_key_hashes = key_hashes
-    app.state.max_body_bytes = max_body_bytes
+    app = new_app(key_hashes, max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> dict[str, Any]:

@@ -1,10 +1,13 @@
 """configs/tiny.yaml on a local Ray, driven like users drive it: the official ``openai`` client,
-raw HTTP for the error contract and disconnects, and a gRPC client."""
+raw HTTP for the error contract and disconnects, and a gRPC client. The app is deployed with an
+API key (from an environment variable, as a user would) so every request also proves the key
+check runs on the app Serve actually serves."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -22,20 +25,28 @@ from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
 APP = "tiny"
 MODEL = "tiny-llama"
 PROMPT = "The capital of the tiny model is"
+KEY = "sk-tiny-test"
+AUTH = {"authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
 def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
     from ray import serve
 
-    url = serve_cluster.deploy(load_yaml("tiny.yaml"), APP, "/")
+    config = load_yaml("tiny.yaml")
+    config["api_keys"] = {"env": "LLM_CLUSTER_TEST_KEYS"}
+    os.environ["LLM_CLUSTER_TEST_KEYS"] = f"sk-other,{KEY}"
+    try:
+        url = serve_cluster.deploy(config, APP, "/")
+    finally:
+        del os.environ["LLM_CLUSTER_TEST_KEYS"]
     yield url
     serve.delete(APP)
 
 
 @pytest.fixture(scope="module")
 def client(base_url: str) -> OpenAI:
-    return OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
+    return OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +62,12 @@ def greedy(offline: LLM, prompt: Any, max_tokens: int, **kw: Any) -> str:
     return offline.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
 
 
-def post(base_url: str, path: str, body: bytes | dict[str, Any], **headers: str) -> tuple[int, Any]:
+def post(
+    base_url: str, path: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(
-        base_url + path, data=data, headers={"content-type": "application/json", **headers}
-    )
+    headers = {"content-type": "application/json", **(AUTH if headers is None else headers)}
+    request = urllib.request.Request(base_url + path, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -126,6 +138,14 @@ def test_stop_string_ends_the_completion_before_it(client: OpenAI, offline: LLM)
     assert response.choices[0].finish_reason == "stop"
 
 
+def test_missing_or_wrong_api_key_is_401(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"authorization": "Bearer sk-wrong"}):
+        code, payload = post(base_url, "/v1/completions", body, headers)
+        assert code == 401
+        assert payload["error"]["type"] == "AuthenticationError"
+
+
 def test_unknown_model_is_404(client: OpenAI) -> None:
     with pytest.raises(NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
@@ -139,7 +159,9 @@ def test_sse_stream_ends_with_done(base_url: str) -> None:
     host, port = base_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    conn.request(
+        "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json", **AUTH}
+    )
     response = conn.getresponse()
     events = [e for e in response.read().decode().split("\n\n") if e]
     conn.close()
@@ -194,7 +216,9 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(base_url: str
     host, port = base_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    conn.request(
+        "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json", **AUTH}
+    )
     response = conn.getresponse()
     assert response.readline().startswith(b"data: {")
     running = engine_stats()
@@ -224,7 +248,7 @@ def test_tokenize_then_detokenize_round_trips(base_url: str, offline: LLM) -> No
     assert (code, text["prompt"]) == (200, offline.get_tokenizer().decode(tokens["tokens"]))
 
 
-def test_health_is_ok_while_the_engine_lives(base_url: str) -> None:
+def test_health_is_ok_without_an_api_key(base_url: str) -> None:
     with urllib.request.urlopen(base_url + "/health", timeout=30) as response:
         assert (response.status, json.loads(response.read())) == (200, {"status": "ok"})
 
@@ -246,7 +270,8 @@ def test_metrics_show_the_model_in_prometheus_format(base_url: str, client: Open
     missing = list(wanted)
 
     def scraped() -> bool:
-        with urllib.request.urlopen(base_url + "/metrics", timeout=30) as response:
+        request = urllib.request.Request(base_url + "/metrics", headers=AUTH)
+        with urllib.request.urlopen(request, timeout=30) as response:
             text = response.read().decode()
         lines = [ln for ln in text.splitlines() if f'model="{MODEL}"' in ln]
         missing[:] = [w for w in wanted if not any(f"llm_cluster_{w}" in ln for ln in lines)]
@@ -268,7 +293,7 @@ def grpc_stub(serve_cluster: ServeCluster, base_url: str) -> Iterator[llm_pb2_gr
     channel.close()
 
 
-METADATA = (("application", APP),)
+METADATA = (("application", APP), ("authorization", f"Bearer {KEY}"))
 
 
 def test_grpc_streamed_generate_equals_http(
@@ -302,6 +327,13 @@ def test_grpc_errors_map_to_status_codes(
     with pytest.raises(grpc.RpcError) as info:
         list(grpc_stub.Generate(llm_pb2.GenerateRequest(**request_fields), metadata=METADATA))
     assert info.value.code() == code
+
+
+def test_grpc_without_api_key_is_unauthenticated(grpc_stub: llm_pb2_grpc.LLMStub) -> None:
+    request = llm_pb2.GenerateRequest(model=MODEL, prompt="x", max_tokens=2)
+    with pytest.raises(grpc.RpcError) as info:
+        list(grpc_stub.Generate(request, metadata=(("application", APP),)))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_grpc_health_is_ok(grpc_stub: llm_pb2_grpc.LLMStub) -> None:
