@@ -316,12 +316,27 @@ def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
     if req.logprobs or req.top_logprobs is not None:
         param = "logprobs" if req.logprobs else "top_logprobs"
         raise APIError(400, f"{param}: not supported", param, "unsupported")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else None
+    max_tokens = req.max_completion_tokens
     max_tokens = max_tokens if max_tokens is not None else req.max_tokens
-    return {
-        "params": sampling_params(req, max_tokens),
-        "messages": [m.model_dump(exclude_none=True) for m in req.messages],
-    }
+    return {"params": sampling_params(req, max_tokens), "messages": chat_messages(req.messages)}
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template: content parts (``[{"type": "text", "text": ...}]``)
+    joined into one string; parts other than text are not supported (400)."""
+    out = []
+    for i, message in enumerate(messages):
+        entry = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            texts = []
+            for j, part in enumerate(message.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    param = f"messages.{i}.content.{j}"
+                    raise APIError(400, f"{param}: only text parts are supported", param)
+                texts.append(part["text"])
+            entry["content"] = "".join(texts)
+        out.append(entry)
+    return out
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from cluster.openai_api import (
     DetokenizeRequest,
     TokenizeRequest,
     api_key_matches,
+    chat_messages,
     chat_payload,
     completion_payload,
     error_body,
@@ -202,7 +203,7 @@ class OpenAIIngress:
             raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
         payload: dict[str, Any] = {"prompt": req.prompt}
         if req.messages is not None:
-            payload = {"messages": [m.model_dump(exclude_none=True) for m in req.messages]}
+            payload = {"messages": chat_messages(req.messages)}
         return _unwrap(await self._server(req.model).tokenize.remote(payload))
 
     async def detokenize(self, req: DetokenizeRequest) -> Any:

@@ -147,6 +147,20 @@ def test_chat_max_completion_tokens_wins_over_max_tokens() -> None:
     assert chat_payload(req)["params"]["max_tokens"] == 9
 
 
+def test_chat_text_parts_are_joined_for_the_template() -> None:
+    content = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": content}])
+    assert chat_payload(req)["messages"] == [{"role": "user", "content": "Hello, world"}]
+
+
+def test_chat_image_part_is_400_naming_it() -> None:
+    content = [{"type": "image_url", "image_url": {"url": "http://x"}}]
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": content}])
+    with pytest.raises(APIError) as info:
+        chat_payload(req)
+    assert (info.value.status, info.value.param) == (400, "messages.0.content.0")
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"),
