@@ -408,6 +408,25 @@ def check_engine_arg_names(kwargs: dict[str, Any], path: str = "") -> None:
             raise ConfigError(f"{path}{key}: unknown engine argument{hint}")
 
 
+def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
+    """Names, types and ranges of engine arguments without reading any checkpoint: each
+    sub-config is built alone. ``EngineConfig.from_kwargs`` adds the model-shape checks."""
+    check_engine_arg_names(kwargs)
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in kwargs.items():
+        group, name = _ENGINE_ARGS[key]
+        groups.setdefault(group, {})[name] = value
+    ModelConfig(**{"model": "unchecked", **groups.get("model", {})})
+    CacheConfig(**groups.get("cache", {}))
+    sched = dict(groups.get("scheduler", {}))
+    sched["max_model_len"] = kwargs.get("max_model_len") or 2048
+    if not sched.get("enable_chunked_prefill", True):
+        sched.setdefault("max_num_batched_tokens", sched["max_model_len"])
+    SchedulerConfig(**sched)
+    ParallelConfig(**groups.get("parallel", {}))
+    DeviceConfig(**groups.get("device", {}))
+
+
 def _with_checkpoint(model: ModelConfig) -> ModelConfig:
     # Imported here: tiny_models pulls in transformers, which a bare config check need not load.
     from engine.tiny_models import resolve_model_source

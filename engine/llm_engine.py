@@ -298,16 +298,21 @@ class LLMEngine:
             )
         return max_tokens
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Abort requests (every one of their samples) and free their blocks."""
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort live requests — every one of their samples; unknown or finished ids are
+        ignored — and free their blocks now; returns the aborted requests' final outputs
+        (finish_reason "abort" on the samples that were still running)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outputs = []
         for rid in ids:
             group = self._groups.get(rid)
             if group is None:
                 continue
             sample_ids = [s.request.request_id for s in group.samples]
             self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self.make_output(group))
             self._forget(group)
+        return outputs
 
     def _forget(self, group: RequestGroup) -> None:
         self._groups.pop(group.request_id, None)
