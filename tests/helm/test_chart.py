@@ -154,6 +154,16 @@ def kube_validate(doc: Doc) -> None:
     kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
 
+def as_pod_template(name: str, template: Doc) -> Doc:
+    """A group's pod template as a core ``PodTemplate`` object, which Kubernetes' schema knows."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": name},
+        "template": template,
+    }
+
+
 STORAGE = {
     "pvc": {"type": "pvc", "mountPath": "/models", "pvc": {"claimName": "models"}},
     "hostPath": {"type": "hostPath", "mountPath": "/models", "hostPath": {"path": "/data/m"}},
@@ -169,16 +179,14 @@ STORAGE = {
 @pytest.mark.parametrize("preset", PRESETS)
 def test_pod_templates_are_valid_kubernetes(preset: str) -> None:
     for group, template in pod_templates(rayservice(render(preset_values(preset)))).items():
-        kube_validate({"apiVersion": "v1", "kind": "PodTemplate",
-                       "metadata": {"name": group}, "template": template})  # fmt: skip
+        kube_validate(as_pod_template(group, template))
 
 
 @pytest.mark.parametrize("storage", STORAGE)
 def test_model_storage_pod_templates_are_valid_kubernetes(storage: str) -> None:
     values = with_overrides("llama70b", modelStorage=STORAGE[storage])
     for group, template in pod_templates(rayservice(render(values))).items():
-        kube_validate({"apiVersion": "v1", "kind": "PodTemplate",
-                       "metadata": {"name": group}, "template": template})  # fmt: skip
+        kube_validate(as_pod_template(group, template))
 
 
 def test_uri_storage_copies_the_checkpoint_in_an_init_container() -> None:
@@ -353,8 +361,8 @@ def test_values_with_a_wrong_type_are_rejected_naming_the_key() -> None:
 
 
 def test_values_with_an_unknown_key_are_rejected_naming_it() -> None:
-    message = render_error({"workerGroups": [{**preset_values("tiny")["workerGroups"][0],
-                                              "gpu": 8}]})  # fmt: skip
+    group = {**preset_values("tiny")["workerGroups"][0], "gpu": 8}
+    message = render_error({"workerGroups": [group]})
     assert "/workerGroups/0" in message
     assert "'gpu'" in message
 
