@@ -79,7 +79,9 @@ def with_overrides(preset: str, **overrides: Any) -> Doc:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_chart_lints_clean(preset: str) -> None:
-    report = helm.lint(CHART, values=preset_values(preset), kube_version=f"v{KUBE_VERSION}")
+    report = helm.lint(
+        CHART, values=preset_values(preset), strict=True, kube_version=f"v{KUBE_VERSION}"
+    )
     assert report["errors"] == []
     problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
     assert problems == []
