@@ -83,7 +83,7 @@ def _type_schema(hint: Any) -> JSONSchema:
         return {"anyOf": [schema, {"type": "null"}]}
     if origin is Literal:
         return {"enum": list(args)}
-    if origin is list:
+    if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
         return {"type": "array", "items": _type_schema(args[0])}
     if dataclasses.is_dataclass(hint):
         return _dataclass_schema(hint)

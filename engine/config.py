@@ -425,6 +425,8 @@ def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
     SchedulerConfig(**sched)
     ParallelConfig(**groups.get("parallel", {}))
     DeviceConfig(**groups.get("device", {}))
+    KernelConfig(**groups.get("kernel", {}))
+    SamplingConfig(**groups.get("sampling", {}))
 
 
 def _with_checkpoint(model: ModelConfig) -> ModelConfig:
