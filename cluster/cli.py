@@ -10,6 +10,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.config import DeploymentConfig
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -50,13 +54,122 @@ def _generate(args: argparse.Namespace) -> int:
     except (ConfigError, InvalidRequestError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for prompt, output in zip(args.prompts, outputs):
+    for prompt, output in zip(args.prompts, outputs, strict=True):
         completion = output.outputs[0]
         print(
             f"prompt: {prompt!r}\ncompletion: {completion.text!r}  "
             f"({len(completion.token_ids)} tokens, finish_reason={completion.finish_reason})"
         )
     return 0
+
+
+def _load_config(path: str) -> DeploymentConfig:
+    from cluster.config import load_config
+    from engine.config import ConfigError
+
+    try:
+        config = load_config(path)
+        if config.api_keys is not None:
+            config.api_keys.load_key_hashes()
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return config
+
+
+def _deploy_and_report(config: DeploymentConfig, address: str | None) -> None:
+    from cluster import deploy
+
+    deploy.connect(address)
+    names = ", ".join(m.model_id for m in config.models)
+    print(f"deploying {names} (app {config.app_name!r}); loading models...", flush=True)
+    deploy.deploy(config, progress=lambda line: print(line, flush=True))
+    print(f"ready: OpenAI API at {deploy.endpoint(config)}", flush=True)
+    if config.grpc_options is not None:
+        print(f"gRPC (llmcluster.LLM) on port {config.grpc_options.port}", flush=True)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import time
+
+    from ray import serve
+
+    config = _load_config(args.config)
+    _deploy_and_report(config, args.address)
+    print("serving; press Ctrl-C to stop", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("shutting down", flush=True)
+    finally:
+        serve.shutdown()
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    config = _load_config(args.config)
+    _deploy_and_report(config, args.address)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from cluster import deploy
+
+    deploy.connect(args.address)
+    status = deploy.cluster_status(args.app)
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0 if status["status"] != "NOT_DEPLOYED" else 1
+    print(f"app {status['app']}: {status['status']}")
+    for model, entry in status["models"].items():
+        replicas = ", ".join(f"{n} {s.lower()}" for s, n in entry["replicas"].items() if n)
+        print(f"  {model}: {entry['status']} ({replicas or 'no replicas'})")
+        stats = entry.get("stats")
+        if stats:
+            print(
+                f"    KV cache {100 * stats['kv_usage']:.1f}% used "
+                f"({stats['kv_total_blocks'] - stats['kv_free_blocks']}/{stats['kv_total_blocks']}"
+                f" blocks), running {stats['num_running']}, waiting {stats['num_waiting']}, "
+                f"prefix-cache hit rate {100 * stats['prefix_cache_hit_rate']:.1f}%"
+            )
+        elif "stats_error" in entry:
+            print(f"    stats unavailable: {entry['stats_error']}")
+    return 0 if status["status"] != "NOT_DEPLOYED" else 1
+
+
+def _shutdown(args: argparse.Namespace) -> int:
+    from ray import serve
+
+    from cluster import deploy
+
+    deploy.connect(args.address)
+    serve.shutdown()
+    print("Serve shut down: all deployments removed")
+    return 0
+
+
+def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
+    address_help = "Ray cluster address (default: $RAY_ADDRESS, else the cluster on this machine)"
+    serve_cmd = sub.add_parser("serve", help="start a local Ray, deploy CONFIG, block")
+    serve_cmd.add_argument("config", help="deployment YAML, e.g. configs/tiny.yaml")
+    serve_cmd.add_argument("--address", default=None, help="join this cluster instead")
+    serve_cmd.set_defaults(func=_serve)
+
+    deploy_cmd = sub.add_parser("deploy", help="deploy CONFIG to a running Ray cluster")
+    deploy_cmd.add_argument("config")
+    deploy_cmd.add_argument("--address", default="auto", help=address_help)
+    deploy_cmd.set_defaults(func=_deploy)
+
+    status_cmd = sub.add_parser("status", help="per model: replicas, health, KV usage, queue")
+    status_cmd.add_argument("--address", default="auto", help=address_help)
+    status_cmd.add_argument("--app", default="llm", help="Serve application name")
+    status_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    status_cmd.set_defaults(func=_status)
+
+    shutdown_cmd = sub.add_parser("shutdown", help="remove every deployment and stop Serve")
+    shutdown_cmd.add_argument("--address", default="auto", help=address_help)
+    shutdown_cmd.set_defaults(func=_shutdown)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine argument with vLLM's name, e.g. max_model_len=1024 (repeatable)",
     )
     gen.set_defaults(func=_generate)
+    _add_serving_commands(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (measurements, printed and written as JSON)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

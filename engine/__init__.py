@@ -1,17 +1,33 @@
 """The engine: config, scheduler, block manager, workers, and the LLM / LLMEngine APIs.
-It imports no Ray (distributed executors live in ``cluster/``)."""
+It imports no Ray (distributed executors live in ``cluster/``).
+
+``LLM`` and ``LLMEngine`` are imported on first use: they pull in transformers (tokenizer),
+which a worker process, importing ``engine.worker`` through this package, never needs.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine
+
+_LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
 def _init_logging() -> None:

@@ -195,6 +195,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Literal["auto", "uni", "ray"] = "auto"
     placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    # Decoder layers per pipeline stage, e.g. (41, 39): stage 0 also holds the embedding and
+    # the last stage the LM head, so uneven splits can balance memory. None = even split.
+    pp_layer_partition: tuple[int, ...] | None = None
     # Set per rank with dataclasses.replace by the executor that spawns the workers.
     rank: int = 0
 
@@ -212,6 +215,16 @@ class ParallelConfig:
             "placement_group_strategy",
             f"must be one of {strategies}, got {self.placement_group_strategy!r}",
         )
+        if self.pp_layer_partition is not None:
+            # YAML and JSON give lists; keep the frozen config hashable and immutable.
+            object.__setattr__(self, "pp_layer_partition", tuple(self.pp_layer_partition))
+            _require(
+                len(self.pp_layer_partition) == self.pipeline_parallel_size
+                and all(isinstance(n, int) and n >= 1 for n in self.pp_layer_partition),
+                "pp_layer_partition",
+                f"must list {self.pipeline_parallel_size} positive layer counts (one per "
+                f"pipeline stage), got {list(self.pp_layer_partition)}",
+            )
         _require(
             0 <= self.rank < self.world_size,
             "rank",
@@ -325,6 +338,7 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
     "placement_group_strategy": ("parallel", "placement_group_strategy"),
+    "pp_layer_partition": ("parallel", "pp_layer_partition"),
     "device": ("device", "device"),
     "attention_backend": ("kernel", "attention_backend"),
     "enforce_eager": ("kernel", "enforce_eager"),
@@ -394,6 +408,27 @@ def check_engine_arg_names(kwargs: dict[str, Any], path: str = "") -> None:
             raise ConfigError(f"{path}{key}: unknown engine argument{hint}")
 
 
+def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
+    """Names, types and ranges of engine arguments without reading any checkpoint: each
+    sub-config is built alone. ``EngineConfig.from_kwargs`` adds the model-shape checks."""
+    check_engine_arg_names(kwargs)
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in kwargs.items():
+        group, name = _ENGINE_ARGS[key]
+        groups.setdefault(group, {})[name] = value
+    ModelConfig(**{"model": "unchecked", **groups.get("model", {})})
+    CacheConfig(**groups.get("cache", {}))
+    sched = dict(groups.get("scheduler", {}))
+    sched["max_model_len"] = kwargs.get("max_model_len") or 2048
+    if not sched.get("enable_chunked_prefill", True):
+        sched.setdefault("max_num_batched_tokens", sched["max_model_len"])
+    SchedulerConfig(**sched)
+    ParallelConfig(**groups.get("parallel", {}))
+    DeviceConfig(**groups.get("device", {}))
+    KernelConfig(**groups.get("kernel", {}))
+    SamplingConfig(**groups.get("sampling", {}))
+
+
 def _with_checkpoint(model: ModelConfig) -> ModelConfig:
     # Imported here: tiny_models pulls in transformers, which a bare config check need not load.
     from engine.tiny_models import resolve_model_source
@@ -430,6 +465,14 @@ def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
         "tensor_parallel_size",
         f"must divide num_attention_heads ({model.num_attention_heads}), got {tp}",
     )
+    inter = model.hf_config.get("intermediate_size")
+    # Checked here so that a bad shape is a ConfigError on the head, not a worker that dies
+    # while building its MLP shard.
+    _require(
+        not inter or inter % tp == 0,
+        "tensor_parallel_size",
+        f"must divide intermediate_size ({inter}), got {tp}",
+    )
     kv = model.num_kv_heads
     _require(
         kv % tp == 0 or tp % kv == 0,
@@ -441,6 +484,12 @@ def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
         pp <= model.num_hidden_layers,
         "pipeline_parallel_size",
         f"must be <= num_hidden_layers ({model.num_hidden_layers}), got {pp}",
+    )
+    partition = parallel.pp_layer_partition
+    _require(
+        partition is None or sum(partition) == model.num_hidden_layers,
+        "pp_layer_partition",
+        f"must sum to num_hidden_layers ({model.num_hidden_layers}), got {list(partition or [])}",
     )
 
 

@@ -26,3 +26,15 @@ def log_level() -> str:
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET=1`` runs Triton kernels on CPU tensors through the Triton interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dist_timeout_s() -> float:
+    """``LLM_CLUSTER_DIST_TIMEOUT_S``: bound on rendezvous and on every collective / stage
+    transfer, so a dead peer fails a step instead of hanging it (default 120 s)."""
+    return float(os.environ.get("LLM_CLUSTER_DIST_TIMEOUT_S", "120"))
+
+
+def step_timeout_s() -> float:
+    """``LLM_CLUSTER_STEP_TIMEOUT_S``: longest the head waits for the workers to finish one
+    step (or one control call) before it declares the engine dead (default 300 s)."""
+    return float(os.environ.get("LLM_CLUSTER_STEP_TIMEOUT_S", "300"))

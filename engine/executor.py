@@ -18,6 +18,7 @@ from engine.worker import Worker
 
 EXECUTOR_BACKENDS: dict[str, str] = {
     "uni": "engine.executor:UniProcExecutor",
+    "ray": "cluster.ray_executor:RayExecutor",
 }
 
 

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from engine.block_manager import BlockManager, KVCacheStats
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor import Executor, get_executor_class
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs
@@ -134,7 +134,8 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Validate and enqueue; raises ``InvalidRequestError`` (naming the field) and enqueues
-        nothing if the request is invalid."""
+        nothing if the request is invalid. Raises ``EngineDeadError`` once the workers are dead."""
+        self._check_alive()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("must be a SamplingParams", param="sampling_params")
@@ -299,16 +300,21 @@ class LLMEngine:
             )
         return max_tokens
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Abort requests (every one of their samples) and free their blocks."""
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort live requests — every one of their samples; unknown or finished ids are
+        ignored — and free their blocks now; returns the aborted requests' final outputs
+        (finish_reason "abort" on the samples that were still running)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outputs = []
         for rid in ids:
             group = self._groups.get(rid)
             if group is None:
                 continue
             sample_ids = [s.request.request_id for s in group.samples]
             self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self.make_output(group))
             self._forget(group)
+        return outputs
 
     def _forget(self, group: RequestGroup) -> None:
         self._groups.pop(group.request_id, None)
@@ -318,7 +324,9 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute one step on the workers, and return outputs of updated requests."""
+        """Schedule, execute one step on the workers, and return outputs of updated requests.
+        Raises ``EngineDeadError`` (failing every in-flight request) if a worker died."""
+        self._check_alive()
         clock = self.step_timer
         clock.start()
         sched = self.scheduler.schedule()
@@ -427,6 +435,14 @@ class LLMEngine:
         """Tell the workers to drop finished requests' state now rather than at the next step."""
         sched = self.scheduler.schedule()
         self.executor.execute_model(make_execute_model_request(sched))
+
+    def _check_alive(self) -> None:
+        if self.executor.is_dead:
+            raise EngineDeadError("the engine's workers are dead; build a new engine to continue")
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if a worker is gone."""
+        self.executor.check_health()
 
     # ---- introspection ------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ from engine.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, s
 from engine.sampling_params import SamplingParams
 from engine.timing import StepTimer
 from kernels.attention import AttentionMetadata
+from parallel.distributed import recv_intermediate, send_intermediate
+from parallel.state import ParallelContext
 
 
 @dataclass
@@ -58,10 +60,17 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: nn.Module,
+        device: torch.device,
+        ctx: ParallelContext | None = None,
+    ) -> None:
         self.config = config
         self.model = model
         self.device = device
+        self.ctx = ctx or ParallelContext()
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.step_timer = StepTimer(sync_cuda=device.type == "cuda")
@@ -317,23 +326,45 @@ class ModelRunner:
         return result
 
     def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
-        """Single-stage path (PP = 1)."""
+        """One step on this rank. Stages after the first continue from the previous stage's
+        (hidden, residual); stages before the last pass theirs on. Only TP rank 0 of the last
+        stage returns the sampler output; every other rank returns None."""
         clock = self.step_timer
         clock.start()
         self.update_states(req)
         self.apply_block_ops(req)
         if req.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         inputs = self.prepare_inputs(req)
         clock.lap("prepare_inputs")
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
+            # Only with TP = PP = 1 (see _use_cuda_graphs): the whole model in one replay.
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
         else:
-            hidden, _ = self.forward(inputs)
+            pp = self.ctx.pp
+            hidden = residual = None
+            if not pp.is_first:
+                hidden, residual = recv_intermediate(
+                    pp,
+                    req.total_num_scheduled_tokens,
+                    self.config.model.hf_config["hidden_size"],
+                    self.config.model.torch_dtype,
+                    self.device,
+                )
+            hidden, residual = self.forward(inputs, hidden, residual)
+            if not pp.is_last:
+                send_intermediate(pp, hidden, residual)
+                clock.lap("forward")
+                return None
         clock.lap("forward")
         output = self.sample(inputs, hidden)
         clock.lap("sample")
         return output
+
+    @property
+    def is_driver(self) -> bool:
+        """The rank that samples: TP rank 0 of the last pipeline stage."""
+        return self.ctx.pp.is_last and self.ctx.tp.is_first
 
 
 def _split_logprobs(

@@ -7,6 +7,7 @@ minimum over workers) -> ``initialize_cache`` -> ``execute_model`` every step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -16,6 +17,14 @@ from engine.config import EngineConfig
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.protocol import ExecuteModelRequest, ModelRunnerOutput
+from parallel.distributed import (
+    DEFAULT_TIMEOUT_S,
+    RendezvousStore,
+    connect_store,
+    create_store,
+    destroy_distributed,
+    init_distributed,
+)
 from parallel.state import ParallelContext
 
 logger = logging.getLogger("llm_cluster.worker")
@@ -30,6 +39,7 @@ class Worker:
         self.rank = config.parallel.rank
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
+        self._rendezvous: RendezvousStore | None = None
 
     @property
     def runner(self) -> ModelRunner:
@@ -43,9 +53,42 @@ class Worker:
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.model.seed)
 
+    def start_rendezvous(self, host: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+        """Rank 0 only: host the rendezvous store on ``host``; returns its OS-assigned port."""
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank}: only rank 0 hosts the rendezvous store")
+        self._rendezvous = create_store(host, self.config.parallel.world_size, timeout_s)
+        return self._rendezvous.port
+
+    def init_distributed(self, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Join the process groups (every rank at once); sets this worker's ParallelContext.
+        Call after ``init_device`` (NCCL binds the current device) and before ``load_model``."""
+        parallel = self.config.parallel
+        if self._rendezvous is not None:
+            store = self._rendezvous.store
+        else:
+            store = connect_store(host, port, parallel.world_size, timeout_s)
+        self.ctx = init_distributed(
+            store,
+            self.rank,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            self.device,
+            timeout_s,
+        )
+
+    def shutdown(self) -> None:
+        destroy_distributed()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
+
     def load_model(self) -> None:
+        partition = self.config.parallel.pp_layer_partition
+        if partition is not None:
+            self.ctx = dataclasses.replace(self.ctx, layer_partition=partition)
         model = load_model(self.config, self.ctx, self.device)
-        self.model_runner = ModelRunner(self.config, model, self.device)
+        self.model_runner = ModelRunner(self.config, model, self.device, self.ctx)
 
     def kv_block_bytes(self) -> int:
         return self.runner.kv_block_bytes()
@@ -113,7 +156,15 @@ class Worker:
         )
         ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
-        hidden, _ = runner.model(ids, pos, meta)
+        hidden = residual = None
+        if not self.ctx.pp.is_first:
+            # A later stage continues from the previous stage's (hidden, residual); zeros have
+            # the same shapes, which is all the memory peak depends on.
+            shape = (len(positions), self.config.model.hf_config["hidden_size"])
+            dtype = self.config.model.torch_dtype
+            hidden = torch.zeros(shape, dtype=dtype, device=self.device)
+            residual = torch.zeros(shape, dtype=dtype, device=self.device)
+        hidden, _ = runner.model(ids, pos, meta, hidden, residual)
         if runner.model.lm_head is not None:
             runner.model.compute_logits(hidden[-min(sched.max_num_seqs, len(positions)) :])
         torch.cuda.synchronize(self.device)

@@ -51,6 +51,24 @@ class GroupCoordinator:
         dist.gather(x, parts, dst=self.ranks[0], group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point-to-point send to group rank ``dst`` (pipeline stage to stage)."""
+        _check_peer(dst, self.size, "dst")
+        dist.send(x.contiguous(), dst=self.ranks[dst], group=self.group)
+
+    def recv(self, out: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into ``out`` (whose shape and dtype the caller knows) from group rank ``src``."""
+        _check_peer(src, self.size, "src")
+        dist.recv(out, src=self.ranks[src], group=self.group)
+        return out
+
+
+def _check_peer(peer: int, size: int, name: str) -> None:
+    if size == 1:
+        raise RuntimeError("point-to-point send/recv needs a group of size > 1")
+    if not 0 <= peer < size:
+        raise ValueError(f"{name}: must be a group rank in [0, {size}), got {peer}")
+
 
 SINGLE = GroupCoordinator()
 
@@ -61,3 +79,5 @@ class ParallelContext:
 
     tp: GroupCoordinator = SINGLE
     pp: GroupCoordinator = SINGLE
+    # Decoder layers per pipeline stage (an override); None splits them evenly.
+    layer_partition: tuple[int, ...] | None = None

@@ -27,8 +27,14 @@ from parallel.layers import (
 from parallel.state import ParallelContext
 
 
-def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """Even split of decoder layers across stages; earlier stages take the remainder."""
+def pp_layer_range(
+    num_layers: int, pp_rank: int, pp_size: int, partition: tuple[int, ...] | None = None
+) -> tuple[int, int]:
+    """Decoder layers [start, end) of stage ``pp_rank``: ``partition`` (layers per stage) when
+    given, else an even split where earlier stages take the remainder."""
+    if partition is not None:
+        start = sum(partition[:pp_rank])
+        return start, start + partition[pp_rank]
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return start, start + base + (1 if pp_rank < extra else 0)
@@ -119,7 +125,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.start_layer, self.end_layer = pp_layer_range(
-            hf["num_hidden_layers"], ctx.pp.rank, ctx.pp.size
+            hf["num_hidden_layers"], ctx.pp.rank, ctx.pp.size, ctx.layer_partition
         )
         self.embed_tokens = (
             VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp)

@@ -1,0 +1,377 @@
+"""The deployment YAML: models in the shape of Ray Serve LLM's ``LLMConfig``, plus HTTP / gRPC
+options and where API keys come from.
+
+    models:
+      - model_loading_config: {model_id: tiny, model_source: builtin:tiny-llama}
+        engine_kwargs: {max_model_len: 512}        # vLLM names, checked by engine.config
+        deployment_config:                          # Ray Serve's own names
+          autoscaling_config: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}
+          max_ongoing_requests: 64
+        accelerator_type: H100                      # omit for CPU
+        placement_group_config: {strategy: PACK}
+    http_options: {host: 0.0.0.0, port: 8000}
+    grpc_options: {port: 9000}
+    api_keys: {env: LLM_CLUSTER_API_KEYS}           # or {file: /etc/llm/keys}; never the keys
+
+Everything is checked before anything is deployed; unknown keys are rejected and every error
+names its key path (``models[0].engine_kwargs.foo: unknown engine argument``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from engine.config import (
+    ConfigError,
+    EngineConfig,
+    check_engine_arg_names,
+    check_engine_arg_ranges,
+)
+
+Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
+
+
+@dataclass(frozen=True)
+class ModelLoadingConfig:
+    model_id: str  # the name clients put in the request's ``model`` field
+    model_source: str  # a local HF directory or builtin:<name>; nothing is downloaded
+
+
+@dataclass(frozen=True)
+class AutoscalingConfig:
+    min_replicas: int = 1
+    max_replicas: int = 1
+    initial_replicas: int | None = None
+    target_ongoing_requests: float = 16.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0
+    # Deprecated by Serve but still bounds look_back_period_s from below; omitted when unset.
+    metrics_interval_s: float | None = None
+
+    def check(self, path: str) -> None:
+        _check(self.min_replicas >= 0, f"{path}.min_replicas", "must be >= 0")
+        _check(
+            self.max_replicas >= max(1, self.min_replicas),
+            f"{path}.max_replicas",
+            f"must be >= max(1, min_replicas = {self.min_replicas}), got {self.max_replicas}",
+        )
+        if self.initial_replicas is not None:
+            _check(
+                self.min_replicas <= self.initial_replicas <= self.max_replicas,
+                f"{path}.initial_replicas",
+                f"must be in [{self.min_replicas}, {self.max_replicas}]",
+            )
+        for name in ("target_ongoing_requests", "look_back_period_s", "metrics_interval_s"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, f"{path}.{name}", "must be > 0")
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            _check(getattr(self, name) >= 0, f"{path}.{name}", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ServeDeploymentConfig:
+    """Passed to Serve with Serve's names. Without ``autoscaling_config`` the model runs
+    ``num_replicas`` replicas (default 1)."""
+
+    num_replicas: int | None = None
+    autoscaling_config: AutoscalingConfig | None = None
+    max_ongoing_requests: int = 64
+    max_queued_requests: int = -1  # -1: unbounded; beyond it requests get 503
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+    graceful_shutdown_timeout_s: float = 20.0
+
+    def check(self, path: str) -> None:
+        _check(
+            self.num_replicas is None or self.autoscaling_config is None,
+            f"{path}.num_replicas",
+            "cannot be set together with autoscaling_config",
+        )
+        if self.num_replicas is not None:
+            _check(self.num_replicas >= 1, f"{path}.num_replicas", "must be >= 1")
+        if self.autoscaling_config is not None:
+            self.autoscaling_config.check(f"{path}.autoscaling_config")
+        _check(self.max_ongoing_requests >= 1, f"{path}.max_ongoing_requests", "must be >= 1")
+        _check(
+            self.max_queued_requests == -1 or self.max_queued_requests >= 0,
+            f"{path}.max_queued_requests",
+            "must be -1 (unbounded) or >= 0",
+        )
+        for name in ("health_check_period_s", "health_check_timeout_s"):
+            _check(getattr(self, name) > 0, f"{path}.{name}", "must be > 0")
+
+    def serve_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
+            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+        }
+        if self.autoscaling_config is not None:
+            scaling = dataclasses.asdict(self.autoscaling_config)
+            options["autoscaling_config"] = {k: v for k, v in scaling.items() if v is not None}
+        else:
+            options["num_replicas"] = self.num_replicas or 1
+        return options
+
+
+@dataclass(frozen=True)
+class PlacementGroupConfig:
+    strategy: Strategy = "PACK"
+
+
+@dataclass(frozen=True)
+class ModelDeployment:
+    model_loading_config: ModelLoadingConfig
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    deployment_config: ServeDeploymentConfig = field(default_factory=ServeDeploymentConfig)
+    accelerator_type: str | None = None
+    placement_group_config: PlacementGroupConfig = field(default_factory=PlacementGroupConfig)
+
+    @property
+    def model_id(self) -> str:
+        return self.model_loading_config.model_id
+
+    def engine_args(self) -> dict[str, Any]:
+        """The full engine arguments: ``model`` from ``model_source`` plus ``engine_kwargs``."""
+        return {"model": self.model_loading_config.model_source, **self.engine_kwargs}
+
+    @property
+    def world_size(self) -> int:
+        kw = self.engine_kwargs
+        return int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
+
+    @property
+    def uses_gpu(self) -> bool:
+        """GPU when an accelerator type is named or the device is cuda; CPU otherwise."""
+        device = self.engine_kwargs.get("device", "auto")
+        return device == "cuda" or (device != "cpu" and self.accelerator_type is not None)
+
+    def placement_group_bundles(self) -> list[dict[str, float]]:
+        """The replica's own bundle first, then one bundle per worker (TP x PP of them).
+
+        With TP = PP = 1 the worker runs inside the replica, so the replica's bundle holds the
+        device; otherwise the replica only schedules and the workers each hold one device.
+        """
+        device = {"GPU": 1.0} if self.uses_gpu else {"CPU": 1.0}
+        if self.uses_gpu and self.accelerator_type:
+            device[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        if self.world_size == 1:
+            return [{"CPU": 1.0, **device}] if self.uses_gpu else [device]
+        return [{"CPU": 1.0}] + [dict(device) for _ in range(self.world_size)]
+
+    def serve_options(self) -> dict[str, Any]:
+        return {
+            **self.deployment_config.serve_options(),
+            "placement_group_bundles": self.placement_group_bundles(),
+            "placement_group_strategy": self.placement_group_config.strategy,
+        }
+
+
+@dataclass(frozen=True)
+class HTTPOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    request_timeout_s: float | None = None
+
+    def check(self, path: str) -> None:
+        _check(0 <= self.port <= 65535, f"{path}.port", "must be in [0, 65535]")
+        _check(self.max_body_bytes >= 1024, f"{path}.max_body_bytes", "must be >= 1024")
+
+
+@dataclass(frozen=True)
+class GRPCOptions:
+    port: int = 9000
+
+    def check(self, path: str) -> None:
+        _check(0 <= self.port <= 65535, f"{path}.port", "must be in [0, 65535]")
+
+
+@dataclass(frozen=True)
+class APIKeysConfig:
+    """Where API keys come from — the name of an environment variable or a file path, each
+    holding keys separated by commas or newlines. The keys themselves never go in the YAML."""
+
+    env: str | None = None
+    file: str | None = None
+
+    def check(self, path: str) -> None:
+        _check(
+            (self.env is None) != (self.file is None),
+            path,
+            "set exactly one of 'env' (an environment variable name) or 'file' (a path)",
+        )
+
+    def load_key_hashes(self, path: str = "api_keys") -> list[str]:
+        """Read the keys on the deploying machine; only their sha256 digests are shipped."""
+        if self.env is not None:
+            raw = os.environ.get(self.env)
+            _check(raw is not None, f"{path}.env", f"environment variable {self.env!r} is not set")
+        else:
+            key_file = Path(self.file or "").expanduser()
+            _check(key_file.is_file(), f"{path}.file", f"{key_file} is not a readable file")
+            raw = key_file.read_text()
+        keys = [k.strip() for k in (raw or "").replace(",", "\n").splitlines() if k.strip()]
+        _check(bool(keys), path, "the key source holds no keys")
+        return [hashlib.sha256(k.encode()).hexdigest() for k in keys]
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    models: list[ModelDeployment]
+    http_options: HTTPOptions = field(default_factory=HTTPOptions)
+    grpc_options: GRPCOptions | None = None
+    api_keys: APIKeysConfig | None = None
+    app_name: str = "llm"
+
+    def model(self, model_id: str) -> ModelDeployment:
+        for model in self.models:
+            if model.model_id == model_id:
+                return model
+        raise KeyError(model_id)
+
+
+# ---- loading and checking --------------------------------------------------------------------
+
+
+def load_config(source: str | os.PathLike[str] | dict[str, Any]) -> DeploymentConfig:
+    """Parse and fully validate a deployment config (a YAML path or an already-parsed dict).
+    Raises ``ConfigError`` naming the key path; touches no cluster."""
+    if isinstance(source, dict):
+        data = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such config file")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    config = _build(DeploymentConfig, data, "")
+    check_config(config)
+    return config
+
+
+def check_config(config: DeploymentConfig) -> None:
+    _check(bool(config.models), "models", "must list at least one model")
+    seen: set[str] = set()
+    for i, model in enumerate(config.models):
+        path = f"models[{i}]"
+        model_id = model.model_id
+        _check(bool(model_id), f"{path}.model_loading_config.model_id", "must be non-empty")
+        _check(
+            model_id not in seen,
+            f"{path}.model_loading_config.model_id",
+            f"{model_id!r} is used by an earlier model",
+        )
+        seen.add(model_id)
+        model.deployment_config.check(f"{path}.deployment_config")
+        check_engine_kwargs(model, f"{path}.engine_kwargs")
+    config.http_options.check("http_options")
+    if config.grpc_options is not None:
+        config.grpc_options.check("grpc_options")
+    if config.api_keys is not None:
+        config.api_keys.check("api_keys")
+
+
+def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
+    """Names and ranges always; the model-shape checks (TP divides heads, max_model_len within
+    the checkpoint's limit) too when the checkpoint is reachable from this machine — a
+    production path like /models/... usually exists only on the GPU nodes."""
+    kwargs = model.engine_kwargs
+    check_engine_arg_names(kwargs, path=f"{path}.")
+    _check("model" not in kwargs, f"{path}.model", "set the model in model_loading_config")
+    try:
+        check_engine_arg_ranges(kwargs)
+        if _checkpoint_reachable(model.model_loading_config.model_source):
+            EngineConfig.from_kwargs(**model.engine_args())
+    except ConfigError as exc:
+        raise ConfigError(f"{path}.{exc}") from None
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _checkpoint_reachable(source: str) -> bool:
+    return source.startswith("builtin:") or (Path(source).expanduser() / "config.json").is_file()
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    """Strictly build dataclass ``cls`` from plain YAML data: unknown keys, missing keys and
+    wrong types raise ``ConfigError`` naming the key path."""
+    where = path or "config"
+    _check(isinstance(data, dict), where, f"must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            known = ", ".join(fields)
+            raise ConfigError(f"{_join(path, str(key))}: unknown key (known keys: {known})")
+    values = {}
+    for name, f in fields.items():
+        key_path = _join(path, name)
+        if name in data:
+            values[name] = _convert(hints[name], data[name], key_path)
+        else:
+            no_default = (
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            )
+            _check(not no_default, key_path, "is required")
+    return cls(**values)
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, path)
+    if origin is Literal:
+        _check(value in args, path, f"must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        _check(isinstance(value, list), path, f"must be a list, got {type(value).__name__}")
+        return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _check(isinstance(value, dict), path, f"must be a mapping, got {type(value).__name__}")
+        return dict(value)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    return _scalar(hint, value, path)
+
+
+def _scalar(hint: Any, value: Any, path: str) -> Any:
+    if hint is bool:
+        _check(isinstance(value, bool), path, f"must be true or false, got {value!r}")
+    elif hint is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), path,
+               f"must be an integer, got {value!r}")  # fmt: skip
+    elif hint is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), path,
+               f"must be a number, got {value!r}")  # fmt: skip
+        return float(value)
+    elif hint is str:
+        _check(isinstance(value, str), path, f"must be a string, got {value!r}")
+    return value
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key

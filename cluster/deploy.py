@@ -1,0 +1,167 @@
+"""Deploying a config to a Ray cluster, and asking it how it is doing: what ``cluster serve``,
+``deploy``, ``status`` and ``shutdown`` do, as functions tests can call too."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray import serve
+
+from cluster.config import DeploymentConfig
+from cluster.serve import INGRESS_NAME, build_app, deployment_name, runtime_env
+
+GRPC_SERVICER = "cluster.proto.llm_pb2_grpc.add_LLMServicer_to_server"
+
+
+def connect(address: str | None, log_to_driver: bool = False) -> None:
+    """Join the cluster at ``address`` ("auto": the one on this machine), or start a local one
+    when ``address`` is None. The driver carries this project's environment (runtime_env)."""
+    if ray.is_initialized():
+        return
+    if address not in (None, "local"):
+        _token_auth_if_available()
+    ray.init(
+        address=address,
+        namespace="llm-cluster",
+        include_dashboard=False if address in (None, "local") else None,
+        runtime_env=runtime_env() or None,
+        logging_level="WARNING",
+        log_to_driver=log_to_driver,
+    )
+
+
+def _token_auth_if_available() -> None:
+    """``ray start`` (Ray >= 2.5x) turns on token authentication and keeps the token in
+    ~/.ray/auth_token, but a driver joining by address stays in 'disabled' mode unless told.
+    Do what a local ``ray.init()`` does: token mode when RAY_AUTH_MODE is unset and a token is
+    available. The helper is Ray's own (private, hence the guard)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def start_serve(config: DeploymentConfig) -> None:
+    """Start Serve's proxies with the config's ports; a running Serve keeps its own ports."""
+    grpc_options = None
+    if config.grpc_options is not None:
+        grpc_options = {
+            "port": config.grpc_options.port,
+            "grpc_servicer_functions": [GRPC_SERVICER],
+        }
+    serve.start(
+        http_options={"host": config.http_options.host, "port": config.http_options.port},
+        grpc_options=grpc_options,
+    )
+
+
+def deploy(
+    config: DeploymentConfig,
+    progress: Callable[[str], None] = print,
+    poll_s: float = 2.0,
+    route_prefix: str = "/",
+) -> None:
+    """Deploy (or update in place: same app name) and wait until every deployment runs.
+    Prints each deployment's status as it changes while the models load."""
+    app = build_app(config)
+    start_serve(config)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve.run(app, name=config.app_name, route_prefix=route_prefix)
+        except BaseException as exc:  # reported below, in the calling thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    last: dict[str, str] = {}
+    while worker.is_alive():
+        worker.join(poll_s)
+        current = deployment_states(config.app_name)
+        for name, state in current.items():
+            if last.get(name) != state:
+                progress(f"  {name}: {state}")
+        last = current
+    if errors:
+        raise errors[0]
+
+
+def deployment_states(app_name: str) -> dict[str, str]:
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return {}
+    return {
+        name: f"{d.status.value} {_replica_summary(d.replica_states)}".strip()
+        for name, d in app.deployments.items()
+    }
+
+
+def _replica_summary(replica_states: dict[Any, int]) -> str:
+    parts = [f"{n} {getattr(s, 'value', s).lower()}" for s, n in replica_states.items() if n]
+    return f"({', '.join(parts)})" if parts else ""
+
+
+def endpoint(config: DeploymentConfig) -> str:
+    host = config.http_options.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{host}:{config.http_options.port}/v1"
+
+
+def cluster_status(app_name: str = "llm") -> dict[str, Any]:
+    """Per model: Serve's deployment status, replica states, and one replica's engine stats
+    (KV usage, running and waiting requests)."""
+    apps = serve.status().applications
+    if app_name not in apps:
+        return {"app": app_name, "status": "NOT_DEPLOYED", "models": {}}
+    app = apps[app_name]
+    models: dict[str, Any] = {}
+    ingress = serve.get_deployment_handle(INGRESS_NAME, app_name)
+    for name, dep in app.deployments.items():
+        if not name.startswith("LLMServer:"):
+            continue
+        entry: dict[str, Any] = {
+            "deployment": name,
+            "status": dep.status.value,
+            "replicas": {getattr(s, "value", str(s)): n for s, n in dep.replica_states.items()},
+        }
+        try:
+            stats = _model_stats(ingress, name)
+            entry["stats"] = stats
+        except Exception as exc:  # a model with no running replica has no stats to show
+            entry["stats_error"] = f"{type(exc).__name__}: {exc}"
+        models[entry.get("stats", {}).get("model_id") or name.removeprefix("LLMServer:")] = entry
+    return {"app": app_name, "status": app.status.value, "models": models}
+
+
+def _model_stats(ingress: Any, deployment: str) -> dict[str, Any]:
+    handle = serve.get_deployment_handle(deployment, ingress.app_name)
+    return handle.stats.remote().result(timeout_s=30)
+
+
+def wait_healthy(app_name: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(app_name)
+        if app is not None and app.status.value == "RUNNING":
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"application {app_name!r} not RUNNING after {timeout_s:.0f} s")
+
+
+__all__ = [
+    "cluster_status",
+    "connect",
+    "deploy",
+    "deployment_name",
+    "endpoint",
+    "start_serve",
+    "wait_healthy",
+]

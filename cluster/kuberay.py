@@ -1,0 +1,117 @@
+"""The Helm chart's view of the deployment config: the JSON Schema of ``values.models``,
+generated from the dataclasses ``cluster.config`` builds and the engine's own argument table,
+so the chart accepts exactly the model lists that ``cluster deploy`` accepts (same keys, same
+types; ranges and model-shape checks stay with ``load_config``, which Serve runs on the cluster).
+
+    python -m cluster.kuberay helm/llm-cluster/values.schema.json    # rewrite its "models"
+
+The chart's RayService runs ``cluster.serve:build_app`` as a Serve application builder: Serve
+calls it with the ``args`` mapping of ``serveConfigV2``, which is a deployment config as a dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from cluster.config import ModelDeployment
+from engine import config as engine_config
+
+JSONSchema = dict[str, Any]
+
+_SCALARS: dict[type, JSONSchema] = {
+    bool: {"type": "boolean"},
+    int: {"type": "integer"},
+    float: {"type": "number"},
+    str: {"type": "string"},
+}
+
+
+def models_schema() -> JSONSchema:
+    """The schema of the ``models`` list: one item per ``ModelDeployment``."""
+    return {
+        "type": "array",
+        "minItems": 1,
+        "description": "The deployment config's model list (configs/*.yaml `models`), verbatim.",
+        "items": _dataclass_schema(ModelDeployment),
+    }
+
+
+def engine_kwargs_schema() -> JSONSchema:
+    """Every engine argument but ``model`` (that one comes from ``model_loading_config``)."""
+    hints = typing.get_type_hints(engine_config.EngineConfig)
+    properties: dict[str, JSONSchema] = {}
+    # The engine's keyword -> (sub-config, field) table is the single source of the names.
+    for key, (group, name) in engine_config._ENGINE_ARGS.items():
+        if key == "model":
+            continue
+        properties[key] = _type_schema(typing.get_type_hints(hints[group])[name])
+    return {"type": "object", "additionalProperties": False, "properties": properties}
+
+
+def _dataclass_schema(cls: type) -> JSONSchema:
+    hints = typing.get_type_hints(cls)
+    properties: dict[str, JSONSchema] = {}
+    required: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.name == "engine_kwargs":
+            properties[f.name] = engine_kwargs_schema()
+        else:
+            properties[f.name] = _type_schema(hints[f.name])
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            required.append(f.name)
+    schema: JSONSchema = {"type": "object", "additionalProperties": False}
+    schema["properties"] = properties
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _type_schema(hint: Any) -> JSONSchema:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        schema = _type_schema(inner)
+        if "type" in schema and isinstance(schema["type"], str):
+            return {**schema, "type": [schema["type"], "null"]}
+        return {"anyOf": [schema, {"type": "null"}]}
+    if origin is Literal:
+        return {"enum": list(args)}
+    if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+        return {"type": "array", "items": _type_schema(args[0])}
+    if dataclasses.is_dataclass(hint):
+        return _dataclass_schema(hint)
+    if hint in _SCALARS:
+        return dict(_SCALARS[hint])
+    raise TypeError(f"no JSON Schema for config type {hint!r}")
+
+
+def write_models_schema(values_schema: Path) -> bool:
+    """Rewrite ``properties.models`` of the chart's values schema; True when it changed."""
+    schema = json.loads(values_schema.read_text())
+    generated = models_schema()
+    if schema["properties"].get("models") == generated:
+        return False
+    schema["properties"]["models"] = generated
+    values_schema.write_text(json.dumps(schema, indent=2) + "\n")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m cluster.kuberay helm/llm-cluster/values.schema.json")
+        return 2
+    changed = write_models_schema(Path(args[0]))
+    print(f"{args[0]}: {'updated' if changed else 'already up to date'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

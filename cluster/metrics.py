@@ -1,0 +1,86 @@
+"""Prometheus metrics per model, through ``ray.util.metrics``: every replica reports to its
+node's Ray metrics agent, so one scrape of the cluster (each node's agent, or the ingress's
+``/metrics``, which gathers them all) shows every replica, tagged by model and replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from engine.async_llm_engine import EngineStats
+
+PREFIX = "llm_cluster_"
+_TAGS = ("model", "replica")
+_LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+
+
+class ModelMetrics:
+    """The metric objects of one replica of one model."""
+
+    def __init__(self, model_id: str, replica_id: str) -> None:
+        self.tags = {"model": model_id, "replica": replica_id}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, tag_keys=_TAGS)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, tag_keys=_TAGS)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(PREFIX + name, doc, _LATENCY_BOUNDARIES, tag_keys=_TAGS)
+
+        self.running = gauge("requests_running", "Requests in the running batch.")
+        self.waiting = gauge("requests_waiting", "Requests waiting or swapped out.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache blocks in use, percent.")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens found cached.")
+        self.preemptions = counter("preemptions_total", "Requests preempted.")
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens admitted.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.")
+        self._last = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
+
+    def publish(self, stats: EngineStats) -> None:
+        """Set gauges from a snapshot and advance counters by what changed since the last."""
+        self.running.set(stats.num_running, self.tags)
+        self.waiting.set(stats.num_waiting, self.tags)
+        self.kv_usage.set(100.0 * stats.kv_usage, self.tags)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate, self.tags)
+        last, self._last = self._last, stats
+        for counter, now, before in (
+            (self.preemptions, stats.num_preemptions, last.num_preemptions),
+            (self.prompt_tokens, stats.prompt_tokens_total, last.prompt_tokens_total),
+            (self.generation_tokens, stats.generation_tokens_total, last.generation_tokens_total),
+        ):
+            if now > before:
+                counter.inc(now - before, self.tags)
+
+    def request_timer(self, start: float) -> RequestTimer:
+        return RequestTimer(self, start)
+
+
+@dataclass
+class RequestTimer:
+    """Latencies of one request: first token, each gap between tokens, and the whole."""
+
+    metrics: ModelMetrics
+    start: float
+    last_token: float | None = None
+
+    def on_tokens(self, at: float, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        if self.last_token is None:
+            self.metrics.ttft.observe(at - self.start, self.metrics.tags)
+        else:
+            # Tokens that arrive together share the gap evenly.
+            gap = (at - self.last_token) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.itl.observe(gap, self.metrics.tags)
+        self.last_token = at
+
+    def finish(self, at: float) -> None:
+        self.metrics.e2e.observe(at - self.start, self.metrics.tags)

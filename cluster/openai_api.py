@@ -1,0 +1,496 @@
+"""The OpenAI-compatible HTTP front: request models with OpenAI's field names, their mapping to
+the engine's ``SamplingParams``, SSE streaming, and OpenAI error bodies.
+
+    POST /v1/completions        POST /v1/chat/completions      GET /v1/models
+    POST /tokenize              POST /detokenize               GET /health    GET /metrics
+
+Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the
+field), 401 missing or wrong API key, 404 unknown model or route, 413 body too large, 503
+overloaded or engine dead. Bad input never yields a 500 or a stack trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Literal, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# ---- request models ---------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields every generation request shares (OpenAI names, vLLM extensions last)."""
+
+    model: str
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    top_k: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class TokenizeRequest(_Strict):
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str
+    tokens: list[int]
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "BadRequestError",
+    413: "RequestTooLargeError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def __reduce__(self) -> tuple[type[APIError], tuple[int, str, str | None, str | None]]:
+        # Ray ships exceptions by pickle (Serve's gRPC proxy, handles): keep every field.
+        return (APIError, (self.status, self.message, self.param, self.code))
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    error_type = _ERROR_TYPES.get(status, "APIError")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union members show up in the location (``prompt.str``): keep the field path only.
+    loc = [p for p in loc if not p.startswith(("str", "list[", "int", "float", "bool"))]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return APIError(400, message, param, "invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc))
+
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code if exc.status_code in _ERROR_TYPES else 400
+        return error_response(APIError(status, str(exc.detail)))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Our bug, not the client's: a 500 without internals (the replica's log has them).
+        return JSONResponse(error_body(500, "internal server error"), status_code=500)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+# ---- API keys and body size: a pure ASGI guard in front of the routes ---------------------------
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    """Rejects requests without a valid API key (every route but /health; keys compared as
+    sha256 digests in constant time; the path is read from the ASGI scope, not from headers)
+    and bodies over ``max_body_bytes`` (413), whether or not they declare a length.
+    Settings come from ``app.state`` so the ingress can set them at startup."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+        key_hashes: list[str] = getattr(state, "api_key_hashes", [])
+        max_body: int = getattr(state, "max_body_bytes", 1 << 20)
+        if key_hashes and scope["path"] != "/health" and not _authorized(scope, key_hashes):
+            error = APIError(401, "missing or invalid API key", None, "invalid_api_key")
+            await error_response(error)(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body:
+            await _too_large(max_body)(scope, receive, send)
+            return
+        await self._limit_body(scope, receive, send, max_body)
+
+    async def _limit_body(self, scope: Scope, receive: Receive, send: Send, max_body: int) -> None:
+        """Count body bytes as the app reads them; past the limit the app's own response (its
+        body parser fails on the truncated read) is replaced by a 413."""
+        received = 0
+        too_large = False
+        replied = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > max_body:
+                    too_large = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal replied
+            if not too_large:
+                await send(message)
+            elif not replied:
+                replied = True
+                await _too_large(max_body)(scope, receive, send)
+
+        with contextlib.suppress(_BodyTooLarge):
+            await self.app(scope, limited_receive, guarded_send)
+        if too_large and not replied:
+            await _too_large(max_body)(scope, receive, send)
+
+
+def _too_large(max_body: int) -> JSONResponse:
+    return error_response(
+        APIError(413, f"request body exceeds {max_body} bytes", None, "too_large")
+    )
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _authorized(scope: Scope, key_hashes: list[str]) -> bool:
+    auth = _header(scope, b"authorization") or ""
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        token = _header(scope, b"x-api-key") or ""
+    return api_key_matches(token, key_hashes)
+
+
+def api_key_matches(token: str, key_hashes: list[str]) -> bool:
+    if not token.strip():
+        return False
+    digest = hashlib.sha256(token.strip().encode()).hexdigest()
+    # Compare against every key without an early exit: timing does not reveal which matched.
+    matches = [hmac.compare_digest(digest, h) for h in key_hashes]
+    return any(matches)
+
+
+# ---- request -> engine payload ----------------------------------------------------------------
+
+
+def _reject_unsupported(req: _SamplingFields) -> None:
+    if req.n != 1:
+        raise APIError(400, "n: only n = 1 is supported", "n", "unsupported")
+    if req.presence_penalty or req.frequency_penalty:
+        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
+        raise APIError(400, f"{param}: penalties are not supported", param, "unsupported")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options: only allowed with stream: true", "stream_options")
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int | None) -> dict[str, Any]:
+    _reject_unsupported(req)
+    params: dict[str, Any] = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "max_tokens": max_tokens,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+    if req.stop is not None:
+        params["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    if req.seed is not None:
+        params["seed"] = req.seed
+    if req.stop_token_ids is not None:
+        params["stop_token_ids"] = req.stop_token_ids
+    return params
+
+
+def completion_payload(req: CompletionRequest) -> dict[str, Any]:
+    unsupported = {
+        "logprobs": req.logprobs is not None,
+        "echo": req.echo,
+        "best_of": req.best_of not in (None, 1),
+        "suffix": bool(req.suffix),
+    }
+    for name, bad in unsupported.items():
+        if bad:
+            raise APIError(400, f"{name}: not supported", name, "unsupported")
+    payload: dict[str, Any] = {"params": sampling_params(req, req.max_tokens)}
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "prompt: exactly one prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        payload["prompt_token_ids"] = prompt
+    else:
+        payload["prompt"] = prompt
+    return payload
+
+
+def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
+    if req.logprobs or req.top_logprobs is not None:
+        param = "logprobs" if req.logprobs else "top_logprobs"
+        raise APIError(400, f"{param}: not supported", param, "unsupported")
+    max_tokens = req.max_completion_tokens
+    max_tokens = max_tokens if max_tokens is not None else req.max_tokens
+    return {"params": sampling_params(req, max_tokens), "messages": chat_messages(req.messages)}
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template: content parts (``[{"type": "text", "text": ...}]``)
+    joined into one string; parts other than text are not supported (400)."""
+    out = []
+    for i, message in enumerate(messages):
+        entry = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            texts = []
+            for j, part in enumerate(message.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    param = f"messages.{i}.content.{j}"
+                    raise APIError(400, f"{param}: only text parts are supported", param)
+                texts.append(part["text"])
+            entry["content"] = "".join(texts)
+        out.append(entry)
+    return out
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+class Completion:
+    """Turns the server's stream of items into OpenAI responses (whole or as SSE chunks)."""
+
+    def __init__(self, model: str, chat: bool, include_usage: bool) -> None:
+        self.model, self.chat, self.include_usage = model, chat, include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.text = ""
+        self.finish_reason: str | None = None
+
+    @property
+    def usage(self) -> dict[str, int]:
+        total = self.prompt_tokens + self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": total}  # fmt: skip
+
+    def absorb(self, item: dict[str, Any]) -> None:
+        if item["type"] == "start":
+            self.prompt_tokens = item["prompt_tokens"]
+            return
+        self.text += item["text"]
+        self.completion_tokens = item["num_output_tokens"]
+        self.finish_reason = _openai_finish_reason(item["finish_reason"])
+
+    def whole(self) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
+                      "logprobs": None, "finish_reason": self.finish_reason}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": self.text, "logprobs": None,
+                      "finish_reason": self.finish_reason}  # fmt: skip
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                "usage": self.usage}  # fmt: skip
+
+    def chunk(self, item: dict[str, Any], first: bool) -> dict[str, Any]:
+        finish = _openai_finish_reason(item["finish_reason"])
+        if self.chat:
+            delta: dict[str, Any] = {"content": item["text"]}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": item["text"], "logprobs": None, "finish_reason": finish}
+        return self._chunk_envelope([choice])
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._chunk_envelope([]), "usage": self.usage}
+
+    def _chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        envelope = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                    "choices": choices}  # fmt: skip
+        if self.include_usage:
+            envelope["usage"] = None
+        return envelope
+
+
+def _openai_finish_reason(reason: str | None) -> str | None:
+    # "abort" has no OpenAI equivalent; a client only sees it if the server shut down.
+    return {"abort": "stop"}.get(reason or "", reason)
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+async def stream_sse(
+    completion: Completion, items: AsyncIterator[dict[str, Any]], on_close: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """SSE chunks for the rest of a stream whose "start" item was already read."""
+    first = True
+    try:
+        async for item in items:
+            if item["type"] == "error":
+                yield sse(error_body(item["status"], item["message"], item.get("param")))
+                break
+            completion.absorb(item)
+            if item["text"] or item["finish_reason"] or first:
+                yield sse(completion.chunk(item, first))
+                first = False
+        if completion.include_usage:
+            yield sse(completion.usage_chunk())
+        yield sse("[DONE]")
+    finally:
+        on_close()
+
+
+def metrics_response(text: str) -> PlainTextResponse:
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def new_app(api_key_hashes: Sequence[str] = (), max_body_bytes: int = 1 << 20) -> FastAPI:
+    """A FastAPI app with the OpenAI error handlers and the key / body-size guard."""
+    app = FastAPI(title="llm-cluster OpenAI-compatible API", docs_url=None, redoc_url=None)
+    app.state.api_key_hashes = list(api_key_hashes)
+    app.state.max_body_bytes = max_body_bytes
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware)
+    return app
+
+
+class OpenAIServing(Protocol):
+    """What the routes call: the Serve ingress implements it."""
+
+    async def completions(self, req: CompletionRequest) -> Any: ...
+    async def chat_completions(self, req: ChatCompletionRequest) -> Any: ...
+    async def models(self) -> dict[str, Any]: ...
+    async def tokenize(self, req: TokenizeRequest) -> Any: ...
+    async def detokenize(self, req: DetokenizeRequest) -> Any: ...
+    async def health(self) -> Any: ...
+    async def metrics(self) -> Any: ...
+
+
+def make_openai_app(
+    serving: OpenAIServing, api_key_hashes: Sequence[str] = (), max_body_bytes: int = 1 << 20
+) -> FastAPI:
+    """The HTTP routes over ``serving``."""
+    app = new_app(api_key_hashes, max_body_bytes)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Any:
+        return await serving.completions(req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        return await serving.chat_completions(req)
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return await serving.models()
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Any:
+        return await serving.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Any:
+        return await serving.detokenize(req)
+
+    @app.get("/health")
+    async def health() -> Any:
+        return await serving.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return await serving.metrics()
+
+    return app

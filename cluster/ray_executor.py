@@ -1,0 +1,255 @@
+"""``RayExecutor``: the engine's ``Executor`` over TP x PP ``WorkerActor``s, one per bundle.
+
+Ray does placement and lifecycle; the per-step hot path is one actor call per worker carrying
+the msgspec-encoded step message (encoded once, shared by every call) and, from the sampling
+worker only, the encoded reply.
+
+    head (LLMEngine) ──ExecuteModelRequest bytes──▶ rank 0 … rank TP·PP−1
+                     ◀──ModelRunnerOutput bytes──── last stage, TP rank 0 (others: None)
+
+A worker that dies (or raises) makes the executor dead: the step that saw it raises
+``EngineDeadError``, the remaining actors are killed (they may be blocked in a collective
+with the dead one), and every later call raises until a new executor is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayError
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.worker_actor import WorkerActor
+from engine import envs
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.executor import Executor
+from engine.protocol import ExecuteModelRequest, ModelRunnerOutput, decode_output, encode
+
+logger = logging.getLogger("llm_cluster.ray_executor")
+
+# Step messages above this size are put in the object store once and passed by reference;
+# smaller ones travel inline with each actor call, which is cheaper than a ray.put.
+_INLINE_LIMIT_BYTES = 64 * 1024
+_PROJECT_PACKAGES = ("kernels", "parallel", "engine", "cluster")
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        if not ray.is_initialized():
+            # Job-level, so that a checkout's packages also reach workers on other nodes when
+            # RAY_ADDRESS points at a cluster (per-actor py_modules cannot upload local dirs).
+            ray.init(runtime_env=_job_runtime_env())
+        device = _resolve_device(config)
+        config = dataclasses.replace(
+            config, device=dataclasses.replace(config.device, device=device)
+        )
+        super().__init__(config)
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        # The sampling worker: TP rank 0 of the last pipeline stage.
+        self.driver_rank = self.world_size - parallel.tensor_parallel_size
+        self._resource = "GPU" if device == "cuda" else "CPU"
+        self._step_timeout_s = envs.step_timeout_s()
+        self._dist_timeout_s = envs.dist_timeout_s()
+        self._lock = threading.Lock()
+        self.workers: list[Any] = []
+        self._pg: PlacementGroup | None = None
+        self._owns_pg = False
+        try:
+            bundles = self._acquire_placement_group()
+            self.workers = self._spawn_workers(bundles)
+            self._init_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- start-up -----------------------------------------------------------------------
+
+    def _acquire_placement_group(self) -> list[int]:
+        """Bundle indices for ranks 0..world-1: the caller's placement group (a Serve replica's)
+        when there is one, else a new one of TP x PP bundles."""
+        current = get_current_placement_group()
+        if current is not None:
+            usable = [
+                i for i, b in enumerate(current.bundle_specs) if b.get(self._resource, 0) >= 1
+            ]
+            if len(usable) < self.world_size:
+                raise RuntimeError(
+                    f"placement group: the current placement group has {len(usable)} bundles with "
+                    f"{self._resource} >= 1; tensor_parallel_size x pipeline_parallel_size needs "
+                    f"{self.world_size}"
+                )
+            self._pg = current
+            # Bundle 0 is usually the replica's own; workers take the last ones.
+            return usable[-self.world_size :]
+        strategy = self.config.parallel.placement_group_strategy
+        self._pg = placement_group([{self._resource: 1}] * self.world_size, strategy=strategy)
+        self._owns_pg = True
+        ready, _ = ray.wait([self._pg.ready()], timeout=self._step_timeout_s)
+        if not ready:
+            raise RuntimeError(
+                f"placement group: {self.world_size} bundles of {{{self._resource!r}: 1}} "
+                f"({strategy}) could not be placed within {self._step_timeout_s:.0f} s; "
+                f"cluster resources: {ray.cluster_resources()}"
+            )
+        return list(range(self.world_size))
+
+    def _spawn_workers(self, bundles: list[int]) -> list[Any]:
+        actor_class = ray.remote(WorkerActor)
+        if self._resource == "GPU":
+            resources: dict[str, float] = {"num_gpus": 1, "num_cpus": 0}
+        else:
+            resources = {"num_cpus": 1}
+        runtime_env = _worker_runtime_env()
+        workers = []
+        for rank, bundle in enumerate(bundles):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=bundle
+            )
+            options: dict[str, Any] = {"scheduling_strategy": strategy, **resources}
+            if runtime_env:
+                options["runtime_env"] = runtime_env
+            workers.append(actor_class.options(**options).remote(self.config, rank))
+        return workers
+
+    def _init_workers(self) -> None:
+        self._get([w.init_device.remote() for w in self.workers], "init_device")
+        rendezvous = "none (one worker)"
+        if self.world_size > 1:
+            host, port = self._get(
+                [self.workers[0].start_rendezvous.remote(self._dist_timeout_s)], "start_rendezvous"
+            )[0]
+            self.collective_rpc("init_distributed", (host, port, self._dist_timeout_s))
+            rendezvous = f"{host}:{port}"
+        self.collective_rpc("load_model")
+        logger.info(
+            "%d worker actors ready (TP %d x PP %d, %s), rendezvous: %s",
+            self.world_size,
+            self.config.parallel.tensor_parallel_size,
+            self.config.parallel.pipeline_parallel_size,
+            self._resource,
+            rendezvous,
+        )
+
+    # ---- calls --------------------------------------------------------------------------
+
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        self._raise_if_dead()
+        return self._get([w.call.remote(method, args, kwargs or {}) for w in self.workers], method)
+
+    def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput:
+        self._raise_if_dead()
+        data = encode(request)
+        message = ray.put(data) if len(data) > _INLINE_LIMIT_BYTES else data
+        outputs = self._get(
+            [w.execute_model.remote(message) for w in self.workers], "execute_model"
+        )
+        reply = outputs[self.driver_rank]
+        if reply is None:
+            self._die(f"the sampling worker (rank {self.driver_rank}) returned no output")
+        return decode_output(reply)
+
+    def check_health(self) -> None:
+        super().check_health()
+        self._get([w.ping.remote() for w in self.workers], "check_health")
+
+    def _get(self, refs: list[Any], what: str) -> list[Any]:
+        """Results in rank order. A worker error surfaces as soon as that worker's call ends
+        (not after the others), so a dead rank fails the step while its peers still wait on it."""
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + self._step_timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(remaining, 0))
+            if not ready:
+                self._die(
+                    f"{what}: worker ranks {sorted(pending.values())} did not answer within "
+                    f"{self._step_timeout_s:.0f} s (LLM_CLUSTER_STEP_TIMEOUT_S)"
+                )
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except RayActorError as exc:
+                    self._die(f"{what}: worker rank {rank} died", exc)
+                except RayError as exc:
+                    self._die(f"{what}: worker rank {rank} failed: {exc}", exc)
+        return [results[rank] for rank in range(len(refs))]
+
+    # ---- failure and shutdown -----------------------------------------------------------
+
+    def _raise_if_dead(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError("the engine's workers are dead; build a new executor to continue")
+
+    def _die(self, message: str, cause: BaseException | None = None) -> None:
+        logger.error("engine dead: %s", message)
+        self.shutdown()
+        raise EngineDeadError(message) from cause
+
+    def shutdown(self) -> None:
+        """Kill the worker actors and remove the placement group if this executor created it."""
+        with self._lock:
+            self.is_dead = True
+            workers, self.workers = self.workers, []
+            for worker in workers:
+                ray.kill(worker, no_restart=True)
+            if self._owns_pg and self._pg is not None:
+                remove_placement_group(self._pg)
+            self._pg, self._owns_pg = None, False
+
+
+def _resolve_device(config: EngineConfig) -> str:
+    """``auto`` means: GPUs if the workers' bundles (or else the cluster) have them. The head
+    may itself run on a CPU-only node, so its own ``torch.cuda`` says nothing."""
+    if config.device.device != "auto":
+        return config.device.device
+    current = get_current_placement_group()
+    if current is not None:
+        return "cuda" if any(b.get("GPU", 0) >= 1 for b in current.bundle_specs) else "cpu"
+    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+
+
+def _checkout_root() -> Path | None:
+    """The source checkout the project runs from, or None when it is installed."""
+    root = Path(__file__).resolve().parent.parent
+    if "site-packages" in root.parts or not (root / "pyproject.toml").is_file():
+        return None
+    return root
+
+
+def _job_runtime_env() -> dict[str, Any] | None:
+    root = _checkout_root()
+    if root is None:
+        return None
+    return {
+        "py_modules": [str(root / name) for name in _PROJECT_PACKAGES],
+        "excludes": ["__pycache__", "*.pyc"],
+    }
+
+
+def _worker_runtime_env() -> dict[str, Any] | None:
+    """From a checkout, put it on the workers' import path (the head's nodes share the path;
+    other nodes get the packages from the job-level ``py_modules`` or an installed copy)."""
+    root = _checkout_root()
+    if root is None:
+        return None
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    return {"env_vars": {"PYTHONPATH": path}}

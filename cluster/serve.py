@@ -1,0 +1,319 @@
+"""The Ray Serve application: one ``LLMServer`` deployment per model (the heads) and one ingress
+that speaks OpenAI over HTTP (and the ``LLM`` service over gRPC) and routes by ``model``
+through streaming deployment handles.
+
+    build_app("configs/tiny.yaml")  ->  serve.Application  (``serve.run`` or ``cluster deploy``)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+import ray
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.grpc_util import RayServegRPCContext
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config import DeploymentConfig, ModelDeployment, load_config
+from cluster.llm_server import LLMServer
+from cluster.metrics import PREFIX
+from cluster.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    api_key_matches,
+    chat_messages,
+    chat_payload,
+    completion_payload,
+    error_body,
+    error_response,
+    make_openai_app,
+    metrics_response,
+    stream_sse,
+)
+from cluster.proto import llm_pb2
+
+INGRESS_NAME = "OpenAIIngress"
+_FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "HF_HUB_OFFLINE",
+                  "OMP_NUM_THREADS", "TRITON_INTERPRET")  # fmt: skip
+
+
+async def _response(response: Any) -> Any:
+    return await response
+
+
+def _unwrap(result: dict[str, Any]) -> Any:
+    if result.get("type") == "error":
+        return JSONResponse(
+            error_body(result["status"], result["message"], result.get("param")),
+            status_code=result["status"],
+        )
+    return result
+
+
+def scrape_cluster_metrics() -> str:
+    """Every alive node's Ray metrics agent, filtered to this project's metrics: one scrape
+    shows every replica of every model."""
+    lines: list[str] = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node.get("Alive") or not port:
+            continue
+        url = f"http://{node['NodeManagerAddress']}:{port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            continue
+        lines += [line for line in text.splitlines() if PREFIX in line]
+    return "\n".join(lines) + "\n"
+
+
+_GRPC_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def grpc_payload(request: llm_pb2.GenerateRequest) -> dict[str, Any]:
+    """The server payload for a gRPC request; unset optional fields keep the engine default."""
+    params: dict[str, Any] = {"ignore_eos": request.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "skip_special_tokens"):
+        if request.HasField(name):
+            params[name] = getattr(request, name)
+    if request.stop:
+        params["stop"] = list(request.stop)
+    if request.stop_token_ids:
+        params["stop_token_ids"] = list(request.stop_token_ids)
+    if bool(request.prompt) == bool(request.prompt_token_ids):
+        raise APIError(400, "prompt: give exactly one of prompt or prompt_token_ids", "prompt")
+    if request.prompt_token_ids:
+        return {"prompt_token_ids": list(request.prompt_token_ids), "params": params}
+    return {"prompt": request.prompt, "params": params}
+
+
+def grpc_abort(context: RayServegRPCContext, error: APIError) -> None:
+    """Set the status for ``error`` and raise: Serve's proxy sends that status to the client."""
+    context.set_code(_GRPC_CODES.get(error.status, grpc.StatusCode.INTERNAL))
+    context.set_details(error.message)
+    raise error
+
+
+def grpc_check_key(context: RayServegRPCContext, key_hashes: list[str]) -> None:
+    if not key_hashes:
+        return
+    metadata = dict(context.invocation_metadata())
+    token = metadata.get("authorization", "").removeprefix("Bearer ").strip()
+    if not api_key_matches(token or metadata.get("x-api-key", ""), key_hashes):
+        grpc_abort(context, APIError(401, "missing or invalid API key"))
+
+
+# Serve pickles the ingress class by value with the globals it sees when decorated: every
+# helper it calls is defined above it. The FastAPI app is built per replica, after __init__
+# (``__serve_build_asgi_app__``), so the API keys and body limit live on the app that serves.
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(
+        self,
+        servers: dict[str, DeploymentHandle],
+        api_key_hashes: list[str],
+        max_body_bytes: int,
+    ) -> None:
+        self.servers = servers
+        self.api_key_hashes = api_key_hashes
+        self.max_body_bytes = max_body_bytes
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return make_openai_app(self, self.api_key_hashes, self.max_body_bytes)
+
+    # ---- routing -------------------------------------------------------------------------
+
+    def _server(self, model: str) -> DeploymentHandle:
+        if model not in self.servers:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        return self.servers[model]
+
+    async def open_stream(self, model: str, payload: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """Start a generation; returns its "start" item and the handle's stream, or raises
+        ``APIError`` (the server's validation error, 404, 503) before any byte is sent."""
+        stream = self._server(model).options(stream=True).generate.remote(payload)
+        try:
+            first = await stream.__anext__()
+        except BackPressureError as exc:
+            raise APIError(503, f"model {model!r} is overloaded, retry later", None,
+                           "overloaded") from exc  # fmt: skip
+        except (ray.exceptions.RayError, StopAsyncIteration) as exc:
+            raise APIError(503, f"model {model!r} is not available", None, "unavailable") from exc
+        if first["type"] == "error":
+            raise APIError(first["status"], first["message"], first.get("param"))
+        return first, stream
+
+    async def _generate(
+        self, model: str, payload: dict[str, Any], chat: bool, stream: bool, include_usage: bool
+    ) -> Any:
+        first, items = await self.open_stream(model, payload)
+        completion = Completion(model, chat, include_usage)
+        completion.absorb(first)
+        if stream:
+            body = stream_sse(completion, items, items.cancel)
+            return StreamingResponse(body, media_type="text/event-stream")
+        try:
+            async for item in items:
+                if item["type"] == "error":
+                    raise APIError(item["status"], item["message"], item.get("param"))
+                completion.absorb(item)
+        finally:
+            items.cancel()
+        return completion.whole()
+
+    # ---- OpenAI routes -------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest) -> Any:
+        payload = completion_payload(req)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await self._generate(req.model, payload, False, req.stream, usage)
+
+    async def chat_completions(self, req: ChatCompletionRequest) -> Any:
+        payload = chat_payload(req)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await self._generate(req.model, payload, True, req.stream, usage)
+
+    async def models(self) -> dict[str, Any]:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "llm-cluster"}
+                for m in self.servers]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    async def tokenize(self, req: TokenizeRequest) -> Any:
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
+        payload: dict[str, Any] = {"prompt": req.prompt}
+        if req.messages is not None:
+            payload = {"messages": chat_messages(req.messages)}
+        return _unwrap(await self._server(req.model).tokenize.remote(payload))
+
+    async def detokenize(self, req: DetokenizeRequest) -> Any:
+        return _unwrap(await self._server(req.model).detokenize.remote({"tokens": req.tokens}))
+
+    async def health(self) -> Any:
+        problems = {}
+        for model, handle in self.servers.items():
+            try:
+                status = await asyncio.wait_for(_response(handle.health.remote()), 10)
+            except Exception as exc:  # unreachable replica: unhealthy, whatever the cause
+                status = {"healthy": False, "error": type(exc).__name__}
+            if not status["healthy"]:
+                problems[model] = status.get("error", "unhealthy")
+        if problems:
+            message = "; ".join(f"{m}: {e}" for m, e in problems.items())
+            return error_response(APIError(503, message, None, "engine_dead"))
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self) -> Any:
+        return metrics_response(await asyncio.to_thread(scrape_cluster_metrics))
+
+    # ---- gRPC (service ``llmcluster.LLM``, through Serve's gRPC proxy) -----------------------
+
+    async def Generate(  # Serve's gRPC proxy calls the method named as the RPC
+        self, request: llm_pb2.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> Any:
+        grpc_check_key(grpc_context, self.api_key_hashes)
+        try:
+            first, items = await self.open_stream(request.model, grpc_payload(request))
+        except APIError as exc:
+            grpc_abort(grpc_context, exc)
+        try:
+            async for item in items:
+                if item["type"] == "error":
+                    grpc_abort(grpc_context, APIError(item["status"], item["message"]))
+                yield llm_pb2.GenerateResponse(
+                    text=item["text"],
+                    token_ids=item["token_ids"],
+                    finish_reason=item["finish_reason"] or "",
+                    prompt_tokens=first["prompt_tokens"],
+                    completion_tokens=item["num_output_tokens"],
+                )
+        finally:
+            items.cancel()
+
+    async def Health(  # Serve's gRPC proxy calls the method named as the RPC
+        self, request: llm_pb2.HealthRequest, grpc_context: RayServegRPCContext
+    ) -> llm_pb2.HealthResponse:
+        grpc_check_key(grpc_context, self.api_key_hashes)
+        models = [request.model] if request.model else list(self.servers)
+        for model in models:
+            try:
+                status = await _response(self._server(model).health.remote())
+            except APIError as exc:
+                grpc_abort(grpc_context, exc)
+            except Exception as exc:  # unreachable replica
+                status = {"healthy": False, "error": type(exc).__name__}
+            if not status["healthy"]:
+                message = f"{model}: {status.get('error', 'unhealthy')}"
+                grpc_abort(grpc_context, APIError(503, message))
+        return llm_pb2.HealthResponse(healthy=True, message="ok")
+
+    # ---- handle methods for tools (``cluster status``, tests) -------------------------------
+
+    async def model_stats(self, model: str) -> dict[str, Any]:
+        return await self._server(model).stats.remote()
+
+
+# ---- building the application ------------------------------------------------------------
+
+
+def deployment_name(model_id: str) -> str:
+    return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+
+
+def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig) -> Any:
+    """The Serve application for a deployment config (validated first; raises ``ConfigError``)."""
+    if not isinstance(config, DeploymentConfig):
+        config = load_config(config)
+    servers = {m.model_id: _server_deployment(m) for m in config.models}
+    hashes = config.api_keys.load_key_hashes() if config.api_keys else []
+    ingress = serve.deployment(OpenAIIngress).options(
+        name=INGRESS_NAME,
+        num_replicas=1,
+        max_ongoing_requests=1024,
+        ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env()},
+    )
+    return ingress.bind(servers, hashes, config.http_options.max_body_bytes)
+
+
+def _server_deployment(model: ModelDeployment) -> Any:
+    options = model.serve_options()
+    first_bundle = options["placement_group_bundles"][0]
+    actor: dict[str, Any] = {"num_cpus": first_bundle.get("CPU", 0), "runtime_env": runtime_env()}
+    if first_bundle.get("GPU"):
+        actor["num_gpus"] = first_bundle["GPU"]
+    deployment = serve.deployment(LLMServer).options(
+        name=deployment_name(model.model_id), ray_actor_options=actor, **options
+    )
+    return deployment.bind(model.model_id, model.engine_args())
+
+
+def runtime_env() -> dict[str, Any]:
+    """Forward this project's environment settings, and its source tree when it runs from a
+    checkout rather than an installed package (replicas must import ``cluster``)."""
+    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file():
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p
+        )
+    return {"env_vars": env} if env else {}

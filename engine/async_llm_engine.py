@@ -1,0 +1,376 @@
+"""``AsyncLLMEngine``: the ``LLMEngine`` behind an asyncio API, for servers.
+
+    event loop (HTTP / gRPC handlers)            engine thread (owns the LLMEngine)
+    ─────────────────────────────────            ──────────────────────────────────
+    generate() ── add command ──────────────▶    drain commands (add / abort / call)
+      ▲  awaits the add's future (errors here)   step()  ← forward pass, off the event loop
+      │                                          post outputs ─┐
+      └──── per-request asyncio.Queue ◀──── call_soon_threadsafe┘
+
+Every ``LLMEngine`` call happens on the one engine thread, so the engine needs no locks; the
+event loop only ever waits on futures and queues. Commands are drained before every step, so an
+abort (a cancelled stream, a disconnected client) takes effect within one step and its blocks
+are free before the next forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.llm_engine import LLMEngine, PromptType
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("llm_cluster.async_engine")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StreamOutput:
+    """One item of a request's stream: the cumulative ``RequestOutput`` plus what is new since
+    the previous item. Concatenating every ``delta_text`` gives the final text exactly: while
+    stop strings could still match, the last ``max(len(stop)) - 1`` characters are held back."""
+
+    output: RequestOutput
+    delta_text: str
+    delta_token_ids: list[int]
+    # Monotonic time of the step that produced the newest token in this item.
+    time: float = field(default=0.0)
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
+
+    @property
+    def text(self) -> str:
+        return self.output.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.outputs[0].finish_reason
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot taken on the engine thread between steps."""
+
+    num_running: int
+    num_waiting: int
+    kv_total_blocks: int
+    kv_free_blocks: int
+    kv_usage: float  # fraction of blocks held by requests, in [0, 1]
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_steps: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+class _Stream:
+    """The event-loop side of one request: its loop and a queue of outputs / an exception."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stop: list[str] | None) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[RequestOutput, float] | BaseException] = asyncio.Queue()
+        self.holdback = max((len(s) for s in stop or []), default=1) - 1
+        self.sent_text = ""
+        self.sent_tokens = 0
+        self.finished = False
+
+    def delta(self, output: RequestOutput, at: float) -> StreamOutput | None:
+        completion = output.outputs[0]
+        text = completion.text
+        if not output.finished and self.holdback:
+            text = text[: max(len(self.sent_text), len(text) - self.holdback)]
+        delta_text = text[len(self.sent_text) :]
+        delta_tokens = completion.token_ids[self.sent_tokens :]
+        if not (delta_text or delta_tokens or output.finished):
+            return None
+        self.sent_text, self.sent_tokens = text, len(completion.token_ids)
+        return StreamOutput(output, delta_text, list(delta_tokens), at)
+
+
+class AsyncLLMEngine:
+    """An ``LLMEngine`` driven by a background thread; ``generate`` streams outputs.
+
+    ``idle_wait_s`` bounds how long the idle thread sleeps between checks of the stop flag.
+    """
+
+    def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self.config: EngineConfig = engine.config
+        self.tokenizer = engine.tokenizer
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._dead: EngineDeadError | None = None
+        self._stopping = False
+        self._num_steps = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._num_tokens: dict[str, int] = {}
+        self._thread = threading.Thread(target=self._run, name="llm-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, **engine_args: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine(EngineConfig.from_kwargs(**engine_args)))
+
+    # ---- public API (event loop side) ---------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[StreamOutput]:
+        """Stream a request's outputs. Raises ``InvalidRequestError`` before anything is
+        enqueued when the request is invalid, ``EngineDeadError`` if the engine fails. Closing
+        or cancelling the iterator before the last output aborts the request."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        params = params or SamplingParams()
+        stream = await self._add(request_id, prompt, params, priority)
+        try:
+            while True:
+                item = await stream.queue.get()
+                items = [item]
+                # Coalesce what piled up while the consumer was busy into one item.
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                error = next((i for i in items if isinstance(i, BaseException)), None)
+                if error is not None:
+                    stream.finished = True
+                    raise error
+                output, at = items[-1]
+                stream.finished = output.finished
+                delta = stream.delta(output, at)
+                if delta is not None:
+                    yield delta
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self._submit(lambda: self._abort_now(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason "abort"."""
+        await self._call(lambda: self._abort_now(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        return await self._call(lambda: fn(self.engine))
+
+    async def get_stats(self) -> EngineStats:
+        return await self._call(self._stats_now)
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the engine failed or its thread is gone."""
+        if self._dead is not None:
+            raise self._dead
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread has stopped")
+        self.engine.executor.check_health()
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None or not self._thread.is_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread (in-flight streams get ``EngineDeadError``) and the workers."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout_s)
+
+    # ---- event loop -> engine thread ----------------------------------------------------
+
+    async def _add(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int
+    ) -> _Stream:
+        stream = _Stream(asyncio.get_running_loop(), params.stop)
+
+        def add() -> None:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
+            request = self.engine.add_request(request_id, prompt, params, priority=priority)
+            self._streams[request_id] = stream
+            self._num_tokens[request_id] = 0
+            self._prompt_tokens += request.num_prompt_tokens
+
+        await self._call(add)
+        return stream
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._submit(fn, future)
+        return await asyncio.wrap_future(future)
+
+    def _submit(
+        self, fn: Callable[[], Any], future: concurrent.futures.Future[Any] | None = None
+    ) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._stopping:
+            raise EngineDeadError("the engine is shut down")
+        self._commands.put(_Command(fn, future))
+
+    # ---- engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._drain_commands():
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as exc:
+            logger.exception("engine loop failed")
+            self._dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc))
+            self._dead.__cause__ = exc
+        finally:
+            if self._dead is None:
+                self._dead = EngineDeadError("the engine is shut down")
+            self._fail_everything(self._dead)
+            self.engine.shutdown()
+
+    def _drain_commands(self) -> bool:
+        """Run queued commands; block while there is no work. False when asked to stop."""
+        block = not self.engine.has_unfinished_requests()
+        while True:
+            try:
+                command = self._commands.get(
+                    block=block, timeout=self._idle_wait_s if block else None
+                )
+            except queue.Empty:
+                if self._stopping:
+                    return False
+                if block and not self.engine.has_unfinished_requests():
+                    continue
+                return True
+            if command is None:
+                return False
+            command.run()
+            block = False
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        self._num_steps += 1
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for output in outputs:
+            rid = output.request_id
+            stream = self._streams.get(rid)
+            num_tokens = len(output.outputs[0].token_ids)
+            self._generation_tokens += num_tokens - self._num_tokens.get(rid, 0)
+            self._num_tokens[rid] = num_tokens
+            if output.finished:
+                self._streams.pop(rid, None)
+                self._num_tokens.pop(rid, None)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            _post(loop, [(s, (o, now)) for s, o in items])
+
+    def _abort_now(self, request_id: str) -> None:
+        """Abort on the engine thread: blocks are freed now; the stream ends with "abort"."""
+        stream = self._streams.pop(request_id, None)
+        self._num_tokens.pop(request_id, None)
+        outputs = self.engine.abort_request(request_id)
+        if stream is not None and outputs:
+            _post(stream.loop, [(stream, (outputs[0], time.monotonic()))])
+
+    def _stats_now(self) -> EngineStats:
+        engine = self.engine
+        kv = engine.get_kv_cache_stats()
+        sched = engine.scheduler
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=sched.num_waiting,
+            kv_total_blocks=kv.total,
+            kv_free_blocks=kv.free,
+            kv_usage=kv.usage,
+            prefix_cache_queries=engine.block_manager.prefix_queries,
+            prefix_cache_hits=engine.block_manager.prefix_hits,
+            num_preemptions=sched.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            num_steps=self._num_steps,
+        )
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        streams, self._streams = self._streams, {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        for stream in streams.values():
+            by_loop.setdefault(stream.loop, []).append((stream, error))
+        for loop, items in by_loop.items():
+            _post(loop, items)
+        # Commands queued behind the failure never run; their awaiters get the error.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None:
+                command.fail(error)
+
+
+class _Command:
+    """A function for the engine thread, with the future its caller awaits (if any)."""
+
+    def __init__(
+        self, fn: Callable[[], Any], future: concurrent.futures.Future[Any] | None
+    ) -> None:
+        self.fn = fn
+        self.future = future
+
+    def run(self) -> None:
+        if self.future is None:
+            self.fn()
+            return
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as exc:
+            self.future.set_exception(exc)
+
+    def fail(self, error: BaseException) -> None:
+        if self.future is not None and self.future.set_running_or_notify_cancel():
+            self.future.set_exception(error)
+
+
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, Any]]) -> None:
+    """Hand items to their streams on the streams' event loop (one wakeup per loop)."""
+
+    def deliver() -> None:
+        for stream, item in items:
+            stream.queue.put_nowait(item)
+
+    # A closed loop raises RuntimeError: nobody is listening any more.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(deliver)
+
+
+__all__ = ["AsyncLLMEngine", "EngineStats", "StreamOutput"]

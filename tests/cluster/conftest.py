@@ -1,0 +1,81 @@
+"""A local Ray with Serve for the serving tests: started once per session (lazily, so the CLI
+test's own ``ray start`` cluster never runs beside it), ports from the OS."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def load_yaml(name: str) -> dict[str, Any]:
+    return yaml.safe_load((CONFIGS / name).read_text())
+
+
+def wait_for(
+    predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.5
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+@dataclass(frozen=True)
+class ServeCluster:
+    http_port: int
+    grpc_port: int
+
+    def deploy(self, config: dict[str, Any], name: str, route_prefix: str) -> str:
+        """Deploy a config as application ``name``; returns its OpenAI base URL."""
+        from ray import serve
+
+        from cluster.serve import build_app
+
+        serve.run(build_app({**config, "app_name": name}), name=name, route_prefix=route_prefix)
+        prefix = "" if route_prefix == "/" else route_prefix
+        return f"http://127.0.0.1:{self.http_port}{prefix}"
+
+
+@pytest.fixture(scope="session")
+def serve_cluster() -> Iterator[ServeCluster]:
+    import ray
+    from ray import serve
+
+    from cluster.deploy import GRPC_SERVICER
+    from cluster.serve import runtime_env
+
+    ray.init(
+        address="local",  # never join another cluster on this machine
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env=runtime_env() or None,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    cluster = ServeCluster(free_port(), free_port())
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": cluster.http_port},
+        grpc_options={"port": cluster.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+    )
+    try:
+        yield cluster
+    finally:
+        serve.shutdown()
+        ray.shutdown()

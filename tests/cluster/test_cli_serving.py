@@ -1,0 +1,163 @@
+"""The ``cluster`` CLI as a user runs it, in subprocesses: config errors exit non-zero before
+anything is deployed; ``ray start --head`` -> ``cluster deploy`` -> a request ->
+``cluster status`` -> ``cluster shutdown``; and ``cluster serve`` until Ctrl-C.
+
+The Ray cluster is stopped by ending its ``ray start --block`` process rather than with
+``ray stop``, which would stop every Ray cluster on the machine, not only this test's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.cluster.conftest import free_port, load_yaml, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def cluster_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def tiny_config(tmp_path: Path) -> tuple[Path, int]:
+    config = load_yaml("tiny.yaml")
+    http_port = free_port()
+    config["http_options"]["port"] = http_port
+    config["grpc_options"]["port"] = free_port()
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, http_port
+
+
+def complete(http_port: int) -> dict:
+    body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_port}/v1/completions", body, {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def refuses_connections(http_port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5)
+    except (urllib.error.URLError, ConnectionError):
+        return True
+    return False
+
+
+def test_config_error_exits_2_naming_the_key(tmp_path: Path) -> None:
+    config = load_yaml("tiny.yaml")
+    config["models"][0]["engine_kwargs"]["foo"] = 1
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = cluster_cli("deploy", str(path), "--address", "127.0.0.1:1", timeout=120)
+    assert result.returncode == 2
+    assert "models[0].engine_kwargs.foo: unknown engine argument" in result.stderr
+
+
+@pytest.fixture
+def ray_head() -> Iterator[str]:
+    port = free_port()
+    head = subprocess.Popen(
+        ["ray", "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+         "--disable-usage-stats", "--block"],
+        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        for line in head.stdout:
+            if "Ray runtime started" in line or time.monotonic() > deadline:
+                break
+        assert head.poll() is None, "ray start --head exited"
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_process_group(head)
+
+
+def stop_process_group(process: subprocess.Popen[str], grace_s: float = 10) -> None:
+    """SIGTERM the group (Ray's own graceful stop signal), SIGKILL whatever outlives the grace."""
+    with contextlib.suppress(ProcessLookupError):  # the group may have exited already
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(30)
+
+
+def test_deploy_request_status_redeploy_shutdown(ray_head: str, tmp_path: Path) -> None:
+    config, http_port = tiny_config(tmp_path)
+    deployed = cluster_cli("deploy", str(config), "--address", ray_head)
+    assert deployed.returncode == 0, deployed.stderr[-3000:]
+    assert f"ready: OpenAI API at http://127.0.0.1:{http_port}/v1" in deployed.stdout
+
+    assert complete(http_port)["usage"]["completion_tokens"] == 4
+
+    status = cluster_cli("status", "--address", ray_head, "--json", timeout=120)
+    assert status.returncode == 0, status.stderr[-3000:]
+    model = json.loads(status.stdout)["models"]["tiny-llama"]
+    assert model["status"] == "HEALTHY"
+    assert model["replicas"] == {"RUNNING": 1}
+    assert model["stats"]["kv_total_blocks"] == 256
+    assert model["stats"]["generation_tokens_total"] >= 4
+
+    # Re-deploying updates the running application in place: same app and endpoint, Serve
+    # rolls the replica over to the new engine settings.
+    changed = yaml.safe_load(config.read_text())
+    changed["models"][0]["engine_kwargs"]["num_kv_blocks"] = 128
+    config.write_text(yaml.safe_dump(changed))
+    redeployed = cluster_cli("deploy", str(config), "--address", ray_head)
+    assert redeployed.returncode == 0, redeployed.stderr[-3000:]
+    after = json.loads(cluster_cli("status", "--address", ray_head, "--json").stdout)
+    assert after["models"]["tiny-llama"]["replicas"] == {"RUNNING": 1}
+    assert after["models"]["tiny-llama"]["stats"]["kv_total_blocks"] == 128
+    assert complete(http_port)["usage"]["completion_tokens"] == 4
+
+    shutdown = cluster_cli("shutdown", "--address", ray_head, timeout=120)
+    assert shutdown.returncode == 0, shutdown.stderr[-3000:]
+    wait_for(lambda: refuses_connections(http_port), 30, "the HTTP endpoint to go away")
+
+
+def test_serve_blocks_until_ctrl_c_then_shuts_down(tmp_path: Path) -> None:
+    config, http_port = tiny_config(tmp_path)
+    serving = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", str(config), "--address", "local"],
+        cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        for line in serving.stdout:
+            if "press Ctrl-C" in line:
+                break
+        assert serving.poll() is None, "cluster serve exited early"
+        assert complete(http_port)["usage"]["completion_tokens"] == 4
+        serving.send_signal(signal.SIGINT)
+        assert serving.wait(120) == 0
+        assert refuses_connections(http_port)
+    finally:
+        stop_process_group(serving)

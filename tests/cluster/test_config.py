@@ -1,0 +1,158 @@
+"""The deployment YAML: the shipped configs validate, Serve options come out with Serve's
+names and TP x PP worker bundles, and every error names its key path."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cluster.config import DeploymentConfig, load_config
+from engine.config import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def tiny() -> dict[str, Any]:
+    return yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+
+
+def error_of(data: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "multi-model.yaml", "llama70b.yaml"])
+def test_shipped_configs_validate(name: str) -> None:
+    assert isinstance(load_config(CONFIGS / name), DeploymentConfig)
+
+
+def test_llama70b_is_tp4_pp2_on_h100_with_autoscaling_1_to_4() -> None:
+    model = load_config(CONFIGS / "llama70b.yaml").models[0]
+    options = model.serve_options()
+    bundles = options["placement_group_bundles"]
+    assert bundles[0] == {"CPU": 1.0}
+    assert bundles[1:] == [{"GPU": 1.0, "accelerator_type:H100": 0.001}] * 8
+    assert options["placement_group_strategy"] == "PACK"
+    scaling = options["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4)
+    assert "num_replicas" not in options
+    assert model.engine_kwargs["enable_prefix_caching"] is True
+    assert model.engine_kwargs["dtype"] == "bfloat16"
+    assert model.engine_kwargs["max_model_len"] == 8192
+
+
+def test_tiny_config_is_one_cpu_bundle_and_one_replica() -> None:
+    options = load_config(CONFIGS / "tiny.yaml").models[0].serve_options()
+    assert options["placement_group_bundles"] == [{"CPU": 1.0}]
+    assert options["num_replicas"] == 1
+
+
+def test_unknown_engine_kwarg_names_its_path() -> None:
+    data = tiny()
+    data["models"][0]["engine_kwargs"]["foo"] = 1
+    assert error_of(data).startswith("models[0].engine_kwargs.foo: unknown engine argument")
+
+
+def test_misspelled_engine_kwarg_suggests_the_name() -> None:
+    data = tiny()
+    data["models"][0]["engine_kwargs"]["max_model_length"] = 1
+    assert "did you mean 'max_model_len'" in error_of(data)
+
+
+def test_out_of_range_engine_kwarg_names_its_path() -> None:
+    data = tiny()
+    data["models"][0]["engine_kwargs"]["gpu_memory_utilization"] = 1.5
+    assert error_of(data).startswith("models[0].engine_kwargs.gpu_memory_utilization: must be in")
+
+
+def test_model_shape_is_checked_when_the_checkpoint_is_reachable() -> None:
+    data = tiny()
+    data["models"][0]["engine_kwargs"]["tensor_parallel_size"] = 3
+    assert error_of(data).startswith("models[0].engine_kwargs.tensor_parallel_size: must divide")
+
+
+def test_absent_checkpoint_still_gets_name_and_range_checks() -> None:
+    data = yaml.safe_load((CONFIGS / "llama70b.yaml").read_text())
+    data["models"][0]["engine_kwargs"]["block_size"] = 12
+    assert error_of(data).startswith("models[0].engine_kwargs.block_size: must be one of")
+
+
+def test_unknown_top_level_and_nested_keys_are_rejected() -> None:
+    data = tiny()
+    data["http_option"] = {}
+    assert error_of(data).startswith("http_option: unknown key")
+    data = tiny()
+    data["models"][0]["deployment_config"]["replicas"] = 2
+    assert error_of(data).startswith("models[0].deployment_config.replicas: unknown key")
+
+
+def test_wrong_type_names_the_path() -> None:
+    data = tiny()
+    data["models"][0]["deployment_config"]["max_ongoing_requests"] = "many"
+    assert error_of(data) == "models[0].deployment_config.max_ongoing_requests: must be an " \
+        "integer, got 'many'"  # fmt: skip
+
+
+def test_missing_model_id_is_required() -> None:
+    data = tiny()
+    del data["models"][0]["model_loading_config"]["model_id"]
+    assert error_of(data) == "models[0].model_loading_config.model_id: is required"
+
+
+def test_duplicate_model_ids_are_rejected() -> None:
+    data = tiny()
+    data["models"].append(copy.deepcopy(data["models"][0]))
+    assert error_of(data).startswith("models[1].model_loading_config.model_id:")
+
+
+def test_num_replicas_and_autoscaling_are_exclusive() -> None:
+    data = tiny()
+    data["models"][0]["deployment_config"]["autoscaling_config"] = {"max_replicas": 2}
+    assert error_of(data).startswith("models[0].deployment_config.num_replicas: cannot be set")
+
+
+def test_autoscaling_bounds_are_checked() -> None:
+    data = tiny()
+    dc = data["models"][0]["deployment_config"]
+    del dc["num_replicas"]
+    dc["autoscaling_config"] = {"min_replicas": 3, "max_replicas": 2}
+    assert error_of(data).startswith(
+        "models[0].deployment_config.autoscaling_config.max_replicas: must be >="
+    )
+
+
+def test_api_keys_need_exactly_one_source() -> None:
+    data = tiny()
+    data["api_keys"] = {"env": "A", "file": "/b"}
+    assert error_of(data).startswith("api_keys: set exactly one of")
+
+
+def test_api_keys_from_env_are_shipped_only_as_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_KEYS", "k1, k2")
+    data = tiny()
+    data["api_keys"] = {"env": "TEST_KEYS"}
+    hashes = load_config(data).api_keys.load_key_hashes()
+    assert hashes == [hashlib.sha256(k).hexdigest() for k in (b"k1", b"k2")]
+
+
+def test_api_keys_from_a_missing_env_var_name_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TEST_KEYS", raising=False)
+    data = tiny()
+    data["api_keys"] = {"env": "TEST_KEYS"}
+    with pytest.raises(ConfigError, match=r"api_keys\.env: environment variable 'TEST_KEYS'"):
+        load_config(data).api_keys.load_key_hashes()
+
+
+def test_missing_file_and_invalid_yaml_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

@@ -1,0 +1,340 @@
+"""configs/tiny.yaml on a local Ray, driven like users drive it: the official ``openai`` client,
+raw HTTP for the error contract and disconnects, and a gRPC client. The app is deployed with an
+API key (from an environment variable, as a user would) so every request also proves the key
+check runs on the app Serve actually serves."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+from openai import NotFoundError, OpenAI
+
+from cluster.proto import llm_pb2, llm_pb2_grpc
+from engine import LLM, SamplingParams
+from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
+
+APP = "tiny"
+MODEL = "tiny-llama"
+PROMPT = "The capital of the tiny model is"
+KEY = "sk-tiny-test"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
+    from ray import serve
+
+    config = load_yaml("tiny.yaml")
+    config["api_keys"] = {"env": "LLM_CLUSTER_TEST_KEYS"}
+    os.environ["LLM_CLUSTER_TEST_KEYS"] = f"sk-other,{KEY}"
+    try:
+        url = serve_cluster.deploy(config, APP, "/")
+    finally:
+        del os.environ["LLM_CLUSTER_TEST_KEYS"]
+    yield url
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> OpenAI:
+    return OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    engine_kwargs = load_yaml("tiny.yaml")["models"][0]["engine_kwargs"]
+    return LLM("builtin:tiny-llama", **engine_kwargs)
+
+
+def greedy(offline: LLM, prompt: Any, max_tokens: int, **kw: Any) -> str:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+    if isinstance(prompt, list):
+        return offline.chat(prompt, params, use_tqdm=False)[0].outputs[0].text
+    return offline.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+
+
+def post(
+    base_url: str, path: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **(AUTH if headers is None else headers)}
+    request = urllib.request.Request(base_url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def engine_stats() -> dict[str, Any]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle(f"LLMServer:{MODEL}", APP)
+    return handle.stats.remote().result(timeout_s=30)
+
+
+# ---- the openai client ----
+
+
+def test_models_lists_the_configured_model(client: OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_completion_equals_offline_llm(client: OpenAI, offline: LLM) -> None:
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    assert response.choices[0].text == greedy(offline, PROMPT, 20)
+    assert response.usage.completion_tokens == 20
+
+
+def test_greedy_streamed_completion_equals_offline_llm(client: OpenAI, offline: LLM) -> None:
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == greedy(offline, PROMPT, 20)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_completion_uses_the_chat_template(client: OpenAI, offline: LLM) -> None:
+    messages = [{"role": "user", "content": "Say something."}]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0
+    )
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == greedy(offline, messages, 12)
+
+
+def test_streamed_chat_with_usage_ends_with_a_usage_chunk(client: OpenAI, offline: LLM) -> None:
+    messages = [{"role": "user", "content": "Stream please."}]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == greedy(offline, messages, 10)
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_stop_string_ends_the_completion_before_it(client: OpenAI, offline: LLM) -> None:
+    full = greedy(offline, PROMPT, 20)
+    stop = full[6:9]
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert response.choices[0].text == full[: full.index(stop)]
+    assert response.choices[0].finish_reason == "stop"
+
+
+def test_missing_or_wrong_api_key_is_401(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"authorization": "Bearer sk-wrong"}):
+        code, payload = post(base_url, "/v1/completions", body, headers)
+        assert code == 401
+        assert payload["error"]["type"] == "AuthenticationError"
+
+
+def test_unknown_model_is_404(client: OpenAI) -> None:
+    with pytest.raises(NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert info.value.body["param"] == "model"
+
+
+# ---- raw HTTP: the SSE framing and the error contract ----
+
+
+def test_sse_stream_ends_with_done(base_url: str) -> None:
+    host, port = base_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    conn.request(
+        "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json", **AUTH}
+    )
+    response = conn.getresponse()
+    events = [e for e in response.read().decode().split("\n\n") if e]
+    conn.close()
+    assert response.getheader("content-type").startswith("text/event-stream")
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-1])
+
+
+BAD_INPUTS = [
+    ("malformed JSON", b'{"model": "tiny-llama", "prompt": ', 400, None),
+    ("wrong type", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("out of range", {"model": MODEL, "prompt": "x", "temperature": -1.0}, 400, "temperature"),
+    ("top_p range", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("too long", {"model": MODEL, "prompt": "word " * 1100, "max_tokens": 1}, 400, "prompt"),
+    ("n > 1", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("logprobs", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("unknown field", {"model": MODEL, "prompt": "x", "temprature": 0}, 400, "temprature"),
+    ("missing prompt", {"model": MODEL}, 400, "prompt"),
+    ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("unknown model", {"model": "nope", "prompt": "x"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "body", "status", "param"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_input_gets_an_openai_error_body(
+    base_url: str, case: str, body: Any, status: int, param: str | None
+) -> None:
+    path = "/v1/chat/completions" if case == "empty messages" else "/v1/completions"
+    code, payload = post(base_url, path, body)
+    assert code == status
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert payload["error"]["param"] == param
+    assert "Traceback" not in payload["error"]["message"]
+
+
+def test_body_over_the_limit_is_413(base_url: str) -> None:
+    code, payload = post(base_url, "/v1/completions", {"model": MODEL, "prompt": "x" * (2 << 20)})
+    assert code == 413
+    assert payload["error"]["type"] == "RequestTooLargeError"
+
+
+def test_server_keeps_serving_after_bad_input(base_url: str, client: OpenAI) -> None:
+    for _, body, _, _ in BAD_INPUTS:
+        post(base_url, "/v1/completions", body)
+    response = client.completions.create(model=MODEL, prompt="still alive", max_tokens=3)
+    assert response.usage.completion_tokens == 3
+
+
+def test_client_disconnect_aborts_the_request_and_frees_its_blocks(base_url: str) -> None:
+    host, port = base_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    conn.request(
+        "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json", **AUTH}
+    )
+    response = conn.getresponse()
+    assert response.readline().startswith(b"data: {")
+    running = engine_stats()
+    conn.sock.close()
+    conn.close()
+    assert running["num_running"] == 1 and running["kv_free_blocks"] < running["kv_total_blocks"]
+    wait_for(
+        lambda: (
+            (s := engine_stats())["num_running"] == 0
+            and s["kv_free_blocks"] == s["kv_total_blocks"]
+        ),
+        timeout_s=20,
+        what="the disconnected request to be aborted and its blocks freed",
+    )
+    # Aborted, not finished: far fewer than the 900 tokens it asked for were generated.
+    assert engine_stats()["generation_tokens_total"] - running["generation_tokens_total"] < 800
+
+
+# ---- the other routes ----
+
+
+def test_tokenize_then_detokenize_round_trips(base_url: str, offline: LLM) -> None:
+    code, tokens = post(base_url, "/tokenize", {"model": MODEL, "prompt": PROMPT})
+    assert code == 200
+    assert tokens["tokens"] == offline.get_tokenizer().encode(PROMPT)
+    code, text = post(base_url, "/detokenize", {"model": MODEL, "tokens": tokens["tokens"]})
+    assert (code, text["prompt"]) == (200, offline.get_tokenizer().decode(tokens["tokens"]))
+
+
+def test_health_is_ok_without_an_api_key(base_url: str) -> None:
+    with urllib.request.urlopen(base_url + "/health", timeout=30) as response:
+        assert (response.status, json.loads(response.read())) == (200, {"status": "ok"})
+
+
+def test_metrics_show_the_model_in_prometheus_format(base_url: str, client: OpenAI) -> None:
+    # Five requests of ~1,000 tokens need 5 x 63 KV blocks of 16 tokens; tiny.yaml has 256, so
+    # the scheduler must preempt: every metric, preemptions included, gets a sample.
+    before = engine_stats()["num_preemptions"]
+    with ThreadPoolExecutor(5) as pool:
+        list(pool.map(lambda i: client.completions.create(
+            model=MODEL, prompt=f"metrics {i}", max_tokens=1000, extra_body={"ignore_eos": True}
+        ), range(5)))  # fmt: skip
+    assert engine_stats()["num_preemptions"] > before
+    wanted = ["time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+              "e2e_request_latency_seconds_count", "kv_cache_usage_perc", "requests_running",
+              "requests_waiting", "prompt_tokens_total", "generation_tokens_total",
+              "prefix_cache_hit_rate", "preemptions_total"]  # fmt: skip
+
+    missing = list(wanted)
+
+    def scraped() -> bool:
+        request = urllib.request.Request(base_url + "/metrics", headers=AUTH)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            text = response.read().decode()
+        lines = [ln for ln in text.splitlines() if f'model="{MODEL}"' in ln]
+        missing[:] = [w for w in wanted if not any(f"llm_cluster_{w}" in ln for ln in lines)]
+        return not missing
+
+    try:
+        wait_for(scraped, timeout_s=30, what="every per-model metric in /metrics", poll_s=2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; missing: {missing}") from None
+
+
+# ---- gRPC ----
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(serve_cluster: ServeCluster, base_url: str) -> Iterator[llm_pb2_grpc.LLMStub]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{serve_cluster.grpc_port}")
+    yield llm_pb2_grpc.LLMStub(channel)
+    channel.close()
+
+
+METADATA = (("application", APP), ("authorization", f"Bearer {KEY}"))
+
+
+def test_grpc_streamed_generate_equals_http(
+    grpc_stub: llm_pb2_grpc.LLMStub, client: OpenAI
+) -> None:
+    request = llm_pb2.GenerateRequest(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    responses = list(grpc_stub.Generate(request, metadata=METADATA))
+    http_text = (
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+        .choices[0]
+        .text
+    )
+    assert "".join(r.text for r in responses) == http_text
+    assert responses[-1].finish_reason == "length"
+    assert responses[-1].completion_tokens == 16
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "code"),
+    [
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"model": MODEL}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"model": "nope", "prompt": "x"}, grpc.StatusCode.NOT_FOUND),
+    ],
+    ids=["temperature", "max_tokens", "no prompt", "unknown model"],
+)
+def test_grpc_errors_map_to_status_codes(
+    grpc_stub: llm_pb2_grpc.LLMStub, request_fields: dict[str, Any], code: grpc.StatusCode
+) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        list(grpc_stub.Generate(llm_pb2.GenerateRequest(**request_fields), metadata=METADATA))
+    assert info.value.code() == code
+
+
+def test_grpc_without_api_key_is_unauthenticated(grpc_stub: llm_pb2_grpc.LLMStub) -> None:
+    request = llm_pb2.GenerateRequest(model=MODEL, prompt="x", max_tokens=2)
+    with pytest.raises(grpc.RpcError) as info:
+        list(grpc_stub.Generate(request, metadata=(("application", APP),)))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_grpc_health_is_ok(grpc_stub: llm_pb2_grpc.LLMStub) -> None:
+    assert grpc_stub.Health(llm_pb2.HealthRequest(model=MODEL), metadata=METADATA).healthy

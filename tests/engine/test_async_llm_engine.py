@@ -1,0 +1,202 @@
+"""AsyncLLMEngine: streams equal the offline engine, aborts free blocks within a step, errors
+reach the caller (validation) or every stream (engine death), and the event loop stays free."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams
+from engine.async_llm_engine import AsyncLLMEngine, StreamOutput
+
+MODEL = "builtin:tiny-llama"
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[AsyncLLMEngine]:
+    engine = AsyncLLMEngine.from_engine_args(model=MODEL, num_kv_blocks=64)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(MODEL, num_kv_blocks=64)
+
+
+async def collect(
+    engine: AsyncLLMEngine, prompt: str, params: SamplingParams
+) -> list[StreamOutput]:
+    return [item async for item in engine.generate(prompt, params)]
+
+
+def test_stream_matches_offline_llm(engine: AsyncLLMEngine, offline: LLM) -> None:
+    items = asyncio.run(collect(engine, "The quick brown fox", GREEDY))
+    expected = offline.generate("The quick brown fox", GREEDY, use_tqdm=False)[0].outputs[0]
+    assert items[-1].output.outputs[0].token_ids == expected.token_ids
+    assert items[-1].text == expected.text
+    assert [t for i in items for t in i.delta_token_ids] == expected.token_ids
+    assert "".join(i.delta_text for i in items) == expected.text
+    assert items[-1].finish_reason == "length"
+
+
+def test_concurrent_streams_each_match_offline(engine: AsyncLLMEngine, offline: LLM) -> None:
+    prompts = ["one two", "a much longer prompt with more words in it", "x"]
+
+    async def run_all() -> list[list[StreamOutput]]:
+        return await asyncio.gather(*(collect(engine, p, GREEDY) for p in prompts))
+
+    streams = asyncio.run(run_all())
+    expected = offline.generate(prompts, GREEDY, use_tqdm=False)
+    for items, ref in zip(streams, expected, strict=True):
+        assert items[-1].output.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_stop_string_deltas_never_include_the_stop(engine: AsyncLLMEngine, offline: LLM) -> None:
+    full = offline.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = full[8:11]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    items = asyncio.run(collect(engine, "Hello", params))
+    streamed = "".join(i.delta_text for i in items)
+    assert streamed == items[-1].text == full[: full.index(stop)]
+    assert items[-1].finish_reason == "stop"
+
+
+def test_invalid_request_raises_before_anything_is_enqueued(engine: AsyncLLMEngine) -> None:
+    async def run() -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            async for _ in engine.generate("hi", SamplingParams(max_tokens=100_000)):
+                pass
+        assert info.value.param == "max_tokens"
+        stats = await engine.get_stats()
+        assert (stats.num_running, stats.num_waiting) == (0, 0)
+
+    asyncio.run(run())
+
+
+def test_duplicate_request_id_is_rejected(engine: AsyncLLMEngine) -> None:
+    async def run() -> None:
+        first = engine.generate("hi", SamplingParams(max_tokens=500), request_id="same")
+        await first.__anext__()
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await engine.generate("hi", GREEDY, request_id="same").__anext__()
+        await first.aclose()
+
+    asyncio.run(run())
+
+
+def test_closing_a_stream_aborts_it_and_frees_its_blocks(engine: AsyncLLMEngine) -> None:
+    async def run() -> None:
+        stream = engine.generate("abort me", SamplingParams(max_tokens=500, ignore_eos=True))
+        await stream.__anext__()
+        during = await engine.get_stats()
+        await stream.aclose()
+        after = await engine.get_stats()
+        assert during.kv_free_blocks < during.kv_total_blocks
+        assert (after.num_running, after.num_waiting) == (0, 0)
+        assert after.kv_free_blocks == after.kv_total_blocks
+        # Aborted within one step: the abort is drained before the next step runs.
+        assert after.num_steps - during.num_steps <= 2
+
+    asyncio.run(run())
+    engine.engine.check_integrity()
+
+
+def test_cancelled_consumer_task_aborts_the_request(engine: AsyncLLMEngine) -> None:
+    async def run() -> None:
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in engine.generate("cancel me", SamplingParams(max_tokens=500)):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stats = await engine.get_stats()
+        assert stats.num_running + stats.num_waiting == 0
+        assert stats.kv_free_blocks == stats.kv_total_blocks
+
+    asyncio.run(run())
+
+
+def test_explicit_abort_ends_the_stream_with_abort(engine: AsyncLLMEngine) -> None:
+    async def run() -> StreamOutput:
+        last = None
+        async for item in engine.generate("x", SamplingParams(max_tokens=500), request_id="ab"):
+            last = item
+            if not item.finished:
+                await engine.abort("ab")
+        return last
+
+    assert asyncio.run(run()).finish_reason == "abort"
+
+
+def test_event_loop_keeps_running_during_forward_passes() -> None:
+    engine = AsyncLLMEngine.from_engine_args(model=MODEL, num_kv_blocks=32)
+    real_execute = engine.engine.executor.execute_model
+
+    def slow_execute(request):  # a forward pass that holds the engine thread for 50 ms
+        time.sleep(0.05)
+        return real_execute(request)
+
+    engine.engine.executor.execute_model = slow_execute
+
+    async def run() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await collect(engine, "tick", SamplingParams(max_tokens=8, ignore_eos=True))
+        task.cancel()
+        return ticks
+
+    try:
+        # 8 steps x 50 ms = 400 ms of forward passes; a blocked loop would tick ~0 times.
+        assert asyncio.run(run()) > 20
+    finally:
+        engine.shutdown()
+
+
+def test_engine_failure_reaches_every_stream_and_health() -> None:
+    engine = AsyncLLMEngine.from_engine_args(model=MODEL, num_kv_blocks=32)
+    real_execute = engine.engine.executor.execute_model
+    calls = 0
+
+    def failing_execute(request):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise EngineDeadError("worker 0 died")
+        return real_execute(request)
+
+    engine.engine.executor.execute_model = failing_execute
+
+    async def run() -> list[BaseException]:
+        async def one(prompt: str) -> BaseException:
+            with pytest.raises(EngineDeadError) as info:
+                await collect(engine, prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+            return info.value
+
+        return await asyncio.gather(one("a"), one("b"))
+
+    try:
+        errors = asyncio.run(run())
+        assert all("worker 0 died" in str(e) for e in errors)
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+        with pytest.raises(EngineDeadError):
+            asyncio.run(collect(engine, "after", SamplingParams(max_tokens=2)))
+    finally:
+        engine.shutdown()
