@@ -209,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     tp = bench_sub.add_parser("throughput", help="offline throughput: engine vs HF transformers")
     throughput.add_arguments(tp)
     tp.set_defaults(func=lambda a: (throughput.run(a), 0)[1])
+    from cluster.bench import serve as serve_bench
+
+    sv = bench_sub.add_parser(
+        "serve", help="online latency/throughput against an OpenAI endpoint (or --compare)"
+    )
+    serve_bench.add_arguments(sv)
+    sv.set_defaults(func=lambda a: (serve_bench.run(a), 0)[1])
     return parser
 
 
