@@ -92,6 +92,9 @@ _GRPC_CODES = {
 
 def grpc_payload(request: llm_pb2.GenerateRequest) -> dict[str, Any]:
     """The server payload for a gRPC request; unset optional fields keep the engine default."""
+    if request.HasField("n") and request.n != 1:
+        raise APIError(400, f"n: gRPC responses carry one choice, so n must be 1, got {request.n}",
+                       "n")  # fmt: skip
     params: dict[str, Any] = {"ignore_eos": request.ignore_eos}
     for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "skip_special_tokens"):
         if request.HasField(name):
