@@ -4,11 +4,16 @@ block manager, executor) behind handle methods the ingress (HTTP or gRPC) calls.
 The wire between ingress and server is plain dicts, so neither side needs the other's classes.
 ``generate`` streams:
 
-    {"type": "start", "prompt_tokens": n}                        after validation, before any token
-    {"type": "delta", "text": ..., "token_ids": [...], "finish_reason": ..., "num_output_tokens": k}
+    {"type": "start", "prompt_tokens": n, "n": choices}     after validation, before any token
+    {"type": "delta", "choices": [choice delta, ...]}         the choices with something new
     {"type": "error", "status": 400 | 503, "message": ..., "param": ..., "error_type": ...}
 
-Validation errors arrive as the first item, so a streaming client still gets a clean 400.
+A choice delta is ``{"index", "text", "token_ids", "finish_reason", "stop_reason",
+"num_output_tokens", "logprobs"}``: ``finish_reason`` is set in the one delta in which that choice
+finishes, ``num_output_tokens`` counts that choice's tokens so far, and ``logprobs`` (None unless
+the request asked for them) has one entry per new token: a list of ``[token_id, text, logprob,
+rank]``, the sampled token first, then the top-k. Validation errors arrive as the first item, so
+a streaming client still gets a clean 400.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.metrics import ModelMetrics
-from engine.async_llm_engine import AsyncLLMEngine
+from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -72,16 +77,17 @@ class LLMServer:
             )
             first = await stream.__anext__()
         except InvalidRequestError as exc:
-            yield error_item(400, exc.reason, exc.param)
+            yield error_item(400, str(exc), exc.param)
             return
         except EngineDeadError as exc:
             yield error_item(503, f"the engine for {self.model_id!r} is not available: {exc}")
             return
-        yield {"type": "start", "prompt_tokens": len(first.output.prompt_token_ids)}
+        prompt_tokens = len(first.output.prompt_token_ids)
+        yield {"type": "start", "prompt_tokens": prompt_tokens, "n": len(first.output.outputs)}
         try:
             async for item in _chain(first, stream):
-                timer.on_tokens(item.time, len(item.delta_token_ids))
-                yield _delta(item)
+                timer.on_tokens(item.time, item.num_new_tokens)
+                yield {"type": "delta", "choices": [_choice_delta(d) for d in item.deltas]}
         except EngineDeadError as exc:
             yield error_item(503, f"the engine for {self.model_id!r} failed: {exc}")
         finally:
@@ -172,16 +178,22 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
-def _delta(item: Any) -> dict[str, Any]:
-    completion = item.output.outputs[0]
-    stop_reason = completion.stop_reason
+def _choice_delta(delta: ChoiceDelta) -> dict[str, Any]:
+    stop_reason = delta.stop_reason
+    logprobs = None
+    if delta.logprobs is not None:
+        logprobs = [
+            [[token, lp.decoded_token or "", lp.logprob, lp.rank] for token, lp in entry.items()]
+            for entry in delta.logprobs
+        ]
     return {
-        "type": "delta",
-        "text": item.delta_text,
-        "token_ids": item.delta_token_ids,
-        "finish_reason": completion.finish_reason,
+        "index": delta.index,
+        "text": delta.text,
+        "token_ids": delta.token_ids,
+        "finish_reason": delta.finish_reason,
         "stop_reason": stop_reason if isinstance(stop_reason, (str, int)) else None,
-        "num_output_tokens": len(completion.token_ids),
+        "num_output_tokens": delta.num_tokens,
+        "logprobs": logprobs,
     }
 
 

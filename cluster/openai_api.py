@@ -51,10 +51,16 @@ class _SamplingFields(_Strict):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
 
 
@@ -260,46 +266,46 @@ def api_key_matches(token: str, key_hashes: list[str]) -> bool:
 # ---- request -> engine payload ----------------------------------------------------------------
 
 
-def _reject_unsupported(req: _SamplingFields) -> None:
-    if req.n != 1:
-        raise APIError(400, "n: only n = 1 is supported", "n", "unsupported")
-    if req.presence_penalty or req.frequency_penalty:
-        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-        raise APIError(400, f"{param}: penalties are not supported", param, "unsupported")
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options: only allowed with stream: true", "stream_options")
+# Fields passed to the engine under the same name when they differ from its default (the engine
+# checks their ranges and caps, and its 400s name them).
+_SAME_NAME_FIELDS = (
+    "n", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_tokens", "stop_token_ids", "include_stop_str_in_output", "logit_bias", "bad_words",
+)  # fmt: skip
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None) -> dict[str, Any]:
-    _reject_unsupported(req)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options: only allowed with stream: true", "stream_options")
     params: dict[str, Any] = {
         "temperature": req.temperature,
         "top_p": req.top_p,
-        "top_k": req.top_k,
         "max_tokens": max_tokens,
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
     }
+    defaults = _SamplingFields.model_fields
+    for name in _SAME_NAME_FIELDS:
+        value = getattr(req, name)
+        if value != defaults[name].default:
+            params[name] = value
     if req.stop is not None:
         params["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
-    if req.seed is not None:
-        params["seed"] = req.seed
-    if req.stop_token_ids is not None:
-        params["stop_token_ids"] = req.stop_token_ids
     return params
 
 
 def completion_payload(req: CompletionRequest) -> dict[str, Any]:
-    unsupported = {
-        "logprobs": req.logprobs is not None,
-        "echo": req.echo,
-        "best_of": req.best_of not in (None, 1),
-        "suffix": bool(req.suffix),
-    }
-    for name, bad in unsupported.items():
+    # best_of = n samples n and returns them all; ranking more samples than returned is not done.
+    if req.best_of is not None and req.best_of not in (1, req.n):
+        raise APIError(400, f"best_of: only best_of = n ({req.n}) is supported", "best_of",
+                       "unsupported")  # fmt: skip
+    for name, bad in {"echo": req.echo, "suffix": bool(req.suffix)}.items():
         if bad:
             raise APIError(400, f"{name}: not supported", name, "unsupported")
-    payload: dict[str, Any] = {"params": sampling_params(req, req.max_tokens)}
+    params = sampling_params(req, req.max_tokens)
+    if req.logprobs is not None:
+        params["logprobs"] = req.logprobs
+    payload: dict[str, Any] = {"params": params}
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -313,12 +319,14 @@ def completion_payload(req: CompletionRequest) -> dict[str, Any]:
 
 
 def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
-    if req.logprobs or req.top_logprobs is not None:
-        param = "logprobs" if req.logprobs else "top_logprobs"
-        raise APIError(400, f"{param}: not supported", param, "unsupported")
     max_tokens = req.max_completion_tokens
     max_tokens = max_tokens if max_tokens is not None else req.max_tokens
-    return {"params": sampling_params(req, max_tokens), "messages": chat_messages(req.messages)}
+    params = sampling_params(req, max_tokens)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
+    if req.logprobs:
+        params["logprobs"] = req.top_logprobs or 0
+    return {"params": params, "messages": chat_messages(req.messages)}
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -342,17 +350,37 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 # ---- responses ----------------------------------------------------------------------------------
 
 
-class Completion:
-    """Turns the server's stream of items into OpenAI responses (whole or as SSE chunks)."""
+class _Choice:
+    """One choice of a response as it accumulates."""
 
-    def __init__(self, model: str, chat: bool, include_usage: bool) -> None:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.num_tokens = 0
+        self.text_offset = 0  # where the next token starts in the text (completions logprobs)
+        self.logprobs: Any = None  # completions: the OpenAI dict; chat: the content list
+        self.started = False
+
+
+class Completion:
+    """Turns the server's stream of items into OpenAI responses (whole or as SSE chunks).
+    ``top_logprobs`` is the number of alternatives a chat request asked for, or the ``logprobs``
+    of a completions request; None when it asked for no logprobs."""
+
+    def __init__(
+        self, model: str, chat: bool, include_usage: bool, top_logprobs: int | None = None
+    ) -> None:
         self.model, self.chat, self.include_usage = model, chat, include_usage
+        self.top_logprobs = top_logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.text = ""
-        self.finish_reason: str | None = None
+        self.choices = [_Choice(0)]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -360,34 +388,69 @@ class Completion:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": total}  # fmt: skip
 
-    def absorb(self, item: dict[str, Any]) -> None:
+    def absorb(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take in a server item; returns the chunk choices it makes for a stream (a choice's
+        first delta, and every delta with text, logprobs or its finish)."""
         if item["type"] == "start":
             self.prompt_tokens = item["prompt_tokens"]
-            return
-        self.text += item["text"]
-        self.completion_tokens = item["num_output_tokens"]
-        self.finish_reason = _openai_finish_reason(item["finish_reason"])
+            self.choices = [_Choice(i) for i in range(item.get("n", 1))]
+            return []
+        return [c for d in item["choices"] if (c := self._absorb_choice(d)) is not None]
+
+    def _absorb_choice(self, delta: dict[str, Any]) -> dict[str, Any] | None:
+        choice = self.choices[delta["index"]]
+        first, choice.started = not choice.started, True
+        choice.text += delta["text"]
+        choice.num_tokens = delta["num_output_tokens"]
+        finish = _openai_finish_reason(delta["finish_reason"])
+        if finish is not None:
+            choice.finish_reason = finish
+        logprobs = self._logprobs(choice, delta.get("logprobs"))
+        if not (first or delta["text"] or finish or logprobs):
+            return None
+        if self.chat:
+            content: dict[str, Any] = {"content": delta["text"]}
+            if first:
+                content = {"role": "assistant", **content}
+            chat_lp = {"content": logprobs} if logprobs is not None else None
+            return {"index": choice.index, "delta": content, "logprobs": chat_lp,
+                    "finish_reason": finish}  # fmt: skip
+        return {"index": choice.index, "text": delta["text"], "logprobs": logprobs,
+                "finish_reason": finish}  # fmt: skip
+
+    def _logprobs(self, choice: _Choice, entries: list[Any] | None) -> Any:
+        """The OpenAI logprobs of a delta's new tokens, also appended to the choice's."""
+        if self.top_logprobs is None or entries is None:
+            return None
+        if self.chat:
+            new = chat_logprobs(entries, self.top_logprobs)
+            choice.logprobs = (choice.logprobs or []) + new
+            return new
+        new = completion_logprobs(entries, choice.text_offset)
+        choice.text_offset += sum(len(t) for t in new["tokens"])
+        whole = choice.logprobs or {k: [] for k in new}
+        choice.logprobs = {k: whole[k] + new[k] for k in new}
+        return new
 
     def whole(self) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
-                      "logprobs": None, "finish_reason": self.finish_reason}  # fmt: skip
-        else:
-            choice = {"index": 0, "text": self.text, "logprobs": None,
-                      "finish_reason": self.finish_reason}  # fmt: skip
+        choices = []
+        for c in self.choices:
+            if self.chat:
+                logprobs = {"content": c.logprobs or []} if self.top_logprobs is not None else None
+                choices.append({"index": c.index, "logprobs": logprobs,
+                                "message": {"role": "assistant", "content": c.text},
+                                "finish_reason": c.finish_reason})  # fmt: skip
+            else:
+                logprobs = c.logprobs
+                if logprobs is None and self.top_logprobs is not None:
+                    logprobs = completion_logprobs([])
+                choices.append({"index": c.index, "text": c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})  # fmt: skip
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice],
+                "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage}  # fmt: skip
 
-    def chunk(self, item: dict[str, Any], first: bool) -> dict[str, Any]:
-        finish = _openai_finish_reason(item["finish_reason"])
-        if self.chat:
-            delta: dict[str, Any] = {"content": item["text"]}
-            if first:
-                delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": item["text"], "logprobs": None, "finish_reason": finish}
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return self._chunk_envelope([choice])
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -400,6 +463,48 @@ class Completion:
         if self.include_usage:
             envelope["usage"] = None
         return envelope
+
+
+# JSON has no -inf: a token the model rules out entirely gets this floor (as vLLM does).
+_MIN_LOGPROB = -9999.0
+
+
+def completion_logprobs(entries: list[Any], text_offset: int = 0) -> dict[str, list[Any]]:
+    """OpenAI completions logprobs of tokens whose server entries (per token: ``[token_id, text,
+    logprob, rank]`` rows, the sampled token first, then the top-k) are ``entries``;
+    ``top_logprobs`` maps text -> logprob over the sampled token and the top-k (at most k + 1;
+    tokens with the same text keep the higher logprob)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for rows in entries:
+        _, text, logprob, _ = rows[0]
+        tokens.append(text)
+        token_logprobs.append(max(logprob, _MIN_LOGPROB))
+        top: dict[str, float] = {}
+        for _, alt, alt_logprob, _ in rows:
+            top[alt] = max(top.get(alt, _MIN_LOGPROB), alt_logprob)
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}  # fmt: skip
+
+
+def chat_logprobs(entries: list[Any], top_k: int) -> list[dict[str, Any]]:
+    """OpenAI chat ``logprobs.content`` of tokens with server entries ``entries`` (as in
+    ``completion_logprobs``): each sampled token with its ``top_k`` most likely alternatives."""
+
+    def token(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": max(logprob, _MIN_LOGPROB),
+                "bytes": list(text.encode())}  # fmt: skip
+
+    content = []
+    for rows in entries:
+        _, text, logprob, _ = rows[0]
+        # The rows are the top-k plus the sampled token (which may rank below them): the k most
+        # likely rows are the top-k, whether or not the sampled token is among them.
+        best = sorted(rows, key=lambda row: -row[2])[:top_k]
+        content.append({**token(text, logprob), "top_logprobs": [token(r[1], r[2]) for r in best]})
+    return content
 
 
 def _openai_finish_reason(reason: str | None) -> str | None:
@@ -415,17 +520,15 @@ def sse(data: dict[str, Any] | str) -> bytes:
 async def stream_sse(
     completion: Completion, items: AsyncIterator[dict[str, Any]], on_close: Callable[[], None]
 ) -> AsyncIterator[bytes]:
-    """SSE chunks for the rest of a stream whose "start" item was already read."""
-    first = True
+    """SSE chunks for the rest of a stream whose "start" item was already read: one chunk per
+    choice delta, its ``choices[0].index`` saying which choice."""
     try:
         async for item in items:
             if item["type"] == "error":
                 yield sse(error_body(item["status"], item["message"], item.get("param")))
                 break
-            completion.absorb(item)
-            if item["text"] or item["finish_reason"] or first:
-                yield sse(completion.chunk(item, first))
-                first = False
+            for choice in completion.absorb(item):
+                yield sse(completion.chunk(choice))
         if completion.include_usage:
             yield sse(completion.usage_chunk())
         yield sse("[DONE]")

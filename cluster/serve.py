@@ -92,6 +92,9 @@ _GRPC_CODES = {
 
 def grpc_payload(request: llm_pb2.GenerateRequest) -> dict[str, Any]:
     """The server payload for a gRPC request; unset optional fields keep the engine default."""
+    if request.HasField("n") and request.n != 1:
+        raise APIError(400, f"n: gRPC responses carry one choice, so n must be 1, got {request.n}",
+                       "n")  # fmt: skip
     params: dict[str, Any] = {"ignore_eos": request.ignore_eos}
     for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "skip_special_tokens"):
         if request.HasField(name):
@@ -163,13 +166,10 @@ class OpenAIIngress:
             raise APIError(first["status"], first["message"], first.get("param"))
         return first, stream
 
-    async def _generate(
-        self, model: str, payload: dict[str, Any], chat: bool, stream: bool, include_usage: bool
-    ) -> Any:
-        first, items = await self.open_stream(model, payload)
-        completion = Completion(model, chat, include_usage)
+    async def _generate(self, req: Any, payload: dict[str, Any], completion: Completion) -> Any:
+        first, items = await self.open_stream(req.model, payload)
         completion.absorb(first)
-        if stream:
+        if req.stream:
             body = stream_sse(completion, items, items.cancel)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
@@ -186,12 +186,21 @@ class OpenAIIngress:
     async def completions(self, req: CompletionRequest) -> Any:
         payload = completion_payload(req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await self._generate(req.model, payload, False, req.stream, usage)
+        return await self._generate(req, payload, Completion(req.model, False, usage, req.logprobs))
 
     async def chat_completions(self, req: ChatCompletionRequest) -> Any:
         payload = chat_payload(req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await self._generate(req.model, payload, True, req.stream, usage)
+        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        completion = Completion(req.model, True, usage, top_logprobs)
+        try:
+            return await self._generate(req, payload, completion)
+        except APIError as exc:
+            if exc.param != "logprobs":
+                raise
+            # The engine's logprobs is what a chat request calls top_logprobs.
+            raise APIError(exc.status, exc.message.replace("logprobs", "top_logprobs", 1),
+                           "top_logprobs", exc.code) from exc  # fmt: skip
 
     async def models(self) -> dict[str, Any]:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "llm-cluster"}
@@ -240,13 +249,14 @@ class OpenAIIngress:
             async for item in items:
                 if item["type"] == "error":
                     grpc_abort(grpc_context, APIError(item["status"], item["message"]))
-                yield llm_pb2.GenerateResponse(
-                    text=item["text"],
-                    token_ids=item["token_ids"],
-                    finish_reason=item["finish_reason"] or "",
-                    prompt_tokens=first["prompt_tokens"],
-                    completion_tokens=item["num_output_tokens"],
-                )
+                for choice in item["choices"]:  # one choice: gRPC requests always have n = 1
+                    yield llm_pb2.GenerateResponse(
+                        text=choice["text"],
+                        token_ids=choice["token_ids"],
+                        finish_reason=choice["finish_reason"] or "",
+                        prompt_tokens=first["prompt_tokens"],
+                        completion_tokens=choice["num_output_tokens"],
+                    )
         finally:
             items.cancel()
 

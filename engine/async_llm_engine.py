@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("llm_cluster.async_engine")
@@ -39,20 +39,50 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class ChoiceDelta:
+    """What is new for one of a request's n choices since the previous item of its stream."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    # One entry per new token (token id -> Logprob, the sampled token first) when the request
+    # asked for logprobs; aligned with ``token_ids``.
+    logprobs: SampleLogprobs | None
+    # Set on the one delta in which this choice finishes.
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_tokens: int  # this choice's tokens so far
+
+
+@dataclass(frozen=True)
 class StreamOutput:
-    """One item of a request's stream: the cumulative ``RequestOutput`` plus what is new since
-    the previous item. Concatenating every ``delta_text`` gives the final text exactly: while
-    stop strings could still match, the last ``max(len(stop)) - 1`` characters are held back."""
+    """One item of a request's stream: the cumulative ``RequestOutput`` plus, per choice that
+    has something new, its delta (``deltas``, ordered by index). Concatenating a choice's delta
+    texts gives its final text exactly: while stop strings could still match, its last
+    ``max(len(stop)) - 1`` characters are held back."""
 
     output: RequestOutput
-    delta_text: str
-    delta_token_ids: list[int]
+    deltas: list[ChoiceDelta]
     # Monotonic time of the step that produced the newest token in this item.
     time: float = field(default=0.0)
 
     @property
     def finished(self) -> bool:
         return self.output.finished
+
+    @property
+    def delta_text(self) -> str:
+        """Choice 0's new text (the whole delta of an n = 1 request)."""
+        return next((d.text for d in self.deltas if d.index == 0), "")
+
+    @property
+    def delta_token_ids(self) -> list[int]:
+        """Choice 0's new token ids (the whole delta of an n = 1 request)."""
+        return next((d.token_ids for d in self.deltas if d.index == 0), [])
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(len(d.token_ids) for d in self.deltas)
 
     @property
     def text(self) -> str:
@@ -86,28 +116,61 @@ class EngineStats:
         )
 
 
-class _Stream:
-    """The event-loop side of one request: its loop and a queue of outputs / an exception."""
+class _ChoiceTracker:
+    """How much of one choice its stream has sent: text (held back near stop strings), tokens,
+    and whether its finish was reported."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, stop: list[str] | None) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[tuple[RequestOutput, float] | BaseException] = asyncio.Queue()
-        self.holdback = max((len(s) for s in stop or []), default=1) - 1
+    def __init__(self, index: int, holdback: int) -> None:
+        self.index = index
+        self.holdback = holdback
         self.sent_text = ""
         self.sent_tokens = 0
+        self.sent_finish = False
+
+    def delta(self, completion: CompletionOutput) -> ChoiceDelta | None:
+        text = completion.text
+        if not completion.finished and self.holdback:
+            text = text[: max(len(self.sent_text), len(text) - self.holdback)]
+        delta_text = text[len(self.sent_text) :]
+        new_tokens = completion.token_ids[self.sent_tokens :]
+        finishing = completion.finished and not self.sent_finish
+        if not (delta_text or new_tokens or finishing):
+            return None
+        logprobs = completion.logprobs
+        delta = ChoiceDelta(
+            index=self.index,
+            text=delta_text,
+            token_ids=list(new_tokens),
+            logprobs=list(logprobs[self.sent_tokens :]) if logprobs is not None else None,
+            finish_reason=completion.finish_reason if finishing else None,
+            stop_reason=completion.stop_reason if finishing else None,
+            num_tokens=len(completion.token_ids),
+        )
+        self.sent_text, self.sent_tokens = text, len(completion.token_ids)
+        self.sent_finish = completion.finished
+        return delta
+
+
+class _Stream:
+    """The event-loop side of one request: its loop, a queue of outputs / an exception, and
+    what has been sent of each of its choices."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, params: SamplingParams) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[RequestOutput, float] | BaseException] = asyncio.Queue()
+        holdback = max((len(s) for s in params.stop or []), default=1) - 1
+        self.choices = [_ChoiceTracker(i, holdback) for i in range(params.n)]
         self.finished = False
 
     def delta(self, output: RequestOutput, at: float) -> StreamOutput | None:
-        completion = output.outputs[0]
-        text = completion.text
-        if not output.finished and self.holdback:
-            text = text[: max(len(self.sent_text), len(text) - self.holdback)]
-        delta_text = text[len(self.sent_text) :]
-        delta_tokens = completion.token_ids[self.sent_tokens :]
-        if not (delta_text or delta_tokens or output.finished):
+        deltas = []
+        for completion in output.outputs:
+            delta = self.choices[completion.index].delta(completion)
+            if delta is not None:
+                deltas.append(delta)
+        if not (deltas or output.finished):
             return None
-        self.sent_text, self.sent_tokens = text, len(completion.token_ids)
-        return StreamOutput(output, delta_text, list(delta_tokens), at)
+        return StreamOutput(output, deltas, at)
 
 
 class AsyncLLMEngine:
@@ -211,7 +274,7 @@ class AsyncLLMEngine:
     async def _add(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int
     ) -> _Stream:
-        stream = _Stream(asyncio.get_running_loop(), params.stop)
+        stream = _Stream(asyncio.get_running_loop(), params)
 
         def add() -> None:
             if request_id in self._streams:
@@ -282,7 +345,7 @@ class AsyncLLMEngine:
         for output in outputs:
             rid = output.request_id
             stream = self._streams.get(rid)
-            num_tokens = len(output.outputs[0].token_ids)
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
             self._generation_tokens += num_tokens - self._num_tokens.get(rid, 0)
             self._num_tokens[rid] = num_tokens
             if output.finished:
@@ -373,4 +436,4 @@ def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, Any]]) -> 
         loop.call_soon_threadsafe(deliver)
 
 
-__all__ = ["AsyncLLMEngine", "EngineStats", "StreamOutput"]
+__all__ = ["AsyncLLMEngine", "ChoiceDelta", "EngineStats", "StreamOutput"]

@@ -33,10 +33,29 @@ def test_stream_is_start_then_deltas_matching_offline(server: LLMServer) -> None
     params = {"temperature": 0, "max_tokens": 12}
     items = collect(server, {"prompt": "Once upon", "params": params})
     offline = LLM(**ENGINE_ARGS).generate("Once upon", SamplingParams(**params), use_tqdm=False)
-    assert items[0] == {"type": "start", "prompt_tokens": len(offline[0].prompt_token_ids)}
-    assert "".join(i["text"] for i in items[1:]) == offline[0].outputs[0].text
-    assert items[-1]["finish_reason"] == "length"
-    assert items[-1]["num_output_tokens"] == 12
+    prompt_tokens = len(offline[0].prompt_token_ids)
+    assert items[0] == {"type": "start", "prompt_tokens": prompt_tokens, "n": 1}
+    choices = [c for i in items[1:] for c in i["choices"]]
+    assert "".join(c["text"] for c in choices) == offline[0].outputs[0].text
+    assert choices[-1]["finish_reason"] == "length"
+    assert choices[-1]["num_output_tokens"] == 12
+
+
+def test_n_choices_stream_as_indexed_deltas_with_plain_logprob_rows(server: LLMServer) -> None:
+    params = {"n": 2, "temperature": 1.0, "seed": 9, "max_tokens": 6, "logprobs": 1}
+    items = collect(server, {"prompt": "Twice", "params": params})
+    offline = LLM(**ENGINE_ARGS).generate("Twice", SamplingParams(**params), use_tqdm=False)
+    assert items[0]["n"] == 2
+    for ref in offline[0].outputs:
+        choices = [c for i in items[1:] for c in i["choices"] if c["index"] == ref.index]
+        assert "".join(c["text"] for c in choices) == ref.text
+        per_token = [entry for c in choices for entry in c["logprobs"]]
+        # Per token: [token_id, text, logprob, rank] rows, the sampled token first.
+        assert [rows[0][0] for rows in per_token] == ref.token_ids
+        assert per_token == [
+            [[t, lp.decoded_token, lp.logprob, lp.rank] for t, lp in e.items()]
+            for e in ref.logprobs
+        ]
 
 
 def test_invalid_params_are_the_first_and_only_item(server: LLMServer) -> None:
@@ -46,8 +65,8 @@ def test_invalid_params_are_the_first_and_only_item(server: LLMServer) -> None:
 
 
 def test_unknown_sampling_parameter_is_rejected(server: LLMServer) -> None:
-    items = collect(server, {"prompt": "x", "params": {"beam_width": 2}})
-    assert (items[0]["status"], items[0]["param"]) == (400, "beam_width")
+    items = collect(server, {"prompt": "x", "params": {"best_of": 2}})
+    assert (items[0]["status"], items[0]["param"]) == (400, "best_of")
 
 
 def test_dead_engine_fails_health_and_requests() -> None:

@@ -13,8 +13,11 @@ from fastapi.testclient import TestClient
 from cluster.openai_api import (
     APIError,
     ChatCompletionRequest,
+    Completion,
     CompletionRequest,
+    chat_logprobs,
     chat_payload,
+    completion_logprobs,
     completion_payload,
     new_app,
 )
@@ -163,11 +166,139 @@ def test_chat_image_part_is_400_naming_it() -> None:
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"),
-     ({"presence_penalty": 0.5}, "presence_penalty"), ({"prompt": ["a", "b"]}, "prompt")],
+    [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
+     ({"prompt": ["a", "b"]}, "prompt")],
 )  # fmt: skip
 def test_unsupported_fields_are_400_naming_them(fields: dict[str, Any], param: str) -> None:
     req = CompletionRequest(**{"model": "m", "prompt": "x", **fields})
     with pytest.raises(APIError) as info:
         completion_payload(req)
     assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_n_penalties_and_vllm_extras_map_by_name() -> None:
+    extras = {
+        "n": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+        "min_p": 0.1, "min_tokens": 2, "logit_bias": {"7": -100.0, "9": 5.0},
+        "include_stop_str_in_output": True, "bad_words": ["bad"],
+    }  # fmt: skip
+    params = completion_payload(CompletionRequest(model="m", prompt="x", **extras))["params"]
+    assert {k: params[k] for k in extras} == extras
+
+
+def test_defaults_are_left_to_the_engine() -> None:
+    params = completion_payload(CompletionRequest(model="m", prompt="x"))["params"]
+    assert set(params) == {"temperature", "top_p", "max_tokens", "ignore_eos",
+                           "skip_special_tokens"}  # fmt: skip
+
+
+def test_best_of_equal_to_n_is_accepted() -> None:
+    req = CompletionRequest(model="m", prompt="x", n=2, best_of=2)
+    assert completion_payload(req)["params"]["n"] == 2
+
+
+def test_completion_logprobs_is_the_engine_logprobs() -> None:
+    req = CompletionRequest(model="m", prompt="x", logprobs=3)
+    assert completion_payload(req)["params"]["logprobs"] == 3
+
+
+def test_chat_top_logprobs_is_the_engine_logprobs() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with_top = ChatCompletionRequest(model="m", messages=messages, logprobs=True, top_logprobs=2)
+    without = ChatCompletionRequest(model="m", messages=messages, logprobs=True)
+    assert chat_payload(with_top)["params"]["logprobs"] == 2
+    assert chat_payload(without)["params"]["logprobs"] == 0
+    assert (
+        "logprobs"
+        not in chat_payload(ChatCompletionRequest(model="m", messages=messages))["params"]
+    )
+
+
+def test_chat_top_logprobs_without_logprobs_is_400() -> None:
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                top_logprobs=2)  # fmt: skip
+    with pytest.raises(APIError) as info:
+        chat_payload(req)
+    assert (info.value.status, info.value.param) == (400, "top_logprobs")
+
+
+# ---- responses from the server's items ----
+
+# Two generated tokens as the server sends them (the engine's token id -> Logprob dicts): the
+# sampled row first, then the top-2 not already listed. " a" is the most likely token; "z" is
+# sampled at rank 4, below its top-2.
+ENTRIES = [
+    [[5, " a", -0.5, 1], [6, " b", -1.5, 2]],
+    [[8, "z", -3.0, 4], [7, "y", -0.2, 1], [9, "w", -2.0, 2]],
+]
+
+
+def delta(index: int, text: str, tokens: int, finish: str | None = None, **kw: Any) -> Any:
+    choice = {"index": index, "text": text, "token_ids": [1] * len(kw.get("logprobs") or []),
+              "finish_reason": finish, "stop_reason": None, "num_output_tokens": tokens,
+              "logprobs": kw.get("logprobs")}  # fmt: skip
+    return {"type": "delta", "choices": [choice]}
+
+
+def test_completion_logprobs_format() -> None:
+    assert completion_logprobs(ENTRIES, text_offset=4) == {
+        "tokens": [" a", "z"],
+        "token_logprobs": [-0.5, -3.0],
+        "top_logprobs": [{" a": -0.5, " b": -1.5}, {"z": -3.0, "y": -0.2, "w": -2.0}],
+        "text_offset": [4, 6],
+    }
+
+
+def test_chat_logprobs_keep_the_k_most_likely_alternatives() -> None:
+    content = chat_logprobs(ENTRIES, top_k=2)
+    assert [c["token"] for c in content] == [" a", "z"]
+    assert content[1]["bytes"] == [ord("z")]
+    assert [t["token"] for t in content[1]["top_logprobs"]] == ["y", "w"]
+    assert [t["token"] for t in content[0]["top_logprobs"]] == [" a", " b"]
+
+
+def test_minus_infinity_becomes_a_json_number() -> None:
+    rows = [[[3, "q", float("-inf"), 50], [4, "r", -0.1, 1]]]
+    assert completion_logprobs(rows)["token_logprobs"] == [-9999.0]
+
+
+def test_n_choices_accumulate_by_index_and_usage_sums_them() -> None:
+    completion = Completion("m", chat=False, include_usage=False)
+    completion.absorb({"type": "start", "prompt_tokens": 4, "n": 2})
+    for item in [delta(1, "B", 1), delta(0, "A", 1), delta(1, "b", 2, "length"),
+                 delta(0, "a", 2, "stop")]:  # fmt: skip
+        completion.absorb(item)
+    whole = completion.whole()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [
+        (0, "Aa", "stop"), (1, "Bb", "length")
+    ]  # fmt: skip
+    assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+
+
+def test_stream_chunks_name_their_choice_and_carry_role_once_per_choice() -> None:
+    completion = Completion("m", chat=True, include_usage=False)
+    completion.absorb({"type": "start", "prompt_tokens": 4, "n": 2})
+    chunks = [c for i in [delta(1, "B", 1), delta(0, "A", 1), delta(1, "b", 2)]
+              for c in completion.absorb(i)]  # fmt: skip
+    assert [(c["index"], c["delta"]) for c in chunks] == [
+        (1, {"role": "assistant", "content": "B"}), (0, {"role": "assistant", "content": "A"}),
+        (1, {"content": "b"}),
+    ]  # fmt: skip
+
+
+def test_streamed_logprobs_are_those_of_each_chunk_and_add_up_to_the_whole() -> None:
+    completion = Completion("m", chat=False, include_usage=False, top_logprobs=2)
+    completion.absorb({"type": "start", "prompt_tokens": 1, "n": 1})
+    first = completion.absorb(delta(0, " a", 1, logprobs=ENTRIES[:1]))[0]["logprobs"]
+    second = completion.absorb(delta(0, "z", 2, "length", logprobs=ENTRIES[1:]))[0]["logprobs"]
+    assert (first["tokens"], second["tokens"]) == ([" a"], ["z"])
+    assert second["text_offset"] == [2]
+    assert completion.whole()["choices"][0]["logprobs"] == completion_logprobs(ENTRIES)
+
+
+def test_chat_whole_response_has_logprobs_content() -> None:
+    completion = Completion("m", chat=True, include_usage=False, top_logprobs=1)
+    completion.absorb({"type": "start", "prompt_tokens": 1, "n": 1})
+    completion.absorb(delta(0, " az", 2, "length", logprobs=ENTRIES))
+    content = completion.whole()["choices"][0]["logprobs"]["content"]
+    assert content == chat_logprobs(ENTRIES, 1)

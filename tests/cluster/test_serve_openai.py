@@ -138,6 +138,91 @@ def test_stop_string_ends_the_completion_before_it(client: OpenAI, offline: LLM)
     assert response.choices[0].finish_reason == "stop"
 
 
+# ---- n choices, logprobs, penalties ----
+
+
+def test_n_seeded_choices_are_indexed_and_differ(client: OpenAI) -> None:
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=1, n=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert len({c.text for c in response.choices}) > 1
+    assert all(c.finish_reason == "length" for c in response.choices)
+    assert response.usage.completion_tokens == 3 * 8
+
+
+def test_streamed_chat_n_choices_join_to_the_whole_response(client: OpenAI) -> None:
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "Two of them."}],
+              "max_tokens": 8, "temperature": 1.0, "seed": 4, "n": 2,
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert {c.choices[0].index for c in chunks} == {0, 1}
+    for choice in whole.choices:
+        parts = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        assert parts[0].delta.role == "assistant"
+        assert "".join(p.delta.content or "" for p in parts) == choice.message.content
+        assert parts[-1].finish_reason == "length"
+
+
+def test_completion_logprobs_are_top_k_plus_the_sampled_token(client: OpenAI) -> None:
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3
+    )
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.top_logprobs) == 8
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    for token_logprob, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 + 1
+        assert token_logprob == pytest.approx(max(top.values()))  # greedy: the most likely
+    assert logprobs.text_offset[0] == 0
+
+
+def test_streamed_completion_chunks_carry_their_own_logprobs(client: OpenAI) -> None:
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.tokens
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == whole.text_offset
+
+
+def test_chat_logprobs_have_top_logprobs_alternatives(client: OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Logprobs?"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens == 6
+    for token in content:
+        assert [t.logprob for t in token.top_logprobs] == sorted(
+            (t.logprob for t in token.top_logprobs), reverse=True
+        )
+        assert len(token.top_logprobs) == 2
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)
+        assert token.bytes == list(token.token.encode())
+
+
+def test_chat_top_logprobs_over_the_cap_is_400_naming_it(base_url: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+            "top_logprobs": 21}  # fmt: skip
+    code, payload = post(base_url, "/v1/chat/completions", body)
+    assert (code, payload["error"]["param"]) == (400, "top_logprobs")
+
+
+def test_penalties_and_vllm_extras_reach_the_engine(client: OpenAI, offline: LLM) -> None:
+    extras = {"repetition_penalty": 1.5, "min_tokens": 4, "logit_bias": {"5": -100}}
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, frequency_penalty=1.0,
+        extra_body=extras,
+    )  # fmt: skip
+    expected = greedy(offline, PROMPT, 12, frequency_penalty=1.0, repetition_penalty=1.5,
+                      min_tokens=4, logit_bias={5: -100.0})  # fmt: skip
+    assert response.choices[0].text == expected
+    assert expected != greedy(offline, PROMPT, 12)  # the penalties changed the output
+
+
 def test_missing_or_wrong_api_key_is_401(base_url: str) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
     for headers in ({}, {"authorization": "Bearer sk-wrong"}):
@@ -176,8 +261,16 @@ BAD_INPUTS = [
     ("out of range", {"model": MODEL, "prompt": "x", "temperature": -1.0}, 400, "temperature"),
     ("top_p range", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("too long", {"model": MODEL, "prompt": "word " * 1100, "max_tokens": 1}, 400, "prompt"),
-    ("n > 1", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-    ("logprobs", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("n over max_n", {"model": MODEL, "prompt": "x", "n": 200}, 400, "n"),
+    ("logprobs over max", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    (
+        "penalty range",
+        {"model": MODEL, "prompt": "x", "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
+    ("logit_bias key", {"model": MODEL, "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("echo", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
     ("unknown field", {"model": MODEL, "prompt": "x", "temprature": 0}, 400, "temprature"),
     ("missing prompt", {"model": MODEL}, 400, "prompt"),
     ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
@@ -318,8 +411,9 @@ def test_grpc_streamed_generate_equals_http(
         ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"model": MODEL}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"model": "nope", "prompt": "x"}, grpc.StatusCode.NOT_FOUND),
+        ({"model": MODEL, "prompt": "x", "n": 2}, grpc.StatusCode.INVALID_ARGUMENT),
     ],
-    ids=["temperature", "max_tokens", "no prompt", "unknown model"],
+    ids=["temperature", "max_tokens", "no prompt", "unknown model", "n > 1"],
 )
 def test_grpc_errors_map_to_status_codes(
     grpc_stub: llm_pb2_grpc.LLMStub, request_fields: dict[str, Any], code: grpc.StatusCode

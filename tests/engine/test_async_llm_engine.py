@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams
-from engine.async_llm_engine import AsyncLLMEngine, StreamOutput
+from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta, StreamOutput
 
 MODEL = "builtin:tiny-llama"
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -64,6 +64,56 @@ def test_stop_string_deltas_never_include_the_stop(engine: AsyncLLMEngine, offli
     streamed = "".join(i.delta_text for i in items)
     assert streamed == items[-1].text == full[: full.index(stop)]
     assert items[-1].finish_reason == "stop"
+
+
+def per_choice(items: list[StreamOutput], n: int) -> list[list[ChoiceDelta]]:
+    return [[d for i in items for d in i.deltas if d.index == k] for k in range(n)]
+
+
+SAMPLED_3 = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+
+
+def test_n_choices_stream_their_own_deltas_matching_offline(
+    engine: AsyncLLMEngine, offline: LLM
+) -> None:
+    items = asyncio.run(collect(engine, "Seeded", SAMPLED_3))
+    expected = offline.generate("Seeded", SAMPLED_3, use_tqdm=False)[0].outputs
+    for deltas, ref in zip(per_choice(items, 3), expected, strict=True):
+        assert "".join(d.text for d in deltas) == ref.text
+        assert [t for d in deltas for t in d.token_ids] == ref.token_ids
+    assert len({tuple(c.token_ids) for c in expected}) > 1  # the choices really differ
+
+
+def test_each_choice_reports_its_finish_exactly_once(engine: AsyncLLMEngine) -> None:
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    items = asyncio.run(collect(engine, "finish", params))
+    for deltas in per_choice(items, 2):
+        assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"]
+        assert deltas[-1].finish_reason == "length" and deltas[-1].num_tokens == 8
+
+
+def test_stop_string_holdback_is_per_choice(engine: AsyncLLMEngine, offline: LLM) -> None:
+    probe = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    texts = [c.text for c in offline.generate("Hold", probe, use_tqdm=False)[0].outputs]
+    stop = texts[1][10:13]  # a stop string that choice 1 produces
+    items = asyncio.run(collect(engine, "Hold", probe.clone(stop=[stop])))
+    final = items[-1].output.outputs
+    for deltas, out in zip(per_choice(items, 2), final, strict=True):
+        streamed = "".join(d.text for d in deltas)
+        assert streamed == out.text and stop not in streamed
+    assert final[1].text == texts[1][: texts[1].index(stop)]
+    assert final[1].finish_reason == "stop"
+
+
+def test_delta_logprobs_are_those_of_the_delta_tokens(engine: AsyncLLMEngine) -> None:
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, logprobs=2)
+    items = asyncio.run(collect(engine, "Logprobs", params))
+    for deltas, out in zip(per_choice(items, 2), items[-1].output.outputs, strict=True):
+        streamed = [entry for d in deltas for entry in d.logprobs]
+        assert streamed == out.logprobs
+        assert all(len(d.logprobs) == len(d.token_ids) for d in deltas)
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert [next(iter(entry)) for entry in streamed] == tokens  # the sampled token first
 
 
 def test_invalid_request_raises_before_anything_is_enqueued(engine: AsyncLLMEngine) -> None:
