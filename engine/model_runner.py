@@ -254,6 +254,7 @@ class ModelRunner:
         Returns None on TP ranks other than 0 (they hold no logits)."""
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        self.step_timer.lap("lm_head")
         if logits is None:
             return None
         if not inputs.sampled_req_ids:  # every scheduled request is mid-prompt

@@ -142,6 +142,7 @@ def _step_profile(engine: Any, wall: float) -> dict[str, Any]:
         "scheduler": head.get("schedule", 0.0),
         "input_preparation": worker.get("prepare_inputs", 0.0),
         "forward": worker.get("forward", 0.0),
+        "lm_head": worker.get("lm_head", 0.0),
         "sampling": worker.get("sample", 0.0),
         "update": head.get("update", 0.0),
         "detokenization": head.get("detokenize", 0.0),
