@@ -201,6 +201,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(func=_generate)
     _add_serving_commands(sub)
+
+    bench = sub.add_parser("bench", help="benchmarks (measurements, printed and written as JSON)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from cluster.bench import throughput
+
+    tp = bench_sub.add_parser("throughput", help="offline throughput: engine vs HF transformers")
+    throughput.add_arguments(tp)
+    tp.set_defaults(func=lambda a: (throughput.run(a), 0)[1])
+    from cluster.bench import serve as serve_bench
+
+    sv = bench_sub.add_parser(
+        "serve", help="online latency/throughput against an OpenAI endpoint (or --compare)"
+    )
+    serve_bench.add_arguments(sv)
+    sv.set_defaults(func=lambda a: (serve_bench.run(a), 0)[1])
     return parser
 
 

@@ -30,6 +30,7 @@ from engine.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, make_execute_model_request
+from engine.timing import StepTimer
 
 logger = logging.getLogger("llm_cluster.engine")
 
@@ -98,6 +99,7 @@ class LLMEngine:
         self._groups: dict[str, RequestGroup] = {}
         # Scheduler request id of every live sample -> (its group, its index).
         self._samples: dict[str, tuple[RequestGroup, int]] = {}
+        self.step_timer = StepTimer()
         self._log_cache_size(num_blocks, num_cpu_blocks)
 
     @classmethod
@@ -325,13 +327,19 @@ class LLMEngine:
         """Schedule, execute one step on the workers, and return outputs of updated requests.
         Raises ``EngineDeadError`` (failing every in-flight request) if a worker died."""
         self._check_alive()
+        clock = self.step_timer
+        clock.start()
         sched = self.scheduler.schedule()
         if sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids:
             return []
-        output = self.executor.execute_model(make_execute_model_request(sched))
+        message = make_execute_model_request(sched)
+        clock.lap("schedule")
+        output = self.executor.execute_model(message)
+        clock.lap("execute")
         texts = self._decode_logprob_tokens(output)
         self._record_prompt_logprobs(output.prompt_logprobs, texts)
         updated = self.scheduler.update_from_output(sched, output.req_ids, output.sampled_token_ids)
+        clock.lap("update")
         logprobs = dict(zip(output.req_ids, output.logprobs or ()))
         groups: dict[str, RequestGroup] = {}
         for request, num_new in self._new_tokens(updated, output):
@@ -343,6 +351,7 @@ class LLMEngine:
             outputs.append(self.make_output(group))
             if group.finished:
                 self._forget(group)
+        clock.lap("detokenize")
         if not self.scheduler.has_unfinished_requests() and self.scheduler._finished_req_ids:
             self._flush_finished()
         return outputs

@@ -25,6 +25,7 @@ from engine.cuda_graphs import DecodeCudaGraphRunner
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
 from engine.sampling_params import SamplingParams
+from engine.timing import StepTimer
 from kernels.attention import AttentionMetadata
 from parallel.distributed import recv_intermediate, send_intermediate
 from parallel.state import ParallelContext
@@ -72,6 +73,7 @@ class ModelRunner:
         self.ctx = ctx or ParallelContext()
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
+        self.step_timer = StepTimer(sync_cuda=device.type == "cuda")
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_kv_caches: list[torch.Tensor] = []
@@ -252,6 +254,7 @@ class ModelRunner:
         Returns None on TP ranks other than 0 (they hold no logits)."""
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        self.step_timer.lap("lm_head")
         if logits is None:
             return None
         if not inputs.sampled_req_ids:  # every scheduled request is mid-prompt
@@ -327,30 +330,37 @@ class ModelRunner:
         """One step on this rank. Stages after the first continue from the previous stage's
         (hidden, residual); stages before the last pass theirs on. Only TP rank 0 of the last
         stage returns the sampler output; every other rank returns None."""
+        clock = self.step_timer
+        clock.start()
         self.update_states(req)
         self.apply_block_ops(req)
         if req.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         inputs = self.prepare_inputs(req)
+        clock.lap("prepare_inputs")
         if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
             # Only with TP = PP = 1 (see _use_cuda_graphs): the whole model in one replay.
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
-            return self.sample(inputs, hidden)
-        pp = self.ctx.pp
-        hidden = residual = None
-        if not pp.is_first:
-            hidden, residual = recv_intermediate(
-                pp,
-                req.total_num_scheduled_tokens,
-                self.config.model.hf_config["hidden_size"],
-                self.config.model.torch_dtype,
-                self.device,
-            )
-        hidden, residual = self.forward(inputs, hidden, residual)
-        if not pp.is_last:
-            send_intermediate(pp, hidden, residual)
-            return None
-        return self.sample(inputs, hidden)
+        else:
+            pp = self.ctx.pp
+            hidden = residual = None
+            if not pp.is_first:
+                hidden, residual = recv_intermediate(
+                    pp,
+                    req.total_num_scheduled_tokens,
+                    self.config.model.hf_config["hidden_size"],
+                    self.config.model.torch_dtype,
+                    self.device,
+                )
+            hidden, residual = self.forward(inputs, hidden, residual)
+            if not pp.is_last:
+                send_intermediate(pp, hidden, residual)
+                clock.lap("forward")
+                return None
+        clock.lap("forward")
+        output = self.sample(inputs, hidden)
+        clock.lap("sample")
+        return output
 
     @property
     def is_driver(self) -> bool:

@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -209,7 +210,12 @@ def _check_name(name: str) -> None:
 
 def _materialize_builtin(name: str) -> Path:
     _check_name(name)
-    final = envs.cache_dir() / "models" / f"{name}-v{VERSION}"
+    return materialize(f"{name}-v{VERSION}", lambda out: make_tiny_model(name, out, seed=0))
+
+
+def materialize(dirname: str, build: Callable[[Path], object]) -> Path:
+    """Build a checkpoint once into ``<cache_dir>/models/<dirname>`` and return that path."""
+    final = envs.cache_dir() / "models" / dirname
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -217,7 +223,7 @@ def _materialize_builtin(name: str) -> Path:
     # atomic, so a concurrent reader (another Ray worker) sees either no directory or a whole one.
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        make_tiny_model(name, tmp, seed=0)
+        build(tmp)
         # mkdtemp makes the directory private (0700); a shared cache should be readable.
         tmp.chmod(0o755)
         os.rename(tmp, final)
@@ -229,6 +235,50 @@ def _materialize_builtin(name: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def make_random_llama(
+    out_dir: str | os.PathLike[str],
+    *,
+    hidden_size: int = 768,
+    num_hidden_layers: int = 12,
+    num_attention_heads: int = 12,
+    num_key_value_heads: int = 4,
+    intermediate_size: int = 1536,
+    vocab_size: int = 32000,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """A random-weight ``LlamaForCausalLM`` of any size (benchmarks), with the built-in tokenizer.
+
+    The model's vocabulary may exceed the tokenizer's 1024 entries, as with padded checkpoints;
+    ids the tokenizer lacks decode to nothing.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=hidden_size // num_attention_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=_COMMON_CONFIG["rope_theta"],
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    )
+    model = _build_model(config, seed)
+    _write_weights(model, config, out / "model.safetensors")
+    _write_config(config, type(model).__name__, out / "config.json")
+    _write_tokenizer(build_tokenizer(), out)
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID},
+    )
+    return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -176,6 +176,13 @@ class Worker:
     def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput | None:
         return self.runner.execute_model(request)
 
+    def step_timings(self) -> dict[str, float]:
+        """Seconds spent per model-runner phase since startup (or the last reset)."""
+        return dict(self.runner.step_timer.totals)
+
+    def reset_step_timings(self) -> None:
+        self.runner.step_timer.reset()
+
     def num_request_states(self) -> int:
         """Per-request state held between steps (0 once every request finished)."""
         return len(self.runner.requests)

@@ -16,4 +16,4 @@ if ! python -c "import torch" 2>/dev/null; then
   # shellcheck disable=SC2086
   python -m pip install -q ${TORCH_SPEC:-torch==2.13.0}
 fi
-python -m pip install -q -e ".[serve,triton,test]"
+python -m pip install -q -e ".[serve,triton,bench,test]"

@@ -1,0 +1,446 @@
+"""``cluster bench throughput``: offline throughput of this engine against HF transformers.
+
+Workload as in vLLM's and nano-vllm's throughput benchmarks: N prompts of random token ids,
+input and output lengths uniform in ranges, ``ignore_eos``, fixed seed. Throughput = output
+tokens / wall time (prefill included). Every system runs in this process on the same weights,
+workload and dtype, one after another, each after a short warm-up that is not timed:
+
+- ``engine``: this project's ``LLM.generate`` (continuous batching, paged KV cache);
+- ``hf_static``: ``model.generate`` in static, left-padded batches (vLLM's ``--backend hf``):
+  each batch runs until its longest output, so shorter requests waste their slots;
+- ``hf_cb``: transformers' continuous-batching manager (``init_continuous_batching``), with
+  each request's own ``max_new_tokens``.
+
+The roofline compares the engine's achieved FLOP/s (2 x parameters x tokens plus attention)
+with a dense GEMM measured in the same run, and the step profile says where the engine's time
+goes (scheduler, input preparation, forward, sampling, detokenization).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SYSTEMS = ("engine", "hf_static", "hf_cb")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 4
+    intermediate_size: int = 1536
+    vocab_size: int = 32000
+
+    @property
+    def dirname(self) -> str:
+        s = self
+        return (
+            f"bench-llama-h{s.hidden_size}-l{s.num_hidden_layers}-a{s.num_attention_heads}"
+            f"-kv{s.num_key_value_heads}-i{s.intermediate_size}-v{s.vocab_size}"
+        )
+
+    def linear_params_per_token(self) -> int:
+        """Parameters of the matmuls every computed token goes through (decoder layers)."""
+        head_dim = self.hidden_size // self.num_attention_heads
+        q = self.hidden_size * self.num_attention_heads * head_dim
+        kv = 2 * self.hidden_size * self.num_key_value_heads * head_dim
+        o = self.num_attention_heads * head_dim * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_hidden_layers * (q + kv + o + mlp)
+
+    def total_params(self) -> int:
+        return self.linear_params_per_token() + 2 * self.vocab_size * self.hidden_size
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    conditions: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.output_tokens + sum(len(p) for p in self.prompts)
+
+
+def make_workload(
+    num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
+) -> Workload:
+    rng = random.Random(seed)
+    # Ids above 4 only: the built-in tokenizer's specials (bos, eos, chat markers) stay out.
+    prompts = [
+        [rng.randrange(5, vocab) for _ in range(rng.randint(*input_len))]
+        for _ in range(num_prompts)
+    ]
+    output_lens = [rng.randint(*output_len) for _ in range(num_prompts)]
+    return Workload(prompts, output_lens)
+
+
+@dataclass
+class SystemResult:
+    wall_s: float
+    output_tokens: int
+    total_tokens: int
+    requests: int
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "output_tokens_per_s": self.output_tokens / self.wall_s,
+            "total_tokens_per_s": self.total_tokens / self.wall_s,
+            "requests_per_s": self.requests / self.wall_s,
+            "wall_s": self.wall_s,
+        }
+
+
+# ---- the systems -----------------------------------------------------------------------------
+
+
+def run_engine(
+    model_dir: Path, wl: Workload, dtype: str, engine_args: dict[str, Any]
+) -> tuple[SystemResult, dict[str, Any]]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype=dtype, **engine_args)
+    params = [
+        SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n)
+        for n in wl.output_lens
+    ]
+    prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    engine = llm.llm_engine
+    engine.step_timer.reset()
+    engine.executor.collective_rpc("reset_step_timings")
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if produced != wl.output_tokens:
+        raise RuntimeError(f"engine produced {produced} tokens, expected {wl.output_tokens}")
+    profile = _step_profile(engine, wall)
+    return SystemResult(wall, wl.output_tokens, wl.total_tokens, len(wl.prompts)), profile
+
+
+def _step_profile(engine: Any, wall: float) -> dict[str, Any]:
+    head = dict(engine.step_timer.totals)
+    worker = engine.executor.collective_rpc("step_timings")[0]
+    phases = {
+        "scheduler": head.get("schedule", 0.0),
+        "input_preparation": worker.get("prepare_inputs", 0.0),
+        "forward": worker.get("forward", 0.0),
+        "lm_head": worker.get("lm_head", 0.0),
+        "sampling": worker.get("sample", 0.0),
+        "update": head.get("update", 0.0),
+        "detokenization": head.get("detokenize", 0.0),
+    }
+    accounted = sum(phases.values())
+    phases["other"] = max(0.0, wall - accounted)
+    return {
+        "seconds": phases,
+        "fraction": {k: v / wall for k, v in phases.items()},
+        "scheduler_plus_input_preparation": (phases["scheduler"] + phases["input_preparation"])
+        / wall,
+    }
+
+
+def _load_hf(model_dir: Path, dtype: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        dtype
+    ]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
+
+
+@torch.inference_mode()
+def run_hf_static(model: Any, wl: Workload, batch_size: int) -> SystemResult:
+    def generate(batch: list[int]) -> None:
+        width = max(len(wl.prompts[i]) for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(batch):  # left padding, as generate expects for decoder-only models
+            ids[row, width - len(wl.prompts[i]) :] = torch.tensor(wl.prompts[i])
+            mask[row, width - len(wl.prompts[i]) :] = 1
+        longest = max(wl.output_lens[i] for i in batch)
+        model.generate(
+            ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            pad_token_id=0,
+        )
+
+    generate([0, 1])  # warm-up
+    order = list(range(len(wl.prompts)))
+    start = time.perf_counter()
+    for first in range(0, len(order), batch_size):
+        generate(order[first : first + batch_size])
+    wall = time.perf_counter() - start
+    return SystemResult(wall, wl.output_tokens, wl.total_tokens, len(wl.prompts))
+
+
+@torch.inference_mode()
+def run_hf_cb(model: Any, wl: Workload) -> SystemResult:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=max(wl.output_lens),
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        _drain(manager, [manager.add_request(wl.prompts[0], max_new_tokens=2)])  # warm-up
+        start = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(wl.prompts, wl.output_lens)]
+        results = _drain(manager, ids)
+        wall = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    produced = sum(len(r.generated_tokens) for r in results)
+    if produced != wl.output_tokens:
+        raise RuntimeError(f"hf_cb produced {produced} tokens, expected {wl.output_tokens}")
+    return SystemResult(wall, wl.output_tokens, wl.total_tokens, len(wl.prompts))
+
+
+def _drain(manager: Any, ids: list[str], timeout_s: float = 3600) -> list[Any]:
+    pending, results = set(ids), []
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        result = manager.get_result(timeout=1.0)
+        if result is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"hf_cb: {len(pending)} requests unfinished")
+            continue
+        if result.request_id in pending:
+            pending.discard(result.request_id)
+            results.append(result)
+    return results
+
+
+# ---- roofline --------------------------------------------------------------------------------
+
+
+def measure_gemm_flops(
+    dtype: torch.dtype, device: str, n: int = 2048, seconds: float = 2.0
+) -> float:
+    """Dense n x n x n matmul FLOP/s on this machine (the roofline's compute ceiling)."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(2):
+        a @ b
+    _sync(device)
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        iters += 1
+    _sync(device)
+    return 2 * n**3 * iters / (time.perf_counter() - start)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def engine_flops(shape: ModelShape, wl: Workload) -> float:
+    """FLOPs the engine must do: every computed token through the decoder matmuls, the LM head
+    for every sampled token, and attention (QK^T and AV) over each token's context."""
+    head_dim = shape.hidden_size // shape.num_attention_heads
+    per_token = 2 * shape.linear_params_per_token()
+    lm_head = 2 * shape.vocab_size * shape.hidden_size
+    attn_per_position = 4 * shape.num_hidden_layers * shape.num_attention_heads * head_dim
+    total = 0.0
+    for prompt, out in zip(wl.prompts, wl.output_lens):
+        computed = len(prompt) + out - 1  # the last sampled token is never fed back
+        total += computed * per_token + out * lm_head
+        total += attn_per_position * computed * (computed + 1) / 2
+    return total
+
+
+# ---- driver ----------------------------------------------------------------------------------
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    lo_i, hi_i = int(lo), int(hi or lo)
+    if not 0 < lo_i <= hi_i:
+        raise argparse.ArgumentTypeError(f"expected LO:HI with 0 < LO <= HI, got {text!r}")
+    return lo_i, hi_i
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=_range, default=(16, 128), metavar="LO:HI")
+    parser.add_argument("--output-len", type=_range, default=(64, 256), metavar="LO:HI")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}"
+    )
+    parser.add_argument(
+        "--hf-batch-size", type=int, default=32, help="static batch size of hf_static"
+    )
+    parser.add_argument("--dtype", default="auto", help="auto = bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument(
+        "--model", default=None, help="HF directory (default: a built-in random Llama)"
+    )
+    for name, default in asdict(ModelShape()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.tiny_models import make_random_llama, materialize
+
+    shape = ModelShape(**{k: getattr(args, k) for k in asdict(ModelShape())})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    model_dir = (
+        Path(args.model)
+        if args.model
+        else materialize(shape.dirname, lambda out: make_random_llama(out, **asdict(shape)))
+    )
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    wl = make_workload(
+        args.num_prompts, args.input_len, args.output_len, shape.vocab_size, args.seed
+    )
+    max_len = max(len(p) for p in wl.prompts) + max(wl.output_lens)
+    engine_args = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": max_len,
+        "seed": args.seed,
+    }
+    torch_dtype = getattr(torch, dtype)
+    gemm = measure_gemm_flops(torch_dtype, device)
+    results: dict[str, SystemResult] = {}
+    profile: dict[str, Any] = {}
+    for system in systems:
+        print(f"running {system} ...", flush=True)
+        if system == "engine":
+            results[system], profile = run_engine(model_dir, wl, dtype, engine_args)
+        else:
+            hf = _load_hf(model_dir, dtype)
+            results[system] = (
+                run_hf_static(hf, wl, args.hf_batch_size)
+                if system == "hf_static"
+                else run_hf_cb(hf, wl)
+            )
+            del hf
+    report = _report(shape, wl, args, device, dtype, gemm, results, profile)
+    _print_table(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return report
+
+
+def _report(
+    shape: ModelShape,
+    wl: Workload,
+    args: argparse.Namespace,
+    device: str,
+    dtype: str,
+    gemm: float,
+    results: dict[str, SystemResult],
+    profile: dict[str, Any],
+) -> dict[str, Any]:
+    systems = {name: r.as_dict() for name, r in results.items()}
+    ratios: dict[str, float] = {}
+    if "engine" in systems:
+        for name in systems:
+            if name != "engine":
+                ratios[f"engine/{name}"] = (
+                    systems["engine"]["output_tokens_per_s"] / systems[name]["output_tokens_per_s"]
+                )
+    roofline: dict[str, Any] = {"gemm_flops_per_s": gemm}
+    if "engine" in results:
+        achieved = engine_flops(shape, wl) / results["engine"].wall_s
+        roofline.update(engine_flops_per_s=achieved, engine_fraction_of_gemm=achieved / gemm)
+    conditions = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+        + (torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"),
+        "device": device,
+        "dtype": dtype,
+        "torch": torch.__version__,
+        "model": {**asdict(shape), "parameters": shape.total_params()},
+        "workload": {
+            "num_prompts": len(wl.prompts),
+            "input_len": list(args.input_len),
+            "output_len": list(args.output_len),
+            "seed": args.seed,
+            "ignore_eos": True,
+            "output_tokens": wl.output_tokens,
+            "total_tokens": wl.total_tokens,
+        },
+        "engine": {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+        },
+        "hf_static_batch_size": args.hf_batch_size,
+    }
+    return {
+        "systems": systems,
+        "ratios": ratios,
+        "roofline": roofline,
+        "step_profile": profile,
+        "conditions": conditions,
+    }
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    c = report["conditions"]
+    print(
+        f"\n{c['date']}  {c['machine']}  {c['device']} {c['dtype']}  "
+        f"model {c['model']['parameters'] / 1e6:.0f}M params  "
+        f"{c['workload']['num_prompts']} prompts, in {c['workload']['input_len']}, "
+        f"out {c['workload']['output_len']}"
+    )
+    print(f"{'system':<12}{'out tok/s':>12}{'total tok/s':>13}{'req/s':>9}{'wall s':>9}")
+    for name, r in report["systems"].items():
+        print(
+            f"{name:<12}{r['output_tokens_per_s']:>12.1f}{r['total_tokens_per_s']:>13.1f}"
+            f"{r['requests_per_s']:>9.2f}{r['wall_s']:>9.1f}"
+        )
+    for name, value in report["ratios"].items():
+        print(f"ratio {name}: {value:.2f}x")
+    roof = report["roofline"]
+    if "engine_fraction_of_gemm" in roof:
+        fraction = roof["engine_fraction_of_gemm"]
+        print(
+            f"roofline: GEMM {roof['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s, engine "
+            f"{roof['engine_flops_per_s'] / 1e9:.1f} GFLOP/s = {fraction:.0%}"
+        )
+    if report["step_profile"]:
+        fractions = report["step_profile"]["fraction"]
+        print("engine step profile: " + ", ".join(f"{k} {v:.1%}" for k, v in fractions.items()))
