@@ -381,7 +381,7 @@ async def _through_serve(
 
     from cluster.deploy import connect, deploy, endpoint
 
-    connect(None)
+    connect("local")  # its own Ray: never a stale or foreign cluster found on this machine
     try:
         await asyncio.to_thread(deploy, config, lambda _msg: None)
         base_url = endpoint(config)

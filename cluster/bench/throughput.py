@@ -294,15 +294,16 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--input-len", type=_range, default=(16, 128), metavar="LO:HI")
-    parser.add_argument("--output-len", type=_range, default=(64, 256), metavar="LO:HI")
+    # Defaults: a decode-heavy workload sized for a 2-core CPU (about 4 minutes for all systems).
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=_range, default=(16, 64), metavar="LO:HI")
+    parser.add_argument("--output-len", type=_range, default=(64, 192), metavar="LO:HI")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}"
     )
     parser.add_argument(
-        "--hf-batch-size", type=int, default=32, help="static batch size of hf_static"
+        "--hf-batch-size", type=int, default=64, help="static batch size of hf_static"
     )
     parser.add_argument("--dtype", default="auto", help="auto = bfloat16 on CUDA, float32 on CPU")
     parser.add_argument(
