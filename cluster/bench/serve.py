@@ -251,13 +251,14 @@ def plot(runs: dict[str, tuple[list[RequestRecord], float]], path: Path) -> None
         t0 = min(r.start for r in records)
         times = np.concatenate([np.asarray(r.chunk_times) - t0 for r in ok]) if ok else np.zeros(0)
         if times.size:
-            bins = np.arange(0, times.max() + 1.0, 1.0)
-            counts, edges = np.histogram(times, bins=bins)
-            axes[2].plot(edges[:-1], counts, label=name)
+            # ~40 bins per run, so a short run is a curve too, not a single point.
+            width = max(float(times.max()) / 40, 0.01)
+            counts, edges = np.histogram(times, bins=np.arange(0, times.max() + width, width))
+            axes[2].plot(edges[:-1], counts / width, label=name)
     for ax, title, xlabel in (
         (axes[0], "time to first token", "ms"),
         (axes[1], "end-to-end latency", "ms"),
-        (axes[2], "tokens streamed per second", "s since start"),
+        (axes[2], "streamed tokens per second", "s since start"),
     ):
         ax.set_title(title)
         ax.set_xlabel(xlabel)
