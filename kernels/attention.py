@@ -234,6 +234,43 @@ class AttentionMetadata:
 def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write the new tokens' ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into
     ``kv_cache`` at ``slot_mapping``; tokens whose slot is < 0 are not written."""
+    check_cache_write_args(key, value, kv_cache, slot_mapping)
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    key_cache.index_copy_(0, slots, key[keep])
+    value_cache.index_copy_(0, slots, value[keep])
+
+
+def paged_attention(
+    query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float
+) -> Tensor:
+    """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
+    request's paged context; returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+
+    Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA/MQA).
+    """
+    check_attention_args(query, kv_cache, metadata, scale)
+
+    # Contiguous even when `query` is a strided view (say, of a fused QKV projection), so that
+    # the caller can flatten the heads for the output projection without a copy.
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    # Every row of `out` is written: each request with query_len >= 1 is in exactly one decode
+    # group or prefill chunk, and together they cover all num_tokens rows.
+    for group in metadata.decode_groups:
+        _attend_decode_group(query, kv_cache, group, scale, metadata.workspace, out)
+    for chunk in metadata.prefill_chunks:
+        _attend_prefill_chunk(query, kv_cache, chunk, scale, metadata.workspace, out)
+    return out
+
+
+def check_cache_write_args(
+    key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Shapes, dtypes and devices of a cache write; shared by the torch and Triton kernels."""
     _check_kv_cache("kv_cache", kv_cache)
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     for name, t in (("key", key), ("value", value)):
@@ -257,22 +294,12 @@ def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping
             f"slot_mapping is on {slot_mapping.device} but kv_cache is on {kv_cache.device}"
         )
 
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    key_cache.index_copy_(0, slots, key[keep])
-    value_cache.index_copy_(0, slots, value[keep])
 
-
-def paged_attention(
+def check_attention_args(
     query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float
-) -> Tensor:
-    """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
-    request's paged context; returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
-
-    Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA/MQA).
-    """
+) -> None:
+    """Shapes, dtypes and devices of a paged-attention call; shared by the torch and Triton
+    kernels (the Triton wrapper adds its own constraints)."""
     _check_kv_cache("kv_cache", kv_cache)
     _check_same_device_dtype("query", query, kv_cache)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -305,17 +332,6 @@ def paged_attention(
         raise ValueError(f"metadata is on {metadata.device} but kv_cache is on {kv_cache.device}")
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
-
-    # Contiguous even when `query` is a strided view (say, of a fused QKV projection), so that
-    # the caller can flatten the heads for the output projection without a copy.
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    # Every row of `out` is written: each request with query_len >= 1 is in exactly one decode
-    # group or prefill chunk, and together they cover all num_tokens rows.
-    for group in metadata.decode_groups:
-        _attend_decode_group(query, kv_cache, group, scale, metadata.workspace, out)
-    for chunk in metadata.prefill_chunks:
-        _attend_prefill_chunk(query, kv_cache, chunk, scale, metadata.workspace, out)
-    return out
 
 
 def copy_blocks(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> None:

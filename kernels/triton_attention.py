@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, check_attention_args
 
 __all__ = ["choose_num_kv_splits", "paged_attention"]
 
@@ -349,54 +349,21 @@ def paged_attention(
 def _check_inputs(
     query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float
 ) -> None:
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            "kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {list(kv_cache.shape)}"
-        )
+    check_attention_args(query, kv_cache, metadata, scale)
+    # What the Triton kernel needs beyond the shared checks.
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
     if kv_cache.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(
             f"kv_cache dtype must be float16, bfloat16 or float32, got {kv_cache.dtype}"
         )
-    if query.dtype != kv_cache.dtype:
-        raise ValueError(f"query has dtype {query.dtype} but kv_cache has {kv_cache.dtype}")
-    if query.dim() != 3 or query.stride(2) != 1:
+    if query.stride(2) != 1:
         raise ValueError(
-            "query must have shape [num_tokens, num_heads, head_dim] with a contiguous last "
-            f"dim, got shape {list(query.shape)} strides {list(query.stride())}"
+            f"query must have a contiguous last dim, got strides {list(query.stride())}"
         )
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    num_tokens, num_heads, query_head_dim = query.shape
-    if query_head_dim != head_dim:
-        raise ValueError(f"query has head_dim {query_head_dim} but kv_cache has {head_dim}")
-    if head_dim > 256:
-        raise ValueError(f"head_dim must be <= 256, got {head_dim}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"query has {num_heads} heads but kv_cache has {num_kv_heads} kv heads; "
-            "num_heads must be a multiple of num_kv_heads"
-        )
-    if num_tokens != metadata.num_tokens:
-        raise ValueError(
-            f"query has {num_tokens} tokens but metadata describes {metadata.num_tokens}"
-        )
-    if block_size != metadata.block_size:
-        raise ValueError(
-            f"kv_cache has block_size {block_size} but metadata was built for {metadata.block_size}"
-        )
-    if metadata.max_block_id >= num_blocks:
-        raise ValueError(
-            f"metadata.block_table references block {metadata.max_block_id} but kv_cache has "
-            f"{num_blocks} blocks"
-        )
-    for name, t in (("query", query), ("metadata", metadata.slot_mapping)):
-        if t.device != kv_cache.device:
-            raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
+    if kv_cache.shape[-1] > 256:
+        raise ValueError(f"head_dim must be <= 256, got {kv_cache.shape[-1]}")
     check_triton_device(kv_cache.device, "kv_cache")
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {scale!r}")
 
 
 def check_triton_device(device: torch.device, name: str) -> None:

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.attention import check_cache_write_args
 from kernels.triton_attention import check_triton_device
 
 __all__ = ["copy_blocks", "reshape_and_cache", "swap_blocks"]
@@ -81,33 +82,12 @@ def _copy_blocks_kernel(kv_ptr, mapping_ptr, stride_kv, block_numel, CHUNK: tl.c
 def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` (strided views are
     fine as long as the last dim is contiguous) into ``kv_cache`` at ``slot_mapping``."""
+    check_cache_write_args(key, value, kv_cache, slot_mapping)
     _check_kv_cache("kv_cache", kv_cache)
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     for name, t in (("key", key), ("value", value)):
-        if t.dim() != 3 or t.shape[1:] != (num_kv_heads, head_dim):
-            raise ValueError(
-                f"{name} must have shape [num_tokens, {num_kv_heads}, {head_dim}] to match "
-                f"kv_cache, got {list(t.shape)}"
-            )
         if t.stride(2) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-        if t.dtype != kv_cache.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype} but kv_cache has {kv_cache.dtype}")
-        if t.device != kv_cache.device:
-            raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
-    if key.shape != value.shape:
-        raise ValueError(f"value has shape {list(value.shape)} but key has {list(key.shape)}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(
-            f"slot_mapping must have shape [{key.shape[0]}] (one slot per key row), "
-            f"got {list(slot_mapping.shape)}"
-        )
-    if slot_mapping.dtype != torch.int64:
-        raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
-    if slot_mapping.device != kv_cache.device:
-        raise ValueError(
-            f"slot_mapping is on {slot_mapping.device} but kv_cache is on {kv_cache.device}"
-        )
     if key.shape[0] == 0:
         return
     _reshape_and_cache_kernel[(key.shape[0],)](
