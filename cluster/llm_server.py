@@ -26,6 +26,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from jinja2 import TemplateError
+
 from cluster.metrics import ModelMetrics
 from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta
 from engine.errors import EngineDeadError, InvalidRequestError
@@ -38,7 +40,8 @@ _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 
 
 def error_item(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    error_type = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    error_type = {400: "BadRequestError", 404: "NotFoundError", 408: "RequestTimeoutError",
+                  503: "ServiceUnavailableError"}  # fmt: skip
     return {
         "type": "error",
         "status": status,
@@ -72,24 +75,37 @@ class LLMServer:
         try:
             prompt = await self._prompt(request)
             params = _sampling_params(request.get("params") or {})
+            timeout = request.get("timeout")
             stream = self.engine.generate(
-                prompt, params, request.get("request_id") or uuid.uuid4().hex
+                prompt,
+                params,
+                request.get("request_id") or uuid.uuid4().hex,
+                cache_salt=request.get("cache_salt"),
+                timeout_s=timeout,
             )
             first = await stream.__anext__()
         except InvalidRequestError as exc:
             yield error_item(400, str(exc), exc.param)
             return
-        except EngineDeadError as exc:
-            yield error_item(503, f"the engine for {self.model_id!r} is not available: {exc}")
+        except EngineDeadError:
+            # The cause (a worker's traceback, paths) goes to the log, never to the client.
+            logger.exception("model %s: request refused, the engine is dead", self.model_id)
+            yield error_item(503, f"the engine for {self.model_id!r} is not available")
             return
         prompt_tokens = len(first.output.prompt_token_ids)
         yield {"type": "start", "prompt_tokens": prompt_tokens, "n": len(first.output.outputs)}
         try:
+            last = first
             async for item in _chain(first, stream):
                 timer.on_tokens(item.time, item.num_new_tokens)
+                last = item
                 yield {"type": "delta", "choices": [_choice_delta(d) for d in item.deltas]}
-        except EngineDeadError as exc:
-            yield error_item(503, f"the engine for {self.model_id!r} failed: {exc}")
+            if timeout is not None and _was_aborted(last):
+                yield error_item(408, f"the request exceeded its timeout of {timeout} s",
+                                 "timeout")  # fmt: skip
+        except EngineDeadError:
+            logger.exception("model %s: the engine failed mid-request", self.model_id)
+            yield error_item(503, f"the engine for {self.model_id!r} failed")
         finally:
             # Closing the engine stream aborts the request if it is still running (the client
             # went away or the ingress cancelled us); its blocks are free within one step.
@@ -137,8 +153,9 @@ class LLMServer:
     async def health(self) -> dict[str, Any]:
         try:
             self.engine.check_health()
-        except EngineDeadError as exc:
-            return {"healthy": False, "error": str(exc)}
+        except EngineDeadError:
+            logger.exception("model %s: health check failed", self.model_id)
+            return {"healthy": False, "error": "the engine is dead"}
         return {"healthy": True}
 
     async def stats(self) -> dict[str, Any]:
@@ -178,6 +195,10 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
+def _was_aborted(item: Any) -> bool:
+    return any(c.finish_reason == "abort" for c in item.output.outputs)
+
+
 def _choice_delta(delta: ChoiceDelta) -> dict[str, Any]:
     stop_reason = delta.stop_reason
     logprobs = None
@@ -212,8 +233,11 @@ def _chat_ids(engine: LLMEngine, messages: list[dict[str, Any]]) -> list[int]:
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
-    except Exception as exc:  # the template rejected the conversation (roles, order)
+    except TemplateError as exc:  # the template's raise_exception: roles, order
         raise InvalidRequestError(f"the chat template rejected them: {exc}", "messages") from exc
+    except Exception as exc:  # anything else may quote internals: the log has it
+        logger.exception("chat template failed")
+        raise InvalidRequestError("the chat template rejected them", "messages") from exc
     return list(ids)
 
 

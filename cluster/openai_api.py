@@ -5,8 +5,9 @@ the engine's ``SamplingParams``, SSE streaming, and OpenAI error bodies.
     POST /tokenize              POST /detokenize               GET /health    GET /metrics
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the
-field), 401 missing or wrong API key, 404 unknown model or route, 413 body too large, 503
-overloaded or engine dead. Bad input never yields a 500 or a stack trace.
+field), 401 missing or wrong API key, 404 unknown model or route, 408 the request's ``timeout``
+passed, 413 body too large, 431 too many or too large headers, 503 overloaded or engine dead.
+Bad input never yields a 500; no error body carries a stack trace, a path or configuration.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
+    # Requests with different salts never share prefix-cache blocks (tenant isolation).
+    cache_salt: str | None = None
+    # Seconds: past it the request is aborted, its KV blocks freed, and the client gets a 408.
+    timeout: float | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -85,6 +90,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Declared so that their 400 says why: only the model's own template is ever rendered.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -105,7 +113,9 @@ _ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "BadRequestError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
+    431: "RequestHeaderFieldsTooLargeError",
     503: "ServiceUnavailableError",
 }
 
@@ -172,13 +182,18 @@ def install_error_handlers(app: FastAPI) -> None:
 # ---- API keys and body size: a pure ASGI guard in front of the routes ---------------------------
 
 
+MAX_HEADER_COUNT = 64
+MAX_HEADER_BYTES = 16 * 1024
+
+
 class _BodyTooLarge(Exception):
     pass
 
 
 class GuardMiddleware:
-    """Rejects requests without a valid API key (every route but /health; keys compared as
-    sha256 digests in constant time; the path is read from the ASGI scope, not from headers)
+    """Rejects requests with too many or too large headers (431), without a valid API key
+    (every route but /health; keys compared as sha256 digests in constant time; the path is
+    read from the ASGI scope, not from headers, so ``Host`` or ``X-Forwarded-*`` change nothing)
     and bodies over ``max_body_bytes`` (413), whether or not they declare a length.
     Settings come from ``app.state`` so the ingress can set them at startup."""
 
@@ -192,6 +207,10 @@ class GuardMiddleware:
         state = scope["app"].state
         key_hashes: list[str] = getattr(state, "api_key_hashes", [])
         max_body: int = getattr(state, "max_body_bytes", 1 << 20)
+        headers_error = _check_headers(scope, state)
+        if headers_error is not None:
+            await error_response(headers_error)(scope, receive, send)
+            return
         if key_hashes and scope["path"] != "/health" and not _authorized(scope, key_hashes):
             error = APIError(401, "missing or invalid API key", None, "invalid_api_key")
             await error_response(error)(scope, receive, send)
@@ -231,6 +250,22 @@ class GuardMiddleware:
             await self.app(scope, limited_receive, guarded_send)
         if too_large and not replied:
             await _too_large(max_body)(scope, receive, send)
+
+
+def _check_headers(scope: Scope, state: Any) -> APIError | None:
+    """431 when a request has more headers, or more header bytes, than the server allows:
+    checked before anything reads them, so a flood of headers costs one pass."""
+    max_count: int = getattr(state, "max_header_count", MAX_HEADER_COUNT)
+    max_bytes: int = getattr(state, "max_header_bytes", MAX_HEADER_BYTES)
+    headers = scope.get("headers", [])
+    if len(headers) > max_count:
+        message = f"the request has {len(headers)} headers; at most {max_count} are allowed"
+        return APIError(431, message, None, "too_many_headers")
+    size = sum(len(k) + len(v) for k, v in headers)
+    if size > max_bytes:
+        message = f"the request's headers total {size} bytes; at most {max_bytes} are allowed"
+        return APIError(431, message, None, "headers_too_large")
+    return None
 
 
 def _too_large(max_body: int) -> JSONResponse:
@@ -305,7 +340,7 @@ def completion_payload(req: CompletionRequest) -> dict[str, Any]:
     params = sampling_params(req, req.max_tokens)
     if req.logprobs is not None:
         params["logprobs"] = req.logprobs
-    payload: dict[str, Any] = {"params": params}
+    payload: dict[str, Any] = {"params": params, **request_extras(req)}
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -319,6 +354,10 @@ def completion_payload(req: CompletionRequest) -> dict[str, Any]:
 
 
 def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
+    for name in ("chat_template", "chat_template_kwargs"):
+        if getattr(req, name) is not None:
+            raise APIError(400, f"{name}: request-supplied chat templates are not accepted; the "
+                           "model's own template is used", name, "unsupported")  # fmt: skip
     max_tokens = req.max_completion_tokens
     max_tokens = max_tokens if max_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens)
@@ -326,7 +365,13 @@ def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
         raise APIError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
     if req.logprobs:
         params["logprobs"] = req.top_logprobs or 0
-    return {"params": params, "messages": chat_messages(req.messages)}
+    return {"params": params, "messages": chat_messages(req.messages), **request_extras(req)}
+
+
+def request_extras(req: _SamplingFields) -> dict[str, Any]:
+    """Per-request settings beside the sampling parameters (the server checks them)."""
+    extras = {"cache_salt": req.cache_salt, "timeout": req.timeout}
+    return {k: v for k, v in extras.items() if v is not None}
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -299,10 +299,14 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Server-wide caps checked before a request is enqueued (vLLM: ``max_logprobs`` 20)."""
+    """Server-wide caps checked before a request is enqueued (vLLM: ``max_logprobs`` 20).
+    ``max_stop_strings`` / ``max_stop_str_len`` bound ``stop``: every stop string is matched
+    against the text after every token, so their number and length are a per-step cost."""
 
     max_logprobs: int = 20
     max_n: int = 128
+    max_stop_strings: int = 16
+    max_stop_str_len: int = 256
 
     def __post_init__(self) -> None:
         _require(
@@ -313,6 +317,8 @@ class SamplingConfig:
             f"must be a non-negative integer, got {self.max_logprobs!r}",
         )
         _positive_int(self.max_n, "max_n")
+        _positive_int(self.max_stop_strings, "max_stop_strings")
+        _positive_int(self.max_stop_str_len, "max_stop_str_len")
 
 
 # Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
@@ -344,6 +350,8 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "enforce_eager": ("kernel", "enforce_eager"),
     "max_logprobs": ("sampling", "max_logprobs"),
     "max_n": ("sampling", "max_n"),
+    "max_stop_strings": ("sampling", "max_stop_strings"),
+    "max_stop_str_len": ("sampling", "max_stop_str_len"),
 }
 
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(_ENGINE_ARGS)

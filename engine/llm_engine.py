@@ -137,6 +137,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("must be a SamplingParams", param="sampling_params")
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise InvalidRequestError("must be a non-empty string", param="cache_salt")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         params = self._check_sampling(params, max_tokens)
@@ -203,6 +205,10 @@ class LLMEngine:
             )
         _within(params.n, caps.max_n, "n", "max_n")
         _within(params.n, self.config.scheduler.max_num_seqs, "n", "max_num_seqs")
+        stops = params.stop or []
+        _within(len(stops), caps.max_stop_strings, "stop", "max_stop_strings")
+        longest = max((len(s) for s in stops), default=0)
+        _within(longest, caps.max_stop_str_len, "stop", "max_stop_str_len")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name) is not None:
                 _within(getattr(params, name), caps.max_logprobs, name, "max_logprobs")

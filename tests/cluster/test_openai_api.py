@@ -105,6 +105,65 @@ def test_key_check_uses_the_scope_path_not_a_spoofable_header(keyed: TestClient)
     assert_error(response, 401, None)
 
 
+def test_wrong_api_key_of_the_right_length_is_401(keyed: TestClient) -> None:
+    wrong = KEY[:-1] + ("x" if KEY[-1] != "x" else "y")
+    assert len(wrong) == len(KEY)
+    headers = {"authorization": f"Bearer {wrong}"}
+    response = keyed.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert_error(response, 401, None)
+
+
+def test_wrong_x_api_key_header_is_401(keyed: TestClient) -> None:
+    headers = {"x-api-key": "sk-test-kez"}
+    response = keyed.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert_error(response, 401, None)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"host": "localhost"}, {"host": "127.0.0.1:8000"},
+     {"host": "localhost", "x-forwarded-for": "127.0.0.1", "x-real-ip": "127.0.0.1"}],
+)  # fmt: skip
+def test_forged_host_header_without_a_key_is_401(
+    keyed: TestClient, headers: dict[str, str]
+) -> None:
+    response = keyed.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert_error(response, 401, None)
+
+
+def test_too_many_headers_is_431(client: TestClient) -> None:
+    headers = {f"x-h{i}": "1" for i in range(100)}
+    response = client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert assert_error(response, 431, None)["code"] == "too_many_headers"
+
+
+def test_oversized_headers_are_431(client: TestClient) -> None:
+    headers = {"x-big": "a" * 20_000}
+    response = client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert assert_error(response, 431, None)["code"] == "headers_too_large"
+
+
+def test_headers_are_checked_before_the_api_key(keyed: TestClient) -> None:
+    headers = {f"x-h{i}": "1" for i in range(100)}
+    response = keyed.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert_error(response, 431, None)
+
+
+def test_internal_errors_carry_no_trace_path_or_configuration() -> None:
+    app = new_app([], 4096)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("/srv/secret/engine.py line 7: api_key_hashes=['abc'] max_model_len")
+
+    response = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert response.status_code == 500
+    assert response.json() == {"error": {"message": "internal server error", "type": "APIError",
+                                         "param": None, "code": None}}  # fmt: skip
+    for leak in ("Traceback", "/srv", ".py", "api_key", "max_model_len"):
+        assert leak not in response.text
+
+
 def test_declared_oversized_body_is_413(client: TestClient) -> None:
     response = client.post("/v1/completions", json={"model": "m", "prompt": "x" * 5000})
     assert_error(response, 413, None)
@@ -302,3 +361,29 @@ def test_chat_whole_response_has_logprobs_content() -> None:
     completion.absorb(delta(0, " az", 2, "length", logprobs=ENTRIES))
     content = completion.whole()["choices"][0]["logprobs"]["content"]
     assert content == chat_logprobs(ENTRIES, 1)
+
+
+@pytest.mark.parametrize("field", ["chat_template", "chat_template_kwargs"])
+def test_request_supplied_chat_template_is_400_naming_it(field: str) -> None:
+    value: Any = "{{ messages }}" if field == "chat_template" else {"x": 1}
+    req = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], **{field: value}
+    )
+    with pytest.raises(APIError) as info:
+        chat_payload(req)
+    assert (info.value.status, info.value.param) == (400, field)
+
+
+def test_cache_salt_and_timeout_reach_the_server_beside_the_params() -> None:
+    req = CompletionRequest(model="m", prompt="x", cache_salt="tenant-1", timeout=2.5)
+    payload = completion_payload(req)
+    assert (payload["cache_salt"], payload["timeout"]) == ("tenant-1", 2.5)
+    assert "cache_salt" not in payload["params"] and "timeout" not in payload["params"]
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                 cache_salt="t", timeout=1)  # fmt: skip
+    assert (chat_payload(chat)["cache_salt"], chat_payload(chat)["timeout"]) == ("t", 1)
+
+
+def test_no_salt_and_no_timeout_leave_the_payload_unchanged() -> None:
+    payload = completion_payload(CompletionRequest(model="m", prompt="x"))
+    assert "cache_salt" not in payload and "timeout" not in payload
