@@ -6,7 +6,8 @@ The wire between ingress and server is plain dicts, so neither side needs the ot
 
     {"type": "start", "prompt_tokens": n, "n": choices}     after validation, before any token
     {"type": "delta", "choices": [choice delta, ...]}         the choices with something new
-    {"type": "error", "status": 400 | 503, "message": ..., "param": ..., "error_type": ...}
+    {"type": "error", "status": 400 | 408 | 503, "message", "param", "error_type", "code"}
+                                                              (+ "retry_after" s when overloaded)
 
 A choice delta is ``{"index", "text", "token_ids", "finish_reason", "stop_reason",
 "num_output_tokens", "logprobs"}``: ``finish_reason`` is set in the one delta in which that choice
@@ -30,7 +31,7 @@ from jinja2 import TemplateError
 
 from cluster.metrics import ModelMetrics
 from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -39,16 +40,26 @@ logger = logging.getLogger("llm_cluster.serve")
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 
 
-def error_item(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_item(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    retry_after: int | None = None,
+) -> dict[str, Any]:
     error_type = {400: "BadRequestError", 404: "NotFoundError", 408: "RequestTimeoutError",
                   503: "ServiceUnavailableError"}  # fmt: skip
-    return {
+    item = {
         "type": "error",
         "status": status,
         "message": message,
         "param": param,
         "error_type": error_type.get(status, "APIError"),
+        "code": code,
     }
+    if retry_after is not None:
+        item["retry_after"] = retry_after
+    return item
 
 
 class LLMServer:
@@ -86,6 +97,10 @@ class LLMServer:
             first = await stream.__anext__()
         except InvalidRequestError as exc:
             yield error_item(400, str(exc), exc.param)
+            return
+        except EngineOverloadedError as exc:
+            yield error_item(503, f"model {self.model_id!r}: {exc}", None, "overloaded",
+                             exc.retry_after_s)  # fmt: skip
             return
         except EngineDeadError:
             # The cause (a worker's traceback, paths) goes to the log, never to the client.

@@ -6,7 +6,8 @@ the engine's ``SamplingParams``, SSE streaming, and OpenAI error bodies.
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the
 field), 401 missing or wrong API key, 404 unknown model or route, 408 the request's ``timeout``
-passed, 413 body too large, 431 too many or too large headers, 503 overloaded or engine dead.
+passed, 413 body too large, 431 too many or too large headers, 503 engine dead or overloaded
+(the waiting queue is full: with a ``Retry-After`` header).
 Bad input never yields a 500; no error body carries a stack trace, a path or configuration.
 """
 
@@ -121,15 +122,23 @@ _ERROR_TYPES = {
 
 
 class APIError(Exception):
+    """An error for the client; ``retry_after`` (seconds) becomes a ``Retry-After`` header."""
+
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
 
-    def __reduce__(self) -> tuple[type[APIError], tuple[int, str, str | None, str | None]]:
+    def __reduce__(self) -> tuple[type[APIError], tuple[Any, ...]]:
         # Ray ships exceptions by pickle (Serve's gRPC proxy, handles): keep every field.
-        return (APIError, (self.status, self.message, self.param, self.code))
+        return (APIError, (self.status, self.message, self.param, self.code, self.retry_after))
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
@@ -143,7 +152,8 @@ def error_body(
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:

@@ -164,9 +164,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # Admission control: a request is refused (EngineOverloadedError -> 503 + Retry-After)
+    # when the samples not yet running, or the tokens they still have to compute, would exceed
+    # these; an empty queue always admits one request. None: unbounded.
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self.max_num_seqs, "max_num_seqs")
+        for name in ("max_waiting_requests", "max_waiting_tokens"):
+            if getattr(self, name) is not None:
+                _positive_int(getattr(self, name), name)
         _positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
         _positive_int(self.max_model_len, "max_model_len")
         _require(
@@ -340,6 +348,8 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
     "scheduling_policy": ("scheduler", "policy"),
     "preemption_mode": ("scheduler", "preemption_mode"),
+    "max_waiting_requests": ("scheduler", "max_waiting_requests"),
+    "max_waiting_tokens": ("scheduler", "max_waiting_tokens"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "distributed_executor_backend": ("parallel", "distributed_executor_backend"),

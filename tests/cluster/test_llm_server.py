@@ -129,3 +129,31 @@ def test_engine_failure_messages_carry_no_internals() -> None:
             assert "/srv" not in message and "sk-123" not in message and "line 12" not in message
     finally:
         server.engine.shutdown()
+
+
+def test_full_waiting_queue_is_a_503_with_retry_after() -> None:
+    server = LLMServer("tiny", {**ENGINE_ARGS, "max_num_seqs": 1, "max_waiting_requests": 1})
+    long = {"prompt": "x", "params": {"max_tokens": 900, "ignore_eos": True}}
+
+    async def run() -> list[dict[str, Any]]:
+        running = server.generate(long)
+        assert (await running.__anext__())["type"] == "start"  # the one seat is taken
+        queued = server.generate(long)
+        waiting = asyncio.ensure_future(queued.__anext__())
+        while (await server.stats())["num_waiting"] < 1:
+            await asyncio.sleep(0.01)
+        try:
+            return [item async for item in server.generate(long)]
+        finally:
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await running.aclose()
+
+    try:
+        refused = asyncio.run(run())
+        assert len(refused) == 1
+        error = refused[0]
+        assert (error["status"], error["code"], error["retry_after"]) == (503, "overloaded", 1)
+        assert "max_waiting_requests" in error["message"]
+    finally:
+        server.engine.shutdown()

@@ -387,3 +387,86 @@ def test_cache_salt_and_timeout_reach_the_server_beside_the_params() -> None:
 def test_no_salt_and_no_timeout_leave_the_payload_unchanged() -> None:
     payload = completion_payload(CompletionRequest(model="m", prompt="x"))
     assert "cache_salt" not in payload and "timeout" not in payload
+
+
+def test_retry_after_becomes_a_header() -> None:
+    app = new_app([], 4096)
+
+    @app.get("/busy")
+    async def busy() -> None:
+        raise APIError(503, "model 'm' is overloaded", None, "overloaded", retry_after=2)
+
+    response = TestClient(app).get("/busy")
+    assert assert_error(response, 503, None)["code"] == "overloaded"
+    assert response.headers["retry-after"] == "2"
+
+
+class _FakeStream:
+    def __init__(self, first: dict[str, Any] | Exception) -> None:
+        self.first = first
+
+    async def __anext__(self) -> dict[str, Any]:
+        if isinstance(self.first, Exception):
+            raise self.first
+        return self.first
+
+
+class _FakeHandle:
+    """A deployment handle whose ``generate`` stream starts with ``first``."""
+
+    def __init__(self, first: dict[str, Any] | Exception) -> None:
+        self.first = first
+        self.generate = self
+
+    def options(self, **_: Any) -> _FakeHandle:
+        return self
+
+    def remote(self, payload: dict[str, Any]) -> _FakeStream:
+        return _FakeStream(self.first)
+
+
+def _open_stream(first: dict[str, Any] | Exception) -> APIError:
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.serve import OpenAIIngress
+
+    ingress = SimpleNamespace(_server=lambda model: _FakeHandle(first))
+    with pytest.raises(APIError) as info:
+        asyncio.run(OpenAIIngress.open_stream(ingress, "m", {}))  # type: ignore[arg-type]
+    return info.value
+
+
+def test_ingress_turns_a_full_queue_into_a_503_with_retry_after() -> None:
+    from cluster.llm_server import error_item
+
+    error = _open_stream(error_item(503, "queue full", None, "overloaded", 1))
+    assert (error.status, error.code, error.retry_after) == (503, "overloaded", 1)
+
+
+def test_ingress_turns_serve_back_pressure_into_a_503_with_retry_after() -> None:
+    from ray.serve.exceptions import BackPressureError
+
+    error = _open_stream(BackPressureError(num_queued_requests=5, max_queued_requests=5))
+    assert (error.status, error.code, error.retry_after) == (503, "overloaded", 1)
+
+
+def test_overload_is_resource_exhausted_over_grpc() -> None:
+    import grpc
+
+    from cluster.serve import grpc_abort
+
+    class Context:
+        def set_code(self, code: Any) -> None:
+            self.code = code
+
+        def set_details(self, details: str) -> None:
+            self.details = details
+
+    context = Context()
+    with pytest.raises(APIError):
+        grpc_abort(context, APIError(503, "full", None, "overloaded", 1))  # type: ignore[arg-type]
+    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(APIError):
+        grpc_abort(context, APIError(503, "dead", None, "engine_dead"))  # type: ignore[arg-type]
+    assert context.code == grpc.StatusCode.UNAVAILABLE

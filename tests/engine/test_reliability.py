@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine import InvalidRequestError, SamplingParams
+from engine import EngineOverloadedError, InvalidRequestError, SamplingParams
 from engine.async_llm_engine import AsyncLLMEngine, StreamOutput
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -87,6 +87,96 @@ def test_cache_salt_must_be_a_non_empty_string(llm_engine: LLMEngine, salt: obje
         llm_engine.add_request("bad-salt", "hi", GREEDY, cache_salt=salt)  # type: ignore[arg-type]
     assert info.value.param == "cache_salt"
     assert not llm_engine.has_unfinished_requests()
+
+
+# ---- admission control ----------------------------------------------------------------------
+
+
+SEATS = 3
+
+
+@pytest.fixture(scope="module")
+def full() -> LLMEngine:
+    """Three running sequences at most; at most two samples or 100 prompt tokens waiting."""
+    return LLMEngine.from_engine_args(
+        model=MODEL, num_kv_blocks=128, device="cpu", max_num_seqs=SEATS,
+        max_waiting_requests=2, max_waiting_tokens=100,
+    )  # fmt: skip
+
+
+LONG = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+def occupy(engine: LLMEngine) -> None:
+    """Fill every seat, so that every later request waits."""
+    for i in range(SEATS):
+        engine.add_request(f"running-{i}", {"prompt_token_ids": _ids(50 + i, 8)}, LONG)
+        engine.step()
+    assert (len(engine.scheduler.running), engine.scheduler.num_waiting) == (SEATS, 0)
+
+
+def drain(engine: LLMEngine) -> None:
+    engine.abort_request(list(engine.scheduler.requests))
+    engine.step()
+    engine.check_integrity()
+
+
+def test_request_beyond_max_waiting_requests_is_refused_and_not_enqueued(
+    full: LLMEngine,
+) -> None:
+    occupy(full)
+    try:
+        full.add_request("w1", {"prompt_token_ids": _ids(6, 8)}, LONG)
+        full.add_request("w2", {"prompt_token_ids": _ids(7, 8)}, LONG)
+        with pytest.raises(EngineOverloadedError, match="max_waiting_requests") as info:
+            full.add_request("w3", {"prompt_token_ids": _ids(8, 8)}, LONG)
+        assert info.value.retry_after_s >= 1
+        assert "w3" not in full.scheduler.requests
+        full.abort_request("w2")
+        full.add_request("w3", {"prompt_token_ids": _ids(8, 8)}, LONG)  # room again
+    finally:
+        drain(full)
+
+
+def test_n_samples_count_against_max_waiting_requests(full: LLMEngine) -> None:
+    occupy(full)
+    try:
+        full.add_request("w1", {"prompt_token_ids": _ids(6, 8)}, LONG)
+        with pytest.raises(EngineOverloadedError):
+            full.add_request("pair", "hi", LONG.clone(n=2))
+    finally:
+        drain(full)
+
+
+def test_prompt_tokens_beyond_max_waiting_tokens_are_refused(full: LLMEngine) -> None:
+    occupy(full)
+    try:
+        full.add_request("w1", {"prompt_token_ids": _ids(6, 60)}, LONG)
+        with pytest.raises(EngineOverloadedError, match="max_waiting_tokens"):
+            full.add_request("w2", {"prompt_token_ids": _ids(7, 60)}, LONG)
+        full.add_request("w3", {"prompt_token_ids": _ids(8, 30)}, LONG)  # 90 tokens fit
+    finally:
+        drain(full)
+
+
+def test_an_empty_queue_admits_a_request_larger_than_the_caps(full: LLMEngine) -> None:
+    occupy(full)
+    try:
+        full.add_request("big", {"prompt_token_ids": _ids(9, 300)}, LONG.clone(n=3))
+    finally:
+        drain(full)
+
+
+def test_invalid_request_is_a_validation_error_even_when_overloaded(full: LLMEngine) -> None:
+    occupy(full)
+    try:
+        full.add_request("w1", {"prompt_token_ids": _ids(6, 8)}, LONG)
+        full.add_request("w2", {"prompt_token_ids": _ids(7, 8)}, LONG)
+        with pytest.raises(InvalidRequestError) as info:
+            full.add_request("bad", "hi", SamplingParams(top_p=1.0, max_tokens=5000))
+        assert info.value.param == "max_tokens"
+    finally:
+        drain(full)
 
 
 # ---- deadlines ------------------------------------------------------------------------------
