@@ -591,6 +591,26 @@ async def stream_sse(
         on_close()
 
 
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+def with_header_timeout(req: Any, request: Request) -> Any:
+    """The request with its ``X-Request-Timeout`` header (seconds) as ``timeout`` when the body
+    sets none; the body's field wins. The server checks the range (> 0)."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None or req.timeout is not None:
+        return req
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise APIError(400, f"{TIMEOUT_HEADER}: must be a number of seconds, got {raw[:32]!r}",
+                       TIMEOUT_HEADER) from None  # fmt: skip
+    if not seconds > 0 or seconds == float("inf"):
+        raise APIError(400, f"{TIMEOUT_HEADER}: must be > 0 seconds, got {raw[:32]!r}",
+                       TIMEOUT_HEADER)  # fmt: skip
+    return req.model_copy(update={"timeout": seconds})
+
+
 def metrics_response(text: str) -> PlainTextResponse:
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -624,12 +644,12 @@ def make_openai_app(
     app = new_app(api_key_hashes, max_body_bytes)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
-        return await serving.completions(req)
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        return await serving.completions(with_header_timeout(req, request))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Any:
-        return await serving.chat_completions(req)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+        return await serving.chat_completions(with_header_timeout(req, request))
 
     @app.get("/v1/models")
     async def models() -> Any:

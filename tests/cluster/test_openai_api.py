@@ -470,3 +470,42 @@ def test_overload_is_resource_exhausted_over_grpc() -> None:
     with pytest.raises(APIError):
         grpc_abort(context, APIError(503, "dead", None, "engine_dead"))  # type: ignore[arg-type]
     assert context.code == grpc.StatusCode.UNAVAILABLE
+
+
+class _Recorder:
+    """An OpenAI serving that answers with the timeout each request arrived with."""
+
+    async def completions(self, req: CompletionRequest) -> dict[str, Any]:
+        return {"timeout": req.timeout}
+
+    async def chat_completions(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        return {"timeout": req.timeout}
+
+
+@pytest.fixture
+def recorder() -> TestClient:
+    from cluster.openai_api import make_openai_app
+
+    return TestClient(make_openai_app(_Recorder()))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_x_request_timeout_header_sets_the_timeout(recorder: TestClient, route: str) -> None:
+    body: dict[str, Any] = {"model": "m", "prompt": "x"}
+    if route.endswith("chat/completions"):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    response = recorder.post(route, json=body, headers={"x-request-timeout": "2.5"})
+    assert response.json() == {"timeout": 2.5}
+
+
+def test_timeout_field_wins_over_the_header(recorder: TestClient) -> None:
+    body = {"model": "m", "prompt": "x", "timeout": 7}
+    response = recorder.post("/v1/completions", json=body, headers={"x-request-timeout": "2"})
+    assert response.json() == {"timeout": 7}
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "nan", "inf"])
+def test_bad_x_request_timeout_is_400_naming_it(recorder: TestClient, value: str) -> None:
+    body = {"model": "m", "prompt": "x"}
+    response = recorder.post("/v1/completions", json=body, headers={"x-request-timeout": value})
+    assert_error(response, 400, "x-request-timeout")
