@@ -153,7 +153,9 @@ def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
     address_help = "Ray cluster address (default: $RAY_ADDRESS, else the cluster on this machine)"
     serve_cmd = sub.add_parser("serve", help="start a local Ray, deploy CONFIG, block")
     serve_cmd.add_argument("config", help="deployment YAML, e.g. configs/tiny.yaml")
-    serve_cmd.add_argument("--address", default=None, help="join this cluster instead")
+    serve_cmd.add_argument(
+        "--address", default="local", help="join this cluster instead of starting a local one"
+    )
     serve_cmd.set_defaults(func=_serve)
 
     deploy_cmd = sub.add_parser("deploy", help="deploy CONFIG to a running Ray cluster")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -16,13 +18,19 @@ from cluster.serve import INGRESS_NAME, build_app, deployment_name, runtime_env
 
 GRPC_SERVICER = "cluster.proto.llm_pb2_grpc.add_LLMServicer_to_server"
 
+logger = logging.getLogger("llm_cluster.deploy")
+
 
 def connect(address: str | None, log_to_driver: bool = False) -> None:
-    """Join the cluster at ``address`` ("auto": the one on this machine), or start a local one
-    when ``address`` is None. The driver carries this project's environment (runtime_env)."""
+    """Join the cluster at ``address`` ("auto": the one on this machine), start a new local
+    one for "local" (with token authentication), or for None do what ``ray.init()`` does (join
+    the cluster ``ray start`` made here, else start one). The driver carries this project's
+    environment (runtime_env)."""
     if ray.is_initialized():
         return
-    if address not in (None, "local"):
+    if address == "local":
+        _token_auth_for_a_new_cluster()
+    elif address is not None:
         _token_auth_if_available()
     ray.init(
         address=address,
@@ -32,6 +40,27 @@ def connect(address: str | None, log_to_driver: bool = False) -> None:
         logging_level="WARNING",
         log_to_driver=log_to_driver,
     )
+
+
+def _token_auth_for_a_new_cluster() -> None:
+    """The local cluster ``cluster serve`` starts requires Ray's token authentication: every
+    connection to it (GCS, raylets, dashboard) must present the token in ~/.ray/auth_token
+    (made on first use), so nobody else who reaches its ports can run code on it. Ray >= 2.5x
+    does this by default for a new cluster; asking explicitly keeps it so if that default
+    changes. An explicit ``RAY_AUTH_MODE`` is the operator's choice: respected, with a warning
+    when it turns authentication off."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            enable_token_auth_by_default,
+        )
+    except ImportError:  # a Ray without token authentication
+        logger.warning("this Ray has no token authentication: keep its ports off the network")
+        return
+    if not enable_token_auth_by_default():
+        logger.warning(
+            "RAY_AUTH_MODE=%s: the local Ray cluster runs without token authentication",
+            os.environ.get("RAY_AUTH_MODE"),
+        )
 
 
 def _token_auth_if_available() -> None:

@@ -6,7 +6,8 @@ The wire between ingress and server is plain dicts, so neither side needs the ot
 
     {"type": "start", "prompt_tokens": n, "n": choices}     after validation, before any token
     {"type": "delta", "choices": [choice delta, ...]}         the choices with something new
-    {"type": "error", "status": 400 | 503, "message": ..., "param": ..., "error_type": ...}
+    {"type": "error", "status": 400 | 408 | 503, "message", "param", "error_type", "code"}
+                                                              (+ "retry_after" s when overloaded)
 
 A choice delta is ``{"index", "text", "token_ids", "finish_reason", "stop_reason",
 "num_output_tokens", "logprobs"}``: ``finish_reason`` is set in the one delta in which that choice
@@ -26,9 +27,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from jinja2 import TemplateError
+
 from cluster.metrics import ModelMetrics
 from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -37,15 +40,26 @@ logger = logging.getLogger("llm_cluster.serve")
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 
 
-def error_item(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    error_type = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
-    return {
+def error_item(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    retry_after: int | None = None,
+) -> dict[str, Any]:
+    error_type = {400: "BadRequestError", 404: "NotFoundError", 408: "RequestTimeoutError",
+                  503: "ServiceUnavailableError"}  # fmt: skip
+    item = {
         "type": "error",
         "status": status,
         "message": message,
         "param": param,
         "error_type": error_type.get(status, "APIError"),
+        "code": code,
     }
+    if retry_after is not None:
+        item["retry_after"] = retry_after
+    return item
 
 
 class LLMServer:
@@ -72,24 +86,41 @@ class LLMServer:
         try:
             prompt = await self._prompt(request)
             params = _sampling_params(request.get("params") or {})
+            timeout = request.get("timeout")
             stream = self.engine.generate(
-                prompt, params, request.get("request_id") or uuid.uuid4().hex
+                prompt,
+                params,
+                request.get("request_id") or uuid.uuid4().hex,
+                cache_salt=request.get("cache_salt"),
+                timeout_s=timeout,
             )
             first = await stream.__anext__()
         except InvalidRequestError as exc:
             yield error_item(400, str(exc), exc.param)
             return
-        except EngineDeadError as exc:
-            yield error_item(503, f"the engine for {self.model_id!r} is not available: {exc}")
+        except EngineOverloadedError as exc:
+            yield error_item(503, f"model {self.model_id!r}: {exc}", None, "overloaded",
+                             exc.retry_after_s)  # fmt: skip
+            return
+        except EngineDeadError:
+            # The cause (a worker's traceback, paths) goes to the log, never to the client.
+            logger.exception("model %s: request refused, the engine is dead", self.model_id)
+            yield error_item(503, f"the engine for {self.model_id!r} is not available")
             return
         prompt_tokens = len(first.output.prompt_token_ids)
         yield {"type": "start", "prompt_tokens": prompt_tokens, "n": len(first.output.outputs)}
         try:
+            last = first
             async for item in _chain(first, stream):
                 timer.on_tokens(item.time, item.num_new_tokens)
+                last = item
                 yield {"type": "delta", "choices": [_choice_delta(d) for d in item.deltas]}
-        except EngineDeadError as exc:
-            yield error_item(503, f"the engine for {self.model_id!r} failed: {exc}")
+            if timeout is not None and _was_aborted(last):
+                yield error_item(408, f"the request exceeded its timeout of {timeout} s",
+                                 "timeout")  # fmt: skip
+        except EngineDeadError:
+            logger.exception("model %s: the engine failed mid-request", self.model_id)
+            yield error_item(503, f"the engine for {self.model_id!r} failed")
         finally:
             # Closing the engine stream aborts the request if it is still running (the client
             # went away or the ingress cancelled us); its blocks are free within one step.
@@ -137,8 +168,9 @@ class LLMServer:
     async def health(self) -> dict[str, Any]:
         try:
             self.engine.check_health()
-        except EngineDeadError as exc:
-            return {"healthy": False, "error": str(exc)}
+        except EngineDeadError:
+            logger.exception("model %s: health check failed", self.model_id)
+            return {"healthy": False, "error": "the engine is dead"}
         return {"healthy": True}
 
     async def stats(self) -> dict[str, Any]:
@@ -178,6 +210,10 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
+def _was_aborted(item: Any) -> bool:
+    return any(c.finish_reason == "abort" for c in item.output.outputs)
+
+
 def _choice_delta(delta: ChoiceDelta) -> dict[str, Any]:
     stop_reason = delta.stop_reason
     logprobs = None
@@ -212,8 +248,11 @@ def _chat_ids(engine: LLMEngine, messages: list[dict[str, Any]]) -> list[int]:
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
-    except Exception as exc:  # the template rejected the conversation (roles, order)
+    except TemplateError as exc:  # the template's raise_exception: roles, order
         raise InvalidRequestError(f"the chat template rejected them: {exc}", "messages") from exc
+    except Exception as exc:  # anything else may quote internals: the log has it
+        logger.exception("chat template failed")
+        raise InvalidRequestError("the chat template rejected them", "messages") from exc
     return list(ids)
 
 

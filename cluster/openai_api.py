@@ -5,8 +5,10 @@ the engine's ``SamplingParams``, SSE streaming, and OpenAI error bodies.
     POST /tokenize              POST /detokenize               GET /health    GET /metrics
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the
-field), 401 missing or wrong API key, 404 unknown model or route, 413 body too large, 503
-overloaded or engine dead. Bad input never yields a 500 or a stack trace.
+field), 401 missing or wrong API key, 404 unknown model or route, 408 the request's ``timeout``
+passed, 413 body too large, 431 too many or too large headers, 503 engine dead or overloaded
+(the waiting queue is full: with a ``Retry-After`` header).
+Bad input never yields a 500; no error body carries a stack trace, a path or configuration.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
+    # Requests with different salts never share prefix-cache blocks (tenant isolation).
+    cache_salt: str | None = None
+    # Seconds: past it the request is aborted, its KV blocks freed, and the client gets a 408.
+    timeout: float | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -85,6 +91,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Declared so that their 400 says why: only the model's own template is ever rendered.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -105,21 +114,31 @@ _ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "BadRequestError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
+    431: "RequestHeaderFieldsTooLargeError",
     503: "ServiceUnavailableError",
 }
 
 
 class APIError(Exception):
+    """An error for the client; ``retry_after`` (seconds) becomes a ``Retry-After`` header."""
+
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
 
-    def __reduce__(self) -> tuple[type[APIError], tuple[int, str, str | None, str | None]]:
+    def __reduce__(self) -> tuple[type[APIError], tuple[Any, ...]]:
         # Ray ships exceptions by pickle (Serve's gRPC proxy, handles): keep every field.
-        return (APIError, (self.status, self.message, self.param, self.code))
+        return (APIError, (self.status, self.message, self.param, self.code, self.retry_after))
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
@@ -133,7 +152,8 @@ def error_body(
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -172,13 +192,18 @@ def install_error_handlers(app: FastAPI) -> None:
 # ---- API keys and body size: a pure ASGI guard in front of the routes ---------------------------
 
 
+MAX_HEADER_COUNT = 64
+MAX_HEADER_BYTES = 16 * 1024
+
+
 class _BodyTooLarge(Exception):
     pass
 
 
 class GuardMiddleware:
-    """Rejects requests without a valid API key (every route but /health; keys compared as
-    sha256 digests in constant time; the path is read from the ASGI scope, not from headers)
+    """Rejects requests with too many or too large headers (431), without a valid API key
+    (every route but /health; keys compared as sha256 digests in constant time; the path is
+    read from the ASGI scope, not from headers, so ``Host`` or ``X-Forwarded-*`` change nothing)
     and bodies over ``max_body_bytes`` (413), whether or not they declare a length.
     Settings come from ``app.state`` so the ingress can set them at startup."""
 
@@ -192,6 +217,10 @@ class GuardMiddleware:
         state = scope["app"].state
         key_hashes: list[str] = getattr(state, "api_key_hashes", [])
         max_body: int = getattr(state, "max_body_bytes", 1 << 20)
+        headers_error = _check_headers(scope, state)
+        if headers_error is not None:
+            await error_response(headers_error)(scope, receive, send)
+            return
         if key_hashes and scope["path"] != "/health" and not _authorized(scope, key_hashes):
             error = APIError(401, "missing or invalid API key", None, "invalid_api_key")
             await error_response(error)(scope, receive, send)
@@ -231,6 +260,22 @@ class GuardMiddleware:
             await self.app(scope, limited_receive, guarded_send)
         if too_large and not replied:
             await _too_large(max_body)(scope, receive, send)
+
+
+def _check_headers(scope: Scope, state: Any) -> APIError | None:
+    """431 when a request has more headers, or more header bytes, than the server allows:
+    checked before anything reads them, so a flood of headers costs one pass."""
+    max_count: int = getattr(state, "max_header_count", MAX_HEADER_COUNT)
+    max_bytes: int = getattr(state, "max_header_bytes", MAX_HEADER_BYTES)
+    headers = scope.get("headers", [])
+    if len(headers) > max_count:
+        message = f"the request has {len(headers)} headers; at most {max_count} are allowed"
+        return APIError(431, message, None, "too_many_headers")
+    size = sum(len(k) + len(v) for k, v in headers)
+    if size > max_bytes:
+        message = f"the request's headers total {size} bytes; at most {max_bytes} are allowed"
+        return APIError(431, message, None, "headers_too_large")
+    return None
 
 
 def _too_large(max_body: int) -> JSONResponse:
@@ -305,7 +350,7 @@ def completion_payload(req: CompletionRequest) -> dict[str, Any]:
     params = sampling_params(req, req.max_tokens)
     if req.logprobs is not None:
         params["logprobs"] = req.logprobs
-    payload: dict[str, Any] = {"params": params}
+    payload: dict[str, Any] = {"params": params, **request_extras(req)}
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -319,6 +364,10 @@ def completion_payload(req: CompletionRequest) -> dict[str, Any]:
 
 
 def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
+    for name in ("chat_template", "chat_template_kwargs"):
+        if getattr(req, name) is not None:
+            raise APIError(400, f"{name}: request-supplied chat templates are not accepted; the "
+                           "model's own template is used", name, "unsupported")  # fmt: skip
     max_tokens = req.max_completion_tokens
     max_tokens = max_tokens if max_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens)
@@ -326,7 +375,13 @@ def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
         raise APIError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
     if req.logprobs:
         params["logprobs"] = req.top_logprobs or 0
-    return {"params": params, "messages": chat_messages(req.messages)}
+    return {"params": params, "messages": chat_messages(req.messages), **request_extras(req)}
+
+
+def request_extras(req: _SamplingFields) -> dict[str, Any]:
+    """Per-request settings beside the sampling parameters (the server checks them)."""
+    extras = {"cache_salt": req.cache_salt, "timeout": req.timeout}
+    return {k: v for k, v in extras.items() if v is not None}
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -536,6 +591,26 @@ async def stream_sse(
         on_close()
 
 
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+def with_header_timeout(req: Any, request: Request) -> Any:
+    """The request with its ``X-Request-Timeout`` header (seconds) as ``timeout`` when the body
+    sets none; the body's field wins. The server checks the range (> 0)."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None or req.timeout is not None:
+        return req
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise APIError(400, f"{TIMEOUT_HEADER}: must be a number of seconds, got {raw[:32]!r}",
+                       TIMEOUT_HEADER) from None  # fmt: skip
+    if not seconds > 0 or seconds == float("inf"):
+        raise APIError(400, f"{TIMEOUT_HEADER}: must be > 0 seconds, got {raw[:32]!r}",
+                       TIMEOUT_HEADER)  # fmt: skip
+    return req.model_copy(update={"timeout": seconds})
+
+
 def metrics_response(text: str) -> PlainTextResponse:
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -569,12 +644,12 @@ def make_openai_app(
     app = new_app(api_key_hashes, max_body_bytes)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
-        return await serving.completions(req)
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        return await serving.completions(with_header_timeout(req, request))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Any:
-        return await serving.chat_completions(req)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+        return await serving.chat_completions(with_header_timeout(req, request))
 
     @app.get("/v1/models")
     async def models() -> Any:

@@ -85,7 +85,9 @@ _GRPC_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
 
@@ -111,8 +113,12 @@ def grpc_payload(request: llm_pb2.GenerateRequest) -> dict[str, Any]:
 
 
 def grpc_abort(context: RayServegRPCContext, error: APIError) -> None:
-    """Set the status for ``error`` and raise: Serve's proxy sends that status to the client."""
-    context.set_code(_GRPC_CODES.get(error.status, grpc.StatusCode.INTERNAL))
+    """Set the status for ``error`` and raise: Serve's proxy sends that status to the client.
+    An overloaded model (a full waiting queue, Serve's back-pressure) is RESOURCE_EXHAUSTED."""
+    code = _GRPC_CODES.get(error.status, grpc.StatusCode.INTERNAL)
+    if error.code == "overloaded":
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    context.set_code(code)
     context.set_details(error.message)
     raise error
 
@@ -159,11 +165,12 @@ class OpenAIIngress:
             first = await stream.__anext__()
         except BackPressureError as exc:
             raise APIError(503, f"model {model!r} is overloaded, retry later", None,
-                           "overloaded") from exc  # fmt: skip
+                           "overloaded", retry_after=1) from exc  # fmt: skip
         except (ray.exceptions.RayError, StopAsyncIteration) as exc:
             raise APIError(503, f"model {model!r} is not available", None, "unavailable") from exc
         if first["type"] == "error":
-            raise APIError(first["status"], first["message"], first.get("param"))
+            raise APIError(first["status"], first["message"], first.get("param"),
+                           first.get("code"), first.get("retry_after"))  # fmt: skip
         return first, stream
 
     async def _generate(self, req: Any, payload: dict[str, Any], completion: Completion) -> Any:

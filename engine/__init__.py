@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -48,6 +48,7 @@ __all__ = [
     "ConfigError",
     "EngineConfig",
     "EngineDeadError",
+    "EngineOverloadedError",
     "InvalidRequestError",
     "LLMEngine",
     "RequestOutput",

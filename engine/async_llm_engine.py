@@ -209,16 +209,31 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[StreamOutput]:
         """Stream a request's outputs. Raises ``InvalidRequestError`` before anything is
         enqueued when the request is invalid, ``EngineDeadError`` if the engine fails. Closing
-        or cancelling the iterator before the last output aborts the request."""
+        or cancelling the iterator before the last output aborts the request. ``timeout_s``
+        (seconds from now) is a deadline: past it the request is aborted, its blocks are freed
+        and its stream ends with finish_reason "abort"."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         params = params or SamplingParams()
-        stream = await self._add(request_id, prompt, params, priority)
+        if timeout_s is not None and not (_is_number(timeout_s) and timeout_s > 0):
+            raise InvalidRequestError(f"must be > 0 seconds, got {timeout_s!r}", param="timeout")
+        stream = await self._add(request_id, prompt, params, priority, cache_salt)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s if timeout_s is not None else None
         try:
             while True:
-                item = await stream.queue.get()
+                try:
+                    remaining = deadline - loop.time() if deadline is not None else None
+                    item = await asyncio.wait_for(stream.queue.get(), remaining)
+                except TimeoutError:
+                    # Past the deadline: the abort's final output arrives on the queue.
+                    deadline = None
+                    await self._call(lambda: self._abort_now(request_id))
+                    continue
                 items = [item]
                 # Coalesce what piled up while the consumer was busy into one item.
                 while not stream.queue.empty():
@@ -272,14 +287,21 @@ class AsyncLLMEngine:
     # ---- event loop -> engine thread ----------------------------------------------------
 
     async def _add(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
     ) -> _Stream:
         stream = _Stream(asyncio.get_running_loop(), params)
 
         def add() -> None:
             if request_id in self._streams:
                 raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
-            request = self.engine.add_request(request_id, prompt, params, priority=priority)
+            request = self.engine.add_request(
+                request_id, prompt, params, priority=priority, cache_salt=cache_salt
+            )
             self._streams[request_id] = stream
             self._num_tokens[request_id] = 0
             self._prompt_tokens += request.num_prompt_tokens
@@ -434,6 +456,10 @@ def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, Any]]) -> 
     # A closed loop raises RuntimeError: nobody is listening any more.
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(deliver)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 __all__ = ["AsyncLLMEngine", "ChoiceDelta", "EngineStats", "StreamOutput"]

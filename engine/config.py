@@ -164,9 +164,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # Admission control: a request is refused (EngineOverloadedError -> 503 + Retry-After)
+    # when the samples not yet running, or the tokens they still have to compute, would exceed
+    # these; an empty queue always admits one request. None: unbounded.
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self.max_num_seqs, "max_num_seqs")
+        for name in ("max_waiting_requests", "max_waiting_tokens"):
+            if getattr(self, name) is not None:
+                _positive_int(getattr(self, name), name)
         _positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
         _positive_int(self.max_model_len, "max_model_len")
         _require(
@@ -299,10 +307,14 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Server-wide caps checked before a request is enqueued (vLLM: ``max_logprobs`` 20)."""
+    """Server-wide caps checked before a request is enqueued (vLLM: ``max_logprobs`` 20).
+    ``max_stop_strings`` / ``max_stop_str_len`` bound ``stop``: every stop string is matched
+    against the text after every token, so their number and length are a per-step cost."""
 
     max_logprobs: int = 20
     max_n: int = 128
+    max_stop_strings: int = 16
+    max_stop_str_len: int = 256
 
     def __post_init__(self) -> None:
         _require(
@@ -313,6 +325,8 @@ class SamplingConfig:
             f"must be a non-negative integer, got {self.max_logprobs!r}",
         )
         _positive_int(self.max_n, "max_n")
+        _positive_int(self.max_stop_strings, "max_stop_strings")
+        _positive_int(self.max_stop_str_len, "max_stop_str_len")
 
 
 # Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
@@ -334,6 +348,8 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
     "scheduling_policy": ("scheduler", "policy"),
     "preemption_mode": ("scheduler", "preemption_mode"),
+    "max_waiting_requests": ("scheduler", "max_waiting_requests"),
+    "max_waiting_tokens": ("scheduler", "max_waiting_tokens"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
@@ -344,6 +360,8 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "enforce_eager": ("kernel", "enforce_eager"),
     "max_logprobs": ("sampling", "max_logprobs"),
     "max_n": ("sampling", "max_n"),
+    "max_stop_strings": ("sampling", "max_stop_strings"),
+    "max_stop_str_len": ("sampling", "max_stop_str_len"),
 }
 
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(_ENGINE_ARGS)

@@ -12,5 +12,14 @@ class InvalidRequestError(ValueError):
         self.reason = message
 
 
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at its cap (``max_waiting_requests`` / ``max_waiting_tokens``);
+    nothing was enqueued. Clients should retry after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class EngineDeadError(RuntimeError):
     """The engine (or one of its workers) failed; in-flight requests cannot complete."""

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from engine.block_manager import BlockManager, KVCacheStats
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.executor import Executor, get_executor_class
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs
@@ -134,14 +134,18 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Validate and enqueue; raises ``InvalidRequestError`` (naming the field) and enqueues
-        nothing if the request is invalid. Raises ``EngineDeadError`` once the workers are dead."""
+        nothing if the request is invalid. Raises ``EngineOverloadedError`` when the waiting
+        queue is full and ``EngineDeadError`` once the workers are dead."""
         self._check_alive()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("must be a SamplingParams", param="sampling_params")
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise InvalidRequestError("must be a non-empty string", param="cache_salt")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         params = self._check_sampling(params, max_tokens)
+        self._admit(len(token_ids), params.n)
         sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]
         if request_id in self._groups or any(r in self.scheduler.requests for r in sample_ids):
             raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
@@ -175,6 +179,27 @@ class LLMEngine:
             self._samples[rid] = (group, i)
         return samples[0]
 
+    def _admit(self, num_prompt_tokens: int, n: int) -> None:
+        """Bounded waiting queue: raise ``EngineOverloadedError`` (nothing enqueued) if this
+        request's ``n`` samples or prompt tokens would take the queue past its caps. Checked
+        after validation, so an invalid request is a 400 even under overload."""
+        sched = self.config.scheduler
+        if sched.max_waiting_requests is None and sched.max_waiting_tokens is None:
+            return
+        requests, tokens = self.scheduler.waiting_load()
+        if requests == 0:
+            return
+        cap = sched.max_waiting_requests
+        if cap is not None and requests + n > cap:
+            raise EngineOverloadedError(
+                f"{requests} requests are waiting (max_waiting_requests {cap}); retry later"
+            )
+        cap = sched.max_waiting_tokens
+        if cap is not None and tokens + num_prompt_tokens > cap:
+            raise EngineOverloadedError(
+                f"{tokens} prompt tokens are waiting (max_waiting_tokens {cap}); retry later"
+            )
+
     def _sample_state(self, request: Request) -> SampleState:
         params = request.sampling_params
         detokenizer = IncrementalDetokenizer(
@@ -205,6 +230,10 @@ class LLMEngine:
             )
         _within(params.n, caps.max_n, "n", "max_n")
         _within(params.n, self.config.scheduler.max_num_seqs, "n", "max_num_seqs")
+        stops = params.stop or []
+        _within(len(stops), caps.max_stop_strings, "stop", "max_stop_strings")
+        longest = max((len(s) for s in stops), default=0)
+        _within(longest, caps.max_stop_str_len, "stop", "max_stop_str_len")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name) is not None:
                 _within(getattr(params, name), caps.max_logprobs, name, "max_logprobs")

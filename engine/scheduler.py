@@ -172,6 +172,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def waiting_load(self) -> tuple[int, int]:
+        """What admission control bounds: the samples not running (waiting, preempted, swapped
+        out, or waiting to fork) and the tokens the queued ones still have to compute."""
+        queued = [*self.waiting, *self.swapped]
+        forks = sum(len(f) for f in self.pending_forks.values())
+        tokens = sum(r.num_tokens - r.num_computed_tokens for r in queued)
+        return len(queued) + forks, tokens
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.swapped)

@@ -87,3 +87,73 @@ def test_dead_engine_fails_health_and_requests() -> None:
         assert (after[0]["type"], after[0]["status"]) == ("error", 503)
     finally:
         server.engine.shutdown()
+
+
+def test_request_past_its_timeout_ends_with_abort_then_a_408(server: LLMServer) -> None:
+    params = {"temperature": 0, "max_tokens": 900, "ignore_eos": True}
+    items = collect(server, {"prompt": "Once upon", "params": params, "timeout": 0.2})
+    assert items[0]["type"] == "start"
+    assert items[-2]["choices"][-1]["finish_reason"] == "abort"
+    assert (items[-1]["type"], items[-1]["status"], items[-1]["param"]) == ("error", 408, "timeout")
+    stats = asyncio.run(server.stats())
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+
+
+def test_invalid_timeout_is_400_naming_it(server: LLMServer) -> None:
+    items = collect(server, {"prompt": "x", "params": {}, "timeout": -1})
+    assert (items[0]["status"], items[0]["param"]) == (400, "timeout")
+
+
+def test_cache_salt_reaches_the_engine(server: LLMServer) -> None:
+    items = collect(server, {"prompt": "x", "params": {}, "cache_salt": ""})
+    assert (items[0]["status"], items[0]["param"]) == (400, "cache_salt")
+    ok = collect(server, {"prompt": "x", "params": {"max_tokens": 2}, "cache_salt": "tenant"})
+    assert ok[0]["type"] == "start"
+
+
+def test_engine_failure_messages_carry_no_internals() -> None:
+    server = LLMServer("tiny", ENGINE_ARGS)
+    secret = "/srv/models/secret/worker.py line 12: CUDA error, api_key=sk-123"
+
+    def broken(request: Any) -> Any:
+        raise RuntimeError(secret)
+
+    server.engine.engine.executor.execute_model = broken
+    try:
+        during = collect(server, {"prompt": "x", "params": {"max_tokens": 4}})
+        after = collect(server, {"prompt": "x", "params": {"max_tokens": 4}})
+        health = asyncio.run(server.health())
+        messages = [during[-1]["message"], after[0]["message"], health["error"]]
+        assert [during[-1]["status"], after[0]["status"]] == [503, 503]
+        for message in messages:
+            assert "/srv" not in message and "sk-123" not in message and "line 12" not in message
+    finally:
+        server.engine.shutdown()
+
+
+def test_full_waiting_queue_is_a_503_with_retry_after() -> None:
+    server = LLMServer("tiny", {**ENGINE_ARGS, "max_num_seqs": 1, "max_waiting_requests": 1})
+    long = {"prompt": "x", "params": {"max_tokens": 900, "ignore_eos": True}}
+
+    async def run() -> list[dict[str, Any]]:
+        running = server.generate(long)
+        assert (await running.__anext__())["type"] == "start"  # the one seat is taken
+        queued = server.generate(long)
+        waiting = asyncio.ensure_future(queued.__anext__())
+        while (await server.stats())["num_waiting"] < 1:
+            await asyncio.sleep(0.01)
+        try:
+            return [item async for item in server.generate(long)]
+        finally:
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await running.aclose()
+
+    try:
+        refused = asyncio.run(run())
+        assert len(refused) == 1
+        error = refused[0]
+        assert (error["status"], error["code"], error["retry_after"]) == (503, "overloaded", 1)
+        assert "max_waiting_requests" in error["message"]
+    finally:
+        server.engine.shutdown()

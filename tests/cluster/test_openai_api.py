@@ -105,6 +105,65 @@ def test_key_check_uses_the_scope_path_not_a_spoofable_header(keyed: TestClient)
     assert_error(response, 401, None)
 
 
+def test_wrong_api_key_of_the_right_length_is_401(keyed: TestClient) -> None:
+    wrong = KEY[:-1] + ("x" if KEY[-1] != "x" else "y")
+    assert len(wrong) == len(KEY)
+    headers = {"authorization": f"Bearer {wrong}"}
+    response = keyed.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert_error(response, 401, None)
+
+
+def test_wrong_x_api_key_header_is_401(keyed: TestClient) -> None:
+    headers = {"x-api-key": "sk-test-kez"}
+    response = keyed.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert_error(response, 401, None)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"host": "localhost"}, {"host": "127.0.0.1:8000"},
+     {"host": "localhost", "x-forwarded-for": "127.0.0.1", "x-real-ip": "127.0.0.1"}],
+)  # fmt: skip
+def test_forged_host_header_without_a_key_is_401(
+    keyed: TestClient, headers: dict[str, str]
+) -> None:
+    response = keyed.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert_error(response, 401, None)
+
+
+def test_too_many_headers_is_431(client: TestClient) -> None:
+    headers = {f"x-h{i}": "1" for i in range(100)}
+    response = client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert assert_error(response, 431, None)["code"] == "too_many_headers"
+
+
+def test_oversized_headers_are_431(client: TestClient) -> None:
+    headers = {"x-big": "a" * 20_000}
+    response = client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert assert_error(response, 431, None)["code"] == "headers_too_large"
+
+
+def test_headers_are_checked_before_the_api_key(keyed: TestClient) -> None:
+    headers = {f"x-h{i}": "1" for i in range(100)}
+    response = keyed.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
+    assert_error(response, 431, None)
+
+
+def test_internal_errors_carry_no_trace_path_or_configuration() -> None:
+    app = new_app([], 4096)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("/srv/secret/engine.py line 7: api_key_hashes=['abc'] max_model_len")
+
+    response = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert response.status_code == 500
+    assert response.json() == {"error": {"message": "internal server error", "type": "APIError",
+                                         "param": None, "code": None}}  # fmt: skip
+    for leak in ("Traceback", "/srv", ".py", "api_key", "max_model_len"):
+        assert leak not in response.text
+
+
 def test_declared_oversized_body_is_413(client: TestClient) -> None:
     response = client.post("/v1/completions", json={"model": "m", "prompt": "x" * 5000})
     assert_error(response, 413, None)
@@ -302,3 +361,151 @@ def test_chat_whole_response_has_logprobs_content() -> None:
     completion.absorb(delta(0, " az", 2, "length", logprobs=ENTRIES))
     content = completion.whole()["choices"][0]["logprobs"]["content"]
     assert content == chat_logprobs(ENTRIES, 1)
+
+
+@pytest.mark.parametrize("field", ["chat_template", "chat_template_kwargs"])
+def test_request_supplied_chat_template_is_400_naming_it(field: str) -> None:
+    value: Any = "{{ messages }}" if field == "chat_template" else {"x": 1}
+    req = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], **{field: value}
+    )
+    with pytest.raises(APIError) as info:
+        chat_payload(req)
+    assert (info.value.status, info.value.param) == (400, field)
+
+
+def test_cache_salt_and_timeout_reach_the_server_beside_the_params() -> None:
+    req = CompletionRequest(model="m", prompt="x", cache_salt="tenant-1", timeout=2.5)
+    payload = completion_payload(req)
+    assert (payload["cache_salt"], payload["timeout"]) == ("tenant-1", 2.5)
+    assert "cache_salt" not in payload["params"] and "timeout" not in payload["params"]
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                 cache_salt="t", timeout=1)  # fmt: skip
+    assert (chat_payload(chat)["cache_salt"], chat_payload(chat)["timeout"]) == ("t", 1)
+
+
+def test_no_salt_and_no_timeout_leave_the_payload_unchanged() -> None:
+    payload = completion_payload(CompletionRequest(model="m", prompt="x"))
+    assert "cache_salt" not in payload and "timeout" not in payload
+
+
+def test_retry_after_becomes_a_header() -> None:
+    app = new_app([], 4096)
+
+    @app.get("/busy")
+    async def busy() -> None:
+        raise APIError(503, "model 'm' is overloaded", None, "overloaded", retry_after=2)
+
+    response = TestClient(app).get("/busy")
+    assert assert_error(response, 503, None)["code"] == "overloaded"
+    assert response.headers["retry-after"] == "2"
+
+
+class _FakeStream:
+    def __init__(self, first: dict[str, Any] | Exception) -> None:
+        self.first = first
+
+    async def __anext__(self) -> dict[str, Any]:
+        if isinstance(self.first, Exception):
+            raise self.first
+        return self.first
+
+
+class _FakeHandle:
+    """A deployment handle whose ``generate`` stream starts with ``first``."""
+
+    def __init__(self, first: dict[str, Any] | Exception) -> None:
+        self.first = first
+        self.generate = self
+
+    def options(self, **_: Any) -> _FakeHandle:
+        return self
+
+    def remote(self, payload: dict[str, Any]) -> _FakeStream:
+        return _FakeStream(self.first)
+
+
+def _open_stream(first: dict[str, Any] | Exception) -> APIError:
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.serve import OpenAIIngress
+
+    ingress = SimpleNamespace(_server=lambda model: _FakeHandle(first))
+    with pytest.raises(APIError) as info:
+        asyncio.run(OpenAIIngress.open_stream(ingress, "m", {}))  # type: ignore[arg-type]
+    return info.value
+
+
+def test_ingress_turns_a_full_queue_into_a_503_with_retry_after() -> None:
+    from cluster.llm_server import error_item
+
+    error = _open_stream(error_item(503, "queue full", None, "overloaded", 1))
+    assert (error.status, error.code, error.retry_after) == (503, "overloaded", 1)
+
+
+def test_ingress_turns_serve_back_pressure_into_a_503_with_retry_after() -> None:
+    from ray.serve.exceptions import BackPressureError
+
+    error = _open_stream(BackPressureError(num_queued_requests=5, max_queued_requests=5))
+    assert (error.status, error.code, error.retry_after) == (503, "overloaded", 1)
+
+
+def test_overload_is_resource_exhausted_over_grpc() -> None:
+    import grpc
+
+    from cluster.serve import grpc_abort
+
+    class Context:
+        def set_code(self, code: Any) -> None:
+            self.code = code
+
+        def set_details(self, details: str) -> None:
+            self.details = details
+
+    context = Context()
+    with pytest.raises(APIError):
+        grpc_abort(context, APIError(503, "full", None, "overloaded", 1))  # type: ignore[arg-type]
+    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(APIError):
+        grpc_abort(context, APIError(503, "dead", None, "engine_dead"))  # type: ignore[arg-type]
+    assert context.code == grpc.StatusCode.UNAVAILABLE
+
+
+class _Recorder:
+    """An OpenAI serving that answers with the timeout each request arrived with."""
+
+    async def completions(self, req: CompletionRequest) -> dict[str, Any]:
+        return {"timeout": req.timeout}
+
+    async def chat_completions(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        return {"timeout": req.timeout}
+
+
+@pytest.fixture
+def recorder() -> TestClient:
+    from cluster.openai_api import make_openai_app
+
+    return TestClient(make_openai_app(_Recorder()))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_x_request_timeout_header_sets_the_timeout(recorder: TestClient, route: str) -> None:
+    body: dict[str, Any] = {"model": "m", "prompt": "x"}
+    if route.endswith("chat/completions"):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    response = recorder.post(route, json=body, headers={"x-request-timeout": "2.5"})
+    assert response.json() == {"timeout": 2.5}
+
+
+def test_timeout_field_wins_over_the_header(recorder: TestClient) -> None:
+    body = {"model": "m", "prompt": "x", "timeout": 7}
+    response = recorder.post("/v1/completions", json=body, headers={"x-request-timeout": "2"})
+    assert response.json() == {"timeout": 7}
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "nan", "inf"])
+def test_bad_x_request_timeout_is_400_naming_it(recorder: TestClient, value: str) -> None:
+    body = {"model": "m", "prompt": "x"}
+    response = recorder.post("/v1/completions", json=body, headers={"x-request-timeout": value})
+    assert_error(response, 400, "x-request-timeout")

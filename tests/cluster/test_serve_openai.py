@@ -25,6 +25,8 @@ from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
 APP = "tiny"
 MODEL = "tiny-llama"
 PROMPT = "The capital of the tiny model is"
+# A second model with one seat and one waiting slot: admission control is seen over HTTP / gRPC.
+QUEUED = "tiny-queued"
 KEY = "sk-tiny-test"
 AUTH = {"authorization": f"Bearer {KEY}"}
 
@@ -35,6 +37,11 @@ def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
 
     config = load_yaml("tiny.yaml")
     config["api_keys"] = {"env": "LLM_CLUSTER_TEST_KEYS"}
+    queued = {**config["models"][0], "model_loading_config": {
+        "model_id": QUEUED, "model_source": "builtin:tiny-llama"}}  # fmt: skip
+    queued["engine_kwargs"] = {**queued["engine_kwargs"], "num_kv_blocks": 128,
+                               "max_num_seqs": 1, "max_waiting_requests": 1}  # fmt: skip
+    config["models"] = [config["models"][0], queued]
     os.environ["LLM_CLUSTER_TEST_KEYS"] = f"sk-other,{KEY}"
     try:
         url = serve_cluster.deploy(config, APP, "/")
@@ -75,18 +82,18 @@ def post(
         return err.code, json.loads(err.read())
 
 
-def engine_stats() -> dict[str, Any]:
+def engine_stats(model: str = MODEL) -> dict[str, Any]:
     from ray import serve
 
-    handle = serve.get_deployment_handle(f"LLMServer:{MODEL}", APP)
+    handle = serve.get_deployment_handle(f"LLMServer:{model}", APP)
     return handle.stats.remote().result(timeout_s=30)
 
 
 # ---- the openai client ----
 
 
-def test_models_lists_the_configured_model(client: OpenAI) -> None:
-    assert [m.id for m in client.models.list().data] == [MODEL]
+def test_models_lists_the_configured_models(client: OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL, QUEUED]
 
 
 def test_greedy_completion_equals_offline_llm(client: OpenAI, offline: LLM) -> None:
@@ -432,3 +439,52 @@ def test_grpc_without_api_key_is_unauthenticated(grpc_stub: llm_pb2_grpc.LLMStub
 
 def test_grpc_health_is_ok(grpc_stub: llm_pb2_grpc.LLMStub) -> None:
     assert grpc_stub.Health(llm_pb2.HealthRequest(model=MODEL), metadata=METADATA).healthy
+
+
+# ---- admission control ----
+
+
+def open_request(base_url: str, body: dict[str, Any]) -> http.client.HTTPConnection:
+    host, port = base_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    headers = {"content-type": "application/json", **AUTH}
+    conn.request("POST", "/v1/completions", json.dumps(body), headers)
+    return conn
+
+
+def test_full_waiting_queue_is_503_with_retry_after_and_grpc_resource_exhausted(
+    base_url: str, grpc_stub: llm_pb2_grpc.LLMStub
+) -> None:
+    long = {"model": QUEUED, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    running = open_request(base_url, long)
+    assert running.getresponse().readline().startswith(b"data: {")  # the one seat is taken
+    waiting = open_request(base_url, {**long, "max_tokens": 4, "stream": False})
+    try:
+        wait_for(lambda: engine_stats(QUEUED)["num_waiting"] == 1, timeout_s=30,
+                 what="the second request to wait", poll_s=0.2)  # fmt: skip
+        request = urllib.request.Request(
+            base_url + "/v1/completions", data=json.dumps({**long, "stream": False}).encode(),
+            headers={"content-type": "application/json", **AUTH},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=60)
+        assert info.value.code == 503
+        assert info.value.headers["Retry-After"] == "1"
+        assert json.loads(info.value.read())["error"]["code"] == "overloaded"
+        grpc_request = llm_pb2.GenerateRequest(model=QUEUED, prompt="x", max_tokens=2)
+        with pytest.raises(grpc.RpcError) as grpc_info:
+            list(grpc_stub.Generate(grpc_request, metadata=METADATA))
+        assert grpc_info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        running.close()
+        assert waiting.getresponse().status == 200  # admitted before the cap: it completes
+        waiting.close()
+    wait_for(
+        lambda: (
+            (s := engine_stats(QUEUED))["num_running"] + s["num_waiting"] == 0
+            and s["kv_free_blocks"] == s["kv_total_blocks"]
+        ),
+        timeout_s=30,
+        what="the queued model to be idle with every block free",
+    )

@@ -131,6 +131,10 @@ def test_abort_frees_blocks_and_worker_state(llm: LLM) -> None:
         ({"prompt_token_ids": [1, 10**9]}, SamplingParams(), "prompt_token_ids"),
         ({"prompt_token_ids": [1, -1]}, SamplingParams(), "prompt_token_ids"),
         (42, SamplingParams(), "prompt"),
+        ("hi", SamplingParams(n=129), "n"),  # max_n 128
+        ("hi", SamplingParams(logprobs=21), "logprobs"),  # max_logprobs 20
+        ("hi", SamplingParams(stop=[f"s{i}" for i in range(17)]), "stop"),  # max_stop_strings
+        ("hi", SamplingParams(stop=["x" * 257]), "stop"),  # max_stop_str_len 256
     ],
 )
 def test_bad_request_is_rejected_and_others_keep_running(llm: LLM, prompt, params, field) -> None:
@@ -194,6 +198,8 @@ def test_unknown_engine_argument_is_named() -> None:
         ({"dtype": "float8"}, "dtype"),
         ({"tensor_parallel_size": 3}, "tensor_parallel_size"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_stop_strings": 0}, "max_stop_strings"),
+        ({"max_stop_str_len": -1}, "max_stop_str_len"),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64}, "max_num_batched_tokens"),
     ],
 )
