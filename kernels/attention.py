@@ -271,7 +271,7 @@ def check_cache_write_args(
     key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor
 ) -> None:
     """Shapes, dtypes and devices of a cache write; shared by the torch and Triton kernels."""
-    _check_kv_cache("kv_cache", kv_cache)
+    check_kv_cache("kv_cache", kv_cache)
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     for name, t in (("key", key), ("value", value)):
         _check_same_device_dtype(name, t, kv_cache)
@@ -300,7 +300,7 @@ def check_attention_args(
 ) -> None:
     """Shapes, dtypes and devices of a paged-attention call; shared by the torch and Triton
     kernels (the Triton wrapper adds its own constraints)."""
-    _check_kv_cache("kv_cache", kv_cache)
+    check_kv_cache("kv_cache", kv_cache)
     _check_same_device_dtype("query", query, kv_cache)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     if query.dim() != 3:
@@ -340,10 +340,10 @@ def copy_blocks(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> None:
 
     All copies read the caches as they were before the call (gather, then scatter).
     """
-    _check_block_mapping(block_mapping)
+    check_block_mapping(block_mapping)
     id_range = _id_range(block_mapping)
     for layer, kv_cache in enumerate(kv_caches):
-        _check_kv_cache(f"kv_caches[{layer}]", kv_cache)
+        check_kv_cache(f"kv_caches[{layer}]", kv_cache)
         _check_block_range("block_mapping", id_range, kv_cache.shape[1], f"kv_caches[{layer}]")
     on_device: dict[torch.device, Tensor] = {}
     for kv_cache in kv_caches:
@@ -357,8 +357,8 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
     """Copy K and V of block ``src_id`` of ``src`` into block ``dst_id`` of ``dst`` for each row
     ``(src_id, dst_id)`` of ``block_mapping``; one layer, caches possibly on different devices
     (device cache <-> CPU swap space)."""
-    _check_kv_cache("src", src)
-    _check_kv_cache("dst", dst)
+    check_kv_cache("src", src)
+    check_kv_cache("dst", dst)
     if src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:]:
         raise ValueError(
             f"dst has shape {list(dst.shape)} but src has {list(src.shape)}; they may differ "
@@ -366,7 +366,7 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
         )
     if src.dtype != dst.dtype:
         raise ValueError(f"dst has dtype {dst.dtype} but src has {src.dtype}")
-    _check_block_mapping(block_mapping)
+    check_block_mapping(block_mapping)
     _check_block_range("block_mapping[:, 0]", _id_range(block_mapping[:, 0]), src.shape[1], "src")
     _check_block_range("block_mapping[:, 1]", _id_range(block_mapping[:, 1]), dst.shape[1], "dst")
     src_ids = block_mapping[:, 0].to(src.device)
@@ -520,7 +520,8 @@ def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> T
     return torch.tensor(array, dtype=dtype, device=device)
 
 
-def _check_kv_cache(name: str, kv_cache: Tensor) -> None:
+def check_kv_cache(name: str, kv_cache: Tensor) -> None:
+    """A KV cache tensor: [2, num_blocks, block_size, num_kv_heads, head_dim], float, contiguous."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
             f"{name} must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
@@ -539,7 +540,8 @@ def _check_same_device_dtype(name: str, t: Tensor, kv_cache: Tensor) -> None:
         raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
 
 
-def _check_block_mapping(block_mapping: Tensor) -> None:
+def check_block_mapping(block_mapping: Tensor) -> None:
+    """A [K, 2] int64 tensor of (src, dst) block ids, as copy_blocks and swap_blocks take."""
     if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
         raise ValueError(
             f"block_mapping must have shape [K, 2] of (src, dst), got {list(block_mapping.shape)}"

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.attention import check_cache_write_args
+from kernels.attention import check_block_mapping, check_cache_write_args, check_kv_cache
 from kernels.triton_attention import check_triton_device
 
 __all__ = ["copy_blocks", "reshape_and_cache", "swap_blocks"]
@@ -114,7 +114,7 @@ def copy_blocks(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> None:
     The copies run in parallel, so a block may not be both a source and a destination, and
     no block may be written twice (copy-on-write destinations are fresh blocks anyway).
     """
-    _check_block_mapping(block_mapping)
+    check_block_mapping(block_mapping)
     if block_mapping.shape[0] == 0:
         return
     pairs = block_mapping.tolist()  # one small host read per step, to name bad ids clearly
@@ -166,7 +166,7 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
         )
     if src.dtype != dst.dtype:
         raise ValueError(f"dst has dtype {dst.dtype} but src has {src.dtype}")
-    _check_block_mapping(block_mapping)
+    check_block_mapping(block_mapping)
     if block_mapping.shape[0] == 0:
         return
     mapping = block_mapping.cpu()
@@ -188,20 +188,5 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
 
 
 def _check_kv_cache(name: str, kv_cache: Tensor) -> None:
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"{name} must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {list(kv_cache.shape)}"
-        )
-    if not kv_cache.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (slots are addressed through a flat view)")
+    check_kv_cache(name, kv_cache)
     check_triton_device(kv_cache.device, name)
-
-
-def _check_block_mapping(block_mapping: Tensor) -> None:
-    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
-        raise ValueError(
-            f"block_mapping must have shape [K, 2] of (src, dst), got {list(block_mapping.shape)}"
-        )
-    if block_mapping.dtype != torch.int64:
-        raise ValueError(f"block_mapping must be int64, got {block_mapping.dtype}")
