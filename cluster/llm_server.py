@@ -189,6 +189,17 @@ class LLMServer:
             "generation_tokens_total": stats.generation_tokens_total,
         }
 
+    async def request_state(self) -> dict[str, Any]:
+        """Per-request state on the head and the workers (all 0 once idle), plus the KV pool."""
+        stats = await self.engine.get_stats()
+        state = await self.engine.request_state()
+        return {
+            **state,
+            "replica_id": self.replica_id,
+            "kv_total_blocks": stats.kv_total_blocks,
+            "kv_free_blocks": stats.kv_free_blocks,
+        }
+
     def _ensure_stats_task(self) -> None:
         if self._stats_task is None or self._stats_task.done():
             self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats())

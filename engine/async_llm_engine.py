@@ -264,6 +264,20 @@ class AsyncLLMEngine:
     async def get_stats(self) -> EngineStats:
         return await self._call(self._stats_now)
 
+    async def request_state(self) -> dict[str, Any]:
+        """Per-request state still held, taken between steps: the head's tables (this class's
+        streams, the engine's and scheduler's and block manager's) and each worker's. Every
+        count is 0 once the engine is idle; anything else is a leak."""
+
+        def take() -> dict[str, Any]:
+            head = self.engine.request_state_sizes()
+            head["streams"] = len(self._streams)
+            head["token_counts"] = len(self._num_tokens)
+            workers = self.engine.executor.collective_rpc("num_request_states")
+            return {"head": head, "workers": workers}
+
+        return await self._call(take)
+
     def check_health(self) -> None:
         """Raise ``EngineDeadError`` if the engine failed or its thread is gone."""
         if self._dead is not None:

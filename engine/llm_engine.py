@@ -343,6 +343,9 @@ class LLMEngine:
             self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
             outputs.append(self.make_output(group))
             self._forget(group)
+        if outputs and not self.scheduler.has_unfinished_requests():
+            # Nothing will step again soon: the workers drop the aborted requests' state now.
+            self._flush_finished()
         return outputs
 
     def _forget(self, group: RequestGroup) -> None:
@@ -381,7 +384,7 @@ class LLMEngine:
             if group.finished:
                 self._forget(group)
         clock.lap("detokenize")
-        if not self.scheduler.has_unfinished_requests() and self.scheduler._finished_req_ids:
+        if not self.scheduler.has_unfinished_requests():
             self._flush_finished()
         return outputs
 
@@ -462,6 +465,8 @@ class LLMEngine:
 
     def _flush_finished(self) -> None:
         """Tell the workers to drop finished requests' state now rather than at the next step."""
+        if not self.scheduler._finished_req_ids:
+            return
         sched = self.scheduler.schedule()
         self.executor.execute_model(make_execute_model_request(sched))
 
@@ -483,6 +488,22 @@ class LLMEngine:
 
     def get_kv_cache_stats(self) -> KVCacheStats:
         return self.block_manager.stats()
+
+    def request_state_sizes(self) -> dict[str, int]:
+        """How many entries each per-request table of the head holds (all 0 once idle): a
+        leak check for soak tests and operators."""
+        sched, blocks = self.scheduler, self.block_manager
+        return {
+            "groups": len(self._groups),
+            "samples": len(self._samples),
+            "scheduler_requests": len(sched.requests),
+            "pending_forks": len(sched.pending_forks),
+            "finished_not_flushed": len(sched._finished_req_ids),
+            "block_tables": len(blocks.req_to_blocks),
+            "cpu_block_tables": len(blocks.req_to_cpu_blocks),
+            "cached_block_counts": len(blocks.num_cached_blocks),
+            "pending_copies": len(blocks.pending_copies),
+        }
 
     def check_integrity(self) -> None:
         """Block manager invariants, plus: every live request is in exactly one queue."""

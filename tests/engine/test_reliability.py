@@ -202,6 +202,30 @@ def test_request_past_its_deadline_is_aborted_and_its_blocks_freed(
     stats = asyncio.run(engine.get_stats())
     assert stats.kv_free_blocks == stats.kv_total_blocks
     assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert _no_request_state(asyncio.run(engine.request_state()))
+
+
+def _no_request_state(state: dict[str, object]) -> bool:
+    return all(v == 0 for v in state["head"].values()) and not any(state["workers"])
+
+
+def test_aborting_the_only_request_leaves_no_state_on_head_or_workers(
+    engine: AsyncLLMEngine,
+) -> None:
+    """An abort while nothing else runs must not leave the request's state on the workers
+    until some later step: an idle engine holds no per-request state anywhere."""
+
+    async def scenario() -> tuple[dict[str, object], dict[str, object]]:
+        stream = engine.generate("Once upon a time", SamplingParams(max_tokens=500))
+        await stream.__anext__()
+        during = await engine.request_state()
+        await stream.aclose()
+        await asyncio.sleep(0.2)  # the abort runs on the engine thread
+        return during, await engine.request_state()
+
+    during, after = asyncio.run(scenario())
+    assert not _no_request_state(during)  # the check can see a live request
+    assert _no_request_state(after), after
 
 
 def test_request_within_its_deadline_finishes_normally(engine: AsyncLLMEngine) -> None:
