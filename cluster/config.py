@@ -78,6 +78,11 @@ class AutoscalingConfig:
             _check(getattr(self, name) >= 0, f"{path}.{name}", "must be >= 0")
 
 
+# Seconds between the end of a replica's drain (leftover requests aborted) and Serve's
+# force-kill of it.
+DRAIN_ABORT_MARGIN_S = 5.0
+
+
 @dataclass(frozen=True)
 class ServeDeploymentConfig:
     """Passed to Serve with Serve's names. Without ``autoscaling_config`` the model runs
@@ -107,7 +112,8 @@ class ServeDeploymentConfig:
             f"{path}.max_queued_requests",
             "must be -1 (unbounded) or >= 0",
         )
-        for name in ("health_check_period_s", "health_check_timeout_s"):
+        for name in ("health_check_period_s", "health_check_timeout_s",
+                     "graceful_shutdown_timeout_s"):  # fmt: skip
             _check(getattr(self, name) > 0, f"{path}.{name}", "must be > 0")
 
     def serve_options(self) -> dict[str, Any]:
@@ -116,7 +122,9 @@ class ServeDeploymentConfig:
             "max_queued_requests": self.max_queued_requests,
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
-            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+            # The replica drains for graceful_shutdown_timeout_s, then aborts what is left;
+            # Serve's force-kill waits a little longer so those aborts reach the clients.
+            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s + DRAIN_ABORT_MARGIN_S,
         }
         if self.autoscaling_config is not None:
             scaling = dataclasses.asdict(self.autoscaling_config)

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from jinja2 import TemplateError
@@ -66,7 +66,9 @@ class LLMServer:
     """The head of one model replica. Serve calls ``check_health`` periodically: it raises
     once the engine is dead, so Serve replaces the replica."""
 
-    def __init__(self, model_id: str, engine_args: dict[str, Any]) -> None:
+    def __init__(
+        self, model_id: str, engine_args: dict[str, Any], drain_timeout_s: float = 20.0
+    ) -> None:
         from engine.config import EngineConfig
 
         self.model_id = model_id
@@ -76,13 +78,25 @@ class LLMServer:
         self.max_model_len = config.max_model_len
         self.metrics = ModelMetrics(model_id, self.replica_id)
         self._stats_task: asyncio.Task[None] | None = None
+        # Graceful drain (scale-down, redeploy, shutdown): see ``_drain``.
+        self.drain_timeout_s = drain_timeout_s
+        self.draining = False
+        self._active: set[str] = set()
+        self._stopping = serve_stop_flag()
+        self._drain_task: asyncio.Task[None] | None = None
         logger.info("model %s ready on replica %s", model_id, self.replica_id)
 
     # ---- generation ---------------------------------------------------------------------
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         self._ensure_stats_task()
+        if self.draining:
+            yield error_item(503, f"this replica of {self.model_id!r} is shutting down; retry",
+                             None, "draining", 1)  # fmt: skip
+            return
         timer = self.metrics.request_timer(time.monotonic())
+        request_id = request.get("request_id") or uuid.uuid4().hex
+        self._active.add(request_id)
         try:
             prompt = await self._prompt(request)
             params = _sampling_params(request.get("params") or {})
@@ -90,23 +104,29 @@ class LLMServer:
             stream = self.engine.generate(
                 prompt,
                 params,
-                request.get("request_id") or uuid.uuid4().hex,
+                request_id,
                 cache_salt=request.get("cache_salt"),
                 timeout_s=timeout,
             )
             first = await stream.__anext__()
         except InvalidRequestError as exc:
+            self._active.discard(request_id)
             yield error_item(400, str(exc), exc.param)
             return
         except EngineOverloadedError as exc:
+            self._active.discard(request_id)
             yield error_item(503, f"model {self.model_id!r}: {exc}", None, "overloaded",
                              exc.retry_after_s)  # fmt: skip
             return
         except EngineDeadError:
+            self._active.discard(request_id)
             # The cause (a worker's traceback, paths) goes to the log, never to the client.
             logger.exception("model %s: request refused, the engine is dead", self.model_id)
             yield error_item(503, f"the engine for {self.model_id!r} is not available")
             return
+        except BaseException:
+            self._active.discard(request_id)
+            raise
         prompt_tokens = len(first.output.prompt_token_ids)
         yield {"type": "start", "prompt_tokens": prompt_tokens, "n": len(first.output.outputs)}
         try:
@@ -124,6 +144,7 @@ class LLMServer:
         finally:
             # Closing the engine stream aborts the request if it is still running (the client
             # went away or the ingress cancelled us); its blocks are free within one step.
+            self._active.discard(request_id)
             await stream.aclose()
             timer.finish(time.monotonic())
 
@@ -201,8 +222,45 @@ class LLMServer:
         }
 
     def _ensure_stats_task(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._stats_task is None or self._stats_task.done():
-            self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats())
+            self._stats_task = loop.create_task(self._publish_stats())
+        if self._stopping is not None and self._drain_task is None:
+            self._drain_task = loop.create_task(self._drain_when_stopped())
+
+    # ---- graceful drain -----------------------------------------------------------------
+
+    async def _drain_when_stopped(self) -> None:
+        """Serve stops a replica (scale-down, redeploy, ``cluster shutdown``) by routing nothing
+        new to it and waiting for its ongoing requests, then kills it at its graceful-shutdown
+        deadline. From the moment Serve marks it stopping, this replica refuses new requests
+        (503 ``draining``), lets in-flight ones finish for ``drain_timeout_s``, then aborts the
+        rest, so they end with finish_reason "abort" instead of a severed connection."""
+        stopping = self._stopping
+        if stopping is None:  # outside Serve, or its flag is unreadable: Serve's drain only
+            return
+        while not stopping():
+            await asyncio.sleep(0.2)
+        await self.drain(self.drain_timeout_s)
+
+    async def drain(self, timeout_s: float) -> dict[str, int]:
+        """Refuse new requests, wait up to ``timeout_s`` for in-flight ones, abort the rest.
+        Returns how many finished in time and how many were aborted."""
+        self.draining = True
+        in_flight = len(self._active)
+        logger.info("model %s: draining %d in-flight requests (up to %.0f s)",
+                    self.model_id, in_flight, timeout_s)  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while self._active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        leftover = list(self._active)
+        for request_id in leftover:
+            with contextlib.suppress(EngineDeadError):
+                await self.engine.abort(request_id)
+        if leftover:
+            logger.warning("model %s: drain timeout, aborted %d requests",
+                           self.model_id, len(leftover))  # fmt: skip
+        return {"finished": in_flight - len(leftover), "aborted": len(leftover)}
 
     async def _publish_stats(self) -> None:
         while not self.engine.is_dead:
@@ -265,6 +323,33 @@ def _chat_ids(engine: LLMEngine, messages: list[dict[str, Any]]) -> list[int]:
         logger.exception("chat template failed")
         raise InvalidRequestError("the chat template rejected them", "messages") from exc
     return list(ids)
+
+
+def serve_stop_flag() -> Callable[[], bool] | None:
+    """A function telling whether Serve has started stopping this replica, or None outside a
+    replica. Serve (2.x) has no public hook for that moment — only ``__del__``, which it calls
+    after the in-flight requests are gone — so this reads the replica's own ``_shutting_down``
+    flag, reached through the replica context. If a Ray upgrade moves it, this returns None,
+    the replica logs a warning and falls back to Serve's plain drain (in-flight requests past
+    the deadline are cut, the ingress reports them as 503);
+    ``tests/cluster/test_faults.py::test_redeploy_drains_*`` fails first."""
+    try:
+        from ray.serve._private.replica import ReplicaBase
+        from ray.serve.context import _get_internal_replica_context
+
+        context = _get_internal_replica_context()
+    except Exception:  # not in a replica, or Serve's layout changed
+        return None
+    if context is None:
+        return None
+    callback = getattr(context, "_handle_registration_callback", None)
+    for cell in getattr(callback, "__closure__", None) or ():
+        replica = cell.cell_contents
+        if isinstance(replica, ReplicaBase) and hasattr(replica, "_shutting_down"):
+            return lambda: bool(replica._shutting_down)
+    logger.warning("cannot observe Serve's replica shutdown: graceful drain falls back to "
+                   "Serve's own (requests past graceful_shutdown_timeout_s are cut)")  # fmt: skip
+    return None
 
 
 def _replica_id() -> str:

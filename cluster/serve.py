@@ -63,6 +63,18 @@ def _unwrap(result: dict[str, Any]) -> Any:
     return result
 
 
+async def guard_stream(items: Any, model: str) -> Any:
+    """The server's items, with a failure of the replica itself (its process killed, its node
+    lost: a Ray error from the handle's stream) turned into a final 503 error item, so HTTP
+    streams end with an error chunk and ``[DONE]`` and gRPC with UNAVAILABLE."""
+    try:
+        async for item in items:
+            yield item
+    except ray.exceptions.RayError:
+        yield {"type": "error", "status": 503, "param": None, "code": "unavailable",
+               "message": f"the replica serving {model!r} failed; retry the request"}  # fmt: skip
+
+
 def scrape_cluster_metrics() -> str:
     """Every alive node's Ray metrics agent, filtered to this project's metrics: one scrape
     shows every replica of every model."""
@@ -176,13 +188,15 @@ class OpenAIIngress:
     async def _generate(self, req: Any, payload: dict[str, Any], completion: Completion) -> Any:
         first, items = await self.open_stream(req.model, payload)
         completion.absorb(first)
+        guarded = guard_stream(items, req.model)
         if req.stream:
-            body = stream_sse(completion, items, items.cancel)
+            body = stream_sse(completion, guarded, items.cancel)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
-            async for item in items:
+            async for item in guarded:
                 if item["type"] == "error":
-                    raise APIError(item["status"], item["message"], item.get("param"))
+                    raise APIError(item["status"], item["message"], item.get("param"),
+                                   item.get("code"))  # fmt: skip
                 completion.absorb(item)
         finally:
             items.cancel()
@@ -253,7 +267,7 @@ class OpenAIIngress:
         except APIError as exc:
             grpc_abort(grpc_context, exc)
         try:
-            async for item in items:
+            async for item in guard_stream(items, request.model):
                 if item["type"] == "error":
                     grpc_abort(grpc_context, APIError(item["status"], item["message"]))
                 for choice in item["choices"]:  # one choice: gRPC requests always have n = 1
@@ -303,10 +317,13 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
         config = load_config(config)
     servers = {m.model_id: _server_deployment(m) for m in config.models}
     hashes = config.api_keys.load_key_hashes() if config.api_keys else []
+    # The ingress outlives every model's drain, so aborted streams still reach their clients.
+    drain_s = max(m.serve_options()["graceful_shutdown_timeout_s"] for m in config.models)
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_NAME,
         num_replicas=1,
         max_ongoing_requests=1024,
+        graceful_shutdown_timeout_s=drain_s + 5,
         ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env()},
     )
     return ingress.bind(servers, hashes, config.http_options.max_body_bytes)
@@ -321,7 +338,8 @@ def _server_deployment(model: ModelDeployment) -> Any:
     deployment = serve.deployment(LLMServer).options(
         name=deployment_name(model.model_id), ray_actor_options=actor, **options
     )
-    return deployment.bind(model.model_id, model.engine_args())
+    drain_timeout_s = model.deployment_config.graceful_shutdown_timeout_s
+    return deployment.bind(model.model_id, model.engine_args(), drain_timeout_s)
 
 
 def runtime_env() -> dict[str, Any]:

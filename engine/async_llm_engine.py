@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from engine import envs
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import LLMEngine, PromptType
@@ -193,6 +194,10 @@ class AsyncLLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._num_tokens: dict[str, int] = {}
+        # Watchdog: a step running longer than this makes the engine unhealthy (a hung
+        # forward pass or collective must not leave a replica that answers health checks).
+        self.stall_timeout_s = envs.step_timeout_s()
+        self._step_started: float | None = None
         self._thread = threading.Thread(target=self._run, name="llm-engine-loop", daemon=True)
         self._thread.start()
 
@@ -284,6 +289,12 @@ class AsyncLLMEngine:
             raise self._dead
         if not self._thread.is_alive():
             raise EngineDeadError("the engine thread has stopped")
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.stall_timeout_s:
+            raise EngineDeadError(
+                f"an engine step has run for {time.monotonic() - started:.0f} s, over the "
+                f"{self.stall_timeout_s:.0f} s limit (LLM_CLUSTER_STEP_TIMEOUT_S): stalled"
+            )
         self.engine.executor.check_health()
 
     @property
@@ -374,7 +385,9 @@ class AsyncLLMEngine:
             block = False
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         outputs = self.engine.step()
+        self._step_started = None
         self._num_steps += 1
         now = time.monotonic()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from cluster.llm_server import LLMServer
+from cluster.llm_server import LLMServer, error_item
 from engine import LLM, EngineDeadError, SamplingParams
 
 ENGINE_ARGS = {"model": "builtin:tiny-llama", "num_kv_blocks": 64, "device": "cpu"}
@@ -155,5 +155,34 @@ def test_full_waiting_queue_is_a_503_with_retry_after() -> None:
         error = refused[0]
         assert (error["status"], error["code"], error["retry_after"]) == (503, "overloaded", 1)
         assert "max_waiting_requests" in error["message"]
+    finally:
+        server.engine.shutdown()
+
+
+def test_drain_lets_short_requests_finish_aborts_the_rest_and_refuses_new_ones() -> None:
+    server = LLMServer("tiny", {**ENGINE_ARGS, "max_model_len": 2048, "num_kv_blocks": 256})
+
+    async def run() -> tuple[list[Any], list[Any], list[Any], dict[str, int]]:
+        async def one(max_tokens: int) -> list[dict[str, Any]]:
+            params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
+            return [item async for item in server.generate({"prompt": "a", "params": params})]
+
+        short = asyncio.ensure_future(one(8))
+        long = asyncio.ensure_future(one(2000))
+        while len(server._active) < 2:
+            await asyncio.sleep(0.01)
+        counts = await server.drain(1.0)
+        refused = await one(4)
+        return await short, await long, refused, counts
+
+    try:
+        short, long, refused, counts = asyncio.run(run())
+        assert short[-1]["choices"][-1]["finish_reason"] == "length"
+        assert long[-1]["choices"][-1]["finish_reason"] == "abort"
+        assert long[-1]["choices"][-1]["num_output_tokens"] < 2000
+        assert refused == [error_item(503, refused[0]["message"], None, "draining", 1)]
+        assert counts == {"finished": 1, "aborted": 1}
+        stats = asyncio.run(server.stats())
+        assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
     finally:
         server.engine.shutdown()

@@ -4,6 +4,7 @@ reach the caller (validation) or every stream (engine death), and the event loop
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -249,4 +250,40 @@ def test_engine_failure_reaches_every_stream_and_health() -> None:
         with pytest.raises(EngineDeadError):
             asyncio.run(collect(engine, "after", SamplingParams(max_tokens=2)))
     finally:
+        engine.shutdown()
+
+
+def test_a_stalled_step_makes_the_engine_unhealthy_not_a_zombie() -> None:
+    """A forward pass (or collective) that never returns must fail health checks, so Serve
+    replaces the replica instead of keeping one that answers /health but serves nothing."""
+    engine = AsyncLLMEngine.from_engine_args(model=MODEL, num_kv_blocks=32)
+    engine.stall_timeout_s = 0.5
+    real_execute = engine.engine.executor.execute_model
+    release = threading.Event()
+    entered = threading.Event()
+
+    def hanging_execute(request):
+        entered.set()
+        release.wait(30)
+        return real_execute(request)
+
+    engine.engine.executor.execute_model = hanging_execute
+
+    async def run() -> None:
+        stream = engine.generate("stuck", SamplingParams(max_tokens=2))
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.to_thread(entered.wait, 10)
+        engine.check_health()  # a step in progress is not a stall yet
+        await asyncio.sleep(0.7)
+        with pytest.raises(EngineDeadError, match="stalled"):
+            engine.check_health()
+        release.set()
+        await task
+        await stream.aclose()
+
+    try:
+        asyncio.run(run())
+        engine.check_health()  # the step came back: healthy again
+    finally:
+        release.set()
         engine.shutdown()
