@@ -170,12 +170,13 @@ class ModelDeployment:
         """The replica's own bundle first, then one bundle per worker (TP x PP of them).
 
         With TP = PP = 1 the worker runs inside the replica, so the replica's bundle holds the
-        device; otherwise the replica only schedules and the workers each hold one device.
+        device; otherwise (or with ``distributed_executor_backend: ray``) the replica only
+        schedules and the worker actors each hold one device.
         """
         device = {"GPU": 1.0} if self.uses_gpu else {"CPU": 1.0}
         if self.uses_gpu and self.accelerator_type:
             device[f"accelerator_type:{self.accelerator_type}"] = 0.001
-        if self.world_size == 1:
+        if self.world_size == 1 and self.engine_kwargs.get("distributed_executor_backend") != "ray":
             return [{"CPU": 1.0, **device}] if self.uses_gpu else [device]
         return [{"CPU": 1.0}] + [dict(device) for _ in range(self.world_size)]
 

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ logger = logging.getLogger("llm_cluster.ray_executor")
 # Step messages above this size are put in the object store once and passed by reference;
 # smaller ones travel inline with each actor call, which is cheaper than a ray.put.
 _INLINE_LIMIT_BYTES = 64 * 1024
+WORKER_NAME_PREFIX = "LLMWorker:"
 _PROJECT_PACKAGES = ("kernels", "parallel", "engine", "cluster")
 
 
@@ -60,6 +62,7 @@ class RayExecutor(Executor):
         super().__init__(config)
         parallel = config.parallel
         self.world_size = parallel.world_size
+        self.executor_id = uuid.uuid4().hex[:12]
         # The sampling worker: TP rank 0 of the last pipeline stage.
         self.driver_rank = self.world_size - parallel.tensor_parallel_size
         self._resource = "GPU" if device == "cuda" else "CPU"
@@ -120,7 +123,11 @@ class RayExecutor(Executor):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=bundle
             )
-            options: dict[str, Any] = {"scheduling_strategy": strategy, **resources}
+            # Named, so operators (and fault-injection tests) can find a model's workers with
+            # ``ray list actors`` / ``ray.util.list_named_actors``; owned by this process, so
+            # they die with it.
+            name = f"{WORKER_NAME_PREFIX}{self.executor_id}:rank{rank}"
+            options: dict[str, Any] = {"scheduling_strategy": strategy, "name": name, **resources}
             if runtime_env:
                 options["runtime_env"] = runtime_env
             workers.append(actor_class.options(**options).remote(self.config, rank))

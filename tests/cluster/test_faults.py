@@ -1,0 +1,309 @@
+"""Fault injection on a live deployment (a real local Ray and Serve): a worker actor killed
+mid-generation, the model's head (its ``LLMServer`` replica) killed mid-generation, and the
+graceful drain of a replica that Serve stops (redeploy, ``cluster shutdown``).
+
+For each fault, every in-flight request of the model ends with a clear error within 30 s —
+a 503 body for a plain request, an error chunk then ``data: [DONE]`` for a stream, UNAVAILABLE
+for gRPC —, ``/health`` reports the model, Serve replaces the replica and a fresh request
+succeeds within 120 s, and another model of the same application serves throughout."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from cluster.proto import llm_pb2, llm_pb2_grpc
+from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
+
+APP = "faults"
+PREFIX = "/faults"
+FAULTY = "tiny-tp2"  # tensor-parallel over two worker actors: the model faults are injected in
+STEADY = "tiny-llama"  # runs in its replica's process: must keep serving throughout
+LONG = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+ERROR_WITHIN_S = 30
+RECOVER_WITHIN_S = 120
+
+
+def _model(model_id: str, **engine_kwargs: Any) -> dict[str, Any]:
+    base = load_yaml("tiny.yaml")["models"][0]
+    return {
+        "model_loading_config": {"model_id": model_id, "model_source": "builtin:tiny-llama"},
+        "engine_kwargs": {**base["engine_kwargs"], "max_model_len": 2048, **engine_kwargs},
+        # Health checked every second: a dead engine is noticed within a few seconds.
+        "deployment_config": {**base["deployment_config"], "health_check_period_s": 1,
+                              "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 3},
+    }  # fmt: skip
+
+
+def fault_config() -> dict[str, Any]:
+    config = load_yaml("tiny.yaml")
+    config["models"] = [_model(FAULTY, tensor_parallel_size=2), _model(STEADY)]
+    return config
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
+    from ray import serve
+
+    url = serve_cluster.deploy(fault_config(), APP, PREFIX)
+    yield url
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(serve_cluster: ServeCluster, base_url: str) -> Iterator[llm_pb2_grpc.LLMStub]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{serve_cluster.grpc_port}")
+    yield llm_pb2_grpc.LLMStub(channel)
+    channel.close()
+
+
+# ---- clients --------------------------------------------------------------------------------
+
+
+def complete(base_url: str, model: str, timeout_s: float = 60, **params: Any) -> httpx.Response:
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 8, **params}
+    return httpx.post(f"{base_url}/v1/completions", json=body, timeout=timeout_s)
+
+
+class SSEStream:
+    """A raw streaming completion on its own thread: every ``data:`` payload, in order."""
+
+    def __init__(self, base_url: str, model: str, **params: Any) -> None:
+        self.events: list[Any] = []
+        self.started = threading.Event()
+        self.ended_at: float | None = None
+        self.failure: BaseException | None = None
+        body = {"model": model, "prompt": "Once upon a time", "stream": True, **LONG, **params}
+        self._thread = threading.Thread(target=self._run, args=(base_url, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, base_url: str, body: dict[str, Any]) -> None:
+        try:
+            with httpx.stream("POST", f"{base_url}/v1/completions", json=body,
+                              timeout=120) as response:  # fmt: skip
+                self.status = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[6:]
+                        self.events.append(data if data == "[DONE]" else json.loads(data))
+                        self.started.set()
+        except BaseException as exc:  # a severed connection is a failure of the contract
+            self.failure = exc
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), f"stream still open after {timeout_s} s"
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [
+            c["finish_reason"]
+            for e in self.events
+            if isinstance(e, dict) and "choices" in e
+            for c in e["choices"]
+            if c.get("finish_reason")
+        ]
+
+
+def grpc_generate(stub: llm_pb2_grpc.LLMStub, model: str) -> list[Any]:
+    request = llm_pb2.GenerateRequest(model=model, prompt="Once upon a time", max_tokens=1500,
+                                      temperature=0, ignore_eos=True)  # fmt: skip
+    return list(stub.Generate(request, metadata=(("application", APP),), timeout=120))
+
+
+class SteadyTraffic:
+    """Requests to the other model, back to back, on a thread, until stopped."""
+
+    def __init__(self, base_url: str) -> None:
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(base_url,), daemon=True)
+        self._thread.start()
+
+    def _run(self, base_url: str) -> None:
+        while not self._stop.is_set():
+            try:
+                self.statuses.append(complete(base_url, STEADY, timeout_s=30).status_code)
+            except httpx.HTTPError:
+                self.statuses.append(-1)
+            time.sleep(0.2)
+
+    def stop(self) -> list[int]:
+        self._stop.set()
+        self._thread.join(60)
+        return self.statuses
+
+
+# ---- Ray-side helpers ------------------------------------------------------------------------
+
+
+def named_actors(prefix: str) -> list[tuple[str, str]]:
+    """(name, namespace) of the live named actors whose name starts with ``prefix``. Replicas
+    live in Serve's namespace, the workers a replica starts in its job's."""
+    import ray
+
+    return sorted(
+        (a["name"], a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefix)
+    )
+
+
+def kill(actor: tuple[str, str]) -> None:
+    import ray
+
+    ray.kill(ray.get_actor(actor[0], namespace=actor[1]), no_restart=True)
+
+
+def server_handle(model: str) -> Any:
+    from ray import serve
+
+    from cluster.serve import deployment_name
+
+    return serve.get_deployment_handle(deployment_name(model), APP)
+
+
+def request_state(model: str) -> dict[str, Any]:
+    return server_handle(model).request_state.remote().result(timeout_s=30)
+
+
+def health(base_url: str) -> httpx.Response:
+    return httpx.get(f"{base_url}/health", timeout=30)
+
+
+def wait_for_running(model: str, count: int) -> None:
+    wait_for(
+        lambda: server_handle(model).stats.remote().result(timeout_s=30)["num_running"] >= count,
+        60,
+        f"{count} running requests on {model}",
+        poll_s=0.1,
+    )
+
+
+# ---- the fault scenario, for either victim ----------------------------------------------------
+
+
+def run_fault(base_url: str, stub: llm_pb2_grpc.LLMStub, inject: Callable[[], None]) -> None:
+    wait_for(lambda: health(base_url).status_code == 200, RECOVER_WITHIN_S, "a healthy app")
+    steady = SteadyTraffic(base_url)
+    streams = [SSEStream(base_url, FAULTY) for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        plain: Future[httpx.Response] = pool.submit(complete, base_url, FAULTY, 120, **LONG)
+        rpc: Future[list[Any]] = pool.submit(grpc_generate, stub, FAULTY)
+        for stream in streams:
+            assert stream.started.wait(60), "the stream never started"
+        wait_for_running(FAULTY, 4)
+
+        injected_at = time.monotonic()
+        inject()
+
+        # Every in-flight request ends with a clear error within 30 s.
+        response = plain.result(ERROR_WITHIN_S)
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert FAULTY in error["message"] and error["type"] == "ServiceUnavailableError"
+        for stream in streams:
+            stream.join(ERROR_WITHIN_S)
+            assert stream.failure is None, stream.failure
+            assert stream.status == 200
+            assert stream.events[-1] == "[DONE]"
+            assert FAULTY in stream.events[-2]["error"]["message"]
+            assert stream.ended_at - injected_at < ERROR_WITHIN_S
+        with pytest.raises(grpc.RpcError) as rpc_error:
+            rpc.result(ERROR_WITHIN_S)
+        assert rpc_error.value.code() == grpc.StatusCode.UNAVAILABLE
+        errored_at = time.monotonic()
+
+    # /health names the model until Serve has replaced the replica ...
+    unhealthy = health(base_url)
+    assert unhealthy.status_code == 503, unhealthy.text
+    assert FAULTY in unhealthy.json()["error"]["message"]
+    # ... which it does: a fresh request succeeds within 120 s.
+    wait_for(
+        lambda: complete(base_url, FAULTY, timeout_s=30).status_code == 200,
+        RECOVER_WITHIN_S - (time.monotonic() - errored_at),
+        f"a fresh request to {FAULTY} to succeed",
+        poll_s=1.0,
+    )
+    assert health(base_url).status_code == 200
+    statuses = steady.stop()
+    assert statuses and set(statuses) == {200}, statuses  # the other model never failed
+    state = request_state(FAULTY)
+    assert all(v == 0 for v in state["head"].values()) and not any(state["workers"]), state
+    assert state["kv_free_blocks"] == state["kv_total_blocks"]
+
+
+def test_worker_actor_killed_mid_generation(base_url: str, grpc_stub: llm_pb2_grpc.LLMStub) -> None:
+    from cluster.ray_executor import WORKER_NAME_PREFIX
+
+    workers = named_actors(WORKER_NAME_PREFIX)
+    assert len(workers) == 2, workers  # the TP = 2 model's two ranks
+    run_fault(base_url, grpc_stub, lambda: kill(workers[-1]))
+    # The replacement replica brought up new workers; the killed one is gone.
+    assert workers[-1] not in named_actors(WORKER_NAME_PREFIX)
+    assert len(named_actors(WORKER_NAME_PREFIX)) == 2
+
+
+def test_head_replica_killed_mid_generation(base_url: str, grpc_stub: llm_pb2_grpc.LLMStub) -> None:
+    from cluster.serve import deployment_name
+
+    prefix = f"SERVE_REPLICA::{APP}#{deployment_name(FAULTY)}#"
+    heads = named_actors(prefix)
+    assert len(heads) == 1, heads
+    run_fault(base_url, grpc_stub, lambda: kill(heads[0]))
+    assert named_actors(prefix) not in ([], heads)  # a new replica took its place
+
+
+# ---- graceful drain ---------------------------------------------------------------------------
+
+DRAIN_APP = "drain"
+DRAIN_MODEL = "tiny-drain"
+DRAIN_TIMEOUT_S = 4
+
+
+def test_deleting_the_app_drains_in_flight_requests(serve_cluster: ServeCluster) -> None:
+    """What ``cluster shutdown`` and a redeploy do to a replica: Serve stops it. In-flight
+    requests that finish within ``graceful_shutdown_timeout_s`` finish normally; the rest end
+    with finish_reason "abort" (a last chunk, then ``[DONE]``), never a severed stream."""
+    from ray import serve
+
+    config = load_yaml("tiny.yaml")
+    model = _model(DRAIN_MODEL, max_model_len=4096, num_kv_blocks=512)
+    model["deployment_config"]["graceful_shutdown_timeout_s"] = DRAIN_TIMEOUT_S
+    config["models"] = [model]
+    url = serve_cluster.deploy(config, DRAIN_APP, "/drain")
+    try:
+        # Warm up, and measure this machine's decode speed to size a request that finishes
+        # well inside the drain timeout.
+        start = time.monotonic()
+        assert complete(url, DRAIN_MODEL, max_tokens=64, ignore_eos=True).status_code == 200
+        per_token_s = (time.monotonic() - start) / 64
+        short_tokens = max(8, min(400, int(1.0 / per_token_s)))  # about a second
+        long = SSEStream(url, DRAIN_MODEL, max_tokens=4000)
+        short = SSEStream(url, DRAIN_MODEL, max_tokens=short_tokens)
+        assert long.started.wait(60) and short.started.wait(60)
+        stop_at = time.monotonic()
+        serve.delete(DRAIN_APP, _blocking=False)
+        short.join(DRAIN_TIMEOUT_S + 30)
+        long.join(DRAIN_TIMEOUT_S + 30)
+        for stream in (short, long):
+            assert stream.failure is None, stream.failure
+            assert stream.events[-1] == "[DONE]", stream.events[-3:]
+            assert not any("error" in e for e in stream.events if isinstance(e, dict))
+        assert short.finish_reasons == ["length"]
+        assert long.finish_reasons == ["abort"]
+        # The leftover was cut at the drain timeout, not later and not at once.
+        assert DRAIN_TIMEOUT_S - 1 < long.ended_at - stop_at < DRAIN_TIMEOUT_S + 5
+    finally:
+        serve.delete(DRAIN_APP)
