@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.config import DeploymentConfig, load_config
+from cluster.config import DRAIN_ABORT_MARGIN_S, DeploymentConfig, load_config
 from engine.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -51,6 +51,20 @@ def test_tiny_config_is_one_cpu_bundle_and_one_replica() -> None:
     options = load_config(CONFIGS / "tiny.yaml").models[0].serve_options()
     assert options["placement_group_bundles"] == [{"CPU": 1.0}]
     assert options["num_replicas"] == 1
+
+
+def test_one_worker_on_the_ray_backend_gets_its_own_bundle() -> None:
+    data = tiny()
+    data["models"][0]["engine_kwargs"]["distributed_executor_backend"] = "ray"
+    options = load_config(data).models[0].serve_options()
+    assert options["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
+
+
+def test_serve_force_kills_a_stopping_replica_only_after_its_drain() -> None:
+    data = tiny()
+    data["models"][0]["deployment_config"]["graceful_shutdown_timeout_s"] = 7
+    options = load_config(data).models[0].serve_options()
+    assert options["graceful_shutdown_timeout_s"] == 7 + DRAIN_ABORT_MARGIN_S
 
 
 def test_unknown_engine_kwarg_names_its_path() -> None:
