@@ -334,7 +334,6 @@ def serve_stop_flag() -> Callable[[], bool] | None:
     the deadline are cut, the ingress reports them as 503);
     ``tests/cluster/test_faults.py::test_redeploy_drains_*`` fails first."""
     try:
-        from ray.serve._private.replica import ReplicaBase
         from ray.serve.context import _get_internal_replica_context
 
         context = _get_internal_replica_context()
@@ -345,7 +344,8 @@ def serve_stop_flag() -> Callable[[], bool] | None:
     callback = getattr(context, "_handle_registration_callback", None)
     for cell in getattr(callback, "__closure__", None) or ():
         replica = cell.cell_contents
-        if isinstance(replica, ReplicaBase) and hasattr(replica, "_shutting_down"):
+        is_replica = type(replica).__module__ == "ray.serve._private.replica"
+        if is_replica and isinstance(getattr(replica, "_shutting_down", None), bool):
             return lambda: bool(replica._shutting_down)
     logger.warning("cannot observe Serve's replica shutdown: graceful drain falls back to "
                    "Serve's own (requests past graceful_shutdown_timeout_s are cut)")  # fmt: skip

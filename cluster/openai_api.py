@@ -457,7 +457,8 @@ class Completion:
         first, choice.started = not choice.started, True
         choice.text += delta["text"]
         choice.num_tokens = delta["num_output_tokens"]
-        finish = _openai_finish_reason(delta["finish_reason"])
+        # "stop", "length", or (as vLLM sends it) "abort": the replica shut down past its drain.
+        finish = delta["finish_reason"]
         if finish is not None:
             choice.finish_reason = finish
         logprobs = self._logprobs(choice, delta.get("logprobs"))
@@ -560,11 +561,6 @@ def chat_logprobs(entries: list[Any], top_k: int) -> list[dict[str, Any]]:
         best = sorted(rows, key=lambda row: -row[2])[:top_k]
         content.append({**token(text, logprob), "top_logprobs": [token(r[1], r[2]) for r in best]})
     return content
-
-
-def _openai_finish_reason(reason: str | None) -> str | None:
-    # "abort" has no OpenAI equivalent; a client only sees it if the server shut down.
-    return {"abort": "stop"}.get(reason or "", reason)
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
