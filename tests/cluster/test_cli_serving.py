@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -57,6 +58,46 @@ def complete(http_port: int) -> dict:
     )
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
+
+
+class LongStream:
+    """A streamed completion too long to finish quickly, read on a thread: its data payloads."""
+
+    def __init__(self, http_port: int, max_tokens: int = 1000) -> None:
+        self.events: list[str] = []
+        self.error: BaseException | None = None
+        body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": max_tokens,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        self.request = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/completions", json.dumps(body).encode(),
+            {"content-type": "application/json"},
+        )  # fmt: skip
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.started.wait(60), "the stream never started"
+
+    def _run(self) -> None:
+        try:
+            with urllib.request.urlopen(self.request, timeout=120) as response:
+                for raw in response:
+                    line = raw.decode().strip()
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+                        self.started.set()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.started.set()
+
+    def finish_reasons(self, timeout_s: float) -> list[str]:
+        """The choices' finish reasons, once the stream ended with ``[DONE]``."""
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive() and self.error is None, self.error
+        assert self.events[-1] == "[DONE]", self.events[-3:]
+        chunks = [json.loads(e) for e in self.events[:-1]]
+        assert not [c for c in chunks if "error" in c], chunks[-1]
+        return [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
 
 
 def refuses_connections(http_port: int) -> bool:
@@ -127,18 +168,27 @@ def test_deploy_request_status_redeploy_shutdown(ray_head: str, tmp_path: Path) 
 
     # Re-deploying updates the running application in place: same app and endpoint, Serve
     # rolls the replica over to the new engine settings.
+    # A request in flight on the old replica finishes: the old replica drains (for
+    # graceful_shutdown_timeout_s, 20 s by default) before Serve stops it.
     changed = yaml.safe_load(config.read_text())
     changed["models"][0]["engine_kwargs"]["num_kv_blocks"] = 128
+    changed["models"][0]["deployment_config"]["graceful_shutdown_timeout_s"] = 1
     config.write_text(yaml.safe_dump(changed))
+    in_flight = LongStream(http_port, max_tokens=200)
     redeployed = cluster_cli("deploy", str(config), "--address", ray_head)
     assert redeployed.returncode == 0, redeployed.stderr[-3000:]
+    assert in_flight.finish_reasons(60) == ["length"]
     after = json.loads(cluster_cli("status", "--address", ray_head, "--json").stdout)
     assert after["models"]["tiny-llama"]["replicas"] == {"RUNNING": 1}
     assert after["models"]["tiny-llama"]["stats"]["kv_total_blocks"] == 128
     assert complete(http_port)["usage"]["completion_tokens"] == 4
 
+    # Shutting down drains too: now for 1 s, after which what is left ends with "abort"
+    # (a last chunk, then [DONE]) rather than a cut connection.
+    in_flight = LongStream(http_port, max_tokens=1000)
     shutdown = cluster_cli("shutdown", "--address", ray_head, timeout=120)
     assert shutdown.returncode == 0, shutdown.stderr[-3000:]
+    assert in_flight.finish_reasons(60) == ["abort"]
     wait_for(lambda: refuses_connections(http_port), 30, "the HTTP endpoint to go away")
 
 
