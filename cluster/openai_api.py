@@ -20,16 +20,33 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # ---- request models ---------------------------------------------------------------------------
+
+
+def _unicode_text(text: str) -> str:
+    # JSON can escape a lone surrogate ("\\ud800"); it is no text: the tokenizer, the
+    # prefix-cache hash and the UTF-8 error body that echoes a field all fail on it.
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise PydanticCustomError(
+            "invalid_unicode", "must be valid Unicode text (no lone surrogates)"
+        ) from None
+    return text
+
+
+# Every string field of a request.
+Text = Annotated[str, AfterValidator(_unicode_text)]
 
 
 class _Strict(BaseModel):
@@ -43,18 +60,18 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields every generation request shares (OpenAI names, vLLM extensions last)."""
 
-    model: str
+    model: Text
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    user: str | None = None
+    user: Text | None = None
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -62,27 +79,27 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    bad_words: list[str] | None = None
+    bad_words: list[Text] | None = None
     skip_special_tokens: bool = True
     # Requests with different salts never share prefix-cache blocks (tenant isolation).
-    cache_salt: str | None = None
+    cache_salt: Text | None = None
     # Seconds: past it the request is aborted, its KV blocks freed, and the client gets a 408.
     timeout: float | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    content: Text | list[dict[str, Any]] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -92,18 +109,18 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     # Declared so that their 400 says why: only the model's own template is ever rendered.
-    chat_template: str | None = None
+    chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Strict):
-    model: str
-    prompt: str | None = None
+    model: Text
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
 
 
 class DetokenizeRequest(_Strict):
-    model: str
+    model: Text
     tokens: list[int]
 
 
@@ -157,12 +174,16 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
-    first = exc.errors()[0]
+    errors = exc.errors()
+    # A union reports every member's error; a lone surrogate anywhere is the one that explains.
+    first = next((e for e in errors if e.get("type") == "invalid_unicode"), errors[0])
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Union members show up in the location (``prompt.str``): keep the field path only.
-    loc = [p for p in loc if not p.startswith(("str", "list[", "int", "float", "bool"))]
+    loc = [
+        p for p in loc if not p.startswith(("str", "list[", "int", "float", "bool", "function-"))
+    ]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return APIError(400, message, param, "invalid_value")

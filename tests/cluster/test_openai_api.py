@@ -69,6 +69,36 @@ def test_malformed_json_is_400(client: TestClient) -> None:
     assert assert_error(response, 400, None)["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"model": "m", "prompt": "\\ud800"}', "prompt"),
+        (b'{"model": "m", "prompt": ["\\udfff"]}', "prompt.0"),
+        (b'{"model": "m", "prompt": "x", "stop": ["ok", "\\ud800"]}', "stop.1"),
+        (b'{"model": "m", "prompt": "x", "cache_salt": "\\ud800"}', "cache_salt"),
+        (b'{"model": "\\ud800", "prompt": "x"}', "model"),
+    ],
+)
+def test_lone_surrogate_is_400_naming_the_field(
+    client: TestClient, body: bytes, param: str
+) -> None:
+    # Valid JSON, but no text: the tokenizer, the prefix-cache hash and a UTF-8 error body
+    # echoing it (an unknown model's 404) would each fail on it with a 500.
+    response = client.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    error = assert_error(response, 400, param)
+    assert error["message"] == f"{param}: must be valid Unicode text (no lone surrogates)"
+
+
+def test_surrogate_pair_is_text(client: TestClient) -> None:
+    body = b'{"model": "m", "prompt": "\\ud83d\\ude00"}'
+    response = client.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.json()["prompt"] == "\U0001f600"
+
+
 def test_unknown_field_is_400_naming_it(client: TestClient) -> None:
     response = client.post("/v1/completions", json={"model": "m", "prompt": "x", "tempreature": 1})
     assert_error(response, 400, "tempreature")
