@@ -49,6 +49,18 @@ def _unicode_text(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode_text)]
 
 
+def _ranged(default: Any, **bounds: int | float) -> Any:
+    """A field whose range the OpenAPI schema states (JSON Schema ``minimum``, ``maximum``,
+    ``exclusiveMinimum``) for clients and fuzzers. The engine checks it, as for gRPC and
+    offline requests, and its 400 names the field; caps that a server sets (``max_n``,
+    ``max_logprobs``, ``max_model_len``) are not in the schema."""
+    return Field(default, json_schema_extra=bounds)
+
+
+_INT64 = {"minimum": -(2**63), "maximum": 2**63 - 1}
+TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0})]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -61,36 +73,36 @@ class _SamplingFields(_Strict):
     """Fields every generation request shares (OpenAI names, vLLM extensions last)."""
 
     model: Text
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
+    temperature: float = _ranged(1.0, minimum=0)
+    top_p: float = _ranged(1.0, exclusiveMinimum=0, maximum=1)
+    n: int = _ranged(1, minimum=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: int | None = _ranged(None, **_INT64)
+    presence_penalty: float = _ranged(0.0, minimum=-2, maximum=2)
+    frequency_penalty: float = _ranged(0.0, minimum=-2, maximum=2)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: Text | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    top_k: int = _ranged(0, minimum=-1)  # 0 and -1: disabled
+    min_p: float = _ranged(0.0, minimum=0, maximum=1)
+    repetition_penalty: float = _ranged(1.0, exclusiveMinimum=0)
+    min_tokens: int = _ranged(0, minimum=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     bad_words: list[Text] | None = None
     skip_special_tokens: bool = True
     # Requests with different salts never share prefix-cache blocks (tenant isolation).
     cache_salt: Text | None = None
     # Seconds: past it the request is aborted, its KV blocks freed, and the client gets a 408.
-    timeout: float | None = None
+    timeout: float | None = _ranged(None, exclusiveMinimum=0)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = _ranged(16, minimum=1)
+    logprobs: int | None = _ranged(None, minimum=0)
     echo: bool = False
     best_of: int | None = None
     suffix: Text | None = None
@@ -104,10 +116,10 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = _ranged(None, minimum=1)
+    max_completion_tokens: int | None = _ranged(None, minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _ranged(None, minimum=0)
     # Declared so that their 400 says why: only the model's own template is ever rendered.
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -121,7 +133,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: Text
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- errors -----------------------------------------------------------------------------------

@@ -21,8 +21,10 @@ from cluster.openai_api import (
     completion_payload,
     new_app,
 )
+from engine import InvalidRequestError, SamplingParams
 
 KEY = "sk-test-key"
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum")
 
 
 def make_client(key_hashes: list[str], max_body_bytes: int = 4096) -> TestClient:
@@ -97,6 +99,39 @@ def test_surrogate_pair_is_text(client: TestClient) -> None:
         "/v1/completions", content=body, headers={"content-type": "application/json"}
     )
     assert response.json()["prompt"] == "\U0001f600"
+
+
+def _documented_ranges() -> dict[str, dict[str, Any]]:
+    """The completions fields the engine's ``SamplingParams`` checks -> their schema."""
+    properties = CompletionRequest.model_json_schema()["properties"]
+    return {
+        name: prop
+        for name, prop in properties.items()
+        if name in SamplingParams.__struct_fields__ and set(_BOUNDS) & set(prop)
+    }
+
+
+@pytest.mark.parametrize("name", list(_documented_ranges()))
+def test_documented_range_is_the_one_the_engine_checks(name: str) -> None:
+    prop = _documented_ranges()[name]
+    types = {prop.get("type")} | {member.get("type") for member in prop.get("anyOf", [])}
+    step = 1 if "integer" in types else 0.01
+    accepted, rejected = [], []
+    if "minimum" in prop:
+        accepted.append(prop["minimum"])
+        rejected.append(prop["minimum"] - step)
+    if "maximum" in prop:
+        accepted.append(prop["maximum"])
+        rejected.append(prop["maximum"] + step)
+    if "exclusiveMinimum" in prop:
+        accepted.append(prop["exclusiveMinimum"] + step)
+        rejected.append(prop["exclusiveMinimum"])
+    for value in accepted:
+        SamplingParams(**{name: value})
+    for value in rejected:
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**{name: value})
+        assert info.value.param == name
 
 
 def test_unknown_field_is_400_naming_it(client: TestClient) -> None:
