@@ -128,7 +128,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Strict):
     model: Text
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
 
 
 class DetokenizeRequest(_Strict):
