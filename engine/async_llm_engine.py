@@ -319,20 +319,23 @@ class AsyncLLMEngine:
         priority: int,
         cache_salt: str | None,
     ) -> _Stream:
-        stream = _Stream(asyncio.get_running_loop(), params)
+        loop = asyncio.get_running_loop()
 
-        def add() -> None:
+        def add() -> _Stream:
             if request_id in self._streams:
                 raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
             request = self.engine.add_request(
                 request_id, prompt, params, priority=priority, cache_salt=cache_salt
             )
+            # Made only once the engine has checked ``n`` against its caps: the stream keeps one
+            # tracker per choice, and a client's n of 10**12 must be a 400, not a hang.
+            stream = _Stream(loop, params)
             self._streams[request_id] = stream
             self._num_tokens[request_id] = 0
             self._prompt_tokens += request.num_prompt_tokens
+            return stream
 
-        await self._call(add)
-        return stream
+        return await self._call(add)
 
     async def _call(self, fn: Callable[[], T]) -> T:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()

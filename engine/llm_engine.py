@@ -140,8 +140,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("must be a SamplingParams", param="sampling_params")
-        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
-            raise InvalidRequestError("must be a non-empty string", param="cache_salt")
+        if cache_salt is not None and not (isinstance(cache_salt, str) and _is_utf8(cache_salt)):
+            # Checked here: the prefix-cache hash encodes it on the engine thread, mid-step.
+            raise InvalidRequestError("must be a non-empty UTF-8 string", param="cache_salt")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         params = self._check_sampling(params, max_tokens)
@@ -243,11 +244,19 @@ class LLMEngine:
                 param="min_tokens",
             )
         vocab = self.config.model.vocab_size
-        bad = [t for t in params.logit_bias or {} if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="logit_bias"
-            )
+        for name, ids in (
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = [t for t in ids or () if t >= vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=name
+                )
+        if params.top_k > vocab:
+            # The top k >= vocab tokens are all of them. Clamped so that every int a request
+            # carries fits the step message (msgpack) and the sampler's int64 tensors.
+            params = params.clone(top_k=vocab)
         banned = [list(seq) for seq in params.bad_words_token_ids or ()]
         for word in params.bad_words or ():
             banned.extend(self._bad_word_token_ids(word))
@@ -542,10 +551,19 @@ def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     changes: dict[str, Any] = {"n": 1}
     if params.seed is not None:
-        changes["seed"] = params.seed + index
+        # seed + i, wrapped to stay a 64-bit seed (as SamplingParams requires).
+        changes["seed"] = (params.seed + index + 2**63) % 2**64 - 2**63
     if index > 0:
         changes["prompt_logprobs"] = None
     return params.clone(**changes)
+
+
+def _is_utf8(text: str) -> bool:
+    """Non-empty and encodable: a lone surrogate ("\\ud800", which JSON can carry) is not."""
+    try:
+        return bool(text.encode())
+    except UnicodeEncodeError:
+        return False
 
 
 def _within(value: int, cap: int, name: str, cap_name: str) -> None:

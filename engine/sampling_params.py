@@ -122,7 +122,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             f"must be in [0, 1], got {self.min_p!r}",
         )
         if self.seed is not None:
-            _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+            # A 64-bit seed, as OpenAI's: torch.Generator and the msgpack step message take no
+            # more (sample i of n draws from seed + i, wrapped to stay in range).
+            _check(
+                _is_int(self.seed) and -(2**63) <= self.seed < 2**63,
+                "seed",
+                f"must be a 64-bit integer in [-2**63, 2**63), got {self.seed!r}",
+            )
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -181,8 +187,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
         bias: dict[int, float] = {}
         for key, value in self.logit_bias.items():
-            # JSON object keys are strings: accept "50256" as well as 50256.
-            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            token = _json_token_id(key)
             _check(
                 _is_int(token) and token >= 0,
                 "logit_bias",
@@ -270,6 +275,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(message, param=name)
+
+
+def _json_token_id(key: Any) -> Any:
+    """JSON object keys are strings: "50256" is token 50256. Only ASCII digits, and few enough
+    that ``int`` parses them ("²" is a digit to ``str.isdigit``; no vocabulary has 10**18
+    tokens); any other key is returned as is, to be rejected."""
+    text = key.strip() if isinstance(key, str) else ""
+    if text.isascii() and text.isdigit() and len(text) <= 18:
+        return int(text)
+    return key
 
 
 def _is_int(value: Any) -> bool:

@@ -111,6 +111,22 @@ def test_cache_salt_reaches_the_engine(server: LLMServer) -> None:
     assert ok[0]["type"] == "start"
 
 
+@pytest.mark.parametrize(
+    ("request_fields", "param"),
+    [
+        ({"cache_salt": "\ud800"}, "cache_salt"),  # hashed as UTF-8 on the engine thread
+        ({"params": {"seed": 2**64}}, "seed"),  # torch.Generator overflows in the worker
+    ],
+)
+def test_input_that_failed_mid_step_is_400_and_the_engine_lives(
+    server: LLMServer, request_fields: dict[str, Any], param: str
+) -> None:
+    items = collect(server, {"prompt": "x", "params": {"max_tokens": 2}, **request_fields})
+    assert (items[0]["status"], items[0]["param"]) == (400, param)
+    assert asyncio.run(server.health()) == {"healthy": True}
+    assert collect(server, {"prompt": "x", "params": {"max_tokens": 2}})[0]["type"] == "start"
+
+
 def test_engine_failure_messages_carry_no_internals() -> None:
     server = LLMServer("tiny", ENGINE_ARGS)
     secret = "/srv/models/secret/worker.py line 12: CUDA error, api_key=sk-123"

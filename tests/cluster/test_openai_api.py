@@ -21,8 +21,10 @@ from cluster.openai_api import (
     completion_payload,
     new_app,
 )
+from engine import InvalidRequestError, SamplingParams
 
 KEY = "sk-test-key"
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum")
 
 
 def make_client(key_hashes: list[str], max_body_bytes: int = 4096) -> TestClient:
@@ -67,6 +69,69 @@ def test_malformed_json_is_400(client: TestClient) -> None:
         "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert assert_error(response, 400, None)["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"model": "m", "prompt": "\\ud800"}', "prompt"),
+        (b'{"model": "m", "prompt": ["\\udfff"]}', "prompt.0"),
+        (b'{"model": "m", "prompt": "x", "stop": ["ok", "\\ud800"]}', "stop.1"),
+        (b'{"model": "m", "prompt": "x", "cache_salt": "\\ud800"}', "cache_salt"),
+        (b'{"model": "\\ud800", "prompt": "x"}', "model"),
+    ],
+)
+def test_lone_surrogate_is_400_naming_the_field(
+    client: TestClient, body: bytes, param: str
+) -> None:
+    # Valid JSON, but no text: the tokenizer, the prefix-cache hash and a UTF-8 error body
+    # echoing it (an unknown model's 404) would each fail on it with a 500.
+    response = client.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    error = assert_error(response, 400, param)
+    assert error["message"] == f"{param}: must be valid Unicode text (no lone surrogates)"
+
+
+def test_surrogate_pair_is_text(client: TestClient) -> None:
+    body = b'{"model": "m", "prompt": "\\ud83d\\ude00"}'
+    response = client.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.json()["prompt"] == "\U0001f600"
+
+
+def _documented_ranges() -> dict[str, dict[str, Any]]:
+    """The completions fields the engine's ``SamplingParams`` checks -> their schema."""
+    properties = CompletionRequest.model_json_schema()["properties"]
+    return {
+        name: prop
+        for name, prop in properties.items()
+        if name in SamplingParams.__struct_fields__ and set(_BOUNDS) & set(prop)
+    }
+
+
+@pytest.mark.parametrize("name", list(_documented_ranges()))
+def test_documented_range_is_the_one_the_engine_checks(name: str) -> None:
+    prop = _documented_ranges()[name]
+    types = {prop.get("type")} | {member.get("type") for member in prop.get("anyOf", [])}
+    step = 1 if "integer" in types else 0.01
+    accepted, rejected = [], []
+    if "minimum" in prop:
+        accepted.append(prop["minimum"])
+        rejected.append(prop["minimum"] - step)
+    if "maximum" in prop:
+        accepted.append(prop["maximum"])
+        rejected.append(prop["maximum"] + step)
+    if "exclusiveMinimum" in prop:
+        accepted.append(prop["exclusiveMinimum"] + step)
+        rejected.append(prop["exclusiveMinimum"])
+    for value in accepted:
+        SamplingParams(**{name: value})
+    for value in rejected:
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**{name: value})
+        assert info.value.param == name
 
 
 def test_unknown_field_is_400_naming_it(client: TestClient) -> None:

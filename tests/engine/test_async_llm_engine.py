@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams
+from engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams, async_llm_engine
 from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta, StreamOutput
 
 MODEL = "builtin:tiny-llama"
@@ -127,6 +127,30 @@ def test_invalid_request_raises_before_anything_is_enqueued(engine: AsyncLLMEngi
         assert (stats.num_running, stats.num_waiting) == (0, 0)
 
     asyncio.run(run())
+
+
+def test_n_over_the_cap_is_rejected_before_any_per_choice_state(
+    engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stream keeps a tracker per choice: built for an unchecked n of 10**12, it would hold
+    # the event loop (and memory) long before the engine's max_n check said 400.
+    built: list[int] = []
+
+    class CountingStream(async_llm_engine._Stream):
+        def __init__(self, loop: asyncio.AbstractEventLoop, params: SamplingParams) -> None:
+            built.append(params.n)
+            super().__init__(loop, params)
+
+    monkeypatch.setattr(async_llm_engine, "_Stream", CountingStream)
+
+    async def run() -> None:
+        with pytest.raises(InvalidRequestError, match="max_n") as info:
+            async for _ in engine.generate("hi", SamplingParams(n=10**12)):
+                pass
+        assert info.value.param == "n"
+
+    asyncio.run(run())
+    assert built == []
 
 
 def test_duplicate_request_id_is_rejected(engine: AsyncLLMEngine) -> None:

@@ -30,6 +30,12 @@ from engine import LLM, ConfigError, InvalidRequestError, SamplingParams
         ({"use_beam_search": True, "temperature": 0, "beam_width": 2, "n": 3}, "n"),
         ({"use_beam_search": True, "temperature": 0, "n": 2, "top_k": 5}, "top_k"),
         ({"beam_width": 0}, "beam_width"),
+        # Seeds are 64-bit: torch.Generator and the msgpack step message take no more.
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        # A digit to str.isdigit that int() cannot parse; more digits than int() will parse.
+        ({"logit_bias": {"²": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 1.0}}, "logit_bias"),
     ],
 )
 def test_out_of_range_value_names_the_parameter(kwargs, field) -> None:
@@ -55,6 +61,7 @@ def llm() -> LLM:
         ({"prompt_logprobs": 6}, "prompt_logprobs", "max_logprobs"),
         ({"max_tokens": None, "min_tokens": 250}, "min_tokens", "max_tokens"),
         ({"logit_bias": {10**6: 1.0}}, "logit_bias", "vocabulary"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids", "vocabulary"),
         ({"bad_words_token_ids": [[1, 10**6]]}, "bad_words_token_ids", "must be in"),
         ({"use_beam_search": True, "temperature": 0}, "use_beam_search", "beam_search"),
     ],
@@ -71,6 +78,23 @@ def test_request_above_a_cap_is_rejected_before_it_is_enqueued(
     assert not engine.has_unfinished_requests()
     assert not engine.scheduler.requests and not engine.scheduler.pending_forks
     engine.check_integrity()
+
+
+def test_64_bit_seeds_run(llm: LLM) -> None:
+    for seed in (2**63 - 1, -(2**63)):
+        params = SamplingParams(n=2, seed=seed, max_tokens=2, ignore_eos=True)
+        out = llm.generate("x", params, use_tqdm=False)[0]
+        assert [len(o.token_ids) for o in out.outputs] == [2, 2]
+
+
+def test_top_k_beyond_the_vocabulary_samples_from_every_token(llm: LLM) -> None:
+    # Batched with a top_k request, so the sampler builds a top_k tensor holding both.
+    params = {"temperature": 1.0, "seed": 5, "max_tokens": 6, "ignore_eos": True}
+    huge, small = SamplingParams(top_k=2**64, **params), SamplingParams(top_k=3, **params)
+    outs = llm.generate(["Once", "Twice"], [huge, small], use_tqdm=False)
+    unfiltered = llm.generate("Once", SamplingParams(**params), use_tqdm=False)[0]
+    assert outs[0].outputs[0].token_ids == unfiltered.outputs[0].token_ids
+    llm.llm_engine.check_integrity()
 
 
 def test_requests_at_the_caps_run(llm: LLM) -> None:
