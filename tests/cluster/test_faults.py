@@ -229,6 +229,7 @@ def run_fault(base_url: str, stub: llm_pb2_grpc.LLMStub, inject: Callable[[], No
     unhealthy = health(base_url)
     assert unhealthy.status_code == 503, unhealthy.text
     assert FAULTY in unhealthy.json()["error"]["message"]
+
     # ... which it does: a fresh request succeeds within 120 s.
     def fresh_request_succeeds() -> bool:
         try:  # a request may wait for the replacement replica: give it the time left
