@@ -9,8 +9,9 @@
              rather than queue without bound); the first falls inside the warm-up
     memory   the resident set of each model replica, the ingress and Serve's HTTP proxy,
              sampled every --rss-interval s; the --warmup s (allocator pools filling, the first
-             burst) are left out and the rest split into two halves by time: growth is the
-             median of the second half over the median of the first
+             burst) are left out and the rest of --duration (not the tail in which the last
+             requests finish) split into two halves by time: growth is the median of the
+             second half over the median of the first
     idle     after the run every replica of the model is polled until idle: free KV blocks
              must equal the total and no per-request state may remain on the head or workers
 
@@ -556,7 +557,7 @@ class RssSampler:
         out: dict[str, Any] = {}
         for name, samples in self.samples.items():
             first = [rss for t, rss in samples if warmup_s <= t < middle]
-            second = [rss for t, rss in samples if middle <= t]
+            second = [rss for t, rss in samples if middle <= t <= end_s]
             entry: dict[str, Any] = {"samples": len(samples), "gone": name in self.gone}
             # At most ~40 points of the whole run (warm-up included), to see a trend.
             step = max(1, len(samples) // 40)
@@ -617,7 +618,7 @@ async def soak(
     load_s = time.monotonic() - load.start
     report = summarize(list(records.values()), load, settings, load_s)
     if probe is not None and sampler is not None:
-        report["rss"] = sampler.summary(settings.warmup_s, load_s)
+        report["rss"] = sampler.summary(settings.warmup_s, settings.duration_s)
         try:
             idle, states, waited = await asyncio.to_thread(probe.wait_idle, idle_timeout_s)
         except Exception as exc:  # no replica to answer: the finding is that it is gone

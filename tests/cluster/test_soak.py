@@ -1,10 +1,11 @@
 """The soak test, CI-sized: configs/tiny.yaml under looping streaming clients (completions and
 chat, the official ``openai`` client), a tenth of the requests closed by the client at a random
-point of their stream, and bursts of 10x the replica's capacity, for under a minute
-(``cluster bench soak`` runs the same for as long as asked). Admission control is on — Serve's
-``max_queued_requests`` and the engine's ``max_waiting_requests`` — so a burst is refused with
-503 rather than queued without bound. The soak runs once; each test checks one property of its
-report (``cluster.bench.soak`` defines the outcomes and the anomalies).
+point of their stream, and every 7.5 s a burst that tops the burst requests in flight up to 10x
+the replica's capacity, for under a minute (``cluster bench soak`` runs the same for as long as
+asked). Admission control is on — Serve's ``max_queued_requests`` and the engine's
+``max_waiting_requests`` — so a burst is refused with 503 rather than queued without bound. The
+soak runs once; each test checks one property of its report (``cluster.bench.soak`` defines the
+outcomes and the anomalies).
 
 One replica: on a 2-core CI machine a second would halve each replica's CPU and double the
 start-up, and the probe reaches every running replica either way (it calls until each

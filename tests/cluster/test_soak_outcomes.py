@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ import pytest
 
 from cluster.bench.soak import (
     RequestRecord,
+    RssSampler,
     SoakLoad,
     SoakSettings,
     _http,
@@ -161,3 +163,16 @@ def test_cli_without_a_target_exits_2_asking_for_one() -> None:
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 2
     assert "give --config (deploy locally) or --base-url" in result.stderr
+
+
+def test_memory_growth_compares_medians_of_the_halves_after_warmup_without_the_tail() -> None:
+    sampler = RssSampler({"me": os.getpid()}, interval_s=1.0)
+    mb = 2**20
+    # Warm-up (t < 10) grows; the halves of [10, 30] hold 100 and 104 MB; the tail is ignored.
+    sampler.samples["me"] = [(t, (50 + 5 * t) * mb) for t in range(10)]
+    sampler.samples["me"] += [(t, 100 * mb) for t in range(10, 20)]
+    sampler.samples["me"] += [(t, 104 * mb) for t in range(20, 31)]
+    sampler.samples["me"] += [(t, 500 * mb) for t in range(31, 40)]
+    entry = sampler.summary(warmup_s=10, end_s=30)["me"]
+    assert (entry["first_half_median_mb"], entry["second_half_median_mb"]) == (100.0, 104.0)
+    assert entry["growth_pct"] == 4.0 and not entry["gone"]
