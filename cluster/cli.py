@@ -218,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_bench.add_arguments(sv)
     sv.set_defaults(func=lambda a: (serve_bench.run(a), 0)[1])
+    from cluster.bench import soak
+
+    sk = bench_sub.add_parser(
+        "soak", help="bounded soak: streaming clients, cancellations, bursts; leaks and memory"
+    )
+    soak.add_arguments(sk)
+    sk.set_defaults(func=lambda a: (soak.run(soak.require_target(sk, a)), 0)[1])
     return parser
 
 

@@ -1,0 +1,178 @@
+"""The soak driver's bookkeeping against scripted HTTP responses (no server): every way a
+stream can end gets the outcome and the anomalies the soak test relies on, so a soak that
+reports no anomaly has really looked for them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from cluster.bench.soak import (
+    RequestRecord,
+    RssSampler,
+    SoakLoad,
+    SoakSettings,
+    _http,
+    make_client,
+    stream_request,
+)
+
+http = _http()
+
+
+def chunk(text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    body = {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [choice]}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+DONE = b"data: [DONE]\n\n"
+ERROR = b'data: {"error": {"message": "the engine failed", "type": "APIError", "code": null}}\n\n'
+
+
+def server(parts: list[bytes], status: int = 200, headers: dict[str, str] | None = None,
+           raise_after: bool = False, hang: bool = False) -> Any:  # fmt: skip
+    async def body() -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+        if raise_after:
+            raise http.ReadError("connection reset by peer")
+        if hang:
+            await asyncio.sleep(3600)
+
+    async def handle(request: Any) -> Any:
+        return http.Response(status, headers={"content-type": "text/event-stream",
+                                              **(headers or {})}, content=body())  # fmt: skip
+
+    return http.MockTransport(handle)
+
+
+def run(transport: Any, cancel_after: int | None = None) -> RequestRecord:
+    async def go() -> RequestRecord:
+        records: dict[int, RequestRecord] = {}
+        client = make_client("http://soak.test/v1", None, records, SoakSettings(), transport)
+        record = records[0] = RequestRecord(0, "client", "completions", 8, cancel_after, 0.0)
+        await stream_request(client, "m", record, {"prompt": "x", "max_tokens": 8, "stream": True})
+        await client.close()
+        return record
+
+    return asyncio.run(go())
+
+
+def test_finish_reason_then_done_is_one_success() -> None:
+    record = run(server([chunk("a"), chunk("b", "length"), DONE]))
+    assert (record.outcome, record.anomalies(), record.chunks) == ("success", [], 2)
+    assert record.finishes == ["length"] and record.done_markers == 1
+
+
+def test_done_split_across_reads_is_counted_once() -> None:
+    record = run(server([chunk("a", "stop") + DONE[:9], DONE[9:]]))
+    assert (record.outcome, record.anomalies(), record.done_markers) == ("success", [], 1)
+
+
+def test_success_without_done_is_an_anomaly() -> None:
+    record = run(server([chunk("a"), chunk("b", "length")]))
+    assert record.anomalies() == ["success_without_done"]
+
+
+def test_stream_without_finish_reason_or_error_has_no_terminal_event() -> None:
+    record = run(server([chunk("a"), DONE]))
+    assert (record.outcome, record.anomalies()) == ("none", ["no_terminal_event"])
+
+
+def test_error_chunk_is_one_error_outcome() -> None:
+    record = run(server([chunk("a"), ERROR, DONE]))
+    assert (record.outcome, record.anomalies()) == ("error", [])
+
+
+def test_two_finish_reasons_are_several_terminal_events() -> None:
+    record = run(server([chunk("a", "length"), chunk("", "stop"), DONE]))
+    assert (record.outcome, record.anomalies()) == ("several", ["several_terminal_events"])
+
+
+def test_data_after_done_is_an_anomaly() -> None:
+    record = run(server([chunk("a", "length"), DONE, chunk("b")]))
+    assert record.anomalies() == ["data_after_done"]
+
+
+def test_connection_broken_mid_stream_is_an_anomaly() -> None:
+    record = run(server([chunk("a")], raise_after=True))
+    assert (record.outcome, record.anomalies()) == ("none", ["broken_stream"])
+
+
+def test_client_closing_mid_stream_is_one_abort() -> None:
+    record = run(server([chunk("a"), chunk("b"), chunk("c", "length"), DONE]), cancel_after=2)
+    assert (record.outcome, record.anomalies(), record.chunks) == ("abort", [], 2)
+
+
+def test_503_overloaded_is_refused_and_never_accepted() -> None:
+    error = {
+        "message": "busy",
+        "type": "ServiceUnavailableError",
+        "param": None,
+        "code": "overloaded",
+    }
+    body = json.dumps({"error": error}).encode()
+    record = run(server([body], 503, {"content-type": "application/json", "retry-after": "1"}))
+    assert (record.accepted, record.outcome, record.retry_after_s) == (False, "refused", 1.0)
+    assert record.anomalies() == []
+
+
+def test_other_http_error_is_rejected() -> None:
+    body = b'{"error": {"message": "bad", "type": "BadRequestError", "param": "x", "code": null}}'
+    record = run(server([body], 400, {"content-type": "application/json"}))
+    assert (record.accepted, record.outcome) == (False, "rejected")
+
+
+def test_request_past_its_client_timeout_is_a_hang() -> None:
+    async def go() -> RequestRecord:
+        records: dict[int, RequestRecord] = {}
+        settings = SoakSettings(request_timeout_s=0.5, cancel_fraction=0.0, chat_fraction=0.0)
+        transport = server([chunk("a")], hang=True)
+        client = make_client("http://soak.test/v1", None, records, settings, transport)
+        load = SoakLoad(client, "m", settings, records)
+        record = await load.send_one("client")
+        await client.close()
+        return record
+
+    record = asyncio.run(go())
+    assert record.timed_out and record.anomalies() == ["hang"]
+
+
+def test_settings_out_of_range_raise_naming_the_setting() -> None:
+    with pytest.raises(ValueError, match=r"^warmup_s: must be in \[0, duration_s\)"):
+        SoakSettings(duration_s=10, warmup_s=10).check()
+    with pytest.raises(ValueError, match=r"^max_tokens: must be \(lo, hi\)"):
+        SoakSettings(max_tokens=(8, 4)).check()
+
+
+def test_bursts_start_inside_the_warmup_then_follow_the_interval() -> None:
+    settings = SoakSettings(duration_s=54, warmup_s=18, burst_interval_s=9)
+    assert settings.burst_times() == [9, 18, 27, 36, 45]
+
+
+def test_cli_without_a_target_exits_2_asking_for_one() -> None:
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "soak"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2
+    assert "give --config (deploy locally) or --base-url" in result.stderr
+
+
+def test_memory_growth_compares_medians_of_the_halves_after_warmup_without_the_tail() -> None:
+    sampler = RssSampler({"me": os.getpid()}, interval_s=1.0)
+    mb = 2**20
+    # Warm-up (t < 10) grows; the halves of [10, 30] hold 100 and 104 MB; the tail is ignored.
+    sampler.samples["me"] = [(t, (50 + 5 * t) * mb) for t in range(10)]
+    sampler.samples["me"] += [(t, 100 * mb) for t in range(10, 20)]
+    sampler.samples["me"] += [(t, 104 * mb) for t in range(20, 31)]
+    sampler.samples["me"] += [(t, 500 * mb) for t in range(31, 40)]
+    entry = sampler.summary(warmup_s=10, end_s=30)["me"]
+    assert (entry["first_half_median_mb"], entry["second_half_median_mb"]) == (100.0, 104.0)
+    assert entry["growth_pct"] == 4.0 and not entry["gone"]
