@@ -331,8 +331,8 @@ def serve_stop_flag() -> Callable[[], bool] | None:
     after the in-flight requests are gone — so this reads the replica's own ``_shutting_down``
     flag, reached through the replica context. If a Ray upgrade moves it, this returns None,
     the replica logs a warning and falls back to Serve's plain drain (in-flight requests past
-    the deadline are cut, the ingress reports them as 503);
-    ``tests/cluster/test_faults.py::test_redeploy_drains_*`` fails first."""
+    the deadline are cut, the ingress reports them as 503), and the drain test of
+    ``tests/cluster/test_serve_faults.py`` fails first."""
     try:
         from ray.serve.context import _get_internal_replica_context
 

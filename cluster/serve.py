@@ -24,7 +24,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import DeploymentConfig, ModelDeployment, load_config
-from cluster.llm_server import LLMServer
+from cluster.llm_server import LLMServer, serve_stop_flag
 from cluster.metrics import PREFIX
 from cluster.openai_api import (
     APIError,
@@ -158,6 +158,8 @@ class OpenAIIngress:
         self.servers = servers
         self.api_key_hashes = api_key_hashes
         self.max_body_bytes = max_body_bytes
+        # Serve stopping this replica (cluster shutdown, redeploy): new generations get 503.
+        self._stopping = serve_stop_flag()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return make_openai_app(self, self.api_key_hashes, self.max_body_bytes)
@@ -172,6 +174,9 @@ class OpenAIIngress:
     async def open_stream(self, model: str, payload: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         """Start a generation; returns its "start" item and the handle's stream, or raises
         ``APIError`` (the server's validation error, 404, 503) before any byte is sent."""
+        if self._stopping is not None and self._stopping():
+            raise APIError(503, "the server is shutting down, retry later", None, "draining",
+                           retry_after=1)  # fmt: skip
         stream = self._server(model).options(stream=True).generate.remote(payload)
         try:
             first = await stream.__anext__()

@@ -1,5 +1,7 @@
 """A local Ray with Serve for the serving tests: started once per session (lazily, so the CLI
-test's own ``ray start`` cluster never runs beside it), ports from the OS."""
+test's own ``ray start`` cluster never runs beside it), ports from the OS. Modules that start
+their own Ray (``test_ray_*``) must sort before the first module that uses it: the serving
+modules are named ``test_serve_*`` / ``test_soak*``."""
 
 from __future__ import annotations
 
