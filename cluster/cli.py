@@ -92,7 +92,7 @@ def _deploy_and_report(config: DeploymentConfig, address: str | None) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import time
 
-    from ray import serve
+    from cluster import deploy
 
     config = _load_config(args.config)
     _deploy_and_report(config, args.address)
@@ -103,7 +103,7 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("shutting down", flush=True)
     finally:
-        serve.shutdown()
+        deploy.shutdown()
     return 0
 
 
@@ -139,12 +139,10 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _shutdown(args: argparse.Namespace) -> int:
-    from ray import serve
-
     from cluster import deploy
 
     deploy.connect(args.address)
-    serve.shutdown()
+    deploy.shutdown()
     print("Serve shut down: all deployments removed")
     return 0
 

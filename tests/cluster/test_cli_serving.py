@@ -171,7 +171,7 @@ def test_deploy_request_status_redeploy_shutdown(ray_head: str, tmp_path: Path) 
     # A request in flight on the old replica finishes: the old replica drains (for
     # graceful_shutdown_timeout_s, 20 s by default) before Serve stops it.
     changed = yaml.safe_load(config.read_text())
-    changed["models"][0]["engine_kwargs"]["num_kv_blocks"] = 128
+    changed["models"][0]["engine_kwargs"].update(num_kv_blocks=1024, max_model_len=2048)
     changed["models"][0]["deployment_config"]["graceful_shutdown_timeout_s"] = 1
     config.write_text(yaml.safe_dump(changed))
     in_flight = LongStream(http_port, max_tokens=200)
@@ -180,15 +180,16 @@ def test_deploy_request_status_redeploy_shutdown(ray_head: str, tmp_path: Path) 
     assert in_flight.finish_reasons(60) == ["length"]
     after = json.loads(cluster_cli("status", "--address", ray_head, "--json").stdout)
     assert after["models"]["tiny-llama"]["replicas"] == {"RUNNING": 1}
-    assert after["models"]["tiny-llama"]["stats"]["kv_total_blocks"] == 128
+    assert after["models"]["tiny-llama"]["stats"]["kv_total_blocks"] == 1024
     assert complete(http_port)["usage"]["completion_tokens"] == 4
 
     # Shutting down drains too: now for 1 s, after which what is left ends with "abort"
-    # (a last chunk, then [DONE]) rather than a cut connection.
-    in_flight = LongStream(http_port, max_tokens=1000)
+    # (a last chunk, then [DONE]) rather than a cut connection. Eight streams of 2000 tokens
+    # share the steps, so they outlast the CLI's start-up and the drain.
+    in_flight = [LongStream(http_port, max_tokens=2000) for _ in range(8)]
     shutdown = cluster_cli("shutdown", "--address", ray_head, timeout=120)
     assert shutdown.returncode == 0, shutdown.stderr[-3000:]
-    assert in_flight.finish_reasons(60) == ["abort"]
+    assert [s.finish_reasons(60) for s in in_flight] == [["abort"]] * 8
     wait_for(lambda: refuses_connections(http_port), 30, "the HTTP endpoint to go away")
 
 
