@@ -139,6 +139,7 @@ def app(server: LLMServer) -> Any:
     ingress.servers = {MODEL: _LocalHandle(server)}
     ingress.api_key_hashes = [hashlib.sha256(KEY.encode()).hexdigest()]
     ingress.max_body_bytes = 1 << 16
+    ingress._stopping = None  # not a Serve replica: never stopping
 
     async def no_metrics() -> Any:
         return "metrics are scraped from Ray, which this test does not run"

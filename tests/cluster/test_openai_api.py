@@ -490,16 +490,22 @@ class _FakeHandle:
         return _FakeStream(self.first)
 
 
-def _open_stream(first: dict[str, Any] | Exception) -> APIError:
+def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> APIError:
     import asyncio
     from types import SimpleNamespace
 
     from cluster.serve import OpenAIIngress
 
-    ingress = SimpleNamespace(_server=lambda model: _FakeHandle(first))
+    ingress = SimpleNamespace(_server=lambda model: _FakeHandle(first),
+                              _stopping=lambda: stopping)  # fmt: skip
     with pytest.raises(APIError) as info:
         asyncio.run(OpenAIIngress.open_stream(ingress, "m", {}))  # type: ignore[arg-type]
     return info.value
+
+
+def test_a_stopping_ingress_refuses_new_generations_with_503_draining() -> None:
+    error = _open_stream({"type": "start", "prompt_tokens": 1, "n": 1}, stopping=True)
+    assert (error.status, error.code, error.retry_after) == (503, "draining", 1)
 
 
 def test_ingress_turns_a_full_queue_into_a_503_with_retry_after() -> None:
