@@ -167,18 +167,25 @@ class ModelDeployment:
         return device == "cuda" or (device != "cpu" and self.accelerator_type is not None)
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
-        """The replica's own bundle first, then one bundle per worker (TP x PP of them).
+        """The replica's bundles: its front (bundle 0), its head (bundle 1), then one bundle per
+        worker (TP x PP of them).
 
-        With TP = PP = 1 the worker runs inside the replica, so the replica's bundle holds the
-        device; otherwise (or with ``distributed_executor_backend: ray``) the replica only
-        schedules and the worker actors each hold one device.
+        The front (the Serve replica: templates, tokenizing, streams) and the head (the engine
+        core) are separate processes. With TP = PP = 1 the head runs the worker itself, so its
+        bundle holds the device; otherwise (or with ``distributed_executor_backend: ray``) the
+        head only schedules and the worker actors each hold one device.
         """
         device = {"GPU": 1.0} if self.uses_gpu else {"CPU": 1.0}
         if self.uses_gpu and self.accelerator_type:
             device[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        front = {"CPU": 1.0}
         if self.world_size == 1 and self.engine_kwargs.get("distributed_executor_backend") != "ray":
-            return [{"CPU": 1.0, **device}] if self.uses_gpu else [device]
-        return [{"CPU": 1.0}] + [dict(device) for _ in range(self.world_size)]
+            return [front, {"CPU": 1.0, **device}] if self.uses_gpu else [front, device]
+        return [front, {"CPU": 1.0}] + [dict(device) for _ in range(self.world_size)]
+
+    @property
+    def head_bundle_index(self) -> int:
+        return 1
 
     def serve_options(self) -> dict[str, Any]:
         return {

@@ -1,5 +1,8 @@
-"""``LLMServer``: one model's head as a Ray Serve replica — an ``AsyncLLMEngine`` (scheduler,
-block manager, executor) behind handle methods the ingress (HTTP or gRPC) calls.
+"""``LLMServer``: one model replica as a Ray Serve deployment — the front (chat templates,
+tokenizing, per-request streams) over its head, the engine core (scheduler, block manager,
+executor), which runs in a Ray actor of its own inside a Serve replica (``cluster.head_actor``)
+and on a thread of this process outside one (tests, tools). Handle methods are what the
+ingress (HTTP or gRPC) calls.
 
 The wire between ingress and server is plain dicts, so neither side needs the other's classes.
 ``generate`` streams:
@@ -31,8 +34,9 @@ from jinja2 import TemplateError
 
 from cluster.metrics import ModelMetrics
 from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta
+from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("llm_cluster.serve")
@@ -67,14 +71,33 @@ class LLMServer:
     once the engine is dead, so Serve replaces the replica."""
 
     def __init__(
-        self, model_id: str, engine_args: dict[str, Any], drain_timeout_s: float = 20.0
+        self,
+        model_id: str,
+        engine_args: dict[str, Any],
+        drain_timeout_s: float = 20.0,
+        head_resources: dict[str, float] | None = None,
     ) -> None:
-        from engine.config import EngineConfig
-
+        """``head_resources`` (the head's placement bundle, bundle 1 of this replica's group)
+        starts the engine core in a head actor; without it (outside Serve) the core runs on a
+        thread of this process."""
         self.model_id = model_id
         self.replica_id = _replica_id()
         config = EngineConfig.from_kwargs(**engine_args)
-        self.engine = AsyncLLMEngine(LLMEngine(config))
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        if head_resources is not None:
+            from cluster.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
+
+            client = HeadCoreClient(
+                config,
+                engine_args,
+                name=f"{HEAD_NAME_PREFIX}{model_id}:{self.replica_id}",
+                bundle_index=1,
+                resources=head_resources,
+            )
+            self.engine = AsyncLLMEngine(client, tokenizer=self.tokenizer)
+        else:
+            self.engine = AsyncLLMEngine(LLMEngine(config))
         self.max_model_len = config.max_model_len
         self.metrics = ModelMetrics(model_id, self.replica_id)
         self._stats_task: asyncio.Task[None] | None = None
@@ -98,7 +121,7 @@ class LLMServer:
         request_id = request.get("request_id") or uuid.uuid4().hex
         self._active.add(request_id)
         try:
-            prompt = await self._prompt(request)
+            prompt = self._prompt(request)
             params = _sampling_params(request.get("params") or {})
             timeout = request.get("timeout")
             stream = self.engine.generate(
@@ -148,47 +171,49 @@ class LLMServer:
             await stream.aclose()
             timer.finish(time.monotonic())
 
-    async def _prompt(self, request: dict[str, Any]) -> Any:
+    def _prompt(self, request: dict[str, Any]) -> Any:
+        """The prompt for the core, tokenized here (the head's process only runs the model)."""
         if request.get("messages") is not None:
-            messages = request["messages"]
-            return {"prompt_token_ids": await self.engine.call(lambda e: _chat_ids(e, messages))}
+            return {"prompt_token_ids": _chat_ids(self.tokenizer, request["messages"])}
         if request.get("prompt_token_ids") is not None:
             return {"prompt_token_ids": request["prompt_token_ids"]}
-        return request.get("prompt")
+        prompt = request.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
+        return prompt  # the core names what is wrong with it
 
     # ---- tokenizer ----------------------------------------------------------------------
 
     async def tokenize(self, request: dict[str, Any]) -> dict[str, Any]:
         try:
             if request.get("messages") is not None:
-                messages = request["messages"]
-                ids = await self.engine.call(lambda e: _chat_ids(e, messages))
+                ids = _chat_ids(self.tokenizer, request["messages"])
             else:
                 text = request.get("prompt")
                 if not isinstance(text, str):
                     raise InvalidRequestError("must be a string", param="prompt")
-                ids = await self.engine.call(lambda e: e.tokenizer.encode(text))
+                ids = self.tokenizer.encode(text)
         except InvalidRequestError as exc:
             return error_item(400, exc.reason, exc.param)
         return {"tokens": list(ids), "count": len(ids), "max_model_len": self.max_model_len}
 
     async def detokenize(self, request: dict[str, Any]) -> dict[str, Any]:
         tokens = request.get("tokens")
-        vocab = self.engine.config.model.vocab_size
+        vocab = self.config.model.vocab_size
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and 0 <= t < vocab for t in tokens
         ):
             return error_item(400, f"must be a list of token ids in [0, {vocab})", "tokens")
-        return {"prompt": await self.engine.call(lambda e: e.tokenizer.decode(tokens))}
+        return {"prompt": self.tokenizer.decode(tokens)}
 
     # ---- health and stats ---------------------------------------------------------------
 
-    def check_health(self) -> None:
-        self.engine.check_health()
+    async def check_health(self) -> None:
+        await self.engine.check_engine_health()
 
     async def health(self) -> dict[str, Any]:
         try:
-            self.engine.check_health()
+            await self.engine.check_engine_health()
         except EngineDeadError:
             logger.exception("model %s: health check failed", self.model_id)
             return {"healthy": False, "error": "the engine is dead"}
@@ -309,8 +334,7 @@ def _sampling_params(params: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**params)
 
 
-def _chat_ids(engine: LLMEngine, messages: list[dict[str, Any]]) -> list[int]:
-    tokenizer = engine.tokenizer
+def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model has no chat template", param="messages")
     try:

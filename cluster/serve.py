@@ -336,15 +336,17 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
 
 def _server_deployment(model: ModelDeployment) -> Any:
     options = model.serve_options()
-    first_bundle = options["placement_group_bundles"][0]
-    actor: dict[str, Any] = {"num_cpus": first_bundle.get("CPU", 0), "runtime_env": runtime_env()}
-    if first_bundle.get("GPU"):
-        actor["num_gpus"] = first_bundle["GPU"]
+    bundles = options["placement_group_bundles"]
+    # The replica (the front) takes bundle 0; its head actor takes bundle 1 (the device too
+    # with TP = PP = 1); worker actors take the rest.
+    actor: dict[str, Any] = {"num_cpus": bundles[0].get("CPU", 0), "runtime_env": runtime_env()}
     deployment = serve.deployment(LLMServer).options(
         name=deployment_name(model.model_id), ray_actor_options=actor, **options
     )
     drain_timeout_s = model.deployment_config.graceful_shutdown_timeout_s
-    return deployment.bind(model.model_id, model.engine_args(), drain_timeout_s)
+    head = bundles[model.head_bundle_index]
+    head_resources = {k: v for k, v in head.items() if k in ("CPU", "GPU")}
+    return deployment.bind(model.model_id, model.engine_args(), drain_timeout_s, head_resources)
 
 
 def runtime_env() -> dict[str, Any]:

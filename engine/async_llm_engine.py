@@ -1,70 +1,53 @@
-"""``AsyncLLMEngine``: the ``LLMEngine`` behind an asyncio API, for servers.
+"""``AsyncLLMEngine``: the front of the engine — one asyncio stream per request — over an engine
+core that runs elsewhere (``engine.core_client``): on a thread of this process, or in the head
+actor of a Serve replica.
 
-    event loop (HTTP / gRPC handlers)            engine thread (owns the LLMEngine)
-    ─────────────────────────────────            ──────────────────────────────────
-    generate() ── add command ──────────────▶    drain commands (add / abort / call)
-      ▲  awaits the add's future (errors here)   step()  ← forward pass, off the event loop
-      │                                          post outputs ─┐
-      └──── per-request asyncio.Queue ◀──── call_soon_threadsafe┘
+    event loop (HTTP / gRPC handlers)              engine core (thread or head actor)
+    ─────────────────────────────────              ──────────────────────────────────
+    generate() ── AddRequest ─────────────────▶    validate, enqueue (errors come back here)
+      ▲                                            step() … one StepOutputs per step
+      └── per-request asyncio.Queue ◀── fan-out ◀─ (all requests' deltas in one message)
 
-Every ``LLMEngine`` call happens on the one engine thread, so the engine needs no locks; the
-event loop only ever waits on futures and queues. Commands are drained before every step, so an
-abort (a cancelled stream, a disconnected client) takes effect within one step and its blocks
-are free before the next forward pass.
+The front does only per-request bookkeeping: it keeps each request's output so far and hands it
+deltas. Deltas that pile up while a consumer is busy are merged into one item. Closing or
+cancelling a stream before its last item aborts the request in the core (within one step).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
-import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine import envs
 from engine.config import EngineConfig
+from engine.core_client import EngineCoreClient, InProcessCoreClient
+from engine.core_loop import AddRequest, ChoiceDelta, CoreStats, RequestDelta, StepOutputs
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-
-logger = logging.getLogger("llm_cluster.async_engine")
 
 T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class ChoiceDelta:
-    """What is new for one of a request's n choices since the previous item of its stream."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    # One entry per new token (token id -> Logprob, the sampled token first) when the request
-    # asked for logprobs; aligned with ``token_ids``.
-    logprobs: SampleLogprobs | None
-    # Set on the one delta in which this choice finishes.
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_tokens: int  # this choice's tokens so far
+# Kept under its old name: what ``get_stats`` returns.
+EngineStats = CoreStats
 
 
 @dataclass(frozen=True)
 class StreamOutput:
-    """One item of a request's stream: the cumulative ``RequestOutput`` plus, per choice that
-    has something new, its delta (``deltas``, ordered by index). Concatenating a choice's delta
-    texts gives its final text exactly: while stop strings could still match, its last
-    ``max(len(stop)) - 1`` characters are held back."""
+    """One item of a request's stream: the request's output so far (``output``, one object
+    updated in place as the stream goes on) plus, per choice that has something new, its delta
+    (``deltas``, ordered by index). Concatenating a choice's delta texts gives its final text
+    exactly: while stop strings could still match, its last ``max(len(stop)) - 1`` characters
+    are held back. A delta may have tokens and no text (an incomplete character)."""
 
     output: RequestOutput
     deltas: list[ChoiceDelta]
-    # Monotonic time of the step that produced the newest token in this item.
+    # Monotonic time (this process's clock) of the step that produced the newest token here.
     time: float = field(default=0.0)
 
     @property
@@ -94,116 +77,78 @@ class StreamOutput:
         return self.output.outputs[0].finish_reason
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot taken on the engine thread between steps."""
-
-    num_running: int
-    num_waiting: int
-    kv_total_blocks: int
-    kv_free_blocks: int
-    kv_usage: float  # fraction of blocks held by requests, in [0, 1]
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_steps: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return (
-            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        )
-
-
-class _ChoiceTracker:
-    """How much of one choice its stream has sent: text (held back near stop strings), tokens,
-    and whether its finish was reported."""
-
-    def __init__(self, index: int, holdback: int) -> None:
-        self.index = index
-        self.holdback = holdback
-        self.sent_text = ""
-        self.sent_tokens = 0
-        self.sent_finish = False
-
-    def delta(self, completion: CompletionOutput) -> ChoiceDelta | None:
-        text = completion.text
-        if not completion.finished and self.holdback:
-            text = text[: max(len(self.sent_text), len(text) - self.holdback)]
-        delta_text = text[len(self.sent_text) :]
-        new_tokens = completion.token_ids[self.sent_tokens :]
-        finishing = completion.finished and not self.sent_finish
-        if not (delta_text or new_tokens or finishing):
-            return None
-        logprobs = completion.logprobs
-        delta = ChoiceDelta(
-            index=self.index,
-            text=delta_text,
-            token_ids=list(new_tokens),
-            logprobs=list(logprobs[self.sent_tokens :]) if logprobs is not None else None,
-            finish_reason=completion.finish_reason if finishing else None,
-            stop_reason=completion.stop_reason if finishing else None,
-            num_tokens=len(completion.token_ids),
-        )
-        self.sent_text, self.sent_tokens = text, len(completion.token_ids)
-        self.sent_finish = completion.finished
-        return delta
-
-
 class _Stream:
-    """The event-loop side of one request: its loop, a queue of outputs / an exception, and
-    what has been sent of each of its choices."""
+    """The event-loop side of one request: its loop and a queue of (delta, time) items or an
+    exception. Its output is made by ``start`` once the core accepted the request (n checked)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, params: SamplingParams) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[tuple[RequestOutput, float] | BaseException] = asyncio.Queue()
-        holdback = max((len(s) for s in params.stop or []), default=1) - 1
-        self.choices = [_ChoiceTracker(i, holdback) for i in range(params.n)]
+        self.queue: asyncio.Queue[tuple[RequestDelta, float] | BaseException] = asyncio.Queue()
         self.finished = False
+        self.output: RequestOutput | None = None
 
-    def delta(self, output: RequestOutput, at: float) -> StreamOutput | None:
-        deltas = []
-        for completion in output.outputs:
-            delta = self.choices[completion.index].delta(completion)
-            if delta is not None:
-                deltas.append(delta)
-        if not (deltas or output.finished):
-            return None
-        return StreamOutput(output, deltas, at)
+    def start(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        wants_logprobs = params.logprobs is not None
+        completions = [
+            CompletionOutput(i, "", [], logprobs=[] if wants_logprobs else None)
+            for i in range(params.n)
+        ]
+        self.output = RequestOutput(request_id, prompt, prompt_token_ids, completions, False)
+
+    def absorb(self, delta: RequestDelta) -> None:
+        output = self.output
+        assert output is not None  # started before any delta can be read
+        for choice in delta.choices:
+            completion = output.outputs[choice.index]
+            completion.text += choice.text
+            completion.token_ids.extend(choice.token_ids)
+            if choice.logprobs is not None and completion.logprobs is not None:
+                completion.logprobs.extend(choice.logprobs)
+            completion.cumulative_logprob = choice.cumulative_logprob
+            if choice.finish_reason is not None:
+                completion.finish_reason = choice.finish_reason
+                completion.stop_reason = choice.stop_reason
+        if delta.prompt_logprobs is not None:
+            output.prompt_logprobs = delta.prompt_logprobs
+        output.num_cached_tokens = delta.num_cached_tokens
+        output.finished = delta.finished
 
 
 class AsyncLLMEngine:
-    """An ``LLMEngine`` driven by a background thread; ``generate`` streams outputs.
+    """The front over an engine core; ``generate`` streams outputs.
 
-    ``idle_wait_s`` bounds how long the idle thread sleeps between checks of the stop flag.
-    """
+    ``AsyncLLMEngine(LLMEngine(config))`` runs the core on a thread of this process;
+    ``AsyncLLMEngine(client)`` runs it wherever ``client`` reaches (a Ray head actor)."""
 
-    def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.5) -> None:
-        self.engine = engine
-        self.config: EngineConfig = engine.config
-        self.tokenizer = engine.tokenizer
-        self._idle_wait_s = idle_wait_s
-        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+    def __init__(
+        self, engine: LLMEngine | EngineCoreClient, *, tokenizer: Any | None = None
+    ) -> None:
+        self.client = (
+            engine if isinstance(engine, EngineCoreClient) else InProcessCoreClient(engine)
+        )
+        self.config: EngineConfig = self.client.config
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None
-        self._stopping = False
-        self._num_steps = 0
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._num_tokens: dict[str, int] = {}
-        # Watchdog: a step running longer than this makes the engine unhealthy (a hung
-        # forward pass or collective must not leave a replica that answers health checks).
-        self.stall_timeout_s = envs.step_timeout_s()
-        self._step_started: float | None = None
-        self._thread = threading.Thread(target=self._run, name="llm-engine-loop", daemon=True)
-        self._thread.start()
+        self.client.start(self._on_step, self._on_dead)
 
     @classmethod
     def from_engine_args(cls, **engine_args: Any) -> AsyncLLMEngine:
         return cls(LLMEngine(EngineConfig.from_kwargs(**engine_args)))
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The in-process core's ``LLMEngine`` (tests and tools; not for a remote core)."""
+        if not isinstance(self.client, InProcessCoreClient):
+            raise AttributeError("the engine core runs in another process")
+        return self.client.engine
 
     # ---- public API (event loop side) ---------------------------------------------------
 
@@ -235,81 +180,77 @@ class AsyncLLMEngine:
                     remaining = deadline - loop.time() if deadline is not None else None
                     item = await asyncio.wait_for(stream.queue.get(), remaining)
                 except TimeoutError:
-                    # Past the deadline: the abort's final output arrives on the queue.
+                    # Past the deadline: the abort's final delta arrives on the queue.
                     deadline = None
-                    await self._call(lambda: self._abort_now(request_id))
+                    self.client.abort([request_id])
                     continue
                 items = [item]
-                # Coalesce what piled up while the consumer was busy into one item.
+                # Merge what piled up while the consumer was busy into one item.
                 while not stream.queue.empty():
                     items.append(stream.queue.get_nowait())
                 error = next((i for i in items if isinstance(i, BaseException)), None)
                 if error is not None:
                     stream.finished = True
                     raise error
-                output, at = items[-1]
-                stream.finished = output.finished
-                delta = stream.delta(output, at)
-                if delta is not None:
-                    yield delta
-                if output.finished:
+                deltas = [d for d, _ in items]  # type: ignore[misc]
+                merged = merge_deltas(deltas) if len(deltas) > 1 else deltas[0]
+                stream.absorb(merged)
+                stream.finished = merged.finished
+                assert stream.output is not None
+                yield StreamOutput(stream.output, merged.choices, items[-1][1])  # type: ignore[index]
+                if merged.finished:
                     return
         finally:
             if not stream.finished:
-                self._submit(lambda: self._abort_now(request_id))
+                self._streams.pop(request_id, None)
+                with contextlib.suppress(EngineDeadError):
+                    self.client.abort([request_id])
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort"."""
-        await self._call(lambda: self._abort_now(request_id))
+        self.client.abort([request_id])
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
-        return await self._call(lambda: fn(self.engine))
+        """Run ``fn(engine)`` on the in-process core's thread between steps."""
+        client = self.client
+        if not isinstance(client, InProcessCoreClient):
+            raise RuntimeError("call() needs an in-process engine core")
+        return await asyncio.wrap_future(client.loop.call(fn))
 
     async def get_stats(self) -> EngineStats:
-        return await self._call(self._stats_now)
+        return await self.client.stats()
 
     async def request_state(self) -> dict[str, Any]:
-        """Per-request state still held, taken between steps: the head's tables (this class's
-        streams, the engine's and scheduler's and block manager's) and each worker's. Every
-        count is 0 once the engine is idle; anything else is a leak."""
-
-        def take() -> dict[str, Any]:
-            head = self.engine.request_state_sizes()
-            head["streams"] = len(self._streams)
-            head["token_counts"] = len(self._num_tokens)
-            workers = self.engine.executor.collective_rpc("num_request_states")
-            return {"head": head, "workers": workers}
-
-        return await self._call(take)
+        """Per-request state still held: the front's streams, the core's tables and each
+        worker's (every count 0 once idle; anything else is a leak)."""
+        state = await self.client.request_state()
+        state["head"]["streams"] = len(self._streams)
+        return state
 
     def check_health(self) -> None:
-        """Raise ``EngineDeadError`` if the engine failed or its thread is gone."""
+        """Raise ``EngineDeadError`` if the engine is known to be dead (no round trip; for the
+        in-process core this also runs the core's own checks)."""
         if self._dead is not None:
             raise self._dead
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine thread has stopped")
-        started = self._step_started
-        if started is not None and time.monotonic() - started > self.stall_timeout_s:
-            raise EngineDeadError(
-                f"an engine step has run for {time.monotonic() - started:.0f} s, over the "
-                f"{self.stall_timeout_s:.0f} s limit (LLM_CLUSTER_STEP_TIMEOUT_S): stalled"
-            )
-        self.engine.executor.check_health()
+        if isinstance(self.client, InProcessCoreClient):
+            self.client.loop.check_health()
+        elif self.client.is_dead:
+            raise EngineDeadError("the engine core is gone")
+
+    async def check_engine_health(self) -> None:
+        """``check_health`` plus a round trip to the core: its loop, watchdog and workers."""
+        self.check_health()
+        await self.client.check_health()
 
     @property
     def is_dead(self) -> bool:
-        return self._dead is not None or not self._thread.is_alive()
+        return self._dead is not None or self.client.is_dead
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine thread (in-flight streams get ``EngineDeadError``) and the workers."""
-        if self._stopping:
-            return
-        self._stopping = True
-        self._commands.put(None)
-        self._thread.join(timeout_s)
+        """Stop the core (in-flight streams get ``EngineDeadError``) and its workers."""
+        self.client.shutdown()
 
-    # ---- event loop -> engine thread ----------------------------------------------------
+    # ---- requests in ----------------------------------------------------------------------
 
     async def _add(
         self,
@@ -319,161 +260,100 @@ class AsyncLLMEngine:
         priority: int,
         cache_salt: str | None,
     ) -> _Stream:
-        loop = asyncio.get_running_loop()
-
-        def add() -> _Stream:
-            if request_id in self._streams:
-                raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
-            request = self.engine.add_request(
-                request_id, prompt, params, priority=priority, cache_salt=cache_salt
-            )
-            # Made only once the engine has checked ``n`` against its caps: the stream keeps one
-            # tracker per choice, and a client's n of 10**12 must be a 400, not a hang.
-            stream = _Stream(loop, params)
-            self._streams[request_id] = stream
-            self._num_tokens[request_id] = 0
-            self._prompt_tokens += request.num_prompt_tokens
-            return stream
-
-        return await self._call(add)
-
-    async def _call(self, fn: Callable[[], T]) -> T:
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._submit(fn, future)
-        return await asyncio.wrap_future(future)
-
-    def _submit(
-        self, fn: Callable[[], Any], future: concurrent.futures.Future[Any] | None = None
-    ) -> None:
         if self._dead is not None:
             raise self._dead
-        if self._stopping:
-            raise EngineDeadError("the engine is shut down")
-        self._commands.put(_Command(fn, future))
-
-    # ---- engine thread ------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while self._drain_commands():
-                if self.engine.has_unfinished_requests():
-                    self._step()
-        except BaseException as exc:
-            logger.exception("engine loop failed")
-            self._dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc))
-            self._dead.__cause__ = exc
-        finally:
-            if self._dead is None:
-                self._dead = EngineDeadError("the engine is shut down")
-            self._fail_everything(self._dead)
-            self.engine.shutdown()
-
-    def _drain_commands(self) -> bool:
-        """Run queued commands; block while there is no work. False when asked to stop."""
-        block = not self.engine.has_unfinished_requests()
-        while True:
-            try:
-                command = self._commands.get(
-                    block=block, timeout=self._idle_wait_s if block else None
-                )
-            except queue.Empty:
-                if self._stopping:
-                    return False
-                if block and not self.engine.has_unfinished_requests():
-                    continue
-                return True
-            if command is None:
-                return False
-            command.run()
-            block = False
-
-    def _step(self) -> None:
-        self._step_started = time.monotonic()
-        outputs = self.engine.step()
-        self._step_started = None
-        self._num_steps += 1
-        now = time.monotonic()
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
-        for output in outputs:
-            rid = output.request_id
-            stream = self._streams.get(rid)
-            num_tokens = sum(len(c.token_ids) for c in output.outputs)
-            self._generation_tokens += num_tokens - self._num_tokens.get(rid, 0)
-            self._num_tokens[rid] = num_tokens
-            if output.finished:
-                self._streams.pop(rid, None)
-                self._num_tokens.pop(rid, None)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream, output))
-        for loop, items in by_loop.items():
-            _post(loop, [(s, (o, now)) for s, o in items])
-
-    def _abort_now(self, request_id: str) -> None:
-        """Abort on the engine thread: blocks are freed now; the stream ends with "abort"."""
-        stream = self._streams.pop(request_id, None)
-        self._num_tokens.pop(request_id, None)
-        outputs = self.engine.abort_request(request_id)
-        if stream is not None and outputs:
-            _post(stream.loop, [(stream, (outputs[0], time.monotonic()))])
-
-    def _stats_now(self) -> EngineStats:
-        engine = self.engine
-        kv = engine.get_kv_cache_stats()
-        sched = engine.scheduler
-        return EngineStats(
-            num_running=len(sched.running),
-            num_waiting=sched.num_waiting,
-            kv_total_blocks=kv.total,
-            kv_free_blocks=kv.free,
-            kv_usage=kv.usage,
-            prefix_cache_queries=engine.block_manager.prefix_queries,
-            prefix_cache_hits=engine.block_manager.prefix_hits,
-            num_preemptions=sched.num_preemptions,
-            prompt_tokens_total=self._prompt_tokens,
-            generation_tokens_total=self._generation_tokens,
-            num_steps=self._num_steps,
+        if request_id in self._streams:
+            raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
+        text, token_ids = _split_prompt(prompt)
+        request = AddRequest(
+            request_id=request_id,
+            params=params,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            priority=priority,
+            cache_salt=cache_salt,
         )
+        # Registered before the core sees the request: its first delta may arrive before the
+        # add's reply does.
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        try:
+            added = await self.client.add_request(request)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        stream.start(request_id, text, added.prompt_token_ids, params)
+        return stream
 
-    def _fail_everything(self, error: EngineDeadError) -> None:
+    # ---- outputs in (any thread) ----------------------------------------------------------
+
+    def _on_step(self, step: StepOutputs) -> None:
+        """Fan one step's message out to its requests' streams: one wakeup per event loop."""
+        at = time.monotonic() - max(0.0, time.time() - step.time)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        for delta in step.deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue  # closed by its consumer: the abort's last delta has no reader
+            if delta.finished:
+                self._streams.pop(delta.request_id, None)
+            by_loop.setdefault(stream.loop, []).append((stream, (delta, at)))
+        for loop, items in by_loop.items():
+            _post(loop, items)
+
+    def _on_dead(self, error: EngineDeadError) -> None:
+        self._dead = error
         streams, self._streams = self._streams, {}
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
         for stream in streams.values():
             by_loop.setdefault(stream.loop, []).append((stream, error))
         for loop, items in by_loop.items():
             _post(loop, items)
-        # Commands queued behind the failure never run; their awaiters get the error.
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command is not None:
-                command.fail(error)
 
 
-class _Command:
-    """A function for the engine thread, with the future its caller awaits (if any)."""
+def merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
+    """Consecutive deltas of one request as one: per choice, texts, tokens and logprobs
+    concatenated; the finish and running totals of the latest."""
+    merged: dict[int, ChoiceDelta] = {}
+    for delta in deltas:
+        for c in delta.choices:
+            prev = merged.get(c.index)
+            if prev is None:
+                merged[c.index] = c
+                continue
+            logprobs = None
+            if prev.logprobs is not None or c.logprobs is not None:
+                logprobs = (prev.logprobs or []) + (c.logprobs or [])
+            merged[c.index] = ChoiceDelta(
+                index=c.index,
+                text=prev.text + c.text,
+                token_ids=prev.token_ids + c.token_ids,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason or prev.finish_reason,
+                stop_reason=c.stop_reason if c.finish_reason else prev.stop_reason,
+                num_tokens=c.num_tokens,
+                cumulative_logprob=c.cumulative_logprob,
+            )
+    last = deltas[-1]
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)
+    return RequestDelta(
+        request_id=last.request_id,
+        choices=[merged[i] for i in sorted(merged)],
+        finished=any(d.finished for d in deltas),
+        num_cached_tokens=last.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
+    )
 
-    def __init__(
-        self, fn: Callable[[], Any], future: concurrent.futures.Future[Any] | None
-    ) -> None:
-        self.fn = fn
-        self.future = future
 
-    def run(self) -> None:
-        if self.future is None:
-            self.fn()
-            return
-        if not self.future.set_running_or_notify_cancel():
-            return
-        try:
-            self.future.set_result(self.fn())
-        except BaseException as exc:
-            self.future.set_exception(exc)
-
-    def fail(self, error: BaseException) -> None:
-        if self.future is not None and self.future.set_running_or_notify_cancel():
-            self.future.set_exception(error)
+def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of a prompt as the core takes it; the core validates both."""
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), prompt["prompt_token_ids"]
+    if isinstance(prompt, dict):
+        return prompt.get("prompt"), None
+    if isinstance(prompt, list):
+        return None, prompt
+    return prompt, None
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, Any]]) -> None:
@@ -483,6 +363,13 @@ def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, Any]]) -> 
         for stream, item in items:
             stream.queue.put_nowait(item)
 
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        deliver()
+        return
     # A closed loop raises RuntimeError: nobody is listening any more.
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(deliver)
@@ -492,4 +379,4 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-__all__ = ["AsyncLLMEngine", "ChoiceDelta", "EngineStats", "StreamOutput"]
+__all__ = ["AsyncLLMEngine", "ChoiceDelta", "EngineStats", "StreamOutput", "merge_deltas"]

@@ -36,8 +36,8 @@ def test_llama70b_is_tp4_pp2_on_h100_with_autoscaling_1_to_4() -> None:
     model = load_config(CONFIGS / "llama70b.yaml").models[0]
     options = model.serve_options()
     bundles = options["placement_group_bundles"]
-    assert bundles[0] == {"CPU": 1.0}
-    assert bundles[1:] == [{"GPU": 1.0, "accelerator_type:H100": 0.001}] * 8
+    assert bundles[:2] == [{"CPU": 1.0}, {"CPU": 1.0}]  # the front, the head
+    assert bundles[2:] == [{"GPU": 1.0, "accelerator_type:H100": 0.001}] * 8
     assert options["placement_group_strategy"] == "PACK"
     scaling = options["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4)
@@ -47,9 +47,10 @@ def test_llama70b_is_tp4_pp2_on_h100_with_autoscaling_1_to_4() -> None:
     assert model.engine_kwargs["max_model_len"] == 8192
 
 
-def test_tiny_config_is_one_cpu_bundle_and_one_replica() -> None:
+def test_tiny_config_is_a_front_and_a_head_bundle_and_one_replica() -> None:
     options = load_config(CONFIGS / "tiny.yaml").models[0].serve_options()
-    assert options["placement_group_bundles"] == [{"CPU": 1.0}]
+    # The head runs the one worker itself, so its bundle is the device's.
+    assert options["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
     assert options["num_replicas"] == 1
 
 
@@ -57,7 +58,7 @@ def test_one_worker_on_the_ray_backend_gets_its_own_bundle() -> None:
     data = tiny()
     data["models"][0]["engine_kwargs"]["distributed_executor_backend"] = "ray"
     options = load_config(data).models[0].serve_options()
-    assert options["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert options["placement_group_bundles"] == [{"CPU": 1.0}] * 3
 
 
 def test_serve_force_kills_a_stopping_replica_only_after_its_drain() -> None:

@@ -81,7 +81,7 @@ def test_dead_engine_fails_health_and_requests() -> None:
         first = collect(server, {"prompt": "x", "params": {"max_tokens": 4}})
         assert first[-1]["type"] == "error" and first[-1]["status"] == 503
         with pytest.raises(EngineDeadError):
-            server.check_health()
+            asyncio.run(server.check_health())
         assert asyncio.run(server.health())["healthy"] is False
         after = collect(server, {"prompt": "x", "params": {"max_tokens": 4}})
         assert (after[0]["type"], after[0]["status"]) == ("error", 503)

@@ -7,10 +7,18 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams, async_llm_engine
+from engine import (
+    LLM,
+    EngineDeadError,
+    InvalidRequestError,
+    SamplingParams,
+    async_llm_engine,
+    core_loop,
+)
 from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta, StreamOutput
 
 MODEL = "builtin:tiny-llama"
@@ -132,16 +140,22 @@ def test_invalid_request_raises_before_anything_is_enqueued(engine: AsyncLLMEngi
 def test_n_over_the_cap_is_rejected_before_any_per_choice_state(
     engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A stream keeps a tracker per choice: built for an unchecked n of 10**12, it would hold
-    # the event loop (and memory) long before the engine's max_n check said 400.
+    # The front's stream and the core's tracker keep an entry per choice: built for an
+    # unchecked n of 10**12, they would hold the event loop (and memory) long before the
+    # engine's max_n check said 400.
     built: list[int] = []
+    start, tracker = async_llm_engine._Stream.start, core_loop._RequestTracker.__init__
 
-    class CountingStream(async_llm_engine._Stream):
-        def __init__(self, loop: asyncio.AbstractEventLoop, params: SamplingParams) -> None:
-            built.append(params.n)
-            super().__init__(loop, params)
+    def counting_start(self: Any, request_id: str, prompt: Any, ids: Any, params: Any) -> None:
+        built.append(params.n)
+        start(self, request_id, prompt, ids, params)
 
-    monkeypatch.setattr(async_llm_engine, "_Stream", CountingStream)
+    def counting_tracker(self: Any, params: SamplingParams) -> None:
+        built.append(params.n)
+        tracker(self, params)
+
+    monkeypatch.setattr(async_llm_engine._Stream, "start", counting_start)
+    monkeypatch.setattr(core_loop._RequestTracker, "__init__", counting_tracker)
 
     async def run() -> None:
         with pytest.raises(InvalidRequestError, match="max_n") as info:
@@ -281,7 +295,7 @@ def test_a_stalled_step_makes_the_engine_unhealthy_not_a_zombie() -> None:
     """A forward pass (or collective) that never returns must fail health checks, so Serve
     replaces the replica instead of keeping one that answers /health but serves nothing."""
     engine = AsyncLLMEngine.from_engine_args(model=MODEL, num_kv_blocks=32)
-    engine.stall_timeout_s = 0.5
+    engine.client.loop.stall_timeout_s = 0.5  # the watchdog lives with the core loop
     real_execute = engine.engine.executor.execute_model
     release = threading.Event()
     entered = threading.Event()

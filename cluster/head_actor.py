@@ -1,0 +1,288 @@
+"""The head of a model replica as a Ray actor of its own: the engine core (``LLMEngine`` —
+scheduler, block manager, executor — in an ``EngineCoreLoop``) in a process that does nothing
+else, placed in the replica's placement group. ``HeadCoreClient`` is how the replica (the
+``LLMServer`` front: templates, tokenizing, streams, OpenAI chunks) reaches it.
+
+    LLMServer replica (front)                     HeadActor (own process)
+    ──────────────────────────                    ───────────────────────
+    add_request(AddRequest bytes) ─────────────▶  validate on the core thread → AddReply
+    abort([ids]) ──────────────────────────────▶  (fire and forget)
+    poll() ◀── list[StepOutputs] bytes ────────   every step's outputs since the last poll
+
+One poll is always outstanding: it returns as soon as a step has produced something, with every
+step since the previous poll (one message for all requests, however many steps piled up). The
+core thread never waits for the front. All messages are msgspec; nothing is pickled by this
+project. The actor is owned by the replica, so it dies with it; if the head dies, the poll fails,
+every stream ends with a 503 and the replica's health check fails, so Serve replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Literal
+
+import msgspec
+import ray
+from ray.exceptions import RayError
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.config import EngineConfig
+from engine.core_client import EngineCoreClient, OnDead, OnStep
+from engine.core_loop import (
+    AddRequest,
+    AddResult,
+    CoreStats,
+    EngineCoreLoop,
+    StepOutputs,
+    decode_steps,
+    encode_steps,
+)
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("llm_cluster.head")
+
+HEAD_NAME_PREFIX = "LLMHead:"
+# Threads for the actor's methods: the outstanding poll, adds, aborts, health and stats.
+_MAX_CONCURRENCY = 32
+_POLL_WAIT_S = 1.0
+_HEALTH_TIMEOUT_S = 20.0
+
+
+class CoreError(msgspec.Struct, array_like=True):
+    """One error table for the head's replies: what kind, for the client, and where."""
+
+    kind: Literal["invalid", "overloaded", "dead"]
+    message: str
+    param: str | None = None
+    retry_after_s: int = 1
+
+    def exception(self) -> Exception:
+        if self.kind == "invalid":
+            return InvalidRequestError(self.message, self.param)
+        if self.kind == "overloaded":
+            return EngineOverloadedError(self.message, self.retry_after_s)
+        return EngineDeadError(self.message)
+
+    @classmethod
+    def of(cls, exc: BaseException) -> CoreError:
+        if isinstance(exc, InvalidRequestError):
+            return cls("invalid", exc.reason, exc.param)
+        if isinstance(exc, EngineOverloadedError):
+            return cls("overloaded", str(exc), None, exc.retry_after_s)
+        return cls("dead", str(exc) or type(exc).__name__)
+
+
+class AddReply(msgspec.Struct, array_like=True):
+    result: AddResult | None = None
+    error: CoreError | None = None
+
+
+class PollReply(msgspec.Struct, array_like=True):
+    steps: bytes  # encode_steps(...): decoded only by the front's fan-out
+    dead: str | None = None
+
+
+_ADD_DECODER = msgspec.msgpack.Decoder(AddRequest)
+_ADD_REPLY_DECODER = msgspec.msgpack.Decoder(AddReply)
+_POLL_DECODER = msgspec.msgpack.Decoder(PollReply)
+_STATS_DECODER = msgspec.msgpack.Decoder(CoreStats)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class HeadActor:
+    """Ray actor (threaded): the engine core of one model replica."""
+
+    def __init__(self, engine_args: dict[str, Any]) -> None:
+        engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
+        self._outbox: list[StepOutputs] = []
+        self._dead: str | None = None
+        self._ready = threading.Condition()
+        self._loop = EngineCoreLoop(engine, self._push, self._died)
+
+    def ready(self) -> bool:
+        return True
+
+    def add_request(self, data: bytes) -> bytes:
+        try:
+            request = _ADD_DECODER.decode(data)
+            reply = AddReply(result=self._loop.add(request).result())
+        except msgspec.ValidationError as exc:
+            reply = AddReply(error=CoreError("invalid", f"malformed request: {exc}"))
+        except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
+            reply = AddReply(error=CoreError.of(exc))
+        return _ENCODER.encode(reply)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._loop.abort(list(request_ids))
+
+    def poll(self, wait_s: float = _POLL_WAIT_S) -> bytes:
+        """Every step's outputs since the last poll; waits up to ``wait_s`` for the first."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._outbox or self._dead is not None, wait_s)
+            steps, self._outbox = self._outbox, []
+            dead = self._dead
+        return _ENCODER.encode(PollReply(encode_steps(steps), dead))
+
+    def stats(self) -> bytes:
+        return _ENCODER.encode(self._loop.stats().result())
+
+    def request_state(self) -> bytes:
+        return _ENCODER.encode(self._loop.request_state().result())
+
+    def check_health(self) -> str | None:
+        """None when healthy, else why not (the core loop, its watchdog, the workers)."""
+        try:
+            self._loop.check_health()
+        except EngineDeadError as exc:
+            return str(exc)
+        return None
+
+    def shutdown(self) -> None:
+        self._loop.shutdown()
+
+    # ---- core thread --------------------------------------------------------------------
+
+    def _push(self, step: StepOutputs) -> None:
+        with self._ready:
+            self._outbox.append(step)
+            self._ready.notify_all()
+
+    def _died(self, error: EngineDeadError) -> None:
+        with self._ready:
+            self._dead = str(error) or "the engine failed"
+            self._ready.notify_all()
+
+
+class HeadCoreClient(EngineCoreClient):
+    """The front's side of a ``HeadActor``: starts it in this replica's placement group (bundle
+    ``bundle_index``, holding ``resources``) and waits until its model is loaded."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_args: dict[str, Any],
+        *,
+        name: str,
+        bundle_index: int,
+        resources: dict[str, float],
+    ) -> None:
+        self.config = config
+        self.name = name
+        options: dict[str, Any] = {
+            "name": name,
+            "max_concurrency": _MAX_CONCURRENCY,
+            "num_cpus": resources.get("CPU", 0),
+            "num_gpus": resources.get("GPU", 0),
+        }
+        pg = get_current_placement_group()
+        if pg is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle_index
+            )
+        self.actor = ray.remote(HeadActor).options(**options).remote(engine_args)
+        self._on_step: OnStep | None = None
+        self._on_dead: OnDead | None = None
+        self._dead: EngineDeadError | None = None
+        self._poller: asyncio.Task[None] | None = None
+        try:
+            ray.get(self.actor.ready.remote())
+        except RayError as exc:
+            self.shutdown()
+            # The head's own error (a bad config, a worker that failed to start) is the cause.
+            raise RuntimeError(f"the engine head {name} failed to start: {exc}") from exc
+
+    def start(self, on_step: OnStep, on_dead: OnDead) -> None:
+        self._on_step, self._on_dead = on_step, on_dead
+
+    async def add_request(self, request: AddRequest) -> AddResult:
+        self._ensure_poller()
+        try:
+            data = await self.actor.add_request.remote(_ENCODER.encode(request))
+        except RayError as exc:
+            raise self._lost(exc) from exc
+        reply = _ADD_REPLY_DECODER.decode(data)
+        if reply.error is not None:
+            raise reply.error.exception()
+        assert reply.result is not None
+        return reply.result
+
+    def abort(self, request_ids: list[str]) -> None:
+        if self._dead is None:
+            self.actor.abort.remote(request_ids)
+
+    async def stats(self) -> CoreStats:
+        return _STATS_DECODER.decode(await self._call(self.actor.stats))
+
+    async def request_state(self) -> dict[str, Any]:
+        return msgspec.msgpack.decode(await self._call(self.actor.request_state))
+
+    async def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        try:
+            problem = await asyncio.wait_for(self._call(self.actor.check_health), _HEALTH_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise EngineDeadError(
+                f"the engine head did not answer in {_HEALTH_TIMEOUT_S:.0f} s"
+            ) from exc
+        if problem is not None:
+            raise EngineDeadError(problem)
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    def shutdown(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # already gone, or Ray is shutting down: nothing left to stop
+            logger.debug("head actor %s: kill failed", self.name, exc_info=True)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    async def _call(self, method: Any) -> Any:
+        if self._dead is not None:
+            raise self._dead
+        try:
+            return await method.remote()
+        except RayError as exc:
+            raise self._lost(exc) from exc
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            if self._dead is not None:
+                raise self._dead
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while self._dead is None:
+            try:
+                reply = _POLL_DECODER.decode(await self.actor.poll.remote())
+            except RayError as exc:
+                self._lost(exc)
+                return
+            if self._on_step is not None:
+                for step in decode_steps(reply.steps):
+                    self._on_step(step)
+            if reply.dead is not None:
+                self._fail(EngineDeadError(reply.dead))
+
+    def _lost(self, exc: BaseException) -> EngineDeadError:
+        logger.error("engine head %s is gone: %s", self.name, exc)
+        return self._fail(EngineDeadError("the engine head process is gone"))
+
+    def _fail(self, error: EngineDeadError) -> EngineDeadError:
+        if self._dead is None:
+            self._dead = error
+            if self._on_dead is not None:
+                self._on_dead(error)
+        return self._dead
+
+
+__all__ = ["HEAD_NAME_PREFIX", "CoreError", "HeadActor", "HeadCoreClient"]

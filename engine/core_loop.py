@@ -1,0 +1,467 @@
+"""``EngineCoreLoop``: the engine core (``LLMEngine``: scheduler, block manager, executor) on a
+thread of its own, in a busy loop that never waits on an event loop, and the messages it trades
+with the front (``AsyncLLMEngine``) that holds the per-request streams.
+
+    front (event loop)                         core thread (owns the LLMEngine)
+    ──────────────────                         ────────────────────────────────
+    AddRequest ── add() ──────────────────▶    drain commands (add / abort / call)
+    abort(ids) ───────────────────────────▶    step()  ← forward pass
+                                               one StepOutputs per step: every request's
+    on_step(StepOutputs) ◀─────────────────    new tokens, text, logprobs, finishes
+
+The same loop runs in-process (``engine.core_client.InProcessCoreClient``) and in the head actor
+of a Serve replica (``cluster.head_actor``), where the ``StepOutputs`` cross a process boundary
+as msgspec bytes: one message per step for all requests, never one per request.
+
+Deltas are computed here, right after the step, from the engine's outputs: a choice's text is
+held back by ``max(len(stop)) - 1`` characters while a stop string could still match, so the
+concatenated deltas of a choice are exactly its final text. A step that produced tokens yields
+a delta even when their text is empty (an incomplete UTF-8 character, a special token):
+token ids, logprobs and usage move on and clients see steady inter-token timing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgspec
+
+from engine import envs
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("llm_cluster.core_loop")
+
+T = TypeVar("T")
+
+
+# ---- messages ---------------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, kw_only=True):
+    """A request for the core. The front sends token ids when it tokenized the prompt itself
+    (chat templates, text prompts in a Serve replica); otherwise the core tokenizes ``prompt``."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class ChoiceDelta(msgspec.Struct, array_like=True, frozen=True):
+    """What is new for one of a request's n choices since its previous delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    # One entry per new token (token id -> Logprob, the sampled token first) when the request
+    # asked for logprobs; aligned with ``token_ids``.
+    logprobs: list[dict[int, Logprob]] | None
+    # Set on the one delta in which this choice finishes.
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_tokens: int  # this choice's tokens so far
+    cumulative_logprob: float | None = None
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    """One request's part of a step: the choices with something new."""
+
+    request_id: str
+    choices: list[ChoiceDelta]
+    finished: bool
+    num_cached_tokens: int = 0
+    # Sent once, with the request's first delta (the prompt is fully computed by then).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+class StepOutputs(msgspec.Struct, array_like=True):
+    """Everything one engine step produced, for all requests: the core -> front message."""
+
+    deltas: list[RequestDelta]
+    time: float  # wall-clock time (time.time()) at the end of the step
+
+
+class AddResult(msgspec.Struct, array_like=True):
+    prompt_token_ids: list[int]
+
+
+_STEP_ENCODER = msgspec.msgpack.Encoder()
+_STEPS_DECODER = msgspec.msgpack.Decoder(list[StepOutputs])
+
+
+def encode_steps(steps: list[StepOutputs]) -> bytes:
+    return _STEP_ENCODER.encode(steps)
+
+
+def decode_steps(data: bytes) -> list[StepOutputs]:
+    return _STEPS_DECODER.decode(data)
+
+
+# ---- per-request delta tracking (core thread) ---------------------------------------------------
+
+
+class _ChoiceTracker:
+    """How much of one choice has been sent: text (held back near stop strings), tokens, and
+    whether its finish was reported."""
+
+    __slots__ = ("holdback", "index", "sent_finish", "sent_text", "sent_tokens")
+
+    def __init__(self, index: int, holdback: int) -> None:
+        self.index = index
+        self.holdback = holdback
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.sent_finish = False
+
+    def delta(self, completion: CompletionOutput) -> ChoiceDelta | None:
+        text = completion.text
+        end = len(text)
+        if not completion.finished and self.holdback:
+            end = max(self.sent_text, end - self.holdback)
+        new_tokens = completion.token_ids[self.sent_tokens :]
+        finishing = completion.finished and not self.sent_finish
+        if not (end > self.sent_text or new_tokens or finishing):
+            return None
+        logprobs = completion.logprobs
+        delta = ChoiceDelta(
+            index=self.index,
+            text=text[self.sent_text : end],
+            token_ids=list(new_tokens),
+            logprobs=list(logprobs[self.sent_tokens :]) if logprobs is not None else None,
+            finish_reason=completion.finish_reason if finishing else None,
+            stop_reason=_stop_reason(completion.stop_reason) if finishing else None,
+            num_tokens=len(completion.token_ids),
+            cumulative_logprob=completion.cumulative_logprob,
+        )
+        self.sent_text, self.sent_tokens = end, len(completion.token_ids)
+        self.sent_finish = completion.finished
+        return delta
+
+
+class _RequestTracker:
+    __slots__ = ("choices", "sent_prompt_logprobs")
+
+    def __init__(self, params: SamplingParams) -> None:
+        holdback = max((len(s) for s in params.stop or []), default=1) - 1
+        self.choices = [_ChoiceTracker(i, holdback) for i in range(params.n)]
+        self.sent_prompt_logprobs = params.prompt_logprobs is None
+
+    def delta(self, output: RequestOutput) -> RequestDelta | None:
+        choices = []
+        for completion in output.outputs:
+            choice = self.choices[completion.index].delta(completion)
+            if choice is not None:
+                choices.append(choice)
+        if not (choices or output.finished):
+            return None
+        prompt_logprobs = None
+        if not self.sent_prompt_logprobs and (choices or output.finished):
+            prompt_logprobs, self.sent_prompt_logprobs = output.prompt_logprobs, True
+        return RequestDelta(
+            request_id=output.request_id,
+            choices=choices,
+            finished=output.finished,
+            num_cached_tokens=output.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+def _stop_reason(reason: Any) -> int | str | None:
+    return reason if isinstance(reason, (int, str)) else None
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+
+class CoreStats(msgspec.Struct):
+    """A snapshot taken on the core thread between steps."""
+
+    num_running: int
+    num_waiting: int
+    kv_total_blocks: int
+    kv_free_blocks: int
+    kv_usage: float  # fraction of blocks held by requests, in [0, 1]
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_steps: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+class EngineCoreLoop:
+    """Runs ``engine`` on its own thread. ``on_step`` receives each step's ``StepOutputs`` (on
+    the core thread: it must only hand them on); ``on_dead`` is called once, with the error,
+    when the loop stops for good (a failed step, or ``shutdown``). Every ``LLMEngine`` call
+    happens on the core thread, so the engine needs no locks. Commands are drained before every
+    step, so an abort takes effect within one step and its blocks are free before the next
+    forward pass. ``idle_wait_s`` bounds how long the idle thread sleeps between checks of the
+    stop flag."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[StepOutputs], None],
+        on_dead: Callable[[EngineDeadError], None],
+        *,
+        idle_wait_s: float = 0.5,
+    ) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._on_dead = on_dead
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._trackers: dict[str, _RequestTracker] = {}
+        self._dead: EngineDeadError | None = None
+        self._stopping = False
+        self._num_steps = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        # Watchdog: a step running longer than this makes the engine unhealthy (a hung
+        # forward pass or collective must not leave a replica that answers health checks).
+        self.stall_timeout_s = envs.step_timeout_s()
+        self._step_started: float | None = None
+        self._thread = threading.Thread(target=self._run, name="llm-engine-core", daemon=True)
+        self._thread.start()
+
+    # ---- thread-safe API ----------------------------------------------------------------
+
+    def add(self, request: AddRequest) -> concurrent.futures.Future[AddResult]:
+        """Validate and enqueue on the core thread; the future raises ``InvalidRequestError``
+        / ``EngineOverloadedError`` (nothing enqueued) or ``EngineDeadError``."""
+        return self.submit(lambda: self._add_now(request))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); each one's last delta says
+        finish_reason "abort"."""
+        if self._dead is None and not self._stopping:
+            self.submit(lambda: self._abort_now(request_ids))
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine)`` on the core thread between steps."""
+        return self.submit(lambda: fn(self.engine))
+
+    def stats(self) -> concurrent.futures.Future[CoreStats]:
+        return self.submit(self._stats_now)
+
+    def request_state(self) -> concurrent.futures.Future[dict[str, Any]]:
+        """Per-request state still held, taken between steps: the head's tables (this loop's
+        trackers, the engine's, scheduler's and block manager's) and each worker's. Every
+        count is 0 once the engine is idle; anything else is a leak."""
+
+        def take() -> dict[str, Any]:
+            head = self.engine.request_state_sizes()
+            head["trackers"] = len(self._trackers)
+            workers = self.engine.executor.collective_rpc("num_request_states")
+            return {"head": head, "workers": workers}
+
+        return self.submit(take)
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._dead is not None:
+            future.set_exception(self._dead)
+        elif self._stopping:
+            future.set_exception(EngineDeadError("the engine is shut down"))
+        else:
+            self._commands.put(_Command(fn, future))
+        return future
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the loop failed or stalled, or a worker is gone."""
+        if self._dead is not None:
+            raise self._dead
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread has stopped")
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.stall_timeout_s:
+            raise EngineDeadError(
+                f"an engine step has run for {time.monotonic() - started:.0f} s, over the "
+                f"{self.stall_timeout_s:.0f} s limit (LLM_CLUSTER_STEP_TIMEOUT_S): stalled"
+            )
+        self.engine.executor.check_health()
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None or not self._thread.is_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop (its requests get ``EngineDeadError`` through ``on_dead``) and the
+        workers."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout_s)
+
+    # ---- core thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._drain_commands():
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as exc:
+            logger.exception("engine loop failed")
+            self._dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc))
+            self._dead.__cause__ = exc
+        finally:
+            if self._dead is None:
+                self._dead = EngineDeadError("the engine is shut down")
+            self._trackers.clear()
+            self._fail_commands(self._dead)
+            self._on_dead(self._dead)
+            self.engine.shutdown()
+
+    def _drain_commands(self) -> bool:
+        """Run queued commands; block while there is no work. False when asked to stop."""
+        block = not self.engine.has_unfinished_requests()
+        while True:
+            try:
+                command = self._commands.get(
+                    block=block, timeout=self._idle_wait_s if block else None
+                )
+            except queue.Empty:
+                if self._stopping:
+                    return False
+                if block and not self.engine.has_unfinished_requests():
+                    continue
+                return True
+            if command is None:
+                return False
+            command.run()
+            block = False
+
+    def _step(self) -> None:
+        self._step_started = time.monotonic()
+        outputs = self.engine.step()
+        self._step_started = None
+        self._num_steps += 1
+        deltas = []
+        for output in outputs:
+            tracker = self._trackers.get(output.request_id)
+            if tracker is None:
+                continue
+            delta = tracker.delta(output)
+            if output.finished:
+                del self._trackers[output.request_id]
+            if delta is not None:
+                self._generation_tokens += sum(len(c.token_ids) for c in delta.choices)
+                deltas.append(delta)
+        if deltas:
+            self._on_step(StepOutputs(deltas, time.time()))
+
+    def _add_now(self, request: AddRequest) -> AddResult:
+        if request.request_id in self._trackers:
+            raise InvalidRequestError(f"{request.request_id!r} is already in use", "request_id")
+        prompt: Any = request.prompt
+        if request.prompt_token_ids is not None:
+            prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}
+        added = self.engine.add_request(
+            request.request_id,
+            prompt,
+            request.params,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+        )
+        # Made only once the engine has checked ``n`` against its caps: a tracker keeps one
+        # entry per choice, and a client's n of 10**12 must be a 400, not a hang.
+        self._trackers[request.request_id] = _RequestTracker(request.params)
+        self._prompt_tokens += added.num_prompt_tokens
+        return AddResult(list(added.prompt_token_ids))
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        """Abort on the core thread: blocks are freed now; each stream ends with "abort"."""
+        live = [rid for rid in request_ids if rid in self._trackers]
+        if not live:
+            return
+        deltas = []
+        for output in self.engine.abort_request(live):
+            tracker = self._trackers.pop(output.request_id, None)
+            delta = tracker.delta(output) if tracker is not None else None
+            if delta is not None:
+                deltas.append(delta)
+        for rid in live:
+            self._trackers.pop(rid, None)
+        if deltas:
+            self._on_step(StepOutputs(deltas, time.time()))
+
+    def _stats_now(self) -> CoreStats:
+        engine = self.engine
+        kv = engine.get_kv_cache_stats()
+        sched = engine.scheduler
+        return CoreStats(
+            num_running=len(sched.running),
+            num_waiting=sched.num_waiting,
+            kv_total_blocks=kv.total,
+            kv_free_blocks=kv.free,
+            kv_usage=kv.usage,
+            prefix_cache_queries=engine.block_manager.prefix_queries,
+            prefix_cache_hits=engine.block_manager.prefix_hits,
+            num_preemptions=sched.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            num_steps=self._num_steps,
+        )
+
+    def _fail_commands(self, error: EngineDeadError) -> None:
+        # Commands queued behind the failure never run; their awaiters get the error.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None:
+                command.fail(error)
+
+
+class _Command:
+    """A function for the core thread, with the future its caller waits on."""
+
+    __slots__ = ("fn", "future")
+
+    def __init__(self, fn: Callable[[], Any], future: concurrent.futures.Future[Any]) -> None:
+        self.fn = fn
+        self.future = future
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as exc:
+            self.future.set_exception(exc)
+
+    def fail(self, error: BaseException) -> None:
+        if self.future.set_running_or_notify_cancel():
+            self.future.set_exception(error)
+
+
+__all__ = [
+    "AddRequest",
+    "AddResult",
+    "ChoiceDelta",
+    "CoreStats",
+    "EngineCoreLoop",
+    "RequestDelta",
+    "StepOutputs",
+    "decode_steps",
+    "encode_steps",
+]
