@@ -80,7 +80,7 @@ def _load_config(path: str) -> DeploymentConfig:
 def _deploy_and_report(config: DeploymentConfig, address: str | None) -> None:
     from cluster import deploy
 
-    deploy.connect(address)
+    deploy.connect(address, num_cpus=sum(m.cpus_at_max_scale() for m in config.models))
     names = ", ".join(m.model_id for m in config.models)
     print(f"deploying {names} (app {config.app_name!r}); loading models...", flush=True)
     deploy.deploy(config, progress=lambda line: print(line, flush=True))
@@ -90,18 +90,27 @@ def _deploy_and_report(config: DeploymentConfig, address: str | None) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import time
+    import signal
+    import threading
 
     from cluster import deploy
 
     config = _load_config(args.config)
     _deploy_and_report(config, args.address)
-    print("serving; press Ctrl-C to stop", flush=True)
+    # SIGTERM is what systemd, Docker and Kubernetes send: it drains exactly like Ctrl-C.
+    # Installed after Ray's own driver handlers, which would dump a stack and abort instead.
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    print("serving; press Ctrl-C (or send SIGTERM) to stop", flush=True)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("shutting down", flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("shutting down: draining in-flight requests", flush=True)
     finally:
         deploy.shutdown()
     return 0

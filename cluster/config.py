@@ -187,6 +187,19 @@ class ModelDeployment:
     def head_bundle_index(self) -> int:
         return 1
 
+    @property
+    def max_replicas(self) -> int:
+        scaling = self.deployment_config.autoscaling_config
+        if scaling is not None:
+            return scaling.max_replicas
+        return self.deployment_config.num_replicas or 1
+
+    def cpus_at_max_scale(self) -> float:
+        """Logical CPUs this model's replicas reserve at ``max_replicas`` (front, head and
+        CPU workers): what a local cluster must offer so that none of them waits forever."""
+        per_replica = sum(b.get("CPU", 0.0) for b in self.placement_group_bundles())
+        return per_replica * self.max_replicas
+
     def serve_options(self) -> dict[str, Any]:
         return {
             **self.deployment_config.serve_options(),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -21,15 +22,19 @@ GRPC_SERVICER = "cluster.proto.llm_pb2_grpc.add_LLMServicer_to_server"
 logger = logging.getLogger("llm_cluster.deploy")
 
 
-def connect(address: str | None, log_to_driver: bool = False) -> None:
+def connect(address: str | None, log_to_driver: bool = False, num_cpus: float = 0) -> None:
     """Join the cluster at ``address`` ("auto": the one on this machine), start a new local
     one for "local" (with token authentication), or for None do what ``ray.init()`` does (join
     the cluster ``ray start`` made here, else start one). The driver carries this project's
-    environment (runtime_env)."""
+    environment (runtime_env). A new local cluster offers at least ``num_cpus`` logical CPUs
+    (more than the machine's cores when the config's bundles need them: a laptop runs every
+    replica's front, head and workers, oversubscribed)."""
     if ray.is_initialized():
         return
+    extra: dict[str, Any] = {}
     if address == "local":
         _token_auth_for_a_new_cluster()
+        extra["num_cpus"] = max(os.cpu_count() or 1, math.ceil(num_cpus))
     elif address is not None:
         _token_auth_if_available()
     ray.init(
@@ -39,6 +44,7 @@ def connect(address: str | None, log_to_driver: bool = False) -> None:
         runtime_env=runtime_env() or None,
         logging_level="WARNING",
         log_to_driver=log_to_driver,
+        **extra,
     )
 
 

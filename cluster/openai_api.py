@@ -495,7 +495,9 @@ class Completion:
         if finish is not None:
             choice.finish_reason = finish
         logprobs = self._logprobs(choice, delta.get("logprobs"))
-        if not (first or delta["text"] or finish or logprobs):
+        # As vLLM does: a step that produced tokens is a chunk even when their text is empty
+        # (an incomplete character, a special token), so clients see steady token timing.
+        if not (first or delta["text"] or delta["token_ids"] or finish or logprobs):
             return None
         if self.chat:
             content: dict[str, Any] = {"content": delta["text"]}

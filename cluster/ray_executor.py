@@ -52,9 +52,7 @@ _PROJECT_PACKAGES = ("kernels", "parallel", "engine", "cluster")
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         if not ray.is_initialized():
-            # Job-level, so that a checkout's packages also reach workers on other nodes when
-            # RAY_ADDRESS points at a cluster (per-actor py_modules cannot upload local dirs).
-            ray.init(runtime_env=_job_runtime_env())
+            _init_ray(config.parallel.world_size)
         device = _resolve_device(config)
         config = dataclasses.replace(
             config, device=dataclasses.replace(config.device, device=device)
@@ -99,6 +97,7 @@ class RayExecutor(Executor):
             self._pg = current
             # Bundle 0 is usually the replica's own; workers take the last ones.
             return usable[-self.world_size :]
+        self._check_cluster_can_fit()
         strategy = self.config.parallel.placement_group_strategy
         self._pg = placement_group([{self._resource: 1}] * self.world_size, strategy=strategy)
         self._owns_pg = True
@@ -110,6 +109,18 @@ class RayExecutor(Executor):
                 f"cluster resources: {ray.cluster_resources()}"
             )
         return list(range(self.world_size))
+
+    def _check_cluster_can_fit(self) -> None:
+        """Fail at once, naming the shortfall, when the whole cluster has fewer CPUs (GPUs)
+        than the workers' bundles: such a placement group would wait forever."""
+        total = ray.cluster_resources().get(self._resource, 0)
+        if total < self.world_size:
+            raise RuntimeError(
+                f"placement group: tensor_parallel_size x pipeline_parallel_size = "
+                f"{self.world_size} workers need {self.world_size} {self._resource}, but the Ray "
+                f"cluster has {total:g} {self._resource} in total ({self.world_size - total:g} "
+                "short); add nodes or lower the parallel sizes"
+            )
 
     def _spawn_workers(self, bundles: list[int]) -> list[Any]:
         actor_class = ray.remote(WorkerActor)
@@ -221,6 +232,21 @@ class RayExecutor(Executor):
             if self._owns_pg and self._pg is not None:
                 remove_placement_group(self._pg)
             self._pg, self._owns_pg = None, False
+
+
+def _init_ray(world_size: int) -> None:
+    """Join the cluster ``RAY_ADDRESS`` or ``ray start`` made, or start a local one with at
+    least one logical CPU per worker (a laptop with fewer cores than TP x PP workers still runs
+    them, oversubscribed). Job-level runtime_env, so that a checkout's packages also reach
+    workers on other nodes (per-actor py_modules cannot upload local dirs)."""
+    runtime_env = _job_runtime_env()
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=runtime_env)
+        return
+    try:
+        ray.init(address="auto", runtime_env=runtime_env)
+    except ConnectionError:  # no cluster on this machine: start one sized for the workers
+        ray.init(runtime_env=runtime_env, num_cpus=max(os.cpu_count() or 1, world_size))
 
 
 def _resolve_device(config: EngineConfig) -> str:

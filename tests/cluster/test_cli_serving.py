@@ -211,3 +211,31 @@ def test_serve_blocks_until_ctrl_c_then_shuts_down(tmp_path: Path) -> None:
         assert refuses_connections(http_port)
     finally:
         stop_process_group(serving)
+
+
+def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path: Path) -> None:
+    """What systemd, Docker and Kubernetes send: the same drain as Ctrl-C. Streams still
+    running after the drain (1 s here) end with finish_reason "abort" and then [DONE]."""
+    config, http_port = tiny_config(tmp_path)
+    data = yaml.safe_load(config.read_text())
+    data["models"][0]["deployment_config"]["graceful_shutdown_timeout_s"] = 1
+    config.write_text(yaml.safe_dump(data))
+    serving = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", str(config), "--address", "local"],
+        cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        for line in serving.stdout:
+            if "press Ctrl-C" in line:
+                break
+        assert serving.poll() is None, "cluster serve exited early"
+        in_flight = [LongStream(http_port, max_tokens=2000) for _ in range(4)]
+        serving.send_signal(signal.SIGTERM)
+        assert [s.finish_reasons(90) for s in in_flight] == [["abort"]] * 4
+        assert serving.wait(120) == 0
+        output = serving.stdout.read()
+        assert "Traceback" not in output, output[-3000:]
+        assert refuses_connections(http_port)
+    finally:
+        stop_process_group(serving)
