@@ -4,20 +4,10 @@ executor), which runs in a Ray actor of its own inside a Serve replica (``cluste
 and on a thread of this process outside one (tests, tools). Handle methods are what the
 ingress (HTTP or gRPC) calls.
 
-The wire between ingress and server is plain dicts, so neither side needs the other's classes.
-``generate`` streams:
-
-    {"type": "start", "prompt_tokens": n, "n": choices}     after validation, before any token
-    {"type": "delta", "choices": [choice delta, ...]}         the choices with something new
-    {"type": "error", "status": 400 | 408 | 503, "message", "param", "error_type", "code"}
-                                                              (+ "retry_after" s when overloaded)
-
-A choice delta is ``{"index", "text", "token_ids", "finish_reason", "stop_reason",
-"num_output_tokens", "logprobs"}``: ``finish_reason`` is set in the one delta in which that choice
-finishes, ``num_output_tokens`` counts that choice's tokens so far, and ``logprobs`` (None unless
-the request asked for them) has one entry per new token: a list of ``[token_id, text, logprob,
-rank]``, the sampled token first, then the top-k. Validation errors arrive as the first item, so
-a streaming client still gets a clean 400.
+``generate`` streams ``cluster.protocol`` messages: a ``StreamStart`` (or a ``StreamError``:
+a validation error is the first item, so a streaming client still gets a clean 400), then one
+``StreamDelta`` per engine step with the choices that have something new, and possibly a last
+``StreamError`` (503: the engine failed; 408: the request's timeout passed).
 """
 
 from __future__ import annotations
@@ -33,6 +23,16 @@ from typing import Any
 from jinja2 import TemplateError
 
 from cluster.metrics import ModelMetrics
+from cluster.protocol import (
+    ChoiceChunk,
+    DetokenizeResult,
+    GenerateRequest,
+    StreamDelta,
+    StreamError,
+    StreamItem,
+    StreamStart,
+    TokenizeResult,
+)
 from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -50,20 +50,8 @@ def error_item(
     param: str | None = None,
     code: str | None = None,
     retry_after: int | None = None,
-) -> dict[str, Any]:
-    error_type = {400: "BadRequestError", 404: "NotFoundError", 408: "RequestTimeoutError",
-                  503: "ServiceUnavailableError"}  # fmt: skip
-    item = {
-        "type": "error",
-        "status": status,
-        "message": message,
-        "param": param,
-        "error_type": error_type.get(status, "APIError"),
-        "code": code,
-    }
-    if retry_after is not None:
-        item["retry_after"] = retry_after
-    return item
+) -> StreamError:
+    return StreamError(status, message, param, code, retry_after)
 
 
 class LLMServer:
@@ -111,25 +99,21 @@ class LLMServer:
 
     # ---- generation ---------------------------------------------------------------------
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
         self._ensure_stats_task()
         if self.draining:
             yield error_item(503, f"this replica of {self.model_id!r} is shutting down; retry",
                              None, "draining", 1)  # fmt: skip
             return
         timer = self.metrics.request_timer(time.monotonic())
-        request_id = request.get("request_id") or uuid.uuid4().hex
+        request_id = request.request_id or uuid.uuid4().hex
         self._active.add(request_id)
         try:
             prompt = self._prompt(request)
-            params = _sampling_params(request.get("params") or {})
-            timeout = request.get("timeout")
+            params = _sampling_params(request.params)
+            timeout = request.timeout
             stream = self.engine.generate(
-                prompt,
-                params,
-                request_id,
-                cache_salt=request.get("cache_salt"),
-                timeout_s=timeout,
+                prompt, params, request_id, cache_salt=request.cache_salt, timeout_s=timeout
             )
             first = await stream.__anext__()
         except InvalidRequestError as exc:
@@ -151,13 +135,13 @@ class LLMServer:
             self._active.discard(request_id)
             raise
         prompt_tokens = len(first.output.prompt_token_ids)
-        yield {"type": "start", "prompt_tokens": prompt_tokens, "n": len(first.output.outputs)}
+        yield StreamStart(prompt_tokens, len(first.output.outputs))
         try:
             last = first
             async for item in _chain(first, stream):
                 timer.on_tokens(item.time, item.num_new_tokens)
                 last = item
-                yield {"type": "delta", "choices": [_choice_delta(d) for d in item.deltas]}
+                yield StreamDelta([_choice_chunk(d) for d in item.deltas])
             if timeout is not None and _was_aborted(last):
                 yield error_item(408, f"the request exceeded its timeout of {timeout} s",
                                  "timeout")  # fmt: skip
@@ -171,40 +155,39 @@ class LLMServer:
             await stream.aclose()
             timer.finish(time.monotonic())
 
-    def _prompt(self, request: dict[str, Any]) -> Any:
+    def _prompt(self, request: GenerateRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
-        if request.get("messages") is not None:
-            return {"prompt_token_ids": _chat_ids(self.tokenizer, request["messages"])}
-        if request.get("prompt_token_ids") is not None:
-            return {"prompt_token_ids": request["prompt_token_ids"]}
-        prompt = request.get("prompt")
+        if request.messages is not None:
+            return {"prompt_token_ids": _chat_ids(self.tokenizer, request.messages)}
+        if request.prompt_token_ids is not None:
+            return {"prompt_token_ids": request.prompt_token_ids}
+        prompt = request.prompt
         if isinstance(prompt, str) and prompt:
             return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
         return prompt  # the core names what is wrong with it
 
     # ---- tokenizer ----------------------------------------------------------------------
 
-    async def tokenize(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def tokenize(self, request: GenerateRequest) -> TokenizeResult | StreamError:
         try:
-            if request.get("messages") is not None:
-                ids = _chat_ids(self.tokenizer, request["messages"])
+            if request.messages is not None:
+                ids = _chat_ids(self.tokenizer, request.messages)
             else:
-                text = request.get("prompt")
+                text = request.prompt
                 if not isinstance(text, str):
                     raise InvalidRequestError("must be a string", param="prompt")
                 ids = self.tokenizer.encode(text)
         except InvalidRequestError as exc:
             return error_item(400, exc.reason, exc.param)
-        return {"tokens": list(ids), "count": len(ids), "max_model_len": self.max_model_len}
+        return TokenizeResult(list(ids), len(ids), self.max_model_len)
 
-    async def detokenize(self, request: dict[str, Any]) -> dict[str, Any]:
-        tokens = request.get("tokens")
+    async def detokenize(self, tokens: list[int]) -> DetokenizeResult | StreamError:
         vocab = self.config.model.vocab_size
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and 0 <= t < vocab for t in tokens
         ):
             return error_item(400, f"must be a list of token ids in [0, {vocab})", "tokens")
-        return {"prompt": self.tokenizer.decode(tokens)}
+        return DetokenizeResult(self.tokenizer.decode(tokens))
 
     # ---- health and stats ---------------------------------------------------------------
 
@@ -308,23 +291,22 @@ def _was_aborted(item: Any) -> bool:
     return any(c.finish_reason == "abort" for c in item.output.outputs)
 
 
-def _choice_delta(delta: ChoiceDelta) -> dict[str, Any]:
-    stop_reason = delta.stop_reason
+def _choice_chunk(delta: ChoiceDelta) -> ChoiceChunk:
     logprobs = None
     if delta.logprobs is not None:
         logprobs = [
             [[token, lp.decoded_token or "", lp.logprob, lp.rank] for token, lp in entry.items()]
             for entry in delta.logprobs
         ]
-    return {
-        "index": delta.index,
-        "text": delta.text,
-        "token_ids": delta.token_ids,
-        "finish_reason": delta.finish_reason,
-        "stop_reason": stop_reason if isinstance(stop_reason, (str, int)) else None,
-        "num_output_tokens": delta.num_tokens,
-        "logprobs": logprobs,
-    }
+    return ChoiceChunk(
+        delta.index,
+        delta.text,
+        delta.token_ids,
+        delta.finish_reason,
+        delta.stop_reason,
+        delta.num_tokens,
+        logprobs,
+    )
 
 
 def _sampling_params(params: dict[str, Any]) -> SamplingParams:

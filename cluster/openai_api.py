@@ -30,6 +30,17 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cluster.protocol import (
+    ERRORS,
+    ChoiceChunk,
+    GenerateRequest,
+    StreamDelta,
+    StreamError,
+    StreamItem,
+    StreamStart,
+    error_type,
+)
+
 # ---- request models ---------------------------------------------------------------------------
 
 
@@ -138,17 +149,6 @@ class DetokenizeRequest(_Strict):
 
 # ---- errors -----------------------------------------------------------------------------------
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "BadRequestError",
-    408: "RequestTimeoutError",
-    413: "RequestTooLargeError",
-    431: "RequestHeaderFieldsTooLargeError",
-    503: "ServiceUnavailableError",
-}
-
 
 class APIError(Exception):
     """An error for the client; ``retry_after`` (seconds) becomes a ``Retry-After`` header."""
@@ -176,8 +176,13 @@ class APIError(Exception):
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    error_type = _ERROR_TYPES.get(status, "APIError")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    kind = error_type(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def api_error(item: StreamError) -> APIError:
+    """The server's error message as the exception the routes raise."""
+    return APIError(item.status, item.message, item.param, item.code, item.retry_after)
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -209,7 +214,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(_validation_error(exc))
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        status = exc.status_code if exc.status_code in _ERROR_TYPES else 400
+        status = exc.status_code if exc.status_code in ERRORS else 400
         return error_response(APIError(status, str(exc.detail)))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -372,7 +377,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None) -> dict[str, A
     return params
 
 
-def completion_payload(req: CompletionRequest) -> dict[str, Any]:
+def completion_payload(req: CompletionRequest) -> GenerateRequest:
     # best_of = n samples n and returns them all; ranking more samples than returned is not done.
     if req.best_of is not None and req.best_of not in (1, req.n):
         raise APIError(400, f"best_of: only best_of = n ({req.n}) is supported", "best_of",
@@ -383,20 +388,17 @@ def completion_payload(req: CompletionRequest) -> dict[str, Any]:
     params = sampling_params(req, req.max_tokens)
     if req.logprobs is not None:
         params["logprobs"] = req.logprobs
-    payload: dict[str, Any] = {"params": params, **request_extras(req)}
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, "prompt: exactly one prompt per request", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, list):
-        payload["prompt_token_ids"] = prompt
-    else:
-        payload["prompt"] = prompt
-    return payload
+        return GenerateRequest(params=params, prompt_token_ids=prompt, **request_extras(req))
+    return GenerateRequest(params=params, prompt=prompt, **request_extras(req))
 
 
-def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
+def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
     for name in ("chat_template", "chat_template_kwargs"):
         if getattr(req, name) is not None:
             raise APIError(400, f"{name}: request-supplied chat templates are not accepted; the "
@@ -408,7 +410,9 @@ def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
         raise APIError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
     if req.logprobs:
         params["logprobs"] = req.top_logprobs or 0
-    return {"params": params, "messages": chat_messages(req.messages), **request_extras(req)}
+    return GenerateRequest(
+        params=params, messages=chat_messages(req.messages), **request_extras(req)
+    )
 
 
 def request_extras(req: _SamplingFields) -> dict[str, Any]:
@@ -476,37 +480,37 @@ class Completion:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": total}  # fmt: skip
 
-    def absorb(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+    def absorb(self, item: StreamStart | StreamDelta) -> list[dict[str, Any]]:
         """Take in a server item; returns the chunk choices it makes for a stream (a choice's
-        first delta, and every delta with text, logprobs or its finish)."""
-        if item["type"] == "start":
-            self.prompt_tokens = item["prompt_tokens"]
-            self.choices = [_Choice(i) for i in range(item.get("n", 1))]
+        first delta, and every delta with text, tokens, logprobs or its finish)."""
+        if isinstance(item, StreamStart):
+            self.prompt_tokens = item.prompt_tokens
+            self.choices = [_Choice(i) for i in range(item.n)]
             return []
-        return [c for d in item["choices"] if (c := self._absorb_choice(d)) is not None]
+        return [c for d in item.choices if (c := self._absorb_choice(d)) is not None]
 
-    def _absorb_choice(self, delta: dict[str, Any]) -> dict[str, Any] | None:
-        choice = self.choices[delta["index"]]
+    def _absorb_choice(self, delta: ChoiceChunk) -> dict[str, Any] | None:
+        choice = self.choices[delta.index]
         first, choice.started = not choice.started, True
-        choice.text += delta["text"]
-        choice.num_tokens = delta["num_output_tokens"]
+        choice.text += delta.text
+        choice.num_tokens = delta.num_output_tokens
         # "stop", "length", or (as vLLM sends it) "abort": the replica shut down past its drain.
-        finish = delta["finish_reason"]
+        finish = delta.finish_reason
         if finish is not None:
             choice.finish_reason = finish
-        logprobs = self._logprobs(choice, delta.get("logprobs"))
+        logprobs = self._logprobs(choice, delta.logprobs)
         # As vLLM does: a step that produced tokens is a chunk even when their text is empty
         # (an incomplete character, a special token), so clients see steady token timing.
-        if not (first or delta["text"] or delta["token_ids"] or finish or logprobs):
+        if not (first or delta.text or delta.token_ids or finish or logprobs):
             return None
         if self.chat:
-            content: dict[str, Any] = {"content": delta["text"]}
+            content: dict[str, Any] = {"content": delta.text}
             if first:
                 content = {"role": "assistant", **content}
             chat_lp = {"content": logprobs} if logprobs is not None else None
             return {"index": choice.index, "delta": content, "logprobs": chat_lp,
                     "finish_reason": finish}  # fmt: skip
-        return {"index": choice.index, "text": delta["text"], "logprobs": logprobs,
+        return {"index": choice.index, "text": delta.text, "logprobs": logprobs,
                 "finish_reason": finish}  # fmt: skip
 
     def _logprobs(self, choice: _Choice, entries: list[Any] | None) -> Any:
@@ -604,14 +608,14 @@ def sse(data: dict[str, Any] | str) -> bytes:
 
 
 async def stream_sse(
-    completion: Completion, items: AsyncIterator[dict[str, Any]], on_close: Callable[[], None]
+    completion: Completion, items: AsyncIterator[StreamItem], on_close: Callable[[], None]
 ) -> AsyncIterator[bytes]:
     """SSE chunks for the rest of a stream whose "start" item was already read: one chunk per
     choice delta, its ``choices[0].index`` saying which choice."""
     try:
         async for item in items:
-            if item["type"] == "error":
-                yield sse(error_body(item["status"], item["message"], item.get("param")))
+            if isinstance(item, StreamError):
+                yield sse(error_body(item.status, item.message, item.param))
                 break
             for choice in completion.absorb(item):
                 yield sse(completion.chunk(choice))

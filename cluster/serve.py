@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import msgspec
 import ray
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -33,6 +34,7 @@ from cluster.openai_api import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    api_error,
     api_key_matches,
     chat_messages,
     chat_payload,
@@ -44,6 +46,7 @@ from cluster.openai_api import (
     stream_sse,
 )
 from cluster.proto import llm_pb2
+from cluster.protocol import GenerateRequest, StreamError, StreamStart, grpc_code_name
 
 INGRESS_NAME = "OpenAIIngress"
 _FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "HF_HUB_OFFLINE",
@@ -54,13 +57,12 @@ async def _response(response: Any) -> Any:
     return await response
 
 
-def _unwrap(result: dict[str, Any]) -> Any:
-    if result.get("type") == "error":
-        return JSONResponse(
-            error_body(result["status"], result["message"], result.get("param")),
-            status_code=result["status"],
-        )
-    return result
+def _unwrap(result: Any) -> Any:
+    """A tokenizer route's reply as the HTTP body: a ``StreamError`` becomes its error body."""
+    if isinstance(result, StreamError):
+        body = error_body(result.status, result.message, result.param, result.code)
+        return JSONResponse(body, status_code=result.status)
+    return msgspec.to_builtins(result)
 
 
 async def guard_stream(items: Any, model: str) -> Any:
@@ -71,8 +73,8 @@ async def guard_stream(items: Any, model: str) -> Any:
         async for item in items:
             yield item
     except ray.exceptions.RayError:
-        yield {"type": "error", "status": 503, "param": None, "code": "unavailable",
-               "message": f"the replica serving {model!r} failed; retry the request"}  # fmt: skip
+        yield StreamError(503, f"the replica serving {model!r} failed; retry the request",
+                          None, "unavailable")  # fmt: skip
 
 
 def scrape_cluster_metrics() -> str:
@@ -93,18 +95,7 @@ def scrape_cluster_metrics() -> str:
     return "\n".join(lines) + "\n"
 
 
-_GRPC_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-}
-
-
-def grpc_payload(request: llm_pb2.GenerateRequest) -> dict[str, Any]:
+def grpc_payload(request: llm_pb2.GenerateRequest) -> GenerateRequest:
     """The server payload for a gRPC request; unset optional fields keep the engine default."""
     if request.HasField("n") and request.n != 1:
         raise APIError(400, f"n: gRPC responses carry one choice, so n must be 1, got {request.n}",
@@ -120,17 +111,14 @@ def grpc_payload(request: llm_pb2.GenerateRequest) -> dict[str, Any]:
     if bool(request.prompt) == bool(request.prompt_token_ids):
         raise APIError(400, "prompt: give exactly one of prompt or prompt_token_ids", "prompt")
     if request.prompt_token_ids:
-        return {"prompt_token_ids": list(request.prompt_token_ids), "params": params}
-    return {"prompt": request.prompt, "params": params}
+        return GenerateRequest(params=params, prompt_token_ids=list(request.prompt_token_ids))
+    return GenerateRequest(params=params, prompt=request.prompt)
 
 
 def grpc_abort(context: RayServegRPCContext, error: APIError) -> None:
     """Set the status for ``error`` and raise: Serve's proxy sends that status to the client.
     An overloaded model (a full waiting queue, Serve's back-pressure) is RESOURCE_EXHAUSTED."""
-    code = _GRPC_CODES.get(error.status, grpc.StatusCode.INTERNAL)
-    if error.code == "overloaded":
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    context.set_code(code)
+    context.set_code(getattr(grpc.StatusCode, grpc_code_name(error.status, error.code)))
     context.set_details(error.message)
     raise error
 
@@ -171,7 +159,7 @@ class OpenAIIngress:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
         return self.servers[model]
 
-    async def open_stream(self, model: str, payload: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    async def open_stream(self, model: str, payload: GenerateRequest) -> tuple[StreamStart, Any]:
         """Start a generation; returns its "start" item and the handle's stream, or raises
         ``APIError`` (the server's validation error, 404, 503) before any byte is sent."""
         if self._stopping is not None and self._stopping():
@@ -185,12 +173,11 @@ class OpenAIIngress:
                            "overloaded", retry_after=1) from exc  # fmt: skip
         except (ray.exceptions.RayError, StopAsyncIteration) as exc:
             raise APIError(503, f"model {model!r} is not available", None, "unavailable") from exc
-        if first["type"] == "error":
-            raise APIError(first["status"], first["message"], first.get("param"),
-                           first.get("code"), first.get("retry_after"))  # fmt: skip
+        if isinstance(first, StreamError):
+            raise api_error(first)
         return first, stream
 
-    async def _generate(self, req: Any, payload: dict[str, Any], completion: Completion) -> Any:
+    async def _generate(self, req: Any, payload: GenerateRequest, completion: Completion) -> Any:
         first, items = await self.open_stream(req.model, payload)
         completion.absorb(first)
         guarded = guard_stream(items, req.model)
@@ -199,9 +186,8 @@ class OpenAIIngress:
             return StreamingResponse(body, media_type="text/event-stream")
         try:
             async for item in guarded:
-                if item["type"] == "error":
-                    raise APIError(item["status"], item["message"], item.get("param"),
-                                   item.get("code"))  # fmt: skip
+                if isinstance(item, StreamError):
+                    raise api_error(item)
                 completion.absorb(item)
         finally:
             items.cancel()
@@ -236,13 +222,13 @@ class OpenAIIngress:
     async def tokenize(self, req: TokenizeRequest) -> Any:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
-        payload: dict[str, Any] = {"prompt": req.prompt}
+        payload = GenerateRequest(prompt=req.prompt)
         if req.messages is not None:
-            payload = {"messages": chat_messages(req.messages)}
+            payload = GenerateRequest(messages=chat_messages(req.messages))
         return _unwrap(await self._server(req.model).tokenize.remote(payload))
 
     async def detokenize(self, req: DetokenizeRequest) -> Any:
-        return _unwrap(await self._server(req.model).detokenize.remote({"tokens": req.tokens}))
+        return _unwrap(await self._server(req.model).detokenize.remote(req.tokens))
 
     async def health(self) -> Any:
         problems = {}
@@ -273,15 +259,15 @@ class OpenAIIngress:
             grpc_abort(grpc_context, exc)
         try:
             async for item in guard_stream(items, request.model):
-                if item["type"] == "error":
-                    grpc_abort(grpc_context, APIError(item["status"], item["message"]))
-                for choice in item["choices"]:  # one choice: gRPC requests always have n = 1
+                if isinstance(item, StreamError):
+                    grpc_abort(grpc_context, api_error(item))
+                for choice in item.choices:  # one choice: gRPC requests always have n = 1
                     yield llm_pb2.GenerateResponse(
-                        text=choice["text"],
-                        token_ids=choice["token_ids"],
-                        finish_reason=choice["finish_reason"] or "",
-                        prompt_tokens=first["prompt_tokens"],
-                        completion_tokens=choice["num_output_tokens"],
+                        text=choice.text,
+                        token_ids=choice.token_ids,
+                        finish_reason=choice.finish_reason or "",
+                        prompt_tokens=first.prompt_tokens,
+                        completion_tokens=choice.num_output_tokens,
                     )
         finally:
             items.cancel()

@@ -230,7 +230,7 @@ def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path: Path) -> None:
             if "press Ctrl-C" in line:
                 break
         assert serving.poll() is None, "cluster serve exited early"
-        in_flight = [LongStream(http_port, max_tokens=2000) for _ in range(4)]
+        in_flight = [LongStream(http_port) for _ in range(4)]  # 1000 tokens each
         serving.send_signal(signal.SIGTERM)
         assert [s.finish_reasons(90) for s in in_flight] == [["abort"]] * 4
         assert serving.wait(120) == 0

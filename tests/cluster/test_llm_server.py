@@ -4,12 +4,14 @@ health reflects the engine (Serve replaces a replica whose check_health raises).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from cluster.llm_server import LLMServer, error_item
+from cluster.protocol import GenerateRequest
 from engine import LLM, EngineDeadError, SamplingParams
 
 ENGINE_ARGS = {"model": "builtin:tiny-llama", "num_kv_blocks": 64, "device": "cpu"}
@@ -22,9 +24,16 @@ def server() -> Iterator[LLMServer]:
     server.engine.shutdown()
 
 
+async def stream(server: LLMServer, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The server's protocol messages for a ``GenerateRequest`` given by its fields, as plain
+    data: ``{"type": "start" | "delta" | "error", ...}`` (msgspec's tagged form)."""
+    async for item in server.generate(GenerateRequest(**request)):
+        yield msgspec.to_builtins(item)
+
+
 def collect(server: LLMServer, request: dict[str, Any]) -> list[dict[str, Any]]:
     async def run() -> list[dict[str, Any]]:
-        return [item async for item in server.generate(request)]
+        return [item async for item in stream(server, request)]
 
     return asyncio.run(run())
 
@@ -152,14 +161,14 @@ def test_full_waiting_queue_is_a_503_with_retry_after() -> None:
     long = {"prompt": "x", "params": {"max_tokens": 900, "ignore_eos": True}}
 
     async def run() -> list[dict[str, Any]]:
-        running = server.generate(long)
+        running = stream(server, long)
         assert (await running.__anext__())["type"] == "start"  # the one seat is taken
-        queued = server.generate(long)
+        queued = stream(server, long)
         waiting = asyncio.ensure_future(queued.__anext__())
         while (await server.stats())["num_waiting"] < 1:
             await asyncio.sleep(0.01)
         try:
-            return [item async for item in server.generate(long)]
+            return [item async for item in stream(server, long)]
         finally:
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
@@ -181,7 +190,7 @@ def test_drain_lets_short_requests_finish_aborts_the_rest_and_refuses_new_ones()
     async def run() -> tuple[list[Any], list[Any], list[Any], dict[str, int]]:
         async def one(max_tokens: int) -> list[dict[str, Any]]:
             params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
-            return [item async for item in server.generate({"prompt": "a", "params": params})]
+            return [item async for item in stream(server, {"prompt": "a", "params": params})]
 
         short = asyncio.ensure_future(one(8))
         long = asyncio.ensure_future(one(2000))
@@ -196,7 +205,8 @@ def test_drain_lets_short_requests_finish_aborts_the_rest_and_refuses_new_ones()
         assert short[-1]["choices"][-1]["finish_reason"] == "length"
         assert long[-1]["choices"][-1]["finish_reason"] == "abort"
         assert long[-1]["choices"][-1]["num_output_tokens"] < 2000
-        assert refused == [error_item(503, refused[0]["message"], None, "draining", 1)]
+        draining = error_item(503, refused[0]["message"], None, "draining", 1)
+        assert refused == [msgspec.to_builtins(draining)]
         assert counts == {"finished": 1, "aborted": 1}
         stats = asyncio.run(server.stats())
         assert stats["kv_free_blocks"] == stats["kv_total_blocks"]

@@ -7,21 +7,32 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
+from cluster import openai_api
 from cluster.openai_api import (
     APIError,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
     chat_logprobs,
-    chat_payload,
     completion_logprobs,
-    completion_payload,
     new_app,
 )
+from cluster.protocol import ChoiceChunk, StreamDelta, StreamStart
 from engine import InvalidRequestError, SamplingParams
+
+
+def completion_payload(req: CompletionRequest) -> dict[str, Any]:
+    """The ``GenerateRequest`` for the server, as plain data (its unset fields left out)."""
+    return msgspec.to_builtins(openai_api.completion_payload(req))
+
+
+def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
+    return msgspec.to_builtins(openai_api.chat_payload(req))
+
 
 KEY = "sk-test-key"
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum")
@@ -358,10 +369,9 @@ ENTRIES = [
 
 
 def delta(index: int, text: str, tokens: int, finish: str | None = None, **kw: Any) -> Any:
-    choice = {"index": index, "text": text, "token_ids": [1] * len(kw.get("logprobs") or []),
-              "finish_reason": finish, "stop_reason": None, "num_output_tokens": tokens,
-              "logprobs": kw.get("logprobs")}  # fmt: skip
-    return {"type": "delta", "choices": [choice]}
+    token_ids = kw.get("token_ids", [1] * len(kw.get("logprobs") or []))
+    choice = ChoiceChunk(index, text, token_ids, finish, None, tokens, kw.get("logprobs"))
+    return StreamDelta([choice])
 
 
 def test_completion_logprobs_format() -> None:
@@ -388,7 +398,7 @@ def test_minus_infinity_becomes_a_json_number() -> None:
 
 def test_n_choices_accumulate_by_index_and_usage_sums_them() -> None:
     completion = Completion("m", chat=False, include_usage=False)
-    completion.absorb({"type": "start", "prompt_tokens": 4, "n": 2})
+    completion.absorb(StreamStart(4, 2))
     for item in [delta(1, "B", 1), delta(0, "A", 1), delta(1, "b", 2, "length"),
                  delta(0, "a", 2, "stop")]:  # fmt: skip
         completion.absorb(item)
@@ -399,9 +409,22 @@ def test_n_choices_accumulate_by_index_and_usage_sums_them() -> None:
     assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
 
 
+def test_a_delta_with_tokens_but_no_text_is_still_a_chunk() -> None:
+    # An incomplete UTF-8 character (or a special token) has no text yet: like vLLM, the step
+    # still makes a chunk, so clients see every token's timing.
+    completion = Completion("m", chat=False, include_usage=False)
+    completion.absorb(StreamStart(1, 1))
+    items = [delta(0, "a", 1, token_ids=[3]), delta(0, "", 2, token_ids=[4]),
+             delta(0, "", 3, token_ids=[5]), delta(0, "é", 3, "length", token_ids=[])]  # fmt: skip
+    chunks = [c for item in items for c in completion.absorb(item)]
+    assert [(c["text"], c["finish_reason"]) for c in chunks] == [
+        ("a", None), ("", None), ("", None), ("é", "length")
+    ]  # fmt: skip
+
+
 def test_stream_chunks_name_their_choice_and_carry_role_once_per_choice() -> None:
     completion = Completion("m", chat=True, include_usage=False)
-    completion.absorb({"type": "start", "prompt_tokens": 4, "n": 2})
+    completion.absorb(StreamStart(4, 2))
     chunks = [c for i in [delta(1, "B", 1), delta(0, "A", 1), delta(1, "b", 2)]
               for c in completion.absorb(i)]  # fmt: skip
     assert [(c["index"], c["delta"]) for c in chunks] == [
@@ -412,7 +435,7 @@ def test_stream_chunks_name_their_choice_and_carry_role_once_per_choice() -> Non
 
 def test_streamed_logprobs_are_those_of_each_chunk_and_add_up_to_the_whole() -> None:
     completion = Completion("m", chat=False, include_usage=False, top_logprobs=2)
-    completion.absorb({"type": "start", "prompt_tokens": 1, "n": 1})
+    completion.absorb(StreamStart(1, 1))
     first = completion.absorb(delta(0, " a", 1, logprobs=ENTRIES[:1]))[0]["logprobs"]
     second = completion.absorb(delta(0, "z", 2, "length", logprobs=ENTRIES[1:]))[0]["logprobs"]
     assert (first["tokens"], second["tokens"]) == ([" a"], ["z"])
@@ -422,7 +445,7 @@ def test_streamed_logprobs_are_those_of_each_chunk_and_add_up_to_the_whole() -> 
 
 def test_chat_whole_response_has_logprobs_content() -> None:
     completion = Completion("m", chat=True, include_usage=False, top_logprobs=1)
-    completion.absorb({"type": "start", "prompt_tokens": 1, "n": 1})
+    completion.absorb(StreamStart(1, 1))
     completion.absorb(delta(0, " az", 2, "length", logprobs=ENTRIES))
     content = completion.whole()["choices"][0]["logprobs"]["content"]
     assert content == chat_logprobs(ENTRIES, 1)
@@ -504,7 +527,7 @@ def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> A
 
 
 def test_a_stopping_ingress_refuses_new_generations_with_503_draining() -> None:
-    error = _open_stream({"type": "start", "prompt_tokens": 1, "n": 1}, stopping=True)
+    error = _open_stream(StreamStart(1, 1), stopping=True)
     assert (error.status, error.code, error.retry_after) == (503, "draining", 1)
 
 

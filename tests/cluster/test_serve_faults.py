@@ -1,6 +1,7 @@
 """Fault injection on a live deployment (a real local Ray and Serve): a worker actor killed
-mid-generation, the model's head (its ``LLMServer`` replica) killed mid-generation, and the
-graceful drain of a replica that Serve stops (redeploy, ``cluster shutdown``).
+mid-generation, the model's head actor (its engine core) killed mid-generation, its
+``LLMServer`` replica (the front, which owns the head) killed mid-generation, and the graceful
+drain of a replica that Serve stops (redeploy, ``cluster shutdown``).
 
 For each fault, every in-flight request of the model ends with a clear error within 30 s —
 a 503 body for a plain request, an error chunk then ``data: [DONE]`` for a stream, UNAVAILABLE
@@ -26,7 +27,7 @@ from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
 APP = "faults"
 PREFIX = "/faults"
 FAULTY = "tiny-tp2"  # tensor-parallel over two worker actors: the model faults are injected in
-STEADY = "tiny-llama"  # runs in its replica's process: must keep serving throughout
+STEADY = "tiny-llama"  # TP = 1, its head runs the worker: must keep serving throughout
 LONG = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
 ERROR_WITHIN_S = 30
 RECOVER_WITHIN_S = 120
@@ -263,7 +264,19 @@ def test_worker_actor_killed_mid_generation(base_url: str, grpc_stub: llm_pb2_gr
     assert len(named_actors(WORKER_NAME_PREFIX)) == 2
 
 
-def test_head_replica_killed_mid_generation(base_url: str, grpc_stub: llm_pb2_grpc.LLMStub) -> None:
+def test_head_actor_killed_mid_generation(base_url: str, grpc_stub: llm_pb2_grpc.LLMStub) -> None:
+    from cluster.head_actor import HEAD_NAME_PREFIX
+
+    heads = named_actors(f"{HEAD_NAME_PREFIX}{FAULTY}:")
+    assert len(heads) == 1, heads
+    run_fault(base_url, grpc_stub, lambda: kill(heads[0]))
+    # The replica whose head died failed its health check and was replaced, head and all.
+    assert named_actors(f"{HEAD_NAME_PREFIX}{FAULTY}:") not in ([], heads)
+
+
+def test_front_replica_killed_mid_generation(
+    base_url: str, grpc_stub: llm_pb2_grpc.LLMStub
+) -> None:
     from cluster.serve import deployment_name
 
     prefix = f"SERVE_REPLICA::{APP}#{deployment_name(FAULTY)}#"

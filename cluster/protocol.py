@@ -1,0 +1,120 @@
+"""The ingress <-> ``LLMServer`` replica protocol: typed msgspec messages, one error table.
+
+    ingress ── GenerateRequest ──────────────▶ LLMServer.generate (a Serve streaming handle call)
+            ◀── StreamStart                    after validation, before any token
+            ◀── StreamDelta …                  the choices with something new, one per step
+            ◀── StreamError                    instead of StreamStart, or last (503, 408)
+
+A request's validation error arrives as the first item, so a streaming client still gets a
+clean 400. ``StreamError.status`` picks everything a client sees of an error from ``ERRORS``:
+the OpenAI error type, and the gRPC status code (by name, so this module needs no grpc).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# status -> (OpenAI error "type", gRPC status code name)
+ERRORS: dict[int, tuple[str, str]] = {
+    400: ("BadRequestError", "INVALID_ARGUMENT"),
+    401: ("AuthenticationError", "UNAUTHENTICATED"),
+    404: ("NotFoundError", "NOT_FOUND"),
+    405: ("BadRequestError", "INVALID_ARGUMENT"),
+    408: ("RequestTimeoutError", "DEADLINE_EXCEEDED"),
+    413: ("RequestTooLargeError", "RESOURCE_EXHAUSTED"),
+    429: ("RateLimitError", "RESOURCE_EXHAUSTED"),
+    431: ("RequestHeaderFieldsTooLargeError", "INVALID_ARGUMENT"),
+    503: ("ServiceUnavailableError", "UNAVAILABLE"),
+}
+
+
+def error_type(status: int) -> str:
+    return ERRORS.get(status, ("APIError", "INTERNAL"))[0]
+
+
+def grpc_code_name(status: int, code: str | None = None) -> str:
+    """An overloaded model (a full waiting queue, back-pressure) is RESOURCE_EXHAUSTED."""
+    if code == "overloaded":
+        return "RESOURCE_EXHAUSTED"
+    return ERRORS.get(status, ("APIError", "INTERNAL"))[1]
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One generation: exactly one of ``prompt``, ``prompt_token_ids`` or ``messages``;
+    ``params`` are ``SamplingParams`` fields by name (the server checks names and ranges)."""
+
+    params: dict[str, Any] = {}
+    prompt: Any = None  # a string; anything else is a 400 from the server, naming the field
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    cache_salt: str | None = None
+    timeout: float | None = None  # seconds; past it: aborted, then a 408
+    request_id: str | None = None
+
+
+class StreamStart(msgspec.Struct, tag="start"):
+    prompt_tokens: int
+    n: int = 1
+
+
+# Per token: rows of [token_id, text, logprob, rank], the sampled token first, then the top-k.
+TokenLogprobs = list[list[Any]]
+
+
+class ChoiceChunk(msgspec.Struct):
+    """What is new for one choice. ``finish_reason`` is set in the one chunk in which the choice
+    finishes; ``num_output_tokens`` counts its tokens so far."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class StreamDelta(msgspec.Struct, tag="delta"):
+    choices: list[ChoiceChunk]
+
+
+class StreamError(msgspec.Struct, tag="error"):
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    retry_after: int | None = None  # seconds, for a Retry-After header
+
+    @property
+    def error_type(self) -> str:
+        return error_type(self.status)
+
+
+StreamItem = StreamStart | StreamDelta | StreamError
+
+
+class TokenizeResult(msgspec.Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResult(msgspec.Struct):
+    prompt: str
+
+
+__all__ = [
+    "ERRORS",
+    "ChoiceChunk",
+    "DetokenizeResult",
+    "GenerateRequest",
+    "StreamDelta",
+    "StreamError",
+    "StreamItem",
+    "StreamStart",
+    "TokenizeResult",
+    "error_type",
+    "grpc_code_name",
+]

@@ -1,0 +1,146 @@
+"""The head actor (``cluster.head_actor``): the engine core in a Ray actor of its own, reached
+by the front (``AsyncLLMEngine`` over ``HeadCoreClient``) with one message per step for all
+requests. Reference: the same engine offline in this process (itself token-exact against HF)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from cluster.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
+from cluster.serve import runtime_env
+from engine import LLM, EngineDeadError, SamplingParams
+from engine.async_llm_engine import AsyncLLMEngine, StreamOutput
+from engine.config import EngineConfig
+from engine.core_loop import StepOutputs
+from engine.llm_engine import load_tokenizer
+
+ENGINE_ARGS: dict[str, Any] = {"model": "builtin:tiny-llama", "num_kv_blocks": 128, "device": "cpu"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env=runtime_env() or None)  # fmt: skip
+    yield
+    ray.shutdown()
+
+
+def remote_engine() -> AsyncLLMEngine:
+    config = EngineConfig.from_kwargs(**ENGINE_ARGS)
+    name = f"{HEAD_NAME_PREFIX}test:{uuid.uuid4().hex[:8]}"
+    client = HeadCoreClient(config, ENGINE_ARGS, name=name, bundle_index=0, resources={"CPU": 1})
+    return AsyncLLMEngine(client, tokenizer=load_tokenizer(config))
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[AsyncLLMEngine]:
+    engine = remote_engine()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(**ENGINE_ARGS)
+
+
+async def collect(
+    engine: AsyncLLMEngine, prompt: str, params: SamplingParams
+) -> list[StreamOutput]:
+    return [item async for item in engine.generate(prompt, params)]
+
+
+def test_n_choices_with_logprobs_equal_offline(engine: AsyncLLMEngine, offline: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, logprobs=2)
+    items = asyncio.run(collect(engine, "Fan out", params))
+    expected = offline.generate("Fan out", params, use_tqdm=False)[0].outputs
+    for ref in expected:
+        deltas = [d for item in items for d in item.deltas if d.index == ref.index]
+        assert "".join(d.text for d in deltas) == ref.text
+        assert [t for d in deltas for t in d.token_ids] == ref.token_ids
+        assert [e for d in deltas for e in d.logprobs] == ref.logprobs
+        assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"]
+    assert items[-1].output.outputs == expected  # the front's running output, as offline
+
+
+def test_one_message_per_step_carries_every_request(engine: AsyncLLMEngine) -> None:
+    messages: list[StepOutputs] = []
+    fan_out = engine._on_step
+
+    def spy(step: StepOutputs) -> None:
+        messages.append(step)
+        fan_out(step)
+
+    engine.client.start(spy, engine._on_dead)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    async def run() -> list[list[StreamOutput]]:
+        before = await engine.get_stats()
+        outs = await asyncio.gather(*(collect(engine, f"request {i}", params) for i in range(4)))
+        after = await engine.get_stats()
+        assert len(messages) <= after.num_steps - before.num_steps
+        return outs
+
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        engine.client.start(fan_out, engine._on_dead)
+    assert all(len(o[-1].output.outputs[0].token_ids) == 16 for o in outputs)
+    # Decode steps of the four requests travel together: one message, four deltas.
+    assert max(len(m.deltas) for m in messages) == 4
+
+
+def test_a_step_whose_tokens_have_no_text_still_sends_a_delta(
+    engine: AsyncLLMEngine, offline: LLM
+) -> None:
+    # One byte of a three-byte UTF-8 character: its text only exists once completed, so the
+    # stream's deltas carry the token with empty text, as vLLM's do.
+    tokenizer = offline.get_tokenizer()
+    lead_byte = tokenizer.convert_tokens_to_ids("â")
+    assert tokenizer.decode([lead_byte]) == "\ufffd"  # alone it is no character
+    params = SamplingParams(temperature=0, max_tokens=3, logit_bias={lead_byte: 100.0})
+    messages: list[StepOutputs] = []
+    fan_out = engine._on_step
+
+    def spy(step: StepOutputs) -> None:
+        messages.append(step)
+        fan_out(step)
+
+    engine.client.start(spy, engine._on_dead)
+    try:
+        items = asyncio.run(collect(engine, "bytes", params))
+    finally:
+        engine.client.start(fan_out, engine._on_dead)
+    choices = [c for m in messages for d in m.deltas for c in d.choices]
+    assert [c.token_ids for c in choices] == [[lead_byte]] * 3  # one delta per step
+    assert choices[0].text == ""
+    assert [t for i in items for t in i.delta_token_ids] == [lead_byte] * 3
+
+
+def test_killed_head_fails_streams_health_and_new_requests() -> None:
+    engine = remote_engine()
+    client = engine.client
+    assert isinstance(client, HeadCoreClient)
+
+    async def run() -> None:
+        stream = engine.generate("doomed", SamplingParams(max_tokens=2000, ignore_eos=True))
+        await stream.__anext__()
+        ray.kill(client.actor, no_restart=True)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.check_engine_health()
+        with pytest.raises(EngineDeadError):
+            await engine.generate("after", SamplingParams(max_tokens=2)).__anext__()
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        engine.shutdown()

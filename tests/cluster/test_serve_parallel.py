@@ -1,0 +1,59 @@
+"""TP = 2 and PP = 2 through Serve (gloo workers, each replica's head actor driving them) give
+the same greedy tokens as TP = 1, for several requests in flight at once, read with the
+official ``openai`` client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from tests.cluster.conftest import ServeCluster, load_yaml
+
+APP = "parallel"
+SHAPES = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+PROMPTS = ["Once upon a time", "The quick brown fox", "In a hole in the ground", "Hi"]
+
+
+def _model(model_id: str, **engine_kwargs: Any) -> dict[str, Any]:
+    base = load_yaml("tiny.yaml")["models"][0]
+    return {
+        "model_loading_config": {"model_id": model_id, "model_source": "builtin:tiny-llama"},
+        "engine_kwargs": {**base["engine_kwargs"], **engine_kwargs},
+        "deployment_config": base["deployment_config"],
+    }
+
+
+@pytest.fixture(scope="module")
+def client(serve_cluster: ServeCluster) -> Iterator[OpenAI]:
+    from ray import serve
+
+    config = load_yaml("tiny.yaml")
+    config["models"] = [_model(name, **kwargs) for name, kwargs in SHAPES.items()]
+    url = serve_cluster.deploy(config, APP, "/parallel")
+    yield OpenAI(base_url=f"{url}/v1", api_key="not-needed", max_retries=0)
+    serve.delete(APP)
+
+
+def greedy_tokens(client: OpenAI, model: str) -> list[list[str]]:
+    """Each prompt's 24 greedy tokens (as the logprobs' token strings), all sent at once."""
+
+    def one(prompt: str) -> list[str]:
+        response = client.completions.create(
+            model=model, prompt=prompt, max_tokens=24, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        choice = response.choices[0]
+        assert choice.finish_reason == "length" and len(choice.logprobs.tokens) == 24
+        return [choice.text, *choice.logprobs.tokens]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, PROMPTS))
+
+
+@pytest.mark.parametrize("shape", ["tp2", "pp2"])
+def test_parallel_shape_through_serve_equals_tp1(client: OpenAI, shape: str) -> None:
+    assert greedy_tokens(client, shape) == greedy_tokens(client, "tp1")
