@@ -7,11 +7,15 @@ else, placed in the replica's placement group. ``HeadCoreClient`` is how the rep
     ──────────────────────────                    ───────────────────────
     add_request(AddRequest bytes) ─────────────▶  validate on the core thread → AddReply
     abort([ids]) ──────────────────────────────▶  (fire and forget)
-    poll() ◀── list[StepOutputs] bytes ────────   every step's outputs since the last poll
+    poll(acked) ◀── list[StepOutputs] bytes ───   every step's outputs after ``acked``
 
 One poll is always outstanding: it returns as soon as a step has produced something, with every
-step since the previous poll (one message for all requests, however many steps piled up). The
-core thread never waits for the front. All messages are msgspec; nothing is pickled by this
+step the front has not acknowledged (one message for all requests, however many steps piled up).
+Steps are numbered; the next poll acknowledges what the last one returned, so a poll whose reply
+is lost (its caller's event loop ended) loses nothing. The core thread never waits for the front.
+The front makes every call to the head outside any request's context: Serve cancels the Ray
+calls a request made when the request is cancelled, and the poll and an abort are not the
+request's own. All messages are msgspec; nothing is pickled by this
 project. The actor is owned by the replica, so it dies with it; if the head dies, the poll fails,
 every stream ends with a 503 and the replica's health check fails, so Serve replaces it.
 """
@@ -19,13 +23,15 @@ every stream ends with a 503 and the replica's health check fails, so Serve repl
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import RayError, TaskCancelledError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -44,6 +50,8 @@ from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequest
 from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("llm_cluster.head")
+
+T = TypeVar("T")
 
 HEAD_NAME_PREFIX = "LLMHead:"
 # Threads for the actor's methods: the outstanding poll, adds, aborts, health and stats.
@@ -83,6 +91,7 @@ class AddReply(msgspec.Struct, array_like=True):
 
 class PollReply(msgspec.Struct, array_like=True):
     steps: bytes  # encode_steps(...): decoded only by the front's fan-out
+    last_seq: int  # the number of the last step in ``steps`` (the next poll's ``acked``)
     dead: str | None = None
 
 
@@ -98,7 +107,9 @@ class HeadActor:
 
     def __init__(self, engine_args: dict[str, Any]) -> None:
         engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
+        # Steps not yet acknowledged by the front, oldest first, numbered from ``_first_seq``.
         self._outbox: list[StepOutputs] = []
+        self._first_seq = 1
         self._dead: str | None = None
         self._ready = threading.Condition()
         self._loop = EngineCoreLoop(engine, self._push, self._died)
@@ -119,13 +130,18 @@ class HeadActor:
     def abort(self, request_ids: list[str]) -> None:
         self._loop.abort(list(request_ids))
 
-    def poll(self, wait_s: float = _POLL_WAIT_S) -> bytes:
-        """Every step's outputs since the last poll; waits up to ``wait_s`` for the first."""
+    def poll(self, acked: int, wait_s: float = _POLL_WAIT_S) -> bytes:
+        """Drop the steps up to ``acked`` (the front has them), then return every later one;
+        waits up to ``wait_s`` for one."""
         with self._ready:
+            drop = max(0, min(acked - self._first_seq + 1, len(self._outbox)))
+            del self._outbox[:drop]
+            self._first_seq += drop
             self._ready.wait_for(lambda: self._outbox or self._dead is not None, wait_s)
-            steps, self._outbox = self._outbox, []
+            steps = list(self._outbox)
+            last_seq = self._first_seq + len(steps) - 1
             dead = self._dead
-        return _ENCODER.encode(PollReply(encode_steps(steps), dead))
+        return _ENCODER.encode(PollReply(encode_steps(steps), last_seq, dead))
 
     def stats(self) -> bytes:
         return _ENCODER.encode(self._loop.stats().result())
@@ -188,6 +204,7 @@ class HeadCoreClient(EngineCoreClient):
         self._on_dead: OnDead | None = None
         self._dead: EngineDeadError | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._acked = 0  # the last step number handed to on_step
         try:
             ray.get(self.actor.ready.remote())
         except RayError as exc:
@@ -201,7 +218,9 @@ class HeadCoreClient(EngineCoreClient):
     async def add_request(self, request: AddRequest) -> AddResult:
         self._ensure_poller()
         try:
-            data = await self.actor.add_request.remote(_ENCODER.encode(request))
+            data = await _detached(self.actor.add_request.remote, _ENCODER.encode(request))
+        except TaskCancelledError:
+            raise asyncio.CancelledError from None
         except RayError as exc:
             raise self._lost(exc) from exc
         reply = _ADD_REPLY_DECODER.decode(data)
@@ -212,7 +231,7 @@ class HeadCoreClient(EngineCoreClient):
 
     def abort(self, request_ids: list[str]) -> None:
         if self._dead is None:
-            self.actor.abort.remote(request_ids)
+            _detached(self.actor.abort.remote, request_ids)
 
     async def stats(self) -> CoreStats:
         return _STATS_DECODER.decode(await self._call(self.actor.stats))
@@ -250,7 +269,7 @@ class HeadCoreClient(EngineCoreClient):
         if self._dead is not None:
             raise self._dead
         try:
-            return await method.remote()
+            return await _detached(method.remote)
         except RayError as exc:
             raise self._lost(exc) from exc
 
@@ -258,18 +277,24 @@ class HeadCoreClient(EngineCoreClient):
         if self._poller is None or self._poller.done():
             if self._dead is not None:
                 raise self._dead
-            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+            loop = asyncio.get_running_loop()
+            self._poller = _detached(loop.create_task, self._poll_forever())
 
     async def _poll_forever(self) -> None:
         while self._dead is None:
             try:
-                reply = _POLL_DECODER.decode(await self.actor.poll.remote())
+                reply = _POLL_DECODER.decode(await self.actor.poll.remote(self._acked))
+            except TaskCancelledError:
+                continue  # not the head's failure: ask again (nothing unacknowledged is lost)
             except RayError as exc:
                 self._lost(exc)
                 return
-            if self._on_step is not None:
-                for step in decode_steps(reply.steps):
+            steps = decode_steps(reply.steps)
+            first_seq = reply.last_seq - len(steps) + 1
+            for seq, step in enumerate(steps, start=first_seq):
+                if seq > self._acked and self._on_step is not None:
                     self._on_step(step)
+            self._acked = max(self._acked, reply.last_seq)
             if reply.dead is not None:
                 self._fail(EngineDeadError(reply.dead))
 
@@ -283,6 +308,12 @@ class HeadCoreClient(EngineCoreClient):
             if self._on_dead is not None:
                 self._on_dead(error)
         return self._dead
+
+
+def _detached(fn: Callable[..., T], *args: Any) -> T:
+    """Call ``fn`` in an empty context: a Ray call made there (or a task created there) belongs
+    to no request, so cancelling a request never cancels it."""
+    return contextvars.Context().run(fn, *args)
 
 
 __all__ = ["HEAD_NAME_PREFIX", "CoreError", "HeadActor", "HeadCoreClient"]

@@ -277,13 +277,25 @@ class AsyncLLMEngine:
         # add's reply does.
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
+        add = asyncio.ensure_future(self.client.add_request(request))
         try:
-            added = await self.client.add_request(request)
+            added = await asyncio.shield(add)
+        except asyncio.CancelledError:
+            # The caller went away while the core was adding the request: once the add is
+            # done, abort it (an abort sent now could overtake the add and find nothing).
+            self._streams.pop(request_id, None)
+            add.add_done_callback(lambda done: self._abort_if_added(done, request_id))
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise
         stream.start(request_id, text, added.prompt_token_ids, params)
         return stream
+
+    def _abort_if_added(self, add: asyncio.Future[Any], request_id: str) -> None:
+        if not add.cancelled() and add.exception() is None:
+            with contextlib.suppress(EngineDeadError):
+                self.client.abort([request_id])
 
     # ---- outputs in (any thread) ----------------------------------------------------------
 

@@ -325,3 +325,35 @@ def test_a_stalled_step_makes_the_engine_unhealthy_not_a_zombie() -> None:
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_deltas_that_pile_up_merge_into_one_per_choice() -> None:
+    from engine.async_llm_engine import merge_deltas
+    from engine.core_loop import RequestDelta
+    from engine.outputs import Logprob
+
+    def lp(token: int) -> dict[int, Logprob]:
+        return {token: Logprob(-float(token), 1, str(token))}
+
+    steps = [
+        RequestDelta("r", [ChoiceDelta(0, "a", [1], [lp(1)], None, None, 1, -1.0),
+                           ChoiceDelta(1, "", [7], [lp(7)], None, None, 1, -7.0)], False),
+        RequestDelta("r", [ChoiceDelta(1, "xy", [8], [lp(8)], "stop", "y", 2, -15.0)], False),
+        RequestDelta("r", [ChoiceDelta(0, "b", [2], [lp(2)], "length", None, 2, -3.0)], True, 4),
+    ]  # fmt: skip
+    merged = merge_deltas(steps)
+    assert merged.finished and merged.num_cached_tokens == 4
+    first, second = merged.choices
+    assert (first.text, first.token_ids, first.finish_reason, first.num_tokens) == (
+        "ab",
+        [1, 2],
+        "length",
+        2,
+    )
+    assert first.logprobs == [lp(1), lp(2)] and first.cumulative_logprob == -3.0
+    assert (second.text, second.token_ids, second.finish_reason, second.stop_reason) == (
+        "xy",
+        [7, 8],
+        "stop",
+        "y",
+    )
