@@ -47,6 +47,7 @@ profile() {  # PORT NAME: top over 6 s in the middle of a saturating run
   sleep 8
   top -b -d 6 -n 2 -w 200 | awk '/^top -/{n++} n==2' | sed -n 1,20p > "$OUT/top_$2.txt"
   sleep 25
+  pkill -f "vllm bench serve"  # the profile run's concurrency-1 part is not needed
 }
 wait_up() { for _ in $(seq 300); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return; sleep 1; done; }
 stop_all() {
@@ -74,7 +75,8 @@ cluster_serve "$ROOT" cluster 8000
 cluster_serve "$ROOT" cluster_throughput 30000 RAY_SERVE_THROUGHPUT_OPTIMIZED=1
 "$PV/bin/vllm" serve "$MODEL" --served-model-name bench --dtype bfloat16 --port 8100 \
   > "$OUT/vllm_serve.log" 2>&1 &
-vp=$!; wait_up 8100; client 8100 vllm; profile 8100 vllm; kill $vp; wait $vp 2>/dev/null
+vp=$!; wait_up 8100; client 8100 vllm; profile 8100 vllm
+pkill -f "vllm bench serve"; kill $vp; sleep 10; kill -9 $vp 2>/dev/null; pkill -9 -f EngineCore
 (cd "$ROOT" && "$VENV/bin/python" -m cluster.cli bench serve --compare "$OUT/bench.yaml" \
   --num-prompts 64 --input-len 32:32 --output-len 128:128 --vocab-size 1024 \
   --json "$OUT/compare.json" > "$OUT/compare.log" 2>&1)

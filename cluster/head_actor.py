@@ -106,13 +106,14 @@ class HeadActor:
     """Ray actor (threaded): the engine core of one model replica."""
 
     def __init__(self, engine_args: dict[str, Any]) -> None:
-        engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
+        config = EngineConfig.from_kwargs(**engine_args)
         # Steps not yet acknowledged by the front, oldest first, numbered from ``_first_seq``.
         self._outbox: list[StepOutputs] = []
         self._first_seq = 1
         self._dead: str | None = None
         self._ready = threading.Condition()
-        self._loop = EngineCoreLoop(engine, self._push, self._died)
+        # Built on the core thread, which runs its forward passes (see EngineCoreLoop).
+        self._loop = EngineCoreLoop(lambda: LLMEngine(config), self._push, self._died)
 
     def ready(self) -> bool:
         return True

@@ -35,6 +35,7 @@ from cluster.protocol import (
 )
 from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta
 from engine.config import EngineConfig
+from engine.core_client import InProcessCoreClient
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.sampling_params import SamplingParams
@@ -85,7 +86,7 @@ class LLMServer:
             )
             self.engine = AsyncLLMEngine(client, tokenizer=self.tokenizer)
         else:
-            self.engine = AsyncLLMEngine(LLMEngine(config))
+            self.engine = AsyncLLMEngine(InProcessCoreClient(lambda: LLMEngine(config)))
         self.max_model_len = config.max_model_len
         self.metrics = ModelMetrics(model_id, self.replica_id)
         self._stats_task: asyncio.Task[None] | None = None

@@ -133,7 +133,9 @@ class AsyncLLMEngine:
             engine if isinstance(engine, EngineCoreClient) else InProcessCoreClient(engine)
         )
         self.config: EngineConfig = self.client.config
-        self.tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = getattr(self.client, "tokenizer", None)
+        self.tokenizer = tokenizer
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None
@@ -141,7 +143,9 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, **engine_args: Any) -> AsyncLLMEngine:
-        return cls(LLMEngine(EngineConfig.from_kwargs(**engine_args)))
+        """The engine built (and run) on the core thread."""
+        config = EngineConfig.from_kwargs(**engine_args)
+        return cls(InProcessCoreClient(lambda: LLMEngine(config)))
 
     @property
     def engine(self) -> LLMEngine:

@@ -58,14 +58,16 @@ class EngineCoreClient(ABC):
 
 
 class InProcessCoreClient(EngineCoreClient):
-    """The core loop on a thread of this process."""
+    """The core loop on a thread of this process. Given a factory, the engine is built on that
+    thread (see ``EngineCoreLoop``)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.config = engine.config
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
         self._on_step: OnStep | None = None
         self._on_dead: OnDead | None = None
         self.loop = EngineCoreLoop(engine, self._deliver, self._died)
+        self.engine = self.loop.engine
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> None:
         self._on_step, self._on_dead = on_step, on_dead

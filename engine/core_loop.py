@@ -207,23 +207,26 @@ class CoreStats(msgspec.Struct):
 
 
 class EngineCoreLoop:
-    """Runs ``engine`` on its own thread. ``on_step`` receives each step's ``StepOutputs`` (on
-    the core thread: it must only hand them on); ``on_dead`` is called once, with the error,
+    """Runs an ``LLMEngine`` on its own thread. ``on_step`` receives each step's ``StepOutputs``
+    (on the core thread: it must only hand them on); ``on_dead`` is called once, with the error,
     when the loop stops for good (a failed step, or ``shutdown``). Every ``LLMEngine`` call
     happens on the core thread, so the engine needs no locks. Commands are drained before every
     step, so an abort takes effect within one step and its blocks are free before the next
     forward pass. ``idle_wait_s`` bounds how long the idle thread sleeps between checks of the
-    stop flag."""
+    stop flag.
+
+    ``engine`` is best a factory: the engine is then built on the core thread, which is the
+    thread that runs its forward passes. On CPU that is worth ~25 % of throughput: a model built
+    on one thread and run on another ran at 0.75x (BENCHMARKS.md, "Serving path")."""
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | Callable[[], LLMEngine],
         on_step: Callable[[StepOutputs], None],
         on_dead: Callable[[EngineDeadError], None],
         *,
         idle_wait_s: float = 0.5,
     ) -> None:
-        self.engine = engine
         self._on_step = on_step
         self._on_dead = on_dead
         self._idle_wait_s = idle_wait_s
@@ -238,8 +241,16 @@ class EngineCoreLoop:
         # forward pass or collective must not leave a replica that answers health checks).
         self.stall_timeout_s = envs.step_timeout_s()
         self._step_started: float | None = None
-        self._thread = threading.Thread(target=self._run, name="llm-engine-core", daemon=True)
+        self.engine: LLMEngine
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(engine,), name="llm-engine-core", daemon=True
+        )
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
 
     # ---- thread-safe API ----------------------------------------------------------------
 
@@ -313,7 +324,14 @@ class EngineCoreLoop:
 
     # ---- core thread --------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        try:
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+        except BaseException as exc:
+            self._build_error = exc
+            return
+        finally:
+            self._built.set()
         try:
             while self._drain_commands():
                 if self.engine.has_unfinished_requests():

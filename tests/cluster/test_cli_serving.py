@@ -193,18 +193,24 @@ def test_deploy_request_status_redeploy_shutdown(ray_head: str, tmp_path: Path) 
     wait_for(lambda: refuses_connections(http_port), 30, "the HTTP endpoint to go away")
 
 
-def test_serve_blocks_until_ctrl_c_then_shuts_down(tmp_path: Path) -> None:
-    config, http_port = tiny_config(tmp_path)
+def start_serving(config: Path) -> subprocess.Popen[str]:
+    """``cluster serve CONFIG`` on a local Ray of its own, once it says it is serving."""
     serving = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", str(config), "--address", "local"],
         cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
+    for line in serving.stdout:
+        if "press Ctrl-C" in line:
+            break
+    assert serving.poll() is None, "cluster serve exited early"
+    return serving
+
+
+def test_serve_blocks_until_ctrl_c_then_shuts_down(tmp_path: Path) -> None:
+    config, http_port = tiny_config(tmp_path)
+    serving = start_serving(config)
     try:
-        for line in serving.stdout:
-            if "press Ctrl-C" in line:
-                break
-        assert serving.poll() is None, "cluster serve exited early"
         assert complete(http_port)["usage"]["completion_tokens"] == 4
         serving.send_signal(signal.SIGINT)
         assert serving.wait(120) == 0
@@ -220,16 +226,8 @@ def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path: Path) -> None:
     data = yaml.safe_load(config.read_text())
     data["models"][0]["deployment_config"]["graceful_shutdown_timeout_s"] = 1
     config.write_text(yaml.safe_dump(data))
-    serving = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", str(config), "--address", "local"],
-        cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    serving = start_serving(config)
     try:
-        for line in serving.stdout:
-            if "press Ctrl-C" in line:
-                break
-        assert serving.poll() is None, "cluster serve exited early"
         in_flight = [LongStream(http_port) for _ in range(4)]  # 1000 tokens each
         serving.send_signal(signal.SIGTERM)
         assert [s.finish_reasons(90) for s in in_flight] == [["abort"]] * 4

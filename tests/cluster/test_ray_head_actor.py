@@ -5,6 +5,7 @@ requests. Reference: the same engine offline in this process (itself token-exact
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -69,15 +70,23 @@ def test_n_choices_with_logprobs_equal_offline(engine: AsyncLLMEngine, offline: 
     assert items[-1].output.outputs == expected  # the front's running output, as offline
 
 
-def test_one_message_per_step_carries_every_request(engine: AsyncLLMEngine) -> None:
+@contextlib.contextmanager
+def step_messages(engine: AsyncLLMEngine) -> Iterator[list[StepOutputs]]:
+    """Every ``StepOutputs`` the front receives from the head while the block runs."""
     messages: list[StepOutputs] = []
-    fan_out = engine._on_step
 
     def spy(step: StepOutputs) -> None:
         messages.append(step)
-        fan_out(step)
+        engine._on_step(step)
 
     engine.client.start(spy, engine._on_dead)
+    try:
+        yield messages
+    finally:
+        engine.client.start(engine._on_step, engine._on_dead)
+
+
+def test_one_message_per_step_carries_every_request(engine: AsyncLLMEngine) -> None:
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
     async def run() -> list[list[StreamOutput]]:
@@ -87,10 +96,8 @@ def test_one_message_per_step_carries_every_request(engine: AsyncLLMEngine) -> N
         assert len(messages) <= after.num_steps - before.num_steps
         return outs
 
-    try:
+    with step_messages(engine) as messages:
         outputs = asyncio.run(run())
-    finally:
-        engine.client.start(fan_out, engine._on_dead)
     assert all(len(o[-1].output.outputs[0].token_ids) == 16 for o in outputs)
     # Decode steps of the four requests travel together: one message, four deltas.
     assert max(len(m.deltas) for m in messages) == 4
@@ -105,18 +112,8 @@ def test_a_step_whose_tokens_have_no_text_still_sends_a_delta(
     lead_byte = tokenizer.convert_tokens_to_ids("â")
     assert tokenizer.decode([lead_byte]) == "\ufffd"  # alone it is no character
     params = SamplingParams(temperature=0, max_tokens=3, logit_bias={lead_byte: 100.0})
-    messages: list[StepOutputs] = []
-    fan_out = engine._on_step
-
-    def spy(step: StepOutputs) -> None:
-        messages.append(step)
-        fan_out(step)
-
-    engine.client.start(spy, engine._on_dead)
-    try:
+    with step_messages(engine) as messages:
         items = asyncio.run(collect(engine, "bytes", params))
-    finally:
-        engine.client.start(fan_out, engine._on_dead)
     choices = [c for m in messages for d in m.deltas for c in d.choices]
     assert [c.token_ids for c in choices] == [[lead_byte]] * 3  # one delta per step
     assert choices[0].text == ""
