@@ -37,11 +37,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, OnDead, OnStep
-from engine.core_loop import (
+from engine.core_loop import EngineCoreLoop
+from engine.core_messages import (
     AddRequest,
     AddResult,
     CoreStats,
-    EngineCoreLoop,
     StepOutputs,
     decode_steps,
     encode_steps,

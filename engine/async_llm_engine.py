@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, InProcessCoreClient
-from engine.core_loop import AddRequest, ChoiceDelta, CoreStats, RequestDelta, StepOutputs
+from engine.core_messages import AddRequest, ChoiceDelta, CoreStats, RequestDelta, StepOutputs
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import CompletionOutput, RequestOutput

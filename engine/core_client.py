@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.core_loop import AddRequest, AddResult, CoreStats, EngineCoreLoop, StepOutputs
+from engine.core_loop import EngineCoreLoop
+from engine.core_messages import AddRequest, AddResult, CoreStats, StepOutputs
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 

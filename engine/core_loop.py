@@ -1,6 +1,6 @@
 """``EngineCoreLoop``: the engine core (``LLMEngine``: scheduler, block manager, executor) on a
-thread of its own, in a busy loop that never waits on an event loop, and the messages it trades
-with the front (``AsyncLLMEngine``) that holds the per-request streams.
+thread of its own, in a busy loop that never waits on an event loop. It trades the messages of
+``engine.core_messages`` with the front (``AsyncLLMEngine``) that holds the per-request streams.
 
     front (event loop)                         core thread (owns the LLMEngine)
     ──────────────────                         ────────────────────────────────
@@ -30,82 +30,23 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import msgspec
-
 from engine import envs
+from engine.core_messages import (
+    AddRequest,
+    AddResult,
+    ChoiceDelta,
+    CoreStats,
+    RequestDelta,
+    StepOutputs,
+)
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("llm_cluster.core_loop")
 
 T = TypeVar("T")
-
-
-# ---- messages ---------------------------------------------------------------------------------
-
-
-class AddRequest(msgspec.Struct, kw_only=True):
-    """A request for the core. The front sends token ids when it tokenized the prompt itself
-    (chat templates, text prompts in a Serve replica); otherwise the core tokenizes ``prompt``."""
-
-    request_id: str
-    params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-
-
-class ChoiceDelta(msgspec.Struct, array_like=True, frozen=True):
-    """What is new for one of a request's n choices since its previous delta."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    # One entry per new token (token id -> Logprob, the sampled token first) when the request
-    # asked for logprobs; aligned with ``token_ids``.
-    logprobs: list[dict[int, Logprob]] | None
-    # Set on the one delta in which this choice finishes.
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_tokens: int  # this choice's tokens so far
-    cumulative_logprob: float | None = None
-
-
-class RequestDelta(msgspec.Struct, array_like=True):
-    """One request's part of a step: the choices with something new."""
-
-    request_id: str
-    choices: list[ChoiceDelta]
-    finished: bool
-    num_cached_tokens: int = 0
-    # Sent once, with the request's first delta (the prompt is fully computed by then).
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-
-class StepOutputs(msgspec.Struct, array_like=True):
-    """Everything one engine step produced, for all requests: the core -> front message."""
-
-    deltas: list[RequestDelta]
-    time: float  # wall-clock time (time.time()) at the end of the step
-
-
-class AddResult(msgspec.Struct, array_like=True):
-    prompt_token_ids: list[int]
-
-
-_STEP_ENCODER = msgspec.msgpack.Encoder()
-_STEPS_DECODER = msgspec.msgpack.Decoder(list[StepOutputs])
-
-
-def encode_steps(steps: list[StepOutputs]) -> bytes:
-    return _STEP_ENCODER.encode(steps)
-
-
-def decode_steps(data: bytes) -> list[StepOutputs]:
-    return _STEPS_DECODER.decode(data)
 
 
 # ---- per-request delta tracking (core thread) ---------------------------------------------------
@@ -182,28 +123,6 @@ def _stop_reason(reason: Any) -> int | str | None:
 
 
 # ---- the loop -----------------------------------------------------------------------------------
-
-
-class CoreStats(msgspec.Struct):
-    """A snapshot taken on the core thread between steps."""
-
-    num_running: int
-    num_waiting: int
-    kv_total_blocks: int
-    kv_free_blocks: int
-    kv_usage: float  # fraction of blocks held by requests, in [0, 1]
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_steps: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return (
-            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        )
 
 
 class EngineCoreLoop:
@@ -472,14 +391,4 @@ class _Command:
             self.future.set_exception(error)
 
 
-__all__ = [
-    "AddRequest",
-    "AddResult",
-    "ChoiceDelta",
-    "CoreStats",
-    "EngineCoreLoop",
-    "RequestDelta",
-    "StepOutputs",
-    "decode_steps",
-    "encode_steps",
-]
+__all__ = ["EngineCoreLoop"]

@@ -18,7 +18,7 @@ from cluster.serve import runtime_env
 from engine import LLM, EngineDeadError, SamplingParams
 from engine.async_llm_engine import AsyncLLMEngine, StreamOutput
 from engine.config import EngineConfig
-from engine.core_loop import StepOutputs
+from engine.core_messages import StepOutputs
 from engine.llm_engine import load_tokenizer
 
 ENGINE_ARGS: dict[str, Any] = {"model": "builtin:tiny-llama", "num_kv_blocks": 128, "device": "cpu"}

@@ -329,7 +329,7 @@ def test_a_stalled_step_makes_the_engine_unhealthy_not_a_zombie() -> None:
 
 def test_deltas_that_pile_up_merge_into_one_per_choice() -> None:
     from engine.async_llm_engine import merge_deltas
-    from engine.core_loop import RequestDelta
+    from engine.core_messages import RequestDelta
     from engine.outputs import Logprob
 
     def lp(token: int) -> dict[int, Logprob]:
