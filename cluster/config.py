@@ -40,6 +40,10 @@ from engine.config import (
 Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
 
 
+# Where a replica's head actor sits in its placement group (the front, the replica, is 0).
+HEAD_BUNDLE_INDEX = 1
+
+
 @dataclass(frozen=True)
 class ModelLoadingConfig:
     model_id: str  # the name clients put in the request's ``model`` field
@@ -167,8 +171,8 @@ class ModelDeployment:
         return device == "cuda" or (device != "cpu" and self.accelerator_type is not None)
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
-        """The replica's bundles: its front (bundle 0), its head (bundle 1), then one bundle per
-        worker (TP x PP of them).
+        """The replica's bundles: its front (bundle 0), its head (``HEAD_BUNDLE_INDEX``), then
+        one bundle per worker (TP x PP of them).
 
         The front (the Serve replica: templates, tokenizing, streams) and the head (the engine
         core) are separate processes. With TP = PP = 1 the head runs the worker itself, so its
@@ -182,10 +186,6 @@ class ModelDeployment:
         if self.world_size == 1 and self.engine_kwargs.get("distributed_executor_backend") != "ray":
             return [front, {"CPU": 1.0, **device}] if self.uses_gpu else [front, device]
         return [front, {"CPU": 1.0}] + [dict(device) for _ in range(self.world_size)]
-
-    @property
-    def head_bundle_index(self) -> int:
-        return 1
 
     @property
     def max_replicas(self) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.metrics import ModelMetrics
 from cluster.protocol import (
     ChoiceChunk,
@@ -66,14 +67,13 @@ class LLMServer:
         drain_timeout_s: float = 20.0,
         head_resources: dict[str, float] | None = None,
     ) -> None:
-        """``head_resources`` (the head's placement bundle, bundle 1 of this replica's group)
-        starts the engine core in a head actor; without it (outside Serve) the core runs on a
-        thread of this process."""
+        """``head_resources`` (the head's placement bundle, ``HEAD_BUNDLE_INDEX`` of this
+        replica's group) starts the engine core in a head actor; without it (outside Serve) the
+        core runs on a thread of this process."""
         self.model_id = model_id
         self.replica_id = _replica_id()
         config = EngineConfig.from_kwargs(**engine_args)
         self.config = config
-        self.tokenizer = load_tokenizer(config)
         if head_resources is not None:
             from cluster.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
 
@@ -81,12 +81,13 @@ class LLMServer:
                 config,
                 engine_args,
                 name=f"{HEAD_NAME_PREFIX}{model_id}:{self.replica_id}",
-                bundle_index=1,
+                bundle_index=HEAD_BUNDLE_INDEX,
                 resources=head_resources,
             )
-            self.engine = AsyncLLMEngine(client, tokenizer=self.tokenizer)
+            self.engine = AsyncLLMEngine(client, tokenizer=load_tokenizer(config))
         else:
             self.engine = AsyncLLMEngine(InProcessCoreClient(lambda: LLMEngine(config)))
+        self.tokenizer = self.engine.tokenizer
         self.max_model_len = config.max_model_len
         self.metrics = ModelMetrics(model_id, self.replica_id)
         self._stats_task: asyncio.Task[None] | None = None

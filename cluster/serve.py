@@ -24,7 +24,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from cluster.config import DeploymentConfig, ModelDeployment, load_config
+from cluster.config import HEAD_BUNDLE_INDEX, DeploymentConfig, ModelDeployment, load_config
 from cluster.llm_server import LLMServer, serve_stop_flag
 from cluster.metrics import PREFIX
 from cluster.openai_api import (
@@ -330,7 +330,7 @@ def _server_deployment(model: ModelDeployment) -> Any:
         name=deployment_name(model.model_id), ray_actor_options=actor, **options
     )
     drain_timeout_s = model.deployment_config.graceful_shutdown_timeout_s
-    head = bundles[model.head_bundle_index]
+    head = bundles[HEAD_BUNDLE_INDEX]
     head_resources = {k: v for k, v in head.items() if k in ("CPU", "GPU")}
     return deployment.bind(model.model_id, model.engine_args(), drain_timeout_s, head_resources)
 
