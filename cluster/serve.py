@@ -24,27 +24,20 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
+from cluster.api_errors import APIError, api_error, error_body, error_response
+from cluster.api_guard import api_key_matches
 from cluster.config import HEAD_BUNDLE_INDEX, DeploymentConfig, ModelDeployment, load_config
 from cluster.llm_server import LLMServer, serve_stop_flag
 from cluster.metrics import PREFIX
-from cluster.openai_api import (
-    APIError,
+from cluster.openai_api import make_openai_app, metrics_response
+from cluster.openai_models import (
     ChatCompletionRequest,
-    Completion,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    api_error,
-    api_key_matches,
-    chat_messages,
-    chat_payload,
-    completion_payload,
-    error_body,
-    error_response,
-    make_openai_app,
-    metrics_response,
-    stream_sse,
 )
+from cluster.openai_payloads import chat_messages, chat_payload, completion_payload
+from cluster.openai_responses import Completion, stream_sse
 from cluster.proto import llm_pb2
 from cluster.protocol import GenerateRequest, StreamError, StreamStart, grpc_code_name
 

@@ -38,12 +38,12 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from cluster.llm_server import LLMServer
-from cluster.openai_api import (
+from cluster.openai_api import make_openai_app
+from cluster.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    make_openai_app,
 )
 from cluster.serve import OpenAIIngress
 from engine.protocol import decode_request, encode

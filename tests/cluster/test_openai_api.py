@@ -11,27 +11,22 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster import openai_api
-from cluster.openai_api import (
-    APIError,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    chat_logprobs,
-    completion_logprobs,
-    new_app,
-)
+from cluster import openai_payloads
+from cluster.api_errors import APIError
+from cluster.openai_api import new_app
+from cluster.openai_models import ChatCompletionRequest, CompletionRequest
+from cluster.openai_responses import Completion, chat_logprobs, completion_logprobs
 from cluster.protocol import ChoiceChunk, StreamDelta, StreamStart
 from engine import InvalidRequestError, SamplingParams
 
 
 def completion_payload(req: CompletionRequest) -> dict[str, Any]:
     """The ``GenerateRequest`` for the server, as plain data (its unset fields left out)."""
-    return msgspec.to_builtins(openai_api.completion_payload(req))
+    return msgspec.to_builtins(openai_payloads.completion_payload(req))
 
 
 def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
-    return msgspec.to_builtins(openai_api.chat_payload(req))
+    return msgspec.to_builtins(openai_payloads.chat_payload(req))
 
 
 KEY = "sk-test-key"

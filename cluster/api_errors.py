@@ -1,0 +1,91 @@
+"""Errors for API clients: ``APIError`` and OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}``, and the FastAPI handlers that turn every
+failure into one (validation errors name the field; an unexpected exception is a bare 500)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.protocol import ERRORS, StreamError, error_type
+
+
+class APIError(Exception):
+    """An error for the client; ``retry_after`` (seconds) becomes a ``Retry-After`` header."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[type[APIError], tuple[Any, ...]]:
+        # Ray ships exceptions by pickle (Serve's gRPC proxy, handles): keep every field.
+        return (APIError, (self.status, self.message, self.param, self.code, self.retry_after))
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    kind = error_type(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def api_error(item: StreamError) -> APIError:
+    """The server's error message as the exception the routes raise."""
+    return APIError(item.status, item.message, item.param, item.code, item.retry_after)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    # A union reports every member's error; a lone surrogate anywhere is the one that explains.
+    first = next((e for e in errors if e.get("type") == "invalid_unicode"), errors[0])
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union members show up in the location (``prompt.str``): keep the field path only.
+    loc = [
+        p for p in loc if not p.startswith(("str", "list[", "int", "float", "bool", "function-"))
+    ]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return APIError(400, message, param, "invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc))
+
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code if exc.status_code in ERRORS else 400
+        return error_response(APIError(status, str(exc.detail)))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Our bug, not the client's: a 500 without internals (the replica's log has them).
+        return JSONResponse(error_body(500, "internal server error"), status_code=500)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,197 @@
+"""The replica's stream items -> OpenAI responses: a whole ``completion`` / ``chat.completion``
+or its SSE chunks, with logprobs in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from cluster.api_errors import error_body
+from cluster.protocol import ChoiceChunk, StreamDelta, StreamError, StreamItem, StreamStart
+
+
+class _Choice:
+    """One choice of a response as it accumulates."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.num_tokens = 0
+        self.text_offset = 0  # where the next token starts in the text (completions logprobs)
+        self.logprobs: Any = None  # completions: the OpenAI dict; chat: the content list
+        self.started = False
+
+
+class Completion:
+    """Turns the server's stream of items into OpenAI responses (whole or as SSE chunks).
+    ``top_logprobs`` is the number of alternatives a chat request asked for, or the ``logprobs``
+    of a completions request; None when it asked for no logprobs."""
+
+    def __init__(
+        self, model: str, chat: bool, include_usage: bool, top_logprobs: int | None = None
+    ) -> None:
+        self.model, self.chat, self.include_usage = model, chat, include_usage
+        self.top_logprobs = top_logprobs
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.prompt_tokens = 0
+        self.choices = [_Choice(0)]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        total = self.prompt_tokens + self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": total}  # fmt: skip
+
+    def absorb(self, item: StreamStart | StreamDelta) -> list[dict[str, Any]]:
+        """Take in a server item; returns the chunk choices it makes for a stream (a choice's
+        first delta, and every delta with text, tokens, logprobs or its finish)."""
+        if isinstance(item, StreamStart):
+            self.prompt_tokens = item.prompt_tokens
+            self.choices = [_Choice(i) for i in range(item.n)]
+            return []
+        return [c for d in item.choices if (c := self._absorb_choice(d)) is not None]
+
+    def _absorb_choice(self, delta: ChoiceChunk) -> dict[str, Any] | None:
+        choice = self.choices[delta.index]
+        first, choice.started = not choice.started, True
+        choice.text += delta.text
+        choice.num_tokens = delta.num_output_tokens
+        # "stop", "length", or (as vLLM sends it) "abort": the replica shut down past its drain.
+        finish = delta.finish_reason
+        if finish is not None:
+            choice.finish_reason = finish
+        logprobs = self._logprobs(choice, delta.logprobs)
+        # As vLLM does: a step that produced tokens is a chunk even when their text is empty
+        # (an incomplete character, a special token), so clients see steady token timing.
+        if not (first or delta.text or delta.token_ids or finish or logprobs):
+            return None
+        if self.chat:
+            content: dict[str, Any] = {"content": delta.text}
+            if first:
+                content = {"role": "assistant", **content}
+            chat_lp = {"content": logprobs} if logprobs is not None else None
+            return {"index": choice.index, "delta": content, "logprobs": chat_lp,
+                    "finish_reason": finish}  # fmt: skip
+        return {"index": choice.index, "text": delta.text, "logprobs": logprobs,
+                "finish_reason": finish}  # fmt: skip
+
+    def _logprobs(self, choice: _Choice, entries: list[Any] | None) -> Any:
+        """The OpenAI logprobs of a delta's new tokens, also appended to the choice's."""
+        if self.top_logprobs is None or entries is None:
+            return None
+        if self.chat:
+            new = chat_logprobs(entries, self.top_logprobs)
+            choice.logprobs = (choice.logprobs or []) + new
+            return new
+        new = completion_logprobs(entries, choice.text_offset)
+        choice.text_offset += sum(len(t) for t in new["tokens"])
+        whole = choice.logprobs or {k: [] for k in new}
+        choice.logprobs = {k: whole[k] + new[k] for k in new}
+        return new
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for c in self.choices:
+            if self.chat:
+                logprobs = {"content": c.logprobs or []} if self.top_logprobs is not None else None
+                choices.append({"index": c.index, "logprobs": logprobs,
+                                "message": {"role": "assistant", "content": c.text},
+                                "finish_reason": c.finish_reason})  # fmt: skip
+            else:
+                logprobs = c.logprobs
+                if logprobs is None and self.top_logprobs is not None:
+                    logprobs = completion_logprobs([])
+                choices.append({"index": c.index, "text": c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})  # fmt: skip
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self.usage}  # fmt: skip
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return self._chunk_envelope([choice])
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._chunk_envelope([]), "usage": self.usage}
+
+    def _chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        envelope = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                    "choices": choices}  # fmt: skip
+        if self.include_usage:
+            envelope["usage"] = None
+        return envelope
+
+
+# JSON has no -inf: a token the model rules out entirely gets this floor (as vLLM does).
+_MIN_LOGPROB = -9999.0
+
+
+def completion_logprobs(entries: list[Any], text_offset: int = 0) -> dict[str, list[Any]]:
+    """OpenAI completions logprobs of tokens whose server entries (per token: ``[token_id, text,
+    logprob, rank]`` rows, the sampled token first, then the top-k) are ``entries``;
+    ``top_logprobs`` maps text -> logprob over the sampled token and the top-k (at most k + 1;
+    tokens with the same text keep the higher logprob)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for rows in entries:
+        _, text, logprob, _ = rows[0]
+        tokens.append(text)
+        token_logprobs.append(max(logprob, _MIN_LOGPROB))
+        top: dict[str, float] = {}
+        for _, alt, alt_logprob, _ in rows:
+            top[alt] = max(top.get(alt, _MIN_LOGPROB), alt_logprob)
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}  # fmt: skip
+
+
+def chat_logprobs(entries: list[Any], top_k: int) -> list[dict[str, Any]]:
+    """OpenAI chat ``logprobs.content`` of tokens with server entries ``entries`` (as in
+    ``completion_logprobs``): each sampled token with its ``top_k`` most likely alternatives."""
+
+    def token(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": max(logprob, _MIN_LOGPROB),
+                "bytes": list(text.encode())}  # fmt: skip
+
+    content = []
+    for rows in entries:
+        _, text, logprob, _ = rows[0]
+        # The rows are the top-k plus the sampled token (which may rank below them): the k most
+        # likely rows are the top-k, whether or not the sampled token is among them.
+        best = sorted(rows, key=lambda row: -row[2])[:top_k]
+        content.append({**token(text, logprob), "top_logprobs": [token(r[1], r[2]) for r in best]})
+    return content
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+async def stream_sse(
+    completion: Completion, items: AsyncIterator[StreamItem], on_close: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """SSE chunks for the rest of a stream whose "start" item was already read: one chunk per
+    choice delta, its ``choices[0].index`` saying which choice."""
+    try:
+        async for item in items:
+            if isinstance(item, StreamError):
+                yield sse(error_body(item.status, item.message, item.param))
+                break
+            for choice in completion.absorb(item):
+                yield sse(completion.chunk(choice))
+        if completion.include_usage:
+            yield sse(completion.usage_chunk())
+        yield sse("[DONE]")
+    finally:
+        on_close()
