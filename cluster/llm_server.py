@@ -136,8 +136,7 @@ class LLMServer:
         except BaseException:
             self._active.discard(request_id)
             raise
-        prompt_tokens = len(first.output.prompt_token_ids)
-        yield StreamStart(prompt_tokens, len(first.output.outputs))
+        yield self._start(request, first.output)
         try:
             last = first
             async for item in _chain(first, stream):
@@ -157,10 +156,22 @@ class LLMServer:
             await stream.aclose()
             timer.finish(time.monotonic())
 
+    def _start(self, request: GenerateRequest, output: Any) -> StreamStart:
+        ids = output.prompt_token_ids
+        text = None
+        if request.echo:
+            text = output.prompt if output.prompt is not None else self.tokenizer.decode(ids)
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None:
+            first = [[ids[0], self.tokenizer.decode(ids[:1]), None, None]]
+            prompt_logprobs = [first] + [_logprob_rows(e) for e in output.prompt_logprobs[1:]]
+        return StreamStart(len(ids), len(output.outputs), text, prompt_logprobs)
+
     def _prompt(self, request: GenerateRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
         if request.messages is not None:
-            return {"prompt_token_ids": _chat_ids(self.tokenizer, request.messages)}
+            ids = _chat_ids(self.tokenizer, request.messages, request.tools)
+            return {"prompt_token_ids": ids}
         if request.prompt_token_ids is not None:
             return {"prompt_token_ids": request.prompt_token_ids}
         prompt = request.prompt
@@ -293,13 +304,15 @@ def _was_aborted(item: Any) -> bool:
     return any(c.finish_reason == "abort" for c in item.output.outputs)
 
 
+def _logprob_rows(entry: dict[int, Any] | None) -> list[list[Any]]:
+    """[token_id, text, logprob, rank] per token of a position, the chosen token first."""
+    return [[t, lp.decoded_token or "", lp.logprob, lp.rank] for t, lp in (entry or {}).items()]
+
+
 def _choice_chunk(delta: ChoiceDelta) -> ChoiceChunk:
     logprobs = None
     if delta.logprobs is not None:
-        logprobs = [
-            [[token, lp.decoded_token or "", lp.logprob, lp.rank] for token, lp in entry.items()]
-            for entry in delta.logprobs
-        ]
+        logprobs = [_logprob_rows(entry) for entry in delta.logprobs]
     return ChoiceChunk(
         delta.index,
         delta.text,
@@ -318,12 +331,14 @@ def _sampling_params(params: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**params)
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def _chat_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model has no chat template", param="messages")
     try:
         ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
         )
     except TemplateError as exc:  # the template's raise_exception: roles, order
         raise InvalidRequestError(f"the chat template rejected them: {exc}", "messages") from exc

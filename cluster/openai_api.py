@@ -3,7 +3,7 @@ Request bodies are in ``cluster.openai_models``, their mapping to the engine in
 ``cluster.openai_payloads``, responses and SSE in ``cluster.openai_responses``, error bodies in
 ``cluster.api_errors`` and the key / size guard in ``cluster.api_guard``.
 
-    POST /v1/completions        POST /v1/chat/completions      GET /v1/models
+    POST /v1/completions        POST /v1/chat/completions      GET /v1/models[/{id}]
     POST /tokenize              POST /detokenize               GET /health    GET /metrics
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the
@@ -70,6 +70,7 @@ class OpenAIServing(Protocol):
     async def completions(self, req: CompletionRequest) -> Any: ...
     async def chat_completions(self, req: ChatCompletionRequest) -> Any: ...
     async def models(self) -> dict[str, Any]: ...
+    async def model(self, model_id: str) -> dict[str, Any]: ...
     async def tokenize(self, req: TokenizeRequest) -> Any: ...
     async def detokenize(self, req: DetokenizeRequest) -> Any: ...
     async def health(self) -> Any: ...
@@ -93,6 +94,10 @@ def make_openai_app(
     @app.get("/v1/models")
     async def models() -> Any:
         return await serving.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Any:
+        return await serving.model(model_id)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Any:

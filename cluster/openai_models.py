@@ -38,15 +38,44 @@ _INT64 = {"minimum": -(2**63), "maximum": 2**63 - 1}
 TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0})]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Model(BaseModel):
+    # Fields a model does not declare are kept (``model_extra``) and checked by
+    # ``cluster.openai_payloads.check_extra_fields``: clients fill in harmless ones (``metadata``,
+    # ``store``, ``service_tier``) that are ignored, as vLLM does; the few known to change the
+    # output are a 400 naming them.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Model):
     include_usage: bool = False
 
 
-class SamplingFields(_Strict):
+class JsonSchemaFormat(_Model):
+    name: Text = "response"
+    description: Text | None = None
+    # ``schema`` shadows a BaseModel attribute: the alias keeps OpenAI's field name.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Model):
+    """vLLM's ``structured_outputs`` (``StructuredOutputsParams``): exactly one of these."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
+class SamplingFields(_Model):
     """Fields every generation request shares (OpenAI names, vLLM extensions last)."""
 
     model: Text
@@ -74,21 +103,64 @@ class SamplingFields(_Strict):
     cache_salt: Text | None = None
     # Seconds: past it the request is aborted, its KV blocks freed, and the client gets a 408.
     timeout: float | None = _ranged(None, exclusiveMinimum=0)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* names (one of them per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = _ranged(16, minimum=1)
+    # 0 only with echo: the prompt scored, nothing generated (lm-evaluation-harness).
+    max_tokens: int | None = _ranged(16, minimum=0)
     logprobs: int | None = _ranged(None, minimum=0)
     echo: bool = False
     best_of: int | None = None
     suffix: Text | None = None
 
 
-class ChatMessage(_Strict):
+class FunctionCall(_Model):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Model):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Model):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[dict[str, Any]] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool's result answers this call
+
+
+class FunctionDefinition(_Model):
+    name: Text = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: Text
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -100,14 +172,25 @@ class ChatCompletionRequest(SamplingFields):
     # Declared so that their 400 says why: only the model's own template is ever rendered.
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
-class TokenizeRequest(_Strict):
+class EmbeddingRequest(_Model):
+    model: Text
+    input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = _ranged(None, minimum=1)
+    user: Text | None = None
+
+
+class TokenizeRequest(_Model):
     model: Text
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Model):
     model: Text
     tokens: list[TokenId]

@@ -4,7 +4,11 @@ the engine does not support are a 400 naming them."""
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
+
+from pydantic import BaseModel
 
 from cluster.api_errors import APIError
 from cluster.openai_models import (
@@ -15,6 +19,38 @@ from cluster.openai_models import (
 )
 from cluster.protocol import GenerateRequest
 
+logger = logging.getLogger("llm_cluster.api")
+
+# Fields outside the declared ones that would change the output and are not supported: a 400
+# naming them. Any other undeclared field is ignored (logged once at debug), as vLLM does:
+# clients fill in ``metadata``, ``store``, ``service_tier``, ``reasoning_effort`` and the like.
+UNSUPPORTED_FIELDS = {
+    "functions": "the legacy functions API is not supported; use tools",
+    "function_call": "the legacy functions API is not supported; use tool_choice",
+    "audio": "audio output is not supported",
+    "web_search_options": "web search is not supported",
+    "truncate_prompt_tokens": "prompt truncation is not supported",
+    "prompt_logprobs": "not supported; use echo with logprobs (completions)",
+    "allowed_token_ids": "not supported; use logit_bias",
+    "logits_processors": "custom logits processors are not supported",
+    "guided_decoding_backend": "the grammar backend is fixed (xgrammar)",
+    "structural_tag": "not supported",
+}
+_ignored_logged: set[str] = set()
+
+
+def check_extra_fields(req: BaseModel) -> None:
+    """400 for an undeclared field that would change the output; others are ignored."""
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED_FIELDS:
+            raise APIError(400, f"{name}: {UNSUPPORTED_FIELDS[name]}", name, "unsupported")
+        if name == "modalities" and value not in (["text"], None):
+            raise APIError(400, "modalities: only text output is supported", name, "unsupported")
+        if name not in _ignored_logged:
+            _ignored_logged.add(name)
+            logger.debug("ignoring request field %r (it does not change the output)", name)
+
+
 # Fields passed to the engine under the same name when they differ from its default (the engine
 # checks their ranges and caps, and its 400s name them).
 _SAME_NAME_FIELDS = (
@@ -24,6 +60,7 @@ _SAME_NAME_FIELDS = (
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
+    check_extra_fields(req)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed with stream: true", "stream_options")
     params: dict[str, Any] = {
@@ -40,28 +77,82 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> dict[str, An
             params[name] = value
     if req.stop is not None:
         params["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    grammar = structured_outputs(req)
+    if grammar is not None:
+        params["structured_outputs"] = grammar
     return params
 
 
-def completion_payload(req: CompletionRequest) -> GenerateRequest:
+def structured_outputs(req: SamplingFields) -> dict[str, Any] | None:
+    """The engine's ``StructuredOutputsParams`` fields from whichever of ``response_format``,
+    ``structured_outputs`` or ``guided_*`` the request uses (at most one of them)."""
+    given = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = {"json_object": True}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise APIError(400, "response_format.json_schema.schema: required with type "
+                           "json_schema", "response_format.json_schema.schema")  # fmt: skip
+        given["response_format"] = {"json": json.dumps(fmt.json_schema.json_schema)}
+    if req.structured_outputs is not None:
+        spec = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        spec = {k: v for k, v in spec.items() if v is not False}
+        if isinstance(spec.get("json"), dict):
+            spec["json"] = json.dumps(spec["json"])
+        given["structured_outputs"] = spec
+    guided = {"json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
+              "grammar": req.guided_grammar}  # fmt: skip
+    for kind, value in guided.items():
+        if value is not None:
+            text = json.dumps(value) if isinstance(value, dict) else value
+            given[f"guided_{kind}"] = {kind: text}
+    if len(given) > 1:
+        names = " and ".join(sorted(given))
+        raise APIError(400, f"{names}: give at most one way to constrain the output",
+                       sorted(given)[0])  # fmt: skip
+    return next(iter(given.values()), None)
+
+
+MAX_PROMPTS_PER_REQUEST = 256
+
+
+def completion_payloads(req: CompletionRequest) -> list[GenerateRequest]:
+    """One payload per prompt of the request (a string, token ids, or a batch of either):
+    choice ``i * n + j`` of the response is sample j of prompt i, as in OpenAI's API."""
     # best_of = n samples n and returns them all; ranking more samples than returned is not done.
     if req.best_of is not None and req.best_of not in (1, req.n):
         raise APIError(400, f"best_of: only best_of = n ({req.n}) is supported", "best_of",
                        "unsupported")  # fmt: skip
-    for name, bad in {"echo": req.echo, "suffix": bool(req.suffix)}.items():
-        if bad:
-            raise APIError(400, f"{name}: not supported", name, "unsupported")
-    params = sampling_params(req, req.max_tokens)
+    if req.suffix:
+        raise APIError(400, "suffix: not supported (no fill-in-the-middle)", "suffix",
+                       "unsupported")  # fmt: skip
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens: must be >= 1 (0 only with echo: true)", "max_tokens")
+    # Echo without generation still runs one decode step (the engine samples at least one
+    # token); the response leaves that token out.
+    params = sampling_params(req, 1 if req.max_tokens == 0 else req.max_tokens)
     if req.logprobs is not None:
         params["logprobs"] = req.logprobs
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, "prompt: exactly one prompt per request", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        return GenerateRequest(params=params, prompt_token_ids=prompt, **request_extras(req))
-    return GenerateRequest(params=params, prompt=prompt, **request_extras(req))
+        if req.echo:
+            params["prompt_logprobs"] = req.logprobs
+    prompts = _prompts(req.prompt)
+    extras = request_extras(req)
+    return [
+        GenerateRequest(params=params, prompt_token_ids=p, echo=req.echo, **extras)
+        if isinstance(p, list)
+        else GenerateRequest(params=params, prompt=p, echo=req.echo, **extras)
+        for p in prompts
+    ]
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+        raise APIError(400, f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, "
+                       f"got {len(prompt)}", "prompt")  # fmt: skip
+    return list(prompt)
 
 
 def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from cluster.api_errors import error_body
@@ -29,17 +29,31 @@ class _Choice:
 class Completion:
     """Turns the server's stream of items into OpenAI responses (whole or as SSE chunks).
     ``top_logprobs`` is the number of alternatives a chat request asked for, or the ``logprobs``
-    of a completions request; None when it asked for no logprobs."""
+    of a completions request; None when it asked for no logprobs.
+
+    A completions request may carry several prompts, each its own server stream: items of
+    prompt i are absorbed with ``prompt_index=i`` and its sample j is choice ``i * n + j``.
+    ``echo`` puts each prompt (and its logprobs) before the generated text; ``echo_only`` (echo
+    with ``max_tokens`` 0) leaves the generated token out."""
 
     def __init__(
-        self, model: str, chat: bool, include_usage: bool, top_logprobs: int | None = None
+        self,
+        model: str,
+        chat: bool,
+        include_usage: bool,
+        top_logprobs: int | None = None,
+        *,
+        echo: bool = False,
+        echo_only: bool = False,
     ) -> None:
         self.model, self.chat, self.include_usage = model, chat, include_usage
         self.top_logprobs = top_logprobs
+        self.echo, self.echo_only = echo, echo_only
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = 0
-        self.choices = [_Choice(0)]
+        self.choices: list[_Choice] = []
+        self._n = 1
 
     @property
     def completion_tokens(self) -> int:
@@ -51,22 +65,49 @@ class Completion:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": total}  # fmt: skip
 
-    def absorb(self, item: StreamStart | StreamDelta) -> list[dict[str, Any]]:
+    def absorb(
+        self, item: StreamStart | StreamDelta, prompt_index: int = 0
+    ) -> list[dict[str, Any]]:
         """Take in a server item; returns the chunk choices it makes for a stream (a choice's
-        first delta, and every delta with text, tokens, logprobs or its finish)."""
+        first delta, and every delta with text, tokens, logprobs or its finish; with echo, each
+        choice's prompt when its stream starts)."""
         if isinstance(item, StreamStart):
-            self.prompt_tokens = item.prompt_tokens
-            self.choices = [_Choice(i) for i in range(item.n)]
-            return []
-        return [c for d in item.choices if (c := self._absorb_choice(d)) is not None]
+            return self._start(item, prompt_index)
+        first = prompt_index * self._n
+        return [c for d in item.choices if (c := self._absorb_choice(d, first)) is not None]
 
-    def _absorb_choice(self, delta: ChoiceChunk) -> dict[str, Any] | None:
-        choice = self.choices[delta.index]
+    def _start(self, item: StreamStart, prompt_index: int) -> list[dict[str, Any]]:
+        self._n = item.n
+        self.prompt_tokens += item.prompt_tokens
+        first = prompt_index * item.n
+        while len(self.choices) < first + item.n:
+            self.choices.append(_Choice(len(self.choices)))
+        if not self.echo:
+            return []
+        chunks = []
+        for choice in self.choices[first : first + item.n]:
+            choice.started = True
+            choice.text = item.prompt_text or ""
+            logprobs = None
+            if item.prompt_logprobs is not None:
+                logprobs = self._logprobs(choice, item.prompt_logprobs)
+            chunks.append({"index": choice.index, "text": choice.text, "logprobs": logprobs,
+                           "finish_reason": None})  # fmt: skip
+        return chunks
+
+    def _absorb_choice(self, delta: ChoiceChunk, first_index: int = 0) -> dict[str, Any] | None:
+        choice = self.choices[first_index + delta.index]
         first, choice.started = not choice.started, True
-        choice.text += delta.text
-        choice.num_tokens = delta.num_output_tokens
         # "stop", "length", or (as vLLM sends it) "abort": the replica shut down past its drain.
         finish = delta.finish_reason
+        if self.echo_only:  # max_tokens 0: the one token the engine sampled is not returned
+            if finish is not None:
+                choice.finish_reason = "length" if finish != "abort" else finish
+                return {"index": choice.index, "text": "", "logprobs": None,
+                        "finish_reason": choice.finish_reason}  # fmt: skip
+            return None
+        choice.text += delta.text
+        choice.num_tokens = delta.num_output_tokens
         if finish is not None:
             choice.finish_reason = finish
         logprobs = self._logprobs(choice, delta.logprobs)
@@ -144,13 +185,17 @@ def completion_logprobs(entries: list[Any], text_offset: int = 0) -> dict[str, l
     for rows in entries:
         _, text, logprob, _ = rows[0]
         tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if logprob is None:  # a prompt's first token: nothing before it to score it
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
         token_logprobs.append(max(logprob, _MIN_LOGPROB))
         top: dict[str, float] = {}
         for _, alt, alt_logprob, _ in rows:
             top[alt] = max(top.get(alt, _MIN_LOGPROB), alt_logprob)
         top_logprobs.append(top)
-        offsets.append(text_offset)
-        text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}  # fmt: skip
 
@@ -179,16 +224,22 @@ def sse(data: dict[str, Any] | str) -> bytes:
 
 
 async def stream_sse(
-    completion: Completion, items: AsyncIterator[StreamItem], on_close: Callable[[], None]
+    completion: Completion,
+    items: AsyncIterator[tuple[int, StreamItem]],
+    on_close: Callable[[], None],
+    first_chunks: Sequence[dict[str, Any]] = (),
 ) -> AsyncIterator[bytes]:
-    """SSE chunks for the rest of a stream whose "start" item was already read: one chunk per
-    choice delta, its ``choices[0].index`` saying which choice."""
+    """SSE chunks for the rest of the streams whose "start" items were already absorbed: one
+    chunk per choice delta, its ``choices[0].index`` saying which choice. ``items`` yields
+    ``(prompt_index, item)`` pairs (several prompts' streams merged)."""
     try:
-        async for item in items:
+        for choice in first_chunks:
+            yield sse(completion.chunk(choice))
+        async for prompt_index, item in items:
             if isinstance(item, StreamError):
                 yield sse(error_body(item.status, item.message, item.param))
                 break
-            for choice in completion.absorb(item):
+            for choice in completion.absorb(item, prompt_index):
                 yield sse(completion.chunk(choice))
         if completion.include_usage:
             yield sse(completion.usage_chunk())

@@ -52,15 +52,23 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     cache_salt: str | None = None
     timeout: float | None = None  # seconds; past it: aborted, then a 408
     request_id: str | None = None
+    # The prompt's text (and its logprobs, when params ask for prompt_logprobs) comes back in
+    # StreamStart: OpenAI's echo.
+    echo: bool = False
+    # OpenAI tool definitions for the chat template ({"type": "function", "function": ...}).
+    tools: list[dict[str, Any]] | None = None
+
+
+# Per token: rows of [token_id, text, logprob, rank], the sampled token first, then the top-k.
+# The first prompt token has no logprob: its one row is [token_id, text, None, None].
+TokenLogprobs = list[list[Any]]
 
 
 class StreamStart(msgspec.Struct, tag="start"):
     prompt_tokens: int
     n: int = 1
-
-
-# Per token: rows of [token_id, text, logprob, rank], the sampled token first, then the top-k.
-TokenLogprobs = list[list[Any]]
+    prompt_text: str | None = None  # with echo
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with prompt_logprobs, one per token
 
 
 class ChoiceChunk(msgspec.Struct):

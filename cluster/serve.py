@@ -36,7 +36,7 @@ from cluster.openai_models import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from cluster.openai_payloads import chat_messages, chat_payload, completion_payload
+from cluster.openai_payloads import chat_messages, chat_payload, completion_payloads
 from cluster.openai_responses import Completion, stream_sse
 from cluster.proto import llm_pb2
 from cluster.protocol import GenerateRequest, StreamError, StreamStart, grpc_code_name
@@ -68,6 +68,39 @@ async def guard_stream(items: Any, model: str) -> Any:
     except ray.exceptions.RayError:
         yield StreamError(503, f"the replica serving {model!r} failed; retry the request",
                           None, "unavailable")  # fmt: skip
+
+
+async def merge_streams(streams: list[Any]) -> Any:
+    """``(i, item)`` for the items of every stream i as they come (a batched completions
+    request: one server stream per prompt)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: Any) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            entry = await queue.get()
+            if entry is done:
+                remaining -= 1
+                continue
+            yield entry
+        for task in tasks:
+            task.result()  # a stream's own failure surfaces here
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def scrape_cluster_metrics() -> str:
@@ -106,6 +139,10 @@ def grpc_payload(request: llm_pb2.GenerateRequest) -> GenerateRequest:
     if request.prompt_token_ids:
         return GenerateRequest(params=params, prompt_token_ids=list(request.prompt_token_ids))
     return GenerateRequest(params=params, prompt=request.prompt)
+
+
+def _model_card(model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "llm-cluster"}
 
 
 def grpc_abort(context: RayServegRPCContext, error: APIError) -> None:
@@ -170,28 +207,59 @@ class OpenAIIngress:
             raise api_error(first)
         return first, stream
 
-    async def _generate(self, req: Any, payload: GenerateRequest, completion: Completion) -> Any:
-        first, items = await self.open_stream(req.model, payload)
-        completion.absorb(first)
-        guarded = guard_stream(items, req.model)
+    async def open_streams(
+        self, model: str, payloads: list[GenerateRequest]
+    ) -> list[tuple[StreamStart, Any]]:
+        """``open_stream`` for each payload, concurrently; if any fails, the others are
+        cancelled and its error raised."""
+        if len(payloads) == 1:
+            return [await self.open_stream(model, payloads[0])]
+        results = await asyncio.gather(
+            *(self.open_stream(model, p) for p in payloads), return_exceptions=True
+        )
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is None:
+            return list(results)  # type: ignore[arg-type]
+        for result in results:
+            if not isinstance(result, BaseException):
+                result[1].cancel()
+        raise error
+
+    async def _generate(
+        self, req: Any, payloads: list[GenerateRequest], completion: Completion
+    ) -> Any:
+        opened = await self.open_streams(req.model, payloads)
+        first_chunks = []
+        for i, (first, _) in enumerate(opened):
+            first_chunks += completion.absorb(first, i)
+        streams = [stream for _, stream in opened]
+
+        def cancel() -> None:
+            for stream in streams:
+                stream.cancel()
+
+        merged = merge_streams([guard_stream(s, req.model) for s in streams])
         if req.stream:
-            body = stream_sse(completion, guarded, items.cancel)
+            body = stream_sse(completion, merged, cancel, first_chunks)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
-            async for item in guarded:
+            async for i, item in merged:
                 if isinstance(item, StreamError):
                     raise api_error(item)
-                completion.absorb(item)
+                completion.absorb(item, i)
         finally:
-            items.cancel()
+            await merged.aclose()
+            cancel()
         return completion.whole()
 
     # ---- OpenAI routes -------------------------------------------------------------------
 
     async def completions(self, req: CompletionRequest) -> Any:
-        payload = completion_payload(req)
+        payloads = completion_payloads(req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await self._generate(req, payload, Completion(req.model, False, usage, req.logprobs))
+        completion = Completion(req.model, False, usage, req.logprobs, echo=req.echo,
+                                echo_only=req.echo and req.max_tokens == 0)  # fmt: skip
+        return await self._generate(req, payloads, completion)
 
     async def chat_completions(self, req: ChatCompletionRequest) -> Any:
         payload = chat_payload(req)
@@ -199,7 +267,7 @@ class OpenAIIngress:
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         completion = Completion(req.model, True, usage, top_logprobs)
         try:
-            return await self._generate(req, payload, completion)
+            return await self._generate(req, [payload], completion)
         except APIError as exc:
             if exc.param != "logprobs":
                 raise
@@ -208,9 +276,11 @@ class OpenAIIngress:
                            "top_logprobs", exc.code) from exc  # fmt: skip
 
     async def models(self) -> dict[str, Any]:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "llm-cluster"}
-                for m in self.servers]  # fmt: skip
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [_model_card(m) for m in self.servers]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        self._server(model_id)  # 404 naming it if unknown
+        return _model_card(model_id)
 
     async def tokenize(self, req: TokenizeRequest) -> Any:
         if (req.prompt is None) == (req.messages is None):

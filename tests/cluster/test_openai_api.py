@@ -21,8 +21,9 @@ from engine import InvalidRequestError, SamplingParams
 
 
 def completion_payload(req: CompletionRequest) -> dict[str, Any]:
-    """The ``GenerateRequest`` for the server, as plain data (its unset fields left out)."""
-    return msgspec.to_builtins(openai_payloads.completion_payload(req))
+    """The ``GenerateRequest`` of a one-prompt request, as plain data (unset fields left out)."""
+    (payload,) = openai_payloads.completion_payloads(req)
+    return msgspec.to_builtins(payload)
 
 
 def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -114,6 +115,9 @@ def _documented_ranges() -> dict[str, dict[str, Any]]:
         name: prop
         for name, prop in properties.items()
         if name in SamplingParams.__struct_fields__ and set(_BOUNDS) & set(prop)
+        # 0 is documented for echo without generation (the engine then runs max_tokens 1):
+        # test_max_tokens_zero_needs_echo.
+        and name != "max_tokens"
     }
 
 
@@ -140,9 +144,78 @@ def test_documented_range_is_the_one_the_engine_checks(name: str) -> None:
         assert info.value.param == name
 
 
-def test_unknown_field_is_400_naming_it(client: TestClient) -> None:
-    response = client.post("/v1/completions", json={"model": "m", "prompt": "x", "tempreature": 1})
-    assert_error(response, 400, "tempreature")
+def test_harmless_unknown_fields_are_accepted_and_ignored(client: TestClient) -> None:
+    body = {"model": "m", "prompt": "x", "metadata": {"k": "v"}, "store": True,
+            "service_tier": "auto", "reasoning_effort": "low", "modalities": ["text"]}  # fmt: skip
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    assert response.json() == completion_payload(CompletionRequest(model="m", prompt="x"))
+
+
+@pytest.mark.parametrize(
+    "field", ["functions", "function_call", "audio", "web_search_options", "prompt_logprobs"]
+)
+def test_unknown_fields_that_change_the_output_are_400_naming_them(
+    client: TestClient, field: str
+) -> None:
+    response = client.post("/v1/completions", json={"model": "m", "prompt": "x", field: {}})
+    assert assert_error(response, 400, field)["code"] == "unsupported"
+
+
+def test_audio_modality_is_400(client: TestClient) -> None:
+    body = {"model": "m", "prompt": "x", "modalities": ["text", "audio"]}
+    assert_error(client.post("/v1/completions", json=body), 400, "modalities")
+
+
+def test_max_tokens_zero_needs_echo() -> None:
+    with pytest.raises(APIError) as info:
+        completion_payload(CompletionRequest(model="m", prompt="x", max_tokens=0))
+    assert (info.value.status, info.value.param) == (400, "max_tokens")
+    payload = completion_payload(
+        CompletionRequest(model="m", prompt="x", max_tokens=0, echo=True, logprobs=1)
+    )
+    assert payload["echo"] is True
+    assert payload["params"]["max_tokens"] == 1  # the sampled token is left out of the response
+    assert payload["params"]["prompt_logprobs"] == 1
+
+
+def test_batched_prompts_make_one_payload_each() -> None:
+    for prompt in (["a", "b", "c"], [[1, 2], [3]]):
+        req = CompletionRequest(model="m", prompt=prompt, n=2)
+        payloads = [msgspec.to_builtins(p) for p in openai_payloads.completion_payloads(req)]
+        key = "prompt" if isinstance(prompt[0], str) else "prompt_token_ids"
+        assert [p[key] for p in payloads] == prompt
+        assert all(p["params"]["n"] == 2 for p in payloads)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+         {"json": '{"type": "integer"}'}),
+        ({"structured_outputs": {"regex": "a+"}}, {"regex": "a+"}),
+        ({"structured_outputs": {"json": {"type": "string"}, "disable_any_whitespace": True}},
+         {"json": '{"type": "string"}', "disable_any_whitespace": True}),
+        ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+        ({"guided_grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+        ({"response_format": {"type": "text"}}, None),
+    ],
+)  # fmt: skip
+def test_structured_output_fields_map_to_the_engine(
+    fields: dict[str, Any], expected: dict[str, Any] | None
+) -> None:
+    params = completion_payload(CompletionRequest(model="m", prompt="x", **fields))["params"]
+    assert params.get("structured_outputs") == expected
+
+
+def test_two_ways_to_constrain_the_output_are_400() -> None:
+    req = CompletionRequest(model="m", prompt="x", guided_regex="a",
+                            response_format={"type": "json_object"})  # fmt: skip
+    with pytest.raises(APIError) as info:
+        completion_payload(req)
+    assert info.value.status == 400 and "at most one" in info.value.message
 
 
 def test_unknown_route_is_404_with_an_error_body(client: TestClient) -> None:
@@ -296,8 +369,8 @@ def test_chat_image_part_is_400_naming_it() -> None:
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
-     ({"prompt": ["a", "b"]}, "prompt")],
+    [({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
+     ({"prompt": ["a"] * 257}, "prompt")],
 )  # fmt: skip
 def test_unsupported_fields_are_400_naming_them(fields: dict[str, Any], param: str) -> None:
     req = CompletionRequest(**{"model": "m", "prompt": "x", **fields})
