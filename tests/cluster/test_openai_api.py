@@ -114,7 +114,8 @@ def _documented_ranges() -> dict[str, dict[str, Any]]:
     return {
         name: prop
         for name, prop in properties.items()
-        if name in SamplingParams.__struct_fields__ and set(_BOUNDS) & set(prop)
+        if name in SamplingParams.__struct_fields__
+        and set(_BOUNDS) & set(prop)
         # 0 is documented for echo without generation (the engine then runs max_tokens 1):
         # test_max_tokens_zero_needs_echo.
         and name != "max_tokens"
