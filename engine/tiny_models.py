@@ -58,7 +58,7 @@ from engine import envs
 
 # Bump whenever the recipe (corpus, tokenizer, init, config) changes, so that a cache written by an
 # older recipe is never mistaken for the current one.
-VERSION = 1
+VERSION = 2
 
 TINY_MODEL_NAMES: tuple[str, ...] = ("tiny-llama", "tiny-mistral", "tiny-qwen2")
 BUILTIN_PREFIX = "builtin:"
@@ -84,13 +84,66 @@ MAX_POSITION_EMBEDDINGS = 2048
 # ChatML. It starts with the bos token because chat prompts are encoded without special tokens
 # (HF ``apply_chat_template(tokenize=True)`` and OpenAI-style servers both do so), while plain
 # prompts are encoded with them; either way a model input starts with exactly one <s>.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+#
+# Tool calling follows the Hermes / Qwen2.5 convention, which the ``hermes`` tool parser reads
+# back. Given ``tools`` (OpenAI tool dicts, or bare function dicts), a system turn lists them as
+# JSON lines inside <tools></tools>, after the caller's own system message if it has one. An
+# assistant turn's ``tool_calls`` become ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+# lines, and consecutive ``tool`` messages share one user turn of <tool_response> blocks. Without
+# tools, tool calls and tool messages, the output is plain ChatML; a content that is not a string
+# (None) renders as empty.
+CHAT_TEMPLATE = "".join(
+    (
+        "{{ bos_token }}",
+        "{% if tools %}",
+        "{{ '<|im_start|>system\\n' }}",
+        "{% if messages and messages[0]['role'] == 'system'",
+        " and messages[0]['content'] is string %}",
+        "{{ messages[0]['content'] + '\\n\\n' }}",
+        "{% endif %}",
+        "{{ '# Tools\\n\\nYou may call one or more functions to answer. Their signatures are",
+        " listed as JSON inside <tools></tools>:\\n<tools>' }}",
+        "{% for tool in tools %}",
+        "{% set tool = tool if tool['function'] is defined",
+        " else {'type': 'function', 'function': tool} %}",
+        "{{ '\\n' + tool | tojson }}",
+        "{% endfor %}",
+        "{{ '\\n</tools>\\n\\nTo call a function, answer with one JSON object per call, each",
+        " inside <tool_call></tool_call> tags:\\n<tool_call>\\n",
+        '{\\"name\\": <function-name>, \\"arguments\\": <arguments-json-object>}',
+        "\\n</tool_call><|im_end|>\\n' }}",
+        "{% endif %}",
+        "{% for message in messages %}",
+        "{% set content = message['content'] if message['content'] is string else '' %}",
+        "{% if tools and loop.first and message['role'] == 'system' %}",
+        "{% elif message['role'] == 'tool' %}",
+        "{% if loop.first or loop.previtem['role'] != 'tool' %}",
+        "{{ '<|im_start|>user' }}",
+        "{% endif %}",
+        "{{ '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}",
+        "{% if loop.last or loop.nextitem['role'] != 'tool' %}",
+        "{{ '<|im_end|>\\n' }}",
+        "{% endif %}",
+        "{% elif message['role'] == 'assistant' and message['tool_calls'] %}",
+        "{{ '<|im_start|>assistant' }}",
+        "{% if content %}{{ '\\n' + content }}{% endif %}",
+        "{% for call in message['tool_calls'] %}",
+        "{% set function = call['function'] if call['function'] is defined else call %}",
+        "{% set arguments = function['arguments'] if function['arguments'] is defined else {} %}",
+        "{{ '\\n<tool_call>\\n{\"name\": ' + function['name'] | tojson + ', \"arguments\": ' }}",
+        "{{ arguments if arguments is string else arguments | tojson }}",
+        "{{ '}\\n</tool_call>' }}",
+        "{% endfor %}",
+        "{{ '<|im_end|>\\n' }}",
+        "{% else %}",
+        "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}",
+        "{% endif %}",
+        "{% endfor %}",
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    )
 )
+# The ``tool_call_parser`` that reads tool calls back out of these models' output (see above).
+DEFAULT_TOOL_CALL_PARSER = "hermes"
 
 # HF's default initializer_range of 0.02 makes a 2-layer, 64-wide model nearly uniform over the
 # vocabulary: the top-2 logit gap of a greedy step can be ~1e-5, so fp32 rounding differences

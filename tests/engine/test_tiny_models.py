@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -164,6 +166,153 @@ def test_chat_template_renders_conversation_with_generation_prompt(
         "<|im_start|>assistant\n"
     )
     assert ids.count(BOS_TOKEN_ID) == 1
+
+
+# The template before it learned tools: without tools, the current one must render the same bytes.
+PLAIN_CHATML = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TOOLS_SECTION_END = (
+    "\n</tools>\n\nTo call a function, answer with one JSON object per call, each inside "
+    "<tool_call></tool_call> tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call><|im_end|>\n'
+)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(model_dirs: dict[str, Path]) -> Any:
+    return AutoTokenizer.from_pretrained(model_dirs["tiny-qwen2"], local_files_only=True)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "Name a river."}],
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a river."},
+            {"role": "assistant", "content": "The Rhine."},
+            {"role": "user", "content": "Another, <tool_call> and all."},
+        ],
+    ],
+)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_without_tools_is_plain_chatml(
+    chat_tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool
+) -> None:
+    kwargs = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+
+    text = chat_tokenizer.apply_chat_template(messages, **kwargs)
+    plain = chat_tokenizer.apply_chat_template(messages, chat_template=PLAIN_CHATML, **kwargs)
+
+    assert text == plain
+
+
+def test_chat_template_renders_none_content_as_empty(chat_tokenizer: Any) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]
+
+    text = chat_tokenizer.apply_chat_template(messages, tokenize=False)
+
+    assert text == "<s><|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+
+
+def test_chat_template_lists_tools_after_the_system_message(chat_tokenizer: Any) -> None:
+    bare_function = {"name": "now", "parameters": {"type": "object"}}
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Weather in Oslo?"},
+    ]
+
+    text = chat_tokenizer.apply_chat_template(
+        messages, tools=[WEATHER_TOOL, bare_function], tokenize=False, add_generation_prompt=True
+    )
+
+    assert text == (
+        "<s><|im_start|>system\nYou are terse.\n\n# Tools\n\nYou may call one or more functions "
+        "to answer. Their signatures are listed as JSON inside <tools></tools>:\n<tools>\n"
+        + json.dumps(WEATHER_TOOL)
+        + "\n"
+        + json.dumps({"type": "function", "function": bare_function})
+        + TOOLS_SECTION_END
+        + "<|im_start|>user\nWeather in Oslo?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_chat_template_with_tools_and_no_system_message_opens_with_the_tools(
+    chat_tokenizer: Any,
+) -> None:
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+
+    text = chat_tokenizer.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False)
+
+    assert text.startswith("<s><|im_start|>system\n# Tools\n\n")
+    assert text.endswith(TOOLS_SECTION_END + "<|im_start|>user\nWeather in Oslo?<|im_end|>\n")
+
+
+def test_chat_template_renders_tool_calls_and_tool_results(chat_tokenizer: Any) -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Oslo and Rome?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                },
+                {
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Rome"}},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "17 C"},
+        {"role": "assistant", "content": "Cold, then mild."},
+    ]
+
+    text = chat_tokenizer.apply_chat_template(messages, tokenize=False)
+
+    assert text == (
+        "<s><|im_start|>user\nWeather in Oslo and Rome?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+        "<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n-3 C\n</tool_response>\n"
+        "<tool_response>\n17 C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nCold, then mild.<|im_end|>\n"
+    )
+
+
+def test_chat_template_puts_assistant_content_before_its_tool_calls(chat_tokenizer: Any) -> None:
+    call = {"function": {"name": "now", "arguments": {}}}
+    messages = [{"role": "assistant", "content": "Checking.", "tool_calls": [call]}]
+
+    text = chat_tokenizer.apply_chat_template(messages, tokenize=False)
+
+    assert text == (
+        "<s><|im_start|>assistant\nChecking.\n"
+        '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call><|im_end|>\n'
+    )
 
 
 def test_generation_config_stops_on_eos_and_im_end(model_dirs: dict[str, Path]) -> None:

@@ -1,0 +1,815 @@
+"""OpenAI tool calling: tool calls read out of generated text, whole or while it streams.
+
+A model announces tool calls in its own format, so the parser is chosen per model by name
+(vLLM's ``tool_call_parser``):
+
+    hermes       Hermes / Qwen2.5: <tool_call>{"name": "f", "arguments": {...}}</tool_call> blocks;
+                 text outside the blocks is the message content.
+    llama3_json  Llama 3.x: the whole message, optionally after <|python_tag|>, is
+                 {"name": "f", "parameters": {...}}, several separated by ";".
+
+Both read ``"arguments"`` or ``"parameters"``. A call's ``arguments`` is the JSON text of that value
+exactly as the model wrote it (an object), or the decoded string when the model wrote a string,
+or ``"{}"`` when it wrote none. Keeping the model's own text is what lets a stream send arguments
+piece by piece as they are generated: for well-formed output, the fragments of a call concatenate
+to exactly the ``arguments`` that :meth:`ToolParser.parse` gives for the whole text.
+
+Streaming turns text deltas into OpenAI chat ``delta`` dicts (:data:`Delta`), in three shapes:
+
+    {"content": "..."}
+    {"tool_calls": [{"index": i, "id": "call_...", "type": "function",
+                     "function": {"name": "f", "arguments": ""}}]}          once per call, first
+    {"tool_calls": [{"index": i, "function": {"arguments": "<fragment>"}}]}
+
+Text that may still turn out to be part of a tool call (``"<tool"`` at the end of a delta, the
+whitespace before it) is held back until it is decided, and :meth:`ToolCallStreamer.finish`
+flushes it. Whitespace next to a tool-call block is not content. Malformed calls are content, in
+both modes; the parsers never raise on model output. The one way the modes can differ is for
+output that goes wrong after a call was announced (a stream cannot take a header back): a call
+whose name was sent stays a call.
+
+When the API forces a call (``tool_choice`` naming a function, or ``"required"``), it constrains
+the output with a JSON schema from :func:`named_tool_schema` or :func:`required_tools_schema`, and
+:class:`NamedToolCallStreamer` / :class:`RequiredToolCallStreamer` read it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+Delta = dict[str, Any]
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+_WHITESPACE = " \t\n\r"
+# Characters that may continue a JSON number or literal (true, false, null); anything else ends it.
+_SCALAR_CHARS = frozenset("0123456789+-.eE" + string.ascii_letters)
+_ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+def make_tool_call_id() -> str:
+    """An OpenAI-style tool call id: ``call_`` and 24 random letters and digits."""
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str
+    id: str = field(default_factory=make_tool_call_id)
+
+    def to_openai(self) -> dict[str, Any]:
+        """The entry of an OpenAI chat message's ``tool_calls`` list."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
+class ParsedToolCalls:
+    """A generated message split into its content (None when empty) and its tool calls."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+
+    @property
+    def tools_called(self) -> bool:
+        """Whether the API should answer with ``finish_reason: "tool_calls"``."""
+        return bool(self.tool_calls)
+
+
+class ToolCallStreamer(ABC):
+    """Per-choice state of a streamed message: text deltas in, OpenAI ``delta`` dicts out."""
+
+    @abstractmethod
+    def feed(self, text: str) -> list[Delta]:
+        """Consume the next piece of generated text; return the deltas it decides (maybe none)."""
+
+    @abstractmethod
+    def finish(self) -> list[Delta]:
+        """The generation ended: flush whatever was held back."""
+
+    @property
+    @abstractmethod
+    def tools_called(self) -> bool:
+        """Whether any tool call has been announced so far."""
+
+
+class ToolParser(ABC):
+    """Reads one model family's tool-call format."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def parse(self, text: str) -> ParsedToolCalls:
+        """Split a whole generated message into content and tool calls."""
+
+    @abstractmethod
+    def streamer(self) -> ToolCallStreamer:
+        """A fresh streamer for one choice of one request."""
+
+
+def fold_deltas(deltas: Iterable[Delta]) -> ParsedToolCalls:
+    """The message a client assembles from streamed deltas, as :meth:`ToolParser.parse` gives it."""
+    content: list[str] = []
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        content.append(delta.get("content") or "")
+        for entry in delta.get("tool_calls", ()):
+            if "id" in entry:
+                calls[entry["index"]] = [entry["id"], entry["function"]["name"], ""]
+            calls[entry["index"]][2] += entry["function"]["arguments"]
+    tool_calls = [ToolCall(name, arguments, call_id) for call_id, name, arguments in calls.values()]
+    return ParsedToolCalls("".join(content) or None, tool_calls)
+
+
+class _Deltas:
+    """Deltas of one feed; consecutive content, or arguments of one call, merge into one."""
+
+    def __init__(self) -> None:
+        self.items: list[Delta] = []
+
+    def content(self, text: str) -> None:
+        if not text:
+            return
+        if self.items and "content" in self.items[-1]:
+            self.items[-1]["content"] += text
+        else:
+            self.items.append({"content": text})
+
+    def header(self, index: int, call_id: str, name: str) -> None:
+        function = {"name": name, "arguments": ""}
+        entry = {"index": index, "id": call_id, "type": "function", "function": function}
+        self.items.append({"tool_calls": [entry]})
+
+    def arguments(self, index: int, fragment: str) -> None:
+        if not fragment:
+            return
+        last = self.items[-1]["tool_calls"][0] if self.items else None
+        if last is not None and last["index"] == index and "id" not in last:
+            last["function"]["arguments"] += fragment
+        else:
+            self.items.append(
+                {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
+            )
+
+
+class _Nesting:
+    """JSON bracket depth and string state, across characters fed one at a time."""
+
+    __slots__ = ("depth", "escaped", "in_string")
+
+    def __init__(self, in_string: bool = False) -> None:
+        self.depth = 0
+        self.in_string = in_string
+        self.escaped = False
+
+    def step(self, ch: str) -> None:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+        elif ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+
+
+class _CallScanner:
+    """Reads one call object, ``{"name": "f", "arguments": {...}}``, a character at a time.
+
+    Only what the calls need is checked: the object's keys, that the first ``name`` is a string
+    and that the first ``arguments``/``parameters`` is an object or a string (kept as raw text
+    while it arrives). Any other value is skipped by bracket depth; whole-text parsers leave full
+    validation to ``json.loads``. A character the object cannot take is refused, not consumed.
+    """
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.arguments_kind: str | None = None  # "object" or "string", once its value starts
+        self.arguments_text = ""  # raw text of an object value, so far
+        self.arguments_string: str | None = None  # a string value, decoded once it closes
+        self.done = False
+        self.error = False
+        self._state = "start"
+        self._key: str | None = None
+        self._target = "other"  # what the current value is: "name", "arguments" or "other"
+        self._raw = ""  # raw text of the current key or string value
+        self._nesting = _Nesting()
+
+    @property
+    def arguments(self) -> str:
+        if self.arguments_kind == "object":
+            return self.arguments_text
+        if self.arguments_string is not None:
+            return self.arguments_string
+        return "{}"
+
+    def feed(self, text: str) -> int:
+        """Consume ``text`` up to the end of the object or a refused character; return how many
+        characters were consumed."""
+        for i, ch in enumerate(text):
+            if self.done or self.error or not self._step(ch):
+                return i
+        return len(text)
+
+    def _step(self, ch: str) -> bool:
+        state = self._state
+        if state in ("container", "string"):
+            return self._step_value(ch)
+        if state == "scalar":
+            if ch in _SCALAR_CHARS:
+                return True
+            self._state = "after_value"
+            return self._step(ch)
+        if state == "key":
+            return self._step_key(ch)
+        if ch in _WHITESPACE:
+            return True
+        if state == "start" and ch == "{":
+            self._state = "first_key"
+        elif state in ("first_key", "key_expected") and ch == '"':
+            self._state, self._raw, self._nesting = "key", "", _Nesting(in_string=True)
+        elif state in ("first_key", "after_value") and ch == "}":
+            return self._close()
+        elif state == "colon" and ch == ":":
+            self._state = "value"
+        elif state == "after_value" and ch == ",":
+            self._state = "key_expected"
+        elif state == "value":
+            return self._start_value(ch)
+        else:
+            return self._refuse()
+        return True
+
+    def _step_key(self, ch: str) -> bool:
+        self._nesting.step(ch)
+        if self._nesting.in_string:
+            self._raw += ch
+            return True
+        try:
+            self._key = json.loads('"' + self._raw + '"')
+        except ValueError:
+            return self._refuse()
+        self._state = "colon"
+        return True
+
+    def _start_value(self, ch: str) -> bool:
+        if self._key == "name" and self.name is None:
+            self._target = "name"
+        elif self._key in _ARGUMENT_KEYS and self.arguments_kind is None:
+            self._target = "arguments"
+        else:
+            self._target = "other"
+        if ch == '"':
+            self._state, self._raw, self._nesting = "string", "", _Nesting(in_string=True)
+            if self._target == "arguments":
+                self.arguments_kind = "string"
+            return True
+        if (ch == "{" and self._target != "name") or (ch == "[" and self._target == "other"):
+            self._state, self._nesting = "container", _Nesting()
+            if self._target == "arguments":
+                self.arguments_kind = "object"
+            return self._step_value(ch)
+        if ch in _SCALAR_CHARS and self._target == "other":
+            self._state = "scalar"
+            return True
+        return self._refuse()
+
+    def _step_value(self, ch: str) -> bool:
+        self._nesting.step(ch)
+        if self._state == "container":
+            if self._target == "arguments":
+                self.arguments_text += ch
+            if self._nesting.depth == 0:
+                self._state = "after_value"
+            return True
+        if self._nesting.in_string:
+            self._raw += ch
+            return True
+        self._state = "after_value"
+        if self._target == "other":
+            return True
+        try:
+            value = json.loads('"' + self._raw + '"')
+        except ValueError:
+            return self._refuse()
+        if self._target == "name":
+            self.name = value
+        else:
+            self.arguments_string = value
+        return True
+
+    def _close(self) -> bool:
+        if self.name is None:
+            return self._refuse()
+        self.done = True
+        return True
+
+    def _refuse(self) -> bool:
+        self.error = True
+        return False
+
+
+class _CallStream:
+    """One call's deltas: its header once it is sure to be a call, then its arguments."""
+
+    def __init__(self, index: int, eager_header: bool = False) -> None:
+        self.index = index
+        self.id = make_tool_call_id()
+        self.scanner = _CallScanner()
+        self.header_sent = False
+        # The header waits for the first character of the arguments (or the object's end), so
+        # that an object with a name but no usable arguments can still fall back to content.
+        # A schema-constrained output cannot go wrong there: its header goes with its name.
+        self._eager_header = eager_header
+        self._sent = 0
+        self._closed = False
+
+    def feed(self, text: str, out: _Deltas) -> int:
+        consumed = self.scanner.feed(text)
+        scanner = self.scanner
+        if not self.header_sent:
+            known = scanner.arguments_kind is not None or scanner.done or self._eager_header
+            if scanner.error or scanner.name is None or not known:
+                return consumed
+            out.header(self.index, self.id, scanner.name)
+            self.header_sent = True
+        if scanner.arguments_kind == "object":
+            out.arguments(self.index, scanner.arguments_text[self._sent :])
+            self._sent = len(scanner.arguments_text)
+        elif not self._closed and (scanner.arguments_string is not None or scanner.done):
+            out.arguments(self.index, scanner.arguments)
+            self._closed = True
+        return consumed
+
+
+def _call_from_json(text: str) -> ToolCall | None:
+    """The call that ``text``, one JSON object, states; None when it is malformed."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    scanner = _CallScanner()
+    consumed = scanner.feed(text)
+    if not scanner.done or text[consumed:].strip(_WHITESPACE):
+        return None
+    return ToolCall(scanner.name or "", scanner.arguments)
+
+
+def _held_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
+
+
+class HermesToolParser(ToolParser):
+    """Hermes / Qwen2.5: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks."""
+
+    name = "hermes"
+    START = "<tool_call>"
+    END = "</tool_call>"
+    # A block the generation stopped inside (no end tag) still counts if its JSON is whole.
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+    def parse(self, text: str) -> ParsedToolCalls:
+        calls: list[ToolCall] = []
+        content: list[str] = []
+        start = 0
+        for match in self._BLOCK.finditer(text):
+            call = _call_from_json(match.group(1))
+            if call is None:
+                continue  # a malformed block stays in the content around it
+            before = text[start : match.start()]
+            content.append((before.lstrip(_WHITESPACE) if calls else before).rstrip(_WHITESPACE))
+            calls.append(call)
+            start = match.end()
+        rest = text[start:]
+        content.append(rest.lstrip(_WHITESPACE) if calls else rest)
+        return ParsedToolCalls("".join(content) or None, calls)
+
+    def streamer(self) -> ToolCallStreamer:
+        return _HermesStreamer()
+
+
+class _HermesStreamer(ToolCallStreamer):
+    """Modes: "text" (content, holding back a possible start tag and the whitespace before it),
+    "call" (inside a block, reading the call object), "after_call" (object read, waiting for the
+    end tag) and "bad_block" (a block that is no call: content through its end tag)."""
+
+    def __init__(self) -> None:
+        self._mode = "text"
+        self._pending = ""  # held back: whitespace and a partial tag
+        self._held_ws = ""  # the whitespace before the current block's start tag
+        self._block_raw = ""  # the current block so far, content if it is no call after all
+        self._strip_leading = False  # right after a call's block, whitespace is not content
+        self._call = _CallStream(0)  # the current (or last) block's call
+        self._num_calls = 0
+
+    @property
+    def tools_called(self) -> bool:
+        return self._num_calls > 0
+
+    def feed(self, text: str) -> list[Delta]:
+        out = _Deltas()
+        handlers = {
+            "text": self._text,
+            "call": self._in_call,
+            "after_call": self._after_call,
+            "bad_block": self._bad_block,
+        }
+        while text:
+            text = handlers[self._mode](text, out)
+        return out.items
+
+    def finish(self) -> list[Delta]:
+        out = _Deltas()
+        if self._mode in ("text", "bad_block"):
+            out.content(self._pending)
+        elif self._mode == "call" and not self._call.header_sent:
+            out.content(self._held_ws + self._block_raw)
+        self._mode, self._pending = "text", ""
+        return out.items
+
+    def _text(self, text: str, out: _Deltas) -> str:
+        buf = self._pending + text
+        self._pending = ""
+        if self._strip_leading:
+            buf = buf.lstrip(_WHITESPACE)
+            if not buf:
+                return ""
+            self._strip_leading = False
+        start = buf.find(HermesToolParser.START)
+        if start >= 0:
+            before = buf[:start]
+            kept = before.rstrip(_WHITESPACE)
+            out.content(kept)
+            self._held_ws = before[len(kept) :]
+            self._block_raw = HermesToolParser.START
+            self._call = _CallStream(self._num_calls)
+            self._mode = "call"
+            return buf[start + len(HermesToolParser.START) :]
+        undecided = len(buf) - _held_suffix(buf, HermesToolParser.START)
+        kept = buf[:undecided].rstrip(_WHITESPACE)
+        out.content(kept)
+        self._pending = buf[len(kept) :]
+        return ""
+
+    def _in_call(self, text: str, out: _Deltas) -> str:
+        call = self._call
+        was_sent = call.header_sent
+        consumed = call.feed(text, out)
+        self._block_raw += text[:consumed]
+        if call.header_sent and not was_sent:
+            self._num_calls += 1
+        if call.scanner.error and not call.header_sent:
+            out.content(self._held_ws + self._block_raw)
+            self._mode = "bad_block"
+        elif call.scanner.done or call.scanner.error:
+            self._mode = "after_call"
+        return text[consumed:]
+
+    def _after_call(self, text: str, out: _Deltas) -> str:
+        buf = self._pending + text
+        end = buf.find(HermesToolParser.END)
+        if end >= 0:
+            self._pending = ""
+            self._mode, self._strip_leading = "text", True
+            return buf[end + len(HermesToolParser.END) :]
+        # Anything but the end tag between the object and it is dropped.
+        self._pending = buf[len(buf) - _held_suffix(buf, HermesToolParser.END) :]
+        return ""
+
+    def _bad_block(self, text: str, out: _Deltas) -> str:
+        buf = self._pending + text
+        self._pending = ""
+        end = buf.find(HermesToolParser.END)
+        if end >= 0:
+            out.content(buf[: end + len(HermesToolParser.END)])
+            self._mode = "text"
+            return buf[end + len(HermesToolParser.END) :]
+        undecided = len(buf) - _held_suffix(buf, HermesToolParser.END)
+        out.content(buf[:undecided])
+        self._pending = buf[undecided:]
+        return ""
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.x JSON calls: ``{"name": ..., "parameters": ...}``, several joined by ``;``, as the
+    whole message, optionally after ``<|python_tag|>``. Anything else is content."""
+
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> ParsedToolCalls:
+        body = text.strip(_WHITESPACE)
+        if body.startswith(self.PYTHON_TAG):
+            body = body[len(self.PYTHON_TAG) :].lstrip(_WHITESPACE)
+        calls: list[ToolCall] = []
+        decoder = json.JSONDecoder()
+        pos = 0
+        while body.startswith("{", pos):
+            try:
+                _, end = decoder.raw_decode(body, pos)
+            except ValueError:
+                break
+            call = _call_from_json(body[pos:end])
+            if call is None:
+                break
+            calls.append(call)
+            pos = _skip_whitespace(body, end)
+            if pos == len(body):
+                return ParsedToolCalls(None, calls)
+            if body[pos] != ";":
+                break
+            pos = _skip_whitespace(body, pos + 1)
+            if pos == len(body):
+                return ParsedToolCalls(None, calls)
+        return ParsedToolCalls(text or None, [])
+
+    def streamer(self) -> ToolCallStreamer:
+        return _Llama3JsonStreamer()
+
+
+def _skip_whitespace(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in _WHITESPACE:
+        pos += 1
+    return pos
+
+
+class _Llama3JsonStreamer(ToolCallStreamer):
+    """Modes: "start" (holding the message's opening until its first character after an optional
+    python tag tells calls from content), "call", "between" (after an object: ";" or the end),
+    "next" (after ";": the next object) and "text" (everything else is content)."""
+
+    def __init__(self) -> None:
+        self._mode = "start"
+        self._held = ""  # everything so far while no call has been announced
+        self._call = _CallStream(0)
+        self._num_calls = 0
+
+    @property
+    def tools_called(self) -> bool:
+        return self._num_calls > 0
+
+    def feed(self, text: str) -> list[Delta]:
+        out = _Deltas()
+        while text:
+            text = self._step(text, out)
+        return out.items
+
+    def finish(self) -> list[Delta]:
+        out = _Deltas()
+        if self._num_calls == 0:
+            out.content(self._held)
+        self._held = ""
+        self._mode = "text"
+        return out.items
+
+    def _step(self, text: str, out: _Deltas) -> str:
+        if self._mode == "text":
+            out.content(text)
+            return ""
+        if self._num_calls == 0 and self._mode != "call":
+            self._held += text
+            return self._start() if self._mode == "start" else ""
+        if self._mode == "call":
+            return self._in_call(text, out)
+        rest = text.lstrip(_WHITESPACE)
+        if not rest:
+            return ""
+        if self._mode == "between" and rest[0] == ";":
+            self._mode = "next"
+            return rest[1:]
+        if self._mode == "next" and rest[0] == "{":
+            self._call = _CallStream(self._num_calls)
+            self._mode = "call"
+            return rest
+        # Junk after the calls: it cannot take them back, so it is content from here on.
+        self._mode = "text"
+        return rest
+
+    def _start(self) -> str:
+        body = self._held.lstrip(_WHITESPACE)
+        tag = Llama3JsonToolParser.PYTHON_TAG
+        if body.startswith(tag):
+            body = body[len(tag) :].lstrip(_WHITESPACE)
+        elif tag.startswith(body):
+            return ""
+        if not body:
+            return ""
+        if body[0] != "{":
+            self._mode = "text"
+            held, self._held = self._held, ""
+            return held
+        # The object's text is fed to the call from the held text, which keeps it all.
+        self._held = self._held[: len(self._held) - len(body)]
+        self._mode = "call"
+        return body
+
+    def _in_call(self, text: str, out: _Deltas) -> str:
+        call = self._call
+        consumed = call.feed(text, out)
+        if self._num_calls == 0:
+            self._held += text[:consumed]
+        if call.header_sent and call.index == self._num_calls:
+            self._num_calls += 1
+            self._held = ""
+        if call.scanner.error and not call.header_sent:
+            held, self._held = self._held, ""
+            self._mode = "text"
+            return held + text[consumed:]
+        if call.scanner.error:
+            self._mode = "text"
+        elif call.scanner.done:
+            self._mode = "between"
+        return text[consumed:]
+
+
+class NamedToolCallStreamer(ToolCallStreamer):
+    """A call forced by name (``tool_choice: {"type": "function", "function": {"name": f}}``):
+    the whole output, constrained by :func:`named_tool_schema`, is the arguments object."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._id = make_tool_call_id()
+        self._started = False
+        self._nesting = _Nesting()
+        self._done = False
+
+    @property
+    def tools_called(self) -> bool:
+        return self._started
+
+    def feed(self, text: str) -> list[Delta]:
+        out = _Deltas()
+        if not self._started:
+            text = text.lstrip(_WHITESPACE)
+            if text:
+                self._start(out)
+        end = 0
+        while end < len(text) and not self._done:
+            self._nesting.step(text[end])
+            end += 1
+            self._done = self._nesting.depth == 0 and not self._nesting.in_string
+        out.arguments(0, text[:end])
+        return out.items
+
+    def finish(self) -> list[Delta]:
+        out = _Deltas()
+        if not self._started:
+            self._start(out)
+        return out.items
+
+    def _start(self, out: _Deltas) -> None:
+        out.header(0, self._id, self.name)
+        self._started = True
+
+
+class RequiredToolCallStreamer(ToolCallStreamer):
+    """Calls forced by ``tool_choice: "required"``: the output, constrained by
+    :func:`required_tools_schema`, is ``[{"name": "f", "parameters": {...}}, ...]``. A call is
+    announced as soon as its name is whole; its parameters then stream as they arrive."""
+
+    def __init__(self) -> None:
+        self._mode = "start"  # "start", "element", "call", "after_call", "done"
+        self._call = _CallStream(0, eager_header=True)
+        self._num_calls = 0
+
+    @property
+    def tools_called(self) -> bool:
+        return self._num_calls > 0
+
+    def feed(self, text: str) -> list[Delta]:
+        out = _Deltas()
+        while text and self._mode != "done":
+            text = self._step(text, out)
+        return out.items
+
+    def finish(self) -> list[Delta]:
+        self._mode = "done"
+        return []
+
+    def _step(self, text: str, out: _Deltas) -> str:
+        if self._mode == "call":
+            call = self._call
+            consumed = call.feed(text, out)
+            if call.header_sent and call.index == self._num_calls:
+                self._num_calls += 1
+            if call.scanner.error:
+                self._mode = "done"
+            elif call.scanner.done:
+                self._mode = "after_call"
+            return text[consumed:]
+        rest = text.lstrip(_WHITESPACE)
+        if not rest:
+            return ""
+        first = rest[0]
+        if self._mode == "start" and first == "[":
+            self._mode = "element"
+        elif self._mode == "element" and first == "{":
+            self._call = _CallStream(self._num_calls, eager_header=True)
+            self._mode = "call"
+            return rest
+        elif self._mode == "after_call" and first == ",":
+            self._mode = "element"
+        else:
+            # "]", or output the schema would not have allowed: nothing more is read.
+            self._mode = "done"
+        return rest[1:]
+
+
+def parse_named_tool_call(name: str, text: str) -> ParsedToolCalls:
+    """The whole output of a call forced by name (see :class:`NamedToolCallStreamer`)."""
+    return _parse_with(NamedToolCallStreamer(name), text)
+
+
+def parse_required_tool_calls(text: str) -> ParsedToolCalls:
+    """The whole output of ``tool_choice: "required"`` (see :class:`RequiredToolCallStreamer`)."""
+    return _parse_with(RequiredToolCallStreamer(), text)
+
+
+def _parse_with(streamer: ToolCallStreamer, text: str) -> ParsedToolCalls:
+    return fold_deltas(streamer.feed(text) + streamer.finish())
+
+
+def tool_function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The function of an OpenAI tool, ``{"type": "function", "function": {...}}``, or of a bare
+    function dict; ValueError when it has no name."""
+    function = tool.get("function", tool)
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError(f"a tool must be a function with a string 'name', got {tool!r}")
+    return function
+
+
+def find_tool(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
+    """The tool whose function is called ``name``; ValueError naming the tools there are."""
+    for tool in tools:
+        if tool_function(tool)["name"] == name:
+            return tool
+    names = ", ".join(tool_function(tool)["name"] for tool in tools) or "none"
+    raise ValueError(f"tool_choice names function {name!r}, which is not in tools ({names})")
+
+
+def named_tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """JSON schema of the output of a call forced by name: the tool's arguments object."""
+    parameters = tool_function(tool).get("parameters")
+    # No parameters (or an empty schema) still means an object: the arguments of no parameters.
+    return dict(parameters) if parameters else {"type": "object"}
+
+
+def required_tools_schema(
+    tools: Sequence[Mapping[str, Any]], parallel_tool_calls: bool = True
+) -> dict[str, Any]:
+    """JSON schema of the output of ``tool_choice: "required"``: a non-empty array of calls, each
+    ``{"name": <one of the tools>, "parameters": <that tool's arguments>}``; at most one call when
+    ``parallel_tool_calls`` is False."""
+    if not tools:
+        raise ValueError('tool_choice "required" needs at least one tool in tools')
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"enum": [tool_function(tool)["name"]]},
+                "parameters": named_tool_schema(tool),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return schema
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The parser registered as ``name``; ValueError listing the valid names."""
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        valid = ", ".join(sorted(TOOL_PARSERS))
+        raise ValueError(f"unknown tool_call_parser {name!r}; valid names are {valid}") from None

@@ -1,0 +1,466 @@
+"""Tool calls read out of generated text: whole, streamed in any split, and forced by a schema."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable
+from typing import Any
+
+import jsonschema
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from cluster.tool_parsers import (
+    TOOL_PARSERS,
+    Delta,
+    NamedToolCallStreamer,
+    ParsedToolCalls,
+    RequiredToolCallStreamer,
+    ToolCallStreamer,
+    find_tool,
+    fold_deltas,
+    get_tool_parser,
+    named_tool_schema,
+    parse_named_tool_call,
+    parse_required_tool_calls,
+    required_tools_schema,
+)
+from engine import tiny_models
+
+HERMES_TEXTS = {
+    "one call": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    "content before a call": (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+        "</tool_call>"
+    ),
+    "two parallel calls": (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    ),
+    "escapes in strings": (
+        '<tool_call>{"name": "say", "arguments": {"text": "a \\"}\\" b <tag>", '
+        '"n": [1, {"x": null}]}}</tool_call>'
+    ),
+    "name after arguments": '<tool_call>{"arguments": {"q": 1}, "name": "find"}</tool_call>',
+    "string arguments": '<tool_call>{"name": "find", "arguments": "{\\"q\\": 1}"}</tool_call>',
+    "no arguments": '<tool_call>{"name": "now"}</tool_call>',
+    "no end tag": '<tool_call>\n{"name": "now", "arguments": {}}\n',
+    "content after a call": '<tool_call>{"name": "now", "arguments": {}}</tool_call>\n\nDone.',
+    "plain text": "The <b>river</b> is wide <tool and deep.\n",
+    "malformed json": '<tool_call>{"name": "now" "arguments": {}}</tool_call> rest',
+    "no name": 'Hi <tool_call>{"arguments": {}}</tool_call> there',
+    "non-object arguments": '<tool_call>{"name": "now", "arguments": [1]}</tool_call>',
+    "malformed then good": (
+        "<tool_call>oops</tool_call> <tool_call>\n"
+        '{"name": "now", "arguments": {"a": "\\u00e9"}}\n</tool_call>'
+    ),
+    "empty block": "x <tool_call></tool_call> y",
+}
+LLAMA3_TEXTS = {
+    "one call": '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    "python tag": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    "two calls": '{"name": "f", "parameters": {"a": "x;y"}}; {"name": "g", "arguments": {}}',
+    "escapes in strings": ' {"name": "say", "parameters": {"text": "a \\"}\\" b"}}\n',
+    "plain text": "The river is wide.",
+    "json that is no call": '{"answer": 42}',
+    "malformed json": '{"name": "f" "parameters": {"a": 1}}',
+}
+# Malformed only after the name: a stream has announced the call by then and cannot take it back.
+BROKEN_ARGUMENTS = {
+    "hermes": '<tool_call>{"name": "now", "arguments": {"a": }}</tool_call>',
+    "llama3_json": '{"name": "now", "parameters": {"a": }}',
+}
+
+
+def _stream(streamer: ToolCallStreamer, pieces: Iterable[str]) -> list[Delta]:
+    deltas: list[Delta] = []
+    for piece in pieces:
+        deltas += streamer.feed(piece)
+    return deltas + streamer.finish()
+
+
+def _calls(parsed: ParsedToolCalls) -> tuple[str | None, list[tuple[str, str]]]:
+    return parsed.content, [(call.name, call.arguments) for call in parsed.tool_calls]
+
+
+def _splits(text: str) -> Iterable[list[str]]:
+    """Every split into two pieces, one character at a time, and seeded random chunks."""
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+    yield list(text)
+    rng = random.Random(0)
+    for _ in range(20):
+        pieces, start = [], 0
+        while start < len(text):
+            end = start + rng.randint(1, 8)
+            pieces.append(text[start:end])
+            start = end
+        yield pieces
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+def test_registry_builds_each_parser_by_name(parser_name: str) -> None:
+    assert type(get_tool_parser(parser_name)) is TOOL_PARSERS[parser_name]
+
+
+def test_unknown_parser_name_raises_value_error_listing_valid_names() -> None:
+    with pytest.raises(ValueError, match=r"'mistral'.*hermes, llama3_json"):
+        get_tool_parser("mistral")
+
+
+# hermes, whole text
+
+
+def test_hermes_separates_content_from_a_call() -> None:
+    parsed = get_tool_parser("hermes").parse(HERMES_TEXTS["content before a call"])
+
+    assert _calls(parsed) == ("Let me check.", [("get_weather", '{"city": "Oslo"}')])
+    assert parsed.tools_called
+
+
+def test_hermes_reads_two_parallel_calls_with_no_content() -> None:
+    parsed = get_tool_parser("hermes").parse(HERMES_TEXTS["two parallel calls"])
+
+    assert _calls(parsed) == (None, [("get_weather", '{"city": "Oslo"}'), ("now", "{}")])
+    assert parsed.tool_calls[0].id != parsed.tool_calls[1].id
+    assert all(call.id.startswith("call_") and len(call.id) == 29 for call in parsed.tool_calls)
+
+
+def test_hermes_keeps_arguments_as_written_including_escaped_quotes_and_braces() -> None:
+    parsed = get_tool_parser("hermes").parse(HERMES_TEXTS["escapes in strings"])
+
+    assert _calls(parsed) == (
+        None,
+        [("say", '{"text": "a \\"}\\" b <tag>", "n": [1, {"x": null}]}')],
+    )
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("name after arguments", ("find", '{"q": 1}')),
+        ("string arguments", ("find", '{"q": 1}')),
+        ("no arguments", ("now", "{}")),
+        ("no end tag", ("now", "{}")),
+    ],
+)
+def test_hermes_reads_the_call_variants(case: str, expected: tuple[str, str]) -> None:
+    assert _calls(get_tool_parser("hermes").parse(HERMES_TEXTS[case])) == (None, [expected])
+
+
+def test_hermes_whitespace_next_to_a_call_is_not_content() -> None:
+    parsed = get_tool_parser("hermes").parse(HERMES_TEXTS["content after a call"])
+
+    assert _calls(parsed) == ("Done.", [("now", "{}")])
+
+
+@pytest.mark.parametrize(
+    "case", ["plain text", "malformed json", "no name", "non-object arguments", "empty block"]
+)
+def test_hermes_text_without_a_wellformed_call_is_all_content(case: str) -> None:
+    parsed = get_tool_parser("hermes").parse(HERMES_TEXTS[case])
+
+    assert _calls(parsed) == (HERMES_TEXTS[case], [])
+    assert not parsed.tools_called
+
+
+def test_hermes_malformed_block_stays_content_beside_a_good_call() -> None:
+    parsed = get_tool_parser("hermes").parse(HERMES_TEXTS["malformed then good"])
+
+    assert _calls(parsed) == ("<tool_call>oops</tool_call>", [("now", '{"a": "\\u00e9"}')])
+
+
+# llama3_json, whole text
+
+
+@pytest.mark.parametrize("case", ["one call", "python tag"])
+def test_llama3_reads_a_call_with_parameters(case: str) -> None:
+    parsed = get_tool_parser("llama3_json").parse(LLAMA3_TEXTS[case])
+
+    assert _calls(parsed) == (None, [("get_weather", '{"city": "Oslo"}')])
+
+
+def test_llama3_reads_calls_separated_by_semicolons_with_either_key() -> None:
+    parsed = get_tool_parser("llama3_json").parse(LLAMA3_TEXTS["two calls"])
+
+    assert _calls(parsed) == (None, [("f", '{"a": "x;y"}'), ("g", "{}")])
+
+
+def test_llama3_keeps_escaped_quotes_and_braces() -> None:
+    parsed = get_tool_parser("llama3_json").parse(LLAMA3_TEXTS["escapes in strings"])
+
+    assert _calls(parsed) == (None, [("say", '{"text": "a \\"}\\" b"}')])
+
+
+@pytest.mark.parametrize("case", ["plain text", "json that is no call", "malformed json"])
+def test_llama3_text_that_is_no_call_is_all_content(case: str) -> None:
+    parsed = get_tool_parser("llama3_json").parse(LLAMA3_TEXTS[case])
+
+    assert _calls(parsed) == (LLAMA3_TEXTS[case], [])
+
+
+# streaming
+
+
+@pytest.mark.parametrize(
+    ("parser_name", "case"),
+    [("hermes", case) for case in HERMES_TEXTS] + [("llama3_json", case) for case in LLAMA3_TEXTS],
+)
+def test_streaming_in_any_split_gives_the_whole_text_result(parser_name: str, case: str) -> None:
+    parser = get_tool_parser(parser_name)
+    text = (HERMES_TEXTS if parser_name == "hermes" else LLAMA3_TEXTS)[case]
+    expected = _calls(parser.parse(text))
+
+    for pieces in _splits(text):
+        streamer = parser.streamer()
+        streamed = fold_deltas(_stream(streamer, pieces))
+        assert _calls(streamed) == expected, pieces
+        assert streamer.tools_called == bool(expected[1])
+
+
+@pytest.mark.parametrize("parser_name", sorted(BROKEN_ARGUMENTS))
+def test_broken_arguments_are_content_whole_but_stay_an_announced_call_when_streamed(
+    parser_name: str,
+) -> None:
+    parser = get_tool_parser(parser_name)
+    text = BROKEN_ARGUMENTS[parser_name]
+
+    streamed = fold_deltas(_stream(parser.streamer(), [text]))
+
+    assert _calls(parser.parse(text)) == (text, [])
+    assert _calls(streamed) == (None, [("now", '{"a": }')])
+
+
+def test_hermes_stream_holds_back_a_possible_tag_until_it_is_decided() -> None:
+    streamer = get_tool_parser("hermes").streamer()
+
+    assert streamer.feed("Hi <tool") == [{"content": "Hi"}]
+    assert streamer.feed("box") == [{"content": " <toolbox"}]
+    assert streamer.feed(" <tool") == []
+    assert streamer.finish() == [{"content": " <tool"}]
+
+
+def test_hermes_stream_sends_a_header_then_argument_fragments() -> None:
+    streamer = get_tool_parser("hermes").streamer()
+    pieces = ["<tool_call>\n", '{"name": "get_', 'weather", "arguments": {"ci', 'ty": "Oslo"}}']
+
+    deltas = [streamer.feed(piece) for piece in pieces] + [streamer.feed("\n</tool_call>")]
+
+    call_id = deltas[2][0]["tool_calls"][0]["id"]
+    assert deltas == [
+        [],
+        [],
+        [
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": ""},
+                    }
+                ]
+            },
+            {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]},
+        ],
+        [{"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]}],
+        [],
+    ]
+    assert streamer.finish() == []
+    assert streamer.tools_called
+
+
+def test_hermes_stream_numbers_parallel_calls_from_zero() -> None:
+    deltas = _stream(get_tool_parser("hermes").streamer(), [HERMES_TEXTS["two parallel calls"]])
+
+    headers = [d["tool_calls"][0] for d in deltas if "id" in d.get("tool_calls", [{}])[0]]
+    assert [(h["index"], h["function"]["name"]) for h in headers] == [
+        (0, "get_weather"),
+        (1, "now"),
+    ]
+
+
+def test_llama3_stream_of_plain_text_is_content_from_the_first_character() -> None:
+    streamer = get_tool_parser("llama3_json").streamer()
+
+    assert streamer.feed("  The") == [{"content": "  The"}]
+    assert streamer.feed(" river") == [{"content": " river"}]
+
+
+# forced calls
+
+NAMED_OUTPUTS = [
+    '{"city": "Oslo", "note": "a \\"}\\" b"}',
+    '\n  {\n  "city" : "Oslo",\n  "days": [1, 2]\n}\n',
+]
+REQUIRED_OUTPUTS = [
+    '[{"name":"get_weather","parameters":{"city":"a \\"}]\\" b"}},{"name":"now","parameters":{}}]',
+    '[\n  {"name": "get_weather", "parameters": {"city": "Oslo"}} ,\n'
+    '  { "name" : "now" , "parameters" : { } }\n]\n',
+]
+
+
+@pytest.mark.parametrize("text", NAMED_OUTPUTS)
+def test_named_call_is_the_whole_output_as_arguments(text: str) -> None:
+    parsed = parse_named_tool_call("get_weather", text)
+
+    assert _calls(parsed) == (None, [("get_weather", text.strip())])
+
+
+@pytest.mark.parametrize("text", NAMED_OUTPUTS)
+def test_named_call_streamed_in_any_split_gives_the_whole_output_result(text: str) -> None:
+    expected = _calls(parse_named_tool_call("get_weather", text))
+
+    for pieces in _splits(text):
+        streamed = fold_deltas(_stream(NamedToolCallStreamer("get_weather"), pieces))
+        assert _calls(streamed) == expected, pieces
+
+
+def test_named_call_streams_its_header_first_and_arguments_as_they_arrive() -> None:
+    streamer = NamedToolCallStreamer("get_weather")
+
+    first = streamer.feed('{"city": ')
+
+    assert first[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert first[1:] == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}]
+    assert streamer.feed('"Oslo"}') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}
+    ]
+    assert streamer.tools_called
+
+
+def test_required_calls_are_the_array_elements() -> None:
+    compact, spaced = (parse_required_tool_calls(text) for text in REQUIRED_OUTPUTS)
+
+    assert _calls(compact) == (
+        None,
+        [("get_weather", '{"city":"a \\"}]\\" b"}'), ("now", "{}")],
+    )
+    assert _calls(spaced) == (None, [("get_weather", '{"city": "Oslo"}'), ("now", "{ }")])
+
+
+@pytest.mark.parametrize("text", REQUIRED_OUTPUTS)
+def test_required_calls_streamed_in_any_split_give_the_whole_output_result(text: str) -> None:
+    expected = _calls(parse_required_tool_calls(text))
+
+    for pieces in _splits(text):
+        streamer = RequiredToolCallStreamer()
+        assert _calls(fold_deltas(_stream(streamer, pieces))) == expected, pieces
+        assert streamer.tools_called
+
+
+def test_required_call_header_goes_out_once_its_name_is_whole() -> None:
+    streamer = RequiredToolCallStreamer()
+
+    assert streamer.feed('[{"name": "get_wea') == []
+    header = streamer.feed('ther", ')
+    fragment = streamer.feed('"parameters": {"ci')
+
+    assert header[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert fragment == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}]
+
+
+# schemas
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+NOW = {"name": "now"}  # a bare function dict with no parameters
+
+
+def _valid(schema: dict[str, Any], instance: Any) -> bool:
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema).is_valid(instance)
+
+
+@pytest.mark.parametrize(
+    ("instance", "valid"),
+    [
+        ([{"name": "get_weather", "parameters": {"city": "Oslo"}}], True),
+        ([{"name": "now", "parameters": {}}, {"name": "now", "parameters": {"x": 1}}], True),
+        ([], False),
+        ([{"name": "get_weather", "parameters": {}}], False),
+        ([{"name": "now", "parameters": []}], False),
+        ([{"name": "lookup", "parameters": {}}], False),
+        ([{"name": "now", "parameters": {}, "extra": 1}], False),
+        ([{"name": "now"}], False),
+    ],
+)  # fmt: skip
+def test_required_tools_schema_accepts_exactly_calls_of_the_tools(
+    instance: Any, valid: bool
+) -> None:
+    assert _valid(required_tools_schema([WEATHER, NOW]), instance) is valid
+
+
+def test_required_tools_schema_allows_one_call_without_parallel_tool_calls() -> None:
+    schema = required_tools_schema([WEATHER, NOW], parallel_tool_calls=False)
+    one = [{"name": "now", "parameters": {}}]
+
+    assert _valid(schema, one)
+    assert not _valid(schema, one + one)
+
+
+def test_required_tools_schema_accepts_what_the_required_streamer_reads() -> None:
+    schema = required_tools_schema([WEATHER, NOW])
+
+    for text in REQUIRED_OUTPUTS:
+        calls = parse_required_tool_calls(text).tool_calls
+        instance = [{"name": c.name, "parameters": json.loads(c.arguments)} for c in calls]
+        assert _valid(schema, instance)
+
+
+def test_required_tools_schema_needs_a_tool() -> None:
+    with pytest.raises(ValueError, match="at least one tool"):
+        required_tools_schema([])
+
+
+def test_named_tool_schema_is_the_tools_parameters_or_any_object() -> None:
+    assert named_tool_schema(WEATHER) == WEATHER["function"]["parameters"]
+    assert named_tool_schema(NOW) == {"type": "object"}
+    assert _valid(named_tool_schema(WEATHER), {"city": "Oslo"})
+    assert not _valid(named_tool_schema(WEATHER), {"town": "Oslo"})
+    assert not _valid(named_tool_schema(NOW), [])
+
+
+def test_find_tool_names_the_tools_there_are() -> None:
+    assert find_tool([WEATHER, NOW], "now") is NOW
+    with pytest.raises(ValueError, match=r"'lookup'.*get_weather, now"):
+        find_tool([WEATHER, NOW], "lookup")
+
+
+def test_tool_without_a_function_name_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="string 'name'"):
+        named_tool_schema({"type": "function", "function": {"description": "x"}})
+
+
+# the tiny models' template and their default parser agree
+
+
+def test_tiny_models_parser_reads_back_the_tool_calls_their_template_renders() -> None:
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tiny_models.build_tokenizer(),
+        bos_token=tiny_models.BOS_TOKEN,
+        chat_template=tiny_models.CHAT_TEMPLATE,
+    )
+    calls = [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+        {"type": "function", "function": {"name": "now", "arguments": "{}"}},
+    ]
+    prompt = [{"role": "user", "content": "Weather?"}]
+    messages = prompt + [{"role": "assistant", "content": "Checking.", "tool_calls": calls}]
+    before = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    generated = rendered[len(before) :].removesuffix("<|im_end|>\n")
+
+    parsed = get_tool_parser(tiny_models.DEFAULT_TOOL_CALL_PARSER).parse(generated)
+
+    assert _calls(parsed) == ("Checking.", [("get_weather", '{"city": "Oslo"}'), ("now", "{}")])
