@@ -15,7 +15,7 @@ from engine import envs
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.llm import LLM
@@ -53,4 +53,5 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

@@ -7,6 +7,10 @@ id, sample i > 0 is ``"{i}_{request_id}"``; samples 1.. fork from sample 0's pro
 them back into one ``RequestOutput`` with n ``CompletionOutput``s ordered by index, finished
 when all are. Aborting the request aborts every sample. Beam search runs outside the engine
 core, on top of it (``engine.beam_search``).
+
+Structured outputs: a sample with ``structured_outputs`` holds its own grammar matcher (see
+``engine.structured_output``); each step sends the next-token bitmask of the constrained
+samples that sample, and advances their matchers with the tokens they got.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.executor import Executor, get_executor_class
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.protocol import LogprobsLists, ModelRunnerOutput, PromptLogprobs
+from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, make_execute_model_request
+from engine.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
+from engine.structured_output import StructuredOutputGrammar, StructuredOutputManager
 from engine.timing import StepTimer
 
 logger = logging.getLogger("llm_cluster.engine")
@@ -61,6 +66,8 @@ class SampleState:
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
+    # Structured outputs: this sample's matcher, dropped when the sample finishes.
+    grammar: StructuredOutputGrammar | None = None
 
 
 @dataclass
@@ -96,6 +103,9 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, config.model.vocab_size, self.eos_token_ids
+        )
         self._groups: dict[str, RequestGroup] = {}
         # Scheduler request id of every live sample -> (its group, its index).
         self._samples: dict[str, tuple[RequestGroup, int]] = {}
@@ -146,6 +156,9 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         params = self._check_sampling(params, max_tokens)
+        if params.structured_outputs is not None:
+            # Compiled (or found in the cache) now, so that a bad spec is a 400 here.
+            self.structured_output.compile(params.structured_outputs)
         self._admit(len(token_ids), params.n)
         sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]
         if request_id in self._groups or any(r in self.scheduler.requests for r in sample_ids):
@@ -212,11 +225,15 @@ class LLMEngine:
             min_tokens=params.min_tokens,
         )
         wants_logprobs = params.logprobs is not None
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured_output.new_grammar(params.structured_outputs)
         return SampleState(
             request=request,
             detokenizer=detokenizer,
             logprobs=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
+            grammar=grammar,
         )
 
     def _check_sampling(self, params: SamplingParams, max_tokens: int) -> SamplingParams:
@@ -374,6 +391,7 @@ class LLMEngine:
         if sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids:
             return []
         message = make_execute_model_request(sched)
+        self._add_grammar_bitmask(sched, message)
         clock.lap("schedule")
         output = self.executor.execute_model(message)
         clock.lap("execute")
@@ -385,7 +403,11 @@ class LLMEngine:
         groups: dict[str, RequestGroup] = {}
         for request, num_new in self._new_tokens(updated, output):
             group, index = self._samples[request.request_id]
-            self._process(group.samples[index], num_new, logprobs.get(request.request_id), texts)
+            sample = group.samples[index]
+            self._advance_grammar(sample, num_new)
+            self._process(sample, num_new, logprobs.get(request.request_id), texts)
+            if request.is_finished:
+                sample.grammar = None
             groups[group.request_id] = group
         outputs = []
         for group in groups.values():
@@ -396,6 +418,43 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             self._flush_finished()
         return outputs
+
+    def _add_grammar_bitmask(self, sched: SchedulerOutput, message: ExecuteModelRequest) -> None:
+        """Next-token bitmask rows of the constrained samples that sample this step: those
+        whose scheduled tokens reach the end of their known tokens (mid-prompt chunks and
+        recomputed old tokens are not sampled, so they get no row)."""
+        req_ids, grammars = [], []
+        for rid, num in sched.num_scheduled_tokens.items():
+            entry = self._samples.get(rid)
+            if entry is None:
+                continue
+            sample = entry[0].samples[entry[1]]
+            request = sample.request
+            if sample.grammar is None or request.num_computed_tokens + num != request.num_tokens:
+                continue
+            req_ids.append(rid)
+            grammars.append(sample.grammar)
+        if req_ids:
+            message.structured_output_req_ids = req_ids
+            message.grammar_bitmask = self.structured_output.grammar_bitmask(grammars)
+
+    def _advance_grammar(self, sample: SampleState, num_new: int) -> None:
+        """Feed the sampled tokens to the sample's matcher. A complete grammar (its stop token
+        accepted) ends the request as stopped, even with ignore_eos. A rejected token (the
+        mask should make that impossible) also stops it, with a warning, rather than emit
+        output the grammar does not match."""
+        grammar, request = sample.grammar, sample.request
+        if grammar is None:
+            return
+        accepted = grammar.accept_tokens(request.output_token_ids[-num_new:])
+        if not accepted:
+            logger.warning(
+                "%s: the grammar rejected sampled token(s) %s; stopping the request",
+                request.request_id,
+                request.output_token_ids[-num_new:],
+            )
+        if (not accepted or grammar.is_terminated()) and not request.is_finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     @staticmethod
     def _new_tokens(updated: list[Request], output: ModelRunnerOutput) -> list[tuple[Request, int]]:
@@ -512,6 +571,9 @@ class LLMEngine:
             "cpu_block_tables": len(blocks.req_to_cpu_blocks),
             "cached_block_counts": len(blocks.num_cached_blocks),
             "pending_copies": len(blocks.pending_copies),
+            "grammar_matchers": sum(
+                s.grammar is not None for g in self._groups.values() for s in g.samples
+            ),
         }
 
     def check_integrity(self) -> None:

@@ -25,6 +25,7 @@ from engine.cuda_graphs import DecodeCudaGraphRunner
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
 from engine.sampling_params import SamplingParams
+from engine.structured_output import apply_grammar_bitmask, unpack_bitmask
 from engine.timing import StepTimer
 from kernels.attention import AttentionMetadata
 from parallel.distributed import recv_intermediate, send_intermediate
@@ -57,6 +58,9 @@ class StepInputs:
     # Prompt logprobs wanted this step: (req_id, first prompt token scored, rows in the packed
     # batch whose logits score it and the following ones).
     prompt_logprobs_rows: list[tuple[str, int, np.ndarray]] = field(default_factory=list)
+    # Structured outputs: rows of the sampled logits to mask, and their bitmask rows.
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -206,6 +210,8 @@ class ModelRunner:
             block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
         )
         sampled = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        sampled_req_ids = [states[i].req_id for i in sampled]
+        grammar_rows, grammar_bitmask = self._grammar_rows(req, sampled_req_ids)
         metadata = AttentionMetadata.build(
             query_lens=query_lens,
             seq_lens=seq_lens.astype(np.int32),
@@ -219,9 +225,32 @@ class ModelRunner:
             positions=torch.from_numpy(positions.astype(np.int64)).to(self.device),
             metadata=metadata,
             logits_indices=torch.tensor(cu[1:][sampled] - 1, dtype=torch.int64, device=self.device),
-            sampled_req_ids=[states[i].req_id for i in sampled],
+            sampled_req_ids=sampled_req_ids,
             prompt_logprobs_rows=self._prompt_logprobs_rows(states, starts, seq_lens, cu),
+            grammar_rows=grammar_rows,
+            grammar_bitmask=grammar_bitmask,
         )
+
+    @staticmethod
+    def _grammar_rows(
+        req: ExecuteModelRequest, sampled_req_ids: list[str]
+    ) -> tuple[list[int], np.ndarray | None]:
+        """Which sampled rows the step's grammar bitmask constrains, and its rows in that order.
+        The head sends a row exactly for the constrained requests that sample this step (the
+        same rule as here); a row for a request that does not sample is skipped, and the
+        head's matcher would reject an unconstrained token."""
+        if not req.structured_output_req_ids:
+            return [], None
+        bitmask = unpack_bitmask(req.grammar_bitmask, len(req.structured_output_req_ids))
+        position = {rid: i for i, rid in enumerate(sampled_req_ids)}
+        pairs = [
+            (position[rid], i)
+            for i, rid in enumerate(req.structured_output_req_ids)
+            if rid in position
+        ]
+        if not pairs:
+            return [], None
+        return [row for row, _ in pairs], bitmask[[i for _, i in pairs]]
 
     @staticmethod
     def _prompt_logprobs_rows(
@@ -261,6 +290,10 @@ class ModelRunner:
             return ModelRunnerOutput(
                 req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs
             )
+        if inputs.grammar_bitmask is not None:
+            # First, so that raw logprobs and every processor see the grammar's mask (vLLM's
+            # order); only the driver gets here (other TP ranks hold no logits).
+            apply_grammar_bitmask(logits, inputs.grammar_bitmask, inputs.grammar_rows)
         states = [self.requests[rid] for rid in inputs.sampled_req_ids]
         params = [s.sampling_params for s in states]
         needs_history = any(

@@ -49,6 +49,12 @@ class ExecuteModelRequest(msgspec.Struct, kw_only=True):
     blocks_to_swap_in: list[tuple[int, int]] = []
     blocks_to_swap_out: list[tuple[int, int]] = []
     blocks_to_copy: list[tuple[int, int]] = []
+    # Structured outputs: the constrained requests that sample this step, and their next-token
+    # bitmask, row i for structured_output_req_ids[i]: ceil(vocab_size / 32) little-endian
+    # int32 words, bit j of word w set iff token 32w + j is allowed (see
+    # engine.structured_output). Only the driver (the sampling rank) applies it.
+    structured_output_req_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
     @property
     def is_empty(self) -> bool:

@@ -8,6 +8,7 @@ the vocabulary, ``n <= max_n``, ``logprobs <= max_logprobs``) in ``LLMEngine.add
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -31,7 +32,78 @@ _NOT_WITH_BEAM_SEARCH = (
     "logit_bias",
     "bad_words",
     "prompt_logprobs",
+    "structured_outputs",
 )
+
+# The kinds of constraint StructuredOutputsParams offers; a request sets exactly one.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Constrain the output to a grammar (vLLM's ``StructuredOutputsParams``), enforced with
+    xgrammar by masking every token the grammar cannot accept next. Set exactly one of:
+
+    ``json``: a JSON schema, as a dict or a JSON string (kept as a compact JSON string, so that
+    it travels through the msgpack step message unchanged; property order is kept, it is the
+    order the output follows). ``regex``: a regular expression the whole output matches.
+    ``choice``: the output is one of these strings. ``grammar``: an EBNF grammar in xgrammar's
+    syntax (GBNF-like, rule ``root`` is the start). ``json_object``: any JSON object.
+
+    ``disable_any_whitespace``: JSON output without optional whitespace (``{"a": 1}``, never
+    ``{ "a" :1 }`` or newlines), which keeps a weak model from looping on whitespace.
+    ``disable_additional_properties``: objects allow no property their schema does not name;
+    xgrammar's strict mode, which the engine always uses, already does this for every object
+    schema that does not say ``additionalProperties`` (kept for vLLM compatibility).
+
+    The request finishes with ``finish_reason`` "stop" once the grammar is complete (even with
+    ``ignore_eos``); ``max_tokens`` must leave room for the whole output.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        _check(
+            len(kinds) == 1,
+            "structured_outputs",
+            f"exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} must be set, got "
+            + (", ".join(kinds) or "none"),
+        )
+        if self.json is not None:
+            self.json = _json_schema_text(self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(
+                    isinstance(value, str) and bool(value),
+                    f"structured_outputs.{name}",
+                    "must be a non-empty string",
+                )
+        if self.choice is not None:
+            _check(
+                isinstance(self.choice, list)
+                and bool(self.choice)
+                and all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs.choice",
+                "must be a non-empty list of non-empty strings",
+            )
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            _check(
+                isinstance(getattr(self, name), bool),
+                f"structured_outputs.{name}",
+                f"must be a boolean, got {getattr(self, name)!r}",
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -59,6 +131,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     ``use_beam_search`` runs beam search (``LLM.beam_search``) with ``beam_width`` beams
     (default ``n``) and returns the ``n`` best by cumulative logprob / length**length_penalty.
+
+    ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar
+    (see ``StructuredOutputsParams``); not with beam search.
     """
 
     n: int = 1
@@ -85,6 +160,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     use_beam_search: bool = False
     beam_width: int | None = None
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +174,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self._check_logit_bias()
         self._check_bad_words()
         self._check_beam_search()
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+        )
 
     def _check_filters(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be >= 1, got {self.n!r}")
@@ -275,6 +357,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(message, param=name)
+
+
+def _json_schema_text(schema: Any) -> str:
+    """A JSON schema (dict, bool or JSON text) as compact JSON text, key order kept."""
+    param = "structured_outputs.json"
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise InvalidRequestError(f"is not valid JSON: {exc}", param=param) from None
+    _check(isinstance(schema, (dict, bool)), param, "must be a JSON schema (an object)")
+    try:
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"is not JSON-serializable: {exc}", param=param) from None
 
 
 def _json_token_id(key: Any) -> Any:
