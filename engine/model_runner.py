@@ -242,7 +242,8 @@ class ModelRunner:
             logits_indices=torch.tensor(cu[1:][sampled] - 1, dtype=torch.int64, device=self.device),
             sampled_req_ids=[states[i].req_id for i in sampled],
             prompt_logprobs_rows=self._prompt_logprobs_rows(states, starts, seq_lens, cu),
-            pooling_rows=self._pooling_rows(states, starts, seq_lens, cu),
+            # Only the driver pools (and keeps the running sums): the others hold no output.
+            pooling_rows=self._pooling_rows(states, starts, seq_lens, cu) if self.is_driver else [],
         )
 
     @staticmethod
