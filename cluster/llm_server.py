@@ -7,7 +7,8 @@ ingress (HTTP or gRPC) calls.
 ``generate`` streams ``cluster.protocol`` messages: a ``StreamStart`` (or a ``StreamError``:
 a validation error is the first item, so a streaming client still gets a clean 400), then one
 ``StreamDelta`` per engine step with the choices that have something new, and possibly a last
-``StreamError`` (503: the engine failed; 408: the request's timeout passed).
+``StreamError`` (503: the engine failed; 408: the request's timeout passed). ``embed`` returns
+one input's embedding (an ``EmbedResult``) or a ``StreamError`` from the same error table.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from cluster.metrics import ModelMetrics
 from cluster.protocol import (
     ChoiceChunk,
     DetokenizeResult,
+    EmbedRequest,
+    EmbedResult,
     GenerateRequest,
     StreamDelta,
     StreamError,
@@ -37,8 +40,14 @@ from cluster.protocol import (
 from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta
 from engine.config import EngineConfig
 from engine.core_client import InProcessCoreClient
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestAbortedError,
+)
 from engine.llm_engine import LLMEngine, load_tokenizer
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("llm_cluster.serve")
@@ -167,9 +176,9 @@ class LLMServer:
             prompt_logprobs = [first] + [_logprob_rows(e) for e in output.prompt_logprobs[1:]]
         return StreamStart(len(ids), len(output.outputs), text, prompt_logprobs)
 
-    def _prompt(self, request: GenerateRequest) -> Any:
+    def _prompt(self, request: GenerateRequest | EmbedRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
-        if request.messages is not None:
+        if isinstance(request, GenerateRequest) and request.messages is not None:
             ids = _chat_ids(self.tokenizer, request.messages, request.tools)
             return {"prompt_token_ids": ids}
         if request.prompt_token_ids is not None:
@@ -178,6 +187,38 @@ class LLMServer:
         if isinstance(prompt, str) and prompt:
             return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
         return prompt  # the core names what is wrong with it
+
+    # ---- embeddings ---------------------------------------------------------------------
+
+    async def embed(self, request: EmbedRequest) -> EmbedResult | StreamError:
+        """One input's embedding: its prompt's final hidden states pooled by the engine's
+        ``pooling_type``. Errors: 400 naming the field, 503 (overloaded, draining, engine
+        dead; the request was aborted by a drain)."""
+        self._ensure_stats_task()
+        if self.draining:
+            return error_item(503, f"this replica of {self.model_id!r} is shutting down; retry",
+                              None, "draining", 1)  # fmt: skip
+        request_id = request.request_id or uuid.uuid4().hex
+        self._active.add(request_id)
+        try:
+            params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions)
+            output = await self.engine.encode(self._prompt(request), params, request_id)
+        except InvalidRequestError as exc:
+            return error_item(400, str(exc), exc.param)
+        except EngineOverloadedError as exc:
+            return error_item(503, f"model {self.model_id!r}: {exc}", None, "overloaded",
+                              exc.retry_after_s)  # fmt: skip
+        except RequestAbortedError:
+            return error_item(503, f"this replica of {self.model_id!r} is shutting down; retry",
+                              None, "draining", 1)  # fmt: skip
+        except EngineDeadError:
+            logger.exception("model %s: embedding failed, the engine is dead", self.model_id)
+            return error_item(503, f"the engine for {self.model_id!r} is not available")
+        finally:
+            self._active.discard(request_id)
+        # encode returns only finished outputs with a vector (an abort raised above).
+        assert output.outputs is not None
+        return EmbedResult(output.outputs.embedding, len(output.prompt_token_ids))
 
     # ---- tokenizer ----------------------------------------------------------------------
 

@@ -4,6 +4,8 @@
             ◀── StreamStart                    after validation, before any token
             ◀── StreamDelta …                  the choices with something new, one per step
             ◀── StreamError                    instead of StreamStart, or last (503, 408)
+    ingress ── EmbedRequest ─────────────────▶ LLMServer.embed (a unary handle call)
+            ◀── EmbedResult | StreamError
 
 A request's validation error arrives as the first item, so a streaming client still gets a
 clean 400. ``StreamError.status`` picks everything a client sees of an error from ``ERRORS``:
@@ -103,6 +105,25 @@ class StreamError(msgspec.Struct, tag="error"):
 StreamItem = StreamStart | StreamDelta | StreamError
 
 
+class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One embedding input: ``prompt`` (text, tokenized by the server) or ``prompt_token_ids``.
+    ``normalize`` / ``dimensions`` are ``PoolingParams`` fields. A list of inputs (OpenAI's
+    ``input``) is one call per input: the ingress fans them out and gathers the results."""
+
+    prompt: Any = None  # a string; anything else is a 400 from the server, naming the field
+    prompt_token_ids: list[int] | None = None
+    normalize: bool = True
+    dimensions: int | None = None
+    request_id: str | None = None
+
+
+class EmbedResult(msgspec.Struct):
+    """The input's embedding (float32 values) and how many tokens its prompt had (usage)."""
+
+    embedding: list[float]
+    prompt_tokens: int
+
+
 class TokenizeResult(msgspec.Struct):
     tokens: list[int]
     count: int
@@ -117,6 +138,8 @@ __all__ = [
     "ERRORS",
     "ChoiceChunk",
     "DetokenizeResult",
+    "EmbedRequest",
+    "EmbedResult",
     "GenerateRequest",
     "StreamDelta",
     "StreamError",

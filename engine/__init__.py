@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestAbortedError,
+)
+from engine.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -51,6 +57,10 @@ __all__ = [
     "EngineOverloadedError",
     "InvalidRequestError",
     "LLMEngine",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "RequestAbortedError",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

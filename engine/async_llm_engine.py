@@ -11,6 +11,7 @@ actor of a Serve replica.
 The front does only per-request bookkeeping: it keeps each request's output so far and hands it
 deltas. Deltas that pile up while a consumer is busy are merged into one item. Closing or
 cancelling a stream before its last item aborts the request in the core (within one step).
+``encode`` (embeddings) is a request whose stream carries one item: its pooled vector.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from typing import Any, TypeVar
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, InProcessCoreClient
 from engine.core_messages import AddRequest, ChoiceDelta, CoreStats, RequestDelta, StepOutputs
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -86,6 +88,8 @@ class _Stream:
         self.queue: asyncio.Queue[tuple[RequestDelta, float] | BaseException] = asyncio.Queue()
         self.finished = False
         self.output: RequestOutput | None = None
+        self.prompt: str | None = None
+        self.prompt_token_ids: list[int] = []
 
     def start(
         self,
@@ -212,6 +216,47 @@ class AsyncLLMEngine:
                 with contextlib.suppress(EngineDeadError):
                     self.client.abort([request_id])
 
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> PoolingRequestOutput:
+        """The prompt's pooled final hidden states (an embedding; the engine's
+        ``pooling_type``), once its whole prompt is computed. Raises ``InvalidRequestError``
+        before anything is enqueued when the request is invalid, ``EngineDeadError`` if the
+        engine fails, ``RequestAbortedError`` if ``abort`` ended it first. Cancelling the call
+        aborts the request (its blocks are free within one step)."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        params = pooling_params or PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError("must be a PoolingParams", param="pooling_params")
+        stream = await self._add(request_id, prompt, params, priority, None)
+        try:
+            # The core sends one delta for a pooling request: finished, with its vector.
+            item = await stream.queue.get()
+            stream.finished = True
+            if isinstance(item, BaseException):
+                raise item
+            delta, _ = item
+            if delta.embedding is None:
+                raise RequestAbortedError(f"request {request_id!r} was aborted")
+            return PoolingRequestOutput(
+                request_id=request_id,
+                prompt_token_ids=stream.prompt_token_ids,
+                outputs=PoolingOutput(delta.embedding),
+                finished=True,
+                prompt=stream.prompt,
+                num_cached_tokens=delta.num_cached_tokens,
+            )
+        finally:
+            if not stream.finished:
+                self._streams.pop(request_id, None)
+                with contextlib.suppress(EngineDeadError):
+                    self.client.abort([request_id])
+
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort"."""
         self.client.abort([request_id])
@@ -262,7 +307,7 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int,
         cache_salt: str | None,
     ) -> _Stream:
@@ -273,12 +318,15 @@ class AsyncLLMEngine:
         text, token_ids = _split_prompt(prompt)
         request = AddRequest(
             request_id=request_id,
-            params=params,
             prompt=text,
             prompt_token_ids=token_ids,
             priority=priority,
             cache_salt=cache_salt,
         )
+        if isinstance(params, PoolingParams):
+            request.pooling_params = params
+        else:
+            request.params = params
         # Registered before the core sees the request: its first delta may arrive before the
         # add's reply does.
         stream = _Stream(asyncio.get_running_loop())
@@ -295,7 +343,9 @@ class AsyncLLMEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        stream.start(request_id, text, added.prompt_token_ids, params)
+        stream.prompt, stream.prompt_token_ids = text, added.prompt_token_ids
+        if isinstance(params, SamplingParams):
+            stream.start(request_id, text, added.prompt_token_ids, params)
         return stream
 
     def _abort_if_added(self, add: asyncio.Future[Any], request_id: str) -> None:

@@ -145,9 +145,14 @@ class BlockManager:
         """Longest cached prefix of a request about to be scheduled: (blocks, num tokens).
 
         At least one token is always left to compute, since the step must produce logits. A
-        request that wants prompt logprobs gets no hits: every prompt position must be computed.
+        request that wants prompt logprobs, or one that says ``skip_prefix_cache`` (mean
+        pooling), gets no hits: every prompt position must be computed.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if (
+            not self.enable_prefix_caching
+            or request.skip_prefix_cache
+            or request.sampling_params.prompt_logprobs is not None
+        ):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

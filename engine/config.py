@@ -7,7 +7,8 @@
     ├── parallel:  ParallelConfig   (tensor_parallel_size, pipeline_parallel_size)
     ├── device:    DeviceConfig     (cpu | cuda | auto)
     ├── kernel:    KernelConfig     (attention_backend, enforce_eager)
-    └── sampling:  SamplingConfig   (server-wide request caps: max_n, max_logprobs)
+    ├── sampling:  SamplingConfig   (server-wide request caps: max_n, max_logprobs)
+    └── pooler:    PoolerConfig     (pooling_type of embedding requests: last | mean)
 
 Every config is a frozen dataclass, validated in ``__post_init__``; per-rank copies use
 ``dataclasses.replace``. The number of KV blocks measured at startup is runtime state (see
@@ -329,6 +330,24 @@ class SamplingConfig:
         _positive_int(self.max_stop_str_len, "max_stop_str_len")
 
 
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How an embedding (pooling) request turns the prompt's final hidden states into one
+    vector (vLLM's ``pooler_config.pooling_type``; ``LAST`` / ``MEAN`` accepted as vLLM spells
+    them): ``last`` takes the last prompt position's, ``mean`` averages every position's."""
+
+    pooling_type: Literal["last", "mean"] = "last"
+
+    def __post_init__(self) -> None:
+        value = self.pooling_type
+        _require(
+            isinstance(value, str) and value.lower() in ("last", "mean"),
+            "pooling_type",
+            f"must be 'last' or 'mean' (or 'LAST' / 'MEAN'), got {value!r}",
+        )
+        object.__setattr__(self, "pooling_type", value.lower())
+
+
 # Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
 _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "model": ("model", "model"),
@@ -362,6 +381,7 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "max_n": ("sampling", "max_n"),
     "max_stop_strings": ("sampling", "max_stop_strings"),
     "max_stop_str_len": ("sampling", "max_stop_str_len"),
+    "pooling_type": ("pooler", "pooling_type"),
 }
 
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(_ENGINE_ARGS)
@@ -376,6 +396,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -383,7 +404,16 @@ class EngineConfig:
         check_engine_arg_names(kwargs)
         if "model" not in kwargs:
             raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
-        sections = ("model", "cache", "scheduler", "parallel", "device", "kernel", "sampling")
+        sections = (
+            "model",
+            "cache",
+            "scheduler",
+            "parallel",
+            "device",
+            "kernel",
+            "sampling",
+            "pooler",
+        )
         groups: dict[str, dict[str, Any]] = {g: {} for g in sections}
         for key, value in kwargs.items():
             group, name = _ENGINE_ARGS[key]
@@ -410,6 +440,7 @@ class EngineConfig:
             device=device,
             kernel=kernel,
             sampling=SamplingConfig(**groups["sampling"]),
+            pooler=PoolerConfig(**groups["pooler"]),
         )
 
     @property
@@ -445,6 +476,7 @@ def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
     DeviceConfig(**groups.get("device", {}))
     KernelConfig(**groups.get("kernel", {}))
     SamplingConfig(**groups.get("sampling", {}))
+    PoolerConfig(**groups.get("pooler", {}))
 
 
 def _with_checkpoint(model: ModelConfig) -> ModelConfig:

@@ -40,8 +40,8 @@ from engine.core_messages import (
     StepOutputs,
 )
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.llm_engine import EngineOutput, LLMEngine
+from engine.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("llm_cluster.core_loop")
@@ -98,7 +98,9 @@ class _RequestTracker:
         self.choices = [_ChoiceTracker(i, holdback) for i in range(params.n)]
         self.sent_prompt_logprobs = params.prompt_logprobs is None
 
-    def delta(self, output: RequestOutput) -> RequestDelta | None:
+    def delta(self, output: EngineOutput) -> RequestDelta | None:
+        if not isinstance(output, RequestOutput):
+            raise TypeError(f"{output.request_id!r}: a generation request got a pooling output")
         choices = []
         for completion in output.outputs:
             choice = self.choices[completion.index].delta(completion)
@@ -115,6 +117,23 @@ class _RequestTracker:
             finished=output.finished,
             num_cached_tokens=output.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+        )
+
+
+class _PoolingTracker:
+    """A pooling request: its one output (the vector, or none after an abort) is its delta."""
+
+    __slots__ = ()
+
+    def delta(self, output: EngineOutput) -> RequestDelta | None:
+        if not isinstance(output, PoolingRequestOutput):
+            raise TypeError(f"{output.request_id!r}: a pooling request got a generation output")
+        return RequestDelta(
+            request_id=output.request_id,
+            choices=[],
+            finished=True,
+            num_cached_tokens=output.num_cached_tokens,
+            embedding=output.outputs.data if output.outputs is not None else None,
         )
 
 
@@ -150,7 +169,7 @@ class EngineCoreLoop:
         self._on_dead = on_dead
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
-        self._trackers: dict[str, _RequestTracker] = {}
+        self._trackers: dict[str, _RequestTracker | _PoolingTracker] = {}
         self._dead: EngineDeadError | None = None
         self._stopping = False
         self._num_steps = 0
@@ -311,16 +330,19 @@ class EngineCoreLoop:
         prompt: Any = request.prompt
         if request.prompt_token_ids is not None:
             prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}
+        pooling = request.pooling_params
         added = self.engine.add_request(
             request.request_id,
             prompt,
-            request.params,
+            pooling if pooling is not None else request.params,
             priority=request.priority,
             cache_salt=request.cache_salt,
         )
         # Made only once the engine has checked ``n`` against its caps: a tracker keeps one
         # entry per choice, and a client's n of 10**12 must be a 400, not a hang.
-        self._trackers[request.request_id] = _RequestTracker(request.params)
+        self._trackers[request.request_id] = (
+            _PoolingTracker() if pooling is not None else _RequestTracker(request.params)
+        )
         self._prompt_tokens += added.num_prompt_tokens
         return AddResult(list(added.prompt_token_ids))
 

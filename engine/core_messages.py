@@ -4,6 +4,7 @@ messages serve a core on a thread and a core in another process (``cluster.head_
 
     front ── AddRequest ──▶ core          core ── StepOutputs (one per step) ──▶ front
           ◀── AddResult ───                     RequestDelta per request, ChoiceDelta per choice
+                                                (a pooling request: one RequestDelta, embedding)
 """
 
 from __future__ import annotations
@@ -11,19 +12,22 @@ from __future__ import annotations
 import msgspec
 
 from engine.outputs import Logprob
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
 class AddRequest(msgspec.Struct, kw_only=True):
     """A request for the core. The front sends token ids when it tokenized the prompt itself
-    (chat templates, text prompts in a Serve replica); otherwise the core tokenizes ``prompt``."""
+    (chat templates, text prompts in a Serve replica); otherwise the core tokenizes ``prompt``.
+    ``pooling_params`` make it a pooling (embedding) request; ``params`` are then unused."""
 
     request_id: str
-    params: SamplingParams
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     priority: int = 0
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None
 
 
 class ChoiceDelta(msgspec.Struct, array_like=True, frozen=True):
@@ -43,7 +47,8 @@ class ChoiceDelta(msgspec.Struct, array_like=True, frozen=True):
 
 
 class RequestDelta(msgspec.Struct, array_like=True):
-    """One request's part of a step: the choices with something new."""
+    """One request's part of a step: the choices with something new. A pooling request has
+    one delta, finished, with no choices: its ``embedding``, or None if it was aborted."""
 
     request_id: str
     choices: list[ChoiceDelta]
@@ -51,6 +56,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     num_cached_tokens: int = 0
     # Sent once, with the request's first delta (the prompt is fully computed by then).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None
 
 
 class StepOutputs(msgspec.Struct, array_like=True):

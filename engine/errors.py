@@ -23,3 +23,8 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine (or one of its workers) failed; in-flight requests cannot complete."""
+
+
+class RequestAbortedError(RuntimeError):
+    """A request that returns one final output (an embedding) was aborted before it had one:
+    ``abort``, or a replica draining for shutdown. Nothing of it is left in the engine."""

@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(model=..., **engine_args).generate(prompts, params)``."""
+"""The offline API: ``LLM(model=..., **engine_args).generate(prompts, params)``, and
+``embed(prompts)`` for embeddings pooled from the same model's final hidden states."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from engine.beam_search import beam_search
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -36,11 +38,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in input order. A prompt is a string, a list of
         token ids, or ``{"prompt_token_ids": [...]}``. Invalid input raises before anything runs."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -107,10 +105,45 @@ class LLM:
         )
         return beam_search(self.llm_engine, list(prompts), params)
 
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt's final hidden states (the engine's ``pooling_type``) into one
+        vector each; outputs in input order, the vector in ``outputs.data``."""
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(
+                    f"has {len(params_list)} entries for {len(prompts)} prompts",
+                    param="pooling_params",
+                )
+        ids = self._add_all(prompts, params_list, None)
+        return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Embeddings (vLLM's ``LLM.embed``): ``encode``, the vector read as
+        ``outputs.embedding``."""
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+
     def _add_all(
         self,
         prompts: list[PromptType],
-        params: list[SamplingParams],
+        params: Sequence[SamplingParams | PoolingParams],
         priority: Sequence[int] | None,
     ) -> list[str]:
         ids: list[str] = []
@@ -124,9 +157,9 @@ class LLM:
             raise
         return ids
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:
         pending = set(ids)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, Any] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while pending:
                 for output in self.llm_engine.step():
@@ -157,3 +190,12 @@ class LLM:
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string, a dict, a list of token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

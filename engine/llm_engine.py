@@ -11,6 +11,10 @@ core, on top of it (``engine.beam_search``).
 Structured outputs: a sample with ``structured_outputs`` holds its own grammar matcher (see
 ``engine.structured_output``); each step sends the next-token bitmask of the constrained
 samples that sample, and advances their matchers with the tokens they got.
+
+A request added with ``PoolingParams`` instead of ``SamplingParams`` is a pooling (embedding)
+request: one scheduler ``Request`` that samples nothing; the step that computes its last prompt
+token returns its ``PoolingRequestOutput`` (the vector the workers pooled) and ends it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.executor import Executor, get_executor_class
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from engine.pooling_params import PoolingParams
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -40,6 +51,10 @@ from engine.timing import StepTimer
 logger = logging.getLogger("llm_cluster.engine")
 
 PromptType = str | dict[str, Any] | list[int]
+EngineOutput = RequestOutput | PoolingRequestOutput
+
+# The sampling_params every Request carries; a pooling request never samples.
+_POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
@@ -86,6 +101,14 @@ class RequestGroup:
         return all(s.request.is_finished for s in self.samples)
 
 
+@dataclass
+class PoolingState:
+    """Head-side state of a pooling request: its scheduler ``Request`` and its prompt text."""
+
+    request: Request
+    prompt: str | None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
@@ -109,6 +132,7 @@ class LLMEngine:
         self._groups: dict[str, RequestGroup] = {}
         # Scheduler request id of every live sample -> (its group, its index).
         self._samples: dict[str, tuple[RequestGroup, int]] = {}
+        self._pooling: dict[str, PoolingState] = {}
         self.step_timer = StepTimer()
         self._log_cache_size(num_blocks, num_cpu_blocks)
 
@@ -137,7 +161,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -145,14 +169,21 @@ class LLMEngine:
     ) -> Request:
         """Validate and enqueue; raises ``InvalidRequestError`` (naming the field) and enqueues
         nothing if the request is invalid. Raises ``EngineOverloadedError`` when the waiting
-        queue is full and ``EngineDeadError`` once the workers are dead."""
+        queue is full and ``EngineDeadError`` once the workers are dead. ``PoolingParams``
+        make it a pooling (embedding) request (vLLM's ``add_request`` takes either)."""
         self._check_alive()
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("must be a SamplingParams", param="sampling_params")
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise InvalidRequestError(
+                "must be a SamplingParams or a PoolingParams", param="sampling_params"
+            )
         if cache_salt is not None and not (isinstance(cache_salt, str) and _is_utf8(cache_salt)):
             # Checked here: the prefix-cache hash encodes it on the engine thread, mid-step.
             raise InvalidRequestError("must be a non-empty UTF-8 string", param="cache_salt")
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(
+                request_id, prompt, params, arrival_time, priority, cache_salt
+            )
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         params = self._check_sampling(params, max_tokens)
@@ -161,8 +192,7 @@ class LLMEngine:
             self.structured_output.compile(params.structured_outputs)
         self._admit(len(token_ids), params.n)
         sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]
-        if request_id in self._groups or any(r in self.scheduler.requests for r in sample_ids):
-            raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
+        self._check_unused(request_id, sample_ids)
         arrival_time = arrival_time or time.monotonic()
         samples = [
             Request(
@@ -192,6 +222,62 @@ class LLMEngine:
         for i, rid in enumerate(sample_ids):
             self._samples[rid] = (group, i)
         return samples[0]
+
+    def _add_pooling_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None,
+        priority: int,
+        cache_salt: str | None,
+    ) -> Request:
+        if params.dimensions is not None:
+            raise InvalidRequestError(
+                "this model does not support reducing embedding dimensions", param="dimensions"
+            )
+        text, token_ids = self._tokenize(prompt)
+        self._check_pooling_length(token_ids)
+        self._admit(len(token_ids), 1)
+        self._check_unused(request_id, [request_id])
+        request = Request(
+            request_id,
+            token_ids,
+            _POOLING_PLACEHOLDER,
+            max_tokens=0,
+            arrival_time=arrival_time or time.monotonic(),
+            priority=priority,
+            cache_salt=cache_salt,
+            pooling_params=params,
+            # A cached prefix is never computed, so its positions would be missing from a mean.
+            skip_prefix_cache=self.config.pooler.pooling_type == "mean",
+        )
+        self.scheduler.add_request(request)
+        self._pooling[request_id] = PoolingState(request, text)
+        return request
+
+    def _check_unused(self, request_id: str, scheduler_ids: list[str]) -> None:
+        if (
+            request_id in self._groups
+            or request_id in self._pooling
+            or any(r in self.scheduler.requests for r in scheduler_ids)
+        ):
+            raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
+
+    def _check_pooling_length(self, token_ids: list[int]) -> None:
+        """A pooling request generates nothing: its prompt may fill the whole context."""
+        max_len, n = self.config.max_model_len, len(token_ids)
+        if n > max_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens; it must be at most max_model_len ({max_len})",
+                param="prompt",
+            )
+        bs, total = self.config.cache.block_size, self.block_manager.num_blocks
+        if -(-n // bs) > total:
+            raise InvalidRequestError(
+                f"the prompt needs {-(-n // bs)} KV blocks but the cache holds {total}",
+                param="prompt",
+            )
 
     def _admit(self, num_prompt_tokens: int, n: int) -> None:
         """Bounded waiting queue: raise ``EngineOverloadedError`` (nothing enqueued) if this
@@ -355,13 +441,19 @@ class LLMEngine:
             )
         return max_tokens
 
-    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+    def abort_request(self, request_id: str | Iterable[str]) -> list[EngineOutput]:
         """Abort live requests — every one of their samples; unknown or finished ids are
         ignored — and free their blocks now; returns the aborted requests' final outputs
-        (finish_reason "abort" on the samples that were still running)."""
+        (finish_reason "abort" on the samples that were still running; a pooling request's
+        output has no vector)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        outputs = []
+        outputs: list[EngineOutput] = []
         for rid in ids:
+            pooling = self._pooling.pop(rid, None)
+            if pooling is not None:
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+                outputs.append(self._pooling_output(pooling, None))
+                continue
             group = self._groups.get(rid)
             if group is None:
                 continue
@@ -381,7 +473,7 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Schedule, execute one step on the workers, and return outputs of updated requests.
         Raises ``EngineDeadError`` (failing every in-flight request) if a worker died."""
         self._check_alive()
@@ -398,6 +490,8 @@ class LLMEngine:
         texts = self._decode_logprob_tokens(output)
         self._record_prompt_logprobs(output.prompt_logprobs, texts)
         updated = self.scheduler.update_from_output(sched, output.req_ids, output.sampled_token_ids)
+        pooled = [r for r in updated if r.is_pooling]
+        updated = [r for r in updated if not r.is_pooling]
         clock.lap("update")
         logprobs = dict(zip(output.req_ids, output.logprobs or ()))
         groups: dict[str, RequestGroup] = {}
@@ -409,11 +503,13 @@ class LLMEngine:
             if request.is_finished:
                 sample.grammar = None
             groups[group.request_id] = group
-        outputs = []
+        outputs: list[EngineOutput] = []
         for group in groups.values():
             outputs.append(self.make_output(group))
             if group.finished:
                 self._forget(group)
+        for request in pooled:
+            outputs.append(self._finish_pooling(request, output.pooled))
         clock.lap("detokenize")
         if not self.scheduler.has_unfinished_requests():
             self._flush_finished()
@@ -531,6 +627,28 @@ class LLMEngine:
             else None,
         )
 
+    def _finish_pooling(
+        self, request: Request, pooled: dict[str, list[float]]
+    ) -> PoolingRequestOutput:
+        state = self._pooling.pop(request.request_id)
+        vector = pooled.get(request.request_id)
+        if vector is None:
+            raise RuntimeError(f"the workers returned no pooled vector for {request}")
+        return self._pooling_output(state, vector)
+
+    @staticmethod
+    def _pooling_output(state: PoolingState, vector: list[float] | None) -> PoolingRequestOutput:
+        request = state.request
+        return PoolingRequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=PoolingOutput(vector) if vector is not None else None,
+            finished=True,
+            prompt=state.prompt,
+            finish_reason=request.status.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
     def _flush_finished(self) -> None:
         """Tell the workers to drop finished requests' state now rather than at the next step."""
         if not self.scheduler._finished_req_ids:
@@ -564,6 +682,7 @@ class LLMEngine:
         return {
             "groups": len(self._groups),
             "samples": len(self._samples),
+            "pooling_requests": len(self._pooling),
             "scheduler_requests": len(sched.requests),
             "pending_forks": len(sched.pending_forks),
             "finished_not_flushed": len(sched._finished_req_ids),

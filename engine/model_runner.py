@@ -10,6 +10,12 @@ Per step, for each scheduled request r with c = num_computed_tokens and n schedu
 A request with ``prompt_logprobs`` also gets the logits of every chunk position t with
 t + 1 < num_prompt_tokens: they score prompt token t + 1 (chunked prefill returns them chunk
 by chunk; the head stitches them together by position).
+
+A pooling (embedding) request samples nothing. The driver pools its post-norm hidden states:
+``last`` takes the row of the last prompt position (in the chunk that ends the prompt);
+``mean`` adds every chunk's rows to a float32 sum kept in the request's state, counting the
+positions summed so far (``num_pooled``, always a prefix [0, num_pooled): a chunk recomputed
+after a preemption is not summed twice). The vector is returned once the prompt is computed.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphRunner
+from engine.pooling_params import PoolingParams
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
 from engine.sampling_params import SamplingParams
@@ -42,6 +50,11 @@ class CachedRequestState:
     num_computed_tokens: int = 0
     num_prompt_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    # Pooling requests only (driver rank): the float32 sum of the hidden rows of positions
+    # [0, num_pooled) for mean pooling.
+    pooling_params: PoolingParams | None = None
+    pooled_sum: torch.Tensor | None = None
+    num_pooled: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -61,6 +74,9 @@ class StepInputs:
     # Structured outputs: rows of the sampled logits to mask, and their bitmask rows.
     grammar_rows: list[int] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    # Pooling requests in this step: (req_id, first position pooled, rows of the packed batch
+    # to pool, whether this chunk ends the prompt).
+    pooling_rows: list[tuple[str, int, np.ndarray, bool]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -155,6 +171,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 num_prompt_tokens=num_prompt if num_prompt >= 0 else len(new.prompt_token_ids),
                 eos_token_ids=tuple(new.eos_token_ids),
+                pooling_params=new.pooling_params,
             )
         for cached in req.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)
@@ -209,7 +226,11 @@ class ModelRunner:
         slot_mapping = (
             block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
         )
-        sampled = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        sampled = [
+            i
+            for i, s in enumerate(states)
+            if seq_lens[i] == len(s.token_ids) and s.pooling_params is None
+        ]
         sampled_req_ids = [states[i].req_id for i in sampled]
         grammar_rows, grammar_bitmask = self._grammar_rows(req, sampled_req_ids)
         metadata = AttentionMetadata.build(
@@ -229,6 +250,8 @@ class ModelRunner:
             prompt_logprobs_rows=self._prompt_logprobs_rows(states, starts, seq_lens, cu),
             grammar_rows=grammar_rows,
             grammar_bitmask=grammar_bitmask,
+            # Only the driver pools (and keeps the running sums): the others hold no output.
+            pooling_rows=self._pooling_rows(states, starts, seq_lens, cu) if self.is_driver else [],
         )
 
     @staticmethod
@@ -264,6 +287,29 @@ class ModelRunner:
             last = min(int(ends[i]), state.num_prompt_tokens - 1)
             if last > starts[i]:
                 rows.append((state.req_id, int(starts[i]) + 1, cu[i] + np.arange(last - starts[i])))
+        return rows
+
+    def _pooling_rows(
+        self, states: list[CachedRequestState], starts: np.ndarray, ends: np.ndarray, cu: np.ndarray
+    ) -> list[tuple[str, int, np.ndarray, bool]]:
+        mean = self.config.pooler.pooling_type == "mean"
+        rows = []
+        for i, state in enumerate(states):
+            if state.pooling_params is None:
+                continue
+            start, end = int(starts[i]), int(ends[i])
+            finishes = end == len(state.token_ids)
+            if mean:
+                if start > state.num_pooled:
+                    raise RuntimeError(
+                        f"mean pooling of {state.req_id!r}: positions [{state.num_pooled}, "
+                        f"{start}) were never computed (a prefix-cache hit?)"
+                    )
+                first = max(start, state.num_pooled)
+                req_rows = cu[i] + np.arange(first - start, end - start)
+                rows.append((state.req_id, first, req_rows, finishes))
+            elif finishes:
+                rows.append((state.req_id, end - 1, np.array([cu[i + 1] - 1]), True))
         return rows
 
     # ---- one step -----------------------------------------------------------------------
@@ -392,8 +438,38 @@ class ModelRunner:
                 return None
         clock.lap("forward")
         output = self.sample(inputs, hidden)
+        if output is not None and inputs.pooling_rows:
+            output.pooled = self._pool(inputs, hidden)
         clock.lap("sample")
         return output
+
+    @torch.inference_mode()
+    def _pool(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """Driver only: fold this step's rows into each pooling request's state; the vectors
+        of the requests whose prompt this step finished."""
+        rows = np.concatenate([r for _, _, r, _ in inputs.pooling_rows])
+        gathered = hidden[torch.from_numpy(rows).to(self.device)].to(torch.float32)
+        pooled: dict[str, list[float]] = {}
+        offset = 0
+        for rid, first, req_rows, finishes in inputs.pooling_rows:
+            state = self.requests[rid]
+            part = gathered[offset : offset + len(req_rows)]
+            offset += len(req_rows)
+            if self.config.pooler.pooling_type == "mean":
+                chunk_sum = part.sum(dim=0)
+                state.pooled_sum = (
+                    chunk_sum if state.pooled_sum is None else state.pooled_sum + chunk_sum
+                )
+                state.num_pooled = first + len(req_rows)
+                if not finishes:
+                    continue
+                vector = state.pooled_sum / state.num_pooled
+            else:
+                vector = part[-1]
+            if state.pooling_params is None or state.pooling_params.normalize:
+                vector = F.normalize(vector, dim=0)
+            pooled[rid] = vector.tolist()
+        return pooled
 
     @property
     def is_driver(self) -> bool:

@@ -1,4 +1,5 @@
-"""What the engine returns per request (vLLM's ``RequestOutput`` / ``CompletionOutput``)."""
+"""What the engine returns per request (vLLM's ``RequestOutput`` / ``CompletionOutput``, and
+``PoolingRequestOutput`` / ``PoolingOutput`` for embedding requests)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,35 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled vector of a prompt's final hidden states (float32 values, L2-normalised
+    unless the request's ``PoolingParams.normalize`` is False)."""
+
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        """vLLM's ``EmbeddingOutput.embedding``: the same vector."""
+        return self.data
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling (embedding) request's one output, produced once its whole prompt is computed.
+    ``outputs`` is None when the request was aborted first (``finish_reason`` "abort")."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None
+    finished: bool = True
+    prompt: str | None = None
+    finish_reason: str | None = "stop"  # "stop" | "abort"
+    num_cached_tokens: int = 0
+
+
+# vLLM's names for the same objects when the task is "embed".
+EmbeddingOutput = PoolingOutput
+EmbeddingRequestOutput = PoolingRequestOutput

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -24,6 +25,9 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = -1
     # EOS ids that min_tokens masks (the head knows them from the generation config).
     eos_token_ids: list[int] = []
+    # Set for a pooling (embedding) request: it samples nothing; once its prompt is computed
+    # the driver returns its pooled vector in ``ModelRunnerOutput.pooled``.
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -87,6 +91,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: list[LogprobsLists | None] | None = None
     # req_id -> prompt logprobs of this step's chunk, for requests that asked.
     prompt_logprobs: dict[str, PromptLogprobs] = {}
+    # req_id -> pooled vector (float32 values) of each pooling request whose prompt this step
+    # finished computing; such a request appears nowhere else in this output.
+    pooled: dict[str, list[float]] = {}
 
 
 _encoder = msgspec.msgpack.Encoder()

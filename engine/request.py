@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -56,11 +57,18 @@ class Request:
         cache_salt: str | None = None,
         parent_request_id: str | None = None,
         index: int = 0,
+        pooling_params: PoolingParams | None = None,
+        skip_prefix_cache: bool = False,
     ) -> None:
         self.request_id = request_id
         # Parallel sampling: the user's request id and this sample's index among its n.
         self.parent_request_id = parent_request_id or request_id
         self.index = index
+        # A pooling (embedding) request: it samples nothing and finishes once its prompt is
+        # computed (its sampling_params are a placeholder).
+        self.pooling_params = pooling_params
+        # Every prompt position must be computed (mean pooling): no prefix-cache hits.
+        self.skip_prefix_cache = skip_prefix_cache
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
@@ -100,6 +108,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -22,6 +22,10 @@ copy-on-write (``blocks_to_copy``). So the prompt is computed once, one token pe
 is recomputed, and a group holds ceil(P / block_size) prompt blocks plus at most one copied block
 per sample. Admission reserves ``max_num_seqs`` room for the whole group; if sample 0 ends before
 the fork (abort, or a stop), the waiting samples fall back to the waiting queue.
+
+Pooling (embedding) requests are scheduled like any prompt (chunked, mixed with decodes) and
+finish, freeing their blocks, in the step that computes the last prompt token; they sample
+nothing (the workers return their pooled vector instead).
 """
 
 from __future__ import annotations
@@ -350,17 +354,24 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, req_ids: list[str], sampled_token_ids: list[list[int]]
     ) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests that hit a stop.
+        """Advance computed tokens, append sampled tokens, finish requests that hit a stop and
+        pooling requests that computed their whole prompt.
 
-        Returns the requests that got new tokens (finished ones included).
+        Returns the requests that got new tokens (finished ones included), then the pooling
+        requests that finished.
         """
+        pooled = []
         for rid, num in out.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += num
             self.block_manager.cache_blocks(request)
-            if (
+            if request.is_pooling and request.num_computed_tokens >= request.num_prompt_tokens:
+                request.status = RequestStatus.FINISHED_STOPPED
+                self._free_request(request)
+                pooled.append(request)
+            elif (
                 rid in self.pending_forks
                 and request.num_computed_tokens >= request.num_prompt_tokens
             ):
@@ -376,7 +387,7 @@ class Scheduler:
                 request.status = status
                 self._free_request(request)
             updated.append(request)
-        return updated
+        return updated + pooled
 
     def _fork(self, source: Request, forks: list[Request]) -> None:
         """``source`` has just computed its whole prompt: its sibling samples share the blocks of
@@ -419,6 +430,7 @@ def make_execute_model_request(out: SchedulerOutput) -> ExecuteModelRequest:
                 num_computed_tokens=request.num_computed_tokens,
                 num_prompt_tokens=request.num_prompt_tokens,
                 eos_token_ids=sorted(request.eos_token_ids),
+                pooling_params=request.pooling_params,
             )
         )
         request.num_tokens_sent = request.num_tokens

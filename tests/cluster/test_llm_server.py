@@ -4,6 +4,7 @@ health reflects the engine (Serve replaces a replica whose check_health raises).
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -11,7 +12,7 @@ import msgspec
 import pytest
 
 from cluster.llm_server import LLMServer, error_item
-from cluster.protocol import GenerateRequest
+from cluster.protocol import EmbedRequest, EmbedResult, GenerateRequest
 from engine import LLM, EngineDeadError, SamplingParams
 
 ENGINE_ARGS = {"model": "builtin:tiny-llama", "num_kv_blocks": 64, "device": "cpu"}
@@ -210,5 +211,82 @@ def test_drain_lets_short_requests_finish_aborts_the_rest_and_refuses_new_ones()
         assert counts == {"finished": 1, "aborted": 1}
         stats = asyncio.run(server.stats())
         assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
+    finally:
+        server.engine.shutdown()
+
+
+# ---- embeddings -----------------------------------------------------------------------------
+
+
+def embed(server: LLMServer, **fields: Any) -> Any:
+    return asyncio.run(server.embed(EmbedRequest(**fields)))
+
+
+def test_embed_text_equals_offline_embedding_and_counts_prompt_tokens(server: LLMServer) -> None:
+    result = embed(server, prompt="Once upon a time")
+    offline = LLM(**ENGINE_ARGS).embed("Once upon a time", use_tqdm=False)[0]
+    assert isinstance(result, EmbedResult)
+    assert result.prompt_tokens == len(offline.prompt_token_ids)
+    assert result.embedding == pytest.approx(offline.outputs.embedding, abs=1e-6)
+    by_ids = embed(server, prompt_token_ids=offline.prompt_token_ids)
+    assert by_ids.embedding == pytest.approx(result.embedding, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"prompt": "x", "dimensions": 8}, "dimensions"),
+        ({"prompt": "x", "normalize": "yes"}, "normalize"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": 42}, "prompt"),
+        ({"prompt_token_ids": [1, 10**9]}, "prompt_token_ids"),
+    ],
+)
+def test_invalid_embed_request_is_400_naming_the_field(
+    server: LLMServer, fields: dict[str, Any], param: str
+) -> None:
+    error = embed(server, **fields)
+    assert (error.status, error.param) == (400, param)
+    assert error.message.startswith(f"{param}: ")
+
+
+def test_embed_on_a_dead_engine_is_503() -> None:
+    server = LLMServer("tiny", ENGINE_ARGS)
+
+    def broken(request: Any) -> Any:
+        raise EngineDeadError("worker 0 died")
+
+    server.engine.engine.executor.execute_model = broken
+    try:
+        assert embed(server, prompt="x").status == 503
+        assert embed(server, prompt="x").status == 503
+    finally:
+        server.engine.shutdown()
+
+
+def test_drain_aborts_an_embedding_in_flight_with_a_503_draining() -> None:
+    server = LLMServer("tiny", ENGINE_ARGS)
+    hold = threading.Event()
+
+    async def run() -> Any:
+        # The core thread runs commands in order: the embedding is added, then aborted by the
+        # drain, before any step computes it.
+        held = asyncio.ensure_future(server.engine.call(lambda e: hold.wait(10)))
+        await asyncio.sleep(0.01)
+        pending = asyncio.ensure_future(server.embed(EmbedRequest(prompt="a b c")))
+        while not server._active:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+        counts = await server.drain(0.0)
+        hold.set()
+        await held
+        return await pending, counts
+
+    try:
+        error, counts = asyncio.run(run())
+        assert (error.status, error.code, error.retry_after) == (503, "draining", 1)
+        assert counts == {"finished": 0, "aborted": 1}
+        state = asyncio.run(server.request_state())
+        assert state["kv_free_blocks"] == state["kv_total_blocks"]
     finally:
         server.engine.shutdown()

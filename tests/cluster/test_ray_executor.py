@@ -273,3 +273,21 @@ def test_ray_executor_on_cuda_equals_in_process_executor() -> None:
         assert [o.outputs[0].token_ids for o in outputs] == expected
     finally:
         remote.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("pooling_type", ["last", "mean"])
+def test_embeddings_with_tp2_pp2_equal_one_worker(pooling_type: str) -> None:
+    # Mean pooling sums chunk by chunk on the driver (TP rank 0 of the last stage) only.
+    prompts = [LONG_PROMPT, "Hi"]
+    args = {**ENGINE_ARGS, "pooling_type": pooling_type}
+    single = LLM("builtin:tiny-llama", distributed_executor_backend="uni", **args)
+    expected = [o.outputs.embedding for o in single.embed(prompts, use_tqdm=False)]
+    single.llm_engine.shutdown()
+    llm = LLM("builtin:tiny-llama", tensor_parallel_size=2, pipeline_parallel_size=2, **args)
+    try:
+        got = [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
+        for g, e in zip(got, expected, strict=True):
+            assert g == pytest.approx(e, abs=1e-5)
+        assert llm.llm_engine.executor.collective_rpc("num_request_states") == [0] * 4
+    finally:
+        llm.llm_engine.shutdown()

@@ -15,11 +15,12 @@ import ray
 
 from cluster.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
 from cluster.serve import runtime_env
-from engine import LLM, EngineDeadError, SamplingParams
+from engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams
 from engine.async_llm_engine import AsyncLLMEngine, StreamOutput
 from engine.config import EngineConfig
 from engine.core_messages import StepOutputs
 from engine.llm_engine import load_tokenizer
+from engine.pooling_params import PoolingParams
 
 ENGINE_ARGS: dict[str, Any] = {"model": "builtin:tiny-llama", "num_kv_blocks": 128, "device": "cpu"}
 
@@ -55,6 +56,16 @@ async def collect(
     engine: AsyncLLMEngine, prompt: str, params: SamplingParams
 ) -> list[StreamOutput]:
     return [item async for item in engine.generate(prompt, params)]
+
+
+def test_embedding_through_the_head_equals_offline(engine: AsyncLLMEngine, offline: LLM) -> None:
+    output = asyncio.run(engine.encode("Embed me", PoolingParams()))
+    expected = offline.embed("Embed me", use_tqdm=False)[0]
+    assert output.prompt_token_ids == expected.prompt_token_ids
+    assert output.outputs.embedding == pytest.approx(expected.outputs.embedding, abs=1e-6)
+    with pytest.raises(InvalidRequestError) as info:
+        asyncio.run(engine.encode("Embed me", PoolingParams(dimensions=4)))
+    assert info.value.param == "dimensions"
 
 
 def test_n_choices_with_logprobs_equal_offline(engine: AsyncLLMEngine, offline: LLM) -> None:
