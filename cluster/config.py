@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import yaml
 
+from cluster.tool_parsers import TOOL_PARSERS
 from engine.config import (
     ConfigError,
     EngineConfig,
@@ -322,6 +323,10 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
     kwargs = model.engine_kwargs
     check_engine_arg_names(kwargs, path=f"{path}.")
     _check("model" not in kwargs, f"{path}.model", "set the model in model_loading_config")
+    parser = kwargs.get("tool_call_parser")
+    if isinstance(parser, str) and parser not in TOOL_PARSERS:
+        names = ", ".join(sorted(TOOL_PARSERS))
+        raise ConfigError(f"{path}.tool_call_parser: unknown parser {parser!r}; one of {names}")
     try:
         check_engine_arg_ranges(kwargs)
         if _checkpoint_reachable(model.model_loading_config.model_source):

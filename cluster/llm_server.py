@@ -37,6 +37,7 @@ from cluster.protocol import (
     StreamStart,
     TokenizeResult,
 )
+from cluster.tool_parsers import get_tool_parser
 from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta
 from engine.config import EngineConfig
 from engine.core_client import InProcessCoreClient
@@ -48,7 +49,7 @@ from engine.errors import (
 )
 from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("llm_cluster.serve")
 
@@ -98,6 +99,9 @@ class LLMServer:
             self.engine = AsyncLLMEngine(InProcessCoreClient(lambda: LLMEngine(config)))
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = config.max_model_len
+        self.tool_call_parser = config.frontend.tool_call_parser
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # a ValueError naming the valid parsers
         self.metrics = ModelMetrics(model_id, self.replica_id)
         self._stats_task: asyncio.Task[None] | None = None
         # Graceful drain (scale-down, redeploy, shutdown): see ``_drain``.
@@ -120,6 +124,7 @@ class LLMServer:
         request_id = request.request_id or uuid.uuid4().hex
         self._active.add(request_id)
         try:
+            self._check_tool_choice(request)
             prompt = self._prompt(request)
             params = _sampling_params(request.params)
             timeout = request.timeout
@@ -174,7 +179,17 @@ class LLMServer:
         if output.prompt_logprobs is not None:
             first = [[ids[0], self.tokenizer.decode(ids[:1]), None, None]]
             prompt_logprobs = [first] + [_logprob_rows(e) for e in output.prompt_logprobs[1:]]
-        return StreamStart(len(ids), len(output.outputs), text, prompt_logprobs)
+        parser = self.tool_call_parser if request.tool_choice == "auto" else None
+        return StreamStart(len(ids), len(output.outputs), text, prompt_logprobs, parser)
+
+    def _check_tool_choice(self, request: GenerateRequest) -> None:
+        if request.tool_choice == "auto" and not self.config.frontend.enable_auto_tool_choice:
+            raise InvalidRequestError(
+                f'"auto" needs a model that reads tool calls out of its text; {self.model_id!r} '
+                "has none (set enable_auto_tool_choice and tool_call_parser in its "
+                'engine_kwargs), or use tool_choice "required" or a named function',
+                param="tool_choice",
+            )
 
     def _prompt(self, request: GenerateRequest | EmbedRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
@@ -369,6 +384,14 @@ def _sampling_params(params: dict[str, Any]) -> SamplingParams:
     unknown = sorted(set(params) - _SAMPLING_FIELDS)
     if unknown:
         raise InvalidRequestError("is not a sampling parameter", param=unknown[0])
+    spec = params.get("structured_outputs")
+    if isinstance(spec, dict):
+        names = set(StructuredOutputsParams.__struct_fields__)
+        bad = sorted(set(spec) - names)
+        if bad:
+            raise InvalidRequestError("is not a structured output field",
+                                      param=f"structured_outputs.{bad[0]}")  # fmt: skip
+        params = {**params, "structured_outputs": StructuredOutputsParams(**spec)}
     return SamplingParams(**params)
 
 

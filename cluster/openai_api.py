@@ -4,7 +4,8 @@ Request bodies are in ``cluster.openai_models``, their mapping to the engine in
 ``cluster.api_errors`` and the key / size guard in ``cluster.api_guard``.
 
     POST /v1/completions        POST /v1/chat/completions      GET /v1/models[/{id}]
-    POST /tokenize              POST /detokenize               GET /health    GET /metrics
+    POST /v1/embeddings         POST /tokenize                 POST /detokenize
+    GET /health                 GET /metrics
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the
 field), 401 missing or wrong API key, 404 unknown model or route, 408 the request's ``timeout``
@@ -27,6 +28,7 @@ from cluster.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 
@@ -71,6 +73,7 @@ class OpenAIServing(Protocol):
     async def chat_completions(self, req: ChatCompletionRequest) -> Any: ...
     async def models(self) -> dict[str, Any]: ...
     async def model(self, model_id: str) -> dict[str, Any]: ...
+    async def embeddings(self, req: EmbeddingRequest) -> Any: ...
     async def tokenize(self, req: TokenizeRequest) -> Any: ...
     async def detokenize(self, req: DetokenizeRequest) -> Any: ...
     async def health(self) -> Any: ...
@@ -94,6 +97,10 @@ def make_openai_app(
     @app.get("/v1/models")
     async def models() -> Any:
         return await serving.models()
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest) -> Any:
+        return await serving.embeddings(req)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Any:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -18,6 +19,7 @@ from cluster.openai_models import (
     SamplingFields,
 )
 from cluster.protocol import GenerateRequest
+from cluster.tool_parsers import find_tool, named_tool_schema, required_tools_schema
 
 logger = logging.getLogger("llm_cluster.api")
 
@@ -155,6 +157,17 @@ def _prompts(prompt: Any) -> list[Any]:
     return list(prompt)
 
 
+@dataclass(frozen=True)
+class ToolChoice:
+    """How a chat response reads tool calls: ``auto`` parses the model's text with its
+    ``tool_call_parser``; ``required`` and ``named`` read output constrained by the tools'
+    JSON schema (an array of calls, or the named function's arguments)."""
+
+    mode: Literal["auto", "required", "named"]
+    name: str | None = None
+    parallel: bool = True
+
+
 def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
     for name in ("chat_template", "chat_template_kwargs"):
         if getattr(req, name) is not None:
@@ -167,9 +180,47 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
         raise APIError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
     if req.logprobs:
         params["logprobs"] = req.top_logprobs or 0
+    choice = tool_choice(req)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    if choice is not None and choice.mode != "auto":
+        if "structured_outputs" in params:
+            raise APIError(400, "tool_choice: a forced tool call cannot be combined with "
+                           "response_format or structured_outputs", "tool_choice")  # fmt: skip
+        schema = (
+            required_tools_schema(tools or [], choice.parallel)
+            if choice.mode == "required"
+            else named_tool_schema(find_tool(tools or [], choice.name or ""))
+        )
+        params["structured_outputs"] = {"json": json.dumps(schema)}
     return GenerateRequest(
-        params=params, messages=chat_messages(req.messages), **request_extras(req)
+        params=params,
+        messages=chat_messages(req.messages),
+        tools=tools,
+        tool_choice=choice.mode if choice is not None else None,
+        **request_extras(req),
     )
+
+
+def tool_choice(req: ChatCompletionRequest) -> ToolChoice | None:
+    """The request's tool choice (OpenAI's default: ``auto`` when tools are given), or None
+    when no tool call can come back (no tools, or ``tool_choice: "none"``)."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice: requires tools", "tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        return ToolChoice("auto", parallel=req.parallel_tool_calls)
+    if choice == "required":
+        return ToolChoice("required", parallel=req.parallel_tool_calls)
+    name = choice.function.name
+    if name not in {t.function.name for t in req.tools}:
+        names = ", ".join(t.function.name for t in req.tools)
+        raise APIError(400, f"tool_choice.function.name: no tool named {name!r} (tools: "
+                       f"{names})", "tool_choice.function.name")  # fmt: skip
+    return ToolChoice("named", name=name)
 
 
 def request_extras(req: SamplingFields) -> dict[str, Any]:
@@ -183,7 +234,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     joined into one string; parts other than text are not supported (400)."""
     out = []
     for i, message in enumerate(messages):
-        entry = message.model_dump(exclude_none=True)
+        # Undeclared fields clients send back (an assistant's ``refusal``) are left out.
+        entry = message.model_dump(exclude_none=True, exclude=set(message.model_extra or ()))
+        entry.setdefault("content", None)
         if isinstance(message.content, list):
             texts = []
             for j, part in enumerate(message.content):

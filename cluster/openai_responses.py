@@ -10,7 +10,17 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from cluster.api_errors import error_body
+from cluster.openai_payloads import ToolChoice
 from cluster.protocol import ChoiceChunk, StreamDelta, StreamError, StreamItem, StreamStart
+from cluster.tool_parsers import (
+    NamedToolCallStreamer,
+    ParsedToolCalls,
+    RequiredToolCallStreamer,
+    ToolCallStreamer,
+    get_tool_parser,
+    parse_named_tool_call,
+    parse_required_tool_calls,
+)
 
 
 class _Choice:
@@ -24,6 +34,7 @@ class _Choice:
         self.text_offset = 0  # where the next token starts in the text (completions logprobs)
         self.logprobs: Any = None  # completions: the OpenAI dict; chat: the content list
         self.started = False
+        self.tool_streamer: ToolCallStreamer | None = None  # a streamed chat with tools
 
 
 class Completion:
@@ -45,10 +56,14 @@ class Completion:
         *,
         echo: bool = False,
         echo_only: bool = False,
+        tools: ToolChoice | None = None,
+        stream: bool = False,
     ) -> None:
         self.model, self.chat, self.include_usage = model, chat, include_usage
         self.top_logprobs = top_logprobs
         self.echo, self.echo_only = echo, echo_only
+        self.tools, self.stream = tools, stream
+        self.tool_call_parser: str | None = None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = 0
@@ -74,14 +89,18 @@ class Completion:
         if isinstance(item, StreamStart):
             return self._start(item, prompt_index)
         first = prompt_index * self._n
-        return [c for d in item.choices if (c := self._absorb_choice(d, first)) is not None]
+        return [c for d in item.choices for c in self._absorb_choice(d, first)]
 
     def _start(self, item: StreamStart, prompt_index: int) -> list[dict[str, Any]]:
         self._n = item.n
         self.prompt_tokens += item.prompt_tokens
+        self.tool_call_parser = item.tool_call_parser
         first = prompt_index * item.n
         while len(self.choices) < first + item.n:
-            self.choices.append(_Choice(len(self.choices)))
+            choice = _Choice(len(self.choices))
+            if self.tools is not None and self.stream:
+                choice.tool_streamer = tool_streamer(self.tools, item.tool_call_parser)
+            self.choices.append(choice)
         if not self.echo:
             return []
         chunks = []
@@ -95,35 +114,68 @@ class Completion:
                            "finish_reason": None})  # fmt: skip
         return chunks
 
-    def _absorb_choice(self, delta: ChoiceChunk, first_index: int = 0) -> dict[str, Any] | None:
+    def _absorb_choice(self, delta: ChoiceChunk, first_index: int = 0) -> list[dict[str, Any]]:
         choice = self.choices[first_index + delta.index]
         first, choice.started = not choice.started, True
         # "stop", "length", or (as vLLM sends it) "abort": the replica shut down past its drain.
         finish = delta.finish_reason
         if self.echo_only:  # max_tokens 0: the one token the engine sampled is not returned
-            if finish is not None:
-                choice.finish_reason = "length" if finish != "abort" else finish
-                return {"index": choice.index, "text": "", "logprobs": None,
-                        "finish_reason": choice.finish_reason}  # fmt: skip
-            return None
+            if finish is None:
+                return []
+            choice.finish_reason = "length" if finish != "abort" else finish
+            return [{"index": choice.index, "text": "", "logprobs": None,
+                     "finish_reason": choice.finish_reason}]  # fmt: skip
         choice.text += delta.text
         choice.num_tokens = delta.num_output_tokens
         if finish is not None:
             choice.finish_reason = finish
         logprobs = self._logprobs(choice, delta.logprobs)
+        if choice.tool_streamer is not None:
+            return self._tool_chunks(choice, choice.tool_streamer, delta.text, first, logprobs)
         # As vLLM does: a step that produced tokens is a chunk even when their text is empty
         # (an incomplete character, a special token), so clients see steady token timing.
         if not (first or delta.text or delta.token_ids or finish or logprobs):
-            return None
+            return []
         if self.chat:
             content: dict[str, Any] = {"content": delta.text}
             if first:
                 content = {"role": "assistant", **content}
             chat_lp = {"content": logprobs} if logprobs is not None else None
-            return {"index": choice.index, "delta": content, "logprobs": chat_lp,
-                    "finish_reason": finish}  # fmt: skip
-        return {"index": choice.index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": finish}  # fmt: skip
+            return [{"index": choice.index, "delta": content, "logprobs": chat_lp,
+                     "finish_reason": finish}]  # fmt: skip
+        return [{"index": choice.index, "text": delta.text, "logprobs": logprobs,
+                 "finish_reason": finish}]  # fmt: skip
+
+    def _tool_chunks(
+        self, choice: _Choice, streamer: ToolCallStreamer, text: str, first: bool, logprobs: Any
+    ) -> list[dict[str, Any]]:
+        """A streamed chat choice with tools: its text through the tool-call streamer, as
+        content and ``tool_calls`` deltas (text that may open a call is held back)."""
+        deltas = streamer.feed(text) if text else []
+        if choice.finish_reason is not None:
+            deltas += streamer.finish()
+            choice.finish_reason = self._tool_finish(choice.finish_reason, streamer.tools_called)
+        if self.tools is not None and not self.tools.parallel:
+            deltas = _first_call_only(deltas)
+        if first:
+            deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + (
+                deltas[1:]
+            )
+        if choice.finish_reason is not None and not deltas:
+            deltas = [{}]
+        chunks = [{"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None}
+                  for d in deltas]  # fmt: skip
+        if chunks and logprobs is not None:
+            chunks[0]["logprobs"] = {"content": logprobs}
+        if chunks and choice.finish_reason is not None:
+            chunks[-1]["finish_reason"] = choice.finish_reason
+        return chunks
+
+    def _tool_finish(self, finish: str, tools_called: bool) -> str:
+        """OpenAI's: "tool_calls" when the model chose to call (auto, required); a call forced
+        by name ends with "stop"."""
+        named = self.tools is not None and self.tools.mode == "named"
+        return "tool_calls" if finish == "stop" and tools_called and not named else finish
 
     def _logprobs(self, choice: _Choice, entries: list[Any] | None) -> Any:
         """The OpenAI logprobs of a delta's new tokens, also appended to the choice's."""
@@ -144,9 +196,9 @@ class Completion:
         for c in self.choices:
             if self.chat:
                 logprobs = {"content": c.logprobs or []} if self.top_logprobs is not None else None
-                choices.append({"index": c.index, "logprobs": logprobs,
-                                "message": {"role": "assistant", "content": c.text},
-                                "finish_reason": c.finish_reason})  # fmt: skip
+                message, finish = self._message(c)
+                choices.append({"index": c.index, "logprobs": logprobs, "message": message,
+                                "finish_reason": finish})  # fmt: skip
             else:
                 logprobs = c.logprobs
                 if logprobs is None and self.top_logprobs is not None:
@@ -156,6 +208,20 @@ class Completion:
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage}  # fmt: skip
+
+    def _message(self, choice: _Choice) -> tuple[dict[str, Any], str | None]:
+        """A whole chat choice's message and finish reason, tool calls read out of its text."""
+        if self.tools is None:
+            return {"role": "assistant", "content": choice.text}, choice.finish_reason
+        parsed = parse_tool_calls(self.tools, self.tool_call_parser, choice.text)
+        calls = parsed.tool_calls if self.tools.parallel else parsed.tool_calls[:1]
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        finish = choice.finish_reason
+        if finish is not None:
+            finish = self._tool_finish(finish, bool(calls))
+        return message, finish
 
     def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return self._chunk_envelope([choice])
@@ -170,6 +236,34 @@ class Completion:
         if self.include_usage:
             envelope["usage"] = None
         return envelope
+
+
+def tool_streamer(tools: ToolChoice, parser: str | None) -> ToolCallStreamer:
+    if tools.mode == "named":
+        return NamedToolCallStreamer(tools.name or "")
+    if tools.mode == "required":
+        return RequiredToolCallStreamer()
+    return get_tool_parser(parser or "").streamer()
+
+
+def parse_tool_calls(tools: ToolChoice, parser: str | None, text: str) -> ParsedToolCalls:
+    if tools.mode == "named":
+        return parse_named_tool_call(tools.name or "", text)
+    if tools.mode == "required":
+        return parse_required_tool_calls(text)
+    return get_tool_parser(parser or "").parse(text)
+
+
+def _first_call_only(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``parallel_tool_calls: false``: the deltas of calls after the first are dropped."""
+    kept = []
+    for delta in deltas:
+        calls = [c for c in delta.get("tool_calls", ()) if c["index"] == 0]
+        if "tool_calls" not in delta:
+            kept.append(delta)
+        elif calls:
+            kept.append({**delta, "tool_calls": calls})
+    return kept
 
 
 # JSON has no -inf: a token the model rules out entirely gets this floor (as vLLM does).

@@ -59,6 +59,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     echo: bool = False
     # OpenAI tool definitions for the chat template ({"type": "function", "function": ...}).
     tools: list[dict[str, Any]] | None = None
+    # "auto": the replica checks that its model reads tool calls (enable_auto_tool_choice) and
+    # names its tool_call_parser in StreamStart. Forced calls arrive as structured outputs.
+    tool_choice: str | None = None
 
 
 # Per token: rows of [token_id, text, logprob, rank], the sampled token first, then the top-k.
@@ -71,6 +74,7 @@ class StreamStart(msgspec.Struct, tag="start"):
     n: int = 1
     prompt_text: str | None = None  # with echo
     prompt_logprobs: list[TokenLogprobs] | None = None  # with prompt_logprobs, one per token
+    tool_call_parser: str | None = None  # with tool_choice "auto"
 
 
 class ChoiceChunk(msgspec.Struct):

@@ -8,6 +8,7 @@ through streaming deployment handles.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import re
 import urllib.request
@@ -16,6 +17,7 @@ from typing import Any
 
 import grpc
 import msgspec
+import numpy as np
 import ray
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -34,12 +36,26 @@ from cluster.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
-from cluster.openai_payloads import chat_messages, chat_payload, completion_payloads
+from cluster.openai_payloads import (
+    MAX_PROMPTS_PER_REQUEST,
+    chat_messages,
+    chat_payload,
+    check_extra_fields,
+    completion_payloads,
+    tool_choice,
+)
 from cluster.openai_responses import Completion, stream_sse
 from cluster.proto import llm_pb2
-from cluster.protocol import GenerateRequest, StreamError, StreamStart, grpc_code_name
+from cluster.protocol import (
+    EmbedRequest,
+    GenerateRequest,
+    StreamError,
+    StreamStart,
+    grpc_code_name,
+)
 
 INGRESS_NAME = "OpenAIIngress"
 _FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "HF_HUB_OFFLINE",
@@ -134,6 +150,8 @@ def grpc_payload(request: llm_pb2.GenerateRequest) -> GenerateRequest:
         params["stop"] = list(request.stop)
     if request.stop_token_ids:
         params["stop_token_ids"] = list(request.stop_token_ids)
+    if request.HasField("structured_outputs"):
+        params["structured_outputs"] = grpc_structured_outputs(request.structured_outputs)
     if bool(request.prompt) == bool(request.prompt_token_ids):
         raise APIError(400, "prompt: give exactly one of prompt or prompt_token_ids", "prompt")
     if request.prompt_token_ids:
@@ -141,8 +159,45 @@ def grpc_payload(request: llm_pb2.GenerateRequest) -> GenerateRequest:
     return GenerateRequest(params=params, prompt=request.prompt)
 
 
+def _embedding_inputs(value: Any) -> list[EmbedRequest]:
+    """One server request per input: a string, token ids, or a batch of either."""
+    if isinstance(value, str):
+        return [EmbedRequest(prompt=value)]
+    if not value:
+        raise APIError(400, "input: must not be empty", "input")
+    if isinstance(value[0], int):
+        return [EmbedRequest(prompt_token_ids=value)]
+    if len(value) > MAX_PROMPTS_PER_REQUEST:
+        raise APIError(400, f"input: at most {MAX_PROMPTS_PER_REQUEST} inputs per request, "
+                       f"got {len(value)}", "input")  # fmt: skip
+    return [
+        EmbedRequest(prompt=v) if isinstance(v, str) else EmbedRequest(prompt_token_ids=v)
+        for v in value
+    ]
+
+
+def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """``float``: the list; ``base64``: little-endian float32 bytes in base64 (OpenAI's)."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return vector
+
+
 def _model_card(model_id: str) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "llm-cluster"}
+
+
+def grpc_structured_outputs(spec: llm_pb2.StructuredOutputs) -> dict[str, Any]:
+    """The engine's ``StructuredOutputsParams`` fields of a gRPC request (one kind set)."""
+    kinds = {"json": spec.json, "regex": spec.regex, "choice": list(spec.choice),
+             "grammar": spec.grammar, "json_object": spec.json_object}  # fmt: skip
+    given = {k: v for k, v in kinds.items() if v}
+    if len(given) != 1:
+        raise APIError(400, "structured_outputs: set exactly one of json, regex, choice, "
+                       "grammar, json_object", "structured_outputs")  # fmt: skip
+    if spec.disable_any_whitespace:
+        given["disable_any_whitespace"] = True
+    return given
 
 
 def grpc_abort(context: RayServegRPCContext, error: APIError) -> None:
@@ -265,7 +320,8 @@ class OpenAIIngress:
         payload = chat_payload(req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        completion = Completion(req.model, True, usage, top_logprobs)
+        completion = Completion(req.model, True, usage, top_logprobs, tools=tool_choice(req),
+                                stream=req.stream)  # fmt: skip
         try:
             return await self._generate(req, [payload], completion)
         except APIError as exc:
@@ -281,6 +337,28 @@ class OpenAIIngress:
     async def model(self, model_id: str) -> dict[str, Any]:
         self._server(model_id)  # 404 naming it if unknown
         return _model_card(model_id)
+
+    async def embeddings(self, req: EmbeddingRequest) -> Any:
+        check_extra_fields(req)
+        if req.dimensions is not None:
+            raise APIError(400, f"dimensions: {req.model} does not support reducing the "
+                           "embedding's dimensions", "dimensions", "unsupported")  # fmt: skip
+        inputs = _embedding_inputs(req.input)
+        handle = self._server(req.model)
+        try:
+            results = await asyncio.gather(*(handle.embed.remote(p) for p in inputs))
+        except ray.exceptions.RayError as exc:
+            raise APIError(503, f"model {req.model!r} is not available", None,
+                           "unavailable") from exc  # fmt: skip
+        error = next((r for r in results if isinstance(r, StreamError)), None)
+        if error is not None:
+            raise api_error(error)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": _encode_embedding(r.embedding, req.encoding_format)}
+                for i, r in enumerate(results)]  # fmt: skip
+        tokens = sum(r.prompt_tokens for r in results)
+        return {"object": "list", "data": data, "model": req.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
 
     async def tokenize(self, req: TokenizeRequest) -> Any:
         if (req.prompt is None) == (req.messages is None):

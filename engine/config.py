@@ -348,6 +348,35 @@ class PoolerConfig:
         object.__setattr__(self, "pooling_type", value.lower())
 
 
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Settings of the serving front, not of the engine core: vLLM's server arguments for tool
+    calling, accepted among the engine arguments so that a deployment YAML carries them in
+    ``engine_kwargs`` as Ray Serve LLM's does. ``tool_call_parser`` names how the front reads
+    tool calls out of the model's text (``cluster.tool_parsers``, which checks the name);
+    ``enable_auto_tool_choice`` lets requests use ``tool_choice: "auto"``."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.enable_auto_tool_choice, bool),
+            "enable_auto_tool_choice",
+            f"must be true or false, got {self.enable_auto_tool_choice!r}",
+        )
+        _require(
+            self.tool_call_parser is None or isinstance(self.tool_call_parser, str),
+            "tool_call_parser",
+            f"must be a parser name, got {self.tool_call_parser!r}",
+        )
+        _require(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "enable_auto_tool_choice",
+            "needs tool_call_parser (how to read tool calls out of the model's text)",
+        )
+
+
 # Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
 _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "model": ("model", "model"),
@@ -382,6 +411,8 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "max_stop_strings": ("sampling", "max_stop_strings"),
     "max_stop_str_len": ("sampling", "max_stop_str_len"),
     "pooling_type": ("pooler", "pooling_type"),
+    "enable_auto_tool_choice": ("frontend", "enable_auto_tool_choice"),
+    "tool_call_parser": ("frontend", "tool_call_parser"),
 }
 
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(_ENGINE_ARGS)
@@ -397,6 +428,7 @@ class EngineConfig:
     kernel: KernelConfig = field(default_factory=KernelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     pooler: PoolerConfig = field(default_factory=PoolerConfig)
+    frontend: FrontendConfig = field(default_factory=FrontendConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -405,15 +437,9 @@ class EngineConfig:
         if "model" not in kwargs:
             raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
         sections = (
-            "model",
-            "cache",
-            "scheduler",
-            "parallel",
-            "device",
-            "kernel",
-            "sampling",
-            "pooler",
-        )
+            "model", "cache", "scheduler", "parallel", "device", "kernel", "sampling", "pooler",
+            "frontend",
+        )  # fmt: skip
         groups: dict[str, dict[str, Any]] = {g: {} for g in sections}
         for key, value in kwargs.items():
             group, name = _ENGINE_ARGS[key]
@@ -441,6 +467,7 @@ class EngineConfig:
             kernel=kernel,
             sampling=SamplingConfig(**groups["sampling"]),
             pooler=PoolerConfig(**groups["pooler"]),
+            frontend=FrontendConfig(**groups["frontend"]),
         )
 
     @property
@@ -477,6 +504,7 @@ def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
     KernelConfig(**groups.get("kernel", {}))
     SamplingConfig(**groups.get("sampling", {}))
     PoolerConfig(**groups.get("pooler", {}))
+    FrontendConfig(**groups.get("frontend", {}))
 
 
 def _with_checkpoint(model: ModelConfig) -> ModelConfig:

@@ -39,6 +39,10 @@ _BITMASK_DTYPE = np.dtype("<i4")
 # "Check failed: (...) is false: " preamble; neither helps a client.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _MAX_ERROR_CHARS = 300
+# JSON allows any run of whitespace between tokens; a model that has drifted (small, quantized,
+# or random weights) can emit newlines until max_tokens and never close the object. Capping
+# each run keeps every pretty-printed JSON (indents of a few levels) and rules that out.
+MAX_JSON_WHITESPACE_RUN = 16
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -133,7 +137,9 @@ class StructuredOutputManager:
 
     def _compile(self, kind: str, spec: str, *, any_whitespace: bool) -> xgr.CompiledGrammar:
         if kind in ("json", "json_object"):
-            return self.compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
+            return self.compiler.compile_json_schema(
+                spec, any_whitespace=any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE_RUN
+            )
         if kind == "regex":
             return self.compiler.compile_regex(spec)
         return self.compiler.compile_grammar(spec)  # grammar, and choice as a grammar

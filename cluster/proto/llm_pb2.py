@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63luster/proto/llm.proto\x12\nllmcluster\"\xfe\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\x05H\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"|\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\"\x1e\n\rHealthRequest\x12\r\n\x05model\x18\x01 \x01(\t\"2\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\x8f\x01\n\x03LLM\x12G\n\x08Generate\x12\x1b.llmcluster.GenerateRequest\x1a\x1c.llmcluster.GenerateResponse0\x01\x12?\n\x06Health\x12\x19.llmcluster.HealthRequest\x1a\x1a.llmcluster.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63luster/proto/llm.proto\x12\nllmcluster\"\xd5\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\x05H\x06\x88\x01\x01\x12>\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1d.llmcluster.StructuredOutputsH\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x15\n\x13_structured_outputs\"\x86\x01\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\r\n\x05regex\x18\x02 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x0f\n\x07grammar\x18\x04 \x01(\t\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\"|\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\"\x1e\n\rHealthRequest\x12\r\n\x05model\x18\x01 \x01(\t\"2\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\x8f\x01\n\x03LLM\x12G\n\x08Generate\x12\x1b.llmcluster.GenerateRequest\x1a\x1c.llmcluster.GenerateResponse0\x01\x12?\n\x06Health\x12\x19.llmcluster.HealthRequest\x1a\x1a.llmcluster.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cluster.proto.llm_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=40
-  _globals['_GENERATEREQUEST']._serialized_end=422
-  _globals['_GENERATERESPONSE']._serialized_start=424
-  _globals['_GENERATERESPONSE']._serialized_end=548
-  _globals['_HEALTHREQUEST']._serialized_start=550
-  _globals['_HEALTHREQUEST']._serialized_end=580
-  _globals['_HEALTHRESPONSE']._serialized_start=582
-  _globals['_HEALTHRESPONSE']._serialized_end=632
-  _globals['_LLM']._serialized_start=635
-  _globals['_LLM']._serialized_end=778
+  _globals['_GENERATEREQUEST']._serialized_end=509
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=512
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=646
+  _globals['_GENERATERESPONSE']._serialized_start=648
+  _globals['_GENERATERESPONSE']._serialized_end=772
+  _globals['_HEALTHREQUEST']._serialized_start=774
+  _globals['_HEALTHREQUEST']._serialized_end=804
+  _globals['_HEALTHRESPONSE']._serialized_start=806
+  _globals['_HEALTHRESPONSE']._serialized_end=856
+  _globals['_LLM']._serialized_start=859
+  _globals['_LLM']._serialized_end=1002
 # @@protoc_insertion_point(module_scope)

@@ -43,6 +43,7 @@ from cluster.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from cluster.serve import OpenAIIngress
@@ -72,6 +73,7 @@ VALID_BODIES = {
                              "max_tokens": 2},
     "/tokenize": {"model": MODEL, "prompt": "Hi"},
     "/detokenize": {"model": MODEL, "tokens": [1, 2]},
+    "/v1/embeddings": {"model": MODEL, "input": ["Hi", [1, 2]]},
 }  # fmt: skip
 
 
@@ -294,8 +296,10 @@ def test_schema_request_bodies_are_the_request_models(api_schema: Any, app: Any)
         "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",
         "/tokenize": "#/components/schemas/TokenizeRequest",
         "/detokenize": "#/components/schemas/DetokenizeRequest",
+        "/v1/embeddings": "#/components/schemas/EmbeddingRequest",
     }
-    models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+              EmbeddingRequest)  # fmt: skip
     for model in models:
         component = raw["components"]["schemas"][model.__name__]
         assert set(component["properties"]) == set(model.model_fields)
@@ -308,7 +312,8 @@ def test_fuzzed_requests_with_the_key_get_no_server_error(
 ) -> None:
     fuzzed = _fuzz(api_schema, _call_authenticated, EXAMPLES)
     assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
-            "POST /detokenize", "GET /v1/models", "GET /health"} <= set(fuzzed)  # fmt: skip
+            "POST /detokenize", "GET /v1/models", "GET /health", "POST /v1/embeddings",
+            "GET /v1/models/{model_id}"} <= set(fuzzed)  # fmt: skip
     # Still serving: the engine is alive, answers a plain request, and holds nothing.
     with TestClient(app) as client:
         assert client.get("/health").json() == {"status": "ok"}

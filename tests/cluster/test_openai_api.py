@@ -4,6 +4,7 @@ body-size guard, and the mapping of OpenAI fields to the engine's sampling param
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -672,3 +673,108 @@ def test_bad_x_request_timeout_is_400_naming_it(recorder: TestClient, value: str
     body = {"model": "m", "prompt": "x"}
     response = recorder.post("/v1/completions", json=body, headers={"x-request-timeout": value})
     assert_error(response, 400, "x-request-timeout")
+
+
+# ---- tool calls in responses ----
+
+
+def _tool_request(**fields: Any) -> ChatCompletionRequest:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    fields.setdefault("messages", [{"role": "user", "content": "weather?"}])
+    return ChatCompletionRequest(model="m", tools=[tool], **fields)
+
+
+def _tool_completion(req: ChatCompletionRequest, stream: bool, parser: str | None) -> Completion:
+    completion = Completion("m", True, False, tools=openai_payloads.tool_choice(req),
+                            stream=stream)  # fmt: skip
+    completion.absorb(StreamStart(5, 1, tool_call_parser=parser))
+    return completion
+
+
+def _feed(completion: Completion, pieces: list[str], finish: str = "stop") -> list[dict[str, Any]]:
+    chunks = []
+    for i, text in enumerate(pieces):
+        last = i == len(pieces) - 1
+        delta = ChoiceChunk(0, text, [1], finish if last else None, None, i + 1)
+        chunks += completion.absorb(StreamDelta([delta]))
+    return chunks
+
+
+HERMES_OUTPUT = (
+    'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+)
+
+
+def test_auto_tool_call_is_parsed_with_the_models_parser() -> None:
+    completion = _tool_completion(_tool_request(), False, "hermes")
+    _feed(completion, [HERMES_OUTPUT[:12], HERMES_OUTPUT[12:]])
+    choice = completion.whole()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert call["id"].startswith("call_") and call["type"] == "function"
+
+
+def test_streamed_auto_tool_call_joins_to_the_whole_one() -> None:
+    completion = _tool_completion(_tool_request(), True, "hermes")
+    pieces = [HERMES_OUTPUT[i : i + 5] for i in range(0, len(HERMES_OUTPUT), 5)]
+    chunks = _feed(completion, pieces)
+    assert chunks[0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    content = "".join(c["delta"].get("content") or "" for c in chunks)
+    calls = [t for c in chunks for t in c["delta"].get("tool_calls", [])]
+    assert content == "Checking."
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert "".join(t["function"]["arguments"] for t in calls) == '{"city": "Oslo"}'
+
+
+def test_named_tool_choice_constrains_to_the_tools_schema_and_ends_with_stop() -> None:
+    req = _tool_request(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    payload = chat_payload(req)
+    schema = json.loads(payload["params"]["structured_outputs"]["json"])
+    assert schema["properties"] == {"city": {"type": "string"}}
+    completion = _tool_completion(req, False, None)
+    _feed(completion, ['{"city": ', '"Oslo"}'])
+    choice = completion.whole()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+def test_required_tool_choice_reads_an_array_of_calls() -> None:
+    req = _tool_request(tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(chat_payload(req)["params"]["structured_outputs"]["json"])
+    assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
+    completion = _tool_completion(req, True, None)
+    text = '[{"name": "get_weather", "parameters": {"city": "Rome"}}]'
+    chunks = _feed(completion, [text[:20], text[20:]])
+    calls = [t for c in chunks for t in c["delta"].get("tool_calls", [])]
+    assert "".join(t["function"]["arguments"] for t in calls) == '{"city": "Rome"}'
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_errors_name_the_field() -> None:
+    bad_name = _tool_request(tool_choice={"type": "function", "function": {"name": "nope"}})
+    without_tools = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "x"}], tool_choice="required"
+    )
+    both = _tool_request(tool_choice="required", response_format={"type": "json_object"})
+    for req, param in ((bad_name, "tool_choice.function.name"), (without_tools, "tool_choice"),
+                       (both, "tool_choice")):  # fmt: skip
+        with pytest.raises(APIError) as info:
+            chat_payload(req)
+        assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_tool_round_trip_messages_reach_the_template() -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    req = _tool_request(messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ])  # fmt: skip
+    messages = chat_payload(req)["messages"]
+    assert messages[1] == {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
