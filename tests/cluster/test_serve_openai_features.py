@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
+import grpc
+import jsonschema
 import numpy as np
 import pytest
 import torch
 from openai import BadRequestError, NotFoundError, OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cluster.proto import llm_pb2, llm_pb2_grpc
 from engine.tiny_models import resolve_model_source
 from tests.cluster.conftest import ServeCluster, load_yaml
 
@@ -29,7 +33,10 @@ PROMPT = "The capital of the tiny model is"
 def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
     from ray import serve
 
-    url = serve_cluster.deploy(load_yaml("tiny.yaml"), APP, "/features")
+    config = load_yaml("tiny.yaml")
+    # Prompts that list tools run to ~560 tokens with the tiny tokenizer: room for the answer.
+    config["models"][0]["engine_kwargs"].update(max_model_len=2048, num_kv_blocks=512)
+    url = serve_cluster.deploy(config, APP, "/features")
     yield url
     serve.delete(APP)
 
@@ -199,3 +206,265 @@ def test_embeddings_dimensions_is_400(client: OpenAI) -> None:
     with pytest.raises(BadRequestError) as info:
         client.embeddings.create(model=MODEL, input="x", dimensions=8)
     assert info.value.body["param"] == "dimensions"
+
+
+# ---- structured outputs (random weights: only the grammar makes the output valid) ----
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"type": "string", "enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10},
+                           "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}  # fmt: skip
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+
+def _valid(text: str, schema: dict[str, Any]) -> Any:
+    # xgrammar 0.2.8 lets maxLength strings hold raw control characters (strict JSON forbids
+    # them; see tests/engine/test_structured_output.py): parsed leniently, then checked.
+    value = json.loads(text, strict=False)
+    jsonschema.validate(value, schema)
+    return value
+
+
+def test_json_schema_output_is_valid_on_20_seeds(client: OpenAI) -> None:
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    for seed in range(20):
+        response = client.chat.completions.create(
+            model=MODEL, messages=messages, response_format=JSON_SCHEMA_FORMAT, seed=seed,
+            temperature=1.0, max_tokens=800,
+        )  # fmt: skip
+        choice = response.choices[0]
+        assert choice.finish_reason == "stop", (seed, choice.message.content)
+        _valid(choice.message.content, PERSON)
+
+
+def test_streamed_json_schema_output_is_valid_and_n_2(client: OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "JSON please"}], n=2, seed=7,
+        response_format=JSON_SCHEMA_FORMAT, max_tokens=800, stream=True,
+    )  # fmt: skip
+    texts, finishes = ["", ""], [None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    assert finishes == ["stop", "stop"]
+    for text in texts:
+        _valid(text, PERSON)
+
+
+def test_json_object_output_parses_when_it_completes(client: OpenAI) -> None:
+    # Any JSON object: strings are unbounded, so with random weights a sample may run to
+    # max_tokens; every one that completes ("stop") must be an object.
+    finished = 0
+    for seed in range(8):
+        response = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "JSON:"}], seed=seed,
+            response_format={"type": "json_object"}, max_tokens=400,
+        )  # fmt: skip
+        choice = response.choices[0]
+        if choice.finish_reason == "stop":
+            finished += 1
+            assert isinstance(json.loads(choice.message.content, strict=False), dict)
+    assert finished >= 4
+
+
+def test_regex_and_choice_constrain_completions(client: OpenAI) -> None:
+    pattern = r"[A-Z]{2}-\d{3}(-[a-z]{1,4})?"
+    for seed in range(5):
+        text = client.completions.create(
+            model=MODEL, prompt="Code:", max_tokens=20, seed=seed,
+            extra_body={"structured_outputs": {"regex": pattern}},
+        ).choices[0].text  # fmt: skip
+        assert re.fullmatch(pattern, text), text
+    text = (
+        client.completions.create(
+            model=MODEL, prompt="Answer:", max_tokens=5, extra_body={"guided_choice": ["yes", "no"]}
+        )
+        .choices[0]
+        .text
+    )
+    assert text in ("yes", "no")
+
+
+def test_bad_schema_is_400_naming_the_field(client: OpenAI) -> None:
+    with pytest.raises(BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_regex": "([a-z"}
+        )
+    assert info.value.body["param"] == "structured_outputs.regex"
+
+
+def test_grpc_structured_outputs(serve_cluster: ServeCluster, base_url: str) -> None:
+    channel = grpc.insecure_channel(f"127.0.0.1:{serve_cluster.grpc_port}")
+    try:
+        stub = llm_pb2_grpc.LLMStub(channel)
+        spec = llm_pb2.StructuredOutputs(json=json.dumps(PERSON))
+        request = llm_pb2.GenerateRequest(
+            model=MODEL, prompt="JSON:", max_tokens=800, seed=3, structured_outputs=spec
+        )
+        responses = list(stub.Generate(request, metadata=(("application", APP),)))
+        assert responses[-1].finish_reason == "stop"
+        _valid("".join(r.text for r in responses), PERSON)
+        bad = llm_pb2.GenerateRequest(model=MODEL, prompt="x", structured_outputs=(
+            llm_pb2.StructuredOutputs(regex="a", grammar='root ::= "a"')))  # fmt: skip
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(bad, metadata=(("application", APP),)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        channel.close()
+
+
+# ---- tool calling ----
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12},
+                           "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string",
+                       "enum": ["utc", "cet"]}}, "required": ["zone"],
+                       "additionalProperties": False},
+    },
+}  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def _check_call(call: Any) -> None:
+    assert call.id.startswith("call_") and call.type == "function"
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+# A bounded schema per call, but "required" with parallel calls allows any number of them: the
+# token budget leaves room for many.
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_calls_parse_n_2(client: OpenAI, choice: str) -> None:
+    tool_choice: Any = "required"
+    if choice == "named":
+        tool_choice = {"type": "function", "function": {"name": "get_time"}}
+    response = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, n=2, seed=1,
+        max_tokens=1400,
+    )  # fmt: skip
+    for c in response.choices:
+        assert c.finish_reason == ("tool_calls" if choice == "required" else "stop")
+        assert c.message.tool_calls
+        for call in c.message.tool_calls:
+            _check_call(call)
+        if choice == "named":
+            assert [t.function.name for t in c.message.tool_calls] == ["get_time"]
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_streamed_forced_tool_calls_join_to_calls_that_parse(client: OpenAI, choice: str) -> None:
+    tool_choice: Any = "required"
+    if choice == "named":
+        tool_choice = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, n=2, seed=2,
+        max_tokens=1400, stream=True,
+    )  # fmt: skip
+    calls: dict[tuple[int, int], dict[str, Any]] = {}
+    finishes: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            for t in c.delta.tool_calls or ():
+                call = calls.setdefault((c.index, t.index), {"id": "", "name": "", "args": ""})
+                call["id"] += t.id or ""
+                call["name"] += (t.function.name or "") if t.function else ""
+                call["args"] += (t.function.arguments or "") if t.function else ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert {i for i, _ in calls} == {0, 1}
+    expected = "tool_calls" if choice == "required" else "stop"
+    assert finishes == {0: expected, 1: expected}, calls
+    for call in calls.values():
+        assert call["id"].startswith("call_")
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call["name"]]
+        jsonschema.validate(json.loads(call["args"]), tool["function"]["parameters"])
+
+
+def test_tool_round_trip(client: OpenAI) -> None:
+    # assistant tool call -> role "tool" result with its tool_call_id -> the next answer.
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=1400, seed=4
+    )
+    message = first.choices[0].message
+    (call,) = message.tool_calls[:1]
+    conversation = ASK + [
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=conversation, tools=[WEATHER], max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # The tool call and its result reached the prompt: the template rendered them.
+    assert answer.usage.prompt_tokens > first.usage.prompt_tokens + 10
+
+
+def test_auto_tool_choice_answers_with_text_or_calls(client: OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=16, temperature=0
+    )
+    choice = response.choices[0]
+    # Random weights rarely write <tool_call>: the text comes back as content.
+    assert choice.message.content or choice.message.tool_calls
+
+
+# ---- langchain-openai ----
+
+
+def test_langchain_structured_output_and_bind_tools(base_url: str) -> None:
+    from langchain_core.messages import ToolMessage
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=10)
+        population: int = Field(ge=0, le=10_000_000)
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{base_url}/v1", api_key="unused", max_tokens=300,
+                     max_retries=0, seed=5)  # fmt: skip
+    city = llm.with_structured_output(City, method="json_schema").invoke("A city, please")
+    assert isinstance(city, City) and 0 <= city.population <= 10_000_000
+
+    def get_weather(city: Literal["Oslo", "Rome"], unit: Literal["c", "f"]) -> str:
+        """Current weather in a city."""
+        return "sunny"
+
+    tooled = llm.bind_tools([get_weather], tool_choice="get_weather")
+    reply = tooled.invoke("Weather in Oslo?")
+    (call,) = reply.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) <= {"city", "unit"}
+    follow = llm.bind_tools([get_weather]).invoke(
+        ["Weather in Oslo?", reply, ToolMessage("sunny", tool_call_id=call["id"])]
+    )
+    assert follow.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
