@@ -251,19 +251,20 @@ def test_json_schema_output_is_valid_on_20_seeds(client: OpenAI) -> None:
         _valid(choice.message.content, PERSON)
 
 
-def test_streamed_json_schema_output_is_valid_and_n_2(client: OpenAI) -> None:
-    stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "JSON please"}], n=2, seed=7,
-        response_format=JSON_SCHEMA_FORMAT, max_tokens=800, stream=True,
-    )  # fmt: skip
-    texts, finishes = ["", ""], [None, None]
-    for chunk in stream:
-        for c in chunk.choices:
-            texts[c.index] += c.delta.content or ""
-            finishes[c.index] = c.finish_reason or finishes[c.index]
-    assert finishes == ["stop", "stop"]
-    for text in texts:
-        _valid(text, PERSON)
+def test_streamed_json_schema_output_is_valid_on_20_seeds_n_2(client: OpenAI) -> None:
+    for seed in range(100, 110):  # 10 requests x n = 2: 20 samples, other seeds than above
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "JSON please"}], n=2, seed=seed,
+            response_format=JSON_SCHEMA_FORMAT, max_tokens=800, stream=True,
+        )  # fmt: skip
+        texts, finishes = ["", ""], [None, None]
+        for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                finishes[c.index] = c.finish_reason or finishes[c.index]
+        assert finishes == ["stop", "stop"], (seed, texts)
+        for text in texts:
+            _valid(text, PERSON)
 
 
 def test_json_object_output_parses_when_it_completes(client: OpenAI) -> None:
