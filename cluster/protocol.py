@@ -69,7 +69,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 TokenLogprobs = list[list[Any]]
 
 
-class StreamStart(msgspec.Struct, tag="start"):
+class StreamStart(msgspec.Struct, tag="start", omit_defaults=True):
     prompt_tokens: int
     n: int = 1
     prompt_text: str | None = None  # with echo
