@@ -369,3 +369,61 @@ def test_tensor_parallel_2_equals_1_with_adapters(adapters: Adapters) -> None:
     for rid in single:
         np.testing.assert_allclose(sharded[rid], single[rid], atol=1e-4, rtol=1e-4)
     assert outputs[1].sampled_token_ids == outputs[2].sampled_token_ids
+
+
+# ---- scheduler, config, async API ------------------------------------------------------------
+
+
+def test_scheduler_admits_past_a_request_waiting_for_a_lora_slot() -> None:
+    from engine.block_manager import BlockManager
+    from engine.config import SchedulerConfig
+    from engine.request import Request
+    from engine.scheduler import Scheduler, make_execute_model_request
+
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    scheduler = Scheduler(config, BlockManager(64, 4), max_loras=2)
+    loras = {i: LoRARequest(f"l{i}", i, f"/l{i}") for i in (1, 2, 3)}
+    order = [("r1", 1), ("r2", 2), ("r3", 3), ("r4", 1), ("r5", 0), ("r6", 3)]
+    for rid, lid in order:
+        lora = loras.get(lid)
+        scheduler.add_request(
+            Request(rid, [5, 6, 7], SamplingParams(), max_tokens=4, lora_request=lora)
+        )
+    out = scheduler.schedule()
+    message = make_execute_model_request(out)
+    assert list(out.num_scheduled_tokens) == ["r1", "r2", "r4", "r5"]
+    assert [r.lora_int_id for r in message.scheduled_new_reqs] == [1, 2, 1, 0]
+    assert [r.request_id for r in scheduler.waiting] == ["r3", "r6"]  # queue order kept
+
+
+def test_lora_engine_arguments_are_checked() -> None:
+    from engine.config import ConfigError, EngineConfig, LoRAConfig
+
+    assert LoRAConfig(max_loras=3).max_cpu_loras == 3
+    with pytest.raises(ConfigError, match=r"max_cpu_loras: must be >= max_loras \(4\), got 2"):
+        EngineConfig.from_kwargs(model=MODEL, enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ConfigError, match="max_lora_rank: must be a positive integer"):
+        EngineConfig.from_kwargs(model=MODEL, max_lora_rank=0)
+
+
+def test_async_engine_generates_under_an_adapter(adapters: Adapters) -> None:
+    import asyncio
+
+    from engine.async_llm_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_engine_args(model=MODEL, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+    async def run() -> list[int]:
+        final = None
+        async for item in engine.generate(
+            {"prompt_token_ids": adapters.prompts[2]}, params, lora_request=adapters.lora("b")
+        ):
+            final = item
+        assert final is not None
+        return list(final.output.outputs[0].token_ids)
+
+    try:
+        assert asyncio.run(run()) == adapters.expected(2, "b")
+    finally:
+        engine.shutdown()
