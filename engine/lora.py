@@ -296,6 +296,10 @@ class LoRASlotTable:
                 self._last_used[slot] = self._step
         changes: dict[int, LoRASlotSpec] = {}
         for spec in missing:
+            # An id rebound to another path: its old slot is stale (workers map an id to one slot).
+            for slot, held in enumerate(self.specs):
+                if held is not None and held.lora_int_id == spec.lora_int_id:
+                    self.specs[slot] = None
             slot = min(
                 (s for s in range(len(self.specs)) if self._last_used[s] < self._step),
                 key=lambda s: (self.specs[s] is not None, self._last_used[s]),

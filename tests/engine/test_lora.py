@@ -427,3 +427,22 @@ def test_async_engine_generates_under_an_adapter(adapters: Adapters) -> None:
         assert asyncio.run(run()) == adapters.expected(2, "b")
     finally:
         engine.shutdown()
+
+
+def test_slot_table_keeps_resident_adapters_and_reuses_the_least_recently_used_slot() -> None:
+    from engine.lora import LoRASlotTable
+    from engine.protocol import LoRASlotSpec
+
+    table = LoRASlotTable(2)
+    assert table.assign({1: "/a", 2: "/b"}) == {
+        0: LoRASlotSpec(lora_int_id=1, lora_path="/a"),
+        1: LoRASlotSpec(lora_int_id=2, lora_path="/b"),
+    }
+    assert table.assign({2: "/b"}) == {}
+    assert table.assign({3: "/c", 2: "/b"}) == {0: LoRASlotSpec(lora_int_id=3, lora_path="/c")}
+    # Id 2 rebound to another path is reloaded; its old slot no longer claims it.
+    assert table.assign({2: "/b2"}) == {1: LoRASlotSpec(lora_int_id=2, lora_path="/b2")}
+    assert table.slot_of(2, "/b") is None
+    assert table.slot_of(3, "/c") == 0
+    with pytest.raises(RuntimeError, match="3 adapters in one step but only 2 slots"):
+        table.assign({1: "/a", 2: "/b", 3: "/c"})
