@@ -19,6 +19,7 @@ from engine.errors import (
     InvalidRequestError,
     RequestAbortedError,
 )
+from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -57,6 +58,7 @@ __all__ = [
     "EngineOverloadedError",
     "InvalidRequestError",
     "LLMEngine",
+    "LoRARequest",
     "PoolingOutput",
     "PoolingParams",
     "PoolingRequestOutput",

@@ -17,9 +17,10 @@ samples makes at most n - 1 copies.
 
 Invariants (``check_integrity``): a block is in the free queue iff its ref count is 0; its ref
 count equals the number of block tables holding it; free + used = total. A full block whose
-tokens are computed gets a chained sha256 hash (parent hash, token ids, cache salt) and is
-registered in the prefix cache; when freed it stays cached in the LRU free queue and is evicted
-only when a new block is needed and no uncached free block is left ahead of it.
+tokens are computed gets a chained sha256 hash (parent hash, token ids, cache salt, LoRA
+adapter) and is registered in the prefix cache; when freed it stays cached in the LRU free
+queue and is evicted only when a new block is needed and no uncached free block is left ahead
+of it.
 """
 
 from __future__ import annotations
@@ -74,12 +75,18 @@ class FreeBlockQueue:
         return iter(self._queue.values())
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
-    """Chained sha256 of one full block: its tokens, its parent's hash, and (first block) a salt."""
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: list[int], salt: str | None, lora: str | None = None
+) -> bytes:
+    """Chained sha256 of one full block: its tokens, its parent's hash, and (first block) a salt
+    and the LoRA adapter, so that neither another salt's nor another adapter's requests (whose
+    K/V differ) share its blocks."""
     h = hashlib.sha256()
     h.update(parent_hash or b"\x00" * 32)
     if parent_hash is None and salt:
         h.update(b"salt:" + salt.encode())
+    if parent_hash is None and lora:
+        h.update(b"lora:" + lora.encode())
     h.update(array("q", token_ids).tobytes())
     return h.digest()
 
@@ -138,7 +145,8 @@ class BlockManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[i * bs : (i + 1) * bs]
-            hashes.append(hash_block_tokens(parent, tokens, request.cache_salt))
+            lora = request.lora_request.prefix_key if request.lora_request is not None else None
+            hashes.append(hash_block_tokens(parent, tokens, request.cache_salt, lora))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -8,7 +8,8 @@
     ├── device:    DeviceConfig     (cpu | cuda | auto)
     ├── kernel:    KernelConfig     (attention_backend, enforce_eager)
     ├── sampling:  SamplingConfig   (server-wide request caps: max_n, max_logprobs)
-    └── pooler:    PoolerConfig     (pooling_type of embedding requests: last | mean)
+    ├── pooler:    PoolerConfig     (pooling_type of embedding requests: last | mean)
+    └── lora:      LoRAConfig       (enable_lora, max_loras, max_lora_rank, max_cpu_loras)
 
 Every config is a frozen dataclass, validated in ``__post_init__``; per-rank copies use
 ``dataclasses.replace``. The number of KV blocks measured at startup is runtime state (see
@@ -377,6 +378,35 @@ class FrontendConfig:
         )
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's arguments): ``max_loras`` adapters resident per step in fixed
+    device slots, ranks up to ``max_lora_rank``, ``max_cpu_loras`` checked adapters cached on
+    the head (default: ``max_loras``)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.enable_lora, bool),
+            "enable_lora",
+            f"must be true or false, got {self.enable_lora!r}",
+        )
+        _positive_int(self.max_loras, "max_loras")
+        _positive_int(self.max_lora_rank, "max_lora_rank")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        _positive_int(self.max_cpu_loras, "max_cpu_loras")
+        _require(
+            self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras",
+            f"must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}",
+        )
+
+
 # Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
 _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "model": ("model", "model"),
@@ -413,6 +443,10 @@ _ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "pooling_type": ("pooler", "pooling_type"),
     "enable_auto_tool_choice": ("frontend", "enable_auto_tool_choice"),
     "tool_call_parser": ("frontend", "tool_call_parser"),
+    "enable_lora": ("lora", "enable_lora"),
+    "max_loras": ("lora", "max_loras"),
+    "max_lora_rank": ("lora", "max_lora_rank"),
+    "max_cpu_loras": ("lora", "max_cpu_loras"),
 }
 
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(_ENGINE_ARGS)
@@ -429,6 +463,7 @@ class EngineConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     pooler: PoolerConfig = field(default_factory=PoolerConfig)
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -438,7 +473,7 @@ class EngineConfig:
             raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
         sections = (
             "model", "cache", "scheduler", "parallel", "device", "kernel", "sampling", "pooler",
-            "frontend",
+            "frontend", "lora",
         )  # fmt: skip
         groups: dict[str, dict[str, Any]] = {g: {} for g in sections}
         for key, value in kwargs.items():
@@ -468,6 +503,7 @@ class EngineConfig:
             sampling=SamplingConfig(**groups["sampling"]),
             pooler=PoolerConfig(**groups["pooler"]),
             frontend=FrontendConfig(**groups["frontend"]),
+            lora=LoRAConfig(**groups["lora"]),
         )
 
     @property
@@ -505,6 +541,7 @@ def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
     SamplingConfig(**groups.get("sampling", {}))
     PoolerConfig(**groups.get("pooler", {}))
     FrontendConfig(**groups.get("frontend", {}))
+    LoRAConfig(**groups.get("lora", {}))
 
 
 def _with_checkpoint(model: ModelConfig) -> ModelConfig:

@@ -337,6 +337,7 @@ class EngineCoreLoop:
             pooling if pooling is not None else request.params,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora_request=request.lora_request,
         )
         # Made only once the engine has checked ``n`` against its caps: a tracker keeps one
         # entry per choice, and a client's n of 10**12 must be a 400, not a hang.

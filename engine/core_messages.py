@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.lora import LoRARequest
 from engine.outputs import Logprob
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -28,6 +29,7 @@ class AddRequest(msgspec.Struct, kw_only=True):
     priority: int = 0
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 class ChoiceDelta(msgspec.Struct, array_like=True, frozen=True):

@@ -13,6 +13,7 @@ from engine.beam_search import beam_search
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, PromptType
+from engine.lora import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -35,10 +36,14 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in input order. A prompt is a string, a list of
-        token ids, or ``{"prompt_token_ids": [...]}``. Invalid input raises before anything runs."""
+        token ids, or ``{"prompt_token_ids": [...]}``. ``lora_request``: one adapter for every
+        prompt, or a list aligned with the prompts (None: the base model). Invalid input
+        raises before anything runs."""
         prompts = _as_prompt_list(prompts)
+        loras = _as_lora_list(lora_request, len(prompts))
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -51,8 +56,12 @@ class LLM:
                     param="sampling_params",
                 )
         if any(p.use_beam_search for p in params_list):
+            if any(lora is not None for lora in loras):
+                raise InvalidRequestError(
+                    "beam search does not run with LoRA adapters", param="lora_request"
+                )
             return self._generate_with_beam_search(prompts, params_list, priority, use_tqdm)
-        ids = self._add_all(prompts, params_list, priority)
+        ids = self._add_all(prompts, params_list, priority, loras)
         return self._run(ids, use_tqdm)
 
     def _generate_with_beam_search(
@@ -145,12 +154,19 @@ class LLM:
         prompts: list[PromptType],
         params: Sequence[SamplingParams | PoolingParams],
         priority: Sequence[int] | None,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[str]:
         ids: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
-                self.llm_engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                self.llm_engine.add_request(
+                    rid,
+                    prompt,
+                    p,
+                    priority=priority[i] if priority else 0,
+                    lora_request=loras[i] if loras else None,
+                )
                 ids.append(rid)
         except Exception:
             self.llm_engine.abort_request(ids)
@@ -190,6 +206,20 @@ class LLM:
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _as_lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """One adapter (or none) for every prompt, or a list that must align with the prompts."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise InvalidRequestError(
+            f"has {len(loras)} entries for {num_prompts} prompts", param="lora_request"
+        )
+    return loras
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

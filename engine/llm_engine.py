@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.executor import Executor, get_executor_class
+from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
 from engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -125,7 +126,18 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        lora = config.lora
+        self.lora_registry = (
+            LoRARegistry(config.model.hf_config, lora.max_lora_rank, lora.max_cpu_loras)
+            if lora.enable_lora
+            else None
+        )
+        self.lora_slots = LoRASlotTable(lora.max_loras) if lora.enable_lora else None
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.block_manager,
+            max_loras=lora.max_loras if lora.enable_lora else None,
+        )
         self.structured_output = StructuredOutputManager(
             self.tokenizer, config.model.vocab_size, self.eos_token_ids
         )
@@ -166,11 +178,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and enqueue; raises ``InvalidRequestError`` (naming the field) and enqueues
         nothing if the request is invalid. Raises ``EngineOverloadedError`` when the waiting
         queue is full and ``EngineDeadError`` once the workers are dead. ``PoolingParams``
-        make it a pooling (embedding) request (vLLM's ``add_request`` takes either)."""
+        make it a pooling (embedding) request (vLLM's ``add_request`` takes either).
+        ``lora_request`` runs it under that LoRA adapter, read and checked here (a bad
+        adapter is an ``InvalidRequestError`` naming the problem)."""
         self._check_alive()
         params = params or SamplingParams()
         if not isinstance(params, (SamplingParams, PoolingParams)):
@@ -180,9 +195,10 @@ class LLMEngine:
         if cache_salt is not None and not (isinstance(cache_salt, str) and _is_utf8(cache_salt)):
             # Checked here: the prefix-cache hash encodes it on the engine thread, mid-step.
             raise InvalidRequestError("must be a non-empty UTF-8 string", param="cache_salt")
+        self._check_lora(lora_request)
         if isinstance(params, PoolingParams):
             return self._add_pooling_request(
-                request_id, prompt, params, arrival_time, priority, cache_salt
+                request_id, prompt, params, arrival_time, priority, cache_salt, lora_request
             )
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(token_ids, params)
@@ -206,6 +222,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 parent_request_id=request_id,
                 index=i,
+                lora_request=lora_request,
             )
             for i, rid in enumerate(sample_ids)
         ]
@@ -231,6 +248,7 @@ class LLMEngine:
         arrival_time: float | None,
         priority: int,
         cache_salt: str | None,
+        lora_request: LoRARequest | None,
     ) -> Request:
         if params.dimensions is not None:
             raise InvalidRequestError(
@@ -251,10 +269,39 @@ class LLMEngine:
             pooling_params=params,
             # A cached prefix is never computed, so its positions would be missing from a mean.
             skip_prefix_cache=self.config.pooler.pooling_type == "mean",
+            lora_request=lora_request,
         )
         self.scheduler.add_request(request)
         self._pooling[request_id] = PoolingState(request, text)
         return request
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Read and check the adapter now (cached), so a bad one never reaches the workers."""
+        if lora_request is None:
+            return
+        if self.lora_registry is None:
+            raise InvalidRequestError(
+                "LoRA is not enabled on this engine (start it with enable_lora=True)",
+                param="lora_request",
+            )
+        self.lora_registry.get(lora_request, self._live_loras)
+
+    def _live_loras(self) -> list[LoRARequest]:
+        return [
+            r.lora_request for r in self.scheduler.requests.values() if r.lora_request is not None
+        ]
+
+    def _assign_lora_slots(self, sched: SchedulerOutput, message: ExecuteModelRequest) -> None:
+        """Give this step's adapters device slots; changed slots travel in the message."""
+        if self.lora_slots is None:
+            return
+        adapters = {}
+        for rid in sched.num_scheduled_tokens:
+            request = self.scheduler.requests.get(rid)
+            if request is not None and request.lora_request is not None:
+                adapters[request.lora_int_id] = request.lora_request.lora_path
+        if adapters:
+            message.lora_slots = self.lora_slots.assign(adapters)
 
     def _check_unused(self, request_id: str, scheduler_ids: list[str]) -> None:
         if (
@@ -484,6 +531,7 @@ class LLMEngine:
             return []
         message = make_execute_model_request(sched)
         self._add_grammar_bitmask(sched, message)
+        self._assign_lora_slots(sched, message)
         clock.lap("schedule")
         output = self.executor.execute_model(message)
         clock.lap("execute")

@@ -11,6 +11,9 @@ A request with ``prompt_logprobs`` also gets the logits of every chunk position 
 t + 1 < num_prompt_tokens: they score prompt token t + 1 (chunked prefill returns them chunk
 by chunk; the head stitches them together by position).
 
+LoRA: the step's ``lora_slots`` changes are loaded before the forward pass; each token then
+uses its request's adapter slot (-1 for the base model), one mapping shared by every layer.
+
 A pooling (embedding) request samples nothing. The driver pools its post-norm hidden states:
 ``last`` takes the row of the last prompt position (in the chunk that ends the prompt);
 ``mean`` adds every chunk's rows to a float32 sum kept in the request's state, counting the
@@ -29,6 +32,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphRunner
+from engine.lora import WorkerLoRAManager
 from engine.pooling_params import PoolingParams
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
@@ -55,6 +59,7 @@ class CachedRequestState:
     pooling_params: PoolingParams | None = None
     pooled_sum: torch.Tensor | None = None
     num_pooled: int = 0
+    lora_int_id: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -86,8 +91,10 @@ class ModelRunner:
         model: nn.Module,
         device: torch.device,
         ctx: ParallelContext | None = None,
+        lora_manager: WorkerLoRAManager | None = None,
     ) -> None:
         self.config = config
+        self.lora_manager = lora_manager
         self.model = model
         self.device = device
         self.ctx = ctx or ParallelContext()
@@ -143,8 +150,10 @@ class ModelRunner:
     def _use_cuda_graphs(self) -> bool:
         # Only the Triton kernels take every per-step value from device memory; collectives
         # (TP) and stage hand-offs (PP) are not captured.
+        # LoRA's per-token slot mapping changes every step and is not captured either.
         return (
             self.device.type == "cuda"
+            and self.lora_manager is None
             and not self.config.kernel.enforce_eager
             and self.model.kernel_ops.name == "triton"
             and self.config.parallel.world_size == 1
@@ -172,7 +181,12 @@ class ModelRunner:
                 num_prompt_tokens=num_prompt if num_prompt >= 0 else len(new.prompt_token_ids),
                 eos_token_ids=tuple(new.eos_token_ids),
                 pooling_params=new.pooling_params,
+                lora_int_id=new.lora_int_id,
             )
+        if req.lora_slots:
+            if self.lora_manager is None:
+                raise RuntimeError("the head sent LoRA slots but this worker has LoRA off")
+            self.lora_manager.apply_slot_changes(req.lora_slots)
         for cached in req.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)
             if state is None:
@@ -226,6 +240,9 @@ class ModelRunner:
         slot_mapping = (
             block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
         )
+        if self.lora_manager is not None:
+            lora_ids = [s.lora_int_id for s in states]
+            self.lora_manager.set_token_slots(lora_ids, query_lens, self.device)
         sampled = [
             i
             for i, s in enumerate(states)

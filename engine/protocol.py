@@ -14,6 +14,13 @@ from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
+class LoRASlotSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """The adapter a LoRA slot now holds: workers read it from ``lora_path`` (each its shard)."""
+
+    lora_int_id: int
+    lora_path: str
+
+
 class NewRequestData(msgspec.Struct, kw_only=True):
     req_id: str
     # All known tokens: the prompt, then (after a recompute) tokens generated so far.
@@ -28,6 +35,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     # Set for a pooling (embedding) request: it samples nothing; once its prompt is computed
     # the driver returns its pooled vector in ``ModelRunnerOutput.pooled``.
     pooling_params: PoolingParams | None = None
+    # The request's LoRA adapter (0: the base model); its slot is in the workers' slot table.
+    lora_int_id: int = 0
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -59,6 +68,9 @@ class ExecuteModelRequest(msgspec.Struct, kw_only=True):
     # engine.structured_output). Only the driver (the sampling rank) applies it.
     structured_output_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
+    # LoRA slots whose adapter changes before this step's forward pass: slot -> new adapter.
+    # Every adapter of this step's requests is resident once they are applied.
+    lora_slots: dict[int, LoRASlotSpec] = {}
 
     @property
     def is_empty(self) -> bool:

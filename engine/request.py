@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.lora import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +63,7 @@ class Request:
         index: int = 0,
         pooling_params: PoolingParams | None = None,
         skip_prefix_cache: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         # Parallel sampling: the user's request id and this sample's index among its n.
@@ -76,6 +81,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        # 0: the base model. The scheduler caps the distinct ids of running requests.
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -23,6 +23,11 @@ is recomputed, and a group holds ceil(P / block_size) prompt blocks plus at most
 per sample. Admission reserves ``max_num_seqs`` room for the whole group; if sample 0 ends before
 the fork (abort, or a stop), the waiting samples fall back to the waiting queue.
 
+LoRA: the running requests use at most ``max_loras`` distinct adapters (the device slots), so
+every step's adapters are resident. A waiting (or swapped) request whose adapter would be one
+too many waits, and requests behind it of adapters already running (or of the base model) are
+admitted past it, keeping their queue order.
+
 Pooling (embedding) requests are scheduled like any prompt (chunked, mixed with decodes) and
 finish, freeing their blocks, in the step that computes the last prompt token; they sample
 nothing (the workers return their pooled vector instead).
@@ -106,8 +111,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int | None = None
+    ) -> None:
         self.config = config
+        # Distinct LoRA adapters allowed among running requests (None: LoRA is off).
+        self.max_loras = max_loras
         self.block_manager = block_manager
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
@@ -274,10 +283,25 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self.waiting.add(request, front=True)
 
+    def _running_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _lora_blocked(self, request: Request, active: set[int]) -> bool:
+        """Whether admitting ``request`` would put one adapter too many in the running set."""
+        return (
+            self.max_loras is not None
+            and request.lora_int_id != 0
+            and request.lora_int_id not in active
+            and len(active) >= self.max_loras
+        )
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         self.swapped.sort(key=lambda r: r.sort_key(self.config.policy))
+        active = self._running_loras()
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
+            if self._lora_blocked(request, active):
+                break
             num_new = self._tokens_to_compute(request, budget)
             needed = len(self.block_manager.req_to_cpu_blocks[request.request_id])
             # Swap in only when the next chunk fits too, so a swapped-in request makes progress.
@@ -291,6 +315,8 @@ class Scheduler:
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(request))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_int_id:
+                active.add(request.lora_int_id)
             new_blocks = self.block_manager.allocate_slots(request, num_new) or []
             budget -= num_new
             self._record(out, request, num_new, new_blocks)
@@ -306,8 +332,28 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         reserved = self._num_reserved_seqs()
+        active = self._running_loras()
+        lora_blocked: list[Request] = []
+        try:
+            self._admit_waiting(out, budget, reserved, active, lora_blocked)
+        finally:
+            # Back in their places: FCFS puts them at the front in order; priority re-heaps.
+            for request in reversed(lora_blocked):
+                self.waiting.add(request, front=True)
+
+    def _admit_waiting(
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        reserved: int,
+        active: set[int],
+        lora_blocked: list[Request],
+    ) -> None:
         while self.waiting and budget > 0:
             request = self.waiting.peek()
+            if self._lora_blocked(request, active):
+                lora_blocked.append(self.waiting.pop())
+                continue
             group = 1 + len(self.pending_forks.get(request.request_id, ()))
             if len(self.running) + reserved + group > self.config.max_num_seqs:
                 break
@@ -328,6 +374,8 @@ class Scheduler:
                 self.block_manager.prefix_hits += num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_int_id:
+                active.add(request.lora_int_id)
             reserved += group - 1
             budget -= num_new
             self._record(out, request, num_new, computed_blocks + new_blocks)
@@ -431,6 +479,7 @@ def make_execute_model_request(out: SchedulerOutput) -> ExecuteModelRequest:
                 num_prompt_tokens=request.num_prompt_tokens,
                 eos_token_ids=sorted(request.eos_token_ids),
                 pooling_params=request.pooling_params,
+                lora_int_id=request.lora_int_id,
             )
         )
         request.num_tokens_sent = request.num_tokens

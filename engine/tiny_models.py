@@ -484,3 +484,44 @@ def _write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", "utf-8")
+
+
+def make_tiny_lora(
+    base_name: str,
+    out_dir: str | os.PathLike[str],
+    rank: int = 8,
+    target_modules: tuple[str, ...] | list[str] = ("q_proj", "v_proj"),
+    seed: int = 0,
+    *,
+    lora_alpha: float | None = None,
+    use_rslora: bool = False,
+    scale: float = 1.0,
+) -> Path:
+    """Write a PEFT LoRA adapter with random A and B (PEFT itself starts B at 0, a no-op) for
+    the model ``base_name`` (a built-in name like ``tiny-llama``, ``builtin:<name>`` or a local
+    directory) into ``out_dir``: ``adapter_config.json`` + ``adapter_model.safetensors``,
+    loadable with ``PeftModel.from_pretrained``. ``scale`` multiplies B (how far the adapter
+    moves the model). Same arguments, same files."""
+    from peft import LoraConfig, get_peft_model
+
+    source = base_name if ":" in base_name or os.sep in base_name else BUILTIN_PREFIX + base_name
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_source(source), dtype=torch.float32)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=lora_alpha if lora_alpha is not None else 2 * rank,
+        target_modules=list(target_modules),
+        init_lora_weights=False,
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+    )
+    model = get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if ".lora_A." in name:
+                param.copy_(_randn_like(param, generator) / param.shape[1] ** 0.5)
+            elif ".lora_B." in name:
+                param.copy_(scale * _randn_like(param, generator) / rank**0.5)
+    out = Path(out_dir)
+    model.save_pretrained(str(out))
+    return out

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.lora import make_worker_lora_manager
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.protocol import ExecuteModelRequest, ModelRunnerOutput
@@ -88,7 +89,17 @@ class Worker:
         if partition is not None:
             self.ctx = dataclasses.replace(self.ctx, layer_partition=partition)
         model = load_model(self.config, self.ctx, self.device)
-        self.model_runner = ModelRunner(self.config, model, self.device, self.ctx)
+        lora_manager = None
+        lora = self.config.lora
+        if lora.enable_lora:
+            # Allocated before the memory profile, so the KV budget leaves room for the slots.
+            backend = self.config.kernel.resolved_backend(self.device.type)
+            lora_manager = make_worker_lora_manager(
+                model, lora.max_loras, lora.max_lora_rank, backend, self.device
+            )
+        self.model_runner = ModelRunner(
+            self.config, model, self.device, self.ctx, lora_manager=lora_manager
+        )
 
     def kv_block_bytes(self) -> int:
         return self.runner.kv_block_bytes()

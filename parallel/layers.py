@@ -74,13 +74,18 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param(self.output_size_per_partition) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
+        # Set by ``parallel.lora.attach_lora`` when the engine serves LoRA adapters.
+        self.lora: Any = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         size = param.shape[0]
         param.data.copy_(narrow(loaded, 0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add_delta(x, y)
+        return y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -176,13 +181,18 @@ class RowParallelLinear(nn.Module):
         self.bias = _param(output_size) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = load_full_loader
+        self.lora: Any = None  # see ColumnParallelLinear
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         size = param.shape[1]
         param.data.copy_(narrow(loaded, 1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if self.lora is not None:
+            # This rank's share of the delta joins the partial sum the all-reduce adds up.
+            self.lora.add_delta(x, y)
+        y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 

@@ -1,0 +1,386 @@
+"""Multi-LoRA serving: the request type, adapter validation on the head, the slot table that
+says which adapter each of the ``max_loras`` device slots holds, and the workers' loader.
+
+    add_request(lora_request) ── head: read + check adapter_config.json and the tensor shapes
+                                 (cached, LRU of max_cpu_loras) ── InvalidRequestError if bad
+    schedule ── at most max_loras distinct adapters among running requests
+    step ── LoRASlotTable.assign: adapters of this step's requests -> slots (LRU reuse);
+            changed slots travel in ExecuteModelRequest.lora_slots (slot -> id, path)
+    worker ── WorkerLoRAManager: reads each changed adapter from disk, its shard only, into
+              the slot; per-token slot indices each step (-1: base model)
+
+PEFT's checkpoint layout: ``adapter_config.json`` (r, lora_alpha, use_rslora, target_modules)
+and ``adapter_model.safetensors`` with ``base_model.model.<module>.lora_A.weight`` [r, in] and
+``lora_B.weight`` [out, r]; the delta is ``B A x * scaling``, scaling = alpha / r (alpha /
+sqrt(r) with use_rslora).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.errors import InvalidRequestError
+from engine.protocol import LoRASlotSpec
+from kernels.lora import LoRAMapping
+from parallel.lora import LinearLoRA, LoRABatch, attach_lora
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# HF module name -> (our fused module, its shard id); the decoder projections LoRA may target.
+TARGET_MODULES: dict[str, tuple[str, Any]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "o_proj": ("o_proj", None),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+}
+LORA_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+)
+_PARAM = "lora_request"
+
+
+class LoRARequest(msgspec.Struct, frozen=True):
+    """A LoRA adapter for a request (vLLM's names and positional order): ``lora_int_id`` (> 0)
+    identifies the adapter across requests, ``lora_path`` is a local PEFT directory."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    @property
+    def prefix_key(self) -> str:
+        """What the prefix-cache hash chain carries for this adapter's requests."""
+        return f"{self.lora_int_id}:{self.lora_name}:{self.lora_path}"
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """A checked adapter: its rank and scaling, and the HF modules (q_proj, ...) it targets."""
+
+    path: str
+    rank: int
+    scaling: float
+    modules: frozenset[str]
+
+
+def _fail(message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=_PARAM)
+
+
+def _module_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(out, in) of each targetable projection of the base model."""
+    hidden, inter = int(hf["hidden_size"]), int(hf["intermediate_size"])
+    heads = int(hf["num_attention_heads"])
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    return {
+        "q_proj": (heads * head_dim, hidden),
+        "k_proj": (kv_heads * head_dim, hidden),
+        "v_proj": (kv_heads * head_dim, hidden),
+        "o_proj": (hidden, heads * head_dim),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+
+
+def read_adapter_config(path: Path, max_rank: int) -> tuple[int, float]:
+    """(rank, scaling) from ``adapter_config.json``; raises ``InvalidRequestError`` naming the
+    problem for anything this engine cannot serve exactly."""
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise _fail(f"{path} has no {CONFIG_FILE} (not a PEFT adapter directory?)")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _fail(f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise _fail(f"{CONFIG_FILE} must hold a JSON object")
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise _fail(f"peft_type {peft_type!r} is not supported (only LORA)")
+    rank, alpha = config.get("r"), config.get("lora_alpha", 8)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise _fail(f"{CONFIG_FILE}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise _fail(f"adapter rank r={rank} exceeds max_lora_rank ({max_rank})")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise _fail(f"{CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}")
+    unsupported = {
+        "use_dora": config.get("use_dora"),
+        "fan_in_fan_out": config.get("fan_in_fan_out"),
+        "modules_to_save": config.get("modules_to_save"),
+        "rank_pattern": config.get("rank_pattern"),
+        "alpha_pattern": config.get("alpha_pattern"),
+        "lora_bias": config.get("lora_bias"),
+        "layer_replication": config.get("layer_replication"),
+        "target_parameters": config.get("target_parameters"),
+        "trainable_token_indices": config.get("trainable_token_indices"),
+        "alora_invocation_tokens": config.get("alora_invocation_tokens"),
+    }
+    for key, value in unsupported.items():
+        if value:
+            raise _fail(f"{CONFIG_FILE}: {key}={value!r} is not supported")
+    if config.get("bias", "none") != "none":
+        raise _fail(f"{CONFIG_FILE}: bias={config['bias']!r} is not supported (only 'none')")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        for name in targets:
+            if str(name).rsplit(".", 1)[-1] not in TARGET_MODULES:
+                raise _fail(
+                    f"target module {name!r} is not supported; supported: "
+                    f"{', '.join(TARGET_MODULES)}"
+                )
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, float(scaling)
+
+
+def load_adapter(path_str: str, hf_config: dict[str, Any], max_rank: int) -> LoRAAdapter:
+    """Check an adapter against the base model without loading its weights (shapes only)."""
+    path = Path(path_str)
+    if not path.is_dir():
+        raise _fail(f"lora_path {path_str!r} is not a directory")
+    rank, scaling = read_adapter_config(path, max_rank)
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise _fail(f"{path} has no {WEIGHTS_FILE} (only safetensors adapters are read)")
+    shapes = _module_shapes(hf_config)
+    num_layers = int(hf_config["num_hidden_layers"])
+    seen: dict[tuple[int, str], set[str]] = {}
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                layer, module, ab = _parse_key(key, num_layers)
+                _check_shape(key, module, ab, tuple(f.get_slice(key).get_shape()), rank, shapes)
+                seen.setdefault((layer, module), set()).add(ab)
+    except InvalidRequestError:
+        raise
+    except Exception as exc:  # a truncated or foreign file: safetensors' own error
+        raise _fail(f"{WEIGHTS_FILE} cannot be read: {exc}") from None
+    if not seen:
+        raise _fail(f"{WEIGHTS_FILE} holds no LoRA weights")
+    for (layer, module), parts in seen.items():
+        if parts != {"A", "B"}:
+            raise _fail(f"layer {layer} {module}: lora_A and lora_B must both be present")
+    return LoRAAdapter(str(path), rank, scaling, frozenset(m for _, m in seen))
+
+
+def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
+    match = _KEY.match(key)
+    if match is None:
+        raise _fail(
+            f"weight {key!r} is not supported: only the decoder projections "
+            f"({', '.join(TARGET_MODULES)}) may carry LoRA weights"
+        )
+    layer, module, ab = int(match.group(1)), match.group(2), match.group(3)
+    if module not in TARGET_MODULES:
+        raise _fail(f"target module {module!r} is not supported ({key})")
+    if layer >= num_layers:
+        raise _fail(f"weight {key!r} is for layer {layer}; the base model has {num_layers}")
+    return layer, module, ab
+
+
+def _check_shape(
+    key: str,
+    module: str,
+    ab: str,
+    shape: tuple[int, ...],
+    rank: int,
+    shapes: dict[str, tuple[int, int]],
+) -> None:
+    out_f, in_f = shapes[module]
+    want = (rank, in_f) if ab == "A" else (out_f, rank)
+    if shape != want:
+        raise _fail(
+            f"weight {key!r} has shape {list(shape)}, the base model's {module} with r={rank} "
+            f"needs {list(want)} (an adapter for another model?)"
+        )
+
+
+class LoRARegistry:
+    """Head side: checked adapters by ``lora_int_id``, least recently used evicted beyond
+    ``max_cpu_loras``. One id names one adapter: a request that reuses a live id for another
+    name or path is refused."""
+
+    def __init__(self, hf_config: dict[str, Any], max_rank: int, max_cpu_loras: int) -> None:
+        self.hf_config = hf_config
+        self.max_rank = max_rank
+        self.capacity = max_cpu_loras
+        self._cache: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def get(
+        self,
+        lora_request: LoRARequest,
+        live: Callable[[], Iterable[LoRARequest]] = tuple,
+    ) -> LoRAAdapter:
+        """The checked adapter; ``live()`` gives the adapters of requests in flight (an id of
+        one of them cannot be rebound, even once the cache has evicted it)."""
+        check_lora_request(lora_request)
+        lid = lora_request.lora_int_id
+        cached = self._cache.get(lid)
+        if cached is not None and cached[0] == lora_request:
+            self._cache.move_to_end(lid)
+            return cached[1]
+        bound = cached[0] if cached is not None else None
+        for other in live():
+            if other.lora_int_id == lid and other != lora_request:
+                bound = other
+        if bound is not None and bound != lora_request:
+            raise _fail(
+                f"lora_int_id {lid} already names adapter {bound.lora_name!r} at "
+                f"{bound.lora_path!r}; one id names one adapter"
+            )
+        adapter = load_adapter(lora_request.lora_path, self.hf_config, self.max_rank)
+        self._cache[lid] = (lora_request, adapter)
+        while len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        return adapter
+
+
+def check_lora_request(lora_request: Any) -> None:
+    if not isinstance(lora_request, LoRARequest):
+        raise _fail(f"must be a LoRARequest, got {type(lora_request).__name__}")
+    lid = lora_request.lora_int_id
+    if not isinstance(lid, int) or isinstance(lid, bool) or lid < 1:
+        raise _fail(f"lora_int_id must be a positive integer, got {lid!r}")
+    if not isinstance(lora_request.lora_name, str) or not lora_request.lora_name:
+        raise _fail("lora_name must be a non-empty string")
+    if not isinstance(lora_request.lora_path, str) or not lora_request.lora_path:
+        raise _fail("lora_path must be a non-empty string (a local PEFT adapter directory)")
+
+
+class LoRASlotTable:
+    """Head side: which adapter each device slot holds. ``assign`` gives every adapter of a
+    step a slot, keeping those already resident and reusing the least recently used slot not
+    needed by this step; it returns the slots whose adapter changed (for the step message)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.specs: list[LoRASlotSpec | None] = [None] * num_slots
+        self._last_used = [-1] * num_slots
+        self._step = 0
+
+    def assign(self, adapters: dict[int, str]) -> dict[int, LoRASlotSpec]:
+        """``adapters``: lora_int_id -> path of this step's requests (at most num_slots)."""
+        if len(adapters) > len(self.specs):
+            raise RuntimeError(
+                f"{len(adapters)} adapters in one step but only {len(self.specs)} slots "
+                "(the scheduler must cap them at max_loras)"
+            )
+        self._step += 1
+        missing = []
+        for lid, path in adapters.items():
+            slot = self.slot_of(lid, path)
+            if slot is None:
+                missing.append(LoRASlotSpec(lora_int_id=lid, lora_path=path))
+            else:
+                self._last_used[slot] = self._step
+        changes: dict[int, LoRASlotSpec] = {}
+        for spec in missing:
+            # An id rebound to another path: its old slot is stale (workers map an id to one slot).
+            for slot, held in enumerate(self.specs):
+                if held is not None and held.lora_int_id == spec.lora_int_id:
+                    self.specs[slot] = None
+            slot = min(
+                (s for s in range(len(self.specs)) if self._last_used[s] < self._step),
+                key=lambda s: (self.specs[s] is not None, self._last_used[s]),
+            )
+            self.specs[slot] = spec
+            self._last_used[slot] = self._step
+            changes[slot] = spec
+        return changes
+
+    def slot_of(self, lora_int_id: int, path: str) -> int | None:
+        for slot, spec in enumerate(self.specs):
+            if spec is not None and spec.lora_int_id == lora_int_id and spec.lora_path == path:
+                return slot
+        return None
+
+
+class WorkerLoRAManager:
+    """Worker side: the model's LoRA layers, the adapter in each slot, and the per-step token
+    -> slot mapping. An adapter is read from disk when its slot changes, each layer taking only
+    its shard (as the model weights are loaded)."""
+
+    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, batch: LoRABatch) -> None:
+        self.batch = batch
+        self.layers: dict[str, LinearLoRA] = attach_lora(
+            model, LORA_MODULES, num_slots, max_rank, batch
+        )
+        self.max_rank = max_rank
+        self.slot_of: dict[int, int] = {}
+
+    def apply_slot_changes(self, changes: dict[int, LoRASlotSpec]) -> None:
+        for slot, spec in changes.items():
+            for lid, held in list(self.slot_of.items()):
+                if held == slot:
+                    del self.slot_of[lid]
+            for layer in self.layers.values():
+                layer.clear_slot(slot)
+            self._load(slot, Path(spec.lora_path))
+            self.slot_of[spec.lora_int_id] = slot
+
+    def _load(self, slot: int, path: Path) -> None:
+        _, scaling = read_adapter_config(path, self.max_rank)
+        pairs: dict[tuple[str, Any], dict[str, Any]] = {}
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                match = _KEY.match(key)
+                if match is None:
+                    raise ValueError(f"{path}: unsupported LoRA weight {key!r}")
+                layer, module, ab = match.group(1), match.group(2), match.group(3)
+                fused, shard_id = TARGET_MODULES[module]
+                name = f"model.layers.{layer}.{module_parent(module)}.{fused}"
+                if name not in self.layers:
+                    continue  # a layer of another pipeline stage
+                pairs.setdefault((name, shard_id), {})[ab] = f.get_slice(key)
+            for (name, shard_id), ab in pairs.items():
+                self.layers[name].load_slice(slot, shard_id, ab["A"], ab["B"], scaling)
+
+    def set_token_slots(self, lora_ids: list[int], query_lens: np.ndarray, device: Any) -> None:
+        """This step's mapping: each request's tokens use its adapter's slot (-1: none)."""
+        slots = np.array([self.slot_of.get(i, -1) if i else -1 for i in lora_ids], np.int32)
+        if (slots < 0).all():
+            self.batch.mapping = LoRAMapping.empty(device)
+            return
+        self.batch.mapping = LoRAMapping.build(np.repeat(slots, query_lens), device)
+
+
+def module_parent(module: str) -> str:
+    return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+
+
+def lora_kernel(backend: str) -> Any:
+    """The add_lora implementation of a kernel backend (``torch`` or ``triton``)."""
+    if backend == "triton":
+        from kernels import triton_lora
+
+        return triton_lora.add_lora
+    from kernels import lora
+
+    return lora.add_lora
+
+
+def make_worker_lora_manager(
+    model: nn.Module, num_slots: int, max_rank: int, backend: str, device: torch.device
+) -> WorkerLoRAManager:
+    return WorkerLoRAManager(model, num_slots, max_rank, LoRABatch(lora_kernel(backend), device))

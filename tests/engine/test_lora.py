@@ -1,0 +1,448 @@
+"""Multi-LoRA serving in the engine: greedy output under each adapter equals HF + PEFT token for
+token (fp32) in mixed batches with chunked prefill and preemption; more adapters than slots all
+finish; the adapter keys the prefix cache; bad adapters are a 400 that harms nothing in flight;
+TP = 2 equals TP = 1 with adapters."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, InvalidRequestError, LoRARequest, SamplingParams
+from engine.tiny_models import make_tiny_lora, resolve_model_source
+
+MODEL = "builtin:tiny-llama"
+MAX_TOKENS = 12
+# Interleaved: base, A, B, ... with prompt lengths crossing block and chunk boundaries.
+PROMPT_LENGTHS = [5, 40, 17, 70, 3, 33, 26, 9]
+
+
+class Adapters:
+    """Three adapters of different ranks and target modules, and HF + PEFT greedy references."""
+
+    def __init__(self, root: Path) -> None:
+        self.paths = {
+            "a": make_tiny_lora(MODEL, root / "a", 8, ["q_proj", "v_proj", "down_proj"], seed=1),
+            "b": make_tiny_lora(
+                MODEL, root / "b", 4, ["k_proj", "o_proj", "gate_proj", "up_proj"], seed=2
+            ),
+            "c": make_tiny_lora(
+                MODEL,
+                root / "c",
+                16,
+                ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                seed=3,
+                lora_alpha=8,
+                use_rslora=True,
+            ),
+        }
+        self.requests = {
+            name: LoRARequest(name, i + 1, str(path))
+            for i, (name, path) in enumerate(self.paths.items())
+        }
+        rng = random.Random(0)
+        self.prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+        self.base_path = resolve_model_source(MODEL)
+        self._models: dict[str | None, Any] = {}
+        self._expected: dict[tuple[int, str | None], list[int]] = {}
+
+    def hf_model(self, name: str | None) -> Any:
+        if name not in self._models:
+            model = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=torch.float32)
+            if name is not None:
+                model = PeftModel.from_pretrained(model, str(self.paths[name]))
+            self._models[name] = model.eval()
+        return self._models[name]
+
+    def expected(self, index: int, name: str | None) -> list[int]:
+        key = (index, name)
+        if key not in self._expected:
+            prompt = self.prompts[index]
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = self.hf_model(name).generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=MAX_TOKENS,
+                    pad_token_id=0,
+                )
+            self._expected[key] = out[0, len(prompt) :].tolist()
+        return self._expected[key]
+
+    def lora(self, name: str | None) -> LoRARequest | None:
+        return self.requests[name] if name is not None else None
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> Adapters:
+    return Adapters(tmp_path_factory.mktemp("loras"))
+
+
+def _generate(llm: LLM, adapters: Adapters, names: list[str | None]) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": p} for p in adapters.prompts[: len(names)]]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    loras = [adapters.lora(n) for n in names]
+    outputs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_clean(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.check_integrity()
+    stats = engine.get_kv_cache_stats()
+    assert stats.free == stats.total
+    assert set(engine.request_state_sizes().values()) == {0}
+    assert engine.executor.collective_rpc("num_request_states") == [0]
+
+
+def test_adapters_change_the_output(adapters: Adapters) -> None:
+    # Otherwise the equality tests below would prove nothing.
+    outputs = {n: adapters.expected(1, n) for n in (None, "a", "b", "c")}
+    assert len({tuple(v) for v in outputs.values()}) == 4
+
+
+def test_mixed_batch_with_chunked_prefill_and_preemption_equals_hf_peft(
+    adapters: Adapters,
+) -> None:
+    names = [None, "a", "b", "a", "b", None, "a", "b"]
+    llm = LLM(
+        MODEL,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        max_num_batched_tokens=32,
+        block_size=8,
+        num_kv_blocks=14,
+    )
+    got = _generate(llm, adapters, names)
+    assert got == [adapters.expected(i, n) for i, n in enumerate(names)]
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    _assert_clean(llm)
+
+
+def test_more_adapters_than_slots_all_finish_unchanged(adapters: Adapters) -> None:
+    names = ["a", "b", "c", None, "c", "a", "b", "c"]
+    llm = LLM(MODEL, enable_lora=True, max_loras=2, max_cpu_loras=3, max_num_batched_tokens=64)
+    engine = llm.llm_engine
+    distinct_per_step: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule() -> Any:
+        out = schedule()
+        ids = {engine.scheduler.requests[r].lora_int_id for r in out.num_scheduled_tokens}
+        distinct_per_step.append(len(ids - {0}))
+        return out
+
+    engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    got = _generate(llm, adapters, names)
+    assert got == [adapters.expected(i, n) for i, n in enumerate(names)]
+    assert max(distinct_per_step) == 2
+    # Every adapter got a slot at some point; at most two are resident.
+    assert len([s for s in engine.lora_slots.specs if s is not None]) == 2
+    _assert_clean(llm)
+
+
+def test_same_prompt_under_another_adapter_shares_no_prefix_blocks(adapters: Adapters) -> None:
+    llm = LLM(MODEL, enable_lora=True, max_loras=2, block_size=8)
+    prompt = [{"prompt_token_ids": adapters.prompts[3]}]  # 70 tokens: 8 full blocks
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def cached(lora: LoRARequest | None) -> int:
+        out = llm.generate(prompt, params, lora_request=lora, use_tqdm=False)
+        return out[0].num_cached_tokens
+
+    assert cached(adapters.lora("a")) == 0
+    assert cached(adapters.lora("b")) == 0
+    assert cached(None) == 0
+    assert cached(adapters.lora("a")) == 64
+    assert cached(adapters.lora("b")) == 64
+    _assert_clean(llm)
+
+
+# ---- bad adapters ---------------------------------------------------------------------------
+
+
+def _broken_copy(adapters: Adapters, tmp_path: Path, how: str) -> str:
+    path = tmp_path / how
+    shutil.copytree(adapters.paths["a"], path)
+    config_file = path / "adapter_config.json"
+    weights_file = path / "adapter_model.safetensors"
+    config = json.loads(config_file.read_text())
+    if how == "missing_weights":
+        weights_file.unlink()
+    elif how == "bad_json":
+        config_file.write_text("{not json")
+    elif how == "unsupported_module":
+        weights = load_file(str(weights_file))
+        weights["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
+        save_file(weights, str(weights_file))
+    elif how == "unsupported_target":
+        config_file.write_text(json.dumps({**config, "target_modules": ["embed_tokens"]}))
+    elif how == "wrong_shape":
+        weights = load_file(str(weights_file))
+        key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+        weights[key] = torch.zeros(48, 8)
+        save_file(weights, str(weights_file))
+    elif how == "dora":
+        config_file.write_text(json.dumps({**config, "use_dora": True}))
+    return str(path)
+
+
+BAD_ADAPTERS = {
+    "missing_weights": "has no adapter_model.safetensors",
+    "bad_json": "adapter_config.json is not valid JSON",
+    "unsupported_module": "lm_head.lora_A.weight' is not supported",
+    "unsupported_target": "target module 'embed_tokens' is not supported",
+    "wrong_shape": r"q_proj.lora_B.weight' has shape \[48, 8\].*needs \[64, 8\]",
+    "dora": "use_dora=True is not supported",
+}
+
+
+@pytest.fixture(scope="module")
+def lora_llm() -> LLM:
+    return LLM(MODEL, enable_lora=True, max_loras=2, max_lora_rank=8)
+
+
+@pytest.mark.parametrize("how", sorted(BAD_ADAPTERS))
+def test_bad_adapter_is_an_invalid_request_naming_the_problem(
+    adapters: Adapters, lora_llm: LLM, tmp_path: Path, how: str
+) -> None:
+    lora = LoRARequest(how, 50, _broken_copy(adapters, tmp_path, how))
+    with pytest.raises(InvalidRequestError, match=BAD_ADAPTERS[how]) as info:
+        lora_llm.llm_engine.add_request("bad", [1, 2, 3], lora_request=lora)
+    assert info.value.param == "lora_request"
+    assert lora_llm.llm_engine.get_num_unfinished_requests() == 0
+
+
+def test_rank_above_max_lora_rank_is_refused(adapters: Adapters, lora_llm: LLM) -> None:
+    lora = adapters.lora("c")  # r = 16 > max_lora_rank 8
+    with pytest.raises(InvalidRequestError, match=r"rank r=16 exceeds max_lora_rank \(8\)"):
+        lora_llm.llm_engine.add_request("big", [1, 2, 3], lora_request=lora)
+
+
+def test_missing_directory_and_bad_ids_are_refused(adapters: Adapters, lora_llm: LLM) -> None:
+    engine = lora_llm.llm_engine
+    with pytest.raises(InvalidRequestError, match="is not a directory"):
+        engine.add_request("x", [1], lora_request=LoRARequest("gone", 7, "/nonexistent/lora"))
+    with pytest.raises(InvalidRequestError, match="lora_int_id must be a positive integer"):
+        engine.add_request("x", [1], lora_request=LoRARequest("a", 0, str(adapters.paths["a"])))
+    engine.add_request("x", [1], lora_request=adapters.lora("a"))
+    rebound = LoRARequest("other", adapters.lora("a").lora_int_id, str(adapters.paths["b"]))
+    with pytest.raises(InvalidRequestError, match="lora_int_id 1 already names adapter 'a'"):
+        engine.add_request("y", [1], lora_request=rebound)
+    engine.abort_request("x")
+
+
+def test_lora_request_without_enable_lora_is_refused(adapters: Adapters) -> None:
+    llm = LLM(MODEL)
+    with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
+        llm.generate([[1, 2]], lora_request=adapters.lora("a"), use_tqdm=False)
+
+
+def test_bad_adapter_does_not_hurt_a_request_in_flight(
+    adapters: Adapters, lora_llm: LLM, tmp_path: Path
+) -> None:
+    engine = lora_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    engine.add_request("good", adapters.prompts[1], params, lora_request=adapters.lora("a"))
+    engine.step()
+    for i, how in enumerate(sorted(BAD_ADAPTERS)):
+        bad = LoRARequest(how, 60 + i, _broken_copy(adapters, tmp_path, how))
+        with pytest.raises(InvalidRequestError):
+            engine.add_request(f"bad-{how}", adapters.prompts[2], params, lora_request=bad)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    assert final is not None and final.outputs[0].token_ids == adapters.expected(1, "a")
+
+
+# ---- TP = 2 equals TP = 1 ------------------------------------------------------------------
+
+
+def _tp_config(tp: int, rank: int) -> Any:
+    import dataclasses
+
+    from engine.config import EngineConfig
+
+    config = EngineConfig.from_kwargs(
+        model=MODEL, tensor_parallel_size=tp, enable_lora=True, max_loras=2, num_kv_blocks=64
+    )
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
+
+
+def _prompt_logprobs_step(paths: dict[str, str], prompts: list[list[int]]) -> bytes:
+    """One prefill step of base / A / B requests that returns every prompt position's logprobs
+    (the sampler's view of all logits), as the head would send it."""
+    from engine.protocol import ExecuteModelRequest, LoRASlotSpec, NewRequestData, encode
+
+    loras = [0, 1, 2]
+    new, offset = [], 0
+    for i, prompt in enumerate(prompts):
+        blocks = list(range(offset, offset + -(-len(prompt) // 16)))
+        offset += len(blocks)
+        new.append(
+            NewRequestData(
+                req_id=f"r{i}",
+                prompt_token_ids=prompt,
+                sampling_params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+                block_ids=blocks,
+                num_computed_tokens=0,
+                lora_int_id=loras[i % 3],
+            )
+        )
+    message = ExecuteModelRequest(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=[],
+        num_scheduled_tokens={f"r{i}": len(p) for i, p in enumerate(prompts)},
+        total_num_scheduled_tokens=sum(len(p) for p in prompts),
+        finished_req_ids=[],
+        lora_slots={
+            1: LoRASlotSpec(lora_int_id=1, lora_path=paths["a"]),
+            0: LoRASlotSpec(lora_int_id=2, lora_path=paths["b"]),
+        },
+    )
+    return encode(message)
+
+
+def _run_worker(rank: int, tp: int, message: bytes, ports: Any, results: Any) -> None:
+    from engine.protocol import decode_request, encode
+    from engine.worker import Worker
+
+    worker = Worker(_tp_config(tp, rank))
+    worker.init_device()
+    if tp > 1:
+        if rank == 0:
+            ports.put(worker.start_rendezvous("127.0.0.1"))
+            port = 0
+        else:
+            port = ports.get(timeout=60)
+        worker.init_distributed("127.0.0.1", port)
+    worker.load_model()
+    worker.initialize_cache(64, 0)
+    output = worker.execute_model(decode_request(message))
+    if rank == 0:
+        results.put(encode(output))
+    worker.shutdown()
+
+
+def _lists(output: Any) -> dict[str, np.ndarray]:
+    return {
+        rid: np.array([row[0] for row in chunk.lists.logprobs])
+        for rid, chunk in output.prompt_logprobs.items()
+    }
+
+
+def test_tensor_parallel_2_equals_1_with_adapters(adapters: Adapters) -> None:
+    from engine.protocol import decode_output
+
+    paths = {name: str(path) for name, path in adapters.paths.items()}
+    message = _prompt_logprobs_step(paths, adapters.prompts[:6])
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    outputs = {}
+    for tp in (1, 2):
+        procs = [
+            ctx.Process(target=_run_worker, args=(r, tp, message, ports, results))
+            for r in range(tp)
+        ]
+        for p in procs:
+            p.start()
+        outputs[tp] = decode_output(results.get(timeout=240))
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    single, sharded = _lists(outputs[1]), _lists(outputs[2])
+    assert sorted(single) == [f"r{i}" for i in range(6)]
+    for rid in single:
+        np.testing.assert_allclose(sharded[rid], single[rid], atol=1e-4, rtol=1e-4)
+    assert outputs[1].sampled_token_ids == outputs[2].sampled_token_ids
+
+
+# ---- scheduler, config, async API ------------------------------------------------------------
+
+
+def test_scheduler_admits_past_a_request_waiting_for_a_lora_slot() -> None:
+    from engine.block_manager import BlockManager
+    from engine.config import SchedulerConfig
+    from engine.request import Request
+    from engine.scheduler import Scheduler, make_execute_model_request
+
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    scheduler = Scheduler(config, BlockManager(64, 4), max_loras=2)
+    loras = {i: LoRARequest(f"l{i}", i, f"/l{i}") for i in (1, 2, 3)}
+    order = [("r1", 1), ("r2", 2), ("r3", 3), ("r4", 1), ("r5", 0), ("r6", 3)]
+    for rid, lid in order:
+        lora = loras.get(lid)
+        scheduler.add_request(
+            Request(rid, [5, 6, 7], SamplingParams(), max_tokens=4, lora_request=lora)
+        )
+    out = scheduler.schedule()
+    message = make_execute_model_request(out)
+    assert list(out.num_scheduled_tokens) == ["r1", "r2", "r4", "r5"]
+    assert [r.lora_int_id for r in message.scheduled_new_reqs] == [1, 2, 1, 0]
+    assert [r.request_id for r in scheduler.waiting] == ["r3", "r6"]  # queue order kept
+
+
+def test_lora_engine_arguments_are_checked() -> None:
+    from engine.config import ConfigError, EngineConfig, LoRAConfig
+
+    assert LoRAConfig(max_loras=3).max_cpu_loras == 3
+    with pytest.raises(ConfigError, match=r"max_cpu_loras: must be >= max_loras \(4\), got 2"):
+        EngineConfig.from_kwargs(model=MODEL, enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ConfigError, match="max_lora_rank: must be a positive integer"):
+        EngineConfig.from_kwargs(model=MODEL, max_lora_rank=0)
+
+
+def test_async_engine_generates_under_an_adapter(adapters: Adapters) -> None:
+    import asyncio
+
+    from engine.async_llm_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_engine_args(model=MODEL, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+    async def run() -> list[int]:
+        final = None
+        async for item in engine.generate(
+            {"prompt_token_ids": adapters.prompts[2]}, params, lora_request=adapters.lora("b")
+        ):
+            final = item
+        assert final is not None
+        return list(final.output.outputs[0].token_ids)
+
+    try:
+        assert asyncio.run(run()) == adapters.expected(2, "b")
+    finally:
+        engine.shutdown()
+
+
+def test_slot_table_keeps_resident_adapters_and_reuses_the_least_recently_used_slot() -> None:
+    from engine.lora import LoRASlotTable
+    from engine.protocol import LoRASlotSpec
+
+    table = LoRASlotTable(2)
+    assert table.assign({1: "/a", 2: "/b"}) == {
+        0: LoRASlotSpec(lora_int_id=1, lora_path="/a"),
+        1: LoRASlotSpec(lora_int_id=2, lora_path="/b"),
+    }
+    assert table.assign({2: "/b"}) == {}
+    assert table.assign({3: "/c", 2: "/b"}) == {0: LoRASlotSpec(lora_int_id=3, lora_path="/c")}
+    # Id 2 rebound to another path is reloaded; its old slot no longer claims it.
+    assert table.assign({2: "/b2"}) == {1: LoRASlotSpec(lora_int_id=2, lora_path="/b2")}
+    assert table.slot_of(2, "/b") is None
+    assert table.slot_of(3, "/c") == 0
+    with pytest.raises(RuntimeError, match="3 adapters in one step but only 2 slots"):
+        table.assign({1: "/a", 2: "/b", 3: "/c"})
