@@ -145,20 +145,55 @@ class PlacementGroupConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Ray Serve LLM's ``lora_config``: LoRA adapters of this model, served as ``<model>:<name>``
+    and loaded on first use from ``<dynamic_lora_loading_path>/<name>`` (a PEFT directory on a
+    path every replica's node can read); each replica keeps at most
+    ``max_num_adapters_per_replica`` (least recently used unloaded first), and Serve's model
+    multiplexing routes an adapter's requests to replicas that hold it."""
+
+    dynamic_lora_loading_path: str
+    max_num_adapters_per_replica: int = 16
+
+    def check(self, path: str) -> None:
+        where = self.dynamic_lora_loading_path
+        _check(bool(where), f"{path}.dynamic_lora_loading_path", "must be a directory")
+        _check(
+            "://" not in where,
+            f"{path}.dynamic_lora_loading_path",
+            f"only local or mounted directories are supported, got {where!r}",
+        )
+        _check(
+            isinstance(self.max_num_adapters_per_replica, int)
+            and self.max_num_adapters_per_replica >= 1,
+            f"{path}.max_num_adapters_per_replica",
+            f"must be an integer >= 1, got {self.max_num_adapters_per_replica!r}",
+        )
+
+
+@dataclass(frozen=True)
 class ModelDeployment:
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     deployment_config: ServeDeploymentConfig = field(default_factory=ServeDeploymentConfig)
     accelerator_type: str | None = None
     placement_group_config: PlacementGroupConfig = field(default_factory=PlacementGroupConfig)
+    lora_config: LoraConfig | None = None
 
     @property
     def model_id(self) -> str:
         return self.model_loading_config.model_id
 
     def engine_args(self) -> dict[str, Any]:
-        """The full engine arguments: ``model`` from ``model_source`` plus ``engine_kwargs``."""
-        return {"model": self.model_loading_config.model_source, **self.engine_kwargs}
+        """The full engine arguments: ``model`` from ``model_source`` plus ``engine_kwargs``;
+        with ``lora_config``, LoRA is enabled and the engine's host-side adapter cache holds
+        every adapter a replica may keep."""
+        args = {"model": self.model_loading_config.model_source, **self.engine_kwargs}
+        if self.lora_config is not None:
+            args["enable_lora"] = True
+            wanted = max(self.lora_config.max_num_adapters_per_replica, args.get("max_loras", 1))
+            args.setdefault("max_cpu_loras", wanted)
+        return args
 
     @property
     def world_size(self) -> int:
@@ -308,6 +343,13 @@ def check_config(config: DeploymentConfig) -> None:
         )
         seen.add(model_id)
         model.deployment_config.check(f"{path}.deployment_config")
+        if model.lora_config is not None:
+            model.lora_config.check(f"{path}.lora_config")
+            _check(
+                model.engine_kwargs.get("enable_lora", True) is True,
+                f"{path}.engine_kwargs.enable_lora",
+                "cannot be false with lora_config",
+            )
         check_engine_kwargs(model, f"{path}.engine_kwargs")
     config.http_options.check("http_options")
     if config.grpc_options is not None:

@@ -18,12 +18,13 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from jinja2 import TemplateError
 
 from cluster.config import HEAD_BUNDLE_INDEX
+from cluster.lora_adapters import AdapterCatalog, AdapterNotFoundError
 from cluster.metrics import ModelMetrics
 from cluster.protocol import (
     ChoiceChunk,
@@ -48,6 +49,7 @@ from engine.errors import (
     RequestAbortedError,
 )
 from engine.llm_engine import LLMEngine, load_tokenizer
+from engine.lora import LoRARequest
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -76,12 +78,20 @@ class LLMServer:
         engine_args: dict[str, Any],
         drain_timeout_s: float = 20.0,
         head_resources: dict[str, float] | None = None,
+        lora_config: dict[str, Any] | None = None,
     ) -> None:
         """``head_resources`` (the head's placement bundle, ``HEAD_BUNDLE_INDEX`` of this
         replica's group) starts the engine core in a head actor; without it (outside Serve) the
-        core runs on a thread of this process."""
+        core runs on a thread of this process. ``lora_config`` (``dynamic_lora_loading_path``,
+        ``max_num_adapters_per_replica``) serves the model's LoRA adapters by name."""
         self.model_id = model_id
         self.replica_id = _replica_id()
+        self.adapters: AdapterCatalog | None = None
+        if lora_config is not None:
+            self.adapters = AdapterCatalog(lora_config["dynamic_lora_loading_path"])
+            self._load_adapter = _adapter_loader(
+                self.adapters, lora_config.get("max_num_adapters_per_replica", 16)
+            )
         config = EngineConfig.from_kwargs(**engine_args)
         self.config = config
         if head_resources is not None:
@@ -125,13 +135,25 @@ class LLMServer:
         self._active.add(request_id)
         try:
             self._check_tool_choice(request)
+            lora_request = await self._lora_request(request.adapter)
             prompt = self._prompt(request)
             params = _sampling_params(request.params)
             timeout = request.timeout
             stream = self.engine.generate(
-                prompt, params, request_id, cache_salt=request.cache_salt, timeout_s=timeout
+                prompt,
+                params,
+                request_id,
+                cache_salt=request.cache_salt,
+                timeout_s=timeout,
+                lora_request=lora_request,
             )
             first = await stream.__anext__()
+        except AdapterNotFoundError:
+            self._active.discard(request_id)
+            name = f"{self.model_id}:{request.adapter}"
+            yield error_item(404, f"The model `{name}` does not exist.", "model",
+                             "model_not_found")  # fmt: skip
+            return
         except InvalidRequestError as exc:
             self._active.discard(request_id)
             yield error_item(400, str(exc), exc.param)
@@ -155,6 +177,8 @@ class LLMServer:
             last = first
             async for item in _chain(first, stream):
                 timer.on_tokens(item.time, item.num_new_tokens)
+                if request.adapter is not None:
+                    self.metrics.on_adapter_tokens(request.adapter, item.num_new_tokens)
                 last = item
                 yield StreamDelta([_choice_chunk(d) for d in item.deltas])
             if timeout is not None and _was_aborted(last):
@@ -180,7 +204,24 @@ class LLMServer:
             first = [[ids[0], self.tokenizer.decode(ids[:1]), None, None]]
             prompt_logprobs = [first] + [_logprob_rows(e) for e in output.prompt_logprobs[1:]]
         parser = self.tool_call_parser if request.tool_choice == "auto" else None
-        return StreamStart(len(ids), len(output.outputs), text, prompt_logprobs, parser)
+        return StreamStart(
+            len(ids), len(output.outputs), text, prompt_logprobs, parser, self.replica_id
+        )
+
+    async def _lora_request(self, adapter: str | None) -> LoRARequest | None:
+        """The engine's ``LoRARequest`` for the request's adapter (None: the base model);
+        ``AdapterNotFoundError`` when this model has no adapter of that name."""
+        if adapter is None:
+            return None
+        if self.adapters is None:
+            raise AdapterNotFoundError(adapter)
+        lora_request = await self._load_adapter(adapter)
+        self.metrics.on_adapter_request(adapter)
+        return lora_request
+
+    async def list_adapters(self) -> list[str]:
+        """The adapters this model serves by name (those in its adapter directory)."""
+        return self.adapters.available() if self.adapters is not None else []
 
     def _check_tool_choice(self, request: GenerateRequest) -> None:
         if request.tool_choice == "auto" and not self.config.frontend.enable_auto_tool_choice:
@@ -410,6 +451,23 @@ def _chat_ids(
         logger.exception("chat template failed")
         raise InvalidRequestError("the chat template rejected them", "messages") from exc
     return list(ids)
+
+
+def _adapter_loader(
+    catalog: AdapterCatalog, max_per_replica: int
+) -> Callable[[str], Awaitable[LoRARequest]]:
+    """Inside a Serve replica, a ``serve.multiplexed`` loader: Serve then routes each adapter's
+    requests to replicas that already loaded it, and keeps at most ``max_per_replica`` per
+    replica (LRU). Outside one, a plain lookup."""
+
+    async def load(name: str) -> LoRARequest:
+        return catalog.request(name)
+
+    if _replica_id() == "local":
+        return load
+    from ray import serve
+
+    return serve.multiplexed(max_num_models_per_replica=max_per_replica)(load)
 
 
 def serve_stop_flag() -> Callable[[], bool] | None:

@@ -42,6 +42,22 @@ class ModelMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.")
         self._last = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
+        adapter_tags = (*_TAGS, "adapter")
+        self.adapter_requests = Counter(
+            PREFIX + "lora_requests_total", "Requests per LoRA adapter.", tag_keys=adapter_tags
+        )
+        self.adapter_tokens = Counter(
+            PREFIX + "lora_generation_tokens_total",
+            "Tokens generated per LoRA adapter.",
+            tag_keys=adapter_tags,
+        )
+
+    def on_adapter_request(self, adapter: str) -> None:
+        self.adapter_requests.inc(1, {**self.tags, "adapter": adapter})
+
+    def on_adapter_tokens(self, adapter: str, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self.adapter_tokens.inc(num_tokens, {**self.tags, "adapter": adapter})
 
     def publish(self, stats: EngineStats) -> None:
         """Set gauges from a snapshot and advance counters by what changed since the last."""

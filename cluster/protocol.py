@@ -62,6 +62,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # "auto": the replica checks that its model reads tool calls (enable_auto_tool_choice) and
     # names its tool_call_parser in StreamStart. Forced calls arrive as structured outputs.
     tool_choice: str | None = None
+    # A LoRA adapter of the model (the OpenAI model "<model>:<adapter>"); None: the base model.
+    adapter: str | None = None
 
 
 # Per token: rows of [token_id, text, logprob, rank], the sampled token first, then the top-k.
@@ -75,6 +77,7 @@ class StreamStart(msgspec.Struct, tag="start", omit_defaults=True):
     prompt_text: str | None = None  # with echo
     prompt_logprobs: list[TokenLogprobs] | None = None  # with prompt_logprobs, one per token
     tool_call_parser: str | None = None  # with tool_choice "auto"
+    replica_id: str | None = None  # the replica serving it (a response header)
 
 
 class ChoiceChunk(msgspec.Struct):

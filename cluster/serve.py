@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import os
 import re
 import urllib.request
@@ -58,6 +59,8 @@ from cluster.protocol import (
 )
 
 INGRESS_NAME = "OpenAIIngress"
+# Which replica served a generation (routing checks, debugging).
+REPLICA_HEADER = "x-llm-cluster-replica"
 _FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "HF_HUB_OFFLINE",
                   "OMP_NUM_THREADS", "TRITON_INTERPRET")  # fmt: skip
 
@@ -183,8 +186,11 @@ def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] 
     return vector
 
 
-def _model_card(model_id: str) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "llm-cluster"}
+def _model_card(model_id: str, parent: str | None = None) -> dict[str, Any]:
+    card = {"id": model_id, "object": "model", "created": 0, "owned_by": "llm-cluster"}
+    if parent is not None:  # a LoRA adapter of ``parent`` (vLLM's "parent" / "root")
+        card.update(parent=parent, root=parent)
+    return card
 
 
 def grpc_structured_outputs(spec: llm_pb2.StructuredOutputs) -> dict[str, Any]:
@@ -227,10 +233,13 @@ class OpenAIIngress:
         servers: dict[str, DeploymentHandle],
         api_key_hashes: list[str],
         max_body_bytes: int,
+        lora_models: list[str] | None = None,
     ) -> None:
         self.servers = servers
         self.api_key_hashes = api_key_hashes
         self.max_body_bytes = max_body_bytes
+        # Models whose LoRA adapters are served as "<model>:<adapter>".
+        self.lora_models = set(lora_models or ())
         # Serve stopping this replica (cluster shutdown, redeploy): new generations get 503.
         self._stopping = serve_stop_flag()
 
@@ -244,13 +253,27 @@ class OpenAIIngress:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
         return self.servers[model]
 
+    def _route(self, model: str) -> tuple[DeploymentHandle, str | None]:
+        """The handle serving ``model`` and its LoRA adapter: ``<base>:<adapter>`` goes to the
+        base model's replicas through Serve's model multiplexing (to a replica that already
+        loaded the adapter when there is one)."""
+        if model in self.servers:
+            return self.servers[model], None
+        base, _, adapter = model.rpartition(":")
+        if base not in self.lora_models or not adapter:
+            return self._server(model), None  # the 404
+        return self.servers[base].options(multiplexed_model_id=adapter), adapter
+
     async def open_stream(self, model: str, payload: GenerateRequest) -> tuple[StreamStart, Any]:
         """Start a generation; returns its "start" item and the handle's stream, or raises
         ``APIError`` (the server's validation error, 404, 503) before any byte is sent."""
         if self._stopping is not None and self._stopping():
             raise APIError(503, "the server is shutting down, retry later", None, "draining",
                            retry_after=1)  # fmt: skip
-        stream = self._server(model).options(stream=True).generate.remote(payload)
+        handle, adapter = self._route(model)
+        if adapter is not None:
+            payload = msgspec.structs.replace(payload, adapter=adapter)
+        stream = handle.options(stream=True).generate.remote(payload)
         try:
             first = await stream.__anext__()
         except BackPressureError as exc:
@@ -294,9 +317,11 @@ class OpenAIIngress:
                 stream.cancel()
 
         merged = merge_streams([guard_stream(s, req.model) for s in streams])
+        replica = opened[0][0].replica_id
+        headers = {REPLICA_HEADER: replica} if replica else None
         if req.stream:
             body = stream_sse(completion, merged, cancel, first_chunks)
-            return StreamingResponse(body, media_type="text/event-stream")
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
         try:
             async for i, item in merged:
                 if isinstance(item, StreamError):
@@ -305,7 +330,7 @@ class OpenAIIngress:
         finally:
             await merged.aclose()
             cancel()
-        return completion.whole()
+        return JSONResponse(completion.whole(), headers=headers)
 
     # ---- OpenAI routes -------------------------------------------------------------------
 
@@ -332,11 +357,26 @@ class OpenAIIngress:
                            "top_logprobs", exc.code) from exc  # fmt: skip
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(m) for m in self.servers]}
+        data = [_model_card(m) for m in self.servers]
+        for base in sorted(self.lora_models):
+            data += [_model_card(f"{base}:{a}", base) for a in await self._adapters(base)]
+        return {"object": "list", "data": data}
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        self._server(model_id)  # 404 naming it if unknown
-        return _model_card(model_id)
+        _, adapter = self._route(model_id)  # 404 naming it if unknown
+        if adapter is None:
+            return _model_card(model_id)
+        base = model_id[: -len(adapter) - 1]
+        if adapter not in await self._adapters(base):
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model",
+                           "model_not_found")  # fmt: skip
+        return _model_card(model_id, base)
+
+    async def _adapters(self, base: str) -> list[str]:
+        try:
+            return await self.servers[base].list_adapters.remote()
+        except ray.exceptions.RayError:
+            return []  # its replicas are down (or scaled to zero): list the base model only
 
     async def embeddings(self, req: EmbeddingRequest) -> Any:
         check_extra_fields(req)
@@ -458,7 +498,8 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
         graceful_shutdown_timeout_s=drain_s + 5,
         ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env()},
     )
-    return ingress.bind(servers, hashes, config.http_options.max_body_bytes)
+    lora_models = [m.model_id for m in config.models if m.lora_config is not None]
+    return ingress.bind(servers, hashes, config.http_options.max_body_bytes, lora_models)
 
 
 def _server_deployment(model: ModelDeployment) -> Any:
@@ -473,7 +514,10 @@ def _server_deployment(model: ModelDeployment) -> Any:
     drain_timeout_s = model.deployment_config.graceful_shutdown_timeout_s
     head = bundles[HEAD_BUNDLE_INDEX]
     head_resources = {k: v for k, v in head.items() if k in ("CPU", "GPU")}
-    return deployment.bind(model.model_id, model.engine_args(), drain_timeout_s, head_resources)
+    lora = dataclasses.asdict(model.lora_config) if model.lora_config is not None else None
+    return deployment.bind(
+        model.model_id, model.engine_args(), drain_timeout_s, head_resources, lora
+    )
 
 
 def runtime_env() -> dict[str, Any]:

@@ -44,8 +44,8 @@ def test_stream_is_start_then_deltas_matching_offline(server: LLMServer) -> None
     items = collect(server, {"prompt": "Once upon", "params": params})
     offline = LLM(**ENGINE_ARGS).generate("Once upon", SamplingParams(**params), use_tqdm=False)
     prompt_tokens = len(offline[0].prompt_token_ids)
-    # n = 1 and the fields only echo / prompt logprobs / tools set are defaults, left out.
-    assert items[0] == {"type": "start", "prompt_tokens": prompt_tokens}
+    # n = 1 and the fields only echo, prompt logprobs and tools set are defaults, left out.
+    assert items[0] == {"type": "start", "prompt_tokens": prompt_tokens, "replica_id": "local"}
     choices = [c for i in items[1:] for c in i["choices"]]
     assert "".join(c["text"] for c in choices) == offline[0].outputs[0].text
     assert choices[-1]["finish_reason"] == "length"

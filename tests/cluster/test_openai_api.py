@@ -589,7 +589,7 @@ def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> A
 
     from cluster.serve import OpenAIIngress
 
-    ingress = SimpleNamespace(_server=lambda model: _FakeHandle(first),
+    ingress = SimpleNamespace(_route=lambda model: (_FakeHandle(first), None),
                               _stopping=lambda: stopping)  # fmt: skip
     with pytest.raises(APIError) as info:
         asyncio.run(OpenAIIngress.open_stream(ingress, "m", {}))  # type: ignore[arg-type]
