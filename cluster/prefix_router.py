@@ -159,8 +159,8 @@ def choose(
     rng = rng or random.Random()
     order = list(replicas)
     rng.shuffle(order)  # equal replicas are picked at random, not by position
-    least = min(order, key=lambda r: (r.in_flight, r.chunks_held))
     usable = [r for r in order if r.kv_usage < KV_FULL] or order
+    least = min(usable, key=lambda r: (r.in_flight, r.chunks_held))
     best = max(usable, key=lambda r: (matches.get(r.key, 0), -r.in_flight))
     matched = matches.get(best.key, 0)
     if num_chunks == 0 or matched == 0 or matched < settings.min_match_fraction * num_chunks:
