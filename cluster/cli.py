@@ -225,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_bench.add_arguments(sv)
     sv.set_defaults(func=lambda a: (serve_bench.run(a), 0)[1])
+    from cluster.bench import prefix
+
+    px = bench_sub.add_parser(
+        "prefix", help="shared-prefix workload: 1 replica vs 2 prefix-aware vs 2 pow2"
+    )
+    prefix.add_arguments(px)
+    px.set_defaults(func=lambda a: (prefix.run(a), 0)[1])
     from cluster.bench import soak
 
     sk = bench_sub.add_parser(

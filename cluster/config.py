@@ -39,6 +39,8 @@ from engine.config import (
 )
 
 Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
+RequestRouterName = Literal["prefix_aware", "pow2"]
+AutoscalingPolicyName = Literal["engine", "ongoing_requests"]
 
 
 # Where a replica's head actor sits in its placement group (the front, the replica, is 0).
@@ -62,6 +64,12 @@ class AutoscalingConfig:
     look_back_period_s: float = 30.0
     # Deprecated by Serve but still bounds look_back_period_s from below; omitted when unset.
     metrics_interval_s: float | None = None
+    downscale_to_zero_delay_s: float | None = None  # the 1 -> 0 step; downscale_delay_s if unset
+    # Ours, not Serve's: "engine" (cluster.autoscaling_policy) scales on the replicas' waiting
+    # queue and KV usage besides ongoing requests; "ongoing_requests" is Serve's own policy.
+    policy: AutoscalingPolicyName = "engine"
+    target_num_waiting: float = 2.0  # engine policy: mean waiting requests per replica
+    target_kv_usage: float = 0.85  # engine policy: mean fraction of KV blocks in use
 
     def check(self, path: str) -> None:
         _check(self.min_replicas >= 0, f"{path}.min_replicas", "must be >= 0")
@@ -79,8 +87,66 @@ class AutoscalingConfig:
         for name in ("target_ongoing_requests", "look_back_period_s", "metrics_interval_s"):
             value = getattr(self, name)
             _check(value is None or value > 0, f"{path}.{name}", "must be > 0")
-        for name in ("upscale_delay_s", "downscale_delay_s"):
-            _check(getattr(self, name) >= 0, f"{path}.{name}", "must be >= 0")
+        for name in ("upscale_delay_s", "downscale_delay_s", "downscale_to_zero_delay_s"):
+            value = getattr(self, name)
+            _check(value is None or value >= 0, f"{path}.{name}", "must be >= 0")
+        _check(self.target_num_waiting > 0, f"{path}.target_num_waiting", "must be > 0")
+        _check(0 < self.target_kv_usage <= 1, f"{path}.target_kv_usage", "must be in (0, 1]")
+
+    def serve_options(self) -> dict[str, Any]:
+        """Serve's ``autoscaling_config``: its own keys, and the engine policy with its targets
+        as ``policy_kwargs``."""
+        ours = ("policy", "target_num_waiting", "target_kv_usage")
+        options = {
+            k: v for k, v in dataclasses.asdict(self).items() if v is not None and k not in ours
+        }
+        if self.policy == "engine":
+            options["policy"] = {
+                "policy_function": ENGINE_AUTOSCALING_POLICY,
+                "policy_kwargs": {
+                    "target_num_waiting": self.target_num_waiting,
+                    "target_kv_usage": self.target_kv_usage,
+                },
+            }
+        return options
+
+
+# Serve imports it by path on the deploying machine and ships it by value to its controller.
+ENGINE_AUTOSCALING_POLICY = "cluster.autoscaling_policy:EngineSignalPolicy"
+ROUTER_CLASSES: dict[str, str] = {
+    "prefix_aware": "cluster.prefix_router:PrefixAwareRouter",
+    "pow2": "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter",
+}
+
+
+@dataclass(frozen=True)
+class PrefixRouterConfig:
+    """The prefix-aware router's knobs (``cluster.prefix_router``)."""
+
+    chunk_chars: int = 64  # the prompt is hashed in chunks of this many characters (or 16 ids)
+    max_chunks_per_replica: int = 65536  # LRU bound of each replica's set of chunk hashes
+    # A longest-prefix replica is skipped for the least-loaded one when its ongoing requests
+    # exceed the least-loaded one's by more than balance_abs_threshold AND by a factor of
+    # more than balance_rel_threshold (SGLang's cache-aware router's balance rule).
+    balance_abs_threshold: int = 4
+    balance_rel_threshold: float = 1.5
+    # Below this fraction of the prompt matched, the request goes to the least-loaded replica.
+    min_match_fraction: float = 0.1
+    routing_stats_period_s: float = 1.0  # how often replicas report queue / KV usage
+
+    def check(self, path: str) -> None:
+        _check(self.chunk_chars >= 1, f"{path}.chunk_chars", "must be >= 1")
+        _check(self.max_chunks_per_replica >= 1, f"{path}.max_chunks_per_replica", "must be >= 1")
+        _check(self.balance_abs_threshold >= 0, f"{path}.balance_abs_threshold", "must be >= 0")
+        _check(self.balance_rel_threshold >= 1, f"{path}.balance_rel_threshold", "must be >= 1")
+        _check(0 <= self.min_match_fraction <= 1, f"{path}.min_match_fraction",
+               "must be in [0, 1]")  # fmt: skip
+        _check(self.routing_stats_period_s > 0, f"{path}.routing_stats_period_s", "must be > 0")
+
+    def router_kwargs(self) -> dict[str, Any]:
+        kwargs = dataclasses.asdict(self)
+        del kwargs["routing_stats_period_s"]
+        return kwargs
 
 
 # Seconds between the end of a replica's drain (leftover requests aborted) and Serve's
@@ -100,6 +166,28 @@ class ServeDeploymentConfig:
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 30.0
     graceful_shutdown_timeout_s: float = 20.0
+    # None: prefix_aware when the model can run more than one replica, else pow2 (Serve's).
+    request_router: RequestRouterName | None = None
+    prefix_router: PrefixRouterConfig = field(default_factory=PrefixRouterConfig)
+    # A model scaled to zero: how long a request waits for its first item (a replica to start,
+    # then its prefill) before a 503 with Retry-After. Only used when min_replicas is 0.
+    cold_start_timeout_s: float = 300.0
+
+    @property
+    def max_replicas(self) -> int:
+        if self.autoscaling_config is not None:
+            return self.autoscaling_config.max_replicas
+        return self.num_replicas or 1
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.autoscaling_config is not None and self.autoscaling_config.min_replicas == 0
+
+    @property
+    def router(self) -> RequestRouterName:
+        if self.request_router is not None:
+            return self.request_router
+        return "prefix_aware" if self.max_replicas > 1 else "pow2"
 
     def check(self, path: str) -> None:
         _check(
@@ -120,6 +208,16 @@ class ServeDeploymentConfig:
         for name in ("health_check_period_s", "health_check_timeout_s",
                      "graceful_shutdown_timeout_s"):  # fmt: skip
             _check(getattr(self, name) > 0, f"{path}.{name}", "must be > 0")
+        self.prefix_router.check(f"{path}.prefix_router")
+        _check(self.cold_start_timeout_s > 0, f"{path}.cold_start_timeout_s", "must be > 0")
+
+    def request_router_config(self) -> dict[str, Any]:
+        """Serve's ``request_router_config`` for this model."""
+        config: dict[str, Any] = {"request_router_class": ROUTER_CLASSES[self.router]}
+        if self.router == "prefix_aware":
+            config["request_router_kwargs"] = self.prefix_router.router_kwargs()
+            config["request_routing_stats_period_s"] = self.prefix_router.routing_stats_period_s
+        return config
 
     def serve_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {
@@ -132,10 +230,10 @@ class ServeDeploymentConfig:
             "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s + DRAIN_ABORT_MARGIN_S,
         }
         if self.autoscaling_config is not None:
-            scaling = dataclasses.asdict(self.autoscaling_config)
-            options["autoscaling_config"] = {k: v for k, v in scaling.items() if v is not None}
+            options["autoscaling_config"] = self.autoscaling_config.serve_options()
         else:
             options["num_replicas"] = self.num_replicas or 1
+        options["request_router_config"] = self.request_router_config()
         return options
 
 
@@ -225,10 +323,7 @@ class ModelDeployment:
 
     @property
     def max_replicas(self) -> int:
-        scaling = self.deployment_config.autoscaling_config
-        if scaling is not None:
-            return scaling.max_replicas
-        return self.deployment_config.num_replicas or 1
+        return self.deployment_config.max_replicas
 
     def cpus_at_max_scale(self) -> float:
         """Logical CPUs this model's replicas reserve at ``max_replicas`` (front, head and

@@ -39,7 +39,7 @@ from cluster.protocol import (
     TokenizeResult,
 )
 from cluster.tool_parsers import get_tool_parser
-from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta
+from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta, EngineStats
 from engine.config import EngineConfig
 from engine.core_client import InProcessCoreClient
 from engine.errors import (
@@ -114,6 +114,7 @@ class LLMServer:
             get_tool_parser(self.tool_call_parser)  # a ValueError naming the valid parsers
         self.metrics = ModelMetrics(model_id, self.replica_id)
         self._stats_task: asyncio.Task[None] | None = None
+        self._last_stats: tuple[float, EngineStats] | None = None  # (monotonic time, snapshot)
         # Graceful drain (scale-down, redeploy, shutdown): see ``_drain``.
         self.drain_timeout_s = drain_timeout_s
         self.draining = False
@@ -323,10 +324,41 @@ class LLMServer:
             "kv_free_blocks": stats.kv_free_blocks,
             "kv_usage": stats.kv_usage,
             "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
             "num_preemptions": stats.num_preemptions,
             "prompt_tokens_total": stats.prompt_tokens_total,
             "generation_tokens_total": stats.generation_tokens_total,
         }
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's hook for the request router (every ``routing_stats_period_s``): the engine's
+        queue and KV usage, from the last snapshot when it is fresh (no extra round trip)."""
+        stats = await self._recent_stats()
+        return {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_usage": stats.kv_usage,
+            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook for the autoscaling policy (``cluster.autoscaling_policy``): numbers
+        only, aggregated by Serve's controller over ``look_back_period_s``."""
+        stats = await self._recent_stats()
+        return {
+            "num_running": float(stats.num_running),
+            "num_waiting": float(stats.num_waiting),
+            "kv_usage": float(stats.kv_usage),
+        }
+
+    async def _recent_stats(self, max_age_s: float = 1.5) -> EngineStats:
+        now = time.monotonic()
+        if self._last_stats is not None and now - self._last_stats[0] <= max_age_s:
+            return self._last_stats[1]
+        stats = await self.engine.get_stats()
+        self._last_stats = (now, stats)
+        return stats
 
     async def request_state(self) -> dict[str, Any]:
         """Per-request state on the head and the workers (all 0 once idle), plus the KV pool."""
@@ -383,7 +415,9 @@ class LLMServer:
     async def _publish_stats(self) -> None:
         while not self.engine.is_dead:
             with contextlib.suppress(EngineDeadError):
-                self.metrics.publish(await self.engine.get_stats())
+                stats = await self.engine.get_stats()
+                self._last_stats = (time.monotonic(), stats)
+                self.metrics.publish(stats)
             await asyncio.sleep(1.0)
 
     def __del__(self) -> None:

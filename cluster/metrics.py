@@ -35,6 +35,10 @@ class ModelMetrics:
         self.waiting = gauge("requests_waiting", "Requests waiting or swapped out.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV cache blocks in use, percent.")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens found cached.")
+        self.prefix_queries = counter(
+            "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens found cached.")
         self.preemptions = counter("preemptions_total", "Requests preempted.")
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens admitted.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
@@ -67,6 +71,8 @@ class ModelMetrics:
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate, self.tags)
         last, self._last = self._last, stats
         for counter, now, before in (
+            (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+            (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
             (self.preemptions, stats.num_preemptions, last.num_preemptions),
             (self.prompt_tokens, stats.prompt_tokens_total, last.prompt_tokens_total),
             (self.generation_tokens, stats.generation_tokens_total, last.generation_tokens_total),

@@ -61,8 +61,13 @@ from cluster.protocol import (
 INGRESS_NAME = "OpenAIIngress"
 # Which replica served a generation (routing checks, debugging).
 REPLICA_HEADER = "x-llm-cluster-replica"
+COLD_START_RETRY_AFTER_S = 10
 _FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "HF_HUB_OFFLINE",
                   "OMP_NUM_THREADS", "TRITON_INTERPRET")  # fmt: skip
+
+
+def deployment_name(model_id: str) -> str:
+    return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
 
 
 async def _response(response: Any) -> Any:
@@ -234,12 +239,16 @@ class OpenAIIngress:
         api_key_hashes: list[str],
         max_body_bytes: int,
         lora_models: list[str] | None = None,
+        cold_start_timeouts: dict[str, float] | None = None,
     ) -> None:
         self.servers = servers
         self.api_key_hashes = api_key_hashes
         self.max_body_bytes = max_body_bytes
         # Models whose LoRA adapters are served as "<model>:<adapter>".
         self.lora_models = set(lora_models or ())
+        # Models that scale to zero: how long a request waits for its first item (a replica
+        # starting, then its prefill) before a 503 with Retry-After.
+        self.cold_start_timeouts = cold_start_timeouts or {}
         # Serve stopping this replica (cluster shutdown, redeploy): new generations get 503.
         self._stopping = serve_stop_flag()
 
@@ -274,8 +283,15 @@ class OpenAIIngress:
         if adapter is not None:
             payload = msgspec.structs.replace(payload, adapter=adapter)
         stream = handle.options(stream=True).generate.remote(payload)
+        base = model if adapter is None else model[: -len(adapter) - 1]
+        timeout_s = self.cold_start_timeouts.get(base)
         try:
-            first = await stream.__anext__()
+            first = await asyncio.wait_for(stream.__anext__(), timeout_s)
+        except TimeoutError as exc:
+            stream.cancel()
+            raise APIError(503, f"model {model!r} is starting (it was scaled to zero) and did "
+                           f"not answer within {timeout_s:.0f} s; retry later", None,
+                           "cold_start", retry_after=COLD_START_RETRY_AFTER_S) from exc  # fmt: skip
         except BackPressureError as exc:
             raise APIError(503, f"model {model!r} is overloaded, retry later", None,
                            "overloaded", retry_after=1) from exc  # fmt: skip
@@ -413,7 +429,10 @@ class OpenAIIngress:
 
     async def health(self) -> Any:
         problems = {}
+        idle = await asyncio.to_thread(self._scaled_to_zero)
         for model, handle in self.servers.items():
+            if model in idle:  # a health call would start a replica; nothing there can be dead
+                continue
             try:
                 status = await asyncio.wait_for(_response(handle.health.remote()), 10)
             except Exception as exc:  # unreachable replica: unhealthy, whatever the cause
@@ -424,6 +443,22 @@ class OpenAIIngress:
             message = "; ".join(f"{m}: {e}" for m, e in problems.items())
             return error_response(APIError(503, message, None, "engine_dead"))
         return JSONResponse({"status": "ok"})
+
+    def _scaled_to_zero(self) -> set[str]:
+        """The models that scale to zero and have no running replica now (Serve's status)."""
+        if not self.cold_start_timeouts:
+            return set()
+        try:
+            app = serve.status().applications[serve.get_replica_context().app_name]
+        except Exception:  # status unreachable: check every model
+            return set()
+        idle = set()
+        for model in self.cold_start_timeouts:
+            deployment = app.deployments.get(deployment_name(model))
+            states = deployment.replica_states if deployment is not None else {}
+            if not any(getattr(s, "value", s) == "RUNNING" and n for s, n in states.items()):
+                idle.add(model)
+        return idle
 
     async def metrics(self) -> Any:
         return metrics_response(await asyncio.to_thread(scrape_cluster_metrics))
@@ -479,10 +514,6 @@ class OpenAIIngress:
 # ---- building the application ------------------------------------------------------------
 
 
-def deployment_name(model_id: str) -> str:
-    return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
-
-
 def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig) -> Any:
     """The Serve application for a deployment config (validated first; raises ``ConfigError``)."""
     if not isinstance(config, DeploymentConfig):
@@ -499,7 +530,14 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
         ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env()},
     )
     lora_models = [m.model_id for m in config.models if m.lora_config is not None]
-    return ingress.bind(servers, hashes, config.http_options.max_body_bytes, lora_models)
+    cold_start = {
+        m.model_id: m.deployment_config.cold_start_timeout_s
+        for m in config.models
+        if m.deployment_config.scales_to_zero
+    }
+    return ingress.bind(
+        servers, hashes, config.http_options.max_body_bytes, lora_models, cold_start
+    )
 
 
 def _server_deployment(model: ModelDeployment) -> Any:

@@ -142,6 +142,94 @@ def test_autoscaling_bounds_are_checked() -> None:
     )
 
 
+def autoscaled(**scaling: Any) -> dict[str, Any]:
+    data = tiny()
+    dc = data["models"][0]["deployment_config"]
+    del dc["num_replicas"]
+    dc["autoscaling_config"] = scaling
+    return data
+
+
+def test_multi_replica_models_default_to_the_prefix_aware_router() -> None:
+    options = load_config(autoscaled(min_replicas=1, max_replicas=2)).models[0].serve_options()
+    router = options["request_router_config"]
+    assert router["request_router_class"] == "cluster.prefix_router:PrefixAwareRouter"
+    assert router["request_router_kwargs"]["balance_abs_threshold"] == 4
+    assert router["request_routing_stats_period_s"] == 1.0
+
+
+def test_one_replica_models_and_request_router_pow2_use_serves_router() -> None:
+    single = load_config(tiny()).models[0].serve_options()["request_router_config"]
+    assert single["request_router_class"].endswith(":PowerOfTwoChoicesRequestRouter")
+    data = autoscaled(max_replicas=2)
+    data["models"][0]["deployment_config"]["request_router"] = "pow2"
+    options = load_config(data).models[0].serve_options()
+    assert options["request_router_config"]["request_router_class"].endswith(
+        ":PowerOfTwoChoicesRequestRouter"
+    )
+
+
+def test_an_unknown_request_router_and_bad_prefix_router_knobs_name_their_key() -> None:
+    data = tiny()
+    data["models"][0]["deployment_config"]["request_router"] = "round_robin"
+    assert error_of(data).startswith("models[0].deployment_config.request_router: must be one of")
+    data = tiny()
+    data["models"][0]["deployment_config"]["prefix_router"] = {"balance_rel_threshold": 0.5}
+    assert error_of(data).startswith(
+        "models[0].deployment_config.prefix_router.balance_rel_threshold: must be >= 1"
+    )
+    data["models"][0]["deployment_config"]["prefix_router"] = {"chunk_size": 5}
+    assert error_of(data).startswith(
+        "models[0].deployment_config.prefix_router.chunk_size: unknown key"
+    )
+
+
+def test_the_engine_autoscaling_policy_gets_its_targets_as_policy_kwargs() -> None:
+    data = autoscaled(min_replicas=0, max_replicas=2, target_num_waiting=3,
+                      downscale_to_zero_delay_s=5)  # fmt: skip
+    model = load_config(data).models[0]
+    scaling = model.serve_options()["autoscaling_config"]
+    assert scaling["policy"] == {
+        "policy_function": "cluster.autoscaling_policy:EngineSignalPolicy",
+        "policy_kwargs": {"target_num_waiting": 3.0, "target_kv_usage": 0.85},
+    }
+    assert scaling["min_replicas"] == 0 and scaling["downscale_to_zero_delay_s"] == 5
+    assert "target_num_waiting" not in scaling
+    assert model.deployment_config.scales_to_zero
+
+
+def test_serves_own_autoscaling_policy_can_be_chosen() -> None:
+    model = load_config(autoscaled(max_replicas=2, policy="ongoing_requests")).models[0]
+    assert "policy" not in model.serve_options()["autoscaling_config"]
+
+
+def test_serve_accepts_the_generated_options() -> None:
+    from ray import serve
+
+    from cluster.llm_server import LLMServer
+
+    data = autoscaled(min_replicas=0, max_replicas=2)
+    options = load_config(data).models[0].serve_options()
+    deployment = serve.deployment(LLMServer).options(**options)
+    config = deployment._deployment_config
+    assert config.request_router_config.request_router_class.endswith("PrefixAwareRouter")
+    assert config.autoscaling_config.policy.policy_kwargs["target_kv_usage"] == 0.85
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("target_kv_usage", 0, "must be in (0, 1]"),
+        ("target_num_waiting", -1, "must be > 0"),
+        ("policy", "fancy", "must be one of"),
+        ("downscale_to_zero_delay_s", -1, "must be >= 0"),
+    ],
+)
+def test_engine_policy_targets_are_checked(key: str, value: Any, message: str) -> None:
+    error = error_of(autoscaled(max_replicas=2, **{key: value}))
+    assert error.startswith(f"models[0].deployment_config.autoscaling_config.{key}: {message}")
+
+
 def test_api_keys_need_exactly_one_source() -> None:
     data = tiny()
     data["api_keys"] = {"env": "A", "file": "/b"}

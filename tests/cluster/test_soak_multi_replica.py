@@ -1,0 +1,63 @@
+"""The soak (``cluster.bench.soak``) against 2 replicas behind the prefix-aware router:
+looping streaming clients, cancellations, bursts above capacity with admission control on,
+and the same guarantees as the one-replica soak (``test_soak.py``) — every accepted request
+ends in exactly one terminal outcome, and once idle every replica has every KV block free and
+no request state left. Shorter than the one-replica soak: on a 2-core machine two replicas
+share the cores, and the properties are the same ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from cluster.bench.soak import ServeProbe, soak
+from tests.cluster.conftest import ServeCluster, load_yaml
+from tests.cluster.test_soak import MAX_ONGOING, MODEL, SETTINGS
+
+APP = "soak2"
+MULTI_SETTINGS = replace(SETTINGS, duration_s=30, warmup_s=10, burst_interval_s=10)
+
+
+@pytest.fixture(scope="module")
+def report(serve_cluster: ServeCluster) -> dict[str, Any]:
+    from ray import serve
+
+    config = load_yaml("tiny.yaml")
+    model = config["models"][0]
+    model["deployment_config"]["num_replicas"] = 2  # max_replicas 2: prefix-aware by default
+    model["deployment_config"]["max_queued_requests"] = MAX_ONGOING
+    model["engine_kwargs"]["max_waiting_requests"] = 8
+    url = serve_cluster.deploy(config, APP, f"/{APP}")
+    try:
+        probe = ServeProbe(APP, MODEL)
+        result = asyncio.run(soak(f"{url}/v1", MODEL, MULTI_SETTINGS, probe=probe))
+    finally:
+        serve.delete(APP)
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def test_every_accepted_request_ends_in_exactly_one_terminal_outcome(
+    report: dict[str, Any],
+) -> None:
+    requests = report["requests"]
+    assert report["anomalies"]["count"] == 0, report["anomalies"]
+    assert requests["success"] + requests["error"] + requests["abort"] == requests["accepted"]
+    assert requests["rejected"] == 0
+    assert requests["success"] > 50
+
+
+def test_once_idle_both_replicas_have_every_kv_block_free_and_no_request_state(
+    report: dict[str, Any],
+) -> None:
+    idle = report["idle"]
+    assert idle["reached"], idle
+    assert len(idle["replicas"]) == 2
+    for replica in idle["replicas"]:
+        assert replica["kv_free_blocks"] == replica["kv_total_blocks"] == 256
+        assert replica["head"] and all(n == 0 for n in replica["head"].values()), replica
+        assert replica["workers"] == [0], replica
