@@ -193,8 +193,10 @@ class PrefixAwareRouter(RequestRouter):  # type: ignore[misc,valid-type]
 
     ``choose_replicas`` returns the chosen replica alone as the first rank and the others by
     load as the second, so when the chosen one is full (``max_ongoing_requests``) Serve falls
-    back to the least-loaded others instead of waiting. The chunk history is written when
-    Serve reports the request routed (``on_request_routed``), to the replica it really went to.
+    back to the least-loaded others instead of waiting. A LoRA adapter's request (Serve model
+    multiplexing) chooses among the replicas that already loaded the adapter, when any did,
+    and ranks the rest last. The chunk history is written when Serve reports the request
+    routed (``on_request_routed``), to the replica it really went to.
     """
 
     def initialize_state(self, **kwargs: Any) -> None:
@@ -228,6 +230,15 @@ class PrefixAwareRouter(RequestRouter):  # type: ignore[misc,valid-type]
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        # A LoRA adapter's request (Serve model multiplexing): among the replicas that already
+        # loaded the adapter when any did; the others stay a fallback, least loaded first.
+        fallback: list[RunningReplica] = []
+        model_id = pending_request.metadata.multiplexed_model_id if pending_request else ""
+        if model_id:
+            holding = [r for r in candidate_replicas if model_id in r.multiplexed_model_ids]
+            if holding:
+                fallback = [r for r in candidate_replicas if r not in holding]
+                candidate_replicas = holding
         hashes = self._hashes(pending_request)
         loads = [self._load(r) for r in candidate_replicas]
         matches = {r.replica_id: self.index.match(r.replica_id, hashes) for r in candidate_replicas}
@@ -242,7 +253,13 @@ class PrefixAwareRouter(RequestRouter):  # type: ignore[misc,valid-type]
         rest = sorted(
             (lo for lo in loads if lo.key != chosen), key=lambda lo: (lo.in_flight, lo.chunks_held)
         )
-        return [[by_id[chosen]], [by_id[lo.key] for lo in rest]]
+        ranks = [[by_id[chosen]], [by_id[lo.key] for lo in rest]]
+        if fallback:
+            fallback_loads = sorted((self._load(r) for r in fallback),
+                                    key=lambda lo: (lo.in_flight, lo.chunks_held))  # fmt: skip
+            by_id.update((r.replica_id, r) for r in fallback)
+            ranks.append([by_id[lo.key] for lo in fallback_loads])
+        return [rank for rank in ranks if rank]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult

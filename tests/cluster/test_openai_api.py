@@ -590,7 +590,7 @@ def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> A
     from cluster.serve import OpenAIIngress
 
     ingress = SimpleNamespace(_route=lambda model: (_FakeHandle(first), None),
-                              _stopping=lambda: stopping)  # fmt: skip
+                              _stopping=lambda: stopping, cold_start_timeouts={})  # fmt: skip
     with pytest.raises(APIError) as info:
         asyncio.run(OpenAIIngress.open_stream(ingress, "m", {}))  # type: ignore[arg-type]
     return info.value

@@ -175,11 +175,12 @@ def make_router(*replicas: FakeReplica) -> object:
     return router
 
 
-def pending(text: str, request_id: str) -> object:
+def pending(text: str, request_id: str, multiplexed_model_id: str = "") -> object:
     from ray.serve._private.common import RequestMetadata
     from ray.serve.request_router import PendingRequest
 
-    metadata = RequestMetadata(request_id=request_id, internal_request_id=request_id)
+    metadata = RequestMetadata(request_id=request_id, internal_request_id=request_id,
+                               multiplexed_model_id=multiplexed_model_id)  # fmt: skip
     return SimpleNamespace(
         args=[GenerateRequest(prompt=text)],
         kwargs={},
@@ -210,3 +211,28 @@ def test_router_sends_a_repeated_prefix_to_the_replica_it_went_to_first() -> Non
     assert other[0][0] is not chosen  # no match: the least-loaded replica
     router.on_request_completed(chosen.replica_id, "1")
     assert len(router._in_flight[chosen.replica_id]) == 1
+
+
+def test_router_sends_a_lora_adapters_requests_to_the_replica_that_loaded_it() -> None:
+    import asyncio
+
+    a, b = FakeReplica("a"), FakeReplica("b")
+    b.multiplexed_model_ids = {"sql"}
+    router = make_router(a, b)
+    prompt = "the shared system prompt, long enough for chunks. "
+
+    async def route(text: str, request_id: str, adapter: str = "") -> list[list[object]]:
+        request = pending(text, request_id, adapter)
+        ranks = await router.choose_replicas([a, b], request)
+        router.on_request_routed(request, ranks[0][0].replica_id, None)
+        return ranks
+
+    # a holds the prompt's prefix (the base model's earlier requests went there).
+    router.index.insert(a.replica_id, router._hashes(pending(prompt + "base", "0")))
+    # The adapter's requests go to b, which loaded it, despite a's matching prefix; a stays the
+    # fallback.
+    for i in range(3):
+        ranks = asyncio.run(route(prompt + f"sql {i}", f"s{i}", "sql"))
+        assert ranks[0] == [b] and ranks[-1] == [a]
+    # An adapter nobody loaded yet: routed like any request.
+    assert asyncio.run(route("unrelated text for a new adapter", "n", "new"))[0][0] in (a, b)

@@ -114,9 +114,9 @@ def test_models_list_the_adapters_and_unknown_ones_are_404(client: OpenAI) -> No
         client.models.retrieve(f"{MODEL}:gamma")
 
 
-def _replica(client: OpenAI, model: str) -> str:
+def _replica(client: OpenAI, model: str, prompt: str = PROMPT) -> str:
     raw = client.completions.with_raw_response.create(
-        model=model, prompt=PROMPT, max_tokens=2, temperature=0
+        model=model, prompt=prompt, max_tokens=2, temperature=0
     )
     return raw.headers[REPLICA_HEADER]
 
@@ -124,8 +124,15 @@ def _replica(client: OpenAI, model: str) -> str:
 def test_multiplexing_keeps_an_adapters_requests_on_the_replica_that_loaded_it(
     client: OpenAI, base_url: str
 ) -> None:
-    base_replicas = {_replica(client, MODEL) for _ in range(12)}
-    assert len(base_replicas) == 2  # the base model is served by both replicas
+    # Unrelated prompts of the base model spread over both replicas (the prefix-aware router
+    # sends a prompt it has no history for to the least-loaded one).
+    prompts = [
+        f"{word} is a word of the story number {i}"
+        for i, word in enumerate(
+            ["Apple", "River", "Stone", "Cloud", "Lemon", "Tiger", "Ocean", "Maple"]
+        )
+    ]
+    assert len({_replica(client, MODEL, p) for p in prompts}) == 2  # fmt: skip
     for name in ADAPTERS:
         # A fresh client per adapter: Serve routes by multiplexed model id once the replica
         # that loaded it has reported it (pushed every few tenths of a second).
