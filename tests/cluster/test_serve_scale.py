@@ -157,6 +157,26 @@ def test_load_scales_up_on_the_queue(scaled: str) -> None:
             thread.join(60)
 
 
+def test_routing_and_autoscaling_decisions_are_in_the_metrics(scaled: str) -> None:
+    names = (
+        "llm_cluster_routing_decisions_total",
+        "llm_cluster_autoscaling_decisions_total",
+        "llm_cluster_autoscaling_desired_replicas",
+        "llm_cluster_prefix_cache_hit_rate",
+    )
+    missing: list[str] = []
+
+    def scraped() -> bool:
+        text = httpx.get(f"{scaled}/metrics", timeout=30).text
+        missing[:] = [n for n in names if f"{n}{{" not in text or f'model="{MODEL}"' not in text]
+        return not missing
+
+    try:
+        wait_for(scraped, timeout_s=60, what="routing and autoscaling metrics", poll_s=2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; missing: {missing}") from None
+
+
 def test_idle_scales_down_to_zero(scaled: str) -> None:
     wait_for(lambda: running(MODEL) == 0, 180, "scale-down to 0 replicas when idle")
 
