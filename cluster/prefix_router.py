@@ -230,6 +230,12 @@ class PrefixAwareRouter(RequestRouter):  # type: ignore[misc,valid-type]
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if pending_request is not None:
+            # Every replica is in the ranks below: when none of them accepts the request (all at
+            # max_ongoing_requests, or slow to report their queue), Serve must back off before
+            # asking again. Without this it retries at once, forever: a busy loop that starves
+            # the replicas it waits for.
+            pending_request.routing_context.should_backoff = True
         # A LoRA adapter's request (Serve model multiplexing): among the replicas that already
         # loaded the adapter when any did; the others stay a fallback, least loaded first.
         fallback: list[RunningReplica] = []

@@ -236,3 +236,15 @@ def test_router_sends_a_lora_adapters_requests_to_the_replica_that_loaded_it() -
         assert ranks[0] == [b] and ranks[-1] == [a]
     # An adapter nobody loaded yet: routed like any request.
     assert asyncio.run(route("unrelated text for a new adapter", "n", "new"))[0][0] in (a, b)
+
+
+def test_router_asks_serve_to_back_off_when_no_replica_takes_the_request() -> None:
+    # Serve retries a routing round at once unless told to back off: with every replica full
+    # that is a busy loop in the ingress (it starved the replicas it was waiting for).
+    import asyncio
+
+    a, b = FakeReplica("a"), FakeReplica("b")
+    router = make_router(a, b)
+    request = pending("any prompt at all", "1")
+    asyncio.run(router.choose_replicas([a, b], request))
+    assert request.routing_context.should_backoff is True

@@ -1,17 +1,14 @@
-"""Scale on a local Ray with the real engine (configs/tiny.yaml as the base):
-
-- prefix-aware routing over 2 replicas: a shared-prefix workload keeps >= 90 % of the prefix
-  hit rate one replica reaches alone, and no replica takes more than 70 % of the traffic;
-- the engine-signal autoscaling policy with ``min_replicas: 0``: a request to the model at 0
-  replicas succeeds after the cold start, load scales it up, idleness back to 0; a model whose
-  cold start outlasts ``cold_start_timeout_s`` answers 503 with Retry-After, never 404.
+"""Scale to and from zero on a local Ray with the real engine (configs/tiny.yaml as the base),
+under the engine-signal autoscaling policy with ``min_replicas: 0``: a request to the model at 0
+replicas succeeds after the cold start, idleness brings it back to 0, and a model whose cold start
+outlasts ``cold_start_timeout_s`` answers 503 with Retry-After, never 404. Scaling up under load
+with the same policy: ``test_serve_multi_model.py``. Prefix-aware routing over 2 replicas:
+``test_serve_two_replicas.py`` (behaviour) and ``cluster bench prefix`` (hit rates, BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,13 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster.bench.prefix import PrefixWorkload, cache_summary, run_workload
 from cluster.bench.soak import ServeProbe
 from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
 
 MODEL = "tiny-llama"
-WORKLOAD = PrefixWorkload(num_prefixes=4, prefix_tokens=256, num_requests=40, rate_per_s=4.0,
-                          max_tokens=4)  # fmt: skip
 
 
 def tiny(**deployment: Any) -> dict[str, Any]:
@@ -35,45 +29,6 @@ def tiny(**deployment: Any) -> dict[str, Any]:
     model["deployment_config"].pop("num_replicas")
     model["deployment_config"].update(deployment)
     return config
-
-
-def run_prefix_workload(cluster: ServeCluster, config: dict[str, Any], app: str) -> dict[str, Any]:
-    from ray import serve
-
-    url = cluster.deploy(config, app, f"/{app}")
-    try:
-        probe = ServeProbe(app, MODEL)
-        before = probe.each_replica("stats")
-        load = asyncio.run(run_workload(url, MODEL, WORKLOAD))
-        after = probe.each_replica("stats")
-    finally:
-        serve.delete(app)
-    return {**load, **cache_summary(before, after)}
-
-
-@pytest.fixture(scope="module")
-def prefix_runs(serve_cluster: ServeCluster) -> dict[str, dict[str, Any]]:
-    one = run_prefix_workload(serve_cluster, tiny(num_replicas=1), "prefix1")
-    two = run_prefix_workload(serve_cluster, tiny(num_replicas=2), "prefix2")
-    print({"one": one, "two": two})
-    return {"one": one, "two": two}
-
-
-def test_prefix_aware_routing_keeps_90_percent_of_one_replicas_hit_rate(
-    prefix_runs: dict[str, dict[str, Any]],
-) -> None:
-    one, two = prefix_runs["one"], prefix_runs["two"]
-    assert one["failed"] == two["failed"] == 0
-    assert len(two["replica_share"]) == 2
-    assert one["prefix_hit_rate"] > 0.5
-    assert two["prefix_hit_rate"] >= 0.9 * one["prefix_hit_rate"], prefix_runs
-
-
-def test_uniform_prefixes_leave_no_replica_above_70_percent_of_the_traffic(
-    prefix_runs: dict[str, dict[str, Any]],
-) -> None:
-    shares = prefix_runs["two"]["replica_share"]
-    assert max(shares.values()) <= 0.7, shares
 
 
 # ---- autoscaling on engine signals, to and from zero -----------------------------------------
@@ -137,24 +92,6 @@ def test_health_does_not_wake_a_model_at_zero_replicas(scaled: str) -> None:
     assert response.status_code == 200, response.text
     time.sleep(2)
     assert running(SLOW) == 0
-
-
-def test_load_scales_up_on_the_queue(scaled: str) -> None:
-    stop = threading.Event()
-
-    def client() -> None:
-        while not stop.is_set():
-            complete(scaled, MODEL, max_tokens=64)
-
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    try:
-        wait_for(lambda: running(MODEL) == 2, 180, "a second replica under load")
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(60)
 
 
 def test_routing_and_autoscaling_decisions_are_in_the_metrics(scaled: str) -> None:

@@ -19,7 +19,7 @@ from tests.cluster.conftest import ServeCluster, load_yaml
 from tests.cluster.test_soak import MAX_ONGOING, MODEL, SETTINGS
 
 APP = "soak2"
-MULTI_SETTINGS = replace(SETTINGS, duration_s=30, warmup_s=10, burst_interval_s=10)
+MULTI_SETTINGS = replace(SETTINGS, duration_s=16, warmup_s=5, burst_interval_s=5)
 
 
 @pytest.fixture(scope="module")
