@@ -178,6 +178,7 @@ def choose(
 
 try:
     from ray.serve.request_router import (
+        FIFOMixin,
         PendingRequest,
         ReplicaID,
         ReplicaResult,
@@ -185,10 +186,14 @@ try:
         RunningReplica,
     )
 except ImportError:  # pragma: no cover - Ray without the RequestRouter API
-    RequestRouter = object  # type: ignore[assignment,misc]
+    RequestRouter = FIFOMixin = object  # type: ignore[assignment,misc]
 
 
-class PrefixAwareRouter(RequestRouter):  # type: ignore[misc,valid-type]
+# FIFOMixin: Serve's base router hands a chosen replica to the pending request with the same
+# internal request id, and the prompts of one batched completions request share that id (one
+# HTTP request): all but one of them were never routed. FIFO hands it to the oldest pending
+# request instead, as Serve's own power-of-two router does.
+class PrefixAwareRouter(FIFOMixin, RequestRouter):  # type: ignore[misc,valid-type]
     """Serve's ``RequestRouter`` for an ``LLMServer`` deployment: ``choose`` over its replicas.
 
     ``choose_replicas`` returns the chosen replica alone as the first rank and the others by
