@@ -3,7 +3,8 @@ under the engine-signal autoscaling policy with ``min_replicas: 0``: a request t
 replicas succeeds after the cold start, idleness brings it back to 0, and a model whose cold start
 outlasts ``cold_start_timeout_s`` answers 503 with Retry-After, never 404. Scaling up under load
 with the same policy: ``test_serve_multi_model.py``. Prefix-aware routing over 2 replicas:
-``test_serve_two_replicas.py`` (behaviour) and ``cluster bench prefix`` (hit rates, BENCHMARKS.md).
+``test_serve_openai_features.py`` (behaviour) and ``cluster bench prefix`` (hit rates,
+BENCHMARKS.md).
 """
 
 from __future__ import annotations
