@@ -213,10 +213,17 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):  # type: ignore[misc,valid-ty
         self._model = self._deployment_id.name.removeprefix("LLMServer:")
 
     def _hashes(self, pending_request: PendingRequest | None) -> list[int]:
+        """The request's chunk hashes, computed once: routing rounds (a retry after a full
+        replica) and ``on_request_routed`` reuse them from the request's routing context."""
         if pending_request is None or not pending_request.args:
             return []
-        prompt = prompt_text(pending_request.args[0])
-        return chunk_hashes(prompt, self.settings.chunk_chars) if prompt else []
+        context = pending_request.routing_context
+        hashes = getattr(context, "llm_cluster_hashes", None)
+        if hashes is None:
+            prompt = prompt_text(pending_request.args[0])
+            hashes = chunk_hashes(prompt, self.settings.chunk_chars) if prompt else []
+            context.llm_cluster_hashes = hashes  # type: ignore[attr-defined]
+        return hashes
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad[ReplicaID]:
         stats = replica.routing_stats or {}
