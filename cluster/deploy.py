@@ -127,6 +127,29 @@ def deploy(
         last = current
     if errors:
         raise errors[0]
+    wait_for_proxies(config)
+
+
+def wait_for_proxies(config: DeploymentConfig, timeout_s: float = 120.0) -> None:
+    """Wait until every proxy serves. ``serve.run`` returns once the replicas run, but a proxy
+    binds its HTTP (and gRPC) port on its own schedule, and one that cannot bind (the port is
+    taken) restarts forever: "ready" must mean the port accepts requests."""
+    deadline = time.monotonic() + timeout_s
+    proxies: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        proxies = {node: getattr(s, "value", str(s)) for node, s in serve.status().proxies.items()}
+        serving = [s for s in proxies.values() if s not in ("DRAINING", "DRAINED")]
+        if serving and all(s == "HEALTHY" for s in serving):
+            return
+        time.sleep(0.5)
+    ports = f"HTTP port {config.http_options.port}"
+    if config.grpc_options is not None:
+        ports += f", gRPC port {config.grpc_options.port}"
+    raise RuntimeError(
+        f"Serve's proxies are not serving after {timeout_s:.0f} s ({proxies or 'none started'}); "
+        f"is another process using the {ports}? "
+        "Proxy logs: /tmp/ray/session_latest/logs/serve/proxy_*.log"
+    )
 
 
 def deployment_states(app_name: str) -> dict[str, str]:
@@ -198,6 +221,7 @@ __all__ = [
     "deployment_name",
     "endpoint",
     "start_serve",
+    "wait_for_proxies",
     "wait_healthy",
 ]
 

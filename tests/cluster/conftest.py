@@ -1,10 +1,11 @@
 """A local Ray with Serve for the serving tests: started once per session (lazily, so the CLI
-test's own ``ray start`` cluster never runs beside it), ports from the OS. Modules that start
+test's own ``ray start`` cluster never runs beside it), ports from ``free_port``. Modules that start
 their own Ray (``test_ray_*``) must sort before the first module that uses it: the serving
 modules are named ``test_serve_*`` / ``test_soak*``."""
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -19,9 +20,19 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, from 20000-32767: above Ray's worker ports (10002-19999) and below the
+    OS's ephemeral range, where Ray's own servers take random ports at any time (a port the OS
+    handed out here was once taken by Ray between this check and the proxy binding it)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def load_yaml(name: str) -> dict[str, Any]:

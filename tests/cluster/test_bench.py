@@ -62,14 +62,9 @@ def test_bench_throughput_writes_complete_json(tmp_path) -> None:
 
 
 def test_bench_serve_compare_writes_complete_json_and_plot(tmp_path) -> None:
-    import socket
-
     import yaml
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from tests.cluster.conftest import free_port
 
     config = yaml.safe_load(Path("configs/tiny.yaml").read_text())
     config["http_options"]["port"] = free_port()

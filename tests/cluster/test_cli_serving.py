@@ -200,10 +200,14 @@ def start_serving(config: Path) -> subprocess.Popen[str]:
         cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
+    printed: list[str] = []
     for line in serving.stdout:
+        printed.append(line)
         if "press Ctrl-C" in line:
             break
-    assert serving.poll() is None, "cluster serve exited early"
+    else:
+        serving.wait(30)
+        pytest.fail(f"cluster serve exited ({serving.returncode}):\n{''.join(printed)[-3000:]}")
     return serving
 
 
