@@ -37,7 +37,7 @@ MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def _model(args: argparse.Namespace) -> Path:
-    name = f"bench-llama-h{args.hidden}-l{args.layers}"
+    name = f"bench-llama-h{args.hidden}-l{args.layers}-t2"
     return materialize(
         name,
         lambda out: make_random_llama(

@@ -302,10 +302,8 @@ def make_random_llama(
     max_position_embeddings: int = 4096,
     seed: int = 0,
 ) -> Path:
-    """A random-weight ``LlamaForCausalLM`` of any size (benchmarks), with the built-in tokenizer.
-
-    The model's vocabulary may exceed the tokenizer's 1024 entries, as with padded checkpoints;
-    ids the tokenizer lacks decode to nothing.
+    """A random-weight ``LlamaForCausalLM`` of any size (benchmarks), with the built-in tokenizer
+    grown to cover its vocabulary (:func:`build_tokenizer`), so every sampled id decodes to text.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -326,7 +324,7 @@ def make_random_llama(
     model = _build_model(config, seed)
     _write_weights(model, config, out / "model.safetensors")
     _write_config(config, type(model).__name__, out / "config.json")
-    _write_tokenizer(build_tokenizer(), out)
+    _write_tokenizer(build_tokenizer(vocab_size), out)
     _write_json(
         out / "generation_config.json",
         {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID},
@@ -334,8 +332,8 @@ def make_random_llama(
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _trained_tokenizer_json() -> str:
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer_json(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> str:
     corpus = resources.files("engine").joinpath("data", "corpus.txt").read_text(encoding="utf-8")
     tokenizer = Tokenizer(models.BPE())
     # The pipeline is exactly the one transformers 5 ``Qwen2Tokenizer`` rebuilds when it loads a
@@ -352,7 +350,7 @@ def _trained_tokenizer_json() -> str:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -372,9 +370,49 @@ def _trained_tokenizer_json() -> str:
     return tokenizer.to_str()
 
 
-def build_tokenizer() -> Tokenizer:
-    """The byte-level BPE tokenizer shared by all tiny models, trained on the shipped corpus."""
-    return Tokenizer.from_str(_trained_tokenizer_json())
+def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
+    """The byte-level BPE tokenizer trained on the shipped corpus: 1024 tokens for the tiny models.
+
+    A larger ``vocab_size`` (the bench models' 32000) gives exactly that many tokens, whose first
+    1024 ids are the tiny models' tokenizer: training goes on while the corpus has pairs to merge
+    (about 4200 tokens), then the corpus's runs of 2, 3, ... adjacent tokens become tokens of
+    their own, in corpus order, until the vocabulary is full. Those span pre-token boundaries
+    (" of the"), so encoding never produces them, but every id decodes to corpus text.
+    """
+    if vocab_size <= TOKENIZER_VOCAB_SIZE:
+        return Tokenizer.from_str(_trained_tokenizer_json())
+    return Tokenizer.from_str(_grown_tokenizer_json(vocab_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _grown_tokenizer_json(vocab_size: int) -> str:
+    trained = Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+    data = json.loads(trained.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    merges: list[list[str]] = data["model"]["merges"]
+    corpus = resources.files("engine").joinpath("data", "corpus.txt").read_text(encoding="utf-8")
+    lines = [trained.encode(line, add_special_tokens=False).tokens for line in corpus.splitlines()]
+    n = 2
+    while len(vocab) < vocab_size:
+        grew = False
+        for tokens in lines:
+            for i in range(len(tokens) - n + 1):
+                head, last = "".join(tokens[i : i + n - 1]), tokens[i + n - 1]
+                token = head + last
+                # The (n-1)-run is a token already unless it was cut when the vocabulary filled.
+                if token in vocab or head not in vocab:
+                    continue
+                vocab[token] = len(vocab)
+                merges.append([head, last])
+                grew = True
+                if len(vocab) == vocab_size:
+                    break
+            if len(vocab) == vocab_size:
+                break
+        if not grew:
+            raise ValueError(f"the corpus cannot fill a vocabulary of {vocab_size} tokens")
+        n += 1
+    return json.dumps(data, ensure_ascii=False)
 
 
 def _build_config(name: str, vocab_size: int) -> PretrainedConfig:

@@ -45,9 +45,10 @@ class ModelShape:
     @property
     def dirname(self) -> str:
         s = self
+        # "-t2": the tokenizer grown to the vocabulary (older caches had 1024 tokens).
         return (
             f"bench-llama-h{s.hidden_size}-l{s.num_hidden_layers}-a{s.num_attention_heads}"
-            f"-kv{s.num_key_value_heads}-i{s.intermediate_size}-v{s.vocab_size}"
+            f"-kv{s.num_key_value_heads}-i{s.intermediate_size}-v{s.vocab_size}-t2"
         )
 
     def linear_params_per_token(self) -> int:

@@ -399,3 +399,27 @@ def test_greedy_top2_logit_gap_is_large(model_dirs: dict[str, Path], name: str) 
     # Never stopped early on </s> or <|im_end|>, and did not collapse into one repeated token.
     assert all(len(tokens) == 32 for tokens in generated)
     assert all(len(set(tokens)) > 8 for tokens in generated)
+
+
+def test_bench_model_tokenizer_covers_its_vocabulary(tmp_path: Path) -> None:
+    """A random bench Llama with vocab 32000: its tokenizer has exactly 32000 tokens, the tiny
+    models' 1024 with the same ids first, every id decodes to text (none to nothing), and
+    transformers' loader decodes and encodes the same as the raw tokenizer."""
+    out = tiny_models.make_random_llama(
+        tmp_path, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, vocab_size=32000,
+    )  # fmt: skip
+    raw = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert raw.get_vocab_size() == 32000
+    vocab = raw.get_vocab()
+    assert sorted(vocab.values()) == list(range(32000))
+    base = tiny_models.build_tokenizer().get_vocab()
+    assert all(vocab[token] == token_id for token, token_id in base.items())
+    empty = [i for i in range(5, 32000) if raw.decode([i]) == ""]
+    assert empty == []
+    hf = AutoTokenizer.from_pretrained(out)
+    ids = list(range(5, 32000, 97))
+    assert hf.decode(ids) == raw.decode(ids)
+    text = "The river froze, and the baker walked to the market."
+    assert hf(text).input_ids == raw.encode(text).ids
+    assert hf.decode(raw.encode(text).ids, skip_special_tokens=True) == text
