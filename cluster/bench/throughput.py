@@ -1,4 +1,5 @@
-"""``cluster bench throughput``: offline throughput of this engine against HF transformers.
+"""``cluster bench throughput``: offline throughput of this engine against HF transformers and
+vLLM.
 
 Workload as in vLLM's and nano-vllm's throughput benchmarks: N prompts of random token ids,
 input and output lengths uniform in ranges, ``ignore_eos``, fixed seed. Throughput = output
@@ -9,7 +10,13 @@ workload and dtype, one after another, each after a short warm-up that is not ti
 - ``hf_static``: ``model.generate`` in static, left-padded batches (vLLM's ``--backend hf``):
   each batch runs until its longest output, so shorter requests waste their slots;
 - ``hf_cb``: transformers' continuous-batching manager (``init_continuous_batching``), with
-  each request's own ``max_new_tokens``.
+  each request's own ``max_new_tokens``;
+- ``vllm`` (only when asked for): vLLM's ``LLM.generate`` on the same model directory and
+  workload, in its own process under ``--vllm-python`` (vLLM lives in a venv of its own, see
+  ``../shared/peers/``), with the same engine limits.
+
+``--rounds N`` runs the systems N times in turn (engine, vllm, engine, vllm, ...) and reports each
+system's median round, so that a machine drifting during the run hurts every system alike.
 
 The roofline compares the engine's achieved FLOP/s (2 x parameters x tokens plus attention)
 with a dense GEMM measured in the same run, and the step profile says where the engine's time
@@ -21,8 +28,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import random
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +41,10 @@ from typing import Any
 
 import torch
 
-SYSTEMS = ("engine", "hf_static", "hf_cb")
+SYSTEMS = ("engine", "hf_static", "hf_cb", "vllm")
+DEFAULT_SYSTEMS = ("engine", "hf_static", "hf_cb")
+# Where ../shared/peers/setup-vllm-cpu.sh puts vLLM's CPU build (``PEER_VENV`` overrides it).
+PEER_VENV_DEFAULT = Path.home() / ".cache" / "llm-cluster-peers" / "vllm-cpu"
 
 
 @dataclass(frozen=True)
@@ -134,6 +148,58 @@ def run_engine(
         raise RuntimeError(f"engine produced {produced} tokens, expected {wl.output_tokens}")
     profile = _step_profile(engine, wall)
     return SystemResult(wall, wl.output_tokens, wl.total_tokens, len(wl.prompts)), profile
+
+
+def default_vllm_python() -> str:
+    """The peer venv's interpreter when it exists, else this one."""
+    venv = Path(os.environ.get("PEER_VENV") or PEER_VENV_DEFAULT)
+    python = venv / "bin" / "python"
+    return str(python) if python.exists() else sys.executable
+
+
+def check_vllm_python(python: str) -> str:
+    """vLLM's version under ``python``; a clear error when it has none."""
+    probe = subprocess.run(
+        [python, "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(
+            f"--vllm-python: {python} cannot import vllm ({last}); set up vLLM's CPU build with "
+            "../shared/peers/setup-vllm-cpu.sh and pass its venv's python"
+        )
+    return probe.stdout.strip()
+
+
+def run_vllm(
+    model_dir: Path, wl: Workload, dtype: str, engine_args: dict[str, Any], python: str
+) -> SystemResult:
+    """vLLM on the same workload, in its own process (``vllm_offline.py`` under ``python``)."""
+    spec = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "prompts": wl.prompts,
+        "output_lens": wl.output_lens,
+        **engine_args,
+    }
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, the peers' recipe
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        script = Path(__file__).with_name("vllm_offline.py")
+        done = subprocess.run(
+            [python, str(script), f.name], capture_output=True, text=True, env=env, timeout=7200
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["output_tokens"] != wl.output_tokens:
+        raise RuntimeError(
+            f"vllm produced {result['output_tokens']} tokens, expected {wl.output_tokens}"
+        )
+    return SystemResult(result["wall_s"], wl.output_tokens, wl.total_tokens, len(wl.prompts))
 
 
 def _step_profile(engine: Any, wall: float) -> dict[str, Any]:
@@ -301,7 +367,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=_range, default=(64, 192), metavar="LO:HI")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}"
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"subset of {','.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="interpreter with vLLM for --systems vllm (default: $PEER_VENV/bin/python, "
+        f"else {PEER_VENV_DEFAULT}/bin/python, else this one)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the systems N times in turn; report medians"
     )
     parser.add_argument(
         "--hf-batch-size", type=int, default=64, help="static batch size of hf_static"
@@ -332,6 +409,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    vllm_python = args.vllm_python or default_vllm_python()
+    vllm_version = check_vllm_python(vllm_python) if "vllm" in systems else None
     wl = make_workload(
         args.num_prompts, args.input_len, args.output_len, shape.vocab_size, args.seed
     )
@@ -344,26 +425,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     torch_dtype = getattr(torch, dtype)
     gemm = measure_gemm_flops(torch_dtype, device)
-    results: dict[str, SystemResult] = {}
-    profile: dict[str, Any] = {}
-    for system in systems:
-        print(f"running {system} ...", flush=True)
-        if system == "engine":
-            results[system], profile = run_engine(model_dir, wl, dtype, engine_args)
-        else:
-            hf = _load_hf(model_dir, dtype)
-            results[system] = (
-                run_hf_static(hf, wl, args.hf_batch_size)
-                if system == "hf_static"
-                else run_hf_cb(hf, wl)
-            )
-            del hf
+    rounds: dict[str, list[SystemResult]] = {s: [] for s in systems}
+    profiles: list[dict[str, Any]] = []
+    for round_index in range(args.rounds):
+        for system in systems:
+            label = f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
+            print(f"running {system}{label} ...", flush=True)
+            if system == "engine":
+                result, profile = run_engine(model_dir, wl, dtype, engine_args)
+                profiles.append(profile)
+            elif system == "vllm":
+                result = run_vllm(model_dir, wl, dtype, engine_args, vllm_python)
+            else:
+                hf = _load_hf(model_dir, dtype)
+                result = (
+                    run_hf_static(hf, wl, args.hf_batch_size)
+                    if system == "hf_static"
+                    else run_hf_cb(hf, wl)
+                )
+                del hf
+            rounds[system].append(result)
+    results = {s: _median(r) for s, r in rounds.items()}
+    # The profile of the engine's median round.
+    profile = profiles[rounds["engine"].index(results["engine"])] if profiles else {}
     report = _report(shape, wl, args, device, dtype, gemm, results, profile)
+    report["rounds"] = {s: [r.output_tokens / r.wall_s for r in rs] for s, rs in rounds.items()}
+    if vllm_version is not None:
+        report["conditions"]["vllm"] = {"version": vllm_version, "python": vllm_python}
     _print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return report
+
+
+def _median(results: list[SystemResult]) -> SystemResult:
+    """The round with the median wall time (the lower middle one for an even count)."""
+    ordered = sorted(results, key=lambda r: r.wall_s)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def _report(
@@ -434,6 +533,9 @@ def _print_table(report: dict[str, Any]) -> None:
             f"{name:<12}{r['output_tokens_per_s']:>12.1f}{r['total_tokens_per_s']:>13.1f}"
             f"{r['requests_per_s']:>9.2f}{r['wall_s']:>9.1f}"
         )
+    for name, values in report.get("rounds", {}).items():
+        if len(values) > 1:
+            print(f"{name} rounds (out tok/s): " + ", ".join(f"{v:.1f}" for v in values))
     for name, value in report["ratios"].items():
         print(f"ratio {name}: {value:.2f}x")
     roof = report["roofline"]

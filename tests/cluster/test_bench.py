@@ -8,6 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from cluster.bench.throughput import default_vllm_python
+
+TINY_SHAPE = [
+    "--hidden-size", "64", "--num-hidden-layers", "2", "--num-attention-heads", "4",
+    "--num-key-value-heads", "2", "--intermediate-size", "128", "--vocab-size", "1024",
+]  # fmt: skip
+
 
 def test_bench_throughput_writes_complete_json(tmp_path) -> None:
     out = tmp_path / "bench.json"
@@ -43,7 +52,9 @@ def test_bench_throughput_writes_complete_json(tmp_path) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report) == {"systems", "ratios", "roofline", "step_profile", "conditions"}
+    assert set(report) == {
+        "systems", "ratios", "roofline", "step_profile", "conditions", "rounds"
+    }  # fmt: skip
     assert set(report["systems"]) == {"engine", "hf_static", "hf_cb"}
     for figures in report["systems"].values():
         assert set(figures) == {
@@ -105,3 +116,33 @@ def test_bench_serve_compare_writes_complete_json_and_plot(tmp_path) -> None:
             assert figures[metric]["p50"] > 0
     assert report["overhead"]["throughput_ratio_serve_vs_in_process"] > 0
     assert png.stat().st_size > 1000
+
+
+def test_bench_throughput_vllm_without_vllm_names_the_option(tmp_path) -> None:
+    """An interpreter without vLLM is refused before anything runs, naming ``--vllm-python``."""
+    cmd = [sys.executable, "-m", "cluster.cli", "bench", "throughput", "--systems", "engine,vllm",
+           "--vllm-python", sys.executable, *TINY_SHAPE]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "--vllm-python" in result.stderr and "cannot import vllm" in result.stderr
+    assert "running engine" not in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    default_vllm_python() == sys.executable, reason="vLLM's CPU build (../shared/peers) not set up"
+)
+def test_bench_throughput_runs_vllm_in_its_peer_venv_in_rounds(tmp_path) -> None:
+    """The real vLLM, in its own venv, on the engine's workload, two rounds each in turn."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "cluster.cli", "bench", "throughput", "--systems", "engine,vllm",
+           "--rounds", "2", "--num-prompts", "4", "--input-len", "4:8", "--output-len", "4:6",
+           *TINY_SHAPE, "--json", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["systems"]) == {"engine", "vllm"}
+    assert [len(v) for v in report["rounds"].values()] == [2, 2]
+    assert all(v > 0 for v in report["rounds"]["vllm"])
+    assert report["conditions"]["vllm"]["version"]
+    assert "ratio engine/vllm" in result.stdout

@@ -194,10 +194,14 @@ def test_drain_lets_short_requests_finish_aborts_the_rest_and_refuses_new_ones()
             params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
             return [item async for item in stream(server, {"prompt": "a", "params": params})]
 
-        short = asyncio.ensure_future(one(8))
         long = asyncio.ensure_future(one(2000))
-        while len(server._active) < 2:
+        while not server._active:
             await asyncio.sleep(0.01)
+        # The short request registers in its task's first step, which runs on this yield:
+        # draining right away, before it can finish (polling for both could miss it).
+        short = asyncio.ensure_future(one(8))
+        await asyncio.sleep(0)
+        assert len(server._active) == 2
         counts = await server.drain(1.0)
         refused = await one(4)
         return await short, await long, refused, counts
