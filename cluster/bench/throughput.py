@@ -185,16 +185,24 @@ def run_vllm(
     }
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, the peers' recipe
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump(spec, f)
-        f.flush()
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, result_path = Path(tmp) / "workload.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
         script = Path(__file__).with_name("vllm_offline.py")
         done = subprocess.run(
-            [python, str(script), f.name], capture_output=True, text=True, env=env, timeout=7200
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"vllm failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+            [python, str(script), str(spec_path), str(result_path)],
+            capture_output=True, text=True, env=env, timeout=7200,
+        )  # fmt: skip
+        if done.returncode != 0:
+            # vLLM logs its workers' root cause far above its own traceback's end: name it first.
+            errors = dict.fromkeys(
+                line.split("] ", 1)[-1] for line in done.stderr.splitlines() if "Error: " in line
+            )
+            raise RuntimeError(
+                f"vllm failed (exit {done.returncode}): {' | '.join(errors) or 'see below'}\n"
+                f"{done.stderr[-3000:]}"
+            )
+        result = json.loads(result_path.read_text())
     if result["output_tokens"] != wl.output_tokens:
         raise RuntimeError(
             f"vllm produced {result['output_tokens']} tokens, expected {wl.output_tokens}"

@@ -4,12 +4,13 @@ throughput --systems vllm``.
 Run by path in the interpreter that has vLLM (its own venv: ``--vllm-python``), so it imports
 nothing from this project, only the standard library and vLLM::
 
-    PYTHON cluster/bench/vllm_offline.py WORKLOAD.json
+    PYTHON cluster/bench/vllm_offline.py WORKLOAD.json RESULT.json
 
 ``WORKLOAD.json`` holds the model directory, dtype, engine limits, the prompts' token ids and
 each request's output length. Like the engine's run: a 2-request warm-up that is not timed,
 then every request at once, temperature 1.0, ``ignore_eos``, the text detokenized (vLLM's
-default). The last line printed is one JSON object: ``wall_s``, ``output_tokens``, ``vllm``.
+default). ``RESULT.json`` gets ``wall_s``, ``output_tokens`` and ``vllm`` (its version); a file,
+since vLLM's own logging shares stdout.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import time
 
 
-def main(path: str) -> None:
+def main(path: str, result_path: str) -> None:
     with open(path, encoding="utf-8") as f:
         spec = json.load(f)
     import vllm
@@ -44,10 +45,11 @@ def main(path: str) -> None:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(json.dumps({"wall_s": wall, "output_tokens": produced, "vllm": vllm.__version__}))
+    with open(result_path, "w", encoding="utf-8") as f:
+        json.dump({"wall_s": wall, "output_tokens": produced, "vllm": vllm.__version__}, f)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: {sys.argv[0]} WORKLOAD.json")
-    main(sys.argv[1])
+    if len(sys.argv) != 3:
+        raise SystemExit(f"usage: {sys.argv[0]} WORKLOAD.json RESULT.json")
+    main(sys.argv[1], sys.argv[2])
