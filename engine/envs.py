@@ -38,3 +38,9 @@ def step_timeout_s() -> float:
     """``LLM_CLUSTER_STEP_TIMEOUT_S``: longest the head waits for the workers to finish one
     step (or one control call) before it declares the engine dead (default 300 s)."""
     return float(os.environ.get("LLM_CLUSTER_STEP_TIMEOUT_S", "300"))
+
+
+def cpu_packed_gemm() -> bool:
+    """``LLM_CLUSTER_CPU_PACKED_GEMM``: on CPU, pack the linear layers' weights into oneDNN's
+    layout at load (``kernels.cpu_gemm``); ``0`` keeps plain ``F.linear`` (default 1)."""
+    return os.environ.get("LLM_CLUSTER_CPU_PACKED_GEMM", "1") != "0"

@@ -19,10 +19,11 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from engine import envs
 from engine.config import EngineConfig
 from engine.models import get_model_class
 from kernels.backend import get_kernel_ops
-from parallel.layers import load_full_loader
+from parallel.layers import load_full_loader, pack_linear_weights
 from parallel.state import ParallelContext
 
 logger = logging.getLogger("llm_cluster.loader")
@@ -85,4 +86,7 @@ def load_model(config: EngineConfig, ctx: ParallelContext, device: torch.device)
     progress = ctx.tp.rank == 0 and ctx.pp.rank == 0
     load_weights(model, iterate_checkpoint(config.model.model_path, progress=progress))
     model.eval()
+    if device.type == "cpu" and envs.cpu_packed_gemm():
+        packed = pack_linear_weights(model)
+        logger.debug("packed %d linear weights for oneDNN", packed)
     return model

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_gemm import pack_linear_weight, packed_linear
 from parallel.state import SINGLE, GroupCoordinator
 
 
@@ -76,13 +77,16 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         # Set by ``parallel.lora.attach_lora`` when the engine serves LoRA adapters.
         self.lora: Any = None
+        # This rank's weight shard [out, in], also once ``pack_weight`` has released it.
+        self.weight_shape = (self.output_size_per_partition, input_size)
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         size = param.shape[0]
         param.data.copy_(narrow(loaded, 0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = _linear(self, x, self.bias)
         if self.lora is not None:
             self.lora.add_delta(x, y)
         return y
@@ -182,13 +186,15 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = load_full_loader
         self.lora: Any = None  # see ColumnParallelLinear
+        self.weight_shape = (output_size, self.input_size_per_partition)
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         size = param.shape[1]
         param.data.copy_(narrow(loaded, 1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = _linear(self, x, None)
         if self.lora is not None:
             # This rank's share of the delta joins the partial sum the all-reduce adds up.
             self.lora.add_delta(x, y)
@@ -198,6 +204,40 @@ class RowParallelLinear(nn.Module):
 
 def load_full_loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
     load_full(param, loaded)
+
+
+def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if layer.packed_weight is not None:
+        return packed_linear(x, layer.packed_weight, bias)
+    return F.linear(x, layer.weight, bias)
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Pack every linear weight of ``model`` (on CPU) into oneDNN's layout once its checkpoint
+    is loaded (``kernels.cpu_gemm``); returns how many were packed. A packed layer's plain
+    weight is released (its ``weight_shape`` stays), except the LM head's when an embedding
+    shares it. Layers whose device or dtype the packed path does not cover are left alone."""
+    embedded = {
+        m.weight.data_ptr()
+        for m in model.modules()
+        if type(m) is VocabParallelEmbedding and m.weight.numel()
+    }
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            continue
+        if module.packed_weight is not None:
+            continue
+        packed = pack_linear_weight(module.weight)
+        if packed is None:
+            continue
+        module.packed_weight = packed
+        if module.weight.data_ptr() not in embedded:
+            weight = module.weight
+            module.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+            module.weight.weight_loader = weight.weight_loader
+        count += 1
+    return count
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -222,6 +262,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
         self.weight = _param(self.shard_size, embedding_dim)
         self.weight.weight_loader = self.weight_loader
+        self.weight_shape = (self.shard_size, embedding_dim)
+        # Only an LM head is packed (``pack_linear_weights``); an embedding never is.
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         rows = self.vocab_end - self.vocab_start
@@ -242,7 +285,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head split by vocabulary; logits are gathered to TP rank 0 (which samples)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather(F.linear(hidden, self.weight), dim=-1)
+        logits = self.tp.gather(_linear(self, hidden, None), dim=-1)
         if logits is None:
             return None
         return logits[..., : self.num_embeddings]

@@ -64,7 +64,7 @@ class LinearLoRA:
         self.batch = batch
         # The weight's shard shape: A's input is split like W's on a row-parallel layer (and
         # whole otherwise), B's output like W's on a column-parallel one.
-        out_local, in_local = layer.weight.shape
+        out_local, in_local = layer.weight_shape
         width = len(self.slices) * max_rank
         dtype, device = layer.weight.dtype, layer.weight.device
         self.lora_a = torch.zeros(num_slots, width, in_local, dtype=dtype, device=device)
