@@ -26,6 +26,7 @@ from parallel.distributed import (
     destroy_distributed,
     init_distributed,
 )
+from parallel.layers import parameter_bytes
 from parallel.state import ParallelContext
 
 logger = logging.getLogger("llm_cluster.worker")
@@ -105,7 +106,7 @@ class Worker:
         return self.runner.kv_block_bytes()
 
     def parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        return parameter_bytes(self.runner.model)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device KV blocks, CPU swap blocks) that fit this worker's memory budget."""

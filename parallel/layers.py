@@ -11,6 +11,7 @@ is never materialized whole. With a TP group of size 1 these are plain layers.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -210,6 +211,17 @@ def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
     if layer.packed_weight is not None:
         return packed_linear(x, layer.packed_weight, bias)
     return F.linear(x, layer.weight, bias)
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s weights as loaded; a packed weight counts at its plain size (the
+    oneDNN layout holds the same elements, padded to its blocks)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if packed is not None and module.weight.numel() == 0:
+            total += math.prod(module.weight_shape) * module.weight.element_size()
+    return total
 
 
 def pack_linear_weights(model: nn.Module) -> int:

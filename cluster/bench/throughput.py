@@ -467,6 +467,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the vector ISA extensions that decide GEMM speed (Linux)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "cpu"
+    fields: dict[str, str] = {}
+    for line in info.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            break  # the first processor's block ends at its blank line
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or "cpu"
+    flags = set(fields.get("flags", "").split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(isa) or 'no AVX2'})"
+
+
 def _median(results: list[SystemResult]) -> SystemResult:
     """The round with the median wall time (the lower middle one for an even count)."""
     ordered = sorted(results, key=lambda r: r.wall_s)
@@ -498,7 +516,7 @@ def _report(
     conditions = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
-        + (torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"),
+        + (torch.cuda.get_device_name() if device == "cuda" else cpu_description()),
         "device": device,
         "dtype": dtype,
         "torch": torch.__version__,

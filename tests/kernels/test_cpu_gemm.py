@@ -17,6 +17,7 @@ from parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     pack_linear_weights,
+    parameter_bytes,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -89,6 +90,7 @@ def test_pack_linear_weights_keeps_outputs_and_releases_unshared_weights(tied: b
     ids = torch.tensor([1, 7, 49, 3])
     shapes = {name: tuple(m.weight.shape) for name, m in model.named_children()}
     before = model(ids)
+    nbytes = parameter_bytes(model)
     assert pack_linear_weights(model) == 5  # qkv, gate_up, col, row, head; never the embedding
     for got, want in zip(model(ids), before, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -99,3 +101,4 @@ def test_pack_linear_weights_keeps_outputs_and_releases_unshared_weights(tied: b
     # A tied head keeps the embedding's weight (the embedding still reads it).
     assert (model.head.weight.numel() > 0) == tied
     assert pack_linear_weights(model) == 0  # packing twice is a no-op
+    assert parameter_bytes(model) == nbytes  # counted as loaded, packed or not
