@@ -337,10 +337,13 @@ def gather_logprobs(raw_logprobs: torch.Tensor, chosen: torch.Tensor, k: int) ->
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-    """logits [B, V] -> token ids [B] (int64), plus raw logprobs when a row asked for them."""
+    """logits [B, V] -> token ids [B] (int64), plus raw logprobs when a row asked for them.
+    Everything after the LM head runs in float32 (as vLLM's sampler): a bf16 softmax would
+    quantize the probabilities, and torch's CPU bf16 reductions are slower than fp32 ones."""
+    logits = logits.to(torch.float32)
     raw_logprobs = None
     if meta.max_num_logprobs is not None:
-        raw_logprobs = logits.to(torch.float32).log_softmax(dim=-1)
+        raw_logprobs = logits.log_softmax(dim=-1)
     logits = process_logits(logits, meta)
     token_ids = _sample_ids(logits, meta)
     logprobs = None
