@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import attention
 from kernels.attention import (
     AttentionMetadata,
     copy_blocks,
@@ -229,6 +230,24 @@ def test_block_table_padding_past_a_request_blocks_is_ignored() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_each_dtype_matches_reference_within_its_tolerance(dtype: torch.dtype) -> None:
     check_against_reference(make_batch([1, 24, 1], [50, 60, 3], dtype=dtype))
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_bf16_matches_reference_attended_in_either_dtype(
+    native_bf16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both bf16 paths, whatever this CPU has: SDPA in bf16 (native bf16 CPUs) and K/V
+    converted to float32 (the rest), on decode groups of GQA and MQA mixed with prefill chunks."""
+    monkeypatch.setattr(attention, "_native_cpu_bf16", lambda: native_bf16)
+    for num_heads, num_kv_heads in ((12, 4), (8, 1), (4, 4)):
+        batch = make_batch(
+            [1, 17, 1, 1, 40], [70, 60, 3, 129, 40], dtype=torch.bfloat16,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, seed=num_heads,
+        )  # fmt: skip
+        assert attention.sdpa_dtype(batch.kv_cache) == (
+            torch.bfloat16 if native_bf16 else torch.float32
+        )
+        check_against_reference(batch)
 
 
 def test_request_without_new_tokens_contributes_no_rows() -> None:
