@@ -27,11 +27,11 @@ def test_bench_throughput_writes_complete_json(tmp_path) -> None:
         "bench",
         "throughput",
         "--num-prompts",
-        "6",
+        "3",
         "--input-len",
         "4:12",
         "--output-len",
-        "3:8",
+        "2:4",
         "--hidden-size",
         "64",
         "--num-hidden-layers",
@@ -68,7 +68,7 @@ def test_bench_throughput_writes_complete_json(tmp_path) -> None:
     assert report["roofline"]["gemm_flops_per_s"] > 0
     assert report["roofline"]["engine_fraction_of_gemm"] > 0
     assert report["step_profile"]["seconds"]["forward"] > 0
-    assert report["conditions"]["workload"]["num_prompts"] == 6
+    assert report["conditions"]["workload"]["num_prompts"] == 3
     assert "ratio engine/hf_static" in result.stdout
 
 
