@@ -58,7 +58,7 @@ def packed_gemm_available(dtype: torch.dtype) -> bool:
 
 def pack_linear_weight(weight: Tensor) -> Tensor | None:
     """``weight`` ``[out, in]`` in oneDNN's layout for :func:`packed_linear`, or None where the
-    packed path is not available (not CPU, another dtype, turned off)."""
+    packed path does not cover it (not on CPU, not 2-D, another dtype, a torch without it)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     if not packed_gemm_available(weight.dtype):

@@ -78,7 +78,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         # Set by ``parallel.lora.attach_lora`` when the engine serves LoRA adapters.
         self.lora: Any = None
-        # This rank's weight shard [out, in], also once ``pack_weight`` has released it.
+        # This rank's weight shard [out, in], also once ``pack_linear_weights`` has released it.
         self.weight_shape = (self.output_size_per_partition, input_size)
         self.packed_weight: torch.Tensor | None = None
 
