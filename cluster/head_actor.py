@@ -9,6 +9,11 @@ else, placed in the replica's placement group. ``HeadCoreClient`` is how the rep
     abort([ids]) ──────────────────────────────▶  (fire and forget)
     poll(acked) ◀── list[StepOutputs] bytes ───   every step's outputs after ``acked``
 
+    ingress replica (a ``TokenChannel``)
+    ────────────────────────────────────
+    poll_sink(sink, acked) ◀── list[StepOutputs] ─ the steps' deltas of the requests added with
+                                                    ``AddRequest.sink == sink``, nothing else
+
 One poll is always outstanding: it returns as soon as a step has produced something, with every
 step the front has not acknowledged (one message for all requests, however many steps piled up).
 Steps are numbered; the next poll acknowledges what the last one returned, so a poll whose reply
@@ -16,7 +21,13 @@ is lost (its caller's event loop ended) loses nothing. The core thread never wai
 The front makes every call to the head outside any request's context: Serve cancels the Ray
 calls a request made when the request is cancelled, and the poll and an abort are not the
 request's own. All messages are msgspec; nothing is pickled by this
-project. The actor is owned by the replica, so it dies with it; if the head dies, the poll fails,
+project.
+
+A request added with a ``sink`` (the ingress's ``cluster.token_channel``) has its deltas also
+put in that sink's outbox, which the ingress polls the same way: one message per step for all
+of that ingress's requests, instead of one Serve stream item per request per step through the
+replica. A sink that nobody polls for ``SINK_IDLE_S`` is dropped (its ingress is gone).
+The actor is owned by the replica, so it dies with it; if the head dies, the poll fails,
 every stream ends with a 503 and the replica's health check fails, so Serve replaces it.
 """
 
@@ -26,6 +37,7 @@ import asyncio
 import contextvars
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -42,6 +54,7 @@ from engine.core_messages import (
     AddRequest,
     AddResult,
     CoreStats,
+    RequestDelta,
     StepOutputs,
     decode_steps,
     encode_steps,
@@ -58,6 +71,7 @@ HEAD_NAME_PREFIX = "LLMHead:"
 _MAX_CONCURRENCY = 32
 _POLL_WAIT_S = 1.0
 _HEALTH_TIMEOUT_S = 20.0
+SINK_IDLE_S = 60.0
 
 
 class CoreError(msgspec.Struct, array_like=True):
@@ -99,7 +113,34 @@ _ADD_DECODER = msgspec.msgpack.Decoder(AddRequest)
 _ADD_REPLY_DECODER = msgspec.msgpack.Decoder(AddReply)
 _POLL_DECODER = msgspec.msgpack.Decoder(PollReply)
 _STATS_DECODER = msgspec.msgpack.Decoder(CoreStats)
+
+
+def decode_poll_reply(data: bytes) -> PollReply:
+    return _POLL_DECODER.decode(data)
+
+
 _ENCODER = msgspec.msgpack.Encoder()
+
+
+class _Outbox:
+    """Steps not yet acknowledged by one reader, oldest first, numbered from ``first_seq``."""
+
+    __slots__ = ("first_seq", "polled_at", "steps")
+
+    def __init__(self) -> None:
+        self.steps: list[StepOutputs] = []
+        self.first_seq = 1
+        self.polled_at = time.monotonic()
+
+    def ack(self, acked: int) -> None:
+        drop = max(0, min(acked - self.first_seq + 1, len(self.steps)))
+        del self.steps[:drop]
+        self.first_seq += drop
+        self.polled_at = time.monotonic()
+
+    def reply(self, dead: str | None) -> bytes:
+        last_seq = self.first_seq + len(self.steps) - 1
+        return _ENCODER.encode(PollReply(encode_steps(list(self.steps)), last_seq, dead))
 
 
 class HeadActor:
@@ -107,9 +148,9 @@ class HeadActor:
 
     def __init__(self, engine_args: dict[str, Any]) -> None:
         config = EngineConfig.from_kwargs(**engine_args)
-        # Steps not yet acknowledged by the front, oldest first, numbered from ``_first_seq``.
-        self._outbox: list[StepOutputs] = []
-        self._first_seq = 1
+        self._outbox = _Outbox()  # the front's
+        self._sinks: dict[str, _Outbox] = {}  # ingress channels', by sink name
+        self._sink_of: dict[str, str] = {}  # request id -> its sink, until its last delta
         self._dead: str | None = None
         self._ready = threading.Condition()
         # Built on the core thread, which runs its forward passes (see EngineCoreLoop).
@@ -119,14 +160,34 @@ class HeadActor:
         return True
 
     def add_request(self, data: bytes) -> bytes:
+        request: AddRequest | None = None
         try:
             request = _ADD_DECODER.decode(data)
+            if request.sink is not None:
+                self._route_to_sink(request.request_id, request.sink)
             reply = AddReply(result=self._loop.add(request).result())
         except msgspec.ValidationError as exc:
             reply = AddReply(error=CoreError("invalid", f"malformed request: {exc}"))
         except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
             reply = AddReply(error=CoreError.of(exc))
+        if reply.error is not None and request is not None and request.sink is not None:
+            with self._ready:
+                if self._sink_of.get(request.request_id) == request.sink:
+                    del self._sink_of[request.request_id]
         return _ENCODER.encode(reply)
+
+    def _route_to_sink(self, request_id: str, sink: str) -> None:
+        """Before the core sees the request (its first delta may come at once): its deltas go
+        to ``sink`` too. Sinks nobody polled for ``SINK_IDLE_S`` are dropped here."""
+        now = time.monotonic()
+        with self._ready:
+            for name, box in list(self._sinks.items()):
+                if name != sink and now - box.polled_at > SINK_IDLE_S:
+                    del self._sinks[name]
+                    for rid in [r for r, s in self._sink_of.items() if s == name]:
+                        del self._sink_of[rid]
+            self._sinks.setdefault(sink, _Outbox())
+            self._sink_of[request_id] = sink
 
     def abort(self, request_ids: list[str]) -> None:
         self._loop.abort(list(request_ids))
@@ -134,15 +195,21 @@ class HeadActor:
     def poll(self, acked: int, wait_s: float = _POLL_WAIT_S) -> bytes:
         """Drop the steps up to ``acked`` (the front has them), then return every later one;
         waits up to ``wait_s`` for one."""
+        return self._take(self._outbox, acked, wait_s)
+
+    def poll_sink(self, sink: str, acked: int, wait_s: float = _POLL_WAIT_S) -> bytes:
+        """``poll`` for an ingress's channel: the deltas of the requests added with
+        ``sink``, one message per step."""
         with self._ready:
-            drop = max(0, min(acked - self._first_seq + 1, len(self._outbox)))
-            del self._outbox[:drop]
-            self._first_seq += drop
-            self._ready.wait_for(lambda: self._outbox or self._dead is not None, wait_s)
-            steps = list(self._outbox)
-            last_seq = self._first_seq + len(steps) - 1
-            dead = self._dead
-        return _ENCODER.encode(PollReply(encode_steps(steps), last_seq, dead))
+            box = self._sinks.setdefault(sink, _Outbox())
+        return self._take(box, acked, wait_s)
+
+    def _take(self, box: _Outbox, acked: int, wait_s: float) -> bytes:
+        with self._ready:
+            box.ack(acked)
+            self._ready.wait_for(lambda: box.steps or self._dead is not None, wait_s)
+            box.polled_at = time.monotonic()
+            return box.reply(self._dead)
 
     def stats(self) -> bytes:
         return _ENCODER.encode(self._loop.stats().result())
@@ -165,7 +232,20 @@ class HeadActor:
 
     def _push(self, step: StepOutputs) -> None:
         with self._ready:
-            self._outbox.append(step)
+            self._outbox.steps.append(step)
+            if self._sink_of:
+                by_sink: dict[str, list[RequestDelta]] = {}
+                for delta in step.deltas:
+                    sink = self._sink_of.get(delta.request_id)
+                    if sink is None:
+                        continue
+                    if delta.finished:
+                        del self._sink_of[delta.request_id]
+                    by_sink.setdefault(sink, []).append(delta)
+                for sink, deltas in by_sink.items():
+                    box = self._sinks.get(sink)
+                    if box is not None:
+                        box.steps.append(StepOutputs(deltas, step.time))
             self._ready.notify_all()
 
     def _died(self, error: EngineDeadError) -> None:
@@ -317,4 +397,12 @@ def _detached(fn: Callable[..., T], *args: Any) -> T:
     return contextvars.Context().run(fn, *args)
 
 
-__all__ = ["HEAD_NAME_PREFIX", "CoreError", "HeadActor", "HeadCoreClient"]
+__all__ = [
+    "HEAD_NAME_PREFIX",
+    "SINK_IDLE_S",
+    "CoreError",
+    "HeadActor",
+    "HeadCoreClient",
+    "PollReply",
+    "decode_poll_reply",
+]

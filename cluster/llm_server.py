@@ -27,7 +27,6 @@ from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.lora_adapters import AdapterCatalog, AdapterNotFoundError
 from cluster.metrics import ModelMetrics
 from cluster.protocol import (
-    ChoiceChunk,
     DetokenizeResult,
     EmbedRequest,
     EmbedResult,
@@ -37,9 +36,11 @@ from cluster.protocol import (
     StreamItem,
     StreamStart,
     TokenizeResult,
+    choice_chunk,
+    logprob_rows,
 )
 from cluster.tool_parsers import get_tool_parser
-from engine.async_llm_engine import AsyncLLMEngine, ChoiceDelta, EngineStats
+from engine.async_llm_engine import AsyncLLMEngine, EngineStats
 from engine.config import EngineConfig
 from engine.core_client import InProcessCoreClient
 from engine.errors import (
@@ -105,8 +106,11 @@ class LLMServer:
                 resources=head_resources,
             )
             self.engine = AsyncLLMEngine(client, tokenizer=load_tokenizer(config))
+            # An ingress's token channel polls the deltas of its requests from the head.
+            self.head_name: str | None = client.name
         else:
             self.engine = AsyncLLMEngine(InProcessCoreClient(lambda: LLMEngine(config)))
+            self.head_name = None
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = config.max_model_len
         self.tool_call_parser = config.frontend.tool_call_parser
@@ -140,6 +144,8 @@ class LLMServer:
             prompt = self._prompt(request)
             params = _sampling_params(request.params)
             timeout = request.timeout
+            # With a channel, the deltas go from the head to the ingress, one message per step.
+            sink = request.channel if self.head_name is not None else None
             stream = self.engine.generate(
                 prompt,
                 params,
@@ -147,6 +153,7 @@ class LLMServer:
                 cache_salt=request.cache_salt,
                 timeout_s=timeout,
                 lora_request=lora_request,
+                sink=sink,
             )
             first = await stream.__anext__()
         except AdapterNotFoundError:
@@ -173,7 +180,10 @@ class LLMServer:
         except BaseException:
             self._active.discard(request_id)
             raise
-        yield self._start(request, first.output)
+        start = self._start(request, first.output)
+        if sink is not None:
+            start.head = self.head_name
+        yield start
         try:
             last = first
             async for item in _chain(first, stream):
@@ -181,7 +191,8 @@ class LLMServer:
                 if request.adapter is not None:
                     self.metrics.on_adapter_tokens(request.adapter, item.num_new_tokens)
                 last = item
-                yield StreamDelta([_choice_chunk(d) for d in item.deltas])
+                if sink is None:
+                    yield StreamDelta([choice_chunk(d) for d in item.deltas])
             if timeout is not None and _was_aborted(last):
                 yield error_item(408, f"the request exceeded its timeout of {timeout} s",
                                  "timeout")  # fmt: skip
@@ -203,7 +214,7 @@ class LLMServer:
         prompt_logprobs = None
         if output.prompt_logprobs is not None:
             first = [[ids[0], self.tokenizer.decode(ids[:1]), None, None]]
-            prompt_logprobs = [first] + [_logprob_rows(e) for e in output.prompt_logprobs[1:]]
+            prompt_logprobs = [first] + [logprob_rows(e) for e in output.prompt_logprobs[1:]]
         parser = self.tool_call_parser if request.tool_choice == "auto" else None
         return StreamStart(
             len(ids), len(output.outputs), text, prompt_logprobs, parser, self.replica_id
@@ -433,26 +444,6 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 def _was_aborted(item: Any) -> bool:
     return any(c.finish_reason == "abort" for c in item.output.outputs)
-
-
-def _logprob_rows(entry: dict[int, Any] | None) -> list[list[Any]]:
-    """[token_id, text, logprob, rank] per token of a position, the chosen token first."""
-    return [[t, lp.decoded_token or "", lp.logprob, lp.rank] for t, lp in (entry or {}).items()]
-
-
-def _choice_chunk(delta: ChoiceDelta) -> ChoiceChunk:
-    logprobs = None
-    if delta.logprobs is not None:
-        logprobs = [_logprob_rows(entry) for entry in delta.logprobs]
-    return ChoiceChunk(
-        delta.index,
-        delta.text,
-        delta.token_ids,
-        delta.finish_reason,
-        delta.stop_reason,
-        delta.num_tokens,
-        logprobs,
-    )
 
 
 def _sampling_params(params: dict[str, Any]) -> SamplingParams:

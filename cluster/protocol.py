@@ -4,6 +4,12 @@
             ◀── StreamStart                    after validation, before any token
             ◀── StreamDelta …                  the choices with something new, one per step
             ◀── StreamError                    instead of StreamStart, or last (503, 408)
+
+With ``GenerateRequest.channel`` (the ingress's ``cluster.token_channel``) and a replica whose
+core runs in a head actor, the ``StreamDelta`` items do not travel on this stream: the head puts
+each step's deltas for all of that ingress's requests in one message, which the ingress polls
+from the head named in ``StreamStart.head`` (``stream_delta`` turns a request's part into the
+same ``StreamDelta``). The stream then carries its start, its end, and any ``StreamError``.
     ingress ── EmbedRequest ─────────────────▶ LLMServer.embed (a unary handle call)
             ◀── EmbedResult | StreamError
 
@@ -17,6 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
+from engine.core_messages import ChoiceDelta, RequestDelta
 
 # status -> (OpenAI error "type", gRPC status code name)
 ERRORS: dict[int, tuple[str, str]] = {
@@ -64,6 +72,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_choice: str | None = None
     # A LoRA adapter of the model (the OpenAI model "<model>:<adapter>"); None: the base model.
     adapter: str | None = None
+    # The ingress's token channel (its sink name at the heads); None: deltas on the stream.
+    channel: str | None = None
 
 
 # Per token: rows of [token_id, text, logprob, rank], the sampled token first, then the top-k.
@@ -78,6 +88,8 @@ class StreamStart(msgspec.Struct, tag="start", omit_defaults=True):
     prompt_logprobs: list[TokenLogprobs] | None = None  # with prompt_logprobs, one per token
     tool_call_parser: str | None = None  # with tool_choice "auto"
     replica_id: str | None = None  # the replica serving it (a response header)
+    # The head actor whose channel sink carries the deltas (None: they follow on this stream).
+    head: str | None = None
 
 
 class ChoiceChunk(msgspec.Struct):
@@ -110,6 +122,31 @@ class StreamError(msgspec.Struct, tag="error"):
 
 
 StreamItem = StreamStart | StreamDelta | StreamError
+
+
+def logprob_rows(entry: dict[int, Any] | None) -> TokenLogprobs:
+    """[token_id, text, logprob, rank] per token of a position, the chosen token first."""
+    return [[t, lp.decoded_token or "", lp.logprob, lp.rank] for t, lp in (entry or {}).items()]
+
+
+def choice_chunk(delta: ChoiceDelta) -> ChoiceChunk:
+    logprobs = None
+    if delta.logprobs is not None:
+        logprobs = [logprob_rows(entry) for entry in delta.logprobs]
+    return ChoiceChunk(
+        delta.index,
+        delta.text,
+        delta.token_ids,
+        delta.finish_reason,
+        delta.stop_reason,
+        delta.num_tokens,
+        logprobs,
+    )
+
+
+def stream_delta(delta: RequestDelta) -> StreamDelta:
+    """A request's part of an engine step, as the stream item it is for the ingress."""
+    return StreamDelta([choice_chunk(c) for c in delta.choices])
 
 
 class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -153,6 +190,9 @@ __all__ = [
     "StreamItem",
     "StreamStart",
     "TokenizeResult",
+    "choice_chunk",
     "error_type",
     "grpc_code_name",
+    "logprob_rows",
+    "stream_delta",
 ]

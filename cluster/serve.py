@@ -13,6 +13,7 @@ import dataclasses
 import os
 import re
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from cluster.protocol import (
     StreamStart,
     grpc_code_name,
 )
+from cluster.token_channel import TokenChannel
 
 INGRESS_NAME = "OpenAIIngress"
 # Which replica served a generation (routing checks, debugging).
@@ -251,6 +253,8 @@ class OpenAIIngress:
         self.cold_start_timeouts = cold_start_timeouts or {}
         # Serve stopping this replica (cluster shutdown, redeploy): new generations get 503.
         self._stopping = serve_stop_flag()
+        # Token deltas from the models' heads, one message per step for all our requests.
+        self.channel = TokenChannel()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return make_openai_app(self, self.api_key_hashes, self.max_body_bytes)
@@ -280,8 +284,24 @@ class OpenAIIngress:
             raise APIError(503, "the server is shutting down, retry later", None, "draining",
                            retry_after=1)  # fmt: skip
         handle, adapter = self._route(model)
-        if adapter is not None:
-            payload = msgspec.structs.replace(payload, adapter=adapter)
+        request_id = uuid.uuid4().hex
+        payload = msgspec.structs.replace(
+            payload, adapter=adapter, request_id=request_id, channel=self.channel.sink
+        )
+        self.channel.register(request_id)
+        try:
+            first, stream = await self._first_item(handle, payload, model, adapter)
+        except BaseException:
+            self.channel.release(request_id)
+            raise
+        if first.head is None:  # a replica without a head actor: deltas on its stream
+            self.channel.release(request_id)
+            return first, stream
+        return first, self.channel.stream(request_id, first.head, stream, model)
+
+    async def _first_item(
+        self, handle: DeploymentHandle, payload: GenerateRequest, model: str, adapter: str | None
+    ) -> tuple[StreamStart, Any]:
         stream = handle.options(stream=True).generate.remote(payload)
         base = model if adapter is None else model[: -len(adapter) - 1]
         timeout_s = self.cold_start_timeouts.get(base)

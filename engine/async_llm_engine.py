@@ -173,20 +173,24 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         timeout_s: float | None = None,
         lora_request: LoRARequest | None = None,
+        sink: str | None = None,
     ) -> AsyncIterator[StreamOutput]:
         """Stream a request's outputs. Raises ``InvalidRequestError`` before anything is
         enqueued when the request is invalid, ``EngineDeadError`` if the engine fails. Closing
         or cancelling the iterator before the last output aborts the request. ``timeout_s``
         (seconds from now) is a deadline: past it the request is aborted, its blocks are freed
         and its stream ends with finish_reason "abort". ``lora_request`` runs it under that
-        LoRA adapter (the engine needs ``enable_lora``)."""
+        LoRA adapter (the engine needs ``enable_lora``). ``sink`` names a second reader of
+        its deltas that the core's host serves (``AddRequest.sink``)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         params = params or SamplingParams()
         if timeout_s is not None and not (_is_number(timeout_s) and timeout_s > 0):
             raise InvalidRequestError(f"must be > 0 seconds, got {timeout_s!r}", param="timeout")
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise InvalidRequestError("must be a LoRARequest", param="lora_request")
-        stream = await self._add(request_id, prompt, params, priority, cache_salt, lora_request)
+        stream = await self._add(
+            request_id, prompt, params, priority, cache_salt, lora_request, sink
+        )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s if timeout_s is not None else None
         try:
@@ -316,6 +320,7 @@ class AsyncLLMEngine:
         priority: int,
         cache_salt: str | None,
         lora_request: LoRARequest | None = None,
+        sink: str | None = None,
     ) -> _Stream:
         if self._dead is not None:
             raise self._dead
@@ -329,6 +334,7 @@ class AsyncLLMEngine:
             priority=priority,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            sink=sink,
         )
         if isinstance(params, PoolingParams):
             request.pooling_params = params

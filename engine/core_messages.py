@@ -30,6 +30,9 @@ class AddRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    # Where the core's host also delivers this request's deltas (a Serve head actor hands them
+    # to that ingress's token channel, ``cluster.head_actor``); the core loop ignores it.
+    sink: str | None = None
 
 
 class ChoiceDelta(msgspec.Struct, array_like=True, frozen=True):

@@ -47,6 +47,7 @@ from cluster.openai_models import (
     TokenizeRequest,
 )
 from cluster.serve import OpenAIIngress
+from cluster.token_channel import TokenChannel
 from engine.protocol import decode_request, encode
 
 MODEL = "tiny-llama"
@@ -144,6 +145,7 @@ def app(server: LLMServer) -> Any:
     ingress.api_key_hashes = [hashlib.sha256(KEY.encode()).hexdigest()]
     ingress.max_body_bytes = 1 << 16
     ingress._stopping = None  # not a Serve replica: never stopping
+    ingress.channel = TokenChannel()  # unused: the local server has no head actor
 
     async def no_metrics() -> Any:
         return "metrics are scraped from Ray, which this test does not run"

@@ -585,14 +585,20 @@ class _FakeHandle:
 
 def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> APIError:
     import asyncio
+    import functools
     from types import SimpleNamespace
 
+    from cluster.protocol import GenerateRequest
     from cluster.serve import OpenAIIngress
+    from cluster.token_channel import TokenChannel
 
     ingress = SimpleNamespace(_route=lambda model: (_FakeHandle(first), None),
-                              _stopping=lambda: stopping, cold_start_timeouts={})  # fmt: skip
+                              _stopping=lambda: stopping, cold_start_timeouts={},
+                              channel=TokenChannel())  # fmt: skip
+    ingress._first_item = functools.partial(OpenAIIngress._first_item, ingress)
     with pytest.raises(APIError) as info:
-        asyncio.run(OpenAIIngress.open_stream(ingress, "m", {}))  # type: ignore[arg-type]
+        asyncio.run(OpenAIIngress.open_stream(ingress, "m", GenerateRequest()))  # type: ignore[arg-type]
+    assert not ingress.channel._queues  # the refused request left nothing registered
     return info.value
 
 

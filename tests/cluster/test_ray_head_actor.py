@@ -152,3 +152,131 @@ def test_killed_head_fails_streams_health_and_new_requests() -> None:
         asyncio.run(asyncio.wait_for(run(), 60))
     finally:
         engine.shutdown()
+
+
+# ---- the ingress's token channel: deltas straight from the head, one message per step ------
+
+
+class _Served:
+    """A replica's generate stream as the ingress holds it (Serve's handle stream): iterable,
+    with ``cancel``."""
+
+    def __init__(self, items: Any) -> None:
+        self._items = items
+
+    def __aiter__(self) -> _Served:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._items.__anext__()
+
+    def cancel(self) -> None:
+        self._closing = asyncio.ensure_future(self._items.aclose())
+
+
+@pytest.fixture(scope="module")
+def channel_server() -> Iterator[Any]:
+    from cluster.llm_server import LLMServer
+
+    server = LLMServer("chan", ENGINE_ARGS, head_resources={"CPU": 1})
+    assert server.head_name is not None
+    yield server
+    server.engine.shutdown()
+
+
+async def _through_channel(
+    server: Any, channel: Any, request_id: str, prompt: str, params: dict[str, Any]
+) -> tuple[Any, list[Any]]:
+    from cluster.protocol import GenerateRequest
+
+    channel.register(request_id)
+    payload = GenerateRequest(prompt=prompt, params=params, request_id=request_id,
+                              channel=channel.sink)  # fmt: skip
+    served = _Served(server.generate(payload))
+    start = await served.__anext__()
+    return start, [item async for item in channel.stream(request_id, start.head, served, "chan")]
+
+
+def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
+    channel_server: Any, offline: LLM
+) -> None:
+    from cluster.protocol import StreamDelta, logprob_rows
+    from cluster.token_channel import TokenChannel
+
+    channel = TokenChannel()
+    per_message: list[int] = []
+    dispatch = channel._dispatch
+
+    def spy(deltas: Any) -> None:
+        per_message.append(len(deltas))
+        dispatch(deltas)
+
+    channel._dispatch = spy  # type: ignore[method-assign]
+    params = {"n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 12, "logprobs": 2,
+              "ignore_eos": True}  # fmt: skip
+    prompts = [f"channel prompt {i}" for i in range(4)]
+
+    async def run() -> list[tuple[Any, list[Any]]]:
+        return await asyncio.gather(*(
+            _through_channel(channel_server, channel, f"chan-{i}", p, params)
+            for i, p in enumerate(prompts)
+        ))  # fmt: skip
+
+    results = asyncio.run(asyncio.wait_for(run(), 120))
+    expected = offline.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    for (start, items), ref in zip(results, expected, strict=True):
+        assert start.head == channel_server.head_name and start.n == 2
+        assert all(isinstance(i, StreamDelta) for i in items)  # no error, nothing else
+        for choice in ref.outputs:
+            chunks = [c for i in items for c in i.choices if c.index == choice.index]
+            assert "".join(c.text for c in chunks) == choice.text
+            assert [t for c in chunks for t in c.token_ids] == choice.token_ids
+            assert [r for c in chunks for r in c.logprobs] == [
+                logprob_rows(e) for e in choice.logprobs
+            ]
+            assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
+    # Decode steps of the four requests travel together: one message, eight choices' deltas.
+    assert max(per_message) == 4
+    assert 2 * len(per_message) <= sum(per_message)  # not one message per request per step
+    assert not channel._queues and not channel._head_of  # nothing left registered
+
+
+def test_token_channel_ends_streams_with_503_when_the_head_dies() -> None:
+    from cluster.llm_server import LLMServer
+    from cluster.protocol import GenerateRequest, StreamDelta, StreamError
+    from cluster.token_channel import TokenChannel
+
+    server = LLMServer("doomed", ENGINE_ARGS, head_resources={"CPU": 1})
+    channel = TokenChannel()
+
+    class Silent(_Served):
+        """A replica stream that never says anything after its start: only the channel can
+        tell the head is gone."""
+
+        async def __anext__(self) -> Any:
+            if self._items is not None:
+                items, self._items = self._items, None
+                return await items.__anext__()
+            await asyncio.Event().wait()
+
+    async def run() -> list[Any]:
+        channel.register("doomed-1")
+        params = {"max_tokens": 2000, "ignore_eos": True}
+        payload = GenerateRequest(prompt="doomed", params=params, request_id="doomed-1",
+                                  channel=channel.sink)  # fmt: skip
+        served = Silent(server.generate(payload))
+        start = await served.__anext__()
+        assert not isinstance(start, StreamError), start
+        items = []
+        async for item in channel.stream("doomed-1", start.head, served, "doomed"):
+            items.append(item)
+            if len(items) == 2:
+                ray.kill(server.engine.client.actor, no_restart=True)
+        return items
+
+    try:
+        items = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        server.engine.shutdown()
+    assert all(isinstance(i, StreamDelta) for i in items[:-1])
+    assert isinstance(items[-1], StreamError) and items[-1].status == 503

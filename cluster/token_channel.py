@@ -1,0 +1,208 @@
+"""The ingress's token channel: each engine step's deltas for all of this ingress's requests on
+one head, in one message, instead of one Serve stream item per request per step.
+
+    ingress (this module)                     LLMServer replica            HeadActor
+    ─────────────────────                     ─────────────────            ─────────
+    register(request_id) → queue
+    GenerateRequest(channel=sink) ── Serve ──▶ generate ── AddRequest(sink) ──▶ routes its deltas
+                           ◀── StreamStart(head=name)                           to the sink
+    poll_sink(sink, acked) ──────────────────────────────────────────────────▶ (one per step)
+                           ◀── list[StepOutputs]: the deltas of this ingress's requests
+    ChannelStream: the request's deltas from its queue; its Serve stream carries only the end
+    (or a StreamError: 408, 503), which the stream waits for before it ends.
+
+On a 2-core machine each Serve stream item costs ~0.5 ms of CPU across the replica and the ingress
+(BENCHMARKS.md, "Serving path"); with 64 requests that is ~30 ms a step, taken from the engine.
+One poll per step per head costs the same whatever the batch. The request's Serve call stays
+open until it ends, so routing, ``max_ongoing_requests``, autoscaling, back-pressure, drain and
+cancellation (the client goes away: the call is cancelled, the replica aborts the request) are
+Serve's as before. Polls are acknowledged by step number, like the replica's own
+(``cluster.head_actor``): a lost reply loses nothing. A head that fails (its poll raises, or
+reports the engine dead) ends its requests' streams with a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray.exceptions import RayError, TaskCancelledError
+
+from cluster.head_actor import decode_poll_reply
+from cluster.protocol import StreamDelta, StreamError, stream_delta
+from engine.core_messages import RequestDelta, decode_steps
+
+logger = logging.getLogger("llm_cluster.token_channel")
+
+# A poller with no request left on its head keeps polling this long (the next request's first
+# token then arrives without starting one), then stops.
+POLLER_LINGER_S = 10.0
+# The replica said the request ended, but its last delta has not come: how long to wait for it.
+_LAST_DELTA_WAIT_S = 30.0
+_SERVED = object()  # the request's Serve stream ended without an error
+
+
+class TokenChannel:
+    """One per ingress replica; everything runs on the ingress's event loop."""
+
+    def __init__(self) -> None:
+        self.sink = f"ingress-{uuid.uuid4().hex}"
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._head_of: dict[str, str] = {}  # request id -> head actor name
+        self._pollers: dict[str, asyncio.Task[None]] = {}
+        self._actors: dict[str, Any] = {}  # head actor handles by name
+
+    def register(self, request_id: str) -> None:
+        """Before the request is sent: its first delta may come before its ``StreamStart``."""
+        self._queues[request_id] = asyncio.Queue()
+
+    def release(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._head_of.pop(request_id, None)
+
+    def stream(self, request_id: str, head: str, served: Any, model: str) -> ChannelStream:
+        """The request's items once its ``StreamStart`` named ``head``; ``served`` is its Serve
+        stream (after the start item)."""
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise RuntimeError(f"request {request_id!r} was not registered")
+        self._head_of[request_id] = head
+        if head not in self._pollers:
+            self._pollers[head] = _detached(asyncio.get_running_loop().create_task,
+                                            self._poll(head, model))  # fmt: skip
+        return ChannelStream(self, request_id, queue, served, model)
+
+    def _requests_on(self, head: str) -> list[str]:
+        return [rid for rid, h in self._head_of.items() if h == head]
+
+    async def _actor(self, head: str) -> Any:
+        actor = self._actors.get(head)
+        if actor is None:
+            actor = await asyncio.to_thread(ray.get_actor, head)
+            self._actors[head] = actor
+        return actor
+
+    async def _poll(self, head: str, model: str) -> None:
+        acked = 0  # a new poller acknowledges nothing: what is left is replayed, then dropped
+        idle_since: float | None = None
+        try:
+            actor = await self._actor(head)
+            while True:
+                if self._requests_on(head):
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > POLLER_LINGER_S:
+                    return  # no await between this check and the removal below
+                try:
+                    reply = decode_poll_reply(await actor.poll_sink.remote(self.sink, acked))
+                except TaskCancelledError:
+                    continue  # not the head's failure: ask again
+                steps = decode_steps(reply.steps)
+                first_seq = reply.last_seq - len(steps) + 1
+                for seq, step in enumerate(steps, start=first_seq):
+                    if seq > acked:
+                        self._dispatch(step.deltas)
+                acked = max(acked, reply.last_seq)
+                if reply.dead is not None:
+                    logger.error("engine head %s reports its engine dead: %s", head, reply.dead)
+                    self._fail(head, f"the engine for {model!r} failed")
+                    return
+        except (RayError, ValueError) as exc:  # the head is gone (ValueError: no such actor)
+            logger.error("engine head %s is unreachable: %s", head, exc)
+            self._fail(head, f"the replica serving {model!r} failed; retry the request")
+        finally:
+            self._pollers.pop(head, None)
+            self._actors.pop(head, None)
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:  # else: its client went away
+                queue.put_nowait(delta)
+
+    def _fail(self, head: str, message: str) -> None:
+        for request_id in self._requests_on(head):
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(StreamError(503, message, None, "unavailable"))
+
+
+class ChannelStream:
+    """A generation's items, like its Serve stream's without the channel: ``StreamDelta``s
+    (from the channel), then, if the replica sent one, its ``StreamError``. Ends once both the
+    last delta has come and the Serve stream has ended. ``cancel`` ends it early (the replica
+    aborts the request)."""
+
+    def __init__(
+        self,
+        channel: TokenChannel,
+        request_id: str,
+        queue: asyncio.Queue[Any],
+        served: Any,
+        model: str,
+    ) -> None:
+        self._channel = channel
+        self._request_id = request_id
+        self._queue = queue
+        self._served = served
+        self._model = model
+        self._pump = asyncio.ensure_future(self._watch_served())
+
+    async def _watch_served(self) -> None:
+        try:
+            async for item in self._served:
+                self._queue.put_nowait(item)
+        except RayError:
+            message = f"the replica serving {self._model!r} failed; retry the request"
+            self._queue.put_nowait(StreamError(503, message, None, "unavailable"))
+        else:
+            self._queue.put_nowait(_SERVED)
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta | StreamError]:
+        return self._items()
+
+    async def _items(self) -> AsyncIterator[StreamDelta | StreamError]:
+        finished = served = False
+        try:
+            while not (finished and served):
+                timeout = _LAST_DELTA_WAIT_S if served else None
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), timeout)
+                except TimeoutError:
+                    logger.error("request %s: its replica ended it, its last delta never came",
+                                 self._request_id)  # fmt: skip
+                    message = f"the replica serving {self._model!r} lost its last tokens; retry"
+                    yield StreamError(503, message, None, "unavailable")
+                    return
+                if item is _SERVED:
+                    served = True
+                elif isinstance(item, RequestDelta):
+                    finished = item.finished
+                    yield stream_delta(item)
+                else:  # StreamError (the replica's, or the head's failure); a StreamDelta
+                    yield item
+                    if isinstance(item, StreamError):
+                        return
+        finally:
+            self._channel.release(self._request_id)
+
+    def cancel(self) -> None:
+        self._channel.release(self._request_id)
+        self._served.cancel()
+        self._pump.cancel()
+
+
+def _detached(fn: Any, *args: Any) -> Any:
+    """Run ``fn`` in an empty context: the poller belongs to no request, so Serve cancelling
+    a request never cancels the Ray calls it makes."""
+    return contextvars.Context().run(fn, *args)
+
+
+__all__ = ["POLLER_LINGER_S", "ChannelStream", "TokenChannel"]
