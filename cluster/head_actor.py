@@ -286,6 +286,7 @@ class HeadCoreClient(EngineCoreClient):
         self._dead: EngineDeadError | None = None
         self._poller: asyncio.Task[None] | None = None
         self._acked = 0  # the last step number handed to on_step
+        self._shut_down = False
         try:
             ray.get(self.actor.ready.remote())
         except RayError as exc:
@@ -339,6 +340,11 @@ class HeadCoreClient(EngineCoreClient):
     def shutdown(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        if self._shut_down or not ray.is_initialized():
+            # Once only; and never after Ray is gone: a Ray call would start a new local Ray
+            # (an ``LLMServer.__del__`` run by the garbage collector after ``ray.shutdown``).
+            return
+        self._shut_down = True
         try:
             ray.kill(self.actor, no_restart=True)
         except Exception:  # already gone, or Ray is shutting down: nothing left to stop
