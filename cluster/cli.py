@@ -77,13 +77,24 @@ def _load_config(path: str) -> DeploymentConfig:
     return config
 
 
-def _deploy_and_report(config: DeploymentConfig, address: str | None) -> None:
+def _deploy_and_report(
+    config: DeploymentConfig, address: str | None, direct_ingress: bool = False
+) -> None:
+    """``direct_ingress`` (a new local cluster only): the ingress replica serves the config's
+    ports itself, without Serve's proxy hop (``deploy.direct_ingress``)."""
+    import logging
+
     from cluster import deploy
 
+    deployed = deploy.direct_ingress(config) if direct_ingress else None
+    if deployed is not None:  # Serve would announce the idle proxy's spare port as the app's
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     deploy.connect(address, num_cpus=sum(m.cpus_at_max_scale() for m in config.models))
     names = ", ".join(m.model_id for m in config.models)
     print(f"deploying {names} (app {config.app_name!r}); loading models...", flush=True)
-    deploy.deploy(config, progress=lambda line: print(line, flush=True))
+    deploy.deploy(deployed or config, progress=lambda line: print(line, flush=True))
+    if deployed is not None:
+        deploy.wait_for_port(config.http_options.host, config.http_options.port)
     print(f"ready: OpenAI API at {deploy.endpoint(config)}", flush=True)
     if config.grpc_options is not None:
         print(f"gRPC (llmcluster.LLM) on port {config.grpc_options.port}", flush=True)
@@ -96,7 +107,9 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster import deploy
 
     config = _load_config(args.config)
-    _deploy_and_report(config, args.address)
+    _deploy_and_report(
+        config, args.address, direct_ingress=args.address == "local" and not args.proxy
+    )
     # SIGTERM is what systemd, Docker and Kubernetes send: it drains exactly like Ctrl-C.
     # Installed after Ray's own driver handlers, which would dump a stack and abort instead.
     stop = threading.Event()
@@ -162,6 +175,12 @@ def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
     serve_cmd.add_argument("config", help="deployment YAML, e.g. configs/tiny.yaml")
     serve_cmd.add_argument(
         "--address", default="local", help="join this cluster instead of starting a local one"
+    )
+    serve_cmd.add_argument(
+        "--proxy",
+        action="store_true",
+        help="route requests through Ray Serve's proxy (the default with --address) instead of "
+        "serving the config's ports from the ingress replica itself (direct ingress, faster)",
     )
     serve_cmd.set_defaults(func=_serve)
 

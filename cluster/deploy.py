@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
+import random
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -81,6 +84,69 @@ def _token_auth_if_available() -> None:
     except ImportError:  # a Ray without token authentication
         return
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+# Ray Serve's switches for direct ingress: the ingress replica serves HTTP (and gRPC) itself.
+_DIRECT_OFF = ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
+
+
+def direct_ingress(config: DeploymentConfig) -> DeploymentConfig | None:
+    """Set up the environment of a local Ray about to start (call before ``connect("local")``)
+    so that the ingress replica itself serves the config's HTTP (and gRPC) port: Ray Serve's
+    throughput-optimized mode (``RAY_SERVE_THROUGHPUT_OPTIMIZED``: direct ingress, gRPC
+    between replicas, user code on each replica's event loop), with the direct-ingress port
+    range pinned to the config's ports. That removes the proxy hop — one Ray stream item per
+    request per token, ~20 % of a core at 64 streams on a 2-core machine (BENCHMARKS.md,
+    "Serving path"). Serve's proxies still run, on spare ports, idle. One ingress replica, no
+    load balancer in front: no draining period. Returns the config to deploy (its ports are
+    the proxies'), or None when the environment turns it off (either switch set to 0)."""
+    if any(os.environ.get(name) == "0" for name in _DIRECT_OFF):
+        return None
+    http = config.http_options
+    env = {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http.port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http.port + 1),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+    grpc = config.grpc_options
+    if grpc is not None:
+        env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"] = str(grpc.port)
+        env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"] = str(grpc.port + 1)
+        grpc = dataclasses.replace(grpc, port=spare_port())
+    os.environ.update(env)
+    http = dataclasses.replace(http, port=spare_port())
+    return dataclasses.replace(config, http_options=http, grpc_options=grpc)
+
+
+def spare_port() -> int:
+    """A free TCP port for a proxy nobody calls, between Ray's worker ports (10002-19999) and
+    the OS's ephemeral range, where Ray's own servers take ports at any time."""
+    for _ in range(200):
+        port = random.randint(20000, 29999)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in 20000-29999 for Serve's proxy")
+
+
+def wait_for_port(host: str, port: int, timeout_s: float = 60.0) -> None:
+    """Wait until ``host:port`` accepts connections (the ingress replica's own server)."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            sock.settimeout(1.0)
+            if sock.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(
+        f"nothing serves {host}:{port} after {timeout_s:.0f} s; is another process using it? "
+        "Ingress logs: /tmp/ray/session_latest/logs/serve/replica_llm_OpenAIIngress_*.log"
+    )
 
 
 def start_serve(config: DeploymentConfig) -> None:

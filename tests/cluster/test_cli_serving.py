@@ -51,6 +51,10 @@ def tiny_config(tmp_path: Path) -> tuple[Path, int]:
     return path, http_port
 
 
+def load_yaml_file(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
 def complete(http_port: int) -> dict:
     body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}).encode()
     request = urllib.request.Request(
@@ -211,11 +215,24 @@ def start_serving(config: Path) -> subprocess.Popen[str]:
     return serving
 
 
+def grpc_tokens(grpc_port: int) -> int:
+    import grpc
+
+    from cluster.proto import llm_pb2, llm_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        request = llm_pb2.GenerateRequest(model="tiny-llama", prompt="hello", max_tokens=4)
+        replies = list(llm_pb2_grpc.LLMStub(channel).Generate(request, timeout=60))
+    return replies[-1].completion_tokens
+
+
 def test_serve_blocks_until_ctrl_c_then_shuts_down(tmp_path: Path) -> None:
     config, http_port = tiny_config(tmp_path)
     serving = start_serving(config)
     try:
+        # Both of the config's ports, served by the ingress replica itself (direct ingress).
         assert complete(http_port)["usage"]["completion_tokens"] == 4
+        assert grpc_tokens(load_yaml_file(config)["grpc_options"]["port"]) == 4
         serving.send_signal(signal.SIGINT)
         assert serving.wait(120) == 0
         assert refuses_connections(http_port)
