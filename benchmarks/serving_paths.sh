@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The serving path against the offline engine and vLLM, in one run on this machine:
 #   offline LLM.generate (this engine, vLLM's CPU build), then `cluster serve` (this checkout, and
-#   optionally a baseline checkout), `cluster serve` with Ray Serve's throughput-optimized mode,
-#   vLLM's own OpenAI server, all measured with vLLM's client (`vllm bench serve`) at 64 requests
-#   at once and at concurrency 1, plus `cluster bench serve --compare` (in-process AsyncLLMEngine
-#   vs Ray Serve, this project's client). During each saturating run, `top` records every
+#   optionally a baseline checkout), `cluster serve --proxy` (through Ray Serve's HTTP proxy
+#   instead of direct ingress), vLLM's own OpenAI server, all measured with vLLM's client
+#   (`vllm bench serve`) at 64 requests at once and at concurrency 1, plus `cluster bench serve
+#   --compare` (in-process AsyncLLMEngine vs Ray Serve, this project's client) at 64 and at 1. During each saturating run, `top` records every
 #   process's CPU: the cost of each hop (proxy, ingress, replica front, head, client).
 #
 #   bash ../shared/peers/setup-vllm-cpu.sh                       # the peer venv, once
@@ -54,10 +54,10 @@ stop_all() {
   pkill -TERM -f "cluster.cli serve"; sleep 10; pkill -9 -f "cluster.cli serve"
   "$VENV/bin/ray" stop --force >/dev/null 2>&1; sleep 3
 }
-cluster_serve() {  # SRC NAME PORT [ENV=VALUE...]
+cluster_serve() {  # SRC NAME PORT [cluster serve flags...]
   local src=$1 name=$2 port=$3; shift 3
-  (cd "$src" && env "$@" PYTHONPATH="$src" "$VENV/bin/python" -m cluster.cli serve \
-    "$OUT/bench.yaml" > "$OUT/$name.server.log" 2>&1 &)
+  (cd "$src" && env PYTHONPATH="$src" "$VENV/bin/python" -m cluster.cli serve \
+    "$OUT/bench.yaml" "$@" > "$OUT/$name.server.log" 2>&1 &)
   wait_up 8000; sleep 5
   client "$port" "$name"
   profile "$port" "$name"
@@ -70,9 +70,9 @@ W="--vocab 1024 --input-len 32:32 --output-len 128:128 --dtype bfloat16"
 "$PV/bin/python" "$PEERS/offline_bench.py" "$MODEL" --system vllm $W > "$OUT/offline_vllm.json" 2>/dev/null
 if [ -n "$BASE" ]; then cluster_serve "$BASE" baseline 8000; fi
 cluster_serve "$ROOT" cluster 8000
-# Ray Serve's own high-throughput mode: gRPC between replicas, and the ingress replica serves
-# HTTP itself (direct ingress, port 30000 here; the proxy on 8000 stays as a fallback).
-cluster_serve "$ROOT" cluster_throughput 30000 RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+# Through Ray Serve's HTTP proxy (what `cluster deploy` onto a `ray start` cluster does unless
+# that cluster was started in Ray Serve's throughput-optimized mode).
+cluster_serve "$ROOT" cluster_proxy 8000 --proxy
 "$PV/bin/vllm" serve "$MODEL" --served-model-name bench --dtype bfloat16 --port 8100 \
   > "$OUT/vllm_serve.log" 2>&1 &
 vp=$!; wait_up 8100; client 8100 vllm; profile 8100 vllm
@@ -80,6 +80,10 @@ pkill -f "vllm bench serve"; kill $vp; sleep 10; kill -9 $vp 2>/dev/null; pkill 
 (cd "$ROOT" && "$VENV/bin/python" -m cluster.cli bench serve --compare "$OUT/bench.yaml" \
   --num-prompts 64 --input-len 32:32 --output-len 128:128 --vocab-size 1024 \
   --json "$OUT/compare.json" > "$OUT/compare.log" 2>&1)
+stop_all
+(cd "$ROOT" && "$VENV/bin/python" -m cluster.cli bench serve --compare "$OUT/bench.yaml" \
+  --num-prompts 16 --max-concurrency 1 --input-len 32:32 --output-len 128:128 \
+  --vocab-size 1024 --json "$OUT/compare_c1.json" > "$OUT/compare_c1.log" 2>&1)
 "$VENV/bin/python" "$PEERS/offline_bench.py" "$MODEL" --system engine $W > "$OUT/offline_engine_after.json" 2>/dev/null
 stop_all
 "$VENV/bin/python" "$ROOT/benchmarks/serving_summary.py" "$OUT"

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PATHS = ("baseline", "cluster", "cluster_throughput", "vllm")
+PATHS = ("baseline", "cluster", "cluster_proxy", "cluster_throughput", "vllm")
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -66,10 +66,12 @@ def main(out: Path) -> dict[str, Any]:
     }
     reference = offline["engine"]
     rows = {name: row for name in PATHS if (row := _client_row(out, name)) is not None}
-    compare = _load(out / "compare.json")
-    if compare is not None:
+    for suffix in ("", "_c1"):  # 64 at once; concurrency 1 (the in-process c=1 reference)
+        compare = _load(out / f"compare{suffix}.json")
+        if compare is None:
+            continue
         for name, result in compare["results"].items():
-            rows[f"compare_{name}"] = {
+            rows[f"compare{suffix}_{name}"] = {
                 "out_tok_s": result["output_token_throughput"],
                 "ttft_p50_ms": result["ttft_ms"]["p50"],
                 "tpot_p50_ms": result["tpot_ms"]["p50"],

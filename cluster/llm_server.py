@@ -7,7 +7,10 @@ ingress (HTTP or gRPC) calls.
 ``generate`` streams ``cluster.protocol`` messages: a ``StreamStart`` (or a ``StreamError``:
 a validation error is the first item, so a streaming client still gets a clean 400), then one
 ``StreamDelta`` per engine step with the choices that have something new, and possibly a last
-``StreamError`` (503: the engine failed; 408: the request's timeout passed). ``embed`` returns
+``StreamError`` (503: the engine failed; 408: the request's timeout passed). A request that names
+the ingress's token ``channel`` gets no ``StreamDelta`` here: its head hands its deltas to that
+channel (``cluster.token_channel``), and ``StreamStart.head`` says which head; this call still
+lasts until the request ends, so Serve's routing, queue limits and drain see it. ``embed`` returns
 one input's embedding (an ``EmbedResult``) or a ``StreamError`` from the same error table.
 """
 
