@@ -286,7 +286,21 @@ def run_hf_cb(model: Any, wl: Workload) -> SystemResult:
         eos_token_id=-1,
         pad_token_id=0,
     )
-    manager = model.init_continuous_batching(generation_config=config)
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    # The KV cache sized to the workload (every request's whole sequence at once), as for the
+    # engine; left unset, HF sizes it from free memory, and on CPU its first step then takes
+    # ~20 s whatever the workload.
+    page = 256
+    pages = sum(-(-(len(p) + n) // page) for p, n in zip(wl.prompts, wl.output_lens))
+    cb = ContinuousBatchingConfig(
+        page_size=page,
+        num_blocks=pages + len(wl.prompts) + 1,
+        max_batch_tokens=max(256, sum(len(p) for p in wl.prompts)),  # every prefill at once
+    )
+    manager = model.init_continuous_batching(
+        generation_config=config, continuous_batching_config=cb
+    )
     manager.start()
     try:
         _drain(manager, [manager.add_request(wl.prompts[0], max_new_tokens=2)])  # warm-up
