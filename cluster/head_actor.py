@@ -204,9 +204,20 @@ class HeadActor:
             box = self._sinks.setdefault(sink, _Outbox())
         return self._take(box, acked, wait_s)
 
+    def wait_sink_acked(self, sink: str, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` until the ingress has acknowledged everything in ``sink``'s
+        outbox (True), e.g. the last deltas of requests a draining replica aborted: the replica
+        (and this actor with it) must not stop before its ingress has them."""
+        with self._ready:
+            box = self._sinks.get(sink)
+            if box is None:
+                return True
+            return self._ready.wait_for(lambda: not box.steps or self._dead is not None, wait_s)
+
     def _take(self, box: _Outbox, acked: int, wait_s: float) -> bytes:
         with self._ready:
             box.ack(acked)
+            self._ready.notify_all()  # a wait_sink_acked may be waiting for this
             self._ready.wait_for(lambda: box.steps or self._dead is not None, wait_s)
             box.polled_at = time.monotonic()
             return box.reply(self._dead)
@@ -297,6 +308,11 @@ class HeadCoreClient(EngineCoreClient):
     def start(self, on_step: OnStep, on_dead: OnDead) -> None:
         self._on_step, self._on_dead = on_step, on_dead
 
+    @property
+    def acked_steps(self) -> int:
+        """The number of the last head step handed to ``on_step``."""
+        return self._acked
+
     async def add_request(self, request: AddRequest) -> AddResult:
         self._ensure_poller()
         try:
@@ -314,6 +330,15 @@ class HeadCoreClient(EngineCoreClient):
     def abort(self, request_ids: list[str]) -> None:
         if self._dead is None:
             _detached(self.actor.abort.remote, request_ids)
+
+    async def wait_sink_acked(self, sink: str, wait_s: float) -> bool:
+        """``HeadActor.wait_sink_acked``; False if it timed out or the head is gone."""
+        if self._dead is not None:
+            return False
+        try:
+            return await _detached(self.actor.wait_sink_acked.remote, sink, wait_s)
+        except RayError:
+            return False
 
     async def stats(self) -> CoreStats:
         return _STATS_DECODER.decode(await self._call(self.actor.stats))

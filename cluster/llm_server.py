@@ -60,6 +60,7 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 logger = logging.getLogger("llm_cluster.serve")
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+_SINK_FLUSH_S = 3.0
 
 
 def error_item(
@@ -128,6 +129,7 @@ class LLMServer:
         self._active: set[str] = set()
         self._stopping = serve_stop_flag()
         self._drain_task: asyncio.Task[None] | None = None
+        self._sink_flushes: dict[str, tuple[int, asyncio.Future[bool]]] = {}
         logger.info("model %s ready on replica %s", model_id, self.replica_id)
 
     # ---- generation ---------------------------------------------------------------------
@@ -202,12 +204,29 @@ class LLMServer:
         except EngineDeadError:
             logger.exception("model %s: the engine failed mid-request", self.model_id)
             yield error_item(503, f"the engine for {self.model_id!r} failed")
+            if sink is not None and self.draining:
+                await self._flush_sink(sink, self.engine.client.acked_steps)  # type: ignore[attr-defined]
         finally:
             # Closing the engine stream aborts the request if it is still running (the client
             # went away or the ingress cancelled us); its blocks are free within one step.
             self._active.discard(request_id)
             await stream.aclose()
             timer.finish(time.monotonic())
+
+    async def _flush_sink(self, sink: str, seen: int) -> None:
+        """A draining replica stops (its head with it) once its requests end; a request's last
+        deltas travel on the ingress's token channel, so before its call ends, wait (up to
+        ``_SINK_FLUSH_S``) until the ingress has acknowledged everything its head holds for it.
+        ``seen``: the last head step this front had received when the request ended; a wait
+        asked for after that step arrived covers it (the head had put the deltas in the sink by
+        then), so the requests a drain aborts in one step share one call to the head."""
+        asked_at, task = self._sink_flushes.get(sink, (-1, None))
+        if task is None or asked_at < seen:
+            client = self.engine.client
+            asked_at = client.acked_steps  # type: ignore[attr-defined]
+            task = asyncio.ensure_future(client.wait_sink_acked(sink, _SINK_FLUSH_S))  # type: ignore[attr-defined]
+            self._sink_flushes[sink] = (asked_at, task)
+        await asyncio.shield(task)
 
     def _start(self, request: GenerateRequest, output: Any) -> StreamStart:
         ids = output.prompt_token_ids

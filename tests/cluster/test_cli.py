@@ -53,7 +53,8 @@ def test_direct_ingress_pins_serves_ports_to_the_config_and_moves_the_proxies(
     names = [n for n in os.environ if n.startswith("RAY_SERVE_")]
     names += [f"RAY_SERVE_DIRECT_INGRESS_{end}" for end in ends]
     for name in [*names, "RAY_SERVE_THROUGHPUT_OPTIMIZED"]:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so undone after the test (even if unset now)
+        monkeypatch.delenv(name)
     config = load_config(ROOT / "configs" / "tiny.yaml")
     deployed = deploy.direct_ingress(config)
     assert deployed is not None
