@@ -120,8 +120,9 @@ def direct_ingress(config: DeploymentConfig) -> DeploymentConfig | None:
 
 
 def spare_port() -> int:
-    """A free TCP port for a proxy nobody calls, between Ray's worker ports (10002-19999) and
-    the OS's ephemeral range, where Ray's own servers take ports at any time."""
+    """A free TCP port (for a proxy nobody calls; the tests' ports), between Ray's worker ports
+    (10002-19999) and the OS's ephemeral range, where Ray's own servers take ports at any time
+    (a port the OS handed out there was once taken by Ray before the proxy could bind it)."""
     for _ in range(200):
         port = random.randint(20000, 29999)
         with socket.socket() as sock:
@@ -130,7 +131,7 @@ def spare_port() -> int:
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free TCP port in 20000-29999 for Serve's proxy")
+    raise RuntimeError("no free TCP port in 20000-29999")
 
 
 def wait_for_port(host: str, port: int, timeout_s: float = 60.0) -> None:

@@ -5,8 +5,6 @@ modules are named ``test_serve_*`` / ``test_soak*``."""
 
 from __future__ import annotations
 
-import random
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,19 +18,12 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def free_port() -> int:
-    """A port free now, from 20000-32767: above Ray's worker ports (10002-19999) and below the
-    OS's ephemeral range, where Ray's own servers take random ports at any time (a port the OS
-    handed out here was once taken by Ray between this check and the proxy binding it)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32768)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32767")
+    """A port free now, outside Ray's worker ports and the OS's ephemeral range (where Ray's own
+    servers take random ports at any time): the same draw ``cluster serve`` makes for its idle
+    proxies."""
+    from cluster.deploy import spare_port
+
+    return spare_port()
 
 
 def load_yaml(name: str) -> dict[str, Any]:
