@@ -23,10 +23,13 @@ calls a request made when the request is cancelled, and the poll and an abort ar
 request's own. All messages are msgspec; nothing is pickled by this
 project.
 
-A request added with a ``sink`` (the ingress's ``cluster.token_channel``) has its deltas also
-put in that sink's outbox, which the ingress polls the same way: one message per step for all
-of that ingress's requests, instead of one Serve stream item per request per step through the
-replica. A sink that nobody polls for ``SINK_IDLE_S`` is dropped (its ingress is gone).
+A request added with a ``sink`` (the ingress's ``cluster.token_channel``) has its deltas put
+in that sink's outbox, which the ingress polls the same way: one message per step for all of
+that ingress's requests, instead of one Serve stream item per request per step through the
+replica. Its front, whose stream then carries no tokens, gets only the request's first delta and
+its last, merged with those between and each step's time (``RequestDelta.steps``, for the
+latency metrics): one wakeup of the replica per request, not per step. A sink that nobody polls
+for ``SINK_IDLE_S`` is dropped (its ingress is gone).
 The actor is owned by the replica, so it dies with it; if the head dies, the poll fails,
 every stream ends with a 503 and the replica's health check fails, so Serve replaces it.
 """
@@ -58,6 +61,7 @@ from engine.core_messages import (
     StepOutputs,
     decode_steps,
     encode_steps,
+    merge_deltas,
 )
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.llm_engine import LLMEngine
@@ -143,6 +147,28 @@ class _Outbox:
         return _ENCODER.encode(PollReply(encode_steps(list(self.steps)), last_seq, dead))
 
 
+class _Held:
+    """A sink request's deltas held back from its front since its first, with each step's time
+    and token count."""
+
+    __slots__ = ("deltas", "steps")
+
+    def __init__(self) -> None:
+        self.deltas: list[RequestDelta] = []
+        self.steps: list[tuple[float, int]] = []
+
+    def add(self, delta: RequestDelta, at: float) -> None:
+        self.deltas.append(delta)
+        made = sum(len(c.token_ids) for c in delta.choices)
+        if made:
+            self.steps.append((at, made))
+
+    def merged(self) -> RequestDelta:
+        merged = merge_deltas(self.deltas)
+        merged.steps = self.steps
+        return merged
+
+
 class HeadActor:
     """Ray actor (threaded): the engine core of one model replica."""
 
@@ -151,6 +177,8 @@ class HeadActor:
         self._outbox = _Outbox()  # the front's
         self._sinks: dict[str, _Outbox] = {}  # ingress channels', by sink name
         self._sink_of: dict[str, str] = {}  # request id -> its sink, until its last delta
+        # A sink request's deltas after its first, held back from the front until its last.
+        self._held: dict[str, _Held] = {}
         self._dead: str | None = None
         self._ready = threading.Condition()
         # Built on the core thread, which runs its forward passes (see EngineCoreLoop).
@@ -174,6 +202,7 @@ class HeadActor:
             with self._ready:
                 if self._sink_of.get(request.request_id) == request.sink:
                     del self._sink_of[request.request_id]
+                    self._held.pop(request.request_id, None)
         return _ENCODER.encode(reply)
 
     def _route_to_sink(self, request_id: str, sink: str) -> None:
@@ -186,6 +215,7 @@ class HeadActor:
                     del self._sinks[name]
                     for rid in [r for r, s in self._sink_of.items() if s == name]:
                         del self._sink_of[rid]
+                        self._held.pop(rid, None)
             self._sinks.setdefault(sink, _Outbox())
             self._sink_of[request_id] = sink
 
@@ -243,21 +273,43 @@ class HeadActor:
 
     def _push(self, step: StepOutputs) -> None:
         with self._ready:
-            self._outbox.steps.append(step)
+            front = step
             if self._sink_of:
+                front = StepOutputs([], step.time)
                 by_sink: dict[str, list[RequestDelta]] = {}
                 for delta in step.deltas:
                     sink = self._sink_of.get(delta.request_id)
                     if sink is None:
+                        front.deltas.append(delta)
                         continue
+                    by_sink.setdefault(sink, []).append(delta)
+                    for_front = self._for_front(delta, step.time)
+                    if for_front is not None:
+                        front.deltas.append(for_front)
                     if delta.finished:
                         del self._sink_of[delta.request_id]
-                    by_sink.setdefault(sink, []).append(delta)
                 for sink, deltas in by_sink.items():
                     box = self._sinks.get(sink)
                     if box is not None:
                         box.steps.append(StepOutputs(deltas, step.time))
+            if front.deltas:
+                self._outbox.steps.append(front)
             self._ready.notify_all()
+
+    def _for_front(self, delta: RequestDelta, at: float) -> RequestDelta | None:
+        """What the front gets of a sink request's delta: its first (the first token's time,
+        the prompt's logprobs) and its last, merged with those held back between (one
+        wakeup of the front per request rather than per step: its stream carries no tokens)."""
+        held = self._held.get(delta.request_id)
+        if held is None:
+            if not delta.finished:
+                self._held[delta.request_id] = _Held()
+            return delta
+        held.add(delta, at)
+        if not delta.finished:
+            return None
+        del self._held[delta.request_id]
+        return held.merged()
 
     def _died(self, error: EngineDeadError) -> None:
         with self._ready:

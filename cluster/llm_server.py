@@ -9,8 +9,10 @@ a validation error is the first item, so a streaming client still gets a clean 4
 ``StreamDelta`` per engine step with the choices that have something new, and possibly a last
 ``StreamError`` (503: the engine failed; 408: the request's timeout passed). A request that names
 the ingress's token ``channel`` gets no ``StreamDelta`` here: its head hands its deltas to that
-channel (``cluster.token_channel``), and ``StreamStart.head`` says which head; this call still
-lasts until the request ends, so Serve's routing, queue limits and drain see it. ``embed`` returns
+channel (``cluster.token_channel``), and ``StreamStart.head`` says which head. Its start goes
+out as soon as the head has the request (after its first delta only when it carries the
+prompt's logprobs); this call still lasts until the request ends, so Serve's routing, queue
+limits and drain see it. ``embed`` returns
 one input's embedding (an ``EmbedResult``) or a ``StreamError`` from the same error table.
 """
 
@@ -160,7 +162,12 @@ class LLMServer:
                 lora_request=lora_request,
                 sink=sink,
             )
+            # With a sink the first item comes once the head has the request: the start goes
+            # out then (its first token may already be on the channel), unless it carries the
+            # prompt's logprobs, which come with the first delta.
             first = await stream.__anext__()
+            if sink is not None and params.prompt_logprobs is not None:
+                first = await stream.__anext__()
         except AdapterNotFoundError:
             self._active.discard(request_id)
             name = f"{self.model_id}:{request.adapter}"
@@ -192,7 +199,8 @@ class LLMServer:
         try:
             last = first
             async for item in _chain(first, stream):
-                timer.on_tokens(item.time, item.num_new_tokens)
+                for at, made in item.steps:  # a sink request's last item: all steps since its first
+                    timer.on_tokens(at, made)
                 if request.adapter is not None:
                     self.metrics.on_adapter_tokens(request.adapter, item.num_new_tokens)
                 last = item

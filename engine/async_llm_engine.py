@@ -26,7 +26,14 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, InProcessCoreClient
-from engine.core_messages import AddRequest, ChoiceDelta, CoreStats, RequestDelta, StepOutputs
+from engine.core_messages import (
+    AddRequest,
+    ChoiceDelta,
+    CoreStats,
+    RequestDelta,
+    StepOutputs,
+    merge_deltas,
+)
 from engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from engine.llm_engine import LLMEngine, PromptType
 from engine.lora import LoRARequest
@@ -52,6 +59,9 @@ class StreamOutput:
     deltas: list[ChoiceDelta]
     # Monotonic time (this process's clock) of the step that produced the newest token here.
     time: float = field(default=0.0)
+    # Every step merged into this item that made tokens: (monotonic time, how many), oldest
+    # first. One entry unless items piled up or the head merged them (a ``sink`` request's).
+    steps: tuple[tuple[float, int], ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -86,7 +96,10 @@ class _Stream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[tuple[RequestDelta, float] | BaseException] = asyncio.Queue()
+        # (delta, monotonic time of its step, its steps' (time, tokens)) or an exception.
+        self.queue: asyncio.Queue[
+            tuple[RequestDelta, float, list[tuple[float, int]]] | BaseException
+        ] = asyncio.Queue()
         self.finished = False
         self.output: RequestOutput | None = None
         self.prompt: str | None = None
@@ -180,8 +193,13 @@ class AsyncLLMEngine:
         or cancelling the iterator before the last output aborts the request. ``timeout_s``
         (seconds from now) is a deadline: past it the request is aborted, its blocks are freed
         and its stream ends with finish_reason "abort". ``lora_request`` runs it under that
-        LoRA adapter (the engine needs ``enable_lora``). ``sink`` names a second reader of
-        its deltas that the core's host serves (``AddRequest.sink``)."""
+        LoRA adapter (the engine needs ``enable_lora``).
+
+        ``sink`` names a second reader of its deltas that the core's host serves
+        (``AddRequest.sink``: an ingress's token channel, which gets every step's). This stream
+        then yields a first item as soon as the core has accepted the request (no deltas yet),
+        and a head hands it only the request's first delta and its last one, merged with
+        everything between (``StreamOutput.steps`` still has every step's time)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         params = params or SamplingParams()
         if timeout_s is not None and not (_is_number(timeout_s) and timeout_s > 0):
@@ -194,6 +212,9 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s if timeout_s is not None else None
         try:
+            if sink is not None:
+                assert stream.output is not None  # started by _add
+                yield StreamOutput(stream.output, [], time.monotonic())
             while True:
                 try:
                     remaining = deadline - loop.time() if deadline is not None else None
@@ -211,12 +232,13 @@ class AsyncLLMEngine:
                 if error is not None:
                     stream.finished = True
                     raise error
-                deltas = [d for d, _ in items]  # type: ignore[misc]
+                deltas = [d for d, _, _ in items]  # type: ignore[misc]
+                steps = tuple(s for _, _, item_steps in items for s in item_steps)  # type: ignore[misc]
                 merged = merge_deltas(deltas) if len(deltas) > 1 else deltas[0]
                 stream.absorb(merged)
                 stream.finished = merged.finished
                 assert stream.output is not None
-                yield StreamOutput(stream.output, merged.choices, items[-1][1])  # type: ignore[index]
+                yield StreamOutput(stream.output, merged.choices, items[-1][1], steps)  # type: ignore[index]
                 if merged.finished:
                     return
         finally:
@@ -249,7 +271,7 @@ class AsyncLLMEngine:
             stream.finished = True
             if isinstance(item, BaseException):
                 raise item
-            delta, _ = item
+            delta = item[0]
             if delta.embedding is None:
                 raise RequestAbortedError(f"request {request_id!r} was aborted")
             return PoolingRequestOutput(
@@ -370,7 +392,8 @@ class AsyncLLMEngine:
 
     def _on_step(self, step: StepOutputs) -> None:
         """Fan one step's message out to its requests' streams: one wakeup per event loop."""
-        at = time.monotonic() - max(0.0, time.time() - step.time)
+        now, wall = time.monotonic(), time.time()
+        at = now - max(0.0, wall - step.time)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
         for delta in step.deltas:
             stream = self._streams.get(delta.request_id)
@@ -378,7 +401,12 @@ class AsyncLLMEngine:
                 continue  # closed by its consumer: the abort's last delta has no reader
             if delta.finished:
                 self._streams.pop(delta.request_id, None)
-            by_loop.setdefault(stream.loop, []).append((stream, (delta, at)))
+            if delta.steps is not None:  # merged by the head: when each of its steps ended
+                steps = [(now - max(0.0, wall - t), n) for t, n in delta.steps]
+            else:
+                made = sum(len(c.token_ids) for c in delta.choices)
+                steps = [(at, made)] if made else []
+            by_loop.setdefault(stream.loop, []).append((stream, (delta, at, steps)))
         for loop, items in by_loop.items():
             _post(loop, items)
 
@@ -390,40 +418,6 @@ class AsyncLLMEngine:
             by_loop.setdefault(stream.loop, []).append((stream, error))
         for loop, items in by_loop.items():
             _post(loop, items)
-
-
-def merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
-    """Consecutive deltas of one request as one: per choice, texts, tokens and logprobs
-    concatenated; the finish and running totals of the latest."""
-    merged: dict[int, ChoiceDelta] = {}
-    for delta in deltas:
-        for c in delta.choices:
-            prev = merged.get(c.index)
-            if prev is None:
-                merged[c.index] = c
-                continue
-            logprobs = None
-            if prev.logprobs is not None or c.logprobs is not None:
-                logprobs = (prev.logprobs or []) + (c.logprobs or [])
-            merged[c.index] = ChoiceDelta(
-                index=c.index,
-                text=prev.text + c.text,
-                token_ids=prev.token_ids + c.token_ids,
-                logprobs=logprobs,
-                finish_reason=c.finish_reason or prev.finish_reason,
-                stop_reason=c.stop_reason if c.finish_reason else prev.stop_reason,
-                num_tokens=c.num_tokens,
-                cumulative_logprob=c.cumulative_logprob,
-            )
-    last = deltas[-1]
-    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)
-    return RequestDelta(
-        request_id=last.request_id,
-        choices=[merged[i] for i in sorted(merged)],
-        finished=any(d.finished for d in deltas),
-        num_cached_tokens=last.num_cached_tokens,
-        prompt_logprobs=prompt_logprobs,
-    )
 
 
 def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:

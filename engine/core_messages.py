@@ -62,6 +62,10 @@ class RequestDelta(msgspec.Struct, array_like=True):
     # Sent once, with the request's first delta (the prompt is fully computed by then).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     embedding: list[float] | None = None
+    # Set when this delta stands for several steps' (a head merges a token-channel request's
+    # deltas for its front, ``cluster.head_actor``): each step's end (time.time()) and how many
+    # tokens it made, oldest first.
+    steps: list[tuple[float, int]] | None = None
 
 
 class StepOutputs(msgspec.Struct, array_like=True):
@@ -73,6 +77,45 @@ class StepOutputs(msgspec.Struct, array_like=True):
 
 class AddResult(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
+
+
+def merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
+    """Consecutive deltas of one request as one: per choice, texts, tokens and logprobs
+    concatenated; the finish and running totals of the latest (linear in the tokens).
+    ``steps`` is left out: a merger that knows the steps' times sets it."""
+    parts: dict[int, list[ChoiceDelta]] = {}
+    for delta in deltas:
+        for choice in delta.choices:
+            parts.setdefault(choice.index, []).append(choice)
+    last = deltas[-1]
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)
+    return RequestDelta(
+        request_id=last.request_id,
+        choices=[_join(parts[i]) for i in sorted(parts)],
+        finished=any(d.finished for d in deltas),
+        num_cached_tokens=last.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def _join(parts: list[ChoiceDelta]) -> ChoiceDelta:
+    if len(parts) == 1:
+        return parts[0]
+    logprobs = None
+    if any(p.logprobs is not None for p in parts):
+        logprobs = [entry for p in parts for entry in p.logprobs or ()]
+    finish = next((p for p in reversed(parts) if p.finish_reason is not None), None)
+    latest = parts[-1]
+    return ChoiceDelta(
+        index=latest.index,
+        text="".join(p.text for p in parts),
+        token_ids=[t for p in parts for t in p.token_ids],
+        logprobs=logprobs,
+        finish_reason=finish.finish_reason if finish is not None else None,
+        stop_reason=finish.stop_reason if finish is not None else None,
+        num_tokens=latest.num_tokens,
+        cumulative_logprob=latest.cumulative_logprob,
+    )
 
 
 _STEP_ENCODER = msgspec.msgpack.Encoder()
@@ -118,4 +161,5 @@ __all__ = [
     "StepOutputs",
     "decode_steps",
     "encode_steps",
+    "merge_deltas",
 ]

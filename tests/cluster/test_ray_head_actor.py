@@ -212,6 +212,20 @@ def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
         dispatch(deltas)
 
     channel._dispatch = spy  # type: ignore[method-assign]
+    # What the replica's front gets from the head, and the latencies it times from that.
+    client = channel_server.engine.client
+    front: list[Any] = []
+    on_step = client._on_step
+
+    def front_spy(step: Any) -> None:
+        front.extend(step.deltas)
+        on_step(step)
+
+    client._on_step = front_spy
+    gaps: list[float] = []
+    itl = channel_server.metrics.itl
+    observe = itl.observe
+    itl.observe = lambda value, tags=None: (gaps.append(value), observe(value, tags))
     params = {"n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 12, "logprobs": 2,
               "ignore_eos": True}  # fmt: skip
     prompts = [f"channel prompt {i}" for i in range(4)]
@@ -222,9 +236,13 @@ def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
             for i, p in enumerate(prompts)
         ))  # fmt: skip
 
-    results = asyncio.run(asyncio.wait_for(run(), 120))
+    try:
+        results = asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        client._on_step, itl.observe = on_step, observe
     expected = offline.generate(prompts, SamplingParams(**params), use_tqdm=False)
-    for (start, items), ref in zip(results, expected, strict=True):
+    timed = 0
+    for i, ((start, items), ref) in enumerate(zip(results, expected, strict=True)):
         assert start.head == channel_server.head_name and start.n == 2
         assert all(isinstance(i, StreamDelta) for i in items)  # no error, nothing else
         for choice in ref.outputs:
@@ -235,6 +253,20 @@ def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
                 logprob_rows(e) for e in choice.logprobs
             ]
             assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
+        # The front got the first delta and the last, merged with everything between: its
+        # tokens, and each step's time for the latency metrics (one wakeup, not twelve).
+        first, last = [d for d in front if d.request_id == f"chan-{i}"]
+        assert not first.finished and first.steps is None and last.finished
+        first_tokens = sum(len(c.token_ids) for c in first.choices)
+        assert sum(n for _, n in last.steps) == 24 - first_tokens and len(last.steps) >= 11
+        assert all(a <= b for (a, _), (b, _) in zip(last.steps, last.steps[1:], strict=False))
+        timed += 24 - first_tokens
+        for choice in ref.outputs:
+            tokens = [t for d in (first, last) for c in d.choices if c.index == choice.index
+                      for t in c.token_ids]  # fmt: skip
+            assert tokens == choice.token_ids
+    # Per request: its first step's tokens start it (TTFT), every later token observes a gap.
+    assert len(gaps) == timed and all(0 < g < 5 for g in gaps)
     # Decode steps of the four requests travel together: one message, eight choices' deltas.
     assert max(per_message) == 4
     assert 2 * len(per_message) <= sum(per_message)  # not one message per request per step
