@@ -35,15 +35,18 @@ models:
 http_options: {host: 127.0.0.1, port: 8000}
 YAML
 
-client() {  # PORT NAME: 64 requests at once, then 16 one at a time
+client() {  # PORT NAME [nowarm]: a warm-up, then 64 requests at once, then 16 one at a time
   local c="$PV/bin/vllm bench serve --backend openai --base-url http://127.0.0.1:$1 --model bench
     --tokenizer $MODEL --dataset-name random --input-len 32 --output-len 128 --request-rate inf
     --ignore-eos --save-result --result-dir $OUT"
+  # Every server's first requests pay one-time costs (first touch of the KV cache's pages,
+  # first batch shapes, connection set-up): 16 at once, not measured.
+  [ -z "${3:-}" ] && $c --num-prompts 16 --result-filename "$2_warmup.json" > "$OUT/$2_warmup.log" 2>&1
   $c --num-prompts 64 --result-filename "$2.json" > "$OUT/$2.log" 2>&1
   $c --num-prompts 16 --max-concurrency 1 --result-filename "$2_c1.json" > "$OUT/$2_c1.log" 2>&1
 }
 profile() {  # PORT NAME: top over 6 s in the middle of a saturating run
-  ( client "$1" "$2_profile" & )
+  ( client "$1" "$2_profile" nowarm & )
   sleep 8
   top -b -d 6 -n 2 -w 200 | awk '/^top -/{n++} n==2' | sed -n 1,20p > "$OUT/top_$2.txt"
   sleep 25
