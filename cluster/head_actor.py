@@ -159,7 +159,7 @@ class _Held:
 
     def add(self, delta: RequestDelta, at: float) -> None:
         self.deltas.append(delta)
-        made = sum(len(c.token_ids) for c in delta.choices)
+        made = delta.num_new_tokens
         if made:
             self.steps.append((at, made))
 

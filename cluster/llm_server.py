@@ -199,7 +199,7 @@ class LLMServer:
         try:
             last = first
             async for item in _chain(first, stream):
-                for at, made in item.steps:  # a sink request's last item: all steps since its first
+                for at, made in item.steps:  # every step merged into the item (sink: many)
                     timer.on_tokens(at, made)
                 if request.adapter is not None:
                     self.metrics.on_adapter_tokens(request.adapter, item.num_new_tokens)

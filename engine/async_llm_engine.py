@@ -404,7 +404,7 @@ class AsyncLLMEngine:
             if delta.steps is not None:  # merged by the head: when each of its steps ended
                 steps = [(now - max(0.0, wall - t), n) for t, n in delta.steps]
             else:
-                made = sum(len(c.token_ids) for c in delta.choices)
+                made = delta.num_new_tokens
                 steps = [(at, made)] if made else []
             by_loop.setdefault(stream.loop, []).append((stream, (delta, at, steps)))
         for loop, items in by_loop.items():

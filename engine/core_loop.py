@@ -319,7 +319,7 @@ class EngineCoreLoop:
             if output.finished:
                 del self._trackers[output.request_id]
             if delta is not None:
-                self._generation_tokens += sum(len(c.token_ids) for c in delta.choices)
+                self._generation_tokens += delta.num_new_tokens
                 deltas.append(delta)
         if deltas:
             self._on_step(StepOutputs(deltas, time.time()))

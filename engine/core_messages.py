@@ -67,6 +67,11 @@ class RequestDelta(msgspec.Struct, array_like=True):
     # tokens it made, oldest first.
     steps: list[tuple[float, int]] | None = None
 
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens in this delta, over all its choices."""
+        return sum(len(c.token_ids) for c in self.choices)
+
 
 class StepOutputs(msgspec.Struct, array_like=True):
     """Everything one engine step produced, for all requests: the core -> front message."""

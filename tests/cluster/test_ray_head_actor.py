@@ -242,7 +242,7 @@ def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
         client._on_step, itl.observe = on_step, observe
     expected = offline.generate(prompts, SamplingParams(**params), use_tqdm=False)
     timed = 0
-    for i, ((start, items), ref) in enumerate(zip(results, expected, strict=True)):
+    for number, ((start, items), ref) in enumerate(zip(results, expected, strict=True)):
         assert start.head == channel_server.head_name and start.n == 2
         assert all(isinstance(i, StreamDelta) for i in items)  # no error, nothing else
         for choice in ref.outputs:
@@ -255,9 +255,9 @@ def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
             assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
         # The front got the first delta and the last, merged with everything between: its
         # tokens, and each step's time for the latency metrics (one wakeup, not twelve).
-        first, last = [d for d in front if d.request_id == f"chan-{i}"]
+        first, last = [d for d in front if d.request_id == f"chan-{number}"]
         assert not first.finished and first.steps is None and last.finished
-        first_tokens = sum(len(c.token_ids) for c in first.choices)
+        first_tokens = first.num_new_tokens
         assert sum(n for _, n in last.steps) == 24 - first_tokens and len(last.steps) >= 11
         assert all(a <= b for (a, _), (b, _) in zip(last.steps, last.steps[1:], strict=False))
         timed += 24 - first_tokens
