@@ -44,7 +44,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 __all__ = [
     "AttentionMetadata",
@@ -429,11 +428,23 @@ def _attend_prefill_chunk(
         q.to(k.dtype),
         k,
         v,
-        attn_mask=causal_lower_right(query_len, chunk.seq_len),
+        attn_mask=_bottom_right_causal_mask(query_len, chunk.seq_len, q.device),
         scale=scale,
+        is_causal=query_len == chunk.seq_len,
         enable_gqa=num_heads != num_kv_heads,
     )
     out[chunk.token_start : chunk.token_end] = o[0].transpose(0, 1)
+
+
+def _bottom_right_causal_mask(query_len: int, seq_len: int, device: torch.device) -> Tensor | None:
+    """The causal mask of the last ``query_len`` of ``seq_len`` positions (query i sees keys
+    ``<= seq_len - query_len + i``); None when they are all of them (SDPA's ``is_causal``). Built
+    here rather than with ``torch.nn.attention.bias.causal_lower_right``, whose import pulls in
+    torch._dynamo: ~1 s more start-up for every process that imports the engine."""
+    if query_len == seq_len:
+        return None
+    mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=device)
+    return mask.tril_(seq_len - query_len)
 
 
 def _gather_kv(kv_cache: Tensor, block_ids: Tensor, workspace: GatherWorkspace) -> Tensor:

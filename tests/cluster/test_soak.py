@@ -1,6 +1,6 @@
 """The soak test, CI-sized: configs/tiny.yaml under looping streaming clients (completions and
 chat, the official ``openai`` client), a tenth of the requests closed by the client at a random
-point of their stream, and every 7.5 s a burst that tops the burst requests in flight up to 10x
+point of their stream, and every 6 s a burst that tops the burst requests in flight up to 10x
 the replica's capacity, for under a minute (``cluster bench soak`` runs the same for as long as
 asked). Admission control is on — Serve's ``max_queued_requests`` and the engine's
 ``max_waiting_requests`` — so a burst is refused with 503 rather than queued without bound. The
@@ -26,12 +26,12 @@ APP = "soak"
 MODEL = "tiny-llama"
 MAX_ONGOING = 32  # configs/tiny.yaml: max_ongoing_requests, max_num_seqs
 SETTINGS = SoakSettings(
-    duration_s=45,
-    warmup_s=15,  # holds the first burst, at 7.5 s
+    duration_s=36,
+    warmup_s=12,  # holds the first burst, at 6 s
     clients=40,  # more than the 32 seats: some of them always queue
     cancel_fraction=0.1,
     burst_size=10 * MAX_ONGOING,
-    burst_interval_s=7.5,  # bursts at 7.5, 15, ..., 37.5 s: two in each measured half
+    burst_interval_s=6,  # bursts at 6, 12, ..., 30 s: two in each measured half
     prompt_len=(8, 128),
     max_tokens=(4, 64),
     request_timeout_s=60,
