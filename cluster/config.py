@@ -31,12 +31,7 @@ from typing import Any, Literal
 import yaml
 
 from cluster.tool_parsers import TOOL_PARSERS
-from engine.config import (
-    ConfigError,
-    EngineConfig,
-    check_engine_arg_names,
-    check_engine_arg_ranges,
-)
+from engine.errors import ConfigError
 
 Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
 RequestRouterName = Literal["prefix_aware", "pow2"]
@@ -457,6 +452,10 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
     """Names and ranges always; the model-shape checks (TP divides heads, max_model_len within
     the checkpoint's limit) too when the checkpoint is reachable from this machine — a
     production path like /models/... usually exists only on the GPU nodes."""
+    # Imported here: engine.config pulls in torch, which the processes that only read a
+    # config (the ingress, the CLI's status and shutdown) never need.
+    from engine.config import EngineConfig, check_engine_arg_names, check_engine_arg_ranges
+
     kwargs = model.engine_kwargs
     check_engine_arg_names(kwargs, path=f"{path}.")
     _check("model" not in kwargs, f"{path}.model", "set the model in model_loading_config")

@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import ray
@@ -50,6 +50,7 @@ from ray.exceptions import RayError, TaskCancelledError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.head_messages import AddReply, CoreError, PollReply, decode_poll_reply
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, OnDead, OnStep
 from engine.core_loop import EngineCoreLoop
@@ -78,49 +79,9 @@ _HEALTH_TIMEOUT_S = 20.0
 SINK_IDLE_S = 60.0
 
 
-class CoreError(msgspec.Struct, array_like=True):
-    """One error table for the head's replies: what kind, for the client, and where."""
-
-    kind: Literal["invalid", "overloaded", "dead"]
-    message: str
-    param: str | None = None
-    retry_after_s: int = 1
-
-    def exception(self) -> Exception:
-        if self.kind == "invalid":
-            return InvalidRequestError(self.message, self.param)
-        if self.kind == "overloaded":
-            return EngineOverloadedError(self.message, self.retry_after_s)
-        return EngineDeadError(self.message)
-
-    @classmethod
-    def of(cls, exc: BaseException) -> CoreError:
-        if isinstance(exc, InvalidRequestError):
-            return cls("invalid", exc.reason, exc.param)
-        if isinstance(exc, EngineOverloadedError):
-            return cls("overloaded", str(exc), None, exc.retry_after_s)
-        return cls("dead", str(exc) or type(exc).__name__)
-
-
-class AddReply(msgspec.Struct, array_like=True):
-    result: AddResult | None = None
-    error: CoreError | None = None
-
-
-class PollReply(msgspec.Struct, array_like=True):
-    steps: bytes  # encode_steps(...): decoded only by the front's fan-out
-    last_seq: int  # the number of the last step in ``steps`` (the next poll's ``acked``)
-    dead: str | None = None
-
-
 _ADD_DECODER = msgspec.msgpack.Decoder(AddRequest)
 _ADD_REPLY_DECODER = msgspec.msgpack.Decoder(AddReply)
-_POLL_DECODER = msgspec.msgpack.Decoder(PollReply)
 _STATS_DECODER = msgspec.msgpack.Decoder(CoreStats)
-
-
-def decode_poll_reply(data: bytes) -> PollReply:
-    return _POLL_DECODER.decode(data)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -447,7 +408,7 @@ class HeadCoreClient(EngineCoreClient):
     async def _poll_forever(self) -> None:
         while self._dead is None:
             try:
-                reply = _POLL_DECODER.decode(await self.actor.poll.remote(self._acked))
+                reply = decode_poll_reply(await self.actor.poll.remote(self._acked))
             except TaskCancelledError:
                 continue  # not the head's failure: ask again (nothing unacknowledged is lost)
             except RayError as exc:
@@ -483,9 +444,6 @@ def _detached(fn: Callable[..., T], *args: Any) -> T:
 __all__ = [
     "HEAD_NAME_PREFIX",
     "SINK_IDLE_S",
-    "CoreError",
     "HeadActor",
     "HeadCoreClient",
-    "PollReply",
-    "decode_poll_reply",
 ]

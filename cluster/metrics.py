@@ -6,10 +6,12 @@ node's Ray metrics agent, so one scrape of the cluster (each node's agent, or th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from engine.async_llm_engine import EngineStats
+if TYPE_CHECKING:
+    from engine.async_llm_engine import EngineStats
 
 PREFIX = "llm_cluster_"
 _TAGS = ("model", "replica")
@@ -45,6 +47,8 @@ class ModelMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.")
+        from engine.async_llm_engine import EngineStats  # torch: only replicas that have one
+
         self._last = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
         adapter_tags = (*_TAGS, "adapter")
         self.adapter_requests = Counter(

@@ -31,7 +31,6 @@ from ray.serve.handle import DeploymentHandle
 from cluster.api_errors import APIError, api_error, error_body, error_response
 from cluster.api_guard import api_key_matches
 from cluster.config import HEAD_BUNDLE_INDEX, DeploymentConfig, ModelDeployment, load_config
-from cluster.llm_server import LLMServer, serve_stop_flag
 from cluster.metrics import PREFIX
 from cluster.openai_api import make_openai_app, metrics_response
 from cluster.openai_models import (
@@ -58,6 +57,7 @@ from cluster.protocol import (
     StreamStart,
     grpc_code_name,
 )
+from cluster.serve_replica import serve_stop_flag
 from cluster.token_channel import TokenChannel
 
 INGRESS_NAME = "OpenAIIngress"
@@ -566,6 +566,10 @@ def _server_deployment(model: ModelDeployment) -> Any:
     # The replica (the front) takes bundle 0; its head actor takes bundle 1 (the device too
     # with TP = PP = 1); worker actors take the rest.
     actor: dict[str, Any] = {"num_cpus": bundles[0].get("CPU", 0), "runtime_env": runtime_env()}
+    # Imported here: the front pulls in the engine (torch, transformers); the ingress replica,
+    # which imports this module, never runs one.
+    from cluster.llm_server import LLMServer
+
     deployment = serve.deployment(LLMServer).options(
         name=deployment_name(model.model_id), ray_actor_options=actor, **options
     )

@@ -34,7 +34,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError, TaskCancelledError
 
-from cluster.head_actor import decode_poll_reply
+from cluster.head_messages import decode_poll_reply
 from cluster.protocol import StreamDelta, StreamError, stream_delta
 from engine.core_messages import RequestDelta, decode_steps
 

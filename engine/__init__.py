@@ -1,8 +1,9 @@
 """The engine: config, scheduler, block manager, workers, and the LLM / LLMEngine APIs.
 It imports no Ray (distributed executors live in ``cluster/``).
 
-``LLM`` and ``LLMEngine`` are imported on first use: they pull in transformers (tokenizer),
-which a worker process, importing ``engine.worker`` through this package, never needs.
+``EngineConfig``, ``LLM`` and ``LLMEngine`` are imported on first use: they pull in torch and
+transformers (tokenizer), which a worker process, importing ``engine.worker`` through this
+package, needs only in part, and the ingress and the CLI, which only route requests, not at all.
 """
 
 from __future__ import annotations
@@ -12,23 +13,24 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from engine import envs
-from engine.config import ConfigError, EngineConfig
 from engine.errors import (
+    ConfigError,
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
     RequestAbortedError,
 )
-from engine.lora import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
 
-_LAZY = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine"}
+_LAZY = {"EngineConfig": "engine.config", "LLM": "engine.llm", "LLMEngine": "engine.llm_engine"}
 
 
 def __getattr__(name: str) -> Any:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from engine import envs
+from engine.errors import ConfigError
 from kernels.backend import resolve_attention_backend, triton_available
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -38,10 +39,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown or out of range; the message names the key."""
 
 
 def _require(ok: bool, key: str, message: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.lora import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.outputs import Logprob
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams

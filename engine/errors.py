@@ -28,3 +28,7 @@ class EngineDeadError(RuntimeError):
 class RequestAbortedError(RuntimeError):
     """A request that returns one final output (an embedding) was aborted before it had one:
     ``abort``, or a replica draining for shutdown. Nothing of it is left in the engine."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown or out of range; the message names the key."""

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from engine.errors import InvalidRequestError
+from engine.lora_request import LoRARequest
 from engine.protocol import LoRASlotSpec
 from kernels.lora import LoRAMapping
 from parallel.lora import LinearLoRA, LoRABatch, attach_lora
@@ -54,20 +54,6 @@ _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
 _PARAM = "lora_request"
-
-
-class LoRARequest(msgspec.Struct, frozen=True):
-    """A LoRA adapter for a request (vLLM's names and positional order): ``lora_int_id`` (> 0)
-    identifies the adapter across requests, ``lora_path`` is a local PEFT directory."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-
-    @property
-    def prefix_key(self) -> str:
-        """What the prefix-cache hash chain carries for this adapter's requests."""
-        return f"{self.lora_int_id}:{self.lora_name}:{self.lora_path}"
 
 
 @dataclass(frozen=True)

@@ -411,6 +411,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for name, default in asdict(ModelShape()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="engine and vLLM: no CUDA graphs; vLLM also skips torch.compile (starts in about "
+        "half the time on CPU, runs its steps slower)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -444,6 +450,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": max_len,
         "seed": args.seed,
+        "enforce_eager": args.enforce_eager,
     }
     torch_dtype = getattr(torch, dtype)
     gemm = measure_gemm_flops(torch_dtype, device)
@@ -547,6 +554,7 @@ def _report(
         "engine": {
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            "enforce_eager": args.enforce_eager,
         },
         "hf_static_batch_size": args.hf_batch_size,
     }

@@ -34,6 +34,7 @@ def main(path: str, result_path: str) -> None:
         max_num_seqs=spec["max_num_seqs"],
         max_num_batched_tokens=spec["max_num_batched_tokens"],
         seed=spec["seed"],
+        enforce_eager=spec.get("enforce_eager", False),
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = [

@@ -1,0 +1,57 @@
+"""The replies of a ``HeadActor`` (``cluster.head_actor``), with the one error table of its
+calls. A module of its own, free of torch and of the engine, so that the ingress's token
+channel can read the head's polls without importing the engine."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from engine.core_messages import AddResult
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+
+
+class CoreError(msgspec.Struct, array_like=True):
+    """One error table for the head's replies: what kind, for the client, and where."""
+
+    kind: Literal["invalid", "overloaded", "dead"]
+    message: str
+    param: str | None = None
+    retry_after_s: int = 1
+
+    def exception(self) -> Exception:
+        if self.kind == "invalid":
+            return InvalidRequestError(self.message, self.param)
+        if self.kind == "overloaded":
+            return EngineOverloadedError(self.message, self.retry_after_s)
+        return EngineDeadError(self.message)
+
+    @classmethod
+    def of(cls, exc: BaseException) -> CoreError:
+        if isinstance(exc, InvalidRequestError):
+            return cls("invalid", exc.reason, exc.param)
+        if isinstance(exc, EngineOverloadedError):
+            return cls("overloaded", str(exc), None, exc.retry_after_s)
+        return cls("dead", str(exc) or type(exc).__name__)
+
+
+class AddReply(msgspec.Struct, array_like=True):
+    result: AddResult | None = None
+    error: CoreError | None = None
+
+
+class PollReply(msgspec.Struct, array_like=True):
+    steps: bytes  # encode_steps(...): decoded only by the front's fan-out
+    last_seq: int  # the number of the last step in ``steps`` (the next poll's ``acked``)
+    dead: str | None = None
+
+
+_POLL_DECODER = msgspec.msgpack.Decoder(PollReply)
+
+
+def decode_poll_reply(data: bytes) -> PollReply:
+    return _POLL_DECODER.decode(data)
+
+
+__all__ = ["AddReply", "CoreError", "PollReply", "decode_poll_reply"]
