@@ -33,3 +33,20 @@ def test_lower_layer_never_imports_a_higher_one(package: str) -> None:
         for path in (ROOT / package).rglob("*.py")
     }
     assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_the_ingress_and_the_cli_import_neither_torch_nor_transformers() -> None:
+    """Every ingress replica and every ``cluster deploy/status/shutdown`` imports these; torch
+    and transformers would add ~3.5 s to each start (BENCHMARKS.md, start-up)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, cluster.serve, cluster.deploy, cluster.token_channel, cluster.config; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

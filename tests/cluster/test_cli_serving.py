@@ -242,16 +242,19 @@ def test_serve_blocks_until_ctrl_c_then_shuts_down(tmp_path: Path) -> None:
 
 def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path: Path) -> None:
     """What systemd, Docker and Kubernetes send: the same drain as Ctrl-C. Streams still
-    running after the drain (1 s here) end with finish_reason "abort" and then [DONE]."""
+    running after the drain (1 s here) end with finish_reason "abort" and then [DONE]. Eight
+    streams of 2000 tokens share the steps, so they outlast the signal's handling and the drain
+    (four of 1000 once finished first on a fast run)."""
     config, http_port = tiny_config(tmp_path)
     data = yaml.safe_load(config.read_text())
+    data["models"][0]["engine_kwargs"].update(num_kv_blocks=1024, max_model_len=2048)
     data["models"][0]["deployment_config"]["graceful_shutdown_timeout_s"] = 1
     config.write_text(yaml.safe_dump(data))
     serving = start_serving(config)
     try:
-        in_flight = [LongStream(http_port) for _ in range(4)]  # 1000 tokens each
+        in_flight = [LongStream(http_port, max_tokens=2000) for _ in range(8)]
         serving.send_signal(signal.SIGTERM)
-        assert [s.finish_reasons(90) for s in in_flight] == [["abort"]] * 4
+        assert [s.finish_reasons(90) for s in in_flight] == [["abort"]] * 8
         assert serving.wait(120) == 0
         output = serving.stdout.read()
         assert "Traceback" not in output, output[-3000:]
