@@ -1,6 +1,6 @@
 """The replies of a ``HeadActor`` (``cluster.head_actor``), with the one error table of its
-calls. A module of its own, free of torch and of the engine, so that the ingress's token
-channel can read the head's polls without importing the engine."""
+calls. A module of its own, free of torch (it needs only the engine's message types), so that
+the ingress's token channel can read the head's polls without importing the engine core."""
 
 from __future__ import annotations
 
