@@ -36,8 +36,8 @@ def test_lower_layer_never_imports_a_higher_one(package: str) -> None:
 
 
 def test_the_ingress_and_the_cli_import_neither_torch_nor_transformers() -> None:
-    """Every ingress replica and every ``cluster deploy/status/shutdown`` imports these; torch
-    and transformers would add ~3.5 s to each start (BENCHMARKS.md, start-up)."""
+    """Every ingress replica imports these, and so do ``cluster status`` and ``shutdown``;
+    torch and transformers would add ~3.5 s to each start (BENCHMARKS.md, start-up)."""
     import subprocess
     import sys
 
