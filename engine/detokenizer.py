@@ -3,6 +3,12 @@
 Text grows by ``tokenizers``' ``DecodeStream`` primed with the prompt, so a multi-byte
 character split across tokens appears only once complete, and a token's leading space depends
 on the tokens before it exactly as in a full decode.
+
+A prompt can end inside a character (token-id prompts, a prompt cut at a token limit). The
+output text is then what the full decode of prompt and output has beyond the prompt's own
+decoded text, as in vLLM: the character the output completes belongs to the prompt, which
+already shows it as U+FFFD. The stream is primed with the prompt up to its last complete
+character and fed the rest, and as many characters as that rest decodes to are skipped.
 """
 
 from __future__ import annotations
@@ -25,9 +31,17 @@ class IncrementalDetokenizer:
         if backend is None:
             raise ValueError("tokenizer: a fast (tokenizers-backed) tokenizer is required")
         self._backend = backend
-        self._stream = DecodeStream(
-            ids=list(prompt_token_ids), skip_special_tokens=skip_special_tokens
-        )
+        prompt = list(prompt_token_ids)
+        head, tail = _split_incomplete_tail(backend, prompt, skip_special_tokens)
+        self._stream = DecodeStream(ids=head, skip_special_tokens=skip_special_tokens)
+        # Characters of the stream's text that are the prompt's (its incomplete last one).
+        self._skip = 0
+        if tail:
+            self._skip = len(backend.decode(tail, skip_special_tokens=skip_special_tokens))
+            for token_id in tail:
+                chunk = self._stream.step(backend, token_id)
+                if chunk is not None:
+                    self._skip -= len(chunk)
         self.stop = stop or []
         self.include_stop_str_in_output = include_stop_str_in_output
         # Stop strings are matched only once more than min_tokens tokens were generated.
@@ -49,9 +63,13 @@ class IncrementalDetokenizer:
             chunk = self._stream.step(self._backend, token_id)
             if chunk is None:
                 self._pending.append(token_id)
-            else:
-                self._pending.clear()
-                self.output_text += chunk
+                continue
+            self._pending.clear()
+            if self._skip:
+                cut = min(self._skip, len(chunk))
+                self._skip -= cut
+                chunk = chunk[cut:]
+            self.output_text += chunk
         if not self.stop or len(self.output_text) == start or self._num_tokens <= self.min_tokens:
             return False
         # A stop string can straddle old and new text: search from max_stop_len - 1 back.
@@ -76,3 +94,25 @@ class IncrementalDetokenizer:
                 self._pending, skip_special_tokens=self.skip_special_tokens
             )
             self._pending.clear()
+
+
+# A UTF-8 character is at most 4 bytes, so at most 4 tokens can hold an unfinished one.
+_MAX_CHAR_TOKENS = 4
+
+
+def _split_incomplete_tail(
+    backend: object, prompt: list[int], skip_special_tokens: bool
+) -> tuple[list[int], list[int]]:
+    """``prompt`` as (tokens up to its last complete character, the tokens after): the tail is
+    empty unless the prompt's decoded text ends in U+FFFD."""
+    decode = backend.decode  # type: ignore[attr-defined]
+    if not prompt or not decode(
+        prompt[-_MAX_CHAR_TOKENS:], skip_special_tokens=skip_special_tokens
+    ).endswith("\ufffd"):
+        return prompt, []
+    for cut in range(1, min(_MAX_CHAR_TOKENS, len(prompt)) + 1):
+        head = prompt[:-cut]
+        window = head[-_MAX_CHAR_TOKENS:]
+        if not decode(window, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            return head, prompt[-cut:]
+    return prompt, []

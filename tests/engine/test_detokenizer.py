@@ -66,3 +66,32 @@ def test_special_tokens_are_skipped_by_default() -> None:
     keep = IncrementalDetokenizer(tok, [1], skip_special_tokens=False)
     keep.update([tok.eos_token_id])
     assert keep.output_text == tok.eos_token
+
+
+def test_prompt_ending_inside_a_character_gives_only_the_text_beyond_the_prompt() -> None:
+    """A prompt cut inside a character: the output is the full decode's text beyond the
+    prompt's (the completed character is the prompt's, as in vLLM), never the prompt again."""
+    tok = _tokenizer()
+    ids = tok.encode("Hi 日本 🙂🙂 ok", add_special_tokens=False)
+    cuts = [c for c in range(1, len(ids)) if tok.decode(ids[:c]).endswith("\ufffd")]
+    assert len(cuts) >= 4, "the text must split characters across tokens"
+    for cut in range(len(ids)):
+        prompt, out = ids[:cut], ids[cut:]
+        detok = IncrementalDetokenizer(tok, prompt)
+        seen = []
+        for token in out:
+            detok.update([token])
+            seen.append(detok.output_text)
+        detok.finish()
+        expected = tok.decode(ids)[len(tok.decode(prompt)) :]
+        assert detok.output_text == expected, f"prompt cut after {cut} tokens"
+        assert all(a == b[: len(a)] for a, b in itertools.pairwise(seen))
+
+
+def test_prompt_ending_inside_a_character_with_several_tokens_per_update() -> None:
+    tok = _tokenizer()
+    ids = tok.encode("日本語", add_special_tokens=False)
+    cut = next(c for c in range(1, len(ids)) if tok.decode(ids[:c]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tok, ids[:cut])
+    detok.update(ids[cut:])
+    assert detok.output_text == tok.decode(ids)[len(tok.decode(ids[:cut])) :]

@@ -229,3 +229,17 @@ def test_request_status_is_abort_after_abort(llm: LLM) -> None:
     engine.abort_request("x")
     assert request.status is RequestStatus.FINISHED_ABORTED
     _finish(llm)
+
+
+def test_token_prompt_ending_inside_a_character_is_not_echoed_in_the_text(llm: LLM) -> None:
+    """Token-id prompts can end inside a UTF-8 character; the completion's text is what the
+    generated tokens add to the prompt's decoded text, never the prompt itself."""
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Hello 日本", add_special_tokens=False)
+    prompt = ids[:-1]
+    assert tok.decode(prompt).endswith("\ufffd")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    full = tok.decode(prompt + list(out.token_ids))
+    assert out.text == full[len(tok.decode(prompt)) :]
+    assert not out.text.startswith("Hello")
