@@ -181,7 +181,12 @@ class RayExecutor(Executor):
         reply = outputs[self.driver_rank]
         if reply is None:
             self._die(f"the sampling worker (rank {self.driver_rank}) returned no output")
-        return decode_output(reply)
+        output = decode_output(reply)
+        for rank, other in enumerate(outputs):
+            if other is not None and rank != self.driver_rank:
+                # A rank that could not load an adapter says so (and nothing else).
+                output.lora_load_errors.update(decode_output(other).lora_load_errors)
+        return output
 
     def check_health(self) -> None:
         super().check_health()

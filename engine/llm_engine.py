@@ -535,6 +535,7 @@ class LLMEngine:
         clock.lap("schedule")
         output = self.executor.execute_model(message)
         clock.lap("execute")
+        failed = self._fail_lora_loads(output.lora_load_errors)
         texts = self._decode_logprob_tokens(output)
         self._record_prompt_logprobs(output.prompt_logprobs, texts)
         updated = self.scheduler.update_from_output(sched, output.req_ids, output.sampled_token_ids)
@@ -551,7 +552,7 @@ class LLMEngine:
             if request.is_finished:
                 sample.grammar = None
             groups[group.request_id] = group
-        outputs: list[EngineOutput] = []
+        outputs: list[EngineOutput] = failed
         for group in groups.values():
             outputs.append(self.make_output(group))
             if group.finished:
@@ -562,6 +563,27 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             self._flush_finished()
         return outputs
+
+    def _fail_lora_loads(self, errors: dict[int, str]) -> list[EngineOutput]:
+        """Adapters a worker could not load into their slots this step (their files removed or
+        changed since the head checked them): before this step's tokens are taken, their
+        requests end ("abort", and the error is logged) and the adapter is forgotten, so its
+        next use checks it again (a 400 if it is still gone). Other requests are untouched."""
+        if not errors:
+            return []
+        groups: dict[str, int] = {}
+        for request in list(self.scheduler.requests.values()):
+            if request.lora_int_id in errors and not request.is_finished:
+                entry = self._samples.get(request.request_id)
+                group_id = entry[0].request_id if entry is not None else request.request_id
+                groups[group_id] = request.lora_int_id
+        for lid, why in errors.items():
+            aborted = sorted(g for g, gl in groups.items() if gl == lid)
+            logger.error("LoRA adapter %d: %s; aborting its requests %s", lid, why, aborted)
+            if self.lora_registry is not None and self.lora_slots is not None:
+                self.lora_registry.forget(lid)
+                self.lora_slots.forget(lid)
+        return self.abort_request(list(groups))
 
     def _add_grammar_bitmask(self, sched: SchedulerOutput, message: ExecuteModelRequest) -> None:
         """Next-token bitmask rows of the constrained samples that sample this step: those

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from engine.errors import InvalidRequestError
@@ -242,6 +242,10 @@ class LoRARegistry:
             self._cache.popitem(last=False)
         return adapter
 
+    def forget(self, lora_int_id: int) -> None:
+        """Drop a checked adapter (its files proved unreadable): its next use checks it again."""
+        self._cache.pop(lora_int_id, None)
+
 
 def check_lora_request(lora_request: Any) -> None:
     if not isinstance(lora_request, LoRARequest):
@@ -295,6 +299,12 @@ class LoRASlotTable:
             changes[slot] = spec
         return changes
 
+    def forget(self, lora_int_id: int) -> None:
+        """Empty the slot holding ``lora_int_id`` (a worker could not load it there)."""
+        for slot, held in enumerate(self.specs):
+            if held is not None and held.lora_int_id == lora_int_id:
+                self.specs[slot] = None
+
     def slot_of(self, lora_int_id: int, path: str) -> int | None:
         for slot, spec in enumerate(self.specs):
             if spec is not None and spec.lora_int_id == lora_int_id and spec.lora_path == path:
@@ -315,15 +325,25 @@ class WorkerLoRAManager:
         self.max_rank = max_rank
         self.slot_of: dict[int, int] = {}
 
-    def apply_slot_changes(self, changes: dict[int, LoRASlotSpec]) -> None:
+    def apply_slot_changes(self, changes: dict[int, LoRASlotSpec]) -> dict[int, str]:
+        """Load each changed slot's adapter; returns lora_int_id -> error for those that could
+        not be read (their slot stays empty: their tokens run on the base model)."""
+        errors: dict[int, str] = {}
         for slot, spec in changes.items():
             for lid, held in list(self.slot_of.items()):
                 if held == slot:
                     del self.slot_of[lid]
             for layer in self.layers.values():
                 layer.clear_slot(slot)
-            self._load(slot, Path(spec.lora_path))
+            try:
+                self._load(slot, Path(spec.lora_path))
+            except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
+                for layer in self.layers.values():
+                    layer.clear_slot(slot)
+                errors[spec.lora_int_id] = f"adapter at {spec.lora_path!r} cannot be loaded: {exc}"
+                continue
             self.slot_of[spec.lora_int_id] = slot
+        return errors
 
     def _load(self, slot: int, path: Path) -> None:
         _, scaling = read_adapter_config(path, self.max_rank)

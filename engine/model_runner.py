@@ -95,6 +95,8 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.lora_manager = lora_manager
+        # This step's adapters that could not be loaded (see ModelRunnerOutput.lora_load_errors).
+        self._lora_errors: dict[int, str] = {}
         self.model = model
         self.device = device
         self.ctx = ctx or ParallelContext()
@@ -186,7 +188,7 @@ class ModelRunner:
         if req.lora_slots:
             if self.lora_manager is None:
                 raise RuntimeError("the head sent LoRA slots but this worker has LoRA off")
-            self.lora_manager.apply_slot_changes(req.lora_slots)
+            self._lora_errors = self.lora_manager.apply_slot_changes(req.lora_slots)
         for cached in req.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)
             if state is None:
@@ -425,11 +427,22 @@ class ModelRunner:
     def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
         """One step on this rank. Stages after the first continue from the previous stage's
         (hidden, residual); stages before the last pass theirs on. Only TP rank 0 of the last
-        stage returns the sampler output; every other rank returns None."""
+        stage returns the sampler output; every other rank returns None, or an output holding
+        only ``lora_load_errors`` when it could not load an adapter."""
         clock = self.step_timer
         clock.start()
+        self._lora_errors = {}
         self.update_states(req)
         self.apply_block_ops(req)
+        output = self._execute(req)
+        if self._lora_errors:
+            if output is None:
+                output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            output.lora_load_errors = self._lora_errors
+        return output
+
+    def _execute(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
+        clock = self.step_timer
         if req.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         inputs = self.prepare_inputs(req)

@@ -106,6 +106,11 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # req_id -> pooled vector (float32 values) of each pooling request whose prompt this step
     # finished computing; such a request appears nowhere else in this output.
     pooled: dict[str, list[float]] = {}
+    # lora_int_id -> why this rank could not load the adapter into its slot this step (its
+    # files were removed or changed after the head checked them). The slot is left empty; the
+    # head ends that adapter's requests and checks the adapter again before its next use.
+    # Any rank may report it: non-driver ranks then return an output holding only this.
+    lora_load_errors: dict[int, str] = {}
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -317,7 +317,9 @@ def _prompt_logprobs_step(paths: dict[str, str], prompts: list[list[int]]) -> by
     return encode(message)
 
 
-def _run_worker(rank: int, tp: int, message: bytes, ports: Any, results: Any) -> None:
+def _run_worker(
+    rank: int, tp: int, message: bytes, ports: Any, results: Any, every_rank: bool = False
+) -> None:
     from engine.protocol import decode_request, encode
     from engine.worker import Worker
 
@@ -333,8 +335,8 @@ def _run_worker(rank: int, tp: int, message: bytes, ports: Any, results: Any) ->
     worker.load_model()
     worker.initialize_cache(64, 0)
     output = worker.execute_model(decode_request(message))
-    if rank == 0:
-        results.put(encode(output))
+    if rank == 0 or every_rank:
+        results.put((rank, encode(output) if output is not None else None))
     worker.shutdown()
 
 
@@ -360,7 +362,7 @@ def test_tensor_parallel_2_equals_1_with_adapters(adapters: Adapters) -> None:
         ]
         for p in procs:
             p.start()
-        outputs[tp] = decode_output(results.get(timeout=240))
+        outputs[tp] = decode_output(results.get(timeout=240)[1])
         for p in procs:
             p.join(timeout=60)
             assert p.exitcode == 0
@@ -369,6 +371,35 @@ def test_tensor_parallel_2_equals_1_with_adapters(adapters: Adapters) -> None:
     for rid in single:
         np.testing.assert_allclose(sharded[rid], single[rid], atol=1e-4, rtol=1e-4)
     assert outputs[1].sampled_token_ids == outputs[2].sampled_token_ids
+
+
+def test_every_tensor_parallel_rank_reports_an_adapter_it_cannot_load(
+    adapters: Adapters, tmp_path: Path
+) -> None:
+    """A rank that cannot read an adapter leaves its slot empty and says so, the non-sampling
+    rank too (its output then holds only that), so the head can end the adapter's requests."""
+    from engine.protocol import decode_output
+
+    paths = {"a": str(adapters.paths["a"]), "b": str(tmp_path / "removed")}
+    message = _prompt_logprobs_step(paths, adapters.prompts[:3])
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_run_worker, args=(r, 2, message, ports, results, True))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    replies = dict(results.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    driver, other = decode_output(replies[0]), decode_output(replies[1])
+    assert sorted(driver.req_ids) == ["r0", "r1", "r2"]
+    assert other.req_ids == [] and other.sampled_token_ids == []
+    for output in (driver, other):
+        assert list(output.lora_load_errors) == [2]
+        assert "removed" in output.lora_load_errors[2]
 
 
 # ---- scheduler, config, async API ------------------------------------------------------------
@@ -446,3 +477,51 @@ def test_slot_table_keeps_resident_adapters_and_reuses_the_least_recently_used_s
     assert table.slot_of(3, "/c") == 0
     with pytest.raises(RuntimeError, match="3 adapters in one step but only 2 slots"):
         table.assign({1: "/a", 2: "/b", 3: "/c"})
+
+
+@pytest.mark.parametrize("how", ["removed", "truncated"])
+def test_adapter_gone_from_disk_after_its_check_ends_only_its_requests(
+    adapters: Adapters, tmp_path: Path, how: str
+) -> None:
+    """The head checks an adapter when a request names it; the worker reads its weights when
+    it first gets a slot. Files removed or broken in between end that adapter's requests
+    ("abort"), not the engine: the other requests finish unchanged, and the adapter's next use
+    is refused at once (or served again once its files are back)."""
+    llm = LLM(MODEL, enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = llm.llm_engine
+    path = tmp_path / "a"
+    shutil.copytree(adapters.paths["a"], path)
+    lora = LoRARequest("moving", 9, str(path))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    engine.add_request("base", adapters.prompts[0], params)
+    engine.add_request("good", adapters.prompts[2], params, lora_request=adapters.lora("a"))
+    two = SamplingParams(n=2, temperature=1.0, max_tokens=4)
+    engine.add_request("gone", adapters.prompts[1], two, lora_request=lora)
+    backup = tmp_path / "backup"
+    shutil.copytree(path, backup)
+    if how == "removed":
+        shutil.rmtree(path)
+    else:
+        weights = path / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert [o.finish_reason for o in finals["gone"].outputs] == ["abort", "abort"]
+    assert finals["base"].outputs[0].token_ids == adapters.expected(0, None)
+    assert finals["good"].outputs[0].token_ids == adapters.expected(2, "a")
+    if how == "removed":
+        with pytest.raises(InvalidRequestError, match="is not a directory"):
+            engine.add_request("again", adapters.prompts[1], params, lora_request=lora)
+    else:
+        with pytest.raises(InvalidRequestError, match="cannot be read"):
+            engine.add_request("again", adapters.prompts[1], params, lora_request=lora)
+        shutil.rmtree(path)
+    shutil.copytree(backup, path)
+    again = llm.generate(
+        {"prompt_token_ids": adapters.prompts[1]}, params, lora_request=lora, use_tqdm=False
+    )
+    assert again[0].outputs[0].token_ids == adapters.expected(1, "a")
+    _assert_clean(llm)
