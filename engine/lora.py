@@ -287,9 +287,7 @@ class LoRASlotTable:
         changes: dict[int, LoRASlotSpec] = {}
         for spec in missing:
             # An id rebound to another path: its old slot is stale (workers map an id to one slot).
-            for slot, held in enumerate(self.specs):
-                if held is not None and held.lora_int_id == spec.lora_int_id:
-                    self.specs[slot] = None
+            self.forget(spec.lora_int_id)
             slot = min(
                 (s for s in range(len(self.specs)) if self._last_used[s] < self._step),
                 key=lambda s: (self.specs[s] is not None, self._last_used[s]),
@@ -300,7 +298,8 @@ class LoRASlotTable:
         return changes
 
     def forget(self, lora_int_id: int) -> None:
-        """Empty the slot holding ``lora_int_id`` (a worker could not load it there)."""
+        """Empty the slot holding ``lora_int_id`` (rebound to another path, or a worker could
+        not load it there)."""
         for slot, held in enumerate(self.specs):
             if held is not None and held.lora_int_id == lora_int_id:
                 self.specs[slot] = None
