@@ -3,7 +3,12 @@
 Each checkpoint tensor is handed to its parameter's ``weight_loader`` as a lazy safetensors
 slice, so a tensor-parallel layer reads only its shard from disk. HF names of fused
 projections are mapped through the model's ``packed_modules_mapping`` (q,k,v -> qkv_proj;
-gate,up -> gate_up_proj).
+gate,up -> gate_up_proj); a fused tensor stored fused (Phi-3) goes to its layer whole.
+
+Loading is strict. A meta-device build of the whole model (TP 1, PP 1) says which names exist
+at all, so a tensor this rank does not hold is either another pipeline stage's or an error
+that names it; dtypes other than F32/F16/BF16 (quantized formats) are refused, never cast;
+every layer's loader checks the full tensor's shape before copying its shard.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.models import get_model_class
 from kernels.backend import get_kernel_ops
-from parallel.layers import load_full_loader, pack_linear_weights
+from parallel.layers import check_shape, load_full_loader, pack_linear_weights
 from parallel.state import ParallelContext
 
 logger = logging.getLogger("llm_cluster.loader")
@@ -52,30 +57,189 @@ def iterate_checkpoint(
                 yield name, f.get_slice(name)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> None:
+# Checkpoint tensors that belong to no parameter on purpose (matched as a name suffix).
+_UNUSED_CHECKPOINT_TENSORS = (
+    # Rotary inverse frequencies (and cos/sin caches) that older HF checkpoints saved as
+    # persistent buffers; HF recomputes them from rope_theta / rope_scaling, and so does
+    # RotaryEmbedding here.
+    "rotary_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+)
+
+# The dtypes a weight may have: copying one of them into the model's dtype is an ordinary cast.
+# Anything else (FP8, int8/uint8/int32 packs) is a quantized format whose numbers mean nothing
+# without its scales and kernels.
+_WEIGHT_DTYPES = frozenset({"F32", "F16", "BF16"})
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_NAMED = 5  # tensor names an error lists
+
+
+def _check_dtype(name: str, tensor: Any) -> None:
+    if hasattr(tensor, "get_dtype"):
+        code = tensor.get_dtype()
+        dtype = _SAFETENSORS_DTYPES.get(code)
+    else:
+        dtype = tensor.dtype
+        code = next((c for c, d in _SAFETENSORS_DTYPES.items() if d == dtype), str(dtype))
+    if code in _WEIGHT_DTYPES:
+        return
+    described = f"{str(dtype).removeprefix('torch.')} ({code})" if dtype is not None else code
+    raise ValueError(
+        f"checkpoint tensor {name!r} is {described}: quantized checkpoints are not supported "
+        "yet (weights must be F32, F16 or BF16)"
+    )
+
+
+def _packed_target(name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+    """The parameter name a checkpoint name loads into and the part it fills (None: whole)."""
+    for hf_name, (fused, part) in packed.items():
+        if f".{hf_name}." in name:
+            return name.replace(f".{hf_name}.", f".{fused}."), part
+    return name, None
+
+
+def whole_model_parameters(
+    model_class: type[nn.Module], hf_config: dict[str, Any]
+) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """Every parameter name of the whole model (TP 1, PP 1) with its unsharded shape, and the
+    names that are a second name of a tied tensor (``lm_head.weight`` under
+    tie_word_embeddings). Built on the meta device, so it costs no memory; the torch kernel
+    backend is enough since nothing runs."""
+    with torch.device("meta"):
+        whole = model_class(hf_config, ParallelContext(), ops=get_kernel_ops("torch"))
+    shapes: dict[str, tuple[int, ...]] = {}
+    first_name: dict[int, str] = {}
+    tied: set[str] = set()
+    for name, param in whole.named_parameters(remove_duplicate=False):
+        shapes[name] = tuple(param.shape)
+        if id(param) in first_name:
+            tied.add(name)
+        first_name.setdefault(id(param), name)
+    return shapes, frozenset(tied)
+
+
+def _not_parameters_error(names: list[str], model_class: str, hf: dict[str, Any]) -> ValueError:
+    shown = ", ".join(repr(n) for n in names[:_MAX_NAMED])
+    if len(names) == 1:
+        message = f"checkpoint tensor {shown} is not a parameter of {model_class}"
+    else:
+        message = (
+            f"checkpoint tensors {shown} ({len(names)} in all) are not parameters of {model_class}"
+        )
+    if any(n.endswith(".bias") for n in names[:_MAX_NAMED]):
+        # The usual cause: a config switch (mlp_bias, attention_bias, ...) that says the
+        # checkpoint's layers have no bias, or a family whose biases this model lacks.
+        fields = [f"{k}={v!r}" for k, v in sorted(hf.items()) if "bias" in k.lower()]
+        message += (
+            f" (config {', '.join(fields)}?)" if fields else " (config.json sets no *bias field)"
+        )
+    return ValueError(message)
+
+
+def _missing_parameters(
+    params: dict[str, nn.Parameter],
+    loaded: dict[str, set[Any]],
+    packed: dict[str, tuple[str, Any]],
+) -> list[str]:
+    """Parameters nothing was loaded into, and fused ones with a part left unloaded."""
+    missing = []
+    for name in params:
+        got = loaded.get(name)
+        if not got:
+            missing.append(name)
+            continue
+        if None in got:
+            continue  # loaded whole (an unfused tensor, or a fused one stored fused)
+        parts = {part for fused, part in packed.values() if f".{fused}." in name}
+        missing.extend(f"{name} (part {p!r})" for p in sorted(parts - got, key=str))
+    return missing
+
+
+def _check_tied_copy(name: str, tensor: Any, shape: tuple[int, ...]) -> None:
+    try:
+        check_shape(tensor, shape, "the tied parameter")
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from e
+
+
+def _load_one(param: nn.Parameter, name: str, tensor: Any, shard_id: Any) -> None:
+    loader = getattr(param, "weight_loader", load_full_loader)
+    try:
+        if shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from e
+
+
+def load_weights(
+    model: nn.Module,
+    weights: Iterator[tuple[str, Any]],
+    *,
+    hf_config: dict[str, Any] | None = None,
+) -> None:
+    """Load every checkpoint tensor into this rank's parameters, strictly.
+
+    Each tensor is consumed by a parameter of this rank, belongs to another pipeline stage (a
+    parameter of the whole model, see ``whole_model_parameters``), is a known-unused buffer, or
+    is named in a ValueError; so is a non-float dtype, a wrong shape, and a parameter (or fused
+    part) the checkpoint lacks. ``hf_config`` is the HF config dict the model was built from
+    (default: ``model.hf``).
+    """
+    hf = hf_config if hf_config is not None else getattr(model, "hf", None)
+    if hf is None:
+        raise ValueError("hf_config: required when the model keeps no .hf config dict")
+    whole, tied = whole_model_parameters(type(model), hf)
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
-    loaded: set[str] = set()
+    aliases_of = getattr(model, "checkpoint_aliases", lambda n: ())
+    loaded: dict[str, set[Any]] = {}
+    unknown: list[str] = []
     for name, tensor in weights:
-        aliases = getattr(model, "checkpoint_aliases", lambda n: ())(name)
-        for target in (name, *aliases):
-            shard_id = None
-            for hf_name, (fused, part) in packed.items():
-                if f".{hf_name}." in target:
-                    target, shard_id = target.replace(f".{hf_name}.", f".{fused}."), part
-                    break
-            param = params.get(target)
+        if name.endswith(_UNUSED_CHECKPOINT_TENSORS):
+            continue
+        _check_dtype(name, tensor)
+        target, shard_id = _packed_target(name, packed)
+        if target not in whole:
+            unknown.append(name)
+            continue
+        if unknown:
+            continue  # the load fails anyway: only gather the remaining unknown names
+        if target in tied:
+            # A tied checkpoint that also stores the head: the embedding's tensor is the one
+            # that counts (HF ties the head to it; vLLM skips the head too), whatever order the
+            # shards come in, so this copy is only shape-checked.
+            _check_tied_copy(name, tensor, whole[target])
+            continue
+        for alias in (name, *aliases_of(name)):
+            dest, part = (target, shard_id) if alias == name else _packed_target(alias, packed)
+            param = params.get(dest)
             if param is None:
-                continue  # another pipeline stage's weight, or a buffer we recompute (rotary)
-            loader = getattr(param, "weight_loader", load_full_loader)
-            if shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
-            loaded.add(target)
-    missing = sorted(set(params) - loaded)
+                continue  # a parameter of another pipeline stage
+            _load_one(param, name, tensor, part)
+            loaded.setdefault(dest, set()).add(part)
+    if unknown:
+        raise _not_parameters_error(unknown, type(model).__name__, hf)
+    missing = _missing_parameters(params, loaded, packed)
     if missing:
-        raise ValueError(f"model: checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
+        raise ValueError(
+            f"model: checkpoint lacks {len(missing)} parameters, e.g. {missing[:_MAX_NAMED]}"
+        )
 
 
 def load_model(config: EngineConfig, ctx: ParallelContext, device: torch.device) -> nn.Module:
@@ -84,7 +248,11 @@ def load_model(config: EngineConfig, ctx: ParallelContext, device: torch.device)
     with torch.device(device), _default_dtype(config.model.torch_dtype):
         model = model_class(config.model.hf_config, ctx, ops=get_kernel_ops(backend))
     progress = ctx.tp.rank == 0 and ctx.pp.rank == 0
-    load_weights(model, iterate_checkpoint(config.model.model_path, progress=progress))
+    load_weights(
+        model,
+        iterate_checkpoint(config.model.model_path, progress=progress),
+        hf_config=config.model.hf_config,
+    )
     model.eval()
     if device.type == "cpu" and envs.cpu_packed_gemm():
         packed = pack_linear_weights(model)

@@ -5,6 +5,12 @@ that shard's slice of the checkpoint tensor.
 both support basic slicing, so a worker reads just its rows/columns from disk and a 70B tensor
 is never materialized whole. With a TP group of size 1 these are plain layers.
 
+Every loader first checks the FULL checkpoint tensor's shape against what the unsharded
+parameter (or fused part) must be, and raises ValueError naming both shapes: a shard that
+merely fits (or a [1, in] row that would broadcast) is never copied. The expected shape takes
+its sharded dimension from the layer and the others from the destination, so the same loaders
+serve LoRA's A/B views (``parallel.lora``).
+
     ColumnParallel:  W [out, in]  split on out   y_shard = x @ W_shard^T          (no comm)
     RowParallel:     W [out, in]  split on in    y = all_reduce(x_shard @ W_shard^T) + b
 """
@@ -35,13 +41,25 @@ def narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
     raise ValueError(f"dim: must be 0 or 1, got {dim}")
 
 
-def load_full(param: nn.Parameter, loaded: Any) -> None:
-    tensor = loaded[:] if not isinstance(loaded, torch.Tensor) else loaded
-    if tuple(tensor.shape) != tuple(param.shape):
+def check_shape(loaded: Any, expected: tuple[int, ...], what: str) -> None:
+    """Raise unless the full checkpoint tensor ``loaded`` has shape ``expected``; ``what`` says
+    which parameter (or part) the expectation comes from."""
+    actual = _shape(loaded)
+    if actual != tuple(expected):
+        raise ValueError(f"checkpoint shape {list(actual)} != expected {list(expected)} for {what}")
+
+
+def _no_shard_id(layer: nn.Module, shard_id: Any) -> None:
+    # A shard id reaches an unfused layer only through a wrong packed_modules_mapping.
+    if shard_id is not None:
         raise ValueError(
-            f"checkpoint tensor shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}"
+            f"shard_id: {type(layer).__name__} is not fused, got shard_id {shard_id!r}"
         )
-    param.data.copy_(tensor)
+
+
+def load_full(param: nn.Parameter, loaded: Any) -> None:
+    check_shape(loaded, tuple(param.shape), "a replicated parameter")
+    param.data.copy_(loaded[:] if not isinstance(loaded, torch.Tensor) else loaded)
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -83,7 +101,11 @@ class ColumnParallelLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        _no_shard_id(self, shard_id)
         size = param.shape[0]
+        check_shape(
+            loaded, (size * self.tp.size, *param.shape[1:]), f"{type(self).__name__} output rows"
+        )
         param.data.copy_(narrow(loaded, 0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,8 +118,9 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections fused into one matmul (gate_proj + up_proj).
 
-    Each rank holds [shard of output 0; shard of output 1; ...]; checkpoint tensor number i
-    is loaded into part i.
+    Each rank holds [shard of output 0; shard of output 1; ...]. A checkpoint stores either
+    one tensor per part (``shard_id`` = its index) or the parts fused in order (Phi-3's
+    ``gate_up_proj``, ``shard_id=None``); either way each rank reads only its rows of each part.
     """
 
     def __init__(
@@ -108,15 +131,32 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         tp: GroupCoordinator = SINGLE,
     ) -> None:
-        self.output_sizes = output_sizes
+        self.output_sizes = list(output_sizes)
+        for i, size in enumerate(self.output_sizes):
+            divide(size, tp.size, f"output_sizes[{i}]")
         super().__init__(input_size, sum(output_sizes), bias=bias, tp=tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        trailing = tuple(param.shape[1:])
+        name = type(self).__name__
         if shard_id is None:
-            raise ValueError("merged linear layers load one part at a time (shard_id required)")
-        part = self.output_sizes[shard_id] // self.tp.size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        param.data[offset : offset + part].copy_(narrow(loaded, 0, self.tp.rank * part, part))
+            check_shape(loaded, (sum(self.output_sizes), *trailing), f"fused {name} parts")
+            for i in range(len(self.output_sizes)):
+                self._load_part(param, loaded, i, sum(self.output_sizes[:i]))
+            return
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"shard_id: must be a part index in [0, {len(self.output_sizes)}), got {shard_id!r}"
+            )
+        check_shape(loaded, (self.output_sizes[shard_id], *trailing), f"{name} part {shard_id}")
+        self._load_part(param, loaded, shard_id, 0)
+
+    def _load_part(self, param: nn.Parameter, loaded: Any, index: int, start: int) -> None:
+        """This rank's rows of part ``index``, which starts at row ``start`` of ``loaded``."""
+        part = self.output_sizes[index] // self.tp.size
+        offset = sum(self.output_sizes[:index]) // self.tp.size
+        rows = narrow(loaded, 0, start + self.tp.rank * part, part)
+        param.data[offset : offset + part].copy_(rows)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -124,6 +164,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     When TP > num_kv_heads, each KV head is replicated on tp_size / num_kv_heads ranks.
     Rank layout of the fused output: [q heads of this rank | its kv heads (k) | (v)].
+    A checkpoint stores q, k and v separately (``shard_id`` "q"/"k"/"v") or fused as
+    [q; k; v] of the whole model (Phi-3's ``qkv_proj``, ``shard_id=None``).
     """
 
     def __init__(
@@ -137,6 +179,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp: GroupCoordinator = SINGLE,
     ) -> None:
         self.head_dim = head_dim
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = num_kv_heads
         self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
         if tp.size >= num_kv_heads:
             divide(tp.size, num_kv_heads, "tensor parallel size vs num_key_value_heads")
@@ -157,14 +201,39 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        if shard_id == "q":
+        trailing = tuple(param.shape[1:])
+        q_rows = self.total_num_heads * self.head_dim
+        kv_rows = self.total_num_kv_heads * self.head_dim
+        if shard_id is None:
+            check_shape(
+                loaded,
+                (q_rows + 2 * kv_rows, *trailing),
+                f"fused q/k/v ({self.total_num_heads} + 2 x {self.total_num_kv_heads} heads "
+                f"x head_dim {self.head_dim})",
+            )
+            for part, start in (("q", 0), ("k", q_rows), ("v", q_rows + kv_rows)):
+                self._load_part(param, loaded, part, start)
+            return
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"shard_id: must be 'q', 'k', 'v' or None, got {shard_id!r}")
+        heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        check_shape(
+            loaded,
+            (heads * self.head_dim, *trailing),
+            f"part {shard_id!r} ({heads} heads x head_dim {self.head_dim})",
+        )
+        self._load_part(param, loaded, shard_id, 0)
+
+    def _load_part(self, param: nn.Parameter, loaded: Any, part: str, start: int) -> None:
+        """This rank's heads of ``part``, whose whole-model rows start at row ``start``."""
+        if part == "q":
             offset, size, index = 0, self.q_size, self.tp.rank
-        elif shard_id in ("k", "v"):
-            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            size, index = self.kv_size, self.tp.rank // self.kv_replicas
         else:
-            raise ValueError(f"shard_id: must be 'q', 'k' or 'v', got {shard_id!r}")
-        param.data[offset : offset + size].copy_(narrow(loaded, 0, index * size, size))
+            # Ranks sharing a replicated KV head read the same rows.
+            offset = self.q_size + (self.kv_size if part == "v" else 0)
+            size, index = self.kv_size, self.tp.rank // self.kv_replicas
+        rows = narrow(loaded, 0, start + index * size, size)
+        param.data[offset : offset + size].copy_(rows)
 
 
 class RowParallelLinear(nn.Module):
@@ -191,7 +260,13 @@ class RowParallelLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        _no_shard_id(self, shard_id)
+        if param.dim() != 2:
+            raise ValueError(f"RowParallelLinear splits 2-D weights, got a {param.dim()}-D one")
         size = param.shape[1]
+        check_shape(
+            loaded, (param.shape[0], size * self.tp.size), "RowParallelLinear input columns"
+        )
         param.data.copy_(narrow(loaded, 1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,6 +354,13 @@ class VocabParallelEmbedding(nn.Module):
         self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        _no_shard_id(self, shard_id)
+        # The checkpoint holds exactly the vocabulary; the padding rows are ours (zeros).
+        check_shape(
+            loaded,
+            (self.num_embeddings, *param.shape[1:]),
+            f"{type(self).__name__} (vocab_size {self.num_embeddings})",
+        )
         rows = self.vocab_end - self.vocab_start
         param.data.zero_()
         if rows > 0:
