@@ -15,7 +15,10 @@ contiguous or sorted. Logical position ``p`` of a request lives in slot
 A step's batch is packed: request ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b+1]``,
 which are the last ``query_len[b]`` tokens of its ``seq_len[b]``-token context (their K/V are
 written by ``reshape_and_cache`` before attention runs). New token ``i`` sits at position
-``seq_len[b] - query_len[b] + i`` and attends to every position ``<=`` its own.
+``q = seq_len[b] - query_len[b] + i`` and attends to every position ``k <= q``; with a
+``sliding_window`` W only to ``q - W < k <= q`` (W keys at most, itself included: HF's
+convention), and with ``logits_soft_cap`` C its scaled scores become ``C * tanh(score / C)``
+before the mask and softmax (Gemma 2).
 
 How the torch path batches work (all of it decided once per step in ``AttentionMetadata.build``):
 
@@ -23,6 +26,14 @@ How the torch path batches work (all of it decided once per step in ``AttentionM
   ``DecodeGroup``s whose padding is bounded; each group is one block gather plus one SDPA call;
 * every other request is a ``PrefillChunk`` handled on its own (there are few per step), so one
   long prefill never pads the decode requests sharing its batch, nor they it.
+
+Layers of one step share the metadata but not their window (Gemma 2 alternates windowed and
+global layers), so a window's plan is derived from that one on first use and cached in the
+metadata per window size: its decode groups gather only the last
+``ceil((W - 1) / block_size) + 1`` blocks of each request (as many as W consecutive positions
+can touch), its chunks only the blocks from their first query's window on.
+Soft-capped calls cannot use SDPA (it has no hook between the scores and the softmax) and take
+a plain matmul / tanh / mask / softmax route in float32 instead.
 
 Scores and softmax accumulate in float32 whatever the cache dtype; the output is cast back. A
 bf16 cache on a CPU with native bf16 (AVX512-BF16 or AMX) runs SDPA in bf16, whose CPU kernel
@@ -35,6 +46,7 @@ reuse one buffer instead of allocating (and page-faulting) a fresh one each.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -47,9 +59,11 @@ from torch import Tensor
 
 __all__ = [
     "AttentionMetadata",
+    "AttentionPlan",
     "DecodeGroup",
     "GatherWorkspace",
     "PrefillChunk",
+    "check_attention_options",
     "copy_blocks",
     "paged_attention",
     "reshape_and_cache",
@@ -62,6 +76,9 @@ _DECODE_GROUP_MAX_PADDING_FACTOR = 2
 # ...unless the group is short anyway: below this many blocks an extra group costs more in
 # per-call overhead than the padding it would save.
 _DECODE_GROUP_MIN_SPLIT_BLOCKS = 8
+# The soft-capped route materializes float32 scores; a long prefill chunk is attended in slices
+# of query rows so that they stay under this many elements (256 MiB).
+_SOFTCAP_MAX_SCORES = 1 << 26
 
 
 class GatherWorkspace:
@@ -94,9 +111,10 @@ class GatherWorkspace:
 class DecodeGroup:
     """Decode requests (one new token each) attended together in one padded SDPA call.
 
-    Invariant: ``block_ids`` holds, per request, its first ``max_blocks`` block-table entries;
-    entries past ``ceil(seq_len / block_size)`` are 0 (a block that always exists) and every
-    position they cover is False in ``key_mask``.
+    Invariant: ``block_ids`` holds, per request, ``max_blocks`` consecutive block-table entries
+    (its first ones; from its window's first block on in a window's plan); entries past
+    ``ceil(seq_len / block_size)`` are 0 (a block that always exists) and every position they
+    cover is False in ``key_mask``.
     """
 
     num_seqs: int
@@ -105,8 +123,11 @@ class DecodeGroup:
     token_rows: Tensor
     # int64 [num_seqs * max_blocks]: the requests' block-table rows, flattened for index_select.
     block_ids: Tensor
-    # bool [num_seqs, 1, 1, max_blocks * block_size]: True where key position < seq_len.
+    # bool [num_seqs, 1, 1, max_blocks * block_size]: True where the gathered key is visible
+    # (position < seq_len, and inside the window in a window's plan).
     key_mask: Tensor
+    # int64 [num_seqs]: each request's seq_len, from which a window's plan is derived.
+    seq_lens: Tensor
 
 
 @dataclass(frozen=True)
@@ -117,8 +138,19 @@ class PrefillChunk:
     token_start: int
     token_end: int
     seq_len: int
-    # int64 [ceil(seq_len / block_size)]: the request's meaningful block-table entries.
+    # int64: the request's meaningful block-table entries from the one holding key_start on.
     block_ids: Tensor
+    # Position of the first gathered key, a multiple of block_size: 0, or in a window's plan
+    # the start of the block holding the first query's earliest visible key.
+    key_start: int = 0
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How the torch path attends one step: its decode groups and prefill chunks."""
+
+    decode_groups: tuple[DecodeGroup, ...]
+    prefill_chunks: tuple[PrefillChunk, ...]
 
 
 @dataclass(frozen=True)
@@ -149,10 +181,31 @@ class AttentionMetadata:
     prefill_chunks: tuple[PrefillChunk, ...]
     # Scratch for the K/V gathers, shared by the layers of this step (see GatherWorkspace).
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace, repr=False, compare=False)
+    # Window size -> the plan restricted to it, filled on first use by window_plan.
+    window_plans: dict[int, AttentionPlan] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
         return self.slot_mapping.device
+
+    def window_plan(self, sliding_window: int) -> AttentionPlan:
+        """The plan of a layer with this sliding window: each decode group reads only the
+        blocks that can hold keys inside its requests' windows, each chunk only the blocks
+        from its first query's window on. Derived once per window size and step."""
+        plan = self.window_plans.get(sliding_window)
+        if plan is None:
+            plan = AttentionPlan(
+                decode_groups=tuple(
+                    _window_decode_group(g, sliding_window, self.block_size)
+                    for g in self.decode_groups
+                ),
+                prefill_chunks=tuple(
+                    _window_prefill_chunk(c, sliding_window, self.block_size)
+                    for c in self.prefill_chunks
+                ),
+            )
+            self.window_plans[sliding_window] = plan
+        return plan
 
     @classmethod
     def build(
@@ -250,25 +303,70 @@ def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping
 
 
 def paged_attention(
-    query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float
+    query: Tensor,
+    kv_cache: Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> Tensor:
     """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
     request's paged context; returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
 
-    Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA/MQA).
+    Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA/MQA). A query at
+    position ``q`` sees keys ``q - sliding_window < k <= q`` when ``sliding_window`` is set;
+    ``logits_soft_cap`` C turns the scaled scores into ``C * tanh(scores / C)``.
     """
     check_attention_args(query, kv_cache, metadata, scale)
+    check_attention_options(sliding_window, logits_soft_cap)
+    window = effective_window(sliding_window, metadata)
+    plan = (
+        AttentionPlan(metadata.decode_groups, metadata.prefill_chunks)
+        if window is None
+        else metadata.window_plan(window)
+    )
 
     # Contiguous even when `query` is a strided view (say, of a fused QKV projection), so that
     # the caller can flatten the heads for the output projection without a copy.
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     # Every row of `out` is written: each request with query_len >= 1 is in exactly one decode
     # group or prefill chunk, and together they cover all num_tokens rows.
-    for group in metadata.decode_groups:
-        _attend_decode_group(query, kv_cache, group, scale, metadata.workspace, out)
-    for chunk in metadata.prefill_chunks:
-        _attend_prefill_chunk(query, kv_cache, chunk, scale, metadata.workspace, out)
+    for group in plan.decode_groups:
+        _attend_decode_group(
+            query, kv_cache, group, scale, logits_soft_cap, metadata.workspace, out
+        )
+    for chunk in plan.prefill_chunks:
+        _attend_prefill_chunk(
+            query, kv_cache, chunk, scale, window, logits_soft_cap, metadata.workspace, out
+        )
     return out
+
+
+def check_attention_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """The optional arguments of a paged-attention call; shared by the torch and Triton kernels."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int | np.integer)
+        or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if logits_soft_cap is not None and (
+        isinstance(logits_soft_cap, bool)
+        or not isinstance(logits_soft_cap, int | float | np.number)
+        or not math.isfinite(logits_soft_cap)
+        or logits_soft_cap <= 0
+    ):
+        raise ValueError(
+            f"logits_soft_cap must be None or a finite float > 0, got {logits_soft_cap!r}"
+        )
+
+
+def effective_window(sliding_window: int | None, metadata: AttentionMetadata) -> int | None:
+    """``sliding_window`` as an int, or None when it hides no key of this step (no context is
+    longer than it), so that such calls run exactly the unwindowed path."""
+    if sliding_window is None or sliding_window >= metadata.max_seq_len:
+        return None
+    return int(sliding_window)
 
 
 def check_cache_write_args(
@@ -383,6 +481,7 @@ def _attend_decode_group(
     kv_cache: Tensor,
     group: DecodeGroup,
     scale: float,
+    soft_cap: float | None,
     workspace: GatherWorkspace,
     out: Tensor,
 ) -> None:
@@ -397,13 +496,16 @@ def _attend_decode_group(
     kv = _gather_kv(kv_cache, group.block_ids, workspace).view(
         2, group.num_seqs, group.max_blocks * block_size, num_kv_heads, head_dim
     )
-    o = F.scaled_dot_product_attention(
-        q.to(kv.dtype),
-        kv[0].transpose(1, 2),
-        kv[1].transpose(1, 2),
-        attn_mask=group.key_mask,
-        scale=scale,
-    )
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    if soft_cap is None:
+        o = F.scaled_dot_product_attention(
+            q.to(kv.dtype), k, v, attn_mask=group.key_mask, scale=scale
+        )
+    else:
+        # Each request's G query heads are the [G, 1] (heads, tokens) of one kv head.
+        o = _softcapped_attention(
+            q.unsqueeze(3), k, v, group.key_mask.unsqueeze(1), scale, soft_cap
+        )
     out.index_copy_(0, group.token_rows, o.reshape(group.num_seqs, num_heads, head_dim).to(out))
 
 
@@ -412,6 +514,8 @@ def _attend_prefill_chunk(
     kv_cache: Tensor,
     chunk: PrefillChunk,
     scale: float,
+    window: int | None,
+    soft_cap: float | None,
     workspace: GatherWorkspace,
     out: Tensor,
 ) -> None:
@@ -420,20 +524,78 @@ def _attend_prefill_chunk(
     query_len = chunk.token_end - chunk.token_start
     q = query[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)
     kv = _gather_kv(kv_cache, chunk.block_ids, workspace).view(2, -1, num_kv_heads, head_dim)
-    k, v = (kv[i, : chunk.seq_len].transpose(0, 1).unsqueeze(0) for i in (0, 1))
-    # The queries are the *last* query_len of seq_len positions, so the causal diagonal is
-    # anchored bottom-right (query i sees keys <= seq_len - query_len + i); SDPA's is_causal
-    # anchors it top-left, which is only right when the chunk starts at position 0.
-    o = F.scaled_dot_product_attention(
-        q.to(k.dtype),
-        k,
-        v,
-        attn_mask=_bottom_right_causal_mask(query_len, chunk.seq_len, q.device),
-        scale=scale,
-        is_causal=query_len == chunk.seq_len,
-        enable_gqa=num_heads != num_kv_heads,
-    )
+    num_keys = chunk.seq_len - chunk.key_start
+    k, v = (kv[i, :num_keys].transpose(0, 1).unsqueeze(0) for i in (0, 1))
+    if window is None and soft_cap is None:
+        # The queries are the *last* query_len of seq_len positions, so the causal diagonal is
+        # anchored bottom-right (query i sees keys <= seq_len - query_len + i); SDPA's
+        # is_causal anchors it top-left, which is only right when the chunk starts at 0.
+        o = F.scaled_dot_product_attention(
+            q.to(k.dtype),
+            k,
+            v,
+            attn_mask=_bottom_right_causal_mask(query_len, chunk.seq_len, q.device),
+            scale=scale,
+            is_causal=query_len == chunk.seq_len,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+    elif soft_cap is None:
+        o = F.scaled_dot_product_attention(
+            q.to(k.dtype),
+            k,
+            v,
+            attn_mask=_chunk_key_mask(chunk, window, q.device),
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+    else:
+        group_q = q.view(1, num_kv_heads, num_heads // num_kv_heads, query_len, head_dim)
+        mask = _chunk_key_mask(chunk, window, q.device)
+        o = _softcapped_attention(group_q, k, v, mask, scale, soft_cap).view(q.shape)
     out[chunk.token_start : chunk.token_end] = o[0].transpose(0, 1)
+
+
+def _chunk_key_mask(chunk: PrefillChunk, window: int | None, device: torch.device) -> Tensor:
+    """bool ``[query_len, seq_len - key_start]``: whether the chunk's query ``i`` (at position
+    ``q = seq_len - query_len + i``) sees the gathered key at position ``k``: ``k <= q`` and,
+    with a window, ``k > q - window``."""
+    query_len = chunk.token_end - chunk.token_start
+    q_pos = torch.arange(chunk.seq_len - query_len, chunk.seq_len, device=device)[:, None]
+    k_pos = torch.arange(chunk.key_start, chunk.seq_len, device=device)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    return visible
+
+
+def _softcapped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, soft_cap: float
+) -> Tensor:
+    """Attention with the scores soft-capped, ``cap * tanh(scale * q.k / cap)``, which SDPA
+    has no hook for; scores, softmax and the product with V in float32.
+
+    ``q`` ``[B, num_kv_heads, G, query_len, head_dim]`` (the G query heads sharing a kv head),
+    ``k``/``v`` ``[B, num_kv_heads, num_keys, head_dim]``, ``mask`` bool broadcastable to
+    ``[B, num_kv_heads, G, query_len, num_keys]`` and True where a key is visible (every query
+    sees at least one). Returns float32 ``[B, num_kv_heads, G, query_len, head_dim]``.
+    """
+    batch, num_kv_heads, group, query_len, head_dim = q.shape
+    k32, v32 = k.to(torch.float32), v.to(torch.float32)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    # Slices of query rows bound the float32 scores a long prefill chunk materializes.
+    scores_per_row = batch * num_kv_heads * group * k.shape[2]
+    rows = max(_SOFTCAP_MAX_SCORES // max(scores_per_row, 1), 1)
+    for start in range(0, query_len, rows):
+        end = min(start + rows, query_len)
+        q32 = q[:, :, :, start:end].to(torch.float32).reshape(batch, num_kv_heads, -1, head_dim)
+        scores = torch.matmul(q32, k32.transpose(-1, -2))
+        scores = scores.view(batch, num_kv_heads, group, end - start, -1)
+        scores.mul_(scale / soft_cap).tanh_().mul_(soft_cap)
+        row_mask = mask if mask.shape[-2] == 1 else mask[..., start:end, :]
+        scores.masked_fill_(~row_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, -1, k.shape[2])
+        out[:, :, :, start:end] = torch.matmul(probs, v32).view(out[:, :, :, start:end].shape)
+    return out
 
 
 def _bottom_right_causal_mask(query_len: int, seq_len: int, device: torch.device) -> Tensor | None:
@@ -507,10 +669,44 @@ def _plan_decode_groups(
                 token_rows=_to_device(query_start_loc[seqs], torch.int64, device),
                 block_ids=_to_device(block_table[seqs, :max_blocks].ravel(), torch.int64, device),
                 key_mask=(positions[None, :] < group_seq_lens[:, None])[:, None, None, :],
+                seq_lens=group_seq_lens,
             )
         )
         start = end
     return tuple(groups)
+
+
+def _window_decode_group(group: DecodeGroup, window: int, block_size: int) -> DecodeGroup:
+    """``group`` restricted to each request's window ``seq_len - window <= k < seq_len``: the
+    ``ceil((window - 1) / block_size) + 1`` blocks from the one holding its first key on, which
+    is as many as ``window`` consecutive positions can touch."""
+    max_blocks = min(group.max_blocks, -(-(window - 1) // block_size) + 1)
+    device = group.block_ids.device
+    window_start = (group.seq_lens - window).clamp_(min=0)
+    # Logical block numbers [num_seqs, max_blocks]; those past a request's last block read a
+    # clamped (existing) table column and cover only positions >= seq_len, which the mask hides.
+    logical = window_start[:, None] // block_size + torch.arange(max_blocks, device=device)
+    table = group.block_ids.view(group.num_seqs, group.max_blocks)
+    block_ids = table.gather(1, logical.clamp(max=group.max_blocks - 1))
+    positions = (logical[:, :, None] * block_size + torch.arange(block_size, device=device)).view(
+        group.num_seqs, -1
+    )
+    key_mask = (positions >= window_start[:, None]) & (positions < group.seq_lens[:, None])
+    return dataclasses.replace(
+        group,
+        max_blocks=max_blocks,
+        block_ids=block_ids.ravel(),
+        key_mask=key_mask[:, None, None, :],
+    )
+
+
+def _window_prefill_chunk(chunk: PrefillChunk, window: int, block_size: int) -> PrefillChunk:
+    """``chunk`` without the blocks wholly before its first query's window."""
+    query_len = chunk.token_end - chunk.token_start
+    first_block = max(chunk.seq_len - query_len - window + 1, 0) // block_size
+    return dataclasses.replace(
+        chunk, block_ids=chunk.block_ids[first_block:], key_start=first_block * block_size
+    )
 
 
 def _plan_prefill_chunks(

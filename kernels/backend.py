@@ -38,6 +38,7 @@ class KernelOps:
     rms_norm: Callable[..., Any]
     rotary_embedding: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]
+    gelu_tanh_and_mul: Callable[[Tensor], Tensor]
 
 
 def triton_available() -> bool:
@@ -67,6 +68,7 @@ def get_kernel_ops(name: str) -> KernelOps:
             rms_norm=ops.rms_norm,
             rotary_embedding=ops.rotary_embedding,
             silu_and_mul=ops.silu_and_mul,
+            gelu_tanh_and_mul=ops.gelu_tanh_and_mul,
         )
     if name == "triton":
         if not triton_available():
@@ -84,5 +86,6 @@ def get_kernel_ops(name: str) -> KernelOps:
             rms_norm=triton_ops.rms_norm,
             rotary_embedding=triton_ops.rotary_embedding,
             silu_and_mul=triton_ops.silu_and_mul,
+            gelu_tanh_and_mul=triton_ops.gelu_tanh_and_mul,
         )
     raise ValueError(f"attention_backend must be 'torch' or 'triton' here, got {name!r}")

@@ -1,8 +1,8 @@
 """Pointwise model ops in plain torch: the CPU path and the reference for ``kernels.triton_ops``.
 
 Numerics follow HF transformers (what the engine is checked against): RMSNorm normalizes in
-float32 and multiplies by the weight in the input dtype; rotary and SiLU-and-mul compute in
-the input dtype.
+float32 and multiplies by the weight in the input dtype; rotary, SiLU-and-mul and
+GELU-tanh-and-mul compute in the input dtype.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["gelu_tanh_and_mul", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 
 def rms_norm(
@@ -41,6 +41,13 @@ def silu_and_mul(x: Tensor) -> Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """``gelu(gate, approximate="tanh") * up`` for ``x = [gate | up]`` along the last dim
+    (Gemma's MLP; HF's ``gelu_pytorch_tanh``)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def _rotate_half(x: Tensor) -> Tensor:

@@ -4,7 +4,9 @@ chunks, reading K/V through block tables; plus a split-KV (flash-decoding) path.
 Same contract as ``kernels.attention.paged_attention`` (the torch reference): KV cache
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, query ``[num_tokens, num_heads,
 head_dim]`` packed by ``query_start_loc``, request ``b``'s new tokens being the last
-``query_len[b]`` of its ``seq_len[b]`` positions, causal inside the chunk.
+``query_len[b]`` of its ``seq_len[b]`` positions, causal inside the chunk; optionally a
+sliding window (a query at ``q`` sees keys ``q - W < k <= q``) and soft-capped scores
+(``C * tanh(scores / C)``, before the mask).
 
 Work split. A program owns one *query tile* of one request and one kv head::
 
@@ -28,6 +30,14 @@ key row), keeping an online softmax in float32 (base 2). With ``num_kv_splits > 
 are cut into that many ranges, one program each; each writes its normalized partial output
 and log-sum-exp, and a second kernel merges them. That is what keeps a GPU busy when a few
 long decodes leave ``num_seqs * num_kv_heads`` programs too few to fill it.
+
+With a sliding window the walk starts at the first key tile that can be inside the window of
+the program's first (earliest) query, so a windowed layer reads O(W) keys per query tile
+whatever the context length; the splits divide that restricted range::
+
+    positions  0 ....................................... kv_bound
+    tiles      |  skipped, below every window  | walked, split NUM_SPLITS ways |
+                                               ^ tile of (first query's position - W + 1)
 """
 
 from __future__ import annotations
@@ -39,7 +49,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.attention import AttentionMetadata, check_attention_args
+from kernels.attention import (
+    AttentionMetadata,
+    check_attention_args,
+    check_attention_options,
+    effective_window,
+)
 
 __all__ = ["choose_num_kv_splits", "paged_attention"]
 
@@ -72,6 +87,19 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """float32 tanh from exp2 (libdevice's is unavailable under the interpreter). Near 0, where
+    ``1 - exp(-2|x|)`` would cancel, its odd Taylor polynomial (error < 1e-9 below 1/8)."""
+    a = tl.abs(x)
+    e = tl.math.exp2(a * -2.8853900817779268)  # exp(-2|x|)
+    far = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    near = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 - a2 * 0.05396825)))
+    t = tl.where(a < 0.125, near, far)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
@@ -90,7 +118,9 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     num_seqs,
     num_heads,
-    scale_log2,
+    score_scale,
+    softcap_log2,
+    window,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -109,9 +139,13 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
+    """``score_scale`` is scale * log2(e), or scale / cap with a soft cap, whose scores are then
+    ``tanh(.) * softcap_log2`` (cap * log2(e)); ``window`` counts only with HAS_WINDOW."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -141,8 +175,14 @@ def _paged_attention_kernel(
     last_q = tl.minimum((tile + 1) * BLOCK_Q, query_len)
     kv_bound = tl.minimum(context_len + last_q, seq_len)
     num_tiles = tl.cdiv(kv_bound, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
+    if HAS_WINDOW:
+        # The tile's first query has the earliest window: keys before its start are unseen.
+        window_start = tl.maximum(context_len + tile * BLOCK_Q - window + 1, 0)
+        first_tile = window_start // TILE_N
+    else:
+        first_tile = 0
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -163,8 +203,12 @@ def _paged_attention_kernel(
             mask=k_valid[None, :] & d_valid[:, None],
             other=0.0,
         )
-        s = _dot(q, k, DOT_UPCAST, DOT_PRECISION) * scale_log2
+        s = _dot(q, k, DOT_UPCAST, DOT_PRECISION) * score_scale
+        if HAS_SOFTCAP:
+            s = _tanh(s) * softcap_log2
         visible = (k_pos[None, :] <= (context_len + q_pos)[:, None]) & k_valid[None, :]
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > (context_len + q_pos - window)[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
@@ -233,9 +277,12 @@ def _merge_splits_kernel(
     )
 
 
-def choose_num_kv_splits(metadata: AttentionMetadata, num_kv_heads: int) -> int:
+def choose_num_kv_splits(
+    metadata: AttentionMetadata, num_kv_heads: int, sliding_window: int | None = None
+) -> int:
     """How many key ranges each decode tile is cut into: 1 for batches with a prefill chunk
-    or enough (request, kv head) pairs to fill the GPU, more for a few long decodes.
+    or enough (request, kv head) pairs to fill the GPU, more for a few long decodes (long in
+    keys read: a windowed decode reads at most ``sliding_window``).
 
     Depends only on host integers of the metadata, so a CUDA graph captured with
     ``max_seq_len = max_model_len`` keeps a choice valid for every later length.
@@ -245,7 +292,10 @@ def choose_num_kv_splits(metadata: AttentionMetadata, num_kv_heads: int) -> int:
     programs = max(metadata.num_seqs * num_kv_heads, 1)
     if programs >= _SPLIT_TARGET_PROGRAMS:
         return 1
-    by_length = max(metadata.max_seq_len // _SPLIT_MIN_KEYS, 1)
+    max_keys = metadata.max_seq_len
+    if sliding_window is not None:
+        max_keys = min(max_keys, sliding_window)
+    by_length = max(max_keys // _SPLIT_MIN_KEYS, 1)
     return min(math.ceil(_SPLIT_TARGET_PROGRAMS / programs), by_length, _MAX_KV_SPLITS)
 
 
@@ -254,17 +304,22 @@ def paged_attention(
     kv_cache: Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     *,
     num_kv_splits: int | None = None,
 ) -> Tensor:
     """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
     request's paged context; returns a new contiguous tensor shaped and typed like ``query``.
+    ``sliding_window`` and ``logits_soft_cap`` as in ``kernels.attention.paged_attention``.
 
     ``num_kv_splits`` forces the split-KV path's split count (default: ``choose_num_kv_splits``).
     """
     _check_inputs(query, kv_cache, metadata, scale)
+    check_attention_options(sliding_window, logits_soft_cap)
+    window = effective_window(sliding_window, metadata)
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(metadata, kv_cache.shape[3])
+        num_kv_splits = choose_num_kv_splits(metadata, kv_cache.shape[3], window)
     if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= _MAX_KV_SPLITS:
         raise ValueError(
             f"num_kv_splits must be an int in [1, {_MAX_KV_SPLITS}], got {num_kv_splits!r}"
@@ -293,6 +348,10 @@ def paged_attention(
             dtype=torch.float32,
             device=query.device,
         )
+    if logits_soft_cap is None:
+        score_scale, softcap_log2 = scale * _LOG2E, 0.0
+    else:
+        score_scale, softcap_log2 = scale / logits_soft_cap, logits_soft_cap * _LOG2E
     grid = (metadata.num_tokens // block_q + metadata.num_seqs, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
         out,
@@ -305,7 +364,9 @@ def paged_attention(
         metadata.query_start_loc,
         metadata.num_seqs,
         num_heads,
-        scale * _LOG2E,
+        score_scale,
+        softcap_log2,
+        0 if window is None else window,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -324,6 +385,8 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         NUM_SPLITS=num_kv_splits,
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=logits_soft_cap is not None,
         # fp32 caches are meant to match the fp32 reference, so no TF32 rounding.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_UPCAST=query.dtype == torch.bfloat16 and interpreter_enabled(),

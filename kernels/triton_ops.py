@@ -1,10 +1,10 @@
 """Fused pointwise model ops in Triton: RMSNorm (+ residual add), rotary embedding,
-SiLU-and-mul. Each replaces several torch kernels (and their intermediate tensors) by one
-pass over memory; ``kernels.ops`` holds the torch versions they must match.
+SiLU-and-mul, GELU-tanh-and-mul. Each replaces several torch kernels (and their intermediate
+tensors) by one pass over memory; ``kernels.ops`` holds the torch versions they must match.
 
 Rounding follows the torch reference: the residual sum is rounded to the input dtype before
-it is normalized, the normalized value is rounded before the weight multiply, silu(gate) is
-rounded before the multiply by ``up``.
+it is normalized, the normalized value is rounded before the weight multiply, silu(gate) and
+gelu(gate) are rounded before the multiply by ``up``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from torch import Tensor
 
 from kernels.triton_attention import check_triton_device
 
-__all__ = ["rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["gelu_tanh_and_mul", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SILU_BLOCK = 1024
+_ACT_BLOCK = 1024
 _MAX_HIDDEN = 65536
 
 
@@ -92,15 +92,23 @@ def _rotary_kernel(
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, width, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(
+    out_ptr, x_ptr, stride_x, width, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + width + offs, mask=mask, other=0.0)
     g32 = gate.to(tl.float32)
-    silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-    out = silu.to(tl.float32) * up.to(tl.float32)
+    if ACTIVATION == "silu":
+        act = g32 / (1.0 + tl.exp(-g32))
+    else:
+        # gelu_tanh: 0.5 * g * (1 + tanh(u)) with u = sqrt(2/pi) * (g + 0.044715 g^3) equals
+        # g * sigmoid(2u), which needs no tanh and does not cancel for negative g.
+        two_u = 1.5957691216057308 * (g32 + 0.044715 * g32 * g32 * g32)  # 2 * sqrt(2 / pi)
+        act = g32 / (1.0 + tl.exp(-two_u))
+    out = act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * width + offs, out.to(gate.dtype), mask=mask)
 
 
@@ -202,14 +210,26 @@ def rotary_embedding(
 def silu_and_mul(x: Tensor) -> Tensor:
     """Like ``kernels.ops.silu_and_mul``: ``x`` ``[num_tokens, 2 * width]`` -> ``[num_tokens,
     width]``."""
+    return _act_and_mul(x, "silu")
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """Like ``kernels.ops.gelu_tanh_and_mul``: ``x`` ``[num_tokens, 2 * width]`` ->
+    ``[num_tokens, width]``."""
+    return _act_and_mul(x, "gelu_tanh")
+
+
+def _act_and_mul(x: Tensor, activation: str) -> Tensor:
     _check_rows("x", x)
     if x.shape[1] % 2:
         raise ValueError(f"x: last dim must be even ([gate | up]), got {x.shape[1]}")
     width = x.shape[1] // 2
     out = torch.empty((x.shape[0], width), dtype=x.dtype, device=x.device)
     if x.shape[0]:
-        grid = (x.shape[0], triton.cdiv(width, _SILU_BLOCK))
-        _silu_and_mul_kernel[grid](out, x, x.stride(0), width, BLOCK=_SILU_BLOCK)
+        grid = (x.shape[0], triton.cdiv(width, _ACT_BLOCK))
+        _act_and_mul_kernel[grid](
+            out, x, x.stride(0), width, ACTIVATION=activation, BLOCK=_ACT_BLOCK
+        )
     return out
 
 

@@ -114,6 +114,33 @@ def test_paged_attention_compiles_for_sm90(
     assert kernel_names(results) == ["_paged_attention_kernel"]
 
 
+@pytest.mark.parametrize(
+    ("query_lens", "num_kv_splits"),
+    [(DECODE, None), (MIXED, None), ([1, 1], 4)],
+    ids=["decode", "mixed", "split-kv"],
+)
+def test_windowed_soft_capped_attention_compiles_for_sm90(
+    compile_launches, query_lens, num_kv_splits
+):
+    # Gemma 2's shapes: head_dim 256, 2 query heads per kv head.
+    batch = paged_batch(
+        query_lens,
+        [900, 300][: len(query_lens)],
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        dtype=torch.bfloat16,
+        device=device(),
+    )
+    results = compile_launches(
+        lambda: triton_attention.paged_attention(
+            *batch, 0.0625, sliding_window=256, logits_soft_cap=50.0, num_kv_splits=num_kv_splits
+        )
+    )
+    merge = ["_merge_splits_kernel"] if num_kv_splits else []
+    assert kernel_names(results) == ["_paged_attention_kernel", *merge]
+
+
 def test_split_kv_attention_and_its_merge_compile_for_sm90(compile_launches):
     batch = paged_batch(
         [1, 1],
@@ -184,4 +211,10 @@ def test_rotary_embedding_compiles_for_sm90(compile_launches):
 def test_silu_and_mul_compiles_for_sm90(compile_launches):
     x = torch.zeros(4, 2 * 14336, dtype=torch.float16, device=device())
     results = compile_launches(lambda: triton_ops.silu_and_mul(x))
-    assert kernel_names(results) == ["_silu_and_mul_kernel"]
+    assert kernel_names(results) == ["_act_and_mul_kernel"]
+
+
+def test_gelu_tanh_and_mul_compiles_for_sm90(compile_launches):
+    x = torch.zeros(4, 2 * 9216, dtype=torch.bfloat16, device=device())
+    results = compile_launches(lambda: triton_ops.gelu_tanh_and_mul(x))
+    assert kernel_names(results) == ["_act_and_mul_kernel"]

@@ -1,12 +1,14 @@
-"""kernels.triton_ops (fused RMSNorm, rotary, SiLU-and-mul) against kernels.ops, through the
-Triton interpreter without CUDA."""
+"""kernels.triton_ops (fused RMSNorm, rotary, SiLU-and-mul, GELU-tanh-and-mul) against
+kernels.ops or torch, through the Triton interpreter without CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import ops, triton_ops
+from kernels.backend import get_kernel_ops
 
 # bf16 tolerances absorb the interpreter's truncating float32 -> bfloat16 casts.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
@@ -68,6 +70,29 @@ def test_silu_and_mul_matches_reference_across_several_column_blocks(dtype):
 def test_silu_and_mul_rejects_odd_width():
     with pytest.raises(ValueError, match="last dim must be even"):
         triton_ops.silu_and_mul(torch.randn(2, 7))
+
+
+# The interpreter warns where exp overflows to inf, which the kernel means: g / inf = -0.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gelu_tanh_and_mul", [ops.gelu_tanh_and_mul, triton_ops.gelu_tanh_and_mul])
+def test_gelu_tanh_and_mul_matches_torch_tanh_gelu(dtype, gelu_tanh_and_mul):
+    x = 3 * torch.randn(3, 2 * 1500)  # several Triton column blocks
+    x[:, :2] = torch.tensor([-40.0, 40.0])  # gates whose exp overflows either way
+    x = x.to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    close(gelu_tanh_and_mul(x), F.gelu(gate, approximate="tanh") * up)
+
+
+def test_gelu_tanh_and_mul_reads_strided_rows():
+    x = torch.randn(4, 2 * 96)
+    wide = torch.cat([x, torch.zeros_like(x)], dim=1)[:, : 2 * 96]
+    close(triton_ops.gelu_tanh_and_mul(wide), ops.gelu_tanh_and_mul(x))
+
+
+def test_both_backends_provide_gelu_tanh_and_mul():
+    assert get_kernel_ops("torch").gelu_tanh_and_mul is ops.gelu_tanh_and_mul
+    assert get_kernel_ops("triton").gelu_tanh_and_mul is triton_ops.gelu_tanh_and_mul
 
 
 @pytest.mark.gpu
