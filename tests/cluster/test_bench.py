@@ -4,13 +4,20 @@ writes complete JSON with positive figures (timings are measurements, never asse
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from cluster.bench.throughput import SystemResult, _median, default_vllm_python
+from cluster.bench.throughput import (
+    FAMILIES,
+    ModelShape,
+    SystemResult,
+    _median,
+    default_vllm_python,
+)
 
 TINY_SHAPE = [
     "--hidden-size", "64", "--num-hidden-layers", "2", "--num-attention-heads", "4",
@@ -70,6 +77,60 @@ def test_bench_throughput_writes_complete_json(tmp_path) -> None:
     assert report["step_profile"]["seconds"]["forward"] > 0
     assert report["conditions"]["workload"]["num_prompts"] == 3
     assert "ratio engine/hf_static" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("family", "expected_config"),
+    [
+        ("qwen3", {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": False}),
+        (
+            "gemma2",
+            {
+                "architectures": ["Gemma2ForCausalLM"],
+                "tie_word_embeddings": True,
+                "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0,
+                "query_pre_attn_scalar": 16,
+            },
+        ),
+    ],
+)
+def test_bench_family_builds_that_architecture_for_engine_and_hf(
+    tmp_path: Path, family: str, expected_config: dict[str, object]
+) -> None:
+    """``--family`` benchmarks a random checkpoint of that architecture at the ``--*-size``
+    shape, cached under a dirname of its own: the engine generates every requested token on
+    it, and HF loads it as that class with the tokenizer covering the vocabulary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, cache = tmp_path / "bench.json", tmp_path / "cache"
+    cmd = [sys.executable, "-m", "cluster.cli", "bench", "throughput", "--systems", "engine",
+           "--family", family, "--num-prompts", "2", "--input-len", "4:8", "--output-len", "2:3",
+           *TINY_SHAPE, "--json", str(out)]  # fmt: skip
+    env = {**os.environ, "LLM_CLUSTER_CACHE_DIR": str(cache)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["conditions"]["model"]["family"] == family
+    assert report["systems"]["engine"]["output_tokens_per_s"] > 0
+    shape = ModelShape(64, 2, 4, 2, 128, 1024, family=family)
+    model_dir = cache / "models" / shape.dirname
+    assert model_dir.name.startswith(f"bench-{family}-h64-")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert {k: config[k] for k in expected_config} == expected_config
+    assert config["head_dim"] == 16 and config["num_key_value_heads"] == 2
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert type(hf).__name__ == expected_config["architectures"][0]
+    assert len(AutoTokenizer.from_pretrained(model_dir)) == hf.config.vocab_size == 1024
+
+
+def test_bench_llama_keeps_its_cache_dirname() -> None:
+    """The default family is llama, whose cached checkpoints keep the name they had before
+    ``--family``; every family's random model is one ``engine.tiny_models`` can build."""
+    from engine.tiny_models import RANDOM_MODEL_FAMILIES
+
+    assert ModelShape().dirname == "bench-llama-h768-l12-a12-kv4-i1536-v32000-t2"
+    assert FAMILIES == RANDOM_MODEL_FAMILIES
 
 
 def test_bench_serve_compare_writes_complete_json_and_plot(tmp_path) -> None:
