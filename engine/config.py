@@ -30,6 +30,8 @@ import torch
 
 from engine import envs
 from engine.errors import ConfigError
+from engine.hf_config import check_hf_config
+from engine.rope_config import rope_max_positions
 from kernels.backend import resolve_attention_backend, triton_available
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -548,23 +550,22 @@ def _with_checkpoint(model: ModelConfig) -> ModelConfig:
     path = resolve_model_source(model.model)
     config_file = Path(path) / "config.json"
     hf_config = json.loads(config_file.read_text())
+    # Refused here, before anything is placed: what the engine cannot serve exactly.
+    check_hf_config(hf_config)
     return dataclasses.replace(model, hf_config=hf_config, model_path=str(path))
 
 
 def _derive_max_model_len(model: ModelConfig) -> int:
-    hf = model.hf_config
-    limit = int(hf.get("max_position_embeddings") or 2048)
-    # A sliding window we do not implement bounds the usable context: beyond it HF attends to
-    # the window only, so we refuse longer sequences rather than compute something different.
-    window = hf.get("sliding_window")
-    if window and hf.get("use_sliding_window", True):
-        limit = min(limit, int(window))
+    # max_position_embeddings, extended by the rope's scaling factor where the config states
+    # the original length (vLLM's convention); sliding-window layers attend within their
+    # window at any length, so the window does not bound it.
+    limit = rope_max_positions(model.hf_config)
     if model.max_model_len is None:
         return limit
     _require(
         model.max_model_len <= limit,
         "max_model_len",
-        f"must be <= {limit} (the model's max_position_embeddings / sliding window), "
+        f"must be <= {limit} (the model's max_position_embeddings, with rope scaling), "
         f"got {model.max_model_len}",
     )
     return model.max_model_len

@@ -5,7 +5,7 @@ detokenization) run offline on a CPU in seconds. Nothing here ever touches a mod
 weights come from ``torch.manual_seed`` and the byte-level BPE tokenizer is trained at build time
 on ``engine/data/corpus.txt``, which the project ships.
 
-Every model shares one tokenizer, so token ids mean the same thing across the three:
+Every model shares one tokenizer, so token ids mean the same thing across all of them:
 
     id  token            role
     0   <pad>            padding
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -48,8 +49,10 @@ from tokenizers import (
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -60,9 +63,17 @@ from engine import envs
 
 # Bump whenever the recipe (corpus, tokenizer, init, config) changes, so that a cache written by an
 # older recipe is never mistaken for the current one.
-VERSION = 2
+VERSION = 6
 
-TINY_MODEL_NAMES: tuple[str, ...] = ("tiny-llama", "tiny-mistral", "tiny-qwen2")
+TINY_MODEL_NAMES: tuple[str, ...] = (
+    "tiny-llama",
+    "tiny-mistral",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma2",
+    "tiny-gemma3",
+    "tiny-phi3",
+)
 BUILTIN_PREFIX = "builtin:"
 
 PAD_TOKEN = "<pad>"
@@ -167,6 +178,12 @@ SPECIAL_TOKEN_ROW_SCALE = 0.05
 # still match HF. Perturbing them makes a missed or misplaced tensor change the output.
 NORM_WEIGHT_NOISE = 0.1
 BIAS_NOISE = 0.1
+# Gemma scales its (tied) embeddings by sqrt(hidden_size) = 8 while the norms after attention
+# and after the MLP bring each branch back to unit scale, so a random tied Gemma's stream is
+# its input token's embedding and greedy decoding repeats that token forever. Gemma's norm is
+# x * (1 + w): adding 15 to those two norms' w lets the branches speak as loudly as the stream.
+GEMMA_BRANCH_NORM_OFFSET = 15.0
+_GEMMA_BRANCH_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
 
 _COMMON_CONFIG: dict[str, Any] = {
     "hidden_size": 64,
@@ -209,20 +226,99 @@ _MODEL_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
             "sliding_window": None,
         },
     ),
+    # The newer families, each at shapes that exercise its quirks: GQA, a head_dim that is not
+    # hidden_size / num_heads, windows shorter than the test prompts, soft-caps small enough to
+    # bend the scores (random scores reach ~10), partial rotary and longrope.
+    "tiny-qwen3": (
+        Qwen3Config,
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "attention_bias": False,
+        },
+    ),
+    "tiny-gemma2": (
+        Gemma2Config,
+        {
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 24,
+            "attn_logit_softcapping": 4.0,
+            "final_logit_softcapping": 12.0,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "tiny-gemma3": (
+        Gemma3TextConfig,
+        {
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 40,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
+    # The test prompts (up to 300 tokens + 64) stay inside the 512-position original context,
+    # where HF's generate() and the engine agree; tests/engine/test_longrope_decoding.py
+    # crosses it (long factors from position 512 on, as Phi-3-128k past 4096).
+    "tiny-phi3": (
+        Phi3Config,
+        {
+            "num_key_value_heads": 2,
+            "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 512,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.6],
+                "long_factor": [1.0, 2.0, 4.0, 8.0],
+                "original_max_position_embeddings": 512,
+                "partial_rotary_factor": 0.5,
+            },
+            "sliding_window": 64,
+            "tie_word_embeddings": False,
+        },
+    ),
+}
+# Gemma reads hidden_activation; the common hidden_act would only be noise in its config.json.
+_DROPPED_KEYS: dict[str, tuple[str, ...]] = {
+    "tiny-gemma2": ("hidden_act", "rope_theta"),
+    "tiny-gemma3": ("hidden_act", "rope_theta"),
+    "tiny-phi3": ("rope_theta",),
 }
 
 
-def make_tiny_model(name: str, out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
+def make_tiny_model(
+    name: str,
+    out_dir: str | os.PathLike[str],
+    seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
+) -> Path:
     """Write the tiny model ``name`` with weights drawn from ``seed`` into ``out_dir``.
 
-    The same name and seed always give byte-identical files. ``out_dir`` is created if missing;
-    files already in it are overwritten.
+    ``config_overrides`` changes HF config fields of the recipe (a Llama with ``mlp_bias``, a
+    Mistral with a sliding window, ...); the weights are then those HF initializes for that
+    config. The same arguments always give byte-identical files. ``out_dir`` is created if
+    missing; files already in it are overwritten.
     """
     _check_name(name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = _build_config(name, tokenizer.get_vocab_size())
+    config = _build_config(name, tokenizer.get_vocab_size(), config_overrides or {})
     model = _build_model(config, seed)
     _write_weights(model, config, out / "model.safetensors")
     _write_config(config, type(model).__name__, out / "config.json")
@@ -254,6 +350,19 @@ def resolve_model_source(source: str) -> Path:
             f"{', '.join(BUILTIN_PREFIX + n for n in TINY_MODEL_NAMES)})"
         )
     return path
+
+
+def tiny_variant(name: str, **config_overrides: Any) -> Path:
+    """The tiny model ``name`` with HF config fields changed (``tiny_variant("tiny-llama",
+    mlp_bias=True)``), written once into the cache like a built-in; weights as HF initializes
+    them for that config, then the same recipe."""
+    _check_name(name)
+    key = json.dumps(config_overrides, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return materialize(
+        f"{name}-{digest}-v{VERSION}",
+        lambda out: make_tiny_model(name, out, seed=0, config_overrides=config_overrides),
+    )
 
 
 def _check_name(name: str) -> None:
@@ -468,11 +577,16 @@ def _grown_tokenizer_json(vocab_size: int) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
-def _build_config(name: str, vocab_size: int) -> PretrainedConfig:
+def _build_config(
+    name: str, vocab_size: int, overrides: dict[str, Any] | None = None
+) -> PretrainedConfig:
     config_class, specific = _MODEL_CONFIGS[name]
     # Qwen2Config has no head_dim field of its own; it keeps the kwarg, so config.json states it
-    # for all three and no reader has to derive it.
-    return config_class(vocab_size=vocab_size, **_COMMON_CONFIG, **specific)
+    # for all of them and no reader has to derive it.
+    kwargs = {**_COMMON_CONFIG, **specific, **(overrides or {})}
+    for key in _DROPPED_KEYS.get(name, ()):
+        kwargs.pop(key, None)
+    return config_class(vocab_size=vocab_size, **kwargs)
 
 
 def _build_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
@@ -481,10 +595,13 @@ def _build_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed + 1)
+    gemma = config.model_type.startswith("gemma")
     with torch.no_grad():
         for param_name, param in sorted(model.named_parameters()):
             if param_name.endswith("norm.weight"):
                 param.add_(NORM_WEIGHT_NOISE * _randn_like(param, generator))
+                if gemma and param_name.endswith(_GEMMA_BRANCH_NORMS):
+                    param.add_(GEMMA_BRANCH_NORM_OFFSET)
             elif param_name.endswith(".bias"):
                 param.copy_(BIAS_NOISE * _randn_like(param, generator))
         output_rows = model.get_output_embeddings().weight
@@ -530,7 +647,9 @@ def _write_config(config: PretrainedConfig, architecture: str, path: Path) -> No
     # Older readers (transformers 4.x, vLLM-style loaders) look for these top-level keys.
     data["torch_dtype"] = "float32"
     data["dtype"] = "float32"
-    data["rope_theta"] = _COMMON_CONFIG["rope_theta"]
+    rope = data.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        data["rope_theta"] = rope["rope_theta"]
     _write_json(path, data)
 
 

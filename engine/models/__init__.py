@@ -1,15 +1,24 @@
-"""Model registry: HF ``architectures`` name -> model class."""
+"""Model registry: HF ``architectures`` name -> model class (one file per family)."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from engine.errors import ConfigError
+from engine.hf_config import SUPPORTED_ARCHITECTURES
+from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 
@@ -17,7 +26,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
-        supported = ", ".join(sorted(MODEL_REGISTRY))
-        raise ValueError(
-            f"architectures: {architecture or '(none)'!r} is not supported; supported: {supported}"
+        raise ConfigError(
+            f"architectures: {architecture or '(none)'!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         ) from None

@@ -1,14 +1,12 @@
-"""Model layers without parallelism in them: RMSNorm, rotary embedding, SiLU-and-mul, and the
-paged attention layer that writes K/V into this layer's cache and attends through block tables.
+"""Model layers without parallelism in them: RMSNorm (Llama's and Gemma's), and the paged
+attention layer that writes K/V into this layer's cache and attends through block tables (with
+an optional sliding window and logit soft-cap). Rotary embeddings are in ``rotary``.
 
 Each layer computes through the ``KernelOps`` it was built with (torch or Triton, see
 ``kernels.backend``); the default is the torch backend.
 """
 
 from __future__ import annotations
-
-import math
-from typing import Any
 
 import torch
 from torch import nn
@@ -37,70 +35,53 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def _rope_inv_freq(head_dim: int, base: float, rope: dict[str, Any]) -> torch.Tensor:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(rope["factor"])
-    if rope_type == "llama3":
-        factor = float(rope["factor"])
-        low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
-        old_len = float(rope["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(
-        f"rope_scaling.rope_type: {rope_type!r} is not supported (default, linear, llama3)"
-    )
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x * (1 + weight)``, normalized and scaled in float32 and cast back
+    once (Llama's casts before scaling, so the two differ below float32). Same ``forward(x,
+    residual)`` contract as :class:`RMSNorm`."""
 
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (HF's rotate_half), cos/sin cached for every position."""
-
-    def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        base: float,
-        rope: dict[str, Any],
-        ops: KernelOps | None = None,
-    ) -> None:
+    def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.ops = default_ops(ops)
-        inv_freq = _rope_inv_freq(head_dim, base, rope)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, Hkv, D]
-        return self.ops.rotary_embedding(positions, q, k, self.cos, self.sin)
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, x)
 
 
 class PagedAttention(nn.Module):
     """Writes this step's K/V at ``slot_mapping`` in this layer's cache, then attends each new
-    token over its request's whole context through the block table. ``kv_cache`` is bound by
-    the model runner once the cache is allocated."""
+    token over its request's context through the block table: all of it, or the last
+    ``sliding_window`` positions (the token itself included) on a sliding-window layer; scores
+    soft-capped (``cap * tanh(score / cap)``) when ``logits_soft_cap`` is set. ``kv_cache`` is
+    bound by the model runner once the cache is allocated."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, ops: KernelOps | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        ops: KernelOps | None = None,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         self.ops = default_ops(ops)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = scale if scale is not None else head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
@@ -109,4 +90,13 @@ class PagedAttention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not allocated yet (initialize_cache first)")
         self.ops.reshape_and_cache(k, v, self.kv_cache, metadata.slot_mapping)
-        return self.ops.paged_attention(q, self.kv_cache, metadata, self.scale)
+        if self.sliding_window is None and self.logits_soft_cap is None:
+            return self.ops.paged_attention(q, self.kv_cache, metadata, self.scale)
+        return self.ops.paged_attention(
+            q,
+            self.kv_cache,
+            metadata,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )

@@ -219,7 +219,7 @@ def test_unsupported_architecture_lists_supported(tmp_path) -> None:
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ConfigError, match=r"'GPT2LMHeadModel' is not supported.*Qwen3ForCausalLM"):
         LLM(str(tmp_path / "m"))
 
 

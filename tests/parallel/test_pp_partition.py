@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import ConfigError, EngineConfig
-from engine.models.llama import pp_layer_range
+from engine.models.decoder import pp_layer_range
 
 
 def test_even_split_gives_earlier_stages_the_remainder() -> None:
