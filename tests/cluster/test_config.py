@@ -27,7 +27,20 @@ def error_of(data: dict[str, Any]) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "multi-model.yaml", "llama70b.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny.yaml",
+        "multi-model.yaml",
+        "llama70b.yaml",
+        "qwen3-8b.yaml",
+        "gemma2-27b.yaml",
+        "gemma3-12b.yaml",
+        "phi3-mini-128k.yaml",
+        "mistral-7b-v0.1.yaml",
+        "tiny-families.yaml",
+    ],
+)
 def test_shipped_configs_validate(name: str) -> None:
     assert isinstance(load_config(CONFIGS / name), DeploymentConfig)
 
