@@ -35,6 +35,30 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "tiny-qwen2",
         {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1},
     ),
+    # Rope scaling whose original context (128) the prompts outrun: Qwen2.5's yarn and
+    # Llama 3.1's llama3 frequencies.
+    "qwen2-yarn": (
+        "tiny-qwen2",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),
+    "llama-llama3-rope": (
+        "tiny-llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),
 }
 ARCHS = list(MODELS)
 NUM_PROMPTS = 16
