@@ -92,7 +92,12 @@ def _deploy_and_report(
     deploy.connect(address, num_cpus=sum(m.cpus_at_max_scale() for m in config.models))
     names = ", ".join(m.model_id for m in config.models)
     print(f"deploying {names} (app {config.app_name!r}); loading models...", flush=True)
-    deploy.deploy(deployed or config, progress=lambda line: print(line, flush=True))
+    try:
+        deploy.deploy(deployed or config, progress=lambda line: print(line, flush=True))
+    except deploy.DeployError as exc:
+        for reason in exc.reasons.values():
+            print(f"error: {reason}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     if deployed is not None:
         deploy.wait_for_port(config.http_options.host, config.http_options.port)
     print(f"ready: OpenAI API at {deploy.endpoint(config)}", flush=True)
@@ -142,11 +147,14 @@ def _status(args: argparse.Namespace) -> int:
     status = deploy.cluster_status(args.app)
     if args.json:
         print(json.dumps(status, indent=2))
-        return 0 if status["status"] != "NOT_DEPLOYED" else 1
-    print(f"app {status['app']}: {status['status']}")
+        return 1 if status["status"] == "NOT_DEPLOYED" or status.get("removed") else 0
+    removed = " (removed: its replicas could not start)" if status.get("removed") else ""
+    print(f"app {status['app']}: {status['status']}{removed}")
     for model, entry in status["models"].items():
         replicas = ", ".join(f"{n} {s.lower()}" for s, n in entry["replicas"].items() if n)
         print(f"  {model}: {entry['status']} ({replicas or 'no replicas'})")
+        if "error" in entry:
+            print(f"    {entry['error']}")
         stats = entry.get("stats")
         if stats:
             print(
@@ -155,9 +163,9 @@ def _status(args: argparse.Namespace) -> int:
                 f" blocks), running {stats['num_running']}, waiting {stats['num_waiting']}, "
                 f"prefix-cache hit rate {100 * stats['prefix_cache_hit_rate']:.1f}%"
             )
-        elif "stats_error" in entry:
+        elif "stats_error" in entry and "error" not in entry:
             print(f"    stats unavailable: {entry['stats_error']}")
-    return 0 if status["status"] != "NOT_DEPLOYED" else 1
+    return 1 if status["status"] == "NOT_DEPLOYED" or status.get("removed") else 0
 
 
 def _shutdown(args: argparse.Namespace) -> int:

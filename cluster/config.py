@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -450,11 +451,18 @@ def check_config(config: DeploymentConfig) -> None:
 
 def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
     """Names and ranges always; the model-shape checks (TP divides heads, max_model_len within
-    the checkpoint's limit) too when the checkpoint is reachable from this machine — a
-    production path like /models/... usually exists only on the GPU nodes."""
+    the checkpoint's limit) and what the engine refuses in the checkpoint's config.json (its
+    architecture, ...: named under ``model_source``) too when the checkpoint is reachable from
+    this machine — a production path like /models/... usually exists only on the GPU nodes,
+    whose replicas then refuse it (``cluster.start_errors``)."""
     # Imported here: engine.config pulls in torch, which the processes that only read a
     # config (the ingress, the CLI's status and shutdown) never need.
-    from engine.config import EngineConfig, check_engine_arg_names, check_engine_arg_ranges
+    from engine.config import (
+        ENGINE_ARG_NAMES,
+        EngineConfig,
+        check_engine_arg_names,
+        check_engine_arg_ranges,
+    )
 
     kwargs = model.engine_kwargs
     check_engine_arg_names(kwargs, path=f"{path}.")
@@ -463,12 +471,18 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
     if isinstance(parser, str) and parser not in TOOL_PARSERS:
         names = ", ".join(sorted(TOOL_PARSERS))
         raise ConfigError(f"{path}.tool_call_parser: unknown parser {parser!r}; one of {names}")
+    source = model.model_loading_config.model_source
     try:
         check_engine_arg_ranges(kwargs)
-        if _checkpoint_reachable(model.model_loading_config.model_source):
+        if _checkpoint_reachable(source):
             EngineConfig.from_kwargs(**model.engine_args())
     except ConfigError as exc:
-        raise ConfigError(f"{path}.{exc}") from None
+        key = re.split(r"[.:\[]", str(exc), maxsplit=1)[0]
+        if key in ENGINE_ARG_NAMES:
+            raise ConfigError(f"{path}.{exc}") from None
+        # A field of the checkpoint's config.json the engine refuses (its architecture, ...).
+        where = path.removesuffix(".engine_kwargs") + ".model_loading_config.model_source"
+        raise ConfigError(f"{where}: {source} (config.json): {exc}") from None
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 

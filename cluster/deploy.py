@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
 import random
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +19,7 @@ from ray import serve
 
 from cluster.config import DeploymentConfig
 from cluster.serve import INGRESS_NAME, build_app, deployment_name, runtime_env
+from cluster.start_errors import start_failure
 
 GRPC_SERVICER = "cluster.proto.llm_pb2_grpc.add_LLMServicer_to_server"
 
@@ -164,6 +165,19 @@ def start_serve(config: DeploymentConfig) -> None:
     )
 
 
+class DeployError(RuntimeError):
+    """A model's replicas cannot start, for a known cause: ``reasons`` maps each such model's
+    deployment to "model 'm' cannot start: <reason>" (``cluster.start_errors``)."""
+
+    def __init__(self, app_name: str, reasons: dict[str, str]) -> None:
+        super().__init__("; ".join(reasons.values()))
+        self.app_name = app_name
+        self.reasons = reasons
+
+    def __reduce__(self) -> tuple[type[DeployError], tuple[str, dict[str, str]]]:
+        return type(self), (self.app_name, self.reasons)
+
+
 def deploy(
     config: DeploymentConfig,
     progress: Callable[[str], None] = print,
@@ -171,30 +185,106 @@ def deploy(
     route_prefix: str = "/",
 ) -> None:
     """Deploy (or update in place: same app name) and wait until every deployment runs.
-    Prints each deployment's status as it changes while the models load."""
+    Prints each deployment's status as it changes while the models load.
+
+    A replica that cannot start for a known cause (``cluster.start_errors``: the engine
+    refuses the checkpoint, a port in use, out of memory) raises ``DeployError`` as soon as
+    Serve reports it, instead of after Serve's retries: a new application is deleted and its
+    failure recorded for ``cluster_status``; an update leaves the running application to Serve
+    (its replicas of the previous version keep serving)."""
     app = build_app(config)
     start_serve(config)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            serve.run(app, name=config.app_name, route_prefix=route_prefix)
-        except BaseException as exc:  # reported below, in the calling thread
-            errors.append(exc)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
+    name = config.app_name
+    updating = name in serve.status().applications
+    _submit(app, name, route_prefix)
     last: dict[str, str] = {}
-    while worker.is_alive():
-        worker.join(poll_s)
-        current = deployment_states(config.app_name)
-        for name, state in current.items():
-            if last.get(name) != state:
-                progress(f"  {name}: {state}")
+    while True:
+        status = serve.status().applications.get(name)
+        current = _deployment_states(status)
+        for deployment, state in current.items():
+            if last.get(deployment) != state:
+                progress(f"  {deployment}: {state}")
         last = current
-    if errors:
-        raise errors[0]
+        failures = _start_failures(status)
+        if failures:
+            if not updating:  # stop Serve's retries: nothing of this app was serving
+                serve.delete(name)
+                _record_failure(name, failures)
+            raise DeployError(name, failures)
+        if status is None:
+            raise RuntimeError(f"application {name!r} was removed while it was deploying")
+        if status.status.value == "RUNNING":
+            break
+        if status.status.value == "DEPLOY_FAILED":  # what serve.run raises
+            raise RuntimeError(f"Deploying application {name} failed: {status.message}")
+        time.sleep(poll_s)
+    _forget_failure(name)
     wait_for_proxies(config)
+
+
+def _submit(app: Any, name: str, route_prefix: str) -> None:
+    """Hand the application to Serve without waiting for it to run (``deploy`` watches it)."""
+    run_many = getattr(serve, "run_many", None)
+    if run_many is None:  # a Ray before serve.run_many
+        serve._run(app, _blocking=False, name=name, route_prefix=route_prefix)
+        return
+    target = serve.RunTarget(target=app, name=name, route_prefix=route_prefix)
+    run_many([target], wait_for_applications_running=False)
+
+
+def start_failures(app_name: str) -> dict[str, str]:
+    """The app's model deployments whose replicas failed to start for a known cause, with
+    the ``ModelStartError`` message Serve's status carries."""
+    return _start_failures(serve.status().applications.get(app_name))
+
+
+def _start_failures(app: Any) -> dict[str, str]:
+    if app is None:
+        return {}
+    failures = {}
+    for name, dep in app.deployments.items():
+        reason = start_failure(dep.message)
+        if name.startswith("LLMServer:") and reason is not None:
+            failures[name] = reason
+    return failures
+
+
+# A new application that ``deploy`` deleted for a known start failure: its reasons, kept in
+# the cluster's GCS (internal KV) so that ``cluster status`` can say why nothing is deployed.
+# A later successful deploy of the app, or ``shutdown``, forgets it.
+_KV_NAMESPACE = "llm-cluster"
+_KV_FAILED_PREFIX = "deploy-failed:"
+
+
+def _kv() -> Any:
+    from ray.experimental import internal_kv  # private: guarded by every caller
+
+    return internal_kv
+
+
+def _record_failure(app_name: str, failures: dict[str, str]) -> None:
+    try:
+        record = json.dumps({"at": time.time(), "models": failures})
+        _kv()._internal_kv_put(_KV_FAILED_PREFIX + app_name, record, namespace=_KV_NAMESPACE)
+    except Exception:  # a Ray without internal KV: status then shows NOT_DEPLOYED only
+        logger.warning("cannot record why app %r failed to deploy", app_name, exc_info=True)
+
+
+def recorded_failure(app_name: str) -> dict[str, Any] | None:
+    """What ``deploy`` recorded of the app's last failed (and deleted) deployment, or None."""
+    try:
+        raw = _kv()._internal_kv_get(_KV_FAILED_PREFIX + app_name, namespace=_KV_NAMESPACE)
+    except Exception:
+        return None
+    return json.loads(raw) if raw else None
+
+
+def _forget_failure(app_name: str | None = None) -> None:
+    key = _KV_FAILED_PREFIX + (app_name or "")
+    try:
+        _kv()._internal_kv_del(key, del_by_prefix=app_name is None, namespace=_KV_NAMESPACE)
+    except Exception:
+        logger.debug("cannot forget failed deploys of %r", app_name, exc_info=True)
 
 
 def wait_for_proxies(config: DeploymentConfig, timeout_s: float = 120.0) -> None:
@@ -220,7 +310,10 @@ def wait_for_proxies(config: DeploymentConfig, timeout_s: float = 120.0) -> None
 
 
 def deployment_states(app_name: str) -> dict[str, str]:
-    app = serve.status().applications.get(app_name)
+    return _deployment_states(serve.status().applications.get(app_name))
+
+
+def _deployment_states(app: Any) -> dict[str, str]:
     if app is None:
         return {}
     return {
@@ -245,7 +338,7 @@ def cluster_status(app_name: str = "llm") -> dict[str, Any]:
     (KV usage, running and waiting requests)."""
     apps = serve.status().applications
     if app_name not in apps:
-        return {"app": app_name, "status": "NOT_DEPLOYED", "models": {}}
+        return _not_deployed(app_name)
     app = apps[app_name]
     models: dict[str, Any] = {}
     ingress = serve.get_deployment_handle(INGRESS_NAME, app_name)
@@ -257,6 +350,9 @@ def cluster_status(app_name: str = "llm") -> dict[str, Any]:
             "status": dep.status.value,
             "replicas": {getattr(s, "value", str(s)): n for s, n in dep.replica_states.items()},
         }
+        failure = start_failure(dep.message)
+        if failure is not None:
+            entry["error"] = failure
         try:
             stats = _model_stats(ingress, name)
             entry["stats"] = stats
@@ -266,27 +362,50 @@ def cluster_status(app_name: str = "llm") -> dict[str, Any]:
     return {"app": app_name, "status": app.status.value, "models": models}
 
 
+def _not_deployed(app_name: str) -> dict[str, Any]:
+    """NOT_DEPLOYED; or DEPLOY_FAILED with each model's reason when ``deploy`` deleted the app
+    because its replicas could not start (``removed``: nothing of it runs)."""
+    failed = recorded_failure(app_name)
+    if failed is None:
+        return {"app": app_name, "status": "NOT_DEPLOYED", "models": {}}
+    models = {
+        name.removeprefix("LLMServer:"): {"deployment": name, "status": "DEPLOY_FAILED",
+                                           "replicas": {}, "error": reason}
+        for name, reason in failed["models"].items()
+    }  # fmt: skip
+    return {"app": app_name, "status": "DEPLOY_FAILED", "removed": True,
+            "failed_at": failed["at"], "models": models}  # fmt: skip
+
+
 def _model_stats(ingress: Any, deployment: str) -> dict[str, Any]:
     handle = serve.get_deployment_handle(deployment, ingress.app_name)
     return handle.stats.remote().result(timeout_s=30)
 
 
 def wait_healthy(app_name: str, timeout_s: float = 300.0) -> None:
+    """Wait until the app runs; raises ``DeployError`` at once when a model's replicas cannot
+    start for a known cause (the app is left as it is)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         app = serve.status().applications.get(app_name)
         if app is not None and app.status.value == "RUNNING":
             return
+        failures = _start_failures(app)
+        if failures:
+            raise DeployError(app_name, failures)
         time.sleep(1.0)
     raise TimeoutError(f"application {app_name!r} not RUNNING after {timeout_s:.0f} s")
 
 
 __all__ = [
+    "DeployError",
     "cluster_status",
     "connect",
     "deploy",
     "deployment_name",
     "endpoint",
+    "recorded_failure",
+    "start_failures",
     "start_serve",
     "wait_for_proxies",
     "wait_healthy",
@@ -301,3 +420,4 @@ def shutdown() -> None:
     for app_name in list(serve.status().applications):
         serve.delete(app_name)
     serve.shutdown()
+    _forget_failure()

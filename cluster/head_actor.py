@@ -51,6 +51,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.head_messages import AddReply, CoreError, PollReply, decode_poll_reply
+from cluster.start_errors import EngineStartError, known_start_failure
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, OnDead, OnStep
 from engine.core_loop import EngineCoreLoop
@@ -142,11 +143,22 @@ class HeadActor:
         self._held: dict[str, _Held] = {}
         self._dead: str | None = None
         self._ready = threading.Condition()
-        # Built on the core thread, which runs its forward passes (see EngineCoreLoop).
-        self._loop = EngineCoreLoop(lambda: LLMEngine(config), self._push, self._died)
+        self._start_failure: str | None = None
+        try:
+            # Built on the core thread, which runs its forward passes (see EngineCoreLoop).
+            self._loop = EngineCoreLoop(lambda: LLMEngine(config), self._push, self._died)
+        except Exception as exc:
+            # A known cause is returned by ``ready`` as one line: an actor that dies in its
+            # constructor leaves its caller only Ray's text of the traceback.
+            self._start_failure = known_start_failure(exc)
+            if self._start_failure is None:
+                raise
+            logger.exception("the engine cannot start: %s", self._start_failure)
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> str | None:
+        """None once the engine runs; else why it cannot start (a known cause, one line: this
+        actor then serves nothing and its owner kills it)."""
+        return self._start_failure
 
     def add_request(self, data: bytes) -> bytes:
         request: AddRequest | None = None
@@ -312,11 +324,14 @@ class HeadCoreClient(EngineCoreClient):
         self._acked = 0  # the last step number handed to on_step
         self._shut_down = False
         try:
-            ray.get(self.actor.ready.remote())
+            start_failure = ray.get(self.actor.ready.remote())
         except RayError as exc:
             self.shutdown()
             # The head's own error (a bad config, a worker that failed to start) is the cause.
             raise RuntimeError(f"the engine head {name} failed to start: {exc}") from exc
+        if start_failure is not None:
+            self.shutdown()
+            raise EngineStartError(start_failure)
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> None:
         self._on_step, self._on_dead = on_step, on_dead

@@ -45,11 +45,13 @@ from cluster.protocol import (
     logprob_rows,
 )
 from cluster.serve_replica import serve_stop_flag
+from cluster.start_errors import ModelStartError, known_start_failure
 from cluster.tool_parsers import get_tool_parser
 from engine.async_llm_engine import AsyncLLMEngine, EngineStats
 from engine.config import EngineConfig
 from engine.core_client import InProcessCoreClient
 from engine.errors import (
+    ConfigError,
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -94,9 +96,41 @@ class LLMServer:
         ``max_num_adapters_per_replica``) serves the model's LoRA adapters by name."""
         self.model_id = model_id
         self.replica_id = _replica_id()
+        try:
+            self._start_engine(engine_args, head_resources, lora_config)
+        except Exception as exc:
+            # A cause that starting again would meet again: the deployment fails at once with
+            # it (cluster.deploy reads it from Serve's status), rather than after Serve's retries.
+            reason = known_start_failure(exc)
+            if reason is None:
+                raise
+            raise ModelStartError(model_id, reason) from exc
+        self.metrics = ModelMetrics(model_id, self.replica_id)
+        self._stats_task: asyncio.Task[None] | None = None
+        self._last_stats: tuple[float, EngineStats] | None = None  # (monotonic time, snapshot)
+        # Graceful drain (scale-down, redeploy, shutdown): see ``_drain``.
+        self.drain_timeout_s = drain_timeout_s
+        self.draining = False
+        self._active: set[str] = set()
+        self._stopping = serve_stop_flag()
+        self._drain_task: asyncio.Task[None] | None = None
+        self._sink_flushes: dict[str, tuple[int, asyncio.Future[bool]]] = {}
+        logger.info("model %s ready on replica %s", model_id, self.replica_id)
+
+    def _start_engine(
+        self,
+        engine_args: dict[str, Any],
+        head_resources: dict[str, float] | None,
+        lora_config: dict[str, Any] | None,
+    ) -> None:
         self.adapters: AdapterCatalog | None = None
         if lora_config is not None:
             self.adapters = AdapterCatalog(lora_config["dynamic_lora_loading_path"])
+            if not self.adapters.root.is_dir():
+                raise ConfigError(
+                    f"lora_config.dynamic_lora_loading_path: {str(self.adapters.root)!r} is not "
+                    "a directory on this node"
+                )
             self._load_adapter = _adapter_loader(
                 self.adapters, lora_config.get("max_num_adapters_per_replica", 16)
             )
@@ -108,7 +142,7 @@ class LLMServer:
             client = HeadCoreClient(
                 config,
                 engine_args,
-                name=f"{HEAD_NAME_PREFIX}{model_id}:{self.replica_id}",
+                name=f"{HEAD_NAME_PREFIX}{self.model_id}:{self.replica_id}",
                 bundle_index=HEAD_BUNDLE_INDEX,
                 resources=head_resources,
             )
@@ -123,17 +157,6 @@ class LLMServer:
         self.tool_call_parser = config.frontend.tool_call_parser
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # a ValueError naming the valid parsers
-        self.metrics = ModelMetrics(model_id, self.replica_id)
-        self._stats_task: asyncio.Task[None] | None = None
-        self._last_stats: tuple[float, EngineStats] | None = None  # (monotonic time, snapshot)
-        # Graceful drain (scale-down, redeploy, shutdown): see ``_drain``.
-        self.drain_timeout_s = drain_timeout_s
-        self.draining = False
-        self._active: set[str] = set()
-        self._stopping = serve_stop_flag()
-        self._drain_task: asyncio.Task[None] | None = None
-        self._sink_flushes: dict[str, tuple[int, asyncio.Future[bool]]] = {}
-        logger.info("model %s ready on replica %s", model_id, self.replica_id)
 
     # ---- generation ---------------------------------------------------------------------
 

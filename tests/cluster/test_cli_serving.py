@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -261,3 +263,116 @@ def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path: Path) -> None:
         assert refuses_connections(http_port)
     finally:
         stop_process_group(serving)
+
+
+# ---- a model the engine cannot build: refused before placing, or failed at once -------------
+
+REFUSAL = "architectures: 'FooForCausalLM' is not supported; supported: "
+# The CLI on a deploying machine that cannot read the checkpoint (it is on the workers' disks
+# only): its config check skips the checkpoint, which the replicas then read for real.
+BLIND_CLI = ("import sys, cluster.config as c; c._checkpoint_reachable = lambda source: False; "
+             "from cluster.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
+
+
+def refused_model_config(tmp_path: Path) -> tuple[Path, Path]:
+    """A config serving model "q3" from a checkpoint whose config.json names an architecture
+    the engine does not build (the tiny Llama's otherwise); (config, checkpoint)."""
+    from engine.tiny_models import resolve_model_source
+
+    checkpoint = tmp_path / "foo-checkpoint"
+    shutil.copytree(resolve_model_source("builtin:tiny-llama"), checkpoint)
+    hf = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**hf, "architectures": ["FooForCausalLM"]}))
+    config, _ = tiny_config(tmp_path)
+    data = load_yaml_file(config)
+    data["models"][0]["model_loading_config"] = {"model_id": "q3", "model_source": str(checkpoint)}
+    config.write_text(yaml.safe_dump(data))
+    return config, checkpoint
+
+
+def blind_cluster_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", BLIND_CLI, *args],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def own_ray_head() -> Iterator[str]:
+    """``ray start --head --block``, stopped by ending its process group: unlike ``ray stop``,
+    it leaves any other Ray on the machine running. (Its processes, given SIGTERM, take about a
+    minute to exit; the test's cluster needs no graceful end, so they get SIGKILL after 5 s.)"""
+    port = free_port()
+    head = subprocess.Popen(
+        ["ray", "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+         "--disable-usage-stats", "--block"],
+        env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: not refuses_port(port), 120, "the Ray head's GCS port")
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_process_group(head, grace_s=5)
+        # What ``ray stop`` also removes: the head's address for ``address="auto"``, which
+        # would otherwise name a dead cluster.
+        from ray._private.utils import get_ray_address_file
+
+        current = Path(get_ray_address_file(None))
+        with contextlib.suppress(FileNotFoundError):
+            if current.read_text().strip().endswith(f":{port}"):
+                current.unlink()
+
+
+def refuses_port(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_checkpoint_the_engine_refuses_is_refused_before_ray_starts(tmp_path: Path) -> None:
+    config, checkpoint = refused_model_config(tmp_path)
+    where = f"models[0].model_loading_config.model_source: {checkpoint} (config.json)"
+    # Port 1 has no Ray: a deploy that got as far as connecting would hang there, not exit 2.
+    for command in ("deploy", "--address", "127.0.0.1:1"), ("serve", "--address", "local"):
+        result = cluster_cli(command[0], str(config), *command[1:], timeout=120)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert result.stdout == ""  # not even "deploying ...": no Ray was started or joined
+        assert result.stderr.splitlines()[-1].startswith(f"config error: {where}: {REFUSAL}")
+        assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_replicas_that_cannot_build_their_model_fail_deploy_at_once_with_the_reason(
+    own_ray_head: str, tmp_path: Path
+) -> None:
+    """The checkpoint is readable only where the replicas run: each replica's real engine
+    build refuses it. ``cluster deploy`` ends at the first failure, with the reason and without
+    a traceback; the app is removed, and ``cluster status`` says why until ``shutdown``."""
+    config, _ = refused_model_config(tmp_path)
+    deployed = blind_cluster_cli("deploy", str(config), "--address", own_ray_head)
+    assert deployed.returncode == 1, deployed.stderr[-3000:]
+    assert deployed.stderr.splitlines()[-1].startswith(f"error: model 'q3' cannot start: {REFUSAL}")
+    assert "Traceback" not in deployed.stdout + deployed.stderr
+    assert "ready:" not in deployed.stdout
+
+    status = cluster_cli("status", "--address", own_ray_head, timeout=120)
+    assert status.returncode == 1, status.stderr[-3000:]
+    lines = status.stdout.splitlines()
+    assert lines[:2] == ["app llm: DEPLOY_FAILED (removed: its replicas could not start)",
+                         "  q3: DEPLOY_FAILED (no replicas)"]  # fmt: skip
+    assert lines[2].startswith(f"    model 'q3' cannot start: {REFUSAL}")
+
+    assert cluster_cli("shutdown", "--address", own_ray_head, timeout=120).returncode == 0
+    after = cluster_cli("status", "--address", own_ray_head, "--json", timeout=120)
+    assert json.loads(after.stdout) == {"app": "llm", "status": "NOT_DEPLOYED", "models": {}}
+
+
+@pytest.mark.slow
+def test_serve_with_a_model_its_replicas_cannot_build_exits_1_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    config, _ = refused_model_config(tmp_path)
+    served = blind_cluster_cli("serve", str(config), "--address", "local")
+    assert served.returncode == 1, served.stderr[-3000:]
+    assert served.stderr.splitlines()[-1].startswith(f"error: model 'q3' cannot start: {REFUSAL}")
+    assert "Traceback" not in served.stdout + served.stderr

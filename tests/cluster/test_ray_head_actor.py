@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,8 @@ from engine.config import EngineConfig
 from engine.core_messages import StepOutputs
 from engine.llm_engine import load_tokenizer
 from engine.pooling_params import PoolingParams
+from engine.tiny_models import resolve_model_source
+from tests.cluster.conftest import wait_for
 
 ENGINE_ARGS: dict[str, Any] = {"model": "builtin:tiny-llama", "num_kv_blocks": 128, "device": "cpu"}
 
@@ -312,3 +316,26 @@ def test_token_channel_ends_streams_with_503_when_the_head_dies() -> None:
         server.engine.shutdown()
     assert all(isinstance(i, StreamDelta) for i in items[:-1])
     assert isinstance(items[-1], StreamError) and items[-1].status == 503
+
+
+def test_a_head_whose_model_cannot_load_fails_its_replica_with_the_reason(tmp_path: Path) -> None:
+    """The head builds the model in its own process; its known failure reaches the replica as
+    one line (not Ray's text of the head's traceback), and the head actor is gone."""
+    from cluster.llm_server import LLMServer
+    from cluster.start_errors import ModelStartError
+
+    checkpoint = tmp_path / "no-weights"
+    shutil.copytree(resolve_model_source("builtin:tiny-llama"), checkpoint)
+    for weights in checkpoint.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(ModelStartError) as info:
+        LLMServer("broken", {**ENGINE_ARGS, "model": str(checkpoint)}, head_resources={"CPU": 1})
+    assert str(info.value) == (
+        f"model 'broken' cannot start: model: no *.safetensors files in {checkpoint}"
+    )
+    broken_head = f"{HEAD_NAME_PREFIX}broken:"
+
+    def head_gone() -> bool:
+        return not [a for a in ray.util.list_named_actors() if a.startswith(broken_head)]
+
+    wait_for(head_gone, 30, "the failed head actor to be killed")
