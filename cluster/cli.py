@@ -215,7 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     make = sub.add_parser(
         "make-model", help="write a built-in tiny random-weight model in HF format"
     )
-    make.add_argument("name", help="tiny-llama | tiny-mistral | tiny-qwen2")
+    make.add_argument(
+        "name",
+        help="tiny-llama | tiny-mistral | tiny-qwen2 | tiny-qwen3 | tiny-gemma2 | tiny-gemma3 "
+        "| tiny-phi3",
+    )
     make.add_argument("out_dir")
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_make_model)
