@@ -114,7 +114,15 @@ class Reference:
             self.prefix_expected = [_hf_greedy(hf, p, 16) for p in self.prefix_prompts]
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# The built-ins run in the fast tier; the config variants (biases, windows, rope scaling) only
+# in the full suite.
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=() if MODELS[name][1] == {} else pytest.mark.slow)
+        for name in ARCHS
+    ],
+)
 def ref(request: pytest.FixtureRequest) -> Reference:
     return Reference(request.param)
 
