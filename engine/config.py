@@ -1,5 +1,8 @@
 """The engine's one frozen root config, built from keyword arguments with vLLM's names.
 
+One role in one file (~600 lines): the config tree and its validation, each section a small
+frozen dataclass; splitting the sections apart would scatter one contract.
+
     EngineConfig
     ├── model:     ModelConfig      (what to load, dtype, max_model_len)
     ├── cache:     CacheConfig      (block_size, prefix caching, KV pool size, swap space)

@@ -1,5 +1,9 @@
 """Built-in tiny models: seeded random-weight checkpoints written locally in Hugging Face format.
 
+One role (~740 lines): writing local random-weight checkpoints — the tiny recipes, the random
+bench models, their shared tokenizer and files. The tokenizer training is the part that could
+move out to its own module when this file next grows.
+
 They exist so that demos and tests (greedy token equality against HF transformers, TP=2 vs TP=1,
 detokenization) run offline on a CPU in seconds. Nothing here ever touches a model hub: the
 weights come from ``torch.manual_seed`` and the byte-level BPE tokenizer is trained at build time

@@ -1,6 +1,9 @@
 """``cluster bench throughput``: offline throughput of this engine against HF transformers and
 vLLM.
 
+One role, kept in one file (~600 lines): the workload, the bench checkpoint, each system's
+runner and the report all serve this one measurement and change together.
+
 Workload as in vLLM's and nano-vllm's throughput benchmarks: N prompts of random token ids,
 input and output lengths uniform in ranges, ``ignore_eos``, fixed seed. Throughput = output
 tokens / wall time (prefill included). Every system runs in this process on the same weights,

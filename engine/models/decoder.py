@@ -17,6 +17,7 @@ checkpoint), stage 0 the embedding and the last stage the final norm and LM head
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -198,7 +199,7 @@ class DecoderModel(nn.Module):
         return [layer.self_attn.attn for layer in self.layers.values()]
 
 
-class CausalLM(nn.Module):
+class CausalLM(nn.Module, ABC):
     """Base of every family: ``self.model`` (a :class:`DecoderModel`) plus the LM head.
 
     A family sets ``packed_modules_mapping`` (HF checkpoint name -> our fused parameter and
@@ -241,8 +242,9 @@ class CausalLM(nn.Module):
         ):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @abstractmethod
     def build_model(self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps) -> nn.Module:
-        raise NotImplementedError
+        """This family's :class:`DecoderModel` for this pipeline stage."""
 
     def rotary(self, layer: int) -> RotaryEmbedding:
         """The (shared) rotary embedding of decoder layer ``layer``'s attention type."""
