@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,7 +242,18 @@ def load_weights(
         )
 
 
-def load_model(config: EngineConfig, ctx: ParallelContext, device: torch.device) -> nn.Module:
+# Called as weights load: (checkpoint bytes this rank has read, checkpoint bytes in all).
+LoadProgressCallback = Callable[[int, int], None]
+
+
+def load_model(
+    config: EngineConfig,
+    ctx: ParallelContext,
+    device: torch.device,
+    progress: LoadProgressCallback | None = None,
+) -> nn.Module:
+    """Build this rank's shard of the model and load its weights; ``progress`` (when given)
+    hears how far the read has got."""
     model_class = get_model_class(config.model.architecture)
     backend = config.kernel.resolved_backend(device.type)
     with torch.device(device), _default_dtype(config.model.torch_dtype):

@@ -15,7 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.lora import make_worker_lora_manager
-from engine.model_loader import load_model
+from engine.model_loader import LoadProgressCallback, load_model
 from engine.model_runner import ModelRunner
 from engine.protocol import ExecuteModelRequest, ModelRunnerOutput
 from parallel.distributed import (
@@ -85,11 +85,11 @@ class Worker:
             self._rendezvous.close()
             self._rendezvous = None
 
-    def load_model(self) -> None:
+    def load_model(self, progress: LoadProgressCallback | None = None) -> None:
         partition = self.config.parallel.pp_layer_partition
         if partition is not None:
             self.ctx = dataclasses.replace(self.ctx, layer_partition=partition)
-        model = load_model(self.config, self.ctx, self.device)
+        model = load_model(self.config, self.ctx, self.device, progress)
         lora_manager = None
         lora = self.config.lora
         if lora.enable_lora:
