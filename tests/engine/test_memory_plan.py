@@ -1,0 +1,339 @@
+"""``engine.memory_plan`` against the model code itself: for every (TP rank, PP stage) the plan's
+weight and buffer bytes equal a meta-device build's parameters and buffers exactly, its KV bytes
+per token equal the model runner's, and against a real tiny engine on CPU; plus its refusals."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.memory_plan import (
+    CUDA_CONTEXT_BYTES,
+    FAMILIES,
+    GiB,
+    PlanSettings,
+    plan_memory,
+)
+from engine.model_runner import ModelRunner
+from engine.models import MODEL_REGISTRY
+from engine.tiny_models import resolve_model_source
+from kernels.backend import get_kernel_ops
+from parallel.lora import LoRABatch, attach_lora
+from parallel.state import GroupCoordinator, ParallelContext
+
+# Meta-Llama-3-70B(-Instruct)'s config.json, as published (no weights needed).
+LLAMA_3_70B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128009,
+    "hidden_act": "silu",
+    "hidden_size": 8192,
+    "initializer_range": 0.02,
+    "intermediate_size": 28672,
+    "max_position_embeddings": 8192,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 80,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+# configs/llama70b.yaml's engine_kwargs that change memory.
+LLAMA_70B_KWARGS = {
+    "tensor_parallel_size": 4,
+    "pipeline_parallel_size": 2,
+    "dtype": "bfloat16",
+    "max_model_len": 8192,
+    "gpu_memory_utilization": 0.9,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+}
+H100_BYTES = int(79.19 * GiB)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def write_config(directory: Path, hf: dict[str, Any]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(hf))
+    return directory
+
+
+def builtin_config(name: str, **overrides: Any) -> dict[str, Any]:
+    hf = json.loads((resolve_model_source(f"builtin:{name}") / "config.json").read_text())
+    hf = {**hf, **overrides}
+    if "num_hidden_layers" in overrides and hf.get("layer_types"):
+        types = hf["layer_types"]
+        hf["layer_types"] = [types[i % len(types)] for i in range(hf["num_hidden_layers"])]
+    return hf
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def meta_rank(
+    hf: dict[str, Any], dtype: str, tp: int, tp_rank: int, pp: int, pp_rank: int,
+    partition: tuple[int, ...] | None = None,
+) -> torch.nn.Module:  # fmt: skip
+    """One rank's model built the way ``model_loader.load_model`` builds it, on meta."""
+    ctx = ParallelContext(
+        tp=GroupCoordinator(rank=tp_rank, size=tp, ranks=tuple(range(tp))),
+        pp=GroupCoordinator(rank=pp_rank, size=pp, ranks=tuple(range(pp))),
+        layer_partition=partition,
+    )
+    model_class = MODEL_REGISTRY[hf["architectures"][0]]
+    with torch.device("meta"), default_dtype(_DTYPES[dtype]):
+        return model_class(hf, ctx, ops=get_kernel_ops("torch"))
+
+
+def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def runner_kv_bytes_per_token(
+    model: torch.nn.Module, model_dir: Path, kwargs: dict[str, Any]
+) -> int:
+    """``ModelRunner.kv_block_bytes`` of ``model`` over the block size."""
+    config = EngineConfig.from_kwargs(model=str(model_dir), device="cpu", **kwargs)
+    runner = ModelRunner(config, model, torch.device("meta"))
+    return runner.kv_block_bytes() // config.cache.block_size
+
+
+def check_against_meta_builds(tmp_path: Path, hf: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Every (TP rank, PP stage): the plan's stage figures equal the meta build's."""
+    model_dir = write_config(tmp_path / "model", hf)
+    plan = plan_memory(hf, PlanSettings.from_engine_kwargs(kwargs, "cuda"), H100_BYTES)
+    tp = kwargs.get("tensor_parallel_size", 1)
+    pp = kwargs.get("pipeline_parallel_size", 1)
+    partition = kwargs.get("pp_layer_partition")
+    partition = tuple(partition) if partition else None
+    assert len(plan.stages) == pp
+    for stage in plan.stages:
+        for tp_rank in range(tp):
+            model = meta_rank(hf, plan.dtype, tp, tp_rank, pp, stage.pp_rank, partition)
+            where = f"tp rank {tp_rank}, pp stage {stage.pp_rank}"
+            assert stage.weight_bytes == tensor_bytes(model.parameters()), where
+            assert stage.buffer_bytes == tensor_bytes(model.buffers()), where
+            assert (model.model.start_layer, model.model.end_layer) == (
+                stage.first_layer,
+                stage.end_layer,
+            ), where
+            per_token = runner_kv_bytes_per_token(model, model_dir, kwargs)
+            assert stage.kv_bytes_per_token == per_token, where
+
+
+def test_llama_3_70b_at_tp4_pp2_matches_a_meta_build_of_every_rank(tmp_path: Path) -> None:
+    check_against_meta_builds(tmp_path, LLAMA_3_70B, LLAMA_70B_KWARGS)
+
+
+def test_llama_3_70b_at_tp4_pp2_figures(tmp_path: Path) -> None:
+    """The numbers themselves, worked by hand: per GPU 40 layers of (q 16 + k 2 + v 2 heads
+    x 128 x 8192 + o 8192 x 2048 + gate_up 14336 x 8192 + down 8192 x 7168) bf16."""
+    plan = plan_memory(
+        LLAMA_3_70B, PlanSettings.from_engine_kwargs(LLAMA_70B_KWARGS, "cuda"), H100_BYTES
+    )
+    layer = (20 * 128 * 8192 + 8192 * 2048 + 14336 * 8192 + 8192 * 7168 + 2 * 8192) * 2
+    table = 128256 // 4 * 8192 * 2  # 128256 is a multiple of 64 x 4: no padding
+    first, last = plan.stages
+    assert first.weight_bytes == 40 * layer + table
+    assert last.weight_bytes == 40 * layer + table + 8192 * 2  # LM head and final norm
+    assert first.buffer_bytes == last.buffer_bytes == 2 * 8192 * 128 * 4
+    assert first.kv_bytes_per_token == 40 * 2 * 2 * 128 * 2 == 40960
+    assert plan.fits and plan.problems == ()
+    # ~16.4 GiB of weights per GPU leaves ~52 GiB for the cache: over a million tokens.
+    assert plan.kv_tokens is not None and plan.kv_tokens > 1_300_000
+    assert plan.max_concurrent_sequences == plan.kv_tokens // 8192
+    assert plan.kv_blocks == min(s.kv_blocks for s in plan.stages)
+    usable = int(H100_BYTES * 0.9)
+    for stage in plan.stages:
+        assert stage.kv_blocks == (usable - stage.fixed_bytes) // stage.kv_block_bytes
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "kwargs"),
+    [
+        # qk-norm, head_dim != hidden / heads, q/k/v/o biases; uneven PP partition.
+        ("tiny-qwen3", {"num_hidden_layers": 5, "attention_bias": True},
+         {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "pp_layer_partition": [4, 1]}),
+        # Tied embeddings split across stages (the last stage has its own head), soft-caps.
+        ("tiny-gemma2", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+        # Tied embeddings on one stage: one tensor.
+        ("tiny-gemma2", {}, {"tensor_parallel_size": 2}),
+        # Two ropes (local and global); stage 0 holds only sliding layers, so one table.
+        ("tiny-gemma3", {}, {"pipeline_parallel_size": 3}),
+        # Fused qkv/gate_up in the checkpoint, partial rotary, longrope.
+        ("tiny-phi3", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+        # TP 4 > 2 KV heads (each replicated on two ranks), every bias, a vocab padded to 256.
+        ("tiny-llama", {"attention_bias": True, "mlp_bias": True, "vocab_size": 1000},
+         {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}),
+        # Qwen2's q/k/v biases with tied embeddings, float16, an even 3-stage split of 5.
+        ("tiny-qwen2", {"num_hidden_layers": 5},
+         {"pipeline_parallel_size": 3, "dtype": "float16", "tensor_parallel_size": 2}),
+        ("tiny-mistral", {}, {"dtype": "bfloat16"}),
+    ],
+)  # fmt: skip
+def test_every_family_matches_a_meta_build_of_every_rank(
+    tmp_path: Path, name: str, overrides: dict[str, Any], kwargs: dict[str, Any]
+) -> None:
+    check_against_meta_builds(tmp_path, builtin_config(name, **overrides), kwargs)
+
+
+def test_every_registered_family_has_a_memory_model() -> None:
+    assert set(FAMILIES) == set(MODEL_REGISTRY)
+
+
+def test_lora_slots_match_what_attach_lora_allocates() -> None:
+    hf = builtin_config("tiny-llama")
+    kwargs = {"tensor_parallel_size": 2, "enable_lora": True, "max_loras": 3, "max_lora_rank": 8}
+    plan = plan_memory(hf, PlanSettings.from_engine_kwargs(kwargs, "cuda"), H100_BYTES)
+    model = meta_rank(hf, plan.dtype, 2, 1, 1, 0)
+    layers = attach_lora(
+        model, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 3, 8,
+        LoRABatch(lambda *args: None, torch.device("meta")),
+    )  # fmt: skip
+    allocated = sum(tensor_bytes(iter((lo.lora_a, lo.lora_b))) for lo in layers.values())
+    assert plan.stages[0].lora_bytes == allocated > 0
+
+
+def test_engine_defaults_are_the_plans() -> None:
+    from engine.config import CacheConfig, LoRAConfig, SchedulerConfig
+
+    defaults = PlanSettings()
+    assert defaults.block_size == CacheConfig().block_size
+    assert defaults.gpu_memory_utilization == CacheConfig().gpu_memory_utilization
+    assert defaults.cpu_kv_cache_space == CacheConfig().cpu_kv_cache_space
+    assert defaults.max_num_seqs == SchedulerConfig().max_num_seqs
+    assert defaults.max_loras == LoRAConfig().max_loras
+    assert defaults.max_lora_rank == LoRAConfig().max_lora_rank
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-phi3"])
+def test_a_real_tiny_engine_on_cpu_holds_what_the_plan_says(name: str) -> None:
+    from engine.worker import Worker
+
+    kwargs = {"max_model_len": 512, "max_num_seqs": 4, "cpu_kv_cache_space": 0.001}
+    config = EngineConfig.from_kwargs(model=f"builtin:{name}", device="cpu", **kwargs)
+    worker = Worker(config)
+    worker.init_device()
+    worker.load_model()
+    hf = config.model.hf_config
+    plan = plan_memory(hf, PlanSettings.from_engine_kwargs(kwargs, "cpu"))
+    (stage,) = plan.stages
+    assert stage.weight_bytes == worker.parameter_bytes()
+    assert stage.buffer_bytes == tensor_bytes(worker.runner.model.buffers())
+    assert stage.kv_block_bytes == worker.kv_block_bytes()
+    assert plan.kv_blocks == worker.determine_num_available_blocks()[0]
+    assert stage.reserve_bytes == 0
+
+
+def test_llama_70b_on_one_h100_is_refused_for_its_weights() -> None:
+    kwargs = {**LLAMA_70B_KWARGS, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    plan = plan_memory(LLAMA_3_70B, PlanSettings.from_engine_kwargs(kwargs, "cuda"), H100_BYTES)
+    assert not plan.fits
+    (problem,) = plan.problems
+    weights = plan.stages[0].weight_bytes
+    assert weights == 70_553_706_496 * 2  # Llama-3-70B's 70.55 B parameters in bf16
+    assert f"weights {weights / GiB:.2f} GiB" in problem
+    assert "usable 71.27 GiB (79.19 GiB x gpu_memory_utilization 0.9)" in problem
+    assert "tensor_parallel_size" in problem
+
+
+def test_a_kv_cache_shorter_than_one_sequence_is_refused_naming_the_numbers() -> None:
+    # Llama-3-70B with rope scaled to 32k at TP 2 on H100s: ~65.7 GiB of weights per GPU leave
+    # ~2.3 GiB for the cache once the step and reserves are counted: ~15k tokens of 160 KiB
+    # each (80 layers x K, V x 4 KV heads x 128 x bf16).
+    rope_scaled = {**LLAMA_3_70B, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    kwargs = {**LLAMA_70B_KWARGS, "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
+              "max_model_len": 32768}  # fmt: skip
+    plan = plan_memory(rope_scaled, PlanSettings.from_engine_kwargs(kwargs, "cuda"), H100_BYTES)
+    assert not plan.fits and plan.kv_tokens is not None and 0 < plan.kv_tokens < 32768
+    (problem,) = plan.problems
+    assert f"holds {plan.kv_tokens} tokens per replica" in problem
+    assert "80 layers x 160 KiB per token" in problem
+    assert "max_model_len 32768" in problem and "lower max_model_len" in problem
+    shorter = {**kwargs, "max_model_len": plan.kv_tokens}
+    assert plan_memory(
+        rope_scaled, PlanSettings.from_engine_kwargs(shorter, "cuda"), H100_BYTES
+    ).fits
+
+
+def test_a_cpu_cache_too_small_for_max_model_len_is_refused() -> None:
+    hf = builtin_config("tiny-llama")
+    plan = plan_memory(hf, PlanSettings(device="cpu", num_kv_blocks=8, max_model_len=512))
+    (problem,) = plan.problems
+    assert "holds 128 tokens" in problem and "max_model_len 512" in problem
+    assert "num_kv_blocks" in problem
+
+
+def test_a_config_the_engine_refuses_is_a_problem_and_quantized_weights_are_sized() -> None:
+    gptq = {**LLAMA_3_70B, "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}}  # fmt: skip
+    settings = PlanSettings.from_engine_kwargs(
+        {**LLAMA_70B_KWARGS, "tensor_parallel_size": 2, "pipeline_parallel_size": 1}, "cuda"
+    )
+    plan = plan_memory(gptq, settings, H100_BYTES)
+    assert any("quantization_config: quant_method 'gptq'" in p for p in plan.problems)
+    # A 4-bit linear with fp16 scales and 4-bit zeros per 128 inputs, int32 g_idx: the down
+    # projection of one rank is [8192, 14336].
+    down = 8192 * 14336 // 2 + 112 * 8192 * 2 + 112 * 8192 // 2 + 14336 * 4
+    unquantized = plan_memory(LLAMA_3_70B, settings, H100_BYTES).stages[0]
+    stage = plan.stages[0]
+    assert stage.weight_breakdown["embedding"] == unquantized.weight_breakdown["embedding"]
+    assert stage.weight_breakdown["mlp"] < unquantized.weight_breakdown["mlp"] / 3
+    assert down * 80 < stage.weight_breakdown["mlp"]
+    fp8 = {**LLAMA_3_70B, "quantization_config": {"quant_method": "fp8"}}
+    fp8_stage = plan_memory(fp8, settings, H100_BYTES).stages[0]
+    linear_elements = unquantized.weight_breakdown["mlp"] // 2
+    assert fp8_stage.weight_breakdown["mlp"] == linear_elements + 80 * 3 * 4
+
+
+def test_unknown_gpu_memory_skips_only_the_memory_checks() -> None:
+    kwargs = {**LLAMA_70B_KWARGS, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    plan = plan_memory(LLAMA_3_70B, PlanSettings.from_engine_kwargs(kwargs, "cuda"), None)
+    assert plan.fits and plan.kv_tokens is None
+    assert any("GPU memory unknown" in n for n in plan.notes)
+    bad = {**LLAMA_3_70B, "architectures": ["GPT2LMHeadModel"]}
+    refused = plan_memory(bad, PlanSettings.from_engine_kwargs(kwargs, "cuda"), None)
+    assert not refused.fits and "GPT2LMHeadModel" in refused.problems[0]
+
+
+def test_reserves_are_counted_on_cuda_only() -> None:
+    hf = builtin_config("tiny-llama")
+    gpu = plan_memory(hf, PlanSettings(tensor_parallel_size=2), H100_BYTES).stages[0]
+    assert gpu.reserve_bytes >= CUDA_CONTEXT_BYTES
+    cpu = plan_memory(hf, dataclasses.replace(PlanSettings(), device="cpu")).stages[0]
+    assert cpu.reserve_bytes == 0
+
+
+def test_the_plan_module_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, engine.memory_plan; print('torch' in sys.modules)"
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
