@@ -1,8 +1,8 @@
-"""CUDA graphs for decode steps: capture the model's forward once per batch-size bucket,
-then replay it with the step's inputs copied into the captured (static) buffers.
+"""CUDA graphs for decode steps: capture each pipeline stage's forward once per batch-size
+bucket, then replay it with the step's inputs copied into the captured (static) buffers.
 
 A decode step launches a few kernels per layer on tiny tensors, so on a GPU it is bound by
-launch overhead; a replay launches the whole step at once. Replay is only valid because the
+launch overhead; a replay launches the whole stage at once. Replay is only valid because the
 Triton kernels read everything that changes from step to step out of device memory:
 
     static buffer           per step                      padding rows (n .. bucket-1)
@@ -11,22 +11,50 @@ Triton kernels read everything that changes from step to step out of device memo
     seq_lens                copied in                     0   (attention reads no keys)
     block_table             first columns copied in       stale, never read (seq_len 0)
     query_start_loc         arange(bucket + 1), fixed     one token per request
+    hidden, residual        copied in (PP stages > 0)     0
 
 and the grid and split-KV choice depend only on the bucket (captured with
 ``max_seq_len = max_model_len``). The torch attention path plans its work on the host per step
-and is never captured. Used with TP = PP = 1 only: no collective is captured.
+and is never captured. Every op is row-wise except the TP all-reduce, which sums each row over
+the group, so padding rows never reach real rows.
+
+Tensor parallelism: the all-reduces of the row-parallel layers and of the vocab-parallel
+embedding are captured in the graph. NCCL supports capturing its collectives since 2.9 with
+CUDA >= 11.3, on the condition that capture, and every replay, is collective: all ranks of the
+communicator capture the same operations together and replay the graph made from that capture
+(NCCL user guide, "Using NCCL with CUDA Graphs"). Here every TP rank of a stage receives the
+same ``ExecuteModelRequest``, so each picks the same bucket on the same step; graphs are
+captured at startup, on every rank, largest bucket first. PyTorch's ProcessGroupNCCL keeps a
+captured collective off its watchdog's work queue (pytorch/pytorch#103503) and flushes pending
+work before a capture starts (#104487), which the warm-up below relies on: a communicator must
+have run an eager collective before one is captured (NCCL sets itself up on first use).
+A process group whose graphs still exist can hang in ``destroy_process_group``
+(pytorch/pytorch#115388): the model runner drops its graphs before the worker leaves the group.
+
+Sampling stays outside the graph: the LM head's gather to TP rank 0 and the sampler run eagerly
+on the replay's output, as in vLLM. Pipeline parallelism: each stage captures its own layer range;
+a stage after the first reads static hidden/residual buffers that the step fills from the
+previous stage's message, and the send/recv stay outside the graph.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 from torch import Tensor, nn
 
 from kernels.attention import AttentionMetadata
 
-__all__ = ["DecodeCudaGraphRunner", "decode_batch_buckets"]
+__all__ = [
+    "DecodeCudaGraphRunner",
+    "DecodeGraphBuffers",
+    "cuda_graphs_disabled_reason",
+    "decode_batch_buckets",
+]
+
+logger = logging.getLogger("llm_cluster.cuda_graphs")
 
 
 def decode_batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -39,27 +67,43 @@ def decode_batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(set(buckets)))
 
 
-class DecodeCudaGraphRunner:
-    """Owns the static input buffers and one captured graph per bucket (captured lazily, on
-    the first batch that needs it). Invalidated by dropping it when the KV cache changes."""
+def cuda_graphs_disabled_reason(
+    *, device_type: str, kernel_backend: str, enforce_eager: bool, lora_enabled: bool
+) -> str | None:
+    """Why decode steps on this worker run eagerly, or None when they replay CUDA graphs.
+    Tensor and pipeline parallelism do not matter: collectives are captured, stage transfers
+    stay outside the graph."""
+    if device_type != "cuda":
+        return f"CUDA graphs need a CUDA device (this worker runs on {device_type})"
+    if enforce_eager:
+        return "enforce_eager is set"
+    if kernel_backend != "triton":
+        # The torch attention path plans its work on the host from per-step values.
+        return f"the {kernel_backend} kernel backend is not capturable (only triton is)"
+    if lora_enabled:
+        # Each token's adapter slot changes every step and is not captured.
+        return "LoRA is enabled"
+    return None
+
+
+class DecodeGraphBuffers:
+    """The static inputs a decode graph reads, on any device (so their handling is tested on
+    CPU): one row per request up to the largest bucket, plus hidden/residual on a pipeline
+    stage after the first."""
 
     def __init__(
         self,
-        model: nn.Module,
         device: torch.device,
         *,
         block_size: int,
         max_model_len: int,
         max_num_seqs: int,
-        num_kv_blocks: int,
+        hidden_size: int | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
-        if device.type != "cuda":
-            raise ValueError(f"device must be a CUDA device for CUDA graphs, got {device}")
-        self.model = model
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.num_kv_blocks = num_kv_blocks
         self.buckets = decode_batch_buckets(max_num_seqs)
         size = self.buckets[-1]
         max_blocks = -(-max_model_len // block_size)
@@ -69,44 +113,49 @@ class DecodeCudaGraphRunner:
         self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self.block_table = torch.zeros((size, max_blocks), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        # A later pipeline stage continues from the previous stage's (hidden, residual).
+        self.hidden: Tensor | None = None
+        self.residual: Tensor | None = None
+        if hidden_size is not None:
+            self.hidden = torch.zeros((size, hidden_size), dtype=dtype, device=device)
+            self.residual = torch.zeros((size, hidden_size), dtype=dtype, device=device)
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, num_seqs: int) -> int:
+        """The smallest bucket holding ``num_seqs`` requests."""
+        if not 0 < num_seqs <= self.max_batch:
+            raise ValueError(f"num_seqs: must be in [1, {self.max_batch}], got {num_seqs}")
+        return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
         """A pure decode batch (one new token per request) that fits the largest bucket."""
         return (
             metadata.max_query_len == 1
             and metadata.num_tokens == metadata.num_seqs
-            and 0 < metadata.num_seqs <= self.buckets[-1]
+            and 0 < metadata.num_seqs <= self.max_batch
         )
 
-    @torch.inference_mode()
-    def run(self, input_ids: Tensor, positions: Tensor, metadata: AttentionMetadata) -> Tensor:
-        """The model's final hidden states for this decode batch, ``[num_seqs, hidden]``."""
-        if not self.can_run(metadata):
+    def load(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        metadata: AttentionMetadata,
+        hidden: Tensor | None = None,
+        residual: Tensor | None = None,
+    ) -> int:
+        """Copy one decode step into the buffers, pad up to its bucket; returns the bucket."""
+        takes_hidden = self.hidden is not None
+        if (hidden is not None) != takes_hidden or (residual is not None) != takes_hidden:
             raise ValueError(
-                f"not a decode batch of at most {self.buckets[-1]} requests: num_seqs="
-                f"{metadata.num_seqs} num_tokens={metadata.num_tokens} "
-                f"max_query_len={metadata.max_query_len}"
-            )
-        if metadata.max_block_id >= self.num_kv_blocks:
-            raise ValueError(
-                f"metadata.block_table references block {metadata.max_block_id} but the KV "
-                f"cache has {self.num_kv_blocks} blocks"
+                "hidden, residual: a pipeline stage after the first takes both, the first "
+                f"stage neither; these buffers are for a stage that takes "
+                f"{'both' if takes_hidden else 'neither'}"
             )
         n = metadata.num_seqs
-        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
-        self._load_inputs(input_ids, positions, metadata, bucket)
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket)
-        graph, hidden = self.graphs[bucket]
-        graph.replay()
-        return hidden[:n]
-
-    def _load_inputs(
-        self, input_ids: Tensor, positions: Tensor, metadata: AttentionMetadata, bucket: int
-    ) -> None:
-        n = metadata.num_seqs
+        bucket = self.bucket_for(n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(metadata.slot_mapping, non_blocking=True)
@@ -118,8 +167,15 @@ class DecodeCudaGraphRunner:
         self.positions[n:bucket].zero_()
         self.slot_mapping[n:bucket].fill_(-1)
         self.seq_lens[n:bucket].zero_()
+        if self.hidden is not None and self.residual is not None:
+            self.hidden[:n].copy_(hidden, non_blocking=True)
+            self.residual[:n].copy_(residual, non_blocking=True)
+            self.hidden[n:bucket].zero_()
+            self.residual[n:bucket].zero_()
+        return bucket
 
-    def _static_metadata(self, bucket: int) -> AttentionMetadata:
+    def metadata(self, bucket: int) -> AttentionMetadata:
+        """Attention metadata over the first ``bucket`` rows of the buffers."""
         return AttentionMetadata(
             num_seqs=bucket,
             num_tokens=bucket,
@@ -136,18 +192,109 @@ class DecodeCudaGraphRunner:
             prefill_chunks=(),
         )
 
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        metadata = self._static_metadata(bucket)
+    def forward(self, model: nn.Module, bucket: int) -> tuple[Tensor, Tensor | None]:
+        """The stage's forward over the first ``bucket`` rows: what a graph captures."""
+        hidden = self.hidden[:bucket] if self.hidden is not None else None
+        residual = self.residual[:bucket] if self.residual is not None else None
         ids, pos = self.input_ids[:bucket], self.positions[:bucket]
+        return model(ids, pos, self.metadata(bucket), hidden, residual)
+
+
+class DecodeCudaGraphRunner:
+    """Owns the static buffers and one captured graph per bucket (``capture_all`` at startup;
+    a bucket still missing is captured on first use). Invalidated by dropping it when the KV
+    cache changes: the graphs hold the caches' addresses."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        num_kv_blocks: int,
+        hidden_size: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """``hidden_size``: set on a pipeline stage after the first (it takes hidden and
+        residual inputs); None on the first stage, which embeds the input ids."""
+        if device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device for CUDA graphs, got {device}")
+        self.model = model
+        self.device = device
+        self.num_kv_blocks = num_kv_blocks
+        self.buffers = DecodeGraphBuffers(
+            device,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            hidden_size=hidden_size,
+            dtype=dtype,
+        )
+        self.buckets = self.buffers.buckets
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor | None]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def can_run(self, metadata: AttentionMetadata) -> bool:
+        return self.buffers.can_run(metadata)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first so the smaller graphs reuse its pool memory.
+        On TP > 1 every rank of the stage must call this at the same time (collective)."""
+        for bucket in sorted(self.buckets, reverse=True):
+            if bucket not in self.graphs:
+                self.graphs[bucket] = self._capture(bucket)
+        logger.debug("captured %d decode graphs on %s", len(self.graphs), self.device)
+
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        metadata: AttentionMetadata,
+        hidden: Tensor | None = None,
+        residual: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """This stage's outputs for the decode batch, ``[num_seqs, hidden]`` each: (normed
+        hidden, None) on the last stage, (hidden, residual) before it."""
+        if not self.can_run(metadata):
+            raise ValueError(
+                f"not a decode batch of at most {self.buckets[-1]} requests: num_seqs="
+                f"{metadata.num_seqs} num_tokens={metadata.num_tokens} "
+                f"max_query_len={metadata.max_query_len}"
+            )
+        if metadata.max_block_id >= self.num_kv_blocks:
+            raise ValueError(
+                f"metadata.block_table references block {metadata.max_block_id} but the KV "
+                f"cache has {self.num_kv_blocks} blocks"
+            )
+        n = metadata.num_seqs
+        bucket = self.buffers.load(input_ids, positions, metadata, hidden, residual)
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket)
+        graph, out_hidden, out_residual = self.graphs[bucket]
+        graph.replay()
+        return out_hidden[:n], (out_residual[:n] if out_residual is not None else None)
+
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor | None]:
         # Warm-up on a side stream, outside the graph: Triton compiles each kernel on its
-        # first launch, and the caching allocator settles. Padding rows write no K/V.
+        # first launch, the caching allocator settles, and NCCL has run each collective eagerly
+        # before it is captured. Padding rows write no K/V.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model(ids, pos, metadata)
+                self.buffers.forward(self.model, bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden, _ = self.model(ids, pos, metadata)
-        return graph, hidden
+            hidden, residual = self.buffers.forward(self.model, bucket)
+        return graph, hidden, residual
+
+    def release(self) -> None:
+        """Destroy the graphs (their pool memory returns to the allocator's cache)."""
+        for graph, _, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()

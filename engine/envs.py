@@ -44,3 +44,10 @@ def cpu_packed_gemm() -> bool:
     """``LLM_CLUSTER_CPU_PACKED_GEMM``: on CPU, pack the linear layers' weights into oneDNN's
     layout at load (``kernels.cpu_gemm``); ``0`` keeps plain ``F.linear`` (default 1)."""
     return os.environ.get("LLM_CLUSTER_CPU_PACKED_GEMM", "1") != "0"
+
+
+def step_profile() -> bool:
+    """``LLM_CLUSTER_STEP_PROFILE=1``: the workers' step timers synchronize the device at every
+    phase boundary, so per-phase timings include device time (costs throughput; default 0:
+    host-side phase times, see ``engine.timing``)."""
+    return os.environ.get("LLM_CLUSTER_STEP_PROFILE", "0") == "1"

@@ -31,14 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeCudaGraphRunner
+from engine.cuda_graphs import DecodeCudaGraphRunner, cuda_graphs_disabled_reason
 from engine.lora import WorkerLoRAManager
 from engine.pooling_params import PoolingParams
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.structured_output import apply_grammar_bitmask, unpack_bitmask
-from engine.timing import StepTimer
+from engine.timing import StepTimer, device_synchronizer
 from kernels.attention import AttentionMetadata
 from parallel.distributed import recv_intermediate, send_intermediate
 from parallel.state import ParallelContext
@@ -102,7 +102,7 @@ class ModelRunner:
         self.ctx = ctx or ParallelContext()
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
-        self.step_timer = StepTimer(sync_cuda=device.type == "cuda")
+        self.step_timer = StepTimer(sync=device_synchronizer(device))
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_kv_caches: list[torch.Tensor] = []
@@ -124,11 +124,13 @@ class ModelRunner:
         return per_layer * len(layers)
 
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the caches (dropping the old ones). Decode graphs, where they apply, are
+        set up over the new caches but captured only by ``capture_cuda_graphs``."""
         dtype = self.config.model.torch_dtype
+        # Captured graphs hold the old caches' addresses.
+        self.release_cuda_graphs()
         self.kv_caches = []
         self.cpu_kv_caches = []
-        # Captured graphs hold the old caches' addresses.
-        self.graph_runner = None
         for attn in self.model.attention_layers():
             cache = torch.zeros(self.kv_cache_shape(num_blocks), dtype=dtype, device=self.device)
             attn.kv_cache = cache
@@ -139,7 +141,11 @@ class ModelRunner:
                 self.cpu_kv_caches.append(
                     torch.empty(self.kv_cache_shape(num_cpu_blocks), dtype=dtype, pin_memory=pin)
                 )
-        if num_blocks and self._use_cuda_graphs():
+        if num_blocks and self.uses_cuda_graphs():
+            # A stage after the first replays from static hidden/residual inputs.
+            hidden_size = (
+                None if self.ctx.pp.is_first else self.config.model.hf_config["hidden_size"]
+            )
             self.graph_runner = DecodeCudaGraphRunner(
                 self.model,
                 self.device,
@@ -147,19 +153,36 @@ class ModelRunner:
                 max_model_len=self.config.max_model_len,
                 max_num_seqs=self.config.scheduler.max_num_seqs,
                 num_kv_blocks=num_blocks,
+                hidden_size=hidden_size,
+                dtype=dtype,
             )
 
-    def _use_cuda_graphs(self) -> bool:
-        # Only the Triton kernels take every per-step value from device memory; collectives
-        # (TP) and stage hand-offs (PP) are not captured.
-        # LoRA's per-token slot mapping changes every step and is not captured either.
-        return (
-            self.device.type == "cuda"
-            and self.lora_manager is None
-            and not self.config.kernel.enforce_eager
-            and self.model.kernel_ops.name == "triton"
-            and self.config.parallel.world_size == 1
+    def capture_cuda_graphs(self) -> int:
+        """Capture every decode bucket now (a collective on TP > 1: every rank of the stage
+        calls it together). Returns how many graphs exist (0 where graphs do not apply)."""
+        if self.graph_runner is None:
+            return 0
+        self.graph_runner.capture_all()
+        return len(self.graph_runner.graphs)
+
+    def release_cuda_graphs(self) -> None:
+        """Destroy the captured graphs (before the caches they read go, and before the
+        process leaves its process groups)."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
+
+    def cuda_graphs_disabled_reason(self) -> str | None:
+        return cuda_graphs_disabled_reason(
+            device_type=self.device.type,
+            kernel_backend=self.model.kernel_ops.name,
+            enforce_eager=self.config.kernel.enforce_eager,
+            lora_enabled=self.lora_manager is not None,
         )
+
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs on this worker (any TP / PP shape)."""
+        return self.cuda_graphs_disabled_reason() is None
 
     # ---- persistent batch ---------------------------------------------------------------
 
@@ -447,25 +470,29 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         inputs = self.prepare_inputs(req)
         clock.lap("prepare_inputs")
-        if self.graph_runner is not None and self.graph_runner.can_run(inputs.metadata):
-            # Only with TP = PP = 1 (see _use_cuda_graphs): the whole model in one replay.
-            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        pp = self.ctx.pp
+        hidden = residual = None
+        if not pp.is_first:
+            hidden, residual = recv_intermediate(
+                pp,
+                req.total_num_scheduled_tokens,
+                self.config.model.hf_config["hidden_size"],
+                self.config.model.torch_dtype,
+                self.device,
+            )
+        graphs = self.graph_runner
+        if graphs is not None and graphs.can_run(inputs.metadata):
+            # This stage's layers in one replay; every TP rank of the stage got the same
+            # request, so all replay the same bucket's graph (its all-reduces match).
+            hidden, residual = graphs.run(
+                inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual
+            )
         else:
-            pp = self.ctx.pp
-            hidden = residual = None
-            if not pp.is_first:
-                hidden, residual = recv_intermediate(
-                    pp,
-                    req.total_num_scheduled_tokens,
-                    self.config.model.hf_config["hidden_size"],
-                    self.config.model.torch_dtype,
-                    self.device,
-                )
             hidden, residual = self.forward(inputs, hidden, residual)
-            if not pp.is_last:
-                send_intermediate(pp, hidden, residual)
-                clock.lap("forward")
-                return None
+        if not pp.is_last:
+            send_intermediate(pp, hidden, residual)
+            clock.lap("forward")
+            return None
         clock.lap("forward")
         output = self.sample(inputs, hidden)
         if output is not None and inputs.pooling_rows:

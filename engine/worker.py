@@ -14,6 +14,13 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.kv_sizing import (
+    CudaMemoryProbe,
+    KVBudget,
+    MemoryProbe,
+    MemorySnapshot,
+    compute_kv_budget,
+)
 from engine.lora import make_worker_lora_manager
 from engine.model_loader import LoadProgressCallback, load_model
 from engine.model_runner import ModelRunner
@@ -35,13 +42,24 @@ _GiB = 1 << 30
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, ctx: ParallelContext | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        ctx: ParallelContext | None = None,
+        memory_probe: MemoryProbe | None = None,
+    ) -> None:
+        """``memory_probe``: where the KV sizing reads device memory; None means the CUDA
+        driver's on a CUDA device and none on CPU (which sizes by ``cpu_kv_cache_space``)."""
         self.config = config
         self.ctx = ctx or ParallelContext()
         self.rank = config.parallel.rank
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
         self._rendezvous: RendezvousStore | None = None
+        self.memory_probe = memory_probe
+        # Device memory in use before this worker allocated anything (taken in init_device).
+        self._start_memory: MemorySnapshot | None = None
+        self.kv_budget: KVBudget | None = None
 
     @property
     def runner(self) -> ModelRunner:
@@ -53,7 +71,11 @@ class Worker:
         if self.config.device.device_type == "cuda":
             self.device = torch.device("cuda", local_device_index)
             torch.cuda.set_device(self.device)
+            if self.memory_probe is None:
+                self.memory_probe = CudaMemoryProbe(self.device)
         torch.manual_seed(self.config.model.seed)
+        if self.memory_probe is not None:
+            self._start_memory = MemorySnapshot.take(self.memory_probe)
 
     def start_rendezvous(self, host: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
         """Rank 0 only: host the rendezvous store on ``host``; returns its OS-assigned port."""
@@ -80,6 +102,9 @@ class Worker:
         )
 
     def shutdown(self) -> None:
+        if self.model_runner is not None:
+            # Graphs holding captured NCCL work can hang the group's destruction.
+            self.model_runner.release_cuda_graphs()
         destroy_distributed()
         if self._rendezvous is not None:
             self._rendezvous.close()
@@ -109,40 +134,99 @@ class Worker:
         return parameter_bytes(self.runner.model)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
-        """(device KV blocks, CPU swap blocks) that fit this worker's memory budget."""
+        """(device KV blocks, CPU swap blocks) that fit this worker's memory budget: an explicit
+        ``num_kv_blocks``, else the budget measured through the memory probe (see
+        ``engine.kv_sizing``), else, on CPU without a probe, ``cpu_kv_cache_space``."""
         runner = self.runner
         block_bytes = runner.kv_block_bytes()
         sched = self.config.scheduler
-        max_useful = sched.max_num_seqs * -(-sched.max_model_len // self.config.cache.block_size)
+        blocks_per_seq = -(-sched.max_model_len // self.config.cache.block_size)
+        max_useful = sched.max_num_seqs * blocks_per_seq
         num_cpu_blocks = min(int(self.config.cache.swap_space * _GiB // block_bytes), max_useful)
         if self.config.cache.num_kv_blocks is not None:
             return self.config.cache.num_kv_blocks, num_cpu_blocks
+        if self.memory_probe is not None:
+            budget = self.profile_kv_budget()
+            budget.check(block_bytes, blocks_per_seq, sched.max_model_len)
+            num_blocks = budget.num_blocks(block_bytes)
+            logger.info(
+                "rank %d KV cache sizing: %s -> %d blocks of %d bytes",
+                self.rank,
+                budget.describe(),
+                num_blocks,
+                block_bytes,
+            )
+            return num_blocks, num_cpu_blocks
         if self.device.type == "cuda":
-            num_blocks = self._cuda_kv_budget_bytes() // block_bytes
-        else:
-            num_blocks = int(self.config.cache.cpu_kv_cache_space * _GiB) // block_bytes
-            # On CPU the pool shares RAM with everything else: never take more than the
-            # scheduler can fill (max_num_seqs sequences of max_model_len tokens).
-            num_blocks = min(num_blocks, max_useful)
+            raise RuntimeError("worker: sizing the KV cache on CUDA needs a memory probe")
+        num_blocks = int(self.config.cache.cpu_kv_cache_space * _GiB) // block_bytes
+        # On CPU the pool shares RAM with everything else: never take more than the
+        # scheduler can fill (max_num_seqs sequences of max_model_len tokens).
+        num_blocks = min(num_blocks, max_useful)
         if num_blocks <= 0:
             raise RuntimeError(
-                "no memory left for the KV cache; raise "
-                "gpu_memory_utilization / cpu_kv_cache_space or lower max_num_batched_tokens"
+                f"no memory left for the KV cache: cpu_kv_cache_space="
+                f"{self.config.cache.cpu_kv_cache_space} GiB holds no block of {block_bytes} "
+                "bytes; raise cpu_kv_cache_space"
             )
         return int(num_blocks), num_cpu_blocks
 
-    def _cuda_kv_budget_bytes(self) -> int:
-        """free device memory x utilization, minus the weights and the activation peak of a
-        full-budget step, measured by a profiling forward pass."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        _, total = torch.cuda.mem_get_info(self.device)
-        return int(total * self.config.cache.gpu_memory_utilization) - peak
+    def profile_kv_budget(self) -> KVBudget:
+        """Measure this worker's memory budget (every TP/PP rank at once: it runs collectives).
+
+        Order matters: communicators first (NCCL allocates on first use), then the peak of a
+        full-budget step, then the graph pool, and last the non-torch memory, which only grows.
+        """
+        probe = self.memory_probe
+        if probe is None or self._start_memory is None:
+            raise RuntimeError("worker: init_device() must run (with a memory probe) first")
+        probe.empty_cache()
+        self.ctx.warm_up(self.device)
+        probe.synchronize()
+        # Right after a reset the peak is what is allocated now: weights, LoRA slots, buffers.
+        probe.reset_peak_memory_stats()
+        weights = probe.max_memory_allocated()
+        profile_kv_cache = self._profile_run()
+        probe.synchronize()
+        profile_peak = probe.max_memory_allocated()
+        cuda_graph_pool = self._measure_cuda_graph_pool(probe)
+        budget = compute_kv_budget(
+            start=self._start_memory,
+            end=MemorySnapshot.take(probe),
+            gpu_memory_utilization=self.config.cache.gpu_memory_utilization,
+            weights=weights,
+            profile_peak=profile_peak,
+            profile_kv_cache=profile_kv_cache,
+            cuda_graph_pool=cuda_graph_pool,
+        )
+        self.kv_budget = budget
+        return budget
+
+    def _measure_cuda_graph_pool(self, probe: MemoryProbe) -> int:
+        """Bytes the decode graphs reserve: capture every bucket over a small KV cache, read
+        the growth of torch's reservation, then drop graphs and cache. The graphs captured
+        after sizing (same buckets, same order) fit in the room this leaves."""
+        runner = self.runner
+        if not runner.uses_cuda_graphs():
+            return 0
+        runner.initialize_kv_cache(-(-self.config.max_model_len // self.config.cache.block_size), 0)
+        probe.synchronize()
+        probe.empty_cache()
+        before = probe.memory_reserved()
+        runner.capture_cuda_graphs()
+        probe.synchronize()
+        # Warm-up activations went back to the cache; only the graphs' pool stays reserved.
+        probe.empty_cache()
+        pool = max(probe.memory_reserved() - before, 0)
+        runner.initialize_kv_cache(0, 0)
+        probe.empty_cache()
+        return pool
 
     @torch.inference_mode()
-    def _profile_run(self) -> None:
+    def _profile_run(self) -> int:
+        """One forward pass over ``max_num_batched_tokens`` tokens (then the LM head and the
+        sampler over ``max_num_seqs`` rows on the last stage), for its memory peak. Returns
+        the bytes of the small KV cache it wrote into (freed afterwards)."""
         runner = self.runner
         sched = self.config.scheduler
         num_tokens = sched.max_num_batched_tokens
@@ -150,9 +234,10 @@ class Worker:
         num_seqs = -(-num_tokens // seq_len)
         bs = self.config.cache.block_size
         blocks_per_seq = -(-seq_len // bs)
-        runner.initialize_kv_cache(num_seqs * blocks_per_seq, 0)
+        num_blocks = num_seqs * blocks_per_seq
+        runner.initialize_kv_cache(num_blocks, 0)
         query_lens = np.array([seq_len] * num_seqs, dtype=np.int32)
-        block_table = np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, -1)
+        block_table = np.arange(num_blocks, dtype=np.int32).reshape(num_seqs, -1)
         positions = np.tile(np.arange(seq_len), num_seqs)
         rows = np.repeat(np.arange(num_seqs), seq_len)
         slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
@@ -178,22 +263,50 @@ class Worker:
             residual = torch.zeros(shape, dtype=dtype, device=self.device)
         hidden, _ = runner.model(ids, pos, meta, hidden, residual)
         if runner.model.lm_head is not None:
-            runner.model.compute_logits(hidden[-min(sched.max_num_seqs, len(positions)) :])
-        torch.cuda.synchronize(self.device)
+            logits = runner.model.compute_logits(hidden[-min(sched.max_num_seqs, len(positions)) :])
+            if logits is not None:
+                self._profile_sampler(logits)
+        kv_bytes = num_blocks * runner.kv_block_bytes()
+        if self.memory_probe is not None:
+            self.memory_probe.synchronize()
         runner.initialize_kv_cache(0, 0)
+        return kv_bytes
+
+    def _profile_sampler(self, logits: torch.Tensor) -> None:
+        """The sampler's float32 copies of the logits: top-k/top-p sampling with logprobs is
+        its largest footprint."""
+        from engine.sampler import SamplingMetadata, sample
+        from engine.sampling_params import SamplingParams
+
+        rows = logits.shape[0]
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=1)
+        meta = SamplingMetadata.build(
+            [params] * rows, [None] * rows, self.config.model.vocab_size, self.device
+        )
+        sample(logits, meta)
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the KV cache, then capture the decode graphs over it (every rank at once:
+        on TP > 1 the capture records the stage's collectives)."""
         self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
+        self.runner.capture_cuda_graphs()
 
     def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput | None:
         return self.runner.execute_model(request)
 
     def step_timings(self) -> dict[str, float]:
-        """Seconds spent per model-runner phase since startup (or the last reset)."""
+        """Seconds spent per model-runner phase since startup (or the last reset). On a GPU,
+        without device syncs (the default; see ``engine.timing``) a phase counts the host's
+        time to launch its work and "sample" absorbs the device time it waits for."""
         return dict(self.runner.step_timer.totals)
 
-    def reset_step_timings(self) -> None:
-        self.runner.step_timer.reset()
+    def reset_step_timings(self, device_sync: bool | None = None) -> None:
+        """Zero the step timings; ``device_sync`` (when given) turns per-phase device syncs
+        on or off from now on."""
+        timer = self.runner.step_timer
+        timer.reset()
+        if device_sync is not None:
+            timer.device_sync = device_sync
 
     def num_request_states(self) -> int:
         """Per-request state held between steps (0 once every request finished)."""

@@ -81,3 +81,19 @@ class ParallelContext:
     pp: GroupCoordinator = SINGLE
     # Decoder layers per pipeline stage (an override); None splits them evenly.
     layer_partition: tuple[int, ...] | None = None
+
+    def warm_up(self, device: torch.device) -> None:
+        """Run one small all-reduce in the TP group and one stage-to-stage transfer down the
+        pipeline, so that the communicators exist (NCCL sets one up, buffers included, on its
+        first operation) before memory is measured or a CUDA graph captures a collective.
+        Collective: every rank of the world calls it at the same time."""
+        if self.tp.size > 1:
+            self.tp.all_reduce(torch.zeros(1, device=device))
+        if self.pp.size > 1:
+            # A chain, stage 0 -> 1 -> ... -> last: each stage receives before it sends, so no
+            # cycle of blocking transfers can form.
+            buf = torch.zeros(1, device=device)
+            if not self.pp.is_first:
+                self.pp.recv(buf, src=self.pp.rank - 1)
+            if not self.pp.is_last:
+                self.pp.send(buf, dst=self.pp.rank + 1)
