@@ -32,15 +32,23 @@ latency metrics): one wakeup of the replica per request, not per step. A sink th
 for ``SINK_IDLE_S`` is dropped (its ingress is gone).
 The actor is owned by the replica, so it dies with it; if the head dies, the poll fails,
 every stream ends with a 503 and the replica's health check fails, so Serve replaces it.
+
+Start-up has no deadline here: the engine's executor bounds each start-up phase by
+``LLM_CLUSTER_LOAD_TIMEOUT_S`` and the front waits for ``ready`` as long as that takes (the
+core loop's stall watchdog only times steps). The in-process worker of a TP = PP = 1 head
+publishes its load progress like a worker actor does (``cluster.load_progress``), and the head
+logs the start-up timeline once the engine runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,6 +59,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.head_messages import AddReply, CoreError, PollReply, decode_poll_reply
+from cluster.load_progress import PublishingObserver
 from cluster.start_errors import EngineStartError, known_start_failure
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, OnDead, OnStep
@@ -66,6 +75,7 @@ from engine.core_messages import (
     merge_deltas,
 )
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.executor import get_executor_class
 from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("llm_cluster.head")
@@ -134,7 +144,8 @@ class _Held:
 class HeadActor:
     """Ray actor (threaded): the engine core of one model replica."""
 
-    def __init__(self, engine_args: dict[str, Any]) -> None:
+    def __init__(self, engine_args: dict[str, Any], model_id: str = "") -> None:
+        started = time.monotonic()
         config = EngineConfig.from_kwargs(**engine_args)
         self._outbox = _Outbox()  # the front's
         self._sinks: dict[str, _Outbox] = {}  # ingress channels', by sink name
@@ -144,9 +155,22 @@ class HeadActor:
         self._dead: str | None = None
         self._ready = threading.Condition()
         self._start_failure: str | None = None
+        observer = PublishingObserver(
+            model_id or config.model.model_path,
+            uuid.uuid4().hex[:12],
+            ray.util.get_node_ip_address(),
+        )
         try:
+            # LLMEngine builds its executor as ``executor_class(config)``: the observer rides
+            # along.
+            executor_class = functools.partial(get_executor_class(config), observer=observer)
             # Built on the core thread, which runs its forward passes (see EngineCoreLoop).
-            self._loop = EngineCoreLoop(lambda: LLMEngine(config), self._push, self._died)
+            self._loop = EngineCoreLoop(
+                lambda: LLMEngine(config, executor_class=executor_class),  # type: ignore[arg-type]
+                self._push,
+                self._died,
+            )
+            _log_startup(observer.model_id, started, self._loop.engine.executor)
         except Exception as exc:
             # A known cause is returned by ``ready`` as one line: an actor that dies in its
             # constructor leaves its caller only Ray's text of the traceback.
@@ -154,6 +178,8 @@ class HeadActor:
             if self._start_failure is None:
                 raise
             logger.exception("the engine cannot start: %s", self._start_failure)
+        finally:
+            observer.close()  # ready, or failed: either way nothing is loading any more
 
     def ready(self) -> str | None:
         """None once the engine runs; else why it cannot start (a known cause, one line: this
@@ -290,6 +316,25 @@ class HeadActor:
             self._ready.notify_all()
 
 
+def _log_startup(model_id: str, started: float, executor: Any) -> None:
+    """``model m: engine ready in 214.0 s (placement 0.3 s, workers 2.1 s, load 201.5 s,
+    KV sizing 3.2 s, cache/graphs 6.0 s, other 0.9 s)``; other: config, tokenizer, …"""
+    total = time.monotonic() - started
+    other = total - sum(executor.startup_timings.values())
+    logger.info(
+        "model %s: engine ready in %.1f s (%s, other %.1f s)",
+        model_id,
+        total,
+        executor.startup_summary(),
+        other,
+    )
+
+
+def model_id_of_head(name: str) -> str:
+    """The model id in a head actor's name ``LLMHead:<model id>:<replica id>``."""
+    return name.removeprefix(HEAD_NAME_PREFIX).rpartition(":")[0] or name
+
+
 class HeadCoreClient(EngineCoreClient):
     """The front's side of a ``HeadActor``: starts it in this replica's placement group (bundle
     ``bundle_index``, holding ``resources``) and waits until its model is loaded."""
@@ -316,7 +361,9 @@ class HeadCoreClient(EngineCoreClient):
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundle_index
             )
-        self.actor = ray.remote(HeadActor).options(**options).remote(engine_args)
+        self.actor = (
+            ray.remote(HeadActor).options(**options).remote(engine_args, model_id_of_head(name))
+        )
         self._on_step: OnStep | None = None
         self._on_dead: OnDead | None = None
         self._dead: EngineDeadError | None = None
@@ -324,6 +371,8 @@ class HeadCoreClient(EngineCoreClient):
         self._acked = 0  # the last step number handed to on_step
         self._shut_down = False
         try:
+            # No deadline: the head's executor bounds each start-up phase itself
+            # (LLM_CLUSTER_LOAD_TIMEOUT_S) and a head that dies raises here at once.
             start_failure = ray.get(self.actor.ready.remote())
         except RayError as exc:
             self.shutdown()

@@ -10,6 +10,12 @@ worker only, the encoded reply.
 A worker that dies (or raises) makes the executor dead: the step that saw it raises
 ``EngineDeadError``, the remaining actors are killed (they may be blocked in a collective
 with the dead one), and every later call raises until a new executor is built.
+
+Start-up calls (placement, ``init_device`` … ``load_model``, ``determine_num_available_blocks``,
+``initialize_cache``) wait up to ``LLM_CLUSTER_LOAD_TIMEOUT_S`` each, steps and control calls
+``LLM_CLUSTER_STEP_TIMEOUT_S``: eight workers reading a 70B model's shards take minutes, a step
+seconds. Ranks load at once (one actor call each), so start-up takes the slowest rank's time,
+not the sum. Each worker publishes its progress itself (``cluster.load_progress``).
 """
 
 from __future__ import annotations
@@ -33,11 +39,19 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.load_progress import remove_executor_records
 from cluster.worker_actor import WorkerActor
 from engine import envs
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
-from engine.executor import Executor
+from engine.executor import (
+    PHASE_KV_ALLOCATING,
+    PHASE_KV_SIZING,
+    PHASE_LOADING,
+    PHASE_STARTING,
+    Executor,
+    StartupObserver,
+)
 from engine.protocol import ExecuteModelRequest, ModelRunnerOutput, decode_output, encode
 
 logger = logging.getLogger("llm_cluster.ray_executor")
@@ -47,17 +61,26 @@ logger = logging.getLogger("llm_cluster.ray_executor")
 _INLINE_LIMIT_BYTES = 64 * 1024
 WORKER_NAME_PREFIX = "LLMWorker:"
 _PROJECT_PACKAGES = ("kernels", "parallel", "engine", "cluster")
+# Worker calls bounded by the start-up timeout, with the phase each one belongs to.
+_STARTUP_CALLS = {
+    "init_device": PHASE_STARTING,
+    "start_rendezvous": PHASE_STARTING,
+    "init_distributed": PHASE_STARTING,
+    "load_model": PHASE_LOADING,
+    "determine_num_available_blocks": PHASE_KV_SIZING,
+    "initialize_cache": PHASE_KV_ALLOCATING,
+}
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, observer: StartupObserver | None = None) -> None:
         if not ray.is_initialized():
             _init_ray(config.parallel.world_size)
         device = _resolve_device(config)
         config = dataclasses.replace(
             config, device=dataclasses.replace(config.device, device=device)
         )
-        super().__init__(config)
+        super().__init__(config, observer)
         parallel = config.parallel
         self.world_size = parallel.world_size
         self.executor_id = uuid.uuid4().hex[:12]
@@ -65,14 +88,17 @@ class RayExecutor(Executor):
         self.driver_rank = self.world_size - parallel.tensor_parallel_size
         self._resource = "GPU" if device == "cuda" else "CPU"
         self._step_timeout_s = envs.step_timeout_s()
+        self._load_timeout_s = envs.load_timeout_s()
+        self.model_id = self.observer.model_id or Path(config.model.model_path).name
         self._dist_timeout_s = envs.dist_timeout_s()
         self._lock = threading.Lock()
         self.workers: list[Any] = []
         self._pg: PlacementGroup | None = None
         self._owns_pg = False
         try:
-            bundles = self._acquire_placement_group()
-            self.workers = self._spawn_workers(bundles)
+            with self.startup_phase("placement"):
+                bundles = self._acquire_placement_group()
+                self.workers = self._spawn_workers(bundles)
             self._init_workers()
         except BaseException:
             self.shutdown()
@@ -101,12 +127,12 @@ class RayExecutor(Executor):
         strategy = self.config.parallel.placement_group_strategy
         self._pg = placement_group([{self._resource: 1}] * self.world_size, strategy=strategy)
         self._owns_pg = True
-        ready, _ = ray.wait([self._pg.ready()], timeout=self._step_timeout_s)
+        ready, _ = ray.wait([self._pg.ready()], timeout=self._load_timeout_s)
         if not ready:
             raise RuntimeError(
                 f"placement group: {self.world_size} bundles of {{{self._resource!r}: 1}} "
-                f"({strategy}) could not be placed within {self._step_timeout_s:.0f} s; "
-                f"cluster resources: {ray.cluster_resources()}"
+                f"({strategy}) could not be placed within {self._load_timeout_s:.0f} s "
+                f"(LLM_CLUSTER_LOAD_TIMEOUT_S); cluster resources: {ray.cluster_resources()}"
             )
         return list(range(self.world_size))
 
@@ -141,19 +167,29 @@ class RayExecutor(Executor):
             options: dict[str, Any] = {"scheduling_strategy": strategy, "name": name, **resources}
             if runtime_env:
                 options["runtime_env"] = runtime_env
-            workers.append(actor_class.options(**options).remote(self.config, rank))
+            workers.append(
+                actor_class.options(**options).remote(
+                    self.config, rank, self.model_id, self.executor_id
+                )
+            )
         return workers
 
     def _init_workers(self) -> None:
-        self._get([w.init_device.remote() for w in self.workers], "init_device")
-        rendezvous = "none (one worker)"
-        if self.world_size > 1:
-            host, port = self._get(
-                [self.workers[0].start_rendezvous.remote(self._dist_timeout_s)], "start_rendezvous"
-            )[0]
-            self.collective_rpc("init_distributed", (host, port, self._dist_timeout_s))
-            rendezvous = f"{host}:{port}"
-        self.collective_rpc("load_model")
+        """Every rank at once in each call: the load takes the slowest rank's time. No
+        collective runs until every rank has loaded (the first is the KV-sizing profile), so a
+        rank that loads faster never waits in one (``LLM_CLUSTER_DIST_TIMEOUT_S``) on a slower."""
+        with self.startup_phase("workers"):
+            self._get([w.init_device.remote() for w in self.workers], "init_device")
+            rendezvous = "none (one worker)"
+            if self.world_size > 1:
+                host, port = self._get(
+                    [self.workers[0].start_rendezvous.remote(self._dist_timeout_s)],
+                    "start_rendezvous",
+                )[0]
+                self.collective_rpc("init_distributed", (host, port, self._dist_timeout_s))
+                rendezvous = f"{host}:{port}"
+        with self.startup_phase("load"):
+            self.collective_rpc("load_model")
         logger.info(
             "%d worker actors ready (TP %d x PP %d, %s), rendezvous: %s",
             self.world_size,
@@ -197,15 +233,14 @@ class RayExecutor(Executor):
         (not after the others), so a dead rank fails the step while its peers still wait on it."""
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
-        deadline = time.monotonic() + self._step_timeout_s
+        phase = _STARTUP_CALLS.get(what)
+        timeout_s = self._step_timeout_s if phase is None else self._load_timeout_s
+        deadline = time.monotonic() + timeout_s
         while pending:
             remaining = deadline - time.monotonic()
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(remaining, 0))
             if not ready:
-                self._die(
-                    f"{what}: worker ranks {sorted(pending.values())} did not answer within "
-                    f"{self._step_timeout_s:.0f} s (LLM_CLUSTER_STEP_TIMEOUT_S)"
-                )
+                self._die(self._timeout_message(what, phase, timeout_s, sorted(pending.values())))
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
@@ -215,6 +250,19 @@ class RayExecutor(Executor):
                 except RayError as exc:
                     self._die(f"{what}: worker rank {rank} failed: {exc}", exc)
         return [results[rank] for rank in range(len(refs))]
+
+    @staticmethod
+    def _timeout_message(what: str, phase: str | None, timeout_s: float, ranks: list[int]) -> str:
+        if phase is None:
+            return (
+                f"{what}: worker ranks {ranks} did not answer within {timeout_s:.0f} s "
+                "(LLM_CLUSTER_STEP_TIMEOUT_S)"
+            )
+        return (
+            f"start-up phase {phase!r} ({what}): worker ranks {ranks} did not finish within "
+            f"{timeout_s:.0f} s; raise LLM_CLUSTER_LOAD_TIMEOUT_S if the start-up is only slow "
+            "(a large checkpoint on a slow volume)"
+        )
 
     # ---- failure and shutdown -----------------------------------------------------------
 
@@ -234,6 +282,8 @@ class RayExecutor(Executor):
             workers, self.workers = self.workers, []
             for worker in workers:
                 ray.kill(worker, no_restart=True)
+            if workers:  # killed mid-start-up, they leave their progress records behind
+                remove_executor_records(self.executor_id)
             if self._owns_pg and self._pg is not None:
                 remove_placement_group(self._pg)
             self._pg, self._owns_pg = None, False

@@ -65,7 +65,7 @@ INGRESS_NAME = "OpenAIIngress"
 REPLICA_HEADER = "x-llm-cluster-replica"
 COLD_START_RETRY_AFTER_S = 10
 _FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "HF_HUB_OFFLINE",
-                  "OMP_NUM_THREADS", "TRITON_INTERPRET")  # fmt: skip
+                  "OMP_NUM_THREADS", "TRITON_INTERPRET", "LLM_CLUSTER_LOAD_TIMEOUT_S")  # fmt: skip
 
 
 def deployment_name(model_id: str) -> str:

@@ -4,6 +4,10 @@ The class is plain Python; ``RayExecutor`` wraps it with ``ray.remote`` and the 
 its bundle. Start-up calls (config, rendezvous, loading) travel through Ray's own transport;
 the per-step message is the msgspec-encoded ``ExecuteModelRequest`` and the reply the
 msgspec-encoded ``ModelRunnerOutput``, so no project object is pickled on the hot path.
+
+Each actor publishes its own start-up progress (``cluster.load_progress``: phase, weight bytes
+read of its total) from construction until ``initialize_cache`` returns; the executor deletes
+what a killed actor leaves behind.
 """
 
 from __future__ import annotations
@@ -12,11 +16,26 @@ import dataclasses
 import logging
 from typing import Any
 
+from cluster.load_progress import LoadProgressPublisher
 from engine.config import EngineConfig
+from engine.executor import (
+    PHASE_KV_ALLOCATING,
+    PHASE_KV_SIZING,
+    PHASE_LOADING,
+    PHASE_READY,
+    PHASE_STARTING,
+)
 from engine.protocol import decode_request, encode
 from engine.worker import Worker
 
 logger = logging.getLogger("llm_cluster.worker_actor")
+
+# The start-up calls (through ``call``) and the phase each one is.
+_STARTUP_PHASES = {
+    "load_model": PHASE_LOADING,
+    "determine_num_available_blocks": PHASE_KV_SIZING,
+    "initialize_cache": PHASE_KV_ALLOCATING,
+}
 
 
 class WorkerActor:
@@ -25,9 +44,15 @@ class WorkerActor:
     -> ``determine_num_available_blocks`` -> ``initialize_cache`` -> ``execute_model`` per step.
     """
 
-    def __init__(self, config: EngineConfig, rank: int) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int, model_id: str = "", executor_id: str = ""
+    ) -> None:
         parallel = dataclasses.replace(config.parallel, rank=rank)
         self.worker = Worker(dataclasses.replace(config, parallel=parallel))
+        self.progress = LoadProgressPublisher(
+            model_id, executor_id or "local", rank, self.node_ip()
+        )
+        self.progress.phase(PHASE_STARTING)
 
     def node_ip(self) -> str:
         import ray
@@ -48,13 +73,24 @@ class WorkerActor:
         return encode(output) if output is not None else None
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``collective_rpc`` target: a public method of the wrapped ``Worker``."""
+        """``collective_rpc`` target: a public method of the wrapped ``Worker``. A start-up
+        call publishes its phase first (``load_model`` its bytes read as it goes too);
+        ``initialize_cache``, the last one, ends the publishing."""
         if method.startswith("_") or not callable(getattr(self.worker, method, None)):
             raise AttributeError(f"method: Worker has no public method {method!r}")
-        return getattr(self.worker, method)(*args, **kwargs)
+        phase = _STARTUP_PHASES.get(method)
+        if phase is not None:
+            self.progress.phase(phase)
+        if method == "load_model":
+            kwargs = {**kwargs, "progress": self.progress.weights}
+        result = getattr(self.worker, method)(*args, **kwargs)
+        if method == "initialize_cache":
+            self.progress.phase(PHASE_READY)
+        return result
 
     def ping(self) -> bool:
         return True
 
     def shutdown(self) -> None:
+        self.progress.close()
         self.worker.shutdown()

@@ -40,6 +40,15 @@ def step_timeout_s() -> float:
     return float(os.environ.get("LLM_CLUSTER_STEP_TIMEOUT_S", "300"))
 
 
+def load_timeout_s() -> float:
+    """``LLM_CLUSTER_LOAD_TIMEOUT_S``: longest the head waits for the workers in each start-up
+    phase (placement, device and process-group set-up, weight loading, KV-cache sizing,
+    KV-cache allocation and CUDA-graph capture) before it gives up on the engine (default
+    1800 s). Separate from the step timeout: eight workers each reading a 70B model's shard
+    from a shared volume take minutes, a step takes seconds."""
+    return float(os.environ.get("LLM_CLUSTER_LOAD_TIMEOUT_S", "1800"))
+
+
 def cpu_packed_gemm() -> bool:
     """``LLM_CLUSTER_CPU_PACKED_GEMM``: on CPU, pack the linear layers' weights into oneDNN's
     layout at load (``kernels.cpu_gemm``); ``0`` keeps plain ``F.linear`` (default 1)."""

@@ -14,7 +14,11 @@ every layer's loader checks the full tensor's shape before copying its shard.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
+import struct
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +59,21 @@ def iterate_checkpoint(
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_slice(name)
+
+
+def checkpoint_tensor_bytes(model_path: str | Path) -> dict[str, int]:
+    """Bytes of every tensor of every ``*.safetensors`` file, read from the files' headers
+    (8-byte length, then JSON with each tensor's data offsets): nothing else is read."""
+    sizes: dict[str, int] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with file.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, info in header.items():
+            if name != "__metadata__":
+                start, end = info["data_offsets"]
+                sizes[name] = end - start
+    return sizes
 
 
 # Checkpoint tensors that belong to no parameter on purpose (matched as a name suffix).
@@ -242,8 +261,113 @@ def load_weights(
         )
 
 
-# Called as weights load: (checkpoint bytes this rank has read, checkpoint bytes in all).
+def rank_read_bytes(
+    model: nn.Module, tensor_bytes: dict[str, int], hf_config: dict[str, Any]
+) -> dict[str, int]:
+    """Of each checkpoint tensor, the bytes this rank reads: its share of the tensor (the
+    rank's parameter elements over the whole parameter's, so 1/TP of a sharded weight, all of
+    a replicated norm), 0 for another pipeline stage's tensor, a tied copy or an unused buffer.
+    Summed, the weight bytes this rank goes through; every tensor's at TP = PP = 1."""
+    whole, tied = whole_model_parameters(type(model), hf_config)
+    params = dict(model.named_parameters())
+    packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
+    aliases_of = getattr(model, "checkpoint_aliases", lambda n: ())
+    shares: dict[str, int] = {}
+    for name, nbytes in tensor_bytes.items():
+        target, _ = _packed_target(name, packed)
+        share = 0.0
+        if not name.endswith(_UNUSED_CHECKPOINT_TENSORS) and target in whole and target not in tied:
+            for alias in (name, *aliases_of(name)):
+                dest = target if alias == name else _packed_target(alias, packed)[0]
+                if dest in params:
+                    share = max(share, params[dest].numel() / math.prod(whole[dest]))
+        shares[name] = round(nbytes * min(share, 1.0))
+    return shares
+
+
+# Called as weights load: (checkpoint bytes this rank has read, checkpoint bytes it reads in
+# all). Called once per tensor, so a callback that publishes somewhere rate-limits itself.
 LoadProgressCallback = Callable[[int, int], None]
+
+_GiB = float(1 << 30)
+_MiB = float(1 << 20)
+_LOG_EVERY_S = 10.0  # a progress line at least this often while loading ...
+_LOG_EVERY_FRACTION = 0.1  # ... and at every further 10 %
+_QUIET_S = 5.0  # a load shorter than this logs only its summary
+
+
+class LoadMeter:
+    """Counts the bytes a rank has read as its tensors are consumed; reports them to
+    ``progress`` on every tensor and to the log every ``_LOG_EVERY_S`` or 10 % (once the load
+    has run ``_QUIET_S``), then one summary line."""
+
+    def __init__(
+        self,
+        rank: int,
+        total_bytes: int,
+        progress: LoadProgressCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rank = rank
+        self.total_bytes = total_bytes
+        self.read_bytes = 0
+        self._progress = progress
+        self._clock = clock
+        self._started = clock()
+        self._logged_at = self._started
+        self._logged_fraction = 0.0
+
+    def wrap(
+        self, weights: Iterator[tuple[str, Any]], shares: dict[str, int]
+    ) -> Iterator[tuple[str, Any]]:
+        """``weights`` unchanged; a tensor counts as read once its consumer asks for the next."""
+        self.add(0)
+        for name, tensor in weights:
+            yield name, tensor
+            self.add(shares.get(name, 0))
+
+    def add(self, nbytes: int) -> None:
+        self.read_bytes += nbytes
+        if self._progress is not None:
+            self._progress(self.read_bytes, self.total_bytes)
+        now = self._clock()
+        fraction = self.read_bytes / self.total_bytes if self.total_bytes else 1.0
+        if now - self._started < _QUIET_S or self.read_bytes >= self.total_bytes:
+            return
+        if now - self._logged_at >= _LOG_EVERY_S or (
+            fraction - self._logged_fraction >= _LOG_EVERY_FRACTION
+        ):
+            self._logged_at, self._logged_fraction = now, fraction
+            logger.info("%s", self.line())
+
+    def line(self) -> str:
+        """``rank 0: loading weights 3.20/17.60 GiB (18%), 42 s, 78 MiB/s``."""
+        elapsed = self._clock() - self._started
+        percent = 100 * self.read_bytes / self.total_bytes if self.total_bytes else 100.0
+        rate = self.read_bytes / _MiB / elapsed if elapsed > 0 else 0.0
+        return (
+            f"rank {self.rank}: loading weights {format_bytes(self.read_bytes, self.total_bytes)}"
+            f" ({percent:.0f}%), {elapsed:.0f} s, {rate:.0f} MiB/s"
+        )
+
+    def finish(self) -> None:
+        elapsed = self._clock() - self._started
+        rate = self.read_bytes / _MiB / elapsed if elapsed > 0 else 0.0
+        logger.info(
+            "rank %d: loaded %s of weights in %.1f s (%.0f MiB/s)",
+            self.rank,
+            format_bytes(self.read_bytes),
+            elapsed,
+            rate,
+        )
+
+
+def format_bytes(nbytes: int, total: int | None = None) -> str:
+    """``3.20 GiB``, or ``3.20/17.60 GiB`` against a total; MiB below 1 GiB."""
+    scale, unit = (_GiB, "GiB") if max(nbytes, total or 0) >= _GiB else (_MiB, "MiB")
+    if total is None:
+        return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / scale:.2f}/{total / scale:.2f} {unit}"
 
 
 def load_model(
@@ -253,17 +377,21 @@ def load_model(
     progress: LoadProgressCallback | None = None,
 ) -> nn.Module:
     """Build this rank's shard of the model and load its weights; ``progress`` (when given)
-    hears how far the read has got."""
+    hears how far the read has got: (bytes read, bytes in all), once per tensor."""
     model_class = get_model_class(config.model.architecture)
     backend = config.kernel.resolved_backend(device.type)
     with torch.device(device), _default_dtype(config.model.torch_dtype):
         model = model_class(config.model.hf_config, ctx, ops=get_kernel_ops(backend))
-    progress = ctx.tp.rank == 0 and ctx.pp.rank == 0
+    path = config.model.model_path
+    shares = rank_read_bytes(model, checkpoint_tensor_bytes(path), config.model.hf_config)
+    meter = LoadMeter(config.parallel.rank, sum(shares.values()), progress)
+    show_bar = ctx.tp.rank == 0 and ctx.pp.rank == 0
     load_weights(
         model,
-        iterate_checkpoint(config.model.model_path, progress=progress),
+        meter.wrap(iterate_checkpoint(path, progress=show_bar), shares),
         hf_config=config.model.hf_config,
     )
+    meter.finish()
     model.eval()
     if device.type == "cpu" and envs.cpu_packed_gemm():
         packed = pack_linear_weights(model)

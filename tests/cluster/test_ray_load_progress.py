@@ -1,0 +1,153 @@
+"""Model start-up on a local Ray whose worker processes load slowly (``slow_loader``: 0.4 s per
+checkpoint tensor, ~8 s for tiny-llama's 21, unless a test says otherwise): start-up is bounded by
+``LLM_CLUSTER_LOAD_TIMEOUT_S``, not the step timeout; TP ranks load at once; each worker's
+progress is published while it loads and gone once the engine runs; and a Serve replica that is
+starting shows its load in ``cluster_status``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from cluster.load_progress import read_load_progress
+from engine import LLM, EngineDeadError, SamplingParams
+from tests.cluster import slow_loader
+from tests.cluster.conftest import free_port, load_yaml
+
+MODEL = "builtin:tiny-llama"
+NUM_TENSORS = 21  # in tiny-llama's checkpoint
+DELAY_S = 0.4  # per tensor: ~8.4 s per worker
+ENGINE_ARGS: dict[str, Any] = {"num_kv_blocks": 64, "max_model_len": 128, "device": "cpu"}
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+PROMPTS = ["hello", "the quick brown fox"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def delay_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("slow_loader") / "seconds_per_tensor"
+    slow_loader.set_delay(path, DELAY_S)
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env=slow_loader.runtime_env(path),
+    )
+    yield path
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def default_delay(delay_file: Path) -> None:
+    slow_loader.set_delay(delay_file, DELAY_S)
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+class _Poller:
+    """Reads the published load progress every 0.2 s on a thread, keeping what it saw."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.seen.extend(read_load_progress())
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._stop.set()
+        self._thread.join()
+        return self.seen
+
+
+def test_tp2_load_longer_than_the_step_timeout_starts_loading_ranks_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reference = LLM(MODEL, distributed_executor_backend="uni", **ENGINE_ARGS)  # not slowed
+    expected = _greedy(reference)
+    reference.llm_engine.shutdown()
+    monkeypatch.setenv("LLM_CLUSTER_STEP_TIMEOUT_S", "3")
+
+    poller = _Poller()
+    llm = LLM(MODEL, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE_ARGS)
+    seen = poller.stop()
+    try:
+        one_worker_s = NUM_TENSORS * DELAY_S
+        load_s = llm.llm_engine.executor.startup_timings["load"]
+        # Both ranks read at once: about one worker's time, far from the sum of both.
+        assert one_worker_s <= load_s < 1.5 * one_worker_s, load_s
+        assert _greedy(llm) == expected
+        loading = [r for r in seen if r["phase"] == "loading weights"]
+        assert {r["rank"] for r in loading} == {0, 1}
+        assert any(0 < r["bytes_read"] < r["bytes_total"] for r in loading)
+        assert read_load_progress() == []  # ready: every record removed
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_a_load_past_the_load_timeout_fails_naming_phase_ranks_and_variable(
+    monkeypatch: pytest.MonkeyPatch, delay_file: Path
+) -> None:
+    # 42 s of loading against a 10 s bound (worker processes may take seconds to start).
+    slow_loader.set_delay(delay_file, 2.0)
+    monkeypatch.setenv("LLM_CLUSTER_LOAD_TIMEOUT_S", "10")
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError) as failure:
+        LLM(MODEL, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE_ARGS)
+    message = str(failure.value)
+    assert "start-up phase 'loading weights'" in message
+    assert "worker ranks [0, 1]" in message
+    assert "LLM_CLUSTER_LOAD_TIMEOUT_S" in message
+    assert time.monotonic() - started < NUM_TENSORS * 2.0  # it did not wait for the load
+    assert read_load_progress() == []  # the killed workers' records are removed
+
+
+def test_cluster_status_shows_a_starting_replica_loading_then_it_serves() -> None:
+    from openai import OpenAI
+
+    from cluster import deploy
+    from cluster.config import load_config
+
+    raw = load_yaml("tiny.yaml")
+    raw["http_options"]["port"] = free_port()
+    raw.pop("grpc_options")
+    raw["app_name"] = "slowload"
+    config = load_config(raw)
+    deployer = threading.Thread(target=deploy.deploy, args=(config, lambda line: None, 0.5))
+    deployer.start()
+    try:
+        loading: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 120
+        while deployer.is_alive() and time.monotonic() < deadline and not loading:
+            status = deploy.cluster_status("slowload")
+            entry = status["models"].get("tiny-llama", {})
+            loading = [w for w in entry.get("loading", []) if w["phase"] == "loading weights"]
+            time.sleep(0.3)
+        assert loading, "no loading record seen while the replica started"
+        worker = loading[0]
+        assert worker["rank"] == 0 and worker["node"]
+        assert 0 < worker["percent"] < 100 and worker["read_gib"] < worker["total_gib"]
+        deployer.join(timeout=120)
+        status = deploy.cluster_status("slowload")
+        assert status["status"] == "RUNNING"
+        assert "loading" not in status["models"]["tiny-llama"]
+        client = OpenAI(base_url=deploy.endpoint(config), api_key="unused")
+        reply = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=4)
+        assert reply.choices[0].text is not None and reply.usage.completion_tokens == 4
+    finally:
+        deployer.join(timeout=120)
+        deploy.shutdown()
