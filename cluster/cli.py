@@ -2,6 +2,7 @@
 
 cluster make-model tiny-llama DIR     write a built-in tiny model (HF format) to DIR
 cluster generate --model M PROMPT...  offline generation with the engine
+cluster plan CONFIG                   whether each model fits its GPUs (memory per GPU, KV cache)
 """
 
 from __future__ import annotations
@@ -85,7 +86,16 @@ def _deploy_and_report(
     import logging
 
     from cluster import deploy
+    from cluster.plan import PlanError, preflight
 
+    try:
+        # Before a local Ray starts: a model that cannot fit its GPUs starts nothing.
+        preflight(config)
+    except PlanError as exc:
+        for model_id, reasons in exc.problems.items():
+            for reason in reasons:
+                print(f"refused: {model_id}: {reason}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     deployed = deploy.direct_ingress(config) if direct_ingress else None
     if deployed is not None:  # Serve would announce the idle proxy's spare port as the app's
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -132,6 +142,38 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         deploy.shutdown()
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Print every model's memory plan; exit 2 (reasons on stderr) when one cannot fit or the
+    config is refused, 0 when all fit."""
+    from cluster import plan as planning
+    from cluster.config import load_config
+    from engine.errors import ConfigError
+
+    config_error = None
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        # The engine refuses something in the config (a quantized checkpoint, ...): still
+        # show what the models would need, when the YAML's structure allows it.
+        config_error = exc
+        config = planning.load_unchecked(args.config)
+    refused = config_error is not None
+    if config is not None:
+        try:
+            plan = planning.plan_deployment(config, args.gpu_memory_gib)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(plan.to_json() if args.json else plan.format_text(), flush=True)
+        for model_id, reasons in plan.problems().items():
+            for reason in reasons:
+                print(f"refused: {model_id}: {reason}", file=sys.stderr)
+        refused = refused or not plan.fits
+    if config_error is not None:
+        print(f"config error: {config_error}", file=sys.stderr)
+    return 2 if refused else 0
 
 
 def _deploy(args: argparse.Namespace) -> int:
@@ -191,6 +233,22 @@ def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
         "serving the config's ports from the ingress replica itself (direct ingress, faster)",
     )
     serve_cmd.set_defaults(func=_serve)
+
+    plan_cmd = sub.add_parser(
+        "plan",
+        help="whether each model of CONFIG fits its GPUs, before anything is placed "
+        "(exit 0: fits, 2: refused)",
+    )
+    plan_cmd.add_argument("config", help="deployment YAML, e.g. configs/llama70b.yaml")
+    plan_cmd.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        metavar="N",
+        help="one GPU's memory in GiB (default: from each model's accelerator_type)",
+    )
+    plan_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    plan_cmd.set_defaults(func=_plan)
 
     deploy_cmd = sub.add_parser("deploy", help="deploy CONFIG to a running Ray cluster")
     deploy_cmd.add_argument("config")

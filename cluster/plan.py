@@ -1,0 +1,312 @@
+"""``cluster plan CONFIG``: whether each model of a deployment fits its GPUs, decided before
+anything is placed; and ``preflight``, the same check as the first thing ``cluster deploy`` does.
+
+Per model: the checkpoint's ``config.json`` (a local ``model_source``, or a built-in) and the
+engine arguments go through ``engine.memory_plan``; one GPU's memory comes from the model's
+``accelerator_type`` (``GPU_MEMORY_GIB``) or ``--gpu-memory-gib``. A checkpoint that is not on
+this machine (``/models/...`` that only the GPU nodes mount) is skipped, not refused: its
+replicas check it when they start (``cluster.start_errors``). Ray-free and torch-free (a
+built-in model source imports the engine's tiny-model writer, which needs torch).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cluster.config import DeploymentConfig, ModelDeployment
+from engine.errors import ConfigError
+from engine.memory_plan import GiB, MemoryPlan, PlanSettings, plan_memory
+
+# One GPU's memory by Ray's accelerator type name (``ray.util.accelerators``), in GiB as
+# ``torch.cuda.mem_get_info`` reports the total: the HBM less what the driver keeps, e.g.
+# 79.19 GiB for an "80 GB" H100 (vLLM logs "total_gpu_memory=79.19GiB"). Figures from
+# published torch / vLLM logs, within ~0.5 GiB; an ambiguous name takes its smallest part;
+# ``--gpu-memory-gib`` overrides.
+GPU_MEMORY_GIB: dict[str, float] = {
+    "T4": 14.75,  # 16 GB GDDR6
+    "V100": 15.77,  # the 16 GB part (a 32 GB one exists: pass --gpu-memory-gib 31.74)
+    "A10G": 22.07,  # 24 GB GDDR6
+    "L4": 22.03,  # 24 GB GDDR6
+    "L40S": 44.39,  # 48 GB GDDR6
+    "A100": 39.39,  # ambiguous: the 40 GB part
+    "A100-40G": 39.39,
+    "A100-80G": 79.15,
+    "H100": 79.19,  # 80 GB HBM3 (SXM and PCIe)
+    "H20": 94.99,  # 96 GB HBM3
+    "H200": 139.81,  # 141 GB HBM3e
+    "B200": 178.35,  # 180 GB HBM3e (as the B200 reports it; 192 GB on paper)
+    "RTX-PRO-6000": 94.97,  # 96 GB GDDR7
+}
+
+
+class PlanError(ConfigError):
+    """Some model of the deployment cannot fit: ``problems`` maps each such model's id to
+    every reason, each naming its numbers. Raised before anything is placed."""
+
+    def __init__(self, problems: dict[str, list[str]]) -> None:
+        lines = [f"model {model!r}: {'; '.join(reasons)}" for model, reasons in problems.items()]
+        super().__init__("refused before anything was placed: " + " | ".join(lines))
+        self.problems = problems
+
+    def __reduce__(self) -> tuple[type[PlanError], tuple[dict[str, list[str]]]]:
+        return type(self), (self.problems,)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model of the deployment: its plan, or why there is none (``skipped``)."""
+
+    model_id: str
+    model_source: str
+    accelerator_type: str | None
+    gpu_memory_gib: float | None
+    gpu_memory_from: str | None  # "accelerator_type H100", "--gpu-memory-gib", or None
+    plan: MemoryPlan | None
+    skipped: str | None = None
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        return self.plan.problems if self.plan is not None else ()
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model_id": self.model_id,
+            "model_source": self.model_source,
+            "accelerator_type": self.accelerator_type,
+            "gpu_memory_gib": self.gpu_memory_gib,
+            "gpu_memory_from": self.gpu_memory_from,
+            "fits": self.fits,
+            "skipped": self.skipped,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    models: tuple[ModelPlan, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(m.fits for m in self.models)
+
+    def problems(self) -> dict[str, list[str]]:
+        return {m.model_id: list(m.problems) for m in self.models if m.problems}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fits": self.fits, "models": [m.to_dict() for m in self.models]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def format_text(self) -> str:
+        return "\n\n".join(format_model(m) for m in self.models)
+
+
+def load_unchecked(path: str) -> DeploymentConfig | None:
+    """The deployment YAML built with its structure checked but not its engine arguments
+    against the checkpoint (``load_config`` refuses what the engine refuses, which a plan
+    reports as its problems instead); None when even the structure is wrong."""
+    import yaml
+
+    from cluster.config import _build
+
+    try:
+        return _build(DeploymentConfig, yaml.safe_load(Path(path).read_text()), "")
+    except (ConfigError, OSError, yaml.YAMLError):
+        return None
+
+
+def gpu_memory_gib_for(accelerator_type: str | None) -> float | None:
+    """One GPU's memory for a Ray accelerator type name (case-insensitive), None if unknown."""
+    if not accelerator_type:
+        return None
+    by_upper = {name.upper(): gib for name, gib in GPU_MEMORY_GIB.items()}
+    return by_upper.get(accelerator_type.upper())
+
+
+def read_hf_config(source: str) -> dict[str, Any] | None:
+    """The checkpoint's config.json, or None when it is not on this machine."""
+    if source.startswith("builtin:"):
+        from engine.tiny_models import resolve_model_source  # writes the built-in once
+
+        path = resolve_model_source(source) / "config.json"
+    else:
+        path = Path(source).expanduser() / "config.json"
+        if not path.is_file():
+            return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"model_source: {path} cannot be read as JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model_source: {path} is not a JSON object")
+    return data
+
+
+def plan_model(model: ModelDeployment, gpu_memory_gib: float | None = None) -> ModelPlan:
+    """The plan of one model's replica; ``gpu_memory_gib`` overrides its accelerator type."""
+    device = "cuda" if model.uses_gpu else "cpu"
+    gib, origin = None, None
+    if device == "cuda":
+        if gpu_memory_gib is not None:
+            gib, origin = float(gpu_memory_gib), "--gpu-memory-gib"
+        else:
+            gib = gpu_memory_gib_for(model.accelerator_type)
+            origin = f"accelerator_type {model.accelerator_type}" if gib is not None else None
+    source = model.model_loading_config.model_source
+    common = {
+        "model_id": model.model_id,
+        "model_source": source,
+        "accelerator_type": model.accelerator_type,
+        "gpu_memory_gib": gib,
+        "gpu_memory_from": origin,
+    }
+    hf = read_hf_config(source)
+    if hf is None:
+        skipped = (
+            f"{source}/config.json is not on this machine: not planned (the replicas check "
+            "the checkpoint when they start)"
+        )
+        return ModelPlan(**common, plan=None, skipped=skipped)
+    settings = PlanSettings.from_engine_kwargs(model.engine_args(), device)
+    plan = plan_memory(hf, settings, int(gib * GiB) if gib is not None else None)
+    if device == "cuda" and gib is None:
+        named = model.accelerator_type
+        why = (
+            f"accelerator_type {named!r} has no known memory size"
+            if named
+            else "no accelerator_type is set"
+        )
+        notes = tuple(
+            f"{n} ({why}; pass --gpu-memory-gib)" if n.startswith("GPU memory unknown") else n
+            for n in plan.notes
+        )
+        plan = _with_notes(plan, notes)
+    return ModelPlan(**common, plan=plan)
+
+
+def _with_notes(plan: MemoryPlan, notes: tuple[str, ...]) -> MemoryPlan:
+    from dataclasses import replace
+
+    return replace(plan, notes=notes)
+
+
+def plan_deployment(
+    config: DeploymentConfig, gpu_memory_gib: float | None = None
+) -> DeploymentPlan:
+    """Every model's plan; ``gpu_memory_gib`` (one GPU's memory) overrides every model's
+    accelerator type."""
+    if gpu_memory_gib is not None and not gpu_memory_gib > 0:
+        raise ConfigError(f"gpu_memory_gib: must be > 0, got {gpu_memory_gib!r}")
+    return DeploymentPlan(tuple(plan_model(m, gpu_memory_gib) for m in config.models))
+
+
+def preflight(config: DeploymentConfig, gpu_memory_gib: float | None = None) -> DeploymentPlan:
+    """Raise ``PlanError`` naming every model that cannot fit and every reason; returns the
+    plan otherwise. Touches no cluster."""
+    plan = plan_deployment(config, gpu_memory_gib)
+    problems = plan.problems()
+    if problems:
+        raise PlanError(problems)
+    return plan
+
+
+# ---- the text report ---------------------------------------------------------------------------
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if abs(n) >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def format_model(model: ModelPlan) -> str:
+    verdict = "fits" if model.fits else "REFUSED"
+    lines = [f"{model.model_id}: {verdict}"]
+    plan = model.plan
+    if plan is None:
+        lines.append(f"  {model.skipped}")
+        return "\n".join(lines)
+    devices = plan.tensor_parallel_size * plan.pipeline_parallel_size
+    unit = "GPU" if plan.device == "cuda" else "CPU worker"
+    lines.append(
+        f"  {model.model_source}: {plan.architecture}, {plan.dtype}, max_model_len "
+        f"{plan.max_model_len}, TP {plan.tensor_parallel_size} x PP "
+        f"{plan.pipeline_parallel_size} = {devices} {unit}{'s' if devices > 1 else ''} "
+        "per replica"
+    )
+    if plan.device == "cuda" and plan.gpu_memory_bytes is not None:
+        lines.append(
+            f"  GPU memory {_size(plan.gpu_memory_bytes)} ({model.gpu_memory_from}), usable "
+            f"{_size(plan.usable_gpu_bytes)} at gpu_memory_utilization "
+            f"{plan.gpu_memory_utilization}"
+        )
+    if plan.stages:
+        lines.extend(_stage_table(plan))
+        lines.append(_kv_summary(plan))
+        if plan.device == "cuda":
+            lines.append(
+                f"  ~ estimates: activation = one step of max_num_batched_tokens "
+                f"{plan.max_num_batched_tokens} tokens (+ logits of {plan.max_num_seqs} rows "
+                "on the last stage); reserves = CUDA context, NCCL, CUDA-graph pool"
+            )
+    lines.extend(f"  note: {note}" for note in plan.notes)
+    lines.extend(f"  problem: {problem}" for problem in plan.problems)
+    return "\n".join(lines)
+
+
+def _stage_table(plan: MemoryPlan) -> list[str]:
+    per = "per GPU" if plan.device == "cuda" else "per worker"
+    header = ["weights", "buffers", "LoRA", "activation~", "reserves~", "KV/token", "KV blocks"]
+    rows = []
+    for s in plan.stages:
+        label = f"stage {s.pp_rank} (layers {s.first_layer}-{s.end_layer - 1})"
+        if plan.tensor_parallel_size > 1:
+            label += f" x{plan.tensor_parallel_size}"
+        rows.append(
+            [
+                label,
+                _size(s.weight_bytes),
+                _size(s.buffer_bytes),
+                _size(s.lora_bytes) if s.lora_bytes else "-",
+                _size(s.activation_bytes) if plan.device == "cuda" else "-",
+                _size(s.reserve_bytes) if plan.device == "cuda" else "-",
+                _size(s.kv_bytes_per_token),
+                "-" if s.kv_blocks is None else f"{s.kv_blocks:,}",
+            ]
+        )
+    # Columns that say nothing for this device (CPU: no activation or reserves) are left out.
+    keep = [i for i in range(len(header)) if any(r[i + 1] != "-" for r in rows)]
+    header = [header[i] for i in keep]
+    rows = [[r[0], *(r[i + 1] for i in keep)] for r in rows]
+    width = max(len(per), *(len(r[0]) for r in rows))
+    cols = [max(len(h), *(len(r[i + 1]) for r in rows)) for i, h in enumerate(header)]
+    out = ["  " + per.ljust(width) + "  " + "  ".join(h.rjust(c) for h, c in zip(header, cols))]
+    for r in rows:
+        out.append(
+            "  " + r[0].ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(r[1:], cols))
+        )
+    return out
+
+
+def _kv_summary(plan: MemoryPlan) -> str:
+    tokens = plan.kv_tokens
+    if tokens is None:
+        return "  KV cache: unknown without the GPU's memory"
+    return (
+        f"  KV cache per replica: {tokens:,} tokens ({plan.kv_blocks:,} blocks of "
+        f"{plan.block_size}, the fewest of any {('GPU' if plan.device == 'cuda' else 'worker')}"
+        f"); longest sequence {tokens:,} tokens; {plan.max_concurrent_sequences:,} "
+        f"sequence(s) of max_model_len {plan.max_model_len} at once"
+    )

@@ -1,0 +1,163 @@
+"""``cluster plan CONFIG``: configs/llama70b.yaml with its model_source pointed at a directory
+holding Llama-3-70B's config.json (no weights): per-stage figures, JSON, refusals (exit 2 with
+the reasons on stderr), the GPU memory override, and ``preflight``'s error."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cluster.cli import main
+from cluster.config import load_config
+from cluster.plan import PlanError, gpu_memory_gib_for, plan_deployment, preflight
+from engine.errors import ConfigError
+from tests.cluster.conftest import load_yaml
+from tests.engine.test_memory_plan import LLAMA_3_70B
+
+MODEL_ID = "meta-llama/Meta-Llama-3-70B-Instruct"
+# Per GPU at TP 4 x PP 2: 40 layers of bf16 shards plus a quarter of the embedding (stage 0) or
+# of the LM head and the final norm (stage 1); see tests/engine/test_memory_plan.py.
+LAYER_BYTES = (20 * 128 * 8192 + 8192 * 2048 + 14336 * 8192 + 8192 * 7168 + 2 * 8192) * 2
+TABLE_BYTES = 128256 // 4 * 8192 * 2
+
+
+def llama70b_yaml(tmp_path: Path, **engine_kwargs: Any) -> Path:
+    """configs/llama70b.yaml, its checkpoint a tmp dir with the real config.json."""
+    model_dir = tmp_path / "Meta-Llama-3-70B-Instruct"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(LLAMA_3_70B))
+    data = copy.deepcopy(load_yaml("llama70b.yaml"))
+    model = data["models"][0]
+    model["model_loading_config"]["model_source"] = str(model_dir)
+    model["engine_kwargs"].update(engine_kwargs)
+    path = tmp_path / "llama70b.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_cluster_plan_prints_the_per_gpu_figures_of_each_stage_and_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", str(llama70b_yaml(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert f"{MODEL_ID}: fits" in out
+    assert "TP 4 x PP 2 = 8 GPUs per replica" in out
+    assert "GPU memory 79.19 GiB (accelerator_type H100), usable 71.27 GiB" in out
+    assert "stage 0 (layers 0-39) x4" in out and "stage 1 (layers 40-79) x4" in out
+    assert f"{(40 * LAYER_BYTES + TABLE_BYTES) / 2**30:.2f} GiB" in out  # 16.43 GiB
+    assert "sequence(s) of max_model_len 8192 at once" in out
+    assert "estimates" in out
+
+
+def test_cluster_plan_json_carries_every_figure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", str(llama70b_yaml(tmp_path)), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is True
+    (model,) = data["models"]
+    assert model["model_id"] == MODEL_ID and model["gpu_memory_gib"] == 79.19
+    plan = model["plan"]
+    first, last = plan["stages"]
+    assert first["weight_bytes"] == 40 * LAYER_BYTES + TABLE_BYTES
+    assert last["weight_bytes"] == 40 * LAYER_BYTES + TABLE_BYTES + 8192 * 2
+    assert first["kv_bytes_per_token"] == 40960
+    assert plan["kv_tokens"] == plan["kv_blocks"] * 16 > 1_000_000
+    assert plan["max_concurrent_sequences"] == plan["kv_tokens"] // 8192
+
+
+def test_llama70b_on_one_h100_is_refused_with_the_numbers_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = llama70b_yaml(tmp_path, tensor_parallel_size=1, pipeline_parallel_size=1)
+    assert main(["plan", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert f"{MODEL_ID}: REFUSED" in captured.out
+    assert (
+        f"refused: {MODEL_ID}: weights 131.42 GiB + buffers 0.01 GiB per GPU on pipeline "
+        "stage 0 (TP 1 x PP 1) exceed a GPU's usable 71.27 GiB (79.19 GiB x "
+        "gpu_memory_utilization 0.9)"
+    ) in captured.err
+
+
+def test_gpu_memory_gib_overrides_the_accelerator_type(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(llama70b_yaml(tmp_path))
+    assert main(["plan", path, "--gpu-memory-gib", "16"]) == 2
+    captured = capsys.readouterr()
+    assert "GPU memory 16.00 GiB (--gpu-memory-gib)" in captured.out
+    assert "exceed a GPU's usable 14.40 GiB (16.00 GiB x" in captured.err
+
+
+def test_a_kv_cache_shorter_than_max_model_len_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 21.2 GiB GPUs: 19.08 GiB usable; the last stage's weights (16.43 GiB), its step (~1 GiB)
+    # and the reserves (1.5 GiB) leave room for 3,536 tokens of 40 KiB, not one of 8,192.
+    path = str(llama70b_yaml(tmp_path))
+    assert main(["plan", path, "--gpu-memory-gib", "21.2"]) == 2
+    err = capsys.readouterr().err
+    assert "the KV cache holds 3536 tokens per replica (pipeline stage 1: 40 layers x 40 KiB" in err
+    assert "fewer than one max_model_len 8192 sequence needs; lower max_model_len" in err
+
+
+def test_an_unknown_accelerator_skips_only_the_memory_checks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = yaml.safe_load(llama70b_yaml(tmp_path).read_text())
+    data["models"][0]["accelerator_type"] = "TPU-V4"
+    path = tmp_path / "tpu.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory unknown" in out and "'TPU-V4' has no known memory size" in out
+    assert "KV cache: unknown without the GPU's memory" in out
+
+
+def test_a_quantized_checkpoint_is_sized_and_refused_by_the_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = llama70b_yaml(tmp_path)
+    model_dir = tmp_path / "Meta-Llama-3-70B-Instruct"
+    fp8 = {**LLAMA_3_70B, "quantization_config": {"quant_method": "fp8"}}
+    (model_dir / "config.json").write_text(json.dumps(fp8))
+    assert main(["plan", str(path), "--json"]) == 2
+    captured = capsys.readouterr()
+    stage = json.loads(captured.out)["models"][0]["plan"]["stages"][0]
+    assert stage["weight_breakdown"]["mlp"] == 40 * 3 * 14336 // 2 * 8192 + 40 * 3 * 4
+    assert "quantization_config: quant_method 'fp8' is not supported yet" in captured.err
+
+
+def test_a_checkpoint_not_on_this_machine_is_skipped_not_refused() -> None:
+    plan = plan_deployment(load_config(load_yaml("llama70b.yaml")))
+    (model,) = plan.models
+    assert plan.fits and model.plan is None
+    assert "is not on this machine" in (model.skipped or "")
+
+
+def test_preflight_raises_a_config_error_naming_the_model_and_every_problem(
+    tmp_path: Path,
+) -> None:
+    path = llama70b_yaml(tmp_path, tensor_parallel_size=1, pipeline_parallel_size=1)
+    with pytest.raises(PlanError) as info:
+        preflight(load_config(path))
+    assert isinstance(info.value, ConfigError)
+    assert list(info.value.problems) == [MODEL_ID]
+    assert f"model {MODEL_ID!r}: weights 131.42 GiB" in str(info.value)
+    assert preflight(load_config(llama70b_yaml(tmp_path))).fits
+
+
+def test_accelerator_names_are_rays() -> None:
+    from ray.util.accelerators import accelerators
+
+    from cluster.plan import GPU_MEMORY_GIB
+
+    names = {v for k, v in vars(accelerators).items() if k.startswith("NVIDIA_")}
+    assert set(GPU_MEMORY_GIB) <= names
+    assert gpu_memory_gib_for("h100") == 79.19 and gpu_memory_gib_for("Z9000") is None
