@@ -54,9 +54,9 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 # documentation of NCCL_BUFFSIZE / NCCL_MAX_NCHANNELS; vLLM counts it as non-torch memory). An
 # estimate; NVLS (NVLink SHARP) can take more.
 NCCL_COMMUNICATOR_BYTES = 256 * MiB
-# The private memory pool of the decode CUDA graphs (``engine.cuda_graphs``, TP = PP = 1 with
-# the Triton kernels only): vLLM logs 0.2-1 GiB for "Graph capturing finished" on 7-70B models
-# with up to 256 sequences. An estimate.
+# The private memory pool of the decode CUDA graphs (``engine.cuda_graphs``: CUDA, Triton
+# kernels, no LoRA, not enforce_eager): vLLM logs 0.2-1 GiB for "Graph capturing finished" on
+# 7-70B models with up to 256 sequences. An estimate.
 CUDA_GRAPH_POOL_BYTES = 512 * MiB
 
 # Bytes per element of the dtypes ``engine.config`` accepts (its ``_DTYPES``).
@@ -449,11 +449,9 @@ def kv_bytes_per_token(shape: _Shape, num_layers: int, dtype_bytes: int) -> int:
 def activation_bytes(
     shape: _Shape,
     settings: PlanSettings,
-    max_model_len: int,
     num_batched_tokens: int,
     is_last: bool,
     dtype_bytes: int,
-    kv_block_bytes: int,
 ) -> int:
     """An ESTIMATE of the peak a full-budget step adds on one rank (``num_batched_tokens``
     tokens through one layer; layers run one after another, so one layer's worth is live):
@@ -461,33 +459,28 @@ def activation_bytes(
         hidden + residual                                   2 x T x hidden
         + the larger of attention (qkv out, attention out, o_proj out) and
           MLP (gate_up out, act(gate) x up, down out)       T x (...) per rank
-        + on the last stage: logits of up to max_num_seqs rows, gathered over the padded
-          vocabulary in the dtype and once more in float32 for sampling
-        + on CUDA, the profiling KV cache the worker allocates while it measures its peak
-          (``Worker._profile_run``: ceil(T / seq) sequences of seq = min(T, max_model_len))
+        + on the last stage: logits of up to max_num_seqs rows gathered over the padded
+          vocabulary in the dtype, and two float32 copies the sampler makes (probabilities,
+          and the sorted copy of top-k / top-p)
 
     It ignores allocator fragmentation and the kernels' workspaces; the worker measures the
-    real peak at startup (a profiling forward pass)."""
+    real peak at startup (a profiling step, ``Worker._profile_run``), without the small KV
+    cache that step writes into."""
     t, h = num_batched_tokens, shape.hidden
     attn = t * (shape.q_size + 2 * shape.kv_size + shape.q_size + h)
     mlp = t * (2 * shape.inter_per_rank + shape.inter_per_rank + h)
     total = (2 * t * h + max(attn, mlp)) * dtype_bytes
     if is_last:
         rows = min(settings.max_num_seqs, t)
-        total += rows * shape.vocab_shard * shape.tp * dtype_bytes + rows * shape.vocab * 4
-    if settings.device == "cuda":
-        seq = min(t, max_model_len)
-        blocks = -(-t // seq) * -(-seq // settings.block_size)
-        total += blocks * kv_block_bytes
+        total += rows * shape.vocab_shard * shape.tp * dtype_bytes + 2 * rows * shape.vocab * 4
     return total
 
 
 def uses_cuda_graphs(settings: PlanSettings) -> bool:
-    """``ModelRunner._use_cuda_graphs``: CUDA, TP = PP = 1, Triton kernels, no LoRA, not eager."""
+    """Whether decode steps replay CUDA graphs (``engine.cuda_graphs``): on CUDA with the
+    Triton kernels, without LoRA, unless enforce_eager."""
     return (
         settings.device == "cuda"
-        and settings.tensor_parallel_size == 1
-        and settings.pipeline_parallel_size == 1
         and not settings.enable_lora
         and not settings.enforce_eager
         and settings.attention_backend != "torch"
@@ -570,7 +563,13 @@ def _plan(
     dtype_bytes = DTYPE_BYTES[dtype]
     tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
     shape = _shape(hf, tp)
-    max_model_len = settings.max_model_len or rope_max_positions(hf)
+    limit = rope_max_positions(hf)
+    max_model_len = settings.max_model_len or limit
+    if max_model_len > limit:
+        problems.append(
+            f"max_model_len: must be <= {limit} (the model's max_position_embeddings, with "
+            f"rope scaling), got {max_model_len}"
+        )
     batched = settings.max_num_batched_tokens
     if batched is None:
         batched = 2048 if settings.enable_chunked_prefill else max(2048, max_model_len)
@@ -616,13 +615,7 @@ def _plan(
             buffer_bytes=rotary_buffer_bytes(hf, first, end),
             lora_bytes=lora,
             activation_bytes=activation_bytes(
-                shape,
-                settings,
-                max_model_len,
-                batched,
-                pp_rank == pp - 1,
-                dtype_bytes,
-                block_bytes,
+                shape, settings, batched, pp_rank == pp - 1, dtype_bytes
             ),
             reserve_bytes=reserve_bytes(settings),
             kv_bytes_per_token=per_token,
