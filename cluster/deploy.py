@@ -18,6 +18,7 @@ import ray
 from ray import serve
 
 from cluster.config import DeploymentConfig
+from cluster.plan import preflight
 from cluster.serve import INGRESS_NAME, build_app, deployment_name, runtime_env
 from cluster.start_errors import start_failure
 
@@ -191,7 +192,12 @@ def deploy(
     refuses the checkpoint, a port in use, out of memory) raises ``DeployError`` as soon as
     Serve reports it, instead of after Serve's retries: a new application is deleted and its
     failure recorded for ``cluster_status``; an update leaves the running application to Serve
-    (its replicas of the previous version keep serving)."""
+    (its replicas of the previous version keep serving).
+
+    First of all, ``cluster.plan.preflight``: a model that cannot fit its GPUs (weights, or a
+    KV cache shorter than one max_model_len sequence) raises ``PlanError`` before anything is
+    built, started or placed."""
+    preflight(config)
     app = build_app(config)
     start_serve(config)
     name = config.app_name
