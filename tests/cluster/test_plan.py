@@ -161,3 +161,25 @@ def test_accelerator_names_are_rays() -> None:
     names = {v for k, v in vars(accelerators).items() if k.startswith("NVIDIA_")}
     assert set(GPU_MEMORY_GIB) <= names
     assert gpu_memory_gib_for("h100") == 79.19 and gpu_memory_gib_for("Z9000") is None
+
+
+@pytest.mark.parametrize("command", ["deploy", "serve"])
+def test_cluster_deploy_and_serve_refuse_before_touching_ray(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+) -> None:
+    from cluster import deploy
+
+    def no_ray(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("Ray was reached before the plan refused")
+
+    monkeypatch.setenv("LLM_CLUSTER_API_KEYS", "sk-test")
+    monkeypatch.setattr(deploy, "connect", no_ray)
+    monkeypatch.setattr(deploy, "direct_ingress", no_ray)
+    path = llama70b_yaml(tmp_path, tensor_parallel_size=1, pipeline_parallel_size=1)
+    with pytest.raises(SystemExit) as info:
+        main([command, str(path)])
+    assert info.value.code == 2
+    assert f"refused: {MODEL_ID}: weights 131.42 GiB" in capsys.readouterr().err
