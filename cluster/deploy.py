@@ -340,14 +340,16 @@ def endpoint(config: DeploymentConfig) -> str:
 
 
 def cluster_status(app_name: str = "llm") -> dict[str, Any]:
-    """Per model: Serve's deployment status, replica states, and one replica's engine stats
-    (KV usage, running and waiting requests)."""
+    """Per model: Serve's deployment status, replica states, one replica's engine stats (KV
+    usage, running and waiting requests), and while replicas start, ``loading``: one entry per
+    starting worker (rank, node, phase, GiB read / total, %, seconds; ``cluster.load_progress``)."""
     apps = serve.status().applications
     if app_name not in apps:
         return _not_deployed(app_name)
     app = apps[app_name]
     models: dict[str, Any] = {}
     ingress = serve.get_deployment_handle(INGRESS_NAME, app_name)
+    loading = _loading_by_deployment()
     for name, dep in app.deployments.items():
         if not name.startswith("LLMServer:"):
             continue
@@ -359,13 +361,30 @@ def cluster_status(app_name: str = "llm") -> dict[str, Any]:
         failure = start_failure(dep.message)
         if failure is not None:
             entry["error"] = failure
-        try:
-            stats = _model_stats(ingress, name)
-            entry["stats"] = stats
-        except Exception as exc:  # a model with no running replica has no stats to show
-            entry["stats_error"] = f"{type(exc).__name__}: {exc}"
+        if name in loading:
+            entry["loading"] = loading[name]
+        if not entry["replicas"].get("RUNNING"):
+            # A call would wait (up to 30 s) for a replica to come up: not while one loads.
+            entry["stats_error"] = "no running replica"
+        else:
+            try:
+                entry["stats"] = _model_stats(ingress, name)
+            except Exception as exc:  # the replica went away meanwhile
+                entry["stats_error"] = f"{type(exc).__name__}: {exc}"
         models[entry.get("stats", {}).get("model_id") or name.removeprefix("LLMServer:")] = entry
     return {"app": app_name, "status": app.status.value, "models": models}
+
+
+def _loading_by_deployment() -> dict[str, list[dict[str, Any]]]:
+    """The fresh start-up records of every model's workers, keyed by its deployment name."""
+    from cluster.load_progress import describe, read_load_progress
+
+    now = time.time()
+    by_deployment: dict[str, list[dict[str, Any]]] = {}
+    for record in read_load_progress(now=now):
+        name = deployment_name(str(record.get("model_id", "")))
+        by_deployment.setdefault(name, []).append(describe(record, now))
+    return by_deployment
 
 
 def _not_deployed(app_name: str) -> dict[str, Any]:

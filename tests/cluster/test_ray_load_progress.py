@@ -18,6 +18,8 @@ import ray
 
 from cluster.load_progress import read_load_progress
 from engine import LLM, EngineDeadError, SamplingParams
+from engine.model_loader import checkpoint_tensor_bytes
+from engine.tiny_models import resolve_model_source
 from tests.cluster import slow_loader
 from tests.cluster.conftest import free_port, load_yaml
 
@@ -135,12 +137,17 @@ def test_cluster_status_shows_a_starting_replica_loading_then_it_serves() -> Non
         while deployer.is_alive() and time.monotonic() < deadline and not loading:
             status = deploy.cluster_status("slowload")
             entry = status["models"].get("tiny-llama", {})
-            loading = [w for w in entry.get("loading", []) if w["phase"] == "loading weights"]
+            loading = [
+                w
+                for w in entry.get("loading", [])
+                if w["phase"] == "loading weights" and 0 < w["bytes_read"] < w["bytes_total"]
+            ]
             time.sleep(0.3)
-        assert loading, "no loading record seen while the replica started"
+        assert loading, "no record of a load under way seen while the replica started"
         worker = loading[0]
-        assert worker["rank"] == 0 and worker["node"]
-        assert 0 < worker["percent"] < 100 and worker["read_gib"] < worker["total_gib"]
+        assert worker["rank"] == 0 and worker["node"] and 0 < worker["percent"] < 100
+        checkpoint = checkpoint_tensor_bytes(resolve_model_source(MODEL))
+        assert worker["bytes_total"] == sum(checkpoint.values())
         deployer.join(timeout=120)
         status = deploy.cluster_status("slowload")
         assert status["status"] == "RUNNING"
