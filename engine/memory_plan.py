@@ -461,7 +461,8 @@ def activation_bytes(
           MLP (gate_up out, act(gate) x up, down out)       T x (...) per rank
         + on the last stage: logits of up to max_num_seqs rows gathered over the padded
           vocabulary in the dtype, and two float32 copies the sampler makes (probabilities,
-          and the sorted copy of top-k / top-p)
+          and the sorted copy of top-k / top-p); that is TP rank 0's share, the largest,
+          counted for every rank of the stage
 
     It ignores allocator fragmentation and the kernels' workspaces; the worker measures the
     real peak at startup (a profiling step, ``Worker._profile_run``), without the small KV

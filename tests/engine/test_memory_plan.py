@@ -200,6 +200,16 @@ def test_every_family_matches_a_meta_build_of_every_rank(
     check_against_meta_builds(tmp_path, builtin_config(name, **overrides), kwargs)
 
 
+def test_a_tp_size_the_layers_cannot_split_is_a_problem_as_in_the_model_code() -> None:
+    # 4 KV heads over 3 ranks: neither divides the other (QKVParallelLinear refuses it too).
+    hf = builtin_config("tiny-llama", num_attention_heads=6, num_key_value_heads=4, head_dim=16)
+    plan = plan_memory(hf, PlanSettings(tensor_parallel_size=3), H100_BYTES)
+    assert plan.stages == () and not plan.fits
+    assert "num_key_value_heads (4), got 3" in plan.problems[-1]
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        meta_rank(hf, "float32", 3, 0, 1, 0)
+
+
 def test_every_registered_family_has_a_memory_model() -> None:
     assert set(FAMILIES) == set(MODEL_REGISTRY)
 
