@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import importlib
 import logging
 import time
 import uuid
@@ -57,6 +58,11 @@ class TokenChannel:
         self._head_of: dict[str, str] = {}  # request id -> head actor name
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._actors: dict[str, Any] = {}  # head actor handles by name
+        # ``ray.get_actor`` loads the head's class into this process, importing
+        # cluster.head_actor and with it the engine (torch, transformers): seconds that the
+        # first request would wait for (BENCHMARKS.md, "Cold start"). Imported now instead,
+        # while the ingress starts beside the model replicas, which take longer.
+        importlib.import_module("cluster.head_actor")
 
     def register(self, request_id: str) -> None:
         """Before the request is sent: its first delta may come before its ``StreamStart``."""
