@@ -24,6 +24,9 @@ shards of the same sizes, so one line per stage stands for all of its ranks):
         CPU:  min(cpu_kv_cache_space GiB // block bytes, max_num_seqs x blocks of max_model_len)
               (``Worker.determine_num_available_blocks``)
 
+One role in one file (~750 lines): the arithmetic follows the model code layer by layer, and
+the refusals read the same figures; split apart, the two would drift from each other.
+
 A plan refuses (``MemoryPlan.problems``) when the weights and buffers do not fit a GPU's usable
 memory, when the KV cache cannot hold one ``max_model_len`` sequence, or when the engine would
 refuse the config itself (``engine.hf_config.check_hf_config``). Quantized checkpoints are
@@ -594,37 +597,15 @@ def _plan(
     )
     if settings.device == "cuda" and gpu_memory_bytes is None:
         notes.append("GPU memory unknown: the checks against it are skipped")
-    stages = []
-    for pp_rank in range(pp):
-        first, end = layer_range(shape.num_layers, pp_rank, pp, partition)
-        weights = stage_weight_bytes(
-            hf, shape, first, end, pp_rank == 0, pp_rank == pp - 1, dtype_bytes, quant
+    stages = [
+        _with_kv(
+            _stage(hf, shape, settings, pp_rank, partition, dtype_bytes, batched, quant),
+            settings,
+            max_model_len,
+            usable,
         )
-        per_token = kv_bytes_per_token(shape, end - first, dtype_bytes)
-        block_bytes = per_token * settings.block_size
-        lora = (
-            lora_bytes(shape, end - first, settings.max_loras, settings.max_lora_rank, dtype_bytes)
-            if settings.enable_lora
-            else 0
-        )
-        stage = StagePlan(
-            pp_rank=pp_rank,
-            first_layer=first,
-            end_layer=end,
-            weight_bytes=sum(weights.values()),
-            weight_breakdown=weights,
-            buffer_bytes=rotary_buffer_bytes(hf, first, end),
-            lora_bytes=lora,
-            activation_bytes=activation_bytes(
-                shape, settings, batched, pp_rank == pp - 1, dtype_bytes
-            ),
-            reserve_bytes=reserve_bytes(settings),
-            kv_bytes_per_token=per_token,
-            kv_block_bytes=block_bytes,
-            kv_budget_bytes=None,
-            kv_blocks=None,
-        )
-        stages.append(_with_kv(stage, settings, max_model_len, usable))
+        for pp_rank in range(pp)
+    ]
     known = [s.kv_blocks for s in stages if s.kv_blocks is not None]
     kv_blocks = min(known) if len(known) == len(stages) else None
     plan = MemoryPlan(
@@ -646,6 +627,44 @@ def _plan(
     )
     problems.extend(memory_problems(plan, settings))
     return replace(plan, problems=tuple(problems))
+
+
+def _stage(
+    hf: Mapping[str, Any],
+    shape: _Shape,
+    settings: PlanSettings,
+    pp_rank: int,
+    partition: tuple[int, ...] | None,
+    dtype_bytes: int,
+    batched: int,
+    quant: _Quant | None,
+) -> StagePlan:
+    """One stage's figures, without its KV blocks (``_with_kv``)."""
+    pp = settings.pipeline_parallel_size
+    first, end = layer_range(shape.num_layers, pp_rank, pp, partition)
+    is_last = pp_rank == pp - 1
+    weights = stage_weight_bytes(hf, shape, first, end, pp_rank == 0, is_last, dtype_bytes, quant)
+    per_token = kv_bytes_per_token(shape, end - first, dtype_bytes)
+    lora = 0
+    if settings.enable_lora:
+        lora = lora_bytes(
+            shape, end - first, settings.max_loras, settings.max_lora_rank, dtype_bytes
+        )
+    return StagePlan(
+        pp_rank=pp_rank,
+        first_layer=first,
+        end_layer=end,
+        weight_bytes=sum(weights.values()),
+        weight_breakdown=weights,
+        buffer_bytes=rotary_buffer_bytes(hf, first, end),
+        lora_bytes=lora,
+        activation_bytes=activation_bytes(shape, settings, batched, is_last, dtype_bytes),
+        reserve_bytes=reserve_bytes(settings),
+        kv_bytes_per_token=per_token,
+        kv_block_bytes=per_token * settings.block_size,
+        kv_budget_bytes=None,
+        kv_blocks=None,
+    )
 
 
 def _with_kv(
