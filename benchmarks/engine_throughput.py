@@ -4,7 +4,7 @@ process, on a random-weight checkpoint or a model directory, with the workload o
 ids, lengths uniform in ranges, ``ignore_eos``, fixed seed).
 
     python -m benchmarks.engine_throughput --out engine_throughput.json [--model DIR]
-        [--num-prompts 256] [--input-len 128:512] [--output-len 128:256] [--compare-eager]
+        [--num-prompts 256] [--input-len 64:256] [--output-len 128:256] [--compare-eager]
 
 Reports, after an untimed warm-up:
 - throughput (output and total tokens/s) with no device syncs but the sampler's (the way it
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="HF model directory (default: random)")
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
     parser.add_argument("--num-prompts", type=int, default=256 if cuda else 16)
-    parser.add_argument("--input-len", type=length_range, default=(128, 512) if cuda else (16, 64))
+    parser.add_argument("--input-len", type=length_range, default=(64, 256) if cuda else (16, 64))
     parser.add_argument("--output-len", type=length_range, default=(128, 256) if cuda else (16, 32))
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -80,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-eager", action="store_true", help="also enforce_eager=True")
     parser.add_argument("--no-profile", action="store_true", help="skip the synced step profile")
+    parser.add_argument(
+        "--system",
+        choices=("engine", "vllm"),
+        default="engine",
+        help="vllm: the peer engine on the same checkpoint and workload (needs vllm importable)",
+    )
     args = parser.parse_args(argv)
 
     from engine.tiny_models import make_random_model, materialize
@@ -96,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         args.num_prompts, args.input_len, args.output_len, vocab, args.seed
     )
     runs = [False, True] if args.compare_eager else [False]
+    run = run_engine if args.system == "engine" else run_vllm
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
@@ -107,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         "output_len": list(args.output_len),
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "system": args.system,
         "runs": [],
     }
     for enforce_eager in runs:
-        result = run_engine(args, model_dir, prompts, output_lens, enforce_eager)
+        result = run(args, model_dir, prompts, output_lens, enforce_eager)
         print(json.dumps(result), flush=True)
         report["runs"].append(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,6 +184,54 @@ def run_engine(
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def run_vllm(
+    args: argparse.Namespace,
+    model_dir: Path,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    enforce_eager: bool,
+) -> dict[str, Any]:
+    """vLLM's offline ``LLM.generate`` with the same limits, workload and sampling."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = vllm.LLM(
+        model=str(model_dir),
+        dtype=args.dtype,
+        max_model_len=max(map(len, prompts)) + max(output_lens),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=enforce_eager,
+        seed=args.seed,
+        skip_tokenizer_init=True,
+    )
+    startup_s = time.perf_counter() - started
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    params = [
+        vllm.SamplingParams(
+            temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n, detokenize=False
+        )
+        for n in output_lens
+    ]
+    llm.generate(requests[:2], params[:2], use_tqdm=False)  # warm-up, untimed
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "system": "vllm",
+        "vllm": vllm.__version__,
+        "enforce_eager": enforce_eager,
+        "startup_s": round(startup_s, 2),
+        "wall_s": round(wall, 3),
+        "output_tokens": produced,
+        "output_tok_s": round(produced / wall, 1),
+        "total_tok_s": round((produced + sum(map(len, prompts))) / wall, 1),
+    }
 
 
 def synced_profile(llm: Any, requests: list[Any], params: list[Any]) -> dict[str, Any]:
