@@ -12,7 +12,7 @@ built-in model source imports the engine's tiny-model writer, which needs torch)
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -188,14 +188,8 @@ def plan_model(model: ModelDeployment, gpu_memory_gib: float | None = None) -> M
             f"{n} ({why}; pass --gpu-memory-gib)" if n.startswith("GPU memory unknown") else n
             for n in plan.notes
         )
-        plan = _with_notes(plan, notes)
+        plan = replace(plan, notes=notes)
     return ModelPlan(**common, plan=plan)
-
-
-def _with_notes(plan: MemoryPlan, notes: tuple[str, ...]) -> MemoryPlan:
-    from dataclasses import replace
-
-    return replace(plan, notes=notes)
 
 
 def plan_deployment(
