@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cluster.config import DeploymentConfig
@@ -103,7 +104,7 @@ def _deploy_and_report(
     names = ", ".join(m.model_id for m in config.models)
     print(f"deploying {names} (app {config.app_name!r}); loading models...", flush=True)
     try:
-        deploy.deploy(deployed or config, progress=lambda line: print(line, flush=True))
+        deploy.deploy(deployed or config, progress=_with_time_to_ready(time.monotonic()))
     except deploy.DeployError as exc:
         for reason in exc.reasons.values():
             print(f"error: {reason}", file=sys.stderr, flush=True)
@@ -113,6 +114,31 @@ def _deploy_and_report(
     print(f"ready: OpenAI API at {deploy.endpoint(config)}", flush=True)
     if config.grpc_options is not None:
         print(f"gRPC (llmcluster.LLM) on port {config.grpc_options.port}", flush=True)
+
+
+def _with_time_to_ready(started: float) -> Callable[[str], None]:
+    """Print ``deploy``'s status lines; a model deployment's first HEALTHY line gets the time
+    since the deploy began (``  LLMServer:m: HEALTHY (1 running), ready in 214 s``)."""
+    ready: set[str] = set()
+
+    def report(line: str) -> None:
+        deployment, _, state = line.strip().partition(": ")
+        model = deployment.startswith("LLMServer:")
+        if model and state.startswith("HEALTHY") and deployment not in ready:
+            ready.add(deployment)
+            line += f", ready in {time.monotonic() - started:.0f} s"
+        print(line, flush=True)
+
+    return report
+
+
+def _print_loading(workers: list[dict[str, Any]]) -> None:
+    """``cluster status`` lines for a model's starting workers (``cluster.load_progress``)."""
+    for w in workers:
+        where = f"    starting: rank {w['rank']} on {w['node']}: {w['phase']}"
+        if w.get("percent") is not None and w["phase"] == "loading weights":
+            where += f" {w['read_gib']:.2f}/{w['total_gib']:.2f} GiB ({w['percent']:.0f}%)"
+        print(f"{where}, {w['seconds']:.0f} s since start ({w['phase_seconds']:.0f} s in phase)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -197,6 +223,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"  {model}: {entry['status']} ({replicas or 'no replicas'})")
         if "error" in entry:
             print(f"    {entry['error']}")
+        _print_loading(entry.get("loading", []))
         stats = entry.get("stats")
         if stats:
             print(

@@ -184,3 +184,46 @@ def test_publishing_without_a_store_does_not_fail(phase: str) -> None:
     publisher.weights(1, 2)
     publisher.close()
     assert read_load_progress() == []
+
+
+def test_cluster_status_prints_a_line_per_starting_worker(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cluster.cli import _print_loading
+
+    base = {"node": "10.0.0.7", "bytes_total": 17 << 30, "started_at": 0.0}
+    loading = {**base, "rank": 0, "phase": PHASE_LOADING, "bytes_read": 3 << 30}
+    sizing = {**base, "rank": 1, "phase": "sizing KV cache", "bytes_read": 17 << 30}
+    _print_loading(
+        [
+            describe({**loading, "phase_started_at": 5.0}, now=47.0),
+            describe({**sizing, "phase_started_at": 40.0}, now=47.0),
+        ]
+    )
+    assert capsys.readouterr().out.splitlines() == [
+        "    starting: rank 0 on 10.0.0.7: loading weights 3.00/17.00 GiB (18%), "
+        "47 s since start (42 s in phase)",
+        "    starting: rank 1 on 10.0.0.7: sizing KV cache, 47 s since start (7 s in phase)",
+    ]
+
+
+def test_deploy_progress_gives_each_model_its_time_to_ready(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cluster.cli import _with_time_to_ready
+
+    report = _with_time_to_ready(time.monotonic() - 214)
+    lines = [
+        "LLMServer:m: UPDATING (1 starting)",
+        "LLMServer:m: HEALTHY (1 running)",
+        "OpenAIIngress: HEALTHY (1 running)",
+        "LLMServer:m: HEALTHY (2 running)",
+    ]
+    for line in lines:
+        report(f"  {line}")
+    assert capsys.readouterr().out.splitlines() == [
+        "  LLMServer:m: UPDATING (1 starting)",
+        "  LLMServer:m: HEALTHY (1 running), ready in 214 s",
+        "  OpenAIIngress: HEALTHY (1 running)",
+        "  LLMServer:m: HEALTHY (2 running)",
+    ]
