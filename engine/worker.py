@@ -39,6 +39,8 @@ from parallel.state import ParallelContext
 logger = logging.getLogger("llm_cluster.worker")
 
 _GiB = 1 << 30
+# KV blocks of the throw-away cache the graph-pool measurement captures over.
+_GRAPH_PROFILE_BLOCKS = 16
 
 
 class Worker:
@@ -209,7 +211,9 @@ class Worker:
         runner = self.runner
         if not runner.uses_cuda_graphs():
             return 0
-        runner.initialize_kv_cache(-(-self.config.max_model_len // self.config.cache.block_size), 0)
+        # Capture writes no K/V (slot -1) and reads none (seq_len 0): a few blocks will do, where
+        # one max_model_len sequence's worth can be gigabytes on a large model.
+        runner.initialize_kv_cache(_GRAPH_PROFILE_BLOCKS, 0)
         probe.synchronize()
         probe.empty_cache()
         before = probe.memory_reserved()

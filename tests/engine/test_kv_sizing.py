@@ -234,7 +234,7 @@ def test_graph_pool_measured_by_capture_is_reserved_before_sizing(
     monkeypatch.setattr(model_runner_module.ModelRunner, "uses_cuda_graphs", lambda self: True)
     with_graphs = sized_worker(probe, gpu_memory_utilization=0.5)
     with_graphs.determine_num_available_blocks()
-    assert events[-3:] == ["graphs over 32 blocks", "capture", "release"]  # 512 / 16
+    assert events[-3:] == ["graphs over 16 blocks", "capture", "release"]
     assert with_graphs.kv_budget is not None
     assert with_graphs.kv_budget.cuda_graph_pool == pool
     monkeypatch.undo()
