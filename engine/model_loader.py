@@ -344,21 +344,23 @@ class LoadMeter:
         """``rank 0: loading weights 3.20/17.60 GiB (18%), 42 s, 78 MiB/s``."""
         elapsed = self._clock() - self._started
         percent = 100 * self.read_bytes / self.total_bytes if self.total_bytes else 100.0
-        rate = self.read_bytes / _MiB / elapsed if elapsed > 0 else 0.0
         return (
             f"rank {self.rank}: loading weights {format_bytes(self.read_bytes, self.total_bytes)}"
-            f" ({percent:.0f}%), {elapsed:.0f} s, {rate:.0f} MiB/s"
+            f" ({percent:.0f}%), {elapsed:.0f} s, {self._rate(elapsed)}"
         )
+
+    def _rate(self, elapsed: float) -> str:
+        rate = self.read_bytes / _MiB / elapsed if elapsed > 0 else 0.0
+        return f"{rate:.1f} MiB/s" if rate < 10 else f"{rate:.0f} MiB/s"
 
     def finish(self) -> None:
         elapsed = self._clock() - self._started
-        rate = self.read_bytes / _MiB / elapsed if elapsed > 0 else 0.0
         logger.info(
-            "rank %d: loaded %s of weights in %.1f s (%.0f MiB/s)",
+            "rank %d: loaded %s of weights in %.1f s (%s)",
             self.rank,
             format_bytes(self.read_bytes),
             elapsed,
-            rate,
+            self._rate(elapsed),
         )
 
 
