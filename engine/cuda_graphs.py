@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from kernels.attention import AttentionMetadata
 
 __all__ = [
+    "DecodeBucketRunner",
     "DecodeCudaGraphRunner",
     "DecodeGraphBuffers",
     "cuda_graphs_disabled_reason",
@@ -200,10 +201,11 @@ class DecodeGraphBuffers:
         return model(ids, pos, self.metadata(bucket), hidden, residual)
 
 
-class DecodeCudaGraphRunner:
-    """Owns the static buffers and one captured graph per bucket (``capture_all`` at startup;
-    a bucket still missing is captured on first use). Invalidated by dropping it when the KV
-    cache changes: the graphs hold the caches' addresses."""
+class DecodeBucketRunner:
+    """A decode step run the way its graph runs: loaded into the static buffers, padded to its
+    bucket, and computed over the bucket, eagerly. This is the whole data path of a replay
+    without the capture, on any device: the CPU tests run the model runner through it (with
+    TP and PP on gloo), and :class:`DecodeCudaGraphRunner` replays a graph in its place."""
 
     def __init__(
         self,
@@ -219,8 +221,6 @@ class DecodeCudaGraphRunner:
     ) -> None:
         """``hidden_size``: set on a pipeline stage after the first (it takes hidden and
         residual inputs); None on the first stage, which embeds the input ids."""
-        if device.type != "cuda":
-            raise ValueError(f"device must be a CUDA device for CUDA graphs, got {device}")
         self.model = model
         self.device = device
         self.num_kv_blocks = num_kv_blocks
@@ -233,20 +233,9 @@ class DecodeCudaGraphRunner:
             dtype=dtype,
         )
         self.buckets = self.buffers.buckets
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor | None]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
         return self.buffers.can_run(metadata)
-
-    @torch.inference_mode()
-    def capture_all(self) -> None:
-        """Capture every bucket, largest first so the smaller graphs reuse its pool memory.
-        On TP > 1 every rank of the stage must call this at the same time (collective)."""
-        for bucket in sorted(self.buckets, reverse=True):
-            if bucket not in self.graphs:
-                self.graphs[bucket] = self._capture(bucket)
-        logger.debug("captured %d decode graphs on %s", len(self.graphs), self.device)
 
     @torch.inference_mode()
     def run(
@@ -272,11 +261,74 @@ class DecodeCudaGraphRunner:
             )
         n = metadata.num_seqs
         bucket = self.buffers.load(input_ids, positions, metadata, hidden, residual)
+        out_hidden, out_residual = self._run_bucket(bucket)
+        return out_hidden[:n], (out_residual[:n] if out_residual is not None else None)
+
+    def _run_bucket(self, bucket: int) -> tuple[Tensor, Tensor | None]:
+        return self.buffers.forward(self.model, bucket)
+
+    @property
+    def num_graphs(self) -> int:
+        return 0
+
+    def capture_all(self) -> None:
+        """Nothing to capture without graphs."""
+
+    def release(self) -> None:
+        """Nothing to release without graphs."""
+
+
+class DecodeCudaGraphRunner(DecodeBucketRunner):
+    """One captured graph per bucket over the static buffers (``capture_all`` at startup; a
+    bucket still missing is captured on first use). Invalidated by dropping it when the KV
+    cache changes: the graphs hold the caches' addresses."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        num_kv_blocks: int,
+        hidden_size: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device for CUDA graphs, got {device}")
+        super().__init__(
+            model,
+            device,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            num_kv_blocks=num_kv_blocks,
+            hidden_size=hidden_size,
+            dtype=dtype,
+        )
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor | None]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first so the smaller graphs reuse its pool memory.
+        On TP > 1 every rank of the stage must call this at the same time (collective)."""
+        for bucket in sorted(self.buckets, reverse=True):
+            if bucket not in self.graphs:
+                self.graphs[bucket] = self._capture(bucket)
+        logger.debug("captured %d decode graphs on %s", len(self.graphs), self.device)
+
+    def _run_bucket(self, bucket: int) -> tuple[Tensor, Tensor | None]:
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
-        graph, out_hidden, out_residual = self.graphs[bucket]
+        graph, hidden, residual = self.graphs[bucket]
         graph.replay()
-        return out_hidden[:n], (out_residual[:n] if out_residual is not None else None)
+        return hidden, residual
 
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor | None]:
         # Warm-up on a side stream, outside the graph: Triton compiles each kernel on its

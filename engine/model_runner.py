@@ -31,7 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeCudaGraphRunner, cuda_graphs_disabled_reason
+from engine.cuda_graphs import (
+    DecodeBucketRunner,
+    DecodeCudaGraphRunner,
+    cuda_graphs_disabled_reason,
+)
 from engine.lora import WorkerLoRAManager
 from engine.pooling_params import PoolingParams
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
@@ -107,7 +111,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_kv_caches: list[torch.Tensor] = []
         # Set once the KV cache exists, when decode steps may replay CUDA graphs.
-        self.graph_runner: DecodeCudaGraphRunner | None = None
+        # (A DecodeBucketRunner runs the same data path without graphs, in CPU tests.)
+        self.graph_runner: DecodeBucketRunner | None = None
 
     # ---- KV cache -----------------------------------------------------------------------
 
@@ -163,7 +168,7 @@ class ModelRunner:
         if self.graph_runner is None:
             return 0
         self.graph_runner.capture_all()
-        return len(self.graph_runner.graphs)
+        return self.graph_runner.num_graphs
 
     def release_cuda_graphs(self) -> None:
         """Destroy the captured graphs (before the caches they read go, and before the

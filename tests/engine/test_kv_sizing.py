@@ -225,6 +225,10 @@ def test_graph_pool_measured_by_capture_is_reserved_before_sizing(
             self.graphs = {1: object()}
             events.append("capture")
 
+        @property
+        def num_graphs(self) -> int:
+            return len(self.graphs)
+
         def release(self) -> None:
             if self.graphs:
                 probe.reserved -= pool
