@@ -28,8 +28,12 @@ captured at startup, on every rank, largest bucket first. PyTorch's ProcessGroup
 captured collective off its watchdog's work queue (pytorch/pytorch#103503) and flushes pending
 work before a capture starts (#104487), which the warm-up below relies on: a communicator must
 have run an eager collective before one is captured (NCCL sets itself up on first use).
-A process group whose graphs still exist can hang in ``destroy_process_group``
-(pytorch/pytorch#115388): the model runner drops its graphs before the worker leaves the group.
+Prefill steps run the same TP communicator's collectives eagerly between replays, which NCCL
+supports (captured and uncaptured operations may mix); its one caveat, graphs of several
+communicators launched from one thread, does not arise: a worker's graphs hold only its TP
+group's collectives (stage transfers and the logits gather stay eager). A process group whose
+graphs still exist can hang in ``destroy_process_group`` (pytorch/pytorch#115388): the model
+runner drops its graphs before the worker leaves the group.
 
 Sampling stays outside the graph: the LM head's gather to TP rank 0 and the sampler run eagerly
 on the replay's output, as in vLLM. Pipeline parallelism: each stage captures its own layer range;
