@@ -192,9 +192,13 @@ class Worker:
         probe.synchronize()
         profile_peak = probe.max_memory_allocated()
         cuda_graph_pool = self._measure_cuda_graph_pool(probe)
+        # Taken while the measurement's graphs exist: their executables live outside torch.
+        end = MemorySnapshot.take(probe)
+        self.runner.initialize_kv_cache(0, 0)
+        probe.empty_cache()
         budget = compute_kv_budget(
             start=self._start_memory,
-            end=MemorySnapshot.take(probe),
+            end=end,
             gpu_memory_utilization=self.config.cache.gpu_memory_utilization,
             weights=weights,
             profile_peak=profile_peak,
@@ -205,9 +209,10 @@ class Worker:
         return budget
 
     def _measure_cuda_graph_pool(self, probe: MemoryProbe) -> int:
-        """Bytes the decode graphs reserve: capture every bucket over a small KV cache, read
-        the growth of torch's reservation, then drop graphs and cache. The graphs captured
-        after sizing (same buckets, same order) fit in the room this leaves."""
+        """Bytes the decode graphs reserve: capture every bucket over a small KV cache and read
+        the growth of torch's reservation (the caller drops graphs and cache once it has read
+        the non-torch memory). The graphs captured after sizing (same buckets, same order) fit
+        in the room this leaves."""
         runner = self.runner
         if not runner.uses_cuda_graphs():
             return 0
@@ -221,10 +226,7 @@ class Worker:
         probe.synchronize()
         # Warm-up activations went back to the cache; only the graphs' pool stays reserved.
         probe.empty_cache()
-        pool = max(probe.memory_reserved() - before, 0)
-        runner.initialize_kv_cache(0, 0)
-        probe.empty_cache()
-        return pool
+        return max(probe.memory_reserved() - before, 0)
 
     @torch.inference_mode()
     def _profile_run(self) -> int:
