@@ -137,7 +137,9 @@ def _print_loading(workers: list[dict[str, Any]]) -> None:
     for w in workers:
         where = f"    starting: rank {w['rank']} on {w['node']}: {w['phase']}"
         if w.get("percent") is not None and w["phase"] == "loading weights":
-            where += f" {w['read_gib']:.2f}/{w['total_gib']:.2f} GiB ({w['percent']:.0f}%)"
+            scale, unit = (1 << 30, "GiB") if w["bytes_total"] >= 1 << 30 else (1 << 20, "MiB")
+            read, total = w["bytes_read"] / scale, w["bytes_total"] / scale
+            where += f" {read:.2f}/{total:.2f} {unit} ({w['percent']:.0f}%)"
         print(f"{where}, {w['seconds']:.0f} s since start ({w['phase_seconds']:.0f} s in phase)")
 
 

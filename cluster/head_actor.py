@@ -59,7 +59,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.head_messages import AddReply, CoreError, PollReply, decode_poll_reply
-from cluster.load_progress import PublishingObserver
+from cluster.load_progress import LoadProgressPublisher, ProgressStore
 from cluster.start_errors import EngineStartError, known_start_failure
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, OnDead, OnStep
@@ -75,7 +75,7 @@ from engine.core_messages import (
     merge_deltas,
 )
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from engine.executor import get_executor_class
+from engine.executor import PHASE_READY, StartupObserver, get_executor_class
 from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("llm_cluster.head")
@@ -314,6 +314,41 @@ class HeadActor:
         with self._ready:
             self._dead = str(error) or "the engine failed"
             self._ready.notify_all()
+
+
+class PublishingObserver(StartupObserver):
+    """The executor's ``StartupObserver`` for workers in this process (the head's own worker at
+    TP = PP = 1): each rank's record published like a worker actor's; ``PHASE_READY`` or
+    ``close`` removes them."""
+
+    def __init__(
+        self, model_id: str, executor_id: str, node: str, store: ProgressStore | None = None
+    ) -> None:
+        super().__init__(model_id)
+        self.executor_id = executor_id
+        self.node = node
+        self._store = store
+        self._publishers: dict[int, LoadProgressPublisher] = {}
+
+    def _publisher(self, rank: int) -> LoadProgressPublisher:
+        if rank not in self._publishers:
+            self._publishers[rank] = LoadProgressPublisher(
+                self.model_id, self.executor_id, rank, self.node, store=self._store
+            )
+        return self._publishers[rank]
+
+    def phase(self, rank: int, phase: str) -> None:
+        if phase == PHASE_READY:
+            self._publisher(rank).close()
+        else:
+            self._publisher(rank).phase(phase)
+
+    def weights(self, rank: int, read_bytes: int, total_bytes: int) -> None:
+        self._publisher(rank).weights(read_bytes, total_bytes)
+
+    def close(self) -> None:
+        for publisher in self._publishers.values():
+            publisher.close()
 
 
 def _log_startup(model_id: str, started: float, executor: Any) -> None:

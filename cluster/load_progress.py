@@ -12,7 +12,8 @@ while weights load, and every ``HEARTBEAT_S`` in between (a long KV profile or C
 capture writes nothing else), and deleted once the worker is ready or its executor shuts down.
 A killed worker cannot delete its record: readers drop records not updated for
 ``STALE_AFTER_S``. The KV is Ray's private API, so every call is guarded: without it nothing is
-published and nothing is read, and loading goes on.
+published and nothing is read, and loading goes on. This module imports neither Ray nor the
+engine (torch) at import time: ``cluster status`` reads through it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
-
-from engine.executor import PHASE_READY, StartupObserver
 
 logger = logging.getLogger("llm_cluster.load_progress")
 
@@ -131,10 +130,7 @@ class LoadProgressPublisher:
         self._heartbeat: threading.Thread | None = None
 
     def phase(self, phase: str) -> None:
-        """Enter ``phase`` (written at once); ``PHASE_READY`` closes the publisher."""
-        if phase == PHASE_READY:
-            self.close()
-            return
+        """Enter ``phase`` (an ``engine.executor.PHASE_*``; written at once)."""
         with self._lock:
             self.record["phase"] = phase
             self.record["phase_started_at"] = self._clock()
@@ -181,37 +177,6 @@ class LoadProgressPublisher:
             with self._lock:
                 if self._clock() - self._written_at >= period_s:
                     self._write()
-
-
-class PublishingObserver(StartupObserver):
-    """The engine's ``StartupObserver`` for workers that run in this process (the head's
-    in-process worker at TP = PP = 1): one publisher per rank, all closed by ``close``."""
-
-    def __init__(
-        self, model_id: str, executor_id: str, node: str, store: ProgressStore | None = None
-    ) -> None:
-        super().__init__(model_id)
-        self.executor_id = executor_id
-        self.node = node
-        self._store = store
-        self._publishers: dict[int, LoadProgressPublisher] = {}
-
-    def _publisher(self, rank: int) -> LoadProgressPublisher:
-        if rank not in self._publishers:
-            self._publishers[rank] = LoadProgressPublisher(
-                self.model_id, self.executor_id, rank, self.node, store=self._store
-            )
-        return self._publishers[rank]
-
-    def phase(self, rank: int, phase: str) -> None:
-        self._publisher(rank).phase(phase)
-
-    def weights(self, rank: int, read_bytes: int, total_bytes: int) -> None:
-        self._publisher(rank).weights(read_bytes, total_bytes)
-
-    def close(self) -> None:
-        for publisher in self._publishers.values():
-            publisher.close()
 
 
 def remove_executor_records(executor_id: str, store: ProgressStore | None = None) -> None:
@@ -268,7 +233,6 @@ __all__ = [
     "GcsProgressStore",
     "LoadProgressPublisher",
     "ProgressStore",
-    "PublishingObserver",
     "describe",
     "read_load_progress",
     "record_key",

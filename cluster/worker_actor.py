@@ -22,7 +22,6 @@ from engine.executor import (
     PHASE_KV_ALLOCATING,
     PHASE_KV_SIZING,
     PHASE_LOADING,
-    PHASE_READY,
     PHASE_STARTING,
 )
 from engine.protocol import decode_request, encode
@@ -85,7 +84,7 @@ class WorkerActor:
             kwargs = {**kwargs, "progress": self.progress.weights}
         result = getattr(self.worker, method)(*args, **kwargs)
         if method == "initialize_cache":
-            self.progress.phase(PHASE_READY)
+            self.progress.close()  # ready: the record goes
         return result
 
     def ping(self) -> bool:

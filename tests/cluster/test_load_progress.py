@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from cluster.head_actor import PublishingObserver
 from cluster.load_progress import (
     KEY_PREFIX,
     STALE_AFTER_S,
     LoadProgressPublisher,
-    PublishingObserver,
     describe,
     read_load_progress,
     record_key,
@@ -99,11 +99,11 @@ def test_bytes_are_written_at_most_twice_a_second_but_phases_and_the_end_at_once
     assert store.puts == 4 and _record(store)["phase"] == "sizing KV cache"
 
 
-def test_ready_removes_the_record_and_nothing_is_written_after() -> None:
+def test_closing_removes_the_record_and_nothing_is_written_after() -> None:
     store, clock = DictStore(), Clock()
     publisher = _publisher(store, clock)
     publisher.phase(PHASE_LOADING)
-    publisher.phase(PHASE_READY)
+    publisher.close()
     assert store.data == {}
     clock.now += 10
     publisher.weights(5, 10)
@@ -146,13 +146,16 @@ def test_an_executors_records_are_removed_together() -> None:
     assert list(store.data) == [record_key("exec2", 0)]
 
 
-def test_an_in_process_observer_publishes_per_rank_and_closes_all() -> None:
+def test_the_heads_observer_publishes_per_rank_until_ready_or_closed() -> None:
     store = DictStore()
     observer = PublishingObserver("tiny", "exec1", "10.0.0.7", store=store)
-    observer.phase(0, PHASE_STARTING)
-    observer.phase(0, PHASE_LOADING)
-    observer.weights(0, 10, 10)
-    assert _record(store)["bytes_read"] == 10
+    for rank in range(2):
+        observer.phase(rank, PHASE_STARTING)
+        observer.phase(rank, PHASE_LOADING)
+        observer.weights(rank, 10, 10)
+    assert _record(store, rank=1)["bytes_read"] == 10
+    observer.phase(0, PHASE_READY)
+    assert list(store.data) == [record_key("exec1", 1)]
     observer.close()
     assert store.data == {}
 
@@ -205,6 +208,9 @@ def test_cluster_status_prints_a_line_per_starting_worker(
         "47 s since start (42 s in phase)",
         "    starting: rank 1 on 10.0.0.7: sizing KV cache, 47 s since start (7 s in phase)",
     ]
+    small = {**loading, "bytes_read": 1 << 19, "bytes_total": 1 << 20, "phase_started_at": 0.0}
+    _print_loading([describe(small, now=3.0)])
+    assert "loading weights 0.50/1.00 MiB (50%)" in capsys.readouterr().out
 
 
 def test_deploy_progress_gives_each_model_its_time_to_ready(
