@@ -27,6 +27,7 @@ import platform
 import random
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -117,14 +118,20 @@ def main(argv: list[str] | None = None) -> int:
         "system": args.system,
         "runs": [],
     }
+    failed = False
     for enforce_eager in runs:
-        result = run(args, model_dir, prompts, output_lens, enforce_eager)
+        try:
+            result = run(args, model_dir, prompts, output_lens, enforce_eager)
+        except Exception as exc:  # recorded, so that the other run still reports
+            traceback.print_exc()
+            result = {"enforce_eager": enforce_eager, "error": f"{type(exc).__name__}: {exc}"}
+            failed = True
         print(json.dumps(result), flush=True)
         report["runs"].append(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
-    return 0
+    return 1 if failed else 0
 
 
 def run_engine(
