@@ -172,6 +172,29 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hf_config_args(values: Sequence[str], config: DeploymentConfig) -> dict[str, dict]:
+    """``--hf-config [MODEL_ID=]PATH``: the config.json (or a directory holding it) to plan
+    MODEL_ID with; without ``MODEL_ID=`` when the deployment has one model."""
+    from pathlib import Path
+
+    from cluster.plan import read_config_json
+    from engine.errors import ConfigError
+
+    found: dict[str, dict] = {}
+    for value in values:
+        model_id, sep, path = value.rpartition("=")
+        if not sep:
+            if len(config.models) != 1:
+                raise ConfigError(f"--hf-config: {value!r}: name the model (MODEL_ID=PATH), "
+                                  f"the config has {len(config.models)}")  # fmt: skip
+            model_id = config.models[0].model_id
+        where = Path(path).expanduser()
+        found[model_id] = read_config_json(
+            where / "config.json" if where.is_dir() else where, "--hf-config"
+        )
+    return found
+
+
 def _plan(args: argparse.Namespace) -> int:
     """Print every model's memory plan; exit 2 (reasons on stderr) when one cannot fit or the
     config is refused, 0 when all fit."""
@@ -190,7 +213,8 @@ def _plan(args: argparse.Namespace) -> int:
     refused = config_error is not None
     if config is not None:
         try:
-            plan = planning.plan_deployment(config, args.gpu_memory_gib)
+            hf_configs = _hf_config_args(args.hf_config, config)
+            plan = planning.plan_deployment(config, args.gpu_memory_gib, hf_configs)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -275,6 +299,14 @@ def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N",
         help="one GPU's memory in GiB (default: from each model's accelerator_type)",
+    )
+    plan_cmd.add_argument(
+        "--hf-config",
+        action="append",
+        default=[],
+        metavar="[MODEL_ID=]PATH",
+        help="plan MODEL_ID from this config.json (or a directory holding it), for a "
+        "checkpoint that is not on this machine (repeatable)",
     )
     plan_cmd.add_argument("--json", action="store_true", help="machine-readable output")
     plan_cmd.set_defaults(func=_plan)

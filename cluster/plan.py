@@ -12,6 +12,7 @@ built-in model source imports the engine's tiny-model writer, which needs torch)
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ class ModelPlan:
     gpu_memory_from: str | None  # "accelerator_type H100", "--gpu-memory-gib", or None
     plan: MemoryPlan | None
     skipped: str | None = None
+    hf_config_from: str | None = None  # where config.json was read (the cache, --hf-config)
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -84,6 +86,7 @@ class ModelPlan:
             "gpu_memory_from": self.gpu_memory_from,
             "fits": self.fits,
             "skipped": self.skipped,
+            "hf_config_from": self.hf_config_from,
             "plan": self.plan.to_dict() if self.plan is not None else None,
         }
 
@@ -131,27 +134,62 @@ def gpu_memory_gib_for(accelerator_type: str | None) -> float | None:
     return by_upper.get(accelerator_type.upper())
 
 
-def read_hf_config(source: str) -> dict[str, Any] | None:
-    """The checkpoint's config.json, or None when it is not on this machine."""
+def read_hf_config(source: str, model_id: str | None = None) -> tuple[dict[str, Any], str] | None:
+    """The checkpoint's config.json and where it was read, or None when it is not on this
+    machine: ``source``'s own, else (for a hub-style ``model_id``) the copy in the local
+    Hugging Face cache, which is only read, never fetched."""
     if source.startswith("builtin:"):
         from engine.tiny_models import resolve_model_source  # writes the built-in once
 
-        path = resolve_model_source(source) / "config.json"
+        path: Path | None = resolve_model_source(source) / "config.json"
     else:
-        path = Path(source).expanduser() / "config.json"
+        path = Path(source).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
         if not path.is_file():
-            return None
+            path = _hub_cache_config(model_id) if model_id else None
+            if path is None:
+                return None
+    return read_config_json(path), str(path)
+
+
+def read_config_json(path: Path, what: str = "model_source") -> dict[str, Any]:
+    """A config.json as a dict; a ConfigError naming ``what`` gave the path otherwise."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"model_source: {path} cannot be read as JSON: {exc}") from None
+        raise ConfigError(f"{what}: {path} cannot be read as JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"model_source: {path} is not a JSON object")
+        raise ConfigError(f"{what}: {path} is not a JSON object")
     return data
 
 
-def plan_model(model: ModelDeployment, gpu_memory_gib: float | None = None) -> ModelPlan:
-    """The plan of one model's replica; ``gpu_memory_gib`` overrides its accelerator type."""
+def _hub_cache_config(model_id: str) -> Path | None:
+    """``config.json`` of ``model_id`` ("org/name") in the local Hugging Face hub cache
+    (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ~/.cache/huggingface/hub): the snapshot
+    ``refs/main`` names, else any snapshot that has one."""
+    if model_id.count("/") != 1:
+        return None
+    hub = os.environ.get("HF_HUB_CACHE") or str(
+        Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+    )
+    repo = Path(hub).expanduser() / ("models--" + model_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    candidates = []
+    if ref.is_file():
+        candidates.append(repo / "snapshots" / ref.read_text().strip() / "config.json")
+    candidates += sorted((repo / "snapshots").glob("*/config.json"))
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def plan_model(
+    model: ModelDeployment,
+    gpu_memory_gib: float | None = None,
+    hf_config: dict[str, Any] | None = None,
+) -> ModelPlan:
+    """The plan of one model's replica; ``gpu_memory_gib`` overrides its accelerator type and
+    ``hf_config`` its checkpoint's config.json (``cluster plan --hf-config``: plan on a machine
+    that lacks the checkpoint)."""
     device = "cuda" if model.uses_gpu else "cpu"
     gib, origin = None, None
     if device == "cuda":
@@ -168,13 +206,19 @@ def plan_model(model: ModelDeployment, gpu_memory_gib: float | None = None) -> M
         "gpu_memory_gib": gib,
         "gpu_memory_from": origin,
     }
-    hf = read_hf_config(source)
-    if hf is None:
+    found = (
+        (hf_config, "--hf-config")
+        if hf_config is not None
+        else read_hf_config(source, model.model_id)
+    )
+    if found is None:
         skipped = (
-            f"{source}/config.json is not on this machine: not planned (the replicas check "
-            "the checkpoint when they start)"
+            f"{source}/config.json is not on this machine, nor {model.model_id!r} in the local "
+            "Hugging Face cache: not planned (the replicas check the checkpoint when they "
+            f"start; plan it here with --hf-config {model.model_id}=PATH/config.json)"
         )
         return ModelPlan(**common, plan=None, skipped=skipped)
+    hf, config_from = found
     settings = PlanSettings.from_engine_kwargs(model.engine_args(), device)
     plan = plan_memory(hf, settings, int(gib * GiB) if gib is not None else None)
     if device == "cuda" and gib is None:
@@ -189,17 +233,26 @@ def plan_model(model: ModelDeployment, gpu_memory_gib: float | None = None) -> M
             for n in plan.notes
         )
         plan = replace(plan, notes=notes)
-    return ModelPlan(**common, plan=plan)
+    return ModelPlan(**common, plan=plan, hf_config_from=config_from)
 
 
 def plan_deployment(
-    config: DeploymentConfig, gpu_memory_gib: float | None = None
+    config: DeploymentConfig,
+    gpu_memory_gib: float | None = None,
+    hf_configs: dict[str, dict[str, Any]] | None = None,
 ) -> DeploymentPlan:
     """Every model's plan; ``gpu_memory_gib`` (one GPU's memory) overrides every model's
-    accelerator type."""
+    accelerator type, ``hf_configs`` (by model id) their checkpoints' config.json."""
     if gpu_memory_gib is not None and not gpu_memory_gib > 0:
         raise ConfigError(f"gpu_memory_gib: must be > 0, got {gpu_memory_gib!r}")
-    return DeploymentPlan(tuple(plan_model(m, gpu_memory_gib) for m in config.models))
+    hf_configs = hf_configs or {}
+    unknown = sorted(set(hf_configs) - {m.model_id for m in config.models})
+    if unknown:
+        ids = ", ".join(repr(m.model_id) for m in config.models)
+        raise ConfigError(f"hf_config: no model {unknown[0]!r} in the config (models: {ids})")
+    return DeploymentPlan(
+        tuple(plan_model(m, gpu_memory_gib, hf_configs.get(m.model_id)) for m in config.models)
+    )
 
 
 def preflight(config: DeploymentConfig, gpu_memory_gib: float | None = None) -> DeploymentPlan:
@@ -226,7 +279,7 @@ def _size(n: int | None) -> str:
 
 
 def format_model(model: ModelPlan) -> str:
-    verdict = "fits" if model.fits else "REFUSED"
+    verdict = "not planned" if model.plan is None else "fits" if model.fits else "REFUSED"
     lines = [f"{model.model_id}: {verdict}"]
     plan = model.plan
     if plan is None:
@@ -240,6 +293,9 @@ def format_model(model: ModelPlan) -> str:
         f"{plan.pipeline_parallel_size} = {devices} {unit}{'s' if devices > 1 else ''} "
         "per replica"
     )
+    own = str(Path(model.model_source).expanduser() / "config.json")
+    if model.hf_config_from not in (None, own) and not model.model_source.startswith("builtin:"):
+        lines.append(f"  config.json from {model.hf_config_from}")
     if plan.device == "cuda" and plan.gpu_memory_bytes is not None:
         lines.append(
             f"  GPU memory {_size(plan.gpu_memory_bytes)} ({model.gpu_memory_from}), usable "

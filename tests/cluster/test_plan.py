@@ -134,11 +134,57 @@ def test_a_quantized_checkpoint_is_sized_and_refused_by_the_engine(
     assert "quantization_config: quant_method 'fp8' is not supported yet" in captured.err
 
 
-def test_a_checkpoint_not_on_this_machine_is_skipped_not_refused() -> None:
+def test_a_checkpoint_not_on_this_machine_is_skipped_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     plan = plan_deployment(load_config(load_yaml("llama70b.yaml")))
     (model,) = plan.models
     assert plan.fits and model.plan is None
     assert "is not on this machine" in (model.skipped or "")
+    assert f"--hf-config {MODEL_ID}=PATH/config.json" in (model.skipped or "")
+    assert main(["plan", "configs/llama70b.yaml"]) == 0
+    assert capsys.readouterr().out.startswith(f"{MODEL_ID}: not planned\n")
+
+
+def test_hf_config_plans_a_checkpoint_that_is_not_on_this_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/llama70b.yaml as it is (its /models path absent here), planned from a
+    config.json given on the command line, with or without the model id, file or directory;
+    the figures are those of the same config.json at model_source."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    (tmp_path / "l70").mkdir()
+    (tmp_path / "l70" / "config.json").write_text(json.dumps(LLAMA_3_70B))
+    assert main(["plan", str(llama70b_yaml(tmp_path)), "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)["models"][0]["plan"]
+    for value in (str(tmp_path / "l70"), f"{MODEL_ID}={tmp_path / 'l70' / 'config.json'}"):
+        assert main(["plan", "configs/llama70b.yaml", "--hf-config", value, "--json"]) == 0
+        model = json.loads(capsys.readouterr().out)["models"][0]
+        assert model["hf_config_from"] == "--hf-config"
+        assert model["plan"] == expected
+    assert main(["plan", "configs/llama70b.yaml", "--hf-config", f"other={tmp_path}/l70"]) == 2
+    assert "hf_config: no model 'other' in the config" in capsys.readouterr().err
+    assert main(["plan", "configs/llama70b.yaml", "--hf-config", str(tmp_path)]) == 2
+    assert "error: --hf-config: " in capsys.readouterr().err
+
+
+def test_a_model_id_in_the_local_hugging_face_cache_is_planned_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only read: the snapshot refs/main names, as the hub cache lays it out."""
+    repo = tmp_path / "hub" / ("models--" + MODEL_ID.replace("/", "--"))
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(LLAMA_3_70B))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert main(["plan", "configs/llama70b.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert f"{MODEL_ID}: fits" in out
+    assert f"config.json from {repo / 'snapshots' / 'abc123' / 'config.json'}" in out
+    assert "stage 0 (layers 0-39) x4" in out
 
 
 def test_preflight_raises_a_config_error_naming_the_model_and_every_problem(
