@@ -48,6 +48,7 @@ from engine.executor import (
     PHASE_KV_ALLOCATING,
     PHASE_KV_SIZING,
     PHASE_LOADING,
+    PHASE_READY,
     PHASE_STARTING,
     Executor,
     StartupObserver,
@@ -61,6 +62,7 @@ logger = logging.getLogger("llm_cluster.ray_executor")
 _INLINE_LIMIT_BYTES = 64 * 1024
 WORKER_NAME_PREFIX = "LLMWorker:"
 _PROJECT_PACKAGES = ("kernels", "parallel", "engine", "cluster")
+_REMOVE_AGAIN_AFTER_S = 2.0
 # Worker calls bounded by the start-up timeout, with the phase each one belongs to.
 _STARTUP_CALLS = {
     "init_device": PHASE_STARTING,
@@ -92,6 +94,7 @@ class RayExecutor(Executor):
         self.model_id = self.observer.model_id or Path(config.model.model_path).name
         self._dist_timeout_s = envs.dist_timeout_s()
         self._lock = threading.Lock()
+        self._started = False  # every worker reached PHASE_READY (and removed its record)
         self.workers: list[Any] = []
         self._pg: PlacementGroup | None = None
         self._owns_pg = False
@@ -199,6 +202,10 @@ class RayExecutor(Executor):
             rendezvous,
         )
 
+    def _enter_phase(self, phase: str) -> None:
+        # The workers publish their own phases; the executor only notes the end of start-up.
+        self._started = self._started or phase == PHASE_READY
+
     # ---- calls --------------------------------------------------------------------------
 
     def collective_rpc(
@@ -282,11 +289,21 @@ class RayExecutor(Executor):
             workers, self.workers = self.workers, []
             for worker in workers:
                 ray.kill(worker, no_restart=True)
-            if workers:  # killed mid-start-up, they leave their progress records behind
-                remove_executor_records(self.executor_id)
+            if workers and not self._started:
+                self._remove_progress_records()
             if self._owns_pg and self._pg is not None:
                 remove_placement_group(self._pg)
             self._pg, self._owns_pg = None, False
+
+    def _remove_progress_records(self) -> None:
+        """Workers killed mid-start-up leave their progress records behind: removed now, and
+        again once the kills have surely taken effect (``ray.kill`` returns before the process
+        is gone; a loading worker writes every 0.5 s meanwhile). A record that still outlives
+        both is dropped by readers once stale."""
+        remove_executor_records(self.executor_id)
+        again = threading.Timer(_REMOVE_AGAIN_AFTER_S, remove_executor_records, (self.executor_id,))
+        again.daemon = True
+        again.start()
 
 
 def _init_ray(world_size: int) -> None:
