@@ -108,7 +108,12 @@ def _rank_main(
         from engine.worker import Worker
 
         backend = "triton" if device == "cuda" or bucket_runner else "torch"
-        worker = Worker(_config(tp, pp, rank, device, backend, num_kv_blocks=64))
+        extra = {} if device == "cuda" else {"max_num_batched_tokens": 32}
+        # On CPU a fixed fake probe lets every rank run the sizing path's collectives too.
+        probe = None if device == "cuda" else _FixedProbe()
+        worker = Worker(
+            _config(tp, pp, rank, device, backend, num_kv_blocks=64, **extra), memory_probe=probe
+        )
         worker.init_device(rank)
         if tp * pp > 1:
             if rank == 0:
@@ -119,6 +124,8 @@ def _rank_main(
                 port = ports.get(timeout=60)
             worker.init_distributed("127.0.0.1", port)
         worker.load_model()
+        # Warm-up chain, a profiling step with the stage's all-reduces, graph-pool measurement.
+        kv_budget = worker.profile_kv_budget().kv_cache if probe is not None else None
         worker.initialize_cache(64, 0)  # captures every bucket, collectively
         runner = worker.runner
         if bucket_runner:
@@ -141,9 +148,36 @@ def _rank_main(
         eager = _greedy_run(worker, "eager-", driver, steps)
         runner.graph_runner = graphs
         worker.shutdown()
-        results.put((rank, {"replayed": replayed, "eager": eager, "replays": replays}))
+        results.put(
+            (
+                rank,
+                {"replayed": replayed, "eager": eager, "replays": replays, "kv_budget": kv_budget},
+            )
+        )
     except BaseException as exc:
         results.put((rank, repr(exc)))
+
+
+class _FixedProbe:
+    """A device with 1 GiB, a quarter in use, whose torch figures never move."""
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return 3 << 28, 1 << 30
+
+    def max_memory_allocated(self) -> int:
+        return 1 << 20
+
+    def memory_reserved(self) -> int:
+        return 0
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
 
 
 def _bucket_runner(runner: Any) -> Any:
@@ -225,6 +259,10 @@ def test_graph_data_path_equals_eager_with_tp_and_pp_on_cpu(tp: int, pp: int) ->
     assert driver["replayed"] == driver["eager"]
     assert all(len(t) == CPU_DECODE_STEPS + 1 for t in driver["eager"])
     assert [ranks[r]["replays"] for r in range(tp * pp)] == [CPU_DECODE_STEPS] * (tp * pp)
+    # Every rank sized its KV cache (0.9 GiB share - 0.25 GiB in use - 1 MiB "weights").
+    assert {ranks[r]["kv_budget"] for r in range(tp * pp)} == {
+        int(0.9 * (1 << 30)) - (1 << 28) - (1 << 20)
+    }
 
 
 @pytest.mark.gpu
