@@ -86,6 +86,10 @@ class StepInputs:
     # Pooling requests in this step: (req_id, first position pooled, rows of the packed batch
     # to pool, whether this chunk ends the prompt).
     pooling_rows: list[tuple[str, int, np.ndarray, bool]] = field(default_factory=list)
+    # The driver's sampling tensors, built before the forward pass is queued: copying host
+    # lists to the device waits for the stream, so after the launch it would wait for the
+    # whole forward pass and keep the host idle meanwhile.
+    sampling_metadata: SamplingMetadata | None = None
 
 
 class ModelRunner:
@@ -280,6 +284,9 @@ class ModelRunner:
         ]
         sampled_req_ids = [states[i].req_id for i in sampled]
         grammar_rows, grammar_bitmask = self._grammar_rows(req, sampled_req_ids)
+        sampling_metadata = (
+            self._sampling_metadata(sampled_req_ids) if self.is_driver and sampled_req_ids else None
+        )
         metadata = AttentionMetadata.build(
             query_lens=query_lens,
             seq_lens=seq_lens.astype(np.int32),
@@ -299,6 +306,7 @@ class ModelRunner:
             grammar_bitmask=grammar_bitmask,
             # Only the driver pools (and keeps the running sums): the others hold no output.
             pooling_rows=self._pooling_rows(states, starts, seq_lens, cu) if self.is_driver else [],
+            sampling_metadata=sampling_metadata,
         )
 
     @staticmethod
@@ -387,22 +395,9 @@ class ModelRunner:
             # First, so that raw logprobs and every processor see the grammar's mask (vLLM's
             # order); only the driver gets here (other TP ranks hold no logits).
             apply_grammar_bitmask(logits, inputs.grammar_bitmask, inputs.grammar_rows)
-        states = [self.requests[rid] for rid in inputs.sampled_req_ids]
-        params = [s.sampling_params for s in states]
-        needs_history = any(
-            p.has_penalties or p.bad_words_token_ids or p.min_tokens for p in params
-        )
-        meta = SamplingMetadata.build(
-            params,
-            [s.generator for s in states],
-            self.vocab_size,
-            self.device,
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states]
-            if needs_history
-            else None,
-            output_token_ids=[s.output_token_ids for s in states] if needs_history else None,
-            eos_token_ids=[s.eos_token_ids for s in states],
-        )
+        meta = inputs.sampling_metadata
+        if meta is None:
+            meta = self._sampling_metadata(inputs.sampled_req_ids)
         out = sample(logits, meta)
         logprobs = None
         if out.logprobs is not None and meta.num_logprobs is not None:
@@ -412,6 +407,24 @@ class ModelRunner:
             sampled_token_ids=[[t] for t in out.token_ids.tolist()],
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+        )
+
+    def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
+        states = [self.requests[rid] for rid in req_ids]
+        params = [s.sampling_params for s in states]
+        needs_history = any(
+            p.has_penalties or p.bad_words_token_ids or p.min_tokens for p in params
+        )
+        return SamplingMetadata.build(
+            params,
+            [s.generator for s in states],
+            self.vocab_size,
+            self.device,
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states]
+            if needs_history
+            else None,
+            output_token_ids=[s.output_token_ids for s in states] if needs_history else None,
+            eos_token_ids=[s.eos_token_ids for s in states],
         )
 
     def _prompt_logprobs(

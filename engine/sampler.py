@@ -77,6 +77,9 @@ class SamplingMetadata:
     # Per row: how many top logprobs to return (None: none asked); max over rows, or None.
     num_logprobs: list[int | None] | None = None
     max_num_logprobs: int | None = None
+    # Whether any row is greedy, known on the host (reading ``greedy.any()`` would wait for the
+    # device mid-step).
+    any_greedy: bool = True
 
     @classmethod
     def build(
@@ -111,6 +114,7 @@ class SamplingMetadata:
             min_p=_tensor_if(min_ps, max(min_ps) > 0.0, torch.float32, device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             generators={i: g for i, g in enumerate(generators) if g is not None},
             output_token_ids=_pad(outputs, vocab_size, device, right_align=True)
             if needs_history
@@ -355,7 +359,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
 def _sample_ids(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if meta.all_greedy:
         return logits.argmax(dim=-1)
-    greedy_ids = logits.argmax(dim=-1) if bool(meta.greedy.any()) else None
+    greedy_ids = logits.argmax(dim=-1) if meta.any_greedy else None
     logits = logits / meta.temperature.unsqueeze(1)
     if meta.min_p is not None:
         logits = apply_min_p(logits, meta.min_p)
