@@ -10,9 +10,11 @@ a GPU; a fake in tests), so the arithmetic below runs anywhere. The worker measu
     warm-up collectives    NCCL allocates its buffers on a communicator's first operation
     profiling step         activation peak of one full-budget step (max_num_batched_tokens)
     graph capture          the CUDA-graph pool: torch memory reserved by capturing every
-                           decode bucket (then released; the real capture reuses the room)
-    end                    non-torch growth since start: communicator buffers, kernel modules,
-                           graph executables (device memory in use minus torch's reservation)
+                           decode bucket over a throw-away cache (the real capture, after
+                           sizing, takes the same room)
+    end                    non-torch growth since start, read while those graphs exist:
+                           communicator buffers, kernel modules, graph executables (device
+                           memory in use minus torch's reservation); then graphs are dropped
 
 and the KV cache gets what is left of ``total x gpu_memory_utilization``:
 
@@ -22,13 +24,10 @@ and the KV cache gets what is left of ``total x gpu_memory_utilization``:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-logger = logging.getLogger("llm_cluster.kv_sizing")
 
 __all__ = [
     "CudaMemoryProbe",
