@@ -5,7 +5,8 @@
 #   bash scripts/gpu-check.sh [OUT_DIR]      # OUT_DIR default: $OUT if set, else gpu-check-out/
 #
 # Steps (GPU_CHECK_STEPS="tests kernels throughput peer serving" picks some; each is bounded by
-# its own timeout so the whole run fits a 10-minute call):
+# its own timeout: 240 + 90 + 180 + 60 s without the peer, which adds 150 s, so where one call
+# may last 10 minutes and vLLM is there, run the peer in a second call):
 #   tests       python -m pytest -m gpu on the test files that hold gpu tests (tests/cluster only
 #               when Ray is importable); multi-GPU cases skip below 2 / 4 GPUs
 #   kernels     benchmarks/kernels.py: decode attention bandwidth, decode step eager vs graphs
@@ -124,24 +125,24 @@ if wants tests; then
     [ -n "$skipped" ] && note "tests: Ray not importable, not collected: $skipped"
   fi
   timeout_opt=()
-  "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout 240)
-  STEP_LOG=$OUT_DIR/pytest-gpu.txt step tests 330 "$PY" -m pytest -m gpu -rs -q \
+  "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout 180)
+  STEP_LOG=$OUT_DIR/pytest-gpu.txt step tests 240 "$PY" -m pytest -m gpu -rs -q \
     -p no:cacheprovider "${timeout_opt[@]}" "${files[@]}"
   note "  $(grep -E "[0-9]+ (passed|failed|skipped|error)" "$OUT_DIR/pytest-gpu.txt" | tail -1)"
 fi
 
 if wants kernels; then
-  step kernels 150 "$PY" -m benchmarks.kernels --out "$OUT_DIR/kernels.json"
+  step kernels 90 "$PY" -m benchmarks.kernels --out "$OUT_DIR/kernels.json"
 fi
 
 if wants throughput; then
-  step throughput 240 "$PY" -m benchmarks.engine_throughput --compare-eager \
+  step throughput 180 "$PY" -m benchmarks.engine_throughput --compare-eager \
     --out "$OUT_DIR/engine_throughput.json"
 fi
 
 if wants peer; then
   if "$PY" -c "import vllm" 2>/dev/null; then
-    step peer 180 "$PY" -m benchmarks.engine_throughput --system vllm --no-profile \
+    step peer 150 "$PY" -m benchmarks.engine_throughput --system vllm --no-profile \
       --out "$OUT_DIR/vllm_throughput.json"
   else
     note "peer: skipped, vllm is not importable by $PY"
@@ -149,7 +150,7 @@ if wants peer; then
 fi
 
 if wants serving; then
-  step serving 120 "$PY" -m benchmarks.serving_smoke --out "$OUT_DIR/serving_smoke.json"
+  step serving 60 "$PY" -m benchmarks.serving_smoke --out "$OUT_DIR/serving_smoke.json"
 fi
 
 echo "=== summary ($SUMMARY)"
