@@ -64,8 +64,12 @@ INGRESS_NAME = "OpenAIIngress"
 # Which replica served a generation (routing checks, debugging).
 REPLICA_HEADER = "x-llm-cluster-replica"
 COLD_START_RETRY_AFTER_S = 10
-_FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "HF_HUB_OFFLINE",
-                  "OMP_NUM_THREADS", "TRITON_INTERPRET", "LLM_CLUSTER_LOAD_TIMEOUT_S")  # fmt: skip
+# Every variable engine/envs.py reads (in the replicas' processes; a test keeps the two in step),
+# and no other: the API keys' variable, say, must not land in Ray's runtime_env.
+_FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "LLM_CLUSTER_STEP_TIMEOUT_S",
+                  "LLM_CLUSTER_DIST_TIMEOUT_S", "LLM_CLUSTER_LOAD_TIMEOUT_S",
+                  "LLM_CLUSTER_CPU_PACKED_GEMM", "LLM_CLUSTER_STEP_PROFILE", "HF_HUB_OFFLINE",
+                  "OMP_NUM_THREADS", "TRITON_INTERPRET")  # fmt: skip
 
 
 def deployment_name(model_id: str) -> str:

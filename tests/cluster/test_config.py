@@ -272,3 +272,24 @@ def test_missing_file_and_invalid_yaml_are_config_errors(tmp_path: Path) -> None
     bad.write_text("models: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_replicas_get_every_variable_the_engine_reads_and_not_the_api_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """engine/envs.py is read in the replicas' processes: each of its variables set on the
+    driver reaches them through the app's runtime_env; other LLM_CLUSTER_* variables (API
+    keys) do not."""
+    import re
+
+    from cluster.serve import runtime_env
+
+    source = (Path(__file__).resolve().parents[2] / "engine" / "envs.py").read_text()
+    names = set(re.findall(r'"(LLM_CLUSTER_[A-Z_]+)"', source))
+    assert "LLM_CLUSTER_LOAD_TIMEOUT_S" in names
+    for name in names:
+        monkeypatch.setenv(name, "7")
+    monkeypatch.setenv("LLM_CLUSTER_API_KEYS", "sk-secret")
+    env = runtime_env()["env_vars"]
+    assert {name: env.get(name) for name in names} == dict.fromkeys(names, "7")
+    assert "LLM_CLUSTER_API_KEYS" not in env
