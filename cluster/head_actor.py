@@ -166,9 +166,7 @@ class HeadActor:
             executor_class = functools.partial(get_executor_class(config), observer=observer)
             # Built on the core thread, which runs its forward passes (see EngineCoreLoop).
             self._loop = EngineCoreLoop(
-                lambda: LLMEngine(config, executor_class=executor_class),  # type: ignore[arg-type]
-                self._push,
-                self._died,
+                lambda: LLMEngine(config, executor_class=executor_class), self._push, self._died
             )
             _log_startup(observer.model_id, started, self._loop.engine.executor)
         except Exception as exc:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,7 +111,14 @@ class PoolingState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_class: Callable[[EngineConfig], Executor] | None = None,
+    ) -> None:
+        """``executor_class``: what builds the executor from the config (default: the class
+        ``distributed_executor_backend`` names; a ``functools.partial`` of one may bind more,
+        as the head actor binds its start-up observer)."""
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.eos_token_ids = eos_token_ids(config.model.model_path, self.tokenizer)
