@@ -1,0 +1,277 @@
+"""A node lost mid-generation, on a multi-node Ray on this machine (``ray.cluster_utils.Cluster``:
+one raylet per node, each with its own CPUs). Named ``test_ray_*``: it starts its own Ray, so it
+must run before the serving modules start the session's (conftest).
+
+    head node  0 CPUs   GCS, Serve's controller and its one HTTP proxy (HeadOnly)
+    node B     2 CPUs   STEADY's replica: front + head (TP = PP = 1, the head runs the worker)
+    node A     3 CPUs   VICTIM's replica: front, head and one worker actor; its raylet is killed
+    node C     3 CPUs   spare, added once VICTIM runs: where Serve puts the replacement
+
+Placement follows from capacity and the order nodes join, with no custom resource: VICTIM needs
+three CPU bundles, which neither the head nor B can hold, so it waits for A; the ingress (no
+CPU) is placed, on the head or B, before A joins, so losing A never takes the ingress down.
+
+Asserted: VICTIM's in-flight streams end within 30 s of the kill with an error chunk naming
+the model and ``data: [DONE]`` (the official ``openai`` client raises ``APIError`` with that
+message, not a connection error), and ``/health`` names it; STEADY's streams, in flight across
+the kill, finish with ``length`` and every request to it succeeds throughout; Serve replaces
+VICTIM's replica on the spare node and it answers again; afterwards both replicas hold no
+per-request state and all their KV blocks are free."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster.conftest import free_port, load_yaml, wait_for
+from tests.cluster.test_serve_faults import LONG, SSEStream, complete
+
+pytestmark = pytest.mark.slow
+
+APP = "nodes"
+VICTIM = "tiny-victim"  # its replica lives on node A, whose raylet is killed
+STEADY = "tiny-steady"  # on node B: must serve throughout
+STEADY_TOKENS = 600  # long enough to be in flight across the kill
+ERROR_WITHIN_S = 30
+RECOVER_WITHIN_S = 120
+
+
+def model_config(model_id: str, **engine_kwargs: Any) -> dict[str, Any]:
+    base = load_yaml("tiny.yaml")["models"][0]
+    return {
+        "model_loading_config": {"model_id": model_id, "model_source": "builtin:tiny-llama"},
+        "engine_kwargs": {**base["engine_kwargs"], "max_model_len": 2048, **engine_kwargs},
+        "deployment_config": {**base["deployment_config"], "health_check_period_s": 1,
+                              "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 3},
+    }  # fmt: skip
+
+
+def deployment_config(http_port: int) -> Any:
+    from cluster.config import load_config
+
+    config = load_yaml("tiny.yaml")
+    # VICTIM's worker in an actor of its own: three CPU bundles (front, head, worker).
+    config["models"] = [
+        model_config(VICTIM, distributed_executor_backend="ray"),
+        model_config(STEADY),
+    ]
+    config["http_options"] = {"host": "127.0.0.1", "port": http_port}
+    config["grpc_options"] = None
+    config["app_name"] = APP
+    return load_config(config)
+
+
+@dataclass
+class Nodes:
+    cluster: Any  # ray.cluster_utils.Cluster
+    node_a: Any
+    url: str
+
+
+def _running(app: Any, deployment: str) -> bool:
+    states = app.deployments[deployment].replica_states if app is not None else {}
+    return any(getattr(s, "value", s) == "RUNNING" and n for s, n in states.items())
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[Nodes]:
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from cluster.deploy import deploy
+    from cluster.serve import INGRESS_NAME, deployment_name, runtime_env
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "port": free_port(), "include_dashboard": False,
+                        "dashboard_agent_listen_port": None},
+    )  # fmt: skip
+    try:
+        cluster.add_node(num_cpus=2)  # node B
+        ray.init(address=cluster.address, log_to_driver=False,
+                 runtime_env=runtime_env() or None)  # fmt: skip
+        http_port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    proxy_location="HeadOnly")  # fmt: skip
+        with ThreadPoolExecutor(1) as pool:
+            deployed = pool.submit(deploy, deployment_config(http_port), lambda _: None)
+
+            def placed_without_a() -> bool:
+                if deployed.done():
+                    deployed.result()  # a deploy failure, raised here
+                app = serve.status().applications.get(APP)
+                return _running(app, INGRESS_NAME) and _running(app, deployment_name(STEADY))
+
+            wait_for(placed_without_a, 120, "the ingress and STEADY to run on head + B")
+            node_a = cluster.add_node(num_cpus=3)
+            deployed.result(timeout=120)
+        cluster.add_node(num_cpus=3)  # node C: spare capacity for the replacement
+        yield Nodes(cluster, node_a, f"http://127.0.0.1:{http_port}")
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        cluster.shutdown()
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+def server(model: str) -> Any:
+    from ray import serve
+
+    from cluster.serve import deployment_name
+
+    return serve.get_deployment_handle(deployment_name(model), APP)
+
+
+def stats(model: str) -> dict[str, Any]:
+    return server(model).stats.remote().result(timeout_s=30)
+
+
+def request_state(model: str) -> dict[str, Any]:
+    return server(model).request_state.remote().result(timeout_s=30)
+
+
+def assert_idle(model: str) -> None:
+    state = request_state(model)
+    assert all(v == 0 for v in state["head"].values()) and not any(state["workers"]), state
+    assert state["kv_free_blocks"] == state["kv_total_blocks"], state
+
+
+class OpenAIStream:
+    """A streamed completion through the official ``openai`` client, on its own thread."""
+
+    def __init__(self, client: openai.OpenAI, model: str, max_tokens: int) -> None:
+        self.text_chunks = 0
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+        args = (client, model, max_tokens)
+        self._thread = threading.Thread(target=self._run, args=args, daemon=True)
+        self._thread.start()
+
+    def _run(self, client: openai.OpenAI, model: str, max_tokens: int) -> None:
+        try:
+            stream = client.completions.create(
+                model=model, prompt="Once upon a time", max_tokens=max_tokens, temperature=0,
+                stream=True, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for chunk in stream:
+                for choice in chunk.choices:
+                    self.text_chunks += 1
+                    self.finish_reason = choice.finish_reason or self.finish_reason
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), f"stream still open after {timeout_s} s"
+
+
+class SteadyRequests:
+    """Plain completions to ``model`` through the ``openai`` client, back to back, until
+    stopped: each one's outcome (``ok`` or the exception's type and message)."""
+
+    def __init__(self, client: openai.OpenAI, model: str) -> None:
+        self.outcomes: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(client, model), daemon=True)
+        self._thread.start()
+
+    def _run(self, client: openai.OpenAI, model: str) -> None:
+        while not self._stop.is_set():
+            try:
+                response = client.completions.create(model=model, prompt="hello", max_tokens=8)
+                ok = response.choices[0].finish_reason == "length"
+                self.outcomes.append("ok" if ok else f"finish_reason {response.choices[0]}")
+            except openai.OpenAIError as exc:
+                self.outcomes.append(f"{type(exc).__name__}: {exc}")
+            time.sleep(0.2)
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        self._thread.join(60)
+        return self.outcomes
+
+
+# ---- the test -------------------------------------------------------------------------------
+
+
+def test_node_killed_mid_generation_fails_its_replica_only_and_serve_replaces_it(
+    nodes: Nodes,
+) -> None:
+    import ray
+
+    client = openai.OpenAI(base_url=f"{nodes.url}/v1", api_key="none", max_retries=0,
+                           timeout=RECOVER_WITHIN_S)  # fmt: skip
+    victim_replica = stats(VICTIM)["replica_id"]
+    steady = SteadyRequests(client, STEADY)
+    victim_sse = [SSEStream(nodes.url, VICTIM) for _ in range(2)]
+    victim_openai = OpenAIStream(client, VICTIM, LONG["max_tokens"])
+    steady_sse = SSEStream(nodes.url, STEADY, max_tokens=STEADY_TOKENS)
+    steady_openai = OpenAIStream(client, STEADY, STEADY_TOKENS)
+    for stream in [*victim_sse, steady_sse]:
+        assert stream.started.wait(60), "a stream never started"
+    wait_for(lambda: stats(VICTIM)["num_running"] >= 3, 60, f"3 running on {VICTIM}", 0.1)
+
+    node_a_id = nodes.node_a.node_id
+    killed_at = time.monotonic()
+    nodes.cluster.remove_node(nodes.node_a, allow_graceful=False)  # SIGKILL: raylet and all
+    print(f"node A killed in {time.monotonic() - killed_at:.1f} s")
+
+    # VICTIM's streams: an error chunk naming the model, then [DONE]; never a cut connection.
+    for stream in victim_sse:
+        stream.join(ERROR_WITHIN_S)
+        assert stream.failure is None, stream.failure
+        assert stream.status == 200
+        assert stream.events[-1] == "[DONE]", stream.events[-3:]
+        assert VICTIM in stream.events[-2]["error"]["message"], stream.events[-2]
+        assert stream.finish_reasons == []
+        assert stream.ended_at - killed_at < ERROR_WITHIN_S
+    victim_openai.join(ERROR_WITHIN_S)
+    error = victim_openai.error
+    assert isinstance(error, openai.APIError), error
+    assert not isinstance(error, openai.APIConnectionError), error
+    assert VICTIM in error.message and victim_openai.finish_reason is None
+    errored_at = time.monotonic()
+    print(f"{VICTIM}'s streams ended {errored_at - killed_at:.1f} s after the kill")
+    unhealthy = httpx.get(f"{nodes.url}/health", timeout=30)  # until the replacement runs
+    assert unhealthy.status_code == 503 and VICTIM in unhealthy.json()["error"]["message"]
+
+    # STEADY's streams, in flight across the kill, finish normally.
+    steady_sse.join(RECOVER_WITHIN_S)
+    steady_openai.join(RECOVER_WITHIN_S)
+    assert steady_sse.failure is None and steady_sse.events[-1] == "[DONE]"
+    assert steady_sse.finish_reasons == ["length"], steady_sse.events[-3:]
+    assert steady_openai.error is None and steady_openai.finish_reason == "length"
+    assert steady_sse.ended_at > killed_at and steady_openai.ended_at > killed_at
+
+    # Serve replaces VICTIM's replica on the spare node; a fresh request succeeds.
+    def fresh_request_succeeds() -> bool:
+        try:
+            left = RECOVER_WITHIN_S - (time.monotonic() - errored_at)
+            return complete(nodes.url, VICTIM, timeout_s=max(left, 1)).status_code == 200
+        except httpx.TimeoutException:
+            return False
+
+    wait_for(fresh_request_succeeds, RECOVER_WITHIN_S, f"{VICTIM} to answer again", 1.0)
+    print(f"{VICTIM} answered again {time.monotonic() - killed_at:.1f} s after the kill")
+    assert stats(VICTIM)["replica_id"] != victim_replica
+    assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node_a_id)
+
+    outcomes = steady.stop()
+    assert outcomes and set(outcomes) == {"ok"}, [o for o in outcomes if o != "ok"]
+    assert_idle(STEADY)
+    assert_idle(VICTIM)
