@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from cluster import config as cluster_config
 from cluster.config import DeploymentConfig, ModelDeployment
 from engine.errors import ConfigError
 from engine.memory_plan import GiB, MemoryPlan, PlanSettings, plan_memory
@@ -143,10 +144,10 @@ def read_hf_config(source: str, model_id: str | None = None) -> tuple[dict[str, 
 
         path: Path | None = resolve_model_source(source) / "config.json"
     else:
-        path = Path(source).expanduser()
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
+        path = Path(source).expanduser() / "config.json"
+        # The same test as the config's own engine-argument check: a checkpoint it cannot
+        # see here is one its replicas check when they start.
+        if not cluster_config._checkpoint_reachable(source):
             path = _hub_cache_config(model_id) if model_id else None
             if path is None:
                 return None
