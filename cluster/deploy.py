@@ -19,7 +19,7 @@ from ray import serve
 
 from cluster.config import DeploymentConfig
 from cluster.plan import preflight
-from cluster.serve import INGRESS_NAME, build_app, deployment_name, runtime_env
+from cluster.serve import build_app, deployment_name, runtime_env
 from cluster.start_errors import start_failure
 
 GRPC_SERVICER = "cluster.proto.llm_pb2_grpc.add_LLMServicer_to_server"
@@ -348,7 +348,6 @@ def cluster_status(app_name: str = "llm") -> dict[str, Any]:
         return _not_deployed(app_name)
     app = apps[app_name]
     models: dict[str, Any] = {}
-    ingress = serve.get_deployment_handle(INGRESS_NAME, app_name)
     loading = _loading_by_deployment()
     for name, dep in app.deployments.items():
         if not name.startswith("LLMServer:"):
@@ -368,7 +367,7 @@ def cluster_status(app_name: str = "llm") -> dict[str, Any]:
             entry["stats_error"] = "no running replica"
         else:
             try:
-                entry["stats"] = _model_stats(ingress, name)
+                entry["stats"] = _model_stats(app_name, name)
             except Exception as exc:  # the replica went away meanwhile
                 entry["stats_error"] = f"{type(exc).__name__}: {exc}"
         models[entry.get("stats", {}).get("model_id") or name.removeprefix("LLMServer:")] = entry
@@ -402,8 +401,10 @@ def _not_deployed(app_name: str) -> dict[str, Any]:
             "failed_at": failed["at"], "models": models}  # fmt: skip
 
 
-def _model_stats(ingress: Any, deployment: str) -> dict[str, Any]:
-    handle = serve.get_deployment_handle(deployment, ingress.app_name)
+def _model_stats(app_name: str, deployment: str) -> dict[str, Any]:
+    # The deployment's own handle, taken only once it has a running replica: early in a
+    # deploy Serve may not have registered the app's deployments yet (KeyError).
+    handle = serve.get_deployment_handle(deployment, app_name)
     return handle.stats.remote().result(timeout_s=30)
 
 
