@@ -290,20 +290,22 @@ class RayExecutor(Executor):
             for worker in workers:
                 ray.kill(worker, no_restart=True)
             if workers and not self._started:
-                self._remove_progress_records()
+                self._remove_progress_records(workers)
             if self._owns_pg and self._pg is not None:
                 remove_placement_group(self._pg)
             self._pg, self._owns_pg = None, False
 
-    def _remove_progress_records(self) -> None:
-        """Workers killed mid-start-up leave their progress records behind: removed now, and
-        again once the kills have surely taken effect (``ray.kill`` returns before the process
-        is gone; a loading worker writes every 0.5 s meanwhile). A record that still outlives
-        both is dropped by readers once stale."""
+    def _remove_progress_records(self, killed: list[Any]) -> None:
+        """Workers killed mid-start-up leave their progress records behind. ``ray.kill``
+        returns before a process is gone, and a loading worker writes every 0.5 s meanwhile:
+        wait (at most ``_REMOVE_AGAIN_AFTER_S``) until calls to the killed workers fail, then
+        remove the records. Not from a background thread: one still using Ray after
+        ``ray.shutdown()`` can crash the process (ray-project/ray#31145). A record that outlives
+        this anyway is dropped by readers once stale."""
         remove_executor_records(self.executor_id)
-        again = threading.Timer(_REMOVE_AGAIN_AFTER_S, remove_executor_records, (self.executor_id,))
-        again.daemon = True
-        again.start()
+        gone = [worker.ping.remote() for worker in killed]
+        ray.wait(gone, num_returns=len(gone), timeout=_REMOVE_AGAIN_AFTER_S)
+        remove_executor_records(self.executor_id)
 
 
 def _init_ray(world_size: int) -> None:
