@@ -302,20 +302,28 @@ class ModelDeployment:
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """The replica's bundles: its front (bundle 0), its head (``HEAD_BUNDLE_INDEX``), then
-        one bundle per worker (TP x PP of them).
+        one bundle per pipeline stage holding its TP group's devices (``{"GPU": TP}``).
 
         The front (the Serve replica: templates, tokenizing, streams) and the head (the engine
         core) are separate processes. With TP = PP = 1 the head runs the worker itself, so its
         bundle holds the device; otherwise (or with ``distributed_executor_backend: ray``) the
-        head only schedules and the worker actors each hold one device.
+        head only schedules and the worker actors each take one device of their stage's
+        bundle. A bundle never spans nodes, so a TP group (an all-reduce per layer) stays on
+        one node whatever the strategy; PACK (the default) still lets stages sit on different
+        nodes when no one node has room for all (``cluster.ray_executor``).
         """
-        device = {"GPU": 1.0} if self.uses_gpu else {"CPU": 1.0}
+        unit = "GPU" if self.uses_gpu else "CPU"
+        accelerator: dict[str, float] = {}
         if self.uses_gpu and self.accelerator_type:
-            device[f"accelerator_type:{self.accelerator_type}"] = 0.001
+            accelerator[f"accelerator_type:{self.accelerator_type}"] = 0.001
         front = {"CPU": 1.0}
         if self.world_size == 1 and self.engine_kwargs.get("distributed_executor_backend") != "ray":
+            device = {unit: 1.0, **accelerator}
             return [front, {"CPU": 1.0, **device}] if self.uses_gpu else [front, device]
-        return [front, {"CPU": 1.0}] + [dict(device) for _ in range(self.world_size)]
+        kw = self.engine_kwargs
+        tp = int(kw.get("tensor_parallel_size", 1))
+        stages = int(kw.get("pipeline_parallel_size", 1))
+        return [front, {"CPU": 1.0}] + [{unit: float(tp), **accelerator} for _ in range(stages)]
 
     @property
     def max_replicas(self) -> int:

@@ -16,6 +16,30 @@ Start-up calls (placement, ``init_device`` … ``load_model``, ``determine_num_a
 ``LLM_CLUSTER_STEP_TIMEOUT_S``: eight workers reading a 70B model's shards take minutes, a step
 seconds. Ranks load at once (one actor call each), so start-up takes the slowest rank's time,
 not the sum. Each worker publishes its progress itself (``cluster.load_progress``).
+
+Placement across nodes. A TP group all-reduces every layer, so its ranks must share a node;
+pipeline stages exchange one tensor per step and may sit on different nodes. The executor's own
+placement group therefore has one bundle per pipeline stage holding the whole TP group
+(``{"CPU": TP}`` or ``{"GPU": TP}``, the stage's TP workers each take one unit of it): Ray
+never splits a bundle across nodes, so no placement can cut a TP group, the group is still one
+gang-scheduled placement group, and ``placement_group_strategy`` (PACK by default) says only
+whether stages share a node. Per-worker bundles checked after placement were rejected: PACK may
+put 3 of 4 bundles on a 3-CPU node and refuse a cluster (3 + 2 CPUs) that could host the
+replica; so were STRICT_PACK groups per stage: separate groups are not gang-scheduled, so one
+stage can hold a node while the other waits. A Serve replica's placement group is built the
+same way (``cluster.config``). Whatever the bundles (a placement group made elsewhere with one
+bundle per worker), ranks are dealt by node once the group is placed: the nodes' worker slots
+in order, so ranks ``s*TP .. s*TP+TP-1`` (stage ``s``) share a node; a node holding a number of
+slots that is not a multiple of TP fails at once, naming each node's count: nothing runs split.
+Before creating its own group the executor checks the nodes' capacities: a replica no node set
+can host (a TP group larger than every node, or fewer nodes with room for a TP group than
+stages) fails at once naming each node's CPUs (GPUs) instead of waiting
+``LLM_CLUSTER_LOAD_TIMEOUT_S`` for placement.
+
+A local Ray this module started (no ``RAY_ADDRESS``, no cluster on the machine) belongs to the
+engine: when a later executor in the process needs more CPUs than it has and no executor of the
+process is alive on it, it is shut down and started again with room (logical CPUs are only
+scheduling tokens here). A Ray the user started or joined is never restarted.
 """
 
 from __future__ import annotations
@@ -26,6 +50,8 @@ import os
 import threading
 import time
 import uuid
+import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +61,7 @@ from ray.util.placement_group import (
     PlacementGroup,
     get_current_placement_group,
     placement_group,
+    placement_group_table,
     remove_placement_group,
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -76,13 +103,14 @@ _STARTUP_CALLS = {
 
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, observer: StartupObserver | None = None) -> None:
-        if not ray.is_initialized():
-            _init_ray(config.parallel.world_size)
-        device = _resolve_device(config)
-        config = dataclasses.replace(
-            config, device=dataclasses.replace(config.device, device=device)
-        )
-        super().__init__(config, observer)
+        with _LOCAL_RAY.lock:
+            _LOCAL_RAY.ensure_fits(config)
+            device = _resolve_device(config)
+            config = dataclasses.replace(
+                config, device=dataclasses.replace(config.device, device=device)
+            )
+            super().__init__(config, observer)
+            _LOCAL_RAY.executors.add(self)
         parallel = config.parallel
         self.world_size = parallel.world_size
         self.executor_id = uuid.uuid4().hex[:12]
@@ -110,46 +138,78 @@ class RayExecutor(Executor):
     # ---- start-up -----------------------------------------------------------------------
 
     def _acquire_placement_group(self) -> list[int]:
-        """Bundle indices for ranks 0..world-1: the caller's placement group (a Serve replica's)
-        when there is one, else a new one of TP x PP bundles."""
+        """The bundle index of each rank 0..world-1, every TP group on one node: in the
+        caller's placement group (a Serve replica's) when there is one, else in a new one of
+        one ``{resource: TP}`` bundle per pipeline stage."""
+        tp = self.config.parallel.tensor_parallel_size
         current = get_current_placement_group()
         if current is not None:
-            usable = [
-                i for i, b in enumerate(current.bundle_specs) if b.get(self._resource, 0) >= 1
-            ]
-            if len(usable) < self.world_size:
-                raise RuntimeError(
-                    f"placement group: the current placement group has {len(usable)} bundles with "
-                    f"{self._resource} >= 1; tensor_parallel_size x pipeline_parallel_size needs "
-                    f"{self.world_size}"
+            slots = worker_slots(current.bundle_specs, self._resource)
+            if len(slots) < self.world_size:
+                raise PlacementError(
+                    f"placement group: the current placement group has {len(slots)} worker "
+                    f"slots ({self._resource} >= 1 per worker); tensor_parallel_size x "
+                    f"pipeline_parallel_size needs {self.world_size}"
                 )
             self._pg = current
-            # Bundle 0 is usually the replica's own; workers take the last ones.
-            return usable[-self.world_size :]
-        self._check_cluster_can_fit()
+            # Bundle 0 is usually the replica's own and 1 its head's; workers take the last.
+            slots = slots[-self.world_size :]
+        else:
+            self._check_cluster_can_fit()
+            self._pg = self._create_placement_group(tp)
+            slots = worker_slots(self._pg.bundle_specs, self._resource)
+        return self._ranks_by_node(self._pg, slots, tp)
+
+    def _create_placement_group(self, tp: int) -> PlacementGroup:
         strategy = self.config.parallel.placement_group_strategy
-        self._pg = placement_group([{self._resource: 1}] * self.world_size, strategy=strategy)
-        self._owns_pg = True
-        ready, _ = ray.wait([self._pg.ready()], timeout=self._load_timeout_s)
+        stages = self.config.parallel.pipeline_parallel_size
+        pg = placement_group([{self._resource: float(tp)}] * stages, strategy=strategy)
+        self._pg, self._owns_pg = pg, True  # removed by shutdown if it never becomes ready
+        ready, _ = ray.wait([pg.ready()], timeout=self._load_timeout_s)
         if not ready:
-            raise RuntimeError(
-                f"placement group: {self.world_size} bundles of {{{self._resource!r}: 1}} "
-                f"({strategy}) could not be placed within {self._load_timeout_s:.0f} s "
-                f"(LLM_CLUSTER_LOAD_TIMEOUT_S); cluster resources: {ray.cluster_resources()}"
+            raise PlacementError(
+                f"placement group: {stages} bundles of {{{self._resource!r}: {tp}}} (one TP "
+                f"group per pipeline stage, {strategy}) could not be placed within "
+                f"{self._load_timeout_s:.0f} s (LLM_CLUSTER_LOAD_TIMEOUT_S); nodes: "
+                f"{_describe_nodes(_node_capacities(self._resource), self._resource)}; free in "
+                f"the cluster: {ray.available_resources().get(self._resource, 0):g} "
+                f"{self._resource}"
             )
-        return list(range(self.world_size))
+        return pg
+
+    @staticmethod
+    def _ranks_by_node(pg: PlacementGroup, slots: list[int], tp: int) -> list[int]:
+        """Deal ranks to the placed slots node by node (see the module docstring)."""
+        bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
+        slot_nodes = [bundle_nodes[bundle] for bundle in slots]
+        names = _node_names()
+        order = assign_ranks_by_node(slot_nodes, tp, names)
+        stage_nodes = [names.get(slot_nodes[i], slot_nodes[i]) for i in order[::tp]]
+        logger.info("TP groups by pipeline stage, on nodes: %s", ", ".join(stage_nodes))
+        return [slots[i] for i in order]
 
     def _check_cluster_can_fit(self) -> None:
-        """Fail at once, naming the shortfall, when the whole cluster has fewer CPUs (GPUs)
-        than the workers' bundles: such a placement group would wait forever."""
+        """Fail at once, naming the shortfall, when the cluster's nodes can never hold the
+        workers: fewer CPUs (GPUs) in all than workers, or fewer whole TP groups on the nodes
+        than pipeline stages. Such a placement group would wait forever. Node totals, not
+        what is free: what others hold now may be released while the placement waits."""
         total = ray.cluster_resources().get(self._resource, 0)
         if total < self.world_size:
-            raise RuntimeError(
+            hint = _LOCAL_RAY.hint_if_started_here()
+            raise PlacementError(
                 f"placement group: tensor_parallel_size x pipeline_parallel_size = "
                 f"{self.world_size} workers need {self.world_size} {self._resource}, but the Ray "
                 f"cluster has {total:g} {self._resource} in total ({self.world_size - total:g} "
-                "short); add nodes or lower the parallel sizes"
+                f"short); add nodes or lower the parallel sizes{hint}"
             )
+        parallel = self.config.parallel
+        check_nodes_can_host(
+            _node_capacities(self._resource),
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            self._resource,
+            parallel.placement_group_strategy,
+        )
 
     def _spawn_workers(self, bundles: list[int]) -> list[Any]:
         actor_class = ray.remote(WorkerActor)
@@ -308,19 +368,178 @@ class RayExecutor(Executor):
         remove_executor_records(self.executor_id)
 
 
-def _init_ray(world_size: int) -> None:
-    """Join the cluster ``RAY_ADDRESS`` or ``ray start`` made, or start a local one with at
-    least one logical CPU per worker (a laptop with fewer cores than TP x PP workers still runs
-    them, oversubscribed). Job-level runtime_env, so that a checkout's packages also reach
-    workers on other nodes (per-actor py_modules cannot upload local dirs)."""
-    runtime_env = _job_runtime_env()
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env=runtime_env)
+class PlacementError(RuntimeError):
+    """The workers cannot be placed with each TP group on one node, or not at all."""
+
+
+def worker_slots(bundle_specs: Sequence[dict[str, float]], resource: str) -> list[int]:
+    """One entry per worker a bundle can hold (one per unit of ``resource``), in bundle
+    order: ``[{"CPU": 1}, {"CPU": 2}]`` gives ``[0, 1, 1]``."""
+    return [i for i, spec in enumerate(bundle_specs) for _ in range(int(spec.get(resource, 0)))]
+
+
+def assign_ranks_by_node(
+    slot_nodes: Sequence[str], tensor_parallel_size: int, names: dict[str, str] | None = None
+) -> list[int]:
+    """The slot of each rank, given each slot's node: nodes in order of their first slot,
+    each node's slots in order, so every run of ``tensor_parallel_size`` ranks (a TP group)
+    is on one node. Raises ``PlacementError`` naming every node's count when some node holds
+    a number of slots that is not a multiple of ``tensor_parallel_size``."""
+    by_node: dict[str, list[int]] = {}
+    for slot, node in enumerate(slot_nodes):
+        by_node.setdefault(node, []).append(slot)
+    tp = tensor_parallel_size
+    if any(len(slots) % tp for slots in by_node.values()):
+        names = names or {}
+        counts = "; ".join(
+            f"{names.get(node, node)} got {len(slots)}"
+            + (" (not a multiple)" if len(slots) % tp else "")
+            for node, slots in by_node.items()
+        )
+        raise PlacementError(
+            f"placement: the placement group's {len(slot_nodes)} worker bundles would split a "
+            f"TP group across nodes: {counts}; tensor_parallel_size {tp} needs a multiple of "
+            f"{tp} worker bundles on each node (whole TP groups). Give the placement group one "
+            f"bundle of {tp} devices per pipeline stage, or a STRICT_PACK strategy"
+        )
+    return [slot for slots in by_node.values() for slot in slots]
+
+
+def check_nodes_can_host(
+    capacities: dict[str, float],
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    resource: str,
+    strategy: str = "PACK",
+) -> None:
+    """Raise ``PlacementError`` naming each node's capacity when the nodes (name -> units of
+    ``resource``) can never hold one TP group per pipeline stage, each group on one node:
+    STRICT_PACK wants them all on one node, STRICT_SPREAD each on its own node."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    groups = [int(amount // tp) for amount in capacities.values()]
+    if strategy == "STRICT_PACK":
+        room, unit = max(groups, default=0), "on one node (STRICT_PACK)"
+    elif strategy == "STRICT_SPREAD":
+        room, unit = sum(1 for g in groups if g), "on distinct nodes (STRICT_SPREAD)"
+    else:
+        room, unit = sum(groups), "in all"
+    if room >= pp:
         return
-    try:
-        ray.init(address="auto", runtime_env=runtime_env)
-    except ConnectionError:  # no cluster on this machine: start one sized for the workers
-        ray.init(runtime_env=runtime_env, num_cpus=max(os.cpu_count() or 1, world_size))
+    what = (
+        f"no node has the {tp} {resource} one TP group needs"
+        if not any(groups)
+        else f"the nodes have room for {room} of the {pp} TP groups {unit}"
+    )
+    raise PlacementError(
+        f"placement: tensor_parallel_size {tp} x pipeline_parallel_size {pp} needs {pp} TP "
+        f"group(s) of {tp} {resource}, each on one node (a TP group never spans nodes), but "
+        f"{what}: {_describe_nodes(capacities, resource, tp)}; add nodes with {tp} {resource} "
+        "or lower tensor_parallel_size"
+    )
+
+
+def _describe_nodes(capacities: dict[str, float], resource: str, tp: int | None = None) -> str:
+    parts = []
+    for node, amount in capacities.items():
+        part = f"{node} has {amount:g} {resource}"
+        if tp is not None:
+            groups = int(amount // tp)
+            part += f" ({groups} TP group(s))" if groups else f" ({tp - amount:g} short of one)"
+        parts.append(part)
+    return "; ".join(parts) or "none alive"
+
+
+def _node_names() -> dict[str, str]:
+    """Node id -> ``node <ip> (<id prefix>)`` for the alive nodes."""
+    return {
+        node["NodeID"]: f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})"
+        for node in ray.nodes()
+        if node.get("Alive")
+    }
+
+
+def _node_capacities(resource: str) -> dict[str, float]:
+    """``node <ip> (<id prefix>)`` -> total units of ``resource``, for the alive nodes."""
+    return {
+        f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})": node["Resources"].get(
+            resource, 0.0
+        )
+        for node in ray.nodes()
+        if node.get("Alive")
+    }
+
+
+class _LocalRay:
+    """The local Ray this module started (by its session name; never one the user started
+    or joined) and the process's executors, which say whether it may be restarted."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.session: str | None = None
+        self.executors: weakref.WeakSet[RayExecutor] = weakref.WeakSet()
+
+    def ensure_fits(self, config: EngineConfig) -> None:
+        """Connect to Ray for ``config``'s workers, restarting a Ray this module started when
+        it is too small for them and no executor of the process runs on it."""
+        world_size = config.parallel.world_size
+        if not ray.is_initialized():
+            self._join_or_start(world_size)
+        elif self._too_small_and_idle(config):
+            cpus = ray.cluster_resources().get("CPU", 0)
+            logger.info(
+                "restarting the local Ray this process started (%g CPU) for %d workers",
+                cpus,
+                world_size,
+            )
+            ray.shutdown()
+            self._start(world_size)
+
+    def started_here(self) -> bool:
+        return (
+            self.session is not None
+            and ray.is_initialized()
+            and ray.get_runtime_context().get_session_name() == self.session
+        )
+
+    def hint_if_started_here(self) -> str:
+        if not self.started_here():
+            return ""
+        return (
+            "; this process started that Ray itself and restarts it with room only while no "
+            "engine of the process runs on it (shut the others down first)"
+        )
+
+    def _too_small_and_idle(self, config: EngineConfig) -> bool:
+        if not self.started_here() or get_current_placement_group() is not None:
+            return False
+        if any(not executor.is_dead for executor in list(self.executors)):
+            return False
+        resources = ray.cluster_resources()
+        device = config.device.device
+        if device == "cuda" or (device == "auto" and resources.get("GPU", 0) >= 1):
+            return False  # GPUs are real: a restart adds none
+        return resources.get("CPU", 0) < config.parallel.world_size
+
+    def _join_or_start(self, world_size: int) -> None:
+        """Join the cluster ``RAY_ADDRESS`` or ``ray start`` made, or start a local one.
+        Job-level runtime_env, so that a checkout's packages also reach workers on other
+        nodes (per-actor py_modules cannot upload local dirs)."""
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(runtime_env=_job_runtime_env())
+            return
+        try:
+            ray.init(address="auto", runtime_env=_job_runtime_env())
+        except ConnectionError:  # no cluster on this machine: start one sized for the workers
+            self._start(world_size)
+
+    def _start(self, world_size: int) -> None:
+        """A local Ray with at least one logical CPU per worker (a laptop with fewer cores
+        than TP x PP workers still runs them, oversubscribed)."""
+        ray.init(runtime_env=_job_runtime_env(), num_cpus=max(os.cpu_count() or 1, world_size))
+        self.session = ray.get_runtime_context().get_session_name()
+
+
+_LOCAL_RAY = _LocalRay()
 
 
 def _resolve_device(config: EngineConfig) -> str:

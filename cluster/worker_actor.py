@@ -58,6 +58,12 @@ class WorkerActor:
 
         return ray.util.get_node_ip_address()
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (its placement bundle's node)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def init_device(self) -> None:
         # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always index 0.
         self.worker.init_device(0)

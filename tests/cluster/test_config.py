@@ -50,7 +50,8 @@ def test_llama70b_is_tp4_pp2_on_h100_with_autoscaling_1_to_4() -> None:
     options = model.serve_options()
     bundles = options["placement_group_bundles"]
     assert bundles[:2] == [{"CPU": 1.0}, {"CPU": 1.0}]  # the front, the head
-    assert bundles[2:] == [{"GPU": 1.0, "accelerator_type:H100": 0.001}] * 8
+    # One bundle per pipeline stage holding its TP group's GPUs: a bundle never spans nodes.
+    assert bundles[2:] == [{"GPU": 4.0, "accelerator_type:H100": 0.001}] * 2
     assert options["placement_group_strategy"] == "PACK"
     scaling = options["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4)

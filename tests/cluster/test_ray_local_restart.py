@@ -1,0 +1,74 @@
+"""A local Ray the engine started itself fits what the process asks of it next: a second
+``LLM`` needing more workers than that Ray has CPUs restarts it with room once the first is
+shut down; while an engine still runs on it, the refusal says why it was not restarted.
+
+Run in a fresh interpreter that sees one core (``os.cpu_count`` patched), so the first Ray is
+started with 1 logical CPU whatever this machine has, and that finds no other Ray of this
+machine to join (its own Ray temp directory, no ``ray start`` address, no detected GCS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import functools, json, os
+os.cpu_count = lambda: 1
+import ray
+import ray._private.services
+# ray.init(address="auto") would join any Ray running on this machine (its GCS found by
+# pgrep): this process must find none, so that the engine starts its own.
+ray._private.services._cached_find_gcs_addresses = functools.cache(frozenset)
+from engine import LLM, SamplingParams
+from cluster.ray_executor import PlacementError
+
+args = dict(num_kv_blocks=64, max_model_len=128, device="cpu")
+greedy = SamplingParams(temperature=0, max_tokens=6)
+report = {}
+
+first = LLM("builtin:tiny-llama", distributed_executor_backend="ray", **args)
+report["first_cpus"] = ray.cluster_resources()["CPU"]
+report["first"] = first.generate("hello", greedy, use_tqdm=False)[0].outputs[0].token_ids
+first.llm_engine.shutdown()
+
+second = LLM("builtin:tiny-llama", tensor_parallel_size=2, **args)
+report["second_cpus"] = ray.cluster_resources()["CPU"]
+report["second"] = second.generate("hello", greedy, use_tqdm=False)[0].outputs[0].token_ids
+try:
+    LLM("builtin:tiny-llama", tensor_parallel_size=4, **args)
+except PlacementError as exc:
+    report["refusal"] = str(exc)
+second.llm_engine.shutdown()
+print("REPORT", json.dumps(report))
+"""
+
+
+@pytest.mark.slow  # ~50 s: two local Ray starts in a fresh interpreter, three engines
+def test_an_engine_started_ray_too_small_for_the_next_llm_is_restarted_with_room() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
+    env["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as ray_tmp:  # short socket paths
+        env["RAY_TMPDIR"] = ray_tmp
+        result = subprocess.run(
+            [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
+    report = json.loads(line.removeprefix("REPORT "))
+    assert report["first_cpus"] == 1
+    assert report["second_cpus"] == 2  # restarted for the two workers
+    assert report["second"] == report["first"]  # TP = 2 on the new Ray equals TP = 1
+    # The second engine still runs on it, so the Ray is not restarted under it.
+    assert "4 workers need 4 CPU" in report["refusal"]
+    assert "restarts it with room only while no engine of the process runs" in report["refusal"]
