@@ -8,8 +8,9 @@ must run before the serving modules start the session's (conftest).
     node C     3 CPUs   spare, added once VICTIM runs: where Serve puts the replacement
 
 Placement follows from capacity and the order nodes join, with no custom resource: VICTIM needs
-three CPU bundles, which neither the head nor B can hold, so it waits for A; the ingress (no
-CPU) is placed, on the head or B, before A joins, so losing A never takes the ingress down.
+three CPU bundles, which neither the head nor B can hold, so it waits for A; A joins only once
+the ingress (no CPU: on the head or B) and STEADY are placed, so losing A never takes either
+down. Ray marks A dead ~15 s after the kill; Serve sees the replica gone within seconds.
 
 Asserted: VICTIM's in-flight streams end within 30 s of the kill with an error chunk naming
 the model and ``data: [DONE]`` (the official ``openai`` client raises ``APIError`` with that
@@ -76,9 +77,19 @@ class Nodes:
     url: str
 
 
-def _running(app: Any, deployment: str) -> bool:
-    states = app.deployments[deployment].replica_states if app is not None else {}
-    return any(getattr(s, "value", s) == "RUNNING" and n for s, n in states.items())
+def _replica_placed(deployment: str) -> bool:
+    """A replica actor of ``deployment`` has been created on a node (so its placement group,
+    if it has one, is placed). Serve says RUNNING only once the model has loaded."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    found = [(a["name"], a["namespace"]) for a in actors if a["name"].startswith(prefix)]
+    if not found:
+        return False
+    actor = ray.get_actor(found[0][0], namespace=found[0][1])
+    ready, _ = ray.wait([actor.__ray_ready__.remote()], timeout=1)
+    return bool(ready)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +103,7 @@ def nodes() -> Iterator[Nodes]:
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 0, "port": free_port(), "include_dashboard": False,
+        head_node_args={"num_cpus": 0, "include_dashboard": False,
                         "dashboard_agent_listen_port": None},
     )  # fmt: skip
     try:
@@ -108,10 +119,10 @@ def nodes() -> Iterator[Nodes]:
             def placed_without_a() -> bool:
                 if deployed.done():
                     deployed.result()  # a deploy failure, raised here
-                app = serve.status().applications.get(APP)
-                return _running(app, INGRESS_NAME) and _running(app, deployment_name(STEADY))
+                return _replica_placed(INGRESS_NAME) and _replica_placed(deployment_name(STEADY))
 
-            wait_for(placed_without_a, 120, "the ingress and STEADY to run on head + B")
+            # Only then may A join (VICTIM loads meanwhile, beside STEADY).
+            wait_for(placed_without_a, 120, "the ingress and STEADY placed on the head and B")
             node_a = cluster.add_node(num_cpus=3)
             deployed.result(timeout=120)
         cluster.add_node(num_cpus=3)  # node C: spare capacity for the replacement
