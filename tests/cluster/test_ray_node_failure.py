@@ -73,7 +73,8 @@ def deployment_config(http_port: int) -> Any:
 @dataclass
 class Nodes:
     cluster: Any  # ray.cluster_utils.Cluster
-    node_a: Any
+    node_a: Any  # ray._private.node.Node, for remove_node
+    ids: dict[str, str]  # "B", "A", "C" -> Ray node id
     url: str
 
 
@@ -107,7 +108,7 @@ def nodes() -> Iterator[Nodes]:
                         "dashboard_agent_listen_port": None},
     )  # fmt: skip
     try:
-        cluster.add_node(num_cpus=2)  # node B
+        node_b = cluster.add_node(num_cpus=2)
         ray.init(address=cluster.address, log_to_driver=False,
                  runtime_env=runtime_env() or None)  # fmt: skip
         http_port = free_port()
@@ -125,8 +126,9 @@ def nodes() -> Iterator[Nodes]:
             wait_for(placed_without_a, 120, "the ingress and STEADY placed on the head and B")
             node_a = cluster.add_node(num_cpus=3)
             deployed.result(timeout=120)
-        cluster.add_node(num_cpus=3)  # node C: spare capacity for the replacement
-        yield Nodes(cluster, node_a, f"http://127.0.0.1:{http_port}")
+        node_c = cluster.add_node(num_cpus=3)  # spare capacity for the replacement
+        ids = {"B": node_b.node_id, "A": node_a.node_id, "C": node_c.node_id}
+        yield Nodes(cluster, node_a, ids, f"http://127.0.0.1:{http_port}")
     finally:
         if ray.is_initialized():
             serve.shutdown()
@@ -143,6 +145,16 @@ def server(model: str) -> Any:
     from cluster.serve import deployment_name
 
     return serve.get_deployment_handle(deployment_name(model), APP)
+
+
+def replica_nodes(deployment: str) -> list[str]:
+    """The nodes of the deployment's running replicas, from Serve's controller (what its REST
+    API and ``serve status`` report)."""
+    from ray.serve.context import _get_global_client
+
+    app = _get_global_client().get_serve_details()["applications"][APP]
+    replicas = app["deployments"][deployment]["replicas"]
+    return sorted(r["node_id"] for r in replicas if r["state"] == "RUNNING")
 
 
 def stats(model: str) -> dict[str, Any]:
@@ -225,6 +237,12 @@ def test_node_killed_mid_generation_fails_its_replica_only_and_serve_replaces_it
 ) -> None:
     import ray
 
+    from cluster.serve import INGRESS_NAME, deployment_name
+
+    ids = nodes.ids
+    assert replica_nodes(deployment_name(VICTIM)) == [ids["A"]]
+    assert replica_nodes(deployment_name(STEADY)) == [ids["B"]]
+    assert ids["A"] not in replica_nodes(INGRESS_NAME)
     client = openai.OpenAI(base_url=f"{nodes.url}/v1", api_key="none", max_retries=0,
                            timeout=RECOVER_WITHIN_S)  # fmt: skip
     victim_replica = stats(VICTIM)["replica_id"]
@@ -237,7 +255,6 @@ def test_node_killed_mid_generation_fails_its_replica_only_and_serve_replaces_it
         assert stream.started.wait(60), "a stream never started"
     wait_for(lambda: stats(VICTIM)["num_running"] >= 3, 60, f"3 running on {VICTIM}", 0.1)
 
-    node_a_id = nodes.node_a.node_id
     killed_at = time.monotonic()
     nodes.cluster.remove_node(nodes.node_a, allow_graceful=False)  # SIGKILL: raylet and all
     print(f"node A killed in {time.monotonic() - killed_at:.1f} s")
@@ -281,7 +298,8 @@ def test_node_killed_mid_generation_fails_its_replica_only_and_serve_replaces_it
     wait_for(fresh_request_succeeds, RECOVER_WITHIN_S, f"{VICTIM} to answer again", 1.0)
     print(f"{VICTIM} answered again {time.monotonic() - killed_at:.1f} s after the kill")
     assert stats(VICTIM)["replica_id"] != victim_replica
-    assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node_a_id)
+    assert replica_nodes(deployment_name(VICTIM)) == [ids["C"]]
+    assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == ids["A"])
 
     outcomes = steady.stop()
     assert outcomes and set(outcomes) == {"ok"}, [o for o in outcomes if o != "ok"]
