@@ -2,15 +2,15 @@
 one raylet per node, each with its own CPUs). Named ``test_ray_*``: it starts its own Ray, so it
 must run before the serving modules start the session's (conftest).
 
-    head node  0 CPUs   GCS, Serve's controller and its one HTTP proxy (HeadOnly)
-    node B     2 CPUs   STEADY's replica: front + head (TP = PP = 1, the head runs the worker)
+    head node  2 CPUs   GCS, Serve's controller, its one HTTP proxy (HeadOnly), the ingress,
+                        STEADY's replica: front + head (TP = PP = 1, the head runs the worker)
     node A     3 CPUs   VICTIM's replica: front, head and one worker actor; its raylet is killed
-    node C     3 CPUs   spare, added once VICTIM runs: where Serve puts the replacement
+    node C     3 CPUs   spare, added once VICTIM is placed: where Serve puts the replacement
 
 Placement follows from capacity and the order nodes join, with no custom resource: VICTIM needs
-three CPU bundles, which neither the head nor B can hold, so it waits for A; A joins only once
-the ingress (no CPU: on the head or B) and STEADY are placed, so losing A never takes either
-down. Ray marks A dead ~15 s after the kill; Serve sees the replica gone within seconds.
+three CPU bundles, which the head cannot hold, so it waits for A; A joins only once the ingress
+and STEADY are placed on the head, and C once VICTIM is placed on A. Ray marks A dead ~15 s
+after the kill; Serve sees the replica gone within seconds.
 
 Asserted: VICTIM's in-flight streams end within 30 s of the kill with an error chunk naming
 the model and ``data: [DONE]`` (the official ``openai`` client raises ``APIError`` with that
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 
 APP = "nodes"
 VICTIM = "tiny-victim"  # its replica lives on node A, whose raylet is killed
-STEADY = "tiny-steady"  # on node B: must serve throughout
+STEADY = "tiny-steady"  # on the head node: must serve throughout
 STEADY_TOKENS = 1200  # long enough to be in flight across the kill
 ERROR_WITHIN_S = 30
 RECOVER_WITHIN_S = 120
@@ -74,7 +74,7 @@ def deployment_config(http_port: int) -> Any:
 class Nodes:
     cluster: Any  # ray.cluster_utils.Cluster
     node_a: Any  # ray._private.node.Node, for remove_node
-    ids: dict[str, str]  # "B", "A", "C" -> Ray node id
+    ids: dict[str, str]  # "head", "A", "C" -> Ray node id
     url: str
 
 
@@ -104,11 +104,10 @@ def nodes() -> Iterator[Nodes]:
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False,
+        head_node_args={"num_cpus": 2, "include_dashboard": False,
                         "dashboard_agent_listen_port": None},
     )  # fmt: skip
     try:
-        node_b = cluster.add_node(num_cpus=2)
         ray.init(address=cluster.address, log_to_driver=False,
                  runtime_env=runtime_env() or None)  # fmt: skip
         http_port = free_port()
@@ -117,17 +116,21 @@ def nodes() -> Iterator[Nodes]:
         with ThreadPoolExecutor(1) as pool:
             deployed = pool.submit(deploy, deployment_config(http_port), lambda _: None)
 
-            def placed_without_a() -> bool:
-                if deployed.done():
-                    deployed.result()  # a deploy failure, raised here
-                return _replica_placed(INGRESS_NAME) and _replica_placed(deployment_name(STEADY))
+            def placed(*deployments: str) -> Callable[[], bool]:
+                def check() -> bool:
+                    if deployed.done():
+                        deployed.result()  # a deploy failure, raised here
+                    return all(_replica_placed(d) for d in deployments)
 
-            # Only then may A join (VICTIM loads meanwhile, beside STEADY).
-            wait_for(placed_without_a, 120, "the ingress and STEADY placed on the head and B")
+                return check
+
+            # A joins once the ingress and STEADY are placed; VICTIM loads beside STEADY.
+            wait_for(placed(INGRESS_NAME, deployment_name(STEADY)), 120, "STEADY placed")
             node_a = cluster.add_node(num_cpus=3)
+            wait_for(placed(deployment_name(VICTIM)), 120, "VICTIM placed on A")
+            node_c = cluster.add_node(num_cpus=3)  # spare capacity for the replacement
             deployed.result(timeout=120)
-        node_c = cluster.add_node(num_cpus=3)  # spare capacity for the replacement
-        ids = {"B": node_b.node_id, "A": node_a.node_id, "C": node_c.node_id}
+        ids = {"head": cluster.head_node.node_id, "A": node_a.node_id, "C": node_c.node_id}
         yield Nodes(cluster, node_a, ids, f"http://127.0.0.1:{http_port}")
     finally:
         if ray.is_initialized():
@@ -241,8 +244,8 @@ def test_node_killed_mid_generation_fails_its_replica_only_and_serve_replaces_it
 
     ids = nodes.ids
     assert replica_nodes(deployment_name(VICTIM)) == [ids["A"]]
-    assert replica_nodes(deployment_name(STEADY)) == [ids["B"]]
-    assert ids["A"] not in replica_nodes(INGRESS_NAME)
+    assert replica_nodes(deployment_name(STEADY)) == [ids["head"]]
+    assert replica_nodes(INGRESS_NAME) == [ids["head"]]
     client = openai.OpenAI(base_url=f"{nodes.url}/v1", api_key="none", max_retries=0,
                            timeout=RECOVER_WITHIN_S)  # fmt: skip
     victim_replica = stats(VICTIM)["replica_id"]
