@@ -178,7 +178,6 @@ class OpenAIStream:
     """A streamed completion through the official ``openai`` client, on its own thread."""
 
     def __init__(self, client: openai.OpenAI, model: str, max_tokens: int) -> None:
-        self.text_chunks = 0
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.ended_at: float | None = None
@@ -194,7 +193,6 @@ class OpenAIStream:
             )  # fmt: skip
             for chunk in stream:
                 for choice in chunk.choices:
-                    self.text_chunks += 1
                     self.finish_reason = choice.finish_reason or self.finish_reason
         except BaseException as exc:
             self.error = exc
