@@ -376,3 +376,7 @@ def test_serve_with_a_model_its_replicas_cannot_build_exits_1_with_the_reason(
     assert served.returncode == 1, served.stderr[-3000:]
     assert served.stderr.splitlines()[-1].startswith(f"error: model 'q3' cannot start: {REFUSAL}")
     assert "Traceback" not in served.stdout + served.stderr
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

@@ -291,3 +291,7 @@ def test_embeddings_with_tp2_pp2_equal_one_worker(pooling_type: str) -> None:
         assert llm.llm_engine.executor.collective_rpc("num_request_states") == [0] * 4
     finally:
         llm.llm_engine.shutdown()
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

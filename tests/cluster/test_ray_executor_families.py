@@ -68,3 +68,7 @@ def test_gemma2_tp2_pp2_equals_tp1() -> None:
     # Gemma's layer hands (mlp branch, stream) to the next stage like Llama's (hidden, residual).
     expected = _greedy("tiny-gemma2", distributed_executor_backend="uni")
     assert _greedy("tiny-gemma2", tensor_parallel_size=2, pipeline_parallel_size=2) == expected
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

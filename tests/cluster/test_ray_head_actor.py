@@ -339,3 +339,7 @@ def test_a_head_whose_model_cannot_load_fails_its_replica_with_the_reason(tmp_pa
         return not [a for a in ray.util.list_named_actors() if a.startswith(broken_head)]
 
     wait_for(head_gone, 30, "the failed head actor to be killed")
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

@@ -54,3 +54,7 @@ def test_a_cluster_too_small_for_the_workers_fails_at_once_naming_the_shortfall(
         assert "4 workers need 4 CPU" in message and "has 2 CPU" in message and "2 short" in message
     finally:
         ray.shutdown()
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

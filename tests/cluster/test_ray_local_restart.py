@@ -72,3 +72,7 @@ def test_an_engine_started_ray_too_small_for_the_next_llm_is_restarted_with_room
     # The second engine still runs on it, so the Ray is not restarted under it.
     assert "4 workers need 4 CPU" in report["refusal"]
     assert "restarts it with room only while no engine of the process runs" in report["refusal"]
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

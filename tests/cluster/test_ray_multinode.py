@@ -122,3 +122,7 @@ def test_nodes_of_3_and_1_cpus_refuse_tp2_pp2_at_once_naming_each_node(nodes: No
     assert "has 3 CPU (1 TP group(s))" in message and "has 1 CPU (1 short of one)" in message
     # Refused before a placement group was asked for: none is left pending.
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

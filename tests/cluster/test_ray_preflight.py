@@ -34,3 +34,7 @@ def test_deploy_refuses_llama70b_on_one_h100_before_any_actor_starts(tmp_path: P
         assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
     finally:
         ray.shutdown()
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

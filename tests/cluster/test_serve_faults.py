@@ -330,3 +330,7 @@ def test_deleting_the_app_drains_in_flight_requests(serve_cluster: ServeCluster)
         assert DRAIN_TIMEOUT_S - 1 < long.ended_at - stop_at < DRAIN_TIMEOUT_S + 5
     finally:
         serve.delete(DRAIN_APP)
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

@@ -82,3 +82,7 @@ def test_autoscaled_model_scales_up_under_load_and_back_down(client: OpenAI) -> 
             thread.join(60)
     assert not errors
     wait_for(lambda: running_replicas(SCALED) == 1, 120, "scale-down to one replica", 1)
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

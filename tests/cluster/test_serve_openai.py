@@ -493,3 +493,7 @@ def test_full_waiting_queue_is_503_with_retry_after_and_grpc_resource_exhausted(
         timeout_s=30,
         what="the queued model to be idle with every block free",
     )
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

@@ -606,3 +606,7 @@ def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_replica(client: OpenA
     other = "A different system prompt, about gardens and rivers and the weather of spring. " * 3
     second = {_replica(client, MODEL, other + f"Question {i}?") for i in range(6)}
     assert len(second) == 1
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

@@ -57,3 +57,7 @@ def greedy_tokens(client: OpenAI, model: str) -> list[list[str]]:
 @pytest.mark.parametrize("shape", ["tp2", "pp2"])
 def test_parallel_shape_through_serve_equals_tp1(client: OpenAI, shape: str) -> None:
     assert greedy_tokens(client, shape) == greedy_tokens(client, "tp1")
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

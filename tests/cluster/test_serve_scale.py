@@ -128,3 +128,7 @@ def test_a_cold_start_past_its_timeout_is_503_with_retry_after_never_404(scaled:
     # The request started a replica: a retry once it is up succeeds.
     wait_for(lambda: running(SLOW) == 1, 180, "the cold model's replica")
     assert complete(scaled, SLOW).status_code == 200
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

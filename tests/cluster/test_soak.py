@@ -111,3 +111,7 @@ def test_resident_memory_grows_under_5_percent_between_the_halves(
     for name, entry in rss.items():
         assert not entry["gone"], f"{name} went away during the run"
         assert entry["growth_pct"] < 5.0, (name, entry)
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow

@@ -61,3 +61,7 @@ def test_once_idle_both_replicas_have_every_kv_block_free_and_no_request_state(
         assert replica["kv_free_blocks"] == replica["kv_total_blocks"] == 256
         assert replica["head"] and all(n == 0 for n in replica["head"].values()), replica
         assert replica["workers"] == [0], replica
+
+
+# Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
+pytestmark = pytest.mark.slow
