@@ -15,6 +15,11 @@ samples that sample, and advances their matchers with the tokens they got.
 A request added with ``PoolingParams`` instead of ``SamplingParams`` is a pooling (embedding)
 request: one scheduler ``Request`` that samples nothing; the step that computes its last prompt
 token returns its ``PoolingRequestOutput`` (the vector the workers pooled) and ends it.
+
+One role in one file (~830 lines): the head's per-step cycle (validate, schedule, execute,
+update, detokenize, emit). Samples, structured outputs and pooling are each a few functions on
+that same cycle's state (``RequestGroup``/``SampleState``), not roles of their own; beam search
+already lives outside it (``engine.beam_search``).
 """
 
 from __future__ import annotations
