@@ -4,7 +4,6 @@ per token equal the model runner's, and against a real tiny engine on CPU; plus 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from engine.memory_plan import (
     PlanSettings,
     plan_memory,
 )
+from engine.model_loader import _default_dtype
 from engine.model_runner import ModelRunner
 from engine.models import MODEL_REGISTRY
 from engine.tiny_models import resolve_model_source
@@ -83,16 +83,6 @@ def builtin_config(name: str, **overrides: Any) -> dict[str, Any]:
     return hf
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def meta_rank(
     hf: dict[str, Any], dtype: str, tp: int, tp_rank: int, pp: int, pp_rank: int,
     partition: tuple[int, ...] | None = None,
@@ -104,7 +94,7 @@ def meta_rank(
         layer_partition=partition,
     )
     model_class = MODEL_REGISTRY[hf["architectures"][0]]
-    with torch.device("meta"), default_dtype(_DTYPES[dtype]):
+    with torch.device("meta"), _default_dtype(_DTYPES[dtype]):
         return model_class(hf, ctx, ops=get_kernel_ops("torch"))
 
 
