@@ -60,3 +60,23 @@ def step_profile() -> bool:
     phase boundary, so per-phase timings include device time (costs throughput; default 0:
     host-side phase times, see ``engine.timing``)."""
     return os.environ.get("LLM_CLUSTER_STEP_PROFILE", "0") == "1"
+
+
+def ray_dispatch() -> str:
+    """``LLM_CLUSTER_RAY_DISPATCH``: how the Ray executor sends each step to its workers:
+    ``compiled`` (default) through a Ray Compiled Graph (shared-memory channels, one compiled
+    execution per step, no Ray task per worker), ``tasks`` one Ray actor call per worker per
+    step (the earlier path, kept for comparison and as a fallback)."""
+    value = os.environ.get("LLM_CLUSTER_RAY_DISPATCH", "compiled")
+    if value not in ("compiled", "tasks"):
+        raise ValueError(
+            f"LLM_CLUSTER_RAY_DISPATCH: {value!r} is not one of 'compiled', 'tasks'"
+        )
+    return value
+
+
+def pp_pipelining() -> bool:
+    """``LLM_CLUSTER_PP_PIPELINING``: with pipeline_parallel_size > 1, keep up to
+    pipeline_parallel_size batches in flight so no stage idles while another computes
+    (default 1; ``0`` runs one batch at a time, for comparison)."""
+    return os.environ.get("LLM_CLUSTER_PP_PIPELINING", "1") != "0"

@@ -4,6 +4,10 @@ Backends are swappable: ``uni`` runs the one worker in the head's process (TP = 
 distributed backends (Ray, in ``cluster/``) register themselves by name in
 ``EXECUTOR_BACKENDS`` as an import path, so the engine itself never imports Ray.
 
+A step can be sent before the previous one returns (``execute_model_async`` gives a
+``StepFuture``): with pipeline parallelism the engine keeps up to ``max_concurrent_batches``
+batches in flight, one per stage, and takes their outputs in the order it sent them.
+
 Start-up is timed per phase (``startup_timings``) and each worker's phase and weight bytes
 read go to a ``StartupObserver``, which the cluster layer (``cluster.load_progress``) publishes
 for ``cluster status``; the engine only calls it.
@@ -54,6 +58,31 @@ class StartupObserver:
         """``rank`` has read ``read_bytes`` of the ``total_bytes`` of weights it loads."""
 
 
+class StepFuture(ABC):
+    """One step sent to the workers; ``result`` waits for the sampling worker's output (or
+    raises ``EngineDeadError``). Results are taken in the order the steps were sent."""
+
+    @abstractmethod
+    def result(self) -> ModelRunnerOutput:
+        """The step's output, waiting for it if needed."""
+
+
+class DoneStep(StepFuture):
+    """A step that already ran: its output, or the error it raised (re-raised by ``result``)."""
+
+    def __init__(
+        self, output: ModelRunnerOutput | None = None, error: BaseException | None = None
+    ) -> None:
+        self._output = output
+        self._error = error
+
+    def result(self) -> ModelRunnerOutput:
+        if self._error is not None:
+            raise self._error
+        assert self._output is not None  # constructed with one or the other
+        return self._output
+
+
 class Executor(ABC):
     def __init__(self, config: EngineConfig, observer: StartupObserver | None = None) -> None:
         self.config = config
@@ -71,6 +100,20 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput:
         """Run one step on every worker; the sampling worker's output."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps the engine may have in flight at once (1: each step returns before
+        the next is sent; a pipelined executor: its number of pipeline stages)."""
+        return 1
+
+    def execute_model_async(self, request: ExecuteModelRequest) -> StepFuture:
+        """Send one step; its output comes from the future. Executors that cannot overlap
+        steps run it now."""
+        try:
+            return DoneStep(self.execute_model(request))
+        except Exception as exc:  # EngineDeadError and the like, raised at result()
+            return DoneStep(error=exc)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         with self.startup_phase("KV sizing"):
