@@ -69,9 +69,7 @@ def ray_dispatch() -> str:
     step (the earlier path, kept for comparison and as a fallback)."""
     value = os.environ.get("LLM_CLUSTER_RAY_DISPATCH", "compiled")
     if value not in ("compiled", "tasks"):
-        raise ValueError(
-            f"LLM_CLUSTER_RAY_DISPATCH: {value!r} is not one of 'compiled', 'tasks'"
-        )
+        raise ValueError(f"LLM_CLUSTER_RAY_DISPATCH: {value!r} is not one of 'compiled', 'tasks'")
     return value
 
 
