@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from engine.block_manager import BlockManager, KVCacheStats
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from engine.executor import Executor, get_executor_class
+from engine.executor import Executor, StepFuture, get_executor_class
 from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
 from engine.outputs import (
     CompletionOutput,
@@ -157,6 +158,10 @@ class LLMEngine:
         # Scheduler request id of every live sample -> (its group, its index).
         self._samples: dict[str, tuple[RequestGroup, int]] = {}
         self._pooling: dict[str, PoolingState] = {}
+        # Batches sent and not yet taken, oldest first (more than one only when pipelined).
+        self._pipeline_depth = self.executor.max_concurrent_batches
+        self.scheduler.pipeline_depth = self._pipeline_depth
+        self._batches: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         self.step_timer = StepTimer()
         self._log_cache_size(num_blocks, num_cpu_blocks)
 
@@ -534,19 +539,59 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         """Schedule, execute one step on the workers, and return outputs of updated requests.
-        Raises ``EngineDeadError`` (failing every in-flight request) if a worker died."""
+        Raises ``EngineDeadError`` (failing every in-flight request) if a worker died.
+
+        With batches in flight (a pipelined executor), one call sends new batches until
+        ``max_concurrent_batches`` are out or nothing more can be scheduled, then takes the
+        oldest batch's output: the outputs of one batch per call, in the order sent."""
         self._check_alive()
+        if self._pipeline_depth > 1:
+            return self._step_pipelined()
+        self.step_timer.start()
+        scheduled = self._schedule()
+        if scheduled is None:
+            return []
+        sched, message = scheduled
+        output = self.executor.execute_model(message)
+        self.step_timer.lap("execute")
+        return self._finish_step(sched, output)
+
+    def _step_pipelined(self) -> list[EngineOutput]:
         clock = self.step_timer
         clock.start()
+        while len(self._batches) < self._pipeline_depth:
+            scheduled = self._schedule()
+            if scheduled is None:
+                break
+            sched, message = scheduled
+            self._batches.append((sched, self.executor.execute_model_async(message)))
+            if sched.total_num_scheduled_tokens == 0:
+                break  # only finished ids to pass on: nothing else is schedulable
+        if not self._batches:
+            return []
+        sched, future = self._batches.popleft()
+        try:
+            output = future.result()
+        except EngineDeadError:
+            self._batches.clear()
+            raise
+        clock.lap("execute")
+        return self._finish_step(sched, output)
+
+    def _schedule(self) -> tuple[SchedulerOutput, ExecuteModelRequest] | None:
+        """The next batch and its wire message; None when there is nothing to send."""
         sched = self.scheduler.schedule()
         if sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids:
-            return []
+            return None
         message = make_execute_model_request(sched)
         self._add_grammar_bitmask(sched, message)
         self._assign_lora_slots(sched, message)
-        clock.lap("schedule")
-        output = self.executor.execute_model(message)
-        clock.lap("execute")
+        self.step_timer.lap("schedule")
+        return sched, message
+
+    def _finish_step(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineOutput]:
+        """Take one batch's output: update the requests, detokenize, build their outputs."""
+        clock = self.step_timer
         failed = self._fail_lora_loads(output.lora_load_errors)
         texts = self._decode_logprob_tokens(output)
         self._record_prompt_logprobs(output.prompt_logprobs, texts)
@@ -732,8 +777,9 @@ class LLMEngine:
         )
 
     def _flush_finished(self) -> None:
-        """Tell the workers to drop finished requests' state now rather than at the next step."""
-        if not self.scheduler._finished_req_ids:
+        """Tell the workers to drop finished requests' state now rather than at the next step
+        (after the batches in flight, whose last one flushes)."""
+        if not self.scheduler._finished_req_ids or self._batches:
             return
         sched = self.scheduler.schedule()
         self.executor.execute_model(make_execute_model_request(sched))
@@ -749,7 +795,8 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests not finished, or batches still in flight (whose outputs a step takes)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._batches)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests)
@@ -768,6 +815,8 @@ class LLMEngine:
             "scheduler_requests": len(sched.requests),
             "pending_forks": len(sched.pending_forks),
             "finished_not_flushed": len(sched._finished_req_ids),
+            "requests_in_flight": len(sched.in_flight),
+            "batches_in_flight": len(self._batches),
             "block_tables": len(blocks.req_to_blocks),
             "cpu_block_tables": len(blocks.req_to_cpu_blocks),
             "cached_block_counts": len(blocks.num_cached_blocks),

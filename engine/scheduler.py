@@ -28,6 +28,19 @@ every step's adapters are resident. A waiting (or swapped) request whose adapter
 too many waits, and requests behind it of adapters already running (or of the base model) are
 admitted past it, keeping their queue order.
 
+Batches in flight (pipeline parallelism): the engine may send a step before the previous one
+returns (``pipeline_depth`` > 1, one batch per pipeline stage). A request in a batch not yet
+returned is "in flight" (``in_flight``: counted by ``schedule``, cleared by
+``update_from_output``): it is not scheduled again (its next token is unknown) and never
+chosen as a preemption victim (its blocks are being written); a request short of blocks
+preempts among the others, itself included. Each batch takes at most
+ceil(live requests / ``pipeline_depth``) requests, so the live requests split into about
+``pipeline_depth`` groups that take turns, one per stage, as vLLM's virtual engines did; with
+one batch at a time there is no such cap and nothing is counted. An abort frees a request's
+blocks at once even when it is in flight: every worker runs the batches in the order they
+were sent, so the batch in flight is done with those blocks before a later batch reuses them,
+and its returned tokens are dropped.
+
 Pooling (embedding) requests are scheduled like any prompt (chunked, mixed with decodes) and
 finish, freeing their blocks, in the step that computes the last prompt token; they sample
 nothing (the workers return their pooled vector instead).
@@ -38,7 +51,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from collections import deque
+import math
+import sys
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -127,6 +142,10 @@ class Scheduler:
         self.pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        # Batches the engine may have in flight at once, and how many of them hold each request.
+        self.pipeline_depth = 1
+        self.in_flight: Counter[str] = Counter()
+        self._batch_cap = 0  # requests this batch may still take (pipeline_depth > 1)
 
     # ---- request lifecycle --------------------------------------------------------------
 
@@ -202,6 +221,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
+        self._batch_cap = self._requests_per_batch()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_req_ids:
@@ -209,7 +229,20 @@ class Scheduler:
         if not out.preempted_req_ids and not self.swapped:
             self._schedule_waiting(out, budget)
         self._record_copies(out)
+        if self.pipeline_depth > 1:
+            self.in_flight.update(out.num_scheduled_tokens.keys())
         return out
+
+    def _requests_per_batch(self) -> int:
+        """At most ceil(live requests / pipeline_depth) per batch, so the requests split into
+        one group per batch in flight; unbounded with one batch at a time."""
+        if self.pipeline_depth <= 1:
+            return sys.maxsize
+        live = len(self.running) + len(self.waiting) + len(self.swapped)
+        return max(1, math.ceil(live / self.pipeline_depth))
+
+    def _batch_full(self, out: SchedulerOutput) -> bool:
+        return len(out.num_scheduled_tokens) >= self._batch_cap
 
     def _record_copies(self, out: SchedulerOutput) -> None:
         """Hand this step's copy-on-write pairs to the workers. A copy replaced a block in the
@@ -233,10 +266,12 @@ class Scheduler:
         if self.config.policy == "priority":
             self.running.sort(key=lambda r: r.sort_key("priority"))
         for request in list(self.running):
-            if budget <= 0:
+            if budget <= 0 or self._batch_full(out):
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop as someone's victim
+            if request.request_id in self.in_flight:
+                continue  # its next token is still being computed
             num_new = self._tokens_to_compute(request, budget)
             if num_new == 0:
                 continue
@@ -254,7 +289,9 @@ class Scheduler:
             new_blocks = self.block_manager.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
-            victim = max(self.running, key=lambda r: r.sort_key(self.config.policy))
+            # Never a request in a batch in flight (``request`` itself is not in one).
+            candidates = [r for r in self.running if r.request_id not in self.in_flight]
+            victim = max(candidates, key=lambda r: r.sort_key(self.config.policy))
             self._preempt(victim, out)
             if victim is request:
                 return None
@@ -298,7 +335,11 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         self.swapped.sort(key=lambda r: r.sort_key(self.config.policy))
         active = self._running_loras()
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.swapped
+            and len(self.running) < self.config.max_num_seqs
+            and not self._batch_full(out)
+        ):
             request = self.swapped[0]
             if self._lora_blocked(request, active):
                 break
@@ -349,7 +390,7 @@ class Scheduler:
         active: set[int],
         lora_blocked: list[Request],
     ) -> None:
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and not self._batch_full(out):
             request = self.waiting.peek()
             if self._lora_blocked(request, active):
                 lora_blocked.append(self.waiting.pop())
@@ -409,6 +450,11 @@ class Scheduler:
         requests that finished.
         """
         pooled = []
+        for rid in out.num_scheduled_tokens:
+            if self.in_flight.get(rid, 0) > 1:
+                self.in_flight[rid] -= 1
+            else:
+                self.in_flight.pop(rid, None)
         for rid, num in out.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.status is not RequestStatus.RUNNING:
