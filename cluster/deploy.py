@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from cluster.capacity import check_deployment_placeable
 from cluster.config import DeploymentConfig
 from cluster.plan import preflight
 from cluster.serve import build_app, deployment_name, runtime_env
@@ -196,8 +197,11 @@ def deploy(
 
     First of all, ``cluster.plan.preflight``: a model that cannot fit its GPUs (weights, or a
     KV cache shorter than one max_model_len sequence) raises ``PlanError`` before anything is
-    built, started or placed."""
+    built, started or placed. Then ``cluster.capacity``: a replica the cluster's nodes (and
+    its autoscaler's node types) can never hold, e.g. a TP group larger than every node,
+    raises ``PlacementError`` naming each node's capacity, instead of pending forever."""
     preflight(config)
+    check_deployment_placeable(config)
     app = build_app(config)
     start_serve(config)
     name = config.app_name
