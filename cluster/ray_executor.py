@@ -1,15 +1,23 @@
 """``RayExecutor``: the engine's ``Executor`` over TP x PP ``WorkerActor``s, one per bundle.
 
-Ray does placement and lifecycle; the per-step hot path is one actor call per worker carrying
-the msgspec-encoded step message (encoded once, shared by every call) and, from the sampling
-worker only, the encoded reply.
+Ray does placement, lifecycle, failure detection and the control calls (``collective_rpc``,
+``ping``: ordinary actor calls). The per-step hot path carries the msgspec-encoded step message
+(encoded once) to every worker and, from the sampling worker only, the encoded reply; it is a
+Ray Compiled Graph by default (one ``execute`` per step over shared-memory channels, no Ray
+task per worker; ``LLM_CLUSTER_RAY_DISPATCH=tasks``: one actor call per worker), see
+``cluster.step_dispatch``. On GPU the pipeline stages exchange hidden states over
+torch.distributed (NCCL) themselves; the graph carries only the step message and the replies.
+With ``LLM_CLUSTER_PP_PIPELINING`` and PP > 1, up to PP steps are in flight at once
+(``max_concurrent_batches``): ``execute_model_async`` sends one and returns a ``StepFuture``.
 
     head (LLMEngine) ──ExecuteModelRequest bytes──▶ rank 0 … rank TP·PP−1
                      ◀──ModelRunnerOutput bytes──── last stage, TP rank 0 (others: None)
 
-A worker that dies (or raises) makes the executor dead: the step that saw it raises
-``EngineDeadError``, the remaining actors are killed (they may be blocked in a collective
-with the dead one), and every later call raises until a new executor is built.
+A worker that dies (or raises, or outlasts ``LLM_CLUSTER_STEP_TIMEOUT_S``) makes the executor
+dead: the step that saw it raises ``EngineDeadError`` naming the rank, the remaining actors are
+killed (they may be blocked in a collective with the dead one), the compiled graph is torn
+down (after the kill: teardown waits for actors still in a step), and every later call raises
+until a new executor is built.
 
 Start-up calls (placement, ``init_device`` … ``load_model``, ``determine_num_available_blocks``,
 ``initialize_cache``) wait up to ``LLM_CLUSTER_LOAD_TIMEOUT_S`` each, steps and control calls
@@ -67,6 +75,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.load_progress import remove_executor_records
+from cluster.step_dispatch import PendingStep, StepDispatch, build_dispatch
 from cluster.worker_actor import WorkerActor
 from engine import envs
 from engine.config import EngineConfig
@@ -79,14 +88,12 @@ from engine.executor import (
     PHASE_STARTING,
     Executor,
     StartupObserver,
+    StepFuture,
 )
 from engine.protocol import ExecuteModelRequest, ModelRunnerOutput, decode_output, encode
 
 logger = logging.getLogger("llm_cluster.ray_executor")
 
-# Step messages above this size are put in the object store once and passed by reference;
-# smaller ones travel inline with each actor call, which is cheaper than a ray.put.
-_INLINE_LIMIT_BYTES = 64 * 1024
 WORKER_NAME_PREFIX = "LLMWorker:"
 _PROJECT_PACKAGES = ("kernels", "parallel", "engine", "cluster")
 _REMOVE_AGAIN_AFTER_S = 2.0
@@ -124,6 +131,7 @@ class RayExecutor(Executor):
         self._lock = threading.Lock()
         self._started = False  # every worker reached PHASE_READY (and removed its record)
         self.workers: list[Any] = []
+        self._dispatch: StepDispatch | None = None  # built when the first step is sent
         self._pg: PlacementGroup | None = None
         self._owns_pg = False
         try:
@@ -274,18 +282,42 @@ class RayExecutor(Executor):
         self._raise_if_dead()
         return self._get([w.call.remote(method, args, kwargs or {}) for w in self.workers], method)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        pp = self.config.parallel.pipeline_parallel_size
+        return pp if pp > 1 and envs.pp_pipelining() else 1
+
+    @property
+    def dispatch_mode(self) -> str:
+        """``compiled`` or ``tasks``: how steps go (``""`` before the first step)."""
+        return self._dispatch.name if self._dispatch is not None else ""
+
     def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput:
+        return self.execute_model_async(request).result()
+
+    def execute_model_async(self, request: ExecuteModelRequest) -> StepFuture:
         self._raise_if_dead()
         data = encode(request)
-        message = ray.put(data) if len(data) > _INLINE_LIMIT_BYTES else data
-        outputs = self._get(
-            [w.execute_model.remote(message) for w in self.workers], "execute_model"
-        )
-        reply = outputs[self.driver_rank]
+        with self._lock:
+            self._raise_if_dead()  # shut down meanwhile
+            if self._dispatch is None:
+                self._dispatch = build_dispatch(
+                    envs.ray_dispatch(),
+                    self.workers,
+                    self.max_concurrent_batches + 1,
+                    self._step_timeout_s,
+                    self._get,
+                    self._die,
+                )
+            dispatch = self._dispatch
+        return _RayStep(self, dispatch.send(data))
+
+    def _merge_replies(self, replies: list[bytes | None]) -> ModelRunnerOutput:
+        reply = replies[self.driver_rank]
         if reply is None:
             self._die(f"the sampling worker (rank {self.driver_rank}) returned no output")
         output = decode_output(reply)
-        for rank, other in enumerate(outputs):
+        for rank, other in enumerate(replies):
             if other is not None and rank != self.driver_rank:
                 # A rank that could not load an adapter says so (and nothing else).
                 output.lora_load_errors.update(decode_output(other).lora_load_errors)
@@ -347,8 +379,11 @@ class RayExecutor(Executor):
         with self._lock:
             self.is_dead = True
             workers, self.workers = self.workers, []
+            dispatch, self._dispatch = self._dispatch, None
             for worker in workers:
                 ray.kill(worker, no_restart=True)
+            if dispatch is not None:
+                dispatch.close()
             if workers and not self._started:
                 self._remove_progress_records(workers)
             if self._owns_pg and self._pg is not None:
@@ -366,6 +401,21 @@ class RayExecutor(Executor):
         gone = [worker.ping.remote() for worker in killed]
         ray.wait(gone, num_returns=len(gone), timeout=_REMOVE_AGAIN_AFTER_S)
         remove_executor_records(self.executor_id)
+
+
+class _RayStep(StepFuture):
+    """A sent step; ``result`` waits for every rank's reply (once: a second call raises)."""
+
+    def __init__(self, executor: RayExecutor, pending: PendingStep) -> None:
+        self._executor = executor
+        self._pending: PendingStep | None = pending
+
+    def result(self) -> ModelRunnerOutput:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("StepFuture.result: this step's output was already taken")
+        self._executor._raise_if_dead()  # an earlier step's failure killed the workers
+        return self._executor._merge_replies(pending.replies())
 
 
 class PlacementError(RuntimeError):

@@ -3,7 +3,10 @@
 The class is plain Python; ``RayExecutor`` wraps it with ``ray.remote`` and the resources of
 its bundle. Start-up calls (config, rendezvous, loading) travel through Ray's own transport;
 the per-step message is the msgspec-encoded ``ExecuteModelRequest`` and the reply the
-msgspec-encoded ``ModelRunnerOutput``, so no project object is pickled on the hot path.
+msgspec-encoded ``ModelRunnerOutput``, so no project object is pickled on the hot path. Steps
+arrive through a Ray Compiled Graph's loop (``cluster.step_dispatch``) or as plain actor calls;
+with the graph, control calls (``call``, ``ping``) run on the actor's own thread beside that
+loop, so they must only read step state (the engine sends them between steps).
 
 Each actor publishes its own start-up progress (``cluster.load_progress``: phase, weight bytes
 read of its total) from construction until ``initialize_cache`` returns; the executor deletes
@@ -46,6 +49,7 @@ class WorkerActor:
     def __init__(
         self, config: EngineConfig, rank: int, model_id: str = "", executor_id: str = ""
     ) -> None:
+        self.rank = rank
         parallel = dataclasses.replace(config.parallel, rank=rank)
         self.worker = Worker(dataclasses.replace(config, parallel=parallel))
         self.progress = LoadProgressPublisher(
@@ -74,7 +78,12 @@ class WorkerActor:
         return host, self.worker.start_rendezvous(host, timeout_s)
 
     def execute_model(self, request: bytes) -> bytes | None:
-        output = self.worker.execute_model(decode_request(request))
+        """One step; also what the executor's compiled graph binds (``cluster.step_dispatch``),
+        whose errors do not say which actor raised: the message names the rank."""
+        try:
+            output = self.worker.execute_model(decode_request(request))
+        except Exception as exc:
+            raise WorkerStepError(f"rank {self.rank}: {type(exc).__name__}: {exc}") from exc
         return encode(output) if output is not None else None
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -99,3 +108,7 @@ class WorkerActor:
     def shutdown(self) -> None:
         self.progress.close()
         self.worker.shutdown()
+
+
+class WorkerStepError(RuntimeError):
+    """A step failed in this worker; the message starts with its rank."""
