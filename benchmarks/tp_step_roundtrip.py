@@ -2,7 +2,9 @@
 
 For each executor it times ``execute_model`` on (a) an empty step (no tokens: pure dispatch and
 reply) and (b) a one-token decode step of one request, plus, for the Ray executor, (c) a bare
-no-op actor call to every worker, which is the floor any Ray-actor dispatch pays.
+no-op actor call to every worker, which is the floor any dispatch by Ray actor calls pays. The
+Ray executor runs twice in the same run, once per step dispatch (``LLM_CLUSTER_RAY_DISPATCH``):
+``tasks`` (one actor call per worker per step) and ``compiled`` (a Ray Compiled Graph).
 
     python benchmarks/tp_step_roundtrip.py --tp 2 --iters 300 --json out.json
 
@@ -115,7 +117,11 @@ class DecodeSteps:
         self.num_computed += 1
 
 
-def measure(backend: str, tp: int, model: str, iters: int, warmup: int) -> dict[str, Any]:
+def measure(
+    backend: str, tp: int, model: str, iters: int, warmup: int, dispatch: str = ""
+) -> dict[str, Any]:
+    if dispatch:
+        os.environ["LLM_CLUSTER_RAY_DISPATCH"] = dispatch
     config = EngineConfig.from_kwargs(
         model=model,
         tensor_parallel_size=tp,
@@ -128,6 +134,8 @@ def measure(backend: str, tp: int, model: str, iters: int, warmup: int) -> dict[
         executor.initialize_cache(NUM_BLOCKS, 0)
         result: dict[str, Any] = {"backend": backend, "tp": tp}
         result["empty_step"] = _time(lambda: executor.execute_model(_empty_step()), iters, warmup)
+        if dispatch:
+            result["dispatch"] = getattr(executor, "dispatch_mode", dispatch)
         decode = DecodeSteps(executor, config.cache.block_size)
         decode.start()
         result["decode_1_token"] = _time(decode.step, iters, warmup)
@@ -197,7 +205,8 @@ def main() -> int:
     try:
         runs = [
             measure("uni", 1, args.model, args.iters, args.warmup),
-            measure("ray", args.tp, args.model, args.iters, args.warmup),
+            measure("ray", args.tp, args.model, args.iters, args.warmup, "tasks"),
+            measure("ray", args.tp, args.model, args.iters, args.warmup, "compiled"),
         ]
     finally:
         ray.shutdown()
@@ -218,7 +227,10 @@ def main() -> int:
     for run in runs:
         for name, stats in run.items():
             if isinstance(stats, dict):
-                head = f"{run['backend']:>3} tp={run['tp']} {name:<15}"
+                label = (
+                    f"{run['backend']}/{run['dispatch']}" if "dispatch" in run else run["backend"]
+                )
+                head = f"{label:>12} tp={run['tp']} {name:<15}"
                 print(
                     f"{head} median {stats['median_ms']:7.3f} ms  mean {stats['mean_ms']:7.3f} ms"
                     f"  p90 {stats['p90_ms']:7.3f} ms  ({stats['iters']} iters)"

@@ -17,7 +17,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from cluster.ray_executor import PlacementError
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, envs
 
 ENGINE_ARGS: dict[str, Any] = {
     "num_kv_blocks": 64,
@@ -94,6 +94,8 @@ def test_tp2_pp2_over_two_2_cpu_nodes_keeps_each_tp_group_on_one_node(nodes: Nod
         assert node_of_rank[2] == node_of_rank[3]
         assert node_of_rank[0] != node_of_rank[2]  # no node has room for both groups
         assert _greedy(llm) == expected
+        # Steps crossed nodes through the compiled graph (unless the run asks for tasks).
+        assert llm.llm_engine.executor.dispatch_mode == envs.ray_dispatch()
     finally:
         llm.llm_engine.shutdown()
 
