@@ -24,7 +24,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,9 +44,10 @@ _SHAPE_ARGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_k
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A spare port outside the OS's ephemeral range, where Ray's own servers take ports."""
+    from cluster.deploy import spare_port
+
+    return spare_port()
 
 
 def _bench_model(out: Path, args: argparse.Namespace) -> Path:

@@ -28,10 +28,7 @@ from typing import Any
 
 import torch
 
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+from cluster.bench.stats import percentile
 
 
 async def stream_one(engine: Any, prompt: str, max_tokens: int) -> dict[str, Any]:

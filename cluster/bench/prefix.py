@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cluster.bench.stats import percentiles
+
 SETTINGS = {
     "1 replica": {"num_replicas": 1, "request_router": "pow2"},
     "2 replicas prefix_aware": {"num_replicas": 2, "request_router": "prefix_aware"},
@@ -111,18 +113,13 @@ async def run_workload(
         plan = schedule(workload, prefixes)
         ttfts = await asyncio.gather(*(at(when, prompt) for when, prompt in plan))
     ok = [t for t in ttfts if t is not None]
-    return {"requests": len(ttfts), "failed": len(ttfts) - len(ok), "ttft_s": percentiles(ok)}
+    return {"requests": len(ttfts), "failed": len(ttfts) - len(ok), "ttft_s": _ttft(ok)}
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
+def _ttft(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
-    ordered = sorted(values)
-
-    def pick(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
-
-    return {"p50": pick(0.5), "p99": pick(0.99), "mean": round(sum(values) / len(values), 4)}
+    return {**percentiles(values, (0.5, 0.99), 4), "mean": round(sum(values) / len(values), 4)}
 
 
 def cache_summary(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
@@ -195,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import yaml
 
     from cluster.config import load_config
-    from cluster.deploy import connect
+    from cluster.deploy import connect, spare_port
 
     workload = PrefixWorkload(
         num_prefixes=args.num_prefixes,
@@ -211,9 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"bench prefix: {exc}") from None
     base = yaml.safe_load(args.config.read_text())
     base["models"][0].setdefault("engine_kwargs", {})["num_kv_blocks"] = args.num_kv_blocks
-    from cluster.bench.soak import _free_port
-
-    base.setdefault("http_options", {})["port"] = _free_port()
+    base.setdefault("http_options", {})["port"] = spare_port()
     base.pop("grpc_options", None)
     configs = {name: setting_config(base, SETTINGS[name]) for name in args.settings}
     cpus = max(load_config(c).models[0].cpus_at_max_scale() for c in configs.values())

@@ -19,10 +19,10 @@ from cluster.bench.soak import (
     RssSampler,
     SoakLoad,
     SoakSettings,
-    _http,
     make_client,
     stream_request,
 )
+from cluster.bench.soak.load import _http
 
 http = _http()
 
