@@ -23,7 +23,7 @@ from engine.errors import (
 from engine.lora_request import LoRARequest
 from engine.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -66,6 +66,7 @@ __all__ = [
     "PoolingRequestOutput",
     "RequestAbortedError",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
 ]

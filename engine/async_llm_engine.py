@@ -39,7 +39,7 @@ from engine.llm_engine import LLMEngine, PromptType
 from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
@@ -49,9 +49,11 @@ EngineStats = CoreStats
 
 @dataclass(frozen=True)
 class StreamOutput:
-    """One item of a request's stream: the request's output so far (``output``, one object
-    updated in place as the stream goes on) plus, per choice that has something new, its delta
-    (``deltas``, ordered by index). Concatenating a choice's delta texts gives its final text
+    """One item of a request's stream: the request's output as its ``output_kind`` asks
+    (``output``: by default everything so far, one object updated in place as the stream goes
+    on; with ``DELTA`` a new object holding only this item's new pieces; with ``FINAL_ONLY`` one
+    item, at the end) plus, per choice that has something new, its delta (``deltas``, ordered
+    by index). Concatenating a choice's delta texts gives its final text
     exactly: while stop strings could still match, its last ``max(len(stop)) - 1`` characters
     are held back. A delta may have tokens and no text (an incomplete character)."""
 
@@ -118,6 +120,33 @@ class _Stream:
             for i in range(params.n)
         ]
         self.output = RequestOutput(request_id, prompt, prompt_token_ids, completions, False)
+
+    def delta_output(self, delta: RequestDelta) -> RequestOutput:
+        """``output_kind=DELTA``: an output of only what ``delta`` brings (its choices' new
+        text, token ids and logprobs; prompt logprobs with the first)."""
+        started = self.output
+        assert started is not None  # started before any delta can be read
+        completions = [
+            CompletionOutput(
+                choice.index,
+                choice.text,
+                list(choice.token_ids),
+                cumulative_logprob=choice.cumulative_logprob,
+                logprobs=list(choice.logprobs) if choice.logprobs is not None else None,
+                finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
+            )
+            for choice in delta.choices
+        ]
+        return RequestOutput(
+            started.request_id,
+            started.prompt,
+            started.prompt_token_ids,
+            completions,
+            delta.finished,
+            prompt_logprobs=delta.prompt_logprobs,
+            num_cached_tokens=delta.num_cached_tokens,
+        )
 
     def absorb(self, delta: RequestDelta) -> None:
         output = self.output
@@ -235,10 +264,16 @@ class AsyncLLMEngine:
                 deltas = [d for d, _, _ in items]  # type: ignore[misc]
                 steps = tuple(s for _, _, item_steps in items for s in item_steps)  # type: ignore[misc]
                 merged = merge_deltas(deltas) if len(deltas) > 1 else deltas[0]
-                stream.absorb(merged)
                 stream.finished = merged.finished
-                assert stream.output is not None
-                yield StreamOutput(stream.output, merged.choices, items[-1][1], steps)  # type: ignore[index]
+                if params.output_kind == RequestOutputKind.DELTA:
+                    output = stream.delta_output(merged)
+                else:
+                    stream.absorb(merged)
+                    assert stream.output is not None
+                    output = stream.output
+                    if params.output_kind == RequestOutputKind.FINAL_ONLY and not merged.finished:
+                        continue
+                yield StreamOutput(output, merged.choices, items[-1][1], steps)  # type: ignore[index]
                 if merged.finished:
                     return
         finally:

@@ -13,11 +13,12 @@ The same loop runs in-process (``engine.core_client.InProcessCoreClient``) and i
 of a Serve replica (``cluster.head_actor``), where the ``StepOutputs`` cross a process boundary
 as msgspec bytes: one message per step for all requests, never one per request.
 
-Deltas are computed here, right after the step, from the engine's outputs: a choice's text is
-held back by ``max(len(stop)) - 1`` characters while a stop string could still match, so the
-concatenated deltas of a choice are exactly its final text. A step that produced tokens yields
-a delta even when their text is empty (an incomplete UTF-8 character, a special token):
-token ids, logprobs and usage move on and clients see steady inter-token timing.
+Every request is added with ``output_kind=DELTA``: the engine itself hands out only what is
+new (``engine.output_processor``): a choice's text is held back by ``max(len(stop)) - 1``
+characters while a stop string could still match, so the concatenated deltas of a choice are
+exactly its final text, and a step that produced tokens yields a delta even when their text
+is empty (an incomplete UTF-8 character, a special token): token ids, logprobs and usage move
+on and clients see steady inter-token timing. Nothing here copies a request's whole output.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from engine.core_messages import (
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import EngineOutput, LLMEngine
 from engine.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("llm_cluster.core_loop")
 
@@ -53,70 +54,49 @@ T = TypeVar("T")
 
 
 class _ChoiceTracker:
-    """How much of one choice has been sent: text (held back near stop strings), tokens, and
-    whether its finish was reported."""
+    """One choice's count of tokens so far (``ChoiceDelta.num_tokens``)."""
 
-    __slots__ = ("holdback", "index", "sent_finish", "sent_text", "sent_tokens")
+    __slots__ = ("index", "num_tokens")
 
-    def __init__(self, index: int, holdback: int) -> None:
+    def __init__(self, index: int) -> None:
         self.index = index
-        self.holdback = holdback
-        self.sent_text = 0
-        self.sent_tokens = 0
-        self.sent_finish = False
+        self.num_tokens = 0
 
-    def delta(self, completion: CompletionOutput) -> ChoiceDelta | None:
-        text = completion.text
-        end = len(text)
-        if not completion.finished and self.holdback:
-            end = max(self.sent_text, end - self.holdback)
-        new_tokens = completion.token_ids[self.sent_tokens :]
-        finishing = completion.finished and not self.sent_finish
-        if not (end > self.sent_text or new_tokens or finishing):
-            return None
-        logprobs = completion.logprobs
-        delta = ChoiceDelta(
+    def delta(self, completion: CompletionOutput) -> ChoiceDelta:
+        self.num_tokens += len(completion.token_ids)
+        return ChoiceDelta(
             index=self.index,
-            text=text[self.sent_text : end],
-            token_ids=list(new_tokens),
-            logprobs=list(logprobs[self.sent_tokens :]) if logprobs is not None else None,
-            finish_reason=completion.finish_reason if finishing else None,
-            stop_reason=_stop_reason(completion.stop_reason) if finishing else None,
-            num_tokens=len(completion.token_ids),
+            text=completion.text,
+            token_ids=completion.token_ids,
+            logprobs=completion.logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=_stop_reason(completion.stop_reason) if completion.finished else None,
+            num_tokens=self.num_tokens,
             cumulative_logprob=completion.cumulative_logprob,
         )
-        self.sent_text, self.sent_tokens = end, len(completion.token_ids)
-        self.sent_finish = completion.finished
-        return delta
 
 
 class _RequestTracker:
-    __slots__ = ("choices", "sent_prompt_logprobs")
+    """Turns a request's ``DELTA`` outputs (the engine holds stop-string text back and sends
+    prompt logprobs once) into the wire's ``RequestDelta``."""
+
+    __slots__ = ("choices",)
 
     def __init__(self, params: SamplingParams) -> None:
-        holdback = max((len(s) for s in params.stop or []), default=1) - 1
-        self.choices = [_ChoiceTracker(i, holdback) for i in range(params.n)]
-        self.sent_prompt_logprobs = params.prompt_logprobs is None
+        self.choices = [_ChoiceTracker(i) for i in range(params.n)]
 
     def delta(self, output: EngineOutput) -> RequestDelta | None:
         if not isinstance(output, RequestOutput):
             raise TypeError(f"{output.request_id!r}: a generation request got a pooling output")
-        choices = []
-        for completion in output.outputs:
-            choice = self.choices[completion.index].delta(completion)
-            if choice is not None:
-                choices.append(choice)
+        choices = [self.choices[c.index].delta(c) for c in output.outputs]
         if not (choices or output.finished):
             return None
-        prompt_logprobs = None
-        if not self.sent_prompt_logprobs and (choices or output.finished):
-            prompt_logprobs, self.sent_prompt_logprobs = output.prompt_logprobs, True
         return RequestDelta(
             request_id=output.request_id,
             choices=choices,
             finished=output.finished,
             num_cached_tokens=output.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=output.prompt_logprobs,
         )
 
 
@@ -331,10 +311,14 @@ class EngineCoreLoop:
         if request.prompt_token_ids is not None:
             prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}
         pooling = request.pooling_params
+        # Deltas straight from the engine: no step copies a request's whole output.
+        params = (
+            request.params.clone(output_kind=RequestOutputKind.DELTA) if pooling is None else None
+        )
         added = self.engine.add_request(
             request.request_id,
             prompt,
-            pooling if pooling is not None else request.params,
+            pooling if pooling is not None else params,
             priority=request.priority,
             cache_salt=request.cache_salt,
             lora_request=request.lora_request,

@@ -49,15 +49,48 @@ class IncrementalDetokenizer:
         self._num_tokens = 0
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.skip_special_tokens = skip_special_tokens
-        self.output_text = ""
+        # The text as the chunks the stream produced (joined only when all of it is read), so
+        # a step's cost does not grow with the text: see ``text_between``.
+        self._chunks: list[str] = []
+        self._length = 0
         self.stop_string: str | None = None
         # Tokens the stream holds back (an incomplete UTF-8 character so far).
         self._pending: list[int] = []
 
+    @property
+    def output_text(self) -> str:
+        """All the text so far (joins the chunks: O(length) once per new chunk)."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    @property
+    def text_length(self) -> int:
+        return self._length
+
+    def text_between(self, start: int, end: int) -> str:
+        """``output_text[start:end]`` reading only the chunks it spans, from the end: O(the
+        text between ``start`` and the end) when ``start`` is near the end, as a delta's is."""
+        pieces = []
+        chunk_end = self._length
+        for chunk in reversed(self._chunks):
+            chunk_start = chunk_end - len(chunk)
+            if chunk_start < end and chunk_end > start:
+                pieces.append(chunk[max(start - chunk_start, 0) : end - chunk_start])
+            if chunk_start <= start:
+                break
+            chunk_end = chunk_start
+        return "".join(reversed(pieces))
+
+    def _append(self, chunk: str) -> None:
+        if chunk:
+            self._chunks.append(chunk)
+            self._length += len(chunk)
+
     def update(self, new_token_ids: list[int]) -> bool:
         """Append decoded text; True if a stop string appeared (the text is cut before it, or
         after it with ``include_stop_str_in_output``)."""
-        start = len(self.output_text)
+        start = self._length
         self._num_tokens += len(new_token_ids)
         for token_id in new_token_ids:
             chunk = self._stream.step(self._backend, token_id)
@@ -69,20 +102,23 @@ class IncrementalDetokenizer:
                 cut = min(self._skip, len(chunk))
                 self._skip -= cut
                 chunk = chunk[cut:]
-            self.output_text += chunk
-        if not self.stop or len(self.output_text) == start or self._num_tokens <= self.min_tokens:
+            self._append(chunk)
+        if not self.stop or self._length == start or self._num_tokens <= self.min_tokens:
             return False
         # A stop string can straddle old and new text: search from max_stop_len - 1 back.
         search_from = max(0, start - self._max_stop_len + 1)
+        window = self.text_between(search_from, self._length)
         best: tuple[int, str] | None = None
         for stop in self.stop:
-            pos = self.output_text.find(stop, search_from)
+            pos = window.find(stop)
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:
             return False
-        end = best[0] + len(best[1]) if self.include_stop_str_in_output else best[0]
-        self.output_text = self.output_text[:end]
+        pos = search_from + best[0]
+        end = pos + len(best[1]) if self.include_stop_str_in_output else pos
+        text = self.output_text[:end]  # once, at the end of the request
+        self._chunks, self._length = [text] if text else [], len(text)
         self.stop_string = best[1]
         return True
 
@@ -90,8 +126,8 @@ class IncrementalDetokenizer:
         """At the end of generation, emit what the stream still holds back, decoded as a full
         decode would (an incomplete character becomes U+FFFD)."""
         if self._pending and self.stop_string is None:
-            self.output_text += self._backend.decode(
-                self._pending, skip_special_tokens=self.skip_special_tokens
+            self._append(
+                self._backend.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
             )
             self._pending.clear()
 

@@ -16,7 +16,7 @@ from engine.llm_engine import LLMEngine, PromptType
 from engine.lora import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -160,6 +160,8 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
+                if isinstance(p, SamplingParams):  # only the final output is read (as vLLM)
+                    p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 self.llm_engine.add_request(
                     rid,
                     prompt,

@@ -28,7 +28,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +39,21 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.executor import Executor, StepFuture, get_executor_class
 from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
-from engine.outputs import (
-    CompletionOutput,
-    Logprob,
-    PoolingOutput,
-    PoolingRequestOutput,
-    RequestOutput,
+from engine.output_processor import (
+    PoolingState,
+    RequestGroup,
+    SampleState,
+    logprob_dicts,
+    make_request_output,
+    stop_holdback,
 )
+from engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
-from engine.structured_output import StructuredOutputGrammar, StructuredOutputManager
+from engine.structured_output import StructuredOutputManager
 from engine.timing import StepTimer
 
 logger = logging.getLogger("llm_cluster.engine")
@@ -78,42 +79,6 @@ def eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
     if not ids and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
-
-
-@dataclass
-class SampleState:
-    """Head-side state of one of a request's n samples, beside its scheduler ``Request``."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
-    # Structured outputs: this sample's matcher, dropped when the sample finishes.
-    grammar: StructuredOutputGrammar | None = None
-
-
-@dataclass
-class RequestGroup:
-    """A user request: its prompt, its n samples, and its prompt logprobs (position -> dict)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[SampleState]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.samples)
-
-
-@dataclass
-class PoolingState:
-    """Head-side state of a pooling request: its scheduler ``Request`` and its prompt text."""
-
-    request: Request
-    prompt: str | None
 
 
 class LLMEngine:
@@ -384,6 +349,7 @@ class LLMEngine:
             logprobs=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
             grammar=grammar,
+            holdback=stop_holdback(params),
         )
 
     def _check_sampling(self, params: SamplingParams, max_tokens: int) -> SamplingParams:
@@ -523,7 +489,9 @@ class LLMEngine:
                 continue
             sample_ids = [s.request.request_id for s in group.samples]
             self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
-            outputs.append(self.make_output(group))
+            final = self.make_output(group)
+            if final is not None:  # always: the group has finished
+                outputs.append(final)
             self._forget(group)
         if outputs and not self.scheduler.has_unfinished_requests():
             # Nothing will step again soon: the workers drop the aborted requests' state now.
@@ -611,7 +579,9 @@ class LLMEngine:
             groups[group.request_id] = group
         outputs: list[EngineOutput] = failed
         for group in groups.values():
-            outputs.append(self.make_output(group))
+            output_now = self.make_output(group)
+            if output_now is not None:
+                outputs.append(output_now)
             if group.finished:
                 self._forget(group)
         for request in pooled:
@@ -693,7 +663,7 @@ class LLMEngine:
     ) -> None:
         request, detok = sample.request, sample.detokenizer
         if logprobs is not None and sample.logprobs is not None:
-            entries = _logprob_dicts(logprobs, texts)
+            entries = logprob_dicts(logprobs, texts)
             sample.logprobs.extend(entries)
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + sum(
                 lps[0] for lps in logprobs.logprobs
@@ -714,7 +684,7 @@ class LLMEngine:
             group = self._samples.get(rid, (None, 0))[0]
             if group is None or group.prompt_logprobs is None:
                 continue
-            for offset, entry in enumerate(_logprob_dicts(chunk.lists, texts)):
+            for offset, entry in enumerate(logprob_dicts(chunk.lists, texts)):
                 group.prompt_logprobs[chunk.start + offset] = entry
 
     def _decode_logprob_tokens(self, output: ModelRunnerOutput) -> dict[int, str]:
@@ -728,31 +698,9 @@ class LLMEngine:
         texts = backend.decode_batch([[t] for t in unique], skip_special_tokens=False)
         return dict(zip(unique, texts))
 
-    def make_output(self, group: RequestGroup) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=i,
-                text=sample.detokenizer.output_text,
-                token_ids=list(sample.request.output_token_ids),
-                cumulative_logprob=sample.cumulative_logprob,
-                logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
-                finish_reason=sample.request.status.finish_reason,
-                stop_reason=sample.request.stop_reason,
-            )
-            for i, sample in enumerate(group.samples)
-        ]
-        first = group.samples[0].request
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=completions,
-            finished=group.finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            prompt_logprobs=list(group.prompt_logprobs)
-            if group.prompt_logprobs is not None
-            else None,
-        )
+    def make_output(self, group: RequestGroup) -> RequestOutput | None:
+        """The group's output as its ``output_kind`` asks (None: nothing to emit now)."""
+        return make_request_output(group)
 
     def _finish_pooling(
         self, request: Request, pooled: dict[str, list[float]]
@@ -843,18 +791,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def _logprob_dicts(lists: LogprobsLists, texts: dict[int, str]) -> list[dict[int, Logprob]]:
-    """Rows of (chosen, top-k...) as vLLM's dicts: token id -> Logprob(logprob, rank, text); the
-    chosen token first, with its own rank, then the top-k ranked 1..k."""
-    entries = []
-    for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
-        entry = {ids[0]: Logprob(lps[0], rank, texts.get(ids[0]))}
-        for r, (token, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
-            entry.setdefault(token, Logprob(lp, r, texts.get(token)))
-        entries.append(entry)
-    return entries
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

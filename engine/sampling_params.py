@@ -8,6 +8,7 @@ the vocabulary, ``n <= max_n``, ``logprobs <= max_logprobs``) in ``LLMEngine.add
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Any
 
@@ -106,6 +107,16 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a request holds (vLLM's names and values): ``CUMULATIVE`` everything
+    so far (text, token ids, logprobs), ``DELTA`` only what is new since the last output,
+    ``FINAL_ONLY`` one output, the whole result, when the request finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Decoding parameters of one request (vLLM's ``SamplingParams`` names and ranges).
 
@@ -134,6 +145,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar
     (see ``StructuredOutputsParams``); not with beam search.
+
+    ``output_kind`` (``RequestOutputKind``) says what each output holds, as in vLLM:
+    cumulative (the default of ``LLMEngine.step`` and ``AsyncLLMEngine.generate``), deltas
+    (each output's text, token ids and logprobs are only the new ones; concatenated they give
+    the final result; text within ``max(len(stop)) - 1`` characters of the end is held back
+    while a stop string could still match), or the final output only (what ``LLM.generate``
+    uses). The engine builds deltas natively, so a streaming client's per-step cost does not
+    grow with the length of its output.
     """
 
     n: int = 1
@@ -161,6 +180,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     beam_width: int | None = None
     length_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -174,6 +194,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self._check_logit_bias()
         self._check_bad_words()
         self._check_beam_search()
+        _check(
+            self.output_kind in tuple(RequestOutputKind),
+            "output_kind",
+            f"must be one of {[k.name for k in RequestOutputKind]} (0, 1, 2), "
+            f"got {self.output_kind!r}",
+        )
+        self.output_kind = RequestOutputKind(self.output_kind)
         _check(
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),
