@@ -43,14 +43,12 @@ logs the start-up timeline once the engine runs.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import ray
@@ -58,7 +56,7 @@ from ray.exceptions import RayError, TaskCancelledError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.head_messages import AddReply, CoreError, PollReply, decode_poll_reply
+from cluster.head_messages import AddReply, CoreError, PollReply, decode_poll_reply, detached
 from cluster.load_progress import LoadProgressPublisher, ProgressStore
 from cluster.start_errors import EngineStartError, known_start_failure
 from engine.config import EngineConfig
@@ -79,8 +77,6 @@ from engine.executor import PHASE_READY, StartupObserver, get_executor_class
 from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("llm_cluster.head")
-
-T = TypeVar("T")
 
 HEAD_NAME_PREFIX = "LLMHead:"
 # Threads for the actor's methods: the outstanding poll, adds, aborts, health and stats.
@@ -426,7 +422,7 @@ class HeadCoreClient(EngineCoreClient):
     async def add_request(self, request: AddRequest) -> AddResult:
         self._ensure_poller()
         try:
-            data = await _detached(self.actor.add_request.remote, _ENCODER.encode(request))
+            data = await detached(self.actor.add_request.remote, _ENCODER.encode(request))
         except TaskCancelledError:
             raise asyncio.CancelledError from None
         except RayError as exc:
@@ -439,14 +435,14 @@ class HeadCoreClient(EngineCoreClient):
 
     def abort(self, request_ids: list[str]) -> None:
         if self._dead is None:
-            _detached(self.actor.abort.remote, request_ids)
+            detached(self.actor.abort.remote, request_ids)
 
     async def wait_sink_acked(self, sink: str, wait_s: float) -> bool:
         """``HeadActor.wait_sink_acked``; False if it timed out or the head is gone."""
         if self._dead is not None:
             return False
         try:
-            return await _detached(self.actor.wait_sink_acked.remote, sink, wait_s)
+            return await detached(self.actor.wait_sink_acked.remote, sink, wait_s)
         except RayError:
             return False
 
@@ -491,7 +487,7 @@ class HeadCoreClient(EngineCoreClient):
         if self._dead is not None:
             raise self._dead
         try:
-            return await _detached(method.remote)
+            return await detached(method.remote)
         except RayError as exc:
             raise self._lost(exc) from exc
 
@@ -500,7 +496,7 @@ class HeadCoreClient(EngineCoreClient):
             if self._dead is not None:
                 raise self._dead
             loop = asyncio.get_running_loop()
-            self._poller = _detached(loop.create_task, self._poll_forever())
+            self._poller = detached(loop.create_task, self._poll_forever())
 
     async def _poll_forever(self) -> None:
         while self._dead is None:
@@ -530,12 +526,6 @@ class HeadCoreClient(EngineCoreClient):
             if self._on_dead is not None:
                 self._on_dead(error)
         return self._dead
-
-
-def _detached(fn: Callable[..., T], *args: Any) -> T:
-    """Call ``fn`` in an empty context: a Ray call made there (or a task created there) belongs
-    to no request, so cancelling a request never cancels it."""
-    return contextvars.Context().run(fn, *args)
 
 
 __all__ = [

@@ -1,10 +1,13 @@
-"""The replies of a ``HeadActor`` (``cluster.head_actor``), with the one error table of its
-calls. A module of its own, free of torch (it needs only the engine's message types), so that
-the ingress's token channel can read the head's polls without importing the engine core."""
+"""How a ``HeadActor`` (``cluster.head_actor``) is called: its replies, with the one error
+table of its calls, and ``detached``, the context every call to it is made in. A module of its
+own, free of torch (it needs only the engine's message types), so that the ingress's token
+channel can poll the head without importing the engine core."""
 
 from __future__ import annotations
 
-from typing import Literal
+import contextvars
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -54,4 +57,13 @@ def decode_poll_reply(data: bytes) -> PollReply:
     return _POLL_DECODER.decode(data)
 
 
-__all__ = ["AddReply", "CoreError", "PollReply", "decode_poll_reply"]
+T = TypeVar("T")
+
+
+def detached(fn: Callable[..., T], *args: object) -> T:
+    """Call ``fn`` in an empty context: a Ray call made there (or a task created there, such as
+    a poller) belongs to no request, so Serve cancelling a request never cancels it."""
+    return contextvars.Context().run(fn, *args)
+
+
+__all__ = ["AddReply", "CoreError", "PollReply", "decode_poll_reply", "detached"]

@@ -163,8 +163,7 @@ class LLMServer:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
         self._ensure_stats_task()
         if self.draining:
-            yield error_item(503, f"this replica of {self.model_id!r} is shutting down; retry",
-                             None, "draining", 1)  # fmt: skip
+            yield self._draining_error()
             return
         timer = self.metrics.request_timer(time.monotonic())
         request_id = request.request_id or uuid.uuid4().hex
@@ -198,20 +197,11 @@ class LLMServer:
             yield error_item(404, f"The model `{name}` does not exist.", "model",
                              "model_not_found")  # fmt: skip
             return
-        except InvalidRequestError as exc:
+        except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
             self._active.discard(request_id)
-            yield error_item(400, str(exc), exc.param)
-            return
-        except EngineOverloadedError as exc:
-            self._active.discard(request_id)
-            yield error_item(503, f"model {self.model_id!r}: {exc}", None, "overloaded",
-                             exc.retry_after_s)  # fmt: skip
-            return
-        except EngineDeadError:
-            self._active.discard(request_id)
-            # The cause (a worker's traceback, paths) goes to the log, never to the client.
-            logger.exception("model %s: request refused, the engine is dead", self.model_id)
-            yield error_item(503, f"the engine for {self.model_id!r} is not available")
+            if isinstance(exc, EngineDeadError):
+                logger.exception("model %s: request refused, the engine is dead", self.model_id)
+            yield self._refusal(exc)
             return
         except BaseException:
             self._active.discard(request_id)
@@ -318,29 +308,39 @@ class LLMServer:
         dead; the request was aborted by a drain)."""
         self._ensure_stats_task()
         if self.draining:
-            return error_item(503, f"this replica of {self.model_id!r} is shutting down; retry",
-                              None, "draining", 1)  # fmt: skip
+            return self._draining_error()
         request_id = request.request_id or uuid.uuid4().hex
         self._active.add(request_id)
         try:
             params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions)
             output = await self.engine.encode(self._prompt(request), params, request_id)
-        except InvalidRequestError as exc:
-            return error_item(400, str(exc), exc.param)
-        except EngineOverloadedError as exc:
-            return error_item(503, f"model {self.model_id!r}: {exc}", None, "overloaded",
-                              exc.retry_after_s)  # fmt: skip
-        except RequestAbortedError:
-            return error_item(503, f"this replica of {self.model_id!r} is shutting down; retry",
-                              None, "draining", 1)  # fmt: skip
-        except EngineDeadError:
-            logger.exception("model %s: embedding failed, the engine is dead", self.model_id)
-            return error_item(503, f"the engine for {self.model_id!r} is not available")
+        except (InvalidRequestError, EngineOverloadedError, RequestAbortedError,
+                EngineDeadError) as exc:  # fmt: skip
+            if isinstance(exc, EngineDeadError):
+                logger.exception("model %s: embedding failed, the engine is dead", self.model_id)
+            return self._refusal(exc)
         finally:
             self._active.discard(request_id)
         # encode returns only finished outputs with a vector (an abort raised above).
         assert output.outputs is not None
         return EmbedResult(output.outputs.embedding, len(output.prompt_token_ids))
+
+    def _refusal(self, exc: Exception) -> StreamError:
+        """The error item for a request the engine refused, or aborted before its one output:
+        400 naming the field; 503 overloaded, draining, or the engine dead (whose cause, a
+        worker's traceback or paths, goes to the log, never to the client)."""
+        if isinstance(exc, InvalidRequestError):
+            return error_item(400, str(exc), exc.param)
+        if isinstance(exc, EngineOverloadedError):
+            return error_item(503, f"model {self.model_id!r}: {exc}", None, "overloaded",
+                              exc.retry_after_s)  # fmt: skip
+        if isinstance(exc, RequestAbortedError):
+            return self._draining_error()
+        return error_item(503, f"the engine for {self.model_id!r} is not available")
+
+    def _draining_error(self) -> StreamError:
+        return error_item(503, f"this replica of {self.model_id!r} is shutting down; retry",
+                          None, "draining", 1)  # fmt: skip
 
     # ---- tokenizer ----------------------------------------------------------------------
 

@@ -124,6 +124,16 @@ class StreamError(msgspec.Struct, tag="error"):
 StreamItem = StreamStart | StreamDelta | StreamError
 
 
+def unavailable(message: str) -> StreamError:
+    """A 503 the client may retry: the model's replica or engine failed under the request."""
+    return StreamError(503, message, None, "unavailable")
+
+
+def replica_failed(model: str) -> StreamError:
+    """The last item of a stream whose replica failed (its process killed, its node lost)."""
+    return unavailable(f"the replica serving {model!r} failed; retry the request")
+
+
 def logprob_rows(entry: dict[int, Any] | None) -> TokenLogprobs:
     """[token_id, text, logprob, rank] per token of a position, the chosen token first."""
     return [[t, lp.decoded_token or "", lp.logprob, lp.rank] for t, lp in (entry or {}).items()]
@@ -194,5 +204,7 @@ __all__ = [
     "error_type",
     "grpc_code_name",
     "logprob_rows",
+    "replica_failed",
     "stream_delta",
+    "unavailable",
 ]

@@ -24,7 +24,6 @@ reports the engine dead) ends its requests' streams with a 503.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import importlib
 import logging
 import time
@@ -35,8 +34,14 @@ from typing import Any
 import ray
 from ray.exceptions import RayError, TaskCancelledError
 
-from cluster.head_messages import decode_poll_reply
-from cluster.protocol import StreamDelta, StreamError, stream_delta
+from cluster.head_messages import decode_poll_reply, detached
+from cluster.protocol import (
+    StreamDelta,
+    StreamError,
+    replica_failed,
+    stream_delta,
+    unavailable,
+)
 from engine.core_messages import RequestDelta, decode_steps
 
 logger = logging.getLogger("llm_cluster.token_channel")
@@ -80,8 +85,8 @@ class TokenChannel:
             raise RuntimeError(f"request {request_id!r} was not registered")
         self._head_of[request_id] = head
         if head not in self._pollers:
-            self._pollers[head] = _detached(asyncio.get_running_loop().create_task,
-                                            self._poll(head, model))  # fmt: skip
+            self._pollers[head] = detached(asyncio.get_running_loop().create_task,
+                                           self._poll(head, model))  # fmt: skip
         return ChannelStream(self, request_id, queue, served, model)
 
     def _requests_on(self, head: str) -> list[str]:
@@ -118,11 +123,11 @@ class TokenChannel:
                 acked = max(acked, reply.last_seq)
                 if reply.dead is not None:
                     logger.error("engine head %s reports its engine dead: %s", head, reply.dead)
-                    self._fail(head, f"the engine for {model!r} failed")
+                    self._fail(head, unavailable(f"the engine for {model!r} failed"))
                     return
         except (RayError, ValueError) as exc:  # the head is gone (ValueError: no such actor)
             logger.error("engine head %s is unreachable: %s", head, exc)
-            self._fail(head, f"the replica serving {model!r} failed; retry the request")
+            self._fail(head, replica_failed(model))
         finally:
             self._pollers.pop(head, None)
             self._actors.pop(head, None)
@@ -133,11 +138,11 @@ class TokenChannel:
             if queue is not None:  # else: its client went away
                 queue.put_nowait(delta)
 
-    def _fail(self, head: str, message: str) -> None:
+    def _fail(self, head: str, error: StreamError) -> None:
         for request_id in self._requests_on(head):
             queue = self._queues.get(request_id)
             if queue is not None:
-                queue.put_nowait(StreamError(503, message, None, "unavailable"))
+                queue.put_nowait(error)
 
 
 class ChannelStream:
@@ -166,8 +171,7 @@ class ChannelStream:
             async for item in self._served:
                 self._queue.put_nowait(item)
         except RayError:
-            message = f"the replica serving {self._model!r} failed; retry the request"
-            self._queue.put_nowait(StreamError(503, message, None, "unavailable"))
+            self._queue.put_nowait(replica_failed(self._model))
         else:
             self._queue.put_nowait(_SERVED)
 
@@ -184,8 +188,9 @@ class ChannelStream:
                 except TimeoutError:
                     logger.error("request %s: its replica ended it, its last delta never came",
                                  self._request_id)  # fmt: skip
-                    message = f"the replica serving {self._model!r} lost its last tokens; retry"
-                    yield StreamError(503, message, None, "unavailable")
+                    yield unavailable(
+                        f"the replica serving {self._model!r} lost its last tokens; retry"
+                    )
                     return
                 if item is _SERVED:
                     served = True
@@ -203,12 +208,6 @@ class ChannelStream:
         self._channel.release(self._request_id)
         self._served.cancel()
         self._pump.cancel()
-
-
-def _detached(fn: Any, *args: Any) -> Any:
-    """Run ``fn`` in an empty context: the poller belongs to no request, so Serve cancelling
-    a request never cancels the Ray calls it makes."""
-    return contextvars.Context().run(fn, *args)
 
 
 __all__ = ["POLLER_LINGER_S", "ChannelStream", "TokenChannel"]
