@@ -43,6 +43,12 @@ AutoscalingPolicyName = Literal["engine", "ongoing_requests"]
 HEAD_BUNDLE_INDEX = 1
 
 
+def deployment_name(model_id: str) -> str:
+    """The Serve deployment of ``model_id``'s replicas: ``LLMServer:<model_id>``, with each
+    character Serve's names reject replaced by ``-``."""
+    return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+
+
 @dataclass(frozen=True)
 class ModelLoadingConfig:
     model_id: str  # the name clients put in the request's ``model`` field

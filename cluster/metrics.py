@@ -5,9 +5,11 @@ node's Ray metrics agent, so one scrape of the cluster (each node's agent, or th
 
 from __future__ import annotations
 
+import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
@@ -110,3 +112,21 @@ class RequestTimer:
 
     def finish(self, at: float) -> None:
         self.metrics.e2e.observe(at - self.start, self.metrics.tags)
+
+
+def scrape_cluster_metrics() -> str:
+    """Every alive node's Ray metrics agent, filtered to this project's metrics: one scrape
+    shows every replica of every model."""
+    lines: list[str] = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node.get("Alive") or not port:
+            continue
+        url = f"http://{node['NodeManagerAddress']}:{port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            continue
+        lines += [line for line in text.splitlines() if PREFIX in line]
+    return "\n".join(lines) + "\n"

@@ -1,6 +1,6 @@
-"""OpenAI request -> the ``GenerateRequest`` a model replica serves: OpenAI's fields mapped to
-the engine's ``SamplingParams`` names, chat messages flattened for the chat template. Fields
-the engine does not support are a 400 naming them."""
+"""OpenAI request -> the ``GenerateRequest`` (or ``EmbedRequest``) a model replica serves:
+OpenAI's fields mapped to the engine's ``SamplingParams`` names, chat messages flattened for
+the chat template. Fields the engine does not support are a 400 naming them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from cluster.openai_models import (
     CompletionRequest,
     SamplingFields,
 )
-from cluster.protocol import GenerateRequest
+from cluster.protocol import EmbedRequest, GenerateRequest
 from cluster.tool_parsers import find_tool, named_tool_schema, required_tools_schema
 
 logger = logging.getLogger("llm_cluster.api")
@@ -145,6 +145,24 @@ def completion_payloads(req: CompletionRequest) -> list[GenerateRequest]:
         if isinstance(p, list)
         else GenerateRequest(params=params, prompt=p, echo=req.echo, **extras)
         for p in prompts
+    ]
+
+
+def embedding_payloads(value: Any) -> list[EmbedRequest]:
+    """One server request per input of an embeddings request: a string, token ids, or a batch
+    of either."""
+    if isinstance(value, str):
+        return [EmbedRequest(prompt=value)]
+    if not value:
+        raise APIError(400, "input: must not be empty", "input")
+    if isinstance(value[0], int):
+        return [EmbedRequest(prompt_token_ids=value)]
+    if len(value) > MAX_PROMPTS_PER_REQUEST:
+        raise APIError(400, f"input: at most {MAX_PROMPTS_PER_REQUEST} inputs per request, "
+                       f"got {len(value)}", "input")  # fmt: skip
+    return [
+        EmbedRequest(prompt=v) if isinstance(v, str) else EmbedRequest(prompt_token_ids=v)
+        for v in value
     ]
 
 

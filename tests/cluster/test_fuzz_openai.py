@@ -37,6 +37,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
+from cluster.ingress import OpenAIIngress
 from cluster.llm_server import LLMServer
 from cluster.openai_api import make_openai_app
 from cluster.openai_models import (
@@ -46,7 +47,6 @@ from cluster.openai_models import (
     EmbeddingRequest,
     TokenizeRequest,
 )
-from cluster.serve import OpenAIIngress
 from cluster.token_channel import TokenChannel
 from engine.protocol import decode_request, encode
 

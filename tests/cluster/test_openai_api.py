@@ -588,8 +588,8 @@ def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> A
     import functools
     from types import SimpleNamespace
 
+    from cluster.ingress import OpenAIIngress
     from cluster.protocol import GenerateRequest
-    from cluster.serve import OpenAIIngress
     from cluster.token_channel import TokenChannel
 
     ingress = SimpleNamespace(_route=lambda model: (_FakeHandle(first), None),
@@ -624,7 +624,7 @@ def test_ingress_turns_serve_back_pressure_into_a_503_with_retry_after() -> None
 def test_overload_is_resource_exhausted_over_grpc() -> None:
     import grpc
 
-    from cluster.serve import grpc_abort
+    from cluster.grpc_ingress import grpc_abort
 
     class Context:
         def set_code(self, code: Any) -> None:

@@ -26,7 +26,7 @@ class ServeProbe:
     and the proxies, ``SERVE_PROXY_ACTOR-<node>``; ``__ray_call__`` asks each for its pid."""
 
     def __init__(self, app_name: str, model_id: str) -> None:
-        from cluster.serve import deployment_name
+        from cluster.config import deployment_name
 
         self.app_name = app_name
         self.deployment = deployment_name(model_id)
@@ -53,9 +53,10 @@ class ServeProbe:
     def num_replicas(self) -> int:
         from ray import serve
 
+        from cluster.scale_to_zero import running_replicas
+
         app = serve.status().applications[self.app_name]
-        states = app.deployments[self.deployment].replica_states
-        return sum(n for s, n in states.items() if getattr(s, "value", s) == "RUNNING")
+        return running_replicas(app.deployments[self.deployment].replica_states)
 
     def each_replica(self, method: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """What handle method ``method`` (``stats`` or ``request_state``) returns on every

@@ -1,0 +1,317 @@
+"""The ingress deployment: one ``OpenAIIngress`` replica speaks OpenAI over HTTP (and the
+``LLM`` service over gRPC, ``cluster.grpc_ingress``), routes each request by ``model`` to its
+``LLMServer`` deployment through streaming handles, and serves the model cards, ``/health``
+and ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+from typing import Any
+
+import msgspec
+import numpy as np
+import ray
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from cluster.api_errors import APIError, api_error, error_body, error_response
+from cluster.grpc_ingress import LLMServicer
+from cluster.ingress_calls import guard_stream, merge_streams, model_health
+from cluster.metrics import scrape_cluster_metrics
+from cluster.openai_api import make_openai_app, metrics_response
+from cluster.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
+from cluster.openai_payloads import (
+    chat_messages,
+    chat_payload,
+    check_extra_fields,
+    completion_payloads,
+    embedding_payloads,
+    tool_choice,
+)
+from cluster.openai_responses import Completion, stream_sse
+from cluster.protocol import GenerateRequest, StreamError, StreamStart
+from cluster.scale_to_zero import cold_start_error, models_without_replicas
+from cluster.serve_replica import serve_stop_flag
+from cluster.token_channel import TokenChannel
+
+# Which replica served a generation (routing checks, debugging).
+REPLICA_HEADER = "x-llm-cluster-replica"
+
+
+def _unwrap(result: Any) -> Any:
+    """A tokenizer route's reply as the HTTP body: a ``StreamError`` becomes its error body."""
+    if isinstance(result, StreamError):
+        body = error_body(result.status, result.message, result.param, result.code)
+        return JSONResponse(body, status_code=result.status)
+    return msgspec.to_builtins(result)
+
+
+def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """``float``: the list; ``base64``: little-endian float32 bytes in base64 (OpenAI's)."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return vector
+
+
+def _model_card(model_id: str, parent: str | None = None) -> dict[str, Any]:
+    card = {"id": model_id, "object": "model", "created": 0, "owned_by": "llm-cluster"}
+    if parent is not None:  # a LoRA adapter of ``parent`` (vLLM's "parent" / "root")
+        card.update(parent=parent, root=parent)
+    return card
+
+
+# The FastAPI app is built per replica, after __init__ (``__serve_build_asgi_app__``), so the
+# API keys and body limit live on the app that serves. The gRPC RPCs come from ``LLMServicer``.
+@serve.ingress()
+class OpenAIIngress(LLMServicer):
+    def __init__(
+        self,
+        servers: dict[str, DeploymentHandle],
+        api_key_hashes: list[str],
+        max_body_bytes: int,
+        lora_models: list[str] | None = None,
+        cold_start_timeouts: dict[str, float] | None = None,
+    ) -> None:
+        self.servers = servers
+        self.api_key_hashes = api_key_hashes
+        self.max_body_bytes = max_body_bytes
+        # Models whose LoRA adapters are served as "<model>:<adapter>".
+        self.lora_models = set(lora_models or ())
+        # Models that scale to zero: how long a request waits for its first item (a replica
+        # starting, then its prefill) before a 503 with Retry-After.
+        self.cold_start_timeouts = cold_start_timeouts or {}
+        # Serve stopping this replica (cluster shutdown, redeploy): new generations get 503.
+        self._stopping = serve_stop_flag()
+        # Token deltas from the models' heads, one message per step for all our requests.
+        self.channel = TokenChannel()
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return make_openai_app(self, self.api_key_hashes, self.max_body_bytes)
+
+    # ---- routing -------------------------------------------------------------------------
+
+    def _server(self, model: str) -> DeploymentHandle:
+        if model not in self.servers:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        return self.servers[model]
+
+    def _route(self, model: str) -> tuple[DeploymentHandle, str | None]:
+        """The handle serving ``model`` and its LoRA adapter: ``<base>:<adapter>`` goes to the
+        base model's replicas through Serve's model multiplexing (to a replica that already
+        loaded the adapter when there is one)."""
+        if model in self.servers:
+            return self.servers[model], None
+        base, _, adapter = model.rpartition(":")
+        if base not in self.lora_models or not adapter:
+            return self._server(model), None  # the 404
+        return self.servers[base].options(multiplexed_model_id=adapter), adapter
+
+    async def open_stream(self, model: str, payload: GenerateRequest) -> tuple[StreamStart, Any]:
+        """Start a generation; returns its "start" item and the handle's stream, or raises
+        ``APIError`` (the server's validation error, 404, 503) before any byte is sent."""
+        if self._stopping is not None and self._stopping():
+            raise APIError(503, "the server is shutting down, retry later", None, "draining",
+                           retry_after=1)  # fmt: skip
+        handle, adapter = self._route(model)
+        request_id = uuid.uuid4().hex
+        payload = msgspec.structs.replace(
+            payload, adapter=adapter, request_id=request_id, channel=self.channel.sink
+        )
+        self.channel.register(request_id)
+        try:
+            first, stream = await self._first_item(handle, payload, model, adapter)
+        except BaseException:
+            self.channel.release(request_id)
+            raise
+        if first.head is None:  # a replica without a head actor: deltas on its stream
+            self.channel.release(request_id)
+            return first, stream
+        return first, self.channel.stream(request_id, first.head, stream, model)
+
+    async def _first_item(
+        self, handle: DeploymentHandle, payload: GenerateRequest, model: str, adapter: str | None
+    ) -> tuple[StreamStart, Any]:
+        stream = handle.options(stream=True).generate.remote(payload)
+        base = model if adapter is None else model[: -len(adapter) - 1]
+        timeout_s = self.cold_start_timeouts.get(base)
+        try:
+            first = await asyncio.wait_for(stream.__anext__(), timeout_s)
+        except TimeoutError as exc:
+            stream.cancel()
+            raise cold_start_error(model, timeout_s) from exc
+        except BackPressureError as exc:
+            raise APIError(503, f"model {model!r} is overloaded, retry later", None,
+                           "overloaded", retry_after=1) from exc  # fmt: skip
+        except (ray.exceptions.RayError, StopAsyncIteration) as exc:
+            raise APIError(503, f"model {model!r} is not available", None, "unavailable") from exc
+        if isinstance(first, StreamError):
+            raise api_error(first)
+        return first, stream
+
+    async def open_streams(
+        self, model: str, payloads: list[GenerateRequest]
+    ) -> list[tuple[StreamStart, Any]]:
+        """``open_stream`` for each payload, concurrently; if any fails, the others are
+        cancelled and its error raised."""
+        if len(payloads) == 1:
+            return [await self.open_stream(model, payloads[0])]
+        results = await asyncio.gather(
+            *(self.open_stream(model, p) for p in payloads), return_exceptions=True
+        )
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is None:
+            return list(results)  # type: ignore[arg-type]
+        for result in results:
+            if not isinstance(result, BaseException):
+                result[1].cancel()
+        raise error
+
+    async def _generate(
+        self, req: Any, payloads: list[GenerateRequest], completion: Completion
+    ) -> Any:
+        opened = await self.open_streams(req.model, payloads)
+        first_chunks = []
+        for i, (first, _) in enumerate(opened):
+            first_chunks += completion.absorb(first, i)
+        streams = [stream for _, stream in opened]
+
+        def cancel() -> None:
+            for stream in streams:
+                stream.cancel()
+
+        merged = merge_streams([guard_stream(s, req.model) for s in streams])
+        replica = opened[0][0].replica_id
+        headers = {REPLICA_HEADER: replica} if replica else None
+        if req.stream:
+            body = stream_sse(completion, merged, cancel, first_chunks)
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        try:
+            async for i, item in merged:
+                if isinstance(item, StreamError):
+                    raise api_error(item)
+                completion.absorb(item, i)
+        finally:
+            await merged.aclose()
+            cancel()
+        return JSONResponse(completion.whole(), headers=headers)
+
+    # ---- OpenAI routes -------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest) -> Any:
+        payloads = completion_payloads(req)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        completion = Completion(req.model, False, usage, req.logprobs, echo=req.echo,
+                                echo_only=req.echo and req.max_tokens == 0)  # fmt: skip
+        return await self._generate(req, payloads, completion)
+
+    async def chat_completions(self, req: ChatCompletionRequest) -> Any:
+        payload = chat_payload(req)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        completion = Completion(req.model, True, usage, top_logprobs, tools=tool_choice(req),
+                                stream=req.stream)  # fmt: skip
+        try:
+            return await self._generate(req, [payload], completion)
+        except APIError as exc:
+            if exc.param != "logprobs":
+                raise
+            # The engine's logprobs is what a chat request calls top_logprobs.
+            raise APIError(exc.status, exc.message.replace("logprobs", "top_logprobs", 1),
+                           "top_logprobs", exc.code) from exc  # fmt: skip
+
+    async def models(self) -> dict[str, Any]:
+        data = [_model_card(m) for m in self.servers]
+        for base in sorted(self.lora_models):
+            data += [_model_card(f"{base}:{a}", base) for a in await self._adapters(base)]
+        return {"object": "list", "data": data}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        _, adapter = self._route(model_id)  # 404 naming it if unknown
+        if adapter is None:
+            return _model_card(model_id)
+        base = model_id[: -len(adapter) - 1]
+        if adapter not in await self._adapters(base):
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model",
+                           "model_not_found")  # fmt: skip
+        return _model_card(model_id, base)
+
+    async def _adapters(self, base: str) -> list[str]:
+        try:
+            return await self.servers[base].list_adapters.remote()
+        except ray.exceptions.RayError:
+            return []  # its replicas are down (or scaled to zero): list the base model only
+
+    async def embeddings(self, req: EmbeddingRequest) -> Any:
+        check_extra_fields(req)
+        if req.dimensions is not None:
+            raise APIError(400, f"dimensions: {req.model} does not support reducing the "
+                           "embedding's dimensions", "dimensions", "unsupported")  # fmt: skip
+        inputs = embedding_payloads(req.input)
+        handle = self._server(req.model)
+        try:
+            results = await asyncio.gather(*(handle.embed.remote(p) for p in inputs))
+        except ray.exceptions.RayError as exc:
+            raise APIError(503, f"model {req.model!r} is not available", None,
+                           "unavailable") from exc  # fmt: skip
+        error = next((r for r in results if isinstance(r, StreamError)), None)
+        if error is not None:
+            raise api_error(error)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": _encode_embedding(r.embedding, req.encoding_format)}
+                for i, r in enumerate(results)]  # fmt: skip
+        tokens = sum(r.prompt_tokens for r in results)
+        return {"object": "list", "data": data, "model": req.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+
+    async def tokenize(self, req: TokenizeRequest) -> Any:
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
+        payload = GenerateRequest(prompt=req.prompt)
+        if req.messages is not None:
+            payload = GenerateRequest(messages=chat_messages(req.messages))
+        return _unwrap(await self._server(req.model).tokenize.remote(payload))
+
+    async def detokenize(self, req: DetokenizeRequest) -> Any:
+        return _unwrap(await self._server(req.model).detokenize.remote(req.tokens))
+
+    async def health(self) -> Any:
+        problems = {}
+        idle = await asyncio.to_thread(self._scaled_to_zero)
+        for model, handle in self.servers.items():
+            if model in idle:  # a health call would start a replica; nothing there can be dead
+                continue
+            status = await model_health(handle, 10)
+            if not status["healthy"]:
+                problems[model] = status.get("error", "unhealthy")
+        if problems:
+            message = "; ".join(f"{m}: {e}" for m, e in problems.items())
+            return error_response(APIError(503, message, None, "engine_dead"))
+        return JSONResponse({"status": "ok"})
+
+    def _scaled_to_zero(self) -> set[str]:
+        """The models that scale to zero and have no running replica now (Serve's status)."""
+        if not self.cold_start_timeouts:
+            return set()
+        return models_without_replicas(self.cold_start_timeouts)
+
+    async def metrics(self) -> Any:
+        return metrics_response(await asyncio.to_thread(scrape_cluster_metrics))
+
+    # ---- handle methods for tools (``cluster status``, tests) -------------------------------
+
+    async def model_stats(self, model: str) -> dict[str, Any]:
+        return await self._server(model).stats.remote()
+
+
+__all__ = ["REPLICA_HEADER", "OpenAIIngress"]

@@ -1,0 +1,74 @@
+"""The ingress's calls to the model servers, past routing: a replica's own failure turned into
+a final error item (so HTTP streams end with an error chunk and ``[DONE]``, gRPC with
+UNAVAILABLE), the streams of a batched request merged into one, and a model's health asked
+(a replica that does not answer is unhealthy), for both HTTP and gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray.serve.handle import DeploymentHandle
+
+from cluster.protocol import replica_failed
+
+
+async def guard_stream(items: Any, model: str) -> AsyncIterator[Any]:
+    """The server's items, with a failure of the replica itself (its process killed, its node
+    lost: a Ray error from the handle's stream) turned into a final 503 error item."""
+    try:
+        async for item in items:
+            yield item
+    except ray.exceptions.RayError:
+        yield replica_failed(model)
+
+
+async def merge_streams(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """``(i, item)`` for the items of every stream i as they come (a batched completions
+    request: one server stream per prompt)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: Any) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            entry = await queue.get()
+            if entry is done:
+                remaining -= 1
+                continue
+            yield entry
+        for task in tasks:
+            task.result()  # a stream's own failure surfaces here
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def model_health(handle: DeploymentHandle, timeout_s: float | None = None) -> dict[str, Any]:
+    """A model's ``health`` answer (``{"healthy": bool, "error": ...}``); a replica that does
+    not answer (in ``timeout_s``) is unhealthy, whatever the cause."""
+    try:
+        return await asyncio.wait_for(_response(handle.health.remote()), timeout_s)
+    except Exception as exc:  # unreachable replica
+        return {"healthy": False, "error": type(exc).__name__}
+
+
+async def _response(response: Any) -> Any:
+    return await response
+
+
+__all__ = ["guard_stream", "merge_streams", "model_health"]
