@@ -34,7 +34,12 @@ from engine.core_messages import (
     StepOutputs,
     merge_deltas,
 )
-from engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
+from engine.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    RequestAbortedError,
+    check_request_id_unused,
+)
 from engine.llm_engine import LLMEngine, PromptType
 from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -381,8 +386,7 @@ class AsyncLLMEngine:
     ) -> _Stream:
         if self._dead is not None:
             raise self._dead
-        if request_id in self._streams:
-            raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
+        check_request_id_unused(request_id, self._streams)
         text, token_ids = _split_prompt(prompt)
         request = AddRequest(
             request_id=request_id,

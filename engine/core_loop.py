@@ -40,7 +40,7 @@ from engine.core_messages import (
     RequestDelta,
     StepOutputs,
 )
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, check_request_id_unused
 from engine.llm_engine import EngineOutput, LLMEngine
 from engine.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -305,8 +305,7 @@ class EngineCoreLoop:
             self._on_step(StepOutputs(deltas, time.time()))
 
     def _add_now(self, request: AddRequest) -> AddResult:
-        if request.request_id in self._trackers:
-            raise InvalidRequestError(f"{request.request_id!r} is already in use", "request_id")
+        check_request_id_unused(request.request_id, self._trackers)
         prompt: Any = request.prompt
         if request.prompt_token_ids is not None:
             prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 
 class InvalidRequestError(ValueError):
     """A request is invalid; ``param`` names the offending field. Nothing was enqueued."""
@@ -10,6 +12,12 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{param}: {message}" if param else message)
         self.param = param
         self.reason = message
+
+
+def check_request_id_unused(request_id: str, *in_use: Container[str]) -> None:
+    """Raise ``InvalidRequestError`` (param ``request_id``) when any of ``in_use`` holds it."""
+    if any(request_id in ids for ids in in_use):
+        raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
 
 
 class EngineOverloadedError(RuntimeError):
