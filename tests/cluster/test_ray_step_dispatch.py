@@ -50,11 +50,12 @@ def local_ray() -> Iterator[None]:
     ray.shutdown()
 
 
-def _executor(dispatch: str) -> RayExecutor:
+def _executor(dispatch: str, tp: int = 2, pp: int = 1) -> RayExecutor:
     os.environ["LLM_CLUSTER_RAY_DISPATCH"] = dispatch
     config = EngineConfig.from_kwargs(
         model=MODEL,
-        tensor_parallel_size=2,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         distributed_executor_backend="ray",
         num_kv_blocks=NUM_BLOCKS,
         device="cpu",
@@ -64,9 +65,12 @@ def _executor(dispatch: str) -> RayExecutor:
     return executor
 
 
-@pytest.fixture(scope="module")
-def compiled_executor() -> Iterator[RayExecutor]:
-    executor = _executor("compiled")
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def compiled_executor(request: pytest.FixtureRequest) -> Iterator[RayExecutor]:
+    """TP = 2, and PP = 2, whose two stages each hold a step when two are in flight."""
+    tp, pp = request.param
+    executor = _executor("compiled", tp, pp)
+    assert executor.max_concurrent_batches == pp  # LLM_CLUSTER_PP_PIPELINING on by default
     try:
         yield executor
     finally:
