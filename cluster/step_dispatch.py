@@ -139,9 +139,13 @@ class CompiledDispatch(StepDispatch):
 
     def _fail_for(self, exc: RayError, what: str, waiting: list[int]) -> NoReturn:
         if isinstance(exc, RayChannelTimeoutError):
+            # The graph reads a step's replies together, so all of them are late; a rank that
+            # does not answer a ping either is the one stuck (a rank waiting for it in a
+            # collective still answers).
             self._fail(
                 f"{what}: worker ranks {sorted(waiting)} did not answer within "
-                f"{self._timeout_s:.0f} s (LLM_CLUSTER_STEP_TIMEOUT_S)",
+                f"{self._timeout_s:.0f} s (LLM_CLUSTER_STEP_TIMEOUT_S); not answering a ping "
+                f"either: {self._silent_ranks()}",
                 exc,
             )
         if isinstance(exc, RayActorError):
@@ -158,18 +162,31 @@ class CompiledDispatch(StepDispatch):
         self._fail(f"{what}: a worker failed: {exc}", exc)
 
     def _dead_ranks(self) -> list[int]:
-        """The ranks whose actor no longer answers a ping (within a short probe)."""
+        """The ranks whose actor is dead (by a short ping probe)."""
+        return [rank for rank, state in enumerate(self._probe()) if state == "dead"]
+
+    def _silent_ranks(self) -> list[int]:
+        """The ranks that did not answer a short ping probe, dead or not."""
+        return [rank for rank, state in enumerate(self._probe()) if state != "ok"]
+
+    def _probe(self) -> list[str]:
+        """``ok``, ``dead`` or ``silent`` per rank, after at most ``_PROBE_TIMEOUT_S``."""
         probes = [w.ping.remote() for w in self._workers]
-        ray.wait(probes, num_returns=len(probes), timeout=_PROBE_TIMEOUT_S)
-        dead = []
-        for rank, probe in enumerate(probes):
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=_PROBE_TIMEOUT_S)
+        answered = set(ready)
+        states = []
+        for probe in probes:
+            if probe not in answered:
+                states.append("silent")
+                continue
             try:
                 ray.get(probe, timeout=0)
+                states.append("ok")
             except RayActorError:
-                dead.append(rank)
+                states.append("dead")
             except RayError:
-                continue
-        return dead
+                states.append("silent")
+        return states
 
 
 class _CompiledStep(PendingStep):
