@@ -71,8 +71,8 @@ def beam_search(
         )
     searches = []
     for prompt in prompts:
-        text, token_ids = engine._tokenize(prompt)
-        max_tokens = engine._check_lengths(token_ids, params)
+        text, token_ids = engine.inputs.tokenize(prompt)
+        max_tokens = engine.inputs.check_lengths(token_ids, params)
         searches.append(_Search(text, token_ids, max_tokens, live=[Beam([])]))
     step_params = SamplingParams(
         temperature=0,

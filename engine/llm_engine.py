@@ -16,10 +16,14 @@ A request added with ``PoolingParams`` instead of ``SamplingParams`` is a poolin
 request: one scheduler ``Request`` that samples nothing; the step that computes its last prompt
 token returns its ``PoolingRequestOutput`` (the vector the workers pooled) and ends it.
 
-One role in one file (~830 lines): the head's per-step cycle (validate, schedule, execute,
-update, detokenize, emit). Samples, structured outputs and pooling are each a few functions on
-that same cycle's state (``RequestGroup``/``SampleState``), not roles of their own; beam search
-already lives outside it (``engine.beam_search``).
+With batches in flight (pipelined PP, ``Executor.max_concurrent_batches`` > 1) a step sends
+batches until that many are out, then takes the oldest one's output (see ``engine.scheduler``).
+
+One role in one file (~660 lines): the head's per-step cycle (admit, schedule, execute, update,
+detokenize). Checking and tokenizing a request before it is admitted is
+``engine.input_processor``; the per-request output state and the outputs built from it, by
+``output_kind``, are ``engine.output_processor``; beam search runs on top
+(``engine.beam_search``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.executor import Executor, StepFuture, get_executor_class
+from engine.input_processor import InputProcessor, PromptType, sample_params
 from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
 from engine.output_processor import (
     PoolingState,
@@ -58,7 +63,6 @@ from engine.timing import StepTimer
 
 logger = logging.getLogger("llm_cluster.engine")
 
-PromptType = str | dict[str, Any] | list[int]
 EngineOutput = RequestOutput | PoolingRequestOutput
 
 # The sampling_params every Request carries; a pooling request never samples.
@@ -104,6 +108,7 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks,
         )
+        self.inputs = InputProcessor(config, self.tokenizer, num_blocks)
         lora = config.lora
         self.lora_registry = (
             LoRARegistry(config.model.hf_config, lora.max_lora_rank, lora.max_cpu_loras)
@@ -174,17 +179,15 @@ class LLMEngine:
             raise InvalidRequestError(
                 "must be a SamplingParams or a PoolingParams", param="sampling_params"
             )
-        if cache_salt is not None and not (isinstance(cache_salt, str) and _is_utf8(cache_salt)):
-            # Checked here: the prefix-cache hash encodes it on the engine thread, mid-step.
-            raise InvalidRequestError("must be a non-empty UTF-8 string", param="cache_salt")
+        self.inputs.check_cache_salt(cache_salt)
         self._check_lora(lora_request)
         if isinstance(params, PoolingParams):
             return self._add_pooling_request(
                 request_id, prompt, params, arrival_time, priority, cache_salt, lora_request
             )
-        text, token_ids = self._tokenize(prompt)
-        max_tokens = self._check_lengths(token_ids, params)
-        params = self._check_sampling(params, max_tokens)
+        text, token_ids = self.inputs.tokenize(prompt)
+        max_tokens = self.inputs.check_lengths(token_ids, params)
+        params = self.inputs.check_sampling(params, max_tokens)
         if params.structured_outputs is not None:
             # Compiled (or found in the cache) now, so that a bad spec is a 400 here.
             self.structured_output.compile(params.structured_outputs)
@@ -196,7 +199,7 @@ class LLMEngine:
             Request(
                 rid,
                 token_ids,
-                _sample_params(params, i),
+                sample_params(params, i),
                 eos_token_ids=self.eos_token_ids,
                 max_tokens=max_tokens,
                 arrival_time=arrival_time,
@@ -236,8 +239,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 "this model does not support reducing embedding dimensions", param="dimensions"
             )
-        text, token_ids = self._tokenize(prompt)
-        self._check_pooling_length(token_ids)
+        text, token_ids = self.inputs.tokenize(prompt)
+        self.inputs.check_pooling_length(token_ids)
         self._admit(len(token_ids), 1)
         self._check_unused(request_id, [request_id])
         request = Request(
@@ -293,21 +296,6 @@ class LLMEngine:
         ):
             raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
 
-    def _check_pooling_length(self, token_ids: list[int]) -> None:
-        """A pooling request generates nothing: its prompt may fill the whole context."""
-        max_len, n = self.config.max_model_len, len(token_ids)
-        if n > max_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens; it must be at most max_model_len ({max_len})",
-                param="prompt",
-            )
-        bs, total = self.config.cache.block_size, self.block_manager.num_blocks
-        if -(-n // bs) > total:
-            raise InvalidRequestError(
-                f"the prompt needs {-(-n // bs)} KV blocks but the cache holds {total}",
-                param="prompt",
-            )
-
     def _admit(self, num_prompt_tokens: int, n: int) -> None:
         """Bounded waiting queue: raise ``EngineOverloadedError`` (nothing enqueued) if this
         request's ``n`` samples or prompt tokens would take the queue past its caps. Checked
@@ -351,125 +339,6 @@ class LLMEngine:
             grammar=grammar,
             holdback=stop_holdback(params),
         )
-
-    def _check_sampling(self, params: SamplingParams, max_tokens: int) -> SamplingParams:
-        """Checks that need the server's caps, the model or the tokenizer; returns the params
-        with ``bad_words`` tokenized into ``bad_words_token_ids``."""
-        caps = self.config.sampling
-        if params.use_beam_search:
-            raise InvalidRequestError(
-                "beam search runs outside the engine core: use LLM.beam_search / LLM.generate "
-                "or engine.beam_search.beam_search",
-                param="use_beam_search",
-            )
-        _within(params.n, caps.max_n, "n", "max_n")
-        _within(params.n, self.config.scheduler.max_num_seqs, "n", "max_num_seqs")
-        stops = params.stop or []
-        _within(len(stops), caps.max_stop_strings, "stop", "max_stop_strings")
-        longest = max((len(s) for s in stops), default=0)
-        _within(longest, caps.max_stop_str_len, "stop", "max_stop_str_len")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(params, name) is not None:
-                _within(getattr(params, name), caps.max_logprobs, name, "max_logprobs")
-        if params.min_tokens > max_tokens:
-            raise InvalidRequestError(
-                f"must be <= max_tokens ({max_tokens}), got {params.min_tokens}",
-                param="min_tokens",
-            )
-        vocab = self.config.model.vocab_size
-        for name, ids in (
-            ("logit_bias", params.logit_bias),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = [t for t in ids or () if t >= vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=name
-                )
-        if params.top_k > vocab:
-            # The top k >= vocab tokens are all of them. Clamped so that every int a request
-            # carries fits the step message (msgpack) and the sampler's int64 tensors.
-            params = params.clone(top_k=vocab)
-        banned = [list(seq) for seq in params.bad_words_token_ids or ()]
-        for word in params.bad_words or ():
-            banned.extend(self._bad_word_token_ids(word))
-        if any(t >= vocab for seq in banned for t in seq):
-            raise InvalidRequestError(
-                f"token ids must be in [0, {vocab})", param="bad_words_token_ids"
-            )
-        if banned != (params.bad_words_token_ids or []):
-            params = params.clone(bad_words_token_ids=_unique(banned))
-        return params
-
-    def _bad_word_token_ids(self, word: str) -> list[list[int]]:
-        """A bad word as it would appear mid-text and at the start: with and without a leading
-        space (their tokenizations differ for BPE / sentencepiece vocabularies)."""
-        bare = word.lstrip()
-        variants = [bare, " " + bare]
-        return [
-            ids for v in variants if (ids := self.tokenizer.encode(v, add_special_tokens=False))
-        ]
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
-        if isinstance(text, str) and not text:
-            raise InvalidRequestError("must not be empty", param="prompt")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-        elif isinstance(prompt, dict) and "prompt" in prompt:
-            text = prompt["prompt"]
-            if not isinstance(text, str):
-                raise InvalidRequestError("must be a string", param="prompt")
-            token_ids = self.tokenizer.encode(text)
-        elif isinstance(prompt, list):
-            text, token_ids = None, prompt
-        else:
-            raise InvalidRequestError(
-                "must be a string, a list of token ids, "
-                "or a dict with 'prompt' or 'prompt_token_ids'",
-                param="prompt",
-            )
-        if not isinstance(token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
-        ):
-            raise InvalidRequestError("must be a list of integers", param="prompt_token_ids")
-        if not token_ids:
-            raise InvalidRequestError("must not be empty", param="prompt")
-        vocab = self.config.model.vocab_size
-        bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"token id {token_ids[bad]} at index {bad} is outside the vocabulary [0, {vocab})",
-                param="prompt_token_ids",
-            )
-        return text, list(token_ids)
-
-    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
-        max_len = self.config.max_model_len
-        n = len(token_ids)
-        if n >= max_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens; it must be shorter than max_model_len ({max_len})",
-                param="prompt",
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - n
-        if n + max_tokens > max_len:
-            raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                f"max_model_len ({max_len}); max_tokens must be <= {max_len - n}",
-                param="max_tokens",
-            )
-        bs, total = self.config.cache.block_size, self.block_manager.num_blocks
-        needed = -(-(n + max_tokens) // bs)
-        if needed > total:
-            raise InvalidRequestError(
-                f"prompt + max_tokens needs {needed} KV blocks but the cache holds {total}; "
-                f"max_tokens must be <= {total * bs - n}",
-                param="max_tokens",
-            )
-        return max_tokens
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[EngineOutput]:
         """Abort live requests — every one of their samples; unknown or finished ids are
@@ -791,35 +660,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample ``index``'s own params: n = 1, its own seed stream, prompt logprobs only once."""
-    if params.n == 1:
-        return params
-    changes: dict[str, Any] = {"n": 1}
-    if params.seed is not None:
-        # seed + i, wrapped to stay a 64-bit seed (as SamplingParams requires).
-        changes["seed"] = (params.seed + index + 2**63) % 2**64 - 2**63
-    if index > 0:
-        changes["prompt_logprobs"] = None
-    return params.clone(**changes)
-
-
-def _is_utf8(text: str) -> bool:
-    """Non-empty and encodable: a lone surrogate ("\\ud800", which JSON can carry) is not."""
-    try:
-        return bool(text.encode())
-    except UnicodeEncodeError:
-        return False
-
-
-def _within(value: int, cap: int, name: str, cap_name: str) -> None:
-    if value > cap:
-        raise InvalidRequestError(
-            f"must be <= {cap} (the server's {cap_name}), got {value}", param=name
-        )
-
-
-def _unique(seqs: list[list[int]]) -> list[list[int]]:
-    return [list(s) for s in dict.fromkeys(tuple(s) for s in seqs)]
