@@ -1,13 +1,16 @@
-"""Can the Ray cluster ever host one replica of each model? Checked by ``cluster deploy``
-before anything is submitted to Serve.
+"""Can the Ray cluster host one replica of each model? Checked by ``cluster deploy`` while it
+waits for the deployments.
 
 A Serve replica's placement group (``ModelDeployment.placement_group_bundles``: front, head,
-one ``{GPU: TP}`` bundle per pipeline stage) that no set of nodes can hold stays pending
-forever, and Serve says only that the replica is starting. So ``deploy`` compares the bundles
-with the nodes first: the nodes alive now plus the node types an autoscaler may still add
-(the autoscaler's cluster config in the GCS, as ``ray up`` and KubeRay write it: each node
-group's resources and ``max_count``). It refuses only what can never be placed (necessary
-conditions, so a deployment that could fit is never refused):
+one ``{GPU: TP}`` bundle per pipeline stage) that no set of nodes can hold stays pending, and
+Serve says only that the replica is starting. So ``deploy`` compares the bundles with the
+nodes as it starts and at every poll, and names the shortfall per node the moment it sees one
+(and again when it changes or clears): the nodes alive now plus the node types an autoscaler
+may still add (the autoscaler's cluster config in the GCS, as ``ray up`` and KubeRay write it:
+each node group's resources and ``max_count``). It does not refuse: nodes may join a cluster
+without an autoscaler while the deployment waits (``ray start --address`` on a new machine),
+and Serve places the replica then. Only what cannot be placed on those nodes is reported
+(necessary conditions, so a deployment that fits is never reported):
 
 - each pipeline stage's TP group needs one node with TP devices (of ``accelerator_type`` when
   one is named), and there must be one such group per stage (``check_nodes_can_host``, the
@@ -20,7 +23,7 @@ What is free now is not checked: other replicas may release it, and Serve waits 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from cluster.config import DeploymentConfig, ModelDeployment
@@ -102,17 +105,30 @@ def replica_shortfall(model: ModelDeployment, nodes: Nodes) -> str | None:
     return None
 
 
-def check_deployment_placeable(config: DeploymentConfig, nodes: Nodes | None = None) -> None:
-    """Raise ``PlacementError`` naming every model whose replica the cluster can never hold
-    (``nodes``: name -> total resources; default: the connected cluster's)."""
+def placement_shortfalls(config: DeploymentConfig, nodes: Nodes | None = None) -> dict[str, str]:
+    """Model id -> why the cluster's nodes (``nodes``: name -> total resources; default: the
+    connected cluster's) cannot hold one of its replicas; only the models that cannot."""
     nodes = cluster_nodes() if nodes is None else nodes
-    problems = []
+    shortfalls = {}
     for model in config.models:
         why = replica_shortfall(model, nodes)
         if why is not None:
-            problems.append(f"model {model.model_id!r}: {why}")
-    if problems:
-        raise PlacementError(
-            "the Ray cluster can never place these replicas (Serve would wait forever):\n  "
-            + "\n  ".join(problems)
-        )
+            shortfalls[model.model_id] = why
+    return shortfalls
+
+
+def report_shortfalls(
+    config: DeploymentConfig, progress: Callable[[str], None], before: dict[str, str]
+) -> dict[str, str]:
+    """Tell ``progress`` about each model whose replica the cluster cannot hold now, once per
+    change (and when it can again); returns the current shortfalls for the next call."""
+    now = placement_shortfalls(config)
+    for model_id, why in now.items():
+        if before.get(model_id) != why:
+            progress(
+                f"  {model_id}: the cluster cannot place a replica now (waiting for nodes to "
+                f"join): {why}"
+            )
+    for model_id in before.keys() - now.keys():
+        progress(f"  {model_id}: the cluster's nodes can now hold a replica")
+    return now

@@ -88,7 +88,6 @@ def _deploy_and_report(
 
     from cluster import deploy
     from cluster.plan import PlanError, preflight
-    from cluster.ray_executor import PlacementError
 
     try:
         # Before a local Ray starts: a model that cannot fit its GPUs starts nothing.
@@ -106,9 +105,6 @@ def _deploy_and_report(
     print(f"deploying {names} (app {config.app_name!r}); loading models...", flush=True)
     try:
         deploy.deploy(deployed or config, progress=_with_time_to_ready(time.monotonic()))
-    except PlacementError as exc:
-        print(f"refused: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
     except deploy.DeployError as exc:
         for reason in exc.reasons.values():
             print(f"error: {reason}", file=sys.stderr, flush=True)

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from cluster.capacity import check_deployment_placeable
+from cluster.capacity import report_shortfalls
 from cluster.config import DeploymentConfig
 from cluster.plan import preflight
 from cluster.serve import build_app, deployment_name, runtime_env
@@ -197,18 +197,20 @@ def deploy(
 
     First of all, ``cluster.plan.preflight``: a model that cannot fit its GPUs (weights, or a
     KV cache shorter than one max_model_len sequence) raises ``PlanError`` before anything is
-    built, started or placed. Then ``cluster.capacity``: a replica the cluster's nodes (and
-    its autoscaler's node types) can never hold, e.g. a TP group larger than every node,
-    raises ``PlacementError`` naming each node's capacity, instead of pending forever."""
+    built, started or placed. While it waits, ``cluster.capacity``: a replica the cluster's
+    nodes (and its autoscaler's node types) cannot hold, e.g. a TP group larger than every
+    node, is reported through ``progress`` with each node's capacity at once, instead of
+    pending silently (it is placed if nodes join)."""
     preflight(config)
-    check_deployment_placeable(config)
     app = build_app(config)
     start_serve(config)
     name = config.app_name
     updating = name in serve.status().applications
     _submit(app, name, route_prefix)
     last: dict[str, str] = {}
+    shortfalls: dict[str, str] = {}
     while True:
+        shortfalls = report_shortfalls(config, progress, shortfalls)
         status = serve.status().applications.get(name)
         current = _deployment_states(status)
         for deployment, state in current.items():
