@@ -2,9 +2,10 @@
 
 Ray does placement, lifecycle, failure detection and the control calls (``collective_rpc``,
 ``ping``: ordinary actor calls). The per-step hot path carries the msgspec-encoded step message
-(encoded once) to every worker and, from the sampling worker only, the encoded reply; it is a
-Ray Compiled Graph by default (one ``execute`` per step over shared-memory channels, no Ray
-task per worker; ``LLM_CLUSTER_RAY_DISPATCH=tasks``: one actor call per worker), see
+(encoded once) to every worker and, from the sampling worker only, the encoded reply; on GPU
+workers it is a Ray Compiled Graph (one ``execute`` per step over shared-memory channels, no
+Ray task per worker), on CPU workers one actor call per worker, since the graph's readers
+spin on a core the CPU workers compute on (``LLM_CLUSTER_RAY_DISPATCH`` picks either), see
 ``cluster.step_dispatch``. On GPU the pipeline stages exchange hidden states over
 torch.distributed (NCCL) themselves; the graph carries only the step message and the replies.
 With ``LLM_CLUSTER_PP_PIPELINING`` and PP > 1, up to PP steps are in flight at once
@@ -307,8 +308,11 @@ class RayExecutor(Executor):
         with self._lock:
             self._raise_if_dead()  # shut down meanwhile
             if self._dispatch is None:
+                mode = envs.ray_dispatch()
+                if mode == "auto":  # compiled graphs' readers spin: not on CPU workers
+                    mode = "compiled" if self._resource == "GPU" else "tasks"
                 self._dispatch = build_dispatch(
-                    envs.ray_dispatch(),
+                    mode,
                     self.workers,
                     self.max_concurrent_batches + 1,
                     self._step_timeout_s,

@@ -1,7 +1,7 @@
 """How ``RayExecutor`` sends each step to its workers and gets their replies: one role, two paths.
 
-``compiled`` (default, ``LLM_CLUSTER_RAY_DISPATCH``): a Ray Compiled Graph binds every worker's
-``WorkerActor.execute_model(bytes) -> bytes | None`` to one input::
+``compiled`` (the default on GPU workers, ``LLM_CLUSTER_RAY_DISPATCH``): a Ray Compiled Graph
+binds every worker's ``WorkerActor.execute_model(bytes) -> bytes | None`` to one input::
 
     InputNode ──step bytes──▶ rank 0 … rank TP·PP−1 ──replies──▶ MultiOutputNode
 
@@ -15,8 +15,15 @@ message (Ray resizes them; a 20 MB message was checked), so no buffer size is co
 On GPU the pipeline stages pass hidden states to each other themselves (torch.distributed,
 NCCL); the graph carries only the step message and the replies, never a tensor.
 
-``tasks``: one actor call per worker per step (the message put in the object store once when
-it is large); kept for comparison, and used when compiling fails (logged with the reason).
+A compiled graph's readers wait by spinning: the head while it waits for replies and every
+worker while it waits for the next step call ``sched_yield`` in a loop (Ray's
+``PlasmaObjectHeader::ReadAcquire``, seen with py-spy), a core each. GPU nodes have those cores
+to spare; CPU workers compute on them: on 2 cores, PP = 2 ran at 0.82x with pipelining on the
+compiled path and 1.27x on the tasks path (BENCHMARKS.md, "Pipelined PP").
+
+``tasks`` (the default on CPU workers): one actor call per worker per step (the message put in
+the object store once when it is large); also used when compiling fails (logged with the
+reason).
 
 Either way ``send`` returns a ``PendingStep`` whose ``replies`` waits for every rank (at most
 the step timeout) and, on a worker that died, raised or hung, calls ``fail`` (the executor's

@@ -17,7 +17,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from cluster.ray_executor import PlacementError
-from engine import LLM, SamplingParams, envs
+from engine import LLM, SamplingParams
 
 ENGINE_ARGS: dict[str, Any] = {
     "num_kv_blocks": 64,
@@ -80,8 +80,12 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.slow  # ~15-25 s: a 3-node Ray, four worker actors, the reference engine
-def test_tp2_pp2_over_two_2_cpu_nodes_keeps_each_tp_group_on_one_node(nodes: Nodes) -> None:
+def test_tp2_pp2_over_two_2_cpu_nodes_keeps_each_tp_group_on_one_node(
+    nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     nodes.reshape([2, 2])
+    # Across nodes through the Ray Compiled Graph (the GPU default; CPU workers use actor calls).
+    monkeypatch.setenv("LLM_CLUSTER_RAY_DISPATCH", "compiled")
     reference = LLM("builtin:tiny-llama", distributed_executor_backend="uni", **ENGINE_ARGS)
     expected = _greedy(reference)
     reference.llm_engine.shutdown()
@@ -94,8 +98,7 @@ def test_tp2_pp2_over_two_2_cpu_nodes_keeps_each_tp_group_on_one_node(nodes: Nod
         assert node_of_rank[2] == node_of_rank[3]
         assert node_of_rank[0] != node_of_rank[2]  # no node has room for both groups
         assert _greedy(llm) == expected
-        # Steps crossed nodes through the compiled graph (unless the run asks for tasks).
-        assert llm.llm_engine.executor.dispatch_mode == envs.ray_dispatch()
+        assert llm.llm_engine.executor.dispatch_mode == "compiled"
     finally:
         llm.llm_engine.shutdown()
 
