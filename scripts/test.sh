@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up, lint, and run the whole test suite (CPU; gpu-marked tests skip without CUDA).
-#   scripts/test.sh                  everything (~17 min on 2 cores)
-#   scripts/test.sh -m "not slow"    the fast tier
+#   scripts/test.sh                  everything (~23 min on 2 cores): what CI runs
+#   scripts/test.sh --fast           the fast tier (-m "not slow", ~5 min): the working loop
 #   scripts/test.sh tests/engine/... a file or test: one pytest, as given
+# Every run prints its 20 slowest tests (CI keeps them in its log).
 # Without paths the suite runs as two pytest processes side by side: tests/cluster (Ray, Serve:
 # mostly waiting on processes, about half a core) and the rest (CPU-bound, one thread each).
 set -euo pipefail
@@ -12,16 +13,20 @@ bash scripts/setup.sh
 ruff check .
 ruff format --check .
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  set -- -m "not slow" "$@"
+fi
 for arg in "$@"; do
   if [[ -e "${arg%%::*}" ]]; then
-    exec python -m pytest -q --durations=15 "$@"
+    exec python -m pytest -q --durations=20 "$@"
   fi
 done
 others_log=$(mktemp)
-python -m pytest -q --durations=15 --ignore=tests/cluster "$@" >"$others_log" 2>&1 &
+python -m pytest -q --durations=20 --ignore=tests/cluster "$@" >"$others_log" 2>&1 &
 others=$!
 cluster_rc=0
-python -m pytest -q --durations=15 tests/cluster "$@" || cluster_rc=$?
+python -m pytest -q --durations=20 tests/cluster "$@" || cluster_rc=$?
 others_rc=0
 wait "$others" || others_rc=$?
 echo "==================== tests outside tests/cluster ===================="
