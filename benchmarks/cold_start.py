@@ -45,7 +45,7 @@ _SHAPE_ARGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_k
 
 def _free_port() -> int:
     """A spare port outside the OS's ephemeral range, where Ray's own servers take ports."""
-    from cluster.deploy import spare_port
+    from cluster.ops.deploy import spare_port
 
     return spare_port()
 

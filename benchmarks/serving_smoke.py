@@ -9,7 +9,7 @@ Checks (exit status 1 when one fails) and reports:
 - the KV cache was sized by the worker's memory probe (no ``num_kv_blocks``);
 and the time to first token and inter-token latency (median, p99) over the streams.
 
-The HTTP layer (``cluster.openai_api``) needs FastAPI and pydantic, and its app lives in
+The HTTP layer (``cluster.api.openai_api``) needs FastAPI and pydantic, and its app lives in
 ``cluster/``; this drives the engine API that the app streams from.
 """
 

@@ -86,8 +86,8 @@ def _deploy_and_report(
     ports itself, without Serve's proxy hop (``deploy.direct_ingress``)."""
     import logging
 
-    from cluster import deploy
-    from cluster.plan import PlanError, preflight
+    from cluster.ops import deploy
+    from cluster.ops.plan import PlanError, preflight
 
     try:
         # Before a local Ray starts: a model that cannot fit its GPUs starts nothing.
@@ -133,7 +133,8 @@ def _with_time_to_ready(started: float) -> Callable[[str], None]:
 
 
 def _print_loading(workers: list[dict[str, Any]]) -> None:
-    """``cluster status`` lines for a model's starting workers (``cluster.load_progress``)."""
+    """``cluster status`` lines for a model's starting workers
+    (``cluster.runtime.load_progress``)."""
     for w in workers:
         where = f"    starting: rank {w['rank']} on {w['node']}: {w['phase']}"
         if w.get("percent") is not None and w["phase"] == "loading weights":
@@ -147,7 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from cluster import deploy
+    from cluster.ops import deploy
 
     config = _load_config(args.config)
     _deploy_and_report(
@@ -177,7 +178,7 @@ def _hf_config_args(values: Sequence[str], config: DeploymentConfig) -> dict[str
     MODEL_ID with; without ``MODEL_ID=`` when the deployment has one model."""
     from pathlib import Path
 
-    from cluster.plan import read_config_json
+    from cluster.ops.plan import read_config_json
     from engine.errors import ConfigError
 
     found: dict[str, dict] = {}
@@ -198,8 +199,8 @@ def _hf_config_args(values: Sequence[str], config: DeploymentConfig) -> dict[str
 def _plan(args: argparse.Namespace) -> int:
     """Print every model's memory plan; exit 2 (reasons on stderr) when one cannot fit or the
     config is refused, 0 when all fit."""
-    from cluster import plan as planning
     from cluster.config import load_config
+    from cluster.ops import plan as planning
     from engine.errors import ConfigError
 
     config_error = None
@@ -235,7 +236,7 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from cluster import deploy
+    from cluster.ops import deploy
 
     deploy.connect(args.address)
     status = deploy.cluster_status(args.app)
@@ -264,7 +265,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _shutdown(args: argparse.Namespace) -> int:
-    from cluster import deploy
+    from cluster.ops import deploy
 
     deploy.connect(args.address)
     deploy.shutdown()

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
-from cluster.tool_parsers import TOOL_PARSERS
+from cluster.api.tool_parsers import TOOL_PARSERS
 from engine.errors import ConfigError
 
 Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
@@ -67,8 +67,8 @@ class AutoscalingConfig:
     # Deprecated by Serve but still bounds look_back_period_s from below; omitted when unset.
     metrics_interval_s: float | None = None
     downscale_to_zero_delay_s: float | None = None  # the 1 -> 0 step; downscale_delay_s if unset
-    # Ours, not Serve's: "engine" (cluster.autoscaling_policy) scales on the replicas' waiting
-    # queue and KV usage besides ongoing requests; "ongoing_requests" is Serve's own policy.
+    # Ours, not Serve's: "engine" (cluster.serving.autoscaling_policy) scales on the replicas'
+    # waiting queue and KV usage besides ongoing requests; "ongoing_requests" is Serve's own policy.
     policy: AutoscalingPolicyName = "engine"
     target_num_waiting: float = 2.0  # engine policy: mean waiting requests per replica
     target_kv_usage: float = 0.85  # engine policy: mean fraction of KV blocks in use
@@ -114,16 +114,16 @@ class AutoscalingConfig:
 
 
 # Serve imports it by path on the deploying machine and ships it by value to its controller.
-ENGINE_AUTOSCALING_POLICY = "cluster.autoscaling_policy:EngineSignalPolicy"
+ENGINE_AUTOSCALING_POLICY = "cluster.serving.autoscaling_policy:EngineSignalPolicy"
 ROUTER_CLASSES: dict[str, str] = {
-    "prefix_aware": "cluster.prefix_router:PrefixAwareRouter",
+    "prefix_aware": "cluster.serving.prefix_router:PrefixAwareRouter",
     "pow2": "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter",
 }
 
 
 @dataclass(frozen=True)
 class PrefixRouterConfig:
-    """The prefix-aware router's knobs (``cluster.prefix_router``)."""
+    """The prefix-aware router's knobs (``cluster.serving.prefix_router``)."""
 
     chunk_chars: int = 64  # the prompt is hashed in chunks of this many characters (or 16 ids)
     max_chunks_per_replica: int = 65536  # LRU bound of each replica's set of chunk hashes
@@ -316,7 +316,7 @@ class ModelDeployment:
         head only schedules and the worker actors each take one device of their stage's
         bundle. A bundle never spans nodes, so a TP group (an all-reduce per layer) stays on
         one node whatever the strategy; PACK (the default) still lets stages sit on different
-        nodes when no one node has room for all (``cluster.ray_executor``).
+        nodes when no one node has room for all (``cluster.runtime.ray_executor``).
         """
         unit = "GPU" if self.uses_gpu else "CPU"
         accelerator: dict[str, float] = {}
@@ -468,7 +468,7 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
     the checkpoint's limit) and what the engine refuses in the checkpoint's config.json (its
     architecture, ...: named under ``model_source``) too when the checkpoint is reachable from
     this machine — a production path like /models/... usually exists only on the GPU nodes,
-    whose replicas then refuse it (``cluster.start_errors``)."""
+    whose replicas then refuse it (``cluster.serving.start_errors``)."""
     # Imported here: engine.config pulls in torch, which the processes that only read a
     # config (the ingress, the CLI's status and shutdown) never need.
     from engine.config import (

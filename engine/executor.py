@@ -9,8 +9,8 @@ A step can be sent before the previous one returns (``execute_model_async`` give
 batches in flight, one per stage, and takes their outputs in the order it sent them.
 
 Start-up is timed per phase (``startup_timings``) and each worker's phase and weight bytes
-read go to a ``StartupObserver``, which the cluster layer (``cluster.load_progress``) publishes
-for ``cluster status``; the engine only calls it.
+read go to a ``StartupObserver``, which the cluster layer (``cluster.runtime.load_progress``)
+publishes for ``cluster status``; the engine only calls it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from engine.worker import Worker
 
 EXECUTOR_BACKENDS: dict[str, str] = {
     "uni": "engine.executor:UniProcExecutor",
-    "ray": "cluster.ray_executor:RayExecutor",
+    "ray": "cluster.runtime.ray_executor:RayExecutor",
 }
 
 
@@ -46,7 +46,7 @@ class StartupObserver:
     """Hears an executor's start-up: each worker's phase and, while it loads, the weight bytes
     it has read of its total. This base hears nothing; ``model_id`` names the model for
     whoever shows the progress. Called on the thread that builds the engine (in-process
-    workers) or by each worker itself (``cluster.worker_actor``)."""
+    workers) or by each worker itself (``cluster.runtime.worker_actor``)."""
 
     def __init__(self, model_id: str = "") -> None:
         self.model_id = model_id

@@ -42,7 +42,8 @@ def test_the_ingress_and_the_cli_import_neither_torch_nor_transformers() -> None
     import sys
 
     code = (
-        "import sys, cluster.serve, cluster.deploy, cluster.token_channel, cluster.config; "
+        "import sys, cluster.serving.serve, cluster.ops.deploy, cluster.serving.token_channel, "
+        "cluster.config; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     result = subprocess.run(

@@ -157,7 +157,7 @@ async def bench_setting(
 
     from cluster.bench.soak import ServeProbe
     from cluster.config import load_config
-    from cluster.deploy import deploy, endpoint
+    from cluster.ops.deploy import deploy, endpoint
 
     config = load_config(config_data)
     model = config.models[0].model_id
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import yaml
 
     from cluster.config import load_config
-    from cluster.deploy import connect, spare_port
+    from cluster.ops.deploy import connect, spare_port
 
     workload = PrefixWorkload(
         num_prefixes=args.num_prefixes,

@@ -380,7 +380,7 @@ async def _through_serve(
     import ray
     from ray import serve
 
-    from cluster.deploy import connect, deploy, endpoint
+    from cluster.ops.deploy import connect, deploy, endpoint
 
     connect("local")  # its own Ray: never a stale or foreign cluster found on this machine
     try:

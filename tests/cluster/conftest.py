@@ -21,7 +21,7 @@ def free_port() -> int:
     """A port free now, outside Ray's worker ports and the OS's ephemeral range (where Ray's own
     servers take random ports at any time): the same draw ``cluster serve`` makes for its idle
     proxies."""
-    from cluster.deploy import spare_port
+    from cluster.ops.deploy import spare_port
 
     return spare_port()
 
@@ -50,7 +50,7 @@ class ServeCluster:
         """Deploy a config as application ``name``; returns its OpenAI base URL."""
         from ray import serve
 
-        from cluster.serve import build_app
+        from cluster.serving.serve import build_app
 
         serve.run(build_app({**config, "app_name": name}), name=name, route_prefix=route_prefix)
         prefix = "" if route_prefix == "/" else route_prefix
@@ -62,8 +62,8 @@ def serve_cluster() -> Iterator[ServeCluster]:
     import ray
     from ray import serve
 
-    from cluster.deploy import GRPC_SERVICER
-    from cluster.serve import runtime_env
+    from cluster.ops.deploy import GRPC_SERVICER
+    from cluster.serving.serve import runtime_env
 
     ray.init(
         address="local",  # never join another cluster on this machine

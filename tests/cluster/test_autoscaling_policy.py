@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cluster.autoscaling_policy import EngineSignalPolicy
+from cluster.serving.autoscaling_policy import EngineSignalPolicy
 
 
 def context(

@@ -1,9 +1,9 @@
-"""``cluster.capacity``: ``cluster deploy`` names at once, per node, why the cluster's nodes
+"""``cluster.ops.capacity``: ``cluster deploy`` names at once, per node, why the cluster's nodes
 (and its autoscaler's node types) cannot hold a model's replica, and reports nothing for
 what fits.
 
 The last test deploys onto a simulated Ray cluster (``ray.cluster_utils.Cluster``) through
-``cluster.deploy.deploy`` itself: the shortfall is reported within seconds, and cleared when a
+``cluster.ops.deploy.deploy`` itself: the shortfall is reported within seconds, and cleared when a
 node with room joins while the deployment waits.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from ray.core.generated import autoscaler_pb2
 
-from cluster.capacity import autoscaling_nodes, placement_shortfalls, replica_shortfall
 from cluster.config import DeploymentConfig, load_config
+from cluster.ops.capacity import autoscaling_nodes, placement_shortfalls, replica_shortfall
 
 
 def _config(
@@ -112,7 +112,7 @@ def test_deploy_names_the_shortfall_at_once_and_clears_it_when_a_node_joins() ->
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from cluster import deploy
+    from cluster.ops import deploy
 
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}

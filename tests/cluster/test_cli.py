@@ -44,8 +44,8 @@ def test_generate_with_bad_engine_argument_exits_2_naming_it() -> None:
 def test_direct_ingress_pins_serves_ports_to_the_config_and_moves_the_proxies(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from cluster import deploy
     from cluster.config import load_config
+    from cluster.ops import deploy
 
     # Every variable it sets is undone after the test (the serving tests' Ray must not see them).
     ends = ("MIN_HTTP_PORT", "MAX_HTTP_PORT", "MIN_GRPC_PORT", "MAX_GRPC_PORT",

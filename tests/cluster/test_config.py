@@ -167,7 +167,7 @@ def autoscaled(**scaling: Any) -> dict[str, Any]:
 def test_multi_replica_models_default_to_the_prefix_aware_router() -> None:
     options = load_config(autoscaled(min_replicas=1, max_replicas=2)).models[0].serve_options()
     router = options["request_router_config"]
-    assert router["request_router_class"] == "cluster.prefix_router:PrefixAwareRouter"
+    assert router["request_router_class"] == "cluster.serving.prefix_router:PrefixAwareRouter"
     assert router["request_router_kwargs"]["balance_abs_threshold"] == 4
     assert router["request_routing_stats_period_s"] == 1.0
 
@@ -204,7 +204,7 @@ def test_the_engine_autoscaling_policy_gets_its_targets_as_policy_kwargs() -> No
     model = load_config(data).models[0]
     scaling = model.serve_options()["autoscaling_config"]
     assert scaling["policy"] == {
-        "policy_function": "cluster.autoscaling_policy:EngineSignalPolicy",
+        "policy_function": "cluster.serving.autoscaling_policy:EngineSignalPolicy",
         "policy_kwargs": {"target_num_waiting": 3.0, "target_kv_usage": 0.85},
     }
     assert scaling["min_replicas"] == 0 and scaling["downscale_to_zero_delay_s"] == 5
@@ -220,7 +220,7 @@ def test_serves_own_autoscaling_policy_can_be_chosen() -> None:
 def test_serve_accepts_the_generated_options() -> None:
     from ray import serve
 
-    from cluster.llm_server import LLMServer
+    from cluster.serving.llm_server import LLMServer
 
     data = autoscaled(min_replicas=0, max_replicas=2)
     options = load_config(data).models[0].serve_options()
@@ -283,7 +283,7 @@ def test_replicas_get_every_variable_the_engine_reads_and_not_the_api_keys(
     keys) do not."""
     import re
 
-    from cluster.serve import runtime_env
+    from cluster.serving.serve import runtime_env
 
     source = (Path(__file__).resolve().parents[2] / "engine" / "envs.py").read_text()
     names = set(re.findall(r'"(LLM_CLUSTER_[A-Z_]+)"', source))

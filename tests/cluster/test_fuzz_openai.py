@@ -37,17 +37,17 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from cluster.ingress import OpenAIIngress
-from cluster.llm_server import LLMServer
-from cluster.openai_api import make_openai_app
-from cluster.openai_models import (
+from cluster.api.openai_api import make_openai_app
+from cluster.api.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
     TokenizeRequest,
 )
-from cluster.token_channel import TokenChannel
+from cluster.serving.ingress import OpenAIIngress
+from cluster.serving.llm_server import LLMServer
+from cluster.serving.token_channel import TokenChannel
 from engine.protocol import decode_request, encode
 
 MODEL = "tiny-llama"

@@ -11,8 +11,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from cluster.llm_server import LLMServer, error_item
-from cluster.protocol import EmbedRequest, EmbedResult, GenerateRequest
+from cluster.api.protocol import EmbedRequest, EmbedResult, GenerateRequest
+from cluster.serving.llm_server import LLMServer, error_item
 from engine import LLM, EngineDeadError, SamplingParams
 
 ENGINE_ARGS = {"model": "builtin:tiny-llama", "num_kv_blocks": 64, "device": "cpu"}

@@ -1,4 +1,4 @@
-"""Start-up progress records (``cluster.load_progress``) against an in-memory store and a
+"""Start-up progress records (``cluster.runtime.load_progress``) against an in-memory store and a
 driven clock: what a record holds, how often it is written, when it is dropped, and how
 ``cluster status`` describes it. No Ray."""
 
@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from cluster.head_actor import PublishingObserver
-from cluster.load_progress import (
+from cluster.runtime.load_progress import (
     KEY_PREFIX,
     STALE_AFTER_S,
     LoadProgressPublisher,
@@ -20,6 +19,7 @@ from cluster.load_progress import (
     record_key,
     remove_executor_records,
 )
+from cluster.serving.head_actor import PublishingObserver
 from engine.executor import PHASE_LOADING, PHASE_READY, PHASE_STARTING
 
 

@@ -12,12 +12,12 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster import openai_payloads
-from cluster.api_errors import APIError
-from cluster.openai_api import new_app
-from cluster.openai_models import ChatCompletionRequest, CompletionRequest
-from cluster.openai_responses import Completion, chat_logprobs, completion_logprobs
-from cluster.protocol import ChoiceChunk, StreamDelta, StreamStart
+from cluster.api import openai_payloads
+from cluster.api.api_errors import APIError
+from cluster.api.openai_api import new_app
+from cluster.api.openai_models import ChatCompletionRequest, CompletionRequest
+from cluster.api.openai_responses import Completion, chat_logprobs, completion_logprobs
+from cluster.api.protocol import ChoiceChunk, StreamDelta, StreamStart
 from engine import InvalidRequestError, SamplingParams
 
 
@@ -588,9 +588,9 @@ def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> A
     import functools
     from types import SimpleNamespace
 
-    from cluster.ingress import OpenAIIngress
-    from cluster.protocol import GenerateRequest
-    from cluster.token_channel import TokenChannel
+    from cluster.api.protocol import GenerateRequest
+    from cluster.serving.ingress import OpenAIIngress
+    from cluster.serving.token_channel import TokenChannel
 
     ingress = SimpleNamespace(_route=lambda model: (_FakeHandle(first), None),
                               _stopping=lambda: stopping, cold_start_timeouts={},
@@ -608,7 +608,7 @@ def test_a_stopping_ingress_refuses_new_generations_with_503_draining() -> None:
 
 
 def test_ingress_turns_a_full_queue_into_a_503_with_retry_after() -> None:
-    from cluster.llm_server import error_item
+    from cluster.serving.llm_server import error_item
 
     error = _open_stream(error_item(503, "queue full", None, "overloaded", 1))
     assert (error.status, error.code, error.retry_after) == (503, "overloaded", 1)
@@ -624,7 +624,7 @@ def test_ingress_turns_serve_back_pressure_into_a_503_with_retry_after() -> None
 def test_overload_is_resource_exhausted_over_grpc() -> None:
     import grpc
 
-    from cluster.grpc_ingress import grpc_abort
+    from cluster.serving.grpc_ingress import grpc_abort
 
     class Context:
         def set_code(self, code: Any) -> None:
@@ -654,7 +654,7 @@ class _Recorder:
 
 @pytest.fixture
 def recorder() -> TestClient:
-    from cluster.openai_api import make_openai_app
+    from cluster.api.openai_api import make_openai_app
 
     return TestClient(make_openai_app(_Recorder()))  # type: ignore[arg-type]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.placement import (
+from cluster.runtime.placement import (
     PlacementError,
     assign_ranks_by_node,
     check_nodes_can_host,

@@ -14,7 +14,7 @@ import yaml
 
 from cluster.cli import main
 from cluster.config import load_config
-from cluster.plan import PlanError, gpu_memory_gib_for, plan_deployment, preflight
+from cluster.ops.plan import PlanError, gpu_memory_gib_for, plan_deployment, preflight
 from engine.errors import ConfigError
 from tests.cluster.conftest import load_yaml
 from tests.engine.test_memory_plan import LLAMA_3_70B
@@ -202,7 +202,7 @@ def test_preflight_raises_a_config_error_naming_the_model_and_every_problem(
 def test_accelerator_names_are_rays() -> None:
     from ray.util.accelerators import accelerators
 
-    from cluster.plan import GPU_MEMORY_GIB
+    from cluster.ops.plan import GPU_MEMORY_GIB
 
     names = {v for k, v in vars(accelerators).items() if k.startswith("NVIDIA_")}
     assert set(GPU_MEMORY_GIB) <= names
@@ -216,7 +216,7 @@ def test_cluster_deploy_and_serve_refuse_before_touching_ray(
     monkeypatch: pytest.MonkeyPatch,
     command: str,
 ) -> None:
-    from cluster import deploy
+    from cluster.ops import deploy
 
     def no_ray(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("Ray was reached before the plan refused")

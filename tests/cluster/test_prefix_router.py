@@ -7,7 +7,8 @@ import random
 from collections import Counter
 from types import SimpleNamespace
 
-from cluster.prefix_router import (
+from cluster.api.protocol import GenerateRequest
+from cluster.serving.prefix_router import (
     PrefixIndex,
     ReplicaLoad,
     RouterSettings,
@@ -15,7 +16,6 @@ from cluster.prefix_router import (
     chunk_hashes,
     prompt_text,
 )
-from cluster.protocol import GenerateRequest
 
 SETTINGS = RouterSettings(chunk_chars=8, balance_abs_threshold=4, balance_rel_threshold=1.5)
 
@@ -166,7 +166,7 @@ def deployment_id() -> object:
 def make_router(*replicas: FakeReplica) -> object:
     from ray.serve._private.common import DeploymentHandleSource
 
-    from cluster.prefix_router import PrefixAwareRouter
+    from cluster.serving.prefix_router import PrefixAwareRouter
 
     router = PrefixAwareRouter(deployment_id(), DeploymentHandleSource.UNKNOWN)
     router.initialize_state(chunk_chars=8)

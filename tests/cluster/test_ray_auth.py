@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, pathlib, grpc, ray
-from cluster.deploy import connect
+from cluster.ops.deploy import connect
 from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
 connect("local")

@@ -215,7 +215,7 @@ class ExecutorHost:
     """Stands in for a Serve replica: an actor in bundle 0 of a placement group it did not make."""
 
     def run(self, config: EngineConfig) -> dict[str, Any]:
-        from cluster.ray_executor import RayExecutor
+        from cluster.runtime.ray_executor import RayExecutor
 
         executor = RayExecutor(config)
         try:

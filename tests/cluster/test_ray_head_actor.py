@@ -1,5 +1,5 @@
-"""The head actor (``cluster.head_actor``): the engine core in a Ray actor of its own, reached
-by the front (``AsyncLLMEngine`` over ``HeadCoreClient``) with one message per step for all
+"""The head actor (``cluster.serving.head_actor``): the engine core in a Ray actor of its own,
+reached by the front (``AsyncLLMEngine`` over ``HeadCoreClient``) with one message per step for all
 requests. Reference: the same engine offline in this process (itself token-exact against HF)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
-from cluster.serve import runtime_env
+from cluster.serving.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
+from cluster.serving.serve import runtime_env
 from engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams
 from engine.async_llm_engine import AsyncLLMEngine, StreamOutput
 from engine.config import EngineConfig
@@ -180,7 +180,7 @@ class _Served:
 
 @pytest.fixture(scope="module")
 def channel_server() -> Iterator[Any]:
-    from cluster.llm_server import LLMServer
+    from cluster.serving.llm_server import LLMServer
 
     server = LLMServer("chan", ENGINE_ARGS, head_resources={"CPU": 1})
     assert server.head_name is not None
@@ -191,7 +191,7 @@ def channel_server() -> Iterator[Any]:
 async def _through_channel(
     server: Any, channel: Any, request_id: str, prompt: str, params: dict[str, Any]
 ) -> tuple[Any, list[Any]]:
-    from cluster.protocol import GenerateRequest
+    from cluster.api.protocol import GenerateRequest
 
     channel.register(request_id)
     payload = GenerateRequest(prompt=prompt, params=params, request_id=request_id,
@@ -204,8 +204,8 @@ async def _through_channel(
 def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
     channel_server: Any, offline: LLM
 ) -> None:
-    from cluster.protocol import StreamDelta, logprob_rows
-    from cluster.token_channel import TokenChannel
+    from cluster.api.protocol import StreamDelta, logprob_rows
+    from cluster.serving.token_channel import TokenChannel
 
     channel = TokenChannel()
     per_message: list[int] = []
@@ -278,9 +278,9 @@ def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
 
 
 def test_token_channel_ends_streams_with_503_when_the_head_dies() -> None:
-    from cluster.llm_server import LLMServer
-    from cluster.protocol import GenerateRequest, StreamDelta, StreamError
-    from cluster.token_channel import TokenChannel
+    from cluster.api.protocol import GenerateRequest, StreamDelta, StreamError
+    from cluster.serving.llm_server import LLMServer
+    from cluster.serving.token_channel import TokenChannel
 
     server = LLMServer("doomed", ENGINE_ARGS, head_resources={"CPU": 1})
     channel = TokenChannel()
@@ -321,8 +321,8 @@ def test_token_channel_ends_streams_with_503_when_the_head_dies() -> None:
 def test_a_head_whose_model_cannot_load_fails_its_replica_with_the_reason(tmp_path: Path) -> None:
     """The head builds the model in its own process; its known failure reaches the replica as
     one line (not Ray's text of the head's traceback), and the head actor is gone."""
-    from cluster.llm_server import LLMServer
-    from cluster.start_errors import ModelStartError
+    from cluster.serving.llm_server import LLMServer
+    from cluster.serving.start_errors import ModelStartError
 
     checkpoint = tmp_path / "no-weights"
     shutil.copytree(resolve_model_source("builtin:tiny-llama"), checkpoint)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.load_progress import read_load_progress
+from cluster.runtime.load_progress import read_load_progress
 from engine import LLM, EngineDeadError, SamplingParams
 from engine.model_loader import checkpoint_tensor_bytes
 from engine.tiny_models import resolve_model_source
@@ -123,8 +123,8 @@ def test_a_load_past_the_load_timeout_fails_naming_phase_ranks_and_variable(
 def test_cluster_status_shows_a_starting_replica_loading_then_it_serves() -> None:
     from openai import OpenAI
 
-    from cluster import deploy
     from cluster.config import load_config
+    from cluster.ops import deploy
 
     raw = load_yaml("tiny.yaml")
     raw["http_options"]["port"] = free_port()

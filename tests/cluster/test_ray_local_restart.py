@@ -29,7 +29,7 @@ import ray._private.services
 # pgrep): this process must find none, so that the engine starts its own.
 ray._private.services._cached_find_gcs_addresses = functools.cache(frozenset)
 from engine import LLM, SamplingParams
-from cluster.ray_executor import PlacementError
+from cluster.runtime.ray_executor import PlacementError
 
 args = dict(num_kv_blocks=64, max_model_len=128, device="cpu")
 greedy = SamplingParams(temperature=0, max_tokens=6)

@@ -16,7 +16,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.ray_executor import PlacementError
+from cluster.runtime.ray_executor import PlacementError
 from engine import LLM, SamplingParams
 
 ENGINE_ARGS: dict[str, Any] = {

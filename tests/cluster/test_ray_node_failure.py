@@ -100,8 +100,8 @@ def nodes() -> Iterator[Nodes]:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from cluster.deploy import deploy
-    from cluster.serve import INGRESS_NAME, deployment_name, runtime_env
+    from cluster.ops.deploy import deploy
+    from cluster.serving.serve import INGRESS_NAME, deployment_name, runtime_env
 
     cluster = Cluster(
         initialize_head=True,
@@ -151,7 +151,7 @@ def nodes() -> Iterator[Nodes]:
 def server(model: str) -> Any:
     from ray import serve
 
-    from cluster.serve import deployment_name
+    from cluster.serving.serve import deployment_name
 
     return serve.get_deployment_handle(deployment_name(model), APP)
 
@@ -244,7 +244,7 @@ def test_node_killed_mid_generation_fails_its_replica_only_and_serve_replaces_it
 ) -> None:
     import ray
 
-    from cluster.serve import INGRESS_NAME, deployment_name
+    from cluster.serving.serve import INGRESS_NAME, deployment_name
 
     ids = nodes.ids
     assert replica_nodes(deployment_name(VICTIM)) == [ids["A"]]

@@ -1,4 +1,4 @@
-"""``cluster.deploy.deploy()`` on a real local Ray refuses a deployment that cannot fit its GPUs
+"""``cluster.ops.deploy.deploy()`` on a real local Ray refuses a deployment that cannot fit its GPUs
 before anything starts: no Serve controller, no proxy, no replica, no placement group."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster import deploy
 from cluster.config import load_config
-from cluster.plan import PlanError
+from cluster.ops import deploy
+from cluster.ops.plan import PlanError
 from tests.cluster.test_plan import MODEL_ID, llama70b_yaml
 
 

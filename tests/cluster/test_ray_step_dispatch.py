@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.ray_executor import RayExecutor
+from cluster.runtime.ray_executor import RayExecutor
 from engine import LLM, EngineDeadError, SamplingParams
 from engine.config import EngineConfig
 from engine.protocol import (

@@ -177,7 +177,7 @@ def kill(actor: tuple[str, str]) -> None:
 def server_handle(model: str) -> Any:
     from ray import serve
 
-    from cluster.serve import deployment_name
+    from cluster.serving.serve import deployment_name
 
     return serve.get_deployment_handle(deployment_name(model), APP)
 
@@ -261,7 +261,7 @@ def run_fault(base_url: str, stub: llm_pb2_grpc.LLMStub, inject: Callable[[], No
 
 
 def test_worker_actor_killed_mid_generation(base_url: str, grpc_stub: llm_pb2_grpc.LLMStub) -> None:
-    from cluster.ray_executor import WORKER_NAME_PREFIX
+    from cluster.runtime.ray_executor import WORKER_NAME_PREFIX
 
     workers = named_actors(WORKER_NAME_PREFIX)
     assert len(workers) == 2, workers  # the TP = 2 model's two ranks
@@ -272,7 +272,7 @@ def test_worker_actor_killed_mid_generation(base_url: str, grpc_stub: llm_pb2_gr
 
 
 def test_head_actor_killed_mid_generation(base_url: str, grpc_stub: llm_pb2_grpc.LLMStub) -> None:
-    from cluster.head_actor import HEAD_NAME_PREFIX
+    from cluster.serving.head_actor import HEAD_NAME_PREFIX
 
     heads = named_actors(f"{HEAD_NAME_PREFIX}{FAULTY}:")
     assert len(heads) == 1, heads
@@ -284,7 +284,7 @@ def test_head_actor_killed_mid_generation(base_url: str, grpc_stub: llm_pb2_grpc
 def test_front_replica_killed_mid_generation(
     base_url: str, grpc_stub: llm_pb2_grpc.LLMStub
 ) -> None:
-    from cluster.serve import deployment_name
+    from cluster.serving.serve import deployment_name
 
     prefix = f"SERVE_REPLICA::{APP}#{deployment_name(FAULTY)}#"
     heads = named_actors(prefix)

@@ -33,8 +33,8 @@ import torch
 from openai import BadRequestError, NotFoundError, OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cluster.ingress import REPLICA_HEADER
 from cluster.proto import llm_pb2, llm_pb2_grpc
+from cluster.serving.ingress import REPLICA_HEADER
 from engine import LLM, SamplingParams
 from engine.lora import LoRARequest
 from engine.tiny_models import make_tiny_lora, resolve_model_source

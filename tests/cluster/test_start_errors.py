@@ -1,6 +1,7 @@
-"""A replica that cannot start for a known cause says why in one line (``cluster.start_errors``),
-and the deploy side finds that line in Serve's status message. No Ray here; the same failures
-through real Serve replicas are in ``test_cli_serving.py``."""
+"""A replica that cannot start for a known cause says why in one line
+(``cluster.serving.start_errors``), and the deploy side finds that line in Serve's status
+message. No Ray here; the same failures through real Serve replicas are in
+``test_cli_serving.py``."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 from ray.exceptions import RayTaskError
 
-from cluster.llm_server import LLMServer
-from cluster.start_errors import (
+from cluster.serving.llm_server import LLMServer
+from cluster.serving.start_errors import (
     EngineStartError,
     ModelStartError,
     known_start_failure,
@@ -93,10 +94,10 @@ def test_the_start_failure_line_is_found_in_serves_status_message() -> None:
     message = (
         "A replica failed to start with exception. Retrying 2 more time(s). Error:\n"
         "\x1b[36mray::ServeReplica:llm:LLMServer:q3.initialize_and_get_metadata()\x1b[39m "
-        "(pid=1, ip=10.0.0.2)\n  File \"cluster/llm_server.py\", line 97, in __init__\n"
+        "(pid=1, ip=10.0.0.2)\n  File \"cluster/serving/llm_server.py\", line 97, in __init__\n"
         "engine.errors.ConfigError: " + reason + "\n\nThe above exception was the direct "
-        "cause of the following exception:\n\n  File \"cluster/llm_server.py\", line 104\n"
-        "cluster.start_errors.ModelStartError: model 'q3' cannot start: " + reason + "\n"
+        "cause of the following exception:\n\n  File \"cluster/serving/llm_server.py\", line 104\n"
+        "cluster.serving.start_errors.ModelStartError: model 'q3' cannot start: " + reason + "\n"
     )  # fmt: skip
     assert start_failure(message) == f"model 'q3' cannot start: {reason}"
     assert start_failure("A replica failed to start with exception. Error:\nKeyError: 'x'") is None

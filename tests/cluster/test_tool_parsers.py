@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from cluster.tool_parsers import (
+from cluster.api.tool_parsers import (
     TOOL_PARSERS,
     Delta,
     NamedToolCallStreamer,

@@ -19,7 +19,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
 
 from cluster.config import load_config  # noqa: E402
-from cluster.kuberay import models_schema  # noqa: E402
+from cluster.ops.kuberay import models_schema  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "llm-cluster"
@@ -295,7 +295,7 @@ def test_no_api_keys_without_a_secret() -> None:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_serve_config_args_pass_cluster_deploy_validation(preset: str) -> None:
     (app,) = serve_config(preset_values(preset))["applications"]
-    assert app["import_path"] == "cluster.serve:build_app"
+    assert app["import_path"] == "cluster.serving.serve:build_app"
     config = load_config(app["args"])
     models = chart().merge_values(preset_values(preset))["models"]
     assert [m.model_id for m in config.models] == [
@@ -346,7 +346,7 @@ def test_every_shipped_config_model_list_is_valid_values_models(config: str) -> 
 def test_values_schema_models_part_is_generated_from_cluster_config() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["properties"]["models"] == models_schema(), (
-        "run: python -m cluster.kuberay helm/llm-cluster/values.schema.json"
+        "run: python -m cluster.ops.kuberay helm/llm-cluster/values.schema.json"
     )
 
 

@@ -165,7 +165,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.base_url:
         return await _run_remote(args, progress)
     from cluster.config import load_config
-    from cluster.deploy import connect, deploy, endpoint
+    from cluster.ops.deploy import connect, deploy, endpoint
 
     config = load_config(_config_dict(args))
     model = config.model(args.model) if args.model else config.models[0]
@@ -199,7 +199,7 @@ async def _run_remote(args: argparse.Namespace, progress: Callable[[str], None])
     await client.close()
     probe = None
     if args.address:
-        from cluster.deploy import connect
+        from cluster.ops.deploy import connect
 
         connect(args.address)
         probe = ServeProbe(args.app or "llm", model)
@@ -216,7 +216,7 @@ def _config_dict(args: argparse.Namespace) -> dict[str, Any]:
 
     data = copy.deepcopy(yaml.safe_load(args.config.read_text()))
     if args.free_ports:
-        from cluster.deploy import spare_port
+        from cluster.ops.deploy import spare_port
 
         data.setdefault("http_options", {})["port"] = spare_port()
         if data.get("grpc_options") is not None:

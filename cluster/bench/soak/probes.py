@@ -53,7 +53,7 @@ class ServeProbe:
     def num_replicas(self) -> int:
         from ray import serve
 
-        from cluster.scale_to_zero import running_replicas
+        from cluster.serving.scale_to_zero import running_replicas
 
         app = serve.status().applications[self.app_name]
         return running_replicas(app.deployments[self.deployment].replica_states)

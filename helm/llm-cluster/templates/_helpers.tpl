@@ -55,7 +55,7 @@ grpc_options:
 applications:
   - name: {{ .Values.appName }}
     route_prefix: /
-    import_path: cluster.serve:build_app
+    import_path: cluster.serving.serve:build_app
     args:
       {{- toYaml $args | nindent 6 }}
 {{- end -}}

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP routes over an ``OpenAIServing`` (the Serve ingress implements it).
-Request bodies are in ``cluster.openai_models``, their mapping to the engine in
-``cluster.openai_payloads``, responses and SSE in ``cluster.openai_responses``, error bodies in
-``cluster.api_errors`` and the key / size guard in ``cluster.api_guard``.
+Request bodies are in ``cluster.api.openai_models``, their mapping to the engine in
+``cluster.api.openai_payloads``, responses and SSE in ``cluster.api.openai_responses``, error
+bodies in ``cluster.api.api_errors`` and the key / size guard in ``cluster.api.api_guard``.
 
     POST /v1/completions        POST /v1/chat/completions      GET /v1/models[/{id}]
     POST /v1/embeddings         POST /tokenize                 POST /detokenize
@@ -22,9 +22,9 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
-from cluster.api_errors import APIError, install_error_handlers
-from cluster.api_guard import GuardMiddleware
-from cluster.openai_models import (
+from cluster.api.api_errors import APIError, install_error_handlers
+from cluster.api.api_guard import GuardMiddleware
+from cluster.api.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

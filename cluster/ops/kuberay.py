@@ -3,10 +3,11 @@ generated from the dataclasses ``cluster.config`` builds and the engine's own ar
 so the chart accepts exactly the model lists that ``cluster deploy`` accepts (same keys, same
 types; ranges and model-shape checks stay with ``load_config``, which Serve runs on the cluster).
 
-    python -m cluster.kuberay helm/llm-cluster/values.schema.json    # rewrite its "models"
+    python -m cluster.ops.kuberay helm/llm-cluster/values.schema.json    # rewrite its "models"
 
-The chart's RayService runs ``cluster.serve:build_app`` as a Serve application builder: Serve
-calls it with the ``args`` mapping of ``serveConfigV2``, which is a deployment config as a dict.
+The chart's RayService runs ``cluster.serving.serve:build_app`` as a Serve application builder:
+Serve calls it with the ``args`` mapping of ``serveConfigV2``, which is a deployment config as a
+dict.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def write_models_schema(values_schema: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m cluster.kuberay helm/llm-cluster/values.schema.json")
+        print("usage: python -m cluster.ops.kuberay helm/llm-cluster/values.schema.json")
         return 2
     changed = write_models_schema(Path(args[0]))
     print(f"{args[0]}: {'updated' if changed else 'already up to date'}")

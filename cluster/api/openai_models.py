@@ -40,9 +40,9 @@ TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0})]
 
 class _Model(BaseModel):
     # Fields a model does not declare are kept (``model_extra``) and checked by
-    # ``cluster.openai_payloads.check_extra_fields``: clients fill in harmless ones (``metadata``,
-    # ``store``, ``service_tier``) that are ignored, as vLLM does; the few known to change the
-    # output are a 400 naming them.
+    # ``cluster.api.openai_payloads.check_extra_fields``: clients fill in harmless ones
+    # (``metadata``, ``store``, ``service_tier``) that are ignored, as vLLM does; the few known
+    # to change the output are a 400 naming them.
     model_config = ConfigDict(extra="allow", strict=True)
 
 

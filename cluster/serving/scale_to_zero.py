@@ -9,7 +9,7 @@ from typing import Any
 
 from ray import serve
 
-from cluster.api_errors import APIError
+from cluster.api.api_errors import APIError
 from cluster.config import deployment_name
 
 COLD_START_RETRY_AFTER_S = 10

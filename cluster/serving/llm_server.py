@@ -1,16 +1,16 @@
 """``LLMServer``: one model replica as a Ray Serve deployment — the front (chat templates,
 tokenizing, per-request streams) over its head, the engine core (scheduler, block manager,
-executor), which runs in a Ray actor of its own inside a Serve replica (``cluster.head_actor``)
-and on a thread of this process outside one (tests, tools). Handle methods are what the
-ingress (HTTP or gRPC) calls.
+executor), which runs in a Ray actor of its own inside a Serve replica
+(``cluster.serving.head_actor``) and on a thread of this process outside one (tests, tools).
+Handle methods are what the ingress (HTTP or gRPC) calls.
 
-``generate`` streams ``cluster.protocol`` messages: a ``StreamStart`` (or a ``StreamError``:
+``generate`` streams ``cluster.api.protocol`` messages: a ``StreamStart`` (or a ``StreamError``:
 a validation error is the first item, so a streaming client still gets a clean 400), then one
 ``StreamDelta`` per engine step with the choices that have something new, and possibly a last
 ``StreamError`` (503: the engine failed; 408: the request's timeout passed). A request that names
 the ingress's token ``channel`` gets no ``StreamDelta`` here: its head hands its deltas to that
-channel (``cluster.token_channel``), and ``StreamStart.head`` says which head. Its start goes
-out as soon as the head has the request (after its first delta only when it carries the
+channel (``cluster.serving.token_channel``), and ``StreamStart.head`` says which head. Its start
+goes out as soon as the head has the request (after its first delta only when it carries the
 prompt's logprobs); this call still lasts until the request ends, so Serve's routing, queue
 limits and drain see it. ``embed`` returns
 one input's embedding (an ``EmbedResult``) or a ``StreamError`` from the same error table.
@@ -28,10 +28,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from cluster.config import HEAD_BUNDLE_INDEX
-from cluster.lora_adapters import AdapterCatalog, AdapterNotFoundError
-from cluster.metrics import ModelMetrics
-from cluster.protocol import (
+from cluster.api.protocol import (
     DetokenizeResult,
     EmbedRequest,
     EmbedResult,
@@ -44,9 +41,12 @@ from cluster.protocol import (
     choice_chunk,
     logprob_rows,
 )
-from cluster.serve_replica import serve_stop_flag
-from cluster.start_errors import ModelStartError, known_start_failure
-from cluster.tool_parsers import get_tool_parser
+from cluster.api.tool_parsers import get_tool_parser
+from cluster.config import HEAD_BUNDLE_INDEX
+from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError
+from cluster.serving.metrics import ModelMetrics
+from cluster.serving.serve_replica import serve_stop_flag
+from cluster.serving.start_errors import ModelStartError, known_start_failure
 from engine.async_llm_engine import AsyncLLMEngine, EngineStats
 from engine.config import EngineConfig
 from engine.core_client import InProcessCoreClient
@@ -100,7 +100,8 @@ class LLMServer:
             self._start_engine(engine_args, head_resources, lora_config)
         except Exception as exc:
             # A cause that starting again would meet again: the deployment fails at once with
-            # it (cluster.deploy reads it from Serve's status), rather than after Serve's retries.
+            # it (cluster.ops.deploy reads it from Serve's status), rather than after Serve's
+            # retries.
             reason = known_start_failure(exc)
             if reason is None:
                 raise
@@ -137,7 +138,7 @@ class LLMServer:
         config = EngineConfig.from_kwargs(**engine_args)
         self.config = config
         if head_resources is not None:
-            from cluster.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
+            from cluster.serving.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
 
             client = HeadCoreClient(
                 config,
@@ -408,7 +409,7 @@ class LLMServer:
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's hook for the autoscaling policy (``cluster.autoscaling_policy``): numbers
+        """Serve's hook for the autoscaling policy (``cluster.serving.autoscaling_policy``): numbers
         only, aggregated by Serve's controller over ``look_back_period_s``."""
         stats = await self._recent_stats()
         return {

@@ -6,7 +6,7 @@ Ray does placement, lifecycle, failure detection and the control calls (``collec
 workers it is a Ray Compiled Graph (one ``execute`` per step over shared-memory channels, no
 Ray task per worker), on CPU workers one actor call per worker, since the graph's readers
 spin on a core the CPU workers compute on (``LLM_CLUSTER_RAY_DISPATCH`` picks either), see
-``cluster.step_dispatch``. On GPU the pipeline stages exchange hidden states over
+``cluster.runtime.step_dispatch``. On GPU the pipeline stages exchange hidden states over
 torch.distributed (NCCL) themselves; the graph carries only the step message and the replies.
 With ``LLM_CLUSTER_PP_PIPELINING`` and PP > 1, up to PP steps are in flight at once
 (``max_concurrent_batches``): ``execute_model_async`` sends one and returns a ``StepFuture``.
@@ -24,7 +24,7 @@ Start-up calls (placement, ``init_device`` … ``load_model``, ``determine_num_a
 ``initialize_cache``) wait up to ``LLM_CLUSTER_LOAD_TIMEOUT_S`` each, steps and control calls
 ``LLM_CLUSTER_STEP_TIMEOUT_S``: eight workers reading a 70B model's shards take minutes, a step
 seconds. Ranks load at once (one actor call each), so start-up takes the slowest rank's time,
-not the sum. Each worker publishes its progress itself (``cluster.load_progress``).
+not the sum. Each worker publishes its progress itself (``cluster.runtime.load_progress``).
 
 Placement across nodes. A TP group all-reduces every layer, so its ranks must share a node;
 pipeline stages exchange one tensor per step and may sit on different nodes. The executor's own
@@ -74,16 +74,16 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.load_progress import remove_executor_records
-from cluster.placement import (
+from cluster.runtime.load_progress import remove_executor_records
+from cluster.runtime.placement import (
     PlacementError,
     _describe_nodes,
     assign_ranks_by_node,
     check_nodes_can_host,
     worker_slots,
 )
-from cluster.step_dispatch import PendingStep, StepDispatch, build_dispatch
-from cluster.worker_actor import WorkerActor
+from cluster.runtime.step_dispatch import PendingStep, StepDispatch, build_dispatch
+from cluster.runtime.worker_actor import WorkerActor
 from engine import envs
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
@@ -534,7 +534,7 @@ def _resolve_device(config: EngineConfig) -> str:
 
 def _checkout_root() -> Path | None:
     """The source checkout the project runs from, or None when it is installed."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     if "site-packages" in root.parts or not (root / "pyproject.toml").is_file():
         return None
     return root

@@ -1,7 +1,7 @@
 """Why a model replica cannot start, when the cause is known: a checkpoint or config the engine
 refuses (``ConfigError``, a ``ValueError`` from building or loading the model, a missing file),
 a port in use, or out of memory. Starting the same replica again fails the same way, so the
-deployment fails at the first such failure (``cluster.deploy``) with this one-line reason
+deployment fails at the first such failure (``cluster.ops.deploy``) with this one-line reason
 instead of Serve retrying it and ending in a traceback.
 
     head actor:  build fails ─▶ known_start_failure(exc) ─▶ ready() returns the reason

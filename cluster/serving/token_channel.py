@@ -17,7 +17,7 @@ One poll per step per head costs the same whatever the batch. The request's Serv
 open until it ends, so routing, ``max_ongoing_requests``, autoscaling, back-pressure, drain and
 cancellation (the client goes away: the call is cancelled, the replica aborts the request) are
 Serve's as before. Polls are acknowledged by step number, like the replica's own
-(``cluster.head_actor``): a lost reply loses nothing. A head that fails (its poll raises, or
+(``cluster.serving.head_actor``): a lost reply loses nothing. A head that fails (its poll raises, or
 reports the engine dead) ends its requests' streams with a 503.
 """
 
@@ -34,14 +34,14 @@ from typing import Any
 import ray
 from ray.exceptions import RayError, TaskCancelledError
 
-from cluster.head_messages import decode_poll_reply, detached
-from cluster.protocol import (
+from cluster.api.protocol import (
     StreamDelta,
     StreamError,
     replica_failed,
     stream_delta,
     unavailable,
 )
+from cluster.serving.head_messages import decode_poll_reply, detached
 from engine.core_messages import RequestDelta, decode_steps
 
 logger = logging.getLogger("llm_cluster.token_channel")
@@ -64,10 +64,10 @@ class TokenChannel:
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._actors: dict[str, Any] = {}  # head actor handles by name
         # ``ray.get_actor`` loads the head's class into this process, importing
-        # cluster.head_actor and with it the engine (torch, transformers): seconds that the
+        # cluster.serving.head_actor and with it the engine (torch, transformers): seconds that the
         # first request would wait for (BENCHMARKS.md, "Cold start"). Imported now instead,
         # while the ingress starts beside the model replicas, which take longer.
-        importlib.import_module("cluster.head_actor")
+        importlib.import_module("cluster.serving.head_actor")
 
     def register(self, request_id: str) -> None:
         """Before the request is sent: its first delta may come before its ``StreamStart``."""

@@ -1,4 +1,4 @@
-"""How a ``HeadActor`` (``cluster.head_actor``) is called: its replies, with the one error
+"""How a ``HeadActor`` (``cluster.serving.head_actor``) is called: its replies, with the one error
 table of its calls, and ``detached``, the context every call to it is made in. A module of its
 own, free of torch (it needs only the engine's message types), so that the ingress's token
 channel can poll the head without importing the engine core."""

@@ -9,10 +9,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from cluster.api_errors import error_body
-from cluster.openai_payloads import ToolChoice
-from cluster.protocol import ChoiceChunk, StreamDelta, StreamError, StreamItem, StreamStart
-from cluster.tool_parsers import (
+from cluster.api.api_errors import error_body
+from cluster.api.openai_payloads import ToolChoice
+from cluster.api.protocol import ChoiceChunk, StreamDelta, StreamError, StreamItem, StreamStart
+from cluster.api.tool_parsers import (
     NamedToolCallStreamer,
     ParsedToolCalls,
     RequiredToolCallStreamer,

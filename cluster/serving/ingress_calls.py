@@ -12,7 +12,7 @@ from typing import Any
 import ray
 from ray.serve.handle import DeploymentHandle
 
-from cluster.protocol import replica_failed
+from cluster.api.protocol import replica_failed
 
 
 async def guard_stream(items: Any, model: str) -> AsyncIterator[Any]:

@@ -5,7 +5,7 @@ Per model: the checkpoint's ``config.json`` (a local ``model_source``, or a buil
 engine arguments go through ``engine.memory_plan``; one GPU's memory comes from the model's
 ``accelerator_type`` (``GPU_MEMORY_GIB``) or ``--gpu-memory-gib``. A checkpoint that is not on
 this machine (``/models/...`` that only the GPU nodes mount) is skipped, not refused: its
-replicas check it when they start (``cluster.start_errors``). Ray-free and torch-free (a
+replicas check it when they start (``cluster.serving.start_errors``). Ray-free and torch-free (a
 built-in model source imports the engine's tiny-model writer, which needs torch).
 """
 

@@ -1,6 +1,6 @@
 """The ingress deployment: one ``OpenAIIngress`` replica speaks OpenAI over HTTP (and the
-``LLM`` service over gRPC, ``cluster.grpc_ingress``), routes each request by ``model`` to its
-``LLMServer`` deployment through streaming handles, and serves the model cards, ``/health``
+``LLM`` service over gRPC, ``cluster.serving.grpc_ingress``), routes each request by ``model`` to
+its ``LLMServer`` deployment through streaming handles, and serves the model cards, ``/health``
 and ``/metrics``."""
 
 from __future__ import annotations
@@ -19,19 +19,16 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from cluster.api_errors import APIError, api_error, error_body, error_response
-from cluster.grpc_ingress import LLMServicer
-from cluster.ingress_calls import guard_stream, merge_streams, model_health
-from cluster.metrics import scrape_cluster_metrics
-from cluster.openai_api import make_openai_app, metrics_response
-from cluster.openai_models import (
+from cluster.api.api_errors import APIError, api_error, error_body, error_response
+from cluster.api.openai_api import make_openai_app, metrics_response
+from cluster.api.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
     TokenizeRequest,
 )
-from cluster.openai_payloads import (
+from cluster.api.openai_payloads import (
     chat_messages,
     chat_payload,
     check_extra_fields,
@@ -39,11 +36,14 @@ from cluster.openai_payloads import (
     embedding_payloads,
     tool_choice,
 )
-from cluster.openai_responses import Completion, stream_sse
-from cluster.protocol import GenerateRequest, StreamError, StreamStart
-from cluster.scale_to_zero import cold_start_error, models_without_replicas
-from cluster.serve_replica import serve_stop_flag
-from cluster.token_channel import TokenChannel
+from cluster.api.openai_responses import Completion, stream_sse
+from cluster.api.protocol import GenerateRequest, StreamError, StreamStart
+from cluster.serving.grpc_ingress import LLMServicer
+from cluster.serving.ingress_calls import guard_stream, merge_streams, model_health
+from cluster.serving.metrics import scrape_cluster_metrics
+from cluster.serving.scale_to_zero import cold_start_error, models_without_replicas
+from cluster.serving.serve_replica import serve_stop_flag
+from cluster.serving.token_channel import TokenChannel
 
 # Which replica served a generation (routing checks, debugging).
 REPLICA_HEADER = "x-llm-cluster-replica"

@@ -1,6 +1,7 @@
 """The Ray Serve application: one ``LLMServer`` deployment per model (the heads) and one
-``OpenAIIngress`` (``cluster.ingress``) in front that routes by ``model``. This module builds
-it and names its parts (the Serve import path ``cluster.serve:build_app`` of the Helm chart).
+``OpenAIIngress`` (``cluster.serving.ingress``) in front that routes by ``model``. This module
+builds it and names its parts (the Serve import path ``cluster.serving.serve:build_app`` of the
+Helm chart).
 
     build_app("configs/tiny.yaml")  ->  serve.Application  (``serve.run`` or ``cluster deploy``)
 """
@@ -21,7 +22,7 @@ from cluster.config import (
     deployment_name,
     load_config,
 )
-from cluster.ingress import OpenAIIngress
+from cluster.serving.ingress import OpenAIIngress
 
 INGRESS_NAME = "OpenAIIngress"
 # Every variable engine/envs.py reads (in the replicas' processes; a test keeps the two in step),
@@ -67,7 +68,7 @@ def _server_deployment(model: ModelDeployment) -> Any:
     actor: dict[str, Any] = {"num_cpus": bundles[0].get("CPU", 0), "runtime_env": runtime_env()}
     # Imported here: the front pulls in the engine (torch, transformers); the ingress replica,
     # which imports this module, never runs one.
-    from cluster.llm_server import LLMServer
+    from cluster.serving.llm_server import LLMServer
 
     deployment = serve.deployment(LLMServer).options(
         name=deployment_name(model.model_id), ray_actor_options=actor, **options
@@ -85,7 +86,7 @@ def runtime_env() -> dict[str, Any]:
     """Forward this project's environment settings, and its source tree when it runs from a
     checkout rather than an installed package (replicas must import ``cluster``)."""
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if (root / "pyproject.toml").is_file():
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p

@@ -4,12 +4,12 @@ The class is plain Python; ``RayExecutor`` wraps it with ``ray.remote`` and the 
 its bundle. Start-up calls (config, rendezvous, loading) travel through Ray's own transport;
 the per-step message is the msgspec-encoded ``ExecuteModelRequest`` and the reply the
 msgspec-encoded ``ModelRunnerOutput``, so no project object is pickled on the hot path. Steps
-arrive through a Ray Compiled Graph's loop (``cluster.step_dispatch``) or as plain actor calls;
-with the graph, control calls (``call``, ``ping``) run on the actor's own thread beside that
+arrive through a Ray Compiled Graph's loop (``cluster.runtime.step_dispatch``) or as plain actor
+calls; with the graph, control calls (``call``, ``ping``) run on the actor's own thread beside that
 loop, so they must only read step state (the engine sends them between steps).
 
-Each actor publishes its own start-up progress (``cluster.load_progress``: phase, weight bytes
-read of its total) from construction until ``initialize_cache`` returns; the executor deletes
+Each actor publishes its own start-up progress (``cluster.runtime.load_progress``: phase, weight
+bytes read of its total) from construction until ``initialize_cache`` returns; the executor deletes
 what a killed actor leaves behind.
 """
 
@@ -19,7 +19,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from cluster.load_progress import LoadProgressPublisher
+from cluster.runtime.load_progress import LoadProgressPublisher
 from engine.config import EngineConfig
 from engine.executor import (
     PHASE_KV_ALLOCATING,
@@ -78,8 +78,9 @@ class WorkerActor:
         return host, self.worker.start_rendezvous(host, timeout_s)
 
     def execute_model(self, request: bytes) -> bytes | None:
-        """One step; also what the executor's compiled graph binds (``cluster.step_dispatch``),
-        whose errors do not say which actor raised: the message names the rank."""
+        """One step; also what the executor's compiled graph binds
+        (``cluster.runtime.step_dispatch``), whose errors do not say which actor raised: the
+        message names the rank."""
         try:
             output = self.worker.execute_model(decode_request(request))
         except Exception as exc:

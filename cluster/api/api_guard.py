@@ -11,7 +11,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster.api_errors import APIError, error_response
+from cluster.api.api_errors import APIError, error_response
 
 MAX_HEADER_COUNT = 64
 MAX_HEADER_BYTES = 16 * 1024

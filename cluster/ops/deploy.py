@@ -17,11 +17,11 @@ from typing import Any
 import ray
 from ray import serve
 
-from cluster.capacity import report_shortfalls
 from cluster.config import DeploymentConfig
-from cluster.plan import preflight
-from cluster.serve import build_app, deployment_name, runtime_env
-from cluster.start_errors import start_failure
+from cluster.ops.capacity import report_shortfalls
+from cluster.ops.plan import preflight
+from cluster.serving.serve import build_app, deployment_name, runtime_env
+from cluster.serving.start_errors import start_failure
 
 GRPC_SERVICER = "cluster.proto.llm_pb2_grpc.add_LLMServicer_to_server"
 
@@ -169,7 +169,7 @@ def start_serve(config: DeploymentConfig) -> None:
 
 class DeployError(RuntimeError):
     """A model's replicas cannot start, for a known cause: ``reasons`` maps each such model's
-    deployment to "model 'm' cannot start: <reason>" (``cluster.start_errors``)."""
+    deployment to "model 'm' cannot start: <reason>" (``cluster.serving.start_errors``)."""
 
     def __init__(self, app_name: str, reasons: dict[str, str]) -> None:
         super().__init__("; ".join(reasons.values()))
@@ -189,15 +189,15 @@ def deploy(
     """Deploy (or update in place: same app name) and wait until every deployment runs.
     Prints each deployment's status as it changes while the models load.
 
-    A replica that cannot start for a known cause (``cluster.start_errors``: the engine
+    A replica that cannot start for a known cause (``cluster.serving.start_errors``: the engine
     refuses the checkpoint, a port in use, out of memory) raises ``DeployError`` as soon as
     Serve reports it, instead of after Serve's retries: a new application is deleted and its
     failure recorded for ``cluster_status``; an update leaves the running application to Serve
     (its replicas of the previous version keep serving).
 
-    First of all, ``cluster.plan.preflight``: a model that cannot fit its GPUs (weights, or a
+    First of all, ``cluster.ops.plan.preflight``: a model that cannot fit its GPUs (weights, or a
     KV cache shorter than one max_model_len sequence) raises ``PlanError`` before anything is
-    built, started or placed. While it waits, ``cluster.capacity``: a replica the cluster's
+    built, started or placed. While it waits, ``cluster.ops.capacity``: a replica the cluster's
     nodes (and its autoscaler's node types) cannot hold, e.g. a TP group larger than every
     node, is reported through ``progress`` with each node's capacity at once, instead of
     pending silently (it is placed if nodes join)."""
@@ -348,7 +348,8 @@ def endpoint(config: DeploymentConfig) -> str:
 def cluster_status(app_name: str = "llm") -> dict[str, Any]:
     """Per model: Serve's deployment status, replica states, one replica's engine stats (KV
     usage, running and waiting requests), and while replicas start, ``loading``: one entry per
-    starting worker (rank, node, phase, GiB read / total, %, seconds; ``cluster.load_progress``)."""
+    starting worker (rank, node, phase, GiB read / total, %, seconds;
+    ``cluster.runtime.load_progress``)."""
     apps = serve.status().applications
     if app_name not in apps:
         return _not_deployed(app_name)
@@ -382,7 +383,7 @@ def cluster_status(app_name: str = "llm") -> dict[str, Any]:
 
 def _loading_by_deployment() -> dict[str, list[dict[str, Any]]]:
     """The fresh start-up records of every model's workers, keyed by its deployment name."""
-    from cluster.load_progress import describe, read_load_progress
+    from cluster.runtime.load_progress import describe, read_load_progress
 
     now = time.time()
     by_deployment: dict[str, list[dict[str, Any]]] = {}

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cluster.config import DeploymentConfig, ModelDeployment
-from cluster.placement import PlacementError, check_nodes_can_host
+from cluster.runtime.placement import PlacementError, check_nodes_can_host
 
 Nodes = Mapping[str, Mapping[str, float]]
 

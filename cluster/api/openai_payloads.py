@@ -11,15 +11,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from cluster.api_errors import APIError
-from cluster.openai_models import (
+from cluster.api.api_errors import APIError
+from cluster.api.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
-from cluster.protocol import EmbedRequest, GenerateRequest
-from cluster.tool_parsers import find_tool, named_tool_schema, required_tools_schema
+from cluster.api.protocol import EmbedRequest, GenerateRequest
+from cluster.api.tool_parsers import find_tool, named_tool_schema, required_tools_schema
 
 logger = logging.getLogger("llm_cluster.api")
 

@@ -1,7 +1,7 @@
 """Placement arithmetic for TP x PP workers across Ray nodes, with no Ray call and no torch:
 which bundle slot each rank takes (every TP group on one node), and whether a set of nodes can
-ever hold one TP group per pipeline stage. Used by ``cluster.ray_executor`` once a placement
-group is placed or before it asks for one, and by ``cluster.capacity`` before a deployment.
+ever hold one TP group per pipeline stage. Used by ``cluster.runtime.ray_executor`` once a placement
+group is placed or before it asks for one, and by ``cluster.ops.capacity`` before a deployment.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ import grpc
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
-from cluster.api_errors import APIError, api_error
-from cluster.api_guard import api_key_matches
-from cluster.ingress_calls import guard_stream, model_health
+from cluster.api.api_errors import APIError, api_error
+from cluster.api.api_guard import api_key_matches
+from cluster.api.protocol import GenerateRequest, StreamError, StreamStart, grpc_code_name
 from cluster.proto import llm_pb2
-from cluster.protocol import GenerateRequest, StreamError, StreamStart, grpc_code_name
+from cluster.serving.ingress_calls import guard_stream, model_health
 
 
 def grpc_payload(request: llm_pb2.GenerateRequest) -> GenerateRequest:

@@ -23,7 +23,7 @@ calls a request made when the request is cancelled, and the poll and an abort ar
 request's own. All messages are msgspec; nothing is pickled by this
 project.
 
-A request added with a ``sink`` (the ingress's ``cluster.token_channel``) has its deltas put
+A request added with a ``sink`` (the ingress's ``cluster.serving.token_channel``) has its deltas put
 in that sink's outbox, which the ingress polls the same way: one message per step for all of
 that ingress's requests, instead of one Serve stream item per request per step through the
 replica. Its front, whose stream then carries no tokens, gets only the request's first delta and
@@ -36,8 +36,8 @@ every stream ends with a 503 and the replica's health check fails, so Serve repl
 Start-up has no deadline here: the engine's executor bounds each start-up phase by
 ``LLM_CLUSTER_LOAD_TIMEOUT_S`` and the front waits for ``ready`` as long as that takes (the
 core loop's stall watchdog only times steps). The in-process worker of a TP = PP = 1 head
-publishes its load progress like a worker actor does (``cluster.load_progress``), and the head
-logs the start-up timeline once the engine runs.
+publishes its load progress like a worker actor does (``cluster.runtime.load_progress``), and the
+head logs the start-up timeline once the engine runs.
 """
 
 from __future__ import annotations
@@ -56,9 +56,15 @@ from ray.exceptions import RayError, TaskCancelledError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.head_messages import AddReply, CoreError, PollReply, decode_poll_reply, detached
-from cluster.load_progress import LoadProgressPublisher, ProgressStore
-from cluster.start_errors import EngineStartError, known_start_failure
+from cluster.runtime.load_progress import LoadProgressPublisher, ProgressStore
+from cluster.serving.head_messages import (
+    AddReply,
+    CoreError,
+    PollReply,
+    decode_poll_reply,
+    detached,
+)
+from cluster.serving.start_errors import EngineStartError, known_start_failure
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, OnDead, OnStep
 from engine.core_loop import EngineCoreLoop
