@@ -1,4 +1,5 @@
-"""Imports flow one way: kernels <- parallel <- engine <- cluster; the engine never imports Ray."""
+"""Imports flow one way: kernels <- parallel <- engine <- cluster; the engine never imports Ray.
+Inside cluster: api <- config <- runtime <- serving <- ops <- bench <- cli."""
 
 from __future__ import annotations
 
@@ -33,6 +34,99 @@ def test_lower_layer_never_imports_a_higher_one(package: str) -> None:
         for path in (ROOT / package).rglob("*.py")
     }
     assert {k: v for k, v in bad.items() if v} == {}
+
+
+# Inside ``cluster``, bottom to top: each part imports only from its own layer and those below
+# (the order is written out in cluster/__init__.py and the README's Layout).
+CLUSTER_LAYERS: dict[str, int] = {
+    "api": 0,
+    "proto": 0,
+    "config": 1,
+    "runtime": 2,
+    "serving": 3,
+    "ops": 4,
+    "bench": 5,
+    "cli": 6,
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _cluster_layer(module: str) -> str | None:
+    """The layer of ``cluster.<part>...`` (``cluster.config.X`` is layer config)."""
+    part = module.split(".")[1]
+    return part if part in CLUSTER_LAYERS else None
+
+
+def _imported_cluster_modules(source: str, package: str) -> set[str]:
+    """Every ``cluster...`` name the source of a module in ``package`` imports, at module level
+    or inside a function: ``from cluster import x`` counts as ``cluster.x``, and relative
+    imports are resolved against ``package``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = parts[: len(parts) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.startswith("cluster.")}
+
+
+def _upward_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """The ``cluster`` modules that ``module`` (with this source) imports from above its layer."""
+    own = CLUSTER_LAYERS[_cluster_layer(module) or ""]
+    package = module if is_package else module.rpartition(".")[0]
+    return sorted(
+        name
+        for name in _imported_cluster_modules(source, package)
+        if (layer := _cluster_layer(name)) is not None and CLUSTER_LAYERS[layer] > own
+    )
+
+
+def _cluster_modules() -> dict[str, pathlib.Path]:
+    """Every module under cluster/, by dotted name, but the package's own empty ``__init__``."""
+    paths = (ROOT / "cluster").rglob("*.py")
+    return {_module_name(p): p for p in sorted(paths) if _module_name(p) != "cluster"}
+
+
+def test_every_cluster_module_belongs_to_a_layer() -> None:
+    assert [name for name in _cluster_modules() if _cluster_layer(name) is None] == []
+
+
+@pytest.mark.parametrize("layer", sorted(CLUSTER_LAYERS, key=CLUSTER_LAYERS.__getitem__))
+def test_a_cluster_layer_imports_only_its_own_layer_and_those_below(layer: str) -> None:
+    upward = {
+        str(path.relative_to(ROOT)): _upward_imports(
+            path.read_text(), name, is_package=path.name == "__init__.py"
+        )
+        for name, path in _cluster_modules().items()
+        if _cluster_layer(name) == layer
+    }
+    assert {k: v for k, v in upward.items() if v} == {}
+
+
+def test_the_layer_check_sees_imports_inside_functions_and_relative_ones() -> None:
+    source = (
+        "from cluster.config import load_config\n"
+        "from . import placement\n"
+        "def start():\n"
+        "    from cluster import serving\n"
+        "    from cluster.ops import deploy\n"
+        "    from ..serving.serve import build_app\n"
+    )
+    assert _upward_imports(source, "cluster.runtime.probe") == [
+        "cluster.ops",
+        "cluster.ops.deploy",
+        "cluster.serving",
+        "cluster.serving.serve",
+        "cluster.serving.serve.build_app",
+    ]
 
 
 def test_the_ingress_and_the_cli_import_neither_torch_nor_transformers() -> None:
