@@ -1,7 +1,11 @@
 """A local Ray with Serve for the serving tests: started once per session (lazily, so the CLI
-test's own ``ray start`` cluster never runs beside it), ports from ``free_port``. Modules that start
-their own Ray (``test_ray_*``) must sort before the first module that uses it: the serving
-modules are named ``test_serve_*`` / ``test_soak*``."""
+test's own ``ray start`` cluster never runs beside it), ports from ``free_port``.
+
+Isolation between the tests that start a Ray of their own (``ray.init``, a
+``ray.cluster_utils.Cluster``, ``ray start`` / ``ray stop``) and those sharing the session's
+Ray is explicit, not a matter of file names: ``pytest_collection_modifyitems`` runs every test
+that uses ``serve_cluster`` after all the others, so the shared Ray starts once the last
+module-owned one is gone and nothing stops it before the session ends."""
 
 from __future__ import annotations
 
@@ -15,6 +19,15 @@ import pytest
 import yaml
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests on the session's shared Ray (``serve_cluster``, directly or through another
+    fixture) last, in their collected order; the others keep theirs."""
+    shared = [item for item in items if "serve_cluster" in getattr(item, "fixturenames", ())]
+    if shared:
+        own = [item for item in items if "serve_cluster" not in getattr(item, "fixturenames", ())]
+        items[:] = own + shared
 
 
 def free_port() -> int:
