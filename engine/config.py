@@ -356,7 +356,7 @@ class FrontendConfig:
     """Settings of the serving front, not of the engine core: vLLM's server arguments for tool
     calling, accepted among the engine arguments so that a deployment YAML carries them in
     ``engine_kwargs`` as Ray Serve LLM's does. ``tool_call_parser`` names how the front reads
-    tool calls out of the model's text (``cluster.tool_parsers``, which checks the name);
+    tool calls out of the model's text (``cluster.api.tool_parsers``, which checks the name);
     ``enable_auto_tool_choice`` lets requests use ``tool_choice: "auto"``."""
 
     enable_auto_tool_choice: bool = False

@@ -1,6 +1,6 @@
 """The messages between the engine core (``engine.core_loop``) and its front
 (``engine.async_llm_engine``): msgspec structs with an explicit msgpack codec, so the same
-messages serve a core on a thread and a core in another process (``cluster.head_actor``).
+messages serve a core on a thread and a core in another process (``cluster.serving.head_actor``).
 
     front ── AddRequest ──▶ core          core ── StepOutputs (one per step) ──▶ front
           ◀── AddResult ───                     RequestDelta per request, ChoiceDelta per choice
@@ -31,7 +31,7 @@ class AddRequest(msgspec.Struct, kw_only=True):
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
     # Where the core's host also delivers this request's deltas (a Serve head actor hands them
-    # to that ingress's token channel, ``cluster.head_actor``); the core loop ignores it.
+    # to that ingress's token channel, ``cluster.serving.head_actor``); the core loop ignores it.
     sink: str | None = None
 
 
@@ -63,7 +63,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     embedding: list[float] | None = None
     # Set when this delta stands for several steps' (a head merges a token-channel request's
-    # deltas for its front, ``cluster.head_actor``): each step's end (time.time()) and how many
+    # deltas for its front, ``cluster.serving.head_actor``): each step's end (time.time()) and how many
     # tokens it made, oldest first.
     steps: list[tuple[float, int]] | None = None
 
