@@ -10,8 +10,8 @@ thread of its own, in a busy loop that never waits on an event loop. It trades t
     on_step(StepOutputs) ◀─────────────────    new tokens, text, logprobs, finishes
 
 The same loop runs in-process (``engine.core_client.InProcessCoreClient``) and in the head actor
-of a Serve replica (``cluster.serving.head_actor``), where the ``StepOutputs`` cross a process boundary
-as msgspec bytes: one message per step for all requests, never one per request.
+of a Serve replica (``cluster.serving.head_actor``), where the ``StepOutputs`` cross a process
+boundary as msgspec bytes: one message per step for all requests, never one per request.
 
 Every request is added with ``output_kind=DELTA``: the engine itself hands out only what is
 new (``engine.output_processor``): a choice's text is held back by ``max(len(stop)) - 1``

@@ -63,8 +63,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     embedding: list[float] | None = None
     # Set when this delta stands for several steps' (a head merges a token-channel request's
-    # deltas for its front, ``cluster.serving.head_actor``): each step's end (time.time()) and how many
-    # tokens it made, oldest first.
+    # deltas for its front, ``cluster.serving.head_actor``): each step's end (time.time()) and
+    # how many tokens it made, oldest first.
     steps: list[tuple[float, int]] | None = None
 
     @property
