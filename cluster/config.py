@@ -15,6 +15,9 @@ options and where API keys come from.
 
 Everything is checked before anything is deployed; unknown keys are rejected and every error
 names its key path (``models[0].engine_kwargs.foo: unknown engine argument``).
+
+One role (~575 lines): the deployment YAML's typed tree (frozen dataclasses) and its
+validation, which change together.
 """
 
 from __future__ import annotations

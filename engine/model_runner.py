@@ -19,6 +19,9 @@ A pooling (embedding) request samples nothing. The driver pools its post-norm hi
 ``mean`` adds every chunk's rows to a float32 sum kept in the request's state, counting the
 positions summed so far (``num_pooled``, always a prefix [0, num_pooled): a chunk recomputed
 after a preemption is not summed twice). The vector is returned once the prompt is computed.
+
+One role (~570 lines): one step on one worker, from the step message to the sampled tokens:
+persistent per-request state, packed inputs, forward, sampling.
 """
 
 from __future__ import annotations

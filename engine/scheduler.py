@@ -44,6 +44,9 @@ and its returned tokens are dropped.
 Pooling (embedding) requests are scheduled like any prompt (chunked, mixed with decodes) and
 finish, freeing their blocks, in the step that computes the last prompt token; they sample
 nothing (the workers return their pooled vector instead).
+
+One role (~555 lines): the scheduler's state machine (queues, budgets, preemption, forks,
+batches in flight) as small functions over one set of request states.
 """
 
 from __future__ import annotations

@@ -49,6 +49,11 @@ A local Ray this module started (no ``RAY_ADDRESS``, no cluster on the machine) 
 engine: when a later executor in the process needs more CPUs than it has and no executor of the
 process is alive on it, it is shut down and started again with room (logical CPUs are only
 scheduling tokens here). A Ray the user started or joined is never restarted.
+
+One role (~560 lines): the engine's executor over Ray worker actors: start-up with its
+timeouts, calls, failure and shutdown, and the local Ray it may own; the placement arithmetic
+(``cluster.runtime.placement``) and the step dispatch (``cluster.runtime.step_dispatch``) are
+their own modules.
 """
 
 from __future__ import annotations

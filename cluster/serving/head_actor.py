@@ -38,6 +38,9 @@ Start-up has no deadline here: the engine's executor bounds each start-up phase 
 core loop's stall watchdog only times steps). The in-process worker of a TP = PP = 1 head
 publishes its load progress like a worker actor does (``cluster.runtime.load_progress``), and the
 head logs the start-up timeline once the engine runs.
+
+One role (~540 lines): the head actor and the client the front reaches it through: both sides
+of one process boundary, which change together.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ goes out as soon as the head has the request (after its first delta only when it
 prompt's logprobs); this call still lasts until the request ends, so Serve's routing, queue
 limits and drain see it. ``embed`` returns
 one input's embedding (an ``EmbedResult``) or a ``StreamError`` from the same error table.
+
+One role (~560 lines): the front of one model replica, the Serve deployment's handle methods
+over its engine core.
 """
 
 from __future__ import annotations
