@@ -1,6 +1,6 @@
 """The engine's one frozen root config, built from keyword arguments with vLLM's names.
 
-One role in one file (~600 lines): the config tree and its validation, each section a small
+One role in one file (~620 lines): the config tree and its validation, each section a small
 frozen dataclass; splitting the sections apart would scatter one contract.
 
     EngineConfig

@@ -56,7 +56,7 @@ import itertools
 import logging
 import math
 import sys
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -145,10 +145,11 @@ class Scheduler:
         self.pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
         self.num_swap_outs = 0
-        # Batches the engine may have in flight at once, and how many of them hold each request.
+        # Batches the engine may have in flight at once, and the requests in them (a request
+        # in flight is never scheduled again, so it is in one batch at most).
         self.pipeline_depth = 1
-        self.in_flight: Counter[str] = Counter()
-        self._batch_cap = 0  # requests this batch may still take (pipeline_depth > 1)
+        self.in_flight: set[str] = set()
+        self._batch_cap = 0  # the most requests the batch being scheduled may take
 
     # ---- request lifecycle --------------------------------------------------------------
 
@@ -233,7 +234,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         self._record_copies(out)
         if self.pipeline_depth > 1:
-            self.in_flight.update(out.num_scheduled_tokens.keys())
+            self.in_flight.update(out.num_scheduled_tokens)
         return out
 
     def _requests_per_batch(self) -> int:
@@ -453,11 +454,7 @@ class Scheduler:
         requests that finished.
         """
         pooled = []
-        for rid in out.num_scheduled_tokens:
-            if self.in_flight.get(rid, 0) > 1:
-                self.in_flight[rid] -= 1
-            else:
-                self.in_flight.pop(rid, None)
+        self.in_flight.difference_update(out.num_scheduled_tokens)
         for rid, num in out.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.status is not RequestStatus.RUNNING:

@@ -32,7 +32,7 @@ When the API forces a call (``tool_choice`` naming a function, or ``"required"``
 the output with a JSON schema from :func:`named_tool_schema` or :func:`required_tools_schema`, and
 :class:`NamedToolCallStreamer` / :class:`RequiredToolCallStreamer` read it.
 
-One role (~815 lines): reading tool calls out of generated text, whole and streamed; the two
+One role (~820 lines): reading tool calls out of generated text, whole and streamed; the two
 formats share the JSON scanning, argument checks and streaming state, so they stay together.
 """
 

@@ -1,7 +1,7 @@
 """``cluster bench throughput``: offline throughput of this engine against HF transformers and
 vLLM.
 
-One role, kept in one file (~600 lines): the workload, the bench checkpoint, each system's
+One role, kept in one file (~670 lines): the workload, the bench checkpoint, each system's
 runner and the report all serve this one measurement and change together.
 
 Workload as in vLLM's and nano-vllm's throughput benchmarks: N prompts of random token ids,
