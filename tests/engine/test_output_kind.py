@@ -114,7 +114,8 @@ def test_async_generate_follows_output_kind() -> None:
     assert len(final) == 1 and final[0].outputs[0].token_ids == whole.token_ids
     assert [t for d in deltas for c in d.outputs for t in c.token_ids] == whole.token_ids
     assert "".join(c.text for d in deltas for c in d.outputs) == whole.text
-    assert all(len(c.token_ids) <= 2 for d in deltas for c in d.outputs)
+    # Items that pile up while the consumer is busy are merged, so an item may hold several
+    # steps' tokens; each token still comes exactly once (the two checks above).
 
 
 def test_per_step_output_of_a_long_request_does_not_grow_with_its_length() -> None:
