@@ -118,11 +118,12 @@ def test_deploy_names_the_shortfall_at_once_and_clears_it_when_a_node_joins() ->
         initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
     )
     lines: list[str] = []
+    # TP 2 x PP 2 on CPU: 2 stages of 2 CPUs; the nodes hold one such TP group.
+    config = _config(device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2)
+    thread: threading.Thread | None = None
     try:
         cluster.add_node(num_cpus=1)
         ray.init(address=cluster.address, log_to_driver=False)
-        # TP 2 x PP 2 on CPU: 2 stages of 2 CPUs; the nodes hold one such TP group.
-        config = _config(device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2)
         started = time.monotonic()
 
         def run() -> None:
@@ -141,7 +142,13 @@ def test_deploy_names_the_shortfall_at_once_and_clears_it_when_a_node_joins() ->
         cluster.add_node(num_cpus=3)  # a second TP group, and 6 CPUs for the whole replica
         _wait_for(lambda: any("can now hold a replica" in line for line in lines), 60)
     finally:
+        # Remove the app first and let deploy's loop end on it: a Serve call from that thread
+        # after ray.shutdown() would connect the driver again and block the cluster's shutdown.
         if ray.is_initialized():
+            with contextlib.suppress(Exception):
+                serve.delete(config.app_name)
+            if thread is not None:
+                thread.join(60)
             serve.shutdown()
             ray.shutdown()
         cluster.shutdown()
