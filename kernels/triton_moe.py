@@ -191,7 +191,9 @@ def fused_moe_triton(
     auto_m, block_n, block_k = moe_block_sizes(num_pairs, num_experts)
     align = moe_align_block_size(ids, num_experts, block_m or auto_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    gate_up = torch.empty(num_pairs, 2 * intermediate, dtype=x.dtype, device=x.device)
+    # Pairs on other ranks are never written by GEMM 1: zeros keep the activation finite.
+    alloc = torch.empty if expert_map is None else torch.zeros
+    gate_up = alloc(num_pairs, 2 * intermediate, dtype=x.dtype, device=x.device)
     _launch_gemm(gate_up, x, w13, weights, align, top_k, False, block_n, block_k)
     activated = silu_and_mul(gate_up)
     down = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)

@@ -5,15 +5,18 @@ top-k 2 and 4; the block alignment's invariants; expert parallelism through ``ex
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import triton_moe
+from kernels import triton_moe, triton_ops
 from kernels.moe import fused_moe, moe_torch
+from kernels.triton_attention import interpreter_enabled
 from kernels.triton_moe import fused_moe_triton, moe_align_block_size
+from tests.kernels.triton_aot import AotCompiler, compile_job, record_launches
 
 # fp32: ieee dots, only the summation order differs. bf16: GEMM-1 and SiLU outputs round to
 # bf16 in both paths, and the interpreter truncates float32 -> bf16 where torch rounds, so
@@ -258,3 +261,47 @@ def test_gpu_fused_moe_matches_torch_at_qwen3_moe_sizes(num_tokens):
     args = (x, w13.bfloat16(), w2.bfloat16(), weights, ids)
     got = fused_moe(*args)
     torch.testing.assert_close(got.float(), moe_torch(*args).float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.fixture(scope="module")
+def aot_compiler() -> Iterator[AotCompiler]:
+    compiler = AotCompiler()
+    yield compiler
+    compiler.close()
+
+
+# A wrapper whose launches are recorded, not run, feeds the next launch unwritten memory.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize(
+    ("dtype", "num_tokens"),
+    [(torch.bfloat16, 1), (torch.bfloat16, 3000), (torch.float32, 200)],
+    ids=["decode-bf16-block-m-16", "prefill-bf16-block-m-64", "fp32-block-m-32"],
+)
+def test_fused_moe_kernels_compile_for_sm90(monkeypatch, aot_compiler, dtype, num_tokens):
+    """Mixtral-like expert shapes (E 8, top-2, H 1024, I 896: a K tail in GEMM 2), compiled
+    ahead of time with the wrapper's own block sizes, as tests/kernels/test_triton_compile.py
+    does for the other kernels (the interpreter accepts code the real compiler rejects)."""
+    device = "cpu" if interpreter_enabled() else "cuda"
+    num_experts, hidden, inter = 8, 1024, 896
+    x = torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
+    w13 = torch.zeros(num_experts, 2 * inter, hidden, dtype=dtype, device=device)
+    w2 = torch.zeros(num_experts, hidden, inter, dtype=dtype, device=device)
+    logits = torch.randn(num_tokens, num_experts, device=device)
+    args = (x, w13, w2, *_route(logits, 2))
+    launches = record_launches(
+        monkeypatch, (triton_moe, triton_ops), lambda: fused_moe(*args, backend="triton")
+    )
+    assert [launch.kernel for launch in launches] == [
+        "_moe_gemm_kernel",
+        "_act_and_mul_kernel",
+        "_moe_gemm_kernel",
+    ]
+    for launch in launches:
+        if "DOT_UPCAST" in launch.args:  # an interpreter-only upcast; a GPU launch never has it
+            launch.args["DOT_UPCAST"] = False
+        answer = aot_compiler.compile(compile_job(launch, 90))
+        assert "error" not in answer, answer.get("error")
+        assert ".target sm_90" in answer["ptx"] and answer["cubin_size"] > 0
+        assert answer["stack_bytes"] == 0, f"{launch.kernel} spills registers"
+        if launch.kernel == "_moe_gemm_kernel" and dtype == torch.bfloat16:
+            assert "mma" in answer["ptx"], "bf16 expert GEMMs should run on tensor cores"
