@@ -27,9 +27,12 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 # The activation field each family's HF code reads, and the values the engine computes.
@@ -39,6 +42,19 @@ _ACTIVATION_FIELD = {
 }
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("gelu_pytorch_tanh", "silu")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES: tuple[str, ...] = ("MixtralForCausalLM", *_QWEN_MOE)
+# Router options of other MoE families (DeepSeek's grouped, scaled or sigmoid routing) that
+# none of these families' HF code implements: a checkpoint that sets one to anything but the
+# plain softmax top-k expects routing that would be served wrong, so it is refused by name.
+_FOREIGN_ROUTER_FIELDS: dict[str, tuple[Any, ...]] = {
+    "scoring_func": ("softmax",),
+    "topk_method": ("greedy",),
+    "routed_scaling_factor": (1, 1.0),
+    "n_group": (1,),
+    "topk_group": (1,),
+    "n_shared_experts": (0,),
+}
 
 
 def architecture(hf: dict[str, Any]) -> str:
@@ -77,6 +93,9 @@ def check_hf_config(hf: dict[str, Any]) -> None:
             "use_bidirectional_attention: true is not supported (causal decoding only)"
         )
     window = hf.get("sliding_window")
+    # Qwen2-MoE's config writes a window of 0 when use_sliding_window is off (it means none).
+    if arch in _QWEN_MOE and not hf.get("use_sliding_window"):
+        window = None
     if window is not None and (
         not isinstance(window, int) or isinstance(window, bool) or window <= 0
     ):
@@ -104,6 +123,79 @@ def check_hf_config(hf: dict[str, Any]) -> None:
             if hf.get(key) is not None:
                 raise ConfigError(f"{key}: {arch} does not soft-cap logits, got {hf[key]!r}")
     check_rope(hf)
+    if arch in MOE_ARCHITECTURES:
+        check_moe(hf)
+
+
+def _positive_int(hf: dict[str, Any], key: str) -> int:
+    value = hf.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{key}: must be a positive integer, got {value!r}")
+    return value
+
+
+def check_moe(hf: dict[str, Any]) -> None:
+    """The MoE fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config: counts in range, and no
+    router option these families do not route with."""
+    arch = architecture(hf)
+    key = "num_local_experts" if arch == "MixtralForCausalLM" else "num_experts"
+    experts = num_experts(hf)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
+        raise ConfigError(f"{key}: must be a positive integer, got {experts!r}")
+    top_k = _positive_int(hf, "num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError(f"num_experts_per_tok: {top_k} is more than the {experts} experts")
+    moe_key = "intermediate_size" if arch == "MixtralForCausalLM" else "moe_intermediate_size"
+    _positive_int(hf, moe_key)
+    for field, allowed in _FOREIGN_ROUTER_FIELDS.items():
+        value = hf.get(field)
+        if value is not None and value not in allowed:
+            raise ConfigError(
+                f"{field}: {value!r} is not supported ({arch} routes by softmax top-k; "
+                f"allowed: {', '.join(repr(a) for a in allowed)} or unset)"
+            )
+    if arch not in _QWEN_MOE:
+        return
+    if hf.get("use_sliding_window"):
+        raise ConfigError(f"use_sliding_window: true is not supported for {arch} yet")
+    if "decoder_sparse_step" in hf:
+        _positive_int(hf, "decoder_sparse_step")
+    only = hf.get("mlp_only_layers") or []
+    layers = hf["num_hidden_layers"]
+    if not isinstance(only, list) or any(
+        not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers for i in only
+    ):
+        raise ConfigError(f"mlp_only_layers: must be layer indices in [0, {layers}), got {only!r}")
+    if arch == "Qwen2MoeForCausalLM":
+        _positive_int(hf, "shared_expert_intermediate_size")
+
+
+def num_experts(hf: dict[str, Any]) -> int:
+    """Routed experts per sparse layer: ``num_experts`` (Qwen2/3-MoE) or ``num_local_experts``
+    (Mixtral; transformers also writes Qwen3-MoE's under this name)."""
+    value = hf.get("num_experts")
+    return value if value is not None else hf.get("num_local_experts", 0)
+
+
+def moe_intermediate_size(hf: dict[str, Any]) -> int:
+    """Each routed expert's intermediate size (Mixtral's experts use ``intermediate_size``)."""
+    if architecture(hf) == "MixtralForCausalLM":
+        return int(hf["intermediate_size"])
+    return int(hf["moe_intermediate_size"])
+
+
+def is_sparse_layer(hf: dict[str, Any], layer: int) -> bool:
+    """Whether decoder layer ``layer`` holds the MoE block (else a dense MLP): every layer of
+    Mixtral; for Qwen2/3-MoE HF's rule — not in ``mlp_only_layers``, and every
+    ``decoder_sparse_step``-th layer (1-based) when there are experts at all."""
+    arch = architecture(hf)
+    if arch == "MixtralForCausalLM":
+        return True
+    if arch not in _QWEN_MOE:
+        return False
+    step = int(hf.get("decoder_sparse_step") or 1)
+    only = hf.get("mlp_only_layers") or []
+    return layer not in only and num_experts(hf) > 0 and (layer + 1) % step == 0
 
 
 def hidden_activation(hf: dict[str, Any]) -> str:
@@ -121,7 +213,9 @@ def sliding_window(hf: dict[str, Any]) -> int | None:
         return None
     arch = architecture(hf)
     # Qwen2/Qwen3 configs carry a window that is used only with use_sliding_window.
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", *_QWEN_MOE) and not hf.get(
+        "use_sliding_window"
+    ):
         return None
     return int(window)
 

@@ -131,6 +131,20 @@ def _packed_target(name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, 
     return name, None
 
 
+def _target_of(model: nn.Module) -> Callable[[str], tuple[str, Any]]:
+    """Checkpoint name -> (parameter name, part): the model's ``checkpoint_target`` first (an
+    MoE model's per-expert tensors go into slots of stacked parameters), then its
+    ``packed_modules_mapping``."""
+    packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
+    special = getattr(model, "checkpoint_target", None)
+
+    def target(name: str) -> tuple[str, Any]:
+        mapped = special(name) if special is not None else None
+        return mapped if mapped is not None else _packed_target(name, packed)
+
+    return target
+
+
 def whole_model_parameters(
     model_class: type[nn.Module], hf_config: dict[str, Any]
 ) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
@@ -173,8 +187,11 @@ def _missing_parameters(
     params: dict[str, nn.Parameter],
     loaded: dict[str, set[Any]],
     packed: dict[str, tuple[str, Any]],
+    expected_parts: Callable[[str], frozenset[Any] | None] | None = None,
 ) -> list[str]:
-    """Parameters nothing was loaded into, and fused ones with a part left unloaded."""
+    """Parameters nothing was loaded into, and fused ones with a part left unloaded
+    (``expected_parts`` names a parameter's parts where ``packed`` does not: an MoE model's
+    stacked experts)."""
     missing = []
     for name in params:
         got = loaded.get(name)
@@ -183,7 +200,9 @@ def _missing_parameters(
             continue
         if None in got:
             continue  # loaded whole (an unfused tensor, or a fused one stored fused)
-        parts = {part for fused, part in packed.values() if f".{fused}." in name}
+        parts = expected_parts(name) if expected_parts is not None else None
+        if parts is None:
+            parts = {part for fused, part in packed.values() if f".{fused}." in name}
         missing.extend(f"{name} (part {p!r})" for p in sorted(parts - got, key=str))
     return missing
 
@@ -226,6 +245,7 @@ def load_weights(
     whole, tied = whole_model_parameters(type(model), hf)
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
+    target_of = _target_of(model)
     aliases_of = getattr(model, "checkpoint_aliases", lambda n: ())
     loaded: dict[str, set[Any]] = {}
     unknown: list[str] = []
@@ -233,7 +253,7 @@ def load_weights(
         if name.endswith(_UNUSED_CHECKPOINT_TENSORS):
             continue
         _check_dtype(name, tensor)
-        target, shard_id = _packed_target(name, packed)
+        target, shard_id = target_of(name)
         if target not in whole:
             unknown.append(name)
             continue
@@ -246,7 +266,7 @@ def load_weights(
             _check_tied_copy(name, tensor, whole[target])
             continue
         for alias in (name, *aliases_of(name)):
-            dest, part = (target, shard_id) if alias == name else _packed_target(alias, packed)
+            dest, part = (target, shard_id) if alias == name else target_of(alias)
             param = params.get(dest)
             if param is None:
                 continue  # a parameter of another pipeline stage
@@ -254,7 +274,7 @@ def load_weights(
             loaded.setdefault(dest, set()).add(part)
     if unknown:
         raise _not_parameters_error(unknown, type(model).__name__, hf)
-    missing = _missing_parameters(params, loaded, packed)
+    missing = _missing_parameters(params, loaded, packed, getattr(model, "checkpoint_parts", None))
     if missing:
         raise ValueError(
             f"model: checkpoint lacks {len(missing)} parameters, e.g. {missing[:_MAX_NAMED]}"
@@ -270,15 +290,15 @@ def rank_read_bytes(
     Summed, the weight bytes this rank goes through; every tensor's at TP = PP = 1."""
     whole, tied = whole_model_parameters(type(model), hf_config)
     params = dict(model.named_parameters())
-    packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
+    target_of = _target_of(model)
     aliases_of = getattr(model, "checkpoint_aliases", lambda n: ())
     shares: dict[str, int] = {}
     for name, nbytes in tensor_bytes.items():
-        target, _ = _packed_target(name, packed)
+        target, _ = target_of(name)
         share = 0.0
         if not name.endswith(_UNUSED_CHECKPOINT_TENSORS) and target in whole and target not in tied:
             for alias in (name, *aliases_of(name)):
-                dest = target if alias == name else _packed_target(alias, packed)[0]
+                dest = target if alias == name else target_of(alias)[0]
                 if dest in params:
                     share = max(share, params[dest].numel() / math.prod(whole[dest]))
         shares[name] = round(nbytes * min(share, 1.0))

@@ -237,7 +237,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_shard W_shard^T) + b with W split by input columns; bias added once."""
+    """y = all_reduce(x_shard W_shard^T) + b with W split by input columns; bias added once.
+    ``reduce_results=False`` returns the rank's partial sum (no bias) for a caller that adds
+    other partial sums first and all-reduces once (an MoE layer's shared expert)."""
 
     def __init__(
         self,
@@ -246,9 +248,13 @@ class RowParallelLinear(nn.Module):
         *,
         bias: bool = False,
         tp: GroupCoordinator = SINGLE,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
+        if bias and not reduce_results:
+            raise ValueError("bias: a RowParallelLinear without reduce_results cannot add a bias")
         self.tp = tp
+        self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, tp.size, "input size")
         self.weight = _param(output_size, self.input_size_per_partition)
         self.weight.weight_loader = self.weight_loader
@@ -274,6 +280,8 @@ class RowParallelLinear(nn.Module):
         if self.lora is not None:
             # This rank's share of the delta joins the partial sum the all-reduce adds up.
             self.lora.add_delta(x, y)
+        if not self.reduce_results:
+            return y
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 

@@ -115,8 +115,21 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
+def act_and_mul(hf: dict[str, Any], ops: KernelOps) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``act(gate) * up`` of the config's activation, for ``x = [gate | up]``."""
+    act = hf_config.hidden_activation(hf)
+    if act == "silu":
+        return ops.silu_and_mul
+    if act == "gelu_pytorch_tanh":
+        return ops.gelu_tanh_and_mul
+    supported = ", ".join(hf_config.SUPPORTED_ACTIVATIONS)
+    raise ValueError(f"hidden_act: {act!r} is not supported ({supported})")
+
+
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with gate and up fused into one column-parallel matmul."""
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one column-parallel matmul;
+    ``intermediate_size`` overrides the config's (an MoE model's dense layers and shared
+    expert), ``reduce_results=False`` leaves the output a partial sum (see RowParallelLinear)."""
 
     def __init__(
         self,
@@ -125,19 +138,17 @@ class GatedMLP(nn.Module):
         ops: KernelOps,
         *,
         bias: bool = False,
+        intermediate_size: int | None = None,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
-        hidden, inter = hf["hidden_size"], hf["intermediate_size"]
-        act = hf_config.hidden_activation(hf)
-        if act == "silu":
-            self.act_and_mul = ops.silu_and_mul
-        elif act == "gelu_pytorch_tanh":
-            self.act_and_mul = ops.gelu_tanh_and_mul
-        else:
-            supported = ", ".join(hf_config.SUPPORTED_ACTIVATIONS)
-            raise ValueError(f"hidden_act: {act!r} is not supported ({supported})")
+        hidden = hf["hidden_size"]
+        inter = intermediate_size if intermediate_size is not None else hf["intermediate_size"]
+        self.act_and_mul = act_and_mul(hf, ops)
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias, tp=ctx.tp)
-        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, tp=ctx.tp)
+        self.down_proj = RowParallelLinear(
+            inter, hidden, bias=bias, tp=ctx.tp, reduce_results=reduce_results
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
