@@ -46,7 +46,8 @@ def fused_moe(
         w2: ``[E, H, I]`` down projections, x's dtype.
         topk_weights: ``[T, K]`` routing weights (any float dtype; applied in float32).
         topk_ids: ``[T, K]`` integer expert ids in ``[0, E)``, or in ``[0, len(expert_map))``
-            with ``expert_map``. A token may list one expert twice; each pair counts.
+            with ``expert_map``; a negative id adds nothing. A token may list one expert twice;
+            each pair counts. Ids are range-checked on the torch path only (no device sync).
         expert_map: optional ``[E_global]`` integer tensor mapping a global expert id to its
             index in ``w13``/``w2``, or -1 where the expert lives on another rank (expert
             parallelism): such pairs add nothing here.

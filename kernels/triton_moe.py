@@ -56,7 +56,7 @@ def _moe_gemm_kernel(
     stride_be,
     stride_bn,
     stride_cm,
-    A_ROWS_PER_PAIR_DIV: tl.constexpr,
+    PAIRS_PER_A_ROW: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -64,7 +64,7 @@ def _moe_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
-    """c[p, n] = (w[p] *) sum_k a[p // A_ROWS_PER_PAIR_DIV, k] * b[expert(p), n, k]."""
+    """c[p, n] = (w[p] *) sum_k a[p // PAIRS_PER_A_ROW, k] * b[expert(p), n, k]."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
@@ -77,7 +77,7 @@ def _moe_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (pairs // A_ROWS_PER_PAIR_DIV)[:, None] * stride_am + offs_k[None, :]
+    a_ptrs = a_ptr + (pairs // PAIRS_PER_A_ROW)[:, None] * stride_am + offs_k[None, :]
     # b is [N, K] with unit K stride, read as a [BLOCK_K, BLOCK_N] tile (b transposed).
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -207,12 +207,12 @@ def _launch_gemm(
     b: Tensor,
     weights: Tensor,
     align: MoeAlignment,
-    a_rows_per_pair_div: int,
+    pairs_per_a_row: int,
     mul_routed_weight: bool,
     block_n: int,
     block_k: int,
 ) -> None:
-    """c[p] = (weights[p] *) b[expert(p)] @ a[p // a_rows_per_pair_div] for the aligned pairs."""
+    """c[p] = (weights[p] *) b[expert(p)] @ a[p // pairs_per_a_row] for the aligned pairs."""
     n, k = b.shape[1], b.shape[2]
     grid = (align.block_expert_ids.shape[0], triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
@@ -230,7 +230,7 @@ def _launch_gemm(
         b.stride(0),
         b.stride(1),
         c.stride(0),
-        A_ROWS_PER_PAIR_DIV=a_rows_per_pair_div,
+        PAIRS_PER_A_ROW=pairs_per_a_row,
         MUL_ROUTED_WEIGHT=mul_routed_weight,
         BLOCK_M=align.block_m,
         BLOCK_N=block_n,
