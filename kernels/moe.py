@@ -9,6 +9,11 @@ MLP whose gate and up projections are stacked in one weight::
     out[t]  = sum_k topk_weights[t, k] * w2[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),
               e = topk_ids[t, k]
 
+Under tensor parallelism a rank holds a slice of every expert's intermediate dimension
+(``w13 = [gate slice; up slice]``, ``w2[:, :, slice]``) and the ranks' outputs sum (one
+all-reduce); under expert parallelism ``expert_map`` says which experts are local and the
+ranks' outputs sum likewise.
+
 The torch path groups the pairs by expert (one sort) and runs one GEMM per *active* expert, so
 its cost follows the tokens routed, not tokens x experts. Nothing here imports Triton: a CPU
 engine never needs it.

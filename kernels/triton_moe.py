@@ -28,6 +28,8 @@ kernels/triton_attention.py (the interpreter's low-precision dots are wrong in t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -98,6 +100,7 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & n_valid[None, :])
 
 
+@dataclass(frozen=True)
 class MoeAlignment:
     """Pairs sorted by expert, each expert's run padded to a multiple of ``block_m``.
 
@@ -106,17 +109,10 @@ class MoeAlignment:
     spare blocks past the end); ``num_tokens_post_padded [1]`` int32: the padded length used.
     """
 
-    def __init__(
-        self,
-        sorted_pair_ids: Tensor,
-        block_expert_ids: Tensor,
-        num_tokens_post_padded: Tensor,
-        block_m: int,
-    ) -> None:
-        self.sorted_pair_ids = sorted_pair_ids
-        self.block_expert_ids = block_expert_ids
-        self.num_tokens_post_padded = num_tokens_post_padded
-        self.block_m = block_m
+    sorted_pair_ids: Tensor
+    block_expert_ids: Tensor
+    num_tokens_post_padded: Tensor
+    block_m: int
 
 
 def moe_align_block_size(expert_ids: Tensor, num_experts: int, block_m: int) -> MoeAlignment:

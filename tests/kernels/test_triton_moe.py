@@ -199,6 +199,20 @@ def test_expert_parallel_halves_sum_to_the_whole(backend):
     _close(parts, whole, torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tensor_parallel_intermediate_slices_sum_to_the_whole(backend):
+    """Two ranks each holding half of every expert's intermediate dim add up to one rank."""
+    case = _case(11, 8, 2, torch.float32, _random_logits(11, 8))
+    whole = moe_torch(*case.args())
+    gate, up = case.w13.chunk(2, dim=1)
+    parts = torch.zeros_like(whole)
+    for shard in (slice(0, INTERMEDIATE // 2), slice(INTERMEDIATE // 2, INTERMEDIATE)):
+        w13 = torch.cat([gate[:, shard], up[:, shard]], dim=1)
+        w2 = case.w2[:, :, shard]
+        parts += fused_moe(case.x, w13, w2, case.topk_weights, case.topk_ids, backend=backend)
+    _close(parts, whole, torch.float32)
+
+
 def test_fused_moe_on_cpu_tensors_takes_the_torch_path(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the Triton path ran for CPU tensors")
