@@ -128,7 +128,9 @@ def moe_align_block_size(expert_ids: Tensor, num_experts: int, block_m: int) -> 
     capacity = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
     # Pairs for other ranks count in bin E, which gets no blocks; they sort after all experts.
     ids = torch.where(ids < 0, num_experts, ids)
-    counts = torch.bincount(ids, minlength=num_experts + 1)[: num_experts + 1]
+    # scatter_add, not bincount: CUDA's bincount reads the max id back to the host.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))
     padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     run_start = torch.cumsum(counts, 0) - counts
@@ -178,10 +180,11 @@ def fused_moe_triton(
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, intermediate = w2.shape
-    out = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
-        return out
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+        return torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    # The kernel takes any row and expert strides; only the reduced (last) dim must be dense,
+    # so a TP slice w2[:, :, shard] is used in place.
+    x, w13, w2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, w13, w2))
     ids = local_expert_ids(topk_ids, expert_map, num_experts)
     num_pairs = ids.numel()
     auto_m, block_n, block_k = moe_block_sizes(num_pairs, num_experts)
