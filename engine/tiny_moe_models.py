@@ -171,7 +171,7 @@ def make_random_qwen3_moe(
     max_position_embeddings: int = 4096,
     seed: int = 0,
 ) -> Path:
-    """A random-weight ``Qwen3MoeForCausalLM`` for benchmarks: at the defaults ~0.6 B
+    """A random-weight ``Qwen3MoeForCausalLM`` for benchmarks: at the defaults ~0.55 B
     parameters in all (16 experts of 3 x 1024 x 768 per layer, 12 layers, a 32000-token
     vocabulary), ~0.2 B active per token (top-4). Built only on request (minutes, ~2.5 GiB of
     float32 while it is written)."""

@@ -29,7 +29,7 @@ from engine.tiny_models import resolve_model_source
 from engine.tiny_moe_models import TINY_MOE_MODEL_NAMES
 from kernels.ops import silu_and_mul
 from parallel.moe import grouped_experts
-from parallel.state import ParallelContext
+from parallel.state import GroupCoordinator, ParallelContext
 from tests.engine.test_correctness import (
     SETTINGS,
     _assert_all_blocks_released,
@@ -195,6 +195,38 @@ def test_qwen_routing_weights_are_applied_in_the_model_dtype() -> None:
     got = block(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CountingGroup(GroupCoordinator):
+    """Rank 0 of a TP group of 2 whose all-reduce only counts its calls."""
+
+    calls: list[int] = dataclasses.field(default_factory=list)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        return x
+
+
+def test_moe_layer_with_shared_expert_all_reduces_once_per_forward() -> None:
+    hf = _config("tiny-qwen2-moe")
+    tp = _CountingGroup(rank=0, size=2, ranks=(0, 1))
+    block = SparseMoeBlock(
+        hf,
+        ParallelContext(tp=tp),
+        _torch_ops(),
+        renormalize=False,
+        shared_expert_intermediate_size=96,
+    )
+    # Each rank holds half of every expert's and the shared expert's intermediate dimension.
+    assert tuple(block.experts.gate_up_proj.shape) == (8, 32, 64)
+    assert tuple(block.experts.down_proj.shape) == (8, 64, 16)
+    assert tuple(block.shared_expert.down_proj.weight.shape) == (64, 48)
+    assert tuple(block.shared_expert_gate.weight.shape) == (1, 64)
+    for p in block.parameters():
+        p.data.normal_(0, 0.2)
+    block(torch.randn(7, 64))
+    assert tp.calls == [7]
 
 
 def _torch_ops() -> Any:
