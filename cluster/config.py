@@ -36,6 +36,14 @@ import yaml
 
 from cluster.api.tool_parsers import TOOL_PARSERS
 from engine.errors import ConfigError
+from engine.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_str,
+    require,
+)
 
 Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
 RequestRouterName = Literal["prefix_aware", "pow2"]
@@ -77,26 +85,28 @@ class AutoscalingConfig:
     target_kv_usage: float = 0.85  # engine policy: mean fraction of KV blocks in use
 
     def check(self, path: str) -> None:
-        _check(self.min_replicas >= 0, f"{path}.min_replicas", "must be >= 0")
-        _check(
-            self.max_replicas >= max(1, self.min_replicas),
-            f"{path}.max_replicas",
-            f"must be >= max(1, min_replicas = {self.min_replicas}), got {self.max_replicas}",
+        low = self.min_replicas
+        check_int(low, f"{path}.min_replicas", ge=0)
+        # Named only when it is the bound: max_replicas is at least 1 whatever min_replicas is.
+        high = self.max_replicas
+        note = "min_replicas" if low > 1 else ""
+        check_int(high, f"{path}.max_replicas", ge=max(1, low), note=note)
+        check_int(
+            self.initial_replicas,
+            f"{path}.initial_replicas",
+            ge=low,
+            le=high,
+            note="min_replicas, max_replicas",
+            optional=True,
         )
-        if self.initial_replicas is not None:
-            _check(
-                self.min_replicas <= self.initial_replicas <= self.max_replicas,
-                f"{path}.initial_replicas",
-                f"must be in [{self.min_replicas}, {self.max_replicas}]",
-            )
-        for name in ("target_ongoing_requests", "look_back_period_s", "metrics_interval_s"):
-            value = getattr(self, name)
-            _check(value is None or value > 0, f"{path}.{name}", "must be > 0")
-        for name in ("upscale_delay_s", "downscale_delay_s", "downscale_to_zero_delay_s"):
-            value = getattr(self, name)
-            _check(value is None or value >= 0, f"{path}.{name}", "must be >= 0")
-        _check(self.target_num_waiting > 0, f"{path}.target_num_waiting", "must be > 0")
-        _check(0 < self.target_kv_usage <= 1, f"{path}.target_kv_usage", "must be in (0, 1]")
+        for name in ("target_ongoing_requests", "look_back_period_s", "target_num_waiting"):
+            check_number(getattr(self, name), f"{path}.{name}", gt=0)
+        check_number(self.metrics_interval_s, f"{path}.metrics_interval_s", gt=0, optional=True)
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            check_number(getattr(self, name), f"{path}.{name}", ge=0)
+        name = "downscale_to_zero_delay_s"
+        check_number(getattr(self, name), f"{path}.{name}", ge=0, optional=True)
+        check_number(self.target_kv_usage, f"{path}.target_kv_usage", gt=0, le=1)
 
     def serve_options(self) -> dict[str, Any]:
         """Serve's ``autoscaling_config``: its own keys, and the engine policy with its targets
@@ -140,13 +150,12 @@ class PrefixRouterConfig:
     routing_stats_period_s: float = 1.0  # how often replicas report queue / KV usage
 
     def check(self, path: str) -> None:
-        _check(self.chunk_chars >= 1, f"{path}.chunk_chars", "must be >= 1")
-        _check(self.max_chunks_per_replica >= 1, f"{path}.max_chunks_per_replica", "must be >= 1")
-        _check(self.balance_abs_threshold >= 0, f"{path}.balance_abs_threshold", "must be >= 0")
-        _check(self.balance_rel_threshold >= 1, f"{path}.balance_rel_threshold", "must be >= 1")
-        _check(0 <= self.min_match_fraction <= 1, f"{path}.min_match_fraction",
-               "must be in [0, 1]")  # fmt: skip
-        _check(self.routing_stats_period_s > 0, f"{path}.routing_stats_period_s", "must be > 0")
+        check_int(self.chunk_chars, f"{path}.chunk_chars", ge=1)
+        check_int(self.max_chunks_per_replica, f"{path}.max_chunks_per_replica", ge=1)
+        check_int(self.balance_abs_threshold, f"{path}.balance_abs_threshold", ge=0)
+        check_number(self.balance_rel_threshold, f"{path}.balance_rel_threshold", ge=1)
+        check_number(self.min_match_fraction, f"{path}.min_match_fraction", ge=0, le=1)
+        check_number(self.routing_stats_period_s, f"{path}.routing_stats_period_s", gt=0)
 
     def router_kwargs(self) -> dict[str, Any]:
         kwargs = dataclasses.asdict(self)
@@ -195,26 +204,23 @@ class ServeDeploymentConfig:
         return "prefix_aware" if self.max_replicas > 1 else "pow2"
 
     def check(self, path: str) -> None:
-        _check(
+        require(
             self.num_replicas is None or self.autoscaling_config is None,
             f"{path}.num_replicas",
             "cannot be set together with autoscaling_config",
         )
-        if self.num_replicas is not None:
-            _check(self.num_replicas >= 1, f"{path}.num_replicas", "must be >= 1")
+        check_int(self.num_replicas, f"{path}.num_replicas", ge=1, optional=True)
         if self.autoscaling_config is not None:
             self.autoscaling_config.check(f"{path}.autoscaling_config")
-        _check(self.max_ongoing_requests >= 1, f"{path}.max_ongoing_requests", "must be >= 1")
-        _check(
-            self.max_queued_requests == -1 or self.max_queued_requests >= 0,
-            f"{path}.max_queued_requests",
-            "must be -1 (unbounded) or >= 0",
+        check_int(self.max_ongoing_requests, f"{path}.max_ongoing_requests", ge=1)
+        # -1 is the one negative value allowed: no bound on the queue.
+        check_int(
+            self.max_queued_requests, f"{path}.max_queued_requests", ge=-1, note="-1: unbounded"
         )
         for name in ("health_check_period_s", "health_check_timeout_s",
-                     "graceful_shutdown_timeout_s"):  # fmt: skip
-            _check(getattr(self, name) > 0, f"{path}.{name}", "must be > 0")
+                     "graceful_shutdown_timeout_s", "cold_start_timeout_s"):  # fmt: skip
+            check_number(getattr(self, name), f"{path}.{name}", gt=0)
         self.prefix_router.check(f"{path}.prefix_router")
-        _check(self.cold_start_timeout_s > 0, f"{path}.cold_start_timeout_s", "must be > 0")
 
     def request_router_config(self) -> dict[str, Any]:
         """Serve's ``request_router_config`` for this model."""
@@ -260,18 +266,13 @@ class LoraConfig:
 
     def check(self, path: str) -> None:
         where = self.dynamic_lora_loading_path
-        _check(bool(where), f"{path}.dynamic_lora_loading_path", "must be a directory")
-        _check(
+        check_str(where, f"{path}.dynamic_lora_loading_path", non_empty=True, note="a directory")
+        require(
             "://" not in where,
             f"{path}.dynamic_lora_loading_path",
-            f"only local or mounted directories are supported, got {where!r}",
+            f"must be a local or mounted directory, got {where!r}",
         )
-        _check(
-            isinstance(self.max_num_adapters_per_replica, int)
-            and self.max_num_adapters_per_replica >= 1,
-            f"{path}.max_num_adapters_per_replica",
-            f"must be an integer >= 1, got {self.max_num_adapters_per_replica!r}",
-        )
+        check_int(self.max_num_adapters_per_replica, f"{path}.max_num_adapters_per_replica", ge=1)
 
 
 @dataclass(frozen=True)
@@ -360,8 +361,8 @@ class HTTPOptions:
     request_timeout_s: float | None = None
 
     def check(self, path: str) -> None:
-        _check(0 <= self.port <= 65535, f"{path}.port", "must be in [0, 65535]")
-        _check(self.max_body_bytes >= 1024, f"{path}.max_body_bytes", "must be >= 1024")
+        check_int(self.port, f"{path}.port", ge=0, le=65535)
+        check_int(self.max_body_bytes, f"{path}.max_body_bytes", ge=1024)
 
 
 @dataclass(frozen=True)
@@ -369,7 +370,7 @@ class GRPCOptions:
     port: int = 9000
 
     def check(self, path: str) -> None:
-        _check(0 <= self.port <= 65535, f"{path}.port", "must be in [0, 65535]")
+        check_int(self.port, f"{path}.port", ge=0, le=65535)
 
 
 @dataclass(frozen=True)
@@ -381,7 +382,7 @@ class APIKeysConfig:
     file: str | None = None
 
     def check(self, path: str) -> None:
-        _check(
+        require(
             (self.env is None) != (self.file is None),
             path,
             "set exactly one of 'env' (an environment variable name) or 'file' (a path)",
@@ -391,13 +392,13 @@ class APIKeysConfig:
         """Read the keys on the deploying machine; only their sha256 digests are shipped."""
         if self.env is not None:
             raw = os.environ.get(self.env)
-            _check(raw is not None, f"{path}.env", f"environment variable {self.env!r} is not set")
+            require(raw is not None, f"{path}.env", f"environment variable {self.env!r} is not set")
         else:
             key_file = Path(self.file or "").expanduser()
-            _check(key_file.is_file(), f"{path}.file", f"{key_file} is not a readable file")
+            require(key_file.is_file(), f"{path}.file", f"{key_file} is not a readable file")
             raw = key_file.read_text()
         keys = [k.strip() for k in (raw or "").replace(",", "\n").splitlines() if k.strip()]
-        _check(bool(keys), path, "the key source holds no keys")
+        require(bool(keys), path, "the key source holds no keys")
         return [hashlib.sha256(k.encode()).hexdigest() for k in keys]
 
 
@@ -438,13 +439,13 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any]) -> DeploymentCo
 
 
 def check_config(config: DeploymentConfig) -> None:
-    _check(bool(config.models), "models", "must list at least one model")
+    require(bool(config.models), "models", "must list at least one model, got []")
     seen: set[str] = set()
     for i, model in enumerate(config.models):
         path = f"models[{i}]"
         model_id = model.model_id
-        _check(bool(model_id), f"{path}.model_loading_config.model_id", "must be non-empty")
-        _check(
+        check_str(model_id, f"{path}.model_loading_config.model_id", non_empty=True)
+        require(
             model_id not in seen,
             f"{path}.model_loading_config.model_id",
             f"{model_id!r} is used by an earlier model",
@@ -453,7 +454,7 @@ def check_config(config: DeploymentConfig) -> None:
         model.deployment_config.check(f"{path}.deployment_config")
         if model.lora_config is not None:
             model.lora_config.check(f"{path}.lora_config")
-            _check(
+            require(
                 model.engine_kwargs.get("enable_lora", True) is True,
                 f"{path}.engine_kwargs.enable_lora",
                 "cannot be false with lora_config",
@@ -483,7 +484,7 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
 
     kwargs = model.engine_kwargs
     check_engine_arg_names(kwargs, path=f"{path}.")
-    _check("model" not in kwargs, f"{path}.model", "set the model in model_loading_config")
+    require("model" not in kwargs, f"{path}.model", "set the model in model_loading_config")
     parser = kwargs.get("tool_call_parser")
     if isinstance(parser, str) and parser not in TOOL_PARSERS:
         names = ", ".join(sorted(TOOL_PARSERS))
@@ -508,16 +509,11 @@ def _checkpoint_reachable(source: str) -> bool:
     return source.startswith("builtin:") or (Path(source).expanduser() / "config.json").is_file()
 
 
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
-
-
 def _build(cls: type, data: Any, path: str) -> Any:
     """Strictly build dataclass ``cls`` from plain YAML data: unknown keys, missing keys and
     wrong types raise ``ConfigError`` naming the key path."""
     where = path or "config"
-    _check(isinstance(data, dict), where, f"must be a mapping, got {type(data).__name__}")
+    require(isinstance(data, dict), where, f"must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
@@ -533,7 +529,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
             no_default = (
                 f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             )
-            _check(not no_default, key_path, "is required")
+            require(not no_default, key_path, "is required")
     return cls(**values)
 
 
@@ -546,13 +542,13 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
         (inner,) = [a for a in args if a is not type(None)]
         return _convert(inner, value, path)
     if origin is Literal:
-        _check(value in args, path, f"must be one of {list(args)}, got {value!r}")
+        check_choice(value, path, args)
         return value
     if origin is list:
-        _check(isinstance(value, list), path, f"must be a list, got {type(value).__name__}")
+        require(isinstance(value, list), path, f"must be a list, got {type(value).__name__}")
         return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
-        _check(isinstance(value, dict), path, f"must be a mapping, got {type(value).__name__}")
+        require(isinstance(value, dict), path, f"must be a mapping, got {type(value).__name__}")
         return dict(value)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path)
@@ -561,16 +557,14 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
 
 def _scalar(hint: Any, value: Any, path: str) -> Any:
     if hint is bool:
-        _check(isinstance(value, bool), path, f"must be true or false, got {value!r}")
+        check_bool(value, path)
     elif hint is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), path,
-               f"must be an integer, got {value!r}")  # fmt: skip
+        check_int(value, path)
     elif hint is float:
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), path,
-               f"must be a number, got {value!r}")  # fmt: skip
+        check_number(value, path)
         return float(value)
     elif hint is str:
-        _check(isinstance(value, str), path, f"must be a string, got {value!r}")
+        check_str(value, path)
     return value
 
 

@@ -35,6 +35,15 @@ from engine import envs
 from engine.errors import ConfigError
 from engine.hf_config import check_hf_config
 from engine.rope_config import rope_max_positions
+from engine.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_positive_int,
+    check_str,
+    require,
+)
 from kernels.backend import resolve_attention_backend, triton_available
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -44,19 +53,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-def _require(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
-
-
-def _positive_int(value: Any, key: str) -> None:
-    _require(
-        isinstance(value, int) and not isinstance(value, bool) and value > 0,
-        key,
-        f"must be a positive integer, got {value!r}",
-    )
 
 
 @dataclass(frozen=True)
@@ -74,18 +70,15 @@ class ModelConfig:
     model_path: str = ""
 
     def __post_init__(self) -> None:
-        _require(
-            isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string"
+        check_str(self.model, "model", non_empty=True)
+        check_choice(self.dtype, "dtype", ("auto", *_DTYPES))
+        check_positive_int(self.max_model_len, "max_model_len", optional=True)
+        check_int(self.seed, "seed")
+        require(
+            self.trust_remote_code is False,
+            "trust_remote_code",
+            f"must be false (remote code is never run), got {self.trust_remote_code!r}",
         )
-        _require(
-            self.dtype == "auto" or self.dtype in _DTYPES,
-            "dtype",
-            f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}",
-        )
-        if self.max_model_len is not None:
-            _positive_int(self.max_model_len, "max_model_len")
-        _require(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
-        _require(self.trust_remote_code is False, "trust_remote_code", "remote code is never run")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -135,29 +128,11 @@ class CacheConfig:
     swap_space: float = 4.0
 
     def __post_init__(self) -> None:
-        _require(
-            self.block_size in (8, 16, 32, 64, 128),
-            "block_size",
-            f"must be one of 8, 16, 32, 64, 128, got {self.block_size!r}",
-        )
-        if self.num_kv_blocks is not None:
-            _positive_int(self.num_kv_blocks, "num_kv_blocks")
-        _require(
-            isinstance(self.gpu_memory_utilization, (int, float))
-            and 0 < self.gpu_memory_utilization <= 1,
-            "gpu_memory_utilization",
-            f"must be in (0, 1], got {self.gpu_memory_utilization!r}",
-        )
-        _require(
-            isinstance(self.cpu_kv_cache_space, (int, float)) and self.cpu_kv_cache_space > 0,
-            "cpu_kv_cache_space",
-            f"must be > 0 GiB, got {self.cpu_kv_cache_space!r}",
-        )
-        _require(
-            isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
-            "swap_space",
-            f"must be >= 0 GiB, got {self.swap_space!r}",
-        )
+        check_choice(self.block_size, "block_size", (8, 16, 32, 64, 128))
+        check_positive_int(self.num_kv_blocks, "num_kv_blocks", optional=True)
+        check_number(self.gpu_memory_utilization, "gpu_memory_utilization", gt=0, le=1)
+        check_number(self.cpu_kv_cache_space, "cpu_kv_cache_space", gt=0, note="GiB")
+        check_number(self.swap_space, "swap_space", ge=0, note="GiB")
 
 
 @dataclass(frozen=True)
@@ -175,29 +150,20 @@ class SchedulerConfig:
     max_waiting_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        _positive_int(self.max_num_seqs, "max_num_seqs")
-        for name in ("max_waiting_requests", "max_waiting_tokens"):
-            if getattr(self, name) is not None:
-                _positive_int(getattr(self, name), name)
-        _positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
-        _positive_int(self.max_model_len, "max_model_len")
-        _require(
-            self.policy in ("fcfs", "priority"),
-            "scheduling_policy",
-            f"must be 'fcfs' or 'priority', got {self.policy!r}",
-        )
-        _require(
-            self.preemption_mode in ("recompute", "swap"),
-            "preemption_mode",
-            f"must be 'recompute' or 'swap', got {self.preemption_mode!r}",
-        )
+        check_positive_int(self.max_num_seqs, "max_num_seqs")
+        check_positive_int(self.max_waiting_requests, "max_waiting_requests", optional=True)
+        check_positive_int(self.max_waiting_tokens, "max_waiting_tokens", optional=True)
+        check_positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
+        check_positive_int(self.max_model_len, "max_model_len")
+        check_choice(self.policy, "scheduling_policy", ("fcfs", "priority"))
+        check_choice(self.preemption_mode, "preemption_mode", ("recompute", "swap"))
         if not self.enable_chunked_prefill:
             # Without chunking a whole prompt must fit in one step's budget.
-            _require(
-                self.max_num_batched_tokens >= self.max_model_len,
+            check_int(
+                self.max_num_batched_tokens,
                 "max_num_batched_tokens",
-                f"must be >= max_model_len ({self.max_model_len}) when enable_chunked_prefill is "
-                f"False, got {self.max_num_batched_tokens}",
+                ge=self.max_model_len,
+                note="max_model_len, as enable_chunked_prefill is false",
             )
 
 
@@ -214,34 +180,29 @@ class ParallelConfig:
     rank: int = 0
 
     def __post_init__(self) -> None:
-        _positive_int(self.tensor_parallel_size, "tensor_parallel_size")
-        _positive_int(self.pipeline_parallel_size, "pipeline_parallel_size")
-        _require(
-            self.distributed_executor_backend in ("auto", "uni", "ray"),
+        check_positive_int(self.tensor_parallel_size, "tensor_parallel_size")
+        check_positive_int(self.pipeline_parallel_size, "pipeline_parallel_size")
+        check_choice(
+            self.distributed_executor_backend,
             "distributed_executor_backend",
-            f"must be 'auto', 'uni' or 'ray', got {self.distributed_executor_backend!r}",
+            ("auto", "uni", "ray"),
         )
-        strategies = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
-        _require(
-            self.placement_group_strategy in strategies,
+        check_choice(
+            self.placement_group_strategy,
             "placement_group_strategy",
-            f"must be one of {strategies}, got {self.placement_group_strategy!r}",
+            ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
         )
         if self.pp_layer_partition is not None:
             # YAML and JSON give lists; keep the frozen config hashable and immutable.
             object.__setattr__(self, "pp_layer_partition", tuple(self.pp_layer_partition))
-            _require(
+            require(
                 len(self.pp_layer_partition) == self.pipeline_parallel_size
                 and all(isinstance(n, int) and n >= 1 for n in self.pp_layer_partition),
                 "pp_layer_partition",
                 f"must list {self.pipeline_parallel_size} positive layer counts (one per "
                 f"pipeline stage), got {list(self.pp_layer_partition)}",
             )
-        _require(
-            0 <= self.rank < self.world_size,
-            "rank",
-            f"must be in [0, {self.world_size}), got {self.rank}",
-        )
+        check_int(self.rank, "rank", ge=0, lt=self.world_size, note="world_size")
 
     @property
     def world_size(self) -> int:
@@ -259,11 +220,7 @@ class DeviceConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     def __post_init__(self) -> None:
-        _require(
-            self.device in ("auto", "cpu", "cuda"),
-            "device",
-            f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}",
-        )
+        check_choice(self.device, "device", ("auto", "cpu", "cuda"))
 
     @property
     def device_type(self) -> str:
@@ -285,18 +242,10 @@ class KernelConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        _require(
-            self.attention_backend in ("auto", "triton", "torch"),
-            "attention_backend",
-            f"must be 'auto', 'triton' or 'torch', got {self.attention_backend!r}",
-        )
-        _require(
-            isinstance(self.enforce_eager, bool),
-            "enforce_eager",
-            f"must be a bool, got {self.enforce_eager!r}",
-        )
+        check_choice(self.attention_backend, "attention_backend", ("auto", "triton", "torch"))
+        check_bool(self.enforce_eager, "enforce_eager")
         if self.attention_backend == "triton":
-            _require(
+            require(
                 triton_available(),
                 "attention_backend",
                 "'triton' needs the triton package, which is not installed "
@@ -321,16 +270,10 @@ class SamplingConfig:
     max_stop_str_len: int = 256
 
     def __post_init__(self) -> None:
-        _require(
-            isinstance(self.max_logprobs, int)
-            and not isinstance(self.max_logprobs, bool)
-            and self.max_logprobs >= 0,
-            "max_logprobs",
-            f"must be a non-negative integer, got {self.max_logprobs!r}",
-        )
-        _positive_int(self.max_n, "max_n")
-        _positive_int(self.max_stop_strings, "max_stop_strings")
-        _positive_int(self.max_stop_str_len, "max_stop_str_len")
+        check_int(self.max_logprobs, "max_logprobs", ge=0)
+        check_positive_int(self.max_n, "max_n")
+        check_positive_int(self.max_stop_strings, "max_stop_strings")
+        check_positive_int(self.max_stop_str_len, "max_stop_str_len")
 
 
 @dataclass(frozen=True)
@@ -343,10 +286,10 @@ class PoolerConfig:
 
     def __post_init__(self) -> None:
         value = self.pooling_type
-        _require(
+        require(
             isinstance(value, str) and value.lower() in ("last", "mean"),
             "pooling_type",
-            f"must be 'last' or 'mean' (or 'LAST' / 'MEAN'), got {value!r}",
+            f"must be one of 'last', 'mean' (in any case), got {value!r}",
         )
         object.__setattr__(self, "pooling_type", value.lower())
 
@@ -363,17 +306,9 @@ class FrontendConfig:
     tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
-        _require(
-            isinstance(self.enable_auto_tool_choice, bool),
-            "enable_auto_tool_choice",
-            f"must be true or false, got {self.enable_auto_tool_choice!r}",
-        )
-        _require(
-            self.tool_call_parser is None or isinstance(self.tool_call_parser, str),
-            "tool_call_parser",
-            f"must be a parser name, got {self.tool_call_parser!r}",
-        )
-        _require(
+        check_bool(self.enable_auto_tool_choice, "enable_auto_tool_choice")
+        check_str(self.tool_call_parser, "tool_call_parser", note="a parser name", optional=True)
+        require(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "enable_auto_tool_choice",
             "needs tool_call_parser (how to read tool calls out of the model's text)",
@@ -392,21 +327,12 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
-        _require(
-            isinstance(self.enable_lora, bool),
-            "enable_lora",
-            f"must be true or false, got {self.enable_lora!r}",
-        )
-        _positive_int(self.max_loras, "max_loras")
-        _positive_int(self.max_lora_rank, "max_lora_rank")
+        check_bool(self.enable_lora, "enable_lora")
+        check_positive_int(self.max_loras, "max_loras")
+        check_positive_int(self.max_lora_rank, "max_lora_rank")
         if self.max_cpu_loras is None:
             object.__setattr__(self, "max_cpu_loras", self.max_loras)
-        _positive_int(self.max_cpu_loras, "max_cpu_loras")
-        _require(
-            self.max_cpu_loras >= self.max_loras,
-            "max_cpu_loras",
-            f"must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}",
-        )
+        check_int(self.max_cpu_loras, "max_cpu_loras", ge=self.max_loras, note="max_loras")
 
 
 # Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
@@ -565,18 +491,19 @@ def _derive_max_model_len(model: ModelConfig) -> int:
     limit = rope_max_positions(model.hf_config)
     if model.max_model_len is None:
         return limit
-    _require(
-        model.max_model_len <= limit,
+    check_int(
+        model.max_model_len,
         "max_model_len",
-        f"must be <= {limit} (the model's max_position_embeddings, with rope scaling), "
-        f"got {model.max_model_len}",
+        ge=1,
+        le=limit,
+        note="the model's max_position_embeddings, with rope scaling",
     )
     return model.max_model_len
 
 
 def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
     tp = parallel.tensor_parallel_size
-    _require(
+    require(
         model.num_attention_heads % tp == 0,
         "tensor_parallel_size",
         f"must divide num_attention_heads ({model.num_attention_heads}), got {tp}",
@@ -584,25 +511,25 @@ def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
     inter = model.hf_config.get("intermediate_size")
     # Checked here so that a bad shape is a ConfigError on the head, not a worker that dies
     # while building its MLP shard.
-    _require(
+    require(
         not inter or inter % tp == 0,
         "tensor_parallel_size",
         f"must divide intermediate_size ({inter}), got {tp}",
     )
     kv = model.num_kv_heads
-    _require(
+    require(
         kv % tp == 0 or tp % kv == 0,
         "tensor_parallel_size",
         f"must divide or be a multiple of num_key_value_heads ({kv}), got {tp}",
     )
     pp = parallel.pipeline_parallel_size
-    _require(
+    require(
         pp <= model.num_hidden_layers,
         "pipeline_parallel_size",
         f"must be <= num_hidden_layers ({model.num_hidden_layers}), got {pp}",
     )
     partition = parallel.pp_layer_partition
-    _require(
+    require(
         partition is None or sum(partition) == model.num_hidden_layers,
         "pp_layer_partition",
         f"must sum to num_hidden_layers ({model.num_hidden_layers}), got {list(partition or [])}",
@@ -612,7 +539,7 @@ def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
 def _check_kernel_device(kernel: KernelConfig, device: DeviceConfig) -> None:
     # Triton compiles for GPUs; on CPU its kernels only run through the interpreter, which
     # must be switched on before the kernels are imported.
-    _require(
+    require(
         kernel.attention_backend != "triton"
         or device.device_type == "cuda"
         or envs.triton_interpret(),

@@ -431,9 +431,10 @@ def test_lora_engine_arguments_are_checked() -> None:
     from engine.config import ConfigError, EngineConfig, LoRAConfig
 
     assert LoRAConfig(max_loras=3).max_cpu_loras == 3
-    with pytest.raises(ConfigError, match=r"max_cpu_loras: must be >= max_loras \(4\), got 2"):
+    expected = r"max_cpu_loras: must be an integer >= 4 \(max_loras\), got 2"
+    with pytest.raises(ConfigError, match=expected):
         EngineConfig.from_kwargs(model=MODEL, enable_lora=True, max_loras=4, max_cpu_loras=2)
-    with pytest.raises(ConfigError, match="max_lora_rank: must be a positive integer"):
+    with pytest.raises(ConfigError, match="max_lora_rank: must be an integer >= 1, got 0"):
         EngineConfig.from_kwargs(model=MODEL, max_lora_rank=0)
 
 
