@@ -7,7 +7,15 @@ is refused with the field and its value — never served approximately.
 Per-layer attention follows HF's ``layer_types`` (``sliding_attention`` / ``full_attention``);
 configs written before that field existed get the pattern their family's HF code derives
 (every layer for Mistral and Phi-3, layers from ``max_window_layers`` on for Qwen2/Qwen3, even
-layers for Gemma 2, all but every ``sliding_window_pattern``-th layer for Gemma 3).
+layers for Gemma 2, all but every ``sliding_window_pattern``-th layer for Gemma 3; every layer
+for Mixtral). Qwen2-MoE / Qwen3-MoE with ``use_sliding_window`` are refused: their HF patterns
+differ from Qwen2's and are not implemented.
+
+Mixture-of-experts fields (Mixtral, Qwen2-MoE, Qwen3-MoE): the expert count (``num_experts``,
+or ``num_local_experts`` as Mixtral and transformers' Qwen3-MoE config write it), top-k, the
+experts' intermediate size, which layers are sparse (``decoder_sparse_step``,
+``mlp_only_layers``), and router options of other families (DeepSeek's ``scoring_func``,
+``routed_scaling_factor``, grouped top-k) refused by name.
 """
 
 from __future__ import annotations

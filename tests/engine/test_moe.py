@@ -26,7 +26,7 @@ from engine.model_loader import iterate_checkpoint, load_weights
 from engine.models import get_model_class
 from engine.models.moe import SparseMoeBlock, route
 from engine.tiny_models import resolve_model_source
-from engine.tiny_moe_models import TINY_MOE_MODEL_NAMES
+from engine.tiny_moe_models import TINY_MOE_MODEL_NAMES, tiny_moe_variant
 from kernels.ops import silu_and_mul
 from parallel.moe import grouped_experts
 from parallel.state import GroupCoordinator, ParallelContext
@@ -93,6 +93,30 @@ def test_greedy_matches_hf(ref: Reference, setting: str) -> None:
     if setting.startswith("preempt"):
         assert llm.llm_engine.scheduler.num_preemptions > 0, "the setting did not force preemption"
     _assert_all_blocks_released(llm)
+
+
+# Config switches the built-ins leave at one value: Qwen2-MoE sparse every 2nd layer (layer 0
+# dense, HF's 1-based rule), Qwen3-MoE without top-k renormalization, Mixtral with a window
+# shorter than the longer prompts.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2-moe-sparse-step-2": ("tiny-qwen2-moe", {"decoder_sparse_step": 2}),
+    "qwen3-moe-no-topk-norm": ("tiny-qwen3-moe", {"norm_topk_prob": False}),
+    "mixtral-window-48": ("tiny-mixtral", {"sliding_window": 48}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_config_variant_matches_hf(variant: str) -> None:
+    name, overrides = VARIANTS[variant]
+    path = tiny_moe_variant(name, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts, max_tokens = _small_prompts(hf.config.vocab_size, 5)
+    with torch.no_grad():
+        expected = [_hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    llm = LLM(str(path), **SMALL_SETTINGS["chunked_prefill"])
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 # ---- the grouped expert compute ---------------------------------------------------------------
