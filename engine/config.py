@@ -1,7 +1,9 @@
 """The engine's one frozen root config, built from keyword arguments with vLLM's names.
 
-One role in one file (~620 lines): the config tree and its validation, each section a small
-frozen dataclass; splitting the sections apart would scatter one contract.
+One role (~490 lines): the config tree and its validation, each section a small frozen
+dataclass; splitting the sections apart would scatter one contract. Which vLLM argument sets
+which field is ``engine.engine_args``'s table; the checks and their one message format
+(``max_num_seqs: must be an integer >= 1, got 0``) are ``engine.validation``'s.
 
     EngineConfig
     ├── model:     ModelConfig      (what to load, dtype, max_model_len)
@@ -12,9 +14,11 @@ frozen dataclass; splitting the sections apart would scatter one contract.
     ├── kernel:    KernelConfig     (attention_backend, enforce_eager)
     ├── sampling:  SamplingConfig   (server-wide request caps: max_n, max_logprobs)
     ├── pooler:    PoolerConfig     (pooling_type of embedding requests: last | mean)
+    ├── frontend:  FrontendConfig   (tool calling: enable_auto_tool_choice, tool_call_parser)
     └── lora:      LoRAConfig       (enable_lora, max_loras, max_lora_rank, max_cpu_loras)
 
-Every config is a frozen dataclass, validated in ``__post_init__``; per-rank copies use
+Every config is a frozen dataclass, validated in ``__post_init__`` under the names of vLLM's
+arguments (a deployment YAML prefixes its key path to them); per-rank copies use
 ``dataclasses.replace``. The number of KV blocks measured at startup is runtime state (see
 ``Worker.determine_num_available_blocks``), not a config field; ``num_kv_blocks`` is only the
 optional explicit override.
@@ -23,7 +27,6 @@ optional explicit override.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +35,9 @@ from typing import Any, Literal
 import torch
 
 from engine import envs
+from engine.engine_args import ENGINE_ARG_NAMES as ENGINE_ARG_NAMES
+from engine.engine_args import ENGINE_ARGS, group_engine_args
+from engine.engine_args import check_engine_arg_names as check_engine_arg_names
 from engine.errors import ConfigError
 from engine.hf_config import check_hf_config
 from engine.rope_config import rope_max_positions
@@ -45,6 +51,9 @@ from engine.validation import (
     require,
 )
 from kernels.backend import resolve_attention_backend, triton_available
+
+# The name -> (section, field) table under its former name, which cluster.ops.kuberay reads.
+_ENGINE_ARGS = ENGINE_ARGS
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -335,51 +344,6 @@ class LoRAConfig:
         check_int(self.max_cpu_loras, "max_cpu_loras", ge=self.max_loras, note="max_loras")
 
 
-# Engine keyword -> (sub-config, field name). The keys are vLLM's engine argument names.
-_ENGINE_ARGS: dict[str, tuple[str, str]] = {
-    "model": ("model", "model"),
-    "tokenizer": ("model", "tokenizer"),
-    "dtype": ("model", "dtype"),
-    "max_model_len": ("model", "max_model_len"),
-    "seed": ("model", "seed"),
-    "trust_remote_code": ("model", "trust_remote_code"),
-    "block_size": ("cache", "block_size"),
-    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
-    "num_kv_blocks": ("cache", "num_kv_blocks"),
-    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
-    "cpu_kv_cache_space": ("cache", "cpu_kv_cache_space"),
-    "swap_space": ("cache", "swap_space"),
-    "max_num_seqs": ("scheduler", "max_num_seqs"),
-    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
-    "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
-    "scheduling_policy": ("scheduler", "policy"),
-    "preemption_mode": ("scheduler", "preemption_mode"),
-    "max_waiting_requests": ("scheduler", "max_waiting_requests"),
-    "max_waiting_tokens": ("scheduler", "max_waiting_tokens"),
-    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
-    "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
-    "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
-    "placement_group_strategy": ("parallel", "placement_group_strategy"),
-    "pp_layer_partition": ("parallel", "pp_layer_partition"),
-    "device": ("device", "device"),
-    "attention_backend": ("kernel", "attention_backend"),
-    "enforce_eager": ("kernel", "enforce_eager"),
-    "max_logprobs": ("sampling", "max_logprobs"),
-    "max_n": ("sampling", "max_n"),
-    "max_stop_strings": ("sampling", "max_stop_strings"),
-    "max_stop_str_len": ("sampling", "max_stop_str_len"),
-    "pooling_type": ("pooler", "pooling_type"),
-    "enable_auto_tool_choice": ("frontend", "enable_auto_tool_choice"),
-    "tool_call_parser": ("frontend", "tool_call_parser"),
-    "enable_lora": ("lora", "enable_lora"),
-    "max_loras": ("lora", "max_loras"),
-    "max_lora_rank": ("lora", "max_lora_rank"),
-    "max_cpu_loras": ("lora", "max_cpu_loras"),
-}
-
-ENGINE_ARG_NAMES: tuple[str, ...] = tuple(_ENGINE_ARGS)
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -396,17 +360,9 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from vLLM-named engine arguments; unknown keys raise ``ConfigError``."""
-        check_engine_arg_names(kwargs)
+        groups = group_engine_args(kwargs)
         if "model" not in kwargs:
             raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
-        sections = (
-            "model", "cache", "scheduler", "parallel", "device", "kernel", "sampling", "pooler",
-            "frontend", "lora",
-        )  # fmt: skip
-        groups: dict[str, dict[str, Any]] = {g: {} for g in sections}
-        for key, value in kwargs.items():
-            group, name = _ENGINE_ARGS[key]
-            groups[group][name] = value
         model = ModelConfig(**groups["model"])
         model = _with_checkpoint(model)
         parallel = ParallelConfig(**groups["parallel"])
@@ -439,37 +395,24 @@ class EngineConfig:
         return self.scheduler.max_model_len
 
 
-def check_engine_arg_names(kwargs: dict[str, Any], path: str = "") -> None:
-    """Reject unknown engine arguments, suggesting the closest known name."""
-    for key in kwargs:
-        if key not in _ENGINE_ARGS:
-            close = difflib.get_close_matches(key, ENGINE_ARG_NAMES, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{path}{key}: unknown engine argument{hint}")
-
-
 def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
     """Names, types and ranges of engine arguments without reading any checkpoint: each
     sub-config is built alone. ``EngineConfig.from_kwargs`` adds the model-shape checks."""
-    check_engine_arg_names(kwargs)
-    groups: dict[str, dict[str, Any]] = {}
-    for key, value in kwargs.items():
-        group, name = _ENGINE_ARGS[key]
-        groups.setdefault(group, {})[name] = value
-    ModelConfig(**{"model": "unchecked", **groups.get("model", {})})
-    CacheConfig(**groups.get("cache", {}))
-    sched = dict(groups.get("scheduler", {}))
+    groups = group_engine_args(kwargs)
+    ModelConfig(**{"model": "unchecked", **groups["model"]})
+    CacheConfig(**groups["cache"])
+    sched = dict(groups["scheduler"])
     sched["max_model_len"] = kwargs.get("max_model_len") or 2048
     if not sched.get("enable_chunked_prefill", True):
         sched.setdefault("max_num_batched_tokens", sched["max_model_len"])
     SchedulerConfig(**sched)
-    ParallelConfig(**groups.get("parallel", {}))
-    DeviceConfig(**groups.get("device", {}))
-    KernelConfig(**groups.get("kernel", {}))
-    SamplingConfig(**groups.get("sampling", {}))
-    PoolerConfig(**groups.get("pooler", {}))
-    FrontendConfig(**groups.get("frontend", {}))
-    LoRAConfig(**groups.get("lora", {}))
+    ParallelConfig(**groups["parallel"])
+    DeviceConfig(**groups["device"])
+    KernelConfig(**groups["kernel"])
+    SamplingConfig(**groups["sampling"])
+    PoolerConfig(**groups["pooler"])
+    FrontendConfig(**groups["frontend"])
+    LoRAConfig(**groups["lora"])
 
 
 def _with_checkpoint(model: ModelConfig) -> ModelConfig:

@@ -1,0 +1,85 @@
+"""vLLM's engine argument names and where each one lands in ``EngineConfig``: the one table
+that ``EngineConfig.from_kwargs``, the deployment YAML's ``engine_kwargs`` check
+(``cluster.config``) and the KubeRay values schema (``cluster.ops.kuberay``) read.
+
+No torch here, so that a name can be checked where only a config is read.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from engine.errors import ConfigError
+
+# Engine keyword -> (section of EngineConfig, field name). The keys are vLLM's argument names;
+# a few fields are spelled differently (scheduling_policy -> scheduler.policy).
+ENGINE_ARGS: dict[str, tuple[str, str]] = {
+    "model": ("model", "model"),
+    "tokenizer": ("model", "tokenizer"),
+    "dtype": ("model", "dtype"),
+    "max_model_len": ("model", "max_model_len"),
+    "seed": ("model", "seed"),
+    "trust_remote_code": ("model", "trust_remote_code"),
+    "block_size": ("cache", "block_size"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "num_kv_blocks": ("cache", "num_kv_blocks"),
+    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
+    "cpu_kv_cache_space": ("cache", "cpu_kv_cache_space"),
+    "swap_space": ("cache", "swap_space"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "scheduling_policy": ("scheduler", "policy"),
+    "preemption_mode": ("scheduler", "preemption_mode"),
+    "max_waiting_requests": ("scheduler", "max_waiting_requests"),
+    "max_waiting_tokens": ("scheduler", "max_waiting_tokens"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
+    "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
+    "placement_group_strategy": ("parallel", "placement_group_strategy"),
+    "pp_layer_partition": ("parallel", "pp_layer_partition"),
+    "device": ("device", "device"),
+    "attention_backend": ("kernel", "attention_backend"),
+    "enforce_eager": ("kernel", "enforce_eager"),
+    "max_logprobs": ("sampling", "max_logprobs"),
+    "max_n": ("sampling", "max_n"),
+    "max_stop_strings": ("sampling", "max_stop_strings"),
+    "max_stop_str_len": ("sampling", "max_stop_str_len"),
+    "pooling_type": ("pooler", "pooling_type"),
+    "enable_auto_tool_choice": ("frontend", "enable_auto_tool_choice"),
+    "tool_call_parser": ("frontend", "tool_call_parser"),
+    "enable_lora": ("lora", "enable_lora"),
+    "max_loras": ("lora", "max_loras"),
+    "max_lora_rank": ("lora", "max_lora_rank"),
+    "max_cpu_loras": ("lora", "max_cpu_loras"),
+}
+
+ENGINE_ARG_NAMES: tuple[str, ...] = tuple(ENGINE_ARGS)
+
+# EngineConfig's sections, in its field order.
+SECTIONS: tuple[str, ...] = (
+    "model", "cache", "scheduler", "parallel", "device", "kernel", "sampling", "pooler",
+    "frontend", "lora",
+)  # fmt: skip
+
+
+def check_engine_arg_names(kwargs: dict[str, Any], path: str = "") -> None:
+    """Reject unknown engine arguments, suggesting the closest known name."""
+    for key in kwargs:
+        if key not in ENGINE_ARGS:
+            close = difflib.get_close_matches(key, ENGINE_ARG_NAMES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{path}{key}: unknown engine argument{hint}")
+
+
+def group_engine_args(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The arguments as each section's keyword arguments, every section present (empty when
+    no argument sets it): ``{"cache": {"block_size": 32}, "scheduler": {"policy": ...}, ...}``.
+    Unknown names raise ``ConfigError``."""
+    check_engine_arg_names(kwargs)
+    groups: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    for key, value in kwargs.items():
+        section, name = ENGINE_ARGS[key]
+        groups[section][name] = value
+    return groups
