@@ -37,13 +37,14 @@ from tests.engine.test_correctness import (
     _prompts,
 )
 
-MOE_SETTINGS = {k: SETTINGS[k] for k in ("defaults", "chunked_prefill", "preempt_recompute")}
+MOE_SETTINGS = SETTINGS  # defaults, chunked prefill, preemption by recompute and by swap
 # The fast tier's prompts: 8 of up to 120 tokens and up to 32 generated. The two longest decode
 # 32 tokens side by side, 2 x 10 blocks > the 16 blocks of its preemption setting.
 SMALL_LENGTHS = [1, 3, 9, 17, 40, 64, 110, 120]
 SMALL_SETTINGS = {
     **MOE_SETTINGS,
     "preempt_recompute": {"num_kv_blocks": 16, "preemption_mode": "recompute"},
+    "preempt_swap": {"num_kv_blocks": 16, "preemption_mode": "swap", "swap_space": 0.05},
 }
 
 
@@ -92,6 +93,27 @@ def test_greedy_matches_hf(ref: Reference, setting: str) -> None:
         assert got == expected, f"{ref.name}/{setting}: prompt {i} differs"
     if setting.startswith("preempt"):
         assert llm.llm_engine.scheduler.num_preemptions > 0, "the setting did not force preemption"
+    if setting == "preempt_swap":
+        assert llm.llm_engine.scheduler.num_swap_outs > 0, "preemption fell back to recompute"
+    _assert_all_blocks_released(llm)
+
+
+@pytest.mark.parametrize("name", TINY_MOE_MODEL_NAMES)
+def test_greedy_matches_hf_with_shared_prefix_cached(name: str) -> None:
+    path = resolve_model_source(f"builtin:{name}")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(3)
+    prefix = [rng.randrange(hf.config.vocab_size) for _ in range(70)]
+    prompts = [
+        prefix + [rng.randrange(hf.config.vocab_size) for _ in range(i + 1)] for i in range(6)
+    ]
+    with torch.no_grad():
+        expected = [_hf_greedy(hf, p, 8) for p in prompts]
+    llm = LLM(str(path), enable_prefix_caching=True, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.llm_engine.block_manager.prefix_hits > 0
     _assert_all_blocks_released(llm)
 
 
