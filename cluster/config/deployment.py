@@ -1,23 +1,7 @@
-"""The deployment YAML: models in the shape of Ray Serve LLM's ``LLMConfig``, plus HTTP / gRPC
-options and where API keys come from.
-
-    models:
-      - model_loading_config: {model_id: tiny, model_source: builtin:tiny-llama}
-        engine_kwargs: {max_model_len: 512}        # vLLM names, checked by engine.config
-        deployment_config:                          # Ray Serve's own names
-          autoscaling_config: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}
-          max_ongoing_requests: 64
-        accelerator_type: H100                      # omit for CPU
-        placement_group_config: {strategy: PACK}
-    http_options: {host: 0.0.0.0, port: 8000}
-    grpc_options: {port: 9000}
-    api_keys: {env: LLM_CLUSTER_API_KEYS}           # or {file: /etc/llm/keys}; never the keys
-
-Everything is checked before anything is deployed; unknown keys are rejected and every error
-names its key path (``models[0].engine_kwargs.foo: unknown engine argument``).
-
-One role (~575 lines): the deployment YAML's typed tree (frozen dataclasses) and its
-validation, which change together.
+"""The deployment YAML's typed tree (frozen dataclasses in the shape of Ray Serve LLM's
+``LLMConfig``), each section's ``check(path)``, and ``load_config``, which builds the tree
+strictly (``cluster.config.strict_yaml``) and checks all of it before anything is deployed.
+One role (~480 lines): the sections and their checks change together.
 """
 
 from __future__ import annotations
@@ -26,8 +10,6 @@ import dataclasses
 import hashlib
 import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,15 +17,9 @@ from typing import Any, Literal
 import yaml
 
 from cluster.api.tool_parsers import TOOL_PARSERS
+from cluster.config.strict_yaml import build_dataclass
 from engine.errors import ConfigError
-from engine.validation import (
-    check_bool,
-    check_choice,
-    check_int,
-    check_number,
-    check_str,
-    require,
-)
+from engine.validation import check_int, check_number, check_str, require
 
 Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
 RequestRouterName = Literal["prefix_aware", "pow2"]
@@ -433,7 +409,7 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any]) -> DeploymentCo
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    config = _build(DeploymentConfig, data, "")
+    config = build_dataclass(DeploymentConfig, data)
     check_config(config)
     return config
 
@@ -507,66 +483,3 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
 
 def _checkpoint_reachable(source: str) -> bool:
     return source.startswith("builtin:") or (Path(source).expanduser() / "config.json").is_file()
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    """Strictly build dataclass ``cls`` from plain YAML data: unknown keys, missing keys and
-    wrong types raise ``ConfigError`` naming the key path."""
-    where = path or "config"
-    require(isinstance(data, dict), where, f"must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields:
-            known = ", ".join(fields)
-            raise ConfigError(f"{_join(path, str(key))}: unknown key (known keys: {known})")
-    values = {}
-    for name, f in fields.items():
-        key_path = _join(path, name)
-        if name in data:
-            values[name] = _convert(hints[name], data[name], key_path)
-        else:
-            no_default = (
-                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            )
-            require(not no_default, key_path, "is required")
-    return cls(**values)
-
-
-def _convert(hint: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, path)
-    if origin is Literal:
-        check_choice(value, path, args)
-        return value
-    if origin is list:
-        require(isinstance(value, list), path, f"must be a list, got {type(value).__name__}")
-        return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        require(isinstance(value, dict), path, f"must be a mapping, got {type(value).__name__}")
-        return dict(value)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, path)
-    return _scalar(hint, value, path)
-
-
-def _scalar(hint: Any, value: Any, path: str) -> Any:
-    if hint is bool:
-        check_bool(value, path)
-    elif hint is int:
-        check_int(value, path)
-    elif hint is float:
-        check_number(value, path)
-        return float(value)
-    elif hint is str:
-        check_str(value, path)
-    return value
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key

@@ -1,0 +1,83 @@
+"""The deployment YAML: models in the shape of Ray Serve LLM's ``LLMConfig``, plus HTTP / gRPC
+options and where API keys come from.
+
+    models:
+      - model_loading_config: {model_id: tiny, model_source: builtin:tiny-llama}
+        engine_kwargs: {max_model_len: 512}        # vLLM names, checked by engine.config
+        deployment_config:                          # Ray Serve's own names
+          autoscaling_config: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}
+          max_ongoing_requests: 64
+        accelerator_type: H100                      # omit for CPU
+        placement_group_config: {strategy: PACK}
+    http_options: {host: 0.0.0.0, port: 8000}
+    grpc_options: {port: 9000}
+    api_keys: {env: LLM_CLUSTER_API_KEYS}           # or {file: /etc/llm/keys}; never the keys
+
+Everything is checked before anything is deployed; unknown keys are rejected and every error
+names its key path and, for a value out of range, the range and the value given
+(``models[0].deployment_config.num_replicas: must be an integer >= 1 or null, got 0``).
+
+    deployment.py   the typed tree, each section's check(path), load_config / check_config
+    strict_yaml.py  building frozen dataclasses from plain YAML data: keys and types
+
+Imported by the ingress and the CLI, so nothing here imports torch (``engine.config`` is
+imported only inside ``check_engine_kwargs``).
+"""
+
+from cluster.config.deployment import (
+    DRAIN_ABORT_MARGIN_S,
+    ENGINE_AUTOSCALING_POLICY,
+    HEAD_BUNDLE_INDEX,
+    ROUTER_CLASSES,
+    APIKeysConfig,
+    AutoscalingConfig,
+    AutoscalingPolicyName,
+    DeploymentConfig,
+    GRPCOptions,
+    HTTPOptions,
+    LoraConfig,
+    ModelDeployment,
+    ModelLoadingConfig,
+    PlacementGroupConfig,
+    PrefixRouterConfig,
+    RequestRouterName,
+    ServeDeploymentConfig,
+    Strategy,
+    _checkpoint_reachable,
+    check_config,
+    check_engine_kwargs,
+    deployment_name,
+    load_config,
+)
+from cluster.config.strict_yaml import build_dataclass
+
+# cluster.ops.plan builds a YAML without its checks under this name.
+_build = build_dataclass
+
+__all__ = [
+    "DRAIN_ABORT_MARGIN_S",
+    "ENGINE_AUTOSCALING_POLICY",
+    "HEAD_BUNDLE_INDEX",
+    "ROUTER_CLASSES",
+    "APIKeysConfig",
+    "AutoscalingConfig",
+    "AutoscalingPolicyName",
+    "DeploymentConfig",
+    "GRPCOptions",
+    "HTTPOptions",
+    "LoraConfig",
+    "ModelDeployment",
+    "ModelLoadingConfig",
+    "PlacementGroupConfig",
+    "PrefixRouterConfig",
+    "RequestRouterName",
+    "ServeDeploymentConfig",
+    "Strategy",
+    "_build",
+    "_checkpoint_reachable",
+    "build_dataclass",
+    "check_config",
+    "check_engine_kwargs",
+    "deployment_name",
+    "load_config",
+]

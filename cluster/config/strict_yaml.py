@@ -1,0 +1,83 @@
+"""Frozen dataclasses built strictly from plain YAML data (dicts, lists, scalars), so that a
+typo or a wrong type in a deployment YAML is an error naming its key path, never a default
+silently kept: unknown keys, missing required keys and values of the wrong type raise
+``ConfigError`` (``models[0].deployment_config.replicas: unknown key (known keys: ...)``).
+
+Types are read from the fields' annotations: a dataclass (built recursively), ``list[X]``,
+``dict[...]`` (copied as is), ``X | None``, ``Literal[...]``, ``bool``, ``int``, ``float``
+(an integer is widened) and ``str``. Ranges are not checked here but by each section's
+``check(path)`` afterwards, with ``engine.validation``'s helpers and message format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal
+
+from engine.errors import ConfigError
+from engine.validation import check_bool, check_choice, check_int, check_number, check_str, require
+
+
+def build_dataclass(cls: type, data: Any, path: str = "") -> Any:
+    """Strictly build dataclass ``cls`` from plain YAML data: unknown keys, missing keys and
+    wrong types raise ``ConfigError`` naming the key path."""
+    where = path or "config"
+    require(isinstance(data, dict), where, f"must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            known = ", ".join(fields)
+            raise ConfigError(f"{_join(path, str(key))}: unknown key (known keys: {known})")
+    values = {}
+    for name, f in fields.items():
+        key_path = _join(path, name)
+        if name in data:
+            values[name] = _convert(hints[name], data[name], key_path)
+        else:
+            no_default = (
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            )
+            require(not no_default, key_path, "is required")
+    return cls(**values)
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, path)
+    if origin is Literal:
+        check_choice(value, path, args)
+        return value
+    if origin is list:
+        require(isinstance(value, list), path, f"must be a list, got {type(value).__name__}")
+        return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        require(isinstance(value, dict), path, f"must be a mapping, got {type(value).__name__}")
+        return dict(value)
+    if dataclasses.is_dataclass(hint):
+        return build_dataclass(hint, value, path)
+    return _scalar(hint, value, path)
+
+
+def _scalar(hint: Any, value: Any, path: str) -> Any:
+    if hint is bool:
+        check_bool(value, path)
+    elif hint is int:
+        check_int(value, path)
+    elif hint is float:
+        check_number(value, path)
+        return float(value)
+    elif hint is str:
+        check_str(value, path)
+    return value
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
