@@ -55,13 +55,14 @@ def grouped_experts(
     # Stable, so the pairs of one expert keep token order (deterministic row order per GEMM).
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=num_experts)
+    # One host sync for the whole layer: each active expert's run [end - count, end).
     ends = torch.cumsum(counts, 0).tolist()
-    active = torch.nonzero(counts).flatten().tolist()
+    sizes = counts.tolist()
     rows = x[order // top_k]
     sorted_out = x.new_empty(num_tokens * top_k, hidden)
-    for expert in active:
+    for expert in (e for e, n in enumerate(sizes) if n):
         end = ends[expert]
-        start = end - int(counts[expert])
+        start = end - sizes[expert]
         inter = act_and_mul(F.linear(rows[start:end], gate_up_proj[expert]))
         sorted_out[start:end] = F.linear(inter, down_proj[expert])
     pair_out = torch.empty_like(sorted_out)

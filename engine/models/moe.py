@@ -148,6 +148,7 @@ class MoECausalLM(CausalLM):
         return (renamed, None) if renamed != name else None
 
     def checkpoint_parts(self, param_name: str) -> frozenset[Any] | None:
+        """The per-expert slots stacked parameter ``param_name`` needs; None for the others."""
         if not param_name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             return None
         module = self.get_submodule(param_name.rsplit(".", 1)[0])
