@@ -320,6 +320,21 @@ def test_checkpoint_missing_an_expert_is_named(tmp_path: Path) -> None:
         load_weights(model, weights, hf_config=hf)
 
 
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_pipeline_stage_loads_only_its_layers_experts(pp_rank: int) -> None:
+    path = resolve_model_source("builtin:tiny-qwen3-moe")
+    whole, hf = _engine_model(path)
+    load_weights(whole, iterate_checkpoint(path, progress=False))
+    pp = GroupCoordinator(rank=pp_rank, size=2, ranks=(0, 1))
+    stage = get_model_class(hf["architectures"][0])(hf, ParallelContext(pp=pp), ops=_torch_ops())
+    load_weights(stage, iterate_checkpoint(path, progress=False))
+    expected = dict(whole.named_parameters())
+    names = [n for n, _ in stage.named_parameters()]
+    assert any(".mlp.experts.gate_up_proj" in n for n in names)
+    for name, param in stage.named_parameters():
+        assert torch.equal(param, expected[name]), name
+
+
 # ---- refused configs ---------------------------------------------------------------------------
 
 
