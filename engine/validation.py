@@ -17,9 +17,11 @@ itself in ``__post_init__`` and names the flat vLLM argument, which is also the 
 deployment's ``engine_kwargs`` (the cluster prefixes its key path when it re-raises). Each
 cluster section is first built strictly from YAML (types, unknown and missing keys), then
 checked by its ``check(path)`` method with the key path of where it sits in the YAML
-(``models[0].deployment_config``), since a nested section cannot know its own path. Both use
-the typed checks below; ``require`` is for what no typed check says (a cross-field rule, a
-divisibility), and its message keeps the same ``must ..., got ...`` shape.
+(``models[0].deployment_config``). Two places, one reason each: an engine section is built
+from keyword arguments (and replaced per rank), so it must never exist invalid; a cluster
+section's message needs a key path that only its parent knows. Both use the typed checks
+below; ``require`` is for what no typed check says (a cross-field rule, a divisibility), and
+its message keeps the same ``must ..., got ...`` shape.
 
 No torch here: ``cluster.config`` imports this, and the ingress and CLI import that.
 """
