@@ -98,6 +98,7 @@ def test_greedy_matches_hf(ref: Reference, setting: str) -> None:
     _assert_all_blocks_released(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TINY_MOE_MODEL_NAMES)
 def test_greedy_matches_hf_with_shared_prefix_cached(name: str) -> None:
     path = resolve_model_source(f"builtin:{name}")
@@ -127,6 +128,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_config_variant_matches_hf(variant: str) -> None:
     name, overrides = VARIANTS[variant]
