@@ -362,6 +362,7 @@ class EngineCoreLoop:
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
             num_steps=self._num_steps,
+            moe_expert_tokens=engine.executor.expert_load(),
         )
 
     def _fail_commands(self, error: EngineDeadError) -> None:

@@ -149,6 +149,8 @@ class CoreStats(msgspec.Struct):
     prompt_tokens_total: int
     generation_tokens_total: int
     num_steps: int
+    # MoE models: tokens routed to each expert since start, {sparse layer: [tokens per expert]}.
+    moe_expert_tokens: dict[int, list[int]] = {}
 
     @property
     def prefix_cache_hit_rate(self) -> float:

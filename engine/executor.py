@@ -25,6 +25,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from engine.hf_config import num_experts
 from engine.protocol import ExecuteModelRequest, ModelRunnerOutput
 from engine.worker import Worker
 
@@ -114,6 +115,17 @@ class Executor(ABC):
             return DoneStep(self.execute_model(request))
         except Exception as exc:  # EngineDeadError and the like, raised at result()
             return DoneStep(error=exc)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert since start, per sparse layer of a mixture-of-experts
+        model (``{layer: [tokens per expert]}``, layers ascending): each pipeline stage's TP
+        rank 0 counts its own layers. ``{}`` for a dense model, whose workers are not asked."""
+        if not num_experts(self.config.model.hf_config):
+            return {}
+        merged: dict[int, list[int]] = {}
+        for part in self.collective_rpc("expert_load"):
+            merged.update(part)
+        return dict(sorted(merged.items()))
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         with self.startup_phase("KV sizing"):

@@ -24,6 +24,7 @@ from engine.kv_sizing import (
 from engine.lora import make_worker_lora_manager
 from engine.model_loader import LoadProgressCallback, load_model
 from engine.model_runner import ModelRunner
+from engine.models.expert_load import ExpertLoadCounter, attach_expert_load
 from engine.protocol import ExecuteModelRequest, ModelRunnerOutput
 from parallel.distributed import (
     DEFAULT_TIMEOUT_S,
@@ -57,6 +58,7 @@ class Worker:
         self.rank = config.parallel.rank
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
+        self.expert_load_counter: ExpertLoadCounter | None = None
         self._rendezvous: RendezvousStore | None = None
         self.memory_probe = memory_probe
         # Device memory in use before this worker allocated anything (taken in init_device).
@@ -127,6 +129,10 @@ class Worker:
             )
         self.model_runner = ModelRunner(
             self.config, model, self.device, self.ctx, lora_manager=lora_manager
+        )
+        # TP rank 0 of each stage counts its sparse layers' expert load (the others route alike).
+        self.expert_load_counter = (
+            attach_expert_load(model, self.device) if self.ctx.tp.is_first else None
         )
 
     def kv_block_bytes(self) -> int:
@@ -296,6 +302,8 @@ class Worker:
         on TP > 1 the capture records the stage's collectives)."""
         self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
         self.runner.capture_cuda_graphs()
+        if self.expert_load_counter is not None:  # the profile run's dummy tokens routed too
+            self.expert_load_counter.reset()
 
     def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput | None:
         return self.runner.execute_model(request)
@@ -313,6 +321,12 @@ class Worker:
         timer.reset()
         if device_sync is not None:
             timer.device_sync = device_sync
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert since start, per sparse layer this worker counts
+        (``{layer: [tokens per expert]}``; ``{}`` on a dense model and on TP ranks > 0)."""
+        counter = self.expert_load_counter
+        return counter.read() if counter is not None else {}
 
     def num_request_states(self) -> int:
         """Per-request state held between steps (0 once every request finished)."""

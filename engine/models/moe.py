@@ -17,7 +17,7 @@ all-reduce of the layer, as a dense MLP's down projection does it.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,10 @@ from engine.models.decoder import CausalLM, GatedMLP, act_and_mul
 from kernels.backend import KernelOps
 from parallel.moe import ParallelExperts
 from parallel.state import ParallelContext
+
+if TYPE_CHECKING:
+    from engine.models.expert_load import ExpertLoadCounter
+    from kernels.attention import AttentionMetadata
 
 
 def route(
@@ -93,10 +97,15 @@ class SparseMoeBlock(nn.Module):
                 reduce_results=False,
             )
             self.shared_expert_gate = ReplicatedLinear(hidden, 1)
+        # (counter, this layer's index) where this rank counts expert load (expert_load.py).
+        self.expert_load: tuple[ExpertLoadCounter, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights_dtype = torch.float32 if self.fp32_routing_weights else x.dtype
         topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize, weights_dtype)
+        if self.expert_load is not None:
+            counter, layer = self.expert_load
+            counter.add(layer, topk_ids)
         out = self.experts(x, topk_ids, topk_weights)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # The gate is one scalar per token, so gating each rank's partial sum and adding
@@ -131,6 +140,20 @@ class MoECausalLM(CausalLM):
 
     # Checkpoint module names that this model calls ``mlp`` (Mixtral's ``block_sparse_moe``).
     renamed_modules: ClassVar[dict[str, str]] = {}
+    # The per-layer expert-load counter, where this rank counts (engine.models.expert_load).
+    expert_load: ExpertLoadCounter | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.expert_load is not None:
+            self.expert_load.begin_forward(metadata)
+        return super().forward(input_ids, positions, metadata, hidden, residual)
 
     def checkpoint_target(self, name: str) -> tuple[str, Any] | None:
         """(parameter name, shard id) of checkpoint tensor ``name``; None: not an expert's
