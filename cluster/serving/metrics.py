@@ -1,6 +1,16 @@
 """Prometheus metrics per model, through ``ray.util.metrics``: every replica reports to its
 node's Ray metrics agent, so one scrape of the cluster (each node's agent, or the ingress's
 ``/metrics``, which gathers them all) shows every replica, tagged by model and replica.
+
+Mixture-of-experts models add their expert load, per sparse layer (``layer`` is the global
+decoder-layer index, ``expert`` the expert id; both come from ``CoreStats.moe_expert_tokens``,
+counted on the device and read once per snapshot, see ``engine.models.expert_load``):
+
+    llm_cluster_moe_expert_tokens_total{model, replica, layer, expert}   counter: tokens routed
+        to the expert (a token counts once for each of its top-k experts)
+    llm_cluster_moe_expert_load_imbalance{model, replica, layer}         gauge: max / mean of the
+        layer's per-expert counts since the replica started (1 = perfectly even, E = every
+        token to one expert); a recent window is PromQL over the counter (README)
 """
 
 from __future__ import annotations
@@ -52,6 +62,16 @@ class ModelMetrics:
         from engine.async_llm_engine import EngineStats  # torch: only replicas that have one
 
         self._last = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
+        self.expert_tokens = Counter(
+            PREFIX + "moe_expert_tokens_total",
+            "MoE: tokens routed to each expert of each sparse layer (once per top-k expert).",
+            tag_keys=(*_TAGS, "layer", "expert"),
+        )
+        self.expert_imbalance = Gauge(
+            PREFIX + "moe_expert_load_imbalance",
+            "MoE: max / mean of a sparse layer's per-expert token counts (1 = even).",
+            tag_keys=(*_TAGS, "layer"),
+        )
         adapter_tags = (*_TAGS, "adapter")
         self.adapter_requests = Counter(
             PREFIX + "lora_requests_total", "Requests per LoRA adapter.", tag_keys=adapter_tags
@@ -85,9 +105,33 @@ class ModelMetrics:
         ):
             if now > before:
                 counter.inc(now - before, self.tags)
+        self._publish_expert_load(stats.moe_expert_tokens, last.moe_expert_tokens)
+
+    def _publish_expert_load(
+        self, tokens: dict[int, list[int]], before: dict[int, list[int]]
+    ) -> None:
+        for layer, counts in tokens.items():
+            layer_tags = {**self.tags, "layer": str(layer)}
+            previous = before.get(layer, [])
+            for expert, now in enumerate(counts):
+                added = now - (previous[expert] if expert < len(previous) else 0)
+                if added > 0:
+                    self.expert_tokens.inc(added, {**layer_tags, "expert": str(expert)})
+            imbalance = expert_load_imbalance(counts)
+            if imbalance is not None:
+                self.expert_imbalance.set(imbalance, layer_tags)
 
     def request_timer(self, start: float) -> RequestTimer:
         return RequestTimer(self, start)
+
+
+def expert_load_imbalance(tokens_per_expert: list[int]) -> float | None:
+    """Max over mean of one layer's per-expert token counts (1.0 when even, the number of
+    experts when every token went to one); None before any token was routed."""
+    total = sum(tokens_per_expert)
+    if not tokens_per_expert or total <= 0:
+        return None
+    return max(tokens_per_expert) * len(tokens_per_expert) / total
 
 
 @dataclass
