@@ -9,7 +9,7 @@ which field is ``engine.engine_args``'s table; the checks and their one message 
     ├── model:     ModelConfig      (what to load, dtype, max_model_len)
     ├── cache:     CacheConfig      (block_size, prefix caching, KV pool size, swap space)
     ├── scheduler: SchedulerConfig  (token budget, sequence cap, chunking, policy, preemption)
-    ├── parallel:  ParallelConfig   (tensor_parallel_size, pipeline_parallel_size)
+    ├── parallel:  ParallelConfig   (tensor_parallel_size, pipeline_parallel_size, EP)
     ├── device:    DeviceConfig     (cpu | cuda | auto)
     ├── kernel:    KernelConfig     (attention_backend, enforce_eager)
     ├── sampling:  SamplingConfig   (server-wide request caps: max_n, max_logprobs)
@@ -39,7 +39,7 @@ from engine.engine_args import ENGINE_ARG_NAMES as ENGINE_ARG_NAMES
 from engine.engine_args import ENGINE_ARGS, group_engine_args
 from engine.engine_args import check_engine_arg_names as check_engine_arg_names
 from engine.errors import ConfigError
-from engine.hf_config import check_hf_config
+from engine.hf_config import check_hf_config, num_experts
 from engine.rope_config import rope_max_positions
 from engine.validation import (
     check_bool,
@@ -185,6 +185,7 @@ class ParallelConfig:
     # Decoder layers per pipeline stage, e.g. (41, 39): stage 0 also holds the embedding and
     # the last stage the LM head, so uneven splits can balance memory. None = even split.
     pp_layer_partition: tuple[int, ...] | None = None
+    enable_expert_parallel: bool = False  # MoE: whole experts per TP rank (parallel.moe)
     # Set per rank with dataclasses.replace by the executor that spawns the workers.
     rank: int = 0
 
@@ -201,6 +202,7 @@ class ParallelConfig:
             "placement_group_strategy",
             ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
         )
+        check_bool(self.enable_expert_parallel, "enable_expert_parallel")
         if self.pp_layer_partition is not None:
             # YAML and JSON give lists; keep the frozen config hashable and immutable.
             object.__setattr__(self, "pp_layer_partition", tuple(self.pp_layer_partition))
@@ -464,6 +466,12 @@ def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
         kv % tp == 0 or tp % kv == 0,
         "tensor_parallel_size",
         f"must divide or be a multiple of num_key_value_heads ({kv}), got {tp}",
+    )
+    experts = num_experts(model.hf_config)  # EP: num_experts / tp whole experts per rank
+    require(
+        not parallel.enable_expert_parallel or experts % tp == 0,
+        "enable_expert_parallel",
+        f"needs num_experts ({experts}) divisible by the EP size (tensor_parallel_size), got {tp}",
     )
     pp = parallel.pipeline_parallel_size
     require(

@@ -39,6 +39,7 @@ ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
     "placement_group_strategy": ("parallel", "placement_group_strategy"),
     "pp_layer_partition": ("parallel", "pp_layer_partition"),
+    "enable_expert_parallel": ("parallel", "enable_expert_parallel"),
     "device": ("device", "device"),
     "attention_backend": ("kernel", "attention_backend"),
     "enforce_eager": ("kernel", "enforce_eager"),

@@ -118,6 +118,8 @@ class Worker:
         partition = self.config.parallel.pp_layer_partition
         if partition is not None:
             self.ctx = dataclasses.replace(self.ctx, layer_partition=partition)
+        if self.config.parallel.enable_expert_parallel:
+            self.ctx = dataclasses.replace(self.ctx, expert_parallel=True)
         model = load_model(self.config, self.ctx, self.device, progress)
         lora_manager = None
         lora = self.config.lora

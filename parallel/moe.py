@@ -1,21 +1,42 @@
-"""Mixture-of-experts experts, tensor-parallel: every rank holds a slice of every expert's
-intermediate dimension, so the expert compute is an MLP sharded like ``GatedMLP`` — gate/up
-split by output rows, down by input columns — and the caller all-reduces the partial sums once.
+"""Mixture-of-experts experts, sharded one of two ways over the TP group; either way
+``forward`` returns this rank's partial sum and the caller all-reduces once per layer.
+
+Tensor parallel (the default): every rank holds a slice of every expert's intermediate
+dimension, so the expert compute is an MLP sharded like ``GatedMLP`` (gate/up split by output
+rows, down by input columns)::
 
     gate_up_proj  [E, 2 * I/tp, H]   rank r: [gate rows r*I/tp ... ; up rows r*I/tp ...]
     down_proj     [E, H, I/tp]       rank r: columns r*I/tp ...
+
+Expert parallel (``enable_expert_parallel``): the EP group is the TP group, and rank r holds
+the whole experts ``[r*E/ep, (r+1)*E/ep)``, nothing of the others::
+
+    gate_up_proj  [E/ep, 2I, H]      down_proj  [E/ep, H, I]
+
+Attention stays TP-sharded, and after its all-reduce every rank of the group holds every
+token's hidden states. So the dispatch is free (each rank routes all tokens and computes the
+(token, expert) pairs whose expert it owns; the others add nothing) and the combine is the
+layer's one all-reduce: "all-gather + reduce-scatter" where the all-gather has nothing to do
+(activations are already replicated) and the reduce-scatter is followed by the all-gather the
+next attention needs, i.e. one all-reduce, of the same ``[T, H]`` bytes as TP. With
+data-parallel attention (each rank its own tokens) the dispatch would be a real all-to-all of
+the routed tokens to their experts' ranks and back (docs/moe.md).
 
 A checkpoint stores the experts either one tensor per expert and projection (HF's
 ``experts.N.gate_proj.weight`` ..., what ``save_pretrained`` writes; ``shard_id`` =
 ``(N, 0 | 1)`` for gate / up, ``N`` for down) or already stacked (``experts.gate_up_proj``
 ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]``, ``shard_id=None``); either way a rank
-reads only its rows / columns.
+reads only its rows / columns (TP) or its experts (EP) and skips another rank's expert.
 
-Compute (:func:`grouped_experts`): the ``T x K`` (token, expert) pairs are sorted by expert, and
-each expert that received tokens runs one GEMM over its contiguous run of rows; experts with no
-tokens cost nothing. The routing weights multiply each pair's output in their own dtype, then
-the K outputs of a token are summed in top-k order and cast to the activations' dtype, as HF's
-``grouped_mm`` experts do.
+Compute: on CUDA the Triton ``kernels.moe.fused_moe`` (with an ``expert_map`` under EP; it
+applies the routing weights and sums the top-k in float32). Elsewhere :func:`grouped_experts`:
+the ``T x K`` pairs are sorted by expert, and each local expert that received tokens runs one
+GEMM over its contiguous run of rows; experts with no tokens (or on another rank) cost nothing.
+Its routing weights multiply each pair's output in their own dtype, then the K outputs of a
+token are summed in top-k order and cast to the activations' dtype, as HF's ``grouped_mm``
+experts do. The two agree exactly in float32; in bfloat16 a Qwen-MoE model (whose HF code
+weights in the model dtype) differs from HF by the kernel's float32 weighting, a rounding-level
+difference, as vLLM's fused MoE does too.
 """
 
 from __future__ import annotations
@@ -27,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe import fused_moe
 from parallel.layers import check_shape, divide
 from parallel.state import SINGLE, GroupCoordinator
 
@@ -41,7 +63,8 @@ def grouped_experts(
     topk_weights: torch.Tensor,
     act_and_mul: ActAndMul,
 ) -> torch.Tensor:
-    """``sum_k w[t, k] * down_e(act_and_mul(gate_up_e(x[t])))`` with ``e = topk_ids[t, k]``.
+    """``sum_k w[t, k] * down_e(act_and_mul(gate_up_e(x[t])))`` with ``e = topk_ids[t, k]``;
+    a negative id (an expert on another rank) adds nothing.
 
     ``x`` ``[T, H]``; ``gate_up_proj`` ``[E, 2I, H]``; ``down_proj`` ``[E, H, I]``;
     ``topk_ids`` / ``topk_weights`` ``[T, K]``. Returns ``[T, H]`` in ``x``'s dtype.
@@ -52,14 +75,16 @@ def grouped_experts(
         return x.new_zeros(0, hidden)
     num_experts = gate_up_proj.shape[0]
     flat_ids = topk_ids.reshape(-1)
+    # Non-local pairs get the id num_experts: they sort last and no GEMM reads them.
+    flat_ids = torch.where(flat_ids < 0, num_experts, flat_ids)
     # Stable, so the pairs of one expert keep token order (deterministic row order per GEMM).
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts)
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)
     # One host sync for the whole layer: each active expert's run [end - count, end).
     ends = torch.cumsum(counts, 0).tolist()
-    sizes = counts.tolist()
+    sizes = counts.tolist()[:num_experts]
     rows = x[order // top_k]
-    sorted_out = x.new_empty(num_tokens * top_k, hidden)
+    sorted_out = x.new_zeros(num_tokens * top_k, hidden)
     for expert in (e for e, n in enumerate(sizes) if n):
         end = ends[expert]
         start = end - sizes[expert]
@@ -72,8 +97,10 @@ def grouped_experts(
 
 
 class ParallelExperts(nn.Module):
-    """The stacked gated-MLP experts of one MoE layer, sharded over the TP group on the
-    intermediate dimension. ``forward`` returns this rank's partial sum (not all-reduced)."""
+    """The stacked gated-MLP experts of one MoE layer: sliced over the TP group on the
+    intermediate dimension, or (``expert_parallel``) whole experts split evenly over it.
+    ``forward`` returns this rank's partial sum (not all-reduced). ``silu`` says the
+    activation is SiLU, the one the fused CUDA kernel computes."""
 
     def __init__(
         self,
@@ -83,29 +110,62 @@ class ParallelExperts(nn.Module):
         act_and_mul: ActAndMul,
         *,
         tp: GroupCoordinator = SINGLE,
+        expert_parallel: bool = False,
+        silu: bool = True,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.expert_parallel = expert_parallel
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.inter_per_rank = divide(intermediate_size, tp.size, "moe intermediate size")
         self.act_and_mul = act_and_mul
+        self.silu = silu
+        # EP: whole experts, a contiguous block per rank. TP: every expert, a slice of each.
+        ep_size, ep_rank = (tp.size, tp.rank) if expert_parallel else (1, 0)
+        self.slice_size, self.slice_rank = (1, 0) if expert_parallel else (tp.size, tp.rank)
+        what = "num_experts (enable_expert_parallel)"
+        self.num_local_experts = divide(num_experts, ep_size, what)
+        self.first_expert = ep_rank * self.num_local_experts
+        self.inter_per_rank = divide(intermediate_size, self.slice_size, "moe intermediate size")
+        self._expert_map: torch.Tensor | None = None
+        local, inter = self.num_local_experts, self.inter_per_rank
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * self.inter_per_rank, hidden_size), requires_grad=False
+            torch.empty(local, 2 * inter, hidden_size), requires_grad=False
         )
         self.gate_up_proj.weight_loader = self.gate_up_loader
-        self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, self.inter_per_rank), requires_grad=False
-        )
+        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, inter), requires_grad=False)
         self.down_proj.weight_loader = self.down_loader
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        if x.device.type == "cuda" and self.silu:
+            expert_map = self.expert_map(x.device) if self.expert_parallel else None
+            w13, w2 = self.gate_up_proj, self.down_proj
+            return fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
+        if self.expert_parallel:
+            local = topk_ids - self.first_expert
+            in_range = (local >= 0) & (local < self.num_local_experts)
+            topk_ids = torch.where(in_range, local, -1)
         return grouped_experts(
             x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.act_and_mul
         )
+
+    def expert_map(self, device: torch.device) -> torch.Tensor:
+        """``[E]`` int32: a global expert id's index among this rank's experts, -1 for another
+        rank's (``fused_moe``'s ``expert_map``). Kept off the module's buffers: it is derived,
+        not state, and the memory plan counts buffers exactly."""
+        if self._expert_map is None or self._expert_map.device != device:
+            ids = torch.arange(self.num_experts, device=device, dtype=torch.int32)
+            local = ids - self.first_expert
+            owned = (local >= 0) & (local < self.num_local_experts)
+            self._expert_map = torch.where(owned, local, -1).to(torch.int32)
+        return self._expert_map
+
+    def owns(self, expert: int) -> bool:
+        """Whether global expert ``expert``'s weights live on this rank."""
+        return self.first_expert <= expert < self.first_expert + self.num_local_experts
 
     def _expert(self, shard_id: Any, what: str) -> int:
         if isinstance(shard_id, bool) or not isinstance(shard_id, int):
@@ -118,16 +178,18 @@ class ParallelExperts(nn.Module):
 
     def gate_up_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         """A stacked ``[E, 2I, H]`` tensor (``shard_id=None``) or one expert's gate (part 0)
-        or up (part 1) projection ``[I, H]`` (``shard_id=(expert, part)``)."""
-        inter, size, rank = self.intermediate_size, self.inter_per_rank, self.tp.rank
+        or up (part 1) projection ``[I, H]`` (``shard_id=(expert, part)``); another EP rank's
+        expert is skipped."""
+        inter, size, rank = self.intermediate_size, self.inter_per_rank, self.slice_rank
         if shard_id is None:
             check_shape(
                 loaded, (self.num_experts, 2 * inter, self.hidden_size), "stacked expert gate_up"
             )
+            first, end = self.first_expert, self.first_expert + self.num_local_experts
             for part in (0, 1):
                 start = part * inter + rank * size
                 param.data[:, part * size : (part + 1) * size].copy_(
-                    loaded[:, start : start + size]
+                    loaded[first:end, start : start + size]
                 )
             return
         if not isinstance(shard_id, tuple) or len(shard_id) != 2 or shard_id[1] not in (0, 1):
@@ -135,27 +197,33 @@ class ParallelExperts(nn.Module):
         expert = self._expert(shard_id[0], "gate_up_proj")
         part = shard_id[1]
         check_shape(loaded, (inter, self.hidden_size), f"expert {expert} part {part}")
+        if not self.owns(expert):
+            return
         rows = loaded[rank * size : (rank + 1) * size]
-        param.data[expert, part * size : (part + 1) * size].copy_(rows)
+        param.data[expert - self.first_expert, part * size : (part + 1) * size].copy_(rows)
 
     def down_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         """A stacked ``[E, H, I]`` tensor (``shard_id=None``) or one expert's ``[H, I]``
-        (``shard_id=expert``)."""
-        inter, size, rank = self.intermediate_size, self.inter_per_rank, self.tp.rank
+        (``shard_id=expert``); another EP rank's expert is skipped."""
+        inter, size, rank = self.intermediate_size, self.inter_per_rank, self.slice_rank
         if shard_id is None:
             check_shape(
                 loaded, (self.num_experts, self.hidden_size, inter), "stacked expert down_proj"
             )
-            param.data.copy_(loaded[:, :, rank * size : (rank + 1) * size])
+            first, end = self.first_expert, self.first_expert + self.num_local_experts
+            param.data.copy_(loaded[first:end, :, rank * size : (rank + 1) * size])
             return
         expert = self._expert(shard_id, "down_proj")
         check_shape(loaded, (self.hidden_size, inter), f"expert {expert} down_proj")
-        param.data[expert].copy_(loaded[:, rank * size : (rank + 1) * size])
+        if not self.owns(expert):
+            return
+        param.data[expert - self.first_expert].copy_(loaded[:, rank * size : (rank + 1) * size])
 
     def expected_parts(self, param_name: str) -> frozenset[Any]:
         """The per-expert shard ids that fill parameter ``param_name`` (``gate_up_proj`` or
-        ``down_proj``) when the checkpoint stores one tensor per expert."""
-        experts = range(self.num_experts)
+        ``down_proj``) when the checkpoint stores one tensor per expert: this rank's experts
+        (global ids)."""
+        experts = range(self.first_expert, self.first_expert + self.num_local_experts)
         if param_name == "gate_up_proj":
             return frozenset((e, p) for e in experts for p in (0, 1))
         return frozenset(experts)

@@ -81,6 +81,9 @@ class ParallelContext:
     pp: GroupCoordinator = SINGLE
     # Decoder layers per pipeline stage (an override); None splits them evenly.
     layer_partition: tuple[int, ...] | None = None
+    # enable_expert_parallel: MoE layers place whole experts on the TP group's ranks (its EP
+    # group) instead of slicing every expert (parallel.moe).
+    expert_parallel: bool = False
 
     def warm_up(self, device: torch.device) -> None:
         """Run one small all-reduce in the TP group and one stage-to-stage transfer down the

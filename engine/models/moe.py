@@ -2,16 +2,21 @@
 its experts share.
 
     SparseMoeBlock   x ─ gate (router, replicated) ─ softmax (fp32) ─ top-k ─ [renormalize]
-                       └─ experts (stacked, TP-sharded on the intermediate dim) ─┐
-                       └─ [shared_expert * sigmoid(shared_expert_gate(x))] ──────┴─ all-reduce
+                       └─ experts (stacked; TP: intermediate dim sliced, EP: whole ─┐
+                          experts per rank, parallel.moe)                           │
+                       └─ [shared_expert * sigmoid(shared_expert_gate(x))] ─────────┴─ all-reduce
 
 Routing is HF's for each family: the router logits in the model dtype, softmax in float32,
 ``torch.topk`` over the probabilities (so ties go wherever torch.topk puts them, as in HF), the
 top-k renormalized to sum to 1 when the family says so (Mixtral always; Qwen2/3-MoE with
 ``norm_topk_prob``), then the weights cast to the model dtype (Qwen2/3-MoE) or left in float32
 (Mixtral, whose expert outputs are therefore weighted and summed in float32 before the cast
-back). The routed experts' and the shared expert's partial sums are added before the one
-all-reduce of the layer, as a dense MLP's down projection does it.
+back). On CUDA the fused kernel weights and sums in float32 whatever the weights' dtype:
+exact in float32, a rounding-level difference from HF's Qwen-MoE in bfloat16. The routed
+experts' and the shared expert's partial sums are added before the one all-reduce of the
+layer, as a dense MLP's down projection does it. Under expert parallelism the shared expert
+stays TP-sliced (every token uses it, so slicing it balances the work; placing it whole on one
+rank would not), and the routed partial sums (this rank's experts) join it in that all-reduce.
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ class SparseMoeBlock(nn.Module):
             hf_config.moe_intermediate_size(hf),
             act_and_mul(hf, ops),
             tp=ctx.tp,
+            expert_parallel=ctx.expert_parallel,
+            silu=hf_config.hidden_activation(hf) == "silu",
         )
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
