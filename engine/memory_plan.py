@@ -9,7 +9,9 @@ shards of the same sizes, so one line per stage stands for all of its ranks):
                  64 x TP, column/row/QKV/merged splits, KV heads replicated when TP > KV heads,
                  row-parallel biases whole on every rank; ``engine.models``: which layers and
                  norms each family has, embedding on the first stage, final norm and LM head on
-                 the last, a tied head sharing the embedding only when one stage holds both)
+                 the last, a tied head sharing the embedding only when one stage holds both;
+                 an MoE model's experts, router and shared expert per ``engine.memory_plan_moe``,
+                 sliced over TP or placed whole per rank under enable_expert_parallel)
     buffers      exactly the rotary cos/sin tables (``RopeCache``: float32 [max_position,
                  rotary_dim], one pair per distinct rope among this stage's layers)
     lora         exactly the LoRA slots (``parallel.lora.LinearLoRA``) when enable_lora
@@ -24,8 +26,9 @@ shards of the same sizes, so one line per stage stands for all of its ranks):
         CPU:  min(cpu_kv_cache_space GiB // block bytes, max_num_seqs x blocks of max_model_len)
               (``Worker.determine_num_available_blocks``)
 
-One role in one file (~750 lines): the arithmetic follows the model code layer by layer, and
-the refusals read the same figures; split apart, the two would drift from each other.
+One role in one file (~770 lines; the MoE feed-forward apart, in ``memory_plan_moe``): the
+arithmetic follows the model code layer by layer, and the refusals read the same figures; split
+apart, the two would drift from each other.
 
 A plan refuses (``MemoryPlan.problems``) when the weights and buffers do not fit a GPU's usable
 memory, when the KV cache cannot hold one ``max_model_len`` sequence, or when the engine would
@@ -40,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from engine import hf_config
+from engine import hf_config, memory_plan_moe
 from engine.errors import ConfigError
 from engine.rope_config import rope_max_positions, rope_parameters
 
@@ -85,9 +88,10 @@ class _Family:
     qk_norm: bool
     norms_per_layer: int
     tie_default: bool  # ``CausalLM.tie_word_embeddings_default``
+    flag_default: bool = False  # a flag's value when its key is absent (Qwen2-MoE's qkv_bias)
 
     def flag(self, hf: Mapping[str, Any], which: str | bool) -> bool:
-        return bool(hf.get(which, False)) if isinstance(which, str) else which
+        return bool(hf.get(which, self.flag_default)) if isinstance(which, str) else which
 
 
 # Keyed like ``engine.models.MODEL_REGISTRY`` (a test checks they agree).
@@ -99,6 +103,10 @@ FAMILIES: dict[str, _Family] = {
     "Gemma2ForCausalLM": _Family("attention_bias", "attention_bias", False, False, 4, True),
     "Gemma3ForCausalLM": _Family("attention_bias", "attention_bias", False, True, 4, True),
     "Phi3ForCausalLM": _Family(False, False, False, False, 2, False),
+    # Mixture of experts: the feed-forward is engine.memory_plan_moe's.
+    "MixtralForCausalLM": _Family(False, False, False, False, 2, False),
+    "Qwen2MoeForCausalLM": _Family("qkv_bias", False, False, False, 2, False, flag_default=True),
+    "Qwen3MoeForCausalLM": _Family("attention_bias", "attention_bias", False, True, 2, False),
 }
 
 
@@ -111,6 +119,7 @@ class PlanSettings:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pp_layer_partition: tuple[int, ...] | None = None
+    enable_expert_parallel: bool = False
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -374,8 +383,10 @@ def stage_weight_bytes(
     is_last: bool,
     dtype_bytes: int,
     quant: _Quant | None = None,
+    expert_parallel: bool = False,
 ) -> dict[str, int]:
-    """Bytes of one rank's parameters, by part: exactly what the model code allocates."""
+    """Bytes of one rank's parameters, by part: exactly what the model code allocates (an
+    MoE model's feed-forward by ``engine.memory_plan_moe``, TP- or EP-placed)."""
     family = FAMILIES[hf_config.architecture(hf)]
     h, q, kv, inter = shape.hidden, shape.q_size, shape.kv_size, shape.inter_per_rank
     qkv_out = q + 2 * kv
@@ -405,6 +416,12 @@ def stage_weight_bytes(
         # A tied head shares the embedding's tensor only on a stage that has both.
         "lm_head": table if is_last and not (tied and is_first) else 0,
     }
+    if memory_plan_moe.is_moe(hf):
+        moe = memory_plan_moe.moe_weight_bytes(
+            hf, first_layer, end_layer, tp=shape.tp, expert_parallel=expert_parallel,
+            dtype_bytes=dtype_bytes, linear=linear,
+        )  # fmt: skip
+        parts.update(moe)
     return parts
 
 
@@ -643,7 +660,10 @@ def _stage(
     pp = settings.pipeline_parallel_size
     first, end = layer_range(shape.num_layers, pp_rank, pp, partition)
     is_last = pp_rank == pp - 1
-    weights = stage_weight_bytes(hf, shape, first, end, pp_rank == 0, is_last, dtype_bytes, quant)
+    weights = stage_weight_bytes(
+        hf, shape, first, end, pp_rank == 0, is_last, dtype_bytes, quant,
+        expert_parallel=settings.enable_expert_parallel,
+    )  # fmt: skip
     per_token = kv_bytes_per_token(shape, end - first, dtype_bytes)
     lora = 0
     if settings.enable_lora:

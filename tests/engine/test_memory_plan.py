@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,13 +86,14 @@ def builtin_config(name: str, **overrides: Any) -> dict[str, Any]:
 
 def meta_rank(
     hf: dict[str, Any], dtype: str, tp: int, tp_rank: int, pp: int, pp_rank: int,
-    partition: tuple[int, ...] | None = None,
+    partition: tuple[int, ...] | None = None, expert_parallel: bool = False,
 ) -> torch.nn.Module:  # fmt: skip
     """One rank's model built the way ``model_loader.load_model`` builds it, on meta."""
     ctx = ParallelContext(
         tp=GroupCoordinator(rank=tp_rank, size=tp, ranks=tuple(range(tp))),
         pp=GroupCoordinator(rank=pp_rank, size=pp, ranks=tuple(range(pp))),
         layer_partition=partition,
+        expert_parallel=expert_parallel,
     )
     model_class = MODEL_REGISTRY[hf["architectures"][0]]
     with torch.device("meta"), _default_dtype(_DTYPES[dtype]):
@@ -119,10 +121,11 @@ def check_against_meta_builds(tmp_path: Path, hf: dict[str, Any], kwargs: dict[s
     pp = kwargs.get("pipeline_parallel_size", 1)
     partition = kwargs.get("pp_layer_partition")
     partition = tuple(partition) if partition else None
+    ep = kwargs.get("enable_expert_parallel", False)
     assert len(plan.stages) == pp
     for stage in plan.stages:
         for tp_rank in range(tp):
-            model = meta_rank(hf, plan.dtype, tp, tp_rank, pp, stage.pp_rank, partition)
+            model = meta_rank(hf, plan.dtype, tp, tp_rank, pp, stage.pp_rank, partition, ep)
             where = f"tp rank {tp_rank}, pp stage {stage.pp_rank}"
             assert stage.weight_bytes == tensor_bytes(model.parameters()), where
             assert stage.buffer_bytes == tensor_bytes(model.buffers()), where
@@ -182,6 +185,15 @@ def test_llama_3_70b_at_tp4_pp2_figures(tmp_path: Path) -> None:
         ("tiny-qwen2", {"num_hidden_layers": 5},
          {"pipeline_parallel_size": 3, "dtype": "float16", "tensor_parallel_size": 2}),
         ("tiny-mistral", {}, {"dtype": "bfloat16"}),
+        # MoE: experts sliced (TP) or whole per rank (EP); a shared expert; dense layers among
+        # sparse ones (mlp_only_layers, decoder_sparse_step) split over stages.
+        ("tiny-mixtral", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+        ("tiny-mixtral", {}, {"tensor_parallel_size": 4, "enable_expert_parallel": True}),
+        ("tiny-qwen2-moe", {"decoder_sparse_step": 2, "num_hidden_layers": 3},
+         {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+        ("tiny-qwen2-moe", {}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+        ("tiny-qwen3-moe", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                                "enable_expert_parallel": True, "dtype": "bfloat16"}),
     ],
 )  # fmt: skip
 def test_every_family_matches_a_meta_build_of_every_rank(
@@ -337,3 +349,87 @@ def test_the_plan_module_imports_no_torch() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60
     )
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+# ---- mixture of experts ---------------------------------------------------------------------
+
+# Qwen/Qwen3-30B-A3B's config.json, the fields that size it (no weights needed).
+QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"])
+def test_moe_plan_counts_every_parameter_of_the_loaded_engine_model(name: str) -> None:
+    from engine.worker import Worker
+
+    kwargs = {"max_model_len": 256, "max_num_seqs": 2, "dtype": "float32"}
+    config = EngineConfig.from_kwargs(model=f"builtin:{name}", device="cpu", **kwargs)
+    worker = Worker(config)
+    worker.init_device()
+    worker.load_model()
+    model = worker.runner.model
+    # On CPU the linear weights are packed into oneDNN's layout (``weight_shape`` stays).
+    numel = sum(p.numel() for p in model.parameters()) + sum(
+        math.prod(m.weight_shape)
+        for m in model.modules()
+        if getattr(m, "packed_weight", None) is not None and m.weight.numel() == 0
+    )
+    (stage,) = plan_memory(config.model.hf_config, PlanSettings(**kwargs, device="cpu")).stages
+    assert stage.weight_bytes == 4 * numel == worker.parameter_bytes()
+    # The experts are most of it: the dense-model arithmetic (one MLP of intermediate_size
+    # per layer) would undercount.
+    assert stage.weight_breakdown["experts"] > stage.weight_breakdown["attention"]
+
+
+def test_qwen3_30b_a3b_per_gpu_bytes_under_tp_and_ep() -> None:
+    """Worked by hand: 48 layers x 128 experts x 3 x 2048 x 768 bf16 = 57.98 GB of experts,
+    a quarter per GPU at TP 4 (every expert, a quarter of its intermediate rows) and at EP 4
+    (32 whole experts); the router 128 x 2048 replicated on every GPU either way."""
+    expert = 3 * 2048 * 768 * 2
+    plans = {
+        ep: plan_memory(
+            QWEN3_30B_A3B,
+            PlanSettings(tensor_parallel_size=4, enable_expert_parallel=ep),
+            H100_BYTES,
+        )
+        for ep in (False, True)
+    }
+    for plan in plans.values():
+        (stage,) = plan.stages
+        assert stage.weight_breakdown["experts"] == 48 * 32 * expert
+        assert stage.weight_breakdown["router"] == 48 * 128 * 2048 * 2
+        assert stage.weight_breakdown["mlp"] == stage.weight_breakdown["shared_expert"] == 0
+        assert plan.fits
+    whole = plan_memory(QWEN3_30B_A3B, PlanSettings(), H100_BYTES)
+    params = whole.stages[0].weight_bytes // 2
+    assert 30.4e9 < params < 30.6e9  # "30.5B" on the model card
+
+
+def test_moe_experts_the_ep_size_does_not_divide_are_a_problem() -> None:
+    hf = {**QWEN3_30B_A3B, "num_experts": 100}
+    plan = plan_memory(hf, PlanSettings(tensor_parallel_size=8, enable_expert_parallel=True))
+    assert plan.stages == () and not plan.fits
+    assert "enable_expert_parallel: needs num_experts (100)" in plan.problems[-1]

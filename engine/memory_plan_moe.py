@@ -1,0 +1,85 @@
+"""The feed-forward weights of a mixture-of-experts stage, for ``engine.memory_plan``: exactly
+what ``engine.models.moe`` / ``parallel.moe`` allocate on one rank (a dense model's MLP is
+``memory_plan``'s own arithmetic). Torch-free, like the plan.
+
+Per decoder layer of the stage (``hf_config.is_sparse_layer``: every Mixtral layer; Qwen2/3-MoE
+per ``decoder_sparse_step`` and ``mlp_only_layers``)::
+
+    dense layer    gate_up + down of intermediate_size, sliced over TP      3 H I/tp
+    sparse layer   router (replicated)                                      E H
+                   routed experts, TP: every expert, a slice of each        E x 3 H I_e/tp
+                                   EP: E/ep whole experts (ep = tp)         E/ep x 3 H I_e
+                   shared expert (Qwen2-MoE), TP-sliced under TP and EP     3 H S/tp
+                   shared expert gate (replicated)                          H
+
+With E divisible by the group size, TP and EP hold the same expert bytes per rank; EP trades
+the slicing for whole-expert GEMMs and a skewed load when routing is unbalanced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from engine import hf_config
+from engine.errors import ConfigError
+
+# ``linear(out, in_, parts)``: the bytes of one [out, in_] weight as the checkpoint stores it.
+LinearBytes = Callable[[int, int, int], int]
+
+
+def is_moe(hf: Mapping[str, Any]) -> bool:
+    return hf_config.architecture(dict(hf)) in hf_config.MOE_ARCHITECTURES
+
+
+def moe_weight_bytes(
+    hf: Mapping[str, Any],
+    first_layer: int,
+    end_layer: int,
+    *,
+    tp: int,
+    expert_parallel: bool,
+    dtype_bytes: int,
+    linear: LinearBytes,
+) -> dict[str, int]:
+    """One rank's feed-forward bytes over layers ``[first_layer, end_layer)``: ``mlp`` (the
+    dense layers), ``experts``, ``router`` and ``shared_expert`` (with its gate)."""
+    conf = dict(hf)
+    hidden = int(hf["hidden_size"])
+    num_experts = hf_config.num_experts(conf)
+    expert_inter = hf_config.moe_intermediate_size(conf)
+    if expert_parallel:
+        if num_experts % tp:
+            raise ConfigError(
+                f"enable_expert_parallel: needs num_experts ({num_experts}) divisible by the "
+                f"EP size (tensor_parallel_size), got {tp}"
+            )
+        local_experts, expert_slice = num_experts // tp, expert_inter
+    else:
+        local_experts, expert_slice = num_experts, _split(expert_inter, tp, "moe intermediate")
+    expert = linear(2 * expert_slice, hidden, 2) + linear(hidden, expert_slice, 1)
+    shared_size = int(hf.get("shared_expert_intermediate_size") or 0)
+    if hf_config.architecture(conf) != "Qwen2MoeForCausalLM":
+        shared_size = 0  # Qwen3-MoE's config may carry the field; its model has no shared expert
+    shared = 0
+    if shared_size:
+        shared_slice = _split(shared_size, tp, "shared_expert_intermediate_size")
+        shared = linear(2 * shared_slice, hidden, 2) + linear(hidden, shared_slice, 1)
+        shared += hidden * dtype_bytes  # shared_expert_gate [1, H]
+    sparse = sum(hf_config.is_sparse_layer(conf, i) for i in range(first_layer, end_layer))
+    dense = 0
+    if sparse < end_layer - first_layer:
+        dense_slice = _split(int(hf["intermediate_size"]), tp, "intermediate_size")
+        dense = linear(2 * dense_slice, hidden, 2) + linear(hidden, dense_slice, 1)
+    return {
+        "mlp": (end_layer - first_layer - sparse) * dense,
+        "experts": sparse * local_experts * expert,
+        "router": sparse * num_experts * hidden * dtype_bytes,
+        "shared_expert": sparse * shared,
+    }
+
+
+def _split(size: int, tp: int, what: str) -> int:
+    if size % tp:
+        raise ConfigError(f"tensor_parallel_size: must divide {what} ({size}), got {tp}")
+    return size // tp
