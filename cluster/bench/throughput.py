@@ -1,8 +1,9 @@
 """``cluster bench throughput``: offline throughput of this engine against HF transformers and
 vLLM.
 
-One role, kept in one file (~670 lines): the workload, the bench checkpoint, each system's
-runner and the report all serve this one measurement and change together.
+One role, kept in one file (~620 lines; the bench model's families and shapes are
+``cluster.bench.model_shape``): the workload, the runners of each system and the report all
+serve this one measurement and change together.
 
 Workload as in vLLM's and nano-vllm's throughput benchmarks: N prompts of random token ids,
 input and output lengths uniform in ranges, ``ignore_eos``, fixed seed. Throughput = output
@@ -46,57 +47,17 @@ from typing import Any
 
 import torch
 
+from cluster.bench.model_shape import (
+    ModelShape,
+    add_shape_arguments,
+    bench_model_builder,
+    shape_from_args,
+)
+
 SYSTEMS = ("engine", "engine_unpipelined", "hf_static", "hf_cb", "vllm")
 DEFAULT_SYSTEMS = ("engine", "hf_static", "hf_cb")
 # Where ../shared/peers/setup-vllm-cpu.sh puts vLLM's CPU build (``PEER_VENV`` overrides it).
 PEER_VENV_DEFAULT = Path.home() / ".cache" / "llm-cluster-peers" / "vllm-cpu"
-
-
-# The families of the built-in random model (``engine.tiny_models.RANDOM_MODEL_FAMILIES``).
-FAMILIES = ("llama", "qwen3", "gemma2")
-# Gemma ties lm_head to the embedding; the others store both matrices.
-TIED_FAMILIES = frozenset({"gemma2"})
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The built-in random model: its family and sizes (``head_dim = hidden / heads`` in all)."""
-
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    num_key_value_heads: int = 4
-    intermediate_size: int = 1536
-    vocab_size: int = 32000
-    family: str = "llama"
-
-    @property
-    def dirname(self) -> str:
-        s = self
-        # "-t2": the tokenizer grown to the vocabulary (older caches had 1024 tokens).
-        return (
-            f"bench-{s.family}-h{s.hidden_size}-l{s.num_hidden_layers}-a{s.num_attention_heads}"
-            f"-kv{s.num_key_value_heads}-i{s.intermediate_size}-v{s.vocab_size}-t2"
-        )
-
-    def linear_params_per_token(self) -> int:
-        """Parameters of the matmuls every computed token goes through (decoder layers). The
-        same in every family: q, k, v, o and a gated MLP (Qwen3's q/k norms, Gemma2's extra
-        norms and soft-caps are elementwise)."""
-        head_dim = self.hidden_size // self.num_attention_heads
-        q = self.hidden_size * self.num_attention_heads * head_dim
-        kv = 2 * self.hidden_size * self.num_key_value_heads * head_dim
-        o = self.num_attention_heads * head_dim * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_hidden_layers * (q + kv + o + mlp)
-
-    def total_params(self) -> int:
-        embeddings = 1 if self.family in TIED_FAMILIES else 2
-        return self.linear_params_per_token() + embeddings * self.vocab_size * self.hidden_size
-
-
-# The ``--hidden-size``-style integer options; ``family`` is ``--family``.
-SHAPE_DIMS = tuple(name for name in asdict(ModelShape()) if name != "family")
 
 
 @dataclass
@@ -452,16 +413,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="HF directory (default: a built-in random --family model)"
     )
-    parser.add_argument(
-        "--family",
-        choices=FAMILIES,
-        default=None,
-        help="architecture of the built-in random model, at the shape below (default llama; "
-        "not with --model)",
-    )
-    for name in SHAPE_DIMS:
-        default = getattr(ModelShape(), name)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    add_shape_arguments(parser)
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
@@ -483,19 +435,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.tiny_models import make_random_model, materialize
+    from engine.tiny_models import materialize
 
     if args.model and args.family:
         raise SystemExit("--family picks the built-in random model; it cannot go with --model")
-    shape = ModelShape(
-        **{k: getattr(args, k) for k in SHAPE_DIMS}, family=args.family or ModelShape.family
-    )
+    shape = shape_from_args(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     model_dir = (
-        Path(args.model)
-        if args.model
-        else materialize(shape.dirname, lambda out: make_random_model(out, **asdict(shape)))
+        Path(args.model) if args.model else materialize(shape.dirname, bench_model_builder(shape))
     )
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))

@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from cluster.bench.throughput import (
+from cluster.bench.model_shape import (
+    DENSE_FAMILIES,
     FAMILIES,
+    MOE_FAMILIES,
     ModelShape,
-    SystemResult,
-    _median,
-    default_vllm_python,
+    shape_from_args,
 )
+from cluster.bench.throughput import SystemResult, _median, add_arguments, default_vllm_python
 
 TINY_SHAPE = [
     "--hidden-size", "64", "--num-hidden-layers", "2", "--num-attention-heads", "4",
@@ -130,7 +132,74 @@ def test_bench_llama_keeps_its_cache_dirname() -> None:
     from engine.tiny_models import RANDOM_MODEL_FAMILIES
 
     assert ModelShape().dirname == "bench-llama-h768-l12-a12-kv4-i1536-v32000-t2"
-    assert FAMILIES == RANDOM_MODEL_FAMILIES
+    assert DENSE_FAMILIES == RANDOM_MODEL_FAMILIES
+    assert FAMILIES == DENSE_FAMILIES + MOE_FAMILIES
+
+
+def _shape(*argv: str) -> ModelShape:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return shape_from_args(parser.parse_args(list(argv)))
+
+
+def test_bench_qwen3_moe_defaults_to_a_0_3b_model_with_16_experts_top_4() -> None:
+    shape = _shape("--family", "qwen3-moe")
+    assert (shape.hidden_size, shape.num_hidden_layers, shape.intermediate_size) == (768, 12, 512)
+    assert (shape.num_experts, shape.num_experts_per_tok) == (16, 4)
+    assert 0.28e9 < shape.total_params() < 0.32e9
+    # Top-4 of 16: about as many parameters per token as the dense bench model.
+    assert 0.7e8 < shape.linear_params_per_token() < 0.8e8
+    assert shape.dirname == "bench-qwen3-moe-h768-l12-a12-kv4-i512-v32000-e16k4-t2"
+    # The dense families keep their defaults and their options.
+    assert _shape("--family", "qwen3") == ModelShape(family="qwen3")
+    assert _shape("--hidden-size", "64") == ModelShape(hidden_size=64)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-experts", "8"], "only for an MoE --family"),
+        (["--family", "qwen3-moe", "--num-experts-per-tok", "17"], "must be in [1, "),
+        (["--family", "qwen3-moe", "--num-experts", "0"], "must be in [1, "),
+    ],
+)
+def test_bench_expert_options_are_checked_by_name(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        _shape(*argv)
+
+
+def test_bench_qwen3_moe_runs_the_engine_on_its_random_checkpoint(tmp_path: Path) -> None:
+    """The smallest ``--family qwen3-moe`` run: a 2-layer, 4-expert top-2 checkpoint that HF
+    loads as ``Qwen3MoeForCausalLM`` and the engine generates every requested token on."""
+    from transformers import AutoConfig
+
+    out, cache = tmp_path / "bench.json", tmp_path / "cache"
+    moe = ["--num-experts", "4", "--num-experts-per-tok", "2", "--intermediate-size", "32"]
+    cmd = [sys.executable, "-m", "cluster.cli", "bench", "throughput", "--systems", "engine",
+           "--family", "qwen3-moe", "--num-prompts", "2", "--input-len", "4:8",
+           "--output-len", "2:3", *TINY_SHAPE, *moe, "--json", str(out)]  # fmt: skip
+    env = {**os.environ, "LLM_CLUSTER_CACHE_DIR": str(cache)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    model = report["conditions"]["model"]
+    assert (model["family"], model["num_experts"], model["num_experts_per_tok"]) == (
+        "qwen3-moe",
+        4,
+        2,
+    )
+    assert report["systems"]["engine"]["output_tokens_per_s"] > 0
+    model_dir = cache / "models" / "bench-qwen3-moe-h64-l2-a4-kv2-i32-v1024-e4k2-t2"
+    config = AutoConfig.from_pretrained(model_dir)
+    assert config.architectures == ["Qwen3MoeForCausalLM"]
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (
+        4,
+        2,
+        32,
+    )
+    assert config.mlp_only_layers == []
 
 
 def test_bench_serve_compare_writes_complete_json_and_plot(tmp_path) -> None:

@@ -1,0 +1,170 @@
+"""The built-in random model of ``cluster bench throughput``: its family, its shape (the
+``--hidden-size``-style options), its parameter counts and its cached checkpoint.
+
+Dense families (``engine.tiny_models.RANDOM_MODEL_FAMILIES``) share one shape; ``qwen3-moe`` is
+a random ``Qwen3MoeForCausalLM`` (``engine.tiny_moe_models.make_random_qwen3_moe``) whose every
+layer is sparse: ``--intermediate-size`` is then each expert's, and ``--num-experts`` /
+``--num-experts-per-tok`` pick the experts. Its defaults (16 experts, top-4, 512 per expert at
+the dense bench's hidden 768 x 12 layers) make ~0.3 B parameters in all and about as many
+active per token (~76 M in the decoder) as the dense bench model (~61 M), so a 2-core CPU runs
+it in minutes and the MoE overhead (routing, grouping, per-expert GEMMs) shows against llama.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+DENSE_FAMILIES = ("llama", "qwen3", "gemma2")
+MOE_FAMILIES = ("qwen3-moe",)
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+# Gemma ties lm_head to the embedding; the others store both matrices.
+TIED_FAMILIES = frozenset({"gemma2"})
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The built-in random model: its family and sizes (``head_dim = hidden / heads`` in all).
+    ``num_experts`` is 0 for a dense family; for an MoE family ``intermediate_size`` is each
+    expert's."""
+
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 4
+    intermediate_size: int = 1536
+    vocab_size: int = 32000
+    family: str = "llama"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def dirname(self) -> str:
+        s = self
+        experts = f"-e{s.num_experts}k{s.num_experts_per_tok}" if s.is_moe else ""
+        # "-t2": the tokenizer grown to the vocabulary (older caches had 1024 tokens).
+        return (
+            f"bench-{s.family}-h{s.hidden_size}-l{s.num_hidden_layers}-a{s.num_attention_heads}"
+            f"-kv{s.num_key_value_heads}-i{s.intermediate_size}-v{s.vocab_size}{experts}-t2"
+        )
+
+    def _attention_params(self) -> int:
+        head_dim = self.hidden_size // self.num_attention_heads
+        q = self.hidden_size * self.num_attention_heads * head_dim
+        kv = 2 * self.hidden_size * self.num_key_value_heads * head_dim
+        o = self.num_attention_heads * head_dim * self.hidden_size
+        return q + kv + o
+
+    def _mlp_params(self, num_mlps: int) -> int:
+        router = self.hidden_size * self.num_experts
+        return num_mlps * 3 * self.hidden_size * self.intermediate_size + router
+
+    def linear_params_per_token(self) -> int:
+        """Parameters of the matmuls every computed token goes through (decoder layers): q, k,
+        v, o and a gated MLP in every family (Qwen3's q/k norms, Gemma2's extra norms and
+        soft-caps are elementwise); an MoE layer's router and its top-k experts."""
+        active = self.num_experts_per_tok if self.is_moe else 1
+        return self.num_hidden_layers * (self._attention_params() + self._mlp_params(active))
+
+    def total_params(self) -> int:
+        embeddings = 1 if self.family in TIED_FAMILIES else 2
+        experts = self.num_experts if self.is_moe else 1
+        decoder = self.num_hidden_layers * (self._attention_params() + self._mlp_params(experts))
+        return decoder + embeddings * self.vocab_size * self.hidden_size
+
+
+# The ``--hidden-size``-style integer options; ``family`` is ``--family``.
+SHAPE_DIMS = tuple(name for name in asdict(ModelShape()) if name != "family")
+# Each family's defaults for the options not given.
+FAMILY_SHAPES: dict[str, ModelShape] = {
+    **{family: ModelShape(family=family) for family in DENSE_FAMILIES},
+    "qwen3-moe": ModelShape(
+        intermediate_size=512, family="qwen3-moe", num_experts=16, num_experts_per_tok=4
+    ),
+}
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default=None,
+        help="architecture of the built-in random model, at the shape below (default llama; "
+        "not with --model). qwen3-moe: a random Qwen3-MoE, every layer sparse, "
+        "--intermediate-size per expert; by default 16 experts, top-4, 512 per expert: "
+        "~0.3 B parameters, ~76 M active per token (vLLM's CPU build is the peer)",
+    )
+    for name in SHAPE_DIMS:
+        defaults = {f: getattr(s, name) for f, s in FAMILY_SHAPES.items()}
+        dense, moe = defaults["llama"], defaults["qwen3-moe"]
+        note = f"default {dense}" + (f", qwen3-moe {moe}" if moe != dense else "")
+        if name.startswith("num_experts"):
+            note = f"qwen3-moe only, default {moe}"
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=note)
+
+
+def shape_from_args(args: argparse.Namespace) -> ModelShape:
+    """``--family`` (default llama) at its defaults, with the ``--*`` options given."""
+    family = args.family or ModelShape.family
+    given = {name: getattr(args, name) for name in SHAPE_DIMS if getattr(args, name) is not None}
+    shape = replace(FAMILY_SHAPES[family], **given)
+    if family in MOE_FAMILIES:
+        if not 0 < shape.num_experts_per_tok <= shape.num_experts:
+            raise SystemExit(
+                f"--num-experts-per-tok: must be in [1, --num-experts = {shape.num_experts}], "
+                f"got {shape.num_experts_per_tok}"
+            )
+    elif shape.num_experts or shape.num_experts_per_tok:
+        raise SystemExit(
+            f"--num-experts / --num-experts-per-tok: only for an MoE --family "
+            f"({', '.join(MOE_FAMILIES)}), not {family}"
+        )
+    for name in SHAPE_DIMS:
+        if not name.startswith("num_experts") and getattr(shape, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')}: must be > 0, got {getattr(shape, name)}")
+    return shape
+
+
+def bench_model_builder(shape: ModelShape) -> Callable[[Path], Path]:
+    """What writes ``shape``'s random checkpoint into a directory (for ``materialize``)."""
+    if shape.is_moe:
+        from engine.tiny_moe_models import make_random_qwen3_moe
+
+        def build_moe(out: Path) -> Path:
+            return make_random_qwen3_moe(
+                out,
+                hidden_size=shape.hidden_size,
+                num_hidden_layers=shape.num_hidden_layers,
+                num_attention_heads=shape.num_attention_heads,
+                num_key_value_heads=shape.num_key_value_heads,
+                moe_intermediate_size=shape.intermediate_size,
+                num_experts=shape.num_experts,
+                num_experts_per_tok=shape.num_experts_per_tok,
+                vocab_size=shape.vocab_size,
+            )
+
+        return build_moe
+    from engine.tiny_models import make_random_model
+
+    dense = {k: v for k, v in asdict(shape).items() if not k.startswith("num_experts")}
+    return lambda out: make_random_model(out, **dense)
+
+
+__all__ = [
+    "DENSE_FAMILIES",
+    "FAMILIES",
+    "FAMILY_SHAPES",
+    "MOE_FAMILIES",
+    "SHAPE_DIMS",
+    "TIED_FAMILIES",
+    "ModelShape",
+    "add_shape_arguments",
+    "bench_model_builder",
+    "shape_from_args",
+]
