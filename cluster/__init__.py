@@ -10,7 +10,7 @@ Subpackages by role, each importing only from its own layer and those below it
                 actor, token channel, routing, autoscaling, metrics, scale-to-zero, build_app
     runtime/    Ray execution of one engine: RayExecutor, worker actors, step dispatch,
                 placement arithmetic, load-progress records
-    config.py   the deployment YAML, checked before anything starts
+    config/     the deployment YAML, checked before anything starts
     api/        the wire protocol: OpenAI payloads, typed ingress/replica messages, tool
                 parsers, API keys, error bodies
     proto/      the generated gRPC stubs (same layer as api/)                      (bottom)
