@@ -9,8 +9,11 @@ messages serve a core on a thread and a core in another process (``cluster.servi
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.lora_request import LoRARequest
 from engine.outputs import Logprob
 from engine.pooling_params import PoolingParams
@@ -159,10 +162,41 @@ class CoreStats(msgspec.Struct):
         )
 
 
+class CoreError(msgspec.Struct, array_like=True):
+    """One error table for the head's replies: what kind, for the client, and where."""
+
+    kind: Literal["invalid", "overloaded", "dead"]
+    message: str
+    param: str | None = None
+    retry_after_s: int = 1
+
+    def exception(self) -> Exception:
+        if self.kind == "invalid":
+            return InvalidRequestError(self.message, self.param)
+        if self.kind == "overloaded":
+            return EngineOverloadedError(self.message, self.retry_after_s)
+        return EngineDeadError(self.message)
+
+    @classmethod
+    def of(cls, exc: BaseException) -> CoreError:
+        if isinstance(exc, InvalidRequestError):
+            return cls("invalid", exc.reason, exc.param)
+        if isinstance(exc, EngineOverloadedError):
+            return cls("overloaded", str(exc), None, exc.retry_after_s)
+        return cls("dead", str(exc) or type(exc).__name__)
+
+
+class AddReply(msgspec.Struct, array_like=True):
+    result: AddResult | None = None
+    error: CoreError | None = None
+
+
 __all__ = [
+    "AddReply",
     "AddRequest",
     "AddResult",
     "ChoiceDelta",
+    "CoreError",
     "CoreStats",
     "RequestDelta",
     "StepOutputs",

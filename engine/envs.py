@@ -83,3 +83,11 @@ def pp_pipelining() -> bool:
     pipeline_parallel_size batches in flight so no stage idles while another computes
     (default 1; ``0`` runs one batch at a time, for comparison)."""
     return os.environ.get("LLM_CLUSTER_PP_PIPELINING", "1") != "0"
+
+
+def head_core_process() -> bool:
+    """``LLM_CLUSTER_HEAD_CORE_PROCESS``: a Serve replica's head runs its engine core in a plain
+    child process (``engine.core_process``) where the engine keeps its workers in-process
+    (TP = PP = 1), instead of on a thread of the head's Ray actor (default 1; ``0`` keeps it
+    on the actor's thread, for comparison)."""
+    return os.environ.get("LLM_CLUSTER_HEAD_CORE_PROCESS", "1") != "0"

@@ -68,6 +68,7 @@ from cluster.serving.head_messages import (
     detached,
 )
 from cluster.serving.start_errors import EngineStartError, known_start_failure
+from engine import envs
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, OnDead, OnStep
 from engine.core_loop import EngineCoreLoop
@@ -81,6 +82,7 @@ from engine.core_messages import (
     encode_steps,
     merge_deltas,
 )
+from engine.core_process import EngineCoreProcess, EngineStartFailed, run_in_child_process
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.executor import PHASE_READY, StartupObserver, get_executor_class
 from engine.llm_engine import LLMEngine
@@ -165,19 +167,35 @@ class HeadActor:
             uuid.uuid4().hex[:12],
             ray.util.get_node_ip_address(),
         )
+        self._loop: EngineCoreLoop | EngineCoreProcess
         try:
-            # LLMEngine builds its executor as ``executor_class(config)``: the observer rides
-            # along.
-            executor_class = functools.partial(get_executor_class(config), observer=observer)
-            # Built on the core thread, which runs its forward passes (see EngineCoreLoop).
-            self._loop = EngineCoreLoop(
-                lambda: LLMEngine(config, executor_class=executor_class), self._push, self._died
-            )
-            _log_startup(observer.model_id, started, self._loop.engine.executor)
+            if envs.head_core_process() and run_in_child_process(config):
+                self._loop = EngineCoreProcess(
+                    engine_args, self._push, self._died, observer=observer,
+                    classify="cluster.serving.start_errors:known_start_failure",
+                )  # fmt: skip
+                busy_s, summary = self._loop.startup_busy_s, self._loop.startup_summary
+            else:
+                # LLMEngine builds its executor as ``executor_class(config)``: the observer
+                # rides along.
+                executor_class = functools.partial(get_executor_class(config), observer=observer)
+                # Built on the core thread, which runs its forward passes (see EngineCoreLoop).
+                self._loop = EngineCoreLoop(
+                    lambda: LLMEngine(config, executor_class=executor_class),
+                    self._push,
+                    self._died,
+                )
+                executor = self._loop.engine.executor
+                busy_s = sum(executor.startup_timings.values())
+                summary = executor.startup_summary()
+            _log_startup(observer.model_id, started, summary, busy_s)
         except Exception as exc:
             # A known cause is returned by ``ready`` as one line: an actor that dies in its
             # constructor leaves its caller only Ray's text of the traceback.
-            self._start_failure = known_start_failure(exc)
+            if isinstance(exc, EngineStartFailed):
+                self._start_failure = exc.known
+            else:
+                self._start_failure = known_start_failure(exc)
             if self._start_failure is None:
                 raise
             logger.exception("the engine cannot start: %s", self._start_failure)
@@ -261,11 +279,14 @@ class HeadActor:
         return _ENCODER.encode(self._loop.request_state().result())
 
     def check_health(self) -> str | None:
-        """None when healthy, else why not (the core loop, its watchdog, the workers)."""
+        """None when healthy, else why not (the core loop, its watchdog, the workers; the
+        core's process, when it has one)."""
         try:
             self._loop.check_health()
         except EngineDeadError as exc:
             return str(exc)
+        except TimeoutError:
+            return "the engine core process did not answer a health check"
         return None
 
     def shutdown(self) -> None:
@@ -354,18 +375,15 @@ class PublishingObserver(StartupObserver):
             publisher.close()
 
 
-def _log_startup(model_id: str, started: float, executor: Any) -> None:
+def _log_startup(model_id: str, started: float, summary: str, busy_s: float) -> None:
     """``model m: engine ready in 214.0 s (placement 0.3 s, workers 2.1 s, load 201.5 s,
-    KV sizing 3.2 s, cache/graphs 6.0 s, other 0.9 s)``; other: config, tokenizer, …"""
+    KV sizing 3.2 s, cache/graphs 6.0 s, other 0.9 s)``; other: config, tokenizer, a child
+    process's start, …"""
     total = time.monotonic() - started
-    other = total - sum(executor.startup_timings.values())
     logger.info(
-        "model %s: engine ready in %.1f s (%s, other %.1f s)",
-        model_id,
-        total,
-        executor.startup_summary(),
-        other,
-    )
+        "model %s: engine ready in %.1f s (%s, other %.1f s)", model_id, total, summary,
+        total - busy_s,
+    )  # fmt: skip
 
 
 def model_id_of_head(name: str) -> str:

@@ -7,41 +7,11 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import msgspec
 
-from engine.core_messages import AddResult
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-
-
-class CoreError(msgspec.Struct, array_like=True):
-    """One error table for the head's replies: what kind, for the client, and where."""
-
-    kind: Literal["invalid", "overloaded", "dead"]
-    message: str
-    param: str | None = None
-    retry_after_s: int = 1
-
-    def exception(self) -> Exception:
-        if self.kind == "invalid":
-            return InvalidRequestError(self.message, self.param)
-        if self.kind == "overloaded":
-            return EngineOverloadedError(self.message, self.retry_after_s)
-        return EngineDeadError(self.message)
-
-    @classmethod
-    def of(cls, exc: BaseException) -> CoreError:
-        if isinstance(exc, InvalidRequestError):
-            return cls("invalid", exc.reason, exc.param)
-        if isinstance(exc, EngineOverloadedError):
-            return cls("overloaded", str(exc), None, exc.retry_after_s)
-        return cls("dead", str(exc) or type(exc).__name__)
-
-
-class AddReply(msgspec.Struct, array_like=True):
-    result: AddResult | None = None
-    error: CoreError | None = None
+from engine.core_messages import AddReply, CoreError
 
 
 class PollReply(msgspec.Struct, array_like=True):
