@@ -8,7 +8,7 @@
 #   process's CPU: the cost of each hop (proxy, ingress, replica front, head, client).
 #
 #   bash ../shared/peers/setup-vllm-cpu.sh                       # the peer venv, once
-#   bash benchmarks/serving_paths.sh OUT_DIR [BASELINE_CHECKOUT]
+#   [VARIANT_ENV='VAR=value ...'] bash benchmarks/serving_paths.sh OUT_DIR [BASELINE_CHECKOUT]
 #   python benchmarks/serving_summary.py OUT_DIR                  # the table
 #
 # Workload (issue 13's): random Llama 110 M (hidden 768, 12 layers, vocab 1024 so that its
@@ -73,6 +73,11 @@ W="--vocab 1024 --input-len 32:32 --output-len 128:128 --dtype bfloat16"
 "$PV/bin/python" "$PEERS/offline_bench.py" "$MODEL" --system vllm $W > "$OUT/offline_vllm.json" 2>/dev/null
 if [ -n "$BASE" ]; then cluster_serve "$BASE" baseline 8000; fi
 cluster_serve "$ROOT" cluster 8000
+# VARIANT_ENV="NAME=value ...": this checkout once more with those variables (e.g.
+# LLM_CLUSTER_HEAD_CORE_PROCESS=0), in the same run.
+if [ -n "${VARIANT_ENV:-}" ]; then
+  ( export $VARIANT_ENV; cluster_serve "$ROOT" cluster_variant 8000 )
+fi
 # Through Ray Serve's HTTP proxy (what `cluster deploy` onto a `ray start` cluster does unless
 # that cluster was started in Ray Serve's throughput-optimized mode).
 cluster_serve "$ROOT" cluster_proxy 8000 --proxy

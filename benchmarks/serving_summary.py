@@ -1,6 +1,7 @@
 """The table of ``benchmarks/serving_paths.sh OUT``: every path's output tok/s (and its ratio to the
 offline engine of the same run), TTFT / TPOT / ITL at 64 requests at once and at concurrency 1,
-and the per-process CPU recorded during each saturating run. Writes ``OUT/summary.json``.
+and the per-process CPU recorded during each saturating run (with the head's CPU per generated
+token: its actor and its engine-core child, if any). Writes ``OUT/summary.json``.
 
     python benchmarks/serving_summary.py OUT
 """
@@ -12,7 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PATHS = ("baseline", "cluster", "cluster_proxy", "cluster_throughput", "vllm")
+PATHS = ("baseline", "cluster", "cluster_variant", "cluster_proxy", "cluster_throughput", "vllm")
+# The processes of a replica's head: its Ray actor (named by its current task, or by the actor
+# name) and, when its engine core runs in a child process, that child.
+HEAD_PROCESSES = ("ray::HeadActor", "ray::LLMHead", "llm-engine-core")
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -77,11 +81,13 @@ def main(out: Path) -> dict[str, Any]:
                 "tpot_p50_ms": result["tpot_ms"]["p50"],
                 "itl_p99_ms": result["itl_ms"]["p99"],
             }
-    summary = {
-        "offline_out_tok_s": offline,
-        "paths": rows,
-        "cpu_percent": {name: _top(out, name) for name in PATHS},
-    }
+    cpu_percent = {name: _top(out, name) for name in PATHS}
+    for name, cpu in cpu_percent.items():
+        head = sum(v for k, v in cpu.items() if k.startswith(HEAD_PROCESSES))
+        if name in rows and head:
+            # The profile's top snapshot is of the same load as the saturating run's rate.
+            rows[name]["head_cpu_ms_per_token"] = head / 100 * 1000 / rows[name]["out_tok_s"]
+    summary = {"offline_out_tok_s": offline, "paths": rows, "cpu_percent": cpu_percent}
     print(f"offline tok/s: engine {offline['engine']}, vLLM {offline['vllm']}, "
           f"engine again at the end {offline['engine_after']}")  # fmt: skip
     for name, row in rows.items():

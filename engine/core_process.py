@@ -39,6 +39,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -420,6 +421,8 @@ def _import(path: str) -> Callable[[BaseException], str | None]:
 
 def main(argv: list[str]) -> None:
     """The child: ``python -m engine.core_process FD`` (the engine package sets up logging)."""
+    with contextlib.suppress(OSError):  # Linux: ``top`` and ``ps -o comm`` show this name
+        Path("/proc/self/comm").write_text("llm-engine-core")
     conn = Connection(int(argv[0]))
     started = time.monotonic()
     try:
