@@ -158,6 +158,36 @@ def test_cpu_ep_path_equals_fused_moe_with_the_expert_map() -> None:
     torch.testing.assert_close(experts(x, ids, weights), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_cuda_experts_use_the_fused_kernel_and_equal_the_cpu_path(
+    expert_parallel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import parallel.moe
+
+    calls: list[bool] = []
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(kwargs.get("expert_map") is not None)
+        return fused_moe(*args, **kwargs)
+
+    monkeypatch.setattr(parallel.moe, "fused_moe", counted)
+    g = torch.Generator().manual_seed(5)
+    tp = GroupCoordinator(rank=1, size=2, ranks=(0, 1))
+    experts = ParallelExperts(8, 64, 32, silu_and_mul, tp=tp, expert_parallel=expert_parallel)
+    for p in experts.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) / 8)
+    x = torch.randn(37, 64, generator=g)
+    ids = torch.randint(0, 8, (37, 2), generator=g)
+    weights = torch.rand(37, 2, generator=g)
+    expected = experts(x, ids, weights)
+    experts.cuda()
+    got = experts(x.cuda(), ids.cuda(), weights.cuda())
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)
+    assert calls == [expert_parallel]  # once, with an expert_map exactly under EP
+
+
 # ---- config ------------------------------------------------------------------------------------
 
 
