@@ -3,7 +3,7 @@ whole weights (the shared expert stays TP-sliced), its partial sums add up to th
 with one all-reduce, a checkpoint loads per expert or stacked, the CPU path agrees with
 ``fused_moe``'s ``expert_map`` contract, an expert count the EP size does not divide is
 refused before anything loads, and EP = 2 (CPU, gloo, spawned workers) gives TP = 1's greedy
-tokens for a family with a shared expert and one without."""
+tokens for every MoE family (Qwen2-MoE with its shared expert, Qwen3-MoE, Mixtral)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from tests.engine.test_moe import (
     _greedy_steps,
 )
 
-EP_MODELS = ("tiny-qwen2-moe", "tiny-qwen3-moe")  # with a shared expert, without one
+EP_MODELS = ("tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral")  # shared expert or not
 
 
 def _ep_context(rank: int, size: int = 2) -> ParallelContext:
