@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cluster import config as cluster_config
 from cluster.config import DeploymentConfig, ModelDeployment
+from cluster.config import deployment as deployment_config
 from engine.errors import ConfigError
 from engine.memory_plan import GiB, MemoryPlan, PlanSettings, plan_memory
 
@@ -147,7 +147,7 @@ def read_hf_config(source: str, model_id: str | None = None) -> tuple[dict[str, 
         path = Path(source).expanduser() / "config.json"
         # The same test as the config's own engine-argument check: a checkpoint it cannot
         # see here is one its replicas check when they start.
-        if not cluster_config._checkpoint_reachable(source):
+        if not deployment_config._checkpoint_reachable(source):
             path = _hub_cache_config(model_id) if model_id else None
             if path is None:
                 return None

@@ -270,7 +270,8 @@ def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path: Path) -> None:
 REFUSAL = "architectures: 'FooForCausalLM' is not supported; supported: "
 # The CLI on a deploying machine that cannot read the checkpoint (it is on the workers' disks
 # only): its config check skips the checkpoint, which the replicas then read for real.
-BLIND_CLI = ("import sys, cluster.config as c; c._checkpoint_reachable = lambda source: False; "
+BLIND_CLI = ("import sys, cluster.config.deployment as c; "
+             "c._checkpoint_reachable = lambda s: False; "
              "from cluster.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
 
 
