@@ -120,8 +120,15 @@ def test_a_load_past_the_load_timeout_fails_naming_phase_ranks_and_variable(
     assert read_load_progress() == []
 
 
-def test_cluster_status_shows_a_starting_replica_loading_then_it_serves() -> None:
+def test_cluster_status_shows_a_starting_replica_loading_then_it_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from openai import OpenAI
+
+    # The slow loader is a Ray worker-process hook: the head's engine must load in its Ray
+    # worker, not in an engine-core child (whose relay of the same records is tested in
+    # tests/engine/test_core_process.py). ``build_app`` forwards this to the replicas.
+    monkeypatch.setenv("LLM_CLUSTER_HEAD_CORE_PROCESS", "0")
 
     from cluster.config import load_config
     from cluster.ops import deploy

@@ -118,3 +118,32 @@ def test_a_killed_core_process_fails_its_requests_and_health() -> None:
     with pytest.raises(EngineDeadError):
         proc.stats().result(5)
     proc.shutdown()
+
+
+class Recorder:
+    model_id = "m"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[object, ...]]] = []
+
+    def phase(self, rank: int, phase: str) -> None:
+        self.calls.append(("phase", (rank, phase)))
+
+    def weights(self, rank: int, read_bytes: int, total_bytes: int) -> None:
+        self.calls.append(("weights", (rank, read_bytes, total_bytes)))
+
+
+def test_the_childs_start_up_phases_and_weight_bytes_reach_the_parents_observer() -> None:
+    from engine.executor import PHASE_LOADING, PHASE_READY
+
+    recorder = Recorder()
+    proc = EngineCoreProcess(ARGS, lambda s: None, lambda e: None, observer=recorder)
+    try:
+        phases = [args[1] for kind, args in recorder.calls if kind == "phase"]
+        assert phases[0] != PHASE_READY and PHASE_LOADING in phases
+        assert phases[-1] == PHASE_READY
+        weights = [args for kind, args in recorder.calls if kind == "weights"]
+        assert weights and weights[-1][1] == weights[-1][2] > 0  # all bytes read, in the end
+        assert "load" in proc.startup_summary and proc.startup_busy_s > 0
+    finally:
+        proc.shutdown()
