@@ -11,17 +11,15 @@ with the graphs' data path run eagerly (``DecodeBucketRunner``): all but the cap
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
+import functools
 import os
-import queue
 from typing import Any
 
 import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.protocol import CachedRequestData, ExecuteModelRequest, NewRequestData
-from engine.sampling_params import SamplingParams
+from tests.engine.spawned_ranks import greedy_steps, rendezvous, run_ranks
 
 MODEL = "builtin:tiny-llama"
 PROMPTS = [[5, 9, 21, 7], [100, 3, 3, 8, 40, 41, 2], [17, 18], [1, 2, 3, 4, 5, 6], [30] * 11]
@@ -47,60 +45,8 @@ def _config(
     return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
 
 
-def _greedy_run(
-    worker: Any, prefix: str, driver_rank: int, steps: int = DECODE_STEPS
-) -> list[list[int]]:
-    """Prefill every prompt, then ``steps`` decode steps; the tokens each request got."""
-    import torch.distributed as dist
-
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    ids = [f"{prefix}{i}" for i in range(len(PROMPTS))]
-    new = [
-        NewRequestData(
-            req_id=rid,
-            prompt_token_ids=prompt,
-            sampling_params=params,
-            block_ids=list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)),
-            num_computed_tokens=0,
-        )
-        for i, (rid, prompt) in enumerate(zip(ids, PROMPTS))
-    ]
-    request = ExecuteModelRequest(
-        scheduled_new_reqs=new,
-        scheduled_cached_reqs=[],
-        num_scheduled_tokens={rid: len(p) for rid, p in zip(ids, PROMPTS)},
-        total_num_scheduled_tokens=sum(map(len, PROMPTS)),
-        finished_req_ids=[],
-    )
-    tokens: list[list[int]] = [[] for _ in PROMPTS]
-    for step in range(steps + 1):
-        output = worker.execute_model(request)
-        box = [output.sampled_token_ids if output is not None else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(box, src=driver_rank)
-        sampled = [t[0] for t in box[0]]
-        for i, t in enumerate(sampled):
-            tokens[i].append(t)
-        request = ExecuteModelRequest(
-            scheduled_new_reqs=[],
-            scheduled_cached_reqs=[
-                CachedRequestData(
-                    req_id=rid,
-                    new_token_ids=[t],
-                    new_block_ids=[],
-                    num_computed_tokens=len(p) + step,
-                )
-                for rid, p, t in zip(ids, PROMPTS, sampled)
-            ],
-            num_scheduled_tokens=dict.fromkeys(ids, 1),
-            total_num_scheduled_tokens=len(ids),
-            finished_req_ids=[],
-        )
-    return tokens
-
-
 def _rank_main(
-    rank: int, tp: int, pp: int, ports: Any, results: Any, device: str, bucket_runner: bool
+    rank: int, ports: Any, results: Any, tp: int, pp: int, device: str, bucket_runner: bool
 ) -> None:
     """One rank: greedy decode with graphs (or, ``bucket_runner`` on CPU, the graphs' data path
     run eagerly: static buffers, padded buckets), then with plain eager steps."""
@@ -116,13 +62,7 @@ def _rank_main(
         )
         worker.init_device(rank)
         if tp * pp > 1:
-            if rank == 0:
-                port = worker.start_rendezvous("127.0.0.1")
-                for _ in range(tp * pp - 1):
-                    ports.put(port)
-            else:
-                port = ports.get(timeout=60)
-            worker.init_distributed("127.0.0.1", port)
+            rendezvous(worker, rank, tp * pp, ports)
         worker.load_model()
         # Warm-up chain, a profiling step with the stage's all-reduces, graph-pool measurement.
         kv_budget = worker.profile_kv_budget().kv_cache if probe is not None else None
@@ -143,9 +83,13 @@ def _rank_main(
             graphs.run = counting_run  # type: ignore[method-assign]
         driver = (pp - 1) * tp
         steps = DECODE_STEPS if device == "cuda" else CPU_DECODE_STEPS
-        replayed = _greedy_run(worker, "graph-", driver, steps)
+        run_steps = functools.partial(
+            greedy_steps, worker, PROMPTS, steps, blocks_per_request=BLOCKS_PER_REQUEST,
+            driver_rank=driver,
+        )  # fmt: skip
+        replayed = run_steps(prefix="graph-")
         runner.graph_runner = None  # every rank at once: the same step runs eagerly everywhere
-        eager = _greedy_run(worker, "eager-", driver, steps)
+        eager = run_steps(prefix="eager-")
         runner.graph_runner = graphs
         worker.shutdown()
         results.put(
@@ -199,31 +143,7 @@ def _bucket_runner(runner: Any) -> Any:
 def _run_ranks(
     tp: int, pp: int, device: str = "cuda", bucket_runner: bool = False
 ) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    ports, results = ctx.Queue(), ctx.Queue()
-    world = tp * pp
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, tp, pp, ports, results, device, bucket_runner))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    collected: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            rank, out = results.get(timeout=600)
-            collected[rank] = out
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted(set(range(world)) - set(collected))} did not answer")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank, out in collected.items():
-        if isinstance(out, str):
-            pytest.fail(f"rank {rank} failed: {out}")
-    return collected
+    return run_ranks(_rank_main, tp * pp, tp, pp, device, bucket_runner, timeout_s=600)
 
 
 def _needs_gpus(n: int) -> pytest.MarkDecorator:
@@ -274,7 +194,7 @@ def test_gpu_single_worker_graph_replay_equals_eager_and_counts_replays() -> Non
         def put(self, item: Any) -> None:
             results[item[0]] = item[1]
 
-    _rank_main(0, 1, 1, None, Queue(), "cuda", False)
+    _rank_main(0, None, Queue(), 1, 1, "cuda", False)
     out = results[0]
     assert not isinstance(out, str), out
     assert out["replayed"] == out["eager"]
@@ -295,7 +215,9 @@ def test_gpu_kv_cache_sized_by_the_cuda_probe_stays_within_the_utilization_share
     assert budget.cuda_graph_pool > 0  # measured by capturing every bucket
     assert budget.activation_peak > 0
     worker.initialize_cache(num_blocks, 0)
-    tokens = _greedy_run(worker, "sized-", 0)
+    tokens = greedy_steps(
+        worker, PROMPTS, DECODE_STEPS, prefix="sized-", blocks_per_request=BLOCKS_PER_REQUEST
+    )
     assert all(len(t) == DECODE_STEPS + 1 for t in tokens)
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()

@@ -5,8 +5,6 @@ not at all; the counts reach the engine's stats snapshot; a dense model reports 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
-import queue
 import random
 from collections import Counter
 from typing import Any
@@ -19,6 +17,7 @@ from engine.async_llm_engine import AsyncLLMEngine
 from engine.cuda_graphs import DecodeBucketRunner
 from engine.models.expert_load import ExpertLoadCounter
 from engine.models.moe import SparseMoeBlock
+from tests.engine.spawned_ranks import rendezvous, run_ranks
 
 MODEL = "builtin:tiny-qwen3-moe"  # layers 0 and 2 sparse (8 experts, top-2), layer 1 dense
 TOP_K = 2
@@ -144,12 +143,7 @@ def _tp_rank_main(rank: int, ports: Any, results: Any) -> None:
 
         worker = Worker(_worker_config("tiny-qwen3-moe", 2, rank))
         worker.init_device()
-        if rank == 0:
-            ports.put(worker.start_rendezvous("127.0.0.1"))
-            port = 0
-        else:
-            port = ports.get(timeout=60)
-        worker.init_distributed("127.0.0.1", port)
+        rendezvous(worker, rank, 2, ports)
         worker.load_model()
         worker.initialize_cache(64, 0)
         _greedy_steps(worker, "tp")
@@ -162,25 +156,7 @@ def _tp_rank_main(rank: int, ports: Any, results: Any) -> None:
 def test_tensor_parallel_ranks_count_once_on_rank_0() -> None:
     from tests.engine.test_moe import TP_DECODE_STEPS, TP_PROMPTS
 
-    ctx = mp.get_context("spawn")
-    ports, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_tp_rank_main, args=(r, ports, results)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    collected: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            rank, out = results.get(timeout=300)
-            collected[rank] = out
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted({0, 1} - set(collected))} did not answer")
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    for rank, out in collected.items():
-        assert not isinstance(out, str), f"rank {rank} failed: {out}"
+    collected = run_ranks(_tp_rank_main, 2)
     computed = sum(map(len, TP_PROMPTS)) + TP_DECODE_STEPS * len(TP_PROMPTS)
     assert {layer: sum(t) for layer, t in collected[0].items()} == {
         0: computed * TOP_K,

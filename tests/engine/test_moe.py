@@ -7,8 +7,6 @@ engine cannot serve exactly are refused by field."""
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
-import queue
 import random
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from engine.tiny_moe_models import TINY_MOE_MODEL_NAMES, tiny_moe_variant
 from kernels.ops import silu_and_mul
 from parallel.moe import grouped_experts
 from parallel.state import GroupCoordinator, ParallelContext
+from tests.engine.spawned_ranks import greedy_steps, rendezvous, run_ranks
 from tests.engine.test_correctness import (
     SETTINGS,
     _assert_all_blocks_released,
@@ -399,54 +398,10 @@ def _worker_config(name: str, tp: int, rank: int) -> Any:
 
 
 def _greedy_steps(worker: Any, prefix: str) -> list[list[int]]:
-    """Prefill every prompt, then TP_DECODE_STEPS decode steps; rank 0 samples and tells the
-    others (as the head would, through its next message)."""
-    import torch.distributed as dist
-
-    from engine.protocol import CachedRequestData, ExecuteModelRequest, NewRequestData
-
-    params = SamplingParams(temperature=0, max_tokens=TP_DECODE_STEPS + 1, ignore_eos=True)
-    ids = [f"{prefix}{i}" for i in range(len(TP_PROMPTS))]
-    request = ExecuteModelRequest(
-        scheduled_new_reqs=[
-            NewRequestData(
-                req_id=rid,
-                prompt_token_ids=prompt,
-                sampling_params=params,
-                block_ids=list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)),
-                num_computed_tokens=0,
-            )
-            for i, (rid, prompt) in enumerate(zip(ids, TP_PROMPTS))
-        ],
-        scheduled_cached_reqs=[],
-        num_scheduled_tokens={rid: len(p) for rid, p in zip(ids, TP_PROMPTS)},
-        total_num_scheduled_tokens=sum(map(len, TP_PROMPTS)),
-        finished_req_ids=[],
+    """Prefill every TP prompt, then TP_DECODE_STEPS decode steps (rank 0 samples)."""
+    return greedy_steps(
+        worker, TP_PROMPTS, TP_DECODE_STEPS, prefix=prefix, blocks_per_request=BLOCKS_PER_REQUEST
     )
-    tokens: list[list[int]] = [[] for _ in TP_PROMPTS]
-    for step in range(TP_DECODE_STEPS + 1):
-        output = worker.execute_model(request)
-        box = [output.sampled_token_ids if output is not None else None]
-        dist.broadcast_object_list(box, src=0)
-        sampled = [t[0] for t in box[0]]
-        for i, t in enumerate(sampled):
-            tokens[i].append(t)
-        request = ExecuteModelRequest(
-            scheduled_new_reqs=[],
-            scheduled_cached_reqs=[
-                CachedRequestData(
-                    req_id=rid,
-                    new_token_ids=[t],
-                    new_block_ids=[],
-                    num_computed_tokens=len(p) + step,
-                )
-                for rid, p, t in zip(ids, TP_PROMPTS, sampled)
-            ],
-            num_scheduled_tokens=dict.fromkeys(ids, 1),
-            total_num_scheduled_tokens=len(ids),
-            finished_req_ids=[],
-        )
-    return tokens
 
 
 def _tp_rank_main(rank: int, ports: Any, results: Any) -> None:
@@ -460,12 +415,7 @@ def _tp_rank_main(rank: int, ports: Any, results: Any) -> None:
             worker = Worker(_worker_config(name, 2, rank))
             worker.init_device()
             if first is None:
-                if rank == 0:
-                    ports.put(worker.start_rendezvous("127.0.0.1"))
-                    port = 0
-                else:
-                    port = ports.get(timeout=60)
-                worker.init_distributed("127.0.0.1", port)
+                rendezvous(worker, rank, 2, ports)
                 first = worker
             else:
                 worker.ctx = first.ctx
@@ -482,26 +432,7 @@ def _tp_rank_main(rank: int, ports: Any, results: Any) -> None:
 def tp2_tokens() -> dict[str, list[list[int]]]:
     for name in TP_MODELS:
         resolve_model_source(f"builtin:{name}")  # built once, before the ranks race for it
-    ctx = mp.get_context("spawn")
-    ports, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_tp_rank_main, args=(r, ports, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    collected: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            rank, out = results.get(timeout=300)
-            collected[rank] = out
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted({0, 1} - set(collected))} did not answer")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank, out in collected.items():
-        if isinstance(out, str):
-            pytest.fail(f"rank {rank} failed: {out}")
+    collected = run_ranks(_tp_rank_main, 2)
     assert collected[0] == collected[1], "the ranks disagree on the sampled tokens"
     return collected[0]
 

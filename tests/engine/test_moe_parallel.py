@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing as mp
-import queue
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from kernels.moe import fused_moe
 from kernels.ops import silu_and_mul
 from parallel.moe import ParallelExperts, grouped_experts
 from parallel.state import GroupCoordinator, ParallelContext
+from tests.engine.spawned_ranks import rendezvous, run_ranks
 from tests.engine.test_moe import (
     TP_DECODE_STEPS,
     TP_PROMPTS,
@@ -234,12 +233,7 @@ def _ep_rank_main(rank: int, ports: Any, results: Any) -> None:
             worker = Worker(_ep_worker_config(name, rank))
             worker.init_device()
             if first is None:
-                if rank == 0:
-                    ports.put(worker.start_rendezvous("127.0.0.1"))
-                    port = 0
-                else:
-                    port = ports.get(timeout=60)
-                worker.init_distributed("127.0.0.1", port)
+                rendezvous(worker, rank, 2, ports)
                 first = worker
             else:
                 worker.ctx = first.ctx
@@ -261,27 +255,7 @@ def _ep_rank_main(rank: int, ports: Any, results: Any) -> None:
 def ep2_results() -> dict[str, Any]:
     for name in EP_MODELS:
         resolve_model_source(f"builtin:{name}")  # built once, before the ranks race for it
-    ctx = mp.get_context("spawn")
-    ports, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_ep_rank_main, args=(r, ports, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    collected: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            rank, out = results.get(timeout=300)
-            collected[rank] = out
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted({0, 1} - set(collected))} did not answer")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank, out in collected.items():
-        if isinstance(out, str):
-            pytest.fail(f"rank {rank} failed: {out}")
-    return collected
+    return run_ranks(_ep_rank_main, 2)
 
 
 @pytest.mark.parametrize("name", EP_MODELS)

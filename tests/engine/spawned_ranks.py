@@ -1,0 +1,116 @@
+"""Spawned ranks for the multi-process tests of tests/engine (TP, PP and EP on gloo, no Ray):
+``run_ranks`` starts one process per rank and collects what each returns, failing the test
+with a rank's error; ``greedy_steps`` drives a ``Worker`` directly as the head would (prefill
+every prompt, then decode steps, the driver rank's samples broadcast to the others)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from engine import SamplingParams
+
+
+def run_ranks(
+    target: Callable[..., None], world: int, *args: Any, timeout_s: float = 300
+) -> dict[int, Any]:
+    """Run ``target(rank, ports, results, *args)`` in ``world`` spawned processes; each puts
+    ``(rank, result)`` on ``results`` (a string: the rank's error) and rank 0 hands its
+    rendezvous port to the others through ``ports``. Returns every rank's result."""
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, ports, results, *args)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            rank, out = results.get(timeout=timeout_s)
+            collected[rank] = out
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(world)) - set(collected))} did not answer")
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    for rank, out in collected.items():
+        if isinstance(out, str):
+            pytest.fail(f"rank {rank} failed: {out}")
+    return collected
+
+
+def rendezvous(worker: Any, rank: int, world: int, ports: Any) -> None:
+    """Join ``world`` ranks' process group: rank 0 opens it and posts its port once per peer."""
+    if rank == 0:
+        port = worker.start_rendezvous("127.0.0.1")
+        for _ in range(world - 1):
+            ports.put(port)
+    else:
+        port = ports.get(timeout=60)
+    worker.init_distributed("127.0.0.1", port)
+
+
+def greedy_steps(
+    worker: Any,
+    prompts: list[list[int]],
+    steps: int,
+    *,
+    prefix: str = "r",
+    blocks_per_request: int = 4,
+    driver_rank: int = 0,
+) -> list[list[int]]:
+    """Prefill every prompt, then ``steps`` decode steps; the tokens each request got. The
+    driver rank (the last stage's first) samples and tells the others, as the head would
+    through its next message."""
+    import torch.distributed as dist
+
+    from engine.protocol import CachedRequestData, ExecuteModelRequest, NewRequestData
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
+    request = ExecuteModelRequest(
+        scheduled_new_reqs=[
+            NewRequestData(
+                req_id=rid,
+                prompt_token_ids=prompt,
+                sampling_params=params,
+                block_ids=list(range(i * blocks_per_request, (i + 1) * blocks_per_request)),
+                num_computed_tokens=0,
+            )
+            for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True))
+        ],
+        scheduled_cached_reqs=[],
+        num_scheduled_tokens={rid: len(p) for rid, p in zip(ids, prompts, strict=True)},
+        total_num_scheduled_tokens=sum(map(len, prompts)),
+        finished_req_ids=[],
+    )
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for step in range(steps + 1):
+        output = worker.execute_model(request)
+        box = [output.sampled_token_ids if output is not None else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=driver_rank)
+        sampled = [t[0] for t in box[0]]
+        for i, t in enumerate(sampled):
+            tokens[i].append(t)
+        request = ExecuteModelRequest(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=[
+                CachedRequestData(
+                    req_id=rid,
+                    new_token_ids=[t],
+                    new_block_ids=[],
+                    num_computed_tokens=len(p) + step,
+                )
+                for rid, p, t in zip(ids, prompts, sampled, strict=True)
+            ],
+            num_scheduled_tokens=dict.fromkeys(ids, 1),
+            total_num_scheduled_tokens=len(ids),
+            finished_req_ids=[],
+        )
+    return tokens
