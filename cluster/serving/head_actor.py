@@ -39,7 +39,14 @@ core loop's stall watchdog only times steps). The in-process worker of a TP = PP
 publishes its load progress like a worker actor does (``cluster.runtime.load_progress``), and the
 head logs the start-up timeline once the engine runs.
 
-One role (~540 lines): the head actor and the client the front reaches it through: both sides
+With ``LLM_CLUSTER_HEAD_CORE_PROCESS=1`` and TP = PP = 1, the engine core runs in a plain child
+process of this actor (``engine.core_process``: a socket pair, msgpack) rather than on its
+thread, as vLLM's EngineCore runs inside a Ray Serve LLM replica; the actor then only relays.
+Off by default: on a 2-core CPU machine it lost throughput at 64 requests and concurrency-1
+TPOT (BENCHMARKS.md, "The engine core in a child process"); on a GPU, where the head's
+Python is the step's critical path and Ray's threads take its GIL, it is worth measuring.
+
+One role (~570 lines): the head actor and the client the front reaches it through: both sides
 of one process boundary, which change together.
 """
 
@@ -151,7 +158,11 @@ class _Held:
 class HeadActor:
     """Ray actor (threaded): the engine core of one model replica."""
 
-    def __init__(self, engine_args: dict[str, Any], model_id: str = "") -> None:
+    def __init__(
+        self, engine_args: dict[str, Any], model_id: str = "", core_process: bool | None = None
+    ) -> None:
+        """``core_process``: run the engine core in a child process (TP = PP = 1 only); None
+        reads ``LLM_CLUSTER_HEAD_CORE_PROCESS``."""
         started = time.monotonic()
         config = EngineConfig.from_kwargs(**engine_args)
         self._outbox = _Outbox()  # the front's
@@ -169,7 +180,9 @@ class HeadActor:
         )
         self._loop: EngineCoreLoop | EngineCoreProcess
         try:
-            if envs.head_core_process() and run_in_child_process(config):
+            if core_process is None:
+                core_process = envs.head_core_process()
+            if core_process and run_in_child_process(config):
                 self._loop = EngineCoreProcess(
                     engine_args, self._push, self._died, observer=observer,
                     classify="cluster.serving.start_errors:known_start_failure",
@@ -403,6 +416,7 @@ class HeadCoreClient(EngineCoreClient):
         name: str,
         bundle_index: int,
         resources: dict[str, float],
+        core_process: bool | None = None,
     ) -> None:
         self.config = config
         self.name = name
@@ -418,7 +432,9 @@ class HeadCoreClient(EngineCoreClient):
                 placement_group=pg, placement_group_bundle_index=bundle_index
             )
         self.actor = (
-            ray.remote(HeadActor).options(**options).remote(engine_args, model_id_of_head(name))
+            ray.remote(HeadActor)
+            .options(**options)
+            .remote(engine_args, model_id_of_head(name), core_process)
         )
         self._on_step: OnStep | None = None
         self._on_dead: OnDead | None = None

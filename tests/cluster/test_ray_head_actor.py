@@ -37,11 +37,22 @@ def local_ray() -> Iterator[None]:
     ray.shutdown()
 
 
-def remote_engine() -> AsyncLLMEngine:
+def remote_engine(core_process: bool | None = None) -> AsyncLLMEngine:
     config = EngineConfig.from_kwargs(**ENGINE_ARGS)
     name = f"{HEAD_NAME_PREFIX}test:{uuid.uuid4().hex[:8]}"
-    client = HeadCoreClient(config, ENGINE_ARGS, name=name, bundle_index=0, resources={"CPU": 1})
+    client = HeadCoreClient(config, ENGINE_ARGS, name=name, bundle_index=0,
+                            resources={"CPU": 1}, core_process=core_process)  # fmt: skip
     return AsyncLLMEngine(client, tokenizer=load_tokenizer(config))
+
+
+def core_children() -> list[int]:
+    """The pids of the engine-core child processes on this machine."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and (proc / "comm").read_text().strip() == "llm-engine-core":
+                found.append(int(proc.name))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +167,52 @@ def test_killed_head_fails_streams_health_and_new_requests() -> None:
         asyncio.run(asyncio.wait_for(run(), 60))
     finally:
         engine.shutdown()
+
+
+def test_a_head_with_its_core_in_a_child_process_equals_offline_and_its_child_dies_with_it(
+    offline: LLM,
+) -> None:
+    """``core_process=True`` (``LLM_CLUSTER_HEAD_CORE_PROCESS=1``): the same streams; killing
+    the head actor ends its child (it reads EOF on its socket) and fails what is in flight."""
+    before = set(core_children())
+    engine = remote_engine(core_process=True)
+    client = engine.client
+    assert isinstance(client, HeadCoreClient)
+    [child] = set(core_children()) - before
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=10, logprobs=1)
+    items = asyncio.run(collect(engine, "Through a child", params))
+    for ref in offline.generate("Through a child", params, use_tqdm=False)[0].outputs:
+        deltas = [d for item in items for d in item.deltas if d.index == ref.index]
+        assert [t for d in deltas for t in d.token_ids] == ref.token_ids
+        assert "".join(d.text for d in deltas) == ref.text
+
+    async def run() -> None:
+        stream = engine.generate("doomed", SamplingParams(max_tokens=2000, ignore_eos=True))
+        await stream.__anext__()
+        ray.kill(client.actor, no_restart=True)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+        wait_for(lambda: child not in core_children(), 30, "the head's core child to exit")
+    finally:
+        engine.shutdown()
+
+
+def test_a_child_core_that_cannot_load_fails_its_head_with_the_reason(tmp_path: Path) -> None:
+    from cluster.serving.start_errors import EngineStartError
+
+    checkpoint = tmp_path / "no-weights"
+    shutil.copytree(resolve_model_source("builtin:tiny-llama"), checkpoint)
+    for weights in checkpoint.glob("*.safetensors"):
+        weights.unlink()
+    args = {**ENGINE_ARGS, "model": str(checkpoint)}
+    with pytest.raises(EngineStartError) as info:
+        HeadCoreClient(EngineConfig.from_kwargs(**args), args, name=f"{HEAD_NAME_PREFIX}x:y",
+                       bundle_index=0, resources={"CPU": 1}, core_process=True)  # fmt: skip
+    assert str(info.value) == f"model: no *.safetensors files in {checkpoint}"
 
 
 # ---- the ingress's token channel: deltas straight from the head, one message per step ------
