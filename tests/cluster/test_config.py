@@ -38,6 +38,7 @@ def error_of(data: dict[str, Any]) -> str:
         "gemma3-12b.yaml",
         "phi3-mini-128k.yaml",
         "mistral-7b-v0.1.yaml",
+        "qwen3-30b-a3b.yaml",
         "tiny-families.yaml",
     ],
 )
