@@ -42,9 +42,10 @@ head logs the start-up timeline once the engine runs.
 With ``LLM_CLUSTER_HEAD_CORE_PROCESS=1`` and TP = PP = 1, the engine core runs in a plain child
 process of this actor (``engine.core_process``: a socket pair, msgpack) rather than on its
 thread, as vLLM's EngineCore runs inside a Ray Serve LLM replica; the actor then only relays.
-Off by default: on a 2-core CPU machine it lost throughput at 64 requests and concurrency-1
-TPOT (BENCHMARKS.md, "The engine core in a child process"); on a GPU, where the head's
-Python is the step's critical path and Ray's threads take its GIL, it is worth measuring.
+Off by default: on a 2-core CPU machine it raised throughput at 64 requests in two A/B pairs
+but concurrency-1 TPOT in only one (BENCHMARKS.md, "After delta outputs; the engine core in a
+child process"); on a GPU, where the head's Python is the step's critical path and Ray's
+threads take its GIL, it is the first thing to measure.
 
 One role (~570 lines): the head actor and the client the front reaches it through: both sides
 of one process boundary, which change together.
