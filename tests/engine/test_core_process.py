@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections import defaultdict
 
 import pytest
@@ -19,7 +18,7 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm import LLM
 
 MODEL = "builtin:tiny-llama"
-ARGS = {"model": MODEL, "max_model_len": 256, "dtype": "float32"}
+ARGS = {"model": MODEL, "max_model_len": 2048, "dtype": "float32"}
 
 
 class Sink:
@@ -83,17 +82,18 @@ def test_a_bad_request_is_refused_by_name_and_an_abort_ends_a_request(
     core: tuple[EngineCoreProcess, Sink],
 ) -> None:
     proc, sink = core
-    bad = AddRequest(request_id="bad", prompt_token_ids=list(range(300)))
+    bad = AddRequest(request_id="bad", prompt_token_ids=[7] * 3000)
     with pytest.raises(InvalidRequestError) as info:
         proc.add(bad).result(30)
     assert "max_model_len" in str(info.value)
-    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
     proc.add(AddRequest(request_id="long", params=long, prompt_token_ids=[1, 2])).result(30)
-    time.sleep(0.2)
+    with sink.done:  # aborted once it has streamed: 2,000 tokens take seconds, an abort a step
+        assert sink.done.wait_for(lambda: sink.tokens["long"], 30)
     proc.abort(["long"])
     sink.wait(["long"])
     assert sink.finished["long"] == "abort"
-    assert len(sink.tokens["long"]) < 200
+    assert len(sink.tokens["long"]) < 2000
 
 
 def test_a_start_failure_is_raised_with_the_childs_traceback() -> None:
@@ -106,7 +106,7 @@ def test_a_start_failure_is_raised_with_the_childs_traceback() -> None:
 def test_a_killed_core_process_fails_its_requests_and_health() -> None:
     sink = Sink()
     proc = EngineCoreProcess(ARGS, sink.on_step, sink.on_dead)
-    params = SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
     proc.add(AddRequest(request_id="r", params=params, prompt_token_ids=[1, 2, 3])).result(30)
     os.kill(proc.pid, signal.SIGKILL)
     with sink.done:
