@@ -146,18 +146,23 @@ def test_a_step_whose_tokens_have_no_text_still_sends_a_delta(
     assert [t for i in items for t in i.delta_token_ids] == [lead_byte] * 3
 
 
+async def kill_head_mid_stream(engine: AsyncLLMEngine, client: HeadCoreClient) -> None:
+    """Kill the head actor once a long stream has started: the stream fails."""
+    stream = engine.generate("doomed", SamplingParams(max_tokens=2000, ignore_eos=True))
+    await stream.__anext__()
+    ray.kill(client.actor, no_restart=True)
+    with pytest.raises(EngineDeadError):
+        async for _ in stream:
+            pass
+
+
 def test_killed_head_fails_streams_health_and_new_requests() -> None:
     engine = remote_engine()
     client = engine.client
     assert isinstance(client, HeadCoreClient)
 
     async def run() -> None:
-        stream = engine.generate("doomed", SamplingParams(max_tokens=2000, ignore_eos=True))
-        await stream.__anext__()
-        ray.kill(client.actor, no_restart=True)
-        with pytest.raises(EngineDeadError):
-            async for _ in stream:
-                pass
+        await kill_head_mid_stream(engine, client)
         with pytest.raises(EngineDeadError):
             await engine.check_engine_health()
         with pytest.raises(EngineDeadError):
@@ -186,16 +191,8 @@ def test_a_head_with_its_core_in_a_child_process_equals_offline_and_its_child_di
         assert [t for d in deltas for t in d.token_ids] == ref.token_ids
         assert "".join(d.text for d in deltas) == ref.text
 
-    async def run() -> None:
-        stream = engine.generate("doomed", SamplingParams(max_tokens=2000, ignore_eos=True))
-        await stream.__anext__()
-        ray.kill(client.actor, no_restart=True)
-        with pytest.raises(EngineDeadError):
-            async for _ in stream:
-                pass
-
     try:
-        asyncio.run(asyncio.wait_for(run(), 60))
+        asyncio.run(asyncio.wait_for(kill_head_mid_stream(engine, client), 60))
         wait_for(lambda: child not in core_children(), 30, "the head's core child to exit")
     finally:
         engine.shutdown()

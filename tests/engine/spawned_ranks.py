@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -53,6 +53,32 @@ def rendezvous(worker: Any, rank: int, world: int, ports: Any) -> None:
     else:
         port = ports.get(timeout=60)
     worker.init_distributed("127.0.0.1", port)
+
+
+def workers_on_one_group(
+    rank: int, world: int, ports: Any, configs: dict[str, Any]
+) -> Iterator[tuple[str, Any]]:
+    """One loaded ``Worker`` (64-block cache) per ``configs`` entry on this rank, all on the
+    process group the first one joins (a rank's group outlives one model); the group ends
+    after the last."""
+    from engine.worker import Worker
+
+    first = None
+    try:
+        for name, config in configs.items():
+            worker = Worker(config)
+            worker.init_device()
+            if first is None:
+                rendezvous(worker, rank, world, ports)
+                first = worker
+            else:
+                worker.ctx = first.ctx
+            worker.load_model()
+            worker.initialize_cache(64, 0)
+            yield name, worker
+    finally:
+        if first is not None:
+            first.shutdown()
 
 
 def greedy_steps(

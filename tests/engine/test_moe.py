@@ -28,7 +28,7 @@ from engine.tiny_moe_models import TINY_MOE_MODEL_NAMES, tiny_moe_variant
 from kernels.ops import silu_and_mul
 from parallel.moe import grouped_experts
 from parallel.state import GroupCoordinator, ParallelContext
-from tests.engine.spawned_ranks import greedy_steps, rendezvous, run_ranks
+from tests.engine.spawned_ranks import greedy_steps, run_ranks, workers_on_one_group
 from tests.engine.test_correctness import (
     SETTINGS,
     _assert_all_blocks_released,
@@ -406,23 +406,11 @@ def _greedy_steps(worker: Any, prefix: str) -> list[list[int]]:
 
 def _tp_rank_main(rank: int, ports: Any, results: Any) -> None:
     try:
-        from engine.worker import Worker
-
-        # One process group for every model: the first worker joins it, the others share its
-        # ParallelContext (a rank's group outlives one model).
-        out, first = {}, None
-        for name in TP_MODELS:
-            worker = Worker(_worker_config(name, 2, rank))
-            worker.init_device()
-            if first is None:
-                rendezvous(worker, rank, 2, ports)
-                first = worker
-            else:
-                worker.ctx = first.ctx
-            worker.load_model()
-            worker.initialize_cache(64, 0)
-            out[name] = _greedy_steps(worker, name)
-        first.shutdown()
+        configs = {name: _worker_config(name, 2, rank) for name in TP_MODELS}
+        out = {
+            name: _greedy_steps(worker, name)
+            for name, worker in workers_on_one_group(rank, 2, ports, configs)
+        }
         results.put((rank, out))
     except BaseException as exc:
         results.put((rank, repr(exc)))

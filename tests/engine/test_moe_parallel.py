@@ -27,7 +27,7 @@ from kernels.moe import fused_moe
 from kernels.ops import silu_and_mul
 from parallel.moe import ParallelExperts, grouped_experts
 from parallel.state import GroupCoordinator, ParallelContext
-from tests.engine.spawned_ranks import rendezvous, run_ranks
+from tests.engine.spawned_ranks import run_ranks, workers_on_one_group
 from tests.engine.test_moe import (
     TP_DECODE_STEPS,
     TP_PROMPTS,
@@ -226,26 +226,15 @@ def _ep_worker_config(name: str, rank: int) -> EngineConfig:
 
 def _ep_rank_main(rank: int, ports: Any, results: Any) -> None:
     try:
-        from engine.worker import Worker
-
-        out, first = {}, None
-        for name in EP_MODELS:
-            worker = Worker(_ep_worker_config(name, rank))
-            worker.init_device()
-            if first is None:
-                rendezvous(worker, rank, 2, ports)
-                first = worker
-            else:
-                worker.ctx = first.ctx
-            worker.load_model()
-            worker.initialize_cache(64, 0)
+        out = {}
+        configs = {name: _ep_worker_config(name, rank) for name in EP_MODELS}
+        for name, worker in workers_on_one_group(rank, 2, ports, configs):
             held = {
                 (m.first_expert, m.num_local_experts)
                 for m in worker.runner.model.modules()
                 if isinstance(m, ParallelExperts)
             }
             out[name] = (_greedy_steps(worker, name), held)
-        first.shutdown()
         results.put((rank, out))
     except BaseException as exc:
         results.put((rank, repr(exc)))
