@@ -39,11 +39,9 @@ from engine.tiny_models import (
     VERSION,
     _build_model,
     _write_config,
-    _write_json,
-    _write_tokenizer,
-    build_tokenizer,
     materialize,
 )
+from engine.tiny_tokenizer import build_tokenizer, write_json, write_tokenizer
 
 # Bump whenever an MoE recipe changes (on top of engine.tiny_models.VERSION, which covers the
 # tokenizer and init shared with the dense models).
@@ -123,7 +121,7 @@ def make_tiny_moe_model(
     config = config_class(vocab_size=tokenizer.get_vocab_size(), **kwargs)
     out = Path(out_dir)
     _save(_build_model(config, seed), config, out)
-    _write_tokenizer(tokenizer, out)
+    write_tokenizer(tokenizer, out)
     return out
 
 
@@ -135,7 +133,7 @@ def _save(model: Any, config: PretrainedConfig, out: Path) -> None:
     for path in out.iterdir():
         path.chmod(0o644)
     _write_config(config, type(model).__name__, out / "config.json")
-    _write_json(out / "generation_config.json", _GENERATION_CONFIG)
+    write_json(out / "generation_config.json", _GENERATION_CONFIG)
 
 
 def materialize_tiny_moe(name: str) -> Path:
@@ -203,5 +201,5 @@ def make_random_qwen3_moe(
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     out = Path(out_dir)
     _save(model, config, out)
-    _write_tokenizer(build_tokenizer(vocab_size), out)
+    write_tokenizer(build_tokenizer(vocab_size), out)
     return out
