@@ -1,0 +1,203 @@
+"""Reasoning parsers (vLLM's ``reasoning_parser``): split a reasoning model's output into its
+reasoning (``reasoning_content`` in chat, reasoning items in Responses) and its answer.
+
+Both parsers read ``<think>…</think>`` blocks; they differ in where the output starts:
+
+- ``deepseek_r1``: DeepSeek-R1 (and its distills) templates open ``<think>`` in the prompt, so
+  the output starts in reasoning and runs until ``</think>``; a ``<think>`` the model writes
+  itself before that is dropped. Without ``</think>`` (cut off by ``max_tokens``) all of it is
+  reasoning and the content is None.
+- ``qwen3``: Qwen3 writes ``<think>`` itself; output without a think block is all content. A
+  ``<think>`` opens the reasoning, the first ``</think>`` closes it, and everything after is
+  content. A template that opens ``<think>`` in the prompt (Qwen3-Thinking-2507) is read from
+  the prompt's tokens (``output_starts_in_reasoning``): the output then starts in reasoning,
+  as vLLM reads output whose ``</think>`` has no ``<think>``.
+
+Either way, a prompt whose last think tag is ``</think>`` (``enable_thinking=False`` renders
+``<think>\\n\\n</think>\\n\\n``) has already ended the reasoning: the output is all content.
+
+One state machine serves both modes, so a streamed response's deltas always add up to the
+non-streamed split: ``extract(text)`` is ``feed(text)`` then ``finish()``. vLLM's non-streamed
+``qwen3`` returns a ``<think>`` without its ``</think>`` (output cut off mid-reasoning) as
+content while its stream sends it as reasoning; here both say reasoning.
+
+The tags are single tokens in the tokenizers of these models (added tokens that decoding keeps):
+``think_token_ids`` finds them, and the engine starts a structured output's grammar once the
+``</think>`` token is sampled (``StructuredOutputsParams.reasoning_end_token_id``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+_PRE, _REASONING, _CONTENT = "pre", "reasoning", "content"
+
+
+class ReasoningStreamer:
+    """One choice's streamed split. ``feed(delta)`` returns what of ``delta`` is reasoning and
+    what is content (either may be ""); text that may be the start of a tag is held back until
+    the next delta (or ``finish``) decides it."""
+
+    def __init__(self, in_reasoning: bool) -> None:
+        self._phase = _REASONING if in_reasoning else _PRE
+        self._start_seen = False  # a <think> after the first is reasoning text, not a tag
+        self._held = ""
+        self.entered_reasoning = in_reasoning
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._phase == _REASONING
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        text, self._held = self._held + delta, ""
+        while text:
+            if self._phase == _CONTENT:
+                content.append(text)
+                break
+            tags = self._tags()
+            at, tag = _first_tag(text, tags)
+            if tag is None:
+                keep = _partial_tag_len(text, tags)
+                self._emit(text[: len(text) - keep], reasoning, content)
+                self._held = text[len(text) - keep :]
+                break
+            self._emit(text[:at], reasoning, content)
+            text = text[at + len(tag) :]
+            self._on_tag(tag)
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """The held-back text (no tag after all), once the output has ended."""
+        reasoning: list[str] = []
+        content: list[str] = []
+        held, self._held = self._held, ""
+        self._emit(held, reasoning, content)
+        return "".join(reasoning), "".join(content)
+
+    def _tags(self) -> tuple[str, ...]:
+        if self._phase == _PRE:
+            return (THINK_START,)
+        return (THINK_END,) if self._start_seen else (THINK_START, THINK_END)
+
+    def _emit(self, text: str, reasoning: list[str], content: list[str]) -> None:
+        if text:
+            (reasoning if self._phase == _REASONING else content).append(text)
+
+    def _on_tag(self, tag: str) -> None:
+        if tag == THINK_START:  # opens the reasoning, or (already in it) is dropped
+            self._start_seen = True
+            self._phase = _REASONING
+            self.entered_reasoning = True
+        else:
+            self._phase = _CONTENT
+
+
+def _first_tag(text: str, tags: Sequence[str]) -> tuple[int, str | None]:
+    found = [(text.find(tag), tag) for tag in tags if tag in text]
+    return min(found) if found else (-1, None)
+
+
+def _partial_tag_len(text: str, tags: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that is a proper prefix of one of ``tags``."""
+    for n in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
+        if any(tag.startswith(text[-n:]) for tag in tags):
+            return n
+    return 0
+
+
+class ReasoningParser:
+    """A named way to split reasoning from the answer (see the module doc). ``in_reasoning``
+    says whether the output starts inside a think block; None: the parser's default for a prompt
+    with no think tags (``output_starts_in_reasoning`` reads the prompt's)."""
+
+    name = ""
+    starts_in_reasoning = False
+
+    def streamer(self, *, in_reasoning: bool | None = None) -> ReasoningStreamer:
+        return ReasoningStreamer(self.starts_in_reasoning if in_reasoning is None else in_reasoning)
+
+    def extract(
+        self, text: str, *, in_reasoning: bool | None = None
+    ) -> tuple[str | None, str | None]:
+        """``(reasoning_content, content)`` of a whole output: reasoning None when the output
+        has none, content None when nothing follows the reasoning."""
+        streamer = self.streamer(in_reasoning=in_reasoning)
+        r1, c1 = streamer.feed(text)
+        r2, c2 = streamer.finish()
+        reasoning = r1 + r2 if streamer.entered_reasoning else None
+        return reasoning, (c1 + c2) or None
+
+    def output_starts_in_reasoning(
+        self, prompt_token_ids: Sequence[int], start_id: int, end_id: int
+    ) -> bool:
+        """Whether the output starts inside a think block, given the prompt's tokens: the last
+        think tag of the prompt decides (``</think>``: no; ``<think>``: yes); with none, the
+        parser's default."""
+        for token in reversed(prompt_token_ids):
+            if token == end_id:
+                return False
+            if token == start_id:
+                return True
+        return self.starts_in_reasoning
+
+    def reasoning_ended_in_prompt(
+        self, prompt_token_ids: Sequence[int], start_id: int, end_id: int
+    ) -> bool:
+        """The prompt's last think tag is ``</think>``: the output is the answer from its first
+        token (vLLM's ``is_reasoning_end`` on the prompt), so a grammar applies at once."""
+        for token in reversed(prompt_token_ids):
+            if token in (start_id, end_id):
+                return token == end_id
+        return False
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+    starts_in_reasoning = True
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+    starts_in_reasoning = False
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+}
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    """The parser registered as ``name``; ValueError naming the field and the valid names."""
+    try:
+        return REASONING_PARSERS[name]()
+    except (KeyError, TypeError):
+        valid = ", ".join(sorted(REASONING_PARSERS))
+        raise ValueError(f"reasoning_parser: unknown parser {name!r}; one of {valid}") from None
+
+
+def think_token_ids(tokenizer: Any, parser_name: str) -> tuple[int, int]:
+    """The ids of ``<think>`` and ``</think>``, each a single token of ``tokenizer`` that
+    decoding keeps (an added, non-special token, as in Qwen3's and DeepSeek-R1's tokenizers);
+    ValueError naming ``reasoning_parser`` otherwise (vLLM refuses such a model at start too)."""
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    ids = []
+    for tag in (THINK_START, THINK_END):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(
+                f"reasoning_parser: {parser_name!r} needs {tag} as one token of the model's "
+                f"tokenizer; it encodes to {len(encoded)} tokens"
+            )
+        if encoded[0] in special:
+            raise ValueError(
+                f"reasoning_parser: {parser_name!r}: the tokenizer's {tag} is a special token, "
+                "which decoding skips; the model's tokenizer must keep it in the text"
+            )
+        ids.append(encoded[0])
+    return ids[0], ids[1]
