@@ -14,7 +14,7 @@ which field is ``engine.engine_args``'s table; the checks and their one message 
     ├── kernel:    KernelConfig     (attention_backend, enforce_eager)
     ├── sampling:  SamplingConfig   (server-wide request caps: max_n, max_logprobs)
     ├── pooler:    PoolerConfig     (pooling_type of embedding requests: last | mean)
-    ├── frontend:  FrontendConfig   (tool calling: enable_auto_tool_choice, tool_call_parser)
+    ├── frontend:  FrontendConfig   (tool_call_parser, enable_auto_tool_choice, reasoning_parser)
     └── lora:      LoRAConfig       (enable_lora, max_loras, max_lora_rank, max_cpu_loras)
 
 Every config is a frozen dataclass, validated in ``__post_init__`` under the names of vLLM's
@@ -311,7 +311,9 @@ class FrontendConfig:
     calling, accepted among the engine arguments so that a deployment YAML carries them in
     ``engine_kwargs`` as Ray Serve LLM's does. ``tool_call_parser`` names how the front reads
     tool calls out of the model's text (``cluster.api.tool_parsers``, which checks the name);
-    ``enable_auto_tool_choice`` lets requests use ``tool_choice: "auto"``."""
+    ``enable_auto_tool_choice`` lets requests use ``tool_choice: "auto"``. ``reasoning_parser``
+    (vLLM's server option) splits a reasoning model's think block out of chat answers
+    (``cluster.api.reasoning_parsers``, which checks the name)."""
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -319,10 +321,12 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         check_bool(self.enable_auto_tool_choice, "enable_auto_tool_choice")
         check_str(self.tool_call_parser, "tool_call_parser", note="a parser name", optional=True)
+    reasoning_parser: str | None = None
         require(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "enable_auto_tool_choice",
             "needs tool_call_parser (how to read tool calls out of the model's text)",
+        check_str(self.reasoning_parser, "reasoning_parser", note="a parser name", optional=True)
         )
 
 

@@ -51,6 +51,7 @@ ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "enable_auto_tool_choice": ("frontend", "enable_auto_tool_choice"),
     "tool_call_parser": ("frontend", "tool_call_parser"),
     "enable_lora": ("lora", "enable_lora"),
+    "reasoning_parser": ("frontend", "reasoning_parser"),
     "max_loras": ("lora", "max_loras"),
     "max_lora_rank": ("lora", "max_lora_rank"),
     "max_cpu_loras": ("lora", "max_cpu_loras"),

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from cluster.api.reasoning_parsers import REASONING_PARSERS
 from cluster.api.tool_parsers import TOOL_PARSERS
 from cluster.config.strict_yaml import build_dataclass
 from engine.errors import ConfigError
@@ -483,3 +484,7 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
 
 def _checkpoint_reachable(source: str) -> bool:
     return source.startswith("builtin:") or (Path(source).expanduser() / "config.json").is_file()
+    reasoning = kwargs.get("reasoning_parser")
+    if isinstance(reasoning, str) and reasoning not in REASONING_PARSERS:
+        names = ", ".join(sorted(REASONING_PARSERS))
+        raise ConfigError(f"{path}.reasoning_parser: unknown parser {reasoning!r}; one of {names}")
