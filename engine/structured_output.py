@@ -30,6 +30,7 @@ import torch
 import xgrammar as xgr
 
 from engine.errors import InvalidRequestError
+from engine.json_string_grammar import json_schema_grammar
 from engine.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("llm_cluster.structured_output")
@@ -137,9 +138,12 @@ class StructuredOutputManager:
 
     def _compile(self, kind: str, spec: str, *, any_whitespace: bool) -> xgr.CompiledGrammar:
         if kind in ("json", "json_object"):
-            return self.compiler.compile_json_schema(
+            # Not compile_json_schema: xgrammar 0.2.8's length-bounded strings admit raw
+            # control characters (see engine/json_string_grammar.py).
+            grammar = json_schema_grammar(
                 spec, any_whitespace=any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE_RUN
             )
+            return self.compiler.compile_grammar(grammar)
         if kind == "regex":
             return self.compiler.compile_regex(spec)
         return self.compiler.compile_grammar(spec)  # grammar, and choice as a grammar

@@ -82,10 +82,8 @@ def _json_params(seed: int | None = None, **kwargs: Any) -> SamplingParams:
 
 
 def _parse(text: str) -> Any:
-    # strict=False: xgrammar 0.2.8 lets a string with maxLength hold raw control characters
-    # (see test_xgrammar_max_length_string_admits_control_characters), which strict JSON
-    # forbids; everything else about the document is checked by the schema.
-    return json.loads(text, strict=False)
+    # Strict: no raw control characters in strings, maxLength ones included.
+    return json.loads(text)
 
 
 def _assert_valid(text: str) -> None:
@@ -339,9 +337,24 @@ def test_bitmask_masks_only_its_rows_and_disallowed_tokens(vocab: int, dtype: to
     assert torch.isfinite(logits[[0, 2]]).all()
 
 
+# These two watch xgrammar itself (the engine rewrites the rule: engine/json_string_grammar.py);
+# when they pass, a fixed release is out and the rewrite can go.
 @pytest.mark.xfail(strict=True, reason="xgrammar 0.2.8: maxLength strings admit U+0000-U+001F")
 def test_xgrammar_max_length_string_admits_control_characters(llm: LLM) -> None:
-    manager = llm.llm_engine.structured_output
-    so = StructuredOutputsParams(json={"type": "string", "maxLength": 4})
-    matcher = xgr.GrammarMatcher(manager.compile(so))
+    compiler = llm.llm_engine.structured_output.compiler
+    matcher = xgr.GrammarMatcher(compiler.compile_json_schema({"type": "string", "maxLength": 4}))
     assert not matcher.accept_string('"a\x01"')
+
+
+@pytest.mark.xfail(strict=True, reason="xgrammar 0.2.8: maxLength strings refuse escapes")
+def test_xgrammar_max_length_string_refuses_escapes(llm: LLM) -> None:
+    compiler = llm.llm_engine.structured_output.compiler
+    matcher = xgr.GrammarMatcher(compiler.compile_json_schema({"type": "string", "maxLength": 4}))
+    assert matcher.accept_string('"a\\t"')
+
+
+def test_max_length_strings_refuse_control_characters_and_take_escapes(llm: LLM) -> None:
+    manager = llm.llm_engine.structured_output
+    compiled = manager.compile(StructuredOutputsParams(json={"type": "string", "maxLength": 4}))
+    assert not xgr.GrammarMatcher(compiled).accept_string('"a\x01"')
+    assert xgr.GrammarMatcher(compiled).accept_string('"a\\t"')
