@@ -7,7 +7,7 @@ which field is ``engine.engine_args``'s table; the checks and their one message 
 
     EngineConfig
     ├── model:     ModelConfig      (what to load, dtype, max_model_len)
-    ├── cache:     CacheConfig      (block_size, prefix caching, KV pool size, swap space)
+    ├── cache:     CacheConfig      (block_size, kv_cache_dtype, prefix caching, KV pool, swap)
     ├── scheduler: SchedulerConfig  (token budget, sequence cap, chunking, policy, preemption)
     ├── parallel:  ParallelConfig   (tensor_parallel_size, pipeline_parallel_size, EP)
     ├── device:    DeviceConfig     (cpu | cuda | auto)
@@ -51,6 +51,7 @@ from engine.validation import (
     require,
 )
 from kernels.backend import resolve_attention_backend, triton_available
+from kernels.kv_quant import KV_CACHE_DTYPES
 
 # The name -> (section, field) table under its former name, which cluster.ops.kuberay reads.
 _ENGINE_ARGS = ENGINE_ARGS
@@ -135,9 +136,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space: float = 4.0
     swap_space: float = 4.0
+    # vLLM's kv_cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (kernels.kv_quant).
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice(self.block_size, "block_size", (8, 16, 32, 64, 128))
+        check_choice(self.cache_dtype, "kv_cache_dtype", KV_CACHE_DTYPES)
         check_positive_int(self.num_kv_blocks, "num_kv_blocks", optional=True)
         check_number(self.gpu_memory_utilization, "gpu_memory_utilization", gt=0, le=1)
         check_number(self.cpu_kv_cache_space, "cpu_kv_cache_space", gt=0, note="GiB")

@@ -27,6 +27,7 @@ ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "cpu_kv_cache_space": ("cache", "cpu_kv_cache_space"),
     "swap_space": ("cache", "swap_space"),
+    "kv_cache_dtype": ("cache", "cache_dtype"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),

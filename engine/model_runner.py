@@ -47,6 +47,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import apply_grammar_bitmask, unpack_bitmask
 from engine.timing import StepTimer, device_synchronizer
 from kernels.attention import AttentionMetadata
+from kernels.kv_quant import kv_cache_torch_dtype
 from parallel.distributed import recv_intermediate, send_intermediate
 from parallel.state import ParallelContext
 
@@ -132,26 +133,35 @@ class ModelRunner:
         layers = self.model.attention_layers()
         if not layers:
             return 0
-        per_layer = int(np.prod(self.kv_cache_shape(1))) * self.config.model.torch_dtype.itemsize
+        per_layer = int(np.prod(self.kv_cache_shape(1))) * self.kv_cache_dtype().itemsize
         return per_layer * len(layers)
+
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The caches' dtype: the model's, or float8_e4m3fn under kv_cache_dtype fp8."""
+        return kv_cache_torch_dtype(self.config.cache.cache_dtype, self.config.model.torch_dtype)
 
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate the caches (dropping the old ones). Decode graphs, where they apply, are
         set up over the new caches but captured only by ``capture_cuda_graphs``."""
         dtype = self.config.model.torch_dtype
+        cache_dtype = self.kv_cache_dtype()
         # Captured graphs hold the old caches' addresses.
         self.release_cuda_graphs()
         self.kv_caches = []
         self.cpu_kv_caches = []
         for attn in self.model.attention_layers():
-            cache = torch.zeros(self.kv_cache_shape(num_blocks), dtype=dtype, device=self.device)
+            cache = torch.zeros(
+                self.kv_cache_shape(num_blocks), dtype=cache_dtype, device=self.device
+            )
             attn.kv_cache = cache
             self.kv_caches.append(cache)
             if num_cpu_blocks:
                 # torch.empty: swap space pages are only committed when a block is swapped out.
                 pin = self.device.type == "cuda"
                 self.cpu_kv_caches.append(
-                    torch.empty(self.kv_cache_shape(num_cpu_blocks), dtype=dtype, pin_memory=pin)
+                    torch.empty(
+                        self.kv_cache_shape(num_cpu_blocks), dtype=cache_dtype, pin_memory=pin
+                    )
                 )
         if num_blocks and self.uses_cuda_graphs():
             # A stage after the first replays from static hidden/residual inputs.

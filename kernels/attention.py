@@ -60,6 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.kv_quant import as_storage, check_kv_scale, dequantize_kv, is_fp8, quantize_kv
+
 __all__ = [
     "AttentionMetadata",
     "AttentionPlan",
@@ -291,18 +293,30 @@ class AttentionMetadata:
         )
 
 
-def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+def reshape_and_cache(
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Write the new tokens' ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into
-    ``kv_cache`` at ``slot_mapping``; tokens whose slot is < 0 are not written."""
+    ``kv_cache`` at ``slot_mapping``; tokens whose slot is < 0 are not written. An FP8 cache
+    stores them quantized with ``k_scale``/``v_scale`` (``kernels.kv_quant``); other caches
+    ignore the scales."""
     check_cache_write_args(key, value, kv_cache, slot_mapping)
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
 
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    key_cache.index_copy_(0, slots, key[keep])
-    value_cache.index_copy_(0, slots, value[keep])
+    key, value = key[keep], value[keep]
+    if is_fp8(kv_cache):
+        k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+        key, value = as_storage(quantize_kv(key, k_scale)), as_storage(quantize_kv(value, v_scale))
+    storage = as_storage(kv_cache)
+    storage[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    storage[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
 def paged_attention(
@@ -312,16 +326,20 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
     request's paged context; returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
 
     Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA/MQA). A query at
     position ``q`` sees keys ``q - sliding_window < k <= q`` when ``sliding_window`` is set;
-    ``logits_soft_cap`` C turns the scaled scores into ``C * tanh(scores / C)``.
+    ``logits_soft_cap`` C turns the scaled scores into ``C * tanh(scores / C)``. An FP8 cache
+    is dequantized with ``k_scale``/``v_scale`` into ``query.dtype`` as it is gathered.
     """
     check_attention_args(query, kv_cache, metadata, scale)
     check_attention_options(sliding_window, logits_soft_cap)
+    dequant = KVDequant.of(query, kv_cache, k_scale, v_scale)
     window = effective_window(sliding_window, metadata)
     plan = (
         AttentionPlan(metadata.decode_groups, metadata.prefill_chunks)
@@ -336,11 +354,19 @@ def paged_attention(
     # group or prefill chunk, and together they cover all num_tokens rows.
     for group in plan.decode_groups:
         _attend_decode_group(
-            query, kv_cache, group, scale, logits_soft_cap, metadata.workspace, out
+            query, kv_cache, group, scale, logits_soft_cap, metadata.workspace, dequant, out
         )
     for chunk in plan.prefill_chunks:
         _attend_prefill_chunk(
-            query, kv_cache, chunk, scale, window, logits_soft_cap, metadata.workspace, out
+            query,
+            kv_cache,
+            chunk,
+            scale,
+            window,
+            logits_soft_cap,
+            metadata.workspace,
+            dequant,
+            out,
         )
     return out
 
@@ -379,7 +405,7 @@ def check_cache_write_args(
     check_kv_cache("kv_cache", kv_cache)
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     for name, t in (("key", key), ("value", value)):
-        _check_same_device_dtype(name, t, kv_cache)
+        _check_same_device_dtype(name, t, kv_cache, fp8_ok=True)
         if t.dim() != 3 or t.shape[1:] != (num_kv_heads, head_dim):
             raise ValueError(
                 f"{name} must have shape [num_tokens, {num_kv_heads}, {head_dim}] to match "
@@ -406,7 +432,7 @@ def check_attention_args(
     """Shapes, dtypes and devices of a paged-attention call; shared by the torch and Triton
     kernels (the Triton wrapper adds its own constraints)."""
     check_kv_cache("kv_cache", kv_cache)
-    _check_same_device_dtype("query", query, kv_cache)
+    _check_same_device_dtype("query", query, kv_cache, fp8_ok=True)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     if query.dim() != 3:
         raise ValueError(
@@ -486,6 +512,7 @@ def _attend_decode_group(
     scale: float,
     soft_cap: float | None,
     workspace: GatherWorkspace,
+    dequant: KVDequant,
     out: Tensor,
 ) -> None:
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -496,7 +523,7 @@ def _attend_decode_group(
     q = query.index_select(0, group.token_rows).view(
         group.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim
     )
-    kv = _gather_kv(kv_cache, group.block_ids, workspace).view(
+    kv = _gather_kv(kv_cache, group.block_ids, workspace, dequant).view(
         2, group.num_seqs, group.max_blocks * block_size, num_kv_heads, head_dim
     )
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
@@ -520,13 +547,16 @@ def _attend_prefill_chunk(
     window: int | None,
     soft_cap: float | None,
     workspace: GatherWorkspace,
+    dequant: KVDequant,
     out: Tensor,
 ) -> None:
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
     query_len = chunk.token_end - chunk.token_start
     q = query[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)
-    kv = _gather_kv(kv_cache, chunk.block_ids, workspace).view(2, -1, num_kv_heads, head_dim)
+    kv = _gather_kv(kv_cache, chunk.block_ids, workspace, dequant).view(
+        2, -1, num_kv_heads, head_dim
+    )
     num_keys = chunk.seq_len - chunk.key_start
     k, v = (kv[i, :num_keys].transpose(0, 1).unsqueeze(0) for i in (0, 1))
     if window is None and soft_cap is None:
@@ -612,23 +642,54 @@ def _bottom_right_causal_mask(query_len: int, seq_len: int, device: torch.device
     return mask.tril_(seq_len - query_len)
 
 
-def _gather_kv(kv_cache: Tensor, block_ids: Tensor, workspace: GatherWorkspace) -> Tensor:
+@dataclass(frozen=True)
+class KVDequant:
+    """How an FP8 cache's gathered blocks become compute values: ``dtype`` is the query's
+    (the model's compute dtype); None for a cache stored in that dtype already."""
+
+    dtype: torch.dtype
+    k_scale: float
+    v_scale: float
+
+    @classmethod
+    def of(
+        cls, query: Tensor, kv_cache: Tensor, k_scale: float, v_scale: float
+    ) -> KVDequant | None:
+        if not is_fp8(kv_cache):
+            return None
+        return cls(
+            query.dtype, check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+        )
+
+
+def _gather_kv(
+    kv_cache: Tensor, block_ids: Tensor, workspace: GatherWorkspace, dequant: KVDequant | None
+) -> Tensor:
     """K and V of ``block_ids``, in that order, in the SDPA dtype (``sdpa_dtype``)
-    ``[2, len(block_ids), block_size, num_kv_heads, head_dim]`` (a workspace view)."""
+    ``[2, len(block_ids), block_size, num_kv_heads, head_dim]`` (a workspace view). An FP8
+    cache's blocks are gathered as bytes and dequantized into ``dequant.dtype``."""
     shape = (2, block_ids.numel(), *kv_cache.shape[2:])
-    gathered = workspace.take("gather", shape, kv_cache.dtype, kv_cache.device)
+    storage = as_storage(kv_cache)
+    gathered = workspace.take("gather", shape, storage.dtype, kv_cache.device)
     for i in (0, 1):
-        torch.index_select(kv_cache[i], 0, block_ids, out=gathered[i])
-    dtype = sdpa_dtype(kv_cache)
-    if dtype == kv_cache.dtype:
+        torch.index_select(storage[i], 0, block_ids, out=gathered[i])
+    if dequant is not None:
+        fp8 = gathered.view(kv_cache.dtype)
+        values = workspace.take("dequant", shape, dequant.dtype, kv_cache.device)
+        for i, kv_scale in ((0, dequant.k_scale), (1, dequant.v_scale)):
+            dequantize_kv(fp8[i], kv_scale, dequant.dtype, out=values[i])
+        gathered = values
+    dtype = sdpa_dtype(gathered.dtype, kv_cache.device)
+    if dtype == gathered.dtype:
         return gathered
     return workspace.take("fp32", shape, dtype, kv_cache.device).copy_(gathered)
 
 
-def sdpa_dtype(kv_cache: Tensor) -> torch.dtype:
-    """The dtype the torch path attends in: the cache's for float32, and for bf16 on a CPU with
-    native bf16; float32 otherwise (see the module docstring)."""
-    if kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu" and _native_cpu_bf16():
+def sdpa_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the torch path attends K/V of ``kv_dtype`` (the cache's, or its dequantized
+    dtype) in: float32 for float32, bf16 for bf16 on a CPU with native bf16; float32 otherwise
+    (see the module docstring)."""
+    if kv_dtype == torch.bfloat16 and device.type == "cpu" and _native_cpu_bf16():
         return torch.bfloat16
     return torch.float32
 
@@ -760,8 +821,14 @@ def check_kv_cache(name: str, kv_cache: Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (slots are addressed through a flat view)")
 
 
-def _check_same_device_dtype(name: str, t: Tensor, kv_cache: Tensor) -> None:
-    if t.dtype != kv_cache.dtype:
+def _check_same_device_dtype(name: str, t: Tensor, kv_cache: Tensor, fp8_ok: bool = False) -> None:
+    """Same dtype as the cache, or (``fp8_ok``) any compute dtype over an FP8 cache."""
+    if fp8_ok and is_fp8(kv_cache):
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(
+                f"{name} must be float16, bfloat16 or float32 over an fp8 kv_cache, got {t.dtype}"
+            )
+    elif t.dtype != kv_cache.dtype:
         raise ValueError(f"{name} has dtype {t.dtype} but kv_cache has {kv_cache.dtype}")
     if t.device != kv_cache.device:
         raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")

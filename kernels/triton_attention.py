@@ -55,6 +55,8 @@ from kernels.attention import (
     check_attention_options,
     effective_window,
 )
+from kernels.kv_quant import FP8_DTYPE, as_storage, check_kv_scale, is_fp8
+from kernels.triton_fp8 import fp8e4m3_bits_to_float
 
 __all__ = ["choose_num_kv_splits", "paged_attention"]
 
@@ -67,7 +69,7 @@ _PREFILL_BLOCK_M = 64
 _SPLIT_TARGET_PROGRAMS = 256
 _SPLIT_MIN_KEYS = 256
 _MAX_KV_SPLITS = 64
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
 
 
 @triton.jit
@@ -107,6 +109,16 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(ptr, mask, scale, dtype, KV_FP8: tl.constexpr):
+    """A K or V tile in the compute ``dtype``; an FP8 cache (bytes) is dequantized as
+    ``kernels.kv_quant.dequantize_kv`` does: float32(q) * scale, cast to ``dtype``."""
+    if KV_FP8:
+        raw = tl.load(ptr, mask=mask, other=0)
+        return (fp8e4m3_bits_to_float(raw) * scale).to(dtype)
+    return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,
     partial_out_ptr,
@@ -121,6 +133,8 @@ def _paged_attention_kernel(
     score_scale,
     softcap_log2,
     window,
+    k_scale,
+    v_scale,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -143,9 +157,11 @@ def _paged_attention_kernel(
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """``score_scale`` is scale * log2(e), or scale / cap with a soft cap, whose scores are then
-    ``tanh(.) * softcap_log2`` (cap * log2(e)); ``window`` counts only with HAS_WINDOW."""
+    ``tanh(.) * softcap_log2`` (cap * log2(e)); ``window`` counts only with HAS_WINDOW. With
+    KV_FP8, ``kv_ptr`` is the FP8 cache viewed as bytes, dequantized with k_scale / v_scale."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -198,10 +214,12 @@ def _paged_attention_kernel(
             + (k_pos % BLOCK_SIZE) * stride_kv_slot
             + kv_head * stride_kv_head
         )
-        k = tl.load(
+        k = _load_kv(
             kv_ptr + kv_offsets[None, :] + offs_d[:, None],
-            mask=k_valid[None, :] & d_valid[:, None],
-            other=0.0,
+            k_valid[None, :] & d_valid[:, None],
+            k_scale,
+            q.dtype,
+            KV_FP8,
         )
         s = _dot(q, k, DOT_UPCAST, DOT_PRECISION) * score_scale
         if HAS_SOFTCAP:
@@ -217,10 +235,12 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
+        v = _load_kv(
             kv_ptr + stride_kv + kv_offsets[:, None] + offs_d[None, :],
-            mask=k_valid[:, None] & d_valid[None, :],
-            other=0.0,
+            k_valid[:, None] & d_valid[None, :],
+            v_scale,
+            q.dtype,
+            KV_FP8,
         )
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
         m_i = m_new
@@ -306,6 +326,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     num_kv_splits: int | None = None,
 ) -> Tensor:
@@ -313,9 +335,15 @@ def paged_attention(
     request's paged context; returns a new contiguous tensor shaped and typed like ``query``.
     ``sliding_window`` and ``logits_soft_cap`` as in ``kernels.attention.paged_attention``.
 
+    An FP8 cache is dequantized in the kernel with ``k_scale``/``v_scale`` into
+    ``query.dtype``, the same values the torch path attends over.
+
     ``num_kv_splits`` forces the split-KV path's split count (default: ``choose_num_kv_splits``).
     """
     _check_inputs(query, kv_cache, metadata, scale)
+    fp8 = is_fp8(kv_cache)
+    if fp8:
+        k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
     check_attention_options(sliding_window, logits_soft_cap)
     window = effective_window(sliding_window, metadata)
     if num_kv_splits is None:
@@ -358,7 +386,7 @@ def paged_attention(
         partial_out,
         partial_lse,
         query,
-        kv_cache,
+        as_storage(kv_cache),
         metadata.block_table,
         metadata.seq_lens,
         metadata.query_start_loc,
@@ -367,6 +395,8 @@ def paged_attention(
         score_scale,
         softcap_log2,
         0 if window is None else window,
+        float(k_scale) if fp8 else 1.0,
+        float(v_scale) if fp8 else 1.0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -390,6 +420,7 @@ def paged_attention(
         # fp32 caches are meant to match the fp32 reference, so no TF32 rounding.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_UPCAST=query.dtype == torch.bfloat16 and interpreter_enabled(),
+        KV_FP8=fp8,
         num_warps=4,
         num_stages=2,
     )
@@ -418,7 +449,8 @@ def _check_inputs(
         raise ValueError("kv_cache must be contiguous")
     if kv_cache.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(
-            f"kv_cache dtype must be float16, bfloat16 or float32, got {kv_cache.dtype}"
+            f"kv_cache dtype must be float16, bfloat16, float32 or float8_e4m3fn, "
+            f"got {kv_cache.dtype}"
         )
     if query.stride(2) != 1:
         raise ValueError(

@@ -17,7 +17,9 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.attention import check_block_mapping, check_cache_write_args, check_kv_cache
+from kernels.kv_quant import FP8_E4M3_MAX, as_storage, check_kv_scale, is_fp8
 from kernels.triton_attention import check_triton_device
+from kernels.triton_fp8 import float_to_fp8e4m3_bits
 
 __all__ = ["copy_blocks", "reshape_and_cache", "swap_blocks"]
 
@@ -37,10 +39,16 @@ def _reshape_and_cache_kernel(
     stride_value_head,
     stride_kv,
     num_kv_heads,
+    k_scale,
+    v_scale,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
+    """With KV_FP8, ``kv_ptr`` is the FP8 cache viewed as bytes and K/V are stored quantized:
+    ``saturate(float32(x) / scale)`` rounded to e4m3 (``kernels.kv_quant``)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
@@ -61,6 +69,11 @@ def _reshape_and_cache_kernel(
         + offs_d[None, :],
         mask=mask,
     )
+    if KV_FP8:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+        k = float_to_fp8e4m3_bits(k).to(tl.uint8)
+        v = float_to_fp8e4m3_bits(v).to(tl.uint8)
     tl.store(kv_ptr + dst, k, mask=mask)
     tl.store(kv_ptr + stride_kv + dst, v, mask=mask)
 
@@ -79,10 +92,21 @@ def _copy_blocks_kernel(kv_ptr, mapping_ptr, stride_kv, block_numel, CHUNK: tl.c
     tl.store(base + dst * block_numel + offs, values, mask=mask)
 
 
-def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+def reshape_and_cache(
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` (strided views are
-    fine as long as the last dim is contiguous) into ``kv_cache`` at ``slot_mapping``."""
+    fine as long as the last dim is contiguous) into ``kv_cache`` at ``slot_mapping``; an FP8
+    cache stores them quantized with ``k_scale``/``v_scale``, others ignore the scales."""
     check_cache_write_args(key, value, kv_cache, slot_mapping)
+    fp8 = is_fp8(kv_cache)
+    if fp8:
+        k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
     _check_kv_cache("kv_cache", kv_cache)
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     for name, t in (("key", key), ("value", value)):
@@ -93,7 +117,7 @@ def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping
     _reshape_and_cache_kernel[(key.shape[0],)](
         key,
         value,
-        kv_cache,
+        as_storage(kv_cache),
         slot_mapping,
         key.stride(0),
         key.stride(1),
@@ -101,9 +125,13 @@ def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping
         value.stride(1),
         kv_cache.stride(0),
         num_kv_heads,
+        float(k_scale) if fp8 else 1.0,
+        float(v_scale) if fp8 else 1.0,
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
+        KV_FP8=fp8,
+        FP8_MAX=FP8_E4M3_MAX,
     )
 
 
@@ -141,7 +169,7 @@ def copy_blocks(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> None:
         block_numel = kv_cache[0, 0].numel()
         grid = (len(pairs), 2, triton.cdiv(block_numel, _COPY_CHUNK))
         _copy_blocks_kernel[grid](
-            kv_cache, mapping, kv_cache.stride(0), block_numel, CHUNK=_COPY_CHUNK
+            as_storage(kv_cache), mapping, kv_cache.stride(0), block_numel, CHUNK=_COPY_CHUNK
         )
 
 
@@ -177,6 +205,8 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
                 f"block_mapping[:, {column}] must be in [0, {t.shape[1]}) for {name}, "
                 f"got values in [{int(ids.min())}, {int(ids.max())}]"
             )
+    # Bytes for an FP8 cache: index_copy_ has no float8 kernel on CPU.
+    src, dst = as_storage(src), as_storage(dst)
     blocks = src.index_select(1, mapping[:, 0].to(src.device))
     if src.device != dst.device:
         if dst.device.type == "cuda" and src.device.type == "cpu":

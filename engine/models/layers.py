@@ -83,15 +83,23 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.kv_cache: torch.Tensor | None = None
+        # Per-tensor scales of an FP8 KV cache (``kernels.kv_quant``): the checkpoint's
+        # ``self_attn.k_scale`` / ``v_scale`` when it has them (set by the loader), else 1.0.
+        # Plain floats, not parameters: a checkpoint without them loads strictly as before.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not allocated yet (initialize_cache first)")
-        self.ops.reshape_and_cache(k, v, self.kv_cache, metadata.slot_mapping)
+        scales = {}
+        if self.kv_cache.dtype == torch.float8_e4m3fn:
+            scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        self.ops.reshape_and_cache(k, v, self.kv_cache, metadata.slot_mapping, **scales)
         if self.sliding_window is None and self.logits_soft_cap is None:
-            return self.ops.paged_attention(q, self.kv_cache, metadata, self.scale)
+            return self.ops.paged_attention(q, self.kv_cache, metadata, self.scale, **scales)
         return self.ops.paged_attention(
             q,
             self.kv_cache,
@@ -99,4 +107,5 @@ class PagedAttention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            **scales,
         )

@@ -244,7 +244,7 @@ def test_bf16_matches_reference_attended_in_either_dtype(
             [1, 17, 1, 1, 40], [70, 60, 3, 129, 40], dtype=torch.bfloat16,
             num_heads=num_heads, num_kv_heads=num_kv_heads, seed=num_heads,
         )  # fmt: skip
-        assert attention.sdpa_dtype(batch.kv_cache) == (
+        assert attention.sdpa_dtype(batch.kv_cache.dtype, batch.kv_cache.device) == (
             torch.bfloat16 if native_bf16 else torch.float32
         )
         check_against_reference(batch)
