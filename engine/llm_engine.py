@@ -494,6 +494,8 @@ class LLMEngine:
             request = sample.request
             if sample.grammar is None or request.num_computed_tokens + num != request.num_tokens:
                 continue
+            if not sample.grammar.active:  # a reasoning model still reasoning: unconstrained
+                continue
             req_ids.append(rid)
             grammars.append(sample.grammar)
         if req_ids:

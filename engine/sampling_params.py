@@ -58,6 +58,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     The request finishes with ``finish_reason`` "stop" once the grammar is complete (even with
     ``ignore_eos``); ``max_tokens`` must leave room for the whole output.
+
+    ``reasoning_end_token_id``: a reasoning model's answer is constrained, not its reasoning
+    (vLLM enables the grammar once its reasoning parser sees the end of the reasoning). With
+    this token id (``</think>``), no token is masked until that token is sampled; the grammar
+    then starts from its initial state with the next token. The serving front sets it from its
+    ``reasoning_parser``.
     """
 
     json: str | dict[str, Any] | None = None
@@ -67,6 +73,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     json_object: bool = False
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
@@ -100,6 +107,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"structured_outputs.{name}",
                 f"must be a boolean, got {getattr(self, name)!r}",
             )
+        end = self.reasoning_end_token_id
+        _check(
+            end is None or (isinstance(end, int) and not isinstance(end, bool) and end >= 0),
+            "structured_outputs.reasoning_end_token_id",
+            f"must be a token id (an integer >= 0), got {end!r}",
+        )
 
     @property
     def kind(self) -> str:

@@ -52,16 +52,30 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 class StructuredOutputGrammar:
-    """One sample's grammar state: a ``GrammarMatcher`` advanced by the sampled tokens."""
+    """One sample's grammar state: a ``GrammarMatcher`` advanced by the sampled tokens.
 
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+    With ``start_after`` (a reasoning model's end-of-reasoning token), the grammar is dormant
+    until that token is sampled: no bitmask row, sampled tokens not fed to the matcher. The
+    token after it is the first the grammar constrains, from its initial state."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, start_after: int | None = None) -> None:
         self.matcher = matcher
         self.num_accepted_tokens = 0
+        self.start_after = start_after
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (False while dormant)."""
+        return self.start_after is None
 
     def accept_tokens(self, token_ids: Iterable[int]) -> bool:
         """Advance by ``token_ids``; False (state unchanged from the rejected token on) if the
-        grammar rejects one."""
+        grammar rejects one. While dormant, tokens up to the awakening one pass unchecked."""
         for token in token_ids:
+            if self.start_after is not None:
+                if token == self.start_after:
+                    self.start_after = None
+                continue
             if not self.matcher.accept_token(token):
                 return False
             self.num_accepted_tokens += 1
@@ -117,6 +131,12 @@ class StructuredOutputManager:
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of ``params`` (cached); an invalid schema, regex or grammar
         raises ``InvalidRequestError`` naming the field, with xgrammar's reason."""
+        end = params.reasoning_end_token_id
+        if end is not None and end >= self.vocab_size:
+            raise InvalidRequestError(
+                f"must be a token id in [0, {self.vocab_size}), got {end}",
+                param="structured_outputs.reasoning_end_token_id",
+            )
         kind = params.kind
         spec = _spec_text(params)
         key = (kind, spec, params.disable_any_whitespace)
@@ -149,7 +169,8 @@ class StructuredOutputManager:
         return self.compiler.compile_grammar(spec)  # grammar, and choice as a grammar
 
     def new_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
-        return StructuredOutputGrammar(xgr.GrammarMatcher(self.compile(params)))
+        matcher = xgr.GrammarMatcher(self.compile(params))
+        return StructuredOutputGrammar(matcher, start_after=params.reasoning_end_token_id)
 
     def grammar_bitmask(self, grammars: Sequence[StructuredOutputGrammar]) -> bytes:
         """The next-token bitmask of each grammar, one row each, as the step message carries

@@ -304,11 +304,13 @@ def _check_name(name: str) -> None:
 
 
 def _materialize_builtin(name: str) -> Path:
-    # The MoE recipes live in their own module (which imports this one).
-    from engine import tiny_moe_models
+    # The MoE and reasoning recipes live in their own modules (which import this one).
+    from engine import tiny_moe_models, tiny_reasoning_models
 
     if name in tiny_moe_models.TINY_MOE_MODEL_NAMES:
         return tiny_moe_models.materialize_tiny_moe(name)
+    if name in tiny_reasoning_models.TINY_REASONING_MODEL_NAMES:
+        return tiny_reasoning_models.materialize_tiny_reasoning(name)
     _check_name(name)
     return materialize(f"{name}-v{VERSION}", lambda out: make_tiny_model(name, out, seed=0))
 
