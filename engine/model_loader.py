@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from engine import envs
 from engine.config import EngineConfig
+from engine.kv_cache_scales import is_kv_scale_name, load_kv_scale
 from engine.models import get_model_class
 from kernels.backend import get_kernel_ops
 from parallel.layers import check_shape, load_full_loader, pack_linear_weights
@@ -251,6 +252,9 @@ def load_weights(
     unknown: list[str] = []
     for name, tensor in weights:
         if name.endswith(_UNUSED_CHECKPOINT_TENSORS):
+            continue
+        if is_kv_scale_name(name):  # an FP8 KV cache's scale, not a parameter
+            load_kv_scale(model, name, tensor, int(hf["num_hidden_layers"]))
             continue
         _check_dtype(name, tensor)
         target, shard_id = target_of(name)

@@ -1,0 +1,169 @@
+"""kv_cache_dtype="fp8" end to end: the engine's greedy output equals HF transformers token for
+token (fp32) when HF's attention sees K/V rounded through float8_e4m3fn the same way
+(``kernels.kv_quant``: divide by the layer's scale, saturate, round; multiply back). That
+reference is exact, not approximate: HF's attention is swapped for a registered one that
+quantizes K/V (after rotary, which is what the engine caches) and then runs the model file's
+own eager attention, so both sides attend over the very same values. Also: the checkpoint's
+per-layer k/v scales are read, the cache holds >= 1.9x the blocks of a bf16 one for the same
+memory, and bad values are refused by name."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.tiny_models import resolve_model_source
+from kernels.kv_quant import dequantize_kv, quantize_kv
+
+NUM_LAYERS = 2  # the tiny models' num_hidden_layers
+_SCALES: dict[int, tuple[float, float]] = {}  # layer -> (k_scale, v_scale) for the reference
+
+
+def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    k_scale, v_scale = _SCALES.get(module.layer_idx, (1.0, 1.0))
+    key = dequantize_kv(quantize_kv(key, k_scale), k_scale, key.dtype)
+    value = dequantize_kv(quantize_kv(value, v_scale), v_scale, value.dtype)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("fp8_kv_reference", _fp8_kv_attention)
+# The eager attention adds its mask to the scores, so it needs eager's additive float mask (an
+# unregistered name would get SDPA's boolean one, or none at all).
+AttentionMaskInterface.register("fp8_kv_reference", eager_mask)
+
+
+def _prompts(vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(3)
+    lengths = [1, 5, 16, 17, 40, 90, 130, 200]
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths], [
+        16,
+        8,
+        24,
+        16,
+        32,
+        8,
+        24,
+        32,
+    ]
+
+
+def _hf_greedy(
+    path: Path, scales: dict[int, tuple[float, float]], prompts, max_tokens, attn="fp8_kv_reference"
+):
+    _SCALES.clear()
+    _SCALES.update(scales)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn
+    ).eval()
+    out = []
+    with torch.no_grad():
+        for prompt, n in zip(prompts, max_tokens):
+            ids = torch.tensor([prompt])
+            gen = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=n, pad_token_id=0,
+            )  # fmt: skip
+            out.append(gen[0, len(prompt) :].tolist())
+    return out
+
+
+def _engine_greedy(path: Path, prompts, max_tokens, **engine_args: Any):
+    llm = LLM(str(path), **engine_args)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def _with_kv_scales(base: Path, out: Path, scales: dict[int, tuple[float, float]]) -> Path:
+    """``base`` plus a second safetensors file holding compressed-tensors-style scales (HF's
+    loader reads model.safetensors only, so the reference gets them through _SCALES)."""
+    shutil.copytree(base, out)
+    tensors = {}
+    for layer, (k, v) in scales.items():
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([v])
+    save_file(tensors, out / "kv_scales.safetensors")
+    return out
+
+
+SETTINGS = {
+    "defaults": {},
+    "chunked_prefill_swap": {
+        "max_num_batched_tokens": 32, "max_num_seqs": 4, "num_kv_blocks": 24,
+        "preemption_mode": "swap", "swap_space": 0.05,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma2"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_fp8_cache_greedy_equals_hf_with_fp8_rounded_kv(model: str, setting: str) -> None:
+    path = resolve_model_source(f"builtin:{model}")
+    prompts, max_tokens = _prompts(vocab=256)
+    expected = _hf_greedy(path, {}, prompts, max_tokens)
+    llm, got = _engine_greedy(path, prompts, max_tokens, kv_cache_dtype="fp8", **SETTINGS[setting])
+    model_config = llm.llm_engine.config.model
+    one_byte_per_element = (
+        2 * 16 * model_config.num_kv_heads * model_config.head_dim * model_config.num_hidden_layers
+    )
+    assert llm.llm_engine.executor.collective_rpc("kv_block_bytes") == [one_byte_per_element]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"{model}/{setting}: prompt {i} (len {len(prompts[i])}) differs"
+    if setting != "defaults":
+        assert llm.llm_engine.scheduler.num_swap_outs > 0, "the setting did not swap fp8 blocks"
+
+
+def test_checkpoint_kv_scales_are_used(tmp_path: Path) -> None:
+    scales = {0: (0.02, 0.5), 1: (0.3, 0.01)}
+    path = _with_kv_scales(resolve_model_source("builtin:tiny-llama"), tmp_path / "m", scales)
+    prompts, max_tokens = _prompts(vocab=256)
+    expected = _hf_greedy(path, scales, prompts, max_tokens)
+    _, got = _engine_greedy(
+        path, prompts, max_tokens, kv_cache_dtype="fp8_e4m3", enable_prefix_caching=True
+    )
+    assert got == expected
+    # The scales matter: with 1.0 everywhere the reference differs on some prompt.
+    assert _hf_greedy(path, {}, prompts, max_tokens) != expected
+    # The default cache loads the same checkpoint and ignores them, as vLLM does.
+    _, auto = _engine_greedy(path, prompts[:3], max_tokens[:3])
+    assert auto == _hf_greedy(path, {}, prompts[:3], max_tokens[:3], attn="eager")
+
+
+def test_fp8_cache_holds_at_least_1_9x_the_blocks_of_bf16() -> None:
+    path = resolve_model_source("builtin:tiny-llama")
+    blocks = {}
+    for kv_dtype in ("auto", "fp8"):
+        llm = LLM(str(path), dtype="bfloat16", kv_cache_dtype=kv_dtype, cpu_kv_cache_space=0.002)
+        blocks[kv_dtype] = llm.llm_engine.get_kv_cache_stats().total
+    assert blocks["fp8"] >= 1.9 * blocks["auto"], blocks
+
+
+@pytest.mark.parametrize("value", ["fp8_e5m2", "int8", None, 8])
+def test_bad_kv_cache_dtype_is_refused_naming_the_field(value: object) -> None:
+    with pytest.raises(
+        ConfigError, match="kv_cache_dtype: must be one of 'auto', 'fp8', 'fp8_e4m3'"
+    ):
+        EngineConfig.from_kwargs(model="builtin:tiny-llama", kv_cache_dtype=value)
+
+
+def test_a_bad_checkpoint_scale_is_refused_with_its_name(tmp_path: Path) -> None:
+    path = _with_kv_scales(
+        resolve_model_source("builtin:tiny-llama"), tmp_path / "m", {0: (-1.0, 1.0)}
+    )
+    with pytest.raises(
+        ValueError, match=r"model.layers.0.self_attn.k_scale: must be a finite number > 0"
+    ):
+        LLM(str(path), kv_cache_dtype="fp8")
