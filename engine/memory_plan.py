@@ -126,6 +126,7 @@ class PlanSettings:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space: float = 4.0
     num_kv_blocks: int | None = None
@@ -664,7 +665,9 @@ def _stage(
         hf, shape, first, end, pp_rank == 0, is_last, dtype_bytes, quant,
         expert_parallel=settings.enable_expert_parallel,
     )  # fmt: skip
-    per_token = kv_bytes_per_token(shape, end - first, dtype_bytes)
+    # An FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3) stores 1 byte per element.
+    kv_dtype_bytes = dtype_bytes if settings.kv_cache_dtype == "auto" else 1
+    per_token = kv_bytes_per_token(shape, end - first, kv_dtype_bytes)
     lora = 0
     if settings.enable_lora:
         lora = lora_bytes(

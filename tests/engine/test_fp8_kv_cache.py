@@ -167,3 +167,41 @@ def test_a_bad_checkpoint_scale_is_refused_with_its_name(tmp_path: Path) -> None
         ValueError, match=r"model.layers.0.self_attn.k_scale: must be a finite number > 0"
     ):
         LLM(str(path), kv_cache_dtype="fp8")
+
+
+def test_memory_plan_counts_the_fp8_cache_like_the_engine() -> None:
+    from engine.config import CacheConfig
+    from engine.memory_plan import PlanSettings, plan_memory
+    from engine.worker import Worker
+
+    assert PlanSettings().kv_cache_dtype == CacheConfig().cache_dtype
+    # A budget of ~52 bf16 blocks, under the cap of max_num_seqs full-length sequences.
+    kwargs = {"max_model_len": 512, "max_num_seqs": 64, "cpu_kv_cache_space": 0.0002}
+    plans = {}
+    for kv_dtype in ("auto", "fp8"):
+        args = {**kwargs, "kv_cache_dtype": kv_dtype, "dtype": "bfloat16"}
+        config = EngineConfig.from_kwargs(model="builtin:tiny-llama", device="cpu", **args)
+        worker = Worker(config)
+        worker.init_device()
+        worker.load_model()
+        plan = plan_memory(config.model.hf_config, PlanSettings.from_engine_kwargs(args, "cpu"))
+        assert plan.stages[0].kv_block_bytes == worker.kv_block_bytes()
+        assert plan.kv_blocks == worker.determine_num_available_blocks()[0]
+        plans[kv_dtype] = plan
+    assert plans["fp8"].kv_blocks >= 1.9 * plans["auto"].kv_blocks
+
+
+def test_memory_plan_of_llama_70b_at_tp2_holds_about_twice_the_tokens_with_fp8() -> None:
+    from engine.memory_plan import PlanSettings, plan_memory
+    from tests.engine.test_memory_plan import H100_BYTES, LLAMA_3_70B
+
+    kwargs = {"tensor_parallel_size": 4, "dtype": "bfloat16", "max_model_len": 8192}
+    blocks = {}
+    for kv_dtype in ("auto", "fp8"):
+        settings = PlanSettings.from_engine_kwargs({**kwargs, "kv_cache_dtype": kv_dtype}, "cuda")
+        plan = plan_memory(LLAMA_3_70B, settings, H100_BYTES)
+        assert plan.stages[0].kv_bytes_per_token == 80 * 2 * 2 * 128 * (
+            2 if kv_dtype == "auto" else 1
+        )
+        blocks[kv_dtype] = plan.kv_blocks
+    assert blocks["fp8"] >= 1.9 * blocks["auto"], blocks
