@@ -12,6 +12,7 @@ from typing import Any
 from cluster.api.api_errors import error_body
 from cluster.api.openai_payloads import ToolChoice
 from cluster.api.protocol import ChoiceChunk, StreamDelta, StreamError, StreamItem, StreamStart
+from cluster.api.reasoning_parsers import ReasoningParser, ReasoningStreamer, get_reasoning_parser
 from cluster.api.tool_parsers import (
     NamedToolCallStreamer,
     ParsedToolCalls,
@@ -35,6 +36,7 @@ class _Choice:
         self.logprobs: Any = None  # completions: the OpenAI dict; chat: the content list
         self.started = False
         self.tool_streamer: ToolCallStreamer | None = None  # a streamed chat with tools
+        self.reasoning: ReasoningStreamer | None = None  # a streamed chat, reasoning model
 
 
 class Completion:
@@ -64,6 +66,9 @@ class Completion:
         self.echo, self.echo_only = echo, echo_only
         self.tools, self.stream = tools, stream
         self.tool_call_parser: str | None = None
+        # A chat served with a reasoning_parser: think blocks become reasoning_content.
+        self.reasoning_parser: ReasoningParser | None = None
+        self.in_reasoning = False
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = 0
@@ -95,11 +100,16 @@ class Completion:
         self._n = item.n
         self.prompt_tokens += item.prompt_tokens
         self.tool_call_parser = item.tool_call_parser
+        if self.chat and item.reasoning_parser is not None:
+            self.reasoning_parser = get_reasoning_parser(item.reasoning_parser)
+            self.in_reasoning = item.in_reasoning
         first = prompt_index * item.n
         while len(self.choices) < first + item.n:
             choice = _Choice(len(self.choices))
             if self.tools is not None and self.stream:
                 choice.tool_streamer = tool_streamer(self.tools, item.tool_call_parser)
+            if self.reasoning_parser is not None and self.stream:
+                choice.reasoning = self.reasoning_parser.streamer(in_reasoning=self.in_reasoning)
             self.choices.append(choice)
         if not self.echo:
             return []
@@ -130,14 +140,20 @@ class Completion:
         if finish is not None:
             choice.finish_reason = finish
         logprobs = self._logprobs(choice, delta.logprobs)
+        reasoning, text = "", delta.text
+        if choice.reasoning is not None:  # tools and the content deltas see the answer only
+            reasoning, text = _split_reasoning(choice.reasoning, text, finish is not None)
         if choice.tool_streamer is not None:
-            return self._tool_chunks(choice, choice.tool_streamer, delta.text, first, logprobs)
+            return self._tool_chunks(choice, choice.tool_streamer, text, first, logprobs,
+                                     reasoning)  # fmt: skip
         # As vLLM does: a step that produced tokens is a chunk even when their text is empty
         # (an incomplete character, a special token), so clients see steady token timing.
         if not (first or delta.text or delta.token_ids or finish or logprobs):
             return []
         if self.chat:
-            content: dict[str, Any] = {"content": delta.text}
+            content: dict[str, Any] = {"content": text}
+            if reasoning:
+                content = {"reasoning_content": reasoning, **({"content": text} if text else {})}
             if first:
                 content = {"role": "assistant", **content}
             chat_lp = {"content": logprobs} if logprobs is not None else None
@@ -147,16 +163,25 @@ class Completion:
                  "finish_reason": finish}]  # fmt: skip
 
     def _tool_chunks(
-        self, choice: _Choice, streamer: ToolCallStreamer, text: str, first: bool, logprobs: Any
+        self,
+        choice: _Choice,
+        streamer: ToolCallStreamer,
+        text: str,
+        first: bool,
+        logprobs: Any,
+        reasoning: str = "",
     ) -> list[dict[str, Any]]:
         """A streamed chat choice with tools: its text through the tool-call streamer, as
-        content and ``tool_calls`` deltas (text that may open a call is held back)."""
+        content and ``tool_calls`` deltas (text that may open a call is held back); its
+        ``reasoning`` (a reasoning model's) as a ``reasoning_content`` delta before them."""
         deltas = streamer.feed(text) if text else []
         if choice.finish_reason is not None:
             deltas += streamer.finish()
             choice.finish_reason = self._tool_finish(choice.finish_reason, streamer.tools_called)
         if self.tools is not None and not self.tools.parallel:
             deltas = _first_call_only(deltas)
+        if reasoning:
+            deltas = [{"reasoning_content": reasoning}, *deltas]
         if first:
             deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + (
                 deltas[1:]
@@ -210,12 +235,18 @@ class Completion:
                 "usage": self.usage}  # fmt: skip
 
     def _message(self, choice: _Choice) -> tuple[dict[str, Any], str | None]:
-        """A whole chat choice's message and finish reason, tool calls read out of its text."""
+        """A whole chat choice's message and finish reason, tool calls read out of its text
+        (out of its answer: a reasoning model's think block is its ``reasoning_content``)."""
+        text: str | None = choice.text
+        extra: dict[str, Any] = {}
+        if self.reasoning_parser is not None:
+            reasoning, text = self.reasoning_parser.extract(text, in_reasoning=self.in_reasoning)
+            extra["reasoning_content"] = reasoning
         if self.tools is None:
-            return {"role": "assistant", "content": choice.text}, choice.finish_reason
-        parsed = parse_tool_calls(self.tools, self.tool_call_parser, choice.text)
+            return {"role": "assistant", "content": text, **extra}, choice.finish_reason
+        parsed = parse_tool_calls(self.tools, self.tool_call_parser, text or "")
         calls = parsed.tool_calls if self.tools.parallel else parsed.tool_calls[:1]
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content, **extra}
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
         finish = choice.finish_reason
@@ -236,6 +267,16 @@ class Completion:
         if self.include_usage:
             envelope["usage"] = None
         return envelope
+
+
+def _split_reasoning(streamer: ReasoningStreamer, text: str, finished: bool) -> tuple[str, str]:
+    """A streamed delta's (reasoning, content); the choice's last one flushes what the
+    streamer held back (an unfinished tag)."""
+    reasoning, content = streamer.feed(text) if text else ("", "")
+    if finished:
+        r, c = streamer.finish()
+        reasoning, content = reasoning + r, content + c
+    return reasoning, content
 
 
 def tool_streamer(tools: ToolChoice, parser: str | None) -> ToolCallStreamer:

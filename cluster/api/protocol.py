@@ -90,6 +90,10 @@ class StreamStart(msgspec.Struct, tag="start", omit_defaults=True):
     replica_id: str | None = None  # the replica serving it (a response header)
     # The head actor whose channel sink carries the deltas (None: they follow on this stream).
     head: str | None = None
+    # A chat with the model's reasoning_parser (cluster.api.reasoning_parsers): its name, and
+    # whether the output starts inside a think block (the prompt opened one).
+    reasoning_parser: str | None = None
+    in_reasoning: bool = False
 
 
 class ChoiceChunk(msgspec.Struct):

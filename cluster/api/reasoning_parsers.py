@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from engine.errors import ConfigError
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -201,3 +203,26 @@ def think_token_ids(tokenizer: Any, parser_name: str) -> tuple[int, int]:
             )
         ids.append(encoded[0])
     return ids[0], ids[1]
+
+
+class ReasoningFront:
+    """A model server's reasoning setup: its parser and the think tokens of its tokenizer
+    (checked when the server starts: ``ConfigError`` naming ``reasoning_parser``)."""
+
+    def __init__(self, name: str, tokenizer: Any) -> None:
+        try:
+            self.parser = get_reasoning_parser(name)
+            self.start_id, self.end_id = think_token_ids(tokenizer, name)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def prepare(self, prompt_token_ids: Sequence[int], structured_outputs: Any) -> bool:
+        """For one chat request: whether its output starts inside a think block; a structured
+        output (``StructuredOutputsParams``) is set to constrain only what follows the
+        reasoning, unless the prompt has already ended it."""
+        ids, start, end = prompt_token_ids, self.start_id, self.end_id
+        if structured_outputs is not None and not self.parser.reasoning_ended_in_prompt(
+            ids, start, end
+        ):
+            structured_outputs.reasoning_end_token_id = end
+        return self.parser.output_starts_in_reasoning(ids, start, end)

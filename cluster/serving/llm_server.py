@@ -44,6 +44,7 @@ from cluster.api.protocol import (
     choice_chunk,
     logprob_rows,
 )
+from cluster.api.reasoning_parsers import ReasoningFront
 from cluster.api.tool_parsers import get_tool_parser
 from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError
@@ -161,6 +162,8 @@ class LLMServer:
         self.tool_call_parser = config.frontend.tool_call_parser
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # a ValueError naming the valid parsers
+        reasoning = config.frontend.reasoning_parser
+        self.reasoning = ReasoningFront(reasoning, self.tokenizer) if reasoning else None
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -177,6 +180,11 @@ class LLMServer:
             lora_request = await self._lora_request(request.adapter)
             prompt = self._prompt(request)
             params = _sampling_params(request.params)
+            in_reasoning = None  # chat with a reasoning_parser: where the output starts
+            if self.reasoning is not None and request.messages is not None:
+                in_reasoning = self.reasoning.prepare(
+                    prompt["prompt_token_ids"], params.structured_outputs
+                )
             timeout = request.timeout
             # With a channel, the deltas go from the head to the ingress, one message per step.
             sink = request.channel if self.head_name is not None else None
@@ -210,7 +218,7 @@ class LLMServer:
         except BaseException:
             self._active.discard(request_id)
             raise
-        start = self._start(request, first.output)
+        start = self._start(request, first.output, in_reasoning)
         if sink is not None:
             start.head = self.head_name
         yield start
@@ -254,7 +262,9 @@ class LLMServer:
             self._sink_flushes[sink] = (asked_at, task)
         await asyncio.shield(task)
 
-    def _start(self, request: GenerateRequest, output: Any) -> StreamStart:
+    def _start(
+        self, request: GenerateRequest, output: Any, in_reasoning: bool | None = None
+    ) -> StreamStart:
         ids = output.prompt_token_ids
         text = None
         if request.echo:
@@ -264,9 +274,13 @@ class LLMServer:
             first = [[ids[0], self.tokenizer.decode(ids[:1]), None, None]]
             prompt_logprobs = [first] + [logprob_rows(e) for e in output.prompt_logprobs[1:]]
         parser = self.tool_call_parser if request.tool_choice == "auto" else None
-        return StreamStart(
+        start = StreamStart(
             len(ids), len(output.outputs), text, prompt_logprobs, parser, self.replica_id
         )
+        if in_reasoning is not None and self.reasoning is not None:
+            start.reasoning_parser = self.reasoning.parser.name
+            start.in_reasoning = in_reasoning
+        return start
 
     async def _lora_request(self, adapter: str | None) -> LoRARequest | None:
         """The engine's ``LoRARequest`` for the request's adapter (None: the base model);

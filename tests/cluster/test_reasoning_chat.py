@@ -1,0 +1,199 @@
+"""Chat responses of a reasoning model (``reasoning_parser``), without Ray: the response
+builder on scripted server items (``reasoning_content``, tool calls read from the answer only,
+streamed and whole alike), and ``LLMServer`` over ``builtin:tiny-qwen3-reasoning`` (the split
+of its real output, the grammar of a structured output starting after ``</think>``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+
+from cluster.api.openai_payloads import ToolChoice
+from cluster.api.openai_responses import Completion
+from cluster.api.protocol import ChoiceChunk, GenerateRequest, StreamDelta, StreamError, StreamStart
+from cluster.api.reasoning_parsers import ReasoningFront, get_reasoning_parser
+from cluster.serving.llm_server import LLMServer
+from engine import ConfigError
+from engine.sampling_params import StructuredOutputsParams
+from engine.tiny_reasoning_models import THINK_END_ID, THINK_START_ID
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+THOUGHT_CALL = '<tool_call>\n{"name": "ponder", "arguments": {}}\n</tool_call>'
+
+
+def _respond(
+    pieces: list[str], *, stream: bool, parser: str = "qwen3", in_reasoning: bool = False,
+    tools: ToolChoice | None = None, tool_call_parser: str | None = None,
+) -> tuple[Completion, list[dict[str, Any]]]:  # fmt: skip
+    """A chat response built from a server stream whose deltas carry ``pieces``."""
+    completion = Completion("m", True, False, tools=tools, stream=stream)
+    start = StreamStart(3, tool_call_parser=tool_call_parser, reasoning_parser=parser,
+                        in_reasoning=in_reasoning)  # fmt: skip
+    chunks = completion.absorb(start)
+    for i, piece in enumerate(pieces):
+        finish = "stop" if i == len(pieces) - 1 else None
+        delta = ChoiceChunk(0, piece, [i], finish, num_output_tokens=i + 1)
+        chunks += completion.absorb(StreamDelta([delta]))
+    return completion, chunks
+
+
+def _joined(chunks: list[dict[str, Any]], key: str) -> str:
+    return "".join(c["delta"].get(key) or "" for c in chunks)
+
+
+@pytest.mark.parametrize(
+    "text,parser,in_reasoning",
+    [
+        ("<think>Let me see.</think>Four.", "qwen3", False),
+        ("Four, no thinking.", "qwen3", False),
+        ("Hm, 2+2.</think>\n\nFour.", "deepseek_r1", False),
+        ("Hm, 2+2.</think>\n\nFour.", "qwen3", True),  # the prompt opened <think>
+        ("Still thinking when max_tokens hit", "deepseek_r1", False),
+    ],
+)
+def test_message_and_deltas_split_alike(text: str, parser: str, in_reasoning: bool) -> None:
+    whole, _ = _respond([text], stream=False, parser=parser, in_reasoning=in_reasoning)
+    message = whole.whole()["choices"][0]["message"]
+    reasoning, content = get_reasoning_parser(parser).extract(text, in_reasoning=in_reasoning)
+    assert (message["reasoning_content"], message["content"]) == (reasoning, content)
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # tags cut mid-way
+    _, chunks = _respond(pieces, stream=True, parser=parser, in_reasoning=in_reasoning)
+    assert chunks[0]["delta"]["role"] == "assistant"
+    assert _joined(chunks, "reasoning_content") == (reasoning or "")
+    assert _joined(chunks, "content") == (content or "")
+    assert chunks[-1]["finish_reason"] == "stop"
+    # A chunk per step, as without a parser, none carrying a tag.
+    assert len(chunks) == len(pieces)
+    assert not any("think>" in json.dumps(c["delta"]) for c in chunks)
+
+
+def test_no_reasoning_parser_leaves_the_text_alone() -> None:
+    completion = Completion("m", True, False)
+    completion.absorb(StreamStart(3))
+    completion.absorb(StreamDelta([ChoiceChunk(0, "<think>a</think>b", [1], "stop")]))
+    message = completion.whole()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "<think>a</think>b"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_are_read_from_the_answer_only(stream: bool) -> None:
+    text = f"<think>Maybe {THOUGHT_CALL} first?</think>Calling.\n{CALL}"
+    tools = ToolChoice("auto")
+    pieces = [text[i : i + 5] for i in range(0, len(text), 5)] if stream else [text]
+    completion, chunks = _respond(pieces, stream=stream, tools=tools, tool_call_parser="hermes")
+    reasoning = f"Maybe {THOUGHT_CALL} first?"
+    if stream:
+        assert _joined(chunks, "reasoning_content") == reasoning
+        calls = [call for c in chunks for call in c["delta"].get("tool_calls", ())]
+        assert {c["function"]["name"] for c in calls if "name" in c.get("function", {})} == {
+            "get_weather"
+        }
+        args = "".join(c["function"].get("arguments", "") for c in calls)
+        assert json.loads(args) == {"city": "Oslo"}
+        assert chunks[-1]["finish_reason"] == "tool_calls"
+        return
+    choice = completion.whole()["choices"][0]
+    assert choice["message"]["reasoning_content"] == reasoning
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert choice["finish_reason"] == "tool_calls"
+
+
+def test_front_delays_the_grammar_unless_the_prompt_ended_the_reasoning() -> None:
+    class Tokenizer:
+        def __init__(self) -> None:
+            self.all_special_ids = [0]
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [{"<think>": THINK_START_ID, "</think>": THINK_END_ID}[text]]
+
+    front = ReasoningFront("deepseek_r1", Tokenizer())
+    spec = StructuredOutputsParams(json_object=True)
+    assert front.prepare([5, 6], spec) is True
+    assert spec.reasoning_end_token_id == THINK_END_ID
+    closed = StructuredOutputsParams(json_object=True)
+    assert front.prepare([5, THINK_START_ID, 9, THINK_END_ID, 6], closed) is False
+    assert closed.reasoning_end_token_id is None
+    with pytest.raises(ConfigError, match="reasoning_parser: unknown parser 'r1'"):
+        ReasoningFront("r1", Tokenizer())
+
+
+# ---- LLMServer over the tiny reasoning model ----------------------------------------------
+
+ARGS = {"model": "builtin:tiny-qwen3-reasoning", "num_kv_blocks": 64, "device": "cpu"}
+MESSAGES = [{"role": "user", "content": "What is two plus two?"}]
+# Greedy, with these biases the model writes " most<think>…</think>…" (measured): content, then
+# a think block (holding a second <think>), then more content.
+QWEN3_PARAMS = {"temperature": 0, "max_tokens": 24,
+                "logit_bias": {THINK_START_ID: 6.0, THINK_END_ID: 8.0}}  # fmt: skip
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}},
+          "required": ["answer"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LLMServer]:
+    server = LLMServer("r", {**ARGS, "reasoning_parser": "qwen3"})
+    yield server
+    server.engine.shutdown()
+
+
+def _serve(server: LLMServer, request: GenerateRequest, stream: bool) -> tuple[Completion, list]:
+    async def run() -> tuple[Completion, list]:
+        completion = Completion("r", request.messages is not None, False, stream=stream)
+        chunks: list[dict[str, Any]] = []
+        async for item in server.generate(request):
+            assert not isinstance(item, StreamError), item
+            chunks += completion.absorb(item)
+        return completion, chunks
+
+    return asyncio.run(run())
+
+
+def _raw(server: LLMServer, params: dict[str, Any]) -> str:
+    """The model's own text for the chat prompt, read through the completions path."""
+    ids = server.tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    completion, _ = _serve(server, GenerateRequest(prompt_token_ids=ids, params=params), False)
+    return completion.choices[0].text
+
+
+def test_server_splits_the_real_output(server: LLMServer) -> None:
+    raw = _raw(server, QWEN3_PARAMS)
+    before, _, rest = raw.partition("<think>")
+    reasoning, _, after = rest.partition("</think>")
+    assert before and reasoning and after and "<think>" in reasoning  # the case measured
+    request = GenerateRequest(messages=MESSAGES, params=QWEN3_PARAMS)
+    whole, _ = _serve(server, request, stream=False)
+    message = whole.whole()["choices"][0]["message"]
+    assert message["reasoning_content"] == reasoning
+    assert message["content"] == before + after
+    _, chunks = _serve(server, request, stream=True)
+    assert _joined(chunks, "reasoning_content") == reasoning
+    assert _joined(chunks, "content") == before + after
+
+
+def test_server_structured_output_constrains_the_answer_only(server: LLMServer) -> None:
+    params = {**QWEN3_PARAMS, "max_tokens": 60, "structured_outputs": {"json": SCHEMA}}
+    free = _raw(server, QWEN3_PARAMS)
+    request = GenerateRequest(messages=MESSAGES, params=params)
+    whole, _ = _serve(server, request, stream=False)
+    message = whole.whole()["choices"][0]["message"]
+    # The reasoning is the unconstrained model's; the answer after it is the schema's.
+    assert message["reasoning_content"] == free.partition("<think>")[2].partition("</think>")[0]
+    before = free.partition("<think>")[0]
+    assert message["content"].startswith(before)
+    jsonschema.validate(json.loads(message["content"][len(before) :]), SCHEMA)
+    assert whole.choices[0].finish_reason == "stop"
+
+
+def test_server_refuses_a_tokenizer_without_think_tokens() -> None:
+    with pytest.raises(Exception, match="reasoning_parser: 'deepseek_r1' needs <think> as one"):
+        LLMServer("r", {"model": "builtin:tiny-llama", "num_kv_blocks": 16, "device": "cpu",
+                        "reasoning_parser": "deepseek_r1"})  # fmt: skip
