@@ -40,6 +40,7 @@ from engine.engine_args import ENGINE_ARGS, group_engine_args
 from engine.engine_args import check_engine_arg_names as check_engine_arg_names
 from engine.errors import ConfigError
 from engine.hf_config import check_hf_config, num_experts
+from engine.quantization.config import ONLINE_METHODS, parse_quantization
 from engine.rope_config import rope_max_positions
 from engine.validation import (
     check_bool,
@@ -75,6 +76,8 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     trust_remote_code: bool = False
+    # vLLM's online quantization of a float checkpoint at load: None or "fp8".
+    quantization: str | None = None
     # Filled from the checkpoint's config.json by ``EngineConfig.from_kwargs``.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     model_path: str = ""
@@ -84,6 +87,7 @@ class ModelConfig:
         check_choice(self.dtype, "dtype", ("auto", *_DTYPES))
         check_positive_int(self.max_model_len, "max_model_len", optional=True)
         check_int(self.seed, "seed")
+        check_choice(self.quantization, "quantization", (None, *ONLINE_METHODS))
         require(
             self.trust_remote_code is False,
             "trust_remote_code",
@@ -434,6 +438,7 @@ def _with_checkpoint(model: ModelConfig) -> ModelConfig:
     hf_config = json.loads(config_file.read_text())
     # Refused here, before anything is placed: what the engine cannot serve exactly.
     check_hf_config(hf_config)
+    parse_quantization(hf_config, model.quantization)  # online fp8 of a quantized checkpoint
     return dataclasses.replace(model, hf_config=hf_config, model_path=str(path))
 
 

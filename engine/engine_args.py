@@ -21,6 +21,7 @@ ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "max_model_len": ("model", "max_model_len"),
     "seed": ("model", "seed"),
     "trust_remote_code": ("model", "trust_remote_code"),
+    "quantization": ("model", "quantization"),
     "block_size": ("cache", "block_size"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "num_kv_blocks": ("cache", "num_kv_blocks"),

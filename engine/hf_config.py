@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.quantization.config import parse_quantization
 from engine.rope_config import check_rope
 
 SLIDING = "sliding_attention"
@@ -79,13 +80,8 @@ def check_hf_config(hf: dict[str, Any]) -> None:
             f"architectures: {arch or '(none)'!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ConfigError(
-            f"quantization_config: quant_method {method!r} is not supported yet (quantized "
-            "checkpoints would be served wrong, so they are refused)"
-        )
+    # A quantization method or scheme the engine cannot serve exactly is refused by name.
+    parse_quantization(hf)
     act_field = _ACTIVATION_FIELD.get(arch, "hidden_act")
     act = hidden_activation(hf)
     if act not in SUPPORTED_ACTIVATIONS:

@@ -7,7 +7,8 @@ gate,up -> gate_up_proj); a fused tensor stored fused (Phi-3) goes to its layer 
 
 Loading is strict. A meta-device build of the whole model (TP 1, PP 1) says which names exist
 at all, so a tensor this rank does not hold is either another pipeline stage's or an error
-that names it; dtypes other than F32/F16/BF16 (quantized formats) are refused, never cast;
+that names it; dtypes other than F32/F16/BF16 are refused, never cast (a quantized checkpoint's
+tensors are first turned into dense weights by ``engine.quantization.loading``);
 every layer's loader checks the full tensor's shape before copying its shard.
 """
 
@@ -32,8 +33,16 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.kv_cache_scales import is_kv_scale_name, load_kv_scale
 from engine.models import get_model_class
+from engine.quantization.config import parse_quantization
+from engine.quantization.loading import QuantizedCheckpoint
 from kernels.backend import get_kernel_ops
-from parallel.layers import check_shape, load_full_loader, pack_linear_weights
+from parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    check_shape,
+    load_full_loader,
+    pack_linear_weights,
+)
 from parallel.state import ParallelContext
 
 logger = logging.getLogger("llm_cluster.loader")
@@ -89,7 +98,7 @@ _UNUSED_CHECKPOINT_TENSORS = (
 
 # The dtypes a weight may have: copying one of them into the model's dtype is an ordinary cast.
 # Anything else (FP8, int8/uint8/int32 packs) is a quantized format whose numbers mean nothing
-# without its scales and kernels.
+# without its scales; a module the quantization_config describes never gets here as such.
 _WEIGHT_DTYPES = frozenset({"F32", "F16", "BF16"})
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -119,8 +128,8 @@ def _check_dtype(name: str, tensor: Any) -> None:
         return
     described = f"{str(dtype).removeprefix('torch.')} ({code})" if dtype is not None else code
     raise ValueError(
-        f"checkpoint tensor {name!r} is {described}: quantized checkpoints are not supported "
-        "yet (weights must be F32, F16 or BF16)"
+        f"checkpoint tensor {name!r} is {described}: weights must be F32, F16 or BF16 unless "
+        "config.json's quantization_config says how the tensor is quantized"
     )
 
 
@@ -286,18 +295,23 @@ def load_weights(
 
 
 def rank_read_bytes(
-    model: nn.Module, tensor_bytes: dict[str, int], hf_config: dict[str, Any]
+    model: nn.Module,
+    tensor_bytes: dict[str, int],
+    hf_config: dict[str, Any],
+    rename: Callable[[str], str] = str,
 ) -> dict[str, int]:
     """Of each checkpoint tensor, the bytes this rank reads: its share of the tensor (the
     rank's parameter elements over the whole parameter's, so 1/TP of a sharded weight, all of
     a replicated norm), 0 for another pipeline stage's tensor, a tied copy or an unused buffer.
-    Summed, the weight bytes this rank goes through; every tensor's at TP = PP = 1."""
+    Summed, the weight bytes this rank goes through; every tensor's at TP = PP = 1. ``rename``
+    maps a quantized checkpoint's tensor (``x.weight_scale``) to the weight it loads into."""
     whole, tied = whole_model_parameters(type(model), hf_config)
     params = dict(model.named_parameters())
     target_of = _target_of(model)
     aliases_of = getattr(model, "checkpoint_aliases", lambda n: ())
     shares: dict[str, int] = {}
-    for name, nbytes in tensor_bytes.items():
+    for checkpoint_name, nbytes in tensor_bytes.items():
+        name = rename(checkpoint_name)
         target, _ = target_of(name)
         share = 0.0
         if not name.endswith(_UNUSED_CHECKPOINT_TENSORS) and target in whole and target not in tied:
@@ -305,7 +319,7 @@ def rank_read_bytes(
                 dest = target if alias == name else target_of(alias)[0]
                 if dest in params:
                     share = max(share, params[dest].numel() / math.prod(whole[dest]))
-        shares[name] = round(nbytes * min(share, 1.0))
+        shares[checkpoint_name] = round(nbytes * min(share, 1.0))
     return shares
 
 
@@ -396,6 +410,27 @@ def format_bytes(nbytes: int, total: int | None = None) -> str:
     return f"{nbytes / scale:.2f}/{total / scale:.2f} {unit}"
 
 
+def _quantized_checkpoint(
+    model: nn.Module, config: EngineConfig, names: set[str]
+) -> QuantizedCheckpoint | None:
+    """The conversion a quantized (or online-quantized) checkpoint needs, None for a float one.
+    On CPU every quantized weight is dequantized once, here, to the model's dtype."""
+    quant = parse_quantization(config.model.hf_config, config.model.quantization)
+    if quant is None:
+        return None
+    target_of = _target_of(model)
+    linear_types = (ColumnParallelLinear, RowParallelLinear)
+
+    def is_linear(name: str) -> bool:
+        param, _ = target_of(name)
+        try:
+            return isinstance(model.get_submodule(param.removesuffix(".weight")), linear_types)
+        except AttributeError:
+            return False  # another pipeline stage's layer, or not a layer at all
+
+    return QuantizedCheckpoint(quant, names, is_linear)
+
+
 def load_model(
     config: EngineConfig,
     ctx: ParallelContext,
@@ -409,15 +444,19 @@ def load_model(
     with torch.device(device), _default_dtype(config.model.torch_dtype):
         model = model_class(config.model.hf_config, ctx, ops=get_kernel_ops(backend))
     path = config.model.model_path
-    shares = rank_read_bytes(model, checkpoint_tensor_bytes(path), config.model.hf_config)
+    tensor_bytes = checkpoint_tensor_bytes(path)
+    quantized = _quantized_checkpoint(model, config, set(tensor_bytes))
+    rename = quantized.weight_name if quantized is not None else str
+    shares = rank_read_bytes(model, tensor_bytes, config.model.hf_config, rename)
     meter = LoadMeter(config.parallel.rank, sum(shares.values()), progress)
     show_bar = ctx.tp.rank == 0 and ctx.pp.rank == 0
-    load_weights(
-        model,
-        meter.wrap(iterate_checkpoint(path, progress=show_bar), shares),
-        hf_config=config.model.hf_config,
-    )
+    weights = meter.wrap(iterate_checkpoint(path, progress=show_bar), shares)
+    if quantized is not None:
+        weights = quantized.transform(weights)
+    load_weights(model, weights, hf_config=config.model.hf_config)
     meter.finish()
+    if quantized is not None:
+        quantized.attach_activation_quant(model, _target_of(model))
     model.eval()
     if device.type == "cpu" and envs.cpu_packed_gemm():
         packed = pack_linear_weights(model)

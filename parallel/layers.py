@@ -96,6 +96,9 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         # Set by ``parallel.lora.attach_lora`` when the engine serves LoRA adapters.
         self.lora: Any = None
+        # Set by the loader for a quantized checkpoint whose matmul is not a plain one
+        # (``engine.quantization``): ``quant_method.apply(layer, x, bias)`` computes it.
+        self.quant_method: Any = None
         # This rank's weight shard [out, in], also once ``pack_linear_weights`` has released it.
         self.weight_shape = (self.output_size_per_partition, input_size)
         self.packed_weight: torch.Tensor | None = None
@@ -262,6 +265,7 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = load_full_loader
         self.lora: Any = None  # see ColumnParallelLinear
+        self.quant_method: Any = None  # see ColumnParallelLinear
         self.weight_shape = (output_size, self.input_size_per_partition)
         self.packed_weight: torch.Tensor | None = None
 
@@ -291,6 +295,9 @@ def load_full_loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> 
 
 
 def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    quant = getattr(layer, "quant_method", None)
+    if quant is not None:
+        return quant.apply(layer, x, bias)
     if layer.packed_weight is not None:
         return packed_linear(x, layer.packed_weight, bias)
     return F.linear(x, layer.weight, bias)
@@ -321,8 +328,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             continue
-        if module.packed_weight is not None:
-            continue
+        if module.packed_weight is not None or getattr(module, "quant_method", None):
+            continue  # a quantized layer's matmul reads its own weights
         packed = pack_linear_weight(module.weight)
         if packed is None:
             continue

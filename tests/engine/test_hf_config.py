@@ -50,8 +50,12 @@ def test_built_in_configs_pass(name: str) -> None:
             "quantization_config: quant_method 'fp8'",
         ),
         (
+            {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+            "quantization_config: quant_method 'bitsandbytes' is not supported",
+        ),
+        (
             {"quantization_config": {"quant_method": "compressed-tensors"}},
-            "quant_method 'compressed-tensors'",
+            "quantization_config.config_groups: must be a non-empty mapping",
         ),
         ({"hidden_act": "relu2"}, "hidden_act: 'relu2'"),
         ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "rope_type: 'mrope'"),

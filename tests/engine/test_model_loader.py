@@ -1,5 +1,6 @@
 """The strict checkpoint loader: every checkpoint tensor is loaded, known to be another pipeline
-stage's, or named in an error; every copy is shape-checked; quantized dtypes are refused.
+stage's, or named in an error; every copy is shape-checked; quantized dtypes that no
+quantization_config describes are refused.
 
 The checkpoints are the built-in tiny models, copied and rewritten with safetensors.
 """
@@ -161,8 +162,8 @@ def test_quantized_dtype_is_refused_naming_tensor_and_dtype(
     with pytest.raises(ValueError) as err:
         _load(_checkpoint("tiny-llama", tmp_path, quantize))
     assert str(err.value) == (
-        f"checkpoint tensor {name!r} is {described}: quantized checkpoints are not supported "
-        "yet (weights must be F32, F16 or BF16)"
+        f"checkpoint tensor {name!r} is {described}: weights must be F32, F16 or BF16 unless "
+        "config.json's quantization_config says how the tensor is quantized"
     )
 
 

@@ -1,0 +1,262 @@
+"""``quantization_config`` (and vLLM's ``quantization="fp8"``) parsed into one scheme per
+quantized linear layer; everything the engine cannot serve exactly is a ``ConfigError`` that
+names it, raised while the config is read, before anything is placed.
+
+Served: compressed-tensors checkpoints (formats float-quantized, naive-quantized,
+pack-quantized): FP8 e4m3 weights with per-tensor, per-channel or [bn, bk] block scales, with
+no activation quantization, dynamic per-token (or per-token-group) FP8 activations, or a static
+per-tensor ``input_scale``; int4 weights (W4A16) with per-channel or group scales, symmetric or
+with zero points. GPTQ (4 bit, no act-order) and AWQ (4 bit, GEMM layout) convert to the same
+int4 form. Online FP8 quantizes a float checkpoint's linear weights (per-tensor scale).
+
+Torch-free: ``engine.hf_config.check_hf_config`` runs this where only a config is read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import ConfigError
+
+SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq")  # checkpoint formats
+ONLINE_METHODS = ("fp8",)  # ``quantization=`` values for a float checkpoint
+_CT_FORMATS = ("float-quantized", "naive-quantized", "pack-quantized")
+_KEY = "quantization_config"
+
+
+@dataclass(frozen=True)
+class ActivationQuant:
+    """FP8 e4m3 activation quantization: ``dynamic`` per token (``group_size``: per group of
+    that many features within a token), else static with the checkpoint's ``input_scale``."""
+
+    dynamic: bool
+    group_size: int | None = None
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one linear layer's weight is stored.
+
+    kind "fp8": e4m3 weight; ``strategy`` tensor / channel / block (``block`` = [bn, bk]).
+    kind "int4": signed int4 (the compressed-tensors convention, q in [-8, 7]) with scales per
+    ``group_size`` input columns (None: per output channel); ``symmetric`` False adds zero
+    points. ``source`` is the checkpoint format the tensors come in.
+    """
+
+    kind: str
+    strategy: str
+    source: str
+    block: tuple[int, int] | None = None
+    group_size: int | None = None
+    symmetric: bool = True
+    activations: ActivationQuant | None = None
+    gptq_v1_zeros: bool = False  # GPTQ v1 stores zero - 1
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The schemes of a checkpoint: ``groups`` pairs each scheme with its ``targets`` (layer
+    class names or ``re:`` patterns on the module name); ``ignore`` lists modules left dense."""
+
+    method: str
+    groups: tuple[tuple[tuple[str, ...], QuantScheme], ...]
+    ignore: tuple[str, ...] = ()
+
+    @property
+    def online(self) -> bool:
+        return self.groups[0][1].source == "online-fp8"
+
+    def scheme_for(self, module: str) -> QuantScheme | None:
+        """The scheme of the linear layer named ``module`` (HF name, no ``.weight``), None when
+        it is ignored or no group targets it."""
+        if any(_matches(pattern, module) for pattern in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(t == "Linear" or _matches(t, module) for t in targets):
+                return scheme
+        return None
+
+    def schemes(self) -> list[QuantScheme]:
+        return [scheme for _, scheme in self.groups]
+
+
+def _matches(pattern: str, module: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return module == pattern or module.endswith("." + pattern)
+
+
+def parse_quantization(hf: Mapping[str, Any], online: str | None = None) -> QuantConfig | None:
+    """The checkpoint's quantization (``online``: vLLM's ``quantization`` argument), or None
+    for a float checkpoint served as stored."""
+    raw = hf.get(_KEY)
+    if online is not None:
+        if online not in ONLINE_METHODS:
+            raise ConfigError(
+                f"quantization: must be one of {', '.join(map(repr, ONLINE_METHODS))} or null, "
+                f"got {online!r}"
+            )
+        if raw:
+            method = raw.get("quant_method") if isinstance(raw, Mapping) else raw
+            raise ConfigError(
+                f"quantization: {online!r} quantizes a float checkpoint, but this one is "
+                f"already quantized ({_KEY}.quant_method {method!r})"
+            )
+        scheme = QuantScheme("fp8", "tensor", "online-fp8")
+        return QuantConfig("fp8", ((("Linear",), scheme),), ignore=("lm_head",))
+    if not raw:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{_KEY}: must be a mapping, got {raw!r}")
+    method = str(raw.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return _compressed_tensors(raw)
+    if method == "gptq":
+        return _gptq(raw)
+    if method == "awq":
+        return _awq(raw)
+    raise ConfigError(
+        f"{_KEY}: quant_method {raw.get('quant_method')!r} is not supported "
+        f"(supported: {', '.join(SUPPORTED_METHODS)}; fp8 also online, quantization='fp8')"
+    )
+
+
+def _refuse(field: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{_KEY}.{field}: {value!r} is not supported ({allowed})")
+
+
+def _compressed_tensors(raw: Mapping[str, Any]) -> QuantConfig:
+    for field in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if raw.get(field):
+            raise _refuse(field, raw[field], "must be null: not implemented")
+    top_format = raw.get("format")
+    groups_raw = raw.get("config_groups")
+    if not isinstance(groups_raw, Mapping) or not groups_raw:
+        raise ConfigError(f"{_KEY}.config_groups: must be a non-empty mapping, got {groups_raw!r}")
+    groups = []
+    for name, group in groups_raw.items():
+        where = f"config_groups.{name}"
+        fmt = group.get("format") or top_format
+        if fmt not in _CT_FORMATS:
+            raise _refuse(f"{where}.format", fmt, f"supported: {', '.join(_CT_FORMATS)}")
+        if group.get("output_activations"):
+            raise _refuse(f"{where}.output_activations", group["output_activations"], "null")
+        targets = group.get("targets") or []
+        for target in targets:
+            if target != "Linear" and not str(target).startswith("re:"):
+                raise _refuse(f"{where}.targets", target, "'Linear' or 're:' patterns")
+        scheme = _ct_scheme(group.get("weights"), group.get("input_activations"), fmt, where)
+        groups.append((tuple(targets), scheme))
+    ignore = raw.get("ignore") or []
+    return QuantConfig("compressed-tensors", tuple(groups), tuple(str(i) for i in ignore))
+
+
+def _ct_scheme(weights: Any, acts: Any, fmt: str, where: str) -> QuantScheme:
+    if not isinstance(weights, Mapping):
+        raise _refuse(f"{where}.weights", weights, "weight quantization is required")
+    wtype, bits = weights.get("type"), weights.get("num_bits")
+    strategy = weights.get("strategy")
+    if weights.get("dynamic"):
+        raise _refuse(f"{where}.weights.dynamic", weights["dynamic"], "false")
+    if (wtype, bits) == ("float", 8):
+        if strategy not in ("tensor", "channel", "block"):
+            raise _refuse(f"{where}.weights.strategy", strategy, "fp8: tensor, channel, block")
+        if weights.get("symmetric") is False:
+            raise _refuse(f"{where}.weights.symmetric", False, "fp8 weights are symmetric")
+        block = None
+        if strategy == "block":
+            structure = weights.get("block_structure")
+            if not (isinstance(structure, list) and len(structure) == 2):
+                raise _refuse(f"{where}.weights.block_structure", structure, "[rows, cols]")
+            block = (int(structure[0]), int(structure[1]))
+        return QuantScheme(
+            "fp8", strategy, f"ct-{fmt}", block=block, activations=_ct_acts(acts, where)
+        )
+    if (wtype, bits) == ("int", 4):
+        if acts:
+            raise _refuse(f"{where}.input_activations", acts, "int4 weights: null (W4A16)")
+        if strategy not in ("group", "channel"):
+            raise _refuse(f"{where}.weights.strategy", strategy, "int4: group, channel")
+        if weights.get("actorder") not in (None, "static"):
+            # Group order differs from column order: an act-order checkpoint needs g_idx.
+            raise _refuse(f"{where}.weights.actorder", weights["actorder"], "null or 'static'")
+        group = weights.get("group_size") if strategy == "group" else None
+        if strategy == "group" and (not isinstance(group, int) or group <= 0):
+            raise _refuse(f"{where}.weights.group_size", group, "a positive integer")
+        symmetric = weights.get("symmetric", True) is not False
+        return QuantScheme("int4", strategy, f"ct-{fmt}", group_size=group, symmetric=symmetric)
+    raise _refuse(
+        f"{where}.weights",
+        f"{wtype} {bits}-bit",
+        "supported: float 8-bit (FP8 e4m3) and int 4-bit (W4A16)",
+    )
+
+
+def _ct_acts(acts: Any, where: str) -> ActivationQuant | None:
+    if not acts:
+        return None
+    key = f"{where}.input_activations"
+    if (acts.get("type"), acts.get("num_bits")) != ("float", 8):
+        raise _refuse(key, f"{acts.get('type')} {acts.get('num_bits')}-bit", "FP8 or null")
+    if acts.get("symmetric") is False:
+        raise _refuse(f"{key}.symmetric", False, "true")
+    strategy, dynamic = acts.get("strategy"), acts.get("dynamic")
+    if dynamic is True and strategy == "token":
+        return ActivationQuant(dynamic=True)
+    if dynamic is True and strategy == "group":
+        return ActivationQuant(dynamic=True, group_size=int(acts["group_size"]))
+    if dynamic is False and strategy == "tensor":
+        return ActivationQuant(dynamic=False)
+    # A dynamic per-tensor scale spans every token of a batch: its numbers would depend on
+    # which requests share a step.
+    raise _refuse(
+        key,
+        f"strategy {strategy!r}, dynamic {dynamic!r}",
+        "dynamic token or group, or static tensor",
+    )
+
+
+def _int4_bits(raw: Mapping[str, Any], *keys: str) -> None:
+    for key in keys:
+        if key in raw and raw[key] != 4:
+            raise _refuse(key, raw[key], "4 bits only")
+
+
+def _gptq(raw: Mapping[str, Any]) -> QuantConfig:
+    _int4_bits(raw, "bits")
+    if raw.get("desc_act"):
+        raise _refuse("desc_act", True, "false: act-order (g_idx reordering) is not implemented")
+    fmt = raw.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _refuse("checkpoint_format", fmt, "gptq, gptq_v2")
+    group = raw.get("group_size", 128)
+    group = None if group in (-1, None) else int(group)
+    scheme = QuantScheme(
+        "int4",
+        "group" if group else "channel",
+        "gptq",
+        group_size=group,
+        symmetric=False,  # zero points are stored either way: served as asymmetric
+        gptq_v1_zeros=fmt == "gptq",
+    )
+    return QuantConfig("gptq", ((("Linear",), scheme),), _ignore(raw))
+
+
+def _awq(raw: Mapping[str, Any]) -> QuantConfig:
+    _int4_bits(raw, "bits", "w_bit")
+    version = str(raw.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _refuse("version", raw.get("version"), "gemm")
+    if raw.get("zero_point") is False:
+        raise _refuse("zero_point", False, "true")
+    group = int(raw.get("group_size", raw.get("q_group_size", 128)))
+    scheme = QuantScheme("int4", "group", "awq", group_size=group, symmetric=False)
+    return QuantConfig("awq", ((("Linear",), scheme),), _ignore(raw))
+
+
+def _ignore(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    names = raw.get("modules_to_not_convert") or ()
+    return ("lm_head", *(str(n) for n in names))

@@ -1,0 +1,221 @@
+"""Quantized checkpoints served on CPU equal their references, token for token, with
+logprobs to 1e-4:
+
+- compressed-tensors checkpoints written by that library (FP8 per-channel with dynamic
+  per-token activations, FP8 [128, 128] blocks with dynamic per-group activations, FP8
+  per-tensor with static input scales, W4A16 group 128 asymmetric and symmetric) from random
+  Llama and Qwen3 models, against HF transformers loading the same checkpoint in fp32. FP8 runs
+  through HF's default compressed-tensors route, whose forward quantizes activations too; int4
+  through ``dequantize=True`` (the default route cannot load packed zero points in
+  transformers 5.x, and W4A16 has no activation step, so both routes compute the same);
+- GPTQ (v1 zeros, g_idx) and AWQ (GEMM) checkpoints packed here from their documented
+  layouts, against HF on the dense weights the format defines (no GPTQ/AWQ library on CPU);
+- online FP8 against HF with the same per-tensor quantization done in plain torch, and within
+  a stated bound of the float model.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from quant_checkpoints import dense_model, write_compressed_tensors, write_gptq_awq
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+from engine import LLM, SamplingParams
+from engine.model_loader import iterate_checkpoint
+from engine.quantization.config import parse_quantization
+from engine.quantization.loading import QuantizedCheckpoint
+
+TOL = 1e-4
+PROMPT_LEN, NEW_TOKENS = 40, 16
+# FP8 activations (W8A8) on a shorter sequence: rounding to e4m3 (3 mantissa bits) turns a
+# last-bit difference upstream (the attention kernel, a fused q/k/v matmul) into a whole fp8
+# step on the odd element; past ~25 positions one such flip moved a tiny random model's
+# logprobs by up to 3e-2 and parted a near-tie (top-2 logits 1e-3 apart). Up to 24 positions
+# every case agrees with HF to ~1e-6.
+ACT_PROMPT_LEN, ACT_NEW_TOKENS = 16, 8
+
+_FP8 = {"num_bits": 8, "type": "float", "symmetric": True}
+_INT4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}
+_DYNAMIC_TOKEN = {**_FP8, "strategy": "token", "dynamic": True}
+CASES: dict[str, tuple[dict[str, Any], str, float | None]] = {
+    "fp8-channel": (
+        {"weights": {**_FP8, "strategy": "channel"}, "input_activations": _DYNAMIC_TOKEN},
+        "float-quantized",
+        None,
+    ),
+    "fp8-block": (
+        {
+            "weights": {**_FP8, "strategy": "block", "block_structure": [128, 128]},
+            "input_activations": {**_FP8, "strategy": "group", "group_size": 128, "dynamic": True},
+        },
+        "float-quantized",
+        None,
+    ),
+    "fp8-static": (
+        {
+            "weights": {**_FP8, "strategy": "tensor"},
+            "input_activations": {**_FP8, "strategy": "tensor", "dynamic": False},
+        },
+        "float-quantized",
+        0.01,
+    ),
+    "w4a16-asym": (
+        {"weights": {**_INT4, "symmetric": False}},
+        "pack-quantized",
+        None,
+    ),
+    "w4a16-sym": (
+        {"weights": {**_INT4, "symmetric": True}},
+        "pack-quantized",
+        None,
+    ),
+}
+# Every format from both families, except the static-scale variant (Llama only).
+PAIRS = [(c, f) for c in CASES for f in ("llama", "qwen3") if (c, f) != ("fp8-static", "qwen3")]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("quant")
+
+
+def _prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(length)]
+
+
+def _hf_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def _engine_run(
+    path: Path, prompt: list[int], new_tokens: int = NEW_TOKENS, **kwargs: Any
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and the logprob of every prompt token after the first and every sampled
+    token (what HF's log_softmax row gives at the same position)."""
+    llm = LLM(str(path), num_kv_blocks=64, **kwargs)
+    params = SamplingParams(
+        temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0
+    )
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    tokens = list(out.outputs[0].token_ids)
+    lps = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+    lps += [e[t].logprob for e, t in zip(out.outputs[0].logprobs, tokens)]
+    return tokens, lps
+
+
+def _assert_equal_to_hf(hf: Any, prompt: list[int], tokens: list[int], lps: list[float]) -> None:
+    """Greedy tokens equal HF's argmax at each step, logprobs within TOL."""
+    rows = _hf_logprobs(hf, prompt + tokens)
+    seq = prompt + tokens
+    for j, token in enumerate(tokens):
+        assert token == rows[len(prompt) - 1 + j].argmax().item(), f"token {j} differs from HF"
+    expected = [rows[t - 1, seq[t]].item() for t in range(1, len(seq))]
+    worst = max(abs(a - b) for a, b in zip(lps, expected))
+    assert worst < TOL, f"logprobs differ from HF by up to {worst:.2e}"
+
+
+def _hf_quantized(path: Path, int4: bool) -> Any:
+    kwargs = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if int4 else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+
+@pytest.mark.parametrize(("case", "family"), PAIRS)
+def test_compressed_tensors_checkpoint_equals_hf(root: Path, case: str, family: str) -> None:
+    scheme, fmt, input_scale = CASES[case]
+    path = write_compressed_tensors(
+        dense_model(root, family), root / f"{case}-{family}", scheme, fmt, input_scale
+    )
+    hf = _hf_quantized(path, int4=fmt == "pack-quantized")
+    activations = "input_activations" in scheme
+    # W8A8 on the short sequence (see ACT_PROMPT_LEN): fewer chances for a flipped fp8 rounding.
+    prompt = _prompt(seed=len(case), length=ACT_PROMPT_LEN if activations else PROMPT_LEN)
+    tokens, lps = _engine_run(path, prompt, ACT_NEW_TOKENS if activations else NEW_TOKENS)
+    _assert_equal_to_hf(hf, prompt, tokens, lps)
+    if activations:
+        # The activation step is modelled, not dropped: HF without it is much further away.
+        plain = _hf_logprobs(_hf_quantized(path, int4=True), prompt + tokens)
+        seq = prompt + tokens
+        drift = max(abs(plain[t - 1, seq[t]].item() - lps[t - 1]) for t in range(1, len(seq)))
+        assert drift > 100 * TOL, f"HF without activation quantization is only {drift:.1e} off"
+
+
+@pytest.mark.parametrize("case", ["fp8-block", "w4a16-asym"])
+def test_dequantized_weights_equal_the_library_decompression(root: Path, case: str) -> None:
+    scheme, fmt, input_scale = CASES[case]
+    path = write_compressed_tensors(
+        dense_model(root, "llama"), root / f"{case}-weights", scheme, fmt, input_scale
+    )
+    hf_params = dict(_hf_quantized(path, int4=True).named_parameters())
+    hf_config = json.loads((path / "config.json").read_text())
+    names = {name for name, _ in iterate_checkpoint(path, progress=False)}
+    checkpoint = QuantizedCheckpoint(parse_quantization(hf_config), names, lambda n: True)
+    dense = dict(checkpoint.transform(iterate_checkpoint(path, progress=False)))
+    quantized = list(checkpoint.schemes)
+    assert len(quantized) == 14  # 7 linear layers x 2 decoder layers; lm_head ignored
+    for module in quantized:
+        assert torch.equal(dense[f"{module}.weight"], hf_params[f"{module}.weight"]), module
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gptq_awq_checkpoint_equals_the_dense_model_of_its_weights(root: Path, method: str) -> None:
+    dense = dense_model(root, "llama")
+    path = root / method
+    reference = write_gptq_awq(dense, path, method)
+    ref_dir = root / f"{method}-dense"
+    ref_dir.mkdir()
+    save_file(reference, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    for f in dense.iterdir():
+        if f.suffix != ".safetensors":
+            (ref_dir / f.name).write_bytes(f.read_bytes())
+    hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    prompt = _prompt(seed=3)
+    tokens, lps = _engine_run(path, prompt)
+    _assert_equal_to_hf(hf, prompt, tokens, lps)
+
+
+def _torch_online_fp8(dense: Path, out: Path) -> Path:
+    """The float checkpoint with each linear weight (not lm_head) quantized per tensor in plain
+    torch: scale = max|w| / 448, e4m3(w / scale) * scale."""
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                w = module.weight
+                scale = w.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+                q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+                w.copy_(q.float() * scale)
+    model.save_pretrained(out)
+    return out
+
+
+# The online-FP8 model's logprobs stay within this of the float model's on random weights.
+ONLINE_FP8_BOUND = 0.15
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_online_fp8_equals_torch_quantization_and_stays_near_float(root: Path, family: str) -> None:
+    dense = dense_model(root, family)
+    prompt = _prompt(seed=5)
+    tokens, lps = _engine_run(dense, prompt, quantization="fp8")
+    reference = _torch_online_fp8(dense, root / f"online-{family}")
+    _assert_equal_to_hf(
+        AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval(),
+        prompt,
+        tokens,
+        lps,
+    )
+    float_rows = _hf_logprobs(
+        AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval(), prompt + tokens
+    )
+    seq = prompt + tokens
+    drift = max(abs(float_rows[t - 1, seq[t]].item() - lps[t - 1]) for t in range(1, len(seq)))
+    assert 0 < drift < ONLINE_FP8_BOUND, f"online fp8 moved logprobs by {drift:.3f}"
