@@ -191,7 +191,7 @@ def test_memory_plan_counts_the_fp8_cache_like_the_engine() -> None:
     assert plans["fp8"].kv_blocks >= 1.9 * plans["auto"].kv_blocks
 
 
-def test_memory_plan_of_llama_70b_at_tp2_holds_about_twice_the_tokens_with_fp8() -> None:
+def test_memory_plan_of_llama_70b_at_tp4_holds_about_twice_the_tokens_with_fp8() -> None:
     from engine.memory_plan import PlanSettings, plan_memory
     from tests.engine.test_memory_plan import H100_BYTES, LLAMA_3_70B
 
