@@ -15,7 +15,8 @@ which field is ``engine.engine_args``'s table; the checks and their one message 
     ├── sampling:  SamplingConfig   (server-wide request caps: max_n, max_logprobs)
     ├── pooler:    PoolerConfig     (pooling_type of embedding requests: last | mean)
     ├── frontend:  FrontendConfig   (tool_call_parser, enable_auto_tool_choice, reasoning_parser)
-    └── lora:      LoRAConfig       (enable_lora, max_loras, max_lora_rank, max_cpu_loras)
+    ├── lora:      LoRAConfig       (enable_lora, max_loras, max_lora_rank, max_cpu_loras)
+    └── speculative: SpeculativeArgs (speculative_config; engine.spec_decode.config)
 
 Every config is a frozen dataclass, validated in ``__post_init__`` under the names of vLLM's
 arguments (a deployment YAML prefixes its key path to them); per-rank copies use
@@ -42,6 +43,7 @@ from engine.errors import ConfigError
 from engine.hf_config import check_hf_config, num_experts
 from engine.quantization.config import ONLINE_METHODS, parse_quantization
 from engine.rope_config import rope_max_positions
+from engine.spec_decode.config import SpeculativeArgs, check_speculative_support
 from engine.validation import (
     check_bool,
     check_choice,
@@ -325,16 +327,16 @@ class FrontendConfig:
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         check_bool(self.enable_auto_tool_choice, "enable_auto_tool_choice")
         check_str(self.tool_call_parser, "tool_call_parser", note="a parser name", optional=True)
-    reasoning_parser: str | None = None
+        check_str(self.reasoning_parser, "reasoning_parser", note="a parser name", optional=True)
         require(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "enable_auto_tool_choice",
             "needs tool_call_parser (how to read tool calls out of the model's text)",
-        check_str(self.reasoning_parser, "reasoning_parser", note="a parser name", optional=True)
         )
 
 
@@ -370,6 +372,7 @@ class EngineConfig:
     pooler: PoolerConfig = field(default_factory=PoolerConfig)
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeArgs = field(default_factory=SpeculativeArgs)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -391,6 +394,11 @@ class EngineConfig:
         device = DeviceConfig(**groups["device"])
         kernel = KernelConfig(**groups["kernel"])
         _check_kernel_device(kernel, device)
+        speculative = SpeculativeArgs(**groups["speculative"])
+        check_speculative_support(
+            speculative.speculative_config,
+            pipeline_parallel_size=parallel.pipeline_parallel_size,
+        )
         return cls(
             model=model,
             cache=CacheConfig(**groups["cache"]),
@@ -402,6 +410,7 @@ class EngineConfig:
             pooler=PoolerConfig(**groups["pooler"]),
             frontend=FrontendConfig(**groups["frontend"]),
             lora=LoRAConfig(**groups["lora"]),
+            speculative=speculative,
         )
 
     @property
@@ -427,6 +436,7 @@ def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
     PoolerConfig(**groups["pooler"])
     FrontendConfig(**groups["frontend"])
     LoRAConfig(**groups["lora"])
+    SpeculativeArgs(**groups["speculative"])
 
 
 def _with_checkpoint(model: ModelConfig) -> ModelConfig:

@@ -52,11 +52,12 @@ ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "pooling_type": ("pooler", "pooling_type"),
     "enable_auto_tool_choice": ("frontend", "enable_auto_tool_choice"),
     "tool_call_parser": ("frontend", "tool_call_parser"),
-    "enable_lora": ("lora", "enable_lora"),
     "reasoning_parser": ("frontend", "reasoning_parser"),
+    "enable_lora": ("lora", "enable_lora"),
     "max_loras": ("lora", "max_loras"),
     "max_lora_rank": ("lora", "max_lora_rank"),
     "max_cpu_loras": ("lora", "max_cpu_loras"),
+    "speculative_config": ("speculative", "speculative_config"),
 }
 
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(ENGINE_ARGS)
@@ -64,7 +65,7 @@ ENGINE_ARG_NAMES: tuple[str, ...] = tuple(ENGINE_ARGS)
 # EngineConfig's sections, in its field order.
 SECTIONS: tuple[str, ...] = (
     "model", "cache", "scheduler", "parallel", "device", "kernel", "sampling", "pooler",
-    "frontend", "lora",
+    "frontend", "lora", "speculative",
 )  # fmt: skip
 
 

@@ -58,6 +58,9 @@ from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutpu
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
+from engine.spec_decode.config import is_speculable
+from engine.spec_decode.metrics import SpecDecodeStats
+from engine.spec_decode.ngram import NgramProposer
 from engine.structured_output import StructuredOutputManager
 from engine.timing import StepTimer
 
@@ -133,6 +136,9 @@ class LLMEngine:
         self.scheduler.pipeline_depth = self._pipeline_depth
         self._batches: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         self.step_timer = StepTimer()
+        spec = config.speculative.speculative_config
+        self.proposer = NgramProposer(spec, config.max_model_len) if spec is not None else None
+        self.spec_decode_stats = SpecDecodeStats()
         self._log_cache_size(num_blocks, num_cpu_blocks)
 
     @classmethod
@@ -432,6 +438,7 @@ class LLMEngine:
         failed = self._fail_lora_loads(output.lora_load_errors)
         texts = self._decode_logprob_tokens(output)
         self._record_prompt_logprobs(output.prompt_logprobs, texts)
+        self._observe_spec_decode(sched, output)
         updated = self.scheduler.update_from_output(sched, output.req_ids, output.sampled_token_ids)
         pooled = [r for r in updated if r.is_pooling]
         updated = [r for r in updated if not r.is_pooling]
@@ -445,6 +452,8 @@ class LLMEngine:
             self._process(sample, num_new, logprobs.get(request.request_id), texts)
             if request.is_finished:
                 sample.grammar = None
+            else:
+                self._propose(sample)
             groups[group.request_id] = group
         outputs: list[EngineOutput] = failed
         for group in groups.values():
@@ -459,6 +468,26 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             self._flush_finished()
         return outputs
+
+    def _observe_spec_decode(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """Count each verification before stops trim the tokens: accepted = emitted - 1."""
+        if not sched.spec_token_ids:
+            return
+        for rid, tokens in zip(output.req_ids, output.sampled_token_ids):
+            spec = sched.spec_token_ids.get(rid)
+            if spec is not None and tokens:
+                self.spec_decode_stats.observe(len(spec), len(tokens) - 1)
+
+    def _propose(self, sample: SampleState) -> None:
+        """Speculative decoding: the proposals the request's next step verifies. A grammar
+        (structured outputs) or history-dependent sampling decodes one token per step."""
+        if self.proposer is None:
+            return
+        request = sample.request
+        if sample.grammar is not None or not is_speculable(request.sampling_params):
+            request.spec_token_ids = []
+            return
+        request.spec_token_ids = self.proposer.propose(request)
 
     def _fail_lora_loads(self, errors: dict[int, str]) -> list[EngineOutput]:
         """Adapters a worker could not load into their slots this step (their files removed or
@@ -539,7 +568,7 @@ class LLMEngine:
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + sum(
                 lps[0] for lps in logprobs.logprobs
             )
-        if detok.update(request.output_token_ids[-num_new:]):
+        if self._detokenize(sample, num_new):
             request.stop_reason = detok.stop_string
             if request.is_finished:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -547,6 +576,21 @@ class LLMEngine:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
             detok.finish()
+
+    @staticmethod
+    def _detokenize(sample: SampleState, num_new: int) -> bool:
+        """Feed the step's tokens to the detokenizer; True on a stop string. Several tokens
+        (verified speculative ones) go one at a time, and those after the token that completed
+        a stop string are dropped, as one-token steps would never have sampled them."""
+        request, detok = sample.request, sample.detokenizer
+        new = request.output_token_ids[-num_new:]
+        if num_new == 1:
+            return detok.update(new)
+        for i, token in enumerate(new):
+            if detok.update([token]):
+                request.truncate_output(request.num_output_tokens - num_new + i + 1)
+                return True
+        return False
 
     def _record_prompt_logprobs(
         self, chunks: dict[str, PromptLogprobs], texts: dict[int, str]

@@ -44,6 +44,7 @@ from engine.pooling_params import PoolingParams
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.rejection_sampler import verify_proposals
 from engine.structured_output import apply_grammar_bitmask, unpack_bitmask
 from engine.timing import StepTimer, device_synchronizer
 from kernels.attention import AttentionMetadata
@@ -79,8 +80,11 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the packed batch whose logits are sampled
+    # Rows of the packed batch whose logits are sampled: one per request in sampled_req_ids,
+    # then k + 1 per request in spec_req_ids (its last token and its k proposals).
+    logits_indices: torch.Tensor
     sampled_req_ids: list[str] = field(default_factory=list)
+    spec_req_ids: list[str] = field(default_factory=list)
     # Prompt logprobs wanted this step: (req_id, first prompt token scored, rows in the packed
     # batch whose logits score it and the following ones).
     prompt_logprobs_rows: list[tuple[str, int, np.ndarray]] = field(default_factory=list)
@@ -121,6 +125,8 @@ class ModelRunner:
         # Set once the KV cache exists, when decode steps may replay CUDA graphs.
         # (A DecodeBucketRunner runs the same data path without graphs, in CPU tests.)
         self.graph_runner: DecodeBucketRunner | None = None
+        # This step's speculative proposals, by request (ExecuteModelRequest's).
+        self._proposals: dict[str, list[int]] = {}
 
     # ---- KV cache -----------------------------------------------------------------------
 
@@ -281,9 +287,13 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
         input_ids = np.empty(num_tokens, dtype=np.int64)
+        spec = req.scheduled_spec_decode_tokens
         for i, state in enumerate(states):
             block_table[i, : len(state.block_ids)] = state.block_ids
-            input_ids[cu[i] : cu[i + 1]] = state.token_ids[starts[i] : seq_lens[i]]
+            proposals = spec.get(state.req_id, ())
+            known_end = seq_lens[i] - len(proposals)
+            input_ids[cu[i] : cu[i + 1] - len(proposals)] = state.token_ids[starts[i] : known_end]
+            input_ids[cu[i + 1] - len(proposals) : cu[i + 1]] = proposals
         slot_mapping = (
             block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
         )
@@ -293,9 +303,13 @@ class ModelRunner:
         sampled = [
             i
             for i, s in enumerate(states)
-            if seq_lens[i] == len(s.token_ids) and s.pooling_params is None
+            if seq_lens[i] == len(s.token_ids) and s.pooling_params is None and s.req_id not in spec
         ]
         sampled_req_ids = [states[i].req_id for i in sampled]
+        verified = [i for i, s in enumerate(states) if s.req_id in spec]
+        logits_rows = [cu[1:][sampled] - 1] + [
+            np.arange(cu[i + 1] - len(spec[states[i].req_id]) - 1, cu[i + 1]) for i in verified
+        ]
         grammar_rows, grammar_bitmask = self._grammar_rows(req, sampled_req_ids)
         sampling_metadata = (
             self._sampling_metadata(sampled_req_ids) if self.is_driver and sampled_req_ids else None
@@ -312,8 +326,11 @@ class ModelRunner:
             input_ids=torch.from_numpy(input_ids).to(self.device),
             positions=torch.from_numpy(positions.astype(np.int64)).to(self.device),
             metadata=metadata,
-            logits_indices=torch.tensor(cu[1:][sampled] - 1, dtype=torch.int64, device=self.device),
+            logits_indices=torch.from_numpy(np.concatenate(logits_rows).astype(np.int64)).to(
+                self.device
+            ),
             sampled_req_ids=sampled_req_ids,
+            spec_req_ids=[states[i].req_id for i in verified],
             prompt_logprobs_rows=self._prompt_logprobs_rows(states, starts, seq_lens, cu),
             grammar_rows=grammar_rows,
             grammar_bitmask=grammar_bitmask,
@@ -400,10 +417,19 @@ class ModelRunner:
         self.step_timer.lap("lm_head")
         if logits is None:
             return None
-        if not inputs.sampled_req_ids:  # every scheduled request is mid-prompt
+        if not inputs.sampled_req_ids and not inputs.spec_req_ids:  # all mid-prompt
             return ModelRunnerOutput(
                 req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs
             )
+        num_plain = len(inputs.sampled_req_ids)
+        verified = self._verify(inputs.spec_req_ids, logits[num_plain:])
+        if not num_plain:
+            return ModelRunnerOutput(
+                req_ids=inputs.spec_req_ids,
+                sampled_token_ids=verified,
+                prompt_logprobs=prompt_logprobs,
+            )
+        logits = logits[:num_plain]
         if inputs.grammar_bitmask is not None:
             # First, so that raw logprobs and every processor see the grammar's mask (vLLM's
             # order); only the driver gets here (other TP ranks hold no logits).
@@ -415,11 +441,28 @@ class ModelRunner:
         logprobs = None
         if out.logprobs is not None and meta.num_logprobs is not None:
             logprobs = _split_logprobs(out.logprobs, meta.num_logprobs)
+        if logprobs is not None and verified:
+            logprobs = logprobs + [None] * len(verified)
         return ModelRunnerOutput(
-            req_ids=inputs.sampled_req_ids,
-            sampled_token_ids=[[t] for t in out.token_ids.tolist()],
+            req_ids=inputs.sampled_req_ids + inputs.spec_req_ids,
+            sampled_token_ids=[[t] for t in out.token_ids.tolist()] + verified,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+        )
+
+    def _verify(self, req_ids: list[str], logits: torch.Tensor) -> list[list[int]]:
+        """Speculative decoding: each request's accepted proposals and its next token, from
+        its k + 1 logits rows (``engine.spec_decode.rejection_sampler``)."""
+        if not req_ids:
+            return []
+        states = [self.requests[rid] for rid in req_ids]
+        proposals = [self._proposals[rid] for rid in req_ids]
+        return verify_proposals(
+            logits,
+            [s.sampling_params for s in states],
+            [s.generator for s in states],
+            proposals,
+            self.vocab_size,
         )
 
     def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
@@ -486,6 +529,7 @@ class ModelRunner:
         clock = self.step_timer
         clock.start()
         self._lora_errors = {}
+        self._proposals = req.scheduled_spec_decode_tokens
         self.update_states(req)
         self.apply_block_ops(req)
         output = self._execute(req)

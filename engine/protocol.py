@@ -68,6 +68,10 @@ class ExecuteModelRequest(msgspec.Struct, kw_only=True):
     # engine.structured_output). Only the driver (the sampling rank) applies it.
     structured_output_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
+    # Speculative decoding: req_id -> the proposed tokens this step verifies after the
+    # request's last token (its num_scheduled_tokens counts them: 1 + len(proposals)). They are
+    # not the request's tokens: the reply's sampled_token_ids carry what was accepted.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     # LoRA slots whose adapter changes before this step's forward pass: slot -> new adapter.
     # Every adapter of this step's requests is resident once they are applied.
     lora_slots: dict[int, LoRASlotSpec] = {}

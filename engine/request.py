@@ -100,6 +100,11 @@ class Request:
         self.needs_full_table = False
         # Chained prefix-cache hashes of this request's full blocks, grown as tokens are added.
         self.block_hashes: list[bytes] = []
+        # Speculative decoding: tokens proposed to follow all_token_ids, verified by the next
+        # step that schedules this request; the proposer's incremental state (see
+        # engine.spec_decode).
+        self.spec_token_ids: list[int] = []
+        self.spec_state: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +129,15 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first ``num_output_tokens`` outputs: a verified run of speculative
+        tokens that went past a stop (a stop string found by the detokenizer)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - drop :]
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
 
     def sort_key(self, policy: str) -> tuple[float, ...]:
         """Smaller = served first. FCFS: arrival; priority: (priority value, arrival)."""

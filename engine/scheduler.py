@@ -122,6 +122,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the proposals each request verifies this step (counted in its
+    # num_scheduled_tokens).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -279,12 +282,27 @@ class Scheduler:
             num_new = self._tokens_to_compute(request, budget)
             if num_new == 0:
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new, out)
+            spec = self._spec_tokens(request, num_new, budget)
+            # Lookahead slots: blocks for the proposals' K/V too (num_computed + 1 + k).
+            new_blocks = self._allocate_or_preempt(request, num_new + len(spec), out)
             if new_blocks is None:
                 continue
-            budget -= num_new
-            self._record(out, request, num_new, new_blocks)
+            if spec:
+                out.spec_token_ids[request.request_id] = spec
+            budget -= num_new + len(spec)
+            self._record(out, request, num_new + len(spec), new_blocks)
         return budget
+
+    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The proposals a decoding request verifies this step, cut to the budget and to
+        max_model_len. Only a pure decode step speculates (a request still prefilling, or
+        recomputing after a preemption, computes its known tokens first)."""
+        if not request.spec_token_ids or num_new != 1:
+            return []
+        if request.num_computed_tokens + 1 != request.num_tokens:
+            return []
+        room = min(budget - 1, self.config.max_model_len - request.num_tokens)
+        return request.spec_token_ids[: max(0, room)]
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, out: SchedulerOutput
@@ -306,6 +324,7 @@ class Scheduler:
             # Scheduled earlier in this step: take it back out of the step.
             del out.num_scheduled_tokens[request.request_id]
             out.new_block_ids.pop(request.request_id, None)
+            out.spec_token_ids.pop(request.request_id, None)
             out.cached_reqs.remove(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -460,6 +479,9 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += num
+            if rid in out.spec_token_ids:
+                # Cached once the accepted tokens are appended (below): only verified ones.
+                continue
             self.block_manager.cache_blocks(request)
             if request.is_pooling and request.num_computed_tokens >= request.num_prompt_tokens:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -475,13 +497,37 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.is_finished or not token_ids:
                 continue
-            request.append_output_token_ids(token_ids)
-            status = check_token_stop(request, self.config.max_model_len)
+            spec = out.spec_token_ids.get(rid)
+            if spec is not None:
+                # The K/V of rejected proposals was written but is not the request's: only
+                # the last token and the accepted proposals (len(token_ids) - 1) count.
+                request.num_computed_tokens -= len(spec) + 1 - len(token_ids)
+            status = self._append_tokens(request, token_ids)
+            if spec is not None:
+                self.block_manager.cache_blocks(request)
             if status is not None:
                 request.status = status
                 self._free_request(request)
             updated.append(request)
         return updated + pooled
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
+        """Append one step's tokens, stopping at the first that ends the request (EOS, a stop
+        token, max_tokens): the tokens after it are dropped from ``token_ids`` too (in place, so
+        the step's output reports the tokens kept)."""
+        if len(token_ids) == 1:
+            request.append_output_token_ids(token_ids)
+            return check_token_stop(request, self.config.max_model_len)
+        for i, token in enumerate(token_ids):
+            request.append_output_token_ids([token])
+            status = check_token_stop(request, self.config.max_model_len)
+            if status is not None:
+                del token_ids[i + 1 :]
+                request.num_computed_tokens = min(
+                    request.num_computed_tokens, request.num_tokens - 1
+                )
+                return status
+        return None
 
     def _fork(self, source: Request, forks: list[Request]) -> None:
         """``source`` has just computed its whole prompt: its sibling samples share the blocks of
@@ -551,4 +597,5 @@ def make_execute_model_request(out: SchedulerOutput) -> ExecuteModelRequest:
         blocks_to_swap_in=out.blocks_to_swap_in,
         blocks_to_swap_out=out.blocks_to_swap_out,
         blocks_to_copy=out.blocks_to_copy,
+        scheduled_spec_decode_tokens=dict(out.spec_token_ids),
     )

@@ -1,0 +1,140 @@
+"""``speculative_config``: vLLM's dict of speculative-decoding settings, as one frozen section.
+
+    speculative_config = {"method": "ngram", "num_speculative_tokens": 3,
+                          "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+``method``: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence
+of the sequence's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``).
+``draft_model`` is vLLM's name for a small draft checkpoint; it is refused here by name (not
+built yet) rather than silently ignored. Combinations the engine cannot verify exactly are
+refused in ``check_speculative_support`` naming the other field.
+
+No torch here: the deployment check imports this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.validation import check_choice, check_int, require
+
+METHODS = ("ngram",)
+# vLLM's spellings that name a method this engine does not build yet.
+_NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    # vLLM's defaults when neither is given.
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self) -> None:
+        key = "speculative_config."
+        require(
+            self.method not in _NOT_BUILT,
+            key + "method",
+            f"must be one of {', '.join(repr(m) for m in METHODS)} "
+            f"({self.method!r} is not supported by this engine), got {self.method!r}",
+        )
+        check_choice(self.method, key + "method", METHODS)
+        check_int(
+            self.num_speculative_tokens,
+            key + "num_speculative_tokens",
+            ge=1,
+            le=MAX_SPECULATIVE_TOKENS,
+        )
+        check_int(self.prompt_lookup_min, key + "prompt_lookup_min", ge=1)
+        check_int(
+            self.prompt_lookup_max,
+            key + "prompt_lookup_max",
+            ge=self.prompt_lookup_min,
+            le=32,
+            note="prompt_lookup_min",
+        )
+
+    @classmethod
+    def from_arg(cls, value: Any) -> SpeculativeConfig | None:
+        """The engine argument (a dict, or None: speculation off) as a config. vLLM fills
+        ``prompt_lookup_min`` from ``prompt_lookup_max`` and vice versa when one is given."""
+        if value is None:
+            return None
+        require(
+            isinstance(value, dict),
+            "speculative_config",
+            f"must be a mapping (e.g. {{'method': 'ngram', 'num_speculative_tokens': 3}}) "
+            f"or null, got {value!r}",
+        )
+        for name in value:
+            require(
+                name in _KEYS,
+                f"speculative_config.{name}",
+                f"must be one of the keys {', '.join(_KEYS)}, got an unknown key",
+            )
+        require(
+            value.get("model") is None,
+            "speculative_config.model",
+            "must be null: a draft model is not supported by this engine (method 'ngram' "
+            f"needs none), got {value.get('model')!r}",
+        )
+        require(
+            value.get("num_speculative_tokens") is not None,
+            "speculative_config.num_speculative_tokens",
+            f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] (it has no default), got None",
+        )
+        fields = {k: v for k, v in value.items() if k != "model"}
+        if "method" not in fields:
+            fields["method"] = "ngram"
+        lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+        if lo is None and hi is not None:
+            fields["prompt_lookup_min"] = hi
+        if hi is None and lo is not None:
+            fields["prompt_lookup_max"] = lo
+        return cls(**fields)
+
+
+def check_speculative_support(
+    spec: SpeculativeConfig | None, *, pipeline_parallel_size: int
+) -> None:
+    """Engine settings speculation cannot run with, refused before anything is placed.
+    Pipeline parallelism keeps several batches in flight, so a request's next proposal would
+    be made before its previous verification returned."""
+    if spec is None:
+        return
+    require(
+        pipeline_parallel_size == 1,
+        "speculative_config",
+        f"needs pipeline_parallel_size 1 (batches in flight cannot be verified in order), "
+        f"got pipeline_parallel_size {pipeline_parallel_size}",
+    )
+
+
+def is_speculable(params: Any) -> bool:
+    """Whether a request's sampling can be verified exactly from proposal rows alone:
+    penalties, bad_words and min_tokens read the output history (which the proposals would
+    change row by row), and logprobs report one row per sampled token; such requests decode
+    one token per step."""
+    return not (
+        params.has_penalties
+        or params.bad_words_token_ids
+        or params.min_tokens
+        or params.logprobs is not None
+    )
+
+
+@dataclass(frozen=True)
+class SpeculativeArgs:
+    """``EngineConfig.speculative``: the ``speculative_config`` engine argument, given as
+    vLLM's dict and kept parsed (None: speculation off)."""
+
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        value = self.speculative_config
+        if not isinstance(value, SpeculativeConfig):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_arg(value))

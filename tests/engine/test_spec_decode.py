@@ -1,0 +1,182 @@
+"""Speculative decoding (n-gram proposals) end to end: greedy outputs token-for-token equal to
+decoding without speculation, under chunked prefill, preemption, prefix caching, n > 1, stops
+and structured outputs; proposals are accepted (the metrics say how many).
+
+The model is a small random Llama whose greedy outputs fall into loops (HF's 0.02 init,
+vocabulary 256), so prompt lookup proposes tokens the target really emits; fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutputsParams
+from engine.tiny_models import make_random_model
+
+VOCAB = 256
+rng = random.Random(0)
+PROMPTS = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(12)]
+# Repeated content: the prompt itself gives the proposals before the output loops.
+PROMPTS += [[7, 8, 9, 10, 11] * 6, [40, 41, 40, 41, 40, 41, 40]]
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+BASE: dict[str, Any] = {"device": "cpu", "num_kv_blocks": 256, "max_model_len": 512}
+
+
+def ngram(k: int) -> dict[str, Any]:
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model(
+        tmp_path_factory.mktemp("spec") / "m",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+    )
+
+
+def generate(llm: LLM, params: SamplingParams = GREEDY, prompts=PROMPTS) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> list[list[int]]:
+    return generate(LLM(str(model), **BASE))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_equal_without_speculation_and_proposals_accepted(model, reference, k):
+    llm = LLM(str(model), **BASE, speculative_config=ngram(k))
+    assert generate(llm) == reference
+    stats = llm.llm_engine.spec_decode_stats
+    assert stats.num_accepted_tokens > 0
+    assert stats.num_draft_tokens >= stats.num_accepted_tokens
+    assert len(stats.accepted_per_pos) == k
+    # Acceptance is a prefix: position j + 1 is never accepted more often than position j.
+    assert all(a >= b for a, b in zip(stats.accepted_per_pos, stats.accepted_per_pos[1:]))
+    assert stats.mean_acceptance_length > 1.0
+    llm.llm_engine.check_integrity()
+
+
+def test_fewer_steps_than_tokens_with_speculation(model, reference):
+    llm = LLM(str(model), **BASE, speculative_config=ngram(4))
+    generate(llm)
+    stats = llm.llm_engine.spec_decode_stats
+    emitted = sum(len(t) for t in reference)
+    # Every verification emits its accepted proposals plus one token.
+    assert stats.num_drafts + stats.num_accepted_tokens <= emitted
+
+
+def test_chunked_prefill_small_budget(model, reference):
+    llm = LLM(str(model), **BASE, max_num_batched_tokens=16, speculative_config=ngram(3))
+    assert generate(llm) == reference
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_preemption_with_a_tiny_kv_cache(model, reference):
+    args = {**BASE, "num_kv_blocks": 12, "block_size": 16}
+    llm = LLM(str(model), **args, speculative_config=ngram(5))
+    assert generate(llm) == reference
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    llm.llm_engine.check_integrity()
+
+
+def test_prefix_caching_only_caches_verified_tokens(model, reference):
+    llm = LLM(str(model), **BASE, block_size=8, speculative_config=ngram(5))
+    assert generate(llm) == reference
+    # Prompts extended by their verified outputs hit the cache of the blocks written above;
+    # a block holding a rejected proposal's K/V would make these differ from the reference.
+    longer = [p + t[:30] for p, t in zip(PROMPTS, reference)]
+    expect = generate(LLM(str(model), **BASE, enable_prefix_caching=False), prompts=longer)
+    hits = llm.llm_engine.block_manager.prefix_hits
+    assert generate(llm, prompts=longer) == expect
+    assert llm.llm_engine.block_manager.prefix_hits > hits
+    llm.llm_engine.check_integrity()
+
+
+def test_max_tokens_never_exceeded(model):
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    expect = generate(LLM(str(model), **BASE), params)
+    llm = LLM(str(model), **BASE, speculative_config=ngram(5))
+    got = generate(llm, params)
+    assert got == expect
+    assert all(len(t) == 7 for t in got)
+
+
+def test_stop_token_truncates_accepted_tokens(model, reference):
+    # A token each looping output emits more than once: non-speculative decoding stops at its
+    # first occurrence; a verified run that went past it must be cut there too.
+    stops = sorted({t for out in reference for t in out[5:] if out.count(t) > 1})[:8]
+    params = SamplingParams(temperature=0, max_tokens=48, stop_token_ids=stops)
+    expect = generate(LLM(str(model), **BASE), params)
+    assert any(len(t) < 48 for t in expect)
+    assert generate(LLM(str(model), **BASE, speculative_config=ngram(5)), params) == expect
+
+
+def test_stop_strings_equal_without_speculation(model, reference):
+    llm_ref = LLM(str(model), **BASE)
+    tok = llm_ref.get_tokenizer()
+    # Stop strings cut from the middle of the looping outputs' text.
+    texts = [tok.decode(out[10:]) for out in reference]
+    stops = [t[len(t) // 2 : len(t) // 2 + 3] for t in texts if len(t) > 8][:4]
+    params = SamplingParams(temperature=0, max_tokens=48, stop=stops)
+    outs_ref = llm_ref.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    llm = LLM(str(model), **BASE, speculative_config=ngram(5))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in outs_ref]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        list(o.outputs[0].token_ids) for o in outs_ref
+    ]
+    assert any(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_parallel_samples_greedy_and_seeded(model):
+    greedy = SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(model), **BASE, speculative_config=ngram(3))
+    assert generate(llm, greedy) == generate(LLM(str(model), **BASE), greedy)
+    seeded = SamplingParams(n=2, temperature=0.8, top_k=4, seed=11, max_tokens=24)
+    first = generate(llm, seeded)
+    again = generate(LLM(str(model), **BASE, speculative_config=ngram(3)), seeded)
+    assert first == again  # reproducible: each sample's generator is consumed the same way
+
+
+def test_structured_outputs_valid_and_equal(model):
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=20,
+        structured_outputs=StructuredOutputsParams(choice=["alpha", "beta gamma"]),
+    )
+    prompts = PROMPTS[:4]
+    expect = generate(LLM(str(model), **BASE), params, prompts)
+    llm = LLM(str(model), **BASE, speculative_config=ngram(3))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expect
+    assert all(o.outputs[0].text in ("alpha", "beta gamma") for o in outs)
+
+
+def test_penalties_and_logprobs_decode_without_proposals(model):
+    params = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, logprobs=2)
+    llm = LLM(str(model), **BASE, speculative_config=ngram(3))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
+    ref = LLM(str(model), **BASE).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert all(len(o.outputs[0].logprobs) == 24 for o in outs)
+    assert llm.llm_engine.spec_decode_stats.num_drafts == 0
