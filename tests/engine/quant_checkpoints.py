@@ -30,6 +30,45 @@ SHAPE = dict(
 )
 
 
+# name -> (compressed-tensors scheme of the Linear layers, format, static input scale)
+_FP8 = {"num_bits": 8, "type": "float", "symmetric": True}
+_INT4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}
+_DYNAMIC_TOKEN = {**_FP8, "strategy": "token", "dynamic": True}
+CASES: dict[str, tuple[dict[str, Any], str, float | None]] = {
+    "fp8-channel": (
+        {"weights": {**_FP8, "strategy": "channel"}, "input_activations": _DYNAMIC_TOKEN},
+        "float-quantized",
+        None,
+    ),
+    "fp8-block": (
+        {
+            "weights": {**_FP8, "strategy": "block", "block_structure": [128, 128]},
+            "input_activations": {**_FP8, "strategy": "group", "group_size": 128, "dynamic": True},
+        },
+        "float-quantized",
+        None,
+    ),
+    "fp8-static": (
+        {
+            "weights": {**_FP8, "strategy": "tensor"},
+            "input_activations": {**_FP8, "strategy": "tensor", "dynamic": False},
+        },
+        "float-quantized",
+        0.01,
+    ),
+    "w4a16-asym": (
+        {"weights": {**_INT4, "symmetric": False}},
+        "pack-quantized",
+        None,
+    ),
+    "w4a16-sym": (
+        {"weights": {**_INT4, "symmetric": True}},
+        "pack-quantized",
+        None,
+    ),
+}
+
+
 def dense_model(root: Path, family: str) -> Path:
     return make_random_model(root / f"dense-{family}", family, **SHAPE)
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import torch
-from quant_checkpoints import dense_model, write_compressed_tensors, write_gptq_awq
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -31,6 +30,12 @@ from engine import LLM, SamplingParams
 from engine.model_loader import iterate_checkpoint
 from engine.quantization.config import parse_quantization
 from engine.quantization.loading import QuantizedCheckpoint
+from tests.engine.quant_checkpoints import (
+    CASES,
+    dense_model,
+    write_compressed_tensors,
+    write_gptq_awq,
+)
 
 TOL = 1e-4
 PROMPT_LEN, NEW_TOKENS = 40, 16
@@ -41,42 +46,6 @@ PROMPT_LEN, NEW_TOKENS = 40, 16
 # every case agrees with HF to ~1e-6.
 ACT_PROMPT_LEN, ACT_NEW_TOKENS = 16, 8
 
-_FP8 = {"num_bits": 8, "type": "float", "symmetric": True}
-_INT4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}
-_DYNAMIC_TOKEN = {**_FP8, "strategy": "token", "dynamic": True}
-CASES: dict[str, tuple[dict[str, Any], str, float | None]] = {
-    "fp8-channel": (
-        {"weights": {**_FP8, "strategy": "channel"}, "input_activations": _DYNAMIC_TOKEN},
-        "float-quantized",
-        None,
-    ),
-    "fp8-block": (
-        {
-            "weights": {**_FP8, "strategy": "block", "block_structure": [128, 128]},
-            "input_activations": {**_FP8, "strategy": "group", "group_size": 128, "dynamic": True},
-        },
-        "float-quantized",
-        None,
-    ),
-    "fp8-static": (
-        {
-            "weights": {**_FP8, "strategy": "tensor"},
-            "input_activations": {**_FP8, "strategy": "tensor", "dynamic": False},
-        },
-        "float-quantized",
-        0.01,
-    ),
-    "w4a16-asym": (
-        {"weights": {**_INT4, "symmetric": False}},
-        "pack-quantized",
-        None,
-    ),
-    "w4a16-sym": (
-        {"weights": {**_INT4, "symmetric": True}},
-        "pack-quantized",
-        None,
-    ),
-}
 # Every format from both families, except the static-scale variant (Llama only).
 PAIRS = [(c, f) for c in CASES for f in ("llama", "qwen3") if (c, f) != ("fp8-static", "qwen3")]
 
