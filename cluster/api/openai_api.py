@@ -5,6 +5,7 @@ bodies in ``cluster.api.api_errors`` and the key / size guard in ``cluster.api.a
 
     POST /v1/completions        POST /v1/chat/completions      GET /v1/models[/{id}]
     POST /v1/embeddings         POST /tokenize                 POST /detokenize
+    POST /v1/responses          GET|DELETE /v1/responses/{id}
     GET /health                 GET /metrics
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the
@@ -31,6 +32,7 @@ from cluster.api.openai_models import (
     EmbeddingRequest,
     TokenizeRequest,
 )
+from cluster.api.responses_models import ResponsesRequest
 
 TIMEOUT_HEADER = "x-request-timeout"
 
@@ -71,6 +73,9 @@ class OpenAIServing(Protocol):
 
     async def completions(self, req: CompletionRequest) -> Any: ...
     async def chat_completions(self, req: ChatCompletionRequest) -> Any: ...
+    async def responses(self, req: ResponsesRequest) -> Any: ...
+    async def get_response(self, response_id: str) -> Any: ...
+    async def delete_response(self, response_id: str) -> Any: ...
     async def models(self) -> dict[str, Any]: ...
     async def model(self, model_id: str) -> dict[str, Any]: ...
     async def embeddings(self, req: EmbeddingRequest) -> Any: ...
@@ -93,6 +98,18 @@ def make_openai_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         return await serving.chat_completions(with_header_timeout(req, request))
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, request: Request) -> Any:
+        return await serving.responses(with_header_timeout(req, request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Any:
+        return await serving.get_response(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Any:
+        return await serving.delete_response(response_id)
 
     @app.get("/v1/models")
     async def models() -> Any:

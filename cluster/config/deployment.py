@@ -336,10 +336,29 @@ class HTTPOptions:
     port: int = 8000
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     request_timeout_s: float | None = None
+    # OpenAIIngress replicas (behind Serve's proxy: ``cluster deploy``, ``cluster serve --proxy``).
+    ingress_replicas: int = 1
 
     def check(self, path: str) -> None:
         check_int(self.port, f"{path}.port", ge=0, le=65535)
         check_int(self.max_body_bytes, f"{path}.max_body_bytes", ge=1024)
+        check_int(self.ingress_replicas, f"{path}.ingress_replicas", ge=1)
+
+
+@dataclass(frozen=True)
+class ResponsesStoreConfig:
+    """Bounds of the application's store of ``/v1/responses`` results
+    (``cluster.serving.responses_store``): a least-recently-used entry goes past either
+    bound, and each expires ``ttl_s`` after it was stored."""
+
+    max_responses: int = 10_000
+    max_bytes: int = 256 << 20
+    ttl_s: float = 3600.0
+
+    def check(self, path: str) -> None:
+        check_int(self.max_responses, f"{path}.max_responses", ge=1)
+        check_int(self.max_bytes, f"{path}.max_bytes", ge=1024)
+        check_number(self.ttl_s, f"{path}.ttl_s", gt=0)
 
 
 @dataclass(frozen=True)
@@ -385,6 +404,7 @@ class DeploymentConfig:
     http_options: HTTPOptions = field(default_factory=HTTPOptions)
     grpc_options: GRPCOptions | None = None
     api_keys: APIKeysConfig | None = None
+    responses_store: ResponsesStoreConfig = field(default_factory=ResponsesStoreConfig)
     app_name: str = "llm"
 
     def model(self, model_id: str) -> ModelDeployment:
@@ -438,6 +458,7 @@ def check_config(config: DeploymentConfig) -> None:
             )
         check_engine_kwargs(model, f"{path}.engine_kwargs")
     config.http_options.check("http_options")
+    config.responses_store.check("responses_store")
     if config.grpc_options is not None:
         config.grpc_options.check("grpc_options")
     if config.api_keys is not None:

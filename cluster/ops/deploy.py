@@ -450,7 +450,10 @@ def shutdown() -> None:
     and waiting for each: that is what lets their replicas drain (in-flight requests finish
     within ``graceful_shutdown_timeout_s``, the rest end with finish_reason "abort") while the
     proxy still carries their streams; ``serve.shutdown`` alone tears the proxy down with them."""
+    from cluster.serving.responses_store import remove_store
+
     for app_name in list(serve.status().applications):
         serve.delete(app_name)
+        remove_store(app_name)  # its /v1/responses store, a detached actor
     serve.shutdown()
     _forget_failure()

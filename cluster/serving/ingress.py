@@ -40,6 +40,7 @@ from cluster.api.openai_responses import Completion, stream_sse
 from cluster.api.protocol import GenerateRequest, StreamError, StreamStart
 from cluster.serving.grpc_ingress import LLMServicer
 from cluster.serving.ingress_calls import guard_stream, merge_streams, model_health
+from cluster.serving.ingress_responses import ResponsesServicer, responses_store
 from cluster.serving.metrics import scrape_cluster_metrics
 from cluster.serving.scale_to_zero import cold_start_error, models_without_replicas
 from cluster.serving.serve_replica import serve_stop_flag
@@ -74,7 +75,7 @@ def _model_card(model_id: str, parent: str | None = None) -> dict[str, Any]:
 # The FastAPI app is built per replica, after __init__ (``__serve_build_asgi_app__``), so the
 # API keys and body limit live on the app that serves. The gRPC RPCs come from ``LLMServicer``.
 @serve.ingress()
-class OpenAIIngress(LLMServicer):
+class OpenAIIngress(LLMServicer, ResponsesServicer):
     def __init__(
         self,
         servers: dict[str, DeploymentHandle],
@@ -82,6 +83,7 @@ class OpenAIIngress(LLMServicer):
         max_body_bytes: int,
         lora_models: list[str] | None = None,
         cold_start_timeouts: dict[str, float] | None = None,
+        responses_store_spec: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         self.servers = servers
         self.api_key_hashes = api_key_hashes
@@ -95,6 +97,8 @@ class OpenAIIngress(LLMServicer):
         self._stopping = serve_stop_flag()
         # Token deltas from the models' heads, one message per step for all our requests.
         self.channel = TokenChannel()
+        # /v1/responses results: the application's store (an actor every replica sees).
+        self.responses_store = responses_store(responses_store_spec)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return make_openai_app(self, self.api_key_hashes, self.max_body_bytes)

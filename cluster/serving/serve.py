@@ -44,7 +44,7 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
     drain_s = max(m.serve_options()["graceful_shutdown_timeout_s"] for m in config.models)
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_NAME,
-        num_replicas=1,
+        num_replicas=config.http_options.ingress_replicas,
         max_ongoing_requests=1024,
         graceful_shutdown_timeout_s=drain_s + 5,
         ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env()},
@@ -55,8 +55,10 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
         for m in config.models
         if m.deployment_config.scales_to_zero
     }
+    # Every ingress replica reaches the same store of /v1/responses results (named by the app).
+    store = (config.app_name, dataclasses.asdict(config.responses_store))
     return ingress.bind(
-        servers, hashes, config.http_options.max_body_bytes, lora_models, cold_start
+        servers, hashes, config.http_options.max_body_bytes, lora_models, cold_start, store
     )
 
 

@@ -45,6 +45,7 @@ from cluster.api.openai_models import (
     EmbeddingRequest,
     TokenizeRequest,
 )
+from cluster.api.responses_models import ResponsesRequest
 from cluster.serving.ingress import OpenAIIngress
 from cluster.serving.llm_server import LLMServer
 from cluster.serving.token_channel import TokenChannel
@@ -59,7 +60,7 @@ ENGINE_ARGS = {"model": "builtin:tiny-llama", "num_kv_blocks": 64, "device": "cp
 EXAMPLES = 40
 UNAUTHENTICATED_EXAMPLES = 5
 ERROR_FIELDS = {"message", "type", "param", "code"}
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # Valid by the schema, but a 400 by design (see openai_api): nudged cases leave them out.
 _UNSUPPORTED = ("suffix", "best_of", "chat_template", "chat_template_kwargs")
 # Values a schema-driven generator rarely or never draws (hypothesis's text has no surrogates)
@@ -75,6 +76,7 @@ VALID_BODIES = {
     "/tokenize": {"model": MODEL, "prompt": "Hi"},
     "/detokenize": {"model": MODEL, "tokens": [1, 2]},
     "/v1/embeddings": {"model": MODEL, "input": ["Hi", [1, 2]]},
+    "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
 }  # fmt: skip
 
 
@@ -241,14 +243,26 @@ def _check_error_body(case: Any, response: Any) -> None:
 
 def _check_event_stream(case: Any, response: Any) -> None:
     """Every event is a JSON chunk (an error one with OpenAI's error body), and a stream that
-    schemathesis read to its end ends with [DONE]."""
+    schemathesis read to its end ends with [DONE]. A Responses stream names each event's type
+    (``event: <type>``, its data's ``type``) and ends with a final response event instead."""
     events = [e for e in response.content.decode().split("\n\n") if e]
+    responses = case.path == "/v1/responses"
     for event in events:
+        if responses:
+            kind, _, event = event.partition("\n")
+            assert kind.startswith("event: "), _describe(case, response)
+            assert json.loads(event.removeprefix("data: "))["type"] == kind.removeprefix("event: ")
         assert event.startswith("data: "), _describe(case, response)
         data = event.removeprefix("data: ")
         if data != "[DONE]" and "error" in (chunk := json.loads(data)):
             assert set(chunk["error"]) == ERROR_FIELDS, _describe(case, response)
-    if not response.stream_cut_short:
+    if response.stream_cut_short:
+        return
+    if responses:
+        last = json.loads(events[-1].partition("\n")[2].removeprefix("data: "))["type"]
+        finals = ("response.completed", "response.incomplete", "response.failed")
+        assert last in finals, _describe(case, response)
+    else:
         assert events and events[-1] == "data: [DONE]", _describe(case, response)
 
 
@@ -301,9 +315,10 @@ def test_schema_request_bodies_are_the_request_models(api_schema: Any, app: Any)
         "/tokenize": "#/components/schemas/TokenizeRequest",
         "/detokenize": "#/components/schemas/DetokenizeRequest",
         "/v1/embeddings": "#/components/schemas/EmbeddingRequest",
+        "/v1/responses": "#/components/schemas/ResponsesRequest",
     }
     models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-              EmbeddingRequest)  # fmt: skip
+              EmbeddingRequest, ResponsesRequest)  # fmt: skip
     for model in models:
         component = raw["components"]["schemas"][model.__name__]
         assert set(component["properties"]) == set(model.model_fields)
@@ -317,7 +332,8 @@ def test_fuzzed_requests_with_the_key_get_no_server_error(
     fuzzed = _fuzz(api_schema, _call_authenticated, EXAMPLES)
     assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
             "POST /detokenize", "GET /v1/models", "GET /health", "POST /v1/embeddings",
-            "GET /v1/models/{model_id}"} <= set(fuzzed)  # fmt: skip
+            "GET /v1/models/{model_id}", "POST /v1/responses",
+            "GET /v1/responses/{response_id}"} <= set(fuzzed)  # fmt: skip
     # Still serving: the engine is alive, answers a plain request, and holds nothing.
     with TestClient(app) as client:
         assert client.get("/health").json() == {"status": "ok"}

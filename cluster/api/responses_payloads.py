@@ -1,0 +1,205 @@
+"""A Responses API request -> the chat request the chat route serves (``ChatCompletionRequest``):
+``instructions`` and ``input`` items become chat messages, function ``tools`` and
+``tool_choice`` the chat ones, ``text.format`` the chat ``response_format``. The chat path then
+does the rest (template, tool parsers, structured outputs), so both routes generate alike.
+
+A conversation (``previous_response_id``) is a list of items: the earlier requests' input items
+and the output items of their responses, then this request's input. ``instructions`` are not
+part of it (OpenAI's rule: a request's instructions apply to that request only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from cluster.api.api_errors import APIError
+from cluster.api.openai_models import ChatCompletionRequest
+from cluster.api.responses_models import SAMPLING_PASSTHROUGH, ResponsesRequest
+
+# Undeclared fields that would change the output and are not supported: a 400 naming them
+# (when set to anything but their off value). Others (``include``, ``reasoning``,
+# ``service_tier``, ``prompt_cache_key``, ...) are ignored, as on the chat route.
+UNSUPPORTED_RESPONSE_FIELDS = {
+    "background": "background responses are not supported; use stream",
+    "conversation": "the Conversations API is not supported; use previous_response_id",
+    "prompt": "stored prompt templates are not supported; send instructions and input",
+    "max_tool_calls": "not supported",
+    "context_management": "not supported",
+}
+# Tool types OpenAI runs itself (search, code, computer, images, MCP, shell): not served here.
+BUILTIN_TOOLS = (
+    "web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+    "computer", "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom",
+)  # fmt: skip
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+
+
+def check_request(req: ResponsesRequest) -> None:
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED_RESPONSE_FIELDS and value not in (None, False):
+            raise APIError(400, f"{name}: {UNSUPPORTED_RESPONSE_FIELDS[name]}", name,
+                           "unsupported")  # fmt: skip
+    if req.top_logprobs:
+        raise APIError(400, "top_logprobs: logprobs are not returned by /v1/responses (use "
+                       "/v1/chat/completions); only 0", "top_logprobs", "unsupported")  # fmt: skip
+    if req.truncation == "auto":
+        raise APIError(400, "truncation: only 'disabled' (a prompt past the model's context "
+                       "length is a 400)", "truncation", "unsupported")  # fmt: skip
+    for i, tool in enumerate(req.tools or ()):
+        _check_tool(tool, f"tools.{i}")
+
+
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's ``input`` as items (text is one user message)."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return list(value)
+
+
+def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request generating this response to the conversation ``items``."""
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages += chat_messages(items)
+    if not messages:
+        raise APIError(400, "input: must not be empty", "input")
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
+    for name in SAMPLING_PASSTHROUGH:
+        if getattr(req, name) is not None:
+            body[name] = getattr(req, name)
+    if req.max_output_tokens is not None:
+        body["max_completion_tokens"] = req.max_output_tokens
+    if req.tools:
+        body["tools"] = [chat_tool(t) for t in req.tools]
+    if req.tool_choice is not None:
+        body["tool_choice"] = chat_tool_choice(req.tool_choice)
+    if req.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = req.parallel_tool_calls
+    # text.format shapes a message's text; a forced call writes none (so both may be given, as
+    # the Agents SDK does with an output type and a forced tool).
+    forced = req.tool_choice not in (None, "none", "auto") and bool(req.tools)
+    if req.text is not None and req.text.format is not None and not forced:
+        response_format = req.text.format.chat_response_format()
+        if response_format is not None:
+            body["response_format"] = response_format
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _named_error(exc) from None
+
+
+def _named_error(exc: ValidationError) -> APIError:
+    """A chat-side validation error, with the field path as the Responses request names it."""
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc[:1] == ["tools"] and loc[2:3] == ["function"]:
+        loc = loc[:2] + loc[3:]  # a Responses function tool has its fields at the top
+    elif loc[:1] == ["response_format"]:
+        loc = ["text", "format"] + [p for p in loc[2:] if p != "json_schema"]
+    param = ".".join(p for p in loc if not p.startswith(("str", "list[", "dict[")))
+    return APIError(400, f"{param}: {first.get('msg')}", param, "invalid_value")
+
+
+def _check_tool(tool: dict[str, Any], path: str) -> None:
+    kind = tool.get("type")
+    if kind == "function":
+        return
+    if isinstance(kind, str) and kind.startswith(BUILTIN_TOOLS):
+        raise APIError(400, f"{path}.type: the built-in tool {kind!r} is not supported; only "
+                       "function tools (type 'function') are", f"{path}.type",
+                       "unsupported")  # fmt: skip
+    raise APIError(400, f"{path}.type: must be 'function', got {kind!r}", f"{path}.type")
+
+
+def chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """``{"type": "function", "name", "description", "parameters", "strict"}`` -> the chat
+    tool (its function nested)."""
+    function = {k: v for k, v in tool.items() if k != "type" and v is not None}
+    return {"type": "function", "function": function}
+
+
+def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    kind = choice.get("type")
+    if kind == "function":
+        if not isinstance(choice.get("name"), str):
+            raise APIError(400, "tool_choice.name: required with type 'function'",
+                           "tool_choice.name")  # fmt: skip
+        return {"type": "function", "function": {"name": choice["name"]}}
+    if isinstance(kind, str) and kind.startswith(BUILTIN_TOOLS):
+        raise APIError(400, f"tool_choice.type: the built-in tool {kind!r} is not supported",
+                       "tool_choice.type", "unsupported")  # fmt: skip
+    raise APIError(400, "tool_choice: must be 'none', 'auto', 'required' or {'type': "
+                   f"'function', 'name': ...}}, got type {kind!r}", "tool_choice")  # fmt: skip
+
+
+def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
+    """Conversation items -> chat messages. A function call joins the assistant message before
+    it (one assistant turn: its text and its calls); a call's output is a ``tool`` message;
+    reasoning items are left out (chat templates drop earlier turns' reasoning)."""
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        path = f"input.{i}"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{path}: must be an object", path)
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, path))
+        elif kind == "function_call":
+            call = {"id": _str(item, "call_id", path), "type": "function",
+                    "function": {"name": _str(item, "name", path),
+                                 "arguments": _str(item, "arguments", path)}}  # fmt: skip
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text(output, f"{path}.output")
+            messages.append({"role": "tool", "tool_call_id": _str(item, "call_id", path),
+                             "content": text})  # fmt: skip
+        elif kind != "reasoning":
+            raise APIError(400, f"{path}.type: {kind!r} items are not supported (message, "
+                           "function_call, function_call_output, reasoning)",
+                           f"{path}.type", "unsupported")  # fmt: skip
+    return messages
+
+
+def _message(item: dict[str, Any], path: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in _MESSAGE_ROLES:
+        raise APIError(400, f"{path}.role: must be one of {', '.join(_MESSAGE_ROLES)}, got "
+                       f"{role!r}", f"{path}.role")  # fmt: skip
+    content = item.get("content")
+    text = content if isinstance(content, str) else _text(content, f"{path}.content")
+    # Developer messages are the system prompt of the chat templates, which know no such role.
+    return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def _text(parts: Any, path: str) -> str:
+    """Text content parts joined; other parts (images, files, audio) are a 400."""
+    if not isinstance(parts, list):
+        raise APIError(400, f"{path}: must be a string or a list of text parts", path)
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal":
+            continue  # an assistant's refusal, sent back: no text for the model
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{path}.{j}: only text parts are supported (input_text, "
+                           f"output_text), got {kind!r}", f"{path}.{j}", "unsupported")  # fmt: skip
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _str(item: dict[str, Any], name: str, path: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise APIError(400, f"{path}.{name}: must be a string", f"{path}.{name}")
+    return value
+
+
+__all__ = ["BUILTIN_TOOLS", "chat_messages", "chat_request", "check_request", "input_items"]

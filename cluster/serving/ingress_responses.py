@@ -1,0 +1,153 @@
+"""The Responses API on the ingress (``POST /v1/responses``, ``GET`` / ``DELETE
+/v1/responses/{id}``), mixed into ``OpenAIIngress``: the request becomes the chat request the
+chat route serves (``cluster.api.responses_payloads``), its result or stream becomes output
+items and events (``cluster.api.responses_builder``), and the response is kept in the
+application's store (``cluster.serving.responses_store``) that every ingress replica sees."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cluster.api.api_errors import APIError, api_error
+from cluster.api.openai_payloads import chat_payload, tool_choice
+from cluster.api.openai_responses import Completion
+from cluster.api.protocol import StreamError
+from cluster.api.responses_builder import ResponseBuilder, sse_event
+from cluster.api.responses_models import ResponsesRequest
+from cluster.api.responses_payloads import chat_request, check_request, input_items
+from cluster.serving.ingress_calls import guard_stream
+from cluster.serving.responses_store import StoreClient, StoreLimits
+
+# Which ingress replica served a Responses call (the store is shared: tests show it).
+INGRESS_REPLICA_HEADER = "x-llm-cluster-ingress-replica"
+
+
+def responses_store(spec: tuple[str, dict[str, Any]] | None) -> StoreClient:
+    """The store of ``(app name, limits)``; None: a store in this process (no Serve)."""
+    if spec is None:
+        return StoreClient(None)
+    app_name, limits = spec
+    return StoreClient(app_name, StoreLimits(**limits))
+
+
+def _ingress_replica_id() -> str | None:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not in a Serve replica (tests, the fuzzer)
+        return None
+
+
+class ResponsesServicer:
+    """The Responses routes over ``open_stream`` (``OpenAIIngress``'s, which mixes this in)."""
+
+    open_stream: Any
+
+    def _responses_store(self) -> StoreClient:
+        store = self.__dict__.get("responses_store")
+        if store is None:
+            store = self.__dict__["responses_store"] = StoreClient(None)
+        return store
+
+    def _replica_headers(self) -> dict[str, str] | None:
+        replica = _ingress_replica_id()
+        return {INGRESS_REPLICA_HEADER: replica} if replica else None
+
+    async def _stored(self, response_id: str, param: str | None) -> dict[str, Any]:
+        record = await self._responses_store().get(response_id)
+        if record is None:
+            raise APIError(404, f"Response with id {response_id!r} not found.", param,
+                           "response_not_found")  # fmt: skip
+        return record
+
+    async def responses(self, req: ResponsesRequest) -> Any:
+        check_request(req)
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            record = await self._stored(req.previous_response_id, "previous_response_id")
+            history = record["input"] + record["response"]["output"]
+        conversation = history + input_items(req.input)
+        chat = chat_request(req, conversation)
+        payload = chat_payload(chat)
+        completion = Completion(req.model, True, False, None, tools=tool_choice(chat),
+                                stream=req.stream)  # fmt: skip
+        try:
+            first, stream = await self.open_stream(req.model, payload)
+        except APIError as exc:
+            raise _renamed(exc) from exc
+        completion.absorb(first)
+        builder = ResponseBuilder(req, req.tools)
+        builder.input_tokens = first.prompt_tokens
+        headers = self._replica_headers()
+        if req.stream:
+            events = self._events(builder, completion, stream, conversation)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        try:
+            async for item in guard_stream(stream, req.model):
+                if isinstance(item, StreamError):
+                    raise api_error(item)
+                completion.absorb(item)
+        finally:
+            stream.cancel()
+        choice = completion.whole()["choices"][0]
+        builder.absorb_message(choice["message"], choice["finish_reason"],
+                               completion.completion_tokens)  # fmt: skip
+        await self._keep(builder, conversation)
+        return JSONResponse(builder.response(), headers=headers)
+
+    async def _events(
+        self,
+        builder: ResponseBuilder,
+        completion: Completion,
+        stream: Any,
+        conversation: list[dict[str, Any]],
+    ) -> AsyncIterator[bytes]:
+        try:
+            for event in builder.start():
+                yield sse_event(event)
+            async for item in guard_stream(stream, builder.req.model):
+                if isinstance(item, StreamError):
+                    last = builder.fail(item.message, item.code)
+                    break
+                for chunk in completion.absorb(item):
+                    for event in builder.feed(chunk["delta"]):
+                        yield sse_event(event)
+            else:
+                choice = completion.choices[0]
+                last = builder.finish(choice.finish_reason, completion.completion_tokens)
+            # Kept before the last event goes out: a client may send the next turn at once.
+            await self._keep(builder, conversation)
+            for event in last:
+                yield sse_event(event)
+        finally:
+            stream.cancel()
+
+    async def _keep(self, builder: ResponseBuilder, conversation: list[dict[str, Any]]) -> None:
+        if builder.req.store:
+            await self._responses_store().put(
+                builder.id, {"response": builder.response(), "input": conversation}
+            )
+
+    async def get_response(self, response_id: str) -> Any:
+        return (await self._stored(response_id, "response_id"))["response"]
+
+    async def delete_response(self, response_id: str) -> Any:
+        if not await self._responses_store().delete(response_id):
+            raise APIError(404, f"Response with id {response_id!r} not found.", "response_id",
+                           "response_not_found")  # fmt: skip
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _renamed(exc: APIError) -> APIError:
+    """The server's 400 as the Responses request names the field."""
+    if exc.param != "max_tokens":
+        return exc
+    message = exc.message.replace("max_tokens", "max_output_tokens", 1)
+    return APIError(exc.status, message, "max_output_tokens", exc.code, exc.retry_after)
+
+
+__all__ = ["INGRESS_REPLICA_HEADER", "ResponsesServicer", "responses_store"]
