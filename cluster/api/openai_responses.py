@@ -68,7 +68,7 @@ class Completion:
         self.tool_call_parser: str | None = None
         # A chat served with a reasoning_parser: think blocks become reasoning_content.
         self.reasoning_parser: ReasoningParser | None = None
-        self.in_reasoning = False
+        self.in_reasoning: bool | None = None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = 0

@@ -91,9 +91,10 @@ class StreamStart(msgspec.Struct, tag="start", omit_defaults=True):
     # The head actor whose channel sink carries the deltas (None: they follow on this stream).
     head: str | None = None
     # A chat with the model's reasoning_parser (cluster.api.reasoning_parsers): its name, and
-    # whether the output starts inside a think block (the prompt opened one).
+    # whether the output starts inside a think block, as the prompt's think tags say (None: the
+    # parser's default).
     reasoning_parser: str | None = None
-    in_reasoning: bool = False
+    in_reasoning: bool | None = None
 
 
 class ChoiceChunk(msgspec.Struct):

@@ -27,7 +27,7 @@ THOUGHT_CALL = '<tool_call>\n{"name": "ponder", "arguments": {}}\n</tool_call>'
 
 
 def _respond(
-    pieces: list[str], *, stream: bool, parser: str = "qwen3", in_reasoning: bool = False,
+    pieces: list[str], *, stream: bool, parser: str = "qwen3", in_reasoning: bool | None = None,
     tools: ToolChoice | None = None, tool_call_parser: str | None = None,
 ) -> tuple[Completion, list[dict[str, Any]]]:  # fmt: skip
     """A chat response built from a server stream whose deltas carry ``pieces``."""
@@ -49,14 +49,15 @@ def _joined(chunks: list[dict[str, Any]], key: str) -> str:
 @pytest.mark.parametrize(
     "text,parser,in_reasoning",
     [
-        ("<think>Let me see.</think>Four.", "qwen3", False),
-        ("Four, no thinking.", "qwen3", False),
-        ("Hm, 2+2.</think>\n\nFour.", "deepseek_r1", False),
+        ("<think>Let me see.</think>Four.", "qwen3", None),
+        ("Four, no thinking.", "qwen3", None),
+        ("Hm, 2+2.</think>\n\nFour.", "deepseek_r1", None),
         ("Hm, 2+2.</think>\n\nFour.", "qwen3", True),  # the prompt opened <think>
-        ("Still thinking when max_tokens hit", "deepseek_r1", False),
+        ("Hm, 2+2.</think>\n\nFour.", "deepseek_r1", False),  # the prompt closed it
+        ("Still thinking when max_tokens hit", "deepseek_r1", None),
     ],
 )
-def test_message_and_deltas_split_alike(text: str, parser: str, in_reasoning: bool) -> None:
+def test_message_and_deltas_split_alike(text: str, parser: str, in_reasoning: bool | None) -> None:
     whole, _ = _respond([text], stream=False, parser=parser, in_reasoning=in_reasoning)
     message = whole.whole()["choices"][0]["message"]
     reasoning, content = get_reasoning_parser(parser).extract(text, in_reasoning=in_reasoning)
@@ -70,6 +71,22 @@ def test_message_and_deltas_split_alike(text: str, parser: str, in_reasoning: bo
     # A chunk per step, as without a parser, none carrying a tag.
     assert len(chunks) == len(pieces)
     assert not any("think>" in json.dumps(c["delta"]) for c in chunks)
+
+
+def test_each_choice_has_its_own_split() -> None:
+    texts = ["a</thi", "x", "nk>b", "</think>d"]  # choice 0: "a</think>b", 1: "x</think>d"
+    completion = Completion("m", True, False, stream=True)
+    completion.absorb(StreamStart(3, 2, reasoning_parser="deepseek_r1"))
+    chunks = []
+    for i, text in enumerate(texts):
+        finish = "stop" if i >= 2 else None
+        chunks += completion.absorb(StreamDelta([ChoiceChunk(i % 2, text, [i], finish)]))
+    for index, (reasoning, content) in enumerate([("a", "b"), ("x", "d")]):
+        mine = [c for c in chunks if c["index"] == index]
+        assert (_joined(mine, "reasoning_content"), _joined(mine, "content")) == (
+            reasoning,
+            content,
+        )
 
 
 def test_no_reasoning_parser_leaves_the_text_alone() -> None:

@@ -126,3 +126,24 @@ def test_think_token_ids() -> None:
         think_token_ids(_Tokenizer({"<think>": 5}), "qwen3")
     with pytest.raises(ValueError, match=r"</think> is a special token"):
         think_token_ids(_Tokenizer({"<think>": 5, "</think>": 6}, special=(6,)), "deepseek_r1")
+
+
+def test_deployment_config_checks_the_name() -> None:
+    from cluster.config import load_config
+    from engine.errors import ConfigError
+    from tests.cluster.conftest import load_yaml
+
+    data = load_yaml("tiny.yaml")
+    kwargs = data["models"][0]["engine_kwargs"]
+    kwargs["reasoning_parser"] = "deepseek-r1"
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    assert str(info.value) == (
+        "models[0].engine_kwargs.reasoning_parser: unknown parser 'deepseek-r1'; "
+        "one of deepseek_r1, qwen3"
+    )
+    kwargs["reasoning_parser"] = 3
+    with pytest.raises(ConfigError, match=r"engine_kwargs\.reasoning_parser"):
+        load_config(data)
+    kwargs["reasoning_parser"] = "qwen3"
+    assert load_config(data).models[0].engine_kwargs["reasoning_parser"] == "qwen3"
