@@ -112,10 +112,12 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 def _load_kv(ptr, mask, scale, dtype, KV_FP8: tl.constexpr):
     """A K or V tile in the compute ``dtype``; an FP8 cache (bytes) is dequantized as
     ``kernels.kv_quant.dequantize_kv`` does: float32(q) * scale, cast to ``dtype``."""
+    # One return: the compiler types every return of a function, taken or not.
     if KV_FP8:
-        raw = tl.load(ptr, mask=mask, other=0)
-        return (fp8e4m3_bits_to_float(raw) * scale).to(dtype)
-    return tl.load(ptr, mask=mask, other=0.0)
+        tile = (fp8e4m3_bits_to_float(tl.load(ptr, mask=mask, other=0)) * scale).to(dtype)
+    else:
+        tile = tl.load(ptr, mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit

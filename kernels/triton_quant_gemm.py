@@ -33,9 +33,12 @@ __all__ = ["block_kernel_supports", "fp8_block_linear", "w4a16_gemm"]
 
 @triton.jit
 def _fp8_operand(ptr, mask, NATIVE: tl.constexpr):
+    # One return: the compiler types every return of a function, taken or not.
     if NATIVE:
-        return tl.load(ptr, mask=mask, other=0.0)
-    return fp8e4m3_bits_to_float(tl.load(ptr, mask=mask, other=0))
+        operand = tl.load(ptr, mask=mask, other=0.0)
+    else:
+        operand = fp8e4m3_bits_to_float(tl.load(ptr, mask=mask, other=0))
+    return operand
 
 
 @triton.jit
