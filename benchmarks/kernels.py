@@ -10,6 +10,8 @@ and decode-step latency with and without CUDA graphs.
    (from the table below by device name, or ``--peak-gbps``).
 2. Decode-step latency of a whole model (default the built-in tiny Llama, which isolates launch
    overhead) with the Triton backend, ``enforce_eager`` True vs False, per batch size.
+3. Quantized GEMMs (FP8 per-channel and block, W4A16) against bf16 at Llama-3-70B's TP-2 layer
+   shapes: tokens/s and fractions of peak FLOPS and bandwidth (``benchmarks/quant_gemm.py``).
 
 Times are CUDA-event medians after warm-up. Needs CUDA; without it, exits with a message.
 """
@@ -74,10 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         for context in CONTEXTS
     ]
     step_rows = _bench_decode_steps(args.model, args.iters)
+    from benchmarks.quant_gemm import bench as bench_quant_gemm
+
+    quant_rows = bench_quant_gemm(_cuda_time_ms, peak, iters=min(args.iters, 30))
     result = {
         "conditions": conditions,
         "decode_attention": attention_rows,
         "decode_step": step_rows,
+        "quant_gemm": quant_rows,
     }
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -5,11 +5,12 @@
 #   bash scripts/gpu-check.sh [OUT_DIR]      # OUT_DIR default: $OUT if set, else gpu-check-out/
 #
 # Steps (GPU_CHECK_STEPS="tests kernels throughput peer serving" picks some; each is bounded by
-# its own timeout: 240 + 90 + 180 + 60 s without the peer, which adds 150 s, so where one call
+# its own timeout: 240 + 120 + 180 + 60 s without the peer, which adds 150 s, so where one call
 # may last 10 minutes and vLLM is there, run the peer in a second call):
 #   tests       python -m pytest -m gpu on the test files that hold gpu tests (tests/cluster only
 #               when Ray is importable); multi-GPU cases skip below 2 / 4 GPUs
-#   kernels     benchmarks/kernels.py: decode attention bandwidth, decode step eager vs graphs
+#   kernels     benchmarks/kernels.py: decode attention bandwidth, decode step eager vs graphs,
+#               FP8 / W4A16 GEMMs vs bf16 at Llama-3-70B's TP-2 layer shapes
 #   throughput  benchmarks/engine_throughput.py: offline engine throughput, CUDA graphs on and
 #               off, a device-synced step profile, the measured KV budget
 #   peer        the same workload through vLLM, when vllm is importable (else skipped)
@@ -132,7 +133,7 @@ if wants tests; then
 fi
 
 if wants kernels; then
-  step kernels 90 "$PY" -m benchmarks.kernels --out "$OUT_DIR/kernels.json"
+  step kernels 120 "$PY" -m benchmarks.kernels --out "$OUT_DIR/kernels.json"
 fi
 
 if wants throughput; then
