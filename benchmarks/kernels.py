@@ -7,7 +7,8 @@ and decode-step latency with and without CUDA graphs.
    8192}, Llama-3-8B attention shape per layer (32 query heads, 8 kv heads, head_dim 128,
    bf16, block_size 16, shuffled blocks). Bandwidth = bytes read (every request's K and V
    plus the queries) / kernel time, reported as a fraction of the device's peak HBM bandwidth
-   (from the table below by device name, or ``--peak-gbps``).
+   (from the table below by device name, or ``--peak-gbps``); plus an FP8 cache
+   (``kv_cache_dtype="fp8"``, 1-byte K/V) at batch {16, 64} x context {2048, 8192}.
 2. Decode-step latency of a whole model (default the built-in tiny Llama, which isolates launch
    overhead) with the Triton backend, ``enforce_eager`` True vs False, per batch size.
 3. Quantized GEMMs (FP8 per-channel and block, W4A16) against bf16 at Llama-3-70B's TP-2 layer
@@ -75,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         for batch in BATCHES
         for context in CONTEXTS
     ]
+    attention_rows += [
+        _bench_decode_attention(batch, context, peak, args.iters, kv_fp8=True)
+        for batch in (16, 64)
+        for context in (2048, 8192)
+    ]
     step_rows = _bench_decode_steps(args.model, args.iters)
     from benchmarks.quant_gemm import bench as bench_quant_gemm
 
@@ -118,7 +124,9 @@ def _cuda_time_ms(fn: Callable[[], object], iters: int) -> float:
     return statistics.median(times)
 
 
-def _bench_decode_attention(batch: int, context: int, peak: float | None, iters: int) -> dict:
+def _bench_decode_attention(
+    batch: int, context: int, peak: float | None, iters: int, kv_fp8: bool = False
+) -> dict:
     from kernels.attention import AttentionMetadata
     from kernels.triton_attention import choose_num_kv_splits, paged_attention
 
@@ -129,6 +137,8 @@ def _bench_decode_attention(batch: int, context: int, peak: float | None, iters:
     kv_cache = torch.randn(
         (2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device="cuda"
     )
+    if kv_fp8:  # kv_cache_dtype="fp8": 1 byte per K/V element, dequantized in the kernel
+        kv_cache = kv_cache.to(torch.float8_e4m3fn)
     block_table = np.random.default_rng(0).permutation(num_blocks).astype(np.int32)
     metadata = AttentionMetadata.build(
         query_lens=np.ones(batch, dtype=np.int64),
@@ -140,9 +150,11 @@ def _bench_decode_attention(batch: int, context: int, peak: float | None, iters:
     )
     query = torch.randn((batch, num_heads, head_dim), dtype=dtype, device="cuda")
     ms = _cuda_time_ms(lambda: paged_attention(query, kv_cache, metadata, head_dim**-0.5), iters)
-    bytes_read = (2 * batch * context * num_kv_heads + batch * num_heads) * head_dim * 2
+    kv_bytes = 1 if kv_fp8 else 2
+    bytes_read = (2 * batch * context * num_kv_heads * kv_bytes + batch * num_heads * 2) * head_dim
     gbps = bytes_read / (ms * 1e-3) / 1e9
     row = {
+        "kv_cache_dtype": "fp8" if kv_fp8 else "bf16",
         "batch": batch,
         "context": context,
         "num_kv_splits": choose_num_kv_splits(metadata, num_kv_heads),
