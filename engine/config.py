@@ -143,7 +143,7 @@ class CacheConfig:
     cpu_kv_cache_space: float = 4.0
     swap_space: float = 4.0
     # vLLM's kv_cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (kernels.kv_quant).
-    cache_dtype: str = "auto"
+    cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
 
     def __post_init__(self) -> None:
         check_choice(self.block_size, "block_size", (8, 16, 32, 64, 128))
