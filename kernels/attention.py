@@ -11,6 +11,11 @@ KV cache layout, one tensor per layer::
 
     slot = block_id * block_size + offset
 
+The cache is in the model's dtype, or float8_e4m3fn under ``kv_cache_dtype="fp8"``: then each
+layer's K and V carry one scale each, ``reshape_and_cache`` quantizes the new tokens with them
+and the gathers dequantize blocks into the query's dtype before attending
+(``kernels.kv_quant`` has the arithmetic; the Triton kernels do the same in-kernel).
+
 A request's ``block_table`` row lists its physical block ids in logical order; they need not be
 contiguous or sorted. Logical position ``p`` of a request lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.

@@ -31,7 +31,8 @@ class KernelOps:
     """The kernels one backend provides; every function has the torch reference's contract."""
 
     name: str
-    reshape_and_cache: Callable[[Tensor, Tensor, Tensor, Tensor], None]
+    # (key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0): scales for an FP8 cache
+    reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., Tensor]
     copy_blocks: Callable[[Sequence[Tensor], Tensor], None]
     swap_blocks: Callable[[Tensor, Tensor, Tensor], None]
