@@ -205,3 +205,31 @@ def test_memory_plan_of_llama_70b_at_tp4_holds_about_twice_the_tokens_with_fp8()
         )
         blocks[kv_dtype] = plan.kv_blocks
     assert blocks["fp8"] >= 1.9 * blocks["auto"], blocks
+
+
+def test_triton_backend_with_fp8_cache_generates_the_torch_backends_tokens() -> None:
+    # The Triton interpreter on CPU; a 16-token budget mixes prefill chunks and decodes.
+    path = resolve_model_source("builtin:tiny-llama")
+    prompts, max_tokens = _prompts(vocab=256)
+    prompts, max_tokens = [prompts[1], prompts[3]], [6, 6]
+    args = {"kv_cache_dtype": "fp8", "max_num_batched_tokens": 16, "num_kv_blocks": 32}
+    _, torch_tokens = _engine_greedy(path, prompts, max_tokens, attention_backend="torch", **args)
+    _, triton_tokens = _engine_greedy(path, prompts, max_tokens, attention_backend="triton", **args)
+    assert triton_tokens == torch_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_gpu_fp8_cache_with_and_without_cuda_graphs_equals_hf(
+    tmp_path: Path, enforce_eager
+) -> None:
+    scales = {0: (0.02, 0.5), 1: (0.3, 0.01)}
+    path = _with_kv_scales(resolve_model_source("builtin:tiny-llama"), tmp_path / "m", scales)
+    prompts, max_tokens = _prompts(vocab=256)
+    expected = _hf_greedy(path, scales, prompts, max_tokens)
+    _, got = _engine_greedy(
+        path, prompts, max_tokens, kv_cache_dtype="fp8", device="cuda", dtype="float32",
+        attention_backend="triton", enforce_eager=enforce_eager,
+    )  # fmt: skip
+    assert got == expected
