@@ -350,6 +350,7 @@ class EngineCoreLoop:
         engine = self.engine
         kv = engine.get_kv_cache_stats()
         sched = engine.scheduler
+        spec = engine.spec_decode_stats
         return CoreStats(
             num_running=len(sched.running),
             num_waiting=sched.num_waiting,
@@ -363,6 +364,10 @@ class EngineCoreLoop:
             generation_tokens_total=self._generation_tokens,
             num_steps=self._num_steps,
             moe_expert_tokens=engine.executor.expert_load(),
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_pos),
         )
 
     def _fail_commands(self, error: EngineDeadError) -> None:

@@ -154,6 +154,12 @@ class CoreStats(msgspec.Struct):
     num_steps: int
     # MoE models: tokens routed to each expert since start, {sparse layer: [tokens per expert]}.
     moe_expert_tokens: dict[int, list[int]] = {}
+    # Speculative decoding since start (engine.spec_decode.metrics): verifications, proposed
+    # tokens, accepted tokens, and accepted tokens per proposal position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -11,6 +11,14 @@ counted on the device and read once per snapshot, see ``engine.models.expert_loa
     llm_cluster_moe_expert_load_imbalance{model, replica, layer}         gauge: max / mean of the
         layer's per-expert counts since the replica started (1 = perfectly even, E = every
         token to one expert); a recent window is PromQL over the counter (README)
+
+Speculative decoding (vLLM's names; counters since the replica started, from ``CoreStats``):
+
+    llm_cluster_spec_decode_num_drafts_total{model, replica}          verification steps
+    llm_cluster_spec_decode_num_draft_tokens_total{model, replica}    tokens proposed
+    llm_cluster_spec_decode_num_accepted_tokens_total{model, replica} tokens accepted
+    llm_cluster_spec_decode_num_accepted_tokens_per_pos_total{model, replica, position}
+        mean acceptance length = 1 + accepted / drafts; acceptance rate = accepted / proposed
 """
 
 from __future__ import annotations
@@ -72,6 +80,19 @@ class ModelMetrics:
             "MoE: max / mean of a sparse layer's per-expert token counts (1 = even).",
             tag_keys=(*_TAGS, "layer"),
         )
+        # Speculative decoding (vLLM's metric names).
+        self.spec_drafts = counter("spec_decode_num_drafts_total", "Verification steps.")
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens_total", "Speculative tokens proposed."
+        )
+        self.spec_accepted = counter(
+            "spec_decode_num_accepted_tokens_total", "Speculative tokens accepted."
+        )
+        self.spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
+            "Speculative tokens accepted at each proposal position (0-based).",
+            tag_keys=(*_TAGS, "position"),
+        )
         adapter_tags = (*_TAGS, "adapter")
         self.adapter_requests = Counter(
             PREFIX + "lora_requests_total", "Requests per LoRA adapter.", tag_keys=adapter_tags
@@ -102,10 +123,18 @@ class ModelMetrics:
             (self.preemptions, stats.num_preemptions, last.num_preemptions),
             (self.prompt_tokens, stats.prompt_tokens_total, last.prompt_tokens_total),
             (self.generation_tokens, stats.generation_tokens_total, last.generation_tokens_total),
+            (self.spec_drafts, stats.spec_num_drafts, last.spec_num_drafts),
+            (self.spec_draft_tokens, stats.spec_num_draft_tokens, last.spec_num_draft_tokens),
+            (self.spec_accepted, stats.spec_num_accepted_tokens, last.spec_num_accepted_tokens),
         ):
             if now > before:
                 counter.inc(now - before, self.tags)
         self._publish_expert_load(stats.moe_expert_tokens, last.moe_expert_tokens)
+        before = last.spec_accepted_per_pos
+        for pos, now in enumerate(stats.spec_accepted_per_pos):
+            added = now - (before[pos] if pos < len(before) else 0)
+            if added > 0:
+                self.spec_accepted_per_pos.inc(added, {**self.tags, "position": str(pos)})
 
     def _publish_expert_load(
         self, tokens: dict[int, list[int]], before: dict[int, list[int]]

@@ -1,0 +1,81 @@
+"""Speculative-decoding counters reach ``/metrics``: a real engine's stats snapshot (n-gram
+speculation on a looping prompt) published through ``ModelMetrics``, the Ray metric classes
+replaced by recorders that render Prometheus text (as tests/cluster/test_metrics.py does)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cluster.serving import metrics
+from cluster.serving.metrics import ModelMetrics
+from engine import SamplingParams
+from engine.core_loop import EngineCoreLoop
+from engine.llm_engine import LLMEngine
+
+SAMPLES: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+
+class _Recorded:
+    def __init__(self, name: str, description: str = "", *args: Any, **kwargs: Any) -> None:
+        self.name = name
+        self.tag_keys = tuple(kwargs.get("tag_keys", ()))
+
+    def _key(self, tags: dict[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
+        if set(tags) != set(self.tag_keys):
+            raise ValueError(f"{self.name}: tags {sorted(tags)} != {sorted(self.tag_keys)}")
+        return self.name, tuple(sorted(tags.items()))
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        if value <= 0:
+            raise ValueError(f"{self.name}: counters only go up, got {value}")
+        key = self._key(tags)
+        SAMPLES[key] = SAMPLES.get(key, 0) + value
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        SAMPLES[self._key(tags)] = value
+
+    def observe(self, value: float, tags: dict[str, str]) -> None:
+        self._key(tags)
+
+
+@pytest.fixture
+def model_metrics(monkeypatch: pytest.MonkeyPatch) -> ModelMetrics:
+    SAMPLES.clear()
+    for cls in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(metrics, cls, _Recorded)
+    return ModelMetrics("tiny", "r1")
+
+
+def test_spec_decode_counters_in_metrics(model_metrics: ModelMetrics) -> None:
+    engine = LLMEngine.from_engine_args(
+        model="builtin:tiny-llama",
+        device="cpu",
+        num_kv_blocks=64,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    # The proposals come from the prompt's repeats; whatever the random model accepts, every
+    # verification step is counted.
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7, 8, 9] * 4}, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True))  # fmt: skip
+    while engine.has_unfinished_requests():
+        engine.step()
+    loop = EngineCoreLoop(engine, on_step=lambda _: None, on_dead=lambda _: None)
+    try:
+        stats = loop.stats().result(timeout=30)
+    finally:
+        loop.shutdown()
+    spec = engine.spec_decode_stats
+    assert stats.spec_num_drafts == spec.num_drafts > 0
+    assert stats.spec_num_draft_tokens == spec.num_draft_tokens
+    model_metrics.publish(stats)
+    tags = (("model", "tiny"), ("replica", "r1"))
+    name = "llm_cluster_spec_decode_num_drafts_total"
+    assert SAMPLES[(name, tags)] == spec.num_drafts
+    name = "llm_cluster_spec_decode_num_draft_tokens_total"
+    assert SAMPLES[(name, tags)] == spec.num_draft_tokens
+    for pos, count in enumerate(spec.accepted_per_pos):
+        key = ("llm_cluster_spec_decode_num_accepted_tokens_per_pos_total",
+               (*tags[:1], ("position", str(pos)), tags[1]))  # fmt: skip
+        assert SAMPLES.get(key, 0) == count
