@@ -55,6 +55,14 @@ def cpu_packed_gemm() -> bool:
     return os.environ.get("LLM_CLUSTER_CPU_PACKED_GEMM", "1") != "0"
 
 
+def cpu_keep_quantized() -> bool:
+    """``LLM_CLUSTER_CPU_KEEP_QUANTIZED=1``: on CPU, keep a quantized checkpoint's linear
+    weights quantized (FP8 / packed int4, as on CUDA) and dequantize them in every matmul
+    (``kernels.quant_gemm``'s torch references): less memory, much slower. Default 0: they are
+    dequantized once at load."""
+    return os.environ.get("LLM_CLUSTER_CPU_KEEP_QUANTIZED", "0") == "1"
+
+
 def step_profile() -> bool:
     """``LLM_CLUSTER_STEP_PROFILE=1``: the workers' step timers synchronize the device at every
     phase boundary, so per-phase timings include device time (costs throughput; default 0:

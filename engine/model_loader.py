@@ -34,13 +34,17 @@ from engine.config import EngineConfig
 from engine.kv_cache_scales import is_kv_scale_name, load_kv_scale
 from engine.models import get_model_class
 from engine.quantization.config import parse_quantization
-from engine.quantization.loading import QuantizedCheckpoint
+from engine.quantization.model_setup import (
+    keep_quantized_on,
+    materialize_dense_linears,
+    quantized_checkpoint,
+    release_placeholders,
+)
 from kernels.backend import get_kernel_ops
 from parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     check_shape,
     load_full_loader,
+    meta_linear_weights,
     pack_linear_weights,
 )
 from parallel.state import ParallelContext
@@ -118,6 +122,8 @@ _MAX_NAMED = 5  # tensor names an error lists
 
 
 def _check_dtype(name: str, tensor: Any) -> None:
+    if hasattr(tensor, "store_into"):
+        return  # a weight kept quantized, as quantization_config describes it
     if hasattr(tensor, "get_dtype"):
         code = tensor.get_dtype()
         dtype = _SAFETENSORS_DTYPES.get(code)
@@ -410,27 +416,6 @@ def format_bytes(nbytes: int, total: int | None = None) -> str:
     return f"{nbytes / scale:.2f}/{total / scale:.2f} {unit}"
 
 
-def _quantized_checkpoint(
-    model: nn.Module, config: EngineConfig, names: set[str]
-) -> QuantizedCheckpoint | None:
-    """The conversion a quantized (or online-quantized) checkpoint needs, None for a float one.
-    On CPU every quantized weight is dequantized once, here, to the model's dtype."""
-    quant = parse_quantization(config.model.hf_config, config.model.quantization)
-    if quant is None:
-        return None
-    target_of = _target_of(model)
-    linear_types = (ColumnParallelLinear, RowParallelLinear)
-
-    def is_linear(name: str) -> bool:
-        param, _ = target_of(name)
-        try:
-            return isinstance(model.get_submodule(param.removesuffix(".weight")), linear_types)
-        except AttributeError:
-            return False  # another pipeline stage's layer, or not a layer at all
-
-    return QuantizedCheckpoint(quant, names, is_linear)
-
-
 def load_model(
     config: EngineConfig,
     ctx: ParallelContext,
@@ -441,11 +426,23 @@ def load_model(
     hears how far the read has got: (bytes read, bytes in all), once per tensor."""
     model_class = get_model_class(config.model.architecture)
     backend = config.kernel.resolved_backend(device.type)
-    with torch.device(device), _default_dtype(config.model.torch_dtype):
+    dtype = config.model.torch_dtype
+    quant = parse_quantization(config.model.hf_config, config.model.quantization)
+    keep_on = keep_quantized_on(quant, device)
+    # Weights that stay quantized never exist dense: the linear layers get meta placeholders.
+    placeholders = meta_linear_weights() if keep_on is not None else contextlib.nullcontext()
+    with torch.device(device), _default_dtype(dtype), placeholders:
         model = model_class(config.model.hf_config, ctx, ops=get_kernel_ops(backend))
     path = config.model.model_path
     tensor_bytes = checkpoint_tensor_bytes(path)
-    quantized = _quantized_checkpoint(model, config, set(tensor_bytes))
+    quantized = None
+    if quant is not None:
+        quantized = quantized_checkpoint(
+            model, quant, set(tensor_bytes), _target_of(model), keep_on
+        )
+        if keep_on is not None:
+            with _default_dtype(dtype):
+                materialize_dense_linears(model, quantized, _target_of(model))
     rename = quantized.weight_name if quantized is not None else str
     shares = rank_read_bytes(model, tensor_bytes, config.model.hf_config, rename)
     meter = LoadMeter(config.parallel.rank, sum(shares.values()), progress)
@@ -457,6 +454,8 @@ def load_model(
     meter.finish()
     if quantized is not None:
         quantized.attach_activation_quant(model, _target_of(model))
+        if keep_on is not None:
+            release_placeholders(model, dtype)
     model.eval()
     if device.type == "cpu" and envs.cpu_packed_gemm():
         packed = pack_linear_weights(model)

@@ -17,7 +17,9 @@ serve LoRA's A/B views (``parallel.lora``).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -66,6 +68,37 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+# Set while a model whose linear weights stay quantized is built: the linear layers' dense
+# weights are then meta tensors (their shapes drive the loaders; no memory is allocated).
+_META_LINEAR_WEIGHTS = False
+
+
+@contextlib.contextmanager
+def meta_linear_weights() -> Iterator[None]:
+    """Build column / row parallel layers with meta-device weights (see ``copy_rows``)."""
+    global _META_LINEAR_WEIGHTS
+    old, _META_LINEAR_WEIGHTS = _META_LINEAR_WEIGHTS, True
+    try:
+        yield
+    finally:
+        _META_LINEAR_WEIGHTS = old
+
+
+def _linear_weight(rows: int, cols: int) -> nn.Parameter:
+    if _META_LINEAR_WEIGHTS:
+        return nn.Parameter(torch.empty(rows, cols, device="meta"), requires_grad=False)
+    return _param(rows, cols)
+
+
+def copy_rows(layer: nn.Module, param: nn.Parameter, offset: int, rows: Any) -> None:
+    """``param[offset : offset + len(rows)] = rows``; a quantized weight's slice (anything
+    with ``store_into``, see ``engine.quantization.kept``) stores itself in the layer."""
+    if hasattr(rows, "store_into") and param is getattr(layer, "weight", None):
+        rows.store_into(layer, offset)
+        return
+    param.data[offset : offset + rows.shape[0]].copy_(rows)
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(
@@ -89,7 +122,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.input_size = input_size
         self.output_size_per_partition = divide(output_size, tp.size, "output size")
-        self.weight = _param(self.output_size_per_partition, input_size)
+        self.weight = _linear_weight(self.output_size_per_partition, input_size)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(self.output_size_per_partition) if bias else None
         if self.bias is not None:
@@ -109,7 +142,7 @@ class ColumnParallelLinear(nn.Module):
         check_shape(
             loaded, (size * self.tp.size, *param.shape[1:]), f"{type(self).__name__} output rows"
         )
-        param.data.copy_(narrow(loaded, 0, self.tp.rank * size, size))
+        copy_rows(self, param, 0, narrow(loaded, 0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _linear(self, x, self.bias)
@@ -159,7 +192,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         part = self.output_sizes[index] // self.tp.size
         offset = sum(self.output_sizes[:index]) // self.tp.size
         rows = narrow(loaded, 0, start + self.tp.rank * part, part)
-        param.data[offset : offset + part].copy_(rows)
+        copy_rows(self, param, offset, rows)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -236,7 +269,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = self.q_size + (self.kv_size if part == "v" else 0)
             size, index = self.kv_size, self.tp.rank // self.kv_replicas
         rows = narrow(loaded, 0, start + index * size, size)
-        param.data[offset : offset + size].copy_(rows)
+        copy_rows(self, param, offset, rows)
 
 
 class RowParallelLinear(nn.Module):
@@ -259,7 +292,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, tp.size, "input size")
-        self.weight = _param(output_size, self.input_size_per_partition)
+        self.weight = _linear_weight(output_size, self.input_size_per_partition)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(output_size) if bias else None
         if self.bias is not None:
@@ -277,7 +310,7 @@ class RowParallelLinear(nn.Module):
         check_shape(
             loaded, (param.shape[0], size * self.tp.size), "RowParallelLinear input columns"
         )
-        param.data.copy_(narrow(loaded, 1, self.tp.rank * size, size))
+        copy_rows(self, param, 0, narrow(loaded, 1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _linear(self, x, None)
@@ -305,9 +338,13 @@ def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
 
 def parameter_bytes(model: nn.Module) -> int:
     """Bytes of ``model``'s weights as loaded; a packed weight counts at its plain size (the
-    oneDNN layout holds the same elements, padded to its blocks)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    oneDNN layout holds the same elements, padded to its blocks), a quantized one at its
+    quantized size (data, scales and zero points)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     for module in model.modules():
+        quantized = getattr(module, "quant_method", None)
+        if hasattr(quantized, "nbytes"):  # a weight kept quantized: its own bytes
+            total += quantized.nbytes()
         packed = getattr(module, "packed_weight", None)
         if packed is not None and module.weight.numel() == 0:
             total += math.prod(module.weight_shape) * module.weight.element_size()

@@ -34,6 +34,7 @@ from engine.quantization.formats import (
     unpack_ct_int4,
     unpack_ct_zero_points,
 )
+from engine.quantization.kept import kept_problem, quantized_form
 
 # A tensor whose presence marks its module as quantized in the checkpoint.
 _MARKERS = ("weight_scale", "weight_packed", "qweight")
@@ -125,9 +126,17 @@ class QuantizedCheckpoint:
     """
 
     def __init__(
-        self, config: QuantConfig, names: set[str], is_linear: Callable[[str], bool]
+        self,
+        config: QuantConfig,
+        names: set[str],
+        is_linear: Callable[[str], bool],
+        keep_on: torch.device | None = None,
     ) -> None:
         self.config = config
+        self.keep_on = keep_on
+        # Modules whose weights stay quantized (``kept``): with ``keep_on``, every quantized
+        # module that loads into a linear layer; the rest are dequantized.
+        self.kept: set[str] = set()
         self.schemes: dict[str, QuantScheme] = {}
         # module -> the leaf names it is complete with (optional ones that the checkpoint has)
         self.parts_of: dict[str, tuple[str, ...]] = {}
@@ -139,6 +148,7 @@ class QuantizedCheckpoint:
                 if leaf == "weight" and scheme is not None and is_linear(name):
                     self.schemes[module] = scheme
                     self.parts_of[module] = ("weight",)
+            self._choose_kept(is_linear)
             return
         for name in names:
             module, leaf = _split(name)
@@ -159,6 +169,21 @@ class QuantizedCheckpoint:
             self.schemes[module] = scheme
             optional = [p for p in _optional_parts(scheme) if f"{module}.{p}" in names]
             self.parts_of[module] = (*required_parts(scheme), *optional)
+        self._choose_kept(is_linear)
+
+    def _choose_kept(self, is_linear: Callable[[str], bool]) -> None:
+        if self.keep_on is None:
+            return
+        for module, scheme in self.schemes.items():
+            if not is_linear(f"{module}.weight"):
+                continue  # MoE experts and the like: dequantized
+            problem = kept_problem(scheme)
+            if problem is not None:
+                raise ValueError(
+                    f"{module}: {problem} cannot stay quantized on {self.keep_on.type} "
+                    "(the FP8 GEMM quantizes activations its own way)"
+                )
+            self.kept.add(module)
 
     def weight_name(self, name: str) -> str:
         """The dense name a checkpoint tensor's bytes load into (``x.weight_packed`` ->
@@ -183,10 +208,15 @@ class QuantizedCheckpoint:
                 if "input_scale" in entry.parts:
                     self.input_scales[module] = entry.parts["input_scale"]
                 try:
-                    dense = dequantize_module(scheme, entry.parts)
+                    if module in self.kept:
+                        weight = quantized_form(
+                            scheme, entry.parts, self.keep_on, _int4_from_gptq_awq
+                        )
+                    else:
+                        weight = dequantize_module(scheme, entry.parts)
                 except ValueError as e:
                     raise ValueError(f"{module}: {e}") from e
-                yield f"{module}.weight", dense
+                yield f"{module}.weight", weight
         if pending:
             module = next(iter(pending))
             raise ValueError(f"checkpoint: quantized module {module!r} is incomplete")
@@ -199,8 +229,8 @@ class QuantizedCheckpoint:
         static; static parts keep their own scales."""
         by_layer: dict[str, list[tuple[Any, QuantScheme, str]]] = {}
         for module, scheme in sorted(self.schemes.items()):
-            if scheme.activations is None:
-                continue
+            if scheme.activations is None or module in self.kept:
+                continue  # a kept module's GEMM quantizes its activations itself
             param, part = target_of(f"{module}.weight")
             by_layer.setdefault(param.removesuffix(".weight"), []).append((part, scheme, module))
         params = dict(model.named_parameters())

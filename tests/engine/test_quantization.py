@@ -26,10 +26,12 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, envs
 from engine.model_loader import iterate_checkpoint
 from engine.quantization.config import parse_quantization
+from engine.quantization.kept import QuantizedLinearMethod
 from engine.quantization.loading import QuantizedCheckpoint
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tests.engine.quant_checkpoints import (
     CASES,
     dense_model,
@@ -38,6 +40,7 @@ from tests.engine.quant_checkpoints import (
 )
 
 TOL = 1e-4
+LINEAR_TYPES = (ColumnParallelLinear, RowParallelLinear)
 PROMPT_LEN, NEW_TOKENS = 40, 16
 # FP8 activations (W8A8) on a shorter sequence: rounding to e4m3 (3 mantissa bits) turns a
 # last-bit difference upstream (the attention kernel, a fused q/k/v matmul) into a whole fp8
@@ -69,8 +72,15 @@ def _engine_run(
     path: Path, prompt: list[int], new_tokens: int = NEW_TOKENS, **kwargs: Any
 ) -> tuple[list[int], list[float]]:
     """Greedy tokens and the logprob of every prompt token after the first and every sampled
-    token (what HF's log_softmax row gives at the same position)."""
+    token (what HF's log_softmax row gives at the same position). With
+    LLM_CLUSTER_CPU_KEEP_QUANTIZED=1, checks that every linear layer but the head kept its
+    weight quantized."""
     llm = LLM(str(path), num_kv_blocks=64, **kwargs)
+    if envs.cpu_keep_quantized():
+        model = llm.llm_engine.executor.worker.runner.model
+        linears = [m for m in model.modules() if isinstance(m, LINEAR_TYPES)]
+        assert linears and all(isinstance(m.quant_method, QuantizedLinearMethod) for m in linears)
+        assert all(m.weight.numel() == 0 for m in linears)
     params = SamplingParams(
         temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0
     )
@@ -97,12 +107,29 @@ def _hf_quantized(path: Path, int4: bool) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
 
 
+@pytest.fixture(params=["dequantized", "kept"])
+def keep(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both CPU modes: weights dequantized at load (the default), and kept quantized with
+    ``kernels.quant_gemm``'s torch references doing the matmuls (the CUDA path's layout)."""
+    kept = request.param == "kept"
+    monkeypatch.setenv("LLM_CLUSTER_CPU_KEEP_QUANTIZED", "1" if kept else "0")
+    return kept
+
+
+def _ct_checkpoint(root: Path, case: str, family: str) -> Path:
+    out = root / f"{case}-{family}"
+    if not out.exists():
+        scheme, fmt, input_scale = CASES[case]
+        write_compressed_tensors(dense_model(root, family), out, scheme, fmt, input_scale)
+    return out
+
+
 @pytest.mark.parametrize(("case", "family"), PAIRS)
-def test_compressed_tensors_checkpoint_equals_hf(root: Path, case: str, family: str) -> None:
-    scheme, fmt, input_scale = CASES[case]
-    path = write_compressed_tensors(
-        dense_model(root, family), root / f"{case}-{family}", scheme, fmt, input_scale
-    )
+def test_compressed_tensors_checkpoint_equals_hf(
+    root: Path, case: str, family: str, keep: bool
+) -> None:
+    scheme, fmt, _ = CASES[case]
+    path = _ct_checkpoint(root, case, family)
     hf = _hf_quantized(path, int4=fmt == "pack-quantized")
     activations = "input_activations" in scheme
     # W8A8 on the short sequence (see ACT_PROMPT_LEN): fewer chances for a flipped fp8 rounding.
@@ -135,16 +162,19 @@ def test_dequantized_weights_equal_the_library_decompression(root: Path, case: s
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_gptq_awq_checkpoint_equals_the_dense_model_of_its_weights(root: Path, method: str) -> None:
+def test_gptq_awq_checkpoint_equals_the_dense_model_of_its_weights(
+    root: Path, method: str, keep: bool
+) -> None:
     dense = dense_model(root, "llama")
     path = root / method
-    reference = write_gptq_awq(dense, path, method)
     ref_dir = root / f"{method}-dense"
-    ref_dir.mkdir()
-    save_file(reference, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
-    for f in dense.iterdir():
-        if f.suffix != ".safetensors":
-            (ref_dir / f.name).write_bytes(f.read_bytes())
+    if not path.exists():
+        reference = write_gptq_awq(dense, path, method)
+        ref_dir.mkdir()
+        save_file(reference, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+        for f in dense.iterdir():
+            if f.suffix != ".safetensors":
+                (ref_dir / f.name).write_bytes(f.read_bytes())
     hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     prompt = _prompt(seed=3)
     tokens, lps = _engine_run(path, prompt)

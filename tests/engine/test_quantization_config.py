@@ -14,8 +14,9 @@ import torch
 from engine import LLM
 from engine.config import EngineConfig, check_engine_arg_ranges
 from engine.errors import ConfigError
-from engine.quantization.config import parse_quantization
+from engine.quantization.config import ActivationQuant, QuantScheme, parse_quantization
 from engine.quantization.formats import pack_nibbles, unpack_ct_int4, unpack_ct_zero_points
+from engine.quantization.kept import QuantizedWeight, kept_problem
 from engine.tiny_models import resolve_model_source
 
 _FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
@@ -133,3 +134,44 @@ def test_int4_packing_matches_compressed_tensors() -> None:
     assert torch.equal(pack_nibbles(q.to(torch.int32) + 8), packed)
     zp = torch.randint(-8, 8, (24, 2), generator=g, dtype=torch.int8)
     assert torch.equal(unpack_ct_zero_points(pack_to_int32(zp, 4, packed_dim=0), 24), zp)
+
+
+def _int4_weight(n: int, k: int, group: int) -> QuantizedWeight:
+    scheme = QuantScheme("int4", "group", "ct-pack-quantized", group_size=group, symmetric=False)
+    packed = torch.zeros(n, k // 8, dtype=torch.int32)
+    scale = torch.ones(n, k // group)
+    zp = torch.zeros(n, k // group, dtype=torch.int8)
+    return QuantizedWeight(scheme, packed, scale, zp, None, k, torch.device("cpu"))
+
+
+def test_a_tp_size_that_cuts_a_group_is_refused_naming_it() -> None:
+    w = _int4_weight(8, 384, 128)
+    with pytest.raises(ValueError, match="would cut a quantization group of 128 input columns"):
+        w[:, 192:384]
+    assert w[:, 128:256].scale.shape == (8, 1) and w[:, 128:256].data.shape == (8, 16)
+
+
+def test_fp8_block_slices_keep_whole_blocks() -> None:
+    scheme = QuantScheme("fp8", "block", "ct-float-quantized", block=(128, 128))
+    w = QuantizedWeight(
+        scheme,
+        torch.zeros(256, 256, dtype=torch.float8_e4m3fn),
+        torch.arange(4.0).reshape(2, 2),
+        None,
+        None,
+        256,
+        torch.device("cpu"),
+    )
+    assert w[128:256].scale.tolist() == [[2.0, 3.0]]
+    assert w[:, 0:128].scale.tolist() == [[0.0], [2.0]]
+    with pytest.raises(ValueError, match="would cut an FP8 block of 128 output rows"):
+        w[64:192]
+
+
+def test_fp8_weight_only_cannot_stay_quantized() -> None:
+    w8a16 = QuantScheme("fp8", "channel", "ct-float-quantized")
+    assert "W8A16" in kept_problem(w8a16)
+    dynamic = QuantScheme(
+        "fp8", "channel", "ct-float-quantized", activations=ActivationQuant(dynamic=True)
+    )
+    assert kept_problem(dynamic) is None

@@ -1,11 +1,13 @@
 """Quantized checkpoints at TP = 2 (two spawned ranks on gloo) give the tokens TP = 1 gives:
 W4A16 with zero points (group scales and zero points split with their input columns in the
 row-parallel layers) and FP8 with a static input scale per projection (each part of the fused
-q/k/v and gate/up layers keeps its own scale on each rank)."""
+q/k/v and gate/up layers keeps its own scale on each rank), with the weights dequantized at
+load and kept quantized."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -50,14 +52,27 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return paths
 
 
+# Each mode spawns two ranks and loads both checkpoints (~20 s): the kept mode runs in the full
+# suite only.
+@pytest.fixture(
+    scope="module", params=["dequantized", pytest.param("kept", marks=pytest.mark.slow)]
+)
+def mode(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Weights dequantized at load, or kept quantized (each rank holds its shard of the
+    packed / FP8 weights, scales and zero points); the spawned ranks inherit the setting."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLM_CLUSTER_CPU_KEEP_QUANTIZED", "1" if request.param == "kept" else "0")
+        yield request.param
+
+
 @pytest.fixture(scope="module")
-def tp2_tokens(checkpoints: dict[str, str]) -> dict[int, Any]:
+def tp2_tokens(checkpoints: dict[str, str], mode: str) -> dict[int, Any]:
     return run_ranks(_rank_main, 2, checkpoints)
 
 
 @pytest.mark.parametrize("case", TP_CASES)
 def test_quantized_tp2_equals_tp1(
-    checkpoints: dict[str, str], tp2_tokens: dict[int, Any], case: str
+    checkpoints: dict[str, str], tp2_tokens: dict[int, Any], case: str, mode: str
 ) -> None:
     assert tp2_tokens[0][case] == tp2_tokens[1][case], "the ranks disagree"
     llm = LLM(checkpoints[case], dtype="float32", num_kv_blocks=64, max_model_len=128)
