@@ -32,9 +32,11 @@ apart, the two would drift from each other.
 
 A plan refuses (``MemoryPlan.problems``) when the weights and buffers do not fit a GPU's usable
 memory, when the KV cache cannot hold one ``max_model_len`` sequence, or when the engine would
-refuse the config itself (``engine.hf_config.check_hf_config``). Quantized checkpoints are
-planned in their own format (fp8, GPTQ / AWQ, bitsandbytes) although the engine refuses them
-today; that refusal is one of the problems.
+refuse the config itself (``engine.hf_config.check_hf_config``). Quantized checkpoints
+(compressed-tensors, GPTQ, AWQ, online ``quantization: fp8``) are planned as the engine keeps
+them on a GPU: FP8 at 1 byte per parameter plus float32 scales per row or block, int4 at half
+a byte plus a scale (and zero point) per group; on CPU, which dequantizes at load, in the
+model's dtype, with a note.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 
 from engine import hf_config, memory_plan_moe
 from engine.errors import ConfigError
+from engine.quantization.config import parse_quantization
 from engine.rope_config import rope_max_positions, rope_parameters
 
 GiB = 1 << 30
@@ -134,6 +137,7 @@ class PlanSettings:
     max_loras: int = 1
     max_lora_rank: int = 16
     device: str = "cuda"
+    quantization: str | None = None  # online: "fp8"
     attention_backend: str = "auto"
     enforce_eager: bool = False
 
@@ -320,59 +324,64 @@ def layer_range(
 
 @dataclass(frozen=True)
 class _Quant:
-    """How a quantized checkpoint stores a linear layer's weight (scales included)."""
+    """How the engine keeps a quantized linear layer's weight on the GPU
+    (``engine.quantization.kept``): FP8 e4m3 with a float32 scale per output row or per block,
+    or int4 packed eight to an int32 with a scale (``scale_bytes``) and, asymmetric, an int8
+    zero point per row and group."""
 
-    method: str
+    method: str  # "fp8" or "int4"
     bits: int
-    group_size: int | None = None  # GPTQ / AWQ: input rows per scale; None: per-tensor
+    group_size: int | None = None  # int4: input columns per scale; None: one per row
     block: tuple[int, int] | None = None  # fp8 block scales [out, in]
-    g_idx: bool = False  # GPTQ stores an int32 group index per input row
+    zero_points: bool = False
+    scale_bytes: int = 2
 
     def linear_bytes(self, out: int, in_: int, parts: int) -> int:
-        """Bytes of one [out, in] weight shard stored in this format (``parts`` fused
-        projections, each with its own per-tensor scale)."""
+        """Bytes of one [out, in] weight shard kept in this format (``parts``: fused
+        projections; each one's per-tensor scale is expanded to its rows)."""
         weight = out * in_ * self.bits // 8
         if self.method == "fp8":
             if self.block is not None:
                 bo, bi = self.block
                 return weight + -(-out // bo) * -(-in_ // bi) * FP32_BYTES
-            return weight + parts * FP32_BYTES
-        if self.method in ("gptq", "awq"):
-            group = in_ if not self.group_size or self.group_size < 0 else self.group_size
-            groups = -(-in_ // group)
-            scales = groups * out * 2  # float16
-            zeros = groups * out * self.bits // 8  # packed like the weight
-            return weight + scales + zeros + (in_ * 4 if self.g_idx else 0)
-        # bitsandbytes: NF4 with one float32 absmax per 64 values; int8 with one per row.
-        if self.bits == 4:
-            return weight + -(-out * in_ // 64) * FP32_BYTES
-        return weight + out * FP32_BYTES
+            return weight + out * FP32_BYTES
+        groups = 1 if not self.group_size else -(-in_ // self.group_size)
+        return weight + out * groups * (self.scale_bytes + (1 if self.zero_points else 0))
 
 
-def _quant(hf: Mapping[str, Any]) -> tuple[_Quant | None, str | None]:
-    """The checkpoint's weight format and, for a format not modelled, a note saying so."""
-    config = hf.get("quantization_config")
-    if not config:
+def _quant(
+    hf: Mapping[str, Any], settings: PlanSettings, dtype_bytes: int
+) -> tuple[_Quant | None, str | None]:
+    """The linear weights' format on the device and, where the plan counts them dense although
+    the checkpoint is quantized, a note saying why."""
+    try:
+        quant = parse_quantization(hf, settings.quantization)
+    except ConfigError:
+        return None, None  # refused: check_hf_config's problem says so
+    if quant is None:
         return None, None
-    if not isinstance(config, Mapping):
-        return None, f"quantization_config {config!r} not modelled: weights counted in the dtype"
-    method = str(config.get("quant_method", "")).lower()
-    if method == "fp8":
-        block = config.get("weight_block_size")
-        return _Quant("fp8", 8, block=tuple(block) if block else None), None
-    if method in ("gptq", "awq"):
-        return (
-            _Quant(
-                method,
-                int(config.get("bits", config.get("w_bit", 4))),
-                group_size=int(config.get("group_size", config.get("q_group_size", 128))),
-                g_idx=method == "gptq",
-            ),
-            None,
+    if settings.device != "cuda":
+        return None, (
+            f"{quant.method} weights counted dequantized: on CPU the engine dequantizes them "
+            "once at load, which saves no memory (LLM_CLUSTER_CPU_KEEP_QUANTIZED=1 keeps them)"
         )
-    if method == "bitsandbytes":
-        return _Quant(method, 4 if config.get("load_in_4bit") else 8), None
-    return None, f"quantization method {method!r} not modelled: weights counted in the dtype"
+    scheme = quant.schemes()[0]
+    if any(s.kind != scheme.kind for s in quant.schemes()):
+        return None, "mixed quantization schemes not modelled: linear weights counted dense"
+    if scheme.kind == "fp8":
+        return _Quant("fp8", 8, block=scheme.block), None
+    # GPTQ / AWQ scales are float16; compressed-tensors writes them in the model's dtype.
+    scale_bytes = 2 if scheme.source in ("gptq", "awq") else dtype_bytes
+    return (
+        _Quant(
+            "int4",
+            4,
+            group_size=scheme.group_size,
+            zero_points=not scheme.symmetric,
+            scale_bytes=scale_bytes,
+        ),
+        None,
+    )
 
 
 def stage_weight_bytes(
@@ -605,7 +614,7 @@ def _plan(
             f"pp_layer_partition: must list {pp} layer counts summing to num_hidden_layers "
             f"({shape.num_layers}), got {list(partition)}"
         )
-    quant, note = _quant(hf)
+    quant, note = _quant(hf, settings, dtype_bytes)
     if note:
         notes.append(note)
     usable = (

@@ -300,25 +300,45 @@ def test_a_cpu_cache_too_small_for_max_model_len_is_refused() -> None:
 
 
 def test_a_config_the_engine_refuses_is_a_problem_and_quantized_weights_are_sized() -> None:
-    gptq = {**LLAMA_3_70B, "quantization_config": {
-        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}}  # fmt: skip
     settings = PlanSettings.from_engine_kwargs(
         {**LLAMA_70B_KWARGS, "tensor_parallel_size": 2, "pipeline_parallel_size": 1}, "cuda"
     )
+    bnb = {**LLAMA_3_70B, "quantization_config": {"quant_method": "bitsandbytes"}}
+    refused = plan_memory(bnb, settings, H100_BYTES)
+    assert any("quant_method 'bitsandbytes' is not supported" in p for p in refused.problems)
+    gptq = {**LLAMA_3_70B, "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}}  # fmt: skip
     plan = plan_memory(gptq, settings, H100_BYTES)
-    assert any("quantization_config: quant_method 'gptq'" in p for p in plan.problems)
-    # A 4-bit linear with fp16 scales and 4-bit zeros per 128 inputs, int32 g_idx: the down
-    # projection of one rank is [8192, 14336].
-    down = 8192 * 14336 // 2 + 112 * 8192 * 2 + 112 * 8192 // 2 + 14336 * 4
+    assert not plan.problems
+    # Kept on the GPU as int4 packed in int32s, a float16 scale and an int8 zero point per 128
+    # inputs: the down projection of one rank is [8192, 14336].
+    down = 8192 * 14336 // 2 + 8192 * 112 * (2 + 1)
     unquantized = plan_memory(LLAMA_3_70B, settings, H100_BYTES).stages[0]
     stage = plan.stages[0]
     assert stage.weight_breakdown["embedding"] == unquantized.weight_breakdown["embedding"]
     assert stage.weight_breakdown["mlp"] < unquantized.weight_breakdown["mlp"] / 3
     assert down * 80 < stage.weight_breakdown["mlp"]
-    fp8 = {**LLAMA_3_70B, "quantization_config": {"quant_method": "fp8"}}
+    # FP8 (compressed-tensors per channel, or online fp8): a byte per weight and a float32
+    # scale per output row, gate_up's 2 x 14336 rows and down's 8192 on each rank.
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+             "strategy": "channel"}, "input_activations": {"num_bits": 8, "type": "float",
+             "strategy": "token", "dynamic": True}}  # fmt: skip
+    fp8 = {**LLAMA_3_70B, "quantization_config": {"quant_method": "compressed-tensors",
+           "format": "float-quantized", "config_groups": {"g": group}}}  # fmt: skip
     fp8_stage = plan_memory(fp8, settings, H100_BYTES).stages[0]
     linear_elements = unquantized.weight_breakdown["mlp"] // 2
-    assert fp8_stage.weight_breakdown["mlp"] == linear_elements + 80 * 3 * 4
+    expected = linear_elements + 80 * (2 * 14336 + 8192) * 4
+    assert fp8_stage.weight_breakdown["mlp"] == expected
+    online_kwargs = {**LLAMA_70B_KWARGS, "tensor_parallel_size": 2, "quantization": "fp8"}
+    online = PlanSettings.from_engine_kwargs({**online_kwargs, "pipeline_parallel_size": 1}, "cuda")
+    assert plan_memory(LLAMA_3_70B, online, H100_BYTES).stages[0].weight_breakdown == (
+        fp8_stage.weight_breakdown
+    )
+    # The CPU engine dequantizes at load: the dtype's bytes, and a note that says so.
+    cpu = PlanSettings(device="cpu", num_kv_blocks=64, max_model_len=512)
+    cpu_plan = plan_memory(gptq, cpu)
+    assert cpu_plan.stages[0].weight_bytes == plan_memory(LLAMA_3_70B, cpu).stages[0].weight_bytes
+    assert any("dequantizes them once at load" in n for n in cpu_plan.notes)
 
 
 def test_unknown_gpu_memory_skips_only_the_memory_checks() -> None:
