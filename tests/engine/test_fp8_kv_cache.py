@@ -233,3 +233,19 @@ def test_gpu_fp8_cache_with_and_without_cuda_graphs_equals_hf(
         attention_backend="triton", enforce_eager=enforce_eager,
     )  # fmt: skip
     assert got == expected
+
+
+def test_kv_scale_names_load_into_their_layers_only() -> None:
+    from engine.kv_cache_scales import is_kv_scale_name, load_kv_scale
+
+    path = resolve_model_source("builtin:tiny-llama")
+    llm = LLM(str(path), kv_cache_dtype="fp8", num_kv_blocks=8)
+    model = llm.llm_engine.executor.worker.runner.model
+    layers = model.attention_layers()
+    load_kv_scale(model, "model.layers.1.self_attn.kv_scale", torch.tensor([0.25]), NUM_LAYERS)
+    assert (layers[1].k_scale, layers[1].v_scale, layers[0].k_scale) == (0.25, 0.25, 1.0)
+    assert not is_kv_scale_name("model.layers.0.self_attn.k_proj.weight_scale")
+    with pytest.raises(ValueError, match="layer 2 does not exist"):
+        load_kv_scale(model, "model.layers.2.self_attn.k_scale", torch.tensor(1.0), NUM_LAYERS)
+    with pytest.raises(ValueError, match=r"k_scale: must be one value per tensor"):
+        load_kv_scale(model, "model.layers.0.self_attn.k_scale", torch.ones(4), NUM_LAYERS)

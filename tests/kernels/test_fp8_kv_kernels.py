@@ -165,3 +165,28 @@ def test_a_non_float_query_over_an_fp8_cache_is_refused():
     )
     with pytest.raises(ValueError, match="query must be float16, bfloat16 or float32"):
         attention.paged_attention(query.to(torch.float64), fp8, meta, 0.2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fp8_cache_realistic_mixed_batch_matches_torch_path(dtype):
+    query_lens = [1] * 48 + [512, 300, 77]
+    seq_lens = [int(x) for x in torch.randint(1, 4000, (48,))] + [512, 2300, 1000]
+    query, kv, meta = paged_batch(
+        query_lens, seq_lens, num_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype,
+        device="cuda",
+    )  # fmt: skip
+    fp8 = torch.stack([quantize_kv(kv[0] * 10, 0.05), quantize_kv(kv[1] * 10, 0.02)])
+    query = query * 0.1
+    got = triton_attention.paged_attention(query, fp8, meta, 0.088, k_scale=0.05, v_scale=0.02)
+    expected = attention.paged_attention(query, fp8, meta, 0.088, k_scale=0.05, v_scale=0.02)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    # The cache write on the GPU rounds exactly like torch's cast.
+    cache = torch.zeros_like(fp8)
+    key, value = kv[0, :8].reshape(-1, 8, 128) * 300, kv[1, :8].reshape(-1, 8, 128)
+    slots = torch.arange(key.shape[0], device="cuda")
+    triton_cache.reshape_and_cache(key, value, cache, slots, k_scale=0.7, v_scale=0.01)
+    flat = cache.view(torch.uint8).view(2, -1, 8, 128)[:, : key.shape[0]]
+    assert torch.equal(flat[0], quantize_kv(key, 0.7).view(torch.uint8))
+    assert torch.equal(flat[1], quantize_kv(value, 0.01).view(torch.uint8))
