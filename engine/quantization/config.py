@@ -129,9 +129,14 @@ def _refuse(field: str, value: Any, allowed: str) -> ConfigError:
 
 
 def _compressed_tensors(raw: Mapping[str, Any]) -> QuantConfig:
-    for field in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+    for field in ("sparsity_config", "transform_config"):
         if raw.get(field):
             raise _refuse(field, raw[field], "must be null: not implemented")
+    kv = raw.get("kv_cache_scheme")
+    # FP8 per-tensor K/V scales: the attention layers take them (engine.kv_cache_scales) when
+    # the cache is FP8 (kv_cache_dtype), and ignore them otherwise, as vLLM does.
+    if kv and (kv.get("type"), kv.get("num_bits"), kv.get("strategy")) != ("float", 8, "tensor"):
+        raise _refuse("kv_cache_scheme", kv, "FP8 per-tensor (type float, 8 bits, tensor) or null")
     top_format = raw.get("format")
     groups_raw = raw.get("config_groups")
     if not isinstance(groups_raw, Mapping) or not groups_raw:

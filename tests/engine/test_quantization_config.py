@@ -68,7 +68,10 @@ def _ct(weights: dict[str, Any], acts: dict[str, Any] | None = None, **top: Any)
             "weights.actorder: 'group' is not supported",
         ),
         (_ct(_FP8, format="marlin-24"), "format: 'marlin-24' is not supported"),
-        (_ct(_FP8, kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme"),
+        (
+            _ct(_FP8, kv_cache_scheme={"num_bits": 8, "type": "int", "strategy": "tensor"}),
+            "quantization_config.kv_cache_scheme: ",
+        ),
         (
             {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
             "quantization_config.desc_act: True is not supported",
@@ -91,6 +94,11 @@ def _with_quant(tmp_path: Path, quant: dict | None) -> str:
         hf["quantization_config"] = quant
     (model / "config.json").write_text(json.dumps(hf))
     return str(model)
+
+
+def test_an_fp8_kv_cache_scheme_is_accepted() -> None:
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    assert parse_quantization({"quantization_config": _ct(_FP8, kv_cache_scheme=kv)})
 
 
 def test_refused_before_anything_is_placed(tmp_path: Path) -> None:
