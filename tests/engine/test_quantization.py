@@ -12,6 +12,10 @@ logprobs to 1e-4:
   layouts, against HF on the dense weights the format defines (no GPTQ/AWQ library on CPU);
 - online FP8 against HF with the same per-tensor quantization done in plain torch, and within
   a stated bound of the float model.
+
+The checkpoint tests run twice: weights dequantized at load (CPU's default) and kept quantized
+(LLM_CLUSTER_CPU_KEEP_QUANTIZED=1, the CUDA layout, with ``kernels.quant_gemm``'s torch
+references doing the matmuls).
 """
 
 from __future__ import annotations
