@@ -12,6 +12,8 @@ default), per token and ``bk``-group of K (block scales), or with a static per-t
                                       Triton kernel (kernels.triton_quant_gemm), which applies
                                       both scales per K block
     anywhere else, or a shape _scaled_mm refuses     the torch reference below
+    (also a block bk that is not a power of two >= 16, and for W4A16 a group size that is not
+    a multiple of 16: the Triton kernels' tiles need those)
 
 ``w4a16_linear``: compressed-tensors' pack-quantized int4 (8 values per int32 along K, low
 nibble first, each stored as ``q + 8``), a scale per output channel and ``group_size`` inputs,
