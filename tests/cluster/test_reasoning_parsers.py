@@ -147,3 +147,5 @@ def test_deployment_config_checks_the_name() -> None:
         load_config(data)
     kwargs["reasoning_parser"] = "qwen3"
     assert load_config(data).models[0].engine_kwargs["reasoning_parser"] == "qwen3"
+    shipped = load_config(load_yaml("tiny-reasoning.yaml")).models[0]
+    assert shipped.engine_kwargs["reasoning_parser"] == "qwen3"
