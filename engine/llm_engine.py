@@ -59,6 +59,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
 from engine.spec_decode.config import is_speculable
+from engine.spec_decode.grammar import grammar_proposals, spec_bitmask_rows
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.ngram import NgramProposer
 from engine.structured_output import StructuredOutputManager
@@ -479,15 +480,19 @@ class LLMEngine:
                 self.spec_decode_stats.observe(len(spec), len(tokens) - 1)
 
     def _propose(self, sample: SampleState) -> None:
-        """Speculative decoding: the proposals the request's next step verifies. A grammar
-        (structured outputs) or history-dependent sampling decodes one token per step."""
+        """Speculative decoding: the proposals the request's next step verifies, cut where a
+        grammar (structured outputs) rejects one. History-dependent sampling decodes one
+        token per step."""
         if self.proposer is None:
             return
         request = sample.request
-        if sample.grammar is not None or not is_speculable(request.sampling_params):
+        if not is_speculable(request.sampling_params):
             request.spec_token_ids = []
             return
-        request.spec_token_ids = self.proposer.propose(request)
+        proposals = self.proposer.propose(request)
+        if sample.grammar is not None:
+            proposals = grammar_proposals(sample.grammar, proposals)
+        request.spec_token_ids = proposals
 
     def _fail_lora_loads(self, errors: dict[int, str]) -> list[EngineOutput]:
         """Adapters a worker could not load into their slots this step (their files removed or
@@ -527,9 +532,26 @@ class LLMEngine:
                 continue
             req_ids.append(rid)
             grammars.append(sample.grammar)
-        if req_ids:
-            message.structured_output_req_ids = req_ids
-            message.grammar_bitmask = self.structured_output.grammar_bitmask(grammars)
+        spec_ids, spec_rows = self._spec_grammar_rows(sched)
+        if req_ids or spec_ids:
+            message.structured_output_req_ids = req_ids + spec_ids
+            plain = self.structured_output.grammar_bitmask(grammars) if grammars else b""
+            message.grammar_bitmask = plain + spec_rows
+
+    def _spec_grammar_rows(self, sched: SchedulerOutput) -> tuple[list[str], bytes]:
+        """Constrained requests verifying proposals: k + 1 bitmask rows each (one per logits
+        row), the request id repeated for each, after the one-row requests."""
+        req_ids: list[str] = []
+        rows: list[bytes] = []
+        for rid, proposals in sched.spec_token_ids.items():
+            entry = self._samples.get(rid)
+            grammar = entry[0].samples[entry[1]].grammar if entry is not None else None
+            if grammar is None:
+                continue
+            bitmask = spec_bitmask_rows(grammar, proposals, self.structured_output.vocab_size)
+            req_ids.extend([rid] * (len(proposals) + 1))
+            rows.append(bitmask.numpy().astype("<i4", copy=False).tobytes())
+        return req_ids, b"".join(rows)
 
     def _advance_grammar(self, sample: SampleState, num_new: int) -> None:
         """Feed the sampled tokens to the sample's matcher. A complete grammar (its stop token

@@ -91,6 +91,9 @@ class StepInputs:
     # Structured outputs: rows of the sampled logits to mask, and their bitmask rows.
     grammar_rows: list[int] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    # The same for the verification rows (offsets within the spec_req_ids' block of rows).
+    spec_grammar_rows: list[int] = field(default_factory=list)
+    spec_grammar_bitmask: np.ndarray | None = None
     # Pooling requests in this step: (req_id, first position pooled, rows of the packed batch
     # to pool, whether this chunk ends the prompt).
     pooling_rows: list[tuple[str, int, np.ndarray, bool]] = field(default_factory=list)
@@ -311,6 +314,8 @@ class ModelRunner:
             np.arange(cu[i + 1] - len(spec[states[i].req_id]) - 1, cu[i + 1]) for i in verified
         ]
         grammar_rows, grammar_bitmask = self._grammar_rows(req, sampled_req_ids)
+        spec_req_ids = [states[i].req_id for i in verified]
+        spec_grammar_rows, spec_grammar_bitmask = self._spec_grammar_rows(req, spec_req_ids)
         sampling_metadata = (
             self._sampling_metadata(sampled_req_ids) if self.is_driver and sampled_req_ids else None
         )
@@ -330,7 +335,9 @@ class ModelRunner:
                 self.device
             ),
             sampled_req_ids=sampled_req_ids,
-            spec_req_ids=[states[i].req_id for i in verified],
+            spec_req_ids=spec_req_ids,
+            spec_grammar_rows=spec_grammar_rows,
+            spec_grammar_bitmask=spec_grammar_bitmask,
             prompt_logprobs_rows=self._prompt_logprobs_rows(states, starts, seq_lens, cu),
             grammar_rows=grammar_rows,
             grammar_bitmask=grammar_bitmask,
@@ -359,6 +366,30 @@ class ModelRunner:
         if not pairs:
             return [], None
         return [row for row, _ in pairs], bitmask[[i for _, i in pairs]]
+
+    @staticmethod
+    def _spec_grammar_rows(
+        req: ExecuteModelRequest, spec_req_ids: list[str]
+    ) -> tuple[list[int], np.ndarray | None]:
+        """A constrained request verifying k proposals has k + 1 consecutive bitmask rows (its
+        id repeated), one per logits row of its block, in order."""
+        if not req.structured_output_req_ids or not spec_req_ids:
+            return [], None
+        offset, start = 0, {}
+        for rid in spec_req_ids:
+            start[rid] = offset
+            offset += len(req.scheduled_spec_decode_tokens[rid]) + 1
+        seen: dict[str, int] = {}
+        rows, picked = [], []
+        for i, rid in enumerate(req.structured_output_req_ids):
+            if rid in start:
+                rows.append(start[rid] + seen.get(rid, 0))
+                seen[rid] = seen.get(rid, 0) + 1
+                picked.append(i)
+        if not rows:
+            return [], None
+        bitmask = unpack_bitmask(req.grammar_bitmask, len(req.structured_output_req_ids))
+        return rows, bitmask[picked]
 
     @staticmethod
     def _prompt_logprobs_rows(
@@ -422,7 +453,7 @@ class ModelRunner:
                 req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs
             )
         num_plain = len(inputs.sampled_req_ids)
-        verified = self._verify(inputs.spec_req_ids, logits[num_plain:])
+        verified = self._verify(inputs, logits[num_plain:])
         if not num_plain:
             return ModelRunnerOutput(
                 req_ids=inputs.spec_req_ids,
@@ -450,19 +481,31 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _verify(self, req_ids: list[str], logits: torch.Tensor) -> list[list[int]]:
+    def _verify(self, inputs: StepInputs, logits: torch.Tensor) -> list[list[int]]:
         """Speculative decoding: each request's accepted proposals and its next token, from
-        its k + 1 logits rows (``engine.spec_decode.rejection_sampler``)."""
+        its k + 1 logits rows (``engine.spec_decode.rejection_sampler``), masked first by its
+        grammar's rows where it has one."""
+        req_ids = inputs.spec_req_ids
         if not req_ids:
             return []
+        if inputs.spec_grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, inputs.spec_grammar_bitmask, inputs.spec_grammar_rows)
         states = [self.requests[rid] for rid in req_ids]
-        proposals = [self._proposals[rid] for rid in req_ids]
+        params = [s.sampling_params for s in states]
+        needs_history = any(
+            p.has_penalties or p.bad_words_token_ids or p.min_tokens for p in params
+        )
         return verify_proposals(
             logits,
-            [s.sampling_params for s in states],
+            params,
             [s.generator for s in states],
-            proposals,
+            [self._proposals[rid] for rid in req_ids],
             self.vocab_size,
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states]
+            if needs_history
+            else None,
+            output_token_ids=[s.output_token_ids for s in states] if needs_history else None,
+            eos_token_ids=[s.eos_token_ids for s in states],
         )
 
     def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:

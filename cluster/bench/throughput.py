@@ -130,6 +130,7 @@ def _timed_generate(llm: Any, wl: Workload) -> tuple[SystemResult, dict[str, Any
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     engine = llm.llm_engine
     engine.step_timer.reset()
+    engine.spec_decode_stats.reset()
     engine.executor.collective_rpc("reset_step_timings")
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -138,6 +139,8 @@ def _timed_generate(llm: Any, wl: Workload) -> tuple[SystemResult, dict[str, Any
     if produced != wl.output_tokens:
         raise RuntimeError(f"engine produced {produced} tokens, expected {wl.output_tokens}")
     profile = _step_profile(engine, wall)
+    if engine.proposer is not None:
+        profile["spec_decode"] = engine.spec_decode_stats.as_dict()
     return SystemResult(wall, wl.output_tokens, wl.total_tokens, len(wl.prompts)), profile
 
 
@@ -431,6 +434,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='engine: speculative decoding, vLLM\'s JSON (\'{"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_max": 3}\')',
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
@@ -464,6 +474,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "enforce_eager": args.enforce_eager,
     }
+    if args.speculative_config is not None:
+        engine_args["speculative_config"] = args.speculative_config
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
         engine_args["pipeline_parallel_size"] = args.pipeline_parallel_size
@@ -575,6 +587,7 @@ def _report(
             "enforce_eager": args.enforce_eager,
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,
+            "speculative_config": args.speculative_config,
         },
         "hf_static_batch_size": args.hf_batch_size,
     }
@@ -612,6 +625,14 @@ def _print_table(report: dict[str, Any]) -> None:
         print(
             f"roofline: GEMM {roof['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s, engine "
             f"{roof['engine_flops_per_s'] / 1e9:.1f} GFLOP/s = {fraction:.0%}"
+        )
+    spec = report["step_profile"].get("spec_decode")
+    if spec:
+        print(
+            f"speculative decoding: {spec['num_draft_tokens']} proposed, "
+            f"{spec['num_accepted_tokens']} accepted ({spec['acceptance_rate']:.1%}), mean "
+            f"acceptance length {spec['mean_acceptance_length']:.2f}, per position "
+            f"{spec['accepted_per_pos']}"
         )
     if report["step_profile"]:
         fractions = report["step_profile"]["fraction"]

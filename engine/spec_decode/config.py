@@ -115,16 +115,11 @@ def check_speculative_support(
 
 
 def is_speculable(params: Any) -> bool:
-    """Whether a request's sampling can be verified exactly from proposal rows alone:
-    penalties, bad_words and min_tokens read the output history (which the proposals would
-    change row by row), and logprobs report one row per sampled token; such requests decode
-    one token per step."""
-    return not (
-        params.has_penalties
-        or params.bad_words_token_ids
-        or params.min_tokens
-        or params.logprobs is not None
-    )
+    """Whether a request's tokens can come from verified proposals: ``logprobs`` report one
+    row per sampled token, which the verification does not build; such requests decode one
+    token per step. (Penalties, bad_words and min_tokens are verified with each row's own
+    history, see ``engine.spec_decode.rejection_sampler``.)"""
+    return params.logprobs is None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,11 @@ class SpecDecodeStats:
     # Position j: how many drafts had their proposal j + 1 accepted.
     accepted_per_pos: list[int] = field(default_factory=list)
 
+    def reset(self) -> None:
+        """Start counting afresh (a benchmark's timed run after its warm-up)."""
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = []
+
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         """One request's verification: ``num_accepted`` of its ``num_proposed`` proposals (a
         prefix of them) were accepted."""

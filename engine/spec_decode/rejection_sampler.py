@@ -18,12 +18,15 @@ so the output distribution equals sampling without speculation. A seeded request
 k + 1 uniforms from its own generator every step (k acceptance tests, one final draw), so its
 tokens are reproducible and independent of the batch.
 
-History-dependent processors (penalties, bad_words, min_tokens) and logprobs would need each
-row to see the proposals before it as output; requests using them are not speculated (see
-``engine.spec_decode.config.is_speculable``), and are refused here if they arrive.
+History-dependent processors (penalties, bad_words, min_tokens) see, at row j, the request's
+output followed by the proposals before row j: the history sampling without speculation would
+see at that position. Requests asking for logprobs are not speculated (see
+``engine.spec_decode.config.is_speculable``) and are refused here if they arrive.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -43,15 +46,32 @@ def verify_proposals(
     generators: list[torch.Generator | None],
     proposals: list[list[int]],
     vocab_size: int,
+    *,
+    prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    output_token_ids: Sequence[Sequence[int]] | None = None,
+    eos_token_ids: Sequence[Collection[int]] | None = None,
 ) -> list[list[int]]:
     """``logits``: [sum(k_i + 1), V], request i's k_i + 1 rows in order. Returns each
-    request's emitted tokens: its accepted proposals, then one sampled (or bonus) token."""
+    request's emitted tokens: its accepted proposals, then one sampled (or bonus) token.
+    ``prompt_token_ids`` / ``output_token_ids`` / ``eos_token_ids`` (per request) are needed
+    by penalties, bad_words and min_tokens, as for ``SamplingMetadata.build``."""
     for p in params:
         if not is_speculable(p):
-            raise ValueError("verify_proposals: a request with history-dependent sampling")
+            raise ValueError("verify_proposals: a request that asked for logprobs")
     device = logits.device
-    row_params = [p for p, prop in zip(params, proposals) for _ in range(len(prop) + 1)]
-    meta = SamplingMetadata.build(row_params, [None] * len(row_params), vocab_size, device)
+    rows = [(i, j) for i, prop in enumerate(proposals) for j in range(len(prop) + 1)]
+    row_params = [params[i] for i, _ in rows]
+    histories = {}
+    if output_token_ids is not None:
+        # Row j sees the output so far followed by the proposals before it.
+        histories["output_token_ids"] = [[*output_token_ids[i], *proposals[i][:j]] for i, j in rows]
+    if prompt_token_ids is not None:
+        histories["prompt_token_ids"] = [prompt_token_ids[i] for i, _ in rows]
+    if eos_token_ids is not None:
+        histories["eos_token_ids"] = [eos_token_ids[i] for i, _ in rows]
+    meta = SamplingMetadata.build(
+        row_params, [None] * len(row_params), vocab_size, device, **histories
+    )
     processed = process_logits(logits, meta)
     argmax = processed.argmax(dim=-1).tolist()
     offsets = [0]

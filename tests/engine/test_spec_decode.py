@@ -9,14 +9,16 @@ vocabulary 256), so prompt lookup proposes tokens the target really emits; fp32 
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.lora_request import LoRARequest
 from engine.sampling_params import StructuredOutputsParams
-from engine.tiny_models import make_random_model
+from engine.tiny_models import make_random_model, make_tiny_lora
 
 VOCAB = 256
 rng = random.Random(0)
@@ -97,6 +99,32 @@ def test_preemption_with_a_tiny_kv_cache(model, reference):
     llm.llm_engine.check_integrity()
 
 
+def test_swap_preemption(model, reference):
+    args = {**BASE, "num_kv_blocks": 12, "preemption_mode": "swap", "swap_space": 0.01}
+    llm = LLM(str(model), **args, speculative_config=ngram(3))
+    assert generate(llm) == reference
+    assert llm.llm_engine.scheduler.num_swap_outs > 0
+    llm.llm_engine.check_integrity()
+
+
+def test_lora_adapters_with_speculation(model, tmp_path):
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, str(make_tiny_lora(str(model), tmp_path / f"a{i}", seed=i)))
+        for i in range(2)
+    ]
+    lora = [adapters[i % 2] if i % 3 else None for i in range(len(PROMPTS))]
+    args = {**BASE, "enable_lora": True, "max_loras": 2}
+
+    def run(llm: LLM) -> list[list[int]]:
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    llm = LLM(str(model), **args, speculative_config=ngram(3))
+    assert run(llm) == run(LLM(str(model), **args))
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+
+
 def test_prefix_caching_only_caches_verified_tokens(model, reference):
     llm = LLM(str(model), **BASE, block_size=8, speculative_config=ngram(5))
     assert generate(llm) == reference
@@ -170,8 +198,45 @@ def test_structured_outputs_valid_and_equal(model):
     assert all(o.outputs[0].text in ("alpha", "beta gamma") for o in outs)
 
 
-def test_penalties_and_logprobs_decode_without_proposals(model):
-    params = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, logprobs=2)
+@pytest.mark.parametrize("regex", ["[ab ]{40}", "(cat|dog|fish)( (cat|dog|fish)){12}"])
+def test_structured_outputs_verify_proposals_against_the_grammar(model, regex):
+    # Few characters allowed: the constrained greedy output repeats itself, so proposals are
+    # made, checked against the grammar, masked row by row and accepted.
+    params = SamplingParams(
+        temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    prompts = PROMPTS[:6]
+    ref = LLM(str(model), **BASE).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    llm = LLM(str(model), **BASE, speculative_config=ngram(4))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"repetition_penalty": 1.05},
+        {"frequency_penalty": 0.05, "presence_penalty": 0.05},
+        {"min_tokens": 30},
+    ],
+    ids=["repetition", "frequency_presence", "min_tokens"],
+)
+def test_history_dependent_sampling_sees_each_rows_history(model, extra):
+    # Row j of a verification is processed with the output followed by proposals [0, j), the
+    # history decoding without speculation sees there: greedy outputs stay equal.
+    params = SamplingParams(temperature=0, max_tokens=40, **extra)
+    expect = generate(LLM(str(model), **BASE), params)
+    llm = LLM(str(model), **BASE, speculative_config=ngram(3))
+    assert generate(llm, params) == expect
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_logprobs_requests_decode_without_proposals(model):
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
     llm = LLM(str(model), **BASE, speculative_config=ngram(3))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
     ref = LLM(str(model), **BASE).generate(

