@@ -365,7 +365,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             continue
-        if module.packed_weight is not None or getattr(module, "quant_method", None):
+        quant = getattr(module, "quant_method", None)
+        if module.packed_weight is not None or (quant and not getattr(quant, "packable", False)):
             continue  # a quantized layer's matmul reads its own weights
         packed = pack_linear_weight(module.weight)
         if packed is None:

@@ -35,6 +35,7 @@ from engine.quantization.formats import (
     unpack_ct_zero_points,
 )
 from engine.quantization.kept import kept_problem, quantized_form
+from kernels.cpu_gemm import packed_linear
 
 # A tensor whose presence marks its module as quantized in the checkpoint.
 _MARKERS = ("weight_scale", "weight_packed", "qweight")
@@ -283,11 +284,17 @@ class Fp8InputQuant:
     ) -> None:
         self.act = act
         self.segments = segments
+        # One matmul over the whole weight: ``pack_linear_weights`` may pack it for oneDNN
+        # (2-3x F.linear on CPU); per-part matmuls slice the plain weight instead.
+        self.packable = segments is None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer.weight
         if self.segments is None:
-            return F.linear(fake_quantize_fp8_input(x, self.act, None), weight, bias)
+            xq = fake_quantize_fp8_input(x, self.act, None)
+            if layer.packed_weight is not None:
+                return packed_linear(xq, layer.packed_weight, bias)
+            return F.linear(xq, weight, bias)
         outs = []
         for rows, scale in self.segments:
             xq = fake_quantize_fp8_input(x, self.act, scale)

@@ -50,8 +50,11 @@ PROMPT_LEN, NEW_TOKENS = 40, 16
 # last-bit difference upstream (the attention kernel, a fused q/k/v matmul) into a whole fp8
 # step on the odd element; past ~25 positions one such flip moved a tiny random model's
 # logprobs by up to 3e-2 and parted a near-tie (top-2 logits 1e-3 apart). Up to 24 positions
-# every case agrees with HF to ~1e-6.
+# every case agrees with HF to ~1e-6 through F.linear.
 ACT_PROMPT_LEN, ACT_NEW_TOKENS = 16, 8
+# ... and a looser bound there: the CPU's oneDNN-packed GEMM sums in another order than HF's
+# F.linear, and the next layer's fp8 rounding can turn that into 1e-4 (seen: 1.3e-4).
+ACT_TOL = 1e-3
 
 # Every format from both families, except the static-scale variant (Llama only).
 PAIRS = [(c, f) for c in CASES for f in ("llama", "qwen3") if (c, f) != ("fp8-static", "qwen3")]
@@ -95,15 +98,17 @@ def _engine_run(
     return tokens, lps
 
 
-def _assert_equal_to_hf(hf: Any, prompt: list[int], tokens: list[int], lps: list[float]) -> None:
-    """Greedy tokens equal HF's argmax at each step, logprobs within TOL."""
+def _assert_equal_to_hf(
+    hf: Any, prompt: list[int], tokens: list[int], lps: list[float], tol: float = TOL
+) -> None:
+    """Greedy tokens equal HF's argmax at each step, logprobs within ``tol``."""
     rows = _hf_logprobs(hf, prompt + tokens)
     seq = prompt + tokens
     for j, token in enumerate(tokens):
         assert token == rows[len(prompt) - 1 + j].argmax().item(), f"token {j} differs from HF"
     expected = [rows[t - 1, seq[t]].item() for t in range(1, len(seq))]
     worst = max(abs(a - b) for a, b in zip(lps, expected))
-    assert worst < TOL, f"logprobs differ from HF by up to {worst:.2e}"
+    assert worst < tol, f"logprobs differ from HF by up to {worst:.2e}"
 
 
 def _hf_quantized(path: Path, int4: bool) -> Any:
@@ -139,13 +144,13 @@ def test_compressed_tensors_checkpoint_equals_hf(
     # W8A8 on the short sequence (see ACT_PROMPT_LEN): fewer chances for a flipped fp8 rounding.
     prompt = _prompt(seed=len(case), length=ACT_PROMPT_LEN if activations else PROMPT_LEN)
     tokens, lps = _engine_run(path, prompt, ACT_NEW_TOKENS if activations else NEW_TOKENS)
-    _assert_equal_to_hf(hf, prompt, tokens, lps)
+    _assert_equal_to_hf(hf, prompt, tokens, lps, ACT_TOL if activations else TOL)
     if activations:
         # The activation step is modelled, not dropped: HF without it is much further away.
         plain = _hf_logprobs(_hf_quantized(path, int4=True), prompt + tokens)
         seq = prompt + tokens
         drift = max(abs(plain[t - 1, seq[t]].item() - lps[t - 1]) for t in range(1, len(seq)))
-        assert drift > 100 * TOL, f"HF without activation quantization is only {drift:.1e} off"
+        assert drift > 10 * ACT_TOL, f"HF without activation quantization is only {drift:.1e} off"
 
 
 @pytest.mark.parametrize("case", ["fp8-block", "w4a16-asym"])
