@@ -58,7 +58,8 @@ class ResponsesRequest(_Model):
     (``cluster.api.responses_payloads.UNSUPPORTED_RESPONSE_FIELDS``)."""
 
     model: Text
-    input: Text | list[dict[str, Any]]
+    # Optional as in OpenAI's API: a continuation (previous_response_id) may add none.
+    input: Text | list[dict[str, Any]] | None = None
     instructions: Text | None = None
     max_output_tokens: int | None = _ranged(None, minimum=1)
     temperature: float | None = _ranged(None, minimum=0)

@@ -51,8 +51,10 @@ def check_request(req: ResponsesRequest) -> None:
         _check_tool(tool, f"tools.{i}")
 
 
-def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_items(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """A request's ``input`` as items (text is one user message)."""
+    if value is None:
+        return []
     if isinstance(value, str):
         return [{"type": "message", "role": "user", "content": value}]
     return list(value)

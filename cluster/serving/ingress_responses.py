@@ -6,9 +6,11 @@ application's store (``cluster.serving.responses_store``) that every ingress rep
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.api.api_errors import APIError, api_error
@@ -20,6 +22,8 @@ from cluster.api.responses_models import ResponsesRequest
 from cluster.api.responses_payloads import chat_request, check_request, input_items
 from cluster.serving.ingress_calls import guard_stream
 from cluster.serving.responses_store import StoreClient, StoreLimits
+
+logger = logging.getLogger("llm_cluster.serve")
 
 # Which ingress replica served a Responses call (the store is shared: tests show it).
 INGRESS_REPLICA_HEADER = "x-llm-cluster-ingress-replica"
@@ -127,10 +131,15 @@ class ResponsesServicer:
             stream.cancel()
 
     async def _keep(self, builder: ResponseBuilder, conversation: list[dict[str, Any]]) -> None:
-        if builder.req.store:
-            await self._responses_store().put(
-                builder.id, {"response": builder.response(), "input": conversation}
-            )
+        if not builder.req.store:
+            return
+        record = {"response": builder.response(), "input": conversation}
+        try:
+            await self._responses_store().put(builder.id, record)
+        except ray.exceptions.RayError as exc:
+            # The answer is still the client's; only a later previous_response_id / GET of it
+            # will be a 404.
+            logger.warning("response %s not stored: %s", builder.id, type(exc).__name__)
 
     async def get_response(self, response_id: str) -> Any:
         return (await self._stored(response_id, "response_id"))["response"]

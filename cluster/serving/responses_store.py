@@ -97,7 +97,12 @@ class StoreClient:
     async def _call(self, method: str, *args: Any) -> Any:
         if self._local is not None:
             return getattr(self._local, method)(*args)
-        return await getattr(self._handle(), method).remote(*args)
+        try:
+            return await getattr(self._handle(), method).remote(*args)
+        except ray.exceptions.RayActorError:
+            # Killed (``remove_store``) or lost past its restarts: a new, empty one.
+            self._actor = None
+            return await getattr(self._handle(), method).remote(*args)
 
     async def put(self, response_id: str, record: dict[str, Any]) -> bool:
         return await self._call("put", response_id, json.dumps(record).encode())

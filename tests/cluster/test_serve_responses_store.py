@@ -122,6 +122,7 @@ def test_chat_request_maps_tools_choice_format_and_limits() -> None:
         ({"tool_choice": {"type": "web_search_preview"}, "tools": [{"type": "function",
           "name": "f"}]}, "tool_choice.type"),
         ({"input": []}, "input"),
+        ({"input": None}, "input"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_400s_naming_the_field(fields: dict[str, Any], param: str) -> None:
