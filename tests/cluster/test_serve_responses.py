@@ -14,6 +14,7 @@ the official ``openai`` client and the OpenAI Agents SDK, through two ingress re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -299,19 +300,19 @@ def test_store_false_keeps_nothing(client: OpenAI) -> None:
 # ---- the OpenAI Agents SDK ----
 
 
-def test_agent_runs_a_function_tool_then_answers_in_its_output_type(base_url: str) -> None:
+def _weather_agent(base_url: str, calls: list[tuple[str, str]]) -> Any:
+    """An agent whose first turn is forced to call its tool; the SDK then resets tool_choice
+    to auto, and the output type's JSON schema makes the second turn a final answer."""
     from agents import (
         Agent,
         ModelSettings,
         OpenAIResponsesModel,
-        Runner,
         function_tool,
         set_tracing_disabled,
     )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # no trace export to OpenAI
-    calls: list[tuple[str, str]] = []
 
     @function_tool
     def get_weather(city: Literal["Oslo", "Rome"], unit: Literal["c", "f"]) -> str:
@@ -320,18 +321,46 @@ def test_agent_runs_a_function_tool_then_answers_in_its_output_type(base_url: st
         return "sunny, 21 degrees"
 
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-    # Turn 1 is forced to call the tool; the SDK then resets tool_choice to auto, and the
-    # output type's JSON schema makes turn 2 a final answer that parses.
-    agent = Agent(
+    return Agent(
         name="weather", instructions="Use the tool, then answer.", tools=[get_weather],
         model=OpenAIResponsesModel(model=MODEL, openai_client=client),
         model_settings=ModelSettings(tool_choice="get_weather", max_tokens=400,
                                      extra_body={"seed": 7}),
         output_type=Forecast,
     )  # fmt: skip
-    result = Runner.run_sync(agent, "What's the weather in Oslo?", max_turns=3)
+
+
+def _check_agent_run(result: Any, calls: list[tuple[str, str]]) -> None:
     assert len(calls) == 1 and calls[0][0] in ("Oslo", "Rome")
     kinds = [item.type for item in result.new_items]
     assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
     assert isinstance(result.final_output, Forecast)
     assert len(result.raw_responses) == 2
+
+
+def test_agent_runs_a_function_tool_then_answers_in_its_output_type(base_url: str) -> None:
+    from agents import Runner
+
+    calls: list[tuple[str, str]] = []
+    agent = _weather_agent(base_url, calls)
+    result = Runner.run_sync(agent, "What's the weather in Oslo?", max_turns=3)
+    _check_agent_run(result, calls)
+
+
+def test_streamed_agent_run(base_url: str) -> None:
+    from agents import Runner
+
+    calls: list[tuple[str, str]] = []
+
+    async def run() -> tuple[Any, list[str]]:
+        result = Runner.run_streamed(_weather_agent(base_url, calls), "Weather?", max_turns=3)
+        kinds = [e.data.type async for e in result.stream_events()
+                 if e.type == "raw_response_event"]  # fmt: skip
+        return result, kinds
+
+    result, kinds = asyncio.run(run())
+    _check_agent_run(result, calls)
+    # Both turns streamed: a call's arguments, then the answer's text.
+    assert kinds.count("response.completed") == 2
+    assert "response.function_call_arguments.delta" in kinds
+    assert "response.output_text.delta" in kinds
