@@ -233,14 +233,16 @@ class QuantizedCheckpoint:
             if scheme.activations is None or module in self.kept:
                 continue  # a kept module's GEMM quantizes its activations itself
             param, part = target_of(f"{module}.weight")
-            by_layer.setdefault(param.removesuffix(".weight"), []).append((part, scheme, module))
+            by_layer.setdefault(param, []).append((part, scheme, module))
         params = dict(model.named_parameters())
         count = 0
-        for layer_name, parts in by_layer.items():
-            if f"{layer_name}.weight" not in params:
+        for param, parts in by_layer.items():
+            if param not in params:
                 continue  # another pipeline stage's layer
+            layer_name, _, leaf = param.rpartition(".")
             layer = model.get_submodule(layer_name)
-            if not hasattr(layer, "quant_method"):
+            # Stacked MoE experts (``w13_weight``), an LM head: no per-layer matmul hook.
+            if leaf != "weight" or not hasattr(layer, "quant_method"):
                 raise ValueError(
                     f"{parts[0][2]}: FP8 activation quantization on a {type(layer).__name__} "
                     "is not supported (linear layers only)"

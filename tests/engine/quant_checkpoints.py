@@ -107,10 +107,15 @@ def _observe(module: torch.nn.Module, args: Any) -> None:
 
 
 def write_compressed_tensors(
-    dense: Path, out: Path, scheme: dict[str, Any], fmt: str, input_scale: float | None = None
+    dense: Path,
+    out: Path,
+    scheme: dict[str, Any],
+    fmt: str,
+    input_scale: float | None = None,
+    ignore: tuple[str, ...] = ("lm_head",),
 ) -> Path:
     """``dense`` quantized by compressed-tensors with ``scheme`` (weights / input_activations
-    args for the Linear layers, lm_head ignored), saved compressed in format ``fmt``."""
+    args for the Linear layers but ``ignore``), saved compressed in format ``fmt``."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -121,7 +126,7 @@ def write_compressed_tensors(
     model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
     config = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)},
-        ignore=["lm_head"],
+        ignore=list(ignore),
         format=fmt,
     )
     apply_quantization_config(model, config, show_progress=False)

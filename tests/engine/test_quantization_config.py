@@ -183,3 +183,16 @@ def test_fp8_weight_only_cannot_stay_quantized() -> None:
         "fp8", "channel", "ct-float-quantized", activations=ActivationQuant(dynamic=True)
     )
     assert kept_problem(dynamic) is None
+
+
+def test_activation_quantization_outside_linear_layers_is_refused(tmp_path: Path) -> None:
+    from tests.engine.quant_checkpoints import CASES, dense_model, write_compressed_tensors
+
+    scheme, fmt, _ = CASES["fp8-channel"]
+    path = write_compressed_tensors(
+        dense_model(tmp_path, "llama"), tmp_path / "q", scheme, fmt, ignore=()
+    )
+    with pytest.raises(
+        ValueError, match=r"^lm_head: FP8 activation quantization on a ParallelLMHead"
+    ):
+        LLM(str(path), num_kv_blocks=8)
