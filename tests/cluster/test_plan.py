@@ -120,18 +120,39 @@ def test_an_unknown_accelerator_skips_only_the_memory_checks(
     assert "KV cache: unknown without the GPU's memory" in out
 
 
-def test_a_quantized_checkpoint_is_sized_and_refused_by_the_engine(
+def test_a_quantized_checkpoint_is_sized_and_an_unsupported_one_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = llama70b_yaml(tmp_path)
     model_dir = tmp_path / "Meta-Llama-3-70B-Instruct"
-    fp8 = {**LLAMA_3_70B, "quantization_config": {"quant_method": "fp8"}}
+    fp8_args = {"num_bits": 8, "type": "float", "symmetric": True}
+    group = {
+        "targets": ["Linear"],
+        "weights": {**fp8_args, "strategy": "channel"},
+        "input_activations": {**fp8_args, "strategy": "token", "dynamic": True},
+    }
+    fp8 = {
+        **LLAMA_3_70B,
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": group},
+            "ignore": ["lm_head"],
+        },
+    }
     (model_dir / "config.json").write_text(json.dumps(fp8))
+    assert main(["plan", str(path), "--json"]) == 0
+    stage = json.loads(capsys.readouterr().out)["models"][0]["plan"]["stages"][0]
+    # Kept as FP8 on the GPUs: a byte per weight of gate, up and down ([7168, 8192] per rank
+    # each) and a float32 scale per output row (gate_up's 2 x 7168, down's 8192).
+    expected = 40 * 3 * 7168 * 8192 + 40 * (2 * 7168 + 8192) * 4
+    assert stage["weight_breakdown"]["mlp"] == expected
+    bnb = {**LLAMA_3_70B, "quantization_config": {"quant_method": "bitsandbytes"}}
+    (model_dir / "config.json").write_text(json.dumps(bnb))
     assert main(["plan", str(path), "--json"]) == 2
-    captured = capsys.readouterr()
-    stage = json.loads(captured.out)["models"][0]["plan"]["stages"][0]
-    assert stage["weight_breakdown"]["mlp"] == 40 * 3 * 14336 // 2 * 8192 + 40 * 3 * 4
-    assert "quantization_config: quant_method 'fp8' is not supported yet" in captured.err
+    assert "quantization_config: quant_method 'bitsandbytes' is not supported" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_checkpoint_not_on_this_machine_is_skipped_not_refused(
