@@ -3,14 +3,15 @@
 Each quantized linear module's tensors (compressed-tensors ``weight`` / ``weight_packed``,
 ``weight_scale``, ``weight_zero_point``, ``weight_shape``, ``input_scale``; GPTQ / AWQ
 ``qweight``, ``qzeros``, ``scales``, ``g_idx``) are gathered, whichever shard files they sit
-in, and leave as one dense ``<module>.weight`` in the reference's numbers (``formats``). The
-layers' own weight loaders then cut each rank's shard from the full dense tensor, so tensor
-parallelism shards exactly and no quantization group is ever split (dequantize, then shard).
+in, and leave as one ``<module>.weight``: dense, in the reference's numbers (``formats``), or,
+where the weights stay quantized (CUDA; ``kept``), a ``QuantizedWeight`` in the engine's one
+FP8 / int4 form. The layers' own weight loaders then cut each rank's shard from the full
+tensor: a dense one shards exactly with no quantization group ever split (dequantize, then
+shard); a quantized one carries its scales and zero points along.
 
-This is the CPU path: it dequantizes once at load and so saves no memory. Layers whose
-checkpoint quantizes activations (FP8 W8A8) get an ``Fp8InputQuant`` as their
-``quant_method``: the input is quantized to e4m3 and back before the matmul, as the
-reference's forward does.
+Dequantizing is CPU's default: once at load, so it saves no memory. Layers whose checkpoint
+quantizes activations (FP8 W8A8) then get an ``Fp8InputQuant`` as their ``quant_method``: the
+input is quantized to e4m3 and back before the matmul, as the reference's forward does.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class _Pending:
 
 
 class QuantizedCheckpoint:
-    """Rewrites a quantized checkpoint's tensor stream into dense weights.
+    """Rewrites a quantized checkpoint's tensor stream into dense weights (or, for the modules
+    in ``kept``, the quantized form that ``keep_on``'s layers keep).
 
     ``names``: every tensor name of the checkpoint (from the safetensors headers), so a module
     is known to be quantized before its tensors arrive. ``is_linear``: whether a checkpoint
@@ -193,7 +195,7 @@ class QuantizedCheckpoint:
         return f"{module}.weight" if module in self.schemes else name
 
     def transform(self, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """``weights`` with each quantized module's tensors replaced by its dense weight."""
+        """``weights`` with each quantized module's tensors replaced by its weight."""
         pending: dict[str, _Pending] = {}
         for name, tensor in weights:
             module, leaf = _split(name)
