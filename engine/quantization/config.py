@@ -74,8 +74,13 @@ class QuantConfig:
         it is ignored or no group targets it."""
         if any(_matches(pattern, module) for pattern in self.ignore):
             return None
+        # A group naming the module (or a pattern matching it) wins over the class target, as
+        # in compressed-tensors.
         for targets, scheme in self.groups:
-            if any(t == "Linear" or _matches(t, module) for t in targets):
+            if any(t != "Linear" and _matches(t, module) for t in targets):
+                return scheme
+        for targets, scheme in self.groups:
+            if "Linear" in targets:
                 return scheme
         return None
 

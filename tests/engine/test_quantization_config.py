@@ -196,3 +196,16 @@ def test_activation_quantization_outside_linear_layers_is_refused(tmp_path: Path
         ValueError, match=r"^lm_head: FP8 activation quantization on a ParallelLMHead"
     ):
         LLM(str(path), num_kv_blocks=8)
+
+
+def test_a_group_that_names_a_module_wins_over_the_linear_target() -> None:
+    int4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}
+    config = _ct(_FP8, {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True})
+    config["config_groups"] = {
+        "fp8": {**config["config_groups"]["group_0"]},
+        "int4": {"targets": ["re:.*mlp\\.down_proj$"], "weights": int4, "format": "pack-quantized"},
+    }
+    quant = parse_quantization({"quantization_config": config})
+    assert quant.scheme_for("model.layers.0.mlp.down_proj").kind == "int4"
+    assert quant.scheme_for("model.layers.0.self_attn.q_proj").kind == "fp8"
+    assert quant.scheme_for("lm_head") is None
