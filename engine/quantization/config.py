@@ -64,6 +64,9 @@ class QuantConfig:
     method: str
     groups: tuple[tuple[tuple[str, ...], QuantScheme], ...]
     ignore: tuple[str, ...] = ()
+    # GPTQ / AWQ's modules_to_not_convert name parts of module names (transformers' reading);
+    # compressed-tensors' ignore names whole modules or ``re:`` patterns.
+    ignore_substrings: bool = False
 
     @property
     def online(self) -> bool:
@@ -72,13 +75,18 @@ class QuantConfig:
     def scheme_for(self, module: str) -> QuantScheme | None:
         """The scheme of the linear layer named ``module`` (HF name, no ``.weight``), None when
         it is ignored or no group targets it."""
-        if any(_matches(pattern, module) for pattern in self.ignore):
+        if self.ignore_substrings:
+            if any(part in module for part in self.ignore):
+                return None
+        elif any(_matches(pattern, module) for pattern in self.ignore):
             return None
-        # A group naming the module (or a pattern matching it) wins over the class target, as
-        # in compressed-tensors.
-        for targets, scheme in self.groups:
-            if any(t != "Linear" and _matches(t, module) for t in targets):
-                return scheme
+        # compressed-tensors' precedence: a group naming the module exactly, then one whose
+        # ``re:`` pattern matches it, then the class target.
+        for exact in (True, False):
+            for targets, scheme in self.groups:
+                named = [t for t in targets if t != "Linear" and t.startswith("re:") != exact]
+                if any(_matches(t, module) for t in named):
+                    return scheme
         for targets, scheme in self.groups:
             if "Linear" in targets:
                 return scheme
@@ -91,7 +99,7 @@ class QuantConfig:
 def _matches(pattern: str, module: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], module) is not None
-    return module == pattern or module.endswith("." + pattern)
+    return module == pattern
 
 
 def parse_quantization(hf: Mapping[str, Any], online: str | None = None) -> QuantConfig | None:
@@ -252,7 +260,7 @@ def _gptq(raw: Mapping[str, Any]) -> QuantConfig:
         symmetric=False,  # zero points are stored either way: served as asymmetric
         gptq_v1_zeros=fmt == "gptq",
     )
-    return QuantConfig("gptq", ((("Linear",), scheme),), _ignore(raw))
+    return QuantConfig("gptq", ((("Linear",), scheme),), _ignore(raw), ignore_substrings=True)
 
 
 def _awq(raw: Mapping[str, Any]) -> QuantConfig:
@@ -264,7 +272,7 @@ def _awq(raw: Mapping[str, Any]) -> QuantConfig:
         raise _refuse("zero_point", False, "true")
     group = int(raw.get("group_size", raw.get("q_group_size", 128)))
     scheme = QuantScheme("int4", "group", "awq", group_size=group, symmetric=False)
-    return QuantConfig("awq", ((("Linear",), scheme),), _ignore(raw))
+    return QuantConfig("awq", ((("Linear",), scheme),), _ignore(raw), ignore_substrings=True)
 
 
 def _ignore(raw: Mapping[str, Any]) -> tuple[str, ...]:
