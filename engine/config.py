@@ -79,7 +79,7 @@ class ModelConfig:
     seed: int = 0
     trust_remote_code: bool = False
     # vLLM's online quantization of a float checkpoint at load: None or "fp8".
-    quantization: str | None = None
+    quantization: Literal["fp8"] | None = None
     # Filled from the checkpoint's config.json by ``EngineConfig.from_kwargs``.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     model_path: str = ""
