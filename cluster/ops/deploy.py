@@ -102,8 +102,12 @@ def direct_ingress(config: DeploymentConfig) -> DeploymentConfig | None:
     request per token, ~20 % of a core at 64 streams on a 2-core machine (BENCHMARKS.md,
     "Serving path"). Serve's proxies still run, on spare ports, idle. One ingress replica, no
     load balancer in front: no draining period. Returns the config to deploy (its ports are
-    the proxies'), or None when the environment turns it off (either switch set to 0)."""
+    the proxies'), or None when the environment turns it off (either switch set to 0) or the
+    config asks for several ingress replicas (``http_options.ingress_replicas``: one port can
+    be one replica's only, so those go behind Serve's proxy)."""
     if any(os.environ.get(name) == "0" for name in _DIRECT_OFF):
+        return None
+    if config.http_options.ingress_replicas > 1:
         return None
     http = config.http_options
     env = {

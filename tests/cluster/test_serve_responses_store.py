@@ -4,6 +4,7 @@ naming fields) and the event stream of a chat stream with text and tool calls.""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -176,3 +177,56 @@ def test_a_stream_that_wrote_nothing_ends_with_an_empty_message() -> None:
     assert events[-1]["type"] == "response.incomplete"
     (message,) = events[-1]["response"]["output"]
     assert message["content"][0]["text"] == "" and message["status"] == "incomplete"
+
+
+# ---- the config: the store's bounds, ingress replicas ----
+
+
+def _config(**top: Any) -> dict[str, Any]:
+    from tests.cluster.conftest import load_yaml
+
+    return {**load_yaml("tiny.yaml"), **top}
+
+
+def test_store_bounds_and_ingress_replicas_come_from_the_config() -> None:
+    from cluster.config import load_config
+
+    config = load_config(_config(responses_store={"max_responses": 5, "ttl_s": 60},
+                                 http_options={"port": 8000, "ingress_replicas": 2}))  # fmt: skip
+    assert (config.responses_store.max_responses, config.responses_store.ttl_s) == (5, 60)
+    assert config.responses_store.max_bytes == 256 << 20
+    assert config.http_options.ingress_replicas == 2
+
+
+@pytest.mark.parametrize(
+    ("top", "path"),
+    [({"responses_store": {"ttl_s": 0}}, "responses_store.ttl_s"),
+     ({"responses_store": {"max_responses": 0}}, "responses_store.max_responses"),
+     ({"http_options": {"ingress_replicas": 0}}, "http_options.ingress_replicas")],
+)  # fmt: skip
+def test_bad_store_and_ingress_settings_are_refused_by_name(top: dict[str, Any], path: str) -> None:
+    from cluster.config import load_config
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=path.replace(".", r"\.")):
+        load_config(_config(**top))
+
+
+def test_several_ingress_replicas_go_behind_serves_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.config import load_config
+    from cluster.ops import deploy
+
+    # Recorded, so that whatever direct_ingress sets is undone after the test.
+    for name in ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_DIRECT_INGRESS",
+                 "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
+                 "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
+                 "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT",
+                 "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"):  # fmt: skip
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    two = load_config(_config(http_options={"port": 8000, "ingress_replicas": 2}))
+    # Direct ingress pins one replica to the port: with two, cluster serve uses the proxy.
+    assert deploy.direct_ingress(two) is None
+    assert "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT" not in os.environ
+    one = load_config(_config(http_options={"port": 8000, "ingress_replicas": 1}))
+    assert deploy.direct_ingress(one) is not None
