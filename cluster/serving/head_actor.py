@@ -29,7 +29,10 @@ that ingress's requests, instead of one Serve stream item per request per step t
 replica. Its front, whose stream then carries no tokens, gets only the request's first delta and
 its last, merged with those between and each step's time (``RequestDelta.steps``, for the
 latency metrics): one wakeup of the replica per request, not per step. A sink that nobody polls
-for ``SINK_IDLE_S`` is dropped (its ingress is gone).
+for ``SINK_IDLE_S`` is dropped (its ingress is gone). A sink named ``tcp://HOST:PORT/TOKEN`` (the
+default, ``LLM_CLUSTER_TOKEN_PUSH``) is not polled: a ``SinkPusher`` thread connects to that
+ingress and writes each step to it (``cluster.serving.token_push``), with no Ray call per step;
+it lives as long as its connection.
 The actor is owned by the replica, so it dies with it; if the head dies, the poll fails,
 every stream ends with a 503 and the replica's health check fails, so Serve replaces it.
 
@@ -76,6 +79,7 @@ from cluster.serving.head_messages import (
     detached,
 )
 from cluster.serving.start_errors import EngineStartError, known_start_failure
+from cluster.serving.token_push import SinkPusher, is_push_sink
 from engine import envs
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, OnDead, OnStep
@@ -171,6 +175,8 @@ class HeadActor:
         self._sink_of: dict[str, str] = {}  # request id -> its sink, until its last delta
         # A sink request's deltas after its first, held back from the front until its last.
         self._held: dict[str, _Held] = {}
+        self._pushers: dict[str, SinkPusher] = {}  # pushed sinks' writers (``token_push``)
+        self._name = ray.get_runtime_context().get_actor_name() or "head"
         self._dead: str | None = None
         self._ready = threading.Condition()
         self._start_failure: str | None = None
@@ -245,13 +251,28 @@ class HeadActor:
         now = time.monotonic()
         with self._ready:
             for name, box in list(self._sinks.items()):
-                if name != sink and now - box.polled_at > SINK_IDLE_S:
+                # A pushed sink lives as long as its connection (``_drop_sink``).
+                if name != sink and name not in self._pushers and now - box.polled_at > SINK_IDLE_S:
                     del self._sinks[name]
                     for rid in [r for r, s in self._sink_of.items() if s == name]:
                         del self._sink_of[rid]
                         self._held.pop(rid, None)
-            self._sinks.setdefault(sink, _Outbox())
+            box = self._sinks.setdefault(sink, _Outbox())
             self._sink_of[request_id] = sink
+            if is_push_sink(sink) and sink not in self._pushers:
+                self._pushers[sink] = SinkPusher(
+                    sink, self._name, box, self._ready, lambda: self._dead, self._drop_sink
+                )
+
+    def _drop_sink(self, sink: str) -> None:
+        """A pushed sink's connection ended (its ingress is gone): forget it and its requests'
+        routes; the requests themselves end when Serve cancels their calls."""
+        with self._ready:
+            self._pushers.pop(sink, None)
+            self._sinks.pop(sink, None)
+            for rid in [r for r, s in self._sink_of.items() if s == sink]:
+                del self._sink_of[rid]
+                self._held.pop(rid, None)
 
     def abort(self, request_ids: list[str]) -> None:
         self._loop.abort(list(request_ids))
@@ -305,6 +326,10 @@ class HeadActor:
 
     def shutdown(self) -> None:
         self._loop.shutdown()
+        with self._ready:
+            pushers = list(self._pushers.values())
+        for pusher in pushers:
+            pusher.close()
 
     # ---- core thread --------------------------------------------------------------------
 

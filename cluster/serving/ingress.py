@@ -130,7 +130,7 @@ class OpenAIIngress(LLMServicer, ResponsesServicer):
         handle, adapter = self._route(model)
         request_id = uuid.uuid4().hex
         payload = msgspec.structs.replace(
-            payload, adapter=adapter, request_id=request_id, channel=self.channel.sink
+            payload, adapter=adapter, request_id=request_id, channel=await self.channel.sink()
         )
         self.channel.register(request_id)
         try:

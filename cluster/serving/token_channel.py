@@ -19,6 +19,11 @@ cancellation (the client goes away: the call is cancelled, the replica aborts th
 Serve's as before. Polls are acknowledged by step number, like the replica's own
 (``cluster.serving.head_actor``): a lost reply loses nothing. A head that fails (its poll raises, or
 reports the engine dead) ends its requests' streams with a 503.
+
+By default (``LLM_CLUSTER_TOKEN_PUSH``) nothing polls: the sink is this ingress's TCP listener
+(``cluster.serving.token_push``), each head connects to it and writes every step's deltas as one
+frame, acknowledged on the same connection; a head's connection that ends fails its streams
+with a 503 like a failed poll. The poller above stays for ``LLM_CLUSTER_TOKEN_PUSH=0``.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ from cluster.api.protocol import (
     stream_delta,
     unavailable,
 )
-from cluster.serving.head_messages import decode_poll_reply, detached
+from cluster.serving.head_messages import PollReply, decode_poll_reply, detached
+from cluster.serving.token_push import TokenListener
+from engine import envs
 from engine.core_messages import RequestDelta, decode_steps
 
 logger = logging.getLogger("llm_cluster.token_channel")
@@ -57,8 +64,15 @@ _SERVED = object()  # the request's Serve stream ended without an error
 class TokenChannel:
     """One per ingress replica; everything runs on the ingress's event loop."""
 
-    def __init__(self) -> None:
-        self.sink = f"ingress-{uuid.uuid4().hex}"
+    def __init__(self, push: bool | None = None) -> None:
+        """``push``: the heads push each step to this ingress over TCP (``token_push``) rather
+        than being polled; None reads ``LLM_CLUSTER_TOKEN_PUSH`` (default on)."""
+        self._poll_sink = f"ingress-{uuid.uuid4().hex}"
+        if push is None:
+            push = envs.token_push()
+        self._listener = TokenListener(self._on_pushed, self._on_lost) if push else None
+        self._listening: asyncio.Future[str] | None = None
+        self._model_of_head: dict[str, str] = {}
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._head_of: dict[str, str] = {}  # request id -> head actor name
         self._pollers: dict[str, asyncio.Task[None]] = {}
@@ -68,6 +82,16 @@ class TokenChannel:
         # first request would wait for (BENCHMARKS.md, "Cold start"). Imported now instead,
         # while the ingress starts beside the model replicas, which take longer.
         importlib.import_module("cluster.serving.head_actor")
+
+    async def sink(self) -> str:
+        """What a request's ``GenerateRequest.channel`` names: this ingress's listener (started
+        on first use, on this event loop), or with polling the name its outbox has on a head."""
+        if self._listener is None:
+            return self._poll_sink
+        if self._listening is None:
+            host = ray.util.get_node_ip_address()
+            self._listening = asyncio.ensure_future(self._listener.start(host))
+        return await asyncio.shield(self._listening)
 
     def register(self, request_id: str) -> None:
         """Before the request is sent: its first delta may come before its ``StreamStart``."""
@@ -84,7 +108,8 @@ class TokenChannel:
         if queue is None:
             raise RuntimeError(f"request {request_id!r} was not registered")
         self._head_of[request_id] = head
-        if head not in self._pollers:
+        self._model_of_head[head] = model
+        if self._listener is None and head not in self._pollers:
             self._pollers[head] = detached(asyncio.get_running_loop().create_task,
                                            self._poll(head, model))  # fmt: skip
         return ChannelStream(self, request_id, queue, served, model)
@@ -112,7 +137,7 @@ class TokenChannel:
                 elif time.monotonic() - idle_since > POLLER_LINGER_S:
                     return  # no await between this check and the removal below
                 try:
-                    reply = decode_poll_reply(await actor.poll_sink.remote(self.sink, acked))
+                    reply = decode_poll_reply(await actor.poll_sink.remote(self._poll_sink, acked))
                 except TaskCancelledError:
                     continue  # not the head's failure: ask again
                 steps = decode_steps(reply.steps)
@@ -131,6 +156,21 @@ class TokenChannel:
         finally:
             self._pollers.pop(head, None)
             self._actors.pop(head, None)
+
+    def _on_pushed(self, head: str, reply: PollReply) -> None:
+        """A head's frame (``token_push``): its steps come once each, in order."""
+        for step in decode_steps(reply.steps):
+            self._dispatch(step.deltas)
+        if reply.dead is not None:
+            logger.error("engine head %s reports its engine dead: %s", head, reply.dead)
+            model = self._model_of_head.get(head, head)
+            self._fail(head, unavailable(f"the engine for {model!r} failed"))
+
+    def _on_lost(self, head: str) -> None:
+        """A head's connection ended: the streams still open on it get a 503."""
+        if self._requests_on(head):
+            logger.error("engine head %s: its token channel ended", head)
+            self._fail(head, replica_failed(self._model_of_head.get(head, head)))
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         for delta in deltas:

@@ -249,19 +249,20 @@ async def _through_channel(
 
     channel.register(request_id)
     payload = GenerateRequest(prompt=prompt, params=params, request_id=request_id,
-                              channel=channel.sink)  # fmt: skip
+                              channel=await channel.sink())  # fmt: skip
     served = _Served(server.generate(payload))
     start = await served.__anext__()
     return start, [item async for item in channel.stream(request_id, start.head, served, "chan")]
 
 
+@pytest.mark.parametrize("push", [True, False], ids=["pushed", "polled"])
 def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
-    channel_server: Any, offline: LLM
+    channel_server: Any, offline: LLM, push: bool
 ) -> None:
     from cluster.api.protocol import StreamDelta, logprob_rows
     from cluster.serving.token_channel import TokenChannel
 
-    channel = TokenChannel()
+    channel = TokenChannel(push=push)
     per_message: list[int] = []
     dispatch = channel._dispatch
 
@@ -331,13 +332,14 @@ def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
     assert not channel._queues and not channel._head_of  # nothing left registered
 
 
-def test_token_channel_ends_streams_with_503_when_the_head_dies() -> None:
+@pytest.mark.parametrize("push", [True, False], ids=["pushed", "polled"])
+def test_token_channel_ends_streams_with_503_when_the_head_dies(push: bool) -> None:
     from cluster.api.protocol import GenerateRequest, StreamDelta, StreamError
     from cluster.serving.llm_server import LLMServer
     from cluster.serving.token_channel import TokenChannel
 
     server = LLMServer("doomed", ENGINE_ARGS, head_resources={"CPU": 1})
-    channel = TokenChannel()
+    channel = TokenChannel(push=push)
 
     class Silent(_Served):
         """A replica stream that never says anything after its start: only the channel can
@@ -353,7 +355,7 @@ def test_token_channel_ends_streams_with_503_when_the_head_dies() -> None:
         channel.register("doomed-1")
         params = {"max_tokens": 2000, "ignore_eos": True}
         payload = GenerateRequest(prompt="doomed", params=params, request_id="doomed-1",
-                                  channel=channel.sink)  # fmt: skip
+                                  channel=await channel.sink())  # fmt: skip
         served = Silent(server.generate(payload))
         start = await served.__anext__()
         assert not isinstance(start, StreamError), start

@@ -1,0 +1,129 @@
+"""The token channel's push transport (``cluster.serving.token_push``) on its own: a head's
+``SinkPusher`` writing to an ingress's ``TokenListener`` over a real TCP connection."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from cluster.serving.head_messages import PollReply
+from cluster.serving.token_push import SinkPusher, TokenListener, parse_sink
+from engine.core_messages import RequestDelta, StepOutputs, decode_steps
+
+
+class _Outbox:
+    """The head's outbox (``head_actor._Outbox``): steps numbered from ``first_seq``."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepOutputs] = []
+        self.first_seq = 1
+
+    def ack(self, acked: int) -> None:
+        drop = max(0, min(acked - self.first_seq + 1, len(self.steps)))
+        del self.steps[:drop]
+        self.first_seq += drop
+
+
+def _step(request_id: str, number: int) -> StepOutputs:
+    delta = RequestDelta(request_id=request_id, choices=[], finished=False)
+    return StepOutputs([delta], float(number))
+
+
+class _Head:
+    def __init__(self, sink: str) -> None:
+        self.lock = threading.Condition()
+        self.box = _Outbox()
+        self.dead: str | None = None
+        self.broken = threading.Event()
+        self.pusher = SinkPusher(sink, "LLMHead:m:1", self.box, self.lock, lambda: self.dead,
+                                 lambda _sink: self.broken.set())  # fmt: skip
+
+    def push(self, step: StepOutputs) -> None:
+        with self.lock:
+            self.box.steps.append(step)
+            self.lock.notify_all()
+
+    def die(self, why: str) -> None:
+        with self.lock:
+            self.dead = why
+            self.lock.notify_all()
+
+
+async def _until(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.01)
+
+
+def test_steps_arrive_once_each_in_order_and_acks_empty_the_outbox() -> None:
+    received: list[tuple[str, float]] = []
+    lost: list[str] = []
+
+    def on_steps(head: str, reply: PollReply) -> None:
+        received.extend((head, step.time) for step in decode_steps(reply.steps))
+
+    async def run() -> _Head:
+        listener = TokenListener(on_steps, lost.append)
+        sink = await listener.start("127.0.0.1")
+        head = _Head(sink)
+        for number in range(1, 201):  # the writer batches whatever piled up: none twice
+            head.push(_step("r", number))
+            if number % 50 == 0:
+                await asyncio.sleep(0.02)
+        await _until(lambda: len(received) >= 200)
+        await _until(lambda: not head.box.steps)  # every frame acknowledged
+        head.pusher.close()
+        await _until(lambda: bool(lost))
+        listener.close()
+        return head
+
+    head = asyncio.run(asyncio.wait_for(run(), 30))
+    assert received == [("LLMHead:m:1", float(n)) for n in range(1, 201)]
+    assert lost == ["LLMHead:m:1"] and head.broken.wait(5)
+
+
+def test_a_dead_head_says_why_in_its_last_frame() -> None:
+    replies: list[PollReply] = []
+    lost: list[str] = []
+
+    async def run() -> None:
+        listener = TokenListener(lambda _head, reply: replies.append(reply), lost.append)
+        head = _Head(await listener.start("127.0.0.1"))
+        head.push(_step("r", 1))
+        await _until(lambda: bool(replies))
+        head.die("the engine failed: boom")
+        await _until(lambda: bool(lost))
+        listener.close()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+    assert replies[-1].dead == "the engine failed: boom"
+    assert lost == ["LLMHead:m:1"]
+
+
+def test_a_connection_without_the_sinks_token_delivers_nothing() -> None:
+    received: list[PollReply] = []
+    lost: list[str] = []
+
+    async def run() -> _Head:
+        listener = TokenListener(lambda _head, reply: received.append(reply), lost.append)
+        sink = await listener.start("127.0.0.1")
+        host, port, _token = parse_sink(sink)
+        head = _Head(f"tcp://{host}:{port}/{'0' * 32}")
+        head.push(_step("r", 1))
+        await asyncio.to_thread(head.broken.wait, 10)  # the listener hung up on it
+        listener.close()
+        return head
+
+    head = asyncio.run(asyncio.wait_for(run(), 30))
+    assert head.broken.is_set() and not received and not lost
+
+
+@pytest.mark.parametrize("sink", ["ingress-abc", "tcp://:80/x", "tcp://h:port/x", "tcp://h:1/"])
+def test_a_malformed_sink_is_named(sink: str) -> None:
+    with pytest.raises(ValueError, match="tcp://HOST:PORT/TOKEN"):
+        parse_sink(sink)
