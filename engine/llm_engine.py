@@ -58,11 +58,10 @@ from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutpu
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
-from engine.spec_decode.config import is_speculable
-from engine.spec_decode.grammar import grammar_proposals, spec_bitmask_rows
+from engine.spec_decode.grammar import grammar_proposals, spec_grammar_rows
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.ngram import NgramProposer
-from engine.structured_output import StructuredOutputManager
+from engine.structured_output import StructuredOutputGrammar, StructuredOutputManager
 from engine.timing import StepTimer
 
 logger = logging.getLogger("llm_cluster.engine")
@@ -470,6 +469,10 @@ class LLMEngine:
             self._flush_finished()
         return outputs
 
+    def _grammar_of(self, request_id: str) -> StructuredOutputGrammar | None:
+        entry = self._samples.get(request_id)
+        return entry[0].samples[entry[1]].grammar if entry is not None else None
+
     def _observe_spec_decode(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """Count each verification before stops trim the tokens: accepted = emitted - 1."""
         if not sched.spec_token_ids:
@@ -481,14 +484,10 @@ class LLMEngine:
 
     def _propose(self, sample: SampleState) -> None:
         """Speculative decoding: the proposals the request's next step verifies, cut where a
-        grammar (structured outputs) rejects one. History-dependent sampling decodes one
-        token per step."""
+        grammar (structured outputs) rejects one."""
         if self.proposer is None:
             return
         request = sample.request
-        if not is_speculable(request.sampling_params):
-            request.spec_token_ids = []
-            return
         proposals = self.proposer.propose(request)
         if sample.grammar is not None:
             proposals = grammar_proposals(sample.grammar, proposals)
@@ -532,26 +531,13 @@ class LLMEngine:
                 continue
             req_ids.append(rid)
             grammars.append(sample.grammar)
-        spec_ids, spec_rows = self._spec_grammar_rows(sched)
+        spec_ids, spec_rows = spec_grammar_rows(
+            sched.spec_token_ids, self._grammar_of, self.structured_output.vocab_size
+        )
         if req_ids or spec_ids:
             message.structured_output_req_ids = req_ids + spec_ids
             plain = self.structured_output.grammar_bitmask(grammars) if grammars else b""
             message.grammar_bitmask = plain + spec_rows
-
-    def _spec_grammar_rows(self, sched: SchedulerOutput) -> tuple[list[str], bytes]:
-        """Constrained requests verifying proposals: k + 1 bitmask rows each (one per logits
-        row), the request id repeated for each, after the one-row requests."""
-        req_ids: list[str] = []
-        rows: list[bytes] = []
-        for rid, proposals in sched.spec_token_ids.items():
-            entry = self._samples.get(rid)
-            grammar = entry[0].samples[entry[1]].grammar if entry is not None else None
-            if grammar is None:
-                continue
-            bitmask = spec_bitmask_rows(grammar, proposals, self.structured_output.vocab_size)
-            req_ids.extend([rid] * (len(proposals) + 1))
-            rows.append(bitmask.numpy().astype("<i4", copy=False).tobytes())
-        return req_ids, b"".join(rows)
 
     def _advance_grammar(self, sample: SampleState, num_new: int) -> None:
         """Feed the sampled tokens to the sample's matcher. A complete grammar (its stop token
@@ -584,13 +570,17 @@ class LLMEngine:
         texts: dict[int, str],
     ) -> None:
         request, detok = sample.request, sample.detokenizer
+        num_before = request.num_output_tokens - num_new
+        stopped = self._detokenize(sample, num_new)
         if logprobs is not None and sample.logprobs is not None:
-            entries = logprob_dicts(logprobs, texts)
+            # A verified run cut by a stop keeps the rows of the tokens it kept.
+            kept = request.num_output_tokens - num_before
+            entries = logprob_dicts(logprobs, texts)[:kept]
             sample.logprobs.extend(entries)
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + sum(
-                lps[0] for lps in logprobs.logprobs
+                lps[0] for lps in logprobs.logprobs[:kept]
             )
-        if self._detokenize(sample, num_new):
+        if stopped:
             request.stop_reason = detok.stop_string
             if request.is_finished:
                 request.status = RequestStatus.FINISHED_STOPPED

@@ -44,7 +44,7 @@ from engine.pooling_params import PoolingParams
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.rejection_sampler import verify_proposals
+from engine.spec_decode.verify import spec_grammar_rows_of, verify_requests
 from engine.structured_output import apply_grammar_bitmask, unpack_bitmask
 from engine.timing import StepTimer, device_synchronizer
 from kernels.attention import AttentionMetadata
@@ -315,7 +315,7 @@ class ModelRunner:
         ]
         grammar_rows, grammar_bitmask = self._grammar_rows(req, sampled_req_ids)
         spec_req_ids = [states[i].req_id for i in verified]
-        spec_grammar_rows, spec_grammar_bitmask = self._spec_grammar_rows(req, spec_req_ids)
+        spec_grammar_rows, spec_grammar_bitmask = spec_grammar_rows_of(req, spec_req_ids)
         sampling_metadata = (
             self._sampling_metadata(sampled_req_ids) if self.is_driver and sampled_req_ids else None
         )
@@ -366,30 +366,6 @@ class ModelRunner:
         if not pairs:
             return [], None
         return [row for row, _ in pairs], bitmask[[i for _, i in pairs]]
-
-    @staticmethod
-    def _spec_grammar_rows(
-        req: ExecuteModelRequest, spec_req_ids: list[str]
-    ) -> tuple[list[int], np.ndarray | None]:
-        """A constrained request verifying k proposals has k + 1 consecutive bitmask rows (its
-        id repeated), one per logits row of its block, in order."""
-        if not req.structured_output_req_ids or not spec_req_ids:
-            return [], None
-        offset, start = 0, {}
-        for rid in spec_req_ids:
-            start[rid] = offset
-            offset += len(req.scheduled_spec_decode_tokens[rid]) + 1
-        seen: dict[str, int] = {}
-        rows, picked = [], []
-        for i, rid in enumerate(req.structured_output_req_ids):
-            if rid in start:
-                rows.append(start[rid] + seen.get(rid, 0))
-                seen[rid] = seen.get(rid, 0) + 1
-                picked.append(i)
-        if not rows:
-            return [], None
-        bitmask = unpack_bitmask(req.grammar_bitmask, len(req.structured_output_req_ids))
-        return rows, bitmask[picked]
 
     @staticmethod
     def _prompt_logprobs_rows(
@@ -453,11 +429,12 @@ class ModelRunner:
                 req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs
             )
         num_plain = len(inputs.sampled_req_ids)
-        verified = self._verify(inputs, logits[num_plain:])
+        verified, verified_logprobs = self._verify(inputs, logits[num_plain:])
         if not num_plain:
             return ModelRunnerOutput(
                 req_ids=inputs.spec_req_ids,
                 sampled_token_ids=verified,
+                logprobs=verified_logprobs,
                 prompt_logprobs=prompt_logprobs,
             )
         logits = logits[:num_plain]
@@ -472,7 +449,9 @@ class ModelRunner:
         logprobs = None
         if out.logprobs is not None and meta.num_logprobs is not None:
             logprobs = _split_logprobs(out.logprobs, meta.num_logprobs)
-        if logprobs is not None and verified:
+        if verified_logprobs is not None:
+            logprobs = (logprobs or [None] * num_plain) + verified_logprobs
+        elif logprobs is not None and verified:
             logprobs = logprobs + [None] * len(verified)
         return ModelRunnerOutput(
             req_ids=inputs.sampled_req_ids + inputs.spec_req_ids,
@@ -481,31 +460,20 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _verify(self, inputs: StepInputs, logits: torch.Tensor) -> list[list[int]]:
-        """Speculative decoding: each request's accepted proposals and its next token, from
-        its k + 1 logits rows (``engine.spec_decode.rejection_sampler``), masked first by its
-        grammar's rows where it has one."""
-        req_ids = inputs.spec_req_ids
-        if not req_ids:
-            return []
-        if inputs.spec_grammar_bitmask is not None:
-            apply_grammar_bitmask(logits, inputs.spec_grammar_bitmask, inputs.spec_grammar_rows)
-        states = [self.requests[rid] for rid in req_ids]
-        params = [s.sampling_params for s in states]
-        needs_history = any(
-            p.has_penalties or p.bad_words_token_ids or p.min_tokens for p in params
-        )
-        return verify_proposals(
+    def _verify(
+        self, inputs: StepInputs, logits: torch.Tensor
+    ) -> tuple[list[list[int]], list[LogprobsLists | None] | None]:
+        """Speculative decoding: each request's accepted proposals and next token (and their
+        logprobs where asked) from its k + 1 logits rows (``engine.spec_decode.verify``)."""
+        if not inputs.spec_req_ids:
+            return [], None
+        return verify_requests(
+            [self.requests[rid] for rid in inputs.spec_req_ids],
+            [self._proposals[rid] for rid in inputs.spec_req_ids],
             logits,
-            params,
-            [s.generator for s in states],
-            [self._proposals[rid] for rid in req_ids],
+            inputs.spec_grammar_bitmask,
+            inputs.spec_grammar_rows,
             self.vocab_size,
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states]
-            if needs_history
-            else None,
-            output_token_ids=[s.output_token_ids for s in states] if needs_history else None,
-            eos_token_ids=[s.eos_token_ids for s in states],
         )
 
     def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:

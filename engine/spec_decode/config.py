@@ -114,14 +114,6 @@ def check_speculative_support(
     )
 
 
-def is_speculable(params: Any) -> bool:
-    """Whether a request's tokens can come from verified proposals: ``logprobs`` report one
-    row per sampled token, which the verification does not build; such requests decode one
-    token per step. (Penalties, bad_words and min_tokens are verified with each row's own
-    history, see ``engine.spec_decode.rejection_sampler``.)"""
-    return params.logprobs is None
-
-
 @dataclass(frozen=True)
 class SpeculativeArgs:
     """``EngineConfig.speculative``: the ``speculative_config`` engine argument, given as

@@ -13,6 +13,8 @@ without speculation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import xgrammar as xgr
 
@@ -54,3 +56,23 @@ def spec_bitmask_rows(
     if k:
         matcher.rollback(k)
     return bitmask
+
+
+def spec_grammar_rows(
+    spec_token_ids: dict[str, list[int]],
+    grammar_of: Callable[[str], StructuredOutputGrammar | None],
+    vocab_size: int,
+) -> tuple[list[str], bytes]:
+    """The step message's rows for the constrained requests verifying proposals: k + 1 rows
+    each (one per logits row), the request id repeated for each; they follow the one-row
+    requests' rows in ``structured_output_req_ids``."""
+    req_ids: list[str] = []
+    rows: list[bytes] = []
+    for rid, proposals in spec_token_ids.items():
+        grammar = grammar_of(rid)
+        if grammar is None:
+            continue
+        bitmask = spec_bitmask_rows(grammar, proposals, vocab_size)
+        req_ids.extend([rid] * (len(proposals) + 1))
+        rows.append(bitmask.numpy().astype("<i4", copy=False).tobytes())
+    return req_ids, b"".join(rows)

@@ -20,8 +20,8 @@ tokens are reproducible and independent of the batch.
 
 History-dependent processors (penalties, bad_words, min_tokens) see, at row j, the request's
 output followed by the proposals before row j: the history sampling without speculation would
-see at that position. Requests asking for logprobs are not speculated (see
-``engine.spec_decode.config.is_speculable``) and are refused here if they arrive.
+see at that position. ``logprobs`` of each emitted token are the raw logprobs of its row, as
+sampling without speculation reports them for that position (``spec_logprobs``).
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from engine.protocol import LogprobsLists
 from engine.sampler import (
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
+    gather_logprobs,
     process_logits,
 )
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.config import is_speculable
 
 
 def verify_proposals(
@@ -55,9 +56,6 @@ def verify_proposals(
     request's emitted tokens: its accepted proposals, then one sampled (or bonus) token.
     ``prompt_token_ids`` / ``output_token_ids`` / ``eos_token_ids`` (per request) are needed
     by penalties, bad_words and min_tokens, as for ``SamplingMetadata.build``."""
-    for p in params:
-        if not is_speculable(p):
-            raise ValueError("verify_proposals: a request that asked for logprobs")
     device = logits.device
     rows = [(i, j) for i, prop in enumerate(proposals) for j in range(len(prop) + 1)]
     row_params = [params[i] for i, _ in rows]
@@ -169,3 +167,45 @@ def _draw(probs: torch.Tensor, rows: list[int], banned: list[int], u: list[float
     targets = (1.0 - torch.tensor(u, device=device).unsqueeze(1)) * cdf[:, -1:]
     ids = torch.searchsorted(cdf, targets).squeeze(1)
     return ids.clamp_(max=probs.shape[-1] - 1).tolist()
+
+
+def spec_logprobs(
+    raw_logprobs: torch.Tensor,
+    emitted: list[list[int]],
+    proposals: list[list[int]],
+    num_logprobs: list[int | None],
+) -> list[LogprobsLists | None]:
+    """Per request, one row per emitted token: the token's raw logprob in its row, its rank,
+    and the row's top-k (``num_logprobs``; None where the request asked for none)."""
+    rows, chosen, offset = [], [], 0
+    for tokens, prop, k in zip(emitted, proposals, num_logprobs):
+        if k is not None:
+            rows.extend(range(offset, offset + len(tokens)))
+            chosen.extend(tokens)
+        offset += len(prop) + 1
+    if not rows:
+        return [None] * len(emitted)
+    device = raw_logprobs.device
+    top = max(k for k in num_logprobs if k is not None)
+    tensors = gather_logprobs(
+        raw_logprobs[torch.tensor(rows, device=device)],
+        torch.tensor(chosen, dtype=torch.int64, device=device),
+        min(top, raw_logprobs.shape[-1]),
+    )
+    ids, lps, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
+    out: list[LogprobsLists | None] = []
+    cursor = 0
+    for tokens, k in zip(emitted, num_logprobs):
+        if k is None:
+            out.append(None)
+            continue
+        span = slice(cursor, cursor + len(tokens))
+        cursor += len(tokens)
+        out.append(
+            LogprobsLists(
+                token_ids=[t[: k + 1] for t in ids[span]],
+                logprobs=[lp[: k + 1] for lp in lps[span]],
+                ranks=ranks[span],
+            )
+        )
+    return out

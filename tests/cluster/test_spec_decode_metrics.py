@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from cluster.bench import throughput
 from cluster.serving import metrics
 from cluster.serving.metrics import ModelMetrics
 from engine import SamplingParams
@@ -79,3 +80,35 @@ def test_spec_decode_counters_in_metrics(model_metrics: ModelMetrics) -> None:
         key = ("llm_cluster_spec_decode_num_accepted_tokens_per_pos_total",
                (*tags[:1], ("position", str(pos)), tags[1]))  # fmt: skip
         assert SAMPLES.get(key, 0) == count
+
+
+def test_bench_throughput_reports_acceptance(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine import LLM
+
+    llm = LLM(
+        "builtin:tiny-llama",
+        device="cpu",
+        num_kv_blocks=128,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                            "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+    )  # fmt: skip
+    wl = throughput.make_workload(8, (16, 32), (16, 32), 1024, 0)
+    _, profile = throughput._timed_generate(llm, wl)
+    spec = profile["spec_decode"]
+    # Counted over the timed run only (the warm-up's were reset).
+    assert spec["num_drafts"] > 0
+    assert spec["num_draft_tokens"] >= spec["num_accepted_tokens"] >= 0
+    assert len(spec["accepted_per_pos"]) <= 2
+    throughput._print_table(
+        {"conditions": _conditions(), "systems": {}, "ratios": {}, "roofline": {},
+         "step_profile": profile}
+    )  # fmt: skip
+    assert "speculative decoding: " in capsys.readouterr().out
+
+
+def _conditions() -> dict[str, Any]:
+    return {
+        "date": "d", "machine": "m", "device": "cpu", "dtype": "float32",
+        "model": {"family": "llama", "parameters": 1e6},
+        "workload": {"num_prompts": 8, "input_len": [16, 32], "output_len": [16, 32]},
+    }  # fmt: skip

@@ -163,7 +163,7 @@ def test_stop_strings_equal_without_speculation(model, reference):
     # Stop strings cut from the middle of the looping outputs' text.
     texts = [tok.decode(out[10:]) for out in reference]
     stops = [t[len(t) // 2 : len(t) // 2 + 3] for t in texts if len(t) > 8][:4]
-    params = SamplingParams(temperature=0, max_tokens=48, stop=stops)
+    params = SamplingParams(temperature=0, max_tokens=48, stop=stops, logprobs=1)
     outs_ref = llm_ref.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     llm = LLM(str(model), **BASE, speculative_config=ngram(5))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -172,6 +172,8 @@ def test_stop_strings_equal_without_speculation(model, reference):
         list(o.outputs[0].token_ids) for o in outs_ref
     ]
     assert any(o.outputs[0].finish_reason == "stop" for o in outs)
+    # A run cut at the stop keeps the logprobs of the tokens it kept.
+    assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in outs)
 
 
 def test_parallel_samples_greedy_and_seeded(model):
@@ -235,13 +237,21 @@ def test_history_dependent_sampling_sees_each_rows_history(model, extra):
     assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
 
 
-def test_logprobs_requests_decode_without_proposals(model):
-    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+def test_logprobs_of_verified_tokens_equal_without_speculation(model):
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[-4:]]
     llm = LLM(str(model), **BASE, speculative_config=ngram(3))
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
-    ref = LLM(str(model), **BASE).generate(
-        [{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False
-    )
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
-    assert all(len(o.outputs[0].logprobs) == 24 for o in outs)
-    assert llm.llm_engine.spec_decode_stats.num_drafts == 0
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    ref = LLM(str(model), **BASE).generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+    for got, want in zip(outs, ref):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert len(got.outputs[0].logprobs) == 24
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert list(a) == list(b)  # chosen token first, then the same top-2
+            for token in a:
+                assert a[token].rank == b[token].rank
+                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+        assert got.outputs[0].cumulative_logprob == pytest.approx(
+            want.outputs[0].cumulative_logprob, abs=1e-3
+        )
