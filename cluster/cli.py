@@ -86,7 +86,7 @@ def _deploy_and_report(
     ports itself, without Serve's proxy hop (``deploy.direct_ingress``)."""
     import logging
 
-    from cluster.ops import deploy
+    from cluster.ops import deploy, ports, stop
     from cluster.ops.plan import PlanError, preflight
 
     try:
@@ -97,10 +97,15 @@ def _deploy_and_report(
             for reason in reasons:
                 print(f"refused: {model_id}: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    if address == "local":  # Ray and Serve start here: the ports must be free here, now
+        _refuse_ports_in_use(lambda: ports.check_ports_free(ports.config_ports(config)))
+        stop.abort_streams_on_gcs_loss()
     deployed = deploy.direct_ingress(config) if direct_ingress else None
     if deployed is not None:  # Serve would announce the idle proxy's spare port as the app's
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     deploy.connect(address, num_cpus=sum(m.cpus_at_max_scale() for m in config.models))
+    if address != "local":
+        _refuse_ports_in_use(lambda: ports.check_cluster_ports(config))
     names = ", ".join(m.model_id for m in config.models)
     print(f"deploying {names} (app {config.app_name!r}); loading models...", flush=True)
     try:
@@ -114,6 +119,16 @@ def _deploy_and_report(
     print(f"ready: OpenAI API at {deploy.endpoint(config)}", flush=True)
     if config.grpc_options is not None:
         print(f"gRPC (llmcluster.LLM) on port {config.grpc_options.port}", flush=True)
+
+
+def _refuse_ports_in_use(check: Callable[[], None]) -> None:
+    from cluster.ops.ports import PortInUseError
+
+    try:
+        check()
+    except PortInUseError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def _with_time_to_ready(started: float) -> Callable[[str], None]:
@@ -148,7 +163,10 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    import ray
+
     from cluster.ops import deploy
+    from cluster.ops import stop as stop_serving
 
     config = _load_config(args.config)
     _deploy_and_report(
@@ -164,12 +182,17 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     print("serving; press Ctrl-C (or send SIGTERM) to stop", flush=True)
+    gcs_address = ray.get_runtime_context().gcs_address
     try:
         while not stop.wait(1.0):
             pass
         print("shutting down: draining in-flight requests", flush=True)
     finally:
-        deploy.shutdown()
+        drained = stop_serving.drain_unless_gcs_gone(deploy.shutdown, gcs_address)
+    if not drained:
+        # The signal went to the whole process group (or cgroup): Ray stopped with us.
+        print("Ray's processes were stopped by the same signal: nothing left to drain", flush=True)
+        stop_serving.exit_without_ray(0)
     return 0
 
 

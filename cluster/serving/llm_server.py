@@ -49,7 +49,7 @@ from cluster.api.tool_parsers import get_tool_parser
 from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError
 from cluster.serving.metrics import ModelMetrics
-from cluster.serving.serve_replica import serve_stop_flag
+from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
 from cluster.serving.start_errors import ModelStartError, known_start_failure
 from engine.async_llm_engine import AsyncLLMEngine, EngineStats
 from engine.config import EngineConfig
@@ -472,8 +472,16 @@ class LLMServer:
         stopping = self._stopping
         if stopping is None:  # outside Serve, or its flag is unreadable: Serve's drain only
             return
+        gcs_lost = gcs_loss_flag()
+        polls = 0
         while not stopping():
             await asyncio.sleep(0.2)
+            polls += 1
+            if gcs_lost is not None and polls % 3 == 0 and await gcs_lost():
+                # Ray itself is stopping (cluster serve's process group got SIGTERM): its
+                # raylet ends this process within seconds, so streams end now, with "abort".
+                await self.drain(0.0)
+                return
         await self.drain(self.drain_timeout_s)
 
     async def drain(self, timeout_s: float) -> dict[str, int]:

@@ -1,10 +1,12 @@
 """What a Serve replica can learn about itself from Serve (the ingress and the ``LLMServer``
-fronts both drain on it)."""
+fronts both drain on it), and whether the cluster's GCS is gone for good."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Awaitable, Callable
 
 logger = logging.getLogger("llm_cluster.serve")
 
@@ -36,4 +38,38 @@ def serve_stop_flag() -> Callable[[], bool] | None:
     return None
 
 
-__all__ = ["serve_stop_flag"]
+# Set by ``cluster serve`` in the environment of the local Ray it starts (its replicas inherit
+# it): there the GCS keeps no state outside its process, so a GCS that refuses connections is
+# the cluster stopping (the signal reached the whole process group or cgroup), not a restart.
+ABORT_ON_GCS_LOSS_ENV = "LLM_CLUSTER_ABORT_ON_GCS_LOSS"
+
+
+def gcs_loss_flag() -> Callable[[], Awaitable[bool]] | None:
+    """Where ``ABORT_ON_GCS_LOSS_ENV`` is set: an async check that the GCS refuses connections
+    (its process has exited; Ray's raylet ends this process a few seconds later). None
+    elsewhere: a cluster whose GCS restarts (GCS fault tolerance) keeps its streams."""
+    if os.environ.get(ABORT_ON_GCS_LOSS_ENV) != "1":
+        return None
+    import ray
+
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception:  # not connected to Ray
+        return None
+    return lambda: gcs_refuses(address)
+
+
+async def gcs_refuses(gcs_address: str, timeout_s: float = 1.0) -> bool:
+    """Whether ``host:port`` refuses a TCP connection; a slow answer is not a refusal."""
+    host, _, port = gcs_address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return False
+
+
+__all__ = ["ABORT_ON_GCS_LOSS_ENV", "gcs_loss_flag", "gcs_refuses", "serve_stop_flag"]

@@ -1,0 +1,150 @@
+"""Is a port the config names free to serve on, and if not, who holds it?
+
+``cluster serve`` asks before it starts Ray: a port in use would otherwise surface 20 s later as
+Serve's "Failed to update the deployments ['OpenAIIngress']" without a word of the port.
+``cluster deploy`` asks each node of the cluster before Serve first starts there (a running
+Serve keeps the ports it has)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.config import DeploymentConfig
+
+_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp{,6}
+
+
+class PortInUseError(RuntimeError):
+    """A port of the config cannot be bound; the message names the field, port, host and (when
+    this machine can tell) the process holding it."""
+
+
+def config_ports(config: DeploymentConfig) -> list[tuple[str, str, int]]:
+    """``(field, host, port)`` for each port the config serves on."""
+    host = config.http_options.host
+    ports = [("http_options.port", host, config.http_options.port)]
+    if config.grpc_options is not None:
+        # Serve's gRPC proxy (and the direct-ingress gRPC server) listen on every interface.
+        ports.append(("grpc_options.port", "0.0.0.0", config.grpc_options.port))
+    return ports
+
+
+def check_ports_free(ports: list[tuple[str, str, int]], where: str = "") -> None:
+    """Raise ``PortInUseError`` for the first port that this machine cannot bind."""
+    for field, host, port in ports:
+        if not can_bind(host, port):
+            holder = port_holder(port)
+            by = f" by {holder}" if holder else " by another process"
+            raise PortInUseError(
+                f"{field} {port} on {host}{where} is in use{by}: stop it, or choose another port"
+            )
+
+
+def can_bind(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now. SO_REUSEADDR as uvicorn and gRPC
+    set it, so a port whose old connections linger in TIME_WAIT counts as free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def port_holder(port: int) -> str | None:
+    """ "<name> (pid N)" of the process listening on TCP ``port``, read from /proc (Linux);
+    "a process of another user" when the socket is visible but its process is not; None when
+    this machine cannot tell."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return None
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            fds = list((pid_dir / "fd").iterdir())
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                return f"{_process_name(pid_dir)} (pid {pid_dir.name})"
+    return "a process of another user"
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on ``port``, from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == _TCP_LISTEN and int(local.rsplit(":", 1)[1], 16) == port:
+                inodes.add(inode)
+    return inodes
+
+
+def _process_name(pid_dir: Path) -> str:
+    try:
+        cmdline = (pid_dir / "cmdline").read_bytes().split(b"\0")
+        name = (pid_dir / "comm").read_text().strip()
+    except OSError:
+        return "a process"
+    args = [a.decode(errors="replace") for a in cmdline if a]
+    return f"{name}: {' '.join(args)[:120]}" if args else name
+
+
+def check_cluster_ports(config: DeploymentConfig, timeout_s: float = 60.0) -> None:
+    """Before Serve first starts on a running cluster: raise ``PortInUseError`` when a port of
+    the config is taken on one of its nodes (Serve runs a proxy on every node). Nothing to
+    check once Serve runs: its proxies keep the ports they hold."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")  # Serve's own names
+        return
+    except ValueError:  # Serve not running
+        pass
+    probe = ray.remote(num_cpus=0)(_probe_node)
+    probes = [
+        probe.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+        ).remote(config_ports(config), node["NodeManagerAddress"])
+        for node in ray.nodes()
+        if node["Alive"]
+    ]
+    for message in ray.get(probes, timeout=timeout_s):
+        if message is not None:
+            raise PortInUseError(message)
+
+
+def _probe_node(ports: list[tuple[str, str, int]], node_ip: str) -> str | None:
+    try:
+        check_ports_free(ports, where=f" (node {node_ip})")
+    except PortInUseError as exc:
+        return str(exc)
+    return None
+
+
+__all__ = [
+    "PortInUseError",
+    "can_bind",
+    "check_cluster_ports",
+    "check_ports_free",
+    "config_ports",
+    "port_holder",
+]
