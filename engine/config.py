@@ -436,7 +436,10 @@ def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
     PoolerConfig(**groups["pooler"])
     FrontendConfig(**groups["frontend"])
     LoRAConfig(**groups["lora"])
-    SpeculativeArgs(**groups["speculative"])
+    check_speculative_support(
+        SpeculativeArgs(**groups["speculative"]).speculative_config,
+        pipeline_parallel_size=groups["parallel"].get("pipeline_parallel_size", 1),
+    )
 
 
 def _with_checkpoint(model: ModelConfig) -> ModelConfig:

@@ -61,6 +61,12 @@ def test_pipeline_parallel_is_refused_by_name():
         )  # fmt: skip
 
 
+def test_pipeline_parallel_is_refused_in_a_deployment_check():
+    # The deployment YAML's check reads no checkpoint: the combination is refused there too.
+    with pytest.raises(ConfigError, match="speculative_config: needs pipeline_parallel_size 1"):
+        check_engine_arg_ranges({"pipeline_parallel_size": 2, "speculative_config": spec()})
+
+
 def brute_force(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     """The definition: the latest earlier match of the longest suffix, continued periodically."""
     length = len(tokens)
