@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestOutputKind, SamplingParams
 from engine.lora_request import LoRARequest
 from engine.sampling_params import StructuredOutputsParams
 from engine.tiny_models import make_random_model, make_tiny_lora
@@ -255,3 +255,32 @@ def test_logprobs_of_verified_tokens_equal_without_speculation(model):
         assert got.outputs[0].cumulative_logprob == pytest.approx(
             want.outputs[0].cumulative_logprob, abs=1e-3
         )
+
+
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_delta_outputs_add_up_with_several_tokens_per_step(model, reference, with_stop):
+    # Verified runs hand several tokens to one step's output: the DELTA outputs still add up
+    # to the CUMULATIVE one (text, tokens, logprobs), and sampling is reproducible by seed.
+    llm = LLM(str(model), **BASE, speculative_config=ngram(4))
+    engine = llm.llm_engine
+    tok = llm.get_tokenizer()
+    # A stop string from the looping greedy output: likely inside a verified run.
+    stops = [tok.decode(reference[-2][8:10])] if with_stop else None
+
+    def run(kind: RequestOutputKind) -> list:
+        params = SamplingParams(temperature=0.3, top_k=3, seed=3, n=2, max_tokens=40,
+                                logprobs=1, stop=stops, output_kind=kind)  # fmt: skip
+        engine.add_request("r", {"prompt_token_ids": PROMPTS[-2]}, params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        return outs
+
+    final = run(RequestOutputKind.CUMULATIVE)[-1]
+    deltas = run(RequestOutputKind.DELTA)
+    assert engine.spec_decode_stats.num_accepted_tokens > 0
+    for index, whole in enumerate(final.outputs):
+        parts = [c for d in deltas for c in d.outputs if c.index == index]
+        assert "".join(c.text for c in parts) == whole.text
+        assert [t for c in parts for t in c.token_ids] == whole.token_ids
+        assert [lp for c in parts for lp in c.logprobs] == whole.logprobs
