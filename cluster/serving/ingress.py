@@ -39,11 +39,16 @@ from cluster.api.openai_payloads import (
 from cluster.api.openai_responses import Completion, stream_sse
 from cluster.api.protocol import GenerateRequest, StreamError, StreamStart
 from cluster.serving.grpc_ingress import LLMServicer
-from cluster.serving.ingress_calls import guard_stream, merge_streams, model_health
+from cluster.serving.ingress_calls import (
+    guard_stream,
+    merge_streams,
+    model_health,
+    wait_for_open_streams,
+)
 from cluster.serving.ingress_responses import ResponsesServicer, responses_store
 from cluster.serving.metrics import scrape_cluster_metrics
 from cluster.serving.scale_to_zero import cold_start_error, models_without_replicas
-from cluster.serving.serve_replica import serve_stop_flag
+from cluster.serving.serve_replica import on_sigterm, serve_stop_flag
 from cluster.serving.token_channel import TokenChannel
 
 # Which replica served a generation (routing checks, debugging).
@@ -95,6 +100,8 @@ class OpenAIIngress(LLMServicer, ResponsesServicer):
         self.cold_start_timeouts = cold_start_timeouts or {}
         # Serve stopping this replica (cluster shutdown, redeploy): new generations get 503.
         self._stopping = serve_stop_flag()
+        # The raylet stopping SIGTERMs every replica at once: streams end before this one does.
+        on_sigterm(wait_for_open_streams)
         # Token deltas from the models' heads, one message per step for all our requests.
         self.channel = TokenChannel()
         # /v1/responses results: the application's store (an actor every replica sees).

@@ -6,6 +6,7 @@ UNAVAILABLE), the streams of a batched request merged into one, and a model's he
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,15 +15,37 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.api.protocol import replica_failed
 
+_open_streams = 0  # guard_stream generators running in this process
+
+
+def open_streams() -> int:
+    """How many model streams this ingress is carrying now (read from any thread)."""
+    return _open_streams
+
+
+def wait_for_open_streams(timeout_s: float = 3.0, flush_s: float = 0.2) -> None:
+    """Block (a SIGTERM hook on the worker's main thread: ``serve_replica.on_sigterm``) until
+    the streams this ingress carries have ended, at most ``timeout_s``: the raylet stops the
+    model replicas with it, whose streams then end here with an abort or an error item and
+    ``[DONE]`` instead of a severed connection; ``flush_s`` for the last bytes to be written."""
+    deadline = time.monotonic() + timeout_s
+    while _open_streams and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(flush_s)
+
 
 async def guard_stream(items: Any, model: str) -> AsyncIterator[Any]:
     """The server's items, with a failure of the replica itself (its process killed, its node
     lost: a Ray error from the handle's stream) turned into a final 503 error item."""
+    global _open_streams
+    _open_streams += 1
     try:
         async for item in items:
             yield item
     except ray.exceptions.RayError:
         yield replica_failed(model)
+    finally:
+        _open_streams -= 1
 
 
 async def merge_streams(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
@@ -71,4 +94,4 @@ async def _response(response: Any) -> Any:
     return await response
 
 
-__all__ = ["guard_stream", "merge_streams", "model_health"]
+__all__ = ["guard_stream", "merge_streams", "model_health", "open_streams", "wait_for_open_streams"]

@@ -38,6 +38,38 @@ def serve_stop_flag() -> Callable[[], bool] | None:
     return None
 
 
+def on_sigterm(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` on this Ray worker's main thread when the worker gets SIGTERM, before
+    Ray's handler makes it exit (the replica's event loop still runs meanwhile). A raylet that
+    stops (its node's ``ray stop``, or cluster serve's process group signalled) SIGTERMs every
+    worker at once; this is the replica's only moment to finish what it carries. Ray's handler
+    calls ``ray._private.worker.raise_sys_exit_with_custom_error_message`` by its module-global
+    name, so that name is wrapped; False (with a warning) when a Ray upgrade moved it."""
+    try:
+        import ray._private.worker as ray_worker
+
+        current = ray_worker.raise_sys_exit_with_custom_error_message
+    except (ImportError, AttributeError):
+        logger.warning("cannot hook SIGTERM in this Ray: streams end when the process does")
+        return False
+    hooks = getattr(current, "llm_cluster_sigterm_hooks", None)
+    if hooks is None:
+        hooks = []
+
+        def run_hooks_then_exit(*args: object, **kwargs: object) -> object:
+            for hook in hooks:
+                try:
+                    hook()
+                except Exception:
+                    logger.exception("SIGTERM hook %r failed", hook)
+            return current(*args, **kwargs)
+
+        run_hooks_then_exit.llm_cluster_sigterm_hooks = hooks  # type: ignore[attr-defined]
+        ray_worker.raise_sys_exit_with_custom_error_message = run_hooks_then_exit
+    hooks.append(callback)
+    return True
+
+
 # Set by ``cluster serve`` in the environment of the local Ray it starts (its replicas inherit
 # it): there the GCS keeps no state outside its process, so a GCS that refuses connections is
 # the cluster stopping (the signal reached the whole process group or cgroup), not a restart.
@@ -72,4 +104,4 @@ async def gcs_refuses(gcs_address: str, timeout_s: float = 1.0) -> bool:
     return False
 
 
-__all__ = ["ABORT_ON_GCS_LOSS_ENV", "gcs_loss_flag", "gcs_refuses", "serve_stop_flag"]
+__all__ = ["ABORT_ON_GCS_LOSS_ENV", "gcs_loss_flag", "gcs_refuses", "on_sigterm", "serve_stop_flag"]
