@@ -487,6 +487,10 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
     if isinstance(parser, str) and parser not in TOOL_PARSERS:
         names = ", ".join(sorted(TOOL_PARSERS))
         raise ConfigError(f"{path}.tool_call_parser: unknown parser {parser!r}; one of {names}")
+    reasoning = kwargs.get("reasoning_parser")
+    if isinstance(reasoning, str) and reasoning not in REASONING_PARSERS:
+        names = ", ".join(sorted(REASONING_PARSERS))
+        raise ConfigError(f"{path}.reasoning_parser: unknown parser {reasoning!r}; one of {names}")
     source = model.model_loading_config.model_source
     try:
         check_engine_arg_ranges(kwargs)
@@ -505,7 +509,3 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
 
 def _checkpoint_reachable(source: str) -> bool:
     return source.startswith("builtin:") or (Path(source).expanduser() / "config.json").is_file()
-    reasoning = kwargs.get("reasoning_parser")
-    if isinstance(reasoning, str) and reasoning not in REASONING_PARSERS:
-        names = ", ".join(sorted(REASONING_PARSERS))
-        raise ConfigError(f"{path}.reasoning_parser: unknown parser {reasoning!r}; one of {names}")
