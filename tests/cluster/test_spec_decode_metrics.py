@@ -1,6 +1,6 @@
 """Speculative-decoding counters reach ``/metrics``: a real engine's stats snapshot (n-gram
 speculation on a looping prompt) published through ``ModelMetrics``, the Ray metric classes
-replaced by recorders that render Prometheus text (as tests/cluster/test_metrics.py does)."""
+replaced by recorders that render Prometheus text (tests/cluster/metric_recorders.py)."""
 
 from __future__ import annotations
 
@@ -9,44 +9,16 @@ from typing import Any
 import pytest
 
 from cluster.bench import throughput
-from cluster.serving import metrics
 from cluster.serving.metrics import ModelMetrics
 from engine import SamplingParams
 from engine.core_loop import EngineCoreLoop
 from engine.llm_engine import LLMEngine
-
-SAMPLES: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-
-
-class _Recorded:
-    def __init__(self, name: str, description: str = "", *args: Any, **kwargs: Any) -> None:
-        self.name = name
-        self.tag_keys = tuple(kwargs.get("tag_keys", ()))
-
-    def _key(self, tags: dict[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
-        if set(tags) != set(self.tag_keys):
-            raise ValueError(f"{self.name}: tags {sorted(tags)} != {sorted(self.tag_keys)}")
-        return self.name, tuple(sorted(tags.items()))
-
-    def inc(self, value: float, tags: dict[str, str]) -> None:
-        if value <= 0:
-            raise ValueError(f"{self.name}: counters only go up, got {value}")
-        key = self._key(tags)
-        SAMPLES[key] = SAMPLES.get(key, 0) + value
-
-    def set(self, value: float, tags: dict[str, str]) -> None:
-        SAMPLES[self._key(tags)] = value
-
-    def observe(self, value: float, tags: dict[str, str]) -> None:
-        self._key(tags)
+from tests.cluster.metric_recorders import SAMPLES, recorded_model_metrics
 
 
 @pytest.fixture
 def model_metrics(monkeypatch: pytest.MonkeyPatch) -> ModelMetrics:
-    SAMPLES.clear()
-    for cls in ("Counter", "Gauge", "Histogram"):
-        monkeypatch.setattr(metrics, cls, _Recorded)
-    return ModelMetrics("tiny", "r1")
+    return recorded_model_metrics(monkeypatch, "tiny")
 
 
 def test_spec_decode_counters_in_metrics(model_metrics: ModelMetrics) -> None:
