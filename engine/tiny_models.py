@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -250,6 +251,15 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     config = _build_config(name, tokenizer.get_vocab_size(), config_overrides or {})
+    write_tiny_checkpoint(out, config, tokenizer, seed)
+    return out
+
+
+def write_tiny_checkpoint(
+    out: Path, config: PretrainedConfig, tokenizer: Tokenizer, seed: int
+) -> None:
+    """Weights drawn from ``seed``, config, tokenizer and a generation config stopping at EOS
+    or ``<|im_end|>`` into the existing directory ``out``."""
     model = _build_model(config, seed)
     _write_weights(model, config, out / "model.safetensors")
     _write_config(config, type(model).__name__, out / "config.json")
@@ -262,7 +272,6 @@ def make_tiny_model(
             "pad_token_id": PAD_TOKEN_ID,
         },
     )
-    return out
 
 
 def resolve_model_source(source: str) -> Path:

@@ -18,23 +18,16 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer
 
 from engine.tiny_models import (
-    EOS_TOKEN_ID,
-    IM_END_TOKEN_ID,
     VERSION,
     _build_config,
-    _build_model,
-    _write_config,
-    _write_weights,
     materialize,
+    write_tiny_checkpoint,
 )
 from engine.tiny_tokenizer import (
-    BOS_TOKEN_ID,
     CHAT_TEMPLATE,
-    PAD_TOKEN_ID,
     TOKENIZER_VOCAB_SIZE,
     build_tokenizer,
     write_json,
-    write_tokenizer,
 )
 
 TINY_REASONING_MODEL_NAMES: tuple[str, ...] = ("tiny-qwen3-reasoning",)
@@ -81,11 +74,7 @@ def make_tiny_reasoning_model(out_dir: str | os.PathLike[str], seed: int = 0) ->
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_reasoning_tokenizer()
-    config = _build_config("tiny-qwen3", REASONING_VOCAB_SIZE)
-    model = _build_model(config, seed)
-    _write_weights(model, config, out / "model.safetensors")
-    _write_config(config, type(model).__name__, out / "config.json")
-    write_tokenizer(tokenizer, out)
+    write_tiny_checkpoint(out, _build_config("tiny-qwen3", REASONING_VOCAB_SIZE), tokenizer, seed)
     tokenizer_config_path = out / "tokenizer_config.json"
     tokenizer_config = json.loads(tokenizer_config_path.read_text(encoding="utf-8"))
     tokenizer_config["chat_template"] = REASONING_CHAT_TEMPLATE
@@ -99,14 +88,6 @@ def make_tiny_reasoning_model(out_dir: str | os.PathLike[str], seed: int = 0) ->
             "special": False,
         }
     write_json(tokenizer_config_path, tokenizer_config)
-    write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
-            "pad_token_id": PAD_TOKEN_ID,
-        },
-    )
     return out
 
 
