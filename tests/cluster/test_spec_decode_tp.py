@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
-from engine.tiny_models import make_random_model
+from tests.engine.spec_decode_models import make_looping_model, ngram
 
 # Starts Ray: the full suite, not the fast tier.
 pytestmark = pytest.mark.slow
@@ -34,16 +34,7 @@ def local_ray() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Loops under greedy decoding (HF's 0.02 init), so the n-gram proposals get accepted.
-    return make_random_model(
-        tmp_path_factory.mktemp("spec_tp") / "m",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=256,
-        max_position_embeddings=256,
-    )
+    return make_looping_model(tmp_path_factory.mktemp("spec_tp") / "m")
 
 
 def greedy(llm: LLM) -> list[list[int]]:
@@ -55,9 +46,7 @@ def test_tp2_with_ngram_speculation_equals_tp1_without(model: Path) -> None:
     reference = LLM(str(model), distributed_executor_backend="uni", **ARGS)
     expect = greedy(reference)
     reference.llm_engine.shutdown()
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3}  # fmt: skip
-    llm = LLM(str(model), tensor_parallel_size=2, speculative_config=spec, **ARGS)
+    llm = LLM(str(model), tensor_parallel_size=2, speculative_config=ngram(3), **ARGS)
     try:
         assert type(llm.llm_engine.executor).__name__ == "RayExecutor"
         assert greedy(llm) == expect

@@ -18,9 +18,9 @@ import pytest
 from engine import LLM, RequestOutputKind, SamplingParams
 from engine.lora_request import LoRARequest
 from engine.sampling_params import StructuredOutputsParams
-from engine.tiny_models import make_random_model, make_tiny_lora
+from engine.tiny_models import make_tiny_lora
+from tests.engine.spec_decode_models import VOCAB, make_looping_model, ngram
 
-VOCAB = 256
 rng = random.Random(0)
 PROMPTS = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(12)]
 # Repeated content: the prompt itself gives the proposals before the output loops.
@@ -29,27 +29,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 BASE: dict[str, Any] = {"device": "cpu", "num_kv_blocks": 256, "max_model_len": 512}
 
 
-def ngram(k: int) -> dict[str, Any]:
-    return {
-        "method": "ngram",
-        "num_speculative_tokens": k,
-        "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3,
-    }
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_model(
-        tmp_path_factory.mktemp("spec") / "m",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-    )
+    return make_looping_model(tmp_path_factory.mktemp("spec") / "m", max_position_embeddings=512)
 
 
 def generate(llm: LLM, params: SamplingParams = GREEDY, prompts=PROMPTS) -> list[list[int]]:

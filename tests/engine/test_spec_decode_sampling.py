@@ -18,7 +18,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.sampler import apply_top_k_top_p
 from engine.spec_decode.rejection_sampler import verify_proposals
-from engine.tiny_models import make_random_model
+from tests.engine.spec_decode_models import make_looping_model, ngram
 
 # p < 0.001 at the chi-square's degrees of freedom: the tests fail one run in a thousand if the
 # distributions are equal; a wrong sampler (e.g. no residual renormalization) fails always.
@@ -122,16 +122,7 @@ def test_seeded_verification_is_reproducible() -> None:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_model(
-        tmp_path_factory.mktemp("spec_sampling") / "m",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=256,
-        max_position_embeddings=256,
-    )
+    return make_looping_model(tmp_path_factory.mktemp("spec_sampling") / "m")
 
 
 @pytest.mark.parametrize(
@@ -149,9 +140,7 @@ def test_engine_distribution_equal_with_and_without_speculation(model: Path, ext
     prompt = {"prompt_token_ids": [11, 12, 13, 14, *loop[0].outputs[0].token_ids]}
     n = 600
     params = [SamplingParams(**extra, seed=s, max_tokens=4, ignore_eos=True) for s in range(n)]
-    spec = LLM(str(model), **args, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3})  # fmt: skip
+    spec = LLM(str(model), **args, speculative_config=ngram(2))
     plain = Counter(tuple(o.outputs[0].token_ids) for o in base.generate([prompt] * n, params))
     specd = Counter(tuple(o.outputs[0].token_ids) for o in spec.generate([prompt] * n, params))
     stats = spec.llm_engine.spec_decode_stats
