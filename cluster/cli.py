@@ -230,7 +230,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        # The engine refuses something in the config (a quantized checkpoint, ...): still
+        # The engine refuses something in the config (an unsupported quant_method, ...): still
         # show what the models would need, when the YAML's structure allows it.
         config_error = exc
         config = planning.load_unchecked(args.config)
