@@ -1,6 +1,6 @@
 """The engine's one frozen root config, built from keyword arguments with vLLM's names.
 
-One role (~490 lines): the config tree and its validation, each section a small frozen
+One role (~530 lines): the config tree and its validation, each section a small frozen
 dataclass; splitting the sections apart would scatter one contract. Which vLLM argument sets
 which field is ``engine.engine_args``'s table; the checks and their one message format
 (``max_num_seqs: must be an integer >= 1, got 0``) are ``engine.validation``'s.

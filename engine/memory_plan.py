@@ -26,7 +26,7 @@ shards of the same sizes, so one line per stage stands for all of its ranks):
         CPU:  min(cpu_kv_cache_space GiB // block bytes, max_num_seqs x blocks of max_model_len)
               (``Worker.determine_num_available_blocks``)
 
-One role in one file (~770 lines; the MoE feed-forward apart, in ``memory_plan_moe``): the
+One role in one file (~780 lines; the MoE feed-forward apart, in ``memory_plan_moe``): the
 arithmetic follows the model code layer by layer, and the refusals read the same figures; split
 apart, the two would drift from each other.
 

@@ -20,7 +20,7 @@ A pooling (embedding) request samples nothing. The driver pools its post-norm hi
 positions summed so far (``num_pooled``, always a prefix [0, num_pooled): a chunk recomputed
 after a preemption is not summed twice). The vector is returned once the prompt is computed.
 
-One role (~570 lines): one step on one worker, from the step message to the sampled tokens:
+One role (~640 lines): one step on one worker, from the step message to the sampled tokens:
 persistent per-request state, packed inputs, forward, sampling.
 """
 

@@ -45,7 +45,7 @@ Pooling (embedding) requests are scheduled like any prompt (chunked, mixed with 
 finish, freeing their blocks, in the step that computes the last prompt token; they sample
 nothing (the workers return their pooled vector instead).
 
-One role (~555 lines): the scheduler's state machine (queues, budgets, preemption, forks,
+One role (~600 lines): the scheduler's state machine (queues, budgets, preemption, forks,
 batches in flight) as small functions over one set of request states.
 """
 

@@ -1,6 +1,6 @@
 """PagedAttention in plain torch: the CPU serving path and the reference for the Triton kernels.
 
-One role (~800 lines): the torch attention path and the step metadata/plans it shares with the
+One role (~870 lines): the torch attention path and the step metadata/plans it shares with the
 Triton kernels (decode groups, prefill chunks, sliding-window plans), plus its argument checks.
 
 KV cache layout, one tensor per layer::

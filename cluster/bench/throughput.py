@@ -1,7 +1,7 @@
 """``cluster bench throughput``: offline throughput of this engine against HF transformers and
 vLLM.
 
-One role, kept in one file (~620 lines; the bench model's families and shapes are
+One role, kept in one file (~640 lines; the bench model's families and shapes are
 ``cluster.bench.model_shape``): the workload, the runners of each system and the report all
 serve this one measurement and change together.
 

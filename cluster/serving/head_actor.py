@@ -50,7 +50,7 @@ but concurrency-1 TPOT in only one (BENCHMARKS.md, "After delta outputs; the eng
 child process"); on a GPU, where the head's Python is the step's critical path and Ray's
 threads take its GIL, it is the first thing to measure.
 
-One role (~570 lines): the head actor and the client the front reaches it through: both sides
+One role (~600 lines): the head actor and the client the front reaches it through: both sides
 of one process boundary, which change together.
 """
 

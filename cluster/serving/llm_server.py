@@ -15,7 +15,7 @@ prompt's logprobs); this call still lasts until the request ends, so Serve's rou
 limits and drain see it. ``embed`` returns
 one input's embedding (an ``EmbedResult``) or a ``StreamError`` from the same error table.
 
-One role (~560 lines): the front of one model replica, the Serve deployment's handle methods
+One role (~580 lines): the front of one model replica, the Serve deployment's handle methods
 over its engine core.
 """
 
