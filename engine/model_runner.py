@@ -44,6 +44,7 @@ from engine.pooling_params import PoolingParams
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
 from engine.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.draft import DraftModel
 from engine.spec_decode.verify import spec_grammar_rows_of, verify_requests
 from engine.structured_output import apply_grammar_bitmask, unpack_bitmask
 from engine.timing import StepTimer, device_synchronizer
@@ -111,8 +112,11 @@ class ModelRunner:
         device: torch.device,
         ctx: ParallelContext | None = None,
         lora_manager: WorkerLoRAManager | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.config = config
+        # speculative_config method draft_model: the draft, its KV cache beside the target's.
+        self.draft = draft
         self.lora_manager = lora_manager
         # This step's adapters that could not be loaded (see ModelRunnerOutput.lora_load_errors).
         self._lora_errors: dict[int, str] = {}
@@ -143,7 +147,8 @@ class ModelRunner:
         if not layers:
             return 0
         per_layer = int(np.prod(self.kv_cache_shape(1))) * self.kv_cache_dtype().itemsize
-        return per_layer * len(layers)
+        draft = self.draft.kv_block_bytes(self.kv_cache_dtype()) if self.draft else 0
+        return per_layer * len(layers) + draft
 
     def kv_cache_dtype(self) -> torch.dtype:
         """The caches' dtype: the model's, or float8_e4m3fn under kv_cache_dtype fp8."""
@@ -172,6 +177,8 @@ class ModelRunner:
                         self.kv_cache_shape(num_cpu_blocks), dtype=cache_dtype, pin_memory=pin
                     )
                 )
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(num_blocks, num_cpu_blocks, cache_dtype)
         if num_blocks and self.uses_cuda_graphs():
             # A stage after the first replays from static hidden/residual inputs.
             hidden_size = (
@@ -257,19 +264,23 @@ class ModelRunner:
     def apply_block_ops(self, req: ExecuteModelRequest) -> None:
         swap_blocks = self.model.kernel_ops.swap_blocks
         copy_blocks = self.model.kernel_ops.copy_blocks
+        caches, cpu_caches = self.kv_caches, self.cpu_kv_caches
+        if self.draft is not None:  # the draft's blocks move with the target's
+            caches = caches + self.draft.kv_caches
+            cpu_caches = cpu_caches + self.draft.cpu_kv_caches
         # Copies first: a copy-on-write destination may be swapped out in the same step (its
         # request was preempted right after the copy was scheduled), and a copy source is held by
         # a live request, so it is never a swap-in destination.
         if req.blocks_to_copy:
             mapping = torch.tensor(req.blocks_to_copy, dtype=torch.int64, device=self.device)
-            copy_blocks(self.kv_caches, mapping)
+            copy_blocks(caches, mapping)
         if req.blocks_to_swap_out:
             mapping = torch.tensor(req.blocks_to_swap_out, dtype=torch.int64)
-            for device_cache, cpu_cache in zip(self.kv_caches, self.cpu_kv_caches):
+            for device_cache, cpu_cache in zip(caches, cpu_caches):
                 swap_blocks(device_cache, cpu_cache, mapping)
         if req.blocks_to_swap_in:
             mapping = torch.tensor(req.blocks_to_swap_in, dtype=torch.int64)
-            for device_cache, cpu_cache in zip(self.kv_caches, self.cpu_kv_caches):
+            for device_cache, cpu_cache in zip(caches, cpu_caches):
                 swap_blocks(cpu_cache, device_cache, mapping)
 
     # ---- inputs -------------------------------------------------------------------------
@@ -575,6 +586,8 @@ class ModelRunner:
             )
         else:
             hidden, residual = self.forward(inputs, hidden, residual)
+        if self.draft is not None:
+            self.draft.mirror(inputs.input_ids, inputs.positions, inputs.metadata)
         if not pp.is_last:
             send_intermediate(pp, hidden, residual)
             clock.lap("forward")
@@ -584,7 +597,28 @@ class ModelRunner:
         if output is not None and inputs.pooling_rows:
             output.pooled = self._pool(inputs, hidden)
         clock.lap("sample")
+        if self.draft is not None:
+            self._propose_draft(inputs, output)
+            clock.lap("draft")
         return output
+
+    def _propose_draft(self, inputs: StepInputs, output: ModelRunnerOutput | None) -> None:
+        """Every rank runs the draft's passes; the driver knows the emitted tokens and puts
+        the proposals into its output. A request's new token sits at position
+        num_computed + len(emitted) (a plain row emits one token after its seq_len - 1)."""
+        req_ids = inputs.sampled_req_ids + inputs.spec_req_ids
+        states = [self.requests[rid] for rid in req_ids]
+        tokens = positions = None
+        if output is not None:
+            emitted = dict(zip(output.req_ids, output.sampled_token_ids))
+            tokens = [emitted[rid][-1] for rid in req_ids]
+            positions = [s.num_computed_tokens + len(emitted[s.req_id]) for s in states]
+            # A plain row computed its whole query, not just one token.
+            for i in range(len(inputs.sampled_req_ids)):
+                positions[i] = len(states[i].token_ids)
+        proposals = self.draft.propose(req_ids, [s.block_ids for s in states], tokens, positions)
+        if output is not None:
+            output.draft_token_ids = proposals
 
     @torch.inference_mode()
     def _pool(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, list[float]]:

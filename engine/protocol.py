@@ -115,6 +115,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # head ends that adapter's requests and checks the adapter again before its next use.
     # Any rank may report it: non-driver ranks then return an output holding only this.
     lora_load_errors: dict[int, str] = {}
+    # speculative_config method draft_model: req_id -> the draft's proposals for the request's
+    # next step (made on the driver after this step's tokens; the head trims and stores them).
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -151,6 +151,9 @@ class Scheduler:
         # Batches the engine may have in flight at once, and the requests in them (a request
         # in flight is never scheduled again, so it is in one batch at most).
         self.pipeline_depth = 1
+        # speculative_config method draft_model: slots reserved past a step's tokens, where the
+        # draft writes the K/V of the k tokens it proposes after the step (set by the engine).
+        self.num_lookahead_tokens = 0
         self.in_flight: set[str] = set()
         self._batch_cap = 0  # the most requests the batch being scheduled may take
 
@@ -284,7 +287,10 @@ class Scheduler:
                 continue
             spec = self._spec_tokens(request, num_new, budget)
             # Lookahead slots: blocks for the proposals' K/V too (num_computed + 1 + k).
-            new_blocks = self._allocate_or_preempt(request, num_new + len(spec), out)
+            end = request.num_computed_tokens + num_new + len(spec)
+            new_blocks = self._allocate_or_preempt(
+                request, num_new + len(spec) + self._lookahead(end), out
+            )
             if new_blocks is None:
                 continue
             if spec:
@@ -303,6 +309,11 @@ class Scheduler:
             return []
         room = min(budget - 1, self.config.max_model_len - request.num_tokens)
         return request.spec_token_ids[: max(0, room)]
+
+    def _lookahead(self, end: int) -> int:
+        """Draft lookahead slots after a step that ends at ``end`` tokens (none past
+        max_model_len)."""
+        return max(0, min(self.num_lookahead_tokens, self.config.max_model_len - end))
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, out: SchedulerOutput
@@ -369,10 +380,8 @@ class Scheduler:
             num_new = self._tokens_to_compute(request, budget)
             needed = len(self.block_manager.req_to_cpu_blocks[request.request_id])
             # Swap in only when the next chunk fits too, so a swapped-in request makes progress.
-            extra = (
-                -(-(request.num_computed_tokens + num_new) // self.block_manager.block_size)
-                - needed
-            )
+            end = request.num_computed_tokens + num_new
+            extra = -(-(end + self._lookahead(end)) // self.block_manager.block_size) - needed
             if needed + max(0, extra) > self.block_manager.num_free_blocks or num_new == 0:
                 break
             self.swapped.pop(0)
@@ -381,7 +390,9 @@ class Scheduler:
             self.running.append(request)
             if request.lora_int_id:
                 active.add(request.lora_int_id)
-            new_blocks = self.block_manager.allocate_slots(request, num_new) or []
+            new_blocks = (
+                self.block_manager.allocate_slots(request, num_new + self._lookahead(end)) or []
+            )
             budget -= num_new
             self._record(out, request, num_new, new_blocks)
         return budget
@@ -427,7 +438,9 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             # A waiting request has num_computed_tokens == 0: its cache hits count via the blocks.
-            new_blocks = self.block_manager.allocate_slots(request, num_new, computed_blocks)
+            new_blocks = self.block_manager.allocate_slots(
+                request, num_new + self._lookahead(num_computed + num_new), computed_blocks
+            )
             if new_blocks is None:
                 break
             self.waiting.pop()

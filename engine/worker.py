@@ -26,6 +26,8 @@ from engine.model_loader import LoadProgressCallback, load_model
 from engine.model_runner import ModelRunner
 from engine.models.expert_load import ExpertLoadCounter, attach_expert_load
 from engine.protocol import ExecuteModelRequest, ModelRunnerOutput
+from engine.spec_decode.draft import DraftModel
+from engine.spec_decode.draft_config import draft_model_config
 from parallel.distributed import (
     DEFAULT_TIMEOUT_S,
     RendezvousStore,
@@ -130,11 +132,34 @@ class Worker:
                 model, lora.max_loras, lora.max_lora_rank, backend, self.device
             )
         self.model_runner = ModelRunner(
-            self.config, model, self.device, self.ctx, lora_manager=lora_manager
+            self.config,
+            model,
+            self.device,
+            self.ctx,
+            lora_manager=lora_manager,
+            draft=self._load_draft(),
         )
         # TP rank 0 of each stage counts its sparse layers' expert load (the others route alike).
         self.expert_load_counter = (
             attach_expert_load(model, self.device) if self.ctx.tp.is_first else None
+        )
+
+    def _load_draft(self) -> DraftModel | None:
+        """speculative_config method draft_model: this rank's shard of the draft."""
+        spec = self.config.speculative.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft_config = draft_model_config(spec, self.config.model, self.config.parallel)
+        model = load_model(
+            dataclasses.replace(self.config, model=draft_config), self.ctx, self.device
+        )
+        return DraftModel(
+            model,
+            spec.num_speculative_tokens,
+            self.device,
+            self.ctx,
+            self.config.cache.block_size,
+            self.config.max_model_len,
         )
 
     def kv_block_bytes(self) -> int:

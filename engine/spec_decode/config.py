@@ -5,9 +5,10 @@
 
 ``method``: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence
 of the sequence's last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``).
-``draft_model`` is vLLM's name for a small draft checkpoint; it is refused here by name (not
-built yet) rather than silently ignored. Combinations the engine cannot verify exactly are
-refused in ``check_speculative_support`` naming the other field.
+``draft_model``: a smaller checkpoint (``model``, a local HF directory or ``builtin:<name>``, with
+the target's vocabulary) run on the same workers proposes greedily (``engine.spec_decode.draft``).
+vLLM's other methods are refused by name rather than silently ignored. Combinations the engine
+cannot verify exactly are refused in ``check_speculative_support`` naming the other field.
 
 No torch here: the deployment check imports this.
 """
@@ -19,9 +20,9 @@ from typing import Any
 
 from engine.validation import check_choice, check_int, require
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's spellings that name a method this engine does not build yet.
-_NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -33,6 +34,8 @@ class SpeculativeConfig:
     # vLLM's defaults when neither is given.
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    # method draft_model: the draft checkpoint (None for ngram).
+    model: str | None = None
 
     def __post_init__(self) -> None:
         key = "speculative_config."
@@ -57,6 +60,20 @@ class SpeculativeConfig:
             le=32,
             note="prompt_lookup_min",
         )
+        if self.method == "draft_model":
+            require(
+                isinstance(self.model, str) and bool(self.model),
+                key + "model",
+                f"must name the draft checkpoint (a local HF directory or builtin:<name>) for "
+                f"method 'draft_model', got {self.model!r}",
+            )
+        else:
+            require(
+                self.model is None,
+                key + "model",
+                f"must be null for method {self.method!r} (only 'draft_model' loads a draft "
+                f"model), got {self.model!r}",
+            )
 
     @classmethod
     def from_arg(cls, value: Any) -> SpeculativeConfig | None:
@@ -77,19 +94,14 @@ class SpeculativeConfig:
                 f"must be one of the keys {', '.join(_KEYS)}, got an unknown key",
             )
         require(
-            value.get("model") is None,
-            "speculative_config.model",
-            "must be null: a draft model is not supported by this engine (method 'ngram' "
-            f"needs none), got {value.get('model')!r}",
-        )
-        require(
             value.get("num_speculative_tokens") is not None,
             "speculative_config.num_speculative_tokens",
             f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] (it has no default), got None",
         )
-        fields = {k: v for k, v in value.items() if k != "model"}
+        fields = dict(value)
         if "method" not in fields:
-            fields["method"] = "ngram"
+            # vLLM infers the method from the model when one is given.
+            fields["method"] = "draft_model" if value.get("model") is not None else "ngram"
         lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
         if lo is None and hi is not None:
             fields["prompt_lookup_min"] = hi

@@ -55,15 +55,19 @@ class NgramProposer:
         self.config = config
         self.max_model_len = max_model_len
 
-    def propose(self, request: Request) -> list[int]:
-        """Up to ``num_speculative_tokens`` proposals for ``request``'s next tokens, never more
-        than it may still generate (max_tokens, max_model_len) beyond the token verified with
-        them."""
+    def room(self, request: Request) -> int:
+        """How many proposals ``request`` may verify next (the draft model's are cut to it)."""
         room = min(
             request.max_tokens - request.num_output_tokens,
             self.max_model_len - request.num_tokens,
         )
-        k = min(self.config.num_speculative_tokens, room - 1)
+        return max(0, min(self.config.num_speculative_tokens, room - 1))
+
+    def propose(self, request: Request) -> list[int]:
+        """Up to ``num_speculative_tokens`` proposals for ``request``'s next tokens, never more
+        than it may still generate (max_tokens, max_model_len) beyond the token verified with
+        them."""
+        k = self.room(request)
         if k <= 0:
             return []
         index = request.spec_state

@@ -27,14 +27,16 @@ def spec(**kw):
         (spec(num_speculative_tokens=True), "got True"),
         ({"method": "ngram"}, "num_speculative_tokens: must be an integer in [1, 16] (it has "
          "no default), got None"),
-        (spec(method="draft_model"), "speculative_config.method: must be one of 'ngram' "
-         "('draft_model' is not supported by this engine)"),
-        (spec(method="medusa2"), "speculative_config.method: must be one of 'ngram', got"),
+        (spec(method="draft_model"), "speculative_config.model: must name the draft checkpoint"),
+        (spec(method="eagle"), "speculative_config.method: must be one of 'ngram', "
+         "'draft_model' ('eagle' is not supported by this engine)"),
+        (spec(method="medusa2"), "speculative_config.method: must be one of 'ngram', "
+         "'draft_model', got"),
         (spec(prompt_lookup_min=0), "speculative_config.prompt_lookup_min: must be an integer "
          ">= 1, got 0"),
         (spec(prompt_lookup_min=4, prompt_lookup_max=2), "speculative_config.prompt_lookup_max: "
          "must be an integer in [4, 32] (prompt_lookup_min), got 2"),
-        (spec(model="/some/draft"), "speculative_config.model: must be null"),
+        (spec(model="/some/draft"), "speculative_config.model: must be null for method 'ngram'"),
         (spec(num_lookahead=2), "speculative_config.num_lookahead: must be one of the keys"),
         ("ngram", "speculative_config: must be a mapping"),
     ],

@@ -1,0 +1,83 @@
+"""Speculative decoding with a draft model under tensor parallelism: TP = 2 on Ray worker actors
+(gloo, CPU), the draft sharded like the target on the same ranks, gives the greedy tokens of
+TP = 1 without speculation. The sampling rank's draft tokens reach the other rank through an
+all-reduce each draft pass.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from engine import LLM, SamplingParams
+from engine.tiny_models import make_random_model
+
+# Starts Ray: the full suite, not the fast tier.
+pytestmark = pytest.mark.slow
+
+ARGS = {"device": "cpu", "num_kv_blocks": 128, "max_model_len": 256, "max_num_batched_tokens": 16}
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+rng = random.Random(2)
+PROMPTS = [[rng.randrange(3, 256) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
+SHAPE = {"vocab_size": 256, "max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model(
+        tmp_path_factory.mktemp("draft_tp") / "m",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        **SHAPE,
+    )
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model(
+        tmp_path_factory.mktemp("draft_tp") / "d",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        seed=5,
+        **SHAPE,
+    )
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_tp2_with_draft_models_equals_tp1_without(model: Path, small_draft: Path) -> None:
+    reference = LLM(str(model), distributed_executor_backend="uni", **ARGS)
+    expect = greedy(reference)
+    reference.llm_engine.shutdown()
+    for path in (model, small_draft):
+        spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+        llm = LLM(str(model), tensor_parallel_size=2, speculative_config=spec, **ARGS)
+        try:
+            assert type(llm.llm_engine.executor).__name__ == "RayExecutor"
+            assert greedy(llm) == expect
+            stats = llm.llm_engine.spec_decode_stats
+            assert stats.num_draft_tokens > 0
+            if path == model:
+                assert stats.num_accepted_tokens == stats.num_draft_tokens
+        finally:
+            llm.llm_engine.shutdown()

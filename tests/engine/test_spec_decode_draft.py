@@ -1,0 +1,194 @@
+"""Speculative decoding with a draft model (``method: draft_model``) end to end: greedy outputs
+token-for-token equal to decoding without speculation, with the target as its own draft (every
+proposal accepted) and with a smaller random draft (other depth and width, same vocabulary and
+tokenizer), under chunked prefill, preemption (recompute and swap) and prefix caching; seeded
+sampling reproducible; a draft the engine cannot use refused naming it. Random Llamas, fp32 on
+CPU.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.errors import ConfigError
+from engine.tiny_models import make_random_model
+
+VOCAB = 256
+rng = random.Random(1)
+PROMPTS = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(10)]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+BASE: dict[str, Any] = {"device": "cpu", "num_kv_blocks": 256, "max_model_len": 512}
+SHAPE = {"vocab_size": VOCAB, "max_position_embeddings": 512}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model(
+        tmp_path_factory.mktemp("target") / "m",
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        **SHAPE,
+    )
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model(
+        tmp_path_factory.mktemp("draft") / "d",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        seed=3,
+        **SHAPE,
+    )
+
+
+def draft(path: Path, k: int) -> dict[str, Any]:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+
+def generate(llm: LLM, params: SamplingParams = GREEDY, prompts=PROMPTS) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> list[list[int]]:
+    return generate(LLM(str(model), **BASE))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_target_as_its_own_draft_is_always_accepted(model, reference, k):
+    llm = LLM(str(model), **BASE, speculative_config=draft(model, k))
+    assert generate(llm) == reference
+    stats = llm.llm_engine.spec_decode_stats
+    assert stats.num_draft_tokens > 0
+    # Greedy with the target's own argmax: every proposal is the target's next token.
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.accepted_per_pos[0] == stats.num_drafts
+    # Each verification emits its k accepted proposals + 1 (fewer only near max_tokens).
+    assert stats.num_drafts < sum(len(t) for t in reference) / k
+    llm.llm_engine.check_integrity()
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_smaller_draft_outputs_equal(model, small_draft, reference, k):
+    llm = LLM(str(model), **BASE, speculative_config=draft(small_draft, k))
+    assert generate(llm) == reference
+    stats = llm.llm_engine.spec_decode_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # a different model
+    llm.llm_engine.check_integrity()
+
+
+@pytest.mark.parametrize("which", ["self", "small"])
+def test_chunked_prefill_small_budget(model, small_draft, reference, which):
+    path = model if which == "self" else small_draft
+    llm = LLM(str(model), **BASE, max_num_batched_tokens=16, speculative_config=draft(path, 3))
+    assert generate(llm) == reference
+    stats = llm.llm_engine.spec_decode_stats
+    if which == "self":  # every chunk's K/V mirrored: the draft still agrees everywhere
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_preemption_with_a_tiny_kv_cache(model, reference):
+    llm = LLM(str(model), **{**BASE, "num_kv_blocks": 14}, speculative_config=draft(model, 4))
+    assert generate(llm) == reference
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    stats = llm.llm_engine.spec_decode_stats
+    # Recomputed requests rebuild the draft's K/V too: proposals stay exact.
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    llm.llm_engine.check_integrity()
+
+
+def test_swap_preemption_moves_the_drafts_blocks_too(model, reference):
+    args = {**BASE, "num_kv_blocks": 14, "preemption_mode": "swap", "swap_space": 0.01}
+    llm = LLM(str(model), **args, speculative_config=draft(model, 3))
+    assert generate(llm) == reference
+    assert llm.llm_engine.scheduler.num_swap_outs > 0
+    stats = llm.llm_engine.spec_decode_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    llm.llm_engine.check_integrity()
+
+
+def test_prefix_caching_hits_carry_the_drafts_kv(model, small_draft, reference):
+    llm = LLM(str(model), **BASE, block_size=8, speculative_config=draft(model, 3))
+    assert generate(llm) == reference
+    longer = [p + t[:24] for p, t in zip(PROMPTS, reference)]
+    expect = generate(LLM(str(model), **BASE, enable_prefix_caching=False), prompts=longer)
+    hits = llm.llm_engine.block_manager.prefix_hits
+    drafted, accepted = (
+        llm.llm_engine.spec_decode_stats.num_draft_tokens,
+        llm.llm_engine.spec_decode_stats.num_accepted_tokens,
+    )
+    assert generate(llm, prompts=longer) == expect
+    assert llm.llm_engine.block_manager.prefix_hits > hits
+    stats = llm.llm_engine.spec_decode_stats
+    # Cached blocks hold the draft's K/V of the verified tokens: the draft, reading them
+    # instead of computing them, still agrees with the target everywhere.
+    assert stats.num_accepted_tokens - accepted == stats.num_draft_tokens - drafted > 0
+    llm.llm_engine.check_integrity()
+
+
+def test_seeded_sampling_reproducible(model, small_draft):
+    seeded = SamplingParams(n=2, temperature=0.8, top_k=8, seed=11, max_tokens=24)
+    spec = draft(small_draft, 3)
+    first = generate(LLM(str(model), **BASE, speculative_config=spec), seeded)
+    again = generate(LLM(str(model), **BASE, speculative_config=spec), seeded)
+    assert first == again
+    assert all(len(t) == 24 for t in first)
+
+
+def test_draft_with_another_vocabulary_is_refused(model, tmp_path):
+    other = make_random_model(
+        tmp_path / "other",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=VOCAB + 64,
+        max_position_embeddings=512,
+    )
+    with pytest.raises(ConfigError) as info:
+        LLM(str(model), **BASE, speculative_config=draft(other, 3))
+    message = str(info.value)
+    assert message.startswith("speculative_config.model:")
+    assert str(other) in message
+    assert f"vocab_size {VOCAB + 64}" in message and f"has {VOCAB}" in message
+
+
+def test_draft_model_needs_a_model(model):
+    with pytest.raises(ConfigError, match=r"speculative_config\.model: must name the draft"):
+        LLM(
+            str(model),
+            **BASE,
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2},
+        )
+
+
+def test_draft_that_cannot_be_sharded_like_the_target_is_refused(model, tmp_path):
+    odd = make_random_model(
+        tmp_path / "odd",
+        hidden_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        **SHAPE,
+    )
+    with pytest.raises(ConfigError) as info:
+        LLM(str(model), **BASE, tensor_parallel_size=2, speculative_config=draft(odd, 2))
+    message = str(info.value)
+    assert message.startswith("speculative_config.model:") and str(odd) in message
+    assert "num_attention_heads (3)" in message
