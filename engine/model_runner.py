@@ -609,7 +609,8 @@ class ModelRunner:
         req_ids = inputs.sampled_req_ids + inputs.spec_req_ids
         states = [self.requests[rid] for rid in req_ids]
         tokens = positions = None
-        if output is not None:
+        # (A non-driver rank's output, if any, holds only LoRA load errors.)
+        if self.is_driver and output is not None:
             emitted = dict(zip(output.req_ids, output.sampled_token_ids))
             tokens = [emitted[rid][-1] for rid in req_ids]
             positions = [s.num_computed_tokens + len(emitted[s.req_id]) for s in states]
@@ -617,7 +618,7 @@ class ModelRunner:
             for i in range(len(inputs.sampled_req_ids)):
                 positions[i] = len(states[i].token_ids)
         proposals = self.draft.propose(req_ids, [s.block_ids for s in states], tokens, positions)
-        if output is not None:
+        if self.is_driver and output is not None:
             output.draft_token_ids = proposals
 
     @torch.inference_mode()
