@@ -16,7 +16,9 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError
-from engine.tiny_models import make_random_model
+from engine.lora_request import LoRARequest
+from engine.sampling_params import StructuredOutputsParams
+from engine.tiny_models import make_random_model, make_tiny_lora
 
 VOCAB = 256
 rng = random.Random(1)
@@ -192,3 +194,61 @@ def test_draft_that_cannot_be_sharded_like_the_target_is_refused(model, tmp_path
     message = str(info.value)
     assert message.startswith("speculative_config.model:") and str(odd) in message
     assert "num_attention_heads (3)" in message
+
+
+def test_kv_blocks_are_counted_at_target_plus_draft_bytes(model, small_draft):
+    # cpu_kv_cache_space small enough that it, not max_num_seqs * max_model_len, sets the pool.
+    args = {"device": "cpu", "max_model_len": 512, "cpu_kv_cache_space": 0.002}
+    plain = LLM(str(model), **args).llm_engine
+    spec = LLM(str(model), **args, speculative_config=draft(small_draft, 2)).llm_engine
+    target_bytes = sum(plain.executor.collective_rpc("kv_block_bytes"))
+    # The draft: 1 layer, 1 KV head of dim 16, K and V, 16 tokens per block, fp32.
+    draft_bytes = 1 * 2 * 16 * 1 * 16 * 4
+    assert sum(spec.executor.collective_rpc("kv_block_bytes")) == target_bytes + draft_bytes
+    space = int(0.002 * 1024**3)
+    assert plain.block_manager.num_blocks == space // target_bytes
+    assert spec.block_manager.num_blocks == space // (target_bytes + draft_bytes)
+
+
+def test_parallel_samples_stops_and_structured_outputs(model, small_draft, reference):
+    base = LLM(str(model), **BASE)
+    llm = LLM(str(model), **BASE, speculative_config=draft(model, 3))
+    greedy_n = SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True)
+    assert generate(llm, greedy_n) == generate(base, greedy_n)
+    stops = sorted({t for out in reference for t in out[5:] if out.count(t) > 1})[:8]
+    stop_params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=stops)
+    expect = generate(base, stop_params)
+    assert any(len(t) < 40 for t in expect)
+    assert generate(llm, stop_params) == expect
+    choice = SamplingParams(
+        temperature=0,
+        max_tokens=20,
+        structured_outputs=StructuredOutputsParams(choice=["alpha", "beta gamma"]),
+    )
+    expect = generate(base, choice, PROMPTS[:4])
+    small = LLM(str(model), **BASE, speculative_config=draft(small_draft, 3))
+    for spec_llm in (llm, small):
+        outs = spec_llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS[:4]], choice, use_tqdm=False
+        )
+        assert [list(o.outputs[0].token_ids) for o in outs] == expect
+        assert all(o.outputs[0].text in ("alpha", "beta gamma") for o in outs)
+
+
+def test_lora_adapters_with_a_draft(model, tmp_path):
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, str(make_tiny_lora(str(model), tmp_path / f"a{i}", seed=i)))
+        for i in range(2)
+    ]
+    lora = [adapters[i % 2] if i % 3 else None for i in range(len(PROMPTS))]
+    args = {**BASE, "enable_lora": True, "max_loras": 2}
+
+    def run(llm: LLM) -> list[list[int]]:
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    # The draft runs without the adapters: proposals may differ, outputs may not.
+    llm = LLM(str(model), **args, speculative_config=draft(model, 3))
+    assert run(llm) == run(LLM(str(model), **args))
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
