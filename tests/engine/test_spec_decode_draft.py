@@ -1,14 +1,17 @@
 """Speculative decoding with a draft model (``method: draft_model``) end to end: greedy outputs
 token-for-token equal to decoding without speculation, with the target as its own draft (every
 proposal accepted) and with a smaller random draft (other depth and width, same vocabulary and
-tokenizer), under chunked prefill, preemption (recompute and swap) and prefix caching; seeded
-sampling reproducible; a draft the engine cannot use refused naming it. Random Llamas, fp32 on
+tokenizer), under chunked prefill, preemption (recompute and swap) and prefix caching, n = 2,
+stops, structured outputs and LoRA; KV blocks counted at target + draft bytes; seeded sampling
+reproducible and its distribution unchanged (chi-square); a draft the engine cannot use refused
+naming it. Random Llamas, fp32 on
 CPU.
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from engine.errors import ConfigError
 from engine.lora_request import LoRARequest
 from engine.sampling_params import StructuredOutputsParams
 from engine.tiny_models import make_random_model, make_tiny_lora
+from tests.engine.test_spec_decode_sampling import ALPHA, two_sample
 
 VOCAB = 256
 rng = random.Random(1)
@@ -252,3 +256,26 @@ def test_lora_adapters_with_a_draft(model, tmp_path):
     llm = LLM(str(model), **args, speculative_config=draft(model, 3))
     assert run(llm) == run(LLM(str(model), **args))
     assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("which", ["self", "small"])
+def test_sampled_distribution_equal_with_and_without_a_draft(model, small_draft, which):
+    """Chi-square over 600 seeds of 4-token continuations: the draft's greedy proposals are
+    point masses, so the rejection sampler keeps the target's (top-k) distribution."""
+    args = {"device": "cpu", "num_kv_blocks": 512, "max_model_len": 256, "max_num_seqs": 256}
+    path = model if which == "self" else small_draft
+    base = LLM(str(model), **args)
+    spec = LLM(str(model), **args, speculative_config=draft(path, 2))
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    n = 600
+    params = [
+        SamplingParams(top_k=3, temperature=0.5, seed=s, max_tokens=4, ignore_eos=True)
+        for s in range(n)
+    ]
+    plain = Counter(tuple(o.outputs[0].token_ids) for o in base.generate([prompt] * n, params))
+    specd = Counter(tuple(o.outputs[0].token_ids) for o in spec.generate([prompt] * n, params))
+    stats = spec.llm_engine.spec_decode_stats
+    if which == "self":  # accepted proposals, and rejections followed by a residual draw
+        assert stats.num_accepted_tokens > 10
+        assert stats.num_draft_tokens - stats.num_accepted_tokens > 10
+    assert two_sample(plain, specd) > ALPHA
