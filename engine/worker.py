@@ -166,7 +166,8 @@ class Worker:
         return self.runner.kv_block_bytes()
 
     def parameter_bytes(self) -> int:
-        return parameter_bytes(self.runner.model)
+        draft = self.runner.draft
+        return parameter_bytes(self.runner.model) + (parameter_bytes(draft.model) if draft else 0)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device KV blocks, CPU swap blocks) that fit this worker's memory budget: an explicit
@@ -301,6 +302,9 @@ class Worker:
             hidden = torch.zeros(shape, dtype=dtype, device=self.device)
             residual = torch.zeros(shape, dtype=dtype, device=self.device)
         hidden, _ = runner.model(ids, pos, meta, hidden, residual)
+        if runner.draft is not None:
+            # The draft runs over the same tokens after the target's pass: its peak too.
+            runner.draft.mirror(ids, pos, meta)
         if runner.model.lm_head is not None:
             logits = runner.model.compute_logits(hidden[-min(sched.max_num_seqs, len(positions)) :])
             if logits is not None:

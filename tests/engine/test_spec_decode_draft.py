@@ -279,3 +279,23 @@ def test_sampled_distribution_equal_with_and_without_a_draft(model, small_draft,
         assert stats.num_accepted_tokens > 10
         assert stats.num_draft_tokens - stats.num_accepted_tokens > 10
     assert two_sample(plain, specd) > ALPHA
+
+
+def test_profiled_budget_is_split_at_target_plus_draft_bytes_per_block():
+    from tests.engine.test_kv_sizing import FakeMemoryProbe, GiB, MiB, sized_worker
+
+    plain = sized_worker(FakeMemoryProbe(total=4 * GiB, used_outside_torch=512 * MiB))
+    spec = {"method": "draft_model", "model": "builtin:tiny-llama", "num_speculative_tokens": 2}
+    probe = FakeMemoryProbe(total=4 * GiB, used_outside_torch=512 * MiB)
+    worker = sized_worker(probe, speculative_config=spec)
+    # The draft's weights are the worker's too (the probe saw them allocated).
+    assert worker.parameter_bytes() == 2 * plain.parameter_bytes()
+    assert worker.kv_block_bytes() == 2 * plain.kv_block_bytes()
+    num_blocks, _ = worker.determine_num_available_blocks()
+    budget = worker.kv_budget
+    assert budget is not None and budget.weights == worker.parameter_bytes()
+    # (The fake probe's hook sees only the target's caches, so the activation peak is not
+    # checked to the byte here; test_kv_sizing.py checks it without a draft.)
+    assert budget.kv_cache > 2 * GiB
+    assert num_blocks == budget.kv_cache // (2 * plain.kv_block_bytes())
+    assert worker.runner.draft is not None and worker.runner.draft.kv_caches[0].shape[1] == 0
