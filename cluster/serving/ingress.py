@@ -37,12 +37,13 @@ from cluster.api.openai_payloads import (
     tool_choice,
 )
 from cluster.api.openai_responses import Completion, stream_sse
-from cluster.api.protocol import GenerateRequest, StreamError, StreamStart
+from cluster.api.protocol import GenerateRequest, StreamError, StreamStart, unavailable
 from cluster.serving.grpc_ingress import LLMServicer
 from cluster.serving.ingress_calls import (
     guard_stream,
     merge_streams,
     model_health,
+    open_streams,
     wait_for_open_streams,
 )
 from cluster.serving.ingress_responses import ResponsesServicer, responses_store
@@ -53,6 +54,8 @@ from cluster.serving.token_channel import TokenChannel
 
 # Which replica served a generation (routing checks, debugging).
 REPLICA_HEADER = "x-llm-cluster-replica"
+# On SIGTERM: how long streams get to end by themselves before this ingress ends them.
+_SIGTERM_WAIT_S = 2.0
 
 
 def _unwrap(result: Any) -> Any:
@@ -101,11 +104,21 @@ class OpenAIIngress(LLMServicer, ResponsesServicer):
         # Serve stopping this replica (cluster shutdown, redeploy): new generations get 503.
         self._stopping = serve_stop_flag()
         # The raylet stopping SIGTERMs every replica at once: streams end before this one does.
-        on_sigterm(wait_for_open_streams)
+        on_sigterm(self._end_streams_before_exit)
         # Token deltas from the models' heads, one message per step for all our requests.
         self.channel = TokenChannel()
         # /v1/responses results: the application's store (an actor every replica sees).
         self.responses_store = responses_store(responses_store_spec)
+
+    def _end_streams_before_exit(self) -> None:
+        """The SIGTERM hook: streams end by themselves as their replicas stop (an abort, or an
+        error item); a stream whose head has not said anything after ``_SIGTERM_WAIT_S`` (its
+        process still exiting, its connection still open) is ended here with a 503, so every
+        client gets an ending and ``[DONE]`` rather than a severed connection."""
+        wait_for_open_streams(timeout_s=_SIGTERM_WAIT_S, flush_s=0.0)
+        if open_streams():
+            self.channel.end_all_threadsafe(unavailable("the server is stopping; retry"))
+            wait_for_open_streams(timeout_s=1.0)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return make_openai_app(self, self.api_key_hashes, self.max_body_bytes)

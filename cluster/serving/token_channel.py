@@ -73,6 +73,7 @@ class TokenChannel:
         self._listener = TokenListener(self._on_pushed, self._on_lost) if push else None
         self._listening: asyncio.Future[str] | None = None
         self._model_of_head: dict[str, str] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the ingress's, once serving
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._head_of: dict[str, str] = {}  # request id -> head actor name
         self._pollers: dict[str, asyncio.Task[None]] = {}
@@ -86,6 +87,7 @@ class TokenChannel:
     async def sink(self) -> str:
         """What a request's ``GenerateRequest.channel`` names: this ingress's listener (started
         on first use, on this event loop), or with polling the name its outbox has on a head."""
+        self._loop = asyncio.get_running_loop()
         if self._listener is None:
             return self._poll_sink
         if self._listening is None:
@@ -171,6 +173,17 @@ class TokenChannel:
         if self._requests_on(head):
             logger.error("engine head %s: its token channel ended", head)
             self._fail(head, replica_failed(self._model_of_head.get(head, head)))
+
+    def end_all_threadsafe(self, error: StreamError) -> None:
+        """From any thread (the ingress's SIGTERM hook): every open stream gets ``error``, its
+        last item."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._end_all, error)
+
+    def _end_all(self, error: StreamError) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         for delta in deltas:

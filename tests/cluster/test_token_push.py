@@ -127,3 +127,22 @@ def test_a_connection_without_the_sinks_token_delivers_nothing() -> None:
 def test_a_malformed_sink_is_named(sink: str) -> None:
     with pytest.raises(ValueError, match="tcp://HOST:PORT/TOKEN"):
         parse_sink(sink)
+
+
+def test_a_channel_ends_every_open_stream_from_another_thread() -> None:
+    """The ingress's SIGTERM hook runs on the worker's main thread, not the event loop."""
+    from cluster.api.protocol import unavailable
+    from cluster.serving.token_channel import TokenChannel
+
+    async def run() -> list[Any]:
+        channel = TokenChannel(push=False)
+        await channel.sink()  # serving: the channel knows its loop
+        channel.register("a")
+        channel.register("b")
+        queues = [channel._queues["a"], channel._queues["b"]]
+        error = unavailable("the server is stopping; retry")
+        await asyncio.to_thread(channel.end_all_threadsafe, error)
+        return [await asyncio.wait_for(q.get(), 5) for q in queues]
+
+    ended = asyncio.run(run())
+    assert [(e.status, e.message) for e in ended] == [(503, "the server is stopping; retry")] * 2
