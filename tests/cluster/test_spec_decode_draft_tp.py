@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
-from engine.tiny_models import make_random_model
+from tests.engine.spec_decode_models import draft, generate, make_looping_model, make_small_draft
 
 # Starts Ray: the full suite, not the fast tier.
 pytestmark = pytest.mark.slow
@@ -23,7 +23,6 @@ ARGS = {"device": "cpu", "num_kv_blocks": 128, "max_model_len": 256, "max_num_ba
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 rng = random.Random(2)
 PROMPTS = [[rng.randrange(3, 256) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
-SHAPE = {"vocab_size": 256, "max_position_embeddings": 256}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,34 +34,17 @@ def local_ray() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_model(
-        tmp_path_factory.mktemp("draft_tp") / "m",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        **SHAPE,
-    )
+    return make_looping_model(tmp_path_factory.mktemp("draft_tp") / "m")
 
 
 @pytest.fixture(scope="module")
 def small_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_model(
-        tmp_path_factory.mktemp("draft_tp") / "d",
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        seed=5,
-        **SHAPE,
-    )
+    return make_small_draft(tmp_path_factory.mktemp("draft_tp") / "d", 2, seed=5,
+                            max_position_embeddings=256)  # fmt: skip
 
 
 def greedy(llm: LLM) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return generate(llm, GREEDY, PROMPTS)
 
 
 def test_tp2_with_draft_models_equals_tp1_without(model: Path, small_draft: Path) -> None:
@@ -70,8 +52,7 @@ def test_tp2_with_draft_models_equals_tp1_without(model: Path, small_draft: Path
     expect = greedy(reference)
     reference.llm_engine.shutdown()
     for path in (model, small_draft):
-        spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
-        llm = LLM(str(model), tensor_parallel_size=2, speculative_config=spec, **ARGS)
+        llm = LLM(str(model), tensor_parallel_size=2, speculative_config=draft(path, 3), **ARGS)
         try:
             assert type(llm.llm_engine.executor).__name__ == "RayExecutor"
             assert greedy(llm) == expect

@@ -7,16 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from engine import LLM, SamplingParams
 from engine.tiny_models import make_random_model
 
 VOCAB = 256
 
 
-def make_looping_model(path: Path, max_position_embeddings: int = 256) -> Path:
+def make_looping_model(
+    path: Path, max_position_embeddings: int = 256, num_hidden_layers: int = 2
+) -> Path:
     return make_random_model(
         path,
         hidden_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=128,
@@ -33,3 +36,31 @@ def ngram(k: int) -> dict[str, Any]:
         "prompt_lookup_min": 1,
         "prompt_lookup_max": 3,
     }
+
+
+def make_small_draft(
+    path: Path, num_key_value_heads: int, seed: int, max_position_embeddings: int
+) -> Path:
+    """A draft much smaller than the looping model, with its vocabulary (and so its tokenizer)."""
+    return make_random_model(
+        path,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=64,
+        seed=seed,
+        vocab_size=VOCAB,
+        max_position_embeddings=max_position_embeddings,
+    )
+
+
+def draft(path: Path, k: int) -> dict[str, Any]:
+    """vLLM's draft-model ``speculative_config``: ``path`` proposes ``k`` tokens."""
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+
+def generate(llm: LLM, params: SamplingParams, prompts: list[list[int]]) -> list[list[int]]:
+    """Every choice's token ids, request by request."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(c.token_ids) for o in outs for c in o.outputs]

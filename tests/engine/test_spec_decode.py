@@ -20,6 +20,7 @@ from engine.lora_request import LoRARequest
 from engine.sampling_params import StructuredOutputsParams
 from engine.tiny_models import make_tiny_lora
 from tests.engine.spec_decode_models import VOCAB, make_looping_model, ngram
+from tests.engine.spec_decode_models import generate as generate_ids
 
 rng = random.Random(0)
 PROMPTS = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(12)]
@@ -35,8 +36,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def generate(llm: LLM, params: SamplingParams = GREEDY, prompts=PROMPTS) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(c.token_ids) for o in outs for c in o.outputs]
+    return generate_ids(llm, params, prompts)
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,10 @@ from engine.errors import ConfigError
 from engine.lora_request import LoRARequest
 from engine.sampling_params import StructuredOutputsParams
 from engine.tiny_models import make_random_model, make_tiny_lora
+from tests.engine.spec_decode_models import VOCAB, draft, make_looping_model, make_small_draft
+from tests.engine.spec_decode_models import generate as generate_ids
 from tests.engine.test_spec_decode_sampling import ALPHA, two_sample
 
-VOCAB = 256
 rng = random.Random(1)
 PROMPTS = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(10)]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -34,38 +35,17 @@ SHAPE = {"vocab_size": VOCAB, "max_position_embeddings": 512}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_model(
-        tmp_path_factory.mktemp("target") / "m",
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        **SHAPE,
-    )
+    return make_looping_model(tmp_path_factory.mktemp("target") / "m", 512, num_hidden_layers=3)
 
 
 @pytest.fixture(scope="module")
 def small_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_model(
-        tmp_path_factory.mktemp("draft") / "d",
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        seed=3,
-        **SHAPE,
-    )
-
-
-def draft(path: Path, k: int) -> dict[str, Any]:
-    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+    return make_small_draft(tmp_path_factory.mktemp("draft") / "d", 1, seed=3,
+                            max_position_embeddings=512)  # fmt: skip
 
 
 def generate(llm: LLM, params: SamplingParams = GREEDY, prompts=PROMPTS) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(c.token_ids) for o in outs for c in o.outputs]
+    return generate_ids(llm, params, prompts)
 
 
 @pytest.fixture(scope="module")
