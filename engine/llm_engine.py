@@ -19,7 +19,7 @@ token returns its ``PoolingRequestOutput`` (the vector the workers pooled) and e
 With batches in flight (pipelined PP, ``Executor.max_concurrent_batches`` > 1) a step sends
 batches until that many are out, then takes the oldest one's output (see ``engine.scheduler``).
 
-One role in one file (~720 lines): the head's per-step cycle (admit, schedule, execute, update,
+One role in one file (~730 lines): the head's per-step cycle (admit, schedule, execute, update,
 detokenize). Checking and tokenizing a request before it is admitted is
 ``engine.input_processor``; the per-request output state and the outputs built from it, by
 ``output_kind``, are ``engine.output_processor``; beam search runs on top

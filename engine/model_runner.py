@@ -20,8 +20,10 @@ A pooling (embedding) request samples nothing. The driver pools its post-norm hi
 positions summed so far (``num_pooled``, always a prefix [0, num_pooled): a chunk recomputed
 after a preemption is not summed twice). The vector is returned once the prompt is computed.
 
-One role (~640 lines): one step on one worker, from the step message to the sampled tokens:
-persistent per-request state, packed inputs, forward, sampling.
+One role (~670 lines): one step on one worker, from the step message to the sampled tokens:
+persistent per-request state, packed inputs, forward, sampling. One role because every phase
+reads the same persistent state in the same step; speculative verification and the draft model
+live in ``engine.spec_decode`` and are called from here.
 """
 
 from __future__ import annotations

@@ -45,8 +45,10 @@ Pooling (embedding) requests are scheduled like any prompt (chunked, mixed with 
 finish, freeing their blocks, in the step that computes the last prompt token; they sample
 nothing (the workers return their pooled vector instead).
 
-One role (~600 lines): the scheduler's state machine (queues, budgets, preemption, forks,
-batches in flight) as small functions over one set of request states.
+One role (~610 lines): the scheduler's state machine (queues, budgets, preemption, forks,
+batches in flight, lookahead slots for speculation) as small functions over one set of request
+states: each decision reads all queues and budgets at once, so splitting it would pass that state
+between modules on every step.
 """
 
 from __future__ import annotations

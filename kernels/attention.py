@@ -2,6 +2,8 @@
 
 One role (~870 lines): the torch attention path and the step metadata/plans it shares with the
 Triton kernels (decode groups, prefill chunks, sliding-window plans), plus its argument checks.
+One role because the torch path is the reference the Triton kernels are tested against and both
+read the same plans; FP8 KV quantization itself is ``kernels.kv_quant``.
 
 KV cache layout, one tensor per layer::
 
