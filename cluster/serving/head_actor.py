@@ -118,11 +118,14 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 class _Outbox:
-    """Steps not yet acknowledged by one reader, oldest first, numbered from ``first_seq``."""
+    """Steps not yet acknowledged by one reader, oldest first, numbered from ``first_seq``.
+    ``cond`` (over the head's one lock) wakes only this outbox's reader: a step for one reader
+    does not wake the others (each wakeup takes the GIL from the core thread)."""
 
-    __slots__ = ("first_seq", "polled_at", "steps")
+    __slots__ = ("cond", "first_seq", "polled_at", "steps")
 
-    def __init__(self) -> None:
+    def __init__(self, lock: threading.Lock) -> None:
+        self.cond = threading.Condition(lock)
         self.steps: list[StepOutputs] = []
         self.first_seq = 1
         self.polled_at = time.monotonic()
@@ -170,7 +173,8 @@ class HeadActor:
         reads ``LLM_CLUSTER_HEAD_CORE_PROCESS``."""
         started = time.monotonic()
         config = EngineConfig.from_kwargs(**engine_args)
-        self._outbox = _Outbox()  # the front's
+        self._lock = threading.Lock()  # guards the outboxes and the routes below
+        self._outbox = _Outbox(self._lock)  # the front's
         self._sinks: dict[str, _Outbox] = {}  # ingress channels', by sink name
         self._sink_of: dict[str, str] = {}  # request id -> its sink, until its last delta
         # A sink request's deltas after its first, held back from the front until its last.
@@ -178,7 +182,6 @@ class HeadActor:
         self._pushers: dict[str, SinkPusher] = {}  # pushed sinks' writers (``token_push``)
         self._name = ray.get_runtime_context().get_actor_name() or "head"
         self._dead: str | None = None
-        self._ready = threading.Condition()
         self._start_failure: str | None = None
         observer = PublishingObserver(
             model_id or config.model.model_path,
@@ -239,7 +242,7 @@ class HeadActor:
         except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
             reply = AddReply(error=CoreError.of(exc))
         if reply.error is not None and request is not None and request.sink is not None:
-            with self._ready:
+            with self._lock:
                 if self._sink_of.get(request.request_id) == request.sink:
                     del self._sink_of[request.request_id]
                     self._held.pop(request.request_id, None)
@@ -249,7 +252,7 @@ class HeadActor:
         """Before the core sees the request (its first delta may come at once): its deltas go
         to ``sink`` too. Sinks nobody polled for ``SINK_IDLE_S`` are dropped here."""
         now = time.monotonic()
-        with self._ready:
+        with self._lock:
             for name, box in list(self._sinks.items()):
                 # A pushed sink lives as long as its connection (``_drop_sink``).
                 if name != sink and name not in self._pushers and now - box.polled_at > SINK_IDLE_S:
@@ -257,17 +260,17 @@ class HeadActor:
                     for rid in [r for r, s in self._sink_of.items() if s == name]:
                         del self._sink_of[rid]
                         self._held.pop(rid, None)
-            box = self._sinks.setdefault(sink, _Outbox())
+            box = self._sinks.setdefault(sink, _Outbox(self._lock))
             self._sink_of[request_id] = sink
             if is_push_sink(sink) and sink not in self._pushers:
                 self._pushers[sink] = SinkPusher(
-                    sink, self._name, box, self._ready, lambda: self._dead, self._drop_sink
+                    sink, self._name, box, box.cond, lambda: self._dead, self._drop_sink
                 )
 
     def _drop_sink(self, sink: str) -> None:
         """A pushed sink's connection ended (its ingress is gone): forget it and its requests'
         routes; the requests themselves end when Serve cancels their calls."""
-        with self._ready:
+        with self._lock:
             self._pushers.pop(sink, None)
             self._sinks.pop(sink, None)
             for rid in [r for r, s in self._sink_of.items() if s == sink]:
@@ -285,25 +288,29 @@ class HeadActor:
     def poll_sink(self, sink: str, acked: int, wait_s: float = _POLL_WAIT_S) -> bytes:
         """``poll`` for an ingress's channel: the deltas of the requests added with
         ``sink``, one message per step."""
-        with self._ready:
-            box = self._sinks.setdefault(sink, _Outbox())
+        with self._lock:
+            box = self._sinks.setdefault(sink, _Outbox(self._lock))
         return self._take(box, acked, wait_s)
 
     def wait_sink_acked(self, sink: str, wait_s: float) -> bool:
         """Wait up to ``wait_s`` until the ingress has acknowledged everything in ``sink``'s
         outbox (True), e.g. the last deltas of requests a draining replica aborted: the replica
         (and this actor with it) must not stop before its ingress has them."""
-        with self._ready:
+        with self._lock:
             box = self._sinks.get(sink)
             if box is None:
                 return True
-            return self._ready.wait_for(lambda: not box.steps or self._dead is not None, wait_s)
+            pusher = self._pushers.get(sink)
+            if pusher is None:
+                return box.cond.wait_for(lambda: not box.steps or self._dead is not None, wait_s)
+            pusher.request_ack()
+            return box.cond.wait_for(lambda: pusher.synced() or self._dead is not None, wait_s)
 
     def _take(self, box: _Outbox, acked: int, wait_s: float) -> bytes:
-        with self._ready:
+        with self._lock:
             box.ack(acked)
-            self._ready.notify_all()  # a wait_sink_acked may be waiting for this
-            self._ready.wait_for(lambda: box.steps or self._dead is not None, wait_s)
+            box.cond.notify_all()  # a wait_sink_acked may be waiting for this
+            box.cond.wait_for(lambda: box.steps or self._dead is not None, wait_s)
             box.polled_at = time.monotonic()
             return box.reply(self._dead)
 
@@ -326,7 +333,7 @@ class HeadActor:
 
     def shutdown(self) -> None:
         self._loop.shutdown()
-        with self._ready:
+        with self._lock:
             pushers = list(self._pushers.values())
         for pusher in pushers:
             pusher.close()
@@ -334,7 +341,7 @@ class HeadActor:
     # ---- core thread --------------------------------------------------------------------
 
     def _push(self, step: StepOutputs) -> None:
-        with self._ready:
+        with self._lock:
             front = step
             if self._sink_of:
                 front = StepOutputs([], step.time)
@@ -354,9 +361,14 @@ class HeadActor:
                     box = self._sinks.get(sink)
                     if box is not None:
                         box.steps.append(StepOutputs(deltas, step.time))
+                        pusher = self._pushers.get(sink)
+                        if pusher is not None:
+                            pusher.pushed()  # written by this (the core) thread, if it can
+                        else:
+                            box.cond.notify_all()
             if front.deltas:
                 self._outbox.steps.append(front)
-            self._ready.notify_all()
+                self._outbox.cond.notify_all()
 
     def _for_front(self, delta: RequestDelta, at: float) -> RequestDelta | None:
         """What the front gets of a sink request's delta: its first (the first token's time,
@@ -374,9 +386,12 @@ class HeadActor:
         return held.merged()
 
     def _died(self, error: EngineDeadError) -> None:
-        with self._ready:
+        with self._lock:
             self._dead = str(error) or "the engine failed"
-            self._ready.notify_all()
+            for box in (self._outbox, *self._sinks.values()):
+                box.cond.notify_all()
+            for pusher in self._pushers.values():
+                pusher.pushed()  # its last frame says why
 
 
 class PublishingObserver(StartupObserver):

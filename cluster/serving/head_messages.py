@@ -18,6 +18,8 @@ class PollReply(msgspec.Struct, array_like=True):
     steps: bytes  # encode_steps(...): decoded only by the front's fan-out
     last_seq: int  # the number of the last step in ``steps`` (the next poll's ``acked``)
     dead: str | None = None
+    # Pushed frames only: the ingress acknowledges ``last_seq`` (a drain waits for that).
+    ack: bool = False
 
 
 _POLL_DECODER = msgspec.msgpack.Decoder(PollReply)

@@ -7,15 +7,16 @@ with a Ray actor call per step.
     ──────────────────────────────────────     ─────────────────────────────────────────
     SinkPusher writer thread ── connect ─────▶ accept
                              ── Hello(token, head) ─▶ checks the token (the sink's secret)
-                             ── PollReply(steps, last_seq, dead) ─▶ dispatches the deltas
-    SinkPusher reader thread ◀── acked (last_seq) ──── one ack per frame
+    core thread, each step   ── PollReply(steps, last_seq, dead, ack) ─▶ dispatches the deltas
+    SinkPusher reader thread ◀── acked (last_seq) ──── only when the frame asks (a drain)
 
 A Ray actor call costs ~0.5 ms of CPU in the caller and the callee and wakes the head's main
 thread, which takes the GIL from its core thread; a frame on a socket costs tens of
-microseconds (BENCHMARKS.md, "The token channel pushed"). Frames are length-prefixed msgpack
-(``PollReply``, the poll's reply, so both transports carry the same message); nothing is
-pickled. Steps stay in the head's outbox until acknowledged, as with polling, so a drain
-(``HeadActor.wait_sink_acked``) still waits for the ingress to have them.
+microseconds (BENCHMARKS.md, "The token channel pushed"). The core thread writes each step's
+frame itself, without blocking, so no other thread of the head wakes per step
+(``SinkPusher``). Frames are length-prefixed msgpack (``PollReply``, the poll's reply, so both
+transports carry the same message); nothing is pickled. A drain
+(``HeadActor.wait_sink_acked``) asks the ingress to acknowledge what it has, and waits.
 
 The sink names the listener: ``tcp://HOST:PORT/TOKEN``. The token is a random secret that
 travels only inside Ray's own calls (the ``GenerateRequest``), so nothing that merely reaches
@@ -88,14 +89,25 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(chunks)
 
 
-# ---- the head's side (threads) ------------------------------------------------------------
+# ---- the head's side -----------------------------------------------------------------------
 
 
 class SinkPusher:
     """Writes one sink's outbox to its ingress. ``outbox`` is the head's ``_Outbox`` (``steps``,
-    ``first_seq``, ``ack``) guarded by ``lock``, a Condition the head notifies whenever it
-    appends a step or dies; ``dead()`` is the head's reason, or None. ``on_broken`` runs (outside
-    the lock) once the connection fails or ends."""
+    ``first_seq``, ``ack``) guarded by ``lock``, this outbox's Condition; ``dead()`` is the
+    head's reason, or None. ``on_broken`` runs (outside the lock) once the connection fails or
+    ends.
+
+    The head calls ``pushed()`` holding ``lock`` whenever it appended a step or died. The
+    calling thread (the core thread, once per step) writes the unsent steps itself when the
+    socket takes the whole frame without blocking: no other thread wakes, so nothing takes the
+    GIL from the core thread between its steps (a writer thread woken per step did, and so did
+    an ack per frame: BENCHMARKS.md, "The push from the core thread"). The writer thread
+    connects, then sleeps; it writes only what would block (the ingress reads slower than the
+    engine makes tokens) and the head's last frame, so a slow ingress never stalls the engine.
+    A step written to the socket leaves the outbox (TCP delivers it or the connection fails,
+    and then its streams fail); ``request_ack`` asks the ingress to confirm what it has, for a
+    drain (``synced``)."""
 
     def __init__(
         self,
@@ -114,6 +126,14 @@ class SinkPusher:
         self._on_broken = on_broken
         self._closed = False
         self._sock: socket.socket | None = None
+        # Guarded by ``lock``: the writer thread owns the socket's writes (connecting, a
+        # frame's rest the socket would not take, the last frame); the rest of that frame;
+        # the last step number handed to the socket, and the last the ingress acknowledged.
+        self._writer_owns = True
+        self._rest = b""
+        self._sent = 0
+        self._acked = 0
+        self._want_ack = False
         self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                         name="token-push-writer")  # fmt: skip
         self._writer.start()
@@ -127,6 +147,63 @@ class SinkPusher:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
+    # ---- called by the head, holding ``lock`` --------------------------------------------
+
+    def pushed(self) -> None:
+        """Write the unsent steps now if the socket takes them without blocking, else leave
+        them to the writer thread. Never blocks."""
+        if self._writer_owns or self._closed or self._sock is None:
+            self._lock.notify_all()
+            return
+        if self._dead() is not None:  # the last frame: the writer sends it and hangs up
+            self._writer_owns = True
+            self._lock.notify_all()
+            return
+        data = self._frame_locked()
+        if data is None:
+            return
+        try:
+            written = self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            written = 0
+        except OSError:  # the writer's next write fails too, and reports it
+            written = 0
+        if written < len(data):
+            self._rest = data[written:]
+            self._writer_owns = True
+            self._lock.notify_all()
+
+    def request_ack(self) -> None:
+        """Ask the ingress to acknowledge every step written so far (an empty frame if there
+        is nothing new to carry the request)."""
+        self._want_ack = True
+        if self._writer_owns or self._closed or self._sock is None:
+            self._lock.notify_all()
+            return
+        self._writer_owns = True  # rare (a drain): the writer sends it, blocking if need be
+        self._lock.notify_all()
+
+    def synced(self) -> bool:
+        """Every step of the outbox written, and acknowledged by the ingress."""
+        return not self._outbox.steps and not self._rest and self._acked >= self._sent
+
+    def _frame_locked(self, final: bool = False) -> bytes | None:
+        """The frame of the steps not yet written (they leave the outbox), or None when there
+        are none and nothing else to say."""
+        box = self._outbox
+        last_seq = box.first_seq + len(box.steps) - 1
+        dead = self._dead()
+        if last_seq <= self._sent and not self._want_ack and not final:
+            return None
+        unsent = box.steps[max(0, self._sent + 1 - box.first_seq) :]
+        reply = PollReply(encode_steps(unsent), last_seq, dead, self._want_ack or final)
+        self._want_ack = False
+        self._sent = last_seq
+        box.ack(last_seq)
+        return frame(_ENCODER.encode(reply))
+
+    # ---- the writer thread ---------------------------------------------------------------
+
     def _write_loop(self) -> None:
         try:
             host, port, token = parse_sink(self.sink)
@@ -137,11 +214,10 @@ class SinkPusher:
             sock.sendall(frame(_ENCODER.encode(Hello(token, self._head))))
             threading.Thread(target=self._read_acks, args=(sock,), daemon=True,
                              name="token-push-acks").start()  # fmt: skip
-            sent = 0  # the last step number written
-            while (message := self._next_frame(sent)) is not None:
-                payload, sent, dead = message
-                sock.sendall(payload)
-                if dead is not None:
+            while (message := self._next_write()) is not None:
+                data, last = message
+                sock.sendall(data)
+                if last:
                     return
         except (OSError, ValueError) as exc:
             if not self._closed:
@@ -152,22 +228,23 @@ class SinkPusher:
                 self._sock.close()
             self._on_broken(self.sink)
 
-    def _next_frame(self, sent: int) -> tuple[bytes, int, str | None] | None:
-        """Waits for steps after ``sent`` (or the head's death): the frame, its last step's
-        number and the death it reports; None once closed."""
-        box = self._outbox
+    def _next_write(self) -> tuple[bytes, bool] | None:
+        """Waits until the writer owns something to write: (the bytes, whether it is the last
+        frame); None once closed. Hands writing back to the core thread once all is written."""
         with self._lock:
-            self._lock.wait_for(
-                lambda: self._closed or self._dead() is not None
-                or box.first_seq + len(box.steps) - 1 > sent
-            )  # fmt: skip
-            if self._closed:
-                return None
-            last_seq = box.first_seq + len(box.steps) - 1
-            unsent = box.steps[max(0, sent + 1 - box.first_seq) :]
-            dead = self._dead()
-        reply = PollReply(encode_steps(unsent), last_seq, dead)
-        return frame(_ENCODER.encode(reply)), last_seq, dead
+            while True:
+                if self._closed:
+                    return None
+                if self._writer_owns or self._dead() is not None:
+                    if self._rest:
+                        data, self._rest = self._rest, b""
+                        return data, False
+                    dead = self._dead() is not None
+                    data = self._frame_locked(final=dead)
+                    if data is not None:
+                        return data, dead
+                    self._writer_owns = False  # all written: the core thread writes again
+                self._lock.wait()
 
     def _read_acks(self, sock: socket.socket) -> None:
         try:
@@ -175,7 +252,7 @@ class SinkPusher:
                 (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
                 acked = _INT_DECODER.decode(_recv_exact(sock, size))
                 with self._lock:
-                    self._outbox.ack(acked)
+                    self._acked = max(self._acked, acked)
                     self._lock.notify_all()  # a drain's wait_sink_acked
         except (OSError, ValueError, msgspec.DecodeError):
             self.close()
@@ -223,7 +300,8 @@ class TokenListener:
             while True:
                 reply = _REPLY_DECODER.decode(await _read_frame(reader))
                 self._on_steps(head, reply)
-                writer.write(frame(_ENCODER.encode(reply.last_seq)))
+                if reply.ack:
+                    writer.write(frame(_ENCODER.encode(reply.last_seq)))
                 if reply.dead is not None:
                     return
         except (OSError, asyncio.IncompleteReadError, ValueError, msgspec.DecodeError):

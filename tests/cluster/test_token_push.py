@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -44,12 +45,16 @@ class _Head:
     def push(self, step: StepOutputs) -> None:
         with self.lock:
             self.box.steps.append(step)
-            self.lock.notify_all()
+            self.pusher.pushed()
 
     def die(self, why: str) -> None:
         with self.lock:
             self.dead = why
-            self.lock.notify_all()
+            self.pusher.pushed()
+
+    def synced(self) -> bool:
+        with self.lock:
+            return self.pusher.synced()
 
 
 async def _until(predicate: Any, timeout_s: float = 10.0) -> None:
@@ -60,7 +65,7 @@ async def _until(predicate: Any, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_steps_arrive_once_each_in_order_and_acks_empty_the_outbox() -> None:
+def test_steps_arrive_once_each_in_order_and_are_acknowledged_on_request() -> None:
     received: list[tuple[str, float]] = []
     lost: list[str] = []
 
@@ -76,7 +81,11 @@ def test_steps_arrive_once_each_in_order_and_acks_empty_the_outbox() -> None:
             if number % 50 == 0:
                 await asyncio.sleep(0.02)
         await _until(lambda: len(received) >= 200)
-        await _until(lambda: not head.box.steps)  # every frame acknowledged
+        assert not head.box.steps  # written steps leave the outbox
+        assert not head.synced()  # no frame asked for an acknowledgement
+        with head.lock:
+            head.pusher.request_ack()  # what a drain does
+        await _until(head.synced)
         head.pusher.close()
         await _until(lambda: bool(lost))
         listener.close()
@@ -146,3 +155,41 @@ def test_a_channel_ends_every_open_stream_from_another_thread() -> None:
 
     ended = asyncio.run(run())
     assert [(e.status, e.message) for e in ended] == [(503, "the server is stopping; retry")] * 2
+
+
+def test_a_push_never_blocks_on_an_ingress_that_stops_reading() -> None:
+    """The core thread writes each step itself; when the socket would block (the ingress reads
+    slower than the engine makes tokens), the writer thread takes over: pushing stays fast and
+    every step still arrives, in order, once the ingress reads again."""
+    received: list[float] = []
+    lost: list[str] = []
+    payload = "x" * 20_000  # ~20 KB a step: 3,000 steps (60 MB) outgrow the socket buffers
+
+    def on_steps(_head: str, reply: PollReply) -> None:
+        received.extend(step.time for step in decode_steps(reply.steps))
+
+    async def run() -> tuple[_Head, float]:
+        listener = TokenListener(on_steps, lost.append)
+        head = _Head(await listener.start("127.0.0.1"))
+        head.push(_step(payload, 0))
+        await _until(lambda: bool(received))  # connected, the core thread writes from now on
+
+        def push_all() -> float:  # while the ingress's loop is not reading at all
+            slowest = 0.0
+            for number in range(1, 3001):
+                started = time.perf_counter()
+                head.push(_step(payload, number))
+                slowest = max(slowest, time.perf_counter() - started)
+            return slowest
+
+        slowest = push_all()  # runs on the loop's thread: nothing reads meanwhile
+        await _until(lambda: len(received) >= 3001, 30)
+        head.pusher.close()
+        await _until(lambda: bool(lost))
+        listener.close()
+        return head, slowest
+
+    head, slowest = asyncio.run(asyncio.wait_for(run(), 60))
+    assert received == [float(n) for n in range(3001)]
+    assert slowest < 0.5, f"a push blocked for {slowest:.2f} s"
+    assert head.broken.wait(5)
