@@ -30,9 +30,9 @@ replica. Its front, whose stream then carries no tokens, gets only the request's
 its last, merged with those between and each step's time (``RequestDelta.steps``, for the
 latency metrics): one wakeup of the replica per request, not per step. A sink that nobody polls
 for ``SINK_IDLE_S`` is dropped (its ingress is gone). A sink named ``tcp://HOST:PORT/TOKEN`` (the
-default, ``LLM_CLUSTER_TOKEN_PUSH``) is not polled: a ``SinkPusher`` thread connects to that
-ingress and writes each step to it (``cluster.serving.token_push``), with no Ray call per step;
-it lives as long as its connection.
+default, ``LLM_CLUSTER_TOKEN_PUSH``) is not polled: a ``SinkPusher`` connects to that ingress
+and the core thread writes each step to it (``cluster.serving.token_push``), with no Ray call
+and no other thread woken per step; it lives as long as its connection.
 The actor is owned by the replica, so it dies with it; if the head dies, the poll fails,
 every stream ends with a 503 and the replica's health check fails, so Serve replaces it.
 
@@ -50,7 +50,7 @@ but concurrency-1 TPOT in only one (BENCHMARKS.md, "After delta outputs; the eng
 child process"); on a GPU, where the head's Python is the step's critical path and Ray's
 threads take its GIL, it is the first thing to measure.
 
-One role (~600 lines): the head actor and the client the front reaches it through: both sides
+One role (~620 lines): the head actor and the client the front reaches it through: both sides
 of one process boundary, which change together.
 """
 

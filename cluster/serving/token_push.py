@@ -164,9 +164,7 @@ class SinkPusher:
             return
         try:
             written = self._sock.send(data, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            written = 0
-        except OSError:  # the writer's next write fails too, and reports it
+        except OSError:  # would block (BlockingIOError), or broken: the writer's write reports it
             written = 0
         if written < len(data):
             self._rest = data[written:]
@@ -177,10 +175,8 @@ class SinkPusher:
         """Ask the ingress to acknowledge every step written so far (an empty frame if there
         is nothing new to carry the request)."""
         self._want_ack = True
-        if self._writer_owns or self._closed or self._sock is None:
-            self._lock.notify_all()
-            return
-        self._writer_owns = True  # rare (a drain): the writer sends it, blocking if need be
+        if self._sock is not None:
+            self._writer_owns = True  # rare (a drain): the writer sends it, blocking if need be
         self._lock.notify_all()
 
     def synced(self) -> bool:
