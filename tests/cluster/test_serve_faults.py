@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from cluster.proto import llm_pb2, llm_pb2_grpc
+from engine.tiny_models import tiny_variant
 from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
 
 APP = "faults"
@@ -306,6 +307,7 @@ def test_front_replica_killed_mid_generation(
 DRAIN_APP = "drain"
 DRAIN_MODEL = "tiny-drain"
 DRAIN_TIMEOUT_S = 3
+DRAIN_MAX_MODEL_LEN = 16384
 
 
 def test_deleting_the_app_drains_in_flight_requests(serve_cluster: ServeCluster) -> None:
@@ -315,7 +317,12 @@ def test_deleting_the_app_drains_in_flight_requests(serve_cluster: ServeCluster)
     from ray import serve
 
     config = load_yaml("tiny.yaml")
-    model = _model(DRAIN_MODEL, num_kv_blocks=512)
+    # Room for a request that no machine decodes within the drain timeout (the built-in allows
+    # 2,048 positions, which a fast moment of a 2-core VM decoded in under 3 s).
+    source = tiny_variant("tiny-llama", max_position_embeddings=DRAIN_MAX_MODEL_LEN)
+    model = _model(DRAIN_MODEL, max_model_len=DRAIN_MAX_MODEL_LEN,
+                   num_kv_blocks=2 * DRAIN_MAX_MODEL_LEN // 16)  # fmt: skip
+    model["model_loading_config"]["model_source"] = str(source)
     model["deployment_config"]["graceful_shutdown_timeout_s"] = DRAIN_TIMEOUT_S
     config["models"] = [model]
     url = serve_cluster.deploy(config, DRAIN_APP, "/drain")
@@ -327,7 +334,12 @@ def test_deleting_the_app_drains_in_flight_requests(serve_cluster: ServeCluster)
         per_token_s = (time.monotonic() - start) / 64
         short_tokens = max(8, min(400, int(0.5 / per_token_s)))  # about half a second
         print(f"drain test: {per_token_s * 1000:.1f} ms per token, short request {short_tokens}")
-        long = SSEStream(url, DRAIN_MODEL, max_tokens=2000)
+        # The long one needs, at the measured speed (which includes the request's own overhead,
+        # so it errs slow), several times the drain timeout.
+        long_tokens = max(2000, int(4 * (DRAIN_TIMEOUT_S + 5) / per_token_s))
+        long_tokens = min(DRAIN_MAX_MODEL_LEN - 64, long_tokens)
+        print(f"drain test: long request {long_tokens}")
+        long = SSEStream(url, DRAIN_MODEL, max_tokens=long_tokens)
         short = SSEStream(url, DRAIN_MODEL, max_tokens=short_tokens)
         assert long.started.wait(60) and short.started.wait(60)
         stop_at = time.monotonic()
