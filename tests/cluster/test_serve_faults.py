@@ -334,8 +334,8 @@ def test_deleting_the_app_drains_in_flight_requests(serve_cluster: ServeCluster)
         per_token_s = (time.monotonic() - start) / 64
         short_tokens = max(8, min(400, int(0.5 / per_token_s)))  # about half a second
         print(f"drain test: {per_token_s * 1000:.1f} ms per token, short request {short_tokens}")
-        # The long one needs, at the measured speed (which includes the request's own overhead,
-        # so it errs slow), several times the drain timeout.
+        # The long one must outlast the drain timeout several times over. The measured time per
+        # token includes the request's own overhead, so it overstates it: hence the factor 4.
         long_tokens = max(2000, int(4 * (DRAIN_TIMEOUT_S + 5) / per_token_s))
         long_tokens = min(DRAIN_MAX_MODEL_LEN - 64, long_tokens)
         print(f"drain test: long request {long_tokens}")
