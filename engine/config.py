@@ -254,16 +254,20 @@ class DeviceConfig:
 class KernelConfig:
     """Which kernels run the model and whether decode steps may replay CUDA graphs.
 
-    ``attention_backend``: ``auto`` (Triton on CUDA, torch on CPU), ``triton`` or ``torch``;
-    it selects the attention, cache and fused pointwise kernels together.
+    ``attention_backend``: ``auto`` (Triton on CUDA; on CPU ``cpu`` where its kernel builds,
+    else ``torch``), ``triton``, ``cpu`` (the torch kernels with decode attention in the native
+    AVX-512 kernel, ``kernels.cpu_decode``) or ``torch``; it selects the attention, cache and
+    fused pointwise kernels together.
     ``enforce_eager``: never capture CUDA graphs (they are only used on CUDA with Triton).
     """
 
-    attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        check_choice(self.attention_backend, "attention_backend", ("auto", "triton", "torch"))
+        check_choice(
+            self.attention_backend, "attention_backend", ("auto", "triton", "cpu", "torch")
+        )
         check_bool(self.enforce_eager, "enforce_eager")
         if self.attention_backend == "triton":
             require(
@@ -275,8 +279,12 @@ class KernelConfig:
 
     def resolved_backend(self, device_type: str) -> str:
         """The backend that runs on ``device_type``: ``auto`` means Triton on CUDA when the
-        triton package is installed, torch otherwise."""
-        return resolve_attention_backend(self.attention_backend, device_type)
+        triton package is installed; on CPU the native decode kernel where it builds (unless
+        ``LLM_CLUSTER_CPU_DECODE_KERNEL=0``); torch otherwise. May build that kernel (~20 s
+        once per machine), so it is called where the model loads, not where configs are made."""
+        return resolve_attention_backend(
+            self.attention_backend, device_type, native_cpu=envs.cpu_decode_kernel()
+        )
 
 
 @dataclass(frozen=True)
@@ -528,4 +536,9 @@ def _check_kernel_device(kernel: KernelConfig, device: DeviceConfig) -> None:
         "attention_backend",
         "'triton' on CPU needs TRITON_INTERPRET=1 in the environment (the Triton "
         "interpreter; slow, meant for tests); use 'torch' or 'auto' on CPU",
+    )
+    require(
+        kernel.attention_backend != "cpu" or device.device_type == "cpu",
+        "attention_backend",
+        f"'cpu' runs on CPU only, not on {device.device_type!r}; use 'auto'",
     )

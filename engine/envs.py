@@ -55,6 +55,13 @@ def cpu_packed_gemm() -> bool:
     return os.environ.get("LLM_CLUSTER_CPU_PACKED_GEMM", "1") != "0"
 
 
+def cpu_decode_kernel() -> bool:
+    """``LLM_CLUSTER_CPU_DECODE_KERNEL``: with ``attention_backend: auto`` on CPU, attend decode
+    rows with the native AVX-512 kernel (``kernels.cpu_decode``, the ``cpu`` backend) where it
+    builds; ``0`` keeps the plain torch path (default 1)."""
+    return os.environ.get("LLM_CLUSTER_CPU_DECODE_KERNEL", "1") != "0"
+
+
 def cpu_keep_quantized() -> bool:
     """``LLM_CLUSTER_CPU_KEEP_QUANTIZED=1``: on CPU, keep a quantized checkpoint's linear
     weights quantized (FP8 / packed int4, as on CUDA) and dequantize them in every matmul

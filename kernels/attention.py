@@ -61,6 +61,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -73,6 +74,7 @@ __all__ = [
     "AttentionMetadata",
     "AttentionPlan",
     "DecodeGroup",
+    "DecodeKernel",
     "GatherWorkspace",
     "PrefillChunk",
     "check_attention_options",
@@ -191,6 +193,9 @@ class AttentionMetadata:
     query_start_loc: Tensor
     decode_groups: tuple[DecodeGroup, ...]
     prefill_chunks: tuple[PrefillChunk, ...]
+    # int32 [num_decode]: the requests with query_len == 1, for a native decode kernel
+    # (``kernels.cpu_decode``) that attends them all in one call instead of by groups.
+    decode_seqs: Tensor | None = None
     # Scratch for the K/V gathers, shared by the layers of this step (see GatherWorkspace).
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace, repr=False, compare=False)
     # Window size -> the plan restricted to it, filled on first use by window_plan.
@@ -297,6 +302,7 @@ class AttentionMetadata:
             prefill_chunks=_plan_prefill_chunks(
                 query_lens_np, seq_lens_np, block_table_np, query_start_loc_np, block_size, device
             ),
+            decode_seqs=_to_device(np.flatnonzero(query_lens_np == 1), torch.int32, device),
         )
 
 
@@ -335,6 +341,8 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    decode_kernel: DecodeKernel | None = None,
 ) -> Tensor:
     """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
     request's paged context; returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
@@ -343,6 +351,10 @@ def paged_attention(
     position ``q`` sees keys ``q - sliding_window < k <= q`` when ``sliding_window`` is set;
     ``logits_soft_cap`` C turns the scaled scores into ``C * tanh(scores / C)``. An FP8 cache
     is dequantized with ``k_scale``/``v_scale`` into ``query.dtype`` as it is gathered.
+
+    ``decode_kernel`` (``kernels.cpu_decode.attend_decode``; the ``cpu`` backend passes it)
+    attends every decode row in one native call where it covers the tensors; the decode groups
+    are the path where it does not, and the reference it is tested against.
     """
     check_attention_args(query, kv_cache, metadata, scale)
     check_attention_options(sliding_window, logits_soft_cap)
@@ -359,7 +371,25 @@ def paged_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     # Every row of `out` is written: each request with query_len >= 1 is in exactly one decode
     # group or prefill chunk, and together they cover all num_tokens rows.
-    for group in plan.decode_groups:
+    decoded = (
+        decode_kernel is not None
+        and dequant is None
+        and metadata.decode_seqs is not None
+        and bool(plan.decode_groups)
+        and decode_kernel(
+            query,
+            kv_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            metadata.decode_seqs,
+            scale,
+            window,
+            logits_soft_cap,
+            out,
+        )
+    )
+    for group in () if decoded else plan.decode_groups:
         _attend_decode_group(
             query, kv_cache, group, scale, logits_soft_cap, metadata.workspace, dequant, out
         )
@@ -376,6 +406,26 @@ def paged_attention(
             out,
         )
     return out
+
+
+class DecodeKernel(Protocol):
+    """A native kernel for a step's decode rows (``kernels.cpu_decode.attend_decode``): it
+    writes their rows of ``out`` and returns True, or returns False without writing when it does
+    not cover these tensors."""
+
+    def __call__(
+        self,
+        query: Tensor,
+        kv_cache: Tensor,
+        block_table: Tensor,
+        seq_lens: Tensor,
+        query_start_loc: Tensor,
+        decode_seqs: Tensor,
+        scale: float,
+        window: int | None,
+        soft_cap: float | None,
+        out: Tensor,
+    ) -> bool: ...
 
 
 def check_attention_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:

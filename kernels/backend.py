@@ -1,4 +1,5 @@
-"""Which implementation of the kernels a model uses: plain torch or Triton.
+"""Which implementation of the kernels a model uses: plain torch, torch with the native CPU
+decode kernel, or Triton.
 
 A model asks once, at construction, for a ``KernelOps`` bundle and keeps it; nothing here is
 mutable module state, so two models in one process may use different backends. The Triton
@@ -8,6 +9,7 @@ they are decorated for the GPU or for the interpreter depends on ``TRITON_INTERP
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ __all__ = [
     "triton_available",
 ]
 
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "cpu", "torch")
 
 
 @dataclass(frozen=True)
@@ -46,24 +48,50 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_attention_backend(name: str, device_type: str) -> str:
-    """``auto`` -> ``triton`` on CUDA, ``torch`` elsewhere; other names pass through checked."""
+def resolve_attention_backend(name: str, device_type: str, native_cpu: bool = True) -> str:
+    """``auto`` -> ``triton`` on CUDA; on CPU ``cpu`` (the torch path with the native decode
+    kernel, ``kernels.cpu_decode``) where ``native_cpu`` allows it and the kernel builds and runs
+    here, ``torch`` otherwise. Other names pass through checked; ``cpu`` where the kernel cannot
+    run is refused with the reason."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "cpu":
+        from kernels import cpu_decode
+
+        if device_type != "cpu" or not cpu_decode.native_decode_available():
+            raise ValueError(
+                "attention_backend 'cpu' needs a CPU device with AVX-512 and a C++ compiler "
+                "to build kernels/csrc/cpu_paged_decode.cpp (see the log for why it did not "
+                "build); use 'torch' or 'auto'"
+            )
+        return name
     if name != "auto":
         return name
-    return "triton" if device_type == "cuda" and triton_available() else "torch"
+    if device_type == "cuda":
+        return "triton" if triton_available() else "torch"
+    if device_type == "cpu" and native_cpu:
+        from kernels import cpu_decode
+
+        return "cpu" if cpu_decode.native_decode_available() else "torch"
+    return "torch"
 
 
 def get_kernel_ops(name: str) -> KernelOps:
-    """The kernels of backend ``name`` (``torch`` or ``triton``; resolve ``auto`` first)."""
-    if name == "torch":
-        from kernels import attention, ops
+    """The kernels of backend ``name`` (``torch``, ``cpu`` or ``triton``; resolve ``auto``
+    first). ``cpu`` is ``torch`` with decode rows attended by ``kernels.cpu_decode``."""
+    if name in ("torch", "cpu"):
+        from kernels import attention, cpu_decode, ops
 
         return KernelOps(
-            name="torch",
+            name=name,
             reshape_and_cache=attention.reshape_and_cache,
-            paged_attention=attention.paged_attention,
+            paged_attention=(
+                attention.paged_attention
+                if name == "torch"
+                else functools.partial(
+                    attention.paged_attention, decode_kernel=cpu_decode.attend_decode
+                )
+            ),
             copy_blocks=attention.copy_blocks,
             swap_blocks=attention.swap_blocks,
             rms_norm=ops.rms_norm,
@@ -89,4 +117,4 @@ def get_kernel_ops(name: str) -> KernelOps:
             silu_and_mul=triton_ops.silu_and_mul,
             gelu_tanh_and_mul=triton_ops.gelu_tanh_and_mul,
         )
-    raise ValueError(f"attention_backend must be 'torch' or 'triton' here, got {name!r}")
+    raise ValueError(f"attention_backend must be 'torch', 'cpu' or 'triton' here, got {name!r}")

@@ -47,12 +47,16 @@ def test_model_built_with_triton_backend_computes_through_triton_kernels():
     assert all(layer.ops.name == "triton" for layer in model.attention_layers())
 
 
-def test_auto_backend_is_torch_on_cpu():
-    assert KernelConfig(attention_backend="auto").resolved_backend("cpu") == "torch"
+def test_auto_backend_on_cpu_is_torch_or_the_native_decode_kernel():
+    # The native kernel's own choice is tested in tests/kernels/test_cpu_decode.py.
+    from kernels.cpu_decode import native_decode_available
+
+    expected = "cpu" if native_decode_available() else "torch"
+    assert KernelConfig(attention_backend="auto").resolved_backend("cpu") == expected
 
 
 def test_unknown_backend_is_rejected_naming_the_key():
-    expected = "attention_backend: must be one of 'auto', 'triton', 'torch', got 'cuda'"
+    expected = "attention_backend: must be one of 'auto', 'triton', 'cpu', 'torch', got 'cuda'"
     with pytest.raises(ConfigError, match=re.escape(expected)):
         EngineConfig.from_kwargs(model="builtin:tiny-llama", attention_backend="cuda")
 

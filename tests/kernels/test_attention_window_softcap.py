@@ -1,6 +1,6 @@
-"""Sliding-window attention and logit soft-capping, in both attention paths (torch, and Triton
-through its interpreter without CUDA), against the naive float64 reference of
-tests/kernels/naive_attention.py."""
+"""Sliding-window attention and logit soft-capping, in every attention path (torch, torch with
+the native CPU decode kernel, and Triton through its interpreter without CUDA), against the
+naive float64 reference of tests/kernels/naive_attention.py."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import torch
 from kernels import attention, triton_attention
 from kernels.triton_attention import choose_num_kv_splits
 from tests.kernels.naive_attention import naive_paged_attention
+from tests.kernels.native_cpu import native_paged_attention
 from tests.kernels.triton_batches import paged_batch
 
 BACKENDS = [
     pytest.param(attention.paged_attention, id="torch"),
+    pytest.param(native_paged_attention, id="cpu"),
     pytest.param(triton_attention.paged_attention, id="triton"),
 ]
 # fp32 outputs against the float64 reference.
