@@ -14,7 +14,8 @@ windows and soft-capping. Everything else, and every prefill chunk, stays on the
 ``attend_decode`` returns False and the caller attends those rows itself.
 
 The C++ is compiled on first use with torch's extension builder (g++ and ninja, ~20 s once; the
-result is cached under ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by default) for
+result is cached under ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by default, in a
+folder named by a hash of the source) for
 AVX-512F/BW/VL/DQ explicitly, not ``-march=native``, so one cache shared by several machines
 holds a binary every AVX-512 machine runs. ``native_decode_available()`` builds it; a build
 failure (no compiler, no AVX-512) is logged once and the torch path is used.
@@ -22,7 +23,9 @@ failure (no compiler, no AVX-512) is logged once and the torch path is used.
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -65,22 +68,8 @@ def _native_module() -> ModuleType | None:
         logger.info("native CPU decode attention: this CPU has no AVX-512; using the torch path")
         return None
     try:
-        from torch.utils import cpp_extension
-
         with _build_lock:
-            # The ninja that `pip install ninja` puts beside this interpreter, even where the
-            # process's PATH does not name the venv (a Ray worker started without it).
-            path = os.environ.get("PATH", "")
-            bin_dir = str(Path(sys.executable).parent)
-            if bin_dir not in path.split(os.pathsep):
-                os.environ["PATH"] = bin_dir + os.pathsep + path
-            return cpp_extension.load(
-                name="llm_cluster_cpu_paged_decode",
-                sources=[str(_SOURCE)],
-                extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            return _build()
     except Exception as exc:  # any build failure means "use the torch path"
         logger.warning(
             "native CPU decode attention unavailable (%s: %s); using the torch path",
@@ -88,6 +77,40 @@ def _native_module() -> ModuleType | None:
             str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
         )
         return None
+
+
+def _build() -> ModuleType:
+    """Compile (or find compiled) and import the extension. Its build folder is named by a hash
+    of the source, flags and torch version, and guarded by an ``flock`` that dies with its
+    holder: torch's own lock file outlives a process killed mid-build (a worker whose app was
+    deleted) and would make every later build wait forever, so it is cleared under the flock."""
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha256(
+        b"\0".join([_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode()])
+    ).hexdigest()[:16]
+    root = Path(
+        os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    )
+    build_dir = root / f"llm_cluster_cpu_paged_decode_{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # The ninja that `pip install ninja` puts beside this interpreter, even where the process's
+    # PATH does not name the venv (a Ray worker started without it).
+    path = os.environ.get("PATH", "")
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + path
+    with open(build_dir.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(
+            name="llm_cluster_cpu_paged_decode",
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
 
 
 def native_decode_available() -> bool:

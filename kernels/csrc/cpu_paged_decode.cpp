@@ -143,6 +143,18 @@ inline void key_offsets(const Problem& pb, int64_t seq, int64_t start, int64_t e
   }
 }
 
+// Rows are scattered over blocks, which the hardware prefetcher does not follow: each loop
+// asks for the row kPrefetch keys ahead.
+constexpr int64_t kPrefetch = 8;
+
+template <typename T, int NC>
+inline void prefetch_row(const T* row) {
+  constexpr int64_t bytes = 16 * NC * static_cast<int64_t>(sizeof(T));
+  const char* p = reinterpret_cast<const char*>(row);
+#pragma GCC unroll 16
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 template <typename T, int NC>
 void attend_pair(const Problem& pb, const T* query, const T* k_cache, const T* v_cache, T* out,
                  int64_t item, std::vector<float>& scores, std::vector<int64_t>& offsets) {
@@ -174,6 +186,7 @@ void attend_pair(const Problem& pb, const T* query, const T* k_cache, const T* v
     }
     for (int64_t j = 0; j < n; ++j) {
       const T* kr = k_cache + offsets[j];
+      if (j + kPrefetch < n) prefetch_row<T, NC>(k_cache + offsets[j + kPrefetch]);
       __m512 k[NC];
 #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c) k[c] = Vec<T>::load(kr + 16 * c);
@@ -200,6 +213,7 @@ void attend_pair(const Problem& pb, const T* query, const T* k_cache, const T* v
     }
     for (int64_t j = 0; j < n; ++j) {
       const T* vr = v_cache + offsets[j];
+      if (j + kPrefetch < n) prefetch_row<T, NC>(v_cache + offsets[j + kPrefetch]);
       __m512 v[NC];
 #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c) v[c] = Vec<T>::load(vr + 16 * c);
