@@ -1,6 +1,8 @@
-"""PagedAttention in plain torch: the CPU serving path and the reference for the Triton kernels.
+"""PagedAttention in plain torch: the CPU serving path and the reference for the Triton kernels
+and the native CPU decode kernel (``kernels.cpu_decode``, which takes over the decode rows through
+``paged_attention``'s ``decode_kernel`` hook).
 
-One role (~870 lines): the torch attention path and the step metadata/plans it shares with the
+One role (~920 lines): the torch attention path and the step metadata/plans it shares with the
 Triton kernels (decode groups, prefill chunks, sliding-window plans), plus its argument checks.
 One role because the torch path is the reference the Triton kernels are tested against and both
 read the same plans; FP8 KV quantization itself is ``kernels.kv_quant``.
