@@ -1,7 +1,7 @@
 """CPU decode attention (a measurement, not a test): the native kernel (``kernels.cpu_decode``)
 against the torch path's gather + SDPA, one layer, in the same process.
 
-    python benchmarks/cpu_decode_attention.py [--json out.json] [--iters 50]
+    python benchmarks/cpu_decode_attention.py [--json out.json] [--iters 50] [--isa avx2]
 
 Shapes: the serving benchmark's model (12 query heads, 4 kv heads, head_dim 64) and Llama-3-8B's
 attention (32 / 8 / 128); batch {1, 16, 64} x context {64, 160, 512, 2048}; bf16 and fp32;
@@ -13,6 +13,7 @@ bandwidth (K and V bytes of every request / time). Uses torch's thread count (OM
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -39,12 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument(
+        "--isa", choices=cpu_decode.ISAS, default=None, help="a build (default: this CPU's best)"
+    )
     args = parser.parse_args(argv)
-    if not cpu_decode.native_decode_available():
+    isa = args.isa or cpu_decode.native_isa()
+    if isa is None or not cpu_decode.native_decode_available(isa):
         print("the native CPU decode kernel does not run here (see the log)", file=sys.stderr)
         return 1
     rows = []
-    print(f"threads {torch.get_num_threads()}")
+    print(f"threads {torch.get_num_threads()}, native kernel built for {isa}")
     print(f"{'shape':>10} {'dtype':>8} {'batch':>5} {'ctx':>5} {'torch us':>9} "
           f"{'native us':>9} {'speedup':>7} {'GB/s':>6}")  # fmt: skip
     for shape_name, (num_heads, num_kv_heads, head_dim) in SHAPES.items():
@@ -52,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             for batch in BATCHES:
                 for context in CONTEXTS:
                     row = _measure(
-                        num_heads, num_kv_heads, head_dim, dtype, batch, context, args.iters
+                        num_heads, num_kv_heads, head_dim, dtype, batch, context, args.iters, isa
                     )
                     row["shape"] = shape_name
                     rows.append(row)
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     print(*cells, flush=True)
     if args.json is not None:
-        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}))
+        record = {"threads": torch.get_num_threads(), "isa": isa, "rows": rows}
+        args.json.write_text(json.dumps(record))
     return 0
 
 
@@ -75,6 +81,7 @@ def _measure(
     batch: int,
     context: int,
     iters: int,
+    isa: str,
 ) -> dict:
     rng = np.random.default_rng(0)
     blocks_per_seq = -(-context // BLOCK_SIZE)
@@ -93,8 +100,9 @@ def _measure(
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim).to(dtype)
     query = torch.randn(batch, num_heads, head_dim).to(dtype)
     scale = head_dim**-0.5
+    kernel = functools.partial(cpu_decode.attend_decode, isa=isa)
     native_call = lambda: attention.paged_attention(  # noqa: E731
-        query, cache, metadata, scale, decode_kernel=cpu_decode.attend_decode
+        query, cache, metadata, scale, decode_kernel=kernel
     )
     torch_call = lambda: attention.paged_attention(query, cache, metadata, scale)  # noqa: E731
     torch_us, native_us = _median_us(torch_call, iters), _median_us(native_call, iters)

@@ -57,7 +57,7 @@ def cpu_packed_gemm() -> bool:
 
 def cpu_decode_kernel() -> bool:
     """``LLM_CLUSTER_CPU_DECODE_KERNEL``: with ``attention_backend: auto`` on CPU, attend decode
-    rows with the native AVX-512 kernel (``kernels.cpu_decode``, the ``cpu`` backend) where it
+    rows with the native AVX-512/AVX2 kernel (``kernels.cpu_decode``, the ``cpu`` backend) where it
     builds; ``0`` keeps the plain torch path (default 1)."""
     return os.environ.get("LLM_CLUSTER_CPU_DECODE_KERNEL", "1") != "0"
 

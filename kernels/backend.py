@@ -60,9 +60,9 @@ def resolve_attention_backend(name: str, device_type: str, native_cpu: bool = Tr
 
         if device_type != "cpu" or not cpu_decode.native_decode_available():
             raise ValueError(
-                "attention_backend 'cpu' needs a CPU device with AVX-512 and a C++ compiler "
-                "to build kernels/csrc/cpu_paged_decode.cpp (see the log for why it did not "
-                "build); use 'torch' or 'auto'"
+                "attention_backend 'cpu' needs a CPU device with AVX-512 or AVX2 and a C++ "
+                "compiler to build kernels/csrc/cpu_paged_decode.cpp (see the log for why it "
+                "did not build); use 'torch' or 'auto'"
             )
         return name
     if name != "auto":

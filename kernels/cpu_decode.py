@@ -1,24 +1,26 @@
-"""A native paged decode-attention kernel for x86 CPUs with AVX-512 (``csrc/cpu_paged_decode.cpp``).
+"""A native paged decode-attention kernel for x86 CPUs (``csrc/cpu_paged_decode.cpp``), built for
+AVX-512 or AVX2, whichever this CPU has (AVX-512 first).
 
 The torch path (``kernels.attention``) attends decode requests by gathering each group's K/V
 blocks into a contiguous buffer and calling SDPA on it: two passes over K/V plus the padding of
 the group. The kernel here reads each request's keys and values in place from the paged cache,
 once, with float32 scores, softmax and accumulation (bf16/fp16 values are widened exactly), and
 writes the output rows directly. On the 2-core AVX-512 VM measured (BENCHMARKS.md, "A native
-decode kernel for CPU") it is 4.7-6x faster than gather + SDPA at the batch-64 contexts of the
-serving benchmark.
+decode kernel for CPU") it is 2-8x faster than gather + SDPA, and the engine's batch-64 decode
+throughput 1.26-1.32x.
 
 It covers decode rows only (one query token per request), caches in float32, bfloat16 or float16
 (not FP8) with the query in the same dtype, head dims this file's C++ instantiates, sliding
 windows and soft-capping. Everything else, and every prefill chunk, stays on the torch path:
 ``attend_decode`` returns False and the caller attends those rows itself.
 
-The C++ is compiled on first use with torch's extension builder (g++ and ninja, ~20 s once; the
-result is cached under ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by default, in a
-folder named by a hash of the source) for
-AVX-512F/BW/VL/DQ explicitly, not ``-march=native``, so one cache shared by several machines
-holds a binary every AVX-512 machine runs. ``native_decode_available()`` builds it; a build
-failure (no compiler, no AVX-512) is logged once and the torch path is used.
+The C++ is compiled on first use with torch's extension builder (g++ and ninja, ~20 s once per
+instruction set; cached under ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by
+default, in a folder named by a hash of the source and flags). The flags name the instruction
+set (``-mavx512f ...`` or ``-mavx2 -mfma -mf16c``), never ``-march=native``, so a cache shared by
+several machines holds binaries each of them can run. ``native_decode_available()`` builds it; a
+build failure (no compiler) or a CPU with neither instruction set is logged once and the torch
+path is used.
 """
 
 from __future__ import annotations
@@ -36,63 +38,74 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-__all__ = ["NATIVE_DTYPES", "attend_decode", "native_decode_available", "native_decode_covers"]
+__all__ = [
+    "ISAS",
+    "NATIVE_DTYPES",
+    "attend_decode",
+    "isa_supported",
+    "native_decode_available",
+    "native_decode_covers",
+    "native_isa",
+]
 
 logger = logging.getLogger("llm_cluster.kernels")
 
 NATIVE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+# Instruction sets the kernel is built for, in order of preference.
+ISAS: tuple[str, ...] = ("avx512", "avx2")
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_decode.cpp"
-_CFLAGS = [
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512dq",
-    "-mfma",
-    "-mf16c",
-    "-fopenmp",
-]
+_ISA_FLAGS = {
+    "avx512": ["-DLLMC_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx2": ["-DLLMC_ISA_AVX2", "-mavx2"],
+}
+_COMMON_FLAGS = ["-O3", "-mfma", "-mf16c", "-fopenmp"]
 _build_lock = threading.Lock()
 
 
-def _cpu_has_avx512() -> bool:
-    checker = getattr(torch.cpu, "_is_avx512_supported", None)
+def isa_supported(isa: str) -> bool:
+    """Whether this CPU runs code built for ``isa`` (one of ``ISAS``)."""
+    if isa not in _ISA_FLAGS:
+        raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+    checker = getattr(torch.cpu, f"_is_{isa}_supported", None)
     return bool(checker is not None and checker())
 
 
 @functools.cache
-def _native_module() -> ModuleType | None:
-    """The compiled extension, or None (logged once) where it cannot be built or run here."""
-    if not _cpu_has_avx512():
-        logger.info("native CPU decode attention: this CPU has no AVX-512; using the torch path")
+def _native_module(isa: str) -> ModuleType | None:
+    """The extension built for ``isa``, or None (logged once) where it cannot be built or run."""
+    if not isa_supported(isa):
         return None
     try:
         with _build_lock:
-            return _build()
+            return _build(isa)
     except Exception as exc:  # any build failure means "use the torch path"
         logger.warning(
-            "native CPU decode attention unavailable (%s: %s); using the torch path",
+            "native CPU decode attention (%s) unavailable (%s: %s); using the torch path",
+            isa,
             type(exc).__name__,
             str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
         )
         return None
 
 
-def _build() -> ModuleType:
-    """Compile (or find compiled) and import the extension. Its build folder is named by a hash
-    of the source, flags and torch version, and guarded by an ``flock`` that dies with its
-    holder: torch's own lock file outlives a process killed mid-build (a worker whose app was
-    deleted) and would make every later build wait forever, so it is cleared under the flock."""
+def _build(isa: str) -> ModuleType:
+    """Compile (or find compiled) and import the extension for ``isa``. Its build folder is
+    named by a hash of the source, flags and torch version, and guarded by an ``flock`` that
+    dies with its holder: torch's own lock file outlives a process killed mid-build (a worker
+    whose app was deleted) and would make every later build wait forever, so it is cleared
+    under the flock."""
     from torch.utils import cpp_extension
 
+    flags = _ISA_FLAGS[isa] + _COMMON_FLAGS
     key = hashlib.sha256(
-        b"\0".join([_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode()])
+        b"\0".join([_SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode()])
     ).hexdigest()[:16]
     root = Path(
         os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     )
-    build_dir = root / f"llm_cluster_cpu_paged_decode_{key}"
+    name = f"llm_cluster_cpu_paged_decode_{isa}"
+    build_dir = root / f"{name}_{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     # The ninja that `pip install ninja` puts beside this interpreter, even where the process's
     # PATH does not name the venv (a Ray worker started without it).
@@ -104,39 +117,51 @@ def _build() -> ModuleType:
         fcntl.flock(lock, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         return cpp_extension.load(
-            name="llm_cluster_cpu_paged_decode",
+            name=name,
             sources=[str(_SOURCE)],
-            extra_cflags=_CFLAGS,
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
         )
 
 
-def native_decode_available() -> bool:
-    """Whether the kernel runs here: an AVX-512 CPU and a build that succeeded (it builds on the
-    first call, ~20 s, then loads from the cache)."""
-    return _native_module() is not None
+@functools.cache
+def native_isa() -> str | None:
+    """The instruction set the kernel runs with here (built on the first call, ~20 s, then
+    loaded from the cache), or None: the torch path."""
+    for isa in ISAS:
+        if _native_module(isa) is not None:
+            return isa
+    logger.info("native CPU decode attention: no AVX-512 or AVX2 build here; using torch")
+    return None
+
+
+def native_decode_available(isa: str | None = None) -> bool:
+    """Whether the kernel runs here (see :func:`native_isa`); with ``isa``, whether that build
+    does (the tests run every build the CPU can)."""
+    return native_isa() is not None if isa is None else _native_module(isa) is not None
 
 
 @functools.cache
-def _head_dims() -> frozenset[int]:
-    module = _native_module()
+def _head_dims(isa: str) -> frozenset[int]:
+    module = _native_module(isa)
     return frozenset(module.supported_head_dims()) if module is not None else frozenset()
 
 
-def native_decode_covers(query: Tensor, kv_cache: Tensor) -> bool:
+def native_decode_covers(query: Tensor, kv_cache: Tensor, isa: str | None = None) -> bool:
     """Whether :func:`attend_decode` handles a call with these tensors (device, dtypes, layout,
     head dim); the caller checked their shapes against each other already."""
+    isa = isa or native_isa()
     return (
-        query.device.type == "cpu"
+        isa is not None
+        and query.device.type == "cpu"
         and kv_cache.device.type == "cpu"
         and query.dtype in NATIVE_DTYPES
         and kv_cache.dtype == query.dtype
         and kv_cache.is_contiguous()
         and query.stride(2) == 1
-        and native_decode_available()
-        and query.shape[2] in _head_dims()
+        and query.shape[2] in _head_dims(isa)
     )
 
 
@@ -151,6 +176,7 @@ def attend_decode(
     window: int | None,
     soft_cap: float | None,
     out: Tensor,
+    isa: str | None = None,
 ) -> bool:
     """Attend the decode requests ``decode_seqs`` (int32 indices into the step's requests, each
     with one query row) and write their rows of ``out``; False, with nothing written, when the
@@ -159,12 +185,14 @@ def attend_decode(
     ``block_table``/``seq_lens``/``query_start_loc`` are ``AttentionMetadata``'s int32 tensors;
     ``out`` is contiguous ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``. A request
     sees its keys ``seq_len - window <= k < seq_len`` with a window, all of them without.
+    ``isa`` picks a build (tests run each); None is :func:`native_isa`'s.
     """
-    if not native_decode_covers(query, kv_cache):
+    isa = isa or native_isa()
+    if isa is None or not native_decode_covers(query, kv_cache, isa):
         return False
     if decode_seqs.numel() == 0:
         return True
-    module = _native_module()
+    module = _native_module(isa)
     if module is None:  # covered above; keeps the type checker honest
         return False
     module.paged_decode(

@@ -1,6 +1,7 @@
-"""kernels.cpu_decode, the native AVX-512 decode kernel: against the naive float64 reference of
-tests/kernels/naive_attention.py over dtypes, head dims, GQA ratios, block sizes and context
-lengths; the calls it declines (and that the torch path then serves); the backend choice."""
+"""kernels.cpu_decode, the native AVX-512/AVX2 decode kernel (every build this CPU runs):
+against the naive float64 reference of tests/kernels/naive_attention.py over dtypes, head dims,
+GQA ratios, block sizes and context lengths; the calls it declines (and that the torch path then
+serves); the backend choice."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from kernels import attention, cpu_decode
 from kernels.attention import AttentionMetadata
 from kernels.backend import get_kernel_ops, resolve_attention_backend
 from tests.kernels.naive_attention import naive_paged_attention
-from tests.kernels.native_cpu import native_paged_attention
+from tests.kernels.native_cpu import native_paged_attention, skip_unless_native
 from tests.kernels.triton_batches import paged_batch
 
 # Against float64: fp32 to rounding (scores of head_dim 256 at this scale reach ~20), bf16 and
@@ -26,15 +27,21 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 SCALE = 0.3
 
 
+@pytest.fixture(params=cpu_decode.ISAS)
+def isa(request) -> str:
+    """Every build of the kernel this CPU runs (an AVX-512 CPU runs the AVX2 one too)."""
+    skip_unless_native(request.param)
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def needs_native_kernel() -> None:
-    if not cpu_decode.native_decode_available():
-        pytest.skip("the native CPU decode kernel does not run here (no AVX-512 or no compiler)")
+    skip_unless_native()
 
 
-def check(batch, tol: float, **options: object) -> torch.Tensor:
+def check(batch, tol: float, isa: str | None = None, **options: object) -> torch.Tensor:
     query, kv_cache, metadata = batch
-    out = native_paged_attention(query, kv_cache, metadata, SCALE, **options)
+    out = native_paged_attention(query, kv_cache, metadata, SCALE, isa=isa, **options)
     expected = naive_paged_attention(query, kv_cache, metadata, SCALE, **options)
     assert out.shape == query.shape and out.dtype == query.dtype
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
@@ -43,12 +50,12 @@ def check(batch, tol: float, **options: object) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
-def test_every_head_dim_and_dtype_matches_the_reference(dtype, head_dim):
+def test_every_head_dim_and_dtype_matches_the_reference(dtype, head_dim, isa):
     # Contexts of one token, one block exactly, a block and one, and several blocks.
     batch = paged_batch(
         [1] * 5, [1, 16, 17, 70, 300], num_heads=6, num_kv_heads=2, head_dim=head_dim, dtype=dtype
     )
-    check(batch, TOLERANCE[dtype])
+    check(batch, TOLERANCE[dtype], isa)
 
 
 @pytest.mark.parametrize(
@@ -56,58 +63,58 @@ def test_every_head_dim_and_dtype_matches_the_reference(dtype, head_dim):
     [(4, 4), (8, 4), (12, 4), (8, 1), (16, 2), (28, 4), (32, 8)],
     ids=lambda v: str(v),
 )
-def test_grouped_query_ratios(num_heads, num_kv_heads):
+def test_grouped_query_ratios(num_heads, num_kv_heads, isa):
     # G = 1, 2, 3, 8 (MQA), 8, 7 (more heads than one register tile holds), 4.
     batch = paged_batch(
         [1] * 4, [9, 40, 129, 33], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64
     )
-    check(batch, TOLERANCE[torch.float32])
+    check(batch, TOLERANCE[torch.float32], isa)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 32])
-def test_block_sizes(block_size):
+def test_block_sizes(block_size, isa):
     batch = paged_batch(
         [1] * 4, [1, 31, 64, 100], num_heads=8, num_kv_heads=2, head_dim=64, block_size=block_size
     )
-    check(batch, TOLERANCE[torch.float32])
+    check(batch, TOLERANCE[torch.float32], isa)
 
 
-def test_long_context_over_many_shuffled_blocks():
+def test_long_context_over_many_shuffled_blocks(isa):
     batch = paged_batch([1, 1], [2500, 1], num_heads=8, num_kv_heads=2, head_dim=128)
-    check(batch, TOLERANCE[torch.float32])
+    check(batch, TOLERANCE[torch.float32], isa)
 
 
-def test_mixed_batch_leaves_prefill_rows_to_the_torch_path():
+def test_mixed_batch_leaves_prefill_rows_to_the_torch_path(isa):
     # Prefill chunks (from position 0 and mid-context) between decode rows.
     batch = paged_batch(
         [1, 7, 1, 12, 1], [20, 7, 90, 40, 1], num_heads=8, num_kv_heads=2, head_dim=64
     )
-    check(batch, TOLERANCE[torch.float32])
-    check(batch, TOLERANCE[torch.float32], sliding_window=10, logits_soft_cap=4.0)
+    check(batch, TOLERANCE[torch.float32], isa)
+    check(batch, TOLERANCE[torch.float32], isa, sliding_window=10, logits_soft_cap=4.0)
 
 
-def test_query_may_be_a_strided_view_of_fused_qkv():
+def test_query_may_be_a_strided_view_of_fused_qkv(isa):
     query, kv_cache, metadata = paged_batch(
         [1, 1, 1], [5, 50, 17], num_heads=8, num_kv_heads=2, head_dim=64
     )
     fused = torch.randn(3, 12, 64)
     fused[:, :8] = query
-    check((fused[:, :8], kv_cache, metadata), TOLERANCE[torch.float32])
+    check((fused[:, :8], kv_cache, metadata), TOLERANCE[torch.float32], isa)
 
 
-def test_agrees_with_the_torch_path_in_bfloat16():
+def test_agrees_with_the_torch_path_in_bfloat16(isa):
     """Both round one float32 result to bf16 (the torch path also rounds the probabilities), so
     they differ by at most a few bf16 steps of the output."""
     query, kv_cache, metadata = paged_batch(
         [1] * 8, [3, 17, 40, 64, 96, 130, 200, 31], num_heads=12, num_kv_heads=4,
         head_dim=64, dtype=torch.bfloat16,
     )  # fmt: skip
-    native = native_paged_attention(query, kv_cache, metadata, SCALE)
+    native = native_paged_attention(query, kv_cache, metadata, SCALE, isa=isa)
     plain = attention.paged_attention(query, kv_cache, metadata, SCALE)
     torch.testing.assert_close(native.float(), plain.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_positions_past_a_request_context_are_never_read():
+def test_positions_past_a_request_context_are_never_read(isa):
     # NaN in every cache slot past each decode's seq_len inside its last block, and in the spare
     # blocks the table does not name.
     query, kv_cache, metadata = paged_batch(
@@ -119,7 +126,7 @@ def test_positions_past_a_request_context_are_never_read():
             used[metadata.block_table[b, position // 16], position % 16] = True
     poisoned = kv_cache.clone()
     poisoned[:, ~used] = float("nan")
-    out = check((query, poisoned, metadata), TOLERANCE[torch.float32])
+    out = check((query, poisoned, metadata), TOLERANCE[torch.float32], isa)
     assert not out.isnan().any()
 
 
