@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 import uuid
 from typing import Any
 
@@ -56,6 +57,8 @@ from cluster.serving.token_channel import TokenChannel
 REPLICA_HEADER = "x-llm-cluster-replica"
 # On SIGTERM: how long streams get to end by themselves before this ingress ends them.
 _SIGTERM_WAIT_S = 2.0
+# ...and how long the ended streams' last bytes get to be written before the process exits.
+_SIGTERM_FLUSH_S = 0.3
 
 
 def _unwrap(result: Any) -> Any:
@@ -118,7 +121,11 @@ class OpenAIIngress(LLMServicer, ResponsesServicer):
         wait_for_open_streams(timeout_s=_SIGTERM_WAIT_S, flush_s=0.0)
         if open_streams():
             self.channel.end_all_threadsafe(unavailable("the server is stopping; retry"))
-            wait_for_open_streams(timeout_s=1.0)
+            wait_for_open_streams(timeout_s=1.0, flush_s=0.0)
+        # A stream counts as ended once its last item is out of the replica; its final chunk
+        # and [DONE] still pass through the event loop to the socket. Exiting before that
+        # severed a stream that had ended by itself (test_cli_signals, once in CI).
+        time.sleep(_SIGTERM_FLUSH_S)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return make_openai_app(self, self.api_key_hashes, self.max_body_bytes)
