@@ -5,7 +5,8 @@ and the native CPU decode kernel (``kernels.cpu_decode``, which takes over the d
 One role (~920 lines): the torch attention path and the step metadata/plans it shares with the
 Triton kernels (decode groups, prefill chunks, sliding-window plans), plus its argument checks.
 One role because the torch path is the reference the Triton kernels are tested against and both
-read the same plans; FP8 KV quantization itself is ``kernels.kv_quant``.
+read the same plans; the native CPU decode kernel reads the same metadata and is itself in
+``kernels.cpu_decode``; FP8 KV quantization itself is ``kernels.kv_quant``.
 
 KV cache layout, one tensor per layer::
 
