@@ -13,6 +13,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.api.api_errors import APIError, error_response
 
+# The probes' paths: a load balancer or kubelet has no API key.
+OPEN_PATHS = ("/health", "/livez")
 MAX_HEADER_COUNT = 64
 MAX_HEADER_BYTES = 16 * 1024
 
@@ -23,8 +25,9 @@ class _BodyTooLarge(Exception):
 
 class GuardMiddleware:
     """Rejects requests with too many or too large headers (431), without a valid API key
-    (every route but /health; keys compared as sha256 digests in constant time; the path is
-    read from the ASGI scope, not from headers, so ``Host`` or ``X-Forwarded-*`` change nothing)
+    (every route but the probes' /health and /livez; keys compared as sha256 digests in
+    constant time; the path is read from the ASGI scope, not from headers, so ``Host`` or
+    ``X-Forwarded-*`` change nothing)
     and bodies over ``max_body_bytes`` (413), whether or not they declare a length.
     Settings come from ``app.state`` so the ingress can set them at startup."""
 
@@ -42,7 +45,7 @@ class GuardMiddleware:
         if headers_error is not None:
             await error_response(headers_error)(scope, receive, send)
             return
-        if key_hashes and scope["path"] != "/health" and not _authorized(scope, key_hashes):
+        if key_hashes and scope["path"] not in OPEN_PATHS and not _authorized(scope, key_hashes):
             error = APIError(401, "missing or invalid API key", None, "invalid_api_key")
             await error_response(error)(scope, receive, send)
             return

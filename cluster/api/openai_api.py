@@ -6,7 +6,7 @@ bodies in ``cluster.api.api_errors`` and the key / size guard in ``cluster.api.a
     POST /v1/completions        POST /v1/chat/completions      GET /v1/models[/{id}]
     POST /v1/embeddings         POST /tokenize                 POST /detokenize
     POST /v1/responses          GET|DELETE /v1/responses/{id}
-    GET /health                 GET /metrics
+    GET /health (readiness)     GET /livez (liveness)          GET /metrics
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the
 field), 401 missing or wrong API key, 404 unknown model or route, 408 the request's ``timeout``
@@ -134,6 +134,10 @@ def make_openai_app(
     @app.get("/health")
     async def health() -> Any:
         return await serving.health()
+
+    @app.get("/livez")
+    async def livez() -> Any:
+        return {"status": "ok"}  # liveness: this process answers; /health is readiness
 
     @app.get("/metrics")
     async def metrics() -> Any:

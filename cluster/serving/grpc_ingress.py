@@ -15,7 +15,8 @@ from cluster.api.api_errors import APIError, api_error
 from cluster.api.api_guard import api_key_matches
 from cluster.api.protocol import GenerateRequest, StreamError, StreamStart, grpc_code_name
 from cluster.proto import llm_pb2
-from cluster.serving.ingress_calls import guard_stream, model_health
+from cluster.serving.ingress_calls import guard_stream
+from cluster.serving.readiness import unready_models
 
 
 def grpc_payload(request: llm_pb2.GenerateRequest) -> GenerateRequest:
@@ -76,6 +77,7 @@ class LLMServicer:
 
     api_key_hashes: list[str]
     servers: dict[str, DeploymentHandle]
+    cold_start_timeouts: dict[str, float]
     open_stream: Callable[[str, GenerateRequest], Awaitable[tuple[StreamStart, Any]]]
     _server: Callable[[str], DeploymentHandle]
 
@@ -107,15 +109,16 @@ class LLMServicer:
     ) -> llm_pb2.HealthResponse:
         grpc_check_key(grpc_context, self.api_key_hashes)
         models = [request.model] if request.model else list(self.servers)
+        servers = {}
         for model in models:
             try:
-                handle = self._server(model)
+                servers[model] = self._server(model)
             except APIError as exc:
                 grpc_abort(grpc_context, exc)
-            status = await model_health(handle)
-            if not status["healthy"]:
-                message = f"{model}: {status.get('error', 'unhealthy')}"
-                grpc_abort(grpc_context, APIError(503, message))
+        problems = await unready_models(servers, self.cold_start_timeouts)  # as GET /health
+        if problems:
+            message = "; ".join(f"{m}: {e}" for m, e in problems.items())
+            grpc_abort(grpc_context, APIError(503, message))
         return llm_pb2.HealthResponse(healthy=True, message="ok")
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import time
 import uuid
 from typing import Any
 
@@ -41,24 +40,26 @@ from cluster.api.openai_responses import Completion, stream_sse
 from cluster.api.protocol import GenerateRequest, StreamError, StreamStart, unavailable
 from cluster.serving.grpc_ingress import LLMServicer
 from cluster.serving.ingress_calls import (
+    ResponsesInFlight,
     guard_stream,
     merge_streams,
-    model_health,
-    open_streams,
-    wait_for_open_streams,
+    wait_until_written,
 )
 from cluster.serving.ingress_responses import ResponsesServicer, responses_store
 from cluster.serving.metrics import scrape_cluster_metrics
-from cluster.serving.scale_to_zero import cold_start_error, models_without_replicas
-from cluster.serving.serve_replica import on_sigterm, serve_stop_flag
+from cluster.serving.readiness import unready_models
+from cluster.serving.scale_to_zero import cold_start_error
+from cluster.serving.serve_replica import (
+    on_sigterm,
+    reuse_address_on_direct_ingress,
+    serve_stop_flag,
+)
 from cluster.serving.token_channel import TokenChannel
 
 # Which replica served a generation (routing checks, debugging).
 REPLICA_HEADER = "x-llm-cluster-replica"
-# On SIGTERM: how long streams get to end by themselves before this ingress ends them.
-_SIGTERM_WAIT_S = 2.0
-# ...and how long the ended streams' last bytes get to be written before the process exits.
-_SIGTERM_FLUSH_S = 0.3
+# On SIGTERM: how long the ended streams' last bytes get to be written before the process exits.
+_SIGTERM_FLUSH_S = 1.0
 
 
 def _unwrap(result: Any) -> Any:
@@ -106,29 +107,28 @@ class OpenAIIngress(LLMServicer, ResponsesServicer):
         self.cold_start_timeouts = cold_start_timeouts or {}
         # Serve stopping this replica (cluster shutdown, redeploy): new generations get 503.
         self._stopping = serve_stop_flag()
-        # The raylet stopping SIGTERMs every replica at once: streams end before this one does.
+        # A worker's SIGTERM (its raylet stopping): every stream gets its ending first.
         on_sigterm(self._end_streams_before_exit)
+        # Its own HTTP port (direct ingress) bound so that a restart can bind it at once.
+        reuse_address_on_direct_ingress()
         # Token deltas from the models' heads, one message per step for all our requests.
         self.channel = TokenChannel()
         # /v1/responses results: the application's store (an actor every replica sees).
         self.responses_store = responses_store(responses_store_spec)
 
     def _end_streams_before_exit(self) -> None:
-        """The SIGTERM hook: streams end by themselves as their replicas stop (an abort, or an
-        error item); a stream whose head has not said anything after ``_SIGTERM_WAIT_S`` (its
-        process still exiting, its connection still open) is ended here with a 503, so every
-        client gets an ending and ``[DONE]`` rather than a severed connection."""
-        wait_for_open_streams(timeout_s=_SIGTERM_WAIT_S, flush_s=0.0)
-        if open_streams():
-            self.channel.end_all_threadsafe(unavailable("the server is stopping; retry"))
-            wait_for_open_streams(timeout_s=1.0, flush_s=0.0)
-        # A stream counts as ended once its last item is out of the replica; its final chunk
-        # and [DONE] still pass through the event loop to the socket. Exiting before that
-        # severed a stream that had ended by itself (test_cli_signals, once in CI).
-        time.sleep(_SIGTERM_FLUSH_S)
+        """The SIGTERM hook. A worker gets SIGTERM from its raylet as the raylet stops (``ray
+        stop`` on its node, a signal to every process of a cgroup), and the raylet exits
+        within ~50 ms, this process with it: no model will end these streams in time. So each
+        open stream ends now with a 503 and ``[DONE]``, and the process exits once their
+        responses are written (``_SIGTERM_FLUSH_S`` at most)."""
+        self.channel.end_all_threadsafe(unavailable("the server is stopping; retry"))
+        wait_until_written(_SIGTERM_FLUSH_S)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return make_openai_app(self, self.api_key_hashes, self.max_body_bytes)
+        app = make_openai_app(self, self.api_key_hashes, self.max_body_bytes)
+        app.add_middleware(ResponsesInFlight)  # outermost: counts a response to its last byte
+        return app
 
     # ---- routing -------------------------------------------------------------------------
 
@@ -317,24 +317,15 @@ class OpenAIIngress(LLMServicer, ResponsesServicer):
         return _unwrap(await self._server(req.model).detokenize.remote(req.tokens))
 
     async def health(self) -> Any:
-        problems = {}
-        idle = await asyncio.to_thread(self._scaled_to_zero)
-        for model, handle in self.servers.items():
-            if model in idle:  # a health call would start a replica; nothing there can be dead
-                continue
-            status = await model_health(handle, 10)
-            if not status["healthy"]:
-                problems[model] = status.get("error", "unhealthy")
+        """Readiness (``cluster.serving.readiness``): 200 once every model serves, else 503
+        naming each model that does not and why."""
+        problems = await unready_models(self.servers, self.cold_start_timeouts)
         if problems:
             message = "; ".join(f"{m}: {e}" for m, e in problems.items())
-            return error_response(APIError(503, message, None, "engine_dead"))
+            starting = all(e.startswith("not ready") for e in problems.values())
+            code = "not_ready" if starting else "engine_dead"
+            return error_response(APIError(503, message, None, code))
         return JSONResponse({"status": "ok"})
-
-    def _scaled_to_zero(self) -> set[str]:
-        """The models that scale to zero and have no running replica now (Serve's status)."""
-        if not self.cold_start_timeouts:
-            return set()
-        return models_without_replicas(self.cold_start_timeouts)
 
     async def metrics(self) -> Any:
         return metrics_response(await asyncio.to_thread(scrape_cluster_metrics))

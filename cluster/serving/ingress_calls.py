@@ -1,7 +1,8 @@
 """The ingress's calls to the model servers, past routing: a replica's own failure turned into
 a final error item (so HTTP streams end with an error chunk and ``[DONE]``, gRPC with
 UNAVAILABLE), the streams of a batched request merged into one, and a model's health asked
-(a replica that does not answer is unhealthy), for both HTTP and gRPC."""
+(a replica that does not answer is unhealthy), for both HTTP and gRPC; and what the ingress
+still carries (model streams, HTTP responses being sent), which a stopping ingress waits for."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from typing import Any
 
 import ray
 from ray.serve.handle import DeploymentHandle
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.api.protocol import replica_failed
 
 _open_streams = 0  # guard_stream generators running in this process
+_responses_in_flight = 0  # HTTP responses not yet fully sent (``ResponsesInFlight``)
 
 
 def open_streams() -> int:
@@ -23,15 +26,36 @@ def open_streams() -> int:
     return _open_streams
 
 
-def wait_for_open_streams(timeout_s: float = 3.0, flush_s: float = 0.2) -> None:
-    """Block (a SIGTERM hook on the worker's main thread: ``serve_replica.on_sigterm``) until
-    the streams this ingress carries have ended, at most ``timeout_s``: the raylet stops the
-    model replicas with it, whose streams then end here with an abort or an error item and
-    ``[DONE]`` instead of a severed connection; ``flush_s`` for the last bytes to be written."""
+class ResponsesInFlight:
+    """ASGI middleware (outermost): counts the HTTP responses this process has not finished
+    sending. A streamed response counts until the app returns, after its last message (the
+    chunked body's end included), so a stopping ingress knows when its clients have it all."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        global _responses_in_flight
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        _responses_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _responses_in_flight -= 1
+
+
+def wait_until_written(timeout_s: float) -> bool:
+    """Block (the SIGTERM hook, on the worker's main thread while the event loop runs on its
+    own) until every HTTP response has been sent in full and every model stream (gRPC's too)
+    has ended, at most ``timeout_s``; True when they have."""
     deadline = time.monotonic() + timeout_s
-    while _open_streams and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(flush_s)
+    while _responses_in_flight or _open_streams:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 async def guard_stream(items: Any, model: str) -> AsyncIterator[Any]:
@@ -94,4 +118,11 @@ async def _response(response: Any) -> Any:
     return await response
 
 
-__all__ = ["guard_stream", "merge_streams", "model_health", "open_streams", "wait_for_open_streams"]
+__all__ = [
+    "ResponsesInFlight",
+    "guard_stream",
+    "merge_streams",
+    "model_health",
+    "open_streams",
+    "wait_until_written",
+]

@@ -1,12 +1,15 @@
 """What a Serve replica can learn about itself from Serve (the ingress and the ``LLMServer``
-fronts both drain on it), and whether the cluster's GCS is gone for good."""
+fronts both drain on it), whether the cluster's GCS is gone for good, and the two places where
+the ingress reaches into Ray's process (its SIGTERM, the socket options of its own port)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 logger = logging.getLogger("llm_cluster.serve")
 
@@ -70,6 +73,44 @@ def on_sigterm(callback: Callable[[], None]) -> bool:
     return True
 
 
+def reuse_address_on_direct_ingress() -> bool:
+    """Have Serve bind this replica's direct-ingress HTTP port (``cluster serve``'s own port)
+    with SO_REUSEADDR, as its proxies, uvicorn and gRPC bind theirs. Without it, connections
+    this server closed first (keep-alive clients at a stop) sit in TIME-WAIT on the port for a
+    minute, and no server, not even one with SO_REUSEADDR, can bind it meanwhile: a restarted
+    ``cluster serve`` was refused ("is in use"). Serve binds it in ``start_asgi_http_server``,
+    which sets socket options only with ``enable_so_reuseport`` (SO_REUSEADDR and SO_REUSEPORT,
+    the latter letting a second server share the port) and direct ingress turns that off; so,
+    in this process only, that helper sets SO_REUSEADDR alone and the replica's call asks for
+    it. Call in the replica's constructor: Serve starts the server after it. False (with a
+    warning) when a Ray upgrade moved either name."""
+    try:
+        from ray.serve._private import http_util, replica
+    except ImportError:
+        replica = None
+    start = getattr(replica, "start_asgi_http_server", None)
+    if start is None or not hasattr(http_util, "set_socket_reuse_port"):
+        logger.warning("cannot set SO_REUSEADDR on Serve's direct-ingress port: a restart may "
+                       "find it in TIME-WAIT for a minute")  # fmt: skip
+        return False
+    if getattr(start, "llm_cluster_reuse_address", False):
+        return True
+
+    async def start_with_reuse_address(*args: Any, **kwargs: Any) -> Any:
+        kwargs["enable_so_reuseport"] = True  # through the helper below: SO_REUSEADDR only
+        return await start(*args, **kwargs)
+
+    start_with_reuse_address.llm_cluster_reuse_address = True  # type: ignore[attr-defined]
+    http_util.set_socket_reuse_port = _set_reuse_address
+    replica.start_asgi_http_server = start_with_reuse_address
+    return True
+
+
+def _set_reuse_address(sock: socket.socket) -> bool:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return True
+
+
 # Set by ``cluster serve`` in the environment of the local Ray it starts (its replicas inherit
 # it): there the GCS keeps no state outside its process, so a GCS that refuses connections is
 # the cluster stopping (the signal reached the whole process group or cgroup), not a restart.
@@ -104,4 +145,11 @@ async def gcs_refuses(gcs_address: str, timeout_s: float = 1.0) -> bool:
     return False
 
 
-__all__ = ["ABORT_ON_GCS_LOSS_ENV", "gcs_loss_flag", "gcs_refuses", "on_sigterm", "serve_stop_flag"]
+__all__ = [
+    "ABORT_ON_GCS_LOSS_ENV",
+    "gcs_loss_flag",
+    "gcs_refuses",
+    "on_sigterm",
+    "reuse_address_on_direct_ingress",
+    "serve_stop_flag",
+]

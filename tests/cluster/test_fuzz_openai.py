@@ -158,7 +158,7 @@ def app(server: LLMServer) -> Any:
 
 @pytest.fixture(scope="module")
 def api_schema(app: Any) -> Any:
-    # The schema route is behind the key like every route but /health.
+    # The schema route is behind the key like every route but the probes' /health and /livez.
     return schemathesis.openapi.from_asgi("/openapi.json", app, headers=AUTH)
 
 
@@ -279,7 +279,7 @@ def _call_authenticated(case: Any) -> None:
 
 def _call_unauthenticated(case: Any) -> None:
     response = case.call()
-    if case.path == "/health":
+    if case.path in ("/health", "/livez"):  # the probes need no key
         assert response.status_code == 200, _describe(case, response)
         return
     assert response.status_code == 401, _describe(case, response)
@@ -331,7 +331,8 @@ def test_fuzzed_requests_with_the_key_get_no_server_error(
 ) -> None:
     fuzzed = _fuzz(api_schema, _call_authenticated, EXAMPLES)
     assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
-            "POST /detokenize", "GET /v1/models", "GET /health", "POST /v1/embeddings",
+            "POST /detokenize", "GET /v1/models", "GET /health", "GET /livez",
+            "POST /v1/embeddings",
             "GET /v1/models/{model_id}", "POST /v1/responses",
             "GET /v1/responses/{response_id}"} <= set(fuzzed)  # fmt: skip
     # Still serving: the engine is alive, answers a plain request, and holds nothing.

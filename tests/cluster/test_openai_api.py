@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from cluster.api import openai_payloads
 from cluster.api.api_errors import APIError
-from cluster.api.openai_api import new_app
+from cluster.api.openai_api import make_openai_app, new_app
 from cluster.api.openai_models import ChatCompletionRequest, CompletionRequest
 from cluster.api.openai_responses import Completion, chat_logprobs, completion_logprobs
 from cluster.api.protocol import ChoiceChunk, StreamDelta, StreamStart
@@ -243,6 +243,18 @@ def test_right_api_key_is_accepted(keyed: TestClient) -> None:
 
 def test_health_needs_no_api_key(keyed: TestClient) -> None:
     assert keyed.get("/health").status_code == 200
+
+
+def test_livez_answers_200_without_a_key_and_asks_no_model() -> None:
+    class NoModels:  # every route but the probes' would call it
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"/livez called {name}")
+
+    app = make_openai_app(NoModels(), [hashlib.sha256(KEY.encode()).hexdigest()])
+    with TestClient(app) as client:
+        response = client.get("/livez")
+        assert response.status_code == 200 and response.json() == {"status": "ok"}
+        assert client.get("/v1/models").status_code == 401  # the key still guards the rest
 
 
 def test_key_check_uses_the_scope_path_not_a_spoofable_header(keyed: TestClient) -> None:

@@ -2,7 +2,7 @@
 checkpoint tensor, ~8 s for tiny-llama's 21, unless a test says otherwise): start-up is bounded by
 ``LLM_CLUSTER_LOAD_TIMEOUT_S``, not the step timeout; TP ranks load at once; each worker's
 progress is published while it loads and gone once the engine runs; and a Serve replica that is
-starting shows its load in ``cluster_status``.
+starting shows its load in ``cluster_status``, while ``/health`` says the model is not ready.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import ray
 
@@ -51,6 +52,20 @@ def delay_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(autouse=True)
 def default_delay(delay_file: Path) -> None:
     slow_loader.set_delay(delay_file, DELAY_S)
+
+
+def _our_answer(url: str, deadline: float) -> httpx.Response:
+    """GET ``url`` once the ingress answers it (Serve's proxy routes the app only once the
+    ingress replica runs; before that, its own 404 / 503 without our error body)."""
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.get(url, timeout=30)
+            if response.status_code == 200 or "code" in response.json().get("error", {}):
+                return response
+        except (httpx.TransportError, ValueError, AttributeError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"the ingress never answered {url}")
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -120,9 +135,13 @@ def test_a_load_past_the_load_timeout_fails_naming_phase_ranks_and_variable(
     assert read_load_progress() == []
 
 
-def test_cluster_status_shows_a_starting_replica_loading_then_it_serves(
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_starting_replica_shows_its_load_and_health_is_not_ready_until_it_serves(
+    monkeypatch: pytest.MonkeyPatch, delay_file: Path
 ) -> None:
+    """``cluster status`` shows the worker's load while the replica starts; meanwhile
+    ``/health`` (readiness) answers at once with a 503 naming the model and its phase, and
+    ``/livez`` (liveness) 200; once the replica runs, ``/health`` is 200."""
+    slow_loader.set_delay(delay_file, 1.0)  # ~21 s of loading: the ingress is up well before
     from openai import OpenAI
 
     # The slow loader is a Ray worker-process hook: the head's engine must load in its Ray
@@ -153,6 +172,16 @@ def test_cluster_status_shows_a_starting_replica_loading_then_it_serves(
             ]
             time.sleep(0.3)
         assert loading, "no record of a load under way seen while the replica started"
+        base_url = deploy.endpoint(config).removesuffix("/v1")
+        asked = time.monotonic()
+        health = _our_answer(f"{base_url}/health", deadline)
+        assert time.monotonic() - asked < 5  # it does not wait for the load
+        assert deployer.is_alive(), "the replica finished loading: the check came too late"
+        assert health.status_code == 503, health.text
+        error = health.json()["error"]
+        assert error["code"] == "not_ready", error
+        assert error["message"].startswith("tiny-llama: not ready: no replica running yet ("), error
+        assert httpx.get(f"{base_url}/livez", timeout=10).json() == {"status": "ok"}
         worker = loading[0]
         assert worker["rank"] == 0 and worker["node"] and 0 < worker["percent"] < 100
         checkpoint = checkpoint_tensor_bytes(resolve_model_source(MODEL))
@@ -164,6 +193,7 @@ def test_cluster_status_shows_a_starting_replica_loading_then_it_serves(
         client = OpenAI(base_url=deploy.endpoint(config), api_key="unused")
         reply = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=4)
         assert reply.choices[0].text is not None and reply.usage.completion_tokens == 4
+        assert httpx.get(f"{base_url}/health", timeout=30).json() == {"status": "ok"}
     finally:
         deployer.join(timeout=120)
         deploy.shutdown()
