@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cluster.config import DeploymentConfig
+    from cluster.ops.stop import StopSignals
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -80,10 +82,14 @@ def _load_config(path: str) -> DeploymentConfig:
 
 
 def _deploy_and_report(
-    config: DeploymentConfig, address: str | None, direct_ingress: bool = False
+    config: DeploymentConfig,
+    address: str | None,
+    signals: StopSignals,
+    direct_ingress: bool = False,
 ) -> None:
     """``direct_ingress`` (a new local cluster only): the ingress replica serves the config's
-    ports itself, without Serve's proxy hop (``deploy.direct_ingress``)."""
+    ports itself, without Serve's proxy hop (``deploy.direct_ingress``). A signal meanwhile
+    raises ``StopRequested`` (``signals``) wherever this waits."""
     import logging
 
     from cluster.ops import deploy, ports, stop
@@ -103,7 +109,13 @@ def _deploy_and_report(
     deployed = deploy.direct_ingress(config) if direct_ingress else None
     if deployed is not None:  # Serve would announce the idle proxy's spare port as the app's
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    deploy.connect(address, num_cpus=sum(m.cpus_at_max_scale() for m in config.models))
+    try:
+        deploy.connect(address, num_cpus=sum(m.cpus_at_max_scale() for m in config.models))
+    except SystemExit as exc:  # ray.init's own SIGTERM handler, while it ran
+        if exc.code != signal.SIGTERM:
+            raise
+        raise stop.StopRequested(signal.SIGTERM) from None
+    signals.install()  # over ray.init's handlers (a C++ one dumps a stack and aborts)
     if address != "local":
         _refuse_ports_in_use(lambda: ports.check_cluster_ports(config))
     names = ", ".join(m.model_id for m in config.models)
@@ -160,40 +172,75 @@ def _print_loading(workers: list[dict[str, Any]]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
+    """Start (a local Ray unless ``--address``), deploy, serve until SIGINT or SIGTERM, drain,
+    stop Ray, and return once the config's ports are free (``cluster.ops.stop``)."""
     import ray
 
-    from cluster.ops import deploy
-    from cluster.ops import stop as stop_serving
+    from cluster.ops import deploy, ports
+    from cluster.ops import stop as stopping
 
-    config = _load_config(args.config)
-    _deploy_and_report(
-        config, args.address, direct_ingress=args.address == "local" and not args.proxy
-    )
-    # SIGTERM is what systemd, Docker and Kubernetes send: it drains exactly like Ctrl-C.
-    # Installed after Ray's own driver handlers, which would dump a stack and abort instead.
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    signals = stopping.StopSignals()  # first of all: a stop during start-up is handled
+    local = args.address == "local"
+    config = None
+    try:
+        config = _load_config(args.config)
+        _deploy_and_report(config, args.address, signals, direct_ingress=local and not args.proxy)
+        signals.serving()
+    except stopping.StopRequested as stop:
+        return _stopped_while_starting(config, local, stop.signum)
     print("serving; press Ctrl-C (or send SIGTERM) to stop", flush=True)
     gcs_address = ray.get_runtime_context().gcs_address
-    try:
-        while not stop.wait(1.0):
-            pass
-        print("shutting down: draining in-flight requests", flush=True)
-    finally:
-        drained = stop_serving.drain_unless_gcs_gone(deploy.shutdown, gcs_address)
-    if not drained:
-        # The signal went to the whole process group (or cgroup): Ray stopped with us.
+    while not signals.requested.wait(1.0):
+        pass
+    print("shutting down: draining in-flight requests", flush=True)
+    if not stopping.drain_unless_gcs_gone(deploy.shutdown, gcs_address):
+        # The signal reached Ray's processes too (a whole cgroup): Ray stopped with us.
         print("Ray's processes were stopped by the same signal: nothing left to drain", flush=True)
-        stop_serving.exit_without_ray(0)
+        stopping.exit_without_ray(0)
+    if local:
+        _report_held_ports(stopping.stop_local_ray(ports.config_ports(config)))
     return 0
+
+
+def _stopped_while_starting(config: DeploymentConfig | None, local: bool, signum: int) -> int:
+    """SIGINT or SIGTERM while ``cluster serve`` started (``config`` None: before it was
+    read): remove what was deployed, stop the local Ray, and say so in one line; 130 for
+    Ctrl-C, 0 for SIGTERM."""
+    import ray
+
+    from cluster.ops import deploy, ports
+    from cluster.ops import stop as stopping
+
+    name = signal.Signals(signum).name
+    code = stopping.StopSignals.exit_code(signum)
+    stopped = []
+
+    def remove_deployed() -> None:
+        if deploy.deployed_apps() and config is not None:
+            models = ", ".join(m.model_id for m in config.models)
+            stopped.append(f"removed application {config.app_name!r} ({models})")
+        deploy.shutdown()
+
+    if ray.is_initialized():
+        gcs_address = ray.get_runtime_context().gcs_address
+        if not stopping.drain_unless_gcs_gone(remove_deployed, gcs_address):
+            print(f"stopped by {name} while starting: Ray's processes were stopped by the same "
+                  "signal", flush=True)  # fmt: skip
+            stopping.exit_without_ray(code)
+    held: list[int] = []
+    if local and (ray.is_initialized() or stopping.local_ray_started()):
+        held = stopping.stop_local_ray(ports.config_ports(config) if config else [])
+        stopped.append("stopped the local Ray")
+    print(f"stopped by {name} while starting: {'; '.join(stopped) or 'nothing had started'}",
+          flush=True)  # fmt: skip
+    _report_held_ports(held)
+    return code
+
+
+def _report_held_ports(held: list[int]) -> None:
+    if held:
+        print(f"warning: port {', '.join(map(str, held))} still in use after Ray stopped",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _hf_config_args(values: Sequence[str], config: DeploymentConfig) -> dict[str, dict]:
@@ -253,8 +300,21 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _deploy(args: argparse.Namespace) -> int:
+    """Deploy and wait until every model serves. Ctrl-C (or SIGTERM) stops the waiting only:
+    the application keeps deploying on the cluster."""
+    from cluster.ops.stop import StopRequested, StopSignals
+
+    signals = StopSignals()
     config = _load_config(args.config)
-    _deploy_and_report(config, args.address)
+    try:
+        _deploy_and_report(config, args.address, signals)
+    except StopRequested as stop:
+        print(
+            f"stopped waiting: application {config.app_name!r} keeps deploying on the "
+            "cluster ('cluster status' follows it, 'cluster shutdown' removes it)",
+            flush=True,
+        )
+        return StopSignals.exit_code(stop.signum)
     return 0
 
 

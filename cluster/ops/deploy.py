@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -20,6 +21,7 @@ from ray import serve
 from cluster.config import DeploymentConfig
 from cluster.ops.capacity import report_shortfalls
 from cluster.ops.plan import preflight
+from cluster.ops.stop import ray_processes_apart
 from cluster.serving.serve import build_app, deployment_name, runtime_env
 from cluster.serving.start_errors import start_failure
 
@@ -30,7 +32,8 @@ logger = logging.getLogger("llm_cluster.deploy")
 
 def connect(address: str | None, log_to_driver: bool = False, num_cpus: float = 0) -> None:
     """Join the cluster at ``address`` ("auto": the one on this machine), start a new local
-    one for "local" (with token authentication), or for None do what ``ray.init()`` does (join
+    one for "local" (with token authentication; its processes apart from this process's group:
+    ``cluster.ops.stop.ray_processes_apart``), or for None do what ``ray.init()`` does (join
     the cluster ``ray start`` made here, else start one). The driver carries this project's
     environment (runtime_env). A new local cluster offers at least ``num_cpus`` logical CPUs
     (more than the machine's cores when the config's bundles need them: a laptop runs every
@@ -38,20 +41,23 @@ def connect(address: str | None, log_to_driver: bool = False, num_cpus: float = 
     if ray.is_initialized():
         return
     extra: dict[str, Any] = {}
+    starting = contextlib.nullcontext()
     if address == "local":
         _token_auth_for_a_new_cluster()
         extra["num_cpus"] = max(os.cpu_count() or 1, math.ceil(num_cpus))
+        starting = ray_processes_apart()  # a signal to our process group stops us, not Ray
     elif address is not None:
         _token_auth_if_available()
-    ray.init(
-        address=address,
-        namespace="llm-cluster",
-        include_dashboard=False if address in (None, "local") else None,
-        runtime_env=runtime_env() or None,
-        logging_level="WARNING",
-        log_to_driver=log_to_driver,
-        **extra,
-    )
+    with starting:
+        ray.init(
+            address=address,
+            namespace="llm-cluster",
+            include_dashboard=False if address in (None, "local") else None,
+            runtime_env=runtime_env() or None,
+            logging_level="WARNING",
+            log_to_driver=log_to_driver,
+            **extra,
+        )
 
 
 def _token_auth_for_a_new_cluster() -> None:
@@ -439,6 +445,7 @@ __all__ = [
     "cluster_status",
     "connect",
     "deploy",
+    "deployed_apps",
     "deployment_name",
     "endpoint",
     "recorded_failure",
@@ -456,8 +463,47 @@ def shutdown() -> None:
     proxy still carries their streams; ``serve.shutdown`` alone tears the proxy down with them."""
     from cluster.serving.responses_store import remove_store
 
-    for app_name in list(serve.status().applications):
-        serve.delete(app_name)
-        remove_store(app_name)  # its /v1/responses store, a detached actor
-    serve.shutdown()
+    if _serve_controller() is not None:
+        for app_name in list(serve.status().applications):
+            serve.delete(app_name)
+            remove_store(app_name)  # its /v1/responses store, a detached actor
+        _stop_serve()
     _forget_failure()
+
+
+def deployed_apps() -> list[str]:
+    """The Serve applications on the cluster (none when Serve does not run)."""
+    if _serve_controller() is None:
+        return []
+    return list(serve.status().applications)
+
+
+def _serve_controller() -> Any:
+    """Serve's controller actor, or None when Serve does not run on this cluster."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _stop_serve(timeout_s: float = 30.0) -> None:
+    """``serve.shutdown``, without its noise. The controller stops the proxies, then kills
+    itself; ``serve.shutdown`` waits for that through a call Ray retries forever (the
+    controller's ``max_task_retries``), and Ray then prints "Task ServeController.
+    graceful_shutdown failed ... killed by `ray.kill`" on every clean stop. The same call
+    without retries ends with the controller's death, quietly; ``serve.shutdown`` then only
+    forgets its client."""
+    controller = _serve_controller()
+    if controller is not None:
+        stopping = controller.graceful_shutdown.options(max_task_retries=0).remote()
+        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            ray.get(stopping, timeout=timeout_s)
+    serve_logger = logging.getLogger("ray.serve")
+    level = serve_logger.level
+    serve_logger.setLevel(logging.WARNING)  # "the cached controller has died", "nothing to ..."
+    try:
+        serve.shutdown()
+    finally:
+        serve_logger.setLevel(level)

@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from cluster.config import DeploymentConfig
 
-_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp{,6}
+# The state column of /proc/net/tcp{,6}: listening; a connection closed here, not yet gone
+# (FIN-WAIT-1/2, TIME-WAIT, CLOSING, LAST-ACK).
+_TCP_LISTEN = "0A"
+_TCP_CLOSING = ("04", "05", "06", "0B", "09")
 
 
 class PortInUseError(RuntimeError):
@@ -38,6 +41,12 @@ def check_ports_free(ports: list[tuple[str, str, int]], where: str = "") -> None
     for field, host, port in ports:
         if not can_bind(host, port):
             holder = port_holder(port)
+            if holder is None and _lingering(port):
+                raise PortInUseError(
+                    f"{field} {port} on {host}{where} is held by connections of a server that "
+                    "stopped without SO_REUSEADDR, in TIME-WAIT: they clear within 60 s; wait, "
+                    "or choose another port"
+                )
             by = f" by {holder}" if holder else " by another process"
             raise PortInUseError(
                 f"{field} {port} on {host}{where} is in use{by}: stop it, or choose another port"
@@ -45,8 +54,11 @@ def check_ports_free(ports: list[tuple[str, str, int]], where: str = "") -> None
 
 
 def can_bind(host: str, port: int) -> bool:
-    """Whether a server could listen on ``host:port`` now. SO_REUSEADDR as uvicorn and gRPC
-    set it, so a port whose old connections linger in TIME_WAIT counts as free."""
+    """Whether a server could listen on ``host:port`` now. SO_REUSEADDR as every server here
+    sets it (uvicorn, gRPC, Serve's proxies, the direct ingress:
+    ``serve_replica.reuse_address_on_direct_ingress``), so a port whose old connections linger
+    in TIME-WAIT counts as free, as it is for them (Linux lets both bind when the lingering
+    connections' listener set it too)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -83,7 +95,17 @@ def port_holder(port: int) -> str | None:
 
 def _listening_inodes(port: int) -> set[str]:
     """Socket inodes listening on ``port``, from /proc/net/tcp and tcp6."""
-    inodes = set()
+    return {inode for state, inode in _sockets_on(port) if state == _TCP_LISTEN}
+
+
+def _lingering(port: int) -> bool:
+    """Whether closed connections (TIME-WAIT, FIN-WAIT) still hold local ``port``."""
+    return any(state in _TCP_CLOSING for state, _ in _sockets_on(port))
+
+
+def _sockets_on(port: int) -> list[tuple[str, str]]:
+    """(state, inode) of every TCP socket whose local port is ``port`` (/proc/net/tcp{,6})."""
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
@@ -92,9 +114,9 @@ def _listening_inodes(port: int) -> set[str]:
         for line in lines:
             fields = line.split()
             local, state, inode = fields[1], fields[3], fields[9]
-            if state == _TCP_LISTEN and int(local.rsplit(":", 1)[1], 16) == port:
-                inodes.add(inode)
-    return inodes
+            if int(local.rsplit(":", 1)[1], 16) == port:
+                found.append((state, inode))
+    return found
 
 
 def _process_name(pid_dir: Path) -> str:

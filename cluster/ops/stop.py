@@ -1,14 +1,24 @@
-"""Stopping ``cluster serve``: drain, unless the signal that asked for it stopped Ray too.
+"""Stopping ``cluster serve``: one signal, one orderly stop, whatever it reached.
 
-SIGTERM to the main process alone (``KillMode=mixed``, ``docker stop`` with an init, Kubernetes)
-drains: in-flight requests finish within ``graceful_shutdown_timeout_s``, the rest end with
-finish_reason "abort". SIGTERM to the whole process group or cgroup (systemd's default
-``KillMode=control-group``, ``kill -TERM -PGID``) reaches Ray's GCS, raylet and workers as well;
-the GCS exits at once, the raylet (and every worker with it) a few seconds later, and a drain
-through the dead GCS would only wait on Ray's 60 s reconnection timeout before failing. So the
-drain runs on a thread while the GCS's port is watched; once it refuses connections, the model
-replicas, which watch it too, abort their requests (streams end with finish_reason "abort" and
-``[DONE]`` while the raylet still runs), and ``cluster serve`` exits.
+    Ctrl-C, SIGTERM ──▶ cluster serve ──▶ drain: Serve stops the replicas; requests in flight
+    (to it, or to its     (the driver)      finish, or end with "abort" and [DONE]
+     process group)                     ──▶ stop Ray ──▶ wait until the ports are free ──▶ exit 0
+    Ray's own processes (GCS, raylet, agents) lead process groups of their own.
+
+A signal to ``cluster serve``'s process group (Ctrl-C in a terminal, ``kill -TERM -PGID``) reaches
+the driver alone: a raylet that got it would SIGTERM every worker and exit within ~50 ms, and a
+worker exits the moment its raylet is gone, the ingress with its streams half written
+(RELIABILITY.md, "Stopping and restarting"). So every stop is the drain, and the driver stops
+Ray only after it.
+
+``StopSignals`` turns SIGINT and SIGTERM into that stop: while ``cluster serve`` starts, by raising
+``StopRequested`` wherever the main thread waits (so a stop mid-deploy removes what was started);
+once it serves, by setting an event. Where a signal reaches Ray's processes too (a kill of the whole
+cgroup, systemd's default ``KillMode=control-group``) the GCS exits at once and a drain through it
+would wait 60 s on Ray's reconnection: ``drain_unless_gcs_gone`` notices, the replicas abort their
+requests on their own (``cluster.serving.serve_replica.gcs_loss_flag``), and ``exit_without_ray``
+ends the driver within seconds. That path cannot promise every stream its ending (the raylet may
+stop the workers first): ``docs/deploy.md`` says to signal the main process alone.
 """
 
 from __future__ import annotations
@@ -16,17 +26,101 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any, NoReturn
 
 from cluster.serving.serve_replica import ABORT_ON_GCS_LOSS_ENV
 
 logger = logging.getLogger("llm_cluster.stop")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequested(BaseException):
+    """SIGINT or SIGTERM arrived while ``cluster serve`` was starting (a BaseException, like
+    KeyboardInterrupt: no ``except Exception`` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT and SIGTERM as a request to stop ``cluster serve`` (installed on the main thread).
+    ``starting`` (the default): the first signal raises ``StopRequested`` in the main thread;
+    after ``serving()`` it only sets ``requested``. Later signals are recorded, never raised.
+    ``ray.init`` installs Ray's own SIGTERM handler (and a C++ one that dumps a stack and
+    aborts): call ``install()`` again once it has returned."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.signum: int | None = None
+        self._raise = True
+        self.install()
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def serving(self) -> None:
+        """From now on a signal sets ``requested`` (the drain runs in the main flow)."""
+        self._raise = False
+        self.install()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        first = self.signum is None
+        if first:
+            self.signum = signum
+        self.requested.set()
+        if first and self._raise:
+            self._raise = False
+            raise StopRequested(signum)
+
+    @staticmethod
+    def exit_code(signum: int) -> int:
+        """130 for Ctrl-C (a shell's 128 + SIGINT), 0 for SIGTERM (a stop asked for, done)."""
+        return 128 + signal.SIGINT if signum == signal.SIGINT else 0
+
+
+@contextlib.contextmanager
+def ray_processes_apart() -> Iterator[bool]:
+    """While a new local Ray starts (around ``ray.init``): each process it launches (GCS, raylet,
+    log monitor; the raylet's agents follow the raylet) leads a process group of its own, so a
+    signal to this process's group reaches this process alone and it drains. Ray does the same
+    on Windows; it needs kernel fate-sharing (Linux: the child dies with its parent), or a
+    killed driver would leave Ray running, so it is done only where Ray detects that. Ray has no
+    option for it: its process launcher (``services.ConsolePopen``) is wrapped for the duration.
+    Yields False, with a warning, where that launcher moved or fate-sharing is missing."""
+    try:
+        from ray._private import services, utils
+
+        launcher = services.ConsolePopen
+        apart = utils.detect_fate_sharing_support() and sys.platform.startswith("linux")
+    except (ImportError, AttributeError):
+        apart = False
+    if not apart:
+        logger.warning("Ray's processes share this process group: a signal to the group stops "
+                       "Ray with this process, without a drain")  # fmt: skip
+        yield False
+        return
+
+    class ApartPopen(launcher):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["start_new_session"] = True
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = ApartPopen
+    try:
+        yield True
+    finally:
+        services.ConsolePopen = launcher
 
 
 def gcs_gone(gcs_address: str, timeout_s: float = 0.5) -> bool:
@@ -77,6 +171,34 @@ def abort_streams_on_gcs_loss() -> None:
     os.environ[ABORT_ON_GCS_LOSS_ENV] = "1"
 
 
+def local_ray_started() -> bool:
+    """Whether this driver started a local Ray, even one whose ``ray.init`` was interrupted
+    before it connected (Ray's node object is private: False where it moved)."""
+    try:
+        from ray._private.worker import _global_node
+    except ImportError:
+        return False
+    return _global_node is not None
+
+
+def stop_local_ray(ports: list[tuple[str, str, int]], timeout_s: float = 15.0) -> list[int]:
+    """Stop the local Ray this driver started (its raylet ends every worker with it) and wait,
+    up to ``timeout_s``, until nothing listens on ``ports`` any more (``cluster.ops.ports``'s
+    ``(field, host, port)``), so that a ``cluster serve`` started right after can bind them.
+    Returns the ports still held at the deadline."""
+    import ray
+
+    from cluster.ops.ports import can_bind
+
+    ray.shutdown()
+    deadline = time.monotonic() + timeout_s
+    held = [port for _, host, port in ports if not can_bind(host, port)]
+    while held and time.monotonic() < deadline:
+        time.sleep(0.1)
+        held = [port for _, host, port in ports if not can_bind(host, port)]
+    return held
+
+
 def exit_without_ray(code: int = 0, streams_grace_s: float = 4.0, grace_s: float = 2.0) -> NoReturn:
     """Exit now, with the local Ray's GCS gone. Its raylet still runs for a few seconds, and
     with it the replicas, which end their streams (finish_reason "abort") on seeing the GCS
@@ -113,4 +235,15 @@ def _wait_for_local_raylet(timeout_s: float) -> None:
         raylet.wait(timeout_s)
 
 
-__all__ = ["abort_streams_on_gcs_loss", "drain_unless_gcs_gone", "exit_without_ray", "gcs_gone"]
+__all__ = [
+    "STOP_SIGNALS",
+    "StopRequested",
+    "StopSignals",
+    "abort_streams_on_gcs_loss",
+    "drain_unless_gcs_gone",
+    "exit_without_ray",
+    "gcs_gone",
+    "local_ray_started",
+    "ray_processes_apart",
+    "stop_local_ray",
+]

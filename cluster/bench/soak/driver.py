@@ -165,14 +165,18 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.base_url:
         return await _run_remote(args, progress)
     from cluster.config import load_config
-    from cluster.ops.deploy import connect, deploy, endpoint
+    from cluster.ops.deploy import connect, deploy, endpoint, shutdown
+    from cluster.ops.ports import PortInUseError, check_ports_free, config_ports
 
     config = load_config(_config_dict(args))
     model = config.model(args.model) if args.model else config.models[0]
     settings = _settings(args, 10 * model.deployment_config.max_ongoing_requests)
+    try:  # before Ray starts, as cluster serve does: Serve would fail later, with a traceback
+        check_ports_free(config_ports(config))
+    except PortInUseError as exc:
+        raise SystemExit(f"error: {exc} (or pass --free-ports)") from None
     connect("local")  # its own Ray: never a stale or foreign cluster found on this machine
     import ray
-    from ray import serve
 
     try:
         await asyncio.to_thread(deploy, config, progress)
@@ -186,7 +190,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             progress=progress,
         )
     finally:
-        serve.shutdown()
+        shutdown()
         ray.shutdown()
     return _with_conditions(report, args, settings, str(args.config))
 

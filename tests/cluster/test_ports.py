@@ -1,0 +1,52 @@
+"""The port check before ``cluster serve`` starts Ray (``cluster.ops.ports``), on real sockets:
+connections a stopped server closed first, in TIME-WAIT, do not count as a server on the port
+when that server bound it as every server here does (SO_REUSEADDR); where one did not, the
+refusal says what holds the port and that it clears by itself."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from cluster.ops.ports import PortInUseError, check_ports_free
+from tests.cluster.conftest import free_port
+
+
+def _stopped_server_leaves_time_wait(port: int, reuse_address: bool) -> None:
+    """A server on ``port`` that answers one client and closes its connection first, then
+    stops: the connection sits in TIME-WAIT on ``port``."""
+    with socket.socket() as server:
+        if reuse_address:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = server.accept()
+            accepted.close()  # the server's side closes first
+            assert client.recv(1) == b""
+    assert _time_wait(port)
+
+
+def _time_wait(port: int) -> list[list[str]]:
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return [f for f in (line.split() for line in lines)
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "06"]  # fmt: skip
+
+
+def test_time_wait_of_a_server_with_so_reuseaddr_leaves_the_port_free() -> None:
+    port = free_port()
+    _stopped_server_leaves_time_wait(port, reuse_address=True)
+    check_ports_free([("http_options.port", "127.0.0.1", port)])
+
+
+def test_time_wait_of_a_server_without_it_is_refused_saying_it_clears_by_itself() -> None:
+    port = free_port()
+    _stopped_server_leaves_time_wait(port, reuse_address=False)
+    with pytest.raises(PortInUseError) as refused:
+        check_ports_free([("http_options.port", "127.0.0.1", port)])
+    assert str(refused.value).startswith(
+        f"http_options.port {port} on 127.0.0.1 is held by connections of a server that stopped "
+        "without SO_REUSEADDR, in TIME-WAIT: they clear within 60 s"
+    )
