@@ -229,6 +229,31 @@ def test_head_has_no_gpus_and_exposes_serve_grpc_metrics_dashboard_gcs() -> None
     assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
 
 
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_worker_pods_are_ready_when_health_says_every_model_serves(preset: str) -> None:
+    values = preset_values(preset)
+    service = rayservice(render(values))["spec"]
+    port = values.get("http", {}).get("port", 8000)
+    for group in service["rayClusterConfig"]["workerGroupSpecs"]:
+        (container,) = group["template"]["spec"]["containers"]
+        probe = container["readinessProbe"]
+        assert probe["httpGet"] == {"path": "/health", "port": port}
+        assert probe["timeoutSeconds"] > 10  # /health bounds a replica's answer at 10 s
+        assert "livenessProbe" not in container  # KubeRay's own (raylet health) stays
+    # The head pod's readiness cannot wait for the models (KubeRay deploys once it is ready):
+    # it is left out of the serve Service instead.
+    assert service["excludeHeadPodFromServeSvc"] is True
+    (head,) = service["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert "readinessProbe" not in head
+
+
+def test_readiness_off_leaves_kuberays_probes_and_the_head_in_the_serve_service() -> None:
+    service = rayservice(render(with_overrides("tiny", readiness={"enabled": False})))["spec"]
+    assert "excludeHeadPodFromServeSvc" not in service
+    for group in service["rayClusterConfig"]["workerGroupSpecs"]:
+        assert "readinessProbe" not in group["template"]["spec"]["containers"][0]
+
+
 def test_llama70b_gpu_group_requests_8_gpus_with_shm_tolerations_and_autoscaling() -> None:
     cluster = rayservice(render(preset_values("llama70b")))["spec"]["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is True
