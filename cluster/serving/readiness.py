@@ -31,8 +31,10 @@ def replica_states(models: Iterable[str]) -> dict[str, dict[str, int]] | None:
     of the application this replica serves; None when the status is unreachable. Blocking (a
     call to Serve's controller): run it off the event loop."""
     try:
-        app = serve.status().applications[serve.get_replica_context().app_name]
-    except Exception:  # status unreachable, or not in a replica
+        # The context first: outside a replica, serve.status() would start a Ray of its own.
+        app_name = serve.get_replica_context().app_name
+        app = serve.status().applications[app_name]
+    except Exception:  # not in a replica, or the status unreachable
         return None
     states = {}
     for model in models:
