@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from cluster.bench.soak import ServeProbe, SoakSettings, soak
-from tests.cluster.conftest import ServeCluster, load_yaml
+from tests.cluster.conftest import CONFIGS, ServeCluster, load_yaml
 
 APP = "soak"
 MODEL = "tiny-llama"
@@ -115,3 +120,41 @@ def test_resident_memory_grows_under_5_percent_between_the_halves(
 
 # Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
 pytestmark = pytest.mark.slow
+
+
+# ---- ``cluster bench soak --config``: its own Ray, as the README runs it --------------------
+
+
+def _soak_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    from tests.cluster.test_cli_serving import ROOT, cli_env
+
+    command = [sys.executable, "-m", "cluster.cli", "bench", "soak", *args]
+    return subprocess.run(command, cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_soak_refuses_a_port_in_use_before_starting_ray(tmp_path: Path) -> None:
+    config = load_yaml("tiny.yaml")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        config["http_options"]["port"] = holder.getsockname()[1]
+        path = tmp_path / "tiny.yaml"
+        path.write_text(yaml.safe_dump(config))
+        result = _soak_cli("--config", str(path), timeout=60)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: http_options.port {config['http_options']['port']} "), last
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.slow
+def test_soak_on_its_own_ray_prints_the_json_report_alone() -> None:
+    """Its stdout is the report and nothing else (``| jq`` works): stopping its Ray printed
+    Ray's "Task ServeController... failed" there first."""
+    short = ["--duration", "8", "--warmup", "2", "--clients", "2", "--burst-size", "4",
+             "--burst-interval", "4", "--max-tokens", "4:16", "--rss-interval", "2"]  # fmt: skip
+    result = _soak_cli("--config", str(CONFIGS / "tiny.yaml"), "--free-ports", *short)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["findings"] == [] and report["conditions"]["duration_s"] == 8

@@ -165,7 +165,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.base_url:
         return await _run_remote(args, progress)
     from cluster.config import load_config
-    from cluster.ops.deploy import connect, deploy, endpoint, shutdown
+    from cluster.ops.deploy import connect, deploy, endpoint
     from cluster.ops.ports import PortInUseError, check_ports_free, config_ports
 
     config = load_config(_config_dict(args))
@@ -190,7 +190,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             progress=progress,
         )
     finally:
-        shutdown()
+        # Its own Ray, stopped whole: a drain is of no use here, and Serve stopped first
+        # would fail the driver's handle polls (Ray prints each failure to stdout, before
+        # the JSON report).
         ray.shutdown()
     return _with_conditions(report, args, settings, str(args.config))
 
