@@ -40,7 +40,7 @@ from engine.engine_args import ENGINE_ARG_NAMES as ENGINE_ARG_NAMES
 from engine.engine_args import ENGINE_ARGS, group_engine_args
 from engine.engine_args import check_engine_arg_names as check_engine_arg_names
 from engine.errors import ConfigError
-from engine.hf_config import check_hf_config, num_experts
+from engine.hf_config import DEEPSEEK_ARCHITECTURES, check_hf_config, num_experts
 from engine.quantization.config import ONLINE_METHODS, parse_quantization
 from engine.rope_config import rope_max_positions
 from engine.spec_decode.config import SpeculativeArgs, check_speculative_support
@@ -412,6 +412,13 @@ class EngineConfig:
             from engine.spec_decode.draft_config import draft_model_config
 
             draft_model_config(spec, model, parallel)  # refused before anything is placed
+        lora = LoRAConfig(**groups["lora"])
+        require(
+            not lora.enable_lora or model.architecture not in DEEPSEEK_ARCHITECTURES,
+            "enable_lora",
+            f"LoRA adapters are not supported for {model.architecture} (multi-head latent "
+            "attention has no q/k/v projections to adapt); set enable_lora to false",
+        )
         return cls(
             model=model,
             cache=CacheConfig(**groups["cache"]),
@@ -422,7 +429,7 @@ class EngineConfig:
             sampling=SamplingConfig(**groups["sampling"]),
             pooler=PoolerConfig(**groups["pooler"]),
             frontend=FrontendConfig(**groups["frontend"]),
-            lora=LoRAConfig(**groups["lora"]),
+            lora=lora,
             speculative=speculative,
         )
 

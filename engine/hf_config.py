@@ -11,11 +11,17 @@ layers for Gemma 2, all but every ``sliding_window_pattern``-th layer for Gemma 
 for Mixtral). Qwen2-MoE / Qwen3-MoE with ``use_sliding_window`` are refused: their HF patterns
 differ from Qwen2's and are not implemented.
 
-Mixture-of-experts fields (Mixtral, Qwen2-MoE, Qwen3-MoE): the expert count (``num_experts``,
-or ``num_local_experts`` as Mixtral and transformers' Qwen3-MoE config write it), top-k, the
-experts' intermediate size, which layers are sparse (``decoder_sparse_step``,
-``mlp_only_layers``), and router options of other families (DeepSeek's ``scoring_func``,
-``routed_scaling_factor``, grouped top-k) refused by name.
+Mixture-of-experts fields (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek): the expert count
+(``num_experts``, ``num_local_experts`` as Mixtral and transformers' Qwen3-MoE config write it,
+or DeepSeek's ``n_routed_experts``), top-k, the experts' intermediate size, which layers are
+sparse (``decoder_sparse_step``, ``mlp_only_layers``; DeepSeek's ``first_k_dense_replace``), and
+router options of other families (DeepSeek's ``scoring_func``, ``routed_scaling_factor``,
+grouped top-k) refused by name where the family does not route with them.
+
+DeepSeek-V2/V3 (and Kimi K2, a DeepSeek-V3): multi-head latent attention's ranks and head dims
+(``kv_lora_rank``, ``q_lora_rank`` or null, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+``v_head_dim``) and DeepSeek's routing (``deepseek_routing``). A field the config.json leaves out
+takes the default of transformers' config class for that architecture, as HF does.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ FULL = "full_attention"
 # HF ``architectures`` names the engine builds (engine.models.MODEL_REGISTRY must agree; a
 # test checks it). Kept here, torch-free, so the CLI can refuse an architecture early.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "LlamaForCausalLM",
@@ -52,7 +60,28 @@ _ACTIVATION_FIELD = {
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("gelu_pytorch_tanh", "silu")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-MOE_ARCHITECTURES: tuple[str, ...] = ("MixtralForCausalLM", *_QWEN_MOE)
+DEEPSEEK_ARCHITECTURES: tuple[str, ...] = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MOE_ARCHITECTURES: tuple[str, ...] = ("MixtralForCausalLM", *_QWEN_MOE, *DEEPSEEK_ARCHITECTURES)
+# transformers' DeepseekV2Config / DeepseekV3Config defaults of the fields the engine reads,
+# for a config.json that leaves one out.
+_DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "DeepseekV2ForCausalLM": {
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+        "n_shared_experts": 2, "moe_intermediate_size": 1407, "first_k_dense_replace": 0,
+        "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": None,
+        "topk_group": None, "norm_topk_prob": False, "scoring_func": "softmax",
+        "rope_interleave": True, "attention_bias": False,
+    },
+    "DeepseekV3ForCausalLM": {
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+        "n_shared_experts": 1, "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
+        "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 8,
+        "topk_group": 4, "norm_topk_prob": True, "scoring_func": "sigmoid",
+        "rope_interleave": True, "attention_bias": False,
+    },
+}  # fmt: skip
 # Router options of other MoE families (DeepSeek's grouped, scaled or sigmoid routing) that
 # none of these families' HF code implements: a checkpoint that sets one to anything but the
 # plain softmax top-k expects routing that would be served wrong, so it is refused by name.
@@ -126,9 +155,11 @@ def check_hf_config(hf: dict[str, Any]) -> None:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if hf.get(key) is not None:
                 raise ConfigError(f"{key}: {arch} does not soft-cap logits, got {hf[key]!r}")
-    check_rope(hf)
-    if arch in MOE_ARCHITECTURES:
+    if arch in DEEPSEEK_ARCHITECTURES:
+        check_deepseek(hf)  # first: the rope check reads qk_rope_head_dim
+    elif arch in MOE_ARCHITECTURES:
         check_moe(hf)
+    check_rope(hf)
 
 
 def _positive_int(hf: dict[str, Any], key: str) -> int:
@@ -174,27 +205,106 @@ def check_moe(hf: dict[str, Any]) -> None:
         _positive_int(hf, "shared_expert_intermediate_size")
 
 
+def deepseek_field(hf: dict[str, Any], key: str) -> Any:
+    """A DeepSeek config field, or transformers' default for the architecture when absent."""
+    if key in hf:
+        return hf[key]
+    return _DEEPSEEK_DEFAULTS[architecture(hf)][key]
+
+
+def _natural(hf: dict[str, Any], key: str, *, positive: bool = True) -> int:
+    value = deepseek_field(hf, key)
+    low = 1 if positive else 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        kind = "a positive integer" if positive else "an integer >= 0"
+        raise ConfigError(f"{key}: must be {kind}, got {value!r}")
+    return value
+
+
+def check_deepseek(hf: dict[str, Any]) -> None:
+    """A DeepSeek-V2 / V3 config: the latent attention's ranks and head dims, the MoE counts,
+    and routing options the engine computes as HF does (``deepseek_routing``)."""
+    arch = architecture(hf)
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size"):
+        _natural(hf, key)
+    rope_dim = _natural(hf, "qk_rope_head_dim")
+    if rope_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim: must be even, got {rope_dim}")
+    if deepseek_field(hf, "q_lora_rank") is not None:
+        _natural(hf, "q_lora_rank")
+    experts = _natural(hf, "n_routed_experts")
+    top_k = _positive_int(hf, "num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError(f"num_experts_per_tok: {top_k} is more than the {experts} experts")
+    _natural(hf, "n_shared_experts", positive=False)
+    _natural(hf, "first_k_dense_replace", positive=False)
+    freq = hf.get("moe_layer_freq", 1)
+    if freq != 1:
+        raise ConfigError(f"moe_layer_freq: only 1 is supported (as HF computes), got {freq!r}")
+    scale = deepseek_field(hf, "routed_scaling_factor")
+    if not isinstance(scale, int | float) or isinstance(scale, bool) or not scale > 0:
+        raise ConfigError(f"routed_scaling_factor: must be a number > 0, got {scale!r}")
+    for key in ("rope_interleave", "attention_bias", "norm_topk_prob"):
+        if not isinstance(deepseek_field(hf, key), bool):
+            raise ConfigError(f"{key}: must be true or false, got {deepseek_field(hf, key)!r}")
+    v2 = arch == "DeepseekV2ForCausalLM"
+    methods = ("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)
+    scoring = "softmax" if v2 else "sigmoid"
+    method = deepseek_field(hf, "topk_method")
+    if method not in methods:
+        raise ConfigError(f"topk_method: {method!r} is not supported for {arch} ({methods})")
+    if deepseek_field(hf, "scoring_func") != scoring:
+        raise ConfigError(f"scoring_func: {arch} scores experts by {scoring!r}, got "
+                          f"{deepseek_field(hf, 'scoring_func')!r}")  # fmt: skip
+    if v2 and deepseek_field(hf, "norm_topk_prob"):
+        # transformers' DeepSeek-V2 router never renormalizes, DeepSeek's own code does.
+        raise ConfigError("norm_topk_prob: true is not supported for DeepseekV2ForCausalLM "
+                          "(transformers' and DeepSeek's code disagree on it)")  # fmt: skip
+    if method in ("group_limited_greedy", "noaux_tc"):
+        groups, best = _natural(hf, "n_group"), _natural(hf, "topk_group")
+        if experts % groups:
+            raise ConfigError(f"n_group: {groups} does not divide n_routed_experts {experts}")
+        if best > groups:
+            raise ConfigError(f"topk_group: {best} is more than n_group {groups}")
+        if method == "noaux_tc" and experts // groups < 2:
+            raise ConfigError(f"n_group: {groups} leaves fewer than 2 experts per group "
+                              "(noaux_tc scores a group by its best two)")  # fmt: skip
+        allowed = best * (experts // groups)
+        if top_k > allowed:
+            raise ConfigError(f"num_experts_per_tok: {top_k} is more than the {allowed} "
+                              "experts of topk_group groups")  # fmt: skip
+
+
 def num_experts(hf: dict[str, Any]) -> int:
-    """Routed experts per sparse layer: ``num_experts`` (Qwen2/3-MoE) or ``num_local_experts``
-    (Mixtral; transformers also writes Qwen3-MoE's under this name)."""
+    """Routed experts per sparse layer: ``num_experts`` (Qwen2/3-MoE), ``num_local_experts``
+    (Mixtral; transformers also writes Qwen3-MoE's under this name) or ``n_routed_experts``
+    (DeepSeek)."""
+    if architecture(hf) in DEEPSEEK_ARCHITECTURES:
+        return int(deepseek_field(hf, "n_routed_experts"))
     value = hf.get("num_experts")
     return value if value is not None else hf.get("num_local_experts", 0)
 
 
 def moe_intermediate_size(hf: dict[str, Any]) -> int:
     """Each routed expert's intermediate size (Mixtral's experts use ``intermediate_size``)."""
-    if architecture(hf) == "MixtralForCausalLM":
+    arch = architecture(hf)
+    if arch == "MixtralForCausalLM":
         return int(hf["intermediate_size"])
+    if arch in DEEPSEEK_ARCHITECTURES:
+        return int(deepseek_field(hf, "moe_intermediate_size"))
     return int(hf["moe_intermediate_size"])
 
 
 def is_sparse_layer(hf: dict[str, Any], layer: int) -> bool:
     """Whether decoder layer ``layer`` holds the MoE block (else a dense MLP): every layer of
     Mixtral; for Qwen2/3-MoE HF's rule — not in ``mlp_only_layers``, and every
-    ``decoder_sparse_step``-th layer (1-based) when there are experts at all."""
+    ``decoder_sparse_step``-th layer (1-based) when there are experts at all; for DeepSeek
+    every layer from ``first_k_dense_replace`` on."""
     arch = architecture(hf)
     if arch == "MixtralForCausalLM":
         return True
+    if arch in DEEPSEEK_ARCHITECTURES:
+        return layer >= int(deepseek_field(hf, "first_k_dense_replace"))
     if arch not in _QWEN_MOE:
         return False
     step = int(hf.get("decoder_sparse_step") or 1)

@@ -19,7 +19,9 @@ shards of the same sizes, so one line per stage stands for all of its ranks):
     reserves     an ESTIMATE of what CUDA holds outside torch's allocator (context, NCCL, the
                  CUDA-graph pool); named constants below, each saying where its figure comes from
     kv           bytes per token = layers x 2 (K, V) x KV heads of this rank x head_dim x dtype
-                 bytes (``ModelRunner.kv_cache_shape``), and the blocks that fit:
+                 bytes, or with multi-head latent attention (DeepSeek) layers x (kv_lora_rank +
+                 qk_rope_head_dim) x dtype bytes, the same latent on every TP rank
+                 (``PagedAttention.kv_cache_shape``), and the blocks that fit:
 
         GPU:  (memory x gpu_memory_utilization - weights - buffers - lora - activation
                - reserves) // (block_size x bytes per token), the minimum over stages
@@ -41,14 +43,15 @@ model's dtype, with a note.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from engine import hf_config, memory_plan_moe
 from engine.errors import ConfigError
 from engine.quantization.config import parse_quantization
-from engine.rope_config import rope_max_positions, rope_parameters
+from engine.rope_config import rope_head_dim, rope_max_positions, rope_parameters
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -79,6 +82,7 @@ DTYPE_BYTES: dict[str, int] = {
 _CANONICAL_DTYPE = {"float": "float32", "half": "float16"}
 ROTARY_TABLE_BYTES = 4  # cos/sin tables are float32 whatever the model dtype
 FP32_BYTES = 4
+INT64_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,9 @@ FAMILIES: dict[str, _Family] = {
     "Phi3ForCausalLM": _Family(False, False, False, False, 2, False),
     # Mixture of experts: the feed-forward is engine.memory_plan_moe's.
     "MixtralForCausalLM": _Family(False, False, False, False, 2, False),
+    # Multi-head latent attention: its projections, biases and latent norms are _mla_layer's.
+    "DeepseekV2ForCausalLM": _Family(False, False, False, False, 2, False),
+    "DeepseekV3ForCausalLM": _Family(False, False, False, False, 2, False),
     "Qwen2MoeForCausalLM": _Family("qkv_bias", False, False, False, 2, False, flag_default=True),
     "Qwen3MoeForCausalLM": _Family("attention_bias", "attention_bias", False, True, 2, False),
 }
@@ -241,8 +248,27 @@ class MemoryPlan:
 
 
 @dataclass(frozen=True)
+class _Latent:
+    """Multi-head latent attention's ranks and head dims (``engine.models.mla``)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    bias: bool
+    interleaved_rope: bool
+
+    @property
+    def latent(self) -> int:
+        """The values a token caches per layer: the latent and the shared rope key."""
+        return self.kv_lora_rank + self.rope_dim
+
+
+@dataclass(frozen=True)
 class _Shape:
-    """The per-rank sizes the parallel layers derive from the HF config and the TP size."""
+    """The per-rank sizes the parallel layers derive from the HF config and the TP size
+    (``head_dim`` is the query/key head dim, ``qk_nope + qk_rope`` under latent attention)."""
 
     hidden: int
     intermediate: int
@@ -253,6 +279,7 @@ class _Shape:
     kv_heads_per_rank: int
     vocab_shard: int  # rows of the (padded) vocabulary per rank
     tp: int
+    mla: _Latent | None = None
 
     @property
     def q_size(self) -> int:
@@ -273,11 +300,32 @@ def _divide(numerator: int, tp: int, what: str) -> int:
     return numerator // tp
 
 
+def _latent(hf: Mapping[str, Any]) -> _Latent | None:
+    conf = dict(hf)
+    arch = hf_config.architecture(conf)
+    if arch not in hf_config.DEEPSEEK_ARCHITECTURES:
+        return None
+    field_ = functools.partial(hf_config.deepseek_field, conf)
+    return _Latent(
+        q_lora_rank=field_("q_lora_rank"),
+        kv_lora_rank=int(field_("kv_lora_rank")),
+        nope_dim=int(field_("qk_nope_head_dim")),
+        rope_dim=int(field_("qk_rope_head_dim")),
+        v_dim=int(field_("v_head_dim")),
+        bias=bool(field_("attention_bias")),
+        interleaved_rope=arch == "DeepseekV2ForCausalLM" or bool(field_("rope_interleave")),
+    )
+
+
 def _shape(hf: Mapping[str, Any], tp: int) -> _Shape:
     hidden = int(hf["hidden_size"])
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or hidden // heads)
+    mla = _latent(hf)
+    if mla is not None:
+        # One latent "kv head", whole on every rank; the query heads split.
+        kv_heads, head_dim = tp, mla.nope_dim + mla.rope_dim
     if tp >= kv_heads:
         # QKVParallelLinear replicates each KV head on tp / kv_heads ranks.
         if tp % kv_heads:
@@ -304,6 +352,7 @@ def _shape(hf: Mapping[str, Any], tp: int) -> _Shape:
         kv_heads_per_rank=kv_per_rank,
         vocab_shard=padded // tp,
         tp=tp,
+        mla=mla,
     )
 
 
@@ -415,6 +464,9 @@ def stage_weight_bytes(
     mlp = linear(2 * inter, h, 2) + linear(h, inter)
     mlp_bias = 2 * inter + h if family.flag(hf, family.mlp_bias) else 0
     norms = family.norms_per_layer * h + (2 * shape.head_dim if family.qk_norm else 0)
+    if shape.mla is not None:
+        attn, attn_bias, latent_norms = _mla_layer(shape, shape.mla, linear, dtype_bytes)
+        norms += latent_norms
     num_layers = end_layer - first_layer
     table = shape.vocab_shard * h * dtype_bytes
     tied = bool(hf.get("tie_word_embeddings", family.tie_default))
@@ -435,18 +487,48 @@ def stage_weight_bytes(
     return parts
 
 
+def _mla_layer(
+    shape: _Shape, mla: _Latent, linear: Callable[..., int], dtype_bytes: int
+) -> tuple[int, int, int]:
+    """One latent-attention layer on one rank (``engine.models.mla``): its projections'
+    bytes, its bias elements and its latent norms' elements. q_a_proj and kv_a_proj_with_mqa
+    are whole on every rank; q_b_proj / q_proj, kv_b_proj and o_proj split by heads; kv_b_proj
+    is read as dense matrices (absorbed), so it is counted in the model's dtype even where the
+    others stay quantized."""
+    h, heads = shape.hidden, shape.heads_per_rank
+    q_out = heads * (mla.nope_dim + mla.rope_dim)
+    if mla.q_lora_rank is None:
+        attn = linear(q_out, h)
+    else:
+        attn = linear(mla.q_lora_rank, h) + linear(q_out, mla.q_lora_rank)
+    attn += linear(mla.latent, h)
+    attn += heads * (mla.nope_dim + mla.v_dim) * mla.kv_lora_rank * dtype_bytes
+    attn += linear(h, heads * mla.v_dim)
+    bias = 0
+    if mla.bias:  # q_a_proj (or none), kv_a_proj_with_mqa, o_proj: all whole on every rank
+        bias = (mla.q_lora_rank or 0) + mla.latent + h
+    norms = (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    return attn, bias, norms
+
+
 def rotary_buffer_bytes(hf: Mapping[str, Any], first_layer: int, end_layer: int) -> int:
     """The cos/sin tables a stage's ``RopeCache`` builds: float32 [max_position, rotary_dim]
-    each, one pair per distinct rope among the stage's layer types."""
+    each, one pair per distinct rope among the stage's layer types; under latent attention
+    with DeepSeek's interleaved rope, each layer's int64 ``rope_order`` too."""
     types = hf_config.layer_types(dict(hf))
-    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    head_dim = rope_head_dim(hf) or hf["hidden_size"] // hf["num_attention_heads"]
     max_position = rope_max_positions(hf)
     distinct: dict[Any, int] = {}
     for layer_type in {types[i] for i in range(first_layer, end_layer)}:
         params = rope_parameters(hf, layer_type)
         rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
         distinct[_freeze(params)] = rotary_dim
-    return sum(2 * max_position * dim * ROTARY_TABLE_BYTES for dim in distinct.values())
+    tables = sum(2 * max_position * dim * ROTARY_TABLE_BYTES for dim in distinct.values())
+    mla = _latent(hf)
+    orders = 0
+    if mla is not None and mla.interleaved_rope:
+        orders = (end_layer - first_layer) * mla.rope_dim * INT64_BYTES
+    return tables + orders
 
 
 def _freeze(value: Any) -> Any:
@@ -472,7 +554,10 @@ def lora_bytes(shape: _Shape, num_layers: int, slots: int, rank: int, dtype_byte
 
 
 def kv_bytes_per_token(shape: _Shape, num_layers: int, dtype_bytes: int) -> int:
-    """K and V of one token on one rank: ``ModelRunner.kv_block_bytes`` / block_size."""
+    """K and V (or the latent) of one token on one rank: ``ModelRunner.kv_block_bytes`` /
+    block_size."""
+    if shape.mla is not None:
+        return num_layers * shape.mla.latent * dtype_bytes
     return num_layers * 2 * shape.kv_heads_per_rank * shape.head_dim * dtype_bytes
 
 
@@ -499,6 +584,10 @@ def activation_bytes(
     cache that step writes into."""
     t, h = num_batched_tokens, shape.hidden
     attn = t * (shape.q_size + 2 * shape.kv_size + shape.q_size + h)
+    if shape.mla is not None:  # q, the latent, the absorbed query, its output, o_proj's input
+        heads, mla = shape.heads_per_rank, shape.mla
+        attn = t * (shape.q_size + mla.latent + heads * (mla.latent + mla.kv_lora_rank))
+        attn += t * (heads * mla.v_dim + h)
     mlp = t * (2 * shape.inter_per_rank + shape.inter_per_rank + h)
     total = (2 * t * h + max(attn, mlp)) * dtype_bytes
     if is_last:

@@ -3,14 +3,15 @@ what ``engine.models.moe`` / ``parallel.moe`` allocate on one rank (a dense mode
 ``memory_plan``'s own arithmetic). Torch-free, like the plan.
 
 Per decoder layer of the stage (``hf_config.is_sparse_layer``: every Mixtral layer; Qwen2/3-MoE
-per ``decoder_sparse_step`` and ``mlp_only_layers``)::
+per ``decoder_sparse_step`` and ``mlp_only_layers``; DeepSeek from ``first_k_dense_replace``)::
 
     dense layer    gate_up + down of intermediate_size, sliced over TP      3 H I/tp
-    sparse layer   router (replicated)                                      E H
+    sparse layer   router (replicated; float32 for DeepSeek, + V3's bias)   E H
                    routed experts, TP: every expert, a slice of each        E x 3 H I_e/tp
                                    EP: E/ep whole experts (ep = tp)         E/ep x 3 H I_e
-                   shared expert (Qwen2-MoE), TP-sliced under TP and EP     3 H S/tp
-                   shared expert gate (replicated)                          H
+                   shared expert (Qwen2-MoE; DeepSeek's n_shared_experts    3 H S/tp
+                   x I_e), TP-sliced under TP and EP
+                   shared expert gate (replicated; Qwen2-MoE only)          H
 
 With E divisible by the group size, TP and EP hold the same expert bytes per rank; EP trades
 the slicing for whole-expert GEMMs and a skewed load when routing is unbalanced.
@@ -26,6 +27,7 @@ from engine.errors import ConfigError
 
 # ``linear(out, in_, parts)``: the bytes of one [out, in_] weight as the checkpoint stores it.
 LinearBytes = Callable[[int, int, int], int]
+FP32_BYTES = 4
 
 
 def is_moe(hf: Mapping[str, Any]) -> bool:
@@ -58,14 +60,24 @@ def moe_weight_bytes(
     else:
         local_experts, expert_slice = num_experts, _split(expert_inter, tp, "moe intermediate")
     expert = linear(2 * expert_slice, hidden, 2) + linear(hidden, expert_slice, 1)
+    arch = hf_config.architecture(conf)
+    deepseek = arch in hf_config.DEEPSEEK_ARCHITECTURES
     shared_size = int(hf.get("shared_expert_intermediate_size") or 0)
-    if hf_config.architecture(conf) != "Qwen2MoeForCausalLM":
+    if arch != "Qwen2MoeForCausalLM":
         shared_size = 0  # Qwen3-MoE's config may carry the field; its model has no shared expert
+    if deepseek:
+        shared_size = int(hf_config.deepseek_field(conf, "n_shared_experts")) * expert_inter
     shared = 0
     if shared_size:
         shared_slice = _split(shared_size, tp, "shared_expert_intermediate_size")
         shared = linear(2 * shared_slice, hidden, 2) + linear(hidden, shared_slice, 1)
-        shared += hidden * dtype_bytes  # shared_expert_gate [1, H]
+        if not deepseek:
+            shared += hidden * dtype_bytes  # shared_expert_gate [1, H]
+    # The router [E, H], in float32 for DeepSeek (as its HF code declares it), with V3's
+    # e_score_correction_bias [E] in float32.
+    router = num_experts * hidden * (FP32_BYTES if deepseek else dtype_bytes)
+    if arch == "DeepseekV3ForCausalLM":
+        router += num_experts * FP32_BYTES
     sparse = sum(hf_config.is_sparse_layer(conf, i) for i in range(first_layer, end_layer))
     dense = 0
     if sparse < end_layer - first_layer:
@@ -74,7 +86,7 @@ def moe_weight_bytes(
     return {
         "mlp": (end_layer - first_layer - sparse) * dense,
         "experts": sparse * local_experts * expert,
-        "router": sparse * num_experts * hidden * dtype_bytes,
+        "router": sparse * router,
         "shared_expert": sparse * shared,
     }
 

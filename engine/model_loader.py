@@ -250,10 +250,11 @@ def load_weights(
     """Load every checkpoint tensor into this rank's parameters, strictly.
 
     Each tensor is consumed by a parameter of this rank, belongs to another pipeline stage (a
-    parameter of the whole model, see ``whole_model_parameters``), is a known-unused buffer, or
-    is named in a ValueError; so is a non-float dtype, a wrong shape, and a parameter (or fused
-    part) the checkpoint lacks. ``hf_config`` is the HF config dict the model was built from
-    (default: ``model.hf``).
+    parameter of the whole model, see ``whole_model_parameters``), is a known-unused buffer or
+    a part of the checkpoint the model skips by name (``checkpoint_skipped``: DeepSeek's
+    multi-token-prediction layers), or is named in a ValueError; so is a non-float dtype, a
+    wrong shape, and a parameter (or fused part) the checkpoint lacks. ``hf_config`` is the HF
+    config dict the model was built from (default: ``model.hf``).
     """
     hf = hf_config if hf_config is not None else getattr(model, "hf", None)
     if hf is None:
@@ -263,10 +264,11 @@ def load_weights(
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     target_of = _target_of(model)
     aliases_of = getattr(model, "checkpoint_aliases", lambda n: ())
+    skipped = getattr(model, "checkpoint_skipped", lambda n: False)
     loaded: dict[str, set[Any]] = {}
     unknown: list[str] = []
     for name, tensor in weights:
-        if name.endswith(_UNUSED_CHECKPOINT_TENSORS):
+        if name.endswith(_UNUSED_CHECKPOINT_TENSORS) or skipped(name):
             continue
         if is_kv_scale_name(name):  # an FP8 KV cache's scale, not a parameter
             load_kv_scale(model, name, tensor, int(hf["num_hidden_layers"]))
@@ -315,12 +317,14 @@ def rank_read_bytes(
     params = dict(model.named_parameters())
     target_of = _target_of(model)
     aliases_of = getattr(model, "checkpoint_aliases", lambda n: ())
+    skipped = getattr(model, "checkpoint_skipped", lambda n: False)
     shares: dict[str, int] = {}
     for checkpoint_name, nbytes in tensor_bytes.items():
         name = rename(checkpoint_name)
         target, _ = target_of(name)
         share = 0.0
-        if not name.endswith(_UNUSED_CHECKPOINT_TENSORS) and target in whole and target not in tied:
+        unused = name.endswith(_UNUSED_CHECKPOINT_TENSORS) or skipped(name)
+        if not unused and target in whole and target not in tied:
             for alias in (name, *aliases_of(name)):
                 dest = target if alias == name else target_of(alias)[0]
                 if dest in params:

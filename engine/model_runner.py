@@ -139,18 +139,15 @@ class ModelRunner:
 
     # ---- KV cache -----------------------------------------------------------------------
 
-    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        attn = self.model.attention_layers()[0]
-        return (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-
     def kv_block_bytes(self) -> int:
-        """Bytes of one block across this worker's layers (K and V)."""
-        layers = self.model.attention_layers()
-        if not layers:
-            return 0
-        per_layer = int(np.prod(self.kv_cache_shape(1))) * self.kv_cache_dtype().itemsize
+        """Bytes of one block across this worker's layers (K and V, or a latent)."""
+        itemsize = self.kv_cache_dtype().itemsize
+        layers = sum(
+            int(np.prod(attn.kv_cache_shape(1, self.block_size))) * itemsize
+            for attn in self.model.attention_layers()
+        )
         draft = self.draft.kv_block_bytes(self.kv_cache_dtype()) if self.draft else 0
-        return per_layer * len(layers) + draft
+        return layers + draft
 
     def kv_cache_dtype(self) -> torch.dtype:
         """The caches' dtype: the model's, or float8_e4m3fn under kv_cache_dtype fp8."""
@@ -167,7 +164,9 @@ class ModelRunner:
         self.cpu_kv_caches = []
         for attn in self.model.attention_layers():
             cache = torch.zeros(
-                self.kv_cache_shape(num_blocks), dtype=cache_dtype, device=self.device
+                attn.kv_cache_shape(num_blocks, self.block_size),
+                dtype=cache_dtype,
+                device=self.device,
             )
             attn.kv_cache = cache
             self.kv_caches.append(cache)
@@ -176,7 +175,9 @@ class ModelRunner:
                 pin = self.device.type == "cuda"
                 self.cpu_kv_caches.append(
                     torch.empty(
-                        self.kv_cache_shape(num_cpu_blocks), dtype=cache_dtype, pin_memory=pin
+                        attn.kv_cache_shape(num_cpu_blocks, self.block_size),
+                        dtype=cache_dtype,
+                        pin_memory=pin,
                     )
                 )
         if self.draft is not None:

@@ -92,7 +92,7 @@ def check_rope(hf: Mapping[str, Any]) -> None:
                 f"rope_parameters: has no entry for layer type {missing[0]!r} "
                 f"(it has {sorted(nested)})"
             )
-    head_dim = _head_dim(hf)
+    head_dim = rope_head_dim(hf)
     # The declared layer types too: a type whose rope entry is null is refused here, not
     # when its layer is built.
     declared = hf.get("layer_types") or ()
@@ -331,6 +331,15 @@ def _factor_list(value: Any, field: str, expected: int | None) -> list[float]:
             f"{field}: must have {expected} entries (half the rotary dimensions), got {len(value)}"
         )
     return [float(v) for v in value]
+
+
+def rope_head_dim(hf: Mapping[str, Any]) -> int | None:
+    """The head dim the rope rotates within: a head's ``qk_rope_head_dim`` part under
+    multi-head latent attention (a DeepSeek config, one with ``kv_lora_rank``; transformers'
+    default 64), else the attention head dim."""
+    if hf.get("kv_lora_rank"):
+        return int(hf.get("qk_rope_head_dim") or 64)
+    return _head_dim(hf)
 
 
 def _head_dim(hf: Mapping[str, Any]) -> int | None:

@@ -2,11 +2,18 @@
 in Hugging Face format like the dense ones of :mod:`engine.tiny_models` (same tokenizer, same
 init recipe, same cache), so tests compare the engine with HF transformers offline.
 
-    name            family     experts  top-k  layers           quirk
-    tiny-mixtral    Mixtral    8        2      2 sparse         top-k renormalized, fp32 weights
-    tiny-qwen2-moe  Qwen2-MoE  8        4      2 sparse         shared expert + sigmoid gate
-    tiny-qwen3-moe  Qwen3-MoE  8        2      sparse, dense,   norm_topk_prob, mlp_only_layers
+    name              family       experts  top-k  layers          quirk
+    tiny-mixtral      Mixtral      8        2      2 sparse        top-k renormalized, fp32 weights
+    tiny-qwen2-moe    Qwen2-MoE    8        4      2 sparse        shared expert + sigmoid gate
+    tiny-qwen3-moe    Qwen3-MoE    8        2      sparse, dense,  norm_topk_prob, mlp_only_layers
                                                    sparse
+    tiny-deepseek-v3  DeepSeek-V3  8 in 4   2      dense, 2 sparse MLA with q_lora, sigmoid
+                                   groups                          noaux_tc over 2 groups, a
+                                                                   non-zero correction bias, yarn
+                                                                   with mscale / mscale_all_dim
+    tiny-deepseek-v2  DeepSeek-V2  8        2      dense, 2 sparse MLA without q_lora (V2-Lite's
+                                                                   shape), softmax greedy, 2
+                                                                   shared experts
 
 The weights are written with ``save_pretrained``, so the checkpoint has the per-expert tensors
 (``experts.N.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.N.w1.weight``) that
@@ -24,6 +31,8 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     MixtralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
@@ -46,7 +55,30 @@ from engine.tiny_tokenizer import build_tokenizer, write_json, write_tokenizer
 # Bump whenever an MoE recipe changes (on top of engine.tiny_models.VERSION, which covers the
 # tokenizer and init shared with the dense models).
 MOE_VERSION = 1
-TINY_MOE_MODEL_NAMES: tuple[str, ...] = ("tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe")
+TINY_MOE_MODEL_NAMES: tuple[str, ...] = (
+    "tiny-mixtral",
+    "tiny-qwen2-moe",
+    "tiny-qwen3-moe",
+    "tiny-deepseek-v3",
+    "tiny-deepseek-v2",
+)
+# Multi-head latent attention at a small scale: 4 heads, q_lora 48 (V3), latent 32 + rope 8.
+_MLA_SHAPE: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "intermediate_size": 96,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "tie_word_embeddings": False,
+}
+# The correction bias HF leaves at zero, drawn instead: a zero bias would not test it.
+CORRECTION_BIAS_NOISE = 0.1
 
 _MOE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     "tiny-mixtral": (
@@ -90,7 +122,45 @@ _MOE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # Past position 256 the yarn rope (factor 4) takes over, and mscale_all_dim scales the
+    # softmax: the correctness prompts run to 300 tokens + 64.
+    "tiny-deepseek-v3": (
+        DeepseekV3Config,
+        {
+            **_MLA_SHAPE,
+            "q_lora_rank": 48,
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+        },
+    ),
+    "tiny-deepseek-v2": (
+        DeepseekV2Config,
+        {
+            **_MLA_SHAPE,
+            "q_lora_rank": None,
+            "n_shared_experts": 2,
+            "topk_method": "greedy",
+            "routed_scaling_factor": 1.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 }
+# The _COMMON_CONFIG fields DeepSeek's configs derive themselves (head_dim = qk_rope_head_dim)
+# or take inside rope_parameters.
+_NOT_FOR_DEEPSEEK = ("head_dim", "rope_theta")
 _GENERATION_CONFIG = {
     "bos_token_id": BOS_TOKEN_ID,
     "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
@@ -117,12 +187,27 @@ def make_tiny_moe_model(
     _check_moe_name(name)
     config_class, specific = _MOE_CONFIGS[name]
     tokenizer = build_tokenizer()
-    kwargs = {**_COMMON_CONFIG, **specific, **(config_overrides or {})}
+    common = _COMMON_CONFIG
+    if name.startswith("tiny-deepseek"):
+        common = {k: v for k, v in common.items() if k not in _NOT_FOR_DEEPSEEK}
+    kwargs = {**common, **specific, **(config_overrides or {})}
     config = config_class(vocab_size=tokenizer.get_vocab_size(), **kwargs)
     out = Path(out_dir)
-    _save(_build_model(config, seed), config, out)
+    model = _build_model(config, seed)
+    _draw_correction_bias(model, seed)
+    _save(model, config, out)
     write_tokenizer(tokenizer, out)
     return out
+
+
+def _draw_correction_bias(model: Any, seed: int) -> None:
+    """DeepSeek-V3's ``e_score_correction_bias`` buffers, drawn (HF starts them at zero)."""
+    generator = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                noise = torch.randn(buffer.shape, generator=generator, dtype=buffer.dtype)
+                buffer.copy_(CORRECTION_BIAS_NOISE * noise)
 
 
 def _save(model: Any, config: PretrainedConfig, out: Path) -> None:

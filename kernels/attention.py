@@ -16,6 +16,14 @@ KV cache layout, one tensor per layer::
 
     slot = block_id * block_size + offset
 
+A cache with ONE plane, ``kv_cache[1, num_blocks, block_size, num_kv_heads, head_dim]``, holds one
+vector per token and kv head that is both the key (all ``head_dim`` values) and the value (its
+first ``v_head_dim`` values): multi-head latent attention's (DeepSeek-V2/V3) compressed latent
+``[kv_c | k_pe]``, attended with the up-projections absorbed into the query and the output
+(``engine.models.mla``). ``reshape_and_cache`` then writes only the key, ``paged_attention``
+takes ``v_head_dim`` and returns ``[num_tokens, num_heads, v_head_dim]``, and an FP8 cache uses
+``k_scale`` alone.
+
 The cache is in the model's dtype, or float8_e4m3fn under ``kv_cache_dtype="fp8"``: then each
 layer's K and V carry one scale each, ``reshape_and_cache`` quantizes the new tokens with them
 and the gathers dequantize blocks into the query's dtype before attending
@@ -81,6 +89,7 @@ __all__ = [
     "GatherWorkspace",
     "PrefillChunk",
     "check_attention_options",
+    "check_value_dim",
     "copy_blocks",
     "paged_attention",
     "reshape_and_cache",
@@ -311,7 +320,7 @@ class AttentionMetadata:
 
 def reshape_and_cache(
     key: Tensor,
-    value: Tensor,
+    value: Tensor | None,
     kv_cache: Tensor,
     slot_mapping: Tensor,
     k_scale: float = 1.0,
@@ -320,19 +329,20 @@ def reshape_and_cache(
     """Write the new tokens' ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into
     ``kv_cache`` at ``slot_mapping``; tokens whose slot is < 0 are not written. An FP8 cache
     stores them quantized with ``k_scale``/``v_scale`` (``kernels.kv_quant``); other caches
-    ignore the scales."""
+    ignore the scales. A one-plane (latent) cache takes the key alone (``value`` None)."""
     check_cache_write_args(key, value, kv_cache, slot_mapping)
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
 
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    key, value = key[keep], value[keep]
-    if is_fp8(kv_cache):
-        k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
-        key, value = as_storage(quantize_kv(key, k_scale)), as_storage(quantize_kv(value, v_scale))
+    rows = [(key[keep], k_scale, "k_scale")]
+    if value is not None:
+        rows.append((value[keep], v_scale, "v_scale"))
     storage = as_storage(kv_cache)
-    storage[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
-    storage[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+    for plane, (values, scale, scale_name) in enumerate(rows):
+        if is_fp8(kv_cache):
+            values = as_storage(quantize_kv(values, check_kv_scale(scale_name, scale)))
+        storage[plane].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, values)
 
 
 def paged_attention(
@@ -345,10 +355,13 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     *,
+    v_head_dim: int | None = None,
     decode_kernel: DecodeKernel | None = None,
 ) -> Tensor:
     """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
-    request's paged context; returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+    request's paged context; returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``
+    (``[..., v_head_dim]`` over a one-plane latent cache, whose values are the first
+    ``v_head_dim`` of each key's values; ``v_head_dim`` is given for such a cache only).
 
     Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA/MQA). A query at
     position ``q`` sees keys ``q - sliding_window < k <= q`` when ``sliding_window`` is set;
@@ -361,6 +374,7 @@ def paged_attention(
     """
     check_attention_args(query, kv_cache, metadata, scale)
     check_attention_options(sliding_window, logits_soft_cap)
+    value_dim = check_value_dim(kv_cache, v_head_dim)
     dequant = KVDequant.of(query, kv_cache, k_scale, v_scale)
     window = effective_window(sliding_window, metadata)
     plan = (
@@ -371,12 +385,13 @@ def paged_attention(
 
     # Contiguous even when `query` is a strided view (say, of a fused QKV projection), so that
     # the caller can flatten the heads for the output projection without a copy.
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out = torch.empty((*query.shape[:2], value_dim), dtype=query.dtype, device=query.device)
     # Every row of `out` is written: each request with query_len >= 1 is in exactly one decode
     # group or prefill chunk, and together they cover all num_tokens rows.
     decoded = (
         decode_kernel is not None
         and dequant is None
+        and kv_cache.shape[0] == 2
         and metadata.decode_seqs is not None
         and bool(plan.decode_groups)
         and decode_kernel(
@@ -459,19 +474,26 @@ def effective_window(sliding_window: int | None, metadata: AttentionMetadata) ->
 
 
 def check_cache_write_args(
-    key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor
+    key: Tensor, value: Tensor | None, kv_cache: Tensor, slot_mapping: Tensor
 ) -> None:
-    """Shapes, dtypes and devices of a cache write; shared by the torch and Triton kernels."""
+    """Shapes, dtypes and devices of a cache write; shared by the torch and Triton kernels. A
+    one-plane (latent) cache takes no ``value``, a two-plane cache needs one."""
     check_kv_cache("kv_cache", kv_cache)
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    for name, t in (("key", key), ("value", value)):
+    if (value is None) != (kv_cache.shape[0] == 1):
+        raise ValueError(
+            "value must be None for a one-plane (latent) kv_cache and a tensor for a K/V one, "
+            f"got {'None' if value is None else 'a tensor'} for {kv_cache.shape[0]} plane(s)"
+        )
+    written = [("key", key)] if value is None else [("key", key), ("value", value)]
+    for name, t in written:
         _check_same_device_dtype(name, t, kv_cache, fp8_ok=True)
         if t.dim() != 3 or t.shape[1:] != (num_kv_heads, head_dim):
             raise ValueError(
                 f"{name} must have shape [num_tokens, {num_kv_heads}, {head_dim}] to match "
                 f"kv_cache, got {list(t.shape)}"
             )
-    if key.shape != value.shape:
+    if value is not None and key.shape != value.shape:
         raise ValueError(f"value has shape {list(value.shape)} but key has {list(key.shape)}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(
@@ -525,9 +547,32 @@ def check_attention_args(
         raise ValueError(f"scale must be > 0, got {scale!r}")
 
 
+def check_value_dim(kv_cache: Tensor, v_head_dim: int | None) -> int:
+    """The values' head dim: the cache's own for a K/V cache (``v_head_dim`` None), or
+    ``v_head_dim`` (1 to head_dim) over a one-plane latent cache, which requires it."""
+    head_dim = kv_cache.shape[-1]
+    if kv_cache.shape[0] == 2:
+        if v_head_dim is not None and v_head_dim != head_dim:
+            raise ValueError(
+                f"v_head_dim is for a one-plane (latent) kv_cache; a K/V cache's values have "
+                f"its head_dim {head_dim}, got {v_head_dim}"
+            )
+        return head_dim
+    if (
+        isinstance(v_head_dim, bool)
+        or not isinstance(v_head_dim, int | np.integer)
+        or not 1 <= v_head_dim <= head_dim
+    ):
+        raise ValueError(
+            f"v_head_dim must be an int in [1, {head_dim}] for a one-plane (latent) kv_cache, "
+            f"got {v_head_dim!r}"
+        )
+    return int(v_head_dim)
+
+
 def copy_blocks(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> None:
-    """For every layer's cache, copy K and V of block ``src`` into block ``dst`` for each row
-    ``(src, dst)`` of ``block_mapping`` (int64 ``[K, 2]``); used for copy-on-write.
+    """For every layer's cache (of either layout), copy block ``src`` into block ``dst`` for
+    each row ``(src, dst)`` of ``block_mapping`` (int64 ``[K, 2]``); used for copy-on-write.
 
     All copies read the caches as they were before the call (gather, then scatter).
     """
@@ -545,9 +590,9 @@ def copy_blocks(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> None:
 
 
 def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
-    """Copy K and V of block ``src_id`` of ``src`` into block ``dst_id`` of ``dst`` for each row
-    ``(src_id, dst_id)`` of ``block_mapping``; one layer, caches possibly on different devices
-    (device cache <-> CPU swap space)."""
+    """Copy block ``src_id`` of ``src`` into block ``dst_id`` of ``dst`` (every plane) for each
+    row ``(src_id, dst_id)`` of ``block_mapping``; one layer, caches possibly on different
+    devices (device cache <-> CPU swap space)."""
     check_kv_cache("src", src)
     check_kv_cache("dst", dst)
     if src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:]:
@@ -575,8 +620,9 @@ def _attend_decode_group(
     dequant: KVDequant,
     out: Tensor,
 ) -> None:
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    planes, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
+    value_dim = out.shape[-1]
     # One query row per request, so the G = num_heads // num_kv_heads query heads that share a
     # kv head can stand in for SDPA's query-length dim: q[b, kv_head, g] attends over
     # k[b, kv_head] with the same key mask for every g. That is GQA with no kv expansion.
@@ -584,9 +630,9 @@ def _attend_decode_group(
         group.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim
     )
     kv = _gather_kv(kv_cache, group.block_ids, workspace, dequant).view(
-        2, group.num_seqs, group.max_blocks * block_size, num_kv_heads, head_dim
+        planes, group.num_seqs, group.max_blocks * block_size, num_kv_heads, head_dim
     )
-    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    k, v = kv[0].transpose(1, 2), kv[-1, ..., :value_dim].transpose(1, 2)
     if soft_cap is None:
         o = F.scaled_dot_product_attention(
             q.to(kv.dtype), k, v, attn_mask=group.key_mask, scale=scale
@@ -596,7 +642,7 @@ def _attend_decode_group(
         o = _softcapped_attention(
             q.unsqueeze(3), k, v, group.key_mask.unsqueeze(1), scale, soft_cap
         )
-    out.index_copy_(0, group.token_rows, o.reshape(group.num_seqs, num_heads, head_dim).to(out))
+    out.index_copy_(0, group.token_rows, o.reshape(group.num_seqs, num_heads, value_dim).to(out))
 
 
 def _attend_prefill_chunk(
@@ -610,15 +656,16 @@ def _attend_prefill_chunk(
     dequant: KVDequant,
     out: Tensor,
 ) -> None:
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    planes, _, _, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
     query_len = chunk.token_end - chunk.token_start
     q = query[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)
     kv = _gather_kv(kv_cache, chunk.block_ids, workspace, dequant).view(
-        2, -1, num_kv_heads, head_dim
+        planes, -1, num_kv_heads, head_dim
     )
     num_keys = chunk.seq_len - chunk.key_start
-    k, v = (kv[i, :num_keys].transpose(0, 1).unsqueeze(0) for i in (0, 1))
+    k = kv[0, :num_keys].transpose(0, 1).unsqueeze(0)
+    v = kv[-1, :num_keys, :, : out.shape[-1]].transpose(0, 1).unsqueeze(0)
     if window is None and soft_cap is None:
         # The queries are the *last* query_len of seq_len positions, so the causal diagonal is
         # anchored bottom-right (query i sees keys <= seq_len - query_len + i); SDPA's
@@ -644,7 +691,9 @@ def _attend_prefill_chunk(
     else:
         group_q = q.view(1, num_kv_heads, num_heads // num_kv_heads, query_len, head_dim)
         mask = _chunk_key_mask(chunk, window, q.device)
-        o = _softcapped_attention(group_q, k, v, mask, scale, soft_cap).view(q.shape)
+        o = _softcapped_attention(group_q, k, v, mask, scale, soft_cap).view(
+            *q.shape[:-1], v.shape[-1]
+        )
     out[chunk.token_start : chunk.token_end] = o[0].transpose(0, 1)
 
 
@@ -668,13 +717,14 @@ def _softcapped_attention(
     has no hook for; scores, softmax and the product with V in float32.
 
     ``q`` ``[B, num_kv_heads, G, query_len, head_dim]`` (the G query heads sharing a kv head),
-    ``k``/``v`` ``[B, num_kv_heads, num_keys, head_dim]``, ``mask`` bool broadcastable to
-    ``[B, num_kv_heads, G, query_len, num_keys]`` and True where a key is visible (every query
-    sees at least one). Returns float32 ``[B, num_kv_heads, G, query_len, head_dim]``.
+    ``k`` ``[B, num_kv_heads, num_keys, head_dim]``, ``v`` ``[..., num_keys, v_head_dim]``,
+    ``mask`` bool broadcastable to ``[B, num_kv_heads, G, query_len, num_keys]`` and True where a
+    key is visible (every query sees at least one). Returns float32
+    ``[B, num_kv_heads, G, query_len, v_head_dim]``.
     """
     batch, num_kv_heads, group, query_len, head_dim = q.shape
     k32, v32 = k.to(torch.float32), v.to(torch.float32)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
     # Slices of query rows bound the float32 scores a long prefill chunk materializes.
     scores_per_row = batch * num_kv_heads * group * k.shape[2]
     rows = max(_SOFTCAP_MAX_SCORES // max(scores_per_row, 1), 1)
@@ -725,18 +775,20 @@ class KVDequant:
 def _gather_kv(
     kv_cache: Tensor, block_ids: Tensor, workspace: GatherWorkspace, dequant: KVDequant | None
 ) -> Tensor:
-    """K and V of ``block_ids``, in that order, in the SDPA dtype (``sdpa_dtype``)
-    ``[2, len(block_ids), block_size, num_kv_heads, head_dim]`` (a workspace view). An FP8
-    cache's blocks are gathered as bytes and dequantized into ``dequant.dtype``."""
-    shape = (2, block_ids.numel(), *kv_cache.shape[2:])
+    """Every plane (K and V, or the one latent) of ``block_ids``, in the SDPA dtype
+    (``sdpa_dtype``) ``[planes, len(block_ids), block_size, num_kv_heads, head_dim]`` (a
+    workspace view). An FP8 cache's blocks are gathered as bytes and dequantized into
+    ``dequant.dtype``."""
+    planes = kv_cache.shape[0]
+    shape = (planes, block_ids.numel(), *kv_cache.shape[2:])
     storage = as_storage(kv_cache)
     gathered = workspace.take("gather", shape, storage.dtype, kv_cache.device)
-    for i in (0, 1):
+    for i in range(planes):
         torch.index_select(storage[i], 0, block_ids, out=gathered[i])
     if dequant is not None:
         fp8 = gathered.view(kv_cache.dtype)
         values = workspace.take("dequant", shape, dequant.dtype, kv_cache.device)
-        for i, kv_scale in ((0, dequant.k_scale), (1, dequant.v_scale)):
+        for i, kv_scale in enumerate((dequant.k_scale, dequant.v_scale)[:planes]):
             dequantize_kv(fp8[i], kv_scale, dequant.dtype, out=values[i])
         gathered = values
     dtype = sdpa_dtype(gathered.dtype, kv_cache.device)
@@ -869,11 +921,12 @@ def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> T
 
 
 def check_kv_cache(name: str, kv_cache: Tensor) -> None:
-    """A KV cache tensor: [2, num_blocks, block_size, num_kv_heads, head_dim], float, contiguous."""
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+    """A KV cache tensor: [2, num_blocks, block_size, num_kv_heads, head_dim] (K, V) or
+    [1, ...] (a latent), float, contiguous."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] not in (1, 2):
         raise ValueError(
-            f"{name} must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {list(kv_cache.shape)}"
+            f"{name} must have shape [2, num_blocks, block_size, num_kv_heads, head_dim] "
+            f"(or [1, ...] for a latent cache), got {list(kv_cache.shape)}"
         )
     if not kv_cache.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got {kv_cache.dtype}")

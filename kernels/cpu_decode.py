@@ -151,10 +151,12 @@ def _head_dims(isa: str) -> frozenset[int]:
 
 def native_decode_covers(query: Tensor, kv_cache: Tensor, isa: str | None = None) -> bool:
     """Whether :func:`attend_decode` handles a call with these tensors (device, dtypes, layout,
-    head dim); the caller checked their shapes against each other already."""
+    head dim); the caller checked their shapes against each other already. A one-plane latent
+    cache (MLA) is not covered: the kernel reads V from the second plane."""
     isa = isa or native_isa()
     return (
         isa is not None
+        and kv_cache.shape[0] == 2
         and query.device.type == "cpu"
         and kv_cache.device.type == "cpu"
         and query.dtype in NATIVE_DTYPES

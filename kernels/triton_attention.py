@@ -1,5 +1,6 @@
 """PagedAttention in Triton: one kernel for a packed batch mixing decode tokens and prefill
-chunks, reading K/V through block tables; plus a split-KV (flash-decoding) path.
+chunks, reading K/V through block tables; plus a split-KV (flash-decoding) path. A one-plane
+latent cache (multi-head latent attention) goes to ``kernels.triton_mla``.
 
 Same contract as ``kernels.attention.paged_attention`` (the torch reference): KV cache
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, query ``[num_tokens, num_heads,
@@ -331,6 +332,7 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     *,
+    v_head_dim: int | None = None,
     num_kv_splits: int | None = None,
 ) -> Tensor:
     """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
@@ -338,10 +340,22 @@ def paged_attention(
     ``sliding_window`` and ``logits_soft_cap`` as in ``kernels.attention.paged_attention``.
 
     An FP8 cache is dequantized in the kernel with ``k_scale``/``v_scale`` into
-    ``query.dtype``, the same values the torch path attends over.
+    ``query.dtype``, the same values the torch path attends over. A one-plane latent cache
+    (``v_head_dim``) is ``kernels.triton_mla``'s, which has no window or soft cap.
 
     ``num_kv_splits`` forces the split-KV path's split count (default: ``choose_num_kv_splits``).
     """
+    if kv_cache.dim() == 5 and kv_cache.shape[0] == 1:
+        from kernels import triton_mla
+
+        check_attention_options(sliding_window, logits_soft_cap)
+        if sliding_window is not None or logits_soft_cap is not None:
+            raise ValueError("a latent cache is attended without sliding_window or soft cap")
+        return triton_mla.paged_latent_attention(
+            query, kv_cache, metadata, scale, v_head_dim, k_scale, num_kv_splits=num_kv_splits
+        )
+    if v_head_dim is not None and v_head_dim != kv_cache.shape[-1]:
+        raise ValueError(f"v_head_dim is for a one-plane (latent) kv_cache, got {v_head_dim}")
     _check_inputs(query, kv_cache, metadata, scale)
     fp8 = is_fp8(kv_cache)
     if fp8:

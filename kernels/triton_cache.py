@@ -46,9 +46,11 @@ def _reshape_and_cache_kernel(
     D_PAD: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    HAS_VALUE: tl.constexpr,
 ):
     """With KV_FP8, ``kv_ptr`` is the FP8 cache viewed as bytes and K/V are stored quantized:
-    ``saturate(float32(x) / scale)`` rounded to e4m3 (``kernels.kv_quant``)."""
+    ``saturate(float32(x) / scale)`` rounded to e4m3 (``kernels.kv_quant``). Without
+    HAS_VALUE the cache is one latent plane and only the key is written."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
@@ -62,26 +64,28 @@ def _reshape_and_cache_kernel(
         key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + offs_d[None, :],
         mask=mask,
     )
-    v = tl.load(
-        value_ptr
-        + token * stride_value_token
-        + heads[:, None] * stride_value_head
-        + offs_d[None, :],
-        mask=mask,
-    )
     if KV_FP8:
         k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
         k = float_to_fp8e4m3_bits(k).to(tl.uint8)
-        v = float_to_fp8e4m3_bits(v).to(tl.uint8)
     tl.store(kv_ptr + dst, k, mask=mask)
-    tl.store(kv_ptr + stride_kv + dst, v, mask=mask)
+    if HAS_VALUE:
+        v = tl.load(
+            value_ptr
+            + token * stride_value_token
+            + heads[:, None] * stride_value_head
+            + offs_d[None, :],
+            mask=mask,
+        )
+        if KV_FP8:
+            v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+            v = float_to_fp8e4m3_bits(v).to(tl.uint8)
+        tl.store(kv_ptr + stride_kv + dst, v, mask=mask)
 
 
 @triton.jit
 def _copy_blocks_kernel(kv_ptr, mapping_ptr, stride_kv, block_numel, CHUNK: tl.constexpr):
     pair = tl.program_id(0).to(tl.int64)
-    half = tl.program_id(1)  # 0 = K, 1 = V
+    half = tl.program_id(1)  # the plane: 0 = K (or the latent), 1 = V
     chunk = tl.program_id(2)
     src = tl.load(mapping_ptr + 2 * pair)
     dst = tl.load(mapping_ptr + 2 * pair + 1)
@@ -94,7 +98,7 @@ def _copy_blocks_kernel(kv_ptr, mapping_ptr, stride_kv, block_numel, CHUNK: tl.c
 
 def reshape_and_cache(
     key: Tensor,
-    value: Tensor,
+    value: Tensor | None,
     kv_cache: Tensor,
     slot_mapping: Tensor,
     k_scale: float = 1.0,
@@ -102,42 +106,48 @@ def reshape_and_cache(
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` (strided views are
     fine as long as the last dim is contiguous) into ``kv_cache`` at ``slot_mapping``; an FP8
-    cache stores them quantized with ``k_scale``/``v_scale``, others ignore the scales."""
+    cache stores them quantized with ``k_scale``/``v_scale``, others ignore the scales. A
+    one-plane latent cache takes the key alone (``value`` None)."""
     check_cache_write_args(key, value, kv_cache, slot_mapping)
     fp8 = is_fp8(kv_cache)
     if fp8:
-        k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+        k_scale = check_kv_scale("k_scale", k_scale)
+        if value is not None:
+            v_scale = check_kv_scale("v_scale", v_scale)
     _check_kv_cache("kv_cache", kv_cache)
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    for name, t in (("key", key), ("value", value)):
+    written = (("key", key),) if value is None else (("key", key), ("value", value))
+    for name, t in written:
         if t.stride(2) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
     if key.shape[0] == 0:
         return
+    values = key if value is None else value  # never read without HAS_VALUE
     _reshape_and_cache_kernel[(key.shape[0],)](
         key,
-        value,
+        values,
         as_storage(kv_cache),
         slot_mapping,
         key.stride(0),
         key.stride(1),
-        value.stride(0),
-        value.stride(1),
+        values.stride(0),
+        values.stride(1),
         kv_cache.stride(0),
         num_kv_heads,
         float(k_scale) if fp8 else 1.0,
-        float(v_scale) if fp8 else 1.0,
+        float(v_scale) if fp8 and value is not None else 1.0,
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
         KV_FP8=fp8,
         FP8_MAX=FP8_E4M3_MAX,
+        HAS_VALUE=value is not None,
     )
 
 
 def copy_blocks(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> None:
-    """For every layer's cache, copy K and V of block ``src`` into block ``dst`` for each row
-    ``(src, dst)`` of ``block_mapping`` (int64 ``[K, 2]``).
+    """For every layer's cache (K/V or latent), copy block ``src`` into block ``dst`` for each
+    row ``(src, dst)`` of ``block_mapping`` (int64 ``[K, 2]``).
 
     The copies run in parallel, so a block may not be both a source and a destination, and
     no block may be written twice (copy-on-write destinations are fresh blocks anyway).
@@ -167,14 +177,14 @@ def copy_blocks(kv_caches: Sequence[Tensor], block_mapping: Tensor) -> None:
             mapping = block_mapping.to(kv_cache.device).contiguous()
             on_device[kv_cache.device] = mapping
         block_numel = kv_cache[0, 0].numel()
-        grid = (len(pairs), 2, triton.cdiv(block_numel, _COPY_CHUNK))
+        grid = (len(pairs), kv_cache.shape[0], triton.cdiv(block_numel, _COPY_CHUNK))
         _copy_blocks_kernel[grid](
             as_storage(kv_cache), mapping, kv_cache.stride(0), block_numel, CHUNK=_COPY_CHUNK
         )
 
 
 def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
-    """Copy K and V of block ``src_id`` of ``src`` into block ``dst_id`` of ``dst`` for each
+    """Copy block ``src_id`` of ``src`` into block ``dst_id`` of ``dst`` (every plane) for each
     row ``(src_id, dst_id)`` of ``block_mapping``; ``src``/``dst`` may be on different devices
     (device cache <-> CPU swap space).
 
@@ -182,12 +192,12 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
     swap is queued on the current stream, so later kernels on that stream see the blocks.
     """
     for name, t in (("src", src), ("dst", dst)):
-        if t.dim() != 5 or t.shape[0] != 2:
+        if t.dim() != 5 or t.shape[0] not in (1, 2):
             raise ValueError(
-                f"{name} must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
-                f"got {list(t.shape)}"
+                f"{name} must have shape [2, num_blocks, block_size, num_kv_heads, head_dim] "
+                f"(or [1, ...] for a latent cache), got {list(t.shape)}"
             )
-    if src.shape[2:] != dst.shape[2:]:
+    if src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:]:
         raise ValueError(
             f"dst has shape {list(dst.shape)} but src has {list(src.shape)}; they may differ "
             "only in num_blocks (dim 1)"

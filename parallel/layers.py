@@ -365,6 +365,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             continue
+        if not getattr(module, "packable", True):
+            continue  # its weight is read as a tensor (engine.models.mla's kv_b_proj)
         quant = getattr(module, "quant_method", None)
         if module.packed_weight is not None or (quant and not getattr(quant, "packable", False)):
             continue  # a quantized layer's matmul reads its own weights

@@ -27,7 +27,7 @@ from torch import nn
 from engine import hf_config
 from engine.models.layers import PagedAttention, RMSNorm, default_ops
 from engine.models.rotary import RopeCache, RotaryEmbedding
-from engine.rope_config import rope_max_positions, rope_parameters
+from engine.rope_config import rope_head_dim, rope_max_positions, rope_parameters
 from kernels.attention import AttentionMetadata
 from kernels.backend import KernelOps
 from parallel.layers import (
@@ -207,6 +207,8 @@ class DecoderModel(nn.Module):
         return hidden, residual
 
     def attention_layers(self) -> list[PagedAttention]:
+        """Each layer's paged attention (``self_attn.attn``: ``Attention``'s or
+        ``MLAAttention``'s), in layer order."""
         return [layer.self_attn.attn for layer in self.layers.values()]
 
 
@@ -261,7 +263,8 @@ class CausalLM(nn.Module, ABC):
         """The (shared) rotary embedding of decoder layer ``layer``'s attention type."""
         hf = self.hf
         params = rope_parameters(hf, self.layer_types[layer])
-        return self.rope_cache.get(head_dim(hf), rope_max_positions(hf), params, self.kernel_ops)
+        dim = rope_head_dim(hf) or head_dim(hf)
+        return self.rope_cache.get(dim, rope_max_positions(hf), params, self.kernel_ops)
 
     def sliding_window(self, layer: int) -> int | None:
         return hf_config.layer_window(self.hf, self.layer_types[layer])

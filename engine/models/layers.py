@@ -8,6 +8,8 @@ Each layer computes through the ``KernelOps`` it was built with (torch or Triton
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -61,7 +63,13 @@ class PagedAttention(nn.Module):
     token over its request's context through the block table: all of it, or the last
     ``sliding_window`` positions (the token itself included) on a sliding-window layer; scores
     soft-capped (``cap * tanh(score / cap)``) when ``logits_soft_cap`` is set. ``kv_cache`` is
-    bound by the model runner once the cache is allocated."""
+    bound by the model runner once the cache is allocated, in the shape ``kv_cache_shape``
+    gives.
+
+    With ``v_head_dim`` the cache is one latent plane (multi-head latent attention,
+    ``engine.models.mla``): each token stores one ``head_dim`` vector per kv head, the key, whose
+    first ``v_head_dim`` values are its value; ``forward`` takes no ``v`` and returns
+    ``[num_tokens, num_heads, v_head_dim]``."""
 
     def __init__(
         self,
@@ -73,6 +81,7 @@ class PagedAttention(nn.Module):
         scale: float | None = None,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        v_head_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.ops = default_ops(ops)
@@ -82,6 +91,7 @@ class PagedAttention(nn.Module):
         self.scale = scale if scale is not None else head_dim**-0.5
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.v_head_dim = v_head_dim
         self.kv_cache: torch.Tensor | None = None
         # Per-tensor scales of an FP8 KV cache (``kernels.kv_quant``): the checkpoint's
         # ``self_attn.k_scale`` / ``v_scale`` when it has them (set by the loader), else 1.0.
@@ -89,23 +99,30 @@ class PagedAttention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
+    @property
+    def kv_planes(self) -> int:
+        """2 (K, V), or 1 for a latent cache."""
+        return 1 if self.v_head_dim is not None else 2
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """This layer's cache: ``[planes, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return (self.kv_planes, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not allocated yet (initialize_cache first)")
-        scales = {}
+        options: dict[str, Any] = {}
         if self.kv_cache.dtype == torch.float8_e4m3fn:
-            scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        self.ops.reshape_and_cache(k, v, self.kv_cache, metadata.slot_mapping, **scales)
-        if self.sliding_window is None and self.logits_soft_cap is None:
-            return self.ops.paged_attention(q, self.kv_cache, metadata, self.scale, **scales)
-        return self.ops.paged_attention(
-            q,
-            self.kv_cache,
-            metadata,
-            self.scale,
-            sliding_window=self.sliding_window,
-            logits_soft_cap=self.logits_soft_cap,
-            **scales,
-        )
+            options = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        self.ops.reshape_and_cache(k, v, self.kv_cache, metadata.slot_mapping, **options)
+        if self.v_head_dim is not None:
+            options["v_head_dim"] = self.v_head_dim
+        if self.sliding_window is not None or self.logits_soft_cap is not None:
+            options.update(sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+        return self.ops.paged_attention(q, self.kv_cache, metadata, self.scale, **options)

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from engine.models.decoder import Attention, DecoderModel, PreNormDecoderLayer, rms_norm_factory
-from engine.models.moe import MoECausalLM, SparseMoeBlock
+from engine.models.moe import MoECausalLM, Routing, SparseMoeBlock
 from kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
@@ -24,7 +24,8 @@ class MixtralForCausalLM(MoECausalLM):
 
         def layer(i: int) -> nn.Module:
             attn = Attention(hf, ctx, ops, self.rotary(i), sliding_window=self.sliding_window(i))
-            moe = SparseMoeBlock(hf, ctx, ops, renormalize=True, fp32_routing_weights=True)
+            routing = Routing(renormalize=True, fp32_weights=True)
+            moe = SparseMoeBlock(hf, ctx, ops, routing=routing)
             return PreNormDecoderLayer(attn, moe, norm)
 
         return DecoderModel(hf, ctx, layer, norm)

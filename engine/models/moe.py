@@ -1,28 +1,37 @@
 """The sparse mixture-of-experts block every MoE family composes, and the checkpoint naming
 its experts share.
 
-    SparseMoeBlock   x ─ gate (router, replicated) ─ softmax (fp32) ─ top-k ─ [renormalize]
+    SparseMoeBlock   x ─ gate (router, replicated) ─ scores ─ [groups] ─ top-k ─ weights
                        └─ experts (stacked; TP: intermediate dim sliced, EP: whole ─┐
                           experts per rank, parallel.moe)                           │
-                       └─ [shared_expert * sigmoid(shared_expert_gate(x))] ─────────┴─ all-reduce
+                       └─ [shared expert(s), [* sigmoid(shared_expert_gate(x))]] ───┴─ all-reduce
 
-Routing is HF's for each family: the router logits in the model dtype, softmax in float32,
-``torch.topk`` over the probabilities (so ties go wherever torch.topk puts them, as in HF), the
-top-k renormalized to sum to 1 when the family says so (Mixtral always; Qwen2/3-MoE with
-``norm_topk_prob``), then the weights cast to the model dtype (Qwen2/3-MoE) or left in float32
-(Mixtral, whose expert outputs are therefore weighted and summed in float32 before the cast
-back). On CUDA the fused kernel weights and sums in float32 whatever the weights' dtype:
-exact in float32, a rounding-level difference from HF's Qwen-MoE in bfloat16. The routed
-experts' and the shared expert's partial sums are added before the one all-reduce of the
-layer, as a dense MLP's down projection does it. Under expert parallelism the shared expert
-stays TP-sliced (every token uses it, so slicing it balances the work; placing it whole on one
-rank would not), and the routed partial sums (this rank's experts) join it in that all-reduce.
+Routing is HF's for each family (``Routing``): the router logits in the model dtype (Mixtral,
+Qwen2/3-MoE) or from float32 activations and weight (DeepSeek); scores by softmax in float32
+(Mixtral, Qwen, DeepSeek-V2) or sigmoid (DeepSeek-V3); DeepSeek's group-limited choice, which
+keeps only the experts of the ``topk_group`` best of ``n_group`` groups (a group scored by its
+best expert, V2's ``group_limited_greedy``, or by the sum of its best two, V3's ``noaux_tc``);
+V3's ``e_score_correction_bias`` added to the scores for the choice only; ``torch.topk`` over
+the choice (ties go wherever torch.topk puts them, as in HF); the chosen experts' scores as
+weights, renormalized to sum to 1 when the family says so (Mixtral always; Qwen2/3-MoE and
+DeepSeek-V3 with ``norm_topk_prob``), times ``routed_scaling_factor`` (DeepSeek), then cast
+to the model dtype (Qwen2/3-MoE) or left in float32 (Mixtral, DeepSeek, whose expert outputs
+are therefore weighted in float32 before the cast back). On CUDA the fused kernel weights and
+sums in float32 whatever the weights' dtype: exact in float32, a rounding-level difference
+from HF's Qwen-MoE in bfloat16. The routed experts' and the shared experts' partial sums are
+added before the one all-reduce of the layer, as a dense MLP's down projection does it. Under
+expert parallelism the shared experts stay TP-sliced (every token uses them, so slicing them
+balances the work; placing them whole on one rank would not), and the routed partial sums
+(this rank's experts) join them in that all-reduce. Qwen2-MoE gates its shared expert by
+``sigmoid(shared_expert_gate(x))``; DeepSeek adds its ``n_shared_experts`` (one MLP of that
+many times ``moe_intermediate_size``) ungated.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,15 +48,60 @@ if TYPE_CHECKING:
     from kernels.attention import AttentionMetadata
 
 
+@dataclass(frozen=True)
+class Routing:
+    """How a family's router picks and weights each token's experts (see the module
+    docstring); the defaults are Qwen2/3-MoE's without ``norm_topk_prob``."""
+
+    renormalize: bool = False
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    # The router matmul from float32 activations and a float32 weight (DeepSeek's).
+    fp32_logits: bool = False
+    # Weights kept in float32 for the expert outputs' weighting (Mixtral, DeepSeek).
+    fp32_weights: bool = False
+    # DeepSeek-V3's per-expert bias on the scores, for the choice only (``noaux_tc``).
+    correction_bias: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: Literal["max", "top2_sum"] = "max"
+    scaling_factor: float = 1.0
+
+
 def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype
+    router_logits: torch.Tensor,
+    top_k: int,
+    routing: Routing,
+    weights_dtype: torch.dtype,
+    correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights in ``weights_dtype``, expert ids) of every token, ``[T, top_k]`` each."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
+    if routing.scoring == "softmax":
+        scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = router_logits.to(torch.float32).sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias
+    if routing.num_groups > 1:
+        choice = _limit_to_best_groups(choice, routing)
+    ids = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if routing.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if routing.scaling_factor != 1.0:
+        weights = weights * routing.scaling_factor
     return weights.to(weights_dtype), ids
+
+
+def _limit_to_best_groups(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``choice`` with every expert outside its token's ``topk_groups`` best groups at -inf."""
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, routing.num_groups, experts // routing.num_groups)
+    if routing.group_score == "max":
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    best = torch.topk(group_scores, routing.topk_groups, dim=-1)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(tokens, experts)
 
 
 class ReplicatedLinear(nn.Module):
@@ -61,10 +115,39 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
+class Router(nn.Module):
+    """A sparse layer's gate: the router weight ``[E, H]`` (float32 for ``fp32_logits``, as
+    DeepSeek's HF code declares it) and, for ``correction_bias``, ``e_score_correction_bias``
+    ``[E]`` in float32; ``forward`` routes (``route``)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, routing: Routing) -> None:
+        super().__init__()
+        dtype = torch.float32 if routing.fp32_logits else None
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False
+        )
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+            if routing.correction_bias
+            else None
+        )
+        self.top_k = top_k
+        self.routing = routing
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.routing.fp32_logits:
+            logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+        else:
+            logits = F.linear(x, self.weight)
+        weights_dtype = torch.float32 if self.routing.fp32_weights else x.dtype
+        return route(logits, self.top_k, self.routing, weights_dtype, self.e_score_correction_bias)
+
+
 class SparseMoeBlock(nn.Module):
     """The MLP of a sparse layer: ``top_k`` of ``num_experts`` gated-MLP experts per token,
-    plus, with ``shared_expert_intermediate_size``, Qwen2-MoE's always-on shared expert scaled
-    by ``sigmoid(shared_expert_gate(x))``."""
+    routed as ``routing`` says, plus, with ``shared_expert_intermediate_size``, an always-on
+    shared expert: scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE) or ungated
+    (``shared_expert_gated=False``, DeepSeek's ``shared_experts``)."""
 
     def __init__(
         self,
@@ -72,18 +155,16 @@ class SparseMoeBlock(nn.Module):
         ctx: ParallelContext,
         ops: KernelOps,
         *,
-        renormalize: bool,
-        fp32_routing_weights: bool = False,
+        routing: Routing,
         shared_expert_intermediate_size: int | None = None,
+        shared_expert_gated: bool = True,
     ) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         self.tp = ctx.tp
         self.num_experts = hf_config.num_experts(hf)
         self.top_k = int(hf["num_experts_per_tok"])
-        self.renormalize = renormalize
-        self.fp32_routing_weights = fp32_routing_weights
-        self.gate = ReplicatedLinear(hidden, self.num_experts)
+        self.gate = Router(hidden, self.num_experts, self.top_k, routing)
         self.experts = ParallelExperts(
             self.num_experts,
             hidden,
@@ -103,21 +184,24 @@ class SparseMoeBlock(nn.Module):
                 intermediate_size=shared_expert_intermediate_size,
                 reduce_results=False,
             )
-            self.shared_expert_gate = ReplicatedLinear(hidden, 1)
+            if shared_expert_gated:
+                self.shared_expert_gate = ReplicatedLinear(hidden, 1)
         # (counter, this layer's index) where this rank counts expert load (expert_load.py).
         self.expert_load: tuple[ExpertLoadCounter, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights_dtype = torch.float32 if self.fp32_routing_weights else x.dtype
-        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize, weights_dtype)
+        topk_weights, topk_ids = self.gate(x)
         if self.expert_load is not None:
             counter, layer = self.expert_load
             counter.add(layer, topk_ids)
         out = self.experts(x, topk_ids, topk_weights)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            # The gate is one scalar per token, so gating each rank's partial sum and adding
-            # the partials equals gating the whole shared expert's output.
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                # The gate is one scalar per token, so gating each rank's partial sum and adding
+                # the partials equals gating the whole shared expert's output.
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return self.tp.all_reduce(out)
 
 
@@ -175,7 +259,13 @@ class MoECausalLM(CausalLM):
             expert = int(match["expert"])
             shard_id = expert if part is None else (expert, part)
             return f"{match['prefix']}.mlp.experts.{param}", shard_id
-        return (renamed, None) if renamed != name else None
+        if renamed == name:
+            return None
+        packed: dict[str, tuple[str, Any]] = self.packed_modules_mapping
+        for hf_name, (fused, part) in packed.items():  # a renamed module's fused projection
+            if f".{hf_name}." in renamed:
+                return renamed.replace(f".{hf_name}.", f".{fused}."), part
+        return renamed, None
 
     def checkpoint_parts(self, param_name: str) -> frozenset[Any] | None:
         """The per-expert slots stacked parameter ``param_name`` needs; None for the others."""

@@ -19,7 +19,7 @@ from engine.models.decoder import (
     PreNormDecoderLayer,
     rms_norm_factory,
 )
-from engine.models.moe import MoECausalLM, SparseMoeBlock
+from engine.models.moe import MoECausalLM, Routing, SparseMoeBlock
 from kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
@@ -49,7 +49,7 @@ class Qwen2MoeForCausalLM(MoECausalLM):
                     hf,
                     ctx,
                     ops,
-                    renormalize=bool(hf.get("norm_topk_prob", False)),
+                    routing=Routing(renormalize=bool(hf.get("norm_topk_prob", False))),
                     shared_expert_intermediate_size=self.shared_expert_size(hf),
                 )
             else:

@@ -49,26 +49,24 @@ class DraftModel:
 
     # ---- KV cache -----------------------------------------------------------------------
 
-    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        attn = self.model.attention_layers()[0]
-        return (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-
     def kv_block_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one block across the draft's layers on this rank (K and V)."""
-        per_layer = int(np.prod(self.kv_cache_shape(1))) * dtype.itemsize
-        return per_layer * len(self.model.attention_layers())
+        """Bytes of one block across the draft's layers on this rank (K and V, or a latent)."""
+        return sum(
+            int(np.prod(attn.kv_cache_shape(1, self.block_size))) * dtype.itemsize
+            for attn in self.model.attention_layers()
+        )
 
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int, dtype: torch.dtype) -> None:
         self.kv_caches, self.cpu_kv_caches = [], []
         for attn in self.model.attention_layers():
-            cache = torch.zeros(self.kv_cache_shape(num_blocks), dtype=dtype, device=self.device)
+            shape = attn.kv_cache_shape(num_blocks, self.block_size)
+            cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
             if num_cpu_blocks:
                 pin = self.device.type == "cuda"
-                self.cpu_kv_caches.append(
-                    torch.empty(self.kv_cache_shape(num_cpu_blocks), dtype=dtype, pin_memory=pin)
-                )
+                cpu_shape = attn.kv_cache_shape(num_cpu_blocks, self.block_size)
+                self.cpu_kv_caches.append(torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
 
     # ---- one step -----------------------------------------------------------------------
 

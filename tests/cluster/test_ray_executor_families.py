@@ -1,7 +1,8 @@
-"""Every model family at TP = 2 (and one at TP 2 x PP 2) equals TP = 1, on CPU with gloo and a
-local Ray: KV heads split or replicated (Gemma 3's single KV head), per-head q/k norms,
-soft-caps, windows shorter than the prompts, partial rotary and fused checkpoint tensors, all
-read from each rank's shard. TP = 1 itself is checked against HF in test_correctness."""
+"""Every model family at TP = 2 (and one at TP 2 x PP 2, DeepSeek-V3 at PP 2 and EP 2) equals
+TP = 1, on CPU with gloo and a local Ray: KV heads split or replicated (Gemma 3's single KV
+head, DeepSeek's latent), per-head q/k norms, soft-caps, windows shorter than the prompts,
+partial rotary and fused checkpoint tensors, all read from each rank's shard. TP = 1 itself is
+checked against HF in test_correctness (test_moe for DeepSeek)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ MODELS = {
     "tiny-phi3": lambda: resolve_model_source("builtin:tiny-phi3"),
     "llama-biases": lambda: tiny_variant("tiny-llama", attention_bias=True, mlp_bias=True),
     "mistral-window-48": lambda: tiny_variant("tiny-mistral", sliding_window=48),
+    "tiny-deepseek-v3": lambda: resolve_model_source("builtin:tiny-deepseek-v3"),
 }
 
 
@@ -61,6 +63,22 @@ def _greedy(model: str, **args: Any) -> list[list[int]]:
 def test_tp2_equals_tp1(model: str) -> None:
     expected = _greedy(model, distributed_executor_backend="uni")
     assert _greedy(model, tensor_parallel_size=2) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"pipeline_parallel_size": 2},
+        {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    ],
+    ids=["pp2", "ep2"],
+)
+def test_deepseek_v3_pp2_and_ep2_equal_tp1(args: dict[str, Any]) -> None:
+    # Stage 0 holds the dense layer 0 and the sparse layer 1, stage 1 the last sparse layer:
+    # latent caches on both stages; EP splits the 8 experts 4 and 4, attention heads TP.
+    expected = _greedy("tiny-deepseek-v3", distributed_executor_backend="uni")
+    assert _greedy("tiny-deepseek-v3", **args) == expected
 
 
 @pytest.mark.slow

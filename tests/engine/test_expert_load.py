@@ -37,7 +37,8 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> None
 
 
 def _routing_recorder(llm: LLM) -> dict[int, Counter[int]]:
-    """An independent count: each sparse layer's router logits, top-k'd by a forward hook."""
+    """An independent count: each sparse layer's router logits, recomputed from the router's
+    input and weight and top-k'd by a forward hook."""
     seen: dict[int, Counter[int]] = {}
     model = llm.llm_engine.executor.worker.runner.model
     for layer, decoder_layer in model.model.layers.items():
@@ -45,7 +46,8 @@ def _routing_recorder(llm: LLM) -> dict[int, Counter[int]]:
         if isinstance(mlp, SparseMoeBlock):
             counts = seen.setdefault(int(layer), Counter())
 
-            def hook(_m: Any, _i: Any, logits: torch.Tensor, counts: Counter[int] = counts) -> None:
+            def hook(gate: Any, inputs: Any, _out: Any, counts: Counter[int] = counts) -> None:
+                logits = torch.nn.functional.linear(inputs[0], gate.weight)
                 probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
                 counts.update(torch.topk(probs, TOP_K, dim=-1).indices.flatten().tolist())
 

@@ -35,7 +35,8 @@ def test_every_supported_architecture_has_a_model_class() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny-llama", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
+    "name",
+    ["tiny-llama", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-deepseek-v3"],
 )
 def test_built_in_configs_pass(name: str) -> None:
     check_hf_config(_config(name))
@@ -44,7 +45,7 @@ def test_built_in_configs_pass(name: str) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"architectures": ["DeepseekV3ForCausalLM"]}, "architectures: 'DeepseekV3ForCausalLM'"),
+        ({"architectures": ["GptOssForCausalLM"]}, "architectures: 'GptOssForCausalLM'"),
         (
             {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}},
             "quantization_config: quant_method 'fp8'",

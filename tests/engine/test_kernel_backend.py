@@ -29,7 +29,9 @@ def greedy_tokens(model: str, prompts=PROMPTS, **engine_args) -> list[list[int]]
     return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("model", ["builtin:tiny-llama", "builtin:tiny-qwen2"])
+@pytest.mark.parametrize(
+    "model", ["builtin:tiny-llama", "builtin:tiny-qwen2", "builtin:tiny-deepseek-v3"]
+)
 def test_triton_backend_generates_the_torch_backends_greedy_tokens(model):
     # A 16-token budget chunks the longer prompt, so steps mix prefill chunks and decodes.
     args = {"max_num_batched_tokens": 16, "block_size": 16, "device": "cpu"}

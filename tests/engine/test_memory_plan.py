@@ -55,6 +55,25 @@ LLAMA_3_70B: dict[str, Any] = {
     "use_cache": True,
     "vocab_size": 128256,
 }
+# DeepSeek-V3's config.json as published, without its block-FP8 quantization_config: the bf16
+# weights of the same shape.
+DEEPSEEK_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
+    "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
 # configs/llama70b.yaml's engine_kwargs that change memory.
 LLAMA_70B_KWARGS = {
     "tensor_parallel_size": 4,
@@ -194,12 +213,35 @@ def test_llama_3_70b_at_tp4_pp2_figures(tmp_path: Path) -> None:
         ("tiny-qwen2-moe", {}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
         ("tiny-qwen3-moe", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
                                 "enable_expert_parallel": True, "dtype": "bfloat16"}),
+        # Multi-head latent attention: the latent cache whole on every rank, heads split;
+        # a dense layer then sparse ones split over stages; V3's float32 router and bias.
+        ("tiny-deepseek-v3", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+        ("tiny-deepseek-v3", {"attention_bias": True, "rope_interleave": False},
+         {"tensor_parallel_size": 4, "enable_expert_parallel": True, "dtype": "bfloat16"}),
+        ("tiny-deepseek-v2", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 3}),
     ],
 )  # fmt: skip
 def test_every_family_matches_a_meta_build_of_every_rank(
     tmp_path: Path, name: str, overrides: dict[str, Any], kwargs: dict[str, Any]
 ) -> None:
     check_against_meta_builds(tmp_path, builtin_config(name, **overrides), kwargs)
+
+
+def test_deepseek_v3_at_tp8_pp2_matches_a_meta_build_of_every_rank(tmp_path: Path) -> None:
+    kwargs = {"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "dtype": "bfloat16",
+              "max_model_len": 32768, "enable_expert_parallel": True}  # fmt: skip
+    check_against_meta_builds(tmp_path, DEEPSEEK_V3, kwargs)
+
+
+def test_deepseek_v3_latent_cache_figures() -> None:
+    """By hand: 576 values (512 latent + 64 rope) per token and layer, bf16, the same on every
+    TP rank: 61 layers x 576 x 2 = 70,272 bytes (~69 KiB) per token for the whole model,
+    where 128 heads of expanded K (192) and V (128) would be 61 x 128 x 320 x 2 = ~4.8 MiB."""
+    settings = PlanSettings(tensor_parallel_size=8, dtype="bfloat16", max_model_len=32768)
+    plan = plan_memory(DEEPSEEK_V3, settings, 141 * GiB)
+    (stage,) = plan.stages
+    assert stage.kv_bytes_per_token == 61 * 576 * 2 == 70272
+    assert 61 * 128 * (192 + 128) * 2 / stage.kv_bytes_per_token == pytest.approx(71.1, abs=0.1)
 
 
 def test_a_tp_size_the_layers_cannot_split_is_a_problem_as_in_the_model_code() -> None:

@@ -22,7 +22,7 @@ from engine.errors import ConfigError
 from engine.hf_config import check_hf_config
 from engine.model_loader import iterate_checkpoint, load_weights
 from engine.models import get_model_class
-from engine.models.moe import SparseMoeBlock, route
+from engine.models.moe import Routing, SparseMoeBlock, route
 from engine.tiny_models import resolve_model_source
 from engine.tiny_moe_models import TINY_MOE_MODEL_NAMES, tiny_moe_variant
 from kernels.ops import silu_and_mul
@@ -211,7 +211,7 @@ def test_routing_with_tied_router_logits_matches_the_naive_loop() -> None:
     logits[2] = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.1, 0.1, 0.1, 0.1])
     logits[3:] = torch.randn(3, num_experts)
     for renormalize in (False, True):
-        weights, ids = route(logits, 2, renormalize, torch.float32)
+        weights, ids = route(logits, 2, Routing(renormalize=renormalize), torch.float32)
         # Tied experts keep equal weights, and top-k picks distinct experts per token.
         assert torch.equal(weights[0], torch.full((2,), 0.5 if renormalize else 1 / 8))
         assert all(len(set(row.tolist())) == 2 for row in ids)
@@ -231,11 +231,12 @@ def test_qwen_routing_weights_are_applied_in_the_model_dtype() -> None:
         "hidden_act": "silu",
     }
     with torch.device("cpu"):
-        block = SparseMoeBlock(hf, ParallelContext(), _torch_ops(), renormalize=True).bfloat16()
+        routing = Routing(renormalize=True)
+        block = SparseMoeBlock(hf, ParallelContext(), _torch_ops(), routing=routing).bfloat16()
     for p in block.parameters():
         p.data.normal_(0, 0.2)
     x = torch.randn(5, 32, dtype=torch.bfloat16)
-    weights, ids = route(block.gate(x), 2, True, torch.float32)
+    weights, ids = route(F.linear(x, block.gate.weight), 2, routing, torch.float32)
     expected = _naive_moe(
         x, block.experts.gate_up_proj, block.experts.down_proj, ids, weights.bfloat16()
     )
@@ -262,7 +263,7 @@ def test_moe_layer_with_shared_expert_all_reduces_once_per_forward() -> None:
         hf,
         ParallelContext(tp=tp),
         _torch_ops(),
-        renormalize=False,
+        routing=Routing(),
         shared_expert_intermediate_size=96,
     )
     # Each rank holds half of every expert's and the shared expert's intermediate dimension.
@@ -378,7 +379,7 @@ def test_tiny_moe_configs_are_accepted() -> None:
 
 # ---- TP = 2 equals TP = 1 ---------------------------------------------------------------------
 
-TP_MODELS = ("tiny-qwen2-moe", "tiny-qwen3-moe")
+TP_MODELS = ("tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3")
 TP_PROMPTS = [[5, 9, 21, 7], [100, 3, 3, 8, 40, 41, 2] * 4, [17, 18], list(range(30, 71))]
 TP_DECODE_STEPS = 12
 BLOCKS_PER_REQUEST = 4  # 64 tokens: the longest prompt + the decode steps fit

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.model_loader import iterate_checkpoint, load_weights
 from engine.models import get_model_class
-from engine.models.moe import SparseMoeBlock
+from engine.models.moe import Routing, SparseMoeBlock
 from engine.tiny_models import resolve_model_source
 from kernels.backend import get_kernel_ops
 from kernels.moe import fused_moe
@@ -36,7 +36,8 @@ from tests.engine.test_moe import (
     _greedy_steps,
 )
 
-EP_MODELS = ("tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral")  # shared expert or not
+# Shared expert or not; DeepSeek's routing and latent attention.
+EP_MODELS = ("tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2")
 
 
 def _ep_context(rank: int, size: int = 2) -> ParallelContext:
@@ -103,7 +104,7 @@ def test_expert_count_the_ep_size_does_not_divide_is_refused_by_the_layer() -> N
 def test_ep_ranks_partial_sums_add_up_to_the_whole_layer_with_one_all_reduce() -> None:
     hf = _config("tiny-qwen2-moe")
     ops = get_kernel_ops("torch")
-    shared = {"renormalize": False, "shared_expert_intermediate_size": 96}
+    shared = {"routing": Routing(), "shared_expert_intermediate_size": 96}
     whole = SparseMoeBlock(hf, ParallelContext(), ops, **shared)
     g = torch.Generator().manual_seed(0)
     for p in whole.parameters():

@@ -39,8 +39,9 @@ def _assert_matches(entry: dict, hf_row: torch.Tensor, chosen: int) -> None:
 # The 70-token prompt is longer than every window of the families (24 to 64 positions).
 @pytest.fixture(
     scope="module",
-    params=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"],
-)
+    params=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3",
+            "tiny-deepseek-v3", "tiny-deepseek-v2"],
+)  # fmt: skip
 def run(request: pytest.FixtureRequest) -> tuple[str, list[int], object]:
     arch = request.param
     # A small token budget chunks the 70-token prompt over three steps.

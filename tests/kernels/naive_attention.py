@@ -19,20 +19,26 @@ def naive_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    v_head_dim: int | None = None,
 ) -> torch.Tensor:
     """float64 ``[num_tokens, num_heads, head_dim]``: token ``i`` of a request's chunk, at
     position ``q = seq_len - query_len + i``, attends keys ``q - sliding_window < k <= q``
-    (``k <= q`` without a window), with scores ``cap * tanh(scale * q.k / cap)`` when capped."""
+    (``k <= q`` without a window), with scores ``cap * tanh(scale * q.k / cap)`` when capped.
+    A one-plane (latent) cache's values are its keys' first ``v_head_dim`` values, and the
+    output is ``[..., v_head_dim]``."""
     num_heads = query.shape[1]
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    planes, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    value_dim = head_dim if planes == 2 else v_head_dim
     kv_head_of = torch.arange(num_heads) // (num_heads // num_kv_heads)
-    out = torch.zeros(query.shape, dtype=torch.float64)
+    out = torch.zeros((*query.shape[:2], value_dim), dtype=torch.float64)
     starts = metadata.query_start_loc.cpu().tolist()
     for b, seq_len in enumerate(metadata.seq_lens.cpu().tolist()):
         blocks = metadata.block_table[b, : math.ceil(seq_len / block_size)].cpu().tolist()
         keys, values = (
-            torch.cat([kv_cache[i, blk].cpu() for blk in blocks])[:seq_len].double() for i in (0, 1)
+            torch.cat([kv_cache[i, blk].cpu() for blk in blocks])[:seq_len].double()
+            for i in (0, planes - 1)
         )
+        values = values[..., :value_dim]
         query_len = starts[b + 1] - starts[b]
         for i in range(query_len):
             row = starts[b] + i

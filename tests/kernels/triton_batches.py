@@ -21,9 +21,11 @@ def paged_batch(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    planes: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(query, kv_cache, metadata) with every request's blocks drawn at random from a pool
-    with spare blocks, so physical order never matches logical order."""
+    with spare blocks, so physical order never matches logical order; ``planes=1`` draws a
+    one-plane latent cache."""
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
@@ -34,7 +36,7 @@ def paged_batch(
     for i, n in enumerate(blocks_per_seq):
         block_table[i, :n] = perm[taken : taken + n]
         taken += n
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (planes, num_blocks, block_size, num_kv_heads, head_dim)
     kv_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
     num_tokens = int(sum(query_lens))
     query = torch.randn((num_tokens, num_heads, head_dim), generator=gen).to(dtype).to(device)
