@@ -14,7 +14,10 @@ per ``decoder_sparse_step`` and ``mlp_only_layers``; DeepSeek from ``first_k_den
                    shared expert gate (replicated; Qwen2-MoE only)          H
 
 With E divisible by the group size, TP and EP hold the same expert bytes per rank; EP trades
-the slicing for whole-expert GEMMs and a skewed load when routing is unbalanced.
+the slicing for whole-expert GEMMs and a skewed load when routing is unbalanced. From a
+quantized checkpoint the routed experts are counted in the model's dtype, as the loader
+dequantizes them (no quantized fused-MoE kernel); the dense layers and shared experts, linear
+layers, stay quantized on a GPU as ``linear`` says.
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ def moe_weight_bytes(
         local_experts, expert_slice = num_experts // tp, expert_inter
     else:
         local_experts, expert_slice = num_experts, _split(expert_inter, tp, "moe intermediate")
-    expert = linear(2 * expert_slice, hidden, 2) + linear(hidden, expert_slice, 1)
+    # The routed experts are dequantized at load on every device (the loader keeps only
+    # linear layers quantized; ``engine.quantization.loading``): counted in the model's dtype.
+    expert = 3 * expert_slice * hidden * dtype_bytes
     arch = hf_config.architecture(conf)
     deepseek = arch in hf_config.DEEPSEEK_ARCHITECTURES
     shared_size = int(hf.get("shared_expert_intermediate_size") or 0)

@@ -365,7 +365,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             continue
-        if not getattr(module, "packable", True):
+        if getattr(module, "dense_only", False):
             continue  # its weight is read as a tensor (engine.models.mla's kv_b_proj)
         quant = getattr(module, "quant_method", None)
         if module.packed_weight is not None or (quant and not getattr(quant, "packable", False)):

@@ -54,10 +54,11 @@ _LATENT_NORM_EPS = 1e-6
 
 class LatentUpProjection(ColumnParallelLinear):
     """``kv_b_proj``: loaded like any column-parallel weight (this rank's heads), but never
-    applied as a matmul of its own: MLA reads it as the absorbed W_UK / W_UV, so it is never
-    packed into oneDNN's layout either."""
+    applied as a matmul of its own: MLA reads it as the absorbed W_UK / W_UV, so it stays a
+    dense tensor in the model's dtype (``dense_only``): never packed into oneDNN's layout, and
+    dequantized at load from a quantized checkpoint on any device."""
 
-    packable = False
+    dense_only = True
 
 
 def softmax_scale(hf: dict[str, Any]) -> float:

@@ -7,7 +7,11 @@ pack-quantized): FP8 e4m3 weights with per-tensor, per-channel or [bn, bk] block
 no activation quantization, dynamic per-token (or per-token-group) FP8 activations, or a static
 per-tensor ``input_scale``; int4 weights (W4A16) with per-channel or group scales, symmetric or
 with zero points. GPTQ (4 bit, no act-order) and AWQ (4 bit, GEMM layout) convert to the same
-int4 form. Online FP8 quantizes a float checkpoint's linear weights (per-tensor scale).
+int4 form. Block-FP8 checkpoints in the format of DeepSeek-V3/R1, Kimi K2 and Qwen3's ``-FP8``
+releases (``quant_method: fp8``, ``weight_block_size`` [bn, bk]: an e4m3 ``weight`` and a float32
+``weight_scale_inv`` per block, which despite its name multiplies; ``activation_scheme:
+dynamic``), every linear layer whose checkpoint holds the scale, the others as stored. Online
+FP8 quantizes a float checkpoint's linear weights (per-tensor scale).
 
 Torch-free: ``engine.hf_config.check_hf_config`` runs this where only a config is read.
 """
@@ -21,7 +25,7 @@ from typing import Any
 
 from engine.errors import ConfigError
 
-SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq")  # checkpoint formats
+SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")  # checkpoint formats
 ONLINE_METHODS = ("fp8",)  # ``quantization=`` values for a float checkpoint
 _CT_FORMATS = ("float-quantized", "naive-quantized", "pack-quantized")
 _KEY = "quantization_config"
@@ -131,6 +135,8 @@ def parse_quantization(hf: Mapping[str, Any], online: str | None = None) -> Quan
         return _gptq(raw)
     if method == "awq":
         return _awq(raw)
+    if method == "fp8":
+        return _fp8_blocks(raw)
     raise ConfigError(
         f"{_KEY}: quant_method {raw.get('quant_method')!r} is not supported "
         f"(supported: {', '.join(SUPPORTED_METHODS)}; fp8 also online, quantization='fp8')"
@@ -273,6 +279,30 @@ def _awq(raw: Mapping[str, Any]) -> QuantConfig:
     group = int(raw.get("group_size", raw.get("q_group_size", 128)))
     scheme = QuantScheme("int4", "group", "awq", group_size=group, symmetric=False)
     return QuantConfig("awq", ((("Linear",), scheme),), _ignore(raw), ignore_substrings=True)
+
+
+def _fp8_blocks(raw: Mapping[str, Any]) -> QuantConfig:
+    """``quant_method: fp8`` (transformers' FineGrainedFP8 / DeepSeek's format): block scales
+    only, dynamic per-token-group activations (the GEMM's; ``kept``)."""
+    fmt = raw.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise _refuse("fmt", fmt, "e4m3")
+    block = raw.get("weight_block_size")
+    if block is None:
+        raise _refuse("weight_block_size", block, "[rows, cols]: per-tensor fp8 checkpoints "
+                      "are not implemented, block-scaled ones are")  # fmt: skip
+    valid = isinstance(block, list | tuple) and len(block) == 2
+    if not valid or any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in block):
+        raise _refuse("weight_block_size", block, "[rows, cols] of positive integers")
+    scheme_acts = raw.get("activation_scheme", "dynamic")
+    if scheme_acts != "dynamic":
+        raise _refuse("activation_scheme", scheme_acts, "dynamic")
+    bn, bk = int(block[0]), int(block[1])
+    scheme = QuantScheme(
+        "fp8", "block", "fp8-block", block=(bn, bk),
+        activations=ActivationQuant(dynamic=True, group_size=bk),
+    )  # fmt: skip
+    return QuantConfig("fp8", ((("Linear",), scheme),), _ignore(raw), ignore_substrings=True)
 
 
 def _ignore(raw: Mapping[str, Any]) -> tuple[str, ...]:

@@ -223,7 +223,8 @@ def quantized_form(
         q, scale = quantize_fp8_per_tensor(parts["weight"])
         return QuantizedWeight(scheme, q, scale, None, None, q.shape[1], device)
     if scheme.kind == "fp8":
-        weight, scale = parts["weight"], parts["weight_scale"].to(torch.float32)
+        scale_name = "weight_scale_inv" if scheme.source == "fp8-block" else "weight_scale"
+        weight, scale = parts["weight"], parts[scale_name].to(torch.float32)
         if scheme.strategy == "channel":
             scale = scale.reshape(-1)
         return QuantizedWeight(scheme, weight, scale, None, input_scale, weight.shape[1], device)

@@ -11,7 +11,9 @@ shard); a quantized one carries its scales and zero points along.
 
 Dequantizing is CPU's default: once at load, so it saves no memory. Layers whose checkpoint
 quantizes activations (FP8 W8A8) then get an ``Fp8InputQuant`` as their ``quant_method``: the
-input is quantized to e4m3 and back before the matmul, as the reference's forward does.
+input is quantized to e4m3 and back before the matmul, as the reference's forward does; except
+a block-FP8 checkpoint of ``quant_method: fp8`` (DeepSeek's format), whose CPU reference is
+transformers' dequantized reading, without activation quantization.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from engine.quantization.kept import kept_problem, quantized_form
 from kernels.cpu_gemm import packed_linear
 
 # A tensor whose presence marks its module as quantized in the checkpoint.
-_MARKERS = ("weight_scale", "weight_packed", "qweight")
+_MARKERS = ("weight_scale", "weight_scale_inv", "weight_packed", "qweight")
 _GPTQ_PARTS = ("qweight", "qzeros", "scales")
 
 
@@ -54,6 +56,8 @@ def required_parts(scheme: QuantScheme) -> tuple[str, ...]:
         return ("weight",)
     if scheme.source in ("gptq", "awq"):
         return _GPTQ_PARTS
+    if scheme.source == "fp8-block":
+        return ("weight", "weight_scale_inv")
     weight = "weight_packed" if scheme.source == "ct-pack-quantized" else "weight"
     parts = [weight, "weight_scale"]
     if weight == "weight_packed":
@@ -78,6 +82,8 @@ def dequantize_module(scheme: QuantScheme, parts: dict[str, torch.Tensor]) -> to
     if scheme.source in ("gptq", "awq"):
         q, zp, scale = _int4_from_gptq_awq(scheme, parts)
         return dequantize_int4(q, scale, zp, scheme.group_size, dtype=torch.float32)
+    if scheme.source == "fp8-block":
+        return dequantize_fp8(parts["weight"], parts["weight_scale_inv"], scheme.block)
     if scheme.kind == "fp8":
         return dequantize_fp8(parts["weight"], parts["weight_scale"], scheme.block)
     scale = parts["weight_scale"]
@@ -234,6 +240,10 @@ class QuantizedCheckpoint:
         for module, scheme in sorted(self.schemes.items()):
             if scheme.activations is None or module in self.kept:
                 continue  # a kept module's GEMM quantizes its activations itself
+            if scheme.source == "fp8-block":
+                # Dequantized, it is transformers' reading of the format off the GPU
+                # (FineGrainedFP8 with dequantize): activations stay in the model dtype.
+                continue
             param, part = target_of(f"{module}.weight")
             by_layer.setdefault(param, []).append((part, scheme, module))
         params = dict(model.named_parameters())

@@ -32,12 +32,15 @@ TargetOf = Callable[[str], tuple[str, Any]]
 
 
 def _layer_of(model: nn.Module, target_of: TargetOf, name: str) -> str | None:
-    """The column / row parallel layer a checkpoint weight name loads into, or None."""
+    """The column / row parallel layer a checkpoint weight name loads into and keeps as its
+    GEMM's weight, or None (one that reads its weight as a tensor is ``dense_only``)."""
     layer = target_of(name)[0].removesuffix(".weight")
     try:
-        return layer if isinstance(model.get_submodule(layer), _LINEAR_TYPES) else None
+        module = model.get_submodule(layer)
     except AttributeError:
         return None  # another pipeline stage's layer, or not a layer at all
+    keeps = isinstance(module, _LINEAR_TYPES) and not getattr(module, "dense_only", False)
+    return layer if keeps else None
 
 
 def quantized_checkpoint(

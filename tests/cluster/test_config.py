@@ -40,6 +40,8 @@ def error_of(data: dict[str, Any]) -> str:
         "mistral-7b-v0.1.yaml",
         "qwen3-30b-a3b.yaml",
         "tiny-families.yaml",
+        "deepseek-v3.yaml",
+        "kimi-k2.yaml",
     ],
 )
 def test_shipped_configs_validate(name: str) -> None:

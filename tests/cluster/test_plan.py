@@ -16,8 +16,8 @@ from cluster.cli import main
 from cluster.config import load_config
 from cluster.ops.plan import PlanError, gpu_memory_gib_for, plan_deployment, preflight
 from engine.errors import ConfigError
-from tests.cluster.conftest import load_yaml
-from tests.engine.test_memory_plan import LLAMA_3_70B
+from tests.cluster.conftest import CONFIGS, load_yaml
+from tests.engine.test_memory_plan import DEEPSEEK_V3, KIMI_K2, LLAMA_3_70B
 
 MODEL_ID = "meta-llama/Meta-Llama-3-70B-Instruct"
 # Per GPU at TP 4 x PP 2: 40 layers of bf16 shards plus a quarter of the embedding (stage 0) or
@@ -250,3 +250,42 @@ def test_cluster_deploy_and_serve_refuse_before_touching_ray(
         main([command, str(path)])
     assert info.value.code == 2
     assert f"refused: {MODEL_ID}: weights 131.42 GiB" in capsys.readouterr().err
+
+
+# ---- the DeepSeek-V3 and Kimi K2 configs, planned from their published config.json ----------
+
+
+@pytest.mark.parametrize(
+    ("config", "hf", "stages"),
+    [("deepseek-v3.yaml", DEEPSEEK_V3, 2), ("kimi-k2.yaml", KIMI_K2, 3)],
+)
+def test_the_shipped_deepseek_configs_plan_as_fitting_their_h200_nodes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: str, hf: dict, stages: int
+) -> None:
+    """``cluster plan configs/<config> --hf-config config.json``: block-FP8 linear layers, bf16
+    experts (dequantized at load), 576 cached values per token and layer on every GPU of a
+    stage; each stage fits an H200 with a cache of more than a million tokens."""
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert main(["plan", str(CONFIGS / config), "--hf-config", str(tmp_path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["models"][0]["plan"]
+    assert plan["fits"] and len(plan["stages"]) == stages
+    layers = [s["end_layer"] - s["first_layer"] for s in plan["stages"]]
+    assert sum(layers) == 61
+    for stage, count in zip(plan["stages"], layers):
+        assert stage["kv_bytes_per_token"] == count * 576 * 2
+        assert stage["weight_bytes"] < 100 * 2**30
+    assert plan["kv_tokens"] > 1_000_000
+
+
+def test_kimi_k2_on_two_h200_nodes_plans_the_tight_cache_its_config_warns_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_K2))
+    data = copy.deepcopy(load_yaml("kimi-k2.yaml"))
+    data["models"][0]["engine_kwargs"]["pipeline_parallel_size"] = 2
+    path = tmp_path / "kimi-k2.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["plan", str(path), "--hf-config", str(tmp_path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["models"][0]["plan"]
+    assert all(s["weight_bytes"] > 115 * 2**30 for s in plan["stages"])
+    assert plan["kv_tokens"] < 200_000

@@ -1,7 +1,8 @@
 """Quantized test checkpoints: compressed-tensors ones written by that library itself (its
 ``apply_quantization_config`` and ``ModelCompressor``, with min/max scales computed by its own
-``calculate_qparams``), and GPTQ / AWQ ones packed here from the formats' documented layouts.
-Each starts from a random float model of ``engine.tiny_models``."""
+``calculate_qparams``), and GPTQ / AWQ and block-FP8 (``quant_method: fp8``) ones packed here
+from the formats' documented layouts. Each starts from a random float model of
+``engine.tiny_models``."""
 
 from __future__ import annotations
 
@@ -146,7 +147,7 @@ def _linear_names(state: dict[str, torch.Tensor]) -> list[str]:
     return [
         k.removesuffix(".weight")
         for k, v in state.items()
-        if k.endswith("_proj.weight") and v.dim() == 2
+        if k.endswith(("_proj.weight", "_proj_with_mqa.weight")) and v.dim() == 2
     ]
 
 
@@ -206,3 +207,39 @@ def _pack_rows_k(q_u: torch.Tensor) -> torch.Tensor:
     """GPTQ ``qweight``: q_u [N, K] -> int32 [K / 8, N], input row 8i + j in nibble j."""
     # pack_nibbles packs along columns: give it [N, K] and transpose the words.
     return pack_nibbles(q_u).t().contiguous()
+
+
+def write_fp8_blocks(source: Path, out: Path, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """``source``'s linear weights (every ``*_proj`` of the decoder layers, MoE experts and
+    MLA projections included; not the router, embeddings or head) quantized as DeepSeek-V3's,
+    Kimi K2's and Qwen3's ``-FP8`` releases store them: an e4m3 ``weight`` and a float32
+    ``weight_scale_inv`` per [bn, bk] block (max |w| / 448; the edge blocks partial), with
+    ``quantization_config`` ``{quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
+    weight_block_size: [bn, bk]}``. Returns the dense weights the format defines (e4m3 value x
+    block scale, float32), to build the reference from."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = load_file(str(source / "model.safetensors"))
+    reference = dict(state)
+    bn, bk = block
+    fp8_max = float(torch.finfo(torch.float8_e4m3fn).max)
+    for name in _linear_names(state):
+        w = state.pop(f"{name}.weight").float()
+        n, k = w.shape
+        rows, cols = -(-n // bn), -(-k // bk)
+        padded = torch.zeros(rows * bn, cols * bk)
+        padded[:n, :k] = w
+        amax = padded.view(rows, bn, cols, bk).abs().amax(dim=(1, 3))
+        scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        q = (w / full).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+        state[f"{name}.weight"] = q
+        state[f"{name}.weight_scale_inv"] = scale
+        reference[f"{name}.weight"] = q.float() * full
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": [bn, bk]}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _copy_side_files(source, out)
+    return reference

@@ -55,8 +55,9 @@ LLAMA_3_70B: dict[str, Any] = {
     "use_cache": True,
     "vocab_size": 128256,
 }
-# DeepSeek-V3's config.json as published, without its block-FP8 quantization_config: the bf16
-# weights of the same shape.
+# DeepSeek-V3's and Kimi K2's config.json as published (block-FP8 checkpoints).
+_BLOCK_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+              "weight_block_size": [128, 128]}  # fmt: skip
 DEEPSEEK_V3: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
     "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
@@ -66,7 +67,8 @@ DEEPSEEK_V3: dict[str, Any] = {
     "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
     "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
     "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "quantization_config": _BLOCK_FP8,
+    "rms_norm_eps": 1e-06,
     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
                      "type": "yarn"},
@@ -74,6 +76,18 @@ DEEPSEEK_V3: dict[str, Any] = {
     "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
     "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
 }  # fmt: skip
+KIMI_K2: dict[str, Any] = {
+    **DEEPSEEK_V3, "model_type": "kimi_k2", "bos_token_id": 163584, "eos_token_id": 163585,
+    "first_k_dense_replace": 1, "max_position_embeddings": 131072, "n_group": 1,
+    "n_routed_experts": 384, "num_attention_heads": 64, "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 0, "routed_scaling_factor": 2.827, "topk_group": 1,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 50000.0, "vocab_size": 163840,
+}  # fmt: skip
+# The same shapes in bf16: a meta build has no quantized layers to compare with.
+DEEPSEEK_V3_BF16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
 # configs/llama70b.yaml's engine_kwargs that change memory.
 LLAMA_70B_KWARGS = {
     "tensor_parallel_size": 4,
@@ -230,7 +244,7 @@ def test_every_family_matches_a_meta_build_of_every_rank(
 def test_deepseek_v3_at_tp8_pp2_matches_a_meta_build_of_every_rank(tmp_path: Path) -> None:
     kwargs = {"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "dtype": "bfloat16",
               "max_model_len": 32768, "enable_expert_parallel": True}  # fmt: skip
-    check_against_meta_builds(tmp_path, DEEPSEEK_V3, kwargs)
+    check_against_meta_builds(tmp_path, DEEPSEEK_V3_BF16, kwargs)
 
 
 def test_deepseek_v3_latent_cache_figures() -> None:
@@ -238,7 +252,7 @@ def test_deepseek_v3_latent_cache_figures() -> None:
     TP rank: 61 layers x 576 x 2 = 70,272 bytes (~69 KiB) per token for the whole model,
     where 128 heads of expanded K (192) and V (128) would be 61 x 128 x 320 x 2 = ~4.8 MiB."""
     settings = PlanSettings(tensor_parallel_size=8, dtype="bfloat16", max_model_len=32768)
-    plan = plan_memory(DEEPSEEK_V3, settings, 141 * GiB)
+    plan = plan_memory(DEEPSEEK_V3_BF16, settings, 141 * GiB)
     (stage,) = plan.stages
     assert stage.kv_bytes_per_token == 61 * 576 * 2 == 70272
     assert 61 * 128 * (192 + 128) * 2 / stage.kv_bytes_per_token == pytest.approx(71.1, abs=0.1)

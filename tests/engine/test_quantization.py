@@ -10,6 +10,10 @@ logprobs to 1e-4:
   transformers 5.x, and W4A16 has no activation step, so both routes compute the same);
 - GPTQ (v1 zeros, g_idx) and AWQ (GEMM) checkpoints packed here from their documented
   layouts, against HF on the dense weights the format defines (no GPTQ/AWQ library on CPU);
+- block-FP8 checkpoints in DeepSeek's / Qwen3-FP8's format (``weight_scale_inv`` per block,
+  edge blocks partial) for Llama, Qwen3 and DeepSeek-V3 (MLA projections, experts), against
+  HF on the dense weights the format defines (transformers' own CPU reading of the format is
+  that dequantization);
 - online FP8 against HF with the same per-tensor quantization done in plain torch, and within
   a stated bound of the float model.
 
@@ -35,11 +39,13 @@ from engine.model_loader import iterate_checkpoint
 from engine.quantization.config import parse_quantization
 from engine.quantization.kept import QuantizedLinearMethod
 from engine.quantization.loading import QuantizedCheckpoint
+from engine.tiny_models import resolve_model_source
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tests.engine.quant_checkpoints import (
     CASES,
     dense_model,
     write_compressed_tensors,
+    write_fp8_blocks,
     write_gptq_awq,
 )
 
@@ -188,6 +194,109 @@ def test_gptq_awq_checkpoint_equals_the_dense_model_of_its_weights(
     prompt = _prompt(seed=3)
     tokens, lps = _engine_run(path, prompt)
     _assert_equal_to_hf(hf, prompt, tokens, lps)
+
+
+def _with_weights(source: Path, out: Path, weights: dict[str, torch.Tensor]) -> Path:
+    """``source``'s checkpoint with ``weights`` as its tensors (float32)."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+# (family, block): the official [128, 128] (every tiny shape a partial edge block) and a grid
+# of uneven blocks cutting every weight into several, partial at the edges.
+FP8_BLOCK_CASES = [("llama", (128, 128)), ("qwen3", (128, 128)), ("deepseek-v3", (128, 128)),
+                   ("deepseek-v3", (16, 24))]  # fmt: skip
+
+
+def _fp8_block_checkpoint(root: Path, family: str, block: tuple[int, int]) -> tuple[Path, Path]:
+    """(the FP8 checkpoint, the dense one its format defines)."""
+    name = f"fp8-{family}-{block[0]}x{block[1]}"
+    path, ref_dir = root / name, root / f"{name}-dense"
+    if not path.exists():
+        if family == "deepseek-v3":
+            source = resolve_model_source("builtin:tiny-deepseek-v3")
+        else:
+            source = dense_model(root, family)
+        _with_weights(source, ref_dir, write_fp8_blocks(source, path, block))
+    return path, ref_dir
+
+
+@pytest.mark.parametrize(("family", "block"), FP8_BLOCK_CASES)
+def test_block_fp8_checkpoint_equals_hf_on_the_dense_weights_it_defines(
+    root: Path, family: str, block: tuple[int, int]
+) -> None:
+    path, ref_dir = _fp8_block_checkpoint(root, family, block)
+    hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    prompt = [random.Random(block[1]).randrange(3, vocab) for _ in range(PROMPT_LEN)]
+    tokens, lps = _engine_run(path, prompt)
+    _assert_equal_to_hf(hf, prompt, tokens, lps)
+
+
+def _quantize_inputs_per_group(model: Any, group: int, skip: tuple[str, ...]) -> None:
+    """Forward pre-hooks on ``model``'s linear layers (but ``skip``): each input quantized to
+    e4m3 and back per token and ``group`` features, as the kept FP8 block GEMM does it
+    (``kernels.quant_gemm.quantize_activations_fp8``)."""
+    from kernels.quant_gemm import quantize_activations_fp8
+
+    def hook(_module: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x = args[0]
+        flat = x.reshape(-1, x.shape[-1])
+        q, scale = quantize_activations_fp8(flat, None, group)
+        full = scale.repeat_interleave(group, dim=1)[:, : flat.shape[1]]
+        return ((q.to(torch.float32) * full).reshape(x.shape).to(x.dtype), *args[1:])
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith(skip):
+            module.register_forward_pre_hook(hook)
+
+
+def test_block_fp8_kept_quantized_equals_hf_with_its_activation_quantization(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA layout (kept quantized, the GEMM quantizing activations per 1 x bk group, as
+    DeepSeek's and vLLM's FP8 kernels do): every linear layer keeps its FP8 blocks except
+    MLA's kv_b_proj, which attention reads as dense matrices; against HF on the dense weights
+    with the same activation quantization before each of those layers."""
+    block = (16, 24)
+    path, ref_dir = _fp8_block_checkpoint(root, "deepseek-v3", block)
+    monkeypatch.setenv("LLM_CLUSTER_CPU_KEEP_QUANTIZED", "1")
+    llm = LLM(str(path), num_kv_blocks=64)
+    model = llm.llm_engine.executor.worker.runner.model
+    for name, module in model.named_modules():
+        if isinstance(module, LINEAR_TYPES) and name != "lm_head":
+            kept = isinstance(module.quant_method, QuantizedLinearMethod)
+            assert kept != name.endswith("kv_b_proj"), name
+    hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    _quantize_inputs_per_group(hf, block[1], skip=("kv_b_proj", "lm_head", "mlp.gate"))
+    prompt = _prompt(seed=5, length=ACT_PROMPT_LEN)
+    params = SamplingParams(
+        temperature=0, max_tokens=ACT_NEW_TOKENS, ignore_eos=True, logprobs=0, prompt_logprobs=0
+    )
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    tokens = list(out.outputs[0].token_ids)
+    lps = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+    lps += [e[t].logprob for e, t in zip(out.outputs[0].logprobs, tokens)]
+    _assert_equal_to_hf(hf, prompt, tokens, lps, ACT_TOL)
+
+
+def test_block_fp8_variants_the_engine_cannot_serve_are_refused_by_field() -> None:
+    from engine.errors import ConfigError
+
+    base = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]}  # fmt: skip
+    for change, field in (
+        ({"weight_block_size": None}, "weight_block_size"),
+        ({"weight_block_size": [128]}, "weight_block_size"),
+        ({"activation_scheme": "static"}, "activation_scheme"),
+        ({"fmt": "e5m2"}, "fmt"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^quantization_config\.{field}: "):
+            parse_quantization({"quantization_config": {**base, **change}})
 
 
 def _torch_online_fp8(dense: Path, out: Path) -> Path:
