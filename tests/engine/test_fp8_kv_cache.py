@@ -126,6 +126,44 @@ def test_fp8_cache_greedy_equals_hf_with_fp8_rounded_kv(model: str, setting: str
         assert llm.llm_engine.scheduler.num_swap_outs > 0, "the setting did not swap fp8 blocks"
 
 
+@pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-deepseek-v2"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_fp8_latent_cache_greedy_equals_hf_with_the_latent_fp8_rounded(
+    model: str, setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLA caches the normalized latent and the roped key, one byte each: HF's DeepSeek
+    attention is given exactly those rounded (its ``expand_kv`` receives them after the cache
+    update and before the up-projection), with the scale the engine uses when the checkpoint
+    has none (1.0)."""
+    import importlib
+
+    family = model.removeprefix("tiny-").replace("-", "_")
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    attention = getattr(module, f"{family.title().replace('_', '')}Attention")
+    expand_kv = attention.expand_kv
+
+    def expand_rounded(self, kv_nope: torch.Tensor, k_rot: torch.Tensor):
+        def rounded(x: torch.Tensor) -> torch.Tensor:
+            return dequantize_kv(quantize_kv(x, 1.0), 1.0, x.dtype)
+
+        return expand_kv(self, rounded(kv_nope), rounded(k_rot))
+
+    monkeypatch.setattr(attention, "expand_kv", expand_rounded)
+    path = resolve_model_source(f"builtin:{model}")
+    prompts, max_tokens = _prompts(vocab=256)
+    expected = _hf_greedy(path, {}, prompts, max_tokens, attn="eager")
+    llm, got = _engine_greedy(path, prompts, max_tokens, kv_cache_dtype="fp8", **SETTINGS[setting])
+    hf = llm.llm_engine.config.model.hf_config
+    latent = hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
+    assert llm.llm_engine.executor.collective_rpc("kv_block_bytes") == [
+        16 * latent * hf["num_hidden_layers"]
+    ]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"{model}/{setting}: prompt {i} (len {len(prompts[i])}) differs"
+    if setting != "defaults":
+        assert llm.llm_engine.scheduler.num_swap_outs > 0, "the setting did not swap fp8 blocks"
+
+
 def test_checkpoint_kv_scales_are_used(tmp_path: Path) -> None:
     scales = {0: (0.02, 0.5), 1: (0.3, 0.01)}
     path = _with_kv_scales(resolve_model_source("builtin:tiny-llama"), tmp_path / "m", scales)
