@@ -82,6 +82,7 @@ _DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_interleave": True, "attention_bias": False,
     },
 }  # fmt: skip
+_UNSET_WHEN_NULL = ("topk_method", "scoring_func")
 # Router options of other MoE families (DeepSeek's grouped, scaled or sigmoid routing) that
 # none of these families' HF code implements: a checkpoint that sets one to anything but the
 # plain softmax top-k expects routing that would be served wrong, so it is refused by name.
@@ -206,8 +207,10 @@ def check_moe(hf: dict[str, Any]) -> None:
 
 
 def deepseek_field(hf: dict[str, Any], key: str) -> Any:
-    """A DeepSeek config field, or transformers' default for the architecture when absent."""
-    if key in hf:
+    """A DeepSeek config field, or transformers' default for the architecture when absent
+    (or null where null means unset: transformers' V3 code has no ``topk_method`` /
+    ``scoring_func`` of its own and writes them out as null)."""
+    if key in hf and not (hf[key] is None and key in _UNSET_WHEN_NULL):
         return hf[key]
     return _DEEPSEEK_DEFAULTS[architecture(hf)][key]
 

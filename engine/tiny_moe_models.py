@@ -39,6 +39,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from engine.hf_config import DEEPSEEK_ARCHITECTURES, deepseek_field
 from engine.tiny_models import (
     _COMMON_CONFIG,
     BOS_TOKEN_ID,
@@ -54,7 +55,7 @@ from engine.tiny_tokenizer import build_tokenizer, write_json, write_tokenizer
 
 # Bump whenever an MoE recipe changes (on top of engine.tiny_models.VERSION, which covers the
 # tokenizer and init shared with the dense models).
-MOE_VERSION = 1
+MOE_VERSION = 2
 TINY_MOE_MODEL_NAMES: tuple[str, ...] = (
     "tiny-mixtral",
     "tiny-qwen2-moe",
@@ -129,6 +130,8 @@ _MOE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
         {
             **_MLA_SHAPE,
             "q_lora_rank": 48,
+            # factor x original, as in DeepSeek-V3's config (163840 = 40 x 4096).
+            "max_position_embeddings": 1024,
             "n_group": 4,
             "topk_group": 2,
             "n_shared_experts": 1,
@@ -212,6 +215,12 @@ def _draw_correction_bias(model: Any, seed: int) -> None:
 
 def _save(model: Any, config: PretrainedConfig, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    if type(model).__name__ in DEEPSEEK_ARCHITECTURES:
+        # The published DeepSeek config.json files name their routing, which other readers
+        # (vLLM) rely on; transformers' configs leave the fields out.
+        fields = {**config.to_dict(), "architectures": [type(model).__name__]}
+        for key in ("topk_method", "scoring_func"):
+            setattr(config, key, deepseek_field(fields, key))
     # save_pretrained writes the per-expert tensors real checkpoints hold; config.json and
     # generation_config.json are then rewritten like the dense tiny models'.
     model.save_pretrained(str(out))
@@ -284,6 +293,78 @@ def make_random_qwen3_moe(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    out = Path(out_dir)
+    _save(model, config, out)
+    write_tokenizer(build_tokenizer(vocab_size), out)
+    return out
+
+
+def make_random_deepseek_v3(
+    out_dir: str | os.PathLike[str],
+    *,
+    hidden_size: int = 768,
+    num_hidden_layers: int = 12,
+    num_attention_heads: int = 6,
+    intermediate_size: int = 1536,
+    moe_intermediate_size: int = 512,
+    n_routed_experts: int = 16,
+    num_experts_per_tok: int = 4,
+    vocab_size: int = 32000,
+    max_position_embeddings: int = 163840,
+    seed: int = 0,
+) -> Path:
+    """A random-weight ``DeepseekV3ForCausalLM`` for benchmarks, DeepSeek-V3's proportions at
+    a width a CPU runs: with ``d = hidden_size // num_attention_heads``, MLA with
+    ``qk_nope_head_dim = v_head_dim = d``, ``qk_rope_head_dim = d / 2``, ``kv_lora_rank = 4d``
+    and ``q_lora_rank = 6d`` (V3: 128, 64, 512, 1536); layer 0 dense (``intermediate_size``),
+    the others ``n_routed_experts`` in 4 groups, top-2 groups, one shared expert, sigmoid
+    scores with a drawn correction bias; yarn rope (factor 40 over 4096, V3's). At the defaults
+    (6 heads of 128, V3's head) ~0.3 B parameters, and the latent is V3's 512 + 64 = 576 values
+    per token and layer, against 1536 for multi-head attention of the same width."""
+    head_dim = hidden_size // num_attention_heads
+    config = DeepseekV3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_attention_heads,
+        q_lora_rank=6 * head_dim,
+        kv_lora_rank=4 * head_dim,
+        qk_nope_head_dim=head_dim,
+        qk_rope_head_dim=head_dim // 2,
+        v_head_dim=head_dim,
+        n_routed_experts=n_routed_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=PAD_TOKEN_ID,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _draw_correction_bias(model, seed)
     out = Path(out_dir)
     _save(model, config, out)
     write_tokenizer(build_tokenizer(vocab_size), out)

@@ -94,14 +94,19 @@ class SystemResult:
     output_tokens: int
     total_tokens: int
     requests: int
+    # Bytes one token takes in the KV cache (all layers, one worker), where the system says.
+    kv_cache_bytes_per_token: int | None = None
 
     def as_dict(self) -> dict[str, float]:
-        return {
+        out = {
             "output_tokens_per_s": self.output_tokens / self.wall_s,
             "total_tokens_per_s": self.total_tokens / self.wall_s,
             "requests_per_s": self.requests / self.wall_s,
             "wall_s": self.wall_s,
         }
+        if self.kv_cache_bytes_per_token is not None:
+            out["kv_cache_bytes_per_token"] = self.kv_cache_bytes_per_token
+        return out
 
 
 # ---- the systems -----------------------------------------------------------------------------
@@ -141,7 +146,10 @@ def _timed_generate(llm: Any, wl: Workload) -> tuple[SystemResult, dict[str, Any
     profile = _step_profile(engine, wall)
     if engine.proposer is not None:
         profile["spec_decode"] = engine.spec_decode_stats.as_dict()
-    return SystemResult(wall, wl.output_tokens, wl.total_tokens, len(wl.prompts)), profile
+    block_bytes = engine.executor.collective_rpc("kv_block_bytes")[0]
+    kv_per_token = block_bytes // engine.config.cache.block_size
+    result = SystemResult(wall, wl.output_tokens, wl.total_tokens, len(wl.prompts), kv_per_token)
+    return result, profile
 
 
 @contextlib.contextmanager
@@ -214,7 +222,12 @@ def run_vllm(
         raise RuntimeError(
             f"vllm produced {result['output_tokens']} tokens, expected {wl.output_tokens}"
         )
-    return SystemResult(result["wall_s"], wl.output_tokens, wl.total_tokens, len(wl.prompts))
+    # vLLM's CPU cache is VLLM_CPU_KVCACHE_SPACE GiB cut into whole blocks of its tokens.
+    kv_space = float(env["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+    kv_per_token = int(kv_space // result["kv_cache_tokens"])
+    return SystemResult(
+        result["wall_s"], wl.output_tokens, wl.total_tokens, len(wl.prompts), kv_per_token
+    )
 
 
 def _step_profile(engine: Any, wall: float) -> dict[str, Any]:
@@ -366,10 +379,9 @@ def _sync(device: str) -> None:
 def engine_flops(shape: ModelShape, wl: Workload) -> float:
     """FLOPs the engine must do: every computed token through the decoder matmuls, the LM head
     for every sampled token, and attention (QK^T and AV) over each token's context."""
-    head_dim = shape.hidden_size // shape.num_attention_heads
     per_token = 2 * shape.linear_params_per_token()
     lm_head = 2 * shape.vocab_size * shape.hidden_size
-    attn_per_position = 4 * shape.num_hidden_layers * shape.num_attention_heads * head_dim
+    attn_per_position = shape.attention_flops_per_position()
     total = 0.0
     for prompt, out in zip(wl.prompts, wl.output_lens):
         computed = len(prompt) + out - 1  # the last sampled token is never fed back
@@ -608,11 +620,15 @@ def _print_table(report: dict[str, Any]) -> None:
         f"{c['workload']['num_prompts']} prompts, in {c['workload']['input_len']}, "
         f"out {c['workload']['output_len']}"
     )
-    print(f"{'system':<20}{'out tok/s':>12}{'total tok/s':>13}{'req/s':>9}{'wall s':>9}")
+    print(
+        f"{'system':<20}{'out tok/s':>12}{'total tok/s':>13}{'req/s':>9}{'wall s':>9}"
+        f"{'KV B/token':>12}"
+    )
     for name, r in report["systems"].items():
+        kv = r.get("kv_cache_bytes_per_token")
         print(
             f"{name:<20}{r['output_tokens_per_s']:>12.1f}{r['total_tokens_per_s']:>13.1f}"
-            f"{r['requests_per_s']:>9.2f}{r['wall_s']:>9.1f}"
+            f"{r['requests_per_s']:>9.2f}{r['wall_s']:>9.1f}{kv if kv is not None else '-':>12}"
         )
     for name, values in report.get("rounds", {}).items():
         if len(values) > 1:

@@ -9,8 +9,8 @@ nothing from this project, only the standard library and vLLM::
 ``WORKLOAD.json`` holds the model directory, dtype, engine limits, the prompts' token ids and
 each request's output length. Like the engine's run: a 2-request warm-up that is not timed,
 then every request at once, temperature 1.0, ``ignore_eos``, the text detokenized (vLLM's
-default). ``RESULT.json`` gets ``wall_s``, ``output_tokens`` and ``vllm`` (its version); a file,
-since vLLM's own logging shares stdout.
+default). ``RESULT.json`` gets ``wall_s``, ``output_tokens``, ``kv_cache_tokens`` (its cache's
+capacity) and ``vllm`` (its version); a file, since vLLM's own logging shares stdout.
 """
 
 from __future__ import annotations
@@ -47,7 +47,14 @@ def main(path: str, result_path: str) -> None:
     wall = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     with open(result_path, "w", encoding="utf-8") as f:
-        json.dump({"wall_s": wall, "output_tokens": produced, "vllm": vllm.__version__}, f)
+        cache = llm.llm_engine.vllm_config.cache_config
+        result = {
+            "wall_s": wall,
+            "output_tokens": produced,
+            "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
+            "vllm": vllm.__version__,
+        }
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

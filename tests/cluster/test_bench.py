@@ -65,13 +65,10 @@ def test_bench_throughput_writes_complete_json(tmp_path) -> None:
         "systems", "ratios", "roofline", "step_profile", "conditions", "rounds"
     }  # fmt: skip
     assert set(report["systems"]) == {"engine", "hf_static", "hf_cb"}
-    for figures in report["systems"].values():
-        assert set(figures) == {
-            "output_tokens_per_s",
-            "total_tokens_per_s",
-            "requests_per_s",
-            "wall_s",
-        }
+    rates = {"output_tokens_per_s", "total_tokens_per_s", "requests_per_s", "wall_s"}
+    for name, figures in report["systems"].items():
+        # The engine also says what a token costs in its cache (HF's dynamic cache does not).
+        assert set(figures) == rates | ({"kv_cache_bytes_per_token"} if name == "engine" else set())
         assert all(v > 0 for v in figures.values())
     assert set(report["ratios"]) == {"engine/hf_static", "engine/hf_cb"}
     assert report["roofline"]["gemm_flops_per_s"] > 0
@@ -202,6 +199,75 @@ def test_bench_qwen3_moe_runs_the_engine_on_its_random_checkpoint(tmp_path: Path
     assert config.mlp_only_layers == []
 
 
+def test_bench_deepseek_v3_defaults_to_a_0_3b_latent_attention_model() -> None:
+    """V3's heads at the bench width: 16 experts top-4 + 1 shared, layer 0 dense, its
+    parameter count exactly what HF builds (meta device), V3's latent of 576 values per token
+    and layer against 1536 for multi-head attention of the same width."""
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    shape = _shape("--family", "deepseek-v3")
+    assert (shape.num_experts, shape.num_experts_per_tok, shape.num_key_value_heads) == (16, 4, 6)
+    assert shape.kv_values_per_token() == 512 + 64
+    assert ModelShape(num_key_value_heads=12).kv_values_per_token() == 2 * 768
+    config = DeepseekV3Config(
+        vocab_size=32000, hidden_size=768, intermediate_size=1536, moe_intermediate_size=512,
+        num_hidden_layers=12, num_attention_heads=6, num_key_value_heads=6,
+        n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=4,
+        topk_group=2, first_k_dense_replace=1, tie_word_embeddings=False, **shape.mla_dims(),
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    matmuls = sum(p.numel() for n, p in hf.named_parameters() if "norm" not in n)
+    assert shape.total_params() == matmuls
+    assert 0.28e9 < shape.total_params() < 0.32e9
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--family", "deepseek-v3", "--num-key-value-heads", "4"], "has no KV heads"),
+        (["--family", "deepseek-v3", "--num-experts", "6"], "a multiple of 4"),
+        (["--family", "deepseek-v3", "--num-experts-per-tok", "9"], "at most half"),
+        (["--family", "deepseek-v3", "--hidden-size", "60"], "divisible by 4"),
+    ],
+)
+def test_bench_deepseek_v3_options_are_checked_by_name(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        _shape(*argv)
+
+
+def test_bench_deepseek_v3_runs_the_engine_on_its_random_checkpoint(tmp_path: Path) -> None:
+    """The smallest ``--family deepseek-v3`` run: a checkpoint HF loads as
+    ``DeepseekV3ForCausalLM`` with a latent cache, and the engine generates every token."""
+    from transformers import AutoConfig
+
+    out, cache = tmp_path / "bench.json", tmp_path / "cache"
+    shape = ["--hidden-size", "64", "--num-hidden-layers", "2", "--num-attention-heads", "4",
+             "--intermediate-size", "32", "--vocab-size", "1024", "--num-experts", "8",
+             "--num-experts-per-tok", "2"]  # fmt: skip
+    cmd = [sys.executable, "-m", "cluster.cli", "bench", "throughput", "--systems", "engine",
+           "--family", "deepseek-v3", "--num-prompts", "2", "--input-len", "4:8",
+           "--output-len", "2:3", *shape, "--json", str(out)]  # fmt: skip
+    env = {**os.environ, "LLM_CLUSTER_CACHE_DIR": str(cache)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["conditions"]["model"]["family"] == "deepseek-v3"
+    assert report["systems"]["engine"]["output_tokens_per_s"] > 0
+    # Two layers of one fp32 latent: kv_lora_rank 64 (4 x head 16) + rope key 8.
+    assert report["systems"]["engine"]["kv_cache_bytes_per_token"] == 2 * (64 + 8) * 4
+    model_dir = cache / "models" / "bench-deepseek-v3-h64-l2-a4-kv4-i32-v1024-e8k2-t2"
+    config = AutoConfig.from_pretrained(model_dir)
+    assert config.architectures == ["DeepseekV3ForCausalLM"]
+    assert (config.kv_lora_rank, config.qk_rope_head_dim, config.q_lora_rank) == (64, 8, 96)
+    assert (config.n_routed_experts, config.first_k_dense_replace, config.intermediate_size) == (
+        8,
+        1,
+        96,
+    )
+
+
 def test_bench_serve_compare_writes_complete_json_and_plot(tmp_path) -> None:
     import yaml
 
@@ -292,6 +358,9 @@ def test_bench_throughput_runs_vllm_in_its_peer_venv_in_rounds(tmp_path) -> None
     assert all(v > 0 for v in report["rounds"]["vllm"])
     assert report["conditions"]["vllm"]["version"]
     assert "ratio engine/vllm" in result.stdout
+    # Both caches hold K and V of one 64-wide KV head in fp32 on each of 2 layers.
+    kv = {name: figures["kv_cache_bytes_per_token"] for name, figures in report["systems"].items()}
+    assert kv == {"engine": 2 * 2 * 64 * 4, "vllm": 2 * 2 * 64 * 4}
 
 
 def test_rounds_report_the_median_round() -> None:
