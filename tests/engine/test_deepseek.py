@@ -23,7 +23,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError
-from engine.hf_config import check_hf_config
+from engine.hf_config import check_hf_config, deepseek_field
 from engine.model_loader import iterate_checkpoint, load_weights
 from engine.models import get_model_class
 from engine.models.moe import Router
@@ -220,3 +220,15 @@ def test_fields_a_config_leaves_out_take_transformers_defaults() -> None:
     routing = get_model_class("DeepseekV3ForCausalLM").routing(hf)
     assert (routing.num_groups, routing.topk_groups) == (8, 4)
     assert (routing.scaling_factor, routing.renormalize) == (2.5, True)
+
+
+def test_a_null_routing_method_means_the_architectures_own() -> None:
+    """transformers' DeepseekV3Config has no ``topk_method`` / ``scoring_func``; a config it
+    wrote may carry them as null, which means V3's sigmoid noaux_tc (HF's code has no other),
+    while a value that names another method is still refused."""
+    hf = _config("tiny-deepseek-v3", topk_method=None, scoring_func=None)
+    check_hf_config(hf)
+    assert deepseek_field(hf, "topk_method") == "noaux_tc"
+    assert deepseek_field(hf, "scoring_func") == "sigmoid"
+    with pytest.raises(ConfigError, match=r"^scoring_func: "):
+        check_hf_config(_config("tiny-deepseek-v3", scoring_func="softmax"))
