@@ -46,7 +46,10 @@ def run(request: pytest.FixtureRequest) -> tuple[str, list[int], object]:
     arch = request.param
     # A small token budget chunks the 70-token prompt over three steps.
     llm = LLM(f"builtin:{arch}", num_kv_blocks=64, max_num_batched_tokens=32)
-    rng = random.Random(11)
+    # Seed 11 put two of tiny-deepseek-v3's biased expert scores one fp32 ulp apart (either
+    # routing is right within rounding); with 16 the DeepSeek models' smallest routing margin
+    # (k-th vs (k+1)-th expert or group, prompt and completion) is above 5e-4.
+    rng = random.Random(16)
     prompt = [rng.randrange(llm.llm_engine.config.model.vocab_size) for _ in range(70)]
     params = SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True, logprobs=TOP, prompt_logprobs=TOP
