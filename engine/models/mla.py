@@ -16,8 +16,9 @@ layer (576 for DeepSeek-V3, ~1.1 KiB in bf16, against 128 heads x (192 + 128) ex
 prefill, chunked prefill, prefix caching, swap and decode all read the same cache through the
 same paged attention. Absorbing is what vLLM does in decode, where attention is bound by reading
 the cache; in a long prefill up-projecting would cost fewer FLOPs (keys of 192, not 576,
-values per head), a GPU optimization left to the kernels (docs/mla.md says which path each
-phase takes and why). The two orders give the same scores up to rounding.
+values per head), an optimization left to the kernels (docs/mla.md says which path each
+phase takes, why, and what absorbing costs a long prefill). The two orders give the same
+scores up to rounding.
 
 Rope: ``q_pe`` and ``k_pe`` rotate in interleaved pairs ``(x0, x1), (x2, x3), ...`` (DeepSeek's
 layout: V2 always, V3 with ``rope_interleave``); gathering the even then the odd dimensions
