@@ -41,7 +41,14 @@ def _ct(weights: dict[str, Any], acts: dict[str, Any] | None = None, **top: Any)
             "quantization_config: quant_method 'bitsandbytes' is not supported (supported: "
             "compressed-tensors, gptq, awq",
         ),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "quant_method 'fp8'"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+            "quantization_config.activation_scheme: 'static' is not supported (dynamic)",
+        ),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 0]},
+            "quantization_config.weight_block_size: [128, 0] is not supported",
+        ),
         (
             _ct({"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}),
             "config_groups.group_0.weights: 'int 8-bit' is not supported",
