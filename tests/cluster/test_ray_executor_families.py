@@ -32,6 +32,7 @@ MODELS = {
     "llama-biases": lambda: tiny_variant("tiny-llama", attention_bias=True, mlp_bias=True),
     "mistral-window-48": lambda: tiny_variant("tiny-mistral", sliding_window=48),
     "tiny-deepseek-v3": lambda: resolve_model_source("builtin:tiny-deepseek-v3"),
+    "tiny-deepseek-v2": lambda: resolve_model_source("builtin:tiny-deepseek-v2"),
 }
 
 
@@ -66,6 +67,7 @@ def test_tp2_equals_tp1(model: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-deepseek-v2"])
 @pytest.mark.parametrize(
     "args",
     [
@@ -74,11 +76,12 @@ def test_tp2_equals_tp1(model: str) -> None:
     ],
     ids=["pp2", "ep2"],
 )
-def test_deepseek_v3_pp2_and_ep2_equal_tp1(args: dict[str, Any]) -> None:
-    # Stage 0 holds the dense layer 0 and the sparse layer 1, stage 1 the last sparse layer:
-    # latent caches on both stages; EP splits the 8 experts 4 and 4, attention heads TP.
-    expected = _greedy("tiny-deepseek-v3", distributed_executor_backend="uni")
-    assert _greedy("tiny-deepseek-v3", **args) == expected
+def test_deepseek_pp2_and_ep2_equal_tp1(model: str, args: dict[str, Any]) -> None:
+    # V3: stage 0 holds the dense layer 0 and the sparse layer 1, stage 1 the last sparse
+    # layer; V2-Lite's shape has no q_lora and greedy softmax routing. Latent caches on both
+    # stages; EP splits the experts between the ranks, attention heads TP.
+    expected = _greedy(model, distributed_executor_backend="uni")
+    assert _greedy(model, **args) == expected
 
 
 @pytest.mark.slow
