@@ -20,8 +20,10 @@ grouped top-k) refused by name where the family does not route with them.
 
 DeepSeek-V2/V3 (and Kimi K2, a DeepSeek-V3): multi-head latent attention's ranks and head dims
 (``kv_lora_rank``, ``q_lora_rank`` or null, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
-``v_head_dim``) and DeepSeek's routing (``deepseek_routing``). A field the config.json leaves out
-takes the default of transformers' config class for that architecture, as HF does.
+``v_head_dim``) and DeepSeek's routing. GLM-4.5 / 4.6 (``Glm4MoeForCausalLM``): DeepSeek-V3's
+router and MoE fields on grouped-query attention (``use_qk_norm``, ``attention_bias``, half the
+head rotated by default). A field the config.json leaves out takes the default of transformers'
+config class for that architecture, as HF does (``config_field``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Glm4MoeForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
@@ -61,10 +64,14 @@ SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("gelu_pytorch_tanh", "silu")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 DEEPSEEK_ARCHITECTURES: tuple[str, ...] = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-MOE_ARCHITECTURES: tuple[str, ...] = ("MixtralForCausalLM", *_QWEN_MOE, *DEEPSEEK_ARCHITECTURES)
-# transformers' DeepseekV2Config / DeepseekV3Config defaults of the fields the engine reads,
-# for a config.json that leaves one out.
-_DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
+GLM4_MOE = "Glm4MoeForCausalLM"
+# Families with DeepSeek's MoE fields: ``n_routed_experts``, ``n_shared_experts`` (ungated),
+# ``first_k_dense_replace``, ``routed_scaling_factor`` and a grouped top-k.
+DEEPSEEK_STYLE_MOE: tuple[str, ...] = (*DEEPSEEK_ARCHITECTURES, GLM4_MOE)
+MOE_ARCHITECTURES: tuple[str, ...] = ("MixtralForCausalLM", *_QWEN_MOE, *DEEPSEEK_STYLE_MOE)
+# transformers' DeepseekV2Config / DeepseekV3Config / Glm4MoeConfig defaults of the fields the
+# engine reads, for a config.json that leaves one out.
+_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "DeepseekV2ForCausalLM": {
         "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
         "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
@@ -80,6 +87,12 @@ _DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
         "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 8,
         "topk_group": 4, "norm_topk_prob": True, "scoring_func": "sigmoid",
         "rope_interleave": True, "attention_bias": False,
+    },
+    GLM4_MOE: {
+        "n_routed_experts": 128, "n_shared_experts": 1, "moe_intermediate_size": 1408,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 1.0, "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": True, "attention_bias": False,
+        "use_qk_norm": False, "partial_rotary_factor": 0.5,
     },
 }  # fmt: skip
 _UNSET_WHEN_NULL = ("topk_method", "scoring_func")
@@ -158,6 +171,8 @@ def check_hf_config(hf: dict[str, Any]) -> None:
                 raise ConfigError(f"{key}: {arch} does not soft-cap logits, got {hf[key]!r}")
     if arch in DEEPSEEK_ARCHITECTURES:
         check_deepseek(hf)  # first: the rope check reads qk_rope_head_dim
+    elif arch == GLM4_MOE:
+        check_glm4_moe(hf)
     elif arch in MOE_ARCHITECTURES:
         check_moe(hf)
     check_rope(hf)
@@ -206,17 +221,17 @@ def check_moe(hf: dict[str, Any]) -> None:
         _positive_int(hf, "shared_expert_intermediate_size")
 
 
-def deepseek_field(hf: dict[str, Any], key: str) -> Any:
-    """A DeepSeek config field, or transformers' default for the architecture when absent
-    (or null where null means unset: transformers' V3 code has no ``topk_method`` /
+def config_field(hf: dict[str, Any], key: str) -> Any:
+    """A DeepSeek / GLM-4.5 config field, or transformers' default for the architecture when
+    absent (or null where null means unset: transformers' V3 code has no ``topk_method`` /
     ``scoring_func`` of its own and writes them out as null)."""
     if key in hf and not (hf[key] is None and key in _UNSET_WHEN_NULL):
         return hf[key]
-    return _DEEPSEEK_DEFAULTS[architecture(hf)][key]
+    return _CONFIG_DEFAULTS[architecture(hf)][key]
 
 
 def _natural(hf: dict[str, Any], key: str, *, positive: bool = True) -> int:
-    value = deepseek_field(hf, key)
+    value = config_field(hf, key)
     low = 1 if positive else 0
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         kind = "a positive integer" if positive else "an integer >= 0"
@@ -228,62 +243,88 @@ def check_deepseek(hf: dict[str, Any]) -> None:
     """A DeepSeek-V2 / V3 config: the latent attention's ranks and head dims, the MoE counts,
     and routing options the engine computes as HF does (``deepseek_routing``)."""
     arch = architecture(hf)
-    for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size"):
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
         _natural(hf, key)
     rope_dim = _natural(hf, "qk_rope_head_dim")
     if rope_dim % 2:
         raise ConfigError(f"qk_rope_head_dim: must be even, got {rope_dim}")
-    if deepseek_field(hf, "q_lora_rank") is not None:
+    if config_field(hf, "q_lora_rank") is not None:
         _natural(hf, "q_lora_rank")
+    experts, top_k = _check_deepseek_style_experts(hf)
+    freq = hf.get("moe_layer_freq", 1)
+    if freq != 1:
+        raise ConfigError(f"moe_layer_freq: only 1 is supported (as HF computes), got {freq!r}")
+    _check_flags(hf, "rope_interleave", "attention_bias", "norm_topk_prob")
+    v2 = arch == "DeepseekV2ForCausalLM"
+    methods = ("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)
+    scoring = "softmax" if v2 else "sigmoid"
+    method = config_field(hf, "topk_method")
+    if method not in methods:
+        raise ConfigError(f"topk_method: {method!r} is not supported for {arch} ({methods})")
+    if config_field(hf, "scoring_func") != scoring:
+        raise ConfigError(f"scoring_func: {arch} scores experts by {scoring!r}, got "
+                          f"{config_field(hf, 'scoring_func')!r}")  # fmt: skip
+    if v2 and config_field(hf, "norm_topk_prob"):
+        # transformers' DeepSeek-V2 router never renormalizes, DeepSeek's own code does.
+        raise ConfigError("norm_topk_prob: true is not supported for DeepseekV2ForCausalLM "
+                          "(transformers' and DeepSeek's code disagree on it)")  # fmt: skip
+    if method in ("group_limited_greedy", "noaux_tc"):
+        _check_groups(hf, experts, top_k, top2=method == "noaux_tc")
+
+
+def check_glm4_moe(hf: dict[str, Any]) -> None:
+    """A GLM-4.5 / 4.6 (``Glm4MoeForCausalLM``) config: DeepSeek-V3's router (sigmoid scores,
+    correction bias, groups scored by their best two) over ``n_routed_experts``, shared
+    experts, dense first layers; the attention flags it switches."""
+    experts, top_k = _check_deepseek_style_experts(hf)
+    _check_flags(hf, "attention_bias", "norm_topk_prob", "use_qk_norm")
+    _check_groups(hf, experts, top_k, top2=True)
+
+
+def _check_deepseek_style_experts(hf: dict[str, Any]) -> tuple[int, int]:
+    """The expert counts, dense layers and scaling of a DeepSeek-style MoE: (experts, top-k)."""
+    _natural(hf, "moe_intermediate_size")
     experts = _natural(hf, "n_routed_experts")
     top_k = _positive_int(hf, "num_experts_per_tok")
     if top_k > experts:
         raise ConfigError(f"num_experts_per_tok: {top_k} is more than the {experts} experts")
     _natural(hf, "n_shared_experts", positive=False)
     _natural(hf, "first_k_dense_replace", positive=False)
-    freq = hf.get("moe_layer_freq", 1)
-    if freq != 1:
-        raise ConfigError(f"moe_layer_freq: only 1 is supported (as HF computes), got {freq!r}")
-    scale = deepseek_field(hf, "routed_scaling_factor")
+    scale = config_field(hf, "routed_scaling_factor")
     if not isinstance(scale, int | float) or isinstance(scale, bool) or not scale > 0:
         raise ConfigError(f"routed_scaling_factor: must be a number > 0, got {scale!r}")
-    for key in ("rope_interleave", "attention_bias", "norm_topk_prob"):
-        if not isinstance(deepseek_field(hf, key), bool):
-            raise ConfigError(f"{key}: must be true or false, got {deepseek_field(hf, key)!r}")
-    v2 = arch == "DeepseekV2ForCausalLM"
-    methods = ("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)
-    scoring = "softmax" if v2 else "sigmoid"
-    method = deepseek_field(hf, "topk_method")
-    if method not in methods:
-        raise ConfigError(f"topk_method: {method!r} is not supported for {arch} ({methods})")
-    if deepseek_field(hf, "scoring_func") != scoring:
-        raise ConfigError(f"scoring_func: {arch} scores experts by {scoring!r}, got "
-                          f"{deepseek_field(hf, 'scoring_func')!r}")  # fmt: skip
-    if v2 and deepseek_field(hf, "norm_topk_prob"):
-        # transformers' DeepSeek-V2 router never renormalizes, DeepSeek's own code does.
-        raise ConfigError("norm_topk_prob: true is not supported for DeepseekV2ForCausalLM "
-                          "(transformers' and DeepSeek's code disagree on it)")  # fmt: skip
-    if method in ("group_limited_greedy", "noaux_tc"):
-        groups, best = _natural(hf, "n_group"), _natural(hf, "topk_group")
-        if experts % groups:
-            raise ConfigError(f"n_group: {groups} does not divide n_routed_experts {experts}")
-        if best > groups:
-            raise ConfigError(f"topk_group: {best} is more than n_group {groups}")
-        if method == "noaux_tc" and experts // groups < 2:
-            raise ConfigError(f"n_group: {groups} leaves fewer than 2 experts per group "
-                              "(noaux_tc scores a group by its best two)")  # fmt: skip
-        allowed = best * (experts // groups)
-        if top_k > allowed:
-            raise ConfigError(f"num_experts_per_tok: {top_k} is more than the {allowed} "
-                              "experts of topk_group groups")  # fmt: skip
+    return experts, top_k
+
+
+def _check_flags(hf: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        if not isinstance(config_field(hf, key), bool):
+            raise ConfigError(f"{key}: must be true or false, got {config_field(hf, key)!r}")
+
+
+def _check_groups(hf: dict[str, Any], experts: int, top_k: int, *, top2: bool) -> None:
+    """``n_group`` / ``topk_group`` of a grouped top-k (``top2``: groups scored by their best
+    two experts, DeepSeek-V3's ``noaux_tc`` and GLM's router)."""
+    groups, best = _natural(hf, "n_group"), _natural(hf, "topk_group")
+    if experts % groups:
+        raise ConfigError(f"n_group: {groups} does not divide n_routed_experts {experts}")
+    if best > groups:
+        raise ConfigError(f"topk_group: {best} is more than n_group {groups}")
+    if top2 and experts // groups < 2:
+        raise ConfigError(f"n_group: {groups} leaves fewer than 2 experts per group "
+                          "(the router scores a group by its best two)")  # fmt: skip
+    allowed = best * (experts // groups)
+    if top_k > allowed:
+        raise ConfigError(f"num_experts_per_tok: {top_k} is more than the {allowed} "
+                          "experts of topk_group groups")  # fmt: skip
 
 
 def num_experts(hf: dict[str, Any]) -> int:
     """Routed experts per sparse layer: ``num_experts`` (Qwen2/3-MoE), ``num_local_experts``
     (Mixtral; transformers also writes Qwen3-MoE's under this name) or ``n_routed_experts``
     (DeepSeek)."""
-    if architecture(hf) in DEEPSEEK_ARCHITECTURES:
-        return int(deepseek_field(hf, "n_routed_experts"))
+    if architecture(hf) in DEEPSEEK_STYLE_MOE:
+        return int(config_field(hf, "n_routed_experts"))
     value = hf.get("num_experts")
     return value if value is not None else hf.get("num_local_experts", 0)
 
@@ -293,21 +334,21 @@ def moe_intermediate_size(hf: dict[str, Any]) -> int:
     arch = architecture(hf)
     if arch == "MixtralForCausalLM":
         return int(hf["intermediate_size"])
-    if arch in DEEPSEEK_ARCHITECTURES:
-        return int(deepseek_field(hf, "moe_intermediate_size"))
+    if arch in DEEPSEEK_STYLE_MOE:
+        return int(config_field(hf, "moe_intermediate_size"))
     return int(hf["moe_intermediate_size"])
 
 
 def is_sparse_layer(hf: dict[str, Any], layer: int) -> bool:
     """Whether decoder layer ``layer`` holds the MoE block (else a dense MLP): every layer of
     Mixtral; for Qwen2/3-MoE HF's rule — not in ``mlp_only_layers``, and every
-    ``decoder_sparse_step``-th layer (1-based) when there are experts at all; for DeepSeek
-    every layer from ``first_k_dense_replace`` on."""
+    ``decoder_sparse_step``-th layer (1-based) when there are experts at all; for DeepSeek and
+    GLM-4.5 every layer from ``first_k_dense_replace`` on."""
     arch = architecture(hf)
     if arch == "MixtralForCausalLM":
         return True
-    if arch in DEEPSEEK_ARCHITECTURES:
-        return layer >= int(deepseek_field(hf, "first_k_dense_replace"))
+    if arch in DEEPSEEK_STYLE_MOE:
+        return layer >= int(config_field(hf, "first_k_dense_replace"))
     if arch not in _QWEN_MOE:
         return False
     step = int(hf.get("decoder_sparse_step") or 1)

@@ -92,7 +92,7 @@ class _Family:
     qkv_bias: str | bool  # an HF config key to read, or a constant
     o_bias: str | bool
     mlp_bias: str | bool
-    qk_norm: bool
+    qk_norm: str | bool
     norms_per_layer: int
     tie_default: bool  # ``CausalLM.tie_word_embeddings_default``
     flag_default: bool = False  # a flag's value when its key is absent (Qwen2-MoE's qkv_bias)
@@ -117,6 +117,7 @@ FAMILIES: dict[str, _Family] = {
     "DeepseekV3ForCausalLM": _Family(False, False, False, False, 2, False),
     "Qwen2MoeForCausalLM": _Family("qkv_bias", False, False, False, 2, False, flag_default=True),
     "Qwen3MoeForCausalLM": _Family("attention_bias", "attention_bias", False, True, 2, False),
+    "Glm4MoeForCausalLM": _Family("attention_bias", False, False, "use_qk_norm", 2, False),
 }
 
 
@@ -305,7 +306,7 @@ def _latent(hf: Mapping[str, Any]) -> _Latent | None:
     arch = hf_config.architecture(conf)
     if arch not in hf_config.DEEPSEEK_ARCHITECTURES:
         return None
-    field_ = functools.partial(hf_config.deepseek_field, conf)
+    field_ = functools.partial(hf_config.config_field, conf)
     return _Latent(
         q_lora_rank=field_("q_lora_rank"),
         kv_lora_rank=int(field_("kv_lora_rank")),
@@ -463,7 +464,8 @@ def stage_weight_bytes(
         attn_bias += h  # row-parallel: whole on every rank
     mlp = linear(2 * inter, h, 2) + linear(h, inter)
     mlp_bias = 2 * inter + h if family.flag(hf, family.mlp_bias) else 0
-    norms = family.norms_per_layer * h + (2 * shape.head_dim if family.qk_norm else 0)
+    qk_norms = 2 * shape.head_dim if family.flag(hf, family.qk_norm) else 0
+    norms = family.norms_per_layer * h + qk_norms
     if shape.mla is not None:
         attn, attn_bias, latent_norms = _mla_layer(shape, shape.mla, linear, dtype_bytes)
         norms += latent_norms

@@ -66,22 +66,22 @@ def moe_weight_bytes(
     # linear layers quantized; ``engine.quantization.loading``): counted in the model's dtype.
     expert = 3 * expert_slice * hidden * dtype_bytes
     arch = hf_config.architecture(conf)
-    deepseek = arch in hf_config.DEEPSEEK_ARCHITECTURES
+    deepseek = arch in hf_config.DEEPSEEK_STYLE_MOE
     shared_size = int(hf.get("shared_expert_intermediate_size") or 0)
     if arch != "Qwen2MoeForCausalLM":
         shared_size = 0  # Qwen3-MoE's config may carry the field; its model has no shared expert
     if deepseek:
-        shared_size = int(hf_config.deepseek_field(conf, "n_shared_experts")) * expert_inter
+        shared_size = int(hf_config.config_field(conf, "n_shared_experts")) * expert_inter
     shared = 0
     if shared_size:
         shared_slice = _split(shared_size, tp, "shared_expert_intermediate_size")
         shared = linear(2 * shared_slice, hidden, 2) + linear(hidden, shared_slice, 1)
         if not deepseek:
             shared += hidden * dtype_bytes  # shared_expert_gate [1, H]
-    # The router [E, H], in float32 for DeepSeek (as its HF code declares it), with V3's
-    # e_score_correction_bias [E] in float32.
+    # The router [E, H], in float32 for DeepSeek and GLM (as their HF code declares it), with
+    # V3's and GLM's e_score_correction_bias [E] in float32.
     router = num_experts * hidden * (FP32_BYTES if deepseek else dtype_bytes)
-    if arch == "DeepseekV3ForCausalLM":
+    if arch in ("DeepseekV3ForCausalLM", hf_config.GLM4_MOE):
         router += num_experts * FP32_BYTES
     sparse = sum(hf_config.is_sparse_layer(conf, i) for i in range(first_layer, end_layer))
     dense = 0

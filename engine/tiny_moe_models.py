@@ -14,6 +14,10 @@ init recipe, same cache), so tests compare the engine with HF transformers offli
     tiny-deepseek-v2  DeepSeek-V2  8        2      dense, 2 sparse MLA without q_lora (V2-Lite's
                                                                    shape), softmax greedy, 2
                                                                    shared experts
+    tiny-glm4-moe     GLM-4.5      8 in 2   2      dense, 2 sparse half of each head rotated,
+                                   groups                          q/k norm, q/k/v biases,
+                                                                   V3's router with a non-zero
+                                                                   correction bias, 1 shared
 
 The weights are written with ``save_pretrained``, so the checkpoint has the per-expert tensors
 (``experts.N.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.N.w1.weight``) that
@@ -33,13 +37,14 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    Glm4MoeConfig,
     MixtralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
 )
 
-from engine.hf_config import DEEPSEEK_ARCHITECTURES, deepseek_field
+from engine.hf_config import DEEPSEEK_ARCHITECTURES, config_field
 from engine.tiny_models import (
     _COMMON_CONFIG,
     BOS_TOKEN_ID,
@@ -62,6 +67,7 @@ TINY_MOE_MODEL_NAMES: tuple[str, ...] = (
     "tiny-qwen3-moe",
     "tiny-deepseek-v3",
     "tiny-deepseek-v2",
+    "tiny-glm4-moe",
 )
 # Multi-head latent attention at a small scale: 4 heads, q_lora 48 (V3), latent 32 + rope 8.
 _MLA_SHAPE: dict[str, Any] = {
@@ -160,6 +166,31 @@ _MOE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
+    # GLM-4.5's quirks at a small scale: 4 heads of 32 over a hidden size of 64 (heads x
+    # head_dim != hidden, as in GLM-4.5), 16 of each head's dims rotated, layer 0 dense.
+    "tiny-glm4-moe": (
+        Glm4MoeConfig,
+        {
+            "num_hidden_layers": 3,
+            "intermediate_size": 96,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "num_nextn_predict_layers": 1,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 # The _COMMON_CONFIG fields DeepSeek's configs derive themselves (head_dim = qk_rope_head_dim)
 # or take inside rope_parameters.
@@ -204,7 +235,8 @@ def make_tiny_moe_model(
 
 
 def _draw_correction_bias(model: Any, seed: int) -> None:
-    """DeepSeek-V3's ``e_score_correction_bias`` buffers, drawn (HF starts them at zero)."""
+    """DeepSeek-V3's and GLM-4.5's ``e_score_correction_bias`` buffers, drawn (HF starts them
+    at zero)."""
     generator = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for name, buffer in sorted(model.named_buffers()):
@@ -220,7 +252,7 @@ def _save(model: Any, config: PretrainedConfig, out: Path) -> None:
         # (vLLM) rely on; transformers' configs leave the fields out.
         fields = {**config.to_dict(), "architectures": [type(model).__name__]}
         for key in ("topk_method", "scoring_func"):
-            setattr(config, key, deepseek_field(fields, key))
+            setattr(config, key, config_field(fields, key))
     # save_pretrained writes the per-expert tensors real checkpoints hold; config.json and
     # generation_config.json are then rewritten like the dense tiny models'.
     model.save_pretrained(str(out))

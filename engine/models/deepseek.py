@@ -14,25 +14,22 @@ HF's checkpoint names, with our module names: ``mlp.shared_experts`` is the bloc
 ``shared_expert``; ``mlp.gate.weight`` / ``mlp.gate.e_score_correction_bias`` are the router's.
 DeepSeek-V3 checkpoints append their multi-token-prediction layers after the last decoder layer
 (``model.layers.{num_hidden_layers + i}.*`` for ``num_nextn_predict_layers``); they are not part
-of the model and are skipped by name (``checkpoint_skipped``).
+of the model and are skipped by name (``MoECausalLM.checkpoint_skipped``).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, ClassVar
 
 from torch import nn
 
 from engine import hf_config
-from engine.hf_config import deepseek_field
+from engine.hf_config import config_field
 from engine.models.decoder import DecoderModel, GatedMLP, PreNormDecoderLayer, rms_norm_factory
 from engine.models.mla import MLAAttention
 from engine.models.moe import MoECausalLM, Routing, SparseMoeBlock
 from kernels.backend import KernelOps
 from parallel.state import ParallelContext
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekV2ForCausalLM(MoECausalLM):
@@ -45,14 +42,14 @@ class DeepseekV2ForCausalLM(MoECausalLM):
 
     @staticmethod
     def routing(hf: dict[str, Any]) -> Routing:
-        groups = deepseek_field(hf, "topk_method") == "group_limited_greedy"
+        groups = config_field(hf, "topk_method") == "group_limited_greedy"
         return Routing(
             fp32_logits=True,
             fp32_weights=True,
-            num_groups=int(deepseek_field(hf, "n_group")) if groups else 1,
-            topk_groups=int(deepseek_field(hf, "topk_group")) if groups else 1,
+            num_groups=int(config_field(hf, "n_group")) if groups else 1,
+            topk_groups=int(config_field(hf, "topk_group")) if groups else 1,
             group_score="max",
-            scaling_factor=float(deepseek_field(hf, "routed_scaling_factor")),
+            scaling_factor=float(config_field(hf, "routed_scaling_factor")),
         )
 
     @staticmethod
@@ -61,7 +58,7 @@ class DeepseekV2ForCausalLM(MoECausalLM):
 
     def build_model(self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps) -> nn.Module:
         norm = rms_norm_factory(hf, ops)
-        shared = int(deepseek_field(hf, "n_shared_experts"))
+        shared = int(config_field(hf, "n_shared_experts"))
         shared_size = shared * hf_config.moe_intermediate_size(hf) if shared else None
 
         def layer(i: int) -> nn.Module:
@@ -83,29 +80,22 @@ class DeepseekV2ForCausalLM(MoECausalLM):
 
         return DecoderModel(hf, ctx, layer, norm)
 
-    def checkpoint_skipped(self, name: str) -> bool:
-        """Whether checkpoint tensor ``name`` belongs to a multi-token-prediction layer."""
-        match = _LAYER.match(name)
-        layers = int(self.hf["num_hidden_layers"])
-        extra = int(self.hf.get("num_nextn_predict_layers") or 0)
-        return match is not None and layers <= int(match[1]) < layers + extra
-
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     @staticmethod
     def routing(hf: dict[str, Any]) -> Routing:
         return Routing(
-            renormalize=bool(deepseek_field(hf, "norm_topk_prob")),
+            renormalize=bool(config_field(hf, "norm_topk_prob")),
             scoring="sigmoid",
             fp32_logits=True,
             fp32_weights=True,
             correction_bias=True,
-            num_groups=int(deepseek_field(hf, "n_group")),
-            topk_groups=int(deepseek_field(hf, "topk_group")),
+            num_groups=int(config_field(hf, "n_group")),
+            topk_groups=int(config_field(hf, "topk_group")),
             group_score="top2_sum",
-            scaling_factor=float(deepseek_field(hf, "routed_scaling_factor")),
+            scaling_factor=float(config_field(hf, "routed_scaling_factor")),
         )
 
     @staticmethod
     def interleaved_rope(hf: dict[str, Any]) -> bool:
-        return bool(deepseek_field(hf, "rope_interleave"))
+        return bool(config_field(hf, "rope_interleave"))

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.hf_config import deepseek_field
+from engine.hf_config import config_field
 from engine.models.layers import PagedAttention, RMSNorm
 from engine.models.rotary import RotaryEmbedding
 from kernels.attention import AttentionMetadata
@@ -65,7 +65,7 @@ class LatentUpProjection(ColumnParallelLinear):
 def softmax_scale(hf: dict[str, Any]) -> float:
     """``qk_head_dim ** -0.5``, times yarn's ``mscale(factor, mscale_all_dim) ** 2`` when the
     rope is scaled and ``mscale_all_dim`` is set (HF's ``yarn_apply_mscale``)."""
-    qk_head_dim = deepseek_field(hf, "qk_nope_head_dim") + deepseek_field(hf, "qk_rope_head_dim")
+    qk_head_dim = config_field(hf, "qk_nope_head_dim") + config_field(hf, "qk_rope_head_dim")
     scale = qk_head_dim**-0.5
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
@@ -92,12 +92,12 @@ class MLAAttention(nn.Module):
         super().__init__()
         hidden = hf["hidden_size"]
         heads = hf["num_attention_heads"]
-        bias = bool(deepseek_field(hf, "attention_bias"))
-        self.q_lora_rank: int | None = deepseek_field(hf, "q_lora_rank")
-        self.kv_lora_rank = int(deepseek_field(hf, "kv_lora_rank"))
-        self.nope_dim = int(deepseek_field(hf, "qk_nope_head_dim"))
-        self.rope_dim = int(deepseek_field(hf, "qk_rope_head_dim"))
-        self.v_dim = int(deepseek_field(hf, "v_head_dim"))
+        bias = bool(config_field(hf, "attention_bias"))
+        self.q_lora_rank: int | None = config_field(hf, "q_lora_rank")
+        self.kv_lora_rank = int(config_field(hf, "kv_lora_rank"))
+        self.nope_dim = int(config_field(hf, "qk_nope_head_dim"))
+        self.rope_dim = int(config_field(hf, "qk_rope_head_dim"))
+        self.v_dim = int(config_field(hf, "v_head_dim"))
         qk_head_dim = self.nope_dim + self.rope_dim
         self.num_heads = divide(heads, ctx.tp.size, "num_attention_heads")
         if self.q_lora_rank is None:

@@ -210,6 +210,7 @@ class SparseMoeBlock(nn.Module):
 _EXPERT_TENSOR = re.compile(
     r"^(?P<prefix>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$"
 )
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_PROJECTIONS: dict[str, tuple[str, int | None]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
@@ -266,6 +267,15 @@ class MoECausalLM(CausalLM):
             if f".{hf_name}." in renamed:
                 return renamed.replace(f".{hf_name}.", f".{fused}."), part
         return renamed, None
+
+    def checkpoint_skipped(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to a multi-token-prediction layer:
+        DeepSeek-V3 and GLM-4.5 append ``num_nextn_predict_layers`` of them after the last
+        decoder layer (``model.layers.{num_hidden_layers + i}.*``), not part of the model."""
+        match = _LAYER.match(name)
+        layers = int(self.hf["num_hidden_layers"])
+        extra = int(self.hf.get("num_nextn_predict_layers") or 0)
+        return match is not None and layers <= int(match[1]) < layers + extra
 
     def checkpoint_parts(self, param_name: str) -> frozenset[Any] | None:
         """The per-expert slots stacked parameter ``param_name`` needs; None for the others."""

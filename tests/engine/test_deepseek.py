@@ -23,7 +23,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError
-from engine.hf_config import check_hf_config, deepseek_field
+from engine.hf_config import check_hf_config, config_field
 from engine.model_loader import iterate_checkpoint, load_weights
 from engine.models import get_model_class
 from engine.models.moe import Router
@@ -228,7 +228,7 @@ def test_a_null_routing_method_means_the_architectures_own() -> None:
     while a value that names another method is still refused."""
     hf = _config("tiny-deepseek-v3", topk_method=None, scoring_func=None)
     check_hf_config(hf)
-    assert deepseek_field(hf, "topk_method") == "noaux_tc"
-    assert deepseek_field(hf, "scoring_func") == "sigmoid"
+    assert config_field(hf, "topk_method") == "noaux_tc"
+    assert config_field(hf, "scoring_func") == "sigmoid"
     with pytest.raises(ConfigError, match=r"^scoring_func: "):
         check_hf_config(_config("tiny-deepseek-v3", scoring_func="softmax"))

@@ -124,6 +124,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-moe-sparse-step-2": ("tiny-qwen2-moe", {"decoder_sparse_step": 2}),
     "qwen3-moe-no-topk-norm": ("tiny-qwen3-moe", {"norm_topk_prob": False}),
     "mixtral-window-48": ("tiny-mixtral", {"sliding_window": 48}),
+    # GLM-4.5-Air's switches: one expert group, no q/k norm.
+    "glm4-moe-air": ("tiny-glm4-moe", {"n_group": 1, "topk_group": 1, "use_qk_norm": False}),
 }
 
 
@@ -379,7 +381,7 @@ def test_tiny_moe_configs_are_accepted() -> None:
 
 # ---- TP = 2 equals TP = 1 ---------------------------------------------------------------------
 
-TP_MODELS = ("tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3")
+TP_MODELS = ("tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe")
 TP_PROMPTS = [[5, 9, 21, 7], [100, 3, 3, 8, 40, 41, 2] * 4, [17, 18], list(range(30, 71))]
 TP_DECODE_STEPS = 12
 BLOCKS_PER_REQUEST = 4  # 64 tokens: the longest prompt + the decode steps fit

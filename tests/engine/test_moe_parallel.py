@@ -37,7 +37,9 @@ from tests.engine.test_moe import (
 )
 
 # Shared expert or not; DeepSeek's routing and latent attention.
-EP_MODELS = ("tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2")
+EP_MODELS = (
+    "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2", "tiny-glm4-moe"
+)  # fmt: skip
 
 
 def _ep_context(rank: int, size: int = 2) -> ParallelContext:
