@@ -136,11 +136,13 @@ def _engine_model(path: Path, hf: dict[str, Any]) -> torch.nn.Module:
         return model_class(hf, ParallelContext(), ops=get_kernel_ops("torch"))
 
 
-def _with_mtp_layer(tmp_path: Path, layer: int, extra_layers: int) -> tuple[Path, dict[str, Any]]:
-    """tiny-deepseek-v3's checkpoint plus DeepSeek-V3's MTP tensors at ``model.layers.<layer>``
-    (a copy of the last layer, and the MTP module's own projections and norms), with config
-    ``num_nextn_predict_layers: extra_layers``."""
-    source = resolve_model_source("builtin:tiny-deepseek-v3")
+def _with_mtp_layer(
+    tmp_path: Path, layer: int, extra_layers: int, name: str = "tiny-deepseek-v3"
+) -> tuple[Path, dict[str, Any]]:
+    """The built-in ``name``'s checkpoint plus the MTP tensors DeepSeek-V3 and GLM-4.5 append at
+    ``model.layers.<layer>`` (a copy of the last layer, and the MTP module's own projections and
+    norms), with config ``num_nextn_predict_layers: extra_layers``."""
+    source = resolve_model_source(f"builtin:{name}")
     hf = json.loads((source / "config.json").read_text())
     hf["num_nextn_predict_layers"] = extra_layers
     tensors = {name: t[...] for name, t in iterate_checkpoint(source, progress=False)}
@@ -157,10 +159,11 @@ def _with_mtp_layer(tmp_path: Path, layer: int, extra_layers: int) -> tuple[Path
     return tmp_path, hf
 
 
-def test_multi_token_prediction_layers_are_skipped_by_name(tmp_path: Path) -> None:
-    path, hf = _with_mtp_layer(tmp_path, layer=3, extra_layers=1)
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-glm4-moe"])
+def test_multi_token_prediction_layers_are_skipped_by_name(tmp_path: Path, name: str) -> None:
+    path, hf = _with_mtp_layer(tmp_path, layer=3, extra_layers=1, name=name)
     reference = _engine_model(path, hf)
-    source = resolve_model_source("builtin:tiny-deepseek-v3")
+    source = resolve_model_source(f"builtin:{name}")
     load_weights(reference, iterate_checkpoint(source, progress=False), hf_config=hf)
     model = _engine_model(path, hf)
     load_weights(model, iterate_checkpoint(path, progress=False), hf_config=hf)
@@ -200,6 +203,14 @@ def _config(name: str, **changes: Any) -> dict[str, Any]:
         ("tiny-deepseek-v3", {"q_lora_rank": -1}, "q_lora_rank"),
         ("tiny-deepseek-v3", {"routed_scaling_factor": 0}, "routed_scaling_factor"),
         ("tiny-deepseek-v2", {"topk_method": "group_limited_greedy"}, "n_group"),
+        ("tiny-glm4-moe", {"n_group": 3}, "n_group"),
+        ("tiny-glm4-moe", {"n_group": 8}, "n_group"),
+        ("tiny-glm4-moe", {"topk_group": 3}, "topk_group"),
+        ("tiny-glm4-moe", {"num_experts_per_tok": 5}, "num_experts_per_tok"),
+        ("tiny-glm4-moe", {"use_qk_norm": "yes"}, "use_qk_norm"),
+        ("tiny-glm4-moe", {"n_shared_experts": -1}, "n_shared_experts"),
+        ("tiny-glm4-moe", {"routed_scaling_factor": -2.5}, "routed_scaling_factor"),
+        ("tiny-glm4-moe", {"moe_intermediate_size": 0}, "moe_intermediate_size"),
     ],
 )
 def test_config_the_engine_cannot_serve_exactly_is_refused_by_field(
@@ -220,6 +231,21 @@ def test_fields_a_config_leaves_out_take_transformers_defaults() -> None:
     routing = get_model_class("DeepseekV3ForCausalLM").routing(hf)
     assert (routing.num_groups, routing.topk_groups) == (8, 4)
     assert (routing.scaling_factor, routing.renormalize) == (2.5, True)
+
+
+def test_glm_fields_a_config_leaves_out_take_transformers_defaults() -> None:
+    """transformers' Glm4MoeConfig rotates half of each head unless told otherwise, has one
+    expert group and renormalizes the top-k."""
+    from engine.rope_config import rope_parameters
+
+    hf = _config("tiny-glm4-moe")
+    for key in ("n_group", "topk_group", "norm_topk_prob", "use_qk_norm", "rope_parameters"):
+        hf.pop(key)
+    check_hf_config(hf)
+    assert rope_parameters(hf)["partial_rotary_factor"] == 0.5
+    routing = get_model_class("DeepseekV3ForCausalLM").routing(hf)  # GLM's router is V3's
+    assert (routing.num_groups, routing.topk_groups, routing.renormalize) == (1, 1, True)
+    assert config_field(hf, "use_qk_norm") is False
 
 
 def test_a_null_routing_method_means_the_architectures_own() -> None:

@@ -233,6 +233,11 @@ def test_llama_3_70b_at_tp4_pp2_figures(tmp_path: Path) -> None:
         ("tiny-deepseek-v3", {"attention_bias": True, "rope_interleave": False},
          {"tensor_parallel_size": 4, "enable_expert_parallel": True, "dtype": "bfloat16"}),
         ("tiny-deepseek-v2", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 3}),
+        # GLM-4.5: q/k norm and q/k/v biases (no o bias), DeepSeek's float32 router and
+        # correction bias, a shared expert; Air's shape without the norm, experts whole.
+        ("tiny-glm4-moe", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+        ("tiny-glm4-moe", {"use_qk_norm": False},
+         {"tensor_parallel_size": 2, "enable_expert_parallel": True, "dtype": "bfloat16"}),
     ],
 )  # fmt: skip
 def test_every_family_matches_a_meta_build_of_every_rank(
