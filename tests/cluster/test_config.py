@@ -42,6 +42,7 @@ def error_of(data: dict[str, Any]) -> str:
         "tiny-families.yaml",
         "deepseek-v3.yaml",
         "kimi-k2.yaml",
+        "glm-4.6.yaml",
     ],
 )
 def test_shipped_configs_validate(name: str) -> None:

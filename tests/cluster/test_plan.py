@@ -17,7 +17,7 @@ from cluster.config import load_config
 from cluster.ops.plan import PlanError, gpu_memory_gib_for, plan_deployment, preflight
 from engine.errors import ConfigError
 from tests.cluster.conftest import CONFIGS, load_yaml
-from tests.engine.test_memory_plan import DEEPSEEK_V3, KIMI_K2, LLAMA_3_70B
+from tests.engine.test_memory_plan import DEEPSEEK_V3, GLM_4_6, KIMI_K2, LLAMA_3_70B
 
 MODEL_ID = "meta-llama/Meta-Llama-3-70B-Instruct"
 # Per GPU at TP 4 x PP 2: 40 layers of bf16 shards plus a quarter of the embedding (stage 0) or
@@ -289,3 +289,30 @@ def test_kimi_k2_on_two_h200_nodes_plans_the_tight_cache_its_config_warns_of(
     plan = json.loads(capsys.readouterr().out)["models"][0]["plan"]
     assert all(s["weight_bytes"] > 115 * 2**30 for s in plan["stages"])
     assert plan["kv_tokens"] < 200_000
+
+
+def test_glm_4_6_plans_as_fitting_one_h200_node_and_two_h100_nodes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/glm-4.6.yaml: bfloat16 on 8 H200 at TP 8 (~82 GiB of weights per GPU, one KV
+    head each: 92 x 2 x 128 x 2 B per token); on H100 nodes the weights need PP 2, as the
+    config's comment says."""
+    (tmp_path / "config.json").write_text(json.dumps(GLM_4_6))
+
+    def plan(data: dict[str, Any]) -> dict[str, Any]:
+        path = tmp_path / "glm.yaml"
+        path.write_text(yaml.safe_dump(data))
+        main(["plan", str(path), "--hf-config", str(tmp_path), "--json"])
+        return json.loads(capsys.readouterr().out)["models"][0]["plan"]
+
+    data = load_yaml("glm-4.6.yaml")
+    h200 = plan(data)
+    assert h200["fits"] and len(h200["stages"]) == 1
+    (stage,) = h200["stages"]
+    assert stage["kv_bytes_per_token"] == 92 * 2 * 128 * 2
+    assert 80 * 2**30 < stage["weight_bytes"] < 85 * 2**30
+    assert h200["kv_tokens"] > 900_000
+    data["models"][0]["accelerator_type"] = "H100"
+    assert not plan(copy.deepcopy(data))["fits"]
+    data["models"][0]["engine_kwargs"]["pipeline_parallel_size"] = 2
+    assert plan(data)["fits"]

@@ -86,6 +86,20 @@ KIMI_K2: dict[str, Any] = {
                      "type": "yarn"},
     "rope_theta": 50000.0, "vocab_size": 163840,
 }  # fmt: skip
+# GLM-4.6's published config.json (GLM-4.5's shape with a longer context).
+GLM_4_6: dict[str, Any] = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 5120, "partial_rotary_factor": 0.5,
+    "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 202752,
+    "model_type": "glm4_moe", "moe_intermediate_size": 1536, "norm_topk_prob": True,
+    "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160,
+    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_qk_norm": True, "vocab_size": 151552,
+}  # fmt: skip
 # The same shapes in bf16: a meta build has no quantized layers to compare with.
 DEEPSEEK_V3_BF16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
 # configs/llama70b.yaml's engine_kwargs that change memory.
@@ -250,6 +264,14 @@ def test_deepseek_v3_at_tp8_pp2_matches_a_meta_build_of_every_rank(tmp_path: Pat
     kwargs = {"tensor_parallel_size": 8, "pipeline_parallel_size": 2, "dtype": "bfloat16",
               "max_model_len": 32768, "enable_expert_parallel": True}  # fmt: skip
     check_against_meta_builds(tmp_path, DEEPSEEK_V3_BF16, kwargs)
+
+
+def test_glm_4_6_at_tp8_with_experts_whole_matches_a_meta_build_of_every_rank(
+    tmp_path: Path,
+) -> None:
+    kwargs = {"tensor_parallel_size": 8, "dtype": "bfloat16", "max_model_len": 131072,
+              "enable_expert_parallel": True}  # fmt: skip
+    check_against_meta_builds(tmp_path, GLM_4_6, kwargs)
 
 
 def test_deepseek_v3_latent_cache_figures() -> None:
