@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -184,6 +185,9 @@ class ToolChoice:
     mode: Literal["auto", "required", "named"]
     name: str | None = None
     parallel: bool = True
+    # (function, parameter) pairs the tools declare ``"type": "string"``: a parser whose
+    # format writes values as bare text (``glm45``) reads the others as JSON.
+    string_parameters: frozenset[tuple[str, str]] = frozenset()
 
 
 def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
@@ -230,7 +234,8 @@ def tool_choice(req: ChatCompletionRequest) -> ToolChoice | None:
     if choice == "none":
         return None
     if choice is None or choice == "auto":
-        return ToolChoice("auto", parallel=req.parallel_tool_calls)
+        strings = frozenset(_string_parameters(req.tools))
+        return ToolChoice("auto", parallel=req.parallel_tool_calls, string_parameters=strings)
     if choice == "required":
         return ToolChoice("required", parallel=req.parallel_tool_calls)
     name = choice.function.name
@@ -239,6 +244,16 @@ def tool_choice(req: ChatCompletionRequest) -> ToolChoice | None:
         raise APIError(400, f"tool_choice.function.name: no tool named {name!r} (tools: "
                        f"{names})", "tool_choice.function.name")  # fmt: skip
     return ToolChoice("named", name=name)
+
+
+def _string_parameters(tools: list[Any]) -> Iterator[tuple[str, str]]:
+    """(function, parameter) of each parameter the tools' JSON schemas declare a string."""
+    for tool in tools:
+        properties = (tool.function.parameters or {}).get("properties")
+        if isinstance(properties, dict):
+            for key, schema in properties.items():
+                if isinstance(schema, dict) and schema.get("type") == "string":
+                    yield tool.function.name, key
 
 
 def request_extras(req: SamplingFields) -> dict[str, Any]:

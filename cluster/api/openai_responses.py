@@ -284,7 +284,7 @@ def tool_streamer(tools: ToolChoice, parser: str | None) -> ToolCallStreamer:
         return NamedToolCallStreamer(tools.name or "")
     if tools.mode == "required":
         return RequiredToolCallStreamer()
-    return get_tool_parser(parser or "").streamer()
+    return get_tool_parser(parser or "", tools.string_parameters).streamer()
 
 
 def parse_tool_calls(tools: ToolChoice, parser: str | None, text: str) -> ParsedToolCalls:
@@ -292,7 +292,7 @@ def parse_tool_calls(tools: ToolChoice, parser: str | None, text: str) -> Parsed
         return parse_named_tool_call(tools.name or "", text)
     if tools.mode == "required":
         return parse_required_tool_calls(text)
-    return get_tool_parser(parser or "").parse(text)
+    return get_tool_parser(parser or "", tools.string_parameters).parse(text)
 
 
 def _first_call_only(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:

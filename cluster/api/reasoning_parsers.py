@@ -1,7 +1,7 @@
 """Reasoning parsers (vLLM's ``reasoning_parser``): split a reasoning model's output into its
 reasoning (``reasoning_content`` in chat, reasoning items in Responses) and its answer.
 
-Both parsers read ``<think>…</think>`` blocks; they differ in where the output starts:
+The parsers read ``<think>…</think>`` blocks; they differ in where the output starts:
 
 - ``deepseek_r1``: DeepSeek-R1 (and its distills) templates open ``<think>`` in the prompt, so
   the output starts in reasoning and runs until ``</think>``; a ``<think>`` the model writes
@@ -12,6 +12,7 @@ Both parsers read ``<think>…</think>`` blocks; they differ in where the output
   content. A template that opens ``<think>`` in the prompt (Qwen3-Thinking-2507) is read from
   the prompt's tokens (``output_starts_in_reasoning``): the output then starts in reasoning,
   as vLLM reads output whose ``</think>`` has no ``<think>``.
+- ``glm45``: GLM-4.5 / 4.6, read as ``qwen3``.
 
 Either way, a prompt whose last think tag is ``</think>`` (``enable_thinking=False`` renders
 ``<think>\\n\\n</think>\\n\\n``) has already ended the reasoning: the output is all content.
@@ -169,8 +170,17 @@ class Qwen3ReasoningParser(ReasoningParser):
     starts_in_reasoning = False
 
 
+class Glm45ReasoningParser(ReasoningParser):
+    """GLM-4.5 / 4.6 write ``<think>`` themselves (their template renders ``<think></think>``
+    into the prompt when thinking is off): Qwen3's reading."""
+
+    name = "glm45"
+    starts_in_reasoning = False
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    parser.name: parser
+    for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, Glm45ReasoningParser)
 }
 
 

@@ -7,12 +7,15 @@ A model announces tool calls in its own format, so the parser is chosen per mode
                  text outside the blocks is the message content.
     llama3_json  Llama 3.x: the whole message, optionally after <|python_tag|>, is
                  {"name": "f", "parameters": {...}}, several separated by ";".
+    glm45        GLM-4.5 / 4.6: <tool_call>f\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...
+                 </tool_call> blocks; each value is bare text (see :class:`Glm45ToolParser`).
 
-Both read ``"arguments"`` or ``"parameters"``. A call's ``arguments`` is the JSON text of that value
-exactly as the model wrote it (an object), or the decoded string when the model wrote a string,
-or ``"{}"`` when it wrote none. Keeping the model's own text is what lets a stream send arguments
-piece by piece as they are generated: for well-formed output, the fragments of a call concatenate
-to exactly the ``arguments`` that :meth:`ToolParser.parse` gives for the whole text.
+The JSON formats read ``"arguments"`` or ``"parameters"``. A call's ``arguments`` is the JSON
+text of that value exactly as the model wrote it (an object), or the decoded string when the
+model wrote a string, or ``"{}"`` when it wrote none. Keeping the model's own text is what
+lets a stream send arguments piece by piece as they are generated: for well-formed output, the
+fragments of a call concatenate to exactly the ``arguments`` that :meth:`ToolParser.parse`
+gives for the whole text.
 
 Streaming turns text deltas into OpenAI chat ``delta`` dicts (:data:`Delta`), in three shapes:
 
@@ -107,9 +110,14 @@ class ToolCallStreamer(ABC):
 
 
 class ToolParser(ABC):
-    """Reads one model family's tool-call format."""
+    """Reads one model family's tool-call format, for one request: ``string_parameters`` are
+    the (function, parameter) pairs its tools declare ``"type": "string"`` (a format that
+    writes argument values as bare text reads the others as JSON)."""
 
     name: ClassVar[str]
+
+    def __init__(self, string_parameters: frozenset[tuple[str, str]] = frozenset()) -> None:
+        self.string_parameters = string_parameters
 
     @abstractmethod
     def parse(self, text: str) -> ParsedToolCalls:
@@ -514,6 +522,134 @@ class _HermesStreamer(ToolCallStreamer):
         return ""
 
 
+class Glm45ToolParser(ToolParser):
+    """GLM-4.5 / 4.6: ``<tool_call>`` blocks of a function name, then ``<arg_key>`` /
+    ``<arg_value>`` pairs (GLM's chat template writes them one per line)::
+
+        <tool_call>get_weather
+        <arg_key>city</arg_key>
+        <arg_value>Beijing</arg_value>
+        <arg_key>days</arg_key>
+        <arg_value>3</arg_value>
+        </tool_call>
+
+    Values are bare text: one the tool declares a string is taken as written; any other is read
+    as JSON (``3`` a number, ``{"a": 1}`` an object) and kept a string where it is not JSON, as
+    vLLM's ``glm45`` parser does. A call's ``arguments`` is the JSON object of its pairs, in
+    their order; streamed, each pair is sent once its ``</arg_value>`` arrives. A block that is
+    no such call (no name, text between the pairs) is content. The whole-text split is the
+    stream's, folded (``_parse_with``)."""
+
+    name = "glm45"
+    _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def parse(self, text: str) -> ParsedToolCalls:
+        return _parse_with(self.streamer(), text)
+
+    def streamer(self) -> ToolCallStreamer:
+        return _Glm45Streamer(self.string_parameters)
+
+    @classmethod
+    def read_block(cls, body: str, complete: bool) -> tuple[str, str | None, list[tuple[str, str]]]:
+        """(state, name, pairs) of a block's text so far: state "ok" (well formed so far),
+        "partial" (the name is not whole yet) or "bad"."""
+        ends = [i for i in (body.find("\n"), body.find("<arg_key>")) if i >= 0]
+        if not ends and not complete:
+            return ("bad" if "<" in body and not "<arg_key>".startswith(body[body.find("<") :])
+                    else "partial"), None, []  # fmt: skip
+        cut = min(ends) if ends else len(body)
+        name = body[:cut].strip(_WHITESPACE)
+        if not name or any(ch in name for ch in "<>"):
+            return "bad", None, []
+        pairs: list[tuple[str, str]] = []
+        rest, pos = body[cut:], 0
+        while True:
+            while pos < len(rest) and rest[pos] in _WHITESPACE:
+                pos += 1
+            if pos == len(rest):
+                return "ok", name, pairs
+            match = cls._PAIR.match(rest, pos)
+            if match is None:
+                tail = rest[pos:]
+                unfinished = tail.startswith("<arg_key>") and "</arg_value>" not in tail
+                # Not closed yet: a pair still arriving, or the end tag's beginning.
+                pending = unfinished or any(
+                    t.startswith(tail) for t in ("<arg_key>", "</tool_call>")
+                )
+                if not complete and pending:
+                    return "ok", name, pairs
+                return "bad", name, pairs
+            pairs.append((match[1].strip(_WHITESPACE), match[2]))
+            pos = match.end()
+
+
+class _Glm45Streamer(_HermesStreamer):
+    """The Hermes streamer's text handling (the same block tags) with GLM's block body: a call
+    is announced with its first pair (or at its end tag, with none), so a block that turns out
+    malformed before then is still content."""
+
+    def __init__(self, string_parameters: frozenset[tuple[str, str]]) -> None:
+        super().__init__()
+        self._string_parameters = string_parameters
+        self._pairs_sent = 0
+
+    def _in_call(self, text: str, out: _Deltas, at_end: bool = False) -> str:
+        start = len(HermesToolParser.START)
+        buf = self._block_raw + text
+        end = buf.find(HermesToolParser.END, start)
+        closed = end >= 0 or at_end
+        body = buf[start:] if end < 0 else buf[start:end]
+        block = buf if end < 0 else buf[: end + len(HermesToolParser.END)]
+        rest = "" if end < 0 else buf[end + len(HermesToolParser.END) :]
+        state, name, pairs = Glm45ToolParser.read_block(body, complete=closed)
+        call = self._call
+        if not closed and (state == "partial" or (state == "ok" and not call.header_sent
+                                                  and not pairs)):  # fmt: skip
+            self._block_raw = buf
+            return ""
+        if state == "bad" and not call.header_sent:
+            # No call after all: the block, through its end tag if it came, is content (the
+            # beginning of an end tag at its end waits for the rest of the tag).
+            held = 0 if closed else _held_suffix(block, HermesToolParser.END)
+            out.content(self._held_ws + block[: len(block) - held])
+            self._block_raw, self._pending = "", block[len(block) - held :]
+            self._mode = "text" if closed else "bad_block"
+            return rest
+        if not call.header_sent:
+            out.header(call.index, call.id, name or "")
+            call.header_sent = True
+            self._num_calls += 1
+            self._pairs_sent = 0
+        for key, value in pairs[self._pairs_sent :]:
+            lead = "{" if self._pairs_sent == 0 else ", "
+            out.arguments(call.index, lead + json.dumps(key, ensure_ascii=False) + ": "
+                          + self._value(name or "", key, value))  # fmt: skip
+            self._pairs_sent += 1
+        if state == "ok" and not closed:
+            self._block_raw = buf
+            return ""
+        out.arguments(call.index, "}" if self._pairs_sent else "{}")
+        self._block_raw, self._strip_leading = "", True
+        # Malformed after the announcement: the rest of the block (to its end tag) is dropped.
+        self._mode = "text" if closed else "after_call"
+        return rest
+
+    def _value(self, function: str, key: str, value: str) -> str:
+        if (function, key) not in self._string_parameters:
+            try:
+                return json.dumps(json.loads(value), ensure_ascii=False)
+            except ValueError:
+                pass
+        return json.dumps(value, ensure_ascii=False)
+
+    def finish(self) -> list[Delta]:
+        out = _Deltas()
+        if self._mode == "call":
+            # Cut off inside a block: a call as far as it is well formed, else content.
+            self._in_call("", out, at_end=True)
+        return out.items + super().finish()
+
+
 class Llama3JsonToolParser(ToolParser):
     """Llama 3.x JSON calls: ``{"name": ..., "parameters": ...}``, several joined by ``;``, as the
     whole message, optionally after ``<|python_tag|>``. Anything else is content."""
@@ -805,14 +941,17 @@ def required_tools_schema(
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, Glm45ToolParser)
 }
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    """The parser registered as ``name``; ValueError listing the valid names."""
+def get_tool_parser(
+    name: str, string_parameters: frozenset[tuple[str, str]] = frozenset()
+) -> ToolParser:
+    """The parser registered as ``name``, for a request whose tools declare
+    ``string_parameters``; ValueError listing the valid names."""
     try:
-        return TOOL_PARSERS[name]()
+        return TOOL_PARSERS[name](string_parameters)
     except KeyError:
         valid = ", ".join(sorted(TOOL_PARSERS))
         raise ValueError(f"unknown tool_call_parser {name!r}; valid names are {valid}") from None

@@ -748,6 +748,20 @@ def test_streamed_auto_tool_call_joins_to_the_whole_one() -> None:
     assert "".join(t["function"]["arguments"] for t in calls) == '{"city": "Oslo"}'
 
 
+def test_glm45_reads_a_value_the_tool_declares_a_string_as_written() -> None:
+    """The request's tools reach the parser: ``city`` is a string parameter, so ``123`` stays
+    "123" (a parameter the schema does not name would be read as JSON, a number)."""
+    completion = _tool_completion(_tool_request(), True, "glm45")
+    text = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>123</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")  # fmt: skip
+    chunks = _feed(completion, [text[:30], text[30:]])
+    calls = [t for c in chunks for t in c["delta"].get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather"
+    arguments = "".join(t["function"]["arguments"] for t in calls)
+    assert json.loads(arguments) == {"city": "123", "days": 2}
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
 def test_named_tool_choice_constrains_to_the_tools_schema_and_ends_with_stop() -> None:
     req = _tool_request(tool_choice={"type": "function", "function": {"name": "get_weather"}})
     payload = chat_payload(req)

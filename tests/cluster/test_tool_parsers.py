@@ -66,10 +66,42 @@ LLAMA3_TEXTS = {
     "json that is no call": '{"answer": 42}',
     "malformed json": '{"name": "f" "parameters": {"a": 1}}',
 }
+# GLM-4.5's format as its chat template writes a call (one pair per line, non-string values as
+# JSON), and the ways a block can go wrong.
+GLM_TEXTS = {
+    "one call": (
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    ),
+    "reasoning's answer then two calls": (
+        "I will look both up.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Oslo</arg_value>\n</tool_call>\n<tool_call>get_time\n"
+        "<arg_key>zone</arg_key>\n<arg_value>Europe/Oslo</arg_value>\n</tool_call>"
+    ),
+    "json values": (
+        '<tool_call>plan\n<arg_key>steps</arg_key>\n<arg_value>["a", "b"]</arg_value>\n'
+        '<arg_key>opts</arg_key>\n<arg_value>{"fast": true, "n": null}</arg_value>\n'
+        '<arg_key>note</arg_key>\n<arg_value>a <b> & "c"\nd</arg_value>\n</tool_call>'
+    ),
+    "no arguments": "<tool_call>now\n</tool_call>",
+    "no newline after the name": (
+        "<tool_call>now<arg_key>tz</arg_key><arg_value>UTC</arg_value></tool_call>"
+    ),
+    "no end tag": "<tool_call>now\n<arg_key>tz</arg_key>\n<arg_value>UTC</arg_value>\n",
+    "content after a call": "<tool_call>now\n</tool_call>\n\nDone.",
+    "plain text": "a <b>river</b> <tool and <arg_key> deep\n",
+    "no name": "Hi <tool_call>\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call> x",
+    "text between pairs": (
+        "<tool_call>f\njunk<arg_key>a</arg_key><arg_value>1</arg_value></tool_call> rest"
+    ),
+    "cut inside a pair": "so <tool_call>f\n<arg_key>a</arg_key>\n<arg_val",
+    "malformed then good": "<tool_call>\n</tool_call> <tool_call>now\n</tool_call>",
+}
 # Malformed only after the name: a stream has announced the call by then and cannot take it back.
 BROKEN_ARGUMENTS = {
     "hermes": '<tool_call>{"name": "now", "arguments": {"a": }}</tool_call>',
     "llama3_json": '{"name": "now", "parameters": {"a": }}',
+    "glm45": "<tool_call>now\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\njunk</tool_call>",
 }
 
 
@@ -99,7 +131,7 @@ def _splits(text: str) -> Iterable[list[str]]:
         yield pieces
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "glm45"])
 def test_registry_builds_each_parser_by_name(parser_name: str) -> None:
     assert type(get_tool_parser(parser_name)) is TOOL_PARSERS[parser_name]
 
@@ -205,11 +237,14 @@ def test_llama3_text_that_is_no_call_is_all_content(case: str) -> None:
 
 @pytest.mark.parametrize(
     ("parser_name", "case"),
-    [("hermes", case) for case in HERMES_TEXTS] + [("llama3_json", case) for case in LLAMA3_TEXTS],
+    [("hermes", case) for case in HERMES_TEXTS]
+    + [("llama3_json", case) for case in LLAMA3_TEXTS]
+    + [("glm45", case) for case in GLM_TEXTS],
 )
 def test_streaming_in_any_split_gives_the_whole_text_result(parser_name: str, case: str) -> None:
     parser = get_tool_parser(parser_name)
-    text = (HERMES_TEXTS if parser_name == "hermes" else LLAMA3_TEXTS)[case]
+    texts = {"hermes": HERMES_TEXTS, "llama3_json": LLAMA3_TEXTS, "glm45": GLM_TEXTS}
+    text = texts[parser_name][case]
     expected = _calls(parser.parse(text))
 
     for pieces in _splits(text):
@@ -228,6 +263,13 @@ def test_broken_arguments_are_content_whole_but_stay_an_announced_call_when_stre
 
     streamed = fold_deltas(_stream(parser.streamer(), [text]))
 
+    if parser_name == "glm45":
+        # Announced with its first pair, the call keeps the pairs before the break.
+        cut = text.index("</arg_value>") + len("</arg_value>")
+        streamed = fold_deltas(_stream(parser.streamer(), [text[:cut], text[cut:]]))
+        assert _calls(parser.parse(text)) == (text, [])
+        assert _calls(streamed) == (None, [("now", '{"a": 1}')])
+        return
     assert _calls(parser.parse(text)) == (text, [])
     assert _calls(streamed) == (None, [("now", '{"a": }')])
 
@@ -464,3 +506,77 @@ def test_tiny_models_parser_reads_back_the_tool_calls_their_template_renders() -
     parsed = get_tool_parser(tiny_models.DEFAULT_TOOL_CALL_PARSER).parse(generated)
 
     assert _calls(parsed) == ("Checking.", [("get_weather", '{"city": "Oslo"}'), ("now", "{}")])
+
+
+# ---- GLM-4.5 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("one call", (None, [("get_weather", '{"city": "Beijing", "days": 3}')])),
+        (
+            "reasoning's answer then two calls",
+            (
+                "I will look both up.",
+                [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "Europe/Oslo"}')],
+            ),
+        ),
+        (
+            "json values",
+            (
+                None,
+                [("plan", '{"steps": ["a", "b"], "opts": {"fast": true, "n": null}, '
+                          '"note": "a <b> & \\"c\\"\\nd"}')],
+            ),
+        ),
+        ("no arguments", (None, [("now", "{}")])),
+        ("no newline after the name", (None, [("now", '{"tz": "UTC"}')])),
+        ("no end tag", (None, [("now", '{"tz": "UTC"}')])),
+        ("content after a call", ("Done.", [("now", "{}")])),
+        ("malformed then good", ("<tool_call>\n</tool_call>", [("now", "{}")])),
+    ],
+)  # fmt: skip
+def test_glm45_reads_calls_into_json_arguments(
+    case: str, expected: tuple[str | None, list[tuple[str, str]]]
+) -> None:
+    parsed = get_tool_parser("glm45").parse(GLM_TEXTS[case])
+    assert _calls(parsed) == expected
+    for call in parsed.tool_calls:
+        assert isinstance(json.loads(call.arguments), dict)
+
+
+@pytest.mark.parametrize(
+    "case", ["plain text", "no name", "text between pairs", "cut inside a pair"]
+)
+def test_glm45_text_without_a_wellformed_call_is_all_content(case: str) -> None:
+    assert _calls(get_tool_parser("glm45").parse(GLM_TEXTS[case])) == (GLM_TEXTS[case], [])
+
+
+def test_glm45_takes_a_string_parameter_as_written_and_reads_the_others_as_json() -> None:
+    # 0123 is no JSON number, so it stays a string either way; true becomes a bool untyped.
+    text = (
+        "<tool_call>lookup\n<arg_key>zip</arg_key>\n<arg_value>0123</arg_value>\n"
+        "<arg_key>limit</arg_key>\n<arg_value>10</arg_value>\n"
+        "<arg_key>word</arg_key>\n<arg_value>true</arg_value>\n</tool_call>"
+    )
+    typed = get_tool_parser("glm45", frozenset({("lookup", "zip"), ("lookup", "word")}))
+    untyped = get_tool_parser("glm45")
+    assert json.loads(typed.parse(text).tool_calls[0].arguments) == {
+        "zip": "0123", "limit": 10, "word": "true"
+    }  # fmt: skip
+    assert json.loads(untyped.parse(text).tool_calls[0].arguments) == {
+        "zip": "0123", "limit": 10, "word": True
+    }  # fmt: skip
+
+
+def test_glm45_stream_announces_a_call_with_its_first_pair_and_sends_each_pair_whole() -> None:
+    streamer = get_tool_parser("glm45").streamer()
+    text = GLM_TEXTS["one call"]
+    first_pair_end = text.index("</arg_value>") + len("</arg_value>")
+    assert streamer.feed(text[: first_pair_end - 1]) == []
+    (header, first) = streamer.feed(text[first_pair_end - 1 : first_pair_end])
+    assert header["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert first["tool_calls"][0]["function"]["arguments"] == '{"city": "Beijing"'
+    rest = streamer.feed(text[first_pair_end:]) + streamer.finish()
+    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in rest) == ', "days": 3}'
