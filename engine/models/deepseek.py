@@ -32,6 +32,25 @@ from kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
 
+def deepseek_mlp(
+    hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps, layer: int, routing: Routing
+) -> nn.Module:
+    """Layer ``layer``'s feed-forward in DeepSeek's layout (GLM-4.5's too): the routed experts
+    plus ``n_shared_experts`` ungated shared experts on the sparse layers, a dense gated MLP on
+    the first ``first_k_dense_replace``."""
+    if not hf_config.is_sparse_layer(hf, layer):
+        return GatedMLP(hf, ctx, ops)
+    shared = int(config_field(hf, "n_shared_experts"))
+    return SparseMoeBlock(
+        hf,
+        ctx,
+        ops,
+        routing=routing,
+        shared_expert_intermediate_size=shared * hf_config.moe_intermediate_size(hf) or None,
+        shared_expert_gated=False,
+    )
+
+
 class DeepseekV2ForCausalLM(MoECausalLM):
     renamed_modules: ClassVar[dict[str, str]] = {"shared_experts": "shared_expert"}
     # MLA's projections load as they are (its q_proj is not a fused q/k/v's part).
@@ -58,25 +77,13 @@ class DeepseekV2ForCausalLM(MoECausalLM):
 
     def build_model(self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps) -> nn.Module:
         norm = rms_norm_factory(hf, ops)
-        shared = int(config_field(hf, "n_shared_experts"))
-        shared_size = shared * hf_config.moe_intermediate_size(hf) if shared else None
+        routing = self.routing(hf)
 
         def layer(i: int) -> nn.Module:
             attn = MLAAttention(
                 hf, ctx, ops, self.rotary(i), interleaved_rope=self.interleaved_rope(hf)
             )
-            if hf_config.is_sparse_layer(hf, i):
-                mlp: nn.Module = SparseMoeBlock(
-                    hf,
-                    ctx,
-                    ops,
-                    routing=self.routing(hf),
-                    shared_expert_intermediate_size=shared_size,
-                    shared_expert_gated=False,
-                )
-            else:
-                mlp = GatedMLP(hf, ctx, ops)
-            return PreNormDecoderLayer(attn, mlp, norm)
+            return PreNormDecoderLayer(attn, deepseek_mlp(hf, ctx, ops, i, routing), norm)
 
         return DecoderModel(hf, ctx, layer, norm)
 

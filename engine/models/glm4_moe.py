@@ -16,17 +16,15 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from engine import hf_config
 from engine.hf_config import config_field
 from engine.models.decoder import (
     Attention,
     DecoderModel,
-    GatedMLP,
     PreNormDecoderLayer,
     rms_norm_factory,
 )
-from engine.models.deepseek import DeepseekV3ForCausalLM
-from engine.models.moe import MoECausalLM, SparseMoeBlock
+from engine.models.deepseek import DeepseekV3ForCausalLM, deepseek_mlp
+from engine.models.moe import MoECausalLM
 from kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
@@ -38,23 +36,10 @@ class Glm4MoeForCausalLM(MoECausalLM):
         norm = rms_norm_factory(hf, ops)
         bias = bool(config_field(hf, "attention_bias"))
         qk_norm = norm if config_field(hf, "use_qk_norm") else None
-        shared = int(config_field(hf, "n_shared_experts"))
-        shared_size = shared * hf_config.moe_intermediate_size(hf) if shared else None
         routing = DeepseekV3ForCausalLM.routing(hf)
 
         def layer(i: int) -> nn.Module:
             attn = Attention(hf, ctx, ops, self.rotary(i), qkv_bias=bias, qk_norm=qk_norm)
-            if hf_config.is_sparse_layer(hf, i):
-                mlp: nn.Module = SparseMoeBlock(
-                    hf,
-                    ctx,
-                    ops,
-                    routing=routing,
-                    shared_expert_intermediate_size=shared_size,
-                    shared_expert_gated=False,
-                )
-            else:
-                mlp = GatedMLP(hf, ctx, ops)
-            return PreNormDecoderLayer(attn, mlp, norm)
+            return PreNormDecoderLayer(attn, deepseek_mlp(hf, ctx, ops, i, routing), norm)
 
         return DecoderModel(hf, ctx, layer, norm)
