@@ -31,7 +31,8 @@ def _assert_matches(entry: dict, hf_row: torch.Tensor, chosen: int) -> None:
     assert entry[chosen].logprob == pytest.approx(hf_row[chosen].item(), abs=TOL)
     # The rank as HF's, up to tokens within TOL of the chosen one (an fp32 rounding apart, a
     # tie may order either way).
-    above, tied = hf_row > hf_row[chosen] + TOL, (hf_row - hf_row[chosen]).abs() <= TOL
+    gap = hf_row - hf_row[chosen]
+    above, tied = gap > TOL, gap.abs() <= TOL
     assert int(above.sum()) + 1 <= entry[chosen].rank <= int(above.sum() + tied.sum())
     for rank, (token, lp) in enumerate(zip(top_ids.tolist(), top_lp.tolist()), start=1):
         assert entry[token].logprob == pytest.approx(lp, abs=TOL)
