@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from cluster.api.api_errors import APIError
+from cluster.api.forced_tool_calls import find_tool, named_tool_schema, required_tools_schema
 from cluster.api.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -20,7 +21,6 @@ from cluster.api.openai_models import (
     SamplingFields,
 )
 from cluster.api.protocol import EmbedRequest, GenerateRequest
-from cluster.api.tool_parsers import find_tool, named_tool_schema, required_tools_schema
 
 logger = logging.getLogger("llm_cluster.api")
 

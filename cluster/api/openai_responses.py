@@ -10,18 +10,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from cluster.api.api_errors import error_body
-from cluster.api.openai_payloads import ToolChoice
-from cluster.api.protocol import ChoiceChunk, StreamDelta, StreamError, StreamItem, StreamStart
-from cluster.api.reasoning_parsers import ReasoningParser, ReasoningStreamer, get_reasoning_parser
-from cluster.api.tool_parsers import (
+from cluster.api.forced_tool_calls import (
     NamedToolCallStreamer,
-    ParsedToolCalls,
     RequiredToolCallStreamer,
-    ToolCallStreamer,
-    get_tool_parser,
     parse_named_tool_call,
     parse_required_tool_calls,
 )
+from cluster.api.openai_payloads import ToolChoice
+from cluster.api.protocol import ChoiceChunk, StreamDelta, StreamError, StreamItem, StreamStart
+from cluster.api.reasoning_parsers import ReasoningParser, ReasoningStreamer, get_reasoning_parser
+from cluster.api.tool_parsers import ParsedToolCalls, ToolCallStreamer, get_tool_parser
 
 
 class _Choice:

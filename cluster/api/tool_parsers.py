@@ -1,42 +1,16 @@
-"""OpenAI tool calling: tool calls read out of generated text, whole or while it streams.
+"""OpenAI tool calling: tool calls read out of generated text, whole or while it streams, in
+each model family's format (vLLM's ``tool_call_parser`` names):
 
-A model announces tool calls in its own format, so the parser is chosen per model by name
-(vLLM's ``tool_call_parser``):
+    hermes       <tool_call>{"name": "f", "arguments": {...}}</tool_call> blocks (Qwen2.5)
+    llama3_json  the whole message, optionally after <|python_tag|>, is {"name", "parameters"}
+    glm45        <tool_call>f <arg_key>k</arg_key><arg_value>v</arg_value> ...</tool_call>
 
-    hermes       Hermes / Qwen2.5: <tool_call>{"name": "f", "arguments": {...}}</tool_call> blocks;
-                 text outside the blocks is the message content.
-    llama3_json  Llama 3.x: the whole message, optionally after <|python_tag|>, is
-                 {"name": "f", "parameters": {...}}, several separated by ";".
-    glm45        GLM-4.5 / 4.6: <tool_call>f\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...
-                 </tool_call> blocks; each value is bare text (see :class:`Glm45ToolParser`).
-
-The JSON formats read ``"arguments"`` or ``"parameters"``. A call's ``arguments`` is the JSON
-text of that value exactly as the model wrote it (an object), or the decoded string when the
-model wrote a string, or ``"{}"`` when it wrote none. Keeping the model's own text is what
-lets a stream send arguments piece by piece as they are generated: for well-formed output, the
-fragments of a call concatenate to exactly the ``arguments`` that :meth:`ToolParser.parse`
-gives for the whole text.
-
-Streaming turns text deltas into OpenAI chat ``delta`` dicts (:data:`Delta`), in three shapes:
-
-    {"content": "..."}
-    {"tool_calls": [{"index": i, "id": "call_...", "type": "function",
-                     "function": {"name": "f", "arguments": ""}}]}          once per call, first
-    {"tool_calls": [{"index": i, "function": {"arguments": "<fragment>"}}]}
-
-Text that may still turn out to be part of a tool call (``"<tool"`` at the end of a delta, the
-whitespace before it) is held back until it is decided, and :meth:`ToolCallStreamer.finish`
-flushes it. Whitespace next to a tool-call block is not content. Malformed calls are content, in
-both modes; the parsers never raise on model output. The one way the modes can differ is for
-output that goes wrong after a call was announced (a stream cannot take a header back): a call
-whose name was sent stays a call.
-
-When the API forces a call (``tool_choice`` naming a function, or ``"required"``), it constrains
-the output with a JSON schema from :func:`named_tool_schema` or :func:`required_tools_schema`, and
-:class:`NamedToolCallStreamer` / :class:`RequiredToolCallStreamer` read it.
-
-One role (~820 lines): reading tool calls out of generated text, whole and streamed; the two
-formats share the JSON scanning, argument checks and streaming state, so they stay together.
+A streamer turns text deltas into OpenAI ``delta`` dicts (:data:`Delta`): content, a call's
+header once, then its argument fragments, which concatenate to the ``arguments`` that
+:meth:`ToolParser.parse` gives for the whole text. Text that may still start a call is held back
+until decided; malformed calls are content, and the parsers never raise on model output (a call
+whose header was streamed stays a call). Calls the API forces are read by
+``cluster.api.forced_tool_calls`` on these streaming pieces.
 """
 
 from __future__ import annotations
@@ -46,14 +20,14 @@ import re
 import secrets
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 Delta = dict[str, Any]
 
 _ID_ALPHABET = string.ascii_letters + string.digits
-_WHITESPACE = " \t\n\r"
+WHITESPACE = " \t\n\r"
 # Characters that may continue a JSON number or literal (true, false, null); anything else ends it.
 _SCALAR_CHARS = frozenset("0123456789+-.eE" + string.ascii_letters)
 _ARGUMENT_KEYS = ("arguments", "parameters")
@@ -142,7 +116,12 @@ def fold_deltas(deltas: Iterable[Delta]) -> ParsedToolCalls:
     return ParsedToolCalls("".join(content) or None, tool_calls)
 
 
-class _Deltas:
+def fold_stream(streamer: ToolCallStreamer, text: str) -> ParsedToolCalls:
+    """The split a streamer gives ``text`` fed whole: a parser defined by its stream."""
+    return fold_deltas(streamer.feed(text) + streamer.finish())
+
+
+class Deltas:
     """Deltas of one feed; consecutive content, or arguments of one call, merge into one."""
 
     def __init__(self) -> None:
@@ -173,7 +152,7 @@ class _Deltas:
             )
 
 
-class _Nesting:
+class JsonNesting:
     """JSON bracket depth and string state, across characters fed one at a time."""
 
     __slots__ = ("depth", "escaped", "in_string")
@@ -219,7 +198,7 @@ class _CallScanner:
         self._key: str | None = None
         self._target = "other"  # what the current value is: "name", "arguments" or "other"
         self._raw = ""  # raw text of the current key or string value
-        self._nesting = _Nesting()
+        self._nesting = JsonNesting()
 
     @property
     def arguments(self) -> str:
@@ -248,12 +227,12 @@ class _CallScanner:
             return self._step(ch)
         if state == "key":
             return self._step_key(ch)
-        if ch in _WHITESPACE:
+        if ch in WHITESPACE:
             return True
         if state == "start" and ch == "{":
             self._state = "first_key"
         elif state in ("first_key", "key_expected") and ch == '"':
-            self._state, self._raw, self._nesting = "key", "", _Nesting(in_string=True)
+            self._state, self._raw, self._nesting = "key", "", JsonNesting(in_string=True)
         elif state in ("first_key", "after_value") and ch == "}":
             return self._close()
         elif state == "colon" and ch == ":":
@@ -286,12 +265,12 @@ class _CallScanner:
         else:
             self._target = "other"
         if ch == '"':
-            self._state, self._raw, self._nesting = "string", "", _Nesting(in_string=True)
+            self._state, self._raw, self._nesting = "string", "", JsonNesting(in_string=True)
             if self._target == "arguments":
                 self.arguments_kind = "string"
             return True
         if (ch == "{" and self._target != "name") or (ch == "[" and self._target == "other"):
-            self._state, self._nesting = "container", _Nesting()
+            self._state, self._nesting = "container", JsonNesting()
             if self._target == "arguments":
                 self.arguments_kind = "object"
             return self._step_value(ch)
@@ -335,7 +314,7 @@ class _CallScanner:
         return False
 
 
-class _CallStream:
+class CallStream:
     """One call's deltas: its header once it is sure to be a call, then its arguments."""
 
     def __init__(self, index: int, eager_header: bool = False) -> None:
@@ -350,7 +329,7 @@ class _CallStream:
         self._sent = 0
         self._closed = False
 
-    def feed(self, text: str, out: _Deltas) -> int:
+    def feed(self, text: str, out: Deltas) -> int:
         consumed = self.scanner.feed(text)
         scanner = self.scanner
         if not self.header_sent:
@@ -378,7 +357,7 @@ def _call_from_json(text: str) -> ToolCall | None:
         return None
     scanner = _CallScanner()
     consumed = scanner.feed(text)
-    if not scanner.done or text[consumed:].strip(_WHITESPACE):
+    if not scanner.done or text[consumed:].strip(WHITESPACE):
         return None
     return ToolCall(scanner.name or "", scanner.arguments)
 
@@ -409,11 +388,11 @@ class HermesToolParser(ToolParser):
             if call is None:
                 continue  # a malformed block stays in the content around it
             before = text[start : match.start()]
-            content.append((before.lstrip(_WHITESPACE) if calls else before).rstrip(_WHITESPACE))
+            content.append((before.lstrip(WHITESPACE) if calls else before).rstrip(WHITESPACE))
             calls.append(call)
             start = match.end()
         rest = text[start:]
-        content.append(rest.lstrip(_WHITESPACE) if calls else rest)
+        content.append(rest.lstrip(WHITESPACE) if calls else rest)
         return ParsedToolCalls("".join(content) or None, calls)
 
     def streamer(self) -> ToolCallStreamer:
@@ -431,7 +410,7 @@ class _HermesStreamer(ToolCallStreamer):
         self._held_ws = ""  # the whitespace before the current block's start tag
         self._block_raw = ""  # the current block so far, content if it is no call after all
         self._strip_leading = False  # right after a call's block, whitespace is not content
-        self._call = _CallStream(0)  # the current (or last) block's call
+        self._call = CallStream(0)  # the current (or last) block's call
         self._num_calls = 0
 
     @property
@@ -439,7 +418,7 @@ class _HermesStreamer(ToolCallStreamer):
         return self._num_calls > 0
 
     def feed(self, text: str) -> list[Delta]:
-        out = _Deltas()
+        out = Deltas()
         handlers = {
             "text": self._text,
             "call": self._in_call,
@@ -451,7 +430,7 @@ class _HermesStreamer(ToolCallStreamer):
         return out.items
 
     def finish(self) -> list[Delta]:
-        out = _Deltas()
+        out = Deltas()
         if self._mode in ("text", "bad_block"):
             out.content(self._pending)
         elif self._mode == "call" and not self._call.header_sent:
@@ -459,31 +438,31 @@ class _HermesStreamer(ToolCallStreamer):
         self._mode, self._pending = "text", ""
         return out.items
 
-    def _text(self, text: str, out: _Deltas) -> str:
+    def _text(self, text: str, out: Deltas) -> str:
         buf = self._pending + text
         self._pending = ""
         if self._strip_leading:
-            buf = buf.lstrip(_WHITESPACE)
+            buf = buf.lstrip(WHITESPACE)
             if not buf:
                 return ""
             self._strip_leading = False
         start = buf.find(HermesToolParser.START)
         if start >= 0:
             before = buf[:start]
-            kept = before.rstrip(_WHITESPACE)
+            kept = before.rstrip(WHITESPACE)
             out.content(kept)
             self._held_ws = before[len(kept) :]
             self._block_raw = HermesToolParser.START
-            self._call = _CallStream(self._num_calls)
+            self._call = CallStream(self._num_calls)
             self._mode = "call"
             return buf[start + len(HermesToolParser.START) :]
         undecided = len(buf) - _held_suffix(buf, HermesToolParser.START)
-        kept = buf[:undecided].rstrip(_WHITESPACE)
+        kept = buf[:undecided].rstrip(WHITESPACE)
         out.content(kept)
         self._pending = buf[len(kept) :]
         return ""
 
-    def _in_call(self, text: str, out: _Deltas) -> str:
+    def _in_call(self, text: str, out: Deltas) -> str:
         call = self._call
         was_sent = call.header_sent
         consumed = call.feed(text, out)
@@ -497,7 +476,7 @@ class _HermesStreamer(ToolCallStreamer):
             self._mode = "after_call"
         return text[consumed:]
 
-    def _after_call(self, text: str, out: _Deltas) -> str:
+    def _after_call(self, text: str, out: Deltas) -> str:
         buf = self._pending + text
         end = buf.find(HermesToolParser.END)
         if end >= 0:
@@ -508,7 +487,7 @@ class _HermesStreamer(ToolCallStreamer):
         self._pending = buf[len(buf) - _held_suffix(buf, HermesToolParser.END) :]
         return ""
 
-    def _bad_block(self, text: str, out: _Deltas) -> str:
+    def _bad_block(self, text: str, out: Deltas) -> str:
         buf = self._pending + text
         self._pending = ""
         end = buf.find(HermesToolParser.END)
@@ -538,13 +517,13 @@ class Glm45ToolParser(ToolParser):
     vLLM's ``glm45`` parser does. A call's ``arguments`` is the JSON object of its pairs, in
     their order; streamed, each pair is sent once its ``</arg_value>`` arrives. A block that is
     no such call (no name, text between the pairs) is content. The whole-text split is the
-    stream's, folded (``_parse_with``)."""
+    stream's, folded (``fold_stream``)."""
 
     name = "glm45"
     _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
     def parse(self, text: str) -> ParsedToolCalls:
-        return _parse_with(self.streamer(), text)
+        return fold_stream(self.streamer(), text)
 
     def streamer(self) -> ToolCallStreamer:
         return _Glm45Streamer(self.string_parameters)
@@ -558,13 +537,13 @@ class Glm45ToolParser(ToolParser):
             return ("bad" if "<" in body and not "<arg_key>".startswith(body[body.find("<") :])
                     else "partial"), None, []  # fmt: skip
         cut = min(ends) if ends else len(body)
-        name = body[:cut].strip(_WHITESPACE)
+        name = body[:cut].strip(WHITESPACE)
         if not name or any(ch in name for ch in "<>"):
             return "bad", None, []
         pairs: list[tuple[str, str]] = []
         rest, pos = body[cut:], 0
         while True:
-            while pos < len(rest) and rest[pos] in _WHITESPACE:
+            while pos < len(rest) and rest[pos] in WHITESPACE:
                 pos += 1
             if pos == len(rest):
                 return "ok", name, pairs
@@ -579,7 +558,7 @@ class Glm45ToolParser(ToolParser):
                 if not complete and pending:
                     return "ok", name, pairs
                 return "bad", name, pairs
-            pairs.append((match[1].strip(_WHITESPACE), match[2]))
+            pairs.append((match[1].strip(WHITESPACE), match[2]))
             pos = match.end()
 
 
@@ -593,7 +572,7 @@ class _Glm45Streamer(_HermesStreamer):
         self._string_parameters = string_parameters
         self._pairs_sent = 0
 
-    def _in_call(self, text: str, out: _Deltas, at_end: bool = False) -> str:
+    def _in_call(self, text: str, out: Deltas, at_end: bool = False) -> str:
         start = len(HermesToolParser.START)
         buf = self._block_raw + text
         end = buf.find(HermesToolParser.END, start)
@@ -643,7 +622,7 @@ class _Glm45Streamer(_HermesStreamer):
         return json.dumps(value, ensure_ascii=False)
 
     def finish(self) -> list[Delta]:
-        out = _Deltas()
+        out = Deltas()
         if self._mode == "call":
             # Cut off inside a block: a call as far as it is well formed, else content.
             self._in_call("", out, at_end=True)
@@ -658,9 +637,9 @@ class Llama3JsonToolParser(ToolParser):
     PYTHON_TAG = "<|python_tag|>"
 
     def parse(self, text: str) -> ParsedToolCalls:
-        body = text.strip(_WHITESPACE)
+        body = text.strip(WHITESPACE)
         if body.startswith(self.PYTHON_TAG):
-            body = body[len(self.PYTHON_TAG) :].lstrip(_WHITESPACE)
+            body = body[len(self.PYTHON_TAG) :].lstrip(WHITESPACE)
         calls: list[ToolCall] = []
         decoder = json.JSONDecoder()
         pos = 0
@@ -688,7 +667,7 @@ class Llama3JsonToolParser(ToolParser):
 
 
 def _skip_whitespace(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in _WHITESPACE:
+    while pos < len(text) and text[pos] in WHITESPACE:
         pos += 1
     return pos
 
@@ -701,7 +680,7 @@ class _Llama3JsonStreamer(ToolCallStreamer):
     def __init__(self) -> None:
         self._mode = "start"
         self._held = ""  # everything so far while no call has been announced
-        self._call = _CallStream(0)
+        self._call = CallStream(0)
         self._num_calls = 0
 
     @property
@@ -709,20 +688,20 @@ class _Llama3JsonStreamer(ToolCallStreamer):
         return self._num_calls > 0
 
     def feed(self, text: str) -> list[Delta]:
-        out = _Deltas()
+        out = Deltas()
         while text:
             text = self._step(text, out)
         return out.items
 
     def finish(self) -> list[Delta]:
-        out = _Deltas()
+        out = Deltas()
         if self._num_calls == 0:
             out.content(self._held)
         self._held = ""
         self._mode = "text"
         return out.items
 
-    def _step(self, text: str, out: _Deltas) -> str:
+    def _step(self, text: str, out: Deltas) -> str:
         if self._mode == "text":
             out.content(text)
             return ""
@@ -731,14 +710,14 @@ class _Llama3JsonStreamer(ToolCallStreamer):
             return self._start() if self._mode == "start" else ""
         if self._mode == "call":
             return self._in_call(text, out)
-        rest = text.lstrip(_WHITESPACE)
+        rest = text.lstrip(WHITESPACE)
         if not rest:
             return ""
         if self._mode == "between" and rest[0] == ";":
             self._mode = "next"
             return rest[1:]
         if self._mode == "next" and rest[0] == "{":
-            self._call = _CallStream(self._num_calls)
+            self._call = CallStream(self._num_calls)
             self._mode = "call"
             return rest
         # Junk after the calls: it cannot take them back, so it is content from here on.
@@ -746,10 +725,10 @@ class _Llama3JsonStreamer(ToolCallStreamer):
         return rest
 
     def _start(self) -> str:
-        body = self._held.lstrip(_WHITESPACE)
+        body = self._held.lstrip(WHITESPACE)
         tag = Llama3JsonToolParser.PYTHON_TAG
         if body.startswith(tag):
-            body = body[len(tag) :].lstrip(_WHITESPACE)
+            body = body[len(tag) :].lstrip(WHITESPACE)
         elif tag.startswith(body):
             return ""
         if not body:
@@ -763,7 +742,7 @@ class _Llama3JsonStreamer(ToolCallStreamer):
         self._mode = "call"
         return body
 
-    def _in_call(self, text: str, out: _Deltas) -> str:
+    def _in_call(self, text: str, out: Deltas) -> str:
         call = self._call
         consumed = call.feed(text, out)
         if self._num_calls == 0:
@@ -780,164 +759,6 @@ class _Llama3JsonStreamer(ToolCallStreamer):
         elif call.scanner.done:
             self._mode = "between"
         return text[consumed:]
-
-
-class NamedToolCallStreamer(ToolCallStreamer):
-    """A call forced by name (``tool_choice: {"type": "function", "function": {"name": f}}``):
-    the whole output, constrained by :func:`named_tool_schema`, is the arguments object."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._id = make_tool_call_id()
-        self._started = False
-        self._nesting = _Nesting()
-        self._done = False
-
-    @property
-    def tools_called(self) -> bool:
-        return self._started
-
-    def feed(self, text: str) -> list[Delta]:
-        out = _Deltas()
-        if not self._started:
-            text = text.lstrip(_WHITESPACE)
-            if text:
-                self._start(out)
-        end = 0
-        while end < len(text) and not self._done:
-            self._nesting.step(text[end])
-            end += 1
-            self._done = self._nesting.depth == 0 and not self._nesting.in_string
-        out.arguments(0, text[:end])
-        return out.items
-
-    def finish(self) -> list[Delta]:
-        out = _Deltas()
-        if not self._started:
-            self._start(out)
-        return out.items
-
-    def _start(self, out: _Deltas) -> None:
-        out.header(0, self._id, self.name)
-        self._started = True
-
-
-class RequiredToolCallStreamer(ToolCallStreamer):
-    """Calls forced by ``tool_choice: "required"``: the output, constrained by
-    :func:`required_tools_schema`, is ``[{"name": "f", "parameters": {...}}, ...]``. A call is
-    announced as soon as its name is whole; its parameters then stream as they arrive."""
-
-    def __init__(self) -> None:
-        self._mode = "start"  # "start", "element", "call", "after_call", "done"
-        self._call = _CallStream(0, eager_header=True)
-        self._num_calls = 0
-
-    @property
-    def tools_called(self) -> bool:
-        return self._num_calls > 0
-
-    def feed(self, text: str) -> list[Delta]:
-        out = _Deltas()
-        while text and self._mode != "done":
-            text = self._step(text, out)
-        return out.items
-
-    def finish(self) -> list[Delta]:
-        self._mode = "done"
-        return []
-
-    def _step(self, text: str, out: _Deltas) -> str:
-        if self._mode == "call":
-            call = self._call
-            consumed = call.feed(text, out)
-            if call.header_sent and call.index == self._num_calls:
-                self._num_calls += 1
-            if call.scanner.error:
-                self._mode = "done"
-            elif call.scanner.done:
-                self._mode = "after_call"
-            return text[consumed:]
-        rest = text.lstrip(_WHITESPACE)
-        if not rest:
-            return ""
-        first = rest[0]
-        if self._mode == "start" and first == "[":
-            self._mode = "element"
-        elif self._mode == "element" and first == "{":
-            self._call = _CallStream(self._num_calls, eager_header=True)
-            self._mode = "call"
-            return rest
-        elif self._mode == "after_call" and first == ",":
-            self._mode = "element"
-        else:
-            # "]", or output the schema would not have allowed: nothing more is read.
-            self._mode = "done"
-        return rest[1:]
-
-
-def parse_named_tool_call(name: str, text: str) -> ParsedToolCalls:
-    """The whole output of a call forced by name (see :class:`NamedToolCallStreamer`)."""
-    return _parse_with(NamedToolCallStreamer(name), text)
-
-
-def parse_required_tool_calls(text: str) -> ParsedToolCalls:
-    """The whole output of ``tool_choice: "required"`` (see :class:`RequiredToolCallStreamer`)."""
-    return _parse_with(RequiredToolCallStreamer(), text)
-
-
-def _parse_with(streamer: ToolCallStreamer, text: str) -> ParsedToolCalls:
-    return fold_deltas(streamer.feed(text) + streamer.finish())
-
-
-def tool_function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The function of an OpenAI tool, ``{"type": "function", "function": {...}}``, or of a bare
-    function dict; ValueError when it has no name."""
-    function = tool.get("function", tool)
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise ValueError(f"a tool must be a function with a string 'name', got {tool!r}")
-    return function
-
-
-def find_tool(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
-    """The tool whose function is called ``name``; ValueError naming the tools there are."""
-    for tool in tools:
-        if tool_function(tool)["name"] == name:
-            return tool
-    names = ", ".join(tool_function(tool)["name"] for tool in tools) or "none"
-    raise ValueError(f"tool_choice names function {name!r}, which is not in tools ({names})")
-
-
-def named_tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
-    """JSON schema of the output of a call forced by name: the tool's arguments object."""
-    parameters = tool_function(tool).get("parameters")
-    # No parameters (or an empty schema) still means an object: the arguments of no parameters.
-    return dict(parameters) if parameters else {"type": "object"}
-
-
-def required_tools_schema(
-    tools: Sequence[Mapping[str, Any]], parallel_tool_calls: bool = True
-) -> dict[str, Any]:
-    """JSON schema of the output of ``tool_choice: "required"``: a non-empty array of calls, each
-    ``{"name": <one of the tools>, "parameters": <that tool's arguments>}``; at most one call when
-    ``parallel_tool_calls`` is False."""
-    if not tools:
-        raise ValueError('tool_choice "required" needs at least one tool in tools')
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"enum": [tool_function(tool)["name"]]},
-                "parameters": named_tool_schema(tool),
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-    if not parallel_tool_calls:
-        schema["maxItems"] = 1
-    return schema
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

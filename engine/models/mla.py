@@ -8,29 +8,9 @@ and values come from one low-rank latent per token, and only that latent is cach
     PagedAttention over the latent cache, one "kv head" (MQA): scores q · latent, values the
     latent's first kv_lora values ─ o_latent [H, kv_lora] ─ x W_UV^T ─ [H, v] ─ o_proj
 
-``kv_b_proj`` ``[H * (nope + v), kv_lora]`` is W_UK (each head's first ``nope`` rows) and W_UV
-(its next ``v``). HF up-projects the cached latent into per-head keys and values; here both
-phases absorb instead: ``q_nope W_UK`` turns the query into the latent's space and ``W_UV``
-comes after attention, so a token's cache is ``kv_lora_rank + qk_rope_head_dim`` values per
-layer (576 for DeepSeek-V3, ~1.1 KiB in bf16, against 128 heads x (192 + 128) expanded) and
-prefill, chunked prefill, prefix caching, swap and decode all read the same cache through the
-same paged attention. Absorbing is what vLLM does in decode, where attention is bound by reading
-the cache; in a long prefill up-projecting would cost fewer FLOPs (keys of 192, not 576,
-values per head), an optimization left to the kernels (docs/mla.md says which path each
-phase takes, why, and what absorbing costs a long prefill). The two orders give the same
-scores up to rounding.
-
-Rope: ``q_pe`` and ``k_pe`` rotate in interleaved pairs ``(x0, x1), (x2, x3), ...`` (DeepSeek's
-layout: V2 always, V3 with ``rope_interleave``); gathering the even then the odd dimensions
-first makes that HF's neox rotation of the result, exactly as transformers computes it, and
-since q and k are permuted alike the scores are unchanged. The softmax scale is
-``qk_head_dim ** -0.5``, times ``mscale ** 2`` of yarn's ``mscale_all_dim`` when the rope is
-scaled. ``q_a_layernorm`` / ``kv_a_layernorm`` use eps 1e-6 whatever ``rms_norm_eps`` says, as
-HF's DeepSeek code builds them.
-
-Tensor parallel: heads are split (q_b_proj / q_proj and kv_b_proj by rows, o_proj by
-columns); the latent projections (q_a_proj, kv_a_proj_with_mqa) and the latent cache are whole
-on every rank, as in vLLM.
+``kv_b_proj`` is read as W_UK / W_UV, absorbed in every phase (docs/mla.md says why, what it
+costs a long prefill, and how the rope permutation, softmax scale and latent norms match HF).
+Tensor parallel: heads split; the latent projections and the latent cache whole on every rank.
 """
 
 from __future__ import annotations

@@ -11,20 +11,22 @@ import jsonschema
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from cluster.api.tool_parsers import (
-    TOOL_PARSERS,
-    Delta,
+from cluster.api.forced_tool_calls import (
     NamedToolCallStreamer,
-    ParsedToolCalls,
     RequiredToolCallStreamer,
-    ToolCallStreamer,
     find_tool,
-    fold_deltas,
-    get_tool_parser,
     named_tool_schema,
     parse_named_tool_call,
     parse_required_tool_calls,
     required_tools_schema,
+)
+from cluster.api.tool_parsers import (
+    TOOL_PARSERS,
+    Delta,
+    ParsedToolCalls,
+    ToolCallStreamer,
+    fold_deltas,
+    get_tool_parser,
 )
 from engine import tiny_models
 

@@ -12,7 +12,7 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from cluster.api.tool_parsers import named_tool_schema, required_tools_schema
+from cluster.api.forced_tool_calls import named_tool_schema, required_tools_schema
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.json_string_grammar import json_schema_grammar
 

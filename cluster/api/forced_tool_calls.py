@@ -1,0 +1,175 @@
+"""Tool calls the API forces (``tool_choice`` naming a function, or ``"required"``): the JSON
+schema that constrains the output (:func:`named_tool_schema`, :func:`required_tools_schema`) and
+the streamers that read it (:class:`NamedToolCallStreamer`, :class:`RequiredToolCallStreamer`),
+built on ``cluster.api.tool_parsers``' streaming pieces."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cluster.api.tool_parsers import (
+    WHITESPACE,
+    CallStream,
+    Delta,
+    Deltas,
+    JsonNesting,
+    ParsedToolCalls,
+    ToolCallStreamer,
+    fold_stream,
+    make_tool_call_id,
+)
+
+
+class NamedToolCallStreamer(ToolCallStreamer):
+    """A call forced by name (``tool_choice: {"type": "function", "function": {"name": f}}``):
+    the whole output, constrained by :func:`named_tool_schema`, is the arguments object."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._id = make_tool_call_id()
+        self._started = False
+        self._nesting = JsonNesting()
+        self._done = False
+
+    @property
+    def tools_called(self) -> bool:
+        return self._started
+
+    def feed(self, text: str) -> list[Delta]:
+        out = Deltas()
+        if not self._started:
+            text = text.lstrip(WHITESPACE)
+            if text:
+                self._start(out)
+        end = 0
+        while end < len(text) and not self._done:
+            self._nesting.step(text[end])
+            end += 1
+            self._done = self._nesting.depth == 0 and not self._nesting.in_string
+        out.arguments(0, text[:end])
+        return out.items
+
+    def finish(self) -> list[Delta]:
+        out = Deltas()
+        if not self._started:
+            self._start(out)
+        return out.items
+
+    def _start(self, out: Deltas) -> None:
+        out.header(0, self._id, self.name)
+        self._started = True
+
+
+class RequiredToolCallStreamer(ToolCallStreamer):
+    """Calls forced by ``tool_choice: "required"``: the output, constrained by
+    :func:`required_tools_schema`, is ``[{"name": "f", "parameters": {...}}, ...]``. A call is
+    announced as soon as its name is whole; its parameters then stream as they arrive."""
+
+    def __init__(self) -> None:
+        self._mode = "start"  # "start", "element", "call", "after_call", "done"
+        self._call = CallStream(0, eager_header=True)
+        self._num_calls = 0
+
+    @property
+    def tools_called(self) -> bool:
+        return self._num_calls > 0
+
+    def feed(self, text: str) -> list[Delta]:
+        out = Deltas()
+        while text and self._mode != "done":
+            text = self._step(text, out)
+        return out.items
+
+    def finish(self) -> list[Delta]:
+        self._mode = "done"
+        return []
+
+    def _step(self, text: str, out: Deltas) -> str:
+        if self._mode == "call":
+            call = self._call
+            consumed = call.feed(text, out)
+            if call.header_sent and call.index == self._num_calls:
+                self._num_calls += 1
+            if call.scanner.error:
+                self._mode = "done"
+            elif call.scanner.done:
+                self._mode = "after_call"
+            return text[consumed:]
+        rest = text.lstrip(WHITESPACE)
+        if not rest:
+            return ""
+        first = rest[0]
+        if self._mode == "start" and first == "[":
+            self._mode = "element"
+        elif self._mode == "element" and first == "{":
+            self._call = CallStream(self._num_calls, eager_header=True)
+            self._mode = "call"
+            return rest
+        elif self._mode == "after_call" and first == ",":
+            self._mode = "element"
+        else:
+            # "]", or output the schema would not have allowed: nothing more is read.
+            self._mode = "done"
+        return rest[1:]
+
+
+def parse_named_tool_call(name: str, text: str) -> ParsedToolCalls:
+    """The whole output of a call forced by name (see :class:`NamedToolCallStreamer`)."""
+    return fold_stream(NamedToolCallStreamer(name), text)
+
+
+def parse_required_tool_calls(text: str) -> ParsedToolCalls:
+    """The whole output of ``tool_choice: "required"`` (see :class:`RequiredToolCallStreamer`)."""
+    return fold_stream(RequiredToolCallStreamer(), text)
+
+
+def tool_function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The function of an OpenAI tool, ``{"type": "function", "function": {...}}``, or of a bare
+    function dict; ValueError when it has no name."""
+    function = tool.get("function", tool)
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError(f"a tool must be a function with a string 'name', got {tool!r}")
+    return function
+
+
+def find_tool(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
+    """The tool whose function is called ``name``; ValueError naming the tools there are."""
+    for tool in tools:
+        if tool_function(tool)["name"] == name:
+            return tool
+    names = ", ".join(tool_function(tool)["name"] for tool in tools) or "none"
+    raise ValueError(f"tool_choice names function {name!r}, which is not in tools ({names})")
+
+
+def named_tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """JSON schema of the output of a call forced by name: the tool's arguments object."""
+    parameters = tool_function(tool).get("parameters")
+    # No parameters (or an empty schema) still means an object: the arguments of no parameters.
+    return dict(parameters) if parameters else {"type": "object"}
+
+
+def required_tools_schema(
+    tools: Sequence[Mapping[str, Any]], parallel_tool_calls: bool = True
+) -> dict[str, Any]:
+    """JSON schema of the output of ``tool_choice: "required"``: a non-empty array of calls, each
+    ``{"name": <one of the tools>, "parameters": <that tool's arguments>}``; at most one call when
+    ``parallel_tool_calls`` is False."""
+    if not tools:
+        raise ValueError('tool_choice "required" needs at least one tool in tools')
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"enum": [tool_function(tool)["name"]]},
+                "parameters": named_tool_schema(tool),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return schema
