@@ -45,6 +45,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Glm4MoeForCausalLM",
+    "GptOssForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
@@ -65,10 +66,16 @@ _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 DEEPSEEK_ARCHITECTURES: tuple[str, ...] = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GLM4_MOE = "Glm4MoeForCausalLM"
+GPT_OSS = "GptOssForCausalLM"
 # Families with DeepSeek's MoE fields: ``n_routed_experts``, ``n_shared_experts`` (ungated),
 # ``first_k_dense_replace``, ``routed_scaling_factor`` and a grouped top-k.
 DEEPSEEK_STYLE_MOE: tuple[str, ...] = (*DEEPSEEK_ARCHITECTURES, GLM4_MOE)
-MOE_ARCHITECTURES: tuple[str, ...] = ("MixtralForCausalLM", *_QWEN_MOE, *DEEPSEEK_STYLE_MOE)
+MOE_ARCHITECTURES: tuple[str, ...] = (
+    "MixtralForCausalLM",
+    *_QWEN_MOE,
+    *DEEPSEEK_STYLE_MOE,
+    GPT_OSS,
+)
 # transformers' DeepseekV2Config / DeepseekV3Config / Glm4MoeConfig defaults of the fields the
 # engine reads, for a config.json that leaves one out.
 _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -173,6 +180,8 @@ def check_hf_config(hf: dict[str, Any]) -> None:
         check_deepseek(hf)  # first: the rope check reads qk_rope_head_dim
     elif arch == GLM4_MOE:
         check_glm4_moe(hf)
+    elif arch == GPT_OSS:
+        check_gpt_oss(hf)
     elif arch in MOE_ARCHITECTURES:
         check_moe(hf)
     check_rope(hf)
@@ -281,6 +290,24 @@ def check_glm4_moe(hf: dict[str, Any]) -> None:
     _check_groups(hf, experts, top_k, top2=True)
 
 
+def check_gpt_oss(hf: dict[str, Any]) -> None:
+    """A gpt-oss config: ``num_local_experts`` experts of ``intermediate_size``, top-k in
+    range, and the clamped SwiGLU's ``swiglu_limit`` (and ``swiglu_alpha`` when set)."""
+    experts = _positive_int(hf, "num_local_experts")
+    top_k = _positive_int(hf, "num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError(f"num_experts_per_tok: {top_k} is more than the {experts} experts")
+    _positive_int(hf, "intermediate_size")
+    for key in ("swiglu_limit", "swiglu_alpha"):
+        value = hf.get(key)
+        if key == "swiglu_alpha" and value is None:
+            continue
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise ConfigError(f"{key}: must be a number > 0, got {value!r}")
+    if not isinstance(hf.get("attention_bias", True), bool):
+        raise ConfigError(f"attention_bias: must be true or false, got {hf['attention_bias']!r}")
+
+
 def _check_deepseek_style_experts(hf: dict[str, Any]) -> tuple[int, int]:
     """The expert counts, dense layers and scaling of a DeepSeek-style MoE: (experts, top-k)."""
     _natural(hf, "moe_intermediate_size")
@@ -330,9 +357,9 @@ def num_experts(hf: dict[str, Any]) -> int:
 
 
 def moe_intermediate_size(hf: dict[str, Any]) -> int:
-    """Each routed expert's intermediate size (Mixtral's experts use ``intermediate_size``)."""
+    """Each routed expert's intermediate size (Mixtral's and gpt-oss's use ``intermediate_size``)."""
     arch = architecture(hf)
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", GPT_OSS):
         return int(hf["intermediate_size"])
     if arch in DEEPSEEK_STYLE_MOE:
         return int(config_field(hf, "moe_intermediate_size"))
@@ -341,11 +368,11 @@ def moe_intermediate_size(hf: dict[str, Any]) -> int:
 
 def is_sparse_layer(hf: dict[str, Any], layer: int) -> bool:
     """Whether decoder layer ``layer`` holds the MoE block (else a dense MLP): every layer of
-    Mixtral; for Qwen2/3-MoE HF's rule — not in ``mlp_only_layers``, and every
+    Mixtral and gpt-oss; for Qwen2/3-MoE HF's rule — not in ``mlp_only_layers``, and every
     ``decoder_sparse_step``-th layer (1-based) when there are experts at all; for DeepSeek and
     GLM-4.5 every layer from ``first_k_dense_replace`` on."""
     arch = architecture(hf)
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", GPT_OSS):
         return True
     if arch in DEEPSEEK_STYLE_MOE:
         return layer >= int(config_field(hf, "first_k_dense_replace"))

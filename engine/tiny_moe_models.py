@@ -18,6 +18,10 @@ init recipe, same cache), so tests compare the engine with HF transformers offli
                                    groups                          q/k norm, q/k/v biases,
                                                                    V3's router with a non-zero
                                                                    correction bias, 1 shared
+    tiny-gpt-oss      gpt-oss      8        2      4 sparse,       sinks, window 8, yarn from
+                                                   sliding / full  64 positions, biased router
+                                                   alternating     and experts, SwiGLU clamped
+                                                                   often; harmony tokenizer
 
 The weights are written with ``save_pretrained``, so the checkpoint has the per-expert tensors
 (``experts.N.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.N.w1.weight``) that
@@ -38,6 +42,7 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     Glm4MoeConfig,
+    GptOssConfig,
     MixtralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
@@ -56,6 +61,11 @@ from engine.tiny_models import (
     _write_config,
     materialize,
 )
+from engine.tiny_harmony import (
+    HARMONY_STOP_TOKEN_IDS,
+    build_harmony_tokenizer,
+    write_harmony_tokenizer,
+)
 from engine.tiny_tokenizer import build_tokenizer, write_json, write_tokenizer
 
 # Bump whenever an MoE recipe changes (on top of engine.tiny_models.VERSION, which covers the
@@ -68,6 +78,7 @@ TINY_MOE_MODEL_NAMES: tuple[str, ...] = (
     "tiny-deepseek-v3",
     "tiny-deepseek-v2",
     "tiny-glm4-moe",
+    "tiny-gpt-oss",
 )
 # Multi-head latent attention at a small scale: 4 heads, q_lora 48 (V3), latent 32 + rope 8.
 _MLA_SHAPE: dict[str, Any] = {
@@ -86,6 +97,11 @@ _MLA_SHAPE: dict[str, Any] = {
 }
 # The correction bias HF leaves at zero, drawn instead: a zero bias would not test it.
 CORRECTION_BIAS_NOISE = 0.1
+# gpt-oss's sinks (HF draws them at std 0.02, where they change nothing) and expert biases
+# (HF: zero) are drawn at these scales.
+SINK_NOISE = 1.0
+EXPERT_BIAS_NOISE = 0.1
+GPT_OSS_SWIGLU_LIMIT = 2.0
 
 _MOE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     "tiny-mixtral": (
@@ -191,6 +207,32 @@ _MOE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # gpt-oss's quirks at a small scale: 4 layers alternating a window of 8 with full attention
+    # (prompts are longer), yarn x32 over 64 trained positions as gpt-oss's over 4096 (decoding
+    # runs past them), and a SwiGLU limit that clamps ~1 in 5 values on random weights.
+    "tiny-gpt-oss": (
+        GptOssConfig,
+        {
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "swiglu_limit": GPT_OSS_SWIGLU_LIMIT,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 # The _COMMON_CONFIG fields DeepSeek's configs derive themselves (head_dim = qk_rope_head_dim)
 # or take inside rope_parameters.
@@ -220,17 +262,24 @@ def make_tiny_moe_model(
     (the recipe of :func:`engine.tiny_models.make_tiny_model`)."""
     _check_moe_name(name)
     config_class, specific = _MOE_CONFIGS[name]
-    tokenizer = build_tokenizer()
+    harmony = name == "tiny-gpt-oss"
+    tokenizer = build_harmony_tokenizer() if harmony else build_tokenizer()
     common = _COMMON_CONFIG
-    if name.startswith("tiny-deepseek"):
+    if name.startswith("tiny-deepseek") or harmony:
         common = {k: v for k, v in common.items() if k not in _NOT_FOR_DEEPSEEK}
     kwargs = {**common, **specific, **(config_overrides or {})}
     config = config_class(vocab_size=tokenizer.get_vocab_size(), **kwargs)
     out = Path(out_dir)
     model = _build_model(config, seed)
     _draw_correction_bias(model, seed)
+    _draw_gpt_oss_extras(model, seed)
     _save(model, config, out)
-    write_tokenizer(tokenizer, out)
+    if harmony:
+        write_harmony_tokenizer(tokenizer, out)
+        eos = [EOS_TOKEN_ID, *HARMONY_STOP_TOKEN_IDS]
+        write_json(out / "generation_config.json", {**_GENERATION_CONFIG, "eos_token_id": eos})
+    else:
+        write_tokenizer(tokenizer, out)
     return out
 
 
@@ -243,6 +292,18 @@ def _draw_correction_bias(model: Any, seed: int) -> None:
             if name.endswith("e_score_correction_bias"):
                 noise = torch.randn(buffer.shape, generator=generator, dtype=buffer.dtype)
                 buffer.copy_(CORRECTION_BIAS_NOISE * noise)
+
+
+def _draw_gpt_oss_extras(model: Any, seed: int) -> None:
+    """gpt-oss's attention sinks and expert biases, drawn large enough to matter."""
+    generator = torch.Generator().manual_seed(seed + 3)
+    scales = {"self_attn.sinks": SINK_NOISE, "_proj_bias": EXPERT_BIAS_NOISE}
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            scale = next((v for k, v in scales.items() if name.endswith(k)), None)
+            if scale is not None:
+                noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+                param.copy_(scale * noise)
 
 
 def _save(model: Any, config: PretrainedConfig, out: Path) -> None:

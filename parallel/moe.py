@@ -62,9 +62,12 @@ def grouped_experts(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     act_and_mul: ActAndMul,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_k w[t, k] * down_e(act_and_mul(gate_up_e(x[t])))`` with ``e = topk_ids[t, k]``;
-    a negative id (an expert on another rank) adds nothing.
+    a negative id (an expert on another rank) adds nothing. ``gate_up_bias`` ``[E, 2I]`` and
+    ``down_bias`` ``[E, H]``, when given, are each expert's projection biases.
 
     ``x`` ``[T, H]``; ``gate_up_proj`` ``[E, 2I, H]``; ``down_proj`` ``[E, H, I]``;
     ``topk_ids`` / ``topk_weights`` ``[T, K]``. Returns ``[T, H]`` in ``x``'s dtype.
@@ -88,8 +91,10 @@ def grouped_experts(
     for expert in (e for e, n in enumerate(sizes) if n):
         end = ends[expert]
         start = end - sizes[expert]
-        inter = act_and_mul(F.linear(rows[start:end], gate_up_proj[expert]))
-        sorted_out[start:end] = F.linear(inter, down_proj[expert])
+        b13 = None if gate_up_bias is None else gate_up_bias[expert]
+        b2 = None if down_bias is None else down_bias[expert]
+        inter = act_and_mul(F.linear(rows[start:end], gate_up_proj[expert], b13))
+        sorted_out[start:end] = F.linear(inter, down_proj[expert], b2)
     pair_out = torch.empty_like(sorted_out)
     pair_out[order] = sorted_out
     weighted = pair_out.view(num_tokens, top_k, hidden) * topk_weights.unsqueeze(-1)
@@ -136,11 +141,17 @@ class ParallelExperts(nn.Module):
         self.gate_up_proj.weight_loader = self.gate_up_loader
         self.down_proj = nn.Parameter(torch.empty(local, hidden_size, inter), requires_grad=False)
         self.down_proj.weight_loader = self.down_loader
+        # Per-expert projection biases, set by experts that have them (gpt-oss's).
+        self.gate_up_proj_bias: nn.Parameter | None
+        self.down_proj_bias: nn.Parameter | None
+        self.register_parameter("gate_up_proj_bias", None)
+        self.register_parameter("down_proj_bias", None)
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        if x.device.type == "cuda" and self.silu:
+        biased = self.gate_up_proj_bias is not None or self.down_proj_bias is not None
+        if x.device.type == "cuda" and self.silu and not biased:
             expert_map = self.expert_map(x.device) if self.expert_parallel else None
             w13, w2 = self.gate_up_proj, self.down_proj
             return fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
@@ -149,7 +160,14 @@ class ParallelExperts(nn.Module):
             in_range = (local >= 0) & (local < self.num_local_experts)
             topk_ids = torch.where(in_range, local, -1)
         return grouped_experts(
-            x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.act_and_mul
+            x,
+            self.gate_up_proj,
+            self.down_proj,
+            topk_ids,
+            topk_weights,
+            self.act_and_mul,
+            self.gate_up_proj_bias,
+            self.down_proj_bias,
         )
 
     def expert_map(self, device: torch.device) -> torch.Tensor:

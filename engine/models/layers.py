@@ -38,14 +38,16 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: ``x * (1 + weight)``, normalized and scaled in float32 and cast back
-    once (Llama's casts before scaling, so the two differ below float32). Same ``forward(x,
-    residual)`` contract as :class:`RMSNorm`."""
+    """Gemma's RMSNorm: ``x * (offset + weight)`` with ``offset`` 1, normalized and scaled in
+    float32 and cast back once (Llama's casts before scaling, so the two differ below float32);
+    ``offset=0`` is gpt-oss's norm (a plain weight, applied in float32 as well). Same
+    ``forward(x, residual)`` contract as :class:`RMSNorm`."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, offset: float = 1.0) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.offset = offset
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset), requires_grad=False)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -54,7 +56,7 @@ class GemmaRMSNorm(nn.Module):
             x = x + residual
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (normed * (1.0 + self.weight.float())).to(x.dtype)
+        out = (normed * (self.offset + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, x)
 
 

@@ -54,7 +54,11 @@ class Routing:
     docstring); the defaults are Qwen2/3-MoE's without ``norm_topk_prob``."""
 
     renormalize: bool = False
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    # "topk_softmax": the top-k of the raw logits, then a softmax over those k in the logits'
+    # dtype (gpt-oss); the others score every expert first.
+    scoring: Literal["softmax", "sigmoid", "topk_softmax"] = "softmax"
+    # A bias on the router's logits (gpt-oss's ``router.bias``).
+    router_bias: bool = False
     # The router matmul from float32 activations and a float32 weight (DeepSeek's).
     fp32_logits: bool = False
     # Weights kept in float32 for the expert outputs' weighting (Mixtral, DeepSeek).
@@ -75,6 +79,9 @@ def route(
     correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights in ``weights_dtype``, expert ids) of every token, ``[T, top_k]`` each."""
+    if routing.scoring == "topk_softmax":
+        values, ids = torch.topk(router_logits, top_k, dim=-1)
+        return torch.softmax(values, dim=-1, dtype=values.dtype).to(weights_dtype), ids
     if routing.scoring == "softmax":
         scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     else:
@@ -117,14 +124,20 @@ class ReplicatedLinear(nn.Module):
 
 class Router(nn.Module):
     """A sparse layer's gate: the router weight ``[E, H]`` (float32 for ``fp32_logits``, as
-    DeepSeek's HF code declares it) and, for ``correction_bias``, ``e_score_correction_bias``
-    ``[E]`` in float32; ``forward`` routes (``route``)."""
+    DeepSeek's HF code declares it), its ``bias`` ``[E]`` for ``router_bias`` and, for
+    ``correction_bias``, ``e_score_correction_bias`` ``[E]`` in float32; ``forward`` routes
+    (``route``)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, routing: Routing) -> None:
         super().__init__()
         dtype = torch.float32 if routing.fp32_logits else None
         self.weight = nn.Parameter(
             torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False)
+            if routing.router_bias
+            else None
         )
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
@@ -136,9 +149,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.routing.fp32_logits:
-            logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+            bias = None if self.bias is None else self.bias.to(torch.float32)
+            logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32), bias)
         else:
-            logits = F.linear(x, self.weight)
+            logits = F.linear(x, self.weight, self.bias)
         weights_dtype = torch.float32 if self.routing.fp32_weights else x.dtype
         return route(logits, self.top_k, self.routing, weights_dtype, self.e_score_correction_bias)
 
@@ -147,7 +161,8 @@ class SparseMoeBlock(nn.Module):
     """The MLP of a sparse layer: ``top_k`` of ``num_experts`` gated-MLP experts per token,
     routed as ``routing`` says, plus, with ``shared_expert_intermediate_size``, an always-on
     shared expert: scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE) or ungated
-    (``shared_expert_gated=False``, DeepSeek's ``shared_experts``)."""
+    (``shared_expert_gated=False``, DeepSeek's ``shared_experts``). ``experts`` replaces the
+    gated-MLP experts built from the config (gpt-oss's biased, clamped ones)."""
 
     def __init__(
         self,
@@ -158,6 +173,7 @@ class SparseMoeBlock(nn.Module):
         routing: Routing,
         shared_expert_intermediate_size: int | None = None,
         shared_expert_gated: bool = True,
+        experts: ParallelExperts | None = None,
     ) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
@@ -165,7 +181,7 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = hf_config.num_experts(hf)
         self.top_k = int(hf["num_experts_per_tok"])
         self.gate = Router(hidden, self.num_experts, self.top_k, routing)
-        self.experts = ParallelExperts(
+        self.experts = experts if experts is not None else ParallelExperts(
             self.num_experts,
             hidden,
             hf_config.moe_intermediate_size(hf),
