@@ -357,7 +357,7 @@ def num_experts(hf: dict[str, Any]) -> int:
 
 
 def moe_intermediate_size(hf: dict[str, Any]) -> int:
-    """Each routed expert's intermediate size (Mixtral's and gpt-oss's use ``intermediate_size``)."""
+    """Each routed expert's intermediate size (``intermediate_size`` for Mixtral, gpt-oss)."""
     arch = architecture(hf)
     if arch in ("MixtralForCausalLM", GPT_OSS):
         return int(hf["intermediate_size"])

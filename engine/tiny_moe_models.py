@@ -50,6 +50,11 @@ from transformers import (
 )
 
 from engine.hf_config import DEEPSEEK_ARCHITECTURES, config_field
+from engine.tiny_harmony import (
+    HARMONY_STOP_TOKEN_IDS,
+    build_harmony_tokenizer,
+    write_harmony_tokenizer,
+)
 from engine.tiny_models import (
     _COMMON_CONFIG,
     BOS_TOKEN_ID,
@@ -60,11 +65,6 @@ from engine.tiny_models import (
     _build_model,
     _write_config,
     materialize,
-)
-from engine.tiny_harmony import (
-    HARMONY_STOP_TOKEN_IDS,
-    build_harmony_tokenizer,
-    write_harmony_tokenizer,
 )
 from engine.tiny_tokenizer import build_tokenizer, write_json, write_tokenizer
 

@@ -181,14 +181,18 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = hf_config.num_experts(hf)
         self.top_k = int(hf["num_experts_per_tok"])
         self.gate = Router(hidden, self.num_experts, self.top_k, routing)
-        self.experts = experts if experts is not None else ParallelExperts(
-            self.num_experts,
-            hidden,
-            hf_config.moe_intermediate_size(hf),
-            act_and_mul(hf, ops),
-            tp=ctx.tp,
-            expert_parallel=ctx.expert_parallel,
-            silu=hf_config.hidden_activation(hf) == "silu",
+        self.experts = (
+            experts
+            if experts is not None
+            else ParallelExperts(
+                self.num_experts,
+                hidden,
+                hf_config.moe_intermediate_size(hf),
+                act_and_mul(hf, ops),
+                tp=ctx.tp,
+                expert_parallel=ctx.expert_parallel,
+                silu=hf_config.hidden_activation(hf) == "silu",
+            )
         )
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
