@@ -118,6 +118,9 @@ FAMILIES: dict[str, _Family] = {
     "Qwen2MoeForCausalLM": _Family("qkv_bias", False, False, False, 2, False, flag_default=True),
     "Qwen3MoeForCausalLM": _Family("attention_bias", "attention_bias", False, True, 2, False),
     "Glm4MoeForCausalLM": _Family("attention_bias", False, False, "use_qk_norm", 2, False),
+    "GptOssForCausalLM": _Family(
+        "attention_bias", "attention_bias", False, False, 2, False, flag_default=True
+    ),
 }
 
 
@@ -469,6 +472,8 @@ def stage_weight_bytes(
     if shape.mla is not None:
         attn, attn_bias, latent_norms = _mla_layer(shape, shape.mla, linear, dtype_bytes)
         norms += latent_norms
+    if hf_config.architecture(hf) == hf_config.GPT_OSS:
+        attn += shape.heads_per_rank * FP32_BYTES  # this rank's heads' sinks, in float32
     num_layers = end_layer - first_layer
     table = shape.vocab_shard * h * dtype_bytes
     tied = bool(hf.get("tie_word_embeddings", family.tie_default))

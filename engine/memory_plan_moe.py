@@ -6,12 +6,14 @@ Per decoder layer of the stage (``hf_config.is_sparse_layer``: every Mixtral lay
 per ``decoder_sparse_step`` and ``mlp_only_layers``; DeepSeek from ``first_k_dense_replace``)::
 
     dense layer    gate_up + down of intermediate_size, sliced over TP      3 H I/tp
-    sparse layer   router (replicated; float32 for DeepSeek, + V3's bias)   E H
+    sparse layer   router (replicated; float32 for DeepSeek, + V3's,        E H
+                   GLM's and gpt-oss's bias)
                    routed experts, TP: every expert, a slice of each        E x 3 H I_e/tp
                                    EP: E/ep whole experts (ep = tp)         E/ep x 3 H I_e
                    shared expert (Qwen2-MoE; DeepSeek's n_shared_experts    3 H S/tp
                    x I_e), TP-sliced under TP and EP
                    shared expert gate (replicated; Qwen2-MoE only)          H
+                   gpt-oss's expert biases (gate_up sliced, down whole)     E x (2 I_e/tp + H)
 
 With E divisible by the group size, TP and EP hold the same expert bytes per rank; EP trades
 the slicing for whole-expert GEMMs and a skewed load when routing is unbalanced. From a
@@ -66,6 +68,8 @@ def moe_weight_bytes(
     # linear layers quantized; ``engine.quantization.loading``): counted in the model's dtype.
     expert = 3 * expert_slice * hidden * dtype_bytes
     arch = hf_config.architecture(conf)
+    if arch == hf_config.GPT_OSS:
+        expert += (2 * expert_slice + hidden) * dtype_bytes  # gate_up_proj_bias, down_proj_bias
     deepseek = arch in hf_config.DEEPSEEK_STYLE_MOE
     shared_size = int(hf.get("shared_expert_intermediate_size") or 0)
     if arch != "Qwen2MoeForCausalLM":
@@ -83,6 +87,8 @@ def moe_weight_bytes(
     router = num_experts * hidden * (FP32_BYTES if deepseek else dtype_bytes)
     if arch in ("DeepseekV3ForCausalLM", hf_config.GLM4_MOE):
         router += num_experts * FP32_BYTES
+    elif arch == hf_config.GPT_OSS:
+        router += num_experts * dtype_bytes  # router.bias
     sparse = sum(hf_config.is_sparse_layer(conf, i) for i in range(first_layer, end_layer))
     dense = 0
     if sparse < end_layer - first_layer:

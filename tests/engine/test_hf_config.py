@@ -45,7 +45,7 @@ def test_built_in_configs_pass(name: str) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"architectures": ["GptOssForCausalLM"]}, "architectures: 'GptOssForCausalLM'"),
+        ({"architectures": ["MambaForCausalLM"]}, "architectures: 'MambaForCausalLM'"),
         (
             {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}},
             "quantization_config.weight_block_size: None is not supported",

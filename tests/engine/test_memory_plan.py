@@ -252,6 +252,11 @@ def test_llama_3_70b_at_tp4_pp2_figures(tmp_path: Path) -> None:
         ("tiny-glm4-moe", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
         ("tiny-glm4-moe", {"use_qk_norm": False},
          {"tensor_parallel_size": 2, "enable_expert_parallel": True, "dtype": "bfloat16"}),
+        # gpt-oss: float32 sinks split by heads, q/k/v/o biases, a biased router, expert
+        # biases (gate_up's sliced, down's whole on every rank) under TP and EP.
+        ("tiny-gpt-oss", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+        ("tiny-gpt-oss", {},
+         {"tensor_parallel_size": 4, "enable_expert_parallel": True, "dtype": "bfloat16"}),
     ],
 )  # fmt: skip
 def test_every_family_matches_a_meta_build_of_every_rank(
@@ -484,7 +489,9 @@ QWEN3_30B_A3B: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"])
+@pytest.mark.parametrize(
+    "name", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-gpt-oss"]
+)
 def test_moe_plan_counts_every_parameter_of_the_loaded_engine_model(name: str) -> None:
     from engine.worker import Worker
 
