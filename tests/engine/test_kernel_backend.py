@@ -148,7 +148,13 @@ def test_gpu_cuda_graph_replay_equals_eager_for_a_padded_bucket():
     assert got == want
 
 
-FAMILIES = ["builtin:tiny-qwen3", "builtin:tiny-gemma2", "builtin:tiny-gemma3", "builtin:tiny-phi3"]
+FAMILIES = [
+    "builtin:tiny-qwen3",
+    "builtin:tiny-gemma2",
+    "builtin:tiny-gemma3",
+    "builtin:tiny-phi3",
+    "builtin:tiny-gpt-oss",
+]
 
 
 def long_prompts(lengths: tuple[int, ...] = (9, 70)) -> list[list[int]]:

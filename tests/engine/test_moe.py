@@ -365,6 +365,9 @@ def _config(name: str, **changes: Any) -> dict[str, Any]:
         ("tiny-mixtral", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
         ("tiny-qwen3-moe", {"mlp_only_layers": [7]}, "mlp_only_layers"),
         ("tiny-qwen2-moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+        ("tiny-gpt-oss", {"swiglu_limit": None}, "swiglu_limit"),
+        ("tiny-gpt-oss", {"swiglu_alpha": 0}, "swiglu_alpha"),
+        ("tiny-gpt-oss", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ],
 )
 def test_config_the_engine_cannot_serve_exactly_is_refused_by_field(
@@ -381,7 +384,13 @@ def test_tiny_moe_configs_are_accepted() -> None:
 
 # ---- TP = 2 equals TP = 1 ---------------------------------------------------------------------
 
-TP_MODELS = ("tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe")
+TP_MODELS = (
+    "tiny-qwen2-moe",
+    "tiny-qwen3-moe",
+    "tiny-deepseek-v3",
+    "tiny-glm4-moe",
+    "tiny-gpt-oss",
+)
 TP_PROMPTS = [[5, 9, 21, 7], [100, 3, 3, 8, 40, 41, 2] * 4, [17, 18], list(range(30, 71))]
 TP_DECODE_STEPS = 12
 BLOCKS_PER_REQUEST = 4  # 64 tokens: the longest prompt + the decode steps fit

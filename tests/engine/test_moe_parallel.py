@@ -38,7 +38,8 @@ from tests.engine.test_moe import (
 
 # Shared expert or not; DeepSeek's routing and latent attention.
 EP_MODELS = (
-    "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2", "tiny-glm4-moe"
+    "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2", "tiny-glm4-moe",
+    "tiny-gpt-oss",
 )  # fmt: skip
 
 

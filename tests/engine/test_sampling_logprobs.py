@@ -44,7 +44,7 @@ def _assert_matches(entry: dict, hf_row: torch.Tensor, chosen: int) -> None:
 @pytest.fixture(
     scope="module",
     params=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3",
-            "tiny-deepseek-v3", "tiny-deepseek-v2", "tiny-glm4-moe"],
+            "tiny-deepseek-v3", "tiny-deepseek-v2", "tiny-glm4-moe", "tiny-gpt-oss"],
 )  # fmt: skip
 def run(request: pytest.FixtureRequest) -> tuple[str, list[int], object]:
     arch = request.param
