@@ -462,3 +462,49 @@ def make_random_deepseek_v3(
     _save(model, config, out)
     write_tokenizer(build_tokenizer(vocab_size), out)
     return out
+
+
+def make_random_gpt_oss(
+    out_dir: str | os.PathLike[str],
+    *,
+    hidden_size: int = 768,
+    num_hidden_layers: int = 12,
+    num_attention_heads: int = 12,
+    num_key_value_heads: int = 4,
+    intermediate_size: int = 512,
+    num_local_experts: int = 16,
+    num_experts_per_tok: int = 4,
+    vocab_size: int = 32000,
+    seed: int = 0,
+) -> Path:
+    """A random-weight ``GptOssForCausalLM`` for benchmarks in gpt-oss's proportions: heads of
+    ``hidden_size // num_attention_heads`` with sinks and biases, a window of 128 on every
+    other layer, yarn (x32 over 4096), every layer ``num_local_experts`` biased experts with
+    the clamped SwiGLU (limit 7), top-``num_experts_per_tok``."""
+    config = GptOssConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=hidden_size // num_attention_heads,
+        num_local_experts=num_local_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        sliding_window=128,
+        max_position_embeddings=131072,
+        initializer_range=0.02,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=PAD_TOKEN_ID,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _draw_gpt_oss_extras(model, seed)
+    out = Path(out_dir)
+    _save(model, config, out)
+    write_tokenizer(build_tokenizer(vocab_size), out)
+    return out

@@ -16,6 +16,11 @@ proportions of the head size ``d`` (latent 4d, rope key d/2, q_lora 6d), layer 0
 Its default 6 heads of 128 give V3's own latent, 512 + 64 values (the one size vLLM's CPU MLA
 kernel compiles). MLA has no KV heads: ``--num-key-value-heads`` is the head count and cannot
 be set.
+
+``gpt-oss`` is a random ``GptOssForCausalLM`` (``engine.tiny_moe_models.make_random_gpt_oss``):
+gpt-oss's attention (heads of 64 with sinks and biases, a window of 128 on every other layer,
+yarn) and its MoE (biased router and experts, clamped SwiGLU) on every layer, at the
+``qwen3-moe`` defaults' sizes.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 DENSE_FAMILIES = ("llama", "qwen3", "gemma2")
-MOE_FAMILIES = ("qwen3-moe", "deepseek-v3")
+MOE_FAMILIES = ("qwen3-moe", "deepseek-v3", "gpt-oss")
 # Multi-head latent attention: one latent per token and layer instead of KV heads.
 MLA_FAMILIES = frozenset({"deepseek-v3"})
 # DeepSeek-V3's dense first layer is this many times an expert's intermediate size.
@@ -157,6 +162,10 @@ FAMILY_SHAPES: dict[str, ModelShape] = {
         num_experts=16,
         num_experts_per_tok=4,
     ),
+    # gpt-oss's head size, 64.
+    "gpt-oss": ModelShape(
+        intermediate_size=512, family="gpt-oss", num_experts=16, num_experts_per_tok=4
+    ),
 }
 
 
@@ -170,14 +179,15 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
         "--intermediate-size per expert; by default 16 experts, top-4, 512 per expert: "
         "~0.3 B parameters, ~76 M active per token (vLLM's CPU build is the peer). "
         "deepseek-v3: a random DeepSeek-V3 (latent attention, layer 0 dense, experts in 4 "
-        "groups + 1 shared), the same expert defaults",
+        "groups + 1 shared), the same expert defaults. gpt-oss: a random gpt-oss (sinks, "
+        "window 128 on every other layer, biased router and experts), the same defaults",
     )
     for name in SHAPE_DIMS:
         defaults = {f: getattr(s, name) for f, s in FAMILY_SHAPES.items()}
         dense, moe = defaults["llama"], defaults["qwen3-moe"]
         note = f"default {dense}" + (f", qwen3-moe {moe}" if moe != dense else "")
         if name.startswith("num_experts"):
-            note = f"qwen3-moe and deepseek-v3 only, default {moe}"
+            note = f"MoE families only, default {moe}"
         if name == "num_key_value_heads":
             note += " (deepseek-v3: the head count, latent attention has no KV heads)"
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=note)
@@ -251,6 +261,23 @@ def bench_model_builder(shape: ModelShape) -> Callable[[Path], Path]:
             )
 
         return build_mla
+    if shape.family == "gpt-oss":
+        from engine.tiny_moe_models import make_random_gpt_oss
+
+        def build_gpt_oss(out: Path) -> Path:
+            return make_random_gpt_oss(
+                out,
+                hidden_size=shape.hidden_size,
+                num_hidden_layers=shape.num_hidden_layers,
+                num_attention_heads=shape.num_attention_heads,
+                num_key_value_heads=shape.num_key_value_heads,
+                intermediate_size=shape.intermediate_size,
+                num_local_experts=shape.num_experts,
+                num_experts_per_tok=shape.num_experts_per_tok,
+                vocab_size=shape.vocab_size,
+            )
+
+        return build_gpt_oss
     if shape.is_moe:
         from engine.tiny_moe_models import make_random_qwen3_moe
 

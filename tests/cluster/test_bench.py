@@ -268,6 +268,44 @@ def test_bench_deepseek_v3_runs_the_engine_on_its_random_checkpoint(tmp_path: Pa
     )
 
 
+def test_bench_gpt_oss_counts_what_hf_builds_and_runs_the_engine(tmp_path: Path) -> None:
+    """``--family gpt-oss``: at the defaults its matmul parameters are exactly HF's (meta
+    device; biases, sinks and norms aside); the smallest run writes a checkpoint HF reads as
+    ``GptOssForCausalLM`` with gpt-oss's window and yarn, and the engine generates on it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig
+
+    shape = _shape("--family", "gpt-oss")
+    config = GptOssConfig(
+        vocab_size=32000, hidden_size=768, intermediate_size=512, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_local_experts=16,
+        num_experts_per_tok=4, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    skip = ("norm", "bias", "sinks")
+    matmuls = sum(p.numel() for n, p in hf.named_parameters() if not any(s in n for s in skip))
+    assert shape.total_params() == matmuls
+    out, cache = tmp_path / "bench.json", tmp_path / "cache"
+    small = ["--hidden-size", "64", "--num-hidden-layers", "2", "--num-attention-heads", "4",
+             "--num-key-value-heads", "2", "--intermediate-size", "32", "--vocab-size", "1024",
+             "--num-experts", "8", "--num-experts-per-tok", "2"]  # fmt: skip
+    cmd = [sys.executable, "-m", "cluster.cli", "bench", "throughput", "--systems", "engine",
+           "--family", "gpt-oss", "--num-prompts", "2", "--input-len", "4:8",
+           "--output-len", "2:3", *small, "--json", str(out)]  # fmt: skip
+    env = {**os.environ, "LLM_CLUSTER_CACHE_DIR": str(cache)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["systems"]["engine"]["output_tokens_per_s"] > 0
+    loaded = AutoConfig.from_pretrained(
+        cache / "models" / "bench-gpt-oss-h64-l2-a4-kv2-i32-v1024-e8k2-t2"
+    )
+    assert loaded.architectures == ["GptOssForCausalLM"]
+    assert loaded.layer_types == ["sliding_attention", "full_attention"]
+    assert (loaded.sliding_window, loaded.rope_parameters["rope_type"]) == (128, "yarn")
+
+
 def test_bench_serve_compare_writes_complete_json_and_plot(tmp_path) -> None:
     import yaml
 
