@@ -1,7 +1,7 @@
 """Attention sinks (gpt-oss: a learned logit per query head in every softmax's denominator, with
-no value) in the torch attention path and in torch with the native CPU decode kernel, against a
-dense float32 reference written the way HF transformers' ``eager_attention_forward`` for gpt-oss
-computes it."""
+no value) in every attention path (torch, torch with the native CPU decode kernel, and Triton
+through its interpreter without CUDA), against a dense float32 reference written the way HF
+transformers' ``eager_attention_forward`` for gpt-oss computes it."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import attention, cpu_decode
+from kernels import attention, cpu_decode, triton_attention
 from tests.kernels.native_cpu import native_paged_attention, skip_unless_native
 from tests.kernels.triton_batches import paged_batch
 
 BACKENDS = [
     pytest.param(attention.paged_attention, id="torch"),
     pytest.param(native_paged_attention, id="cpu"),
+    pytest.param(triton_attention.paged_attention, id="triton"),
 ]
 FP32_TOLERANCE = 1e-5
 # bf16 outputs against the float32 reference of the same bf16 inputs: one rounding of the output,
@@ -156,6 +157,21 @@ def test_sinks_given_in_bfloat16_are_read_in_float32(paged_attention):
     assert_matches_hf(paged_attention, batch, sinks)
 
 
+@pytest.mark.parametrize("num_kv_splits", [2, 5])
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "window"])
+def test_triton_split_kv_counts_each_sink_once(num_kv_splits, window):
+    # 5 splits of a one-token context (or of a 20-key window) leave splits empty; the sink is
+    # counted by the first, which always holds keys, and the merge must weigh it once.
+    batch = paged_batch([1, 1, 1], [300, 1, 47], num_heads=8, num_kv_heads=2, head_dim=32)
+    assert_matches_hf(
+        triton_attention.paged_attention,
+        batch,
+        sinks_of(8, 4.0, -4.0),
+        sliding_window=window,
+        num_kv_splits=num_kv_splits,
+    )
+
+
 def test_torch_sinked_prefill_attended_in_slices_of_query_rows(monkeypatch):
     # Scores for 5 query rows at a time (8 heads x 45 keys each): several slices per chunk.
     monkeypatch.setattr(attention, "_EXPLICIT_MAX_SCORES", 5 * 8 * 45)
@@ -196,3 +212,13 @@ def test_rejects_malformed_sinks_by_name(paged_attention, sinks, match):
     query, kv_cache, metadata = paged_batch([1], [4], num_heads=4, num_kv_heads=2, head_dim=32)
     with pytest.raises(ValueError, match=match):
         paged_attention(query, kv_cache, metadata, SCALE, sinks=sinks)
+
+
+def test_triton_latent_cache_refuses_sinks():
+    query, kv_cache, metadata = paged_batch(
+        [1], [4], num_heads=4, num_kv_heads=1, head_dim=32, planes=1
+    )
+    with pytest.raises(ValueError, match="without sliding_window, soft cap or sinks"):
+        triton_attention.paged_attention(
+            query, kv_cache, metadata, SCALE, v_head_dim=16, sinks=torch.zeros(4)
+        )
