@@ -2,7 +2,7 @@
 and the native CPU decode kernel (``kernels.cpu_decode``, which takes over the decode rows through
 ``paged_attention``'s ``decode_kernel`` hook).
 
-One role (~920 lines): the torch attention path and the step metadata/plans it shares with the
+One role (~1,040 lines): the torch attention path and the step metadata/plans it shares with the
 Triton kernels (decode groups, prefill chunks, sliding-window plans), plus its argument checks.
 One role because the torch path is the reference the Triton kernels are tested against and both
 read the same plans; the native CPU decode kernel reads the same metadata and is itself in
@@ -53,8 +53,12 @@ global layers), so a window's plan is derived from that one on first use and cac
 metadata per window size: its decode groups gather only the last
 ``ceil((W - 1) / block_size) + 1`` blocks of each request (as many as W consecutive positions
 can touch), its chunks only the blocks from their first query's window on.
-Soft-capped calls cannot use SDPA (it has no hook between the scores and the softmax) and take
-a plain matmul / tanh / mask / softmax route in float32 instead.
+Soft-capped calls and calls with attention sinks cannot use SDPA (it has no hook between the
+scores and the softmax, nor a logit without a value) and take a plain matmul / tanh / mask /
+softmax route in float32 instead. A sink (gpt-oss) is a learned logit per query head that joins
+every softmax's denominator and carries no value::
+
+    out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m)),  m = max(s_j, sink)
 
 Scores and softmax accumulate in float32 whatever the cache dtype; the output is cast back. A
 bf16 cache on a CPU with native bf16 (AVX512-BF16 or AMX) runs SDPA in bf16, whose CPU kernel
@@ -89,6 +93,7 @@ __all__ = [
     "GatherWorkspace",
     "PrefillChunk",
     "check_attention_options",
+    "check_sinks",
     "check_value_dim",
     "copy_blocks",
     "paged_attention",
@@ -102,9 +107,9 @@ _DECODE_GROUP_MAX_PADDING_FACTOR = 2
 # ...unless the group is short anyway: below this many blocks an extra group costs more in
 # per-call overhead than the padding it would save.
 _DECODE_GROUP_MIN_SPLIT_BLOCKS = 8
-# The soft-capped route materializes float32 scores; a long prefill chunk is attended in slices
-# of query rows so that they stay under this many elements (256 MiB).
-_SOFTCAP_MAX_SCORES = 1 << 26
+# The explicit (soft-capped or sinked) route materializes float32 scores; a long prefill chunk is
+# attended in slices of query rows so that they stay under this many elements (256 MiB).
+_EXPLICIT_MAX_SCORES = 1 << 26
 
 
 class GatherWorkspace:
@@ -356,6 +361,7 @@ def paged_attention(
     v_scale: float = 1.0,
     *,
     v_head_dim: int | None = None,
+    sinks: Tensor | None = None,
     decode_kernel: DecodeKernel | None = None,
 ) -> Tensor:
     """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
@@ -365,8 +371,10 @@ def paged_attention(
 
     Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA/MQA). A query at
     position ``q`` sees keys ``q - sliding_window < k <= q`` when ``sliding_window`` is set;
-    ``logits_soft_cap`` C turns the scaled scores into ``C * tanh(scores / C)``. An FP8 cache
-    is dequantized with ``k_scale``/``v_scale`` into ``query.dtype`` as it is gathered.
+    ``logits_soft_cap`` C turns the scaled scores into ``C * tanh(scores / C)``. ``sinks``
+    (float ``[num_heads]``, on the query's device) adds ``exp(sinks[h])`` to head ``h``'s softmax
+    denominator, a logit with no value (gpt-oss). An FP8 cache is dequantized with
+    ``k_scale``/``v_scale`` into ``query.dtype`` as it is gathered.
 
     ``decode_kernel`` (``kernels.cpu_decode.attend_decode``; the ``cpu`` backend passes it)
     attends every decode row in one native call where it covers the tensors; the decode groups
@@ -374,7 +382,9 @@ def paged_attention(
     """
     check_attention_args(query, kv_cache, metadata, scale)
     check_attention_options(sliding_window, logits_soft_cap)
+    check_sinks(sinks, query)
     value_dim = check_value_dim(kv_cache, v_head_dim)
+    sinks32 = None if sinks is None else sinks.to(torch.float32)
     dequant = KVDequant.of(query, kv_cache, k_scale, v_scale)
     window = effective_window(sliding_window, metadata)
     plan = (
@@ -404,12 +414,21 @@ def paged_attention(
             scale,
             window,
             logits_soft_cap,
+            sinks32,
             out,
         )
     )
     for group in () if decoded else plan.decode_groups:
         _attend_decode_group(
-            query, kv_cache, group, scale, logits_soft_cap, metadata.workspace, dequant, out
+            query,
+            kv_cache,
+            group,
+            scale,
+            logits_soft_cap,
+            sinks32,
+            metadata.workspace,
+            dequant,
+            out,
         )
     for chunk in plan.prefill_chunks:
         _attend_prefill_chunk(
@@ -419,6 +438,7 @@ def paged_attention(
             scale,
             window,
             logits_soft_cap,
+            sinks32,
             metadata.workspace,
             dequant,
             out,
@@ -429,7 +449,7 @@ def paged_attention(
 class DecodeKernel(Protocol):
     """A native kernel for a step's decode rows (``kernels.cpu_decode.attend_decode``): it
     writes their rows of ``out`` and returns True, or returns False without writing when it does
-    not cover these tensors."""
+    not cover these tensors. ``sinks`` is float32 ``[num_heads]`` or None."""
 
     def __call__(
         self,
@@ -442,6 +462,7 @@ class DecodeKernel(Protocol):
         scale: float,
         window: int | None,
         soft_cap: float | None,
+        sinks: Tensor | None,
         out: Tensor,
     ) -> bool: ...
 
@@ -463,6 +484,23 @@ def check_attention_options(sliding_window: int | None, logits_soft_cap: float |
         raise ValueError(
             f"logits_soft_cap must be None or a finite float > 0, got {logits_soft_cap!r}"
         )
+
+
+def check_sinks(sinks: Tensor | None, query: Tensor) -> None:
+    """Attention sinks: None, or one floating logit per query head on the query's device;
+    shared by the torch and Triton kernels."""
+    if sinks is None:
+        return
+    num_heads = query.shape[1]
+    if not isinstance(sinks, Tensor) or sinks.shape != (num_heads,):
+        got = list(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise ValueError(
+            f"sinks must be None or a tensor of shape [{num_heads}] (num_heads), got {got}"
+        )
+    if not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {query.device}")
 
 
 def effective_window(sliding_window: int | None, metadata: AttentionMetadata) -> int | None:
@@ -616,6 +654,7 @@ def _attend_decode_group(
     group: DecodeGroup,
     scale: float,
     soft_cap: float | None,
+    sinks: Tensor | None,
     workspace: GatherWorkspace,
     dequant: KVDequant,
     out: Tensor,
@@ -633,14 +672,14 @@ def _attend_decode_group(
         planes, group.num_seqs, group.max_blocks * block_size, num_kv_heads, head_dim
     )
     k, v = kv[0].transpose(1, 2), kv[-1, ..., :value_dim].transpose(1, 2)
-    if soft_cap is None:
+    if soft_cap is None and sinks is None:
         o = F.scaled_dot_product_attention(
             q.to(kv.dtype), k, v, attn_mask=group.key_mask, scale=scale
         )
     else:
         # Each request's G query heads are the [G, 1] (heads, tokens) of one kv head.
-        o = _softcapped_attention(
-            q.unsqueeze(3), k, v, group.key_mask.unsqueeze(1), scale, soft_cap
+        o = _explicit_attention(
+            q.unsqueeze(3), k, v, group.key_mask.unsqueeze(1), scale, soft_cap, sinks
         )
     out.index_copy_(0, group.token_rows, o.reshape(group.num_seqs, num_heads, value_dim).to(out))
 
@@ -652,6 +691,7 @@ def _attend_prefill_chunk(
     scale: float,
     window: int | None,
     soft_cap: float | None,
+    sinks: Tensor | None,
     workspace: GatherWorkspace,
     dequant: KVDequant,
     out: Tensor,
@@ -666,7 +706,13 @@ def _attend_prefill_chunk(
     num_keys = chunk.seq_len - chunk.key_start
     k = kv[0, :num_keys].transpose(0, 1).unsqueeze(0)
     v = kv[-1, :num_keys, :, : out.shape[-1]].transpose(0, 1).unsqueeze(0)
-    if window is None and soft_cap is None:
+    if soft_cap is not None or sinks is not None:
+        group_q = q.view(1, num_kv_heads, num_heads // num_kv_heads, query_len, head_dim)
+        mask = _chunk_key_mask(chunk, window, q.device)
+        o = _explicit_attention(group_q, k, v, mask, scale, soft_cap, sinks).view(
+            *q.shape[:-1], v.shape[-1]
+        )
+    elif window is None:
         # The queries are the *last* query_len of seq_len positions, so the causal diagonal is
         # anchored bottom-right (query i sees keys <= seq_len - query_len + i); SDPA's
         # is_causal anchors it top-left, which is only right when the chunk starts at 0.
@@ -679,7 +725,7 @@ def _attend_prefill_chunk(
             is_causal=query_len == chunk.seq_len,
             enable_gqa=num_heads != num_kv_heads,
         )
-    elif soft_cap is None:
+    else:
         o = F.scaled_dot_product_attention(
             q.to(k.dtype),
             k,
@@ -687,12 +733,6 @@ def _attend_prefill_chunk(
             attn_mask=_chunk_key_mask(chunk, window, q.device),
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
-        )
-    else:
-        group_q = q.view(1, num_kv_heads, num_heads // num_kv_heads, query_len, head_dim)
-        mask = _chunk_key_mask(chunk, window, q.device)
-        o = _softcapped_attention(group_q, k, v, mask, scale, soft_cap).view(
-            *q.shape[:-1], v.shape[-1]
         )
     out[chunk.token_start : chunk.token_end] = o[0].transpose(0, 1)
 
@@ -710,35 +750,60 @@ def _chunk_key_mask(chunk: PrefillChunk, window: int | None, device: torch.devic
     return visible
 
 
-def _softcapped_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, soft_cap: float
+def _explicit_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    scale: float,
+    soft_cap: float | None,
+    sinks: Tensor | None,
 ) -> Tensor:
-    """Attention with the scores soft-capped, ``cap * tanh(scale * q.k / cap)``, which SDPA
-    has no hook for; scores, softmax and the product with V in float32.
+    """Attention as matmul / mask / softmax / matmul in float32, for what SDPA has no hook for:
+    scores soft-capped, ``cap * tanh(scale * q.k / cap)``, and attention sinks.
 
     ``q`` ``[B, num_kv_heads, G, query_len, head_dim]`` (the G query heads sharing a kv head),
     ``k`` ``[B, num_kv_heads, num_keys, head_dim]``, ``v`` ``[..., num_keys, v_head_dim]``,
     ``mask`` bool broadcastable to ``[B, num_kv_heads, G, query_len, num_keys]`` and True where a
-    key is visible (every query sees at least one). Returns float32
-    ``[B, num_kv_heads, G, query_len, v_head_dim]``.
+    key is visible (every query sees at least one), ``sinks`` float32 ``[num_kv_heads * G]``.
+    Returns float32 ``[B, num_kv_heads, G, query_len, v_head_dim]``.
+
+    Sinked calls come here rather than rescaling SDPA's output by the ratio of denominators:
+    SDPA returns no log-sum-exp, and computing it costs this route's score matmul on top of
+    SDPA's own, for the same float32 result.
     """
     batch, num_kv_heads, group, query_len, head_dim = q.shape
     k32, v32 = k.to(torch.float32), v.to(torch.float32)
+    sink = None if sinks is None else sinks.view(1, num_kv_heads, group, 1, 1)
     out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
     # Slices of query rows bound the float32 scores a long prefill chunk materializes.
     scores_per_row = batch * num_kv_heads * group * k.shape[2]
-    rows = max(_SOFTCAP_MAX_SCORES // max(scores_per_row, 1), 1)
+    rows = max(_EXPLICIT_MAX_SCORES // max(scores_per_row, 1), 1)
     for start in range(0, query_len, rows):
         end = min(start + rows, query_len)
         q32 = q[:, :, :, start:end].to(torch.float32).reshape(batch, num_kv_heads, -1, head_dim)
         scores = torch.matmul(q32, k32.transpose(-1, -2))
         scores = scores.view(batch, num_kv_heads, group, end - start, -1)
-        scores.mul_(scale / soft_cap).tanh_().mul_(soft_cap)
+        if soft_cap is None:
+            scores.mul_(scale)
+        else:
+            scores.mul_(scale / soft_cap).tanh_().mul_(soft_cap)
         row_mask = mask if mask.shape[-2] == 1 else mask[..., start:end, :]
         scores.masked_fill_(~row_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, -1, k.shape[2])
+        probs = _softmax_with_sink(scores, sink).view(batch, num_kv_heads, -1, k.shape[2])
         out[:, :, :, start:end] = torch.matmul(probs, v32).view(out[:, :, :, start:end].shape)
     return out
+
+
+def _softmax_with_sink(scores: Tensor, sink: Tensor | None) -> Tensor:
+    """Softmax over the last dim of float32 ``scores`` (in place), with ``sink`` (broadcast to
+    ``scores[..., :1]``) as one more logit in the denominator whose probability is dropped."""
+    if sink is None:
+        return torch.softmax(scores, dim=-1)
+    row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    probs = scores.sub_(row_max).exp_()
+    denominator = probs.sum(dim=-1, keepdim=True).add_(torch.exp(sink - row_max))
+    return probs.div_(denominator)
 
 
 def _bottom_right_causal_mask(query_len: int, seq_len: int, device: torch.device) -> Tensor | None:

@@ -11,8 +11,8 @@ throughput 1.26-1.32x.
 
 It covers decode rows only (one query token per request), caches in float32, bfloat16 or float16
 (not FP8) with the query in the same dtype, head dims this file's C++ instantiates, sliding
-windows and soft-capping. Everything else, and every prefill chunk, stays on the torch path:
-``attend_decode`` returns False and the caller attends those rows itself.
+windows, soft-capping and attention sinks. Everything else, and every prefill chunk, stays on
+the torch path: ``attend_decode`` returns False and the caller attends those rows itself.
 
 The C++ is compiled on first use with torch's extension builder (g++ and ninja, ~20 s once per
 instruction set; cached under ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by
@@ -177,6 +177,7 @@ def attend_decode(
     scale: float,
     window: int | None,
     soft_cap: float | None,
+    sinks: Tensor | None,
     out: Tensor,
     isa: str | None = None,
 ) -> bool:
@@ -186,7 +187,8 @@ def attend_decode(
 
     ``block_table``/``seq_lens``/``query_start_loc`` are ``AttentionMetadata``'s int32 tensors;
     ``out`` is contiguous ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``. A request
-    sees its keys ``seq_len - window <= k < seq_len`` with a window, all of them without.
+    sees its keys ``seq_len - window <= k < seq_len`` with a window, all of them without;
+    ``sinks`` (float ``[num_heads]``) join each head's softmax denominator as logits with no value.
     ``isa`` picks a build (tests run each); None is :func:`native_isa`'s.
     """
     isa = isa or native_isa()
@@ -208,5 +210,6 @@ def attend_decode(
         float(scale),
         int(window or 0),
         float(soft_cap or 0.0),
+        None if sinks is None else sinks.to(torch.float32).contiguous(),
     )
     return True

@@ -6,8 +6,10 @@ Same contract as ``kernels.attention.paged_attention`` (the torch reference): KV
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, query ``[num_tokens, num_heads,
 head_dim]`` packed by ``query_start_loc``, request ``b``'s new tokens being the last
 ``query_len[b]`` of its ``seq_len[b]`` positions, causal inside the chunk; optionally a
-sliding window (a query at ``q`` sees keys ``q - W < k <= q``) and soft-capped scores
-(``C * tanh(scores / C)``, before the mask).
+sliding window (a query at ``q`` sees keys ``q - W < k <= q``), soft-capped scores
+(``C * tanh(scores / C)``, before the mask) and attention sinks (a logit per query head in the
+softmax's denominator, with no value: the online softmax starts from it instead of from
+``max = -inf, sum = 0``; with split-KV only the first split does, so the merge counts it once).
 
 Work split. A program owns one *query tile* of one request and one kv head::
 
@@ -54,6 +56,7 @@ from kernels.attention import (
     AttentionMetadata,
     check_attention_args,
     check_attention_options,
+    check_sinks,
     effective_window,
 )
 from kernels.kv_quant import FP8_DTYPE, as_storage, check_kv_scale, is_fp8
@@ -128,6 +131,7 @@ def _paged_attention_kernel(
     partial_lse_ptr,
     q_ptr,
     kv_ptr,
+    sinks_ptr,
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -158,13 +162,15 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
     """``score_scale`` is scale * log2(e), or scale / cap with a soft cap, whose scores are then
     ``tanh(.) * softcap_log2`` (cap * log2(e)); ``window`` counts only with HAS_WINDOW. With
-    KV_FP8, ``kv_ptr`` is the FP8 cache viewed as bytes, dequantized with k_scale / v_scale."""
+    KV_FP8, ``kv_ptr`` is the FP8 cache viewed as bytes, dequantized with k_scale / v_scale.
+    With HAS_SINKS, ``sinks_ptr`` is float32 ``[num_heads]``."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -206,6 +212,12 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        # The sink as a first logit already seen, exp2(sink - m) = 1 with m = sink (base 2 like
+        # the scores); by split 0 only, so that the merge counts it once.
+        sink = tl.load(sinks_ptr + head, mask=group < G, other=0.0) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     block_row = block_table_ptr + seq.to(tl.int64) * stride_block_table
     for kv_tile in range(tile_lo, tile_hi):
@@ -333,15 +345,17 @@ def paged_attention(
     v_scale: float = 1.0,
     *,
     v_head_dim: int | None = None,
+    sinks: Tensor | None = None,
     num_kv_splits: int | None = None,
 ) -> Tensor:
     """Causal attention of the packed ``query`` ``[num_tokens, num_heads, head_dim]`` over each
     request's paged context; returns a new contiguous tensor shaped and typed like ``query``.
-    ``sliding_window`` and ``logits_soft_cap`` as in ``kernels.attention.paged_attention``.
+    ``sliding_window``, ``logits_soft_cap`` and ``sinks`` as in
+    ``kernels.attention.paged_attention``.
 
     An FP8 cache is dequantized in the kernel with ``k_scale``/``v_scale`` into
     ``query.dtype``, the same values the torch path attends over. A one-plane latent cache
-    (``v_head_dim``) is ``kernels.triton_mla``'s, which has no window or soft cap.
+    (``v_head_dim``) is ``kernels.triton_mla``'s, which has no window, soft cap or sinks.
 
     ``num_kv_splits`` forces the split-KV path's split count (default: ``choose_num_kv_splits``).
     """
@@ -349,8 +363,8 @@ def paged_attention(
         from kernels import triton_mla
 
         check_attention_options(sliding_window, logits_soft_cap)
-        if sliding_window is not None or logits_soft_cap is not None:
-            raise ValueError("a latent cache is attended without sliding_window or soft cap")
+        if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
+            raise ValueError("a latent cache is attended without sliding_window, soft cap or sinks")
         return triton_mla.paged_latent_attention(
             query, kv_cache, metadata, scale, v_head_dim, k_scale, num_kv_splits=num_kv_splits
         )
@@ -361,6 +375,7 @@ def paged_attention(
     if fp8:
         k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
     check_attention_options(sliding_window, logits_soft_cap)
+    check_sinks(sinks, query)
     window = effective_window(sliding_window, metadata)
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(metadata, kv_cache.shape[3], window)
@@ -403,6 +418,7 @@ def paged_attention(
         partial_lse,
         query,
         as_storage(kv_cache),
+        out if sinks is None else sinks.to(torch.float32).contiguous(),  # placeholder if none
         metadata.block_table,
         metadata.seq_lens,
         metadata.query_start_loc,
@@ -433,6 +449,7 @@ def paged_attention(
         NUM_SPLITS=num_kv_splits,
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=logits_soft_cap is not None,
+        HAS_SINKS=sinks is not None,
         # fp32 caches are meant to match the fp32 reference, so no TF32 rounding.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_UPCAST=query.dtype == torch.bfloat16 and interpreter_enabled(),

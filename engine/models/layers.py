@@ -1,6 +1,7 @@
 """Model layers without parallelism in them: RMSNorm (Llama's and Gemma's), and the paged
 attention layer that writes K/V into this layer's cache and attends through block tables (with
-an optional sliding window and logit soft-cap). Rotary embeddings are in ``rotary``.
+an optional sliding window, logit soft-cap and attention sinks). Rotary embeddings are in
+``rotary``.
 
 Each layer computes through the ``KernelOps`` it was built with (torch or Triton, see
 ``kernels.backend``); the default is the torch backend.
@@ -68,6 +69,10 @@ class PagedAttention(nn.Module):
     bound by the model runner once the cache is allocated, in the shape ``kv_cache_shape``
     gives.
 
+    ``sinks`` is None, or a model with attention sinks (gpt-oss) sets it to a float32
+    ``[num_heads]`` parameter: one learned logit per query head that joins the softmax's
+    denominator and has no value (``kernels.attention.paged_attention``).
+
     With ``v_head_dim`` the cache is one latent plane (multi-head latent attention,
     ``engine.models.mla``): each token stores one ``head_dim`` vector per kv head, the key, whose
     first ``v_head_dim`` values are its value; ``forward`` takes no ``v`` and returns
@@ -95,6 +100,8 @@ class PagedAttention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         self.v_head_dim = v_head_dim
         self.kv_cache: torch.Tensor | None = None
+        self.sinks: nn.Parameter | None
+        self.register_parameter("sinks", None)
         # Per-tensor scales of an FP8 KV cache (``kernels.kv_quant``): the checkpoint's
         # ``self_attn.k_scale`` / ``v_scale`` when it has them (set by the loader), else 1.0.
         # Plain floats, not parameters: a checkpoint without them loads strictly as before.
@@ -127,4 +134,6 @@ class PagedAttention(nn.Module):
             options["v_head_dim"] = self.v_head_dim
         if self.sliding_window is not None or self.logits_soft_cap is not None:
             options.update(sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+        if self.sinks is not None:
+            options["sinks"] = self.sinks
         return self.ops.paged_attention(q, self.kv_cache, metadata, self.scale, **options)

@@ -7,6 +7,7 @@
 //   out       [num_tokens, num_heads, head_dim], contiguous, dtype T
 //   block_table int32 [num_seqs, max_blocks] (row stride given), seq_lens int32 [num_seqs],
 //   query_start_loc int32 [num_seqs + 1], decode_seqs int32 [n]: the requests with one query row
+//   sinks     float32 [num_heads], contiguous, or none: a logit per query head with no value
 //   head_dim one of supported_head_dims(); num_heads = G * num_kv_heads.
 // Work is split over (decode request, kv head) pairs; each pair handles the G query heads that
 // share its kv head, so K/V are read once per kv head (GQA without expansion).
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -164,8 +166,9 @@ inline VF exp_ps(VF x) {
 }
 
 // Scales a row of raw scores (soft-capping them when asked), replaces it with exp(score - max)
-// and returns 1 / sum of those. The tail past the last full vector is scalar.
-inline float softmax_row(float* s, int64_t n, float scale, float soft_cap) {
+// and returns 1 / sum of those. The sink is one more logit, in the max and the sum but not the
+// row (-inf without one: it then adds exp(-inf) = 0). The tail past the last full vector is scalar.
+inline float softmax_row(float* s, int64_t n, float scale, float soft_cap, float sink) {
   const int64_t full = n - n % W;
   if (soft_cap > 0.f) {
     for (int64_t j = 0; j < n; ++j) s[j] = soft_cap * std::tanh(s[j] * scale / soft_cap);
@@ -175,7 +178,7 @@ inline float softmax_row(float* s, int64_t n, float scale, float soft_cap) {
   }
   VF vm = vset1(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < full; j += W) vm = vmax(vm, vloadf(s + j));
-  float mx = vhmax(vm);
+  float mx = std::max(vhmax(vm), sink);
   for (int64_t j = full; j < n; ++j) mx = std::max(mx, s[j]);
   const VF vmx = vset1(mx);
   VF vs = vzero();
@@ -184,7 +187,7 @@ inline float softmax_row(float* s, int64_t n, float scale, float soft_cap) {
     vstoref(s + j, e);
     vs = vadd(vs, e);
   }
-  float total = vsum(vs);
+  float total = vsum(vs) + std::exp(sink - mx);
   for (int64_t j = full; j < n; ++j) {
     s[j] = std::exp(s[j] - mx);
     total += s[j];
@@ -200,6 +203,7 @@ struct Problem {
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
   const int32_t* decode_seqs;
+  const float* sinks;  // nullptr: none
   float scale;
   int64_t window;  // 0: none
   float soft_cap;  // 0: none
@@ -282,7 +286,11 @@ void attend_pair(const Problem& pb, const T* query, const T* k_cache, const T* v
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_row(scores.data() + g * n, n, pb.scale, pb.soft_cap);
+  for (int64_t g = 0; g < G; ++g) {
+    const float sink =
+        pb.sinks != nullptr ? pb.sinks[kv_head * G + g] : -std::numeric_limits<float>::infinity();
+    inv_sum[g] = softmax_row(scores.data() + g * n, n, pb.scale, pb.soft_cap, sink);
+  }
 
   for (int64_t g0 = 0; g0 < G; g0 += GT) {
     const int64_t gt = std::min<int64_t>(GT, G - g0);
@@ -355,7 +363,8 @@ std::vector<int64_t> supported_head_dims() { return {32, 64, 80, 96, 128, 256}; 
 
 void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_table,
                   at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor decode_seqs,
-                  double scale, int64_t window, double soft_cap) {
+                  double scale, int64_t window, double soft_cap,
+                  std::optional<at::Tensor> sinks) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   Problem pb{};
   pb.q_stride_token = query.stride(0);
@@ -370,6 +379,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
   pb.seq_lens = seq_lens.data_ptr<int32_t>();
   pb.query_start_loc = query_start_loc.data_ptr<int32_t>();
   pb.decode_seqs = decode_seqs.data_ptr<int32_t>();
+  pb.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   pb.scale = static_cast<float>(scale);
   pb.window = window;
   pb.soft_cap = static_cast<float>(soft_cap);

@@ -190,7 +190,7 @@ def test_torch_windowed_decode_gathers_only_the_window_blocks():
 
 def test_torch_soft_capped_prefill_attended_in_slices_of_query_rows(monkeypatch):
     # Scores for 5 query rows at a time (4 heads x 40 keys each): several slices per chunk.
-    monkeypatch.setattr(attention, "_SOFTCAP_MAX_SCORES", 5 * 4 * 40)
+    monkeypatch.setattr(attention, "_EXPLICIT_MAX_SCORES", 5 * 4 * 40)
     batch = paged_batch([1, 23, 17], [40, 23, 40], num_heads=4, num_kv_heads=2, head_dim=32)
     assert_matches_naive(attention.paged_attention, batch, sliding_window=9, logits_soft_cap=3.0)
     assert_matches_naive(attention.paged_attention, batch, logits_soft_cap=3.0)

@@ -145,6 +145,7 @@ def declined(query, kv_cache, metadata) -> bool:
         SCALE,
         None,
         None,
+        None,
         out,
     )
 

@@ -157,6 +157,34 @@ def test_split_kv_attention_and_its_merge_compile_for_sm90(compile_launches):
     assert kernel_names(results) == ["_paged_attention_kernel", "_merge_splits_kernel"]
 
 
+@pytest.mark.parametrize(
+    ("query_lens", "window", "num_kv_splits"),
+    [(DECODE, 128, None), (MIXED, None, None), ([1, 1], 128, 4)],
+    ids=["decode-window", "mixed-full", "split-kv-window"],
+)
+def test_attention_with_sinks_compiles_for_sm90(
+    compile_launches, query_lens, window, num_kv_splits
+):
+    # gpt-oss's heads (head_dim 64, 8 query heads per kv head), windowed and full layers.
+    batch = paged_batch(
+        query_lens,
+        [900, 300][: len(query_lens)],
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device=device(),
+    )
+    sinks = torch.zeros(64, device=device())
+    results = compile_launches(
+        lambda: triton_attention.paged_attention(
+            *batch, 0.125, sliding_window=window, sinks=sinks, num_kv_splits=num_kv_splits
+        )
+    )
+    merge = ["_merge_splits_kernel"] if num_kv_splits else []
+    assert kernel_names(results) == ["_paged_attention_kernel", *merge]
+
+
 def test_paged_attention_prefill_compiles_for_sm80(compile_launches):
     # Ampere lowers tl.dot to mma.sync where Hopper uses wgmma: a different path to PTX.
     batch = paged_batch(
