@@ -1,7 +1,10 @@
-"""MXFP4 checkpoints (gpt-oss's experts as ``_blocks`` / ``_scales``), dequantized at load:
-greedy decoding equals HF transformers' ``Mxfp4Config(dequantize=True)`` in float32; the
-pairs are found across shard files in either order; a malformed pair, an MXFP4 tensor outside
-the stacked experts, and a family without stacked experts are refused by name."""
+"""MXFP4 checkpoints (gpt-oss's experts as ``_blocks`` / ``_scales``): dequantized at load (the
+torch kernels) or kept MXFP4 (the Triton kernels, here through the interpreter), greedy
+decoding equals HF transformers' ``Mxfp4Config(dequantize=True)`` in float32; kept, a TP or EP
+rank holds its part of the blocks and scales and the ranks' partial sums make the dequantized
+layer; the pairs are found across shard files in either order; a malformed pair, an MXFP4
+tensor outside the stacked experts, and a family without stacked experts are refused by
+name."""
 
 from __future__ import annotations
 
@@ -20,12 +23,13 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.model_loader import checkpoint_headers, load_model
+from engine.models.gpt_oss import GptOssExperts
 from engine.quantization.config import parse_quantization
 from engine.quantization.mxfp4 import DequantizedExperts, Mxfp4Checkpoint
 from engine.tiny_models import resolve_model_source
 from engine.tiny_moe_models import GPT_OSS_MXFP4_CONFIG, materialize_tiny_gpt_oss_mxfp4
 from kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from parallel.state import ParallelContext
+from parallel.state import GroupCoordinator, ParallelContext
 from tests.engine.test_correctness import _hf_greedy
 
 DOWN = "model.layers.2.mlp.experts.down_proj"
@@ -51,20 +55,61 @@ def _checkpoint(path: Path) -> Mxfp4Checkpoint:
     return Mxfp4Checkpoint(hf, _headers(path), set(), torch.float32)
 
 
-def test_greedy_equals_hf_dequantized_in_float32() -> None:
-    path = materialize_tiny_gpt_oss_mxfp4()
+# Past the sliding window (8); the longest one chunked over several steps.
+PROMPTS = [[random.Random(5).randrange(5, 1024) for _ in range(n)] for n in (3, 30)]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def hf_greedy() -> list[list[int]]:
     hf_model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+        materialize_tiny_gpt_oss_mxfp4(),
+        dtype=torch.float32,
+        quantization_config=Mxfp4Config(dequantize=True),
     ).eval()
-    rng = random.Random(5)
-    prompts = [[rng.randrange(5, 1024) for _ in range(n)] for n in (3, 30, 75)]
     with torch.no_grad():
-        expected = [_hf_greedy(hf_model, p, 24) for p in prompts]
-    llm = LLM(str(path), dtype="float32", attention_backend="torch", max_num_batched_tokens=16,
+        return [_hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_greedy_equals_hf_dequantized_in_float32(hf_greedy: list[list[int]], backend: str) -> None:
+    """torch: the experts dequantized at load; triton: kept MXFP4, the fused kernel's."""
+    path = str(materialize_tiny_gpt_oss_mxfp4())
+    llm = LLM(path, dtype="float32", attention_backend=backend, max_num_batched_tokens=16,
               num_kv_blocks=64)  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=24)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy
+
+
+def _experts(backend: str, ctx: ParallelContext) -> GptOssExperts:
+    config = EngineConfig.from_kwargs(
+        model=str(materialize_tiny_gpt_oss_mxfp4()), dtype="float32", attention_backend=backend
+    )
+    experts = load_model(config, ctx, torch.device("cpu")).model.layers["1"].mlp.experts
+    assert experts.mxfp4 == (backend == "triton")
+    return experts
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_kept_mxfp4_ranks_sum_to_the_dequantized_layer(expert_parallel: bool) -> None:
+    """TP 2 cuts the intermediate dim (32) in halves, so rank 1's down_proj inputs start 16
+    values into their group; EP 2 gives each rank four whole experts."""
+    whole = _experts("torch", ParallelContext())
+    g = torch.Generator().manual_seed(0)
+    x = 3 * torch.randn(20, 64, generator=g)
+    values, ids = torch.topk(torch.randn(20, 8, generator=g), 2, dim=-1)
+    weights = values.softmax(dim=-1)
+    total = torch.zeros(20, 64)
+    for rank in range(2):
+        tp = GroupCoordinator(rank=rank, size=2, ranks=(0, 1))
+        part = _experts("triton", ParallelContext(tp=tp, expert_parallel=expert_parallel))
+        held = 4 if expert_parallel else 8
+        assert part.gate_up_proj_blocks.shape == (held, 64 if expert_parallel else 32, 2, 16)
+        with torch.no_grad():
+            total += part(x, ids, weights)
+    with torch.no_grad():
+        torch.testing.assert_close(total, whole(x, ids, weights), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
