@@ -41,7 +41,7 @@ from engine.quantization.model_setup import (
     quantized_checkpoint,
     release_placeholders,
 )
-from engine.quantization.mxfp4 import Mxfp4Checkpoint
+from engine.quantization.mxfp4 import Mxfp4Checkpoint, mxfp4_weights
 from kernels.backend import KernelOps, get_kernel_ops
 from parallel.layers import (
     check_shape,
@@ -448,19 +448,23 @@ def load_model(
     backend = config.kernel.resolved_backend(device.type)
     dtype = config.model.torch_dtype
     quant = parse_quantization(config.model.hf_config, config.model.quantization)
+    path = config.model.model_path
+    headers = checkpoint_headers(path)
+    mxfp4 = None
+    if quant is not None and quant.method == "mxfp4":  # checked before anything is placed
+        shapes = {n: (h["dtype"], tuple(h["shape"])) for n, h in headers.items()}
+        mxfp4 = mxfp4_weights(config.model.hf_config, shapes)
     keep_on = keep_quantized_on(quant, device)
     # Weights that stay quantized never exist dense: the linear layers get meta placeholders.
     placeholders = meta_linear_weights() if keep_on is not None else contextlib.nullcontext()
     with torch.device(device), _default_dtype(dtype), placeholders:
         model = model_class(config.model.hf_config, ctx, ops=get_kernel_ops(backend))
-    path = config.model.model_path
-    headers = checkpoint_headers(path)
     tensor_bytes = {name: _nbytes(info) for name, info in headers.items()}
     quantized: QuantizedCheckpoint | Mxfp4Checkpoint | None = None
-    if quant is not None and quant.method == "mxfp4":
-        shapes = {n: (h["dtype"], tuple(h["shape"])) for n, h in headers.items()}
+    if mxfp4 is not None:
         params = {name for name, _ in model.named_parameters()}
-        quantized = Mxfp4Checkpoint(config.model.hf_config, shapes, params, dtype)
+        kept = any(f"{weight}_blocks" in params for weight in mxfp4)
+        quantized = Mxfp4Checkpoint(config.model.hf_config, kept, dtype)
     elif quant is not None:
         quantized = quantized_checkpoint(
             model, quant, set(tensor_bytes), _target_of(model), keep_on

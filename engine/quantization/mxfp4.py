@@ -18,14 +18,15 @@ waits for the other; then either
   the model's dtype: the experts' loader indexes it for its rank's experts and columns, and
   only that part is dequantized, bit for bit as transformers does it.
 
-The pairs' names, dtypes and shapes are checked from the safetensors headers before any
-weight is read (and again on the tensors, for a stream that has no headers).
+The pairs' names, dtypes and shapes are checked from the safetensors headers before the model
+is built (``mxfp4_weights``), and again on the tensors as they pair up.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,52 +52,24 @@ def _dtype_code(t: Any) -> str:
     return "U8" if t.dtype == torch.uint8 else str(t.dtype).removeprefix("torch.")
 
 
-class Mxfp4Checkpoint:
-    """Pairs each expert projection's ``_blocks`` with its ``_scales`` in the tensor stream.
+@dataclass(frozen=True)
+class _ExpertShapes:
+    """The stacked expert projections' sizes a model's config gives."""
 
-    ``headers``: every checkpoint tensor's (safetensors dtype code, shape), from the files'
-    headers; ``parameters``: this rank's parameter names (``X_blocks`` among them: the model
-    keeps MXFP4); ``dtype``: the model's, which a dequantized ``X`` takes."""
+    num_experts: int
+    hidden: int
+    intermediate: int
 
-    def __init__(
-        self,
-        hf: Mapping[str, Any],
-        headers: Mapping[str, tuple[str, tuple[int, ...]]],
-        parameters: set[str],
-        dtype: torch.dtype,
-    ) -> None:
-        self.dtype = dtype
-        self.hidden = int(hf["hidden_size"])
-        self.num_experts = hf_config.num_experts(dict(hf))
-        self.intermediate = hf_config.moe_intermediate_size(dict(hf))
-        self.weights: set[str] = set()
-        for name in sorted(headers):
-            match = _ANY_PART.match(name)
-            if match is None:
-                continue
-            weight = self._weight_of(name)
-            partner = f"{weight}_{'scales' if match['part'] == 'blocks' else 'blocks'}"
-            if partner not in headers:
-                raise ValueError(f"checkpoint: {name!r} has no {partner!r} (MXFP4 pairs them)")
-            self.weights.add(weight)
-        for weight in sorted(self.weights):
-            blocks, scales = headers[f"{weight}_blocks"], headers[f"{weight}_scales"]
-            self._check_pair(weight, *blocks, *scales)
-        self.kept = any(f"{w}_blocks" in parameters for w in self.weights)
+    @classmethod
+    def of(cls, hf: Mapping[str, Any]) -> _ExpertShapes:
+        conf = dict(hf)
+        return cls(
+            hf_config.num_experts(conf),
+            int(hf["hidden_size"]),
+            hf_config.moe_intermediate_size(conf),
+        )
 
-    @staticmethod
-    def _weight_of(name: str) -> str:
-        """``X`` of ``X_blocks`` / ``X_scales``; ValueError unless X is a stacked expert
-        projection."""
-        match = _PAIR.match(name)
-        if match is None:
-            raise ValueError(
-                f"checkpoint tensor {name!r}: MXFP4 is read only for stacked expert "
-                "projections (mlp.experts.gate_up_proj / down_proj _blocks and _scales)"
-            )
-        return match["weight"]
-
-    def _check_pair(
+    def check_pair(
         self,
         weight: str,
         blocks_dtype: str,
@@ -105,7 +78,7 @@ class Mxfp4Checkpoint:
         scales_shape: tuple[int, ...],
     ) -> None:
         """Both uint8; blocks ``[E, out, in / 32, 16]`` for this model's E, out and in, scales
-        the blocks' shape without its last dim."""
+        the blocks' shape without its last dim; ValueError naming the tensor otherwise."""
         for part, dtype in (("blocks", blocks_dtype), ("scales", scales_dtype)):
             if dtype != "U8":
                 raise ValueError(f"{weight}_{part}: MXFP4 {part} must be U8 (uint8), got {dtype}")
@@ -131,6 +104,52 @@ class Mxfp4Checkpoint:
                 f"{weight}_blocks {list(blocks_shape)} (expected {list(blocks_shape[:-1])})"
             )
 
+
+def _weight_of(name: str) -> str:
+    """``X`` of ``X_blocks`` / ``X_scales``; ValueError unless X is a stacked expert projection."""
+    match = _PAIR.match(name)
+    if match is None:
+        raise ValueError(
+            f"checkpoint tensor {name!r}: MXFP4 is read only for stacked expert "
+            "projections (mlp.experts.gate_up_proj / down_proj _blocks and _scales)"
+        )
+    return match["weight"]
+
+
+def mxfp4_weights(
+    hf: Mapping[str, Any], headers: Mapping[str, tuple[str, tuple[int, ...]]]
+) -> frozenset[str]:
+    """The expert projections ``X`` an MXFP4 checkpoint stores as ``X_blocks`` / ``X_scales``,
+    from every tensor's (safetensors dtype code, shape) in the files' headers: each pair
+    complete, a stacked expert projection, its dtypes and shapes this model's. Raises naming
+    the tensor before anything is built or read."""
+    shapes = _ExpertShapes.of(hf)
+    weights = set()
+    for name in sorted(headers):
+        match = _ANY_PART.match(name)
+        if match is None:
+            continue
+        weight = _weight_of(name)
+        partner = f"{weight}_{'scales' if match['part'] == 'blocks' else 'blocks'}"
+        if partner not in headers:
+            raise ValueError(f"checkpoint: {name!r} has no {partner!r} (MXFP4 pairs them)")
+        weights.add(weight)
+    for weight in sorted(weights):
+        shapes.check_pair(weight, *headers[f"{weight}_blocks"], *headers[f"{weight}_scales"])
+    return frozenset(weights)
+
+
+class Mxfp4Checkpoint:
+    """Pairs each expert projection's ``_blocks`` with its ``_scales`` in the tensor stream.
+
+    ``kept``: the model keeps MXFP4 (its experts have ``X_blocks`` parameters); ``dtype``: the
+    model's, which a dequantized ``X`` takes."""
+
+    def __init__(self, hf: Mapping[str, Any], kept: bool, dtype: torch.dtype) -> None:
+        self.shapes = _ExpertShapes.of(hf)
+        self.kept = kept
+        self.dtype = dtype
+
     def weight_name(self, name: str) -> str:
         """The parameter a checkpoint tensor's bytes load into (``X_blocks`` -> ``X`` where it
         is dequantized), for counting what each rank reads."""
@@ -147,7 +166,7 @@ class Mxfp4Checkpoint:
             if match is None:
                 yield name, tensor
                 continue
-            weight = self._weight_of(name)
+            weight = _weight_of(name)
             parts = pending.setdefault(weight, {})
             parts[match["part"]] = tensor
             if len(parts) == 1:
@@ -156,7 +175,7 @@ class Mxfp4Checkpoint:
                 continue
             del pending[weight]
             blocks, scales = parts["blocks"], parts["scales"]
-            self._check_pair(
+            self.shapes.check_pair(
                 weight, _dtype_code(blocks), _shape(blocks), _dtype_code(scales), _shape(scales)
             )
             if self.kept:

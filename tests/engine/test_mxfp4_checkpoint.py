@@ -25,7 +25,7 @@ from engine.errors import ConfigError
 from engine.model_loader import checkpoint_headers, load_model
 from engine.models.gpt_oss import GptOssExperts
 from engine.quantization.config import parse_quantization
-from engine.quantization.mxfp4 import DequantizedExperts, Mxfp4Checkpoint
+from engine.quantization.mxfp4 import DequantizedExperts, mxfp4_weights
 from engine.tiny_models import resolve_model_source
 from engine.tiny_moe_models import GPT_OSS_MXFP4_CONFIG, materialize_tiny_gpt_oss_mxfp4
 from kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -50,9 +50,9 @@ def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {n: (h["dtype"], tuple(h["shape"])) for n, h in checkpoint_headers(path).items()}
 
 
-def _checkpoint(path: Path) -> Mxfp4Checkpoint:
+def _checkpoint(path: Path) -> frozenset[str]:
     hf = json.loads((path / "config.json").read_text())
-    return Mxfp4Checkpoint(hf, _headers(path), set(), torch.float32)
+    return mxfp4_weights(hf, _headers(path))
 
 
 # Past the sliding window (8); the longest one chunked over several steps.
@@ -162,7 +162,7 @@ def test_scales_of_the_wrong_shape_are_refused_from_the_headers_naming_both(
         r"\(expected \[8, 64, 1\]\)"
     )
     with pytest.raises(ValueError, match=message):
-        _checkpoint(path)  # from the safetensors headers, before any weight is read
+        _checkpoint(path)  # from the safetensors headers, before the model is built
     with pytest.raises(ValueError, match=message):
         _load(path)
 
