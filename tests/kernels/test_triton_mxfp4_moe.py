@@ -2,15 +2,19 @@
 CUDA) against the torch path, which dequantizes each expert exactly as the CPU loader does,
 and that path against a per-token loop over the loader's dense weights: float32 and bfloat16,
 decode and uneven prefill, top-k 2 and 4, the clamps biting, no biases, expert parallelism,
-and a TP rank's slice whose intermediate inputs start inside a 32-value group."""
+and a TP rank's slice whose intermediate inputs start inside a 32-value group; and the kernel
+compiled ahead of time for sm_90 at gpt-oss-120b's shapes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels import triton_mxfp4_moe
 from kernels.moe import Mxfp4Experts, clamped_swiglu_interleaved, fused_moe_mxfp4
 from kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from kernels.triton_attention import interpreter_enabled
+from tests.kernels.triton_aot import AotCompiler, compile_job, record_launches
 
 ALPHA, LIMIT = 1.702, 7.0
 HIDDEN = 64
@@ -184,3 +188,55 @@ def test_inconsistent_experts_are_refused_naming_the_tensor() -> None:
         _run("torch", x, shifted, *routing)
     with pytest.raises(ValueError, match=r"w13_blocks must be \[experts, 2 \* intermediate, 1"):
         _run("torch", x[:, :32], experts, *routing)
+
+
+# A wrapper whose launches are recorded, not run, feeds the next launch unwritten memory.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize(
+    ("dtype", "num_tokens", "rank"),
+    [(torch.bfloat16, 1, 0), (torch.bfloat16, 3000, 1), (torch.float32, 200, 0)],
+    ids=["decode-bf16", "prefill-bf16-offset-16", "fp32"],
+)
+def test_the_kernel_compiles_for_sm90_at_gpt_oss_shapes(
+    monkeypatch: pytest.MonkeyPatch,
+    aot_compiler: AotCompiler,
+    dtype: torch.dtype,
+    num_tokens: int,
+    rank: int,
+) -> None:
+    """gpt-oss-120b's H 2880 at TP 4 (720 inputs per rank: rank 1's start 16 values into a
+    group), 8 of its experts, top-4, compiled with the wrapper's own block sizes (the
+    interpreter accepts code the real compiler rejects): no spills, tensor cores in bf16."""
+    device = "cpu" if interpreter_enabled() else "cuda"
+    num_experts, hidden, inter = 8, 2880, 720
+    first = rank * inter // 32
+    groups = -(-(rank + 1) * inter // 32) - first
+
+    def zeros(*shape: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    experts = Mxfp4Experts(
+        zeros(num_experts, 2 * inter, hidden // 32, 16),
+        zeros(num_experts, 2 * inter, hidden // 32),
+        zeros(num_experts, 2 * inter, dtype=dtype),
+        zeros(num_experts, hidden, groups, 16),
+        zeros(num_experts, hidden, groups),
+        zeros(num_experts, hidden, dtype=dtype),
+        w2_offset=rank * inter % 32,
+    )
+    x = zeros(num_tokens, hidden, dtype=dtype)
+    routing = _routing(num_tokens, num_experts, 4)
+    routing = tuple(t.to(device) for t in routing)
+    launches = record_launches(
+        monkeypatch, (triton_mxfp4_moe,), lambda: _run("triton", x, experts, *routing)
+    )
+    assert [launch.kernel for launch in launches] == ["_mxfp4_moe_gemm_kernel"] * 2
+    for launch in launches:
+        launch.args["DOT_UPCAST"] = False  # an interpreter-only upcast; never on a GPU
+        answer = aot_compiler.compile(compile_job(launch, 90))
+        assert "error" not in answer, answer.get("error")
+        assert ".target sm_90" in answer["ptx"] and answer["cubin_size"] > 0
+        assert answer["stack_bytes"] == 0, "the kernel spills registers"
+        assert answer["shared"] <= 227 * 1024  # sm_90's most per block
+        if dtype == torch.bfloat16:
+            assert "mma" in answer["ptx"], "bf16 expert GEMMs should run on tensor cores"
