@@ -240,3 +240,33 @@ def test_the_kernel_compiles_for_sm90_at_gpt_oss_shapes(
         assert answer["shared"] <= 227 * 1024  # sm_90's most per block
         if dtype == torch.bfloat16:
             assert "mma" in answer["ptx"], "bf16 expert GEMMs should run on tensor cores"
+
+
+@pytest.mark.gpu
+def test_on_cuda_at_gpt_oss_shapes_the_kernel_is_within_bf16_of_float32() -> None:
+    """gpt-oss-120b's hidden 2880 and TP 4 rank 1's 720 inputs (from value 16 of a group), 16
+    experts, top-4, 64 tokens: the compiled kernel against the float32 torch path."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    num_experts, hidden, inter, num_tokens = 16, 2880, 720, 64
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, 2 * inter, device="cuda", generator=g) / inter**0.5
+    w2_blocks, w2_scales = quantize_mxfp4(w2)
+    experts = Mxfp4Experts(
+        *quantize_mxfp4(w13),
+        torch.randn(num_experts, 2 * inter, device="cuda", generator=g).bfloat16(),
+        w2_blocks[:, :, 22:45].contiguous(),  # inputs [720, 1440) of 1440: groups 22 to 44
+        w2_scales[:, :, 22:45].contiguous(),
+        torch.randn(num_experts, hidden, device="cuda", generator=g).bfloat16(),
+        w2_offset=16,
+    )
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=g).bfloat16()
+    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=g)
+    values, ids = torch.topk(logits, 4, dim=-1)
+    routing = (values.softmax(dim=-1), ids)
+    got = _run("auto", x, experts, *routing)
+    as_fp32 = Mxfp4Experts(
+        **{k: v.float() if k.endswith("bias") else v for k, v in vars(experts).items()}
+    )
+    exact = _run("torch", x.float(), as_fp32, *routing)
+    atol = BF16_TOLERANCE * float(exact.abs().max())
+    torch.testing.assert_close(got.float(), exact, rtol=0, atol=atol)
