@@ -41,6 +41,7 @@ __all__ = [
     "Mxfp4Experts",
     "check_moe_args",
     "check_moe_inputs",
+    "clamped_swiglu",
     "clamped_swiglu_interleaved",
     "fused_moe",
     "fused_moe_mxfp4",
@@ -82,10 +83,7 @@ def fused_moe(
     Returns:
         ``[T, H]`` in x's dtype; products accumulate in float32, the sum over K too.
     """
-    if backend not in MOE_BACKENDS:
-        raise ValueError(f"backend must be one of {MOE_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = "triton" if x.device.type == "cuda" and triton_available() else "torch"
+    backend = _resolve_backend(backend, x)
     if backend == "triton":
         from kernels import triton_moe
 
@@ -93,6 +91,15 @@ def fused_moe(
             x, w13, w2, topk_weights, topk_ids, expert_map=expert_map
         )
     return moe_torch(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
+
+
+def _resolve_backend(backend: str, x: Tensor) -> str:
+    """``backend`` checked, ``auto`` made Triton for CUDA tensors when triton is installed."""
+    if backend not in MOE_BACKENDS:
+        raise ValueError(f"backend must be one of {MOE_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if x.device.type == "cuda" and triton_available() else "torch"
+    return backend
 
 
 def moe_torch(
@@ -216,12 +223,18 @@ class Mxfp4Experts:
         return w13, w2[:, self.w2_offset : self.w2_offset + self.intermediate]
 
 
-def clamped_swiglu_interleaved(h: Tensor, alpha: float, limit: float) -> Tensor:
-    """gpt-oss's activation of ``h [..., 2I]`` with gate and up interleaved: ``(clamp(up,
-    ±limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``, in h's dtype."""
-    gate = h[..., 0::2].clamp(max=limit)
-    up = h[..., 1::2].clamp(min=-limit, max=limit)
+def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's activation: ``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, limit)``, in the inputs' dtype as HF computes it."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def clamped_swiglu_interleaved(h: Tensor, alpha: float, limit: float) -> Tensor:
+    """:func:`clamped_swiglu` of ``h [..., 2I]`` with gate and up interleaved (the checkpoint's
+    layout)."""
+    return clamped_swiglu(h[..., 0::2], h[..., 1::2], alpha, limit)
 
 
 def fused_moe_mxfp4(
@@ -242,10 +255,7 @@ def fused_moe_mxfp4(
     ``sum_k topk_weights[t, k] * y`` accumulated in float32, returned ``[T, H]`` in x's dtype
     (float32, bfloat16 or float16). ``topk_ids`` / ``expert_map`` / ``backend`` as in
     ``fused_moe``."""
-    if backend not in MOE_BACKENDS:
-        raise ValueError(f"backend must be one of {MOE_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = "triton" if x.device.type == "cuda" and triton_available() else "torch"
+    backend = _resolve_backend(backend, x)
     if backend == "triton":
         from kernels import triton_mxfp4_moe
 

@@ -28,7 +28,7 @@ from engine.models.layers import GemmaRMSNorm
 from engine.models.moe import MoECausalLM, Routing, SparseMoeBlock
 from engine.quantization.config import keeps_mxfp4_experts
 from kernels.backend import KernelOps
-from kernels.moe import Mxfp4Experts, fused_moe_mxfp4
+from kernels.moe import Mxfp4Experts, clamped_swiglu, fused_moe_mxfp4
 from kernels.mxfp4 import BYTES_PER_GROUP, VALUES_PER_SCALE
 from parallel.layers import check_shape
 from parallel.moe import ParallelExperts
@@ -38,13 +38,10 @@ from parallel.state import ParallelContext
 SWIGLU_ALPHA = 1.702
 
 
-def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's activation of ``x = [gate | up]``: ``(clamp(up, ±limit) + 1) *
-    g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``, in x's dtype as HF computes it."""
+def swiglu_halves(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of ``x = [gate | up]`` (the engine's layout)."""
     gate, up = x.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return clamped_swiglu(gate, up, alpha, limit)
 
 
 class GptOssExperts(ParallelExperts):
@@ -73,7 +70,7 @@ class GptOssExperts(ParallelExperts):
             hf_config.num_experts(hf),
             hf["hidden_size"],
             hf_config.moe_intermediate_size(hf),
-            functools.partial(clamped_swiglu, alpha=alpha, limit=limit),
+            functools.partial(swiglu_halves, alpha=alpha, limit=limit),
             tp=ctx.tp,
             expert_parallel=ctx.expert_parallel,
             silu=False,
