@@ -309,7 +309,9 @@ class LLMServer:
     def _prompt(self, request: GenerateRequest | EmbedRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
         if isinstance(request, GenerateRequest) and request.messages is not None:
-            ids = _chat_ids(self.tokenizer, request.messages, request.tools)
+            ids = _chat_ids(
+                self.tokenizer, request.messages, request.tools, request.chat_template_kwargs
+            )
             return {"prompt_token_ids": ids}
         if request.prompt_token_ids is not None:
             return {"prompt_token_ids": request.prompt_token_ids}
@@ -542,13 +544,21 @@ def _sampling_params(params: dict[str, Any]) -> SamplingParams:
 
 
 def _chat_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model has no chat template", param="messages")
     try:
         ids = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages,
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            **(template_kwargs or {}),
         )
     except TemplateError as exc:  # the template's raise_exception: roles, order
         raise InvalidRequestError(f"the chat template rejected them: {exc}", "messages") from exc
