@@ -87,6 +87,9 @@ def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComp
     forced = req.tool_choice not in (None, "none", "auto") and bool(req.tools)
     if req.text is not None and req.text.format is not None and not forced:
         response_format = req.text.format.chat_response_format()
+        if response_format is not None and req.structured_outputs is not None:
+            raise APIError(400, "structured_outputs: cannot be combined with text.format",
+                           "structured_outputs")  # fmt: skip
         if response_format is not None:
             body["response_format"] = response_format
     try:

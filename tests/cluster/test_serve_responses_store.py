@@ -109,6 +109,17 @@ def test_reasoning_effort_is_the_chat_requests() -> None:
     assert ignored.reasoning_effort is None
 
 
+def test_structured_outputs_pass_to_the_chat_request_unless_text_format_is_set() -> None:
+    """vLLM's extension on /v1/responses too: a grammar over the output."""
+    grammar = {"grammar": 'root ::= "yes" | "no"'}
+    chat = chat_request(_request(structured_outputs=grammar), [{"role": "user", "content": "x"}])
+    assert chat.structured_outputs.grammar == grammar["grammar"]
+    both = _request(structured_outputs=grammar, text={"format": {"type": "json_object"}})
+    with pytest.raises(APIError) as info:
+        chat_request(both, [{"role": "user", "content": "x"}])
+    assert info.value.param == "structured_outputs"
+
+
 def test_chat_request_maps_tools_choice_format_and_limits() -> None:
     tool = {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
