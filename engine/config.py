@@ -349,6 +349,9 @@ class FrontendConfig:
         check_str(self.tool_call_parser, "tool_call_parser", note="a parser name", optional=True)
         check_str(self.reasoning_parser, "reasoning_parser", note="a parser name", optional=True)
         self._pair_harmony_parsers()
+
+    def check_auto_tool_choice(self) -> None:
+        """With the model's defaults applied (a checkpoint may name the parser: gpt-oss)."""
         require(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "enable_auto_tool_choice",
@@ -441,6 +444,8 @@ class EngineConfig:
             f"LoRA adapters are not supported for {model.architecture} (multi-head latent "
             "attention has no q/k/v projections to adapt); set enable_lora to false",
         )
+        frontend = FrontendConfig(**_frontend_defaults(model, groups["frontend"]))
+        frontend.check_auto_tool_choice()
         return cls(
             model=model,
             cache=CacheConfig(**groups["cache"]),
@@ -450,7 +455,7 @@ class EngineConfig:
             kernel=kernel,
             sampling=SamplingConfig(**groups["sampling"]),
             pooler=PoolerConfig(**groups["pooler"]),
-            frontend=FrontendConfig(**_frontend_defaults(model, groups["frontend"])),
+            frontend=frontend,
             lora=lora,
             speculative=speculative,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, FrontendConfig
+from engine.config import EngineConfig, FrontendConfig, check_engine_arg_ranges
 from engine.errors import ConfigError
 
 
@@ -36,3 +36,16 @@ def test_gpt_oss_reads_harmony_by_default_unless_a_parser_is_named() -> None:
     assert (off.reasoning_parser, off.tool_call_parser) == (None, None)
     other = EngineConfig.from_kwargs(model="builtin:tiny-llama", device="cpu").frontend
     assert (other.reasoning_parser, other.tool_call_parser) == (None, None)
+
+
+def test_auto_tool_choice_needs_a_parser_of_the_arguments_or_the_model() -> None:
+    """The need is checked with the checkpoint's defaults: gpt-oss names its own."""
+    check_engine_arg_ranges({"enable_auto_tool_choice": True})  # the model may name one
+    with pytest.raises(ConfigError, match=r"^enable_auto_tool_choice: needs tool_call_parser"):
+        EngineConfig.from_kwargs(
+            model="builtin:tiny-llama", device="cpu", enable_auto_tool_choice=True
+        )
+    gpt_oss = EngineConfig.from_kwargs(
+        model="builtin:tiny-gpt-oss", device="cpu", enable_auto_tool_choice=True
+    )
+    assert gpt_oss.frontend.tool_call_parser == "openai"
