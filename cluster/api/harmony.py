@@ -5,11 +5,11 @@ decoded to with its special tokens kept (the front asks for ``skip_special_token
 
 The output continues the generation prompt ``<|start|>assistant``, so its first header has no
 role. Each message is a header, ``<|message|>``, and its text up to ``<|end|>`` (or the stop
-token, ``<|return|>`` / ``<|call|>``, which the engine leaves out of the text)::
+token, ``<|return|>`` / ``<|call|>``, which the engine leaves out of the text); messages follow
+each other without separators (one per line here)::
 
     <|channel|>analysis<|message|>Need the weather.<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json
-    <|message|>{"city": "Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>
 
 A message's header (its recipient ``to=…`` in the role or the channel part) decides what its
 text is, as a :class:`Piece` kind:

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.api.harmony import HARMONY_TOKENS, HarmonyReader
+from cluster.api.harmony import HARMONY_TOKENS, HarmonyReader, Piece
 from engine.errors import ConfigError
 
 THINK_START = "<think>"
@@ -207,7 +207,7 @@ class _HarmonyReasoningStreamer(ReasoningStreamer):
     def finish(self) -> tuple[str, str]:
         return self._split(self._reader.finish())
 
-    def _split(self, pieces: list[Any]) -> tuple[str, str]:
+    def _split(self, pieces: list[Piece]) -> tuple[str, str]:
         reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
         self.entered_reasoning = self.entered_reasoning or bool(reasoning)
         return reasoning, "".join(p.text for p in pieces if p.kind == "content")
