@@ -38,7 +38,8 @@ refuse the config itself (``engine.hf_config.check_hf_config``). Quantized check
 (compressed-tensors, GPTQ, AWQ, online ``quantization: fp8``) are planned as the engine keeps
 them on a GPU: FP8 at 1 byte per parameter plus float32 scales per row or block, int4 at half
 a byte plus a scale (and zero point) per group; on CPU, which dequantizes at load, in the
-model's dtype, with a note.
+model's dtype, with a note. MXFP4 experts (gpt-oss) likewise: half a byte per weight and a
+byte per 32 on the Triton kernels (CUDA), dequantized elsewhere (``memory_plan_moe``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import Any
 
 from engine import hf_config, memory_plan_moe
 from engine.errors import ConfigError
-from engine.quantization.config import parse_quantization
+from engine.quantization.config import keeps_mxfp4_experts, parse_quantization
 from engine.rope_config import rope_head_dim, rope_max_positions, rope_parameters
 
 GiB = 1 << 30
@@ -413,6 +414,14 @@ def _quant(
         return None, None  # refused: check_hf_config's problem says so
     if quant is None:
         return None, None
+    if not quant.groups:  # MXFP4: the experts alone, which memory_plan_moe counts
+        if kernel_backend(settings) == "triton":
+            return None, None
+        where = "on CPU" if settings.device != "cuda" else "with attention_backend torch"
+        return None, (
+            f"mxfp4 experts counted dequantized in the model's dtype: the engine dequantizes "
+            f"them at load {where} (the Triton kernels on CUDA keep them MXFP4)"
+        )
     if settings.device != "cuda":
         return None, (
             f"{quant.method} weights counted dequantized: on CPU the engine dequantizes them "
@@ -447,9 +456,11 @@ def stage_weight_bytes(
     dtype_bytes: int,
     quant: _Quant | None = None,
     expert_parallel: bool = False,
+    backend: str = "torch",
 ) -> dict[str, int]:
     """Bytes of one rank's parameters, by part: exactly what the model code allocates (an
-    MoE model's feed-forward by ``engine.memory_plan_moe``, TP- or EP-placed)."""
+    MoE model's feed-forward by ``engine.memory_plan_moe``, TP- or EP-placed; ``backend`` the
+    rank's kernels, on which an MXFP4 checkpoint's experts stay MXFP4)."""
     family = FAMILIES[hf_config.architecture(hf)]
     h, q, kv, inter = shape.hidden, shape.q_size, shape.kv_size, shape.inter_per_rank
     qkv_out = q + 2 * kv
@@ -489,6 +500,7 @@ def stage_weight_bytes(
         moe = memory_plan_moe.moe_weight_bytes(
             hf, first_layer, end_layer, tp=shape.tp, expert_parallel=expert_parallel,
             dtype_bytes=dtype_bytes, linear=linear,
+            mxfp4=keeps_mxfp4_experts(hf, backend),
         )  # fmt: skip
         parts.update(moe)
     return parts
@@ -601,6 +613,15 @@ def activation_bytes(
         rows = min(settings.max_num_seqs, t)
         total += rows * shape.vocab_shard * shape.tp * dtype_bytes + 2 * rows * shape.vocab * 4
     return total
+
+
+def kernel_backend(settings: PlanSettings) -> str:
+    """The kernels a rank runs (``KernelConfig.resolved_backend``): Triton on CUDA unless
+    attention_backend is torch; on CPU the torch path (with or without the native decode
+    kernel, which allocates nothing the plan counts)."""
+    if settings.device == "cuda" and settings.attention_backend != "torch":
+        return "triton"
+    return "torch"
 
 
 def uses_cuda_graphs(settings: PlanSettings) -> bool:
@@ -768,7 +789,7 @@ def _stage(
     is_last = pp_rank == pp - 1
     weights = stage_weight_bytes(
         hf, shape, first, end, pp_rank == 0, is_last, dtype_bytes, quant,
-        expert_parallel=settings.enable_expert_parallel,
+        expert_parallel=settings.enable_expert_parallel, backend=kernel_backend(settings),
     )  # fmt: skip
     # An FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3) stores 1 byte per element.
     kv_dtype_bytes = dtype_bytes if settings.kv_cache_dtype == "auto" else 1

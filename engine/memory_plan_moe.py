@@ -18,8 +18,13 @@ per ``decoder_sparse_step`` and ``mlp_only_layers``; DeepSeek from ``first_k_den
 With E divisible by the group size, TP and EP hold the same expert bytes per rank; EP trades
 the slicing for whole-expert GEMMs and a skewed load when routing is unbalanced. From a
 quantized checkpoint the routed experts are counted in the model's dtype, as the loader
-dequantizes them (no quantized fused-MoE kernel); the dense layers and shared experts, linear
-layers, stay quantized on a GPU as ``linear`` says.
+dequantizes them; the dense layers and shared experts, linear layers, stay quantized on a GPU
+as ``linear`` says. The exception is an MXFP4 checkpoint (gpt-oss) on the Triton kernels
+(``mxfp4``), whose experts stay in the checkpoint's format (``engine.models.gpt_oss``):
+
+    gate_up   2 I_e/tp rows x H/32 groups x (16 bytes + 1 scale byte)    (EP: 2 I_e rows)
+    down      H rows x the groups covering the rank's I_e/tp inputs x 17 bytes (the largest
+              count over the ranks: a slice that starts inside a group holds it whole)
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 from engine import hf_config
 from engine.errors import ConfigError
+from engine.quantization.config import MXFP4_GROUP
 
 # ``linear(out, in_, parts)``: the bytes of one [out, in_] weight as the checkpoint stores it.
 LinearBytes = Callable[[int, int, int], int]
@@ -48,9 +54,11 @@ def moe_weight_bytes(
     expert_parallel: bool,
     dtype_bytes: int,
     linear: LinearBytes,
+    mxfp4: bool = False,
 ) -> dict[str, int]:
     """One rank's feed-forward bytes over layers ``[first_layer, end_layer)``: ``mlp`` (the
-    dense layers), ``experts``, ``router`` and ``shared_expert`` (with its gate)."""
+    dense layers), ``experts``, ``router`` and ``shared_expert`` (with its gate); ``mxfp4``:
+    the experts are kept MXFP4."""
     conf = dict(hf)
     hidden = int(hf["hidden_size"])
     num_experts = hf_config.num_experts(conf)
@@ -64,9 +72,13 @@ def moe_weight_bytes(
         local_experts, expert_slice = num_experts // tp, expert_inter
     else:
         local_experts, expert_slice = num_experts, _split(expert_inter, tp, "moe intermediate")
-    # The routed experts are dequantized at load on every device (the loader keeps only
-    # linear layers quantized; ``engine.quantization.loading``): counted in the model's dtype.
-    expert = 3 * expert_slice * hidden * dtype_bytes
+    # The routed experts are dequantized at load (the loader keeps only linear layers
+    # quantized; ``engine.quantization.loading``) unless they are MXFP4 kept as such.
+    if mxfp4:
+        slices = 1 if expert_parallel else tp
+        expert = _mxfp4_expert_bytes(hidden, expert_inter, slices)
+    else:
+        expert = 3 * expert_slice * hidden * dtype_bytes
     arch = hf_config.architecture(conf)
     if arch == hf_config.GPT_OSS:
         expert += (2 * expert_slice + hidden) * dtype_bytes  # gate_up_proj_bias, down_proj_bias
@@ -100,6 +112,17 @@ def moe_weight_bytes(
         "router": sparse * router,
         "shared_expert": sparse * shared,
     }
+
+
+def _mxfp4_expert_bytes(hidden: int, inter: int, slices: int) -> int:
+    """One expert's MXFP4 blocks and scales on the rank holding the most of them, with its
+    intermediate dim cut in ``slices``."""
+    size = inter // slices
+    down_groups = max(
+        -(-(r + 1) * size // MXFP4_GROUP) - r * size // MXFP4_GROUP for r in range(slices)
+    )
+    group_bytes = MXFP4_GROUP // 2 + 1
+    return (2 * size * (hidden // MXFP4_GROUP) + hidden * down_groups) * group_bytes
 
 
 def _split(size: int, tp: int, what: str) -> int:

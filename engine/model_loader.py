@@ -34,13 +34,15 @@ from engine.config import EngineConfig
 from engine.kv_cache_scales import is_kv_scale_name, load_kv_scale
 from engine.models import get_model_class
 from engine.quantization.config import parse_quantization
+from engine.quantization.loading import QuantizedCheckpoint
 from engine.quantization.model_setup import (
     keep_quantized_on,
     materialize_dense_linears,
     quantized_checkpoint,
     release_placeholders,
 )
-from kernels.backend import get_kernel_ops
+from engine.quantization.mxfp4 import Mxfp4Checkpoint, mxfp4_weights
+from kernels.backend import KernelOps, get_kernel_ops
 from parallel.layers import (
     check_shape,
     load_full_loader,
@@ -75,19 +77,26 @@ def iterate_checkpoint(
                 yield name, f.get_slice(name)
 
 
-def checkpoint_tensor_bytes(model_path: str | Path) -> dict[str, int]:
-    """Bytes of every tensor of every ``*.safetensors`` file, read from the files' headers
-    (8-byte length, then JSON with each tensor's data offsets): nothing else is read."""
-    sizes: dict[str, int] = {}
+def checkpoint_headers(model_path: str | Path) -> dict[str, dict[str, Any]]:
+    """Every tensor's header entry (``dtype``, ``shape``, ``data_offsets``) of every
+    ``*.safetensors`` file: 8-byte length, then that JSON; nothing else is read."""
+    headers: dict[str, dict[str, Any]] = {}
     for file in sorted(Path(model_path).glob("*.safetensors")):
         with file.open("rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(header_len))
-        for name, info in header.items():
-            if name != "__metadata__":
-                start, end = info["data_offsets"]
-                sizes[name] = end - start
-    return sizes
+        headers.update((n, info) for n, info in header.items() if n != "__metadata__")
+    return headers
+
+
+def checkpoint_tensor_bytes(model_path: str | Path) -> dict[str, int]:
+    """Bytes of every tensor of every ``*.safetensors`` file, from the files' headers."""
+    return {name: _nbytes(info) for name, info in checkpoint_headers(model_path).items()}
+
+
+def _nbytes(info: dict[str, Any]) -> int:
+    start, end = info["data_offsets"]
+    return end - start
 
 
 # Checkpoint tensors that belong to no parameter on purpose (matched as a name suffix).
@@ -121,9 +130,11 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 _MAX_NAMED = 5  # tensor names an error lists
 
 
-def _check_dtype(name: str, tensor: Any) -> None:
+def _check_dtype(name: str, tensor: Any, raw_params: frozenset[str], target: str) -> None:
     if hasattr(tensor, "store_into"):
         return  # a weight kept quantized, as quantization_config describes it
+    if target in raw_params:
+        return  # a parameter that holds a packed format itself (MXFP4 blocks); it checks it
     if hasattr(tensor, "get_dtype"):
         code = tensor.get_dtype()
         dtype = _SAFETENSORS_DTYPES.get(code)
@@ -162,23 +173,27 @@ def _target_of(model: nn.Module) -> Callable[[str], tuple[str, Any]]:
 
 
 def whole_model_parameters(
-    model_class: type[nn.Module], hf_config: dict[str, Any]
-) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
-    """Every parameter name of the whole model (TP 1, PP 1) with its unsharded shape, and the
+    model_class: type[nn.Module], hf_config: dict[str, Any], ops: KernelOps | None = None
+) -> tuple[dict[str, tuple[int, ...]], frozenset[str], frozenset[str]]:
+    """Every parameter name of the whole model (TP 1, PP 1) with its unsharded shape, the
     names that are a second name of a tied tensor (``lm_head.weight`` under
-    tie_word_embeddings). Built on the meta device, so it costs no memory; the torch kernel
-    backend is enough since nothing runs."""
+    tie_word_embeddings), and those of integer parameters (a packed format the layer keeps,
+    MXFP4 experts' blocks). Built on the meta device, so it costs no memory, with the rank's
+    kernels ``ops`` (which decide whether experts stay MXFP4; default torch)."""
     with torch.device("meta"):
-        whole = model_class(hf_config, ParallelContext(), ops=get_kernel_ops("torch"))
+        whole = model_class(hf_config, ParallelContext(), ops=ops or get_kernel_ops("torch"))
     shapes: dict[str, tuple[int, ...]] = {}
     first_name: dict[int, str] = {}
     tied: set[str] = set()
+    raw: set[str] = set()
     for name, param in whole.named_parameters(remove_duplicate=False):
         shapes[name] = tuple(param.shape)
         if id(param) in first_name:
             tied.add(name)
         first_name.setdefault(id(param), name)
-    return shapes, frozenset(tied)
+        if not param.dtype.is_floating_point:
+            raw.add(name)
+    return shapes, frozenset(tied), frozenset(raw)
 
 
 def _not_parameters_error(names: list[str], model_class: str, hf: dict[str, Any]) -> ValueError:
@@ -259,7 +274,7 @@ def load_weights(
     hf = hf_config if hf_config is not None else getattr(model, "hf", None)
     if hf is None:
         raise ValueError("hf_config: required when the model keeps no .hf config dict")
-    whole, tied = whole_model_parameters(type(model), hf)
+    whole, tied, raw = whole_model_parameters(type(model), hf, getattr(model, "kernel_ops", None))
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     target_of = _target_of(model)
@@ -273,8 +288,8 @@ def load_weights(
         if is_kv_scale_name(name):  # an FP8 KV cache's scale, not a parameter
             load_kv_scale(model, name, tensor, int(hf["num_hidden_layers"]))
             continue
-        _check_dtype(name, tensor)
         target, shard_id = target_of(name)
+        _check_dtype(name, tensor, raw, target)
         if target not in whole:
             unknown.append(name)
             continue
@@ -313,7 +328,8 @@ def rank_read_bytes(
     a replicated norm), 0 for another pipeline stage's tensor, a tied copy or an unused buffer.
     Summed, the weight bytes this rank goes through; every tensor's at TP = PP = 1. ``rename``
     maps a quantized checkpoint's tensor (``x.weight_scale``) to the weight it loads into."""
-    whole, tied = whole_model_parameters(type(model), hf_config)
+    ops = getattr(model, "kernel_ops", None)
+    whole, tied, _ = whole_model_parameters(type(model), hf_config, ops)
     params = dict(model.named_parameters())
     target_of = _target_of(model)
     aliases_of = getattr(model, "checkpoint_aliases", lambda n: ())
@@ -432,15 +448,24 @@ def load_model(
     backend = config.kernel.resolved_backend(device.type)
     dtype = config.model.torch_dtype
     quant = parse_quantization(config.model.hf_config, config.model.quantization)
+    path = config.model.model_path
+    headers = checkpoint_headers(path)
+    mxfp4 = None
+    if quant is not None and quant.method == "mxfp4":  # checked before anything is placed
+        shapes = {n: (h["dtype"], tuple(h["shape"])) for n, h in headers.items()}
+        mxfp4 = mxfp4_weights(config.model.hf_config, shapes)
     keep_on = keep_quantized_on(quant, device)
     # Weights that stay quantized never exist dense: the linear layers get meta placeholders.
     placeholders = meta_linear_weights() if keep_on is not None else contextlib.nullcontext()
     with torch.device(device), _default_dtype(dtype), placeholders:
         model = model_class(config.model.hf_config, ctx, ops=get_kernel_ops(backend))
-    path = config.model.model_path
-    tensor_bytes = checkpoint_tensor_bytes(path)
-    quantized = None
-    if quant is not None:
+    tensor_bytes = {name: _nbytes(info) for name, info in headers.items()}
+    quantized: QuantizedCheckpoint | Mxfp4Checkpoint | None = None
+    if mxfp4 is not None:
+        params = {name for name, _ in model.named_parameters()}
+        kept = any(f"{weight}_blocks" in params for weight in mxfp4)
+        quantized = Mxfp4Checkpoint(config.model.hf_config, kept, dtype)
+    elif quant is not None:
         quantized = quantized_checkpoint(
             model, quant, set(tensor_bytes), _target_of(model), keep_on
         )

@@ -26,6 +26,8 @@ init recipe, same cache), so tests compare the engine with HF transformers offli
 The weights are written with ``save_pretrained``, so the checkpoint has the per-expert tensors
 (``experts.N.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.N.w1.weight``) that
 transformers writes and real checkpoints hold, not its in-memory stacked layout.
+``write_mxfp4_gpt_oss`` rewrites a gpt-oss checkpoint with its experts in MXFP4, as gpt-oss
+ships them.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
@@ -68,6 +72,7 @@ from engine.tiny_models import (
     materialize,
 )
 from engine.tiny_tokenizer import build_tokenizer, write_json, write_tokenizer
+from kernels.mxfp4 import quantize_mxfp4
 
 # Bump whenever an MoE recipe changes (on top of engine.tiny_models.VERSION, which covers the
 # tokenizer and init shared with the dense models).
@@ -510,3 +515,53 @@ def make_random_gpt_oss(
     _save(model, config, out)
     write_tokenizer(build_tokenizer(vocab_size), out)
     return out
+
+
+# gpt-oss's released quantization_config: everything but the experts stays bfloat16.
+GPT_OSS_MXFP4_CONFIG: dict[str, Any] = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
+_EXPERT_PROJECTIONS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def mxfp4_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A gpt-oss checkpoint's tensors with each stacked expert projection ``X`` ``[E, in, out]``
+    replaced as gpt-oss ships it: ``X_blocks`` / ``X_scales`` of ``X`` transposed to
+    ``[E, out, in]`` (``kernels.mxfp4.quantize_mxfp4``)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not name.endswith(_EXPERT_PROJECTIONS):
+            out[name] = tensor
+            continue
+        blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))
+        out[f"{name}_blocks"], out[f"{name}_scales"] = blocks.contiguous(), scales.contiguous()
+    return out
+
+
+def write_mxfp4_gpt_oss(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """The gpt-oss checkpoint in ``src`` written into ``out`` with MXFP4 experts
+    (``mxfp4_tensors``) and ``quantization_config`` in config.json; the other files copied."""
+    src, dest = Path(src), Path(out)
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy(path, dest / path.name)
+    for path in sorted(src.glob("*.safetensors")):
+        save_file(mxfp4_tensors(load_file(str(path))), str(dest / path.name))
+    config = json.loads((src / "config.json").read_text())
+    write_json(dest / "config.json", {**config, "quantization_config": GPT_OSS_MXFP4_CONFIG})
+    return dest
+
+
+def materialize_tiny_gpt_oss_mxfp4() -> Path:
+    """tiny-gpt-oss with its experts in MXFP4, written once into the model cache."""
+    return materialize(
+        f"tiny-gpt-oss-mxfp4-v{VERSION}.{MOE_VERSION}",
+        lambda out: write_mxfp4_gpt_oss(materialize_tiny_moe("tiny-gpt-oss"), out),
+    )

@@ -105,7 +105,9 @@ class ParallelExperts(nn.Module):
     """The stacked gated-MLP experts of one MoE layer: sliced over the TP group on the
     intermediate dimension, or (``expert_parallel``) whole experts split evenly over it.
     ``forward`` returns this rank's partial sum (not all-reduced). ``silu`` says the
-    activation is SiLU, the one the fused CUDA kernel computes."""
+    activation is SiLU, the one the fused CUDA kernel computes. ``dense=False`` registers no
+    dense ``gate_up_proj`` / ``down_proj``: a subclass that keeps its experts in another format
+    (gpt-oss's MXFP4) registers its own."""
 
     def __init__(
         self,
@@ -117,6 +119,7 @@ class ParallelExperts(nn.Module):
         tp: GroupCoordinator = SINGLE,
         expert_parallel: bool = False,
         silu: bool = True,
+        dense: bool = True,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -135,12 +138,17 @@ class ParallelExperts(nn.Module):
         self.inter_per_rank = divide(intermediate_size, self.slice_size, "moe intermediate size")
         self._expert_map: torch.Tensor | None = None
         local, inter = self.num_local_experts, self.inter_per_rank
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(local, 2 * inter, hidden_size), requires_grad=False
-        )
-        self.gate_up_proj.weight_loader = self.gate_up_loader
-        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, inter), requires_grad=False)
-        self.down_proj.weight_loader = self.down_loader
+        self.gate_up_proj: nn.Parameter | None = None
+        self.down_proj: nn.Parameter | None = None
+        if dense:
+            self.gate_up_proj = nn.Parameter(
+                torch.empty(local, 2 * inter, hidden_size), requires_grad=False
+            )
+            self.gate_up_proj.weight_loader = self.gate_up_loader
+            self.down_proj = nn.Parameter(
+                torch.empty(local, hidden_size, inter), requires_grad=False
+            )
+            self.down_proj.weight_loader = self.down_loader
         # Per-expert projection biases, set by experts that have them (gpt-oss's).
         self.gate_up_proj_bias: nn.Parameter | None
         self.down_proj_bias: nn.Parameter | None

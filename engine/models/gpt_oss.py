@@ -8,7 +8,10 @@ norms in float32).
 Checkpoints store the experts stacked in HF's layout: ``experts.gate_up_proj``
 ``[E, H, 2I]`` with gate and up columns interleaved, ``experts.down_proj`` ``[E, I, H]``,
 ``gate_up_proj_bias`` ``[E, 2I]`` and ``down_proj_bias`` ``[E, H]``; :class:`GptOssExperts`
-reads a rank's part of them into the engine's ``[gate; up]`` layout.
+reads a rank's part of them into the engine's ``[gate; up]`` layout. An MXFP4 checkpoint
+(gpt-oss's release) is dequantized into that layout at load, except on the Triton kernels
+(CUDA), where the experts keep the checkpoint's ``_blocks`` / ``_scales`` (a rank's rows of
+them) and ``kernels.moe.fused_moe_mxfp4`` dequantizes inside its GEMMs.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from engine import hf_config
 from engine.models.decoder import Attention, DecoderModel, PreNormDecoderLayer
 from engine.models.layers import GemmaRMSNorm
 from engine.models.moe import MoECausalLM, Routing, SparseMoeBlock
+from engine.quantization.config import keeps_mxfp4_experts
 from kernels.backend import KernelOps
+from kernels.moe import Mxfp4Experts, fused_moe_mxfp4
+from kernels.mxfp4 import BYTES_PER_GROUP, VALUES_PER_SCALE
 from parallel.layers import check_shape
 from parallel.moe import ParallelExperts
 from parallel.state import ParallelContext
@@ -47,11 +53,22 @@ class GptOssExperts(ParallelExperts):
 
     Under TP a rank's intermediate slice is a contiguous run of HF's interleaved columns, read
     as one slice and split into its gate and up halves; the down bias is added on the first
-    slice's rank only, so that the all-reduce sums it once."""
+    slice's rank only, so that the all-reduce sums it once.
 
-    def __init__(self, hf: dict[str, Any], ctx: ParallelContext) -> None:
+    Kept in MXFP4 (``mxfp4``: an MXFP4 checkpoint on the Triton kernels), the parameters are
+    the checkpoint's, a rank's part of them, gate and up rows still interleaved::
+
+        gate_up_proj_blocks [E_local, 2I/tp, H/32, 16]  gate_up_proj_scales [E_local, 2I/tp, H/32]
+        down_proj_blocks    [E_local, H, G, 16]         down_proj_scales    [E_local, H, G]
+        gate_up_proj_bias   [E_local, 2I/tp] (interleaved)   down_proj_bias [E_local, H]
+
+    where G groups cover the rank's inputs ``[r I/tp, (r+1) I/tp)`` of down_proj's rows, the
+    first starting ``w2_offset`` values into its group."""
+
+    def __init__(self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps) -> None:
         limit = float(hf["swiglu_limit"])
         alpha = float(hf.get("swiglu_alpha") or SWIGLU_ALPHA)
+        mxfp4 = keeps_mxfp4_experts(hf, ops.name)
         super().__init__(
             hf_config.num_experts(hf),
             hf["hidden_size"],
@@ -60,7 +77,9 @@ class GptOssExperts(ParallelExperts):
             tp=ctx.tp,
             expert_parallel=ctx.expert_parallel,
             silu=False,
+            dense=not mxfp4,
         )
+        self.alpha, self.limit, self.mxfp4 = alpha, limit, mxfp4
         local, inter = self.num_local_experts, self.inter_per_rank
         self.gate_up_proj_bias = nn.Parameter(torch.empty(local, 2 * inter), requires_grad=False)
         self.gate_up_proj_bias.weight_loader = self.gate_up_bias_loader
@@ -68,6 +87,66 @@ class GptOssExperts(ParallelExperts):
             torch.empty(local, self.hidden_size), requires_grad=False
         )
         self.down_proj_bias.weight_loader = self.down_bias_loader
+        if mxfp4:
+            self._register_mxfp4()
+
+    def _input_groups(self) -> tuple[int, int]:
+        """down_proj's groups ``[first, end)`` that hold this rank's inputs."""
+        start = self.slice_rank * self.inter_per_rank
+        return start // VALUES_PER_SCALE, -(-(start + self.inter_per_rank) // VALUES_PER_SCALE)
+
+    def _register_mxfp4(self) -> None:
+        local, inter, hidden = self.num_local_experts, self.inter_per_rank, self.hidden_size
+        first, end = self._input_groups()
+        shapes = {
+            "gate_up_proj": (local, 2 * inter, hidden // VALUES_PER_SCALE),
+            "down_proj": (local, hidden, end - first),
+        }
+        for proj, shape in shapes.items():
+            for part, full in (("blocks", (*shape, BYTES_PER_GROUP)), ("scales", shape)):
+                param = nn.Parameter(torch.empty(full, dtype=torch.uint8), requires_grad=False)
+                param.weight_loader = functools.partial(self._mxfp4_loader, proj, part)
+                self.register_parameter(f"{proj}_{part}", param)
+
+    def _mxfp4_loader(
+        self, proj: str, part: str, param: nn.Parameter, loaded: Any, shard_id: Any = None
+    ) -> None:
+        """The checkpoint's ``{proj}_{part}``: this rank's experts and rows (gate_up) or input
+        groups (down)."""
+        self._stacked(shard_id, f"{proj}_{part}")
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        groups = (
+            (e, 2 * i, h // VALUES_PER_SCALE)
+            if proj == "gate_up_proj"
+            else (e, h, i // VALUES_PER_SCALE)
+        )
+        shape = (*groups, BYTES_PER_GROUP) if part == "blocks" else groups
+        check_shape(loaded, shape, f"experts.{proj}_{part} (MXFP4)")
+        if proj == "gate_up_proj":
+            param.data.copy_(loaded[self._rows(), self._columns()])
+        else:
+            first, end = self._input_groups()
+            param.data.copy_(loaded[self._rows(), :, first:end])
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if not self.mxfp4:
+            return super().forward(x, topk_ids, topk_weights)
+        experts = Mxfp4Experts(
+            self.gate_up_proj_blocks,
+            self.gate_up_proj_scales,
+            self.gate_up_proj_bias,
+            self.down_proj_blocks,
+            self.down_proj_scales,
+            self.down_proj_bias,
+            w2_offset=self.slice_rank * self.inter_per_rank % VALUES_PER_SCALE,
+        )
+        expert_map = self.expert_map(x.device) if self.expert_parallel else None
+        return fused_moe_mxfp4(
+            x, experts, topk_weights, topk_ids, alpha=self.alpha, limit=self.limit,
+            expert_map=expert_map, backend="triton",
+        )  # fmt: skip
 
     def _rows(self) -> slice:
         return slice(self.first_expert, self.first_expert + self.num_local_experts)
@@ -99,9 +178,12 @@ class GptOssExperts(ParallelExperts):
         param.data.copy_(loaded[self._rows(), rank * size : (rank + 1) * size].transpose(1, 2))
 
     def gate_up_bias_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        """HF's interleaved ``[E, 2I]``: split into ``[gate | up]``, or kept interleaved beside
+        MXFP4 rows."""
         self._stacked(shard_id, "gate_up_proj_bias")
         check_shape(loaded, (self.num_experts, 2 * self.intermediate_size), "gate_up_proj_bias")
-        param.data.copy_(self._split_interleaved(loaded[self._rows(), self._columns()]))
+        part = loaded[self._rows(), self._columns()]
+        param.data.copy_(part if self.mxfp4 else self._split_interleaved(part))
 
     def down_bias_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         self._stacked(shard_id, "down_proj_bias")
@@ -159,7 +241,8 @@ class GptOssForCausalLM(MoECausalLM):
 
         def layer(i: int) -> nn.Module:
             attn = GptOssAttention(hf, ctx, ops, self.rotary(i), self.sliding_window(i))
-            mlp = SparseMoeBlock(hf, ctx, ops, routing=routing, experts=GptOssExperts(hf, ctx))
+            experts = GptOssExperts(hf, ctx, ops)
+            mlp = SparseMoeBlock(hf, ctx, ops, routing=routing, experts=experts)
             return PreNormDecoderLayer(attn, mlp, norm)
 
         return DecoderModel(hf, ctx, layer, norm)

@@ -11,7 +11,9 @@ int4 form. Block-FP8 checkpoints in the format of DeepSeek-V3/R1, Kimi K2 and Qw
 releases (``quant_method: fp8``, ``weight_block_size`` [bn, bk]: an e4m3 ``weight`` and a float32
 ``weight_scale_inv`` per block, which despite its name multiplies; ``activation_scheme:
 dynamic``), every linear layer whose checkpoint holds the scale, the others as stored. Online
-FP8 quantizes a float checkpoint's linear weights (per-tensor scale).
+FP8 quantizes a float checkpoint's linear weights (per-tensor scale). MXFP4 (``quant_method:
+mxfp4``, gpt-oss): only the stacked MoE experts are quantized (``engine.quantization.mxfp4``);
+the linear layers are dense.
 
 Torch-free: ``engine.hf_config.check_hf_config`` runs this where only a config is read.
 """
@@ -25,10 +27,15 @@ from typing import Any
 
 from engine.errors import ConfigError
 
-SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")  # checkpoint formats
+SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "mxfp4")  # checkpoint formats
 ONLINE_METHODS = ("fp8",)  # ``quantization=`` values for a float checkpoint
 _CT_FORMATS = ("float-quantized", "naive-quantized", "pack-quantized")
 _KEY = "quantization_config"
+# Families whose experts a checkpoint stores stacked as ``mlp.experts.gate_up_proj`` /
+# ``down_proj``, the tensors an MXFP4 checkpoint quantizes.
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
+_MXFP4_FIELDS = ("quant_method", "modules_to_not_convert", "dequantize")
+MXFP4_GROUP = 32  # values per E8M0 scale
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,7 @@ class QuantConfig:
 
     @property
     def online(self) -> bool:
-        return self.groups[0][1].source == "online-fp8"
+        return bool(self.groups) and self.groups[0][1].source == "online-fp8"
 
     def scheme_for(self, module: str) -> QuantScheme | None:
         """The scheme of the linear layer named ``module`` (HF name, no ``.weight``), None when
@@ -137,6 +144,8 @@ def parse_quantization(hf: Mapping[str, Any], online: str | None = None) -> Quan
         return _awq(raw)
     if method == "fp8":
         return _fp8_blocks(raw)
+    if method == "mxfp4":
+        return _mxfp4(raw, hf)
     raise ConfigError(
         f"{_KEY}: quant_method {raw.get('quant_method')!r} is not supported "
         f"(supported: {', '.join(SUPPORTED_METHODS)}; fp8 also online, quantization='fp8')"
@@ -303,6 +312,31 @@ def _fp8_blocks(raw: Mapping[str, Any]) -> QuantConfig:
         activations=ActivationQuant(dynamic=True, group_size=bk),
     )  # fmt: skip
     return QuantConfig("fp8", ((("Linear",), scheme),), _ignore(raw), ignore_substrings=True)
+
+
+def _mxfp4(raw: Mapping[str, Any], hf: Mapping[str, Any]) -> QuantConfig:
+    """``quant_method: mxfp4``: the experts' ``*_blocks`` / ``*_scales``; no linear layer is
+    quantized (``groups`` is empty). ``dequantize`` is a transformers loading option."""
+    unknown = sorted(set(raw) - set(_MXFP4_FIELDS))
+    if unknown:
+        raise _refuse(unknown[0], raw[unknown[0]], f"mxfp4 reads only {', '.join(_MXFP4_FIELDS)}")
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in MXFP4_ARCHITECTURES:
+        raise ConfigError(
+            f"{_KEY}.quant_method: 'mxfp4' is served for {', '.join(MXFP4_ARCHITECTURES)} "
+            f"(experts stored stacked as mlp.experts.gate_up_proj / down_proj), not {arch!r}"
+        )
+    ignore = tuple(str(n) for n in raw.get("modules_to_not_convert") or ())
+    return QuantConfig("mxfp4", (), ignore, ignore_substrings=True)
+
+
+def keeps_mxfp4_experts(hf: Mapping[str, Any], backend: str) -> bool:
+    """Whether a model's experts stay MXFP4: an mxfp4 checkpoint run on the Triton kernels
+    (``backend``; CUDA's), which read the format. Elsewhere they are dequantized at load."""
+    raw = hf.get(_KEY)
+    mxfp4 = isinstance(raw, Mapping) and str(raw.get("quant_method", "")).lower() == "mxfp4"
+    return mxfp4 and backend == "triton"
 
 
 def _ignore(raw: Mapping[str, Any]) -> tuple[str, ...]:

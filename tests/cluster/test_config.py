@@ -43,6 +43,7 @@ def error_of(data: dict[str, Any]) -> str:
         "deepseek-v3.yaml",
         "kimi-k2.yaml",
         "glm-4.6.yaml",
+        "gpt-oss-120b.yaml",
     ],
 )
 def test_shipped_configs_validate(name: str) -> None:

@@ -17,7 +17,13 @@ from cluster.config import load_config
 from cluster.ops.plan import PlanError, gpu_memory_gib_for, plan_deployment, preflight
 from engine.errors import ConfigError
 from tests.cluster.conftest import CONFIGS, load_yaml
-from tests.engine.test_memory_plan import DEEPSEEK_V3, GLM_4_6, KIMI_K2, LLAMA_3_70B
+from tests.engine.test_memory_plan import (
+    DEEPSEEK_V3,
+    GLM_4_6,
+    GPT_OSS_120B,
+    KIMI_K2,
+    LLAMA_3_70B,
+)
 
 MODEL_ID = "meta-llama/Meta-Llama-3-70B-Instruct"
 # Per GPU at TP 4 x PP 2: 40 layers of bf16 shards plus a quarter of the embedding (stage 0) or
@@ -316,3 +322,19 @@ def test_glm_4_6_plans_as_fitting_one_h200_node_and_two_h100_nodes(
     assert not plan(copy.deepcopy(data))["fits"]
     data["models"][0]["engine_kwargs"]["pipeline_parallel_size"] = 2
     assert plan(data)["fits"]
+
+
+def test_gpt_oss_120b_plans_as_fitting_one_h100_with_its_experts_in_mxfp4(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/gpt-oss-120b.yaml: one H100, the experts kept MXFP4 (~60.8 GiB of weights per
+    GPU) and a cache past one 131072-token sequence (72 KiB per token)."""
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_120B))
+    assert main(["plan", str(CONFIGS / "gpt-oss-120b.yaml"), "--hf-config", str(tmp_path),
+                 "--json"]) == 0  # fmt: skip
+    plan = json.loads(capsys.readouterr().out)["models"][0]["plan"]
+    assert plan["fits"] and plan["tensor_parallel_size"] == 1
+    (stage,) = plan["stages"]
+    assert 60 * 2**30 < stage["weight_bytes"] < 61 * 2**30
+    assert stage["kv_bytes_per_token"] == 36 * 2 * 8 * 64 * 2
+    assert plan["max_model_len"] == 131072 < plan["kv_tokens"]

@@ -100,6 +100,35 @@ GLM_4_6: dict[str, Any] = {
     "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "use_cache": True, "use_qk_norm": True, "vocab_size": 151552,
 }  # fmt: skip
+
+
+def gpt_oss_config(num_layers: int, num_experts: int) -> dict[str, Any]:
+    """gpt-oss-120b's config.json as published (36 layers, 128 experts); gpt-oss-20b's differs
+    in those two (24, 32)."""
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+        "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4,
+        "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * (num_layers // 2),
+        "max_position_embeddings": 131072, "num_attention_heads": 64,
+        "num_experts_per_tok": 4, "num_hidden_layers": num_layers, "num_key_value_heads": 8,
+        "num_local_experts": num_experts, "output_router_logits": False,
+        "pad_token_id": 199999, "quantization_config": {
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                       "model.embed_tokens", "lm_head"],
+            "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05, "rope_scaling": {
+            "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+        "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True,
+        "vocab_size": 201088,
+    }  # fmt: skip
+
+
+GPT_OSS_120B = gpt_oss_config(36, 128)
+GPT_OSS_20B = gpt_oss_config(24, 32)
 # The same shapes in bf16: a meta build has no quantized layers to compare with.
 DEEPSEEK_V3_BF16 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
 # configs/llama70b.yaml's engine_kwargs that change memory.
@@ -134,8 +163,10 @@ def builtin_config(name: str, **overrides: Any) -> dict[str, Any]:
 def meta_rank(
     hf: dict[str, Any], dtype: str, tp: int, tp_rank: int, pp: int, pp_rank: int,
     partition: tuple[int, ...] | None = None, expert_parallel: bool = False,
+    backend: str = "torch",
 ) -> torch.nn.Module:  # fmt: skip
-    """One rank's model built the way ``model_loader.load_model`` builds it, on meta."""
+    """One rank's model built the way ``model_loader.load_model`` builds it, on meta, with the
+    kernels of ``backend`` (MXFP4 experts stay MXFP4 on Triton's)."""
     ctx = ParallelContext(
         tp=GroupCoordinator(rank=tp_rank, size=tp, ranks=tuple(range(tp))),
         pp=GroupCoordinator(rank=pp_rank, size=pp, ranks=tuple(range(pp))),
@@ -144,7 +175,7 @@ def meta_rank(
     )
     model_class = MODEL_REGISTRY[hf["architectures"][0]]
     with torch.device("meta"), _default_dtype(_DTYPES[dtype]):
-        return model_class(hf, ctx, ops=get_kernel_ops("torch"))
+        return model_class(hf, ctx, ops=get_kernel_ops(backend))
 
 
 def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
@@ -160,8 +191,11 @@ def runner_kv_bytes_per_token(
     return runner.kv_block_bytes() // config.cache.block_size
 
 
-def check_against_meta_builds(tmp_path: Path, hf: dict[str, Any], kwargs: dict[str, Any]) -> None:
-    """Every (TP rank, PP stage): the plan's stage figures equal the meta build's."""
+def check_against_meta_builds(
+    tmp_path: Path, hf: dict[str, Any], kwargs: dict[str, Any], backend: str = "torch"
+) -> None:
+    """Every (TP rank, PP stage): the plan's stage figures equal the meta build's (the ranks
+    built with ``backend``'s kernels, those of the plan's CUDA device)."""
     model_dir = write_config(tmp_path / "model", hf)
     plan = plan_memory(hf, PlanSettings.from_engine_kwargs(kwargs, "cuda"), H100_BYTES)
     tp = kwargs.get("tensor_parallel_size", 1)
@@ -172,7 +206,9 @@ def check_against_meta_builds(tmp_path: Path, hf: dict[str, Any], kwargs: dict[s
     assert len(plan.stages) == pp
     for stage in plan.stages:
         for tp_rank in range(tp):
-            model = meta_rank(hf, plan.dtype, tp, tp_rank, pp, stage.pp_rank, partition, ep)
+            model = meta_rank(
+                hf, plan.dtype, tp, tp_rank, pp, stage.pp_rank, partition, ep, backend
+            )
             where = f"tp rank {tp_rank}, pp stage {stage.pp_rank}"
             assert stage.weight_bytes == tensor_bytes(model.parameters()), where
             assert stage.buffer_bytes == tensor_bytes(model.buffers()), where
@@ -263,6 +299,56 @@ def test_every_family_matches_a_meta_build_of_every_rank(
     tmp_path: Path, name: str, overrides: dict[str, Any], kwargs: dict[str, Any]
 ) -> None:
     check_against_meta_builds(tmp_path, builtin_config(name, **overrides), kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "backend"),
+    [
+        # TP 2: each rank's 16 down_proj inputs (of 32) in one group, rank 1's from value 16.
+        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "triton"),
+        ({"tensor_parallel_size": 4, "enable_expert_parallel": True, "dtype": "bfloat16"},
+         "triton"),
+        # The torch kernels on CUDA dequantize the experts at load.
+        ({"tensor_parallel_size": 2, "attention_backend": "torch"}, "torch"),
+    ],
+)  # fmt: skip
+def test_mxfp4_gpt_oss_matches_a_meta_build_of_every_rank(
+    tmp_path: Path, kwargs: dict[str, Any], backend: str
+) -> None:
+    hf = builtin_config("tiny-gpt-oss", quantization_config={"quant_method": "mxfp4"})
+    check_against_meta_builds(tmp_path, hf, kwargs, backend)
+
+
+def test_gpt_oss_120b_keeps_mxfp4_experts_and_fits_one_h100() -> None:
+    """Worked by hand: an expert's gate_up [5760, 2880] and down [2880, 2880] as 17 bytes per
+    32 weights (16 of E2M1 codes, one E8M0 scale), its biases 5760 + 2880 in bf16; 36 layers of
+    128. With the bf16 rest (~4 GiB) that is ~60.8 GiB: an 80 GB H100 holds it and a cache of
+    one full 131072-token sequence at gpu_memory_utilization 0.92."""
+    expert = (5760 * 90 + 2880 * 90) * 17 + (5760 + 2880) * 2
+    kwargs = {"dtype": "bfloat16", "max_model_len": 131072, "gpu_memory_utilization": 0.92}
+    plan = plan_memory(GPT_OSS_120B, PlanSettings.from_engine_kwargs(kwargs, "cuda"), H100_BYTES)
+    (stage,) = plan.stages
+    assert stage.weight_breakdown["experts"] == 36 * 128 * expert
+    assert 60 * GiB < stage.weight_bytes < 61 * GiB
+    assert stage.kv_bytes_per_token == 36 * 2 * 8 * 64 * 2
+    assert plan.fits and plan.kv_tokens is not None and plan.kv_tokens > 131072
+    assert plan.notes == ()
+    # gpt-oss-20b: 24 layers of 32 experts, ~12.8 GiB, a cache of over a million tokens.
+    small = plan_memory(GPT_OSS_20B, PlanSettings.from_engine_kwargs(kwargs, "cuda"), H100_BYTES)
+    assert small.stages[0].weight_breakdown["experts"] == 24 * 32 * expert
+    assert small.fits and small.kv_tokens is not None and small.kv_tokens > 1_000_000
+
+
+def test_gpt_oss_120b_experts_count_dequantized_where_the_engine_dequantizes() -> None:
+    """On CPU and with the torch kernels on CUDA: bf16 experts, ~214 GiB, and a note."""
+    expert = 3 * 2880 * 2880 * 2 + (5760 + 2880) * 2
+    for settings in (
+        PlanSettings(dtype="bfloat16", device="cpu", max_model_len=4096),
+        PlanSettings(dtype="bfloat16", attention_backend="torch", max_model_len=4096),
+    ):
+        plan = plan_memory(GPT_OSS_120B, settings, H100_BYTES)
+        assert plan.stages[0].weight_breakdown["experts"] == 36 * 128 * expert
+        assert any("mxfp4 experts counted dequantized" in n for n in plan.notes)
 
 
 def test_deepseek_v3_at_tp8_pp2_matches_a_meta_build_of_every_rank(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ top-k 2 and 4; the block alignment's invariants; expert parallelism through ``ex
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -16,7 +15,7 @@ from kernels import triton_moe, triton_ops
 from kernels.moe import fused_moe, moe_torch
 from kernels.triton_attention import interpreter_enabled
 from kernels.triton_moe import fused_moe_triton, moe_align_block_size
-from tests.kernels.triton_aot import AotCompiler, compile_job, record_launches
+from tests.kernels.triton_aot import compile_job, record_launches
 
 # fp32: ieee dots, only the summation order differs. fp16/bf16: GEMM-1 and SiLU outputs round
 # to the input dtype in both paths, and the interpreter truncates float32 -> bf16 where torch
@@ -275,13 +274,6 @@ def test_gpu_fused_moe_matches_torch_at_qwen3_moe_sizes(num_tokens):
     args = (x, w13.bfloat16(), w2.bfloat16(), weights, ids)
     got = fused_moe(*args)
     torch.testing.assert_close(got.float(), moe_torch(*args).float(), atol=3e-2, rtol=3e-2)
-
-
-@pytest.fixture(scope="module")
-def aot_compiler() -> Iterator[AotCompiler]:
-    compiler = AotCompiler()
-    yield compiler
-    compiler.close()
 
 
 # A wrapper whose launches are recorded, not run, feeds the next launch unwritten memory.
