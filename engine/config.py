@@ -40,7 +40,7 @@ from engine.engine_args import ENGINE_ARG_NAMES as ENGINE_ARG_NAMES
 from engine.engine_args import ENGINE_ARGS, group_engine_args
 from engine.engine_args import check_engine_arg_names as check_engine_arg_names
 from engine.errors import ConfigError
-from engine.hf_config import DEEPSEEK_ARCHITECTURES, check_hf_config, num_experts
+from engine.hf_config import DEEPSEEK_ARCHITECTURES, GPT_OSS, check_hf_config, num_experts
 from engine.quantization.config import ONLINE_METHODS, parse_quantization
 from engine.rope_config import rope_max_positions
 from engine.spec_decode.config import SpeculativeArgs, check_speculative_support
@@ -323,6 +323,11 @@ class PoolerConfig:
         object.__setattr__(self, "pooling_type", value.lower())
 
 
+# gpt-oss's harmony format has one parser of each kind (vLLM's names), which read it together
+# (cluster.api.harmony): naming either names both, and they are the default for gpt-oss.
+HARMONY_PARSERS = {"reasoning_parser": "openai_gptoss", "tool_call_parser": "openai"}
+
+
 @dataclass(frozen=True)
 class FrontendConfig:
     """Settings of the serving front, not of the engine core: vLLM's server arguments for tool
@@ -331,7 +336,9 @@ class FrontendConfig:
     tool calls out of the model's text (``cluster.api.tool_parsers``, which checks the name);
     ``enable_auto_tool_choice`` lets requests use ``tool_choice: "auto"``. ``reasoning_parser``
     (vLLM's server option) splits a reasoning model's think block out of chat answers
-    (``cluster.api.reasoning_parsers``, which checks the name)."""
+    (``cluster.api.reasoning_parsers``, which checks the name). gpt-oss's ``openai_gptoss`` and
+    ``openai`` come as a pair (naming one names the other) and are ``GptOssForCausalLM``'s
+    default."""
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -341,11 +348,29 @@ class FrontendConfig:
         check_bool(self.enable_auto_tool_choice, "enable_auto_tool_choice")
         check_str(self.tool_call_parser, "tool_call_parser", note="a parser name", optional=True)
         check_str(self.reasoning_parser, "reasoning_parser", note="a parser name", optional=True)
+        self._pair_harmony_parsers()
+
+    def check_auto_tool_choice(self) -> None:
+        """With the model's defaults applied (a checkpoint may name the parser: gpt-oss)."""
         require(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "enable_auto_tool_choice",
             "needs tool_call_parser (how to read tool calls out of the model's text)",
         )
+
+    def _pair_harmony_parsers(self) -> None:
+        named = [k for k, v in HARMONY_PARSERS.items() if getattr(self, k) == v]
+        if not named:
+            return
+        for key, value in HARMONY_PARSERS.items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+            require(
+                getattr(self, key) == value,
+                key,
+                f"must be {value!r} (or unset) with {named[0]} {HARMONY_PARSERS[named[0]]!r}: "
+                f"both read gpt-oss's harmony format, got {getattr(self, key)!r}",
+            )
 
 
 @dataclass(frozen=True)
@@ -419,6 +444,8 @@ class EngineConfig:
             f"LoRA adapters are not supported for {model.architecture} (multi-head latent "
             "attention has no q/k/v projections to adapt); set enable_lora to false",
         )
+        frontend = FrontendConfig(**_frontend_defaults(model, groups["frontend"]))
+        frontend.check_auto_tool_choice()
         return cls(
             model=model,
             cache=CacheConfig(**groups["cache"]),
@@ -428,7 +455,7 @@ class EngineConfig:
             kernel=kernel,
             sampling=SamplingConfig(**groups["sampling"]),
             pooler=PoolerConfig(**groups["pooler"]),
-            frontend=FrontendConfig(**groups["frontend"]),
+            frontend=frontend,
             lora=lora,
             speculative=speculative,
         )
@@ -436,6 +463,13 @@ class EngineConfig:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+
+def _frontend_defaults(model: ModelConfig, frontend: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's harmony parsers unless the engine arguments name a parser (null included)."""
+    if model.architecture != GPT_OSS or frontend.keys() & HARMONY_PARSERS.keys():
+        return frontend
+    return {**HARMONY_PARSERS, **frontend}
 
 
 def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:

@@ -603,7 +603,9 @@ class LLMEngine:
         a stop string are dropped, as one-token steps would never have sampled them."""
         request, detok = sample.request, sample.detokenizer
         new = request.output_token_ids[-num_new:]
-        if num_new == 1:
+        if _stopped_by_token(request):
+            new = new[:-1]
+        if len(new) <= 1:
             return detok.update(new)
         for i, token in enumerate(new):
             if detok.update([token]):
@@ -725,3 +727,19 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _stopped_by_token(request: Request) -> bool:
+    """The request just ended on a stop token (EOS, one of ``stop_token_ids``, or the stop
+    token that completed its grammar): as in vLLM, that token's text is not part of the output
+    unless ``include_stop_str_in_output`` (it shows only with ``skip_special_tokens=False`` or
+    a stop token that is not special: a chat parser reading special tokens never sees the
+    ``<|return|>`` or ``</s>`` that ended the answer)."""
+    if request.status != RequestStatus.FINISHED_STOPPED:
+        return False
+    params = request.sampling_params
+    last = request.output_token_ids[-1]
+    stop_ids = params.stop_token_ids or ()
+    return not params.include_stop_str_in_output and (
+        last in request.eos_token_ids or last in stop_ids
+    )

@@ -56,6 +56,7 @@ from transformers import (
 from engine.hf_config import DEEPSEEK_ARCHITECTURES, config_field
 from engine.tiny_harmony import (
     HARMONY_STOP_TOKEN_IDS,
+    HARMONY_VERSION,
     build_harmony_tokenizer,
     write_harmony_tokenizer,
 )
@@ -331,9 +332,10 @@ def _save(model: Any, config: PretrainedConfig, out: Path) -> None:
 def materialize_tiny_moe(name: str) -> Path:
     """``builtin:<name>`` of a tiny MoE model: written once into the model cache."""
     _check_moe_name(name)
-    return materialize(
-        f"{name}-v{VERSION}.{MOE_VERSION}", lambda out: make_tiny_moe_model(name, out)
-    )
+    # tiny-gpt-oss's tokenizer files (its chat template) have a version of their own.
+    harmony = f".h{HARMONY_VERSION}" if name == "tiny-gpt-oss" else ""
+    version = f"{VERSION}.{MOE_VERSION}{harmony}"
+    return materialize(f"{name}-v{version}", lambda out: make_tiny_moe_model(name, out))
 
 
 def tiny_moe_variant(name: str, **config_overrides: Any) -> Path:

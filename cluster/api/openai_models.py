@@ -140,6 +140,9 @@ class ChatMessage(_Model):
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool's result answers this call
+    # An assistant's earlier reasoning, as responses carry it: a template may show it again
+    # (harmony keeps it before the calls of an unfinished turn).
+    reasoning_content: Text | None = None
 
 
 class FunctionDefinition(_Model):
@@ -172,6 +175,8 @@ class ChatCompletionRequest(SamplingFields):
     # Declared so that their 400 says why: only the model's own template is ever rendered.
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # For the model's chat template, as vLLM passes it (gpt-oss's "Reasoning: ..." line).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

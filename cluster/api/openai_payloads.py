@@ -26,7 +26,7 @@ logger = logging.getLogger("llm_cluster.api")
 
 # Fields outside the declared ones that would change the output and are not supported: a 400
 # naming them. Any other undeclared field is ignored (logged once at debug), as vLLM does:
-# clients fill in ``metadata``, ``store``, ``service_tier``, ``reasoning_effort`` and the like.
+# clients fill in ``metadata``, ``store``, ``service_tier`` and the like.
 UNSUPPORTED_FIELDS = {
     "functions": "the legacy functions API is not supported; use tools",
     "function_call": "the legacy functions API is not supported; use tool_choice",
@@ -214,10 +214,14 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
             else named_tool_schema(find_tool(tools or [], choice.name or ""))
         )
         params["structured_outputs"] = {"json": json.dumps(schema)}
+    template_kwargs = None
+    if req.reasoning_effort is not None:
+        template_kwargs = {"reasoning_effort": req.reasoning_effort}
     return GenerateRequest(
         params=params,
         messages=chat_messages(req.messages),
         tools=tools,
+        chat_template_kwargs=template_kwargs,
         tool_choice=choice.mode if choice is not None else None,
         **request_extras(req),
     )

@@ -18,8 +18,19 @@ from cluster.api.forced_tool_calls import (
 )
 from cluster.api.openai_payloads import ToolChoice
 from cluster.api.protocol import ChoiceChunk, StreamDelta, StreamError, StreamItem, StreamStart
-from cluster.api.reasoning_parsers import ReasoningParser, ReasoningStreamer, get_reasoning_parser
-from cluster.api.tool_parsers import ParsedToolCalls, ToolCallStreamer, get_tool_parser
+from cluster.api.reasoning_parsers import (
+    GptOssReasoningParser,
+    ReasoningParser,
+    ReasoningStreamer,
+    get_reasoning_parser,
+)
+from cluster.api.tool_parsers import (
+    HarmonyStreamer,
+    ParsedToolCalls,
+    ToolCallStreamer,
+    get_tool_parser,
+    parse_harmony,
+)
 
 
 class _Choice:
@@ -104,10 +115,15 @@ class Completion:
         first = prompt_index * item.n
         while len(self.choices) < first + item.n:
             choice = _Choice(len(self.choices))
-            if self.tools is not None and self.stream:
-                choice.tool_streamer = tool_streamer(self.tools, item.tool_call_parser)
-            if self.reasoning_parser is not None and self.stream:
-                choice.reasoning = self.reasoning_parser.streamer(in_reasoning=self.in_reasoning)
+            if self.stream and self._harmony:
+                choice.tool_streamer = HarmonyStreamer(reasoning=True, read_calls=self._auto)
+            elif self.stream:
+                if self.tools is not None:
+                    choice.tool_streamer = tool_streamer(self.tools, item.tool_call_parser)
+                if self._splits_reasoning:
+                    parser = self.reasoning_parser
+                    assert parser is not None  # _splits_reasoning says so
+                    choice.reasoning = parser.streamer(in_reasoning=self.in_reasoning)
             self.choices.append(choice)
         if not self.echo:
             return []
@@ -121,6 +137,24 @@ class Completion:
             chunks.append({"index": choice.index, "text": choice.text, "logprobs": logprobs,
                            "finish_reason": None})  # fmt: skip
         return chunks
+
+    @property
+    def _harmony(self) -> bool:
+        """A gpt-oss chat (``openai_gptoss``): one reader takes reasoning, content and calls out
+        of its harmony channels (vLLM's harmony path). A call the API forces is JSON from the
+        output's first token, read as other models' are, with no reasoning."""
+        harmony = isinstance(self.reasoning_parser, GptOssReasoningParser)
+        return harmony and (self.tools is None or self.tools.mode == "auto")
+
+    @property
+    def _auto(self) -> bool:
+        return self.tools is not None and self.tools.mode == "auto"
+
+    @property
+    def _splits_reasoning(self) -> bool:
+        """The answer is split from a think block before anything else reads it."""
+        parser = self.reasoning_parser
+        return parser is not None and not isinstance(parser, GptOssReasoningParser)
 
     def _absorb_choice(self, delta: ChoiceChunk, first_index: int = 0) -> list[dict[str, Any]]:
         choice = self.choices[first_index + delta.index]
@@ -235,22 +269,30 @@ class Completion:
     def _message(self, choice: _Choice) -> tuple[dict[str, Any], str | None]:
         """A whole chat choice's message and finish reason, tool calls read out of its text
         (out of its answer: a reasoning model's think block is its ``reasoning_content``)."""
-        text: str | None = choice.text
-        extra: dict[str, Any] = {}
+        reasoning, parsed = self._read(choice.text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if self.reasoning_parser is not None:
-            reasoning, text = self.reasoning_parser.extract(text, in_reasoning=self.in_reasoning)
-            extra["reasoning_content"] = reasoning
-        if self.tools is None:
-            return {"role": "assistant", "content": text, **extra}, choice.finish_reason
-        parsed = parse_tool_calls(self.tools, self.tool_call_parser, text or "")
-        calls = parsed.tool_calls if self.tools.parallel else parsed.tool_calls[:1]
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content, **extra}
+            message["reasoning_content"] = reasoning
+        parallel = self.tools is None or self.tools.parallel
+        calls = parsed.tool_calls if parallel else parsed.tool_calls[:1]
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
         finish = choice.finish_reason
         if finish is not None:
             finish = self._tool_finish(finish, bool(calls))
         return message, finish
+
+    def _read(self, text: str) -> tuple[str | None, ParsedToolCalls]:
+        """A whole chat choice's reasoning, content and tool calls."""
+        if self._harmony:
+            return parse_harmony(text, read_calls=self._auto)
+        reasoning: str | None = None
+        answer: str | None = text
+        if self.reasoning_parser is not None and self._splits_reasoning:
+            reasoning, answer = self.reasoning_parser.extract(text, in_reasoning=self.in_reasoning)
+        if self.tools is None:
+            return reasoning, ParsedToolCalls(answer, [])
+        return reasoning, parse_tool_calls(self.tools, self.tool_call_parser, answer or "")
 
     def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return self._chunk_envelope([choice])

@@ -67,6 +67,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     echo: bool = False
     # OpenAI tool definitions for the chat template ({"type": "function", "function": ...}).
     tools: list[dict[str, Any]] | None = None
+    # Variables for the chat template from the request's own fields (reasoning_effort).
+    chat_template_kwargs: dict[str, Any] | None = None
     # "auto": the replica checks that its model reads tool calls (enable_auto_tool_choice) and
     # names its tool_call_parser in StreamStart. Forced calls arrive as structured outputs.
     tool_choice: str | None = None

@@ -13,6 +13,11 @@ The parsers read ``<think>…</think>`` blocks; they differ in where the output 
   the prompt's tokens (``output_starts_in_reasoning``): the output then starts in reasoning,
   as vLLM reads output whose ``</think>`` has no ``<think>``.
 - ``glm45``: GLM-4.5 / 4.6, read as ``qwen3``.
+- ``openai_gptoss``: gpt-oss, whose output is harmony messages (``cluster.api.harmony``): the
+  analysis channel is the reasoning, the final channel (and commentary preambles) the content.
+  Its chats keep their special tokens for the reader (:class:`HarmonyFront`), and a chat's
+  calls come out of the same reader (``tool_parsers.HarmonyStreamer``): the front reads
+  reasoning, content and calls in one pass, as vLLM's harmony path does.
 
 Either way, a prompt whose last think tag is ``</think>`` (``enable_thinking=False`` renders
 ``<think>\\n\\n</think>\\n\\n``) has already ended the reasoning: the output is all content.
@@ -32,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from cluster.api.harmony import HARMONY_TOKENS, HarmonyReader, Piece
 from engine.errors import ConfigError
 
 THINK_START = "<think>"
@@ -178,9 +184,43 @@ class Glm45ReasoningParser(ReasoningParser):
     starts_in_reasoning = False
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss (vLLM's ``openai_gptoss``): harmony's analysis channel is the reasoning; a call
+    read without tools is content (see the module doc)."""
+
+    name = "openai_gptoss"
+
+    def streamer(self, *, in_reasoning: bool | None = None) -> ReasoningStreamer:
+        return _HarmonyReasoningStreamer()
+
+
+class _HarmonyReasoningStreamer(ReasoningStreamer):
+    """The (reasoning, content) split of a harmony output as it streams."""
+
+    def __init__(self) -> None:
+        super().__init__(False)
+        self._reader = HarmonyReader(read_calls=False)
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        return self._split(self._reader.feed(delta))
+
+    def finish(self) -> tuple[str, str]:
+        return self._split(self._reader.finish())
+
+    def _split(self, pieces: list[Piece]) -> tuple[str, str]:
+        reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
+        self.entered_reasoning = self.entered_reasoning or bool(reasoning)
+        return reasoning, "".join(p.text for p in pieces if p.kind == "content")
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     parser.name: parser
-    for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, Glm45ReasoningParser)
+    for parser in (
+        DeepSeekR1ReasoningParser,
+        Qwen3ReasoningParser,
+        Glm45ReasoningParser,
+        GptOssReasoningParser,
+    )
 }
 
 
@@ -219,6 +259,9 @@ class ReasoningFront:
     """A model server's reasoning setup: its parser and the think tokens of its tokenizer
     (checked when the server starts: ``ConfigError`` naming ``reasoning_parser``)."""
 
+    # Whether its chats are decoded with their special tokens (the parser reads them).
+    keeps_special_tokens = False
+
     def __init__(self, name: str, tokenizer: Any) -> None:
         try:
             self.parser = get_reasoning_parser(name)
@@ -226,8 +269,9 @@ class ReasoningFront:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
-    def prepare(self, prompt_token_ids: Sequence[int], structured_outputs: Any) -> bool:
-        """For one chat request: whether its output starts inside a think block; a structured
+    def prepare(self, prompt_token_ids: Sequence[int], structured_outputs: Any) -> bool | None:
+        """For one chat request: whether its output starts inside a think block (None: the
+        parser's default); a structured
         output (``StructuredOutputsParams``) is set to constrain only what follows the
         reasoning, unless the prompt has already ended it."""
         ids, start, end = prompt_token_ids, self.start_id, self.end_id
@@ -236,3 +280,32 @@ class ReasoningFront:
         ):
             structured_outputs.reasoning_end_token_id = end
         return self.parser.output_starts_in_reasoning(ids, start, end)
+
+
+class HarmonyFront(ReasoningFront):
+    """``openai_gptoss``: the harmony tokens are special tokens of the model's tokenizer, so
+    its chats are decoded with ``skip_special_tokens=False`` for the reader (as vLLM's parsers
+    ask in ``adjust_request``); clients see only what the reader makes of them. A structured
+    output constrains the whole output (no single token ends the reasoning)."""
+
+    keeps_special_tokens = True
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.parser = GptOssReasoningParser()
+        for token in HARMONY_TOKENS:
+            if len(tokenizer.encode(token, add_special_tokens=False)) != 1:
+                raise ConfigError(
+                    f"reasoning_parser: 'openai_gptoss' needs {token} as one token of the "
+                    "model's tokenizer (a gpt-oss harmony tokenizer)"
+                )
+
+    def prepare(self, prompt_token_ids: Sequence[int], structured_outputs: Any) -> bool | None:
+        return None
+
+
+def reasoning_front(name: str, tokenizer: Any) -> ReasoningFront:
+    """The setup of the parser ``name`` for a server of ``tokenizer`` (``ConfigError`` naming
+    ``reasoning_parser``)."""
+    if name == GptOssReasoningParser.name:
+        return HarmonyFront(tokenizer)
+    return ReasoningFront(name, tokenizer)

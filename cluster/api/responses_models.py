@@ -12,7 +12,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from cluster.api.openai_models import JsonSchemaFormat, Text, TokenId, _Model, _ranged
+from cluster.api.openai_models import (
+    JsonSchemaFormat,
+    StructuredOutputs,
+    Text,
+    TokenId,
+    _Model,
+    _ranged,
+)
 
 _INT64 = {"minimum": -(2**63), "maximum": 2**63 - 1}
 
@@ -90,13 +97,15 @@ class ResponsesRequest(_Model):
     logit_bias: dict[str, float] | None = None
     cache_salt: Text | None = None
     timeout: float | None = _ranged(None, exclusiveMinimum=0)
+    # vLLM's: a grammar, regex, choice or schema over the output (not with text.format).
+    structured_outputs: StructuredOutputs | None = None
 
 
 # The sampling fields passed to the chat request under the same name when given.
 SAMPLING_PASSTHROUGH = (
     "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias",
-    "cache_salt", "timeout", "user",
+    "cache_salt", "timeout", "user", "structured_outputs",
 )  # fmt: skip
 
 __all__ = ["SAMPLING_PASSTHROUGH", "ResponsesRequest", "TextConfig", "TextFormat"]

@@ -72,6 +72,10 @@ def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComp
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
+    effort = (req.model_extra or {}).get("reasoning")
+    effort = effort.get("effort") if isinstance(effort, dict) else None
+    if effort in ("low", "medium", "high"):  # others (minimal, none) are ignored
+        body["reasoning_effort"] = effort
     if req.tools:
         body["tools"] = [chat_tool(t) for t in req.tools]
     if req.tool_choice is not None:
@@ -83,6 +87,9 @@ def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComp
     forced = req.tool_choice not in (None, "none", "auto") and bool(req.tools)
     if req.text is not None and req.text.format is not None and not forced:
         response_format = req.text.format.chat_response_format()
+        if response_format is not None and req.structured_outputs is not None:
+            raise APIError(400, "structured_outputs: cannot be combined with text.format",
+                           "structured_outputs")  # fmt: skip
         if response_format is not None:
             body["response_format"] = response_format
     try:
@@ -139,14 +146,21 @@ def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
 
 def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
     """Conversation items -> chat messages. A function call joins the assistant message before
-    it (one assistant turn: its text and its calls); a call's output is a ``tool`` message;
-    reasoning items are left out (chat templates drop earlier turns' reasoning)."""
+    it (one assistant turn: its text and its calls); a call's output is a ``tool`` message; a
+    reasoning item's text is the ``reasoning_content`` of the assistant message it precedes
+    (the chat template decides whether to show it again: most drop it, harmony keeps it before
+    the calls of an unfinished turn)."""
     messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []  # reasoning items not yet given to an assistant message
     for i, item in enumerate(items):
         path = f"input.{i}"
         if not isinstance(item, dict):
             raise APIError(400, f"{path}: must be an object", path)
         kind = item.get("type", "message")
+        before = len(messages)
+        if kind == "reasoning":
+            reasoning += _reasoning_texts(item.get("content"))
+            continue
         if kind == "message":
             messages.append(_message(item, path))
         elif kind == "function_call":
@@ -154,7 +168,7 @@ def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
                     "function": {"name": _str(item, "name", path),
                                  "arguments": _str(item, "arguments", path)}}  # fmt: skip
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and not reasoning:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
@@ -163,11 +177,28 @@ def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
             text = output if isinstance(output, str) else _text(output, f"{path}.output")
             messages.append({"role": "tool", "tool_call_id": _str(item, "call_id", path),
                              "content": text})  # fmt: skip
-        elif kind != "reasoning":
+        else:
             raise APIError(400, f"{path}.type: {kind!r} items are not supported (message, "
                            "function_call, function_call_output, reasoning)",
                            f"{path}.type", "unsupported")  # fmt: skip
+        if reasoning and len(messages) > before and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = "".join(reasoning)
+        reasoning = []
     return messages
+
+
+def _reasoning_texts(content: Any) -> list[str]:
+    """The text of a reasoning item's ``reasoning_text`` parts (summaries and encrypted
+    content are not the model's own words: left out)."""
+    if not isinstance(content, list):
+        return []
+    return [
+        part["text"]
+        for part in content
+        if isinstance(part, dict)
+        and part.get("type") == "reasoning_text"
+        and isinstance(part.get("text"), str)
+    ]
 
 
 def _message(item: dict[str, Any], path: str) -> dict[str, Any]:

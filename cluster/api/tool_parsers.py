@@ -4,6 +4,8 @@ each model family's format (vLLM's ``tool_call_parser`` names):
     hermes       <tool_call>{"name": "f", "arguments": {...}}</tool_call> blocks (Qwen2.5)
     llama3_json  the whole message, optionally after <|python_tag|>, is {"name", "parameters"}
     glm45        <tool_call>f <arg_key>k</arg_key><arg_value>v</arg_value> ...</tool_call>
+    openai       gpt-oss's harmony messages <|channel|>commentary to=functions.f ...<|message|>
+                 {...}, read by channel in ``cluster.api.harmony``
 
 A streamer turns text deltas into OpenAI ``delta`` dicts (:data:`Delta`): content, a call's
 header once, then its argument fragments, which concatenate to the ``arguments`` that
@@ -23,6 +25,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from cluster.api.harmony import HarmonyReader, Piece
 
 Delta = dict[str, Any]
 
@@ -134,6 +138,15 @@ class Deltas:
             self.items[-1]["content"] += text
         else:
             self.items.append({"content": text})
+
+    def reasoning(self, text: str) -> None:
+        """A reasoning model's reasoning, in the order it came (harmony's analysis channel)."""
+        if not text:
+            return
+        if self.items and "reasoning_content" in self.items[-1]:
+            self.items[-1]["reasoning_content"] += text
+        else:
+            self.items.append({"reasoning_content": text})
 
     def header(self, index: int, call_id: str, name: str) -> None:
         function = {"name": name, "arguments": ""}
@@ -761,8 +774,68 @@ class _Llama3JsonStreamer(ToolCallStreamer):
         return text[consumed:]
 
 
+class OpenAIToolParser(ToolParser):
+    """gpt-oss (vLLM's ``openai``): calls are harmony messages to ``functions.NAME``, their
+    text the arguments as JSON; the final channel and commentary preambles are the content,
+    the analysis channel is left out (the ``openai_gptoss`` reasoning parser's)."""
+
+    name = "openai"
+
+    def parse(self, text: str) -> ParsedToolCalls:
+        return fold_stream(self.streamer(), text)
+
+    def streamer(self) -> ToolCallStreamer:
+        return HarmonyStreamer()
+
+
+class HarmonyStreamer(ToolCallStreamer):
+    """A harmony output's deltas (``cluster.api.harmony``): content; with ``reasoning``, the
+    analysis channel as ``reasoning_content`` deltas (else left out); each call's header once
+    its message's header is whole, then its arguments as they arrive. ``read_calls`` False
+    (a chat without tools): calls are content."""
+
+    def __init__(self, *, reasoning: bool = False, read_calls: bool = True) -> None:
+        self._reader = HarmonyReader(read_calls)
+        self._reasoning = reasoning
+        self._num_calls = 0
+
+    @property
+    def tools_called(self) -> bool:
+        return self._num_calls > 0
+
+    def feed(self, text: str) -> list[Delta]:
+        return self._deltas(self._reader.feed(text))
+
+    def finish(self) -> list[Delta]:
+        return self._deltas(self._reader.finish())
+
+    def _deltas(self, pieces: list[Piece]) -> list[Delta]:
+        out = Deltas()
+        for piece in pieces:
+            if piece.kind == "content":
+                out.content(piece.text)
+            elif piece.kind == "reasoning" and self._reasoning:
+                out.reasoning(piece.text)
+            elif piece.kind == "call":
+                out.header(self._num_calls, make_tool_call_id(), piece.text)
+                self._num_calls += 1
+            elif piece.kind == "arguments":
+                out.arguments(self._num_calls - 1, piece.text)
+        return out.items
+
+
+def parse_harmony(text: str, read_calls: bool = True) -> tuple[str | None, ParsedToolCalls]:
+    """A whole harmony output's reasoning (None without any), content and calls: the stream's,
+    folded."""
+    streamer = HarmonyStreamer(reasoning=True, read_calls=read_calls)
+    deltas = streamer.feed(text) + streamer.finish()
+    reasoning = [d["reasoning_content"] for d in deltas if "reasoning_content" in d]
+    return ("".join(reasoning) if reasoning else None), fold_deltas(deltas)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, Glm45ToolParser)
+    parser.name: parser
+    for parser in (HermesToolParser, Llama3JsonToolParser, Glm45ToolParser, OpenAIToolParser)
 }
 
 

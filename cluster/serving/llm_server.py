@@ -44,7 +44,7 @@ from cluster.api.protocol import (
     choice_chunk,
     logprob_rows,
 )
-from cluster.api.reasoning_parsers import ReasoningFront
+from cluster.api.reasoning_parsers import reasoning_front
 from cluster.api.tool_parsers import get_tool_parser
 from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError
@@ -163,7 +163,7 @@ class LLMServer:
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # a ValueError naming the valid parsers
         reasoning = config.frontend.reasoning_parser
-        self.reasoning = ReasoningFront(reasoning, self.tokenizer) if reasoning else None
+        self.reasoning = reasoning_front(reasoning, self.tokenizer) if reasoning else None
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -179,10 +179,14 @@ class LLMServer:
             self._check_tool_choice(request)
             lora_request = await self._lora_request(request.adapter)
             prompt = self._prompt(request)
-            params = _sampling_params(request.params)
+            reasoning = self.reasoning if request.messages is not None else None
+            raw_params = request.params
+            if reasoning is not None and reasoning.keeps_special_tokens:
+                raw_params = {**raw_params, "skip_special_tokens": False}
+            params = _sampling_params(raw_params)
             in_reasoning = None  # chat with a reasoning_parser: where the output starts
-            if self.reasoning is not None and request.messages is not None:
-                in_reasoning = self.reasoning.prepare(
+            if reasoning is not None:
+                in_reasoning = reasoning.prepare(
                     prompt["prompt_token_ids"], params.structured_outputs
                 )
             timeout = request.timeout
@@ -218,7 +222,7 @@ class LLMServer:
         except BaseException:
             self._active.discard(request_id)
             raise
-        start = self._start(request, first.output, in_reasoning)
+        start = self._start(request, first.output, reasoning is not None, in_reasoning)
         if sink is not None:
             start.head = self.head_name
         yield start
@@ -263,7 +267,11 @@ class LLMServer:
         await asyncio.shield(task)
 
     def _start(
-        self, request: GenerateRequest, output: Any, in_reasoning: bool | None = None
+        self,
+        request: GenerateRequest,
+        output: Any,
+        reasoning: bool = False,
+        in_reasoning: bool | None = None,
     ) -> StreamStart:
         ids = output.prompt_token_ids
         text = None
@@ -277,7 +285,7 @@ class LLMServer:
         start = StreamStart(
             len(ids), len(output.outputs), text, prompt_logprobs, parser, self.replica_id
         )
-        if in_reasoning is not None and self.reasoning is not None:
+        if reasoning and self.reasoning is not None:  # a chat with the model's reasoning_parser
             start.reasoning_parser = self.reasoning.parser.name
             start.in_reasoning = in_reasoning
         return start
@@ -309,7 +317,9 @@ class LLMServer:
     def _prompt(self, request: GenerateRequest | EmbedRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
         if isinstance(request, GenerateRequest) and request.messages is not None:
-            ids = _chat_ids(self.tokenizer, request.messages, request.tools)
+            ids = _chat_ids(
+                self.tokenizer, request.messages, request.tools, request.chat_template_kwargs
+            )
             return {"prompt_token_ids": ids}
         if request.prompt_token_ids is not None:
             return {"prompt_token_ids": request.prompt_token_ids}
@@ -542,13 +552,21 @@ def _sampling_params(params: dict[str, Any]) -> SamplingParams:
 
 
 def _chat_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model has no chat template", param="messages")
     try:
         ids = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages,
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            **(template_kwargs or {}),
         )
     except TemplateError as exc:  # the template's raise_exception: roles, order
         raise InvalidRequestError(f"the chat template rejected them: {exc}", "messages") from exc

@@ -373,6 +373,22 @@ def test_chat_text_parts_are_joined_for_the_template() -> None:
     assert chat_payload(req)["messages"] == [{"role": "user", "content": "Hello, world"}]
 
 
+def test_chat_reasoning_effort_and_earlier_reasoning_reach_the_template() -> None:
+    """As vLLM: ``reasoning_effort`` is a template variable (gpt-oss's "Reasoning: high"); an
+    assistant's ``reasoning_content`` is passed back to the template, which decides."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "reasoning_content": "think",
+                 "tool_calls": [{"id": "c", "type": "function",
+                                 "function": {"name": "f", "arguments": "{}"}}]}]  # fmt: skip
+    req = ChatCompletionRequest(model="m", messages=messages, reasoning_effort="high")
+    payload = chat_payload(req)
+    assert payload["chat_template_kwargs"] == {"reasoning_effort": "high"}
+    assert payload["messages"][1]["reasoning_content"] == "think"
+    assert "chat_template_kwargs" not in chat_payload(
+        req.model_copy(update={"reasoning_effort": None})
+    )
+
+
 def test_chat_image_part_is_400_naming_it() -> None:
     content = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": content}])

@@ -106,7 +106,7 @@ def test_prompt_tags_decide_where_the_output_starts() -> None:
 
 def test_unknown_parser_names_field_and_choices() -> None:
     with pytest.raises(ValueError, match=r"reasoning_parser: unknown parser 'qwen'; one of "
-                       r"deepseek_r1, glm45, qwen3"):  # fmt: skip
+                       r"deepseek_r1, glm45, openai_gptoss, qwen3"):  # fmt: skip
         get_reasoning_parser("qwen")
 
 
@@ -140,7 +140,7 @@ def test_deployment_config_checks_the_name() -> None:
         load_config(data)
     assert str(info.value) == (
         "models[0].engine_kwargs.reasoning_parser: unknown parser 'deepseek-r1'; "
-        "one of deepseek_r1, glm45, qwen3"
+        "one of deepseek_r1, glm45, openai_gptoss, qwen3"
     )
     kwargs["reasoning_parser"] = 3
     with pytest.raises(ConfigError, match=r"engine_kwargs\.reasoning_parser"):

@@ -86,6 +86,40 @@ def test_items_become_chat_messages_with_calls_joined_to_their_turn() -> None:
     ]
 
 
+def test_a_reasoning_item_is_the_reasoning_of_the_assistant_message_after_it() -> None:
+    items = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Need the weather."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]  # fmt: skip
+    assert chat_messages(items)[1] == {
+        "role": "assistant", "content": None, "reasoning_content": "Need the weather.",
+        "tool_calls": [{"id": "call_1", "type": "function",
+                        "function": {"name": "f", "arguments": "{}"}}],
+    }  # fmt: skip
+
+
+def test_reasoning_effort_is_the_chat_requests() -> None:
+    chat = chat_request(_request(reasoning={"effort": "low"}), [{"role": "user", "content": "x"}])
+    assert chat.reasoning_effort == "low"
+    ignored = chat_request(_request(reasoning={"effort": "minimal"}),
+                           [{"role": "user", "content": "x"}])  # fmt: skip
+    assert ignored.reasoning_effort is None
+
+
+def test_structured_outputs_pass_to_the_chat_request_unless_text_format_is_set() -> None:
+    """vLLM's extension on /v1/responses too: a grammar over the output."""
+    grammar = {"grammar": 'root ::= "yes" | "no"'}
+    chat = chat_request(_request(structured_outputs=grammar), [{"role": "user", "content": "x"}])
+    assert chat.structured_outputs.grammar == grammar["grammar"]
+    both = _request(structured_outputs=grammar, text={"format": {"type": "json_object"}})
+    with pytest.raises(APIError) as info:
+        chat_request(both, [{"role": "user", "content": "x"}])
+    assert info.value.param == "structured_outputs"
+
+
 def test_chat_request_maps_tools_choice_format_and_limits() -> None:
     tool = {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}

@@ -106,6 +106,27 @@ def test_stop_token_id_ends_generation(llm: LLM) -> None:
     assert (out.finish_reason, out.stop_reason) == ("stop", token)
 
 
+def test_the_stop_token_is_not_in_the_text(llm: LLM) -> None:
+    """As in vLLM: the token that ended a request (one of ``stop_token_ids``, or EOS kept by
+    ``skip_special_tokens=False``) is counted but not detokenized, unless
+    ``include_stop_str_in_output``."""
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    free = llm.generate("A", greedy, use_tqdm=False)[0].outputs[0]
+    token = next(t for t in free.token_ids[3:] if tok.decode([t]).strip())
+    stopped = greedy.clone(stop_token_ids=[token])
+    out = llm.generate("A", stopped, use_tqdm=False)[0].outputs[0]
+    kept = llm.generate("A", stopped.clone(include_stop_str_in_output=True), use_tqdm=False)
+    assert out.token_ids[-1] == token and kept[0].outputs[0].token_ids == out.token_ids
+    assert out.text == tok.decode(out.token_ids[:-1])
+    assert kept[0].outputs[0].text == tok.decode(out.token_ids)
+    eos = SamplingParams(temperature=0, max_tokens=20, min_tokens=3, skip_special_tokens=False,
+                         logit_bias={tok.eos_token_id: 100.0})  # fmt: skip
+    ended = llm.generate("A", eos, use_tqdm=False)[0].outputs[0]
+    assert (ended.finish_reason, ended.token_ids[-1]) == ("stop", tok.eos_token_id)
+    assert ended.text == tok.decode(ended.token_ids[:-1]) and tok.eos_token not in ended.text
+
+
 def test_abort_frees_blocks_and_worker_state(llm: LLM) -> None:
     engine = llm.llm_engine
     engine.add_request(
