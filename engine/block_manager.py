@@ -21,6 +21,21 @@ tokens are computed gets a chained sha256 hash (parent hash, token ids, cache sa
 adapter) and is registered in the prefix cache; when freed it stays cached in the LRU free
 queue and is evicted only when a new block is needed and no uncached free block is left ahead
 of it.
+
+KV cache groups (``engine.kv_cache_groups``): each group has its own pool (free queue, prefix
+cache, CPU swap blocks) and its own block table per request, over global block ids; the
+methods below act on every group at once, and ``get_block_ids`` lists a request's groups one
+after the other (the workers split them by id range). All of a request's tables have the same
+length (one entry per logical block). A sliding-window group (window W) frees, when the request
+is next scheduled with c computed tokens, every block wholly before position ``c - W + 1``
+(no query from c on can see it) and puts its null block in that table entry, so it holds at
+most ``ceil((W - 1 + n) / block_size) + 1`` blocks after a step of n tokens. Its prefix-cache
+hit at P blocks needs only the ``ceil((W - 1) / block_size)`` blocks before P cached (what the
+first query at P reads; vLLM v1's rule), with null blocks before them; a request's hit is the
+longest P that every group can serve (full groups: their longest cached prefix).
+Swap moves a group's held blocks only; its null entries come back as null entries.
+``stats().usage`` is the fullest group's share of used blocks: the group that runs out first
+is what preempts and refuses admission.
 """
 
 from __future__ import annotations
@@ -30,7 +45,9 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
+from engine.kv_cache_groups import KVCacheGroupSpec, KVCacheLayout
 from engine.request import Request
 
 
@@ -99,37 +116,352 @@ class KVCacheStats:
     used: int
     cpu_total: int
     cpu_free: int
+    # Each group's used / total, in group order (one entry for a one-group model).
+    group_usage: tuple[float, ...] = ()
 
     @property
     def usage(self) -> float:
+        """The fullest group's share of used blocks (used / total with one group)."""
+        if self.group_usage:
+            return max(self.group_usage)
         return self.used / self.total if self.total else 0.0
 
 
-class BlockManager:
-    """Allocates device blocks (and CPU swap blocks) to requests; O(1) per block."""
+class KVCacheGroup:
+    """One group's pool (blocks, LRU free queue, prefix cache, CPU swap blocks) and the block
+    tables of its requests. A sliding group's first block is its null block."""
 
     def __init__(
         self,
+        spec: KVCacheGroupSpec,
+        offset: int,
         num_blocks: int,
+        cpu_offset: int,
+        num_cpu_blocks: int,
+        block_size: int,
+    ) -> None:
+        if spec.is_sliding and num_blocks < 2:
+            raise ValueError(
+                f"num_blocks: a sliding-window group needs >= 2 blocks (one is its null block), "
+                f"got {num_blocks}"
+            )
+        self.window = spec.sliding_window
+        self.block_size = block_size
+        self.blocks = [KVCacheBlock(offset + i) for i in range(num_blocks)]
+        self.null_block: KVCacheBlock | None = self.blocks[0] if self.window else None
+        self.free_queue = FreeBlockQueue(self.blocks[1:] if self.window else self.blocks)
+        self.num_usable = len(self.free_queue)
+        self.cached: dict[bytes, KVCacheBlock] = {}
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are hashed and registered in the cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Sliding group: how many leading entries of each table are the null block.
+        self.num_skipped: dict[str, int] = {}
+        self.num_cpu_blocks = num_cpu_blocks
+        self.free_cpu_blocks: list[int] = list(
+            range(cpu_offset + num_cpu_blocks - 1, cpu_offset - 1, -1)
+        )
+        self.cpu_offset = cpu_offset
+        # Swapped requests: the CPU blocks of their held blocks, and their leading null entries.
+        self.req_to_cpu_blocks: dict[str, list[int]] = {}
+        self.swapped_skipped: dict[str, int] = {}
+
+    def is_null(self, block: KVCacheBlock) -> bool:
+        return block is self.null_block
+
+    # ---- sliding window ------------------------------------------------------------------
+
+    def free_outside_window(self, request: Request) -> None:
+        """Free the blocks no query from ``num_computed_tokens`` on can see (sliding groups)."""
+        if self.window is None or self.null_block is None:
+            return
+        table = self.req_to_blocks.get(request.request_id)
+        if not table:
+            return
+        first_seen = max(0, request.num_computed_tokens - self.window + 1) // self.block_size
+        end = min(first_seen, len(table))
+        start = self.num_skipped.get(request.request_id, 0)
+        for i in range(start, end):
+            block = table[i]
+            if block is not self.null_block:
+                self._release_one(block)
+                table[i] = self.null_block
+        if end > start:
+            self.num_skipped[request.request_id] = end
+
+    def window_blocks(self) -> int:
+        """Blocks before a prefix-cache hit point that its first uncached query reads."""
+        return -(-((self.window or 1) - 1) // self.block_size)
+
+    # ---- prefix cache -------------------------------------------------------------------
+
+    def longest_hit(self, hashes: list[bytes], limit: int) -> int:
+        """The largest P <= ``limit`` at which this group can serve a hit of P blocks."""
+        if self.window is None:
+            for i in range(limit):
+                if hashes[i] not in self.cached:
+                    return i
+            return limit
+        needed = self.window_blocks()
+        if needed == 0:
+            return limit
+        run = 0
+        for i in range(limit - 1, -1, -1):
+            if hashes[i] in self.cached:
+                run += 1
+                if run == needed:
+                    return i + needed
+            else:
+                run = 0
+        return run  # blocks [0, run) are all cached
+
+    def hit_blocks(self, hashes: list[bytes], num_blocks: int) -> list[KVCacheBlock]:
+        """The table prefix of a hit of ``num_blocks`` blocks (``longest_hit`` allowed it)."""
+        if self.null_block is None:
+            return [self.cached[h] for h in hashes[:num_blocks]]
+        first = max(0, num_blocks - self.window_blocks())
+        return [self.null_block] * first + [self.cached[h] for h in hashes[first:num_blocks]]
+
+    def cache_blocks(self, request: Request, hashes_of: _HashesOf) -> None:
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = hashes_of(request, num_full)
+        for i in range(start, num_full):
+            block = blocks[i]
+            if block is self.null_block:
+                continue
+            if block.block_hash is None and hashes[i] not in self.cached:
+                block.block_hash = hashes[i]
+                self.cached[hashes[i]] = block
+        self.num_cached_blocks[request.request_id] = num_full
+
+    # ---- allocation ---------------------------------------------------------------------
+
+    def num_blocks_needed(
+        self, request: Request, num_new_tokens: int, num_new_computed: int = 0
+    ) -> int:
+        held = len(self.req_to_blocks.get(request.request_id, ())) + num_new_computed
+        total_tokens = (
+            request.num_computed_tokens + num_new_computed * self.block_size + num_new_tokens
+        )
+        return max(0, -(-total_tokens // self.block_size) - held)
+
+    def shared_write_index(self, request: Request, num_new_tokens: int) -> int | None:
+        """Index in the table of a shared block the next tokens would be written into."""
+        offset = request.num_computed_tokens % self.block_size
+        index = request.num_computed_tokens // self.block_size
+        table = self.req_to_blocks.get(request.request_id, ())
+        if num_new_tokens == 0 or offset == 0 or index >= len(table):
+            return None
+        return index if table[index].ref_cnt > 1 else None
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock]
+    ) -> tuple[int, int | None] | None:
+        """(blocks to allocate, shared index to copy) if they fit, else None."""
+        needed = self.num_blocks_needed(request, num_new_tokens, len(computed))
+        # Touching a cached block that sits in the free queue takes it out of the free count.
+        revived = sum(1 for b in computed if b.ref_cnt == 0 and b is not self.null_block)
+        shared = None if computed else self.shared_write_index(request, num_new_tokens)
+        if needed + (shared is not None) > len(self.free_queue) - revived:
+            return None
+        return needed, shared
+
+    def allocate(
+        self,
+        request_id: str,
+        needed: int,
+        shared: int | None,
+        computed: list[KVCacheBlock],
+        copies: list[tuple[int, int, str]],
+    ) -> list[KVCacheBlock]:
+        table = self.req_to_blocks.setdefault(request_id, [])
+        if shared is not None:
+            self._copy_on_write(request_id, table, shared, copies)
+        for block in computed:
+            if block is self.null_block:
+                continue
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+        table.extend(computed)
+        if computed:
+            self.num_cached_blocks[request_id] = len(table)
+            skipped = sum(1 for b in computed if b is self.null_block)
+            if skipped:
+                self.num_skipped[request_id] = skipped
+        new_blocks = [self._pop_free_block() for _ in range(needed)]
+        table.extend(new_blocks)
+        return new_blocks
+
+    def _copy_on_write(
+        self,
+        request_id: str,
+        table: list[KVCacheBlock],
+        index: int,
+        copies: list[tuple[int, int, str]],
+    ) -> None:
+        src = table[index]
+        dst = self._pop_free_block()
+        src.ref_cnt -= 1  # still >= 1: another table holds it
+        table[index] = dst
+        copies.append((src.block_id, dst.block_id, request_id))
+
+    def fork(self, parent_id: str, child_id: str, num_blocks: int) -> None:
+        blocks = self.req_to_blocks[parent_id][:num_blocks]
+        if child_id in self.req_to_blocks:
+            raise RuntimeError(f"fork: {child_id!r} already holds blocks")
+        for block in blocks:
+            if block is not self.null_block:
+                block.ref_cnt += 1
+        self.req_to_blocks[child_id] = list(blocks)
+        skipped = min(self.num_skipped.get(parent_id, 0), num_blocks)
+        if skipped:
+            self.num_skipped[child_id] = skipped
+
+    def _pop_free_block(self) -> KVCacheBlock:
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:
+            # Evict: the block's contents are about to be overwritten.
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block
+
+    def free(self, request_id: str) -> None:
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_blocks.pop(request_id, None)
+        self.num_skipped.pop(request_id, None)
+        # Reverse order: a prompt's tail blocks are evicted before its head, so the longest
+        # reusable prefix survives longest.
+        for block in reversed(blocks):
+            if block is not self.null_block:
+                self._release_one(block)
+
+    def _release_one(self, block: KVCacheBlock) -> None:
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free_queue.append(block)
+
+    # ---- swapping -----------------------------------------------------------------------
+
+    def held_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return [b for b in self.req_to_blocks.get(request_id, ()) if b is not self.null_block]
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+        held = self.held_blocks(request_id)
+        skipped = len(self.req_to_blocks.get(request_id, ())) - len(held)
+        cpu_ids = [self.free_cpu_blocks.pop() for _ in held]
+        self.req_to_cpu_blocks[request_id] = cpu_ids
+        self.swapped_skipped[request_id] = skipped
+        self.free(request_id)
+        return [(b.block_id, c) for b, c in zip(held, cpu_ids)]
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+        cpu_ids = self.req_to_cpu_blocks.pop(request_id)
+        skipped = self.swapped_skipped.pop(request_id)
+        blocks = [self._pop_free_block() for _ in cpu_ids]
+        nulls = [self.null_block] * skipped if self.null_block is not None else []
+        self.req_to_blocks[request_id] = nulls + blocks
+        if skipped:
+            self.num_skipped[request_id] = skipped
+        self.free_cpu_blocks.extend(reversed(cpu_ids))
+        return [(c, b.block_id) for c, b in zip(cpu_ids, blocks)]
+
+    def free_swapped(self, request_id: str) -> None:
+        cpu_ids = self.req_to_cpu_blocks.pop(request_id, [])
+        self.swapped_skipped.pop(request_id, None)
+        self.free_cpu_blocks.extend(reversed(cpu_ids))
+
+    # ---- introspection ------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        holders: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for block in blocks:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        pool = [b for b in self.blocks if b is not self.null_block]
+        for block in pool:
+            expected = holders.get(block.block_id, 0)
+            if block.ref_cnt != expected:
+                raise RuntimeError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {expected}"
+                )
+            if (block.ref_cnt == 0) != (block in self.free_queue):
+                raise RuntimeError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} "
+                    f"but in_free_queue={block in self.free_queue}"
+                )
+        if self.null_block is not None and self.null_block in self.free_queue:
+            raise RuntimeError(f"null block {self.null_block.block_id} is in the free queue")
+        used = sum(1 for b in pool if b.ref_cnt > 0)
+        if used + len(self.free_queue) != self.num_usable:
+            raise RuntimeError(
+                f"free {len(self.free_queue)} + used {used} != total {self.num_usable}"
+            )
+        for block_hash, block in self.cached.items():
+            if block.block_hash != block_hash:
+                raise RuntimeError(
+                    f"prefix cache entry points at block {block.block_id} with another hash"
+                )
+        swapped = [c for ids in self.req_to_cpu_blocks.values() for c in ids]
+        cpu_ids = swapped + self.free_cpu_blocks
+        expected_ids = list(range(self.cpu_offset, self.cpu_offset + self.num_cpu_blocks))
+        if sorted(cpu_ids) != expected_ids:
+            raise RuntimeError(
+                f"cpu blocks: {len(swapped)} swapped + {len(self.free_cpu_blocks)} free "
+                f"do not partition {self.num_cpu_blocks}"
+            )
+
+
+class _HashesOf(Protocol):
+    def __call__(self, request: Request, num_full_blocks: int) -> list[bytes]: ...
+
+
+class BlockManager:
+    """Allocates device blocks (and CPU swap blocks) to requests, in every KV cache group;
+    O(1) per block."""
+
+    def __init__(
+        self,
+        num_blocks: int | KVCacheLayout,
         block_size: int,
         *,
         enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0,
     ) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
-        self.num_blocks = num_blocks
+        """``num_blocks``: one full-attention group of that many blocks (and
+        ``num_cpu_blocks`` swap blocks), or a layout that gives every group's counts."""
+        if isinstance(num_blocks, KVCacheLayout):
+            layout = num_blocks
+            if num_cpu_blocks:
+                raise ValueError("num_cpu_blocks: a KVCacheLayout carries its own CPU blocks")
+        else:
+            if num_blocks <= 0:
+                raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
+            layout = KVCacheLayout.single(num_blocks, num_cpu_blocks)
+        self.layout = layout
+        self.num_blocks = layout.total_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[bytes, KVCacheBlock] = {}
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request are hashed and registered in the cache.
-        self.num_cached_blocks: dict[str, int] = {}
-        self.num_cpu_blocks = num_cpu_blocks
-        self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
-        self.req_to_cpu_blocks: dict[str, list[int]] = {}
+        self.groups = [
+            KVCacheGroup(spec, offset, n, cpu_offset, n_cpu, block_size)
+            for spec, offset, n, cpu_offset, n_cpu in zip(
+                layout.specs,
+                layout.offsets,
+                layout.num_blocks,
+                layout.cpu_offsets,
+                layout.num_cpu_blocks,
+            )
+        ]
+        self.blocks = [b for g in self.groups for b in g.blocks]
+        self.num_cpu_blocks = layout.total_cpu_blocks
         # (src, dst, request_id) copy-on-write pairs not yet handed to a step.
         self.pending_copies: list[tuple[int, int, str]] = []
         self.prefix_queries = 0  # tokens of admitted requests looked up in the prefix cache
@@ -151,6 +483,7 @@ class BlockManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of a request about to be scheduled: (blocks, num tokens).
+        The blocks are every group's table prefix, one group after the other.
 
         At least one token is always left to compute, since the step must produce logits. A
         request that wants prompt logprobs, or one that says ``skip_prefix_cache`` (mean
@@ -163,43 +496,38 @@ class BlockManager:
         ):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in self._block_hashes(request, max_blocks):
-            block = self.cached.get(block_hash)
-            if block is None:
+        hashes = self._block_hashes(request, max_blocks)
+        hit = max_blocks
+        while True:
+            # Each group's longest hit at most ``hit``; a sliding group's may be shorter than
+            # a later group's, so go round until every group agrees.
+            agreed = hit
+            for group in self.groups:
+                agreed = group.longest_hit(hashes, agreed)
+            if agreed == hit:
                 break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+            hit = agreed
+        if hit == 0:
+            return [], 0
+        blocks = [b for g in self.groups for b in g.hit_blocks(hashes, hit)]
+        return blocks, hit * self.block_size
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        blocks = self.req_to_blocks.get(request.request_id)
-        if not blocks:
-            return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        if num_full <= start:
-            return
-        hashes = self._block_hashes(request, num_full)
-        for i in range(start, num_full):
-            block = blocks[i]
-            if block.block_hash is None and hashes[i] not in self.cached:
-                block.block_hash = hashes[i]
-                self.cached[hashes[i]] = block
-        self.num_cached_blocks[request.request_id] = num_full
+        for group in self.groups:
+            group.cache_blocks(request, self._block_hashes)
 
     # ---- allocation ---------------------------------------------------------------------
 
-    def num_blocks_needed(
-        self, request: Request, num_new_tokens: int, num_new_computed: int = 0
-    ) -> int:
-        held = len(self.req_to_blocks.get(request.request_id, ())) + num_new_computed
-        total_tokens = (
-            request.num_computed_tokens + num_new_computed * self.block_size + num_new_tokens
-        )
-        return max(0, -(-total_tokens // self.block_size) - held)
+    def _by_group(self, blocks: list[KVCacheBlock]) -> list[list[KVCacheBlock]]:
+        if len(self.groups) == 1:
+            return [blocks]
+        out: list[list[KVCacheBlock]] = [[] for _ in self.groups]
+        for block in blocks:
+            out[self.layout.group_of(block.block_id)].append(block)
+        return out
 
     def allocate_slots(
         self,
@@ -207,47 +535,26 @@ class BlockManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
     ) -> list[KVCacheBlock] | None:
-        """Grow the request's block table to hold ``num_new_tokens`` more tokens.
+        """Grow the request's block tables to hold ``num_new_tokens`` more tokens.
 
         ``new_computed_blocks`` (prefix-cache hits, first schedule only) are prepended first.
-        Returns the newly allocated blocks, or None (and changes nothing) if they do not fit.
+        Sliding groups first free the blocks that fell out of the window. Returns the newly
+        allocated blocks (every group's), or None (and allocates nothing) if they do not fit.
         """
-        new_computed_blocks = new_computed_blocks or []
-        needed = self.num_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
-        # Touching a cached block that sits in the free queue takes it out of the free count.
-        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        shared = None if new_computed_blocks else self._shared_write_index(request, num_new_tokens)
-        if needed + (shared is not None) > len(self.free_queue) - revived:
-            return None
-        table = self.req_to_blocks.setdefault(request.request_id, [])
-        if shared is not None:
-            self._copy_on_write(request.request_id, table, shared)
-        for block in new_computed_blocks:
-            if block.ref_cnt == 0:
-                self.free_queue.remove(block)
-            block.ref_cnt += 1
-        table.extend(new_computed_blocks)
-        if new_computed_blocks:
-            self.num_cached_blocks[request.request_id] = len(table)
-        new_blocks = [self._pop_free_block() for _ in range(needed)]
-        table.extend(new_blocks)
+        computed = self._by_group(new_computed_blocks or [])
+        plans = []
+        for group, hits in zip(self.groups, computed):
+            group.free_outside_window(request)
+            plan = group.can_allocate(request, num_new_tokens, hits)
+            if plan is None:
+                return None
+            plans.append(plan)
+        new_blocks: list[KVCacheBlock] = []
+        for group, hits, (needed, shared) in zip(self.groups, computed, plans):
+            new_blocks += group.allocate(
+                request.request_id, needed, shared, hits, self.pending_copies
+            )
         return new_blocks
-
-    def _shared_write_index(self, request: Request, num_new_tokens: int) -> int | None:
-        """Index in the table of a shared block the next tokens would be written into."""
-        offset = request.num_computed_tokens % self.block_size
-        index = request.num_computed_tokens // self.block_size
-        table = self.req_to_blocks.get(request.request_id, ())
-        if num_new_tokens == 0 or offset == 0 or index >= len(table):
-            return None
-        return index if table[index].ref_cnt > 1 else None
-
-    def _copy_on_write(self, request_id: str, table: list[KVCacheBlock], index: int) -> None:
-        src = table[index]
-        dst = self._pop_free_block()
-        src.ref_cnt -= 1  # still >= 1: another table holds it
-        table[index] = dst
-        self.pending_copies.append((src.block_id, dst.block_id, request_id))
 
     def take_copies(self) -> list[tuple[int, int, str]]:
         """The copy-on-write pairs queued since the last call, for this step's workers."""
@@ -258,118 +565,87 @@ class BlockManager:
         """Give ``child`` the parent's blocks that hold tokens ``[0, num_tokens)``: shared, one
         more reference each; a partially filled last one is copied when the child writes."""
         num_blocks = -(-num_tokens // self.block_size)
-        blocks = self.req_to_blocks[parent.request_id][:num_blocks]
-        if child.request_id in self.req_to_blocks:
-            raise RuntimeError(f"fork: {child.request_id!r} already holds blocks")
-        for block in blocks:
-            block.ref_cnt += 1
-        self.req_to_blocks[child.request_id] = list(blocks)
-
-    def _pop_free_block(self) -> KVCacheBlock:
-        block = self.free_queue.popleft()
-        if block.block_hash is not None:
-            # Evict: the block's contents are about to be overwritten.
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash = None
-        block.ref_cnt = 1
-        return block
+        for group in self.groups:
+            group.fork(parent.request_id, child.request_id, num_blocks)
 
     def free(self, request: Request) -> None:
         """Release the request's device blocks (cached ones stay cached, evictable)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        self._release(blocks)
-
-    def _release(self, blocks: list[KVCacheBlock]) -> None:
-        # Reverse order: a prompt's tail blocks are evicted before its head, so the longest
-        # reusable prefix survives longest.
-        for block in reversed(blocks):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue.append(block)
+        for group in self.groups:
+            group.free(request.request_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """The request's block table: every group's, one after the other."""
+        return [b.block_id for g in self.groups for b in g.req_to_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> list[int]:
+        """Blocks the request holds in each group (null entries not counted)."""
+        return [len(g.held_blocks(request_id)) for g in self.groups]
 
     # ---- swapping -----------------------------------------------------------------------
 
     def can_swap_out(self, request: Request) -> bool:
-        return len(self.req_to_blocks.get(request.request_id, ())) <= len(self.free_cpu_blocks)
+        return all(
+            len(g.held_blocks(request.request_id)) <= len(g.free_cpu_blocks) for g in self.groups
+        )
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's blocks to CPU swap space; returns (device block, cpu block) pairs."""
-        blocks = self.req_to_blocks.pop(request.request_id)
-        self.num_cached_blocks.pop(request.request_id, None)
-        cpu_ids = [self.free_cpu_blocks.pop() for _ in blocks]
-        self.req_to_cpu_blocks[request.request_id] = cpu_ids
-        mapping = [(b.block_id, c) for b, c in zip(blocks, cpu_ids)]
-        self._release(blocks)
-        return mapping
+        return [pair for g in self.groups for pair in g.swap_out(request.request_id)]
 
-    def can_swap_in(self, request: Request) -> bool:
-        return len(self.req_to_cpu_blocks.get(request.request_id, ())) <= len(self.free_queue)
+    def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
+        """Whether the swapped request's blocks fit back, with room for ``num_new_tokens``
+        more tokens after its computed ones."""
+        end = request.num_computed_tokens + num_new_tokens
+        for group in self.groups:
+            rid = request.request_id
+            held = len(group.req_to_cpu_blocks.get(rid, ()))
+            logical = held + group.swapped_skipped.get(rid, 0)
+            extra = max(0, -(-end // self.block_size) - logical)
+            if held + extra > len(group.free_queue):
+                return False
+        return True
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Bring a swapped request back; returns (cpu block, device block) pairs."""
-        cpu_ids = self.req_to_cpu_blocks.pop(request.request_id)
-        blocks = [self._pop_free_block() for _ in cpu_ids]
-        self.req_to_blocks[request.request_id] = blocks
-        self.free_cpu_blocks.extend(reversed(cpu_ids))
-        return [(c, b.block_id) for c, b in zip(cpu_ids, blocks)]
+        return [pair for g in self.groups for pair in g.swap_in(request.request_id)]
 
     def free_swapped(self, request: Request) -> None:
-        cpu_ids = self.req_to_cpu_blocks.pop(request.request_id, [])
-        self.free_cpu_blocks.extend(reversed(cpu_ids))
+        for group in self.groups:
+            group.free_swapped(request.request_id)
 
     # ---- introspection ------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        """Free device blocks, every group's."""
+        return sum(len(g.free_queue) for g in self.groups)
+
+    @property
+    def free_cpu_blocks(self) -> list[int]:
+        return [c for g in self.groups for c in g.free_cpu_blocks]
 
     def stats(self) -> KVCacheStats:
-        cached_free = sum(1 for b in self.free_queue if b.block_hash is not None)
+        total = sum(g.num_usable for g in self.groups)
+        free = sum(len(g.free_queue) for g in self.groups)
+        cached_free = sum(1 for g in self.groups for b in g.free_queue if b.block_hash is not None)
         return KVCacheStats(
-            total=self.num_blocks,
-            free=len(self.free_queue),
+            total=total,
+            free=free,
             cached=cached_free,
-            used=self.num_blocks - len(self.free_queue),
+            used=total - free,
             cpu_total=self.num_cpu_blocks,
-            cpu_free=len(self.free_cpu_blocks),
+            cpu_free=sum(len(g.free_cpu_blocks) for g in self.groups),
+            group_usage=tuple(
+                (g.num_usable - len(g.free_queue)) / g.num_usable if g.num_usable else 0.0
+                for g in self.groups
+            ),
         )
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` describing the first broken invariant, if any."""
-        holders: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
-            for block in blocks:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        for block in self.blocks:
-            expected = holders.get(block.block_id, 0)
-            if block.ref_cnt != expected:
-                raise RuntimeError(
-                    f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {expected}"
-                )
-            if (block.ref_cnt == 0) != (block in self.free_queue):
-                raise RuntimeError(
-                    f"block {block.block_id}: ref_cnt {block.ref_cnt} "
-                    f"but in_free_queue={block in self.free_queue}"
-                )
-        used = sum(1 for b in self.blocks if b.ref_cnt > 0)
-        if used + len(self.free_queue) != self.num_blocks:
-            raise RuntimeError(
-                f"free {len(self.free_queue)} + used {used} != total {self.num_blocks}"
-            )
-        for block_hash, block in self.cached.items():
-            if block.block_hash != block_hash:
-                raise RuntimeError(
-                    f"prefix cache entry points at block {block.block_id} with another hash"
-                )
-        swapped = [c for ids in self.req_to_cpu_blocks.values() for c in ids]
-        cpu_ids = swapped + self.free_cpu_blocks
-        if sorted(cpu_ids) != list(range(self.num_cpu_blocks)):
-            raise RuntimeError(
-                f"cpu blocks: {len(swapped)} swapped + {len(self.free_cpu_blocks)} free "
-                f"do not partition {self.num_cpu_blocks}"
-            )
+        first = self.groups[0].req_to_blocks
+        for group in self.groups:
+            group.check_integrity()
+            for rid in first.keys() | group.req_to_blocks.keys():
+                if len(group.req_to_blocks.get(rid, ())) != len(first.get(rid, ())):
+                    raise RuntimeError(f"request {rid!r}: its groups' tables differ in length")

@@ -4,7 +4,8 @@ Each request tracks ``num_computed_tokens``; a step gives each scheduled request
 under a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``):
 
 1. running requests first, in policy order (a decode token, or the next chunk of a prompt);
-   when blocks run out, the lowest-priority / latest-arrived running request is preempted —
+   when blocks run out (in any KV cache group: ``engine.block_manager``), the lowest-priority /
+   latest-arrived running request is preempted —
    recompute (free its blocks, requeue it) or swap (move its blocks to CPU swap space);
 2. then, if nothing was preempted, swapped requests come back (swap-in);
 3. then, if nothing is swapped out, waiting requests are admitted, reusing prefix-cache hits.
@@ -380,11 +381,10 @@ class Scheduler:
             if self._lora_blocked(request, active):
                 break
             num_new = self._tokens_to_compute(request, budget)
-            needed = len(self.block_manager.req_to_cpu_blocks[request.request_id])
             # Swap in only when the next chunk fits too, so a swapped-in request makes progress.
             end = request.num_computed_tokens + num_new
-            extra = -(-(end + self._lookahead(end)) // self.block_manager.block_size) - needed
-            if needed + max(0, extra) > self.block_manager.num_free_blocks or num_new == 0:
+            fits = self.block_manager.can_swap_in(request, num_new + self._lookahead(end))
+            if not fits or num_new == 0:
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(request))
