@@ -10,6 +10,7 @@ Triton kernels read everything that changes from step to step out of device memo
     slot_mapping            copied in                     -1  (reshape_and_cache skips them)
     seq_lens                copied in                     0   (attention reads no keys)
     block_table             first columns copied in       stale, never read (seq_len 0)
+    (slot_mapping and block_table: one of each per KV cache group, ``engine.kv_cache_groups``)
     query_start_loc         arange(bucket + 1), fixed     one token per request
     hidden, residual        copied in (PP stages > 0)     0
 
@@ -44,7 +45,9 @@ previous stage's message, and the send/recv stay outside the graph.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -105,6 +108,7 @@ class DecodeGraphBuffers:
         max_num_seqs: int,
         hidden_size: int | None = None,
         dtype: torch.dtype = torch.float32,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.device = device
         self.block_size = block_size
@@ -114,9 +118,15 @@ class DecodeGraphBuffers:
         max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.slot_mappings = [
+            torch.full((size,), -1, dtype=torch.int64, device=device)
+            for _ in range(num_kv_cache_groups)
+        ]
         self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros((size, max_blocks), dtype=torch.int32, device=device)
+        self.block_tables = [
+            torch.zeros((size, max_blocks), dtype=torch.int32, device=device)
+            for _ in range(num_kv_cache_groups)
+        ]
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
         # A later pipeline stage continues from the previous stage's (hidden, residual).
         self.hidden: Tensor | None = None
@@ -124,6 +134,15 @@ class DecodeGraphBuffers:
         if hidden_size is not None:
             self.hidden = torch.zeros((size, hidden_size), dtype=dtype, device=device)
             self.residual = torch.zeros((size, hidden_size), dtype=dtype, device=device)
+
+    @property
+    def slot_mapping(self) -> Tensor:
+        """KV cache group 0's (the only one of most models)."""
+        return self.slot_mappings[0]
+
+    @property
+    def block_table(self) -> Tensor:
+        return self.block_tables[0]
 
     @property
     def max_batch(self) -> int:
@@ -163,14 +182,16 @@ class DecodeGraphBuffers:
         bucket = self.bucket_for(n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(metadata.seq_lens, non_blocking=True)
-        # Columns past max_model_len's blocks can only be padding (seq_len <= max_model_len).
-        width = min(metadata.block_table.shape[1], self.block_table.shape[1])
-        self.block_table[:n, :width].copy_(metadata.block_table[:, :width], non_blocking=True)
+        for g, (slots, table) in enumerate(zip(self.slot_mappings, self.block_tables)):
+            group = metadata.for_group(g)
+            slots[:n].copy_(group.slot_mapping, non_blocking=True)
+            slots[n:bucket].fill_(-1)
+            # Columns past max_model_len's blocks can only be padding (seq_len <= max_model_len).
+            width = min(group.block_table.shape[1], table.shape[1])
+            table[:n, :width].copy_(group.block_table[:, :width], non_blocking=True)
         self.input_ids[n:bucket].zero_()
         self.positions[n:bucket].zero_()
-        self.slot_mapping[n:bucket].fill_(-1)
         self.seq_lens[n:bucket].zero_()
         if self.hidden is not None and self.residual is not None:
             self.hidden[:n].copy_(hidden, non_blocking=True)
@@ -180,22 +201,29 @@ class DecodeGraphBuffers:
         return bucket
 
     def metadata(self, bucket: int) -> AttentionMetadata:
-        """Attention metadata over the first ``bucket`` rows of the buffers."""
-        return AttentionMetadata(
-            num_seqs=bucket,
-            num_tokens=bucket,
-            block_size=self.block_size,
-            max_query_len=1,
-            # Kernel choices made from this host value must hold for every later length.
-            max_seq_len=self.max_model_len,
-            max_block_id=0,
-            slot_mapping=self.slot_mapping[:bucket],
-            block_table=self.block_table[:bucket],
-            seq_lens=self.seq_lens[:bucket],
-            query_start_loc=self.query_start_loc[: bucket + 1],
-            decode_groups=(),
-            prefill_chunks=(),
+        """Attention metadata over the first ``bucket`` rows of the buffers (one per KV cache
+        group, group 0's carrying them all, when there are several)."""
+        groups = tuple(
+            AttentionMetadata(
+                num_seqs=bucket,
+                num_tokens=bucket,
+                block_size=self.block_size,
+                max_query_len=1,
+                # Kernel choices made from this host value must hold for every later length.
+                max_seq_len=self.max_model_len,
+                max_block_id=0,
+                slot_mapping=slots[:bucket],
+                block_table=table[:bucket],
+                seq_lens=self.seq_lens[:bucket],
+                query_start_loc=self.query_start_loc[: bucket + 1],
+                decode_groups=(),
+                prefill_chunks=(),
+            )
+            for slots, table in zip(self.slot_mappings, self.block_tables)
         )
+        if len(groups) == 1:
+            return groups[0]
+        return dataclasses.replace(groups[0], groups=groups)
 
     def forward(self, model: nn.Module, bucket: int) -> tuple[Tensor, Tensor | None]:
         """The stage's forward over the first ``bucket`` rows: what a graph captures."""
@@ -219,15 +247,18 @@ class DecodeBucketRunner:
         block_size: int,
         max_model_len: int,
         max_num_seqs: int,
-        num_kv_blocks: int,
+        num_kv_blocks: int | Sequence[int],
         hidden_size: int | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         """``hidden_size``: set on a pipeline stage after the first (it takes hidden and
-        residual inputs); None on the first stage, which embeds the input ids."""
+        residual inputs); None on the first stage, which embeds the input ids.
+        ``num_kv_blocks``: the cache's blocks, or each KV cache group's."""
         self.model = model
         self.device = device
-        self.num_kv_blocks = num_kv_blocks
+        self.num_kv_blocks = (
+            (num_kv_blocks,) if isinstance(num_kv_blocks, int) else tuple(num_kv_blocks)
+        )
         self.buffers = DecodeGraphBuffers(
             device,
             block_size=block_size,
@@ -235,6 +266,7 @@ class DecodeBucketRunner:
             max_num_seqs=max_num_seqs,
             hidden_size=hidden_size,
             dtype=dtype,
+            num_kv_cache_groups=len(self.num_kv_blocks),
         )
         self.buckets = self.buffers.buckets
 
@@ -258,11 +290,13 @@ class DecodeBucketRunner:
                 f"{metadata.num_seqs} num_tokens={metadata.num_tokens} "
                 f"max_query_len={metadata.max_query_len}"
             )
-        if metadata.max_block_id >= self.num_kv_blocks:
-            raise ValueError(
-                f"metadata.block_table references block {metadata.max_block_id} but the KV "
-                f"cache has {self.num_kv_blocks} blocks"
-            )
+        for g, num_blocks in enumerate(self.num_kv_blocks):
+            max_block_id = metadata.for_group(g).max_block_id
+            if max_block_id >= num_blocks:
+                raise ValueError(
+                    f"metadata.block_table references block {max_block_id} but the KV "
+                    f"cache has {num_blocks} blocks"
+                )
         n = metadata.num_seqs
         bucket = self.buffers.load(input_ids, positions, metadata, hidden, residual)
         out_hidden, out_residual = self._run_bucket(bucket)
@@ -295,7 +329,7 @@ class DecodeCudaGraphRunner(DecodeBucketRunner):
         block_size: int,
         max_model_len: int,
         max_num_seqs: int,
-        num_kv_blocks: int,
+        num_kv_blocks: int | Sequence[int],
         hidden_size: int | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:

@@ -20,7 +20,7 @@ import functools
 import importlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engine.config import EngineConfig
@@ -133,7 +133,11 @@ class Executor(ABC):
             results = self.collective_rpc("determine_num_available_blocks")
         return min(r[0] for r in results), min(r[1] for r in results)
 
-    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+    def initialize_cache(
+        self, num_blocks: int | Sequence[int], num_cpu_blocks: int | Sequence[int]
+    ) -> None:
+        """Every worker allocates its cache: the blocks (and swap blocks) of each KV cache
+        group (an int: every group the same)."""
         with self.startup_phase("cache/graphs"):
             self._enter_phase(PHASE_KV_ALLOCATING)
             self.collective_rpc("initialize_cache", (num_blocks, num_cpu_blocks))

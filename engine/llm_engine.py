@@ -43,6 +43,12 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.executor import Executor, StepFuture, get_executor_class
 from engine.input_processor import InputProcessor, PromptType, sample_params
+from engine.kv_cache_groups import (
+    KVCacheLayout,
+    kv_cache_group_specs,
+    plan_group_blocks,
+    request_block_capacity,
+)
 from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
 from engine.output_processor import (
     PoolingState,
@@ -104,14 +110,18 @@ class LLMEngine:
         num_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
         if config.scheduler.preemption_mode != "swap":
             num_cpu_blocks = 0
-        self.executor.initialize_cache(num_blocks, num_cpu_blocks)
+        layout = self._kv_cache_layout(num_blocks, num_cpu_blocks)
+        self.executor.initialize_cache(list(layout.num_blocks), list(layout.num_cpu_blocks))
         self.block_manager = BlockManager(
-            num_blocks,
+            layout,
             config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            num_cpu_blocks=num_cpu_blocks,
         )
-        self.inputs = InputProcessor(config, self.tokenizer, num_blocks)
+        self.inputs = InputProcessor(
+            config,
+            self.tokenizer,
+            request_block_capacity(layout, config.cache.block_size, config.max_model_len),
+        )
         lora = config.lora
         self.lora_registry = (
             LoRARegistry(config.model.hf_config, lora.max_lora_rank, lora.max_cpu_loras)
@@ -142,26 +152,59 @@ class LLMEngine:
             # The workers' draft proposes; the proposer only trims its tokens to the room left.
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
         self.spec_decode_stats = SpecDecodeStats()
-        self._log_cache_size(num_blocks, num_cpu_blocks)
+        self._log_cache_size(layout)
 
     @classmethod
     def from_engine_args(cls, **engine_args: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**engine_args))
 
-    def _log_cache_size(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        block_bytes = sum(self.executor.collective_rpc("kv_block_bytes"))
-        bs = self.config.cache.block_size
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1fx max_model_len %d), %.2f GiB "
-            "across workers; swap space: %d blocks",
+    def _kv_cache_layout(self, num_blocks: int, num_cpu_blocks: int) -> KVCacheLayout:
+        """Each KV cache group's pool from the workers' all-layer block count
+        (``engine.kv_cache_groups``); an explicit ``num_kv_blocks`` gives every group that
+        many, as before groups."""
+        config = self.config
+        specs = kv_cache_group_specs(config.model.hf_config, config.max_model_len)
+        if len(specs) == 1 or config.cache.num_kv_blocks is not None:
+            return KVCacheLayout.uniform(specs, num_blocks, num_cpu_blocks)
+        spec = config.speculative.speculative_config
+        k = spec.num_speculative_tokens if spec is not None else 0
+        lookahead = k if spec is not None and spec.method == "draft_model" else 0
+        return plan_group_blocks(
+            specs,
             num_blocks,
-            bs,
-            num_blocks * bs,
-            num_blocks * bs / self.config.max_model_len,
-            self.config.max_model_len,
-            num_blocks * block_bytes / (1 << 30),
             num_cpu_blocks,
+            self.executor.collective_rpc("kv_group_block_bytes"),
+            block_size=config.cache.block_size,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            decode_tokens=1 + k + lookahead,
+            batches_in_flight=self.executor.max_concurrent_batches,
         )
+
+    def _log_cache_size(self, layout: KVCacheLayout) -> None:
+        group_bytes = self.executor.collective_rpc("kv_group_block_bytes")
+        bs = self.config.cache.block_size
+        for g, (spec, n) in enumerate(zip(layout.specs, layout.num_blocks)):
+            block_bytes = sum(worker[g] for worker in group_bytes)
+            kind = (
+                "full attention"
+                if spec.sliding_window is None
+                else (f"sliding window {spec.sliding_window}")
+            )
+            logger.info(
+                "KV cache group %d (%s): %d blocks x %d tokens = %d tokens (%.1fx max_model_len "
+                "%d), %.2f GiB across workers; swap space: %d blocks",
+                g,
+                kind,
+                n,
+                bs,
+                n * bs,
+                n * bs / self.config.max_model_len,
+                self.config.max_model_len,
+                n * block_bytes / (1 << 30),
+                layout.num_cpu_blocks[g],
+            )
 
     # ---- requests -----------------------------------------------------------------------
 

@@ -11,6 +11,10 @@ A request with ``prompt_logprobs`` also gets the logits of every chunk position 
 t + 1 < num_prompt_tokens: they score prompt token t + 1 (chunked prefill returns them chunk
 by chunk; the head stitches them together by position).
 
+KV cache groups (``engine.kv_cache_groups``): each layer reads its group's block table and
+writes its group's slots; the head's block ids are global, split here into each group's local
+ids, so ``block_ids`` holds one table per group and a step builds one metadata per group.
+
 LoRA: the step's ``lora_slots`` changes are loaded before the forward pass; each token then
 uses its request's adapter slot (-1 for the base model), one mapping shared by every layer.
 
@@ -28,6 +32,7 @@ live in ``engine.spec_decode`` and are called from here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +46,11 @@ from engine.cuda_graphs import (
     DecodeCudaGraphRunner,
     cuda_graphs_disabled_reason,
 )
+from engine.kv_cache_groups import (
+    KVCacheLayout,
+    group_of_window,
+    kv_cache_group_specs,
+)
 from engine.lora import WorkerLoRAManager
 from engine.pooling_params import PoolingParams
 from engine.protocol import ExecuteModelRequest, LogprobsLists, ModelRunnerOutput, PromptLogprobs
@@ -50,7 +60,7 @@ from engine.spec_decode.draft import DraftModel
 from engine.spec_decode.verify import spec_grammar_rows_of, verify_requests
 from engine.structured_output import apply_grammar_bitmask, unpack_bitmask
 from engine.timing import StepTimer, device_synchronizer
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, build_group_metadata
 from kernels.kv_quant import kv_cache_torch_dtype
 from parallel.distributed import recv_intermediate, send_intermediate
 from parallel.state import ParallelContext
@@ -60,7 +70,8 @@ from parallel.state import ParallelContext
 class CachedRequestState:
     req_id: str
     token_ids: list[int]
-    block_ids: list[int]
+    # One block table per KV cache group, as the group's local ids.
+    block_ids: list[list[int]]
     sampling_params: SamplingParams
     generator: torch.Generator | None
     num_computed_tokens: int = 0
@@ -129,8 +140,14 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.step_timer = StepTimer(sync=device_synchronizer(device))
         self.requests: dict[str, CachedRequestState] = {}
+        self.kv_group_specs = kv_cache_group_specs(config.model.hf_config, config.max_model_len)
+        self.kv_layout = KVCacheLayout.uniform(self.kv_group_specs, 0, 0)
+        self._assign_kv_cache_groups()
+        # The target's layers' caches, in layer order (the draft's are the draft's).
         self.kv_caches: list[torch.Tensor] = []
-        self.cpu_kv_caches: list[torch.Tensor] = []
+        # Per KV cache group: its layers' device caches and swap caches (draft's included).
+        self.group_caches: list[list[torch.Tensor]] = []
+        self.group_cpu_caches: list[list[torch.Tensor]] = []
         # Set once the KV cache exists, when decode steps may replay CUDA graphs.
         # (A DecodeBucketRunner runs the same data path without graphs, in CPU tests.)
         self.graph_runner: DecodeBucketRunner | None = None
@@ -139,50 +156,71 @@ class ModelRunner:
 
     # ---- KV cache -----------------------------------------------------------------------
 
+    def _kv_layers(self) -> list[nn.Module]:
+        """Every paged attention layer on this worker: the model's, then the draft's."""
+        draft = self.draft.model.attention_layers() if self.draft is not None else []
+        return [*self.model.attention_layers(), *draft]
+
+    def _assign_kv_cache_groups(self) -> None:
+        for attn in self._kv_layers():
+            attn.kv_cache_group = group_of_window(
+                self.kv_group_specs, attn.sliding_window, self.config.max_model_len
+            )
+
     def kv_block_bytes(self) -> int:
         """Bytes of one block across this worker's layers (K and V, or a latent)."""
+        return sum(self.kv_group_block_bytes())
+
+    def kv_group_block_bytes(self) -> list[int]:
+        """Bytes of one block of each KV cache group's layers on this worker (the draft's
+        included; 0 for a group with no layer here)."""
         itemsize = self.kv_cache_dtype().itemsize
-        layers = sum(
-            int(np.prod(attn.kv_cache_shape(1, self.block_size))) * itemsize
-            for attn in self.model.attention_layers()
-        )
-        draft = self.draft.kv_block_bytes(self.kv_cache_dtype()) if self.draft else 0
-        return layers + draft
+        out = [0] * len(self.kv_group_specs)
+        for attn in self._kv_layers():
+            shape = attn.kv_cache_shape(1, self.block_size)
+            out[attn.kv_cache_group] += int(np.prod(shape)) * itemsize
+        return out
 
     def kv_cache_dtype(self) -> torch.dtype:
         """The caches' dtype: the model's, or float8_e4m3fn under kv_cache_dtype fp8."""
         return kv_cache_torch_dtype(self.config.cache.cache_dtype, self.config.model.torch_dtype)
 
-    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate the caches (dropping the old ones). Decode graphs, where they apply, are
-        set up over the new caches but captured only by ``capture_cuda_graphs``."""
+    def initialize_kv_cache(
+        self, num_blocks: int | Sequence[int], num_cpu_blocks: int | Sequence[int]
+    ) -> None:
+        """Allocate the caches (dropping the old ones): per KV cache group, that group's
+        count (an int: every group the same). Decode graphs, where they apply, are set up over
+        the new caches but captured only by ``capture_cuda_graphs``."""
         dtype = self.config.model.torch_dtype
         cache_dtype = self.kv_cache_dtype()
+        n = len(self.kv_group_specs)
+        blocks = (num_blocks,) * n if isinstance(num_blocks, int) else tuple(num_blocks)
+        cpu = (num_cpu_blocks,) * n if isinstance(num_cpu_blocks, int) else tuple(num_cpu_blocks)
+        self.kv_layout = KVCacheLayout(self.kv_group_specs, blocks, cpu)
         # Captured graphs hold the old caches' addresses.
         self.release_cuda_graphs()
-        self.kv_caches = []
-        self.cpu_kv_caches = []
-        for attn in self.model.attention_layers():
+        self.group_caches = [[] for _ in range(n)]
+        self.group_cpu_caches = [[] for _ in range(n)]
+        pin = self.device.type == "cuda"
+        for attn in self._kv_layers():
+            g = attn.kv_cache_group
             cache = torch.zeros(
-                attn.kv_cache_shape(num_blocks, self.block_size),
+                attn.kv_cache_shape(blocks[g], self.block_size),
                 dtype=cache_dtype,
                 device=self.device,
             )
             attn.kv_cache = cache
-            self.kv_caches.append(cache)
-            if num_cpu_blocks:
+            self.group_caches[g].append(cache)
+            if cpu[g]:
                 # torch.empty: swap space pages are only committed when a block is swapped out.
-                pin = self.device.type == "cuda"
-                self.cpu_kv_caches.append(
-                    torch.empty(
-                        attn.kv_cache_shape(num_cpu_blocks, self.block_size),
-                        dtype=cache_dtype,
-                        pin_memory=pin,
-                    )
+                cpu_cache = torch.empty(
+                    attn.kv_cache_shape(cpu[g], self.block_size), dtype=cache_dtype, pin_memory=pin
                 )
+                self.group_cpu_caches[g].append(cpu_cache)
+        self.kv_caches = [a.kv_cache for a in self.model.attention_layers()]
         if self.draft is not None:
-            self.draft.initialize_kv_cache(num_blocks, num_cpu_blocks, cache_dtype)
-        if num_blocks and self.uses_cuda_graphs():
+            self.draft.kv_caches = [a.kv_cache for a in self.draft.model.attention_layers()]
+        if max(blocks) and self.uses_cuda_graphs():
             # A stage after the first replays from static hidden/residual inputs.
             hidden_size = (
                 None if self.ctx.pp.is_first else self.config.model.hf_config["hidden_size"]
@@ -193,7 +231,7 @@ class ModelRunner:
                 block_size=self.block_size,
                 max_model_len=self.config.max_model_len,
                 max_num_seqs=self.config.scheduler.max_num_seqs,
-                num_kv_blocks=num_blocks,
+                num_kv_blocks=blocks[0] if n == 1 else blocks,
                 hidden_size=hidden_size,
                 dtype=dtype,
             )
@@ -240,7 +278,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids),
-                block_ids=list(new.block_ids),
+                block_ids=self.kv_layout.split(new.block_ids),
                 sampling_params=params,
                 generator=generator,
                 num_computed_tokens=new.num_computed_tokens,
@@ -258,33 +296,44 @@ class ModelRunner:
             if state is None:
                 raise RuntimeError(f"worker has no state for running request {cached.req_id!r}")
             state.token_ids.extend(cached.new_token_ids)
+            new_ids = self.kv_layout.split(cached.new_block_ids)
             if cached.resumed_from_preemption:
-                state.block_ids = list(cached.new_block_ids)
+                state.block_ids = new_ids
             else:
-                state.block_ids.extend(cached.new_block_ids)
+                for table, ids in zip(state.block_ids, new_ids):
+                    table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def apply_block_ops(self, req: ExecuteModelRequest) -> None:
-        swap_blocks = self.model.kernel_ops.swap_blocks
+        """Copies and swaps, each in the caches of the KV cache group its block ids are in
+        (the draft's layers included: its blocks move with the target's)."""
         copy_blocks = self.model.kernel_ops.copy_blocks
-        caches, cpu_caches = self.kv_caches, self.cpu_kv_caches
-        if self.draft is not None:  # the draft's blocks move with the target's
-            caches = caches + self.draft.kv_caches
-            cpu_caches = cpu_caches + self.draft.cpu_kv_caches
+        layout = self.kv_layout
         # Copies first: a copy-on-write destination may be swapped out in the same step (its
         # request was preempted right after the copy was scheduled), and a copy source is held by
         # a live request, so it is never a swap-in destination.
         if req.blocks_to_copy:
-            mapping = torch.tensor(req.blocks_to_copy, dtype=torch.int64, device=self.device)
-            copy_blocks(caches, mapping)
+            for g, pairs in enumerate(layout.split_copies(req.blocks_to_copy)):
+                if pairs:
+                    mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
+                    copy_blocks(self.group_caches[g], mapping)
         if req.blocks_to_swap_out:
-            mapping = torch.tensor(req.blocks_to_swap_out, dtype=torch.int64)
-            for device_cache, cpu_cache in zip(caches, cpu_caches):
-                swap_blocks(device_cache, cpu_cache, mapping)
+            out = layout.split_pairs(req.blocks_to_swap_out, device_first=True)
+            self._swap(out, to_cpu=True)
         if req.blocks_to_swap_in:
-            mapping = torch.tensor(req.blocks_to_swap_in, dtype=torch.int64)
-            for device_cache, cpu_cache in zip(caches, cpu_caches):
-                swap_blocks(cpu_cache, device_cache, mapping)
+            self._swap(layout.split_pairs(req.blocks_to_swap_in, device_first=False), to_cpu=False)
+
+    def _swap(self, pairs_by_group: list[list[tuple[int, int]]], *, to_cpu: bool) -> None:
+        swap_blocks = self.model.kernel_ops.swap_blocks
+        for g, pairs in enumerate(pairs_by_group):
+            if not pairs:
+                continue
+            mapping = torch.tensor(pairs, dtype=torch.int64)
+            for device_cache, cpu_cache in zip(self.group_caches[g], self.group_cpu_caches[g]):
+                if to_cpu:
+                    swap_blocks(device_cache, cpu_cache, mapping)
+                else:
+                    swap_blocks(cpu_cache, device_cache, mapping)
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -301,19 +350,13 @@ class ModelRunner:
         cu = np.concatenate(([0], np.cumsum(query_lens)))
         req_index = np.repeat(np.arange(len(states)), query_lens)
         positions = starts[req_index] + (np.arange(num_tokens) - cu[:-1][req_index])
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
         input_ids = np.empty(num_tokens, dtype=np.int64)
         spec = req.scheduled_spec_decode_tokens
         for i, state in enumerate(states):
-            block_table[i, : len(state.block_ids)] = state.block_ids
             proposals = spec.get(state.req_id, ())
             known_end = seq_lens[i] - len(proposals)
             input_ids[cu[i] : cu[i + 1] - len(proposals)] = state.token_ids[starts[i] : known_end]
             input_ids[cu[i + 1] - len(proposals) : cu[i + 1]] = proposals
-        slot_mapping = (
-            block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
-        )
         if self.lora_manager is not None:
             lora_ids = [s.lora_int_id for s in states]
             self.lora_manager.set_token_slots(lora_ids, query_lens, self.device)
@@ -333,11 +376,13 @@ class ModelRunner:
         sampling_metadata = (
             self._sampling_metadata(sampled_req_ids) if self.is_driver and sampled_req_ids else None
         )
-        metadata = AttentionMetadata.build(
+        metadata = build_group_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens.astype(np.int32),
-            block_table=block_table,
-            slot_mapping=slot_mapping,
+            block_tables=self._block_tables(states),
+            windows=self.kv_layout.windows,
+            positions=positions,
+            req_index=req_index,
             block_size=bs,
             device=self.device,
         )
@@ -359,6 +404,16 @@ class ModelRunner:
             pooling_rows=self._pooling_rows(states, starts, seq_lens, cu) if self.is_driver else [],
             sampling_metadata=sampling_metadata,
         )
+
+    def _block_tables(self, states: list[CachedRequestState]) -> list[np.ndarray]:
+        """Each KV cache group's block table of the step, ``[num_seqs, max_blocks]``."""
+        tables = []
+        for g in range(len(self.kv_layout.specs)):
+            table = np.zeros((len(states), max(len(s.block_ids[g]) for s in states)), np.int32)
+            for i, state in enumerate(states):
+                table[i, : len(state.block_ids[g])] = state.block_ids[g]
+            tables.append(table)
+        return tables
 
     @staticmethod
     def _grammar_rows(
@@ -620,7 +675,9 @@ class ModelRunner:
             # A plain row computed its whole query, not just one token.
             for i in range(len(inputs.sampled_req_ids)):
                 positions[i] = len(states[i].token_ids)
-        proposals = self.draft.propose(req_ids, [s.block_ids for s in states], tokens, positions)
+        proposals = self.draft.propose(
+            req_ids, [s.block_ids for s in states], tokens, positions, self.kv_layout
+        )
         if self.is_driver and output is not None:
             output.draft_token_ids = proposals
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -164,6 +165,10 @@ class Worker:
 
     def kv_block_bytes(self) -> int:
         return self.runner.kv_block_bytes()
+
+    def kv_group_block_bytes(self) -> list[int]:
+        """Bytes of one block of each KV cache group's layers here (``engine.kv_cache_groups``)."""
+        return self.runner.kv_group_block_bytes()
 
     def parameter_bytes(self) -> int:
         draft = self.runner.draft
@@ -328,9 +333,12 @@ class Worker:
         )
         sample(logits, meta)
 
-    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate the KV cache, then capture the decode graphs over it (every rank at once:
-        on TP > 1 the capture records the stage's collectives)."""
+    def initialize_cache(
+        self, num_blocks: int | Sequence[int], num_cpu_blocks: int | Sequence[int]
+    ) -> None:
+        """Allocate the KV cache (per KV cache group, or an int for every group), then capture
+        the decode graphs over it (every rank at once: on TP > 1 the capture records the
+        stage's collectives)."""
         self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
         self.runner.capture_cuda_graphs()
         if self.expert_load_counter is not None:  # the profile run's dummy tokens routed too

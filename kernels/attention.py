@@ -92,6 +92,7 @@ __all__ = [
     "DecodeKernel",
     "GatherWorkspace",
     "PrefillChunk",
+    "build_group_metadata",
     "check_attention_options",
     "check_sinks",
     "check_value_dim",
@@ -217,10 +218,17 @@ class AttentionMetadata:
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace, repr=False, compare=False)
     # Window size -> the plan restricted to it, filled on first use by window_plan.
     window_plans: dict[int, AttentionPlan] = field(default_factory=dict, repr=False, compare=False)
+    # A model whose layers hold different block tables (KV cache groups: full attention, each
+    # sliding window) has one metadata per group here, group 0 first; empty with one group.
+    groups: tuple[AttentionMetadata, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
         return self.slot_mapping.device
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of the layers of KV cache group ``group`` (this one with one group)."""
+        return self.groups[group] if self.groups else self
 
     def window_plan(self, sliding_window: int) -> AttentionPlan:
         """The plan of a layer with this sliding window: each decode group reads only the
@@ -321,6 +329,48 @@ class AttentionMetadata:
             ),
             decode_seqs=_to_device(np.flatnonzero(query_lens_np == 1), torch.int32, device),
         )
+
+
+def build_group_metadata(
+    *,
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: Sequence[np.ndarray],
+    windows: Sequence[int | None],
+    positions: np.ndarray,
+    req_index: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """One step's metadata when layers hold different block tables (KV cache groups): one
+    ``block_tables[g]`` per group, of layers with sliding window ``windows[g]`` (None: full
+    attention); group 0's metadata carries them all in ``groups`` (``for_group``). The slots
+    follow from each table and ``positions`` (of the packed tokens, request ``req_index``).
+
+    A windowed group's entries wholly before each request's first query's window may name
+    blocks that went back to the pool; they are set to block 0 (the group's null block) here,
+    so no path reads them, whatever tile it starts from."""
+    starts = seq_lens - query_lens
+    built: list[AttentionMetadata] = []
+    for table, window in zip(block_tables, windows):
+        if window is not None:
+            first = np.maximum(starts - window + 1, 0) // block_size
+            table = np.where(np.arange(table.shape[1])[None, :] < first[:, None], 0, table)
+        slots = table[req_index, positions // block_size].astype(np.int64) * block_size
+        metadata = AttentionMetadata.build(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_table=table,
+            slot_mapping=slots + positions % block_size,
+            block_size=block_size,
+            device=device,
+        )
+        if built:  # the groups' layers run one after another: one gather workspace will do
+            metadata = dataclasses.replace(metadata, workspace=built[0].workspace)
+        built.append(metadata)
+    if len(built) == 1:
+        return built[0]
+    return dataclasses.replace(built[0], groups=tuple(built))
 
 
 def reshape_and_cache(

@@ -100,6 +100,9 @@ class PagedAttention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         self.v_head_dim = v_head_dim
         self.kv_cache: torch.Tensor | None = None
+        # The KV cache group whose block table this layer reads (``engine.kv_cache_groups``),
+        # set by the model runner with the cache.
+        self.kv_cache_group = 0
         self.sinks: nn.Parameter | None
         self.register_parameter("sinks", None)
         # Per-tensor scales of an FP8 KV cache (``kernels.kv_quant``): the checkpoint's
@@ -126,6 +129,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not allocated yet (initialize_cache first)")
+        metadata = metadata.for_group(self.kv_cache_group)
         options: dict[str, Any] = {}
         if self.kv_cache.dtype == torch.float8_e4m3fn:
             options = {"k_scale": self.k_scale, "v_scale": self.v_scale}

@@ -1,12 +1,13 @@
 """``method: draft_model`` on the worker: a smaller model, sharded like the target on the same
 ranks, whose KV cache mirrors the target's and which proposes k tokens greedily.
 
-KV: one cache tensor per draft layer with the target's ``num_blocks`` and ``block_size``, read
-and written through the target's block tables and slot mapping. Every step the draft runs
-over exactly the target's input tokens, positions and slots (prefill chunks, recomputation
-after a preemption and verified proposals included), so for every position the target holds
-K/V for, the draft does too; rejected positions are overwritten later, as the target's are.
-Copies and swaps of blocks apply to both caches.
+KV: one cache tensor per draft layer, allocated by the model runner in the target's KV cache
+group of the layer's window (``engine.kv_cache_groups``: full attention, or the same sliding
+window), read and written through that group's block tables and slot mapping. Every step the
+draft runs over exactly the target's input tokens, positions and slots (prefill chunks,
+recomputation after a preemption and verified proposals included), so for every position the
+target holds K/V for, the draft does too; rejected positions are overwritten later, as the
+target's are. Copies and swaps of blocks apply to both caches.
 
 Proposals: from each request's newly emitted token (at position p) the draft decodes
 greedily, one token per forward pass: k passes write K/V at p .. p + k - 1, slots the
@@ -24,7 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels.attention import AttentionMetadata
+from engine.kv_cache_groups import KVCacheLayout
+from kernels.attention import AttentionMetadata, build_group_metadata
 from parallel.state import ParallelContext
 
 
@@ -44,29 +46,8 @@ class DraftModel:
         self.ctx = ctx
         self.block_size = block_size
         self.max_model_len = max_model_len
+        # The draft's layers' caches (set by the model runner, which allocates them).
         self.kv_caches: list[torch.Tensor] = []
-        self.cpu_kv_caches: list[torch.Tensor] = []
-
-    # ---- KV cache -----------------------------------------------------------------------
-
-    def kv_block_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one block across the draft's layers on this rank (K and V, or a latent)."""
-        return sum(
-            int(np.prod(attn.kv_cache_shape(1, self.block_size))) * dtype.itemsize
-            for attn in self.model.attention_layers()
-        )
-
-    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int, dtype: torch.dtype) -> None:
-        self.kv_caches, self.cpu_kv_caches = [], []
-        for attn in self.model.attention_layers():
-            shape = attn.kv_cache_shape(num_blocks, self.block_size)
-            cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            attn.kv_cache = cache
-            self.kv_caches.append(cache)
-            if num_cpu_blocks:
-                pin = self.device.type == "cuda"
-                cpu_shape = attn.kv_cache_shape(num_cpu_blocks, self.block_size)
-                self.cpu_kv_caches.append(torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -81,31 +62,37 @@ class DraftModel:
     def propose(
         self,
         req_ids: list[str],
-        block_ids: list[list[int]],
+        block_ids: list[list[list[int]]],
         tokens: list[int] | None,
         positions: list[int] | None,
+        layout: KVCacheLayout,
     ) -> dict[str, list[int]]:
         """Up to k greedy tokens per request after its newly emitted token ``tokens[i]`` at
         ``positions[i]`` (given on the driver; None on the other TP ranks, which get them
-        from the driver). A request proposes fewer where its reserved slots or max_model_len
-        end. Returns the proposals on the driver ({} elsewhere)."""
+        from the driver). ``block_ids[i]``: request i's block table in each KV cache group of
+        ``layout`` (local ids). A request proposes fewer where its reserved slots or
+        max_model_len end. Returns the proposals on the driver ({} elsewhere)."""
         if not req_ids:
             return {}
         start = self._share(tokens, positions, len(req_ids))
         current = start[:, 0].copy()
         pos = start[:, 1].copy()
         limits = np.array(
-            [min(len(b) * self.block_size, self.max_model_len) for b in block_ids], dtype=np.int64
+            [min(len(b[0]) * self.block_size, self.max_model_len) for b in block_ids],
+            dtype=np.int64,
         )
-        table = np.zeros((len(req_ids), max(len(b) for b in block_ids)), dtype=np.int32)
-        for i, b in enumerate(block_ids):
-            table[i, : len(b)] = b
+        tables = []
+        for g in range(len(layout.specs)):
+            table = np.zeros((len(req_ids), max(len(b[g]) for b in block_ids)), dtype=np.int32)
+            for i, b in enumerate(block_ids):
+                table[i, : len(b[g])] = b[g]
+            tables.append(table)
         proposals: list[list[int]] = [[] for _ in req_ids]
         for _ in range(self.k):
             rows = np.nonzero(pos < limits)[0]
             if len(rows) == 0:
                 break
-            next_tokens = self._step(current[rows], pos[rows], table[rows])
+            next_tokens = self._step(current[rows], pos[rows], [t[rows] for t in tables], layout)
             for row, token in zip(rows.tolist(), next_tokens.tolist()):
                 proposals[row].append(token)
             current[rows] = next_tokens
@@ -114,18 +101,19 @@ class DraftModel:
             return {}
         return {rid: p for rid, p in zip(req_ids, proposals) if p}
 
-    def _step(self, tokens: np.ndarray, pos: np.ndarray, table: np.ndarray) -> np.ndarray:
+    def _step(
+        self, tokens: np.ndarray, pos: np.ndarray, tables: list[np.ndarray], layout: KVCacheLayout
+    ) -> np.ndarray:
         """One draft pass: one token per row at ``pos``; its argmax (on every rank)."""
-        bs = self.block_size
         n = len(tokens)
-        rows = np.arange(n)
-        slots = table[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        meta = AttentionMetadata.build(
+        meta = build_group_metadata(
             query_lens=np.ones(n, dtype=np.int32),
             seq_lens=(pos + 1).astype(np.int32),
-            block_table=table,
-            slot_mapping=slots,
-            block_size=bs,
+            block_tables=tables,
+            windows=layout.windows,
+            positions=pos,
+            req_index=np.arange(n),
+            block_size=self.block_size,
             device=self.device,
         )
         ids = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
