@@ -28,6 +28,11 @@ shards of the same sizes, so one line per stage stands for all of its ranks):
         CPU:  min(cpu_kv_cache_space GiB // block bytes, max_num_seqs x blocks of max_model_len)
               (``Worker.determine_num_available_blocks``)
 
+                 then, with sliding-window layers, those all-layer blocks split into KV cache
+                 groups as the engine splits them (``engine.kv_cache_groups``): KV per token per
+                 group, each group's blocks, and the max_model_len sequences that fit (the
+                 fewest over groups; a sliding group holds only its window of each)
+
 One role in one file (~780 lines; the MoE feed-forward apart, in ``memory_plan_moe``): the
 arithmetic follows the model code layer by layer, and the refusals read the same figures; split
 apart, the two would drift from each other.
@@ -51,6 +56,13 @@ from typing import Any
 
 from engine import hf_config, memory_plan_moe
 from engine.errors import ConfigError
+from engine.kv_cache_groups import (
+    KVCacheGroupSpec,
+    group_of_window,
+    kv_cache_group_specs,
+    plan_group_blocks,
+    sliding_blocks_per_seq,
+)
 from engine.quantization.config import keeps_mxfp4_experts, parse_quantization
 from engine.rope_config import rope_head_dim, rope_max_positions, rope_parameters
 
@@ -179,6 +191,8 @@ class StagePlan:
     reserve_bytes: int  # an estimate; 0 on CPU
     kv_bytes_per_token: int
     kv_block_bytes: int
+    # Of kv_bytes_per_token, each KV cache group's (MemoryPlan.kv_groups' order).
+    kv_group_bytes_per_token: tuple[int, ...]
     kv_budget_bytes: int | None  # GPU: usable memory left for the KV cache; None when unknown
     kv_blocks: int | None  # blocks this stage's GPUs hold; None when unknown
 
@@ -199,6 +213,17 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class KVGroupPlan:
+    """One KV cache group across the replica: its window (None: full attention), layers, KV
+    bytes per token (all its layers, the largest stage's share per GPU) and pool blocks."""
+
+    sliding_window: int | None
+    num_layers: int
+    bytes_per_token: int
+    blocks: int | None
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     architecture: str
     dtype: str
@@ -215,6 +240,8 @@ class MemoryPlan:
     kv_blocks: int | None  # per replica: the minimum over its GPUs
     problems: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
+    # KV cache groups (one for a model without sliding windows shorter than max_model_len).
+    kv_groups: tuple[KVGroupPlan, ...] = field(default=())
 
     @property
     def fits(self) -> bool:
@@ -222,13 +249,33 @@ class MemoryPlan:
 
     @property
     def kv_tokens(self) -> int | None:
-        return None if self.kv_blocks is None else self.kv_blocks * self.block_size
+        """Tokens one sequence may hold: the KV blocks', or with KV cache groups the full
+        attention group's (a sliding group holds any length's window)."""
+        if self.kv_blocks is None:
+            return None
+        full = [g.blocks for g in self.kv_groups if g.sliding_window is None and g.blocks]
+        if len(self.kv_groups) > 1 and full:
+            return min(full) * self.block_size
+        return self.kv_blocks * self.block_size
 
     @property
     def max_concurrent_sequences(self) -> int | None:
-        """Sequences of ``max_model_len`` tokens the KV cache holds at once."""
+        """Sequences of ``max_model_len`` tokens the KV cache holds at once: the fewest any
+        KV cache group holds (a sliding group, one decode step's window of each)."""
         tokens = self.kv_tokens
-        return None if tokens is None else tokens // self.max_model_len
+        if tokens is None:
+            return None
+        if len(self.kv_groups) <= 1:
+            return tokens // self.max_model_len
+        fits = []
+        for group in self.kv_groups:
+            blocks = group.blocks or 0
+            if group.sliding_window is None:
+                fits.append(blocks * self.block_size // self.max_model_len)
+            else:
+                per_seq = sliding_blocks_per_seq(group.sliding_window, self.block_size, 1)
+                fits.append((blocks - 1) // min(per_seq, -(-self.max_model_len // self.block_size)))
+        return min(fits)
 
     @property
     def usable_gpu_bytes(self) -> int | None:
@@ -768,6 +815,7 @@ def _plan(
         kv_blocks=kv_blocks,
         problems=(),
         notes=tuple(notes),
+        kv_groups=_kv_groups(hf, settings, stages, kv_blocks, max_model_len, batched),
     )
     problems.extend(memory_problems(plan, settings))
     return replace(plan, problems=tuple(problems))
@@ -794,6 +842,12 @@ def _stage(
     # An FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3) stores 1 byte per element.
     kv_dtype_bytes = dtype_bytes if settings.kv_cache_dtype == "auto" else 1
     per_token = kv_bytes_per_token(shape, end - first, kv_dtype_bytes)
+    specs = _group_specs(hf, settings)
+    per_group = [0] * len(specs)
+    for layer in range(first, end):
+        per_group[_layer_group(hf, specs, layer, settings)] += kv_bytes_per_token(
+            shape, 1, kv_dtype_bytes
+        )
     lora = 0
     if settings.enable_lora:
         lora = lora_bytes(
@@ -811,8 +865,62 @@ def _stage(
         reserve_bytes=reserve_bytes(settings),
         kv_bytes_per_token=per_token,
         kv_block_bytes=per_token * settings.block_size,
+        kv_group_bytes_per_token=tuple(per_group),
         kv_budget_bytes=None,
         kv_blocks=None,
+    )
+
+
+def _group_specs(hf: Mapping[str, Any], settings: PlanSettings) -> tuple[KVCacheGroupSpec, ...]:
+    max_model_len = settings.max_model_len or rope_max_positions(hf)
+    return kv_cache_group_specs(dict(hf), max_model_len)
+
+
+def _layer_group(
+    hf: Mapping[str, Any], specs: tuple[KVCacheGroupSpec, ...], layer: int, settings: PlanSettings
+) -> int:
+    layer_type = hf_config.layer_types(dict(hf))[layer]
+    max_model_len = settings.max_model_len or rope_max_positions(hf)
+    return group_of_window(specs, hf_config.layer_window(dict(hf), layer_type), max_model_len)
+
+
+def _kv_groups(
+    hf: Mapping[str, Any],
+    settings: PlanSettings,
+    stages: list[StagePlan],
+    kv_blocks: int | None,
+    max_model_len: int,
+    batched: int,
+) -> tuple[KVGroupPlan, ...]:
+    """The KV cache groups and the blocks the engine would give each (``LLMEngine``)."""
+    specs = _group_specs(hf, settings)
+    blocks: tuple[int | None, ...] = (kv_blocks,) * len(specs)
+    if kv_blocks is not None and len(specs) > 1 and settings.num_kv_blocks is None:
+        layout = plan_group_blocks(
+            specs,
+            kv_blocks,
+            0,
+            [[b * settings.block_size for b in s.kv_group_bytes_per_token] for s in stages],
+            block_size=settings.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=batched,
+            decode_tokens=1,
+            batches_in_flight=settings.pipeline_parallel_size,
+        )
+        blocks = layout.num_blocks
+    layer_types = hf_config.layer_types(dict(hf))
+    layers = [0] * len(specs)
+    for layer in range(len(layer_types)):
+        layers[_layer_group(hf, specs, layer, settings)] += 1
+    return tuple(
+        KVGroupPlan(
+            sliding_window=spec.sliding_window,
+            num_layers=layers[g],
+            bytes_per_token=max(s.kv_group_bytes_per_token[g] for s in stages),
+            blocks=blocks[g],
+        )
+        for g, spec in enumerate(specs)
     )
 
 

@@ -306,6 +306,7 @@ def format_model(model: ModelPlan) -> str:
     if plan.stages:
         lines.extend(_stage_table(plan))
         lines.append(_kv_summary(plan))
+        lines.extend(_kv_group_lines(plan))
         if plan.device == "cuda":
             lines.append(
                 f"  ~ estimates: activation = one step of max_num_batched_tokens "
@@ -349,6 +350,21 @@ def _stage_table(plan: MemoryPlan) -> list[str]:
             "  " + r[0].ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(r[1:], cols))
         )
     return out
+
+
+def _kv_group_lines(plan: MemoryPlan) -> list[str]:
+    """One line per KV cache group when sliding-window layers hold only their window."""
+    if len(plan.kv_groups) <= 1:
+        return []
+    lines = []
+    for g in plan.kv_groups:
+        kind = "full attention" if g.sliding_window is None else f"window {g.sliding_window}"
+        blocks = "-" if g.blocks is None else f"{g.blocks:,} blocks"
+        lines.append(
+            f"    KV cache group ({kind}): {g.num_layers} layers, "
+            f"{_size(g.bytes_per_token)}/token, {blocks}"
+        )
+    return lines
 
 
 def _kv_summary(plan: MemoryPlan) -> str:

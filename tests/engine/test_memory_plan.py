@@ -629,3 +629,35 @@ def test_moe_experts_the_ep_size_does_not_divide_are_a_problem() -> None:
     plan = plan_memory(hf, PlanSettings(tensor_parallel_size=8, enable_expert_parallel=True))
     assert plan.stages == () and not plan.fits
     assert "enable_expert_parallel: needs num_experts (100)" in plan.problems[-1]
+
+
+def test_gpt_oss_window_layers_hold_only_their_window_in_the_plan() -> None:
+    """gpt-oss-120b at 131072 tokens: 18 layers of window 128 and 18 of full attention. The
+    sliding group needs 256 decoding sequences of 9 blocks, a 2048-token chunk and its null
+    block; the rest of its share goes to the full group, which then holds about twice the
+    max_model_len sequences that one pool for all layers would."""
+    kwargs = {"dtype": "bfloat16", "max_model_len": 131072, "gpu_memory_utilization": 0.92}
+    plan = plan_memory(GPT_OSS_120B, PlanSettings.from_engine_kwargs(kwargs, "cuda"), H100_BYTES)
+    full, sliding = plan.kv_groups
+    assert (full.sliding_window, sliding.sliding_window) == (None, 128)
+    assert full.num_layers == sliding.num_layers == 18
+    assert full.bytes_per_token == sliding.bytes_per_token == 18 * 2 * 8 * 64 * 2
+    assert plan.kv_blocks is not None and full.blocks is not None
+    assert sliding.blocks == 256 * 9 + 2048 // 16 + 1
+    assert full.blocks == 2 * plan.kv_blocks - sliding.blocks
+    one_pool = plan.kv_blocks * 16 // 131072
+    assert plan.max_concurrent_sequences == full.blocks * 16 // 131072 >= 2 * one_pool - 1
+    assert plan.kv_tokens == full.blocks * 16
+
+
+def test_a_real_hybrid_engine_splits_its_kv_cache_as_the_plan_says() -> None:
+    from engine import LLM
+
+    kwargs = {"max_model_len": 512, "max_num_seqs": 4, "cpu_kv_cache_space": 0.001}
+    llm = LLM("builtin:tiny-gemma3", device="cpu", **kwargs)
+    hf = llm.llm_engine.config.model.hf_config
+    plan = plan_memory(hf, PlanSettings.from_engine_kwargs(kwargs, "cpu"))
+    layout = llm.llm_engine.block_manager.layout
+    assert [g.sliding_window for g in plan.kv_groups] == [None, 40]
+    assert layout.num_blocks == tuple(g.blocks for g in plan.kv_groups)
+    assert layout.num_blocks[1] < layout.num_blocks[0]
