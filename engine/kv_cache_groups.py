@@ -27,7 +27,11 @@ gives each sliding group what it can fill: ``max_num_seqs`` decoding sequences h
 ``ceil((W - 1 + s) / block_size) + 1`` blocks each (s: the tokens of one decode step, speculative
 ones included), plus one full prefill chunk per batch in flight and the null block, capped at
 ``num_blocks``. The bytes this saves go to the full group. Since the scheduler preempts when any
-group runs out, and a sliding pool always holds one sequence's largest step, it never deadlocks.
+group runs out, and a sliding pool always holds one sequence's largest step, it never deadlocks;
+and no workload fits fewer sequences than in one pool for every layer (a sliding pool of
+``num_blocks`` holds what that pool held, one sized for ``max_num_seqs`` holds every sequence
+the scheduler may run), so the gain comes where ``max_num_seqs`` windows are fewer blocks than
+the pool (long contexts, windows far shorter than them).
 A model without a full group (Mistral: every layer windowed) splits nothing: each group gets
 ``num_blocks``; so does every model given an explicit ``num_kv_blocks`` (a fixed pool, as
 before groups: what it preempts at does not move).
