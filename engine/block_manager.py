@@ -624,6 +624,19 @@ class BlockManager:
     def free_cpu_blocks(self) -> list[int]:
         return [c for g in self.groups for c in g.free_cpu_blocks]
 
+    def table_sizes(self) -> dict[str, int]:
+        """Per-request entries held, summed over the groups (all 0 once idle)."""
+        groups = self.groups
+        return {
+            "block_tables": sum(len(g.req_to_blocks) for g in groups),
+            "cpu_block_tables": sum(len(g.req_to_cpu_blocks) for g in groups),
+            "cached_block_counts": sum(len(g.num_cached_blocks) for g in groups),
+            "skipped_block_counts": sum(
+                len(g.num_skipped) + len(g.swapped_skipped) for g in groups
+            ),
+            "pending_copies": len(self.pending_copies),
+        }
+
     def stats(self) -> KVCacheStats:
         total = sum(g.num_usable for g in self.groups)
         free = sum(len(g.free_queue) for g in self.groups)

@@ -744,10 +744,7 @@ class LLMEngine:
             "finished_not_flushed": len(sched._finished_req_ids),
             "requests_in_flight": len(sched.in_flight),
             "batches_in_flight": len(self._batches),
-            "block_tables": len(blocks.req_to_blocks),
-            "cpu_block_tables": len(blocks.req_to_cpu_blocks),
-            "cached_block_counts": len(blocks.num_cached_blocks),
-            "pending_copies": len(blocks.pending_copies),
+            **blocks.table_sizes(),
             "grammar_matchers": sum(
                 s.grammar is not None for g in self._groups.values() for s in g.samples
             ),

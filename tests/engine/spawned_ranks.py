@@ -81,6 +81,19 @@ def workers_on_one_group(
             first.shutdown()
 
 
+def _block_table(worker: Any, index: int, blocks_per_request: int) -> list[int]:
+    """Request ``index``'s blocks ``[index * n, (index + 1) * n)`` in every KV cache group (as
+    global ids, groups one after the other; a sliding group's from its block 1 on, past its
+    null block), as the head's block manager would send them."""
+    layout = worker.runner.kv_layout
+    first = index * blocks_per_request
+    return [
+        offset + int(spec.is_sliding) + first + b
+        for spec, offset in zip(layout.specs, layout.offsets)
+        for b in range(blocks_per_request)
+    ]
+
+
 def greedy_steps(
     worker: Any,
     prompts: list[list[int]],
@@ -105,7 +118,7 @@ def greedy_steps(
                 req_id=rid,
                 prompt_token_ids=prompt,
                 sampling_params=params,
-                block_ids=list(range(i * blocks_per_request, (i + 1) * blocks_per_request)),
+                block_ids=_block_table(worker, i, blocks_per_request),
                 num_computed_tokens=0,
             )
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True))

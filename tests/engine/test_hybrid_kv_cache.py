@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.kv_cache_groups import KVCacheGroupSpec
 from engine.tiny_models import resolve_model_source, tiny_variant
+from tests.engine.spec_decode_models import draft, ngram
 from tests.engine.test_correctness import _hf_greedy
 
 MAX_MODEL_LEN = 512
@@ -117,4 +118,23 @@ def test_triton_path_reads_only_held_blocks(ref: Reference) -> None:
         pytest.skip("one model is enough for the (slow) interpreter")
     llm, got = _run(ref, attention_backend="triton")
     assert got == ref.expected
+    _check_groups(llm, ref)
+
+
+def test_draft_model_speculation_and_forks_on_groups(ref: Reference) -> None:
+    """The model as its own draft (its layers join their window's group, every proposal is
+    accepted or, at a rejection, rewritten), n = 2 greedy samples forked from one prompt
+    (shared blocks, copy-on-write in each group), and n-gram proposals: all equal HF."""
+    if ref.windows != (None, 16):
+        pytest.skip("one model is enough for these paths")
+    llm, got = _run(ref, speculative_config=draft(ref.path, 2))
+    assert got == ref.expected
+    _check_groups(llm, ref)
+    llm, got = _run(ref, speculative_config=ngram(3))
+    assert got == ref.expected
+    _check_groups(llm, ref)
+    params = [SamplingParams(temperature=0, max_tokens=m, n=2) for m in ref.max_tokens]
+    done = llm.generate([{"prompt_token_ids": p} for p in ref.prompts], params, use_tqdm=False)
+    for output, expected in zip(done, ref.expected):
+        assert [list(c.token_ids) for c in output.outputs] == [expected, expected]
     _check_groups(llm, ref)
