@@ -349,7 +349,12 @@ def materialize(dirname: str, build: Callable[[Path], object]) -> Path:
 
 
 # The families ``make_random_model`` writes (the ``cluster bench throughput --family`` choices).
-RANDOM_MODEL_FAMILIES: tuple[str, ...] = ("llama", "qwen3", "gemma2")
+RANDOM_MODEL_FAMILIES: tuple[str, ...] = ("llama", "qwen3", "gemma2", "gemma3")
+# Gemma 3's own: local layers with a window of 1024 on five layers of every six, and (Gemma 3
+# 1B's) 32768 positions, so a bench at 8192 tokens has the window at 1/8 of its context.
+GEMMA3_WINDOW = 1024
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_MAX_POSITIONS = 32768
 
 
 def make_random_llama(out_dir: str | os.PathLike[str], **shape: int) -> Path:
@@ -378,7 +383,9 @@ def make_random_model(
     token (q, k, v, o and a gated MLP), so one shape costs the same FLOPs in each; what differs
     is the family's quirks: Qwen3's q/k norms, Gemma2's tied and scaled embeddings, extra norms,
     tanh-GELU, logit soft-caps (50 on attention scores, 30 on the final logits) and a
-    4096-token sliding window on every other layer.
+    4096-token sliding window on every other layer; Gemma3's q/k norms and five layers of six
+    with Gemma 3's window of 1024 (the sixth global, on a second rope base) and 32768
+    positions.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -433,6 +440,24 @@ def _random_model_config(family: str, **shape: Any) -> PretrainedConfig:
             attn_logit_softcapping=50.0,
             final_logit_softcapping=30.0,
             sliding_window=4096,
+            tie_word_embeddings=True,
+        )
+    if family == "gemma3":
+        num_layers = shape["num_hidden_layers"]
+        return Gemma3TextConfig(
+            **{**shape, "max_position_embeddings": GEMMA3_MAX_POSITIONS},
+            **ids,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": rope_theta},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=shape["head_dim"],
+            sliding_window=GEMMA3_WINDOW,
+            layer_types=[
+                "sliding_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN else "full_attention"
+                for i in range(num_layers)
+            ],
             tie_word_embeddings=True,
         )
     raise ValueError(

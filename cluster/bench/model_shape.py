@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-DENSE_FAMILIES = ("llama", "qwen3", "gemma2")
+DENSE_FAMILIES = ("llama", "qwen3", "gemma2", "gemma3")
 MOE_FAMILIES = ("qwen3-moe", "deepseek-v3", "gpt-oss")
 # Multi-head latent attention: one latent per token and layer instead of KV heads.
 MLA_FAMILIES = frozenset({"deepseek-v3"})
@@ -38,7 +38,7 @@ MLA_FAMILIES = frozenset({"deepseek-v3"})
 MLA_DENSE_FACTOR = 3
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 # Gemma ties lm_head to the embedding; the others store both matrices.
-TIED_FAMILIES = frozenset({"gemma2"})
+TIED_FAMILIES = frozenset({"gemma2", "gemma3"})
 
 
 @dataclass(frozen=True)
