@@ -371,9 +371,15 @@ def _kv_summary(plan: MemoryPlan) -> str:
     tokens = plan.kv_tokens
     if tokens is None:
         return "  KV cache: unknown without the GPU's memory"
+    where = "GPU" if plan.device == "cuda" else "worker"
+    blocks = f"{plan.kv_blocks:,} blocks of {plan.block_size}, the fewest of any {where}"
+    if len(plan.kv_groups) > 1:
+        blocks = (
+            f"the full-attention group's {tokens // plan.block_size:,} blocks of "
+            f"{plan.block_size}, from {plan.kv_blocks:,} of every layer, the fewest of any {where}"
+        )
     return (
-        f"  KV cache per replica: {tokens:,} tokens ({plan.kv_blocks:,} blocks of "
-        f"{plan.block_size}, the fewest of any {('GPU' if plan.device == 'cuda' else 'worker')}"
-        f"); longest sequence {tokens:,} tokens; {plan.max_concurrent_sequences:,} "
-        f"sequence(s) of max_model_len {plan.max_model_len} at once"
+        f"  KV cache per replica: {tokens:,} tokens ({blocks}); longest sequence {tokens:,} "
+        f"tokens; {plan.max_concurrent_sequences:,} sequence(s) of max_model_len "
+        f"{plan.max_model_len} at once"
     )
