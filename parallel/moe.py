@@ -170,8 +170,10 @@ class ParallelExperts(nn.Module):
         """Pack every local expert's two projections into oneDNN's layout once loaded (as
         ``parallel.layers.pack_linear_weights`` does for dense layers) and release the plain
         stacked weights, keeping their shapes on the meta device; False (nothing changed) where
-        the packed path does not cover their device or dtype, or they are packed already."""
-        if self.packed_gate_up is not None or self.gate_up_proj.is_meta:
+        the packed path does not cover their device or dtype, they are packed already, or the
+        experts keep a quantized form instead (gpt-oss's MXFP4 on the Triton backend)."""
+        plain = self.gate_up_proj
+        if self.packed_gate_up is not None or plain is None or plain.is_meta:
             return False
         gate_up = [pack_linear_weight(w) for w in self.gate_up_proj.data]
         down = [pack_linear_weight(w) for w in self.down_proj.data]
