@@ -9,7 +9,9 @@ Three ways to compute the same thing (``sum_k w[t, k] * down_e(silu(gate_e x) * 
 - ``per_expert_masked``: a loop over every expert, each selecting its tokens with a mask (the
   HF eager layer's shape: E iterations whatever the routing);
 - ``grouped``: ``parallel.moe.grouped_experts`` — pairs sorted by expert once, one GEMM pair per
-  expert that has tokens (what the engine runs on CPU).
+  expert that has tokens, on the plain stacked weights;
+- ``grouped_packed``: the same with each expert's weights packed into oneDNN's layout and
+  ``packed_linear`` GEMMs (what the engine runs on CPU, ``ParallelExperts.pack_weights``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_gemm import pack_linear_weight, packed_linear
 from parallel.moe import grouped_experts
 
 
@@ -61,10 +64,25 @@ def grouped(
     return grouped_experts(x, w13, w2, ids, weights, act_and_mul)
 
 
+@functools.cache
+def _packed(weights: torch.Tensor) -> list[torch.Tensor]:
+    return [pack_linear_weight(w) for w in weights]
+
+
+def grouped_packed(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    w13_packed, w2_packed = _packed(w13), _packed(w2)
+    return grouped_experts(
+        x, w13_packed, w2_packed, ids, weights, act_and_mul, linear=packed_linear
+    )
+
+
 VARIANTS: dict[str, Callable[..., torch.Tensor]] = {
     "per_token": per_token,
     "per_expert_masked": per_expert_masked,
     "grouped": grouped,
+    "grouped_packed": grouped_packed,
 }
 
 
@@ -77,7 +95,7 @@ def timed(fn: Callable[[], torch.Tensor], min_s: float = 1.0) -> float:
     return (time.perf_counter() - start) / calls * 1000
 
 
-def top_ops(fn: Callable[[], torch.Tensor], n: int = 4) -> list[tuple[str, float]]:
+def top_ops(fn: Callable[[], torch.Tensor], n: int = 5) -> list[tuple[str, float]]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             fn()
@@ -94,6 +112,7 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=512)
     parser.add_argument("--tokens", default="1,16,64,512")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -107,7 +126,8 @@ def main() -> None:
         weights, ids = torch.topk(logits.softmax(-1), args.top_k, dim=-1)
         weights = weights.to(dtype)
         reference = grouped(x, w13, w2, ids, weights).float()
-        for name, variant in VARIANTS.items():
+        for name in args.variants.split(","):
+            variant = VARIANTS[name]
             if name == "per_token" and num_tokens > 64:
                 continue  # minutes, and the trend is clear by 64
             got = variant(x, w13, w2, ids, weights).float()

@@ -41,6 +41,7 @@ from engine.engine_args import ENGINE_ARGS, group_engine_args
 from engine.engine_args import check_engine_arg_names as check_engine_arg_names
 from engine.errors import ConfigError
 from engine.hf_config import DEEPSEEK_ARCHITECTURES, GPT_OSS, check_hf_config, num_experts
+from engine.pp_partition import requested_partition
 from engine.quantization.config import ONLINE_METHODS, parse_quantization
 from engine.rope_config import rope_max_positions
 from engine.spec_decode.config import SpeculativeArgs, check_speculative_support
@@ -192,8 +193,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Literal["auto", "uni", "ray"] = "auto"
     placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
-    # Decoder layers per pipeline stage, e.g. (41, 39): stage 0 also holds the embedding and
-    # the last stage the LM head, so uneven splits can balance memory. None = even split.
+    # Decoder layers per pipeline stage, e.g. (7, 5); from_kwargs fills it in from
+    # VLLM_PP_LAYER_PARTITION when not given. None: the balanced default, which gives the last
+    # stage (LM head, sampling) fewer layers (engine.pp_partition).
     pp_layer_partition: tuple[int, ...] | None = None
     enable_expert_parallel: bool = False  # MoE: whole experts per TP rank (parallel.moe)
     # Set per rank with dataclasses.replace by the executor that spawns the workers.
@@ -417,6 +419,11 @@ class EngineConfig:
         model = _with_checkpoint(model)
         parallel = ParallelConfig(**groups["parallel"])
         _check_parallel_shape(model, parallel)
+        # Read here, on the head, so that every worker builds the same stages.
+        partition = requested_partition(
+            parallel.pp_layer_partition, parallel.pipeline_parallel_size, model.num_hidden_layers
+        )
+        parallel = dataclasses.replace(parallel, pp_layer_partition=partition)
         max_model_len = _derive_max_model_len(model)
         model = dataclasses.replace(model, max_model_len=max_model_len)
         sched_kwargs = groups["scheduler"]
@@ -558,12 +565,6 @@ def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
         pp <= model.num_hidden_layers,
         "pipeline_parallel_size",
         f"must be <= num_hidden_layers ({model.num_hidden_layers}), got {pp}",
-    )
-    partition = parallel.pp_layer_partition
-    require(
-        partition is None or sum(partition) == model.num_hidden_layers,
-        "pp_layer_partition",
-        f"must sum to num_hidden_layers ({model.num_hidden_layers}), got {list(partition or [])}",
     )
 
 

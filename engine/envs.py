@@ -8,6 +8,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from engine.errors import ConfigError
+
+PP_LAYER_PARTITION = "VLLM_PP_LAYER_PARTITION"
+
 
 def cache_dir() -> Path:
     """Where built-in models are materialized: ``LLM_CLUSTER_CACHE_DIR``
@@ -98,6 +102,22 @@ def pp_pipelining() -> bool:
     pipeline_parallel_size batches in flight so no stage idles while another computes
     (default 1; ``0`` runs one batch at a time, for comparison)."""
     return os.environ.get("LLM_CLUSTER_PP_PIPELINING", "1") != "0"
+
+
+def pp_layer_partition() -> tuple[int, ...] | None:
+    """``VLLM_PP_LAYER_PARTITION`` (vLLM's name): decoder layers per pipeline stage, comma
+    separated ("7,5"), used when the ``pp_layer_partition`` engine argument is not given and
+    pipeline_parallel_size > 1 (``engine.pp_partition``). Unset or empty: None."""
+    value = os.environ.get(PP_LAYER_PARTITION, "").strip()
+    if not value:
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if not all(p.isdecimal() and int(p) > 0 for p in parts):
+        raise ConfigError(
+            f"{PP_LAYER_PARTITION}: must be positive layer counts separated by commas, one "
+            f"per pipeline stage (e.g. '7,5'), got {value!r}"
+        )
+    return tuple(int(p) for p in parts)
 
 
 def token_push() -> bool:

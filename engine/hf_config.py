@@ -366,6 +366,18 @@ def moe_intermediate_size(hf: dict[str, Any]) -> int:
     return int(hf["moe_intermediate_size"])
 
 
+def shared_expert_intermediate_size(hf: dict[str, Any]) -> int:
+    """The always-on shared expert's intermediate size on a sparse layer (0: none): Qwen2-MoE's
+    ``shared_expert_intermediate_size`` (Qwen3-MoE's config may carry the field; its model has
+    no shared expert), DeepSeek's and GLM-4.5's ``n_shared_experts`` x each expert's size."""
+    arch = architecture(hf)
+    if arch in DEEPSEEK_STYLE_MOE:
+        return int(config_field(hf, "n_shared_experts")) * moe_intermediate_size(hf)
+    if arch == "Qwen2MoeForCausalLM":
+        return int(hf.get("shared_expert_intermediate_size") or 0)
+    return 0
+
+
 def is_sparse_layer(hf: dict[str, Any], layer: int) -> bool:
     """Whether decoder layer ``layer`` holds the MoE block (else a dense MLP): every layer of
     Mixtral and gpt-oss; for Qwen2/3-MoE HF's rule — not in ``mlp_only_layers``, and every

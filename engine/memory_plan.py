@@ -8,10 +8,11 @@ shards of the same sizes, so one line per stage stands for all of its ranks):
     weights      exactly the parameters a rank builds (``parallel.layers``: vocab rows padded to
                  64 x TP, column/row/QKV/merged splits, KV heads replicated when TP > KV heads,
                  row-parallel biases whole on every rank; ``engine.models``: which layers and
-                 norms each family has, embedding on the first stage, final norm and LM head on
-                 the last, a tied head sharing the embedding only when one stage holds both;
-                 an MoE model's experts, router and shared expert per ``engine.memory_plan_moe``,
-                 sliced over TP or placed whole per rank under enable_expert_parallel)
+                 norms each family has, each stage's layers per ``engine.pp_partition``,
+                 embedding on the first stage, final norm and LM head on the last, a tied
+                 head sharing the embedding only when one stage holds both; an MoE model's
+                 experts, router and shared expert per ``engine.memory_plan_moe``, sliced over
+                 TP or placed whole per rank under enable_expert_parallel)
     buffers      exactly the rotary cos/sin tables (``RopeCache``: float32 [max_position,
                  rotary_dim], one pair per distinct rope among this stage's layers)
     lora         exactly the LoRA slots (``parallel.lora.LinearLoRA``) when enable_lora
@@ -63,6 +64,7 @@ from engine.kv_cache_groups import (
     plan_group_blocks,
     sliding_blocks_per_seq,
 )
+from engine.pp_partition import layer_partition, requested_partition, stage_layer_range
 from engine.quantization.config import keeps_mxfp4_experts, parse_quantization
 from engine.rope_config import rope_head_dim, rope_max_positions, rope_parameters
 
@@ -406,18 +408,6 @@ def _shape(hf: Mapping[str, Any], tp: int) -> _Shape:
         tp=tp,
         mla=mla,
     )
-
-
-def layer_range(
-    num_layers: int, pp_rank: int, pp_size: int, partition: tuple[int, ...] | None
-) -> tuple[int, int]:
-    """Decoder layers [start, end) of a stage: ``engine.models.decoder.pp_layer_range``."""
-    if partition is not None:
-        start = sum(partition[:pp_rank])
-        return start, start + partition[pp_rank]
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return start, start + base + (1 if pp_rank < extra else 0)
 
 
 # ---- weights -----------------------------------------------------------------------------------
@@ -768,16 +758,12 @@ def _plan(
     batched = settings.max_num_batched_tokens
     if batched is None:
         batched = 2048 if settings.enable_chunked_prefill else max(2048, max_model_len)
-    partition = settings.pp_layer_partition
     if pp > shape.num_layers:
         raise ConfigError(
             f"pipeline_parallel_size: must be <= num_hidden_layers ({shape.num_layers}), got {pp}"
         )
-    if partition is not None and (len(partition) != pp or sum(partition) != shape.num_layers):
-        raise ConfigError(
-            f"pp_layer_partition: must list {pp} layer counts summing to num_hidden_layers "
-            f"({shape.num_layers}), got {list(partition)}"
-        )
+    requested = requested_partition(settings.pp_layer_partition, pp, shape.num_layers)
+    partition = layer_partition(hf, pp, requested)
     quant, note = _quant(hf, settings, dtype_bytes)
     if note:
         notes.append(note)
@@ -826,14 +812,14 @@ def _stage(
     shape: _Shape,
     settings: PlanSettings,
     pp_rank: int,
-    partition: tuple[int, ...] | None,
+    partition: tuple[int, ...],
     dtype_bytes: int,
     batched: int,
     quant: _Quant | None,
 ) -> StagePlan:
     """One stage's figures, without its KV blocks (``_with_kv``)."""
     pp = settings.pipeline_parallel_size
-    first, end = layer_range(shape.num_layers, pp_rank, pp, partition)
+    first, end = stage_layer_range(partition, pp_rank)
     is_last = pp_rank == pp - 1
     weights = stage_weight_bytes(
         hf, shape, first, end, pp_rank == 0, is_last, dtype_bytes, quant,

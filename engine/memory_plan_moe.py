@@ -83,11 +83,7 @@ def moe_weight_bytes(
     if arch == hf_config.GPT_OSS:
         expert += (2 * expert_slice + hidden) * dtype_bytes  # gate_up_proj_bias, down_proj_bias
     deepseek = arch in hf_config.DEEPSEEK_STYLE_MOE
-    shared_size = int(hf.get("shared_expert_intermediate_size") or 0)
-    if arch != "Qwen2MoeForCausalLM":
-        shared_size = 0  # Qwen3-MoE's config may carry the field; its model has no shared expert
-    if deepseek:
-        shared_size = int(hf_config.config_field(conf, "n_shared_experts")) * expert_inter
+    shared_size = hf_config.shared_expert_intermediate_size(conf)
     shared = 0
     if shared_size:
         shared_slice = _split(shared_size, tp, "shared_expert_intermediate_size")

@@ -49,6 +49,7 @@ from parallel.layers import (
     meta_linear_weights,
     pack_linear_weights,
 )
+from parallel.moe import pack_expert_weights
 from parallel.state import ParallelContext
 
 logger = logging.getLogger("llm_cluster.loader")
@@ -488,5 +489,6 @@ def load_model(
     model.eval()
     if device.type == "cpu" and envs.cpu_packed_gemm():
         packed = pack_linear_weights(model)
-        logger.debug("packed %d linear weights for oneDNN", packed)
+        experts = pack_expert_weights(model)
+        logger.debug("packed %d linear weights and %d expert layers for oneDNN", packed, experts)
     return model

@@ -635,6 +635,7 @@ class ModelRunner:
                 self.config.model.torch_dtype,
                 self.device,
             )
+            clock.lap("receive")  # waiting for the previous stage: not this stage's work
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(inputs.metadata):
             # This stage's layers in one replay; every TP rank of the stage got the same
@@ -647,8 +648,9 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.mirror(inputs.input_ids, inputs.positions, inputs.metadata)
         if not pp.is_last:
-            send_intermediate(pp, hidden, residual)
             clock.lap("forward")
+            send_intermediate(pp, hidden, residual)
+            clock.lap("send")  # may wait for the next stage to take it
             return None
         clock.lap("forward")
         output = self.sample(inputs, hidden)

@@ -451,7 +451,6 @@ def paged_attention(
     decoded = (
         decode_kernel is not None
         and dequant is None
-        and kv_cache.shape[0] == 2
         and metadata.decode_seqs is not None
         and bool(plan.decode_groups)
         and decode_kernel(

@@ -11,8 +11,10 @@ throughput 1.26-1.32x.
 
 It covers decode rows only (one query token per request), caches in float32, bfloat16 or float16
 (not FP8) with the query in the same dtype, head dims this file's C++ instantiates, sliding
-windows, soft-capping and attention sinks. Everything else, and every prefill chunk, stays on
-the torch path: ``attend_decode`` returns False and the caller attends those rows itself.
+windows, soft-capping and attention sinks, and DeepSeek's one-plane latent cache (MLA: keys of
+576, values their first 512, every query head over the one latent head). Everything else, and
+every prefill chunk, stays on the torch path: ``attend_decode`` returns False and the caller
+attends those rows itself.
 
 The C++ is compiled on first use with torch's extension builder (g++ and ninja, ~20 s once per
 instruction set; cached under ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by
@@ -149,21 +151,38 @@ def _head_dims(isa: str) -> frozenset[int]:
     return frozenset(module.supported_head_dims()) if module is not None else frozenset()
 
 
-def native_decode_covers(query: Tensor, kv_cache: Tensor, isa: str | None = None) -> bool:
+@functools.cache
+def _latent_dims(isa: str) -> frozenset[tuple[int, int]]:
+    module = _native_module(isa)
+    if module is None:
+        return frozenset()
+    return frozenset((int(k), int(v)) for k, v in module.supported_latent_dims())
+
+
+def native_decode_covers(
+    query: Tensor, kv_cache: Tensor, value_dim: int | None = None, isa: str | None = None
+) -> bool:
     """Whether :func:`attend_decode` handles a call with these tensors (device, dtypes, layout,
-    head dim); the caller checked their shapes against each other already. A one-plane latent
-    cache (MLA) is not covered: the kernel reads V from the second plane."""
+    head dim); the caller checked their shapes against each other already. A K/V cache needs a
+    head dim the kernel is built for; a one-plane latent cache (MLA), whose values are each
+    key's first ``value_dim``, a (head dim, ``value_dim``) pair it is built for (DeepSeek's
+    576 / 512)."""
     isa = isa or native_isa()
+    if isa is None:
+        return False
+    head_dim = query.shape[2]
+    if kv_cache.shape[0] == 2:
+        dims_covered = head_dim in _head_dims(isa) and value_dim in (None, head_dim)
+    else:
+        dims_covered = (head_dim, value_dim) in _latent_dims(isa)
     return (
-        isa is not None
-        and kv_cache.shape[0] == 2
+        dims_covered
         and query.device.type == "cpu"
         and kv_cache.device.type == "cpu"
         and query.dtype in NATIVE_DTYPES
         and kv_cache.dtype == query.dtype
         and kv_cache.is_contiguous()
         and query.stride(2) == 1
-        and query.shape[2] in _head_dims(isa)
     )
 
 
@@ -186,13 +205,14 @@ def attend_decode(
     kernel does not cover this call (see :func:`native_decode_covers`).
 
     ``block_table``/``seq_lens``/``query_start_loc`` are ``AttentionMetadata``'s int32 tensors;
-    ``out`` is contiguous ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``. A request
+    ``out`` is contiguous ``[num_tokens, num_heads, value_dim]`` in ``query.dtype`` (value_dim
+    the head dim for a K/V cache, fewer over a latent one). A request
     sees its keys ``seq_len - window <= k < seq_len`` with a window, all of them without;
     ``sinks`` (float ``[num_heads]``) join each head's softmax denominator as logits with no value.
     ``isa`` picks a build (tests run each); None is :func:`native_isa`'s.
     """
     isa = isa or native_isa()
-    if isa is None or not native_decode_covers(query, kv_cache, isa):
+    if isa is None or not native_decode_covers(query, kv_cache, out.shape[-1], isa):
         return False
     if decode_seqs.numel() == 0:
         return True

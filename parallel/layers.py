@@ -348,6 +348,8 @@ def parameter_bytes(model: nn.Module) -> int:
         packed = getattr(module, "packed_weight", None)
         if packed is not None and module.weight.numel() == 0:
             total += math.prod(module.weight_shape) * module.weight.element_size()
+        if hasattr(module, "packed_nbytes"):  # packed MoE experts (``parallel.moe``)
+            total += module.packed_nbytes()
     return total
 
 

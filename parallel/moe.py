@@ -32,6 +32,8 @@ Compute: on CUDA the Triton ``kernels.moe.fused_moe`` (with an ``expert_map`` un
 applies the routing weights and sums the top-k in float32). Elsewhere :func:`grouped_experts`:
 the ``T x K`` pairs are sorted by expert, and each local expert that received tokens runs one
 GEMM over its contiguous run of rows; experts with no tokens (or on another rank) cost nothing.
+On CPU the loader packs each expert's weights once into oneDNN's layout (:meth:`ParallelExperts.
+pack_weights`, ``kernels.cpu_gemm``), and those GEMMs are ``packed_linear`` calls.
 Its routing weights multiply each pair's output in their own dtype, then the K outputs of a
 token are summed in top-k order and cast to the activations' dtype, as HF's ``grouped_mm``
 experts do. The two agree exactly in float32; in bfloat16 a Qwen-MoE model (whose HF code
@@ -41,42 +43,47 @@ difference, as vLLM's fused MoE does too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_gemm import pack_linear_weight, packed_linear
 from kernels.moe import fused_moe
 from parallel.layers import check_shape, divide
 from parallel.state import SINGLE, GroupCoordinator
 
 ActAndMul = Callable[[torch.Tensor], torch.Tensor]
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def grouped_experts(
     x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | Sequence[torch.Tensor],
+    down_proj: torch.Tensor | Sequence[torch.Tensor],
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     act_and_mul: ActAndMul,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    linear: Linear = F.linear,
 ) -> torch.Tensor:
     """``sum_k w[t, k] * down_e(act_and_mul(gate_up_e(x[t])))`` with ``e = topk_ids[t, k]``;
     a negative id (an expert on another rank) adds nothing. ``gate_up_bias`` ``[E, 2I]`` and
     ``down_bias`` ``[E, H]``, when given, are each expert's projection biases.
 
     ``x`` ``[T, H]``; ``gate_up_proj`` ``[E, 2I, H]``; ``down_proj`` ``[E, H, I]``;
-    ``topk_ids`` / ``topk_weights`` ``[T, K]``. Returns ``[T, H]`` in ``x``'s dtype.
+    ``topk_ids`` / ``topk_weights`` ``[T, K]``. Returns ``[T, H]`` in ``x``'s dtype. The
+    projections may instead be one weight per expert in whatever form ``linear`` multiplies
+    (``packed_linear`` and the oneDNN-packed weights of :meth:`ParallelExperts.pack_weights`).
     """
     num_tokens, top_k = topk_ids.shape
     hidden = x.shape[-1]
     if num_tokens == 0:
         return x.new_zeros(0, hidden)
-    num_experts = gate_up_proj.shape[0]
+    num_experts = len(gate_up_proj)
     flat_ids = topk_ids.reshape(-1)
     # Non-local pairs get the id num_experts: they sort last and no GEMM reads them.
     flat_ids = torch.where(flat_ids < 0, num_experts, flat_ids)
@@ -93,8 +100,8 @@ def grouped_experts(
         start = end - sizes[expert]
         b13 = None if gate_up_bias is None else gate_up_bias[expert]
         b2 = None if down_bias is None else down_bias[expert]
-        inter = act_and_mul(F.linear(rows[start:end], gate_up_proj[expert], b13))
-        sorted_out[start:end] = F.linear(inter, down_proj[expert], b2)
+        inter = act_and_mul(linear(rows[start:end], gate_up_proj[expert], b13))
+        sorted_out[start:end] = linear(inter, down_proj[expert], b2)
     pair_out = torch.empty_like(sorted_out)
     pair_out[order] = sorted_out
     weighted = pair_out.view(num_tokens, top_k, hidden) * topk_weights.unsqueeze(-1)
@@ -154,6 +161,38 @@ class ParallelExperts(nn.Module):
         self.down_proj_bias: nn.Parameter | None
         self.register_parameter("gate_up_proj_bias", None)
         self.register_parameter("down_proj_bias", None)
+        # Each local expert's gate_up and down weights in oneDNN's layout, set by
+        # ``pack_weights`` on CPU; the plain parameters are then meta tensors of their shape.
+        self.packed_gate_up: list[torch.Tensor] | None = None
+        self.packed_down: list[torch.Tensor] | None = None
+
+    def pack_weights(self) -> bool:
+        """Pack every local expert's two projections into oneDNN's layout once loaded (as
+        ``parallel.layers.pack_linear_weights`` does for dense layers) and release the plain
+        stacked weights, keeping their shapes on the meta device; False (nothing changed) where
+        the packed path does not cover their device or dtype, they are packed already, or the
+        experts keep a quantized form instead (gpt-oss's MXFP4 on the Triton backend)."""
+        plain = self.gate_up_proj
+        if self.packed_gate_up is not None or plain is None or plain.is_meta:
+            return False
+        gate_up = [pack_linear_weight(w) for w in self.gate_up_proj.data]
+        down = [pack_linear_weight(w) for w in self.down_proj.data]
+        if any(w is None for w in gate_up + down):
+            return False
+        self.packed_gate_up, self.packed_down = gate_up, down
+        for name in ("gate_up_proj", "down_proj"):
+            plain = getattr(self, name)
+            meta = nn.Parameter(plain.data.to("meta"), requires_grad=False)
+            meta.weight_loader = plain.weight_loader
+            setattr(self, name, meta)
+        return True
+
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed expert weights, counted at their plain size (the meta
+        parameters' shapes); 0 when not packed."""
+        if self.packed_gate_up is None:
+            return 0
+        return sum(p.numel() * p.element_size() for p in (self.gate_up_proj, self.down_proj))
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -167,15 +206,13 @@ class ParallelExperts(nn.Module):
             local = topk_ids - self.first_expert
             in_range = (local >= 0) & (local < self.num_local_experts)
             topk_ids = torch.where(in_range, local, -1)
+        biases = (self.gate_up_proj_bias, self.down_proj_bias)
+        if self.packed_gate_up is not None and self.packed_down is not None:
+            w13, w2, linear = self.packed_gate_up, self.packed_down, packed_linear
+        else:
+            w13, w2, linear = self.gate_up_proj, self.down_proj, F.linear
         return grouped_experts(
-            x,
-            self.gate_up_proj,
-            self.down_proj,
-            topk_ids,
-            topk_weights,
-            self.act_and_mul,
-            self.gate_up_proj_bias,
-            self.down_proj_bias,
+            x, w13, w2, topk_ids, topk_weights, self.act_and_mul, *biases, linear
         )
 
     def expert_map(self, device: torch.device) -> torch.Tensor:
@@ -253,3 +290,9 @@ class ParallelExperts(nn.Module):
         if param_name == "gate_up_proj":
             return frozenset((e, p) for e in experts for p in (0, 1))
         return frozenset(experts)
+
+
+def pack_expert_weights(model: nn.Module) -> int:
+    """Pack the experts of every MoE layer of ``model`` (:meth:`ParallelExperts.pack_weights`);
+    returns how many layers were packed."""
+    return sum(m.pack_weights() for m in model.modules() if isinstance(m, ParallelExperts))

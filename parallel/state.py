@@ -79,7 +79,8 @@ class ParallelContext:
 
     tp: GroupCoordinator = SINGLE
     pp: GroupCoordinator = SINGLE
-    # Decoder layers per pipeline stage (an override); None splits them evenly.
+    # Decoder layers per pipeline stage as configured; None: the model's balanced default
+    # (engine.pp_partition, which gives the last stage fewer layers for its LM head).
     layer_partition: tuple[int, ...] | None = None
     # enable_expert_parallel: MoE layers place whole experts on the TP group's ranks (its EP
     # group) instead of slicing every expert (parallel.moe).

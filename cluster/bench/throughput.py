@@ -11,6 +11,10 @@ tokens / wall time (prefill included). Every system runs in this process on the 
 workload and dtype, one after another, each after a short warm-up that is not timed:
 
 - ``engine``: this project's ``LLM.generate`` (continuous batching, paged KV cache);
+- ``engine_unpipelined`` and ``engine_even_split`` (with ``--pipeline-parallel-size`` > 1): the
+  same engine running one batch at a time (``LLM_CLUSTER_PP_PIPELINING=0``), or pipelined with
+  the layers split evenly over the stages (``VLLM_PP_LAYER_PARTITION``) instead of the balanced
+  default (``engine.pp_partition``), to compare with;
 - ``hf_static``: ``model.generate`` in static, left-padded batches (vLLM's ``--backend hf``):
   each batch runs until its longest output, so shorter requests waste their slots;
 - ``hf_cb``: transformers' continuous-batching manager (``init_continuous_batching``), with
@@ -53,8 +57,10 @@ from cluster.bench.model_shape import (
     bench_model_builder,
     shape_from_args,
 )
+from engine import envs
+from engine.pp_partition import balanced_partition, layer_partition, requested_partition
 
-SYSTEMS = ("engine", "engine_unpipelined", "hf_static", "hf_cb", "vllm")
+SYSTEMS = ("engine", "engine_unpipelined", "engine_even_split", "hf_static", "hf_cb", "vllm")
 DEFAULT_SYSTEMS = ("engine", "hf_static", "hf_cb")
 # Where ../shared/peers/setup-vllm-cpu.sh puts vLLM's CPU build (``PEER_VENV`` overrides it).
 PEER_VENV_DEFAULT = Path.home() / ".cache" / "llm-cluster-peers" / "vllm-cpu"
@@ -232,7 +238,8 @@ def run_vllm(
 
 def _step_profile(engine: Any, wall: float) -> dict[str, Any]:
     head = dict(engine.step_timer.totals)
-    worker = engine.executor.collective_rpc("step_timings")[0]
+    timings = engine.executor.collective_rpc("step_timings")
+    worker = timings[0]
     phases = {
         "scheduler": head.get("schedule", 0.0),
         "input_preparation": worker.get("prepare_inputs", 0.0),
@@ -249,6 +256,11 @@ def _step_profile(engine: Any, wall: float) -> dict[str, Any]:
         "fraction": {k: v / wall for k, v in phases.items()},
         "scheduler_plus_input_preparation": (phases["scheduler"] + phases["input_preparation"])
         / wall,
+        # Per worker rank (stage by stage): seconds in its model-runner phases, less the
+        # transfers between stages (which wait on the neighbour); with PP the stages' balance.
+        "worker_busy_s": [
+            sum(t.values()) - t.get("receive", 0.0) - t.get("send", 0.0) for t in timings
+        ],
     }
 
 
@@ -491,6 +503,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
         engine_args["pipeline_parallel_size"] = args.pipeline_parallel_size
+    partitions = stage_partitions(model_dir, args.pipeline_parallel_size)
+    if "engine_even_split" in systems and args.pipeline_parallel_size == 1:
+        raise SystemExit("--systems engine_even_split needs --pipeline-parallel-size > 1")
     torch_dtype = getattr(torch, dtype)
     gemm = measure_gemm_flops(torch_dtype, device)
     rounds: dict[str, list[SystemResult]] = {s: [] for s in systems}
@@ -504,6 +519,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 profiles.append(profile)
             elif system == "engine_unpipelined":  # PP one batch at a time, for comparison
                 with _env("LLM_CLUSTER_PP_PIPELINING", "0"):
+                    result, _ = run_engine(model_dir, wl, dtype, engine_args)
+            elif system == "engine_even_split":
+                even = ",".join(map(str, partitions["engine_even_split"]))
+                with _env(envs.PP_LAYER_PARTITION, even):
                     result, _ = run_engine(model_dir, wl, dtype, engine_args)
             elif system == "vllm":
                 result = run_vllm(model_dir, wl, dtype, engine_args, vllm_python)
@@ -520,6 +539,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The profile of the engine's median round.
     profile = profiles[rounds["engine"].index(results["engine"])] if profiles else {}
     report = _report(shape, wl, args, device, dtype, gemm, results, profile)
+    if args.pipeline_parallel_size > 1:
+        report["conditions"]["layer_partition"] = {
+            s: list(partitions[s]) for s in systems if s in partitions
+        }
     report["rounds"] = {s: [r.output_tokens / r.wall_s for r in rs] for s, rs in rounds.items()}
     if vllm_version is not None:
         report["conditions"]["vllm"] = {"version": vllm_version, "python": vllm_python}
@@ -528,6 +551,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return report
+
+
+def stage_partitions(model_dir: Path, pp_size: int) -> dict[str, tuple[int, ...]]:
+    """Decoder layers per stage of the engine systems: the engine's own choice (the balanced
+    default, or ``VLLM_PP_LAYER_PARTITION`` when set) and the even split."""
+    hf = json.loads((model_dir / "config.json").read_text())
+    num_layers = int(hf["num_hidden_layers"])
+    chosen = layer_partition(hf, pp_size, requested_partition(None, pp_size, num_layers))
+    return {
+        "engine": chosen,
+        "engine_unpipelined": chosen,
+        "engine_even_split": balanced_partition(num_layers, pp_size, 0.0),
+    }
 
 
 def cpu_description() -> str:
@@ -635,6 +671,11 @@ def _print_table(report: dict[str, Any]) -> None:
             print(f"{name} rounds (out tok/s): " + ", ".join(f"{v:.1f}" for v in values))
     for name, value in report["ratios"].items():
         print(f"ratio {name}: {value:.2f}x")
+    for name, partition in c.get("layer_partition", {}).items():
+        print(f"{name} layers per stage: {partition}")
+    busy = report["step_profile"].get("worker_busy_s", [])
+    if len(busy) > 1:
+        print("engine busy s per worker rank: " + ", ".join(f"{b:.1f}" for b in busy))
     roof = report["roofline"]
     if "engine_fraction_of_gemm" in roof:
         fraction = roof["engine_fraction_of_gemm"]

@@ -323,7 +323,7 @@ def _stage_table(plan: MemoryPlan) -> list[str]:
     header = ["weights", "buffers", "LoRA", "activation~", "reserves~", "KV/token", "KV blocks"]
     rows = []
     for s in plan.stages:
-        label = f"stage {s.pp_rank} (layers {s.first_layer}-{s.end_layer - 1})"
+        label = f"stage {s.pp_rank} ({s.num_layers} layers, {s.first_layer}-{s.end_layer - 1})"
         if plan.tensor_parallel_size > 1:
             label += f" x{plan.tensor_parallel_size}"
         rows.append(

@@ -33,7 +33,7 @@ _FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "LLM_CLUSTER
                   "OMP_NUM_THREADS", "TRITON_INTERPRET", "LLM_CLUSTER_RAY_DISPATCH",
                   "LLM_CLUSTER_PP_PIPELINING", "LLM_CLUSTER_HEAD_CORE_PROCESS",
                   "LLM_CLUSTER_TOKEN_PUSH", "LLM_CLUSTER_CPU_KEEP_QUANTIZED",
-                  "LLM_CLUSTER_CPU_DECODE_KERNEL")  # fmt: skip
+                  "LLM_CLUSTER_CPU_DECODE_KERNEL", "VLLM_PP_LAYER_PARTITION")  # fmt: skip
 
 
 def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig) -> Any:

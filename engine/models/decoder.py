@@ -1,6 +1,6 @@
 """The decoder-only transformer every family composes: attention, gated MLP, the layer stack
-with its pipeline-stage split, and the causal-LM head — each written once against the parallel
-layers, with a family's quirks as constructor arguments.
+with its pipeline-stage split (``engine.pp_partition``), and the causal-LM head — each written
+once against the parallel layers, with a family's quirks as constructor arguments.
 
     Attention   qkv_proj (fused) ─ [q_norm, k_norm per head] ─ rotary ─ PagedAttention ─ o_proj
                 knobs: head_dim, biases, qk-norm, scale, sliding window, logit soft-cap
@@ -27,6 +27,7 @@ from torch import nn
 from engine import hf_config
 from engine.models.layers import PagedAttention, RMSNorm, default_ops
 from engine.models.rotary import RopeCache, RotaryEmbedding
+from engine.pp_partition import layer_partition, stage_layer_range
 from engine.rope_config import rope_head_dim, rope_max_positions, rope_parameters
 from kernels.attention import AttentionMetadata
 from kernels.backend import KernelOps
@@ -38,19 +39,6 @@ from parallel.layers import (
     VocabParallelEmbedding,
 )
 from parallel.state import ParallelContext
-
-
-def pp_layer_range(
-    num_layers: int, pp_rank: int, pp_size: int, partition: tuple[int, ...] | None = None
-) -> tuple[int, int]:
-    """Decoder layers [start, end) of stage ``pp_rank``: ``partition`` (layers per stage) when
-    given, else an even split where earlier stages take the remainder."""
-    if partition is not None:
-        start = sum(partition[:pp_rank])
-        return start, start + partition[pp_rank]
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return start, start + base + (1 if pp_rank < extra else 0)
 
 
 def head_dim(hf: dict[str, Any]) -> int:
@@ -169,9 +157,8 @@ class DecoderModel(nn.Module):
     ) -> None:
         super().__init__()
         self.ctx = ctx
-        self.start_layer, self.end_layer = pp_layer_range(
-            hf["num_hidden_layers"], ctx.pp.rank, ctx.pp.size, ctx.layer_partition
-        )
+        partition = layer_partition(hf, ctx.pp.size, ctx.layer_partition)
+        self.start_layer, self.end_layer = stage_layer_range(partition, ctx.pp.rank)
         self.embed_tokens = (
             VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp)
             if ctx.pp.is_first

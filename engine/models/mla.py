@@ -27,7 +27,7 @@ from engine.models.rotary import RotaryEmbedding
 from kernels.attention import AttentionMetadata
 from kernels.backend import KernelOps
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
-from parallel.state import SINGLE, ParallelContext
+from parallel.state import SINGLE, GroupCoordinator, ParallelContext
 
 # HF builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps.
 _LATENT_NORM_EPS = 1e-6
@@ -37,9 +37,42 @@ class LatentUpProjection(ColumnParallelLinear):
     """``kv_b_proj``: loaded like any column-parallel weight (this rank's heads), but never
     applied as a matmul of its own: MLA reads it as the absorbed W_UK / W_UV, so it stays a
     dense tensor in the model's dtype (``dense_only``): never packed into oneDNN's layout, and
-    dequantized at load from a quantized checkpoint on any device."""
+    dequantized at load from a quantized checkpoint on any device.
+
+    The checkpoint's rows are each head's ``nope`` key rows then its ``v`` value rows; once
+    loaded they are stored regrouped, every head's key rows first, so that :meth:`absorbed`
+    returns two contiguous ``[H, *, kv_lora]`` tensors: a batched matmul over strided views of
+    the interleaved layout copies both matrices on every call (15 % of a bf16 decode step of
+    the DeepSeek-V3 bench model on CPU, BENCHMARKS.md)."""
 
     dense_only = True
+
+    def __init__(
+        self, kv_lora_rank: int, num_heads: int, nope_dim: int, v_dim: int, *, tp: GroupCoordinator
+    ) -> None:
+        super().__init__(kv_lora_rank, num_heads * (nope_dim + v_dim), tp=tp)
+        self.nope_dim, self.v_dim = nope_dim, v_dim
+        self.local_heads = divide(num_heads, tp.size, "num_attention_heads")
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        super().weight_loader(param, loaded, shard_id)
+        rows = param.data.view(self.local_heads, self.nope_dim + self.v_dim, -1)
+        regrouped = torch.cat(
+            [
+                rows[:, : self.nope_dim].reshape(-1, rows.shape[-1]),
+                rows[:, self.nope_dim :].reshape(-1, rows.shape[-1]),
+            ]
+        )
+        param.data.copy_(regrouped)
+
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's W_UK ``[H, nope, kv_lora]`` and W_UV ``[H, v, kv_lora]``, contiguous
+        views of the regrouped weight."""
+        w = self.weight
+        split = self.local_heads * self.nope_dim
+        return w[:split].view(self.local_heads, self.nope_dim, -1), w[split:].view(
+            self.local_heads, self.v_dim, -1
+        )
 
 
 def softmax_scale(hf: dict[str, Any]) -> float:
@@ -91,7 +124,7 @@ class MLAAttention(nn.Module):
         )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS, ops)
         self.kv_b_proj = LatentUpProjection(
-            self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), tp=ctx.tp
+            self.kv_lora_rank, heads, self.nope_dim, self.v_dim, tp=ctx.tp
         )
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias, tp=ctx.tp)
         self.rotary = rotary
@@ -125,7 +158,7 @@ class MLAAttention(nn.Module):
             q_pe = q_pe.index_select(-1, self.rope_order)
             k_pe = k_pe.index_select(-1, self.rope_order)
         q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.contiguous())
-        w_uk, w_uv = self._absorbed()
+        w_uk, w_uv = self.kv_b_proj.absorbed()
         # [H, T, nope] @ [H, nope, kv_lora]: each head's query in the latent's space.
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         query = torch.cat([q_latent, q_pe], dim=-1)
@@ -134,12 +167,6 @@ class MLAAttention(nn.Module):
         # [H, T, kv_lora] @ [H, kv_lora, v]: each head's value projection, after attention.
         out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))
         return self.o_proj(out.transpose(0, 1).reshape(tokens, self.num_heads * self.v_dim))
-
-    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's W_UK ``[H, nope, kv_lora]`` and W_UV ``[H, v, kv_lora]`` (views of
-        kv_b_proj's weight)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
-        return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
 
 __all__ = ["LatentUpProjection", "MLAAttention", "softmax_scale"]

@@ -3,12 +3,15 @@
 // in float32. The contract is `kernels.attention.paged_attention`'s for decode rows; Python
 // (`kernels/cpu_decode.py`) checks every argument before calling in, and this file assumes:
 //   query     [num_tokens, num_heads, head_dim], last dim contiguous, dtype T
-//   kv_cache  [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous, dtype T
-//   out       [num_tokens, num_heads, head_dim], contiguous, dtype T
+//   kv_cache  [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous, dtype T; or one
+//             plane [1, ...]: a latent cache (MLA) whose values are each key's first value_dim
+//   out       [num_tokens, num_heads, value_dim], contiguous, dtype T (value_dim = head_dim for
+//             a K/V cache)
 //   block_table int32 [num_seqs, max_blocks] (row stride given), seq_lens int32 [num_seqs],
 //   query_start_loc int32 [num_seqs + 1], decode_seqs int32 [n]: the requests with one query row
 //   sinks     float32 [num_heads], contiguous, or none: a logit per query head with no value
-//   head_dim one of supported_head_dims(); num_heads = G * num_kv_heads.
+//   head_dim one of supported_head_dims() (a K/V cache) or (head_dim, value_dim) one of
+//   supported_latent_dims() (a latent cache); num_heads = G * num_kv_heads.
 // Work is split over (decode request, kv head) pairs; each pair handles the G query heads that
 // share its kv head, so K/V are read once per kv head (GQA without expansion).
 
@@ -21,6 +24,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -238,14 +242,18 @@ inline void prefetch_row(const T* row) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-template <typename T, int NC>
+// NC vectors per key row, NV per value row (NV = NC for a K/V cache; fewer for a latent one,
+// whose values are the first NV vectors of the key row, read at the key's offset).
+template <typename T, int NC, int NV>
 void attend_pair(const Problem& pb, const T* query, const T* k_cache, const T* v_cache, T* out,
                  int64_t item, std::vector<float>& scores, std::vector<int64_t>& offsets) {
   constexpr int64_t D = W * NC;
+  constexpr int64_t DV = W * NV;
   // Query heads handled together: their accumulators and a K/V row fit in the registers (32
   // with AVX-512, 16 with AVX2).
   constexpr int kTile = W == 16 ? 16 : 8;
   constexpr int GT = NC >= kTile ? 1 : kTile / NC;
+  constexpr int GTV = NV >= kTile ? 1 : kTile / NV;
   const int64_t pair = item / pb.num_kv_heads;
   const int64_t kv_head = item % pb.num_kv_heads;
   const int64_t seq = pb.decode_seqs[pair];
@@ -292,66 +300,74 @@ void attend_pair(const Problem& pb, const T* query, const T* k_cache, const T* v
     inv_sum[g] = softmax_row(scores.data() + g * n, n, pb.scale, pb.soft_cap, sink);
   }
 
-  for (int64_t g0 = 0; g0 < G; g0 += GT) {
-    const int64_t gt = std::min<int64_t>(GT, G - g0);
-    VF acc[GT][NC];
+  for (int64_t g0 = 0; g0 < G; g0 += GTV) {
+    const int64_t gt = std::min<int64_t>(GTV, G - g0);
+    VF acc[GTV][NV];
 #pragma GCC unroll 32
-    for (int gi = 0; gi < GT; ++gi) {
+    for (int gi = 0; gi < GTV; ++gi) {
 #pragma GCC unroll 32
-      for (int c = 0; c < NC; ++c) acc[gi][c] = vzero();
+      for (int c = 0; c < NV; ++c) acc[gi][c] = vzero();
     }
     for (int64_t j = 0; j < n; ++j) {
       const T* vr = v_cache + offsets[j];
-      if (j + kPrefetch < n) prefetch_row<T, NC>(v_cache + offsets[j + kPrefetch]);
-      VF v[NC];
+      if (j + kPrefetch < n) prefetch_row<T, NV>(v_cache + offsets[j + kPrefetch]);
+      VF v[NV];
 #pragma GCC unroll 32
-      for (int c = 0; c < NC; ++c) v[c] = Vec<T>::load(vr + W * c);
+      for (int c = 0; c < NV; ++c) v[c] = Vec<T>::load(vr + W * c);
 #pragma GCC unroll 32
-      for (int gi = 0; gi < GT; ++gi) {
+      for (int gi = 0; gi < GTV; ++gi) {
         if (gi < gt) {
           const VF p = vset1(scores[(g0 + gi) * n + j]);
 #pragma GCC unroll 32
-          for (int c = 0; c < NC; ++c) acc[gi][c] = vfmadd(p, v[c], acc[gi][c]);
+          for (int c = 0; c < NV; ++c) acc[gi][c] = vfmadd(p, v[c], acc[gi][c]);
         }
       }
     }
 #pragma GCC unroll 32
-    for (int gi = 0; gi < GT; ++gi) {
+    for (int gi = 0; gi < GTV; ++gi) {
       if (gi < gt) {
         const VF norm = vset1(inv_sum[g0 + gi]);
-        T* orow = out + (row * pb.num_heads + kv_head * G + g0 + gi) * D;
+        T* orow = out + (row * pb.num_heads + kv_head * G + g0 + gi) * DV;
 #pragma GCC unroll 32
-        for (int c = 0; c < NC; ++c) Vec<T>::store(orow + W * c, vmul(acc[gi][c], norm));
+        for (int c = 0; c < NV; ++c) Vec<T>::store(orow + W * c, vmul(acc[gi][c], norm));
       }
     }
   }
 }
 
-template <typename T, int NC>
+template <typename T, int NC, int NV>
 void run(const Problem& pb, const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
          int64_t num_decode) {
   const T* q = query.data_ptr<T>();
   const T* k_cache = kv_cache.data_ptr<T>();
-  const T* v_cache = k_cache + pb.num_blocks * pb.block_size * pb.num_kv_heads * W * NC;
+  // The second plane of a K/V cache; a latent cache's values are its keys' first NV vectors.
+  const T* v_cache =
+      kv_cache.size(0) == 2 ? k_cache + pb.num_blocks * pb.block_size * pb.num_kv_heads * W * NC : k_cache;
   T* o = out.data_ptr<T>();
   at::parallel_for(0, num_decode * pb.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> offsets;
     for (int64_t item = begin; item < end; ++item)
-      attend_pair<T, NC>(pb, q, k_cache, v_cache, o, item, scores, offsets);
+      attend_pair<T, NC, NV>(pb, q, k_cache, v_cache, o, item, scores, offsets);
   });
 }
 
 template <typename T>
 void dispatch_head_dim(const Problem& pb, const at::Tensor& query, const at::Tensor& kv_cache,
                        at::Tensor& out, int64_t num_decode, int64_t head_dim) {
+  if (kv_cache.size(0) == 1) {
+    const int64_t value_dim = out.size(2);
+    // DeepSeek-V2/V3 and Kimi K2: kv_lora_rank 512 plus a rope part of 64.
+    if (head_dim == 576 && value_dim == 512) return run<T, 576 / W, 512 / W>(pb, query, kv_cache, out, num_decode);
+    TORCH_CHECK(false, "cpu_paged_decode: unsupported latent dims ", head_dim, "/", value_dim);
+  }
   switch (head_dim) {
-    case 32: return run<T, 32 / W>(pb, query, kv_cache, out, num_decode);
-    case 64: return run<T, 64 / W>(pb, query, kv_cache, out, num_decode);
-    case 80: return run<T, 80 / W>(pb, query, kv_cache, out, num_decode);
-    case 96: return run<T, 96 / W>(pb, query, kv_cache, out, num_decode);
-    case 128: return run<T, 128 / W>(pb, query, kv_cache, out, num_decode);
-    case 256: return run<T, 256 / W>(pb, query, kv_cache, out, num_decode);
+    case 32: return run<T, 32 / W, 32 / W>(pb, query, kv_cache, out, num_decode);
+    case 64: return run<T, 64 / W, 64 / W>(pb, query, kv_cache, out, num_decode);
+    case 80: return run<T, 80 / W, 80 / W>(pb, query, kv_cache, out, num_decode);
+    case 96: return run<T, 96 / W, 96 / W>(pb, query, kv_cache, out, num_decode);
+    case 128: return run<T, 128 / W, 128 / W>(pb, query, kv_cache, out, num_decode);
+    case 256: return run<T, 256 / W, 256 / W>(pb, query, kv_cache, out, num_decode);
     default: TORCH_CHECK(false, "cpu_paged_decode: unsupported head_dim ", head_dim);
   }
 }
@@ -360,6 +376,9 @@ void dispatch_head_dim(const Problem& pb, const at::Tensor& query, const at::Ten
 
 // The head dims this file has code for; Python asks before routing a call here.
 std::vector<int64_t> supported_head_dims() { return {32, 64, 80, 96, 128, 256}; }
+
+// The (head_dim, value_dim) pairs of a one-plane latent cache this file has code for.
+std::vector<std::pair<int64_t, int64_t>> supported_latent_dims() { return {{576, 512}}; }
 
 void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Tensor block_table,
                   at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor decode_seqs,
@@ -396,4 +415,5 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor kv_cache, at::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention (float32 accumulation)");
   m.def("supported_head_dims", &supported_head_dims);
+  m.def("supported_latent_dims", &supported_latent_dims);
 }

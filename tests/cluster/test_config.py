@@ -300,8 +300,8 @@ def test_replicas_get_every_variable_the_engine_reads_and_not_the_api_keys(
     from cluster.serving.serve import runtime_env
 
     source = (Path(__file__).resolve().parents[2] / "engine" / "envs.py").read_text()
-    names = set(re.findall(r'"(LLM_CLUSTER_[A-Z_]+)"', source))
-    assert "LLM_CLUSTER_LOAD_TIMEOUT_S" in names
+    names = set(re.findall(r'"((?:LLM_CLUSTER|VLLM)_[A-Z_]+)"', source))
+    assert {"LLM_CLUSTER_LOAD_TIMEOUT_S", "VLLM_PP_LAYER_PARTITION"} <= names
     for name in names:
         monkeypatch.setenv(name, "7")
     monkeypatch.setenv("LLM_CLUSTER_API_KEYS", "sk-secret")

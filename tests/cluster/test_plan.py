@@ -26,8 +26,9 @@ from tests.engine.test_memory_plan import (
 )
 
 MODEL_ID = "meta-llama/Meta-Llama-3-70B-Instruct"
-# Per GPU at TP 4 x PP 2: 40 layers of bf16 shards plus a quarter of the embedding (stage 0) or
-# of the LM head and the final norm (stage 1); see tests/engine/test_memory_plan.py.
+# Per GPU at TP 4 x PP 2: 41 and 39 layers of bf16 shards (the balanced default: the LM head is
+# ~1.2 layers of work) plus a quarter of the embedding (stage 0) or of the LM head and the final
+# norm (stage 1); see tests/engine/test_memory_plan.py.
 LAYER_BYTES = (20 * 128 * 8192 + 8192 * 2048 + 14336 * 8192 + 8192 * 7168 + 2 * 8192) * 2
 TABLE_BYTES = 128256 // 4 * 8192 * 2
 
@@ -54,8 +55,8 @@ def test_cluster_plan_prints_the_per_gpu_figures_of_each_stage_and_exits_0(
     assert f"{MODEL_ID}: fits" in out
     assert "TP 4 x PP 2 = 8 GPUs per replica" in out
     assert "GPU memory 79.19 GiB (accelerator_type H100), usable 71.27 GiB" in out
-    assert "stage 0 (layers 0-39) x4" in out and "stage 1 (layers 40-79) x4" in out
-    assert f"{(40 * LAYER_BYTES + TABLE_BYTES) / 2**30:.2f} GiB" in out  # 16.43 GiB
+    assert "stage 0 (41 layers, 0-40) x4" in out and "stage 1 (39 layers, 41-79) x4" in out
+    assert f"{(41 * LAYER_BYTES + TABLE_BYTES) / 2**30:.2f} GiB" in out  # 16.83 GiB
     assert "sequence(s) of max_model_len 8192 at once" in out
     assert "estimates" in out
 
@@ -70,9 +71,9 @@ def test_cluster_plan_json_carries_every_figure(
     assert model["model_id"] == MODEL_ID and model["gpu_memory_gib"] == 79.19
     plan = model["plan"]
     first, last = plan["stages"]
-    assert first["weight_bytes"] == 40 * LAYER_BYTES + TABLE_BYTES
-    assert last["weight_bytes"] == 40 * LAYER_BYTES + TABLE_BYTES + 8192 * 2
-    assert first["kv_bytes_per_token"] == 40960
+    assert first["weight_bytes"] == 41 * LAYER_BYTES + TABLE_BYTES
+    assert last["weight_bytes"] == 39 * LAYER_BYTES + TABLE_BYTES + 8192 * 2
+    assert first["kv_bytes_per_token"] == 41 * 1024
     assert plan["kv_tokens"] == plan["kv_blocks"] * 16 > 1_000_000
     assert plan["max_concurrent_sequences"] == plan["kv_tokens"] // 8192
 
@@ -104,12 +105,13 @@ def test_gpu_memory_gib_overrides_the_accelerator_type(
 def test_a_kv_cache_shorter_than_max_model_len_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # 21.2 GiB GPUs: 19.08 GiB usable; the last stage's weights (16.43 GiB), its step (~1 GiB)
-    # and the reserves (1.5 GiB) leave room for 3,536 tokens of 40 KiB, not one of 8,192.
+    # 21.2 GiB GPUs: 19.08 GiB usable; the first stage's weights (16.83 GiB, 41 layers), its
+    # step (~0.7 GiB) and the reserves (1.5 GiB) leave room for 1,088 tokens of 41 KiB, not one
+    # of 8,192.
     path = str(llama70b_yaml(tmp_path))
     assert main(["plan", path, "--gpu-memory-gib", "21.2"]) == 2
     err = capsys.readouterr().err
-    assert "the KV cache holds 3536 tokens per replica (pipeline stage 1: 40 layers x 40 KiB" in err
+    assert "the KV cache holds 1088 tokens per replica (pipeline stage 0: 41 layers x 41 KiB" in err
     assert "fewer than one max_model_len 8192 sequence needs; lower max_model_len" in err
 
 
@@ -151,7 +153,7 @@ def test_a_quantized_checkpoint_is_sized_and_an_unsupported_one_refused(
     stage = json.loads(capsys.readouterr().out)["models"][0]["plan"]["stages"][0]
     # Kept as FP8 on the GPUs: a byte per weight of gate, up and down ([7168, 8192] per rank
     # each) and a float32 scale per output row (gate_up's 2 x 7168, down's 8192).
-    expected = 40 * 3 * 7168 * 8192 + 40 * (2 * 7168 + 8192) * 4
+    expected = 41 * 3 * 7168 * 8192 + 41 * (2 * 7168 + 8192) * 4
     assert stage["weight_breakdown"]["mlp"] == expected
     bnb = {**LLAMA_3_70B, "quantization_config": {"quant_method": "bitsandbytes"}}
     (model_dir / "config.json").write_text(json.dumps(bnb))
@@ -211,7 +213,7 @@ def test_a_model_id_in_the_local_hugging_face_cache_is_planned_from_it(
     out = capsys.readouterr().out
     assert f"{MODEL_ID}: fits" in out
     assert f"config.json from {repo / 'snapshots' / 'abc123' / 'config.json'}" in out
-    assert "stage 0 (layers 0-39) x4" in out
+    assert "stage 0 (41 layers, 0-40) x4" in out
 
 
 def test_preflight_raises_a_config_error_naming_the_model_and_every_problem(

@@ -46,6 +46,12 @@ def _load(path: Path, dtype: str = "float32") -> nn.Module:
     return load_model(config, ParallelContext(), torch.device("cpu"))
 
 
+@pytest.fixture
+def plain_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loaded weights left plain, to be read: packing them for oneDNN at load releases them."""
+    monkeypatch.setenv("LLM_CLUSTER_CPU_PACKED_GEMM", "0")
+
+
 def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {n: (h["dtype"], tuple(h["shape"])) for n, h in checkpoint_headers(path).items()}
 
@@ -113,6 +119,7 @@ def test_kept_mxfp4_ranks_sum_to_the_dequantized_layer(expert_parallel: bool) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("plain_weights")
 def test_experts_hold_transformers_dequantized_weights_exactly(dtype: torch.dtype) -> None:
     path = materialize_tiny_gpt_oss_mxfp4()
     hf_model = AutoModelForCausalLM.from_pretrained(
@@ -141,6 +148,7 @@ def _split_shards(path: Path, first: str) -> None:
 
 
 @pytest.mark.parametrize("first", ["blocks", "scales"])
+@pytest.mark.usefixtures("plain_weights")
 def test_pairs_are_found_across_shard_files_in_either_order(tmp_path: Path, first: str) -> None:
     whole = _load(materialize_tiny_gpt_oss_mxfp4()).state_dict()
     path = _copy(tmp_path)

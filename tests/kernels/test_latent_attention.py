@@ -2,9 +2,11 @@
 attends one cached vector per token (MQA), the whole vector as the key and its first
 ``v_head_dim`` values as the value; against the float64 naive reference, for decode rows and
 prefill chunks together, float32, bfloat16 and an FP8 cache; the cache writes and block moves
-of both layouts; and what the native CPU decode kernel declines."""
+of both layouts; the native CPU decode kernel over DeepSeek's latent, and what it declines."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -102,18 +104,36 @@ def test_block_copies_and_swaps_move_a_latent_cache_whole() -> None:
         attention.swap_blocks(device, torch.zeros(2, 3, 4, 1, 8), torch.tensor([[0, 0]]))
 
 
-def test_the_cpu_backend_attends_a_latent_cache_on_the_torch_path() -> None:
-    """The native decode kernel reads V from a second plane: it declines a latent cache it
-    would otherwise cover (a head dim it is built for), and the torch path attends it."""
+@pytest.mark.parametrize("isa", cpu_decode.ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_native_kernel_attends_deepseeks_latent_decode_rows(isa: str, dtype) -> None:
+    """The CPU decode kernel over DeepSeek's 576 / 512 latent: every decode row it attends (the
+    prefill chunks of the step stay on the torch path) equals the float64 reference."""
+    skip_unless_native(isa)
+    query, cache, metadata, v_dim, scale = _latent_batch("deepseek", dtype)
+    assert cpu_decode.native_decode_covers(query, cache, v_dim, isa)
+    kernel = functools.partial(native_decode, isa=isa)  # raises if it declines
+    got = attention.paged_attention(
+        query, cache, metadata, scale, v_head_dim=v_dim, decode_kernel=kernel
+    )
+    expected = naive_paged_attention(query, cache, metadata, scale, v_head_dim=v_dim)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+
+
+def test_the_native_kernel_declines_latent_dims_it_is_not_built_for() -> None:
+    """A latent of other sizes (a head dim the kernel has for K/V caches, values fewer) goes to
+    the torch path."""
     skip_unless_native()
     query, cache, metadata = paged_batch(
         [1, 1], [40, 9], num_heads=4, num_kv_heads=1, head_dim=64, planes=1
     )
     _, kv_cache, _ = paged_batch([1, 1], [40, 9], num_heads=4, num_kv_heads=1, head_dim=64)
     assert cpu_decode.native_decode_covers(query, kv_cache)
-    assert not cpu_decode.native_decode_covers(query, cache)
+    assert not cpu_decode.native_decode_covers(query, cache, 48)
+    assert not cpu_decode.native_decode_covers(query, cache, 64)
     got = attention.paged_attention(
-        query, cache, metadata, 0.125, v_head_dim=48, decode_kernel=native_decode
-    )  # native_decode raises if asked and declining: it is never asked
+        query, cache, metadata, 0.125, v_head_dim=48, decode_kernel=cpu_decode.attend_decode
+    )  # asked, it declines without writing
     expected = naive_paged_attention(query, cache, metadata, 0.125, v_head_dim=48)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
