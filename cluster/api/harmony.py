@@ -31,17 +31,16 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL = (
-    "<|start|>",
-    "<|end|>",
-    "<|message|>",
-    "<|channel|>",
-    "<|constrain|>",
-    "<|return|>",
-    "<|call|>",
+from engine.tiny_harmony import (  # the format's special tokens, defined once
+    CALL,
+    CONSTRAIN,
+    END,
+    HARMONY_TOKENS,
+    MESSAGE,
+    RETURN,
+    START,
 )
-# The special tokens a harmony tokenizer must encode as one token each.
-HARMONY_TOKENS: tuple[str, ...] = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
+
 # A message's text ends at these (a <|start|> without an <|end|> before it too).
 _TEXT_ENDS = (END, RETURN, CALL, START)
 _HEADER_ENDS = (MESSAGE, START, END, RETURN, CALL)
