@@ -71,6 +71,34 @@ class WorkerActor:
     def init_device(self) -> None:
         # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always index 0.
         self.worker.init_device(0)
+        if self.worker.config.device.device_type == "cpu":
+            self._use_reserved_cpus()
+
+    def _use_reserved_cpus(self) -> None:
+        """Compute on as many threads as this actor's bundle reserves CPUs. The driver's
+        ``OMP_NUM_THREADS`` reaches the actor through its environment and is meant for one
+        process; with several CPU workers busy at once (pipelined stages, TP ranks) it would
+        oversubscribe the cores, and OpenMP threads that wait by spinning make that several
+        times slower, not just even."""
+        import ray
+        import torch
+
+        reserved = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+        threads = max(1, int(reserved))
+        if torch.get_num_threads() != threads:
+            logger.info(
+                "rank %d: %d compute thread(s), one per reserved CPU (was %d)",
+                self.rank,
+                threads,
+                torch.get_num_threads(),
+            )
+            torch.set_num_threads(threads)
+
+    def num_threads(self) -> int:
+        """The compute threads this rank's torch uses."""
+        import torch
+
+        return torch.get_num_threads()
 
     def start_rendezvous(self, timeout_s: float) -> tuple[str, int]:
         """Host the rendezvous store on this node's address; (address, OS-assigned port)."""

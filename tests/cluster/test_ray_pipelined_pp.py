@@ -1,10 +1,13 @@
 """Pipelined PP on Ray workers: with pipeline_parallel_size 2 the engine keeps two batches in
 flight (stage 0 computes one while stage 1 computes the other), token-for-token equal to one
 batch at a time and to TP = PP = 1, under chunked prefill, preemption and seeded sampling.
+The Ray cluster starts with ``OMP_NUM_THREADS`` above one, as a user's shell may export it: each
+stage still computes on one thread per CPU its bundle reserves.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 
@@ -29,7 +32,15 @@ ARGS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "2"  # the workers' processes inherit it through Ray
+    try:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
     yield
     ray.shutdown()
 
@@ -63,6 +74,8 @@ def test_two_batches_in_flight_are_token_equal_to_tp1(single: list[list[int]]) -
     llm = LLM("builtin:tiny-llama", pipeline_parallel_size=2, **ARGS)
     engine = llm.llm_engine
     assert engine.executor.max_concurrent_batches == 2
+    # Two stages busy at once with the driver's two threads each would oversubscribe the cores.
+    assert ray.get([w.num_threads.remote() for w in engine.executor.workers]) == [1, 1]
     prompts, params = _workload()
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"probe{i}", prompt, p)
