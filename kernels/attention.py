@@ -1,72 +1,23 @@
 """PagedAttention in plain torch: the CPU serving path and the reference for the Triton kernels
 and the native CPU decode kernel (``kernels.cpu_decode``, which takes over the decode rows through
-``paged_attention``'s ``decode_kernel`` hook).
+``paged_attention``'s ``decode_kernel`` hook). It also holds the step metadata and plans the
+kernels share (``AttentionMetadata``: decode groups, prefill chunks, window plans) and the
+argument checks; FP8 KV quantization is ``kernels.kv_quant``.
 
-One role (~1,040 lines): the torch attention path and the step metadata/plans it shares with the
-Triton kernels (decode groups, prefill chunks, sliding-window plans), plus its argument checks.
-One role because the torch path is the reference the Triton kernels are tested against and both
-read the same plans; the native CPU decode kernel reads the same metadata and is itself in
-``kernels.cpu_decode``; FP8 KV quantization itself is ``kernels.kv_quant``.
-
-KV cache layout, one tensor per layer::
+KV cache layout, one tensor per layer (FP8: float8_e4m3fn with one ``k_scale``/``v_scale``)::
 
     kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
              │  └─ physical block id      └─ offset inside the block
-             └─ 0 = K, 1 = V
+             └─ 0 = K, 1 = V              slot = block_id * block_size + offset
 
-    slot = block_id * block_size + offset
-
-A cache with ONE plane, ``kv_cache[1, num_blocks, block_size, num_kv_heads, head_dim]``, holds one
-vector per token and kv head that is both the key (all ``head_dim`` values) and the value (its
-first ``v_head_dim`` values): multi-head latent attention's (DeepSeek-V2/V3) compressed latent
-``[kv_c | k_pe]``, attended with the up-projections absorbed into the query and the output
-(``engine.models.mla``). ``reshape_and_cache`` then writes only the key, ``paged_attention``
-takes ``v_head_dim`` and returns ``[num_tokens, num_heads, v_head_dim]``, and an FP8 cache uses
-``k_scale`` alone.
-
-The cache is in the model's dtype, or float8_e4m3fn under ``kv_cache_dtype="fp8"``: then each
-layer's K and V carry one scale each, ``reshape_and_cache`` quantizes the new tokens with them
-and the gathers dequantize blocks into the query's dtype before attending
-(``kernels.kv_quant`` has the arithmetic; the Triton kernels do the same in-kernel).
-
-A request's ``block_table`` row lists its physical block ids in logical order; they need not be
-contiguous or sorted. Logical position ``p`` of a request lives in slot
-``block_table[p // block_size] * block_size + p % block_size``.
-
-A step's batch is packed: request ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b+1]``,
-which are the last ``query_len[b]`` tokens of its ``seq_len[b]``-token context (their K/V are
-written by ``reshape_and_cache`` before attention runs). New token ``i`` sits at position
-``q = seq_len[b] - query_len[b] + i`` and attends to every position ``k <= q``; with a
-``sliding_window`` W only to ``q - W < k <= q`` (W keys at most, itself included: HF's
-convention), and with ``logits_soft_cap`` C its scaled scores become ``C * tanh(score / C)``
-before the mask and softmax (Gemma 2).
-
-How the torch path batches work (all of it decided once per step in ``AttentionMetadata.build``):
-
-* decode requests (``query_len == 1``) are sorted by context length and cut into a few
-  ``DecodeGroup``s whose padding is bounded; each group is one block gather plus one SDPA call;
-* every other request is a ``PrefillChunk`` handled on its own (there are few per step), so one
-  long prefill never pads the decode requests sharing its batch, nor they it.
-
-Layers of one step share the metadata but not their window (Gemma 2 alternates windowed and
-global layers), so a window's plan is derived from that one on first use and cached in the
-metadata per window size: its decode groups gather only the last
-``ceil((W - 1) / block_size) + 1`` blocks of each request (as many as W consecutive positions
-can touch), its chunks only the blocks from their first query's window on.
-Soft-capped calls and calls with attention sinks cannot use SDPA (it has no hook between the
-scores and the softmax, nor a logit without a value) and take a plain matmul / tanh / mask /
-softmax route in float32 instead. A sink (gpt-oss) is a learned logit per query head that joins
-every softmax's denominator and carries no value::
-
-    out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m)),  m = max(s_j, sink)
-
-Scores and softmax accumulate in float32 whatever the cache dtype; the output is cast back. A
-bf16 cache on a CPU with native bf16 (AVX512-BF16 or AMX) runs SDPA in bf16, whose CPU kernel
-accumulates in float32 (it rounds the probabilities to bf16 for the product with V, as flash
-attention does on GPUs) and is 1.2-6x faster there than converting K/V to float32 first; every
-other cache (fp16, or bf16 where bf16 is emulated) is converted and attended in float32.
-The gathered K/V land in a ``GatherWorkspace`` owned by the metadata, so the layers of a step
-reuse one buffer instead of allocating (and page-faulting) a fresh one each.
+A one-plane cache ``kv_cache[1, ...]`` holds MLA's latent ``[kv_c | k_pe]``: key and value at
+once (``reshape_and_cache`` writes the key alone, ``paged_attention`` takes ``v_head_dim``).
+A request's ``block_table`` row lists its physical blocks in logical order (not necessarily
+contiguous or sorted): position ``p`` lives in slot
+``block_table[p // block_size] * block_size + p % block_size``. A step's batch is packed:
+request ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b+1]``, the last
+``query_len[b]`` tokens of its ``seq_len[b]``-token context, whose K/V ``reshape_and_cache``
+writes before attention runs.
 """
 
 from __future__ import annotations
@@ -192,6 +143,13 @@ class AttentionMetadata:
     The device tensors (``slot_mapping``, ``block_table``, ``seq_lens``, ``query_start_loc``) are
     the contract for the fused kernels; ``decode_groups`` and ``prefill_chunks`` are the torch
     path's precomputed plan, so a layer does no host-to-device copy and no per-token Python loop.
+
+    How the torch path batches work (decided once per step in ``build``): decode requests
+    (``query_len == 1``) are sorted by context length and cut into a few ``DecodeGroup``s whose
+    padding is bounded, each one block gather plus one SDPA call; every other request is a
+    ``PrefillChunk`` of its own (there are few per step), so one long prefill never pads the
+    decode requests sharing its batch, nor they it. Layers share the metadata but not their
+    window (Gemma 2 alternates windowed and global layers): see ``window_plan``.
     """
 
     num_seqs: int
@@ -233,7 +191,9 @@ class AttentionMetadata:
     def window_plan(self, sliding_window: int) -> AttentionPlan:
         """The plan of a layer with this sliding window: each decode group reads only the
         blocks that can hold keys inside its requests' windows, each chunk only the blocks
-        from its first query's window on. Derived once per window size and step."""
+        from its first query's window on. Derived on first use and cached per window size: a
+        decode group gathers only the last ``ceil((W - 1) / block_size) + 1`` blocks of each
+        request (as many as W consecutive positions can touch)."""
         plan = self.window_plans.get(sliding_window)
         if plan is None:
             plan = AttentionPlan(
@@ -384,7 +344,8 @@ def reshape_and_cache(
     """Write the new tokens' ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into
     ``kv_cache`` at ``slot_mapping``; tokens whose slot is < 0 are not written. An FP8 cache
     stores them quantized with ``k_scale``/``v_scale`` (``kernels.kv_quant``); other caches
-    ignore the scales. A one-plane (latent) cache takes the key alone (``value`` None)."""
+    ignore the scales. A one-plane (latent) cache takes the key alone (``value`` None) and an
+    FP8 one uses ``k_scale`` alone."""
     check_cache_write_args(key, value, kv_cache, slot_mapping)
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
 
@@ -419,12 +380,16 @@ def paged_attention(
     (``[..., v_head_dim]`` over a one-plane latent cache, whose values are the first
     ``v_head_dim`` of each key's values; ``v_head_dim`` is given for such a cache only).
 
-    Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA/MQA). A query at
-    position ``q`` sees keys ``q - sliding_window < k <= q`` when ``sliding_window`` is set;
-    ``logits_soft_cap`` C turns the scaled scores into ``C * tanh(scores / C)``. ``sinks``
+    Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA/MQA). New token
+    ``i`` of request ``b`` sits at position ``q = seq_len[b] - query_len[b] + i`` and sees keys
+    ``k <= q``; with ``sliding_window`` W only ``q - W < k <= q`` (W keys at most, itself
+    included: HF's convention). ``logits_soft_cap`` C turns the scaled scores into
+    ``C * tanh(scores / C)`` before the mask and softmax (Gemma 2). ``sinks``
     (float ``[num_heads]``, on the query's device) adds ``exp(sinks[h])`` to head ``h``'s softmax
     denominator, a logit with no value (gpt-oss). An FP8 cache is dequantized with
-    ``k_scale``/``v_scale`` into ``query.dtype`` as it is gathered.
+    ``k_scale``/``v_scale`` (a one-plane cache: ``k_scale`` alone) into ``query.dtype`` as it is
+    gathered; the Triton kernels do the same in-kernel. Scores and softmax accumulate in float32
+    whatever the cache dtype (``sdpa_dtype``); the output is cast back.
 
     ``decode_kernel`` (``kernels.cpu_decode.attend_decode``; the ``cpu`` backend passes it)
     attends every decode row in one native call where it covers the tensors; the decode groups
@@ -846,7 +811,10 @@ def _explicit_attention(
 
 def _softmax_with_sink(scores: Tensor, sink: Tensor | None) -> Tensor:
     """Softmax over the last dim of float32 ``scores`` (in place), with ``sink`` (broadcast to
-    ``scores[..., :1]``) as one more logit in the denominator whose probability is dropped."""
+    ``scores[..., :1]``) as one more logit in the denominator whose probability is dropped::
+
+        out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m)),  m = max(s_j, sink)
+    """
     if sink is None:
         return torch.softmax(scores, dim=-1)
     row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
@@ -913,8 +881,10 @@ def _gather_kv(
 
 def sdpa_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype the torch path attends K/V of ``kv_dtype`` (the cache's, or its dequantized
-    dtype) in: float32 for float32, bf16 for bf16 on a CPU with native bf16; float32 otherwise
-    (see the module docstring)."""
+    dtype) in: float32 for float32, bf16 for bf16 on a CPU with native bf16 (AVX512-BF16 or AMX),
+    whose SDPA kernel accumulates in float32 (it rounds the probabilities to bf16 for the product
+    with V, as flash attention does on GPUs) and is faster there than converting K/V first
+    (BENCHMARKS.md); float32 for every other cache (fp16, or bf16 where bf16 is emulated)."""
     if kv_dtype == torch.bfloat16 and device.type == "cpu" and _native_cpu_bf16():
         return torch.bfloat16
     return torch.float32
