@@ -2,58 +2,21 @@
 
 Ray does placement, lifecycle, failure detection and the control calls (``collective_rpc``,
 ``ping``: ordinary actor calls). The per-step hot path carries the msgspec-encoded step message
-(encoded once) to every worker and, from the sampling worker only, the encoded reply; on GPU
-workers it is a Ray Compiled Graph (one ``execute`` per step over shared-memory channels, no
-Ray task per worker), on CPU workers one actor call per worker, since the graph's readers
-spin on a core the CPU workers compute on (``LLM_CLUSTER_RAY_DISPATCH`` picks either), see
-``cluster.runtime.step_dispatch``. On GPU the pipeline stages exchange hidden states over
-torch.distributed (NCCL) themselves; the graph carries only the step message and the replies.
-With ``LLM_CLUSTER_PP_PIPELINING`` and PP > 1, up to PP steps are in flight at once
-(``max_concurrent_batches``): ``execute_model_async`` sends one and returns a ``StepFuture``.
+(encoded once) to every worker and, from the sampling worker only, the encoded reply: a Ray
+Compiled Graph on GPU workers, one actor call per worker on CPU workers
+(``LLM_CLUSTER_RAY_DISPATCH``; ``cluster.runtime.step_dispatch``). On GPU the pipeline stages
+exchange hidden states over torch.distributed (NCCL) themselves. With
+``LLM_CLUSTER_PP_PIPELINING`` and PP > 1, up to PP steps are in flight at once
+(``execute_model_async`` returns a ``StepFuture``).
 
     head (LLMEngine) ──ExecuteModelRequest bytes──▶ rank 0 … rank TP·PP−1
                      ◀──ModelRunnerOutput bytes──── last stage, TP rank 0 (others: None)
 
-A worker that dies (or raises, or outlasts ``LLM_CLUSTER_STEP_TIMEOUT_S``) makes the executor
-dead: the step that saw it raises ``EngineDeadError`` naming the rank, the remaining actors are
-killed (they may be blocked in a collective with the dead one), the compiled graph is torn
-down (after the kill: teardown waits for actors still in a step), and every later call raises
-until a new executor is built.
-
-Start-up calls (placement, ``init_device`` … ``load_model``, ``determine_num_available_blocks``,
-``initialize_cache``) wait up to ``LLM_CLUSTER_LOAD_TIMEOUT_S`` each, steps and control calls
-``LLM_CLUSTER_STEP_TIMEOUT_S``: eight workers reading a 70B model's shards take minutes, a step
-seconds. Ranks load at once (one actor call each), so start-up takes the slowest rank's time,
-not the sum. Each worker publishes its progress itself (``cluster.runtime.load_progress``).
-
-Placement across nodes. A TP group all-reduces every layer, so its ranks must share a node;
-pipeline stages exchange one tensor per step and may sit on different nodes. The executor's own
-placement group therefore has one bundle per pipeline stage holding the whole TP group
-(``{"CPU": TP}`` or ``{"GPU": TP}``, the stage's TP workers each take one unit of it): Ray
-never splits a bundle across nodes, so no placement can cut a TP group, the group is still one
-gang-scheduled placement group, and ``placement_group_strategy`` (PACK by default) says only
-whether stages share a node. Per-worker bundles checked after placement were rejected: PACK may
-put 3 of 4 bundles on a 3-CPU node and refuse a cluster (3 + 2 CPUs) that could host the
-replica; so were STRICT_PACK groups per stage: separate groups are not gang-scheduled, so one
-stage can hold a node while the other waits. A Serve replica's placement group is built the
-same way (``cluster.config``). Whatever the bundles (a placement group made elsewhere with one
-bundle per worker), ranks are dealt by node once the group is placed: the nodes' worker slots
-in order, so ranks ``s*TP .. s*TP+TP-1`` (stage ``s``) share a node; a node holding a number of
-slots that is not a multiple of TP fails at once, naming each node's count: nothing runs split.
-Before creating its own group the executor checks the nodes' capacities: a replica no node set
-can host (a TP group larger than every node, or fewer nodes with room for a TP group than
-stages) fails at once naming each node's CPUs (GPUs) instead of waiting
-``LLM_CLUSTER_LOAD_TIMEOUT_S`` for placement.
-
-A local Ray this module started (no ``RAY_ADDRESS``, no cluster on the machine) belongs to the
-engine: when a later executor in the process needs more CPUs than it has and no executor of the
-process is alive on it, it is shut down and started again with room (logical CPUs are only
-scheduling tokens here). A Ray the user started or joined is never restarted.
-
-One role (~560 lines): the engine's executor over Ray worker actors: start-up with its
-timeouts, calls, failure and shutdown, and the local Ray it may own; the placement arithmetic
-(``cluster.runtime.placement``) and the step dispatch (``cluster.runtime.step_dispatch``) are
-their own modules.
+Start-up calls wait up to ``LLM_CLUSTER_LOAD_TIMEOUT_S`` each, steps and control calls
+``LLM_CLUSTER_STEP_TIMEOUT_S``; a worker that dies, raises or times out makes the executor dead
+(``EngineDeadError`` naming the rank, every later call raises). Every TP group is placed on
+one node (one bundle per pipeline stage; arithmetic in ``cluster.runtime.placement``), and a
+local Ray this module started may be restarted with more CPUs (``_LocalRay``).
 """
 
 from __future__ import annotations
@@ -121,6 +84,27 @@ _STARTUP_CALLS = {
 
 
 class RayExecutor(Executor):
+    """The engine's executor over Ray worker actors.
+
+    Step dispatch: on GPU workers a Ray Compiled Graph (one ``execute`` per step over
+    shared-memory channels, no Ray task per worker); on CPU workers one actor call per worker,
+    since the graph's readers spin on a core the CPU workers compute on. The graph carries only
+    the step message and the replies.
+
+    Failure: a worker that dies (or raises, or outlasts ``LLM_CLUSTER_STEP_TIMEOUT_S``) makes
+    the executor dead: the step that saw it raises ``EngineDeadError`` naming the rank, the
+    remaining actors are killed (they may be blocked in a collective with the dead one), the
+    compiled graph is torn down (after the kill: teardown waits for actors still in a step),
+    and every later call raises until a new executor is built.
+
+    Timeouts: start-up calls (placement, ``init_device`` … ``load_model``,
+    ``determine_num_available_blocks``, ``initialize_cache``) wait up to
+    ``LLM_CLUSTER_LOAD_TIMEOUT_S`` each, steps and control calls ``LLM_CLUSTER_STEP_TIMEOUT_S``:
+    eight workers reading a 70B model's shards take minutes, a step seconds. Ranks load at once
+    (one actor call each), so start-up takes the slowest rank's time, not the sum. Each worker
+    publishes its progress itself (``cluster.runtime.load_progress``).
+    """
+
     def __init__(self, config: EngineConfig, observer: StartupObserver | None = None) -> None:
         with _LOCAL_RAY.lock:
             _LOCAL_RAY.ensure_fits(config)
@@ -160,7 +144,16 @@ class RayExecutor(Executor):
     def _acquire_placement_group(self) -> list[int]:
         """The bundle index of each rank 0..world-1, every TP group on one node: in the
         caller's placement group (a Serve replica's) when there is one, else in a new one of
-        one ``{resource: TP}`` bundle per pipeline stage."""
+        one ``{resource: TP}`` bundle per pipeline stage.
+
+        A TP group all-reduces every layer, so its ranks must share a node; pipeline stages
+        exchange one tensor per step and may sit on different nodes. Ray never splits a bundle
+        across nodes, so one bundle per stage holding the whole TP group (the stage's TP workers
+        each take one unit of it) means no placement can cut a TP group, the group is still one
+        gang-scheduled placement group, and ``placement_group_strategy`` (PACK by default) says
+        only whether stages share a node. A Serve replica's placement group is built the same
+        way (``cluster.config``).
+        """
         tp = self.config.parallel.tensor_parallel_size
         current = get_current_placement_group()
         if current is not None:
@@ -181,6 +174,10 @@ class RayExecutor(Executor):
         return self._ranks_by_node(self._pg, slots, tp)
 
     def _create_placement_group(self, tp: int) -> PlacementGroup:
+        # One bundle per stage, not per worker: per-worker bundles checked after placement let
+        # PACK put 3 of 4 bundles on a 3-CPU node and refuse a cluster (3 + 2 CPUs) that could
+        # host the replica; nor STRICT_PACK groups per stage: separate groups are not
+        # gang-scheduled, so one stage can hold a node while the other waits.
         strategy = self.config.parallel.placement_group_strategy
         stages = self.config.parallel.pipeline_parallel_size
         pg = placement_group([{self._resource: float(tp)}] * stages, strategy=strategy)
@@ -199,7 +196,11 @@ class RayExecutor(Executor):
 
     @staticmethod
     def _ranks_by_node(pg: PlacementGroup, slots: list[int], tp: int) -> list[int]:
-        """Deal ranks to the placed slots node by node (see the module docstring)."""
+        """Deal ranks to the placed slots node by node, whatever the bundles (a placement group
+        made elsewhere may have one bundle per worker): the nodes' worker slots in order, so
+        ranks ``s*TP .. s*TP+TP-1`` (stage ``s``) share a node; a node holding a number of slots
+        that is not a multiple of TP fails at once, naming each node's count: nothing runs
+        split."""
         bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
         slot_nodes = [bundle_nodes[bundle] for bundle in slots]
         names = _node_names()
@@ -211,7 +212,8 @@ class RayExecutor(Executor):
     def _check_cluster_can_fit(self) -> None:
         """Fail at once, naming the shortfall, when the cluster's nodes can never hold the
         workers: fewer CPUs (GPUs) in all than workers, or fewer whole TP groups on the nodes
-        than pipeline stages. Such a placement group would wait forever. Node totals, not
+        than pipeline stages (naming each node's CPUs or GPUs). Such a placement group would
+        wait ``LLM_CLUSTER_LOAD_TIMEOUT_S`` and fail, or forever. Node totals, not
         what is free: what others hold now may be released while the placement waits."""
         total = ray.cluster_resources().get(self._resource, 0)
         if total < self.world_size:
@@ -455,7 +457,13 @@ def _node_capacities(resource: str) -> dict[str, float]:
 
 class _LocalRay:
     """The local Ray this module started (by its session name; never one the user started
-    or joined) and the process's executors, which say whether it may be restarted."""
+    or joined) and the process's executors, which say whether it may be restarted.
+
+    A local Ray this module started (no ``RAY_ADDRESS``, no cluster on the machine) belongs to
+    the engine: when a later executor in the process needs more CPUs than it has and no
+    executor of the process is alive on it, it is shut down and started again with room
+    (logical CPUs are only scheduling tokens here). A Ray the user started or joined is never
+    restarted."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
