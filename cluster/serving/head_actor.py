@@ -1,7 +1,8 @@
 """The head of a model replica as a Ray actor of its own: the engine core (``LLMEngine`` —
 scheduler, block manager, executor — in an ``EngineCoreLoop``) in a process that does nothing
 else, placed in the replica's placement group. ``HeadCoreClient`` is how the replica (the
-``LLMServer`` front: templates, tokenizing, streams, OpenAI chunks) reaches it.
+``LLMServer`` front: templates, tokenizing, streams, OpenAI chunks) reaches it: both sides of
+one process boundary, which change together. All messages are msgspec.
 
     LLMServer replica (front)                     HeadActor (own process)
     ──────────────────────────                    ───────────────────────
@@ -13,45 +14,12 @@ else, placed in the replica's placement group. ``HeadCoreClient`` is how the rep
     ────────────────────────────────────
     poll_sink(sink, acked) ◀── list[StepOutputs] ─ the steps' deltas of the requests added with
                                                     ``AddRequest.sink == sink``, nothing else
+                  or, for a ``tcp://`` sink, pushed by a ``SinkPusher`` (``token_push``)
 
-One poll is always outstanding: it returns as soon as a step has produced something, with every
-step the front has not acknowledged (one message for all requests, however many steps piled up).
-Steps are numbered; the next poll acknowledges what the last one returned, so a poll whose reply
-is lost (its caller's event loop ended) loses nothing. The core thread never waits for the front.
-The front makes every call to the head outside any request's context: Serve cancels the Ray
-calls a request made when the request is cancelled, and the poll and an abort are not the
-request's own. All messages are msgspec; nothing is pickled by this
-project.
-
-A request added with a ``sink`` (the ingress's ``cluster.serving.token_channel``) has its deltas put
-in that sink's outbox, which the ingress polls the same way: one message per step for all of
-that ingress's requests, instead of one Serve stream item per request per step through the
-replica. Its front, whose stream then carries no tokens, gets only the request's first delta and
-its last, merged with those between and each step's time (``RequestDelta.steps``, for the
-latency metrics): one wakeup of the replica per request, not per step. A sink that nobody polls
-for ``SINK_IDLE_S`` is dropped (its ingress is gone). A sink named ``tcp://HOST:PORT/TOKEN`` (the
-default, ``LLM_CLUSTER_TOKEN_PUSH``) is not polled: a ``SinkPusher`` connects to that ingress
-and the core thread writes each step to it (``cluster.serving.token_push``), with no Ray call
-and no other thread woken per step; it lives as long as its connection.
 The actor is owned by the replica, so it dies with it; if the head dies, the poll fails,
 every stream ends with a 503 and the replica's health check fails, so Serve replaces it.
-
-Start-up has no deadline here: the engine's executor bounds each start-up phase by
-``LLM_CLUSTER_LOAD_TIMEOUT_S`` and the front waits for ``ready`` as long as that takes (the
-core loop's stall watchdog only times steps). The in-process worker of a TP = PP = 1 head
-publishes its load progress like a worker actor does (``cluster.runtime.load_progress``), and the
-head logs the start-up timeline once the engine runs.
-
-With ``LLM_CLUSTER_HEAD_CORE_PROCESS=1`` and TP = PP = 1, the engine core runs in a plain child
-process of this actor (``engine.core_process``: a socket pair, msgpack) rather than on its
-thread, as vLLM's EngineCore runs inside a Ray Serve LLM replica; the actor then only relays.
-Off by default: on a 2-core CPU machine it raised throughput at 64 requests in two A/B pairs
-but concurrency-1 TPOT in only one (BENCHMARKS.md, "After delta outputs; the engine core in a
-child process"); on a GPU, where the head's Python is the step's critical path and Ray's
-threads take its GIL, it is the first thing to measure.
-
-One role (~620 lines): the head actor and the client the front reaches it through: both sides
-of one process boundary, which change together.
+``LLM_CLUSTER_HEAD_CORE_PROCESS=1`` (TP = PP = 1) runs the engine core in a child process of
+the actor (``engine.core_process``), which then only relays.
 """
 
 from __future__ import annotations
@@ -164,7 +132,39 @@ class _Held:
 
 
 class HeadActor:
-    """Ray actor (threaded): the engine core of one model replica."""
+    """Ray actor (threaded): the engine core of one model replica.
+
+    Polling: one poll is always outstanding; it returns as soon as a step has produced
+    something, with every step the front has not acknowledged (one message for all requests,
+    however many steps piled up). Steps are numbered; the next poll acknowledges what the last
+    one returned, so a poll whose reply is lost (its caller's event loop ended) loses nothing.
+    The core thread never waits for the front. The front makes every call to the head outside
+    any request's context: Serve cancels the Ray calls a request made when the request is
+    cancelled, and the poll and an abort are not the request's own.
+
+    Sinks: a request added with a ``sink`` (the ingress's ``cluster.serving.token_channel``) has
+    its deltas put in that sink's outbox, which the ingress polls the same way: one message per
+    step for all of that ingress's requests, instead of one Serve stream item per request per
+    step through the replica. Its front, whose stream then carries no tokens, gets only the
+    request's first delta and its last, merged with those between and each step's time
+    (``RequestDelta.steps``, for the latency metrics): one wakeup of the replica per request,
+    not per step. A sink nobody polls for ``SINK_IDLE_S`` is dropped (its ingress is gone). A
+    sink named ``tcp://HOST:PORT/TOKEN`` (the default, ``LLM_CLUSTER_TOKEN_PUSH``) is not
+    polled: a ``SinkPusher`` connects to that ingress and the core thread writes each step to
+    it (``cluster.serving.token_push``), with no Ray call and no other thread woken per step;
+    it lives as long as its connection.
+
+    Start-up has no deadline here: the engine's executor bounds each start-up phase by
+    ``LLM_CLUSTER_LOAD_TIMEOUT_S`` and the front waits for ``ready`` as long as that takes (the
+    core loop's stall watchdog only times steps). The in-process worker of a TP = PP = 1 head
+    publishes its load progress like a worker actor does (``cluster.runtime.load_progress``),
+    and the head logs the start-up timeline once the engine runs.
+
+    With a core process (TP = PP = 1), the engine core runs in a plain child process (a socket
+    pair, msgpack) rather than on the actor's thread, as vLLM's EngineCore runs inside a Ray
+    Serve LLM replica; off by default (BENCHMARKS.md, "After delta outputs; the engine core in a
+    child process").
+    """
 
     def __init__(
         self, engine_args: dict[str, Any], model_id: str = "", core_process: bool | None = None
