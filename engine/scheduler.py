@@ -11,45 +11,9 @@ under a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_
 3. then, if nothing is swapped out, waiting requests are admitted, reusing prefix-cache hits.
 
 A prompt longer than the remaining budget is chunked across steps, so decodes never starve.
-This module is a CPU-only state machine: it never touches a model or a tensor.
-
-Parallel sampling (n > 1): the engine adds the n samples of a request as n ``Request``s; sample 0
-is scheduled like any request, samples 1..n-1 wait (``WAITING_FOR_PROMPT``, in no queue) until
-sample 0 has computed the whole prompt (P tokens). Then each forks: it shares sample 0's blocks
-holding tokens [0, P - 1) (ref counts + 1, see ``BlockManager.fork``), starts with P - 1
-computed tokens and recomputes only the last prompt token, whose logits it samples its first
-token from (with its own seed). Its write into the shared, partially filled last block is a
-copy-on-write (``blocks_to_copy``). So the prompt is computed once, one token per extra sample
-is recomputed, and a group holds ceil(P / block_size) prompt blocks plus at most one copied block
-per sample. Admission reserves ``max_num_seqs`` room for the whole group; if sample 0 ends before
-the fork (abort, or a stop), the waiting samples fall back to the waiting queue.
-
-LoRA: the running requests use at most ``max_loras`` distinct adapters (the device slots), so
-every step's adapters are resident. A waiting (or swapped) request whose adapter would be one
-too many waits, and requests behind it of adapters already running (or of the base model) are
-admitted past it, keeping their queue order.
-
-Batches in flight (pipeline parallelism): the engine may send a step before the previous one
-returns (``pipeline_depth`` > 1, one batch per pipeline stage). A request in a batch not yet
-returned is "in flight" (``in_flight``: counted by ``schedule``, cleared by
-``update_from_output``): it is not scheduled again (its next token is unknown) and never
-chosen as a preemption victim (its blocks are being written); a request short of blocks
-preempts among the others, itself included. Each batch takes at most
-ceil(live requests / ``pipeline_depth``) requests, so the live requests split into about
-``pipeline_depth`` groups that take turns, one per stage, as vLLM's virtual engines did; with
-one batch at a time there is no such cap and nothing is counted. An abort frees a request's
-blocks at once even when it is in flight: every worker runs the batches in the order they
-were sent, so the batch in flight is done with those blocks before a later batch reuses them,
-and its returned tokens are dropped.
-
-Pooling (embedding) requests are scheduled like any prompt (chunked, mixed with decodes) and
-finish, freeing their blocks, in the step that computes the last prompt token; they sample
-nothing (the workers return their pooled vector instead).
-
-One role (~610 lines): the scheduler's state machine (queues, budgets, preemption, forks,
-batches in flight, lookahead slots for speculation) as small functions over one set of request
-states: each decision reads all queues and budgets at once, so splitting it would pass that state
-between modules on every step.
+This module is a CPU-only state machine: it never touches a model or a tensor. ``Scheduler``'s
+docstring has the rules for parallel sampling (n > 1), LoRA slots, batches in flight
+(pipeline parallelism) and pooling requests.
 """
 
 from __future__ import annotations
@@ -135,6 +99,44 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """The scheduler's state machine (queues, budgets, preemption, forks, batches in flight,
+    lookahead slots for speculation): each decision reads all queues and budgets at once.
+
+    Parallel sampling (n > 1): the engine adds the n samples of a request as n ``Request``s;
+    sample 0 is scheduled like any request, samples 1..n-1 wait (``WAITING_FOR_PROMPT``, in no
+    queue) until sample 0 has computed the whole prompt (P tokens). Then each forks: it shares
+    sample 0's blocks holding tokens [0, P - 1) (ref counts + 1, see ``BlockManager.fork``),
+    starts with P - 1 computed tokens and recomputes only the last prompt token, whose logits it
+    samples its first token from (with its own seed). Its write into the shared, partially
+    filled last block is a copy-on-write (``blocks_to_copy``). So the prompt is computed once,
+    one token per extra sample is recomputed, and a group holds ceil(P / block_size) prompt
+    blocks plus at most one copied block per sample. Admission reserves ``max_num_seqs`` room
+    for the whole group; if sample 0 ends before the fork (abort, or a stop), the waiting
+    samples fall back to the waiting queue.
+
+    LoRA: the running requests use at most ``max_loras`` distinct adapters (the device slots),
+    so every step's adapters are resident. A waiting (or swapped) request whose adapter would be
+    one too many waits, and requests behind it of adapters already running (or of the base
+    model) are admitted past it, keeping their queue order.
+
+    Batches in flight (pipeline parallelism): the engine may send a step before the previous
+    one returns (``pipeline_depth`` > 1, one batch per pipeline stage). A request in a batch not
+    yet returned is "in flight" (``in_flight``: counted by ``schedule``, cleared by
+    ``update_from_output``): it is not scheduled again (its next token is unknown) and never
+    chosen as a preemption victim (its blocks are being written); a request short of blocks
+    preempts among the others, itself included. Each batch takes at most
+    ceil(live requests / ``pipeline_depth``) requests, so the live requests split into about
+    ``pipeline_depth`` groups that take turns, one per stage, as vLLM's virtual engines did;
+    with one batch at a time there is no such cap and nothing is counted. An abort frees a
+    request's blocks at once even when it is in flight: every worker runs the batches in the
+    order they were sent, so the batch in flight is done with those blocks before a later batch
+    reuses them, and its returned tokens are dropped.
+
+    Pooling (embedding) requests are scheduled like any prompt (chunked, mixed with decodes) and
+    finish, freeing their blocks, in the step that computes the last prompt token; they sample
+    nothing (the workers return their pooled vector instead).
+    """
+
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int | None = None
     ) -> None:
