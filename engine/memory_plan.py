@@ -5,47 +5,15 @@ Torch-free on purpose (the CLI and the deploying driver import it): pure arithme
 mirrors what the model code allocates, per pipeline stage (every TP rank of a stage holds
 shards of the same sizes, so one line per stage stands for all of its ranks):
 
-    weights      exactly the parameters a rank builds (``parallel.layers``: vocab rows padded to
-                 64 x TP, column/row/QKV/merged splits, KV heads replicated when TP > KV heads,
-                 row-parallel biases whole on every rank; ``engine.models``: which layers and
-                 norms each family has, each stage's layers per ``engine.pp_partition``,
-                 embedding on the first stage, final norm and LM head on the last, a tied
-                 head sharing the embedding only when one stage holds both; an MoE model's
-                 experts, router and shared expert per ``engine.memory_plan_moe``, sliced over
-                 TP or placed whole per rank under enable_expert_parallel)
-    buffers      exactly the rotary cos/sin tables (``RopeCache``: float32 [max_position,
-                 rotary_dim], one pair per distinct rope among this stage's layers)
-    lora         exactly the LoRA slots (``parallel.lora.LinearLoRA``) when enable_lora
-    activation   an ESTIMATE of a full-budget step's peak (see ``activation_bytes``)
-    reserves     an ESTIMATE of what CUDA holds outside torch's allocator (context, NCCL, the
-                 CUDA-graph pool); named constants below, each saying where its figure comes from
-    kv           bytes per token = layers x 2 (K, V) x KV heads of this rank x head_dim x dtype
-                 bytes, or with multi-head latent attention (DeepSeek) layers x (kv_lora_rank +
-                 qk_rope_head_dim) x dtype bytes, the same latent on every TP rank
-                 (``PagedAttention.kv_cache_shape``), and the blocks that fit:
+    weights + buffers + lora    exact: the parameters, rotary tables and LoRA slots a rank
+                                builds (``stage_weight_bytes``; MoE: ``memory_plan_moe``)
+    activation + reserves       ESTIMATES: a full-budget step's peak, CUDA outside torch
+    kv                          bytes per token and the blocks that fit in what is left,
+                                split into KV cache groups as ``engine.kv_cache_groups`` does
 
-        GPU:  (memory x gpu_memory_utilization - weights - buffers - lora - activation
-               - reserves) // (block_size x bytes per token), the minimum over stages
-        CPU:  min(cpu_kv_cache_space GiB // block bytes, max_num_seqs x blocks of max_model_len)
-              (``Worker.determine_num_available_blocks``)
-
-                 then, with sliding-window layers, those all-layer blocks split into KV cache
-                 groups as the engine splits them (``engine.kv_cache_groups``): KV per token per
-                 group, each group's blocks, and the max_model_len sequences that fit (the
-                 fewest over groups; a sliding group holds only its window of each)
-
-One role in one file (~780 lines; the MoE feed-forward apart, in ``memory_plan_moe``): the
-arithmetic follows the model code layer by layer, and the refusals read the same figures; split
-apart, the two would drift from each other.
-
-A plan refuses (``MemoryPlan.problems``) when the weights and buffers do not fit a GPU's usable
-memory, when the KV cache cannot hold one ``max_model_len`` sequence, or when the engine would
-refuse the config itself (``engine.hf_config.check_hf_config``). Quantized checkpoints
-(compressed-tensors, GPTQ, AWQ, online ``quantization: fp8``) are planned as the engine keeps
-them on a GPU: FP8 at 1 byte per parameter plus float32 scales per row or block, int4 at half
-a byte plus a scale (and zero point) per group; on CPU, which dequantizes at load, in the
-model's dtype, with a note. MXFP4 experts (gpt-oss) likewise: half a byte per weight and a
-byte per 32 on the Triton kernels (CUDA), dequantized elsewhere (``memory_plan_moe``).
+The arithmetic follows the model code layer by layer and the refusals read the same figures,
+so both live here: ``plan_memory`` builds a ``MemoryPlan`` (whose docstring details each line,
+quantized checkpoints and the refusals), ``memory_problems`` lists what it refuses.
 """
 
 from __future__ import annotations
@@ -227,6 +195,49 @@ class KVGroupPlan:
 
 @dataclass(frozen=True)
 class MemoryPlan:
+    """One replica's memory, per pipeline stage, line by line::
+
+        weights      exactly the parameters a rank builds (``parallel.layers``: vocab rows
+                     padded to 64 x TP, column/row/QKV/merged splits, KV heads replicated when
+                     TP > KV heads, row-parallel biases whole on every rank; ``engine.models``:
+                     which layers and norms each family has, each stage's layers per
+                     ``engine.pp_partition``, embedding on the first stage, final norm and LM
+                     head on the last, a tied head sharing the embedding only when one stage
+                     holds both; an MoE model's experts, router and shared expert per
+                     ``engine.memory_plan_moe``, sliced over TP or placed whole per rank under
+                     enable_expert_parallel)
+        buffers      exactly the rotary cos/sin tables (``RopeCache``: float32 [max_position,
+                     rotary_dim], one pair per distinct rope among this stage's layers)
+        lora         exactly the LoRA slots (``parallel.lora.LinearLoRA``) when enable_lora
+        activation   an ESTIMATE of a full-budget step's peak (see ``activation_bytes``)
+        reserves     an ESTIMATE of what CUDA holds outside torch's allocator (context, NCCL,
+                     the CUDA-graph pool); named constants, each saying where its figure comes
+                     from
+        kv           bytes per token = layers x 2 (K, V) x KV heads of this rank x head_dim x
+                     dtype bytes, or with multi-head latent attention (DeepSeek) layers x
+                     (kv_lora_rank + qk_rope_head_dim) x dtype bytes, the same latent on every
+                     TP rank (``PagedAttention.kv_cache_shape``), and the blocks that fit:
+
+            GPU:  (memory x gpu_memory_utilization - weights - buffers - lora - activation
+                   - reserves) // (block_size x bytes per token), the minimum over stages
+            CPU:  min(cpu_kv_cache_space GiB // block bytes, max_num_seqs x blocks of
+                  max_model_len) (``Worker.determine_num_available_blocks``)
+
+                     then, with sliding-window layers, those all-layer blocks split into KV
+                     cache groups as the engine splits them (``engine.kv_cache_groups``): KV per
+                     token per group, each group's blocks, and the max_model_len sequences that
+                     fit (the fewest over groups; a sliding group holds only its window of each)
+
+    A plan refuses (``problems``) when the weights and buffers do not fit a GPU's usable memory,
+    when the KV cache cannot hold one ``max_model_len`` sequence, or when the engine would
+    refuse the config itself (``engine.hf_config.check_hf_config``). Quantized checkpoints
+    (compressed-tensors, GPTQ, AWQ, online ``quantization: fp8``) are planned as the engine
+    keeps them on a GPU: FP8 at 1 byte per parameter plus float32 scales per row or block, int4
+    at half a byte plus a scale (and zero point) per group; on CPU, which dequantizes at load,
+    in the model's dtype, with a note. MXFP4 experts (gpt-oss) likewise: half a byte per weight
+    and a byte per 32 on the Triton kernels (CUDA), dequantized elsewhere (``memory_plan_moe``).
+    """
+
     architecture: str
     dtype: str
     device: str
