@@ -1,15 +1,8 @@
 """PagedAttention in Triton: one kernel for a packed batch mixing decode tokens and prefill
 chunks, reading K/V through block tables; plus a split-KV (flash-decoding) path. A one-plane
-latent cache (multi-head latent attention) goes to ``kernels.triton_mla``.
-
-Same contract as ``kernels.attention.paged_attention`` (the torch reference): KV cache
-``[2, num_blocks, block_size, num_kv_heads, head_dim]``, query ``[num_tokens, num_heads,
-head_dim]`` packed by ``query_start_loc``, request ``b``'s new tokens being the last
-``query_len[b]`` of its ``seq_len[b]`` positions, causal inside the chunk; optionally a
-sliding window (a query at ``q`` sees keys ``q - W < k <= q``), soft-capped scores
-(``C * tanh(scores / C)``, before the mask) and attention sinks (a logit per query head in the
-softmax's denominator, with no value: the online softmax starts from it instead of from
-``max = -inf, sum = 0``; with split-KV only the first split does, so the merge counts it once).
+latent cache (multi-head latent attention) goes to ``kernels.triton_mla``. Same contract as
+``kernels.attention.paged_attention`` (the torch reference): cache layout, packed query,
+causal and sliding-window masks, soft cap before the mask, attention sinks.
 
 Work split. A program owns one *query tile* of one request and one kv head::
 
@@ -21,26 +14,9 @@ still fills the BLOCK_M >= 16 rows ``tl.dot`` needs once G_PAD is 16, or pads up
 Request ``b``'s tiles are programs ``query_start_loc[b] // BLOCK_Q + b`` onward (one spare id
 per request keeps tiles of different requests apart), found by binary search in the kernel:
 the grid depends only on ``num_tokens`` and ``num_seqs``, so no host work per step and the
-launch is CUDA-graph safe.
-
-Under the Triton interpreter, bf16 ``tl.dot`` operands are upcast to float32 first: the
-interpreter (numpy has no bfloat16) computes bf16 dots wrongly in triton 3.9, and bf16 values
-are exact in float32. The interpreter also truncates float32 -> bf16 casts where the GPU
-rounds to nearest, so bf16 results differ from the GPU's by up to one unit in the last place.
-
-The program walks its keys in tiles of TILE_N positions (several cache blocks, looked up per
-key row), keeping an online softmax in float32 (base 2). With ``num_kv_splits > 1`` the keys
-are cut into that many ranges, one program each; each writes its normalized partial output
-and log-sum-exp, and a second kernel merges them. That is what keeps a GPU busy when a few
-long decodes leave ``num_seqs * num_kv_heads`` programs too few to fill it.
-
-With a sliding window the walk starts at the first key tile that can be inside the window of
-the program's first (earliest) query, so a windowed layer reads O(W) keys per query tile
-whatever the context length; the splits divide that restricted range::
-
-    positions  0 ....................................... kv_bound
-    tiles      |  skipped, below every window  | walked, split NUM_SPLITS ways |
-                                               ^ tile of (first query's position - W + 1)
+launch is CUDA-graph safe. The program walks its keys in tiles with an online softmax
+(``_paged_attention_kernel``); ``num_kv_splits > 1`` cuts them into ranges merged by
+``_merge_splits_kernel``.
 """
 
 from __future__ import annotations
@@ -107,6 +83,11 @@ def _tanh(x):
 
 @triton.jit
 def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # Under the Triton interpreter, bf16 operands are upcast to float32 first: the interpreter
+    # (numpy has no bfloat16) computes bf16 dots wrongly in triton 3.9, and bf16 values are
+    # exact in float32. The interpreter also truncates float32 -> bf16 casts where the GPU
+    # rounds to nearest, so bf16 results differ from the GPU's by up to one unit in the last
+    # place.
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
     return tl.dot(a, b, input_precision=PRECISION)
@@ -170,7 +151,25 @@ def _paged_attention_kernel(
     """``score_scale`` is scale * log2(e), or scale / cap with a soft cap, whose scores are then
     ``tanh(.) * softcap_log2`` (cap * log2(e)); ``window`` counts only with HAS_WINDOW. With
     KV_FP8, ``kv_ptr`` is the FP8 cache viewed as bytes, dequantized with k_scale / v_scale.
-    With HAS_SINKS, ``sinks_ptr`` is float32 ``[num_heads]``."""
+    With HAS_SINKS, ``sinks_ptr`` is float32 ``[num_heads]``: a sink is a logit per query head
+    in the softmax's denominator, with no value, so the online softmax starts from it instead of
+    from ``max = -inf, sum = 0``; with split-KV only the first split does, so the merge counts
+    it once.
+
+    The program walks its keys in tiles of TILE_N positions (several cache blocks, looked up
+    per key row), keeping an online softmax in float32 (base 2). With ``num_kv_splits > 1`` the
+    keys are cut into that many ranges, one program each; each writes its normalized partial
+    output and log-sum-exp, and ``_merge_splits_kernel`` merges them. That is what keeps a GPU
+    busy when a few long decodes leave ``num_seqs * num_kv_heads`` programs too few to fill it.
+
+    With a sliding window the walk starts at the first key tile that can be inside the window
+    of the program's first (earliest) query, so a windowed layer reads O(W) keys per query tile
+    whatever the context length; the splits divide that restricted range::
+
+        positions  0 ....................................... kv_bound
+        tiles      |  skipped, below every window  | walked, split NUM_SPLITS ways |
+                                                   ^ tile of (first query's position - W + 1)
+    """
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
