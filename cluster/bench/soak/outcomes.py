@@ -1,6 +1,20 @@
 """The soak's outcome checks: what the client saw of one request (``RequestRecord``), the one
-outcome it ended in (``OUTCOMES``) and the anomalies that break the one-outcome rule (the
-package docstring, ``cluster.bench.soak``, defines both)."""
+outcome it ended in (``OUTCOMES``) and the anomalies that break the one-outcome rule.
+
+    success   HTTP 200, one finish_reason (stop / length), then [DONE]
+    error     HTTP 200, then an error chunk
+    abort     HTTP 200, then the client closed the stream before it finished
+    refused   HTTP 503 "overloaded" before the stream (admission control): never accepted
+    rejected  any other failure before the stream: never accepted, and a finding, since the
+              soak sends only valid requests
+
+An accepted request is one that got its 200 (the server had taken it: the ingress answers only
+after the model server validated and enqueued it). Anything else is an anomaly: a stream that
+ends without a finish_reason or error chunk, or a success without [DONE]; a second terminal
+event (two finish_reasons, a finish then an error, data after [DONE]); a connection broken
+mid-stream; a request that outlives its client timeout (a hang). Streams are read with the
+official ``openai`` client; a tap on its HTTP transport counts the [DONE] markers that the
+client itself consumes silently."""
 
 from __future__ import annotations
 

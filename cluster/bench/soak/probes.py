@@ -122,6 +122,10 @@ class RssSampler:
                 await asyncio.wait_for(stop.wait(), self.interval_s)
 
     def summary(self, warmup_s: float, end_s: float) -> dict[str, Any]:
+        """Each process's memory growth: the ``warmup_s`` (allocator pools filling, the first
+        burst) are left out and the rest up to ``end_s`` (the run's duration, not the tail in
+        which the last requests finish) split into two halves by time; growth is the median of
+        the second half over the median of the first."""
         middle = (warmup_s + end_s) / 2
         out: dict[str, Any] = {}
         for name, samples in self.samples.items():
