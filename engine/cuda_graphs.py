@@ -1,9 +1,11 @@
 """CUDA graphs for decode steps: capture each pipeline stage's forward once per batch-size
 bucket, then replay it with the step's inputs copied into the captured (static) buffers.
 
-A decode step launches a few kernels per layer on tiny tensors, so on a GPU it is bound by
-launch overhead; a replay launches the whole stage at once. Replay is only valid because the
-Triton kernels read everything that changes from step to step out of device memory:
+A decode step is bound by kernel launches on a GPU; a replay launches the whole stage at once.
+Replay is only valid because the Triton kernels read everything that changes per step out of
+device memory, and the grid and split-KV choice depend only on the bucket (captured with
+``max_seq_len = max_model_len``); the torch attention path plans on the host and is never
+captured:
 
     static buffer           per step                      padding rows (n .. bucket-1)
     input_ids, positions    copied in                     0
@@ -14,32 +16,9 @@ Triton kernels read everything that changes from step to step out of device memo
     query_start_loc         arange(bucket + 1), fixed     one token per request
     hidden, residual        copied in (PP stages > 0)     0
 
-and the grid and split-KV choice depend only on the bucket (captured with
-``max_seq_len = max_model_len``). The torch attention path plans its work on the host per step
-and is never captured. Every op is row-wise except the TP all-reduce, which sums each row over
-the group, so padding rows never reach real rows.
-
-Tensor parallelism: the all-reduces of the row-parallel layers and of the vocab-parallel
-embedding are captured in the graph. NCCL supports capturing its collectives since 2.9 with
-CUDA >= 11.3, on the condition that capture, and every replay, is collective: all ranks of the
-communicator capture the same operations together and replay the graph made from that capture
-(NCCL user guide, "Using NCCL with CUDA Graphs"). Here every TP rank of a stage receives the
-same ``ExecuteModelRequest``, so each picks the same bucket on the same step; graphs are
-captured at startup, on every rank, largest bucket first. PyTorch's ProcessGroupNCCL keeps a
-captured collective off its watchdog's work queue (pytorch/pytorch#103503) and flushes pending
-work before a capture starts (#104487), which the warm-up below relies on: a communicator must
-have run an eager collective before one is captured (NCCL sets itself up on first use).
-Prefill steps run the same TP communicator's collectives eagerly between replays, which NCCL
-supports (captured and uncaptured operations may mix); its one caveat, graphs of several
-communicators launched from one thread, does not arise: a worker's graphs hold only its TP
-group's collectives (stage transfers and the logits gather stay eager). A process group whose
-graphs still exist can hang in ``destroy_process_group`` (pytorch/pytorch#115388): the model
-runner drops its graphs before the worker leaves the group.
-
-Sampling stays outside the graph: the LM head's gather to TP rank 0 and the sampler run eagerly
-on the replay's output, as in vLLM. Pipeline parallelism: each stage captures its own layer range;
-a stage after the first reads static hidden/residual buffers that the step fills from the
-previous stage's message, and the send/recv stay outside the graph.
+Every op is row-wise except the TP all-reduce (captured: see ``DecodeCudaGraphRunner``), so
+padding rows never reach real rows. Sampling (the LM head's gather, the sampler) and the PP
+send/recv stay outside the graph, as in vLLM; each stage captures its own layer range.
 """
 
 from __future__ import annotations
@@ -319,7 +298,29 @@ class DecodeBucketRunner:
 class DecodeCudaGraphRunner(DecodeBucketRunner):
     """One captured graph per bucket over the static buffers (``capture_all`` at startup; a
     bucket still missing is captured on first use). Invalidated by dropping it when the KV
-    cache changes: the graphs hold the caches' addresses."""
+    cache changes: the graphs hold the caches' addresses.
+
+    Tensor parallelism: the all-reduces of the row-parallel layers and of the vocab-parallel
+    embedding are captured in the graph. NCCL supports capturing its collectives since 2.9 with
+    CUDA >= 11.3, on the condition that capture, and every replay, is collective: all ranks of
+    the communicator capture the same operations together and replay the graph made from that
+    capture (NCCL user guide, "Using NCCL with CUDA Graphs"). Here every TP rank of a stage
+    receives the same ``ExecuteModelRequest``, so each picks the same bucket on the same step;
+    graphs are captured at startup, on every rank, largest bucket first. PyTorch's
+    ProcessGroupNCCL keeps a captured collective off its watchdog's work queue
+    (pytorch/pytorch#103503) and flushes pending work before a capture starts (#104487), which
+    the warm-up relies on: a communicator must have run an eager collective before one is
+    captured (NCCL sets itself up on first use). Prefill steps run the same TP communicator's
+    collectives eagerly between replays, which NCCL supports (captured and uncaptured
+    operations may mix); its one caveat, graphs of several communicators launched from one
+    thread, does not arise: a worker's graphs hold only its TP group's collectives (stage
+    transfers and the logits gather stay eager). A process group whose graphs still exist can
+    hang in ``destroy_process_group`` (pytorch/pytorch#115388): the model runner drops its
+    graphs before the worker leaves the group.
+
+    Pipeline parallelism: a stage after the first reads static hidden/residual buffers that the
+    step fills from the previous stage's message.
+    """
 
     def __init__(
         self,
