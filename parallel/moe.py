@@ -13,32 +13,11 @@ the whole experts ``[r*E/ep, (r+1)*E/ep)``, nothing of the others::
 
     gate_up_proj  [E/ep, 2I, H]      down_proj  [E/ep, H, I]
 
-Attention stays TP-sharded, and after its all-reduce every rank of the group holds every
-token's hidden states. So the dispatch is free (each rank routes all tokens and computes the
-(token, expert) pairs whose expert it owns; the others add nothing) and the combine is the
-layer's one all-reduce: "all-gather + reduce-scatter" where the all-gather has nothing to do
-(activations are already replicated) and the reduce-scatter is followed by the all-gather the
-next attention needs, i.e. one all-reduce, of the same ``[T, H]`` bytes as TP. With
-data-parallel attention (each rank its own tokens) the dispatch would be a real all-to-all of
-the routed tokens to their experts' ranks and back (docs/moe.md).
-
-A checkpoint stores the experts either one tensor per expert and projection (HF's
-``experts.N.gate_proj.weight`` ..., what ``save_pretrained`` writes; ``shard_id`` =
-``(N, 0 | 1)`` for gate / up, ``N`` for down) or already stacked (``experts.gate_up_proj``
-``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]``, ``shard_id=None``); either way a rank
-reads only its rows / columns (TP) or its experts (EP) and skips another rank's expert.
-
-Compute: on CUDA the Triton ``kernels.moe.fused_moe`` (with an ``expert_map`` under EP; it
-applies the routing weights and sums the top-k in float32). Elsewhere :func:`grouped_experts`:
-the ``T x K`` pairs are sorted by expert, and each local expert that received tokens runs one
-GEMM over its contiguous run of rows; experts with no tokens (or on another rank) cost nothing.
-On CPU the loader packs each expert's weights once into oneDNN's layout (:meth:`ParallelExperts.
-pack_weights`, ``kernels.cpu_gemm``), and those GEMMs are ``packed_linear`` calls.
-Its routing weights multiply each pair's output in their own dtype, then the K outputs of a
-token are summed in top-k order and cast to the activations' dtype, as HF's ``grouped_mm``
-experts do. The two agree exactly in float32; in bfloat16 a Qwen-MoE model (whose HF code
-weights in the model dtype) differs from HF by the kernel's float32 weighting, a rounding-level
-difference, as vLLM's fused MoE does too.
+Attention stays TP-sharded, so every rank already holds every token's hidden states: the
+dispatch is free (each rank computes the (token, expert) pairs whose expert it owns) and the
+combine is the layer's one all-reduce, of the same ``[T, H]`` bytes as TP (docs/moe.md, also
+for data-parallel attention's all-to-all). Compute: ``kernels.moe.fused_moe`` on CUDA,
+:func:`grouped_experts` elsewhere (``ParallelExperts`` says how checkpoints load).
 """
 
 from __future__ import annotations
@@ -71,7 +50,14 @@ def grouped_experts(
     linear: Linear = F.linear,
 ) -> torch.Tensor:
     """``sum_k w[t, k] * down_e(act_and_mul(gate_up_e(x[t])))`` with ``e = topk_ids[t, k]``;
-    a negative id (an expert on another rank) adds nothing. ``gate_up_bias`` ``[E, 2I]`` and
+    a negative id (an expert on another rank) adds nothing. The ``T x K`` pairs are sorted by
+    expert, and each local expert that received tokens runs one GEMM over its contiguous run
+    of rows; experts with no tokens (or on another rank) cost nothing. The routing weights
+    multiply each pair's output in their own dtype, then the K outputs of a token are summed in
+    top-k order and cast to the activations' dtype, as HF's ``grouped_mm`` experts do. This and
+    ``fused_moe`` agree exactly in float32; in bfloat16 a Qwen-MoE model (whose HF code weights
+    in the model dtype) differs from HF by the kernel's float32 weighting, a rounding-level
+    difference, as vLLM's fused MoE does too. ``gate_up_bias`` ``[E, 2I]`` and
     ``down_bias`` ``[E, H]``, when given, are each expert's projection biases.
 
     ``x`` ``[T, H]``; ``gate_up_proj`` ``[E, 2I, H]``; ``down_proj`` ``[E, H, I]``;
@@ -114,7 +100,19 @@ class ParallelExperts(nn.Module):
     ``forward`` returns this rank's partial sum (not all-reduced). ``silu`` says the
     activation is SiLU, the one the fused CUDA kernel computes. ``dense=False`` registers no
     dense ``gate_up_proj`` / ``down_proj``: a subclass that keeps its experts in another format
-    (gpt-oss's MXFP4) registers its own."""
+    (gpt-oss's MXFP4) registers its own.
+
+    A checkpoint stores the experts either one tensor per expert and projection (HF's
+    ``experts.N.gate_proj.weight`` ..., what ``save_pretrained`` writes; ``shard_id`` =
+    ``(N, 0 | 1)`` for gate / up, ``N`` for down) or already stacked (``experts.gate_up_proj``
+    ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]``, ``shard_id=None``); either way a
+    rank reads only its rows / columns (TP) or its experts (EP) and skips another rank's expert.
+
+    Compute: on CUDA the Triton ``kernels.moe.fused_moe`` (with an ``expert_map`` under EP; it
+    applies the routing weights and sums the top-k in float32). Elsewhere :func:`grouped_experts`;
+    on CPU the loader packs each expert's weights once into oneDNN's layout
+    (:meth:`pack_weights`, ``kernels.cpu_gemm``), and its GEMMs are ``packed_linear`` calls.
+    """
 
     def __init__(
         self,
