@@ -6,36 +6,16 @@
                                              └───┴───┴───┴───┴───┴───┴───┴───┴───┴───┘
     slot of token t = block_table[t // block_size] * block_size + t % block_size
 
-Copy-on-write: several block tables may hold one block (prefix-cache hits, and the prompt
-blocks a parallel sample shares with its siblings after ``fork``). Prefix-cache hits are full
-blocks that are never written again; the only shared block a request writes into is the one
-holding a forked group's last prompt token (each forked sample recomputes that token, and the
-first sample appends after it). A request about to write into a block whose ref count is above 1
-gets a fresh block instead, and the (src, dst) pair is queued in ``pending_copies`` for the
-workers to copy before the forward pass. The last holder writes in place, so a group of n
-samples makes at most n - 1 copies.
-
 Invariants (``check_integrity``): a block is in the free queue iff its ref count is 0; its ref
 count equals the number of block tables holding it; free + used = total. A full block whose
 tokens are computed gets a chained sha256 hash (parent hash, token ids, cache salt, LoRA
 adapter) and is registered in the prefix cache; when freed it stays cached in the LRU free
 queue and is evicted only when a new block is needed and no uncached free block is left ahead
-of it.
-
-KV cache groups (``engine.kv_cache_groups``): each group has its own pool (free queue, prefix
-cache, CPU swap blocks) and its own block table per request, over global block ids; the
-methods below act on every group at once, and ``get_block_ids`` lists a request's groups one
-after the other (the workers split them by id range). All of a request's tables have the same
-length (one entry per logical block). A sliding-window group (window W) frees, when the request
-is next scheduled with c computed tokens, every block wholly before position ``c - W + 1``
-(no query from c on can see it) and puts its null block in that table entry, so it holds at
-most ``ceil((W - 1 + n) / block_size) + 1`` blocks after a step of n tokens. Its prefix-cache
-hit at P blocks needs only the ``ceil((W - 1) / block_size)`` blocks before P cached (what the
-first query at P reads; vLLM v1's rule), with null blocks before them; a request's hit is the
-longest P that every group can serve (full groups: their longest cached prefix).
-Swap moves a group's held blocks only; its null entries come back as null entries.
-``stats().usage`` is the fullest group's share of used blocks: the group that runs out first
-is what preempts and refuses admission.
+of it. Shared blocks are copy-on-write (``BlockManager``). Each KV cache group
+(``engine.kv_cache_groups``) is a ``KVCacheGroup`` with its own pool and block table per
+request over global block ids; ``BlockManager`` acts on every group at once and
+``get_block_ids`` lists a request's groups one after the other. docs/kv_cache_groups.md has
+the sliding-window rules (freeing, prefix hits, swap, ``stats().usage``).
 """
 
 from __future__ import annotations
@@ -129,7 +109,17 @@ class KVCacheStats:
 
 class KVCacheGroup:
     """One group's pool (blocks, LRU free queue, prefix cache, CPU swap blocks) and the block
-    tables of its requests. A sliding group's first block is its null block."""
+    tables of its requests. A sliding group's first block is its null block.
+
+    A sliding-window group (window W) frees, when the request is next scheduled with c computed
+    tokens, every block wholly before position ``c - W + 1`` (no query from c on can see it) and
+    puts its null block in that table entry, so it holds at most
+    ``ceil((W - 1 + n) / block_size) + 1`` blocks after a step of n tokens. Its prefix-cache hit
+    at P blocks needs only the ``ceil((W - 1) / block_size)`` blocks before P cached (what the
+    first query at P reads; vLLM v1's rule), with null blocks before them; a request's hit is
+    the longest P that every group can serve (full groups: their longest cached prefix). Swap
+    moves a group's held blocks only; its null entries come back as null entries.
+    """
 
     def __init__(
         self,
@@ -426,7 +416,23 @@ class _HashesOf(Protocol):
 
 class BlockManager:
     """Allocates device blocks (and CPU swap blocks) to requests, in every KV cache group;
-    O(1) per block."""
+    O(1) per block.
+
+    Copy-on-write: several block tables may hold one block (prefix-cache hits, and the prompt
+    blocks a parallel sample shares with its siblings after ``fork``). Prefix-cache hits are
+    full blocks that are never written again; the only shared block a request writes into is
+    the one holding a forked group's last prompt token (each forked sample recomputes that
+    token, and the first sample appends after it). A request about to write into a block whose
+    ref count is above 1 gets a fresh block instead, and the (src, dst) pair is queued in
+    ``pending_copies`` for the workers to copy before the forward pass. The last holder writes
+    in place, so a group of n samples makes at most n - 1 copies.
+
+    KV cache groups: the methods act on every group at once, and ``get_block_ids`` lists a
+    request's groups one after the other (the workers split them by id range). All of a
+    request's tables have the same length (one entry per logical block). ``stats().usage`` is
+    the fullest group's share of used blocks: the group that runs out first is what preempts
+    and refuses admission.
+    """
 
     def __init__(
         self,
