@@ -1,13 +1,14 @@
 """KV cache groups: which layers share a block table, and how many blocks each group's pool gets.
 Torch-free (``cluster plan`` reads it); a step's per-group metadata is
-``kernels.attention.build_group_metadata``.
+``kernels.attention.build_group_metadata``. The design, sizing and why-not-one-pool are in
+docs/kv_cache_groups.md.
 
 Layers are grouped by what their attention reads: every full-attention layer in one group, every
 layer of one sliding window W in another (a window that covers ``max_model_len`` hides nothing
 and counts as full attention). A DeepSeek model's multi-head latent caches are all of one kind
 (its every layer is MLA, none windowed), so it is one group, like any model without windows.
 
-Design: one pool per group, block ids global. Group g owns the ids
+One pool per group, block ids global. Group g owns the ids
 ``[offset_g, offset_g + num_blocks_g)`` and its layers' caches have ``num_blocks_g`` blocks
 (local id = global id - offset_g); every id in a block table, a copy or a swap names its group by
 its range, so the wire message is the one-group message with more ids in it and a model with one
@@ -17,24 +18,6 @@ outside the window and went back to the pool.
 
     group 0 (full, N0 blocks)   ids 0 .. N0-1         table  [ 3,  9, 12, 40, 41]
     group 1 (window W, N1)      ids N0 .. N0+N1-1     table  [N0, N0, N0, 77, 80]   (N0: null)
-
-Why a pool per group rather than vLLM v1's single pool with equal pages: here each layer's cache
-is its own tensor, so a group's pool is just its layers' tensors sized to what the group can use;
-the sizing below is deterministic and, unlike a shared pool, a long prompt in the full group
-never evicts the small, hot sliding pool. Sizing (``plan_group_blocks``) starts from the
-workers' answer in all-layer blocks (``num_blocks``: one block in every layer, as before) and
-gives each sliding group what it can fill: ``max_num_seqs`` decoding sequences holding
-``ceil((W - 1 + s) / block_size) + 1`` blocks each (s: the tokens of one decode step, speculative
-ones included), plus one full prefill chunk per batch in flight and the null block, capped at
-``num_blocks``. The bytes this saves go to the full group. Since the scheduler preempts when any
-group runs out, and a sliding pool always holds one sequence's largest step, it never deadlocks;
-and no workload fits fewer sequences than in one pool for every layer (a sliding pool of
-``num_blocks`` holds what that pool held, one sized for ``max_num_seqs`` holds every sequence
-the scheduler may run), so the gain comes where ``max_num_seqs`` windows are fewer blocks than
-the pool (long contexts, windows far shorter than them).
-A model without a full group (Mistral: every layer windowed) splits nothing: each group gets
-``num_blocks``; so does every model given an explicit ``num_kv_blocks`` (a fixed pool, as
-before groups: what it preempts at does not move).
 """
 
 from __future__ import annotations
@@ -216,8 +199,17 @@ def plan_group_blocks(
     decode_tokens: int,
     batches_in_flight: int,
 ) -> KVCacheLayout:
-    """Each group's pool from the workers' ``num_blocks`` all-layer blocks (see the module
-    docstring). ``group_block_bytes[w][g]``: bytes of one block of group g's layers on worker w
+    """Each group's pool from the workers' ``num_blocks`` all-layer blocks (one block in every
+    layer). Each sliding group gets what it can fill: ``max_num_seqs`` decoding sequences
+    holding ``ceil((W - 1 + s) / block_size) + 1`` blocks each (s: the tokens of one decode
+    step, speculative ones included), plus one full prefill chunk per batch in flight and the
+    null block, capped at ``num_blocks``. The bytes this saves go to the full group. Since the
+    scheduler preempts when any group runs out, and a sliding pool always holds one sequence's
+    largest step, it never deadlocks; and no workload fits fewer sequences than in one pool for
+    every layer. A model without a full group (Mistral: every layer windowed) splits nothing:
+    each group gets ``num_blocks``; so does every model given an explicit ``num_kv_blocks`` (a
+    fixed pool: what it preempts at does not move). docs/kv_cache_groups.md has the reasoning.
+    ``group_block_bytes[w][g]``: bytes of one block of group g's layers on worker w
     (0 where a pipeline stage has none); ``decode_tokens``: the slots one decode step may take
     (1, plus speculative proposals and draft lookahead)."""
     if len(specs) == 1 or all(s.is_sliding for s in specs):
