@@ -1,38 +1,15 @@
 """Rotary position embedding for every rope type of transformers 5's decoder LMs (default,
 linear, dynamic, llama3, yarn, longrope), and ``RopeCache``: one cos/sin table per distinct
-rope, shared by every layer that uses it.
+rope, shared by every layer that uses it (one pair per layer cost Llama-3.1-70B gigabytes per
+GPU: BENCHMARKS.md, "Rotary tables").
 
 Tables. ``cos``/``sin`` are float32 ``[max_position, rotary_dim]``, both halves repeated
 (neox / HF ``rotate_half`` layout), the contract of ``ops.rotary_embedding``. With partial
 rotary (``partial_rotary_factor`` < 1, Phi-4-mini) only the first ``rotary_dim =
 int(head_dim * partial_rotary_factor)`` dimensions of each head rotate and the rest pass
-through, as in HF. cos + sin for 131,072 positions x 128 dims are 128 MiB: one pair per
-attention layer cost Llama-3.1-70B 5 GiB per GPU at TP 4 x PP 2, one pair per model 128 MiB
-(benchmarks/rotary_memory.py).
-
-Exactness against HF. The inverse frequencies are computed with transformers' float32
-arithmetic, and each angle is ``float32(position) * inv_freq`` rounded to float32 as HF rounds
-it (at position 100k that rounding alone moves the angle by up to 4e-3 rad, so a more exact
-angle would differ from what the checkpoint was run with). Only cos/sin of that angle are
-evaluated in float64, scaled by the attention factor and rounded once. The dynamic NTK base is
-raised to its power in float64: HF computes it on a 0-dim tensor, through libm's scalar powf,
-which float64-then-round reproduces and a vectorized float32 pow over all positions does not.
-
-Position-dependent types. HF recomputes the ``dynamic`` and ``longrope`` frequencies from the
-length of the sequence in the forward call (``dynamic_rope_update``). Here every position has
-one fixed rotation: the one HF gives it when it decodes that position token by token, i.e.
-with ``seq_len = p + 1``:
-
-    dynamic:   NTK base for seq_len = max(p + 1, original length); positions below the
-               original length keep the plain base
-    longrope:  short_factor for p < original_max_position_embeddings, long_factor beyond
-
-So a position's K never depends on the batch it was computed in, and chunked prefill, prefix
-caching and recompute after preemption stay exact. This equals HF's ``generate()`` whenever
-the prompt fits in the original context (every later position is decoded one at a time). A
-prompt longer than that is where we differ, on purpose: HF's one-shot prefill rotates all of
-its positions, those inside the original context included, with the frequencies of the full
-prompt length (dynamic: one NTK base for all; longrope: long factors for all).
+through, as in HF. ``rope_cos_sin`` builds them exactly as HF rounds; the position-dependent
+types (``dynamic``, ``longrope``) give every position one fixed rotation, so a position's K
+never depends on the batch it was computed in (``_inv_freq_per_position``).
 """
 
 from __future__ import annotations
@@ -69,7 +46,17 @@ def rope_cos_sin(
     head_dim: int, max_position: int, params: Mapping[str, Any]
 ) -> tuple[Tensor, Tensor]:
     """float32 cos and sin ``[max_position, rotary_dim]`` on the CPU for the normalized
-    ``params`` of ``engine.rope_config.rope_parameters``."""
+    ``params`` of ``engine.rope_config.rope_parameters``.
+
+    Exactness against HF. The inverse frequencies are computed with transformers' float32
+    arithmetic, and each angle is ``float32(position) * inv_freq`` rounded to float32 as HF
+    rounds it (at position 100k that rounding alone moves the angle by up to 4e-3 rad, so a
+    more exact angle would differ from what the checkpoint was run with). Only cos/sin of that
+    angle are evaluated in float64, scaled by the attention factor and rounded once. The
+    dynamic NTK base is raised to its power in float64: HF computes it on a 0-dim tensor,
+    through libm's scalar powf, which float64-then-round reproduces and a vectorized float32
+    pow over all positions does not.
+    """
     if max_position < 1:
         raise ValueError(f"max_position: must be >= 1, got {max_position}")
     dim = rotary_dim(head_dim, params)
@@ -95,7 +82,25 @@ def _plain_inv_freq(dim: int, base: float | Tensor) -> Tensor:
 
 def _inv_freq_per_position(dim: int, positions: Tensor, params: Mapping[str, Any]) -> Tensor:
     """``[dim / 2]`` inverse frequencies, or ``[P, dim / 2]`` for the types whose frequencies
-    depend on the position (see the module docstring)."""
+    depend on the position.
+
+    HF recomputes the ``dynamic`` and ``longrope`` frequencies from the length of the sequence
+    in the forward call (``dynamic_rope_update``). Here every position has one fixed rotation:
+    the one HF gives it when it decodes that position token by token, i.e. with
+    ``seq_len = p + 1``::
+
+        dynamic:   NTK base for seq_len = max(p + 1, original length); positions below the
+                   original length keep the plain base
+        longrope:  short_factor for p < original_max_position_embeddings, long_factor beyond
+
+    So a position's K never depends on the batch it was computed in, and chunked prefill,
+    prefix caching and recompute after preemption stay exact. This equals HF's ``generate()``
+    whenever the prompt fits in the original context (every later position is decoded one at a
+    time). A prompt longer than that is where we differ, on purpose: HF's one-shot prefill
+    rotates all of its positions, those inside the original context included, with the
+    frequencies of the full prompt length (dynamic: one NTK base for all; longrope: long
+    factors for all).
+    """
     rope_type, theta = params["rope_type"], float(params["rope_theta"])
     if rope_type == "default":
         return _plain_inv_freq(dim, theta)

@@ -1,7 +1,7 @@
 """Rotary embeddings (engine.models.rotary) and rope config parsing (engine.rope_config)
 against transformers' own rotary modules, for every rope type, inside and beyond the original
 context. Position-dependent types (dynamic, longrope) are compared with HF decoding one token:
-position p against HF called with position_ids [[p]] (see the rotary module docstring)."""
+position p against HF called with position_ids [[p]] (see rotary._inv_freq_per_position)."""
 
 from __future__ import annotations
 
