@@ -1,6 +1,7 @@
 """Which decoder layers each pipeline stage holds: one answer, from ``config.json`` and the
 engine settings, for the model code (``engine.models.decoder.DecoderModel``), the memory plan
 (``engine.memory_plan``, what ``cluster plan`` prints) and the config check (``engine.config``).
+Torch-free, like the memory plan that imports it.
 
 Where the partition comes from, the first that applies:
 
@@ -8,28 +9,9 @@ Where the partition comes from, the first that applies:
     2. ``VLLM_PP_LAYER_PARTITION``, vLLM's variable ("7,5"), read when
        pipeline_parallel_size > 1 (``engine.config`` puts it into the config on the head, so
        every worker builds the same stages);
-    3. the balanced default below.
-
-A pipelined step moves at the pace of its slowest stage, and the stages do not carry the same
-work: the last one also runs the final norm, the LM head and sampling. The default estimates
-each stage's cost per token in multiply-adds and gives the last stage fewer layers, so that the
-largest stage cost is as small as it can be (each stage at least one layer, and no stage more
-layers beyond the even split's than weigh as much as the LM head: the memory a stage frees for
-its KV cache is not given away for little compute, as one MoE layer, all experts, would be):
-
-    decoder layer   q/k/v/o projections (latent attention: its down and up projections) and the
-                    gated MLP, or for a sparse layer the router, top-k experts and shared
-                    experts: averaged over the layers
-    last stage      + the LM head, vocab x hidden per token (tied to the embedding or not);
-                    its norm and sampling are elementwise: not counted
-    first stage     + nothing: the embedding is a row lookup
-
-Plain multiply-adds, no correction: on the PP = 2 bench model (12 layers, hidden 768, vocab
-32000: the head is 4.8 layers) the split they give, 8 + 4, was the fastest of 6 + 6 ... 9 + 3
-(BENCHMARKS.md, "Pipelined PP: stage balance"). Attention over the cached context, which grows
-with it, is left out: it makes layers dearer at long contexts, a stage's layers alike.
-
-Torch-free, like the memory plan that imports it.
+    3. the balanced default (``default_partition``): the last stage, which also runs the LM
+       head, gets fewer layers so that the stages' estimated cost per token is as even as it
+       can be (BENCHMARKS.md, "Pipelined PP: stage balance").
 """
 
 from __future__ import annotations
@@ -135,7 +117,27 @@ def _with_last_stage(num_layers: int, pp_size: int, last: int) -> tuple[int, ...
 
 
 def default_partition(hf: Mapping[str, Any], pp_size: int) -> tuple[int, ...]:
-    """The balanced default for ``hf``'s model over ``pp_size`` stages."""
+    """The balanced default for ``hf``'s model over ``pp_size`` stages.
+
+    A pipelined step moves at the pace of its slowest stage, and the stages do not carry the
+    same work: the last one also runs the final norm, the LM head and sampling. The default
+    estimates each stage's cost per token in multiply-adds and gives the last stage fewer
+    layers, so that the largest stage cost is as small as it can be (each stage at least one
+    layer, and no stage more layers beyond the even split's than weigh as much as the LM head:
+    the memory a stage frees for its KV cache is not given away for little compute, as one MoE
+    layer, all experts, would be)::
+
+        decoder layer   q/k/v/o projections (latent attention: its down and up projections)
+                        and the gated MLP, or for a sparse layer the router, top-k experts and
+                        shared experts: averaged over the layers
+        last stage      + the LM head, vocab x hidden per token (tied to the embedding or not);
+                        its norm and sampling are elementwise: not counted
+        first stage     + nothing: the embedding is a row lookup
+
+    Plain multiply-adds, no correction (the bench model's 8 + 4 was the fastest of 6 + 6 ...
+    9 + 3: BENCHMARKS.md). Attention over the cached context, which grows with it, is left out:
+    it makes layers dearer at long contexts, a stage's layers alike.
+    """
     num_layers = int(hf["num_hidden_layers"])
     return balanced_partition(num_layers, pp_size, lm_head_layers(hf), head_room_layers(hf))
 
