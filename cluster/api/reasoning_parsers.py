@@ -1,31 +1,18 @@
 """Reasoning parsers (vLLM's ``reasoning_parser``): split a reasoning model's output into its
 reasoning (``reasoning_content`` in chat, reasoning items in Responses) and its answer.
 
-The parsers read ``<think>…</think>`` blocks; they differ in where the output starts:
-
-- ``deepseek_r1``: DeepSeek-R1 (and its distills) templates open ``<think>`` in the prompt, so
-  the output starts in reasoning and runs until ``</think>``; a ``<think>`` the model writes
-  itself before that is dropped. Without ``</think>`` (cut off by ``max_tokens``) all of it is
-  reasoning and the content is None.
-- ``qwen3``: Qwen3 writes ``<think>`` itself; output without a think block is all content. A
-  ``<think>`` opens the reasoning, the first ``</think>`` closes it, and everything after is
-  content. A template that opens ``<think>`` in the prompt (Qwen3-Thinking-2507) is read from
-  the prompt's tokens (``output_starts_in_reasoning``): the output then starts in reasoning,
-  as vLLM reads output whose ``</think>`` has no ``<think>``.
-- ``glm45``: GLM-4.5 / 4.6, read as ``qwen3``.
-- ``openai_gptoss``: gpt-oss, whose output is harmony messages (``cluster.api.harmony``): the
-  analysis channel is the reasoning, the final channel (and commentary preambles) the content.
-  Its chats keep their special tokens for the reader (:class:`HarmonyFront`), and a chat's
-  calls come out of the same reader (``tool_parsers.HarmonyStreamer``): the front reads
-  reasoning, content and calls in one pass, as vLLM's harmony path does.
-
-Either way, a prompt whose last think tag is ``</think>`` (``enable_thinking=False`` renders
+The parsers read ``<think>…</think>`` blocks and differ in where the output starts (each
+class says how): ``deepseek_r1`` (the template opens ``<think>`` in the prompt), ``qwen3`` and
+``glm45`` (the model writes ``<think>`` itself), and ``openai_gptoss`` (harmony messages,
+``cluster.api.harmony``: the analysis channel is the reasoning). Either way, a prompt whose
+last think tag is ``</think>`` (``enable_thinking=False`` renders
 ``<think>\\n\\n</think>\\n\\n``) has already ended the reasoning: the output is all content.
 
-One state machine serves both modes, so a streamed response's deltas always add up to the
-non-streamed split: ``extract(text)`` is ``feed(text)`` then ``finish()``. vLLM's non-streamed
-``qwen3`` returns a ``<think>`` without its ``</think>`` (output cut off mid-reasoning) as
-content while its stream sends it as reasoning; here both say reasoning.
+One state machine (``ReasoningStreamer``) serves both modes, so a streamed response's deltas
+always add up to the non-streamed split: ``extract(text)`` is ``feed(text)`` then
+``finish()``. vLLM's non-streamed ``qwen3`` returns a ``<think>`` without its ``</think>``
+(output cut off mid-reasoning) as content while its stream sends it as reasoning; here both
+say reasoning.
 
 The tags are single tokens in the tokenizers of these models (added tokens that decoding keeps):
 ``think_token_ids`` finds them, and the engine starts a structured output's grammar once the
@@ -121,9 +108,9 @@ def _partial_tag_len(text: str, tags: Sequence[str]) -> int:
 
 
 class ReasoningParser:
-    """A named way to split reasoning from the answer (see the module doc). ``in_reasoning``
-    says whether the output starts inside a think block; None: the parser's default for a prompt
-    with no think tags (``output_starts_in_reasoning`` reads the prompt's)."""
+    """A named way to split reasoning from the answer (see the module doc and each subclass).
+    ``in_reasoning`` says whether the output starts inside a think block; None: the parser's
+    default for a prompt with no think tags (``output_starts_in_reasoning`` reads the prompt's)."""
 
     name = ""
     starts_in_reasoning = False
@@ -167,11 +154,22 @@ class ReasoningParser:
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
+    """DeepSeek-R1 (and its distills) templates open ``<think>`` in the prompt, so the output
+    starts in reasoning and runs until ``</think>``; a ``<think>`` the model writes itself
+    before that is dropped. Without ``</think>`` (cut off by ``max_tokens``) all of it is
+    reasoning and the content is None."""
+
     name = "deepseek_r1"
     starts_in_reasoning = True
 
 
 class Qwen3ReasoningParser(ReasoningParser):
+    """Qwen3 writes ``<think>`` itself; output without a think block is all content. A
+    ``<think>`` opens the reasoning, the first ``</think>`` closes it, and everything after is
+    content. A template that opens ``<think>`` in the prompt (Qwen3-Thinking-2507) is read from
+    the prompt's tokens (``output_starts_in_reasoning``): the output then starts in reasoning,
+    as vLLM reads output whose ``</think>`` has no ``<think>``."""
+
     name = "qwen3"
     starts_in_reasoning = False
 
@@ -186,7 +184,10 @@ class Glm45ReasoningParser(ReasoningParser):
 
 class GptOssReasoningParser(ReasoningParser):
     """gpt-oss (vLLM's ``openai_gptoss``): harmony's analysis channel is the reasoning; a call
-    read without tools is content (see the module doc)."""
+    read without tools is content. The final channel (and commentary preambles) is the content.
+    Its chats keep their special tokens for the reader (:class:`HarmonyFront`), and a chat's
+    calls come out of the same reader (``tool_parsers.HarmonyStreamer``): the front reads
+    reasoning, content and calls in one pass, as vLLM's harmony path does."""
 
     name = "openai_gptoss"
 
