@@ -1,29 +1,15 @@
-"""How ``RayExecutor`` sends each step to its workers and gets their replies: one role, two paths.
+"""How ``RayExecutor`` sends each step to its workers and gets their replies: one role, two paths,
+picked by ``LLM_CLUSTER_RAY_DISPATCH``.
 
-``compiled`` (the default on GPU workers, ``LLM_CLUSTER_RAY_DISPATCH``): a Ray Compiled Graph
-binds every worker's ``WorkerActor.execute_model(bytes) -> bytes | None`` to one input::
+``compiled`` (the default on GPU workers, ``CompiledDispatch``): a Ray Compiled Graph binds
+every worker's ``WorkerActor.execute_model(bytes) -> bytes | None`` to one input::
 
     InputNode ──step bytes──▶ rank 0 … rank TP·PP−1 ──replies──▶ MultiOutputNode
 
-compiled once, when the first step is sent (the workers are loaded and the KV cache exists by
-then). A step is one ``compiled.execute(message)``: the message is written once into a
-shared-memory channel every worker reads (Ray pushes it to readers on other nodes), each
-worker's reply comes back on its own channel. No Ray task is submitted per worker per step; the
-graph's execution loop runs in each actor beside its ordinary methods, so the control calls
-(``collective_rpc``, ``ping``) still go as plain actor calls. Channels grow to fit a larger
-message (Ray resizes them; a 20 MB message was checked), so no buffer size is configured.
-On GPU the pipeline stages pass hidden states to each other themselves (torch.distributed,
-NCCL); the graph carries only the step message and the replies, never a tensor.
-
-A compiled graph's readers wait by spinning: the head while it waits for replies and every
-worker while it waits for the next step call ``sched_yield`` in a loop (Ray's
-``PlasmaObjectHeader::ReadAcquire``, seen with py-spy), a core each. GPU nodes have those cores
-to spare; CPU workers compute on them: on 2 cores, PP = 2 ran at 0.82x with pipelining on the
-compiled path and 1.27x on the tasks path (BENCHMARKS.md, "Pipelined PP").
-
-``tasks`` (the default on CPU workers): one actor call per worker per step (the message put in
-the object store once when it is large); also used when compiling fails (logged with the
-reason).
+``tasks`` (the default on CPU workers, ``TaskDispatch``): one actor call per worker per step
+(the message put in the object store once when it is large); also used when compiling fails
+(logged with the reason). The compiled graph's readers spin on a core each, which CPU workers
+compute on (BENCHMARKS.md, "Pipelined PP").
 
 Either way ``send`` returns a ``PendingStep`` whose ``replies`` waits for every rank (at most
 the step timeout) and, on a worker that died, raised or hung, calls ``fail`` (the executor's
@@ -100,7 +86,24 @@ class TaskDispatch(StepDispatch):
 
 
 class CompiledDispatch(StepDispatch):
-    """The workers' ``execute_model`` in one compiled graph (see the module docstring)."""
+    """The workers' ``execute_model`` in one compiled graph.
+
+    Compiled once, when the first step is sent (the workers are loaded and the KV cache exists
+    by then). A step is one ``compiled.execute(message)``: the message is written once into a
+    shared-memory channel every worker reads (Ray pushes it to readers on other nodes), each
+    worker's reply comes back on its own channel. No Ray task is submitted per worker per step;
+    the graph's execution loop runs in each actor beside its ordinary methods, so the control
+    calls (``collective_rpc``, ``ping``) still go as plain actor calls. Channels grow to fit a
+    larger message (Ray resizes them; a 20 MB message was checked), so no buffer size is
+    configured. On GPU the pipeline stages pass hidden states to each other themselves
+    (torch.distributed, NCCL); the graph carries only the step message and the replies, never a
+    tensor.
+
+    The graph's readers wait by spinning: the head while it waits for replies and every worker
+    while it waits for the next step call ``sched_yield`` in a loop (Ray's
+    ``PlasmaObjectHeader::ReadAcquire``, seen with py-spy), a core each. GPU nodes have those
+    cores to spare; CPU workers compute on them, hence ``tasks`` there.
+    """
 
     name = "compiled"
 
