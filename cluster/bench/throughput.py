@@ -1,27 +1,12 @@
 """``cluster bench throughput``: offline throughput of this engine against HF transformers and
-vLLM.
-
-One role, kept in one file (~640 lines; the bench model's families and shapes are
-``cluster.bench.model_shape``): the workload, the runners of each system and the report all
-serve this one measurement and change together.
+vLLM (the bench model's families and shapes are ``cluster.bench.model_shape``).
 
 Workload as in vLLM's and nano-vllm's throughput benchmarks: N prompts of random token ids,
 input and output lengths uniform in ranges, ``ignore_eos``, fixed seed. Throughput = output
 tokens / wall time (prefill included). Every system runs in this process on the same weights,
 workload and dtype, one after another, each after a short warm-up that is not timed:
-
-- ``engine``: this project's ``LLM.generate`` (continuous batching, paged KV cache);
-- ``engine_unpipelined`` and ``engine_even_split`` (with ``--pipeline-parallel-size`` > 1): the
-  same engine running one batch at a time (``LLM_CLUSTER_PP_PIPELINING=0``), or pipelined with
-  the layers split evenly over the stages (``VLLM_PP_LAYER_PARTITION``) instead of the balanced
-  default (``engine.pp_partition``), to compare with;
-- ``hf_static``: ``model.generate`` in static, left-padded batches (vLLM's ``--backend hf``):
-  each batch runs until its longest output, so shorter requests waste their slots;
-- ``hf_cb``: transformers' continuous-batching manager (``init_continuous_batching``), with
-  each request's own ``max_new_tokens``;
-- ``vllm`` (only when asked for): vLLM's ``LLM.generate`` on the same model directory and
-  workload, in its own process under ``--vllm-python`` (vLLM lives in a venv of its own, see
-  ``../shared/peers/``), with the same engine limits.
+``engine``, ``engine_unpipelined`` / ``engine_even_split`` (PP > 1), ``hf_static``, ``hf_cb``
+and, when asked for, ``vllm`` in its own venv (``run`` says what each is).
 
 ``--rounds N`` runs the systems N times in turn (engine, vllm, engine, vllm, ...) and reports each
 system's median round, so that a machine drifting during the run hurts every system alike.
@@ -469,6 +454,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the systems asked for, in turn, and return the report. The systems:
+
+    - ``engine``: this project's ``LLM.generate`` (continuous batching, paged KV cache);
+    - ``engine_unpipelined`` and ``engine_even_split`` (with ``--pipeline-parallel-size`` > 1):
+      the same engine running one batch at a time (``LLM_CLUSTER_PP_PIPELINING=0``), or
+      pipelined with the layers split evenly over the stages (``VLLM_PP_LAYER_PARTITION``)
+      instead of the balanced default (``engine.pp_partition``), to compare with;
+    - ``hf_static``: ``model.generate`` in static, left-padded batches (vLLM's ``--backend hf``):
+      each batch runs until its longest output, so shorter requests waste their slots;
+    - ``hf_cb``: transformers' continuous-batching manager (``init_continuous_batching``), with
+      each request's own ``max_new_tokens``;
+    - ``vllm`` (only when asked for): vLLM's ``LLM.generate`` on the same model directory and
+      workload, in its own process under ``--vllm-python`` (vLLM lives in a venv of its own, see
+      ``../shared/peers/``), with the same engine limits.
+    """
     from engine.tiny_models import materialize
 
     if args.model and args.family:
