@@ -1,27 +1,8 @@
 """Built-in tiny mixture-of-experts models, and a random Qwen3-MoE bench model, written locally
 in Hugging Face format like the dense ones of :mod:`engine.tiny_models` (same tokenizer, same
-init recipe, same cache), so tests compare the engine with HF transformers offline.
-
-    name              family       experts  top-k  layers          quirk
-    tiny-mixtral      Mixtral      8        2      2 sparse        top-k renormalized, fp32 weights
-    tiny-qwen2-moe    Qwen2-MoE    8        4      2 sparse        shared expert + sigmoid gate
-    tiny-qwen3-moe    Qwen3-MoE    8        2      sparse, dense,  norm_topk_prob, mlp_only_layers
-                                                   sparse
-    tiny-deepseek-v3  DeepSeek-V3  8 in 4   2      dense, 2 sparse MLA with q_lora, sigmoid
-                                   groups                          noaux_tc over 2 groups, a
-                                                                   non-zero correction bias, yarn
-                                                                   with mscale / mscale_all_dim
-    tiny-deepseek-v2  DeepSeek-V2  8        2      dense, 2 sparse MLA without q_lora (V2-Lite's
-                                                                   shape), softmax greedy, 2
-                                                                   shared experts
-    tiny-glm4-moe     GLM-4.5      8 in 2   2      dense, 2 sparse half of each head rotated,
-                                   groups                          q/k norm, q/k/v biases,
-                                                                   V3's router with a non-zero
-                                                                   correction bias, 1 shared
-    tiny-gpt-oss      gpt-oss      8        2      4 sparse,       sinks, window 8, yarn from
-                                                   sliding / full  64 positions, biased router
-                                                   alternating     and experts, SwiGLU clamped
-                                                                   often; harmony tokenizer
+init recipe, same cache), so tests compare the engine with HF transformers offline. The models
+(Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5, gpt-oss) and the quirk each one
+exercises are tabled at ``TINY_MOE_MODEL_NAMES``.
 
 The weights are written with ``save_pretrained``, so the checkpoint has the per-expert tensors
 (``experts.N.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.N.w1.weight``) that
@@ -77,6 +58,28 @@ from kernels.mxfp4 import quantize_mxfp4
 # Bump whenever an MoE recipe changes (on top of engine.tiny_models.VERSION, which covers the
 # tokenizer and init shared with the dense models).
 MOE_VERSION = 2
+# The built-in models and what each one tests:
+#
+#  name              family       experts  top-k  layers          quirk
+#  tiny-mixtral      Mixtral      8        2      2 sparse        top-k renormalized, fp32 weights
+#  tiny-qwen2-moe    Qwen2-MoE    8        4      2 sparse        shared expert + sigmoid gate
+#  tiny-qwen3-moe    Qwen3-MoE    8        2      sparse, dense,  norm_topk_prob, mlp_only_layers
+#                                                 sparse
+#  tiny-deepseek-v3  DeepSeek-V3  8 in 4   2      dense, 2 sparse MLA with q_lora, sigmoid
+#                                 groups                          noaux_tc over 2 groups, a
+#                                                                 non-zero correction bias, yarn
+#                                                                 with mscale / mscale_all_dim
+#  tiny-deepseek-v2  DeepSeek-V2  8        2      dense, 2 sparse MLA without q_lora (V2-Lite's
+#                                                                 shape), softmax greedy, 2
+#                                                                 shared experts
+#  tiny-glm4-moe     GLM-4.5      8 in 2   2      dense, 2 sparse half of each head rotated,
+#                                 groups                          q/k norm, q/k/v biases,
+#                                                                 V3's router with a non-zero
+#                                                                 correction bias, 1 shared
+#  tiny-gpt-oss      gpt-oss      8        2      4 sparse,       sinks, window 8, yarn from
+#                                                 sliding / full  64 positions, biased router
+#                                                 alternating     and experts, SwiGLU clamped
+#                                                                 often; harmony tokenizer
 TINY_MOE_MODEL_NAMES: tuple[str, ...] = (
     "tiny-mixtral",
     "tiny-qwen2-moe",
