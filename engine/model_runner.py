@@ -1,5 +1,7 @@
 """Runs one step on one worker: applies the ExecuteModelRequest to the persistent per-request
-state, prepares the packed inputs, runs the model and (on the sampling rank) samples.
+state, prepares the packed inputs, runs the model and (on the sampling rank) samples;
+speculative verification and the draft model live in ``engine.spec_decode`` and are called
+from here.
 
 Per step, for each scheduled request r with c = num_computed_tokens and n scheduled tokens:
 
@@ -7,27 +9,10 @@ Per step, for each scheduled request r with c = num_computed_tokens and n schedu
     slot_mapping[t] = block_ids[pos // block_size] * block_size + pos % block_size
     seq_len = c + n                          sampled iff c + n == len(tokens)
 
-A request with ``prompt_logprobs`` also gets the logits of every chunk position t with
-t + 1 < num_prompt_tokens: they score prompt token t + 1 (chunked prefill returns them chunk
-by chunk; the head stitches them together by position).
-
 KV cache groups (``engine.kv_cache_groups``): each layer reads its group's block table and
 writes its group's slots; the head's block ids are global, split here into each group's local
 ids, so ``block_ids`` holds one table per group and a step builds one metadata per group.
-
-LoRA: the step's ``lora_slots`` changes are loaded before the forward pass; each token then
-uses its request's adapter slot (-1 for the base model), one mapping shared by every layer.
-
-A pooling (embedding) request samples nothing. The driver pools its post-norm hidden states:
-``last`` takes the row of the last prompt position (in the chunk that ends the prompt);
-``mean`` adds every chunk's rows to a float32 sum kept in the request's state, counting the
-positions summed so far (``num_pooled``, always a prefix [0, num_pooled): a chunk recomputed
-after a preemption is not summed twice). The vector is returned once the prompt is computed.
-
-One role (~670 lines): one step on one worker, from the step message to the sampled tokens:
-persistent per-request state, packed inputs, forward, sampling. One role because every phase
-reads the same persistent state in the same step; speculative verification and the draft model
-live in ``engine.spec_decode`` and are called from here.
+``ModelRunner``'s docstring has what prompt logprobs, LoRA and pooling requests add.
 """
 
 from __future__ import annotations
@@ -118,6 +103,24 @@ class StepInputs:
 
 
 class ModelRunner:
+    """One step on one worker, from the step message to the sampled tokens: persistent
+    per-request state, packed inputs, forward, sampling.
+
+    A request with ``prompt_logprobs`` also gets the logits of every chunk position t with
+    t + 1 < num_prompt_tokens: they score prompt token t + 1 (chunked prefill returns them chunk
+    by chunk; the head stitches them together by position).
+
+    LoRA: the step's ``lora_slots`` changes are loaded before the forward pass; each token then
+    uses its request's adapter slot (-1 for the base model), one mapping shared by every layer.
+
+    A pooling (embedding) request samples nothing. The driver pools its post-norm hidden
+    states: ``last`` takes the row of the last prompt position (in the chunk that ends the
+    prompt); ``mean`` adds every chunk's rows to a float32 sum kept in the request's state,
+    counting the positions summed so far (``num_pooled``, always a prefix [0, num_pooled): a
+    chunk recomputed after a preemption is not summed twice). The vector is returned once the
+    prompt is computed.
+    """
+
     def __init__(
         self,
         config: EngineConfig,
