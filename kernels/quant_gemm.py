@@ -5,26 +5,20 @@ or per ``block_size = (bn, bk)`` block; activations quantized to FP8 per token (
 default), per token and ``bk``-group of K (block scales), or with a static per-tensor
 ``input_scale``. Which implementation runs:
 
-    CUDA, compute capability >= 8.9   per-tensor / per-channel: torch._scaled_mm (cuBLASLt FP8,
-                                      tensorwise or rowwise scales) when the shapes allow it
-                                      (K and N multiples of 16) and this device/out dtype
-                                      accepts the scaling (probed once); block scales: the
-                                      Triton kernel (kernels.triton_quant_gemm), which applies
-                                      both scales per K block
-    anywhere else, or a shape _scaled_mm refuses     the torch reference below
-    (also a block bk that is not a power of two >= 16, and for W4A16 a group size that is not
-    a multiple of 16: the Triton kernels' tiles need those)
+    CUDA, capability >= 8.9   per-tensor / per-channel: torch._scaled_mm (cuBLASLt FP8, tensor-
+                              or rowwise scales) when K and N are multiples of 16 and the
+                              device accepts the scaling (probed once); block scales: the
+                              Triton kernels.triton_quant_gemm (both scales per K block)
+    anywhere else             the torch reference (also a shape _scaled_mm refuses, a block bk
+                              that is not a power of two >= 16, and for W4A16 a group size
+                              that is not a multiple of 16: the Triton tiles need those)
 
 ``w4a16_linear``: compressed-tensors' pack-quantized int4 (8 values per int32 along K, low
 nibble first, each stored as ``q + 8``), a scale per output channel and ``group_size`` inputs,
 optional zero points (asymmetric); the Triton kernel dequantizes in its K loop on CUDA, the
-torch reference unpacks and runs a dense matmul elsewhere.
-
-The references define the numbers. FP8: ``x_q = saturate(x / s_x)`` rounded to e4m3 (s_x =
-max|x| / 448 per token or token group, or the static scale), then ``(x_q * s_x) @ (w * s_w).T``
-in float32, bias added, cast to ``out_dtype``; the CUDA paths compute the same sum with FP8
-products accumulated in float32, so they differ only by summation order. W4A16: ``w = ((q -
-8) - zero_point) * scale`` in float32, cast to x's dtype, then ``x @ w.T`` (+ bias).
+torch reference unpacks and runs a dense matmul elsewhere. The torch references
+(``fp8_linear_reference``, ``w4a16_linear_reference``) define the numbers; the CUDA paths
+differ from them only by summation order.
 """
 
 from __future__ import annotations
@@ -96,7 +90,11 @@ def fp8_linear_reference(
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``fp8_linear`` in plain torch on any device: quantize the activations as the GPU path
-    does, dequantize both operands to float32 and multiply (see the module docstring)."""
+    does, dequantize both operands to float32 and multiply. These are the numbers:
+    ``x_q = saturate(x / s_x)`` rounded to e4m3 (s_x = max|x| / 448 per token or token group,
+    or the static scale), then ``(x_q * s_x) @ (w * s_w).T`` in float32, bias added, cast to
+    ``out_dtype``; the CUDA paths compute the same sum with FP8 products accumulated in
+    float32, so they differ only by summation order."""
     mode = _check_fp8_args(x, weight, weight_scale, block_size, input_scale, bias)
     out_dtype = out_dtype or x.dtype
     x2 = x.reshape(-1, x.shape[-1])
@@ -272,7 +270,9 @@ def w4a16_linear_reference(
     group_size: int,
     bias: Tensor | None = None,
 ) -> Tensor:
-    """``w4a16_linear`` in plain torch: unpack, dequantize to x's dtype, dense matmul."""
+    """``w4a16_linear`` in plain torch: unpack, dequantize to x's dtype, dense matmul. These
+    are the numbers: ``w = ((q - 8) - zero_point) * scale`` in float32, cast to x's dtype, then
+    ``x @ w.T`` (+ bias)."""
     _check_w4a16_args(x, weight_packed, weight_scale, weight_zero_point, group_size, bias)
     k = x.shape[-1]
     w = dequantize_int4(weight_packed, weight_scale, weight_zero_point, group_size, k)
