@@ -4,23 +4,12 @@ tokenizer), its harmony chat template, and its tokenizer files. Generation stops
 ``<|return|>`` (the end of a final answer) and ``<|call|>`` (the end of a tool call), as
 gpt-oss's ``generation_config`` says.
 
-The template renders OpenAI chat messages in the harmony format, written here from OpenAI's
-published specification (openai/harmony ``docs/format.md``): the ``openai-harmony`` package
-downloads its o200k encoding at run time, and this tokenizer is not o200k, so neither it nor its
-renderer is used. A prompt is a list of messages ``<|start|>{header}<|message|>{content}<|end|>``
-without separators:
-
-    system      identity, knowledge cutoff, current date, "Reasoning: {reasoning_effort}",
-                the valid channels (and that function calls go to commentary, given tools)
-    developer   "# Instructions" (the request's leading system / developer messages) and
-                "# Tools": the tools as a TypeScript-like ``namespace functions``
-    user        as written
-    assistant   a final answer ``<|channel|>final``; calls ``<|channel|>commentary
-                to=functions.NAME <|constrain|>json`` ending ``<|call|>``, after their
-                reasoning (``reasoning_content``, ``analysis``) while the turn is still open
-                (after the last user message); a call's text is a commentary preamble
-    tool        ``functions.NAME to=assistant<|channel|>commentary``
-    generation  ``<|start|>assistant``: the model writes the rest of the header
+The template (``HARMONY_CHAT_TEMPLATE``, whose comment lists what each message renders)
+renders OpenAI chat messages in the harmony format, written here from OpenAI's published
+specification (openai/harmony ``docs/format.md``): the ``openai-harmony`` package downloads its
+o200k encoding at run time, and this tokenizer is not o200k, so neither it nor its renderer is
+used. A prompt is a list of messages ``<|start|>{header}<|message|>{content}<|end|>`` without
+separators.
 
 Template variables beside ``messages`` and ``tools``: ``reasoning_effort`` (low, medium, high;
 medium by default; the chat request's field), ``model_identity`` and ``current_date`` (today,
@@ -207,6 +196,19 @@ _MESSAGES = r"""
 {%- if add_generation_prompt -%}{{ '<|start|>assistant' }}{%- endif -%}
 """
 
+# The messages as the template renders them:
+#
+#   system      identity, knowledge cutoff, current date, "Reasoning: {reasoning_effort}",
+#               the valid channels (and that function calls go to commentary, given tools)
+#   developer   "# Instructions" (the request's leading system / developer messages) and
+#               "# Tools": the tools as a TypeScript-like ``namespace functions``
+#   user        as written
+#   assistant   a final answer ``<|channel|>final``; calls ``<|channel|>commentary
+#               to=functions.NAME <|constrain|>json`` ending ``<|call|>``, after their
+#               reasoning (``reasoning_content``, ``analysis``) while the turn is still open
+#               (after the last user message); a call's text is a commentary preamble
+#   tool        ``functions.NAME to=assistant<|channel|>commentary``
+#   generation  ``<|start|>assistant``: the model writes the rest of the header
 HARMONY_CHAT_TEMPLATE = "".join(part.strip() for part in (_TYPES, _SYSTEM, _DEVELOPER, _MESSAGES))
 
 
