@@ -6,25 +6,9 @@ its experts share.
                           experts per rank, parallel.moe)                           │
                        └─ [shared expert(s), [* sigmoid(shared_expert_gate(x))]] ───┴─ all-reduce
 
-Routing is HF's for each family (``Routing``): the router logits in the model dtype (Mixtral,
-Qwen2/3-MoE) or from float32 activations and weight (DeepSeek); scores by softmax in float32
-(Mixtral, Qwen, DeepSeek-V2) or sigmoid (DeepSeek-V3); DeepSeek's group-limited choice, which
-keeps only the experts of the ``topk_group`` best of ``n_group`` groups (a group scored by its
-best expert, V2's ``group_limited_greedy``, or by the sum of its best two, V3's ``noaux_tc``);
-V3's ``e_score_correction_bias`` added to the scores for the choice only; ``torch.topk`` over
-the choice (ties go wherever torch.topk puts them, as in HF); the chosen experts' scores as
-weights, renormalized to sum to 1 when the family says so (Mixtral always; Qwen2/3-MoE and
-DeepSeek-V3 with ``norm_topk_prob``), times ``routed_scaling_factor`` (DeepSeek), then cast
-to the model dtype (Qwen2/3-MoE) or left in float32 (Mixtral, DeepSeek, whose expert outputs
-are therefore weighted in float32 before the cast back). On CUDA the fused kernel weights and
-sums in float32 whatever the weights' dtype: exact in float32, a rounding-level difference
-from HF's Qwen-MoE in bfloat16. The routed experts' and the shared experts' partial sums are
-added before the one all-reduce of the layer, as a dense MLP's down projection does it. Under
-expert parallelism the shared experts stay TP-sliced (every token uses them, so slicing them
-balances the work; placing them whole on one rank would not), and the routed partial sums
-(this rank's experts) join them in that all-reduce. Qwen2-MoE gates its shared expert by
-``sigmoid(shared_expert_gate(x))``; DeepSeek adds its ``n_shared_experts`` (one MLP of that
-many times ``moe_intermediate_size``) ungated.
+Routing is HF's for each family (``Routing`` says how each one picks and weights its
+experts). The routed experts' and the shared experts' partial sums are added before the one
+all-reduce of the layer, as a dense MLP's down projection does it (``SparseMoeBlock``).
 """
 
 from __future__ import annotations
@@ -50,8 +34,23 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Routing:
-    """How a family's router picks and weights each token's experts (see the module
-    docstring); the defaults are Qwen2/3-MoE's without ``norm_topk_prob``."""
+    """How a family's router picks and weights each token's experts, as HF does for that
+    family; the defaults are Qwen2/3-MoE's without ``norm_topk_prob``.
+
+    The router logits in the model dtype (Mixtral, Qwen2/3-MoE) or from float32 activations
+    and weight (DeepSeek); scores by softmax in float32 (Mixtral, Qwen, DeepSeek-V2) or sigmoid
+    (DeepSeek-V3); DeepSeek's group-limited choice, which keeps only the experts of the
+    ``topk_group`` best of ``n_group`` groups (a group scored by its best expert, V2's
+    ``group_limited_greedy``, or by the sum of its best two, V3's ``noaux_tc``); V3's
+    ``e_score_correction_bias`` added to the scores for the choice only; ``torch.topk`` over
+    the choice (ties go wherever torch.topk puts them, as in HF); the chosen experts' scores as
+    weights, renormalized to sum to 1 when the family says so (Mixtral always; Qwen2/3-MoE and
+    DeepSeek-V3 with ``norm_topk_prob``), times ``routed_scaling_factor`` (DeepSeek), then cast
+    to the model dtype (Qwen2/3-MoE) or left in float32 (Mixtral, DeepSeek, whose expert
+    outputs are therefore weighted in float32 before the cast back). On CUDA the fused kernel
+    weights and sums in float32 whatever the weights' dtype: exact in float32, a
+    rounding-level difference from HF's Qwen-MoE in bfloat16.
+    """
 
     renormalize: bool = False
     # "topk_softmax": the top-k of the raw logits, then a softmax over those k in the logits'
@@ -162,7 +161,16 @@ class SparseMoeBlock(nn.Module):
     routed as ``routing`` says, plus, with ``shared_expert_intermediate_size``, an always-on
     shared expert: scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE) or ungated
     (``shared_expert_gated=False``, DeepSeek's ``shared_experts``). ``experts`` replaces the
-    gated-MLP experts built from the config (gpt-oss's biased, clamped ones)."""
+    gated-MLP experts built from the config (gpt-oss's biased, clamped ones).
+
+    The routed experts' and the shared experts' partial sums are added before the one
+    all-reduce of the layer, as a dense MLP's down projection does it. Under expert parallelism
+    the shared experts stay TP-sliced (every token uses them, so slicing them balances the
+    work; placing them whole on one rank would not), and the routed partial sums (this rank's
+    experts) join them in that all-reduce. Qwen2-MoE gates its shared expert by
+    ``sigmoid(shared_expert_gate(x))``; DeepSeek adds its ``n_shared_experts`` (one MLP of that
+    many times ``moe_intermediate_size``) ungated.
+    """
 
     def __init__(
         self,
