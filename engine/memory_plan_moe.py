@@ -16,15 +16,8 @@ per ``decoder_sparse_step`` and ``mlp_only_layers``; DeepSeek from ``first_k_den
                    gpt-oss's expert biases (gate_up sliced, down whole)     E x (2 I_e/tp + H)
 
 With E divisible by the group size, TP and EP hold the same expert bytes per rank; EP trades
-the slicing for whole-expert GEMMs and a skewed load when routing is unbalanced. From a
-quantized checkpoint the routed experts are counted in the model's dtype, as the loader
-dequantizes them; the dense layers and shared experts, linear layers, stay quantized on a GPU
-as ``linear`` says. The exception is an MXFP4 checkpoint (gpt-oss) on the Triton kernels
-(``mxfp4``), whose experts stay in the checkpoint's format (``engine.models.gpt_oss``):
-
-    gate_up   2 I_e/tp rows x H/32 groups x (16 bytes + 1 scale byte)    (EP: 2 I_e rows)
-    down      H rows x the groups covering the rank's I_e/tp inputs x 17 bytes (the largest
-              count over the ranks: a slice that starts inside a group holds it whole)
+the slicing for whole-expert GEMMs and a skewed load when routing is unbalanced.
+Quantized checkpoints (and gpt-oss's MXFP4 experts): see ``moe_weight_bytes``.
 """
 
 from __future__ import annotations
@@ -58,7 +51,13 @@ def moe_weight_bytes(
 ) -> dict[str, int]:
     """One rank's feed-forward bytes over layers ``[first_layer, end_layer)``: ``mlp`` (the
     dense layers), ``experts``, ``router`` and ``shared_expert`` (with its gate); ``mxfp4``:
-    the experts are kept MXFP4."""
+    the experts are kept MXFP4.
+
+    From a quantized checkpoint the routed experts are counted in the model's dtype, as the
+    loader dequantizes them; the dense layers and shared experts, linear layers, stay quantized
+    on a GPU as ``linear`` says. The exception is an MXFP4 checkpoint (gpt-oss) on the Triton
+    kernels (``mxfp4``), whose experts stay in the checkpoint's format
+    (``_mxfp4_expert_bytes``)."""
     conf = dict(hf)
     hidden = int(hf["hidden_size"])
     num_experts = hf_config.num_experts(conf)
@@ -112,7 +111,13 @@ def moe_weight_bytes(
 
 def _mxfp4_expert_bytes(hidden: int, inter: int, slices: int) -> int:
     """One expert's MXFP4 blocks and scales on the rank holding the most of them, with its
-    intermediate dim cut in ``slices``."""
+    intermediate dim cut in ``slices``, in the checkpoint's format (``engine.models.gpt_oss``)::
+
+        gate_up   2 I_e/tp rows x H/32 groups x (16 bytes + 1 scale byte)    (EP: 2 I_e rows)
+        down      H rows x the groups covering the rank's I_e/tp inputs x 17 bytes (the
+                  largest count over the ranks: a slice that starts inside a group holds it
+                  whole)
+    """
     size = inter // slices
     down_groups = max(
         -(-(r + 1) * size // MXFP4_GROUP) - r * size // MXFP4_GROUP for r in range(slices)
