@@ -4,26 +4,16 @@ is one (token, k) routing choice, numbered ``p = t * top_k + k``.
 
 1. ``moe_align_block_size`` (torch ops, no host sync): sort the pairs by expert and pad each
    expert's run to a multiple of BLOCK_M with the sentinel ``num_pairs``, so every BLOCK_M
-   block of ``sorted_pair_ids`` belongs to one expert::
+   block of ``sorted_pair_ids`` belongs to one expert (``MoeAlignment``)::
 
        sorted_pair_ids  | e0 e0 e0 -- | e2 e2 e2 e2 | e2 -- -- -- | e5 -- -- -- | -- ... (spare)
        block_expert_ids |     0       |      2      |      2      |      5      |  E  ...
                         '---------------- num_tokens_post_padded ---------------'
 
-   ``sorted_pair_ids`` has room for the worst case, ``num_pairs + E * (BLOCK_M - 1)`` rounded
-   up to BLOCK_M, so its size and the grid depend on shapes only; programs whose block starts
-   at or past ``num_tokens_post_padded`` return at once. Experts with no pairs get no block.
 2. ``_moe_gemm_kernel`` over grid (blocks, cdiv(N, BLOCK_N)): one program takes one expert's
-   BLOCK_M pairs and one BLOCK_N tile of the output, gathers the pairs' input rows (row
-   ``p // top_k`` of x in the first GEMM, row ``p`` of the activations in the second), loops
-   over K in BLOCK_K steps accumulating in float32, optionally scales each row by its routing
-   weight, and scatters the tile to rows ``p`` of the output. Sentinel rows load and store
-   nothing.
+   BLOCK_M pairs and one BLOCK_N tile of the output (GEMM 1 with w1).
 3. SiLU(gate) * up on the ``[pairs, 2I]`` GEMM-1 output (``kernels.triton_ops.silu_and_mul``).
 4. GEMM 2 with w2 and the routing weights, into float32 ``[pairs, H]``; a torch sum over K.
-
-Under the Triton interpreter bf16/fp16 ``tl.dot`` operands are upcast to float32 first, as in
-kernels/triton_attention.py (the interpreter's low-precision dots are wrong in triton 3.9).
 """
 
 from __future__ import annotations
@@ -66,7 +56,16 @@ def _moe_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
-    """c[p, n] = (w[p] *) sum_k a[p // PAIRS_PER_A_ROW, k] * b[expert(p), n, k]."""
+    """c[p, n] = (w[p] *) sum_k a[p // PAIRS_PER_A_ROW, k] * b[expert(p), n, k].
+
+    One program takes one expert's BLOCK_M pairs and one BLOCK_N tile of the output, gathers
+    the pairs' input rows (row ``p // top_k`` of x in the first GEMM, row ``p`` of the
+    activations in the second), loops over K in BLOCK_K steps accumulating in float32,
+    optionally scales each row by its routing weight, and scatters the tile to rows ``p`` of
+    the output. Sentinel rows load and store nothing. Under the Triton interpreter (DOT_UPCAST)
+    bf16/fp16 ``tl.dot`` operands are upcast to float32 first, as in kernels/triton_attention.py
+    (the interpreter's low-precision dots are wrong in triton 3.9).
+    """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
@@ -107,6 +106,10 @@ class MoeAlignment:
     ``sorted_pair_ids [capacity]`` int32: pair ids, ``num_pairs`` where padding;
     ``block_expert_ids [capacity // block_m]`` int32: the expert of each block (``E`` for the
     spare blocks past the end); ``num_tokens_post_padded [1]`` int32: the padded length used.
+
+    ``sorted_pair_ids`` has room for the worst case, ``num_pairs + E * (BLOCK_M - 1)`` rounded
+    up to BLOCK_M, so its size and the grid depend on shapes only; programs whose block starts
+    at or past ``num_tokens_post_padded`` return at once. Experts with no pairs get no block.
     """
 
     sorted_pair_ids: Tensor
