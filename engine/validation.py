@@ -1,29 +1,24 @@
 """Config validation helpers shared by the engine's config (``engine.config``) and the
-deployment YAML's (``cluster.config``): one message format for every refused value.
+deployment YAML's (``cluster.config``): one message format for every refused value. No torch
+here: ``cluster.config`` imports this, and the ingress and CLI import that.
 
 Every failure is a ``ConfigError`` whose message is ``<key>: must be <what is allowed>, got
 <value given>``; the allowed part names the type and the range, with a bound that comes from
 another field named after it in parentheses::
 
-    max_num_seqs: must be an integer >= 1, got 0
     models[0].deployment_config.num_replicas: must be an integer >= 1 or null, got 0
     max_cpu_loras: must be an integer >= 4 (max_loras), got 2
-    gpu_memory_utilization: must be a number in (0, 1], got 1.5
     block_size: must be one of 8, 16, 32, 64, 128, got 12
-    enforce_eager: must be true or false, got 1
 
 Where the checks live: each engine section (``ModelConfig``, ``CacheConfig``, ...) checks
 itself in ``__post_init__`` and names the flat vLLM argument, which is also the key under a
-deployment's ``engine_kwargs`` (the cluster prefixes its key path when it re-raises). Each
+deployment's ``engine_kwargs`` (the cluster prefixes its key path when it re-raises): it is
+built from keyword arguments (and replaced per rank), so it must never exist invalid. Each
 cluster section is first built strictly from YAML (types, unknown and missing keys), then
 checked by its ``check(path)`` method with the key path of where it sits in the YAML
-(``models[0].deployment_config``). Two places, one reason each: an engine section is built
-from keyword arguments (and replaced per rank), so it must never exist invalid; a cluster
-section's message needs a key path that only its parent knows. Both use the typed checks
+(``models[0].deployment_config``), which only its parent knows. Both use the typed checks
 below; ``require`` is for what no typed check says (a cross-field rule, a divisibility), and
 its message keeps the same ``must ..., got ...`` shape.
-
-No torch here: ``cluster.config`` imports this, and the ingress and CLI import that.
 """
 
 from __future__ import annotations
