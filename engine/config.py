@@ -1,8 +1,6 @@
-"""The engine's one frozen root config, built from keyword arguments with vLLM's names.
-
-One role (~530 lines): the config tree and its validation, each section a small frozen
-dataclass; splitting the sections apart would scatter one contract. Which vLLM argument sets
-which field is ``engine.engine_args``'s table; the checks and their one message format
+"""The engine's one frozen root config, built from keyword arguments with vLLM's names: the config
+tree and its validation, each section a small frozen dataclass. Which vLLM argument sets which
+field is ``engine.engine_args``'s table; the checks and their one message format
 (``max_num_seqs: must be an integer >= 1, got 0``) are ``engine.validation``'s.
 
     EngineConfig
@@ -17,12 +15,6 @@ which field is ``engine.engine_args``'s table; the checks and their one message 
     ├── frontend:  FrontendConfig   (tool_call_parser, enable_auto_tool_choice, reasoning_parser)
     ├── lora:      LoRAConfig       (enable_lora, max_loras, max_lora_rank, max_cpu_loras)
     └── speculative: SpeculativeArgs (speculative_config; engine.spec_decode.config)
-
-Every config is a frozen dataclass, validated in ``__post_init__`` under the names of vLLM's
-arguments (a deployment YAML prefixes its key path to them); per-rank copies use
-``dataclasses.replace``. The number of KV blocks measured at startup is runtime state (see
-``Worker.determine_num_available_blocks``), not a config field; ``num_kv_blocks`` is only the
-optional explicit override.
 """
 
 from __future__ import annotations
@@ -397,6 +389,12 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The root config. Every section is validated in ``__post_init__`` under the names of
+    vLLM's arguments (a deployment YAML prefixes its key path to them); per-rank copies use
+    ``dataclasses.replace``. The number of KV blocks measured at startup is runtime state (see
+    ``Worker.determine_num_available_blocks``), not a config field; ``num_kv_blocks`` is only
+    the optional explicit override."""
+
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

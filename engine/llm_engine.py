@@ -1,29 +1,21 @@
 """``LLMEngine``: the head's synchronous core — tokenize and validate, schedule, run a step on
 the executor, update requests, detokenize, produce ``RequestOutput``s.
 
-A user request with ``n`` samples becomes n scheduler ``Request``s: sample 0 keeps the request
-id, sample i > 0 is ``"{i}_{request_id}"``; samples 1.. fork from sample 0's prompt blocks (see
-``engine.scheduler``) and draw from their own seed stream (``seed + i``). The engine gathers
-them back into one ``RequestOutput`` with n ``CompletionOutput``s ordered by index, finished
-when all are. Aborting the request aborts every sample. Beam search runs outside the engine
-core, on top of it (``engine.beam_search``).
+A user request with ``n`` samples becomes n scheduler ``Request``s gathered back into one
+``RequestOutput``; a pooling request is one ``Request`` that samples nothing (``LLMEngine``
+says how both map). Beam search runs outside the engine core, on top of it
+(``engine.beam_search``).
 
 Structured outputs: a sample with ``structured_outputs`` holds its own grammar matcher (see
 ``engine.structured_output``); each step sends the next-token bitmask of the constrained
 samples that sample, and advances their matchers with the tokens they got.
 
-A request added with ``PoolingParams`` instead of ``SamplingParams`` is a pooling (embedding)
-request: one scheduler ``Request`` that samples nothing; the step that computes its last prompt
-token returns its ``PoolingRequestOutput`` (the vector the workers pooled) and ends it.
-
 With batches in flight (pipelined PP, ``Executor.max_concurrent_batches`` > 1) a step sends
 batches until that many are out, then takes the oldest one's output (see ``engine.scheduler``).
 
-One role in one file (~730 lines): the head's per-step cycle (admit, schedule, execute, update,
-detokenize). Checking and tokenizing a request before it is admitted is
-``engine.input_processor``; the per-request output state and the outputs built from it, by
-``output_kind``, are ``engine.output_processor``; beam search runs on top
-(``engine.beam_search``).
+Checking and tokenizing a request before it is admitted is ``engine.input_processor``; the
+per-request output state and the outputs built from it, by ``output_kind``, are
+``engine.output_processor``.
 """
 
 from __future__ import annotations
@@ -95,6 +87,19 @@ def eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
 
 
 class LLMEngine:
+    """The head's per-step cycle: admit, schedule, execute, update, detokenize.
+
+    A user request with ``n`` samples becomes n scheduler ``Request``s: sample 0 keeps the request
+    id, sample i > 0 is ``"{i}_{request_id}"``; samples 1.. fork from sample 0's prompt blocks (see
+    ``engine.scheduler``) and draw from their own seed stream (``seed + i``). The engine gathers
+    them back into one ``RequestOutput`` with n ``CompletionOutput``s ordered by index, finished
+    when all are. Aborting the request aborts every sample.
+
+    A request added with ``PoolingParams`` instead of ``SamplingParams`` is a pooling (embedding)
+    request: one scheduler ``Request`` that samples nothing; the step that computes its last prompt
+    token returns its ``PoolingRequestOutput`` (the vector the workers pooled) and ends it.
+    """
+
     def __init__(
         self,
         config: EngineConfig,
