@@ -4,26 +4,12 @@ Torch-free on purpose: ``cluster deploy`` / ``cluster serve`` call :func:`check_
 the deploying machine before anything is placed, and a config the engine cannot serve exactly
 is refused with the field and its value — never served approximately.
 
-Per-layer attention follows HF's ``layer_types`` (``sliding_attention`` / ``full_attention``);
-configs written before that field existed get the pattern their family's HF code derives
-(every layer for Mistral and Phi-3, layers from ``max_window_layers`` on for Qwen2/Qwen3, even
-layers for Gemma 2, all but every ``sliding_window_pattern``-th layer for Gemma 3; every layer
-for Mixtral). Qwen2-MoE / Qwen3-MoE with ``use_sliding_window`` are refused: their HF patterns
-differ from Qwen2's and are not implemented.
-
-Mixture-of-experts fields (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek): the expert count
-(``num_experts``, ``num_local_experts`` as Mixtral and transformers' Qwen3-MoE config write it,
-or DeepSeek's ``n_routed_experts``), top-k, the experts' intermediate size, which layers are
-sparse (``decoder_sparse_step``, ``mlp_only_layers``; DeepSeek's ``first_k_dense_replace``), and
-router options of other families (DeepSeek's ``scoring_func``, ``routed_scaling_factor``,
-grouped top-k) refused by name where the family does not route with them.
-
-DeepSeek-V2/V3 (and Kimi K2, a DeepSeek-V3): multi-head latent attention's ranks and head dims
-(``kv_lora_rank``, ``q_lora_rank`` or null, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
-``v_head_dim``) and DeepSeek's routing. GLM-4.5 / 4.6 (``Glm4MoeForCausalLM``): DeepSeek-V3's
-router and MoE fields on grouped-query attention (``use_qk_norm``, ``attention_bias``, half the
-head rotated by default). A field the config.json leaves out takes the default of transformers'
-config class for that architecture, as HF does (``config_field``).
+The readers: per-layer attention (``layer_types``, ``layer_window``), mixture-of-experts fields
+(``check_moe``, ``num_experts``, ``is_sparse_layer``, ...), DeepSeek-V2/V3's latent attention
+and routing (``check_deepseek``; Kimi K2 is a DeepSeek-V3), GLM-4.5 / 4.6 (``check_glm4_moe``)
+and gpt-oss (``check_gpt_oss``); each says which fields it reads and what it refuses. A field
+the config.json leaves out takes the default of transformers' config class for that
+architecture, as HF does (``config_field``).
 """
 
 from __future__ import annotations
@@ -196,7 +182,14 @@ def _positive_int(hf: dict[str, Any], key: str) -> int:
 
 def check_moe(hf: dict[str, Any]) -> None:
     """The MoE fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config: counts in range, and no
-    router option these families do not route with."""
+    router option these families do not route with.
+
+    The fields: the expert count (``num_experts``, ``num_local_experts`` as Mixtral and
+    transformers' Qwen3-MoE config write it, or DeepSeek's ``n_routed_experts``), top-k, the
+    experts' intermediate size, which layers are sparse (``decoder_sparse_step``,
+    ``mlp_only_layers``; DeepSeek's ``first_k_dense_replace``); router options of other
+    families (DeepSeek's ``scoring_func``, ``routed_scaling_factor``, grouped top-k) are refused
+    by name where the family does not route with them."""
     arch = architecture(hf)
     key = "num_local_experts" if arch == "MixtralForCausalLM" else "num_experts"
     experts = num_experts(hf)
@@ -249,8 +242,10 @@ def _natural(hf: dict[str, Any], key: str, *, positive: bool = True) -> int:
 
 
 def check_deepseek(hf: dict[str, Any]) -> None:
-    """A DeepSeek-V2 / V3 config: the latent attention's ranks and head dims, the MoE counts,
-    and routing options the engine computes as HF does (``deepseek_routing``)."""
+    """A DeepSeek-V2 / V3 config (and Kimi K2, a DeepSeek-V3): the latent attention's ranks and
+    head dims (``kv_lora_rank``, ``q_lora_rank`` or null, ``qk_nope_head_dim``,
+    ``qk_rope_head_dim``, ``v_head_dim``), the MoE counts, and routing options the engine
+    computes as HF does (``deepseek_routing``)."""
     arch = architecture(hf)
     for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
         _natural(hf, key)
@@ -284,7 +279,8 @@ def check_deepseek(hf: dict[str, Any]) -> None:
 def check_glm4_moe(hf: dict[str, Any]) -> None:
     """A GLM-4.5 / 4.6 (``Glm4MoeForCausalLM``) config: DeepSeek-V3's router (sigmoid scores,
     correction bias, groups scored by their best two) over ``n_routed_experts``, shared
-    experts, dense first layers; the attention flags it switches."""
+    experts, dense first layers; the attention flags it switches on grouped-query attention
+    (``use_qk_norm``, ``attention_bias``, half the head rotated by default)."""
     experts, top_k = _check_deepseek_style_experts(hf)
     _check_flags(hf, "attention_bias", "norm_topk_prob", "use_qk_norm")
     _check_groups(hf, experts, top_k, top2=True)
@@ -418,7 +414,13 @@ def sliding_window(hf: dict[str, Any]) -> int | None:
 
 
 def layer_types(hf: dict[str, Any]) -> list[str]:
-    """``sliding_attention`` or ``full_attention`` for every decoder layer."""
+    """``sliding_attention`` or ``full_attention`` for every decoder layer, as HF's
+    ``layer_types`` says; configs written before that field existed get the pattern their
+    family's HF code derives (every layer for Mistral and Phi-3, layers from
+    ``max_window_layers`` on for Qwen2/Qwen3, even layers for Gemma 2, all but every
+    ``sliding_window_pattern``-th layer for Gemma 3; every layer for Mixtral). Qwen2-MoE /
+    Qwen3-MoE with ``use_sliding_window`` are refused (``check_moe``): their HF patterns
+    differ from Qwen2's and are not implemented."""
     num_layers = int(hf["num_hidden_layers"])
     arch = architecture(hf)
     window = sliding_window(hf)
