@@ -1,5 +1,6 @@
 """The ingress's token channel: each engine step's deltas for all of this ingress's requests on
-one head, in one message, instead of one Serve stream item per request per step.
+one head, in one message, instead of one Serve stream item per request per step (each ~0.5 ms
+of CPU on 2 cores: BENCHMARKS.md, "Serving path").
 
     ingress (this module)                     LLMServer replica            HeadActor
     ─────────────────────                     ─────────────────            ─────────
@@ -11,19 +12,12 @@ one head, in one message, instead of one Serve stream item per request per step.
     ChannelStream: the request's deltas from its queue; its Serve stream carries only the end
     (or a StreamError: 408, 503), which the stream waits for before it ends.
 
-On a 2-core machine each Serve stream item costs ~0.5 ms of CPU across the replica and the ingress
-(BENCHMARKS.md, "Serving path"); with 64 requests that is ~30 ms a step, taken from the engine.
-One poll per step per head costs the same whatever the batch. The request's Serve call stays
-open until it ends, so routing, ``max_ongoing_requests``, autoscaling, back-pressure, drain and
-cancellation (the client goes away: the call is cancelled, the replica aborts the request) are
-Serve's as before. Polls are acknowledged by step number, like the replica's own
-(``cluster.serving.head_actor``): a lost reply loses nothing. A head that fails (its poll raises, or
-reports the engine dead) ends its requests' streams with a 503.
-
-By default (``LLM_CLUSTER_TOKEN_PUSH``) nothing polls: the sink is this ingress's TCP listener
-(``cluster.serving.token_push``), each head connects to it and writes every step's deltas as one
-frame, acknowledged on the same connection; a head's connection that ends fails its streams
-with a 503 like a failed poll. The poller above stays for ``LLM_CLUSTER_TOKEN_PUSH=0``.
+The request's Serve call stays open until it ends, so routing, ``max_ongoing_requests``,
+autoscaling, back-pressure, drain and cancellation are Serve's as before. Polls are
+acknowledged by step number (a lost reply loses nothing); a head that fails ends its
+requests' streams with a 503. By default (``LLM_CLUSTER_TOKEN_PUSH``) nothing polls: each head
+pushes to this ingress's TCP listener (``cluster.serving.token_push``); the poller stays for
+``LLM_CLUSTER_TOKEN_PUSH=0``.
 """
 
 from __future__ import annotations
@@ -62,7 +56,22 @@ _SERVED = object()  # the request's Serve stream ended without an error
 
 
 class TokenChannel:
-    """One per ingress replica; everything runs on the ingress's event loop."""
+    """One per ingress replica; everything runs on the ingress's event loop.
+
+    With 64 requests one stream item per request per step is ~30 ms of CPU a step on a 2-core
+    machine, taken from the engine; one poll per step per head costs the same whatever the
+    batch. The request's Serve call stays open until it ends, so routing,
+    ``max_ongoing_requests``, autoscaling, back-pressure, drain and cancellation (the client
+    goes away: the call is cancelled, the replica aborts the request) are Serve's as before.
+    Polls are acknowledged by step number, like the replica's own
+    (``cluster.serving.head_actor``): a lost reply loses nothing. A head that fails (its poll
+    raises, or reports the engine dead) ends its requests' streams with a 503.
+
+    With push (the default), the sink is this ingress's TCP listener
+    (``cluster.serving.token_push``): each head connects to it and writes every step's deltas
+    as one frame, acknowledged on the same connection; a head's connection that ends fails its
+    streams with a 503 like a failed poll.
+    """
 
     def __init__(self, push: bool | None = None) -> None:
         """``push``: the heads push each step to this ingress over TCP (``token_push``) rather
