@@ -1,6 +1,6 @@
 """The token channel's push transport: each head connects to its ingress over TCP and writes
 every step's deltas for that ingress as one frame, instead of the ingress polling the head
-with a Ray actor call per step.
+with a Ray actor call per step (BENCHMARKS.md, "The token channel pushed").
 
     HeadActor (core thread appends a step      ingress replica (``TokenListener``, on its
     to the sink's outbox)                      event loop)
@@ -10,19 +10,13 @@ with a Ray actor call per step.
     core thread, each step   ── PollReply(steps, last_seq, dead, ack) ─▶ dispatches the deltas
     SinkPusher reader thread ◀── acked (last_seq) ──── only when the frame asks (a drain)
 
-A Ray actor call costs ~0.5 ms of CPU in the caller and the callee and wakes the head's main
-thread, which takes the GIL from its core thread; a frame on a socket costs tens of
-microseconds (BENCHMARKS.md, "The token channel pushed"). The core thread writes each step's
-frame itself, without blocking, so no other thread of the head wakes per step
-(``SinkPusher``). Frames are length-prefixed msgpack (``PollReply``, the poll's reply, so both
-transports carry the same message); nothing is pickled. A drain
-(``HeadActor.wait_sink_acked``) asks the ingress to acknowledge what it has, and waits.
-
-The sink names the listener: ``tcp://HOST:PORT/TOKEN``. The token is a random secret that
-travels only inside Ray's own calls (the ``GenerateRequest``), so nothing that merely reaches
-the port can inject tokens into a stream. A connection lives as long as both ends: the ingress
-that sees it end fails the streams still open on that head (503), the head that sees it end
-drops the sink (its ingress is gone; Serve cancels those requests).
+Frames are length-prefixed msgpack (``PollReply``, the poll's reply, so both transports carry
+the same message); nothing is pickled. The sink names the listener: ``tcp://HOST:PORT/TOKEN``.
+The token is a random secret that travels only inside Ray's own calls (the
+``GenerateRequest``), so nothing that merely reaches the port can inject tokens into a stream.
+A connection lives as long as both ends: the ingress that sees it end fails the streams still
+open on that head (503), the head that sees it end drops the sink (its ingress is gone; Serve
+cancels those requests).
 """
 
 from __future__ import annotations
@@ -93,7 +87,11 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 class SinkPusher:
-    """Writes one sink's outbox to its ingress. ``outbox`` is the head's ``_Outbox`` (``steps``,
+    """Writes one sink's outbox to its ingress. The core thread writes each step's frame
+    itself, without blocking, so no other thread of the head wakes per step (a Ray actor call
+    would wake the head's main thread, which takes the GIL from its core thread). A drain
+    (``HeadActor.wait_sink_acked``) asks the ingress to acknowledge what it has, and waits.
+    ``outbox`` is the head's ``_Outbox`` (``steps``,
     ``first_seq``, ``ack``) guarded by ``lock``, this outbox's Condition; ``dead()`` is the
     head's reason, or None. ``on_broken`` runs (outside the lock) once the connection fails or
     ends.
