@@ -5,24 +5,16 @@ The torch path (``kernels.attention``) attends decode requests by gathering each
 blocks into a contiguous buffer and calling SDPA on it: two passes over K/V plus the padding of
 the group. The kernel here reads each request's keys and values in place from the paged cache,
 once, with float32 scores, softmax and accumulation (bf16/fp16 values are widened exactly), and
-writes the output rows directly. On the 2-core AVX-512 VM measured (BENCHMARKS.md, "A native
-decode kernel for CPU") it is 2-8x faster than gather + SDPA, and the engine's batch-64 decode
-throughput 1.26-1.32x.
+writes the output rows directly (measured: BENCHMARKS.md, "A native decode kernel for CPU").
 
 It covers decode rows only (one query token per request), caches in float32, bfloat16 or float16
 (not FP8) with the query in the same dtype, head dims this file's C++ instantiates, sliding
 windows, soft-capping and attention sinks, and DeepSeek's one-plane latent cache (MLA: keys of
 576, values their first 512, every query head over the one latent head). Everything else, and
 every prefill chunk, stays on the torch path: ``attend_decode`` returns False and the caller
-attends those rows itself.
-
-The C++ is compiled on first use with torch's extension builder (g++ and ninja, ~20 s once per
-instruction set; cached under ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by
-default, in a folder named by a hash of the source and flags). The flags name the instruction
-set (``-mavx512f ...`` or ``-mavx2 -mfma -mf16c``), never ``-march=native``, so a cache shared by
-several machines holds binaries each of them can run. ``native_decode_available()`` builds it; a
-build failure (no compiler) or a CPU with neither instruction set is logged once and the torch
-path is used.
+attends those rows itself. The C++ is compiled on first use (``_build``);
+``native_decode_available()`` builds it, and a build failure (no compiler) or a CPU with
+neither instruction set is logged once and the torch path is used.
 """
 
 from __future__ import annotations
@@ -92,7 +84,11 @@ def _native_module(isa: str) -> ModuleType | None:
 
 
 def _build(isa: str) -> ModuleType:
-    """Compile (or find compiled) and import the extension for ``isa``. Its build folder is
+    """Compile (or find compiled) and import the extension for ``isa``, with torch's extension
+    builder (g++ and ninja, ~20 s once per instruction set; cached under
+    ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by default). The flags name the
+    instruction set (``-mavx512f ...`` or ``-mavx2 -mfma -mf16c``), never ``-march=native``, so
+    a cache shared by several machines holds binaries each of them can run. Its build folder is
     named by a hash of the source, flags and torch version, and guarded by an ``flock`` that
     dies with its holder: torch's own lock file outlives a process killed mid-build (a worker
     whose app was deleted) and would make every later build wait forever, so it is cleared
