@@ -7,22 +7,15 @@ Same contract as ``kernels.attention.paged_attention`` over a latent cache (the 
 reference): cache ``[1, num_blocks, block_size, 1, head_dim]``, query ``[num_tokens,
 num_heads, head_dim]`` packed by ``query_start_loc``, causal inside a request's chunk;
 returns ``[num_tokens, num_heads, v_head_dim]``. No sliding window or soft cap (MLA has none).
+An FP8 cache is dequantized in the kernel with ``k_scale``.
 
 Work split. A program owns one tile of one request's queries and a tile of its heads::
 
     tile rows m = 0 .. BLOCK_M-1     token = m // BLOCK_H     (BLOCK_Q tokens of the request)
                                      head  = head_tile * BLOCK_H + m % BLOCK_H
 
-so each latent tile read from the cache serves BLOCK_H heads (a decode token still gives the
-16 rows ``tl.dot`` needs), and the fp32 accumulator stays ``[BLOCK_M, v_head_dim]`` however
-many heads the model has (DeepSeek-V3: 128 per rank at TP 1). The head dim is split into the
-value part (the first ``v_head_dim`` values: the latent) and the rest (the rope key), so the
-score is ``q_lat . k_lat + q_rest . k_rest`` and the value tile is the latent tile itself,
-read once. Requests are found by the same binary search as ``kernels.triton_attention``
-(programs ``query_start_loc[b] // BLOCK_Q + b`` onward), the grid depends only on
-``num_tokens`` and ``num_seqs``, and a few long decodes split their keys over several programs
-merged by ``triton_attention``'s merge kernel: CUDA-graph safe, no host work per step. An FP8
-cache is dequantized in the kernel with ``k_scale``.
+so each latent tile read from the cache serves BLOCK_H heads; requests, splits and the grid
+work as in ``kernels.triton_attention`` (``_latent_attention_kernel`` has the details).
 """
 
 from __future__ import annotations
@@ -90,7 +83,19 @@ def _latent_attention_kernel(
     KV_FP8: tl.constexpr,
 ):
     """``score_scale`` is scale * log2(e). A cache row is ``[V_DIM values | REST_DIM values]``;
-    with KV_FP8 ``cache_ptr`` is the FP8 cache viewed as bytes."""
+    with KV_FP8 ``cache_ptr`` is the FP8 cache viewed as bytes.
+
+    Each latent tile read from the cache serves BLOCK_H heads (a decode token still gives the
+    16 rows ``tl.dot`` needs), and the fp32 accumulator stays ``[BLOCK_M, v_head_dim]`` however
+    many heads the model has (DeepSeek-V3: 128 per rank at TP 1). The head dim is split into
+    the value part (the first ``v_head_dim`` values: the latent) and the rest (the rope key), so
+    the score is ``q_lat . k_lat + q_rest . k_rest`` and the value tile is the latent tile
+    itself, read once. Requests are found by the same binary search as
+    ``kernels.triton_attention`` (programs ``query_start_loc[b] // BLOCK_Q + b`` onward), the
+    grid depends only on ``num_tokens`` and ``num_seqs``, and a few long decodes split their
+    keys over several programs merged by ``triton_attention``'s merge kernel: CUDA-graph safe,
+    no host work per step.
+    """
     pid = tl.program_id(0)
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
