@@ -11,18 +11,12 @@ That class admits raw U+0000-U+001F except CR and LF, which RFC 8259 forbids ins
 production (plain strings, ``pattern``, ``format``) is already right.
 
 ``json_schema_grammar`` converts the schema as xgrammar does, then rewrites each such rule so
-that one repetition is exactly one character of the decoded string, spelled as JSON allows:
-
-    an unescaped code point      [^\\0-\\x1f"\\\\]
-    a short escape               \\" \\\\ \\/ \\b \\f \\n \\r \\t
-    a \\uXXXX escape             any code point outside the surrogates
-    a surrogate pair             \\uD800-\\uDBFF then \\uDC00-\\uDFFF (one code point)
-
-so ``maxLength`` still counts what JSON Schema counts (code points), the grammar admits no
-invalid JSON, and it now admits the escaped strings it used to refuse. A lone surrogate
-escape stays refused (valid JSON text, but no code point). The rewrite only matches the
-0.2.8 rule body, so a fixed xgrammar release makes it a no-op; the strict xfails in
-tests/engine/test_structured_output.py watch upstream.
+that one repetition is exactly one character of the decoded string, spelled as JSON allows
+(``JSON_STRING_CHARACTER`` lists the branches), so ``maxLength`` still counts what JSON
+Schema counts (code points), the grammar admits no invalid JSON, and it now admits the
+escaped strings it used to refuse. A lone surrogate escape stays refused (valid JSON text,
+but no code point). The rewrite only matches the 0.2.8 rule body, so a fixed xgrammar release
+makes it a no-op; the strict xfails in tests/engine/test_structured_output.py watch upstream.
 """
 
 from __future__ import annotations
@@ -35,7 +29,12 @@ import xgrammar as xgr
 # A rule whose whole body is the bounded-string class, as Grammar.__str__ prints it.
 _BOUNDED_STRING_CHAR_RULE = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
 _HEX = "[0-9a-fA-F]"
-# One JSON-string character, in xgrammar's EBNF (see the module docstring for the branches).
+# One JSON-string character, in xgrammar's EBNF, one branch per way JSON spells it:
+#
+#     an unescaped code point      [^\0-\x1f"\\]
+#     a short escape               \" \\ \/ \b \f \n \r \t
+#     a \uXXXX escape              any code point outside the surrogates
+#     a surrogate pair             \uD800-\uDBFF then \uDC00-\uDFFF (one code point)
 JSON_STRING_CHARACTER = " | ".join(
     [
         r'[^\0-\x1f"\\]',
