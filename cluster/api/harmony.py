@@ -12,13 +12,7 @@ each other without separators (one per line here)::
     <|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>
 
 A message's header (its recipient ``to=…`` in the role or the channel part) decides what its
-text is, as a :class:`Piece` kind:
-
-    channel analysis              "reasoning"
-    recipient functions.NAME      "call" (NAME) then "arguments" (the JSON as written); with
-                                  calls not read (a chat without tools), "content"
-    final, commentary (preamble)  "content"
-    another recipient or role     dropped (no built-in tools are offered)
+text is, as a :class:`Piece` kind (the class lists them: reasoning, call, arguments, content).
 
 Output that does not start like a header is content (a grammar forced plain text or JSON from
 its first token). Text is passed on as it arrives: only what may be the beginning of a special
@@ -55,7 +49,17 @@ PieceKind = Literal["reasoning", "content", "call", "arguments"]
 @dataclass(frozen=True)
 class Piece:
     """What a stretch of output is: reasoning, content, a call's function name (once, as its
-    header is read), or a fragment of the call's arguments."""
+    header is read), or a fragment of the call's arguments.
+
+    A message's header (its recipient ``to=…`` in the role or the channel part) decides what its
+    text is, as a kind:
+
+        channel analysis              "reasoning"
+        recipient functions.NAME      "call" (NAME) then "arguments" (the JSON as written); with
+                                      calls not read (a chat without tools), "content"
+        final, commentary (preamble)  "content"
+        another recipient or role     dropped (no built-in tools are offered)
+    """
 
     kind: PieceKind
     text: str
