@@ -1,8 +1,7 @@
 """The head of a model replica as a Ray actor of its own: the engine core (``LLMEngine`` —
 scheduler, block manager, executor — in an ``EngineCoreLoop``) in a process that does nothing
 else, placed in the replica's placement group. ``HeadCoreClient`` is how the replica (the
-``LLMServer`` front: templates, tokenizing, streams, OpenAI chunks) reaches it: both sides of
-one process boundary, which change together. All messages are msgspec.
+``LLMServer`` front) reaches it: both sides of one boundary, all messages msgspec.
 
     LLMServer replica (front)                     HeadActor (own process)
     ──────────────────────────                    ───────────────────────
@@ -16,10 +15,9 @@ one process boundary, which change together. All messages are msgspec.
                                                     ``AddRequest.sink == sink``, nothing else
                   or, for a ``tcp://`` sink, pushed by a ``SinkPusher`` (``token_push``)
 
-The actor is owned by the replica, so it dies with it; if the head dies, the poll fails,
-every stream ends with a 503 and the replica's health check fails, so Serve replaces it.
-``LLM_CLUSTER_HEAD_CORE_PROCESS=1`` (TP = PP = 1) runs the engine core in a child process of
-the actor (``engine.core_process``), which then only relays.
+Owned by the replica, so it dies with it; if the head dies, every stream ends with a 503 and
+Serve replaces the replica. ``LLM_CLUSTER_HEAD_CORE_PROCESS=1`` (TP = PP = 1) runs the core in
+a child process (``engine.core_process``).
 """
 
 from __future__ import annotations
@@ -154,6 +152,10 @@ class HeadActor:
     it (``cluster.serving.token_push``), with no Ray call and no other thread woken per step;
     it lives as long as its connection.
 
+    Failure: the actor is owned by the replica, so it dies with it; if the head dies, the poll
+    fails, every stream ends with a 503 and the replica's health check fails, so Serve replaces
+    it.
+
     Start-up has no deadline here: the engine's executor bounds each start-up phase by
     ``LLM_CLUSTER_LOAD_TIMEOUT_S`` and the front waits for ``ready`` as long as that takes (the
     core loop's stall watchdog only times steps). The in-process worker of a TP = PP = 1 head
@@ -162,8 +164,8 @@ class HeadActor:
 
     With a core process (TP = PP = 1), the engine core runs in a plain child process (a socket
     pair, msgpack) rather than on the actor's thread, as vLLM's EngineCore runs inside a Ray
-    Serve LLM replica; off by default (BENCHMARKS.md, "After delta outputs; the engine core in a
-    child process").
+    Serve LLM replica, and the actor only relays; off by default (BENCHMARKS.md, "After delta
+    outputs; the engine core in a child process").
     """
 
     def __init__(
