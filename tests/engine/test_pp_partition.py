@@ -87,13 +87,7 @@ def test_llama_70b_head_is_about_a_layer_and_a_quarter_of_multiply_adds() -> Non
 def test_no_stage_takes_on_more_layers_than_weigh_as_much_as_the_lm_head() -> None:
     # 12 layers of 64 experts (top-2): the head is ~2.6 layers of compute but weighs less than
     # one layer with all its experts, so the split stays even.
-    moe = {
-        **BENCH_LLAMA,
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "num_experts": 64,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 768,
-    }
+    moe = _bench_moe(num_experts=64, top_k=2, expert_size=768)
     assert lm_head_layers(moe) > 2
     assert default_partition(moe, 2) == (6, 6)
     assert balanced_partition(12, 2, 4.8, head_room=1) == (7, 5)
@@ -105,13 +99,7 @@ def test_a_tied_head_costs_the_same_as_an_untied_one() -> None:
 
 
 def test_a_sparse_layer_counts_the_router_and_the_experts_a_token_goes_through() -> None:
-    moe = {
-        **BENCH_LLAMA,
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "num_experts": 16,
-        "num_experts_per_tok": 4,
-        "moe_intermediate_size": 512,
-    }
+    moe = _bench_moe(num_experts=16, top_k=4, expert_size=512)
     assert mlp_macs(moe, 0) == 768 * 16 + 4 * 3 * 768 * 512
 
 
@@ -181,3 +169,14 @@ def test_a_bad_variable_is_refused_by_its_name(
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", value)
     with pytest.raises(ConfigError, match=f"VLLM_PP_LAYER_PARTITION: {message}"):
         EngineConfig.from_kwargs(model="builtin:tiny-gemma2", pipeline_parallel_size=2)
+
+
+def _bench_moe(num_experts: int, top_k: int, expert_size: int) -> dict:
+    """The bench Llama's shape with every layer sparse (Qwen3-MoE)."""
+    return {
+        **BENCH_LLAMA,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_size,
+    }
