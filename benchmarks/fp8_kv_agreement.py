@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from engine import LLM, SamplingParams
-from engine.tiny_models import resolve_model_source
+from engine.builtin_models import resolve_model_source
 
 
 def prompts_for(vocab: int, num_prompts: int, seed: int = 0) -> list[list[int]]:

@@ -88,7 +88,6 @@ TINY_MODEL_NAMES: tuple[str, ...] = (
     "tiny-gemma3",
     "tiny-phi3",
 )
-BUILTIN_PREFIX = "builtin:"
 
 # HF's default initializer_range of 0.02 makes a 2-layer, 64-wide model nearly uniform over the
 # vocabulary: the top-2 logit gap of a greedy step can be ~1e-5, so fp32 rounding differences
@@ -274,24 +273,6 @@ def write_tiny_checkpoint(
     )
 
 
-def resolve_model_source(source: str) -> Path:
-    """Turn a model source into a local checkpoint directory.
-
-    ``builtin:<name>`` is materialized once into ``<cache_dir>/models/<name>-v<VERSION>``; any
-    other string is a local directory that must hold a ``config.json``. Nothing is downloaded.
-    """
-    if source.startswith(BUILTIN_PREFIX):
-        return _materialize_builtin(source[len(BUILTIN_PREFIX) :])
-    path = Path(source).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model source {source!r}: {path} is not a directory with a config.json "
-            f"(local paths only, nothing is downloaded; built-ins are "
-            f"{', '.join(BUILTIN_PREFIX + n for n in TINY_MODEL_NAMES)})"
-        )
-    return path
-
-
 def tiny_variant(name: str, **config_overrides: Any) -> Path:
     """The tiny model ``name`` with HF config fields changed (``tiny_variant("tiny-llama",
     mlp_bias=True)``), written once into the cache like a built-in; weights as HF initializes
@@ -310,18 +291,6 @@ def _check_name(name: str) -> None:
         raise ValueError(
             f"unknown tiny model name {name!r}; valid names are {', '.join(TINY_MODEL_NAMES)}"
         )
-
-
-def _materialize_builtin(name: str) -> Path:
-    # The MoE and reasoning recipes live in their own modules (which import this one).
-    from engine import tiny_moe_models, tiny_reasoning_models
-
-    if name in tiny_moe_models.TINY_MOE_MODEL_NAMES:
-        return tiny_moe_models.materialize_tiny_moe(name)
-    if name in tiny_reasoning_models.TINY_REASONING_MODEL_NAMES:
-        return tiny_reasoning_models.materialize_tiny_reasoning(name)
-    _check_name(name)
-    return materialize(f"{name}-v{VERSION}", lambda out: make_tiny_model(name, out, seed=0))
 
 
 def materialize(dirname: str, build: Callable[[Path], object]) -> Path:
@@ -540,44 +509,3 @@ def _write_config(config: PretrainedConfig, architecture: str, path: Path) -> No
     if "rope_theta" in rope:
         data["rope_theta"] = rope["rope_theta"]
     write_json(path, data)
-
-
-def make_tiny_lora(
-    base_name: str,
-    out_dir: str | os.PathLike[str],
-    rank: int = 8,
-    target_modules: tuple[str, ...] | list[str] = ("q_proj", "v_proj"),
-    seed: int = 0,
-    *,
-    lora_alpha: float | None = None,
-    use_rslora: bool = False,
-    scale: float = 1.0,
-) -> Path:
-    """Write a PEFT LoRA adapter with random A and B (PEFT itself starts B at 0, a no-op) for
-    the model ``base_name`` (a built-in name like ``tiny-llama``, ``builtin:<name>`` or a local
-    directory) into ``out_dir``: ``adapter_config.json`` + ``adapter_model.safetensors``,
-    loadable with ``PeftModel.from_pretrained``. ``scale`` multiplies B (how far the adapter
-    moves the model). Same arguments, same files."""
-    from peft import LoraConfig, get_peft_model
-
-    source = base_name if ":" in base_name or os.sep in base_name else BUILTIN_PREFIX + base_name
-    base = AutoModelForCausalLM.from_pretrained(resolve_model_source(source), dtype=torch.float32)
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=lora_alpha if lora_alpha is not None else 2 * rank,
-        target_modules=list(target_modules),
-        init_lora_weights=False,
-        use_rslora=use_rslora,
-        lora_dropout=0.0,
-    )
-    model = get_peft_model(base, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if ".lora_A." in name:
-                param.copy_(_randn_like(param, generator) / param.shape[1] ** 0.5)
-            elif ".lora_B." in name:
-                param.copy_(scale * _randn_like(param, generator) / rank**0.5)
-    out = Path(out_dir)
-    model.save_pretrained(str(out))
-    return out

@@ -140,7 +140,7 @@ def read_hf_config(source: str, model_id: str | None = None) -> tuple[dict[str, 
     machine: ``source``'s own, else (for a hub-style ``model_id``) the copy in the local
     Hugging Face cache, which is only read, never fetched."""
     if source.startswith("builtin:"):
-        from engine.tiny_models import resolve_model_source  # writes the built-in once
+        from engine.builtin_models import resolve_model_source
 
         path: Path | None = resolve_model_source(source) / "config.json"
     else:

@@ -14,7 +14,8 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
-from engine.tiny_models import resolve_model_source, tiny_variant
+from engine.builtin_models import resolve_model_source
+from engine.tiny_models import tiny_variant
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 ENGINE_ARGS: dict[str, Any] = {

@@ -19,11 +19,11 @@ from cluster.serving.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
 from cluster.serving.serve import runtime_env
 from engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams
 from engine.async_llm_engine import AsyncLLMEngine, StreamOutput
+from engine.builtin_models import resolve_model_source
 from engine.config import EngineConfig
 from engine.core_messages import StepOutputs
 from engine.llm_engine import load_tokenizer
 from engine.pooling_params import PoolingParams
-from engine.tiny_models import resolve_model_source
 from tests.cluster.conftest import wait_for
 
 ENGINE_ARGS: dict[str, Any] = {"model": "builtin:tiny-llama", "num_kv_blocks": 128, "device": "cpu"}

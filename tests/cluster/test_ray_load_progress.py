@@ -19,8 +19,8 @@ import ray
 
 from cluster.runtime.load_progress import read_load_progress
 from engine import LLM, EngineDeadError, SamplingParams
+from engine.builtin_models import resolve_model_source
 from engine.model_loader import checkpoint_tensor_bytes
-from engine.tiny_models import resolve_model_source
 from tests.cluster import slow_loader
 from tests.cluster.conftest import free_port, load_yaml
 

@@ -36,8 +36,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cluster.proto import llm_pb2, llm_pb2_grpc
 from cluster.serving.ingress import REPLICA_HEADER
 from engine import LLM, SamplingParams
+from engine.builtin_models import make_tiny_lora, resolve_model_source
 from engine.lora import LoRARequest
-from engine.tiny_models import make_tiny_lora, resolve_model_source
 from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
 
 APP = "features"

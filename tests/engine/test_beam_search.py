@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.tiny_models import resolve_model_source
+from engine.builtin_models import resolve_model_source
 
 VOCAB = 8
 PROMPT = [3, 1, 4, 1, 5]

@@ -18,7 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.tiny_models import resolve_model_source, tiny_variant
+from engine.builtin_models import resolve_model_source
+from engine.tiny_models import tiny_variant
 
 # name -> (built-in, HF config overrides)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {

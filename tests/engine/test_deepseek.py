@@ -22,12 +22,12 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from engine import LLM, SamplingParams
+from engine.builtin_models import resolve_model_source
 from engine.errors import ConfigError
 from engine.hf_config import check_hf_config, config_field
 from engine.model_loader import iterate_checkpoint, load_weights
 from engine.models import get_model_class
 from engine.models.moe import Router
-from engine.tiny_models import resolve_model_source
 from engine.tiny_moe_models import tiny_moe_variant
 from kernels.backend import get_kernel_ops
 from parallel.state import ParallelContext

@@ -6,8 +6,8 @@ import itertools
 
 from transformers import AutoTokenizer
 
+from engine.builtin_models import resolve_model_source
 from engine.detokenizer import IncrementalDetokenizer
-from engine.tiny_models import resolve_model_source
 
 TEXT = "naïve café, Ελληνικά, русский, 日本語 🙂 end"
 

@@ -233,7 +233,7 @@ def test_unsupported_architecture_lists_supported(tmp_path) -> None:
     import json
     import shutil
 
-    from engine.tiny_models import resolve_model_source
+    from engine.builtin_models import resolve_model_source
 
     src = resolve_model_source(MODEL)
     shutil.copytree(src, tmp_path / "m")

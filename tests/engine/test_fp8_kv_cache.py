@@ -22,9 +22,9 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from engine import LLM, SamplingParams
+from engine.builtin_models import resolve_model_source
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.tiny_models import resolve_model_source
 from kernels.kv_quant import dequantize_kv, quantize_kv
 
 NUM_LAYERS = 2  # the tiny models' num_hidden_layers

@@ -15,9 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.builtin_models import resolve_model_source
 from engine.model_loader import iterate_checkpoint, load_weights
 from engine.models import get_model_class
-from engine.tiny_models import resolve_model_source
 from kernels.backend import get_kernel_ops, resolve_attention_backend
 from parallel.state import ParallelContext
 from tests.engine.test_correctness import _hf_greedy

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from engine import LLM
+from engine.builtin_models import resolve_model_source
 from engine.errors import ConfigError
 from engine.hf_config import (
     FULL,
@@ -23,7 +24,6 @@ from engine.hf_config import (
     sliding_window,
 )
 from engine.models import MODEL_REGISTRY
-from engine.tiny_models import resolve_model_source
 
 
 def _config(name: str = "tiny-llama") -> dict[str, Any]:

@@ -17,8 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.builtin_models import resolve_model_source
 from engine.kv_cache_groups import KVCacheGroupSpec
-from engine.tiny_models import resolve_model_source, tiny_variant
+from engine.tiny_models import tiny_variant
 from tests.engine.spec_decode_models import draft, ngram
 from tests.engine.test_correctness import _hf_greedy
 

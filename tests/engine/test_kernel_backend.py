@@ -11,11 +11,11 @@ import re
 import pytest
 import torch
 
+from engine.builtin_models import resolve_model_source
 from engine.config import ConfigError, EngineConfig, KernelConfig
 from engine.cuda_graphs import decode_batch_buckets
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.tiny_models import resolve_model_source
 
 PROMPTS = [
     "the quick brown fox",

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from engine.builtin_models import resolve_model_source
 from engine.config import EngineConfig
 from engine.model_loader import LoadMeter, checkpoint_tensor_bytes, rank_read_bytes
 from engine.models import get_model_class
-from engine.tiny_models import resolve_model_source
 from engine.worker import Worker
 from parallel.state import GroupCoordinator, ParallelContext
 

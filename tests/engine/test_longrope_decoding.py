@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from engine import LLM, SamplingParams
-from engine.tiny_models import resolve_model_source
+from engine.builtin_models import resolve_model_source
 
 ORIGINAL = 512
 PROMPT_LEN = 500

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, InvalidRequestError, LoRARequest, SamplingParams
-from engine.tiny_models import make_tiny_lora, resolve_model_source
+from engine.builtin_models import make_tiny_lora, resolve_model_source
 
 MODEL = "builtin:tiny-llama"
 MAX_TOKENS = 12

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.builtin_models import resolve_model_source
 from engine.config import EngineConfig
 from engine.memory_plan import (
     CUDA_CONTEXT_BYTES,
@@ -25,7 +26,6 @@ from engine.memory_plan import (
 from engine.model_loader import _default_dtype
 from engine.model_runner import ModelRunner
 from engine.models import MODEL_REGISTRY
-from engine.tiny_models import resolve_model_source
 from kernels.backend import get_kernel_ops
 from parallel.lora import LoRABatch, attach_lora
 from parallel.state import GroupCoordinator, ParallelContext

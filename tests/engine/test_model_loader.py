@@ -20,9 +20,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from engine.builtin_models import resolve_model_source
 from engine.model_loader import iterate_checkpoint, load_weights
 from engine.models import get_model_class
-from engine.tiny_models import resolve_model_source
 from parallel.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,

@@ -18,12 +18,12 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.builtin_models import resolve_model_source
 from engine.errors import ConfigError
 from engine.hf_config import check_hf_config
 from engine.model_loader import iterate_checkpoint, load_weights
 from engine.models import get_model_class
 from engine.models.moe import Routing, SparseMoeBlock, route
-from engine.tiny_models import resolve_model_source
 from engine.tiny_moe_models import TINY_MOE_MODEL_NAMES, tiny_moe_variant
 from kernels.ops import silu_and_mul
 from parallel.moe import grouped_experts

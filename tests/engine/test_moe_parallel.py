@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.builtin_models import resolve_model_source
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.model_loader import iterate_checkpoint, load_weights
 from engine.models import get_model_class
 from engine.models.moe import Routing, SparseMoeBlock
-from engine.tiny_models import resolve_model_source
 from kernels.backend import get_kernel_ops
 from kernels.moe import fused_moe
 from kernels.ops import silu_and_mul

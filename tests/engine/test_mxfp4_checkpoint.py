@@ -20,13 +20,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, Mxfp4Config
 
 from engine import LLM, SamplingParams
+from engine.builtin_models import resolve_model_source
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.model_loader import checkpoint_headers, load_model
 from engine.models.gpt_oss import GptOssExperts
 from engine.quantization.config import parse_quantization
 from engine.quantization.mxfp4 import DequantizedExperts, mxfp4_weights
-from engine.tiny_models import resolve_model_source
 from engine.tiny_moe_models import GPT_OSS_MXFP4_CONFIG, materialize_tiny_gpt_oss_mxfp4
 from kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from parallel.state import GroupCoordinator, ParallelContext

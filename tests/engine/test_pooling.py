@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, ConfigError, EngineConfig, InvalidRequestError, SamplingParams
 from engine.async_llm_engine import AsyncLLMEngine
+from engine.builtin_models import resolve_model_source
 from engine.errors import RequestAbortedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import PoolingRequestOutput
 from engine.pooling_params import PoolingParams
-from engine.tiny_models import resolve_model_source
 
 ARCHS = ["tiny-llama", "tiny-qwen2"]
 POOLING_TYPES = ["last", "mean"]

@@ -35,11 +35,11 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
 from engine import LLM, SamplingParams, envs
+from engine.builtin_models import resolve_model_source
 from engine.model_loader import iterate_checkpoint
 from engine.quantization.config import parse_quantization
 from engine.quantization.kept import QuantizedLinearMethod
 from engine.quantization.loading import QuantizedCheckpoint
-from engine.tiny_models import resolve_model_source
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tests.engine.quant_checkpoints import (
     CASES,

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from engine import LLM
+from engine.builtin_models import resolve_model_source
 from engine.config import EngineConfig, check_engine_arg_ranges
 from engine.errors import ConfigError
 from engine.quantization.config import ActivationQuant, QuantScheme, parse_quantization
 from engine.quantization.formats import pack_nibbles, unpack_ct_int4, unpack_ct_zero_points
 from engine.quantization.kept import QuantizedWeight, kept_problem
-from engine.tiny_models import resolve_model_source
 
 _FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
 

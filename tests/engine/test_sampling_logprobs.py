@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.tiny_models import resolve_model_source
+from engine.builtin_models import resolve_model_source
 
 TOP = 5
 TOL = 1e-4

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from engine import LLM, RequestOutputKind, SamplingParams
+from engine.builtin_models import make_tiny_lora
 from engine.lora_request import LoRARequest
 from engine.sampling_params import StructuredOutputsParams
-from engine.tiny_models import make_tiny_lora
 from tests.engine.spec_decode_models import VOCAB, make_looping_model, ngram
 from tests.engine.spec_decode_models import generate as generate_ids
 

@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.builtin_models import make_tiny_lora
 from engine.errors import ConfigError
 from engine.lora_request import LoRARequest
 from engine.sampling_params import StructuredOutputsParams
-from engine.tiny_models import make_random_model, make_tiny_lora
+from engine.tiny_models import make_random_model
 from tests.engine.spec_decode_models import VOCAB, draft, make_looping_model, make_small_draft
 from tests.engine.spec_decode_models import generate as generate_ids
 from tests.engine.test_spec_decode_sampling import ALPHA, two_sample

@@ -16,8 +16,8 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from engine import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
+from engine.builtin_models import resolve_model_source
 from engine.structured_output import StructuredOutputManager
-from engine.tiny_models import resolve_model_source
 from engine.tiny_reasoning_models import REASONING_VOCAB_SIZE, THINK_END_ID, THINK_START_ID
 
 MODEL = "builtin:tiny-qwen3-reasoning"

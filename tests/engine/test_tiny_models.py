@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import tiny_models
+from engine import builtin_models, tiny_models
+from engine.builtin_models import resolve_model_source
 from engine.tiny_models import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
@@ -21,7 +22,6 @@ from engine.tiny_models import (
     TINY_MODEL_NAMES,
     VERSION,
     make_tiny_model,
-    resolve_model_source,
 )
 
 # (architecture, num_key_value_heads, tie_word_embeddings, head_dim, num_hidden_layers)
@@ -348,16 +348,16 @@ def test_losing_the_rename_race_uses_the_winners_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LLM_CLUSTER_CACHE_DIR", str(tmp_path))
-    real_make = tiny_models.make_tiny_model
+    real_make = builtin_models.make_tiny_model
 
     def make_after_a_rival_finished(name: str, out_dir: Path, seed: int = 0) -> Path:
         # A rival process completes its whole materialization while this one is still writing.
-        monkeypatch.setattr(tiny_models, "make_tiny_model", real_make)
+        monkeypatch.setattr(builtin_models, "make_tiny_model", real_make)
         winner = resolve_model_source(f"builtin:{name}")
         (winner / "winner").touch()
         return real_make(name, out_dir, seed)
 
-    monkeypatch.setattr(tiny_models, "make_tiny_model", make_after_a_rival_finished)
+    monkeypatch.setattr(builtin_models, "make_tiny_model", make_after_a_rival_finished)
 
     path = resolve_model_source("builtin:tiny-llama")
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
-from engine.tiny_models import resolve_model_source
+from engine.builtin_models import resolve_model_source
 from engine.tiny_reasoning_models import (
     REASONING_VOCAB_SIZE,
     THINK_END_ID,
