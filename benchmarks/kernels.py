@@ -128,7 +128,8 @@ def _bench_decode_attention(
     batch: int, context: int, peak: float | None, iters: int, kv_fp8: bool = False
 ) -> dict:
     from kernels.attention import AttentionMetadata
-    from kernels.triton_attention import choose_num_kv_splits, paged_attention
+    from kernels.triton_attention import paged_attention
+    from kernels.triton_common import choose_num_kv_splits
 
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
     dtype = torch.bfloat16

@@ -16,12 +16,10 @@ per request keeps tiles of different requests apart), found by binary search in 
 the grid depends only on ``num_tokens`` and ``num_seqs``, so no host work per step and the
 launch is CUDA-graph safe. The program walks its keys in tiles with an online softmax
 (``_paged_attention_kernel``); ``num_kv_splits > 1`` cuts them into ranges merged by
-``_merge_splits_kernel``.
+``merge_splits_kernel``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -35,37 +33,26 @@ from kernels.attention import (
     check_sinks,
     effective_window,
 )
-from kernels.kv_quant import FP8_DTYPE, as_storage, check_kv_scale, is_fp8
-from kernels.triton_fp8 import fp8e4m3_bits_to_float
+from kernels.kv_quant import as_storage, check_kv_scale, is_fp8
+from kernels.triton_common import (
+    ATTENTION_DTYPES,
+    LOG2E,
+    MAX_KV_SPLITS,
+    check_triton_device,
+    choose_num_kv_splits,
+    dot,
+    find_seq,
+    interpreter_enabled,
+    load_kv,
+    merge_splits_kernel,
+)
+from kernels.triton_mla import paged_latent_attention
 
-__all__ = ["choose_num_kv_splits", "paged_attention"]
+__all__ = ["paged_attention"]
 
-_LOG2E = 1.4426950408889634
 # Rows of a tile: tl.dot needs >= 16; 64 keeps prefill tiles efficient without spilling.
 _DECODE_BLOCK_M = 16
 _PREFILL_BLOCK_M = 64
-# Split-KV only pays when the grid would otherwise leave SMs idle and each split still has
-# a few hundred keys to amortize its partial write.
-_SPLIT_TARGET_PROGRAMS = 256
-_SPLIT_MIN_KEYS = 256
-_MAX_KV_SPLITS = 64
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
-
-
-@triton.jit
-def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
-    """The request whose tiles include program ``pid``: the largest ``b`` with
-    ``query_start_loc[b] // BLOCK_Q + b <= pid``."""
-    lo: tl.int32 = 0
-    hi: tl.int32 = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first_tile <= pid:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
 
 
 @triton.jit
@@ -79,30 +66,6 @@ def _tanh(x):
     near = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 - a2 * 0.05396825)))
     t = tl.where(a < 0.125, near, far)
     return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # Under the Triton interpreter, bf16 operands are upcast to float32 first: the interpreter
-    # (numpy has no bfloat16) computes bf16 dots wrongly in triton 3.9, and bf16 values are
-    # exact in float32. The interpreter also truncates float32 -> bf16 casts where the GPU
-    # rounds to nearest, so bf16 results differ from the GPU's by up to one unit in the last
-    # place.
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def _load_kv(ptr, mask, scale, dtype, KV_FP8: tl.constexpr):
-    """A K or V tile in the compute ``dtype``; an FP8 cache (bytes) is dequantized as
-    ``kernels.kv_quant.dequantize_kv`` does: float32(q) * scale, cast to ``dtype``."""
-    # One return: the compiler types every return of a function, taken or not.
-    if KV_FP8:
-        tile = (fp8e4m3_bits_to_float(tl.load(ptr, mask=mask, other=0)) * scale).to(dtype)
-    else:
-        tile = tl.load(ptr, mask=mask, other=0.0)
-    return tile
 
 
 @triton.jit
@@ -159,7 +122,7 @@ def _paged_attention_kernel(
     The program walks its keys in tiles of TILE_N positions (several cache blocks, looked up
     per key row), keeping an online softmax in float32 (base 2). With ``num_kv_splits > 1`` the
     keys are cut into that many ranges, one program each; each writes its normalized partial
-    output and log-sum-exp, and ``_merge_splits_kernel`` merges them. That is what keeps a GPU
+    output and log-sum-exp, and ``merge_splits_kernel`` merges them. That is what keeps a GPU
     busy when a few long decodes leave ``num_seqs * num_kv_heads`` programs too few to fill it.
 
     With a sliding window the walk starts at the first key tile that can be inside the window
@@ -174,7 +137,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+    seq = find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tile = pid - (q_start // BLOCK_Q + seq)
@@ -228,14 +191,14 @@ def _paged_attention_kernel(
             + (k_pos % BLOCK_SIZE) * stride_kv_slot
             + kv_head * stride_kv_head
         )
-        k = _load_kv(
+        k = load_kv(
             kv_ptr + kv_offsets[None, :] + offs_d[:, None],
             k_valid[None, :] & d_valid[:, None],
             k_scale,
             q.dtype,
             KV_FP8,
         )
-        s = _dot(q, k, DOT_UPCAST, DOT_PRECISION) * score_scale
+        s = dot(q, k, DOT_UPCAST, DOT_PRECISION) * score_scale
         if HAS_SOFTCAP:
             s = _tanh(s) * softcap_log2
         visible = (k_pos[None, :] <= (context_len + q_pos)[:, None]) & k_valid[None, :]
@@ -249,14 +212,14 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv(
+        v = load_kv(
             kv_ptr + stride_kv + kv_offsets[:, None] + offs_d[None, :],
             k_valid[:, None] & d_valid[None, :],
             v_scale,
             q.dtype,
             KV_FP8,
         )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -273,64 +236,6 @@ def _paged_attention_kernel(
         tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=store_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(partial_lse_ptr + row, lse, mask=row_valid)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    out_ptr,
-    partial_out_ptr,
-    partial_lse_ptr,
-    num_heads,
-    stride_out_token,
-    stride_out_head,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    row = (token * num_heads + head) * NUM_SPLITS
-    lse = tl.load(partial_lse_ptr + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.math.exp2(lse - lse_max)
-    o = tl.load(
-        partial_out_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=(offs_s < NUM_SPLITS)[:, None] & (offs_d < HEAD_DIM)[None, :],
-        other=0.0,
-    )
-    total = tl.sum(weight, 0)
-    merged = tl.sum(o * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(
-        out_ptr + token * stride_out_token + head * stride_out_head + offs_d,
-        merged.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
-
-
-def choose_num_kv_splits(
-    metadata: AttentionMetadata, num_kv_heads: int, sliding_window: int | None = None
-) -> int:
-    """How many key ranges each decode tile is cut into: 1 for batches with a prefill chunk
-    or enough (request, kv head) pairs to fill the GPU, more for a few long decodes (long in
-    keys read: a windowed decode reads at most ``sliding_window``).
-
-    Depends only on host integers of the metadata, so a CUDA graph captured with
-    ``max_seq_len = max_model_len`` keeps a choice valid for every later length.
-    """
-    if metadata.max_query_len != 1:
-        return 1
-    programs = max(metadata.num_seqs * num_kv_heads, 1)
-    if programs >= _SPLIT_TARGET_PROGRAMS:
-        return 1
-    max_keys = metadata.max_seq_len
-    if sliding_window is not None:
-        max_keys = min(max_keys, sliding_window)
-    by_length = max(max_keys // _SPLIT_MIN_KEYS, 1)
-    return min(math.ceil(_SPLIT_TARGET_PROGRAMS / programs), by_length, _MAX_KV_SPLITS)
 
 
 def paged_attention(
@@ -359,12 +264,10 @@ def paged_attention(
     ``num_kv_splits`` forces the split-KV path's split count (default: ``choose_num_kv_splits``).
     """
     if kv_cache.dim() == 5 and kv_cache.shape[0] == 1:
-        from kernels import triton_mla
-
         check_attention_options(sliding_window, logits_soft_cap)
         if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
             raise ValueError("a latent cache is attended without sliding_window, soft cap or sinks")
-        return triton_mla.paged_latent_attention(
+        return paged_latent_attention(
             query, kv_cache, metadata, scale, v_head_dim, k_scale, num_kv_splits=num_kv_splits
         )
     if v_head_dim is not None and v_head_dim != kv_cache.shape[-1]:
@@ -378,9 +281,9 @@ def paged_attention(
     window = effective_window(sliding_window, metadata)
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(metadata, kv_cache.shape[3], window)
-    if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= _MAX_KV_SPLITS:
+    if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= MAX_KV_SPLITS:
         raise ValueError(
-            f"num_kv_splits must be an int in [1, {_MAX_KV_SPLITS}], got {num_kv_splits!r}"
+            f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}], got {num_kv_splits!r}"
         )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if metadata.num_tokens == 0:
@@ -407,9 +310,9 @@ def paged_attention(
             device=query.device,
         )
     if logits_soft_cap is None:
-        score_scale, softcap_log2 = scale * _LOG2E, 0.0
+        score_scale, softcap_log2 = scale * LOG2E, 0.0
     else:
-        score_scale, softcap_log2 = scale / logits_soft_cap, logits_soft_cap * _LOG2E
+        score_scale, softcap_log2 = scale / logits_soft_cap, logits_soft_cap * LOG2E
     grid = (metadata.num_tokens // block_q + metadata.num_seqs, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
         out,
@@ -457,7 +360,7 @@ def paged_attention(
         num_stages=2,
     )
     if num_kv_splits > 1:
-        _merge_splits_kernel[(metadata.num_tokens, num_heads)](
+        merge_splits_kernel[(metadata.num_tokens, num_heads)](
             out,
             partial_out,
             partial_lse,
@@ -479,7 +382,7 @@ def _check_inputs(
     # What the Triton kernel needs beyond the shared checks.
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
-    if kv_cache.dtype not in _SUPPORTED_DTYPES:
+    if kv_cache.dtype not in ATTENTION_DTYPES:
         raise ValueError(
             f"kv_cache dtype must be float16, bfloat16, float32 or float8_e4m3fn, "
             f"got {kv_cache.dtype}"
@@ -491,21 +394,3 @@ def _check_inputs(
     if kv_cache.shape[-1] > 256:
         raise ValueError(f"head_dim must be <= 256, got {kv_cache.shape[-1]}")
     check_triton_device(kv_cache.device, "kv_cache")
-
-
-def check_triton_device(device: torch.device, name: str) -> None:
-    """Triton kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter."""
-    if device.type == "cuda":
-        return
-    if device.type == "cpu" and interpreter_enabled():
-        return
-    raise ValueError(
-        f"{name} is on {device}: Triton kernels need CUDA tensors, or CPU tensors with "
-        "TRITON_INTERPRET=1 set before kernels.triton_* is first imported"
-    )
-
-
-def interpreter_enabled() -> bool:
-    """Whether this process's kernels were decorated for the Triton interpreter (decided by
-    TRITON_INTERPRET when the kernel modules were imported, not by its value now)."""
-    return type(_paged_attention_kernel).__name__ == "InterpretedFunction"

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from kernels.attention import check_block_mapping, check_cache_write_args, check_kv_cache
 from kernels.kv_quant import FP8_E4M3_MAX, as_storage, check_kv_scale, is_fp8
-from kernels.triton_attention import check_triton_device
+from kernels.triton_common import check_triton_device
 from kernels.triton_fp8 import float_to_fp8e4m3_bits
 
 __all__ = ["copy_blocks", "reshape_and_cache", "swap_blocks"]

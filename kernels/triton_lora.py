@@ -18,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.lora import LoRAMapping
-from kernels.triton_attention import check_triton_device
+from kernels.triton_common import check_triton_device
 
 __all__ = ["add_lora", "lora_expand", "lora_shrink"]
 

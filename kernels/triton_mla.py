@@ -27,17 +27,17 @@ from torch import Tensor
 
 from kernels.attention import AttentionMetadata, check_attention_args, check_value_dim
 from kernels.kv_quant import as_storage, check_kv_scale, is_fp8
-from kernels.triton_attention import (
-    _LOG2E,
-    _MAX_KV_SPLITS,
-    _SUPPORTED_DTYPES,
-    _dot,
-    _find_seq,
-    _load_kv,
-    _merge_splits_kernel,
+from kernels.triton_common import (
+    ATTENTION_DTYPES,
+    LOG2E,
+    MAX_KV_SPLITS,
     check_triton_device,
     choose_num_kv_splits,
+    dot,
+    find_seq,
     interpreter_enabled,
+    load_kv,
+    merge_splits_kernel,
 )
 
 __all__ = ["paged_latent_attention"]
@@ -100,7 +100,7 @@ def _latent_attention_kernel(
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+    seq = find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tile = pid - (q_start // BLOCK_Q + seq)
@@ -143,22 +143,22 @@ def _latent_attention_kernel(
         block_id = tl.load(block_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
         rows = block_id.to(tl.int64) * stride_block + (k_pos % BLOCK_SIZE) * stride_slot
         # The latent tile serves as the keys' first part and, transposed, as the values.
-        k_lat = _load_kv(
+        k_lat = load_kv(
             cache_ptr + rows[None, :] + offs_v[:, None],
             k_valid[None, :] & v_valid[:, None],
             k_scale,
             q_lat.dtype,
             KV_FP8,
         )
-        k_rest = _load_kv(
+        k_rest = load_kv(
             cache_ptr + rows[None, :] + V_DIM + offs_r[:, None],
             k_valid[None, :] & r_valid[:, None],
             k_scale,
             q_lat.dtype,
             KV_FP8,
         )
-        s = _dot(q_lat, k_lat, DOT_UPCAST, DOT_PRECISION)
-        s += _dot(q_rest, k_rest, DOT_UPCAST, DOT_PRECISION)
+        s = dot(q_lat, k_lat, DOT_UPCAST, DOT_PRECISION)
+        s += dot(q_rest, k_rest, DOT_UPCAST, DOT_PRECISION)
         s = s * score_scale
         visible = (k_pos[None, :] <= (context_len + q_pos)[:, None]) & k_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -170,7 +170,7 @@ def _latent_attention_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.trans(k_lat)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -202,7 +202,7 @@ def paged_latent_attention(
     """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the latent
     ``cache`` ``[1, num_blocks, block_size, 1, head_dim]``; returns a new contiguous
     ``[num_tokens, num_heads, v_head_dim]`` in ``query.dtype``. ``num_kv_splits`` forces the
-    split-KV path's split count (default: ``triton_attention.choose_num_kv_splits``)."""
+    split-KV path's split count (default: ``triton_common.choose_num_kv_splits``)."""
     check_attention_args(query, cache, metadata, scale)
     value_dim = check_value_dim(cache, v_head_dim)
     if cache.shape[0] != 1 or cache.shape[3] != 1:
@@ -210,7 +210,7 @@ def paged_latent_attention(
             f"cache must be a one-plane latent cache [1, num_blocks, block_size, 1, head_dim], "
             f"got {list(cache.shape)}"
         )
-    if cache.dtype not in _SUPPORTED_DTYPES:
+    if cache.dtype not in ATTENTION_DTYPES:
         raise ValueError(f"cache dtype must be float16, bfloat16, float32 or float8_e4m3fn, "
                          f"got {cache.dtype}")  # fmt: skip
     if not cache.is_contiguous() or query.stride(2) != 1:
@@ -221,9 +221,9 @@ def paged_latent_attention(
         k_scale = check_kv_scale("k_scale", k_scale)
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(metadata, 1)
-    if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= _MAX_KV_SPLITS:
+    if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= MAX_KV_SPLITS:
         raise ValueError(
-            f"num_kv_splits must be an int in [1, {_MAX_KV_SPLITS}], got {num_kv_splits!r}"
+            f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}], got {num_kv_splits!r}"
         )
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty((num_tokens, num_heads, value_dim), dtype=query.dtype, device=query.device)
@@ -259,7 +259,7 @@ def paged_latent_attention(
         metadata.query_start_loc,
         metadata.num_seqs,
         num_heads,
-        scale * _LOG2E,
+        scale * LOG2E,
         float(k_scale) if fp8 else 1.0,
         query.stride(0),
         query.stride(1),
@@ -286,7 +286,7 @@ def paged_latent_attention(
         num_stages=2,
     )
     if num_kv_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
+        merge_splits_kernel[(num_tokens, num_heads)](
             out,
             partial_out,
             partial_lse,

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.moe import check_moe_args, local_expert_ids
-from kernels.triton_attention import check_triton_device, interpreter_enabled
+from kernels.moe_inputs import check_moe_args, local_expert_ids
+from kernels.triton_common import check_triton_device, interpreter_enabled
 from kernels.triton_ops import silu_and_mul
 
 __all__ = ["MoeAlignment", "fused_moe_triton", "moe_align_block_size", "moe_block_sizes"]

@@ -1,6 +1,6 @@
 """Fused mixture-of-experts over MXFP4 experts in Triton (gpt-oss on CUDA): the weights stay in
-the checkpoint's layout (``kernels.moe.Mxfp4Experts``) and are dequantized tile by tile inside
-the GEMMs; ``kernels.moe.fused_moe_mxfp4`` picks this or the torch path.
+the checkpoint's layout (``kernels.moe_inputs.Mxfp4Experts``) and are dequantized tile by tile
+inside the GEMMs; ``kernels.moe.fused_moe_mxfp4`` picks this or the torch path.
 
 The pairs are sorted by expert and padded to BLOCK_M runs as for the dense kernel
 (``kernels.triton_moe.moe_align_block_size``); then two launches of ``_mxfp4_moe_gemm_kernel``:
@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.moe import Mxfp4Experts, check_moe_inputs, local_expert_ids
-from kernels.triton_attention import check_triton_device, interpreter_enabled
+from kernels.moe_inputs import Mxfp4Experts, check_moe_inputs, local_expert_ids
+from kernels.triton_common import check_triton_device, interpreter_enabled
 from kernels.triton_moe import MoeAlignment, moe_align_block_size, moe_block_sizes
 
 __all__ = ["fused_moe_mxfp4_triton"]

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_attention import check_triton_device
+from kernels.triton_common import check_triton_device
 
 __all__ = ["gelu_tanh_and_mul", "rms_norm", "rotary_embedding", "silu_and_mul"]
 

@@ -28,7 +28,8 @@ from engine.models.layers import GemmaRMSNorm
 from engine.models.moe import MoECausalLM, Routing, SparseMoeBlock
 from engine.quantization.config import keeps_mxfp4_experts
 from kernels.backend import KernelOps
-from kernels.moe import Mxfp4Experts, clamped_swiglu, fused_moe_mxfp4
+from kernels.moe import clamped_swiglu, fused_moe_mxfp4
+from kernels.moe_inputs import Mxfp4Experts
 from kernels.mxfp4 import BYTES_PER_GROUP, VALUES_PER_SCALE
 from parallel.layers import check_shape
 from parallel.moe import ParallelExperts

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import attention, triton_attention
-from kernels.triton_attention import choose_num_kv_splits
+from kernels.triton_common import choose_num_kv_splits
 from tests.kernels.naive_attention import naive_paged_attention
 from tests.kernels.native_cpu import native_paged_attention
 from tests.kernels.triton_batches import paged_batch

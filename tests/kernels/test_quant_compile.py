@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton", reason="the AOT compile checks need the triton package")
 
-from kernels import triton_attention, triton_cache, triton_quant_gemm
+from kernels import triton_attention, triton_cache, triton_common, triton_quant_gemm
 from kernels.kv_quant import FP8_DTYPE
 from kernels.quant_gemm import pack_int4
 from tests.kernels.triton_aot import AotCompiler, Launch, compile_job, record_launches
@@ -65,7 +65,7 @@ def as_on_gpu(launch: Launch) -> Launch:
 
 
 def device() -> str:
-    return "cpu" if triton_attention.interpreter_enabled() else "cuda"
+    return "cpu" if triton_common.interpreter_enabled() else "cuda"
 
 
 def fp8_cache_batch(query_lens, dtype=torch.bfloat16):

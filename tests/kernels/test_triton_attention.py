@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kernels import attention
-from kernels.triton_attention import choose_num_kv_splits, paged_attention
+from kernels.triton_attention import paged_attention
+from kernels.triton_common import choose_num_kv_splits
 from tests.kernels.triton_batches import paged_batch
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

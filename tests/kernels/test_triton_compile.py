@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("triton", reason="the AOT compile checks need the triton package")
 
-from kernels import triton_attention, triton_cache, triton_ops
+from kernels import triton_attention, triton_cache, triton_common, triton_ops
 from tests.kernels.triton_aot import AotCompiler, Launch, compile_job, record_launches
 from tests.kernels.triton_batches import paged_batch
 
@@ -69,7 +69,7 @@ def as_on_gpu(launch: Launch) -> Launch:
 
 def device() -> str:
     """Where the wrappers accept tensors: CPU under the interpreter, else CUDA."""
-    return "cpu" if triton_attention.interpreter_enabled() else "cuda"
+    return "cpu" if triton_common.interpreter_enabled() else "cuda"
 
 
 def kernel_names(results: list[tuple[str, dict[str, Any]]]) -> list[str]:
@@ -137,7 +137,7 @@ def test_windowed_soft_capped_attention_compiles_for_sm90(
             *batch, 0.0625, sliding_window=256, logits_soft_cap=50.0, num_kv_splits=num_kv_splits
         )
     )
-    merge = ["_merge_splits_kernel"] if num_kv_splits else []
+    merge = ["merge_splits_kernel"] if num_kv_splits else []
     assert kernel_names(results) == ["_paged_attention_kernel", *merge]
 
 
@@ -154,7 +154,7 @@ def test_split_kv_attention_and_its_merge_compile_for_sm90(compile_launches):
     results = compile_launches(
         lambda: triton_attention.paged_attention(*batch, 0.1, num_kv_splits=4)
     )
-    assert kernel_names(results) == ["_paged_attention_kernel", "_merge_splits_kernel"]
+    assert kernel_names(results) == ["_paged_attention_kernel", "merge_splits_kernel"]
 
 
 @pytest.mark.parametrize(
@@ -181,7 +181,7 @@ def test_attention_with_sinks_compiles_for_sm90(
             *batch, 0.125, sliding_window=window, sinks=sinks, num_kv_splits=num_kv_splits
         )
     )
-    merge = ["_merge_splits_kernel"] if num_kv_splits else []
+    merge = ["merge_splits_kernel"] if num_kv_splits else []
     assert kernel_names(results) == ["_paged_attention_kernel", *merge]
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kernels import triton_moe, triton_ops
 from kernels.moe import fused_moe, moe_torch
-from kernels.triton_attention import interpreter_enabled
+from kernels.triton_common import interpreter_enabled
 from kernels.triton_moe import fused_moe_triton, moe_align_block_size
 from tests.kernels.triton_aot import compile_job, record_launches
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from kernels import triton_mxfp4_moe
-from kernels.moe import Mxfp4Experts, clamped_swiglu_interleaved, fused_moe_mxfp4
+from kernels.moe import clamped_swiglu_interleaved, fused_moe_mxfp4
+from kernels.moe_inputs import Mxfp4Experts
 from kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from kernels.triton_attention import interpreter_enabled
+from kernels.triton_common import interpreter_enabled
 from tests.kernels.triton_aot import AotCompiler, compile_job, record_launches
 
 ALPHA, LIMIT = 1.702, 7.0
