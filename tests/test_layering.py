@@ -1,5 +1,6 @@
 """Imports flow one way: kernels <- parallel <- engine <- cluster; the engine never imports Ray.
-Inside cluster: api <- config <- runtime <- serving <- ops <- bench <- cli."""
+Inside cluster: api <- config <- runtime <- serving <- ops <- bench <- cli. No import inside a
+function closes an import cycle."""
 
 from __future__ import annotations
 
@@ -127,6 +128,89 @@ def test_the_layer_check_sees_imports_inside_functions_and_relative_ones() -> No
         "cluster.serving.serve",
         "cluster.serving.serve.build_app",
     ]
+
+
+def _project_imports(path: pathlib.Path, module: str) -> tuple[set[str], set[str]]:
+    """The project modules ``module`` imports at module level (``if TYPE_CHECKING`` blocks left
+    out) and those it imports inside functions, as dotted names."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    top: set[str] = set()
+    late: set[str] = set()
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = _imported_names(node, package)
+            (late if in_function else top).update(names)
+        inner = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), False)
+    return top, late
+
+
+def _imported_names(node: ast.Import | ast.ImportFrom, package: str) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    parts = package.split(".")
+    base = parts[: len(parts) - node.level + 1] if node.level else []
+    module = ".".join(base + ([node.module] if node.module else []))
+    return {module} | {f"{module}.{alias.name}" for alias in node.names}
+
+
+def _import_cycles_closed_late(modules: dict[str, pathlib.Path]) -> list[str]:
+    """``a -> b`` for each import inside a function of ``a`` whose target ``b`` reaches ``a``
+    again through module-level imports (a package's ``__init__`` counts as imported with it):
+    an import moved into a function only to break a cycle."""
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    top: dict[str, set[str]] = {}
+    late: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        eager, lazy = _project_imports(path, module)
+        top[module] = {m for n in eager if (m := known(n)) and m != module}
+        late[module] = {m for n in lazy if (m := known(n)) and m != module}
+        parent = module.rpartition(".")[0]
+        if parent in modules:
+            top[module].add(parent)
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in top[todo.pop()]:
+                if nxt == goal:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    return sorted(f"{a} -> {b}" for a in modules for b in late[a] if reaches(b, a))
+
+
+def test_no_import_inside_a_function_closes_an_import_cycle() -> None:
+    """Cycles are broken by moving the shared piece down, not by deferring an import. Imports
+    inside functions stay for start-up time or optional packages (Triton, PEFT)."""
+    modules = {
+        _module_name(p): p
+        for package in ("kernels", "parallel", "engine", "cluster")
+        for p in sorted((ROOT / package).rglob("*.py"))
+    }
+    assert _import_cycles_closed_late(modules) == []
+
+
+def test_the_cycle_check_sees_a_cycle_closed_inside_a_function(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "a.py").write_text("def f():\n    from pkg import b\n")
+    (tmp_path / "b.py").write_text("from pkg.a import f\n")
+    (tmp_path / "c.py").write_text("def g():\n    from pkg import a\n")
+    modules = {f"pkg.{name}": tmp_path / f"{name}.py" for name in "abc"}
+    assert _import_cycles_closed_late(modules) == ["pkg.a -> pkg.b"]
 
 
 def test_the_ingress_and_the_cli_import_neither_torch_nor_transformers() -> None:
