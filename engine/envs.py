@@ -120,13 +120,6 @@ def pp_layer_partition() -> tuple[int, ...] | None:
     return tuple(int(p) for p in parts)
 
 
-def token_push() -> bool:
-    """``LLM_CLUSTER_TOKEN_PUSH``: each head pushes its steps' deltas to the ingress over TCP
-    (``cluster.serving.token_push``); ``0`` has the ingress poll the head with a Ray call per
-    step instead (default 1)."""
-    return os.environ.get("LLM_CLUSTER_TOKEN_PUSH", "1") != "0"
-
-
 def head_core_process() -> bool:
     """``LLM_CLUSTER_HEAD_CORE_PROCESS=1``: a Serve replica's head runs its engine core in a
     plain child process (``engine.core_process``) where the engine keeps its workers in-process

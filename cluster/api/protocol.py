@@ -7,9 +7,9 @@
 
 With ``GenerateRequest.channel`` (the ingress's ``cluster.serving.token_channel``) and a replica
 whose core runs in a head actor, the ``StreamDelta`` items do not travel on this stream: the head
-puts each step's deltas for all of that ingress's requests in one message, which the ingress
-polls from the head named in ``StreamStart.head`` (``stream_delta`` turns a request's part into
-the same ``StreamDelta``). The stream then carries its start, its end, and any ``StreamError``.
+writes each step's deltas for all of that ingress's requests to the ingress in one message, and
+``StreamStart.head`` names that head (``stream_delta`` turns a request's part into the same
+``StreamDelta``). The stream then carries its start, its end, and any ``StreamError``.
     ingress ── EmbedRequest ─────────────────▶ LLMServer.embed (a unary handle call)
             ◀── EmbedResult | StreamError
 

@@ -11,9 +11,9 @@ else, placed in the replica's placement group. ``HeadCoreClient`` is how the rep
 
     ingress replica (a ``TokenChannel``)
     ────────────────────────────────────
-    poll_sink(sink, acked) ◀── list[StepOutputs] ─ the steps' deltas of the requests added with
-                                                    ``AddRequest.sink == sink``, nothing else
-                  or, for a ``tcp://`` sink, pushed by a ``SinkPusher`` (``token_push``)
+    its TCP listener ◀── list[StepOutputs] ─────  the steps' deltas of the requests added with
+                                                  ``AddRequest.sink == sink``, nothing else,
+                                                  written by a ``SinkPusher`` (``token_push``)
 
 Owned by the replica, so it dies with it; if the head dies, every stream ends with a 503 and
 Serve replaces the replica. ``LLM_CLUSTER_HEAD_CORE_PROCESS=1`` (TP = PP = 1) runs the core in
@@ -45,7 +45,7 @@ from cluster.serving.head_messages import (
     detached,
 )
 from cluster.serving.start_errors import EngineStartError, known_start_failure
-from cluster.serving.token_push import SinkPusher, is_push_sink
+from cluster.serving.token_push import SinkPusher
 from engine import envs
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, OnDead, OnStep
@@ -72,7 +72,6 @@ HEAD_NAME_PREFIX = "LLMHead:"
 _MAX_CONCURRENCY = 32
 _POLL_WAIT_S = 1.0
 _HEALTH_TIMEOUT_S = 20.0
-SINK_IDLE_S = 60.0
 
 
 _ADD_DECODER = msgspec.msgpack.Decoder(AddRequest)
@@ -88,19 +87,17 @@ class _Outbox:
     ``cond`` (over the head's one lock) wakes only this outbox's reader: a step for one reader
     does not wake the others (each wakeup takes the GIL from the core thread)."""
 
-    __slots__ = ("cond", "first_seq", "polled_at", "steps")
+    __slots__ = ("cond", "first_seq", "steps")
 
     def __init__(self, lock: threading.Lock) -> None:
         self.cond = threading.Condition(lock)
         self.steps: list[StepOutputs] = []
         self.first_seq = 1
-        self.polled_at = time.monotonic()
 
     def ack(self, acked: int) -> None:
         drop = max(0, min(acked - self.first_seq + 1, len(self.steps)))
         del self.steps[:drop]
         self.first_seq += drop
-        self.polled_at = time.monotonic()
 
     def reply(self, dead: str | None) -> bytes:
         last_seq = self.first_seq + len(self.steps) - 1
@@ -140,17 +137,15 @@ class HeadActor:
     any request's context: Serve cancels the Ray calls a request made when the request is
     cancelled, and the poll and an abort are not the request's own.
 
-    Sinks: a request added with a ``sink`` (the ingress's ``cluster.serving.token_channel``) has
-    its deltas put in that sink's outbox, which the ingress polls the same way: one message per
-    step for all of that ingress's requests, instead of one Serve stream item per request per
-    step through the replica. Its front, whose stream then carries no tokens, gets only the
-    request's first delta and its last, merged with those between and each step's time
-    (``RequestDelta.steps``, for the latency metrics): one wakeup of the replica per request,
-    not per step. A sink nobody polls for ``SINK_IDLE_S`` is dropped (its ingress is gone). A
-    sink named ``tcp://HOST:PORT/TOKEN`` (the default, ``LLM_CLUSTER_TOKEN_PUSH``) is not
-    polled: a ``SinkPusher`` connects to that ingress and the core thread writes each step to
-    it (``cluster.serving.token_push``), with no Ray call and no other thread woken per step;
-    it lives as long as its connection.
+    Sinks: a request added with a ``sink`` (the ingress's ``cluster.serving.token_channel``,
+    ``tcp://HOST:PORT/TOKEN``) has its deltas put in that sink's outbox: one message per step
+    for all of that ingress's requests, instead of one Serve stream item per request per step
+    through the replica. A ``SinkPusher`` connects to that ingress and the core thread writes
+    each step to it (``cluster.serving.token_push``), with no Ray call and no other thread
+    woken per step; the sink lives as long as its connection. Its front, whose stream then
+    carries no tokens, gets only the request's first delta and its last, merged with those
+    between and each step's time (``RequestDelta.steps``, for the latency metrics): one wakeup
+    of the replica per request, not per step.
 
     Failure: the actor is owned by the replica, so it dies with it; if the head dies, the poll
     fails, every stream ends with a 503 and the replica's health check fails, so Serve replaces
@@ -181,7 +176,7 @@ class HeadActor:
         self._sink_of: dict[str, str] = {}  # request id -> its sink, until its last delta
         # A sink request's deltas after its first, held back from the front until its last.
         self._held: dict[str, _Held] = {}
-        self._pushers: dict[str, SinkPusher] = {}  # pushed sinks' writers (``token_push``)
+        self._pushers: dict[str, SinkPusher] = {}  # the sinks' writers, by sink name
         self._name = ray.get_runtime_context().get_actor_name() or "head"
         self._dead: str | None = None
         self._start_failure: str | None = None
@@ -252,25 +247,17 @@ class HeadActor:
 
     def _route_to_sink(self, request_id: str, sink: str) -> None:
         """Before the core sees the request (its first delta may come at once): its deltas go
-        to ``sink`` too. Sinks nobody polled for ``SINK_IDLE_S`` are dropped here."""
-        now = time.monotonic()
+        to ``sink`` too, whose ``SinkPusher`` connects on the sink's first request."""
         with self._lock:
-            for name, box in list(self._sinks.items()):
-                # A pushed sink lives as long as its connection (``_drop_sink``).
-                if name != sink and name not in self._pushers and now - box.polled_at > SINK_IDLE_S:
-                    del self._sinks[name]
-                    for rid in [r for r, s in self._sink_of.items() if s == name]:
-                        del self._sink_of[rid]
-                        self._held.pop(rid, None)
             box = self._sinks.setdefault(sink, _Outbox(self._lock))
             self._sink_of[request_id] = sink
-            if is_push_sink(sink) and sink not in self._pushers:
+            if sink not in self._pushers:
                 self._pushers[sink] = SinkPusher(
                     sink, self._name, box, box.cond, lambda: self._dead, self._drop_sink
                 )
 
     def _drop_sink(self, sink: str) -> None:
-        """A pushed sink's connection ended (its ingress is gone): forget it and its requests'
+        """A sink's connection ended (its ingress is gone): forget it and its requests'
         routes; the requests themselves end when Serve cancels their calls."""
         with self._lock:
             self._pushers.pop(sink, None)
@@ -285,36 +272,23 @@ class HeadActor:
     def poll(self, acked: int, wait_s: float = _POLL_WAIT_S) -> bytes:
         """Drop the steps up to ``acked`` (the front has them), then return every later one;
         waits up to ``wait_s`` for one."""
-        return self._take(self._outbox, acked, wait_s)
-
-    def poll_sink(self, sink: str, acked: int, wait_s: float = _POLL_WAIT_S) -> bytes:
-        """``poll`` for an ingress's channel: the deltas of the requests added with
-        ``sink``, one message per step."""
+        box = self._outbox
         with self._lock:
-            box = self._sinks.setdefault(sink, _Outbox(self._lock))
-        return self._take(box, acked, wait_s)
+            box.ack(acked)
+            box.cond.wait_for(lambda: box.steps or self._dead is not None, wait_s)
+            return box.reply(self._dead)
 
     def wait_sink_acked(self, sink: str, wait_s: float) -> bool:
         """Wait up to ``wait_s`` until the ingress has acknowledged everything in ``sink``'s
         outbox (True), e.g. the last deltas of requests a draining replica aborted: the replica
         (and this actor with it) must not stop before its ingress has them."""
         with self._lock:
-            box = self._sinks.get(sink)
-            if box is None:
-                return True
             pusher = self._pushers.get(sink)
             if pusher is None:
-                return box.cond.wait_for(lambda: not box.steps or self._dead is not None, wait_s)
+                return True
             pusher.request_ack()
-            return box.cond.wait_for(lambda: pusher.synced() or self._dead is not None, wait_s)
-
-    def _take(self, box: _Outbox, acked: int, wait_s: float) -> bytes:
-        with self._lock:
-            box.ack(acked)
-            box.cond.notify_all()  # a wait_sink_acked may be waiting for this
-            box.cond.wait_for(lambda: box.steps or self._dead is not None, wait_s)
-            box.polled_at = time.monotonic()
-            return box.reply(self._dead)
+            cond = self._sinks[sink].cond
+            return cond.wait_for(lambda: pusher.synced() or self._dead is not None, wait_s)
 
     def stats(self) -> bytes:
         return _ENCODER.encode(self._loop.stats().result())
@@ -360,14 +334,9 @@ class HeadActor:
                     if delta.finished:
                         del self._sink_of[delta.request_id]
                 for sink, deltas in by_sink.items():
-                    box = self._sinks.get(sink)
-                    if box is not None:
-                        box.steps.append(StepOutputs(deltas, step.time))
-                        pusher = self._pushers.get(sink)
-                        if pusher is not None:
-                            pusher.pushed()  # written by this (the core) thread, if it can
-                        else:
-                            box.cond.notify_all()
+                    # A routed request's sink has its outbox and pusher (both go in _drop_sink).
+                    self._sinks[sink].steps.append(StepOutputs(deltas, step.time))
+                    self._pushers[sink].pushed()  # written by this (the core) thread, if it can
             if front.deltas:
                 self._outbox.steps.append(front)
                 self._outbox.cond.notify_all()
@@ -390,10 +359,9 @@ class HeadActor:
     def _died(self, error: EngineDeadError) -> None:
         with self._lock:
             self._dead = str(error) or "the engine failed"
-            for box in (self._outbox, *self._sinks.values()):
-                box.cond.notify_all()
+            self._outbox.cond.notify_all()
             for pusher in self._pushers.values():
-                pusher.pushed()  # its last frame says why
+                pusher.pushed()  # its last frame says why; wakes its outbox's waiters
 
 
 class PublishingObserver(StartupObserver):
@@ -616,7 +584,6 @@ class HeadCoreClient(EngineCoreClient):
 
 __all__ = [
     "HEAD_NAME_PREFIX",
-    "SINK_IDLE_S",
     "HeadActor",
     "HeadCoreClient",
 ]

@@ -1,7 +1,7 @@
 """How a ``HeadActor`` (``cluster.serving.head_actor``) is called: its replies, with the one error
 table of its calls, and ``detached``, the context every call to it is made in. A module of its
 own, free of torch (it needs only the engine's message types), so that the ingress's token
-channel can poll the head without importing the engine core."""
+channel can read the head's frames (``PollReply``) without importing the engine core."""
 
 from __future__ import annotations
 

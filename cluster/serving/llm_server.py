@@ -152,7 +152,7 @@ class LLMServer:
                 resources=head_resources,
             )
             self.engine = AsyncLLMEngine(client, tokenizer=load_tokenizer(config))
-            # An ingress's token channel polls the deltas of its requests from the head.
+            # The head writes an ingress's requests' deltas to its token channel.
             self.head_name: str | None = client.name
         else:
             self.engine = AsyncLLMEngine(InProcessCoreClient(lambda: LLMEngine(config)))

@@ -32,8 +32,8 @@ _FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "LLM_CLUSTER
                   "LLM_CLUSTER_CPU_PACKED_GEMM", "LLM_CLUSTER_STEP_PROFILE", "HF_HUB_OFFLINE",
                   "OMP_NUM_THREADS", "TRITON_INTERPRET", "LLM_CLUSTER_RAY_DISPATCH",
                   "LLM_CLUSTER_PP_PIPELINING", "LLM_CLUSTER_HEAD_CORE_PROCESS",
-                  "LLM_CLUSTER_TOKEN_PUSH", "LLM_CLUSTER_CPU_KEEP_QUANTIZED",
-                  "LLM_CLUSTER_CPU_DECODE_KERNEL", "VLLM_PP_LAYER_PARTITION")  # fmt: skip
+                  "LLM_CLUSTER_CPU_KEEP_QUANTIZED", "LLM_CLUSTER_CPU_DECODE_KERNEL",
+                  "VLLM_PP_LAYER_PARTITION")  # fmt: skip
 
 
 def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig) -> Any:

@@ -7,31 +7,24 @@ of CPU on 2 cores: BENCHMARKS.md, "Serving path").
     register(request_id) → queue
     GenerateRequest(channel=sink) ── Serve ──▶ generate ── AddRequest(sink) ──▶ routes its deltas
                            ◀── StreamStart(head=name)                           to the sink
-    poll_sink(sink, acked) ──────────────────────────────────────────────────▶ (one per step)
-                           ◀── list[StepOutputs]: the deltas of this ingress's requests
+    TokenListener (the sink: tcp://HOST:PORT/TOKEN) ◀── one frame per step ──── its SinkPusher
     ChannelStream: the request's deltas from its queue; its Serve stream carries only the end
     (or a StreamError: 408, 503), which the stream waits for before it ends.
 
 The request's Serve call stays open until it ends, so routing, ``max_ongoing_requests``,
-autoscaling, back-pressure, drain and cancellation are Serve's as before. Polls are
-acknowledged by step number (a lost reply loses nothing); a head that fails ends its
-requests' streams with a 503. By default (``LLM_CLUSTER_TOKEN_PUSH``) nothing polls: each head
-pushes to this ingress's TCP listener (``cluster.serving.token_push``); the poller stays for
-``LLM_CLUSTER_TOKEN_PUSH=0``.
+autoscaling, back-pressure, drain and cancellation are Serve's as before. A head whose
+connection ends, or whose last frame says its engine died, ends its requests' streams with a 503.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
-from ray.exceptions import RayError, TaskCancelledError
+from ray.exceptions import RayError
 
 from cluster.api.protocol import (
     StreamDelta,
@@ -40,16 +33,12 @@ from cluster.api.protocol import (
     stream_delta,
     unavailable,
 )
-from cluster.serving.head_messages import PollReply, decode_poll_reply, detached
+from cluster.serving.head_messages import PollReply
 from cluster.serving.token_push import TokenListener
-from engine import envs
 from engine.core_messages import RequestDelta, decode_steps
 
 logger = logging.getLogger("llm_cluster.token_channel")
 
-# A poller with no request left on its head keeps polling this long (the next request's first
-# token then arrives without starting one), then stops.
-POLLER_LINGER_S = 10.0
 # The replica said the request ended, but its last delta has not come: how long to wait for it.
 _LAST_DELTA_WAIT_S = 30.0
 _SERVED = object()  # the request's Serve stream ended without an error
@@ -59,46 +48,28 @@ class TokenChannel:
     """One per ingress replica; everything runs on the ingress's event loop.
 
     With 64 requests one stream item per request per step is ~30 ms of CPU a step on a 2-core
-    machine, taken from the engine; one poll per step per head costs the same whatever the
+    machine, taken from the engine; one frame per step per head costs the same whatever the
     batch. The request's Serve call stays open until it ends, so routing,
     ``max_ongoing_requests``, autoscaling, back-pressure, drain and cancellation (the client
     goes away: the call is cancelled, the replica aborts the request) are Serve's as before.
-    Polls are acknowledged by step number, like the replica's own
-    (``cluster.serving.head_actor``): a lost reply loses nothing. A head that fails (its poll
-    raises, or reports the engine dead) ends its requests' streams with a 503.
 
-    With push (the default), the sink is this ingress's TCP listener
-    (``cluster.serving.token_push``): each head connects to it and writes every step's deltas
-    as one frame, acknowledged on the same connection; a head's connection that ends fails its
-    streams with a 503 like a failed poll.
+    The sink is this ingress's TCP listener (``cluster.serving.token_push``): each head connects
+    to it and writes every step's deltas as one frame, acknowledged on the same connection
+    when the head asks (a drain); a head's connection that ends fails its streams with a 503.
     """
 
-    def __init__(self, push: bool | None = None) -> None:
-        """``push``: the heads push each step to this ingress over TCP (``token_push``) rather
-        than being polled; None reads ``LLM_CLUSTER_TOKEN_PUSH`` (default on)."""
-        self._poll_sink = f"ingress-{uuid.uuid4().hex}"
-        if push is None:
-            push = envs.token_push()
-        self._listener = TokenListener(self._on_pushed, self._on_lost) if push else None
+    def __init__(self) -> None:
+        self._listener = TokenListener(self._on_pushed, self._on_lost)
         self._listening: asyncio.Future[str] | None = None
         self._model_of_head: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the ingress's, once serving
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._head_of: dict[str, str] = {}  # request id -> head actor name
-        self._pollers: dict[str, asyncio.Task[None]] = {}
-        self._actors: dict[str, Any] = {}  # head actor handles by name
-        # ``ray.get_actor`` loads the head's class into this process, importing
-        # cluster.serving.head_actor and with it the engine (torch, transformers): seconds that the
-        # first request would wait for (BENCHMARKS.md, "Cold start"). Imported now instead,
-        # while the ingress starts beside the model replicas, which take longer.
-        importlib.import_module("cluster.serving.head_actor")
 
     async def sink(self) -> str:
         """What a request's ``GenerateRequest.channel`` names: this ingress's listener (started
-        on first use, on this event loop), or with polling the name its outbox has on a head."""
+        on first use, on this event loop)."""
         self._loop = asyncio.get_running_loop()
-        if self._listener is None:
-            return self._poll_sink
         if self._listening is None:
             host = ray.util.get_node_ip_address()
             self._listening = asyncio.ensure_future(self._listener.start(host))
@@ -120,53 +91,10 @@ class TokenChannel:
             raise RuntimeError(f"request {request_id!r} was not registered")
         self._head_of[request_id] = head
         self._model_of_head[head] = model
-        if self._listener is None and head not in self._pollers:
-            self._pollers[head] = detached(asyncio.get_running_loop().create_task,
-                                           self._poll(head, model))  # fmt: skip
         return ChannelStream(self, request_id, queue, served, model)
 
     def _requests_on(self, head: str) -> list[str]:
         return [rid for rid, h in self._head_of.items() if h == head]
-
-    async def _actor(self, head: str) -> Any:
-        actor = self._actors.get(head)
-        if actor is None:
-            actor = await asyncio.to_thread(ray.get_actor, head)
-            self._actors[head] = actor
-        return actor
-
-    async def _poll(self, head: str, model: str) -> None:
-        acked = 0  # a new poller acknowledges nothing: what is left is replayed, then dropped
-        idle_since: float | None = None
-        try:
-            actor = await self._actor(head)
-            while True:
-                if self._requests_on(head):
-                    idle_since = None
-                elif idle_since is None:
-                    idle_since = time.monotonic()
-                elif time.monotonic() - idle_since > POLLER_LINGER_S:
-                    return  # no await between this check and the removal below
-                try:
-                    reply = decode_poll_reply(await actor.poll_sink.remote(self._poll_sink, acked))
-                except TaskCancelledError:
-                    continue  # not the head's failure: ask again
-                steps = decode_steps(reply.steps)
-                first_seq = reply.last_seq - len(steps) + 1
-                for seq, step in enumerate(steps, start=first_seq):
-                    if seq > acked:
-                        self._dispatch(step.deltas)
-                acked = max(acked, reply.last_seq)
-                if reply.dead is not None:
-                    logger.error("engine head %s reports its engine dead: %s", head, reply.dead)
-                    self._fail(head, unavailable(f"the engine for {model!r} failed"))
-                    return
-        except (RayError, ValueError) as exc:  # the head is gone (ValueError: no such actor)
-            logger.error("engine head %s is unreachable: %s", head, exc)
-            self._fail(head, replica_failed(model))
-        finally:
-            self._pollers.pop(head, None)
-            self._actors.pop(head, None)
 
     def _on_pushed(self, head: str, reply: PollReply) -> None:
         """A head's frame (``token_push``): its steps come once each, in order."""
@@ -272,4 +200,4 @@ class ChannelStream:
         self._pump.cancel()
 
 
-__all__ = ["POLLER_LINGER_S", "ChannelStream", "TokenChannel"]
+__all__ = ["ChannelStream", "TokenChannel"]

@@ -1,6 +1,6 @@
-"""The token channel's push transport: each head connects to its ingress over TCP and writes
-every step's deltas for that ingress as one frame, instead of the ingress polling the head
-with a Ray actor call per step (BENCHMARKS.md, "The token channel pushed").
+"""The token channel's transport: each head connects to its ingress over TCP and writes every
+step's deltas for that ingress as one frame, with no Ray call per step (BENCHMARKS.md, "The
+token channel pushed").
 
     HeadActor (core thread appends a step      ingress replica (``TokenListener``, on its
     to the sink's outbox)                      event loop)
@@ -10,8 +10,8 @@ with a Ray actor call per step (BENCHMARKS.md, "The token channel pushed").
     core thread, each step   ── PollReply(steps, last_seq, dead, ack) ─▶ dispatches the deltas
     SinkPusher reader thread ◀── acked (last_seq) ──── only when the frame asks (a drain)
 
-Frames are length-prefixed msgpack (``PollReply``, the poll's reply, so both transports carry
-the same message); nothing is pickled. The sink names the listener: ``tcp://HOST:PORT/TOKEN``.
+Frames are length-prefixed msgpack (``PollReply``, the message the replica's front polls from
+its head too); nothing is pickled. The sink names the listener: ``tcp://HOST:PORT/TOKEN``.
 The token is a random secret that travels only inside Ray's own calls (the
 ``GenerateRequest``), so nothing that merely reaches the port can inject tokens into a stream.
 A connection lives as long as both ends: the ingress that sees it end fails the streams still
@@ -54,10 +54,6 @@ _HELLO_DECODER = msgspec.msgpack.Decoder(Hello)
 _REPLY_DECODER = msgspec.msgpack.Decoder(PollReply)
 _INT_DECODER = msgspec.msgpack.Decoder(int)
 _ENCODER = msgspec.msgpack.Encoder()
-
-
-def is_push_sink(sink: str) -> bool:
-    return sink.startswith(SCHEME)
 
 
 def parse_sink(sink: str) -> tuple[str, int, str]:
@@ -313,4 +309,4 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(size)
 
 
-__all__ = ["Hello", "SinkPusher", "TokenListener", "frame", "is_push_sink", "parse_sink"]
+__all__ = ["Hello", "SinkPusher", "TokenListener", "frame", "parse_sink"]

@@ -255,14 +255,13 @@ async def _through_channel(
     return start, [item async for item in channel.stream(request_id, start.head, served, "chan")]
 
 
-@pytest.mark.parametrize("push", [True, False], ids=["pushed", "polled"])
 def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
-    channel_server: Any, offline: LLM, push: bool
+    channel_server: Any, offline: LLM
 ) -> None:
     from cluster.api.protocol import StreamDelta, logprob_rows
     from cluster.serving.token_channel import TokenChannel
 
-    channel = TokenChannel(push=push)
+    channel = TokenChannel()
     per_message: list[int] = []
     dispatch = channel._dispatch
 
@@ -332,14 +331,13 @@ def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
     assert not channel._queues and not channel._head_of  # nothing left registered
 
 
-@pytest.mark.parametrize("push", [True, False], ids=["pushed", "polled"])
-def test_token_channel_ends_streams_with_503_when_the_head_dies(push: bool) -> None:
+def test_token_channel_ends_streams_with_503_when_the_head_dies() -> None:
     from cluster.api.protocol import GenerateRequest, StreamDelta, StreamError
     from cluster.serving.llm_server import LLMServer
     from cluster.serving.token_channel import TokenChannel
 
     server = LLMServer("doomed", ENGINE_ARGS, head_resources={"CPU": 1})
-    channel = TokenChannel(push=push)
+    channel = TokenChannel()
 
     class Silent(_Served):
         """A replica stream that never says anything after its start: only the channel can

@@ -144,7 +144,7 @@ def test_a_channel_ends_every_open_stream_from_another_thread() -> None:
     from cluster.serving.token_channel import TokenChannel
 
     async def run() -> list[Any]:
-        channel = TokenChannel(push=False)
+        channel = TokenChannel()
         await channel.sink()  # serving: the channel knows its loop
         channel.register("a")
         channel.register("b")
