@@ -3,8 +3,9 @@
 For each executor it times ``execute_model`` on (a) an empty step (no tokens: pure dispatch and
 reply) and (b) a one-token decode step of one request, plus, for the Ray executor, (c) a bare
 no-op actor call to every worker, which is the floor any dispatch by Ray actor calls pays. The
-Ray executor runs twice in the same run, once per step dispatch (``LLM_CLUSTER_RAY_DISPATCH``):
-``tasks`` (one actor call per worker per step) and ``compiled`` (a Ray Compiled Graph).
+Ray executor runs twice in the same run, once per step dispatch: ``tasks`` (one actor call per
+worker per step, CPU workers') and ``compiled`` (a Ray Compiled Graph, GPU workers'), chosen
+by replacing ``cluster.runtime.step_dispatch.dispatch_for`` as the tests do.
 
     python benchmarks/tp_step_roundtrip.py --tp 2 --iters 300 --json out.json
 
@@ -26,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cluster.runtime import step_dispatch
 from engine.config import EngineConfig
 from engine.executor import Executor, get_executor_class
 from engine.protocol import CachedRequestData, ExecuteModelRequest, NewRequestData
@@ -120,8 +122,9 @@ class DecodeSteps:
 def measure(
     backend: str, tp: int, model: str, iters: int, warmup: int, dispatch: str = ""
 ) -> dict[str, Any]:
+    by_device = step_dispatch.dispatch_for
     if dispatch:
-        os.environ["LLM_CLUSTER_RAY_DISPATCH"] = dispatch
+        step_dispatch.dispatch_for = lambda resource: dispatch
     config = EngineConfig.from_kwargs(
         model=model,
         tensor_parallel_size=tp,
@@ -149,6 +152,7 @@ def measure(
         return result
     finally:
         executor.shutdown()
+        step_dispatch.dispatch_for = by_device
 
 
 def _all_reduce_rank(rank: int, port_queue: Any, out: Any, iters: int, warmup: int) -> None:

@@ -81,22 +81,6 @@ def step_profile() -> bool:
     return os.environ.get("LLM_CLUSTER_STEP_PROFILE", "0") == "1"
 
 
-def ray_dispatch() -> str:
-    """``LLM_CLUSTER_RAY_DISPATCH``: how the Ray executor sends each step to its workers:
-    ``compiled`` through a Ray Compiled Graph (shared-memory channels, one compiled execution
-    per step, no Ray task per worker), ``tasks`` one Ray actor call per worker per step, or
-    ``auto`` (default): ``compiled`` when the workers run on GPUs, ``tasks`` on CPU. A compiled
-    graph's readers wait by spinning (``sched_yield``): a core each for the head and every idle
-    worker, which on GPU nodes is spare but on CPU workers is the compute itself (BENCHMARKS.md,
-    "Pipelined PP")."""
-    value = os.environ.get("LLM_CLUSTER_RAY_DISPATCH", "auto")
-    if value not in ("auto", "compiled", "tasks"):
-        raise ValueError(
-            f"LLM_CLUSTER_RAY_DISPATCH: {value!r} is not one of 'auto', 'compiled', 'tasks'"
-        )
-    return value
-
-
 def pp_pipelining() -> bool:
     """``LLM_CLUSTER_PP_PIPELINING``: with pipeline_parallel_size > 1, keep up to
     pipeline_parallel_size batches in flight so no stage idles while another computes

@@ -3,11 +3,10 @@
 Ray does placement, lifecycle, failure detection and the control calls (``collective_rpc``,
 ``ping``: ordinary actor calls). The per-step hot path carries the msgspec-encoded step message
 (encoded once) to every worker and, from the sampling worker only, the encoded reply: a Ray
-Compiled Graph on GPU workers, one actor call per worker on CPU workers
-(``LLM_CLUSTER_RAY_DISPATCH``; ``cluster.runtime.step_dispatch``). On GPU the pipeline stages
-exchange hidden states over torch.distributed (NCCL) themselves. With
-``LLM_CLUSTER_PP_PIPELINING`` and PP > 1, up to PP steps are in flight at once
-(``execute_model_async`` returns a ``StepFuture``).
+Compiled Graph on GPU workers, one actor call per worker on CPU workers, picked by device
+(``cluster.runtime.step_dispatch``). On GPU the pipeline stages exchange hidden states over
+torch.distributed (NCCL) themselves. With ``LLM_CLUSTER_PP_PIPELINING`` and PP > 1, up to
+PP steps are in flight at once (``execute_model_async`` returns a ``StepFuture``).
 
     head (LLMEngine) ──ExecuteModelRequest bytes──▶ rank 0 … rank TP·PP−1
                      ◀──ModelRunnerOutput bytes──── last stage, TP rank 0 (others: None)
@@ -315,11 +314,8 @@ class RayExecutor(Executor):
         with self._lock:
             self._raise_if_dead()  # shut down meanwhile
             if self._dispatch is None:
-                mode = envs.ray_dispatch()
-                if mode == "auto":  # compiled graphs' readers spin: not on CPU workers
-                    mode = "compiled" if self._resource == "GPU" else "tasks"
                 self._dispatch = build_dispatch(
-                    mode,
+                    self._resource,
                     self.workers,
                     self.max_concurrent_batches + 1,
                     self._step_timeout_s,

@@ -1,15 +1,15 @@
 """How ``RayExecutor`` sends each step to its workers and gets their replies: one role, two paths,
-picked by ``LLM_CLUSTER_RAY_DISPATCH``.
+picked by the workers' device (``build_dispatch``).
 
-``compiled`` (the default on GPU workers, ``CompiledDispatch``): a Ray Compiled Graph binds
-every worker's ``WorkerActor.execute_model(bytes) -> bytes | None`` to one input::
+``compiled`` (GPU workers, ``CompiledDispatch``): a Ray Compiled Graph binds every worker's
+``WorkerActor.execute_model(bytes) -> bytes | None`` to one input::
 
     InputNode ──step bytes──▶ rank 0 … rank TP·PP−1 ──replies──▶ MultiOutputNode
 
-``tasks`` (the default on CPU workers, ``TaskDispatch``): one actor call per worker per step
-(the message put in the object store once when it is large); also used when compiling fails
-(logged with the reason). The compiled graph's readers spin on a core each, which CPU workers
-compute on (BENCHMARKS.md, "Pipelined PP").
+``tasks`` (CPU workers, ``TaskDispatch``): one actor call per worker per step (the message put
+in the object store once when it is large); also used when compiling fails (logged with the
+reason). The compiled graph's readers spin on a core each, which CPU workers compute on
+(BENCHMARKS.md, "Pipelined PP").
 
 Either way ``send`` returns a ``PendingStep`` whose ``replies`` waits for every rank (at most
 the step timeout) and, on a worker that died, raised or hung, calls ``fail`` (the executor's
@@ -223,23 +223,31 @@ def _teardown_quietly(compiled: Any) -> None:
         dag_logger.setLevel(level)
 
 
+def dispatch_for(resource: str) -> str:
+    """``compiled`` for GPU workers, ``tasks`` for CPU workers (``resource``: the Ray resource
+    they hold). Not a setting: tests and ``benchmarks/tp_step_roundtrip.py`` replace this
+    function to run the compiled graph on CPU workers."""
+    return "compiled" if resource == "GPU" else "tasks"
+
+
 def build_dispatch(
-    mode: str,
+    resource: str,
     workers: list[Any],
     max_inflight: int,
     timeout_s: float,
     get: Callable[[list[Any], str], list[Any]],
     fail: Fail,
 ) -> StepDispatch:
-    """The dispatch ``mode`` names (``envs.ray_dispatch()``); ``tasks`` when a compiled graph
-    cannot be built here, with the reason logged."""
-    if mode == "compiled":
+    """The dispatch for workers holding ``resource`` (``dispatch_for``); ``tasks`` when a
+    compiled graph cannot be built here, with the reason logged."""
+    if dispatch_for(resource) == "compiled":
         try:
             return CompiledDispatch(workers, max_inflight, timeout_s, fail)
         except Exception as exc:  # any compile failure: the tasks path still serves
             logger.warning(
-                "LLM_CLUSTER_RAY_DISPATCH=compiled: could not compile the step graph (%s: %s); "
-                "sending steps as one Ray actor call per worker instead",
+                "could not compile the step graph for the %s workers (%s: %s); sending steps "
+                "as one Ray actor call per worker instead",
+                resource,
                 type(exc).__name__,
                 exc,
             )

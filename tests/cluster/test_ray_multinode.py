@@ -18,6 +18,7 @@ from ray.cluster_utils import Cluster
 
 from cluster.runtime.ray_executor import PlacementError
 from engine import LLM, SamplingParams
+from tests.cluster.compiled_dispatch import forced
 
 ENGINE_ARGS: dict[str, Any] = {
     "num_kv_blocks": 64,
@@ -80,12 +81,8 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.slow  # ~15-25 s: a 3-node Ray, four worker actors, the reference engine
-def test_tp2_pp2_over_two_2_cpu_nodes_keeps_each_tp_group_on_one_node(
-    nodes: Nodes, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_tp2_pp2_over_two_2_cpu_nodes_keeps_each_tp_group_on_one_node(nodes: Nodes) -> None:
     nodes.reshape([2, 2])
-    # Across nodes through the Ray Compiled Graph (the GPU default; CPU workers use actor calls).
-    monkeypatch.setenv("LLM_CLUSTER_RAY_DISPATCH", "compiled")
     reference = LLM("builtin:tiny-llama", distributed_executor_backend="uni", **ENGINE_ARGS)
     expected = _greedy(reference)
     reference.llm_engine.shutdown()
@@ -97,7 +94,9 @@ def test_tp2_pp2_over_two_2_cpu_nodes_keeps_each_tp_group_on_one_node(
         assert node_of_rank[0] == node_of_rank[1]
         assert node_of_rank[2] == node_of_rank[3]
         assert node_of_rank[0] != node_of_rank[2]  # no node has room for both groups
-        assert _greedy(llm) == expected
+        # Across nodes through the Ray Compiled Graph (GPU workers'; CPU workers use actor calls).
+        with forced("compiled"):
+            assert _greedy(llm) == expected
         assert llm.llm_engine.executor.dispatch_mode == "compiled"
     finally:
         llm.llm_engine.shutdown()

@@ -21,7 +21,6 @@ per-request state and all their KV blocks are free."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -102,6 +101,7 @@ def nodes() -> Iterator[Nodes]:
 
     from cluster.ops.deploy import deploy
     from cluster.serving.serve import INGRESS_NAME, deployment_name, runtime_env
+    from tests.cluster import compiled_dispatch
 
     cluster = Cluster(
         initialize_head=True,
@@ -109,14 +109,13 @@ def nodes() -> Iterator[Nodes]:
                         "dashboard_agent_listen_port": None},
     )  # fmt: skip
     try:
+        # The victim's steps go through the Ray Compiled Graph (GPU workers'; CPU workers use
+        # plain actor calls): every process of this Ray, the replicas' heads too, runs the hook.
         ray.init(address=cluster.address, log_to_driver=False,
-                 runtime_env=runtime_env() or None)  # fmt: skip
+                 runtime_env=compiled_dispatch.runtime_env(runtime_env()))  # fmt: skip
         http_port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     proxy_location="HeadOnly")  # fmt: skip
-        # The victim's steps go through the Ray Compiled Graph (the GPU default; CPU workers
-        # use plain actor calls unless asked): the replicas get the variable with the app.
-        os.environ["LLM_CLUSTER_RAY_DISPATCH"] = "compiled"
         with ThreadPoolExecutor(1) as pool:
             deployed = pool.submit(deploy, deployment_config(http_port), lambda _: None)
 
@@ -134,11 +133,9 @@ def nodes() -> Iterator[Nodes]:
             wait_for(placed(deployment_name(VICTIM)), 120, "VICTIM placed on A")
             node_c = cluster.add_node(num_cpus=3)  # spare capacity for the replacement
             deployed.result(timeout=120)
-        os.environ.pop("LLM_CLUSTER_RAY_DISPATCH", None)
         ids = {"head": cluster.head_node.node_id, "A": node_a.node_id, "C": node_c.node_id}
         yield Nodes(cluster, node_a, ids, f"http://127.0.0.1:{http_port}")
     finally:
-        os.environ.pop("LLM_CLUSTER_RAY_DISPATCH", None)
         if ray.is_initialized():
             serve.shutdown()
             ray.shutdown()

@@ -1,5 +1,5 @@
-"""The Ray executor's two step dispatches (``LLM_CLUSTER_RAY_DISPATCH``): a Ray Compiled Graph
-(default) and one actor call per worker (``tasks``), on CPU with TP = 2 and a local Ray.
+"""The Ray executor's two step dispatches: a Ray Compiled Graph (GPU workers' ``compiled``, forced
+here) and one actor call per worker (CPU workers' ``tasks``), on CPU with TP = 2 and a local Ray.
 
 Outputs are equal under both, steps may be in flight together, a message of several MB goes
 through the compiled channels, and a worker killed mid-step ends the step at once.
@@ -27,6 +27,7 @@ from engine.protocol import (
     NewRequestData,
     encode,
 )
+from tests.cluster.compiled_dispatch import forced
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +51,7 @@ def local_ray() -> Iterator[None]:
     ray.shutdown()
 
 
-def _executor(dispatch: str, tp: int = 2, pp: int = 1) -> RayExecutor:
-    os.environ["LLM_CLUSTER_RAY_DISPATCH"] = dispatch
+def _executor(tp: int = 2, pp: int = 1) -> RayExecutor:
     config = EngineConfig.from_kwargs(
         model=MODEL,
         tensor_parallel_size=tp,
@@ -69,13 +69,13 @@ def _executor(dispatch: str, tp: int = 2, pp: int = 1) -> RayExecutor:
 def compiled_executor(request: pytest.FixtureRequest) -> Iterator[RayExecutor]:
     """TP = 2, and PP = 2, whose two stages each hold a step when two are in flight."""
     tp, pp = request.param
-    executor = _executor("compiled", tp, pp)
+    executor = _executor(tp, pp)
     assert executor.max_concurrent_batches == pp  # LLM_CLUSTER_PP_PIPELINING on by default
     try:
-        yield executor
+        with forced("compiled"):  # the module's first step builds the dispatch
+            yield executor
     finally:
         executor.shutdown()
-        os.environ.pop("LLM_CLUSTER_RAY_DISPATCH", None)
 
 
 def _empty_step(finished: list[str] | None = None) -> ExecuteModelRequest:
@@ -125,16 +125,14 @@ def _tokens(output: ModelRunnerOutput) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("dispatch", ["tasks", "compiled"])
-def test_tp2_greedy_tokens_equal_single_worker_under_each_dispatch(
-    dispatch: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_tp2_greedy_tokens_equal_single_worker_under_each_dispatch(dispatch: str) -> None:
     reference = LLM(MODEL, distributed_executor_backend="uni", **ENGINE_ARGS)
     expected = [o.outputs[0].token_ids for o in reference.generate(PROMPTS, GREEDY)]
     reference.llm_engine.shutdown()
-    monkeypatch.setenv("LLM_CLUSTER_RAY_DISPATCH", dispatch)
     llm = LLM(MODEL, tensor_parallel_size=2, **ENGINE_ARGS)
     try:
-        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        with forced(dispatch):
+            tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         assert llm.llm_engine.executor.dispatch_mode == dispatch
     finally:
         llm.llm_engine.shutdown()
@@ -186,9 +184,10 @@ def test_a_step_message_over_2_mb_goes_through_the_compiled_graph(
 
 
 def test_a_worker_killed_mid_step_fails_the_step_within_seconds_and_then_every_step() -> None:
-    executor = _executor("compiled")
+    executor = _executor()
     try:
-        executor.execute_model(_empty_step())  # compiles the graph
+        with forced("compiled"):
+            executor.execute_model(_empty_step())  # compiles the graph
         assert executor.dispatch_mode == "compiled"
         victim = 1 - executor.driver_rank  # the rank whose reply is not the output
         pid = ray.get(executor.workers[victim].__ray_call__.remote(lambda _: os.getpid()))
@@ -218,4 +217,3 @@ def test_a_worker_killed_mid_step_fails_the_step_within_seconds_and_then_every_s
             executor.check_health()
     finally:
         executor.shutdown()
-        os.environ.pop("LLM_CLUSTER_RAY_DISPATCH", None)

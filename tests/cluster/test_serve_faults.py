@@ -11,7 +11,6 @@ succeeds within 120 s, and another model of the same application serves througho
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,13 +55,7 @@ def fault_config() -> dict[str, Any]:
 def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
     from ray import serve
 
-    # The faults go through the Ray Compiled Graph dispatch (the GPU default; CPU workers use
-    # plain actor calls unless asked): the replicas get the variable with the app.
-    os.environ["LLM_CLUSTER_RAY_DISPATCH"] = "compiled"
-    try:
-        url = serve_cluster.deploy(fault_config(), APP, PREFIX)
-    finally:
-        os.environ.pop("LLM_CLUSTER_RAY_DISPATCH", None)
+    url = serve_cluster.deploy(fault_config(), APP, PREFIX)
     yield url
     serve.delete(APP)
 
