@@ -10,7 +10,7 @@ module-owned one is gone and nothing stops it before the session ends."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,46 @@ class ServeCluster:
         serve.run(build_app({**config, "app_name": name}), name=name, route_prefix=route_prefix)
         prefix = "" if route_prefix == "/" else route_prefix
         return f"http://127.0.0.1:{self.http_port}{prefix}"
+
+
+def start_local_ray(
+    num_cpus: int, env: Mapping[str, str] | None = None, forward_env: bool = False
+) -> None:
+    """A fresh local Ray with ``num_cpus`` logical CPUs. ``env``: variables set only while Ray
+    starts, so its worker processes inherit them and the test process does not; ``forward_env``:
+    the runtime environment ``cluster serve`` gives its replicas (this project's settings and
+    source tree)."""
+    import ray
+
+    from cluster.serving.serve import runtime_env
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        ray.init(
+            address="local",  # a fresh instance even if another Ray cluster runs on this machine
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env=(runtime_env() or None) if forward_env else None,
+        )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A local Ray for each module marked ``pytest.mark.local_ray(num_cpus=…)`` (the marker's
+    arguments are ``start_local_ray``'s), stopped after its last test; nothing for the others."""
+    marker = request.node.get_closest_marker("local_ray")
+    if marker is None:
+        yield
+        return
+    import ray
+
+    start_local_ray(*marker.args, **marker.kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")
