@@ -54,6 +54,32 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
+# Health checked every second: a dead engine is noticed within a few seconds.
+FAST_HEALTH_CHECKS = {
+    "health_check_period_s": 1,
+    "health_check_timeout_s": 10,
+    "graceful_shutdown_timeout_s": 3,
+}
+
+
+def tiny_model(
+    model_id: str, deployment: dict[str, Any] | None = None, **engine_kwargs: Any
+) -> dict[str, Any]:
+    """configs/tiny.yaml's model (``builtin:tiny-llama``) served as ``model_id``: these engine
+    kwargs over its own, these deployment settings over its own."""
+    base = load_yaml("tiny.yaml")["models"][0]
+    return {
+        "model_loading_config": {"model_id": model_id, "model_source": "builtin:tiny-llama"},
+        "engine_kwargs": {**base["engine_kwargs"], **engine_kwargs},
+        "deployment_config": {**base["deployment_config"], **(deployment or {})},
+    }
+
+
+def health_checked_model(model_id: str, **engine_kwargs: Any) -> dict[str, Any]:
+    """``tiny_model`` for the fault tests: 2,048 positions unless told, ``FAST_HEALTH_CHECKS``."""
+    return tiny_model(model_id, FAST_HEALTH_CHECKS, **{"max_model_len": 2048, **engine_kwargs})
+
+
 @dataclass(frozen=True)
 class ServeCluster:
     http_port: int
