@@ -10,7 +10,7 @@ module-owned one is gone and nothing stops it before the session ends."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,32 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
+# Health checked every second: a dead engine is noticed within a few seconds.
+FAST_HEALTH_CHECKS = {
+    "health_check_period_s": 1,
+    "health_check_timeout_s": 10,
+    "graceful_shutdown_timeout_s": 3,
+}
+
+
+def tiny_model(
+    model_id: str, deployment: dict[str, Any] | None = None, **engine_kwargs: Any
+) -> dict[str, Any]:
+    """configs/tiny.yaml's model (``builtin:tiny-llama``) served as ``model_id``: these engine
+    kwargs over its own, these deployment settings over its own."""
+    base = load_yaml("tiny.yaml")["models"][0]
+    return {
+        "model_loading_config": {"model_id": model_id, "model_source": "builtin:tiny-llama"},
+        "engine_kwargs": {**base["engine_kwargs"], **engine_kwargs},
+        "deployment_config": {**base["deployment_config"], **(deployment or {})},
+    }
+
+
+def health_checked_model(model_id: str, **engine_kwargs: Any) -> dict[str, Any]:
+    """``tiny_model`` for the fault tests: 2,048 positions unless told, ``FAST_HEALTH_CHECKS``."""
+    return tiny_model(model_id, FAST_HEALTH_CHECKS, **{"max_model_len": 2048, **engine_kwargs})
+
+
 @dataclass(frozen=True)
 class ServeCluster:
     http_port: int
@@ -68,6 +94,46 @@ class ServeCluster:
         serve.run(build_app({**config, "app_name": name}), name=name, route_prefix=route_prefix)
         prefix = "" if route_prefix == "/" else route_prefix
         return f"http://127.0.0.1:{self.http_port}{prefix}"
+
+
+def start_local_ray(
+    num_cpus: int, env: Mapping[str, str] | None = None, forward_env: bool = False
+) -> None:
+    """A fresh local Ray with ``num_cpus`` logical CPUs. ``env``: variables set only while Ray
+    starts, so its worker processes inherit them and the test process does not; ``forward_env``:
+    the runtime environment ``cluster serve`` gives its replicas (this project's settings and
+    source tree)."""
+    import ray
+
+    from cluster.serving.serve import runtime_env
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        ray.init(
+            address="local",  # a fresh instance even if another Ray cluster runs on this machine
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env=(runtime_env() or None) if forward_env else None,
+        )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A local Ray for each module marked ``pytest.mark.local_ray(num_cpus=…)`` (the marker's
+    arguments are ``start_local_ray``'s), stopped after its last test; nothing for the others."""
+    marker = request.node.get_closest_marker("local_ray")
+    if marker is None:
+        yield
+        return
+    import ray
+
+    start_local_ray(*marker.args, **marker.kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

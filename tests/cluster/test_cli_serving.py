@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 from tests.cluster.conftest import free_port, load_yaml, wait_for
+from tests.cluster.streamed_completion import StreamedCompletion
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,46 +64,6 @@ def complete(http_port: int) -> dict:
     )
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
-
-
-class LongStream:
-    """A streamed completion too long to finish quickly, read on a thread: its data payloads."""
-
-    def __init__(self, http_port: int, max_tokens: int = 1000) -> None:
-        self.events: list[str] = []
-        self.error: BaseException | None = None
-        body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": True}  # fmt: skip
-        self.request = urllib.request.Request(
-            f"http://127.0.0.1:{http_port}/v1/completions", json.dumps(body).encode(),
-            {"content-type": "application/json"},
-        )  # fmt: skip
-        self.started = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.started.wait(60), "the stream never started"
-
-    def _run(self) -> None:
-        try:
-            with urllib.request.urlopen(self.request, timeout=120) as response:
-                for raw in response:
-                    line = raw.decode().strip()
-                    if line.startswith("data: "):
-                        self.events.append(line[6:])
-                        self.started.set()
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.started.set()
-
-    def finish_reasons(self, timeout_s: float) -> list[str]:
-        """The choices' finish reasons, once the stream ended with ``[DONE]``."""
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive() and self.error is None, self.error
-        assert self.events[-1] == "[DONE]", self.events[-3:]
-        chunks = [json.loads(e) for e in self.events[:-1]]
-        assert not [c for c in chunks if "error" in c], chunks[-1]
-        return [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
 
 
 def refuses_connections(http_port: int) -> bool:
@@ -180,7 +140,7 @@ def test_deploy_request_status_redeploy_shutdown(ray_head: str, tmp_path: Path) 
     changed["models"][0]["engine_kwargs"].update(num_kv_blocks=1024, max_model_len=2048)
     changed["models"][0]["deployment_config"]["graceful_shutdown_timeout_s"] = 1
     config.write_text(yaml.safe_dump(changed))
-    in_flight = LongStream(http_port, max_tokens=200)
+    in_flight = StreamedCompletion(http_port, 200)
     redeployed = cluster_cli("deploy", str(config), "--address", ray_head)
     assert redeployed.returncode == 0, redeployed.stderr[-3000:]
     assert in_flight.finish_reasons(60) == ["length"]
@@ -192,7 +152,7 @@ def test_deploy_request_status_redeploy_shutdown(ray_head: str, tmp_path: Path) 
     # Shutting down drains too: now for 1 s, after which what is left ends with "abort"
     # (a last chunk, then [DONE]) rather than a cut connection. Eight streams of 2000 tokens
     # share the steps, so they outlast the CLI's start-up and the drain.
-    in_flight = [LongStream(http_port, max_tokens=2000) for _ in range(8)]
+    in_flight = [StreamedCompletion(http_port, 2000) for _ in range(8)]
     shutdown = cluster_cli("shutdown", "--address", ray_head, timeout=120)
     assert shutdown.returncode == 0, shutdown.stderr[-3000:]
     assert [s.finish_reasons(60) for s in in_flight] == [["abort"]] * 8
@@ -254,7 +214,7 @@ def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path: Path) -> None:
     config.write_text(yaml.safe_dump(data))
     serving = start_serving(config)
     try:
-        in_flight = [LongStream(http_port, max_tokens=2000) for _ in range(8)]
+        in_flight = [StreamedCompletion(http_port, 2000) for _ in range(8)]
         serving.send_signal(signal.SIGTERM)
         assert [s.finish_reasons(90) for s in in_flight] == [["abort"]] * 8
         assert serving.wait(120) == 0

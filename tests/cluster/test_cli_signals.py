@@ -8,7 +8,6 @@ processes too (a whole cgroup) still ends ``cluster serve`` within seconds."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -24,6 +23,7 @@ import yaml
 
 from cluster.ops.ports import can_bind
 from tests.cluster.conftest import wait_for
+from tests.cluster.streamed_completion import StreamedCompletion
 from tests.cluster.test_cli_serving import (
     ROOT,
     cli_env,
@@ -83,47 +83,6 @@ def test_deploy_refuses_a_port_in_use_on_a_node_before_serve_starts(
     assert "deploying" not in deployed.stdout
 
 
-class SSEStream:
-    """A long streamed completion read on a thread: its data payloads, and how it ended."""
-
-    def __init__(self, http_port: int) -> None:
-        self.events: list[str] = []
-        self.error: BaseException | None = None
-        self.body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 2000,
-                     "ignore_eos": True, "stream": True}  # fmt: skip
-        self.url = f"http://127.0.0.1:{http_port}/v1/completions"
-        self.started = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.started.wait(60), "the stream never started"
-
-    def _run(self) -> None:
-        try:
-            with httpx.stream("POST", self.url, json=self.body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        self.events.append(line[6:])
-                        self.started.set()
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.started.set()
-
-    def ending(self, timeout_s: float) -> str:
-        """ "finish_reason=<reason>" or "error=<type>", asserting the stream then sent [DONE]
-        and the connection was not cut."""
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "the stream did not end"
-        assert self.error is None, f"connection broken: {self.error!r} after {self.events[-2:]}"
-        assert self.events and self.events[-1] == "[DONE]", self.events[-3:]
-        last = json.loads(self.events[-2])
-        if "error" in last:
-            return f"error={last['error'].get('type')}"
-        reasons = [c["finish_reason"] for c in last["choices"] if c["finish_reason"]]
-        assert reasons, last
-        return f"finish_reason={reasons[0]}"
-
-
 def _read_on_a_thread(serving: subprocess.Popen[str]) -> list[str]:
     """The process's further output, read as it comes (a full pipe would block its writes)."""
     lines: list[str] = []
@@ -132,7 +91,7 @@ def _read_on_a_thread(serving: subprocess.Popen[str]) -> list[str]:
 
 
 def _drain_config(tmp_path: Path) -> tuple[Path, int]:
-    """The tiny config with room for ``SSEStream``'s long streams and a 1 s drain (the rest
+    """The tiny config with room for ``StreamedCompletion``'s long streams and a 1 s drain (the rest
     then aborts)."""
     config, http_port = tiny_config(tmp_path)
     data = yaml.safe_load(config.read_text())
@@ -194,7 +153,7 @@ def test_sigterm_to_the_process_group_drains_every_stream_to_its_ending(tmp_path
         ray_processes = _ray_processes(serving.pid)
         assert set(ray_processes) == {"gcs_server", "raylet"}, ray_processes
         assert serving.pid not in [pgid for _, pgid in ray_processes.values()], ray_processes
-        streams = [SSEStream(http_port) for _ in range(4)]
+        streams = [StreamedCompletion(http_port, 2000, timeout_s=60) for _ in range(4)]
         os.killpg(serving.pid, signal.SIGTERM)
         signalled = time.monotonic()
         endings = [s.ending(60) for s in streams]
@@ -290,7 +249,7 @@ def test_the_ingress_stopped_by_sigterm_ends_its_streams_and_returns_on_its_port
     serving = start_serving(config)
     output = _read_on_a_thread(serving)
     try:
-        streams = [SSEStream(http_port) for _ in range(3)]
+        streams = [StreamedCompletion(http_port, 2000, timeout_s=60) for _ in range(3)]
         os.kill(_ingress_pid(serving.pid), signal.SIGTERM)
         signalled = time.monotonic()
         assert [s.ending(30) for s in streams] == ["error=ServiceUnavailableError"] * 3
@@ -321,7 +280,7 @@ def test_a_signal_that_reaches_rays_processes_too_still_ends_serve_in_seconds(
     serving = start_serving(config)
     output = _read_on_a_thread(serving)
     try:
-        streams = [SSEStream(http_port) for _ in range(2)]
+        streams = [StreamedCompletion(http_port, 2000, timeout_s=60) for _ in range(2)]
         ray_pids = [pid for pid, _ in _ray_processes(serving.pid).values()]
         assert len(ray_pids) == 2, ray_pids
         for pid in [serving.pid, *ray_pids]:  # each process of the cgroup, as systemd does

@@ -16,12 +16,13 @@ import pytest
 from cluster.api.harmony import Piece, read_harmony
 from cluster.api.openai_payloads import ToolChoice
 from cluster.api.openai_responses import Completion
-from cluster.api.protocol import ChoiceChunk, GenerateRequest, StreamDelta, StreamError, StreamStart
+from cluster.api.protocol import GenerateRequest, StreamError, StreamStart
 from cluster.api.reasoning_parsers import get_reasoning_parser, reasoning_front
 from cluster.api.tool_parsers import HarmonyStreamer, get_tool_parser, parse_harmony
 from cluster.serving.llm_server import LLMServer
 from engine import ConfigError
 from engine.tiny_harmony import HARMONY_TOKEN_IDS
+from tests.cluster.scripted_chat import scripted_chat
 
 # The spec's outputs ("Chat conversation format", "Receiving tool calls", "Preambles"), as
 # the engine hands them over: the stop token that ended them (<|return|>, <|call|>) is no text.
@@ -183,15 +184,9 @@ def test_the_openai_gptoss_reasoning_parser_splits_analysis_from_final() -> None
 
 def _respond(pieces: list[str], *, stream: bool, tools: ToolChoice | None = None
              ) -> tuple[Completion, list[dict[str, Any]]]:  # fmt: skip
-    completion = Completion("m", True, False, tools=tools, stream=stream)
     parser = "openai" if tools is not None and tools.mode == "auto" else None
     start = StreamStart(3, tool_call_parser=parser, reasoning_parser="openai_gptoss")
-    chunks = completion.absorb(start)
-    for i, piece in enumerate(pieces):
-        finish = "stop" if i == len(pieces) - 1 else None
-        delta = ChoiceChunk(0, piece, [i], finish, num_output_tokens=i + 1)
-        chunks += completion.absorb(StreamDelta([delta]))
-    return completion, chunks
+    return scripted_chat(start, pieces, stream=stream, tools=tools)
 
 
 @pytest.mark.parametrize(("text", "finish"), [(SPEC_ANSWER, "stop"), (SPEC_CALL, "tool_calls")])

@@ -50,15 +50,6 @@ SHAPES = [(2, 1), (1, 2), (2, 2), (4, 1)]  # (tensor_parallel_size, pipeline_par
 MODELS = ["builtin:tiny-llama", "builtin:tiny-qwen2"]  # 4 heads / 2 KV heads; qwen2 ties lm_head
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
-    # 8 logical CPUs: the 4 single-CPU bundles of TP = 4 fit with room to spare.
-    # address="local": a fresh instance even if another Ray cluster runs on this machine.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict[str, dict[str, Any]]:
     """model -> greedy tokens and parameter bytes of the in-process TP = PP = 1 engine."""
@@ -294,4 +285,5 @@ def test_embeddings_with_tp2_pp2_equal_one_worker(pooling_type: str) -> None:
 
 
 # Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
-pytestmark = pytest.mark.slow
+# 8 logical CPUs: the 4 single-CPU bundles of TP = 4 fit with room to spare.
+pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=8)]

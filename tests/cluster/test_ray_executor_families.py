@@ -7,11 +7,9 @@ checked against HF in test_correctness (test_moe for DeepSeek)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import ray
 
 from engine import LLM, SamplingParams
 from engine.builtin_models import resolve_model_source
@@ -40,13 +38,6 @@ MODELS = {
 def _prompts() -> list[list[int]]:
     rng = random.Random(5)
     return [[rng.randrange(5, 1024) for _ in range(n)] for n in (3, 30, 75, 120, 200)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _greedy(model: str, **args: Any) -> list[list[int]]:
@@ -93,4 +84,4 @@ def test_gemma2_tp2_pp2_equals_tp1() -> None:
 
 
 # Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=8)]

@@ -16,7 +16,6 @@ import pytest
 import ray
 
 from cluster.serving.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
-from cluster.serving.serve import runtime_env
 from engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams
 from engine.async_llm_engine import AsyncLLMEngine, StreamOutput
 from engine.builtin_models import resolve_model_source
@@ -27,14 +26,6 @@ from engine.pooling_params import PoolingParams
 from tests.cluster.conftest import wait_for
 
 ENGINE_ARGS: dict[str, Any] = {"model": "builtin:tiny-llama", "num_kv_blocks": 128, "device": "cpu"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env=runtime_env() or None)  # fmt: skip
-    yield
-    ray.shutdown()
 
 
 def remote_engine(core_process: bool | None = None) -> AsyncLLMEngine:
@@ -396,4 +387,4 @@ def test_a_head_whose_model_cannot_load_fails_its_replica_with_the_reason(tmp_pa
 
 
 # Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=4, forward_env=True)]

@@ -32,7 +32,7 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster.conftest import free_port, load_yaml, wait_for
+from tests.cluster.conftest import free_port, health_checked_model, load_yaml, wait_for
 from tests.cluster.test_serve_faults import LONG, SSEStream, complete
 
 pytestmark = pytest.mark.slow
@@ -45,24 +45,14 @@ ERROR_WITHIN_S = 30
 RECOVER_WITHIN_S = 120
 
 
-def model_config(model_id: str, **engine_kwargs: Any) -> dict[str, Any]:
-    base = load_yaml("tiny.yaml")["models"][0]
-    return {
-        "model_loading_config": {"model_id": model_id, "model_source": "builtin:tiny-llama"},
-        "engine_kwargs": {**base["engine_kwargs"], "max_model_len": 2048, **engine_kwargs},
-        "deployment_config": {**base["deployment_config"], "health_check_period_s": 1,
-                              "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 3},
-    }  # fmt: skip
-
-
 def deployment_config(http_port: int) -> Any:
     from cluster.config import load_config
 
     config = load_yaml("tiny.yaml")
     # VICTIM's worker in an actor of its own: three CPU bundles (front, head, worker).
     config["models"] = [
-        model_config(VICTIM, distributed_executor_backend="ray"),
-        model_config(STEADY),
+        health_checked_model(VICTIM, distributed_executor_backend="ray"),
+        health_checked_model(STEADY),
     ]
     config["http_options"] = {"host": "127.0.0.1", "port": http_port}
     config["grpc_options"] = None

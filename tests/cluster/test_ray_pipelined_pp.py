@@ -7,16 +7,14 @@ stage still computes on one thread per CPU its bundle reserves.
 
 from __future__ import annotations
 
-import os
 import random
-from collections.abc import Iterator
 
 import pytest
 import ray
 
 from engine import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=4, env={"OMP_NUM_THREADS": "2"})]
 
 ARGS = {
     "max_model_len": 256,
@@ -28,21 +26,6 @@ ARGS = {
     "max_num_batched_tokens": 32,
     "enable_chunked_prefill": True,
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
-    before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "2"  # the workers' processes inherit it through Ray
-    try:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    finally:
-        if before is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = before
-    yield
-    ray.shutdown()
 
 
 def _workload() -> tuple[list[dict], list[SamplingParams]]:

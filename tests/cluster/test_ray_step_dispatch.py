@@ -29,7 +29,7 @@ from engine.protocol import (
 )
 from tests.cluster.compiled_dispatch import forced
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=4)]
 
 MODEL = "builtin:tiny-llama"
 NUM_BLOCKS = 64
@@ -42,13 +42,6 @@ ENGINE_ARGS: dict[str, Any] = {
 }
 PROMPTS = ["hello", "the quick brown fox", "once upon a time there was a little dragon who"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _executor(tp: int = 2, pp: int = 1) -> RayExecutor:

@@ -21,6 +21,7 @@ from cluster.serving.llm_server import LLMServer
 from engine import ConfigError
 from engine.sampling_params import StructuredOutputsParams
 from engine.tiny_reasoning_models import THINK_END_ID, THINK_START_ID
+from tests.cluster.scripted_chat import scripted_chat
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 THOUGHT_CALL = '<tool_call>\n{"name": "ponder", "arguments": {}}\n</tool_call>'
@@ -31,15 +32,9 @@ def _respond(
     tools: ToolChoice | None = None, tool_call_parser: str | None = None,
 ) -> tuple[Completion, list[dict[str, Any]]]:  # fmt: skip
     """A chat response built from a server stream whose deltas carry ``pieces``."""
-    completion = Completion("m", True, False, tools=tools, stream=stream)
     start = StreamStart(3, tool_call_parser=tool_call_parser, reasoning_parser=parser,
                         in_reasoning=in_reasoning)  # fmt: skip
-    chunks = completion.absorb(start)
-    for i, piece in enumerate(pieces):
-        finish = "stop" if i == len(pieces) - 1 else None
-        delta = ChoiceChunk(0, piece, [i], finish, num_output_tokens=i + 1)
-        chunks += completion.absorb(StreamDelta([delta]))
-    return completion, chunks
+    return scripted_chat(start, pieces, stream=stream, tools=tools)
 
 
 def _joined(chunks: list[dict[str, Any]], key: str) -> str:

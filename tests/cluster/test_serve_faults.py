@@ -23,7 +23,7 @@ import pytest
 
 from cluster.proto import llm_pb2, llm_pb2_grpc
 from engine.tiny_models import tiny_variant
-from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
+from tests.cluster.conftest import ServeCluster, health_checked_model, load_yaml, wait_for
 
 APP = "faults"
 PREFIX = "/faults"
@@ -34,20 +34,12 @@ ERROR_WITHIN_S = 30
 RECOVER_WITHIN_S = 120
 
 
-def _model(model_id: str, **engine_kwargs: Any) -> dict[str, Any]:
-    base = load_yaml("tiny.yaml")["models"][0]
-    return {
-        "model_loading_config": {"model_id": model_id, "model_source": "builtin:tiny-llama"},
-        "engine_kwargs": {**base["engine_kwargs"], "max_model_len": 2048, **engine_kwargs},
-        # Health checked every second: a dead engine is noticed within a few seconds.
-        "deployment_config": {**base["deployment_config"], "health_check_period_s": 1,
-                              "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 3},
-    }  # fmt: skip
-
-
 def fault_config() -> dict[str, Any]:
     config = load_yaml("tiny.yaml")
-    config["models"] = [_model(FAULTY, tensor_parallel_size=2), _model(STEADY)]
+    config["models"] = [
+        health_checked_model(FAULTY, tensor_parallel_size=2),
+        health_checked_model(STEADY),
+    ]
     return config
 
 
@@ -313,8 +305,8 @@ def test_deleting_the_app_drains_in_flight_requests(serve_cluster: ServeCluster)
     # Room for a request that no machine decodes within the drain timeout (the built-in allows
     # 2,048 positions, which a fast moment of a 2-core VM decoded in under 3 s).
     source = tiny_variant("tiny-llama", max_position_embeddings=DRAIN_MAX_MODEL_LEN)
-    model = _model(DRAIN_MODEL, max_model_len=DRAIN_MAX_MODEL_LEN,
-                   num_kv_blocks=2 * DRAIN_MAX_MODEL_LEN // 16)  # fmt: skip
+    model = health_checked_model(DRAIN_MODEL, max_model_len=DRAIN_MAX_MODEL_LEN,
+                                 num_kv_blocks=2 * DRAIN_MAX_MODEL_LEN // 16)  # fmt: skip
     model["model_loading_config"]["model_source"] = str(source)
     model["deployment_config"]["graceful_shutdown_timeout_s"] = DRAIN_TIMEOUT_S
     config["models"] = [model]

@@ -6,25 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 from openai import OpenAI
 
-from tests.cluster.conftest import ServeCluster, load_yaml
+from tests.cluster.conftest import ServeCluster, load_yaml, tiny_model
 
 APP = "parallel"
 SHAPES = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a hole in the ground", "Hi"]
-
-
-def _model(model_id: str, **engine_kwargs: Any) -> dict[str, Any]:
-    base = load_yaml("tiny.yaml")["models"][0]
-    return {
-        "model_loading_config": {"model_id": model_id, "model_source": "builtin:tiny-llama"},
-        "engine_kwargs": {**base["engine_kwargs"], **engine_kwargs},
-        "deployment_config": base["deployment_config"],
-    }
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +22,7 @@ def client(serve_cluster: ServeCluster) -> Iterator[OpenAI]:
     from ray import serve
 
     config = load_yaml("tiny.yaml")
-    config["models"] = [_model(name, **kwargs) for name, kwargs in SHAPES.items()]
+    config["models"] = [tiny_model(name, **kwargs) for name, kwargs in SHAPES.items()]
     url = serve_cluster.deploy(config, APP, "/parallel")
     yield OpenAI(base_url=f"{url}/v1", api_key="not-needed", max_retries=0)
     serve.delete(APP)

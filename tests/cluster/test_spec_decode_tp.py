@@ -6,29 +6,20 @@ rank verifies; every rank computes the [last token + proposals] rows of the step
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 
 from engine import LLM, SamplingParams
 from tests.engine.spec_decode_models import make_looping_model, ngram
 
 # Starts Ray: the full suite, not the fast tier.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=4)]
 
 ARGS = {"device": "cpu", "num_kv_blocks": 128, "max_model_len": 256, "max_num_batched_tokens": 16}
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 rng = random.Random(1)
 PROMPTS = [[rng.randrange(3, 256) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""Spawned ranks for the multi-process tests of tests/engine (TP, PP and EP on gloo, no Ray):
-``run_ranks`` starts one process per rank and collects what each returns, failing the test
-with a rank's error; ``greedy_steps`` drives a ``Worker`` directly as the head would (prefill
-every prompt, then decode steps, the driver rank's samples broadcast to the others)."""
+"""Spawned ranks for the multi-process tests of tests/engine and tests/parallel (TP, PP and EP
+on gloo, no Ray): ``run_ranks`` starts one process per rank and collects what each returns,
+failing the test with a rank's error; ``greedy_steps`` drives a ``Worker`` directly as the head
+would (prefill every prompt, then decode steps, the driver rank's samples broadcast to the
+others)."""
 
 from __future__ import annotations
 

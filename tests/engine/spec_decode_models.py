@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import LLM, SamplingParams
+from engine.builtin_models import make_tiny_lora
+from engine.lora_request import LoRARequest
 from engine.tiny_models import make_random_model
 
 VOCAB = 256
@@ -60,7 +62,23 @@ def draft(path: Path, k: int) -> dict[str, Any]:
     return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
 
 
-def generate(llm: LLM, params: SamplingParams, prompts: list[list[int]]) -> list[list[int]]:
+def generate(
+    llm: LLM,
+    params: SamplingParams,
+    prompts: list[list[int]],
+    lora_request: list[LoRARequest | None] | None = None,
+) -> list[list[int]]:
     """Every choice's token ids, request by request."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=lora_request)  # fmt: skip
     return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+def alternating_adapters(model: Path, tmp_path: Path, num_prompts: int) -> list[LoRARequest | None]:
+    """Two tiny LoRA adapters of ``model`` taken in turn by ``num_prompts`` prompts, every third
+    prompt with none."""
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, str(make_tiny_lora(str(model), tmp_path / f"a{i}", seed=i)))
+        for i in range(2)
+    ]
+    return [adapters[i % 2] if i % 3 else None for i in range(num_prompts)]

@@ -16,10 +16,8 @@ from typing import Any
 import pytest
 
 from engine import LLM, RequestOutputKind, SamplingParams
-from engine.builtin_models import make_tiny_lora
-from engine.lora_request import LoRARequest
 from engine.sampling_params import StructuredOutputsParams
-from tests.engine.spec_decode_models import VOCAB, make_looping_model, ngram
+from tests.engine.spec_decode_models import VOCAB, alternating_adapters, make_looping_model, ngram
 from tests.engine.spec_decode_models import generate as generate_ids
 
 rng = random.Random(0)
@@ -90,17 +88,11 @@ def test_swap_preemption(model, reference):
 
 
 def test_lora_adapters_with_speculation(model, tmp_path):
-    adapters = [
-        LoRARequest(f"a{i}", i + 1, str(make_tiny_lora(str(model), tmp_path / f"a{i}", seed=i)))
-        for i in range(2)
-    ]
-    lora = [adapters[i % 2] if i % 3 else None for i in range(len(PROMPTS))]
+    lora = alternating_adapters(model, tmp_path, len(PROMPTS))
     args = {**BASE, "enable_lora": True, "max_loras": 2}
 
     def run(llm: LLM) -> list[list[int]]:
-        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return generate_ids(llm, GREEDY, PROMPTS, lora_request=lora)
 
     llm = LLM(str(model), **args, speculative_config=ngram(3))
     assert run(llm) == run(LLM(str(model), **args))

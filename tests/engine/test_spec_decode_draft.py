@@ -18,12 +18,16 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.builtin_models import make_tiny_lora
 from engine.errors import ConfigError
-from engine.lora_request import LoRARequest
 from engine.sampling_params import StructuredOutputsParams
 from engine.tiny_models import make_random_model
-from tests.engine.spec_decode_models import VOCAB, draft, make_looping_model, make_small_draft
+from tests.engine.spec_decode_models import (
+    VOCAB,
+    alternating_adapters,
+    draft,
+    make_looping_model,
+    make_small_draft,
+)
 from tests.engine.spec_decode_models import generate as generate_ids
 from tests.engine.test_spec_decode_sampling import ALPHA, two_sample
 
@@ -221,17 +225,11 @@ def test_parallel_samples_stops_and_structured_outputs(model, small_draft, refer
 
 
 def test_lora_adapters_with_a_draft(model, tmp_path):
-    adapters = [
-        LoRARequest(f"a{i}", i + 1, str(make_tiny_lora(str(model), tmp_path / f"a{i}", seed=i)))
-        for i in range(2)
-    ]
-    lora = [adapters[i % 2] if i % 3 else None for i in range(len(PROMPTS))]
+    lora = alternating_adapters(model, tmp_path, len(PROMPTS))
     args = {**BASE, "enable_lora": True, "max_loras": 2}
 
     def run(llm: LLM) -> list[list[int]]:
-        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return generate_ids(llm, GREEDY, PROMPTS, lora_request=lora)
 
     # The draft runs without the adapters: proposals may differ, outputs may not.
     llm = LLM(str(model), **args, speculative_config=draft(model, 3))

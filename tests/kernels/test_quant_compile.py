@@ -9,7 +9,7 @@ dots, so the recorded launch is turned into that one before compiling (sm_90 onl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,27 +20,26 @@ pytest.importorskip("triton", reason="the AOT compile checks need the triton pac
 from kernels import triton_attention, triton_cache, triton_common, triton_quant_gemm
 from kernels.kv_quant import FP8_DTYPE
 from kernels.quant_gemm import pack_int4
-from tests.kernels.triton_aot import AotCompiler, Launch, compile_job, record_launches
+from tests.kernels.triton_aot import (
+    MAX_SHARED_BYTES,
+    SM80,
+    SM90,
+    AotCompiler,
+    Launch,
+    compile_job,
+    record_launches,
+)
 from tests.kernels.triton_batches import paged_batch
 
-SM80, SM90 = 80, 90
-MAX_SHARED_BYTES = {SM80: 163 * 1024, SM90: 227 * 1024}
 MODULES = (triton_attention, triton_cache, triton_quant_gemm)
 
 
-@pytest.fixture(scope="module")
-def compiler() -> Iterator[AotCompiler]:
-    aot = AotCompiler()
-    yield aot
-    aot.close()
-
-
 @pytest.fixture
-def compile_launches(monkeypatch: pytest.MonkeyPatch, compiler: AotCompiler) -> Callable:
+def compile_launches(monkeypatch: pytest.MonkeyPatch, aot_compiler: AotCompiler) -> Callable:
     def run(call: Callable[[], object], arch: int = SM90) -> list[str]:
         names = []
         for launch in record_launches(monkeypatch, MODULES, call):
-            answer = compiler.compile(compile_job(as_on_gpu(launch), arch))
+            answer = aot_compiler.compile(compile_job(as_on_gpu(launch), arch))
             if "error" in answer:
                 pytest.fail(f"{launch.kernel} does not compile for sm_{arch}:\n{answer['error']}")
             assert answer["cubin_size"] > 0

@@ -11,7 +11,7 @@ recorded launch to PTX and a cubin (tests/kernels/triton_aot.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,26 +20,23 @@ import torch
 pytest.importorskip("triton", reason="the AOT compile checks need the triton package")
 
 from kernels import triton_attention, triton_cache, triton_common, triton_ops
-from tests.kernels.triton_aot import AotCompiler, Launch, compile_job, record_launches
+from tests.kernels.triton_aot import (
+    MAX_SHARED_BYTES,
+    SM80,
+    SM90,
+    AotCompiler,
+    Launch,
+    compile_job,
+    record_launches,
+)
 from tests.kernels.triton_batches import paged_batch
 
-SM80, SM90 = 80, 90
-# Dynamic shared memory one block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin): more and
-# the launch fails with "out of resource", which the compiler itself does not check.
-MAX_SHARED_BYTES = {SM80: 163 * 1024, SM90: 227 * 1024}
 KERNEL_MODULES = (triton_attention, triton_cache, triton_ops)
-
-
-@pytest.fixture(scope="module")
-def compiler() -> Iterator[AotCompiler]:
-    aot = AotCompiler()
-    yield aot
-    aot.close()
 
 
 @pytest.fixture
 def compile_launches(
-    monkeypatch: pytest.MonkeyPatch, compiler: AotCompiler
+    monkeypatch: pytest.MonkeyPatch, aot_compiler: AotCompiler
 ) -> Callable[..., list[tuple[str, dict[str, Any]]]]:
     """Records the launches of a wrapper call and compiles each for ``sm_<arch>``; fails on the
     first compile error, with the compiler's message."""
@@ -47,7 +44,7 @@ def compile_launches(
     def run(call: Callable[[], object], arch: int = SM90) -> list[tuple[str, dict[str, Any]]]:
         results = []
         for launch in record_launches(monkeypatch, KERNEL_MODULES, call):
-            answer = compiler.compile(compile_job(as_on_gpu(launch), arch))
+            answer = aot_compiler.compile(compile_job(as_on_gpu(launch), arch))
             if "error" in answer:
                 pytest.fail(f"{launch.kernel} does not compile for sm_{arch}:\n{answer['error']}")
             assert f".target sm_{arch}" in answer["ptx"]

@@ -35,6 +35,11 @@ import pytest
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+SM80, SM90 = 80, 90
+# Dynamic shared memory one block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin): more and
+# the launch fails with "out of resource", which the compiler itself does not check.
+MAX_SHARED_BYTES = {SM80: 163 * 1024, SM90: 227 * 1024}
+
 
 @dataclass
 class Launch:

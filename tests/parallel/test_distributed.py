@@ -37,6 +37,7 @@ from parallel.layers import (
     VocabParallelEmbedding,
 )
 from parallel.state import GroupCoordinator
+from tests.engine.spawned_ranks import run_ranks
 
 HIDDEN, INTER, VOCAB = 16, 24, 100  # VOCAB is not a multiple of the padding: ranks differ in rows
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 1, 4  # TP = 2 > 1 KV head: the KV head is replicated
@@ -157,24 +158,7 @@ def _rank_main(rank: int, ports: Any, results: Any) -> None:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    ports, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, ports, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    collected: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            rank, out = results.get(timeout=120)
-            collected[rank] = out
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank, out in collected.items():
-        if isinstance(out, str):
-            pytest.fail(f"rank {rank} failed: {out}")
+    collected = run_ranks(_rank_main, 2, timeout_s=120)
     return [_convert(collected[r], np.ndarray, torch.from_numpy) for r in range(2)]
 
 
