@@ -273,12 +273,10 @@ class KernelConfig:
 
     def resolved_backend(self, device_type: str) -> str:
         """The backend that runs on ``device_type``: ``auto`` means Triton on CUDA when the
-        triton package is installed; on CPU the native decode kernel where it builds (unless
-        ``LLM_CLUSTER_CPU_DECODE_KERNEL=0``); torch otherwise. May build that kernel (~20 s
-        once per machine), so it is called where the model loads, not where configs are made."""
-        return resolve_attention_backend(
-            self.attention_backend, device_type, native_cpu=envs.cpu_decode_kernel()
-        )
+        triton package is installed; on CPU the native decode kernel where it builds; torch
+        otherwise. May build that kernel (~20 s once per machine), so it is called where the
+        model loads, not where configs are made."""
+        return resolve_attention_backend(self.attention_backend, device_type)
 
 
 @dataclass(frozen=True)

@@ -53,19 +53,6 @@ def load_timeout_s() -> float:
     return float(os.environ.get("LLM_CLUSTER_LOAD_TIMEOUT_S", "1800"))
 
 
-def cpu_packed_gemm() -> bool:
-    """``LLM_CLUSTER_CPU_PACKED_GEMM``: on CPU, pack the linear layers' weights into oneDNN's
-    layout at load (``kernels.cpu_gemm``); ``0`` keeps plain ``F.linear`` (default 1)."""
-    return os.environ.get("LLM_CLUSTER_CPU_PACKED_GEMM", "1") != "0"
-
-
-def cpu_decode_kernel() -> bool:
-    """``LLM_CLUSTER_CPU_DECODE_KERNEL``: with ``attention_backend: auto`` on CPU, attend decode
-    rows with the native AVX-512/AVX2 kernel (``kernels.cpu_decode``, the ``cpu`` backend) where it
-    builds; ``0`` keeps the plain torch path (default 1)."""
-    return os.environ.get("LLM_CLUSTER_CPU_DECODE_KERNEL", "1") != "0"
-
-
 def cpu_keep_quantized() -> bool:
     """``LLM_CLUSTER_CPU_KEEP_QUANTIZED=1``: on CPU, keep a quantized checkpoint's linear
     weights quantized (FP8 / packed int4, as on CUDA) and dequantize them in every matmul

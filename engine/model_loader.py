@@ -29,7 +29,6 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine import envs
 from engine.config import EngineConfig
 from engine.kv_cache_scales import is_kv_scale_name, load_kv_scale
 from engine.models import get_model_class
@@ -487,7 +486,7 @@ def load_model(
         if keep_on is not None:
             release_placeholders(model, dtype)
     model.eval()
-    if device.type == "cpu" and envs.cpu_packed_gemm():
+    if device.type == "cpu":
         packed = pack_linear_weights(model)
         experts = pack_expert_weights(model)
         logger.debug("packed %d linear weights and %d expert layers for oneDNN", packed, experts)

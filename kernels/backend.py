@@ -48,11 +48,11 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_attention_backend(name: str, device_type: str, native_cpu: bool = True) -> str:
+def resolve_attention_backend(name: str, device_type: str) -> str:
     """``auto`` -> ``triton`` on CUDA; on CPU ``cpu`` (the torch path with the native decode
-    kernel, ``kernels.cpu_decode``) where ``native_cpu`` allows it and the kernel builds and runs
-    here, ``torch`` otherwise. Other names pass through checked; ``cpu`` where the kernel cannot
-    run is refused with the reason."""
+    kernel, ``kernels.cpu_decode``) where the kernel builds and runs here, ``torch`` otherwise.
+    Other names pass through checked; ``cpu`` where the kernel cannot run is refused with the
+    reason."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "cpu":
@@ -69,7 +69,7 @@ def resolve_attention_backend(name: str, device_type: str, native_cpu: bool = Tr
         return name
     if device_type == "cuda":
         return "triton" if triton_available() else "torch"
-    if device_type == "cpu" and native_cpu:
+    if device_type == "cpu":
         from kernels import cpu_decode
 
         return "cpu" if cpu_decode.native_decode_available() else "torch"

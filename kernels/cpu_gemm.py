@@ -10,8 +10,8 @@ weight is the reference these are tested against (fp32 differs by rounding order
 all on the machines measured).
 
 Used only where it works: CPU tensors, float32 or bfloat16, a torch built with oneDNN, and a
-probe that compares it with ``F.linear`` once per dtype. The engine decides whether to pack
-at all (``LLM_CLUSTER_CPU_PACKED_GEMM=0`` in ``engine.envs`` turns it off).
+probe that compares it with ``F.linear`` once per dtype; the model loader packs every CPU model's
+linear and expert weights where it works.
 """
 
 from __future__ import annotations

@@ -29,10 +29,10 @@ INGRESS_NAME = "OpenAIIngress"
 # and no other: the API keys' variable, say, must not land in Ray's runtime_env.
 _FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "LLM_CLUSTER_STEP_TIMEOUT_S",
                   "LLM_CLUSTER_DIST_TIMEOUT_S", "LLM_CLUSTER_LOAD_TIMEOUT_S",
-                  "LLM_CLUSTER_CPU_PACKED_GEMM", "LLM_CLUSTER_STEP_PROFILE", "HF_HUB_OFFLINE",
+                  "LLM_CLUSTER_STEP_PROFILE", "HF_HUB_OFFLINE",
                   "OMP_NUM_THREADS", "TRITON_INTERPRET", "LLM_CLUSTER_PP_PIPELINING",
                   "LLM_CLUSTER_HEAD_CORE_PROCESS",
-                  "LLM_CLUSTER_CPU_KEEP_QUANTIZED", "LLM_CLUSTER_CPU_DECODE_KERNEL",
+                  "LLM_CLUSTER_CPU_KEEP_QUANTIZED",
                   "VLLM_PP_LAYER_PARTITION")  # fmt: skip
 
 

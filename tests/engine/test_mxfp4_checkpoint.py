@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, Mxfp4Config
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, model_loader
 from engine.builtin_models import resolve_model_source
 from engine.config import EngineConfig
 from engine.errors import ConfigError
@@ -49,7 +49,8 @@ def _load(path: Path, dtype: str = "float32") -> nn.Module:
 @pytest.fixture
 def plain_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """Loaded weights left plain, to be read: packing them for oneDNN at load releases them."""
-    monkeypatch.setenv("LLM_CLUSTER_CPU_PACKED_GEMM", "0")
+    monkeypatch.setattr(model_loader, "pack_linear_weights", lambda model: 0)
+    monkeypatch.setattr(model_loader, "pack_expert_weights", lambda model: 0)
 
 
 def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
