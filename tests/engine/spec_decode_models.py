@@ -4,6 +4,7 @@ proposes tokens the target really emits."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,22 @@ def generate(
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                         lora_request=lora_request)  # fmt: skip
     return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+def generator(
+    default_params: SamplingParams, default_prompts: list[list[int]]
+) -> Callable[..., list[list[int]]]:
+    """``generate`` with a test module's own default params and prompts."""
+
+    def run(
+        llm: LLM,
+        params: SamplingParams = default_params,
+        prompts: list[list[int]] = default_prompts,
+        lora_request: list[LoRARequest | None] | None = None,
+    ) -> list[list[int]]:
+        return generate(llm, params, prompts, lora_request)
+
+    return run
 
 
 def alternating_adapters(model: Path, tmp_path: Path, num_prompts: int) -> list[LoRARequest | None]:

@@ -69,7 +69,7 @@ def _rank_main(
         worker.initialize_cache(64, 0)  # captures every bucket, collectively
         runner = worker.runner
         if bucket_runner:
-            runner.graph_runner = _bucket_runner(runner)
+            runner.graph_runner = make_bucket_runner(runner)
         graphs = runner.graph_runner
         replays = 0
         if graphs is not None:
@@ -124,7 +124,8 @@ class _FixedProbe:
         pass
 
 
-def _bucket_runner(runner: Any) -> Any:
+def make_bucket_runner(runner: Any) -> Any:
+    """A decode-bucket runner over ``runner``'s model (graphs or not: the same data path)."""
     from engine.cuda_graphs import DecodeBucketRunner
 
     config = runner.config

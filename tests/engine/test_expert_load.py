@@ -14,10 +14,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.async_llm_engine import AsyncLLMEngine
-from engine.cuda_graphs import DecodeBucketRunner
 from engine.models.expert_load import ExpertLoadCounter
 from engine.models.moe import SparseMoeBlock
 from tests.engine.spawned_ranks import rendezvous, run_ranks
+from tests.engine.test_cuda_graphs_parallel import make_bucket_runner
 
 MODEL = "builtin:tiny-qwen3-moe"  # layers 0 and 2 sparse (8 experts, top-2), layer 1 dense
 TOP_K = 2
@@ -77,16 +77,7 @@ def test_each_sparse_layer_counts_every_computed_token_top_k_times() -> None:
 def test_padding_rows_of_a_decode_bucket_are_not_counted() -> None:
     llm = LLM(MODEL, enable_prefix_caching=False, num_kv_blocks=64, max_model_len=128)
     runner = llm.llm_engine.executor.worker.runner
-    config = runner.config
-    runner.graph_runner = DecodeBucketRunner(
-        runner.model,
-        runner.device,
-        block_size=config.cache.block_size,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.scheduler.max_num_seqs,
-        num_kv_blocks=64,
-        dtype=config.model.torch_dtype,
-    )
+    runner.graph_runner = make_bucket_runner(runner)
     # Three requests decode together in the 4-row bucket: one padding row per decode step.
     prompts, max_tokens = [[11, 12, 13], [21, 22, 23, 24, 25], [31, 32]], [6, 6, 6]
 

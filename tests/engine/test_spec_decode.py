@@ -17,8 +17,13 @@ import pytest
 
 from engine import LLM, RequestOutputKind, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
-from tests.engine.spec_decode_models import VOCAB, alternating_adapters, make_looping_model, ngram
-from tests.engine.spec_decode_models import generate as generate_ids
+from tests.engine.spec_decode_models import (
+    VOCAB,
+    alternating_adapters,
+    generator,
+    make_looping_model,
+    ngram,
+)
 
 rng = random.Random(0)
 PROMPTS = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(12)]
@@ -26,15 +31,12 @@ PROMPTS = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ 
 PROMPTS += [[7, 8, 9, 10, 11] * 6, [40, 41, 40, 41, 40, 41, 40]]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 BASE: dict[str, Any] = {"device": "cpu", "num_kv_blocks": 256, "max_model_len": 512}
+generate = generator(GREEDY, PROMPTS)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_looping_model(tmp_path_factory.mktemp("spec") / "m", max_position_embeddings=512)
-
-
-def generate(llm: LLM, params: SamplingParams = GREEDY, prompts=PROMPTS) -> list[list[int]]:
-    return generate_ids(llm, params, prompts)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,7 @@ def test_lora_adapters_with_speculation(model, tmp_path):
     args = {**BASE, "enable_lora": True, "max_loras": 2}
 
     def run(llm: LLM) -> list[list[int]]:
-        return generate_ids(llm, GREEDY, PROMPTS, lora_request=lora)
+        return generate(llm, lora_request=lora)
 
     llm = LLM(str(model), **args, speculative_config=ngram(3))
     assert run(llm) == run(LLM(str(model), **args))

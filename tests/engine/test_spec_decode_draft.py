@@ -25,16 +25,17 @@ from tests.engine.spec_decode_models import (
     VOCAB,
     alternating_adapters,
     draft,
+    generator,
     make_looping_model,
     make_small_draft,
 )
-from tests.engine.spec_decode_models import generate as generate_ids
 from tests.engine.test_spec_decode_sampling import ALPHA, two_sample
 
 rng = random.Random(1)
 PROMPTS = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(10)]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 BASE: dict[str, Any] = {"device": "cpu", "num_kv_blocks": 256, "max_model_len": 512}
+generate = generator(GREEDY, PROMPTS)
 SHAPE = {"vocab_size": VOCAB, "max_position_embeddings": 512}
 
 
@@ -47,10 +48,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_small_draft(tmp_path_factory.mktemp("draft") / "d", 1, seed=3,
                             max_position_embeddings=512)  # fmt: skip
-
-
-def generate(llm: LLM, params: SamplingParams = GREEDY, prompts=PROMPTS) -> list[list[int]]:
-    return generate_ids(llm, params, prompts)
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +226,7 @@ def test_lora_adapters_with_a_draft(model, tmp_path):
     args = {**BASE, "enable_lora": True, "max_loras": 2}
 
     def run(llm: LLM) -> list[list[int]]:
-        return generate_ids(llm, GREEDY, PROMPTS, lora_request=lora)
+        return generate(llm, lora_request=lora)
 
     # The draft runs without the adapters: proposals may differ, outputs may not.
     llm = LLM(str(model), **args, speculative_config=draft(model, 3))
