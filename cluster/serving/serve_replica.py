@@ -21,7 +21,7 @@ def serve_stop_flag() -> Callable[[], bool] | None:
     flag, reached through the replica context. If a Ray upgrade moves it, this returns None,
     the replica logs a warning and falls back to Serve's plain drain (in-flight requests past
     the deadline are cut, the ingress reports them as 503), and the drain test of
-    ``tests/cluster/test_serve_faults.py`` fails first."""
+    ``tests/cluster/serving/test_serve_faults.py`` fails first."""
     try:
         from ray.serve.context import _get_internal_replica_context
 

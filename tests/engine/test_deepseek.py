@@ -1,6 +1,6 @@
 """DeepSeek-V2 / V3 beyond what every MoE family is checked for (greedy tokens against HF
 under chunked prefill, preemption and prefix caching, TP = 2 and EP = 2: tests/engine/test_moe.py
-and test_moe_parallel.py; PP = 2: tests/cluster/test_ray_executor_families.py): the router
+and test_moe_parallel.py; PP = 2: tests/cluster/runtime/test_ray_executor_families.py): the router
 picks and weights experts exactly as HF's router modules do (V3's noaux_tc, V2's greedy and
 group-limited greedy); the latent cache holds ``kv_lora_rank + qk_rope_head_dim`` values per
 token and layer; V2's group-limited routing gives HF's tokens; DeepSeek-V3's

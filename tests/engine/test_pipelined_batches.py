@@ -5,7 +5,7 @@ The engine tests drive a ``LaterExecutor``: the in-process worker, each step run
 output is taken rather than when it is sent. That is what a pipeline looks like from the head
 (step N + 1 is sent before step N's tokens are back, and every worker runs steps in the order
 sent) without Ray; the Ray executor with PP = 2 runs the same engine code in
-tests/cluster/test_ray_pipelined_pp.py.
+tests/cluster/runtime/test_ray_pipelined_pp.py.
 """
 
 from __future__ import annotations

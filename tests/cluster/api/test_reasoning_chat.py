@@ -21,7 +21,7 @@ from cluster.serving.llm_server import LLMServer
 from engine import ConfigError
 from engine.sampling_params import StructuredOutputsParams
 from engine.tiny_reasoning_models import THINK_END_ID, THINK_START_ID
-from tests.cluster.scripted_chat import scripted_chat
+from tests.cluster.api.scripted_chat import scripted_chat
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 THOUGHT_CALL = '<tool_call>\n{"name": "ponder", "arguments": {}}\n</tool_call>'

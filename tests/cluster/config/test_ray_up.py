@@ -18,7 +18,7 @@ ray_autoscaler = pytest.importorskip("ray.autoscaler", reason="ray is in the ser
 
 from cluster.config import load_config  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 LAUNCHER_CONFIGS = ["ray-cluster.aws.yaml", "ray-cluster.local.yaml"]
 COMMAND_KEYS = [
     "initialization_commands",

@@ -27,7 +27,7 @@ from engine.protocol import (
     NewRequestData,
     encode,
 )
-from tests.cluster.compiled_dispatch import forced
+from tests.cluster.runtime.compiled_dispatch import forced
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=4)]
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from cluster.bench.soak import ServeProbe, soak
+from tests.cluster.bench.test_soak import MAX_ONGOING, MODEL, SETTINGS
 from tests.cluster.conftest import ServeCluster, load_yaml
-from tests.cluster.test_soak import MAX_ONGOING, MODEL, SETTINGS
 
 APP = "soak2"
 MULTI_SETTINGS = replace(SETTINGS, duration_s=16, warmup_s=5, burst_interval_s=5)

@@ -227,7 +227,7 @@ def test_executor_inside_a_placement_group_uses_its_bundles_and_leaves_it_in_pla
     ray.get(pg.ready(), timeout=60)
     # The host actor imports this module (its class) and the project.
     here = Path(__file__).resolve()
-    pythonpath = os.pathsep.join([str(here.parents[2]), str(here.parent)])
+    pythonpath = os.pathsep.join([str(here.parents[3]), str(here.parent)])
     host = (
         ray.remote(ExecutorHost)
         .options(

@@ -10,7 +10,7 @@ import pytest
 
 from cluster.serving.metrics import ModelMetrics, expert_load_imbalance
 from engine.async_llm_engine import EngineStats
-from tests.cluster.metric_recorders import prometheus_text, recorded_model_metrics
+from tests.cluster.serving.metric_recorders import prometheus_text, recorded_model_metrics
 
 
 @pytest.fixture

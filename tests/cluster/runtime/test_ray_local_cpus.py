@@ -15,7 +15,7 @@ import ray
 
 from engine import LLM
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ENGINE_ARGS = {"num_kv_blocks": 64, "max_model_len": 256, "device": "cpu"}
 
 SCRIPT = """

@@ -33,7 +33,7 @@ import openai
 import pytest
 
 from tests.cluster.conftest import free_port, health_checked_model, load_yaml, wait_for
-from tests.cluster.test_serve_faults import LONG, SSEStream, complete
+from tests.cluster.serving.test_serve_faults import LONG, SSEStream, complete
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +91,7 @@ def nodes() -> Iterator[Nodes]:
 
     from cluster.ops.deploy import deploy
     from cluster.serving.serve import INGRESS_NAME, deployment_name, runtime_env
-    from tests.cluster import compiled_dispatch
+    from tests.cluster.runtime import compiled_dispatch
 
     cluster = Cluster(
         initialize_head=True,

@@ -1,9 +1,9 @@
 """Reasoning items in the Responses API: ``builtin:tiny-qwen3-reasoning`` served with a
-``reasoning_parser`` (greedy, with ``logit_bias`` on the think tags so that it writes them: see
-``tests/cluster/test_serve_reasoning.py``, whose reference split of the model's own text this
-reuses). A think block is a ``reasoning`` output item (its text in ``content``), the answer a
-``message``; streamed, the reasoning arrives as ``response.reasoning_text.delta`` events, items
-in the order the model wrote them."""
+``reasoning_parser`` (greedy, with ``logit_bias`` on the think tags so that it writes them:
+see ``tests/cluster/serving/test_serve_reasoning.py``, whose reference split of the model's own
+text this reuses). A think block is a ``reasoning`` output item (its text in ``content``), the
+answer a ``message``; streamed, the reasoning arrives as ``response.reasoning_text.delta``
+events, items in the order the model wrote them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 
 from tests.cluster.conftest import ServeCluster
-from tests.cluster.test_serve_reasoning import (
+from tests.cluster.serving.test_serve_reasoning import (
     QUESTION,
     QWEN3,
     QWEN3_BIAS,

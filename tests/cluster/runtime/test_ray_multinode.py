@@ -18,7 +18,7 @@ from ray.cluster_utils import Cluster
 
 from cluster.runtime.ray_executor import PlacementError
 from engine import LLM, SamplingParams
-from tests.cluster.compiled_dispatch import forced
+from tests.cluster.runtime.compiled_dispatch import forced
 
 ENGINE_ARGS: dict[str, Any] = {
     "num_kv_blocks": 64,

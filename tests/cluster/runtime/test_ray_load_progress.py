@@ -21,8 +21,8 @@ from cluster.runtime.load_progress import read_load_progress
 from engine import LLM, EngineDeadError, SamplingParams
 from engine.builtin_models import resolve_model_source
 from engine.model_loader import checkpoint_tensor_bytes
-from tests.cluster import slow_loader
 from tests.cluster.conftest import free_port, load_yaml
+from tests.cluster.runtime import slow_loader
 
 MODEL = "builtin:tiny-llama"
 NUM_TENSORS = 21  # in tiny-llama's checkpoint

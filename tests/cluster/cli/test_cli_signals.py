@@ -22,9 +22,8 @@ import pytest
 import yaml
 
 from cluster.ops.ports import can_bind
-from tests.cluster.conftest import wait_for
-from tests.cluster.streamed_completion import StreamedCompletion
-from tests.cluster.test_cli_serving import (
+from tests.cluster.cli.streamed_completion import StreamedCompletion
+from tests.cluster.cli.test_cli_serving import (
     ROOT,
     cli_env,
     cluster_cli,
@@ -35,6 +34,7 @@ from tests.cluster.test_cli_serving import (
     stop_process_group,
     tiny_config,
 )
+from tests.cluster.conftest import wait_for
 
 
 def _serve(config: Path) -> subprocess.Popen[str]:
@@ -299,4 +299,4 @@ def test_a_signal_that_reaches_rays_processes_too_still_ends_serve_in_seconds(
 
 
 # SIGTERM to the main process alone (KillMode=mixed, docker stop, Kubernetes) drains the same:
-# tests/cluster/test_cli_serving.py::test_sigterm_drains_streams_in_flight_and_exits_0.
+# tests/cluster/cli/test_cli_serving.py::test_sigterm_drains_streams_in_flight_and_exits_0.

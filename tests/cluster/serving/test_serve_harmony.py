@@ -26,8 +26,8 @@ from openai import OpenAI
 from transformers import AutoTokenizer
 
 from engine.builtin_models import resolve_model_source
+from tests.cluster.api.test_harmony import QUESTION, SPECIAL, TOOLS, harmony_params
 from tests.cluster.conftest import ServeCluster
-from tests.cluster.test_harmony import QUESTION, SPECIAL, TOOLS, harmony_params
 
 APP = "harmony"
 MODEL = "gpt-oss"

@@ -1,6 +1,6 @@
 """Speculative-decoding counters reach ``/metrics``: a real engine's stats snapshot (n-gram
 speculation on a looping prompt) published through ``ModelMetrics``, the Ray metric classes
-replaced by recorders that render Prometheus text (tests/cluster/metric_recorders.py)."""
+replaced by recorders that render Prometheus text (tests/cluster/serving/metric_recorders.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cluster.serving.metrics import ModelMetrics
 from engine import SamplingParams
 from engine.core_loop import EngineCoreLoop
 from engine.llm_engine import LLMEngine
-from tests.cluster.metric_recorders import SAMPLES, recorded_model_metrics
+from tests.cluster.serving.metric_recorders import SAMPLES, recorded_model_metrics
 
 
 @pytest.fixture

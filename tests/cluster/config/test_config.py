@@ -14,7 +14,7 @@ import yaml
 from cluster.config import DRAIN_ABORT_MARGIN_S, DeploymentConfig, load_config
 from engine.config import ConfigError
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 def tiny() -> dict[str, Any]:
@@ -299,7 +299,7 @@ def test_replicas_get_every_variable_the_engine_reads_and_not_the_api_keys(
 
     from cluster.serving.serve import runtime_env
 
-    source = (Path(__file__).resolve().parents[2] / "engine" / "envs.py").read_text()
+    source = (Path(__file__).resolve().parents[3] / "engine" / "envs.py").read_text()
     names = set(re.findall(r'"((?:LLM_CLUSTER|VLLM)_[A-Z_]+)"', source))
     assert {"LLM_CLUSTER_LOAD_TIMEOUT_S", "VLLM_PP_LAYER_PARTITION"} <= names
     for name in names:

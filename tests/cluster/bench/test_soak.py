@@ -126,7 +126,7 @@ pytestmark = pytest.mark.slow
 
 
 def _soak_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    from tests.cluster.test_cli_serving import ROOT, cli_env
+    from tests.cluster.cli.test_cli_serving import ROOT, cli_env
 
     command = [sys.executable, "-m", "cluster.cli", "bench", "soak", *args]
     return subprocess.run(command, cwd=ROOT, env=cli_env(), capture_output=True, text=True,

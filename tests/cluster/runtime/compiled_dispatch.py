@@ -19,7 +19,7 @@ import pytest
 
 from cluster.runtime import step_dispatch
 
-HOOK = "tests.cluster.compiled_dispatch.force_compiled"
+HOOK = "tests.cluster.runtime.compiled_dispatch.force_compiled"
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from cluster.api.tool_parsers import HarmonyStreamer, get_tool_parser, parse_har
 from cluster.serving.llm_server import LLMServer
 from engine import ConfigError
 from engine.tiny_harmony import HARMONY_TOKEN_IDS
-from tests.cluster.scripted_chat import scripted_chat
+from tests.cluster.api.scripted_chat import scripted_chat
 
 # The spec's outputs ("Chat conversation format", "Receiving tool calls", "Preambles"), as
 # the engine hands them over: the stop token that ended them (<|return|>, <|call|>) is no text.

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 DELAY_FILE_ENV = "SLOW_LOAD_DELAY_FILE"
-HOOK = "tests.cluster.slow_loader.slow_down"
-ROOT = Path(__file__).resolve().parents[2]
+HOOK = "tests.cluster.runtime.slow_loader.slow_down"
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def runtime_env(delay_file: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import ray
 from cluster.config import load_config
 from cluster.ops import deploy
 from cluster.ops.plan import PlanError
-from tests.cluster.test_plan import MODEL_ID, llama70b_yaml
+from tests.cluster.ops.test_plan import MODEL_ID, llama70b_yaml
 
 
 @pytest.mark.slow  # ~15 s: most of it starting and stopping the local Ray

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cluster.cli.streamed_completion import StreamedCompletion
 from tests.cluster.conftest import free_port, load_yaml, wait_for
-from tests.cluster.streamed_completion import StreamedCompletion
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def cli_env() -> dict[str, str]:
