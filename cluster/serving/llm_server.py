@@ -64,7 +64,7 @@ from engine.errors import (
 from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.lora import LoRARequest
 from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("llm_cluster.serve")
 
@@ -184,6 +184,8 @@ class LLMServer:
             if reasoning is not None and reasoning.keeps_special_tokens:
                 raw_params = {**raw_params, "skip_special_tokens": False}
             params = _sampling_params(raw_params)
+            # The replica forwards each item's new pieces; nothing here reads a whole output.
+            params.output_kind = RequestOutputKind.DELTA
             in_reasoning = None  # chat with a reasoning_parser: where the output starts
             if reasoning is not None:
                 in_reasoning = reasoning.prepare(
@@ -222,7 +224,7 @@ class LLMServer:
         except BaseException:
             self._active.discard(request_id)
             raise
-        start = self._start(request, first.output, reasoning is not None, in_reasoning)
+        start = self._start(request, first.output, params.n, reasoning is not None, in_reasoning)
         if sink is not None:
             start.head = self.head_name
         yield start
@@ -270,6 +272,7 @@ class LLMServer:
         self,
         request: GenerateRequest,
         output: Any,
+        n: int,
         reasoning: bool = False,
         in_reasoning: bool | None = None,
     ) -> StreamStart:
@@ -282,9 +285,7 @@ class LLMServer:
             first = [[ids[0], self.tokenizer.decode(ids[:1]), None, None]]
             prompt_logprobs = [first] + [logprob_rows(e) for e in output.prompt_logprobs[1:]]
         parser = self.tool_call_parser if request.tool_choice == "auto" else None
-        start = StreamStart(
-            len(ids), len(output.outputs), text, prompt_logprobs, parser, self.replica_id
-        )
+        start = StreamStart(len(ids), n, text, prompt_logprobs, parser, self.replica_id)
         if reasoning and self.reasoning is not None:  # a chat with the model's reasoning_parser
             start.reasoning_parser = self.reasoning.parser.name
             start.in_reasoning = in_reasoning
@@ -533,7 +534,7 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 def _was_aborted(item: Any) -> bool:
-    return any(c.finish_reason == "abort" for c in item.output.outputs)
+    return any(d.finish_reason == "abort" for d in item.deltas)
 
 
 def _sampling_params(params: dict[str, Any]) -> SamplingParams:
