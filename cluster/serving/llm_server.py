@@ -29,6 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 from jinja2 import TemplateError
 
 from cluster.api.protocol import (
@@ -183,9 +184,10 @@ class LLMServer:
             raw_params = request.params
             if reasoning is not None and reasoning.keeps_special_tokens:
                 raw_params = {**raw_params, "skip_special_tokens": False}
-            params = _sampling_params(raw_params)
             # The replica forwards each item's new pieces; nothing here reads a whole output.
-            params.output_kind = RequestOutputKind.DELTA
+            params = msgspec.structs.replace(
+                _sampling_params(raw_params), output_kind=RequestOutputKind.DELTA
+            )
             in_reasoning = None  # chat with a reasoning_parser: where the output starts
             if reasoning is not None:
                 in_reasoning = reasoning.prepare(
