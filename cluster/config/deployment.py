@@ -1,7 +1,7 @@
 """The deployment YAML's typed tree (frozen dataclasses in the shape of Ray Serve LLM's
 ``LLMConfig``), each section's ``check(path)``, and ``load_config``, which builds the tree
 strictly (``cluster.config.strict_yaml``) and checks all of it before anything is deployed.
-One role (~510 lines): the sections and their checks change together.
+The sections and their checks change together, so they live in one module.
 """
 
 from __future__ import annotations

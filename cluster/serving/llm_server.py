@@ -12,11 +12,8 @@ the ingress's token ``channel`` gets no ``StreamDelta`` here: its head hands its
 channel (``cluster.serving.token_channel``), and ``StreamStart.head`` says which head. Its start
 goes out as soon as the head has the request (after its first delta only when it carries the
 prompt's logprobs); this call still lasts until the request ends, so Serve's routing, queue
-limits and drain see it. ``embed`` returns
-one input's embedding (an ``EmbedResult``) or a ``StreamError`` from the same error table.
-
-One role (~580 lines): the front of one model replica, the Serve deployment's handle methods
-over its engine core.
+limits and drain see it. ``embed`` returns one input's embedding (an ``EmbedResult``) or a
+``StreamError`` from the same error table.
 """
 
 from __future__ import annotations
