@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
-from jinja2 import TemplateError
 
 from cluster.api.protocol import (
     DetokenizeResult,
@@ -47,6 +46,7 @@ from cluster.api.tool_parsers import get_tool_parser
 from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError
 from cluster.serving.metrics import ModelMetrics
+from cluster.serving.request_inputs import chat_prompt_ids, sampling_params_from
 from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
 from cluster.serving.start_errors import ModelStartError, known_start_failure
 from engine.async_llm_engine import AsyncLLMEngine, EngineStats
@@ -62,11 +62,10 @@ from engine.errors import (
 from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.lora import LoRARequest
 from engine.pooling_params import PoolingParams
-from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine.sampling_params import RequestOutputKind
 
 logger = logging.getLogger("llm_cluster.serve")
 
-_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 _SINK_FLUSH_S = 3.0
 
 
@@ -183,7 +182,7 @@ class LLMServer:
                 raw_params = {**raw_params, "skip_special_tokens": False}
             # The replica forwards each item's new pieces; nothing here reads a whole output.
             params = msgspec.structs.replace(
-                _sampling_params(raw_params), output_kind=RequestOutputKind.DELTA
+                sampling_params_from(raw_params), output_kind=RequestOutputKind.DELTA
             )
             in_reasoning = None  # chat with a reasoning_parser: where the output starts
             if reasoning is not None:
@@ -317,7 +316,7 @@ class LLMServer:
     def _prompt(self, request: GenerateRequest | EmbedRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
         if isinstance(request, GenerateRequest) and request.messages is not None:
-            ids = _chat_ids(
+            ids = chat_prompt_ids(
                 self.tokenizer, request.messages, request.tools, request.chat_template_kwargs
             )
             return {"prompt_token_ids": ids}
@@ -375,7 +374,7 @@ class LLMServer:
     async def tokenize(self, request: GenerateRequest) -> TokenizeResult | StreamError:
         try:
             if request.messages is not None:
-                ids = _chat_ids(self.tokenizer, request.messages)
+                ids = chat_prompt_ids(self.tokenizer, request.messages)
             else:
                 text = request.prompt
                 if not isinstance(text, str):
@@ -534,46 +533,6 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 def _was_aborted(item: Any) -> bool:
     return any(d.finish_reason == "abort" for d in item.deltas)
-
-
-def _sampling_params(params: dict[str, Any]) -> SamplingParams:
-    unknown = sorted(set(params) - _SAMPLING_FIELDS)
-    if unknown:
-        raise InvalidRequestError("is not a sampling parameter", param=unknown[0])
-    spec = params.get("structured_outputs")
-    if isinstance(spec, dict):
-        names = set(StructuredOutputsParams.__struct_fields__)
-        bad = sorted(set(spec) - names)
-        if bad:
-            raise InvalidRequestError("is not a structured output field",
-                                      param=f"structured_outputs.{bad[0]}")  # fmt: skip
-        params = {**params, "structured_outputs": StructuredOutputsParams(**spec)}
-    return SamplingParams(**params)
-
-
-def _chat_ids(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None = None,
-    template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidRequestError("this model has no chat template", param="messages")
-    try:
-        ids = tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-            **(template_kwargs or {}),
-        )
-    except TemplateError as exc:  # the template's raise_exception: roles, order
-        raise InvalidRequestError(f"the chat template rejected them: {exc}", "messages") from exc
-    except Exception as exc:  # anything else may quote internals: the log has it
-        logger.exception("chat template failed")
-        raise InvalidRequestError("the chat template rejected them", "messages") from exc
-    return list(ids)
 
 
 def _adapter_loader(

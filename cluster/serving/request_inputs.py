@@ -1,0 +1,61 @@
+"""A request's inputs for the engine, on the model replica's front (``LLMServer``): its sampling
+dict as ``SamplingParams``, and chat messages as prompt ids by the model's chat template. Errors
+are ``InvalidRequestError``s naming the field, which the front returns as 400s."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from jinja2 import TemplateError
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger("llm_cluster.serve")
+
+_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+
+
+def sampling_params_from(params: dict[str, Any]) -> SamplingParams:
+    """``SamplingParams`` from a request's sampling dict; a key that is not one of its fields
+    (or of ``structured_outputs``') is a 400 naming it."""
+    unknown = sorted(set(params) - _SAMPLING_FIELDS)
+    if unknown:
+        raise InvalidRequestError("is not a sampling parameter", param=unknown[0])
+    spec = params.get("structured_outputs")
+    if isinstance(spec, dict):
+        names = set(StructuredOutputsParams.__struct_fields__)
+        bad = sorted(set(spec) - names)
+        if bad:
+            raise InvalidRequestError("is not a structured output field",
+                                      param=f"structured_outputs.{bad[0]}")  # fmt: skip
+        params = {**params, "structured_outputs": StructuredOutputsParams(**spec)}
+    return SamplingParams(**params)
+
+
+def chat_prompt_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The prompt ids of chat ``messages`` by the model's chat template (a 400 on ``messages``
+    when the template rejects them)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequestError("this model has no chat template", param="messages")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            **(template_kwargs or {}),
+        )
+    except TemplateError as exc:  # the template's raise_exception: roles, order
+        raise InvalidRequestError(f"the chat template rejected them: {exc}", "messages") from exc
+    except Exception as exc:  # anything else may quote internals: the log has it
+        logger.exception("chat template failed")
+        raise InvalidRequestError("the chat template rejected them", "messages") from exc
+    return list(ids)
