@@ -26,8 +26,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import msgspec
-
 from cluster.api.protocol import (
     DetokenizeResult,
     EmbedRequest,
@@ -181,9 +179,7 @@ class LLMServer:
             if reasoning is not None and reasoning.keeps_special_tokens:
                 raw_params = {**raw_params, "skip_special_tokens": False}
             # The replica forwards each item's new pieces; nothing here reads a whole output.
-            params = msgspec.structs.replace(
-                sampling_params_from(raw_params), output_kind=RequestOutputKind.DELTA
-            )
+            params = sampling_params_from({**raw_params, "output_kind": RequestOutputKind.DELTA})
             in_reasoning = None  # chat with a reasoning_parser: where the output starts
             if reasoning is not None:
                 in_reasoning = reasoning.prepare(
