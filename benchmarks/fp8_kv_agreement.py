@@ -18,7 +18,7 @@ models' checkpoints carry none), and the outputs are compared token by token:
     python benchmarks/fp8_kv_agreement.py [--models tiny-llama tiny-qwen3 tiny-gemma2]
         [--num-prompts 32] [--max-tokens 64] [--json out.json]
 
-The built-in random tiny models (engine.tiny_models) stand in for a real checkpoint: their
+The built-in random tiny models (engine.builtin.tiny_models) stand in for a real checkpoint: their
 logits are spread wider than HF's default init gives (top-1 minus top-2 gap median ~0.7), but
 a random model has no confident continuations, so this is a pessimistic proxy for a trained
 model's agreement.
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from engine import LLM, SamplingParams
-from engine.builtin_models import resolve_model_source
+from engine.builtin.catalog import resolve_model_source
 
 
 def prompts_for(vocab: int, num_prompts: int, seed: int = 0) -> list[list[int]]:

@@ -2,10 +2,10 @@
 long-context decode throughput.
 
 The model is ``cluster bench throughput --family gemma3``'s random checkpoint
-(``engine.tiny_models.make_random_model``: five sliding layers of window 1024 per full one) at a
-small shape, so a 2-core CPU runs an 8k context. The engine is sized from
-``--cpu-kv-cache-space``; the workers' answer in all-layer blocks is what one pool for every
-layer (the engine before KV cache groups) would hold, and the group layout is what it holds now.
+(``engine.builtin.tiny_models.make_random_model``: five sliding layers of window 1024 per full one)
+at a small shape, so a 2-core CPU runs an 8k context. The engine is sized from
+``--cpu-kv-cache-space``; the workers' answer in all-layer blocks is what one pool for every layer
+(the engine before KV cache groups) would hold, and the group layout is what it holds now.
 
 Measured, not computed: one ``--context``-token sequence is run to its end with the engine
 stepped by hand, and each group's held blocks are read after every step (the most, and at the
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import LLM, SamplingParams
-from engine.tiny_models import make_random_model
+from engine.builtin.tiny_models import make_random_model
 
 
 def build_model(args: argparse.Namespace) -> Path:

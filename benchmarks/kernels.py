@@ -170,7 +170,7 @@ def _bench_decode_attention(
 def _bench_decode_steps(model: str, iters: int) -> list[dict]:
     """One decode step of ``batch`` requests with 128-token contexts, eager vs CUDA graphs."""
     from engine.config import EngineConfig
-    from engine.worker import Worker
+    from engine.worker.worker import Worker
 
     rows = []
     for enforce_eager in (True, False):
@@ -210,7 +210,7 @@ def _bench_decode_steps(model: str, iters: int) -> list[dict]:
 
 
 def _decode_inputs(runner, block_size: int, batch: int, context: int):
-    from engine.model_runner import StepInputs
+    from engine.worker.model_runner import StepInputs
     from kernels.attention import AttentionMetadata
 
     blocks_per_seq = -(-context // block_size)

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from engine.builtin_models import make_tiny_lora
-from engine.llm_engine import LLMEngine
+from engine.builtin.catalog import make_tiny_lora
+from engine.builtin.tiny_models import make_random_llama, materialize
+from engine.core.llm_engine import LLMEngine
 from engine.lora import LoRARequest
 from engine.sampling_params import SamplingParams
-from engine.tiny_models import make_random_llama, materialize
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -38,7 +38,7 @@ from engine.models.layers import PagedAttention
 
 def _default_model() -> Path:
     from cluster.bench.model_shape import FAMILY_SHAPES, bench_model_builder
-    from engine.tiny_models import materialize
+    from engine.builtin.tiny_models import materialize
 
     shape = FAMILY_SHAPES["deepseek-v3"]
     return materialize(shape.dirname, bench_model_builder(shape))

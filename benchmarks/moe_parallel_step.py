@@ -46,8 +46,8 @@ BLOCK_SIZE = 16
 
 
 def _requests(args: argparse.Namespace, step: int, sampled: list[int] | None) -> Any:
-    from engine.protocol import CachedRequestData, ExecuteModelRequest, NewRequestData
     from engine.sampling_params import SamplingParams
+    from engine.worker.step_messages import CachedRequestData, ExecuteModelRequest, NewRequestData
 
     ids = [f"r{i}" for i in range(args.batch)]
     blocks = -(-(args.prompt_len + args.warmup + args.steps + 8) // BLOCK_SIZE)
@@ -99,7 +99,7 @@ def _run_rank(rank: int, mode: str, model: str, args: argparse.Namespace, ports:
     import torch.distributed as dist
 
     from engine.config import EngineConfig
-    from engine.worker import Worker
+    from engine.worker.worker import Worker
     from parallel.moe import ParallelExperts
 
     torch.set_num_threads(args.threads)
@@ -216,7 +216,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from engine.tiny_moe_models import make_random_qwen3_moe
+    from engine.builtin.tiny_moe_models import make_random_qwen3_moe
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_random_qwen3_moe(tmp, **SHAPE))

@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} VLLM_CPU_KVCACHE_SPACE=2
 
 "$VENV/bin/python" -c "
-from engine.tiny_models import make_random_llama
+from engine.builtin.tiny_models import make_random_llama
 make_random_llama('$MODEL', vocab_size=1024)"
 cat > "$OUT/bench.yaml" <<YAML
 models:

@@ -70,7 +70,7 @@ async def abort_early(engine: Any, prompt: str) -> int:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.async_llm_engine import AsyncLLMEngine
+    from engine.client.async_llm_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine.from_engine_args(
         model=args.model,

@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from engine.llm_engine import LLMEngine
+from engine.builtin.tiny_models import make_random_model
+from engine.core.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tiny_models import make_random_model
 
 VOCAB = 256
 

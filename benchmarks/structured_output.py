@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import xgrammar as xgr
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 SCHEMA: dict[str, Any] = {

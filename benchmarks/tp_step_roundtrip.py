@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cluster.runtime import step_dispatch
 from engine.config import EngineConfig
-from engine.executor import Executor, get_executor_class
-from engine.protocol import CachedRequestData, ExecuteModelRequest, NewRequestData
 from engine.sampling_params import SamplingParams
+from engine.worker.executor import Executor, get_executor_class
+from engine.worker.step_messages import CachedRequestData, ExecuteModelRequest, NewRequestData
 
 NUM_BLOCKS = 64
 

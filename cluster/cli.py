@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from engine.tiny_models import make_tiny_model
+    from engine.builtin.tiny_models import make_tiny_model
 
     path = make_tiny_model(args.name, args.out_dir, seed=args.seed)
     print(f"wrote {args.name} to {path}")

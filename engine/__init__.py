@@ -1,8 +1,16 @@
-"""The engine: config, scheduler, block manager, workers, and the LLM / LLMEngine APIs.
-It imports no Ray (distributed executors live in ``cluster/``).
+"""The engine: one model's scheduler, KV cache and workers, and the ``LLM`` / ``LLMEngine``
+APIs. It imports no Ray (distributed executors live in ``cluster/``).
+
+    engine/            config (EngineConfig, engine args, HF config), SamplingParams,
+                       PoolingParams, outputs, errors, LoRA, the PP layer partition
+      client/          LLM, AsyncLLMEngine, the core's loop and process, core_messages
+      core/            LLMEngine, scheduler, block manager, requests, input/output processing
+      worker/          Executor, step_messages, Worker, ModelRunner, sampler, KV sizing
+      models/          the model families            quantization/   checkpoint formats
+      spec_decode/     speculative decoding          builtin/        random built-in models
 
 ``EngineConfig``, ``LLM`` and ``LLMEngine`` are imported on first use: they pull in torch and
-transformers (tokenizer), which a worker process, importing ``engine.worker`` through this
+transformers (tokenizer), which a worker process, importing ``engine.worker.worker`` through this
 package, needs only in part, and the ingress and the CLI, which only route requests, not at all.
 """
 
@@ -26,11 +34,15 @@ from engine.pooling_params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from engine.client.llm import LLM
     from engine.config import EngineConfig
-    from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
-_LAZY = {"EngineConfig": "engine.config", "LLM": "engine.llm", "LLMEngine": "engine.llm_engine"}
+_LAZY = {
+    "EngineConfig": "engine.config",
+    "LLM": "engine.client.llm",
+    "LLMEngine": "engine.core.llm_engine",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -502,7 +502,7 @@ def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
 def _with_checkpoint(model: ModelConfig) -> ModelConfig:
     # Imported here (start-up time): the built-in models pull in transformers, which a bare
     # config check need not load.
-    from engine.builtin_models import resolve_model_source
+    from engine.builtin.catalog import resolve_model_source
 
     path = resolve_model_source(model.model)
     config_file = Path(path) / "config.json"

@@ -33,7 +33,7 @@ from torch import nn
 
 from engine.errors import InvalidRequestError
 from engine.lora_request import LoRARequest
-from engine.protocol import LoRASlotSpec
+from engine.worker.step_messages import LoRASlotSpec
 from kernels.lora import LoRAMapping
 from parallel.lora import LinearLoRA, LoRABatch, attach_lora
 

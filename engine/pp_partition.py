@@ -1,7 +1,7 @@
 """Which decoder layers each pipeline stage holds: one answer, from ``config.json`` and the
 engine settings, for the model code (``engine.models.decoder.DecoderModel``), the memory plan
-(``engine.memory_plan``, what ``cluster plan`` prints) and the config check (``engine.config``).
-Torch-free, like the memory plan that imports it.
+(``engine.worker.memory_plan``, what ``cluster plan`` prints) and the config check
+(``engine.config``). Torch-free, like the memory plan that imports it.
 
 Where the partition comes from, the first that applies:
 

@@ -109,7 +109,7 @@ if ! "$PY" -c "import msgspec, xgrammar" 2>/dev/null; then
     export PYTHONPATH="$PYTHONPATH:$SITE"
   fi
 fi
-if ! "$PY" -c "import engine.worker, engine.llm" 2>"$OUT_DIR/import-error.txt"; then
+if ! "$PY" -c "import engine.worker.worker, engine.client.llm" 2>"$OUT_DIR/import-error.txt"; then
   note "preflight: FAILED, the engine does not import: $(tail -1 "$OUT_DIR/import-error.txt");"
   note "  run scripts/gpu-wheels.sh where a package index is reachable and carry .whl"
   exit 1

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.tiny_harmony import (  # the format's special tokens, defined once
+from engine.builtin.tiny_harmony import (  # the format's special tokens, defined once
     CALL,
     CONSTRAIN,
     END,

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from engine.core_messages import ChoiceDelta, RequestDelta
+from engine.client.core_messages import ChoiceDelta, RequestDelta
 
 # status -> (OpenAI error "type", gRPC status code name)
 ERRORS: dict[int, tuple[str, str]] = {

@@ -1,26 +1,26 @@
 """The built-in random model of ``cluster bench throughput``: its family, its shape (the
 ``--hidden-size``-style options), its parameter counts and its cached checkpoint.
 
-Dense families (``engine.tiny_models.RANDOM_MODEL_FAMILIES``) share one shape; ``qwen3-moe`` is
-a random ``Qwen3MoeForCausalLM`` (``engine.tiny_moe_models.make_random_qwen3_moe``) whose every
-layer is sparse: ``--intermediate-size`` is then each expert's, and ``--num-experts`` /
-``--num-experts-per-tok`` pick the experts. Its defaults (16 experts, top-4, 512 per expert at
-the dense bench's hidden 768 x 12 layers) make ~0.3 B parameters in all and about as many
-active per token (~76 M in the decoder) as the dense bench model (~61 M), so a 2-core CPU runs
-it in minutes and the MoE overhead (routing, grouping, per-expert GEMMs) shows against llama.
+Dense families (``engine.builtin.tiny_models.RANDOM_MODEL_FAMILIES``) share one shape; ``qwen3-moe``
+is a random ``Qwen3MoeForCausalLM`` (``engine.builtin.tiny_moe_models.make_random_qwen3_moe``) whose
+every layer is sparse: ``--intermediate-size`` is then each expert's, and ``--num-experts`` /
+``--num-experts-per-tok`` pick the experts. Its defaults (16 experts, top-4, 512 per expert at the
+dense bench's hidden 768 x 12 layers) make ~0.3 B parameters in all and about as many active per
+token (~76 M in the decoder) as the dense bench model (~61 M), so a 2-core CPU runs it in minutes
+and the MoE overhead (routing, grouping, per-expert GEMMs) shows against llama.
 
 ``deepseek-v3`` is a random ``DeepseekV3ForCausalLM``
-(``engine.tiny_moe_models.make_random_deepseek_v3``): multi-head latent attention in V3's
+(``engine.builtin.tiny_moe_models.make_random_deepseek_v3``): multi-head latent attention in V3's
 proportions of the head size ``d`` (latent 4d, rope key d/2, q_lora 6d), layer 0 dense
 (3 x ``--intermediate-size``), the others ``--num-experts`` in 4 groups plus one shared expert.
 Its default 6 heads of 128 give V3's own latent, 512 + 64 values (the one size vLLM's CPU MLA
 kernel compiles). MLA has no KV heads: ``--num-key-value-heads`` is the head count and cannot
 be set.
 
-``gpt-oss`` is a random ``GptOssForCausalLM`` (``engine.tiny_moe_models.make_random_gpt_oss``):
-gpt-oss's attention (heads of 64 with sinks and biases, a window of 128 on every other layer,
-yarn) and its MoE (biased router and experts, clamped SwiGLU) on every layer, at the
-``qwen3-moe`` defaults' sizes.
+``gpt-oss`` is a random ``GptOssForCausalLM``
+(``engine.builtin.tiny_moe_models.make_random_gpt_oss``): gpt-oss's attention (heads of 64 with
+sinks and biases, a window of 128 on every other layer, yarn) and its MoE (biased router and
+experts, clamped SwiGLU) on every layer, at the ``qwen3-moe`` defaults' sizes.
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def _mla_shape(shape: ModelShape, kv_heads_given: bool) -> ModelShape:
 def bench_model_builder(shape: ModelShape) -> Callable[[Path], Path]:
     """What writes ``shape``'s random checkpoint into a directory (for ``materialize``)."""
     if shape.is_mla:
-        from engine.tiny_moe_models import make_random_deepseek_v3
+        from engine.builtin.tiny_moe_models import make_random_deepseek_v3
 
         def build_mla(out: Path) -> Path:
             return make_random_deepseek_v3(
@@ -262,7 +262,7 @@ def bench_model_builder(shape: ModelShape) -> Callable[[Path], Path]:
 
         return build_mla
     if shape.family == "gpt-oss":
-        from engine.tiny_moe_models import make_random_gpt_oss
+        from engine.builtin.tiny_moe_models import make_random_gpt_oss
 
         def build_gpt_oss(out: Path) -> Path:
             return make_random_gpt_oss(
@@ -279,7 +279,7 @@ def bench_model_builder(shape: ModelShape) -> Callable[[Path], Path]:
 
         return build_gpt_oss
     if shape.is_moe:
-        from engine.tiny_moe_models import make_random_qwen3_moe
+        from engine.builtin.tiny_moe_models import make_random_qwen3_moe
 
         def build_moe(out: Path) -> Path:
             return make_random_qwen3_moe(
@@ -295,7 +295,7 @@ def bench_model_builder(shape: ModelShape) -> Callable[[Path], Path]:
             )
 
         return build_moe
-    from engine.tiny_models import make_random_model
+    from engine.builtin.tiny_models import make_random_model
 
     dense = {k: v for k, v in asdict(shape).items() if not k.startswith("num_experts")}
     return lambda out: make_random_model(out, **dense)

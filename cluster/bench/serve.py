@@ -351,7 +351,7 @@ async def _first_model(session: Any, base_url: str, api_key: str | None) -> str:
 
 async def _compare(args: argparse.Namespace, requests: list[BenchRequest], load: dict[str, Any]):
     from cluster.config import load_config
-    from engine.async_llm_engine import AsyncLLMEngine
+    from engine.client.async_llm_engine import AsyncLLMEngine
 
     config = load_config(args.compare)
     model = config.models[0]

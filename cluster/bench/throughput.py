@@ -469,7 +469,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       workload, in its own process under ``--vllm-python`` (vLLM lives in a venv of its own, see
       ``../shared/peers/``), with the same engine limits.
     """
-    from engine.tiny_models import materialize
+    from engine.builtin.tiny_models import materialize
 
     if args.model and args.family:
         raise SystemExit("--family picks the built-in random model; it cannot go with --model")

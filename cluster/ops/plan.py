@@ -2,7 +2,7 @@
 anything is placed; and ``preflight``, the same check as the first thing ``cluster deploy`` does.
 
 Per model: the checkpoint's ``config.json`` (a local ``model_source``, or a built-in) and the
-engine arguments go through ``engine.memory_plan``; one GPU's memory comes from the model's
+engine arguments go through ``engine.worker.memory_plan``; one GPU's memory comes from the model's
 ``accelerator_type`` (``GPU_MEMORY_GIB``) or ``--gpu-memory-gib``. A checkpoint that is not on
 this machine (``/models/...`` that only the GPU nodes mount) is skipped, not refused: its
 replicas check it when they start (``cluster.serving.start_errors``). Ray-free and torch-free (a
@@ -20,7 +20,7 @@ from typing import Any
 from cluster.config import DeploymentConfig, ModelDeployment
 from cluster.config import deployment as deployment_config
 from engine.errors import ConfigError
-from engine.memory_plan import GiB, MemoryPlan, PlanSettings, plan_memory
+from engine.worker.memory_plan import GiB, MemoryPlan, PlanSettings, plan_memory
 
 # One GPU's memory by Ray's accelerator type name (``ray.util.accelerators``), in GiB as
 # ``torch.cuda.mem_get_info`` reports the total: the HBM less what the driver keeps, e.g.
@@ -140,7 +140,7 @@ def read_hf_config(source: str, model_id: str | None = None) -> tuple[dict[str, 
     machine: ``source``'s own, else (for a hub-style ``model_id``) the copy in the local
     Hugging Face cache, which is only read, never fetched."""
     if source.startswith("builtin:"):
-        from engine.builtin_models import resolve_model_source
+        from engine.builtin.catalog import resolve_model_source
 
         path: Path | None = resolve_model_source(source) / "config.json"
     else:

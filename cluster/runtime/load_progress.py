@@ -1,6 +1,6 @@
 """Start-up progress of a model's workers, published to the Ray GCS internal KV so that
 ``cluster status`` can show, while a replica starts, where each worker is: its phase
-(``engine.executor.PHASE_*``) and, while it loads, the weight bytes read of its total.
+(``engine.worker.executor.PHASE_*``) and, while it loads, the weight bytes read of its total.
 
     worker actor / head (in-process worker)          cluster status (any driver)
     ───────────────────────────────────────          ───────────────────────────
@@ -130,7 +130,7 @@ class LoadProgressPublisher:
         self._heartbeat: threading.Thread | None = None
 
     def phase(self, phase: str) -> None:
-        """Enter ``phase`` (an ``engine.executor.PHASE_*``; written at once)."""
+        """Enter ``phase`` (an ``engine.worker.executor.PHASE_*``; written at once)."""
         with self._lock:
             self.record["phase"] = phase
             self.record["phase_started_at"] = self._clock()

@@ -54,7 +54,7 @@ from cluster.runtime.worker_actor import WorkerActor
 from engine import envs
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
-from engine.executor import (
+from engine.worker.executor import (
     PHASE_KV_ALLOCATING,
     PHASE_KV_SIZING,
     PHASE_LOADING,
@@ -64,7 +64,12 @@ from engine.executor import (
     StartupObserver,
     StepFuture,
 )
-from engine.protocol import ExecuteModelRequest, ModelRunnerOutput, decode_output, encode
+from engine.worker.step_messages import (
+    ExecuteModelRequest,
+    ModelRunnerOutput,
+    decode_output,
+    encode,
+)
 
 logger = logging.getLogger("llm_cluster.ray_executor")
 

@@ -21,14 +21,14 @@ from typing import Any
 
 from cluster.runtime.load_progress import LoadProgressPublisher
 from engine.config import EngineConfig
-from engine.executor import (
+from engine.worker.executor import (
     PHASE_KV_ALLOCATING,
     PHASE_KV_SIZING,
     PHASE_LOADING,
     PHASE_STARTING,
 )
-from engine.protocol import decode_request, encode
-from engine.worker import Worker
+from engine.worker.step_messages import decode_request, encode
+from engine.worker.worker import Worker
 
 logger = logging.getLogger("llm_cluster.worker_actor")
 

@@ -17,7 +17,7 @@ else, placed in the replica's placement group. ``HeadCoreClient`` is how the rep
 
 Owned by the replica, so it dies with it; if the head dies, every stream ends with a 503 and
 Serve replaces the replica. ``LLM_CLUSTER_HEAD_CORE_PROCESS=1`` (TP = PP = 1) runs the core in
-a child process (``engine.core_process``).
+a child process (``engine.client.core_process``).
 """
 
 from __future__ import annotations
@@ -47,10 +47,9 @@ from cluster.serving.head_messages import (
 from cluster.serving.start_errors import EngineStartError, known_start_failure
 from cluster.serving.token_push import SinkPusher
 from engine import envs
-from engine.config import EngineConfig
-from engine.core_client import EngineCoreClient, OnDead, OnStep
-from engine.core_loop import EngineCoreLoop
-from engine.core_messages import (
+from engine.client.core_client import EngineCoreClient, OnDead, OnStep
+from engine.client.core_loop import EngineCoreLoop
+from engine.client.core_messages import (
     AddRequest,
     AddResult,
     CoreStats,
@@ -60,10 +59,11 @@ from engine.core_messages import (
     encode_steps,
     merge_deltas,
 )
-from engine.core_process import EngineCoreProcess, EngineStartFailed, run_in_child_process
+from engine.client.core_process import EngineCoreProcess, EngineStartFailed, run_in_child_process
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from engine.executor import PHASE_READY, StartupObserver, get_executor_class
-from engine.llm_engine import LLMEngine
+from engine.worker.executor import PHASE_READY, StartupObserver, get_executor_class
 
 logger = logging.getLogger("llm_cluster.head")
 

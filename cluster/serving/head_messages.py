@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import msgspec
 
-from engine.core_messages import AddReply, CoreError
+from engine.client.core_messages import AddReply, CoreError
 
 
 class PollReply(msgspec.Struct, array_like=True):

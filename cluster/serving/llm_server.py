@@ -47,9 +47,10 @@ from cluster.serving.metrics import ModelMetrics
 from cluster.serving.request_inputs import chat_prompt_ids, sampling_params_from
 from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
 from cluster.serving.start_errors import ModelStartError, known_start_failure
-from engine.async_llm_engine import AsyncLLMEngine, EngineStats
+from engine.client.async_llm_engine import AsyncLLMEngine, EngineStats
+from engine.client.core_client import InProcessCoreClient
 from engine.config import EngineConfig
-from engine.core_client import InProcessCoreClient
+from engine.core.llm_engine import LLMEngine, load_tokenizer
 from engine.errors import (
     ConfigError,
     EngineDeadError,
@@ -57,7 +58,6 @@ from engine.errors import (
     InvalidRequestError,
     RequestAbortedError,
 )
-from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.lora import LoRARequest
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import RequestOutputKind

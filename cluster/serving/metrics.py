@@ -31,7 +31,7 @@ import ray
 from ray.util.metrics import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from engine.async_llm_engine import EngineStats
+    from engine.client.async_llm_engine import EngineStats
 
 PREFIX = "llm_cluster_"
 _TAGS = ("model", "replica")
@@ -67,7 +67,7 @@ class ModelMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.")
-        from engine.async_llm_engine import EngineStats  # torch: only replicas that have one
+        from engine.client.async_llm_engine import EngineStats  # torch: only replicas that have one
 
         self._last = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
         self.expert_tokens = Counter(

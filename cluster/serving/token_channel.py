@@ -35,7 +35,7 @@ from cluster.api.protocol import (
 )
 from cluster.serving.head_messages import PollReply
 from cluster.serving.token_push import TokenListener
-from engine.core_messages import RequestDelta, decode_steps
+from engine.client.core_messages import RequestDelta, decode_steps
 
 logger = logging.getLogger("llm_cluster.token_channel")
 

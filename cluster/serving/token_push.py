@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 
 from cluster.serving.head_messages import PollReply
-from engine.core_messages import encode_steps
+from engine.client.core_messages import encode_steps
 
 logger = logging.getLogger("llm_cluster.token_push")
 

@@ -11,7 +11,7 @@ A token counts once for each of its top-k experts, so a sparse layer's row sums 
 ``computed tokens x top_k``. Only one rank per pipeline stage counts (TP rank 0): every rank of
 a TP group routes the same tokens the same way, expert parallelism included, since the router
 is replicated and runs before the dispatch. The padding rows of a decode bucket (CUDA graphs,
-``engine.cuda_graphs``: ``seq_lens`` 0) are not counted.
+``engine.worker.cuda_graphs``: ``seq_lens`` 0) are not counted.
 """
 
 from __future__ import annotations

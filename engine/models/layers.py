@@ -100,7 +100,7 @@ class PagedAttention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         self.v_head_dim = v_head_dim
         self.kv_cache: torch.Tensor | None = None
-        # The KV cache group whose block table this layer reads (``engine.kv_cache_groups``),
+        # The KV cache group whose block table this layer reads (``engine.core.kv_cache_groups``),
         # set by the model runner with the cache.
         self.kv_cache_group = 0
         self.sinks: nn.Parameter | None

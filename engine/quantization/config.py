@@ -161,7 +161,7 @@ def _compressed_tensors(raw: Mapping[str, Any]) -> QuantConfig:
         if raw.get(field):
             raise _refuse(field, raw[field], "must be null: not implemented")
     kv = raw.get("kv_cache_scheme")
-    # FP8 per-tensor K/V scales: the attention layers take them (engine.kv_cache_scales) when
+    # FP8 per-tensor K/V scales: the attention layers take them (engine.worker.kv_cache_scales) when
     # the cache is FP8 (kv_cache_dtype), and ignore them otherwise, as vLLM does.
     if kv and (kv.get("type"), kv.get("num_bits"), kv.get("strategy")) != ("float", 8, "tensor"):
         raise _refuse("kv_cache_scheme", kv, "FP8 per-tensor (type float, 8 bits, tensor) or null")

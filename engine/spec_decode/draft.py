@@ -2,7 +2,7 @@
 ranks, whose KV cache mirrors the target's and which proposes k tokens greedily.
 
 KV: one cache tensor per draft layer, allocated by the model runner in the target's KV cache
-group of the layer's window (``engine.kv_cache_groups``: full attention, or the same sliding
+group of the layer's window (``engine.core.kv_cache_groups``: full attention, or the same sliding
 window), read and written through that group's block tables and slot mapping. Every step the
 draft runs over exactly the target's input tokens, positions and slots (prefill chunks,
 recomputation after a preemption and verified proposals included), so for every position the
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.kv_cache_groups import KVCacheLayout
+from engine.core.kv_cache_groups import KVCacheLayout
 from kernels.attention import AttentionMetadata, build_group_metadata
 from parallel.state import ParallelContext
 

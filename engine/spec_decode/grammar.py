@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import xgrammar as xgr
 
-from engine.structured_output import StructuredOutputGrammar
+from engine.core.structured_output import StructuredOutputGrammar
 
 
 def grammar_proposals(grammar: StructuredOutputGrammar, proposals: list[int]) -> list[int]:

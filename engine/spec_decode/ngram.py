@@ -13,7 +13,7 @@ rescans the history. The index lives on the ``Request`` (``spec_state``) and die
 
 from __future__ import annotations
 
-from engine.request import Request
+from engine.core.request import Request
 from engine.spec_decode.config import SpeculativeConfig
 
 

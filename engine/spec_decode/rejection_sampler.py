@@ -30,15 +30,15 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from engine.protocol import LogprobsLists
-from engine.sampler import (
+from engine.sampling_params import SamplingParams
+from engine.worker.sampler import (
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
     gather_logprobs,
     process_logits,
 )
-from engine.sampling_params import SamplingParams
+from engine.worker.step_messages import LogprobsLists
 
 
 def verify_proposals(

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.protocol import ExecuteModelRequest, LogprobsLists
+from engine.core.structured_output import apply_grammar_bitmask, unpack_bitmask
 from engine.spec_decode.rejection_sampler import spec_logprobs, verify_proposals
-from engine.structured_output import apply_grammar_bitmask, unpack_bitmask
+from engine.worker.step_messages import ExecuteModelRequest, LogprobsLists
 
 
 def spec_grammar_rows_of(

@@ -62,7 +62,7 @@ def workers_on_one_group(
     """One loaded ``Worker`` (64-block cache) per ``configs`` entry on this rank, all on the
     process group the first one joins (a rank's group outlives one model); the group ends
     after the last."""
-    from engine.worker import Worker
+    from engine.worker.worker import Worker
 
     first = None
     try:
@@ -109,7 +109,7 @@ def greedy_steps(
     through its next message."""
     import torch.distributed as dist
 
-    from engine.protocol import CachedRequestData, ExecuteModelRequest, NewRequestData
+    from engine.worker.step_messages import CachedRequestData, ExecuteModelRequest, NewRequestData
 
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     ids = [f"{prefix}{i}" for i in range(len(prompts))]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from engine import LLM
-from engine.builtin_models import resolve_model_source
+from engine.builtin.catalog import resolve_model_source
 from engine.errors import ConfigError
 from engine.hf_config import (
     FULL,

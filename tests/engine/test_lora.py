@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, InvalidRequestError, LoRARequest, SamplingParams
-from engine.builtin_models import make_tiny_lora, resolve_model_source
+from engine.builtin.catalog import make_tiny_lora, resolve_model_source
 
 MODEL = "builtin:tiny-llama"
 MAX_TOKENS = 12
@@ -286,7 +286,12 @@ def _tp_config(tp: int, rank: int) -> Any:
 def _prompt_logprobs_step(paths: dict[str, str], prompts: list[list[int]]) -> bytes:
     """One prefill step of base / A / B requests that returns every prompt position's logprobs
     (the sampler's view of all logits), as the head would send it."""
-    from engine.protocol import ExecuteModelRequest, LoRASlotSpec, NewRequestData, encode
+    from engine.worker.step_messages import (
+        ExecuteModelRequest,
+        LoRASlotSpec,
+        NewRequestData,
+        encode,
+    )
 
     loras = [0, 1, 2]
     new, offset = [], 0
@@ -320,8 +325,8 @@ def _prompt_logprobs_step(paths: dict[str, str], prompts: list[list[int]]) -> by
 def _run_worker(
     rank: int, tp: int, message: bytes, ports: Any, results: Any, every_rank: bool = False
 ) -> None:
-    from engine.protocol import decode_request, encode
-    from engine.worker import Worker
+    from engine.worker.step_messages import decode_request, encode
+    from engine.worker.worker import Worker
 
     worker = Worker(_tp_config(tp, rank))
     worker.init_device()
@@ -348,7 +353,7 @@ def _lists(output: Any) -> dict[str, np.ndarray]:
 
 
 def test_tensor_parallel_2_equals_1_with_adapters(adapters: Adapters) -> None:
-    from engine.protocol import decode_output
+    from engine.worker.step_messages import decode_output
 
     paths = {name: str(path) for name, path in adapters.paths.items()}
     message = _prompt_logprobs_step(paths, adapters.prompts[:6])
@@ -378,7 +383,7 @@ def test_every_tensor_parallel_rank_reports_an_adapter_it_cannot_load(
 ) -> None:
     """A rank that cannot read an adapter leaves its slot empty and says so, the non-sampling
     rank too (its output then holds only that), so the head can end the adapter's requests."""
-    from engine.protocol import decode_output
+    from engine.worker.step_messages import decode_output
 
     paths = {"a": str(adapters.paths["a"]), "b": str(tmp_path / "removed")}
     message = _prompt_logprobs_step(paths, adapters.prompts[:3])
@@ -406,10 +411,10 @@ def test_every_tensor_parallel_rank_reports_an_adapter_it_cannot_load(
 
 
 def test_scheduler_admits_past_a_request_waiting_for_a_lora_slot() -> None:
-    from engine.block_manager import BlockManager
     from engine.config import SchedulerConfig
-    from engine.request import Request
-    from engine.scheduler import Scheduler, make_execute_model_request
+    from engine.core.block_manager import BlockManager
+    from engine.core.request import Request
+    from engine.core.scheduler import Scheduler, make_execute_model_request
 
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     scheduler = Scheduler(config, BlockManager(64, 4), max_loras=2)
@@ -441,7 +446,7 @@ def test_lora_engine_arguments_are_checked() -> None:
 def test_async_engine_generates_under_an_adapter(adapters: Adapters) -> None:
     import asyncio
 
-    from engine.async_llm_engine import AsyncLLMEngine
+    from engine.client.async_llm_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine.from_engine_args(model=MODEL, enable_lora=True, max_lora_rank=8)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -463,7 +468,7 @@ def test_async_engine_generates_under_an_adapter(adapters: Adapters) -> None:
 
 def test_slot_table_keeps_resident_adapters_and_reuses_the_least_recently_used_slot() -> None:
     from engine.lora import LoRASlotTable
-    from engine.protocol import LoRASlotSpec
+    from engine.worker.step_messages import LoRASlotSpec
 
     table = LoRASlotTable(2)
     assert table.assign({1: "/a", 2: "/b"}) == {

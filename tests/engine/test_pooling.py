@@ -15,10 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, ConfigError, EngineConfig, InvalidRequestError, SamplingParams
-from engine.async_llm_engine import AsyncLLMEngine
-from engine.builtin_models import resolve_model_source
+from engine.builtin.catalog import resolve_model_source
+from engine.client.async_llm_engine import AsyncLLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.errors import RequestAbortedError
-from engine.llm_engine import LLMEngine
 from engine.outputs import PoolingRequestOutput
 from engine.pooling_params import PoolingParams
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine.client.llm import LLM
 from engine.config import ConfigError, EngineConfig, KernelConfig
-from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kernels import attention, cpu_decode
 from kernels.attention import AttentionMetadata

@@ -49,7 +49,7 @@ from cluster.api.responses_models import ResponsesRequest
 from cluster.serving.ingress import OpenAIIngress
 from cluster.serving.llm_server import LLMServer
 from cluster.serving.token_channel import TokenChannel
-from engine.protocol import decode_request, encode
+from engine.worker.step_messages import decode_request, encode
 
 MODEL = "tiny-llama"
 KEY = "sk-fuzz"

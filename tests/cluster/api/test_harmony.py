@@ -21,7 +21,7 @@ from cluster.api.reasoning_parsers import get_reasoning_parser, reasoning_front
 from cluster.api.tool_parsers import HarmonyStreamer, get_tool_parser, parse_harmony
 from cluster.serving.llm_server import LLMServer
 from engine import ConfigError
-from engine.tiny_harmony import HARMONY_TOKEN_IDS
+from engine.builtin.tiny_harmony import HARMONY_TOKEN_IDS
 from tests.cluster.api.scripted_chat import scripted_chat
 
 # The spec's outputs ("Chat conversation format", "Receiving tool calls", "Preambles"), as

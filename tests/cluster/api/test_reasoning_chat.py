@@ -19,8 +19,8 @@ from cluster.api.protocol import ChoiceChunk, GenerateRequest, StreamDelta, Stre
 from cluster.api.reasoning_parsers import ReasoningFront, get_reasoning_parser
 from cluster.serving.llm_server import LLMServer
 from engine import ConfigError
+from engine.builtin.tiny_reasoning_models import THINK_END_ID, THINK_START_ID
 from engine.sampling_params import StructuredOutputsParams
-from engine.tiny_reasoning_models import THINK_END_ID, THINK_START_ID
 from tests.cluster.api.scripted_chat import scripted_chat
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'

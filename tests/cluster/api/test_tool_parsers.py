@@ -28,7 +28,7 @@ from cluster.api.tool_parsers import (
     fold_deltas,
     get_tool_parser,
 )
-from engine import tiny_models
+from engine.builtin import tiny_models
 
 HERMES_TEXTS = {
     "one call": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',

@@ -125,8 +125,8 @@ def test_bench_family_builds_that_architecture_for_engine_and_hf(
 
 def test_bench_llama_keeps_its_cache_dirname() -> None:
     """The default family is llama, whose cached checkpoints keep the name they had before
-    ``--family``; every family's random model is one ``engine.tiny_models`` can build."""
-    from engine.tiny_models import RANDOM_MODEL_FAMILIES
+    ``--family``; every family's random model is one ``engine.builtin.tiny_models`` can build."""
+    from engine.builtin.tiny_models import RANDOM_MODEL_FAMILIES
 
     assert ModelShape().dirname == "bench-llama-h768-l12-a12-kv4-i1536-v32000-t2"
     assert DENSE_FAMILIES == RANDOM_MODEL_FAMILIES

@@ -238,7 +238,7 @@ BLIND_CLI = ("import sys, cluster.config.deployment as c; "
 def refused_model_config(tmp_path: Path) -> tuple[Path, Path]:
     """A config serving model "q3" from a checkpoint whose config.json names an architecture
     the engine does not build (the tiny Llama's otherwise); (config, checkpoint)."""
-    from engine.builtin_models import resolve_model_source
+    from engine.builtin.catalog import resolve_model_source
 
     checkpoint = tmp_path / "foo-checkpoint"
     shutil.copytree(resolve_model_source("builtin:tiny-llama"), checkpoint)

@@ -17,7 +17,7 @@ from cluster.config import load_config
 from cluster.ops.plan import PlanError, gpu_memory_gib_for, plan_deployment, preflight
 from engine.errors import ConfigError
 from tests.cluster.conftest import CONFIGS, load_yaml
-from tests.engine.test_memory_plan import (
+from tests.engine.worker.test_memory_plan import (
     DEEPSEEK_V3,
     GLM_4_6,
     GPT_OSS_120B,
@@ -28,7 +28,7 @@ from tests.engine.test_memory_plan import (
 MODEL_ID = "meta-llama/Meta-Llama-3-70B-Instruct"
 # Per GPU at TP 4 x PP 2: 41 and 39 layers of bf16 shards (the balanced default: the LM head is
 # ~1.2 layers of work) plus a quarter of the embedding (stage 0) or of the LM head and the final
-# norm (stage 1); see tests/engine/test_memory_plan.py.
+# norm (stage 1); see tests/engine/worker/test_memory_plan.py.
 LAYER_BYTES = (20 * 128 * 8192 + 8192 * 2048 + 14336 * 8192 + 8192 * 7168 + 2 * 8192) * 2
 TABLE_BYTES = 128256 // 4 * 8192 * 2
 

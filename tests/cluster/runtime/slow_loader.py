@@ -1,5 +1,5 @@
 """A Ray ``worker_process_setup_hook`` that slows the weight loader in every worker process
-of a test's Ray: ``engine.model_loader.iterate_checkpoint`` sleeps before each tensor for the
+of a test's Ray: ``engine.worker.model_loader.iterate_checkpoint`` sleeps before each tensor for the
 seconds written in the file named by ``SLOW_LOAD_DELAY_FILE`` (an env var of the job's
 runtime_env; read at each load, so a test can change it). Production code has no hook for it.
 
@@ -35,7 +35,7 @@ def set_delay(delay_file: Path, seconds_per_tensor: float) -> None:
 
 
 def slow_down() -> None:
-    import engine.model_loader as loader
+    import engine.worker.model_loader as loader
 
     delay_file = Path(os.environ[DELAY_FILE_ENV])
     original = loader.iterate_checkpoint

@@ -20,7 +20,7 @@ from cluster.runtime.load_progress import (
     remove_executor_records,
 )
 from cluster.serving.head_actor import PublishingObserver
-from engine.executor import PHASE_LOADING, PHASE_READY, PHASE_STARTING
+from engine.worker.executor import PHASE_LOADING, PHASE_READY, PHASE_STARTING
 
 
 class DictStore:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.builtin_models import resolve_model_source
-from engine.tiny_models import tiny_variant
+from engine.builtin.catalog import resolve_model_source
+from engine.builtin.tiny_models import tiny_variant
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 ENGINE_ARGS: dict[str, Any] = {

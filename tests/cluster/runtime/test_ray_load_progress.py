@@ -19,8 +19,8 @@ import ray
 
 from cluster.runtime.load_progress import read_load_progress
 from engine import LLM, EngineDeadError, SamplingParams
-from engine.builtin_models import resolve_model_source
-from engine.model_loader import checkpoint_tensor_bytes
+from engine.builtin.catalog import resolve_model_source
+from engine.worker.model_loader import checkpoint_tensor_bytes
 from tests.cluster.conftest import free_port, load_yaml
 from tests.cluster.runtime import slow_loader
 
@@ -146,7 +146,7 @@ def test_a_starting_replica_shows_its_load_and_health_is_not_ready_until_it_serv
 
     # The slow loader is a Ray worker-process hook: the head's engine must load in its Ray
     # worker, not in an engine-core child (whose relay of the same records is tested in
-    # tests/engine/test_core_process.py). ``build_app`` forwards this to the replicas.
+    # tests/engine/client/test_core_process.py). ``build_app`` forwards this to the replicas.
     monkeypatch.setenv("LLM_CLUSTER_HEAD_CORE_PROCESS", "0")
 
     from cluster.config import load_config

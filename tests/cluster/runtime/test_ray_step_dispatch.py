@@ -20,7 +20,7 @@ import ray
 from cluster.runtime.ray_executor import RayExecutor
 from engine import LLM, EngineDeadError, SamplingParams
 from engine.config import EngineConfig
-from engine.protocol import (
+from engine.worker.step_messages import (
     CachedRequestData,
     ExecuteModelRequest,
     ModelRunnerOutput,

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.spec_decode_models import draft, generate, make_looping_model, make_small_draft
+from tests.engine.spec_decode.spec_decode_models import (
+    draft,
+    generate,
+    make_looping_model,
+    make_small_draft,
+)
 
 # Starts Ray: the full suite, not the fast tier.
 pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=4)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.spec_decode_models import make_looping_model, ngram
+from tests.engine.spec_decode.spec_decode_models import make_looping_model, ngram
 
 # Starts Ray: the full suite, not the fast tier.
 pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=4)]

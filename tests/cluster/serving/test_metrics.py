@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.serving.metrics import ModelMetrics, expert_load_imbalance
-from engine.async_llm_engine import EngineStats
+from engine.client.async_llm_engine import EngineStats
 from tests.cluster.serving.metric_recorders import prometheus_text, recorded_model_metrics
 
 

@@ -17,11 +17,11 @@ import ray
 
 from cluster.serving.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
 from engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams
-from engine.async_llm_engine import AsyncLLMEngine, StreamOutput
-from engine.builtin_models import resolve_model_source
+from engine.builtin.catalog import resolve_model_source
+from engine.client.async_llm_engine import AsyncLLMEngine, StreamOutput
+from engine.client.core_messages import StepOutputs
 from engine.config import EngineConfig
-from engine.core_messages import StepOutputs
-from engine.llm_engine import load_tokenizer
+from engine.core.llm_engine import load_tokenizer
 from engine.pooling_params import PoolingParams
 from tests.cluster.conftest import wait_for
 

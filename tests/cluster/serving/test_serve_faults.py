@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from cluster.proto import llm_pb2, llm_pb2_grpc
-from engine.tiny_models import tiny_variant
+from engine.builtin.tiny_models import tiny_variant
 from tests.cluster.conftest import ServeCluster, health_checked_model, load_yaml, wait_for
 
 APP = "faults"

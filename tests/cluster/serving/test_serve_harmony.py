@@ -25,7 +25,7 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from engine.builtin_models import resolve_model_source
+from engine.builtin.catalog import resolve_model_source
 from tests.cluster.api.test_harmony import QUESTION, SPECIAL, TOOLS, harmony_params
 from tests.cluster.conftest import ServeCluster
 

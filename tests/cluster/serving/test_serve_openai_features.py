@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cluster.proto import llm_pb2, llm_pb2_grpc
 from cluster.serving.ingress import REPLICA_HEADER
 from engine import LLM, SamplingParams
-from engine.builtin_models import make_tiny_lora, resolve_model_source
+from engine.builtin.catalog import make_tiny_lora, resolve_model_source
 from engine.lora import LoRARequest
 from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
 
@@ -266,7 +266,7 @@ JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "
 
 def _valid(text: str, schema: dict[str, Any]) -> Any:
     # xgrammar 0.2.8 lets maxLength strings hold raw control characters (strict JSON forbids
-    # them; see tests/engine/test_structured_output.py): parsed leniently, then checked.
+    # them; see tests/engine/core/test_structured_output.py): parsed leniently, then checked.
     value = json.loads(text, strict=False)
     jsonschema.validate(value, schema)
     return value

@@ -17,8 +17,8 @@ from openai import OpenAI
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
-from engine.builtin_models import resolve_model_source
-from engine.tiny_reasoning_models import THINK_END_ID, THINK_START_ID
+from engine.builtin.catalog import resolve_model_source
+from engine.builtin.tiny_reasoning_models import THINK_END_ID, THINK_START_ID
 from tests.cluster.conftest import ServeCluster
 
 APP = "reasoning"

@@ -11,8 +11,8 @@ import pytest
 from cluster.bench import throughput
 from cluster.serving.metrics import ModelMetrics
 from engine import SamplingParams
-from engine.core_loop import EngineCoreLoop
-from engine.llm_engine import LLMEngine
+from engine.client.core_loop import EngineCoreLoop
+from engine.core.llm_engine import LLMEngine
 from tests.cluster.serving.metric_recorders import SAMPLES, recorded_model_metrics
 
 

@@ -21,7 +21,7 @@ from cluster.serving.start_errors import (
     known_start_failure,
     start_failure,
 )
-from engine.builtin_models import resolve_model_source
+from engine.builtin.catalog import resolve_model_source
 from engine.errors import ConfigError, EngineDeadError
 
 ENGINE_ARGS = {"model": "builtin:tiny-llama", "num_kv_blocks": 64, "device": "cpu"}

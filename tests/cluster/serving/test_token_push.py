@@ -12,7 +12,7 @@ import pytest
 
 from cluster.serving.head_messages import PollReply
 from cluster.serving.token_push import SinkPusher, TokenListener, parse_sink
-from engine.core_messages import RequestDelta, StepOutputs, decode_steps
+from engine.client.core_messages import RequestDelta, StepOutputs, decode_steps
 
 
 class _Outbox:

@@ -1,0 +1,233 @@
+"""The offline API: ``LLM(model=..., **engine_args).generate(prompts, params)``, and
+``embed(prompts)`` for embeddings pooled from the same model's final hidden states."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.client.beam_search import beam_search
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine, PromptType
+from engine.errors import InvalidRequestError
+from engine.lora import LoRARequest
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """Offline batched generation over the engine (vLLM's ``vllm.LLM``)."""
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in input order. A prompt is a string, a list of
+        token ids, or ``{"prompt_token_ids": [...]}``. ``lora_request``: one adapter for every
+        prompt, or a list aligned with the prompts (None: the base model). Invalid input
+        raises before anything runs."""
+        prompts = _as_prompt_list(prompts)
+        loras = _as_lora_list(lora_request, len(prompts))
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(
+                    f"has {len(params_list)} entries for {len(prompts)} prompts",
+                    param="sampling_params",
+                )
+        if any(p.use_beam_search for p in params_list):
+            if any(lora is not None for lora in loras):
+                raise InvalidRequestError(
+                    "beam search does not run with LoRA adapters", param="lora_request"
+                )
+            return self._generate_with_beam_search(prompts, params_list, priority, use_tqdm)
+        ids = self._add_all(prompts, params_list, priority, loras)
+        return self._run(ids, use_tqdm)
+
+    def _generate_with_beam_search(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """Beam-search prompts run one after another on the engine; the others in one batch."""
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        plain = [i for i, p in enumerate(params) if not p.use_beam_search]
+        if plain:
+            sub_priority = [priority[i] for i in plain] if priority else None
+            ids = self._add_all(
+                [prompts[i] for i in plain], [params[i] for i in plain], sub_priority
+            )
+            for i, out in zip(plain, self._run(ids, use_tqdm)):
+                outputs[i] = out
+        for i, p in enumerate(params):
+            if p.use_beam_search:
+                outputs[i] = beam_search(self.llm_engine, [prompts[i]], p)[0]
+        return [o for o in outputs if o is not None]
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        beam_width: int,
+        max_tokens: int = 16,
+        ignore_eos: bool = False,
+        length_penalty: float = 1.0,
+        logprobs: bool = False,
+    ) -> list[RequestOutput]:
+        """Beam search (vLLM's ``LLM.beam_search``): per prompt, the ``beam_width`` best
+        sequences by cumulative logprob / length ** length_penalty, best first."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = SamplingParams(
+            n=beam_width,
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+            use_beam_search=True,
+            beam_width=beam_width,
+            length_penalty=length_penalty,
+            logprobs=1 if logprobs else None,
+        )
+        return beam_search(self.llm_engine, list(prompts), params)
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt's final hidden states (the engine's ``pooling_type``) into one
+        vector each; outputs in input order, the vector in ``outputs.data``."""
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(
+                    f"has {len(params_list)} entries for {len(prompts)} prompts",
+                    param="pooling_params",
+                )
+        ids = self._add_all(prompts, params_list, None)
+        return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Embeddings (vLLM's ``LLM.embed``): ``encode``, the vector read as
+        ``outputs.embedding``."""
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+
+    def _add_all(
+        self,
+        prompts: list[PromptType],
+        params: Sequence[SamplingParams | PoolingParams],
+        priority: Sequence[int] | None,
+        loras: Sequence[LoRARequest | None] | None = None,
+    ) -> list[str]:
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = str(next(self._ids))
+                if isinstance(p, SamplingParams):  # only the final output is read (as vLLM)
+                    p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                self.llm_engine.add_request(
+                    rid,
+                    prompt,
+                    p,
+                    priority=priority[i] if priority else 0,
+                    lora_request=loras[i] if loras else None,
+                )
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:
+        pending = set(ids)
+        finished: dict[str, Any] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while pending:
+                for output in self.llm_engine.step():
+                    if output.finished and output.request_id in pending:
+                        finished[output.request_id] = output
+                        pending.discard(output.request_id)
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            {
+                "prompt_token_ids": list(
+                    tokenizer.apply_chat_template(
+                        c, add_generation_prompt=True, tokenize=True, return_dict=False
+                    )
+                )
+            }
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _as_lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """One adapter (or none) for every prompt, or a list that must align with the prompts."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise InvalidRequestError(
+            f"has {len(loras)} entries for {num_prompts} prompts", param="lora_request"
+        )
+    return loras
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string, a dict, a list of token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

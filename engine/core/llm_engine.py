@@ -1,0 +1,795 @@
+"""``LLMEngine``: the head's synchronous core — tokenize and validate, schedule, run a step on
+the executor, update requests, detokenize, produce ``RequestOutput``s.
+
+A user request with ``n`` samples becomes n scheduler ``Request``s gathered back into one
+``RequestOutput``; a pooling request is one ``Request`` that samples nothing (``LLMEngine``
+says how both map). Beam search runs outside the engine core, on top of it
+(``engine.client.beam_search``).
+
+Structured outputs: a sample with ``structured_outputs`` holds its own grammar matcher (see
+``engine.core.structured_output``); each step sends the next-token bitmask of the constrained
+samples that sample, and advances their matchers with the tokens they got.
+
+With batches in flight (pipelined PP, ``Executor.max_concurrent_batches`` > 1) a step sends
+batches until that many are out, then takes the oldest one's output (see ``engine.core.scheduler``).
+
+Checking and tokenizing a request before it is admitted is ``engine.core.input_processor``; the
+per-request output state and the outputs built from it, by ``output_kind``, are
+``engine.core.output_processor``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, GenerationConfig
+
+from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager, KVCacheStats
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.input_processor import InputProcessor, PromptType, sample_params
+from engine.core.kv_cache_groups import (
+    KVCacheLayout,
+    kv_cache_group_specs,
+    plan_group_blocks,
+    request_block_capacity,
+)
+from engine.core.output_processor import (
+    PoolingState,
+    RequestGroup,
+    SampleState,
+    logprob_dicts,
+    make_request_output,
+    stop_holdback,
+)
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
+from engine.core.structured_output import StructuredOutputGrammar, StructuredOutputManager
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
+from engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.grammar import grammar_proposals, spec_grammar_rows
+from engine.spec_decode.metrics import SpecDecodeStats
+from engine.spec_decode.ngram import NgramProposer
+from engine.timing import StepTimer
+from engine.worker.executor import Executor, StepFuture, get_executor_class
+from engine.worker.step_messages import (
+    ExecuteModelRequest,
+    LogprobsLists,
+    ModelRunnerOutput,
+    PromptLogprobs,
+)
+
+logger = logging.getLogger("llm_cluster.engine")
+
+EngineOutput = RequestOutput | PoolingRequestOutput
+
+# The sampling_params every Request carries; a pooling request never samples.
+_POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def load_tokenizer(config: EngineConfig) -> Any:
+    path = config.model.tokenizer or config.model.model_path
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+def eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
+    """EOS ids as HF ``generate`` uses them: generation_config.json's, else the tokenizer's."""
+    ids: set[int] = set()
+    if (Path(model_path) / "generation_config.json").exists():
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class LLMEngine:
+    """The head's per-step cycle: admit, schedule, execute, update, detokenize.
+
+    A user request with ``n`` samples becomes n scheduler ``Request``s: sample 0 keeps the request
+    id, sample i > 0 is ``"{i}_{request_id}"``; samples 1.. fork from sample 0's prompt blocks (see
+    ``engine.core.scheduler``) and draw from their own seed stream (``seed + i``). The engine
+    gathers them back into one ``RequestOutput`` with n ``CompletionOutput``s ordered by index,
+    finished when all are. Aborting the request aborts every sample.
+
+    A request added with ``PoolingParams`` instead of ``SamplingParams`` is a pooling (embedding)
+    request: one scheduler ``Request`` that samples nothing; the step that computes its last prompt
+    token returns its ``PoolingRequestOutput`` (the vector the workers pooled) and ends it.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_class: Callable[[EngineConfig], Executor] | None = None,
+    ) -> None:
+        """``executor_class``: what builds the executor from the config (default: the class
+        ``distributed_executor_backend`` names; a ``functools.partial`` of one may bind more,
+        as the head actor binds its start-up observer)."""
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.eos_token_ids = eos_token_ids(config.model.model_path, self.tokenizer)
+        self.executor = (executor_class or get_executor_class(config))(config)
+        num_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
+        if config.scheduler.preemption_mode != "swap":
+            num_cpu_blocks = 0
+        layout = self._kv_cache_layout(num_blocks, num_cpu_blocks)
+        self.executor.initialize_cache(list(layout.num_blocks), list(layout.num_cpu_blocks))
+        self.block_manager = BlockManager(
+            layout,
+            config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+        )
+        self.inputs = InputProcessor(
+            config,
+            self.tokenizer,
+            request_block_capacity(layout, config.cache.block_size, config.max_model_len),
+        )
+        lora = config.lora
+        self.lora_registry = (
+            LoRARegistry(config.model.hf_config, lora.max_lora_rank, lora.max_cpu_loras)
+            if lora.enable_lora
+            else None
+        )
+        self.lora_slots = LoRASlotTable(lora.max_loras) if lora.enable_lora else None
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.block_manager,
+            max_loras=lora.max_loras if lora.enable_lora else None,
+        )
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, config.model.vocab_size, self.eos_token_ids
+        )
+        self._groups: dict[str, RequestGroup] = {}
+        # Scheduler request id of every live sample -> (its group, its index).
+        self._samples: dict[str, tuple[RequestGroup, int]] = {}
+        self._pooling: dict[str, PoolingState] = {}
+        # Batches sent and not yet taken, oldest first (more than one only when pipelined).
+        self._pipeline_depth = self.executor.max_concurrent_batches
+        self.scheduler.pipeline_depth = self._pipeline_depth
+        self._batches: deque[tuple[SchedulerOutput, StepFuture]] = deque()
+        self.step_timer = StepTimer()
+        spec = config.speculative.speculative_config
+        self.proposer = NgramProposer(spec, config.max_model_len) if spec is not None else None
+        if spec is not None and spec.method == "draft_model":
+            # The workers' draft proposes; the proposer only trims its tokens to the room left.
+            self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
+        self.spec_decode_stats = SpecDecodeStats()
+        self._log_cache_size(layout)
+
+    @classmethod
+    def from_engine_args(cls, **engine_args: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**engine_args))
+
+    def _kv_cache_layout(self, num_blocks: int, num_cpu_blocks: int) -> KVCacheLayout:
+        """Each KV cache group's pool from the workers' all-layer block count
+        (``engine.core.kv_cache_groups``); an explicit ``num_kv_blocks`` gives every group that
+        many, as before groups."""
+        config = self.config
+        specs = kv_cache_group_specs(config.model.hf_config, config.max_model_len)
+        if len(specs) == 1 or config.cache.num_kv_blocks is not None:
+            return KVCacheLayout.uniform(specs, num_blocks, num_cpu_blocks)
+        spec = config.speculative.speculative_config
+        k = spec.num_speculative_tokens if spec is not None else 0
+        lookahead = k if spec is not None and spec.method == "draft_model" else 0
+        return plan_group_blocks(
+            specs,
+            num_blocks,
+            num_cpu_blocks,
+            self.executor.collective_rpc("kv_group_block_bytes"),
+            block_size=config.cache.block_size,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            decode_tokens=1 + k + lookahead,
+            batches_in_flight=self.executor.max_concurrent_batches,
+        )
+
+    def _log_cache_size(self, layout: KVCacheLayout) -> None:
+        group_bytes = self.executor.collective_rpc("kv_group_block_bytes")
+        bs = self.config.cache.block_size
+        for g, (spec, n) in enumerate(zip(layout.specs, layout.num_blocks)):
+            block_bytes = sum(worker[g] for worker in group_bytes)
+            kind = (
+                "full attention"
+                if spec.sliding_window is None
+                else (f"sliding window {spec.sliding_window}")
+            )
+            logger.info(
+                "KV cache group %d (%s): %d blocks x %d tokens = %d tokens (%.1fx max_model_len "
+                "%d), %.2f GiB across workers; swap space: %d blocks",
+                g,
+                kind,
+                n,
+                bs,
+                n * bs,
+                n * bs / self.config.max_model_len,
+                self.config.max_model_len,
+                n * block_bytes / (1 << 30),
+                layout.num_cpu_blocks[g],
+            )
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> Request:
+        """Validate and enqueue; raises ``InvalidRequestError`` (naming the field) and enqueues
+        nothing if the request is invalid. Raises ``EngineOverloadedError`` when the waiting
+        queue is full and ``EngineDeadError`` once the workers are dead. ``PoolingParams``
+        make it a pooling (embedding) request (vLLM's ``add_request`` takes either).
+        ``lora_request`` runs it under that LoRA adapter, read and checked here (a bad
+        adapter is an ``InvalidRequestError`` naming the problem)."""
+        self._check_alive()
+        params = params or SamplingParams()
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise InvalidRequestError(
+                "must be a SamplingParams or a PoolingParams", param="sampling_params"
+            )
+        self.inputs.check_cache_salt(cache_salt)
+        self._check_lora(lora_request)
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(
+                request_id, prompt, params, arrival_time, priority, cache_salt, lora_request
+            )
+        text, token_ids = self.inputs.tokenize(prompt)
+        max_tokens = self.inputs.check_lengths(token_ids, params)
+        params = self.inputs.check_sampling(params, max_tokens)
+        if params.structured_outputs is not None:
+            # Compiled (or found in the cache) now, so that a bad spec is a 400 here.
+            self.structured_output.compile(params.structured_outputs)
+        self._admit(len(token_ids), params.n)
+        sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]
+        self._check_unused(request_id, sample_ids)
+        arrival_time = arrival_time or time.monotonic()
+        samples = [
+            Request(
+                rid,
+                token_ids,
+                sample_params(params, i),
+                eos_token_ids=self.eos_token_ids,
+                max_tokens=max_tokens,
+                arrival_time=arrival_time,
+                priority=priority,
+                cache_salt=cache_salt,
+                parent_request_id=request_id,
+                index=i,
+                lora_request=lora_request,
+            )
+            for i, rid in enumerate(sample_ids)
+        ]
+        group = RequestGroup(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            samples=[self._sample_state(r) for r in samples],
+            prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
+        )
+        self.scheduler.add_request(samples[0], forks=samples[1:])
+        self._groups[request_id] = group
+        for i, rid in enumerate(sample_ids):
+            self._samples[rid] = (group, i)
+        return samples[0]
+
+    def _add_pooling_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None,
+        priority: int,
+        cache_salt: str | None,
+        lora_request: LoRARequest | None,
+    ) -> Request:
+        if params.dimensions is not None:
+            raise InvalidRequestError(
+                "this model does not support reducing embedding dimensions", param="dimensions"
+            )
+        text, token_ids = self.inputs.tokenize(prompt)
+        self.inputs.check_pooling_length(token_ids)
+        self._admit(len(token_ids), 1)
+        self._check_unused(request_id, [request_id])
+        request = Request(
+            request_id,
+            token_ids,
+            _POOLING_PLACEHOLDER,
+            max_tokens=0,
+            arrival_time=arrival_time or time.monotonic(),
+            priority=priority,
+            cache_salt=cache_salt,
+            pooling_params=params,
+            # A cached prefix is never computed, so its positions would be missing from a mean.
+            skip_prefix_cache=self.config.pooler.pooling_type == "mean",
+            lora_request=lora_request,
+        )
+        self.scheduler.add_request(request)
+        self._pooling[request_id] = PoolingState(request, text)
+        return request
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Read and check the adapter now (cached), so a bad one never reaches the workers."""
+        if lora_request is None:
+            return
+        if self.lora_registry is None:
+            raise InvalidRequestError(
+                "LoRA is not enabled on this engine (start it with enable_lora=True)",
+                param="lora_request",
+            )
+        self.lora_registry.get(lora_request, self._live_loras)
+
+    def _live_loras(self) -> list[LoRARequest]:
+        return [
+            r.lora_request for r in self.scheduler.requests.values() if r.lora_request is not None
+        ]
+
+    def _assign_lora_slots(self, sched: SchedulerOutput, message: ExecuteModelRequest) -> None:
+        """Give this step's adapters device slots; changed slots travel in the message."""
+        if self.lora_slots is None:
+            return
+        adapters = {}
+        for rid in sched.num_scheduled_tokens:
+            request = self.scheduler.requests.get(rid)
+            if request is not None and request.lora_request is not None:
+                adapters[request.lora_int_id] = request.lora_request.lora_path
+        if adapters:
+            message.lora_slots = self.lora_slots.assign(adapters)
+
+    def _check_unused(self, request_id: str, scheduler_ids: list[str]) -> None:
+        if (
+            request_id in self._groups
+            or request_id in self._pooling
+            or any(r in self.scheduler.requests for r in scheduler_ids)
+        ):
+            raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
+
+    def _admit(self, num_prompt_tokens: int, n: int) -> None:
+        """Bounded waiting queue: raise ``EngineOverloadedError`` (nothing enqueued) if this
+        request's ``n`` samples or prompt tokens would take the queue past its caps. Checked
+        after validation, so an invalid request is a 400 even under overload."""
+        sched = self.config.scheduler
+        if sched.max_waiting_requests is None and sched.max_waiting_tokens is None:
+            return
+        requests, tokens = self.scheduler.waiting_load()
+        if requests == 0:
+            return
+        cap = sched.max_waiting_requests
+        if cap is not None and requests + n > cap:
+            raise EngineOverloadedError(
+                f"{requests} requests are waiting (max_waiting_requests {cap}); retry later"
+            )
+        cap = sched.max_waiting_tokens
+        if cap is not None and tokens + num_prompt_tokens > cap:
+            raise EngineOverloadedError(
+                f"{tokens} prompt tokens are waiting (max_waiting_tokens {cap}); retry later"
+            )
+
+    def _sample_state(self, request: Request) -> SampleState:
+        params = request.sampling_params
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
+        wants_logprobs = params.logprobs is not None
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured_output.new_grammar(params.structured_outputs)
+        return SampleState(
+            request=request,
+            detokenizer=detokenizer,
+            logprobs=[] if wants_logprobs else None,
+            cumulative_logprob=0.0 if wants_logprobs else None,
+            grammar=grammar,
+            holdback=stop_holdback(params),
+        )
+
+    def abort_request(self, request_id: str | Iterable[str]) -> list[EngineOutput]:
+        """Abort live requests — every one of their samples; unknown or finished ids are
+        ignored — and free their blocks now; returns the aborted requests' final outputs
+        (finish_reason "abort" on the samples that were still running; a pooling request's
+        output has no vector)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outputs: list[EngineOutput] = []
+        for rid in ids:
+            pooling = self._pooling.pop(rid, None)
+            if pooling is not None:
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+                outputs.append(self._pooling_output(pooling, None))
+                continue
+            group = self._groups.get(rid)
+            if group is None:
+                continue
+            sample_ids = [s.request.request_id for s in group.samples]
+            self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
+            final = self.make_output(group)
+            if final is not None:  # always: the group has finished
+                outputs.append(final)
+            self._forget(group)
+        if outputs and not self.scheduler.has_unfinished_requests():
+            # Nothing will step again soon: the workers drop the aborted requests' state now.
+            self._flush_finished()
+        return outputs
+
+    def _forget(self, group: RequestGroup) -> None:
+        self._groups.pop(group.request_id, None)
+        for sample in group.samples:
+            self._samples.pop(sample.request.request_id, None)
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[EngineOutput]:
+        """Schedule, execute one step on the workers, and return outputs of updated requests.
+        Raises ``EngineDeadError`` (failing every in-flight request) if a worker died.
+
+        With batches in flight (a pipelined executor), one call sends new batches until
+        ``max_concurrent_batches`` are out or nothing more can be scheduled, then takes the
+        oldest batch's output: the outputs of one batch per call, in the order sent."""
+        self._check_alive()
+        if self._pipeline_depth > 1:
+            return self._step_pipelined()
+        self.step_timer.start()
+        scheduled = self._schedule()
+        if scheduled is None:
+            return []
+        sched, message = scheduled
+        output = self.executor.execute_model(message)
+        self.step_timer.lap("execute")
+        return self._finish_step(sched, output)
+
+    def _step_pipelined(self) -> list[EngineOutput]:
+        clock = self.step_timer
+        clock.start()
+        while len(self._batches) < self._pipeline_depth:
+            scheduled = self._schedule()
+            if scheduled is None:
+                break
+            sched, message = scheduled
+            self._batches.append((sched, self.executor.execute_model_async(message)))
+            if sched.total_num_scheduled_tokens == 0:
+                break  # only finished ids to pass on: nothing else is schedulable
+        if not self._batches:
+            return []
+        sched, future = self._batches.popleft()
+        try:
+            output = future.result()
+        except EngineDeadError:
+            self._batches.clear()
+            raise
+        clock.lap("execute")
+        return self._finish_step(sched, output)
+
+    def _schedule(self) -> tuple[SchedulerOutput, ExecuteModelRequest] | None:
+        """The next batch and its wire message; None when there is nothing to send."""
+        sched = self.scheduler.schedule()
+        if sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids:
+            return None
+        message = make_execute_model_request(sched)
+        self._add_grammar_bitmask(sched, message)
+        self._assign_lora_slots(sched, message)
+        self.step_timer.lap("schedule")
+        return sched, message
+
+    def _finish_step(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineOutput]:
+        """Take one batch's output: update the requests, detokenize, build their outputs."""
+        clock = self.step_timer
+        failed = self._fail_lora_loads(output.lora_load_errors)
+        texts = self._decode_logprob_tokens(output)
+        self._record_prompt_logprobs(output.prompt_logprobs, texts)
+        self._observe_spec_decode(sched, output)
+        updated = self.scheduler.update_from_output(sched, output.req_ids, output.sampled_token_ids)
+        pooled = [r for r in updated if r.is_pooling]
+        updated = [r for r in updated if not r.is_pooling]
+        clock.lap("update")
+        logprobs = dict(zip(output.req_ids, output.logprobs or ()))
+        groups: dict[str, RequestGroup] = {}
+        for request, num_new in self._new_tokens(updated, output):
+            group, index = self._samples[request.request_id]
+            sample = group.samples[index]
+            self._advance_grammar(sample, num_new)
+            self._process(sample, num_new, logprobs.get(request.request_id), texts)
+            if request.is_finished:
+                sample.grammar = None
+            else:
+                self._propose(sample, output.draft_token_ids)
+            groups[group.request_id] = group
+        outputs: list[EngineOutput] = failed
+        for group in groups.values():
+            output_now = self.make_output(group)
+            if output_now is not None:
+                outputs.append(output_now)
+            if group.finished:
+                self._forget(group)
+        for request in pooled:
+            outputs.append(self._finish_pooling(request, output.pooled))
+        clock.lap("detokenize")
+        if not self.scheduler.has_unfinished_requests():
+            self._flush_finished()
+        return outputs
+
+    def _grammar_of(self, request_id: str) -> StructuredOutputGrammar | None:
+        entry = self._samples.get(request_id)
+        return entry[0].samples[entry[1]].grammar if entry is not None else None
+
+    def _observe_spec_decode(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """Count each verification before stops trim the tokens: accepted = emitted - 1."""
+        if not sched.spec_token_ids:
+            return
+        for rid, tokens in zip(output.req_ids, output.sampled_token_ids):
+            spec = sched.spec_token_ids.get(rid)
+            if spec is not None and tokens:
+                self.spec_decode_stats.observe(len(spec), len(tokens) - 1)
+
+    def _propose(self, sample: SampleState, drafts: dict[str, list[int]]) -> None:
+        """Speculative decoding: the proposals the request's next step verifies (n-gram
+        lookup here, or the workers' draft model's), cut where a grammar (structured outputs)
+        rejects one."""
+        if self.proposer is None:
+            return
+        request = sample.request
+        if self.proposer.config.method == "draft_model":
+            proposals = drafts.get(request.request_id, [])[: self.proposer.room(request)]
+        else:
+            proposals = self.proposer.propose(request)
+        if sample.grammar is not None:
+            proposals = grammar_proposals(sample.grammar, proposals)
+        request.spec_token_ids = proposals
+
+    def _fail_lora_loads(self, errors: dict[int, str]) -> list[EngineOutput]:
+        """Adapters a worker could not load into their slots this step (their files removed or
+        changed since the head checked them): before this step's tokens are taken, their
+        requests end ("abort", and the error is logged) and the adapter is forgotten, so its
+        next use checks it again (a 400 if it is still gone). Other requests are untouched."""
+        if not errors:
+            return []
+        groups: dict[str, int] = {}
+        for request in list(self.scheduler.requests.values()):
+            if request.lora_int_id in errors and not request.is_finished:
+                entry = self._samples.get(request.request_id)
+                group_id = entry[0].request_id if entry is not None else request.request_id
+                groups[group_id] = request.lora_int_id
+        for lid, why in errors.items():
+            aborted = sorted(g for g, gl in groups.items() if gl == lid)
+            logger.error("LoRA adapter %d: %s; aborting its requests %s", lid, why, aborted)
+            if self.lora_registry is not None and self.lora_slots is not None:
+                self.lora_registry.forget(lid)
+                self.lora_slots.forget(lid)
+        return self.abort_request(list(groups))
+
+    def _add_grammar_bitmask(self, sched: SchedulerOutput, message: ExecuteModelRequest) -> None:
+        """Next-token bitmask rows of the constrained samples that sample this step: those
+        whose scheduled tokens reach the end of their known tokens (mid-prompt chunks and
+        recomputed old tokens are not sampled, so they get no row)."""
+        req_ids, grammars = [], []
+        for rid, num in sched.num_scheduled_tokens.items():
+            entry = self._samples.get(rid)
+            if entry is None:
+                continue
+            sample = entry[0].samples[entry[1]]
+            request = sample.request
+            if sample.grammar is None or request.num_computed_tokens + num != request.num_tokens:
+                continue
+            if not sample.grammar.active:  # a reasoning model still reasoning: unconstrained
+                continue
+            req_ids.append(rid)
+            grammars.append(sample.grammar)
+        spec_ids, spec_rows = spec_grammar_rows(
+            sched.spec_token_ids, self._grammar_of, self.structured_output.vocab_size
+        )
+        if req_ids or spec_ids:
+            message.structured_output_req_ids = req_ids + spec_ids
+            plain = self.structured_output.grammar_bitmask(grammars) if grammars else b""
+            message.grammar_bitmask = plain + spec_rows
+
+    def _advance_grammar(self, sample: SampleState, num_new: int) -> None:
+        """Feed the sampled tokens to the sample's matcher. A complete grammar (its stop token
+        accepted) ends the request as stopped, even with ignore_eos. A rejected token (the
+        mask should make that impossible) also stops it, with a warning, rather than emit
+        output the grammar does not match."""
+        grammar, request = sample.grammar, sample.request
+        if grammar is None:
+            return
+        accepted = grammar.accept_tokens(request.output_token_ids[-num_new:])
+        if not accepted:
+            logger.warning(
+                "%s: the grammar rejected sampled token(s) %s; stopping the request",
+                request.request_id,
+                request.output_token_ids[-num_new:],
+            )
+        if (not accepted or grammar.is_terminated()) and not request.is_finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+
+    @staticmethod
+    def _new_tokens(updated: list[Request], output: ModelRunnerOutput) -> list[tuple[Request, int]]:
+        counts = dict(zip(output.req_ids, (len(t) for t in output.sampled_token_ids)))
+        return [(r, counts[r.request_id]) for r in updated]
+
+    def _process(
+        self,
+        sample: SampleState,
+        num_new: int,
+        logprobs: LogprobsLists | None,
+        texts: dict[int, str],
+    ) -> None:
+        request, detok = sample.request, sample.detokenizer
+        num_before = request.num_output_tokens - num_new
+        stopped = self._detokenize(sample, num_new)
+        if logprobs is not None and sample.logprobs is not None:
+            # A verified run cut by a stop keeps the rows of the tokens it kept.
+            kept = request.num_output_tokens - num_before
+            entries = logprob_dicts(logprobs, texts)[:kept]
+            sample.logprobs.extend(entries)
+            sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + sum(
+                lps[0] for lps in logprobs.logprobs[:kept]
+            )
+        if stopped:
+            request.stop_reason = detok.stop_string
+            if request.is_finished:
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            detok.finish()
+
+    @staticmethod
+    def _detokenize(sample: SampleState, num_new: int) -> bool:
+        """Feed the step's tokens to the detokenizer; True on a stop string. Several tokens
+        (verified speculative ones) go one at a time, and those after the token that completed
+        a stop string are dropped, as one-token steps would never have sampled them."""
+        request, detok = sample.request, sample.detokenizer
+        new = request.output_token_ids[-num_new:]
+        if _stopped_by_token(request):
+            new = new[:-1]
+        if len(new) <= 1:
+            return detok.update(new)
+        for i, token in enumerate(new):
+            if detok.update([token]):
+                request.truncate_output(request.num_output_tokens - num_new + i + 1)
+                return True
+        return False
+
+    def _record_prompt_logprobs(
+        self, chunks: dict[str, PromptLogprobs], texts: dict[int, str]
+    ) -> None:
+        for rid, chunk in chunks.items():
+            group = self._samples.get(rid, (None, 0))[0]
+            if group is None or group.prompt_logprobs is None:
+                continue
+            for offset, entry in enumerate(logprob_dicts(chunk.lists, texts)):
+                group.prompt_logprobs[chunk.start + offset] = entry
+
+    def _decode_logprob_tokens(self, output: ModelRunnerOutput) -> dict[int, str]:
+        """Text of every token id in this step's logprobs, decoded in one batch."""
+        rows = [row for lists in output.logprobs or () if lists for row in lists.token_ids]
+        rows += [row for chunk in output.prompt_logprobs.values() for row in chunk.lists.token_ids]
+        if not rows:
+            return {}
+        unique = sorted({t for row in rows for t in row})
+        backend = self.tokenizer.backend_tokenizer
+        texts = backend.decode_batch([[t] for t in unique], skip_special_tokens=False)
+        return dict(zip(unique, texts))
+
+    def make_output(self, group: RequestGroup) -> RequestOutput | None:
+        """The group's output as its ``output_kind`` asks (None: nothing to emit now)."""
+        return make_request_output(group)
+
+    def _finish_pooling(
+        self, request: Request, pooled: dict[str, list[float]]
+    ) -> PoolingRequestOutput:
+        state = self._pooling.pop(request.request_id)
+        vector = pooled.get(request.request_id)
+        if vector is None:
+            raise RuntimeError(f"the workers returned no pooled vector for {request}")
+        return self._pooling_output(state, vector)
+
+    @staticmethod
+    def _pooling_output(state: PoolingState, vector: list[float] | None) -> PoolingRequestOutput:
+        request = state.request
+        return PoolingRequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=PoolingOutput(vector) if vector is not None else None,
+            finished=True,
+            prompt=state.prompt,
+            finish_reason=request.status.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def _flush_finished(self) -> None:
+        """Tell the workers to drop finished requests' state now rather than at the next step
+        (after the batches in flight, whose last one flushes)."""
+        if not self.scheduler._finished_req_ids or self._batches:
+            return
+        sched = self.scheduler.schedule()
+        self.executor.execute_model(make_execute_model_request(sched))
+
+    def _check_alive(self) -> None:
+        if self.executor.is_dead:
+            raise EngineDeadError("the engine's workers are dead; build a new engine to continue")
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if a worker is gone."""
+        self.executor.check_health()
+
+    # ---- introspection ------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests not finished, or batches still in flight (whose outputs a step takes)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._batches)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    def get_kv_cache_stats(self) -> KVCacheStats:
+        return self.block_manager.stats()
+
+    def request_state_sizes(self) -> dict[str, int]:
+        """How many entries each per-request table of the head holds (all 0 once idle): a
+        leak check for soak tests and operators."""
+        sched, blocks = self.scheduler, self.block_manager
+        return {
+            "groups": len(self._groups),
+            "samples": len(self._samples),
+            "pooling_requests": len(self._pooling),
+            "scheduler_requests": len(sched.requests),
+            "pending_forks": len(sched.pending_forks),
+            "finished_not_flushed": len(sched._finished_req_ids),
+            "requests_in_flight": len(sched.in_flight),
+            "batches_in_flight": len(self._batches),
+            **blocks.table_sizes(),
+            "grammar_matchers": sum(
+                s.grammar is not None for g in self._groups.values() for s in g.samples
+            ),
+        }
+
+    def check_integrity(self) -> None:
+        """Block manager invariants, plus: every live request is in exactly one queue."""
+        self.block_manager.check_integrity()
+        sched = self.scheduler
+        queued = list(sched.waiting) + sched.running + sched.swapped
+        queued += [r for forks in sched.pending_forks.values() for r in forks]
+        if sorted(r.request_id for r in queued) != sorted(sched.requests):
+            raise RuntimeError("scheduler queues disagree with the set of live requests")
+        for request in sched.running:
+            if request.num_computed_tokens > request.num_tokens:
+                raise RuntimeError(f"{request}: more tokens computed than known")
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _stopped_by_token(request: Request) -> bool:
+    """The request just ended on a stop token (EOS, one of ``stop_token_ids``, or the stop
+    token that completed its grammar): as in vLLM, that token's text is not part of the output
+    unless ``include_stop_str_in_output`` (it shows only with ``skip_special_tokens=False`` or
+    a stop token that is not special: a chat parser reading special tokens never sees the
+    ``<|return|>`` or ``</s>`` that ended the answer)."""
+    if request.status != RequestStatus.FINISHED_STOPPED:
+        return False
+    params = request.sampling_params
+    last = request.output_token_ids[-1]
+    stop_ids = params.stop_token_ids or ()
+    return not params.include_stop_str_in_output and (
+        last in request.eos_token_ids or last in stop_ids
+    )

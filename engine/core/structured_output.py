@@ -1,0 +1,254 @@
+"""Structured outputs with xgrammar: the head compiles and tracks grammars, the driver masks.
+
+    head (LLMEngine)                                 driver worker (ModelRunner.sample)
+    add_request: compile the spec (LRU cache),
+                 one GrammarMatcher per sample
+    step:  for each constrained sample that
+           samples this step, fill its row of the
+           next-token bitmask  ───── ExecuteModelRequest ─────▶  logits[row] = -inf where
+                                  structured_output_req_ids      the row's bit is 0, before
+                                  grammar_bitmask (int32 rows)   anything else in the sampler
+    after: matcher.accept_token(sampled token);
+           terminated (stop token accepted) -> FINISHED_STOPPED
+
+Bitmask layout: row i is for ``structured_output_req_ids[i]``; ``ceil(vocab_size / 32)``
+little-endian int32 words, bit ``j`` of word ``w`` set iff token ``32 * w + j`` is allowed.
+Matchers advance only with sampled tokens, so preemption (recompute or swap) leaves them as
+they are: a recomputed request recomputes its old tokens without sampling them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from engine.core.json_string_grammar import json_schema_grammar
+from engine.errors import InvalidRequestError
+from engine.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("llm_cluster.structured_output")
+
+_BITMASK_DTYPE = np.dtype("<i4")
+# xgrammar's messages start with "[hh:mm:ss] /path/to/file.cc:123: " and may carry a
+# "Check failed: (...) is false: " preamble; neither helps a client.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+_MAX_ERROR_CHARS = 300
+# JSON allows any run of whitespace between tokens; a model that has drifted (small, quantized,
+# or random weights) can emit newlines until max_tokens and never close the object. Capping
+# each run keeps every pretty-printed JSON (indents of a few levels) and rules that out.
+MAX_JSON_WHITESPACE_RUN = 16
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per bitmask row."""
+    return -(-vocab_size // 32)
+
+
+class StructuredOutputGrammar:
+    """One sample's grammar state: a ``GrammarMatcher`` advanced by the sampled tokens.
+
+    With ``start_after`` (a reasoning model's end-of-reasoning token), the grammar is dormant
+    until that token is sampled: no bitmask row, sampled tokens not fed to the matcher. The
+    token after it is the first the grammar constrains, from its initial state."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, start_after: int | None = None) -> None:
+        self.matcher = matcher
+        self.num_accepted_tokens = 0
+        self.start_after = start_after
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (False while dormant)."""
+        return self.start_after is None
+
+    def accept_tokens(self, token_ids: Iterable[int]) -> bool:
+        """Advance by ``token_ids``; False (state unchanged from the rejected token on) if the
+        grammar rejects one. While dormant, tokens up to the awakening one pass unchecked."""
+        for token in token_ids:
+            if self.start_after is not None:
+                if token == self.start_after:
+                    self.start_after = None
+                continue
+            if not self.matcher.accept_token(token):
+                return False
+            self.num_accepted_tokens += 1
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted."""
+        return self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    """Head side, one per engine: the tokenizer's xgrammar view and compiler (built on first
+    use), compiled grammars in an LRU cache keyed by the spec, and the per-step bitmask."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Iterable[int] = (),
+        *,
+        cache_size: int = 128,
+    ) -> None:
+        self.tokenizer = tokenizer
+        # The model's vocabulary (its logits' width), which may exceed the tokenizer's.
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.cache_size = cache_size
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._cache: OrderedDict[tuple[str, str, bool], xgr.CompiledGrammar] = OrderedDict()
+
+    @property
+    def compiler(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer,
+                vocab_size=self.vocab_size,
+                # The engine's EOS ids (generation config first), so that the grammar's end is
+                # the token that ends the request.
+                stop_token_ids=self.stop_token_ids or None,
+            )
+            # Compiles run on the engine thread during add_request: one thread each. Our LRU
+            # is the only cache (xgrammar's own is unbounded by default).
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    @property
+    def num_cached_grammars(self) -> int:
+        return len(self._cache)
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``params`` (cached); an invalid schema, regex or grammar
+        raises ``InvalidRequestError`` naming the field, with xgrammar's reason."""
+        end = params.reasoning_end_token_id
+        if end is not None and end >= self.vocab_size:
+            raise InvalidRequestError(
+                f"must be a token id in [0, {self.vocab_size}), got {end}",
+                param="structured_outputs.reasoning_end_token_id",
+            )
+        kind = params.kind
+        spec = _spec_text(params)
+        key = (kind, spec, params.disable_any_whitespace)
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            return compiled
+        try:
+            compiled = self._compile(kind, spec, any_whitespace=not params.disable_any_whitespace)
+        except (RuntimeError, ValueError) as exc:
+            raise InvalidRequestError(
+                f"cannot be compiled: {_short_message(exc)}",
+                param=f"structured_outputs.{kind}",
+            ) from None
+        self._cache[key] = compiled
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, spec: str, *, any_whitespace: bool) -> xgr.CompiledGrammar:
+        if kind in ("json", "json_object"):
+            # Not compile_json_schema: xgrammar 0.2.8's length-bounded strings admit raw
+            # control characters (see engine/core/json_string_grammar.py).
+            grammar = json_schema_grammar(
+                spec, any_whitespace=any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE_RUN
+            )
+            return self.compiler.compile_grammar(grammar)
+        if kind == "regex":
+            return self.compiler.compile_regex(spec)
+        return self.compiler.compile_grammar(spec)  # grammar, and choice as a grammar
+
+    def new_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+        matcher = xgr.GrammarMatcher(self.compile(params))
+        return StructuredOutputGrammar(matcher, start_after=params.reasoning_end_token_id)
+
+    def grammar_bitmask(self, grammars: Sequence[StructuredOutputGrammar]) -> bytes:
+        """The next-token bitmask of each grammar, one row each, as the step message carries
+        it."""
+        bitmask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
+        for row, grammar in enumerate(grammars):
+            grammar.fill_bitmask(bitmask, row)
+        return bitmask.numpy().astype(_BITMASK_DTYPE, copy=False).tobytes()
+
+
+def _spec_text(params: StructuredOutputsParams) -> str:
+    """What xgrammar compiles: schema text, regex, or EBNF (a choice becomes alternatives)."""
+    kind = params.kind
+    if kind == "json":
+        return str(params.json)
+    if kind == "json_object":
+        return '{"type":"object"}'
+    if kind == "regex":
+        return str(params.regex)
+    if kind == "choice":
+        return "root ::= " + " | ".join(_ebnf_literal(c) for c in params.choice or ())
+    return str(params.grammar)
+
+
+def _ebnf_literal(text: str) -> str:
+    r"""A string literal in xgrammar's EBNF: quotes and backslashes escaped, control characters
+    as \n, \t, \xHH."""
+    out = []
+    for ch in text:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _short_message(exc: Exception) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    message = _XGRAMMAR_PREFIX.sub("", lines[0]) if lines else type(exc).__name__
+    if len(message) > _MAX_ERROR_CHARS:
+        message = message[: _MAX_ERROR_CHARS - 3] + "..."
+    return message
+
+
+# ---- driver worker ---------------------------------------------------------------------
+
+
+def unpack_bitmask(data: bytes, num_rows: int) -> np.ndarray:
+    """The step message's ``grammar_bitmask`` as an int32 array [num_rows, words]."""
+    words = np.frombuffer(data, dtype=_BITMASK_DTYPE)
+    if num_rows == 0 or words.size % num_rows:
+        raise ValueError(f"grammar_bitmask: {words.size} words do not make {num_rows} rows")
+    return words.reshape(num_rows, -1)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: Sequence[int]) -> None:
+    """In place: ``logits[rows[i], t] = -inf`` for every token t that row i of ``bitmask``
+    disallows. Columns past the bitmask (a model vocabulary padded beyond the grammar's) are
+    disallowed too; bits past the logits' width are ignored."""
+    if not rows:
+        return
+    num_rows, width = logits.shape
+    covered = min(width, bitmask.shape[1] * 32)
+    # xgrammar indexes the logits and the bitmask with the same row: spread the rows out over
+    # a full-batch bitmask whose other rows allow everything.
+    full = torch.full((num_rows, bitmask.shape[1]), -1, dtype=torch.int32)
+    full[list(rows)] = torch.from_numpy(np.array(bitmask, dtype=np.int32))
+    xgr.apply_token_bitmask_inplace(
+        logits, full.to(logits.device), vocab_size=covered, indices=list(rows)
+    )
+    if covered < width:
+        index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
+        logits[index, covered:] = float("-inf")

@@ -1,0 +1,1004 @@
+"""Whether a model fits its GPUs, decided from ``config.json`` and the engine settings alone,
+before anything is placed: what ``cluster plan`` prints and ``cluster deploy`` refuses on.
+
+Torch-free on purpose (the CLI and the deploying driver import it): pure arithmetic that
+mirrors what the model code allocates, per pipeline stage (every TP rank of a stage holds
+shards of the same sizes, so one line per stage stands for all of its ranks):
+
+    weights + buffers + lora    exact: the parameters, rotary tables and LoRA slots a rank
+                                builds (``stage_weight_bytes``; MoE: ``memory_plan_moe``)
+    activation + reserves       ESTIMATES: a full-budget step's peak, CUDA outside torch
+    kv                          bytes per token and the blocks that fit in what is left,
+                                split into KV cache groups as ``engine.core.kv_cache_groups`` does
+
+The arithmetic follows the model code layer by layer and the refusals read the same figures,
+so both live here: ``plan_memory`` builds a ``MemoryPlan`` (whose docstring details each line,
+quantized checkpoints and the refusals), ``memory_problems`` lists what it refuses.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from engine import hf_config
+from engine.core.kv_cache_groups import (
+    KVCacheGroupSpec,
+    group_of_window,
+    kv_cache_group_specs,
+    plan_group_blocks,
+    sliding_blocks_per_seq,
+)
+from engine.errors import ConfigError
+from engine.pp_partition import layer_partition, requested_partition, stage_layer_range
+from engine.quantization.config import keeps_mxfp4_experts, parse_quantization
+from engine.rope_config import rope_head_dim, rope_max_positions, rope_parameters
+from engine.worker import memory_plan_moe
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# ---- reserves outside torch's allocator (CUDA only; estimates) ----------------------------------
+# The CUDA context of one process with torch's kernels and cuBLAS workspaces loaded: nvidia-smi
+# shows 0.4-0.6 GiB per process on Hopper/Ampere before the first tensor (CUDA 12, lazy module
+# loading); vLLM's profiler reports it among its "non-torch memory". An estimate.
+CUDA_CONTEXT_BYTES = 512 * MiB
+# Buffers NCCL allocates per communicator a rank joins (its TP group, its PP group): channels x
+# NCCL_BUFFSIZE (4 MiB) per peer and protocol, a few hundred MiB on NVLink nodes (NCCL's
+# documentation of NCCL_BUFFSIZE / NCCL_MAX_NCHANNELS; vLLM counts it as non-torch memory). An
+# estimate; NVLS (NVLink SHARP) can take more.
+NCCL_COMMUNICATOR_BYTES = 256 * MiB
+# The private memory pool of the decode CUDA graphs (``engine.worker.cuda_graphs``: CUDA, Triton
+# kernels, no LoRA, not enforce_eager): vLLM logs 0.2-1 GiB for "Graph capturing finished" on
+# 7-70B models with up to 256 sequences. An estimate.
+CUDA_GRAPH_POOL_BYTES = 512 * MiB
+
+# Bytes per element of the dtypes ``engine.config`` accepts (its ``_DTYPES``).
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+}
+_CANONICAL_DTYPE = {"float": "float32", "half": "float16"}
+ROTARY_TABLE_BYTES = 4  # cos/sin tables are float32 whatever the model dtype
+FP32_BYTES = 4
+INT64_BYTES = 8
+
+
+@dataclass(frozen=True)
+class _Family:
+    """What a family's model file builds beyond the shared decoder (``engine/models``)."""
+
+    qkv_bias: str | bool  # an HF config key to read, or a constant
+    o_bias: str | bool
+    mlp_bias: str | bool
+    qk_norm: str | bool
+    norms_per_layer: int
+    tie_default: bool  # ``CausalLM.tie_word_embeddings_default``
+    flag_default: bool = False  # a flag's value when its key is absent (Qwen2-MoE's qkv_bias)
+
+    def flag(self, hf: Mapping[str, Any], which: str | bool) -> bool:
+        return bool(hf.get(which, self.flag_default)) if isinstance(which, str) else which
+
+
+# Keyed like ``engine.models.MODEL_REGISTRY`` (a test checks they agree).
+FAMILIES: dict[str, _Family] = {
+    "LlamaForCausalLM": _Family("attention_bias", "attention_bias", "mlp_bias", False, 2, False),
+    "MistralForCausalLM": _Family(False, False, False, False, 2, False),
+    "Qwen2ForCausalLM": _Family(True, False, False, False, 2, False),
+    "Qwen3ForCausalLM": _Family("attention_bias", "attention_bias", False, True, 2, False),
+    "Gemma2ForCausalLM": _Family("attention_bias", "attention_bias", False, False, 4, True),
+    "Gemma3ForCausalLM": _Family("attention_bias", "attention_bias", False, True, 4, True),
+    "Phi3ForCausalLM": _Family(False, False, False, False, 2, False),
+    # Mixture of experts: the feed-forward is engine.worker.memory_plan_moe's.
+    "MixtralForCausalLM": _Family(False, False, False, False, 2, False),
+    # Multi-head latent attention: its projections, biases and latent norms are _mla_layer's.
+    "DeepseekV2ForCausalLM": _Family(False, False, False, False, 2, False),
+    "DeepseekV3ForCausalLM": _Family(False, False, False, False, 2, False),
+    "Qwen2MoeForCausalLM": _Family("qkv_bias", False, False, False, 2, False, flag_default=True),
+    "Qwen3MoeForCausalLM": _Family("attention_bias", "attention_bias", False, True, 2, False),
+    "Glm4MoeForCausalLM": _Family("attention_bias", False, False, "use_qk_norm", 2, False),
+    "GptOssForCausalLM": _Family(
+        "attention_bias", "attention_bias", False, False, 2, False, flag_default=True
+    ),
+}
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The engine settings that change memory, with the engine's defaults (vLLM's names; a
+    test checks the defaults against ``engine.config``). ``device`` is "cuda" or "cpu" here:
+    a deployment knows which from its ``accelerator_type``."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
+    enable_expert_parallel: bool = False
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space: float = 4.0
+    num_kv_blocks: int | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    device: str = "cuda"
+    quantization: str | None = None  # online: "fp8"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    @classmethod
+    def from_engine_kwargs(cls, kwargs: Mapping[str, Any], device: str) -> PlanSettings:
+        """Take the memory-relevant engine arguments of ``kwargs`` (others are ignored);
+        ``device`` is the resolved one ("cuda" or "cpu")."""
+        names = {f for f in cls.__dataclass_fields__ if f != "device"}
+        picked = {k: v for k, v in kwargs.items() if k in names and v is not None}
+        if picked.get("pp_layer_partition") is not None:
+            picked["pp_layer_partition"] = tuple(picked["pp_layer_partition"])
+        return cls(**picked, device=device)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage; each of its ``tensor_parallel_size`` GPUs holds these bytes."""
+
+    pp_rank: int
+    first_layer: int
+    end_layer: int  # exclusive
+    weight_bytes: int
+    weight_breakdown: dict[str, int]
+    buffer_bytes: int
+    lora_bytes: int
+    activation_bytes: int  # an estimate
+    reserve_bytes: int  # an estimate; 0 on CPU
+    kv_bytes_per_token: int
+    kv_block_bytes: int
+    # Of kv_bytes_per_token, each KV cache group's (MemoryPlan.kv_groups' order).
+    kv_group_bytes_per_token: tuple[int, ...]
+    kv_budget_bytes: int | None  # GPU: usable memory left for the KV cache; None when unknown
+    kv_blocks: int | None  # blocks this stage's GPUs hold; None when unknown
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.first_layer
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything but the KV cache."""
+        return (
+            self.weight_bytes
+            + self.buffer_bytes
+            + self.lora_bytes
+            + self.activation_bytes
+            + self.reserve_bytes
+        )
+
+
+@dataclass(frozen=True)
+class KVGroupPlan:
+    """One KV cache group across the replica: its window (None: full attention), layers, KV
+    bytes per token (all its layers, the largest stage's share per GPU) and pool blocks."""
+
+    sliding_window: int | None
+    num_layers: int
+    bytes_per_token: int
+    blocks: int | None
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One replica's memory, per pipeline stage, line by line::
+
+        weights      exactly the parameters a rank builds (``parallel.layers``: vocab rows
+                     padded to 64 x TP, column/row/QKV/merged splits, KV heads replicated when
+                     TP > KV heads, row-parallel biases whole on every rank; ``engine.models``:
+                     which layers and norms each family has, each stage's layers per
+                     ``engine.pp_partition``, embedding on the first stage, final norm and LM
+                     head on the last, a tied head sharing the embedding only when one stage
+                     holds both; an MoE model's experts, router and shared expert per
+                     ``engine.worker.memory_plan_moe``, sliced over TP or placed whole per rank
+                     under enable_expert_parallel)
+        buffers      exactly the rotary cos/sin tables (``RopeCache``: float32 [max_position,
+                     rotary_dim], one pair per distinct rope among this stage's layers)
+        lora         exactly the LoRA slots (``parallel.lora.LinearLoRA``) when enable_lora
+        activation   an ESTIMATE of a full-budget step's peak (see ``activation_bytes``)
+        reserves     an ESTIMATE of what CUDA holds outside torch's allocator (context, NCCL,
+                     the CUDA-graph pool); named constants, each saying where its figure comes
+                     from
+        kv           bytes per token = layers x 2 (K, V) x KV heads of this rank x head_dim x
+                     dtype bytes, or with multi-head latent attention (DeepSeek) layers x
+                     (kv_lora_rank + qk_rope_head_dim) x dtype bytes, the same latent on every
+                     TP rank (``PagedAttention.kv_cache_shape``), and the blocks that fit:
+
+            GPU:  (memory x gpu_memory_utilization - weights - buffers - lora - activation
+                   - reserves) // (block_size x bytes per token), the minimum over stages
+            CPU:  min(cpu_kv_cache_space GiB // block bytes, max_num_seqs x blocks of
+                  max_model_len) (``Worker.determine_num_available_blocks``)
+
+                     then, with sliding-window layers, those all-layer blocks split into KV
+                     cache groups as the engine splits them (``engine.core.kv_cache_groups``): KV
+                     per token per group, each group's blocks, and the max_model_len sequences that
+                     fit (the fewest over groups; a sliding group holds only its window of each)
+
+    A plan refuses (``problems``) when the weights and buffers do not fit a GPU's usable memory,
+    when the KV cache cannot hold one ``max_model_len`` sequence, or when the engine would
+    refuse the config itself (``engine.hf_config.check_hf_config``). Quantized checkpoints
+    (compressed-tensors, GPTQ, AWQ, online ``quantization: fp8``) are planned as the engine
+    keeps them on a GPU: FP8 at 1 byte per parameter plus float32 scales per row or block, int4
+    at half a byte plus a scale (and zero point) per group; on CPU, which dequantizes at load,
+    in the model's dtype, with a note. MXFP4 experts (gpt-oss) likewise: half a byte per weight
+    and a byte per 32 on the Triton kernels (CUDA), dequantized elsewhere (``memory_plan_moe``).
+    """
+
+    architecture: str
+    dtype: str
+    device: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    gpu_memory_utilization: float
+    gpu_memory_bytes: int | None
+    stages: tuple[StagePlan, ...]
+    kv_blocks: int | None  # per replica: the minimum over its GPUs
+    problems: tuple[str, ...]
+    notes: tuple[str, ...] = field(default=())
+    # KV cache groups (one for a model without sliding windows shorter than max_model_len).
+    kv_groups: tuple[KVGroupPlan, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """Tokens one sequence may hold: the KV blocks', or with KV cache groups the full
+        attention group's (a sliding group holds any length's window)."""
+        if self.kv_blocks is None:
+            return None
+        full = [g.blocks for g in self.kv_groups if g.sliding_window is None and g.blocks]
+        if len(self.kv_groups) > 1 and full:
+            return min(full) * self.block_size
+        return self.kv_blocks * self.block_size
+
+    @property
+    def max_concurrent_sequences(self) -> int | None:
+        """Sequences of ``max_model_len`` tokens the KV cache holds at once: the fewest any
+        KV cache group holds (a sliding group, one decode step's window of each)."""
+        tokens = self.kv_tokens
+        if tokens is None:
+            return None
+        if len(self.kv_groups) <= 1:
+            return tokens // self.max_model_len
+        fits = []
+        for group in self.kv_groups:
+            blocks = group.blocks or 0
+            if group.sliding_window is None:
+                fits.append(blocks * self.block_size // self.max_model_len)
+            else:
+                per_seq = sliding_blocks_per_seq(group.sliding_window, self.block_size, 1)
+                fits.append((blocks - 1) // min(per_seq, -(-self.max_model_len // self.block_size)))
+        return min(fits)
+
+    @property
+    def usable_gpu_bytes(self) -> int | None:
+        if self.gpu_memory_bytes is None:
+            return None
+        return int(self.gpu_memory_bytes * self.gpu_memory_utilization)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["fits"] = self.fits
+        data["kv_tokens"] = self.kv_tokens
+        data["longest_sequence_tokens"] = self.kv_tokens
+        data["max_concurrent_sequences"] = self.max_concurrent_sequences
+        data["usable_gpu_bytes"] = self.usable_gpu_bytes
+        for stage, obj in zip(data["stages"], self.stages):
+            stage["num_layers"] = obj.num_layers
+            stage["fixed_bytes"] = obj.fixed_bytes
+        return data
+
+
+# ---- shapes ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Latent:
+    """Multi-head latent attention's ranks and head dims (``engine.models.mla``)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    bias: bool
+    interleaved_rope: bool
+
+    @property
+    def latent(self) -> int:
+        """The values a token caches per layer: the latent and the shared rope key."""
+        return self.kv_lora_rank + self.rope_dim
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The per-rank sizes the parallel layers derive from the HF config and the TP size
+    (``head_dim`` is the query/key head dim, ``qk_nope + qk_rope`` under latent attention)."""
+
+    hidden: int
+    intermediate: int
+    num_layers: int
+    vocab: int
+    head_dim: int
+    heads_per_rank: int
+    kv_heads_per_rank: int
+    vocab_shard: int  # rows of the (padded) vocabulary per rank
+    tp: int
+    mla: _Latent | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.heads_per_rank * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads_per_rank * self.head_dim
+
+    @property
+    def inter_per_rank(self) -> int:
+        return self.intermediate // self.tp
+
+
+def _divide(numerator: int, tp: int, what: str) -> int:
+    if numerator % tp:
+        raise ConfigError(f"tensor_parallel_size: must divide {what} ({numerator}), got {tp}")
+    return numerator // tp
+
+
+def _latent(hf: Mapping[str, Any]) -> _Latent | None:
+    conf = dict(hf)
+    arch = hf_config.architecture(conf)
+    if arch not in hf_config.DEEPSEEK_ARCHITECTURES:
+        return None
+    field_ = functools.partial(hf_config.config_field, conf)
+    return _Latent(
+        q_lora_rank=field_("q_lora_rank"),
+        kv_lora_rank=int(field_("kv_lora_rank")),
+        nope_dim=int(field_("qk_nope_head_dim")),
+        rope_dim=int(field_("qk_rope_head_dim")),
+        v_dim=int(field_("v_head_dim")),
+        bias=bool(field_("attention_bias")),
+        interleaved_rope=arch == "DeepseekV2ForCausalLM" or bool(field_("rope_interleave")),
+    )
+
+
+def _shape(hf: Mapping[str, Any], tp: int) -> _Shape:
+    hidden = int(hf["hidden_size"])
+    heads = int(hf["num_attention_heads"])
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    mla = _latent(hf)
+    if mla is not None:
+        # One latent "kv head", whole on every rank; the query heads split.
+        kv_heads, head_dim = tp, mla.nope_dim + mla.rope_dim
+    if tp >= kv_heads:
+        # QKVParallelLinear replicates each KV head on tp / kv_heads ranks.
+        if tp % kv_heads:
+            raise ConfigError(
+                f"tensor_parallel_size: must divide or be a multiple of num_key_value_heads "
+                f"({kv_heads}), got {tp}"
+            )
+        kv_per_rank = 1
+    else:
+        kv_per_rank = _divide(kv_heads, tp, "num_key_value_heads")
+    vocab = int(hf["vocab_size"])
+    # VocabParallelEmbedding: padded to a multiple of 64 x TP when TP > 1.
+    multiple = 64 * tp if tp > 1 else 1
+    padded = -(-vocab // multiple) * multiple
+    intermediate = int(hf["intermediate_size"])
+    _divide(intermediate, tp, "intermediate_size")
+    return _Shape(
+        hidden=hidden,
+        intermediate=intermediate,
+        num_layers=int(hf["num_hidden_layers"]),
+        vocab=vocab,
+        head_dim=head_dim,
+        heads_per_rank=_divide(heads, tp, "num_attention_heads"),
+        kv_heads_per_rank=kv_per_rank,
+        vocab_shard=padded // tp,
+        tp=tp,
+        mla=mla,
+    )
+
+
+# ---- weights -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Quant:
+    """How the engine keeps a quantized linear layer's weight on the GPU
+    (``engine.quantization.kept``): FP8 e4m3 with a float32 scale per output row or per block,
+    or int4 packed eight to an int32 with a scale (``scale_bytes``) and, asymmetric, an int8
+    zero point per row and group."""
+
+    method: str  # "fp8" or "int4"
+    bits: int
+    group_size: int | None = None  # int4: input columns per scale; None: one per row
+    block: tuple[int, int] | None = None  # fp8 block scales [out, in]
+    zero_points: bool = False
+    scale_bytes: int = 2
+
+    def linear_bytes(self, out: int, in_: int, parts: int) -> int:
+        """Bytes of one [out, in] weight shard kept in this format (``parts``: fused
+        projections; each one's per-tensor scale is expanded to its rows)."""
+        weight = out * in_ * self.bits // 8
+        if self.method == "fp8":
+            if self.block is not None:
+                bo, bi = self.block
+                return weight + -(-out // bo) * -(-in_ // bi) * FP32_BYTES
+            return weight + out * FP32_BYTES
+        groups = 1 if not self.group_size else -(-in_ // self.group_size)
+        return weight + out * groups * (self.scale_bytes + (1 if self.zero_points else 0))
+
+
+def _quant(
+    hf: Mapping[str, Any], settings: PlanSettings, dtype_bytes: int
+) -> tuple[_Quant | None, str | None]:
+    """The linear weights' format on the device and, where the plan counts them dense although
+    the checkpoint is quantized, a note saying why."""
+    try:
+        quant = parse_quantization(hf, settings.quantization)
+    except ConfigError:
+        return None, None  # refused: check_hf_config's problem says so
+    if quant is None:
+        return None, None
+    if not quant.groups:  # MXFP4: the experts alone, which memory_plan_moe counts
+        if kernel_backend(settings) == "triton":
+            return None, None
+        where = "on CPU" if settings.device != "cuda" else "with attention_backend torch"
+        return None, (
+            f"mxfp4 experts counted dequantized in the model's dtype: the engine dequantizes "
+            f"them at load {where} (the Triton kernels on CUDA keep them MXFP4)"
+        )
+    if settings.device != "cuda":
+        return None, (
+            f"{quant.method} weights counted dequantized: on CPU the engine dequantizes them "
+            "once at load, which saves no memory (LLM_CLUSTER_CPU_KEEP_QUANTIZED=1 keeps them)"
+        )
+    scheme = quant.schemes()[0]
+    if any(s.kind != scheme.kind for s in quant.schemes()):
+        return None, "mixed quantization schemes not modelled: linear weights counted dense"
+    if scheme.kind == "fp8":
+        return _Quant("fp8", 8, block=scheme.block), None
+    # GPTQ / AWQ scales are float16; compressed-tensors writes them in the model's dtype.
+    scale_bytes = 2 if scheme.source in ("gptq", "awq") else dtype_bytes
+    return (
+        _Quant(
+            "int4",
+            4,
+            group_size=scheme.group_size,
+            zero_points=not scheme.symmetric,
+            scale_bytes=scale_bytes,
+        ),
+        None,
+    )
+
+
+def stage_weight_bytes(
+    hf: Mapping[str, Any],
+    shape: _Shape,
+    first_layer: int,
+    end_layer: int,
+    is_first: bool,
+    is_last: bool,
+    dtype_bytes: int,
+    quant: _Quant | None = None,
+    expert_parallel: bool = False,
+    backend: str = "torch",
+) -> dict[str, int]:
+    """Bytes of one rank's parameters, by part: exactly what the model code allocates (an
+    MoE model's feed-forward by ``engine.worker.memory_plan_moe``, TP- or EP-placed; ``backend`` the
+    rank's kernels, on which an MXFP4 checkpoint's experts stay MXFP4)."""
+    family = FAMILIES[hf_config.architecture(hf)]
+    h, q, kv, inter = shape.hidden, shape.q_size, shape.kv_size, shape.inter_per_rank
+    qkv_out = q + 2 * kv
+
+    def linear(out: int, in_: int, parts: int = 1) -> int:
+        if quant is None:
+            return out * in_ * dtype_bytes
+        return quant.linear_bytes(out, in_, parts)
+
+    attn = linear(qkv_out, h, 3) + linear(h, shape.heads_per_rank * shape.head_dim)
+    attn_bias = 0
+    if family.flag(hf, family.qkv_bias):
+        attn_bias += qkv_out  # column-parallel: this rank's rows
+    if family.flag(hf, family.o_bias):
+        attn_bias += h  # row-parallel: whole on every rank
+    mlp = linear(2 * inter, h, 2) + linear(h, inter)
+    mlp_bias = 2 * inter + h if family.flag(hf, family.mlp_bias) else 0
+    qk_norms = 2 * shape.head_dim if family.flag(hf, family.qk_norm) else 0
+    norms = family.norms_per_layer * h + qk_norms
+    if shape.mla is not None:
+        attn, attn_bias, latent_norms = _mla_layer(shape, shape.mla, linear, dtype_bytes)
+        norms += latent_norms
+    if hf_config.architecture(hf) == hf_config.GPT_OSS:
+        attn += shape.heads_per_rank * FP32_BYTES  # this rank's heads' sinks, in float32
+    num_layers = end_layer - first_layer
+    table = shape.vocab_shard * h * dtype_bytes
+    tied = bool(hf.get("tie_word_embeddings", family.tie_default))
+    parts = {
+        "embedding": table if is_first else 0,
+        "attention": num_layers * (attn + attn_bias * dtype_bytes),
+        "mlp": num_layers * (mlp + mlp_bias * dtype_bytes),
+        "norms": num_layers * norms * dtype_bytes + (h * dtype_bytes if is_last else 0),
+        # A tied head shares the embedding's tensor only on a stage that has both.
+        "lm_head": table if is_last and not (tied and is_first) else 0,
+    }
+    if memory_plan_moe.is_moe(hf):
+        moe = memory_plan_moe.moe_weight_bytes(
+            hf, first_layer, end_layer, tp=shape.tp, expert_parallel=expert_parallel,
+            dtype_bytes=dtype_bytes, linear=linear,
+            mxfp4=keeps_mxfp4_experts(hf, backend),
+        )  # fmt: skip
+        parts.update(moe)
+    return parts
+
+
+def _mla_layer(
+    shape: _Shape, mla: _Latent, linear: Callable[..., int], dtype_bytes: int
+) -> tuple[int, int, int]:
+    """One latent-attention layer on one rank (``engine.models.mla``): its projections'
+    bytes, its bias elements and its latent norms' elements. q_a_proj and kv_a_proj_with_mqa
+    are whole on every rank; q_b_proj / q_proj, kv_b_proj and o_proj split by heads; kv_b_proj
+    is read as dense matrices (absorbed), so it is counted in the model's dtype even where the
+    others stay quantized."""
+    h, heads = shape.hidden, shape.heads_per_rank
+    q_out = heads * (mla.nope_dim + mla.rope_dim)
+    if mla.q_lora_rank is None:
+        attn = linear(q_out, h)
+    else:
+        attn = linear(mla.q_lora_rank, h) + linear(q_out, mla.q_lora_rank)
+    attn += linear(mla.latent, h)
+    attn += heads * (mla.nope_dim + mla.v_dim) * mla.kv_lora_rank * dtype_bytes
+    attn += linear(h, heads * mla.v_dim)
+    bias = 0
+    if mla.bias:  # q_a_proj (or none), kv_a_proj_with_mqa, o_proj: all whole on every rank
+        bias = (mla.q_lora_rank or 0) + mla.latent + h
+    norms = (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    return attn, bias, norms
+
+
+def rotary_buffer_bytes(hf: Mapping[str, Any], first_layer: int, end_layer: int) -> int:
+    """The cos/sin tables a stage's ``RopeCache`` builds: float32 [max_position, rotary_dim]
+    each, one pair per distinct rope among the stage's layer types; under latent attention
+    with DeepSeek's interleaved rope, each layer's int64 ``rope_order`` too."""
+    types = hf_config.layer_types(dict(hf))
+    head_dim = rope_head_dim(hf) or hf["hidden_size"] // hf["num_attention_heads"]
+    max_position = rope_max_positions(hf)
+    distinct: dict[Any, int] = {}
+    for layer_type in {types[i] for i in range(first_layer, end_layer)}:
+        params = rope_parameters(hf, layer_type)
+        rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+        distinct[_freeze(params)] = rotary_dim
+    tables = sum(2 * max_position * dim * ROTARY_TABLE_BYTES for dim in distinct.values())
+    mla = _latent(hf)
+    orders = 0
+    if mla is not None and mla.interleaved_rope:
+        orders = (end_layer - first_layer) * mla.rope_dim * INT64_BYTES
+    return tables + orders
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def lora_bytes(shape: _Shape, num_layers: int, slots: int, rank: int, dtype_bytes: int) -> int:
+    """The LoRA slots ``parallel.lora.LinearLoRA`` allocates on one rank: A [slots, S x R,
+    in_local] and B [slots, out_local, S x R] for qkv (S = 3), o, gate_up (S = 2) and down."""
+    h, inter = shape.hidden, shape.inter_per_rank
+    attn_in = shape.heads_per_rank * shape.head_dim
+    per_layer = (
+        3 * rank * (h + shape.q_size + 2 * shape.kv_size)  # qkv_proj: A whole, B sharded
+        + rank * (attn_in + h)  # o_proj: A sharded, B whole
+        + 2 * rank * (h + 2 * inter)  # gate_up_proj
+        + rank * (inter + h)  # down_proj
+    )
+    return num_layers * slots * per_layer * dtype_bytes
+
+
+def kv_bytes_per_token(shape: _Shape, num_layers: int, dtype_bytes: int) -> int:
+    """K and V (or the latent) of one token on one rank: ``ModelRunner.kv_block_bytes`` /
+    block_size."""
+    if shape.mla is not None:
+        return num_layers * shape.mla.latent * dtype_bytes
+    return num_layers * 2 * shape.kv_heads_per_rank * shape.head_dim * dtype_bytes
+
+
+def activation_bytes(
+    shape: _Shape,
+    settings: PlanSettings,
+    num_batched_tokens: int,
+    is_last: bool,
+    dtype_bytes: int,
+) -> int:
+    """An ESTIMATE of the peak a full-budget step adds on one rank (``num_batched_tokens``
+    tokens through one layer; layers run one after another, so one layer's worth is live):
+
+        hidden + residual                                   2 x T x hidden
+        + the larger of attention (qkv out, attention out, o_proj out) and
+          MLP (gate_up out, act(gate) x up, down out)       T x (...) per rank
+        + on the last stage: logits of up to max_num_seqs rows gathered over the padded
+          vocabulary in the dtype, and two float32 copies the sampler makes (probabilities,
+          and the sorted copy of top-k / top-p); that is TP rank 0's share, the largest,
+          counted for every rank of the stage
+
+    It ignores allocator fragmentation and the kernels' workspaces; the worker measures the
+    real peak at startup (a profiling step, ``Worker._profile_run``), without the small KV
+    cache that step writes into."""
+    t, h = num_batched_tokens, shape.hidden
+    attn = t * (shape.q_size + 2 * shape.kv_size + shape.q_size + h)
+    if shape.mla is not None:  # q, the latent, the absorbed query, its output, o_proj's input
+        heads, mla = shape.heads_per_rank, shape.mla
+        attn = t * (shape.q_size + mla.latent + heads * (mla.latent + mla.kv_lora_rank))
+        attn += t * (heads * mla.v_dim + h)
+    mlp = t * (2 * shape.inter_per_rank + shape.inter_per_rank + h)
+    total = (2 * t * h + max(attn, mlp)) * dtype_bytes
+    if is_last:
+        rows = min(settings.max_num_seqs, t)
+        total += rows * shape.vocab_shard * shape.tp * dtype_bytes + 2 * rows * shape.vocab * 4
+    return total
+
+
+def kernel_backend(settings: PlanSettings) -> str:
+    """The kernels a rank runs (``KernelConfig.resolved_backend``): Triton on CUDA unless
+    attention_backend is torch; on CPU the torch path (with or without the native decode
+    kernel, which allocates nothing the plan counts)."""
+    if settings.device == "cuda" and settings.attention_backend != "torch":
+        return "triton"
+    return "torch"
+
+
+def uses_cuda_graphs(settings: PlanSettings) -> bool:
+    """Whether decode steps replay CUDA graphs (``engine.worker.cuda_graphs``): on CUDA with the
+    Triton kernels, without LoRA, unless enforce_eager."""
+    return (
+        settings.device == "cuda"
+        and not settings.enable_lora
+        and not settings.enforce_eager
+        and settings.attention_backend != "torch"
+    )
+
+
+def reserve_bytes(settings: PlanSettings) -> int:
+    """CUDA memory outside torch's allocator on one rank (estimates, see the constants)."""
+    if settings.device != "cuda":
+        return 0
+    communicators = (settings.tensor_parallel_size > 1) + (settings.pipeline_parallel_size > 1)
+    graphs = CUDA_GRAPH_POOL_BYTES if uses_cuda_graphs(settings) else 0
+    return CUDA_CONTEXT_BYTES + communicators * NCCL_COMMUNICATOR_BYTES + graphs
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+
+def resolve_dtype(hf: Mapping[str, Any], dtype: str) -> str:
+    """``ModelConfig.torch_dtype``'s rule: "auto" takes the checkpoint's dtype (float32 when
+    it names none, or one the engine does not know)."""
+    if dtype == "auto":
+        name = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").removeprefix("torch.")
+        dtype = name if name in DTYPE_BYTES else "float32"
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype: must be 'auto' or one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    return _CANONICAL_DTYPE.get(dtype, dtype)
+
+
+def plan_memory(
+    hf: Mapping[str, Any], settings: PlanSettings, gpu_memory_bytes: int | None = None
+) -> MemoryPlan:
+    """The memory plan of one replica of the model in ``hf`` (a ``config.json`` dict) under
+    ``settings``; ``gpu_memory_bytes`` is one GPU's total memory (None: unknown, and the checks
+    that need it are skipped). Never raises for what it can report: a config the engine refuses
+    is one of ``problems``; one the plan cannot even size has no stages."""
+    problems: list[str] = []
+    notes: list[str] = []
+    try:
+        hf_config.check_hf_config(dict(hf))
+    except ConfigError as exc:
+        problems.append(f"config.json: {exc}")
+    try:
+        return _plan(hf, settings, gpu_memory_bytes, problems, notes)
+    except (ConfigError, KeyError, IndexError, TypeError, ValueError) as exc:
+        reason = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+        message = f"cannot size the model: {reason}"
+        if not any(reason in p for p in problems):
+            problems.append(message)
+        return MemoryPlan(
+            architecture=hf_config.architecture(dict(hf)),
+            dtype=str(settings.dtype),
+            device=settings.device,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            pipeline_parallel_size=settings.pipeline_parallel_size,
+            max_model_len=settings.max_model_len or 0,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens or 0,
+            block_size=settings.block_size,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            gpu_memory_bytes=gpu_memory_bytes,
+            stages=(),
+            kv_blocks=None,
+            problems=tuple(problems),
+            notes=tuple(notes),
+        )
+
+
+def _plan(
+    hf: Mapping[str, Any],
+    settings: PlanSettings,
+    gpu_memory_bytes: int | None,
+    problems: list[str],
+    notes: list[str],
+) -> MemoryPlan:
+    arch = hf_config.architecture(dict(hf))
+    if arch not in FAMILIES:
+        raise ConfigError(f"architectures: {arch or '(none)'!r} has no memory model")
+    dtype = resolve_dtype(hf, settings.dtype)
+    dtype_bytes = DTYPE_BYTES[dtype]
+    tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
+    shape = _shape(hf, tp)
+    limit = rope_max_positions(hf)
+    max_model_len = settings.max_model_len or limit
+    if max_model_len > limit:
+        problems.append(
+            f"max_model_len: must be <= {limit} (the model's max_position_embeddings, with "
+            f"rope scaling), got {max_model_len}"
+        )
+    batched = settings.max_num_batched_tokens
+    if batched is None:
+        batched = 2048 if settings.enable_chunked_prefill else max(2048, max_model_len)
+    if pp > shape.num_layers:
+        raise ConfigError(
+            f"pipeline_parallel_size: must be <= num_hidden_layers ({shape.num_layers}), got {pp}"
+        )
+    requested = requested_partition(settings.pp_layer_partition, pp, shape.num_layers)
+    partition = layer_partition(hf, pp, requested)
+    quant, note = _quant(hf, settings, dtype_bytes)
+    if note:
+        notes.append(note)
+    usable = (
+        None
+        if gpu_memory_bytes is None
+        else int(gpu_memory_bytes * settings.gpu_memory_utilization)
+    )
+    if settings.device == "cuda" and gpu_memory_bytes is None:
+        notes.append("GPU memory unknown: the checks against it are skipped")
+    stages = [
+        _with_kv(
+            _stage(hf, shape, settings, pp_rank, partition, dtype_bytes, batched, quant),
+            settings,
+            max_model_len,
+            usable,
+        )
+        for pp_rank in range(pp)
+    ]
+    known = [s.kv_blocks for s in stages if s.kv_blocks is not None]
+    kv_blocks = min(known) if len(known) == len(stages) else None
+    plan = MemoryPlan(
+        architecture=arch,
+        dtype=dtype,
+        device=settings.device,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        max_model_len=max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=batched,
+        block_size=settings.block_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        gpu_memory_bytes=gpu_memory_bytes if settings.device == "cuda" else None,
+        stages=tuple(stages),
+        kv_blocks=kv_blocks,
+        problems=(),
+        notes=tuple(notes),
+        kv_groups=_kv_groups(hf, settings, stages, kv_blocks, max_model_len, batched),
+    )
+    problems.extend(memory_problems(plan, settings))
+    return replace(plan, problems=tuple(problems))
+
+
+def _stage(
+    hf: Mapping[str, Any],
+    shape: _Shape,
+    settings: PlanSettings,
+    pp_rank: int,
+    partition: tuple[int, ...],
+    dtype_bytes: int,
+    batched: int,
+    quant: _Quant | None,
+) -> StagePlan:
+    """One stage's figures, without its KV blocks (``_with_kv``)."""
+    pp = settings.pipeline_parallel_size
+    first, end = stage_layer_range(partition, pp_rank)
+    is_last = pp_rank == pp - 1
+    weights = stage_weight_bytes(
+        hf, shape, first, end, pp_rank == 0, is_last, dtype_bytes, quant,
+        expert_parallel=settings.enable_expert_parallel, backend=kernel_backend(settings),
+    )  # fmt: skip
+    # An FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3) stores 1 byte per element.
+    kv_dtype_bytes = dtype_bytes if settings.kv_cache_dtype == "auto" else 1
+    per_token = kv_bytes_per_token(shape, end - first, kv_dtype_bytes)
+    specs = _group_specs(hf, settings)
+    per_group = [0] * len(specs)
+    for layer in range(first, end):
+        per_group[_layer_group(hf, specs, layer, settings)] += kv_bytes_per_token(
+            shape, 1, kv_dtype_bytes
+        )
+    lora = 0
+    if settings.enable_lora:
+        lora = lora_bytes(
+            shape, end - first, settings.max_loras, settings.max_lora_rank, dtype_bytes
+        )
+    return StagePlan(
+        pp_rank=pp_rank,
+        first_layer=first,
+        end_layer=end,
+        weight_bytes=sum(weights.values()),
+        weight_breakdown=weights,
+        buffer_bytes=rotary_buffer_bytes(hf, first, end),
+        lora_bytes=lora,
+        activation_bytes=activation_bytes(shape, settings, batched, is_last, dtype_bytes),
+        reserve_bytes=reserve_bytes(settings),
+        kv_bytes_per_token=per_token,
+        kv_block_bytes=per_token * settings.block_size,
+        kv_group_bytes_per_token=tuple(per_group),
+        kv_budget_bytes=None,
+        kv_blocks=None,
+    )
+
+
+def _group_specs(hf: Mapping[str, Any], settings: PlanSettings) -> tuple[KVCacheGroupSpec, ...]:
+    max_model_len = settings.max_model_len or rope_max_positions(hf)
+    return kv_cache_group_specs(dict(hf), max_model_len)
+
+
+def _layer_group(
+    hf: Mapping[str, Any], specs: tuple[KVCacheGroupSpec, ...], layer: int, settings: PlanSettings
+) -> int:
+    layer_type = hf_config.layer_types(dict(hf))[layer]
+    max_model_len = settings.max_model_len or rope_max_positions(hf)
+    return group_of_window(specs, hf_config.layer_window(dict(hf), layer_type), max_model_len)
+
+
+def _kv_groups(
+    hf: Mapping[str, Any],
+    settings: PlanSettings,
+    stages: list[StagePlan],
+    kv_blocks: int | None,
+    max_model_len: int,
+    batched: int,
+) -> tuple[KVGroupPlan, ...]:
+    """The KV cache groups and the blocks the engine would give each (``LLMEngine``)."""
+    specs = _group_specs(hf, settings)
+    blocks: tuple[int | None, ...] = (kv_blocks,) * len(specs)
+    if kv_blocks is not None and len(specs) > 1 and settings.num_kv_blocks is None:
+        layout = plan_group_blocks(
+            specs,
+            kv_blocks,
+            0,
+            [[b * settings.block_size for b in s.kv_group_bytes_per_token] for s in stages],
+            block_size=settings.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=batched,
+            decode_tokens=1,
+            batches_in_flight=settings.pipeline_parallel_size,
+        )
+        blocks = layout.num_blocks
+    layer_types = hf_config.layer_types(dict(hf))
+    layers = [0] * len(specs)
+    for layer in range(len(layer_types)):
+        layers[_layer_group(hf, specs, layer, settings)] += 1
+    return tuple(
+        KVGroupPlan(
+            sliding_window=spec.sliding_window,
+            num_layers=layers[g],
+            bytes_per_token=max(s.kv_group_bytes_per_token[g] for s in stages),
+            blocks=blocks[g],
+        )
+        for g, spec in enumerate(specs)
+    )
+
+
+def _with_kv(
+    stage: StagePlan, settings: PlanSettings, max_model_len: int, usable: int | None
+) -> StagePlan:
+    blocks: int | None
+    budget = None
+    if settings.device == "cuda":
+        if usable is not None:
+            budget = usable - stage.fixed_bytes
+        if settings.num_kv_blocks is not None:
+            blocks = settings.num_kv_blocks
+        elif budget is not None:
+            blocks = max(budget, 0) // stage.kv_block_bytes
+        else:
+            blocks = None
+    else:
+        max_useful = settings.max_num_seqs * -(-max_model_len // settings.block_size)
+        if settings.num_kv_blocks is not None:
+            blocks = settings.num_kv_blocks
+        else:
+            space = int(settings.cpu_kv_cache_space * GiB) // stage.kv_block_bytes
+            blocks = min(space, max_useful)
+    return replace(stage, kv_budget_bytes=budget, kv_blocks=blocks)
+
+
+def memory_problems(plan: MemoryPlan, settings: PlanSettings) -> list[str]:
+    """What makes ``plan`` refuse, each naming its numbers."""
+    problems = []
+    usable = plan.usable_gpu_bytes
+    shape_text = f"TP {plan.tensor_parallel_size} x PP {plan.pipeline_parallel_size}"
+    weights_fail = False
+    if plan.device == "cuda" and usable is not None:
+        for stage in plan.stages:
+            held = stage.weight_bytes + stage.buffer_bytes + stage.lora_bytes
+            if held > usable:
+                weights_fail = True
+                problems.append(
+                    f"weights {gib(stage.weight_bytes)} + buffers {gib(stage.buffer_bytes)}"
+                    + (f" + LoRA slots {gib(stage.lora_bytes)}" if stage.lora_bytes else "")
+                    + f" per GPU on pipeline stage {stage.pp_rank} ({shape_text}) exceed a "
+                    f"GPU's usable {gib(usable)} ({gib(plan.gpu_memory_bytes or 0)} x "
+                    f"gpu_memory_utilization {plan.gpu_memory_utilization}); raise "
+                    "tensor_parallel_size / pipeline_parallel_size or use GPUs with more memory"
+                )
+        if settings.num_kv_blocks is not None:
+            for stage in plan.stages:
+                needed = stage.fixed_bytes + settings.num_kv_blocks * stage.kv_block_bytes
+                if needed > usable and not weights_fail:
+                    problems.append(
+                        f"num_kv_blocks {settings.num_kv_blocks} needs "
+                        f"{gib(settings.num_kv_blocks * stage.kv_block_bytes)} of KV cache per "
+                        f"GPU on pipeline stage {stage.pp_rank}, but only "
+                        f"{gib(max(usable - stage.fixed_bytes, 0))} is left of a GPU's usable "
+                        f"{gib(usable)}; lower num_kv_blocks or leave it out"
+                    )
+    tokens = plan.kv_tokens
+    if tokens is not None and tokens < plan.max_model_len and not weights_fail:
+        worst = min(plan.stages, key=lambda s: s.kv_blocks or 0)
+        where = (
+            f"pipeline stage {worst.pp_rank}: {worst.num_layers} layers x "
+            f"{worst.kv_bytes_per_token // 1024} KiB per token"
+        )
+        if worst.kv_budget_bytes is not None and settings.num_kv_blocks is None:
+            where += f", {gib(max(worst.kv_budget_bytes, 0))} left for the cache per GPU"
+        fix = (
+            "lower max_model_len or raise num_kv_blocks"
+            if settings.num_kv_blocks is not None
+            else "lower max_model_len or raise cpu_kv_cache_space"
+            if plan.device == "cpu"
+            else "lower max_model_len, or raise tensor_parallel_size / pipeline_parallel_size "
+            "or gpu_memory_utilization"
+        )
+        problems.append(
+            f"the KV cache holds {tokens} tokens per replica ({where}), fewer than one "
+            f"max_model_len {plan.max_model_len} sequence needs; {fix}"
+        )
+    return problems
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"

@@ -1,0 +1,744 @@
+"""Runs one step on one worker: applies the ExecuteModelRequest to the persistent per-request
+state, prepares the packed inputs, runs the model and (on the sampling rank) samples;
+speculative verification and the draft model live in ``engine.spec_decode`` and are called
+from here.
+
+Per step, for each scheduled request r with c = num_computed_tokens and n scheduled tokens:
+
+    input_ids   = tokens[c : c+n]            positions = c .. c+n-1
+    slot_mapping[t] = block_ids[pos // block_size] * block_size + pos % block_size
+    seq_len = c + n                          sampled iff c + n == len(tokens)
+
+KV cache groups (``engine.core.kv_cache_groups``): each layer reads its group's block table and
+writes its group's slots; the head's block ids are global, split here into each group's local
+ids, so ``block_ids`` holds one table per group and a step builds one metadata per group.
+``ModelRunner``'s docstring has what prompt logprobs, LoRA and pooling requests add.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.core.kv_cache_groups import (
+    KVCacheLayout,
+    group_of_window,
+    kv_cache_group_specs,
+)
+from engine.core.structured_output import apply_grammar_bitmask, unpack_bitmask
+from engine.lora import WorkerLoRAManager
+from engine.pooling_params import PoolingParams
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.draft import DraftModel
+from engine.spec_decode.verify import spec_grammar_rows_of, verify_requests
+from engine.timing import StepTimer, device_synchronizer
+from engine.worker.cuda_graphs import (
+    DecodeBucketRunner,
+    DecodeCudaGraphRunner,
+    cuda_graphs_disabled_reason,
+)
+from engine.worker.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
+from engine.worker.step_messages import (
+    ExecuteModelRequest,
+    LogprobsLists,
+    ModelRunnerOutput,
+    PromptLogprobs,
+)
+from kernels.attention import AttentionMetadata, build_group_metadata
+from kernels.kv_quant import kv_cache_torch_dtype
+from parallel.distributed import recv_intermediate, send_intermediate
+from parallel.state import ParallelContext
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    # One block table per KV cache group, as the group's local ids.
+    block_ids: list[list[int]]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    num_computed_tokens: int = 0
+    num_prompt_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    # Pooling requests only (driver rank): the float32 sum of the hidden rows of positions
+    # [0, num_pooled) for mean pooling.
+    pooling_params: PoolingParams | None = None
+    pooled_sum: torch.Tensor | None = None
+    num_pooled: int = 0
+    lora_int_id: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    # Rows of the packed batch whose logits are sampled: one per request in sampled_req_ids,
+    # then k + 1 per request in spec_req_ids (its last token and its k proposals).
+    logits_indices: torch.Tensor
+    sampled_req_ids: list[str] = field(default_factory=list)
+    spec_req_ids: list[str] = field(default_factory=list)
+    # Prompt logprobs wanted this step: (req_id, first prompt token scored, rows in the packed
+    # batch whose logits score it and the following ones).
+    prompt_logprobs_rows: list[tuple[str, int, np.ndarray]] = field(default_factory=list)
+    # Structured outputs: rows of the sampled logits to mask, and their bitmask rows.
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
+    # The same for the verification rows (offsets within the spec_req_ids' block of rows).
+    spec_grammar_rows: list[int] = field(default_factory=list)
+    spec_grammar_bitmask: np.ndarray | None = None
+    # Pooling requests in this step: (req_id, first position pooled, rows of the packed batch
+    # to pool, whether this chunk ends the prompt).
+    pooling_rows: list[tuple[str, int, np.ndarray, bool]] = field(default_factory=list)
+    # The driver's sampling tensors, built before the forward pass is queued: copying host
+    # lists to the device waits for the stream, so after the launch it would wait for the
+    # whole forward pass and keep the host idle meanwhile.
+    sampling_metadata: SamplingMetadata | None = None
+
+
+class ModelRunner:
+    """One step on one worker, from the step message to the sampled tokens: persistent
+    per-request state, packed inputs, forward, sampling.
+
+    A request with ``prompt_logprobs`` also gets the logits of every chunk position t with
+    t + 1 < num_prompt_tokens: they score prompt token t + 1 (chunked prefill returns them chunk
+    by chunk; the head stitches them together by position).
+
+    LoRA: the step's ``lora_slots`` changes are loaded before the forward pass; each token then
+    uses its request's adapter slot (-1 for the base model), one mapping shared by every layer.
+
+    A pooling (embedding) request samples nothing. The driver pools its post-norm hidden
+    states: ``last`` takes the row of the last prompt position (in the chunk that ends the
+    prompt); ``mean`` adds every chunk's rows to a float32 sum kept in the request's state,
+    counting the positions summed so far (``num_pooled``, always a prefix [0, num_pooled): a
+    chunk recomputed after a preemption is not summed twice). The vector is returned once the
+    prompt is computed.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: nn.Module,
+        device: torch.device,
+        ctx: ParallelContext | None = None,
+        lora_manager: WorkerLoRAManager | None = None,
+        draft: DraftModel | None = None,
+    ) -> None:
+        self.config = config
+        # speculative_config method draft_model: the draft, its KV cache beside the target's.
+        self.draft = draft
+        self.lora_manager = lora_manager
+        # This step's adapters that could not be loaded (see ModelRunnerOutput.lora_load_errors).
+        self._lora_errors: dict[int, str] = {}
+        self.model = model
+        self.device = device
+        self.ctx = ctx or ParallelContext()
+        self.block_size = config.cache.block_size
+        self.vocab_size = config.model.vocab_size
+        self.step_timer = StepTimer(sync=device_synchronizer(device))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_group_specs = kv_cache_group_specs(config.model.hf_config, config.max_model_len)
+        self.kv_layout = KVCacheLayout.uniform(self.kv_group_specs, 0, 0)
+        self._assign_kv_cache_groups()
+        # The target's layers' caches, in layer order (the draft's are the draft's).
+        self.kv_caches: list[torch.Tensor] = []
+        # Per KV cache group: its layers' device caches and swap caches (draft's included).
+        self.group_caches: list[list[torch.Tensor]] = []
+        self.group_cpu_caches: list[list[torch.Tensor]] = []
+        # Set once the KV cache exists, when decode steps may replay CUDA graphs.
+        # (A DecodeBucketRunner runs the same data path without graphs, in CPU tests.)
+        self.graph_runner: DecodeBucketRunner | None = None
+        # This step's speculative proposals, by request (ExecuteModelRequest's).
+        self._proposals: dict[str, list[int]] = {}
+
+    # ---- KV cache -----------------------------------------------------------------------
+
+    def _kv_layers(self) -> list[nn.Module]:
+        """Every paged attention layer on this worker: the model's, then the draft's."""
+        draft = self.draft.model.attention_layers() if self.draft is not None else []
+        return [*self.model.attention_layers(), *draft]
+
+    def _assign_kv_cache_groups(self) -> None:
+        for attn in self._kv_layers():
+            attn.kv_cache_group = group_of_window(
+                self.kv_group_specs, attn.sliding_window, self.config.max_model_len
+            )
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block across this worker's layers (K and V, or a latent)."""
+        return sum(self.kv_group_block_bytes())
+
+    def kv_group_block_bytes(self) -> list[int]:
+        """Bytes of one block of each KV cache group's layers on this worker (the draft's
+        included; 0 for a group with no layer here)."""
+        itemsize = self.kv_cache_dtype().itemsize
+        out = [0] * len(self.kv_group_specs)
+        for attn in self._kv_layers():
+            shape = attn.kv_cache_shape(1, self.block_size)
+            out[attn.kv_cache_group] += int(np.prod(shape)) * itemsize
+        return out
+
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The caches' dtype: the model's, or float8_e4m3fn under kv_cache_dtype fp8."""
+        return kv_cache_torch_dtype(self.config.cache.cache_dtype, self.config.model.torch_dtype)
+
+    def initialize_kv_cache(
+        self, num_blocks: int | Sequence[int], num_cpu_blocks: int | Sequence[int]
+    ) -> None:
+        """Allocate the caches (dropping the old ones): per KV cache group, that group's
+        count (an int: every group the same). Decode graphs, where they apply, are set up over
+        the new caches but captured only by ``capture_cuda_graphs``."""
+        dtype = self.config.model.torch_dtype
+        cache_dtype = self.kv_cache_dtype()
+        n = len(self.kv_group_specs)
+        blocks = (num_blocks,) * n if isinstance(num_blocks, int) else tuple(num_blocks)
+        cpu = (num_cpu_blocks,) * n if isinstance(num_cpu_blocks, int) else tuple(num_cpu_blocks)
+        self.kv_layout = KVCacheLayout(self.kv_group_specs, blocks, cpu)
+        # Captured graphs hold the old caches' addresses.
+        self.release_cuda_graphs()
+        self.group_caches = [[] for _ in range(n)]
+        self.group_cpu_caches = [[] for _ in range(n)]
+        pin = self.device.type == "cuda"
+        for attn in self._kv_layers():
+            g = attn.kv_cache_group
+            cache = torch.zeros(
+                attn.kv_cache_shape(blocks[g], self.block_size),
+                dtype=cache_dtype,
+                device=self.device,
+            )
+            attn.kv_cache = cache
+            self.group_caches[g].append(cache)
+            if cpu[g]:
+                # torch.empty: swap space pages are only committed when a block is swapped out.
+                cpu_cache = torch.empty(
+                    attn.kv_cache_shape(cpu[g], self.block_size), dtype=cache_dtype, pin_memory=pin
+                )
+                self.group_cpu_caches[g].append(cpu_cache)
+        self.kv_caches = [a.kv_cache for a in self.model.attention_layers()]
+        if self.draft is not None:
+            self.draft.kv_caches = [a.kv_cache for a in self.draft.model.attention_layers()]
+        if max(blocks) and self.uses_cuda_graphs():
+            # A stage after the first replays from static hidden/residual inputs.
+            hidden_size = (
+                None if self.ctx.pp.is_first else self.config.model.hf_config["hidden_size"]
+            )
+            self.graph_runner = DecodeCudaGraphRunner(
+                self.model,
+                self.device,
+                block_size=self.block_size,
+                max_model_len=self.config.max_model_len,
+                max_num_seqs=self.config.scheduler.max_num_seqs,
+                num_kv_blocks=blocks[0] if n == 1 else blocks,
+                hidden_size=hidden_size,
+                dtype=dtype,
+            )
+
+    def capture_cuda_graphs(self) -> int:
+        """Capture every decode bucket now (a collective on TP > 1: every rank of the stage
+        calls it together). Returns how many graphs exist (0 where graphs do not apply)."""
+        if self.graph_runner is None:
+            return 0
+        self.graph_runner.capture_all()
+        return self.graph_runner.num_graphs
+
+    def release_cuda_graphs(self) -> None:
+        """Destroy the captured graphs (before the caches they read go, and before the
+        process leaves its process groups)."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
+
+    def cuda_graphs_disabled_reason(self) -> str | None:
+        return cuda_graphs_disabled_reason(
+            device_type=self.device.type,
+            kernel_backend=self.model.kernel_ops.name,
+            enforce_eager=self.config.kernel.enforce_eager,
+            lora_enabled=self.lora_manager is not None,
+        )
+
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs on this worker (any TP / PP shape)."""
+        return self.cuda_graphs_disabled_reason() is None
+
+    # ---- persistent batch ---------------------------------------------------------------
+
+    def update_states(self, req: ExecuteModelRequest) -> None:
+        for rid in req.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in req.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            num_prompt = new.num_prompt_tokens
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids),
+                block_ids=self.kv_layout.split(new.block_ids),
+                sampling_params=params,
+                generator=generator,
+                num_computed_tokens=new.num_computed_tokens,
+                num_prompt_tokens=num_prompt if num_prompt >= 0 else len(new.prompt_token_ids),
+                eos_token_ids=tuple(new.eos_token_ids),
+                pooling_params=new.pooling_params,
+                lora_int_id=new.lora_int_id,
+            )
+        if req.lora_slots:
+            if self.lora_manager is None:
+                raise RuntimeError("the head sent LoRA slots but this worker has LoRA off")
+            self._lora_errors = self.lora_manager.apply_slot_changes(req.lora_slots)
+        for cached in req.scheduled_cached_reqs:
+            state = self.requests.get(cached.req_id)
+            if state is None:
+                raise RuntimeError(f"worker has no state for running request {cached.req_id!r}")
+            state.token_ids.extend(cached.new_token_ids)
+            new_ids = self.kv_layout.split(cached.new_block_ids)
+            if cached.resumed_from_preemption:
+                state.block_ids = new_ids
+            else:
+                for table, ids in zip(state.block_ids, new_ids):
+                    table.extend(ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def apply_block_ops(self, req: ExecuteModelRequest) -> None:
+        """Copies and swaps, each in the caches of the KV cache group its block ids are in
+        (the draft's layers included: its blocks move with the target's)."""
+        copy_blocks = self.model.kernel_ops.copy_blocks
+        layout = self.kv_layout
+        # Copies first: a copy-on-write destination may be swapped out in the same step (its
+        # request was preempted right after the copy was scheduled), and a copy source is held by
+        # a live request, so it is never a swap-in destination.
+        if req.blocks_to_copy:
+            for g, pairs in enumerate(layout.split_copies(req.blocks_to_copy)):
+                if pairs:
+                    mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
+                    copy_blocks(self.group_caches[g], mapping)
+        if req.blocks_to_swap_out:
+            out = layout.split_pairs(req.blocks_to_swap_out, device_first=True)
+            self._swap(out, to_cpu=True)
+        if req.blocks_to_swap_in:
+            self._swap(layout.split_pairs(req.blocks_to_swap_in, device_first=False), to_cpu=False)
+
+    def _swap(self, pairs_by_group: list[list[tuple[int, int]]], *, to_cpu: bool) -> None:
+        swap_blocks = self.model.kernel_ops.swap_blocks
+        for g, pairs in enumerate(pairs_by_group):
+            if not pairs:
+                continue
+            mapping = torch.tensor(pairs, dtype=torch.int64)
+            for device_cache, cpu_cache in zip(self.group_caches[g], self.group_cpu_caches[g]):
+                if to_cpu:
+                    swap_blocks(device_cache, cpu_cache, mapping)
+                else:
+                    swap_blocks(cpu_cache, device_cache, mapping)
+
+    # ---- inputs -------------------------------------------------------------------------
+
+    def prepare_inputs(self, req: ExecuteModelRequest) -> StepInputs:
+        bs = self.block_size
+        states = [self.requests[rid] for rid in req.num_scheduled_tokens]
+        query_lens = np.fromiter(
+            req.num_scheduled_tokens.values(), dtype=np.int32, count=len(states)
+        )
+        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int32)
+        seq_lens = starts + query_lens
+        num_tokens = int(query_lens.sum())
+        # Positions of every packed token: start of its request + offset inside the chunk.
+        cu = np.concatenate(([0], np.cumsum(query_lens)))
+        req_index = np.repeat(np.arange(len(states)), query_lens)
+        positions = starts[req_index] + (np.arange(num_tokens) - cu[:-1][req_index])
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        spec = req.scheduled_spec_decode_tokens
+        for i, state in enumerate(states):
+            proposals = spec.get(state.req_id, ())
+            known_end = seq_lens[i] - len(proposals)
+            input_ids[cu[i] : cu[i + 1] - len(proposals)] = state.token_ids[starts[i] : known_end]
+            input_ids[cu[i + 1] - len(proposals) : cu[i + 1]] = proposals
+        if self.lora_manager is not None:
+            lora_ids = [s.lora_int_id for s in states]
+            self.lora_manager.set_token_slots(lora_ids, query_lens, self.device)
+        sampled = [
+            i
+            for i, s in enumerate(states)
+            if seq_lens[i] == len(s.token_ids) and s.pooling_params is None and s.req_id not in spec
+        ]
+        sampled_req_ids = [states[i].req_id for i in sampled]
+        verified = [i for i, s in enumerate(states) if s.req_id in spec]
+        logits_rows = [cu[1:][sampled] - 1] + [
+            np.arange(cu[i + 1] - len(spec[states[i].req_id]) - 1, cu[i + 1]) for i in verified
+        ]
+        grammar_rows, grammar_bitmask = self._grammar_rows(req, sampled_req_ids)
+        spec_req_ids = [states[i].req_id for i in verified]
+        spec_grammar_rows, spec_grammar_bitmask = spec_grammar_rows_of(req, spec_req_ids)
+        sampling_metadata = (
+            self._sampling_metadata(sampled_req_ids) if self.is_driver and sampled_req_ids else None
+        )
+        metadata = build_group_metadata(
+            query_lens=query_lens,
+            seq_lens=seq_lens.astype(np.int32),
+            block_tables=self._block_tables(states),
+            windows=self.kv_layout.windows,
+            positions=positions,
+            req_index=req_index,
+            block_size=bs,
+            device=self.device,
+        )
+        return StepInputs(
+            input_ids=torch.from_numpy(input_ids).to(self.device),
+            positions=torch.from_numpy(positions.astype(np.int64)).to(self.device),
+            metadata=metadata,
+            logits_indices=torch.from_numpy(np.concatenate(logits_rows).astype(np.int64)).to(
+                self.device
+            ),
+            sampled_req_ids=sampled_req_ids,
+            spec_req_ids=spec_req_ids,
+            spec_grammar_rows=spec_grammar_rows,
+            spec_grammar_bitmask=spec_grammar_bitmask,
+            prompt_logprobs_rows=self._prompt_logprobs_rows(states, starts, seq_lens, cu),
+            grammar_rows=grammar_rows,
+            grammar_bitmask=grammar_bitmask,
+            # Only the driver pools (and keeps the running sums): the others hold no output.
+            pooling_rows=self._pooling_rows(states, starts, seq_lens, cu) if self.is_driver else [],
+            sampling_metadata=sampling_metadata,
+        )
+
+    def _block_tables(self, states: list[CachedRequestState]) -> list[np.ndarray]:
+        """Each KV cache group's block table of the step, ``[num_seqs, max_blocks]``."""
+        tables = []
+        for g in range(len(self.kv_layout.specs)):
+            table = np.zeros((len(states), max(len(s.block_ids[g]) for s in states)), np.int32)
+            for i, state in enumerate(states):
+                table[i, : len(state.block_ids[g])] = state.block_ids[g]
+            tables.append(table)
+        return tables
+
+    @staticmethod
+    def _grammar_rows(
+        req: ExecuteModelRequest, sampled_req_ids: list[str]
+    ) -> tuple[list[int], np.ndarray | None]:
+        """Which sampled rows the step's grammar bitmask constrains, and its rows in that order.
+        The head sends a row exactly for the constrained requests that sample this step (the
+        same rule as here); a row for a request that does not sample is skipped, and the
+        head's matcher would reject an unconstrained token."""
+        if not req.structured_output_req_ids:
+            return [], None
+        bitmask = unpack_bitmask(req.grammar_bitmask, len(req.structured_output_req_ids))
+        position = {rid: i for i, rid in enumerate(sampled_req_ids)}
+        pairs = [
+            (position[rid], i)
+            for i, rid in enumerate(req.structured_output_req_ids)
+            if rid in position
+        ]
+        if not pairs:
+            return [], None
+        return [row for row, _ in pairs], bitmask[[i for _, i in pairs]]
+
+    @staticmethod
+    def _prompt_logprobs_rows(
+        states: list[CachedRequestState], starts: np.ndarray, ends: np.ndarray, cu: np.ndarray
+    ) -> list[tuple[str, int, np.ndarray]]:
+        rows = []
+        for i, state in enumerate(states):
+            if state.sampling_params.prompt_logprobs is None:
+                continue
+            # Positions t in [start, end) with t + 1 < num_prompt_tokens score prompt token t + 1.
+            last = min(int(ends[i]), state.num_prompt_tokens - 1)
+            if last > starts[i]:
+                rows.append((state.req_id, int(starts[i]) + 1, cu[i] + np.arange(last - starts[i])))
+        return rows
+
+    def _pooling_rows(
+        self, states: list[CachedRequestState], starts: np.ndarray, ends: np.ndarray, cu: np.ndarray
+    ) -> list[tuple[str, int, np.ndarray, bool]]:
+        mean = self.config.pooler.pooling_type == "mean"
+        rows = []
+        for i, state in enumerate(states):
+            if state.pooling_params is None:
+                continue
+            start, end = int(starts[i]), int(ends[i])
+            finishes = end == len(state.token_ids)
+            if mean:
+                if start > state.num_pooled:
+                    raise RuntimeError(
+                        f"mean pooling of {state.req_id!r}: positions [{state.num_pooled}, "
+                        f"{start}) were never computed (a prefix-cache hit?)"
+                    )
+                first = max(start, state.num_pooled)
+                req_rows = cu[i] + np.arange(first - start, end - start)
+                rows.append((state.req_id, first, req_rows, finishes))
+            elif finishes:
+                rows.append((state.req_id, end - 1, np.array([cu[i + 1] - 1]), True))
+        return rows
+
+    # ---- one step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.model(inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual)
+
+    @torch.inference_mode()
+    def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput | None:
+        """Logits of the rows that end their request's known tokens, then sampling.
+        Returns None on TP ranks other than 0 (they hold no logits)."""
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        self.step_timer.lap("lm_head")
+        if logits is None:
+            return None
+        if not inputs.sampled_req_ids and not inputs.spec_req_ids:  # all mid-prompt
+            return ModelRunnerOutput(
+                req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs
+            )
+        num_plain = len(inputs.sampled_req_ids)
+        verified, verified_logprobs = self._verify(inputs, logits[num_plain:])
+        if not num_plain:
+            return ModelRunnerOutput(
+                req_ids=inputs.spec_req_ids,
+                sampled_token_ids=verified,
+                logprobs=verified_logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+        logits = logits[:num_plain]
+        if inputs.grammar_bitmask is not None:
+            # First, so that raw logprobs and every processor see the grammar's mask (vLLM's
+            # order); only the driver gets here (other TP ranks hold no logits).
+            apply_grammar_bitmask(logits, inputs.grammar_bitmask, inputs.grammar_rows)
+        meta = inputs.sampling_metadata
+        if meta is None:
+            meta = self._sampling_metadata(inputs.sampled_req_ids)
+        out = sample(logits, meta)
+        logprobs = None
+        if out.logprobs is not None and meta.num_logprobs is not None:
+            logprobs = _split_logprobs(out.logprobs, meta.num_logprobs)
+        if verified_logprobs is not None:
+            logprobs = (logprobs or [None] * num_plain) + verified_logprobs
+        elif logprobs is not None and verified:
+            logprobs = logprobs + [None] * len(verified)
+        return ModelRunnerOutput(
+            req_ids=inputs.sampled_req_ids + inputs.spec_req_ids,
+            sampled_token_ids=[[t] for t in out.token_ids.tolist()] + verified,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _verify(
+        self, inputs: StepInputs, logits: torch.Tensor
+    ) -> tuple[list[list[int]], list[LogprobsLists | None] | None]:
+        """Speculative decoding: each request's accepted proposals and next token (and their
+        logprobs where asked) from its k + 1 logits rows (``engine.spec_decode.verify``)."""
+        if not inputs.spec_req_ids:
+            return [], None
+        return verify_requests(
+            [self.requests[rid] for rid in inputs.spec_req_ids],
+            [self._proposals[rid] for rid in inputs.spec_req_ids],
+            logits,
+            inputs.spec_grammar_bitmask,
+            inputs.spec_grammar_rows,
+            self.vocab_size,
+        )
+
+    def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
+        states = [self.requests[rid] for rid in req_ids]
+        params = [s.sampling_params for s in states]
+        needs_history = any(
+            p.has_penalties or p.bad_words_token_ids or p.min_tokens for p in params
+        )
+        return SamplingMetadata.build(
+            params,
+            [s.generator for s in states],
+            self.vocab_size,
+            self.device,
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states]
+            if needs_history
+            else None,
+            output_token_ids=[s.output_token_ids for s in states] if needs_history else None,
+            eos_token_ids=[s.eos_token_ids for s in states],
+        )
+
+    def _prompt_logprobs(
+        self, inputs: StepInputs, hidden: torch.Tensor
+    ) -> dict[str, PromptLogprobs]:
+        """Raw logprobs of the prompt tokens this step's chunks score (every TP rank joins the
+        logits gather; only rank 0 gets a result)."""
+        if not inputs.prompt_logprobs_rows:
+            return {}
+        rows = np.concatenate([r for _, _, r in inputs.prompt_logprobs_rows])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+        if logits is None:
+            return {}
+        targets, ks = [], []
+        for rid, first, req_rows in inputs.prompt_logprobs_rows:
+            state = self.requests[rid]
+            targets.extend(state.token_ids[first : first + len(req_rows)])
+            ks.append(state.sampling_params.prompt_logprobs or 0)
+        raw = logits.to(torch.float32).log_softmax(dim=-1)
+        chosen = torch.tensor(targets, dtype=torch.int64, device=self.device)
+        tensors = gather_logprobs(raw, chosen, min(max(ks), self.vocab_size))
+        token_ids, lps, ranks = (
+            tensors.token_ids.tolist(),
+            tensors.logprobs.tolist(),
+            tensors.ranks.tolist(),
+        )
+        result, offset = {}, 0
+        for (rid, first, req_rows), k in zip(inputs.prompt_logprobs_rows, ks):
+            span = slice(offset, offset + len(req_rows))
+            result[rid] = PromptLogprobs(
+                start=first,
+                lists=LogprobsLists(
+                    token_ids=[t[: k + 1] for t in token_ids[span]],
+                    logprobs=[lp[: k + 1] for lp in lps[span]],
+                    ranks=ranks[span],
+                ),
+            )
+            offset += len(req_rows)
+        return result
+
+    def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
+        """One step on this rank. Stages after the first continue from the previous stage's
+        (hidden, residual); stages before the last pass theirs on. Only TP rank 0 of the last
+        stage returns the sampler output; every other rank returns None, or an output holding
+        only ``lora_load_errors`` when it could not load an adapter."""
+        clock = self.step_timer
+        clock.start()
+        self._lora_errors = {}
+        self._proposals = req.scheduled_spec_decode_tokens
+        self.update_states(req)
+        self.apply_block_ops(req)
+        output = self._execute(req)
+        if self._lora_errors:
+            if output is None:
+                output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            output.lora_load_errors = self._lora_errors
+        return output
+
+    def _execute(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
+        clock = self.step_timer
+        if req.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
+        inputs = self.prepare_inputs(req)
+        clock.lap("prepare_inputs")
+        pp = self.ctx.pp
+        hidden = residual = None
+        if not pp.is_first:
+            hidden, residual = recv_intermediate(
+                pp,
+                req.total_num_scheduled_tokens,
+                self.config.model.hf_config["hidden_size"],
+                self.config.model.torch_dtype,
+                self.device,
+            )
+            clock.lap("receive")  # waiting for the previous stage: not this stage's work
+        graphs = self.graph_runner
+        if graphs is not None and graphs.can_run(inputs.metadata):
+            # This stage's layers in one replay; every TP rank of the stage got the same
+            # request, so all replay the same bucket's graph (its all-reduces match).
+            hidden, residual = graphs.run(
+                inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual
+            )
+        else:
+            hidden, residual = self.forward(inputs, hidden, residual)
+        if self.draft is not None:
+            self.draft.mirror(inputs.input_ids, inputs.positions, inputs.metadata)
+        if not pp.is_last:
+            clock.lap("forward")
+            send_intermediate(pp, hidden, residual)
+            clock.lap("send")  # may wait for the next stage to take it
+            return None
+        clock.lap("forward")
+        output = self.sample(inputs, hidden)
+        if output is not None and inputs.pooling_rows:
+            output.pooled = self._pool(inputs, hidden)
+        clock.lap("sample")
+        if self.draft is not None:
+            self._propose_draft(inputs, output)
+            clock.lap("draft")
+        return output
+
+    def _propose_draft(self, inputs: StepInputs, output: ModelRunnerOutput | None) -> None:
+        """Every rank runs the draft's passes; the driver knows the emitted tokens and puts
+        the proposals into its output. A request's new token sits at position
+        num_computed + len(emitted) (a plain row emits one token after its seq_len - 1)."""
+        req_ids = inputs.sampled_req_ids + inputs.spec_req_ids
+        states = [self.requests[rid] for rid in req_ids]
+        tokens = positions = None
+        # (A non-driver rank's output, if any, holds only LoRA load errors.)
+        if self.is_driver and output is not None:
+            emitted = dict(zip(output.req_ids, output.sampled_token_ids))
+            tokens = [emitted[rid][-1] for rid in req_ids]
+            positions = [s.num_computed_tokens + len(emitted[s.req_id]) for s in states]
+            # A plain row computed its whole query, not just one token.
+            for i in range(len(inputs.sampled_req_ids)):
+                positions[i] = len(states[i].token_ids)
+        proposals = self.draft.propose(
+            req_ids, [s.block_ids for s in states], tokens, positions, self.kv_layout
+        )
+        if self.is_driver and output is not None:
+            output.draft_token_ids = proposals
+
+    @torch.inference_mode()
+    def _pool(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """Driver only: fold this step's rows into each pooling request's state; the vectors
+        of the requests whose prompt this step finished."""
+        rows = np.concatenate([r for _, _, r, _ in inputs.pooling_rows])
+        gathered = hidden[torch.from_numpy(rows).to(self.device)].to(torch.float32)
+        pooled: dict[str, list[float]] = {}
+        offset = 0
+        for rid, first, req_rows, finishes in inputs.pooling_rows:
+            state = self.requests[rid]
+            part = gathered[offset : offset + len(req_rows)]
+            offset += len(req_rows)
+            if self.config.pooler.pooling_type == "mean":
+                chunk_sum = part.sum(dim=0)
+                state.pooled_sum = (
+                    chunk_sum if state.pooled_sum is None else state.pooled_sum + chunk_sum
+                )
+                state.num_pooled = first + len(req_rows)
+                if not finishes:
+                    continue
+                vector = state.pooled_sum / state.num_pooled
+            else:
+                vector = part[-1]
+            if state.pooling_params is None or state.pooling_params.normalize:
+                vector = F.normalize(vector, dim=0)
+            pooled[rid] = vector.tolist()
+        return pooled
+
+    @property
+    def is_driver(self) -> bool:
+        """The rank that samples: TP rank 0 of the last pipeline stage."""
+        return self.ctx.pp.is_last and self.ctx.tp.is_first
+
+
+def _split_logprobs(
+    tensors: LogprobsTensors, num_logprobs: list[int | None]
+) -> list[LogprobsLists | None]:
+    """One row per request, trimmed to the k it asked for (None where it asked for none)."""
+    token_ids, lps, ranks = (
+        tensors.token_ids.tolist(),
+        tensors.logprobs.tolist(),
+        tensors.ranks.tolist(),
+    )
+    return [
+        None
+        if k is None
+        else LogprobsLists(
+            token_ids=[token_ids[i][: k + 1]], logprobs=[lps[i][: k + 1]], ranks=[ranks[i]]
+        )
+        for i, k in enumerate(num_logprobs)
+    ]

@@ -1,0 +1,361 @@
+"""Structured outputs on the real engine with the tiny random-weight Llama: whatever the model
+prefers, the grammar alone guarantees the output (so every schema here is bounded: strings
+with maxLength, arrays with maxItems, enums, integer ranges, closed objects)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+import xgrammar as xgr
+
+from engine import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
+from engine.client.async_llm_engine import AsyncLLMEngine
+from engine.core.structured_output import apply_grammar_bitmask, unpack_bitmask
+from engine.worker.step_messages import ExecuteModelRequest, NewRequestData, decode_request, encode
+
+MODEL = "builtin:tiny-llama"
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                "kind": {"enum": ["home", "work"]},
+            },
+            "required": ["zip", "kind"],
+            "additionalProperties": False,
+        },
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "address", "active"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(MODEL, num_kv_blocks=256)
+
+
+_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "people",
+    "read",
+    "books",
+]
+
+
+def _prompt(seed: int, num_words: int) -> str:
+    """A prompt of ASCII words (the schema's documents are what is checked, not the prompt)."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(num_words))
+
+
+def _json_params(seed: int | None = None, **kwargs: Any) -> SamplingParams:
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    return SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=300, structured_outputs=so, **kwargs
+    )
+
+
+def _parse(text: str) -> Any:
+    # Strict: no raw control characters in strings, maxLength ones included.
+    return json.loads(text)
+
+
+def _assert_valid(text: str) -> None:
+    jsonschema.validate(_parse(text), SCHEMA)
+
+
+def test_json_schema_output_is_valid_on_20_seeds(llm: LLM) -> None:
+    params = [_json_params(seed=i) for i in range(20)]
+    outs = llm.generate(["Describe a person:"] * 20, params, use_tqdm=False)
+    for out in outs:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        _assert_valid(completion.text)
+    assert len({o.outputs[0].text for o in outs}) > 10, "seeds should give different documents"
+
+
+def test_json_schema_given_as_text_is_the_same_constraint(llm: LLM) -> None:
+    as_text = StructuredOutputsParams(json=json.dumps(SCHEMA), disable_any_whitespace=True)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=300, structured_outputs=as_text)
+    text = llm.generate("x", params, use_tqdm=False)[0].outputs[0].text
+    assert text == llm.generate("x", _json_params(seed=7), use_tqdm=False)[0].outputs[0].text
+
+
+def test_complete_grammar_stops_even_with_ignore_eos(llm: LLM) -> None:
+    out = llm.generate("x", _json_params(seed=3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    _assert_valid(out.text)
+
+
+def test_regex_output_fullmatches(llm: LLM) -> None:
+    pattern = r"\d{3}-[a-z]{2,4}"
+    so = StructuredOutputsParams(regex=pattern)
+    params = [SamplingParams(seed=i, max_tokens=50, structured_outputs=so) for i in range(8)]
+    for out in llm.generate(["Code:"] * 8, params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop"
+        assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+
+
+def test_choice_output_is_one_of_the_choices(llm: LLM) -> None:
+    choices = ["yes", "no", 'say "maybe"', "back\\slash", "two\nlines"]
+    so = StructuredOutputsParams(choice=choices)
+    params = [SamplingParams(seed=i, max_tokens=20, structured_outputs=so) for i in range(12)]
+    for out in llm.generate(["Answer:"] * 12, params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop"
+        assert out.outputs[0].text in choices
+
+
+def test_ebnf_grammar_output_matches(llm: LLM) -> None:
+    grammar = 'root ::= item ("," item){0,3}\nitem ::= [a-z]{1,5} | [0-9]{1,3}'
+    so = StructuredOutputsParams(grammar=grammar)
+    params = [SamplingParams(seed=i, max_tokens=60, structured_outputs=so) for i in range(8)]
+    for out in llm.generate(["List:"] * 8, params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop"
+        assert re.fullmatch(
+            r"([a-z]{1,5}|[0-9]{1,3})(,([a-z]{1,5}|[0-9]{1,3})){0,3}", out.outputs[0].text
+        )
+
+
+def test_json_object_output_that_finishes_is_a_json_object(llm: LLM) -> None:
+    # An unbounded grammar: a random-weight model may wander until max_tokens, so only the
+    # outputs the grammar completed are checked (they must all parse to an object).
+    so = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    params = [SamplingParams(seed=i, max_tokens=200, structured_outputs=so) for i in range(8)]
+    outs = [o.outputs[0] for o in llm.generate(["JSON:"] * 8, params, use_tqdm=False)]
+    for out in outs:
+        assert out.finish_reason in ("stop", "length")
+        assert out.text.startswith("{")
+        if out.finish_reason == "stop":
+            assert isinstance(_parse(out.text), dict)
+
+
+def test_free_requests_in_a_mixed_batch_match_running_alone(llm: LLM) -> None:
+    free = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) for _ in range(3)]
+    free_prompts = [_prompt(i, 10 + 7 * i) for i in range(3)]
+    alone = llm.generate(free_prompts, free, use_tqdm=False)
+    constrained = [_json_params(seed=i) for i in range(3)]
+    mixed = llm.generate(
+        [p for pair in zip(free_prompts, ["a", "b", "c"]) for p in pair],
+        [p for pair in zip(free, constrained) for p in pair],
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in mixed[0::2]] == [o.outputs[0].token_ids for o in alone]
+    for out in mixed[1::2]:
+        _assert_valid(out.outputs[0].text)
+
+
+def test_each_of_n_samples_is_valid(llm: LLM) -> None:
+    out = llm.generate("People:", _json_params(seed=11, n=2), use_tqdm=False)[0]
+    assert len(out.outputs) == 2
+    for completion in out.outputs:
+        assert completion.finish_reason == "stop"
+        _assert_valid(completion.text)
+    assert out.outputs[0].text != out.outputs[1].text
+
+
+def test_logprobs_reflect_the_mask(llm: LLM) -> None:
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=5, structured_outputs=so)
+    completion = llm.generate("Answer:", params, use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    allowed = {tokenizer.encode(c, add_special_tokens=False)[0] for c in ("yes", "no", "y", "n")}
+    first = completion.logprobs[0]
+    finite = {t for t, lp in first.items() if lp.logprob > float("-inf")}
+    assert finite <= allowed
+    assert sum(np.exp(lp.logprob) for lp in first.values() if lp.logprob > float("-inf")) > 0.99
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"preemption_mode": "recompute"},
+        {"preemption_mode": "swap", "swap_space": 0.05},
+    ],
+    ids=["recompute", "swap"],
+)
+def test_output_stays_valid_across_preemption(engine_args: dict[str, Any]) -> None:
+    llm = LLM(MODEL, num_kv_blocks=40, **engine_args)
+    prompts = [_prompt(100 + i, 60) for i in range(8)]
+    outs = llm.generate(prompts, [_json_params(seed=i) for i in range(8)], use_tqdm=False)
+    scheduler = llm.llm_engine.scheduler
+    assert scheduler.num_preemptions > 0, "the setting did not force preemption"
+    if engine_args["preemption_mode"] == "swap":
+        assert scheduler.num_swap_outs > 0, "preemption fell back to recompute"
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop"
+        _assert_valid(out.outputs[0].text)
+    assert llm.llm_engine.request_state_sizes()["grammar_matchers"] == 0
+
+
+def test_matchers_are_dropped_on_finish_and_abort(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("keep", "a", _json_params(seed=1, n=2))
+    engine.add_request("drop", "b", _json_params(seed=2))
+    assert engine.request_state_sizes()["grammar_matchers"] == 3
+    engine.step()
+    engine.abort_request("drop")
+    assert engine.request_state_sizes()["grammar_matchers"] == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.request_state_sizes()["grammar_matchers"] == 0
+
+
+def test_async_engine_passes_structured_outputs_through() -> None:
+    engine = AsyncLLMEngine.from_engine_args(model=MODEL, num_kv_blocks=64)
+    try:
+
+        async def run() -> str:
+            items = [item async for item in engine.generate("Person:", _json_params(seed=5))]
+            return items[-1].output.outputs[0].text
+
+        _assert_valid(asyncio.run(run()))
+    finally:
+        engine.shutdown()
+
+
+# ---- invalid requests --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("structured_outputs", "field"),
+    [
+        ({"json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "json"),
+        ({"regex": "a(b"}, "regex"),
+        ({"grammar": 'root ::= undefined_rule "x"'}, "grammar"),
+    ],
+)
+def test_uncompilable_spec_is_rejected_naming_the_field(
+    llm: LLM, structured_outputs: dict[str, Any], field: str
+) -> None:
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**structured_outputs))
+    with pytest.raises(InvalidRequestError) as err:
+        llm.llm_engine.add_request("bad", "x", params)
+    assert err.value.param == f"structured_outputs.{field}"
+    assert "[" not in err.value.reason.split(":")[0], "xgrammar's log prefix should be cut"
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"regex": "a", "choice": ["a"]}, "structured_outputs"),
+        ({}, "structured_outputs"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"regex": ""}, "structured_outputs.regex"),
+    ],
+)
+def test_malformed_params_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        StructuredOutputsParams(**kwargs)
+    assert err.value.param == field
+
+
+def test_not_allowed_with_beam_search() -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(
+            n=2,
+            temperature=0,
+            use_beam_search=True,
+            structured_outputs=StructuredOutputsParams(regex="a+"),
+        )
+    assert err.value.param == "structured_outputs"
+
+
+def test_compiled_grammars_are_cached_by_spec(llm: LLM) -> None:
+    manager = llm.llm_engine.structured_output
+    a = manager.compile(StructuredOutputsParams(regex="[ab]{3}"))
+    assert manager.compile(StructuredOutputsParams(regex="[ab]{3}")) is a
+    assert manager.compile(StructuredOutputsParams(regex="[ab]{4}")) is not a
+
+
+# ---- wire format and the worker's mask ---------------------------------------------------
+
+
+def test_step_message_with_a_bitmask_round_trips() -> None:
+    bitmask = np.array([[1, -1, 0], [7, 0, -2]], dtype="<i4")
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    msg = ExecuteModelRequest(
+        scheduled_new_reqs=[
+            NewRequestData(
+                req_id="a",
+                prompt_token_ids=[1, 2],
+                sampling_params=SamplingParams(structured_outputs=so),
+                block_ids=[0],
+                num_computed_tokens=0,
+            )
+        ],
+        scheduled_cached_reqs=[],
+        num_scheduled_tokens={"a": 2, "b": 1},
+        total_num_scheduled_tokens=3,
+        finished_req_ids=[],
+        structured_output_req_ids=["a", "b"],
+        grammar_bitmask=bitmask.tobytes(),
+    )
+    decoded = decode_request(encode(msg))
+    assert decoded == msg
+    assert decoded.scheduled_new_reqs[0].sampling_params.structured_outputs == so
+    assert np.array_equal(unpack_bitmask(decoded.grammar_bitmask, 2), bitmask)
+
+
+@pytest.mark.parametrize("vocab", [64, 80, 50], ids=["exact", "padded_logits", "short_logits"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitmask_masks_only_its_rows_and_disallowed_tokens(vocab: int, dtype: torch.dtype) -> None:
+    bitmask = np.zeros((1, 2), dtype="<i4")
+    bitmask[0, 0] = 0b101  # tokens 0 and 2
+    bitmask[0, 1] = 1 << 3  # token 35
+    logits = torch.zeros(3, vocab, dtype=dtype)
+    apply_grammar_bitmask(logits, bitmask, [1])
+    allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert allowed == [t for t in (0, 2, 35) if t < vocab]
+    assert torch.isfinite(logits[[0, 2]]).all()
+
+
+# These two watch xgrammar itself (the engine rewrites the rule:
+# engine/core/json_string_grammar.py); when they pass, a fixed release is out and the rewrite can
+# go.
+@pytest.mark.xfail(strict=True, reason="xgrammar 0.2.8: maxLength strings admit U+0000-U+001F")
+def test_xgrammar_max_length_string_admits_control_characters(llm: LLM) -> None:
+    compiler = llm.llm_engine.structured_output.compiler
+    matcher = xgr.GrammarMatcher(compiler.compile_json_schema({"type": "string", "maxLength": 4}))
+    assert not matcher.accept_string('"a\x01"')
+
+
+@pytest.mark.xfail(strict=True, reason="xgrammar 0.2.8: maxLength strings refuse escapes")
+def test_xgrammar_max_length_string_refuses_escapes(llm: LLM) -> None:
+    compiler = llm.llm_engine.structured_output.compiler
+    matcher = xgr.GrammarMatcher(compiler.compile_json_schema({"type": "string", "maxLength": 4}))
+    assert matcher.accept_string('"a\\t"')
+
+
+def test_max_length_strings_refuse_control_characters_and_take_escapes(llm: LLM) -> None:
+    manager = llm.llm_engine.structured_output
+    compiled = manager.compile(StructuredOutputsParams(json={"type": "string", "maxLength": 4}))
+    assert not xgr.GrammarMatcher(compiled).accept_string('"a\x01"')
+    assert xgr.GrammarMatcher(compiled).accept_string('"a\\t"')
