@@ -81,6 +81,20 @@ def _load_config(path: str) -> DeploymentConfig:
     return config
 
 
+def _refuse_busy_ports_before_loading(path: str) -> None:
+    """Exit 1 naming a port of the config that is in use here, before the config is loaded
+    in full (its engine check reads the checkpoint, seconds); a config that does not parse is
+    left to ``_load_config`` to report."""
+    from cluster.config import parse_config
+    from cluster.ops import ports
+
+    try:
+        config = parse_config(path)
+    except (TypeError, ValueError):  # ConfigError is a ValueError
+        return
+    _refuse_ports_in_use(lambda: ports.check_ports_free(ports.config_ports(config)))
+
+
 def _deploy_and_report(
     config: DeploymentConfig,
     address: str | None,
@@ -182,6 +196,8 @@ def _serve(args: argparse.Namespace) -> int:
     signals = stopping.StopSignals()  # first of all: a stop during start-up is handled
     local = args.address == "local"
     config = None
+    if local:
+        _refuse_busy_ports_before_loading(args.config)
     try:
         config = _load_config(args.config)
         _deploy_and_report(config, args.address, signals, direct_ingress=local and not args.proxy)

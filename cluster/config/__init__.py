@@ -48,6 +48,7 @@ from cluster.config.deployment import (
     check_engine_kwargs,
     deployment_name,
     load_config,
+    parse_config,
 )
 from cluster.config.strict_yaml import build_dataclass
 
@@ -80,4 +81,5 @@ __all__ = [
     "check_engine_kwargs",
     "deployment_name",
     "load_config",
+    "parse_config",
 ]

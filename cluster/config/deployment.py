@@ -420,6 +420,14 @@ class DeploymentConfig:
 def load_config(source: str | os.PathLike[str] | dict[str, Any]) -> DeploymentConfig:
     """Parse and fully validate a deployment config (a YAML path or an already-parsed dict).
     Raises ``ConfigError`` naming the key path; touches no cluster."""
+    config = parse_config(source)
+    check_config(config)
+    return config
+
+
+def parse_config(source: str | os.PathLike[str] | dict[str, Any]) -> DeploymentConfig:
+    """The config's fields and types, not yet their values (``check_config``, which reads the
+    checkpoint and takes seconds): what ``cluster serve`` needs to refuse a busy port at once."""
     if isinstance(source, dict):
         data = source
     else:
@@ -430,9 +438,7 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any]) -> DeploymentCo
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    config = build_dataclass(DeploymentConfig, data)
-    check_config(config)
-    return config
+    return build_dataclass(DeploymentConfig, data)
 
 
 def check_config(config: DeploymentConfig) -> None:
