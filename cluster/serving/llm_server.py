@@ -36,7 +36,6 @@ from cluster.api.protocol import (
     StreamItem,
     StreamStart,
     TokenizeResult,
-    choice_chunk,
     logprob_rows,
 )
 from cluster.api.reasoning_parsers import reasoning_front
@@ -231,7 +230,7 @@ class LLMServer:
                     self.metrics.on_adapter_tokens(request.adapter, item.num_new_tokens)
                 last = item
                 if sink is None:
-                    yield StreamDelta([choice_chunk(d) for d in item.deltas])
+                    yield StreamDelta(item.deltas)
             if timeout is not None and _was_aborted(last):
                 yield error_item(408, f"the request exceeded its timeout of {timeout} s",
                                  "timeout")  # fmt: skip

@@ -17,8 +17,10 @@ from cluster.api.api_errors import APIError
 from cluster.api.openai_api import make_openai_app, new_app
 from cluster.api.openai_models import ChatCompletionRequest, CompletionRequest
 from cluster.api.openai_responses import Completion, chat_logprobs, completion_logprobs
-from cluster.api.protocol import ChoiceChunk, StreamDelta, StreamStart
+from cluster.api.protocol import StreamDelta, StreamStart, logprob_rows
 from engine import InvalidRequestError, SamplingParams
+from engine.core_messages import ChoiceDelta
+from engine.outputs import Logprob
 
 
 def completion_payload(req: CompletionRequest) -> dict[str, Any]:
@@ -457,9 +459,13 @@ def test_chat_top_logprobs_without_logprobs_is_400() -> None:
 
 # ---- responses from the server's items ----
 
-# Two generated tokens as the server sends them (the engine's token id -> Logprob dicts): the
-# sampled row first, then the top-2 not already listed. " a" is the most likely token; "z" is
-# sampled at rank 4, below its top-2.
+# Two generated tokens as the engine sends them (token id -> Logprob, the sampled token first,
+# then the top-2 not already listed) and as OpenAI rows ([token_id, text, logprob, rank]).
+# " a" is the most likely token; "z" is sampled at rank 4, below its top-2.
+LOGPROBS = [
+    {5: Logprob(-0.5, 1, " a"), 6: Logprob(-1.5, 2, " b")},
+    {8: Logprob(-3.0, 4, "z"), 7: Logprob(-0.2, 1, "y"), 9: Logprob(-2.0, 2, "w")},
+]
 ENTRIES = [
     [[5, " a", -0.5, 1], [6, " b", -1.5, 2]],
     [[8, "z", -3.0, 4], [7, "y", -0.2, 1], [9, "w", -2.0, 2]],
@@ -467,9 +473,13 @@ ENTRIES = [
 
 
 def delta(index: int, text: str, tokens: int, finish: str | None = None, **kw: Any) -> Any:
-    token_ids = kw.get("token_ids", [1] * len(kw.get("logprobs") or []))
-    choice = ChoiceChunk(index, text, token_ids, finish, None, tokens, kw.get("logprobs"))
-    return StreamDelta([choice])
+    logprobs = kw.get("logprobs")
+    token_ids = kw.get("token_ids", [1] * len(logprobs or []))
+    return StreamDelta([ChoiceDelta(index, text, token_ids, logprobs, finish, None, tokens)])
+
+
+def test_logprob_rows_are_the_engine_logprobs_sampled_token_first() -> None:
+    assert [logprob_rows(entry) for entry in LOGPROBS] == ENTRIES
 
 
 def test_completion_logprobs_format() -> None:
@@ -534,8 +544,8 @@ def test_stream_chunks_name_their_choice_and_carry_role_once_per_choice() -> Non
 def test_streamed_logprobs_are_those_of_each_chunk_and_add_up_to_the_whole() -> None:
     completion = Completion("m", chat=False, include_usage=False, top_logprobs=2)
     completion.absorb(StreamStart(1, 1))
-    first = completion.absorb(delta(0, " a", 1, logprobs=ENTRIES[:1]))[0]["logprobs"]
-    second = completion.absorb(delta(0, "z", 2, "length", logprobs=ENTRIES[1:]))[0]["logprobs"]
+    first = completion.absorb(delta(0, " a", 1, logprobs=LOGPROBS[:1]))[0]["logprobs"]
+    second = completion.absorb(delta(0, "z", 2, "length", logprobs=LOGPROBS[1:]))[0]["logprobs"]
     assert (first["tokens"], second["tokens"]) == ([" a"], ["z"])
     assert second["text_offset"] == [2]
     assert completion.whole()["choices"][0]["logprobs"] == completion_logprobs(ENTRIES)
@@ -544,7 +554,7 @@ def test_streamed_logprobs_are_those_of_each_chunk_and_add_up_to_the_whole() -> 
 def test_chat_whole_response_has_logprobs_content() -> None:
     completion = Completion("m", chat=True, include_usage=False, top_logprobs=1)
     completion.absorb(StreamStart(1, 1))
-    completion.absorb(delta(0, " az", 2, "length", logprobs=ENTRIES))
+    completion.absorb(delta(0, " az", 2, "length", logprobs=LOGPROBS))
     content = completion.whole()["choices"][0]["logprobs"]["content"]
     assert content == chat_logprobs(ENTRIES, 1)
 
@@ -730,7 +740,7 @@ def _feed(completion: Completion, pieces: list[str], finish: str = "stop") -> li
     chunks = []
     for i, text in enumerate(pieces):
         last = i == len(pieces) - 1
-        delta = ChoiceChunk(0, text, [1], finish if last else None, None, i + 1)
+        delta = ChoiceDelta(0, text, [1], None, finish if last else None, None, i + 1)
         chunks += completion.absorb(StreamDelta([delta]))
     return chunks
 
