@@ -20,6 +20,7 @@ the OpenAI error type, and the gRPC status code (by name, so this module needs n
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import msgspec
@@ -52,6 +53,10 @@ def grpc_code_name(status: int, code: str | None = None) -> str:
     return ERRORS.get(status, ("APIError", "INTERNAL"))[1]
 
 
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One generation: exactly one of ``prompt``, ``prompt_token_ids`` or ``messages``;
     ``params`` are ``SamplingParams`` fields by name (the server checks names and ranges)."""
@@ -62,7 +67,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     messages: list[dict[str, Any]] | None = None
     cache_salt: str | None = None
     timeout: float | None = None  # seconds; past it: aborted, then a 408
-    request_id: str | None = None
+    # The engine's id of the request; the ingress registers it with its token channel before
+    # the call, so it is made here, whoever builds the request (ingress, gRPC, tests).
+    request_id: str = msgspec.field(default_factory=new_request_id)
     # The prompt's text (and its logprobs, when params ask for prompt_logprobs) comes back in
     # StreamStart: OpenAI's echo.
     echo: bool = False
@@ -146,7 +153,7 @@ class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_token_ids: list[int] | None = None
     normalize: bool = True
     dimensions: int | None = None
-    request_id: str | None = None
+    request_id: str = msgspec.field(default_factory=new_request_id)
 
 
 class EmbedResult(msgspec.Struct):
@@ -180,6 +187,7 @@ __all__ = [
     "error_type",
     "grpc_code_name",
     "logprob_rows",
+    "new_request_id",
     "replica_failed",
     "unavailable",
 ]

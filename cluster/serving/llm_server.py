@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -167,7 +166,7 @@ class LLMServer:
             yield self._draining_error()
             return
         timer = self.metrics.request_timer(time.monotonic())
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request.request_id
         self._active.add(request_id)
         try:
             self._check_tool_choice(request)
@@ -331,7 +330,7 @@ class LLMServer:
         self._ensure_stats_task()
         if self.draining:
             return self._draining_error()
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request.request_id
         self._active.add(request_id)
         try:
             params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions)
