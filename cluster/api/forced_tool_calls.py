@@ -126,20 +126,14 @@ def parse_required_tool_calls(text: str) -> ParsedToolCalls:
 
 def tool_function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     """The function of an OpenAI tool, ``{"type": "function", "function": {...}}``, or of a bare
-    function dict; ValueError when it has no name."""
-    function = tool.get("function", tool)
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise ValueError(f"a tool must be a function with a string 'name', got {tool!r}")
-    return function
+    function dict (the API's models checked that it has a name)."""
+    return tool.get("function", tool)
 
 
 def find_tool(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
-    """The tool whose function is called ``name``; ValueError naming the tools there are."""
-    for tool in tools:
-        if tool_function(tool)["name"] == name:
-            return tool
-    names = ", ".join(tool_function(tool)["name"] for tool in tools) or "none"
-    raise ValueError(f"tool_choice names function {name!r}, which is not in tools ({names})")
+    """The tool whose function is called ``name``: the API's ``tool_choice`` check (a 400 on
+    ``tool_choice.function.name``) made sure there is one."""
+    return next(tool for tool in tools if tool_function(tool)["name"] == name)
 
 
 def named_tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,9 +148,8 @@ def required_tools_schema(
 ) -> dict[str, Any]:
     """JSON schema of the output of ``tool_choice: "required"``: a non-empty array of calls, each
     ``{"name": <one of the tools>, "parameters": <that tool's arguments>}``; at most one call when
-    ``parallel_tool_calls`` is False."""
-    if not tools:
-        raise ValueError('tool_choice "required" needs at least one tool in tools')
+    ``parallel_tool_calls`` is False. ``tools`` is not empty: the API's ``tool_choice`` check (a
+    400 on ``tool_choice``) refused "required" without tools."""
     calls = [
         {
             "type": "object",

@@ -17,7 +17,13 @@ from cluster.api.forced_tool_calls import (
     parse_required_tool_calls,
 )
 from cluster.api.openai_payloads import ToolChoice
-from cluster.api.protocol import ChoiceChunk, StreamDelta, StreamError, StreamItem, StreamStart
+from cluster.api.protocol import (
+    StreamDelta,
+    StreamError,
+    StreamItem,
+    StreamStart,
+    logprob_rows,
+)
 from cluster.api.reasoning_parsers import (
     GptOssReasoningParser,
     ReasoningParser,
@@ -31,6 +37,8 @@ from cluster.api.tool_parsers import (
     get_tool_parser,
     parse_harmony,
 )
+from engine.client.core_messages import ChoiceDelta
+from engine.outputs import Logprob
 
 
 class _Choice:
@@ -156,7 +164,7 @@ class Completion:
         parser = self.reasoning_parser
         return parser is not None and not isinstance(parser, GptOssReasoningParser)
 
-    def _absorb_choice(self, delta: ChoiceChunk, first_index: int = 0) -> list[dict[str, Any]]:
+    def _absorb_choice(self, delta: ChoiceDelta, first_index: int = 0) -> list[dict[str, Any]]:
         choice = self.choices[first_index + delta.index]
         first, choice.started = not choice.started, True
         # "stop", "length", or (as vLLM sends it) "abort": the replica shut down past its drain.
@@ -168,7 +176,7 @@ class Completion:
             return [{"index": choice.index, "text": "", "logprobs": None,
                      "finish_reason": choice.finish_reason}]  # fmt: skip
         choice.text += delta.text
-        choice.num_tokens = delta.num_output_tokens
+        choice.num_tokens = delta.num_tokens
         if finish is not None:
             choice.finish_reason = finish
         logprobs = self._logprobs(choice, delta.logprobs)
@@ -234,10 +242,11 @@ class Completion:
         named = self.tools is not None and self.tools.mode == "named"
         return "tool_calls" if finish == "stop" and tools_called and not named else finish
 
-    def _logprobs(self, choice: _Choice, entries: list[Any] | None) -> Any:
+    def _logprobs(self, choice: _Choice, logprobs: list[dict[int, Logprob]] | None) -> Any:
         """The OpenAI logprobs of a delta's new tokens, also appended to the choice's."""
-        if self.top_logprobs is None or entries is None:
+        if self.top_logprobs is None or logprobs is None:
             return None
+        entries = [logprob_rows(entry) for entry in logprobs]
         if self.chat:
             new = chat_logprobs(entries, self.top_logprobs)
             choice.logprobs = (choice.logprobs or []) + new

@@ -8,8 +8,8 @@
 With ``GenerateRequest.channel`` (the ingress's ``cluster.serving.token_channel``) and a replica
 whose core runs in a head actor, the ``StreamDelta`` items do not travel on this stream: the head
 writes each step's deltas for all of that ingress's requests to the ingress in one message, and
-``StreamStart.head`` names that head (``stream_delta`` turns a request's part into the same
-``StreamDelta``). The stream then carries its start, its end, and any ``StreamError``.
+``StreamStart.head`` names that head (a request's part of it is the same ``StreamDelta``). The
+stream then carries its start, its end, and any ``StreamError``.
     ingress ── EmbedRequest ─────────────────▶ LLMServer.embed (a unary handle call)
             ◀── EmbedResult | StreamError
 
@@ -20,11 +20,13 @@ the OpenAI error type, and the gRPC status code (by name, so this module needs n
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import msgspec
 
-from engine.client.core_messages import ChoiceDelta, RequestDelta
+from engine.client.core_messages import ChoiceDelta
+from engine.outputs import Logprob
 
 # status -> (OpenAI error "type", gRPC status code name)
 ERRORS: dict[int, tuple[str, str]] = {
@@ -51,6 +53,10 @@ def grpc_code_name(status: int, code: str | None = None) -> str:
     return ERRORS.get(status, ("APIError", "INTERNAL"))[1]
 
 
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One generation: exactly one of ``prompt``, ``prompt_token_ids`` or ``messages``;
     ``params`` are ``SamplingParams`` fields by name (the server checks names and ranges)."""
@@ -61,7 +67,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     messages: list[dict[str, Any]] | None = None
     cache_salt: str | None = None
     timeout: float | None = None  # seconds; past it: aborted, then a 408
-    request_id: str | None = None
+    # The engine's id of the request; the ingress registers it with its token channel before
+    # the call, so it is made here, whoever builds the request (ingress, gRPC, tests).
+    request_id: str = msgspec.field(default_factory=new_request_id)
     # The prompt's text (and its logprobs, when params ask for prompt_logprobs) comes back in
     # StreamStart: OpenAI's echo.
     echo: bool = False
@@ -99,21 +107,11 @@ class StreamStart(msgspec.Struct, tag="start", omit_defaults=True):
     in_reasoning: bool | None = None
 
 
-class ChoiceChunk(msgspec.Struct):
-    """What is new for one choice. ``finish_reason`` is set in the one chunk in which the choice
-    finishes; ``num_output_tokens`` counts its tokens so far."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_output_tokens: int = 0
-    logprobs: list[TokenLogprobs] | None = None
-
-
 class StreamDelta(msgspec.Struct, tag="delta"):
-    choices: list[ChoiceChunk]
+    """The engine core's own deltas, as they left it (logprobs as ``Logprob``s by token id):
+    the ingress renders them, OpenAI rows included (``logprob_rows``)."""
+
+    choices: list[ChoiceDelta]
 
 
 class StreamError(msgspec.Struct, tag="error"):
@@ -141,29 +139,9 @@ def replica_failed(model: str) -> StreamError:
     return unavailable(f"the replica serving {model!r} failed; retry the request")
 
 
-def logprob_rows(entry: dict[int, Any] | None) -> TokenLogprobs:
+def logprob_rows(entry: dict[int, Logprob] | None) -> TokenLogprobs:
     """[token_id, text, logprob, rank] per token of a position, the chosen token first."""
     return [[t, lp.decoded_token or "", lp.logprob, lp.rank] for t, lp in (entry or {}).items()]
-
-
-def choice_chunk(delta: ChoiceDelta) -> ChoiceChunk:
-    logprobs = None
-    if delta.logprobs is not None:
-        logprobs = [logprob_rows(entry) for entry in delta.logprobs]
-    return ChoiceChunk(
-        delta.index,
-        delta.text,
-        delta.token_ids,
-        delta.finish_reason,
-        delta.stop_reason,
-        delta.num_tokens,
-        logprobs,
-    )
-
-
-def stream_delta(delta: RequestDelta) -> StreamDelta:
-    """A request's part of an engine step, as the stream item it is for the ingress."""
-    return StreamDelta([choice_chunk(c) for c in delta.choices])
 
 
 class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -175,7 +153,7 @@ class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_token_ids: list[int] | None = None
     normalize: bool = True
     dimensions: int | None = None
-    request_id: str | None = None
+    request_id: str = msgspec.field(default_factory=new_request_id)
 
 
 class EmbedResult(msgspec.Struct):
@@ -197,7 +175,6 @@ class DetokenizeResult(msgspec.Struct):
 
 __all__ = [
     "ERRORS",
-    "ChoiceChunk",
     "DetokenizeResult",
     "EmbedRequest",
     "EmbedResult",
@@ -207,11 +184,10 @@ __all__ = [
     "StreamItem",
     "StreamStart",
     "TokenizeResult",
-    "choice_chunk",
     "error_type",
     "grpc_code_name",
     "logprob_rows",
+    "new_request_id",
     "replica_failed",
-    "stream_delta",
     "unavailable",
 ]

@@ -99,7 +99,7 @@ class LLMServicer:
                         token_ids=choice.token_ids,
                         finish_reason=choice.finish_reason or "",
                         prompt_tokens=first.prompt_tokens,
-                        completion_tokens=choice.num_output_tokens,
+                        completion_tokens=choice.num_tokens,
                     )
         finally:
             items.cancel()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import uuid
 from typing import Any
 
 import msgspec
@@ -155,9 +154,9 @@ class OpenAIIngress(LLMServicer, ResponsesServicer):
             raise APIError(503, "the server is shutting down, retry later", None, "draining",
                            retry_after=1)  # fmt: skip
         handle, adapter = self._route(model)
-        request_id = uuid.uuid4().hex
+        request_id = payload.request_id
         payload = msgspec.structs.replace(
-            payload, adapter=adapter, request_id=request_id, channel=await self.channel.sink()
+            payload, adapter=adapter, channel=await self.channel.sink()
         )
         self.channel.register(request_id)
         try:

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -36,7 +35,6 @@ from cluster.api.protocol import (
     StreamItem,
     StreamStart,
     TokenizeResult,
-    choice_chunk,
     logprob_rows,
 )
 from cluster.api.reasoning_parsers import reasoning_front
@@ -168,7 +166,7 @@ class LLMServer:
             yield self._draining_error()
             return
         timer = self.metrics.request_timer(time.monotonic())
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request.request_id
         self._active.add(request_id)
         try:
             self._check_tool_choice(request)
@@ -231,7 +229,7 @@ class LLMServer:
                     self.metrics.on_adapter_tokens(request.adapter, item.num_new_tokens)
                 last = item
                 if sink is None:
-                    yield StreamDelta([choice_chunk(d) for d in item.deltas])
+                    yield StreamDelta(item.deltas)
             if timeout is not None and _was_aborted(last):
                 yield error_item(408, f"the request exceeded its timeout of {timeout} s",
                                  "timeout")  # fmt: skip
@@ -332,7 +330,7 @@ class LLMServer:
         self._ensure_stats_task()
         if self.draining:
             return self._draining_error()
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request.request_id
         self._active.add(request_id)
         try:
             params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions)

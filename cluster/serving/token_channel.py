@@ -30,7 +30,6 @@ from cluster.api.protocol import (
     StreamDelta,
     StreamError,
     replica_failed,
-    stream_delta,
     unavailable,
 )
 from cluster.serving.head_messages import PollReply
@@ -186,7 +185,7 @@ class ChannelStream:
                     served = True
                 elif isinstance(item, RequestDelta):
                     finished = item.finished
-                    yield stream_delta(item)
+                    yield StreamDelta(item.choices)
                 else:  # StreamError (the replica's, or the head's failure); a StreamDelta
                     yield item
                     if isinstance(item, StreamError):

@@ -7,7 +7,8 @@ from typing import Any
 
 from cluster.api.openai_payloads import ToolChoice
 from cluster.api.openai_responses import Completion
-from cluster.api.protocol import ChoiceChunk, StreamDelta, StreamStart
+from cluster.api.protocol import StreamDelta, StreamStart
+from engine.client.core_messages import ChoiceDelta
 
 
 def scripted_chat(
@@ -19,6 +20,6 @@ def scripted_chat(
     chunks = completion.absorb(start)
     for i, piece in enumerate(pieces):
         finish = "stop" if i == len(pieces) - 1 else None
-        delta = ChoiceChunk(0, piece, [i], finish, num_output_tokens=i + 1)
+        delta = ChoiceDelta(0, piece, [i], None, finish, None, i + 1)
         chunks += completion.absorb(StreamDelta([delta]))
     return completion, chunks

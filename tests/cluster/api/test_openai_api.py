@@ -17,18 +17,28 @@ from cluster.api.api_errors import APIError
 from cluster.api.openai_api import make_openai_app, new_app
 from cluster.api.openai_models import ChatCompletionRequest, CompletionRequest
 from cluster.api.openai_responses import Completion, chat_logprobs, completion_logprobs
-from cluster.api.protocol import ChoiceChunk, StreamDelta, StreamStart
+from cluster.api.protocol import GenerateRequest, StreamDelta, StreamStart, logprob_rows
 from engine import InvalidRequestError, SamplingParams
+from engine.client.core_messages import ChoiceDelta
+from engine.outputs import Logprob
+
+
+def plain(payload: GenerateRequest) -> dict[str, Any]:
+    """A ``GenerateRequest`` as plain data: unset fields left out, and its request id, which is
+    new for each request."""
+    data = msgspec.to_builtins(payload)
+    del data["request_id"]
+    return data
 
 
 def completion_payload(req: CompletionRequest) -> dict[str, Any]:
-    """The ``GenerateRequest`` of a one-prompt request, as plain data (unset fields left out)."""
+    """The ``GenerateRequest`` of a one-prompt request, as plain data."""
     (payload,) = openai_payloads.completion_payloads(req)
-    return msgspec.to_builtins(payload)
+    return plain(payload)
 
 
 def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
-    return msgspec.to_builtins(openai_payloads.chat_payload(req))
+    return plain(openai_payloads.chat_payload(req))
 
 
 KEY = "sk-test-key"
@@ -184,7 +194,7 @@ def test_max_tokens_zero_needs_echo() -> None:
 def test_batched_prompts_make_one_payload_each() -> None:
     for prompt in (["a", "b", "c"], [[1, 2], [3]]):
         req = CompletionRequest(model="m", prompt=prompt, n=2)
-        payloads = [msgspec.to_builtins(p) for p in openai_payloads.completion_payloads(req)]
+        payloads = [plain(p) for p in openai_payloads.completion_payloads(req)]
         key = "prompt" if isinstance(prompt[0], str) else "prompt_token_ids"
         assert [p[key] for p in payloads] == prompt
         assert all(p["params"]["n"] == 2 for p in payloads)
@@ -457,9 +467,13 @@ def test_chat_top_logprobs_without_logprobs_is_400() -> None:
 
 # ---- responses from the server's items ----
 
-# Two generated tokens as the server sends them (the engine's token id -> Logprob dicts): the
-# sampled row first, then the top-2 not already listed. " a" is the most likely token; "z" is
-# sampled at rank 4, below its top-2.
+# Two generated tokens as the engine sends them (token id -> Logprob, the sampled token first,
+# then the top-2 not already listed) and as OpenAI rows ([token_id, text, logprob, rank]).
+# " a" is the most likely token; "z" is sampled at rank 4, below its top-2.
+LOGPROBS = [
+    {5: Logprob(-0.5, 1, " a"), 6: Logprob(-1.5, 2, " b")},
+    {8: Logprob(-3.0, 4, "z"), 7: Logprob(-0.2, 1, "y"), 9: Logprob(-2.0, 2, "w")},
+]
 ENTRIES = [
     [[5, " a", -0.5, 1], [6, " b", -1.5, 2]],
     [[8, "z", -3.0, 4], [7, "y", -0.2, 1], [9, "w", -2.0, 2]],
@@ -467,9 +481,13 @@ ENTRIES = [
 
 
 def delta(index: int, text: str, tokens: int, finish: str | None = None, **kw: Any) -> Any:
-    token_ids = kw.get("token_ids", [1] * len(kw.get("logprobs") or []))
-    choice = ChoiceChunk(index, text, token_ids, finish, None, tokens, kw.get("logprobs"))
-    return StreamDelta([choice])
+    logprobs = kw.get("logprobs")
+    token_ids = kw.get("token_ids", [1] * len(logprobs or []))
+    return StreamDelta([ChoiceDelta(index, text, token_ids, logprobs, finish, None, tokens)])
+
+
+def test_logprob_rows_are_the_engine_logprobs_sampled_token_first() -> None:
+    assert [logprob_rows(entry) for entry in LOGPROBS] == ENTRIES
 
 
 def test_completion_logprobs_format() -> None:
@@ -534,8 +552,8 @@ def test_stream_chunks_name_their_choice_and_carry_role_once_per_choice() -> Non
 def test_streamed_logprobs_are_those_of_each_chunk_and_add_up_to_the_whole() -> None:
     completion = Completion("m", chat=False, include_usage=False, top_logprobs=2)
     completion.absorb(StreamStart(1, 1))
-    first = completion.absorb(delta(0, " a", 1, logprobs=ENTRIES[:1]))[0]["logprobs"]
-    second = completion.absorb(delta(0, "z", 2, "length", logprobs=ENTRIES[1:]))[0]["logprobs"]
+    first = completion.absorb(delta(0, " a", 1, logprobs=LOGPROBS[:1]))[0]["logprobs"]
+    second = completion.absorb(delta(0, "z", 2, "length", logprobs=LOGPROBS[1:]))[0]["logprobs"]
     assert (first["tokens"], second["tokens"]) == ([" a"], ["z"])
     assert second["text_offset"] == [2]
     assert completion.whole()["choices"][0]["logprobs"] == completion_logprobs(ENTRIES)
@@ -544,7 +562,7 @@ def test_streamed_logprobs_are_those_of_each_chunk_and_add_up_to_the_whole() -> 
 def test_chat_whole_response_has_logprobs_content() -> None:
     completion = Completion("m", chat=True, include_usage=False, top_logprobs=1)
     completion.absorb(StreamStart(1, 1))
-    completion.absorb(delta(0, " az", 2, "length", logprobs=ENTRIES))
+    completion.absorb(delta(0, " az", 2, "length", logprobs=LOGPROBS))
     content = completion.whole()["choices"][0]["logprobs"]["content"]
     assert content == chat_logprobs(ENTRIES, 1)
 
@@ -616,7 +634,6 @@ def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> A
     import functools
     from types import SimpleNamespace
 
-    from cluster.api.protocol import GenerateRequest
     from cluster.serving.ingress import OpenAIIngress
     from cluster.serving.token_channel import TokenChannel
 
@@ -628,6 +645,43 @@ def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> A
         asyncio.run(OpenAIIngress.open_stream(ingress, "m", GenerateRequest()))  # type: ignore[arg-type]
     assert not ingress.channel._queues  # the refused request left nothing registered
     return info.value
+
+
+def test_each_request_is_made_with_its_own_request_id() -> None:
+    from cluster.api.protocol import EmbedRequest
+
+    ids = [GenerateRequest().request_id, GenerateRequest().request_id, EmbedRequest().request_id]
+    assert len(set(ids)) == 3 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_ingress_sends_and_registers_the_payloads_own_request_id() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.serving.ingress import OpenAIIngress
+
+    sent: list[GenerateRequest] = []
+    registered: list[str] = []
+
+    class Channel:
+        async def sink(self) -> str:
+            return "tcp://127.0.0.1:1/t"
+
+        def register(self, request_id: str) -> None:
+            registered.append(request_id)
+
+        def release(self, request_id: str) -> None:
+            pass
+
+    async def first_item(handle: Any, payload: GenerateRequest, *_: Any) -> Any:
+        sent.append(payload)
+        return StreamStart(1, 1), None  # no head: the deltas would follow on the stream
+
+    ingress = SimpleNamespace(_route=lambda model: (None, None), _stopping=None,
+                              channel=Channel(), _first_item=first_item)  # fmt: skip
+    payload = GenerateRequest(prompt="x")
+    asyncio.run(OpenAIIngress.open_stream(ingress, "m", payload))  # type: ignore[arg-type]
+    assert registered == [payload.request_id] and sent[0].request_id == payload.request_id
 
 
 def test_a_stopping_ingress_refuses_new_generations_with_503_draining() -> None:
@@ -730,7 +784,7 @@ def _feed(completion: Completion, pieces: list[str], finish: str = "stop") -> li
     chunks = []
     for i, text in enumerate(pieces):
         last = i == len(pieces) - 1
-        delta = ChoiceChunk(0, text, [1], finish if last else None, None, i + 1)
+        delta = ChoiceDelta(0, text, [1], None, finish if last else None, None, i + 1)
         chunks += completion.absorb(StreamDelta([delta]))
     return chunks
 
@@ -813,6 +867,46 @@ def test_tool_choice_errors_name_the_field() -> None:
         with pytest.raises(APIError) as info:
             chat_payload(req)
         assert (info.value.status, info.value.param) == (400, param)
+
+
+class _PayloadOnly:
+    """An OpenAI serving that answers with the replica payload a request becomes: the HTTP API's
+    checks with no replica behind them."""
+
+    async def completions(self, req: CompletionRequest) -> Any:
+        return [plain(p) for p in openai_payloads.completion_payloads(req)]
+
+    async def chat_completions(self, req: ChatCompletionRequest) -> Any:
+        return plain(openai_payloads.chat_payload(req))
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name",
+         "tool_choice.function.name: no tool named 'nope' (tools: get_weather)"),
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice: requires tools"),
+    ],
+)  # fmt: skip
+def test_tool_choice_the_tools_cannot_meet_is_a_400_from_the_http_api(
+    fields: dict[str, Any], param: str, message: str
+) -> None:
+    client = TestClient(make_openai_app(_PayloadOnly()))  # type: ignore[arg-type]
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+    error = assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+    assert error["message"] == message
+
+
+def test_tool_without_a_function_name_is_a_400_from_the_http_api() -> None:
+    client = TestClient(make_openai_app(_PayloadOnly()))  # type: ignore[arg-type]
+    tool = {"type": "function", "function": {"description": "no name"}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [tool],
+            "tool_choice": "required"}  # fmt: skip
+    assert_error(client.post("/v1/chat/completions", json=body), 400, "tools.0.function.name")
 
 
 def test_tool_round_trip_messages_reach_the_template() -> None:

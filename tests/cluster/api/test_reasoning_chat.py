@@ -15,11 +15,12 @@ import pytest
 
 from cluster.api.openai_payloads import ToolChoice
 from cluster.api.openai_responses import Completion
-from cluster.api.protocol import ChoiceChunk, GenerateRequest, StreamDelta, StreamError, StreamStart
+from cluster.api.protocol import GenerateRequest, StreamDelta, StreamError, StreamStart
 from cluster.api.reasoning_parsers import ReasoningFront, get_reasoning_parser
 from cluster.serving.llm_server import LLMServer
 from engine import ConfigError
 from engine.builtin.tiny_reasoning_models import THINK_END_ID, THINK_START_ID
+from engine.client.core_messages import ChoiceDelta
 from engine.sampling_params import StructuredOutputsParams
 from tests.cluster.api.scripted_chat import scripted_chat
 
@@ -75,7 +76,9 @@ def test_each_choice_has_its_own_split() -> None:
     chunks = []
     for i, text in enumerate(texts):
         finish = "stop" if i >= 2 else None
-        chunks += completion.absorb(StreamDelta([ChoiceChunk(i % 2, text, [i], finish)]))
+        chunks += completion.absorb(
+            StreamDelta([ChoiceDelta(i % 2, text, [i], None, finish, None, 1)])
+        )
     for index, (reasoning, content) in enumerate([("a", "b"), ("x", "d")]):
         mine = [c for c in chunks if c["index"] == index]
         assert (_joined(mine, "reasoning_content"), _joined(mine, "content")) == (
@@ -87,7 +90,9 @@ def test_each_choice_has_its_own_split() -> None:
 def test_no_reasoning_parser_leaves_the_text_alone() -> None:
     completion = Completion("m", True, False)
     completion.absorb(StreamStart(3))
-    completion.absorb(StreamDelta([ChoiceChunk(0, "<think>a</think>b", [1], "stop")]))
+    completion.absorb(
+        StreamDelta([ChoiceDelta(0, "<think>a</think>b", [1], None, "stop", None, 1)])
+    )
     message = completion.whole()["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "<think>a</think>b"}
 

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from cluster.api.protocol import EmbedRequest, EmbedResult, GenerateRequest
+from cluster.api.protocol import EmbedRequest, EmbedResult, GenerateRequest, StreamDelta
 from cluster.serving.llm_server import LLMServer, error_item
 from engine import LLM, EngineDeadError, SamplingParams
 
@@ -27,9 +27,13 @@ def server() -> Iterator[LLMServer]:
 
 async def stream(server: LLMServer, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     """The server's protocol messages for a ``GenerateRequest`` given by its fields, as plain
-    data: ``{"type": "start" | "delta" | "error", ...}`` (msgspec's tagged form)."""
+    data: ``{"type": "start" | "delta" | "error", ...}`` (msgspec's tagged form), a delta's
+    choices as dicts of the engine's ``ChoiceDelta`` fields (logprobs as it sent them)."""
     async for item in server.generate(GenerateRequest(**request)):
-        yield msgspec.to_builtins(item)
+        data = msgspec.to_builtins(item)
+        if isinstance(item, StreamDelta):
+            data["choices"] = [msgspec.structs.asdict(c) for c in item.choices]
+        yield data
 
 
 def collect(server: LLMServer, request: dict[str, Any]) -> list[dict[str, Any]]:
@@ -49,10 +53,10 @@ def test_stream_is_start_then_deltas_matching_offline(server: LLMServer) -> None
     choices = [c for i in items[1:] for c in i["choices"]]
     assert "".join(c["text"] for c in choices) == offline[0].outputs[0].text
     assert choices[-1]["finish_reason"] == "length"
-    assert choices[-1]["num_output_tokens"] == 12
+    assert choices[-1]["num_tokens"] == 12
 
 
-def test_n_choices_stream_as_indexed_deltas_with_plain_logprob_rows(server: LLMServer) -> None:
+def test_n_choices_stream_as_indexed_deltas_with_the_engine_logprobs(server: LLMServer) -> None:
     params = {"n": 2, "temperature": 1.0, "seed": 9, "max_tokens": 6, "logprobs": 1}
     items = collect(server, {"prompt": "Twice", "params": params})
     offline = LLM(**ENGINE_ARGS).generate("Twice", SamplingParams(**params), use_tqdm=False)
@@ -61,12 +65,9 @@ def test_n_choices_stream_as_indexed_deltas_with_plain_logprob_rows(server: LLMS
         choices = [c for i in items[1:] for c in i["choices"] if c["index"] == ref.index]
         assert "".join(c["text"] for c in choices) == ref.text
         per_token = [entry for c in choices for entry in c["logprobs"]]
-        # Per token: [token_id, text, logprob, rank] rows, the sampled token first.
-        assert [rows[0][0] for rows in per_token] == ref.token_ids
-        assert per_token == [
-            [[t, lp.decoded_token, lp.logprob, lp.rank] for t, lp in e.items()]
-            for e in ref.logprobs
-        ]
+        # Per token: token id -> Logprob, the sampled token first.
+        assert [next(iter(entry)) for entry in per_token] == ref.token_ids
+        assert [list(e.items()) for e in per_token] == [list(e.items()) for e in ref.logprobs]
 
 
 def test_invalid_params_are_the_first_and_only_item(server: LLMServer) -> None:
@@ -210,7 +211,7 @@ def test_drain_lets_short_requests_finish_aborts_the_rest_and_refuses_new_ones()
         short, long, refused, counts = asyncio.run(run())
         assert short[-1]["choices"][-1]["finish_reason"] == "length"
         assert long[-1]["choices"][-1]["finish_reason"] == "abort"
-        assert long[-1]["choices"][-1]["num_output_tokens"] < 2000
+        assert long[-1]["choices"][-1]["num_tokens"] < 2000
         draining = error_item(503, refused[0]["message"], None, "draining", 1)
         assert refused == [msgspec.to_builtins(draining)]
         assert counts == {"finished": 1, "aborted": 1}

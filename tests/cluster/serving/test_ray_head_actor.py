@@ -249,7 +249,7 @@ async def _through_channel(
 def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
     channel_server: Any, offline: LLM
 ) -> None:
-    from cluster.api.protocol import StreamDelta, logprob_rows
+    from cluster.api.protocol import StreamDelta
     from cluster.serving.token_channel import TokenChannel
 
     channel = TokenChannel()
@@ -298,8 +298,9 @@ def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
             chunks = [c for i in items for c in i.choices if c.index == choice.index]
             assert "".join(c.text for c in chunks) == choice.text
             assert [t for c in chunks for t in c.token_ids] == choice.token_ids
-            assert [r for c in chunks for r in c.logprobs] == [
-                logprob_rows(e) for e in choice.logprobs
+            # The engine's own logprobs, as decoded off the channel: int keys, Logprobs, in order.
+            assert [list(e.items()) for c in chunks for e in c.logprobs] == [
+                list(e.items()) for e in choice.logprobs
             ]
             assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
         # The front got the first delta and the last, merged with everything between: its

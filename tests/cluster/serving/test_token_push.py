@@ -12,7 +12,8 @@ import pytest
 
 from cluster.serving.head_messages import PollReply
 from cluster.serving.token_push import SinkPusher, TokenListener, parse_sink
-from engine.client.core_messages import RequestDelta, StepOutputs, decode_steps
+from engine.client.core_messages import ChoiceDelta, RequestDelta, StepOutputs, decode_steps
+from engine.outputs import Logprob
 
 
 class _Outbox:
@@ -94,6 +95,29 @@ def test_steps_arrive_once_each_in_order_and_are_acknowledged_on_request() -> No
     head = asyncio.run(asyncio.wait_for(run(), 30))
     assert received == [("LLMHead:m:1", float(n)) for n in range(1, 201)]
     assert lost == ["LLMHead:m:1"] and head.broken.wait(5)
+
+
+def test_a_delta_arrives_with_the_engines_logprob_types() -> None:
+    """The ingress renders OpenAI rows from what arrives: int token ids, ``Logprob``s, in the
+    engine's order (the sampled token first)."""
+    logprobs = [{9: Logprob(-2.0, 3, "z"), 4: Logprob(-0.1, 1, "a")}]
+    choice = ChoiceDelta(0, "z", [9], logprobs, "stop", None, 1, -2.0)
+    sent = StepOutputs([RequestDelta("r", [choice], True)], 1.0)
+    received: list[StepOutputs] = []
+
+    async def run() -> None:
+        listener = TokenListener(lambda _h, reply: received.extend(decode_steps(reply.steps)),
+                                 lambda _head: None)  # fmt: skip
+        head = _Head(await listener.start("127.0.0.1"))
+        head.push(sent)
+        await _until(lambda: bool(received))
+        head.pusher.close()
+        listener.close()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+    (entry,) = received[0].deltas[0].choices[0].logprobs or []
+    assert list(entry.items()) == [(9, Logprob(-2.0, 3, "z")), (4, Logprob(-0.1, 1, "a"))]
+    assert received == [sent]
 
 
 def test_a_dead_head_says_why_in_its_last_frame() -> None:
