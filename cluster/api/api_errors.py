@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.api.protocol import ERRORS, StreamError, error_type
+from cluster.api.replica_messages import ERRORS, StreamError, error_type
 
 
 class APIError(Exception):

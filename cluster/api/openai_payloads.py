@@ -20,7 +20,7 @@ from cluster.api.openai_models import (
     CompletionRequest,
     SamplingFields,
 )
-from cluster.api.protocol import EmbedRequest, GenerateRequest
+from cluster.api.replica_messages import EmbedRequest, GenerateRequest
 
 logger = logging.getLogger("llm_cluster.api")
 

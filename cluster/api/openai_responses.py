@@ -17,18 +17,18 @@ from cluster.api.forced_tool_calls import (
     parse_required_tool_calls,
 )
 from cluster.api.openai_payloads import ToolChoice
-from cluster.api.protocol import (
-    StreamDelta,
-    StreamError,
-    StreamItem,
-    StreamStart,
-    logprob_rows,
-)
 from cluster.api.reasoning_parsers import (
     GptOssReasoningParser,
     ReasoningParser,
     ReasoningStreamer,
     get_reasoning_parser,
+)
+from cluster.api.replica_messages import (
+    StreamDelta,
+    StreamError,
+    StreamItem,
+    StreamStart,
+    logprob_rows,
 )
 from cluster.api.tool_parsers import (
     HarmonyStreamer,

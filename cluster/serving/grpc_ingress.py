@@ -13,7 +13,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.api.api_errors import APIError, api_error
 from cluster.api.api_guard import api_key_matches
-from cluster.api.protocol import GenerateRequest, StreamError, StreamStart, grpc_code_name
+from cluster.api.replica_messages import GenerateRequest, StreamError, StreamStart, grpc_code_name
 from cluster.proto import llm_pb2
 from cluster.serving.ingress_calls import guard_stream
 from cluster.serving.readiness import unready_models

@@ -36,7 +36,7 @@ from cluster.api.openai_payloads import (
     tool_choice,
 )
 from cluster.api.openai_responses import Completion, stream_sse
-from cluster.api.protocol import GenerateRequest, StreamError, StreamStart, unavailable
+from cluster.api.replica_messages import GenerateRequest, StreamError, StreamStart, unavailable
 from cluster.serving.grpc_ingress import LLMServicer
 from cluster.serving.ingress_calls import (
     ResponsesInFlight,

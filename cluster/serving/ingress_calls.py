@@ -15,7 +15,7 @@ import ray
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cluster.api.protocol import replica_failed
+from cluster.api.replica_messages import replica_failed
 
 _open_streams = 0  # guard_stream generators running in this process
 _responses_in_flight = 0  # HTTP responses not yet fully sent (``ResponsesInFlight``)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from cluster.api.api_errors import APIError, api_error
 from cluster.api.openai_payloads import chat_payload, tool_choice
 from cluster.api.openai_responses import Completion
-from cluster.api.protocol import StreamError
+from cluster.api.replica_messages import StreamError
 from cluster.api.responses_builder import ResponseBuilder, sse_event
 from cluster.api.responses_models import ResponsesRequest
 from cluster.api.responses_payloads import chat_request, check_request, input_items

@@ -4,15 +4,15 @@ executor), which runs in a Ray actor of its own inside a Serve replica
 (``cluster.serving.head_actor``) and on a thread of this process outside one (tests, tools).
 Handle methods are what the ingress (HTTP or gRPC) calls.
 
-``generate`` streams ``cluster.api.protocol`` messages: a ``StreamStart`` (or a ``StreamError``:
-a validation error is the first item, so a streaming client still gets a clean 400), then one
-``StreamDelta`` per engine step with the choices that have something new, and possibly a last
-``StreamError`` (503: the engine failed; 408: the request's timeout passed). A request that names
-the ingress's token ``channel`` gets no ``StreamDelta`` here: its head hands its deltas to that
-channel (``cluster.serving.token_channel``), and ``StreamStart.head`` says which head. Its start
-goes out as soon as the head has the request (after its first delta only when it carries the
-prompt's logprobs); this call still lasts until the request ends, so Serve's routing, queue
-limits and drain see it. ``embed`` returns one input's embedding (an ``EmbedResult``) or a
+``generate`` streams ``cluster.api.replica_messages`` messages: a ``StreamStart`` (or a
+``StreamError``: a validation error is the first item, so a streaming client still gets a clean
+400), then one ``StreamDelta`` per engine step with the choices that have something new, and
+possibly a last ``StreamError`` (503: the engine failed; 408: the request's timeout passed). A
+request that names the ingress's token ``channel`` gets no ``StreamDelta`` here: its head hands its
+deltas to that channel (``cluster.serving.token_channel``), and ``StreamStart.head`` says which
+head. Its start goes out as soon as the head has the request (after its first delta only when it
+carries the prompt's logprobs); this call still lasts until the request ends, so Serve's routing,
+queue limits and drain see it. ``embed`` returns one input's embedding (an ``EmbedResult``) or a
 ``StreamError`` from the same error table.
 """
 
@@ -25,7 +25,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from cluster.api.protocol import (
+from cluster.api.reasoning_parsers import reasoning_front
+from cluster.api.replica_messages import (
     DetokenizeResult,
     EmbedRequest,
     EmbedResult,
@@ -37,7 +38,6 @@ from cluster.api.protocol import (
     TokenizeResult,
     logprob_rows,
 )
-from cluster.api.reasoning_parsers import reasoning_front
 from cluster.api.tool_parsers import get_tool_parser
 from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError

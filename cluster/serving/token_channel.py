@@ -26,7 +26,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from cluster.api.protocol import (
+from cluster.api.replica_messages import (
     StreamDelta,
     StreamError,
     replica_failed,

@@ -7,7 +7,7 @@ from typing import Any
 
 from cluster.api.openai_payloads import ToolChoice
 from cluster.api.openai_responses import Completion
-from cluster.api.protocol import StreamDelta, StreamStart
+from cluster.api.replica_messages import StreamDelta, StreamStart
 from engine.client.core_messages import ChoiceDelta
 
 

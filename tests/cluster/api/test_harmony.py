@@ -16,8 +16,8 @@ import pytest
 from cluster.api.harmony import Piece, read_harmony
 from cluster.api.openai_payloads import ToolChoice
 from cluster.api.openai_responses import Completion
-from cluster.api.protocol import GenerateRequest, StreamError, StreamStart
 from cluster.api.reasoning_parsers import get_reasoning_parser, reasoning_front
+from cluster.api.replica_messages import GenerateRequest, StreamError, StreamStart
 from cluster.api.tool_parsers import HarmonyStreamer, get_tool_parser, parse_harmony
 from cluster.serving.llm_server import LLMServer
 from engine import ConfigError

@@ -17,7 +17,7 @@ from cluster.api.api_errors import APIError
 from cluster.api.openai_api import make_openai_app, new_app
 from cluster.api.openai_models import ChatCompletionRequest, CompletionRequest
 from cluster.api.openai_responses import Completion, chat_logprobs, completion_logprobs
-from cluster.api.protocol import GenerateRequest, StreamDelta, StreamStart, logprob_rows
+from cluster.api.replica_messages import GenerateRequest, StreamDelta, StreamStart, logprob_rows
 from engine import InvalidRequestError, SamplingParams
 from engine.client.core_messages import ChoiceDelta
 from engine.outputs import Logprob
@@ -648,7 +648,7 @@ def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> A
 
 
 def test_each_request_is_made_with_its_own_request_id() -> None:
-    from cluster.api.protocol import EmbedRequest
+    from cluster.api.replica_messages import EmbedRequest
 
     ids = [GenerateRequest().request_id, GenerateRequest().request_id, EmbedRequest().request_id]
     assert len(set(ids)) == 3 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)

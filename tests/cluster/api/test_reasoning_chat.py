@@ -15,8 +15,8 @@ import pytest
 
 from cluster.api.openai_payloads import ToolChoice
 from cluster.api.openai_responses import Completion
-from cluster.api.protocol import GenerateRequest, StreamDelta, StreamError, StreamStart
 from cluster.api.reasoning_parsers import ReasoningFront, get_reasoning_parser
+from cluster.api.replica_messages import GenerateRequest, StreamDelta, StreamError, StreamStart
 from cluster.serving.llm_server import LLMServer
 from engine import ConfigError
 from engine.builtin.tiny_reasoning_models import THINK_END_ID, THINK_START_ID

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from cluster.api.protocol import EmbedRequest, EmbedResult, GenerateRequest, StreamDelta
+from cluster.api.replica_messages import EmbedRequest, EmbedResult, GenerateRequest, StreamDelta
 from cluster.serving.llm_server import LLMServer, error_item
 from engine import LLM, EngineDeadError, SamplingParams
 

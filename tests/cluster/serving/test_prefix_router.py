@@ -7,7 +7,7 @@ import random
 from collections import Counter
 from types import SimpleNamespace
 
-from cluster.api.protocol import GenerateRequest
+from cluster.api.replica_messages import GenerateRequest
 from cluster.serving.prefix_router import (
     PrefixIndex,
     ReplicaLoad,

@@ -236,7 +236,7 @@ def channel_server() -> Iterator[Any]:
 async def _through_channel(
     server: Any, channel: Any, request_id: str, prompt: str, params: dict[str, Any]
 ) -> tuple[Any, list[Any]]:
-    from cluster.api.protocol import GenerateRequest
+    from cluster.api.replica_messages import GenerateRequest
 
     channel.register(request_id)
     payload = GenerateRequest(prompt=prompt, params=params, request_id=request_id,
@@ -249,7 +249,7 @@ async def _through_channel(
 def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
     channel_server: Any, offline: LLM
 ) -> None:
-    from cluster.api.protocol import StreamDelta
+    from cluster.api.replica_messages import StreamDelta
     from cluster.serving.token_channel import TokenChannel
 
     channel = TokenChannel()
@@ -324,7 +324,7 @@ def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
 
 
 def test_token_channel_ends_streams_with_503_when_the_head_dies() -> None:
-    from cluster.api.protocol import GenerateRequest, StreamDelta, StreamError
+    from cluster.api.replica_messages import GenerateRequest, StreamDelta, StreamError
     from cluster.serving.llm_server import LLMServer
     from cluster.serving.token_channel import TokenChannel
 

@@ -164,7 +164,7 @@ def test_a_malformed_sink_is_named(sink: str) -> None:
 
 def test_a_channel_ends_every_open_stream_from_another_thread() -> None:
     """The ingress's SIGTERM hook runs on the worker's main thread, not the event loop."""
-    from cluster.api.protocol import unavailable
+    from cluster.api.replica_messages import unavailable
     from cluster.serving.token_channel import TokenChannel
 
     async def run() -> list[Any]:
