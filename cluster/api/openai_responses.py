@@ -28,6 +28,7 @@ from cluster.api.replica_messages import (
     StreamError,
     StreamItem,
     StreamStart,
+    TokenLogprobs,
     logprob_rows,
 )
 from cluster.api.tool_parsers import (
@@ -38,7 +39,6 @@ from cluster.api.tool_parsers import (
     parse_harmony,
 )
 from engine.client.core_messages import ChoiceDelta
-from engine.outputs import Logprob
 
 
 class _Choice:
@@ -179,7 +179,8 @@ class Completion:
         choice.num_tokens = delta.num_tokens
         if finish is not None:
             choice.finish_reason = finish
-        logprobs = self._logprobs(choice, delta.logprobs)
+        rows = None if delta.logprobs is None else [logprob_rows(e) for e in delta.logprobs]
+        logprobs = self._logprobs(choice, rows)
         reasoning, text = "", delta.text
         if choice.reasoning is not None:  # tools and the content deltas see the answer only
             reasoning, text = _split_reasoning(choice.reasoning, text, finish is not None)
@@ -242,11 +243,11 @@ class Completion:
         named = self.tools is not None and self.tools.mode == "named"
         return "tool_calls" if finish == "stop" and tools_called and not named else finish
 
-    def _logprobs(self, choice: _Choice, logprobs: list[dict[int, Logprob]] | None) -> Any:
-        """The OpenAI logprobs of a delta's new tokens, also appended to the choice's."""
-        if self.top_logprobs is None or logprobs is None:
+    def _logprobs(self, choice: _Choice, entries: list[TokenLogprobs] | None) -> Any:
+        """The OpenAI logprobs of new tokens (their rows: ``logprob_rows``, or the echoed
+        prompt's from ``StreamStart``), also appended to the choice's."""
+        if self.top_logprobs is None or entries is None:
             return None
-        entries = [logprob_rows(entry) for entry in logprobs]
         if self.chat:
             new = chat_logprobs(entries, self.top_logprobs)
             choice.logprobs = (choice.logprobs or []) + new

@@ -183,6 +183,7 @@ __all__ = [
     "StreamError",
     "StreamItem",
     "StreamStart",
+    "TokenLogprobs",
     "TokenizeResult",
     "error_type",
     "grpc_code_name",
