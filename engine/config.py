@@ -36,7 +36,11 @@ from engine.hf_config import DEEPSEEK_ARCHITECTURES, GPT_OSS, check_hf_config, n
 from engine.pp_partition import requested_partition
 from engine.quantization.config import ONLINE_METHODS, parse_quantization
 from engine.rope_config import rope_max_positions
-from engine.spec_decode.config import SpeculativeArgs, check_speculative_support
+from engine.spec_decode.config import (
+    SpeculativeArgs,
+    SpeculativeConfig,
+    check_speculative_support,
+)
 from engine.validation import (
     check_bool,
     check_choice,
@@ -404,6 +408,9 @@ class EngineConfig:
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeArgs = field(default_factory=SpeculativeArgs)
+    # speculative_config method draft_model: the draft's ModelConfig, read and checked with the
+    # target's (vLLM keeps it as speculative_config.draft_model_config); None otherwise.
+    draft_model: ModelConfig | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -436,10 +443,9 @@ class EngineConfig:
             pipeline_parallel_size=parallel.pipeline_parallel_size,
         )
         spec = speculative.speculative_config
+        draft_model = None
         if spec is not None and spec.method == "draft_model":
-            from engine.spec_decode.draft_config import draft_model_config
-
-            draft_model_config(spec, model, parallel)  # refused before anything is placed
+            draft_model = _draft_model_config(spec, model, parallel)  # before anything is placed
         lora = LoRAConfig(**groups["lora"])
         require(
             not lora.enable_lora or model.architecture not in DEEPSEEK_ARCHITECTURES,
@@ -461,6 +467,7 @@ class EngineConfig:
             frontend=frontend,
             lora=lora,
             speculative=speculative,
+            draft_model=draft_model,
         )
 
     @property
@@ -563,6 +570,41 @@ def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
         "pipeline_parallel_size",
         f"must be <= num_hidden_layers ({model.num_hidden_layers}), got {pp}",
     )
+
+
+def _draft_model_config(
+    spec: SpeculativeConfig, target: ModelConfig, parallel: ParallelConfig
+) -> ModelConfig:
+    """The draft's ModelConfig (the target's dtype and max_model_len), or ConfigError naming
+    ``speculative_config.model`` and what does not match. The draft is sharded like the target
+    (same tensor-parallel ranks), so its heads and MLP must divide by ``tensor_parallel_size``;
+    its vocabulary must equal the target's, since its token ids are verified against the
+    target's rows as they are."""
+    key = "speculative_config.model"
+    dtype = str(target.torch_dtype).removeprefix("torch.")
+    try:
+        draft = _with_checkpoint(ModelConfig(model=str(spec.model), dtype=dtype))
+    except (ConfigError, OSError, ValueError) as exc:
+        raise ConfigError(f"{key}: draft {spec.model!r} cannot be served: {exc}") from exc
+    draft = dataclasses.replace(draft, max_model_len=target.max_model_len)
+    require(
+        draft.vocab_size == target.vocab_size,
+        key,
+        f"the draft {spec.model!r} has vocab_size {draft.vocab_size}, the target "
+        f"{target.model!r} has {target.vocab_size}: a draft needs the target's vocabulary",
+    )
+    require(
+        draft.hf_config.get("quantization_config") is None,
+        key,
+        f"the draft {spec.model!r} is a quantized checkpoint: only float drafts are supported",
+    )
+    try:
+        _check_parallel_shape(draft, parallel)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{key}: the draft {spec.model!r} is sharded like the target and cannot be: {exc}"
+        ) from exc
+    return draft
 
 
 def _check_kernel_device(kernel: KernelConfig, device: DeviceConfig) -> None:

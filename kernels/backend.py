@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import Tensor
 
+from kernels import attention, cpu_decode, ops
+
 __all__ = [
     "ATTENTION_BACKENDS",
     "KernelOps",
@@ -56,8 +58,6 @@ def resolve_attention_backend(name: str, device_type: str) -> str:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "cpu":
-        from kernels import cpu_decode
-
         if device_type != "cpu" or not cpu_decode.native_decode_available():
             raise ValueError(
                 "attention_backend 'cpu' needs a CPU device with AVX-512 or AVX2 and a C++ "
@@ -70,8 +70,6 @@ def resolve_attention_backend(name: str, device_type: str) -> str:
     if device_type == "cuda":
         return "triton" if triton_available() else "torch"
     if device_type == "cpu":
-        from kernels import cpu_decode
-
         return "cpu" if cpu_decode.native_decode_available() else "torch"
     return "torch"
 
@@ -80,8 +78,6 @@ def get_kernel_ops(name: str) -> KernelOps:
     """The kernels of backend ``name`` (``torch``, ``cpu`` or ``triton``; resolve ``auto``
     first). ``cpu`` is ``torch`` with decode rows attended by ``kernels.cpu_decode``."""
     if name in ("torch", "cpu"):
-        from kernels import attention, cpu_decode, ops
-
         return KernelOps(
             name=name,
             reshape_and_cache=attention.reshape_and_cache,

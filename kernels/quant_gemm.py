@@ -29,21 +29,17 @@ import math
 import torch
 from torch import Tensor
 
-from kernels.kv_quant import FP8_DTYPE, FP8_E4M3_MAX
+from kernels.fp8_activations import expand_columns, quantize_activations_fp8
+from kernels.kv_quant import FP8_DTYPE
 
 __all__ = [
     "fp8_linear",
     "fp8_linear_reference",
     "pack_int4",
-    "quantize_activations_fp8",
     "unpack_int4",
     "w4a16_linear",
     "w4a16_linear_reference",
 ]
-
-# A token whose activations are all 0 gets this scale instead of 0 (no division by zero).
-_MIN_ACTIVATION_SCALE = 1e-12
-
 
 # ---- FP8 ---------------------------------------------------------------------------------------
 
@@ -100,40 +96,12 @@ def fp8_linear_reference(
     x2 = x.reshape(-1, x.shape[-1])
     group = block_size[1] if mode == "block" else None
     x_q, x_scale = quantize_activations_fp8(x2, input_scale, group)
-    x_dq = _expand_columns(x_scale, group, x2.shape[1]) * x_q.to(torch.float32)
+    x_dq = expand_columns(x_scale, group, x2.shape[1]) * x_q.to(torch.float32)
     w_dq = weight.to(torch.float32) * _weight_scale_grid(weight_scale, weight.shape, block_size)
     out = x_dq @ w_dq.T
     if bias is not None:
         out += bias.to(torch.float32)
     return out.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
-
-
-def quantize_activations_fp8(
-    x: Tensor, input_scale: Tensor | None = None, group: int | None = None
-) -> tuple[Tensor, Tensor]:
-    """``x [M, K]`` as float8_e4m3fn and its float32 scales: ``[1, 1]`` for a static
-    ``input_scale``, else dynamic ``[M, 1]`` per token or ``[M, ceil(K / group)]`` per token
-    and group of K (max |x| / 448, so each token's largest value maps to 448)."""
-    x32 = x.to(torch.float32)
-    if input_scale is not None:
-        scale = input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1)
-    elif group is None:
-        scale = x32.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX
-    else:
-        groups = math.ceil(x.shape[1] / group)
-        padded = torch.nn.functional.pad(x32.abs(), (0, groups * group - x.shape[1]))
-        scale = padded.view(x.shape[0], groups, group).amax(dim=2) / FP8_E4M3_MAX
-    scale = scale.clamp(min=_MIN_ACTIVATION_SCALE)
-    scaled = x32 / _expand_columns(scale, group, x.shape[1])
-    return scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE), scale
-
-
-def _expand_columns(scale: Tensor, group: int | None, k: int) -> Tensor:
-    """Per-group scales ``[M, G]`` repeated over each group's columns ``[M, K]``; other scales
-    broadcast as they are."""
-    if group is None:
-        return scale
-    return scale.repeat_interleave(group, dim=1)[:, :k]
 
 
 def _weight_scale_grid(scale: Tensor, shape: torch.Size, block_size: tuple[int, int] | None):

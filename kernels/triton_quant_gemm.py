@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.fp8_activations import quantize_activations_fp8
 from kernels.triton_fp8 import fp8e4m3_bits_to_float
 
 __all__ = ["block_kernel_supports", "fp8_block_linear", "w4a16_gemm"]
@@ -161,8 +162,6 @@ def fp8_block_linear(
 ) -> Tensor:
     """``x [M, K]`` (float) times block-scaled FP8 ``weight [N, K]``; ``[M, N]`` in
     ``out_dtype``. Activations are quantized per token and ``bk`` columns first."""
-    from kernels.quant_gemm import quantize_activations_fp8
-
     bn, bk = block_size
     if not block_kernel_supports(block_size):
         raise ValueError(f"block_size: bk must be a power of two >= 16, got {bk}")

@@ -22,6 +22,8 @@ from cluster.config import DeploymentConfig
 from cluster.ops.capacity import report_shortfalls
 from cluster.ops.plan import preflight
 from cluster.ops.stop import ray_processes_apart
+from cluster.runtime.load_progress import describe, read_load_progress
+from cluster.serving.responses_store import remove_store
 from cluster.serving.serve import build_app, deployment_name, runtime_env
 from cluster.serving.start_errors import start_failure
 
@@ -393,8 +395,6 @@ def cluster_status(app_name: str = "llm") -> dict[str, Any]:
 
 def _loading_by_deployment() -> dict[str, list[dict[str, Any]]]:
     """The fresh start-up records of every model's workers, keyed by its deployment name."""
-    from cluster.runtime.load_progress import describe, read_load_progress
-
     now = time.time()
     by_deployment: dict[str, list[dict[str, Any]]] = {}
     for record in read_load_progress(now=now):
@@ -461,8 +461,6 @@ def shutdown() -> None:
     and waiting for each: that is what lets their replicas drain (in-flight requests finish
     within ``graceful_shutdown_timeout_s``, the rest end with finish_reason "abort") while the
     proxy still carries their streams; ``serve.shutdown`` alone tears the proxy down with them."""
-    from cluster.serving.responses_store import remove_store
-
     if _serve_controller() is not None:
         for app_name in list(serve.status().applications):
             serve.delete(app_name)

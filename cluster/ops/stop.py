@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, NoReturn
 
+from cluster.ops.ports import can_bind
 from cluster.serving.serve_replica import ABORT_ON_GCS_LOSS_ENV
 
 logger = logging.getLogger("llm_cluster.stop")
@@ -187,8 +188,6 @@ def stop_local_ray(ports: list[tuple[str, str, int]], timeout_s: float = 15.0) -
     ``(field, host, port)``), so that a ``cluster serve`` started right after can bind them.
     Returns the ports still held at the deadline."""
     import ray
-
-    from cluster.ops.ports import can_bind
 
     ray.shutdown()
     deadline = time.monotonic() + timeout_s

@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import deployment_name
+from cluster.runtime.load_progress import describe, read_load_progress
 from cluster.serving.ingress_calls import model_health
 
 HEALTH_TIMEOUT_S = 10.0  # a running replica that does not answer in this long is unhealthy
@@ -76,8 +77,6 @@ def _not_running_reason(model: str, replicas: dict[str, int]) -> str:
 
 
 def _load_progress(model: str) -> list[dict[str, Any]]:
-    from cluster.runtime.load_progress import describe, read_load_progress
-
     now = time.time()
     records = [describe(r, now) for r in read_load_progress(now=now) if r.get("model_id") == model]
     return sorted(records, key=lambda r: r["rank"])

@@ -23,6 +23,12 @@ import torch
 from torch import nn
 
 from engine.quantization.config import QuantScheme
+from engine.quantization.formats import (
+    pack_nibbles,
+    quantize_fp8_per_tensor,
+    unpack_ct_zero_points,
+)
+from kernels import quant_gemm
 
 
 @dataclass(frozen=True)
@@ -115,8 +121,7 @@ def _aligned(start: int, stop: int, unit: int, size: int, what: str) -> None:
 
 
 class QuantizedLinearMethod:
-    """A layer's quantized weight shard and its GEMM (``kernels.quant_gemm``, imported on
-    first use so a CPU-only engine never loads it)."""
+    """A layer's quantized weight shard and its GEMM (``kernels.quant_gemm``)."""
 
     def __init__(self, scheme: QuantScheme, rows: int, k: int, like: QuantizedWeight) -> None:
         self.scheme = scheme
@@ -163,8 +168,6 @@ class QuantizedLinearMethod:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from kernels import quant_gemm
-
         if self.scheme.kind == "int4":
             group = self.scheme.group_size or x.shape[-1]
             return quant_gemm.w4a16_linear(
@@ -212,12 +215,6 @@ def quantized_form(
     int4_of_gptq_awq: Any,
 ) -> QuantizedWeight:
     """One module's checkpoint tensors as the ``QuantizedWeight`` the layer keeps."""
-    from engine.quantization.formats import (
-        pack_nibbles,
-        quantize_fp8_per_tensor,
-        unpack_ct_zero_points,
-    )
-
     input_scale = parts.get("input_scale")
     if scheme.source == "online-fp8":
         q, scale = quantize_fp8_per_tensor(parts["weight"])

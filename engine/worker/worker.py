@@ -17,8 +17,8 @@ import torch
 from engine.config import EngineConfig
 from engine.lora import make_worker_lora_manager
 from engine.models.expert_load import ExpertLoadCounter, attach_expert_load
+from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft import DraftModel
-from engine.spec_decode.draft_config import draft_model_config
 from engine.worker.kv_sizing import (
     CudaMemoryProbe,
     KVBudget,
@@ -28,7 +28,9 @@ from engine.worker.kv_sizing import (
 )
 from engine.worker.model_loader import LoadProgressCallback, load_model
 from engine.worker.model_runner import ModelRunner
+from engine.worker.sampler import SamplingMetadata, sample
 from engine.worker.step_messages import ExecuteModelRequest, ModelRunnerOutput
+from kernels.attention import AttentionMetadata
 from parallel.distributed import (
     DEFAULT_TIMEOUT_S,
     RendezvousStore,
@@ -148,11 +150,13 @@ class Worker:
     def _load_draft(self) -> DraftModel | None:
         """speculative_config method draft_model: this rank's shard of the draft."""
         spec = self.config.speculative.speculative_config
-        if spec is None or spec.method != "draft_model":
+        draft_config = self.config.draft_model
+        if spec is None or draft_config is None:
             return None
-        draft_config = draft_model_config(spec, self.config.model, self.config.parallel)
         model = load_model(
-            dataclasses.replace(self.config, model=draft_config), self.ctx, self.device
+            dataclasses.replace(self.config, model=draft_config, draft_model=None),
+            self.ctx,
+            self.device,
         )
         return DraftModel(
             model,
@@ -287,8 +291,6 @@ class Worker:
         positions = np.tile(np.arange(seq_len), num_seqs)
         rows = np.repeat(np.arange(num_seqs), seq_len)
         slots = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        from kernels.attention import AttentionMetadata
-
         meta = AttentionMetadata.build(
             query_lens=query_lens,
             seq_lens=query_lens,
@@ -324,9 +326,6 @@ class Worker:
     def _profile_sampler(self, logits: torch.Tensor) -> None:
         """The sampler's float32 copies of the logits: top-k/top-p sampling with logprobs is
         its largest footprint."""
-        from engine.sampling_params import SamplingParams
-        from engine.worker.sampler import SamplingMetadata, sample
-
         rows = logits.shape[0]
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=1)
         meta = SamplingMetadata.build(

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from kernels import triton_quant_gemm
+from kernels.fp8_activations import quantize_activations_fp8
 from kernels.kv_quant import FP8_DTYPE
 from kernels.quant_gemm import (
     fp8_linear,
     fp8_linear_reference,
     pack_int4,
-    quantize_activations_fp8,
     unpack_int4,
     w4a16_linear,
     w4a16_linear_reference,

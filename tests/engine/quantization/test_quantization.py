@@ -240,8 +240,8 @@ def test_block_fp8_checkpoint_equals_hf_on_the_dense_weights_it_defines(
 def _quantize_inputs_per_group(model: Any, group: int, skip: tuple[str, ...]) -> None:
     """Forward pre-hooks on ``model``'s linear layers (but ``skip``): each input quantized to
     e4m3 and back per token and ``group`` features, as the kept FP8 block GEMM does it
-    (``kernels.quant_gemm.quantize_activations_fp8``)."""
-    from kernels.quant_gemm import quantize_activations_fp8
+    (``kernels.fp8_activations.quantize_activations_fp8``)."""
+    from kernels.fp8_activations import quantize_activations_fp8
 
     def hook(_module: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x = args[0]
