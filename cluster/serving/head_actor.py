@@ -52,12 +52,12 @@ from engine.client.core_loop import EngineCoreLoop
 from engine.client.core_messages import (
     AddRequest,
     AddResult,
+    ChoiceDelta,
     CoreStats,
     RequestDelta,
     StepOutputs,
     decode_steps,
     encode_steps,
-    merge_deltas,
 )
 from engine.client.core_process import EngineCoreProcess, EngineStartFailed, run_in_child_process
 from engine.config import EngineConfig
@@ -105,25 +105,49 @@ class _Outbox:
 
 
 class _Held:
-    """A sink request's deltas held back from its front since its first, with each step's time
-    and token count."""
+    """What a sink request's front is owed since its first delta: each step's time and token
+    count, and each choice's latest tally (its finish once it has one)."""
 
-    __slots__ = ("deltas", "steps")
+    __slots__ = ("choices", "steps")
 
-    def __init__(self) -> None:
-        self.deltas: list[RequestDelta] = []
+    def __init__(self, first: RequestDelta) -> None:
+        self.choices = {c.index: c for c in first.choices}
         self.steps: list[tuple[float, int]] = []
 
     def add(self, delta: RequestDelta, at: float) -> None:
-        self.deltas.append(delta)
+        for choice in delta.choices:
+            self.choices[choice.index] = _tally(choice)
         made = delta.num_new_tokens
         if made:
             self.steps.append((at, made))
 
-    def merged(self) -> RequestDelta:
-        merged = merge_deltas(self.deltas)
-        merged.steps = self.steps
-        return merged
+    def last(self, delta: RequestDelta) -> RequestDelta:
+        choices = [self.choices[i] for i in sorted(self.choices)]
+        return RequestDelta(
+            delta.request_id, choices, True, delta.num_cached_tokens, steps=self.steps
+        )
+
+
+def _tally(choice: ChoiceDelta) -> ChoiceDelta:
+    """A choice's delta without its text, tokens and logprobs (those go to the sink)."""
+    return ChoiceDelta(
+        choice.index, "", [], None, choice.finish_reason, choice.stop_reason, choice.num_tokens,
+        choice.cumulative_logprob,
+    )  # fmt: skip
+
+
+def _first_tally(delta: RequestDelta, at: float) -> RequestDelta:
+    """A sink request's first delta as its front gets it: the tallies, the prompt's logprobs
+    (its ``StreamStart`` carries them) and the step's time and token count."""
+    made = delta.num_new_tokens
+    return RequestDelta(
+        delta.request_id,
+        [_tally(c) for c in delta.choices],
+        delta.finished,
+        delta.num_cached_tokens,
+        prompt_logprobs=delta.prompt_logprobs,
+        steps=[(at, made)] if made else [],
+    )
 
 
 class HeadActor:
@@ -143,9 +167,10 @@ class HeadActor:
     through the replica. A ``SinkPusher`` connects to that ingress and the core thread writes
     each step to it (``cluster.serving.token_push``), with no Ray call and no other thread
     woken per step; the sink lives as long as its connection. Its front, whose stream then
-    carries no tokens, gets only the request's first delta and its last, merged with those
-    between and each step's time (``RequestDelta.steps``, for the latency metrics): one wakeup
-    of the replica per request, not per step.
+    carries no tokens, gets only tallies: at the request's first delta and its last, each
+    choice's finish and token count and each step's time (``RequestDelta.steps``, for the
+    latency metrics), never its text or tokens: one wakeup of the replica per request, not per
+    step, and the output is shaped once, at the ingress.
 
     Failure: the actor is owned by the replica, so it dies with it; if the head dies, the poll
     fails, every stream ends with a 503 and the replica's health check fails, so Serve replaces
@@ -342,19 +367,21 @@ class HeadActor:
                 self._outbox.cond.notify_all()
 
     def _for_front(self, delta: RequestDelta, at: float) -> RequestDelta | None:
-        """What the front gets of a sink request's delta: its first (the first token's time,
-        the prompt's logprobs) and its last, merged with those held back between (one
-        wakeup of the front per request rather than per step: its stream carries no tokens)."""
+        """What the front gets of a sink request's delta: its tallies, not its tokens (the
+        sink renders those). The first delta goes at once (the first token's time, the prompt's
+        logprobs); the others are held and the last goes with every held step's time and token
+        count: one wakeup of the front per request rather than per step."""
         held = self._held.get(delta.request_id)
         if held is None:
+            first = _first_tally(delta, at)
             if not delta.finished:
-                self._held[delta.request_id] = _Held()
-            return delta
+                self._held[delta.request_id] = _Held(first)
+            return first
         held.add(delta, at)
         if not delta.finished:
             return None
         del self._held[delta.request_id]
-        return held.merged()
+        return held.last(delta)
 
     def _died(self, error: EngineDeadError) -> None:
         with self._lock:

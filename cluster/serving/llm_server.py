@@ -76,7 +76,7 @@ def error_item(
 
 
 class LLMServer:
-    """The head of one model replica. Serve calls ``check_health`` periodically: it raises
+    """The front of one model replica. Serve calls ``check_health`` periodically: it raises
     once the engine is dead, so Serve replaces the replica."""
 
     def __init__(
@@ -225,8 +225,8 @@ class LLMServer:
             async for item in _chain(first, stream):
                 for at, made in item.steps:  # every step merged into the item (sink: many)
                     timer.on_tokens(at, made)
-                if request.adapter is not None:
-                    self.metrics.on_adapter_tokens(request.adapter, item.num_new_tokens)
+                if request.adapter is not None:  # (a sink's items have tallies, not tokens)
+                    self.metrics.on_adapter_tokens(request.adapter, sum(n for _, n in item.steps))
                 last = item
                 if sink is None:
                     yield StreamDelta(item.deltas)

@@ -67,7 +67,7 @@ class StreamOutput:
     # Monotonic time (this process's clock) of the step that produced the newest token here.
     time: float = field(default=0.0)
     # Every step merged into this item that made tokens: (monotonic time, how many), oldest
-    # first. One entry unless items piled up or the head merged them (a ``sink`` request's).
+    # first. One entry unless items piled up or a head's tally stands for several (``sink``).
     steps: tuple[tuple[float, int], ...] = ()
 
     @property
@@ -232,8 +232,8 @@ class AsyncLLMEngine:
         ``sink`` names a second reader of its deltas that the core's host serves
         (``AddRequest.sink``: an ingress's token channel, which gets every step's). This stream
         then yields a first item as soon as the core has accepted the request (no deltas yet),
-        and a head hands it only the request's first delta and its last one, merged with
-        everything between (``StreamOutput.steps`` still has every step's time)."""
+        and a head hands it only tallies of the request's first delta and its last (finishes
+        and token counts, no text or tokens; ``StreamOutput.steps`` has every step's time)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         params = params or SamplingParams()
         if timeout_s is not None and not (_is_number(timeout_s) and timeout_s > 0):
@@ -440,7 +440,7 @@ class AsyncLLMEngine:
                 continue  # closed by its consumer: the abort's last delta has no reader
             if delta.finished:
                 self._streams.pop(delta.request_id, None)
-            if delta.steps is not None:  # merged by the head: when each of its steps ended
+            if delta.steps is not None:  # a head's tally: when each of its steps ended
                 steps = [(now - max(0.0, wall - t), n) for t, n in delta.steps]
             else:
                 made = delta.num_new_tokens

@@ -65,9 +65,9 @@ class RequestDelta(msgspec.Struct, array_like=True):
     # Sent once, with the request's first delta (the prompt is fully computed by then).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     embedding: list[float] | None = None
-    # Set when this delta stands for several steps' (a head merges a token-channel request's
-    # deltas for its front, ``cluster.serving.head_actor``): each step's end (time.time()) and
-    # how many tokens it made, oldest first.
+    # Set on a tally (a head's copy of a token-channel request's deltas for its front,
+    # ``cluster.serving.head_actor``: the choices' finishes and counts, no tokens), which may
+    # stand for several steps: each step's end (time.time()) and its tokens, oldest first.
     steps: list[tuple[float, int]] | None = None
 
     @property

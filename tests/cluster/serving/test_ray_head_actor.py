@@ -303,18 +303,22 @@ def test_token_channel_carries_each_step_for_all_requests_equal_to_offline(
                 list(e.items()) for e in choice.logprobs
             ]
             assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
-        # The front got the first delta and the last, merged with everything between: its
-        # tokens, and each step's time for the latency metrics (one wakeup, not twelve).
+        # The front got tallies of the first delta and the last: no text, tokens or logprobs
+        # (the ingress shapes those), each choice's finish, and each step's time and token
+        # count for the latency metrics (one wakeup, not twelve).
         first, last = [d for d in front if d.request_id == f"chan-{number}"]
-        assert not first.finished and first.steps is None and last.finished
-        first_tokens = first.num_new_tokens
+        assert not first.finished and last.finished
+        for tally in (first, last):
+            assert all(c.text == "" and not c.token_ids and c.logprobs is None
+                       for c in tally.choices)  # fmt: skip
+        ((_, first_tokens),) = first.steps
+        assert first_tokens == len(ref.outputs)  # one token per choice in the prefill step
         assert sum(n for _, n in last.steps) == 24 - first_tokens and len(last.steps) >= 11
         assert all(a <= b for (a, _), (b, _) in zip(last.steps, last.steps[1:], strict=False))
+        assert [(c.index, c.finish_reason, c.num_tokens) for c in last.choices] == [
+            (choice.index, "length", 12) for choice in ref.outputs
+        ]
         timed += 24 - first_tokens
-        for choice in ref.outputs:
-            tokens = [t for d in (first, last) for c in d.choices if c.index == choice.index
-                      for t in c.token_ids]  # fmt: skip
-            assert tokens == choice.token_ids
     # Per request: its first step's tokens start it (TTFT), every later token observes a gap.
     assert len(gaps) == timed and all(0 < g < 5 for g in gaps)
     # Decode steps of the four requests travel together: one message, eight choices' deltas.
