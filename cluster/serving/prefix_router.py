@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 TOKEN_CHUNK = 16  # token ids per chunk when the prompt arrives as ids (the engine's block size)
-MAX_PREFIX_CHARS = 32768  # only the prompt's head is hashed: routing cost stays bounded
+MAX_PREFIX_CHARS = 32768  # only the prompt's start is hashed: routing cost stays bounded
 KV_FULL = 0.95  # reported KV usage above which a replica is not chosen for its prefix
 
 K = TypeVar("K")
@@ -74,11 +74,11 @@ def chunk_hashes(prompt: str | list[int], chunk_chars: int) -> list[int]:
     mean (up to collisions) equal prefixes. A trailing partial chunk is left out, as the
     engine leaves out a partial block."""
     size = TOKEN_CHUNK if isinstance(prompt, list) else chunk_chars
-    head = prompt[:MAX_PREFIX_CHARS] if isinstance(prompt, str) else prompt
+    prefix = prompt[:MAX_PREFIX_CHARS] if isinstance(prompt, str) else prompt
     hashes: list[int] = []
     parent = 0
-    for start in range(0, len(head) - size + 1, size):
-        chunk = head[start : start + size]
+    for start in range(0, len(prefix) - size + 1, size):
+        chunk = prefix[start : start + size]
         parent = hash((parent, chunk if isinstance(chunk, str) else tuple(chunk)))
         hashes.append(parent)
     return hashes

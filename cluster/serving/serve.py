@@ -1,7 +1,7 @@
-"""The Ray Serve application: one ``LLMServer`` deployment per model (the heads) and one
-``OpenAIIngress`` (``cluster.serving.ingress``) in front that routes by ``model``. This module
-builds it and names its parts (the Serve import path ``cluster.serving.serve:build_app`` of the
-Helm chart).
+"""The Ray Serve application: one ``LLMServer`` deployment per model (each replica a front and
+its head actor) and one ``OpenAIIngress`` (``cluster.serving.ingress``) in front that routes by
+``model``. This module builds it and names its parts (the Serve import path
+``cluster.serving.serve:build_app`` of the Helm chart).
 
     build_app("configs/tiny.yaml")  ->  serve.Application  (``serve.run`` or ``cluster deploy``)
 """
