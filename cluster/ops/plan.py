@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cluster.config import DeploymentConfig, ModelDeployment
+import yaml
+
+from cluster.config import DeploymentConfig, ModelDeployment, _build
 from cluster.config import deployment as deployment_config
 from engine.errors import ConfigError
 from engine.worker.memory_plan import GiB, MemoryPlan, PlanSettings, plan_memory
@@ -117,10 +119,6 @@ def load_unchecked(path: str) -> DeploymentConfig | None:
     """The deployment YAML built with its structure checked but not its engine arguments
     against the checkpoint (``load_config`` refuses what the engine refuses, which a plan
     reports as its problems instead); None when even the structure is wrong."""
-    import yaml
-
-    from cluster.config import _build
-
     try:
         return _build(DeploymentConfig, yaml.safe_load(Path(path).read_text()), "")
     except (ConfigError, OSError, yaml.YAMLError):
