@@ -34,7 +34,7 @@ from torch import nn
 from engine.errors import InvalidRequestError
 from engine.lora_request import LoRARequest
 from engine.worker.step_messages import LoRASlotSpec
-from kernels.lora import LoRAMapping
+from kernels.lora import LoRAMapping, add_lora
 from parallel.lora import LinearLoRA, LoRABatch, attach_lora
 
 CONFIG_FILE = "adapter_config.json"
@@ -380,9 +380,7 @@ def lora_kernel(backend: str) -> Any:
         from kernels import triton_lora
 
         return triton_lora.add_lora
-    from kernels import lora
-
-    return lora.add_lora
+    return add_lora
 
 
 def make_worker_lora_manager(
