@@ -20,22 +20,24 @@ field is ``engine.engine_args``'s table; the checks and their one message format
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from engine import envs
 from engine.engine_args import ENGINE_ARG_NAMES as ENGINE_ARG_NAMES
 from engine.engine_args import ENGINE_ARGS, group_engine_args
 from engine.engine_args import check_engine_arg_names as check_engine_arg_names
 from engine.errors import ConfigError
-from engine.hf_config import DEEPSEEK_ARCHITECTURES, GPT_OSS, check_hf_config, num_experts
+from engine.hf_config import DEEPSEEK_ARCHITECTURES, GPT_OSS
+from engine.model_checks import (
+    check_kernel_device,
+    check_parallel_shape,
+    derive_max_model_len,
+    with_checkpoint,
+)
 from engine.pp_partition import requested_partition
-from engine.quantization.config import ONLINE_METHODS, parse_quantization
-from engine.rope_config import rope_max_positions
+from engine.quantization.config import ONLINE_METHODS
 from engine.spec_decode.config import (
     SpeculativeArgs,
     SpeculativeConfig,
@@ -419,15 +421,15 @@ class EngineConfig:
         if "model" not in kwargs:
             raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
         model = ModelConfig(**groups["model"])
-        model = _with_checkpoint(model)
+        model = with_checkpoint(model)
         parallel = ParallelConfig(**groups["parallel"])
-        _check_parallel_shape(model, parallel)
+        check_parallel_shape(model, parallel)
         # Read here, on the head, so that every worker builds the same stages.
         partition = requested_partition(
             parallel.pp_layer_partition, parallel.pipeline_parallel_size, model.num_hidden_layers
         )
         parallel = dataclasses.replace(parallel, pp_layer_partition=partition)
-        max_model_len = _derive_max_model_len(model)
+        max_model_len = derive_max_model_len(model)
         model = dataclasses.replace(model, max_model_len=max_model_len)
         sched_kwargs = groups["scheduler"]
         chunked = sched_kwargs.get("enable_chunked_prefill", True)
@@ -436,7 +438,7 @@ class EngineConfig:
         scheduler = SchedulerConfig(max_model_len=max_model_len, **sched_kwargs)
         device = DeviceConfig(**groups["device"])
         kernel = KernelConfig(**groups["kernel"])
-        _check_kernel_device(kernel, device)
+        check_kernel_device(kernel, device)
         speculative = SpeculativeArgs(**groups["speculative"])
         check_speculative_support(
             speculative.speculative_config,
@@ -506,72 +508,6 @@ def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
     )
 
 
-def _with_checkpoint(model: ModelConfig) -> ModelConfig:
-    # Imported here (start-up time): the built-in models pull in transformers, which a bare
-    # config check need not load.
-    from engine.builtin.catalog import resolve_model_source
-
-    path = resolve_model_source(model.model)
-    config_file = Path(path) / "config.json"
-    hf_config = json.loads(config_file.read_text())
-    # Refused here, before anything is placed: what the engine cannot serve exactly.
-    check_hf_config(hf_config)
-    parse_quantization(hf_config, model.quantization)  # online fp8 of a quantized checkpoint
-    return dataclasses.replace(model, hf_config=hf_config, model_path=str(path))
-
-
-def _derive_max_model_len(model: ModelConfig) -> int:
-    # max_position_embeddings, extended by the rope's scaling factor where the config states
-    # the original length (vLLM's convention); sliding-window layers attend within their
-    # window at any length, so the window does not bound it.
-    limit = rope_max_positions(model.hf_config)
-    if model.max_model_len is None:
-        return limit
-    check_int(
-        model.max_model_len,
-        "max_model_len",
-        ge=1,
-        le=limit,
-        note="the model's max_position_embeddings, with rope scaling",
-    )
-    return model.max_model_len
-
-
-def _check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
-    tp = parallel.tensor_parallel_size
-    require(
-        model.num_attention_heads % tp == 0,
-        "tensor_parallel_size",
-        f"must divide num_attention_heads ({model.num_attention_heads}), got {tp}",
-    )
-    inter = model.hf_config.get("intermediate_size")
-    # Checked here so that a bad shape is a ConfigError on the head, not a worker that dies
-    # while building its MLP shard.
-    require(
-        not inter or inter % tp == 0,
-        "tensor_parallel_size",
-        f"must divide intermediate_size ({inter}), got {tp}",
-    )
-    kv = model.num_kv_heads
-    require(
-        kv % tp == 0 or tp % kv == 0,
-        "tensor_parallel_size",
-        f"must divide or be a multiple of num_key_value_heads ({kv}), got {tp}",
-    )
-    experts = num_experts(model.hf_config)  # EP: num_experts / tp whole experts per rank
-    require(
-        not parallel.enable_expert_parallel or experts % tp == 0,
-        "enable_expert_parallel",
-        f"needs num_experts ({experts}) divisible by the EP size (tensor_parallel_size), got {tp}",
-    )
-    pp = parallel.pipeline_parallel_size
-    require(
-        pp <= model.num_hidden_layers,
-        "pipeline_parallel_size",
-        f"must be <= num_hidden_layers ({model.num_hidden_layers}), got {pp}",
-    )
-
-
 def _draft_model_config(
     spec: SpeculativeConfig, target: ModelConfig, parallel: ParallelConfig
 ) -> ModelConfig:
@@ -583,7 +519,7 @@ def _draft_model_config(
     key = "speculative_config.model"
     dtype = str(target.torch_dtype).removeprefix("torch.")
     try:
-        draft = _with_checkpoint(ModelConfig(model=str(spec.model), dtype=dtype))
+        draft = with_checkpoint(ModelConfig(model=str(spec.model), dtype=dtype))
     except (ConfigError, OSError, ValueError) as exc:
         raise ConfigError(f"{key}: draft {spec.model!r} cannot be served: {exc}") from exc
     draft = dataclasses.replace(draft, max_model_len=target.max_model_len)
@@ -599,27 +535,9 @@ def _draft_model_config(
         f"the draft {spec.model!r} is a quantized checkpoint: only float drafts are supported",
     )
     try:
-        _check_parallel_shape(draft, parallel)
+        check_parallel_shape(draft, parallel)
     except ConfigError as exc:
         raise ConfigError(
             f"{key}: the draft {spec.model!r} is sharded like the target and cannot be: {exc}"
         ) from exc
     return draft
-
-
-def _check_kernel_device(kernel: KernelConfig, device: DeviceConfig) -> None:
-    # Triton compiles for GPUs; on CPU its kernels only run through the interpreter, which
-    # must be switched on before the kernels are imported.
-    require(
-        kernel.attention_backend != "triton"
-        or device.device_type == "cuda"
-        or envs.triton_interpret(),
-        "attention_backend",
-        "'triton' on CPU needs TRITON_INTERPRET=1 in the environment (the Triton "
-        "interpreter; slow, meant for tests); use 'torch' or 'auto' on CPU",
-    )
-    require(
-        kernel.attention_backend != "cpu" or device.device_type == "cpu",
-        "attention_backend",
-        f"'cpu' runs on CPU only, not on {device.device_type!r}; use 'auto'",
-    )

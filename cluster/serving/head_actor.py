@@ -37,6 +37,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.runtime.load_progress import LoadProgressPublisher, ProgressStore
+from cluster.serving.front_tally import HeldTally, first_tally
 from cluster.serving.head_messages import (
     AddReply,
     CoreError,
@@ -52,7 +53,6 @@ from engine.client.core_loop import EngineCoreLoop
 from engine.client.core_messages import (
     AddRequest,
     AddResult,
-    ChoiceDelta,
     CoreStats,
     RequestDelta,
     StepOutputs,
@@ -102,52 +102,6 @@ class _Outbox:
     def reply(self, dead: str | None) -> bytes:
         last_seq = self.first_seq + len(self.steps) - 1
         return _ENCODER.encode(PollReply(encode_steps(list(self.steps)), last_seq, dead))
-
-
-class _Held:
-    """What a sink request's front is owed since its first delta: each step's time and token
-    count, and each choice's latest tally (its finish once it has one)."""
-
-    __slots__ = ("choices", "steps")
-
-    def __init__(self, first: RequestDelta) -> None:
-        self.choices = {c.index: c for c in first.choices}
-        self.steps: list[tuple[float, int]] = []
-
-    def add(self, delta: RequestDelta, at: float) -> None:
-        for choice in delta.choices:
-            self.choices[choice.index] = _tally(choice)
-        made = delta.num_new_tokens
-        if made:
-            self.steps.append((at, made))
-
-    def last(self, delta: RequestDelta) -> RequestDelta:
-        choices = [self.choices[i] for i in sorted(self.choices)]
-        return RequestDelta(
-            delta.request_id, choices, True, delta.num_cached_tokens, steps=self.steps
-        )
-
-
-def _tally(choice: ChoiceDelta) -> ChoiceDelta:
-    """A choice's delta without its text, tokens and logprobs (those go to the sink)."""
-    return ChoiceDelta(
-        choice.index, "", [], None, choice.finish_reason, choice.stop_reason, choice.num_tokens,
-        choice.cumulative_logprob,
-    )  # fmt: skip
-
-
-def _first_tally(delta: RequestDelta, at: float) -> RequestDelta:
-    """A sink request's first delta as its front gets it: the tallies, the prompt's logprobs
-    (its ``StreamStart`` carries them) and the step's time and token count."""
-    made = delta.num_new_tokens
-    return RequestDelta(
-        delta.request_id,
-        [_tally(c) for c in delta.choices],
-        delta.finished,
-        delta.num_cached_tokens,
-        prompt_logprobs=delta.prompt_logprobs,
-        steps=[(at, made)] if made else [],
-    )
 
 
 class HeadActor:
@@ -200,7 +154,7 @@ class HeadActor:
         self._sinks: dict[str, _Outbox] = {}  # ingress channels', by sink name
         self._sink_of: dict[str, str] = {}  # request id -> its sink, until its last delta
         # A sink request's deltas after its first, held back from the front until its last.
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, HeldTally] = {}
         self._pushers: dict[str, SinkPusher] = {}  # the sinks' writers, by sink name
         self._name = ray.get_runtime_context().get_actor_name() or "head"
         self._dead: str | None = None
@@ -373,9 +327,9 @@ class HeadActor:
         count: one wakeup of the front per request rather than per step."""
         held = self._held.get(delta.request_id)
         if held is None:
-            first = _first_tally(delta, at)
+            first = first_tally(delta, at)
             if not delta.finished:
-                self._held[delta.request_id] = _Held(first)
+                self._held[delta.request_id] = HeldTally(first)
             return first
         held.add(delta, at)
         if not delta.finished:
