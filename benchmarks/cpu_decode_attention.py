@@ -1,4 +1,4 @@
-"""CPU decode attention (a measurement, not a test): the native kernel (``kernels.cpu_decode``)
+"""CPU decode attention (a measurement, not a test): the native kernel (``llm_kernels.cpu_decode``)
 against the torch path's gather + SDPA, one layer, in the same process.
 
     python benchmarks/cpu_decode_attention.py [--json out.json] [--iters 50] [--isa avx2]
@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# The repository root first: this folder's kernels.py would shadow the kernels package.
+# The repository root first, so that the script runs from a checkout without an install.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import attention, cpu_decode
-from kernels.attention import AttentionMetadata
+from llm_kernels import attention, cpu_decode
+from llm_kernels.attention import AttentionMetadata
 
 SHAPES = {"llama110m": (12, 4, 64), "llama3-8b": (32, 8, 128)}
 BATCHES = (1, 16, 64)

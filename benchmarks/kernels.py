@@ -127,9 +127,9 @@ def _cuda_time_ms(fn: Callable[[], object], iters: int) -> float:
 def _bench_decode_attention(
     batch: int, context: int, peak: float | None, iters: int, kv_fp8: bool = False
 ) -> dict:
-    from kernels.attention import AttentionMetadata
-    from kernels.triton_attention import paged_attention
-    from kernels.triton_common import choose_num_kv_splits
+    from llm_kernels.attention import AttentionMetadata
+    from llm_kernels.triton_attention import paged_attention
+    from llm_kernels.triton_common import choose_num_kv_splits
 
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
     dtype = torch.bfloat16
@@ -211,7 +211,7 @@ def _bench_decode_steps(model: str, iters: int) -> list[dict]:
 
 def _decode_inputs(runner, block_size: int, batch: int, context: int):
     from engine.worker.model_runner import StepInputs
-    from kernels.attention import AttentionMetadata
+    from llm_kernels.attention import AttentionMetadata
 
     blocks_per_seq = -(-context // block_size)
     block_table = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)

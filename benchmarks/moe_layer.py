@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemm import pack_linear_weight, packed_linear
+from llm_kernels.cpu_gemm import pack_linear_weight, packed_linear
 from parallel.moe import grouped_experts
 
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.kv_quant import FP8_DTYPE
-from kernels.quant_gemm import fp8_linear, pack_int4, w4a16_linear
+from llm_kernels.kv_quant import FP8_DTYPE
+from llm_kernels.quant_gemm import fp8_linear, pack_int4, w4a16_linear
 
 # One TP-2 rank of Llama-3-70B (hidden 8192, intermediate 28672, 64 q / 8 kv heads of 128).
 LAYERS = (("qkv_proj", 5120, 8192), ("o_proj", 8192, 4096),

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.models import get_model_class
 from engine.models.rotary import RopeCache
 from engine.rope_config import check_rope, rope_max_positions, rope_parameters
-from kernels.backend import get_kernel_ops
+from llm_kernels.backend import get_kernel_ops
 from parallel.state import GroupCoordinator, ParallelContext
 
 TP, PP = 4, 2

@@ -52,8 +52,8 @@ from engine.validation import (
     check_str,
     require,
 )
-from kernels.backend import resolve_attention_backend, triton_available
-from kernels.kv_quant import KV_CACHE_DTYPES
+from llm_kernels.backend import resolve_attention_backend, triton_available
+from llm_kernels.kv_quant import KV_CACHE_DTYPES
 
 # The name -> (section, field) table under its former name, which cluster.ops.kuberay reads.
 _ENGINE_ARGS = ENGINE_ARGS
@@ -141,7 +141,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space: float = 4.0
     swap_space: float = 4.0
-    # vLLM's kv_cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (kernels.kv_quant).
+    # vLLM's kv_cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (llm_kernels.kv_quant).
     cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
 
     def __post_init__(self) -> None:
@@ -256,8 +256,8 @@ class KernelConfig:
 
     ``attention_backend``: ``auto`` (Triton on CUDA; on CPU ``cpu`` where its kernel builds,
     else ``torch``), ``triton``, ``cpu`` (the torch kernels with decode attention in the native
-    AVX-512/AVX2 kernel, ``kernels.cpu_decode``) or ``torch``; it selects the attention, cache and
-    fused pointwise kernels together.
+    AVX-512/AVX2 kernel, ``llm_kernels.cpu_decode``) or ``torch``; it selects the attention,
+    cache and fused pointwise kernels together.
     ``enforce_eager``: never capture CUDA graphs (they are only used on CUDA with Triton).
     """
 

@@ -56,7 +56,7 @@ def load_timeout_s() -> float:
 def cpu_keep_quantized() -> bool:
     """``LLM_CLUSTER_CPU_KEEP_QUANTIZED=1``: on CPU, keep a quantized checkpoint's linear
     weights quantized (FP8 / packed int4, as on CUDA) and dequantize them in every matmul
-    (``kernels.quant_gemm``'s torch references): less memory, much slower. Default 0: they are
+    (``llm_kernels.quant_gemm``'s torch references): less memory, much slower. Default 0: they are
     dequantized once at load."""
     return os.environ.get("LLM_CLUSTER_CPU_KEEP_QUANTIZED", "0") == "1"
 

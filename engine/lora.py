@@ -34,7 +34,7 @@ from torch import nn
 from engine.errors import InvalidRequestError
 from engine.lora_request import LoRARequest
 from engine.worker.step_messages import LoRASlotSpec
-from kernels.lora import LoRAMapping, add_lora
+from llm_kernels.lora import LoRAMapping, add_lora
 from parallel.lora import LinearLoRA, LoRABatch, attach_lora
 
 CONFIG_FILE = "adapter_config.json"
@@ -377,7 +377,7 @@ def module_parent(module: str) -> str:
 def lora_kernel(backend: str) -> Any:
     """The add_lora implementation of a kernel backend (``torch`` or ``triton``)."""
     if backend == "triton":
-        from kernels import triton_lora
+        from llm_kernels import triton_lora
 
         return triton_lora.add_lora
     return add_lora

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_gemm import pack_linear_weight, packed_linear
+from llm_kernels.cpu_gemm import pack_linear_weight, packed_linear
 from parallel.state import SINGLE, GroupCoordinator
 
 
@@ -355,7 +355,7 @@ def parameter_bytes(model: nn.Module) -> int:
 
 def pack_linear_weights(model: nn.Module) -> int:
     """Pack every linear weight of ``model`` (on CPU) into oneDNN's layout once its checkpoint
-    is loaded (``kernels.cpu_gemm``); returns how many were packed. A packed layer's plain
+    is loaded (``llm_kernels.cpu_gemm``); returns how many were packed. A packed layer's plain
     weight is released (its ``weight_shape`` stays), except the LM head's when an embedding
     shares it. Layers whose device or dtype the packed path does not cover are left alone."""
     embedded = {

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kernels.lora import LoRAMapping
+from llm_kernels.lora import LoRAMapping
 from parallel.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,

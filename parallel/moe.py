@@ -16,7 +16,7 @@ the whole experts ``[r*E/ep, (r+1)*E/ep)``, nothing of the others::
 Attention stays TP-sharded, so every rank already holds every token's hidden states: the
 dispatch is free (each rank computes the (token, expert) pairs whose expert it owns) and the
 combine is the layer's one all-reduce, of the same ``[T, H]`` bytes as TP (docs/moe.md, also
-for data-parallel attention's all-to-all). Compute: ``kernels.moe.fused_moe`` on CUDA,
+for data-parallel attention's all-to-all). Compute: ``llm_kernels.moe.fused_moe`` on CUDA,
 :func:`grouped_experts` elsewhere (``ParallelExperts`` says how checkpoints load).
 """
 
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_gemm import pack_linear_weight, packed_linear
-from kernels.moe import fused_moe
+from llm_kernels.cpu_gemm import pack_linear_weight, packed_linear
+from llm_kernels.moe import fused_moe
 from parallel.layers import check_shape, divide
 from parallel.state import SINGLE, GroupCoordinator
 
@@ -108,10 +108,10 @@ class ParallelExperts(nn.Module):
     ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]``, ``shard_id=None``); either way a
     rank reads only its rows / columns (TP) or its experts (EP) and skips another rank's expert.
 
-    Compute: on CUDA the Triton ``kernels.moe.fused_moe`` (with an ``expert_map`` under EP; it
+    Compute: on CUDA the Triton ``llm_kernels.moe.fused_moe`` (with an ``expert_map`` under EP; it
     applies the routing weights and sums the top-k in float32). Elsewhere :func:`grouped_experts`;
     on CPU the loader packs each expert's weights once into oneDNN's layout
-    (:meth:`pack_weights`, ``kernels.cpu_gemm``), and its GEMMs are ``packed_linear`` calls.
+    (:meth:`pack_weights`, ``llm_kernels.cpu_gemm``), and its GEMMs are ``packed_linear`` calls.
     """
 
     def __init__(

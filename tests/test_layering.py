@@ -1,4 +1,4 @@
-"""Imports flow one way: kernels <- parallel <- engine <- cluster; the engine never imports Ray.
+"""Imports flow one way: llm_kernels <- parallel <- engine <- cluster; the engine never imports Ray.
 Inside cluster: api <- config <- runtime <- serving <- ops <- bench <- cli. No import inside a
 function closes an import cycle."""
 
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FORBIDDEN = {
-    "kernels": {"parallel", "engine", "cluster", "ray"},
+    "llm_kernels": {"parallel", "engine", "cluster", "ray"},
     "parallel": {"engine", "cluster", "ray"},
     "engine": {"cluster", "ray"},
 }
@@ -199,7 +199,7 @@ def test_no_import_inside_a_function_closes_an_import_cycle() -> None:
     inside functions stay for start-up time or optional packages (Triton, PEFT)."""
     modules = {
         _module_name(p): p
-        for package in ("kernels", "parallel", "engine", "cluster")
+        for package in ("llm_kernels", "parallel", "engine", "cluster")
         for p in sorted((ROOT / package).rglob("*.py"))
     }
     assert _import_cycles_closed_late(modules) == []

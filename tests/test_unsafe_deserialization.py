@@ -12,7 +12,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "parallel", "engine", "cluster", "benchmarks", "scripts")
+PACKAGES = ("llm_kernels", "parallel", "engine", "cluster", "benchmarks", "scripts")
 
 # module -> names that turn bytes into arbitrary objects.
 _UNSAFE = {

@@ -74,7 +74,7 @@ from engine.worker.step_messages import (
 logger = logging.getLogger("llm_cluster.ray_executor")
 
 WORKER_NAME_PREFIX = "LLMWorker:"
-_PROJECT_PACKAGES = ("kernels", "parallel", "engine", "cluster")
+_PROJECT_PACKAGES = ("llm_kernels", "parallel", "engine", "cluster")
 _REMOVE_AGAIN_AFTER_S = 2.0
 # Worker calls bounded by the start-up timeout, with the phase each one belongs to.
 _STARTUP_CALLS = {

@@ -53,7 +53,7 @@ from engine.builtin.tiny_models import (
 )
 from engine.builtin.tiny_tokenizer import build_tokenizer, write_json, write_tokenizer
 from engine.hf_config import DEEPSEEK_ARCHITECTURES, config_field
-from kernels.mxfp4 import quantize_mxfp4
+from llm_kernels.mxfp4 import quantize_mxfp4
 
 # Bump whenever an MoE recipe changes (on top of engine.builtin.tiny_models.VERSION, which covers
 # the tokenizer and init shared with the dense models).
@@ -536,7 +536,7 @@ _EXPERT_PROJECTIONS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 def mxfp4_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A gpt-oss checkpoint's tensors with each stacked expert projection ``X`` ``[E, in, out]``
     replaced as gpt-oss ships it: ``X_blocks`` / ``X_scales`` of ``X`` transposed to
-    ``[E, out, in]`` (``kernels.mxfp4.quantize_mxfp4``)."""
+    ``[E, out, in]`` (``llm_kernels.mxfp4.quantize_mxfp4``)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if not name.endswith(_EXPERT_PROJECTIONS):

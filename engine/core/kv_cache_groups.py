@@ -1,6 +1,6 @@
 """KV cache groups: which layers share a block table, and how many blocks each group's pool gets.
 Torch-free (``cluster plan`` reads it); a step's per-group metadata is
-``kernels.attention.build_group_metadata``. The design, sizing and why-not-one-pool are in
+``llm_kernels.attention.build_group_metadata``. The design, sizing and why-not-one-pool are in
 docs/kv_cache_groups.md.
 
 Layers are grouped by what their attention reads: every full-attention layer in one group, every

@@ -29,8 +29,8 @@ from engine.models.layers import PagedAttention, RMSNorm, default_ops
 from engine.models.rotary import RopeCache, RotaryEmbedding
 from engine.pp_partition import layer_partition, stage_layer_range
 from engine.rope_config import rope_head_dim, rope_max_positions, rope_parameters
-from kernels.attention import AttentionMetadata
-from kernels.backend import KernelOps
+from llm_kernels.attention import AttentionMetadata
+from llm_kernels.backend import KernelOps
 from parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,

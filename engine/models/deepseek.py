@@ -28,7 +28,7 @@ from engine.hf_config import config_field
 from engine.models.decoder import DecoderModel, GatedMLP, PreNormDecoderLayer, rms_norm_factory
 from engine.models.mla import MLAAttention
 from engine.models.moe import MoECausalLM, Routing, SparseMoeBlock
-from kernels.backend import KernelOps
+from llm_kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
 

@@ -17,8 +17,8 @@ from torch import nn
 
 from engine.models.decoder import Attention, CausalLM, DecoderModel, GatedMLP
 from engine.models.layers import GemmaRMSNorm
-from kernels.attention import AttentionMetadata
-from kernels.backend import KernelOps
+from llm_kernels.attention import AttentionMetadata
+from llm_kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
 

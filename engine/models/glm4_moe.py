@@ -25,7 +25,7 @@ from engine.models.decoder import (
 )
 from engine.models.deepseek import DeepseekV3ForCausalLM, deepseek_mlp
 from engine.models.moe import MoECausalLM
-from kernels.backend import KernelOps
+from llm_kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
 

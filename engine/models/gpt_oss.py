@@ -11,7 +11,7 @@ Checkpoints store the experts stacked in HF's layout: ``experts.gate_up_proj``
 reads a rank's part of them into the engine's ``[gate; up]`` layout. An MXFP4 checkpoint
 (gpt-oss's release) is dequantized into that layout at load, except on the Triton kernels
 (CUDA), where the experts keep the checkpoint's ``_blocks`` / ``_scales`` (a rank's rows of
-them) and ``kernels.moe.fused_moe_mxfp4`` dequantizes inside its GEMMs.
+them) and ``llm_kernels.moe.fused_moe_mxfp4`` dequantizes inside its GEMMs.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from engine.models.decoder import Attention, DecoderModel, PreNormDecoderLayer
 from engine.models.layers import GemmaRMSNorm
 from engine.models.moe import MoECausalLM, Routing, SparseMoeBlock
 from engine.quantization.config import keeps_mxfp4_experts
-from kernels.backend import KernelOps
-from kernels.moe import clamped_swiglu, fused_moe_mxfp4
-from kernels.moe_inputs import Mxfp4Experts
-from kernels.mxfp4 import BYTES_PER_GROUP, VALUES_PER_SCALE
+from llm_kernels.backend import KernelOps
+from llm_kernels.moe import clamped_swiglu, fused_moe_mxfp4
+from llm_kernels.moe_inputs import Mxfp4Experts
+from llm_kernels.mxfp4 import BYTES_PER_GROUP, VALUES_PER_SCALE
 from parallel.layers import check_shape
 from parallel.moe import ParallelExperts
 from parallel.state import ParallelContext

@@ -4,7 +4,7 @@ an optional sliding window, logit soft-cap and attention sinks). Rotary embeddin
 ``rotary``.
 
 Each layer computes through the ``KernelOps`` it was built with (torch or Triton, see
-``kernels.backend``); the default is the torch backend.
+``llm_kernels.backend``); the default is the torch backend.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.attention import AttentionMetadata
-from kernels.backend import KernelOps, get_kernel_ops
+from llm_kernels.attention import AttentionMetadata
+from llm_kernels.backend import KernelOps, get_kernel_ops
 
 
 def default_ops(ops: KernelOps | None) -> KernelOps:
@@ -71,7 +71,7 @@ class PagedAttention(nn.Module):
 
     ``sinks`` is None, or a model with attention sinks (gpt-oss) sets it to a float32
     ``[num_heads]`` parameter: one learned logit per query head that joins the softmax's
-    denominator and has no value (``kernels.attention.paged_attention``).
+    denominator and has no value (``llm_kernels.attention.paged_attention``).
 
     With ``v_head_dim`` the cache is one latent plane (multi-head latent attention,
     ``engine.models.mla``): each token stores one ``head_dim`` vector per kv head, the key, whose
@@ -105,7 +105,7 @@ class PagedAttention(nn.Module):
         self.kv_cache_group = 0
         self.sinks: nn.Parameter | None
         self.register_parameter("sinks", None)
-        # Per-tensor scales of an FP8 KV cache (``kernels.kv_quant``): the checkpoint's
+        # Per-tensor scales of an FP8 KV cache (``llm_kernels.kv_quant``): the checkpoint's
         # ``self_attn.k_scale`` / ``v_scale`` when it has them (set by the loader), else 1.0.
         # Plain floats, not parameters: a checkpoint without them loads strictly as before.
         self.k_scale = 1.0

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.models.decoder import Attention, DecoderModel, PreNormDecoderLayer, rms_norm_factory
 from engine.models.moe import MoECausalLM, Routing, SparseMoeBlock
-from kernels.backend import KernelOps
+from llm_kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
 

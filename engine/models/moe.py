@@ -23,13 +23,13 @@ from torch import nn
 
 from engine import hf_config
 from engine.models.decoder import CausalLM, GatedMLP, act_and_mul
-from kernels.backend import KernelOps
+from llm_kernels.backend import KernelOps
 from parallel.moe import ParallelExperts
 from parallel.state import ParallelContext
 
 if TYPE_CHECKING:
     from engine.models.expert_load import ExpertLoadCounter
-    from kernels.attention import AttentionMetadata
+    from llm_kernels.attention import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from engine.models.decoder import (
     PreNormDecoderLayer,
     rms_norm_factory,
 )
-from kernels.backend import KernelOps
+from llm_kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
 

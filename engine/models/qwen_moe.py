@@ -20,7 +20,7 @@ from engine.models.decoder import (
     rms_norm_factory,
 )
 from engine.models.moe import MoECausalLM, Routing, SparseMoeBlock
-from kernels.backend import KernelOps
+from llm_kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.rope_config import ROPE_TYPES
-from kernels.backend import KernelOps, get_kernel_ops
+from llm_kernels.backend import KernelOps, get_kernel_ops
 
 __all__ = ["RopeCache", "RotaryEmbedding", "rope_cos_sin", "rotary_dim"]
 

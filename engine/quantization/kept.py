@@ -1,5 +1,5 @@
 """Quantized weights kept quantized in the layers (CUDA; on CPU only when asked for with
-``LLM_CLUSTER_CPU_KEEP_QUANTIZED=1``), multiplied by ``kernels.quant_gemm``.
+``LLM_CLUSTER_CPU_KEEP_QUANTIZED=1``), multiplied by ``llm_kernels.quant_gemm``.
 
 The loader hands each layer's ``weight_loader`` a ``QuantizedWeight`` instead of a dense
 tensor: it has the full weight's ``shape`` and slices like one (``w[rows]``, ``w[:, cols]``),
@@ -28,7 +28,7 @@ from engine.quantization.formats import (
     quantize_fp8_per_tensor,
     unpack_ct_zero_points,
 )
-from kernels import quant_gemm
+from llm_kernels import quant_gemm
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _aligned(start: int, stop: int, unit: int, size: int, what: str) -> None:
 
 
 class QuantizedLinearMethod:
-    """A layer's quantized weight shard and its GEMM (``kernels.quant_gemm``)."""
+    """A layer's quantized weight shard and its GEMM (``llm_kernels.quant_gemm``)."""
 
     def __init__(self, scheme: QuantScheme, rows: int, k: int, like: QuantizedWeight) -> None:
         self.scheme = scheme
@@ -189,7 +189,7 @@ class QuantizedLinearMethod:
 
 
 def kept_problem(scheme: QuantScheme) -> str | None:
-    """Why ``scheme`` cannot be served by ``kernels.quant_gemm`` as the checkpoint means it
+    """Why ``scheme`` cannot be served by ``llm_kernels.quant_gemm`` as the checkpoint means it
     (None: it can). The FP8 GEMM always quantizes activations: per token and ``bk`` group
     with block weights, per token (or the static scale) otherwise."""
     if scheme.kind != "fp8" or scheme.source == "online-fp8":

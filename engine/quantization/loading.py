@@ -38,7 +38,7 @@ from engine.quantization.formats import (
     unpack_ct_zero_points,
 )
 from engine.quantization.kept import kept_problem, quantized_form
-from kernels.cpu_gemm import packed_linear
+from llm_kernels.cpu_gemm import packed_linear
 
 # A tensor whose presence marks its module as quantized in the checkpoint.
 _MARKERS = ("weight_scale", "weight_scale_inv", "weight_packed", "qweight")

@@ -19,7 +19,7 @@ _LINEAR_TYPES = (ColumnParallelLinear, RowParallelLinear)
 
 
 def keep_quantized_on(quant: QuantConfig | None, device: torch.device) -> torch.device | None:
-    """Where the linear weights stay quantized: CUDA (``kernels.quant_gemm``), and CPU only
+    """Where the linear weights stay quantized: CUDA (``llm_kernels.quant_gemm``), and CPU only
     with ``LLM_CLUSTER_CPU_KEEP_QUANTIZED=1``; None: dequantized once at load, or no linear
     layer is quantized (MXFP4 quantizes experts only: ``engine.quantization.mxfp4``)."""
     if quant is None or not quant.groups:

@@ -4,7 +4,7 @@ streams the tensors.
 Each stacked expert projection ``X`` (``mlp.experts.gate_up_proj`` / ``down_proj``) is stored
 as two tensors, in either order and possibly in different shard files::
 
-    X_blocks  [E, out, in / 32, 16] uint8      (kernels.mxfp4: E2M1 codes, two per byte)
+    X_blocks  [E, out, in / 32, 16] uint8      (llm_kernels.mxfp4: E2M1 codes, two per byte)
     X_scales  [E, out, in / 32]     uint8      (E8M0 exponents, one per 32 values)
 
 where HF's in-memory ``X`` is ``[E, in, out]`` (gate_up_proj ``[E, H, 2I]`` with gate and up
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from engine import hf_config
 from engine.errors import ConfigError
-from kernels.mxfp4 import BYTES_PER_GROUP, VALUES_PER_SCALE, dequantize_mxfp4
+from llm_kernels.mxfp4 import BYTES_PER_GROUP, VALUES_PER_SCALE, dequantize_mxfp4
 
 _PAIR = re.compile(
     r"^(?P<weight>.+\.mlp\.experts\.(gate_up_proj|down_proj))_(?P<part>blocks|scales)$"

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from kernels.attention import AttentionMetadata
+from llm_kernels.attention import AttentionMetadata
 
 __all__ = [
     "DecodeBucketRunner",

@@ -4,7 +4,7 @@ compressed-tensors' ``kv_cache_scheme`` (llm-compressor) writes one float32 scal
 attention layer for K and one for V, ``model.layers.<i>.self_attn.k_scale`` / ``v_scale``;
 older FP8 checkpoints write a single ``kv_scale`` for both. They become the ``k_scale`` /
 ``v_scale`` floats of that layer's ``PagedAttention`` (1.0 where a checkpoint has none), which
-the cache write divides by and the attention read multiplies by (``kernels.kv_quant``). A
+the cache write divides by and the attention read multiplies by (``llm_kernels.kv_quant``). A
 cache stored in the model's dtype (``kv_cache_dtype="auto"``) ignores them, as vLLM does.
 
 The strict loader hands these names here instead of looking for a parameter: a scale is not
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.kv_quant import check_kv_scale
+from llm_kernels.kv_quant import check_kv_scale
 
 __all__ = ["is_kv_scale_name", "load_kv_scale"]
 

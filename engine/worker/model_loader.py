@@ -41,7 +41,7 @@ from engine.quantization.model_setup import (
 )
 from engine.quantization.mxfp4 import Mxfp4Checkpoint, mxfp4_weights
 from engine.worker.kv_cache_scales import is_kv_scale_name, load_kv_scale
-from kernels.backend import KernelOps, get_kernel_ops
+from llm_kernels.backend import KernelOps, get_kernel_ops
 from parallel.layers import (
     check_shape,
     load_full_loader,

@@ -50,8 +50,8 @@ from engine.worker.step_messages import (
     ModelRunnerOutput,
     PromptLogprobs,
 )
-from kernels.attention import AttentionMetadata, build_group_metadata
-from kernels.kv_quant import kv_cache_torch_dtype
+from llm_kernels.attention import AttentionMetadata, build_group_metadata
+from llm_kernels.kv_quant import kv_cache_torch_dtype
 from parallel.distributed import recv_intermediate, send_intermediate
 from parallel.state import ParallelContext
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_gemm import packed_gemm_available
-from kernels.ops import silu_and_mul
+from llm_kernels.cpu_gemm import packed_gemm_available
+from llm_kernels.ops import silu_and_mul
 from parallel.layers import parameter_bytes
 from parallel.moe import ParallelExperts, pack_expert_weights
 from parallel.state import GroupCoordinator

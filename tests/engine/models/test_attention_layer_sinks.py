@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from engine.models.layers import PagedAttention
-from kernels import attention
-from kernels.attention import AttentionMetadata
-from kernels.backend import get_kernel_ops
+from llm_kernels import attention
+from llm_kernels.attention import AttentionMetadata
+from llm_kernels.backend import get_kernel_ops
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 32, 16
 

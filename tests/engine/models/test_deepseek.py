@@ -29,7 +29,7 @@ from engine.hf_config import check_hf_config, config_field
 from engine.models import get_model_class
 from engine.models.moe import Router
 from engine.worker.model_loader import iterate_checkpoint, load_weights
-from kernels.backend import get_kernel_ops
+from llm_kernels.backend import get_kernel_ops
 from parallel.state import ParallelContext
 from tests.engine.models.test_correctness import _hf_greedy
 

@@ -18,7 +18,7 @@ from engine import LLM, SamplingParams
 from engine.builtin.catalog import resolve_model_source
 from engine.models import get_model_class
 from engine.worker.model_loader import iterate_checkpoint, load_weights
-from kernels.backend import get_kernel_ops, resolve_attention_backend
+from llm_kernels.backend import get_kernel_ops, resolve_attention_backend
 from parallel.state import ParallelContext
 from tests.engine.models.test_correctness import _hf_greedy
 

@@ -25,7 +25,7 @@ from engine.hf_config import check_hf_config
 from engine.models import get_model_class
 from engine.models.moe import Routing, SparseMoeBlock, route
 from engine.worker.model_loader import iterate_checkpoint, load_weights
-from kernels.ops import silu_and_mul
+from llm_kernels.ops import silu_and_mul
 from parallel.moe import grouped_experts
 from parallel.state import GroupCoordinator, ParallelContext
 from tests.engine.models.test_correctness import (
@@ -280,7 +280,7 @@ def test_moe_layer_with_shared_expert_all_reduces_once_per_forward() -> None:
 
 
 def _torch_ops() -> Any:
-    from kernels.backend import get_kernel_ops
+    from llm_kernels.backend import get_kernel_ops
 
     return get_kernel_ops("torch")
 

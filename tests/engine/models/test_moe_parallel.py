@@ -22,9 +22,9 @@ from engine.errors import ConfigError
 from engine.models import get_model_class
 from engine.models.moe import Routing, SparseMoeBlock
 from engine.worker.model_loader import iterate_checkpoint, load_weights
-from kernels.backend import get_kernel_ops
-from kernels.moe import fused_moe
-from kernels.ops import silu_and_mul
+from llm_kernels.backend import get_kernel_ops
+from llm_kernels.moe import fused_moe
+from llm_kernels.ops import silu_and_mul
 from parallel.moe import ParallelExperts, grouped_experts
 from parallel.state import GroupCoordinator, ParallelContext
 from tests.engine.models.test_moe import (

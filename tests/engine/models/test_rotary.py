@@ -25,7 +25,7 @@ from transformers.utils import logging as hf_logging
 from engine.errors import ConfigError
 from engine.models.rotary import RopeCache, RotaryEmbedding, rope_cos_sin
 from engine.rope_config import check_rope, rope_max_positions, rope_parameters
-from kernels.backend import get_kernel_ops
+from llm_kernels.backend import get_kernel_ops
 
 ROOT = Path(__file__).resolve().parents[3]
 # fp32: our cos/sin are within one float32 ulp of HF's (cos of the same float32 angle).

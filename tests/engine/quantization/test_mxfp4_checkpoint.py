@@ -29,7 +29,7 @@ from engine.quantization.config import parse_quantization
 from engine.quantization.mxfp4 import DequantizedExperts, mxfp4_weights
 from engine.worker import model_loader
 from engine.worker.model_loader import checkpoint_headers, load_model
-from kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from llm_kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from parallel.state import GroupCoordinator, ParallelContext
 from tests.engine.models.test_correctness import _hf_greedy
 

@@ -18,7 +18,7 @@ logprobs to 1e-4:
   a stated bound of the float model.
 
 The checkpoint tests run twice: weights dequantized at load (CPU's default) and kept quantized
-(LLM_CLUSTER_CPU_KEEP_QUANTIZED=1, the CUDA layout, with ``kernels.quant_gemm``'s torch
+(LLM_CLUSTER_CPU_KEEP_QUANTIZED=1, the CUDA layout, with ``llm_kernels.quant_gemm``'s torch
 references doing the matmuls).
 """
 
@@ -125,7 +125,7 @@ def _hf_quantized(path: Path, int4: bool) -> Any:
 @pytest.fixture(params=["dequantized", "kept"])
 def keep(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Both CPU modes: weights dequantized at load (the default), and kept quantized with
-    ``kernels.quant_gemm``'s torch references doing the matmuls (the CUDA path's layout)."""
+    ``llm_kernels.quant_gemm``'s torch references doing the matmuls (the CUDA path's layout)."""
     kept = request.param == "kept"
     monkeypatch.setenv("LLM_CLUSTER_CPU_KEEP_QUANTIZED", "1" if kept else "0")
     return kept
@@ -240,8 +240,8 @@ def test_block_fp8_checkpoint_equals_hf_on_the_dense_weights_it_defines(
 def _quantize_inputs_per_group(model: Any, group: int, skip: tuple[str, ...]) -> None:
     """Forward pre-hooks on ``model``'s linear layers (but ``skip``): each input quantized to
     e4m3 and back per token and ``group`` features, as the kept FP8 block GEMM does it
-    (``kernels.fp8_activations.quantize_activations_fp8``)."""
-    from kernels.fp8_activations import quantize_activations_fp8
+    (``llm_kernels.fp8_activations.quantize_activations_fp8``)."""
+    from llm_kernels.fp8_activations import quantize_activations_fp8
 
     def hook(_module: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x = args[0]

@@ -1,6 +1,6 @@
 """kv_cache_dtype="fp8" end to end: the engine's greedy output equals HF transformers token for
 token (fp32) when HF's attention sees K/V rounded through float8_e4m3fn the same way
-(``kernels.kv_quant``: divide by the layer's scale, saturate, round; multiply back). That
+(``llm_kernels.kv_quant``: divide by the layer's scale, saturate, round; multiply back). That
 reference is exact, not approximate: HF's attention is swapped for a registered one that
 quantizes K/V (after rotary, which is what the engine caches) and then runs the model file's
 own eager attention, so both sides attend over the very same values. Also: the checkpoint's
@@ -25,7 +25,7 @@ from engine import LLM, SamplingParams
 from engine.builtin.catalog import resolve_model_source
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from kernels.kv_quant import dequantize_kv, quantize_kv
+from llm_kernels.kv_quant import dequantize_kv, quantize_kv
 
 NUM_LAYERS = 2  # the tiny models' num_hidden_layers
 _SCALES: dict[int, tuple[float, float]] = {}  # layer -> (k_scale, v_scale) for the reference

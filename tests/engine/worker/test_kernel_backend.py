@@ -50,8 +50,8 @@ def test_model_built_with_triton_backend_computes_through_triton_kernels():
 
 
 def test_auto_backend_on_cpu_is_torch_or_the_native_decode_kernel():
-    # The native kernel's own choice is tested in tests/kernels/test_cpu_decode.py.
-    from kernels.cpu_decode import native_decode_available
+    # The native kernel's own choice is tested in tests/llm_kernels/test_cpu_decode.py.
+    from llm_kernels.cpu_decode import native_decode_available
 
     expected = "cpu" if native_decode_available() else "torch"
     assert KernelConfig(attention_backend="auto").resolved_backend("cpu") == expected
@@ -74,9 +74,9 @@ def test_triton_on_cpu_without_interpreter_is_rejected(monkeypatch):
 
 
 def test_triton_backend_without_triton_installed_is_rejected(monkeypatch):
-    import kernels.backend
+    import llm_kernels.backend
 
-    monkeypatch.setattr(kernels.backend.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(llm_kernels.backend.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="attention_backend: 'triton' needs the triton package"):
         KernelConfig(attention_backend="triton")
 

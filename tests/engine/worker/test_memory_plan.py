@@ -27,7 +27,7 @@ from engine.worker.memory_plan import (
 )
 from engine.worker.model_loader import _default_dtype
 from engine.worker.model_runner import ModelRunner
-from kernels.backend import get_kernel_ops
+from llm_kernels.backend import get_kernel_ops
 from parallel.lora import LoRABatch, attach_lora
 from parallel.state import GroupCoordinator, ParallelContext
 
