@@ -49,7 +49,7 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
         num_replicas=config.http_options.ingress_replicas,
         max_ongoing_requests=1024,
         graceful_shutdown_timeout_s=drain_s + 5,
-        ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env()},
+        ray_actor_options={"num_cpus": 0, "runtime_env": ingress_runtime_env()},
     )
     lora_models = [m.model_id for m in config.models if m.lora_config is not None]
     cold_start = {
@@ -98,4 +98,15 @@ def runtime_env() -> dict[str, Any]:
     return {"env_vars": env} if env else {}
 
 
-__all__ = ["INGRESS_NAME", "build_app", "deployment_name", "runtime_env"]
+def ingress_runtime_env() -> dict[str, Any]:
+    """The ingress replica's environment: :func:`runtime_env` with glibc's malloc arenas capped
+    at 2 (``MALLOC_ARENA_MAX``, unless set where the app is built). The ingress relays
+    requests and streams and computes nothing; with glibc's default of 8 arenas per core its
+    resident memory kept growing under a soak (BENCHMARKS.md, "Soak: the ingress's resident
+    memory"), capped it grew half as much."""
+    env = runtime_env()
+    env.setdefault("env_vars", {})["MALLOC_ARENA_MAX"] = os.environ.get("MALLOC_ARENA_MAX", "2")
+    return env
+
+
+__all__ = ["INGRESS_NAME", "build_app", "deployment_name", "ingress_runtime_env", "runtime_env"]

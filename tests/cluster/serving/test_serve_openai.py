@@ -497,3 +497,23 @@ def test_full_waiting_queue_is_503_with_retry_after_and_grpc_resource_exhausted(
 
 # Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
 pytestmark = pytest.mark.slow
+
+
+def test_the_ingress_replica_runs_with_malloc_arenas_capped(base_url: str) -> None:
+    """The ingress relays and computes nothing: its replica process caps glibc's arenas
+    (``ingress_runtime_env``), which halved its resident-memory growth under a soak."""
+    import ray
+
+    from cluster.serving.serve import INGRESS_NAME
+
+    prefix = f"SERVE_REPLICA::{APP}#{INGRESS_NAME}#"
+    names = [
+        (a["name"], a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefix)
+    ]
+    assert names, "no ingress replica actor"
+    for name, namespace in names:
+        actor = ray.get_actor(name, namespace=namespace)
+        value = ray.get(actor.__ray_call__.remote(lambda _: os.environ.get("MALLOC_ARENA_MAX")))
+        assert value == "2", (name, value)
