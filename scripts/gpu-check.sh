@@ -5,10 +5,13 @@
 #   bash scripts/gpu-check.sh [OUT_DIR]      # OUT_DIR default: $OUT if set, else gpu-check-out/
 #
 # Steps (GPU_CHECK_STEPS="tests kernels throughput peer serving" picks some; each is bounded by
-# its own timeout: 240 + 120 + 180 + 60 s without the peer, which adds 150 s, so where one call
-# may last 10 minutes and vLLM is there, run the peer in a second call):
+# its own timeout: 540 + 120 + 180 + 60 s, and 150 s for the peer). On an H200 with a cold Triton
+# cache (a fresh machine) the tests take about 9 minutes and the benchmarks about 3, so where one
+# call may last 10 minutes, run GPU_CHECK_STEPS=tests in one call and the rest in a second:
 #   tests       python -m pytest -m gpu on the test files that hold gpu tests (tests/cluster only
-#               when Ray is importable); multi-GPU cases skip below 2 / 4 GPUs
+#               when Ray is importable); multi-GPU cases skip below 2 / 4 GPUs. Each result is
+#               printed as it comes (-v); at the step's timeout pytest gets SIGINT first, so it
+#               still prints the failures so far with their tracebacks
 #   kernels     benchmarks/kernels.py: decode attention bandwidth, decode step eager vs graphs,
 #               FP8 / W4A16 GEMMs vs bf16 at Llama-3-70B's TP-2 layer shapes
 #   throughput  benchmarks/engine_throughput.py: offline engine throughput, CUDA graphs on and
@@ -46,23 +49,24 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 failed=0
 
 # step NAME TIMEOUT_S COMMAND...: run it, record passed / FAILED (exit status) / timed out.
-# With STEP_LOG set, its output is also written there.
+# With STEP_LOG set, its output is also written there. At the timeout the command gets SIGINT
+# (pytest then reports what it has), and SIGKILL 20 s later.
 step() {
   local name=$1 limit=$2 rc
   shift 2
   echo "=== $name: $*"
   local start=$SECONDS
   if [ -n "${STEP_LOG:-}" ]; then
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$STEP_LOG"
+    timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee "$STEP_LOG"
     rc=${PIPESTATUS[0]}
   else
-    timeout --kill-after=10 "$limit" "$@"
+    timeout --signal=INT --kill-after=20 "$limit" "$@"
     rc=$?
   fi
   local took=$((SECONDS - start))
   if [ "$rc" -eq 0 ]; then
     note "$name: passed (${took}s)"
-  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] || [ "$((SECONDS - start))" -ge "$limit" ]; then
     note "$name: FAILED, timed out after ${limit}s"
     failed=1
   else
@@ -127,8 +131,8 @@ if wants tests; then
   fi
   timeout_opt=()
   "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout 180)
-  STEP_LOG=$OUT_DIR/pytest-gpu.txt step tests 240 "$PY" -m pytest -m gpu -rs -q \
-    -p no:cacheprovider "${timeout_opt[@]}" "${files[@]}"
+  STEP_LOG=$OUT_DIR/pytest-gpu.txt step tests 540 "$PY" -m pytest -m gpu -v -rfEs --tb=short \
+    --durations=25 -p no:cacheprovider "${timeout_opt[@]}" "${files[@]}"
   note "  $(grep -E "[0-9]+ (passed|failed|skipped|error)" "$OUT_DIR/pytest-gpu.txt" | tail -1)"
 fi
 
