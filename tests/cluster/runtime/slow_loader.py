@@ -6,8 +6,7 @@ sleeps before each tensor for the seconds written in the file named by ``SLOW_LO
 
 The job's runtime_env puts ``slow_site/`` first on ``PYTHONPATH``; its ``sitecustomize`` runs at
 every such interpreter's start-up (children inherit the variable) and patches the loader module
-when something imports it. Actors whose own runtime_env sets ``PYTHONPATH`` from the driver's
-(the executor's workers, Serve's replicas) need the driver's variable set the same way.
+when something imports it.
 
     ray.init(runtime_env=slow_loader.runtime_env(delay_file))
     slow_loader.set_delay(delay_file, 0.4)

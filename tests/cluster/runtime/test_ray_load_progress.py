@@ -38,21 +38,15 @@ pytestmark = pytest.mark.slow
 def delay_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path = tmp_path_factory.mktemp("slow_loader") / "seconds_per_tensor"
     slow_loader.set_delay(path, DELAY_S)
-    runtime_env = slow_loader.runtime_env(path)
-    # The executor's worker actors and Serve's replicas set PYTHONPATH from this process's:
-    # it must hold the slow loader's folder too.
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in runtime_env["env_vars"].items():
-            env.setenv(name, value)
-        ray.init(
-            address="local",
-            num_cpus=8,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env=runtime_env,
-        )
-        yield path
-        ray.shutdown()
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env=slow_loader.runtime_env(path),
+    )
+    yield path
+    ray.shutdown()
 
 
 @pytest.fixture(autouse=True)
