@@ -75,7 +75,7 @@ W="--vocab 1024 --input-len 32:32 --output-len 128:128 --dtype $DTYPE"
 if [ -n "$BASE" ]; then cluster_serve "$BASE" baseline 8000; fi
 cluster_serve "$ROOT" cluster 8000
 # VARIANT_ENV="NAME=value ...": this checkout once more with those variables (e.g.
-# LLM_CLUSTER_PP_PIPELINING=0), in the same run.
+# LLM_CLUSTER_HEAD_CORE_PROCESS=0), in the same run.
 if [ -n "${VARIANT_ENV:-}" ]; then
   ( export $VARIANT_ENV; cluster_serve "$ROOT" cluster_variant 8000 )
 fi

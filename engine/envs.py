@@ -89,3 +89,12 @@ def pp_layer_partition() -> tuple[int, ...] | None:
             f"per pipeline stage (e.g. '7,5'), got {value!r}"
         )
     return tuple(int(p) for p in parts)
+
+
+def head_core_process() -> bool:
+    """``LLM_CLUSTER_HEAD_CORE_PROCESS=1``: a Serve replica's head runs its engine core in a
+    plain child process (``engine.client.core_process``) where the engine keeps its workers
+    in-process (TP = PP = 1), instead of on a thread of the head's Ray actor. Default 0: on CPU it
+    did not improve both throughput and concurrency-1 TPOT (BENCHMARKS.md, "After delta outputs; the
+    engine core in a child process")."""
+    return os.environ.get("LLM_CLUSTER_HEAD_CORE_PROCESS", "0") == "1"

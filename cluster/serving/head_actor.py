@@ -16,9 +16,8 @@ else, placed in the replica's placement group. ``HeadCoreClient`` is how the rep
                                                   written by a ``SinkPusher`` (``token_push``)
 
 Owned by the replica, so it dies with it; if the head dies, every stream ends with a 503 and
-Serve replaces the replica. Where the engine keeps its workers in its own process (TP = PP =
-1) the core runs in a child process of the actor (``engine.client.core_process``); otherwise on
-a thread of the actor, beside the Ray calls to its worker actors.
+Serve replaces the replica. ``LLM_CLUSTER_HEAD_CORE_PROCESS=1`` (TP = PP = 1) runs the core in
+a child process (``engine.client.core_process``).
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from cluster.serving.head_messages import (
 )
 from cluster.serving.start_errors import EngineStartError, known_start_failure
 from cluster.serving.token_push import SinkPusher
+from engine import envs
 from engine.client.core_client import EngineCoreClient, OnDead, OnStep
 from engine.client.core_loop import EngineCoreLoop
 from engine.client.core_messages import (
@@ -136,15 +136,17 @@ class HeadActor:
     publishes its load progress like a worker actor does (``cluster.runtime.load_progress``),
     and the head logs the start-up timeline once the engine runs.
 
-    Placement: with TP = PP = 1 the engine core runs in a plain child process (a socket pair,
-    msgpack), as vLLM's EngineCore runs inside a Ray Serve LLM replica, and the actor only
-    relays: the core's steps never wait for the GIL held by the actor's relaying threads
-    (BENCHMARKS.md, "Serving paths on an AVX2-only EPYC": +8 to +21 % throughput in three
-    runs). With TP or PP > 1 the executor calls Ray worker actors, so the core runs on a
-    thread of this actor, which is a Ray worker.
+    With a core process (TP = PP = 1), the engine core runs in a plain child process (a socket
+    pair, msgpack) rather than on the actor's thread, as vLLM's EngineCore runs inside a Ray
+    Serve LLM replica, and the actor only relays; off by default (BENCHMARKS.md, "After delta
+    outputs; the engine core in a child process").
     """
 
-    def __init__(self, engine_args: dict[str, Any], model_id: str = "") -> None:
+    def __init__(
+        self, engine_args: dict[str, Any], model_id: str = "", core_process: bool | None = None
+    ) -> None:
+        """``core_process``: run the engine core in a child process (TP = PP = 1 only); None
+        reads ``LLM_CLUSTER_HEAD_CORE_PROCESS``."""
         started = time.monotonic()
         config = EngineConfig.from_kwargs(**engine_args)
         self._lock = threading.Lock()  # guards the outboxes and the routes below
@@ -164,7 +166,9 @@ class HeadActor:
         )
         self._loop: EngineCoreLoop | EngineCoreProcess
         try:
-            if run_in_child_process(config):
+            if core_process is None:
+                core_process = envs.head_core_process()
+            if core_process and run_in_child_process(config):
                 self._loop = EngineCoreProcess(
                     engine_args, self._push, self._died, observer=observer,
                     classify="cluster.serving.start_errors:known_start_failure",
@@ -404,6 +408,7 @@ class HeadCoreClient(EngineCoreClient):
         name: str,
         bundle_index: int,
         resources: dict[str, float],
+        core_process: bool | None = None,
     ) -> None:
         self.config = config
         self.name = name
@@ -419,7 +424,9 @@ class HeadCoreClient(EngineCoreClient):
                 placement_group=pg, placement_group_bundle_index=bundle_index
             )
         self.actor = (
-            ray.remote(HeadActor).options(**options).remote(engine_args, model_id_of_head(name))
+            ray.remote(HeadActor)
+            .options(**options)
+            .remote(engine_args, model_id_of_head(name), core_process)
         )
         self._on_step: OnStep | None = None
         self._on_dead: OnDead | None = None

@@ -136,7 +136,7 @@ def test_a_load_past_the_load_timeout_fails_naming_phase_ranks_and_variable(
 
 
 def test_a_starting_replica_shows_its_load_and_health_is_not_ready_until_it_serves(
-    delay_file: Path,
+    monkeypatch: pytest.MonkeyPatch, delay_file: Path
 ) -> None:
     """``cluster status`` shows the worker's load while the replica starts; meanwhile
     ``/health`` (readiness) answers at once with a 503 naming the model and its phase, and
@@ -144,10 +144,13 @@ def test_a_starting_replica_shows_its_load_and_health_is_not_ready_until_it_serv
     slow_loader.set_delay(delay_file, 1.0)  # ~21 s of loading: the ingress is up well before
     from openai import OpenAI
 
+    # The slow loader is a Ray worker-process hook: the head's engine must load in its Ray
+    # worker, not in an engine-core child (whose relay of the same records is tested in
+    # tests/engine/client/test_core_process.py). ``build_app`` forwards this to the replicas.
+    monkeypatch.setenv("LLM_CLUSTER_HEAD_CORE_PROCESS", "0")
+
     from cluster.config import load_config
     from cluster.ops import deploy
-
-    # The head's engine loads in its core child (TP = PP = 1), which relays the load's records.
 
     raw = load_yaml("tiny.yaml")
     raw["http_options"]["port"] = free_port()

@@ -28,10 +28,11 @@ from tests.cluster.conftest import wait_for
 ENGINE_ARGS: dict[str, Any] = {"model": "builtin:tiny-llama", "num_kv_blocks": 128, "device": "cpu"}
 
 
-def remote_engine() -> AsyncLLMEngine:
+def remote_engine(core_process: bool | None = None) -> AsyncLLMEngine:
     config = EngineConfig.from_kwargs(**ENGINE_ARGS)
     name = f"{HEAD_NAME_PREFIX}test:{uuid.uuid4().hex[:8]}"
-    client = HeadCoreClient(config, ENGINE_ARGS, name=name, bundle_index=0, resources={"CPU": 1})
+    client = HeadCoreClient(config, ENGINE_ARGS, name=name, bundle_index=0,
+                            resources={"CPU": 1}, core_process=core_process)  # fmt: skip
     return AsyncLLMEngine(client, tokenizer=load_tokenizer(config))
 
 
@@ -167,10 +168,10 @@ def test_killed_head_fails_streams_health_and_new_requests() -> None:
 def test_a_head_with_its_core_in_a_child_process_equals_offline_and_its_child_dies_with_it(
     offline: LLM,
 ) -> None:
-    """With TP = PP = 1 the head's core runs in a child process: the same streams; killing
+    """``core_process=True`` (``LLM_CLUSTER_HEAD_CORE_PROCESS=1``): the same streams; killing
     the head actor ends its child (it reads EOF on its socket) and fails what is in flight."""
     before = set(core_children())
-    engine = remote_engine()
+    engine = remote_engine(core_process=True)
     client = engine.client
     assert isinstance(client, HeadCoreClient)
     [child] = set(core_children()) - before
@@ -198,7 +199,7 @@ def test_a_child_core_that_cannot_load_fails_its_head_with_the_reason(tmp_path: 
     args = {**ENGINE_ARGS, "model": str(checkpoint)}
     with pytest.raises(EngineStartError) as info:
         HeadCoreClient(EngineConfig.from_kwargs(**args), args, name=f"{HEAD_NAME_PREFIX}x:y",
-                       bundle_index=0, resources={"CPU": 1})  # fmt: skip
+                       bundle_index=0, resources={"CPU": 1}, core_process=True)  # fmt: skip
     assert str(info.value) == f"model: no *.safetensors files in {checkpoint}"
 
 
