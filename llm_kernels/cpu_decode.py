@@ -19,18 +19,14 @@ neither instruction set is logged once and the torch path is used.
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
 import logging
-import os
-import sys
-import threading
-from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import Tensor
+
+from llm_kernels.native_build import build_extension
 
 __all__ = [
     "ISAS",
@@ -48,13 +44,12 @@ NATIVE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.f
 # Instruction sets the kernel is built for, in order of preference.
 ISAS: tuple[str, ...] = ("avx512", "avx2")
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_decode.cpp"
+_SOURCE = "cpu_paged_decode.cpp"
 _ISA_FLAGS = {
     "avx512": ["-DLLMC_ISA_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx2": ["-DLLMC_ISA_AVX2", "-mavx2"],
 }
 _COMMON_FLAGS = ["-O3", "-mfma", "-mf16c", "-fopenmp"]
-_build_lock = threading.Lock()
 
 
 def isa_supported(isa: str) -> bool:
@@ -71,8 +66,7 @@ def _native_module(isa: str) -> ModuleType | None:
     if not isa_supported(isa):
         return None
     try:
-        with _build_lock:
-            return _build(isa)
+        return _build(isa)
     except Exception as exc:  # any build failure means "use the torch path"
         logger.warning(
             "native CPU decode attention (%s) unavailable (%s: %s); using the torch path",
@@ -84,44 +78,11 @@ def _native_module(isa: str) -> ModuleType | None:
 
 
 def _build(isa: str) -> ModuleType:
-    """Compile (or find compiled) and import the extension for ``isa``, with torch's extension
-    builder (g++ and ninja, ~20 s once per instruction set; cached under
-    ``TORCH_EXTENSIONS_DIR``, ``~/.cache/torch_extensions`` by default). The flags name the
-    instruction set (``-mavx512f ...`` or ``-mavx2 -mfma -mf16c``), never ``-march=native``, so
-    a cache shared by several machines holds binaries each of them can run. Its build folder is
-    named by a hash of the source, flags and torch version, and guarded by an ``flock`` that
-    dies with its holder: torch's own lock file outlives a process killed mid-build (a worker
-    whose app was deleted) and would make every later build wait forever, so it is cleared
-    under the flock."""
-    from torch.utils import cpp_extension
-
-    flags = _ISA_FLAGS[isa] + _COMMON_FLAGS
-    key = hashlib.sha256(
-        b"\0".join([_SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode()])
-    ).hexdigest()[:16]
-    root = Path(
-        os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    """Compile (or find compiled) and import the extension for ``isa``
+    (``llm_kernels.native_build``: ~20 s once per instruction set, then cached)."""
+    return build_extension(
+        f"llm_cluster_cpu_paged_decode_{isa}", _SOURCE, _ISA_FLAGS[isa] + _COMMON_FLAGS
     )
-    name = f"llm_cluster_cpu_paged_decode_{isa}"
-    build_dir = root / f"{name}_{key}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    # The ninja that `pip install ninja` puts beside this interpreter, even where the process's
-    # PATH does not name the venv (a Ray worker started without it).
-    path = os.environ.get("PATH", "")
-    bin_dir = str(Path(sys.executable).parent)
-    if bin_dir not in path.split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + path
-    with open(build_dir.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        return cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
 
 
 @functools.cache
