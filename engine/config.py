@@ -257,7 +257,7 @@ class KernelConfig:
     ``attention_backend``: ``auto`` (Triton on CUDA; on CPU ``cpu`` where its kernel builds,
     else ``torch``), ``triton``, ``cpu`` (the torch kernels with decode attention in the native
     AVX-512/AVX2 kernel, ``llm_kernels.cpu_decode``, and RMSNorm and rotary in
-    ``llm_kernels.cpu_pointwise``) or ``torch``; it selects the attention,
+    ``llm_kernels.cpu_layer_kernels``) or ``torch``; it selects the attention,
     cache and fused pointwise kernels together.
     ``enforce_eager``: never capture CUDA graphs (they are only used on CUDA with Triton).
     """

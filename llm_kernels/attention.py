@@ -340,13 +340,21 @@ def reshape_and_cache(
     slot_mapping: Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    row_writer: CacheWriter | None = None,
 ) -> None:
     """Write the new tokens' ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into
     ``kv_cache`` at ``slot_mapping``; tokens whose slot is < 0 are not written. An FP8 cache
     stores them quantized with ``k_scale``/``v_scale`` (``llm_kernels.kv_quant``); other caches
     ignore the scales. A one-plane (latent) cache takes the key alone (``value`` None) and an
-    FP8 one uses ``k_scale`` alone."""
+    FP8 one uses ``k_scale`` alone.
+
+    ``row_writer`` (``llm_kernels.cpu_layer_kernels.write_cache_rows``; the ``cpu`` backend
+    passes it) copies the rows where it covers the tensors; the masked ``index_copy_`` here is
+    the path where it does not, and the reference it is tested against."""
     check_cache_write_args(key, value, kv_cache, slot_mapping)
+    if row_writer is not None and row_writer(key, value, kv_cache, slot_mapping):
+        return
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
 
     keep = slot_mapping >= 0
@@ -458,6 +466,16 @@ def paged_attention(
             out,
         )
     return out
+
+
+class CacheWriter(Protocol):
+    """A native cache write (``llm_kernels.cpu_layer_kernels.write_cache_rows``): it copies the
+    rows with a slot >= 0 and returns True, or returns False without writing when it does not
+    cover these tensors."""
+
+    def __call__(
+        self, key: Tensor, value: Tensor | None, kv_cache: Tensor, slot_mapping: Tensor
+    ) -> bool: ...
 
 
 class DecodeKernel(Protocol):

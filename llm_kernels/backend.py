@@ -1,5 +1,5 @@
 """Which implementation of the kernels a model uses: plain torch, torch with the native CPU
-kernels (decode attention, RMSNorm, rotary), or Triton.
+kernels (decode attention, RMSNorm, rotary, cache write), or Triton.
 
 A model asks once, at construction, for a ``KernelOps`` bundle and keeps it; nothing here is
 mutable module state, so two models in one process may use different backends. The Triton
@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-from llm_kernels import attention, cpu_decode, cpu_pointwise, ops
+from llm_kernels import attention, cpu_decode, cpu_layer_kernels, ops
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -77,12 +77,19 @@ def resolve_attention_backend(name: str, device_type: str) -> str:
 def get_kernel_ops(name: str) -> KernelOps:
     """The kernels of backend ``name`` (``torch``, ``cpu`` or ``triton``; resolve ``auto``
     first). ``cpu`` is ``torch`` with decode rows attended by ``llm_kernels.cpu_decode`` and,
-    where it builds, RMSNorm and rotary from ``llm_kernels.cpu_pointwise``."""
+    where it builds, RMSNorm, rotary and the cache write from ``llm_kernels.cpu_layer_kernels``."""
     if name in ("torch", "cpu"):
-        pointwise = cpu_pointwise if name == "cpu" and cpu_pointwise.available() else ops
+        native = name == "cpu" and cpu_layer_kernels.available()
+        layer_ops = cpu_layer_kernels if native else ops
         return KernelOps(
             name=name,
-            reshape_and_cache=attention.reshape_and_cache,
+            reshape_and_cache=(
+                functools.partial(
+                    attention.reshape_and_cache, row_writer=cpu_layer_kernels.write_cache_rows
+                )
+                if native
+                else attention.reshape_and_cache
+            ),
             paged_attention=(
                 attention.paged_attention
                 if name == "torch"
@@ -92,8 +99,8 @@ def get_kernel_ops(name: str) -> KernelOps:
             ),
             copy_blocks=attention.copy_blocks,
             swap_blocks=attention.swap_blocks,
-            rms_norm=pointwise.rms_norm,
-            rotary_embedding=pointwise.rotary_embedding,
+            rms_norm=layer_ops.rms_norm,
+            rotary_embedding=layer_ops.rotary_embedding,
             silu_and_mul=ops.silu_and_mul,
             gelu_tanh_and_mul=ops.gelu_tanh_and_mul,
         )

@@ -1,16 +1,18 @@
-"""RMSNorm and rotary embedding for CPU in one native call each (``csrc/cpu_pointwise.cpp``),
-for the ``cpu`` kernel backend.
+"""The ``cpu`` kernel backend's per-layer kernels besides decode attention, one native call each
+(``csrc/cpu_layer_kernels.cpp``): RMSNorm with its residual add, the rotary embedding, and the
+KV cache write.
 
-At batch 1 a decode step on CPU runs ~1,500 torch ops, and RMSNorm (9 ops, twice a layer) and
-the rotary embedding (~20 ops a layer) are about a sixth of the step's time in dispatch alone
-(BENCHMARKS.md, "Native RMSNorm and rotary on CPU"). These functions have the contracts of
-``llm_kernels.ops.rms_norm`` and ``rotary_embedding`` and round where they round, so the rotary
-embedding equals the torch path bit for bit and RMSNorm differs only in the order its sum of
-squares is added (as the packed GEMM differs from ``F.linear``). Calls the native code does not
-cover (another dtype, another device, a non-contiguous norm input, an odd rotary width, a
-weight in another dtype) go to the torch functions. The C++ builds once, without instruction-set
-flags, so one binary runs on every x86-64 CPU; where it cannot build, :func:`available` says
-so (logged once) and the ``cpu`` backend keeps the torch functions.
+At batch 1 a decode step on CPU runs ~1,500 torch ops; RMSNorm (9 ops, twice a layer), the rotary
+embedding (~20 ops) and the cache write (its mask of skipped slots, ~6 ops) are about a sixth of
+the step's time, mostly dispatch (BENCHMARKS.md, "Native RMSNorm, rotary and cache write on
+CPU"). ``rms_norm`` and ``rotary_embedding`` have the contracts of ``llm_kernels.ops``' and round
+where those round, so the rotary embedding equals the torch path bit for bit and RMSNorm differs
+only in the order its sum of squares is added (as the packed GEMM differs from ``F.linear``);
+``write_cache_rows`` is the byte copy behind ``llm_kernels.attention.reshape_and_cache``. Calls
+the native code does not cover (another dtype or device, a layout it does not take, an FP8
+cache) go to the torch path. The C++ builds once, without instruction-set flags, so one binary
+runs on every x86-64 CPU; where it cannot build, :func:`available` says so (logged once) and
+the ``cpu`` backend keeps the torch functions.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from torch import Tensor
 from llm_kernels import ops
 from llm_kernels.native_build import build_extension
 
-__all__ = ["available", "rms_norm", "rotary_embedding"]
+__all__ = ["available", "rms_norm", "rotary_embedding", "write_cache_rows"]
 
 logger = logging.getLogger("llm_cluster.kernels")
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# A byte copy: any cache but FP8, whose rows are quantized on the way in.
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # No contraction into FMAs: the torch path rounds each product on its own.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
@@ -37,11 +41,11 @@ _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 @functools.cache
 def _module() -> ModuleType | None:
     try:
-        return build_extension("llm_cluster_cpu_pointwise", "cpu_pointwise.cpp", _FLAGS)
+        return build_extension("llm_cluster_cpu_layer_kernels", "cpu_layer_kernels.cpp", _FLAGS)
     except Exception as exc:  # any build failure means "use the torch functions"
         detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
         logger.warning(
-            "native CPU RMSNorm/rotary unavailable (%s: %s); using torch",
+            "native CPU RMSNorm/rotary/cache write unavailable (%s: %s); using torch",
             type(exc).__name__,
             detail,
         )
@@ -115,3 +119,24 @@ def rotary_embedding(
     ):
         return ops.rotary_embedding(positions, query, key, cos, sin)
     return module.rotary(positions, query, cos, sin), module.rotary(positions, key, cos, sin)
+
+
+def write_cache_rows(
+    key: Tensor, value: Tensor | None, kv_cache: Tensor, slot_mapping: Tensor
+) -> bool:
+    """Copy ``key`` (and ``value``) rows ``[T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping``
+    (slots < 0 skipped) and return True; False, with nothing written, where this does not cover
+    the call (``llm_kernels.attention.CacheWriter``: the caller checked the arguments already
+    and writes them itself then)."""
+    module = _module()
+    if (
+        module is None
+        or kv_cache.device.type != "cpu"
+        or kv_cache.dtype not in _CACHE_DTYPES
+        or not kv_cache.is_contiguous()
+        or key.stride(2) != 1
+        or (value is not None and value.stride(2) != 1)
+    ):
+        return False
+    module.cache_write(key, value, kv_cache, slot_mapping)
+    return True

@@ -1,21 +1,26 @@
-// RMSNorm (with the residual add folded in) and neox rotary embedding for CPU, each one call per
-// layer instead of the dozen small torch ops of `llm_kernels/ops.py`, whose numerics these
-// follow step by step: every intermediate the torch path rounds to the input dtype is rounded
+// The per-layer kernels of the CPU backend besides decode attention, each one call instead of the
+// torch ops of `llm_kernels/ops.py` and `llm_kernels/attention.py` they stand in for: RMSNorm
+// (with the residual add folded in), the neox rotary embedding, and the KV cache write.
+// RMSNorm and rotary follow the torch ops' numerics step by step: every intermediate the torch path rounds to the input dtype is rounded
 // here too (c10::BFloat16's round-to-nearest-even), and nothing is contracted into an FMA (the
 // Python side builds with -ffp-contract=off). So the rotary embedding equals the torch path bit
 // for bit; RMSNorm differs only in the order its sum of squares is added up.
-// Python (`llm_kernels/cpu_pointwise.py`) checks dtypes, devices, shapes and layouts first; this
+// Python (`llm_kernels/cpu_layer_kernels.py`) checks dtypes, devices, shapes and layouts first; this
 // file assumes:
 //   rms_norm:  x, residual, out, sum  [rows, n] contiguous, one dtype T; weight [n], dtype T
 //   rotary:    q [tokens, heads, d] with its last dim contiguous, any other strides; out
 //              [tokens, heads, d] contiguous; cos, sin float32 [max_position, d] contiguous;
 //              positions int64 [tokens] (checked against max_position here)
+//   cache_write: key, value [tokens, kv_heads, d] with their last dim contiguous; kv_cache
+//              [planes, num_blocks, block_size, kv_heads, d] contiguous, of their dtype;
+//              slot_mapping int64 [tokens] (slots < 0 are skipped, the others checked here)
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -148,9 +153,40 @@ torch::Tensor rotary(const torch::Tensor& positions, const torch::Tensor& q,
   return out;
 }
 
+// Copies each token's key (and value) rows to its slot: a byte copy, so any dtype of the cache.
+void cache_write(const torch::Tensor& key, const c10::optional<torch::Tensor>& value,
+                 torch::Tensor& kv_cache, const torch::Tensor& slot_mapping) {
+  const int64_t tokens = key.size(0), heads = key.size(1), d = key.size(2);
+  const int64_t capacity = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t elem = kv_cache.element_size();
+  const int64_t row_bytes = d * elem;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] < capacity, "slot_mapping[", t, "] = ", slots[t],
+                " is past the cache's ", capacity, " slots");
+  }
+  std::vector<const torch::Tensor*> planes = {&key};
+  if (value.has_value()) planes.push_back(&value.value());
+  char* base = static_cast<char*>(kv_cache.data_ptr());
+  for (size_t p = 0; p < planes.size(); ++p) {
+    const torch::Tensor& src = *planes[p];
+    const char* from = static_cast<const char*>(src.data_ptr());
+    char* plane = base + static_cast<int64_t>(p) * capacity * heads * row_bytes;
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (slots[t] < 0) continue;
+      char* to = plane + slots[t] * heads * row_bytes;
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(to + h * row_bytes, from + (t * src.stride(0) + h * src.stride(1)) * elem,
+                    row_bytes);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, the residual add folded in");
   m.def("rotary", &rotary, "Neox rotary embedding of [tokens, heads, d] into a new tensor");
+  m.def("cache_write", &cache_write, "Key/value rows into their slots of a paged cache");
 }
