@@ -9,7 +9,7 @@ the step, each rank times ``--steps`` bare gloo all-reduces of one decode step's
 ``[batch, hidden]`` activations (the collective a layer pays twice under either mode), and
 under EP counts the share of (token, expert) pairs its experts received (load balance).
 
-    python benchmarks/moe_parallel_step.py --runs 2 --json out.json
+    python -m benchmarks.moe_parallel_step --runs 2 --json out.json
 
 Prints the conditions with the figures; ``--json`` writes them for a script to read.
 """
@@ -19,17 +19,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.spawned import run_spawned
 
 SHAPE = {
     "hidden_size": 512,
@@ -86,8 +84,8 @@ def _requests(args: argparse.Namespace, step: int, sampled: list[int] | None) ->
     )
 
 
-def _rank_main(rank: int, mode: str, model: str, args: argparse.Namespace, ports: Any,
-               results: Any) -> None:  # fmt: skip
+def _rank_main(rank: int, ports: Any, results: Any, mode: str, model: str,
+               args: argparse.Namespace) -> None:  # fmt: skip
     try:
         results.put((rank, _run_rank(rank, mode, model, args, ports)))
     except BaseException as exc:
@@ -165,21 +163,7 @@ def _run_rank(rank: int, mode: str, model: str, args: argparse.Namespace, ports:
 
 
 def _run_mode(mode: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    ports, results = ctx.Queue(), ctx.Queue()
-    size = 1 if mode == "tp1" else 2
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, mode, model, args, ports, results))
-        for r in range(size)
-    ]
-    for p in procs:
-        p.start()
-    out = dict(results.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for rank, res in out.items():
-        if isinstance(res, str):
-            raise RuntimeError(f"{mode} rank {rank}: {res}")
+    out = run_spawned(_rank_main, 1 if mode == "tp1" else 2, mode, model, args)
     first = out[0]
     summary = {
         "step_median_ms": statistics.median(first["step_ms"]),

@@ -8,6 +8,12 @@ same TP rank across stages:
     TP groups             [0, 1]         [2, 3]
     PP groups             [0, 2], [1, 3]
 
+With data-parallel attention (``dp_size`` > 1, no PP) the world is DP x TP, DP-major: DP rank d
+holds ranks ``[d*TP, (d+1)*TP)`` as its TP group, and one EP group spans every rank, over which
+MoE layers exchange their tokens (``parallel.moe``):
+
+    DP = 2, TP = 2        TP groups [0, 1], [2, 3]        EP group [0, 1, 2, 3]
+
 Rendezvous goes through a ``TCPStore`` that rank 0 hosts on an OS-assigned port of a known
 address (the socket is bound before the store takes it over, so it never listens on every
 interface). Every group carries a bounded timeout, so a dead peer fails a collective instead
@@ -78,20 +84,24 @@ def connect_store(
     )
 
 
-def tp_group_ranks(tp_size: int, pp_size: int) -> list[list[int]]:
-    return [[stage * tp_size + i for i in range(tp_size)] for stage in range(pp_size)]
+def tp_group_ranks(tp_size: int, pp_size: int, dp_size: int = 1) -> list[list[int]]:
+    return [
+        [(dp * pp_size + stage) * tp_size + i for i in range(tp_size)]
+        for dp in range(dp_size)
+        for stage in range(pp_size)
+    ]
 
 
 def pp_group_ranks(tp_size: int, pp_size: int) -> list[list[int]]:
     return [[stage * tp_size + i for stage in range(pp_size)] for i in range(tp_size)]
 
 
-def coordinates(rank: int, tp_size: int, pp_size: int) -> tuple[int, int]:
-    """(tp_rank, pp_rank) of a global rank."""
-    world = tp_size * pp_size
+def coordinates(rank: int, tp_size: int, pp_size: int, dp_size: int = 1) -> tuple[int, int, int]:
+    """(tp_rank, pp_rank, dp_rank) of a global rank."""
+    world = tp_size * pp_size * dp_size
     if not 0 <= rank < world:
         raise ValueError(f"rank: must be in [0, {world}), got {rank}")
-    return rank % tp_size, rank // tp_size
+    return rank % tp_size, rank // tp_size % pp_size, rank // (tp_size * pp_size)
 
 
 def backend_for(device: torch.device) -> str:
@@ -105,13 +115,20 @@ def init_distributed(
     pp_size: int,
     device: torch.device,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    dp_size: int = 1,
 ) -> ParallelContext:
-    """Join the world process group and build this rank's TP and PP groups.
+    """Join the world process group and build this rank's TP and PP groups, and with
+    ``dp_size`` > 1 the EP group over every rank (experts then split over all DP x TP ranks).
 
     Every rank must call this (``new_group`` is collective over the whole world, in the same
     order everywhere, even for groups the caller is not in)."""
-    world = tp_size * pp_size
-    tp_rank, pp_rank = coordinates(rank, tp_size, pp_size)
+    if dp_size > 1 and pp_size > 1:
+        raise ValueError(
+            f"dp_size: data parallelism ({dp_size}) does not combine with pipeline parallelism "
+            f"({pp_size} stages)"
+        )
+    world = tp_size * pp_size * dp_size
+    tp_rank, pp_rank, _ = coordinates(rank, tp_size, pp_size, dp_size)
     if world == 1:
         return ParallelContext()  # every collective is the identity: no process group needed
     timeout = timedelta(seconds=timeout_s)
@@ -119,11 +136,14 @@ def init_distributed(
         dist.init_process_group(
             backend=backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout
         )
-    tp = _build_groups(tp_group_ranks(tp_size, pp_size), rank, timeout)
+    tp = _build_groups(tp_group_ranks(tp_size, pp_size, dp_size), rank, timeout)
     pp = _build_groups(pp_group_ranks(tp_size, pp_size), rank, timeout)
     if tp.rank != tp_rank or pp.rank != pp_rank:
         raise RuntimeError(f"rank {rank}: group layout disagrees with (tp {tp_rank}, pp {pp_rank})")
-    return ParallelContext(tp=tp, pp=pp)
+    if dp_size == 1:
+        return ParallelContext(tp=tp, pp=pp)
+    ep = _build_groups([list(range(world))], rank, timeout)
+    return ParallelContext(tp=tp, pp=pp, ep=ep)
 
 
 def _build_groups(layout: list[list[int]], rank: int, timeout: timedelta) -> GroupCoordinator:

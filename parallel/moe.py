@@ -8,16 +8,18 @@ rows, down by input columns)::
     gate_up_proj  [E, 2 * I/tp, H]   rank r: [gate rows r*I/tp ... ; up rows r*I/tp ...]
     down_proj     [E, H, I/tp]       rank r: columns r*I/tp ...
 
-Expert parallel (``enable_expert_parallel``): the EP group is the TP group, and rank r holds
-the whole experts ``[r*E/ep, (r+1)*E/ep)``, nothing of the others::
+Expert parallel (``enable_expert_parallel``): rank r of the EP group holds the whole experts
+``[r*E/ep, (r+1)*E/ep)``, nothing of the others::
 
     gate_up_proj  [E/ep, 2I, H]      down_proj  [E/ep, H, I]
 
-Attention stays TP-sharded, so every rank already holds every token's hidden states: the
-dispatch is free (each rank computes the (token, expert) pairs whose expert it owns) and the
-combine is the layer's one all-reduce, of the same ``[T, H]`` bytes as TP (docs/moe.md, also
-for data-parallel attention's all-to-all). Compute: ``llm_kernels.moe.fused_moe`` on CUDA,
-:func:`grouped_experts` elsewhere (``ParallelExperts`` says how checkpoints load).
+When the EP group is the TP group, attention is TP-sharded, so every rank already holds every
+token's hidden states: the dispatch is free (each rank computes the (token, expert) pairs whose
+expert it owns) and the combine is the layer's one all-reduce, of the same ``[T, H]`` bytes as TP.
+With data-parallel attention the EP group spans every DP x TP rank, whose tokens differ: the
+pairs go to their experts' ranks and back by all-to-all (``ParallelExperts._exchange``,
+docs/moe.md). Compute: ``llm_kernels.moe.fused_moe`` on CUDA, :func:`grouped_experts`
+elsewhere (``ParallelExperts`` says how checkpoints load).
 """
 
 from __future__ import annotations
@@ -66,21 +68,40 @@ def grouped_experts(
     (``packed_linear`` and the oneDNN-packed weights of :meth:`ParallelExperts.pack_weights`).
     """
     num_tokens, top_k = topk_ids.shape
-    hidden = x.shape[-1]
     if num_tokens == 0:
-        return x.new_zeros(0, hidden)
+        return x.new_zeros(0, x.shape[-1])
+    pair_out = _pair_outputs(
+        x, top_k, topk_ids.reshape(-1), gate_up_proj, down_proj, act_and_mul,
+        gate_up_bias, down_bias, linear,
+    )  # fmt: skip
+    return _weighted_sum(pair_out, topk_weights, x.dtype)
+
+
+def _pair_outputs(
+    x: torch.Tensor,
+    pairs_per_row: int,
+    ids: torch.Tensor,
+    gate_up_proj: torch.Tensor | Sequence[torch.Tensor],
+    down_proj: torch.Tensor | Sequence[torch.Tensor],
+    act_and_mul: ActAndMul,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    linear: Linear,
+) -> torch.Tensor:
+    """Each (token, expert) pair's output, not yet weighted: ``[P, H]`` in pair order, pair
+    ``p`` being row ``x[p // pairs_per_row]`` through local expert ``ids[p]`` (zeros for a
+    negative id). One GEMM per expert over its pairs' rows, sorted stably by expert."""
     num_experts = len(gate_up_proj)
-    flat_ids = topk_ids.reshape(-1)
     # Non-local pairs get the id num_experts: they sort last and no GEMM reads them.
-    flat_ids = torch.where(flat_ids < 0, num_experts, flat_ids)
+    ids = torch.where(ids < 0, num_experts, ids)
     # Stable, so the pairs of one expert keep token order (deterministic row order per GEMM).
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1)
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=num_experts + 1)
     # One host sync for the whole layer: each active expert's run [end - count, end).
     ends = torch.cumsum(counts, 0).tolist()
     sizes = counts.tolist()[:num_experts]
-    rows = x[order // top_k]
-    sorted_out = x.new_zeros(num_tokens * top_k, hidden)
+    rows = x[order // pairs_per_row]
+    sorted_out = x.new_zeros(ids.shape[0], x.shape[-1])
     for expert in (e for e, n in enumerate(sizes) if n):
         end = ends[expert]
         start = end - sizes[expert]
@@ -90,13 +111,23 @@ def grouped_experts(
         sorted_out[start:end] = linear(inter, down_proj[expert], b2)
     pair_out = torch.empty_like(sorted_out)
     pair_out[order] = sorted_out
-    weighted = pair_out.view(num_tokens, top_k, hidden) * topk_weights.unsqueeze(-1)
-    return weighted.sum(dim=1).to(x.dtype)
+    return pair_out
+
+
+def _weighted_sum(
+    pair_out: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[T * K, H]`` pair outputs (token-major) weighted by ``[T, K]`` routing weights in their
+    dtype, summed over the K in top-k order, cast to ``dtype``."""
+    num_tokens, top_k = topk_weights.shape
+    weighted = pair_out.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1)
+    return weighted.sum(dim=1).to(dtype)
 
 
 class ParallelExperts(nn.Module):
     """The stacked gated-MLP experts of one MoE layer: sliced over the TP group on the
-    intermediate dimension, or (``expert_parallel``) whole experts split evenly over it.
+    intermediate dimension, or (``expert_parallel``) whole experts split evenly over the EP
+    group (``ep``, the TP group unless data-parallel attention gives a wider one).
     ``forward`` returns this rank's partial sum (not all-reduced). ``silu`` says the
     activation is SiLU, the one the fused CUDA kernel computes. ``dense=False`` registers no
     dense ``gate_up_proj`` / ``down_proj``: a subclass that keeps its experts in another format
@@ -123,19 +154,24 @@ class ParallelExperts(nn.Module):
         *,
         tp: GroupCoordinator = SINGLE,
         expert_parallel: bool = False,
+        ep: GroupCoordinator | None = None,
         silu: bool = True,
         dense: bool = True,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.expert_parallel = expert_parallel
+        # The EP group: the TP group, or (data-parallel attention) every DP x TP rank, whose
+        # members hold different tokens and exchange them (``_exchange``).
+        self.ep = (ep or tp) if expert_parallel else SINGLE
+        self.exchanges_tokens = expert_parallel and ep is not None and ep.size > tp.size
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.act_and_mul = act_and_mul
         self.silu = silu
         # EP: whole experts, a contiguous block per rank. TP: every expert, a slice of each.
-        ep_size, ep_rank = (tp.size, tp.rank) if expert_parallel else (1, 0)
+        ep_size, ep_rank = self.ep.size, self.ep.rank
         self.slice_size, self.slice_rank = (1, 0) if expert_parallel else (tp.size, tp.rank)
         what = "num_experts (enable_expert_parallel)"
         self.num_local_experts = divide(num_experts, ep_size, what)
@@ -195,6 +231,8 @@ class ParallelExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.exchanges_tokens:
+            return self._exchange(x, topk_ids, topk_weights)
         biased = self.gate_up_proj_bias is not None or self.down_proj_bias is not None
         if x.device.type == "cuda" and self.silu and not biased:
             expert_map = self.expert_map(x.device) if self.expert_parallel else None
@@ -204,14 +242,61 @@ class ParallelExperts(nn.Module):
             local = topk_ids - self.first_expert
             in_range = (local >= 0) & (local < self.num_local_experts)
             topk_ids = torch.where(in_range, local, -1)
+        w13, w2, linear = self._weights()
         biases = (self.gate_up_proj_bias, self.down_proj_bias)
-        if self.packed_gate_up is not None and self.packed_down is not None:
-            w13, w2, linear = self.packed_gate_up, self.packed_down, packed_linear
-        else:
-            w13, w2, linear = self.gate_up_proj, self.down_proj, F.linear
         return grouped_experts(
             x, w13, w2, topk_ids, topk_weights, self.act_and_mul, *biases, linear
         )
+
+    def _weights(self) -> tuple[Any, Any, Linear]:
+        """(gate_up, down, the linear that multiplies them): oneDNN-packed once loaded on
+        CPU, else the plain stacked parameters and ``F.linear``."""
+        if self.packed_gate_up is not None and self.packed_down is not None:
+            return self.packed_gate_up, self.packed_down, packed_linear
+        return self.gate_up_proj, self.down_proj, F.linear
+
+    def _exchange(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Dispatch and combine over the EP group when its members hold different tokens
+        (data-parallel attention). Every EP rank calls it in every MoE layer, tokens or none.
+
+        The DP rank's ``T`` tokens are replicated over its TP group, so TP rank ``r`` sends the
+        ``r``-th of ``tp.size`` contiguous chunks, each (token, expert) pair once, to the EP rank
+        owning the expert (rows sorted by owner, one ``all_to_all`` after the counts: three
+        collectives a layer in all). The owner
+        computes the pairs it receives, unweighted (``_pair_outputs``), and sends them back in
+        the order they came; the source weights them and sums each token's K in top-k order,
+        the arithmetic ``grouped_experts`` does on one rank holding every expert. The partial
+        sum holds this rank's chunk, zeros elsewhere: the layer's TP all-reduce joins the chunks.
+        A CUDA build would plug an all-to-all kernel (DeepEP, pplx) and ``fused_moe`` in here.
+        """
+        num_tokens, top_k = topk_ids.shape
+        chunk = -(-num_tokens // self.tp.size)
+        lo = min(num_tokens, self.tp.rank * chunk)
+        hi = min(num_tokens, lo + chunk)
+        ids = topk_ids[lo:hi].reshape(-1).long()
+        owner = torch.div(ids, self.num_local_experts, rounding_mode="floor")
+        order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=self.ep.size).tolist()
+        recv_counts = self.ep.all_to_all_counts(send_counts)
+        # Each row carries its pair's local expert id in extra columns, the int32's bits viewed
+        # as the activations' dtype, so rows and ids travel in one all-to-all.
+        local_ids = (ids - owner * self.num_local_experts)[order].to(torch.int32)
+        tagged = torch.cat([x[lo:hi][order // top_k], local_ids.unsqueeze(1).view(x.dtype)], 1)
+        received = self.ep.all_to_all(tagged, send_counts, recv_counts)
+        rows = received[:, : self.hidden_size]
+        local_ids = received[:, self.hidden_size :].contiguous().view(torch.int32).squeeze(1).long()
+        w13, w2, linear = self._weights()
+        biases = (self.gate_up_proj_bias, self.down_proj_bias)
+        out = _pair_outputs(rows, 1, local_ids, w13, w2, self.act_and_mul, *biases, linear)
+        back = self.ep.all_to_all(out, recv_counts, send_counts)
+        pair_out = torch.empty_like(back)
+        pair_out[order] = back
+        partial = x.new_zeros(num_tokens, self.hidden_size)
+        if hi > lo:
+            partial[lo:hi] = _weighted_sum(pair_out, topk_weights[lo:hi], x.dtype)
+        return partial
 
     def expert_map(self, device: torch.device) -> torch.Tensor:
         """``[E]`` int32: a global expert id's index among this rank's experts, -1 for another

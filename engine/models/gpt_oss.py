@@ -74,9 +74,15 @@ class GptOssExperts(ParallelExperts):
             functools.partial(swiglu_halves, alpha=alpha, limit=limit),
             tp=ctx.tp,
             expert_parallel=ctx.expert_parallel,
+            ep=ctx.ep,
             silu=False,
             dense=not mxfp4,
         )
+        if mxfp4 and self.exchanges_tokens:
+            raise ValueError(
+                "enable_expert_parallel with data parallelism: gpt-oss's MXFP4 experts kept "
+                "quantized (Triton backend) have no token exchange; load them dequantized"
+            )
         self.alpha, self.limit, self.mxfp4 = alpha, limit, mxfp4
         local, inter = self.num_local_experts, self.inter_per_rank
         self.gate_up_proj_bias = nn.Parameter(torch.empty(local, 2 * inter), requires_grad=False)

@@ -199,6 +199,7 @@ class SparseMoeBlock(nn.Module):
                 act_and_mul(hf, ops),
                 tp=ctx.tp,
                 expert_parallel=ctx.expert_parallel,
+                ep=ctx.ep,
                 silu=hf_config.hidden_activation(hf) == "silu",
             )
         )

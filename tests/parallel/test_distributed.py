@@ -259,13 +259,23 @@ def test_pp_groups_link_the_same_tp_rank_across_stages() -> None:
 
 def test_coordinates_of_a_global_rank() -> None:
     assert [coordinates(r, tp_size=4, pp_size=2) for r in (0, 3, 4, 7)] == [
-        (0, 0),
-        (3, 0),
-        (0, 1),
-        (3, 1),
+        (0, 0, 0),
+        (3, 0, 0),
+        (0, 1, 0),
+        (3, 1, 0),
     ]
     with pytest.raises(ValueError, match=r"rank: must be in \[0, 8\)"):
         coordinates(8, tp_size=4, pp_size=2)
+    # Data parallel: DP-major, each DP rank's TP group consecutive.
+    assert [coordinates(r, tp_size=2, pp_size=1, dp_size=2) for r in range(4)] == [
+        (0, 0, 0),
+        (1, 0, 0),
+        (0, 0, 1),
+        (1, 0, 1),
+    ]
+    assert tp_group_ranks(tp_size=2, pp_size=1, dp_size=2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match=r"rank: must be in \[0, 4\)"):
+        coordinates(4, tp_size=2, pp_size=1, dp_size=2)
 
 
 def _non_loopback_address() -> str:

@@ -260,3 +260,95 @@ def test_expert_parallel_2_equals_tensor_parallel_1(ep2_results: dict[str, Any],
     params = SamplingParams(temperature=0, max_tokens=TP_DECODE_STEPS + 1, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in TP_PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == tokens0
+
+
+# ---- data-parallel attention: the token exchange --------------------------------------------
+
+# Tokens per DP rank in each round: uneven, one rank idle, both idle, fewer tokens than TP ranks.
+EXCHANGE_ROUNDS = ((5, 3), (0, 4), (1, 0), (0, 0), (9, 2))
+
+
+def _exchange_rank_main(rank: int, ports: Any, results: Any, dp: int, tp: int) -> None:
+    try:
+        from parallel.distributed import (
+            connect_store,
+            create_store,
+            destroy_distributed,
+            init_distributed,
+        )
+
+        world = dp * tp
+        if rank == 0:
+            rendezvous = create_store("127.0.0.1", world)
+            for _ in range(world - 1):
+                ports.put(rendezvous.port)
+            store = rendezvous.store
+        else:
+            store = connect_store("127.0.0.1", ports.get(timeout=60), world)
+        ctx = init_distributed(store, rank, tp, 1, torch.device("cpu"), dp_size=dp)
+        ctx = dataclasses.replace(ctx, expert_parallel=True)
+        dp_rank = rank // tp
+        out: dict[str, Any] = {}
+        for name in EP_MODELS:
+            whole = dict(_loaded_model(name, ParallelContext()).named_modules())
+            part = _loaded_model(name, ctx)
+            blocks = [(n, m) for n, m in part.named_modules() if isinstance(m, SparseMoeBlock)]
+            hidden = part.hf["hidden_size"]
+            held = {(b.experts.first_expert, b.experts.num_local_experts) for _, b in blocks}
+            worst = 0.0
+            for round_, counts in enumerate(EXCHANGE_ROUNDS):
+                # The DP rank's TP ranks hold the same tokens; the DP ranks different ones.
+                g = torch.Generator().manual_seed(100 * round_ + dp_rank)
+                x = torch.randn(counts[dp_rank], hidden, generator=g)
+                for block_name, block in blocks:
+                    assert block.experts.exchanges_tokens
+                    got, expected = block(x), whole[block_name](x)
+                    assert got.shape == expected.shape, (got.shape, expected.shape)
+                    if got.numel():
+                        scale = expected.abs().max().item() + 1e-6
+                        worst = max(worst, (got - expected).abs().max().item() / scale)
+            # bfloat16: the expert ids ride in the rows' extra columns as two bf16 halves.
+            g = torch.Generator().manual_seed(7 + dp_rank)
+            x = torch.randn(6 + 3 * dp_rank, hidden, generator=g).bfloat16()
+            worst_bf16 = 0.0
+            for block_name, block in blocks:
+                got = block.bfloat16()(x)
+                expected = whole[block_name].bfloat16()(x)
+                scale = expected.abs().max().item()
+                worst_bf16 = max(worst_bf16, (got - expected).abs().max().item() / scale)
+            out[name] = (held, worst, worst_bf16)
+        destroy_distributed()
+        results.put((rank, out))
+    except BaseException as exc:
+        import traceback
+
+        results.put((rank, f"{exc!r}\n{traceback.format_exc()}"))
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(2, 1), (2, 2)], ids=["dp2-tp1", "dp2-tp2"])
+def test_data_parallel_ep_exchanges_tokens_and_equals_the_whole_layer(dp: int, tp: int) -> None:
+    """DP x TP ranks, each DP rank with its own tokens (uneven, idle, none at all), every expert
+    on exactly one of the DP x TP ranks: each MoE layer (router, experts by all-to-all, shared
+    experts, the TP all-reduce) gives what the whole layer on one rank gives for those tokens,
+    for every MoE family (Qwen2-MoE's gated shared expert, Qwen3-MoE, Mixtral, DeepSeek-V2/V3's
+    grouped routing, GLM-4.5, gpt-oss's biased experts)."""
+    for name in EP_MODELS:
+        resolve_model_source(f"builtin:{name}")  # built once, before the ranks race for it
+    results = run_ranks(_exchange_rank_main, dp * tp, dp, tp)
+    per_rank = 8 // (dp * tp)
+    for rank, out in results.items():
+        for name, (held, worst, worst_bf16) in out.items():
+            assert held == {(rank * per_rank, per_rank)}, (name, rank, held)
+            # fp32; each expert's GEMM sees the pairs of both DP ranks, so its row count (not
+            # the arithmetic per row) differs from the whole layer's.
+            assert worst < 1e-5, (name, rank, worst)
+            assert worst_bf16 < 2e-2, (name, rank, worst_bf16)
+
+
+def test_all_to_all_counts_are_checked_at_the_entry() -> None:
+    group = GroupCoordinator()
+    with pytest.raises(ValueError, match=r"send_counts: must be 1 non-negative row counts"):
+        group.all_to_all(torch.zeros(2, 3), [1, 1], [2])
+    with pytest.raises(ValueError, match=r"send_counts: must add up to the 2 rows of x"):
+        group.all_to_all(torch.zeros(2, 3), [3], [3])
+    assert group.all_to_all_counts([4]) == [4]

@@ -120,6 +120,14 @@ def test_kept_mxfp4_ranks_sum_to_the_dequantized_layer(expert_parallel: bool) ->
         torch.testing.assert_close(total, whole(x, ids, weights), rtol=1e-5, atol=1e-5)
 
 
+def test_kept_mxfp4_experts_under_data_parallel_ep_are_refused_by_name() -> None:
+    """Kept MXFP4 experts compute through the fused kernel only; a data-parallel EP group
+    (whose ranks exchange tokens) is refused when the layer is built, not served otherwise."""
+    ep = GroupCoordinator(rank=1, size=2, ranks=(0, 1))
+    with pytest.raises(ValueError, match=r"MXFP4 experts kept quantized .* no token exchange"):
+        _experts("triton", ParallelContext(expert_parallel=True, ep=ep))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.usefixtures("plain_weights")
 def test_experts_hold_transformers_dequantized_weights_exactly(dtype: torch.dtype) -> None:
