@@ -195,13 +195,18 @@ class ParallelConfig:
     # VLLM_PP_LAYER_PARTITION when not given. None: the balanced default, which gives the last
     # stage (LM head, sampling) fewer layers (engine.pp_partition).
     pp_layer_partition: tuple[int, ...] | None = None
-    enable_expert_parallel: bool = False  # MoE: whole experts per TP rank (parallel.moe)
+    enable_expert_parallel: bool = False  # MoE: whole experts per EP rank (parallel.moe)
+    # Data-parallel attention (vLLM's name): this many engine cores, each with its own
+    # scheduler, KV cache and requests and a TP group of its own, stepping together; MoE
+    # experts split over all data_parallel_size x tensor_parallel_size ranks (docs/moe.md).
+    data_parallel_size: int = 1
     # Set per rank with dataclasses.replace by the executor that spawns the workers.
     rank: int = 0
 
     def __post_init__(self) -> None:
         check_positive_int(self.tensor_parallel_size, "tensor_parallel_size")
         check_positive_int(self.pipeline_parallel_size, "pipeline_parallel_size")
+        check_positive_int(self.data_parallel_size, "data_parallel_size")
         check_choice(
             self.distributed_executor_backend,
             "distributed_executor_backend",
@@ -213,6 +218,20 @@ class ParallelConfig:
             ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
         )
         check_bool(self.enable_expert_parallel, "enable_expert_parallel")
+        if self.data_parallel_size > 1:
+            require(
+                self.pipeline_parallel_size == 1,
+                "data_parallel_size",
+                f"does not combine with pipeline parallelism (pipeline_parallel_size "
+                f"{self.pipeline_parallel_size}); got {self.data_parallel_size}",
+            )
+            require(
+                self.enable_expert_parallel,
+                "data_parallel_size",
+                f"> 1 needs enable_expert_parallel: true (its ranks share one expert-parallel "
+                f"group); got {self.data_parallel_size}. A model without experts scales by "
+                f"replicas (num_replicas)",
+            )
         if self.pp_layer_partition is not None:
             # YAML and JSON give lists; keep the frozen config hashable and immutable.
             object.__setattr__(self, "pp_layer_partition", tuple(self.pp_layer_partition))
@@ -227,7 +246,17 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks the experts are split over under ``enable_expert_parallel``."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel rank (engine core) this worker rank serves."""
+        return self.rank // (self.tensor_parallel_size * self.pipeline_parallel_size)
 
     @property
     def executor_backend(self) -> str:
@@ -448,6 +477,13 @@ class EngineConfig:
         spec = speculative.speculative_config
         draft_model = None
         if spec is not None and spec.method == "draft_model":
+            require(
+                parallel.data_parallel_size == 1,
+                "speculative_config",
+                f"method draft_model does not combine with data_parallel_size "
+                f"{parallel.data_parallel_size} (only the cores with tokens would run the "
+                f"draft); use method ngram",
+            )
             draft_model = _draft_model_config(spec, model, parallel)  # before anything is placed
         lora = LoRAConfig(**groups["lora"])
         require(

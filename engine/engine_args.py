@@ -42,6 +42,7 @@ ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "placement_group_strategy": ("parallel", "placement_group_strategy"),
     "pp_layer_partition": ("parallel", "pp_layer_partition"),
     "enable_expert_parallel": ("parallel", "enable_expert_parallel"),
+    "data_parallel_size": ("parallel", "data_parallel_size"),
     "device": ("device", "device"),
     "attention_backend": ("kernel", "attention_backend"),
     "enforce_eager": ("kernel", "enforce_eager"),

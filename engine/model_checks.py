@@ -74,11 +74,23 @@ def check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
         "tensor_parallel_size",
         f"must divide or be a multiple of num_key_value_heads ({kv}), got {tp}",
     )
-    experts = num_experts(model.hf_config)  # EP: num_experts / tp whole experts per rank
+    experts = num_experts(model.hf_config)  # EP: num_experts / ep whole experts per rank
+    ep = parallel.ep_size
+    ep_size = (
+        "tensor_parallel_size"
+        if parallel.data_parallel_size == 1
+        else "data_parallel_size x tensor_parallel_size"
+    )
     require(
-        not parallel.enable_expert_parallel or experts % tp == 0,
+        not parallel.enable_expert_parallel or experts % ep == 0,
         "enable_expert_parallel",
-        f"needs num_experts ({experts}) divisible by the EP size (tensor_parallel_size), got {tp}",
+        f"needs num_experts ({experts}) divisible by the EP size ({ep_size}), got {ep}",
+    )
+    require(
+        parallel.data_parallel_size == 1 or experts > 0,
+        "data_parallel_size",
+        f"> 1 needs a mixture-of-experts model (its experts split over the DP ranks); "
+        f"{model.model!r} has none. A dense model scales by replicas (num_replicas)",
     )
     pp = parallel.pipeline_parallel_size
     require(

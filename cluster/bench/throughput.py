@@ -126,7 +126,8 @@ def _timed_generate(llm: Any, wl: Workload) -> tuple[SystemResult, dict[str, Any
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     engine = llm.llm_engine
     engine.step_timer.reset()
-    engine.spec_decode_stats.reset()
+    for core in getattr(engine, "cores", [engine]):  # a data-parallel engine's, each core's
+        core.spec_decode_stats.reset()
     engine.executor.collective_rpc("reset_step_timings")
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -135,7 +136,7 @@ def _timed_generate(llm: Any, wl: Workload) -> tuple[SystemResult, dict[str, Any
     if produced != wl.output_tokens:
         raise RuntimeError(f"engine produced {produced} tokens, expected {wl.output_tokens}")
     profile = _step_profile(engine, wall)
-    if engine.proposer is not None:
+    if engine.config.speculative.speculative_config is not None:
         profile["spec_decode"] = engine.spec_decode_stats.as_dict()
     block_bytes = engine.executor.collective_rpc("kv_block_bytes")[0]
     kv_per_token = block_bytes // engine.config.cache.block_size
@@ -441,6 +442,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="engine: PP (Ray workers when > 1); engine_unpipelined runs it one batch at a time",
     )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine: data-parallel attention cores of a MoE model (needs "
+        "--enable-expert-parallel: the experts split over all DP x TP ranks)",
+    )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="engine: whole experts per rank instead of a slice of every expert",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument(
@@ -500,9 +513,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.speculative_config is not None:
         engine_args["speculative_config"] = args.speculative_config
-    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+    if args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size > 1:
         engine_args["tensor_parallel_size"] = args.tensor_parallel_size
         engine_args["pipeline_parallel_size"] = args.pipeline_parallel_size
+        engine_args["data_parallel_size"] = args.data_parallel_size
+    if args.enable_expert_parallel:
+        engine_args["enable_expert_parallel"] = True
     partitions = stage_partitions(model_dir, args.pipeline_parallel_size)
     if "engine_even_split" in systems and args.pipeline_parallel_size == 1:
         raise SystemExit("--systems engine_even_split needs --pipeline-parallel-size > 1")
@@ -635,6 +651,8 @@ def _report(
             "enforce_eager": args.enforce_eager,
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,
+            "data_parallel_size": args.data_parallel_size,
+            "enable_expert_parallel": args.enable_expert_parallel,
             "speculative_config": args.speculative_config,
         },
         "hf_static_batch_size": args.hf_batch_size,

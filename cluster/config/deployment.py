@@ -278,8 +278,17 @@ class ModelDeployment:
 
     @property
     def world_size(self) -> int:
+        return self.tensor_parallel_size * self.num_tp_groups
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(self.engine_kwargs.get("tensor_parallel_size", 1))
+
+    @property
+    def num_tp_groups(self) -> int:
+        """One per pipeline stage, or per data-parallel rank (the two do not combine)."""
         kw = self.engine_kwargs
-        return int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
+        return int(kw.get("pipeline_parallel_size", 1)) * int(kw.get("data_parallel_size", 1))
 
     @property
     def uses_gpu(self) -> bool:
@@ -289,7 +298,8 @@ class ModelDeployment:
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """The replica's bundles: its front (bundle 0), its head (``HEAD_BUNDLE_INDEX``), then
-        one bundle per pipeline stage holding its TP group's devices (``{"GPU": TP}``).
+        one bundle per pipeline stage (or data-parallel rank) holding its TP group's devices
+        (``{"GPU": TP}``).
 
         The front (the Serve replica: templates, tokenizing, streams) and the head (the engine
         core) are separate processes. With TP = PP = 1 the head runs the worker itself, so its
@@ -307,10 +317,8 @@ class ModelDeployment:
         if self.world_size == 1 and self.engine_kwargs.get("distributed_executor_backend") != "ray":
             device = {unit: 1.0, **accelerator}
             return [front, {"CPU": 1.0, **device}] if self.uses_gpu else [front, device]
-        kw = self.engine_kwargs
-        tp = int(kw.get("tensor_parallel_size", 1))
-        stages = int(kw.get("pipeline_parallel_size", 1))
-        return [front, {"CPU": 1.0}] + [{unit: float(tp), **accelerator} for _ in range(stages)]
+        tp = {unit: float(self.tensor_parallel_size), **accelerator}
+        return [front, {"CPU": 1.0}] + [dict(tp) for _ in range(self.num_tp_groups)]
 
     @property
     def max_replicas(self) -> int:

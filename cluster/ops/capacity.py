@@ -81,6 +81,7 @@ def replica_shortfall(model: ModelDeployment, nodes: Nodes) -> str | None:
     kw = model.engine_kwargs
     tp = int(kw.get("tensor_parallel_size", 1))
     pp = int(kw.get("pipeline_parallel_size", 1))
+    dp = int(kw.get("data_parallel_size", 1))
     capacities = {name: float(res.get(unit, 0.0)) for name, res in eligible.items()}
     if model.accelerator_type and model.uses_gpu and not eligible:
         return (
@@ -88,7 +89,8 @@ def replica_shortfall(model: ModelDeployment, nodes: Nodes) -> str | None:
             f"{accelerator!r}); nodes: {', '.join(nodes) or 'none alive'}"
         )
     try:
-        check_nodes_can_host(capacities, tp, pp, unit, model.placement_group_config.strategy)
+        strategy = model.placement_group_config.strategy
+        check_nodes_can_host(capacities, tp, pp, unit, strategy, dp)
     except PlacementError as exc:
         return str(exc)
     needed: dict[str, float] = {}

@@ -52,11 +52,13 @@ def check_nodes_can_host(
     pipeline_parallel_size: int,
     resource: str,
     strategy: str = "PACK",
+    data_parallel_size: int = 1,
 ) -> None:
     """Raise ``PlacementError`` naming each node's capacity when the nodes (name -> units of
-    ``resource``) can never hold one TP group per pipeline stage, each group on one node:
-    STRICT_PACK wants them all on one node, STRICT_SPREAD each on its own node."""
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    ``resource``) can never hold one TP group per pipeline stage (and data-parallel rank), each
+    group on one node: STRICT_PACK wants them all on one node, STRICT_SPREAD each on its own."""
+    tp, pp, dp = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+    needed = pp * dp
     groups = [int(amount // tp) for amount in capacities.values()]
     if strategy == "STRICT_PACK":
         room, unit = max(groups, default=0), "on one node (STRICT_PACK)"
@@ -64,15 +66,18 @@ def check_nodes_can_host(
         room, unit = sum(1 for g in groups if g), "on distinct nodes (STRICT_SPREAD)"
     else:
         room, unit = sum(groups), "in all"
-    if room >= pp:
+    if room >= needed:
         return
     what = (
         f"no node has the {tp} {resource} one TP group needs"
         if not any(groups)
-        else f"the nodes have room for {room} of the {pp} TP groups {unit}"
+        else f"the nodes have room for {room} of the {needed} TP groups {unit}"
     )
+    shape = f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
+    if dp > 1:
+        shape += f" x data_parallel_size {dp}"
     raise PlacementError(
-        f"placement: tensor_parallel_size {tp} x pipeline_parallel_size {pp} needs {pp} TP "
+        f"placement: {shape} needs {needed} TP "
         f"group(s) of {tp} {resource}, each on one node (a TP group never spans nodes), but "
         f"{what}: {_describe_nodes(capacities, resource, tp)}; add nodes with {tp} {resource} "
         "or lower tensor_parallel_size"

@@ -65,6 +65,7 @@ from engine.worker.executor import (
     StepFuture,
 )
 from engine.worker.step_messages import (
+    DataParallelStep,
     ExecuteModelRequest,
     ModelRunnerOutput,
     decode_output,
@@ -121,8 +122,13 @@ class RayExecutor(Executor):
         parallel = config.parallel
         self.world_size = parallel.world_size
         self.executor_id = uuid.uuid4().hex[:12]
-        # The sampling worker: TP rank 0 of the last pipeline stage.
+        # The sampling worker: TP rank 0 of the last pipeline stage; one per data-parallel rank.
         self.driver_rank = self.world_size - parallel.tensor_parallel_size
+        group = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        self.driver_ranks = [
+            (d + 1) * group - parallel.tensor_parallel_size
+            for d in range(parallel.data_parallel_size)
+        ]
         self._resource = "GPU" if device == "cuda" else "CPU"
         self._step_timeout_s = envs.step_timeout_s()
         self._load_timeout_s = envs.load_timeout_s()
@@ -166,7 +172,7 @@ class RayExecutor(Executor):
                 raise PlacementError(
                     f"placement group: the current placement group has {len(slots)} worker "
                     f"slots ({self._resource} >= 1 per worker); tensor_parallel_size x "
-                    f"pipeline_parallel_size needs {self.world_size}"
+                    f"pipeline_parallel_size x data_parallel_size needs {self.world_size}"
                 )
             self._pg = current
             # Bundle 0 is usually the replica's own and 1 its head's; workers take the last.
@@ -183,14 +189,16 @@ class RayExecutor(Executor):
         # host the replica; nor STRICT_PACK groups per stage: separate groups are not
         # gang-scheduled, so one stage can hold a node while the other waits.
         strategy = self.config.parallel.placement_group_strategy
-        stages = self.config.parallel.pipeline_parallel_size
+        parallel = self.config.parallel
+        stages = parallel.pipeline_parallel_size * parallel.data_parallel_size
         pg = placement_group([{self._resource: float(tp)}] * stages, strategy=strategy)
         self._pg, self._owns_pg = pg, True  # removed by shutdown if it never becomes ready
         ready, _ = ray.wait([pg.ready()], timeout=self._load_timeout_s)
         if not ready:
             raise PlacementError(
                 f"placement group: {stages} bundles of {{{self._resource!r}: {tp}}} (one TP "
-                f"group per pipeline stage, {strategy}) could not be placed within "
+                f"group per pipeline stage and data-parallel rank, {strategy}) could not be "
+                f"placed within "
                 f"{self._load_timeout_s:.0f} s (LLM_CLUSTER_LOAD_TIMEOUT_S); nodes: "
                 f"{_describe_nodes(_node_capacities(self._resource), self._resource)}; free in "
                 f"the cluster: {ray.available_resources().get(self._resource, 0):g} "
@@ -210,7 +218,10 @@ class RayExecutor(Executor):
         names = _node_names()
         order = assign_ranks_by_node(slot_nodes, tp, names)
         stage_nodes = [names.get(slot_nodes[i], slot_nodes[i]) for i in order[::tp]]
-        logger.info("TP groups by pipeline stage, on nodes: %s", ", ".join(stage_nodes))
+        logger.info(
+            "TP groups (by pipeline stage or data-parallel rank), on nodes: %s",
+            ", ".join(stage_nodes),
+        )
         return [slots[i] for i in order]
 
     def _check_cluster_can_fit(self) -> None:
@@ -223,10 +234,10 @@ class RayExecutor(Executor):
         if total < self.world_size:
             hint = _LOCAL_RAY.hint_if_started_here()
             raise PlacementError(
-                f"placement group: tensor_parallel_size x pipeline_parallel_size = "
-                f"{self.world_size} workers need {self.world_size} {self._resource}, but the Ray "
-                f"cluster has {total:g} {self._resource} in total ({self.world_size - total:g} "
-                f"short); add nodes or lower the parallel sizes{hint}"
+                f"placement group: tensor_parallel_size x pipeline_parallel_size x "
+                f"data_parallel_size = {self.world_size} workers need {self.world_size} "
+                f"{self._resource}, but the Ray cluster has {total:g} {self._resource} in total "
+                f"({self.world_size - total:g} short); add nodes or lower the parallel sizes{hint}"
             )
         parallel = self.config.parallel
         check_nodes_can_host(
@@ -235,6 +246,7 @@ class RayExecutor(Executor):
             parallel.pipeline_parallel_size,
             self._resource,
             parallel.placement_group_strategy,
+            parallel.data_parallel_size,
         )
 
     def _spawn_workers(self, bundles: list[int]) -> list[Any]:
@@ -280,8 +292,9 @@ class RayExecutor(Executor):
         with self.startup_phase("load"):
             self.collective_rpc("load_model")
         logger.info(
-            "%d worker actors ready (TP %d x PP %d, %s), rendezvous: %s",
+            "%d worker actors ready (DP %d x TP %d x PP %d, %s), rendezvous: %s",
             self.world_size,
+            self.config.parallel.data_parallel_size,
             self.config.parallel.tensor_parallel_size,
             self.config.parallel.pipeline_parallel_size,
             self._resource,
@@ -330,13 +343,37 @@ class RayExecutor(Executor):
             dispatch = self._dispatch
         return _RayStep(self, dispatch.send(data))
 
-    def _merge_replies(self, replies: list[bytes | None]) -> ModelRunnerOutput:
-        reply = replies[self.driver_rank]
+    def execute_data_parallel(self, requests: list[ExecuteModelRequest]) -> list[ModelRunnerOutput]:
+        """One step of every data-parallel engine core at once (``requests[d]``: core d's, empty
+        when it has nothing scheduled); each core's output, from its own sampling worker."""
+        self._raise_if_dead()
+        data = encode(DataParallelStep(requests=requests))
+        with self._lock:
+            self._raise_if_dead()
+            if self._dispatch is None:
+                self._dispatch = build_dispatch(
+                    self._resource, self.workers, 2, self._step_timeout_s, self._get, self._die
+                )
+            dispatch = self._dispatch
+        replies = dispatch.send(data).replies()
+        group = len(self.workers) // len(self.driver_ranks)
+        return [
+            self._merge_replies(replies[d * group : (d + 1) * group], driver - d * group)
+            for d, driver in enumerate(self.driver_ranks)
+        ]
+
+    def _merge_replies(
+        self, replies: list[bytes | None], driver: int | None = None
+    ) -> ModelRunnerOutput:
+        """The sampling worker's output (``driver``: its index in ``replies``, the executor's
+        driver rank by default), with the adapter load errors any other rank reported."""
+        driver = self.driver_rank if driver is None else driver
+        reply = replies[driver]
         if reply is None:
-            self._die(f"the sampling worker (rank {self.driver_rank}) returned no output")
+            self._die(f"the sampling worker (rank {driver}) returned no output")
         output = decode_output(reply)
         for rank, other in enumerate(replies):
-            if other is not None and rank != self.driver_rank:
+            if other is not None and rank != driver:
                 # A rank that could not load an adapter says so (and nothing else).
                 output.lora_load_errors.update(decode_output(other).lora_load_errors)
         return output

@@ -51,6 +51,8 @@ class WorkerActor:
     ) -> None:
         self.rank = rank
         parallel = dataclasses.replace(config.parallel, rank=rank)
+        # Data parallelism: steps come as a DataParallelStep, of which this rank runs its core's.
+        self.dp_rank = parallel.dp_rank if parallel.data_parallel_size > 1 else None
         self.worker = Worker(dataclasses.replace(config, parallel=parallel))
         self.progress = LoadProgressPublisher(
             model_id, executor_id or "local", rank, self.node_ip()
@@ -110,7 +112,7 @@ class WorkerActor:
         (``cluster.runtime.step_dispatch``), whose errors do not say which actor raised: the
         message names the rank."""
         try:
-            output = self.worker.execute_model(decode_request(request))
+            output = self.worker.execute_model(decode_request(request, self.dp_rank))
         except Exception as exc:
             raise WorkerStepError(f"rank {self.rank}: {type(exc).__name__}: {exc}") from exc
         return encode(output) if output is not None else None

@@ -61,7 +61,7 @@ from engine.client.core_messages import (
 )
 from engine.client.core_process import EngineCoreProcess, EngineStartFailed, run_in_child_process
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
+from engine.core.data_parallel import build_engine
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.worker.executor import PHASE_READY, StartupObserver, get_executor_class
 
@@ -175,12 +175,12 @@ class HeadActor:
                 )  # fmt: skip
                 busy_s, summary = self._loop.startup_busy_s, self._loop.startup_summary
             else:
-                # LLMEngine builds its executor as ``executor_class(config)``: the observer
+                # The engine builds its executor as ``executor_class(config)``: the observer
                 # rides along.
                 executor_class = functools.partial(get_executor_class(config), observer=observer)
                 # Built on the core thread, which runs its forward passes (see EngineCoreLoop).
                 self._loop = EngineCoreLoop(
-                    lambda: LLMEngine(config, executor_class=executor_class),
+                    lambda: build_engine(config, executor_class),
                     self._push,
                     self._died,
                 )

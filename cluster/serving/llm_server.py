@@ -48,7 +48,8 @@ from cluster.serving.start_errors import ModelStartError, known_start_failure
 from engine.client.async_llm_engine import AsyncLLMEngine, EngineStats
 from engine.client.core_client import InProcessCoreClient
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine, load_tokenizer
+from engine.core.data_parallel import build_engine
+from engine.core.llm_engine import load_tokenizer
 from engine.errors import (
     ConfigError,
     EngineDeadError,
@@ -148,7 +149,7 @@ class LLMServer:
             # The head writes an ingress's requests' deltas to its token channel.
             self.head_name: str | None = client.name
         else:
-            self.engine = AsyncLLMEngine(InProcessCoreClient(lambda: LLMEngine(config)))
+            self.engine = AsyncLLMEngine(InProcessCoreClient(lambda: build_engine(config)))
             self.head_name = None
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = config.max_model_len

@@ -34,6 +34,7 @@ from engine.client.core_messages import (
     merge_deltas,
 )
 from engine.config import EngineConfig
+from engine.core.data_parallel import build_engine
 from engine.core.llm_engine import LLMEngine, PromptType
 from engine.errors import (
     EngineDeadError,
@@ -199,7 +200,7 @@ class AsyncLLMEngine:
     def from_engine_args(cls, **engine_args: Any) -> AsyncLLMEngine:
         """The engine built (and run) on the core thread."""
         config = EngineConfig.from_kwargs(**engine_args)
-        return cls(InProcessCoreClient(lambda: LLMEngine(config)))
+        return cls(InProcessCoreClient(lambda: build_engine(config)))
 
     @property
     def engine(self) -> LLMEngine:

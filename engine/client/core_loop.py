@@ -245,7 +245,7 @@ class EngineCoreLoop:
 
     def _run(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
         try:
-            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+            self.engine = engine() if callable(engine) else engine
         except BaseException as exc:
             self._build_error = exc
             return
@@ -350,17 +350,17 @@ class EngineCoreLoop:
     def _stats_now(self) -> CoreStats:
         engine = self.engine
         kv = engine.get_kv_cache_stats()
-        sched = engine.scheduler
+        counters = engine.counters()
         spec = engine.spec_decode_stats
         return CoreStats(
-            num_running=len(sched.running),
-            num_waiting=sched.num_waiting,
+            num_running=counters.num_running,
+            num_waiting=counters.num_waiting,
             kv_total_blocks=kv.total,
             kv_free_blocks=kv.free,
             kv_usage=kv.usage,
-            prefix_cache_queries=engine.block_manager.prefix_queries,
-            prefix_cache_hits=engine.block_manager.prefix_hits,
-            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=counters.prefix_cache_queries,
+            prefix_cache_hits=counters.prefix_cache_hits,
+            num_preemptions=counters.num_preemptions,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
             num_steps=self._num_steps,

@@ -344,6 +344,7 @@ class _Child:
     def run(self) -> None:
         from engine.client.core_loop import EngineCoreLoop
         from engine.config import EngineConfig
+        from engine.core.data_parallel import build_engine
         from engine.core.llm_engine import LLMEngine
         from engine.worker.executor import get_executor_class
 
@@ -355,7 +356,7 @@ class _Child:
             executor_class = get_executor_class(config)
 
             def build() -> LLMEngine:
-                return LLMEngine(config, executor_class=lambda c: executor_class(c, observer))
+                return build_engine(config, lambda c: executor_class(c, observer))
 
             loop = EngineCoreLoop(build, self._send_step, self._send_dead)
         except BaseException as exc:

@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 
 from engine.client.beam_search import beam_search
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine, PromptType
+from engine.core.data_parallel import build_engine
+from engine.core.llm_engine import PromptType
 from engine.errors import InvalidRequestError
 from engine.lora import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -23,7 +24,7 @@ class LLM:
     """Offline batched generation over the engine (vLLM's ``vllm.LLM``)."""
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self.llm_engine = build_engine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -24,6 +24,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -447,19 +448,19 @@ class LLMEngine:
         if self._pipeline_depth > 1:
             return self._step_pipelined()
         self.step_timer.start()
-        scheduled = self._schedule()
+        scheduled = self.schedule_batch()
         if scheduled is None:
             return []
         sched, message = scheduled
         output = self.executor.execute_model(message)
         self.step_timer.lap("execute")
-        return self._finish_step(sched, output)
+        return self.finish_batch(sched, output)
 
     def _step_pipelined(self) -> list[EngineOutput]:
         clock = self.step_timer
         clock.start()
         while len(self._batches) < self._pipeline_depth:
-            scheduled = self._schedule()
+            scheduled = self.schedule_batch()
             if scheduled is None:
                 break
             sched, message = scheduled
@@ -475,10 +476,12 @@ class LLMEngine:
             self._batches.clear()
             raise
         clock.lap("execute")
-        return self._finish_step(sched, output)
+        return self.finish_batch(sched, output)
 
-    def _schedule(self) -> tuple[SchedulerOutput, ExecuteModelRequest] | None:
-        """The next batch and its wire message; None when there is nothing to send."""
+    def schedule_batch(self) -> tuple[SchedulerOutput, ExecuteModelRequest] | None:
+        """The next batch and its wire message; None when there is nothing to send. With
+        ``finish_batch``, the two halves of ``step`` around the executor's call (a
+        data-parallel engine sends every core's batch in one call)."""
         sched = self.scheduler.schedule()
         if sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids:
             return None
@@ -488,7 +491,7 @@ class LLMEngine:
         self.step_timer.lap("schedule")
         return sched, message
 
-    def _finish_step(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineOutput]:
+    def finish_batch(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineOutput]:
         """Take one batch's output: update the requests, detokenize, build their outputs."""
         clock = self.step_timer
         failed = self._fail_lora_loads(output.lora_load_errors)
@@ -741,6 +744,17 @@ class LLMEngine:
     def get_kv_cache_stats(self) -> KVCacheStats:
         return self.block_manager.stats()
 
+    def counters(self) -> EngineCounters:
+        """The scheduler's and prefix cache's numbers for metrics."""
+        sched, blocks = self.scheduler, self.block_manager
+        return EngineCounters(
+            num_running=len(sched.running),
+            num_waiting=sched.num_waiting,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=blocks.prefix_queries,
+            prefix_cache_hits=blocks.prefix_hits,
+        )
+
     def request_state_sizes(self) -> dict[str, int]:
         """How many entries each per-request table of the head holds (all 0 once idle): a
         leak check for soak tests and operators."""
@@ -777,6 +791,18 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """Requests running and waiting now; preemptions and prefix-cache lookups and hits (in
+    tokens) since the engine started."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 def _stopped_by_token(request: Request) -> bool:

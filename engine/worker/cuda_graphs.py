@@ -55,7 +55,12 @@ def decode_batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def cuda_graphs_disabled_reason(
-    *, device_type: str, kernel_backend: str, enforce_eager: bool, lora_enabled: bool
+    *,
+    device_type: str,
+    kernel_backend: str,
+    enforce_eager: bool,
+    lora_enabled: bool,
+    data_parallel: bool = False,
 ) -> str | None:
     """Why decode steps on this worker run eagerly, or None when they replay CUDA graphs.
     Tensor and pipeline parallelism do not matter: collectives are captured, stage transfers
@@ -70,6 +75,9 @@ def cuda_graphs_disabled_reason(
     if lora_enabled:
         # Each token's adapter slot changes every step and is not captured.
         return "LoRA is enabled"
+    if data_parallel:
+        # The MoE token exchange sizes its all-to-alls on the host, step by step.
+        return "data_parallel_size > 1 (the MoE layers exchange tokens by all-to-all)"
     return None
 
 

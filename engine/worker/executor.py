@@ -102,6 +102,14 @@ class Executor(ABC):
     def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput:
         """Run one step on every worker; the sampling worker's output."""
 
+    def execute_data_parallel(self, requests: list[ExecuteModelRequest]) -> list[ModelRunnerOutput]:
+        """One step of every data-parallel engine core at once (``requests[d]``: core d's,
+        empty when it has nothing scheduled); each core's output. Only executors of several
+        workers have data-parallel ranks."""
+        raise NotImplementedError(
+            f"data_parallel_size > 1 needs the ray executor backend, not {type(self).__name__}"
+        )
+
     @property
     def max_concurrent_batches(self) -> int:
         """How many steps the engine may have in flight at once (1: each step returns before
@@ -119,12 +127,15 @@ class Executor(ABC):
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since start, per sparse layer of a mixture-of-experts
         model (``{layer: [tokens per expert]}``, layers ascending): each pipeline stage's TP
-        rank 0 counts its own layers. ``{}`` for a dense model, whose workers are not asked."""
+        rank 0 counts its own layers' tokens, each data-parallel rank's its own tokens (summed
+        here). ``{}`` for a dense model, whose workers are not asked."""
         if not num_experts(self.config.model.hf_config):
             return {}
         merged: dict[int, list[int]] = {}
         for part in self.collective_rpc("expert_load"):
-            merged.update(part)
+            for layer, counts in part.items():
+                total = merged.get(layer, [0] * len(counts))
+                merged[layer] = [a + b for a, b in zip(total, counts, strict=True)]
         return dict(sorted(merged.items()))
 
     def determine_num_available_blocks(self) -> tuple[int, int]:

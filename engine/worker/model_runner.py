@@ -53,6 +53,7 @@ from engine.worker.step_messages import (
 from llm_kernels.attention import AttentionMetadata, build_group_metadata
 from llm_kernels.kv_quant import kv_cache_torch_dtype
 from parallel.distributed import recv_intermediate, send_intermediate
+from parallel.moe import ParallelExperts
 from parallel.state import ParallelContext
 
 
@@ -161,6 +162,10 @@ class ModelRunner:
         self.graph_runner: DecodeBucketRunner | None = None
         # This step's speculative proposals, by request (ExecuteModelRequest's).
         self._proposals: dict[str, list[int]] = {}
+        # Data parallelism: the MoE layers' experts that exchange tokens across the DP ranks.
+        self._exchanging_experts = [
+            m for m in model.modules() if isinstance(m, ParallelExperts) and m.exchanges_tokens
+        ]
 
     # ---- KV cache -----------------------------------------------------------------------
 
@@ -265,6 +270,7 @@ class ModelRunner:
             kernel_backend=self.model.kernel_ops.name,
             enforce_eager=self.config.kernel.enforce_eager,
             lora_enabled=self.lora_manager is not None,
+            data_parallel=self.config.parallel.data_parallel_size > 1,
         )
 
     def uses_cuda_graphs(self) -> bool:
@@ -630,6 +636,7 @@ class ModelRunner:
     def _execute(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
         clock = self.step_timer
         if req.total_num_scheduled_tokens == 0:
+            self._exchange_nothing()
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         inputs = self.prepare_inputs(req)
         clock.lap("prepare_inputs")
@@ -669,6 +676,20 @@ class ModelRunner:
             self._propose_draft(inputs, output)
             clock.lap("draft")
         return output
+
+    def _exchange_nothing(self) -> None:
+        """Data parallelism: a core with nothing to run still takes part in every MoE layer's
+        token exchange, in layer order, as the cores with tokens do in their forward
+        (``ParallelExperts._exchange`` with no tokens: it sends none and receives pairs to
+        compute). Nothing else of the forward is collective across the DP ranks."""
+        if not self._exchanging_experts:
+            return
+        hidden = self.config.model.hf_config["hidden_size"]
+        x = torch.empty(0, hidden, dtype=self.config.model.torch_dtype, device=self.device)
+        ids = torch.empty(0, 1, dtype=torch.long, device=self.device)
+        weights = torch.empty(0, 1, dtype=torch.float32, device=self.device)
+        for experts in self._exchanging_experts:
+            experts(x, ids, weights)
 
     def _propose_draft(self, inputs: StepInputs, output: ModelRunnerOutput | None) -> None:
         """Every rank runs the draft's passes; the driver knows the emitted tokens and puts

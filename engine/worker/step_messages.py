@@ -120,17 +120,40 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     draft_token_ids: dict[str, list[int]] = {}
 
 
+class DataParallelStep(msgspec.Struct, kw_only=True):
+    """One step of every data-parallel engine core, sent to all their workers at once: DP rank
+    d's workers run ``requests[d]`` (an empty one when that core has nothing scheduled)."""
+
+    requests: list[ExecuteModelRequest]
+
+
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(ExecuteModelRequest)
+_dp_step_decoder = msgspec.msgpack.Decoder(DataParallelStep)
 _output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
 
 
-def encode(message: ExecuteModelRequest | ModelRunnerOutput) -> bytes:
+def encode(message: ExecuteModelRequest | DataParallelStep | ModelRunnerOutput) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_request(data: bytes) -> ExecuteModelRequest:
-    return _request_decoder.decode(data)
+def decode_request(data: bytes, dp_rank: int | None = None) -> ExecuteModelRequest:
+    """The step message; with ``dp_rank``, data-parallel rank ``dp_rank``'s request out of a
+    ``DataParallelStep``."""
+    if dp_rank is None:
+        return _request_decoder.decode(data)
+    return _dp_step_decoder.decode(data).requests[dp_rank]
+
+
+def empty_request(finished_req_ids: list[str] | None = None) -> ExecuteModelRequest:
+    """A step that schedules nothing (a data-parallel core without work still steps)."""
+    return ExecuteModelRequest(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=[],
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        finished_req_ids=finished_req_ids or [],
+    )
 
 
 def decode_output(data: bytes) -> ModelRunnerOutput:

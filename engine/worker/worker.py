@@ -108,6 +108,7 @@ class Worker:
             parallel.pipeline_parallel_size,
             self.device,
             timeout_s,
+            dp_size=parallel.data_parallel_size,
         )
 
     def shutdown(self) -> None:

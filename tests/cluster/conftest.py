@@ -146,7 +146,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
 
     ray.init(
         address="local",  # never join another cluster on this machine
-        num_cpus=12,  # logical: each replica holds a front, a head and its workers
+        num_cpus=16,  # logical: each replica holds a front, a head and its workers
         include_dashboard=False,
         log_to_driver=False,
         runtime_env=runtime_env() or None,

@@ -103,13 +103,28 @@ def greedy_steps(
     prefix: str = "r",
     blocks_per_request: int = 4,
     driver_rank: int = 0,
+    idle_before: int = 0,
+    idle_after: int = 0,
+    group: Any = None,
 ) -> list[list[int]]:
     """Prefill every prompt, then ``steps`` decode steps; the tokens each request got. The
     driver rank (the last stage's first) samples and tells the others, as the head would
-    through its next message."""
+    through its next message: over the world, or over ``group`` (a ``GroupCoordinator``: a
+    data-parallel rank's TP group) when given. ``idle_before`` / ``idle_after``: steps with
+    nothing scheduled before the prefill and after the last decode step (a data-parallel core
+    without requests still steps with the others)."""
     import torch.distributed as dist
 
-    from engine.worker.step_messages import CachedRequestData, ExecuteModelRequest, NewRequestData
+    from engine.worker.step_messages import (
+        CachedRequestData,
+        ExecuteModelRequest,
+        NewRequestData,
+        empty_request,
+    )
+
+    nothing = empty_request()
+    for _ in range(idle_before):
+        worker.execute_model(nothing)
 
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     ids = [f"{prefix}{i}" for i in range(len(prompts))]
@@ -133,7 +148,10 @@ def greedy_steps(
     for step in range(steps + 1):
         output = worker.execute_model(request)
         box = [output.sampled_token_ids if output is not None else None]
-        if dist.is_initialized():
+        if group is not None:
+            if group.size > 1:
+                dist.broadcast_object_list(box, src=driver_rank, group=group.group)
+        elif dist.is_initialized():
             dist.broadcast_object_list(box, src=driver_rank)
         sampled = [t[0] for t in box[0]]
         for i, t in enumerate(sampled):
@@ -153,4 +171,6 @@ def greedy_steps(
             total_num_scheduled_tokens=len(ids),
             finished_req_ids=[],
         )
+    for _ in range(idle_after):
+        worker.execute_model(nothing)
     return tokens

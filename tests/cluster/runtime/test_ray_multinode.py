@@ -102,6 +102,31 @@ def test_tp2_pp2_over_two_2_cpu_nodes_keeps_each_tp_group_on_one_node(nodes: Nod
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.slow  # ~30 s: a 3-node Ray, four worker actors, the reference engine
+def test_dp2_tp2_over_two_2_cpu_nodes_equals_tp1_with_each_dp_rank_on_one_node(
+    nodes: Nodes,
+) -> None:
+    """Data-parallel attention with wide EP: DP 2 x TP 2, the experts over all four ranks (EP
+    4), each DP rank's TP group on one node, the MoE tokens exchanged across the nodes."""
+    nodes.reshape([2, 2])
+    args = {**ENGINE_ARGS, "max_num_batched_tokens": 48}
+    reference = LLM("builtin:tiny-qwen3-moe", distributed_executor_backend="uni", **args)
+    expected = _greedy(reference)
+    reference.llm_engine.shutdown()
+    llm = LLM(
+        "builtin:tiny-qwen3-moe", tensor_parallel_size=2, data_parallel_size=2,
+        enable_expert_parallel=True, **args,
+    )  # fmt: skip
+    try:
+        workers = llm.llm_engine.executor.workers
+        node_of_rank = ray.get([w.node_id.remote() for w in workers])
+        # ranks = dp_rank * TP + tp_rank: ranks 0-1 are DP rank 0's TP group, 2-3 DP rank 1's.
+        assert node_of_rank[0] == node_of_rank[1] != node_of_rank[2] == node_of_rank[3]
+        assert _greedy(llm) == expected
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_a_tp_group_larger_than_every_node_is_refused_at_once(nodes: Nodes) -> None:
     nodes.reshape([2, 2])
     start = time.monotonic()
@@ -130,3 +155,19 @@ def test_nodes_of_3_and_1_cpus_refuse_tp2_pp2_at_once_naming_each_node(nodes: No
 
 # Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
 pytestmark = pytest.mark.slow
+
+
+def test_more_dp_ranks_than_the_nodes_can_place_are_refused_at_once(nodes: Nodes) -> None:
+    # Four CPUs for four workers, but only the 3-CPU node holds a TP group of 2: the second DP
+    # rank's group would span nodes, so nothing runs.
+    nodes.reshape([3, 1])
+    start = time.monotonic()
+    with pytest.raises(PlacementError) as info:
+        LLM(
+            "builtin:tiny-qwen3-moe", tensor_parallel_size=2, data_parallel_size=2,
+            enable_expert_parallel=True, **ENGINE_ARGS,
+        )  # fmt: skip
+    assert time.monotonic() - start < 10
+    message = str(info.value)
+    assert "x data_parallel_size 2 needs 2 TP group(s) of 2 CPU" in message
+    assert "room for 1 of the 2 TP groups" in message

@@ -25,6 +25,7 @@ from engine.worker.step_messages import (
     ExecuteModelRequest,
     ModelRunnerOutput,
     NewRequestData,
+    empty_request,
     encode,
 )
 from tests.cluster.runtime.compiled_dispatch import forced
@@ -69,16 +70,6 @@ def compiled_executor(request: pytest.FixtureRequest) -> Iterator[RayExecutor]:
             yield executor
     finally:
         executor.shutdown()
-
-
-def _empty_step(finished: list[str] | None = None) -> ExecuteModelRequest:
-    return ExecuteModelRequest(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=[],
-        num_scheduled_tokens={},
-        total_num_scheduled_tokens=0,
-        finished_req_ids=finished or [],
-    )
 
 
 def _first_step(req_id: str, prompt: list[int], blocks: list[int]) -> ExecuteModelRequest:
@@ -139,23 +130,23 @@ def test_two_steps_in_flight_equal_the_same_steps_one_at_a_time(
     assert executor.dispatch_mode in ("", "compiled")
     prompt = [1, 5, 9]
     sequential = [
-        executor.execute_model(_empty_step()),
+        executor.execute_model(empty_request()),
         executor.execute_model(_first_step("seq", prompt, [0])),
     ]
     token = sequential[1].sampled_token_ids[0][0]
     sequential.append(executor.execute_model(_decode_step("seq", token, len(prompt))))
 
-    first = executor.execute_model_async(_empty_step(["seq"]))
+    first = executor.execute_model_async(empty_request(["seq"]))
     second = executor.execute_model_async(_first_step("pipe", prompt, [1]))
     in_flight = [first.result(), second.result()]
     assert executor.dispatch_mode == "compiled"
     third = executor.execute_model_async(_decode_step("pipe", token, len(prompt)))
-    fourth = executor.execute_model_async(_empty_step())
+    fourth = executor.execute_model_async(empty_request())
     in_flight += [third.result()]
     assert fourth.result().req_ids == []
     assert [_tokens(o) for o in in_flight] == [_tokens(o) for o in sequential]
     assert in_flight[1].req_ids == ["pipe"] and in_flight[2].req_ids == ["pipe"]
-    executor.execute_model(_empty_step(["pipe"]))
+    executor.execute_model(empty_request(["pipe"]))
 
 
 def test_a_step_message_over_2_mb_goes_through_the_compiled_graph(
@@ -168,19 +159,19 @@ def test_a_step_message_over_2_mb_goes_through_the_compiled_graph(
     assert len(encode(request)) > 2 * 1024 * 1024
     output = executor.execute_model(request)
     assert output.sampled_token_ids in ([], [[]])  # a partial prefill samples nothing
-    executor.execute_model(_empty_step(["long"]))
+    executor.execute_model(empty_request(["long"]))
     # Small messages still go through the (now larger) channels.
     small = executor.execute_model(_first_step("after", [1, 5, 9], [3]))
     assert small.req_ids == ["after"] and len(small.sampled_token_ids[0]) == 1
     assert executor.dispatch_mode == "compiled"
-    executor.execute_model(_empty_step(["after"]))
+    executor.execute_model(empty_request(["after"]))
 
 
 def test_a_worker_killed_mid_step_fails_the_step_within_seconds_and_then_every_step() -> None:
     executor = _executor()
     try:
         with forced("compiled"):
-            executor.execute_model(_empty_step())  # compiles the graph
+            executor.execute_model(empty_request())  # compiles the graph
         assert executor.dispatch_mode == "compiled"
         victim = 1 - executor.driver_rank  # the rank whose reply is not the output
         pid = ray.get(executor.workers[victim].__ray_call__.remote(lambda _: os.getpid()))
@@ -200,12 +191,12 @@ def test_a_worker_killed_mid_step_fails_the_step_within_seconds_and_then_every_s
                 output = executor.execute_model(_decode_step("r", token, computed))
                 token, computed = output.sampled_token_ids[0][0], computed + 1
                 if computed >= 15:  # one block of 16 tokens
-                    executor.execute_model(_empty_step(["r"]))
+                    executor.execute_model(empty_request(["r"]))
                     output = executor.execute_model(_first_step("r", prompt, [0]))
                     computed = len(prompt)
         assert time.monotonic() - killed_at[0] < 5
         with pytest.raises(EngineDeadError):
-            executor.execute_model(_empty_step())
+            executor.execute_model(empty_request())
         with pytest.raises(EngineDeadError):
             executor.check_health()
     finally:

@@ -34,7 +34,7 @@ from tests.engine.models.test_moe import (
     _CountingGroup,
     _greedy_steps,
 )
-from tests.engine.spawned_ranks import run_ranks, workers_on_one_group
+from tests.engine.spawned_ranks import greedy_steps, run_ranks, workers_on_one_group
 
 # Shared expert or not; DeepSeek's routing and latent attention.
 EP_MODELS = (
@@ -213,14 +213,58 @@ def test_enable_expert_parallel_must_be_a_bool(tmp_path: Path) -> None:
         EngineConfig.from_kwargs(model=str(_config_dir(tmp_path)), enable_expert_parallel=1)
 
 
+def test_data_parallel_configs_the_engine_cannot_run_are_refused_by_name(tmp_path: Path) -> None:
+    model = str(_config_dir(tmp_path))  # Qwen3-MoE, 8 experts; only config.json exists
+    ep = {"enable_expert_parallel": True}
+    refused = [
+        ({"data_parallel_size": 2}, r"^data_parallel_size: > 1 needs enable_expert_parallel"),
+        (
+            {"data_parallel_size": 2, "pipeline_parallel_size": 2, **ep},
+            r"^data_parallel_size: does not combine with pipeline parallelism",
+        ),
+        (
+            {"data_parallel_size": 3, **ep},
+            r"^enable_expert_parallel: needs num_experts \(8\) divisible by the EP size "
+            r"\(data_parallel_size x tensor_parallel_size\), got 3",
+        ),
+        (
+            {"data_parallel_size": 4, "tensor_parallel_size": 4, **ep},
+            r"^enable_expert_parallel: .* got 16",
+        ),
+        ({"data_parallel_size": 0}, r"^data_parallel_size: must be an integer >= 1, got 0"),
+        (
+            {
+                "data_parallel_size": 2,
+                "speculative_config": {
+                    "method": "draft_model",
+                    "model": model,
+                    "num_speculative_tokens": 2,
+                },
+                **ep,
+            },
+            r"^speculative_config: method draft_model does not combine with data_parallel_size",
+        ),
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig.from_kwargs(model=model, **kwargs)
+    dense = str(resolve_model_source("builtin:tiny-llama"))
+    with pytest.raises(ConfigError, match=r"^data_parallel_size: > 1 needs a mixture-of-experts"):
+        EngineConfig.from_kwargs(model=dense, data_parallel_size=2, **ep)
+    config = EngineConfig.from_kwargs(model=model, data_parallel_size=2, **ep)
+    assert (config.parallel.world_size, config.parallel.ep_size) == (2, 2)
+    assert config.parallel.executor_backend == "ray"
+
+
 # ---- EP = 2 equals TP = 1 ---------------------------------------------------------------------
 
 
-def _ep_worker_config(name: str, rank: int) -> EngineConfig:
+def _ep_worker_config(name: str, rank: int, tp: int = 2, dp: int = 1) -> EngineConfig:
     config = EngineConfig.from_kwargs(
         model=str(resolve_model_source(f"builtin:{name}")),
         dtype="float32",
-        tensor_parallel_size=2,
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
         enable_expert_parallel=True,
         num_kv_blocks=64,
         max_model_len=128,
@@ -352,3 +396,66 @@ def test_all_to_all_counts_are_checked_at_the_entry() -> None:
     with pytest.raises(ValueError, match=r"send_counts: must add up to the 2 rows of x"):
         group.all_to_all(torch.zeros(2, 3), [3], [3])
     assert group.all_to_all_counts([4]) == [4]
+
+
+# ---- data parallel: whole workers in lockstep -----------------------------------------------
+
+DP_MODELS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
+# Per DP rank: its prompts, the steps it idles before its prefill, its decode steps. Every
+# rank runs DP_STEPS steps in all, idling after its last decode step.
+DP_WORK = (
+    (TP_PROMPTS[:3], 0, TP_DECODE_STEPS),
+    (TP_PROMPTS[3:] + [[9, 8, 7, 6, 5]], 4, 6),
+)
+DP_STEPS = 4 + TP_DECODE_STEPS + 1
+
+
+def _dp_rank_main(rank: int, ports: Any, results: Any, dp: int, tp: int) -> None:
+    try:
+        out = {}
+        configs = {name: _ep_worker_config(name, rank, tp, dp) for name in DP_MODELS}
+        for name, worker in workers_on_one_group(rank, dp * tp, ports, configs):
+            dp_rank = rank // tp
+            prompts, idle_before, steps = DP_WORK[dp_rank]
+            tokens = greedy_steps(
+                worker, prompts, steps, prefix=f"{name}-", blocks_per_request=4,
+                driver_rank=dp_rank * tp, idle_before=idle_before,
+                idle_after=DP_STEPS - idle_before - steps - 1,
+                group=worker.ctx.tp,
+            )  # fmt: skip
+            held = {
+                (m.first_expert, m.num_local_experts)
+                for m in worker.runner.model.modules()
+                if isinstance(m, ParallelExperts)
+            }
+            out[name] = (tokens, held)
+        results.put((rank, out))
+    except BaseException as exc:
+        import traceback
+
+        results.put((rank, f"{exc!r}\n{traceback.format_exc()}"))
+
+
+@pytest.mark.slow  # ~30-50 s each: spawned ranks loading two models
+@pytest.mark.parametrize(("dp", "tp"), [(2, 1), (2, 2)], ids=["dp2-tp1", "dp2-tp2"])
+def test_data_parallel_workers_in_lockstep_give_tp1_greedy_tokens(dp: int, tp: int) -> None:
+    """DP x TP workers (gloo, spawned), each DP rank with its own requests: one idles for the
+    first steps and after its requests end while the other decodes (its MoE layers still take
+    part in every exchange). Every request's greedy tokens equal TP = 1's, for Qwen3-MoE and
+    DeepSeek-V3 (latent attention, grouped routing, shared experts)."""
+    for name in DP_MODELS:
+        resolve_model_source(f"builtin:{name}")  # built once, before the ranks race for it
+    results = run_ranks(_dp_rank_main, dp * tp, dp, tp)
+    per_rank = 8 // (dp * tp)
+    for name in DP_MODELS:
+        llm = LLM(str(resolve_model_source(f"builtin:{name}")), dtype="float32")
+        for rank, out in results.items():
+            tokens, held = out[name]
+            assert held == {(rank * per_rank, per_rank)}, (name, rank, held)
+            prompts, _, steps = DP_WORK[rank // tp]
+            params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+            expected = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+            )
+            assert tokens == [o.outputs[0].token_ids for o in expected], (name, rank)
+        llm.llm_engine.shutdown()
