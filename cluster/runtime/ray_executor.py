@@ -264,7 +264,7 @@ class RayExecutor(Executor):
             # Named, so operators (and fault-injection tests) can find a model's workers with
             # ``ray list actors`` / ``ray.util.list_named_actors``; owned by this process, so
             # they die with it.
-            name = f"{WORKER_NAME_PREFIX}{self.executor_id}:rank{rank}"
+            name = f"{WORKER_NAME_PREFIX}{self.model_id}:{self.executor_id}:rank{rank}"
             options: dict[str, Any] = {"scheduling_strategy": strategy, "name": name, **resources}
             if runtime_env:
                 options["runtime_env"] = runtime_env

@@ -1,7 +1,8 @@
 """Fault injection on a live deployment (a real local Ray and Serve): a worker actor killed
-mid-generation, the model's head actor (its engine core) killed mid-generation, its
-``LLMServer`` replica (the front, which owns the head) killed mid-generation, and the graceful
-drain of a replica that Serve stops (redeploy, ``cluster shutdown``).
+mid-generation (of a TP group, and of one rank of a data-parallel gang), the model's head actor
+(its engine core) killed mid-generation, its ``LLMServer`` replica (the front, which owns the
+head) killed mid-generation, and the graceful drain of a replica that Serve stops (redeploy,
+``cluster shutdown``).
 
 For each fault, every in-flight request of the model ends with a clear error within 30 s —
 a 503 body for a plain request, an error chunk then ``data: [DONE]`` for a stream, UNAVAILABLE
@@ -28,6 +29,9 @@ from tests.cluster.conftest import ServeCluster, health_checked_model, load_yaml
 APP = "faults"
 PREFIX = "/faults"
 FAULTY = "tiny-tp2"  # tensor-parallel over two worker actors: the model faults are injected in
+# A MoE model at data_parallel_size 2: two engine cores in one replica, one worker each, the
+# experts over both. One rank's death must take down and replace the whole gang.
+DP_FAULTY = "tiny-moe-dp2"
 STEADY = "tiny-llama"  # TP = 1, its head runs the worker: must keep serving throughout
 LONG = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
 ERROR_WITHIN_S = 30
@@ -36,9 +40,12 @@ RECOVER_WITHIN_S = 120
 
 def fault_config() -> dict[str, Any]:
     config = load_yaml("tiny.yaml")
+    dp = health_checked_model(DP_FAULTY, data_parallel_size=2, enable_expert_parallel=True)
+    dp["model_loading_config"]["model_source"] = "builtin:tiny-qwen3-moe"
     config["models"] = [
         health_checked_model(FAULTY, tensor_parallel_size=2),
         health_checked_model(STEADY),
+        dp,
     ]
     return config
 
@@ -188,20 +195,22 @@ def wait_for_running(model: str, count: int) -> None:
 # ---- the fault scenario, for either victim ----------------------------------------------------
 
 
-def run_fault(base_url: str, stub: llm_pb2_grpc.LLMStub, inject: Callable[[], None]) -> None:
+def run_fault(
+    base_url: str, stub: llm_pb2_grpc.LLMStub, inject: Callable[[], None], model: str = FAULTY
+) -> None:
     from cluster.serving.serve import deployment_name
 
     wait_for(lambda: health(base_url).status_code == 200, RECOVER_WITHIN_S, "a healthy app")
-    fronts = f"SERVE_REPLICA::{APP}#{deployment_name(FAULTY)}#"
+    fronts = f"SERVE_REPLICA::{APP}#{deployment_name(model)}#"
     fronts_before = set(named_actors(fronts))
     steady = SteadyTraffic(base_url)
-    streams = [SSEStream(base_url, FAULTY) for _ in range(2)]
+    streams = [SSEStream(base_url, model) for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
-        plain: Future[httpx.Response] = pool.submit(complete, base_url, FAULTY, 120, **LONG)
-        rpc: Future[list[Any]] = pool.submit(grpc_generate, stub, FAULTY)
+        plain: Future[httpx.Response] = pool.submit(complete, base_url, model, 120, **LONG)
+        rpc: Future[list[Any]] = pool.submit(grpc_generate, stub, model)
         for stream in streams:
             assert stream.started.wait(60), "the stream never started"
-        wait_for_running(FAULTY, 4)
+        wait_for_running(model, 4)
 
         injected_at = time.monotonic()
         inject()
@@ -210,13 +219,13 @@ def run_fault(base_url: str, stub: llm_pb2_grpc.LLMStub, inject: Callable[[], No
         response = plain.result(ERROR_WITHIN_S)
         assert response.status_code == 503, response.text
         error = response.json()["error"]
-        assert FAULTY in error["message"] and error["type"] == "ServiceUnavailableError"
+        assert model in error["message"] and error["type"] == "ServiceUnavailableError"
         for stream in streams:
             stream.join(ERROR_WITHIN_S)
             assert stream.failure is None, stream.failure
             assert stream.status == 200
             assert stream.events[-1] == "[DONE]"
-            assert FAULTY in stream.events[-2]["error"]["message"]
+            assert model in stream.events[-2]["error"]["message"]
             assert stream.ended_at - injected_at < ERROR_WITHIN_S
         with pytest.raises(grpc.RpcError) as rpc_error:
             rpc.result(ERROR_WITHIN_S)
@@ -230,26 +239,26 @@ def run_fault(base_url: str, stub: llm_pb2_grpc.LLMStub, inject: Callable[[], No
         assert set(named_actors(fronts)) - fronts_before, "healthy, with no new replica"
     else:
         assert unhealthy.status_code == 503, unhealthy.text
-        assert FAULTY in unhealthy.json()["error"]["message"]
+        assert model in unhealthy.json()["error"]["message"]
 
     # ... which it does: a fresh request succeeds within 120 s.
     def fresh_request_succeeds() -> bool:
         try:  # a request may wait for the replacement replica: give it the time left
             left = RECOVER_WITHIN_S - (time.monotonic() - errored_at)
-            return complete(base_url, FAULTY, timeout_s=max(left, 1)).status_code == 200
+            return complete(base_url, model, timeout_s=max(left, 1)).status_code == 200
         except httpx.TimeoutException:
             return False
 
     wait_for(
         fresh_request_succeeds,
         RECOVER_WITHIN_S - (time.monotonic() - errored_at),
-        f"a fresh request to {FAULTY} to succeed",
+        f"a fresh request to {model} to succeed",
         poll_s=1.0,
     )
     assert health(base_url).status_code == 200
     statuses = steady.stop()
     assert statuses and set(statuses) == {200}, statuses  # the other model never failed
-    state = request_state(FAULTY)
+    state = request_state(model)
     assert all(v == 0 for v in state["head"].values()) and not any(state["workers"]), state
     assert state["kv_free_blocks"] == state["kv_total_blocks"]
 
@@ -257,12 +266,41 @@ def run_fault(base_url: str, stub: llm_pb2_grpc.LLMStub, inject: Callable[[], No
 def test_worker_actor_killed_mid_generation(base_url: str, grpc_stub: llm_pb2_grpc.LLMStub) -> None:
     from cluster.runtime.ray_executor import WORKER_NAME_PREFIX
 
-    workers = named_actors(WORKER_NAME_PREFIX)
+    prefix = f"{WORKER_NAME_PREFIX}{FAULTY}:"
+    workers = named_actors(prefix)
     assert len(workers) == 2, workers  # the TP = 2 model's two ranks
     run_fault(base_url, grpc_stub, lambda: kill(workers[-1]))
     # The replacement replica brought up new workers; the killed one is gone.
-    assert workers[-1] not in named_actors(WORKER_NAME_PREFIX)
-    assert len(named_actors(WORKER_NAME_PREFIX)) == 2
+    assert workers[-1] not in named_actors(prefix)
+    assert len(named_actors(prefix)) == 2
+
+
+def test_a_data_parallel_rank_killed_replaces_the_whole_gang(
+    base_url: str, grpc_stub: llm_pb2_grpc.LLMStub
+) -> None:
+    """DP rank 1's worker dies mid-generation: every in-flight request of the model (both
+    cores') ends with its error, and the replica, the gang, is replaced as one: both ranks'
+    workers new, one new placement group, the old one removed."""
+    from cluster.runtime.ray_executor import WORKER_NAME_PREFIX
+
+    prefix = f"{WORKER_NAME_PREFIX}{DP_FAULTY}:"
+    workers = named_actors(prefix)
+    assert len(workers) == 2, workers  # DP 2 x TP 1
+    groups_before = live_placement_groups()
+    run_fault(base_url, grpc_stub, lambda: kill(workers[-1]), model=DP_FAULTY)
+    replacement = named_actors(prefix)
+    assert len(replacement) == 2 and not set(replacement) & set(workers), replacement
+    groups_after = live_placement_groups()
+    assert len(groups_before - groups_after) == 1, (groups_before, groups_after)
+    assert len(groups_after - groups_before) == 1, (groups_before, groups_after)
+
+
+def live_placement_groups() -> set[str]:
+    """Ids of the placement groups Ray holds now (created, not removed)."""
+    import ray
+
+    table = ray.util.placement_group_table()
+    return {pg_id for pg_id, pg in table.items() if pg["state"] == "CREATED"}
 
 
 def test_head_actor_killed_mid_generation(base_url: str, grpc_stub: llm_pb2_grpc.LLMStub) -> None:
