@@ -37,7 +37,7 @@ from engine.model_checks import (
     with_checkpoint,
 )
 from engine.pp_partition import requested_partition
-from engine.quantization.config import ONLINE_METHODS
+from engine.quantization.config import ONLINE_METHODS, keeps_mxfp4_experts
 from engine.spec_decode.config import (
     SpeculativeArgs,
     SpeculativeConfig,
@@ -469,6 +469,17 @@ class EngineConfig:
         device = DeviceConfig(**groups["device"])
         kernel = KernelConfig(**groups["kernel"])
         check_kernel_device(kernel, device)
+        require(
+            parallel.data_parallel_size == 1
+            # (resolving the backend may build the CPU kernel: only for an MXFP4 checkpoint)
+            or not keeps_mxfp4_experts(model.hf_config, "triton")
+            or not keeps_mxfp4_experts(
+                model.hf_config, kernel.resolved_backend(device.device_type)
+            ),
+            "data_parallel_size",
+            f"> 1 does not cover MXFP4 experts kept quantized on the triton kernels (they have "
+            f"no token exchange); got {parallel.data_parallel_size}",
+        )
         speculative = SpeculativeArgs(**groups["speculative"])
         check_speculative_support(
             speculative.speculative_config,

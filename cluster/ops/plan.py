@@ -284,12 +284,15 @@ def format_model(model: ModelPlan) -> str:
     if plan is None:
         lines.append(f"  {model.skipped}")
         return "\n".join(lines)
-    devices = plan.tensor_parallel_size * plan.pipeline_parallel_size
+    dp = plan.data_parallel_size
+    devices = plan.tensor_parallel_size * plan.pipeline_parallel_size * dp
     unit = "GPU" if plan.device == "cuda" else "CPU worker"
+    shape = f"TP {plan.tensor_parallel_size} x PP {plan.pipeline_parallel_size}"
+    if dp > 1:
+        shape = f"DP {dp} x {shape}"
     lines.append(
         f"  {model.model_source}: {plan.architecture}, {plan.dtype}, max_model_len "
-        f"{plan.max_model_len}, TP {plan.tensor_parallel_size} x PP "
-        f"{plan.pipeline_parallel_size} = {devices} {unit}{'s' if devices > 1 else ''} "
+        f"{plan.max_model_len}, {shape} = {devices} {unit}{'s' if devices > 1 else ''} "
         "per replica"
     )
     own = str(Path(model.model_source).expanduser() / "config.json")
@@ -375,6 +378,13 @@ def _kv_summary(plan: MemoryPlan) -> str:
         blocks = (
             f"the full-attention group's {tokens // plan.block_size:,} blocks of "
             f"{plan.block_size}, from {plan.kv_blocks:,} of every layer, the fewest of any {where}"
+        )
+    if plan.data_parallel_size > 1:
+        return (
+            f"  KV cache per engine core ({plan.data_parallel_size} per replica, each on its "
+            f"own TP group): {tokens:,} tokens ({blocks}); longest sequence {tokens:,} tokens; "
+            f"{plan.max_concurrent_sequences:,} sequence(s) of max_model_len "
+            f"{plan.max_model_len} at once per replica"
         )
     return (
         f"  KV cache per replica: {tokens:,} tokens ({blocks}); longest sequence {tokens:,} "

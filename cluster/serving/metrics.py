@@ -12,6 +12,13 @@ counted on the device and read once per snapshot, see ``engine.models.expert_loa
         layer's per-expert counts since the replica started (1 = perfectly even, E = every
         token to one expert); a recent window is PromQL over the counter (README)
 
+Data-parallel replicas (``data_parallel_size`` > 1) add each engine core's load, ``core`` its
+index (``CoreStats.cores``):
+
+    llm_cluster_core_requests_running{model, replica, core}   gauge
+    llm_cluster_core_requests_waiting{model, replica, core}   gauge
+    llm_cluster_core_kv_cache_usage_perc{model, replica, core} gauge: the core's own KV cache
+
 Speculative decoding (vLLM's names; counters since the replica started, from ``CoreStats``):
 
     llm_cluster_spec_decode_num_drafts_total{model, replica}          verification steps
@@ -80,6 +87,22 @@ class ModelMetrics:
             "MoE: max / mean of a sparse layer's per-expert token counts (1 = even).",
             tag_keys=(*_TAGS, "layer"),
         )
+        core_tags = (*_TAGS, "core")
+        self.core_running = Gauge(
+            PREFIX + "core_requests_running",
+            "Requests running on the engine core.",
+            tag_keys=core_tags,
+        )
+        self.core_waiting = Gauge(
+            PREFIX + "core_requests_waiting",
+            "Requests waiting on the engine core.",
+            tag_keys=core_tags,
+        )
+        self.core_kv_usage = Gauge(
+            PREFIX + "core_kv_cache_usage_perc",
+            "The engine core's KV cache blocks in use, percent.",
+            tag_keys=core_tags,
+        )
         # Speculative decoding (vLLM's metric names).
         self.spec_drafts = counter("spec_decode_num_drafts_total", "Verification steps.")
         self.spec_draft_tokens = counter(
@@ -130,6 +153,11 @@ class ModelMetrics:
             if now > before:
                 counter.inc(now - before, self.tags)
         self._publish_expert_load(stats.moe_expert_tokens, last.moe_expert_tokens)
+        for index, core in enumerate(stats.cores):
+            tags = {**self.tags, "core": str(index)}
+            self.core_running.set(core.num_running, tags)
+            self.core_waiting.set(core.num_waiting, tags)
+            self.core_kv_usage.set(100.0 * core.kv_usage, tags)
         before = last.spec_accepted_per_pos
         for pos, now in enumerate(stats.spec_accepted_per_pos):
             added = now - (before[pos] if pos < len(before) else 0)

@@ -37,6 +37,7 @@ from engine.client.core_messages import (
     AddRequest,
     AddResult,
     ChoiceDelta,
+    CoreLoad,
     CoreStats,
     RequestDelta,
     StepOutputs,
@@ -369,6 +370,9 @@ class EngineCoreLoop:
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_pos=list(spec.accepted_per_pos),
+            cores=[
+                CoreLoad(c.num_running, c.num_waiting, usage) for c, usage in engine.core_loads()
+            ],
         )
 
     def _fail_commands(self, error: EngineDeadError) -> None:

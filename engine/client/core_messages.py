@@ -138,6 +138,14 @@ def decode_steps(data: bytes) -> list[StepOutputs]:
     return _STEPS_DECODER.decode(data)
 
 
+class CoreLoad(msgspec.Struct, array_like=True):
+    """One data-parallel engine core's load in a ``CoreStats`` snapshot."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of the core's blocks held by requests, in [0, 1]
+
+
 class CoreStats(msgspec.Struct):
     """A snapshot taken on the core thread between steps."""
 
@@ -160,6 +168,8 @@ class CoreStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # data_parallel_size > 1: each engine core's load, in core order (empty for one core).
+    cores: list[CoreLoad] = []
 
     @property
     def prefix_cache_hit_rate(self) -> float:

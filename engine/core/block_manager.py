@@ -503,7 +503,15 @@ class BlockManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)
-        hit = max_blocks
+        hit = self._longest_hit(hashes, max_blocks)
+        if hit == 0:
+            return [], 0
+        blocks = [b for g in self.groups for b in g.hit_blocks(hashes, hit)]
+        return blocks, hit * self.block_size
+
+    def _longest_hit(self, hashes: list[bytes], limit: int) -> int:
+        """Leading blocks (at most ``limit``) of this hash chain that every group holds."""
+        hit = limit
         while True:
             # Each group's longest hit at most ``hit``; a sliding group's may be shorter than
             # a later group's, so go round until every group agrees.
@@ -511,12 +519,24 @@ class BlockManager:
             for group in self.groups:
                 agreed = group.longest_hit(hashes, agreed)
             if agreed == hit:
-                break
+                return hit
             hit = agreed
-        if hit == 0:
-            return [], 0
-        blocks = [b for g in self.groups for b in g.hit_blocks(hashes, hit)]
-        return blocks, hit * self.block_size
+
+    def cached_prefix_tokens(
+        self, token_ids: list[int], cache_salt: str | None = None, lora: str | None = None
+    ) -> int:
+        """Tokens of a prompt's leading blocks cached here now, as a request with this salt
+        and adapter (``LoRARequest.prefix_key``) would find them; nothing is changed."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        hashes: list[bytes] = []
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(
+                hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], cache_salt, lora)
+            )
+        return self._longest_hit(hashes, len(hashes)) * bs
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache."""

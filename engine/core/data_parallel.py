@@ -8,7 +8,7 @@ exchange tokens in each layer (``parallel.moe``). So the cores step in lockstep:
 every core's batch at once, an empty one for a core with nothing to run (its workers still take
 part in the exchanges, ``ModelRunner._exchange_nothing``), and hands each core its output::
 
-    add_request ──▶ the core with the fewest unfinished requests (then the lowest index)
+    add_request ──▶ the core with the longest cached prefix, then the fewest unfinished requests
     step ──▶ core 0 … N-1 schedule ──▶ one DataParallelStep to every worker
          ◀── each core's output (its TP group's sampling worker) ──▶ core d updates its requests
 
@@ -26,9 +26,12 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.block_manager import KVCacheStats
-from engine.core.llm_engine import EngineCounters, EngineOutput, LLMEngine
+from engine.core.llm_engine import EngineCounters, EngineOutput, LLMEngine, PromptType
 from engine.core.request import Request
-from engine.errors import EngineDeadError, check_request_id_unused
+from engine.errors import EngineDeadError, InvalidRequestError, check_request_id_unused
+from engine.lora_request import LoRARequest
+from engine.pooling_params import PoolingParams
+from engine.sampling_params import SamplingParams
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.worker.executor import Executor, get_executor_class
 from engine.worker.step_messages import ExecuteModelRequest, ModelRunnerOutput, empty_request
@@ -74,13 +77,38 @@ class DataParallelEngine:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def add_request(self, request_id: str, *args: Any, **kwargs: Any) -> Request:
-        """``LLMEngine.add_request`` on the core with the fewest unfinished requests."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams | None = None,
+        **options: Any,
+    ) -> Request:
+        """``LLMEngine.add_request`` (the same arguments) on the core ``_pick_core`` picks."""
         check_request_id_unused(request_id, self._owner)
-        core = min(self.cores, key=LLMEngine.get_num_unfinished_requests)
-        request = core.add_request(request_id, *args, **kwargs)
+        core = self._pick_core(prompt, options.get("cache_salt"), options.get("lora_request"))
+        request = core.add_request(request_id, prompt, params, **options)
         self._owner[request_id] = core
         return request
+
+    def _pick_core(
+        self, prompt: PromptType, cache_salt: str | None, lora_request: LoRARequest | None
+    ) -> LLMEngine:
+        """The core holding the longest cached prefix of the prompt, then the one with the
+        fewest unfinished requests, then the emptiest KV cache, then the lowest index (as the
+        ingress routes across replicas: prefix first, load after)."""
+        try:
+            _, token_ids = self.inputs.tokenize(prompt)
+        except InvalidRequestError:
+            token_ids = []  # the core refuses it, with the reason
+        lora = lora_request.prefix_key if lora_request is not None else None
+
+        def cost(core: LLMEngine) -> tuple[int, int, float]:
+            cached = core.block_manager.cached_prefix_tokens(token_ids, cache_salt, lora)
+            usage = core.get_kv_cache_stats().usage
+            return -cached, core.get_num_unfinished_requests(), usage
+
+        return min(self.cores, key=cost)
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[EngineOutput]:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -144,6 +172,10 @@ class DataParallelEngine:
             cpu_free=sum(p.cpu_free for p in parts),
             group_usage=tuple(sum(g) / len(parts) for g in usage),
         )
+
+    def core_loads(self) -> list[tuple[EngineCounters, float]]:
+        """Each core's counters and KV usage, in core order (per-core ``/metrics``)."""
+        return [(core.counters(), core.get_kv_cache_stats().usage) for core in self.cores]
 
     def counters(self) -> EngineCounters:
         parts = [core.counters() for core in self.cores]

@@ -744,6 +744,10 @@ class LLMEngine:
     def get_kv_cache_stats(self) -> KVCacheStats:
         return self.block_manager.stats()
 
+    def core_loads(self) -> list[tuple[EngineCounters, float]]:
+        """Each data-parallel core's counters and KV usage; none for a single core."""
+        return []
+
     def counters(self) -> EngineCounters:
         """The scheduler's and prefix cache's numbers for metrics."""
         sched, blocks = self.scheduler, self.block_manager

@@ -118,6 +118,9 @@ class PlanSettings:
     pipeline_parallel_size: int = 1
     pp_layer_partition: tuple[int, ...] | None = None
     enable_expert_parallel: bool = False
+    # Engine cores of one replica, each on its own TP group with its own KV cache; the experts
+    # split over all data_parallel_size x tensor_parallel_size GPUs (engine.core.data_parallel).
+    data_parallel_size: int = 1
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -256,6 +259,9 @@ class MemoryPlan:
     notes: tuple[str, ...] = field(default=())
     # KV cache groups (one for a model without sliding windows shorter than max_model_len).
     kv_groups: tuple[KVGroupPlan, ...] = field(default=())
+    # Engine cores of the replica, each its TP group (the GPU figures of ``stages``) and its
+    # own KV cache of ``kv_blocks``.
+    data_parallel_size: int = 1
 
     @property
     def fits(self) -> bool:
@@ -274,8 +280,13 @@ class MemoryPlan:
 
     @property
     def max_concurrent_sequences(self) -> int | None:
-        """Sequences of ``max_model_len`` tokens the KV cache holds at once: the fewest any
-        KV cache group holds (a sliding group, one decode step's window of each)."""
+        """Sequences of ``max_model_len`` tokens the replica's KV cache holds at once: the
+        fewest any KV cache group holds (a sliding group, one decode step's window of each),
+        times its data-parallel cores."""
+        per_core = self._sequences_per_core()
+        return None if per_core is None else per_core * self.data_parallel_size
+
+    def _sequences_per_core(self) -> int | None:
         tokens = self.kv_tokens
         if tokens is None:
             return None
@@ -506,6 +517,7 @@ def stage_weight_bytes(
     quant: _Quant | None = None,
     expert_parallel: bool = False,
     backend: str = "torch",
+    ep_size: int | None = None,
 ) -> dict[str, int]:
     """Bytes of one rank's parameters, by part: exactly what the model code allocates (an
     MoE model's feed-forward by ``engine.worker.memory_plan_moe``, TP- or EP-placed; ``backend`` the
@@ -548,7 +560,7 @@ def stage_weight_bytes(
     if memory_plan_moe.is_moe(hf):
         moe = memory_plan_moe.moe_weight_bytes(
             hf, first_layer, end_layer, tp=shape.tp, expert_parallel=expert_parallel,
-            dtype_bytes=dtype_bytes, linear=linear,
+            ep_size=ep_size, dtype_bytes=dtype_bytes, linear=linear,
             mxfp4=keeps_mxfp4_experts(hf, backend),
         )  # fmt: skip
         parts.update(moe)
@@ -688,7 +700,11 @@ def reserve_bytes(settings: PlanSettings) -> int:
     """CUDA memory outside torch's allocator on one rank (estimates, see the constants)."""
     if settings.device != "cuda":
         return 0
-    communicators = (settings.tensor_parallel_size > 1) + (settings.pipeline_parallel_size > 1)
+    communicators = (
+        (settings.tensor_parallel_size > 1)
+        + (settings.pipeline_parallel_size > 1)
+        + (settings.data_parallel_size > 1)  # the EP group over the data-parallel ranks
+    )
     graphs = CUDA_GRAPH_POOL_BYTES if uses_cuda_graphs(settings) else 0
     return CUDA_CONTEXT_BYTES + communicators * NCCL_COMMUNICATOR_BYTES + graphs
 
@@ -814,6 +830,7 @@ def _plan(
         problems=(),
         notes=tuple(notes),
         kv_groups=_kv_groups(hf, settings, stages, kv_blocks, max_model_len, batched),
+        data_parallel_size=settings.data_parallel_size,
     )
     problems.extend(memory_problems(plan, settings))
     return replace(plan, problems=tuple(problems))
@@ -836,6 +853,7 @@ def _stage(
     weights = stage_weight_bytes(
         hf, shape, first, end, pp_rank == 0, is_last, dtype_bytes, quant,
         expert_parallel=settings.enable_expert_parallel, backend=kernel_backend(settings),
+        ep_size=settings.tensor_parallel_size * settings.data_parallel_size,
     )  # fmt: skip
     # An FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3) stores 1 byte per element.
     kv_dtype_bytes = dtype_bytes if settings.kv_cache_dtype == "auto" else 1
@@ -951,6 +969,8 @@ def memory_problems(plan: MemoryPlan, settings: PlanSettings) -> list[str]:
     problems = []
     usable = plan.usable_gpu_bytes
     shape_text = f"TP {plan.tensor_parallel_size} x PP {plan.pipeline_parallel_size}"
+    if plan.data_parallel_size > 1:
+        shape_text = f"DP {plan.data_parallel_size} x {shape_text}"
     weights_fail = False
     if plan.device == "cuda" and usable is not None:
         for stage in plan.stages:

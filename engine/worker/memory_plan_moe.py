@@ -48,6 +48,7 @@ def moe_weight_bytes(
     dtype_bytes: int,
     linear: LinearBytes,
     mxfp4: bool = False,
+    ep_size: int | None = None,
 ) -> dict[str, int]:
     """One rank's feed-forward bytes over layers ``[first_layer, end_layer)``: ``mlp`` (the
     dense layers), ``experts``, ``router`` and ``shared_expert`` (with its gate); ``mxfp4``:
@@ -62,13 +63,17 @@ def moe_weight_bytes(
     hidden = int(hf["hidden_size"])
     num_experts = hf_config.num_experts(conf)
     expert_inter = hf_config.moe_intermediate_size(conf)
+    ep = ep_size or tp
     if expert_parallel:
-        if num_experts % tp:
+        if num_experts % ep:
+            what = (
+                "tensor_parallel_size" if ep == tp else "data_parallel_size x tensor_parallel_size"
+            )
             raise ConfigError(
                 f"enable_expert_parallel: needs num_experts ({num_experts}) divisible by the "
-                f"EP size (tensor_parallel_size), got {tp}"
+                f"EP size ({what}), got {ep}"
             )
-        local_experts, expert_slice = num_experts // tp, expert_inter
+        local_experts, expert_slice = num_experts // ep, expert_inter
     else:
         local_experts, expert_slice = num_experts, _split(expert_inter, tp, "moe intermediate")
     # The routed experts are dequantized at load (the loader keeps only linear layers

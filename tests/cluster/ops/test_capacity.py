@@ -53,6 +53,18 @@ def test_stages_on_separate_nodes_fit() -> None:
     assert placement_shortfalls(config, {"node a": _gpu_node(4), "node b": _gpu_node(4)}) == {}
 
 
+def test_data_parallel_ranks_are_one_tp_group_each_in_the_replicas_bundles() -> None:
+    config = _config(
+        "H100", tensor_parallel_size=4, data_parallel_size=2, enable_expert_parallel=True
+    )
+    model = config.models[0]
+    assert model.world_size == 8
+    assert model.placement_group_bundles()[2:] == [{"GPU": 4.0, "accelerator_type:H100": 0.001}] * 2
+    assert replica_shortfall(model, {"node a": _gpu_node(4), "node b": _gpu_node(4)}) is None
+    why = replica_shortfall(model, {"node a": _gpu_node(6), "node b": _gpu_node(2)})
+    assert why is not None and "x data_parallel_size 2 needs 2 TP group(s) of 4 GPU" in why
+
+
 def test_too_few_nodes_for_the_stages_is_refused() -> None:
     config = _config("H100", tensor_parallel_size=4, pipeline_parallel_size=2)
     why = replica_shortfall(config.models[0], {"node a": _gpu_node(6), "node b": _gpu_node(2)})

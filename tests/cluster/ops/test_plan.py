@@ -23,6 +23,7 @@ from tests.engine.worker.test_memory_plan import (
     GPT_OSS_120B,
     KIMI_K2,
     LLAMA_3_70B,
+    QWEN3_30B_A3B,
 )
 
 MODEL_ID = "meta-llama/Meta-Llama-3-70B-Instruct"
@@ -33,11 +34,12 @@ LAYER_BYTES = (20 * 128 * 8192 + 8192 * 2048 + 14336 * 8192 + 8192 * 7168 + 2 * 
 TABLE_BYTES = 128256 // 4 * 8192 * 2
 
 
-def llama70b_yaml(tmp_path: Path, **engine_kwargs: Any) -> Path:
-    """configs/llama70b.yaml, its checkpoint a tmp dir with the real config.json."""
+def llama70b_yaml(tmp_path: Path, hf: dict[str, Any] = LLAMA_3_70B, **engine_kwargs: Any) -> Path:
+    """configs/llama70b.yaml, its checkpoint a tmp dir with the real config.json (``hf``:
+    another model's, in the same deployment)."""
     model_dir = tmp_path / "Meta-Llama-3-70B-Instruct"
     model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(LLAMA_3_70B))
+    (model_dir / "config.json").write_text(json.dumps(hf))
     data = copy.deepcopy(load_yaml("llama70b.yaml"))
     model = data["models"][0]
     model["model_loading_config"]["model_source"] = str(model_dir)
@@ -59,6 +61,24 @@ def test_cluster_plan_prints_the_per_gpu_figures_of_each_stage_and_exits_0(
     assert f"{(41 * LAYER_BYTES + TABLE_BYTES) / 2**30:.2f} GiB" in out  # 16.83 GiB
     assert "sequence(s) of max_model_len 8192 at once" in out
     assert "estimates" in out
+
+
+def test_cluster_plan_sizes_data_parallel_cores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-30B-A3B at DP 2 x TP 4: eight GPUs a replica, the experts split over all eight,
+    each core's KV cache its own."""
+    kwargs = {"data_parallel_size": 2, "enable_expert_parallel": True, "max_model_len": 32768}
+    path = llama70b_yaml(tmp_path, QWEN3_30B_A3B, pipeline_parallel_size=1, **kwargs)
+    assert main(["plan", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["models"][0]["plan"]
+    assert plan["data_parallel_size"] == 2
+    assert plan["stages"][0]["weight_breakdown"]["experts"] == 48 * 16 * 3 * 2048 * 768 * 2
+    assert plan["max_concurrent_sequences"] == 2 * (plan["kv_tokens"] // 32768)
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "DP 2 x TP 4 x PP 1 = 8 GPUs per replica" in out
+    assert "KV cache per engine core (2 per replica, each on its own TP group)" in out
 
 
 def test_cluster_plan_json_carries_every_figure(

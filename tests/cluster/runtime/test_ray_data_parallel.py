@@ -24,6 +24,9 @@ ENGINE_ARGS: dict[str, Any] = {
 MODELS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 MAX_TOKENS = 12
 
+# A local Ray for this module, stopped after it (tests/cluster/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=4)]
+
 
 def _prompts() -> list[list[int]]:
     rng = random.Random(11)
@@ -59,27 +62,32 @@ def dp2(request: pytest.FixtureRequest) -> Iterator[tuple[str, LLM]]:
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.slow
+def _dp_engine(llm: LLM) -> DataParallelEngine:
+    engine = llm.llm_engine
+    assert isinstance(engine, DataParallelEngine) and len(engine.cores) == 2
+    return engine
+
+
 def test_dp2_greedy_tokens_equal_tp1_with_chunked_prefill_and_preemption(
     dp2: tuple[str, LLM],
 ) -> None:
     model, llm = dp2
-    engine = llm.llm_engine
-    assert isinstance(engine, DataParallelEngine) and len(engine.cores) == 2
+    engine = _dp_engine(llm)
     preempted = engine.counters().num_preemptions
     outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], _params(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == _expected(model)
     assert engine.counters().num_preemptions > preempted, "the run was meant to preempt"
-    # Nothing is left behind on either core.
+    # Nothing is left behind on either core; per-core loads (per-core /metrics) add up.
     assert engine.request_state_sizes()["data_parallel_owners"] == 0
     assert not engine.has_unfinished_requests()
+    loads = engine.core_loads()
+    assert len(loads) == 2 and all(usage == 0.0 for _, usage in loads)
+    assert sum(c.num_preemptions for c, _ in loads) == engine.counters().num_preemptions
 
 
-@pytest.mark.slow
 def test_a_core_idle_for_several_steps_then_busy_keeps_tp1_tokens(dp2: tuple[str, LLM]) -> None:
     model, llm = dp2
-    engine = llm.llm_engine
-    assert isinstance(engine, DataParallelEngine)
+    engine = _dp_engine(llm)
     prompts = _prompts()
     tokens: dict[str, list[int]] = {}
 
@@ -103,3 +111,29 @@ def test_a_core_idle_for_several_steps_then_busy_keeps_tp1_tokens(dp2: tuple[str
         step()
     expected = _expected(model)
     assert [tokens[f"idle-{i}"] for i in range(len(prompts))] == expected
+
+
+def test_a_request_goes_to_the_core_holding_its_prefix_then_to_the_least_loaded(
+    dp2: tuple[str, LLM],
+) -> None:
+    engine = _dp_engine(dp2[1])
+    shared = list(range(100, 164))  # four full blocks
+
+    def add(rid: str, prompt: list[int]) -> None:
+        engine.add_request(rid, {"prompt_token_ids": prompt}, _params())
+
+    def owner(rid: str) -> int:
+        return engine.cores.index(engine._owner[rid])
+
+    add("prefix-a", [*shared, 1, 2, 3])  # both cores idle and empty: the lowest index
+    assert owner("prefix-a") == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    add("other", [7] * 20)  # no prefix cached anywhere, both idle: core 0 again
+    add("prefix-b", [*shared, 4, 5])  # core 0 holds its prefix: core 0, though it is busier
+    add("another", [9] * 20)  # no prefix: the less loaded core
+    assert [owner(r) for r in ("other", "prefix-b", "another")] == [0, 0, 1]
+    hits = engine.cores[0].counters().prefix_cache_hits
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.cores[0].counters().prefix_cache_hits >= hits + len(shared)

@@ -10,6 +10,7 @@ import pytest
 
 from cluster.serving.metrics import ModelMetrics, expert_load_imbalance
 from engine.client.async_llm_engine import EngineStats
+from engine.client.core_messages import CoreLoad
 from tests.cluster.serving.metric_recorders import prometheus_text, recorded_model_metrics
 
 
@@ -48,3 +49,19 @@ def test_imbalance_is_max_over_mean() -> None:
     assert expert_load_imbalance([5, 5, 5, 5]) == 1.0
     assert expert_load_imbalance([8, 0, 0, 0]) == 4.0
     assert expert_load_imbalance([0, 0]) is None
+
+
+def test_a_data_parallel_replica_publishes_each_cores_load(model_metrics: ModelMetrics) -> None:
+    cores = [CoreLoad(3, 0, 0.25), CoreLoad(1, 2, 0.5)]
+    model_metrics.publish(EngineStats(4, 2, 0, 0, 0.375, 0, 0, 0, 0, 0, 0, cores=cores))
+    text = prometheus_text()
+    tags = 'model="moe",replica="r1"'
+    assert f'llm_cluster_core_requests_running{{core="0",{tags}}} 3\n' in text
+    assert f'llm_cluster_core_requests_waiting{{core="1",{tags}}} 2\n' in text
+    assert f'llm_cluster_core_kv_cache_usage_perc{{core="1",{tags}}} 50\n' in text
+    assert f"llm_cluster_requests_running{{{tags}}} 4\n" in text  # the replica's, all cores
+
+
+def test_a_single_core_replica_publishes_no_core_series(model_metrics: ModelMetrics) -> None:
+    model_metrics.publish(_stats({}))
+    assert "llm_cluster_core_" not in prometheus_text()

@@ -106,6 +106,21 @@ def test_different_cache_salt_never_shares_blocks() -> None:
     assert bm.get_computed_blocks(c)[1] == 8
 
 
+def test_cached_prefix_tokens_counts_what_a_request_would_reuse_and_changes_nothing() -> None:
+    bm = BlockManager(10, BS)
+    a = make_request("a", list(range(9)), salt="tenant-1")
+    compute(bm, a, 9)
+    before = (bm.stats(), bm.prefix_queries, bm.prefix_hits)
+    # As get_computed_blocks would: whole blocks, the last token always left to compute.
+    assert bm.cached_prefix_tokens(list(range(9)), "tenant-1") == 8
+    assert bm.cached_prefix_tokens(list(range(8)), "tenant-1") == 4
+    assert bm.cached_prefix_tokens([*range(4), 99, 5, 6, 7, 8], "tenant-1") == 4
+    assert bm.cached_prefix_tokens(list(range(9)), "tenant-2") == 0
+    assert bm.cached_prefix_tokens(list(range(9)), "tenant-1", lora="1:x:/a") == 0
+    assert bm.cached_prefix_tokens([], None) == 0
+    assert (bm.stats(), bm.prefix_queries, bm.prefix_hits) == before
+
+
 def test_block_hash_chains_parent() -> None:
     h1 = hash_block_tokens(None, [1, 2, 3, 4], None)
     assert hash_block_tokens(h1, [5, 6, 7, 8], None) != hash_block_tokens(None, [5, 6, 7, 8], None)

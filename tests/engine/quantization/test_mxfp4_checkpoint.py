@@ -121,8 +121,14 @@ def test_kept_mxfp4_ranks_sum_to_the_dequantized_layer(expert_parallel: bool) ->
 
 
 def test_kept_mxfp4_experts_under_data_parallel_ep_are_refused_by_name() -> None:
-    """Kept MXFP4 experts compute through the fused kernel only; a data-parallel EP group
-    (whose ranks exchange tokens) is refused when the layer is built, not served otherwise."""
+    """Kept MXFP4 experts compute through the fused kernel only, which has no token exchange:
+    data parallelism is refused by the engine config before anything is placed, and by the
+    layer itself if built so. Dequantized (the torch kernels) they are served."""
+    model = str(materialize_tiny_gpt_oss_mxfp4())
+    dp = {"data_parallel_size": 2, "enable_expert_parallel": True}
+    with pytest.raises(ConfigError, match=r"^data_parallel_size: > 1 does not cover MXFP4"):
+        EngineConfig.from_kwargs(model=model, attention_backend="triton", **dp)
+    EngineConfig.from_kwargs(model=model, attention_backend="torch", **dp)
     ep = GroupCoordinator(rank=1, size=2, ranks=(0, 1))
     with pytest.raises(ValueError, match=r"MXFP4 experts kept quantized .* no token exchange"):
         _experts("triton", ParallelContext(expert_parallel=True, ep=ep))

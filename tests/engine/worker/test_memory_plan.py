@@ -164,15 +164,21 @@ def builtin_config(name: str, **overrides: Any) -> dict[str, Any]:
 def meta_rank(
     hf: dict[str, Any], dtype: str, tp: int, tp_rank: int, pp: int, pp_rank: int,
     partition: tuple[int, ...] | None = None, expert_parallel: bool = False,
-    backend: str = "torch",
+    backend: str = "torch", dp: int = 1, dp_rank: int = 0,
 ) -> torch.nn.Module:  # fmt: skip
     """One rank's model built the way ``model_loader.load_model`` builds it, on meta, with the
-    kernels of ``backend`` (MXFP4 experts stay MXFP4 on Triton's)."""
+    kernels of ``backend`` (MXFP4 experts stay MXFP4 on Triton's); with ``dp`` > 1, DP rank
+    ``dp_rank``'s, its experts a share of the EP group over all DP x TP ranks."""
+    ep = None
+    if dp > 1:
+        ranks = tuple(range(dp * tp))
+        ep = GroupCoordinator(rank=dp_rank * tp + tp_rank, size=dp * tp, ranks=ranks)
     ctx = ParallelContext(
         tp=GroupCoordinator(rank=tp_rank, size=tp, ranks=tuple(range(tp))),
         pp=GroupCoordinator(rank=pp_rank, size=pp, ranks=tuple(range(pp))),
         layer_partition=partition,
         expert_parallel=expert_parallel,
+        ep=ep,
     )
     model_class = MODEL_REGISTRY[hf["architectures"][0]]
     with torch.device("meta"), _default_dtype(_DTYPES[dtype]):
@@ -204,21 +210,23 @@ def check_against_meta_builds(
     partition = kwargs.get("pp_layer_partition")
     partition = tuple(partition) if partition else None
     ep = kwargs.get("enable_expert_parallel", False)
+    dp = kwargs.get("data_parallel_size", 1)
     assert len(plan.stages) == pp
-    for stage in plan.stages:
-        for tp_rank in range(tp):
-            model = meta_rank(
-                hf, plan.dtype, tp, tp_rank, pp, stage.pp_rank, partition, ep, backend
-            )
-            where = f"tp rank {tp_rank}, pp stage {stage.pp_rank}"
-            assert stage.weight_bytes == tensor_bytes(model.parameters()), where
-            assert stage.buffer_bytes == tensor_bytes(model.buffers()), where
-            assert (model.model.start_layer, model.model.end_layer) == (
-                stage.first_layer,
-                stage.end_layer,
-            ), where
-            per_token = runner_kv_bytes_per_token(model, model_dir, kwargs)
-            assert stage.kv_bytes_per_token == per_token, where
+    ranks = [(stage, d, t) for stage in plan.stages for d in range(dp) for t in range(tp)]
+    for stage, dp_rank, tp_rank in ranks:
+        model = meta_rank(
+            hf, plan.dtype, tp, tp_rank, pp, stage.pp_rank, partition, ep, backend,
+            dp, dp_rank,
+        )  # fmt: skip
+        where = f"dp rank {dp_rank}, tp rank {tp_rank}, pp stage {stage.pp_rank}"
+        assert stage.weight_bytes == tensor_bytes(model.parameters()), where
+        assert stage.buffer_bytes == tensor_bytes(model.buffers()), where
+        assert (model.model.start_layer, model.model.end_layer) == (
+            stage.first_layer,
+            stage.end_layer,
+        ), where
+        per_token = runner_kv_bytes_per_token(model, model_dir, kwargs)
+        assert stage.kv_bytes_per_token == per_token, where
 
 
 def test_llama_3_70b_at_tp4_pp2_matches_a_meta_build_of_every_rank(tmp_path: Path) -> None:
@@ -296,6 +304,12 @@ def test_llama_3_70b_at_tp4_pp2_figures(tmp_path: Path) -> None:
         ("tiny-gpt-oss", {}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
         ("tiny-gpt-oss", {},
          {"tensor_parallel_size": 4, "enable_expert_parallel": True, "dtype": "bfloat16"}),
+        # Data-parallel attention: each DP rank's TP group holds every layer, the experts a
+        # share of all DP x TP ranks.
+        ("tiny-qwen3-moe", {}, {"tensor_parallel_size": 2, "data_parallel_size": 2,
+                                "enable_expert_parallel": True, "dtype": "bfloat16"}),
+        ("tiny-deepseek-v3", {}, {"tensor_parallel_size": 2, "data_parallel_size": 4,
+                                  "enable_expert_parallel": True}),
     ],
 )  # fmt: skip
 def test_every_family_matches_a_meta_build_of_every_rank(
@@ -625,6 +639,24 @@ def test_qwen3_30b_a3b_per_gpu_bytes_under_tp_and_ep() -> None:
     whole = plan_memory(QWEN3_30B_A3B, PlanSettings(), H100_BYTES)
     params = whole.stages[0].weight_bytes // 2
     assert 30.4e9 < params < 30.6e9  # "30.5B" on the model card
+
+
+def test_qwen3_30b_a3b_at_dp2_tp4_holds_an_eighth_of_the_experts_and_two_cores_of_kv() -> None:
+    """DP 2 x TP 4: EP 8, so 16 whole experts per GPU (half of TP 4's 32); each core's TP
+    group holds its own KV cache, so the replica holds twice the sequences of one core."""
+    expert = 3 * 2048 * 768 * 2
+    tp4 = PlanSettings(tensor_parallel_size=4, enable_expert_parallel=True)
+    dp2 = dataclasses.replace(tp4, data_parallel_size=2)
+    one, two = (plan_memory(QWEN3_30B_A3B, s, H100_BYTES) for s in (tp4, dp2))
+    assert two.stages[0].weight_breakdown["experts"] == 48 * 16 * expert
+    assert one.stages[0].weight_breakdown["experts"] == 48 * 32 * expert
+    assert two.kv_blocks > one.kv_blocks  # less weight per GPU leaves more for the cache
+    per_core = two.kv_tokens // two.max_model_len
+    assert two.max_concurrent_sequences == 2 * per_core
+    assert two.to_dict()["data_parallel_size"] == 2
+    hf = {**QWEN3_30B_A3B, "num_experts": 102}  # divides by TP 2, not by DP 2 x TP 2
+    refused = plan_memory(hf, dataclasses.replace(dp2, tensor_parallel_size=2))
+    assert "(data_parallel_size x tensor_parallel_size), got 4" in refused.problems[-1]
 
 
 def test_moe_experts_the_ep_size_does_not_divide_are_a_problem() -> None:
