@@ -1,7 +1,8 @@
 """Data-parallel attention with wide expert parallelism on a local Ray (CPU, gloo):
-``data_parallel_size`` 2 engine cores, each with its own scheduler, KV cache and requests, the
-MoE experts split over both cores' workers. Every request's greedy tokens equal TP = 1's, with
-chunked prefill, preemption, and one core idle for several steps while the other decodes."""
+``data_parallel_size`` 2 engine cores, each with its own scheduler, KV cache and requests and a
+TP group of 1 or 2 workers, the MoE experts split over all of them (EP 2 or 4). Every request's
+greedy tokens equal TP = 1's, with chunked prefill, preemption, and one core idle for several
+steps while the other decodes; a request goes to the core holding its prefix."""
 
 from __future__ import annotations
 
@@ -48,16 +49,21 @@ def _expected(model: str) -> list[list[int]]:
         llm.llm_engine.shutdown()
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(
+    scope="module",
+    params=[(model, tp) for model in MODELS for tp in (1, 2)],
+    ids=lambda p: f"{p[0]}-dp2-tp{p[1]}",
+)
 def dp2(request: pytest.FixtureRequest) -> Iterator[tuple[str, LLM]]:
     # 14 blocks of 16 tokens per core: the longest request alone needs 9, so a core holding
     # it and another long one preempts.
+    model, tp = request.param
     llm = LLM(
-        f"builtin:{request.param}", data_parallel_size=2, enable_expert_parallel=True,
-        num_kv_blocks=14, **ENGINE_ARGS,
+        f"builtin:{model}", data_parallel_size=2, tensor_parallel_size=tp,
+        enable_expert_parallel=True, num_kv_blocks=14, **ENGINE_ARGS,
     )  # fmt: skip
     try:
-        yield request.param, llm
+        yield model, llm
     finally:
         llm.llm_engine.shutdown()
 
