@@ -226,6 +226,12 @@ class ParallelConfig:
                 f"{self.pipeline_parallel_size}); got {self.data_parallel_size}",
             )
             require(
+                self.distributed_executor_backend != "uni",
+                "distributed_executor_backend",
+                "'uni' runs one worker in the head's process; data_parallel_size > 1 needs "
+                "'ray' (or 'auto')",
+            )
+            require(
                 self.enable_expert_parallel,
                 "data_parallel_size",
                 f"> 1 needs enable_expert_parallel: true (its ranks share one expert-parallel "

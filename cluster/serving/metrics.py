@@ -12,12 +12,8 @@ counted on the device and read once per snapshot, see ``engine.models.expert_loa
         layer's per-expert counts since the replica started (1 = perfectly even, E = every
         token to one expert); a recent window is PromQL over the counter (README)
 
-Data-parallel replicas (``data_parallel_size`` > 1) add each engine core's load, ``core`` its
-index (``CoreStats.cores``):
-
-    llm_cluster_core_requests_running{model, replica, core}   gauge
-    llm_cluster_core_requests_waiting{model, replica, core}   gauge
-    llm_cluster_core_kv_cache_usage_perc{model, replica, core} gauge: the core's own KV cache
+Data-parallel replicas add each engine core's load (``CoreStats.cores``), tagged ``core``:
+``llm_cluster_core_requests_running``, ``_requests_waiting``, ``_kv_cache_usage_perc``.
 
 Speculative decoding (vLLM's names; counters since the replica started, from ``CoreStats``):
 

@@ -233,6 +233,10 @@ def test_data_parallel_configs_the_engine_cannot_run_are_refused_by_name(tmp_pat
         ),
         ({"data_parallel_size": 0}, r"^data_parallel_size: must be an integer >= 1, got 0"),
         (
+            {"data_parallel_size": 2, "distributed_executor_backend": "uni", **ep},
+            r"^distributed_executor_backend: 'uni' runs one worker",
+        ),
+        (
             {
                 "data_parallel_size": 2,
                 "speculative_config": {
