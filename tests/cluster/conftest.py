@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,40 @@ def local_ray(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@contextmanager
+def simulated_serve_nodes(
+    head_cpus: int, runtime_env: dict[str, Any], http_port: int, grpc_port: int | None = None
+) -> Iterator[Any]:
+    """A multi-node Ray on this machine (``ray.cluster_utils.Cluster``: a head node of
+    ``head_cpus``; the test adds the others), this process its driver, and Serve with one proxy,
+    on the head (the simulated nodes share this machine's ports): HTTP on ``http_port``, gRPC
+    on ``grpc_port`` when given. Yields the ``Cluster``; all of it is shut down after."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from cluster.ops.deploy import GRPC_SERVICER
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": head_cpus, "include_dashboard": False,
+                        "dashboard_agent_listen_port": None},
+    )  # fmt: skip
+    try:
+        ray.init(address=cluster.address, log_to_driver=False, runtime_env=runtime_env or None)
+        grpc_options = None
+        if grpc_port is not None:
+            grpc_options = {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]}
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options=grpc_options, proxy_location="HeadOnly")  # fmt: skip
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        cluster.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,13 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster.conftest import free_port, health_checked_model, load_yaml, wait_for
+from tests.cluster.conftest import (
+    free_port,
+    health_checked_model,
+    load_yaml,
+    simulated_serve_nodes,
+    wait_for,
+)
 from tests.cluster.serving.test_serve_faults import LONG, SSEStream, complete
 
 pytestmark = pytest.mark.slow
@@ -85,51 +91,33 @@ def _replica_placed(deployment: str) -> bool:
 
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[Nodes]:
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
     from cluster.ops.deploy import deploy
     from cluster.serving.serve import INGRESS_NAME, deployment_name, runtime_env
     from tests.cluster.runtime import compiled_dispatch
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": False,
-                        "dashboard_agent_listen_port": None},
-    )  # fmt: skip
-    try:
-        # The victim's steps go through the Ray Compiled Graph (GPU workers'; CPU workers use
-        # plain actor calls): every process of this Ray, the replicas' heads too, runs the hook.
-        ray.init(address=cluster.address, log_to_driver=False,
-                 runtime_env=compiled_dispatch.runtime_env(runtime_env()))  # fmt: skip
-        http_port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                    proxy_location="HeadOnly")  # fmt: skip
-        with ThreadPoolExecutor(1) as pool:
-            deployed = pool.submit(deploy, deployment_config(http_port), lambda _: None)
+    http_port = free_port()
+    # The victim's steps go through the Ray Compiled Graph (GPU workers'; CPU workers use
+    # plain actor calls): every process of this Ray, the replicas' heads too, runs the hook.
+    env = compiled_dispatch.runtime_env(runtime_env())
+    with simulated_serve_nodes(2, env, http_port) as cluster, ThreadPoolExecutor(1) as pool:
+        deployed = pool.submit(deploy, deployment_config(http_port), lambda _: None)
 
-            def placed(*deployments: str) -> Callable[[], bool]:
-                def check() -> bool:
-                    if deployed.done():
-                        deployed.result()  # a deploy failure, raised here
-                    return all(_replica_placed(d) for d in deployments)
+        def placed(*deployments: str) -> Callable[[], bool]:
+            def check() -> bool:
+                if deployed.done():
+                    deployed.result()  # a deploy failure, raised here
+                return all(_replica_placed(d) for d in deployments)
 
-                return check
+            return check
 
-            # A joins once the ingress and STEADY are placed; VICTIM loads beside STEADY.
-            wait_for(placed(INGRESS_NAME, deployment_name(STEADY)), 120, "STEADY placed")
-            node_a = cluster.add_node(num_cpus=3)
-            wait_for(placed(deployment_name(VICTIM)), 120, "VICTIM placed on A")
-            node_c = cluster.add_node(num_cpus=3)  # spare capacity for the replacement
-            deployed.result(timeout=120)
+        # A joins once the ingress and STEADY are placed; VICTIM loads beside STEADY.
+        wait_for(placed(INGRESS_NAME, deployment_name(STEADY)), 120, "STEADY placed")
+        node_a = cluster.add_node(num_cpus=3)
+        wait_for(placed(deployment_name(VICTIM)), 120, "VICTIM placed on A")
+        node_c = cluster.add_node(num_cpus=3)  # spare capacity for the replacement
+        deployed.result(timeout=120)
         ids = {"head": cluster.head_node.node_id, "A": node_a.node_id, "C": node_c.node_id}
         yield Nodes(cluster, node_a, ids, f"http://127.0.0.1:{http_port}")
-    finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        cluster.shutdown()
 
 
 # ---- helpers --------------------------------------------------------------------------------
