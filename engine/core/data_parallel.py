@@ -84,23 +84,29 @@ class DataParallelEngine:
         params: SamplingParams | PoolingParams | None = None,
         **options: Any,
     ) -> Request:
-        """``LLMEngine.add_request`` (the same arguments) on the core ``_pick_core`` picks."""
+        """``LLMEngine.add_request`` (the same arguments) on the core ``_pick_core`` picks. A
+        text prompt is tokenized once, here: the core gets its token ids with the text."""
         check_request_id_unused(request_id, self._owner)
-        core = self._pick_core(prompt, options.get("cache_salt"), options.get("lora_request"))
+        try:
+            text, token_ids = self.inputs.tokenize(prompt)
+        except InvalidRequestError:
+            token_ids = []  # the core refuses it, with the reason
+        else:
+            extra = prompt if isinstance(prompt, dict) else {}
+            prompt = {**extra, "prompt_token_ids": token_ids}
+            if text is not None:
+                prompt["prompt"] = text
+        core = self._pick_core(token_ids, options.get("cache_salt"), options.get("lora_request"))
         request = core.add_request(request_id, prompt, params, **options)
         self._owner[request_id] = core
         return request
 
     def _pick_core(
-        self, prompt: PromptType, cache_salt: str | None, lora_request: LoRARequest | None
+        self, token_ids: list[int], cache_salt: str | None, lora_request: LoRARequest | None
     ) -> LLMEngine:
         """The core holding the longest cached prefix of the prompt, then the one with the
         fewest unfinished requests, then the emptiest KV cache, then the lowest index (as the
         ingress routes across replicas: prefix first, load after)."""
-        try:
-            _, token_ids = self.inputs.tokenize(prompt)
-        except InvalidRequestError:
-            token_ids = []  # the core refuses it, with the reason
         lora = lora_request.prefix_key if lora_request is not None else None
 
         def cost(core: LLMEngine) -> tuple[int, int, float]:

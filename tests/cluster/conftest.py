@@ -10,7 +10,7 @@ module-owned one is gone and nothing stops it before the session ends."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,18 +138,15 @@ def local_ray(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @contextmanager
-def simulated_serve_nodes(
-    head_cpus: int, runtime_env: dict[str, Any], http_port: int, grpc_port: int | None = None
+def simulated_nodes(
+    head_cpus: int, node_cpus: Sequence[int] = (), runtime_env: dict[str, Any] | None = None
 ) -> Iterator[Any]:
-    """A multi-node Ray on this machine (``ray.cluster_utils.Cluster``: a head node of
-    ``head_cpus``; the test adds the others), this process its driver, and Serve with one proxy,
-    on the head (the simulated nodes share this machine's ports): HTTP on ``http_port``, gRPC
-    on ``grpc_port`` when given. Yields the ``Cluster``; all of it is shut down after."""
+    """A multi-node Ray on this machine (``ray.cluster_utils.Cluster``): a head node of
+    ``head_cpus`` and one node per ``node_cpus`` entry, each a raylet with its own CPUs, this
+    process its driver. Yields the ``Cluster`` (``add_node`` / ``remove_node`` for more); all of
+    it is shut down after."""
     import ray
-    from ray import serve
     from ray.cluster_utils import Cluster
-
-    from cluster.ops.deploy import GRPC_SERVICER
 
     cluster = Cluster(
         initialize_head=True,
@@ -157,18 +154,38 @@ def simulated_serve_nodes(
                         "dashboard_agent_listen_port": None},
     )  # fmt: skip
     try:
+        for cpus in node_cpus:
+            cluster.add_node(num_cpus=cpus)
+        cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, runtime_env=runtime_env or None)
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+
+
+@contextmanager
+def simulated_serve_nodes(
+    head_cpus: int, runtime_env: dict[str, Any], http_port: int, grpc_port: int | None = None
+) -> Iterator[Any]:
+    """``simulated_nodes`` of just the head, with Serve and its one proxy, on the head (the
+    simulated nodes share this machine's ports): HTTP on ``http_port``, gRPC on ``grpc_port``
+    when given. Yields the ``Cluster``; Serve and all of it are shut down after."""
+    from ray import serve
+
+    from cluster.ops.deploy import GRPC_SERVICER
+
+    with simulated_nodes(head_cpus, runtime_env=runtime_env) as cluster:
         grpc_options = None
         if grpc_port is not None:
             grpc_options = {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]}
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=grpc_options, proxy_location="HeadOnly")  # fmt: skip
-        yield cluster
-    finally:
-        if ray.is_initialized():
+        try:
+            yield cluster
+        finally:
             serve.shutdown()
-            ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.fixture(scope="session")

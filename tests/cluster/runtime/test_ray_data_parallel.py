@@ -1,8 +1,10 @@
-"""Data-parallel attention with wide expert parallelism on a local Ray (CPU, gloo):
-``data_parallel_size`` 2 engine cores, each with its own scheduler, KV cache and requests and a
-TP group of 1 or 2 workers, the MoE experts split over all of them (EP 2 or 4). Every request's
-greedy tokens equal TP = 1's, with chunked prefill, preemption, and one core idle for several
-steps while the other decodes; a request goes to the core holding its prefix."""
+"""Data-parallel attention with wide expert parallelism on a Ray of two nodes simulated on this
+machine (``ray.cluster_utils.Cluster``: two nodes of 2 CPUs; CPU, gloo): ``data_parallel_size``
+2 engine cores, each with its own scheduler, KV cache and requests and a TP group of 1 or 2
+workers, the MoE experts split over all of them (EP 2 or 4). At TP 2 each DP rank's group has a
+node to itself, so the tokens are exchanged across nodes. Every request's greedy tokens equal
+TP = 1's, with chunked prefill, preemption, and one core idle for several steps while the other
+decodes; a request goes to the core holding its prefix."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.data_parallel import DataParallelEngine
+from tests.cluster.conftest import simulated_nodes
 
 ENGINE_ARGS: dict[str, Any] = {
     "max_num_batched_tokens": 32,
@@ -25,8 +28,14 @@ ENGINE_ARGS: dict[str, Any] = {
 MODELS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 MAX_TOKENS = 12
 
-# A local Ray for this module, stopped after it (tests/cluster/conftest.py).
-pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=4)]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_nodes() -> Iterator[Any]:
+    """This module's Ray: a head offering no CPU and two nodes of 2 CPUs, stopped after it."""
+    with simulated_nodes(0, [2, 2]) as cluster:
+        yield cluster
 
 
 def _prompts() -> list[list[int]]:
@@ -57,12 +66,19 @@ def _expected(model: str) -> list[list[int]]:
 def dp2(request: pytest.FixtureRequest) -> Iterator[tuple[str, LLM]]:
     # 14 blocks of 16 tokens per core: the longest request alone needs 9, so a core holding
     # it and another long one preempts.
+    import ray
+
     model, tp = request.param
     llm = LLM(
         f"builtin:{model}", data_parallel_size=2, tensor_parallel_size=tp,
         enable_expert_parallel=True, num_kv_blocks=14, **ENGINE_ARGS,
     )  # fmt: skip
     try:
+        if tp == 2:
+            workers = llm.llm_engine.executor.workers
+            node_of_rank = ray.get([w.node_id.remote() for w in workers])
+            # rank = dp_rank * TP + tp_rank: ranks 0-1 are DP rank 0's group, 2-3 DP rank 1's.
+            assert node_of_rank[0] == node_of_rank[1] != node_of_rank[2] == node_of_rank[3]
         yield model, llm
     finally:
         llm.llm_engine.shutdown()
@@ -143,3 +159,26 @@ def test_a_request_goes_to_the_core_holding_its_prefix_then_to_the_least_loaded(
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.cores[0].counters().prefix_cache_hits >= hits + len(shared)
+
+
+def test_a_text_prompt_is_tokenized_once_to_choose_the_core_and_run_on_it(
+    dp2: tuple[str, LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _dp_engine(dp2[1])
+    encoded: list[str] = []
+    every = [engine.inputs.tokenizer]
+    every += [t for c in engine.cores for t in (c.tokenizer, c.inputs.tokenizer)]
+    tokenizers = {id(t): t for t in every}
+    for tokenizer in tokenizers.values():
+
+        def encode(text: str, *args: Any, _encode: Any = tokenizer.encode, **kw: Any) -> Any:
+            encoded.append(text)
+            return _encode(text, *args, **kw)
+
+        monkeypatch.setattr(tokenizer, "encode", encode)
+    engine.add_request("text", "Paris is the capital of", _params())
+    assert encoded == ["Paris is the capital of"]
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finished and outputs[-1].prompt == "Paris is the capital of"

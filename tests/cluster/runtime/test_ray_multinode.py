@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from cluster.runtime.ray_executor import PlacementError
 from engine import LLM, SamplingParams
+from tests.cluster.conftest import simulated_nodes
 from tests.cluster.runtime.compiled_dispatch import forced
 
 ENGINE_ARGS: dict[str, Any] = {
@@ -36,10 +36,8 @@ class Nodes:
     """The simulated cluster; ``reshape`` replaces its worker nodes (the head, which the
     driver is connected to, stays and offers no CPU)."""
 
-    def __init__(self) -> None:
-        self.cluster = Cluster(
-            initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
-        )
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
         self.cpus: list[int] = []
 
     def reshape(self, cpus: list[int]) -> None:
@@ -67,13 +65,8 @@ def _alive_worker_cpus() -> list[int]:
 
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[Nodes]:
-    simulated = Nodes()
-    ray.init(address=simulated.cluster.address, log_to_driver=False)
-    try:
-        yield simulated
-    finally:
-        ray.shutdown()
-        simulated.cluster.shutdown()
+    with simulated_nodes(0) as cluster:
+        yield Nodes(cluster)
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -81,33 +74,6 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.slow  # ~30 s: a 3-node Ray, four worker actors, the reference engine
-def test_dp2_tp2_over_two_2_cpu_nodes_equals_tp1_with_each_dp_rank_on_one_node(
-    nodes: Nodes,
-) -> None:
-    """Data-parallel attention with wide EP: DP 2 x TP 2, the experts over all four ranks (EP
-    4), each DP rank's TP group on one node, the MoE tokens exchanged across the nodes. First
-    in the module: after the compiled-graph test below, a worker node's raylet can abort while
-    that graph's channels close (Ray's experimental_mutable_object_provider), failing the
-    workers placed next on it; the tests after that one place none."""
-    nodes.reshape([2, 2])
-    args = {**ENGINE_ARGS, "max_num_batched_tokens": 48}
-    reference = LLM("builtin:tiny-qwen3-moe", distributed_executor_backend="uni", **args)
-    expected = _greedy(reference)
-    reference.llm_engine.shutdown()
-    llm = LLM(
-        "builtin:tiny-qwen3-moe", tensor_parallel_size=2, data_parallel_size=2,
-        enable_expert_parallel=True, **args,
-    )  # fmt: skip
-    try:
-        workers = llm.llm_engine.executor.workers
-        node_of_rank = ray.get([w.node_id.remote() for w in workers])
-        # ranks = dp_rank * TP + tp_rank: ranks 0-1 are DP rank 0's TP group, 2-3 DP rank 1's.
-        assert node_of_rank[0] == node_of_rank[1] != node_of_rank[2] == node_of_rank[3]
-        assert _greedy(llm) == expected
-    finally:
-        llm.llm_engine.shutdown()
-
-
 @pytest.mark.slow  # ~15-25 s: a 3-node Ray, four worker actors, the reference engine
 def test_tp2_pp2_over_two_2_cpu_nodes_keeps_each_tp_group_on_one_node(nodes: Nodes) -> None:
     nodes.reshape([2, 2])

@@ -20,11 +20,11 @@ from engine.config import EngineConfig
 from engine.models import MODEL_REGISTRY
 from engine.worker.memory_plan import (
     CUDA_CONTEXT_BYTES,
-    FAMILIES,
     GiB,
     PlanSettings,
     plan_memory,
 )
+from engine.worker.memory_plan_weights import FAMILIES
 from engine.worker.model_loader import _default_dtype
 from engine.worker.model_runner import ModelRunner
 from llm_kernels.backend import get_kernel_ops
