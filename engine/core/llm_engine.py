@@ -44,16 +44,19 @@ from engine.core.output_processor import (
     PoolingState,
     RequestGroup,
     SampleState,
-    logprob_dicts,
+    decode_logprob_tokens,
     make_request_output,
+    pooling_output,
+    record_prompt_logprobs,
     stop_holdback,
+    take_tokens,
 )
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
 from engine.core.structured_output import StructuredOutputGrammar, StructuredOutputManager
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
-from engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.grammar import grammar_proposals, spec_grammar_rows
@@ -65,7 +68,6 @@ from engine.worker.step_messages import (
     ExecuteModelRequest,
     LogprobsLists,
     ModelRunnerOutput,
-    PromptLogprobs,
 )
 
 logger = logging.getLogger("llm_cluster.engine")
@@ -414,7 +416,7 @@ class LLMEngine:
             pooling = self._pooling.pop(rid, None)
             if pooling is not None:
                 self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
-                outputs.append(self._pooling_output(pooling, None))
+                outputs.append(pooling_output(pooling, None))
                 continue
             group = self._groups.get(rid)
             if group is None:
@@ -495,8 +497,8 @@ class LLMEngine:
         """Take one batch's output: update the requests, detokenize, build their outputs."""
         clock = self.step_timer
         failed = self._fail_lora_loads(output.lora_load_errors)
-        texts = self._decode_logprob_tokens(output)
-        self._record_prompt_logprobs(output.prompt_logprobs, texts)
+        texts = decode_logprob_tokens(self.tokenizer, output)
+        record_prompt_logprobs(self._samples, output.prompt_logprobs, texts)
         self._observe_spec_decode(sched, output)
         updated = self.scheduler.update_from_output(sched, output.req_ids, output.sampled_token_ids)
         pooled = [r for r in updated if r.is_pooling]
@@ -632,18 +634,9 @@ class LLMEngine:
         logprobs: LogprobsLists | None,
         texts: dict[int, str],
     ) -> None:
+        """Take a sample's new tokens (``take_tokens``); a stop string ends its request."""
         request, detok = sample.request, sample.detokenizer
-        num_before = request.num_output_tokens - num_new
-        stopped = self._detokenize(sample, num_new)
-        if logprobs is not None and sample.logprobs is not None:
-            # A verified run cut by a stop keeps the rows of the tokens it kept.
-            kept = request.num_output_tokens - num_before
-            entries = logprob_dicts(logprobs, texts)[:kept]
-            sample.logprobs.extend(entries)
-            sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + sum(
-                lps[0] for lps in logprobs.logprobs[:kept]
-            )
-        if stopped:
+        if take_tokens(sample, num_new, logprobs, texts):
             request.stop_reason = detok.stop_string
             if request.is_finished:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -651,44 +644,6 @@ class LLMEngine:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
             detok.finish()
-
-    @staticmethod
-    def _detokenize(sample: SampleState, num_new: int) -> bool:
-        """Feed the step's tokens to the detokenizer; True on a stop string. Several tokens
-        (verified speculative ones) go one at a time, and those after the token that completed
-        a stop string are dropped, as one-token steps would never have sampled them."""
-        request, detok = sample.request, sample.detokenizer
-        new = request.output_token_ids[-num_new:]
-        if _stopped_by_token(request):
-            new = new[:-1]
-        if len(new) <= 1:
-            return detok.update(new)
-        for i, token in enumerate(new):
-            if detok.update([token]):
-                request.truncate_output(request.num_output_tokens - num_new + i + 1)
-                return True
-        return False
-
-    def _record_prompt_logprobs(
-        self, chunks: dict[str, PromptLogprobs], texts: dict[int, str]
-    ) -> None:
-        for rid, chunk in chunks.items():
-            group = self._samples.get(rid, (None, 0))[0]
-            if group is None or group.prompt_logprobs is None:
-                continue
-            for offset, entry in enumerate(logprob_dicts(chunk.lists, texts)):
-                group.prompt_logprobs[chunk.start + offset] = entry
-
-    def _decode_logprob_tokens(self, output: ModelRunnerOutput) -> dict[int, str]:
-        """Text of every token id in this step's logprobs, decoded in one batch."""
-        rows = [row for lists in output.logprobs or () if lists for row in lists.token_ids]
-        rows += [row for chunk in output.prompt_logprobs.values() for row in chunk.lists.token_ids]
-        if not rows:
-            return {}
-        unique = sorted({t for row in rows for t in row})
-        backend = self.tokenizer.backend_tokenizer
-        texts = backend.decode_batch([[t] for t in unique], skip_special_tokens=False)
-        return dict(zip(unique, texts))
 
     def make_output(self, group: RequestGroup) -> RequestOutput | None:
         """The group's output as its ``output_kind`` asks (None: nothing to emit now)."""
@@ -701,20 +656,7 @@ class LLMEngine:
         vector = pooled.get(request.request_id)
         if vector is None:
             raise RuntimeError(f"the workers returned no pooled vector for {request}")
-        return self._pooling_output(state, vector)
-
-    @staticmethod
-    def _pooling_output(state: PoolingState, vector: list[float] | None) -> PoolingRequestOutput:
-        request = state.request
-        return PoolingRequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=PoolingOutput(vector) if vector is not None else None,
-            finished=True,
-            prompt=state.prompt,
-            finish_reason=request.status.finish_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
+        return pooling_output(state, vector)
 
     def _flush_finished(self) -> None:
         """Tell the workers to drop finished requests' state now rather than at the next step
@@ -807,19 +749,3 @@ class EngineCounters:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-
-
-def _stopped_by_token(request: Request) -> bool:
-    """The request just ended on a stop token (EOS, one of ``stop_token_ids``, or the stop
-    token that completed its grammar): as in vLLM, that token's text is not part of the output
-    unless ``include_stop_str_in_output`` (it shows only with ``skip_special_tokens=False`` or
-    a stop token that is not special: a chat parser reading special tokens never sees the
-    ``<|return|>`` or ``</s>`` that ended the answer)."""
-    if request.status != RequestStatus.FINISHED_STOPPED:
-        return False
-    params = request.sampling_params
-    last = request.output_token_ids[-1]
-    stop_ids = params.stop_token_ids or ()
-    return not params.include_stop_str_in_output and (
-        last in request.eos_token_ids or last in stop_ids
-    )

@@ -12,19 +12,30 @@ it is handed out, as the request's ``SamplingParams.output_kind`` asks:
   with the first output;
 - ``FINAL_ONLY``: one output, the whole result, when every sample has finished.
 
-The engine core (``LLMEngine``) updates the state each step; this module only reads it.
+Each step the engine core (``LLMEngine``) hands this module the step's tokens: ``take_tokens``
+detokenizes a sample's new ones (one at a time when several, dropping those after a completed
+stop string) and records their logprobs; ``record_prompt_logprobs`` fills the prompt's; the
+engine finishes the requests and then builds the outputs here (``make_request_output``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from engine.core.detokenizer import IncrementalDetokenizer
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
 from engine.core.structured_output import StructuredOutputGrammar
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.worker.step_messages import LogprobsLists
+from engine.worker.step_messages import LogprobsLists, ModelRunnerOutput, PromptLogprobs
 
 
 @dataclass
@@ -174,3 +185,99 @@ def logprob_dicts(lists: LogprobsLists, texts: dict[int, str]) -> list[dict[int,
             entry.setdefault(token, Logprob(lp, r, texts.get(token)))
         entries.append(entry)
     return entries
+
+
+def take_tokens(
+    sample: SampleState, num_new: int, logprobs: LogprobsLists | None, texts: dict[int, str]
+) -> bool:
+    """Take the ``num_new`` tokens the sample's request got this step into its output state:
+    their text (``_detokenize``) and, when asked for, their logprobs (``texts``: the step's
+    ``decode_logprob_tokens``). True when a stop string completed: the caller stops the
+    request."""
+    request = sample.request
+    num_before = request.num_output_tokens - num_new
+    stopped = _detokenize(sample, num_new)
+    if logprobs is not None and sample.logprobs is not None:
+        # A verified run cut by a stop keeps the rows of the tokens it kept.
+        kept = request.num_output_tokens - num_before
+        sample.logprobs.extend(logprob_dicts(logprobs, texts)[:kept])
+        sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + sum(
+            lps[0] for lps in logprobs.logprobs[:kept]
+        )
+    return stopped
+
+
+def _detokenize(sample: SampleState, num_new: int) -> bool:
+    """Feed the step's tokens to the detokenizer; True on a stop string. Several tokens
+    (verified speculative ones) go one at a time, and those after the token that completed
+    a stop string are dropped, as one-token steps would never have sampled them."""
+    request, detok = sample.request, sample.detokenizer
+    new = request.output_token_ids[-num_new:]
+    if _stopped_by_token(request):
+        new = new[:-1]
+    if len(new) <= 1:
+        return detok.update(new)
+    for i, token in enumerate(new):
+        if detok.update([token]):
+            request.truncate_output(request.num_output_tokens - num_new + i + 1)
+            return True
+    return False
+
+
+def _stopped_by_token(request: Request) -> bool:
+    """The request just ended on a stop token (EOS, one of ``stop_token_ids``, or the stop
+    token that completed its grammar): as in vLLM, that token's text is not part of the output
+    unless ``include_stop_str_in_output`` (it shows only with ``skip_special_tokens=False`` or
+    a stop token that is not special: a chat parser reading special tokens never sees the
+    ``<|return|>`` or ``</s>`` that ended the answer)."""
+    if request.status != RequestStatus.FINISHED_STOPPED:
+        return False
+    params = request.sampling_params
+    last = request.output_token_ids[-1]
+    stop_ids = params.stop_token_ids or ()
+    return not params.include_stop_str_in_output and (
+        last in request.eos_token_ids or last in stop_ids
+    )
+
+
+def decode_logprob_tokens(tokenizer: Any, output: ModelRunnerOutput) -> dict[int, str]:
+    """Text of every token id in this step's logprobs (sampled and prompt), decoded in one
+    batch."""
+    rows = [row for lists in output.logprobs or () if lists for row in lists.token_ids]
+    rows += [row for chunk in output.prompt_logprobs.values() for row in chunk.lists.token_ids]
+    if not rows:
+        return {}
+    unique = sorted({t for row in rows for t in row})
+    texts = tokenizer.backend_tokenizer.decode_batch(
+        [[t] for t in unique], skip_special_tokens=False
+    )
+    return dict(zip(unique, texts))
+
+
+def record_prompt_logprobs(
+    samples: Mapping[str, tuple[RequestGroup, int]],
+    chunks: dict[str, PromptLogprobs],
+    texts: dict[int, str],
+) -> None:
+    """The prompt logprobs a step computed (``chunks``, by request id; a chunked prefill's
+    part at a time) into their groups (``samples``: request id to its group and index)."""
+    for rid, chunk in chunks.items():
+        group = samples[rid][0] if rid in samples else None
+        if group is None or group.prompt_logprobs is None:
+            continue
+        for offset, entry in enumerate(logprob_dicts(chunk.lists, texts)):
+            group.prompt_logprobs[chunk.start + offset] = entry
+
+
+def pooling_output(state: PoolingState, vector: list[float] | None) -> PoolingRequestOutput:
+    """A pooling request's one output: its vector, or None when it ended without one."""
+    request = state.request
+    return PoolingRequestOutput(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=PoolingOutput(vector) if vector is not None else None,
+        finished=True,
+        prompt=state.prompt,
+        finish_reason=request.status.finish_reason,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+    )
