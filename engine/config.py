@@ -14,7 +14,8 @@ field is ``engine.engine_args``'s table; the checks and their one message format
     ├── pooler:    PoolerConfig     (pooling_type of embedding requests: last | mean)
     ├── frontend:  FrontendConfig   (tool_call_parser, enable_auto_tool_choice, reasoning_parser)
     ├── lora:      LoRAConfig       (enable_lora, max_loras, max_lora_rank, max_cpu_loras)
-    └── speculative: SpeculativeArgs (speculative_config; engine.spec_decode.config)
+    ├── speculative: SpeculativeArgs (speculative_config; engine.spec_decode.config)
+    └── kv_transfer: KVTransferArgs  (kv_transfer_config; engine.kv_transfer.config)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.engine_args import ENGINE_ARGS, group_engine_args
 from engine.engine_args import check_engine_arg_names as check_engine_arg_names
 from engine.errors import ConfigError
 from engine.hf_config import DEEPSEEK_ARCHITECTURES, GPT_OSS
+from engine.kv_transfer.config import KVTransferArgs, check_kv_transfer_support
 from engine.model_checks import (
     check_kernel_device,
     check_parallel_shape,
@@ -446,6 +448,7 @@ class EngineConfig:
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeArgs = field(default_factory=SpeculativeArgs)
+    kv_transfer: KVTransferArgs = field(default_factory=KVTransferArgs)
     # speculative_config method draft_model: the draft's ModelConfig, read and checked with the
     # target's (vLLM keeps it as speculative_config.draft_model_config); None otherwise.
     draft_model: ModelConfig | None = None
@@ -511,9 +514,17 @@ class EngineConfig:
         )
         frontend = FrontendConfig(**_frontend_defaults(model, groups["frontend"]))
         frontend.check_auto_tool_choice()
+        cache = CacheConfig(**groups["cache"])
+        kv_transfer = KVTransferArgs(**groups["kv_transfer"])
+        check_kv_transfer_support(
+            kv_transfer.kv_transfer_config,
+            model.hf_config,
+            max_model_len,
+            cache.enable_prefix_caching,
+        )
         return cls(
             model=model,
-            cache=CacheConfig(**groups["cache"]),
+            cache=cache,
             scheduler=scheduler,
             parallel=parallel,
             device=device,
@@ -523,6 +534,7 @@ class EngineConfig:
             frontend=frontend,
             lora=lora,
             speculative=speculative,
+            kv_transfer=kv_transfer,
             draft_model=draft_model,
         )
 
@@ -556,6 +568,7 @@ def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
     PoolerConfig(**groups["pooler"])
     FrontendConfig(**groups["frontend"])
     LoRAConfig(**groups["lora"])
+    KVTransferArgs(**groups["kv_transfer"])
     check_speculative_support(
         SpeculativeArgs(**groups["speculative"]).speculative_config,
         pipeline_parallel_size=groups["parallel"].get("pipeline_parallel_size", 1),

@@ -59,6 +59,7 @@ ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "max_lora_rank": ("lora", "max_lora_rank"),
     "max_cpu_loras": ("lora", "max_cpu_loras"),
     "speculative_config": ("speculative", "speculative_config"),
+    "kv_transfer_config": ("kv_transfer", "kv_transfer_config"),
 }
 
 ENGINE_ARG_NAMES: tuple[str, ...] = tuple(ENGINE_ARGS)
@@ -66,7 +67,7 @@ ENGINE_ARG_NAMES: tuple[str, ...] = tuple(ENGINE_ARGS)
 # EngineConfig's sections, in its field order.
 SECTIONS: tuple[str, ...] = (
     "model", "cache", "scheduler", "parallel", "device", "kernel", "sampling", "pooler",
-    "frontend", "lora", "speculative",
+    "frontend", "lora", "speculative", "kv_transfer",
 )  # fmt: skip
 
 

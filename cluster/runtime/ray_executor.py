@@ -374,8 +374,12 @@ class RayExecutor(Executor):
         output = decode_output(reply)
         for rank, other in enumerate(replies):
             if other is not None and rank != driver:
-                # A rank that could not load an adapter says so (and nothing else).
-                output.lora_load_errors.update(decode_output(other).lora_load_errors)
+                # A rank that could not load an adapter or stored KV says so (and nothing else).
+                theirs = decode_output(other)
+                output.lora_load_errors.update(theirs.lora_load_errors)
+                failures = output.kv_load_failures
+                for rid, loaded in theirs.kv_load_failures.items():
+                    failures[rid] = min(loaded, failures.get(rid, loaded))
         return output
 
     def check_health(self) -> None:

@@ -475,7 +475,7 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------
 
-    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+    def block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         """The request's chained block hashes for its first ``num_full_blocks`` blocks."""
         hashes = request.block_hashes
         bs = self.block_size
@@ -495,19 +495,24 @@ class BlockManager:
         request that wants prompt logprobs, or one that says ``skip_prefix_cache`` (mean
         pooling), gets no hits: every prompt position must be computed.
         """
-        if (
-            not self.enable_prefix_caching
-            or request.skip_prefix_cache
-            or request.sampling_params.prompt_logprobs is not None
-        ):
+        if not self.may_reuse(request):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._block_hashes(request, max_blocks)
+        hashes = self.block_hashes(request, max_blocks)
         hit = self._longest_hit(hashes, max_blocks)
         if hit == 0:
             return [], 0
         blocks = [b for g in self.groups for b in g.hit_blocks(hashes, hit)]
         return blocks, hit * self.block_size
+
+    def may_reuse(self, request: Request) -> bool:
+        """Whether the request may start from blocks computed before (cached here or stored
+        elsewhere): not with prefix caching off, prompt logprobs or ``skip_prefix_cache``."""
+        return (
+            self.enable_prefix_caching
+            and not request.skip_prefix_cache
+            and request.sampling_params.prompt_logprobs is None
+        )
 
     def _longest_hit(self, hashes: list[bytes], limit: int) -> int:
         """Leading blocks (at most ``limit``) of this hash chain that every group holds."""
@@ -543,7 +548,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         for group in self.groups:
-            group.cache_blocks(request, self._block_hashes)
+            group.cache_blocks(request, self.block_hashes)
 
     # ---- allocation ---------------------------------------------------------------------
 

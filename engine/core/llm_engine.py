@@ -55,6 +55,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
 from engine.core.structured_output import StructuredOutputGrammar, StructuredOutputManager
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.kv_transfer.scheduler import KVTransferScheduler
 from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
@@ -147,6 +148,8 @@ class LLMEngine:
             self.block_manager,
             max_loras=lora.max_loras if lora.enable_lora else None,
         )
+        if config.kv_transfer.kv_transfer_config is not None:
+            self.scheduler.kv_transfer = KVTransferScheduler(config, self.block_manager)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, config.model.vocab_size, self.eos_token_ids
         )
@@ -497,6 +500,8 @@ class LLMEngine:
         """Take one batch's output: update the requests, detokenize, build their outputs."""
         clock = self.step_timer
         failed = self._fail_lora_loads(output.lora_load_errors)
+        if output.kv_load_failures:
+            self._void_failed_loads(sched, output)
         texts = decode_logprob_tokens(self.tokenizer, output)
         record_prompt_logprobs(self._samples, output.prompt_logprobs, texts)
         self._observe_spec_decode(sched, output)
@@ -529,6 +534,21 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             self._flush_finished()
         return outputs
+
+    def _void_failed_loads(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """Requests whose stored KV blocks did not all load (``kv_transfer_config``): what the
+        step computed for them is dropped, and they continue from the first block not loaded."""
+        failures = output.kv_load_failures
+        self.scheduler.void_failed_loads(sched, failures)
+        keep = [i for i, rid in enumerate(output.req_ids) if rid not in failures]
+        output.req_ids = [output.req_ids[i] for i in keep]
+        output.sampled_token_ids = [output.sampled_token_ids[i] for i in keep]
+        if output.logprobs is not None:
+            output.logprobs = [output.logprobs[i] for i in keep]
+        for rid in failures:
+            output.pooled.pop(rid, None)
+            output.prompt_logprobs.pop(rid, None)
+            output.draft_token_ids.pop(rid, None)
 
     def _grammar_of(self, request_id: str) -> StructuredOutputGrammar | None:
         entry = self._samples.get(request_id)
@@ -659,9 +679,11 @@ class LLMEngine:
         return pooling_output(state, vector)
 
     def _flush_finished(self) -> None:
-        """Tell the workers to drop finished requests' state now rather than at the next step
-        (after the batches in flight, whose last one flushes)."""
-        if not self.scheduler._finished_req_ids or self._batches:
+        """Tell the workers to drop finished requests' state (and to store the prompt blocks
+        they completed, under ``kv_transfer_config``) now rather than at the next step (after
+        the batches in flight, whose last one flushes)."""
+        kv = self.scheduler.kv_transfer
+        if not (self.scheduler._finished_req_ids or (kv and kv.has_saves)) or self._batches:
             return
         sched = self.scheduler.schedule()
         self.executor.execute_model(make_execute_model_request(sched))

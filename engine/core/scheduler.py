@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager, KVCacheBlock
 from engine.core.request import Request, RequestStatus
+from engine.kv_transfer.scheduler import KVTransferScheduler
 from engine.worker.step_messages import CachedRequestData, ExecuteModelRequest, NewRequestData
 
 logger = logging.getLogger("llm_cluster.scheduler")
@@ -92,6 +93,11 @@ class SchedulerOutput:
     # Speculative decoding: the proposals each request verifies this step (counted in its
     # num_scheduled_tokens).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # kv_transfer_config: stored blocks each admitted request loads, (hash, block id) from its
+    # block ``kv_load_first[rid]`` on; prompt blocks earlier steps completed, to store.
+    kv_loads: dict[str, list[tuple[bytes, int]]] = field(default_factory=dict)
+    kv_load_first: dict[str, int] = field(default_factory=dict)
+    kv_saves: list[tuple[bytes, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -161,6 +167,8 @@ class Scheduler:
         self.num_lookahead_tokens = 0
         self.in_flight: set[str] = set()
         self._batch_cap = 0  # the most requests the batch being scheduled may take
+        # kv_transfer_config: blocks loaded from and saved to the store (set by the engine).
+        self.kv_transfer: KVTransferScheduler | None = None
 
     # ---- request lifecycle --------------------------------------------------------------
 
@@ -244,6 +252,8 @@ class Scheduler:
         if not out.preempted_req_ids and not self.swapped:
             self._schedule_waiting(out, budget)
         self._record_copies(out)
+        if self.kv_transfer is not None:
+            out.kv_saves = self.kv_transfer.take_saves()
         if self.pipeline_depth > 1:
             self.in_flight.update(out.num_scheduled_tokens)
         return out
@@ -436,23 +446,34 @@ class Scheduler:
             group = 1 + len(self.pending_forks.get(request.request_id, ()))
             if len(self.running) + reserved + group > self.config.max_num_seqs:
                 break
-            computed_blocks, num_computed = self.block_manager.get_computed_blocks(request)
+            computed_blocks, num_cached = self.block_manager.get_computed_blocks(request)
+            # Blocks after the device's hits that the KV store holds: loaded, not computed.
+            stored = 0
+            if self.kv_transfer is not None:
+                stored = self.kv_transfer.stored_blocks(request, num_cached)
+            num_computed = num_cached + stored * self.block_manager.block_size
             num_new = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             # A waiting request has num_computed_tokens == 0: its cache hits count via the blocks.
             new_blocks = self.block_manager.allocate_slots(
-                request, num_new + self._lookahead(num_computed + num_new), computed_blocks
+                request,
+                num_computed - num_cached + num_new + self._lookahead(num_computed + num_new),
+                computed_blocks,
             )
             if new_blocks is None:
                 break
             self.waiting.pop()
             request.num_computed_tokens = num_computed
+            if stored and self.kv_transfer is not None:
+                first = num_cached // self.block_manager.block_size
+                out.kv_loads[request.request_id] = self.kv_transfer.loads(request, first, stored)
+                out.kv_load_first[request.request_id] = first
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
                 self.block_manager.prefix_queries += request.num_tokens
-                self.block_manager.prefix_hits += num_computed
+                self.block_manager.prefix_hits += num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.lora_int_id:
@@ -480,6 +501,20 @@ class Scheduler:
 
     # ---- after the forward pass ---------------------------------------------------------
 
+    def void_failed_loads(self, out: SchedulerOutput, failures: dict[str, int]) -> None:
+        """Requests of ``out`` whose stored blocks did not all load on some rank (``failures``:
+        how many did, from the first): their work in that step is void, so it is not taken;
+        each continues from its first block not loaded (``KVTransferScheduler.failed``)."""
+        for rid, loaded in failures.items():
+            num = out.num_scheduled_tokens.pop(rid, None)
+            self.in_flight.discard(rid)
+            request = self.requests.get(rid)
+            if num is None or request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            if self.kv_transfer is not None and rid in out.kv_loads:
+                requested = len(out.kv_loads[rid])
+                self.kv_transfer.failed(request, out.kv_load_first[rid], loaded, requested)
+
     def update_from_output(
         self, out: SchedulerOutput, req_ids: list[str], sampled_token_ids: list[list[int]]
     ) -> list[Request]:
@@ -495,6 +530,9 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
+            if self.kv_transfer is not None:
+                self.kv_transfer.completed(request, request.num_computed_tokens,
+                                           request.num_computed_tokens + num)  # fmt: skip
             request.num_computed_tokens += num
             if rid in out.spec_token_ids:
                 # Cached once the accepted tokens are appended (below): only verified ones.
@@ -615,4 +653,6 @@ def make_execute_model_request(out: SchedulerOutput) -> ExecuteModelRequest:
         blocks_to_swap_out=out.blocks_to_swap_out,
         blocks_to_copy=out.blocks_to_copy,
         scheduled_spec_decode_tokens=dict(out.spec_token_ids),
+        kv_saves=out.kv_saves,
+        kv_loads=out.kv_loads,
     )

@@ -11,8 +11,9 @@ shards of the same sizes, so one line per stage stands for all of its ranks):
     kv                          bytes per token and the blocks that fit in what is left,
                                 split into KV cache groups as ``engine.core.kv_cache_groups`` does
 
-The refusals read the same figures as the report, so both live here: ``plan_memory`` builds a ``MemoryPlan`` (whose docstring details each line,
-quantized checkpoints and the refusals), ``memory_problems`` lists what it refuses.
+The refusals read the same figures as the report, so both live here: ``plan_memory`` builds a
+``MemoryPlan`` (whose docstring details each line, quantized checkpoints and the refusals),
+``memory_problems`` lists what it refuses.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from engine.core.kv_cache_groups import (
     kv_cache_group_specs,
 )
 from engine.core.structured_output import apply_grammar_bitmask, unpack_bitmask
+from engine.kv_transfer.worker import WorkerKVTransfer
 from engine.lora import WorkerLoRAManager
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -145,6 +146,11 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.ctx = ctx or ParallelContext()
+        # kv_transfer_config: this worker's shard of stored blocks (engine.kv_transfer).
+        self.kv_transfer: WorkerKVTransfer | None = None
+        if config.kv_transfer.kv_transfer_config is not None:
+            shard = self.ctx.pp.rank * self.ctx.tp.size + self.ctx.tp.rank
+            self.kv_transfer = WorkerKVTransfer(config, shard)
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.step_timer = StepTimer(sync=device_synchronizer(device))
@@ -619,18 +625,26 @@ class ModelRunner:
         """One step on this rank. Stages after the first continue from the previous stage's
         (hidden, residual); stages before the last pass theirs on. Only TP rank 0 of the last
         stage returns the sampler output; every other rank returns None, or an output holding
-        only ``lora_load_errors`` when it could not load an adapter."""
+        only ``lora_load_errors`` / ``kv_load_failures`` when it could not load an adapter or
+        stored blocks."""
         clock = self.step_timer
         clock.start()
         self._lora_errors = {}
         self._proposals = req.scheduled_spec_decode_tokens
         self.update_states(req)
+        kv_failures: dict[str, int] = {}
+        transfer = self.kv_transfer
+        if transfer is not None and req.kv_saves:  # before anything writes into the cache
+            transfer.save(self.group_caches[0], req.kv_saves)
         self.apply_block_ops(req)
+        if transfer is not None and req.kv_loads:
+            kv_failures = transfer.load(self.group_caches[0], req.kv_loads)
         output = self._execute(req)
-        if self._lora_errors:
+        if self._lora_errors or kv_failures:
             if output is None:
                 output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             output.lora_load_errors = self._lora_errors
+            output.kv_load_failures = kv_failures
         return output
 
     def _execute(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:

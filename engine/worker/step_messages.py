@@ -75,6 +75,12 @@ class ExecuteModelRequest(msgspec.Struct, kw_only=True):
     # LoRA slots whose adapter changes before this step's forward pass: slot -> new adapter.
     # Every adapter of this step's requests is resident once they are applied.
     lora_slots: dict[int, LoRASlotSpec] = {}
+    # kv_transfer_config (engine.kv_transfer): full prompt blocks an earlier step computed, to
+    # store as (block hash, block id), saved before anything of this step writes the cache;
+    # and per request, stored blocks to load as (block hash, block id) in table order, loaded
+    # before the forward pass (the request's num_computed_tokens counts them).
+    kv_saves: list[tuple[bytes, int]] = []
+    kv_loads: dict[str, list[tuple[bytes, int]]] = {}
 
     @property
     def is_empty(self) -> bool:
@@ -118,6 +124,10 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # speculative_config method draft_model: req_id -> the draft's proposals for the request's
     # next step (made on the driver after this step's tokens; the head trims and stores them).
     draft_token_ids: dict[str, list[int]] = {}
+    # kv_loads this rank could not complete (a block's file gone or the wrong size): req_id ->
+    # how many of its blocks, from the first, it loaded. This step's work for the request is
+    # void (the head recomputes from there). Any rank may report it, like lora_load_errors.
+    kv_load_failures: dict[str, int] = {}
 
 
 class DataParallelStep(msgspec.Struct, kw_only=True):

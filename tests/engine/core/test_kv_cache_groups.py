@@ -179,7 +179,7 @@ def test_sliding_prefix_hit_needs_only_the_window_before_the_hit_point() -> None
     # Sharing only a's first half: the full group has it all, the sliding pool long evicted
     # the window before that point, and the request's hit is the smaller of the two: none.
     c = make_request("c", prompt[: MAX_LEN // 2] + [7] * 64)
-    assert bm.groups[0].longest_hit(bm._block_hashes(c, 35), 35) == MAX_LEN // 2 // BS
+    assert bm.groups[0].longest_hit(bm.block_hashes(c, 35), 35) == MAX_LEN // 2 // BS
     assert bm.get_computed_blocks(c) == ([], 0)
 
 

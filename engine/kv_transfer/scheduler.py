@@ -1,0 +1,93 @@
+"""The head side of ``SharedStorageConnector``: which blocks of a request to load from the
+store when it is admitted, which computed prompt blocks to save, and what a failed load undoes.
+
+    admit (Scheduler._admit_waiting)   device prefix hits, then the blocks stored after them
+                                       (``stored_blocks``): allocated like new ones, counted as
+                                       computed, and loaded by the workers before the forward
+                                       pass (``ExecuteModelRequest.kv_loads``)
+    after a step (update_from_output)  the prompt blocks it completed (``completed``) are
+                                       saved by the workers at the start of the next step
+                                       (``kv_saves``), before anything writes the cache
+    a load failed (any rank)           ``ModelRunnerOutput.kv_load_failures``: the request's
+                                       work in that step is void; it continues from the first
+                                       block not loaded (recomputed), nothing else changes
+
+Only whole prompt blocks are stored (the prefixes a later request shares; LMCache's default);
+the last prompt token is always computed, as with device hits.
+"""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request
+from engine.kv_transfer.store import BlockStore, store_namespace
+
+
+class KVTransferScheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        kv = config.kv_transfer.kv_transfer_config
+        if kv is None:
+            raise ValueError("kv_transfer_config: not set")
+        self.config = kv
+        shards = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+        self.store = BlockStore(
+            kv.shared_storage_path, store_namespace(config), shards, kv.max_storage_bytes
+        )
+        self.block_manager = block_manager
+        self.block_size = config.cache.block_size
+        self._pending_saves: list[tuple[bytes, int]] = []
+        self.queried_tokens = 0  # tokens looked up in the store (after the device hits)
+        self.hit_tokens = 0  # of those, loaded from the store
+        self.failed_tokens = 0  # loaded tokens voided by a failed load (recomputed)
+
+    def stored_blocks(self, request: Request, num_computed: int) -> int:
+        """How many blocks after the request's ``num_computed`` cached tokens the store holds
+        (leaving the last prompt token to compute)."""
+        if not self.config.loads or not self.block_manager.may_reuse(request):
+            return 0
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        first = num_computed // bs
+        if first >= max_blocks:
+            return 0
+        hashes = self.block_manager.block_hashes(request, max_blocks)
+        found = self.store.leading_hits(hashes[first:max_blocks])
+        self.queried_tokens += (max_blocks - first) * bs
+        self.hit_tokens += found * bs
+        return found
+
+    def loads(self, request: Request, first: int, count: int) -> list[tuple[bytes, int]]:
+        """(hash, block id) of the request's blocks ``first .. first + count - 1``, allocated."""
+        hashes = self.block_manager.block_hashes(request, first + count)
+        table = self.block_manager.get_block_ids(request.request_id)
+        return [(hashes[i], table[i]) for i in range(first, first + count)]
+
+    def completed(self, request: Request, before: int, after: int) -> None:
+        """A step took the request from ``before`` to ``after`` computed tokens: queue the
+        prompt blocks it completed for saving."""
+        if not self.config.saves or not self.block_manager.may_reuse(request):
+            return
+        bs = self.block_size
+        end = min(after, request.num_prompt_tokens) // bs
+        if end <= before // bs:
+            return
+        hashes = self.block_manager.block_hashes(request, end)
+        table = self.block_manager.get_block_ids(request.request_id)
+        self._pending_saves += [(hashes[i], table[i]) for i in range(before // bs, end)]
+
+    @property
+    def has_saves(self) -> bool:
+        return bool(self._pending_saves)
+
+    def take_saves(self) -> list[tuple[bytes, int]]:
+        saves, self._pending_saves = self._pending_saves, []
+        return saves
+
+    def failed(self, request: Request, first: int, loaded: int, requested: int) -> None:
+        """A rank loaded only ``loaded`` of the ``requested`` blocks from block ``first``: the
+        request continues from there."""
+        self.hit_tokens -= (requested - loaded) * self.block_size
+        self.failed_tokens += (requested - loaded) * self.block_size
+        request.num_computed_tokens = (first + loaded) * self.block_size
+        request.num_cached_tokens = min(request.num_cached_tokens, request.num_computed_tokens)
