@@ -1,10 +1,13 @@
 """``cluster bench prefix``: a shared-prefix workload against a model's replicas — a few long
 system prompts, many users each adding a short question, Poisson arrivals — run against one
 deployment per setting (1 replica; 2 replicas with the prefix-aware router; 2 with Serve's
-power-of-two router) on a new local Ray. Reports, per setting:
+power-of-two router; 1 and 2 replicas with the node's KV store, ``kv_transfer_config``
+``SharedStorageConnector``, each setting on an empty store of its own) on a new local Ray.
+Reports, per setting:
 
 - the cluster-wide prefix-cache hit rate: prompt tokens served from cache / prompt tokens
-  looked up, summed over the replicas (their ``stats``, before and after the run);
+  looked up, summed over the replicas (their ``stats``, before and after the run), and the
+  share of prompt tokens loaded from the KV store;
 - TTFT p50 / p99 (client side: request sent -> first streamed token);
 - each replica's share of the prompt tokens.
 
@@ -21,7 +24,9 @@ import json
 import os
 import platform
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,11 +34,14 @@ from typing import Any
 
 from cluster.bench.stats import percentiles
 
-SETTINGS = {
+SETTINGS: dict[str, dict[str, Any]] = {
     "1 replica": {"num_replicas": 1, "request_router": "pow2"},
     "2 replicas prefix_aware": {"num_replicas": 2, "request_router": "prefix_aware"},
     "2 replicas pow2": {"num_replicas": 2, "request_router": "pow2"},
+    "1 replica, KV store": {"num_replicas": 1, "request_router": "pow2", "kv_store": True},
+    "2 replicas pow2, KV store": {"num_replicas": 2, "request_router": "pow2", "kv_store": True},
 }
+DEFAULT_SETTINGS = ("1 replica", "2 replicas prefix_aware", "2 replicas pow2")
 
 
 @dataclass(frozen=True)
@@ -127,25 +135,36 @@ def cache_summary(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> 
     start = {s["replica_id"]: s for s in before}
     queries = {}
     hits = {}
+    stored = 0  # prompt tokens loaded from the KV store (kv_transfer_config), all replicas
     for s in after:
         b = start.get(s["replica_id"], {})
         queries[s["replica_id"]] = s["prefix_cache_queries"] - b.get("prefix_cache_queries", 0)
         hits[s["replica_id"]] = s["prefix_cache_hits"] - b.get("prefix_cache_hits", 0)
+        stored += s["external_prefix_cache_hits"] - b.get("external_prefix_cache_hits", 0)
     total = sum(queries.values())
     return {
         "prefix_hit_rate": round(sum(hits.values()) / total, 4) if total else 0.0,
+        "store_hit_rate": round(stored / total, 4) if total else 0.0,
         "prompt_tokens": total,
         "replica_share": {r: round(q / total, 3) if total else 0.0 for r, q in queries.items()},
         "replica_hit_rate": {r: round(hits[r] / q, 4) if q else 0.0 for r, q in queries.items()},
     }
 
 
-def setting_config(base: dict[str, Any], setting: dict[str, Any]) -> dict[str, Any]:
+def setting_config(
+    base: dict[str, Any], setting: dict[str, Any], store: str | None = None
+) -> dict[str, Any]:
+    """The deployment of one setting; ``store``: the KV store's directory when it has one."""
     config = copy.deepcopy(base)
     model = config["models"][0]
     deployment = model.setdefault("deployment_config", {})
     deployment.pop("autoscaling_config", None)
-    deployment.update(setting)
+    deployment.update({k: v for k, v in setting.items() if k != "kv_store"})
+    if setting.get("kv_store"):
+        model["engine_kwargs"]["kv_transfer_config"] = {
+            "kv_connector": "SharedStorageConnector",
+            "kv_connector_extra_config": {"shared_storage_path": store},
+        }
     return config
 
 
@@ -175,6 +194,9 @@ async def bench_setting(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=Path("configs/tiny.yaml"))
+    parser.add_argument(
+        "--model-source", default=None, help="serve this checkpoint, not the config's"
+    )
     defaults = PrefixWorkload()
     parser.add_argument("--num-prefixes", type=int, default=defaults.num_prefixes)
     parser.add_argument("--prefix-tokens", type=int, default=defaults.prefix_tokens)
@@ -183,7 +205,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--num-kv-blocks", type=int, default=1024,
                         help="per replica; enough for every prefix on one replica")  # fmt: skip
-    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS),
+                        default=list(DEFAULT_SETTINGS))  # fmt: skip
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--json", type=Path, default=None)
 
@@ -208,9 +231,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"bench prefix: {exc}") from None
     base = yaml.safe_load(args.config.read_text())
     base["models"][0].setdefault("engine_kwargs", {})["num_kv_blocks"] = args.num_kv_blocks
+    if args.model_source:
+        base["models"][0]["model_loading_config"]["model_source"] = args.model_source
     base.setdefault("http_options", {})["port"] = spare_port()
     base.pop("grpc_options", None)
-    configs = {name: setting_config(base, SETTINGS[name]) for name in args.settings}
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    stores = {name: tempfile.mkdtemp(prefix="bench-kv-", dir=shm) for name in args.settings}
+    configs = {name: setting_config(base, SETTINGS[name], stores[name]) for name in args.settings}
     cpus = max(load_config(c).models[0].cpus_at_max_scale() for c in configs.values())
     connect("local", num_cpus=cpus)
     import ray
@@ -224,11 +251,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         serve.shutdown()
         ray.shutdown()
+        for store in stores.values():
+            shutil.rmtree(store, ignore_errors=True)
     report = {
         "conditions": {
             "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}",
             "config": str(args.config),
+            "model_source": args.model_source,
             "num_kv_blocks": args.num_kv_blocks,
             **asdict(workload),
         },

@@ -413,6 +413,8 @@ class LLMServer:
             "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
+            "external_prefix_cache_queries": stats.external_prefix_cache_queries,
+            "external_prefix_cache_hits": stats.external_prefix_cache_hits,
             "num_preemptions": stats.num_preemptions,
             "prompt_tokens_total": stats.prompt_tokens_total,
             "generation_tokens_total": stats.generation_tokens_total,

@@ -64,6 +64,13 @@ class ModelMetrics:
             "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens found cached.")
+        self.external_queries = counter(
+            "external_prefix_cache_queries_total",
+            "Prompt tokens looked up in the KV store (kv_transfer_config) after the device cache.",
+        )
+        self.external_hits = counter(
+            "external_prefix_cache_hits_total", "Prompt tokens loaded from the KV store."
+        )
         self.preemptions = counter("preemptions_total", "Requests preempted.")
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens admitted.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
@@ -139,6 +146,16 @@ class ModelMetrics:
         for counter, now, before in (
             (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
             (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+            (
+                self.external_queries,
+                stats.external_prefix_cache_queries,
+                last.external_prefix_cache_queries,
+            ),
+            (
+                self.external_hits,
+                stats.external_prefix_cache_hits,
+                last.external_prefix_cache_hits,
+            ),
             (self.preemptions, stats.num_preemptions, last.num_preemptions),
             (self.prompt_tokens, stats.prompt_tokens_total, last.prompt_tokens_total),
             (self.generation_tokens, stats.generation_tokens_total, last.generation_tokens_total),

@@ -361,6 +361,8 @@ class EngineCoreLoop:
             kv_usage=kv.usage,
             prefix_cache_queries=counters.prefix_cache_queries,
             prefix_cache_hits=counters.prefix_cache_hits,
+            external_prefix_cache_queries=counters.external_prefix_cache_queries,
+            external_prefix_cache_hits=counters.external_prefix_cache_hits,
             num_preemptions=counters.num_preemptions,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,

@@ -170,6 +170,10 @@ class CoreStats(msgspec.Struct):
     spec_accepted_per_pos: list[int] = []
     # data_parallel_size > 1: each engine core's load, in core order (empty for one core).
     cores: list[CoreLoad] = []
+    # kv_transfer_config: prompt tokens looked up in the KV store after the device's hits, and
+    # those loaded from it (vLLM's external prefix cache).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

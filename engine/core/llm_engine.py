@@ -713,14 +713,16 @@ class LLMEngine:
         return []
 
     def counters(self) -> EngineCounters:
-        """The scheduler's and prefix cache's numbers for metrics."""
-        sched, blocks = self.scheduler, self.block_manager
+        """The scheduler's and prefix caches' numbers for metrics."""
+        sched, blocks, kv = self.scheduler, self.block_manager, self.scheduler.kv_transfer
         return EngineCounters(
             num_running=len(sched.running),
             num_waiting=sched.num_waiting,
             num_preemptions=sched.num_preemptions,
             prefix_cache_queries=blocks.prefix_queries,
             prefix_cache_hits=blocks.prefix_hits,
+            external_prefix_cache_queries=kv.queried_tokens if kv is not None else 0,
+            external_prefix_cache_hits=kv.hit_tokens if kv is not None else 0,
         )
 
     def request_state_sizes(self) -> dict[str, int]:
@@ -764,10 +766,13 @@ class LLMEngine:
 @dataclass(frozen=True)
 class EngineCounters:
     """Requests running and waiting now; preemptions and prefix-cache lookups and hits (in
-    tokens) since the engine started."""
+    tokens) since the engine started: the device cache's, and the KV store's
+    (``kv_transfer_config``: tokens looked up there after the device's hits, and loaded)."""
 
     num_running: int
     num_waiting: int
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0

@@ -1,5 +1,6 @@
-"""``ModelMetrics`` without Ray: each stats snapshot advances the MoE expert-load counters by
-what was routed since the last one and sets each layer's imbalance gauge; a dense model's
+"""``ModelMetrics`` without Ray: each stats snapshot advances the MoE expert-load counters (and
+the KV store's lookups and hits) by what came since the last one and sets each layer's
+imbalance gauge; a dense model's
 snapshot adds no expert series. The Ray metric classes are replaced by recorders that check
 tags the way Ray does (exactly the declared keys) and render the samples as Prometheus text,
 the lines ``GET /metrics`` shows."""
@@ -65,3 +66,17 @@ def test_a_data_parallel_replica_publishes_each_cores_load(model_metrics: ModelM
 def test_a_single_core_replica_publishes_no_core_series(model_metrics: ModelMetrics) -> None:
     model_metrics.publish(_stats({}))
     assert "llm_cluster_core_" not in prometheus_text()
+
+
+def test_the_kv_stores_lookups_and_hits_advance_their_counters(model_metrics: ModelMetrics) -> None:
+    def stats(queries: int, hits: int) -> EngineStats:
+        return EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0,
+                           external_prefix_cache_queries=queries,
+                           external_prefix_cache_hits=hits)  # fmt: skip
+
+    model_metrics.publish(stats(64, 32))
+    model_metrics.publish(stats(160, 96))
+    text = prometheus_text()
+    tags = 'model="moe",replica="r1"'
+    assert f"llm_cluster_external_prefix_cache_queries_total{{{tags}}} 160\n" in text
+    assert f"llm_cluster_external_prefix_cache_hits_total{{{tags}}} 96\n" in text
