@@ -466,10 +466,13 @@ class Scheduler:
                 break
             self.waiting.pop()
             request.num_computed_tokens = num_computed
-            if stored and self.kv_transfer is not None:
-                first = num_cached // self.block_manager.block_size
-                out.kv_loads[request.request_id] = self.kv_transfer.loads(request, first, stored)
-                out.kv_load_first[request.request_id] = first
+            if self.kv_transfer is not None:
+                loads = self.kv_transfer.admit(request, num_cached, stored)
+                if loads:
+                    out.kv_loads[request.request_id] = loads
+                    out.kv_load_first[request.request_id] = (
+                        num_cached // self.block_manager.block_size
+                    )
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
                 self.block_manager.prefix_queries += request.num_tokens

@@ -41,24 +41,30 @@ class KVTransferScheduler:
         self.hit_tokens = 0  # of those, loaded from the store
         self.failed_tokens = 0  # loaded tokens voided by a failed load (recomputed)
 
-    def stored_blocks(self, request: Request, num_computed: int) -> int:
-        """How many blocks after the request's ``num_computed`` cached tokens the store holds
-        (leaving the last prompt token to compute)."""
+    def _lookup_range(self, request: Request, num_cached: int) -> range:
+        """The request's blocks after its ``num_cached`` device hits that the store may supply
+        (the last prompt token is always computed); empty when it may not reuse blocks."""
         if not self.config.loads or not self.block_manager.may_reuse(request):
-            return 0
-        bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs
-        first = num_computed // bs
-        if first >= max_blocks:
-            return 0
-        hashes = self.block_manager.block_hashes(request, max_blocks)
-        found = self.store.leading_hits(hashes[first:max_blocks])
-        self.queried_tokens += (max_blocks - first) * bs
-        self.hit_tokens += found * bs
-        return found
+            return range(0)
+        return range(num_cached // self.block_size, (request.num_tokens - 1) // self.block_size)
 
-    def loads(self, request: Request, first: int, count: int) -> list[tuple[bytes, int]]:
-        """(hash, block id) of the request's blocks ``first .. first + count - 1``, allocated."""
+    def stored_blocks(self, request: Request, num_cached: int) -> int:
+        """How many blocks after the request's ``num_cached`` device hits the store holds."""
+        blocks = self._lookup_range(request, num_cached)
+        if not blocks:
+            return 0
+        hashes = self.block_manager.block_hashes(request, blocks.stop)
+        return self.store.leading_hits(hashes[blocks.start :])
+
+    def admit(self, request: Request, num_cached: int, count: int) -> list[tuple[bytes, int]]:
+        """The request was admitted with ``count`` stored blocks after its device hits, its
+        blocks allocated: their (hash, block id), for the workers to load. Counts the lookup."""
+        blocks = self._lookup_range(request, num_cached)
+        self.queried_tokens += len(blocks) * self.block_size
+        self.hit_tokens += count * self.block_size
+        if not count:
+            return []
+        first = blocks.start
         hashes = self.block_manager.block_hashes(request, first + count)
         table = self.block_manager.get_block_ids(request.request_id)
         return [(hashes[i], table[i]) for i in range(first, first + count)]
