@@ -32,6 +32,7 @@ from engine.engine_args import check_engine_arg_names as check_engine_arg_names
 from engine.errors import ConfigError
 from engine.hf_config import DEEPSEEK_ARCHITECTURES, GPT_OSS
 from engine.kv_transfer.config import KVTransferArgs, check_kv_transfer_support
+from engine.kv_transfer.store import store_namespace
 from engine.model_checks import (
     check_kernel_device,
     check_parallel_shape,
@@ -522,7 +523,7 @@ class EngineConfig:
             max_model_len,
             cache.enable_prefix_caching,
         )
-        return cls(
+        config = cls(
             model=model,
             cache=cache,
             scheduler=scheduler,
@@ -537,6 +538,11 @@ class EngineConfig:
             kv_transfer=kv_transfer,
             draft_model=draft_model,
         )
+        kv = kv_transfer.kv_transfer_config
+        if kv is None:
+            return config
+        kv = dataclasses.replace(kv, namespace=store_namespace(config))
+        return dataclasses.replace(config, kv_transfer=KVTransferArgs(kv))
 
     @property
     def max_model_len(self) -> int:

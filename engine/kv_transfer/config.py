@@ -38,6 +38,9 @@ class KVTransferConfig:
     kv_role: str = "kv_both"
     shared_storage_path: str = field(default_factory=default_storage_path)
     max_storage_bytes: int = DEFAULT_MAX_STORAGE_BYTES
+    # The store's directory for this engine (engine.kv_transfer.store.store_namespace), set
+    # once by EngineConfig.from_kwargs on the head: every worker uses the head's.
+    namespace: str = ""
 
     def __post_init__(self) -> None:
         key = "kv_transfer_config."

@@ -21,7 +21,7 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request
-from engine.kv_transfer.store import BlockStore, store_namespace
+from engine.kv_transfer.store import BlockStore
 
 
 class KVTransferScheduler:
@@ -32,7 +32,7 @@ class KVTransferScheduler:
         self.config = kv
         shards = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
         self.store = BlockStore(
-            kv.shared_storage_path, store_namespace(config), shards, kv.max_storage_bytes
+            kv.shared_storage_path, kv.namespace, shards, kv.max_storage_bytes
         )
         self.block_manager = block_manager
         self.block_size = config.cache.block_size

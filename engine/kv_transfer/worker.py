@@ -10,7 +10,7 @@ import logging
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_transfer.store import BlockStore, store_namespace
+from engine.kv_transfer.store import BlockStore
 
 logger = logging.getLogger("llm_cluster.kv_transfer")
 
@@ -22,7 +22,7 @@ class WorkerKVTransfer:
             raise ValueError("kv_transfer_config: not set")
         shards = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
         self.store = BlockStore(
-            kv.shared_storage_path, store_namespace(config), shards, kv.max_storage_bytes
+            kv.shared_storage_path, kv.namespace, shards, kv.max_storage_bytes
         )
         self.shard = shard
         self._save_error_logged = False
