@@ -31,9 +31,7 @@ class KVTransferScheduler:
             raise ValueError("kv_transfer_config: not set")
         self.config = kv
         shards = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
-        self.store = BlockStore(
-            kv.shared_storage_path, kv.namespace, shards, kv.max_storage_bytes
-        )
+        self.store = BlockStore(kv.shared_storage_path, kv.namespace, shards, kv.max_storage_bytes)
         self.block_manager = block_manager
         self.block_size = config.cache.block_size
         self._pending_saves: list[tuple[bytes, int]] = []

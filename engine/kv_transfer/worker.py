@@ -21,9 +21,7 @@ class WorkerKVTransfer:
         if kv is None:
             raise ValueError("kv_transfer_config: not set")
         shards = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
-        self.store = BlockStore(
-            kv.shared_storage_path, kv.namespace, shards, kv.max_storage_bytes
-        )
+        self.store = BlockStore(kv.shared_storage_path, kv.namespace, shards, kv.max_storage_bytes)
         self.shard = shard
         self._save_error_logged = False
 
