@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llm_kernels import attention, cpu_decode
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 
 SHAPES = {"llama110m": (12, 4, 64), "llama3-8b": (32, 8, 128)}
 BATCHES = (1, 16, 64)

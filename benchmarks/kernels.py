@@ -127,7 +127,7 @@ def _cuda_time_ms(fn: Callable[[], object], iters: int) -> float:
 def _bench_decode_attention(
     batch: int, context: int, peak: float | None, iters: int, kv_fp8: bool = False
 ) -> dict:
-    from llm_kernels.attention import AttentionMetadata
+    from llm_kernels.attention_metadata import AttentionMetadata
     from llm_kernels.triton_attention import paged_attention
     from llm_kernels.triton_common import choose_num_kv_splits
 
@@ -211,7 +211,7 @@ def _bench_decode_steps(model: str, iters: int) -> list[dict]:
 
 def _decode_inputs(runner, block_size: int, batch: int, context: int):
     from engine.worker.model_runner import StepInputs
-    from llm_kernels.attention import AttentionMetadata
+    from llm_kernels.attention_metadata import AttentionMetadata
 
     blocks_per_seq = -(-context // block_size)
     block_table = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)

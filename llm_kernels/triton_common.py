@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 from llm_kernels.kv_quant import FP8_DTYPE
 from llm_kernels.triton_fp8 import fp8e4m3_bits_to_float
 

@@ -1,7 +1,7 @@
 """KV cache groups: which layers share a block table, and how many blocks each group's pool gets.
 Torch-free (``cluster plan`` reads it); a step's per-group metadata is
-``llm_kernels.attention.build_group_metadata``. The design, sizing and why-not-one-pool are in
-docs/kv_cache_groups.md.
+``llm_kernels.attention_metadata.build_group_metadata``. The design, sizing and why-not-one-pool
+are in docs/kv_cache_groups.md.
 
 Layers are grouped by what their attention reads: every full-attention layer in one group, every
 layer of one sliding window W in another (a window that covers ``max_model_len`` hides nothing

@@ -29,7 +29,7 @@ from engine.models.layers import PagedAttention, RMSNorm, default_ops
 from engine.models.rotary import RopeCache, RotaryEmbedding
 from engine.pp_partition import layer_partition, stage_layer_range
 from engine.rope_config import rope_head_dim, rope_max_positions, rope_parameters
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 from llm_kernels.backend import KernelOps
 from parallel.layers import (
     MergedColumnParallelLinear,

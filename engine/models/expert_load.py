@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.models.moe import MoECausalLM, SparseMoeBlock
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 
 _SPARSE_BLOCK_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp$")
 

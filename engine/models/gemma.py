@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.models.decoder import Attention, CausalLM, DecoderModel, GatedMLP
 from engine.models.layers import GemmaRMSNorm
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 from llm_kernels.backend import KernelOps
 from parallel.state import ParallelContext
 

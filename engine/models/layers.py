@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 from llm_kernels.backend import KernelOps, get_kernel_ops
 
 

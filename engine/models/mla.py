@@ -24,7 +24,7 @@ from torch import nn
 from engine.hf_config import config_field
 from engine.models.layers import PagedAttention, RMSNorm
 from engine.models.rotary import RotaryEmbedding
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 from llm_kernels.backend import KernelOps
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, divide
 from parallel.state import SINGLE, GroupCoordinator, ParallelContext

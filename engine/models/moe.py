@@ -29,7 +29,7 @@ from parallel.state import ParallelContext
 
 if TYPE_CHECKING:
     from engine.models.expert_load import ExpertLoadCounter
-    from llm_kernels.attention import AttentionMetadata
+    from llm_kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

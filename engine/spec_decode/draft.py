@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from engine.core.kv_cache_groups import KVCacheLayout
-from llm_kernels.attention import AttentionMetadata, build_group_metadata
+from llm_kernels.attention_metadata import AttentionMetadata, build_group_metadata
 from parallel.state import ParallelContext
 
 

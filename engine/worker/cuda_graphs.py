@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 
 __all__ = [
     "DecodeBucketRunner",

@@ -51,7 +51,7 @@ from engine.worker.step_messages import (
     ModelRunnerOutput,
     PromptLogprobs,
 )
-from llm_kernels.attention import AttentionMetadata, build_group_metadata
+from llm_kernels.attention_metadata import AttentionMetadata, build_group_metadata
 from llm_kernels.kv_quant import kv_cache_torch_dtype
 from parallel.distributed import recv_intermediate, send_intermediate
 from parallel.moe import ParallelExperts

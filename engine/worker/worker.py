@@ -30,7 +30,7 @@ from engine.worker.model_loader import LoadProgressCallback, load_model
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sampler import SamplingMetadata, sample
 from engine.worker.step_messages import ExecuteModelRequest, ModelRunnerOutput
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 from parallel.distributed import (
     DEFAULT_TIMEOUT_S,
     RendezvousStore,

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 
 
 def naive_paged_attention(

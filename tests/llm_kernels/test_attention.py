@@ -12,13 +12,8 @@ import pytest
 import torch
 
 from llm_kernels import attention
-from llm_kernels.attention import (
-    AttentionMetadata,
-    copy_blocks,
-    paged_attention,
-    reshape_and_cache,
-    swap_blocks,
-)
+from llm_kernels.attention import copy_blocks, paged_attention, reshape_and_cache, swap_blocks
+from llm_kernels.attention_metadata import AttentionMetadata
 
 CPU = torch.device("cpu")
 TOLERANCE = {

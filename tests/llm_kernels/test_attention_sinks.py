@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from llm_kernels import attention, cpu_decode, triton_attention
+from llm_kernels.attention_metadata import AttentionMetadata
 from tests.llm_kernels.native_cpu import native_paged_attention, skip_unless_native
 from tests.llm_kernels.triton_batches import paged_batch
 
@@ -33,7 +34,7 @@ MIXED = ([1, 20, 13, 1, 1], [33, 20, 45, 1, 130])
 def hf_sink_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    metadata: attention.AttentionMetadata,
+    metadata: AttentionMetadata,
     scale: float,
     sinks: torch.Tensor,
     sliding_window: int | None = None,
@@ -83,7 +84,7 @@ def sinks_of(num_heads: int, *values: float, seed: int = 1) -> torch.Tensor:
 
 def assert_matches_hf(
     paged_attention: Callable[..., torch.Tensor],
-    batch: tuple[torch.Tensor, torch.Tensor, attention.AttentionMetadata],
+    batch: tuple[torch.Tensor, torch.Tensor, AttentionMetadata],
     sinks: torch.Tensor,
     tol: float = FP32_TOLERANCE,
     sliding_window: int | None = None,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from llm_kernels import attention, triton_attention
+from llm_kernels.attention_metadata import AttentionMetadata
 from llm_kernels.triton_common import choose_num_kv_splits
 from tests.llm_kernels.naive_attention import naive_paged_attention
 from tests.llm_kernels.native_cpu import native_paged_attention
@@ -28,7 +29,7 @@ SCALE = 0.25  # larger than head_dim ** -0.5, so that a soft cap of a few units 
 
 def assert_matches_naive(
     paged_attention: Callable[..., torch.Tensor],
-    batch: tuple[torch.Tensor, torch.Tensor, attention.AttentionMetadata],
+    batch: tuple[torch.Tensor, torch.Tensor, AttentionMetadata],
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     tol: float = FP32_TOLERANCE,

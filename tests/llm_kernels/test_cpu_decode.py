@@ -15,7 +15,7 @@ from engine.client.llm import LLM
 from engine.config import ConfigError, EngineConfig, KernelConfig
 from engine.sampling_params import SamplingParams
 from llm_kernels import attention, cpu_decode
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 from llm_kernels.backend import get_kernel_ops, resolve_attention_backend
 from tests.llm_kernels.naive_attention import naive_paged_attention
 from tests.llm_kernels.native_cpu import native_paged_attention, skip_unless_native

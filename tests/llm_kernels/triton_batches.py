@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 
 
 def paged_batch(

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.models.layers import PagedAttention
 from llm_kernels import attention
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 from llm_kernels.backend import get_kernel_ops
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 32, 16

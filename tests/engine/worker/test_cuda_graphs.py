@@ -19,7 +19,7 @@ from engine.worker.cuda_graphs import (
 from engine.worker.model_loader import load_model
 from engine.worker.model_runner import ModelRunner, StepInputs
 from engine.worker.step_messages import CachedRequestData, ExecuteModelRequest, NewRequestData
-from llm_kernels.attention import AttentionMetadata
+from llm_kernels.attention_metadata import AttentionMetadata
 from parallel.state import GroupCoordinator, ParallelContext
 
 CPU = torch.device("cpu")
