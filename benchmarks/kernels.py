@@ -210,7 +210,7 @@ def _bench_decode_steps(model: str, iters: int) -> list[dict]:
 
 
 def _decode_inputs(runner, block_size: int, batch: int, context: int):
-    from engine.worker.model_runner import StepInputs
+    from engine.worker.step_inputs import StepInputs
     from llm_kernels.attention_metadata import AttentionMetadata
 
     blocks_per_seq = -(-context // block_size)

@@ -12,13 +12,14 @@ Per step, for each scheduled request r with c = num_computed_tokens and n schedu
 KV cache groups (``engine.core.kv_cache_groups``): each layer reads its group's block table and
 writes its group's slots; the head's block ids are global, split here into each group's local
 ids, so ``block_ids`` holds one table per group and a step builds one metadata per group.
-``ModelRunner``'s docstring has what prompt logprobs, LoRA and pooling requests add.
+``ModelRunner``'s docstring has what prompt logprobs, LoRA and pooling requests add; the
+per-request state and the step's packed inputs are ``engine.worker.step_inputs``; stored KV
+blocks (``kv_transfer_config``) are saved and loaded by ``engine.kv_transfer.worker``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,11 +32,9 @@ from engine.core.kv_cache_groups import (
     group_of_window,
     kv_cache_group_specs,
 )
-from engine.core.structured_output import apply_grammar_bitmask, unpack_bitmask
+from engine.core.structured_output import apply_grammar_bitmask
 from engine.kv_transfer.worker import WorkerKVTransfer
 from engine.lora import WorkerLoRAManager
-from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft import DraftModel
 from engine.spec_decode.verify import spec_grammar_rows_of, verify_requests
 from engine.timing import StepTimer, device_synchronizer
@@ -45,68 +44,25 @@ from engine.worker.cuda_graphs import (
     cuda_graphs_disabled_reason,
 )
 from engine.worker.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
+from engine.worker.step_inputs import (
+    CachedRequestState,
+    StepInputs,
+    block_tables,
+    grammar_bitmask_rows,
+    pooling_rows,
+    prompt_logprobs_rows,
+)
 from engine.worker.step_messages import (
     ExecuteModelRequest,
     LogprobsLists,
     ModelRunnerOutput,
     PromptLogprobs,
 )
-from llm_kernels.attention_metadata import AttentionMetadata, build_group_metadata
+from llm_kernels.attention_metadata import build_group_metadata
 from llm_kernels.kv_quant import kv_cache_torch_dtype
 from parallel.distributed import recv_intermediate, send_intermediate
 from parallel.moe import ParallelExperts
 from parallel.state import ParallelContext
-
-
-@dataclass
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]
-    # One block table per KV cache group, as the group's local ids.
-    block_ids: list[list[int]]
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    num_computed_tokens: int = 0
-    num_prompt_tokens: int = 0
-    eos_token_ids: tuple[int, ...] = ()
-    # Pooling requests only (driver rank): the float32 sum of the hidden rows of positions
-    # [0, num_pooled) for mean pooling.
-    pooling_params: PoolingParams | None = None
-    pooled_sum: torch.Tensor | None = None
-    num_pooled: int = 0
-    lora_int_id: int = 0
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-    # Rows of the packed batch whose logits are sampled: one per request in sampled_req_ids,
-    # then k + 1 per request in spec_req_ids (its last token and its k proposals).
-    logits_indices: torch.Tensor
-    sampled_req_ids: list[str] = field(default_factory=list)
-    spec_req_ids: list[str] = field(default_factory=list)
-    # Prompt logprobs wanted this step: (req_id, first prompt token scored, rows in the packed
-    # batch whose logits score it and the following ones).
-    prompt_logprobs_rows: list[tuple[str, int, np.ndarray]] = field(default_factory=list)
-    # Structured outputs: rows of the sampled logits to mask, and their bitmask rows.
-    grammar_rows: list[int] = field(default_factory=list)
-    grammar_bitmask: np.ndarray | None = None
-    # The same for the verification rows (offsets within the spec_req_ids' block of rows).
-    spec_grammar_rows: list[int] = field(default_factory=list)
-    spec_grammar_bitmask: np.ndarray | None = None
-    # Pooling requests in this step: (req_id, first position pooled, rows of the packed batch
-    # to pool, whether this chunk ends the prompt).
-    pooling_rows: list[tuple[str, int, np.ndarray, bool]] = field(default_factory=list)
-    # The driver's sampling tensors, built before the forward pass is queued: copying host
-    # lists to the device waits for the stream, so after the launch it would wait for the
-    # whole forward pass and keep the host idle meanwhile.
-    sampling_metadata: SamplingMetadata | None = None
 
 
 class ModelRunner:
@@ -359,6 +315,7 @@ class ModelRunner:
 
     def prepare_inputs(self, req: ExecuteModelRequest) -> StepInputs:
         bs = self.block_size
+        mean = self.config.pooler.pooling_type == "mean"
         states = [self.requests[rid] for rid in req.num_scheduled_tokens]
         query_lens = np.fromiter(
             req.num_scheduled_tokens.values(), dtype=np.int32, count=len(states)
@@ -390,7 +347,7 @@ class ModelRunner:
         logits_rows = [cu[1:][sampled] - 1] + [
             np.arange(cu[i + 1] - len(spec[states[i].req_id]) - 1, cu[i + 1]) for i in verified
         ]
-        grammar_rows, grammar_bitmask = self._grammar_rows(req, sampled_req_ids)
+        grammar_rows, grammar_bitmask = grammar_bitmask_rows(req, sampled_req_ids)
         spec_req_ids = [states[i].req_id for i in verified]
         spec_grammar_rows, spec_grammar_bitmask = spec_grammar_rows_of(req, spec_req_ids)
         sampling_metadata = (
@@ -399,7 +356,7 @@ class ModelRunner:
         metadata = build_group_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens.astype(np.int32),
-            block_tables=self._block_tables(states),
+            block_tables=block_tables(states, len(self.kv_layout.specs)),
             windows=self.kv_layout.windows,
             positions=positions,
             req_index=req_index,
@@ -417,81 +374,13 @@ class ModelRunner:
             spec_req_ids=spec_req_ids,
             spec_grammar_rows=spec_grammar_rows,
             spec_grammar_bitmask=spec_grammar_bitmask,
-            prompt_logprobs_rows=self._prompt_logprobs_rows(states, starts, seq_lens, cu),
+            prompt_logprobs_rows=prompt_logprobs_rows(states, starts, seq_lens, cu),
             grammar_rows=grammar_rows,
             grammar_bitmask=grammar_bitmask,
             # Only the driver pools (and keeps the running sums): the others hold no output.
-            pooling_rows=self._pooling_rows(states, starts, seq_lens, cu) if self.is_driver else [],
+            pooling_rows=pooling_rows(states, starts, seq_lens, cu, mean) if self.is_driver else [],
             sampling_metadata=sampling_metadata,
         )
-
-    def _block_tables(self, states: list[CachedRequestState]) -> list[np.ndarray]:
-        """Each KV cache group's block table of the step, ``[num_seqs, max_blocks]``."""
-        tables = []
-        for g in range(len(self.kv_layout.specs)):
-            table = np.zeros((len(states), max(len(s.block_ids[g]) for s in states)), np.int32)
-            for i, state in enumerate(states):
-                table[i, : len(state.block_ids[g])] = state.block_ids[g]
-            tables.append(table)
-        return tables
-
-    @staticmethod
-    def _grammar_rows(
-        req: ExecuteModelRequest, sampled_req_ids: list[str]
-    ) -> tuple[list[int], np.ndarray | None]:
-        """Which sampled rows the step's grammar bitmask constrains, and its rows in that order.
-        The head sends a row exactly for the constrained requests that sample this step (the
-        same rule as here); a row for a request that does not sample is skipped, and the
-        head's matcher would reject an unconstrained token."""
-        if not req.structured_output_req_ids:
-            return [], None
-        bitmask = unpack_bitmask(req.grammar_bitmask, len(req.structured_output_req_ids))
-        position = {rid: i for i, rid in enumerate(sampled_req_ids)}
-        pairs = [
-            (position[rid], i)
-            for i, rid in enumerate(req.structured_output_req_ids)
-            if rid in position
-        ]
-        if not pairs:
-            return [], None
-        return [row for row, _ in pairs], bitmask[[i for _, i in pairs]]
-
-    @staticmethod
-    def _prompt_logprobs_rows(
-        states: list[CachedRequestState], starts: np.ndarray, ends: np.ndarray, cu: np.ndarray
-    ) -> list[tuple[str, int, np.ndarray]]:
-        rows = []
-        for i, state in enumerate(states):
-            if state.sampling_params.prompt_logprobs is None:
-                continue
-            # Positions t in [start, end) with t + 1 < num_prompt_tokens score prompt token t + 1.
-            last = min(int(ends[i]), state.num_prompt_tokens - 1)
-            if last > starts[i]:
-                rows.append((state.req_id, int(starts[i]) + 1, cu[i] + np.arange(last - starts[i])))
-        return rows
-
-    def _pooling_rows(
-        self, states: list[CachedRequestState], starts: np.ndarray, ends: np.ndarray, cu: np.ndarray
-    ) -> list[tuple[str, int, np.ndarray, bool]]:
-        mean = self.config.pooler.pooling_type == "mean"
-        rows = []
-        for i, state in enumerate(states):
-            if state.pooling_params is None:
-                continue
-            start, end = int(starts[i]), int(ends[i])
-            finishes = end == len(state.token_ids)
-            if mean:
-                if start > state.num_pooled:
-                    raise RuntimeError(
-                        f"mean pooling of {state.req_id!r}: positions [{state.num_pooled}, "
-                        f"{start}) were never computed (a prefix-cache hit?)"
-                    )
-                first = max(start, state.num_pooled)
-                req_rows = cu[i] + np.arange(first - start, end - start)
-                rows.append((state.req_id, first, req_rows, finishes))
-            elif finishes:
-                rows.append((state.req_id, end - 1, np.array([cu[i + 1] - 1]), True))
-        return rows
 
     # ---- one step -----------------------------------------------------------------------
 

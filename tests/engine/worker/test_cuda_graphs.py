@@ -17,7 +17,8 @@ from engine.worker.cuda_graphs import (
     decode_batch_buckets,
 )
 from engine.worker.model_loader import load_model
-from engine.worker.model_runner import ModelRunner, StepInputs
+from engine.worker.model_runner import ModelRunner
+from engine.worker.step_inputs import StepInputs
 from engine.worker.step_messages import CachedRequestData, ExecuteModelRequest, NewRequestData
 from llm_kernels.attention_metadata import AttentionMetadata
 from parallel.state import GroupCoordinator, ParallelContext
