@@ -28,7 +28,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.core.block_manager import BlockManager, KVCacheBlock
+from engine.core.block_manager import BlockManager
+from engine.core.block_pool import KVCacheBlock
 from engine.core.request import Request, RequestStatus
 from engine.kv_transfer.scheduler import KVTransferScheduler
 from engine.worker.step_messages import CachedRequestData, ExecuteModelRequest, NewRequestData

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.block_manager import hash_block_tokens
+from engine.core.block_pool import hash_block_tokens
 
 ARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64}
 BLOCK = 16

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.block_manager import BlockManager, hash_block_tokens
+from engine.core.block_manager import BlockManager
+from engine.core.block_pool import hash_block_tokens
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.core.block_manager import hash_block_tokens
+from engine.core.block_pool import hash_block_tokens
 from engine.errors import ConfigError
 from engine.kv_transfer.scheduler import KVTransferScheduler
 
