@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.builtin.catalog import make_tiny_lora
 from engine.config import EngineConfig
 from engine.core.block_pool import hash_block_tokens
 from engine.errors import ConfigError
 from engine.kv_transfer.scheduler import KVTransferScheduler
+from engine.lora_request import LoRARequest
 
 ARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64}
 BLOCK = 16
@@ -202,3 +204,44 @@ def test_configs_the_connector_cannot_serve_are_refused_by_name(tmp_path: Path) 
             EngineConfig.from_kwargs(model="builtin:tiny-llama", **kwargs)
     with pytest.raises(ConfigError, match=r"^kv_transfer_config: SharedStorageConnector moves one"):
         EngineConfig.from_kwargs(model="builtin:tiny-gemma3", kv_transfer_config=kv)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"kv_cache_dtype": "fp8"},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+    ],
+    ids=["fp8-kv", "ngram-speculation"],
+)
+def test_fp8_kv_and_speculation_engines_load_what_they_stored(
+    extra: dict[str, Any], tmp_path: Path
+) -> None:
+    args = {**ARGS, **extra}
+    expected = _tokens(LLM("builtin:tiny-llama", **args), _prompts())
+    _tokens(LLM("builtin:tiny-llama", kv_transfer_config=_kv(tmp_path), **args), _prompts())
+    llm = LLM("builtin:tiny-llama", kv_transfer_config=_kv(tmp_path), **args)
+    assert _tokens(llm, _prompts()) == expected
+    assert _transfer(llm).hit_tokens == 192
+
+
+def test_a_lora_adapters_blocks_are_its_own(tmp_path: Path) -> None:
+    """Blocks computed under an adapter are stored under hashes that name it: a request with the
+    adapter loads them, one without it (the base model's K/V differ) does not."""
+    adapter = LoRARequest("a", 1, str(make_tiny_lora("tiny-llama", tmp_path / "adapter", seed=1)))
+    args = {**ARGS, "enable_lora": True}
+    store = tmp_path / "store"
+    reference = LLM("builtin:tiny-llama", **args)
+    with_adapter = [
+        o.outputs[0].token_ids
+        for o in reference.generate(_prompts(), GREEDY, lora_request=adapter, use_tqdm=False)
+    ]
+    writer = LLM("builtin:tiny-llama", kv_transfer_config=_kv(store), **args)
+    writer.generate(_prompts(), GREEDY, lora_request=adapter, use_tqdm=False)
+    base = LLM("builtin:tiny-llama", kv_transfer_config=_kv(store), **args)
+    _tokens(base, _prompts())
+    assert _transfer(base).hit_tokens == 0
+    reader = LLM("builtin:tiny-llama", kv_transfer_config=_kv(store), **args)
+    outputs = reader.generate(_prompts(), GREEDY, lora_request=adapter, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == with_adapter
+    assert _transfer(reader).hit_tokens == 192
