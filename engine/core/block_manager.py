@@ -9,11 +9,12 @@
 Invariants (``check_integrity``): a block is in the free queue iff its ref count is 0; its ref
 count equals the number of block tables holding it; free + used = total. Full computed blocks
 are registered in the prefix cache by their chained hash and stay cached once freed, until
-evicted (``engine.core.block_pool``). Shared blocks are copy-on-write (``BlockManager``). Each
-KV cache group (``engine.core.kv_cache_groups``) is a ``KVCacheGroup`` (``engine.core.
-block_pool``) with its own pool and block table per request over global block ids; ``BlockManager`` acts on every group at once and
-``get_block_ids`` lists a request's groups one after the other. docs/kv_cache_groups.md has
-the sliding-window rules (freeing, prefix hits, swap, ``stats().usage``).
+evicted. Shared blocks are copy-on-write (``BlockManager``). Each KV cache group
+(``engine.core.kv_cache_groups``) is a ``KVCacheGroup`` (``engine.core.block_pool``: its own
+pool and block table per request over global block ids); ``BlockManager`` acts on every group
+at once and ``get_block_ids`` lists a request's groups one after the other.
+docs/kv_cache_groups.md has the sliding-window rules (freeing, prefix hits, swap,
+``stats().usage``).
 """
 
 from __future__ import annotations
