@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import yaml
 from cluster.config import DeploymentConfig, ModelDeployment, _build
 from cluster.config import deployment as deployment_config
 from engine.errors import ConfigError
+from engine.kv_transfer.config import KVTransferConfig
 from engine.worker.memory_plan import GiB, MemoryPlan, PlanSettings, plan_memory
 
 # One GPU's memory by Ray's accelerator type name (``ray.util.accelerators``), in GiB as
@@ -71,6 +72,7 @@ class ModelPlan:
     plan: MemoryPlan | None
     skipped: str | None = None
     hf_config_from: str | None = None  # where config.json was read (the cache, --hf-config)
+    kv_store: KVTransferConfig | None = None  # kv_transfer_config, when the model has one
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -90,6 +92,7 @@ class ModelPlan:
             "fits": self.fits,
             "skipped": self.skipped,
             "hf_config_from": self.hf_config_from,
+            "kv_store": asdict(self.kv_store) if self.kv_store is not None else None,
             "plan": self.plan.to_dict() if self.plan is not None else None,
         }
 
@@ -232,7 +235,8 @@ def plan_model(
             for n in plan.notes
         )
         plan = replace(plan, notes=notes)
-    return ModelPlan(**common, plan=plan, hf_config_from=config_from)
+    kv_store = KVTransferConfig.from_arg(model.engine_kwargs.get("kv_transfer_config"))
+    return ModelPlan(**common, plan=plan, hf_config_from=config_from, kv_store=kv_store)
 
 
 def plan_deployment(
@@ -308,6 +312,8 @@ def format_model(model: ModelPlan) -> str:
         lines.extend(_stage_table(plan))
         lines.append(_kv_summary(plan))
         lines.extend(_kv_group_lines(plan))
+        if model.kv_store is not None:
+            lines.append(_kv_store_line(plan, model.kv_store))
         if plan.device == "cuda":
             lines.append(
                 f"  ~ estimates: activation = one step of max_num_batched_tokens "
@@ -366,6 +372,19 @@ def _kv_group_lines(plan: MemoryPlan) -> list[str]:
             f"{_size(g.bytes_per_token)}/token, {blocks}"
         )
     return lines
+
+
+def _kv_store_line(plan: MemoryPlan, kv: KVTransferConfig) -> str:
+    """The node's KV store (``kv_transfer_config``): where, how large, and how many of this
+    model's blocks it holds (a block: every worker's shard of it, K and V of every layer)."""
+    tp = plan.tensor_parallel_size
+    block_bytes = sum(s.kv_bytes_per_token for s in plan.stages) * tp * plan.block_size
+    held = kv.max_storage_bytes // block_bytes if block_bytes else 0
+    return (
+        f"  KV store ({kv.kv_connector}, {kv.kv_role}): {kv.shared_storage_path}, up to "
+        f"{_size(kv.max_storage_bytes)}, shared by the node's replicas: {held:,} blocks "
+        f"({held * plan.block_size:,} prompt tokens) of {_size(block_bytes)}"
+    )
 
 
 def _kv_summary(plan: MemoryPlan) -> str:

@@ -81,6 +81,32 @@ def test_cluster_plan_sizes_data_parallel_cores(
     assert "KV cache per engine core (2 per replica, each on its own TP group)" in out
 
 
+def test_cluster_plan_shows_the_kv_store_and_how_many_blocks_it_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Llama-3-70B at TP 4 x PP 2 with a 64 GiB store: a block is K and V of all 80 layers over
+    the 8 KV heads (1 KiB per token per layer per GPU, x TP 4), 16 tokens."""
+    kv = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_connector_extra_config": {
+            "shared_storage_path": "/mnt/kv",
+            "max_storage_bytes": 64 << 30,
+        },
+    }
+    path = llama70b_yaml(tmp_path, kv_transfer_config=kv)
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    block = 80 * 1024 * 4 * 16  # 5 MiB
+    held = (64 << 30) // block
+    assert (
+        f"KV store (SharedStorageConnector, kv_both): /mnt/kv, up to 64.00 GiB, shared by the "
+        f"node's replicas: {held:,} blocks ({held * 16:,} prompt tokens) of 5.0 MiB"
+    ) in out
+    assert main(["plan", str(path), "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["models"][0]
+    assert model["kv_store"]["max_storage_bytes"] == 64 << 30
+
+
 def test_cluster_plan_json_carries_every_figure(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
