@@ -488,7 +488,7 @@ class LLMEngine:
         ``finish_batch``, the two halves of ``step`` around the executor's call (a
         data-parallel engine sends every core's batch in one call)."""
         sched = self.scheduler.schedule()
-        if sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids:
+        if not (sched.total_num_scheduled_tokens or sched.finished_req_ids or sched.kv_saves):
             return None
         message = make_execute_model_request(sched)
         self._add_grammar_bitmask(sched, message)
