@@ -541,8 +541,7 @@ class EngineConfig:
         kv = kv_transfer.kv_transfer_config
         if kv is None:
             return config
-        kv = dataclasses.replace(kv, namespace=store_namespace(config))
-        return dataclasses.replace(config, kv_transfer=KVTransferArgs(kv))
+        return dataclasses.replace(config, kv_transfer=KVTransferArgs(kv, store_namespace(config)))
 
     @property
     def max_model_len(self) -> int:

@@ -33,26 +33,42 @@ def default_storage_path() -> str:
 
 
 @dataclass(frozen=True)
+class KVConnectorExtraConfig:
+    """``kv_transfer_config.kv_connector_extra_config``: ``SharedStorageConnector``'s store."""
+
+    shared_storage_path: str = field(default_factory=default_storage_path)
+    max_storage_bytes: int = DEFAULT_MAX_STORAGE_BYTES
+
+    def __post_init__(self) -> None:
+        key = "kv_transfer_config.kv_connector_extra_config."
+        require(
+            isinstance(self.shared_storage_path, str) and bool(self.shared_storage_path),
+            key + "shared_storage_path",
+            f"must be a directory path, got {self.shared_storage_path!r}",
+        )
+        check_int(self.max_storage_bytes, key + "max_storage_bytes", ge=1 << 20, note="bytes")
+
+
+@dataclass(frozen=True)
 class KVTransferConfig:
     kv_connector: str = "SharedStorageConnector"
     kv_role: str = "kv_both"
-    shared_storage_path: str = field(default_factory=default_storage_path)
-    max_storage_bytes: int = DEFAULT_MAX_STORAGE_BYTES
-    # The store's directory for this engine (engine.kv_transfer.store.store_namespace), set
-    # once by EngineConfig.from_kwargs on the head: every worker uses the head's.
-    namespace: str = ""
+    kv_connector_extra_config: KVConnectorExtraConfig = field(
+        default_factory=KVConnectorExtraConfig
+    )
 
     def __post_init__(self) -> None:
         key = "kv_transfer_config."
         check_choice(self.kv_connector, key + "kv_connector", CONNECTORS)
         check_choice(self.kv_role, key + "kv_role", ROLES)
-        extra = key + "kv_connector_extra_config."
-        require(
-            isinstance(self.shared_storage_path, str) and bool(self.shared_storage_path),
-            extra + "shared_storage_path",
-            f"must be a directory path, got {self.shared_storage_path!r}",
-        )
-        check_int(self.max_storage_bytes, extra + "max_storage_bytes", ge=1 << 20, note="bytes")
+
+    @property
+    def shared_storage_path(self) -> str:
+        return self.kv_connector_extra_config.shared_storage_path
+
+    @property
+    def max_storage_bytes(self) -> int:
+        return self.kv_connector_extra_config.max_storage_bytes
 
     @property
     def saves(self) -> bool:
@@ -97,15 +113,18 @@ class KVTransferConfig:
                 f"must be one of the keys {', '.join(_EXTRA_KEYS)}, got an unknown key",
             )
         fields = {k: v for k, v in value.items() if k != "kv_connector_extra_config"}
-        return cls(**fields, **extra)
+        return cls(**fields, kv_connector_extra_config=KVConnectorExtraConfig(**extra))
 
 
 @dataclass(frozen=True)
 class KVTransferArgs:
     """``EngineConfig.kv_transfer``: the ``kv_transfer_config`` engine argument, kept parsed
-    (None: no connector, the engine unchanged)."""
+    (None: no connector, the engine unchanged), and the store's directory for this engine
+    (``engine.kv_transfer.store.store_namespace``), set once by ``EngineConfig.from_kwargs`` on
+    the head: every worker uses the head's."""
 
     kv_transfer_config: KVTransferConfig | None = None
+    namespace: str = ""
 
     def __post_init__(self) -> None:
         parsed = KVTransferConfig.from_arg(self.kv_transfer_config)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request
-from engine.kv_transfer.store import BlockStore
+from engine.kv_transfer.store import engine_store
 
 
 class KVTransferScheduler:
@@ -30,8 +30,7 @@ class KVTransferScheduler:
         if kv is None:
             raise ValueError("kv_transfer_config: not set")
         self.config = kv
-        shards = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
-        self.store = BlockStore(kv.shared_storage_path, kv.namespace, shards, kv.max_storage_bytes)
+        self.store = engine_store(config)
         self.block_manager = block_manager
         self.block_size = config.cache.block_size
         self._pending_saves: list[tuple[bytes, int]] = []

@@ -65,6 +65,18 @@ def store_namespace(config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def engine_store(config: Any) -> BlockStore:
+    """The store an engine (``config``: its ``EngineConfig``, with ``kv_transfer_config``)
+    reads and writes: one shard per worker of a TP group and pipeline stages."""
+    kv = config.kv_transfer.kv_transfer_config
+    if kv is None:
+        raise ValueError("kv_transfer_config: not set")
+    shards = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+    return BlockStore(
+        kv.shared_storage_path, config.kv_transfer.namespace, shards, kv.max_storage_bytes
+    )
+
+
 class BlockStore:
     """One engine's view of the shared storage (module docstring): ``num_shards`` files per
     block under ``root/namespace``."""

@@ -10,18 +10,14 @@ import logging
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_transfer.store import BlockStore
+from engine.kv_transfer.store import engine_store
 
 logger = logging.getLogger("llm_cluster.kv_transfer")
 
 
 class WorkerKVTransfer:
     def __init__(self, config: EngineConfig, shard: int) -> None:
-        kv = config.kv_transfer.kv_transfer_config
-        if kv is None:
-            raise ValueError("kv_transfer_config: not set")
-        shards = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
-        self.store = BlockStore(kv.shared_storage_path, kv.namespace, shards, kv.max_storage_bytes)
+        self.store = engine_store(config)
         self.shard = shard
         self._save_error_logged = False
 

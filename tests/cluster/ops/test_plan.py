@@ -104,7 +104,7 @@ def test_cluster_plan_shows_the_kv_store_and_how_many_blocks_it_holds(
     ) in out
     assert main(["plan", str(path), "--json"]) == 0
     model = json.loads(capsys.readouterr().out)["models"][0]
-    assert model["kv_store"]["max_storage_bytes"] == 64 << 30
+    assert model["kv_store"]["kv_connector_extra_config"]["max_storage_bytes"] == 64 << 30
 
 
 def test_cluster_plan_json_carries_every_figure(
