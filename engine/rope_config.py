@@ -381,3 +381,12 @@ def _positive_int(value: Any, field: str) -> int:
     if not _is_number(value) or value != int(value) or value <= 0:
         raise ConfigError(f"{field}: must be an integer > 0, got {value!r}")
     return int(value)
+
+
+def freeze_rope_params(value: Any) -> Any:
+    """A hashable equal-for-equal form of normalized rope params (lists become tuples)."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, freeze_rope_params(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze_rope_params(v) for v in value)
+    return value

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.rope_config import ROPE_TYPES
+from engine.rope_config import ROPE_TYPES, freeze_rope_params
 from llm_kernels.backend import KernelOps, get_kernel_ops
 
 __all__ = ["RopeCache", "RotaryEmbedding", "rope_cos_sin", "rotary_dim"]
@@ -268,7 +268,7 @@ class RopeCache:
         key = (
             int(head_dim),
             int(max_position),
-            _freeze(params),
+            freeze_rope_params(params),
             ops,
             str(torch.get_default_device()),
         )
@@ -289,12 +289,3 @@ class RopeCache:
 
     def __len__(self) -> int:
         return len(self._embeddings)
-
-
-def _freeze(value: Any) -> Any:
-    """A hashable equal-for-equal form of normalized rope params (lists become tuples)."""
-    if isinstance(value, Mapping):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value

@@ -17,7 +17,12 @@ from typing import Any
 from engine import hf_config
 from engine.errors import ConfigError
 from engine.quantization.config import keeps_mxfp4_experts
-from engine.rope_config import rope_head_dim, rope_max_positions, rope_parameters
+from engine.rope_config import (
+    freeze_rope_params,
+    rope_head_dim,
+    rope_max_positions,
+    rope_parameters,
+)
 from engine.worker import memory_plan_moe
 
 ROTARY_TABLE_BYTES = 4  # cos/sin tables are float32 whatever the model dtype
@@ -302,21 +307,13 @@ def rotary_buffer_bytes(hf: Mapping[str, Any], first_layer: int, end_layer: int)
     for layer_type in {types[i] for i in range(first_layer, end_layer)}:
         params = rope_parameters(hf, layer_type)
         rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
-        distinct[_freeze(params)] = rotary_dim
+        distinct[freeze_rope_params(params)] = rotary_dim
     tables = sum(2 * max_position * dim * ROTARY_TABLE_BYTES for dim in distinct.values())
     mla = latent_attention(hf)
     orders = 0
     if mla is not None and mla.interleaved_rope:
         orders = (end_layer - first_layer) * mla.rope_dim * INT64_BYTES
     return tables + orders
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
 
 
 def lora_bytes(shape: RankShape, num_layers: int, slots: int, rank: int, dtype_bytes: int) -> int:
