@@ -39,6 +39,7 @@ from engine.model_checks import (
     derive_max_model_len,
     with_checkpoint,
 )
+from engine.model_heads import CONVERTS, RUNNERS, Task, family_architecture, resolve_task
 from engine.pp_partition import requested_partition
 from engine.quantization.config import ONLINE_METHODS, keeps_mxfp4_experts
 from engine.spec_decode.config import (
@@ -82,9 +83,17 @@ class ModelConfig:
     trust_remote_code: bool = False
     # vLLM's online quantization of a float checkpoint at load: None or "fp8".
     quantization: Literal["fp8"] | None = None
+    # What the model serves (vLLM's names; engine.model_heads): auto reads the architecture.
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    convert: Literal["auto", "none", "embed", "classify"] = "auto"
+    # Fields merged over the checkpoint's config.json (vLLM's hf_overrides), e.g. a causal LM
+    # run as a reranker: {"architectures": [...], "classifier_from_token": ["no", "yes"]}.
+    hf_overrides: dict[str, Any] | None = None
     # Filled from the checkpoint's config.json by ``EngineConfig.from_kwargs``.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     model_path: str = ""
+    # The ids of hf_config's classifier_from_token, read from the tokenizer on the head.
+    classifier_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_str(self.model, "model", non_empty=True)
@@ -92,6 +101,13 @@ class ModelConfig:
         check_positive_int(self.max_model_len, "max_model_len", optional=True)
         check_int(self.seed, "seed")
         check_choice(self.quantization, "quantization", (None, *ONLINE_METHODS))
+        check_choice(self.runner, "runner", RUNNERS)
+        check_choice(self.convert, "convert", CONVERTS)
+        require(
+            self.hf_overrides is None or isinstance(self.hf_overrides, dict),
+            "hf_overrides",
+            f"must be a mapping of config.json fields, got {self.hf_overrides!r}",
+        )
         require(
             self.trust_remote_code is False,
             "trust_remote_code",
@@ -107,8 +123,13 @@ class ModelConfig:
 
     @property
     def architecture(self) -> str:
-        archs = self.hf_config.get("architectures") or []
-        return archs[0] if archs else ""
+        """The decoder family's ``XForCausalLM`` name (``engine.model_heads``)."""
+        return family_architecture(self.hf_config)
+
+    @property
+    def task(self) -> Task:
+        """What the model serves: ``generate``, ``embed`` or ``classify``."""
+        return resolve_task(self.hf_config, self.runner, self.convert)
 
     @property
     def vocab_size(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.model_heads import declared_architecture, family_architecture, num_labels
 from engine.quantization.config import parse_quantization
 from engine.rope_config import check_rope
 
@@ -103,8 +104,9 @@ _FOREIGN_ROUTER_FIELDS: dict[str, tuple[Any, ...]] = {
 
 
 def architecture(hf: dict[str, Any]) -> str:
-    archs = hf.get("architectures") or []
-    return str(archs[0]) if archs else ""
+    """The ``XForCausalLM`` family the checkpoint's decoder is, whatever head it declares
+    (``engine.model_heads``): every family-keyed rule reads this name."""
+    return family_architecture(hf)
 
 
 def check_hf_config(hf: dict[str, Any]) -> None:
@@ -113,9 +115,11 @@ def check_hf_config(hf: dict[str, Any]) -> None:
     arch = architecture(hf)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(
-            f"architectures: {arch or '(none)'!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"architectures: {declared_architecture(hf) or '(none)'!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (and their "
+            "*ForSequenceClassification and *Model forms)"
         )
+    num_labels(hf)  # a malformed id2label or classifier_from_token is named here
     # A quantization method or scheme the engine cannot serve exactly is refused by name.
     parse_quantization(hf)
     act_field = _ACTIVATION_FIELD.get(arch, "hidden_act")

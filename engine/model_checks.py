@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine import envs
+from engine.errors import ConfigError
 from engine.hf_config import check_hf_config, num_experts
+from engine.model_heads import classifier_tokens, resolve_task
 from engine.quantization.config import parse_quantization
 from engine.rope_config import rope_max_positions
 from engine.validation import check_int, require
@@ -29,11 +31,53 @@ def with_checkpoint(model: ModelConfig) -> ModelConfig:
 
     path = resolve_model_source(model.model)
     config_file = Path(path) / "config.json"
-    hf_config = json.loads(config_file.read_text())
+    hf_config = {**json.loads(config_file.read_text()), **(model.hf_overrides or {})}
     # Refused here, before anything is placed: what the engine cannot serve exactly.
     check_hf_config(hf_config)
     parse_quantization(hf_config, model.quantization)  # online fp8 of a quantized checkpoint
-    return dataclasses.replace(model, hf_config=hf_config, model_path=str(path))
+    model = dataclasses.replace(model, hf_config=hf_config, model_path=str(path))
+    if resolve_task(hf_config, model.runner, model.convert) == "generate":
+        _check_lm_head(path, hf_config)
+    tokens = classifier_tokens(hf_config)
+    if not tokens:
+        return model
+    return dataclasses.replace(model, classifier_token_ids=_token_ids(model, tokens))
+
+
+def _check_lm_head(path: Path, hf_config: dict[str, Any]) -> None:
+    """An untied causal LM saved without its LM head (an embedding model's checkpoint) cannot
+    generate: refused here, naming the argument that serves it."""
+    if hf_config.get("tie_word_embeddings") is not False:
+        return
+    from engine.worker.model_loader import checkpoint_headers
+
+    names = checkpoint_headers(path)  # none: a config-only directory (cluster plan)
+    if names and "lm_head.weight" not in names:
+        raise ConfigError(
+            "runner: the checkpoint has no lm_head.weight (untied), so it cannot generate; "
+            "an embedding model's checkpoint is served with runner: pooling"
+        )
+
+
+def _token_ids(model: ModelConfig, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """Each classifier token's id in the model's vocabulary (one token each, as vLLM reads
+    ``classifier_from_token``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer or model.model_path)
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        unknown = token_id is None or (
+            token_id == tokenizer.unk_token_id and token != tokenizer.unk_token
+        )
+        vocab = int(model.hf_config["vocab_size"])
+        if unknown or not 0 <= token_id < vocab:
+            raise ConfigError(
+                f"classifier_from_token: {token!r} is not one token of the model's vocabulary"
+            )
+        ids.append(int(token_id))
+    return tuple(ids)
 
 
 def derive_max_model_len(model: ModelConfig) -> int:

@@ -63,6 +63,16 @@ class PoolingOutput:
         """vLLM's ``EmbeddingOutput.embedding``: the same vector."""
         return self.data
 
+    @property
+    def probs(self) -> list[float]:
+        """vLLM's ``ClassificationOutput.probs``: a classify request's class scores."""
+        return self.data
+
+    @property
+    def score(self) -> float:
+        """vLLM's ``ScoringOutput.score``: a one-class score (or a pair's cosine)."""
+        return self.data[0]
+
 
 @dataclass
 class PoolingRequestOutput:
@@ -81,3 +91,8 @@ class PoolingRequestOutput:
 # vLLM's names for the same objects when the task is "embed".
 EmbeddingOutput = PoolingOutput
 EmbeddingRequestOutput = PoolingRequestOutput
+# ... and when it is "classify" or "score".
+ClassificationOutput = PoolingOutput
+ClassificationRequestOutput = PoolingRequestOutput
+ScoringOutput = PoolingOutput
+ScoringRequestOutput = PoolingRequestOutput

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.model_heads import family_architecture
 
 __all__ = ["ROPE_TYPES", "check_rope", "rope_max_positions", "rope_parameters"]
 
@@ -222,8 +223,7 @@ def _partial_rotary_factor(hf: Mapping[str, Any], raw: Mapping[str, Any], where:
         value, field = hf["partial_rotary_factor"], "partial_rotary_factor"
     else:
         # GLM-4.5's config class rotates half of each head unless told otherwise.
-        archs = hf.get("architectures") or [""]
-        return _DEFAULT_PARTIAL_ROTARY.get(str(archs[0]), 1.0)
+        return _DEFAULT_PARTIAL_ROTARY.get(family_architecture(hf), 1.0)
     factor = _positive(value, field)
     if factor > 1.0:
         raise ConfigError(f"{field}: must be in (0, 1], got {value!r}")

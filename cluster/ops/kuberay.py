@@ -88,6 +88,8 @@ def _type_schema(hint: Any) -> JSONSchema:
         return {"type": "array", "items": _type_schema(args[0])}
     if dataclasses.is_dataclass(hint):
         return _dataclass_schema(hint)
+    if origin is dict:  # free-form fields (hf_overrides): config.json's own keys
+        return {"type": "object"}
     if hint in _SCALARS:
         return dict(_SCALARS[hint])
     raise TypeError(f"no JSON Schema for config type {hint!r}")

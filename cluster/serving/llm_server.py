@@ -334,7 +334,9 @@ class LLMServer:
         request_id = request.request_id
         self._active.add(request_id)
         try:
-            params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions)
+            params = PoolingParams(
+                task="embed", normalize=request.normalize, dimensions=request.dimensions
+            )
             output = await self.engine.encode(self._prompt(request), params, request_id)
         except (InvalidRequestError, EngineOverloadedError, RequestAbortedError,
                 EngineDeadError) as exc:  # fmt: skip

@@ -1,7 +1,8 @@
 """Model sources: a local checkpoint directory, or ``builtin:<name>``, one of the generated
 random-weight models (dense ``engine.builtin.tiny_models``, MoE ``engine.builtin.tiny_moe_models``,
-reasoning ``engine.builtin.tiny_reasoning_models``), written once into the cache; plus random LoRA
-adapters for them. It sits above the three generator modules, which never import it."""
+reasoning ``engine.builtin.tiny_reasoning_models``, pooling
+``engine.builtin.tiny_pooling_models``), written once into the cache; plus random LoRA
+adapters for them. It sits above the generator modules, which never import it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.builtin.tiny_models import TINY_MODEL_NAMES, VERSION, make_tiny_model, materialize
 from engine.builtin.tiny_moe_models import TINY_MOE_MODEL_NAMES, materialize_tiny_moe
+from engine.builtin.tiny_pooling_models import TINY_POOLING_MODEL_NAMES, materialize_tiny_pooling
 from engine.builtin.tiny_reasoning_models import (
     TINY_REASONING_MODEL_NAMES,
     materialize_tiny_reasoning,
@@ -22,7 +24,7 @@ __all__ = ["BUILTIN_MODEL_NAMES", "BUILTIN_PREFIX", "make_tiny_lora", "resolve_m
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODEL_NAMES: tuple[str, ...] = (
-    TINY_MODEL_NAMES + TINY_MOE_MODEL_NAMES + TINY_REASONING_MODEL_NAMES
+    TINY_MODEL_NAMES + TINY_MOE_MODEL_NAMES + TINY_REASONING_MODEL_NAMES + TINY_POOLING_MODEL_NAMES
 )
 
 
@@ -49,6 +51,8 @@ def _materialize_builtin(name: str) -> Path:
         return materialize_tiny_moe(name)
     if name in TINY_REASONING_MODEL_NAMES:
         return materialize_tiny_reasoning(name)
+    if name in TINY_POOLING_MODEL_NAMES:
+        return materialize_tiny_pooling(name)
     if name in TINY_MODEL_NAMES:
         return materialize(f"{name}-v{VERSION}", lambda out: make_tiny_model(name, out, seed=0))
     raise ValueError(

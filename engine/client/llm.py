@@ -1,5 +1,6 @@
-"""The offline API: ``LLM(model=..., **engine_args).generate(prompts, params)``, and
-``embed(prompts)`` for embeddings pooled from the same model's final hidden states."""
+"""The offline API: ``LLM(model=..., **engine_args).generate(prompts, params)``; for pooling,
+``embed(prompts)`` (embeddings pooled from the model's final hidden states), ``classify``
+(a classification model's class probabilities) and ``score`` (text pairs)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,18 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 
 from engine.client.beam_search import beam_search
+from engine.client.scoring import cosine, pair_prompt, score_pairs, single_class
 from engine.config import EngineConfig
 from engine.core.data_parallel import build_engine
 from engine.core.llm_engine import PromptType
 from engine.errors import InvalidRequestError
 from engine.lora import LoRARequest
-from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.model_heads import num_labels
+from engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -146,9 +150,47 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput]:
-        """Embeddings (vLLM's ``LLM.embed``): ``encode``, the vector read as
-        ``outputs.embedding``."""
+        """Embeddings (vLLM's ``LLM.embed``): ``encode`` with task ``embed`` (any model: a
+        classifier's pooled final hidden state too), the vector read as ``outputs.embedding``."""
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = _embedding(pooling_params or PoolingParams())
+        else:
+            pooling_params = [_embedding(p) for p in pooling_params]
         return self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+
+    def classify(
+        self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True
+    ) -> list[PoolingRequestOutput]:
+        """Class probabilities of a classification model (vLLM's ``LLM.classify``), read as
+        ``outputs.probs``; the class names are the model's ``id2label``."""
+        return self.encode(prompts, PoolingParams(task="classify"), use_tqdm=use_tqdm)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One score per pair (vLLM's ``LLM.score``; pairs and scores as
+        ``engine.client.scoring`` makes them), read as ``outputs.score``."""
+        pairs = score_pairs(data_1, data_2)
+        model = self.llm_engine.config.model
+        if model.task == "classify":
+            single_class(num_labels(model.hf_config), model.model)
+            tokenizer = self.get_tokenizer()
+            prompts = [pair_prompt(tokenizer, a, b) for a, b in pairs]
+            return self.encode(prompts, PoolingParams(task="classify"), use_tqdm=use_tqdm)
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        vectors = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm), strict=True))
+        outputs = []
+        for a, b in pairs:
+            first, second = vectors[a], vectors[b]
+            assert first.outputs is not None and second.outputs is not None  # finished
+            value = cosine(first.outputs.data, second.outputs.data)
+            ids = first.prompt_token_ids + second.prompt_token_ids
+            outputs.append(PoolingRequestOutput(first.request_id, ids, PoolingOutput([value])))
+        return outputs
 
     def _add_all(
         self,
@@ -232,3 +274,7 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     ):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _embedding(params: PoolingParams) -> PoolingParams:
+    return params if params.task is not None else msgspec.structs.replace(params, task="embed")

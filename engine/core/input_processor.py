@@ -14,11 +14,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
+_POOLING_ROUTES = {
+    "embed": "embeddings (/v1/embeddings, /score, /rerank)",
+    "classify": "class scores (/classify, /score, /rerank)",
+}
 
 
 class InputProcessor:
@@ -152,6 +159,45 @@ class InputProcessor:
                 param="max_tokens",
             )
         return max_tokens
+
+    def check_generates(self) -> None:
+        """A pooling model (``runner: pooling``, a classifier, a bare decoder) has no LM head."""
+        task = self.config.model.task
+        if task != "generate":
+            raise InvalidRequestError(
+                f"{self.config.model.model} is a pooling model (task {task!r}): it does not "
+                f"generate text; it serves {_POOLING_ROUTES[task]}",
+                param="model",
+            )
+
+    def check_pooling(self, params: PoolingParams) -> PoolingParams:
+        """The request's task (the model's when it names none) checked against the model, and
+        ``dimensions`` against its Matryoshka sizes; returns the params with ``task`` set."""
+        model = self.config.model
+        task = params.task or ("classify" if model.task == "classify" else "embed")
+        if task == "classify" and model.task != "classify":
+            raise InvalidRequestError(
+                f"'classify' needs a classification model; {model.model} serves {model.task!r}",
+                param="task",
+            )
+        if params.dimensions is not None:
+            self._check_dimensions(params.dimensions, task)
+        return msgspec.structs.replace(params, task=task)
+
+    def _check_dimensions(self, dimensions: int, task: str) -> None:
+        hf = self.config.model.hf_config
+        sizes = hf.get("matryoshka_dimensions")
+        if task != "embed" or not (hf.get("is_matryoshka") or sizes):
+            raise InvalidRequestError(
+                f"{self.config.model.model} does not support matryoshka representation: its "
+                "embeddings cannot be shortened",
+                param="dimensions",
+            )
+        hidden = int(hf["hidden_size"])
+        allowed = [int(d) for d in sizes] if sizes else None
+        if not 1 <= dimensions <= hidden or (allowed is not None and dimensions not in allowed):
+            shown = f"one of {allowed}" if allowed is not None else f"in [1, {hidden}]"
+            raise InvalidRequestError(f"must be {shown}, got {dimensions}", param="dimensions")
 
     def check_pooling_length(self, token_ids: list[int]) -> None:
         """A pooling request generates nothing: its prompt may fill the whole context."""

@@ -253,6 +253,7 @@ class LLMEngine:
             return self._add_pooling_request(
                 request_id, prompt, params, arrival_time, priority, cache_salt, lora_request
             )
+        self.inputs.check_generates()
         text, token_ids = self.inputs.tokenize(prompt)
         max_tokens = self.inputs.check_lengths(token_ids, params)
         params = self.inputs.check_sampling(params, max_tokens)
@@ -303,10 +304,7 @@ class LLMEngine:
         cache_salt: str | None,
         lora_request: LoRARequest | None,
     ) -> Request:
-        if params.dimensions is not None:
-            raise InvalidRequestError(
-                "this model does not support reducing embedding dimensions", param="dimensions"
-            )
+        params = self.inputs.check_pooling(params)
         text, token_ids = self.inputs.tokenize(prompt)
         self.inputs.check_pooling_length(token_ids)
         self._admit(len(token_ids), 1)

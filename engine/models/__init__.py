@@ -1,6 +1,9 @@
-"""Model registry: HF ``architectures`` name -> model class (one file per family)."""
+"""Model registry: HF ``architectures`` name -> model class (one file per family), and the
+class a ``ModelConfig`` builds (``model_class``: the family under its task's head)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -13,8 +16,12 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.pooling_heads import with_head
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
@@ -42,3 +49,13 @@ def get_model_class(architecture: str) -> type[nn.Module]:
             f"architectures: {architecture or '(none)'!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         ) from None
+
+
+def model_class(model: ModelConfig) -> type[nn.Module]:
+    """The class to build for ``model``: its family's causal LM, or that decoder under the
+    pooling head of its task (``engine.models.pooling_heads``)."""
+    family = get_model_class(model.architecture)
+    task = model.task
+    if task == "generate":
+        return family
+    return with_head(family, task, model.classifier_token_ids if task == "classify" else ())

@@ -207,6 +207,8 @@ class CausalLM(nn.Module, ABC):
 
     # HF's default when config.json leaves tie_word_embeddings out (True for Gemma).
     tie_word_embeddings_default: ClassVar[bool] = False
+    # False for a pooling head's model (engine.models.pooling_heads): no LM head is built.
+    has_lm_head: ClassVar[bool] = True
     packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -232,7 +234,7 @@ class CausalLM(nn.Module, ABC):
         self.final_logit_softcapping: float | None = hf.get("final_logit_softcapping")
         self.lm_head = (
             ParallelLMHead(hf["vocab_size"], hf["hidden_size"], tp=ctx.tp)
-            if ctx.pp.is_last
+            if ctx.pp.is_last and self.has_lm_head
             else None
         )
         if (
@@ -269,7 +271,7 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits on TP rank 0 of the last stage (None on other TP ranks)."""
         if self.lm_head is None:
-            raise RuntimeError("compute_logits called on a pipeline stage without the LM head")
+            raise RuntimeError("compute_logits called on a model or stage without the LM head")
         logits = self.lm_head.compute_logits(hidden)
         cap = self.final_logit_softcapping
         if logits is not None and cap is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.model_heads import family_architecture
 
 SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "mxfp4")  # checkpoint formats
 ONLINE_METHODS = ("fp8",)  # ``quantization=`` values for a float checkpoint
@@ -320,8 +321,7 @@ def _mxfp4(raw: Mapping[str, Any], hf: Mapping[str, Any]) -> QuantConfig:
     unknown = sorted(set(raw) - set(_MXFP4_FIELDS))
     if unknown:
         raise _refuse(unknown[0], raw[unknown[0]], f"mxfp4 reads only {', '.join(_MXFP4_FIELDS)}")
-    archs = hf.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = family_architecture(hf)
     if arch not in MXFP4_ARCHITECTURES:
         raise ConfigError(
             f"{_KEY}.quant_method: 'mxfp4' is served for {', '.join(MXFP4_ARCHITECTURES)} "

@@ -20,7 +20,7 @@ import logging
 import math
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.models import get_model_class
+from engine.models import model_class as model_class_of
 from engine.quantization.config import parse_quantization
 from engine.quantization.loading import QuantizedCheckpoint
 from engine.quantization.model_setup import (
@@ -128,6 +128,8 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 _MAX_NAMED = 5  # tensor names an error lists
+_MODEL_PREFIX = "model."
+_HEAD_NAMES = ("lm_head.", "score.")  # top-level in every layout
 
 
 def _check_dtype(name: str, tensor: Any, raw_params: frozenset[str], target: str) -> None:
@@ -436,6 +438,16 @@ def format_bytes(nbytes: int, total: int | None = None) -> str:
     return f"{nbytes / scale:.2f}/{total / scale:.2f} {unit}"
 
 
+def _canonical_name(model: nn.Module, names: Iterable[str]) -> Callable[[str], str]:
+    """Checkpoint name -> the name the loader reads: ``model.``-prefixed where the checkpoint
+    was saved from HF's bare ``XModel`` (no tensor under ``model.``; Qwen3-Embedding)."""
+    if any(n.startswith(_MODEL_PREFIX) for n in names) or not any(
+        n.startswith(_MODEL_PREFIX) for n, _ in model.named_parameters()
+    ):
+        return str
+    return lambda name: name if name.startswith(_HEAD_NAMES) else _MODEL_PREFIX + name
+
+
 def load_model(
     config: EngineConfig,
     ctx: ParallelContext,
@@ -444,7 +456,7 @@ def load_model(
 ) -> nn.Module:
     """Build this rank's shard of the model and load its weights; ``progress`` (when given)
     hears how far the read has got: (bytes read, bytes in all), once per tensor."""
-    model_class = get_model_class(config.model.architecture)
+    model_class = model_class_of(config.model)
     backend = config.kernel.resolved_backend(device.type)
     dtype = config.model.torch_dtype
     quant = parse_quantization(config.model.hf_config, config.model.quantization)
@@ -459,7 +471,8 @@ def load_model(
     placeholders = meta_linear_weights() if keep_on is not None else contextlib.nullcontext()
     with torch.device(device), _default_dtype(dtype), placeholders:
         model = model_class(config.model.hf_config, ctx, ops=get_kernel_ops(backend))
-    tensor_bytes = {name: _nbytes(info) for name, info in headers.items()}
+    canonical = _canonical_name(model, headers)
+    tensor_bytes = {canonical(name): _nbytes(info) for name, info in headers.items()}
     quantized: QuantizedCheckpoint | Mxfp4Checkpoint | None = None
     if mxfp4 is not None:
         params = {name for name, _ in model.named_parameters()}
@@ -476,7 +489,8 @@ def load_model(
     shares = rank_read_bytes(model, tensor_bytes, config.model.hf_config, rename)
     meter = LoadMeter(config.parallel.rank, sum(shares.values()), progress)
     show_bar = ctx.tp.rank == 0 and ctx.pp.rank == 0
-    weights = meter.wrap(iterate_checkpoint(path, progress=show_bar), shares)
+    read = iterate_checkpoint(path, progress=show_bar)
+    weights = meter.wrap(((canonical(name), tensor) for name, tensor in read), shares)
     if quantized is not None:
         weights = quantized.transform(weights)
     load_weights(model, weights, hf_config=config.model.hf_config)

@@ -35,6 +35,7 @@ from engine.core.kv_cache_groups import (
 from engine.core.structured_output import apply_grammar_bitmask
 from engine.kv_transfer.worker import WorkerKVTransfer
 from engine.lora import WorkerLoRAManager
+from engine.pooling_params import PoolingParams
 from engine.spec_decode.draft import DraftModel
 from engine.spec_decode.verify import spec_grammar_rows_of, verify_requests
 from engine.timing import StepTimer, device_synchronizer
@@ -397,6 +398,8 @@ class ModelRunner:
     def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput | None:
         """Logits of the rows that end their request's known tokens, then sampling.
         Returns None on TP ranks other than 0 (they hold no logits)."""
+        if self.model.lm_head is None:  # a pooling model: its requests sample nothing
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         self.step_timer.lap("lm_head")
@@ -638,10 +641,21 @@ class ModelRunner:
                 vector = state.pooled_sum / state.num_pooled
             else:
                 vector = part[-1]
-            if state.pooling_params is None or state.pooling_params.normalize:
-                vector = F.normalize(vector, dim=0)
-            pooled[rid] = vector.tolist()
+            pooled[rid] = self._pooling_head(vector, state.pooling_params).tolist()
         return pooled
+
+    def _pooling_head(self, vector: torch.Tensor, params: PoolingParams | None) -> torch.Tensor:
+        """A pooled vector as its request's task returns it: class scores, or the embedding
+        (truncated to ``dimensions``, then normalised)."""
+        params = params or PoolingParams()
+        if params.task == "classify":
+            logits = self.model.classify_hidden(vector[None])[0]
+            if not params.activation:
+                return logits
+            return torch.sigmoid(logits) if len(logits) == 1 else torch.softmax(logits, dim=0)
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        return F.normalize(vector, dim=0) if params.normalize else vector
 
     @property
     def is_driver(self) -> bool:

@@ -243,7 +243,7 @@ def test_dimensions_is_rejected_naming_the_field(small_llm: LLM) -> None:
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request("dims", "hello", PoolingParams(dimensions=8))
     assert info.value.param == "dimensions"
-    assert "does not support reducing embedding dimensions" in str(info.value)
+    assert "does not support matryoshka representation" in str(info.value)
     assert not engine.has_unfinished_requests()
     assert_nothing_left(engine)
 

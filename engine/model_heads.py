@@ -1,0 +1,149 @@
+"""Which head sits on a checkpoint's decoder, and so what the model serves: text
+(``generate``), embeddings (``embed``) or class scores (``classify``).
+
+vLLM's rules and names: the ``runner`` engine argument (``auto`` / ``generate`` / ``pooling``)
+and ``convert`` (``auto`` / ``none`` / ``embed`` / ``classify``) pick the task; ``auto`` reads
+the architecture's suffix:
+
+    XForCausalLM                 generate (runner pooling: embed, or classify with
+                                 ``classifier_from_token``: scores from LM-head rows)
+    XForSequenceClassification   classify (a ``score`` linear layer, ``id2label`` labels)
+    XModel                       embed (the bare decoder; checkpoint names without ``model.``)
+
+A generating model also serves embeddings (its pooled final hidden states). Every family
+decoder builds under every head: ``family_architecture`` names the ``XForCausalLM`` whose
+code runs. Torch-free: the CLI checks a config with it before anything is placed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from engine.errors import ConfigError
+
+Task = Literal["generate", "embed", "classify"]
+RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
+CONVERTS: tuple[str, ...] = ("auto", "none", "embed", "classify")
+
+_CAUSAL = "ForCausalLM"
+_SUFFIX_TASK: tuple[tuple[str, Task], ...] = (
+    ("ForSequenceClassification", "classify"),
+    (_CAUSAL, "generate"),
+    ("Model", "embed"),
+)
+
+
+def declared_architecture(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    return str(archs[0]) if archs else ""
+
+
+def _split(arch: str) -> tuple[str, Task] | None:
+    for suffix, task in _SUFFIX_TASK:
+        if arch.endswith(suffix) and len(arch) > len(suffix):
+            return arch[: -len(suffix)], task
+    return None
+
+
+def family_architecture(hf: dict[str, Any]) -> str:
+    """The ``XForCausalLM`` name whose decoder the checkpoint's architecture is (the declared
+    name when it has none of the three suffixes)."""
+    arch = declared_architecture(hf)
+    split = _split(arch)
+    return split[0] + _CAUSAL if split is not None else arch
+
+
+def classifier_tokens(hf: dict[str, Any]) -> tuple[str, ...]:
+    """``classifier_from_token`` (vLLM's ``hf_overrides`` key): the tokens whose LM-head rows
+    are the classes of a causal LM run as a classifier (Qwen3-Reranker: ``["no", "yes"]``)."""
+    tokens = hf.get("classifier_from_token")
+    if tokens is None:
+        return ()
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ConfigError(
+            f"classifier_from_token: must be a non-empty list of token strings, got {tokens!r}"
+        )
+    return tuple(tokens)
+
+
+def two_way_softmax(hf: dict[str, Any]) -> bool:
+    """Two classifier tokens scored as one label, ``P(second) = sigmoid(l[1] - l[0])`` (vLLM's
+    ``method: from_2_way_softmax``; Qwen3-Reranker's ``is_original_qwen3_reranker``)."""
+    method = hf.get("method")
+    two_way = bool(hf.get("is_original_qwen3_reranker")) or method == "from_2_way_softmax"
+    if two_way and len(classifier_tokens(hf)) != 2:
+        raise ConfigError(
+            f"classifier_from_token: a two-way softmax scores exactly two tokens, got "
+            f"{list(classifier_tokens(hf))!r}"
+        )
+    return two_way
+
+
+def num_labels(hf: dict[str, Any]) -> int:
+    """Classes of a classifier: one per classifier token (one for a two-way softmax), else
+    ``id2label``'s entries (HF's default: 2)."""
+    if classifier_tokens(hf):
+        return 1 if two_way_softmax(hf) else len(classifier_tokens(hf))
+    labels = hf.get("id2label")
+    if labels is None:
+        return int(hf.get("num_labels", 2))
+    if not isinstance(labels, dict) or not labels:
+        raise ConfigError(f"id2label: must be a non-empty mapping, got {labels!r}")
+    return len(labels)
+
+
+def label_names(hf: dict[str, Any]) -> tuple[str, ...]:
+    """Each class's name: ``id2label`` (``LABEL_i`` where it has none), the classifier
+    tokens, or the second token alone for a two-way softmax."""
+    tokens = classifier_tokens(hf)
+    if tokens:
+        return (tokens[1],) if two_way_softmax(hf) else tokens
+    labels = hf.get("id2label") or {}
+    return tuple(str(labels.get(str(i), f"LABEL_{i}")) for i in range(num_labels(hf)))
+
+
+def resolve_task(hf: dict[str, Any], runner: str, convert: str) -> Task:
+    """The model's task from its architecture and the ``runner`` / ``convert`` arguments, or
+    ``ConfigError`` naming the argument that asks for something the checkpoint cannot do."""
+    arch = declared_architecture(hf)
+    split = _split(arch)
+    declared: Task = split[1] if split is not None else "generate"
+    if runner == "generate":
+        if declared != "generate":
+            raise ConfigError(
+                f"runner: 'generate' needs a causal LM; {arch} has no LM head (runner: pooling)"
+            )
+        if convert not in ("auto", "none"):
+            raise ConfigError(f"convert: {convert!r} needs runner: pooling (got 'generate')")
+        return "generate"
+    if runner == "auto" and convert == "auto":
+        return "classify" if declared == "generate" and classifier_tokens(hf) else declared
+    # runner pooling (or a convert that implies it)
+    if convert in ("auto", "none"):
+        wanted: Task = "classify" if classifier_tokens(hf) else "embed"
+        task = declared if declared != "generate" else wanted
+    else:
+        task = "embed" if convert == "embed" else "classify"
+    if task == "classify" and declared != "classify" and not classifier_tokens(hf):
+        raise ConfigError(
+            f"convert: 'classify' of {arch} needs class weights: a *ForSequenceClassification "
+            "checkpoint, or hf_overrides.classifier_from_token naming the tokens whose LM-head "
+            "rows score the classes"
+        )
+    if task == "classify" and declared == "embed":
+        raise ConfigError(f"convert: 'classify' of {arch}: a bare decoder has no class weights")
+    return task
+
+
+__all__ = [
+    "CONVERTS",
+    "RUNNERS",
+    "Task",
+    "classifier_tokens",
+    "declared_architecture",
+    "family_architecture",
+    "label_names",
+    "num_labels",
+    "resolve_task",
+    "two_way_softmax",
+]
