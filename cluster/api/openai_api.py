@@ -5,6 +5,7 @@ bodies in ``cluster.api.api_errors`` and the key / size guard in ``cluster.api.a
 
     POST /v1/completions        POST /v1/chat/completions      GET /v1/models[/{id}]
     POST /v1/embeddings         POST /tokenize                 POST /detokenize
+    POST /classify              POST [/v1]/score               POST [/v1|/v2]/rerank
     POST /v1/responses          GET|DELETE /v1/responses/{id}
     GET /health (readiness)     GET /livez (liveness)          GET /metrics
 
@@ -32,6 +33,7 @@ from cluster.api.openai_models import (
     EmbeddingRequest,
     TokenizeRequest,
 )
+from cluster.api.pooling_models import ClassificationRequest, RerankRequest, ScoreRequest
 from cluster.api.responses_models import ResponsesRequest
 
 TIMEOUT_HEADER = "x-request-timeout"
@@ -79,6 +81,9 @@ class OpenAIServing(Protocol):
     async def models(self) -> dict[str, Any]: ...
     async def model(self, model_id: str) -> dict[str, Any]: ...
     async def embeddings(self, req: EmbeddingRequest) -> Any: ...
+    async def classify(self, req: ClassificationRequest) -> Any: ...
+    async def score(self, req: ScoreRequest) -> Any: ...
+    async def rerank(self, req: RerankRequest) -> Any: ...
     async def tokenize(self, req: TokenizeRequest) -> Any: ...
     async def detokenize(self, req: DetokenizeRequest) -> Any: ...
     async def health(self) -> Any: ...
@@ -118,6 +123,21 @@ def make_openai_app(
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest) -> Any:
         return await serving.embeddings(req)
+
+    @app.post("/classify")
+    async def classify(req: ClassificationRequest) -> Any:
+        return await serving.classify(req)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(req: ScoreRequest) -> Any:
+        return await serving.score(req)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(req: RerankRequest) -> Any:
+        return await serving.rerank(req)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Any:

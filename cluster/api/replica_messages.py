@@ -145,21 +145,42 @@ def logprob_rows(entry: dict[int, Logprob] | None) -> TokenLogprobs:
 
 
 class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One embedding input: ``prompt`` (text, tokenized by the server) or ``prompt_token_ids``.
-    ``normalize`` / ``dimensions`` are ``PoolingParams`` fields. A list of inputs (OpenAI's
-    ``input``) is one call per input: the ingress fans them out and gathers the results."""
+    """One pooling input: ``prompt`` (text, tokenized by the server) or ``prompt_token_ids``.
+    ``task`` (``embed`` or ``classify``), ``normalize``, ``dimensions`` and ``activation`` are
+    ``PoolingParams`` fields. A list of inputs (OpenAI's ``input``) is one call per input: the
+    ingress fans them out and gathers the results."""
 
     prompt: Any = None  # a string; anything else is a 400 from the server, naming the field
     prompt_token_ids: list[int] | None = None
+    task: str = "embed"
     normalize: bool = True
     dimensions: int | None = None
+    activation: bool = True
     request_id: str = msgspec.field(default_factory=new_request_id)
 
 
 class EmbedResult(msgspec.Struct):
-    """The input's embedding (float32 values) and how many tokens its prompt had (usage)."""
+    """The input's embedding, or its class probabilities (float32 values), how many tokens its
+    prompt had (usage) and, for ``classify``, the most likely class's name."""
 
     embedding: list[float]
+    prompt_tokens: int
+    label: str | None = None
+
+
+class ScoreRequest(msgspec.Struct, kw_only=True):
+    """Text pairs to score (``engine.client.scoring``): one ``text_1`` against every
+    ``text_2``, or as many of each."""
+
+    text_1: list[str]
+    text_2: list[str]
+    request_id: str = msgspec.field(default_factory=new_request_id)
+
+
+class ScoreResult(msgspec.Struct):
+    """One score per pair, in order, and the tokens of every prompt computed (usage)."""
+
+    scores: list[float]
     prompt_tokens: int
 
 
@@ -179,6 +200,8 @@ __all__ = [
     "EmbedRequest",
     "EmbedResult",
     "GenerateRequest",
+    "ScoreRequest",
+    "ScoreResult",
     "StreamDelta",
     "StreamError",
     "StreamItem",

@@ -6,11 +6,9 @@ and ``/metrics``."""
 from __future__ import annotations
 
 import asyncio
-import base64
 from typing import Any
 
 import msgspec
-import numpy as np
 import ray
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,15 +22,12 @@ from cluster.api.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    EmbeddingRequest,
     TokenizeRequest,
 )
 from cluster.api.openai_payloads import (
     chat_messages,
     chat_payload,
-    check_extra_fields,
     completion_payloads,
-    embedding_payloads,
     tool_choice,
 )
 from cluster.api.openai_responses import Completion, stream_sse
@@ -44,6 +39,7 @@ from cluster.serving.ingress_calls import (
     merge_streams,
     wait_until_written,
 )
+from cluster.serving.ingress_pooling import PoolingServicer
 from cluster.serving.ingress_responses import ResponsesServicer, responses_store
 from cluster.serving.metrics import scrape_cluster_metrics
 from cluster.serving.readiness import unready_models
@@ -69,13 +65,6 @@ def _unwrap(result: Any) -> Any:
     return msgspec.to_builtins(result)
 
 
-def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
-    """``float``: the list; ``base64``: little-endian float32 bytes in base64 (OpenAI's)."""
-    if encoding_format == "base64":
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-    return vector
-
-
 def _model_card(model_id: str, parent: str | None = None) -> dict[str, Any]:
     card = {"id": model_id, "object": "model", "created": 0, "owned_by": "llm-cluster"}
     if parent is not None:  # a LoRA adapter of ``parent`` (vLLM's "parent" / "root")
@@ -86,7 +75,7 @@ def _model_card(model_id: str, parent: str | None = None) -> dict[str, Any]:
 # The FastAPI app is built per replica, after __init__ (``__serve_build_asgi_app__``), so the
 # API keys and body limit live on the app that serves. The gRPC RPCs come from ``LLMServicer``.
 @serve.ingress()
-class OpenAIIngress(LLMServicer, ResponsesServicer):
+class OpenAIIngress(LLMServicer, ResponsesServicer, PoolingServicer):
     def __init__(
         self,
         servers: dict[str, DeploymentHandle],
@@ -281,28 +270,6 @@ class OpenAIIngress(LLMServicer, ResponsesServicer):
             return await self.servers[base].list_adapters.remote()
         except ray.exceptions.RayError:
             return []  # its replicas are down (or scaled to zero): list the base model only
-
-    async def embeddings(self, req: EmbeddingRequest) -> Any:
-        check_extra_fields(req)
-        if req.dimensions is not None:
-            raise APIError(400, f"dimensions: {req.model} does not support reducing the "
-                           "embedding's dimensions", "dimensions", "unsupported")  # fmt: skip
-        inputs = embedding_payloads(req.input)
-        handle = self._server(req.model)
-        try:
-            results = await asyncio.gather(*(handle.embed.remote(p) for p in inputs))
-        except ray.exceptions.RayError as exc:
-            raise APIError(503, f"model {req.model!r} is not available", None,
-                           "unavailable") from exc  # fmt: skip
-        error = next((r for r in results if isinstance(r, StreamError)), None)
-        if error is not None:
-            raise api_error(error)
-        data = [{"object": "embedding", "index": i,
-                 "embedding": _encode_embedding(r.embedding, req.encoding_format)}
-                for i, r in enumerate(results)]  # fmt: skip
-        tokens = sum(r.prompt_tokens for r in results)
-        return {"object": "list", "data": data, "model": req.model,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
 
     async def tokenize(self, req: TokenizeRequest) -> Any:
         if (req.prompt is None) == (req.messages is None):

@@ -12,8 +12,8 @@ request that names the ingress's token ``channel`` gets no ``StreamDelta`` here:
 deltas to that channel (``cluster.serving.token_channel``), and ``StreamStart.head`` says which
 head. Its start goes out as soon as the head has the request (after its first delta only when it
 carries the prompt's logprobs); this call still lasts until the request ends, so Serve's routing,
-queue limits and drain see it. ``embed`` returns one input's embedding (an ``EmbedResult``) or a
-``StreamError`` from the same error table.
+queue limits and drain see it. The pooling calls (``embed``, ``score``) are
+``cluster.serving.pooling_server``'s.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from cluster.api.reasoning_parsers import reasoning_front
 from cluster.api.replica_messages import (
     DetokenizeResult,
     EmbedRequest,
-    EmbedResult,
     GenerateRequest,
     StreamDelta,
     StreamError,
@@ -42,6 +41,7 @@ from cluster.api.tool_parsers import get_tool_parser
 from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError
 from cluster.serving.metrics import ModelMetrics
+from cluster.serving.pooling_server import PoolingServer
 from cluster.serving.request_inputs import chat_prompt_ids, sampling_params_from
 from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
 from cluster.serving.start_errors import ModelStartError, known_start_failure
@@ -58,7 +58,6 @@ from engine.errors import (
     RequestAbortedError,
 )
 from engine.lora import LoRARequest
-from engine.pooling_params import PoolingParams
 from engine.sampling_params import RequestOutputKind
 
 logger = logging.getLogger("llm_cluster.serve")
@@ -76,7 +75,7 @@ def error_item(
     return StreamError(status, message, param, code, retry_after)
 
 
-class LLMServer:
+class LLMServer(PoolingServer):
     """The front of one model replica. Serve calls ``check_health`` periodically: it raises
     once the engine is dead, so Serve replaces the replica."""
 
@@ -321,33 +320,6 @@ class LLMServer:
         if isinstance(prompt, str) and prompt:
             return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
         return prompt  # the core names what is wrong with it
-
-    # ---- embeddings ---------------------------------------------------------------------
-
-    async def embed(self, request: EmbedRequest) -> EmbedResult | StreamError:
-        """One input's embedding: its prompt's final hidden states pooled by the engine's
-        ``pooling_type``. Errors: 400 naming the field, 503 (overloaded, draining, engine
-        dead; the request was aborted by a drain)."""
-        self._ensure_stats_task()
-        if self.draining:
-            return self._draining_error()
-        request_id = request.request_id
-        self._active.add(request_id)
-        try:
-            params = PoolingParams(
-                task="embed", normalize=request.normalize, dimensions=request.dimensions
-            )
-            output = await self.engine.encode(self._prompt(request), params, request_id)
-        except (InvalidRequestError, EngineOverloadedError, RequestAbortedError,
-                EngineDeadError) as exc:  # fmt: skip
-            if isinstance(exc, EngineDeadError):
-                logger.exception("model %s: embedding failed, the engine is dead", self.model_id)
-            return self._refusal(exc)
-        finally:
-            self._active.discard(request_id)
-        # encode returns only finished outputs with a vector (an abort raised above).
-        assert output.outputs is not None
-        return EmbedResult(output.outputs.embedding, len(output.prompt_token_ids))
 
     def _refusal(self, exc: Exception) -> StreamError:
         """The error item for a request the engine refused, or aborted before its one output:

@@ -45,6 +45,7 @@ from cluster.api.openai_models import (
     EmbeddingRequest,
     TokenizeRequest,
 )
+from cluster.api.pooling_models import ClassificationRequest, RerankRequest, ScoreRequest
 from cluster.api.responses_models import ResponsesRequest
 from cluster.serving.ingress import OpenAIIngress
 from cluster.serving.llm_server import LLMServer
@@ -316,9 +317,15 @@ def test_schema_request_bodies_are_the_request_models(api_schema: Any, app: Any)
         "/detokenize": "#/components/schemas/DetokenizeRequest",
         "/v1/embeddings": "#/components/schemas/EmbeddingRequest",
         "/v1/responses": "#/components/schemas/ResponsesRequest",
+        "/classify": "#/components/schemas/ClassificationRequest",
+        **dict.fromkeys(("/score", "/v1/score"), "#/components/schemas/ScoreRequest"),
+        **dict.fromkeys(
+            ("/rerank", "/v1/rerank", "/v2/rerank"), "#/components/schemas/RerankRequest"
+        ),
     }
     models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-              EmbeddingRequest, ResponsesRequest)  # fmt: skip
+              EmbeddingRequest, ResponsesRequest, ClassificationRequest, ScoreRequest,
+              RerankRequest)  # fmt: skip
     for model in models:
         component = raw["components"]["schemas"][model.__name__]
         assert set(component["properties"]) == set(model.model_fields)

@@ -1,0 +1,121 @@
+"""The pooling routes on the ingress, mixed into ``OpenAIIngress``: ``/v1/embeddings``
+(OpenAI's), ``/classify``, ``/score`` and ``/rerank`` (vLLM's shapes; ``/rerank`` is Jina's and
+Cohere's). Each fans its inputs out to the model's ``LLMServer`` (``embed`` per input,
+``score`` per request: ``cluster.serving.pooling_server``) and shapes the reply; a
+``StreamError`` from the server becomes its HTTP error."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from collections.abc import Awaitable
+from typing import Any
+
+import msgspec
+import numpy as np
+import ray
+
+from cluster.api.api_errors import APIError, api_error
+from cluster.api.openai_models import EmbeddingRequest
+from cluster.api.openai_payloads import check_extra_fields, embedding_payloads
+from cluster.api.pooling_models import ClassificationRequest, RerankRequest, ScoreRequest
+from cluster.api.replica_messages import EmbedRequest, StreamError
+from cluster.api.replica_messages import ScoreRequest as ServerScoreRequest
+
+
+def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """``float``: the list; ``base64``: little-endian float32 bytes in base64 (OpenAI's)."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return vector
+
+
+def _usage(tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+
+
+def _header(kind: str, model: str) -> dict[str, Any]:
+    return {"id": f"{kind}-{uuid.uuid4().hex}", "object": "list",
+            "created": int(time.time()), "model": model}  # fmt: skip
+
+
+class PoolingServicer:
+    """The pooling routes over ``_server`` (``OpenAIIngress``'s, which mixes this in)."""
+
+    _server: Any
+
+    async def _call(self, model: str, calls: list[Awaitable[Any]]) -> list[Any]:
+        """The server replies of ``calls``, or the first error among them as an APIError."""
+        try:
+            results = await asyncio.gather(*calls)
+        except ray.exceptions.RayError as exc:
+            raise APIError(503, f"model {model!r} is not available", None,
+                           "unavailable") from exc  # fmt: skip
+        error = next((r for r in results if isinstance(r, StreamError)), None)
+        if error is not None:
+            raise api_error(error)
+        return list(results)
+
+    async def embeddings(self, req: EmbeddingRequest) -> Any:
+        check_extra_fields(req)
+        handle = self._server(req.model)
+        inputs = embedding_payloads(req.input)
+        if req.dimensions is not None:
+            inputs = [msgspec.structs.replace(p, dimensions=req.dimensions) for p in inputs]
+        results = await self._call(req.model, [handle.embed.remote(p) for p in inputs])
+        data = [{"object": "embedding", "index": i,
+                 "embedding": _encode_embedding(r.embedding, req.encoding_format)}
+                for i, r in enumerate(results)]  # fmt: skip
+        tokens = sum(r.prompt_tokens for r in results)
+        return {"object": "list", "data": data, "model": req.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+
+    async def classify(self, req: ClassificationRequest) -> Any:
+        check_extra_fields(req)
+        handle = self._server(req.model)
+        inputs = [req.input] if isinstance(req.input, str) else req.input
+        if not inputs:
+            raise APIError(400, "input: must not be empty", "input")
+        calls = [handle.embed.remote(EmbedRequest(prompt=t, task="classify")) for t in inputs]
+        results = await self._call(req.model, calls)
+        data = [{"index": i, "label": r.label, "probs": r.embedding,
+                 "num_classes": len(r.embedding)} for i, r in enumerate(results)]  # fmt: skip
+        tokens = sum(r.prompt_tokens for r in results)
+        return {**_header("classify", req.model), "data": data, "usage": _usage(tokens)}
+
+    async def score(self, req: ScoreRequest) -> Any:
+        check_extra_fields(req)
+        result = await self._score(req.model, req.text_1, req.text_2)
+        data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(result.scores)]
+        return {**_header("score", req.model), "data": data, "usage": _usage(result.prompt_tokens)}
+
+    async def rerank(self, req: RerankRequest) -> Any:
+        check_extra_fields(req)
+        documents = req.document_texts()
+        if not documents:
+            raise APIError(400, "documents: must hold at least one document", "documents")
+        result = await self._score(req.model, req.query, documents)
+        order = sorted(range(len(documents)), key=lambda i: -result.scores[i])
+        if req.top_n:
+            order = order[: req.top_n]
+        results = []
+        for i in order:
+            item: dict[str, Any] = {"index": i, "relevance_score": result.scores[i]}
+            if req.return_documents:
+                item["document"] = {"text": documents[i]}
+            results.append(item)
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": req.model, "results": results,
+                "usage": {"total_tokens": result.prompt_tokens}}  # fmt: skip
+
+    async def _score(self, model: str, text_1: str | list[str], text_2: str | list[str]) -> Any:
+        handle = self._server(model)
+        first = [text_1] if isinstance(text_1, str) else text_1
+        second = [text_2] if isinstance(text_2, str) else text_2
+        request = ServerScoreRequest(text_1=first, text_2=second)
+        (result,) = await self._call(model, [handle.score.remote(request)])
+        return result
+
+
+__all__ = ["PoolingServicer"]
