@@ -369,7 +369,9 @@ class LLMServer:
     async def tokenize(self, request: GenerateRequest) -> TokenizeResult | StreamError:
         try:
             if request.messages is not None:
-                ids = chat_prompt_ids(self.tokenizer, request.messages)
+                ids = chat_prompt_ids(
+                    self.tokenizer, request.messages, request.tools, request.chat_template_kwargs
+                )
             else:
                 text = request.prompt
                 if not isinstance(text, str):
