@@ -19,7 +19,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cluster.api.anthropic_models import SAMPLING_PASSTHROUGH, CountTokensRequest, MessagesRequest
+from cluster.api.anthropic_models import (
+    MIN_THINKING_BUDGET,
+    SAMPLING_PASSTHROUGH,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from cluster.api.api_errors import APIError
 from cluster.api.openai_models import ChatCompletionRequest
 
@@ -72,6 +77,9 @@ def check_thinking(req: MessagesRequest) -> None:
     if thinking.budget_tokens is None:
         raise APIError(400, "thinking.budget_tokens: required with type 'enabled'",
                        "thinking.budget_tokens")  # fmt: skip
+    if thinking.budget_tokens < MIN_THINKING_BUDGET:
+        raise APIError(400, f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}, got "
+                       f"{thinking.budget_tokens}", "thinking.budget_tokens")  # fmt: skip
 
 
 def system_text(system: str | list[dict[str, Any]] | None) -> str:
