@@ -25,9 +25,9 @@ class _BodyTooLarge(Exception):
 
 class GuardMiddleware:
     """Rejects requests with too many or too large headers (431), without a valid API key
-    (every route but the probes' /health and /livez; keys compared as sha256 digests in
-    constant time; the path is read from the ASGI scope, not from headers, so ``Host`` or
-    ``X-Forwarded-*`` change nothing)
+    (every route but the probes' /health and /livez; ``Authorization: Bearer`` or, as Anthropic's
+    SDK sends it, ``x-api-key``; keys compared as sha256 digests in constant time; the path is
+    read from the ASGI scope, not from headers, so ``Host`` or ``X-Forwarded-*`` change nothing)
     and bodies over ``max_body_bytes`` (413), whether or not they declare a length.
     Settings come from ``app.state`` so the ingress can set them at startup."""
 
