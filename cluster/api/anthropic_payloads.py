@@ -9,8 +9,9 @@ rest (template, tool parsers, reasoning parser, structured outputs for forced ca
                thinking blocks        -> its reasoning_content
     tool_choice: auto -> auto, any -> required, tool -> the named function, none -> none
 
-``thinking`` is no chat field: it is the chat template's ``enable_thinking``
-(``template_kwargs``), which reasoning models' templates read."""
+A final assistant message is a prefill: the chat's ``continue_final_message``. ``thinking`` is
+no chat field: it is the chat template's ``enable_thinking`` (``template_kwargs``), which
+reasoning models' templates read."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     for i, message in enumerate(req.messages):
         messages += chat_messages(message.role, message.content, f"messages.{i}")
     body: dict[str, Any] = {"model": req.model, "messages": messages}
+    if req.messages[-1].role == "assistant":  # a prefill: the reply continues it
+        _check_prefill(messages[-1], f"messages.{len(req.messages) - 1}")
+        body["continue_final_message"] = True
     if isinstance(req, MessagesRequest):
         body["stream"] = req.stream
         for name in SAMPLING_PASSTHROUGH:
@@ -128,6 +132,12 @@ def _assistant_message(blocks: list[dict[str, Any]], path: str) -> dict[str, Any
     if reasoning:
         message["reasoning_content"] = "".join(reasoning)
     return message
+
+
+def _check_prefill(message: dict[str, Any], path: str) -> None:
+    if message.get("tool_calls") or not message.get("content"):
+        raise APIError(400, f"{path}: a final assistant message (a prefill the reply continues) "
+                       "must be non-empty text, with no tool_use", path)  # fmt: skip
 
 
 def _tool_message(block: dict[str, Any], path: str) -> dict[str, Any]:

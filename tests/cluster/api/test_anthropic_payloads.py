@@ -74,6 +74,18 @@ def test_tool_use_and_tool_result_blocks_are_chat_calls_and_tool_messages() -> N
     ]  # fmt: skip
 
 
+def test_a_final_assistant_message_is_a_prefill_the_reply_continues() -> None:
+    opening = [{"type": "text", "text": "The answer is"}]
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": opening}]
+    chat = _chat(messages=turns)
+    assert chat["continue_final_message"] is True
+    assert chat["messages"][-1] == {"role": "assistant", "content": "The answer is"}
+    assert _chat()["continue_final_message"] is False
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    error = _error(messages=[turns[0], {"role": "assistant", "content": [call]}], tools=[WEATHER])
+    assert error.param == "messages.1"
+
+
 def test_tools_are_chat_function_tools() -> None:
     function = {"name": "get_weather", "description": "Weather in a city", "parameters": SCHEMA}
     assert _chat(tools=[WEATHER])["tools"] == [{"type": "function", "function": function}]

@@ -87,13 +87,13 @@ def client(base_url: str) -> Anthropic:
     return Anthropic(base_url=base_url, api_key=KEY, max_retries=0)
 
 
-def chat_tokens(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
-    """The chat template's token count for ``messages`` with ``tools`` (the model's own
-    tokenizer: /tokenize takes no tools)."""
+def chat_ids(messages: list[dict[str, Any]], tools: Any = None, prefill: bool = False) -> list:
+    """The chat template's prompt ids for ``messages`` with ``tools`` (the model's own
+    tokenizer: /tokenize takes no tools); ``prefill``: the last message left open."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_source("builtin:tiny-llama"))
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)  # fmt: skip
-    return len(ids)
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=not prefill,
+                                         continue_final_message=prefill, tokenize=True,
+                                         return_dict=False)  # fmt: skip
 
 
 def _text(message: Message) -> str:
@@ -142,6 +142,18 @@ def test_a_stop_sequence_ends_the_text_and_is_named(client: Anthropic) -> None:
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
     assert _text(message) == whole[: whole.index(stop)]
     assert message.usage.output_tokens < 16
+
+
+def test_a_final_assistant_message_is_continued(client: Anthropic, base_url: str) -> None:
+    prefill = {"role": "assistant", "content": "The weather is"}
+    message = client.messages.create(model=MODEL, max_tokens=6, messages=[*ASK, prefill],
+                                     **GREEDY)  # type: ignore[list-item]  # fmt: skip
+    ids = chat_ids([*ASK, prefill], prefill=True)
+    assert message.usage.input_tokens == len(ids)
+    # The reply is what the model writes after the open assistant text, without it.
+    openai = OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+    completion = openai.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert _text(message) == completion.choices[0].text
 
 
 STREAM_EVENTS = ["message_start", "content_block_start", "content_block_delta",
@@ -214,7 +226,7 @@ def test_tool_use_and_tool_result_sent_back_render_as_chat_tool_messages(
         {"id": call.id, "type": "function",
          "function": {"name": "get_weather", "arguments": arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]  # fmt: skip
-    assert second.usage.input_tokens == chat_tokens(chat, [CHAT_WEATHER])
+    assert second.usage.input_tokens == len(chat_ids(chat, [CHAT_WEATHER]))
 
 
 # ---- count_tokens ----
@@ -224,7 +236,7 @@ def test_count_tokens_is_the_rendered_prompt_with_tools(client: Anthropic) -> No
     request: Any = {"model": MODEL, "messages": ASK, "system": "Be terse.", "tools": [WEATHER]}
     counted = client.messages.count_tokens(**request)
     chat = [{"role": "system", "content": "Be terse."}, *ASK]
-    assert counted.input_tokens == chat_tokens(chat, [CHAT_WEATHER])
+    assert counted.input_tokens == len(chat_ids(chat, [CHAT_WEATHER]))
     created = client.messages.create(max_tokens=1, **request)
     assert created.usage.input_tokens == counted.input_tokens
 
