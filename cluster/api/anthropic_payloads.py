@@ -53,7 +53,7 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
                 body[name] = getattr(req, name)
         if req.stop_sequences:
             body["stop"] = req.stop_sequences
-        check_thinking(req)
+    check_thinking(req)
     if req.tools:
         body["tools"] = [chat_tool(t.model_dump(), f"tools.{i}") for i, t in enumerate(req.tools)]
     choice = req.tool_choice
@@ -74,7 +74,7 @@ def template_kwargs(req: CountTokensRequest) -> dict[str, Any] | None:
     return {"enable_thinking": req.thinking.type != "disabled"}
 
 
-def check_thinking(req: MessagesRequest) -> None:
+def check_thinking(req: CountTokensRequest) -> None:
     thinking = req.thinking
     if thinking is None or thinking.type != "enabled":
         return
@@ -93,7 +93,9 @@ def system_text(system: str | list[dict[str, Any]] | None) -> str:
     return "\n".join(_block_text(block, f"system.{j}") for j, block in enumerate(system))
 
 
-def chat_messages(role: str, content: str | list[dict[str, Any]], path: str) -> list[dict]:
+def chat_messages(
+    role: str, content: str | list[dict[str, Any]], path: str
+) -> list[dict[str, Any]]:
     """One Messages API message -> its chat messages (a user turn's tool results are tool
     messages before its text; an assistant turn is one message with its calls)."""
     if isinstance(content, str):
