@@ -260,8 +260,9 @@ def _is_error_body(path: str, body: dict[str, Any]) -> bool:
 
 def _check_event_stream(case: Any, response: Any) -> None:
     """Every event is a JSON chunk (an error one with OpenAI's error body), and a stream that
-    schemathesis read to its end ends with [DONE]. A Responses stream names each event's type
-    (``event: <type>``, its data's ``type``) and ends with a final response event instead."""
+    schemathesis read to its end ends with [DONE]. A Responses or Messages stream names each
+    event's type (``event: <type>``, its data's ``type``) and ends with a final response event
+    (``message_stop``, or an ``error``) instead."""
     events = [e for e in response.content.decode().split("\n\n") if e]
     responses = case.path in ("/v1/responses", "/v1/messages")
     for event in events:
@@ -277,8 +278,9 @@ def _check_event_stream(case: Any, response: Any) -> None:
         return
     if responses:
         last = json.loads(events[-1].partition("\n")[2].removeprefix("data: "))["type"]
-        finals = ("response.completed", "response.incomplete", "response.failed",
-                  "message_stop", "error")  # fmt: skip
+        finals = ("response.completed", "response.incomplete", "response.failed")
+        if case.path in ANTHROPIC_PATHS:
+            finals = ("message_stop", "error")
         assert last in finals, _describe(case, response)
     else:
         assert events and events[-1] == "data: [DONE]", _describe(case, response)
