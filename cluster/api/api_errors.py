@@ -1,6 +1,8 @@
 """Errors for API clients: ``APIError`` and OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``, and the FastAPI handlers that turn every
-failure into one (validation errors name the field; an unexpected exception is a bare 500)."""
+failure into one (validation errors name the field; an unexpected exception is a bare 500).
+The Anthropic routes (``/v1/messages…``) answer in Anthropic's shape instead,
+``{"type": "error", "error": {"type", "message"}}``, an overloaded model as 529."""
 
 from __future__ import annotations
 
@@ -44,13 +46,46 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# Routes whose errors take Anthropic's shape, and its error types by status (other 4xx:
+# invalid_request_error, other 5xx: api_error).
+ANTHROPIC_PREFIX = "/v1/messages"
+ANTHROPIC_ERRORS = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+    429: "rate_limit_error", 500: "api_error", 529: "overloaded_error",
+}  # fmt: skip
+
+
+def anthropic_route(scope: Any) -> bool:
+    """Whether the ASGI ``scope`` is a request to an Anthropic route (behind any route
+    prefix that Serve puts in ``root_path``)."""
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path == ANTHROPIC_PREFIX or path.startswith(f"{ANTHROPIC_PREFIX}/")
+
+
+def anthropic_error(status: int, message: str, code: str | None = None) -> tuple[int, dict]:
+    """Anthropic's status and body for an error: an overloaded model (a full queue,
+    back-pressure) is 529 ``overloaded_error``."""
+    if code == "overloaded":
+        status = 529
+    kind = ANTHROPIC_ERRORS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def api_error(item: StreamError) -> APIError:
     """The server's error message as the exception the routes raise."""
     return APIError(item.status, item.message, item.param, item.code, item.retry_after)
 
 
-def error_response(error: APIError) -> JSONResponse:
+def error_response(error: APIError, scope: Any = None) -> JSONResponse:
+    """The error's response, in Anthropic's shape when ``scope`` is an Anthropic route's."""
     headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    if scope is not None and anthropic_route(scope):
+        status, body = anthropic_error(error.status, error.message, error.code)
+        return JSONResponse(body, status_code=status, headers=headers)
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -72,18 +107,18 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.scope)
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(exc))
+        return error_response(_validation_error(exc), request.scope)
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code if exc.status_code in ERRORS else 400
-        return error_response(APIError(status, str(exc.detail)))
+        return error_response(APIError(status, str(exc.detail)), request.scope)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Our bug, not the client's: a 500 without internals (the replica's log has them).
-        return JSONResponse(error_body(500, "internal server error"), status_code=500)
+        return error_response(APIError(500, "internal server error"), request.scope)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

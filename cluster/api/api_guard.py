@@ -25,9 +25,9 @@ class _BodyTooLarge(Exception):
 
 class GuardMiddleware:
     """Rejects requests with too many or too large headers (431), without a valid API key
-    (every route but the probes' /health and /livez; keys compared as sha256 digests in
-    constant time; the path is read from the ASGI scope, not from headers, so ``Host`` or
-    ``X-Forwarded-*`` change nothing)
+    (every route but the probes' /health and /livez; ``Authorization: Bearer`` or, as Anthropic's
+    SDK sends it, ``x-api-key``; keys compared as sha256 digests in constant time; the path is
+    read from the ASGI scope, not from headers, so ``Host`` or ``X-Forwarded-*`` change nothing)
     and bodies over ``max_body_bytes`` (413), whether or not they declare a length.
     Settings come from ``app.state`` so the ingress can set them at startup."""
 
@@ -43,15 +43,15 @@ class GuardMiddleware:
         max_body: int = getattr(state, "max_body_bytes", 1 << 20)
         headers_error = _check_headers(scope, state)
         if headers_error is not None:
-            await error_response(headers_error)(scope, receive, send)
+            await error_response(headers_error, scope)(scope, receive, send)
             return
         if key_hashes and scope["path"] not in OPEN_PATHS and not _authorized(scope, key_hashes):
             error = APIError(401, "missing or invalid API key", None, "invalid_api_key")
-            await error_response(error)(scope, receive, send)
+            await error_response(error, scope)(scope, receive, send)
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body:
-            await _too_large(max_body)(scope, receive, send)
+            await _too_large(max_body, scope)(scope, receive, send)
             return
         await self._limit_body(scope, receive, send, max_body)
 
@@ -78,12 +78,12 @@ class GuardMiddleware:
                 await send(message)
             elif not replied:
                 replied = True
-                await _too_large(max_body)(scope, receive, send)
+                await _too_large(max_body, scope)(scope, receive, send)
 
         with contextlib.suppress(_BodyTooLarge):
             await self.app(scope, limited_receive, guarded_send)
         if too_large and not replied:
-            await _too_large(max_body)(scope, receive, send)
+            await _too_large(max_body, scope)(scope, receive, send)
 
 
 def _check_headers(scope: Scope, state: Any) -> APIError | None:
@@ -102,10 +102,9 @@ def _check_headers(scope: Scope, state: Any) -> APIError | None:
     return None
 
 
-def _too_large(max_body: int) -> JSONResponse:
-    return error_response(
-        APIError(413, f"request body exceeds {max_body} bytes", None, "too_large")
-    )
+def _too_large(max_body: int, scope: Scope) -> JSONResponse:
+    error = APIError(413, f"request body exceeds {max_body} bytes", None, "too_large")
+    return error_response(error, scope)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

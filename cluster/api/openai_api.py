@@ -7,12 +7,14 @@ bodies in ``cluster.api.api_errors`` and the key / size guard in ``cluster.api.a
     POST /v1/embeddings         POST /tokenize                 POST /detokenize
     POST /classify              POST [/v1]/score               POST [/v1|/v2]/rerank
     POST /v1/responses          GET|DELETE /v1/responses/{id}
+    POST /v1/messages           POST /v1/messages/count_tokens   (Anthropic's Messages API)
     GET /health (readiness)     GET /livez (liveness)          GET /metrics
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the
 field), 401 missing or wrong API key, 404 unknown model or route, 408 the request's ``timeout``
 passed, 413 body too large, 431 too many or too large headers, 503 engine dead or overloaded
-(the waiting queue is full: with a ``Retry-After`` header).
+(the waiting queue is full: with a ``Retry-After`` header). The Anthropic routes answer in
+Anthropic's error shape (``{"type": "error", "error": {"type", "message"}}``; overloaded: 529).
 Bad input never yields a 500; no error body carries a stack trace, a path or configuration.
 """
 
@@ -24,6 +26,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
+from cluster.api.anthropic_models import CountTokensRequest, MessagesRequest
 from cluster.api.api_errors import APIError, install_error_handlers
 from cluster.api.api_guard import GuardMiddleware
 from cluster.api.openai_models import (
@@ -78,6 +81,8 @@ class OpenAIServing(Protocol):
     async def responses(self, req: ResponsesRequest) -> Any: ...
     async def get_response(self, response_id: str) -> Any: ...
     async def delete_response(self, response_id: str) -> Any: ...
+    async def messages(self, req: MessagesRequest) -> Any: ...
+    async def count_message_tokens(self, req: CountTokensRequest) -> Any: ...
     async def models(self) -> dict[str, Any]: ...
     async def model(self, model_id: str) -> dict[str, Any]: ...
     async def embeddings(self, req: EmbeddingRequest) -> Any: ...
@@ -115,6 +120,14 @@ def make_openai_app(
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Any:
         return await serving.delete_response(response_id)
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, request: Request) -> Any:
+        return await serving.messages(with_header_timeout(req, request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(req: CountTokensRequest) -> Any:
+        return await serving.count_message_tokens(req)
 
     @app.get("/v1/models")
     async def models() -> Any:

@@ -177,6 +177,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # For the model's chat template, as vLLM passes it (gpt-oss's "Reasoning: ..." line).
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM's: the last (assistant) message is a beginning the output continues.
+    continue_final_message: bool = False
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

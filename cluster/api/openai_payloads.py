@@ -214,6 +214,9 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
             else named_tool_schema(find_tool(tools or [], choice.name or ""))
         )
         params["structured_outputs"] = {"json": json.dumps(schema)}
+    if req.continue_final_message and req.messages[-1].role != "assistant":
+        raise APIError(400, "continue_final_message: the last message must be the assistant's "
+                       "to continue", "continue_final_message")  # fmt: skip
     template_kwargs = None
     if req.reasoning_effort is not None:
         template_kwargs = {"reasoning_effort": req.reasoning_effort}
@@ -222,6 +225,7 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
         messages=chat_messages(req.messages),
         tools=tools,
         chat_template_kwargs=template_kwargs,
+        continue_final_message=req.continue_final_message,
         tool_choice=choice.mode if choice is not None else None,
         **request_extras(req),
     )

@@ -48,6 +48,8 @@ class _Choice:
         self.index = index
         self.text = ""
         self.finish_reason: str | None = None
+        # The stop string or stop token id that ended it (vLLM's ``stop_reason``).
+        self.stop_reason: int | str | None = None
         self.num_tokens = 0
         self.text_offset = 0  # where the next token starts in the text (completions logprobs)
         self.logprobs: Any = None  # completions: the OpenAI dict; chat: the content list
@@ -178,7 +180,7 @@ class Completion:
         choice.text += delta.text
         choice.num_tokens = delta.num_tokens
         if finish is not None:
-            choice.finish_reason = finish
+            choice.finish_reason, choice.stop_reason = finish, delta.stop_reason
         rows = None if delta.logprobs is None else [logprob_rows(e) for e in delta.logprobs]
         logprobs = self._logprobs(choice, rows)
         reasoning, text = "", delta.text

@@ -77,6 +77,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     tools: list[dict[str, Any]] | None = None
     # Variables for the chat template from the request's own fields (reasoning_effort).
     chat_template_kwargs: dict[str, Any] | None = None
+    # The last message is an assistant's beginning that the output continues (a prefill): the
+    # template renders it open, with no generation prompt after it.
+    continue_final_message: bool = False
     # "auto": the replica checks that its model reads tool calls (enable_auto_tool_choice) and
     # names its tool_call_parser in StreamStart. Forced calls arrive as structured outputs.
     tool_choice: str | None = None

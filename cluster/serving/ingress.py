@@ -1,7 +1,7 @@
-"""The ingress deployment: one ``OpenAIIngress`` replica speaks OpenAI over HTTP (and the
-``LLM`` service over gRPC, ``cluster.serving.grpc_ingress``), routes each request by ``model`` to
-its ``LLMServer`` deployment through streaming handles, and serves the model cards, ``/health``
-and ``/metrics``."""
+"""The ingress deployment: one ``OpenAIIngress`` replica speaks OpenAI over HTTP (Anthropic's
+Messages API too: ``cluster.serving.ingress_messages``) and the ``LLM`` service over gRPC
+(``cluster.serving.grpc_ingress``), routes each request by ``model`` to its ``LLMServer``
+deployment through streaming handles, and serves the model cards, ``/health`` and ``/metrics``."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from cluster.serving.ingress_calls import (
     merge_streams,
     wait_until_written,
 )
+from cluster.serving.ingress_messages import MessagesServicer
 from cluster.serving.ingress_pooling import PoolingServicer
 from cluster.serving.ingress_responses import ResponsesServicer, responses_store
 from cluster.serving.metrics import scrape_cluster_metrics
@@ -75,7 +76,7 @@ def _model_card(model_id: str, parent: str | None = None) -> dict[str, Any]:
 # The FastAPI app is built per replica, after __init__ (``__serve_build_asgi_app__``), so the
 # API keys and body limit live on the app that serves. The gRPC RPCs come from ``LLMServicer``.
 @serve.ingress()
-class OpenAIIngress(LLMServicer, ResponsesServicer, PoolingServicer):
+class OpenAIIngress(LLMServicer, ResponsesServicer, MessagesServicer, PoolingServicer):
     def __init__(
         self,
         servers: dict[str, DeploymentHandle],

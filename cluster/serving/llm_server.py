@@ -310,9 +310,9 @@ class LLMServer(PoolingServer):
     def _prompt(self, request: GenerateRequest | EmbedRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
         if isinstance(request, GenerateRequest) and request.messages is not None:
-            ids = chat_prompt_ids(
-                self.tokenizer, request.messages, request.tools, request.chat_template_kwargs
-            )
+            ids = chat_prompt_ids(self.tokenizer, request.messages, request.tools,
+                                  request.chat_template_kwargs,
+                                  request.continue_final_message)  # fmt: skip
             return {"prompt_token_ids": ids}
         if request.prompt_token_ids is not None:
             return {"prompt_token_ids": request.prompt_token_ids}
@@ -343,7 +343,9 @@ class LLMServer(PoolingServer):
     async def tokenize(self, request: GenerateRequest) -> TokenizeResult | StreamError:
         try:
             if request.messages is not None:
-                ids = chat_prompt_ids(self.tokenizer, request.messages)
+                ids = chat_prompt_ids(self.tokenizer, request.messages, request.tools,
+                                      request.chat_template_kwargs,
+                                      request.continue_final_message)  # fmt: skip
             else:
                 text = request.prompt
                 if not isinstance(text, str):

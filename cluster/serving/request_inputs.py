@@ -39,16 +39,19 @@ def chat_prompt_ids(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """The prompt ids of chat ``messages`` by the model's chat template (a 400 on ``messages``
-    when the template rejects them)."""
+    when the template rejects them); ``continue_final_message``: the last message left open for
+    the output to continue, instead of a generation prompt after it."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model has no chat template", param="messages")
     try:
         ids = tokenizer.apply_chat_template(
             messages,
             tools=tools,
-            add_generation_prompt=True,
+            add_generation_prompt=not continue_final_message,
+            continue_final_message=continue_final_message,
             tokenize=True,
             return_dict=False,
             **(template_kwargs or {}),

@@ -9,7 +9,9 @@ module-owned one is gone and nothing stops it before the session ends."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +55,21 @@ def wait_for(
             return
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def prompt_tokens(
+    base_url: str,
+    messages: list[dict[str, Any]],
+    model: str = "tiny-llama",
+    headers: Mapping[str, str] | None = None,
+) -> int:
+    """The chat template's token count for ``messages`` (the server's /tokenize)."""
+    body = json.dumps({"model": model, "messages": messages}).encode()
+    request = urllib.request.Request(
+        f"{base_url}/tokenize", body, {"content-type": "application/json", **(headers or {})}
+    )
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        return json.load(reply)["count"]
 
 
 # Health checked every second: a dead engine is noticed within a few seconds.

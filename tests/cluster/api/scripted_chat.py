@@ -12,14 +12,22 @@ from engine.client.core_messages import ChoiceDelta
 
 
 def scripted_chat(
-    start: StreamStart, pieces: list[str], *, stream: bool, tools: ToolChoice | None = None
+    start: StreamStart,
+    pieces: list[str],
+    *,
+    stream: bool,
+    tools: ToolChoice | None = None,
+    finish: str = "stop",
+    stop_reason: int | str | None = None,
 ) -> tuple[Completion, list[dict[str, Any]]]:
     """The response to a stream that opens with ``start`` and whose deltas carry ``pieces``, one
-    token each, the last finishing with ``stop``; with the chunks it produced."""
+    token each, the last finishing with ``finish`` (the engine's ``stop_reason`` with it); with
+    the chunks it produced."""
     completion = Completion("m", True, False, tools=tools, stream=stream)
     chunks = completion.absorb(start)
     for i, piece in enumerate(pieces):
-        finish = "stop" if i == len(pieces) - 1 else None
-        delta = ChoiceDelta(0, piece, [i], None, finish, None, i + 1)
+        last = i == len(pieces) - 1
+        delta = ChoiceDelta(0, piece, [i], None, finish if last else None,
+                            stop_reason if last else None, i + 1)  # fmt: skip
         chunks += completion.absorb(StreamDelta([delta]))
     return completion, chunks

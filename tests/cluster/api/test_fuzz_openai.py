@@ -1,5 +1,6 @@
 """Fuzzing the OpenAI API: whatever a client sends, no response is a 5xx, every error has
-OpenAI's error body, and the server keeps serving (healthy, answering, no request state left).
+OpenAI's error body (Anthropic's on its Messages routes), and the server keeps serving (healthy,
+answering, no request state left).
 
 - Schemathesis generates requests from the ingress's own OpenAPI schema, valid ("positive") and
   invalid ("negative"), with the API key and (a smaller pass) without it. Half the valid
@@ -37,6 +38,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
+from cluster.api.anthropic_models import CountTokensRequest, MessagesRequest
 from cluster.api.openai_api import make_openai_app
 from cluster.api.openai_models import (
     ChatCompletionRequest,
@@ -61,7 +63,9 @@ ENGINE_ARGS = {"model": "builtin:tiny-llama", "num_kv_blocks": 64, "device": "cp
 EXAMPLES = 40
 UNAUTHENTICATED_EXAMPLES = 5
 ERROR_FIELDS = {"message", "type", "param", "code"}
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+# Routes that answer in Anthropic's error shape and name each SSE event.
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Valid by the schema, but a 400 by design (see openai_api): nudged cases leave them out.
 _UNSUPPORTED = ("suffix", "best_of", "chat_template", "chat_template_kwargs")
 # Values a schema-driven generator rarely or never draws (hypothesis's text has no surrogates)
@@ -78,6 +82,10 @@ VALID_BODIES = {
     "/detokenize": {"model": MODEL, "tokens": [1, 2]},
     "/v1/embeddings": {"model": MODEL, "input": ["Hi", [1, 2]]},
     "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": MODEL, "max_tokens": 2,
+                     "messages": [{"role": "user", "content": "Hi"}]},
+    "/v1/messages/count_tokens": {"model": MODEL,
+                                  "messages": [{"role": "user", "content": "Hi"}]},
 }  # fmt: skip
 
 
@@ -236,18 +244,28 @@ def _is_json(response: Any) -> bool:
 
 def _check_error_body(case: Any, response: Any) -> None:
     assert _is_json(response), _describe(case, response)
-    error = response.json().get("error")
-    assert isinstance(error, dict), _describe(case, response)
-    assert set(error) == ERROR_FIELDS, _describe(case, response)
-    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    assert _is_error_body(case.path, response.json()), _describe(case, response)
+
+
+def _is_error_body(path: str, body: dict[str, Any]) -> bool:
+    """OpenAI's error body, or Anthropic's on its routes."""
+    error = body.get("error")
+    if not isinstance(error, dict):
+        return False
+    if path in ANTHROPIC_PATHS:
+        fields_ok = body.get("type") == "error" and set(error) == {"type", "message"}
+    else:
+        fields_ok = set(error) == ERROR_FIELDS
+    return fields_ok and isinstance(error["message"], str) and isinstance(error["type"], str)
 
 
 def _check_event_stream(case: Any, response: Any) -> None:
     """Every event is a JSON chunk (an error one with OpenAI's error body), and a stream that
-    schemathesis read to its end ends with [DONE]. A Responses stream names each event's type
-    (``event: <type>``, its data's ``type``) and ends with a final response event instead."""
+    schemathesis read to its end ends with [DONE]. A Responses or Messages stream names each
+    event's type (``event: <type>``, its data's ``type``) and ends with a final response event
+    (``message_stop``, or an ``error``) instead."""
     events = [e for e in response.content.decode().split("\n\n") if e]
-    responses = case.path == "/v1/responses"
+    responses = case.path in ("/v1/responses", "/v1/messages")
     for event in events:
         if responses:
             kind, _, event = event.partition("\n")
@@ -256,12 +274,14 @@ def _check_event_stream(case: Any, response: Any) -> None:
         assert event.startswith("data: "), _describe(case, response)
         data = event.removeprefix("data: ")
         if data != "[DONE]" and "error" in (chunk := json.loads(data)):
-            assert set(chunk["error"]) == ERROR_FIELDS, _describe(case, response)
+            assert _is_error_body(case.path, chunk), _describe(case, response)
     if response.stream_cut_short:
         return
     if responses:
         last = json.loads(events[-1].partition("\n")[2].removeprefix("data: "))["type"]
         finals = ("response.completed", "response.incomplete", "response.failed")
+        if case.path in ANTHROPIC_PATHS:
+            finals = ("message_stop", "error")
         assert last in finals, _describe(case, response)
     else:
         assert events and events[-1] == "data: [DONE]", _describe(case, response)
@@ -322,10 +342,12 @@ def test_schema_request_bodies_are_the_request_models(api_schema: Any, app: Any)
         **dict.fromkeys(
             ("/rerank", "/v1/rerank", "/v2/rerank"), "#/components/schemas/RerankRequest"
         ),
+        "/v1/messages": "#/components/schemas/MessagesRequest",
+        "/v1/messages/count_tokens": "#/components/schemas/CountTokensRequest",
     }
     models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
               EmbeddingRequest, ResponsesRequest, ClassificationRequest, ScoreRequest,
-              RerankRequest)  # fmt: skip
+              RerankRequest, MessagesRequest, CountTokensRequest)  # fmt: skip
     for model in models:
         component = raw["components"]["schemas"][model.__name__]
         assert set(component["properties"]) == set(model.model_fields)
@@ -341,7 +363,8 @@ def test_fuzzed_requests_with_the_key_get_no_server_error(
             "POST /detokenize", "GET /v1/models", "GET /health", "GET /livez",
             "POST /v1/embeddings",
             "GET /v1/models/{model_id}", "POST /v1/responses",
-            "GET /v1/responses/{response_id}"} <= set(fuzzed)  # fmt: skip
+            "GET /v1/responses/{response_id}", "POST /v1/messages",
+            "POST /v1/messages/count_tokens"} <= set(fuzzed)  # fmt: skip
     # Still serving: the engine is alive, answers a plain request, and holds nothing.
     with TestClient(app) as client:
         assert client.get("/health").json() == {"status": "ok"}
@@ -381,6 +404,6 @@ def test_nasty_value_in_any_field_gets_no_server_error(app: Any, server: LLMServ
             response = client.post(path, content=content, headers=headers)
             assert response.status_code < 500, f"{path} {body!r}: {response.text}"
             if response.status_code >= 400:
-                assert set(response.json()["error"]) == ERROR_FIELDS, response.text
+                assert _is_error_body(path, response.json()), response.text
         assert client.get("/health").json() == {"status": "ok"}
     _assert_no_request_state_left(server)

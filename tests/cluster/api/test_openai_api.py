@@ -399,6 +399,18 @@ def test_chat_reasoning_effort_and_earlier_reasoning_reach_the_template() -> Non
     )
 
 
+def test_continue_final_message_needs_a_last_assistant_message() -> None:
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]
+    req = ChatCompletionRequest(model="m", messages=prefill, continue_final_message=True)
+    assert chat_payload(req)["continue_final_message"] is True
+    assert "continue_final_message" not in chat_payload(
+        ChatCompletionRequest(model="m", messages=prefill)
+    )
+    with pytest.raises(APIError) as info:
+        chat_payload(req.model_copy(update={"messages": req.messages[:1]}))
+    assert (info.value.status, info.value.param) == (400, "continue_final_message")
+
+
 def test_chat_image_part_is_400_naming_it() -> None:
     content = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": content}])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -26,7 +25,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 from pydantic import BaseModel
 
 from cluster.serving.ingress_responses import INGRESS_REPLICA_HEADER
-from tests.cluster.conftest import ServeCluster, load_yaml
+from tests.cluster.conftest import ServeCluster, load_yaml, prompt_tokens
 
 APP = "responses"
 MODEL = "tiny-llama"
@@ -62,16 +61,6 @@ def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def client(base_url: str) -> OpenAI:
     return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-
-
-def prompt_tokens(base_url: str, messages: list[dict[str, Any]]) -> int:
-    """The chat template's token count for ``messages`` (the server's /tokenize)."""
-    body = json.dumps({"model": MODEL, "messages": messages}).encode()
-    request = urllib.request.Request(
-        f"{base_url}/tokenize", body, {"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=30) as reply:
-        return json.load(reply)["count"]
 
 
 def _text(response: Any) -> str:

@@ -1,0 +1,220 @@
+"""A Messages API request -> the chat request the chat route serves (``ChatCompletionRequest``):
+``system`` and ``messages`` become chat messages, ``tools`` and ``tool_choice`` the chat
+function tools and choice, ``stop_sequences`` the chat ``stop``. The chat path then does the
+rest (template, tool parsers, reasoning parser, structured outputs for forced calls).
+
+    user:      text blocks            -> a user message (texts joined)
+               tool_result blocks     -> tool messages (tool_call_id = tool_use_id), first
+    assistant: text / tool_use blocks -> one assistant message with its tool_calls
+               thinking blocks        -> its reasoning_content
+    tool_choice: auto -> auto, any -> required, tool -> the named function, none -> none
+
+A final assistant message is a prefill: the chat's ``continue_final_message``. ``thinking`` is
+no chat field: it is the chat template's ``enable_thinking`` (``template_kwargs``), which
+reasoning models' templates read."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from cluster.api.anthropic_models import (
+    MIN_THINKING_BUDGET,
+    SAMPLING_PASSTHROUGH,
+    CountTokensRequest,
+    MessagesRequest,
+)
+from cluster.api.api_errors import APIError
+from cluster.api.openai_models import ChatCompletionRequest
+
+# Block types the model cannot read (yet): a 400 naming the block.
+_UNSUPPORTED_BLOCKS = {
+    "image": "image blocks are not supported yet (text only)",
+    "document": "document blocks are not supported yet (text only)",
+    "search_result": "search_result blocks are not supported (text only)",
+}
+
+
+def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat request generating the reply to ``req`` (a count_tokens request: its prompt)."""
+    messages = [{"role": "system", "content": system_text(req.system)}] if req.system else []
+    for i, message in enumerate(req.messages):
+        messages += chat_messages(message.role, message.content, f"messages.{i}")
+    body: dict[str, Any] = {"model": req.model, "messages": messages}
+    if req.messages[-1].role == "assistant":  # a prefill: the reply continues it
+        _check_prefill(messages[-1], f"messages.{len(req.messages) - 1}")
+        body["continue_final_message"] = True
+    if isinstance(req, MessagesRequest):
+        body["stream"] = req.stream
+        for name in SAMPLING_PASSTHROUGH:
+            if getattr(req, name) is not None:
+                body[name] = getattr(req, name)
+        if req.stop_sequences:
+            body["stop"] = req.stop_sequences
+    check_thinking(req)
+    if req.tools:
+        body["tools"] = [chat_tool(t.model_dump(), f"tools.{i}") for i, t in enumerate(req.tools)]
+    choice = req.tool_choice
+    if choice is not None:
+        body["tool_choice"] = chat_tool_choice(choice.type, choice.name, bool(req.tools))
+        if choice.disable_parallel_tool_use:
+            body["parallel_tool_calls"] = False
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _named_error(exc) from None
+
+
+def template_kwargs(req: CountTokensRequest) -> dict[str, Any] | None:
+    """The chat template's variables for ``thinking`` (None: the model's default)."""
+    if req.thinking is None:
+        return None
+    return {"enable_thinking": req.thinking.type != "disabled"}
+
+
+def check_thinking(req: CountTokensRequest) -> None:
+    thinking = req.thinking
+    if thinking is None or thinking.type != "enabled":
+        return
+    if thinking.budget_tokens is None:
+        raise APIError(400, "thinking.budget_tokens: required with type 'enabled'",
+                       "thinking.budget_tokens")  # fmt: skip
+    if thinking.budget_tokens < MIN_THINKING_BUDGET:
+        raise APIError(400, f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}, got "
+                       f"{thinking.budget_tokens}", "thinking.budget_tokens")  # fmt: skip
+
+
+def system_text(system: str | list[dict[str, Any]] | None) -> str:
+    """``system`` as one text: a list of text blocks is joined by newlines."""
+    if system is None or isinstance(system, str):
+        return system or ""
+    return "\n".join(_block_text(block, f"system.{j}") for j, block in enumerate(system))
+
+
+def chat_messages(
+    role: str, content: str | list[dict[str, Any]], path: str
+) -> list[dict[str, Any]]:
+    """One Messages API message -> its chat messages (a user turn's tool results are tool
+    messages before its text; an assistant turn is one message with its calls)."""
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if role == "assistant":
+        return [_assistant_message(content, f"{path}.content")]
+    tool_messages: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        block_path = f"{path}.content.{j}"
+        if _block_type(block, block_path) == "tool_result":
+            tool_messages.append(_tool_message(block, block_path))
+        else:
+            texts.append(_block_text(block, block_path))
+    text_message = [{"role": "user", "content": "".join(texts)}] if texts else []
+    return tool_messages + text_message
+
+
+def _assistant_message(blocks: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    texts, reasoning, calls = [], [], []
+    for j, block in enumerate(blocks):
+        block_path = f"{path}.{j}"
+        kind = _block_type(block, block_path)
+        if kind == "tool_use":
+            arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
+            calls.append({"id": _str(block, "id", block_path), "type": "function",
+                          "function": {"name": _str(block, "name", block_path),
+                                       "arguments": arguments}})  # fmt: skip
+        elif kind == "thinking":
+            reasoning.append(_str(block, "thinking", block_path))
+        elif kind != "redacted_thinking":  # encrypted by another server: nothing to show
+            texts.append(_block_text(block, block_path))
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if calls:
+        message["tool_calls"] = calls
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning)
+    return message
+
+
+def _check_prefill(message: dict[str, Any], path: str) -> None:
+    if message.get("tool_calls") or not message.get("content"):
+        raise APIError(400, f"{path}: a final assistant message (a prefill the reply continues) "
+                       "must be non-empty text, with no tool_use", path)  # fmt: skip
+
+
+def _tool_message(block: dict[str, Any], path: str) -> dict[str, Any]:
+    """A ``tool_result`` block: its content (a string or text blocks) as a tool message; the
+    chat has no error flag, so an ``is_error`` result says so in its text."""
+    content = block.get("content", "")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        text = "".join(_block_text(b, f"{path}.content.{k}") for k, b in enumerate(content))
+    else:
+        raise APIError(400, f"{path}.content: must be a string or a list of text blocks",
+                       f"{path}.content")  # fmt: skip
+    if block.get("is_error") is True:
+        text = f"Error: {text}"
+    return {"role": "tool", "tool_call_id": _str(block, "tool_use_id", path), "content": text}
+
+
+def _block_type(block: Any, path: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise APIError(400, f"{path}: must be a content block with a type", path)
+    kind = block["type"]
+    if kind in _UNSUPPORTED_BLOCKS:
+        raise APIError(400, f"{path}: {_UNSUPPORTED_BLOCKS[kind]}", path, "unsupported")
+    return kind
+
+
+def _block_text(block: Any, path: str) -> str:
+    kind = _block_type(block, path)
+    if kind != "text":
+        raise APIError(400, f"{path}.type: expected a text block here, got {kind!r}",
+                       f"{path}.type")  # fmt: skip
+    return _str(block, "text", path)
+
+
+def _str(block: dict[str, Any], name: str, path: str) -> str:
+    value = block.get(name)
+    if not isinstance(value, str):
+        raise APIError(400, f"{path}.{name}: must be a string", f"{path}.{name}")
+    return value
+
+
+def chat_tool(tool: dict[str, Any], path: str) -> dict[str, Any]:
+    """A client tool -> the chat function tool; server tools (``web_search_…``,
+    ``bash_…``, ...) are not run here."""
+    if tool.get("type") not in (None, "custom"):
+        raise APIError(400, f"{path}.type: the server tool {tool['type']!r} is not supported; "
+                       "only client tools (name, description, input_schema) are",
+                       f"{path}.type", "unsupported")  # fmt: skip
+    function = {"name": tool["name"], "parameters": tool["input_schema"]}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def chat_tool_choice(kind: str, name: str | None, has_tools: bool) -> str | dict[str, Any]:
+    if kind == "tool":
+        if name is None:
+            raise APIError(400, "tool_choice.name: required with type 'tool'", "tool_choice.name")
+        return {"type": "function", "function": {"name": name}}
+    if kind != "none" and not has_tools:
+        raise APIError(400, f"tool_choice: type {kind!r} requires tools", "tool_choice")
+    return {"auto": "auto", "any": "required", "none": "none"}[kind]
+
+
+def _named_error(exc: ValidationError) -> APIError:
+    """A chat-side validation error, with the field path as the Messages request names it."""
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc[:1] == ["tools"] and loc[2:3] == ["function"]:
+        loc = loc[:2] + ["input_schema" if p == "parameters" else p for p in loc[3:]]
+    elif loc[:1] == ["stop"]:
+        loc = ["stop_sequences", *loc[2:]]
+    param = ".".join(p for p in loc if not p.startswith(("str", "list[", "dict[")))
+    return APIError(400, f"{param}: {first.get('msg')}", param, "invalid_value")
+
+
+__all__ = ["chat_request", "check_thinking", "system_text", "template_kwargs"]

@@ -1,0 +1,114 @@
+"""Anthropic's Messages API on the ingress (``POST /v1/messages``, ``POST
+/v1/messages/count_tokens``), mixed into ``OpenAIIngress``: the request becomes the chat request
+the chat route serves (``cluster.api.anthropic_payloads``), its result or stream becomes a
+message and its events (``cluster.api.anthropic_builder``). Errors take Anthropic's shape
+(``cluster.api.api_errors``: the route decides)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import ray
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cluster.api.anthropic_builder import MessageBuilder
+from cluster.api.anthropic_models import CountTokensRequest, MessagesRequest
+from cluster.api.anthropic_payloads import chat_request, template_kwargs
+from cluster.api.api_errors import APIError, api_error
+from cluster.api.openai_payloads import chat_payload, tool_choice
+from cluster.api.openai_responses import Completion
+from cluster.api.replica_messages import GenerateRequest, StreamError
+from cluster.api.responses_builder import sse_event
+from cluster.serving.ingress_calls import guard_stream
+
+# A generation the replica ended early (shut down past its drain): no message to give.
+_ABORTED = (503, "the server stopped the generation; retry the request", "unavailable")
+
+
+def messages_payload(req: CountTokensRequest) -> tuple[GenerateRequest, Any]:
+    """The server request for ``req`` and the chat request it came from."""
+    chat = chat_request(req)
+    payload = chat_payload(chat)
+    kwargs = template_kwargs(req)
+    if kwargs is not None:  # thinking: a template variable, beside the chat's own
+        merged = {**(payload.chat_template_kwargs or {}), **kwargs}
+        payload = msgspec.structs.replace(payload, chat_template_kwargs=merged)
+    return payload, chat
+
+
+class MessagesServicer:
+    """The Messages routes over ``open_stream`` and ``_route`` (``OpenAIIngress``'s, which
+    mixes this in)."""
+
+    open_stream: Any
+    _route: Any
+
+    async def messages(self, req: MessagesRequest) -> Any:
+        payload, chat = messages_payload(req)
+        completion = Completion(req.model, True, False, None, tools=tool_choice(chat),
+                                stream=req.stream)  # fmt: skip
+        first, stream = await self.open_stream(req.model, payload)
+        completion.absorb(first)
+        builder = MessageBuilder(req.model, req.stop_sequences or ())
+        builder.input_tokens = first.prompt_tokens
+        if req.stream:
+            events = _events(builder, completion, stream, req.model)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            async for item in guard_stream(stream, req.model):
+                if isinstance(item, StreamError):
+                    raise api_error(item)
+                completion.absorb(item)
+        finally:
+            stream.cancel()
+        choice = completion.choices[0]
+        if choice.finish_reason == "abort":
+            raise APIError(_ABORTED[0], _ABORTED[1], None, _ABORTED[2])
+        message = completion.whole()["choices"][0]["message"]
+        builder.absorb_message(message, choice.finish_reason, choice.stop_reason,
+                               completion.completion_tokens)  # fmt: skip
+        return JSONResponse(builder.message())
+
+    async def count_message_tokens(self, req: CountTokensRequest) -> Any:
+        """The prompt's token count as the chat template renders it, tools included."""
+        payload, _ = messages_payload(req)
+        handle, _ = self._route(req.model)
+        try:
+            result = await handle.tokenize.remote(payload)
+        except ray.exceptions.RayError as exc:
+            raise APIError(503, f"model {req.model!r} is not available", None,
+                           "unavailable") from exc  # fmt: skip
+        if isinstance(result, StreamError):
+            raise api_error(result)
+        return {"input_tokens": result.count}
+
+
+async def _events(
+    builder: MessageBuilder, completion: Completion, stream: Any, model: str
+) -> AsyncIterator[bytes]:
+    try:
+        for event in builder.start():
+            yield sse_event(event)
+        async for item in guard_stream(stream, model):
+            if isinstance(item, StreamError):
+                last = builder.fail(item.status, item.message, item.code)
+                break
+            for chunk in completion.absorb(item):
+                for event in builder.feed(chunk["delta"]):
+                    yield sse_event(event)
+        else:
+            choice = completion.choices[0]
+            if choice.finish_reason == "abort":
+                last = builder.fail(*_ABORTED)
+            else:
+                last = builder.finish(choice.finish_reason, choice.stop_reason,
+                                      completion.completion_tokens)  # fmt: skip
+        for event in last:
+            yield sse_event(event)
+    finally:
+        stream.cancel()
+
+
+__all__ = ["MessagesServicer", "messages_payload"]

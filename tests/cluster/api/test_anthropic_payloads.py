@@ -1,0 +1,169 @@
+"""A Messages API request -> the chat request (``cluster.api.anthropic_payloads``), with no
+engine: roles and blocks as chat messages, tools and tool_choice as the chat's, sampling
+fields by their chat names, thinking as the template's ``enable_thinking``, and 400s that name
+the field as the Messages request does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.api.anthropic_models import CountTokensRequest, MessagesRequest
+from cluster.api.anthropic_payloads import chat_request, template_kwargs
+from cluster.api.api_errors import APIError
+from cluster.serving.ingress_messages import messages_payload
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"name": "get_weather", "description": "Weather in a city", "input_schema": SCHEMA}
+
+
+def _request(**fields: Any) -> MessagesRequest:
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    return MessagesRequest.model_validate({**body, **fields})
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return chat_request(_request(**fields)).model_dump(exclude_none=True)
+
+
+def _error(**fields: Any) -> APIError:
+    with pytest.raises(APIError) as info:
+        chat_request(_request(**fields))
+    assert info.value.status == 400
+    return info.value
+
+
+def test_system_string_and_text_blocks_are_the_system_message() -> None:
+    assert _chat(system="Be brief.")["messages"][0] == {"role": "system", "content": "Be brief."}
+    blocks = [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief.", "cache_control":
+              {"type": "ephemeral"}}]  # fmt: skip
+    assert _chat(system=blocks)["messages"][0] == {"role": "system", "content": "Be\nbrief."}
+
+
+def test_text_blocks_of_a_turn_are_joined() -> None:
+    content = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    messages = _chat(messages=[{"role": "user", "content": content}])["messages"]
+    assert messages == [{"role": "user", "content": "Hello there"}]
+
+
+def test_tool_use_and_tool_result_blocks_are_chat_calls_and_tool_messages() -> None:
+    turns = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Use the tool.", "signature": "sig"},
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+            {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+             "content": [{"type": "text", "text": "timed out"}]},
+            {"type": "text", "text": "And Rome?"},
+        ]},
+    ]  # fmt: skip
+    messages = _chat(messages=turns, tools=[WEATHER])["messages"]
+    assert messages[1:] == [
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "Use the tool.",
+         "tool_calls": [{"id": "toolu_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: timed out"},
+        {"role": "user", "content": "And Rome?"},
+    ]  # fmt: skip
+
+
+def test_a_final_assistant_message_is_a_prefill_the_reply_continues() -> None:
+    opening = [{"type": "text", "text": "The answer is"}]
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": opening}]
+    chat = _chat(messages=turns)
+    assert chat["continue_final_message"] is True
+    assert chat["messages"][-1] == {"role": "assistant", "content": "The answer is"}
+    assert _chat()["continue_final_message"] is False
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    error = _error(messages=[turns[0], {"role": "assistant", "content": [call]}], tools=[WEATHER])
+    assert error.param == "messages.1"
+
+
+def test_tools_are_chat_function_tools() -> None:
+    function = {"name": "get_weather", "description": "Weather in a city", "parameters": SCHEMA}
+    assert _chat(tools=[WEATHER])["tools"] == [{"type": "function", "function": function}]
+
+
+@pytest.mark.parametrize(
+    ("choice", "chat_choice"),
+    [({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none"),
+     ({"type": "tool", "name": "get_weather"},
+      {"type": "function", "function": {"name": "get_weather"}})],
+)  # fmt: skip
+def test_tool_choice_is_the_chat_tool_choice(choice: dict[str, Any], chat_choice: Any) -> None:
+    chat = _chat(tools=[WEATHER], tool_choice=choice)
+    assert chat["tool_choice"] == chat_choice and chat["parallel_tool_calls"] is True
+
+
+def test_disable_parallel_tool_use_is_no_parallel_tool_calls() -> None:
+    chat = _chat(tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert chat["parallel_tool_calls"] is False
+
+
+def test_sampling_fields_keep_or_take_the_chat_names() -> None:
+    chat = _chat(temperature=0.5, top_p=0.9, top_k=5, stop_sequences=["END"], seed=3,
+                 metadata={"user_id": "u"}, service_tier="auto", stream=True)  # fmt: skip
+    assert chat["max_tokens"] == 8 and chat["stop"] == ["END"] and chat["stream"] is True
+    assert (chat["temperature"], chat["top_p"], chat["top_k"], chat["seed"]) == (0.5, 0.9, 5, 3)
+
+
+def test_thinking_is_the_templates_enable_thinking() -> None:
+    enabled = _request(thinking={"type": "enabled", "budget_tokens": 2048})
+    assert template_kwargs(enabled) == {"enable_thinking": True}
+    payload, _ = messages_payload(enabled)
+    assert payload.chat_template_kwargs == {"enable_thinking": True}
+    assert template_kwargs(_request(thinking={"type": "disabled"})) == {"enable_thinking": False}
+    assert (
+        template_kwargs(_request()) is None
+        and messages_payload(_request())[0].chat_template_kwargs is None
+    )
+
+
+def test_a_forced_tool_becomes_the_grammar_of_the_payload() -> None:
+    payload, chat = messages_payload(
+        _request(tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"})
+    )
+    assert chat.tool_choice is not None and payload.tool_choice == "named"
+    assert "json" in payload.params["structured_outputs"]
+
+
+def test_count_tokens_needs_no_max_tokens_but_a_message_does() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER]}
+    assert chat_request(CountTokensRequest.model_validate(body)).max_tokens is None
+    with pytest.raises(ValidationError) as info:
+        MessagesRequest.model_validate(body)
+    assert info.value.errors()[0]["loc"] == ("max_tokens",)
+
+
+def test_image_blocks_are_a_400_naming_the_block() -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    error = _error(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}, image]}])
+    assert error.param == "messages.0.content.1" and "image blocks are not supported" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"tools": [{**WEATHER, "type": "web_search_20250305"}]}, "tools.0.type"),
+     ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+     ({"tool_choice": {"type": "any"}}, "tool_choice"),
+     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+     ({"tools": [{**WEATHER, "name": "bad name"}]}, "tools.0.name"),
+     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": 1}]}]},
+      "messages.0.content.0.id"),
+     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
+      "messages.0.content.0.tool_use_id")],
+)  # fmt: skip
+def test_bad_fields_are_400s_naming_them(fields: dict[str, Any], param: str) -> None:
+    assert _error(**fields).param == param
+
+
+def test_a_thinking_budget_under_1024_is_a_400_naming_it() -> None:
+    error = _error(thinking={"type": "enabled", "budget_tokens": 100})
+    assert str(error) == "thinking.budget_tokens: must be >= 1024, got 100"
