@@ -284,6 +284,32 @@ def test_embeddings_with_tp2_pp2_equal_one_worker(pooling_type: str) -> None:
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("model", "extra"),
+    [
+        ("builtin:tiny-qwen3-classifier", {}),  # score.weight on the last stage
+        # A tied causal LM as a classifier: the score rows come from the embedding (stage 0's
+        # tensor) into the last stage's score.
+        ("builtin:tiny-qwen2", {"hf_overrides": {"classifier_from_token": ["Ġno", "Ġthe"]}}),
+        ("builtin:tiny-qwen3-embedding", {"runner": "pooling"}),  # names without "model."
+    ],
+)
+def test_pooling_models_with_tp2_pp2_equal_one_worker(model: str, extra: dict[str, Any]) -> None:
+    prompts = [LONG_PROMPT, "Hi"]
+    args = {**ENGINE_ARGS, **extra}
+    single = LLM(model, distributed_executor_backend="uni", **args)
+    method = "embed" if extra.get("runner") == "pooling" else "classify"
+    expected = [o.outputs.data for o in getattr(single, method)(prompts, use_tqdm=False)]
+    single.llm_engine.shutdown()
+    llm = LLM(model, tensor_parallel_size=2, pipeline_parallel_size=2, **args)
+    try:
+        got = [o.outputs.data for o in getattr(llm, method)(prompts, use_tqdm=False)]
+        for g, e in zip(got, expected, strict=True):
+            assert g == pytest.approx(e, abs=1e-5)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 # Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
 # 8 logical CPUs: the 4 single-CPU bundles of TP = 4 fit with room to spare.
 pytestmark = [pytest.mark.slow, pytest.mark.local_ray(num_cpus=8)]
