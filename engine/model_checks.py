@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import envs
+from engine.checkpoint_headers import checkpoint_headers
 from engine.errors import ConfigError
 from engine.hf_config import check_hf_config, num_experts
 from engine.model_heads import classifier_tokens, resolve_task
@@ -49,8 +50,6 @@ def _check_lm_head(path: Path, hf_config: dict[str, Any]) -> None:
     generate: refused here, naming the argument that serves it."""
     if hf_config.get("tie_word_embeddings") is not False:
         return
-    from engine.worker.model_loader import checkpoint_headers
-
     names = checkpoint_headers(path)  # none: a config-only directory (cluster plan)
     if names and "lm_head.weight" not in names:
         raise ConfigError(

@@ -15,10 +15,8 @@ every layer's loader checks the full tensor's shape before copying its shard.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -29,6 +27,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from engine.checkpoint_headers import checkpoint_headers
 from engine.config import EngineConfig
 from engine.models import model_class as model_class_of
 from engine.quantization.config import parse_quantization
@@ -75,18 +74,6 @@ def iterate_checkpoint(
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_slice(name)
-
-
-def checkpoint_headers(model_path: str | Path) -> dict[str, dict[str, Any]]:
-    """Every tensor's header entry (``dtype``, ``shape``, ``data_offsets``) of every
-    ``*.safetensors`` file: 8-byte length, then that JSON; nothing else is read."""
-    headers: dict[str, dict[str, Any]] = {}
-    for file in sorted(Path(model_path).glob("*.safetensors")):
-        with file.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        headers.update((n, info) for n, info in header.items() if n != "__metadata__")
-    return headers
 
 
 def checkpoint_tensor_bytes(model_path: str | Path) -> dict[str, int]:
