@@ -31,10 +31,16 @@ AutoscalingPolicyName = Literal["engine", "ongoing_requests"]
 HEAD_BUNDLE_INDEX = 1
 
 
-def deployment_name(model_id: str) -> str:
+def deployment_name(model_id: str, role: str | None = None) -> str:
     """The Serve deployment of ``model_id``'s replicas: ``LLMServer:<model_id>``, with each
-    character Serve's names reject replaced by ``-``."""
-    return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+    character Serve's names reject replaced by ``-``; a disaggregated model's prefill pool is
+    ``LLMServer:<model_id>:prefill`` (its decode pool has the model's name)."""
+    name = "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+    return name + ":prefill" if role == "prefill" else name
+
+
+# A disaggregated model's KV transfer unless its engine_kwargs name one: the node's store.
+_DEFAULT_CONNECTOR = {"kv_connector": "SharedStorageConnector"}
 
 
 @dataclass(frozen=True)
@@ -253,6 +259,59 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    """One side of a disaggregated model: engine arguments over the model's, Serve options."""
+
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    deployment_config: ServeDeploymentConfig = field(default_factory=ServeDeploymentConfig)
+
+
+# What must be equal on both sides for the decode pool to read the prefill pool's blocks.
+_SAME_KV_LAYOUT = ("tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition",
+                   "dtype", "block_size", "kv_cache_dtype", "device", "attention_backend",
+                   "quantization", "hf_overrides", "data_parallel_size")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (``docs/kv_transfer.md``): the ``prefill`` pool computes
+    each prompt's KV and saves it to the node's KV store (``kv_producer``); the ``decode`` pool,
+    which the model's name routes to, loads it and generates (``kv_consumer``). The ingress
+    sends the prompt to prefill first and waits at most ``prefill_timeout_s``; after a timeout
+    or a failed prefill the decode pool computes whatever it does not find."""
+
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    prefill_timeout_s: float = 30.0
+
+    def check(self, path: str, model: ModelDeployment) -> None:
+        check_number(self.prefill_timeout_s, f"{path}.prefill_timeout_s", gt=0)
+        for role in ("prefill", "decode"):
+            pool: PoolConfig = getattr(self, role)
+            pool.deployment_config.check(f"{path}.{role}.deployment_config")
+            role_kwargs = model.engine_kwargs | pool.engine_kwargs
+            given = (role_kwargs.get("kv_transfer_config") or {}).get("kv_role")
+            require(
+                given in (None, _KV_ROLES[role]),
+                f"{path}.{role}.engine_kwargs.kv_transfer_config.kv_role",
+                f"is {_KV_ROLES[role]!r} in the {role} pool (set by disaggregation), got {given!r}",
+            )
+        prefill = model.engine_kwargs | self.prefill.engine_kwargs
+        decode = model.engine_kwargs | self.decode.engine_kwargs
+        for key in _SAME_KV_LAYOUT:
+            require(
+                prefill.get(key) == decode.get(key),
+                f"{path}.decode.engine_kwargs.{key}",
+                f"must equal the prefill pool's ({prefill.get(key)!r}), got {decode.get(key)!r}: "
+                "the decode pool reads the prefill pool's KV blocks as they are (re-sharding "
+                "between different layouts is not supported yet)",
+            )
+
+
+_KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@dataclass(frozen=True)
 class ModelDeployment:
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -260,10 +319,30 @@ class ModelDeployment:
     accelerator_type: str | None = None
     placement_group_config: PlacementGroupConfig = field(default_factory=PlacementGroupConfig)
     lora_config: LoraConfig | None = None
+    disaggregation: DisaggregationConfig | None = None
 
     @property
     def model_id(self) -> str:
         return self.model_loading_config.model_id
+
+    def pools(self) -> list[tuple[str | None, ModelDeployment]]:
+        """The Serve deployments this model runs as: itself (role None), or its prefill and
+        decode pools, each a model of its own (its engine_kwargs over the model's, the
+        connector's role set, its deployment_config)."""
+        disaggregation = self.disaggregation
+        if disaggregation is None:
+            return [(None, self)]
+        pools = []
+        for role in ("prefill", "decode"):
+            pool: PoolConfig = getattr(disaggregation, role)
+            kwargs = self.engine_kwargs | pool.engine_kwargs
+            transfer = dict(kwargs.get("kv_transfer_config") or _DEFAULT_CONNECTOR)
+            kwargs["kv_transfer_config"] = {**transfer, "kv_role": _KV_ROLES[role]}
+            pools.append((role, dataclasses.replace(
+                self, engine_kwargs=kwargs, deployment_config=pool.deployment_config,
+                disaggregation=None,
+            )))  # fmt: skip
+        return pools
 
     def engine_args(self) -> dict[str, Any]:
         """The full engine arguments: ``model`` from ``model_source`` plus ``engine_kwargs``;
@@ -326,7 +405,10 @@ class ModelDeployment:
 
     def cpus_at_max_scale(self) -> float:
         """Logical CPUs this model's replicas reserve at ``max_replicas`` (front, head and
-        CPU workers): what a local cluster must offer so that none of them waits forever."""
+        CPU workers; both pools of a disaggregated model): what a local cluster must offer so
+        that none of them waits forever."""
+        if self.disaggregation is not None:
+            return sum(pool.cpus_at_max_scale() for _, pool in self.pools())
         per_replica = sum(b.get("CPU", 0.0) for b in self.placement_group_bundles())
         return per_replica * self.max_replicas
 
@@ -471,6 +553,10 @@ def check_config(config: DeploymentConfig) -> None:
                 "cannot be false with lora_config",
             )
         check_engine_kwargs(model, f"{path}.engine_kwargs")
+        if model.disaggregation is not None:
+            model.disaggregation.check(f"{path}.disaggregation", model)
+            for role, pool in model.pools():
+                check_engine_kwargs(pool, f"{path}.disaggregation.{role}.engine_kwargs")
     config.http_options.check("http_options")
     config.responses_store.check("responses_store")
     if config.grpc_options is not None:

@@ -41,6 +41,7 @@ from cluster.serving.ingress_calls import (
 )
 from cluster.serving.ingress_messages import MessagesServicer
 from cluster.serving.ingress_pooling import PoolingServicer
+from cluster.serving.ingress_prefill import run_prefill
 from cluster.serving.ingress_responses import ResponsesServicer, responses_store
 from cluster.serving.metrics import scrape_cluster_metrics
 from cluster.serving.readiness import unready_models
@@ -85,6 +86,7 @@ class OpenAIIngress(LLMServicer, ResponsesServicer, MessagesServicer, PoolingSer
         lora_models: list[str] | None = None,
         cold_start_timeouts: dict[str, float] | None = None,
         responses_store_spec: tuple[str, dict[str, Any]] | None = None,
+        prefill: dict[str, tuple[DeploymentHandle, float]] | None = None,
     ) -> None:
         self.servers = servers
         self.api_key_hashes = api_key_hashes
@@ -104,6 +106,8 @@ class OpenAIIngress(LLMServicer, ResponsesServicer, MessagesServicer, PoolingSer
         self.channel = TokenChannel()
         # /v1/responses results: the application's store (an actor every replica sees).
         self.responses_store = responses_store(responses_store_spec)
+        # Disaggregated models: their prefill pool and how long a prompt waits for it.
+        self.prefill = prefill or {}
 
     def _end_streams_before_exit(self) -> None:
         """The SIGTERM hook. A worker gets SIGTERM from its raylet as the raylet stops (``ray
@@ -144,6 +148,10 @@ class OpenAIIngress(LLMServicer, ResponsesServicer, MessagesServicer, PoolingSer
             raise APIError(503, "the server is shutting down, retry later", None, "draining",
                            retry_after=1)  # fmt: skip
         handle, adapter = self._route(model)
+        base = model if adapter is None else model[: -len(adapter) - 1]
+        if base in self.prefill:
+            prefill, timeout_s = self.prefill[base]
+            await run_prefill(prefill, adapter, payload, timeout_s, model)
         request_id = payload.request_id
         payload = msgspec.structs.replace(
             payload, adapter=adapter, channel=await self.channel.sink()

@@ -1,7 +1,8 @@
 """The Ray Serve application: one ``LLMServer`` deployment per model (each replica a front and
-its head actor) and one ``OpenAIIngress`` (``cluster.serving.ingress``) in front that routes by
-``model``. This module builds it and names its parts (the Serve import path
-``cluster.serving.serve:build_app`` of the Helm chart).
+its head actor; a disaggregated model has two, its prefill and decode pools) and one
+``OpenAIIngress`` (``cluster.serving.ingress``) in front that routes by ``model``. This
+module builds it and names its parts (the Serve import path ``cluster.serving.serve:build_app``
+of the Helm chart).
 
     build_app("configs/tiny.yaml")  ->  serve.Application  (``serve.run`` or ``cluster deploy``)
 """
@@ -40,10 +41,20 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
     """The Serve application for a deployment config (validated first; raises ``ConfigError``)."""
     if not isinstance(config, DeploymentConfig):
         config = load_config(config)
-    servers = {m.model_id: _server_deployment(m) for m in config.models}
+    servers: dict[str, Any] = {}
+    # Disaggregated models: model id -> (its prefill pool, how long a prompt waits for it).
+    prefill: dict[str, tuple[Any, float]] = {}
+    for m in config.models:
+        for role, pool in m.pools():
+            if role == "prefill" and m.disaggregation is not None:
+                timeout_s = m.disaggregation.prefill_timeout_s
+                prefill[m.model_id] = (_server_deployment(pool, role), timeout_s)
+            else:
+                servers[m.model_id] = _server_deployment(pool, role)
     hashes = config.api_keys.load_key_hashes() if config.api_keys else []
     # The ingress outlives every model's drain, so aborted streams still reach their clients.
-    drain_s = max(m.serve_options()["graceful_shutdown_timeout_s"] for m in config.models)
+    pools = [pool for m in config.models for _, pool in m.pools()]
+    drain_s = max(p.serve_options()["graceful_shutdown_timeout_s"] for p in pools)
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_NAME,
         num_replicas=config.http_options.ingress_replicas,
@@ -60,11 +71,12 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
     # Every ingress replica reaches the same store of /v1/responses results (named by the app).
     store = (config.app_name, dataclasses.asdict(config.responses_store))
     return ingress.bind(
-        servers, hashes, config.http_options.max_body_bytes, lora_models, cold_start, store
-    )
+        servers, hashes, config.http_options.max_body_bytes, lora_models, cold_start, store,
+        prefill,
+    )  # fmt: skip
 
 
-def _server_deployment(model: ModelDeployment) -> Any:
+def _server_deployment(model: ModelDeployment, role: str | None = None) -> Any:
     options = model.serve_options()
     bundles = options["placement_group_bundles"]
     # The replica (the front) takes bundle 0; its head actor takes bundle 1 (the device too
@@ -75,15 +87,15 @@ def _server_deployment(model: ModelDeployment) -> Any:
     from cluster.serving.llm_server import LLMServer
 
     deployment = serve.deployment(LLMServer).options(
-        name=deployment_name(model.model_id), ray_actor_options=actor, **options
+        name=deployment_name(model.model_id, role), ray_actor_options=actor, **options
     )
     drain_timeout_s = model.deployment_config.graceful_shutdown_timeout_s
     head = bundles[HEAD_BUNDLE_INDEX]
     head_resources = {k: v for k, v in head.items() if k in ("CPU", "GPU")}
     lora = dataclasses.asdict(model.lora_config) if model.lora_config is not None else None
-    return deployment.bind(
-        model.model_id, model.engine_args(), drain_timeout_s, head_resources, lora
-    )
+    # A prefill pool's replicas name themselves "<model>:prefill" (logs, metrics' model label).
+    model_id = model.model_id if role != "prefill" else f"{model.model_id}:prefill"
+    return deployment.bind(model_id, model.engine_args(), drain_timeout_s, head_resources, lora)
 
 
 def runtime_env() -> dict[str, Any]:
