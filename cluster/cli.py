@@ -482,6 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prefix.add_arguments(px)
     px.set_defaults(func=lambda a: (prefix.run(a), 0)[1])
+    from cluster.bench import disaggregation
+
+    pd = bench_sub.add_parser(
+        "pd", help="decode ITL while long prompts arrive: colocated vs prefill/decode pools"
+    )
+    disaggregation.add_arguments(pd)
+    pd.set_defaults(func=lambda a: (disaggregation.run(a), 0)[1])
     from cluster.bench import soak
 
     sk = bench_sub.add_parser(

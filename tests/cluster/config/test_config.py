@@ -44,6 +44,8 @@ def error_of(data: dict[str, Any]) -> str:
         "kimi-k2.yaml",
         "glm-4.6.yaml",
         "gpt-oss-120b.yaml",
+        "retrieval.yaml",
+        "tiny-retrieval.yaml",
     ],
 )
 def test_shipped_configs_validate(name: str) -> None:
