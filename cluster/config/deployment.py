@@ -267,9 +267,10 @@ class PoolConfig:
 
 
 # What must be equal on both sides for the decode pool to read the prefill pool's blocks.
-_SAME_KV_LAYOUT = ("tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition",
-                   "dtype", "block_size", "kv_cache_dtype", "device", "attention_backend",
-                   "quantization", "hf_overrides", "data_parallel_size")  # fmt: skip
+# (The TP size may differ: the store keeps a file per KV head, engine.kv_transfer.store.)
+_SAME_KV_LAYOUT = ("pipeline_parallel_size", "pp_layer_partition", "dtype", "block_size",
+                   "kv_cache_dtype", "device", "attention_backend", "quantization",
+                   "hf_overrides", "data_parallel_size")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -303,8 +304,8 @@ class DisaggregationConfig:
                 prefill.get(key) == decode.get(key),
                 f"{path}.decode.engine_kwargs.{key}",
                 f"must equal the prefill pool's ({prefill.get(key)!r}), got {decode.get(key)!r}: "
-                "the decode pool reads the prefill pool's KV blocks as they are (re-sharding "
-                "between different layouts is not supported yet)",
+                "the decode pool reads the prefill pool's KV blocks as they are (only the TP "
+                "size may differ: blocks are re-sharded by KV head)",
             )
 
 

@@ -1,7 +1,7 @@
 """The shared storage of ``SharedStorageConnector``: full KV blocks as files, one per (block
-hash, worker shard), in a directory of its own per model and layout, bounded in bytes.
+hash, shard), in a directory of its own per model and layout, bounded in bytes.
 
-    <shared_storage_path>/<namespace>/<block hash hex>.<shard>
+    <shared_storage_path>/<namespace>/<block hash hex>.<stage>.<t|d><kv head>
 
 - **Keys**: a block's chained sha256 (``engine.core.block_manager.hash_block_tokens``: its
   tokens, every token before it, the cache salt and the LoRA adapter), so a file holds exactly
@@ -9,8 +9,12 @@ hash, worker shard), in a directory of its own per model and layout, bounded in 
   bytes depend on: the checkpoint (config, weight files' names, sizes and times), dtype, KV
   cache dtype, block size, the parallel layout and the kernels. A changed checkpoint or layout
   gets another directory: a stale block is never read.
-- **Shards**: each worker writes and reads its own part (``shard = pp_rank x TP + tp_rank``:
-  its KV heads of its stage's layers); a block counts as stored when every shard's file is.
+- **Shards**: one file per pipeline stage and KV head (``t`` the model's heads, ``d`` a draft
+  model's): that head's K and V (or latent) of every layer of the stage. A worker writes and
+  reads the heads it holds, whatever the TP size that wrote them, so engines of different TP
+  sizes share blocks (a prefill pool at TP 2 feeds a decode pool at TP 1); a head replicated
+  on several ranks (TP above the KV heads, a latent cache) is written once. A block counts as
+  stored when every shard's file is (``kv_shards``).
 - **Writes** go to a temporary name and are renamed into place, so a reader sees a whole file
   or none. Every process of the node (the replicas' workers and heads) shares the directory.
 - **Bound**: beyond ``max_storage_bytes`` the least recently used files go (a lookup refreshes
@@ -53,7 +57,6 @@ def store_namespace(config: Any) -> str:
         "draft": None if draft is None else [os.path.realpath(draft.model_path), draft.dtype],
         "block_size": cache.block_size,
         "kv_cache_dtype": cache.cache_dtype,
-        "tp": parallel.tensor_parallel_size,
         "pp": parallel.pipeline_parallel_size,
         "pp_layer_partition": parallel.pp_layer_partition,
         "ep": parallel.enable_expert_parallel,
@@ -65,38 +68,69 @@ def store_namespace(config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def kv_head_count(hf: dict[str, Any]) -> int:
+    """KV heads of a model's cache, whole model: one for a latent (MLA) cache."""
+    if hf.get("kv_lora_rank") is not None:  # DeepSeek-V2/V3's latent attention
+        return 1
+    return int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+
+
+def kv_families(config: Any) -> list[tuple[str, int]]:
+    """(family, KV heads) of an engine's caches: ``t`` the model's, ``d`` its draft's."""
+    families = [("t", kv_head_count(config.model.hf_config))]
+    if config.draft_model is not None:
+        families.append(("d", kv_head_count(config.draft_model.hf_config)))
+    return families
+
+
+def shard_name(stage: int, family: str, head: int) -> str:
+    return f"{stage}.{family}{head}"
+
+
+def kv_shards(config: Any) -> list[str]:
+    """Every shard a stored block has: each pipeline stage's files of each KV head."""
+    return [
+        shard_name(stage, family, head)
+        for stage in range(config.parallel.pipeline_parallel_size)
+        for family, heads in kv_families(config)
+        for head in range(heads)
+    ]
+
+
 def engine_store(config: Any) -> BlockStore:
     """The store an engine (``config``: its ``EngineConfig``, with ``kv_transfer_config``)
-    reads and writes: one shard per worker of a TP group and pipeline stages."""
+    reads and writes."""
     kv = config.kv_transfer.kv_transfer_config
     if kv is None:
         raise ValueError("kv_transfer_config: not set")
-    shards = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
     return BlockStore(
-        kv.shared_storage_path, config.kv_transfer.namespace, shards, kv.max_storage_bytes
-    )
+        kv.shared_storage_path, config.kv_transfer.namespace, kv_shards(config),
+        kv.max_storage_bytes,
+    )  # fmt: skip
 
 
 class BlockStore:
-    """One engine's view of the shared storage (module docstring): ``num_shards`` files per
-    block under ``root/namespace``."""
+    """One engine's view of the shared storage (module docstring): a file per block and shard
+    (``shards``: the names a stored block has all of) under ``root/namespace``."""
 
-    def __init__(self, root: str, namespace: str, num_shards: int, max_bytes: int) -> None:
+    def __init__(
+        self, root: str, namespace: str, shards: Sequence[str | int], max_bytes: int
+    ) -> None:
         self.directory = Path(root) / namespace
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.num_shards = num_shards
+        self.shards = list(shards)
         self.max_bytes = max_bytes
         self._written_since_scan = 0
         self.evicted_files = 0
 
-    def path(self, block_hash: bytes, shard: int) -> Path:
+    def path(self, block_hash: bytes, shard: str | int) -> Path:
         return self.directory / f"{block_hash.hex()}.{shard}"
 
     def leading_hits(self, hashes: Sequence[bytes]) -> int:
         """How many of ``hashes``, from the first, are stored with every shard. Their files'
         times are refreshed, so an eviction spares them (least recently used first)."""
         for i, block_hash in enumerate(hashes):
-            paths = [self.path(block_hash, s) for s in range(self.num_shards)]
+            paths = [self.path(block_hash, s) for s in self.shards]
             try:
                 for path in paths:
                     os.utime(path)
@@ -104,10 +138,10 @@ class BlockStore:
                 return i
         return len(hashes)
 
-    def contains(self, block_hash: bytes, shard: int) -> bool:
+    def contains(self, block_hash: bytes, shard: str | int) -> bool:
         return self.path(block_hash, shard).exists()
 
-    def read(self, block_hash: bytes, shard: int, nbytes: int) -> bytes | None:
+    def read(self, block_hash: bytes, shard: str | int, nbytes: int) -> bytes | None:
         """The shard's bytes of a block, or None when the file is absent or not ``nbytes`` long
         (evicted, or written by something else): the caller recomputes the block."""
         try:
@@ -116,7 +150,7 @@ class BlockStore:
             return None
         return data if len(data) == nbytes else None
 
-    def write(self, block_hash: bytes, shard: int, data: bytes) -> None:
+    def write(self, block_hash: bytes, shard: str | int, data: bytes) -> None:
         """Store a shard of a block (whole or not at all), then keep the store in its bound."""
         path = self.path(block_hash, shard)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -106,8 +106,11 @@ class ModelRunner:
         # kv_transfer_config: this worker's shard of stored blocks (engine.kv_transfer).
         self.kv_transfer: WorkerKVTransfer | None = None
         if config.kv_transfer.kv_transfer_config is not None:
-            shard = self.ctx.pp.rank * self.ctx.tp.size + self.ctx.tp.rank
-            self.kv_transfer = WorkerKVTransfer(config, shard)
+            tp = self.ctx.tp
+            num_model_caches = len(model.attention_layers())
+            self.kv_transfer = WorkerKVTransfer(
+                config, self.ctx.pp.rank, tp.rank, tp.size, num_model_caches
+            )
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.step_timer = StepTimer(sync=device_synchronizer(device))

@@ -651,7 +651,7 @@ def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> A
 
     ingress = SimpleNamespace(_route=lambda model: (_FakeHandle(first), None),
                               _stopping=lambda: stopping, cold_start_timeouts={},
-                              channel=TokenChannel())  # fmt: skip
+                              channel=TokenChannel(), prefill={})  # fmt: skip
     ingress._first_item = functools.partial(OpenAIIngress._first_item, ingress)
     with pytest.raises(APIError) as info:
         asyncio.run(OpenAIIngress.open_stream(ingress, "m", GenerateRequest()))  # type: ignore[arg-type]
@@ -690,7 +690,7 @@ def test_ingress_sends_and_registers_the_payloads_own_request_id() -> None:
         return StreamStart(1, 1), None  # no head: the deltas would follow on the stream
 
     ingress = SimpleNamespace(_route=lambda model: (None, None), _stopping=None,
-                              channel=Channel(), _first_item=first_item)  # fmt: skip
+                              channel=Channel(), _first_item=first_item, prefill={})  # fmt: skip
     payload = GenerateRequest(prompt="x")
     asyncio.run(OpenAIIngress.open_stream(ingress, "m", payload))  # type: ignore[arg-type]
     assert registered == [payload.request_id] and sent[0].request_id == payload.request_id

@@ -74,8 +74,8 @@ def test_each_pool_deploys_under_its_own_name() -> None:
     [
         ({"decode": {"engine_kwargs": {"block_size": 32}}},
          "models[0].disaggregation.decode.engine_kwargs.block_size: must equal the prefill"),
-        ({"decode": {"engine_kwargs": {"tensor_parallel_size": 2}}},
-         "models[0].disaggregation.decode.engine_kwargs.tensor_parallel_size"),
+        ({"decode": {"engine_kwargs": {"pipeline_parallel_size": 2}}},
+         "models[0].disaggregation.decode.engine_kwargs.pipeline_parallel_size"),
         ({"prefill": {"engine_kwargs": {"kv_transfer_config": {
             "kv_connector": "SharedStorageConnector", "kv_role": "kv_consumer"}}}},
          "models[0].disaggregation.prefill.engine_kwargs.kv_transfer_config.kv_role: is "

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation through ``cluster serve``'s application on a local Ray: one
-app with the tiny Llama twice, colocated (the reference) and disaggregated (one prefill and one
-decode replica, the node's KV store between them), both with the same LoRA adapter. With the
+app with the tiny Llama three times, colocated (the reference) and disaggregated (one prefill
+and one decode replica, the node's KV store between them; and again with the prefill pool at
+TP 2, the decode pool at TP 1), all with the same LoRA adapter. With the
 official ``openai`` client, every request's greedy tokens on the disaggregated model equal the
 colocated one's (chat streamed and not, completions with n = 2 and logprobs, a JSON schema, the
 adapter), and the decode pool loaded the prompts' blocks that prefill computed (its external
@@ -10,6 +11,7 @@ that time out while Serve replaces it — every request still completes with the
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +25,7 @@ from engine.builtin.catalog import make_tiny_lora
 from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
 
 APP = "disagg"
-COLOCATED, PD = "colocated", "pd"
+COLOCATED, PD, PD_TP2 = "colocated", "pd", "pd-tp2"
 ADAPTER = "alpha"
 PREFILL_TIMEOUT_S = 8.0
 # Prompts of several full blocks (16 tokens each) so that most of each comes from the store.
@@ -66,7 +68,13 @@ def base_url(
             "prefill_timeout_s": PREFILL_TIMEOUT_S,
         },
     }
-    url = serve_cluster.deploy({**config, "models": [colocated, disaggregated]}, APP, f"/{APP}")
+    # The prefill pool at TP 2, the decode pool at TP 1: blocks re-sharded by KV head.
+    resharded = copy.deepcopy(disaggregated)
+    resharded["model_loading_config"]["model_id"] = PD_TP2
+    resharded["disaggregation"]["prefill"] = {
+        **pool, "engine_kwargs": {"tensor_parallel_size": 2}}  # fmt: skip
+    models = [colocated, disaggregated, resharded]
+    url = serve_cluster.deploy({**config, "models": models}, APP, f"/{APP}")
     yield url
     serve.delete(APP)
 
@@ -131,6 +139,14 @@ def test_disaggregated_tokens_equal_colocated(client: OpenAI) -> None:
     wait_for(lambda: not any(request_state(None)["head"].values()), 30, "decode to be idle")
     assert_idle(None)
     assert_idle("prefill")
+
+
+def test_a_prefill_pool_at_tp2_feeds_a_decode_pool_at_tp1(client: OpenAI) -> None:
+    before = store_hits(PD_TP2)
+    for i, topic in enumerate(TOPICS[:2]):
+        got = chat(client, PD_TP2, f"{topic}, twice", stream=i == 1)
+        assert got == chat(client, COLOCATED, f"{topic}, twice")
+    assert store_hits(PD_TP2) - before >= 2 * 3 * 16
 
 
 def test_prefill_replica_killed_and_timed_out_prefills_still_complete(

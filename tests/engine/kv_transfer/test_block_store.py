@@ -17,7 +17,7 @@ def _hash(i: int) -> bytes:
 
 
 def test_a_hit_needs_every_shard_and_reads_check_the_size(tmp_path: Path) -> None:
-    store = BlockStore(str(tmp_path), "ns", num_shards=2, max_bytes=64 * MIB)
+    store = BlockStore(str(tmp_path), "ns", shards=[0, 1], max_bytes=64 * MIB)
     for i in range(3):
         store.write(_hash(i), 0, b"a" * 10)
     store.write(_hash(0), 1, b"b" * 10)
@@ -31,7 +31,7 @@ def test_a_hit_needs_every_shard_and_reads_check_the_size(tmp_path: Path) -> Non
 
 
 def test_the_bound_evicts_the_least_recently_used_and_a_lookup_refreshes(tmp_path: Path) -> None:
-    store = BlockStore(str(tmp_path), "ns", num_shards=1, max_bytes=MIB)
+    store = BlockStore(str(tmp_path), "ns", shards=[0], max_bytes=MIB)
     block = 100 * 1024  # ten fit in the bound
     for i in range(8):
         store.write(_hash(i), 0, bytes(block))
@@ -48,8 +48,8 @@ def test_the_bound_evicts_the_least_recently_used_and_a_lookup_refreshes(tmp_pat
 
 
 def test_namespaces_keep_engines_of_other_layouts_apart(tmp_path: Path) -> None:
-    one = BlockStore(str(tmp_path), "tp1", num_shards=1, max_bytes=MIB)
-    two = BlockStore(str(tmp_path), "tp2", num_shards=2, max_bytes=MIB)
+    one = BlockStore(str(tmp_path), "a", shards=[0], max_bytes=MIB)
+    two = BlockStore(str(tmp_path), "b", shards=[0, 1], max_bytes=MIB)
     one.write(_hash(0), 0, b"x")
     assert two.leading_hits([_hash(0)]) == 0
 
@@ -70,7 +70,8 @@ def test_the_namespace_changes_with_what_a_blocks_bytes_depend_on() -> None:
         namespace(dtype="bfloat16"),
         namespace(block_size=32),
         namespace(kv_cache_dtype="fp8"),
-        namespace(tensor_parallel_size=2),
         namespace(pipeline_parallel_size=2),
     ]
     assert base not in others and len(set(others)) == len(others)
+    # A shard is one KV head's, whatever TP size wrote it: TP sizes share a namespace.
+    assert namespace(tensor_parallel_size=2) == base

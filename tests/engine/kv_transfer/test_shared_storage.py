@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.core.block_pool import hash_block_tokens
 from engine.errors import ConfigError
 from engine.kv_transfer.scheduler import KVTransferScheduler
+from engine.kv_transfer.store import kv_head_count
 from engine.lora_request import LoRARequest
 
 ARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64}
@@ -80,7 +81,9 @@ def test_another_engine_loads_the_stored_prompt_blocks_and_generates_the_same_to
     first = LLM(f"builtin:{model}", kv_transfer_config=_kv(tmp_path), **ARGS)
     assert _tokens(first, _prompts()) == tokens
     assert _transfer(first).hit_tokens == 0
-    assert len(_files(first)) == 6 + 4 + 2  # every full prompt block, one shard each
+    # Every full prompt block, one file per KV head (one for a latent cache).
+    heads = kv_head_count(first.llm_engine.config.model.hf_config)
+    assert len(_files(first)) == (6 + 4 + 2) * heads
     second = LLM(f"builtin:{model}", kv_transfer_config=_kv(tmp_path), **ARGS)
     outputs = second.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == tokens
@@ -114,7 +117,7 @@ def test_a_block_gone_or_cut_short_is_recomputed_from_there(tmp_path: Path) -> N
     hashes = _hashes(prompts[0]["prompt_token_ids"], 6)
     store = _transfer(writer).store
     # Block 2 of 6 cut short: the lookup finds all six, the load stops at it.
-    path = store.path(hashes[2], 0)
+    path = store.path(hashes[2], "0.t1")  # one KV head's file of the block
     path.write_bytes(path.read_bytes()[:100])
     reader = LLM("builtin:tiny-llama", kv_transfer_config=_kv(tmp_path), **ARGS)
     outputs = reader.generate(prompts, GREEDY, use_tqdm=False)
@@ -124,7 +127,7 @@ def test_a_block_gone_or_cut_short_is_recomputed_from_there(tmp_path: Path) -> N
     assert outputs[0].num_cached_tokens == 2 * BLOCK
     reader.llm_engine.check_integrity()
     # Gone altogether: the lookup stops before it.
-    os.unlink(store.path(hashes[1], 0))
+    os.unlink(store.path(hashes[1], "0.t0"))
     again = LLM("builtin:tiny-llama", kv_transfer_config=_kv(tmp_path), **ARGS)
     assert _tokens(again, prompts) == expected
     assert (_transfer(again).hit_tokens, _transfer(again).failed_tokens) == (BLOCK, 0)
@@ -150,7 +153,7 @@ def test_a_producer_only_saves_and_a_consumer_only_loads(tmp_path: Path) -> None
     assert _files(consumer) == [] and _transfer(consumer).hit_tokens == 0
     producer = LLM("builtin:tiny-llama", kv_transfer_config=_kv(tmp_path, "kv_producer"), **ARGS)
     assert _tokens(producer, prompts) == expected
-    assert len(_files(producer)) == 12
+    assert len(_files(producer)) == 12 * 2  # tiny-llama's two KV heads
     again = LLM("builtin:tiny-llama", kv_transfer_config=_kv(tmp_path, "kv_consumer"), **ARGS)
     assert _tokens(again, prompts) == expected
     assert _transfer(again).hit_tokens == 192
