@@ -134,7 +134,7 @@ def store_time_per_block(config: dict[str, Any], store: str, blocks: int = 64) -
     itemsize = engine.model.torch_dtype.itemsize
     per_token = kv_bytes_per_token(rank_shape(hf, tp), engine.model.num_hidden_layers, itemsize)
     size = per_token * engine.cache.block_size
-    blockstore = BlockStore(store, "per-block", 1, 1 << 40)
+    blockstore = BlockStore(store, "per-block", [0], 1 << 40)
     data = os.urandom(size)
     start = time.monotonic()
     for i in range(blocks):
