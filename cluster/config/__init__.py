@@ -9,7 +9,6 @@ options and where API keys come from.
           max_ongoing_requests: 64
         accelerator_type: H100                      # omit for CPU
         placement_group_config: {strategy: PACK}
-        # disaggregation: {prefill: {...}, decode: {...}}  # PD pools: docs/kv_transfer.md
     http_options: {host: 0.0.0.0, port: 8000}
     grpc_options: {port: 9000}
     api_keys: {env: LLM_CLUSTER_API_KEYS}           # or {file: /etc/llm/keys}; never the keys

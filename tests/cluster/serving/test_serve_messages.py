@@ -72,12 +72,12 @@ def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
                           "num_kv_blocks": 64, "reasoning_parser": "qwen3"},
         "deployment_config": {"num_replicas": 1},
     })  # fmt: skip
-    config["api_keys"] = {"env": "LLM_CLUSTER_MESSAGES_KEYS"}
-    os.environ["LLM_CLUSTER_MESSAGES_KEYS"] = KEY
+    config["api_keys"] = {"env": "MESSAGES_TEST_API_KEYS"}
+    os.environ["MESSAGES_TEST_API_KEYS"] = KEY
     try:
         url = serve_cluster.deploy(config, APP, f"/{APP}")
     finally:
-        del os.environ["LLM_CLUSTER_MESSAGES_KEYS"]
+        del os.environ["MESSAGES_TEST_API_KEYS"]
     yield url
     serve.delete(APP)
 
