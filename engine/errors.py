@@ -33,6 +33,14 @@ class EngineDeadError(RuntimeError):
     """The engine (or one of its workers) failed; in-flight requests cannot complete."""
 
 
+class EngineSleepingError(RuntimeError):
+    """The engine sleeps (``LLMEngine.sleep``): nothing was enqueued; ``wake_up`` first."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(f"the engine is asleep (sleep level {level}); call wake_up() first")
+        self.level = level
+
+
 class RequestAbortedError(RuntimeError):
     """A request that returns one final output (an embedding) was aborted before it had one:
     ``abort``, or a replica draining for shutdown. Nothing of it is left in the engine."""

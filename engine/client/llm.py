@@ -1,6 +1,7 @@
 """The offline API: ``LLM(model=..., **engine_args).generate(prompts, params)``; for pooling,
 ``embed(prompts)`` (embeddings pooled from the model's final hidden states), ``classify``
-(a classification model's class probabilities) and ``score`` (text pairs)."""
+(a classification model's class probabilities) and ``score`` (text pairs); ``sleep`` /
+``wake_up`` free and restore the KV cache and weights between uses (vLLM's sleep mode)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,21 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1; the weights stay in host memory) or the KV cache and
+        the weights (level 2) until ``wake_up``, as vLLM's ``LLM.sleep``."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and the KV cache (``tags``: only these, weights first)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
 
     def generate(
         self,

@@ -174,6 +174,15 @@ class BlockManager:
             )
         return self._longest_hit(hashes, len(hashes)) * bs
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``), as when the cache's
+        contents are gone; False, and nothing changed, while a request holds blocks."""
+        if any(g.req_to_blocks or g.req_to_cpu_blocks for g in self.groups):
+            return False
+        for group in self.groups:
+            group.reset_prefix_cache()
+        return True
+
     def cache_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:

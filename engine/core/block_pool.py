@@ -183,6 +183,12 @@ class KVCacheGroup:
         first = max(0, num_blocks - self.window_blocks())
         return [self.null_block] * first + [self.cached[h] for h in hashes[first:num_blocks]]
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every block's hash (the caller checked that no request holds one)."""
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+
     def cache_blocks(self, request: Request, hashes_of: _HashesOf) -> None:
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:

@@ -217,6 +217,15 @@ class DataParallelEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def sleep(self, level: int = 1) -> None:
+        raise ValueError(
+            f"sleep: not available with data_parallel_size > 1 "
+            f"({self.config.parallel.data_parallel_size} here); run one engine per replica"
+        )
+
+    def is_sleeping(self) -> bool:
+        return False
+
     def check_health(self) -> None:
         """Raise ``EngineDeadError`` if a worker of any core is gone."""
         self.executor.check_health()

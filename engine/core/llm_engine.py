@@ -54,7 +54,12 @@ from engine.core.output_processor import (
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
 from engine.core.structured_output import StructuredOutputGrammar, StructuredOutputManager
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineSleepingError,
+    InvalidRequestError,
+)
 from engine.kv_transfer.scheduler import KVTransferScheduler
 from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -65,6 +70,7 @@ from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.ngram import NgramProposer
 from engine.timing import StepTimer
 from engine.worker.executor import Executor, StepFuture, get_executor_class
+from engine.worker.sleep_mode import WAKE_TAGS, check_sleep_level, check_wake_tags
 from engine.worker.step_messages import (
     ExecuteModelRequest,
     LogprobsLists,
@@ -168,6 +174,9 @@ class LLMEngine:
             # The workers' draft proposes; the proposer only trims its tokens to the room left.
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
         self.spec_decode_stats = SpecDecodeStats()
+        # Sleep mode: the level slept at (None: awake) and what is still asleep.
+        self._sleep_level: int | None = None
+        self._asleep: set[str] = set()
         self._log_cache_size(layout)
 
     @classmethod
@@ -240,8 +249,11 @@ class LLMEngine:
         queue is full and ``EngineDeadError`` once the workers are dead. ``PoolingParams``
         make it a pooling (embedding) request (vLLM's ``add_request`` takes either).
         ``lora_request`` runs it under that LoRA adapter, read and checked here (a bad
-        adapter is an ``InvalidRequestError`` naming the problem)."""
+        adapter is an ``InvalidRequestError`` naming the problem). ``EngineSleepingError``
+        while the engine sleeps."""
         self._check_alive()
+        if self._sleep_level is not None:
+            raise EngineSleepingError(self._sleep_level)
         params = params or SamplingParams()
         if not isinstance(params, (SamplingParams, PoolingParams)):
             raise InvalidRequestError(
@@ -693,6 +705,50 @@ class LLMEngine:
     def check_health(self) -> None:
         """Raise ``EngineDeadError`` if a worker is gone."""
         self.executor.check_health()
+
+    # ---- sleep mode (engine.worker.sleep_mode) -------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode, idle only: level 1 frees the workers' KV cache (weights kept in
+        host memory), level 2 the weights too. Lost: the prefix cache; at level 2 the loaded
+        LoRA adapters too (they load again when next used). Requests are refused
+        (``EngineSleepingError``) until ``wake_up``."""
+        level = check_sleep_level(level)
+        if self._sleep_level is not None:
+            raise EngineSleepingError(self._sleep_level)
+        self._flush_finished()
+        if self.has_unfinished_requests():
+            raise RuntimeError(
+                f"sleep: {self.get_num_unfinished_requests()} requests are unfinished; "
+                "an engine sleeps idle (let them finish or abort them first)"
+            )
+        self.executor.collective_rpc("sleep", (level,))
+        self.block_manager.reset_prefix_cache()
+        if level == 2 and self.lora_slots is not None:
+            self.lora_slots = LoRASlotTable(self.config.lora.max_loras)
+        self._sleep_level = level
+        self._asleep = set(WAKE_TAGS)
+        logger.info("engine asleep (level %d)", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake what ``tags`` names (``weights``, ``kv_cache``; default both), the weights
+        first: a cache cannot wake before them. Awake again once both are."""
+        woken = [t for t in check_wake_tags(tags) if t in self._asleep]
+        if "kv_cache" in woken and "weights" in self._asleep and "weights" not in woken:
+            raise ValueError("tags: the KV cache wakes after the weights (wake 'weights' first)")
+        if woken:
+            self.executor.collective_rpc("wake_up", (woken,))
+        self._asleep.difference_update(woken)
+        if not self._asleep and self._sleep_level is not None:
+            self._sleep_level = None
+            logger.info("engine awake")
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level is not None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's name); False while a request holds blocks."""
+        return self.block_manager.reset_prefix_cache()
 
     # ---- introspection ------------------------------------------------------------------
 

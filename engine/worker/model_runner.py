@@ -215,6 +215,18 @@ class ModelRunner:
                 dtype=dtype,
             )
 
+    def release_kv_cache(self) -> None:
+        """Drop the caches (and the graphs over them), for sleep mode: nothing of the
+        cache is referenced after this. ``initialize_kv_cache`` allocates it again."""
+        self.release_cuda_graphs()
+        for attn in self._kv_layers():
+            attn.kv_cache = None
+        self.kv_caches = []
+        if self.draft is not None:
+            self.draft.kv_caches = []
+        self.group_caches = []
+        self.group_cpu_caches = []
+
     def capture_cuda_graphs(self) -> int:
         """Capture every decode bucket now (a collective on TP > 1: every rank of the stage
         calls it together). Returns how many graphs exist (0 where graphs do not apply)."""

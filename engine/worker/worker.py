@@ -2,7 +2,8 @@
 
 The executor drives every worker through the same calls (``collective_rpc``):
 ``init_device`` -> ``load_model`` -> ``determine_num_available_blocks`` (the head takes the
-minimum over workers) -> ``initialize_cache`` -> ``execute_model`` every step.
+minimum over workers) -> ``initialize_cache`` -> ``execute_model`` every step; ``sleep`` /
+``wake_up`` when the engine sleeps (``engine.worker.sleep_mode``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from engine.worker.kv_sizing import (
 from engine.worker.model_loader import LoadProgressCallback, load_model
 from engine.worker.model_runner import ModelRunner
 from engine.worker.sampler import SamplingMetadata, sample
+from engine.worker.sleep_mode import (
+    check_sleep_level,
+    check_wake_tags,
+    move_weights,
+    release_freed_memory,
+)
 from engine.worker.step_messages import ExecuteModelRequest, ModelRunnerOutput
 from llm_kernels.attention_metadata import AttentionMetadata
 from parallel.distributed import (
@@ -69,6 +76,11 @@ class Worker:
         # Device memory in use before this worker allocated anything (taken in init_device).
         self._start_memory: MemorySnapshot | None = None
         self.kv_budget: KVBudget | None = None
+        # Sleep mode: the level slept at (None: awake), what is still asleep, and the cache's
+        # block counts to allocate again on wake.
+        self.sleep_level: int | None = None
+        self._asleep: set[str] = set()
+        self._slept_blocks: tuple[list[int], list[int]] = ([], [])
 
     @property
     def runner(self) -> ModelRunner:
@@ -348,6 +360,50 @@ class Worker:
     def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput | None:
         return self.runner.execute_model(request)
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache, and at level 2 the weights too (``engine.worker.sleep_mode``);
+        the engine calls it idle, with no request state on the worker."""
+        level = check_sleep_level(level)
+        if self.sleep_level is not None:
+            raise RuntimeError(f"worker {self.rank}: already asleep (level {self.sleep_level})")
+        runner = self.runner
+        layout = runner.kv_layout
+        self._slept_blocks = (list(layout.num_blocks), list(layout.num_cpu_blocks))
+        runner.release_kv_cache()
+        if level == 2:
+            self.model_runner = None
+            self.expert_load_counter = None
+            del runner
+        elif self.device.type == "cuda":
+            move_weights(runner.model, torch.device("cpu"))
+            if runner.draft is not None:
+                move_weights(runner.draft.model, torch.device("cpu"))
+        release_freed_memory(self.device)
+        self.sleep_level = level
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back what ``tags`` names (default: everything), weights before the cache:
+        level 2's weights reloaded from the checkpoint, level 1's moved back to the device."""
+        for tag in check_wake_tags(tags):
+            if tag not in self._asleep:
+                continue
+            if tag == "weights":
+                if self.sleep_level == 2:
+                    self.load_model()
+                elif self.device.type == "cuda":
+                    move_weights(self.runner.model, self.device)
+                    if self.runner.draft is not None:
+                        move_weights(self.runner.draft.model, self.device)
+            else:
+                self.initialize_cache(*self._slept_blocks)
+            self._asleep.discard(tag)
+        if not self._asleep:
+            self.sleep_level = None
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level is not None
+
     def step_timings(self) -> dict[str, float]:
         """Seconds spent per model-runner phase since startup (or the last reset). On a GPU,
         without device syncs (the default; see ``engine.timing``) a phase counts the host's
@@ -373,4 +429,4 @@ class Worker:
         return len(self.runner.requests)
 
     def check_health(self) -> bool:
-        return self.model_runner is not None
+        return self.model_runner is not None or self.sleep_level == 2
