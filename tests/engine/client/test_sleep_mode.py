@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.builtin.catalog import make_tiny_lora
@@ -138,3 +139,21 @@ def test_a_lora_adapter_serves_the_same_tokens_after_level_2(tmp_path: Path) -> 
     llm.sleep(level=2)
     llm.wake_up()
     assert _tokens(llm, lora_request=lora) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_on_a_gpu_sleep_frees_device_memory_and_wakes_to_the_same_tokens(
+    wide_model: Path, level: int
+) -> None:
+    llm = LLM(str(wide_model), dtype="float32", device="cuda", max_model_len=256,
+              num_kv_blocks=KV_BLOCKS)  # fmt: skip
+    before = _tokens(llm)  # with CUDA graphs: they are captured again on wake
+    weights = llm.llm_engine.executor.worker.parameter_bytes()
+    awake = torch.cuda.memory_allocated()
+    llm.sleep(level=level)
+    freed = awake - torch.cuda.memory_allocated()
+    # Level 1 moves the weights to host memory; both levels free the device's copy.
+    assert freed > 0.8 * (KV_BLOCKS * 8192 + weights)
+    llm.wake_up()
+    assert _tokens(llm) == before
