@@ -363,6 +363,29 @@ def _status(args: argparse.Namespace) -> int:
     return 1 if status["status"] == "NOT_DEPLOYED" or status.get("removed") else 0
 
 
+def _sleep_or_wake(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.api.api_errors import APIError
+    from cluster.ops import deploy
+
+    deploy.connect(args.address)
+    method, extra = ("sleep_model", [args.level]) if args.command == "sleep" else (
+        "wake_model", [args.tags])  # fmt: skip
+    try:
+        state = deploy.sleep_control(args.app, method, args.model, *extra)
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause
+        if not isinstance(cause, APIError):
+            raise
+        print(f"error: {cause.message}", file=sys.stderr)
+        return 2
+    level = state["sleep_level"]
+    print(f"{state['model']}: " + (f"asleep (level {level})" if level else "awake")
+          + f", {state['replicas']} replica(s)")  # fmt: skip
+    return 0
+
+
 def _shutdown(args: argparse.Namespace) -> int:
     from cluster.ops import deploy
 
@@ -421,6 +444,21 @@ def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
     status_cmd.add_argument("--app", default="llm", help="Serve application name")
     status_cmd.add_argument("--json", action="store_true", help="machine-readable output")
     status_cmd.set_defaults(func=_status)
+
+    sleep_cmd = sub.add_parser(
+        "sleep", help="put MODEL's replicas to sleep (level 1: KV cache freed; 2: weights too)"
+    )
+    sleep_cmd.add_argument("model")
+    sleep_cmd.add_argument("--level", type=int, default=1, choices=(1, 2))
+    wake_cmd = sub.add_parser("wake", help="wake MODEL's replicas (a request wakes them too)")
+    wake_cmd.add_argument("model")
+    wake_cmd.add_argument(
+        "--tags", nargs="+", choices=("weights", "kv_cache"), help="wake only these (weights first)"
+    )
+    for cmd in (sleep_cmd, wake_cmd):
+        cmd.add_argument("--address", default="auto", help=address_help)
+        cmd.add_argument("--app", default="llm", help="Serve application name")
+        cmd.set_defaults(func=_sleep_or_wake)
 
     shutdown_cmd = sub.add_parser("shutdown", help="remove every deployment and stop Serve")
     shutdown_cmd.add_argument("--address", default="auto", help=address_help)

@@ -33,7 +33,11 @@ class EngineDeadError(RuntimeError):
     """The engine (or one of its workers) failed; in-flight requests cannot complete."""
 
 
-class EngineSleepingError(RuntimeError):
+class EngineStateError(RuntimeError):
+    """The engine's state does not allow the call now (busy with requests, or asleep)."""
+
+
+class EngineSleepingError(EngineStateError):
     """The engine sleeps (``LLMEngine.sleep``): nothing was enqueued; ``wake_up`` first."""
 
     def __init__(self, level: int) -> None:

@@ -9,6 +9,7 @@ bodies in ``cluster.api.api_errors`` and the key / size guard in ``cluster.api.a
     POST /v1/responses          GET|DELETE /v1/responses/{id}
     POST /v1/messages           POST /v1/messages/count_tokens   (Anthropic's Messages API)
     GET /health (readiness)     GET /livez (liveness)          GET /metrics
+    POST /sleep, POST /wake_up, GET /is_sleeping   (sleep mode, vLLM's; the first two: admin)
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the
 field), 401 missing or wrong API key, 404 unknown model or route, 408 the request's ``timeout``
@@ -21,9 +22,9 @@ Bad input never yields a 500; no error body carries a stack trace, a path or con
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import PlainTextResponse
 
 from cluster.api.anthropic_models import CountTokensRequest, MessagesRequest
@@ -93,6 +94,9 @@ class OpenAIServing(Protocol):
     async def detokenize(self, req: DetokenizeRequest) -> Any: ...
     async def health(self) -> Any: ...
     async def metrics(self) -> Any: ...
+    async def sleep(self, model: str | None, level: int) -> Any: ...
+    async def wake_up(self, model: str | None, tags: list[str] | None) -> Any: ...
+    async def sleep_state(self, model: str | None) -> Any: ...
 
 
 def make_openai_app(
@@ -175,5 +179,19 @@ def make_openai_app(
     @app.get("/metrics")
     async def metrics() -> Any:
         return await serving.metrics()
+
+    @app.post("/sleep")
+    async def sleep(model: str | None = None, level: int = 1) -> Any:
+        return await serving.sleep(model, level)
+
+    @app.post("/wake_up")
+    async def wake_up(
+        model: str | None = None, tags: Annotated[list[str] | None, Query()] = None
+    ) -> Any:
+        return await serving.wake_up(model, tags)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(model: str | None = None) -> Any:
+        return await serving.sleep_state(model)
 
     return app

@@ -259,6 +259,25 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class SleepConfig:
+    """``sleep_config``: the model's replicas sleep (vLLM's sleep mode, ``level`` 1: KV cache
+    freed, weights kept in host memory; 2: both freed) after ``sleep_after_idle_s`` without a
+    request (never, if unset: only the admin routes and ``cluster sleep`` put it to sleep),
+    instead of scaling to zero; a request to a sleeping replica waits at most
+    ``wake_timeout_s`` for it to wake."""
+
+    sleep_after_idle_s: float | None = None
+    level: int = 1
+    wake_timeout_s: float = 300.0
+
+    def check(self, path: str) -> None:
+        if self.sleep_after_idle_s is not None:
+            check_number(self.sleep_after_idle_s, f"{path}.sleep_after_idle_s", gt=0)
+        require(self.level in (1, 2), f"{path}.level", f"must be 1 or 2, got {self.level!r}")
+        check_number(self.wake_timeout_s, f"{path}.wake_timeout_s", gt=0)
+
+
+@dataclass(frozen=True)
 class PoolConfig:
     """One side of a disaggregated model: engine arguments over the model's, Serve options."""
 
@@ -321,6 +340,7 @@ class ModelDeployment:
     placement_group_config: PlacementGroupConfig = field(default_factory=PlacementGroupConfig)
     lora_config: LoraConfig | None = None
     disaggregation: DisaggregationConfig | None = None
+    sleep_config: SleepConfig | None = None
 
     @property
     def model_id(self) -> str:
@@ -490,13 +510,49 @@ class APIKeysConfig:
 
 
 @dataclass(frozen=True)
+class SleepModeConfig:
+    """``sleep_mode``: of the models with a ``sleep_config``, at most ``max_awake_models`` are
+    awake at once; a request to a sleeping one first puts the least recently used awake one to
+    sleep (``cluster.serving.awake_models``), so more models share the devices than fit."""
+
+    max_awake_models: int | None = None
+
+    def check(self, path: str, config: DeploymentConfig) -> None:
+        if self.max_awake_models is None:
+            return
+        check_int(self.max_awake_models, f"{path}.max_awake_models", ge=1)
+        require(
+            any(m.sleep_config is not None for m in config.models),
+            f"{path}.max_awake_models",
+            "needs models with a sleep_config (the models that take turns)",
+        )
+        require(
+            config.http_options.ingress_replicas == 1,
+            f"{path}.max_awake_models",
+            "needs http_options.ingress_replicas 1 (the ingress keeps the awake set), got "
+            f"{config.http_options.ingress_replicas}",
+        )
+
+
+@dataclass(frozen=True)
 class DeploymentConfig:
     models: list[ModelDeployment]
     http_options: HTTPOptions = field(default_factory=HTTPOptions)
     grpc_options: GRPCOptions | None = None
     api_keys: APIKeysConfig | None = None
     responses_store: ResponsesStoreConfig = field(default_factory=ResponsesStoreConfig)
+    sleep_mode: SleepModeConfig = field(default_factory=SleepModeConfig)
     app_name: str = "llm"
+
+    def awake_spec(self) -> tuple[dict[str, int], int, float] | None:
+        """What the ingress's awake set needs (``SleepModeConfig``): each sleeping model's
+        level, the limit, and how long a request waits for room."""
+        limit = self.sleep_mode.max_awake_models
+        sleepers = [m for m in self.models if m.sleep_config is not None]
+        if limit is None or not sleepers:
+            return None
+        levels = {m.model_id: m.sleep_config.level for m in sleepers if m.sleep_config}
+        return levels, limit, max(m.sleep_config.wake_timeout_s for m in sleepers if m.sleep_config)
 
     def model(self, model_id: str) -> ModelDeployment:
         for model in self.models:
@@ -554,12 +610,20 @@ def check_config(config: DeploymentConfig) -> None:
                 "cannot be false with lora_config",
             )
         check_engine_kwargs(model, f"{path}.engine_kwargs")
+        if model.sleep_config is not None:
+            model.sleep_config.check(f"{path}.sleep_config")
+            require(
+                int(model.engine_kwargs.get("data_parallel_size", 1)) == 1,
+                f"{path}.sleep_config",
+                "needs data_parallel_size 1 (data-parallel engines do not sleep yet)",
+            )
         if model.disaggregation is not None:
             model.disaggregation.check(f"{path}.disaggregation", model)
             for role, pool in model.pools():
                 check_engine_kwargs(pool, f"{path}.disaggregation.{role}.engine_kwargs")
     config.http_options.check("http_options")
     config.responses_store.check("responses_store")
+    config.sleep_mode.check("sleep_mode", config)
     if config.grpc_options is not None:
         config.grpc_options.check("grpc_options")
     if config.api_keys is not None:

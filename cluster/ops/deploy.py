@@ -425,6 +425,18 @@ def _model_stats(app_name: str, deployment: str) -> dict[str, Any]:
     return handle.stats.remote().result(timeout_s=30)
 
 
+def sleep_control(app_name: str, method: str, model: str, *args: Any) -> dict[str, Any]:
+    """The ingress's ``sleep_model`` / ``wake_model`` / ``model_sleep_state`` for ``model``
+    (every replica of it; the awake set of ``sleep_mode`` kept in step). Raises the ingress's
+    ``APIError`` (unknown model, a bad level, requests in flight)."""
+    from ray import serve
+
+    from cluster.serving.serve import INGRESS_NAME
+
+    handle = serve.get_deployment_handle(INGRESS_NAME, app_name)
+    return getattr(handle, method).remote(model, *args).result()
+
+
 def wait_healthy(app_name: str, timeout_s: float = 300.0) -> None:
     """Wait until the app runs; raises ``DeployError`` at once when a model's replicas cannot
     start for a known cause (the app is left as it is)."""

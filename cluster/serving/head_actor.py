@@ -53,6 +53,7 @@ from engine.client.core_loop import EngineCoreLoop
 from engine.client.core_messages import (
     AddRequest,
     AddResult,
+    ControlReply,
     CoreStats,
     RequestDelta,
     StepOutputs,
@@ -62,7 +63,12 @@ from engine.client.core_messages import (
 from engine.client.core_process import EngineCoreProcess, EngineStartFailed, run_in_child_process
 from engine.config import EngineConfig
 from engine.core.data_parallel import build_engine
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStateError,
+    InvalidRequestError,
+)
 from engine.worker.executor import PHASE_READY, StartupObserver, get_executor_class
 
 logger = logging.getLogger("llm_cluster.head")
@@ -77,6 +83,7 @@ _HEALTH_TIMEOUT_S = 20.0
 _ADD_DECODER = msgspec.msgpack.Decoder(AddRequest)
 _ADD_REPLY_DECODER = msgspec.msgpack.Decoder(AddReply)
 _STATS_DECODER = msgspec.msgpack.Decoder(CoreStats)
+_CONTROL_DECODER = msgspec.msgpack.Decoder(ControlReply)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -274,6 +281,14 @@ class HeadActor:
 
     def request_state(self) -> bytes:
         return _ENCODER.encode(self._loop.request_state().result())
+
+    def control(self, name: str, args: list[Any]) -> bytes:
+        """``EngineCoreLoop.control``: a ``ControlReply``."""
+        try:
+            reply = ControlReply(value=self._loop.control(name, tuple(args)).result())
+        except (InvalidRequestError, EngineStateError, EngineDeadError) as exc:
+            reply = ControlReply(error=CoreError.of(exc))
+        return _ENCODER.encode(reply)
 
     def check_health(self) -> str | None:
         """None when healthy, else why not (the core loop, its watchdog, the workers; the
@@ -486,6 +501,18 @@ class HeadCoreClient(EngineCoreClient):
 
     async def request_state(self) -> dict[str, Any]:
         return msgspec.msgpack.decode(await self._call(self.actor.request_state))
+
+    async def control(self, name: str, args: tuple[Any, ...] = ()) -> Any:
+        if self._dead is not None:
+            raise self._dead
+        try:
+            data = await detached(self.actor.control.remote, name, list(args))
+        except RayError as exc:
+            raise self._lost(exc) from exc
+        reply = _CONTROL_DECODER.decode(data)
+        if reply.error is not None:
+            raise reply.error.exception()
+        return reply.value
 
     async def check_health(self) -> None:
         if self._dead is not None:

@@ -43,6 +43,7 @@ from cluster.serving.ingress_messages import MessagesServicer
 from cluster.serving.ingress_pooling import PoolingServicer
 from cluster.serving.ingress_prefill import run_prefill
 from cluster.serving.ingress_responses import ResponsesServicer, responses_store
+from cluster.serving.ingress_sleep import SleepServicer
 from cluster.serving.metrics import scrape_cluster_metrics
 from cluster.serving.readiness import unready_models
 from cluster.serving.scale_to_zero import cold_start_error
@@ -77,7 +78,9 @@ def _model_card(model_id: str, parent: str | None = None) -> dict[str, Any]:
 # The FastAPI app is built per replica, after __init__ (``__serve_build_asgi_app__``), so the
 # API keys and body limit live on the app that serves. The gRPC RPCs come from ``LLMServicer``.
 @serve.ingress()
-class OpenAIIngress(LLMServicer, ResponsesServicer, MessagesServicer, PoolingServicer):
+class OpenAIIngress(
+    LLMServicer, ResponsesServicer, MessagesServicer, PoolingServicer, SleepServicer
+):
     def __init__(
         self,
         servers: dict[str, DeploymentHandle],
@@ -87,6 +90,7 @@ class OpenAIIngress(LLMServicer, ResponsesServicer, MessagesServicer, PoolingSer
         cold_start_timeouts: dict[str, float] | None = None,
         responses_store_spec: tuple[str, dict[str, Any]] | None = None,
         prefill: dict[str, tuple[DeploymentHandle, float]] | None = None,
+        awake_spec: tuple[dict[str, int], int, float] | None = None,
     ) -> None:
         self.servers = servers
         self.api_key_hashes = api_key_hashes
@@ -108,6 +112,8 @@ class OpenAIIngress(LLMServicer, ResponsesServicer, MessagesServicer, PoolingSer
         self.responses_store = responses_store(responses_store_spec)
         # Disaggregated models: their prefill pool and how long a prompt waits for it.
         self.prefill = prefill or {}
+        # sleep_mode.max_awake_models: the models that take turns being awake.
+        self._init_awake(awake_spec)
 
     def _end_streams_before_exit(self) -> None:
         """The SIGTERM hook. A worker gets SIGTERM from its raylet as the raylet stops (``ray
@@ -149,6 +155,7 @@ class OpenAIIngress(LLMServicer, ResponsesServicer, MessagesServicer, PoolingSer
                            retry_after=1)  # fmt: skip
         handle, adapter = self._route(model)
         base = model if adapter is None else model[: -len(adapter) - 1]
+        await self._admit(base)
         if base in self.prefill:
             prefill, timeout_s = self.prefill[base]
             await run_prefill(prefill, adapter, payload, timeout_s, model)

@@ -45,6 +45,7 @@ class PoolingServicer:
     """The pooling routes over ``_server`` (``OpenAIIngress``'s, which mixes this in)."""
 
     _server: Any
+    _admit: Any
 
     async def _call(self, model: str, calls: list[Awaitable[Any]]) -> list[Any]:
         """The server replies of ``calls``, or the first error among them as an APIError."""
@@ -61,6 +62,7 @@ class PoolingServicer:
     async def embeddings(self, req: EmbeddingRequest) -> Any:
         check_extra_fields(req)
         handle = self._server(req.model)
+        await self._admit(req.model)
         inputs = embedding_payloads(req.input)
         if req.dimensions is not None:
             inputs = [msgspec.structs.replace(p, dimensions=req.dimensions) for p in inputs]
@@ -78,6 +80,7 @@ class PoolingServicer:
         inputs = [req.input] if isinstance(req.input, str) else req.input
         if not inputs:
             raise APIError(400, "input: must not be empty", "input")
+        await self._admit(req.model)
         calls = [handle.embed.remote(EmbedRequest(prompt=t, task="classify")) for t in inputs]
         results = await self._call(req.model, calls)
         data = [{"index": i, "label": r.label, "probs": r.embedding,
@@ -111,6 +114,7 @@ class PoolingServicer:
 
     async def _score(self, model: str, text_1: str | list[str], text_2: str | list[str]) -> Any:
         handle = self._server(model)
+        await self._admit(model)
         first = [text_1] if isinstance(text_1, str) else text_1
         second = [text_2] if isinstance(text_2, str) else text_2
         request = ServerScoreRequest(text_1=first, text_2=second)

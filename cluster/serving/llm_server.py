@@ -44,6 +44,7 @@ from cluster.serving.metrics import ModelMetrics
 from cluster.serving.pooling_server import PoolingServer
 from cluster.serving.request_inputs import chat_prompt_ids, sampling_params_from
 from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
+from cluster.serving.sleep_server import SleepServer
 from cluster.serving.start_errors import ModelStartError, known_start_failure
 from engine.client.async_llm_engine import AsyncLLMEngine, EngineStats
 from engine.client.core_client import InProcessCoreClient
@@ -75,7 +76,7 @@ def error_item(
     return StreamError(status, message, param, code, retry_after)
 
 
-class LLMServer(PoolingServer):
+class LLMServer(PoolingServer, SleepServer):
     """The front of one model replica. Serve calls ``check_health`` periodically: it raises
     once the engine is dead, so Serve replaces the replica."""
 
@@ -86,11 +87,13 @@ class LLMServer(PoolingServer):
         drain_timeout_s: float = 20.0,
         head_resources: dict[str, float] | None = None,
         lora_config: dict[str, Any] | None = None,
+        sleep_config: dict[str, Any] | None = None,
     ) -> None:
         """``head_resources`` (the head's placement bundle, ``HEAD_BUNDLE_INDEX`` of this
         replica's group) starts the engine core in a head actor; without it (outside Serve) the
         core runs on a thread of this process. ``lora_config`` (``dynamic_lora_loading_path``,
-        ``max_num_adapters_per_replica``) serves the model's LoRA adapters by name."""
+        ``max_num_adapters_per_replica``) serves the model's LoRA adapters by name;
+        ``sleep_config`` (``cluster.serving.sleep_server``) its idle sleep."""
         self.model_id = model_id
         self.replica_id = _replica_id()
         try:
@@ -113,6 +116,7 @@ class LLMServer(PoolingServer):
         self._stopping = serve_stop_flag()
         self._drain_task: asyncio.Task[None] | None = None
         self._sink_flushes: dict[str, tuple[int, asyncio.Future[bool]]] = {}
+        self._init_sleep(sleep_config)
         logger.info("model %s ready on replica %s", model_id, self.replica_id)
 
     def _start_engine(
@@ -170,6 +174,7 @@ class LLMServer(PoolingServer):
         self._active.add(request_id)
         try:
             self._check_tool_choice(request)
+            await self._ensure_awake()
             lora_request = await self._lora_request(request.adapter)
             prompt = self._prompt(request)
             reasoning = self.reasoning if request.messages is not None else None
@@ -366,6 +371,7 @@ class LLMServer(PoolingServer):
     # ---- health and stats ---------------------------------------------------------------
 
     async def check_health(self) -> None:
+        self._ensure_idle_timer()  # (Serve calls this from the start: the timer runs idle too)
         await self.engine.check_engine_health()
 
     async def health(self) -> dict[str, Any]:

@@ -14,7 +14,8 @@ counted on the device and read once per snapshot, see ``engine.models.expert_loa
 
 Data-parallel replicas add each engine core's load (``CoreStats.cores``), tagged ``core``:
 ``llm_cluster_core_requests_running``, ``_requests_waiting``, ``_kv_cache_usage_perc``.
-
+Sleep mode (``cluster.serving.sleep_server``): ``llm_cluster_sleep_level`` (0 awake),
+``_sleeps_total``, ``_wakes_total``, ``_sleep_seconds``, ``_wake_seconds`` (transition times).
 Speculative decoding (vLLM's names; counters since the replica started, from ``CoreStats``):
 
     llm_cluster_spec_decode_num_drafts_total{model, replica}          verification steps
@@ -119,6 +120,12 @@ class ModelMetrics:
             "Speculative tokens accepted at each proposal position (0-based).",
             tag_keys=(*_TAGS, "position"),
         )
+        # Sleep mode (engine.worker.sleep_mode): transitions and their times.
+        self.sleeping = gauge("sleep_level", "The engine's sleep level (0: awake).")
+        self.sleeps = counter("sleeps_total", "Times the engine was put to sleep.")
+        self.wakes = counter("wakes_total", "Times the engine woke up.")
+        self.sleep_time = histogram("sleep_seconds", "Time to put the engine to sleep.")
+        self.wake_time = histogram("wake_seconds", "Time to wake the engine up.")
         adapter_tags = (*_TAGS, "adapter")
         self.adapter_requests = Counter(
             PREFIX + "lora_requests_total", "Requests per LoRA adapter.", tag_keys=adapter_tags
@@ -128,6 +135,16 @@ class ModelMetrics:
             "Tokens generated per LoRA adapter.",
             tag_keys=adapter_tags,
         )
+
+    def on_sleep(self, level: int, seconds: float) -> None:
+        self.sleeps.inc(1, self.tags)
+        self.sleeping.set(level, self.tags)
+        self.sleep_time.observe(seconds, self.tags)
+
+    def on_wake(self, seconds: float) -> None:
+        self.wakes.inc(1, self.tags)
+        self.sleeping.set(0, self.tags)
+        self.wake_time.observe(seconds, self.tags)
 
     def on_adapter_request(self, adapter: str) -> None:
         self.adapter_requests.inc(1, {**self.tags, "adapter": adapter})

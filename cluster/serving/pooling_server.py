@@ -47,6 +47,7 @@ class PoolingServer:
     _draining_error: Any
     _refusal: Any
     _prompt: Any
+    _ensure_awake: Any
 
     async def embed(self, request: EmbedRequest) -> EmbedResult | StreamError:
         """One input pooled by the engine's ``pooling_type``: its embedding (task ``embed``)
@@ -107,11 +108,13 @@ class PoolingServer:
         if len(prompts) > 1:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self._active.update(ids)
-        tasks = [
-            asyncio.ensure_future(self.engine.encode(p, params, rid))
-            for p, rid in zip(prompts, ids, strict=True)
-        ]
+        tasks: list[asyncio.Future[PoolingRequestOutput]] = []
         try:
+            await self._ensure_awake()
+            tasks = [
+                asyncio.ensure_future(self.engine.encode(p, params, rid))
+                for p, rid in zip(prompts, ids, strict=True)
+            ]
             return list(await asyncio.gather(*tasks))
         except _REFUSED as exc:
             if isinstance(exc, EngineDeadError):

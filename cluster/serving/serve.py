@@ -72,7 +72,7 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
     store = (config.app_name, dataclasses.asdict(config.responses_store))
     return ingress.bind(
         servers, hashes, config.http_options.max_body_bytes, lora_models, cold_start, store,
-        prefill,
+        prefill, config.awake_spec(),
     )  # fmt: skip
 
 
@@ -93,9 +93,12 @@ def _server_deployment(model: ModelDeployment, role: str | None = None) -> Any:
     head = bundles[HEAD_BUNDLE_INDEX]
     head_resources = {k: v for k, v in head.items() if k in ("CPU", "GPU")}
     lora = dataclasses.asdict(model.lora_config) if model.lora_config is not None else None
+    sleep = dataclasses.asdict(model.sleep_config) if model.sleep_config is not None else None
     # A prefill pool's replicas name themselves "<model>:prefill" (logs, metrics' model label).
     model_id = model.model_id if role != "prefill" else f"{model.model_id}:prefill"
-    return deployment.bind(model_id, model.engine_args(), drain_timeout_s, head_resources, lora)
+    return deployment.bind(
+        model_id, model.engine_args(), drain_timeout_s, head_resources, lora, sleep
+    )
 
 
 def runtime_env() -> dict[str, Any]:

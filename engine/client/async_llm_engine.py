@@ -340,6 +340,19 @@ class AsyncLLMEngine:
             raise RuntimeError("call() needs an in-process engine core")
         return await asyncio.wrap_future(client.loop.call(fn))
 
+    async def sleep(self, level: int = 1) -> None:
+        """``LLMEngine.sleep`` on the core (idle only: ``EngineStateError`` otherwise)."""
+        await self.client.control("sleep", (level,))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.client.control("wake_up", (tags,))
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self.client.control("is_sleeping"))
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.client.control("reset_prefix_cache"))
+
     async def get_stats(self) -> EngineStats:
         return await self.client.stats()
 

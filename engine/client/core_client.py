@@ -47,6 +47,11 @@ class EngineCoreClient(ABC):
     async def request_state(self) -> dict[str, Any]: ...
 
     @abstractmethod
+    async def control(self, name: str, args: tuple[Any, ...] = ()) -> Any:
+        """One of the engine's ``CONTROLS`` between steps (sleep, wake_up, ...); raises
+        ``InvalidRequestError`` (a bad argument) or ``EngineStateError`` (busy, asleep)."""
+
+    @abstractmethod
     async def check_health(self) -> None:
         """Raise ``EngineDeadError`` if the core, a worker or the link to them is gone."""
 
@@ -92,6 +97,9 @@ class InProcessCoreClient(EngineCoreClient):
 
     async def request_state(self) -> dict[str, Any]:
         return await asyncio.wrap_future(self.loop.request_state())
+
+    async def control(self, name: str, args: tuple[Any, ...] = ()) -> Any:
+        return await asyncio.wrap_future(self.loop.control(name, args))
 
     async def check_health(self) -> None:
         self.loop.check_health()

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from engine import envs
 from engine.client.core_messages import (
+    CONTROLS,
     AddRequest,
     AddResult,
     ChoiceDelta,
@@ -188,6 +189,12 @@ class EngineCoreLoop:
     def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
         """Run ``fn(engine)`` on the core thread between steps."""
         return self.submit(lambda: fn(self.engine))
+
+    def control(self, name: str, args: tuple[Any, ...]) -> concurrent.futures.Future[Any]:
+        """One of the engine's ``CONTROLS`` (sleep, wake_up, ...) on the core thread."""
+        if name not in CONTROLS:
+            raise ValueError(f"control: one of {CONTROLS}, got {name!r}")
+        return self.call(lambda engine: getattr(engine, name)(*args))
 
     def stats(self) -> concurrent.futures.Future[CoreStats]:
         return self.submit(self._stats_now)

@@ -13,7 +13,12 @@ from typing import Literal
 
 import msgspec
 
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStateError,
+    InvalidRequestError,
+)
 from engine.lora_request import LoRARequest
 from engine.outputs import Logprob
 from engine.pooling_params import PoolingParams
@@ -185,7 +190,7 @@ class CoreStats(msgspec.Struct):
 class CoreError(msgspec.Struct, array_like=True):
     """One error table for the head's replies: what kind, for the client, and where."""
 
-    kind: Literal["invalid", "overloaded", "dead"]
+    kind: Literal["invalid", "overloaded", "state", "dead"]
     message: str
     param: str | None = None
     retry_after_s: int = 1
@@ -195,6 +200,8 @@ class CoreError(msgspec.Struct, array_like=True):
             return InvalidRequestError(self.message, self.param)
         if self.kind == "overloaded":
             return EngineOverloadedError(self.message, self.retry_after_s)
+        if self.kind == "state":
+            return EngineStateError(self.message)
         return EngineDeadError(self.message)
 
     @classmethod
@@ -203,6 +210,8 @@ class CoreError(msgspec.Struct, array_like=True):
             return cls("invalid", exc.reason, exc.param)
         if isinstance(exc, EngineOverloadedError):
             return cls("overloaded", str(exc), None, exc.retry_after_s)
+        if isinstance(exc, EngineStateError):
+            return cls("state", str(exc))
         return cls("dead", str(exc) or type(exc).__name__)
 
 
@@ -211,11 +220,22 @@ class AddReply(msgspec.Struct, array_like=True):
     error: CoreError | None = None
 
 
+# The engine's control calls a client may make between steps (``EngineCoreClient.control``).
+CONTROLS = ("sleep", "wake_up", "is_sleeping", "reset_prefix_cache")
+
+
+class ControlReply(msgspec.Struct, array_like=True):
+    value: bool | None = None
+    error: CoreError | None = None
+
+
 __all__ = [
+    "CONTROLS",
     "AddReply",
     "AddRequest",
     "AddResult",
     "ChoiceDelta",
+    "ControlReply",
     "CoreError",
     "CoreStats",
     "RequestDelta",

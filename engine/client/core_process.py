@@ -68,6 +68,7 @@ _STEP, _REPLY, _DEAD, _READY, _FAILED, _PROGRESS = (
 )
 # Parent → child kinds.
 _ADD, _ABORT, _STATS, _STATE, _HEALTH, _STOP = "add", "abort", "stats", "state", "health", "stop"
+_CONTROL = "control"
 
 
 class _Message(msgspec.Struct, array_like=True):
@@ -171,6 +172,10 @@ class EngineCoreProcess:
 
     def request_state(self) -> concurrent.futures.Future[dict[str, Any]]:
         return self._call(_STATE)
+
+    def control(self, name: str, args: tuple[Any, ...]) -> concurrent.futures.Future[Any]:
+        """``EngineCoreLoop.control`` in the child."""
+        return self._call(_CONTROL, [name, list(args)])
 
     def check_health(self, timeout_s: float = 15.0) -> None:
         if self._dead is not None:
@@ -278,7 +283,7 @@ class EngineCoreProcess:
                 future.set_result(reply.result)
         elif kind == _STATS:
             future.set_result(_STATS_DECODER.decode(data))
-        elif kind == _STATE:
+        elif kind in (_STATE, _CONTROL):
             future.set_result(msgspec.msgpack.decode(data))
         else:
             future.set_result(None)
@@ -396,6 +401,9 @@ class _Child:
                 self.reply_future(message.id, loop.stats())
             elif kind == _STATE:
                 self.reply_future(message.id, loop.request_state())
+            elif kind == _CONTROL:
+                name, args = message.data
+                self.reply_future(message.id, loop.control(name, tuple(args)))
             elif kind == _HEALTH:
                 try:
                     loop.check_health()

@@ -58,6 +58,7 @@ from engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     EngineSleepingError,
+    EngineStateError,
     InvalidRequestError,
 )
 from engine.kv_transfer.scheduler import KVTransferScheduler
@@ -718,7 +719,7 @@ class LLMEngine:
             raise EngineSleepingError(self._sleep_level)
         self._flush_finished()
         if self.has_unfinished_requests():
-            raise RuntimeError(
+            raise EngineStateError(
                 f"sleep: {self.get_num_unfinished_requests()} requests are unfinished; "
                 "an engine sleeps idle (let them finish or abort them first)"
             )
@@ -735,7 +736,8 @@ class LLMEngine:
         first: a cache cannot wake before them. Awake again once both are."""
         woken = [t for t in check_wake_tags(tags) if t in self._asleep]
         if "kv_cache" in woken and "weights" in self._asleep and "weights" not in woken:
-            raise ValueError("tags: the KV cache wakes after the weights (wake 'weights' first)")
+            raise InvalidRequestError("the KV cache wakes after the weights (wake 'weights' first)",
+                                      "tags")  # fmt: skip
         if woken:
             self.executor.collective_rpc("wake_up", (woken,))
         self._asleep.difference_update(woken)

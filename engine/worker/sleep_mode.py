@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from engine.errors import InvalidRequestError
+
 logger = logging.getLogger("llm_cluster.worker")
 
 SLEEP_LEVELS = (1, 2)
@@ -30,9 +32,9 @@ WAKE_TAGS = ("weights", "kv_cache")
 
 
 def check_sleep_level(level: object) -> int:
-    """``level`` as a sleep level; a ``ValueError`` naming it otherwise."""
+    """``level`` as a sleep level; an ``InvalidRequestError`` naming it otherwise."""
     if isinstance(level, bool) or level not in SLEEP_LEVELS:
-        raise ValueError(f"level: must be one of {SLEEP_LEVELS}, got {level!r}")
+        raise InvalidRequestError(f"must be one of {SLEEP_LEVELS}, got {level!r}", "level")
     return int(level)  # type: ignore[call-overload]
 
 
@@ -42,7 +44,7 @@ def check_wake_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
         return WAKE_TAGS
     unknown = [t for t in tags if t not in WAKE_TAGS]
     if isinstance(tags, str) or unknown or not tags:
-        raise ValueError(f"tags: a non-empty list of {list(WAKE_TAGS)}, got {tags!r}")
+        raise InvalidRequestError(f"a non-empty list of {list(WAKE_TAGS)}, got {tags!r}", "tags")
     return tuple(t for t in WAKE_TAGS if t in tags)
 
 

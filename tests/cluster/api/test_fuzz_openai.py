@@ -154,6 +154,7 @@ def app(server: LLMServer) -> Any:
     ingress.lora_models = set()
     ingress.cold_start_timeouts = {}
     ingress.prefill = {}  # no disaggregated model
+    ingress.awake = None  # no sleep_mode
     ingress.api_key_hashes = [hashlib.sha256(KEY.encode()).hexdigest()]
     ingress.max_body_bytes = 1 << 16
     ingress._stopping = None  # not a Serve replica: never stopping

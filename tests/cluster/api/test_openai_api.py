@@ -651,8 +651,9 @@ def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> A
 
     ingress = SimpleNamespace(_route=lambda model: (_FakeHandle(first), None),
                               _stopping=lambda: stopping, cold_start_timeouts={},
-                              channel=TokenChannel(), prefill={})  # fmt: skip
+                              channel=TokenChannel(), prefill={}, awake=None)  # fmt: skip
     ingress._first_item = functools.partial(OpenAIIngress._first_item, ingress)
+    ingress._admit = functools.partial(OpenAIIngress._admit, ingress)
     with pytest.raises(APIError) as info:
         asyncio.run(OpenAIIngress.open_stream(ingress, "m", GenerateRequest()))  # type: ignore[arg-type]
     assert not ingress.channel._queues  # the refused request left nothing registered
@@ -668,6 +669,7 @@ def test_each_request_is_made_with_its_own_request_id() -> None:
 
 def test_ingress_sends_and_registers_the_payloads_own_request_id() -> None:
     import asyncio
+    import functools
     from types import SimpleNamespace
 
     from cluster.serving.ingress import OpenAIIngress
@@ -690,7 +692,9 @@ def test_ingress_sends_and_registers_the_payloads_own_request_id() -> None:
         return StreamStart(1, 1), None  # no head: the deltas would follow on the stream
 
     ingress = SimpleNamespace(_route=lambda model: (None, None), _stopping=None,
-                              channel=Channel(), _first_item=first_item, prefill={})  # fmt: skip
+                              channel=Channel(), _first_item=first_item, prefill={},
+                              awake=None)  # fmt: skip
+    ingress._admit = functools.partial(OpenAIIngress._admit, ingress)
     payload = GenerateRequest(prompt="x")
     asyncio.run(OpenAIIngress.open_stream(ingress, "m", payload))  # type: ignore[arg-type]
     assert registered == [payload.request_id] and sent[0].request_id == payload.request_id

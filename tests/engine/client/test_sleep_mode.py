@@ -14,7 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.builtin.catalog import make_tiny_lora
 from engine.builtin.tiny_models import tiny_variant
-from engine.errors import EngineSleepingError
+from engine.errors import EngineSleepingError, EngineStateError, InvalidRequestError
 from engine.lora_request import LoRARequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -75,7 +75,7 @@ def test_a_sleeping_engine_refuses_requests_and_sleeps_only_idle() -> None:
     llm = LLM("builtin:tiny-llama", dtype="float32", max_model_len=256, num_kv_blocks=64)
     engine = llm.llm_engine
     engine.add_request("busy", PROMPTS[0], GREEDY)
-    with pytest.raises(RuntimeError, match="1 requests are unfinished"):
+    with pytest.raises(EngineStateError, match="1 requests are unfinished"):
         llm.sleep()
     engine.abort_request("busy")
     llm.sleep()
@@ -91,7 +91,7 @@ def test_wake_up_by_tags_wakes_the_weights_before_the_cache() -> None:
     llm = LLM("builtin:tiny-llama", dtype="float32", max_model_len=256, num_kv_blocks=64)
     before = _tokens(llm)
     llm.sleep(level=2)
-    with pytest.raises(ValueError, match="tags: the KV cache wakes after the weights"):
+    with pytest.raises(InvalidRequestError, match="tags: the KV cache wakes after the weights"):
         llm.wake_up(tags=["kv_cache"])
     llm.wake_up(tags=["weights"])
     assert llm.is_sleeping()
@@ -106,9 +106,9 @@ def test_wake_up_by_tags_wakes_the_weights_before_the_cache() -> None:
 )
 def test_bad_sleep_arguments_name_the_field(kwargs: dict[str, Any], message: str) -> None:
     llm = LLM("builtin:tiny-llama", dtype="float32", max_model_len=256, num_kv_blocks=64)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidRequestError, match=message):
         llm.sleep(**kwargs)
-    with pytest.raises(ValueError, match="tags: a non-empty list"):
+    with pytest.raises(InvalidRequestError, match="tags: a non-empty list"):
         llm.wake_up(tags=["everything"])
     assert not llm.is_sleeping()
 
