@@ -222,7 +222,8 @@ class HeadActor:
             reply = AddReply(result=self._loop.add(request).result())
         except msgspec.ValidationError as exc:
             reply = AddReply(error=CoreError("invalid", f"malformed request: {exc}"))
-        except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
+        except (InvalidRequestError, EngineOverloadedError, EngineStateError,
+                EngineDeadError) as exc:  # fmt: skip
             reply = AddReply(error=CoreError.of(exc))
         if reply.error is not None and request is not None and request.sink is not None:
             with self._lock:

@@ -55,6 +55,7 @@ from engine.errors import (
     ConfigError,
     EngineDeadError,
     EngineOverloadedError,
+    EngineStateError,
     InvalidRequestError,
     RequestAbortedError,
 )
@@ -212,7 +213,8 @@ class LLMServer(PoolingServer, SleepServer):
             yield error_item(404, f"The model `{name}` does not exist.", "model",
                              "model_not_found")  # fmt: skip
             return
-        except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
+        except (InvalidRequestError, EngineOverloadedError, EngineStateError,
+                EngineDeadError) as exc:  # fmt: skip
             self._active.discard(request_id)
             if isinstance(exc, EngineDeadError):
                 logger.exception("model %s: request refused, the engine is dead", self.model_id)
@@ -337,6 +339,8 @@ class LLMServer(PoolingServer, SleepServer):
                               exc.retry_after_s)  # fmt: skip
         if isinstance(exc, RequestAbortedError):
             return self._draining_error()
+        if isinstance(exc, EngineStateError):  # asleep meanwhile: the retry wakes it
+            return error_item(503, f"model {self.model_id!r}: {exc}; retry", None, "asleep", 1)
         return error_item(503, f"the engine for {self.model_id!r} is not available")
 
     def _draining_error(self) -> StreamError:

@@ -22,6 +22,7 @@ from engine.client.scoring import cosine, pair_prompt, score_pairs, single_class
 from engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
+    EngineStateError,
     InvalidRequestError,
     RequestAbortedError,
 )
@@ -31,7 +32,8 @@ from engine.pooling_params import PoolingParams
 
 logger = logging.getLogger("llm_cluster.serve")
 
-_REFUSED = (InvalidRequestError, EngineOverloadedError, RequestAbortedError, EngineDeadError)
+_REFUSED = (InvalidRequestError, EngineOverloadedError, RequestAbortedError, EngineStateError,
+            EngineDeadError)  # fmt: skip
 
 
 class PoolingServer:

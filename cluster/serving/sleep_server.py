@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError
+from engine.worker.sleep_mode import check_sleep_level, check_wake_tags
 
 logger = logging.getLogger("llm_cluster.serve")
 
@@ -50,6 +51,10 @@ class SleepServer:
     async def sleep(self, level: int = 1) -> dict[str, Any]:
         """Put the engine to sleep at ``level``; ``{"sleeping": level}``, or an ``error`` (400
         a bad level, 409 requests in flight) with its ``status``."""
+        try:
+            check_sleep_level(level)  # (also when asleep already: a bad level is a 400)
+        except InvalidRequestError as exc:
+            return _refused(400, str(exc))
         async with self._transition:
             if self.sleep_level is not None:
                 return self.sleep_state()
@@ -71,6 +76,7 @@ class SleepServer:
     async def wakeup(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Wake the engine (``tags``: only the weights, or only the KV cache after them)."""
         try:
+            check_wake_tags(tags)
             await self._wake(tags)
         except InvalidRequestError as exc:
             return _refused(400, str(exc))

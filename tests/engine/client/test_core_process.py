@@ -15,7 +15,11 @@ from engine import SamplingParams
 from engine.client.core_messages import AddRequest, StepOutputs
 from engine.client.core_process import EngineCoreProcess, EngineStartFailed
 from engine.client.llm import LLM
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import (
+    EngineDeadError,
+    EngineStateError,
+    InvalidRequestError,
+)
 
 MODEL = "builtin:tiny-llama"
 ARGS = {"model": MODEL, "max_model_len": 2048, "dtype": "float32"}
@@ -94,6 +98,31 @@ def test_a_bad_request_is_refused_by_name_and_an_abort_ends_a_request(
     sink.wait(["long"])
     assert sink.finished["long"] == "abort"
     assert len(sink.tokens["long"]) < 2000
+
+
+def test_the_child_sleeps_and_wakes_through_its_control_calls(
+    core: tuple[EngineCoreProcess, Sink],
+) -> None:
+    proc, sink = core
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(rid: str) -> list[int]:
+        proc.add(AddRequest(request_id=rid, params=params, prompt_token_ids=[4, 8, 15])).result(30)
+        sink.wait([rid])
+        return sink.tokens[rid]
+
+    before = run("before-sleep")
+    assert proc.control("sleep", (2,)).result(30) is None
+    assert proc.control("is_sleeping", ()).result(30) is True
+    with pytest.raises(EngineStateError, match="asleep"):
+        proc.add(AddRequest(request_id="asleep", prompt_token_ids=[1])).result(30)
+    with pytest.raises(InvalidRequestError, match="tags"):
+        proc.control("wake_up", (["kv_cache"],)).result(30)
+    proc.control("wake_up", (None,)).result(60)
+    assert proc.control("is_sleeping", ()).result(30) is False
+    assert run("after-wake") == before
+    with pytest.raises(InvalidRequestError, match="level"):
+        proc.control("sleep", (5,)).result(30)
 
 
 def test_a_start_failure_is_raised_with_the_childs_traceback() -> None:
