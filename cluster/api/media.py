@@ -197,6 +197,11 @@ def _is_private(ip: IPAddress) -> bool:
     return any(ip in network for network in _PRIVATE_NETWORKS)
 
 
+def tls_context() -> ssl.SSLContext:
+    """What https fetches trust: the system's CAs, the certificate checked for the URL's host."""
+    return ssl.create_default_context()
+
+
 class PinnedConnection(http.client.HTTPConnection):
     """HTTP(S) to ``host`` over a socket to ``address``: Host header and TLS SNI say ``host``."""
 
@@ -302,7 +307,7 @@ def _fetch_once(
     """The body of a 200 answer, or the Location of a redirect."""
     scheme, host, port = _origin(target)
     addresses = _checked_addresses(host, port, settings, field)
-    tls = ssl.create_default_context() if scheme == "https" else None
+    tls = tls_context() if scheme == "https" else None
     path = (target.path or "/") + (f"?{target.query}" if target.query else "")
     try:
         conn = _connect(host, port, addresses, tls, deadline)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import hashlib
 import io
 import ipaddress
@@ -19,8 +20,13 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from PIL import Image
 
 from cluster.api import media
@@ -477,6 +483,79 @@ def test_a_non_ascii_url_is_refused(server: ImageServer, resolves_to: Callable) 
     resolves_to("127.0.0.1")
     assert "must be ASCII" in _refusal(server.url("/bild-ä.png"), _remote(private=True))
     assert server.seen == []
+
+
+def _certificate(host: str, directory: Path) -> tuple[Path, Path, bytes]:
+    """A self-signed certificate for ``host``: (cert file, key file, cert PEM to trust)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(ski, critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), False)
+        .sign(key, hashes.SHA256())
+    )
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    (directory / "cert.pem").write_bytes(pem)
+    (directory / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return directory / "cert.pem", directory / "key.pem", pem
+
+
+@pytest.fixture
+def https_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[ImageServer]:
+    """The image server behind TLS with a certificate for ``request.param``, which (alone) the
+    module's https fetches trust."""
+    cert, key, pem = _certificate(request.param, tmp_path)
+    monkeypatch.setattr(
+        media, "tls_context", lambda: ssl.create_default_context(cadata=pem.decode())
+    )
+    httpd = _Server()
+    httpd.routes = {"/image.png": _answer(PNG)}
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+    httpd.socket = server_side.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield ImageServer(httpd)
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.mark.parametrize("https_server", [HOST], indirect=True)
+def test_https_is_served_with_a_certificate_for_the_url_host_from_the_checked_address(
+    https_server: ImageServer, resolves_to: Callable
+) -> None:
+    resolves_to("127.0.0.1")
+    url = https_server.url("/image.png").replace("http://", "https://")
+    assert _load(url, _remote(private=True)).sha256 == hashlib.sha256(PNG).hexdigest()
+    assert https_server.seen == [("/image.png", f"{HOST}:{https_server.port}")]
+
+
+@pytest.mark.parametrize("https_server", ["elsewhere.test"], indirect=True)
+def test_https_with_a_certificate_for_another_host_is_refused(
+    https_server: ImageServer, resolves_to: Callable
+) -> None:
+    resolves_to("127.0.0.1")
+    url = https_server.url("/image.png").replace("http://", "https://")
+    assert "TLS certificate" in _refusal(url, _remote(private=True))
+    assert https_server.seen == []
 
 
 def test_https_sends_the_url_host_as_tls_sni_to_the_checked_address(
