@@ -1,15 +1,14 @@
-"""Sleep mode against a cold start, on the engine (``docs/sleep_mode.md``).
+"""Sleep mode against a cold start (``docs/sleep_mode.md``), on the bench checkpoint (a random
+Llama written locally, as ``cluster bench`` writes it).
 
-One process, the bench checkpoint (a random Llama written locally, as ``cluster bench``
-writes it): build the engine (what a new replica's engine does after its process and Ray are
-up: weights, KV sizing and allocation), generate, then for each level sleep, measure the
-resident memory freed and the time to wake, and generate again (tokens must be equal).
+    python benchmarks/sleep_wake.py --model DIR [--dtype bfloat16] [--serve] [--json out.json]
 
-    python benchmarks/sleep_wake.py --model DIR [--dtype bfloat16] [--json out.json]
-
-The engine's build time is a lower bound on a new replica's cold start (which adds Ray, Serve,
-the process and its imports: ``benchmarks/cold_start.py``), so ``cold / wake`` here is a lower
-bound on what sleeping saves.
+- engine (one process): build the engine (weights, KV sizing and allocation: a lower bound on
+  a replica's cold start), generate, then per level: sleep, the resident memory freed, the time
+  to wake, and the same greedy tokens again.
+- ``--serve`` (a local Ray and Serve): deploy the model (one replica), then per level put it to
+  sleep and wake it through the ingress (every replica, as ``cluster sleep`` / ``wake`` do), then
+  scale it to two replicas and time the new replica's start: what waking replaces.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[0] = str(ROOT)  # not benchmarks/: its kernels.py would shadow the kernels package
 
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -43,11 +42,57 @@ def tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
+def serve_report(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from cluster.ops.deploy import spare_port
+    from cluster.serving.serve import INGRESS_NAME, build_app, runtime_env
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env=runtime_env() or None)  # fmt: skip
+    serve.start(http_options={"host": "127.0.0.1", "port": spare_port()})
+    engine_kwargs: dict[str, Any] = {"device": "cpu", "dtype": args.dtype, "max_model_len": 1024}
+    if args.num_kv_blocks is not None:
+        engine_kwargs["num_kv_blocks"] = args.num_kv_blocks
+    model = {"model_loading_config": {"model_id": "bench", "model_source": args.model},
+             "engine_kwargs": engine_kwargs, "sleep_config": {},
+             "deployment_config": {"num_replicas": 1}}  # fmt: skip
+    config = {"models": [model], "app_name": "sleepbench"}
+    report: dict[str, Any] = {}
+    started = time.perf_counter()
+    serve.run(build_app(config), name="sleepbench", route_prefix="/")
+    report["deploy_s"] = round(time.perf_counter() - started, 2)
+    ingress = serve.get_deployment_handle(INGRESS_NAME, "sleepbench")
+    for level in (1, 2):
+        started = time.perf_counter()
+        state = ingress.sleep_model.remote("bench", level).result()
+        sleep_s = time.perf_counter() - started
+        started = time.perf_counter()
+        woken = ingress.wake_model.remote("bench").result()
+        report[f"level_{level}"] = {"sleep_s": round(sleep_s, 3),
+                                    "wake_s": round(time.perf_counter() - started, 3),
+                                    "slept": state["is_sleeping"],
+                                    "woke": not woken["is_sleeping"]}  # fmt: skip
+    model["deployment_config"] = {"num_replicas": 2}
+    started = time.perf_counter()
+    serve.run(build_app(config), name="sleepbench", route_prefix="/")
+    report["new_replica_s"] = round(time.perf_counter() - started, 2)
+    for level in (1, 2):
+        report[f"level_{level}"]["new_replica_over_wake"] = round(
+            report["new_replica_s"] / report[f"level_{level}"]["wake_s"], 1
+        )
+    serve.shutdown()
+    ray.shutdown()
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="an HF checkpoint directory")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--serve", action="store_true", help="also through Serve (local Ray)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     kwargs: dict[str, Any] = {"dtype": args.dtype, "max_model_len": 1024}
@@ -77,6 +122,9 @@ def main() -> None:
             "rss_freed_mib": round(freed / 2**20, 1), "tokens_equal": same,
             "cold_over_wake": round(cold_s / wake_s, 1),
         }  # fmt: skip
+    del llm
+    if args.serve:
+        report["serve"] = serve_report(args)
     print(json.dumps(report, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))

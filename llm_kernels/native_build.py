@@ -2,12 +2,12 @@
 source and flags, into a cache that several processes and machines may share.
 
 g++ and ninja build a source on first use (~20 s) under ``TORCH_EXTENSIONS_DIR``
-(``~/.cache/torch_extensions`` by default), in a folder named by a hash of the source, the flags
-and the torch version. Flags name instruction sets explicitly (``-mavx512f ...``), never
-``-march=native``, so a shared cache holds binaries each machine can run. Each build is guarded
-by an ``flock`` that dies with its holder: torch's own lock file outlives a process killed
-mid-build (a worker whose app was deleted) and would make every later build wait forever, so it
-is cleared under the flock.
+(``~/.cache/torch_extensions`` by default), in a folder named by a hash of the source (its text
+and path), the flags and the torch version. Flags name instruction sets explicitly
+(``-mavx512f ...``), never ``-march=native``, so a shared cache holds binaries each machine
+can run. Each build is guarded by an ``flock`` that dies with its holder: torch's own lock file
+outlives a process killed mid-build (a worker whose app was deleted) and would make every later
+build wait forever, so it is cleared under the flock.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ def build_extension(name: str, source: str, flags: list[str]) -> ModuleType:
     from torch.utils import cpp_extension
 
     path = CSRC / source
-    key = hashlib.sha256(
-        b"\0".join([path.read_bytes(), " ".join(flags).encode(), torch.__version__.encode()])
-    ).hexdigest()[:16]
+    # The source's path too: torch's build files name it, so two checkouts sharing one cache
+    # (worktrees) would otherwise rebuild each other's binaries in turn.
+    parts = [path.read_bytes(), str(path).encode(), " ".join(flags).encode()]
+    key = hashlib.sha256(b"\0".join([*parts, torch.__version__.encode()])).hexdigest()[:16]
     root = Path(
         os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     )
