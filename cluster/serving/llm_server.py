@@ -415,6 +415,7 @@ class LLMServer(PoolingServer, SleepServer):
             "num_waiting": stats.num_waiting,
             "kv_usage": stats.kv_usage,
             "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+            "sleeping": self.sleep_level is not None,
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -19,7 +19,8 @@ tools rendered as role/content text, not the chat template's tokens), so a chunk
 not a KV block boundary; the replica's real cache may have evicted what the router remembers.
 Both only cost hit rate, never correctness. Load is the router's own count of requests in
 flight per replica (exact for this handle), and a replica whose reported KV usage
-(``record_routing_stats``) is above ``kv_full`` is treated as busy.
+(``record_routing_stats``) is above ``kv_full`` is treated as busy; one that reports itself
+asleep (sleep mode) is chosen only when every replica is.
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ class ReplicaLoad(Generic[K]):
     in_flight: int  # requests this router has sent there and not seen finish
     kv_usage: float = 0.0  # as last reported by the replica (record_routing_stats)
     chunks_held: int = 0
+    asleep: bool = False  # sleep mode: its KV cache (and the prefixes in it) is gone
 
 
 def choose(
@@ -159,7 +161,8 @@ def choose(
     rng = rng or random.Random()
     order = list(replicas)
     rng.shuffle(order)  # equal replicas are picked at random, not by position
-    usable = [r for r in order if r.kv_usage < KV_FULL] or order
+    awake = [r for r in order if not r.asleep] or order  # a sleeping one costs a wake
+    usable = [r for r in awake if r.kv_usage < KV_FULL] or awake
     least = min(usable, key=lambda r: (r.in_flight, r.chunks_held))
     best = max(usable, key=lambda r: (matches.get(r.key, 0), -r.in_flight))
     matched = matches.get(best.key, 0)
@@ -233,6 +236,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):  # type: ignore[misc,valid-ty
             len(self._in_flight.get(replica.replica_id, ())),
             kv_usage if isinstance(kv_usage, (int, float)) else 0.0,
             self.index.size(replica.replica_id),
+            stats.get("sleeping") is True,
         )
 
     async def choose_replicas(

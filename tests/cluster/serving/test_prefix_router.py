@@ -104,6 +104,13 @@ def test_a_replica_with_a_full_kv_cache_is_not_chosen_for_its_prefix() -> None:
     assert chosen == "r1"
 
 
+def test_a_sleeping_replica_is_chosen_only_when_every_replica_sleeps() -> None:
+    replicas = [ReplicaLoad("r0", 0, 0.0, asleep=True), ReplicaLoad("r1", 3, 0.5)]
+    assert choose(replicas, {"r0": 10, "r1": 0}, 12, SETTINGS)[0] == "r1"
+    both = [ReplicaLoad("r0", 0, 0.0, asleep=True), ReplicaLoad("r1", 3, 0.0, asleep=True)]
+    assert choose(both, {}, 12, SETTINGS) == ("r0", "least_loaded")
+
+
 def simulate(num_prefixes: int, num_requests: int, settings: RouterSettings) -> Counter[str]:
     """Requests with ``num_prefixes`` system prompts, uniform, against 2 replicas that finish
     a request after 4 later arrivals: the routed share per replica."""
