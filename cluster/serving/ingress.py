@@ -86,7 +86,7 @@ class OpenAIIngress(LLMServicer, ResponsesServicer, MessagesServicer, PoolingSer
         lora_models: list[str] | None = None,
         cold_start_timeouts: dict[str, float] | None = None,
         responses_store_spec: tuple[str, dict[str, Any]] | None = None,
-        prefill: dict[str, tuple[DeploymentHandle, float]] | None = None,
+        prefill: dict[str, tuple[DeploymentHandle, float, str]] | None = None,
     ) -> None:
         self.servers = servers
         self.api_key_hashes = api_key_hashes
@@ -106,7 +106,8 @@ class OpenAIIngress(LLMServicer, ResponsesServicer, MessagesServicer, PoolingSer
         self.channel = TokenChannel()
         # /v1/responses results: the application's store (an actor every replica sees).
         self.responses_store = responses_store(responses_store_spec)
-        # Disaggregated models: their prefill pool and how long a prompt waits for it.
+        # Disaggregated models: their prefill pool, how long a prompt waits for it, and the
+        # KV connector between the pools.
         self.prefill = prefill or {}
 
     def _end_streams_before_exit(self) -> None:
@@ -150,8 +151,8 @@ class OpenAIIngress(LLMServicer, ResponsesServicer, MessagesServicer, PoolingSer
         handle, adapter = self._route(model)
         base = model if adapter is None else model[: -len(adapter) - 1]
         if base in self.prefill:
-            prefill, timeout_s = self.prefill[base]
-            await run_prefill(prefill, adapter, payload, timeout_s, model)
+            prefill, timeout_s, connector = self.prefill[base]
+            payload = await run_prefill(prefill, adapter, payload, timeout_s, model, connector)
         request_id = payload.request_id
         payload = msgspec.structs.replace(
             payload, adapter=adapter, channel=await self.channel.sink()

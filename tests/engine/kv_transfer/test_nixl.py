@@ -1,0 +1,201 @@
+"""``kv_transfer_config`` with ``NixlConnector``: a prefill engine (kv_producer) holds a finished
+request's prompt blocks and names them in its output's ``kv_transfer_params``; a decode engine
+(kv_consumer) given those params reads the blocks with NIXL (UCX, CPU memory) and computes only
+the tail, token-equal to an engine without the connector (fp32, greedy); the prefill engine
+releases the blocks once read, or after ``abort_request_timeout_s``; a prefill engine gone or
+a handle too old is recomputed with the same tokens; the configuration's refusals."""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+from typing import Any
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.errors import ConfigError
+from engine.kv_transfer.nixl import NixlScheduler, nixl_api
+
+try:
+    nixl_api()
+except ImportError:
+    pytest.skip(
+        "NIXL is not installed (pip install 'nixl-cu12>=1.5.1,<2')", allow_module_level=True
+    )
+
+ARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64}
+BLOCK = 16
+# Full prompt blocks read: 6, 4 and 2 (the last token of a prompt is always computed).
+LENGTHS = (100, 70, 33)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PREFILL = SamplingParams(
+    temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+)
+
+
+def _prompts(seed: int = 0) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(5, 1000) for _ in range(n)]} for n in LENGTHS]
+
+
+def _nixl(role: str, **extra: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return {"kv_transfer_config": config}
+
+
+def _decode_params(params: dict[str, Any] | None, n: int = 1) -> SamplingParams:
+    return SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, n=n,
+        extra_args={"kv_transfer_params": params},
+    )  # fmt: skip
+
+
+def _connector(llm: LLM) -> NixlScheduler:
+    kv = llm.llm_engine.scheduler.kv_transfer
+    assert isinstance(kv, NixlScheduler)
+    return kv
+
+
+def _drain(llm: LLM, timeout_s: float = 10.0) -> None:
+    """Step an engine until nothing is left (held blocks included)."""
+    engine = llm.llm_engine
+    deadline = time.monotonic() + timeout_s
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        engine.step()
+
+
+def _idle(llm: LLM) -> None:
+    llm.llm_engine.check_integrity()
+    sizes = llm.llm_engine.request_state_sizes()
+    assert not any(sizes.values()), sizes
+    assert llm.llm_engine.get_kv_cache_stats().used == 0
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    return LLM("builtin:tiny-llama", **ARGS)
+
+
+@pytest.fixture
+def expected(reference: LLM, request: pytest.FixtureRequest) -> list[list[int]]:
+    """The greedy tokens of this test's prompts (a seed per test: the decode engine, shared by
+    the tests, must not find them in its device prefix cache)."""
+    prompts = _prompts(_seed(request))
+    return [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _seed(request: pytest.FixtureRequest) -> int:
+    return sum(map(ord, request.node.name))
+
+
+@pytest.fixture(scope="module")
+def decode() -> LLM:
+    return LLM("builtin:tiny-llama", **ARGS, **_nixl("kv_consumer"))
+
+
+def test_decode_engine_reads_the_prefill_blocks_computes_the_tail_and_matches(
+    expected: list[list[int]], decode: LLM, request: pytest.FixtureRequest
+) -> None:
+    prompts = _prompts(_seed(request))
+    prefill = LLM("builtin:tiny-llama", **ARGS, **_nixl("kv_producer"))
+    finished = prefill.generate(prompts, PREFILL, use_tqdm=False)
+    params = [o.kv_transfer_params for o in finished]
+    assert [len(p["remote_block_ids"]) for p in params] == [n // BLOCK for n in LENGTHS]
+    assert _connector(prefill).num_held == 3  # nothing freed before the read
+    before = _connector(decode).hit_tokens
+    outputs = decode.generate(prompts, [_decode_params(p) for p in params], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    full_blocks = [(n - 1) // BLOCK for n in LENGTHS]
+    assert _connector(decode).hit_tokens - before == sum(full_blocks) * BLOCK
+    # Computed only the tail: the read blocks count as cached prompt tokens.
+    assert [o.num_cached_tokens for o in outputs] == [b * BLOCK for b in full_blocks]
+    _drain(prefill)
+    assert _connector(prefill).released_read == 3
+    _idle(prefill)
+    _idle(decode)
+
+
+def test_blocks_not_read_are_released_after_abort_request_timeout_s(
+    expected: list[list[int]], decode: LLM, request: pytest.FixtureRequest
+) -> None:
+    prompts = _prompts(_seed(request))
+    prefill = LLM("builtin:tiny-llama", **ARGS, **_nixl("kv_producer", abort_request_timeout_s=0.5))
+    params = [o.kv_transfer_params for o in prefill.generate(prompts, PREFILL, use_tqdm=False)]
+    assert _connector(prefill).num_held == 3
+    _drain(prefill)
+    assert _connector(prefill).released_timeout == 3
+    _idle(prefill)
+    # A handle past half the prefill's timeout is never read (its blocks may be reused).
+    before = _connector(decode).hit_tokens
+    outputs = decode.generate(prompts, [_decode_params(p) for p in params], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert _connector(decode).hit_tokens == before
+    _idle(decode)
+
+
+def test_a_prefill_engine_gone_is_recomputed_with_the_same_tokens(
+    expected: list[list[int]], decode: LLM, request: pytest.FixtureRequest
+) -> None:
+    prompts = _prompts(_seed(request))
+    prefill = LLM("builtin:tiny-llama", **ARGS, **_nixl("kv_producer"))
+    params = [o.kv_transfer_params for o in prefill.generate(prompts, PREFILL, use_tqdm=False)]
+    prefill.llm_engine.shutdown()
+    del prefill
+    gc.collect()  # its agents go with it
+    failed = _connector(decode).failed_tokens
+    outputs = decode.generate(prompts, [_decode_params(p) for p in params], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    full_blocks = [(n - 1) // BLOCK for n in LENGTHS]
+    assert _connector(decode).failed_tokens - failed == sum(full_blocks) * BLOCK
+    _idle(decode)
+
+
+def test_n_samples_and_logprobs_fork_from_the_read_prompt(
+    reference: LLM, decode: LLM, request: pytest.FixtureRequest
+) -> None:
+    prompt = _prompts(_seed(request))[:1]
+    sampled: dict[str, Any] = {
+        "temperature": 0.8,
+        "seed": 7,
+        "n": 2,
+        "max_tokens": 6,
+        "logprobs": 2,
+    }
+    want = reference.generate(prompt, SamplingParams(**sampled), use_tqdm=False)[0]
+    prefill = LLM("builtin:tiny-llama", **ARGS, **_nixl("kv_producer"))
+    params = prefill.generate(prompt, PREFILL, use_tqdm=False)[0].kv_transfer_params
+    extra = {"kv_transfer_params": params}
+    got = decode.generate(prompt, SamplingParams(**sampled, extra_args=extra), use_tqdm=False)
+    assert [c.token_ids for c in got[0].outputs] == [c.token_ids for c in want.outputs]
+    for a, b in zip(got[0].outputs, want.outputs, strict=True):
+        assert [sorted(x) for x in a.logprobs] == [sorted(x) for x in b.logprobs]
+    assert got[0].num_cached_tokens == (LENGTHS[0] - 1) // BLOCK * BLOCK
+    _drain(prefill)
+    _idle(prefill)
+
+
+def test_a_request_without_remote_decode_frees_its_blocks_at_once() -> None:
+    prefill = LLM("builtin:tiny-llama", **ARGS, **_nixl("kv_both"))
+    outputs = prefill.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert all(o.kv_transfer_params is None for o in outputs)
+    assert not prefill.llm_engine.has_unfinished_requests()
+    _idle(prefill)
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"shared_storage_path": "/tmp/x"}, "kv_connector_extra_config.shared_storage_path"),
+        ({"abort_request_timeout_s": 0}, "kv_connector_extra_config.abort_request_timeout_s"),
+        ({"transfer_timeout_s": -1}, "kv_connector_extra_config.transfer_timeout_s"),
+    ],
+)
+def test_nixl_connector_refuses_other_keys_and_bad_timeouts_by_key_path(
+    extra: dict[str, Any], key: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"kv_transfer_config.{key}"):
+        LLM("builtin:tiny-llama", **ARGS, **_nixl("kv_both", **extra))
