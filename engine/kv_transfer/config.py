@@ -17,6 +17,7 @@ kv_transfer_config:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -175,6 +176,12 @@ def check_kv_transfer_support(
     whose sliding-window layers keep blocks of their own has several)."""
     if kv is None:
         return
+    require(
+        kv.kv_connector != "NixlConnector"
+        or any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12")),
+        "kv_transfer_config.kv_connector",
+        "NixlConnector needs NIXL, which is not installed (pip install 'nixl-cu12>=1.5.1,<2')",
+    )
     require(
         enable_prefix_caching,
         "kv_transfer_config",

@@ -16,15 +16,9 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError
-from engine.kv_transfer.nixl import NixlScheduler, nixl_api
+from engine.kv_transfer.nixl import NixlScheduler
 
-try:
-    nixl_api()
-except ImportError:
-    pytest.skip(
-        "NIXL is not installed (pip install 'nixl-cu12>=1.5.1,<2')", allow_module_level=True
-    )
-
+pytestmark = pytest.mark.nixl  # skipped, with the reason, where NIXL cannot be imported
 ARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64}
 BLOCK = 16
 # Full prompt blocks read: 6, 4 and 2 (the last token of a prompt is always computed).
