@@ -9,7 +9,10 @@ forward pass, block-granular, re-sharded by KV head:
 A decode worker reads each KV head it holds from a prefill worker of its pipeline stage that
 holds that head (``global_kv_heads``: TP 2 -> TP 1 reads half the heads from each rank, TP 1
 -> TP 2 half of one rank's). Where both sides hold the same heads, a block of a layer's plane
-is one contiguous region; otherwise one region per token and head. A read that fails (the
+is one contiguous region, read in place; otherwise the prefill worker's whole blocks go
+through a registered staging buffer (``STAGING_BYTES``, a chunk of blocks at a time) and the
+heads this worker holds are copied out (one region per token and head would cost NIXL tens
+of milliseconds a block). A read that fails (the
 prefill engine gone or restarted: its agents are unknown or disconnected) or outlasts
 ``transfer_timeout_s`` is reported like a missing stored block: the head recomputes.
 """
@@ -31,29 +34,35 @@ from engine.kv_transfer.worker import global_kv_heads
 logger = logging.getLogger("llm_cluster.kv_transfer")
 
 
-def _block_regions(
-    cache: dict[str, Any], blocks: np.ndarray, heads: list[int] | None
-) -> np.ndarray:
-    """``[address, length, device]`` rows of these blocks of one cache (every plane, in plane
-    then block order), whole blocks (``heads`` None) or one row per token and head (in token,
-    then ``heads`` order). ``cache``: ``NixlWorkerTransfer.metadata``'s description."""
-    planes, num_blocks, block_size = cache["planes"], cache["num_blocks"], cache["block_size"]
-    head_bytes = cache["head_dim"] * cache["itemsize"]
-    token_bytes = cache["kv_heads"] * head_bytes
-    block_bytes = block_size * token_bytes
-    plane = np.arange(planes, dtype=np.uint64)[:, None] * np.uint64(num_blocks)
-    starts = cache["address"] + (plane + blocks.astype(np.uint64)[None, :]) * block_bytes
-    if heads is None:
-        starts, length = starts.reshape(-1), block_bytes
-    else:
-        tokens = np.arange(block_size, dtype=np.uint64) * np.uint64(token_bytes)
-        offsets = np.asarray(heads, dtype=np.uint64) * np.uint64(head_bytes)
-        grid = starts[:, :, None, None] + tokens[None, None, :, None] + offsets
-        starts, length = grid.reshape(-1), head_bytes
+# A read between different KV head sets goes through a registered buffer of this size (or
+# one block, if larger), a chunk of blocks at a time.
+STAGING_BYTES = 64 << 20
+
+
+def _block_bytes(cache: dict[str, Any]) -> int:
+    """One block of one plane of a cache: ``block_size x kv_heads x head_dim`` values."""
+    return cache["block_size"] * cache["kv_heads"] * cache["head_dim"] * cache["itemsize"]
+
+
+def _block_regions(cache: dict[str, Any], blocks: np.ndarray) -> np.ndarray:
+    """``[address, length, device]`` rows of these whole blocks of one cache, every plane (in
+    plane, then block order). ``cache``: ``NixlWorkerTransfer.metadata``'s description."""
+    plane = np.arange(cache["planes"], dtype=np.uint64)[:, None] * np.uint64(cache["num_blocks"])
+    starts = cache["address"] + (plane + blocks.astype(np.uint64)[None, :]) * _block_bytes(cache)
     rows = np.zeros((starts.size, 3), dtype=np.uint64)
-    rows[:, 0], rows[:, 1] = starts, length
-    rows[:, 2] = cache["device"]
+    rows[:, 0], rows[:, 1], rows[:, 2] = starts.reshape(-1), _block_bytes(cache), cache["device"]
     return rows
+
+
+def _runs(ours: list[int], theirs: list[int]) -> list[tuple[int, int, int]]:
+    """(local head, remote head, count) runs of consecutive heads on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for o, t in zip(ours, theirs, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == o and runs[-1][1] + runs[-1][2] == t:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((o, t, 1))
+    return runs
 
 
 class NixlWorkerTransfer:
@@ -72,6 +81,8 @@ class NixlWorkerTransfer:
         self.totals = dict(kv_families(config))
         self.agent = new_agent(f"{config.kv_transfer.engine_id}/{stage}.{tp_rank}")
         self._registered: Any = None
+        self._staging: torch.Tensor | None = None
+        self._staging_registered: Any = None
         self._caches: list[dict[str, Any]] = []
         self._remote_agents: set[str] = set()
         self.mem_type = "DRAM"
@@ -126,7 +137,7 @@ class NixlWorkerTransfer:
         workers ``sources[rid]`` names; returns the requests whose reads did not all complete
         (0 blocks loaded: their prompt is recomputed)."""
         failures: dict[str, int] = {}
-        started: dict[str, list[Any]] = {}
+        started: dict[str, tuple[list[Any], list[Any]]] = {}
         for rid, pairs in loads.items():
             try:
                 started[rid] = self._start_reads(sources[rid], pairs)
@@ -134,38 +145,106 @@ class NixlWorkerTransfer:
                 logger.warning("kv_transfer: cannot read %s's blocks: %s", rid, exc)
                 failures[rid] = 0
         deadline = time.monotonic() + self.timeout_s
-        for rid, handles in started.items():
-            if not self._wait(handles, deadline):
+        for rid, (handles, staged) in started.items():
+            ok = self._wait(handles, deadline)
+            try:
+                ok = ok and all(self._read_staged(caches, *read, deadline) for read in staged)
+            except Exception as exc:
+                logger.warning("kv_transfer: %s", exc)
+                ok = False
+            if not ok:
                 logger.warning("kv_transfer: reading %s's blocks failed or timed out", rid)
                 failures[rid] = 0
         return failures
 
-    def _start_reads(self, source: dict[str, Any], pairs: list[tuple[Any, int]]) -> list[Any]:
+    def _start_reads(
+        self, source: dict[str, Any], pairs: list[tuple[Any, int]]
+    ) -> tuple[list[Any], list[Any]]:
+        """Post the reads of whole blocks into this worker's cache; returns their handles and
+        the staged reads still to do (``_read_staged``'s arguments)."""
         remote = np.asarray([int(r) for r, _ in pairs], dtype=np.int64)
         local = np.asarray([int(b) for _, b in pairs], dtype=np.int64)
         workers = [w for w in source["workers"] if w["stage"] == self.stage]
-        plan = self._plan(workers)
-        handles = []
-        for worker_index, reads in plan.items():
+        handles, staged = [], []
+        for worker_index, reads in self._plan(workers).items():
             worker = workers[worker_index]
             if worker["agent"] not in self._remote_agents:
                 self.agent.add_remote_agent(decode_metadata(worker["agent_metadata"]))
                 self._remote_agents.add(worker["agent"])
-            local_rows, remote_rows = [], []
-            for cache_index, local_heads, remote_heads in reads:
-                theirs = worker["caches"][cache_index]
-                local_rows.append(_block_regions(self._caches[cache_index], local, local_heads))
-                remote_rows.append(_block_regions(theirs, remote, remote_heads))
-            handle = self.agent.initialize_xfer(
-                "READ",
-                self.agent.get_xfer_descs(np.concatenate(local_rows), self.mem_type),
-                self.agent.get_xfer_descs(np.concatenate(remote_rows), self.mem_type),
-                worker["agent"],
-            )
-            handles.append(handle)
-            if self.agent.transfer(handle) == "ERR":
-                raise RuntimeError(f"NIXL refused the read from {worker['agent']}")
-        return handles
+            partial = [read for read in reads if read[1] is not None]
+            if partial:
+                staged.append((worker, partial, remote, local))
+            whole = [index for index, heads, _ in reads if heads is None]
+            if not whole:
+                continue
+            mine = [_block_regions(self._caches[i], local) for i in whole]
+            theirs = [_block_regions(worker["caches"][i], remote) for i in whole]
+            handles.append(self._post(np.concatenate(mine), np.concatenate(theirs), worker))
+        return handles, staged
+
+    def _post(self, mine: np.ndarray, theirs: np.ndarray, worker: dict[str, Any]) -> Any:
+        handle = self.agent.initialize_xfer(
+            "READ",
+            self.agent.get_xfer_descs(mine, self.mem_type),
+            self.agent.get_xfer_descs(theirs, self.mem_type),
+            worker["agent"],
+        )
+        if self.agent.transfer(handle) == "ERR":
+            handle.release()
+            raise RuntimeError(f"NIXL refused the read from {worker['agent']}")
+        return handle
+
+    def _stage(self, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        """The registered staging buffer, at least ``nbytes`` long."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            if self._staging_registered is not None:
+                self.agent.deregister_memory(self._staging_registered)
+            size = max(nbytes, STAGING_BYTES)
+            self._staging = torch.empty(size, dtype=torch.uint8, device=like.device)
+            self._staging_registered = self.agent.register_memory([self._staging])
+        return self._staging
+
+    def _read_staged(
+        self,
+        caches: list[torch.Tensor],
+        worker: dict[str, Any],
+        reads: list[tuple[int, list[int], list[int]]],
+        remote: np.ndarray,
+        local: np.ndarray,
+        deadline: float,
+    ) -> bool:
+        """Read the prefill worker's whole blocks of these caches into the staging buffer, a
+        chunk at a time, and copy the heads this worker holds (``reads``: cache index, local
+        head positions, remote head positions) into its blocks."""
+        theirs = [worker["caches"][index] for index, _, _ in reads]
+        per_block = sum(c["planes"] * _block_bytes(c) for c in theirs)
+        stage = self._stage(per_block, caches[0])
+        chunk = stage.numel() // per_block
+        for start in range(0, len(remote), chunk):
+            ids = remote[start : start + chunk]
+            rows, views, offset = [], [], 0
+            for (index, ours, their_heads), cache in zip(reads, theirs, strict=True):
+                staged = {**cache, "address": stage.data_ptr() + offset, "num_blocks": len(ids),
+                          "device": max(stage.get_device(), 0)}  # fmt: skip
+                rows.append(
+                    (_block_regions(staged, np.arange(len(ids))), _block_regions(cache, ids))
+                )
+                nbytes = cache["planes"] * len(ids) * _block_bytes(cache)
+                shape = (cache["planes"], len(ids), cache["block_size"], cache["kv_heads"], -1)
+                view = stage[offset : offset + nbytes].view(caches[index].dtype).view(shape)
+                views.append((index, ours, their_heads, view))
+                offset += nbytes
+            mine = np.concatenate([m for m, _ in rows])
+            handle = self._post(mine, np.concatenate([t for _, t in rows]), worker)
+            if not self._wait([handle], deadline):
+                return False
+            blocks = torch.as_tensor(local[start : start + chunk], device=stage.device)
+            for index, ours, their_heads, view in views:
+                for o, t, n in _runs(ours, their_heads):
+                    caches[index][:, :, :, o : o + n].index_copy_(
+                        1, blocks, view[:, :, :, t : t + n]
+                    )
+        return True
 
     def _plan(self, workers: list[dict[str, Any]]) -> dict[int, list[Any]]:
         """Which prefill worker each of this worker's KV heads is read from: worker index ->

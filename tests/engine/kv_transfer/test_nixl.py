@@ -3,7 +3,8 @@ request's prompt blocks and names them in its output's ``kv_transfer_params``; a
 (kv_consumer) given those params reads the blocks with NIXL (UCX, CPU memory) and computes only
 the tail, token-equal to an engine without the connector (fp32, greedy); the prefill engine
 releases the blocks once read, or after ``abort_request_timeout_s``; a prefill engine gone or
-a handle too old is recomputed with the same tokens; the configuration's refusals."""
+a handle too old is recomputed with the same tokens; n = 2 with logprobs; a decode worker of
+any TP size reads each KV head from the prefill rank holding it; the configuration's refusals."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.kv_transfer.nixl import NixlScheduler
+from engine.kv_transfer.nixl_worker import NixlWorkerTransfer
+from engine.kv_transfer.store import kv_head_count
 
 pytestmark = pytest.mark.nixl  # skipped, with the reason, where NIXL cannot be imported
 ARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64}
@@ -193,3 +198,45 @@ def test_nixl_connector_refuses_other_keys_and_bad_timeouts_by_key_path(
 ) -> None:
     with pytest.raises(ConfigError, match=f"kv_transfer_config.{key}"):
         LLM("builtin:tiny-llama", **ARGS, **_nixl("kv_both", **extra))
+
+
+def _worker_caches(heads: int, layers: int, fill: bool) -> list[torch.Tensor]:
+    shape = (2, 8, BLOCK, heads, 4)  # [planes, blocks, block_size, kv heads, head dim]
+    make = torch.randn if fill else torch.zeros
+    return [make(shape) for _ in range(layers)]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
+def test_a_decode_worker_reads_each_kv_head_from_the_prefill_rank_holding_it(
+    prefill_tp: int, decode_tp: int
+) -> None:
+    """Blocks 1, 2 and 5 of the whole model's cache (prefill ranks' shards) land in blocks
+    0, 3 and 4 of every decode rank, each rank with the KV heads it holds."""
+    kwargs = {**ARGS, **_nixl("kv_both")}
+    prefill, decode = (EngineConfig.from_kwargs(model="builtin:tiny-llama", **kwargs) for _ in "pd")
+    heads = kv_head_count(prefill.model.hf_config)
+    layers = prefill.model.num_hidden_layers
+    whole = _worker_caches(heads, layers, fill=True)
+    share = heads // prefill_tp
+    sources = []
+    for rank in range(prefill_tp):
+        worker = NixlWorkerTransfer(prefill, 0, rank, prefill_tp, layers)
+        shard = [c[:, :, :, rank * share : (rank + 1) * share].contiguous() for c in whole]
+        worker.register(shard)
+        sources.append((worker, shard))  # kept alive: the decode side reads their memory
+    source = {
+        "engine_id": prefill.kv_transfer.engine_id,
+        "workers": [w.metadata() for w, _ in sources],
+    }
+    pairs = [(1, 0), (2, 3), (5, 4)]
+    mine = heads // decode_tp
+    for rank in range(decode_tp):
+        worker = NixlWorkerTransfer(decode, 0, rank, decode_tp, layers)
+        caches = _worker_caches(mine, layers, fill=False)
+        worker.register(caches)
+        assert worker.load(caches, {"r": pairs}, {"r": source}) == {}
+        held = slice(rank * mine, (rank + 1) * mine)
+        for got, want in zip(caches, whole, strict=True):
+            for remote, local in pairs:
+                assert torch.equal(got[:, local], want[:, remote, :, held])
+            assert not got[:, [1, 2, 5, 6, 7]].any()  # nothing else written
