@@ -2,9 +2,10 @@
 request's prompt blocks and names them in its output's ``kv_transfer_params``; a decode engine
 (kv_consumer) given those params reads the blocks with NIXL (UCX, CPU memory) and computes only
 the tail, token-equal to an engine without the connector (fp32, greedy); the prefill engine
-releases the blocks once read, or after ``abort_request_timeout_s``; a prefill engine gone or
-a handle too old is recomputed with the same tokens; n = 2 with logprobs; a decode worker of
-any TP size reads each KV head from the prefill rank holding it; the configuration's refusals."""
+releases the blocks once read, or after ``abort_request_timeout_s``; a prefill engine gone, a
+read that outlasts ``transfer_timeout_s`` or a handle too old is recomputed with the same
+tokens; n = 2 with logprobs; a decode worker of any TP size reads each KV head from the
+prefill rank holding it; the configuration's refusals."""
 
 from __future__ import annotations
 
@@ -150,6 +151,30 @@ def test_a_prefill_engine_gone_is_recomputed_with_the_same_tokens(
     assert [o.outputs[0].token_ids for o in outputs] == expected
     full_blocks = [(n - 1) // BLOCK for n in LENGTHS]
     assert _connector(decode).failed_tokens - failed == sum(full_blocks) * BLOCK
+    _idle(decode)
+
+
+def test_a_read_that_outlasts_transfer_timeout_s_is_recomputed_with_the_same_tokens(
+    expected: list[list[int]], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = _prompts(_seed(request))
+    decode = LLM("builtin:tiny-llama", **ARGS, **_nixl("kv_consumer", transfer_timeout_s=0.2))
+    worker = decode.llm_engine.executor.worker.runner.kv_transfer  # type: ignore[attr-defined]
+    assert isinstance(worker, NixlWorkerTransfer)
+    # The reads never report done (a stalled network): the worker gives up at the timeout.
+    monkeypatch.setattr(worker.agent, "check_xfer_state", lambda handle: "PROC")
+    prefill = LLM("builtin:tiny-llama", **ARGS, **_nixl("kv_producer"))
+    params = [o.kv_transfer_params for o in prefill.generate(prompts, PREFILL, use_tqdm=False)]
+    started = time.monotonic()
+    outputs = decode.generate(prompts, [_decode_params(p) for p in params], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert time.monotonic() - started >= 0.2
+    full_blocks = [(n - 1) // BLOCK for n in LENGTHS]
+    assert _connector(decode).failed_tokens == sum(full_blocks) * BLOCK
+    assert _connector(decode).hit_tokens == 0
+    _drain(prefill)  # the decode side notified the prefill all the same
+    assert _connector(prefill).released_read == 3
+    _idle(prefill)
     _idle(decode)
 
 
