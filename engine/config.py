@@ -544,6 +544,7 @@ class EngineConfig:
             model.hf_config,
             max_model_len,
             cache.enable_prefix_caching,
+            parallel.data_parallel_size,
         )
         config = cls(
             model=model,

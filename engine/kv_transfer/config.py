@@ -170,6 +170,7 @@ def check_kv_transfer_support(
     hf: dict[str, Any],
     max_model_len: int,
     enable_prefix_caching: bool,
+    data_parallel_size: int = 1,
 ) -> None:
     """Engine settings the connector cannot serve exactly, refused before anything is placed:
     it keys blocks by their prefix-cache hash, and it moves one block table's blocks (a model
@@ -181,6 +182,12 @@ def check_kv_transfer_support(
         or any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12")),
         "kv_transfer_config.kv_connector",
         "NixlConnector needs NIXL, which is not installed (pip install 'nixl-cu12>=1.5.1,<2')",
+    )
+    require(
+        kv.kv_connector != "NixlConnector" or data_parallel_size == 1,
+        "kv_transfer_config.kv_connector",
+        "NixlConnector names one engine's agents per handle: run data-parallel ranks as "
+        f"replicas instead, got data_parallel_size {data_parallel_size}",
     )
     require(
         enable_prefix_caching,

@@ -265,3 +265,11 @@ def test_a_decode_worker_reads_each_kv_head_from_the_prefill_rank_holding_it(
             for remote, local in pairs:
                 assert torch.equal(got[:, local], want[:, remote, :, held])
             assert not got[:, [1, 2, 5, 6, 7]].any()  # nothing else written
+
+
+def test_nixl_connector_refuses_data_parallel_ranks_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"^kv_transfer_config.kv_connector: NixlConnector names"):
+        EngineConfig.from_kwargs(
+            model="builtin:tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True,
+            **ARGS, **_nixl("kv_both"),
+        )  # fmt: skip
