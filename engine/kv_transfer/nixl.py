@@ -2,27 +2,21 @@
 the blocks read from the prefill engine's KV cache with NIXL (vLLM's connector of that name).
 
     prefill engine (kv_producer)                 decode engine (kv_consumer)
-    ────────────────────────────                 ─────────────────────────────────────────
-    request with kv_transfer_params
-      {"do_remote_decode": true} finishes:
-      its blocks are held (``hold``), its
-      output's kv_transfer_params name them ──►  request with those kv_transfer_params:
-      and this engine's agents                   admitted with the prompt's full blocks
-                                                 (after device hits) allocated and counted
-                                                 as computed; its workers READ them from the
-                                                 prefill workers (``nixl_worker``) before
-                                                 the forward pass; only the rest is computed
-    released (``poll``) on the decode  ◄──────── after that step, the decode head notifies
-      head's notification, or after              the prefill head's agent (read or not)
-      abort_request_timeout_s
+    a request with {"do_remote_decode": true}
+    finishes: its blocks are held (``hold``);
+    its output's kv_transfer_params name them ──► a request with those params: the prompt's
+    and this engine's agents                      full blocks allocated, counted as computed,
+                                                  READ by its workers (``nixl_worker``) before
+                                                  the forward pass; the rest is computed
+    freed (``poll``) on the notification ◄─────── after that step, its head notifies (read
+    or after abort_request_timeout_s              or not)
 
 The handle is the prefill engine's ``engine_id`` (a nonce drawn at its start), its request id
 and block ids: a restarted prefill engine has other agents, so a stale handle reads nothing
-(the read fails and the decode engine computes the prompt). A handle past half the prefill's
-timeout (``remote_deadline``, wall clock) when its request is admitted is not read: the
-blocks may be reused by then. Failed or timed-out reads are ``kv_load_failures``: recomputed
-from the first block.
-NIXL is imported only when this connector is configured (``nixl_api``).
+(the read fails; the prompt is computed). A handle past half the prefill's timeout
+(``remote_deadline``, wall clock) is not read: its blocks may be reused by then. Failed or
+timed-out reads are ``kv_load_failures``. NIXL is imported only when this connector is
+configured (``nixl_api``).
 """
 
 from __future__ import annotations
