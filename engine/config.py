@@ -21,6 +21,7 @@ field is ``engine.engine_args``'s table; the checks and their one message format
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -543,6 +544,7 @@ class EngineConfig:
             model.hf_config,
             max_model_len,
             cache.enable_prefix_caching,
+            parallel.data_parallel_size,
         )
         config = cls(
             model=model,
@@ -562,7 +564,9 @@ class EngineConfig:
         kv = kv_transfer.kv_transfer_config
         if kv is None:
             return config
-        return dataclasses.replace(config, kv_transfer=KVTransferArgs(kv, store_namespace(config)))
+        engine_id = f"{uuid.uuid4().hex[:16]}"
+        transfer = KVTransferArgs(kv, store_namespace(config), engine_id)
+        return dataclasses.replace(config, kv_transfer=transfer)
 
     @property
     def max_model_len(self) -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -49,6 +50,9 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # NixlConnector, on a prefill engine (vLLM's field): what a decode engine needs to read
+    # this request's prompt blocks (its request's extra_args["kv_transfer_params"]).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

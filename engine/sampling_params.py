@@ -194,6 +194,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     length_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: arguments for the engine's plug-ins; ``kv_transfer_params`` is the KV
+    # connector's (``engine.kv_transfer.nixl``: ``do_remote_decode`` on a prefill engine, the
+    # prefill's output ``kv_transfer_params`` on a decode engine).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -220,6 +224,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             "structured_outputs",
             "must be a StructuredOutputsParams",
         )
+        _check(
+            self.extra_args is None
+            or (
+                isinstance(self.extra_args, dict)
+                and all(isinstance(k, str) for k in self.extra_args)
+            ),
+            "extra_args",
+            f"must be a mapping with string keys or null, got {self.extra_args!r}",
+        )
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """``extra_args["kv_transfer_params"]`` (vLLM's place for them), or None."""
+        return (self.extra_args or {}).get("kv_transfer_params")
 
     def _check_filters(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be >= 1, got {self.n!r}")

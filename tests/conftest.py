@@ -23,9 +23,23 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("nixl" in item.keywords for item in items):
+        _skip_nixl_without_nixl(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _skip_nixl_without_nixl(items: list[pytest.Item]) -> None:
+    from engine.kv_transfer.nixl import nixl_api
+
+    try:
+        nixl_api()
+    except ImportError as exc:
+        skip = pytest.mark.skip(reason=f"NIXL cannot be imported: {exc}")
+        for item in items:
+            if "nixl" in item.keywords:
+                item.add_marker(skip)

@@ -115,6 +115,9 @@ class StreamDelta(msgspec.Struct, tag="delta"):
     the ingress renders them, OpenAI rows included (``logprob_rows``)."""
 
     choices: list[ChoiceDelta]
+    # The last delta of a prefill held for a remote decode (NixlConnector): where its blocks
+    # are (RequestOutput.kv_transfer_params); the ingress hands them to the decode pool.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class StreamError(msgspec.Struct, tag="error"):

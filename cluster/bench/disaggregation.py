@@ -7,8 +7,9 @@ Workload: ``streams`` steady generations (short prompts, ``stream_tokens`` token
 one token out) arrive at ``long_rate`` per second. Reports per setting: the steady streams'
 inter-token latency (ITL: the gaps between streamed tokens) p50 / p99 and their throughput,
 the long prompts' TTFT p50 / p99, and the prompt tokens the decode pool loaded from the store;
-plus, once, the store's own time per block (write and read of one block's bytes of the model,
-``transfer_per_block``). Figures to stdout and ``--json``.
+plus, once, the time per block of each transport (``transfer_per_block``: the store's write
+and read of one block's bytes of the model; NIXL's read of the same block shape). Figures
+to stdout and ``--json``.
 """
 
 from __future__ import annotations
@@ -148,6 +149,53 @@ def store_time_per_block(config: dict[str, Any], store: str, blocks: int = 64) -
             "read_ms": round(1e3 * (read - written) / blocks, 3)}  # fmt: skip
 
 
+def nixl_time_per_block(config: dict[str, Any], blocks: int = 64) -> dict[str, Any]:
+    """NixlConnector's read time of one block of this model (one worker's caches: every
+    layer's K and V), through the decode worker's own read path: ``blocks`` blocks in one
+    step's read, and one block alone; two agents of this process (UCX, CPU memory). Skipped
+    (``{"skipped": why}``) where NIXL cannot be imported."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.kv_transfer.nixl import nixl_api
+    from engine.kv_transfer.nixl_worker import NixlWorkerTransfer
+    from engine.kv_transfer.store import kv_head_count
+
+    try:
+        nixl_api()
+    except ImportError as exc:
+        return {"skipped": str(exc)}
+    model = config["models"][0]
+    kwargs = {k: v for k, v in model["engine_kwargs"].items() if k != "kv_transfer_config"}
+    kwargs["kv_transfer_config"] = {"kv_connector": "NixlConnector"}
+    source = model["model_loading_config"]["model_source"]
+    sides = [EngineConfig.from_kwargs(model=source, **kwargs) for _ in range(2)]
+    engine = sides[0]
+    hf, tp = engine.model.hf_config, engine.parallel.tensor_parallel_size
+    heads = max(1, kv_head_count(hf) // tp)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    shape = (2, blocks, engine.cache.block_size, heads, head_dim)
+    layers = engine.model.num_hidden_layers
+    dtype = engine.model.torch_dtype
+    caches = [[torch.randn(shape).to(dtype) for _ in range(layers)], []]
+    caches[1] = [torch.zeros_like(c) for c in caches[0]]
+    prefill, decode = (NixlWorkerTransfer(c, 0, 0, tp, layers) for c in sides)
+    prefill.register(caches[0])
+    decode.register(caches[1])
+    src = {"engine_id": sides[0].kv_transfer.engine_id, "workers": [prefill.metadata()]}
+    decode.load(caches[1], {"warm-up": [(0, 0)]}, {"warm-up": src})  # connects the agents
+    start = time.monotonic()
+    failed = decode.load(caches[1], {"r": [(i, i) for i in range(blocks)]}, {"r": src})
+    batch = time.monotonic()
+    decode.load(caches[1], {"one": [(1, 1)]}, {"one": src})
+    single = time.monotonic()
+    if failed or any(not torch.equal(a, b) for a, b in zip(*caches, strict=True)):
+        raise RuntimeError("NIXL's read did not copy the blocks")
+    size = sum(c[:, 0].numel() * c.element_size() for c in caches[0])
+    return {"block_bytes": size, "read_ms": round(1e3 * (batch - start) / blocks, 3),
+            "read_one_block_ms": round(1e3 * (single - batch), 3)}  # fmt: skip
+
+
 async def bench_setting(config_data: dict[str, Any], name: str, workload: PDWorkload) -> dict:
     from ray import serve
 
@@ -216,6 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results.append(asyncio.run(bench_setting(config, name, workload)))
             print(json.dumps(results[-1]), file=sys.stderr)
         per_block = store_time_per_block(configs[args.settings[-1]], store)
+        nixl_per_block = nixl_time_per_block(configs[args.settings[-1]])
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -227,7 +276,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "config": str(args.config), "model_source": args.model_source, **asdict(workload),
         },
         "results": results,
-        "transfer_per_block": {"SharedStorageConnector": per_block},
+        "transfer_per_block": {"SharedStorageConnector": per_block,
+                               "NixlConnector": nixl_per_block},
     }  # fmt: skip
     text = json.dumps(report, indent=2)
     print(text)

@@ -296,7 +296,9 @@ _SAME_KV_LAYOUT = ("pipeline_parallel_size", "pp_layer_partition", "dtype", "blo
 class DisaggregationConfig:
     """Prefill/decode disaggregation (``docs/kv_transfer.md``): the ``prefill`` pool computes
     each prompt's KV and saves it to the node's KV store (``kv_producer``); the ``decode`` pool,
-    which the model's name routes to, loads it and generates (``kv_consumer``). The ingress
+    which the model's name routes to, loads it and generates (``kv_consumer``). With
+    ``kv_connector: NixlConnector`` the prefill holds the blocks and the decode pool reads them
+    from its KV cache with NIXL (any node). The ingress
     sends the prompt to prefill first and waits at most ``prefill_timeout_s``; after a timeout
     or a failed prefill the decode pool computes whatever it does not find."""
 
@@ -318,6 +320,15 @@ class DisaggregationConfig:
             )
         prefill = model.engine_kwargs | self.prefill.engine_kwargs
         decode = model.engine_kwargs | self.decode.engine_kwargs
+        connectors = [
+            (kwargs.get("kv_transfer_config") or _DEFAULT_CONNECTOR).get("kv_connector")
+            for kwargs in (prefill, decode)
+        ]
+        require(
+            connectors[0] == connectors[1],
+            f"{path}.decode.engine_kwargs.kv_transfer_config.kv_connector",
+            f"must equal the prefill pool's ({connectors[0]!r}), got {connectors[1]!r}",
+        )
         for key in _SAME_KV_LAYOUT:
             require(
                 prefill.get(key) == decode.get(key),
@@ -616,6 +627,14 @@ def check_config(config: DeploymentConfig) -> None:
                 int(model.engine_kwargs.get("data_parallel_size", 1)) == 1,
                 f"{path}.sleep_config",
                 "needs data_parallel_size 1 (data-parallel engines do not sleep yet)",
+            )
+            connectors = {(p.engine_kwargs.get("kv_transfer_config") or {}).get("kv_connector")
+                          for _, p in model.pools()}  # fmt: skip
+            require(
+                "NixlConnector" not in connectors,
+                f"{path}.sleep_config",
+                "cannot be set with kv_connector NixlConnector (its agents registered the KV "
+                "cache's memory for other engines to read)",
             )
         if model.disaggregation is not None:
             model.disaggregation.check(f"{path}.disaggregation", model)

@@ -376,9 +376,16 @@ def _kv_group_lines(plan: MemoryPlan) -> list[str]:
 
 def _kv_store_line(plan: MemoryPlan, kv: KVTransferConfig) -> str:
     """The node's KV store (``kv_transfer_config``): where, how large, and how many of this
-    model's blocks it holds (a block: every worker's shard of it, K and V of every layer)."""
+    model's blocks it holds (a block: every worker's shard of it, K and V of every layer);
+    NixlConnector has no store: the block size and how long unread blocks are held."""
     tp = plan.tensor_parallel_size
     block_bytes = sum(s.kv_bytes_per_token for s in plan.stages) * tp * plan.block_size
+    if kv.kv_connector == "NixlConnector":
+        return (
+            f"  KV transfer (NixlConnector, {kv.kv_role}): blocks of {_size(block_bytes)} read "
+            f"from the prefill engine's KV cache with NIXL; unread ones held at most "
+            f"{kv.abort_request_timeout_s:g} s"
+        )
     held = kv.max_storage_bytes // block_bytes if block_bytes else 0
     return (
         f"  KV store ({kv.kv_connector}, {kv.kv_role}): {kv.shared_storage_path}, up to "

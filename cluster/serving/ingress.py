@@ -89,7 +89,7 @@ class OpenAIIngress(
         lora_models: list[str] | None = None,
         cold_start_timeouts: dict[str, float] | None = None,
         responses_store_spec: tuple[str, dict[str, Any]] | None = None,
-        prefill: dict[str, tuple[DeploymentHandle, float]] | None = None,
+        prefill: dict[str, tuple[DeploymentHandle, float, str]] | None = None,
         awake_spec: tuple[dict[str, int], int, float] | None = None,
     ) -> None:
         self.servers = servers
@@ -110,7 +110,8 @@ class OpenAIIngress(
         self.channel = TokenChannel()
         # /v1/responses results: the application's store (an actor every replica sees).
         self.responses_store = responses_store(responses_store_spec)
-        # Disaggregated models: their prefill pool and how long a prompt waits for it.
+        # Disaggregated models: their prefill pool, how long a prompt waits for it, and the
+        # KV connector between the pools.
         self.prefill = prefill or {}
         # sleep_mode.max_awake_models: the models that take turns being awake.
         self._init_awake(awake_spec)
@@ -157,8 +158,8 @@ class OpenAIIngress(
         base = model if adapter is None else model[: -len(adapter) - 1]
         await self._admit(base)
         if base in self.prefill:
-            prefill, timeout_s = self.prefill[base]
-            await run_prefill(prefill, adapter, payload, timeout_s, model)
+            prefill, timeout_s, connector = self.prefill[base]
+            payload = await run_prefill(prefill, adapter, payload, timeout_s, model, connector)
         request_id = payload.request_id
         payload = msgspec.structs.replace(
             payload, adapter=adapter, channel=await self.channel.sink()

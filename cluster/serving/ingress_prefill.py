@@ -6,9 +6,12 @@ the ingress before it opens the request's stream on the decode pool:
        └─ the request as sent ───────> decode pool (kv_consumer: loads them, computes the rest)
 
 The prefill request renders the same prompt (messages, tools, template variables, adapter and
-cache salt are the request's), so its blocks have the hashes the decode pool looks up. The
-hop never fails a request: a timeout, a refusal or a dead prefill replica only costs the
-decode pool the prompt's compute (its engine recomputes what the store does not hold)."""
+cache salt are the request's), so its blocks have the hashes the decode pool looks up. With
+``NixlConnector`` it asks for remote decode (``kv_transfer_params``, vLLM's), and the decode
+request carries the ``kv_transfer_params`` the prefill's last message returned (where the
+decode engine reads the blocks from). The hop never fails a request: a timeout, a refusal or
+a dead prefill replica only costs the decode pool the prompt's compute (its engine recomputes
+what it cannot load)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,12 @@ import msgspec
 import ray
 from ray.serve.exceptions import BackPressureError
 
-from cluster.api.replica_messages import GenerateRequest, StreamError, new_request_id
+from cluster.api.replica_messages import (
+    GenerateRequest,
+    StreamDelta,
+    StreamError,
+    new_request_id,
+)
 
 logger = logging.getLogger("llm_cluster.serve")
 
@@ -28,48 +36,88 @@ logger = logging.getLogger("llm_cluster.serve")
 _PROMPT_PARAMS = ("truncate_prompt_tokens",)
 
 
-def prefill_request(payload: GenerateRequest) -> GenerateRequest:
-    """The prefill pool's request for ``payload``: its prompt, one greedy token, nothing else."""
+def prefill_request(
+    payload: GenerateRequest, connector: str = "SharedStorageConnector"
+) -> GenerateRequest:
+    """The prefill pool's request for ``payload``: its prompt, one greedy token, nothing else
+    (``NixlConnector``: and the ask to hold its blocks for a remote decode)."""
     params: dict[str, Any] = {"max_tokens": 1, "temperature": 0.0}
     params.update((k, payload.params[k]) for k in _PROMPT_PARAMS if k in payload.params)
+    if connector == "NixlConnector":
+        params["extra_args"] = {"kv_transfer_params": {"do_remote_decode": True}}
     return msgspec.structs.replace(
         payload, params=params, request_id=new_request_id(), echo=False, channel=None,
         timeout=None,
     )  # fmt: skip
 
 
+def decode_request(
+    payload: GenerateRequest, kv_transfer_params: dict[str, Any] | None
+) -> GenerateRequest:
+    """``payload`` for the decode pool: as sent, with the prefill's ``kv_transfer_params``
+    (``extra_args``, vLLM's place) when it returned some."""
+    if not kv_transfer_params:
+        return payload
+    extra = {**(payload.params.get("extra_args") or {}), "kv_transfer_params": kv_transfer_params}
+    return msgspec.structs.replace(payload, params={**payload.params, "extra_args": extra})
+
+
 async def run_prefill(
-    handle: Any, adapter: str | None, payload: GenerateRequest, timeout_s: float, model: str
-) -> bool:
-    """Prefill ``payload``'s prompt on ``handle`` (the prefill pool); True when it finished
-    within ``timeout_s``. Failures are logged, never raised."""
+    handle: Any,
+    adapter: str | None,
+    payload: GenerateRequest,
+    timeout_s: float,
+    model: str,
+    connector: str = "SharedStorageConnector",
+) -> GenerateRequest:
+    """Prefill ``payload``'s prompt on ``handle`` (the prefill pool), for at most
+    ``timeout_s``; returns the decode pool's request (``decode_request``). Failures are
+    logged, never raised: the request goes on as sent."""
+    params = await prefill(handle, adapter, payload, timeout_s, model, connector)
+    return decode_request(payload, params)
+
+
+async def prefill(
+    handle: Any,
+    adapter: str | None,
+    payload: GenerateRequest,
+    timeout_s: float,
+    model: str,
+    connector: str = "SharedStorageConnector",
+) -> dict[str, Any] | None:
+    """The prefill hop: None when it did not finish within ``timeout_s`` (or failed), else
+    the ``kv_transfer_params`` its last message carried (``{}``: none)."""
     if adapter is not None:
         handle = handle.options(multiplexed_model_id=adapter)
-    stream = handle.options(stream=True).generate.remote(prefill_request(payload))
+    stream = handle.options(stream=True).generate.remote(prefill_request(payload, connector))
     try:
-        error = await asyncio.wait_for(_last_error(stream), timeout_s)
+        error, params = await asyncio.wait_for(_last_item(stream), timeout_s)
     except TimeoutError:
         logger.warning("model %s: prefill took over %.3g s; decode computes the prompt", model,
                        timeout_s)  # fmt: skip
-        return False
+        return None
     except (ray.exceptions.RayError, BackPressureError) as exc:
         logger.warning("model %s: prefill failed (%s); decode computes the prompt", model,
                        type(exc).__name__)  # fmt: skip
-        return False
+        return None
     finally:
         stream.cancel()
     if error is not None:
         logger.warning("model %s: prefill refused (%s); decode computes the prompt", model,
                        error.message)  # fmt: skip
-        return False
-    return True
+        return None
+    return params
 
 
-async def _last_error(stream: Any) -> StreamError | None:
+async def _last_item(stream: Any) -> tuple[StreamError | None, dict[str, Any]]:
+    """The stream's error, or the kv_transfer_params of its last delta."""
+    params: dict[str, Any] = {}
     async for item in stream:
         if isinstance(item, StreamError):
-            return item
-    return None
+            return item, params
+        if isinstance(item, StreamDelta) and item.kv_transfer_params:
+            params = item.kv_transfer_params
+    return None, params
 
 
-__all__ = ["prefill_request", "run_prefill"]
+__all__ = ["decode_request", "prefill", "prefill_request", "run_prefill"]

@@ -236,7 +236,7 @@ class LLMServer(PoolingServer, SleepServer):
                     self.metrics.on_adapter_tokens(request.adapter, sum(n for _, n in item.steps))
                 last = item
                 if sink is None:
-                    yield StreamDelta(item.deltas)
+                    yield StreamDelta(item.deltas, item.output.kv_transfer_params)
             if timeout is not None and _was_aborted(last):
                 yield error_item(408, f"the request exceeded its timeout of {timeout} s",
                                  "timeout")  # fmt: skip

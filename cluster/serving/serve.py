@@ -42,13 +42,15 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
     if not isinstance(config, DeploymentConfig):
         config = load_config(config)
     servers: dict[str, Any] = {}
-    # Disaggregated models: model id -> (its prefill pool, how long a prompt waits for it).
-    prefill: dict[str, tuple[Any, float]] = {}
+    # Disaggregated models: model id -> (its prefill pool, how long a prompt waits for it,
+    # the KV connector between the pools).
+    prefill: dict[str, tuple[Any, float, str]] = {}
     for m in config.models:
         for role, pool in m.pools():
             if role == "prefill" and m.disaggregation is not None:
                 timeout_s = m.disaggregation.prefill_timeout_s
-                prefill[m.model_id] = (_server_deployment(pool, role), timeout_s)
+                connector = pool.engine_kwargs["kv_transfer_config"]["kv_connector"]
+                prefill[m.model_id] = (_server_deployment(pool, role), timeout_s, connector)
             else:
                 servers[m.model_id] = _server_deployment(pool, role)
     hashes = config.api_keys.load_key_hashes() if config.api_keys else []

@@ -152,6 +152,7 @@ class _Stream:
             delta.finished,
             prompt_logprobs=delta.prompt_logprobs,
             num_cached_tokens=delta.num_cached_tokens,
+            kv_transfer_params=delta.kv_transfer_params,
         )
 
     def absorb(self, delta: RequestDelta) -> None:
@@ -171,6 +172,8 @@ class _Stream:
             output.prompt_logprobs = delta.prompt_logprobs
         output.num_cached_tokens = delta.num_cached_tokens
         output.finished = delta.finished
+        if delta.kv_transfer_params is not None:
+            output.kv_transfer_params = delta.kv_transfer_params
 
 
 class AsyncLLMEngine:

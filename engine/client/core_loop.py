@@ -100,6 +100,7 @@ class _RequestTracker:
             finished=output.finished,
             num_cached_tokens=output.num_cached_tokens,
             prompt_logprobs=output.prompt_logprobs,
+            kv_transfer_params=output.kv_transfer_params,
         )
 
 

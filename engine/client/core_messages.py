@@ -9,7 +9,7 @@ messages serve a core on a thread and a core in another process (``cluster.servi
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -74,6 +74,9 @@ class RequestDelta(msgspec.Struct, array_like=True):
     # ``cluster.serving.head_actor``: the choices' finishes and counts, no tokens), which may
     # stand for several steps: each step's end (time.time()) and its tokens, oldest first.
     steps: list[tuple[float, int]] | None = None
+    # Set on a finished request's last delta when its engine holds its blocks for another
+    # engine's read (NixlConnector: RequestOutput.kv_transfer_params).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -108,6 +111,7 @@ def merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
         finished=any(d.finished for d in deltas),
         num_cached_tokens=last.num_cached_tokens,
         prompt_logprobs=prompt_logprobs,
+        kv_transfer_params=last.kv_transfer_params,
     )
 
 

@@ -61,7 +61,7 @@ from engine.errors import (
     EngineStateError,
     InvalidRequestError,
 )
-from engine.kv_transfer.scheduler import KVTransferScheduler
+from engine.kv_transfer.connector import make_kv_scheduler
 from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
@@ -84,6 +84,9 @@ EngineOutput = RequestOutput | PoolingRequestOutput
 
 # The sampling_params every Request carries; a pooling request never samples.
 _POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
+# NixlConnector: how often an otherwise idle engine looks for the notifications that release
+# blocks held for a decode engine's read.
+TRANSFER_POLL_S = 0.005
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
@@ -156,7 +159,11 @@ class LLMEngine:
             max_loras=lora.max_loras if lora.enable_lora else None,
         )
         if config.kv_transfer.kv_transfer_config is not None:
-            self.scheduler.kv_transfer = KVTransferScheduler(config, self.block_manager)
+            kv = make_kv_scheduler(config, self.block_manager)
+            kv.register_workers(
+                [m for m in self.executor.collective_rpc("kv_transfer_metadata") if m]
+            )
+            self.scheduler.kv_transfer = kv
         self.structured_output = StructuredOutputManager(
             self.tokenizer, config.model.vocab_size, self.eos_token_ids
         )
@@ -466,11 +473,19 @@ class LLMEngine:
         self.step_timer.start()
         scheduled = self.schedule_batch()
         if scheduled is None:
+            self._wait_for_transfers()
             return []
         sched, message = scheduled
         output = self.executor.execute_model(message)
         self.step_timer.lap("execute")
         return self.finish_batch(sched, output)
+
+    def _wait_for_transfers(self) -> None:
+        """Nothing to run but blocks held for a decode engine's read (NixlConnector): wait a
+        little before the next poll rather than spin."""
+        kv = self.scheduler.kv_transfer
+        if kv is not None and kv.has_pending and not self.scheduler.has_unfinished_requests():
+            time.sleep(TRANSFER_POLL_S)
 
     def _step_pipelined(self) -> list[EngineOutput]:
         clock = self.step_timer
@@ -484,6 +499,7 @@ class LLMEngine:
             if sched.total_num_scheduled_tokens == 0:
                 break  # only finished ids to pass on: nothing else is schedulable
         if not self._batches:
+            self._wait_for_transfers()
             return []
         sched, future = self._batches.popleft()
         try:
@@ -717,6 +733,10 @@ class LLMEngine:
         level = check_sleep_level(level)
         if self._sleep_level is not None:
             raise EngineSleepingError(self._sleep_level)
+        transfer = self.config.kv_transfer.kv_transfer_config
+        if transfer is not None and transfer.kv_connector == "NixlConnector":
+            # Its agents registered the KV cache's memory and handed it to decode engines.
+            raise EngineStateError("sleep: not with kv_connector NixlConnector")
         self._flush_finished()
         if self.has_unfinished_requests():
             raise EngineStateError(
@@ -755,8 +775,11 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or batches still in flight (whose outputs a step takes)."""
-        return self.scheduler.has_unfinished_requests() or bool(self._batches)
+        """Requests not finished, batches still in flight (whose outputs a step takes), or
+        blocks held for another engine's read (released by a step)."""
+        kv = self.scheduler.kv_transfer
+        pending = kv is not None and kv.has_pending
+        return self.scheduler.has_unfinished_requests() or bool(self._batches) or pending
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests)
@@ -794,6 +817,9 @@ class LLMEngine:
             "finished_not_flushed": len(sched._finished_req_ids),
             "requests_in_flight": len(sched.in_flight),
             "batches_in_flight": len(self._batches),
+            "kv_requests_held_for_transfer": (
+                sched.kv_transfer.num_held if sched.kv_transfer is not None else 0
+            ),
             **blocks.table_sizes(),
             "grammar_matchers": sum(
                 s.grammar is not None for g in self._groups.values() for s in g.samples

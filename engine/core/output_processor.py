@@ -172,6 +172,7 @@ def _request_output(
         finished=group.finished,
         num_cached_tokens=max(first.num_cached_tokens, 0),
         prompt_logprobs=prompt_logprobs,
+        kv_transfer_params=first.kv_transfer_params if group.finished else None,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -82,6 +82,13 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.lora_request = lora_request
+        # NixlConnector (engine.kv_transfer.nixl): the remote prefill this request reads its
+        # prompt blocks from (taken at its first admission, never read again), and, on a
+        # prefill engine, what its output hands the decode engine.
+        self.remote_prefill: dict[str, Any] | None = (
+            sampling_params.kv_transfer_params if index == 0 else None
+        )
+        self.kv_transfer_params: dict[str, Any] | None = None
         # 0: the base model. The scheduler caps the distinct ids of running requests.
         self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         self.output_token_ids: list[int] = []

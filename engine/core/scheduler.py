@@ -26,12 +26,13 @@ import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.block_pool import KVCacheBlock
 from engine.core.request import Request, RequestStatus
-from engine.kv_transfer.scheduler import KVTransferScheduler
+from engine.kv_transfer.connector import KVConnectorScheduler
 from engine.worker.step_messages import CachedRequestData, ExecuteModelRequest, NewRequestData
 
 logger = logging.getLogger("llm_cluster.scheduler")
@@ -95,10 +96,13 @@ class SchedulerOutput:
     # num_scheduled_tokens).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # kv_transfer_config: stored blocks each admitted request loads, (hash, block id) from its
-    # block ``kv_load_first[rid]`` on; prompt blocks earlier steps completed, to store.
-    kv_loads: dict[str, list[tuple[bytes, int]]] = field(default_factory=dict)
+    # block ``kv_load_first[rid]`` on (NixlConnector: (remote block id, block id)); prompt
+    # blocks earlier steps completed, to store.
+    kv_loads: dict[str, list[tuple[bytes | int, int]]] = field(default_factory=dict)
     kv_load_first: dict[str, int] = field(default_factory=dict)
     kv_saves: list[tuple[bytes, int]] = field(default_factory=list)
+    # NixlConnector: where each request's kv_loads are read from (the prefill's agents).
+    kv_load_sources: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -169,7 +173,7 @@ class Scheduler:
         self.in_flight: set[str] = set()
         self._batch_cap = 0  # the most requests the batch being scheduled may take
         # kv_transfer_config: blocks loaded from and saved to the store (set by the engine).
-        self.kv_transfer: KVTransferScheduler | None = None
+        self.kv_transfer: KVConnectorScheduler | None = None
 
     # ---- request lifecycle --------------------------------------------------------------
 
@@ -178,7 +182,8 @@ class Scheduler:
         computed."""
         forks = list(forks)
         for r in [request, *forks]:
-            if r.request_id in self.requests:
+            held = self.kv_transfer is not None and self.kv_transfer.holds(r.request_id)
+            if r.request_id in self.requests or held:
                 raise ValueError(f"request_id: {r.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -220,7 +225,9 @@ class Scheduler:
             self.running.remove(request)
         if request in self.swapped:
             self.swapped.remove(request)
-        self.block_manager.free(request)
+        # NixlConnector: a prefill for remote decode keeps its blocks until they are read.
+        if self.kv_transfer is None or not self.kv_transfer.hold(request):
+            self.block_manager.free(request)
         self.block_manager.free_swapped(request)
         self.requests.pop(request.request_id, None)
         self._finished_req_ids.append(request.request_id)
@@ -243,6 +250,8 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll()
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
         self._batch_cap = self._requests_per_batch()
@@ -471,6 +480,9 @@ class Scheduler:
                 loads = self.kv_transfer.admit(request, num_cached, stored)
                 if loads:
                     out.kv_loads[request.request_id] = loads
+                    source = self.kv_transfer.load_source(request.request_id)
+                    if source is not None:
+                        out.kv_load_sources[request.request_id] = source
                     out.kv_load_first[request.request_id] = (
                         num_cached // self.block_manager.block_size
                     )
@@ -659,4 +671,5 @@ def make_execute_model_request(out: SchedulerOutput) -> ExecuteModelRequest:
         scheduled_spec_decode_tokens=dict(out.spec_token_ids),
         kv_saves=out.kv_saves,
         kv_loads=out.kv_loads,
+        kv_load_sources=out.kv_load_sources,
     )

@@ -6,23 +6,38 @@ kv_transfer_config:
   kv_connector_extra_config:
     shared_storage_path: /dev/shm/llm-cluster-kv   # default: /dev/shm (else the temp dir)
     max_storage_bytes: 4294967296                  # the store's size bound (LRU beyond it)
+
+kv_transfer_config:
+  kv_connector: NixlConnector  # decode reads the prefill engine's blocks (NIXL READ)
+  kv_role: kv_both            # kv_producer: prefills for remote decode; kv_consumer: reads
+  kv_connector_extra_config:
+    abort_request_timeout_s: 480   # a prefill holds unread blocks this long at most
+    transfer_timeout_s: 30         # a read not done by then is recomputed
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.kv_cache_groups import kv_cache_group_specs
-from engine.validation import check_choice, check_int, require
+from engine.validation import check_choice, check_int, check_number, require
 
-CONNECTORS = ("SharedStorageConnector",)
+CONNECTORS = ("SharedStorageConnector", "NixlConnector")
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 _KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
-_EXTRA_KEYS = ("shared_storage_path", "max_storage_bytes")
+# Each connector's kv_connector_extra_config keys.
+_EXTRA_KEYS = {
+    "SharedStorageConnector": ("shared_storage_path", "max_storage_bytes"),
+    "NixlConnector": ("abort_request_timeout_s", "transfer_timeout_s"),
+}
 DEFAULT_MAX_STORAGE_BYTES = 4 << 30
+# vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default.
+DEFAULT_ABORT_REQUEST_TIMEOUT_S = 480.0
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 
 
 def default_storage_path() -> str:
@@ -34,10 +49,13 @@ def default_storage_path() -> str:
 
 @dataclass(frozen=True)
 class KVConnectorExtraConfig:
-    """``kv_transfer_config.kv_connector_extra_config``: ``SharedStorageConnector``'s store."""
+    """``kv_transfer_config.kv_connector_extra_config``: ``SharedStorageConnector``'s store,
+    or ``NixlConnector``'s timeouts (each connector accepts only its own keys)."""
 
     shared_storage_path: str = field(default_factory=default_storage_path)
     max_storage_bytes: int = DEFAULT_MAX_STORAGE_BYTES
+    abort_request_timeout_s: float = DEFAULT_ABORT_REQUEST_TIMEOUT_S
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         key = "kv_transfer_config.kv_connector_extra_config."
@@ -47,6 +65,8 @@ class KVConnectorExtraConfig:
             f"must be a directory path, got {self.shared_storage_path!r}",
         )
         check_int(self.max_storage_bytes, key + "max_storage_bytes", ge=1 << 20, note="bytes")
+        for name in ("abort_request_timeout_s", "transfer_timeout_s"):
+            check_number(getattr(self, name), key + name, gt=0, note="seconds")
 
 
 @dataclass(frozen=True)
@@ -69,6 +89,14 @@ class KVTransferConfig:
     @property
     def max_storage_bytes(self) -> int:
         return self.kv_connector_extra_config.max_storage_bytes
+
+    @property
+    def abort_request_timeout_s(self) -> float:
+        return self.kv_connector_extra_config.abort_request_timeout_s
+
+    @property
+    def transfer_timeout_s(self) -> float:
+        return self.kv_connector_extra_config.transfer_timeout_s
 
     @property
     def saves(self) -> bool:
@@ -106,11 +134,14 @@ class KVTransferConfig:
             "kv_transfer_config.kv_connector_extra_config",
             f"must be a mapping, got {extra!r}",
         )
+        check_choice(value["kv_connector"], "kv_transfer_config.kv_connector", CONNECTORS)
+        keys = _EXTRA_KEYS[value["kv_connector"]]
         for name in extra:
             require(
-                name in _EXTRA_KEYS,
+                name in keys,
                 f"kv_transfer_config.kv_connector_extra_config.{name}",
-                f"must be one of the keys {', '.join(_EXTRA_KEYS)}, got an unknown key",
+                f"must be one of {value['kv_connector']}'s keys {', '.join(keys)}, got an "
+                "unknown key",
             )
         fields = {k: v for k, v in value.items() if k != "kv_connector_extra_config"}
         return cls(**fields, kv_connector_extra_config=KVConnectorExtraConfig(**extra))
@@ -119,12 +150,15 @@ class KVTransferConfig:
 @dataclass(frozen=True)
 class KVTransferArgs:
     """``EngineConfig.kv_transfer``: the ``kv_transfer_config`` engine argument, kept parsed
-    (None: no connector, the engine unchanged), and the store's directory for this engine
-    (``engine.kv_transfer.store.store_namespace``), set once by ``EngineConfig.from_kwargs`` on
-    the head: every worker uses the head's."""
+    (None: no connector, the engine unchanged), the store's directory for this engine
+    (``engine.kv_transfer.store.store_namespace``: also the layout another engine's blocks
+    must have to be read), and ``engine_id``: a name with a nonce drawn at this start, so a
+    restarted engine's blocks are never read through a handle of its previous life. Both are
+    set once by ``EngineConfig.from_kwargs`` on the head: every worker uses the head's."""
 
     kv_transfer_config: KVTransferConfig | None = None
     namespace: str = ""
+    engine_id: str = ""
 
     def __post_init__(self) -> None:
         parsed = KVTransferConfig.from_arg(self.kv_transfer_config)
@@ -136,12 +170,25 @@ def check_kv_transfer_support(
     hf: dict[str, Any],
     max_model_len: int,
     enable_prefix_caching: bool,
+    data_parallel_size: int = 1,
 ) -> None:
     """Engine settings the connector cannot serve exactly, refused before anything is placed:
     it keys blocks by their prefix-cache hash, and it moves one block table's blocks (a model
     whose sliding-window layers keep blocks of their own has several)."""
     if kv is None:
         return
+    require(
+        kv.kv_connector != "NixlConnector"
+        or any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu12")),
+        "kv_transfer_config.kv_connector",
+        "NixlConnector needs NIXL, which is not installed (pip install 'nixl-cu12>=1.5.1,<2')",
+    )
+    require(
+        kv.kv_connector != "NixlConnector" or data_parallel_size == 1,
+        "kv_transfer_config.kv_connector",
+        "NixlConnector names one engine's agents per handle: run data-parallel ranks as "
+        f"replicas instead, got data_parallel_size {data_parallel_size}",
+    )
     require(
         enable_prefix_caching,
         "kv_transfer_config",

@@ -13,10 +13,13 @@ store when it is admitted, which computed prompt blocks to save, and what a fail
                                        block not loaded (recomputed), nothing else changes
 
 Only whole prompt blocks are stored (the prefixes a later request shares; LMCache's default);
-the last prompt token is always computed, as with device hits.
+the last prompt token is always computed, as with device hits. ``NixlConnector``'s head side
+(``engine.kv_transfer.nixl``) has the same interface (``engine.kv_transfer.connector``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
@@ -86,6 +89,32 @@ class KVTransferScheduler:
     def take_saves(self) -> list[tuple[bytes, int]]:
         saves, self._pending_saves = self._pending_saves, []
         return saves
+
+    def load_source(self, request_id: str) -> dict[str, Any] | None:
+        """Where a request's loads come from besides the keys: the store needs nothing."""
+        return None
+
+    def hold(self, request: Request) -> bool:
+        """A finishing request's blocks are freed at once (the store has copies)."""
+        return False
+
+    def holds(self, request_id: str) -> bool:
+        return False
+
+    @property
+    def num_held(self) -> int:
+        """Finished requests whose blocks are held for another engine's read."""
+        return 0
+
+    @property
+    def has_pending(self) -> bool:
+        return False
+
+    def poll(self) -> None:
+        """Nothing waits on another engine."""
+
+    def register_workers(self, metadata: list[dict[str, Any]]) -> None:
+        """The workers need no introduction: they share the store's directory."""
 
     def failed(self, request: Request, first: int, loaded: int, requested: int) -> None:
         """A rank loaded only ``loaded`` of the ``requested`` blocks from block ``first``: the

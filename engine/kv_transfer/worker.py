@@ -7,6 +7,7 @@ reads the heads it holds from files that workers of another TP size wrote."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -85,11 +86,22 @@ class WorkerKVTransfer:
                         self._save_error_logged = True
                     return
 
+    def register(self, caches: list[torch.Tensor]) -> None:
+        """Nothing to register: blocks go through files."""
+
+    def metadata(self) -> dict[str, Any] | None:
+        """Nothing to introduce: every engine of the node shares the store's directory."""
+        return None
+
     def load(
-        self, caches: list[torch.Tensor], loads: dict[str, list[tuple[bytes, int]]]
+        self,
+        caches: list[torch.Tensor],
+        loads: dict[str, list[tuple[Any, int]]],
+        sources: dict[str, dict[str, Any]] | None = None,
     ) -> dict[str, int]:
         """Copy stored blocks into the cache; returns the requests whose blocks did not all
-        load, with how many of them (from the first) did."""
+        load, with how many of them (from the first) did. (``sources``: the store needs
+        none; ``NixlWorkerTransfer.load``'s signature.)"""
         failures: dict[str, int] = {}
         shards = self._shard_slots(caches)
         sizes = {

@@ -33,7 +33,7 @@ from engine.core.kv_cache_groups import (
     kv_cache_group_specs,
 )
 from engine.core.structured_output import apply_grammar_bitmask
-from engine.kv_transfer.worker import WorkerKVTransfer
+from engine.kv_transfer.connector import WorkerKVConnector, make_worker_kv_transfer
 from engine.lora import WorkerLoRAManager
 from engine.pooling_params import PoolingParams
 from engine.spec_decode.draft import DraftModel
@@ -104,11 +104,11 @@ class ModelRunner:
         self.device = device
         self.ctx = ctx or ParallelContext()
         # kv_transfer_config: this worker's shard of stored blocks (engine.kv_transfer).
-        self.kv_transfer: WorkerKVTransfer | None = None
+        self.kv_transfer: WorkerKVConnector | None = None
         if config.kv_transfer.kv_transfer_config is not None:
             tp = self.ctx.tp
             num_model_caches = len(model.attention_layers())
-            self.kv_transfer = WorkerKVTransfer(
+            self.kv_transfer = make_worker_kv_transfer(
                 config, self.ctx.pp.rank, tp.rank, tp.size, num_model_caches
             )
         self.block_size = config.cache.block_size
@@ -197,6 +197,8 @@ class ModelRunner:
                 )
                 self.group_cpu_caches[g].append(cpu_cache)
         self.kv_caches = [a.kv_cache for a in self.model.attention_layers()]
+        if self.kv_transfer is not None:
+            self.kv_transfer.register(self.group_caches[0])
         if self.draft is not None:
             self.draft.kv_caches = [a.kv_cache for a in self.draft.model.attention_layers()]
         if max(blocks) and self.uses_cuda_graphs():
@@ -545,7 +547,7 @@ class ModelRunner:
             transfer.save(self.group_caches[0], req.kv_saves)
         self.apply_block_ops(req)
         if transfer is not None and req.kv_loads:
-            kv_failures = transfer.load(self.group_caches[0], req.kv_loads)
+            kv_failures = transfer.load(self.group_caches[0], req.kv_loads, req.kv_load_sources)
         output = self._execute(req)
         if self._lora_errors or kv_failures:
             if output is None:

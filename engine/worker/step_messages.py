@@ -8,6 +8,8 @@ structs with an explicit msgpack codec: nothing here is ever pickled.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from engine.pooling_params import PoolingParams
@@ -79,8 +81,11 @@ class ExecuteModelRequest(msgspec.Struct, kw_only=True):
     # store as (block hash, block id), saved before anything of this step writes the cache;
     # and per request, stored blocks to load as (block hash, block id) in table order, loaded
     # before the forward pass (the request's num_computed_tokens counts them).
+    # NixlConnector: the blocks to read are (remote block id, block id), from the agents that
+    # kv_load_sources[rid] names (engine.kv_transfer.nixl_worker).
     kv_saves: list[tuple[bytes, int]] = []
-    kv_loads: dict[str, list[tuple[bytes, int]]] = {}
+    kv_loads: dict[str, list[tuple[bytes | int, int]]] = {}
+    kv_load_sources: dict[str, dict[str, Any]] = {}
 
     @property
     def is_empty(self) -> bool:

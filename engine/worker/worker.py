@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -356,6 +357,12 @@ class Worker:
         self.runner.capture_cuda_graphs()
         if self.expert_load_counter is not None:  # the profile run's dummy tokens routed too
             self.expert_load_counter.reset()
+
+    def kv_transfer_metadata(self) -> dict[str, Any] | None:
+        """What another engine needs to reach this worker's KV cache (NixlConnector: its
+        agent and cache layout), once the cache is allocated; None for other connectors."""
+        transfer = self.runner.kv_transfer
+        return transfer.metadata() if transfer is not None else None
 
     def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput | None:
         return self.runner.execute_model(request)

@@ -16,7 +16,7 @@ import yaml
 
 from cluster.api.replica_messages import GenerateRequest, StreamError, StreamStart
 from cluster.config import load_config
-from cluster.serving.ingress_prefill import prefill_request, run_prefill
+from cluster.serving.ingress_prefill import prefill, prefill_request
 from engine.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -62,7 +62,8 @@ def test_each_pool_deploys_under_its_own_name() -> None:
     assert list(servers) == ["tiny-llama"] and list(prefill) == ["tiny-llama"]
     decode = servers["tiny-llama"]._bound_deployment
     assert decode.name == "LLMServer:tiny-llama" and decode.init_args[0] == "tiny-llama"
-    app_of_prefill, timeout_s = prefill["tiny-llama"]
+    app_of_prefill, timeout_s, connector = prefill["tiny-llama"]
+    assert connector == "SharedStorageConnector"
     prefill_pool = app_of_prefill._bound_deployment
     assert prefill_pool.name == "LLMServer:tiny-llama:prefill"
     assert prefill_pool.init_args[0] == "tiny-llama:prefill" and timeout_s == 30.0
@@ -165,7 +166,7 @@ def test_the_prefill_hop_never_fails_the_request(
 ) -> None:
     stream = ScriptedStream(items, delay_s)
     handle = ScriptedHandle(stream)
-    result = asyncio.run(run_prefill(handle, "alpha", PAYLOAD, 0.1, "m"))
-    assert result is finished
+    result = asyncio.run(prefill(handle, "alpha", PAYLOAD, 0.1, "m"))
+    assert (result is not None) is finished
     assert stream.cancelled  # whatever happened, the prefill request is not left running
     assert {"multiplexed_model_id": "alpha"} in handle.options_seen

@@ -51,6 +51,8 @@ def test_without_a_limit_models_sleep_only_on_their_own() -> None:
         (lambda c: (c["models"][0]["model_loading_config"].update(
             model_source="builtin:tiny-qwen3-moe"), c["models"][0]["engine_kwargs"].update(
             data_parallel_size=2, enable_expert_parallel=True)), "models[0].sleep_config"),
+        (lambda c: c["models"][0]["engine_kwargs"].update(kv_transfer_config={
+            "kv_connector": "NixlConnector", "kv_role": "kv_both"}), "models[0].sleep_config"),
         (lambda c: c["sleep_mode"].update(max_awake_models=0), "sleep_mode.max_awake_models"),
         (lambda c: c.setdefault("http_options", {}).update(ingress_replicas=2),
          "sleep_mode.max_awake_models"),

@@ -107,6 +107,18 @@ def test_cluster_plan_shows_the_kv_store_and_how_many_blocks_it_holds(
     assert model["kv_store"]["kv_connector_extra_config"]["max_storage_bytes"] == 64 << 30
 
 
+def test_plan_shows_nixl_transfers_block_size_and_how_long_unread_blocks_are_held(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"abort_request_timeout_s": 120}}  # fmt: skip
+    assert main(["plan", str(llama70b_yaml(tmp_path, kv_transfer_config=kv))]) == 0
+    assert (
+        "KV transfer (NixlConnector, kv_producer): blocks of 5.0 MiB read from the prefill "
+        "engine's KV cache with NIXL; unread ones held at most 120 s"
+    ) in capsys.readouterr().out
+
+
 def test_cluster_plan_json_carries_every_figure(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

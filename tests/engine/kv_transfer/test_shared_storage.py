@@ -186,8 +186,9 @@ def test_n_samples_logprobs_and_a_request_without_reuse(tmp_path: Path) -> None:
 def test_configs_the_connector_cannot_serve_are_refused_by_name(tmp_path: Path) -> None:
     kv = _kv(tmp_path)
     refused = [
-        ({"kv_transfer_config": {**kv, "kv_connector": "NixlConnector"}},
-         r"^kv_transfer_config.kv_connector: must be one of 'SharedStorageConnector'"),
+        ({"kv_transfer_config": {**kv, "kv_connector": "LMCacheConnectorV1"}},
+         r"^kv_transfer_config.kv_connector: must be one of 'SharedStorageConnector', "
+         r"'NixlConnector'"),
         ({"kv_transfer_config": {**kv, "kv_role": "kv_sender"}},
          r"^kv_transfer_config.kv_role: must be one of 'kv_both', 'kv_producer', 'kv_consumer'"),
         ({"kv_transfer_config": {**kv, "kv_buffer_size": 1}},
