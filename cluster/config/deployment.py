@@ -131,6 +131,9 @@ class PrefixRouterConfig:
     # Below this fraction of the prompt matched, the request goes to the least-loaded replica.
     min_match_fraction: float = 0.1
     routing_stats_period_s: float = 1.0  # how often replicas report queue / KV usage
+    # With a KV store on each node (kv_transfer_config SharedStorageConnector): a chunk that a
+    # replica's node's store holds counts this much of one in the replica's own cache.
+    kv_store_credit: float = 0.5
 
     def check(self, path: str) -> None:
         check_int(self.chunk_chars, f"{path}.chunk_chars", ge=1)
@@ -139,6 +142,7 @@ class PrefixRouterConfig:
         check_number(self.balance_rel_threshold, f"{path}.balance_rel_threshold", ge=1)
         check_number(self.min_match_fraction, f"{path}.min_match_fraction", ge=0, le=1)
         check_number(self.routing_stats_period_s, f"{path}.routing_stats_period_s", gt=0)
+        check_number(self.kv_store_credit, f"{path}.kv_store_credit", ge=0, le=1)
 
     def router_kwargs(self) -> dict[str, Any]:
         kwargs = dataclasses.asdict(self)
@@ -370,9 +374,12 @@ class ModelDeployment:
             kwargs = self.engine_kwargs | pool.engine_kwargs
             transfer = dict(kwargs.get("kv_transfer_config") or _DEFAULT_CONNECTOR)
             kwargs["kv_transfer_config"] = {**transfer, "kv_role": _KV_ROLES[role]}
+            deployment = pool.deployment_config
+            if role == "decode" and deployment.request_router is None:
+                # Prefill is routed by prefix (its cache hits), decode by load (pow2).
+                deployment = dataclasses.replace(deployment, request_router="pow2")
             pools.append((role, dataclasses.replace(
-                self, engine_kwargs=kwargs, deployment_config=pool.deployment_config,
-                disaggregation=None,
+                self, engine_kwargs=kwargs, deployment_config=deployment, disaggregation=None,
             )))  # fmt: skip
         return pools
 
@@ -445,11 +452,22 @@ class ModelDeployment:
         return per_replica * self.max_replicas
 
     def serve_options(self) -> dict[str, Any]:
+        options = self.deployment_config.serve_options()
+        router = options["request_router_config"]
+        if "request_router_kwargs" in router and not self.has_node_kv_store:
+            router["request_router_kwargs"]["kv_store_credit"] = 0.0
         return {
-            **self.deployment_config.serve_options(),
+            **options,
             "placement_group_bundles": self.placement_group_bundles(),
             "placement_group_strategy": self.placement_group_config.strategy,
         }
+
+    @property
+    def has_node_kv_store(self) -> bool:
+        """Whether the model's replicas load blocks from their node's KV store."""
+        transfer = self.engine_kwargs.get("kv_transfer_config") or {}
+        return transfer.get("kv_connector") == "SharedStorageConnector" and transfer.get(
+            "kv_role", "kv_both") != "kv_producer"  # fmt: skip
 
 
 @dataclass(frozen=True)

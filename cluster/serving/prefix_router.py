@@ -20,7 +20,10 @@ not a KV block boundary; the replica's real cache may have evicted what the rout
 Both only cost hit rate, never correctness. Load is the router's own count of requests in
 flight per replica (exact for this handle), and a replica whose reported KV usage
 (``record_routing_stats``) is above ``kv_full`` is treated as busy; one that reports itself
-asleep (sleep mode) is chosen only when every replica is.
+asleep (sleep mode) is chosen only when every replica is. With a KV store on each node
+(``SharedStorageConnector``), a chunk that any replica of a node computed counts
+``kv_store_credit`` (< 1) of a chunk for that node's replicas: a store hit ranks below a hit
+in the replica's own cache, above none.
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ class RouterSettings:
     balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5
     min_match_fraction: float = 0.1
+    kv_store_credit: float = 0.0  # a chunk in the replica's node's KV store, against its own
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ class ReplicaLoad(Generic[K]):
 
 def choose(
     replicas: Sequence[ReplicaLoad[K]],
-    matches: dict[K, int],
+    matches: dict[K, float],
     num_chunks: int,
     settings: RouterSettings,
     rng: random.Random | None = None,
@@ -210,6 +214,9 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):  # type: ignore[misc,valid-ty
     def initialize_state(self, **kwargs: Any) -> None:
         self.settings = RouterSettings(**kwargs)
         self.index: PrefixIndex[ReplicaID] = PrefixIndex(self.settings.max_chunks_per_replica)
+        # The chunks routed to each node (its KV store computed them), and each replica's node.
+        self.node_index: PrefixIndex[str] = PrefixIndex(self.settings.max_chunks_per_replica)
+        self._node_of: dict[ReplicaID, str] = {}
         self._in_flight: dict[ReplicaID, set[str]] = {}
         self._rng = random.Random()
         self._decisions = _routing_metrics()
@@ -263,7 +270,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):  # type: ignore[misc,valid-ty
                 candidate_replicas = holding
         hashes = self._hashes(pending_request)
         loads = [self._load(r) for r in candidate_replicas]
-        matches = {r.replica_id: self.index.match(r.replica_id, hashes) for r in candidate_replicas}
+        matches = self._matches(candidate_replicas, hashes)
         chosen, reason = choose(loads, matches, len(hashes), self.settings, self._rng)
         if pending_request is not None:
             # Recorded once per request; a retry (the chosen replica was full) does not count.
@@ -283,10 +290,24 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):  # type: ignore[misc,valid-ty
             ranks.append([by_id[lo.key] for lo in fallback_loads])
         return [rank for rank in ranks if rank]
 
+    def _matches(self, replicas: list[RunningReplica], hashes: list[int]) -> dict[Any, float]:
+        """Each replica's matched chunks: its own, or its node's KV store's at
+        ``kv_store_credit`` each (the store holds what any replica of the node computed)."""
+        matches: dict[Any, float] = {}
+        credit = self.settings.kv_store_credit
+        for replica in replicas:
+            own = self.index.match(replica.replica_id, hashes)
+            stored = self.node_index.match(replica.node_id, hashes) if credit else 0
+            matches[replica.replica_id] = max(own, credit * stored)
+        return matches
+
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
         self.index.insert(replica_id, self._hashes(pending_request))
+        node = self._node_of.get(replica_id)
+        if self.settings.kv_store_credit and node is not None:
+            self.node_index.insert(node, self._hashes(pending_request))
         internal_id = pending_request.metadata.internal_request_id
         self._in_flight.setdefault(replica_id, set()).add(internal_id)
 
@@ -295,6 +316,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):  # type: ignore[misc,valid-ty
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        self._node_of = {r.replica_id: r.node_id for r in replicas}
         alive = {r.replica_id for r in replicas}
         self.index.retain(alive)
         for replica_id in [k for k in self._in_flight if k not in alive]:

@@ -47,6 +47,9 @@ def test_pools_are_models_of_their_own_with_the_connector_roles() -> None:
     assert decode.engine_kwargs["kv_transfer_config"]["kv_role"] == "kv_consumer"
     assert prefill.deployment_config.max_replicas == 2
     assert decode.deployment_config.max_replicas == 3
+    # Prefill routed by its prefix cache, decode by load.
+    assert prefill.deployment_config.router == "prefix_aware"
+    assert decode.deployment_config.router == "pow2"
     # Both pools at their largest: what a local Ray must offer.
     per_replica = 2.0  # the front and the head
     assert model.cpus_at_max_scale() == per_replica * (2 + 3)
@@ -170,3 +173,14 @@ def test_the_prefill_hop_never_fails_the_request(
     assert (result is not None) is finished
     assert stream.cancelled  # whatever happened, the prefill request is not left running
     assert {"multiplexed_model_id": "alpha"} in handle.options_seen
+
+
+def test_the_kv_store_credit_reaches_the_router_only_with_a_node_kv_store() -> None:
+    data = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+    data["models"][0]["deployment_config"] = {"num_replicas": 2}
+    plain = load_config(data).models[0].serve_options()["request_router_config"]
+    assert plain["request_router_kwargs"]["kv_store_credit"] == 0.0
+    data["models"][0]["engine_kwargs"]["kv_transfer_config"] = {
+        "kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}  # fmt: skip
+    stored = load_config(data).models[0].serve_options()["request_router_config"]
+    assert stored["request_router_kwargs"]["kv_store_credit"] == 0.5

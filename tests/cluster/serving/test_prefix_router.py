@@ -7,6 +7,8 @@ import random
 from collections import Counter
 from types import SimpleNamespace
 
+import pytest
+
 from cluster.api.replica_messages import GenerateRequest
 from cluster.serving.prefix_router import (
     PrefixIndex,
@@ -170,15 +172,16 @@ def deployment_id() -> object:
     return DeploymentID(name="LLMServer:tiny", app_name="llm")
 
 
-def make_router(*replicas: FakeReplica) -> object:
+def make_router(*replicas: FakeReplica, **settings: object) -> object:
     from ray.serve._private.common import DeploymentHandleSource
 
     from cluster.serving.prefix_router import PrefixAwareRouter
 
     router = PrefixAwareRouter(deployment_id(), DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(chunk_chars=8)
+    router.initialize_state(chunk_chars=8, **settings)
     router._replicas = {r.replica_id: r for r in replicas}
     router._replica_id_set = set(router._replicas)
+    router._node_of = {r.replica_id: r.node_id for r in replicas}
     return router
 
 
@@ -218,6 +221,28 @@ def test_router_sends_a_repeated_prefix_to_the_replica_it_went_to_first() -> Non
     assert other[0][0] is not chosen  # no match: the least-loaded replica
     router.on_request_completed(chosen.replica_id, "1")
     assert len(router._in_flight[chosen.replica_id]) == 1
+
+
+@pytest.mark.parametrize("credit", [0.5, 0.0])
+def test_a_prefix_in_a_nodes_kv_store_draws_its_requests_to_that_nodes_replicas(
+    credit: float,
+) -> None:
+    import asyncio
+
+    a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
+    a.node_id = b.node_id = "node-1"
+    c.node_id = "node-2"
+    router = make_router(a, b, c, kv_store_credit=credit)
+    prompt = "the shared system prompt, long enough for chunks. "
+    first = pending(prompt + "user 1", "1")
+    asyncio.run(router.choose_replicas([a], first))
+    router.on_request_routed(first, a.replica_id, None)  # a computed it: node-1's store has it
+    router.on_request_completed(a.replica_id, "1")
+    picks = set()
+    for i in range(8):  # a is gone (or full): b shares node-1's store, c does not
+        ranks = asyncio.run(router.choose_replicas([b, c], pending(prompt + f"u{i}", f"x{i}")))
+        picks.add(ranks[0][0].node_id)
+    assert picks == ({"node-1"} if credit else {"node-1", "node-2"})
 
 
 def test_router_sends_a_lora_adapters_requests_to_the_replica_that_loaded_it() -> None:
