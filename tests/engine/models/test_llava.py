@@ -1,0 +1,148 @@
+"""LLaVA (``builtin:tiny-llava``): greedy output equals HF's ``LlavaForConditionalGeneration``
+with HF's ``LlavaProcessor`` on the same images, token for token (fp32), with one and two images
+per prompt at different sizes, under chunked prefill that splits an image's tokens, preemption
+and prefix caching; each image is encoded once per request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+from engine import LLM, SamplingParams
+from engine.builtin.catalog import resolve_model_source
+
+MAX_TOKENS = 24
+TOKENS_PER_IMAGE = 36  # (48 / 8)^2 patches; the class token is dropped
+ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
+TWO = "USER: <image> and then <image>\nCompare the two. ASSISTANT:"
+
+
+def image(seed: int, height: int, width: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8))
+
+
+# Sizes on both sides of the processor's 48x48: each is resized and centre-cropped.
+SIZES = [(40, 70), (96, 64), (48, 48), (200, 120), (33, 33), (64, 150)]
+IMAGES = [image(i, h, w) for i, (h, w) in enumerate(SIZES)]
+CASES: list[tuple[str, list[Image.Image]]] = [
+    (ONE, [IMAGES[0]]),
+    (ONE, [IMAGES[1]]),
+    (TWO, [IMAGES[2], IMAGES[3]]),
+    (TWO, [IMAGES[4], IMAGES[5]]),
+]
+
+
+class Reference:
+    def __init__(self) -> None:
+        self.path = resolve_model_source("builtin:tiny-llava")
+        self.processor = AutoProcessor.from_pretrained(self.path)
+        self.model = LlavaForConditionalGeneration.from_pretrained(
+            self.path, dtype=torch.float32
+        ).eval()
+
+    def generate(self, text: str, images: list[Image.Image]) -> list[int]:
+        inputs = self.processor(text=text, images=images, return_tensors="pt")
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def ref() -> Reference:
+    return Reference()
+
+
+@pytest.fixture(scope="module")
+def expected(ref: Reference) -> list[list[int]]:
+    return [ref.generate(text, images) for text, images in CASES]
+
+
+def _generate(cases: list[tuple[str, list[Image.Image]]], **engine_args: Any):
+    llm = LLM("builtin:tiny-llava", **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _encoder_stats(llm: LLM) -> dict[str, int]:
+    return llm.llm_engine.executor.collective_rpc("encoder_cache_stats")[0]
+
+
+def _assert_released(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.check_integrity()
+    stats = engine.get_kv_cache_stats()
+    assert stats.free == stats.total
+    assert engine.executor.collective_rpc("num_request_states") == [0]
+    assert _encoder_stats(llm)["num_cached"] == 0, "encoder outputs outlived their requests"
+
+
+SETTINGS = {
+    "defaults": {},
+    # 16-token chunks: each image's 36 tokens span three or four steps.
+    "chunked_prefill": {"max_num_batched_tokens": 16, "max_num_seqs": 4},
+    "preempt_recompute": {"num_kv_blocks": 14, "preemption_mode": "recompute"},
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_matches_hf(expected: list[list[int]], setting: str) -> None:
+    llm, got = _generate(CASES, **SETTINGS[setting])
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"{setting}: case {i} differs"
+    if setting.startswith("preempt"):
+        assert llm.llm_engine.scheduler.num_preemptions > 0, "the setting did not force preemption"
+    # Once per image and request: not per chunk, not again after a preemption.
+    assert _encoder_stats(llm)["num_encoded"] == sum(len(imgs) for _, imgs in CASES)
+    _assert_released(llm)
+
+
+def test_different_images_behind_the_same_text_get_their_own_answers(
+    ref: Reference, expected: list[list[int]]
+) -> None:
+    # Cases 0 and 1: the same text (the same placeholder ids), two images. With prefix
+    # caching the second must not reuse the first's blocks.
+    llm = LLM("builtin:tiny-llava", enable_prefix_caching=True, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = []
+    for text, images in CASES[:2]:
+        prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+        got.append(list(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids))
+    assert got == expected[:2]
+    assert got[0] != got[1]
+    _assert_released(llm)
+
+
+def test_same_image_twice_hits_the_prefix_cache(expected: list[list[int]]) -> None:
+    llm = LLM("builtin:tiny-llava", enable_prefix_caching=True, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    text, images = CASES[2]
+    prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert llm.llm_engine.block_manager.prefix_hits == 0
+    # The same image objects decoded again: the hash is of the content, not the object.
+    again = {"prompt": text, "multi_modal_data": {"image": [im.copy() for im in images]}}
+    second = llm.generate(again, params, use_tqdm=False)[0]
+    assert list(first.outputs[0].token_ids) == list(second.outputs[0].token_ids) == expected[2]
+    assert llm.llm_engine.block_manager.prefix_hits > 0
+    assert second.num_cached_tokens > 0
+    _assert_released(llm)
+
+
+def test_prompt_token_ids_with_one_placeholder_per_image(expected: list[list[int]]) -> None:
+    llm = LLM("builtin:tiny-llava")
+    text, images = CASES[2]
+    ids = llm.get_tokenizer().encode(text)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.generate(
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, params, use_tqdm=False
+    )[0]
+    assert list(out.outputs[0].token_ids) == expected[2]
+    assert len(out.prompt_token_ids) == len(ids) + 2 * (TOKENS_PER_IMAGE - 1)
