@@ -53,15 +53,25 @@ class InputProcessor:
         self, prompt: PromptType, token_ids: list[int]
     ) -> tuple[list[int], list[MultiModalFeature]]:
         """The prompt's ``multi_modal_data`` preprocessed, and ``token_ids`` with each image's
-        placeholder expanded to its tokens (unchanged for a prompt without images)."""
+        placeholder expanded to its tokens (unchanged for a prompt without images). A front
+        that preprocessed the images itself sends ``mm_features`` with the expanded ids
+        instead; they are checked against the prompt here."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        features = prompt.get("mm_features") if isinstance(prompt, dict) else None
         if self.multimodal is None:
-            if data:
+            if data or features:
                 raise InvalidRequestError(
                     f"{self.config.model.model} is a text-only model: it takes no images",
                     param="multi_modal_data",
                 )
             return token_ids, []
+        if features:
+            if data:
+                raise InvalidRequestError(
+                    "give either multi_modal_data or preprocessed mm_features, not both",
+                    param="multi_modal_data",
+                )
+            return token_ids, self.multimodal.check_features(token_ids, features)
         return self.multimodal.process(token_ids, data)
 
     def check_cache_salt(self, cache_salt: str | None) -> None:

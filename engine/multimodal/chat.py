@@ -4,9 +4,10 @@
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}   (data URLs only)
     {"type": "image_pil", "image_pil": PIL.Image}                              (vLLM's)
 
-A message whose content is a list of parts becomes one string: its parts in order, joined by
-newlines, each image part replaced by the model's placeholder (``<image>``), so any chat
-template renders it; the images come back in prompt order. Fetching http(s) URLs belongs to
+A message whose content holds an image part becomes one string: its parts in order, joined
+by newlines, each image part replaced by the model's placeholder (``<image>``), so any chat
+template renders it; the images come back in prompt order. Other messages are left as they
+are (a template may read text parts itself). Fetching http(s) URLs belongs to
 the API edge (``cluster.api.media``), never to the engine.
 """
 
@@ -38,7 +39,7 @@ def split_content_parts(
     out, images = [], []
     for m, message in enumerate(messages):
         content = message.get("content")
-        if not isinstance(content, list):
+        if not isinstance(content, list) or not any(_is_image(part) for part in content):
             out.append(message)
             continue
         pieces = []
@@ -60,6 +61,17 @@ def split_content_parts(
                 )
         out.append({**message, "content": "\n".join(pieces)})
     return out, images
+
+
+def has_image_parts(messages: list[dict[str, Any]]) -> bool:
+    return any(
+        isinstance(m.get("content"), list) and any(_is_image(p) for p in m["content"])
+        for m in messages
+    )
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("image_url", "image_pil")
 
 
 def _image_of(part: dict[str, Any], kind: str, field: str) -> Image.Image:

@@ -55,6 +55,38 @@ class MultiModalProcessor:
         token_ids, offsets = self._expand(token_ids, sizes)
         return token_ids, [image_feature(p, o, n) for p, o, n in zip(pixels, offsets, sizes)]
 
+    def check_features(self, token_ids: list[int], features: Any) -> list[MultiModalFeature]:
+        """Features a front preprocessed (``process`` on another host), checked against the
+        expanded prompt: in order, each over a run of placeholder tokens exactly as long as
+        its image's embeddings, its pixels whole, every placeholder covered, within the
+        limit."""
+        if not isinstance(features, list) or not all(
+            isinstance(f, MultiModalFeature) for f in features
+        ):
+            raise InvalidRequestError("must be a list of MultiModalFeature", param="mm_features")
+        limit = self.limits.get("image")
+        if limit is not None and len(features) > limit:
+            raise InvalidRequestError(
+                f"has {len(features)} images; at most {limit} per prompt (limit_mm_per_prompt)",
+                param="multi_modal_data.image",
+            )
+        token, end = self.image_token_id, 0
+        for i, f in enumerate(features):
+            size = image_feature_size(self.hf, *f.shape[-2:]) if len(f.shape) == 3 else -1
+            whole = len(f.pixel_values) == 4 * int(np.prod(f.shape))
+            placed = f.offset >= end and token_ids[f.offset : f.end] == [token] * f.length
+            if f.modality != "image" or f.length != size or not whole or not placed:
+                raise InvalidRequestError(
+                    f"item {i} does not match the prompt's placeholder tokens or its pixels",
+                    param="mm_features",
+                )
+            end = f.end
+        if token_ids.count(token) != sum(f.length for f in features):
+            raise InvalidRequestError(
+                "the prompt has image placeholder tokens no image covers", param="mm_features"
+            )
+        return list(features)
+
     def images_of(self, data: Any) -> list[Image.Image]:
         if data is None:
             return []
