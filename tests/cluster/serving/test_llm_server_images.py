@@ -52,9 +52,9 @@ def test_chat_image_part_reaches_the_engine_as_offline() -> None:
     try:
         url = _data_url(0)
         items = _collect(server, {"messages": _messages(url), "params": PARAMS})
-        offline = LLM(**LLAVA_ARGS).chat(
-            _messages(url), SamplingParams(**PARAMS), use_tqdm=False
-        )[0]
+        offline = LLM(**LLAVA_ARGS).chat(_messages(url), SamplingParams(**PARAMS), use_tqdm=False)[
+            0
+        ]
         assert items[0]["type"] == "start"
         assert items[0]["prompt_tokens"] == len(offline.prompt_token_ids)
         tokens = [t for i in items[1:] for c in i["choices"] for t in c["token_ids"]]
