@@ -71,6 +71,11 @@ def _generate(cases: list[tuple[str, list[Image.Image]]], **engine_args: Any):
     return llm, [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def _features(llm: LLM, prompt: dict[str, Any]) -> list[Any]:
+    ids = llm.get_tokenizer().encode(prompt["prompt"])
+    return llm.llm_engine.inputs.process_multimodal(prompt, ids)[1]
+
+
 def _encoder_stats(llm: LLM) -> dict[str, int]:
     return llm.llm_engine.executor.collective_rpc("encoder_cache_stats")[0]
 
@@ -89,6 +94,7 @@ SETTINGS = {
     # 16-token chunks: each image's 36 tokens span three or four steps.
     "chunked_prefill": {"max_num_batched_tokens": 16, "max_num_seqs": 4},
     "preempt_recompute": {"num_kv_blocks": 14, "preemption_mode": "recompute"},
+    "preempt_swap": {"num_kv_blocks": 14, "preemption_mode": "swap", "swap_space": 0.05},
 }
 
 
@@ -99,6 +105,8 @@ def test_greedy_matches_hf(expected: list[list[int]], setting: str) -> None:
         assert g == e, f"{setting}: case {i} differs"
     if setting.startswith("preempt"):
         assert llm.llm_engine.scheduler.num_preemptions > 0, "the setting did not force preemption"
+    if setting == "preempt_swap":
+        assert llm.llm_engine.scheduler.num_swap_outs > 0, "preemption fell back to recompute"
     # Once per image and request: not per chunk, not again after a preemption.
     assert _encoder_stats(llm)["num_encoded"] == sum(len(imgs) for _, imgs in CASES)
     _assert_released(llm)
@@ -133,6 +141,9 @@ def test_same_image_twice_hits_the_prefix_cache(expected: list[list[int]]) -> No
     assert list(first.outputs[0].token_ids) == list(second.outputs[0].token_ids) == expected[2]
     assert llm.llm_engine.block_manager.prefix_hits > 0
     assert second.num_cached_tokens > 0
+    # Both images' tokens were cached: the second request never ran the vision tower.
+    assert second.num_cached_tokens > max(f.end for f in _features(llm, prompt))
+    assert _encoder_stats(llm)["num_encoded"] == len(images)
     _assert_released(llm)
 
 
