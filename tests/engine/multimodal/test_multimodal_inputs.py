@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 
+import msgspec
 import numpy as np
 import pytest
 from PIL import Image
@@ -138,3 +139,19 @@ def test_decode_data_url_reads_the_image() -> None:
     decoded = decode_data_url(_data_url(image), "url")
     assert decoded.size == (30, 20)
     assert np.array_equal(np.asarray(decoded), np.asarray(image))
+
+
+def test_preprocessed_features_from_a_front_are_checked_against_the_prompt(llava: LLM) -> None:
+    image = _image(5)
+    ids = llava.get_tokenizer().encode(TEXT)
+    expanded, (feature,) = llava.llm_engine.inputs.multimodal.process(ids, {"image": image})
+    direct = llava.generate({"prompt": TEXT, "multi_modal_data": {"image": image}}, PARAMS)[0]
+    sent = llava.generate({"prompt_token_ids": expanded, "mm_features": [feature]}, PARAMS)[0]
+    assert sent.outputs[0].token_ids == direct.outputs[0].token_ids
+    moved = msgspec.structs.replace(feature, offset=feature.offset - 1)
+    with pytest.raises(InvalidRequestError, match="placeholder tokens") as err:
+        llava.generate({"prompt_token_ids": expanded, "mm_features": [moved]}, PARAMS)
+    assert err.value.param == "mm_features"
+    with pytest.raises(InvalidRequestError, match="no image covers"):
+        llava.generate({"prompt_token_ids": expanded + expanded[-40:], "mm_features": [feature]},
+                       PARAMS)  # fmt: skip
