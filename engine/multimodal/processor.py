@@ -1,12 +1,13 @@
 """Images of a prompt -> the model's placeholder tokens and preprocessed pixels, as HF's
 ``LlavaProcessor`` makes them.
 
-Where it runs: in the head's input processing (``engine.core.input_processor``, called by
-``LLMEngine.add_request``), on the CPU, before the request is admitted. It must run before the
-scheduler sees the request (the expanded prompt is what the token budget, ``max_model_len``
-and the KV cache are checked against, and the image's hash keys the prefix cache), and it
-must not run on the GPU workers, whose step loop would stall on resizing and normalising; the
-workers receive float32 pixels once and only run the vision tower.
+Where it runs: on the CPU before the request is admitted, in the head's input processing
+(``engine.core.input_processor``) for the offline engine, and on a served model's front
+(``cluster.serving.request_inputs``), which sends the head pixels and expanded ids
+(``check_features`` checks them there). It must run before the scheduler sees the request
+(the expanded prompt is what the token budget, ``max_model_len`` and the KV cache are checked
+against; the image's hash keys the prefix cache), and never on the GPU workers, whose step
+loop would stall on decoding and resizing: they get float32 pixels once and run the tower.
 
 The image processor is the checkpoint's own (``preprocessor_config.json`` through
 transformers' ``AutoImageProcessor``: resize, crop, rescale, normalise; without torchvision
