@@ -56,7 +56,7 @@ def test_what_the_engine_cannot_serve_is_refused_by_field(
 def test_a_siglip_tower_is_refused() -> None:
     flat = flatten_vlm_config(_raw())
     flat["vision_config"] = {**flat["vision_config"], "model_type": "siglip_vision_model"}
-    with pytest.raises(ConfigError, match="vision_config.model_type"):
+    with pytest.raises(ConfigError, match=r"vision_config\.model_type"):
         check_hf_config(flat)
 
 
