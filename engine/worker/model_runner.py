@@ -78,6 +78,11 @@ class ModelRunner:
     LoRA: the step's ``lora_slots`` changes are loaded before the forward pass; each token then
     uses its request's adapter slot (-1 for the base model), one mapping shared by every layer.
 
+    A vision-language model: a chunk's image placeholder tokens take their image's embeddings
+    in place of the token embeddings; each image is encoded when a chunk first reaches it and
+    kept for its request (``engine.worker.encoder_cache``). Decode steps hold no image tokens
+    and replay CUDA graphs as before.
+
     A pooling (embedding) request samples nothing. The driver pools its post-norm hidden
     states: ``last`` takes the row of the last prompt position (in the chunk that ends the
     prompt); ``mean`` adds every chunk's rows to a float32 sum kept in the request's state,
