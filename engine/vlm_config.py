@@ -43,6 +43,21 @@ _CLIP_VISION_DEFAULTS: dict[str, Any] = {
     "hidden_act": "quick_gelu",
     "layer_norm_eps": 1e-5,
 }
+# LlamaConfig's / MistralConfig's defaults of the fields the engine reads, for a text_config
+# that leaves them out (llava-1.5's names little more than its model_type and vocabulary).
+_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "hidden_act": "silu", "vocab_size": 32000, "rope_theta": 10000.0,
+    },
+    "mistral": {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6, "hidden_act": "silu", "vocab_size": 32000, "rope_theta": 10000.0,
+        "sliding_window": 4096,
+    },
+}  # fmt: skip
 VISION_ACTIVATIONS: tuple[str, ...] = ("gelu", "quick_gelu", "gelu_pytorch_tanh")
 
 
@@ -57,9 +72,15 @@ def flatten_vlm_config(hf: dict[str, Any]) -> dict[str, Any]:
     if not is_vlm(hf) or "text_config" not in hf:
         return hf
     text = dict(hf.get("text_config") or {})
-    flat = {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype", "dtype")}
+    model_type = str(text.get("model_type") or "llama")
+    flat = {**_TEXT_DEFAULTS.get(model_type, {})}
+    if "rope_parameters" in text or "rope_scaling" in text:
+        flat.pop("rope_theta")  # the config's own rope fields say it
+    flat.update(
+        (k, v) for k, v in text.items() if k not in ("architectures", "torch_dtype", "dtype")
+    )
     flat["architectures"] = [LLAVA]
-    flat["text_model_type"] = str(text.get("model_type") or "llama")
+    flat["text_model_type"] = model_type
     flat["vision_config"] = {**_CLIP_VISION_DEFAULTS, **(hf.get("vision_config") or {})}
     for key, default in _LLAVA_DEFAULTS.items():
         flat[key] = hf.get(key, default)

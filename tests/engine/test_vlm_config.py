@@ -74,3 +74,24 @@ def test_engine_arguments_a_vlm_cannot_take_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_kwargs(model="builtin:tiny-llava", **kwargs)
+
+
+def test_a_hub_text_config_that_names_little_takes_hf_defaults() -> None:
+    # llava-1.5-7b-hf's text_config, as the hub has it.
+    raw = {
+        "architectures": [LLAVA],
+        "text_config": {"model_type": "llama", "vocab_size": 32064, "rms_norm_eps": 1e-5,
+                        "max_position_embeddings": 4096, "torch_dtype": "float16"},
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "patch_size": 14,
+                          "intermediate_size": 4096, "num_hidden_layers": 24,
+                          "num_attention_heads": 16, "projection_dim": 768,
+                          "model_type": "clip_vision_model"},
+        "image_token_index": 32000,
+        "torch_dtype": "float16",
+    }  # fmt: skip
+    flat = flatten_vlm_config(raw)
+    check_hf_config(flat)
+    assert (flat["hidden_size"], flat["num_hidden_layers"], flat["vocab_size"]) == (4096, 32, 32064)
+    assert (flat["rms_norm_eps"], flat["max_position_embeddings"]) == (1e-5, 4096)
+    assert flat["torch_dtype"] == "float16"
+    assert image_feature_size(flat, 336, 336) == 576
