@@ -157,3 +157,15 @@ def test_prompt_token_ids_with_one_placeholder_per_image(expected: list[list[int
     )[0]
     assert list(out.outputs[0].token_ids) == expected[2]
     assert len(out.prompt_token_ids) == len(ids) + 2 * (TOKENS_PER_IMAGE - 1)
+
+
+def test_one_image_in_two_live_requests_is_encoded_once(
+    ref: Reference, expected: list[list[int]]
+) -> None:
+    # The encoder cache is keyed by the image's content: the second request reuses the
+    # first's embeddings while both run (prefix caching off, so nothing else is shared).
+    cases = [CASES[0], (TWO, [IMAGES[0], IMAGES[0]])]
+    llm, got = _generate(cases, enable_prefix_caching=False)
+    assert got == [expected[0], ref.generate(*cases[1])]
+    assert _encoder_stats(llm)["num_encoded"] == 1
+    _assert_released(llm)
