@@ -1,19 +1,22 @@
 """LLaVA (``builtin:tiny-llava``): greedy output equals HF's ``LlavaForConditionalGeneration``
 with HF's ``LlavaProcessor`` on the same images, token for token (fp32), with one and two images
 per prompt at different sizes, under chunked prefill that splits an image's tokens, preemption
-and prefix caching; each image is encoded once per request."""
+and prefix caching, and under a LoRA adapter on the language model (HF + PEFT); each image is
+encoded once per request."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from PIL import Image
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine.builtin.catalog import resolve_model_source
 
 MAX_TOKENS = 24
@@ -169,3 +172,35 @@ def test_one_image_in_two_live_requests_is_encoded_once(
     assert got == [expected[0], ref.generate(*cases[1])]
     assert _encoder_stats(llm)["num_encoded"] == 1
     _assert_released(llm)
+
+
+def test_lora_on_the_language_model_equals_hf_peft(ref: Reference, tmp_path: Path) -> None:
+    # PEFT names the language model's layers model.language_model.layers.N: the adapter
+    # targets them only (the tower's q/v projections have the same names).
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)",
+        init_lora_weights=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        peft = get_peft_model(
+            LlavaForConditionalGeneration.from_pretrained(ref.path, dtype=torch.float32), config
+        )
+    peft.save_pretrained(str(tmp_path))
+    text, images = CASES[2]
+    inputs = ref.processor(text=text, images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = peft.eval().generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    expected_lora = out[0, inputs["input_ids"].shape[1] :].tolist()
+    llm = LLM("builtin:tiny-llava", enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+    got = llm.generate(
+        [prompt, prompt], params, lora_request=[LoRARequest("a", 1, str(tmp_path)), None],
+        use_tqdm=False,
+    )  # fmt: skip
+    assert list(got[0].outputs[0].token_ids) == expected_lora
+    assert list(got[1].outputs[0].token_ids) == ref.generate(text, images)
+    assert expected_lora != ref.generate(text, images)
