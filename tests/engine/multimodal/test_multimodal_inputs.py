@@ -155,3 +155,10 @@ def test_preprocessed_features_from_a_front_are_checked_against_the_prompt(llava
     with pytest.raises(InvalidRequestError, match="no image covers"):
         llava.generate({"prompt_token_ids": expanded + expanded[-40:], "mm_features": [feature]},
                        PARAMS)  # fmt: skip
+
+
+def test_beam_search_refuses_images(llava: LLM) -> None:
+    prompt = {"prompt": TEXT, "multi_modal_data": {"image": _image(0)}}
+    with pytest.raises(InvalidRequestError, match="beam search") as err:
+        llava.generate(prompt, SamplingParams(use_beam_search=True, temperature=0, max_tokens=4))
+    assert err.value.param == "multi_modal_data"
