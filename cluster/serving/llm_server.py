@@ -42,7 +42,7 @@ from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError
 from cluster.serving.metrics import ModelMetrics
 from cluster.serving.pooling_server import PoolingServer
-from cluster.serving.request_inputs import chat_prompt, chat_prompt_ids, sampling_params_from
+from cluster.serving.request_inputs import chat_prompt, sampling_params_from
 from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
 from cluster.serving.start_errors import ModelStartError, known_start_failure
 from engine.client.async_llm_engine import AsyncLLMEngine, EngineStats
@@ -354,9 +354,11 @@ class LLMServer(PoolingServer):
     async def tokenize(self, request: GenerateRequest) -> TokenizeResult | StreamError:
         try:
             if request.messages is not None:
-                ids = chat_prompt_ids(self.tokenizer, request.messages, request.tools,
-                                      request.chat_template_kwargs,
-                                      request.continue_final_message)  # fmt: skip
+                # A VLM's image parts count as their image's tokens, as the engine sees them.
+                ids = chat_prompt(self.tokenizer, request.messages, self.multimodal,
+                                  self.image_placeholder, request.tools,
+                                  request.chat_template_kwargs,
+                                  request.continue_final_message)["prompt_token_ids"]  # fmt: skip
             else:
                 text = request.prompt
                 if not isinstance(text, str):

@@ -59,6 +59,9 @@ def test_chat_image_part_reaches_the_engine_as_offline() -> None:
         assert items[0]["prompt_tokens"] == len(offline.prompt_token_ids)
         tokens = [t for i in items[1:] for c in i["choices"] for t in c["token_ids"]]
         assert tokens == list(offline.outputs[0].token_ids)
+        # /tokenize counts the image's tokens as the engine sees them.
+        counted = asyncio.run(server.tokenize(GenerateRequest(messages=_messages(url))))
+        assert counted.tokens == list(offline.prompt_token_ids)
         # Another image behind the same text: its own answer.
         other = _collect(server, {"messages": _messages(_data_url(1)), "params": PARAMS})
         assert [t for i in other[1:] for c in i["choices"] for t in c["token_ids"]] != tokens
