@@ -25,6 +25,7 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    MistralConfig,
 )
 
 from engine.builtin.tiny_models import (
@@ -73,20 +74,29 @@ def materialize_tiny_vlm(name: str) -> Path:
     return materialize(f"{name}-vlm{VLM_VERSION}", lambda out: make_tiny_llava(out, seed=0))
 
 
-def make_tiny_llava(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+def make_tiny_llava(
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    mistral: bool = False,
+    vision_overrides: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Path:
     """Write ``tiny-llava`` (weights drawn from ``seed``; ``overrides`` change LlavaConfig's
-    top-level fields, e.g. ``vision_feature_select_strategy="full"``) into ``out_dir``."""
+    top-level fields, e.g. ``vision_feature_select_strategy="full"``, ``vision_overrides`` the
+    tower's; ``mistral`` makes the language model a Mistral) into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens([IMAGE_TOKEN])
     image_token_id = tokenizer.token_to_id(IMAGE_TOKEN)
-    text = LlamaConfig(
+    text_class = MistralConfig if mistral else LlamaConfig
+    text = text_class(
         **{**_COMMON_CONFIG, "vocab_size": image_token_id + 1, "num_key_value_heads": 2},
         tie_word_embeddings=False,
     )
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(**_VISION),
+        vision_config=CLIPVisionConfig(**{**_VISION, **(vision_overrides or {})}),
         text_config=text,
         image_token_index=image_token_id,
         image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,

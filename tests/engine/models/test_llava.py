@@ -6,6 +6,7 @@ encoded once per request."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.builtin.catalog import resolve_model_source
+from engine.builtin.tiny_vlm_models import make_tiny_llava
 
 MAX_TOKENS = 24
 TOKENS_PER_IMAGE = 36  # (48 / 8)^2 patches; the class token is dropped
@@ -204,3 +206,36 @@ def test_lora_on_the_language_model_equals_hf_peft(ref: Reference, tmp_path: Pat
     assert list(got[0].outputs[0].token_ids) == expected_lora
     assert list(got[1].outputs[0].token_ids) == ref.generate(text, images)
     assert expected_lora != ref.generate(text, images)
+
+
+def test_full_strategy_last_layer_gelu_and_a_mistral_language_model(tmp_path: Path) -> None:
+    # The class token kept (37 tokens an image), every tower layer read, GELU in the tower
+    # and tanh-GELU in the projector, a Mistral with a sliding window shorter than the prompt.
+    path = make_tiny_llava(
+        tmp_path,
+        seed=3,
+        mistral=True,
+        vision_overrides={"hidden_act": "gelu"},
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu_pytorch_tanh",
+    )
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["sliding_window"] = 48
+    (path / "config.json").write_text(json.dumps(config))
+    processor = AutoProcessor.from_pretrained(path)
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), max_num_batched_tokens=20)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    answers = []
+    for text, images in CASES[1:3]:
+        inputs = processor(text=text, images=images, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        expected = out[0, inputs["input_ids"].shape[1] :].tolist()
+        prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+        got = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert list(got.outputs[0].token_ids) == expected
+        assert len(got.prompt_token_ids) == inputs["input_ids"].shape[1]
+        answers.append(expected)
+    assert answers[0] != answers[1] and len(set(answers[0])) > MAX_TOKENS // 2
