@@ -8,6 +8,7 @@ APIs. It imports no Ray (distributed executors live in ``cluster/``).
       worker/          Executor, step_messages, Worker, ModelRunner, sampler, KV sizing
       models/          the model families            quantization/   checkpoint formats
       spec_decode/     speculative decoding          builtin/        random built-in models
+      multimodal/      images: chat parts, preprocessing, the per-image record sent to workers
 
 ``EngineConfig``, ``LLM`` and ``LLMEngine`` are imported on first use: they pull in torch and
 transformers (tokenizer), which a worker process, importing ``engine.worker.worker`` through this

@@ -356,12 +356,23 @@ class SamplingConfig:
     max_n: int = 128
     max_stop_strings: int = 16
     max_stop_str_len: int = 256
+    # vLLM's: the most items of each modality one prompt may hold ({"image": 4}); a modality
+    # left out is bounded only by max_model_len.
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_int(self.max_logprobs, "max_logprobs", ge=0)
         check_positive_int(self.max_n, "max_n")
         check_positive_int(self.max_stop_strings, "max_stop_strings")
         check_positive_int(self.max_stop_str_len, "max_stop_str_len")
+        limits = self.limit_mm_per_prompt
+        require(
+            isinstance(limits, dict) and all(k in ("image",) for k in limits),
+            "limit_mm_per_prompt",
+            f"must map a modality ('image') to a count, got {limits!r}",
+        )
+        for key, value in limits.items():
+            check_int(value, f"limit_mm_per_prompt.{key}", ge=0)
 
 
 @dataclass(frozen=True)

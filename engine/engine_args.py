@@ -53,6 +53,7 @@ ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "max_n": ("sampling", "max_n"),
     "max_stop_strings": ("sampling", "max_stop_strings"),
     "max_stop_str_len": ("sampling", "max_stop_str_len"),
+    "limit_mm_per_prompt": ("sampling", "limit_mm_per_prompt"),
     "pooling_type": ("pooler", "pooling_type"),
     "enable_auto_tool_choice": ("frontend", "enable_auto_tool_choice"),
     "tool_call_parser": ("frontend", "tool_call_parser"),

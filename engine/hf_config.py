@@ -20,6 +20,7 @@ from engine.errors import ConfigError
 from engine.model_heads import declared_architecture, family_architecture, num_labels
 from engine.quantization.config import parse_quantization
 from engine.rope_config import check_rope
+from engine.vlm_config import LLAVA, check_llava
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -34,6 +35,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Glm4MoeForCausalLM",
     "GptOssForCausalLM",
     "LlamaForCausalLM",
+    LLAVA,
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Phi3ForCausalLM",
@@ -174,6 +176,8 @@ def check_hf_config(hf: dict[str, Any]) -> None:
         check_gpt_oss(hf)
     elif arch in MOE_ARCHITECTURES:
         check_moe(hf)
+    elif arch == LLAVA:
+        check_llava(hf)
     check_rope(hf)
 
 

@@ -50,8 +50,11 @@ TARGET_MODULES: dict[str, tuple[str, Any]] = {
     "down_proj": ("down_proj", None),
 }
 LORA_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+# A decoder's layers: ``model.layers.N`` (a causal LM), or a VLM's language model
+# (``model.language_model.layers.N``; older transformers ``language_model.model.layers.N``).
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+    r"^(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)"
+    r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
 _PARAM = "lora_request"
 

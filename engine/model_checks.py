@@ -20,6 +20,7 @@ from engine.model_heads import classifier_tokens, resolve_task
 from engine.quantization.config import parse_quantization
 from engine.rope_config import rope_max_positions
 from engine.validation import check_int, require
+from engine.vlm_config import flatten_vlm_config, is_vlm
 
 if TYPE_CHECKING:
     from engine.config import DeviceConfig, KernelConfig, ModelConfig, ParallelConfig
@@ -32,11 +33,18 @@ def with_checkpoint(model: ModelConfig) -> ModelConfig:
 
     path = resolve_model_source(model.model)
     config_file = Path(path) / "config.json"
-    hf_config = {**json.loads(config_file.read_text()), **(model.hf_overrides or {})}
+    # A VLM's nested config is read flat (engine.vlm_config); hf_overrides apply to that.
+    raw = flatten_vlm_config(json.loads(config_file.read_text()))
+    hf_config = {**raw, **(model.hf_overrides or {})}
     # Refused here, before anything is placed: what the engine cannot serve exactly.
     check_hf_config(hf_config)
     parse_quantization(hf_config, model.quantization)  # online fp8 of a quantized checkpoint
     model = dataclasses.replace(model, hf_config=hf_config, model_path=str(path))
+    require(
+        not is_vlm(hf_config) or resolve_task(hf_config, model.runner, model.convert) == "generate",
+        "runner",
+        f"{model.model} is a vision-language model: it serves runner: generate only",
+    )
     if resolve_task(hf_config, model.runner, model.convert) == "generate":
         _check_lm_head(path, hf_config)
     tokens = classifier_tokens(hf_config)
@@ -48,8 +56,8 @@ def with_checkpoint(model: ModelConfig) -> ModelConfig:
 def _check_lm_head(path: Path, hf_config: dict[str, Any]) -> None:
     """An untied causal LM saved without its LM head (an embedding model's checkpoint) cannot
     generate: refused here, naming the argument that serves it."""
-    if hf_config.get("tie_word_embeddings") is not False:
-        return
+    if hf_config.get("tie_word_embeddings") is not False or is_vlm(hf_config):
+        return  # (a VLM's head is under its own names; the loader checks it)
     names = checkpoint_headers(path)  # none: a config-only directory (cluster plan)
     if names and "lm_head.weight" not in names:
         raise ConfigError(
@@ -136,6 +144,12 @@ def check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
         f"{model.model!r} has none. A dense model scales by replicas (num_replicas)",
     )
     pp = parallel.pipeline_parallel_size
+    require(
+        pp == 1 or not is_vlm(model.hf_config),
+        "pipeline_parallel_size",
+        f"vision-language models run on one pipeline stage (the vision tower feeds stage 0's "
+        f"embeddings), got {pp}",
+    )
     require(
         pp <= model.num_hidden_layers,
         "pipeline_parallel_size",

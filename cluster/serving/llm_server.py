@@ -42,7 +42,7 @@ from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError
 from cluster.serving.metrics import ModelMetrics
 from cluster.serving.pooling_server import PoolingServer
-from cluster.serving.request_inputs import chat_prompt_ids, sampling_params_from
+from cluster.serving.request_inputs import chat_prompt, sampling_params_from
 from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
 from cluster.serving.sleep_server import SleepServer
 from cluster.serving.start_errors import ModelStartError, known_start_failure
@@ -60,7 +60,10 @@ from engine.errors import (
     RequestAbortedError,
 )
 from engine.lora import LoRARequest
+from engine.multimodal.chat import image_placeholder
+from engine.multimodal.processor import MultiModalProcessor
 from engine.sampling_params import RequestOutputKind
+from engine.vlm_config import is_vlm
 
 logger = logging.getLogger("llm_cluster.serve")
 
@@ -156,6 +159,14 @@ class LLMServer(PoolingServer, SleepServer):
             self.engine = AsyncLLMEngine(InProcessCoreClient(lambda: build_engine(config)))
             self.head_name = None
         self.tokenizer = self.engine.tokenizer
+        # A VLM's images are preprocessed here, on the front (engine.multimodal.processor).
+        hf, model = config.model.hf_config, config.model
+        self.multimodal = (
+            MultiModalProcessor(hf, model.model_path, config.sampling.limit_mm_per_prompt)
+            if is_vlm(hf)
+            else None
+        )
+        self.image_placeholder = image_placeholder(hf, self.tokenizer)
         self.max_model_len = config.max_model_len
         self.tool_call_parser = config.frontend.tool_call_parser
         if self.tool_call_parser is not None:
@@ -317,10 +328,10 @@ class LLMServer(PoolingServer, SleepServer):
     def _prompt(self, request: GenerateRequest | EmbedRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
         if isinstance(request, GenerateRequest) and request.messages is not None:
-            ids = chat_prompt_ids(self.tokenizer, request.messages, request.tools,
-                                  request.chat_template_kwargs,
-                                  request.continue_final_message)  # fmt: skip
-            return {"prompt_token_ids": ids}
+            return chat_prompt(self.tokenizer, request.messages, self.multimodal,
+                               self.image_placeholder, request.tools,
+                               request.chat_template_kwargs,
+                               request.continue_final_message)  # fmt: skip
         if request.prompt_token_ids is not None:
             return {"prompt_token_ids": request.prompt_token_ids}
         prompt = request.prompt
@@ -352,9 +363,11 @@ class LLMServer(PoolingServer, SleepServer):
     async def tokenize(self, request: GenerateRequest) -> TokenizeResult | StreamError:
         try:
             if request.messages is not None:
-                ids = chat_prompt_ids(self.tokenizer, request.messages, request.tools,
-                                      request.chat_template_kwargs,
-                                      request.continue_final_message)  # fmt: skip
+                # A VLM's image parts count as their image's tokens, as the engine sees them.
+                ids = chat_prompt(self.tokenizer, request.messages, self.multimodal,
+                                  self.image_placeholder, request.tools,
+                                  request.chat_template_kwargs,
+                                  request.continue_final_message)["prompt_token_ids"]  # fmt: skip
             else:
                 text = request.prompt
                 if not isinstance(text, str):

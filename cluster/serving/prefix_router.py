@@ -28,6 +28,7 @@ in the replica's own cache, above none.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections import OrderedDict
@@ -69,8 +70,18 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(_part_text(p) for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
+
+
+def _part_text(part: dict[str, Any]) -> str:
+    """A text part's text; an image part as a digest of its URL (two images behind the same
+    text are different prefixes, as the engine's prefix cache keys them by content)."""
+    image = part.get("image_url")
+    if part.get("type") == "image_url" and isinstance(image, dict):
+        digest = hashlib.sha256(str(image.get("url", "")).encode()).hexdigest()[:16]
+        return f"<image:{digest}>"
+    return str(part.get("text", ""))
 
 
 def chunk_hashes(prompt: str | list[int], chunk_chars: int) -> list[int]:

@@ -1,6 +1,8 @@
 """A request's inputs for the engine, on the model replica's front (``LLMServer``): its sampling
-dict as ``SamplingParams``, and chat messages as prompt ids by the model's chat template. Errors
-are ``InvalidRequestError``s naming the field, which the front returns as 400s."""
+dict as ``SamplingParams``, and chat messages as prompt ids by the model's chat template; for a
+vision-language model, a chat's image parts (data URLs) decoded and preprocessed here, on the
+front, so the head receives pixels and expanded prompt ids (``chat_prompt``). Errors are
+``InvalidRequestError``s naming the field, which the front returns as 400s."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from typing import Any
 from jinja2 import TemplateError
 
 from engine.errors import InvalidRequestError
+from engine.multimodal.chat import split_content_parts
+from engine.multimodal.processor import MultiModalProcessor
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("llm_cluster.serve")
@@ -62,3 +66,24 @@ def chat_prompt_ids(
         logger.exception("chat template failed")
         raise InvalidRequestError("the chat template rejected them", "messages") from exc
     return list(ids)
+
+
+def chat_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    multimodal: MultiModalProcessor | None,
+    placeholder: str | None,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+) -> dict[str, Any]:
+    """The core's prompt for chat ``messages``: ``{"prompt_token_ids": ...}``, plus
+    ``mm_features`` when a message holds image parts (each rendered as ``placeholder``, then
+    expanded to its image's tokens; ``placeholder`` None: a text-only model, which refuses
+    them)."""
+    text_messages, images = split_content_parts(messages, placeholder)
+    ids = chat_prompt_ids(tokenizer, text_messages, tools, template_kwargs, continue_final_message)
+    if not images or multimodal is None:
+        return {"prompt_token_ids": ids}
+    ids, features = multimodal.process(ids, {"image": images})
+    return {"prompt_token_ids": ids, "mm_features": features}

@@ -1,8 +1,9 @@
 """Model sources: a local checkpoint directory, or ``builtin:<name>``, one of the generated
 random-weight models (dense ``engine.builtin.tiny_models``, MoE ``engine.builtin.tiny_moe_models``,
 reasoning ``engine.builtin.tiny_reasoning_models``, pooling
-``engine.builtin.tiny_pooling_models``), written once into the cache; plus random LoRA
-adapters for them. It sits above the generator modules, which never import it."""
+``engine.builtin.tiny_pooling_models``, vision-language ``engine.builtin.tiny_vlm_models``),
+written once into the cache; plus random LoRA adapters for them. It sits above the generator
+modules, which never import it."""
 
 from __future__ import annotations
 
@@ -19,12 +20,17 @@ from engine.builtin.tiny_reasoning_models import (
     TINY_REASONING_MODEL_NAMES,
     materialize_tiny_reasoning,
 )
+from engine.builtin.tiny_vlm_models import TINY_VLM_MODEL_NAMES, materialize_tiny_vlm
 
 __all__ = ["BUILTIN_MODEL_NAMES", "BUILTIN_PREFIX", "make_tiny_lora", "resolve_model_source"]
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODEL_NAMES: tuple[str, ...] = (
-    TINY_MODEL_NAMES + TINY_MOE_MODEL_NAMES + TINY_REASONING_MODEL_NAMES + TINY_POOLING_MODEL_NAMES
+    TINY_MODEL_NAMES
+    + TINY_MOE_MODEL_NAMES
+    + TINY_REASONING_MODEL_NAMES
+    + TINY_POOLING_MODEL_NAMES
+    + TINY_VLM_MODEL_NAMES
 )
 
 
@@ -53,6 +59,8 @@ def _materialize_builtin(name: str) -> Path:
         return materialize_tiny_reasoning(name)
     if name in TINY_POOLING_MODEL_NAMES:
         return materialize_tiny_pooling(name)
+    if name in TINY_VLM_MODEL_NAMES:
+        return materialize_tiny_vlm(name)
     if name in TINY_MODEL_NAMES:
         return materialize(f"{name}-v{VERSION}", lambda out: make_tiny_model(name, out, seed=0))
     raise ValueError(

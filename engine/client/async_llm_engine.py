@@ -405,6 +405,14 @@ class AsyncLLMEngine:
             raise self._dead
         check_request_id_unused(request_id, self._streams)
         text, token_ids = _split_prompt(prompt)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            # The core may be another process: images travel preprocessed (pixels, placeholder
+            # ranges), which the front makes with engine.multimodal.processor.
+            raise InvalidRequestError(
+                "images reach the engine core preprocessed: send the expanded "
+                "prompt_token_ids with mm_features (engine.multimodal.processor)",
+                param="multi_modal_data",
+            )
         request = AddRequest(
             request_id=request_id,
             prompt=text,
@@ -413,6 +421,7 @@ class AsyncLLMEngine:
             cache_salt=cache_salt,
             lora_request=lora_request,
             sink=sink,
+            mm_features=list(prompt.get("mm_features") or []) if isinstance(prompt, dict) else [],
         )
         if isinstance(params, PoolingParams):
             request.pooling_params = params

@@ -71,6 +71,11 @@ def beam_search(
         )
     searches = []
     for prompt in prompts:
+        if isinstance(prompt, dict) and (
+            prompt.get("multi_modal_data") or prompt.get("mm_features")
+        ):
+            # Each beam step is a new request of token ids: the images would be lost.
+            raise InvalidRequestError("beam search does not take images", param="multi_modal_data")
         text, token_ids = engine.inputs.tokenize(prompt)
         max_tokens = engine.inputs.check_lengths(token_ids, params)
         searches.append(_Search(text, token_ids, max_tokens, live=[Beam([])]))

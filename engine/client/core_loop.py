@@ -319,6 +319,8 @@ class EngineCoreLoop:
         prompt: Any = request.prompt
         if request.prompt_token_ids is not None:
             prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}
+            if request.mm_features:
+                prompt["mm_features"] = request.mm_features
         pooling = request.pooling_params
         # Deltas straight from the engine: no step copies a request's whole output.
         params = (

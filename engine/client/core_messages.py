@@ -20,6 +20,7 @@ from engine.errors import (
     InvalidRequestError,
 )
 from engine.lora_request import LoRARequest
+from engine.multimodal.inputs import MultiModalFeature
 from engine.outputs import Logprob
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -38,6 +39,9 @@ class AddRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    # A VLM prompt's images, preprocessed by the front (``engine.multimodal.processor``);
+    # prompt_token_ids are then the expanded ids.
+    mm_features: list[MultiModalFeature] = []
     # Where the core's host also delivers this request's deltas (a Serve head actor hands them
     # to that ingress's token channel, ``cluster.serving.head_actor``); the core loop ignores it.
     sink: str | None = None

@@ -20,6 +20,7 @@ from engine.core.llm_engine import PromptType
 from engine.errors import InvalidRequestError
 from engine.lora import LoRARequest
 from engine.model_heads import num_labels
+from engine.multimodal.chat import image_placeholder, split_content_parts
 from engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -248,24 +249,27 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | None = None,
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template, then generate."""
+        """Apply the model's chat template, then generate. A message's content may be a list
+        of OpenAI-style parts (``text``, ``image_url`` with a data: URL, ``image_pil``) for a
+        vision-language model (``engine.multimodal.chat``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
-        prompts = [
-            {
-                "prompt_token_ids": list(
-                    tokenizer.apply_chat_template(
-                        c, add_generation_prompt=True, tokenize=True, return_dict=False
-                    )
-                )
-            }
-            for c in conversations
-        ]
+        placeholder = image_placeholder(self.llm_engine.config.model.hf_config, tokenizer)
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text_messages, images = split_content_parts(list(conversation), placeholder)
+            ids = tokenizer.apply_chat_template(
+                text_messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

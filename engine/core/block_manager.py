@@ -115,7 +115,8 @@ class BlockManager:
             parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[i * bs : (i + 1) * bs]
             lora = request.lora_request.prefix_key if request.lora_request is not None else None
-            hashes.append(hash_block_tokens(parent, tokens, request.cache_salt, lora))
+            mm = tuple(f.mm_hash for f in request.mm_features if f.overlaps(i * bs, (i + 1) * bs))
+            hashes.append(hash_block_tokens(parent, tokens, request.cache_salt, lora, mm))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -63,11 +63,17 @@ class FreeBlockQueue:
 
 
 def hash_block_tokens(
-    parent_hash: bytes | None, token_ids: list[int], salt: str | None, lora: str | None = None
+    parent_hash: bytes | None,
+    token_ids: list[int],
+    salt: str | None,
+    lora: str | None = None,
+    mm_hashes: tuple[str, ...] = (),
 ) -> bytes:
-    """Chained sha256 of one full block: its tokens, its parent's hash, and (first block) a salt
+    """Chained sha256 of one full block: its tokens, its parent's hash, (first block) a salt
     and the LoRA adapter, so that neither another salt's nor another adapter's requests (whose
-    K/V differ) share its blocks."""
+    K/V differ) share its blocks; and the content hashes of the images whose placeholder tokens
+    fall in the block (vLLM's ``mm_hashes`` extra keys): two images behind the same placeholder
+    ids never share a block."""
     h = hashlib.sha256()
     h.update(parent_hash or b"\x00" * 32)
     if parent_hash is None and salt:
@@ -75,6 +81,8 @@ def hash_block_tokens(
     if parent_hash is None and lora:
         h.update(b"lora:" + lora.encode())
     h.update(array("q", token_ids).tobytes())
+    for mm_hash in mm_hashes:
+        h.update(b"mm:" + mm_hash.encode())
     return h.digest()
 
 

@@ -6,7 +6,9 @@ One role: turn a prompt and its parameters into validated token ids and paramete
 ``InvalidRequestError`` naming the field and the allowed range (prompt shape and vocabulary,
 lengths against ``max_model_len`` and the KV cache, the server's sampling caps, stop strings,
 logprobs, token ids in ``logit_bias`` / ``stop_token_ids`` / ``bad_words``, cache salts), and
-split a request of ``n`` samples into each sample's own parameters. What needs live state
+split a request of ``n`` samples into each sample's own parameters. A vision-language model's
+images (``multi_modal_data``) are preprocessed here, on the head (``engine.multimodal.processor``
+says why), and their placeholder tokens expanded before any length is checked. What needs live state
 (admission control, request ids in use, LoRA adapters) stays in ``LLMEngine``.
 """
 
@@ -18,8 +20,11 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.multimodal.inputs import MultiModalFeature
+from engine.multimodal.processor import MultiModalProcessor
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
+from engine.vlm_config import is_vlm
 
 PromptType = str | dict[str, Any] | list[int]
 _POOLING_ROUTES = {
@@ -35,6 +40,39 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.num_kv_blocks = num_kv_blocks
+        model = config.model
+        self.multimodal = (
+            MultiModalProcessor(
+                model.hf_config, model.model_path, config.sampling.limit_mm_per_prompt
+            )
+            if is_vlm(model.hf_config)
+            else None
+        )
+
+    def process_multimodal(
+        self, prompt: PromptType, token_ids: list[int]
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt's ``multi_modal_data`` preprocessed, and ``token_ids`` with each image's
+        placeholder expanded to its tokens (unchanged for a prompt without images). A front
+        that preprocessed the images itself sends ``mm_features`` with the expanded ids
+        instead; they are checked against the prompt here."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        features = prompt.get("mm_features") if isinstance(prompt, dict) else None
+        if self.multimodal is None:
+            if data or features:
+                raise InvalidRequestError(
+                    f"{self.config.model.model} is a text-only model: it takes no images",
+                    param="multi_modal_data",
+                )
+            return token_ids, []
+        if features:
+            if data:
+                raise InvalidRequestError(
+                    "give either multi_modal_data or preprocessed mm_features, not both",
+                    param="multi_modal_data",
+                )
+            return token_ids, self.multimodal.check_features(token_ids, features)
+        return self.multimodal.process(token_ids, data)
 
     def check_cache_salt(self, cache_salt: str | None) -> None:
         # Checked here: the prefix-cache hash encodes it on the engine thread, mid-step.

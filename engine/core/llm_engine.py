@@ -275,6 +275,7 @@ class LLMEngine:
             )
         self.inputs.check_generates()
         text, token_ids = self.inputs.tokenize(prompt)
+        token_ids, mm_features = self.inputs.process_multimodal(prompt, token_ids)
         max_tokens = self.inputs.check_lengths(token_ids, params)
         params = self.inputs.check_sampling(params, max_tokens)
         if params.structured_outputs is not None:
@@ -297,6 +298,7 @@ class LLMEngine:
                 parent_request_id=request_id,
                 index=i,
                 lora_request=lora_request,
+                mm_features=mm_features,
             )
             for i, rid in enumerate(sample_ids)
         ]
@@ -326,6 +328,7 @@ class LLMEngine:
     ) -> Request:
         params = self.inputs.check_pooling(params)
         text, token_ids = self.inputs.tokenize(prompt)
+        self.inputs.process_multimodal(prompt, token_ids)  # (a VLM never pools: images refused)
         self.inputs.check_pooling_length(token_ids)
         self._admit(len(token_ids), 1)
         self._check_unused(request_id, [request_id])

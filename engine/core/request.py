@@ -11,6 +11,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.lora import LoRARequest
+    from engine.multimodal.inputs import MultiModalFeature
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +65,7 @@ class Request:
         pooling_params: PoolingParams | None = None,
         skip_prefix_cache: bool = False,
         lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         self.request_id = request_id
         # Parallel sampling: the user's request id and this sample's index among its n.
@@ -75,6 +77,9 @@ class Request:
         # Every prompt position must be computed (mean pooling): no prefix-cache hits.
         self.skip_prefix_cache = skip_prefix_cache
         self.prompt_token_ids = list(prompt_token_ids)
+        # A VLM prompt's images: their placeholder ranges, hashes and pixels (sent to the
+        # workers once, with the request's first scheduled chunk).
+        self.mm_features = mm_features or []
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.max_tokens = max_tokens

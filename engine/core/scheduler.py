@@ -643,6 +643,7 @@ def make_execute_model_request(out: SchedulerOutput) -> ExecuteModelRequest:
                 eos_token_ids=sorted(request.eos_token_ids),
                 pooling_params=request.pooling_params,
                 lora_int_id=request.lora_int_id,
+                mm_features=request.mm_features,
             )
         )
         request.num_tokens_sent = request.num_tokens

@@ -14,6 +14,7 @@ from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.pooling_heads import with_head
@@ -31,6 +32,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -177,10 +177,14 @@ class DecoderModel(nn.Module):
         metadata: AttentionMetadata,
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Stage 0 embeds ``input_ids``; later stages continue from (hidden, residual).
-        The last stage returns (normed hidden, None)."""
-        if self.embed_tokens is not None:
+        """Stage 0 embeds ``input_ids`` (or takes ``inputs_embeds``, a multimodal model's
+        merged text and image embeddings, as they are); later stages continue from (hidden,
+        residual). The last stage returns (normed hidden, None)."""
+        if inputs_embeds is not None:
+            hidden, residual = inputs_embeds, None
+        elif self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
             if self.embed_scale is not None:
                 hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
@@ -265,8 +269,9 @@ class CausalLM(nn.Module, ABC):
         metadata: AttentionMetadata,
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.model(input_ids, positions, metadata, hidden, residual)
+        return self.model(input_ids, positions, metadata, hidden, residual, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits on TP rank 0 of the last stage (None on other TP ranks)."""

@@ -34,6 +34,7 @@ from engine.errors import ConfigError
 from engine.pp_partition import layer_partition, requested_partition, stage_layer_range
 from engine.quantization.config import parse_quantization
 from engine.rope_config import rope_max_positions
+from engine.vlm_config import flatten_vlm_config
 from engine.worker.memory_plan_weights import (
     FAMILIES,
     KeptQuant,
@@ -424,6 +425,7 @@ def plan_memory(
     is one of ``problems``; one the plan cannot even size has no stages."""
     problems: list[str] = []
     notes: list[str] = []
+    hf = flatten_vlm_config(dict(hf))  # a VLM's nested config, read as the engine reads it
     try:
         hf_config.check_hf_config(dict(hf))
     except ConfigError as exc:

@@ -23,6 +23,7 @@ from engine.rope_config import (
     rope_max_positions,
     rope_parameters,
 )
+from engine.vlm_config import feature_layer, is_vlm
 from engine.worker import memory_plan_moe
 
 ROTARY_TABLE_BYTES = 4  # cos/sin tables are float32 whatever the model dtype
@@ -49,6 +50,10 @@ class Family:
 # Keyed like ``engine.models.MODEL_REGISTRY`` (a test checks they agree).
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("attention_bias", "attention_bias", "mlp_bias", False, 2, False),
+    # The Llama decoder; its vision tower and projector are vision_tower_bytes'.
+    "LlavaForConditionalGeneration": Family(
+        "attention_bias", "attention_bias", "mlp_bias", False, 2, False
+    ),
     "MistralForCausalLM": Family(False, False, False, False, 2, False),
     "Qwen2ForCausalLM": Family(True, False, False, False, 2, False),
     "Qwen3ForCausalLM": Family("attention_bias", "attention_bias", False, True, 2, False),
@@ -262,6 +267,8 @@ def stage_weight_bytes(
         # A tied head shares the embedding's tensor only on a stage that has both.
         "lm_head": table if is_last and not (tied and is_first) else 0,
     }
+    if is_vlm(dict(hf)):
+        parts["vision"] = vision_tower_bytes(hf, dtype_bytes) if is_first else 0
     if memory_plan_moe.is_moe(hf):
         moe = memory_plan_moe.moe_weight_bytes(
             hf, first_layer, end_layer, tp=shape.tp, expert_parallel=expert_parallel,
@@ -270,6 +277,20 @@ def stage_weight_bytes(
         )  # fmt: skip
         parts.update(moe)
     return parts
+
+
+def vision_tower_bytes(hf: Mapping[str, Any], dtype_bytes: int) -> int:
+    """A LLaVA's CLIP tower up to ``vision_feature_layer`` and its projector
+    (``engine.models.clip``, ``engine.models.llava``), whole on every rank of stage 0."""
+    vision = hf["vision_config"]
+    d, inter, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    positions = (vision["image_size"] // patch) ** 2 + 1
+    embeddings = d + d * vision.get("num_channels", 3) * patch * patch + positions * d + 2 * d
+    layer = 4 * (d * d + d) + 2 * 2 * d + (d * inter + inter) + (inter * d + d)
+    text = int(hf["hidden_size"])
+    bias = 2 * text if hf.get("multimodal_projector_bias", True) else 0
+    projector = d * text + text * text + bias
+    return (embeddings + feature_layer(dict(hf)) * layer + projector) * dtype_bytes
 
 
 def _mla_layer(

@@ -44,6 +44,7 @@ from engine.worker.cuda_graphs import (
     DecodeCudaGraphRunner,
     cuda_graphs_disabled_reason,
 )
+from engine.worker.encoder_cache import EncoderCache
 from engine.worker.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
 from engine.worker.step_inputs import (
     CachedRequestState,
@@ -76,6 +77,11 @@ class ModelRunner:
 
     LoRA: the step's ``lora_slots`` changes are loaded before the forward pass; each token then
     uses its request's adapter slot (-1 for the base model), one mapping shared by every layer.
+
+    A vision-language model: a chunk's image placeholder tokens take their image's embeddings
+    in place of the token embeddings; each image is encoded when a chunk first reaches it and
+    kept for its request (``engine.worker.encoder_cache``). Decode steps hold no image tokens
+    and replay CUDA graphs as before.
 
     A pooling (embedding) request samples nothing. The driver pools its post-norm hidden
     states: ``last`` takes the row of the last prompt position (in the chunk that ends the
@@ -128,6 +134,8 @@ class ModelRunner:
         self.graph_runner: DecodeBucketRunner | None = None
         # This step's speculative proposals, by request (ExecuteModelRequest's).
         self._proposals: dict[str, list[int]] = {}
+        # A vision-language model's image embeddings, encoded once per image and request.
+        self.encoder_cache = EncoderCache(device) if hasattr(model, "embed_multimodal") else None
         # Data parallelism: the MoE layers' experts that exchange tokens across the DP ranks.
         self._exchanging_experts = [
             m for m in model.modules() if isinstance(m, ParallelExperts) and m.exchanges_tokens
@@ -262,6 +270,8 @@ class ModelRunner:
     def update_states(self, req: ExecuteModelRequest) -> None:
         for rid in req.finished_req_ids:
             self.requests.pop(rid, None)
+            if self.encoder_cache is not None:
+                self.encoder_cache.free_request(rid)
         for new in req.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -281,6 +291,10 @@ class ModelRunner:
                 pooling_params=new.pooling_params,
                 lora_int_id=new.lora_int_id,
             )
+            if new.mm_features:
+                if self.encoder_cache is None:
+                    raise RuntimeError(f"request {new.req_id!r} has images; the model takes none")
+                self.encoder_cache.add_request(new.req_id, new.mm_features)
         if req.lora_slots:
             if self.lora_manager is None:
                 raise RuntimeError("the head sent LoRA slots but this worker has LoRA off")
@@ -371,6 +385,7 @@ class ModelRunner:
         sampling_metadata = (
             self._sampling_metadata(sampled_req_ids) if self.is_driver and sampled_req_ids else None
         )
+        mm_rows, mm_embeds = self._image_embeddings(states, starts, seq_lens, cu)
         metadata = build_group_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens.astype(np.int32),
@@ -398,7 +413,32 @@ class ModelRunner:
             # Only the driver pools (and keeps the running sums): the others hold no output.
             pooling_rows=pooling_rows(states, starts, seq_lens, cu, mean) if self.is_driver else [],
             sampling_metadata=sampling_metadata,
+            mm_rows=mm_rows,
+            mm_embeds=mm_embeds,
         )
+
+    @torch.inference_mode()
+    def _image_embeddings(
+        self,
+        states: list[CachedRequestState],
+        starts: np.ndarray,
+        ends: np.ndarray,
+        cu: np.ndarray,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The packed rows of this step's image tokens and their embeddings (the images a
+        chunk reaches first are encoded now; see ``engine.worker.encoder_cache``)."""
+        if self.encoder_cache is None:
+            return None, None
+        chunks = [
+            (s.req_id, int(starts[i]), int(ends[i]), int(cu[i])) for i, s in enumerate(states)
+        ]
+        found = self.encoder_cache.gather(
+            chunks, self.model.embed_multimodal, self.config.model.torch_dtype
+        )
+        if found is None:
+            return None, None
+        rows, embeds = found
+        return torch.from_numpy(rows.astype(np.int64)).to(self.device), embeds
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -409,7 +449,14 @@ class ModelRunner:
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.model(inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual)
+        if inputs.mm_embeds is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual)
+        # A VLM's chunk that holds image tokens: their rows take the image's embeddings.
+        embeds = self.model.embed_input_ids(inputs.input_ids)
+        embeds[inputs.mm_rows] = inputs.mm_embeds.to(embeds.dtype)
+        return self.model(
+            inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual, embeds
+        )
 
     @torch.inference_mode()
     def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput | None:
@@ -575,7 +622,7 @@ class ModelRunner:
             )
             clock.lap("receive")  # waiting for the previous stage: not this stage's work
         graphs = self.graph_runner
-        if graphs is not None and graphs.can_run(inputs.metadata):
+        if graphs is not None and inputs.mm_embeds is None and graphs.can_run(inputs.metadata):
             # This stage's layers in one replay; every TP rank of the stage got the same
             # request, so all replay the same bucket's graph (its all-reduces match).
             hidden, residual = graphs.run(

@@ -68,6 +68,10 @@ class StepInputs:
     # lists to the device waits for the stream, so after the launch it would wait for the
     # whole forward pass and keep the host idle meanwhile.
     sampling_metadata: SamplingMetadata | None = None
+    # A VLM's image tokens in this step: their rows of the packed batch and the embeddings
+    # that replace those rows' token embeddings (engine.worker.encoder_cache).
+    mm_rows: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
 
 
 def block_tables(states: list[CachedRequestState], num_groups: int) -> list[np.ndarray]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from engine.multimodal.inputs import MultiModalFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -39,6 +40,9 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     pooling_params: PoolingParams | None = None
     # The request's LoRA adapter (0: the base model); its slot is in the workers' slot table.
     lora_int_id: int = 0
+    # A VLM prompt's images (placeholder ranges, hashes, pixels): sent this once; the workers
+    # encode each when a chunk first reaches its placeholders and keep the output.
+    mm_features: list[MultiModalFeature] = []
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

@@ -435,5 +435,12 @@ class Worker:
         """Per-request state held between steps (0 once every request finished)."""
         return len(self.runner.requests)
 
+    def encoder_cache_stats(self) -> dict[str, int]:
+        """A VLM's encoder cache: images encoded so far, and outputs held now."""
+        cache = self.runner.encoder_cache
+        if cache is None:
+            return {"num_encoded": 0, "num_cached": 0}
+        return {"num_encoded": cache.num_encoded, "num_cached": len(cache)}
+
     def check_health(self) -> bool:
         return self.model_runner is not None or self.sleep_level == 2

@@ -106,13 +106,15 @@ def greedy_steps(
     idle_before: int = 0,
     idle_after: int = 0,
     group: Any = None,
+    mm_features: list[list[Any]] | None = None,
 ) -> list[list[int]]:
     """Prefill every prompt, then ``steps`` decode steps; the tokens each request got. The
     driver rank (the last stage's first) samples and tells the others, as the head would
     through its next message: over the world, or over ``group`` (a ``GroupCoordinator``: a
     data-parallel rank's TP group) when given. ``idle_before`` / ``idle_after``: steps with
     nothing scheduled before the prefill and after the last decode step (a data-parallel core
-    without requests still steps with the others)."""
+    without requests still steps with the others). ``mm_features``: each prompt's images
+    (``MultiModalFeature``s, as the head's input processing makes them)."""
     import torch.distributed as dist
 
     from engine.worker.step_messages import (
@@ -136,6 +138,7 @@ def greedy_steps(
                 sampling_params=params,
                 block_ids=_block_table(worker, i, blocks_per_request),
                 num_computed_tokens=0,
+                mm_features=mm_features[i] if mm_features else [],
             )
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True))
         ],

@@ -48,6 +48,20 @@ def test_prompt_text_reads_prompts_token_ids_and_chat_messages() -> None:
     assert prompt_text(SimpleNamespace()) is None
 
 
+def test_an_image_part_is_part_of_the_prefix_by_its_url() -> None:
+    def chat(url: str) -> GenerateRequest:
+        parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hm"}]
+        return GenerateRequest(messages=[{"role": "user", "content": parts}])
+
+    a, b = (
+        prompt_text(chat("data:image/png;base64,AAAA")),
+        prompt_text(chat("data:image/png;base64,BBBB")),
+    )
+    assert a != b
+    assert a == prompt_text(chat("data:image/png;base64,AAAA"))
+    assert a.startswith("user:<image:") and a.endswith(">hm")
+
+
 def test_index_matches_leading_chunks_only() -> None:
     index: PrefixIndex[str] = PrefixIndex(100)
     index.insert("r1", [1, 2, 3])

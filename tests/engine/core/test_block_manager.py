@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine.core.block_manager import BlockManager
 from engine.core.block_pool import hash_block_tokens
 from engine.core.request import Request
+from engine.multimodal.inputs import image_feature
 from engine.sampling_params import SamplingParams
 
 BS = 4
@@ -105,6 +107,22 @@ def test_different_cache_salt_never_shares_blocks() -> None:
     assert bm.get_computed_blocks(b) == ([], 0)
     c = make_request("c", list(range(9)), salt="tenant-1")
     assert bm.get_computed_blocks(c)[1] == 8
+
+
+def _with_image(rid: str, pixels: float) -> Request:
+    """Tokens 0..2 text, 3..6 one image's placeholders (id 9), 7..8 text."""
+    feature = image_feature(np.full((3, 2, 2), pixels, np.float32), offset=3, length=4)
+    tokens = [0, 1, 2, 9, 9, 9, 9, 7, 8]
+    return Request(rid, tokens, SamplingParams(), max_tokens=8, mm_features=[feature])
+
+
+def test_different_images_behind_the_same_placeholders_never_share_blocks() -> None:
+    bm = BlockManager(10, BS)
+    a = _with_image("a", 0.5)
+    compute(bm, a, 9)
+    # Block 0 (tokens 0..3) and block 1 (4..7) both hold the image's placeholders.
+    assert bm.get_computed_blocks(_with_image("b", 0.25)) == ([], 0)
+    assert bm.get_computed_blocks(_with_image("c", 0.5))[1] == 8
 
 
 def test_cached_prefix_tokens_counts_what_a_request_would_reuse_and_changes_nothing() -> None:

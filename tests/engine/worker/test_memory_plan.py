@@ -18,6 +18,7 @@ import torch
 from engine.builtin.catalog import resolve_model_source
 from engine.config import EngineConfig
 from engine.models import MODEL_REGISTRY
+from engine.vlm_config import flatten_vlm_config
 from engine.worker.memory_plan import (
     CUDA_CONTEXT_BYTES,
     GiB,
@@ -316,6 +317,14 @@ def test_every_family_matches_a_meta_build_of_every_rank(
     tmp_path: Path, name: str, overrides: dict[str, Any], kwargs: dict[str, Any]
 ) -> None:
     check_against_meta_builds(tmp_path, builtin_config(name, **overrides), kwargs)
+
+
+def test_llava_counts_its_vision_tower_on_every_rank_as_a_meta_build(tmp_path: Path) -> None:
+    # The tower up to vision_feature_layer and the projector, replicated on both TP ranks.
+    hf = flatten_vlm_config(builtin_config("tiny-llava"))
+    check_against_meta_builds(tmp_path, hf, {"tensor_parallel_size": 2})
+    plan = plan_memory(builtin_config("tiny-llava"), PlanSettings(), H100_BYTES)
+    assert plan.problems == ()
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,9 @@ source scan for unsafe deserialization is tests/test_unsafe_deserialization.py).
 
 from __future__ import annotations
 
+import numpy as np
+
+from engine.multimodal.inputs import image_feature
 from engine.sampling_params import SamplingParams
 from engine.worker.step_messages import (
     CachedRequestData,
@@ -44,6 +47,29 @@ def test_execute_model_request_round_trips() -> None:
         blocks_to_copy=[(3, 4)],
     )
     assert decode_request(encode(msg)) == msg
+
+
+def test_a_new_request_with_an_image_round_trips_with_its_pixels() -> None:
+    pixels = np.arange(3 * 4 * 4, dtype=np.float32).reshape(3, 4, 4) / 7
+    feature = image_feature(pixels, offset=2, length=5)
+    new = NewRequestData(
+        req_id="a",
+        prompt_token_ids=[1, 2, 9, 9, 9, 9, 9, 3],
+        sampling_params=SamplingParams(),
+        block_ids=[0],
+        num_computed_tokens=0,
+        mm_features=[feature],
+    )
+    msg = ExecuteModelRequest(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=[],
+        num_scheduled_tokens={"a": 8},
+        total_num_scheduled_tokens=8,
+        finished_req_ids=[],
+    )
+    (got,) = decode_request(encode(msg)).scheduled_new_reqs[0].mm_features
+    assert got == feature
+    assert np.array_equal(got.pixels(), pixels)
 
 
 def test_model_runner_output_round_trips() -> None:

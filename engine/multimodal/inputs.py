@@ -1,0 +1,53 @@
+"""One image of a request as the head records it and sends it to the workers, once, with the
+request's first scheduled chunk (``NewRequestData.mm_features``; vLLM's
+``MultiModalFeatureSpec``): where its placeholder tokens sit in the prompt, the hash of its
+content (prefix-cache key and encoder-cache key) and its preprocessed pixels.
+
+    prompt:   ... <s> USER : [img img img ... img] \\n What ...
+                               ^ offset   length ^
+    pixels:   float32 [C, H, W] as raw bytes (msgpack carries bytes as they are)
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+import numpy as np
+
+
+class MultiModalFeature(msgspec.Struct, kw_only=True, frozen=True):
+    modality: str
+    # sha256 (hex) of the preprocessed pixels and their shape: equal pixels, equal embeddings.
+    mm_hash: str
+    # The placeholder tokens [offset, offset + length) this item's embeddings replace.
+    offset: int
+    length: int
+    pixel_values: bytes
+    shape: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether any of its placeholder positions is in ``[start, end)``."""
+        return self.offset < end and start < self.end
+
+    def pixels(self) -> np.ndarray:
+        return np.frombuffer(self.pixel_values, dtype=np.float32).reshape(self.shape)
+
+
+def image_feature(pixels: np.ndarray, offset: int, length: int) -> MultiModalFeature:
+    """The record of one preprocessed image (``[C, H, W]``) placed at ``offset``."""
+    data = np.ascontiguousarray(pixels, dtype=np.float32)
+    digest = hashlib.sha256(repr(data.shape).encode())
+    digest.update(data.tobytes())
+    return MultiModalFeature(
+        modality="image",
+        mm_hash=digest.hexdigest(),
+        offset=offset,
+        length=length,
+        pixel_values=data.tobytes(),
+        shape=tuple(data.shape),
+    )
