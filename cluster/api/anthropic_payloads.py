@@ -28,11 +28,11 @@ from cluster.api.anthropic_models import (
 )
 from cluster.api.api_errors import APIError
 from cluster.api.openai_models import ChatCompletionRequest
+from cluster.api.openai_payloads import image_part
 
 # Block types the model cannot read (yet): a 400 naming the block.
 _UNSUPPORTED_BLOCKS = {
-    "image": "image blocks are not supported yet (text only)",
-    "document": "document blocks are not supported yet (text only)",
+    "document": "document blocks are not supported yet (text and images only)",
     "search_result": "search_result blocks are not supported (text only)",
 }
 
@@ -103,15 +103,35 @@ def chat_messages(
     if role == "assistant":
         return [_assistant_message(content, f"{path}.content")]
     tool_messages: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         block_path = f"{path}.content.{j}"
-        if _block_type(block, block_path) == "tool_result":
+        kind = _block_type(block, block_path)
+        if kind == "tool_result":
             tool_messages.append(_tool_message(block, block_path))
+        elif kind == "image":
+            parts.append(image_part(_image_url(block, block_path)))
         else:
-            texts.append(_block_text(block, block_path))
-    text_message = [{"role": "user", "content": "".join(texts)}] if texts else []
-    return tool_messages + text_message
+            parts.append({"type": "text", "text": _block_text(block, block_path)})
+    if not parts:
+        return tool_messages
+    if all(p["type"] == "text" for p in parts):
+        return [*tool_messages, {"role": "user", "content": "".join(p["text"] for p in parts)}]
+    return [*tool_messages, {"role": "user", "content": parts}]
+
+
+def _image_url(block: dict[str, Any], path: str) -> str:
+    """An image block's source as a URL: ``base64`` (``media_type``, ``data``) as a data URL,
+    ``url`` as it is (fetched by the ingress where allowed: ``cluster.api.media``)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type = _str(source, "media_type", f"{path}.source")
+        return f"data:{media_type};base64,{_str(source, 'data', f'{path}.source')}"
+    if kind == "url":
+        return _str(source, "url", f"{path}.source")
+    raise APIError(400, f"{path}.source.type: must be 'base64' or 'url', got {kind!r}",
+                   f"{path}.source.type")  # fmt: skip
 
 
 def _assistant_message(blocks: list[dict[str, Any]], path: str) -> dict[str, Any]:

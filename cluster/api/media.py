@@ -32,6 +32,7 @@ import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import SplitResult, urljoin, urlsplit
 
 from PIL import Image
@@ -103,21 +104,63 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
 class LoadedImage:
     image: Image.Image  # fully decoded, mode RGB
     sha256: str  # hex digest of the encoded bytes, as received
+    format: str = ""  # Pillow's name of the encoding (PNG, JPEG, ...)
 
 
 async def load_image(url: str, settings: MediaSettings, field: str) -> LoadedImage:
     """The image ``url`` refers to; ``MediaError`` naming ``field`` when it is refused."""
+    data = await _image_bytes(url, settings, field)
+    return await asyncio.to_thread(decode_image, data, settings, field)
+
+
+async def image_data_url(url: str, settings: MediaSettings, field: str) -> str:
+    """``url`` as the data URL a model replica decodes (``engine.multimodal.chat``), after
+    ``load_image``'s checks: a data URL as given, an http(s) image fetched and carried as its
+    own bytes (not re-encoded)."""
+    data = await _image_bytes(url, settings, field)
+    loaded = await asyncio.to_thread(decode_image, data, settings, field)
+    if url[:5].lower() == "data:":
+        return url
+    mime = Image.MIME.get(loaded.format, "application/octet-stream")
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+async def chat_images_as_data(
+    messages: list[dict[str, Any]], settings: MediaSettings
+) -> list[dict[str, Any]]:
+    """Chat ``messages`` with each ``image_url`` part's URL replaced by its ``image_data_url``
+    (all fetched at once); ``MediaError`` naming the first part refused."""
+    urls: dict[tuple[int, int], Any] = {}
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                field = f"messages.{i}.content.{j}.image_url.url"
+                urls[i, j] = image_data_url(part["image_url"]["url"], settings, field)
+    if not urls:
+        return messages
+    data = dict(zip(urls, await asyncio.gather(*urls.values()), strict=True))
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list) and any(key[0] == i for key in data):
+            parts = [{"type": "image_url", "image_url": {"url": data[i, j]}}
+                     if (i, j) in data else part for j, part in enumerate(content)]  # fmt: skip
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
+async def _image_bytes(url: str, settings: MediaSettings, field: str) -> bytes:
     scheme, colon, _ = url[:16].partition(":")
     scheme = scheme.lower() if colon else ""
     if scheme == "data":
-        data = await asyncio.to_thread(decode_data_url, url, settings, field)
-    elif scheme in ("http", "https"):
-        data = await fetch_image_bytes(url, settings, field)
-    else:
-        raise MediaError(
-            "only data:image/...;base64 URLs and http(s):// URLs are accepted for images", field
-        )
-    return await asyncio.to_thread(decode_image, data, settings, field)
+        return await asyncio.to_thread(decode_data_url, url, settings, field)
+    if scheme in ("http", "https"):
+        return await fetch_image_bytes(url, settings, field)
+    raise MediaError(
+        "only data:image/...;base64 URLs and http(s):// URLs are accepted for images", field
+    )
 
 
 def decode_data_url(url: str, settings: MediaSettings, field: str) -> bytes:
@@ -144,6 +187,7 @@ def decode_image(data: bytes, settings: MediaSettings, field: str) -> LoadedImag
     try:
         with Image.open(io.BytesIO(data)) as header:  # reads the header only
             width, height = header.size
+            encoding = header.format or ""
             if width * height > settings.max_image_pixels:
                 raise _too_many_pixels(width * height, settings, field)
             header.verify()
@@ -157,7 +201,7 @@ def decode_image(data: bytes, settings: MediaSettings, field: str) -> LoadedImag
         # Hostile bytes make Pillow raise anything (UnidentifiedImageError, truncated data, bad
         # checksums, struct errors): each is the client's 400, and its text stays internal.
         raise MediaError("the image could not be decoded (PNG, JPEG, WebP, ...)", field) from None
-    return LoadedImage(image=rgb, sha256=hashlib.sha256(data).hexdigest())
+    return LoadedImage(image=rgb, sha256=hashlib.sha256(data).hexdigest(), format=encoding)
 
 
 def _too_large(settings: MediaSettings, field: str) -> MediaError:

@@ -271,20 +271,41 @@ def request_extras(req: SamplingFields) -> dict[str, Any]:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages for the chat template: content parts (``[{"type": "text", "text": ...}]``)
-    joined into one string; parts other than text are not supported (400)."""
+    """Messages for the chat template: text content parts (``[{"type": "text", "text": ...}]``)
+    joined into one string; a message with ``image_url`` parts keeps its parts (text and
+    ``{"type": "image_url", "image_url": {"url": ...}}``, the URL checked and fetched by the
+    ingress: ``cluster.api.media``); other parts are a 400."""
     out = []
     for i, message in enumerate(messages):
         # Undeclared fields clients send back (an assistant's ``refusal``) are left out.
         entry = message.model_dump(exclude_none=True, exclude=set(message.model_extra or ()))
         entry.setdefault("content", None)
         if isinstance(message.content, list):
-            texts = []
-            for j, part in enumerate(message.content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    param = f"messages.{i}.content.{j}"
-                    raise APIError(400, f"{param}: only text parts are supported", param)
-                texts.append(part["text"])
-            entry["content"] = "".join(texts)
+            parts = [_content_part(p, f"messages.{i}.content.{j}")
+                     for j, p in enumerate(message.content)]  # fmt: skip
+            if any(p["type"] == "image_url" for p in parts):
+                entry["content"] = parts
+            else:
+                entry["content"] = "".join(p["text"] for p in parts)
         out.append(entry)
     return out
+
+
+def _content_part(part: Any, param: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        spec = part.get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else None
+        if not isinstance(url, str):
+            raise APIError(400, f"{param}.image_url.url: must be a string (a data: or http(s) "
+                                "URL)", f"{param}.image_url.url")  # fmt: skip
+        return image_part(url)
+    raise APIError(400, f"{param}: only text and image_url parts are supported, got {kind!r}",
+                   param)  # fmt: skip
+
+
+def image_part(url: str) -> dict[str, Any]:
+    """A chat image content part (the shape the Responses and Messages APIs map theirs to)."""
+    return {"type": "image_url", "image_url": {"url": url}}

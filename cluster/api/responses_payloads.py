@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from cluster.api.api_errors import APIError
 from cluster.api.openai_models import ChatCompletionRequest
+from cluster.api.openai_payloads import image_part
 from cluster.api.responses_models import SAMPLING_PASSTHROUGH, ResponsesRequest
 
 # Undeclared fields that would change the output and are not supported: a 400 naming them
@@ -207,25 +208,46 @@ def _message(item: dict[str, Any], path: str) -> dict[str, Any]:
         raise APIError(400, f"{path}.role: must be one of {', '.join(_MESSAGE_ROLES)}, got "
                        f"{role!r}", f"{path}.role")  # fmt: skip
     content = item.get("content")
-    text = content if isinstance(content, str) else _text(content, f"{path}.content")
+    if isinstance(content, list) and any(_is_image(p) for p in content):
+        content = [_image_or_text(p, f"{path}.content.{j}") for j, p in enumerate(content)]
+    elif not isinstance(content, str):
+        content = _text(content, f"{path}.content")
     # Developer messages are the system prompt of the chat templates, which know no such role.
-    return {"role": "system" if role == "developer" else role, "content": text}
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "input_image"
+
+
+def _image_or_text(part: Any, path: str) -> dict[str, Any]:
+    """An ``input_image`` part as a chat image part (its ``image_url``: a data: or http(s)
+    URL; ``file_id`` refers to a file store this server has not), or a text part."""
+    if _is_image(part):
+        url = part.get("image_url")
+        if not isinstance(url, str):
+            raise APIError(400, f"{path}.image_url: must be a data: or http(s) URL (file_id is "
+                                "not supported)", f"{path}.image_url")  # fmt: skip
+        return image_part(url)
+    return {"type": "text", "text": _part_text(part, path)}
 
 
 def _text(parts: Any, path: str) -> str:
     """Text content parts joined; other parts (images, files, audio) are a 400."""
     if not isinstance(parts, list):
         raise APIError(400, f"{path}: must be a string or a list of text parts", path)
-    texts = []
-    for j, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "refusal":
-            continue  # an assistant's refusal, sent back: no text for the model
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise APIError(400, f"{path}.{j}: only text parts are supported (input_text, "
-                           f"output_text), got {kind!r}", f"{path}.{j}", "unsupported")  # fmt: skip
-        texts.append(part["text"])
-    return "".join(texts)
+    return "".join(_part_text(part, f"{path}.{j}") for j, part in enumerate(parts))
+
+
+def _part_text(part: Any, path: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "refusal":
+        return ""  # an assistant's refusal, sent back: no text for the model
+    if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        raise APIError(400, f"{path}: only text and input_image parts are supported "
+                       f"(input_text, output_text, input_image), got {kind!r}", path,
+                       "unsupported")  # fmt: skip
+    return part["text"]
 
 
 def _str(item: dict[str, Any], name: str, path: str) -> str:

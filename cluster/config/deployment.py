@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from cluster.api.media import MediaSettings
 from cluster.api.reasoning_parsers import REASONING_PARSERS
 from cluster.api.tool_parsers import TOOL_PARSERS
 from cluster.config.strict_yaml import build_dataclass
@@ -571,6 +572,8 @@ class DeploymentConfig:
     api_keys: APIKeysConfig | None = None
     responses_store: ResponsesStoreConfig = field(default_factory=ResponsesStoreConfig)
     sleep_mode: SleepModeConfig = field(default_factory=SleepModeConfig)
+    # Image inputs (cluster.api.media): where an image URL may be fetched from, and the caps.
+    media: MediaSettings = field(default_factory=MediaSettings)
     app_name: str = "llm"
 
     def awake_spec(self) -> tuple[dict[str, int], int, float] | None:

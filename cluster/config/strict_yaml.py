@@ -11,6 +11,7 @@ Types are read from the fields' annotations: a dataclass (built recursively), ``
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import types
 import typing
@@ -41,7 +42,12 @@ def build_dataclass(cls: type, data: Any, path: str = "") -> Any:
                 f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             )
             require(not no_default, key_path, "is required")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ConfigError as exc:  # a section that checks itself names its keys, not their path
+        if not path or str(exc).startswith(path):
+            raise
+        raise ConfigError(f"{path}.{exc}") from None
 
 
 def _convert(hint: Any, value: Any, path: str) -> Any:
@@ -55,7 +61,7 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
     if origin is Literal:
         check_choice(value, path, args)
         return value
-    if origin is list:
+    if origin in (list, collections.abc.Sequence):
         require(isinstance(value, list), path, f"must be a list, got {type(value).__name__}")
         return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:

@@ -17,6 +17,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from cluster.api.api_errors import APIError, api_error, error_body, error_response
+from cluster.api.media import MediaError, MediaSettings, chat_images_as_data
 from cluster.api.openai_api import make_openai_app, metrics_response
 from cluster.api.openai_models import (
     ChatCompletionRequest,
@@ -91,6 +92,7 @@ class OpenAIIngress(
         responses_store_spec: tuple[str, dict[str, Any]] | None = None,
         prefill: dict[str, tuple[DeploymentHandle, float, str]] | None = None,
         awake_spec: tuple[dict[str, int], int, float] | None = None,
+        media: MediaSettings | None = None,
     ) -> None:
         self.servers = servers
         self.api_key_hashes = api_key_hashes
@@ -115,6 +117,8 @@ class OpenAIIngress(
         self.prefill = prefill or {}
         # sleep_mode.max_awake_models: the models that take turns being awake.
         self._init_awake(awake_spec)
+        # Image parts: where their URLs may be fetched from, and the caps (cluster.api.media).
+        self.media = media or MediaSettings()
 
     def _end_streams_before_exit(self) -> None:
         """The SIGTERM hook. A worker gets SIGTERM from its raylet as the raylet stops (``ray
@@ -156,6 +160,7 @@ class OpenAIIngress(
                            retry_after=1)  # fmt: skip
         handle, adapter = self._route(model)
         base = model if adapter is None else model[: -len(adapter) - 1]
+        payload = await self._with_image_data(payload)
         await self._admit(base)
         if base in self.prefill:
             prefill, timeout_s, connector = self.prefill[base]
@@ -174,6 +179,17 @@ class OpenAIIngress(
             self.channel.release(request_id)
             return first, stream
         return first, self.channel.stream(request_id, first.head, stream, model)
+
+    async def _with_image_data(self, payload: GenerateRequest) -> GenerateRequest:
+        """The payload with its chat image parts as checked data URLs (fetched where
+        ``media`` allows); a refused image is a 400 naming its part."""
+        if payload.messages is None:
+            return payload
+        try:
+            messages = await chat_images_as_data(payload.messages, self.media)
+        except MediaError as exc:
+            raise APIError(400, str(exc), exc.param, "invalid_image") from None
+        return msgspec.structs.replace(payload, messages=messages)
 
     async def _first_item(
         self, handle: DeploymentHandle, payload: GenerateRequest, model: str, adapter: str | None
@@ -293,7 +309,9 @@ class OpenAIIngress(
             raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
         payload = GenerateRequest(prompt=req.prompt)
         if req.messages is not None:
-            payload = GenerateRequest(messages=chat_messages(req.messages))
+            payload = await self._with_image_data(
+                GenerateRequest(messages=chat_messages(req.messages))
+            )
         return _unwrap(await self._server(req.model).tokenize.remote(payload))
 
     async def detokenize(self, req: DetokenizeRequest) -> Any:

@@ -44,6 +44,7 @@ class MessagesServicer:
 
     open_stream: Any
     _route: Any
+    _with_image_data: Any
 
     async def messages(self, req: MessagesRequest) -> Any:
         payload, chat = messages_payload(req)
@@ -74,6 +75,7 @@ class MessagesServicer:
     async def count_message_tokens(self, req: CountTokensRequest) -> Any:
         """The prompt's token count as the chat template renders it, tools included."""
         payload, _ = messages_payload(req)
+        payload = await self._with_image_data(payload)
         handle, _ = self._route(req.model)
         try:
             result = await handle.tokenize.remote(payload)

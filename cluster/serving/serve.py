@@ -74,7 +74,7 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
     store = (config.app_name, dataclasses.asdict(config.responses_store))
     return ingress.bind(
         servers, hashes, config.http_options.max_body_bytes, lora_models, cold_start, store,
-        prefill, config.awake_spec(),
+        prefill, config.awake_spec(), config.media,
     )  # fmt: skip
 
 

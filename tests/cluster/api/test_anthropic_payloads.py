@@ -142,10 +142,22 @@ def test_count_tokens_needs_no_max_tokens_but_a_message_does() -> None:
     assert info.value.errors()[0]["loc"] == ("max_tokens",)
 
 
-def test_image_blocks_are_a_400_naming_the_block() -> None:
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+def test_image_blocks_are_chat_image_parts() -> None:
+    inline = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                          "data": "iVBOR"}}  # fmt: skip
+    linked = {"type": "image", "source": {"type": "url", "url": "https://img.example/a.png"}}
+    content = [{"type": "text", "text": "Compare"}, inline, linked]
+    (message,) = _chat(messages=[{"role": "user", "content": content}])["messages"]
+    assert message == {"role": "user", "content": [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBOR"}},
+        {"type": "image_url", "image_url": {"url": "https://img.example/a.png"}}]}  # fmt: skip
+
+
+def test_an_image_block_with_another_source_is_a_400_naming_it() -> None:
+    image = {"type": "image", "source": {"type": "file", "file_id": "f"}}
     error = _error(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}, image]}])
-    assert error.param == "messages.0.content.1" and "image blocks are not supported" in str(error)
+    assert error.param == "messages.0.content.1.source.type" and "'base64' or 'url'" in str(error)
 
 
 @pytest.mark.parametrize(

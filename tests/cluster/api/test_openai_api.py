@@ -411,12 +411,23 @@ def test_continue_final_message_needs_a_last_assistant_message() -> None:
     assert (info.value.status, info.value.param) == (400, "continue_final_message")
 
 
-def test_chat_image_part_is_400_naming_it() -> None:
-    content = [{"type": "image_url", "image_url": {"url": "http://x"}}]
+def test_chat_image_parts_are_kept_with_their_text_and_other_parts_are_400() -> None:
+    image = {"type": "image_url", "image_url": {"url": "http://x/a.png", "detail": "low"}}
+    content = [{"type": "text", "text": "What is it?"}, image]
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": content}])
-    with pytest.raises(APIError) as info:
-        chat_payload(req)
-    assert (info.value.status, info.value.param) == (400, "messages.0.content.0")
+    assert chat_payload(req)["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "What is it?"},
+        {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]  # fmt: skip
+    refused = [
+        ({"type": "input_audio", "input_audio": {}}, "messages.0.content.1"),
+        ({"type": "image_url", "image_url": {}}, "messages.0.content.1.image_url.url"),
+    ]
+    for bad, param in refused:
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "x"}, bad]}])  # fmt: skip
+        with pytest.raises(APIError) as info:
+            chat_payload(req)
+        assert (info.value.status, info.value.param) == (400, param)
 
 
 @pytest.mark.parametrize(
@@ -654,6 +665,7 @@ def _open_stream(first: dict[str, Any] | Exception, stopping: bool = False) -> A
                               channel=TokenChannel(), prefill={}, awake=None)  # fmt: skip
     ingress._first_item = functools.partial(OpenAIIngress._first_item, ingress)
     ingress._admit = functools.partial(OpenAIIngress._admit, ingress)
+    ingress._with_image_data = functools.partial(OpenAIIngress._with_image_data, ingress)
     with pytest.raises(APIError) as info:
         asyncio.run(OpenAIIngress.open_stream(ingress, "m", GenerateRequest()))  # type: ignore[arg-type]
     assert not ingress.channel._queues  # the refused request left nothing registered
@@ -695,6 +707,7 @@ def test_ingress_sends_and_registers_the_payloads_own_request_id() -> None:
                               channel=Channel(), _first_item=first_item, prefill={},
                               awake=None)  # fmt: skip
     ingress._admit = functools.partial(OpenAIIngress._admit, ingress)
+    ingress._with_image_data = functools.partial(OpenAIIngress._with_image_data, ingress)
     payload = GenerateRequest(prompt="x")
     asyncio.run(OpenAIIngress.open_stream(ingress, "m", payload))  # type: ignore[arg-type]
     assert registered == [payload.request_id] and sent[0].request_id == payload.request_id

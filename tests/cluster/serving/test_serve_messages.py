@@ -258,13 +258,13 @@ def test_missing_max_tokens_is_a_bad_request_naming_it(client: Anthropic) -> Non
     assert error["type"] == "invalid_request_error" and error["message"].startswith("max_tokens")
 
 
-def test_an_image_block_is_a_bad_request_naming_it(client: Anthropic) -> None:
+def test_an_image_from_a_host_not_allowed_is_a_bad_request_naming_it(client: Anthropic) -> None:
     image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.create(model=MODEL, max_tokens=2,
                                messages=[{"role": "user", "content": [image]}])  # type: ignore[list-item]  # fmt: skip
     message = info.value.body["error"]["message"]  # type: ignore[index]
-    assert message == "messages.0.content.0: image blocks are not supported yet (text only)"
+    assert message.startswith("messages.0.content.0.image_url.url: remote image URLs are not")
 
 
 def test_a_wrong_key_is_an_authentication_error_and_a_bearer_token_is_a_key(

@@ -165,9 +165,9 @@ def test_built_in_tools_and_non_text_parts_are_400s_naming_them(client: OpenAI) 
                                                      "container": {"type": "auto"}}],
         )  # fmt: skip
     assert info.value.body["param"] == "tools.1.type"
-    image = {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}
+    audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
     with pytest.raises(BadRequestError) as info:
-        client.responses.create(model=MODEL, input=[{"role": "user", "content": [image]}])
+        client.responses.create(model=MODEL, input=[{"role": "user", "content": [audio]}])
     assert info.value.body["param"] == "input.0.content.0"
 
 
