@@ -80,11 +80,13 @@ def make_tiny_llava(
     *,
     mistral: bool = False,
     vision_overrides: dict[str, Any] | None = None,
+    text_overrides: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Path:
     """Write ``tiny-llava`` (weights drawn from ``seed``; ``overrides`` change LlavaConfig's
     top-level fields, e.g. ``vision_feature_select_strategy="full"``, ``vision_overrides`` the
-    tower's; ``mistral`` makes the language model a Mistral) into ``out_dir``."""
+    tower's (its ``image_size`` and ``patch_size`` the processor's too), ``text_overrides`` the
+    language model's; ``mistral`` makes the language model a Mistral) into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
@@ -92,14 +94,17 @@ def make_tiny_llava(
     image_token_id = tokenizer.token_to_id(IMAGE_TOKEN)
     text_class = MistralConfig if mistral else LlamaConfig
     text = text_class(
-        **{**_COMMON_CONFIG, "vocab_size": image_token_id + 1, "num_key_value_heads": 2},
+        **{**_COMMON_CONFIG, "vocab_size": image_token_id + 1, "num_key_value_heads": 2,
+           **(text_overrides or {})},
         tie_word_embeddings=False,
-    )
+    )  # fmt: skip
+    vision = {**_VISION, **(vision_overrides or {})}
+    image_size, patch_size = vision["image_size"], vision["patch_size"]
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(**{**_VISION, **(vision_overrides or {})}),
+        vision_config=CLIPVisionConfig(**vision),
         text_config=text,
         image_token_index=image_token_id,
-        image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
+        image_seq_length=(image_size // patch_size) ** 2,
         **overrides,
     )
     model = _build(config, seed)
@@ -121,14 +126,14 @@ def make_tiny_llava(
         },
     )
     CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     ).save_pretrained(str(out))
     write_json(
         out / "processor_config.json",
         {
             "processor_class": "LlavaProcessor",
             "image_token": IMAGE_TOKEN,
-            "patch_size": PATCH_SIZE,
+            "patch_size": patch_size,
             "vision_feature_select_strategy": config.vision_feature_select_strategy,
             "num_additional_image_tokens": 1,
         },
