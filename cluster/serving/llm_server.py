@@ -59,6 +59,7 @@ from engine.errors import (
     InvalidRequestError,
     RequestAbortedError,
 )
+from engine.kv_transfer.store import engine_store
 from engine.lora import LoRARequest
 from engine.multimodal.chat import image_placeholder
 from engine.multimodal.processor import MultiModalProcessor
@@ -68,6 +69,7 @@ from engine.vlm_config import is_vlm
 logger = logging.getLogger("llm_cluster.serve")
 
 _SINK_FLUSH_S = 3.0
+_STORE_SCAN_S = 15.0  # how often the node's KV store is measured for /metrics
 
 
 def error_item(
@@ -510,11 +512,20 @@ class LLMServer(PoolingServer, SleepServer):
         return {"finished": in_flight - len(leftover), "aborted": len(leftover)}
 
     async def _publish_stats(self) -> None:
+        transfer = self.config.kv_transfer.kv_transfer_config
+        store = None  # the node's KV store (SharedStorageConnector): its size, scanned seldom
+        if transfer is not None and transfer.kv_connector == "SharedStorageConnector":
+            store = engine_store(self.config)
+        next_scan = 0.0
         while not self.engine.is_dead:
             with contextlib.suppress(EngineDeadError):
                 stats = await self.engine.get_stats()
                 self._last_stats = (time.monotonic(), stats)
                 self.metrics.publish(stats)
+            if store is not None and time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + _STORE_SCAN_S
+                used, files, evicted = await asyncio.to_thread(store.usage)
+                self.metrics.publish_kv_store(used, files, evicted, store.max_bytes)
             await asyncio.sleep(1.0)
 
     def __del__(self) -> None:

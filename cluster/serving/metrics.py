@@ -2,9 +2,8 @@
 node's Ray metrics agent, so one scrape of the cluster (each node's agent, or the ingress's
 ``/metrics``, which gathers them all) shows every replica, tagged by model and replica.
 
-Mixture-of-experts models add their expert load, per sparse layer (``layer`` is the global
-decoder-layer index, ``expert`` the expert id; both come from ``CoreStats.moe_expert_tokens``,
-counted on the device and read once per snapshot, see ``engine.models.expert_load``):
+Mixture-of-experts models add their expert load per sparse layer (``layer``: the decoder-layer
+index, ``expert``: the expert id; ``CoreStats.moe_expert_tokens``, ``engine.models.expert_load``):
 
     llm_cluster_moe_expert_tokens_total{model, replica, layer, expert}   counter: tokens routed
         to the expert (a token counts once for each of its top-k experts)
@@ -14,6 +13,7 @@ counted on the device and read once per snapshot, see ``engine.models.expert_loa
 
 Data-parallel replicas add each engine core's load (``CoreStats.cores``), tagged ``core``:
 ``llm_cluster_core_requests_running``, ``_requests_waiting``, ``_kv_cache_usage_perc``.
+The node's KV store: ``llm_cluster_kv_store_{bytes,files,evicted_files,capacity_bytes}``.
 Sleep mode (``cluster.serving.sleep_server``): ``llm_cluster_sleep_level`` (0 awake),
 ``_sleeps_total``, ``_wakes_total``, ``_sleep_seconds``, ``_wake_seconds`` (transition times).
 Speculative decoding (vLLM's names; counters since the replica started, from ``CoreStats``):
@@ -120,6 +120,15 @@ class ModelMetrics:
             "Speculative tokens accepted at each proposal position (0-based).",
             tag_keys=(*_TAGS, "position"),
         )
+        # The node's KV store (kv_transfer_config SharedStorageConnector), as this replica sees it.
+        self.kv_store_bytes = gauge("kv_store_bytes", "Bytes of KV blocks in the node's store.")
+        self.kv_store_files = gauge("kv_store_files", "Block shard files in the node's store.")
+        self.kv_store_evicted = gauge(
+            "kv_store_evicted_files", "Files evicted from the node's store since it began."
+        )
+        self.kv_store_capacity = gauge(
+            "kv_store_capacity_bytes", "The store's bound (max_storage_bytes)."
+        )
         # Sleep mode (engine.worker.sleep_mode): transitions and their times.
         self.sleeping = gauge("sleep_level", "The engine's sleep level (0: awake).")
         self.sleeps = counter("sleeps_total", "Times the engine was put to sleep.")
@@ -135,6 +144,12 @@ class ModelMetrics:
             "Tokens generated per LoRA adapter.",
             tag_keys=adapter_tags,
         )
+
+    def publish_kv_store(self, used: int, files: int, evicted: int, capacity: int) -> None:
+        self.kv_store_bytes.set(used, self.tags)
+        self.kv_store_files.set(files, self.tags)
+        self.kv_store_evicted.set(evicted, self.tags)
+        self.kv_store_capacity.set(capacity, self.tags)
 
     def on_sleep(self, level: int, seconds: float) -> None:
         self.sleeps.inc(1, self.tags)

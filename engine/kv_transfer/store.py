@@ -19,12 +19,14 @@ hash, shard), in a directory of its own per model and layout, bounded in bytes.
   or none. Every process of the node (the replicas' workers and heads) shares the directory.
 - **Bound**: beyond ``max_storage_bytes`` the least recently used files go (a lookup refreshes
   a block's files); a writer evicts, after a scan of the directory, when its own writes since
-  the last scan could have passed the bound.
+  the last scan could have passed the bound, and adds what it removed to the directory's
+  ``.evictions`` count (under a file lock), which ``usage`` reports with the bytes stored.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -181,18 +183,39 @@ class BlockStore:
         if total <= self.max_bytes:
             return
         entries.sort()
+        evicted = 0
         for _, size, path in entries:
             if total <= self.max_bytes * EVICT_TO:
                 break
             with contextlib.suppress(OSError):
                 os.unlink(path)
                 total -= size
-                self.evicted_files += 1
+                evicted += 1
+        self.evicted_files += evicted
+        if evicted:
+            self._count_evictions(evicted)
 
-    def used_bytes(self) -> int:
-        total = 0
+    def _count_evictions(self, n: int) -> None:
+        with open(self.directory / ".evictions", "a+") as counter:
+            fcntl.flock(counter, fcntl.LOCK_EX)
+            counter.seek(0)
+            before = int(counter.read() or 0)
+            counter.seek(0)
+            counter.truncate()
+            counter.write(str(before + n))
+
+    def usage(self) -> tuple[int, int, int]:
+        """(bytes stored, files stored, files evicted since the store began) over every
+        writer of the node: a scan of the directory (seconds for a very large store)."""
+        total = files = 0
         with os.scandir(self.directory) as scan:
             for entry in scan:
-                with contextlib.suppress(OSError):
-                    total += entry.stat().st_size
-        return total
+                if not entry.name.startswith("."):
+                    with contextlib.suppress(OSError):
+                        total += entry.stat().st_size
+                        files += 1
+        try:
+            evicted = int((self.directory / ".evictions").read_text() or 0)
+        except (OSError, ValueError):
+            evicted = 0
+        return total, files, evicted

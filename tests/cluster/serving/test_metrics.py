@@ -7,11 +7,14 @@ the lines ``GET /metrics`` shows."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cluster.serving.metrics import ModelMetrics, expert_load_imbalance
 from engine.client.async_llm_engine import EngineStats
 from engine.client.core_messages import CoreLoad
+from engine.kv_transfer.store import BlockStore
 from tests.cluster.serving.metric_recorders import prometheus_text, recorded_model_metrics
 
 
@@ -80,3 +83,22 @@ def test_the_kv_stores_lookups_and_hits_advance_their_counters(model_metrics: Mo
     tags = 'model="moe",replica="r1"'
     assert f"llm_cluster_external_prefix_cache_queries_total{{{tags}}} 160\n" in text
     assert f"llm_cluster_external_prefix_cache_hits_total{{{tags}}} 96\n" in text
+
+
+def test_the_nodes_kv_store_size_files_evictions_and_bound_are_gauges(
+    model_metrics: ModelMetrics, tmp_path: Path
+) -> None:
+    store = BlockStore(str(tmp_path), "ns", shards=[0], max_bytes=1 << 20)
+    for i in range(14):  # 1.4 MiB into a 1 MiB bound: the writers evict
+        store.write(i.to_bytes(32, "big"), 0, bytes(100 * 1024))
+    used, files, evicted = store.usage()
+    assert evicted > 0 and files == 14 - evicted and used == files * 100 * 1024
+    model_metrics.publish_kv_store(used, files, evicted, store.max_bytes)
+    text = prometheus_text()
+    tags = 'model="moe",replica="r1"'
+    assert f"llm_cluster_kv_store_bytes{{{tags}}} {used}\n" in text
+    assert f"llm_cluster_kv_store_files{{{tags}}} {files}\n" in text
+    assert f"llm_cluster_kv_store_evicted_files{{{tags}}} {evicted}\n" in text
+    (line,) = [x for x in text.splitlines() if x.startswith("llm_cluster_kv_store_capacity")]
+    assert line.startswith(f"llm_cluster_kv_store_capacity_bytes{{{tags}}} ")
+    assert abs(float(line.split()[-1]) - (1 << 20)) < 100  # (printed to 6 digits)

@@ -41,10 +41,21 @@ def test_the_bound_evicts_the_least_recently_used_and_a_lookup_refreshes(tmp_pat
     for i in range(8, 14):
         store.write(_hash(i), 0, bytes(block))
     store.evict()
-    assert store.used_bytes() <= MIB
+    used, files, evicted = store.usage()
+    assert used <= MIB and used == files * block
     assert store.contains(_hash(0), 0), "the block just looked up was evicted"
     assert not store.contains(_hash(1), 0) and store.contains(_hash(13), 0)
     assert store.evicted_files >= 4
+    # The node's count: every writer's evictions (another process's store object here).
+    other = BlockStore(store.directory.parent, store.directory.name, [0], store.max_bytes)
+    for i in range(14, 20):
+        other.write(_hash(i), 0, bytes(block))
+    other.evict()
+    assert (
+        other.usage()[2]
+        == store.evicted_files + other.evicted_files
+        == evicted + (other.evicted_files)
+    )
 
 
 def test_namespaces_keep_engines_of_other_layouts_apart(tmp_path: Path) -> None:
