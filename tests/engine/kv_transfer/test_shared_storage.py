@@ -249,3 +249,15 @@ def test_a_lora_adapters_blocks_are_its_own(tmp_path: Path) -> None:
     outputs = reader.generate(_prompts(), GREEDY, lora_request=adapter, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == with_adapter
     assert _transfer(reader).hit_tokens == 192
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_store_is_host_memory_under_the_device_cache(tmp_path: Path) -> None:
+    args = {**ARGS, "device": "cuda"}
+    tokens = _tokens(LLM("builtin:tiny-llama", **args), _prompts())
+    first = LLM("builtin:tiny-llama", kv_transfer_config=_kv(tmp_path), **args)
+    assert _tokens(first, _prompts()) == tokens
+    second = LLM("builtin:tiny-llama", kv_transfer_config=_kv(tmp_path), **args)
+    outputs = second.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == tokens
+    assert [o.num_cached_tokens for o in outputs] == [96, 64, 32]
