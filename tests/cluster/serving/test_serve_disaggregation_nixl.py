@@ -18,14 +18,11 @@ from openai import OpenAI
 
 from cluster.serving.serve import deployment_name
 from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
+from tests.cluster.serving.test_serve_disaggregation import chat, completion
 
 APP = "disagg-nixl"
 COLOCATED, PD, PD_TP2 = "colocated", "pd-nixl", "pd-nixl-tp2"
 TOPICS = ["the river", "a lighthouse keeper", "the old library", "winter markets"]
-
-
-def long_prompt(topic: str) -> str:
-    return f"Write a long and careful story about {topic}. " * 6
 
 
 @pytest.fixture(scope="module")
@@ -59,21 +56,6 @@ def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def client(base_url: str) -> OpenAI:
     return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def chat(client: OpenAI, model: str, topic: str, stream: bool = False) -> str:
-    messages = [{"role": "user", "content": long_prompt(topic)}]
-    args = {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0}
-    if not stream:
-        return client.chat.completions.create(**args).choices[0].message.content or ""
-    chunks = client.chat.completions.create(**args, stream=True)
-    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-
-def completion(client: OpenAI, model: str, topic: str) -> list[tuple[str, list[Any]]]:
-    reply = client.completions.create(model=model, prompt=long_prompt(topic), max_tokens=16,
-                                      temperature=0, n=2, logprobs=3)  # fmt: skip
-    return [(c.text, [sorted(t.items()) for t in c.logprobs.top_logprobs]) for c in reply.choices]
 
 
 def server(model: str, role: str | None = None) -> Any:
