@@ -231,11 +231,13 @@ def test_node_killed_mid_generation_fails_its_replica_only_and_serve_replaces_it
     steady = SteadyRequests(client, STEADY)
     victim_sse = [SSEStream(nodes.url, VICTIM) for _ in range(2)]
     victim_openai = OpenAIStream(client, VICTIM, LONG["max_tokens"])
-    steady_sse = SSEStream(nodes.url, STEADY, max_tokens=STEADY_TOKENS)
-    steady_openai = OpenAIStream(client, STEADY, STEADY_TOKENS)
-    for stream in [*victim_sse, steady_sse]:
+    for stream in victim_sse:
         assert stream.started.wait(60), "a stream never started"
     wait_for(lambda: stats(VICTIM)["num_running"] >= 3, 60, f"3 running on {VICTIM}", 0.1)
+    # STEADY's streams start last, so that they are in flight when the node dies.
+    steady_sse = SSEStream(nodes.url, STEADY, max_tokens=STEADY_TOKENS)
+    steady_openai = OpenAIStream(client, STEADY, STEADY_TOKENS)
+    assert steady_sse.started.wait(60), "a stream never started"
 
     killed_at = time.monotonic()
     nodes.cluster.remove_node(nodes.node_a, allow_graceful=False)  # SIGKILL: raylet and all
