@@ -2,27 +2,20 @@
 node's Ray metrics agent, so one scrape of the cluster (each node's agent, or the ingress's
 ``/metrics``, which gathers them all) shows every replica, tagged by model and replica.
 
-Mixture-of-experts models add their expert load per sparse layer (``layer``: the decoder-layer
-index, ``expert``: the expert id; ``CoreStats.moe_expert_tokens``, ``engine.models.expert_load``):
+Beyond the engine's queue, KV and latency series, each group below appears where it applies:
 
-    llm_cluster_moe_expert_tokens_total{model, replica, layer, expert}   counter: tokens routed
-        to the expert (a token counts once for each of its top-k experts)
-    llm_cluster_moe_expert_load_imbalance{model, replica, layer}         gauge: max / mean of the
-        layer's per-expert counts since the replica started (1 = perfectly even, E = every
-        token to one expert); a recent window is PromQL over the counter (README)
-
-Data-parallel replicas add each engine core's load (``CoreStats.cores``), tagged ``core``:
-``llm_cluster_core_requests_running``, ``_requests_waiting``, ``_kv_cache_usage_perc``.
-The node's KV store: ``llm_cluster_kv_store_{bytes,files,evicted_files,capacity_bytes}``.
-Sleep mode (``cluster.serving.sleep_server``): ``llm_cluster_sleep_level`` (0 awake),
-``_sleeps_total``, ``_wakes_total``, ``_sleep_seconds``, ``_wake_seconds`` (transition times).
-Speculative decoding (vLLM's names; counters since the replica started, from ``CoreStats``):
-
-    llm_cluster_spec_decode_num_drafts_total{model, replica}          verification steps
-    llm_cluster_spec_decode_num_draft_tokens_total{model, replica}    tokens proposed
-    llm_cluster_spec_decode_num_accepted_tokens_total{model, replica} tokens accepted
-    llm_cluster_spec_decode_num_accepted_tokens_per_pos_total{model, replica, position}
-        mean acceptance length = 1 + accepted / drafts; acceptance rate = accepted / proposed
+- mixture of experts, per sparse layer: ``llm_cluster_moe_expert_tokens_total{layer, expert}``
+  (a token counts once per top-k expert) and ``_moe_expert_load_imbalance{layer}`` (max / mean
+  of the layer's counts since start: 1 is even; a recent window is PromQL, README);
+- data parallelism, per core: ``llm_cluster_core_requests_running``, ``_requests_waiting``,
+  ``_kv_cache_usage_perc``;
+- the node's KV store: ``llm_cluster_kv_store_{bytes,files,evicted_files,capacity_bytes}``;
+- sleep mode: ``llm_cluster_sleep_level`` (0 awake), ``_sleeps_total``, ``_wakes_total``,
+  ``_sleep_seconds``, ``_wake_seconds``;
+- speculative decoding (vLLM's names): ``llm_cluster_spec_decode_num_drafts_total``,
+  ``_num_draft_tokens_total``, ``_num_accepted_tokens_total``,
+  ``_num_accepted_tokens_per_pos_total{position}`` (mean acceptance length = 1 + accepted /
+  drafts; acceptance rate = accepted / proposed).
 """
 
 from __future__ import annotations

@@ -14,16 +14,11 @@ rule), so one hot prefix cannot pin every request to one replica:
                            and load(best) > balance_rel_threshold * load(least))
     else route to least
 
-Approximations, on purpose: the prompt is hashed as text (a chat request: its messages and
-tools rendered as role/content text, not the chat template's tokens), so a chunk boundary is
-not a KV block boundary; the replica's real cache may have evicted what the router remembers.
-Both only cost hit rate, never correctness. Load is the router's own count of requests in
-flight per replica (exact for this handle), and a replica whose reported KV usage
-(``record_routing_stats``) is above ``kv_full`` is treated as busy; one that reports itself
-asleep (sleep mode) is chosen only when every replica is. With a KV store on each node
-(``SharedStorageConnector``), a chunk that any replica of a node computed counts
-``kv_store_credit`` (< 1) of a chunk for that node's replicas: a store hit ranks below a hit
-in the replica's own cache, above none.
+The prompt is hashed as text (chat: role/content text), an approximation of the engine's
+block hashes that costs only hit rate. Load is this router's own count in flight; a replica
+reporting KV usage above ``kv_full`` counts as busy, one asleep is chosen only when all are,
+and a chunk in the node's KV store counts ``kv_store_credit`` (< 1) of one in the replica's
+own cache.
 """
 
 from __future__ import annotations
