@@ -20,7 +20,7 @@ from engine.errors import ConfigError
 from engine.model_heads import declared_architecture, family_architecture, num_labels
 from engine.quantization.config import parse_quantization
 from engine.rope_config import check_rope
-from engine.vlm_config import LLAVA, check_llava
+from engine.vlm_config import GEMMA3_VLM, LLAVA, check_gemma3_vlm, check_llava
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "DeepseekV3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    GEMMA3_VLM,
     "Glm4MoeForCausalLM",
     "GptOssForCausalLM",
     "LlamaForCausalLM",
@@ -49,9 +50,10 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 _ACTIVATION_FIELD = {
     "Gemma2ForCausalLM": "hidden_activation",
     "Gemma3ForCausalLM": "hidden_activation",
+    GEMMA3_VLM: "hidden_activation",
 }
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("gelu_pytorch_tanh", "silu")
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", GEMMA3_VLM)
 _QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 DEEPSEEK_ARCHITECTURES: tuple[str, ...] = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GLM4_MOE = "Glm4MoeForCausalLM"
@@ -178,6 +180,8 @@ def check_hf_config(hf: dict[str, Any]) -> None:
         check_moe(hf)
     elif arch == LLAVA:
         check_llava(hf)
+    elif arch == GEMMA3_VLM:
+        check_gemma3_vlm(hf)
     check_rope(hf)
 
 
@@ -441,7 +445,7 @@ def layer_types(hf: dict[str, Any]) -> list[str]:
         return types
     if arch == "Gemma2ForCausalLM":
         return [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
-    if arch == "Gemma3ForCausalLM":
+    if arch in ("Gemma3ForCausalLM", GEMMA3_VLM):
         pattern = int(hf.get("sliding_window_pattern") or 6)
         return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
     if window is None:

@@ -1,16 +1,19 @@
-"""What the engine reads from a vision-language checkpoint's ``config.json`` (LLaVA), and what
-it refuses there. Torch-free, like ``engine.hf_config``, which calls it.
+"""What the engine reads from a vision-language checkpoint's ``config.json`` (LLaVA, Gemma 3),
+and what it refuses there. Torch-free, like ``engine.hf_config``, which calls it.
 
-HF nests a VLM's config: ``text_config`` (the language model: a Llama or Mistral config),
-``vision_config`` (a CLIP vision tower) and the glue at the top (``image_token_index``, the
-projector's activation, which vision layer feeds it). ``flatten_vlm_config`` lifts the text
-config to the top, so every reader of decoder fields (KV sizing, rope, layer types, TP checks)
-sees a plain decoder config, and keeps the rest beside it:
+HF nests a VLM's config: ``text_config`` (the language model: a Llama / Mistral / Gemma 3
+config), ``vision_config`` (a CLIP or SigLIP vision tower) and the glue at the top
+(``image_token_index``, the projector's fields). ``flatten_vlm_config`` lifts the text config
+to the top, so every reader of decoder fields (KV sizing, rope, layer types, TP checks) sees a
+plain decoder config, and keeps the rest beside it:
 
     {**text_config, "architectures": ["LlavaForConditionalGeneration"],
      "text_model_type": "llama", "vision_config": {...}, "image_token_index": ..., ...}
 
-Fields left out take the defaults of transformers' ``LlavaConfig`` / ``CLIPVisionConfig``.
+Fields left out take the defaults of transformers' ``LlavaConfig`` / ``CLIPVisionConfig`` /
+``Gemma3Config`` / ``SiglipVisionConfig``. ``image_feature_size`` is how many placeholder
+tokens one image becomes; ``whole_image_attention`` says whether an image's tokens attend to
+each other both ways (Gemma 3), which the scheduler and the attention mask must honour.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any
 from engine.errors import ConfigError
 
 LLAVA = "LlavaForConditionalGeneration"
-VLM_ARCHITECTURES: tuple[str, ...] = (LLAVA,)
+GEMMA3_VLM = "Gemma3ForConditionalGeneration"
+VLM_ARCHITECTURES: tuple[str, ...] = (LLAVA, GEMMA3_VLM)
 # text_config.model_type -> the decoder family whose code runs the language model.
 LLAVA_TEXT_FAMILIES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 _LLAVA_DEFAULTS: dict[str, Any] = {
@@ -59,6 +63,36 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 VISION_ACTIVATIONS: tuple[str, ...] = ("gelu", "quick_gelu", "gelu_pytorch_tanh")
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "mm_tokens_per_image": 256,
+    "boi_token_index": 255_999,
+    "eoi_token_index": 256_000,
+    "image_token_index": 262_144,
+}
+_SIGLIP_VISION_DEFAULTS: dict[str, Any] = {
+    "model_type": "siglip_vision_model",
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_channels": 3,
+    "image_size": 224,
+    "patch_size": 16,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
+    "vision_use_head": True,
+}
+# Gemma3TextConfig's defaults of the fields the engine reads (transformers 5).
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262208,
+    "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "max_position_embeddings": 131072, "attention_bias": False,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+}  # fmt: skip
 
 
 def is_vlm(hf: dict[str, Any]) -> bool:
@@ -71,21 +105,27 @@ def flatten_vlm_config(hf: dict[str, Any]) -> dict[str, Any]:
     config, or one already flat, unchanged."""
     if not is_vlm(hf) or "text_config" not in hf:
         return hf
+    arch = hf["architectures"][0]
     text = dict(hf.get("text_config") or {})
-    model_type = str(text.get("model_type") or "llama")
-    flat = {**_TEXT_DEFAULTS.get(model_type, {})}
-    if "rope_parameters" in text or "rope_scaling" in text:
-        flat.pop("rope_theta")  # the config's own rope fields say it
+    gemma3 = arch == GEMMA3_VLM
+    model_type = str(text.get("model_type") or ("gemma3_text" if gemma3 else "llama"))
+    flat = dict(_GEMMA3_TEXT_DEFAULTS if gemma3 else _TEXT_DEFAULTS.get(model_type, {}))
+    if "rope_parameters" in text or "rope_scaling" in text or "rope_theta" in text:
+        # the config's own rope fields say it
+        flat.pop("rope_theta", None)
+        flat.pop("rope_parameters", None)
     flat.update(
         (k, v) for k, v in text.items() if k not in ("architectures", "torch_dtype", "dtype")
     )
-    flat["architectures"] = [LLAVA]
+    flat["architectures"] = [arch]
     flat["text_model_type"] = model_type
-    flat["vision_config"] = {**_CLIP_VISION_DEFAULTS, **(hf.get("vision_config") or {})}
-    for key, default in _LLAVA_DEFAULTS.items():
+    vision_defaults = _SIGLIP_VISION_DEFAULTS if gemma3 else _CLIP_VISION_DEFAULTS
+    flat["vision_config"] = {**vision_defaults, **(hf.get("vision_config") or {})}
+    for key, default in (_GEMMA3_DEFAULTS if gemma3 else _LLAVA_DEFAULTS).items():
         flat[key] = hf.get(key, default)
+    # Gemma 3 ties by default (Gemma3Config's True); LLaVA's language models do not.
     flat["tie_word_embeddings"] = bool(
-        hf.get("tie_word_embeddings") or text.get("tie_word_embeddings", False)
+        hf.get("tie_word_embeddings", gemma3) or text.get("tie_word_embeddings", False)
     )
     for key in ("torch_dtype", "dtype", "quantization_config"):
         value = hf.get(key, text.get(key))
@@ -96,25 +136,74 @@ def flatten_vlm_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 def text_family(hf: dict[str, Any]) -> str:
     """The ``XForCausalLM`` family of a flattened VLM config's language model."""
+    if hf["architectures"][0] == GEMMA3_VLM:
+        return "Gemma3ForCausalLM"
     return LLAVA_TEXT_FAMILIES[str(hf.get("text_model_type") or "llama")]
 
 
-def check_llava(hf: dict[str, Any]) -> None:
-    """Raise ``ConfigError`` naming the field for a LLaVA config the engine cannot serve
-    exactly: another language model than Llama / Mistral, another tower than CLIP, several
-    feature layers, an unknown selection strategy or activation, a quantized checkpoint."""
+def placeholder_token_id(hf: dict[str, Any]) -> int:
+    """The token a prompt holds once per image before expansion (Gemma 3: ``<start_of_image>``;
+    LLaVA: the image token itself)."""
+    key = "boi_token_index" if hf["architectures"][0] == GEMMA3_VLM else "image_token_index"
+    return int(hf[key])
+
+
+def whole_image_attention(hf: dict[str, Any]) -> bool:
+    """Whether one image's placeholder tokens attend to each other both ways (Gemma 3), so a
+    prefill chunk must hold an image's tokens whole (vLLM's ``disable_chunked_mm_input``)."""
+    return is_vlm(hf) and hf["architectures"][0] == GEMMA3_VLM
+
+
+def max_image_tokens(hf: dict[str, Any]) -> int:
+    """The most placeholder tokens one image of this model becomes (Gemma 3: all the same)."""
+    if hf["architectures"][0] == GEMMA3_VLM:
+        return int(hf["mm_tokens_per_image"])
+    size = int(hf["vision_config"]["image_size"])
+    return image_feature_size(hf, size, size)
+
+
+def check_gemma3_vlm(hf: dict[str, Any]) -> None:
+    """Raise ``ConfigError`` naming the field for a Gemma 3 vision config the engine cannot
+    serve exactly: another tower than SigLIP, a tower whose patch grid does not pool evenly to
+    ``mm_tokens_per_image``, bad token ids, a quantized checkpoint."""
     model_type = hf.get("text_model_type")
-    if model_type not in LLAVA_TEXT_FAMILIES:
+    if model_type not in ("gemma3_text", "gemma3"):
         raise ConfigError(
-            f"text_config.model_type: {model_type!r} is not supported for {LLAVA} "
-            f"({', '.join(LLAVA_TEXT_FAMILIES)})"
+            f"text_config.model_type: {model_type!r} is not supported for {GEMMA3_VLM} "
+            "('gemma3_text')"
         )
     vision = hf.get("vision_config") or {}
-    if vision.get("model_type") != "clip_vision_model":
+    if vision.get("model_type") != "siglip_vision_model":
         raise ConfigError(
             f"vision_config.model_type: {vision.get('model_type')!r} is not supported "
-            "('clip_vision_model')"
+            "('siglip_vision_model')"
         )
+    _check_tower_shape(vision)
+    if vision.get("hidden_act") not in VISION_ACTIVATIONS:
+        raise ConfigError(
+            f"vision_config.hidden_act: {vision.get('hidden_act')!r} is not supported "
+            f"({', '.join(VISION_ACTIVATIONS)})"
+        )
+    tokens = hf.get("mm_tokens_per_image")
+    patches = vision["image_size"] // vision["patch_size"]
+    side = round(tokens**0.5) if isinstance(tokens, int) and tokens > 0 else 0
+    if side * side != tokens or patches % side:
+        raise ConfigError(
+            f"mm_tokens_per_image: must be a square whose side divides the tower's "
+            f"{patches}x{patches} patch grid, got {tokens!r}"
+        )
+    vocab = int(hf.get("vocab_size") or 0)
+    for key in ("image_token_index", "boi_token_index", "eoi_token_index"):
+        token = hf.get(key)
+        if not isinstance(token, int) or not 0 <= token < vocab:
+            raise ConfigError(f"{key}: must be a token id in [0, vocab_size), got {token!r}")
+    if hf.get("quantization_config") is not None:
+        raise ConfigError(
+            f"quantization_config: quantized {GEMMA3_VLM} checkpoints are not supported"
+        )
+
+
+def _check_tower_shape(vision: dict[str, Any]) -> None:
     for key in (
         "hidden_size",
         "intermediate_size",
@@ -136,6 +225,25 @@ def check_llava(hf: dict[str, Any]) -> None:
             f"vision_config.patch_size: must divide image_size ({vision['image_size']}), "
             f"got {vision['patch_size']}"
         )
+
+
+def check_llava(hf: dict[str, Any]) -> None:
+    """Raise ``ConfigError`` naming the field for a LLaVA config the engine cannot serve
+    exactly: another language model than Llama / Mistral, another tower than CLIP, several
+    feature layers, an unknown selection strategy or activation, a quantized checkpoint."""
+    model_type = hf.get("text_model_type")
+    if model_type not in LLAVA_TEXT_FAMILIES:
+        raise ConfigError(
+            f"text_config.model_type: {model_type!r} is not supported for {LLAVA} "
+            f"({', '.join(LLAVA_TEXT_FAMILIES)})"
+        )
+    vision = hf.get("vision_config") or {}
+    if vision.get("model_type") != "clip_vision_model":
+        raise ConfigError(
+            f"vision_config.model_type: {vision.get('model_type')!r} is not supported "
+            "('clip_vision_model')"
+        )
+    _check_tower_shape(vision)
     if vision.get("hidden_act") not in VISION_ACTIVATIONS:
         raise ConfigError(
             f"vision_config.hidden_act: {vision.get('hidden_act')!r} is not supported "
@@ -182,7 +290,10 @@ def feature_layer(hf: dict[str, Any]) -> int:
 
 def image_feature_size(hf: dict[str, Any], height: int, width: int) -> int:
     """Image tokens one image of ``height`` x ``width`` pixels becomes: its patches, plus the
-    class token under the ``full`` strategy (``default`` drops it)."""
+    class token under the ``full`` strategy (``default`` drops it); Gemma 3's pooled
+    ``mm_tokens_per_image`` whatever the size."""
+    if hf["architectures"][0] == GEMMA3_VLM:
+        return int(hf["mm_tokens_per_image"])
     patch = int(hf["vision_config"]["patch_size"])
     patches = (height // patch) * (width // patch)
     return patches + (1 if hf.get("vision_feature_select_strategy") == "full" else 0)

@@ -117,8 +117,9 @@ def paged_attention(
     Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA/MQA). New token
     ``i`` of request ``b`` sits at position ``q = seq_len[b] - query_len[b] + i`` and sees keys
     ``k <= q``; with ``sliding_window`` W only ``q - W < k <= q`` (W keys at most, itself
-    included: HF's convention). ``logits_soft_cap`` C turns the scaled scores into
-    ``C * tanh(scores / C)`` before the mask and softmax (Gemma 2). ``sinks``
+    included: HF's convention). A prefill chunk's ``bidirectional`` spans (Gemma 3's images)
+    also see their own later keys, the window still applying. ``logits_soft_cap`` C turns the
+    scaled scores into ``C * tanh(scores / C)`` before the mask and softmax (Gemma 2). ``sinks``
     (float ``[num_heads]``, on the query's device) adds ``exp(sinks[h])`` to head ``h``'s softmax
     denominator, a logit with no value (gpt-oss). An FP8 cache is dequantized with
     ``k_scale``/``v_scale`` (a one-plane cache: ``k_scale`` alone) into ``query.dtype`` as it is
@@ -462,7 +463,7 @@ def _attend_prefill_chunk(
         o = _explicit_attention(group_q, k, v, mask, scale, soft_cap, sinks).view(
             *q.shape[:-1], v.shape[-1]
         )
-    elif window is None:
+    elif window is None and not chunk.bidirectional:
         # The queries are the *last* query_len of seq_len positions, so the causal diagonal is
         # anchored bottom-right (query i sees keys <= seq_len - query_len + i); SDPA's
         # is_causal anchors it top-left, which is only right when the chunk starts at 0.
@@ -489,12 +490,15 @@ def _attend_prefill_chunk(
 
 def _chunk_key_mask(chunk: PrefillChunk, window: int | None, device: torch.device) -> Tensor:
     """bool ``[query_len, seq_len - key_start]``: whether the chunk's query ``i`` (at position
-    ``q = seq_len - query_len + i``) sees the gathered key at position ``k``: ``k <= q`` and,
+    ``q = seq_len - query_len + i``) sees the gathered key at position ``k``: ``k <= q`` or
+    both in one of the chunk's ``bidirectional`` spans (HF's OR of causal and blockwise) and,
     with a window, ``k > q - window``."""
     query_len = chunk.token_end - chunk.token_start
     q_pos = torch.arange(chunk.seq_len - query_len, chunk.seq_len, device=device)[:, None]
     k_pos = torch.arange(chunk.key_start, chunk.seq_len, device=device)[None, :]
     visible = k_pos <= q_pos
+    for lo, hi in chunk.bidirectional:
+        visible |= (q_pos >= lo) & (q_pos < hi) & (k_pos >= lo) & (k_pos < hi)
     if window is not None:
         visible &= k_pos > q_pos - window
     return visible

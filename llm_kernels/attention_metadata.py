@@ -87,6 +87,9 @@ class PrefillChunk:
     # Position of the first gathered key, a multiple of block_size: 0, or in a window's plan
     # the start of the block holding the first query's earliest visible key.
     key_start: int = 0
+    # Position ranges [start, end) inside this chunk whose tokens also see each other's later
+    # keys (one image of Gemma 3: HF's token_type_ids blocks); a window still applies.
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,12 @@ class AttentionMetadata:
     def device(self) -> torch.device:
         return self.slot_mapping.device
 
+    @property
+    def has_bidirectional(self) -> bool:
+        """Whether a prefill chunk of this step has spans attended both ways (only the torch
+        path's masked prefill attends them)."""
+        return any(chunk.bidirectional for chunk in self.prefill_chunks)
+
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of the layers of KV cache group ``group`` (this one with one group)."""
         return self.groups[group] if self.groups else self
@@ -180,12 +189,16 @@ class AttentionMetadata:
         slot_mapping: np.ndarray,
         block_size: int,
         device: torch.device,
+        bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> AttentionMetadata:
         """Validate one step's host-side batch description and move it to ``device``.
 
         ``query_lens``/``seq_lens`` are integer ``[B]``; ``block_table`` is integer
         ``[B, max_blocks_per_seq]`` where only the first ``ceil(seq_len / block_size)`` entries
-        of a row are meaningful; ``slot_mapping`` is integer ``[query_lens.sum()]``.
+        of a row are meaningful; ``slot_mapping`` is integer ``[query_lens.sum()]``;
+        ``bidirectional`` (per request, or None) the position spans of its new tokens that
+        attend each other both ways (``PrefillChunk.bidirectional``), each inside the request's
+        new tokens of a request with ``query_len > 1``.
         """
         query_lens_np = _as_int_array("query_lens", query_lens, ndim=1)
         seq_lens_np = _as_int_array("seq_lens", seq_lens, ndim=1)
@@ -246,7 +259,13 @@ class AttentionMetadata:
                 query_lens_np, seq_lens_np, block_table_np, query_start_loc_np, block_size, device
             ),
             prefill_chunks=_plan_prefill_chunks(
-                query_lens_np, seq_lens_np, block_table_np, query_start_loc_np, block_size, device
+                query_lens_np,
+                seq_lens_np,
+                block_table_np,
+                query_start_loc_np,
+                block_size,
+                device,
+                _check_spans(bidirectional, query_lens_np, seq_lens_np),
             ),
             decode_seqs=_to_device(np.flatnonzero(query_lens_np == 1), torch.int32, device),
         )
@@ -262,6 +281,7 @@ def build_group_metadata(
     req_index: np.ndarray,
     block_size: int,
     device: torch.device,
+    bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> AttentionMetadata:
     """One step's metadata when layers hold different block tables (KV cache groups): one
     ``block_tables[g]`` per group, of layers with sliding window ``windows[g]`` (None: full
@@ -285,6 +305,7 @@ def build_group_metadata(
             slot_mapping=slots + positions % block_size,
             block_size=block_size,
             device=device,
+            bidirectional=bidirectional,
         )
         if built:  # the groups' layers run one after another: one gather workspace will do
             metadata = dataclasses.replace(metadata, workspace=built[0].workspace)
@@ -383,6 +404,7 @@ def _plan_prefill_chunks(
     query_start_loc: np.ndarray,
     block_size: int,
     device: torch.device,
+    bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> tuple[PrefillChunk, ...]:
     return tuple(
         PrefillChunk(
@@ -392,9 +414,35 @@ def _plan_prefill_chunks(
             block_ids=_to_device(
                 block_table[b, : -(-int(seq_lens[b]) // block_size)], torch.int64, device
             ),
+            bidirectional=tuple(bidirectional[b]) if bidirectional is not None else (),
         )
         for b in np.flatnonzero(query_lens > 1)
     )
+
+
+def _check_spans(
+    spans: Sequence[Sequence[tuple[int, int]]] | None,
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+) -> list[list[tuple[int, int]]] | None:
+    """``spans`` as int pairs, each inside its request's new tokens (a span split across
+    steps could not see its later part: the scheduler keeps them whole)."""
+    if spans is None:
+        return None
+    if len(spans) != len(query_lens):
+        raise ValueError(f"bidirectional has {len(spans)} entries but query_lens {len(query_lens)}")
+    out = []
+    for b, request_spans in enumerate(spans):
+        start, end = int(seq_lens[b] - query_lens[b]), int(seq_lens[b])
+        pairs = [(int(lo), int(hi)) for lo, hi in request_spans]
+        for lo, hi in pairs:
+            if not start <= lo < hi <= end or (query_lens[b] == 1 and hi - lo > 1):
+                raise ValueError(
+                    f"bidirectional span [{lo}, {hi}) of request {b} is not inside its new "
+                    f"tokens [{start}, {end}): a span must be computed in one step"
+                )
+        out.append(pairs)
+    return out
 
 
 def _as_int_array(name: str, array: np.ndarray, *, ndim: int) -> np.ndarray:

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from llm_kernels import attention as torch_attention
 from llm_kernels.attention import check_attention_args, check_attention_options, check_sinks
 from llm_kernels.attention_metadata import AttentionMetadata, effective_window
 from llm_kernels.kv_quant import as_storage, check_kv_scale, is_fp8
@@ -257,7 +258,16 @@ def paged_attention(
     (``v_head_dim``) is ``llm_kernels.triton_mla``'s, which has no window, soft cap or sinks.
 
     ``num_kv_splits`` forces the split-KV path's split count (default: ``choose_num_kv_splits``).
+
+    A step whose prefill chunks hold spans attended both ways (Gemma 3's images:
+    ``AttentionMetadata.has_bidirectional``) is attended by the torch path, whose masked
+    prefill is exact on any device; these kernels are causal only.
     """
+    if metadata.has_bidirectional:
+        return torch_attention.paged_attention(
+            query, kv_cache, metadata, scale, sliding_window, logits_soft_cap, k_scale, v_scale,
+            v_head_dim=v_head_dim, sinks=sinks,
+        )  # fmt: skip
     if kv_cache.dim() == 5 and kv_cache.shape[0] == 1:
         check_attention_options(sliding_window, logits_soft_cap)
         if sliding_window is not None or logits_soft_cap is not None or sinks is not None:

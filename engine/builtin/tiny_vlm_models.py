@@ -1,7 +1,8 @@
 """Built-in tiny vision-language models: ``tiny-llava``, a seeded random-weight
 ``LlavaForConditionalGeneration`` (a 3-layer CLIP tower on 48x48 images in 8x8 patches, a
-2-layer Llama) written in HF format with a real processor, so tests compare the engine to
-HF's ``LlavaForConditionalGeneration`` + ``LlavaProcessor`` on the same images, offline.
+2-layer Llama), and ``tiny-gemma3-vision`` (``make_tiny_gemma3_vision``: a SigLIP tower and a
+sliding-window Gemma 3), written in HF format with a real processor, so tests compare the
+engine to HF's model + processor on the same images, offline.
 
 The directory holds the tiny models' files (``engine.builtin.tiny_models``) plus
 ``preprocessor_config.json`` (a ``CLIPImageProcessor``: resize the short side to 48, centre
@@ -22,14 +23,23 @@ from safetensors.torch import save_file
 from transformers import (
     CLIPImageProcessor,
     CLIPVisionConfig,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3ImageProcessor,
+    Gemma3TextConfig,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
     MistralConfig,
+    SiglipVisionConfig,
 )
 
 from engine.builtin.tiny_models import (
     _COMMON_CONFIG,
+    _DROPPED_KEYS,
+    _GEMMA_BRANCH_NORMS,
+    _MODEL_CONFIGS,
+    GEMMA_BRANCH_NORM_OFFSET,
     LM_HEAD_SCALE,
     NORM_WEIGHT_NOISE,
     SPECIAL_TOKEN_ROW_SCALE,
@@ -46,7 +56,7 @@ from engine.builtin.tiny_tokenizer import (
     write_tokenizer,
 )
 
-TINY_VLM_MODEL_NAMES: tuple[str, ...] = ("tiny-llava",)
+TINY_VLM_MODEL_NAMES: tuple[str, ...] = ("tiny-llava", "tiny-gemma3-vision")
 # Bump whenever the recipe changes (the cache directory is named after it).
 VLM_VERSION = 1
 IMAGE_TOKEN = "<image>"
@@ -71,7 +81,8 @@ def materialize_tiny_vlm(name: str) -> Path:
     if name not in TINY_VLM_MODEL_NAMES:
         valid = ", ".join(TINY_VLM_MODEL_NAMES)
         raise ValueError(f"unknown tiny VLM name {name!r}; valid names are {valid}")
-    return materialize(f"{name}-vlm{VLM_VERSION}", lambda out: make_tiny_llava(out, seed=0))
+    make = make_tiny_gemma3_vision if name == "tiny-gemma3-vision" else make_tiny_llava
+    return materialize(f"{name}-vlm{VLM_VERSION}", lambda out: make(out, seed=0))
 
 
 def make_tiny_llava(
@@ -179,4 +190,137 @@ def _add_image_token(path: Path, token_id: int) -> None:
         "single_word": False,
         "special": True,
     }
+    write_json(path, config)
+
+
+# tiny-gemma3-vision: a 2-layer SigLIP tower on 32x32 images in 4x4 patches (an 8x8 grid),
+# average-pooled 2x2 to 16 tokens an image; the language model is tiny-gemma3's (two sliding
+# layers and a global one) with a window of 12, shorter than one image's 16 tokens, so image
+# spans cross it. Gemma 3's tokens are added to the shared tokenizer.
+GEMMA3_IMAGE_SIZE = 32
+GEMMA3_PATCH_SIZE = 4
+GEMMA3_TOKENS_PER_IMAGE = 16
+GEMMA3_WINDOW = 12
+BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+_SIGLIP: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "image_size": GEMMA3_IMAGE_SIZE,
+    "patch_size": GEMMA3_PATCH_SIZE,
+    "hidden_act": "gelu_pytorch_tanh",
+    "vision_use_head": False,
+}
+# The projector's output weighs like a token's embedding (sqrt(64) = 8 times a unit row).
+GEMMA3_PROJECTOR_SCALE = 8.0
+
+
+def make_tiny_gemma3_vision(
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    vision_overrides: dict[str, Any] | None = None,
+    text_overrides: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write ``tiny-gemma3-vision`` (weights drawn from ``seed``; ``overrides`` change
+    Gemma3Config's top-level fields, ``vision_overrides`` the tower's, ``text_overrides`` the
+    language model's) with a ``Gemma3ImageProcessor`` and a ``Gemma3Processor`` config."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens([BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN])
+    boi, eoi, soft = (tokenizer.token_to_id(t) for t in (BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN))
+    specific = dict(_MODEL_CONFIGS["tiny-gemma3"][1])
+    text_kwargs = {**_COMMON_CONFIG, **specific, "sliding_window": GEMMA3_WINDOW}
+    for key in _DROPPED_KEYS["tiny-gemma3"]:
+        text_kwargs.pop(key, None)
+    text = Gemma3TextConfig(**{**text_kwargs, "vocab_size": soft + 1, **(text_overrides or {})})
+    vision = {**_SIGLIP, **(vision_overrides or {})}
+    tokens = overrides.pop("mm_tokens_per_image", GEMMA3_TOKENS_PER_IMAGE)
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=SiglipVisionConfig(**vision),
+        mm_tokens_per_image=tokens,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        image_token_index=soft,
+        **overrides,
+    )
+    model = _build_gemma3(config, seed)
+    state = model.state_dict()
+    state.pop("lm_head.weight", None)  # tied: stored once, under the embedding's name
+    tensors = {k: state[k].detach().contiguous().clone() for k in sorted(state)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+    data = config.to_dict()
+    data["architectures"] = ["Gemma3ForConditionalGeneration"]
+    data["torch_dtype"] = data["dtype"] = "float32"
+    write_json(out / "config.json", data)
+    write_tokenizer(tokenizer, out)
+    _add_special_tokens(
+        out / "tokenizer_config.json",
+        {"boi_token": (BOI_TOKEN, boi), "eoi_token": (EOI_TOKEN, eoi),
+         "image_token": (IMAGE_SOFT_TOKEN, soft)},
+    )  # fmt: skip
+    write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": BOS_TOKEN_ID,
+            "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
+            "pad_token_id": PAD_TOKEN_ID,
+        },
+    )
+    size = vision["image_size"]
+    Gemma3ImageProcessor(size={"height": size, "width": size}).save_pretrained(str(out))
+    write_json(
+        out / "processor_config.json",
+        {"processor_class": "Gemma3Processor", "image_seq_length": tokens},
+    )
+    return out
+
+
+def _build_gemma3(config: Gemma3Config, seed: int) -> Gemma3ForConditionalGeneration:
+    """HF's init under ``seed``, then the tiny recipe: noisy norms and biases, tower weights at
+    unit gain, Gemma's loud branch norms, a scaled LM head with quiet special-token rows."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("norm.weight") or ("layer_norm" in name and name.endswith(".weight")):
+                param.add_(NORM_WEIGHT_NOISE * noise)
+                if "language_model" in name and name.endswith(_GEMMA_BRANCH_NORMS):
+                    param.add_(GEMMA_BRANCH_NORM_OFFSET)
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * noise)
+            elif "vision_tower" in name and param.dim() >= 2:
+                param.copy_(noise / (param.numel() // param.shape[0]) ** 0.5)
+            elif name.endswith("mm_input_projection_weight"):
+                param.copy_(GEMMA3_PROJECTOR_SCALE * noise / param.shape[0] ** 0.5)
+        head = model.lm_head.weight  # tied to the embedding
+        head.mul_(LM_HEAD_SCALE)
+        head[: len(SPECIAL_TOKENS)].mul_(SPECIAL_TOKEN_ROW_SCALE)
+        for token in (config.boi_token_index, config.eoi_token_index, config.image_token_index):
+            head[token].mul_(SPECIAL_TOKEN_ROW_SCALE)
+    return model.eval()
+
+
+def _add_special_tokens(path: Path, tokens: dict[str, tuple[str, int]]) -> None:
+    """Each token in ``added_tokens_decoder``, and named (``boi_token``: the string) in
+    ``extra_special_tokens``, where Gemma3Processor reads them from the tokenizer."""
+    config = json.loads(path.read_text())
+    for content, token_id in tokens.values():
+        config["added_tokens_decoder"][str(token_id)] = {
+            "content": content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+    config["extra_special_tokens"] = {name: content for name, (content, _) in tokens.items()}
     write_json(path, config)

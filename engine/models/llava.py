@@ -47,7 +47,8 @@ _RENAMES: tuple[tuple[str, str], ...] = (
 _VISION = ("vision_tower.", "multi_modal_projector.")
 
 
-def _rename(name: str) -> str:
+def vlm_checkpoint_name(name: str) -> str:
+    """A VLM checkpoint name (any of the three layouts above) as this module names it."""
     for old, new in _RENAMES:
         if name.startswith(old):
             return new + name[len(old) :]
@@ -93,7 +94,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     # ---- checkpoint names ---------------------------------------------------------------
 
     def checkpoint_target(self, name: str) -> tuple[str, Any]:
-        name = _rename(name)
+        name = vlm_checkpoint_name(name)
         if name.startswith(_VISION):
             return name, None
         for hf_name, (fused, part) in self.packed_modules_mapping.items():
@@ -104,7 +105,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def checkpoint_skipped(self, name: str) -> bool:
         """The tower's parts a LLaVA never reads: ``post_layernorm`` and the encoder layers
         past ``vision_feature_layer``."""
-        name = _rename(name)
+        name = vlm_checkpoint_name(name)
         if name.startswith("vision_tower.post_layernorm."):
             return True
         prefix = "vision_tower.encoder.layers."
@@ -113,4 +114,4 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return False
 
     def checkpoint_aliases(self, name: str) -> Any:
-        return super().checkpoint_aliases(_rename(name))
+        return super().checkpoint_aliases(vlm_checkpoint_name(name))

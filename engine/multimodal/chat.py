@@ -5,10 +5,10 @@
     {"type": "image_pil", "image_pil": PIL.Image}                              (vLLM's)
 
 A message whose content holds an image part becomes one string: its parts in order, joined
-by newlines, each image part replaced by the model's placeholder (``<image>``), so any chat
-template renders it; the images come back in prompt order. Other messages are left as they
-are (a template may read text parts itself). Fetching http(s) URLs belongs to
-the API edge (``cluster.api.media``), never to the engine.
+by newlines, each image part replaced by the model's placeholder (``<image>``; Gemma 3's
+``<start_of_image>``), so any chat template renders it; the images come back in prompt
+order. Other messages are left as they are (a template may read text parts itself). Fetching
+http(s) URLs belongs to the API edge (``cluster.api.media``), never to the engine.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from engine.errors import InvalidRequestError
-from engine.vlm_config import is_vlm
+from engine.vlm_config import is_vlm, placeholder_token_id
 
 
 def image_placeholder(hf: dict[str, Any], tokenizer: Any) -> str | None:
     """The text of one image placeholder in the model's prompts (None: a text-only model)."""
     if not is_vlm(hf):
         return None
-    return str(tokenizer.convert_ids_to_tokens(int(hf["image_token_index"])))
+    return str(tokenizer.convert_ids_to_tokens(placeholder_token_id(hf)))
 
 
 def split_content_parts(

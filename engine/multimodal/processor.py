@@ -1,5 +1,5 @@
 """Images of a prompt -> the model's placeholder tokens and preprocessed pixels, as HF's
-``LlavaProcessor`` makes them.
+``LlavaProcessor`` / ``Gemma3Processor`` make them.
 
 Where it runs: on the CPU before the request is admitted, in the head's input processing
 (``engine.core.input_processor``) for the offline engine, and on a served model's front
@@ -14,6 +14,10 @@ transformers' ``AutoImageProcessor``: resize, crop, rescale, normalise; without 
 transformers uses its PIL implementation). Each ``<image>`` placeholder token of the prompt
 becomes as many placeholder tokens as the model makes embeddings for that image
 (``engine.vlm_config.image_feature_size``); a prompt already expanded that way is kept.
+Gemma 3's placeholder is ``<start_of_image>``, which becomes ``"\n\n" <start_of_image>
+<image_soft_token> x mm_tokens_per_image <end_of_image> "\n\n"`` (the newlines as the
+tokenizer encodes them alone); the image's span is its soft tokens. Pan-and-scan crops
+(``do_pan_and_scan``) are refused.
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-from transformers import AutoImageProcessor
+from transformers import AutoImageProcessor, AutoTokenizer
 
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError
 from engine.multimodal.inputs import MultiModalFeature, image_feature
-from engine.vlm_config import image_feature_size
+from engine.vlm_config import GEMMA3_VLM, image_feature_size, placeholder_token_id
 
 logger = logging.getLogger("llm_cluster.multimodal")
 
@@ -41,8 +45,24 @@ class MultiModalProcessor:
     def __init__(self, hf: dict[str, Any], model_path: str, limits: dict[str, int]) -> None:
         self.hf = hf
         self.image_token_id = int(hf["image_token_index"])
+        # The token a prompt holds once per image (Gemma 3: <start_of_image>).
+        self.placeholder_id = placeholder_token_id(hf)
         self.limits = limits
         self.image_processor = AutoImageProcessor.from_pretrained(model_path)
+        # Tokens around each image's run of image tokens (Gemma 3's; LLaVA has none).
+        self.prefix: list[int] = []
+        self.suffix: list[int] = []
+        if hf["architectures"][0] == GEMMA3_VLM:
+            if getattr(self.image_processor, "do_pan_and_scan", None):
+                raise ConfigError(
+                    "do_pan_and_scan: Gemma 3's pan-and-scan crops are not supported; set "
+                    "do_pan_and_scan to false in preprocessor_config.json"
+                )
+            newlines = AutoTokenizer.from_pretrained(model_path).encode(
+                "\n\n", add_special_tokens=False
+            )
+            self.prefix = [*newlines, self.placeholder_id]
+            self.suffix = [int(hf["eoi_token_index"]), *newlines]
 
     def process(self, token_ids: list[int], data: Any) -> tuple[list[int], list[MultiModalFeature]]:
         """The prompt with its image placeholders expanded, and one feature per image in
@@ -138,21 +158,11 @@ class MultiModalProcessor:
 
     def _expand(self, token_ids: list[int], sizes: list[int]) -> tuple[list[int], list[int]]:
         """(expanded prompt, each image's offset). One placeholder per image is expanded to
-        its size; a prompt holding each image's full run of placeholders is kept."""
+        its size (with the model's tokens around it); a prompt holding each image's full run
+        of image tokens is kept."""
         token = self.image_token_id
         positions = [i for i, t in enumerate(token_ids) if t == token]
-        if len(positions) == len(sizes):
-            out: list[int] = []
-            offsets = []
-            last = 0
-            for pos, size in zip(positions, sizes):
-                out.extend(token_ids[last:pos])
-                offsets.append(len(out))
-                out.extend([token] * size)
-                last = pos + 1
-            out.extend(token_ids[last:])
-            return out, offsets
-        if len(positions) == sum(sizes):
+        if positions and len(positions) == sum(sizes):
             offsets, start = [], 0
             for size in sizes:
                 run = positions[start : start + size]
@@ -162,9 +172,25 @@ class MultiModalProcessor:
                 start += size
             else:
                 return token_ids, offsets
+        placeholders = [i for i, t in enumerate(token_ids) if t == self.placeholder_id]
+        unexpanded = not positions or self.placeholder_id == token
+        if unexpanded and len(placeholders) == len(sizes):
+            out: list[int] = []
+            offsets = []
+            last = 0
+            for pos, size in zip(placeholders, sizes):
+                out.extend(token_ids[last:pos])
+                out.extend(self.prefix)
+                offsets.append(len(out))
+                out.extend([token] * size)
+                out.extend(self.suffix)
+                last = pos + 1
+            out.extend(token_ids[last:])
+            return out, offsets
         raise InvalidRequestError(
-            f"the prompt has {len(positions)} image placeholder tokens (id {token}) for "
+            f"the prompt has {len(placeholders)} image placeholder tokens (id "
+            f"{self.placeholder_id}) and {len(positions)} image tokens (id {token}) for "
             f"{len(sizes)} images: it needs one placeholder per image (or each image's "
-            f"{sizes} placeholders, already expanded)",
+            f"{sizes} image tokens, already expanded)",
             param="prompt",
         )

@@ -48,6 +48,10 @@ class EncoderCache:
                 del self._holders[feature.mm_hash]
                 del self._outputs[feature.mm_hash]
 
+    def spans(self, req_id: str, start: int, end: int) -> list[tuple[int, int]]:
+        """The placeholder spans of ``req_id``'s images that chunk ``[start, end)`` reaches."""
+        return [(f.offset, f.end) for f in self._features.get(req_id, ()) if f.overlaps(start, end)]
+
     def gather(
         self,
         chunks: list[tuple[str, int, int, int]],

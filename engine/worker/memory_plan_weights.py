@@ -23,7 +23,7 @@ from engine.rope_config import (
     rope_max_positions,
     rope_parameters,
 )
-from engine.vlm_config import feature_layer, is_vlm
+from engine.vlm_config import GEMMA3_VLM, feature_layer, is_vlm
 from engine.worker import memory_plan_moe
 
 ROTARY_TABLE_BYTES = 4  # cos/sin tables are float32 whatever the model dtype
@@ -59,6 +59,10 @@ FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family("attention_bias", "attention_bias", False, True, 2, False),
     "Gemma2ForCausalLM": Family("attention_bias", "attention_bias", False, False, 4, True),
     "Gemma3ForCausalLM": Family("attention_bias", "attention_bias", False, True, 4, True),
+    # The Gemma 3 decoder; its SigLIP tower and projector are vision_tower_bytes'.
+    "Gemma3ForConditionalGeneration": Family(
+        "attention_bias", "attention_bias", False, True, 4, True
+    ),
     "Phi3ForCausalLM": Family(False, False, False, False, 2, False),
     # Mixture of experts: the feed-forward is engine.worker.memory_plan_moe's.
     "MixtralForCausalLM": Family(False, False, False, False, 2, False),
@@ -281,12 +285,20 @@ def stage_weight_bytes(
 
 def vision_tower_bytes(hf: Mapping[str, Any], dtype_bytes: int) -> int:
     """A LLaVA's CLIP tower up to ``vision_feature_layer`` and its projector
-    (``engine.models.clip``, ``engine.models.llava``), whole on every rank of stage 0."""
+    (``engine.models.clip``, ``engine.models.llava``), or Gemma 3's SigLIP tower and projector
+    (``engine.models.siglip``, ``engine.models.gemma3_mm``), whole on every rank of stage 0."""
     vision = hf["vision_config"]
     d, inter, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    layer = 4 * (d * d + d) + 2 * 2 * d + (d * inter + inter) + (inter * d + d)
+    if hf_config.architecture(dict(hf)) == GEMMA3_VLM:
+        positions = (vision["image_size"] // patch) ** 2
+        embeddings = d * vision.get("num_channels", 3) * patch * patch + d + positions * d
+        projector = d * int(hf["hidden_size"]) + d  # projection + soft-embedding norm
+        post_norm = 2 * d
+        num_layers = vision["num_hidden_layers"]
+        return (embeddings + num_layers * layer + post_norm + projector) * dtype_bytes
     positions = (vision["image_size"] // patch) ** 2 + 1
     embeddings = d + d * vision.get("num_channels", 3) * patch * patch + positions * d + 2 * d
-    layer = 4 * (d * d + d) + 2 * 2 * d + (d * inter + inter) + (inter * d + d)
     text = int(hf["hidden_size"])
     bias = 2 * text if hf.get("multimodal_projector_bias", True) else 0
     projector = d * text + text * text + bias

@@ -386,6 +386,13 @@ class ModelRunner:
             self._sampling_metadata(sampled_req_ids) if self.is_driver and sampled_req_ids else None
         )
         mm_rows, mm_embeds = self._image_embeddings(states, starts, seq_lens, cu)
+        # Gemma 3: each image's tokens attend to each other both ways (whole in this chunk).
+        bidirectional = (
+            [self.encoder_cache.spans(s.req_id, int(starts[i]), int(seq_lens[i]))
+             for i, s in enumerate(states)]
+            if mm_rows is not None and getattr(self.model, "whole_image_attention", False)
+            else None
+        )  # fmt: skip
         metadata = build_group_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens.astype(np.int32),
@@ -395,6 +402,7 @@ class ModelRunner:
             req_index=req_index,
             block_size=bs,
             device=self.device,
+            bidirectional=bidirectional,
         )
         return StepInputs(
             input_ids=torch.from_numpy(input_ids).to(self.device),
