@@ -37,6 +37,7 @@ from engine.kv_transfer.store import store_namespace
 from engine.model_checks import (
     check_kernel_device,
     check_parallel_shape,
+    check_whole_images,
     derive_max_model_len,
     with_checkpoint,
 )
@@ -184,6 +185,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # A prefill chunk never ends inside an image's placeholder tokens (it stops before the
+    # image); forced on for a model whose image tokens attend each other both ways (Gemma 3).
+    disable_chunked_mm_input: bool = False
     policy: Literal["fcfs", "priority"] = "fcfs"
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     # Admission control: a request is refused (EngineOverloadedError -> 503 + Retry-After)
@@ -508,6 +512,7 @@ class EngineConfig:
         chunked = sched_kwargs.get("enable_chunked_prefill", True)
         if "max_num_batched_tokens" not in sched_kwargs:
             sched_kwargs["max_num_batched_tokens"] = 2048 if chunked else max(2048, max_model_len)
+        check_whole_images(model.hf_config, sched_kwargs)
         scheduler = SchedulerConfig(max_model_len=max_model_len, **sched_kwargs)
         device = DeviceConfig(**groups["device"])
         kernel = KernelConfig(**groups["kernel"])

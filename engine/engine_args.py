@@ -35,6 +35,7 @@ ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "disable_chunked_mm_input": ("scheduler", "disable_chunked_mm_input"),
     "scheduling_policy": ("scheduler", "policy"),
     "preemption_mode": ("scheduler", "preemption_mode"),
     "max_waiting_requests": ("scheduler", "max_waiting_requests"),

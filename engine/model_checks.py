@@ -20,7 +20,12 @@ from engine.model_heads import classifier_tokens, resolve_task
 from engine.quantization.config import parse_quantization
 from engine.rope_config import rope_max_positions
 from engine.validation import check_int, require
-from engine.vlm_config import flatten_vlm_config, is_vlm
+from engine.vlm_config import (
+    flatten_vlm_config,
+    is_vlm,
+    max_image_tokens,
+    whole_image_attention,
+)
 
 if TYPE_CHECKING:
     from engine.config import DeviceConfig, KernelConfig, ModelConfig, ParallelConfig
@@ -154,6 +159,29 @@ def check_parallel_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
         pp <= model.num_hidden_layers,
         "pipeline_parallel_size",
         f"must be <= num_hidden_layers ({model.num_hidden_layers}), got {pp}",
+    )
+
+
+def check_whole_images(hf: dict[str, Any], sched_kwargs: dict[str, Any]) -> None:
+    """A model whose image tokens attend each other both ways (Gemma 3) computes each image's
+    tokens in one prefill chunk: ``disable_chunked_mm_input`` is set (refused if asked off),
+    and one step's token budget must hold one image. Updates ``sched_kwargs`` in place."""
+    if not whole_image_attention(hf):
+        return
+    require(
+        sched_kwargs.get("disable_chunked_mm_input", True) is True,
+        "disable_chunked_mm_input",
+        f"{hf['architectures'][0]}'s image tokens attend to each other both ways, so an image "
+        "is never split across prefill chunks; it cannot be false",
+    )
+    sched_kwargs["disable_chunked_mm_input"] = True
+    tokens = max_image_tokens(hf)
+    budget = sched_kwargs["max_num_batched_tokens"]
+    require(
+        not isinstance(budget, int) or budget >= tokens,
+        "max_num_batched_tokens",
+        f"must be >= {tokens}, the tokens of one image, which {hf['architectures'][0]} "
+        f"computes in one step (its image tokens attend to each other both ways); got {budget}",
     )
 
 

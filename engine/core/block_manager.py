@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from engine.core.block_pool import KVCacheBlock, KVCacheGroup, hash_block_tokens
 from engine.core.kv_cache_groups import KVCacheLayout
 from engine.core.request import Request
+from engine.multimodal.inputs import whole_image_prefix
 
 
 @dataclass(frozen=True)
@@ -119,19 +120,29 @@ class BlockManager:
             hashes.append(hash_block_tokens(parent, tokens, request.cache_salt, lora, mm))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(
+        self, request: Request, *, whole_images: bool = False
+    ) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of a request about to be scheduled: (blocks, num tokens).
         The blocks are every group's table prefix, one group after the other.
 
         At least one token is always left to compute, since the step must produce logits. A
         request that wants prompt logprobs, or one that says ``skip_prefix_cache`` (mean
-        pooling), gets no hits: every prompt position must be computed.
+        pooling), gets no hits: every prompt position must be computed. ``whole_images``
+        (``disable_chunked_mm_input``): a hit that would end inside an image backs off to the
+        block before the image, so the image's tokens are computed in one chunk.
         """
         if not self.may_reuse(request):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self.block_hashes(request, max_blocks)
         hit = self._longest_hit(hashes, max_blocks)
+        while whole_images and hit:
+            bs = self.block_size
+            safe = whole_image_prefix(request.mm_features, hit * bs, bs) // bs
+            if safe == hit:
+                break
+            hit = self._longest_hit(hashes, safe)  # a window group may hold less of it
         if hit == 0:
             return [], 0
         blocks = [b for g in self.groups for b in g.hit_blocks(hashes, hit)]

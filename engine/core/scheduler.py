@@ -10,10 +10,12 @@ under a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_
 2. then, if nothing was preempted, swapped requests come back (swap-in);
 3. then, if nothing is swapped out, waiting requests are admitted, reusing prefix-cache hits.
 
-A prompt longer than the remaining budget is chunked across steps, so decodes never starve.
-This module is a CPU-only state machine: it never touches a model or a tensor. ``Scheduler``'s
-docstring has the rules for parallel sampling (n > 1), LoRA slots, batches in flight
-(pipeline parallelism) and pooling requests.
+A prompt longer than the remaining budget is chunked across steps, so decodes never starve;
+with ``disable_chunked_mm_input`` (Gemma 3) a chunk never ends inside an image: it stops
+before it, and a prefix-cache hit ending inside one backs off to before it. This module is a
+CPU-only state machine: it never touches a model or a tensor. ``Scheduler``'s docstring has
+the rules for parallel sampling (n > 1), LoRA slots, batches in flight (pipeline parallelism)
+and pooling requests.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.block_pool import KVCacheBlock
 from engine.core.request import Request, RequestStatus
 from engine.kv_transfer.connector import KVConnectorScheduler
+from engine.multimodal.inputs import stop_before_split_image, whole_image_prefix
 from engine.worker.step_messages import CachedRequestData, ExecuteModelRequest, NewRequestData
 
 logger = logging.getLogger("llm_cluster.scheduler")
@@ -293,9 +296,15 @@ class Scheduler:
 
     def _tokens_to_compute(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
-        return max(
+        num_new = max(
             0, min(remaining, budget, self.config.max_model_len - request.num_computed_tokens)
         )
+        return self._stop_before_split_image(request, request.num_computed_tokens, num_new)
+
+    def _stop_before_split_image(self, request: Request, start: int, num_new: int) -> int:
+        if not self.config.disable_chunked_mm_input:
+            return num_new
+        return stop_before_split_image(request.mm_features, start, num_new)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         if self.config.policy == "priority":
@@ -456,16 +465,25 @@ class Scheduler:
             group = 1 + len(self.pending_forks.get(request.request_id, ()))
             if len(self.running) + reserved + group > self.config.max_num_seqs:
                 break
-            computed_blocks, num_cached = self.block_manager.get_computed_blocks(request)
+            whole = self.config.disable_chunked_mm_input
+            computed_blocks, num_cached = self.block_manager.get_computed_blocks(
+                request, whole_images=whole
+            )
             # Blocks after the device's hits that the KV store holds: loaded, not computed.
             stored = 0
+            bs = self.block_manager.block_size
             if self.kv_transfer is not None:
                 stored = self.kv_transfer.stored_blocks(request, num_cached)
-            num_computed = num_cached + stored * self.block_manager.block_size
+                if whole and stored:  # they too stop before an image they would split
+                    end = whole_image_prefix(request.mm_features, num_cached + stored * bs, bs)
+                    stored = max(end - num_cached, 0) // bs
+            num_computed = num_cached + stored * bs
             num_new = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._stop_before_split_image(request, num_computed, min(num_new, budget))
+            if num_new == 0:
+                break  # the next image does not fit this step's budget: a later step
             # A waiting request has num_computed_tokens == 0: its cache hits count via the blocks.
             new_blocks = self.block_manager.allocate_slots(
                 request,

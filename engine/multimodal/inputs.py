@@ -6,6 +6,9 @@ content (prefix-cache key and encoder-cache key) and its preprocessed pixels.
     prompt:   ... <s> USER : [img img img ... img] \\n What ...
                                ^ offset   length ^
     pixels:   float32 [C, H, W] as raw bytes (msgpack carries bytes as they are)
+
+Where a chunk may end when an image must be computed whole (``disable_chunked_mm_input``):
+``stop_before_split_image`` (the scheduler's cut) and ``whole_image_prefix`` (a cache hit's).
 """
 
 from __future__ import annotations
@@ -36,6 +39,26 @@ class MultiModalFeature(msgspec.Struct, kw_only=True, frozen=True):
 
     def pixels(self) -> np.ndarray:
         return np.frombuffer(self.pixel_values, dtype=np.float32).reshape(self.shape)
+
+
+def stop_before_split_image(features: list[MultiModalFeature], start: int, num_tokens: int) -> int:
+    """How many of the ``num_tokens`` from ``start`` one chunk computes when it must not end
+    inside an item's placeholder run (``disable_chunked_mm_input``): it stops before the item,
+    which a later chunk computes whole."""
+    end = start + num_tokens
+    inside = [f.offset for f in features if f.offset < end < f.end]
+    return max(min(inside) - start, 0) if inside else num_tokens
+
+
+def whole_image_prefix(features: list[MultiModalFeature], num_tokens: int, block_size: int) -> int:
+    """The longest prefix of at most ``num_tokens``, in whole blocks, that ends outside every
+    item's placeholder run (it may end right before or right after one, never inside)."""
+    end = num_tokens - num_tokens % block_size
+    while True:
+        inside = [f.offset for f in features if f.offset < end < f.end]
+        if not inside:
+            return end
+        end = min(inside) - min(inside) % block_size
 
 
 def image_feature(pixels: np.ndarray, offset: int, length: int) -> MultiModalFeature:
