@@ -1,0 +1,211 @@
+"""Gemma 3 vision (``builtin:tiny-gemma3-vision``): greedy output equals HF's
+``Gemma3ForConditionalGeneration`` with HF's ``Gemma3Processor`` on the same images, token for
+token (fp32), with one and two images per prompt at different sizes, sliding-window layers
+whose window (12) is shorter than an image (16 tokens), under chunked prefill with a small
+budget (the image stays whole in one chunk, the text splits), preemption and prefix caching
+(a hit that would end inside an image backs off before it). Start-up refuses what cannot be
+served exactly: a budget below one image, chunked images, pan-and-scan."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+from transformers import Gemma3ForConditionalGeneration
+
+from engine import LLM, SamplingParams
+from engine.errors import ConfigError
+from engine.multimodal.inputs import image_feature, stop_before_split_image, whole_image_prefix
+from tests.engine.models.vlm_helpers import (
+    Reference,
+    assert_released,
+    encoder_stats,
+    features,
+    image,
+)
+
+MODEL = "builtin:tiny-gemma3-vision"
+MAX_TOKENS = 24
+TOKENS_PER_IMAGE = 16  # SigLIP's 8x8 patches average-pooled 2x2
+ONE = "USER: <start_of_image> What is in the picture? ASSISTANT:"
+TWO = "USER: <start_of_image> and then <start_of_image> Compare the two. ASSISTANT:"
+# Sizes on both sides of the processor's 32x32 (each is resized to it).
+SIZES = [(40, 70), (96, 64), (32, 32), (200, 120), (21, 33), (64, 150)]
+IMAGES = [image(i, h, w) for i, (h, w) in enumerate(SIZES)]
+CASES: list[tuple[str, list[Image.Image]]] = [
+    (ONE, [IMAGES[0]]),
+    (ONE, [IMAGES[1]]),
+    (TWO, [IMAGES[2], IMAGES[3]]),
+    (TWO, [IMAGES[4], IMAGES[5]]),
+]
+
+
+@pytest.fixture(scope="module")
+def ref() -> Reference:
+    return Reference("tiny-gemma3-vision", Gemma3ForConditionalGeneration, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def expected(ref: Reference) -> list[list[int]]:
+    return [ref.generate(text, images) for text, images in CASES]
+
+
+def _record_chunks(llm: LLM) -> list[tuple[int, int, list[Any]]]:
+    """Every scheduled chunk from now on: (start, end, the request's images)."""
+    scheduler = llm.llm_engine.scheduler
+    chunks: list[tuple[int, int, list[Any]]] = []
+    schedule = scheduler.schedule
+
+    def recording() -> Any:
+        out = schedule()
+        for rid, n in out.num_scheduled_tokens.items():
+            request = scheduler.requests[rid]
+            start = request.num_computed_tokens
+            chunks.append((start, start + n, request.mm_features))
+        return out
+
+    scheduler.schedule = recording  # type: ignore[method-assign]
+    return chunks
+
+
+def test_prompt_ids_match_hf_processor(ref: Reference) -> None:
+    llm = LLM(MODEL)
+    for text, images in CASES:
+        prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+        ids = llm.get_tokenizer().encode(text)
+        expanded, feats = llm.llm_engine.inputs.process_multimodal(prompt, ids)
+        assert expanded == ref.input_ids(text, images)
+        assert [f.length for f in feats] == [TOKENS_PER_IMAGE] * len(images)
+        # An already expanded prompt is kept as it is.
+        again = {"prompt_token_ids": expanded, "multi_modal_data": {"image": images}}
+        assert llm.llm_engine.inputs.process_multimodal(again, expanded)[0] == expanded
+
+
+SETTINGS = {
+    "defaults": {},
+    # 20-token chunks: a prompt's text splits, each image's 16 tokens stay in one chunk.
+    "chunked_prefill": {"max_num_batched_tokens": 20, "max_num_seqs": 4},
+    "preempt_recompute": {"num_kv_blocks": 12, "preemption_mode": "recompute"},
+    "preempt_swap": {"num_kv_blocks": 12, "preemption_mode": "swap", "swap_space": 0.05},
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_matches_hf(expected: list[list[int]], setting: str) -> None:
+    llm = LLM(MODEL, **SETTINGS[setting])
+    chunks = _record_chunks(llm)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in CASES]
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"{setting}: case {i} differs"
+    # No chunk ever ends inside an image (nor starts inside one).
+    for start, end, feats in chunks:
+        for f in feats:
+            assert not f.offset < end < f.end and not f.offset < start < f.end
+    if setting == "chunked_prefill":
+        prefill = [(s, e) for s, e, feats in chunks if feats and s < max(f.end for f in feats)]
+        # The text split: some chunk stopped right before an image with budget left over.
+        assert any(e - s < 20 and any(e == f.offset for f in feats) for s, e, feats in chunks)
+        assert len(prefill) > len(CASES)
+    if setting.startswith("preempt"):
+        assert llm.llm_engine.scheduler.num_preemptions > 0, "the setting did not force preemption"
+    if setting == "preempt_swap":
+        assert llm.llm_engine.scheduler.num_swap_outs > 0, "preemption fell back to recompute"
+    # Once per image and request: not per chunk, not again after a preemption.
+    assert encoder_stats(llm)["num_encoded"] == sum(len(imgs) for _, imgs in CASES)
+    assert_released(llm)
+
+
+def test_different_images_behind_the_same_text_get_their_own_answers(
+    expected: list[list[int]],
+) -> None:
+    # Cases 0 and 1: the same text (the same placeholder ids), two images. With prefix
+    # caching the second must not reuse the first's blocks.
+    llm = LLM(MODEL, enable_prefix_caching=True, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = []
+    for text, images in CASES[:2]:
+        prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+        got.append(list(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids))
+    assert got == expected[:2]
+    assert got[0] != got[1]
+    assert_released(llm)
+
+
+def test_same_images_twice_hit_the_prefix_cache(expected: list[list[int]]) -> None:
+    llm = LLM(MODEL, enable_prefix_caching=True, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    text, images = CASES[2]
+    prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert llm.llm_engine.block_manager.prefix_hits == 0
+    again = {"prompt": text, "multi_modal_data": {"image": [im.copy() for im in images]}}
+    second = llm.generate(again, params, use_tqdm=False)[0]
+    assert list(first.outputs[0].token_ids) == list(second.outputs[0].token_ids) == expected[2]
+    assert llm.llm_engine.block_manager.prefix_hits > 0
+    # Both images' tokens were cached: the second request never ran the vision tower.
+    assert second.num_cached_tokens > max(f.end for f in features(llm, prompt))
+    assert encoder_stats(llm)["num_encoded"] == len(images)
+    assert_released(llm)
+
+
+def test_a_prefix_hit_ending_inside_an_image_backs_off(ref: Reference) -> None:
+    # Same text and image up to just after the image, then different text: the shared full
+    # blocks of 8 end inside the image's tokens, so the hit stops at the block before it.
+    llm = LLM(MODEL, enable_prefix_caching=True, max_num_seqs=1, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    first_text, second_text = ONE, "USER: <start_of_image>!"
+    img = [IMAGES[0]]
+    prompt = {"prompt": second_text, "multi_modal_data": {"image": img}}
+    (feature,) = features(llm, prompt)
+    assert feature.offset % 8 and (feature.end // 8) * 8 > feature.offset  # a block ends inside
+    llm.generate({"prompt": first_text, "multi_modal_data": {"image": img}}, params, use_tqdm=False)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == ref.generate(second_text, img)
+    assert 0 < out.num_cached_tokens == feature.offset - feature.offset % 8
+    assert_released(llm)
+
+
+def test_scheduling_helpers_keep_images_whole() -> None:
+    feats = [image_feature(np.zeros((3, 2, 2), np.float32), o, 16) for o in (10, 30)]
+    # A chunk that would end inside an image stops before it; one that ends outside runs.
+    assert stop_before_split_image(feats, 0, 20) == 10
+    assert stop_before_split_image(feats, 10, 20) == 20  # ends right before the second
+    assert stop_before_split_image(feats, 10, 24) == 20
+    assert stop_before_split_image(feats, 26, 10) == 4  # stops before the second image
+    assert stop_before_split_image(feats, 0, 26) == 26
+    # A cached prefix in whole blocks that ends outside every image.
+    assert whole_image_prefix(feats, 50, 8) == 48
+    assert whole_image_prefix(feats, 40, 8) == 8  # 40 in [30, 46) -> 24 in [10, 26) -> 8
+    assert whole_image_prefix(feats, 29, 8) == 8  # 24 is inside the first image
+    assert whole_image_prefix(feats, 33, 8) == 8
+    assert whole_image_prefix(feats, 7, 8) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"max_num_batched_tokens": 15}, "max_num_batched_tokens: must be >= 16"),
+        ({"disable_chunked_mm_input": False}, "disable_chunked_mm_input: .* cannot be false"),
+    ],
+)
+def test_refused_at_start_up(args: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        LLM(MODEL, **args)
+
+
+def test_pan_and_scan_is_refused(ref: Reference, tmp_path: Path) -> None:
+    path = tmp_path / "model"
+    shutil.copytree(ref.path, path)
+    config_file = path / "preprocessor_config.json"
+    config = json.loads(config_file.read_text())
+    config["do_pan_and_scan"] = True
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="do_pan_and_scan"):
+        LLM(str(path))
