@@ -222,21 +222,27 @@ def make_tiny_gemma3_vision(
     *,
     vision_overrides: dict[str, Any] | None = None,
     text_overrides: dict[str, Any] | None = None,
+    newline_tokens: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write ``tiny-gemma3-vision`` (weights drawn from ``seed``; ``overrides`` change
     Gemma3Config's top-level fields, ``vision_overrides`` the tower's, ``text_overrides`` the
-    language model's) with a ``Gemma3ImageProcessor`` and a ``Gemma3Processor`` config."""
+    language model's) with a ``Gemma3ImageProcessor`` and a ``Gemma3Processor`` config.
+    ``newline_tokens``: runs of 2 to 4 newlines are one token each, as in Gemma's vocabulary
+    (the shared tokenizer has only single newlines)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens([BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN])
     boi, eoi, soft = (tokenizer.token_to_id(t) for t in (BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN))
+    if newline_tokens:
+        tokenizer.add_tokens(["\n\n", "\n\n\n", "\n\n\n\n"])
     specific = dict(_MODEL_CONFIGS["tiny-gemma3"][1])
     text_kwargs = {**_COMMON_CONFIG, **specific, "sliding_window": GEMMA3_WINDOW}
     for key in _DROPPED_KEYS["tiny-gemma3"]:
         text_kwargs.pop(key, None)
-    text = Gemma3TextConfig(**{**text_kwargs, "vocab_size": soft + 1, **(text_overrides or {})})
+    vocab = tokenizer.get_vocab_size()
+    text = Gemma3TextConfig(**{**text_kwargs, "vocab_size": vocab, **(text_overrides or {})})
     vision = {**_SIGLIP, **(vision_overrides or {})}
     tokens = overrides.pop("mm_tokens_per_image", GEMMA3_TOKENS_PER_IMAGE)
     config = Gemma3Config(

@@ -1,23 +1,20 @@
 """Images of a prompt -> the model's placeholder tokens and preprocessed pixels, as HF's
 ``LlavaProcessor`` / ``Gemma3Processor`` make them.
 
-Where it runs: on the CPU before the request is admitted, in the head's input processing
-(``engine.core.input_processor``) for the offline engine, and on a served model's front
-(``cluster.serving.request_inputs``), which sends the head pixels and expanded ids
-(``check_features`` checks them there). It must run before the scheduler sees the request
-(the expanded prompt is what the token budget, ``max_model_len`` and the KV cache are checked
-against; the image's hash keys the prefix cache), and never on the GPU workers, whose step
-loop would stall on decoding and resizing: they get float32 pixels once and run the tower.
+It runs on the CPU before the request is admitted (the head's ``engine.core.input_processor``,
+or a served model's front, ``cluster.serving.request_inputs``, whose pixels and expanded ids
+``check_features`` checks): the expanded prompt is what the token budget, ``max_model_len``
+and the KV cache are checked against, and the image's hash keys the prefix cache. Never on
+the GPU workers, whose step loop would stall on decoding and resizing.
 
 The image processor is the checkpoint's own (``preprocessor_config.json`` through
-transformers' ``AutoImageProcessor``: resize, crop, rescale, normalise; without torchvision
-transformers uses its PIL implementation). Each ``<image>`` placeholder token of the prompt
-becomes as many placeholder tokens as the model makes embeddings for that image
-(``engine.vlm_config.image_feature_size``); a prompt already expanded that way is kept.
-Gemma 3's placeholder is ``<start_of_image>``, which becomes ``"\n\n" <start_of_image>
-<image_soft_token> x mm_tokens_per_image <end_of_image> "\n\n"`` (the newlines as the
-tokenizer encodes them alone); the image's span is its soft tokens. Pan-and-scan crops
-(``do_pan_and_scan``) are refused.
+transformers' ``AutoImageProcessor``; without torchvision its PIL implementation). Each
+``<image>`` placeholder becomes as many image tokens as the model makes embeddings for that
+image (``engine.vlm_config.image_feature_size``); a prompt already expanded is kept. Gemma 3's
+``<start_of_image>`` becomes ``"\n\n" <start_of_image> <image_soft_token> x
+mm_tokens_per_image <end_of_image> "\n\n"``, the newlines encoded with the prompt text
+around them as HF's tokenizer encodes the expanded text; the image's span is its soft tokens.
+Pan-and-scan crops (``do_pan_and_scan``) are refused.
 """
 
 from __future__ import annotations
@@ -49,20 +46,23 @@ class MultiModalProcessor:
         self.placeholder_id = placeholder_token_id(hf)
         self.limits = limits
         self.image_processor = AutoImageProcessor.from_pretrained(model_path)
-        # Tokens around each image's run of image tokens (Gemma 3's; LLaVA has none).
-        self.prefix: list[int] = []
-        self.suffix: list[int] = []
+        # Gemma 3 wraps each image's run in "\n\n" <start_of_image> ... <end_of_image> "\n\n".
+        self.tokenizer: Any = None
+        self.eoi_id = -1
         if hf["architectures"][0] == GEMMA3_VLM:
             if getattr(self.image_processor, "do_pan_and_scan", None):
                 raise ConfigError(
                     "do_pan_and_scan: Gemma 3's pan-and-scan crops are not supported; set "
                     "do_pan_and_scan to false in preprocessor_config.json"
                 )
-            newlines = AutoTokenizer.from_pretrained(model_path).encode(
-                "\n\n", add_special_tokens=False
-            )
-            self.prefix = [*newlines, self.placeholder_id]
-            self.suffix = [int(hf["eoi_token_index"]), *newlines]
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.eoi_id = int(hf["eoi_token_index"])
+            self._special_ids = {
+                *self.tokenizer.all_special_ids,
+                self.placeholder_id,
+                self.eoi_id,
+                self.image_token_id,
+            }
 
     def process(self, token_ids: list[int], data: Any) -> tuple[list[int], list[MultiModalFeature]]:
         """The prompt with its image placeholders expanded, and one feature per image in
@@ -156,6 +156,23 @@ class MultiModalProcessor:
                 param="multi_modal_data",
             )
 
+    def _join_text(self, out: list[int], at: int, newlines: str, *, before: bool) -> None:
+        """Put ``newlines`` into ``out`` at ``at`` as HF's tokenizer puts them in the expanded
+        text: it splits the text at special tokens and encodes each piece whole, so the text
+        tokens next to ``at`` (back to the previous special token, or on to the next) are
+        re-encoded with them (a tokenizer with tokens for runs of newlines, Gemma's, merges
+        the prompt's newlines with the image's)."""
+        lo, hi = at, at
+        if before:
+            while lo > 0 and out[lo - 1] not in self._special_ids:
+                lo -= 1
+        else:
+            while hi < len(out) and out[hi] not in self._special_ids:
+                hi += 1
+        run = self.tokenizer.decode(out[lo:hi])
+        text = run + newlines if before else newlines + run
+        out[lo:hi] = self.tokenizer.encode(text, add_special_tokens=False)
+
     def _expand(self, token_ids: list[int], sizes: list[int]) -> tuple[list[int], list[int]]:
         """(expanded prompt, each image's offset). One placeholder per image is expanded to
         its size (with the model's tokens around it); a prompt holding each image's full run
@@ -180,11 +197,23 @@ class MultiModalProcessor:
             last = 0
             for pos, size in zip(placeholders, sizes):
                 out.extend(token_ids[last:pos])
-                out.extend(self.prefix)
+                if self.tokenizer is None:
+                    offsets.append(len(out))
+                    out.extend([token] * size)
+                    last = pos + 1
+                    continue
+                self._join_text(out, len(out), "\n\n", before=True)
+                out.append(self.placeholder_id)
                 offsets.append(len(out))
                 out.extend([token] * size)
-                out.extend(self.suffix)
+                out.append(self.eoi_id)
                 last = pos + 1
+                end = last
+                while end < len(token_ids) and token_ids[end] not in self._special_ids:
+                    end += 1
+                out.extend(token_ids[last:end])
+                self._join_text(out, len(out) - (end - last), "\n\n", before=False)
+                last = end
             out.extend(token_ids[last:])
             return out, offsets
         raise InvalidRequestError(

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import Gemma3ForConditionalGeneration
+from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
 from engine import LLM, SamplingParams
+from engine.builtin.tiny_vlm_models import make_tiny_gemma3_vision
 from engine.errors import ConfigError
 from engine.multimodal.inputs import image_feature, stop_before_split_image, whole_image_prefix
 from tests.engine.models.vlm_helpers import (
@@ -86,6 +87,33 @@ def test_prompt_ids_match_hf_processor(ref: Reference) -> None:
         # An already expanded prompt is kept as it is.
         again = {"prompt_token_ids": expanded, "multi_modal_data": {"image": images}}
         assert llm.llm_engine.inputs.process_multimodal(again, expanded)[0] == expanded
+
+
+def test_newlines_around_an_image_merge_as_hf_tokenizes_them(tmp_path: Path) -> None:
+    # A tokenizer with tokens for runs of newlines (Gemma's): HF tokenizes the expanded text,
+    # so the prompt's newlines next to a placeholder merge with the image's "\n\n".
+    path = make_tiny_gemma3_vision(tmp_path, seed=1, newline_tokens=True)
+    processor = AutoProcessor.from_pretrained(path)
+    llm = LLM(str(path))
+    texts = [
+        "USER:\n<start_of_image>\nWhat is it?",
+        "A\n\n<start_of_image>\n\n\n<start_of_image>B",
+        "<start_of_image>\n<start_of_image>\n",
+    ]
+    for text in texts:
+        images = IMAGES[: text.count("<start_of_image>")]
+        want = processor(text=text, images=images, return_tensors="pt")["input_ids"][0].tolist()
+        prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+        ids = llm.get_tokenizer().encode(text)
+        got, feats = llm.llm_engine.inputs.process_multimodal(prompt, ids)
+        assert got == want, text
+        assert all(got[f.offset - 1] == processor.tokenizer.boi_token_id for f in feats)
+    model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = processor(text=texts[0], images=IMAGES[:1], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    _, got_tokens = generate(str(path), [(texts[0], IMAGES[:1])], MAX_TOKENS)
+    assert got_tokens == [out[0, inputs["input_ids"].shape[1] :].tolist()]
 
 
 SETTINGS = {
