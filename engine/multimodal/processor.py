@@ -3,16 +3,16 @@
 
 It runs on the CPU before the request is admitted (the head's ``engine.core.input_processor``,
 or a served model's front, ``cluster.serving.request_inputs``, whose pixels and expanded ids
-``check_features`` checks): the expanded prompt is what the token budget, ``max_model_len``
-and the KV cache are checked against, and the image's hash keys the prefix cache. Never on
-the GPU workers, whose step loop would stall on decoding and resizing.
+``check_features`` checks): the expanded prompt is what the budgets and the KV cache are
+checked against, the image's hash keys the prefix cache. Never on the workers (it would stall
+their step loop).
 
 The image processor is the checkpoint's own (``preprocessor_config.json`` through
 transformers' ``AutoImageProcessor``; without torchvision its PIL implementation). Each
 ``<image>`` placeholder becomes as many image tokens as the model makes embeddings for that
-image (``engine.vlm_config.image_feature_size``); a prompt already expanded is kept. Gemma 3's
-``<start_of_image>`` becomes ``"\n\n" <start_of_image> <image_soft_token> x
-mm_tokens_per_image <end_of_image> "\n\n"``, the newlines encoded with the prompt text
+image (``engine.vlm_config.image_feature_size``); an expanded prompt is kept. Gemma 3's
+``<start_of_image>`` becomes ``"\\n\\n" <start_of_image> <image_soft_token> x
+mm_tokens_per_image <end_of_image> "\\n\\n"``, the newlines encoded with the prompt text
 around them as HF's tokenizer encodes the expanded text; the image's span is its soft tokens.
 Pan-and-scan crops (``do_pan_and_scan``) are refused.
 """
