@@ -327,6 +327,14 @@ def test_llava_counts_its_vision_tower_on_every_rank_as_a_meta_build(tmp_path: P
     assert plan.problems == ()
 
 
+def test_gemma3_vision_counts_its_tower_on_every_rank_as_a_meta_build(tmp_path: Path) -> None:
+    # SigLIP (no class token, post_layernorm) and Gemma 3's projector, on both TP ranks.
+    hf = flatten_vlm_config(builtin_config("tiny-gemma3-vision"))
+    check_against_meta_builds(tmp_path, hf, {"tensor_parallel_size": 2})
+    plan = plan_memory(builtin_config("tiny-gemma3-vision"), PlanSettings(), H100_BYTES)
+    assert plan.problems == ()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "backend"),
     [
