@@ -20,12 +20,14 @@ def naive_paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     v_head_dim: int | None = None,
+    bidirectional: list[list[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
     """float64 ``[num_tokens, num_heads, head_dim]``: token ``i`` of a request's chunk, at
     position ``q = seq_len - query_len + i``, attends keys ``q - sliding_window < k <= q``
     (``k <= q`` without a window), with scores ``cap * tanh(scale * q.k / cap)`` when capped.
     A one-plane (latent) cache's values are its keys' first ``v_head_dim`` values, and the
-    output is ``[..., v_head_dim]``."""
+    output is ``[..., v_head_dim]``. ``bidirectional[b]``: position spans of request ``b``
+    whose tokens also see each other's later keys (the window still applying)."""
     num_heads = query.shape[1]
     planes, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     value_dim = head_dim if planes == 2 else v_head_dim
@@ -45,6 +47,9 @@ def naive_paged_attention(
             position = seq_len - query_len + i
             k_pos = torch.arange(seq_len)
             visible = k_pos <= position
+            for lo, hi in bidirectional[b] if bidirectional else ():
+                if lo <= position < hi:
+                    visible |= (k_pos >= lo) & (k_pos < hi)
             if sliding_window is not None:
                 visible &= k_pos > position - sliding_window
             # Only the visible keys take part: nothing else is read, not even times 0.

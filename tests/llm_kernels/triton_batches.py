@@ -22,10 +22,11 @@ def paged_batch(
     device: torch.device | str = "cpu",
     seed: int = 0,
     planes: int = 2,
+    bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(query, kv_cache, metadata) with every request's blocks drawn at random from a pool
     with spare blocks, so physical order never matches logical order; ``planes=1`` draws a
-    one-plane latent cache."""
+    one-plane latent cache; ``bidirectional``: each request's spans attended both ways."""
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
@@ -47,5 +48,6 @@ def paged_batch(
         slot_mapping=np.full(num_tokens, -1),
         block_size=block_size,
         device=torch.device(device),
+        bidirectional=bidirectional,
     )
     return query, kv_cache, metadata
