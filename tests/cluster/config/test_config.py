@@ -36,6 +36,7 @@ def error_of(data: dict[str, Any]) -> str:
         "qwen3-8b.yaml",
         "gemma2-27b.yaml",
         "gemma3-12b.yaml",
+        "gemma3-4b-it.yaml",
         "phi3-mini-128k.yaml",
         "mistral-7b-v0.1.yaml",
         "qwen3-30b-a3b.yaml",

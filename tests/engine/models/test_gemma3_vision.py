@@ -258,3 +258,24 @@ def test_gpu_triton_engine_matches_hf(expected: list[list[int]]) -> None:
         MODEL, CASES, MAX_TOKENS, device="cuda", dtype="float32", max_num_batched_tokens=20
     )
     assert got == expected
+
+
+def test_chat_with_an_image_part_equals_hf_on_the_rendered_prompt(ref: Reference) -> None:
+    # The image part becomes <start_of_image> in the message; the template renders it, the
+    # processor expands it (the template's <s> is the only BOS).
+    llm = LLM(MODEL)
+    content = [{"type": "image_pil", "image_pil": IMAGES[3]}, {"type": "text", "text": "What?"}]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
+    text = ref.processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<start_of_image>\nWhat?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    inputs = ref.processor(
+        text=text, images=[IMAGES[3]], return_tensors="pt", add_special_tokens=False
+    )
+    assert list(out.prompt_token_ids) == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        want = ref.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    assert list(out.outputs[0].token_ids) == want[0, inputs["input_ids"].shape[1] :].tolist()
