@@ -109,10 +109,11 @@ def test_different_cache_salt_never_shares_blocks() -> None:
     assert bm.get_computed_blocks(c)[1] == 8
 
 
-def _with_image(rid: str, pixels: float) -> Request:
-    """Tokens 0..2 text, 3..6 one image's placeholders (id 9), 7..8 text."""
+def _with_image(rid: str, pixels: float, num_tokens: int = 9) -> Request:
+    """Tokens 0..2 text, 3..6 one image's placeholders (id 9), 7..8 text (the first
+    ``num_tokens`` of them)."""
     feature = image_feature(np.full((3, 2, 2), pixels, np.float32), offset=3, length=4)
-    tokens = [0, 1, 2, 9, 9, 9, 9, 7, 8]
+    tokens = [0, 1, 2, 9, 9, 9, 9, 7, 8][:num_tokens]
     return Request(rid, tokens, SamplingParams(), max_tokens=8, mm_features=[feature])
 
 
@@ -123,6 +124,18 @@ def test_different_images_behind_the_same_placeholders_never_share_blocks() -> N
     # Block 0 (tokens 0..3) and block 1 (4..7) both hold the image's placeholders.
     assert bm.get_computed_blocks(_with_image("b", 0.25)) == ([], 0)
     assert bm.get_computed_blocks(_with_image("c", 0.5))[1] == 8
+
+
+def test_whole_images_back_a_hit_ending_inside_an_image_off_before_it() -> None:
+    # The hit of 8 tokens ends at the image's end (7): inside it only with a shorter prompt.
+    bm = BlockManager(10, BS)
+    compute(bm, _with_image("a", 0.5), 9)
+    assert bm.get_computed_blocks(_with_image("c", 0.5), whole_images=True)[1] == 8
+    # A prompt of 7 tokens can reuse one block (tokens 0..3), which ends inside the image
+    # (3..6): without splitting, the hit backs off to before the image (block 0 holds it).
+    short = _with_image("d", 0.5, num_tokens=7)
+    assert bm.get_computed_blocks(short)[1] == 4
+    assert bm.get_computed_blocks(short, whole_images=True) == ([], 0)
 
 
 def test_cached_prefix_tokens_counts_what_a_request_would_reuse_and_changes_nothing() -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
+from engine.multimodal.inputs import image_feature
 from engine.sampling_params import SamplingParams
 
 BS = 4
@@ -171,3 +174,18 @@ def test_running_requests_are_sent_as_deltas() -> None:
     delta = msg2.scheduled_cached_reqs[0]
     # The 4th token still fits in the first block: only the sampled token travels.
     assert (delta.new_token_ids, delta.new_block_ids, delta.num_computed_tokens) == ([7], [], 3)
+
+
+def test_disable_chunked_mm_input_stops_a_chunk_before_an_image_it_would_split() -> None:
+    s = make_scheduler(budget=8, disable_chunked_mm_input=True)
+    image = image_feature(np.zeros((3, 2, 2), np.float32), offset=5, length=6)
+    s.add_request(
+        Request("a", list(range(100, 120)), SamplingParams(), max_tokens=4, mm_features=[image])
+    )
+    # [0, 5) stops before the image, [5, 13) holds it whole, then the rest of the text.
+    assert [run_step(s).num_scheduled_tokens["a"] for _ in range(3)] == [5, 8, 7]
+    plain = make_scheduler(budget=8)
+    plain.add_request(
+        Request("b", list(range(100, 120)), SamplingParams(), max_tokens=4, mm_features=[image])
+    )
+    assert [run_step(plain).num_scheduled_tokens["b"] for _ in range(3)] == [8, 8, 4]
