@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
 from engine import LLM, SamplingParams
@@ -279,3 +280,52 @@ def test_chat_with_an_image_part_equals_hf_on_the_rendered_prompt(ref: Reference
     with torch.no_grad():
         want = ref.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
     assert list(out.outputs[0].token_ids) == want[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_a_hub_layout_checkpoint_loads_the_same(
+    ref: Reference, expected: list[list[int]], tmp_path: Path
+) -> None:
+    # transformers 4.x hub checkpoints: language_model.model.*, vision_tower.vision_model.*,
+    # multi_modal_projector.* (transformers 5 saves model.language_model.* etc.).
+    path = tmp_path / "hub"
+    shutil.copytree(ref.path, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    renames = (
+        ("model.language_model.", "language_model.model."),
+        ("model.vision_tower.", "vision_tower.vision_model."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+    )
+    hub = {}
+    for name, tensor in tensors.items():
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        hub[name] = tensor
+    assert not any(name.startswith("model.") for name in hub)
+    save_file(hub, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _, got = generate(str(path), CASES[2:3], MAX_TOKENS)
+    assert got == [expected[2]]
+
+
+def test_a_tower_with_its_pooling_head_and_coarser_pooling_equals_hf(tmp_path: Path) -> None:
+    # SigLIP's attention-pooling head in the checkpoint (never read: skipped), 4 tokens an
+    # image (the 8x8 grid pooled 4x4), a window of 3 on the sliding layers.
+    path = make_tiny_gemma3_vision(
+        tmp_path,
+        seed=2,
+        vision_overrides={"vision_use_head": True},
+        text_overrides={"sliding_window": 3},
+        mm_tokens_per_image=4,
+    )
+    processor = AutoProcessor.from_pretrained(path)
+    model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    assert any("head" in n for n, _ in model.model.vision_tower.named_parameters())
+    answers = []
+    for text, images in CASES[1:3]:
+        inputs = processor(text=text, images=images, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        answers.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    _, got = generate(str(path), CASES[1:3], MAX_TOKENS, max_num_batched_tokens=8)
+    assert got == answers
+    assert answers[0] != answers[1]
