@@ -14,9 +14,11 @@ says why), and their placeholder tokens expanded before any length is checked. W
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
+from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -31,6 +33,22 @@ _POOLING_ROUTES = {
     "embed": "embeddings (/v1/embeddings, /score, /rerank)",
     "classify": "class scores (/classify, /score, /rerank)",
 }
+
+
+def load_tokenizer(config: EngineConfig) -> Any:
+    path = config.model.tokenizer or config.model.model_path
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+def eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
+    """EOS ids as HF ``generate`` uses them: generation_config.json's, else the tokenizer's."""
+    ids: set[int] = set()
+    if (Path(model_path) / "generation_config.json").exists():
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
 
 
 class InputProcessor:

@@ -8,6 +8,7 @@ structs with an explicit msgpack codec: nothing here is ever pickled.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -137,6 +138,19 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # how many of its blocks, from the first, it loaded. This step's work for the request is
     # void (the head recomputes from there). Any rank may report it, like lora_load_errors.
     kv_load_failures: dict[str, int] = {}
+
+    def drop_requests(self, req_ids: Iterable[str]) -> None:
+        """Remove everything this output holds for ``req_ids`` (their step is void)."""
+        gone = set(req_ids)
+        keep = [i for i, rid in enumerate(self.req_ids) if rid not in gone]
+        self.req_ids = [self.req_ids[i] for i in keep]
+        self.sampled_token_ids = [self.sampled_token_ids[i] for i in keep]
+        if self.logprobs is not None:
+            self.logprobs = [self.logprobs[i] for i in keep]
+        for rid in gone:
+            self.pooled.pop(rid, None)
+            self.prompt_logprobs.pop(rid, None)
+            self.draft_token_ids.pop(rid, None)
 
 
 class DataParallelStep(msgspec.Struct, kw_only=True):
