@@ -276,6 +276,7 @@ class LLMEngine:
         self.inputs.check_generates()
         text, token_ids = self.inputs.tokenize(prompt)
         token_ids, mm_features = self.inputs.process_multimodal(prompt, token_ids)
+        mrope = self.inputs.mrope_positions(token_ids, mm_features)
         max_tokens = self.inputs.check_lengths(token_ids, params)
         params = self.inputs.check_sampling(params, max_tokens)
         if params.structured_outputs is not None:
@@ -299,6 +300,7 @@ class LLMEngine:
                 index=i,
                 lora_request=lora_request,
                 mm_features=mm_features,
+                mrope=mrope,
             )
             for i, rid in enumerate(sample_ids)
         ]

@@ -136,6 +136,8 @@ class ModelRunner:
         self._proposals: dict[str, list[int]] = {}
         # A vision-language model's image embeddings, encoded once per image and request.
         self.encoder_cache = EncoderCache(device) if hasattr(model, "embed_multimodal") else None
+        # Qwen2.5-VL: the rotary reads 3-D positions (StepInputs.mrope_positions).
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         # Data parallelism: the MoE layers' experts that exchange tokens across the DP ranks.
         self._exchanging_experts = [
             m for m in model.modules() if isinstance(m, ParallelExperts) and m.exchanges_tokens
@@ -253,6 +255,8 @@ class ModelRunner:
             self.graph_runner = None
 
     def cuda_graphs_disabled_reason(self) -> str | None:
+        if self.uses_mrope:
+            return "M-RoPE (Qwen2.5-VL): decode positions are per request, not the graphs' 1-D ones"
         return cuda_graphs_disabled_reason(
             device_type=self.device.type,
             kernel_backend=self.model.kernel_ops.name,
@@ -290,6 +294,7 @@ class ModelRunner:
                 eos_token_ids=tuple(new.eos_token_ids),
                 pooling_params=new.pooling_params,
                 lora_int_id=new.lora_int_id,
+                mrope=new.mrope,
             )
             if new.mm_features:
                 if self.encoder_cache is None:
@@ -386,6 +391,7 @@ class ModelRunner:
             self._sampling_metadata(sampled_req_ids) if self.is_driver and sampled_req_ids else None
         )
         mm_rows, mm_embeds = self._image_embeddings(states, starts, seq_lens, cu)
+        mrope = self._mrope_positions(states, starts, seq_lens, cu, positions)
         metadata = build_group_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens.astype(np.int32),
@@ -415,7 +421,27 @@ class ModelRunner:
             sampling_metadata=sampling_metadata,
             mm_rows=mm_rows,
             mm_embeds=mm_embeds,
+            mrope_positions=mrope,
         )
+
+    def _mrope_positions(
+        self,
+        states: list[CachedRequestState],
+        starts: np.ndarray,
+        ends: np.ndarray,
+        cu: np.ndarray,
+        positions: np.ndarray,
+    ) -> torch.Tensor | None:
+        """An M-RoPE model's ``[3, num_tokens]`` positions: each chunk's slice of its request's
+        3-D positions (``engine.multimodal.mrope``), the text position on all three axes for a
+        request without images."""
+        if not self.uses_mrope:
+            return None
+        out = np.repeat(positions[None].astype(np.int64), 3, axis=0)
+        for i, state in enumerate(states):
+            if state.mrope is not None:
+                out[:, cu[i] : cu[i + 1]] = state.mrope.for_range(int(starts[i]), int(ends[i]))
+        return torch.from_numpy(out).to(self.device)
 
     @torch.inference_mode()
     def _image_embeddings(
@@ -449,14 +475,13 @@ class ModelRunner:
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        positions = inputs.positions if inputs.mrope_positions is None else inputs.mrope_positions
         if inputs.mm_embeds is None:
-            return self.model(inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual)
+            return self.model(inputs.input_ids, positions, inputs.metadata, hidden, residual)
         # A VLM's chunk that holds image tokens: their rows take the image's embeddings.
         embeds = self.model.embed_input_ids(inputs.input_ids)
         embeds[inputs.mm_rows] = inputs.mm_embeds.to(embeds.dtype)
-        return self.model(
-            inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual, embeds
-        )
+        return self.model(inputs.input_ids, positions, inputs.metadata, hidden, residual, embeds)
 
     @torch.inference_mode()
     def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput | None:
@@ -622,7 +647,8 @@ class ModelRunner:
             )
             clock.lap("receive")  # waiting for the previous stage: not this stage's work
         graphs = self.graph_runner
-        if graphs is not None and inputs.mm_embeds is None and graphs.can_run(inputs.metadata):
+        plain = inputs.mm_embeds is None and inputs.mrope_positions is None
+        if graphs is not None and plain and graphs.can_run(inputs.metadata):
             # This stage's layers in one replay; every TP rank of the stage got the same
             # request, so all replay the same bucket's graph (its all-reduces match).
             hidden, residual = graphs.run(
