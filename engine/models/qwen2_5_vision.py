@@ -141,8 +141,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
         theta = float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         spatial = head_dim // 2
         exponents = torch.arange(0, spatial, 2, dtype=torch.float32, device="cpu") / spatial
-        inv_freq = 1.0 / (theta**exponents)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # HF's float32 inverse frequencies; a plain tensor (moved per image; not a buffer).
+        self.inv_freq = 1.0 / (theta**exponents)
 
     def forward(self, patches: torch.Tensor, grid_thw: tuple[int, ...]) -> torch.Tensor:
         """``[t*h*w, C*T*P*P]`` -> ``[t*h*w / merge**2, out_hidden_size]``."""

@@ -57,8 +57,9 @@ class MRotaryEmbedding(nn.Module):
     def __init__(self, base: RotaryEmbedding, section: list[int]) -> None:
         super().__init__()
         self.base = base
-        device = base.cos.device
-        self.register_buffer("axes", mrope_axes(base.rotary_dim, section).to(device), False)
+        # Not a buffer (16 bytes a model; memory plans count rotary tables only): moved to a
+        # device once, at its first use there.
+        self._axes = {"cpu": mrope_axes(base.rotary_dim, section)}
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -66,7 +67,10 @@ class MRotaryEmbedding(nn.Module):
         if positions.dim() == 1:
             return self.base(positions, q, k)
         n, dim = positions.shape[1], self.base.rotary_dim
-        axes = self.axes.view(1, 1, dim).expand(1, n, dim)
+        key = str(positions.device)
+        if key not in self._axes:
+            self._axes[key] = self._axes["cpu"].to(positions.device)
+        axes = self._axes[key].view(1, 1, dim).expand(1, n, dim)
         cos = self.base.cos[positions].gather(0, axes)[0]
         sin = self.base.sin[positions].gather(0, axes)[0]
         rows = torch.arange(n, device=positions.device)

@@ -57,6 +57,8 @@ FAMILIES: dict[str, Family] = {
     ),
     "MistralForCausalLM": Family(False, False, False, False, 2, False),
     "Qwen2ForCausalLM": Family(True, False, False, False, 2, False),
+    # The Qwen2 decoder; its vision tower is vision_tower_bytes'.
+    "Qwen2_5_VLForConditionalGeneration": Family(True, False, False, False, 2, False),
     "Qwen3ForCausalLM": Family("attention_bias", "attention_bias", False, True, 2, False),
     "Gemma2ForCausalLM": Family("attention_bias", "attention_bias", False, False, 4, True),
     "Gemma3ForCausalLM": Family("attention_bias", "attention_bias", False, True, 4, True),

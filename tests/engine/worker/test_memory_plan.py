@@ -327,6 +327,16 @@ def test_llava_counts_its_vision_tower_on_every_rank_as_a_meta_build(tmp_path: P
     assert plan.problems == ()
 
 
+def test_qwen2_5_vl_counts_its_vision_tower_on_every_rank_as_a_meta_build(
+    tmp_path: Path,
+) -> None:
+    # The window-attention tower and its merger, replicated on both TP ranks.
+    hf = flatten_vlm_config(builtin_config("tiny-qwen2.5-vl"))
+    check_against_meta_builds(tmp_path, hf, {"tensor_parallel_size": 2})
+    plan = plan_memory(builtin_config("tiny-qwen2.5-vl"), PlanSettings(), H100_BYTES)
+    assert plan.problems == ()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "backend"),
     [
