@@ -38,13 +38,13 @@ class VisionRMSNorm(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, vision: dict[str, Any]) -> None:
+    def __init__(self, vision: dict[str, Any], bias: bool = False) -> None:
         super().__init__()
         self.channels = vision["in_channels"]
         self.kernel = (vision["temporal_patch_size"], vision["patch_size"], vision["patch_size"])
         self.dim = vision["hidden_size"]
         self.proj = nn.Conv3d(
-            self.channels, self.dim, kernel_size=self.kernel, stride=self.kernel, bias=False
+            self.channels, self.dim, kernel_size=self.kernel, stride=self.kernel, bias=bias
         )
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:

@@ -42,24 +42,31 @@ def _rename(name: str) -> str:
     return name
 
 
-def mrope_axes(rotary_dim: int, section: list[int]) -> torch.Tensor:
+def mrope_axes(rotary_dim: int, section: list[int], interleaved: bool = False) -> torch.Tensor:
     """For each of the ``rotary_dim`` cos/sin columns, the position axis (0 t, 1 h, 2 w) that
-    rotates it: the pairs split by ``section``, both halves alike."""
-    half = torch.cat([torch.full((n,), axis, dtype=torch.int64) for axis, n in enumerate(section)])
-    if half.numel() != rotary_dim // 2:
+    rotates it, both halves alike: the pairs split into ``section``'s runs (Qwen2.5-VL), or
+    ``interleaved`` (Qwen3-VL: t h w t h w ..., pair 3i + 1 is h for i < section[1], 3i + 2 is
+    w for i < section[2], every other pair t)."""
+    if sum(section) != rotary_dim // 2:
         raise ValueError(f"mrope_section: {section} must sum to {rotary_dim // 2}")
+    if interleaved:
+        half = torch.zeros(rotary_dim // 2, dtype=torch.int64)
+        half[1 : 3 * section[1] : 3] = 1
+        half[2 : 3 * section[2] : 3] = 2
+    else:
+        half = torch.cat([torch.full((n,), a, dtype=torch.int64) for a, n in enumerate(section)])
     return torch.cat([half, half])
 
 
 class MRotaryEmbedding(nn.Module):
     """M-RoPE over a plain ``RotaryEmbedding``'s table (see the module docstring)."""
 
-    def __init__(self, base: RotaryEmbedding, section: list[int]) -> None:
+    def __init__(self, base: RotaryEmbedding, section: list[int], interleaved: bool) -> None:
         super().__init__()
         self.base = base
         # Not a buffer (16 bytes a model; memory plans count rotary tables only): moved to a
         # device once, at its first use there.
-        self._axes = {"cpu": mrope_axes(base.rotary_dim, section)}
+        self._axes = {"cpu": mrope_axes(base.rotary_dim, section, interleaved)}
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -81,29 +88,30 @@ class MRotaryEmbedding(nn.Module):
         return torch.cat((q_rot, q[..., dim:]), -1), torch.cat((k_rot, k[..., dim:]), -1)
 
 
-class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
-    """``Qwen2ForCausalLM`` with M-RoPE, plus ``visual``."""
+class QwenVLMixin:
+    """What Qwen2.5-VL and Qwen3-VL add to their decoder family (a ``CausalLM``): M-RoPE, the
+    tower (``self.visual``, set by the subclass), image embeddings and checkpoint names."""
 
     uses_mrope = True
+    hf: dict[str, Any]
+    model: nn.Module
+    visual: nn.Module
+    packed_modules_mapping: dict[str, tuple[str, Any]]
 
-    def __init__(
-        self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps | None = None
-    ) -> None:
-        super().__init__(hf, ctx, ops)
-        self.visual = Qwen2_5_VisionTransformer(hf["vision_config"])
-
-    def rotary(self, layer: int) -> MRotaryEmbedding:  # type: ignore[override]
+    def rotary(self, layer: int) -> MRotaryEmbedding:
         """One M-RoPE module shared by every layer (built at the first layer's call)."""
-        existing = self._modules.get("mrotary")
+        existing = self._modules.get("mrotary")  # type: ignore[attr-defined]
         if existing is None:
-            existing = MRotaryEmbedding(super().rotary(layer), list(self.hf["mrope_section"]))
+            base = super().rotary(layer)  # type: ignore[misc]
+            section = list(self.hf["mrope_section"])
+            existing = MRotaryEmbedding(base, section, bool(self.hf.get("mrope_interleaved")))
             self.mrotary = existing
         return existing
 
     def embed_multimodal(
         self, pixel_values: torch.Tensor, grid_thw: tuple[int, ...]
     ) -> torch.Tensor:
-        """``[num_images, patches, C*T*P*P]`` of one grid -> ``[num_images, tokens, hidden]``."""
+        """``[num_images, patches, C*T*P*P]`` of one grid -> ``[num_images, tokens, width]``."""
         return torch.stack([self.visual(p, grid_thw) for p in pixel_values])
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -121,4 +129,14 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         return name, None
 
     def checkpoint_aliases(self, name: str) -> Any:
-        return super().checkpoint_aliases(_rename(name))
+        return super().checkpoint_aliases(_rename(name))  # type: ignore[misc]
+
+
+class Qwen2_5_VLForConditionalGeneration(QwenVLMixin, Qwen2ForCausalLM):
+    """``Qwen2ForCausalLM`` with M-RoPE, plus ``visual``."""
+
+    def __init__(
+        self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps | None = None
+    ) -> None:
+        super().__init__(hf, ctx, ops)
+        self.visual = Qwen2_5_VisionTransformer(hf["vision_config"])

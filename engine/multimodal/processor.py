@@ -29,7 +29,7 @@ from transformers import AutoImageProcessor
 
 from engine.errors import InvalidRequestError
 from engine.multimodal.inputs import MultiModalFeature, image_feature
-from engine.qwen_vl_config import QWEN2_5_VL, image_token_count
+from engine.qwen_vl_config import QWEN_VL_ARCHITECTURES, image_token_count
 from engine.vlm_config import image_feature_size
 
 logger = logging.getLogger("llm_cluster.multimodal")
@@ -64,7 +64,7 @@ class MultiModalProcessor:
     def num_tokens(self, shape: tuple[int, ...], grid_thw: tuple[int, ...]) -> int:
         """Image tokens of preprocessed pixels of ``shape`` (and patch grid); -1 for pixels
         this model's processor does not make."""
-        if self.hf["architectures"][0] == QWEN2_5_VL:
+        if self.hf["architectures"][0] in QWEN_VL_ARCHITECTURES:
             vision = self.hf["vision_config"]
             patch = (
                 vision["in_channels"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2

@@ -480,8 +480,14 @@ class ModelRunner:
             return self.model(inputs.input_ids, positions, inputs.metadata, hidden, residual)
         # A VLM's chunk that holds image tokens: their rows take the image's embeddings.
         embeds = self.model.embed_input_ids(inputs.input_ids)
-        embeds[inputs.mm_rows] = inputs.mm_embeds.to(embeds.dtype)
-        return self.model(inputs.input_ids, positions, inputs.metadata, hidden, residual, embeds)
+        width = embeds.shape[-1]
+        embeds[inputs.mm_rows] = inputs.mm_embeds[:, :width].to(embeds.dtype)
+        extra = {}
+        if inputs.mm_embeds.shape[-1] > width:  # Qwen3-VL: the rest is deepstack features
+            extra["deepstack"] = (inputs.mm_rows, inputs.mm_embeds[:, width:])
+        return self.model(
+            inputs.input_ids, positions, inputs.metadata, hidden, residual, embeds, **extra
+        )
 
     @torch.inference_mode()
     def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput | None:
