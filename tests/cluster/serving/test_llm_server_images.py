@@ -20,6 +20,7 @@ from engine import LLM, SamplingParams
 
 LLAVA_ARGS = {"model": "builtin:tiny-llava", "num_kv_blocks": 64, "device": "cpu"}
 QWEN_VL_ARGS = {"model": "builtin:tiny-qwen2.5-vl", "num_kv_blocks": 64, "device": "cpu"}
+QWEN3_VL_ARGS = {"model": "builtin:tiny-qwen3-vl", "num_kv_blocks": 64, "device": "cpu"}
 PARAMS = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
 
 
@@ -49,7 +50,9 @@ def _collect(server: LLMServer, request: dict[str, Any]) -> list[dict[str, Any]]
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("args", [LLAVA_ARGS, QWEN_VL_ARGS], ids=["llava", "qwen2.5-vl"])
+@pytest.mark.parametrize(
+    "args", [LLAVA_ARGS, QWEN_VL_ARGS, QWEN3_VL_ARGS], ids=["llava", "qwen2.5-vl", "qwen3-vl"]
+)
 def test_chat_image_part_reaches_the_engine_as_offline(args: dict[str, Any]) -> None:
     # Qwen2.5-VL: the patch grid travels in the feature, the head computes the M-RoPE positions.
     server = LLMServer(args["model"].removeprefix("builtin:"), args)

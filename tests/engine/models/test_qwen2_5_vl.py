@@ -13,9 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from engine import LLM, SamplingParams
 from engine.builtin.catalog import resolve_model_source
@@ -23,10 +21,10 @@ from engine.builtin.tiny_qwen_vl_models import IMAGE_PLACEHOLDER, make_tiny_qwen
 from engine.errors import ConfigError, InvalidRequestError
 from engine.hf_config import check_hf_config
 from engine.vlm_config import flatten_vlm_config
+from tests.engine.qwen_vl_reference import MAX_TOKENS, Reference
 from tests.engine.vlm_checks import assert_released, encoder_stats, features, image
 
 MODEL = "builtin:tiny-qwen2.5-vl"
-MAX_TOKENS = 20
 P = IMAGE_PLACEHOLDER
 ONE = f"<|im_start|>user\n{P}What is in the picture?<|im_end|>\n<|im_start|>assistant\n"
 TWO = f"<|im_start|>user\n{P} and then {P}\nCompare the two.<|im_end|>\n<|im_start|>assistant\n"
@@ -41,46 +39,6 @@ CASES: list[tuple[str, list[Image.Image]]] = [
     (TWO, [IMAGES[2], IMAGES[1]]),
     (TWO, [IMAGES[4], IMAGES[5]]),
 ]
-
-
-class Reference:
-    """HF's model, image processor and tokenizer, with the placeholder expansion of HF's
-    ``Qwen2_5_VLProcessor`` (its class needs torchvision for its video processor)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.image_processor = AutoImageProcessor.from_pretrained(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.config = json.loads((path / "config.json").read_text())
-        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            path, dtype=torch.float32
-        ).eval()
-
-    def inputs(
-        self, text: str, images: list[Image.Image], special: bool = True
-    ) -> dict[str, torch.Tensor]:
-        out = self.image_processor(images=images, return_tensors="pt")
-        merge = self.image_processor.merge_size**2
-        for grid in out["image_grid_thw"]:
-            text = text.replace("<|image_pad|>", "<|X|>" * int(grid.prod() // merge), 1)
-        text = text.replace("<|X|>", "<|image_pad|>")
-        ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=special)
-        input_ids = ids["input_ids"]
-        image_token = self.config["image_token_id"]
-        return {
-            "input_ids": input_ids,
-            "attention_mask": ids["attention_mask"],
-            "pixel_values": out["pixel_values"],
-            "image_grid_thw": out["image_grid_thw"],
-            # What the processor returns (return_mm_token_type_ids): 1 on image tokens.
-            "mm_token_type_ids": (input_ids == image_token).int(),
-        }
-
-    def generate(self, text: str, images: list[Image.Image], special: bool = True) -> list[int]:
-        inputs = self.inputs(text, images, special)
-        with torch.no_grad():
-            out = self.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,14 @@
-"""Qwen2.5-VL at TP = 2 (CPU, gloo, spawned workers): the vision tower replicated on both
-ranks, the language model sharded, the M-RoPE positions sent with each new request; greedy
-tokens equal TP = 1's (the offline engine, which test_qwen2_5_vl checks against HF)."""
+"""Qwen2.5-VL and Qwen3-VL at TP = 2 (CPU, gloo, spawned workers): the vision tower
+replicated on both ranks, the language model sharded, the M-RoPE positions sent with each new
+request (Qwen3-VL: the deepstack features added on every rank); greedy tokens equal TP = 1's
+(the offline engine, which test_qwen2_5_vl / test_qwen3_vl check against HF)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import pytest
 
 from engine import LLM, SamplingParams
 from engine.builtin.catalog import resolve_model_source
@@ -25,9 +28,9 @@ def _images() -> list[list[Any]]:
     return [[image(0, 90, 150)], [image(1, 112, 60), image(2, 56, 84)]]
 
 
-def _config(rank: int) -> EngineConfig:
+def _config(rank: int, model: str) -> EngineConfig:
     config = EngineConfig.from_kwargs(
-        model=str(resolve_model_source("builtin:tiny-qwen2.5-vl")),
+        model=str(resolve_model_source(model)),
         tensor_parallel_size=2,
         num_kv_blocks=64,
         max_model_len=256,
@@ -35,14 +38,14 @@ def _config(rank: int) -> EngineConfig:
     return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
 
 
-def _rank_main(rank: int, ports: Any, results: Any) -> None:
+def _rank_main(rank: int, ports: Any, results: Any, model_name: str) -> None:
     try:
         from transformers import AutoTokenizer
 
         from engine.multimodal.mrope import mrope_positions
         from engine.multimodal.processor import MultiModalProcessor
 
-        config = _config(rank)
+        config = _config(rank, model_name)
         model = config.model
         tokenizer = AutoTokenizer.from_pretrained(model.model_path)
         processor = MultiModalProcessor(model.hf_config, model.model_path, {})
@@ -53,7 +56,7 @@ def _rank_main(rank: int, ports: Any, results: Any) -> None:
             prompts.append(ids)
             features.append(feats)
             positions.append(mrope_positions(len(ids), feats, merge))
-        for _, worker in workers_on_one_group(rank, 2, ports, {"qwen2.5-vl": config}):
+        for _, worker in workers_on_one_group(rank, 2, ports, {"vlm": config}):
             tokens = greedy_steps(
                 worker, prompts, STEPS, blocks_per_request=8, mm_features=features,
                 mrope=positions,
@@ -63,13 +66,14 @@ def _rank_main(rank: int, ports: Any, results: Any) -> None:
         results.put((rank, repr(exc)))
 
 
-def test_tp2_equals_tp1() -> None:
-    llm = LLM("builtin:tiny-qwen2.5-vl", num_kv_blocks=64, max_model_len=256)
+@pytest.mark.parametrize("model", ["builtin:tiny-qwen2.5-vl", "builtin:tiny-qwen3-vl"])
+def test_tp2_equals_tp1(model: str) -> None:
+    llm = LLM(model, num_kv_blocks=64, max_model_len=256)
     params = SamplingParams(temperature=0, max_tokens=STEPS + 1, ignore_eos=True)
     prompts = [
         {"prompt": text, "multi_modal_data": {"image": images}}
         for text, images in zip(PROMPTS, _images())
     ]
     tp1 = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    results = run_ranks(_rank_main, 2)
+    results = run_ranks(_rank_main, 2, model)
     assert results[0] == results[1] == tp1
