@@ -51,6 +51,7 @@ from engine.worker.step_inputs import (
     StepInputs,
     block_tables,
     grammar_bitmask_rows,
+    mrope_positions_of,
     pooling_rows,
     prompt_logprobs_rows,
 )
@@ -391,7 +392,11 @@ class ModelRunner:
             self._sampling_metadata(sampled_req_ids) if self.is_driver and sampled_req_ids else None
         )
         mm_rows, mm_embeds = self._image_embeddings(states, starts, seq_lens, cu)
-        mrope = self._mrope_positions(states, starts, seq_lens, cu, positions)
+        mrope = (
+            mrope_positions_of(states, starts, seq_lens, cu, positions, self.device)
+            if self.uses_mrope
+            else None
+        )
         metadata = build_group_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens.astype(np.int32),
@@ -423,25 +428,6 @@ class ModelRunner:
             mm_embeds=mm_embeds,
             mrope_positions=mrope,
         )
-
-    def _mrope_positions(
-        self,
-        states: list[CachedRequestState],
-        starts: np.ndarray,
-        ends: np.ndarray,
-        cu: np.ndarray,
-        positions: np.ndarray,
-    ) -> torch.Tensor | None:
-        """An M-RoPE model's ``[3, num_tokens]`` positions: each chunk's slice of its request's
-        3-D positions (``engine.multimodal.mrope``), the text position on all three axes for a
-        request without images."""
-        if not self.uses_mrope:
-            return None
-        out = np.repeat(positions[None].astype(np.int64), 3, axis=0)
-        for i, state in enumerate(states):
-            if state.mrope is not None:
-                out[:, cu[i] : cu[i + 1]] = state.mrope.for_range(int(starts[i]), int(ends[i]))
-        return torch.from_numpy(out).to(self.device)
 
     @torch.inference_mode()
     def _image_embeddings(

@@ -151,3 +151,21 @@ def pooling_rows(
         elif finishes:
             rows.append((state.req_id, end - 1, np.array([cu[i + 1] - 1]), True))
     return rows
+
+
+def mrope_positions_of(
+    states: list[CachedRequestState],
+    starts: np.ndarray,
+    ends: np.ndarray,
+    cu: np.ndarray,
+    positions: np.ndarray,
+    device: torch.device,
+) -> torch.Tensor:
+    """An M-RoPE model's ``[3, num_tokens]`` positions: each chunk's slice of its request's
+    3-D positions (``engine.multimodal.mrope``), the text position on all three axes for a
+    request without images."""
+    out = np.repeat(positions[None].astype(np.int64), 3, axis=0)
+    for i, state in enumerate(states):
+        if state.mrope is not None:
+            out[:, cu[i] : cu[i + 1]] = state.mrope.for_range(int(starts[i]), int(ends[i]))
+    return torch.from_numpy(out).to(device)
