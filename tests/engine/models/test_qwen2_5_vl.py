@@ -2,8 +2,9 @@
 ``Qwen2_5_VLForConditionalGeneration`` with HF's Qwen2-VL image processor on the same images,
 token for token (fp32), with one and two images per prompt at different sizes (different
 patch grids, so different M-RoPE positions and windows), under chunked prefill that splits an
-image's tokens, preemption and prefix caching; the 3-D positions equal HF's ``get_rope_index``;
-what the engine does not serve is refused by name."""
+image's tokens, preemption and prefix caching, and under a LoRA adapter on the language model
+(HF + PEFT); the 3-D positions equal HF's ``get_rope_index``; what the engine does not serve
+is refused by name."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from peft import LoraConfig, get_peft_model
 from PIL import Image
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine.builtin.catalog import resolve_model_source
 from engine.builtin.tiny_qwen_vl_models import IMAGE_PLACEHOLDER, make_tiny_qwen2_5_vl
 from engine.errors import ConfigError, InvalidRequestError
@@ -223,3 +226,32 @@ def test_a_second_seed_with_larger_windows_and_one_full_attention_layer(tmp_path
     cases = [CASES[1], CASES[2]]
     _, got = _generate(cases, model=str(path), max_num_batched_tokens=12)
     assert got == [reference.generate(*case) for case in cases]
+
+
+def test_lora_on_the_language_model_equals_hf_peft(ref: Reference, tmp_path: Path) -> None:
+    # The adapter targets the language model's layers only (the tower has no q/v_proj, but a
+    # down_proj: the pattern keeps it out).
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)",
+        init_lora_weights=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        base = type(ref.model).from_pretrained(ref.path, dtype=torch.float32)
+        peft = get_peft_model(base, config)
+    peft.save_pretrained(str(tmp_path))
+    text, images = CASES[2]
+    inputs = ref.inputs(text, images)
+    with torch.no_grad():
+        out = peft.eval().generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    expected_lora = out[0, inputs["input_ids"].shape[1] :].tolist()
+    llm = LLM(MODEL, enable_lora=True, max_lora_rank=8)
+    prompt = _prompt(text, images)
+    got = llm.generate(
+        [prompt, prompt], _params(), lora_request=[LoRARequest("a", 1, str(tmp_path)), None],
+        use_tqdm=False,
+    )  # fmt: skip
+    assert list(got[0].outputs[0].token_ids) == expected_lora
+    assert list(got[1].outputs[0].token_ids) == ref.generate(text, images) != expected_lora
