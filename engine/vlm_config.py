@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.qwen_vl_config import QWEN_VL_ARCHITECTURES, QWEN_VL_TEXT_FAMILIES, flatten_qwen_vl
 
 LLAVA = "LlavaForConditionalGeneration"
-VLM_ARCHITECTURES: tuple[str, ...] = (LLAVA,)
+VLM_ARCHITECTURES: tuple[str, ...] = (LLAVA, *QWEN_VL_ARCHITECTURES)
 # text_config.model_type -> the decoder family whose code runs the language model.
 LLAVA_TEXT_FAMILIES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 _LLAVA_DEFAULTS: dict[str, Any] = {
@@ -68,7 +69,9 @@ def is_vlm(hf: dict[str, Any]) -> bool:
 
 def flatten_vlm_config(hf: dict[str, Any]) -> dict[str, Any]:
     """A LLaVA config.json as the engine reads it (see the module docstring); any other
-    config, or one already flat, unchanged."""
+    config, or one already flat, unchanged (Qwen2.5-VL: ``engine.qwen_vl_config``)."""
+    if is_vlm(hf) and hf["architectures"][0] in QWEN_VL_ARCHITECTURES:
+        return hf if "text_model_type" in hf else flatten_qwen_vl(hf)
     if not is_vlm(hf) or "text_config" not in hf:
         return hf
     text = dict(hf.get("text_config") or {})
@@ -96,6 +99,8 @@ def flatten_vlm_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 def text_family(hf: dict[str, Any]) -> str:
     """The ``XForCausalLM`` family of a flattened VLM config's language model."""
+    if hf["architectures"][0] in QWEN_VL_TEXT_FAMILIES:
+        return QWEN_VL_TEXT_FAMILIES[hf["architectures"][0]]
     return LLAVA_TEXT_FAMILIES[str(hf.get("text_model_type") or "llama")]
 
 

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.multimodal.inputs import MultiModalFeature
+from engine.multimodal.mrope import MRopePositions, mrope_positions
 from engine.multimodal.processor import MultiModalProcessor
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -91,6 +92,18 @@ class InputProcessor:
                 )
             return token_ids, self.multimodal.check_features(token_ids, features)
         return self.multimodal.process(token_ids, data)
+
+    def mrope_positions(
+        self, token_ids: list[int], features: list[MultiModalFeature]
+    ) -> MRopePositions | None:
+        """An M-RoPE model's (Qwen2.5-VL's) 3-D positions of the prompt (``engine.multimodal.
+        mrope``); None for other models and for a prompt without images (its positions are
+        the text positions on all three axes)."""
+        hf = self.config.model.hf_config
+        if "mrope_section" not in hf or not features:
+            return None
+        merge = int(hf["vision_config"]["spatial_merge_size"])
+        return mrope_positions(len(token_ids), features, merge)
 
     def check_cache_salt(self, cache_salt: str | None) -> None:
         # Checked here: the prefix-cache hash encodes it on the engine thread, mid-step.

@@ -223,6 +223,7 @@ class LLMEngine(SleepControl):
         self.inputs.check_generates()
         text, token_ids = self.inputs.tokenize(prompt)
         token_ids, mm_features = self.inputs.process_multimodal(prompt, token_ids)
+        mrope = self.inputs.mrope_positions(token_ids, mm_features)
         max_tokens = self.inputs.check_lengths(token_ids, params)
         params = self.inputs.check_sampling(params, max_tokens)
         if params.structured_outputs is not None:
@@ -246,6 +247,7 @@ class LLMEngine(SleepControl):
                 index=i,
                 lora_request=lora_request,
                 mm_features=mm_features,
+                mrope=mrope,
             )
             for i, rid in enumerate(sample_ids)
         ]

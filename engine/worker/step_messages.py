@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from engine.multimodal.inputs import MultiModalFeature
+from engine.multimodal.mrope import MRopePositions
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -44,6 +45,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     # A VLM prompt's images (placeholder ranges, hashes, pixels): sent this once; the workers
     # encode each when a chunk first reaches its placeholders and keep the output.
     mm_features: list[MultiModalFeature] = []
+    # An M-RoPE model's (Qwen2.5-VL's) 3-D prompt positions; None: the text positions.
+    mrope: MRopePositions | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -20,16 +19,12 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 from engine import LLM, LoRARequest, SamplingParams
 from engine.builtin.catalog import resolve_model_source
 from engine.builtin.tiny_vlm_models import make_tiny_llava
+from tests.engine.vlm_checks import assert_released, encoder_stats, features, image
 
 MAX_TOKENS = 24
 TOKENS_PER_IMAGE = 36  # (48 / 8)^2 patches; the class token is dropped
 ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 TWO = "USER: <image> and then <image>\nCompare the two. ASSISTANT:"
-
-
-def image(seed: int, height: int, width: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8))
 
 
 # Sizes on both sides of the processor's 48x48: each is resized and centre-cropped.
@@ -76,24 +71,6 @@ def _generate(cases: list[tuple[str, list[Image.Image]]], **engine_args: Any):
     return llm, [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def _features(llm: LLM, prompt: dict[str, Any]) -> list[Any]:
-    ids = llm.get_tokenizer().encode(prompt["prompt"])
-    return llm.llm_engine.inputs.process_multimodal(prompt, ids)[1]
-
-
-def _encoder_stats(llm: LLM) -> dict[str, int]:
-    return llm.llm_engine.executor.collective_rpc("encoder_cache_stats")[0]
-
-
-def _assert_released(llm: LLM) -> None:
-    engine = llm.llm_engine
-    engine.check_integrity()
-    stats = engine.get_kv_cache_stats()
-    assert stats.free == stats.total
-    assert engine.executor.collective_rpc("num_request_states") == [0]
-    assert _encoder_stats(llm)["num_cached"] == 0, "encoder outputs outlived their requests"
-
-
 SETTINGS = {
     "defaults": {},
     # 16-token chunks: each image's 36 tokens span three or four steps.
@@ -113,8 +90,8 @@ def test_greedy_matches_hf(expected: list[list[int]], setting: str) -> None:
     if setting == "preempt_swap":
         assert llm.llm_engine.scheduler.num_swap_outs > 0, "preemption fell back to recompute"
     # Once per image and request: not per chunk, not again after a preemption.
-    assert _encoder_stats(llm)["num_encoded"] == sum(len(imgs) for _, imgs in CASES)
-    _assert_released(llm)
+    assert encoder_stats(llm)["num_encoded"] == sum(len(imgs) for _, imgs in CASES)
+    assert_released(llm)
 
 
 def test_different_images_behind_the_same_text_get_their_own_answers(
@@ -130,7 +107,7 @@ def test_different_images_behind_the_same_text_get_their_own_answers(
         got.append(list(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids))
     assert got == expected[:2]
     assert got[0] != got[1]
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_same_image_twice_hits_the_prefix_cache(expected: list[list[int]]) -> None:
@@ -147,9 +124,9 @@ def test_same_image_twice_hits_the_prefix_cache(expected: list[list[int]]) -> No
     assert llm.llm_engine.block_manager.prefix_hits > 0
     assert second.num_cached_tokens > 0
     # Both images' tokens were cached: the second request never ran the vision tower.
-    assert second.num_cached_tokens > max(f.end for f in _features(llm, prompt))
-    assert _encoder_stats(llm)["num_encoded"] == len(images)
-    _assert_released(llm)
+    assert second.num_cached_tokens > max(f.end for f in features(llm, prompt))
+    assert encoder_stats(llm)["num_encoded"] == len(images)
+    assert_released(llm)
 
 
 def test_prompt_token_ids_with_one_placeholder_per_image(expected: list[list[int]]) -> None:
@@ -172,8 +149,8 @@ def test_one_image_in_two_live_requests_is_encoded_once(
     cases = [CASES[0], (TWO, [IMAGES[0], IMAGES[0]])]
     llm, got = _generate(cases, enable_prefix_caching=False)
     assert got == [expected[0], ref.generate(*cases[1])]
-    assert _encoder_stats(llm)["num_encoded"] == 1
-    _assert_released(llm)
+    assert encoder_stats(llm)["num_encoded"] == 1
+    assert_released(llm)
 
 
 def test_lora_on_the_language_model_equals_hf_peft(ref: Reference, tmp_path: Path) -> None:
