@@ -13,17 +13,16 @@ options and where API keys come from.
     grpc_options: {port: 9000}
     api_keys: {env: LLM_CLUSTER_API_KEYS}           # or {file: /etc/llm/keys}; never the keys
 
-Everything is checked before anything is deployed; unknown keys are rejected and every error
-names its key path and, for a value out of range, the range and the value given
-(``models[0].deployment_config.num_replicas: must be an integer >= 1 or null, got 0``).
+Everything is checked before anything is deployed; every error names its key path (unknown
+keys; values out of range, with the range and the value given).
 
     deployment.py       the typed tree, the models' sections, load_config / check_config
     serve_sections.py   Serve's per-model options: replicas, autoscaling, router, placement
     app_sections.py     the front: HTTP, gRPC, API keys, the responses store
-    strict_yaml.py  building frozen dataclasses from plain YAML data: keys and types
+    strict_yaml.py      frozen dataclasses from plain YAML data: keys and types
 
-Imported by the ingress and the CLI, so nothing here imports torch (``engine.config`` is
-imported only inside ``check_engine_kwargs``).
+Imported by the ingress and the CLI, so nothing here imports torch (``engine.config`` only
+inside ``check_engine_kwargs``).
 """
 
 from cluster.config.app_sections import APIKeysConfig, GRPCOptions, HTTPOptions
