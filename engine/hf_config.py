@@ -19,6 +19,7 @@ from typing import Any
 from engine.errors import ConfigError
 from engine.model_heads import declared_architecture, family_architecture, num_labels
 from engine.quantization.config import parse_quantization
+from engine.qwen_vl_config import QWEN2_5_VL, QWEN3_VL, QWEN_VL_ARCHITECTURES, check_qwen_vl
 from engine.rope_config import check_rope
 from engine.vlm_config import GEMMA3_VLM, LLAVA, check_gemma3_vlm, check_llava
 
@@ -42,8 +43,10 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM",
+    QWEN2_5_VL,
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    QWEN3_VL,
 )
 
 # The activation field each family's HF code reads, and the values the engine computes.
@@ -182,6 +185,8 @@ def check_hf_config(hf: dict[str, Any]) -> None:
         check_llava(hf)
     elif arch == GEMMA3_VLM:
         check_gemma3_vlm(hf)
+    elif arch in QWEN_VL_ARCHITECTURES:
+        check_qwen_vl(hf)
     check_rope(hf)
 
 

@@ -11,9 +11,10 @@ plain decoder config, and keeps the rest beside it:
      "text_model_type": "llama", "vision_config": {...}, "image_token_index": ..., ...}
 
 Fields left out take the defaults of transformers' ``LlavaConfig`` / ``CLIPVisionConfig`` /
-``Gemma3Config`` / ``SiglipVisionConfig``. ``image_feature_size`` is how many placeholder
-tokens one image becomes; ``whole_image_attention`` says whether an image's tokens attend to
-each other both ways (Gemma 3), which the scheduler and the attention mask must honour.
+``Gemma3Config`` / ``SiglipVisionConfig`` (Qwen2.5-VL / Qwen3-VL: ``engine.qwen_vl_config``).
+``image_feature_size``: the placeholder tokens one image becomes; ``whole_image_attention``:
+whether an image's tokens attend to each other both ways (Gemma 3; the scheduler and the
+attention mask honour it).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.qwen_vl_config import QWEN_VL_ARCHITECTURES, QWEN_VL_TEXT_FAMILIES, flatten_qwen_vl
 
 LLAVA = "LlavaForConditionalGeneration"
 GEMMA3_VLM = "Gemma3ForConditionalGeneration"
-VLM_ARCHITECTURES: tuple[str, ...] = (LLAVA, GEMMA3_VLM)
+VLM_ARCHITECTURES: tuple[str, ...] = (LLAVA, GEMMA3_VLM, *QWEN_VL_ARCHITECTURES)
 # text_config.model_type -> the decoder family whose code runs the language model.
 LLAVA_TEXT_FAMILIES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 _LLAVA_DEFAULTS: dict[str, Any] = {
@@ -102,7 +104,9 @@ def is_vlm(hf: dict[str, Any]) -> bool:
 
 def flatten_vlm_config(hf: dict[str, Any]) -> dict[str, Any]:
     """A LLaVA config.json as the engine reads it (see the module docstring); any other
-    config, or one already flat, unchanged."""
+    config, or one already flat, unchanged (Qwen2.5-VL: ``engine.qwen_vl_config``)."""
+    if is_vlm(hf) and hf["architectures"][0] in QWEN_VL_ARCHITECTURES:
+        return hf if "text_model_type" in hf else flatten_qwen_vl(hf)
     if not is_vlm(hf) or "text_config" not in hf:
         return hf
     arch = hf["architectures"][0]
@@ -138,6 +142,8 @@ def text_family(hf: dict[str, Any]) -> str:
     """The ``XForCausalLM`` family of a flattened VLM config's language model."""
     if hf["architectures"][0] == GEMMA3_VLM:
         return "Gemma3ForCausalLM"
+    if hf["architectures"][0] in QWEN_VL_TEXT_FAMILIES:
+        return QWEN_VL_TEXT_FAMILIES[hf["architectures"][0]]
     return LLAVA_TEXT_FAMILIES[str(hf.get("text_model_type") or "llama")]
 
 

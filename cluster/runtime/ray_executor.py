@@ -15,18 +15,16 @@ Start-up calls wait up to ``LLM_CLUSTER_LOAD_TIMEOUT_S`` each, steps and control
 ``LLM_CLUSTER_STEP_TIMEOUT_S``; a worker that dies, raises or times out makes the executor dead
 (``EngineDeadError`` naming the rank, every later call raises). Every TP group is placed on
 one node (one bundle per pipeline stage; arithmetic in ``cluster.runtime.placement``), and a
-local Ray this module started may be restarted with more CPUs (``_LocalRay``).
+local Ray the engine started may be restarted with more CPUs (``cluster.runtime.local_ray``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 import uuid
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +40,13 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.runtime.load_progress import remove_executor_records
+from cluster.runtime.local_ray import (
+    LOCAL_RAY,
+    node_capacities,
+    node_names,
+    resolve_device,
+    worker_runtime_env,
+)
 from cluster.runtime.placement import (
     PlacementError,
     _describe_nodes,
@@ -75,7 +80,6 @@ from engine.worker.step_messages import (
 logger = logging.getLogger("llm_cluster.ray_executor")
 
 WORKER_NAME_PREFIX = "LLMWorker:"
-_PROJECT_PACKAGES = ("llm_kernels", "parallel", "engine", "cluster")
 _REMOVE_AGAIN_AFTER_S = 2.0
 # Worker calls bounded by the start-up timeout, with the phase each one belongs to.
 _STARTUP_CALLS = {
@@ -111,14 +115,14 @@ class RayExecutor(Executor):
     """
 
     def __init__(self, config: EngineConfig, observer: StartupObserver | None = None) -> None:
-        with _LOCAL_RAY.lock:
-            _LOCAL_RAY.ensure_fits(config)
-            device = _resolve_device(config)
+        with LOCAL_RAY.lock:
+            LOCAL_RAY.ensure_fits(config)
+            device = resolve_device(config)
             config = dataclasses.replace(
                 config, device=dataclasses.replace(config.device, device=device)
             )
             super().__init__(config, observer)
-            _LOCAL_RAY.executors.add(self)
+            LOCAL_RAY.executors.add(self)
         parallel = config.parallel
         self.world_size = parallel.world_size
         self.executor_id = uuid.uuid4().hex[:12]
@@ -200,7 +204,7 @@ class RayExecutor(Executor):
                 f"group per pipeline stage and data-parallel rank, {strategy}) could not be "
                 f"placed within "
                 f"{self._load_timeout_s:.0f} s (LLM_CLUSTER_LOAD_TIMEOUT_S); nodes: "
-                f"{_describe_nodes(_node_capacities(self._resource), self._resource)}; free in "
+                f"{_describe_nodes(node_capacities(self._resource), self._resource)}; free in "
                 f"the cluster: {ray.available_resources().get(self._resource, 0):g} "
                 f"{self._resource}"
             )
@@ -215,7 +219,7 @@ class RayExecutor(Executor):
         split."""
         bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
         slot_nodes = [bundle_nodes[bundle] for bundle in slots]
-        names = _node_names()
+        names = node_names()
         order = assign_ranks_by_node(slot_nodes, tp, names)
         stage_nodes = [names.get(slot_nodes[i], slot_nodes[i]) for i in order[::tp]]
         logger.info(
@@ -232,7 +236,7 @@ class RayExecutor(Executor):
         what is free: what others hold now may be released while the placement waits."""
         total = ray.cluster_resources().get(self._resource, 0)
         if total < self.world_size:
-            hint = _LOCAL_RAY.hint_if_started_here()
+            hint = LOCAL_RAY.hint_if_started_here()
             raise PlacementError(
                 f"placement group: tensor_parallel_size x pipeline_parallel_size x "
                 f"data_parallel_size = {self.world_size} workers need {self.world_size} "
@@ -241,7 +245,7 @@ class RayExecutor(Executor):
             )
         parallel = self.config.parallel
         check_nodes_can_host(
-            _node_capacities(self._resource),
+            node_capacities(self._resource),
             parallel.tensor_parallel_size,
             parallel.pipeline_parallel_size,
             self._resource,
@@ -255,7 +259,7 @@ class RayExecutor(Executor):
             resources: dict[str, float] = {"num_gpus": 1, "num_cpus": 0}
         else:
             resources = {"num_cpus": 1}
-        runtime_env = _worker_runtime_env()
+        runtime_env = worker_runtime_env()
         workers = []
         for rank, bundle in enumerate(bundles):
             strategy = PlacementGroupSchedulingStrategy(
@@ -475,141 +479,3 @@ class _RayStep(StepFuture):
             raise RuntimeError("StepFuture.result: this step's output was already taken")
         self._executor._raise_if_dead()  # an earlier step's failure killed the workers
         return self._executor._merge_replies(pending.replies())
-
-
-def _node_names() -> dict[str, str]:
-    """Node id -> ``node <ip> (<id prefix>)`` for the alive nodes."""
-    return {
-        node["NodeID"]: f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})"
-        for node in ray.nodes()
-        if node.get("Alive")
-    }
-
-
-def _node_capacities(resource: str) -> dict[str, float]:
-    """``node <ip> (<id prefix>)`` -> total units of ``resource``, for the alive nodes."""
-    return {
-        f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})": node["Resources"].get(
-            resource, 0.0
-        )
-        for node in ray.nodes()
-        if node.get("Alive")
-    }
-
-
-class _LocalRay:
-    """The local Ray this module started (by its session name; never one the user started
-    or joined) and the process's executors, which say whether it may be restarted.
-
-    A local Ray this module started (no ``RAY_ADDRESS``, no cluster on the machine) belongs to
-    the engine: when a later executor in the process needs more CPUs than it has and no
-    executor of the process is alive on it, it is shut down and started again with room
-    (logical CPUs are only scheduling tokens here). A Ray the user started or joined is never
-    restarted."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.session: str | None = None
-        self.executors: weakref.WeakSet[RayExecutor] = weakref.WeakSet()
-
-    def ensure_fits(self, config: EngineConfig) -> None:
-        """Connect to Ray for ``config``'s workers, restarting a Ray this module started when
-        it is too small for them and no executor of the process runs on it."""
-        world_size = config.parallel.world_size
-        if not ray.is_initialized():
-            self._join_or_start(world_size)
-        elif self._too_small_and_idle(config):
-            cpus = ray.cluster_resources().get("CPU", 0)
-            logger.info(
-                "restarting the local Ray this process started (%g CPU) for %d workers",
-                cpus,
-                world_size,
-            )
-            ray.shutdown()
-            self._start(world_size)
-
-    def started_here(self) -> bool:
-        return (
-            self.session is not None
-            and ray.is_initialized()
-            and ray.get_runtime_context().get_session_name() == self.session
-        )
-
-    def hint_if_started_here(self) -> str:
-        if not self.started_here():
-            return ""
-        return (
-            "; this process started that Ray itself and restarts it with room only while no "
-            "engine of the process runs on it (shut the others down first)"
-        )
-
-    def _too_small_and_idle(self, config: EngineConfig) -> bool:
-        if not self.started_here() or get_current_placement_group() is not None:
-            return False
-        if any(not executor.is_dead for executor in list(self.executors)):
-            return False
-        resources = ray.cluster_resources()
-        device = config.device.device
-        if device == "cuda" or (device == "auto" and resources.get("GPU", 0) >= 1):
-            return False  # GPUs are real: a restart adds none
-        return resources.get("CPU", 0) < config.parallel.world_size
-
-    def _join_or_start(self, world_size: int) -> None:
-        """Join the cluster ``RAY_ADDRESS`` or ``ray start`` made, or start a local one.
-        Job-level runtime_env, so that a checkout's packages also reach workers on other
-        nodes (per-actor py_modules cannot upload local dirs)."""
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(runtime_env=_job_runtime_env())
-            return
-        try:
-            ray.init(address="auto", runtime_env=_job_runtime_env())
-        except ConnectionError:  # no cluster on this machine: start one sized for the workers
-            self._start(world_size)
-
-    def _start(self, world_size: int) -> None:
-        """A local Ray with at least one logical CPU per worker (a laptop with fewer cores
-        than TP x PP workers still runs them, oversubscribed)."""
-        ray.init(runtime_env=_job_runtime_env(), num_cpus=max(os.cpu_count() or 1, world_size))
-        self.session = ray.get_runtime_context().get_session_name()
-
-
-_LOCAL_RAY = _LocalRay()
-
-
-def _resolve_device(config: EngineConfig) -> str:
-    """``auto`` means: GPUs if the workers' bundles (or else the cluster) have them. The head
-    may itself run on a CPU-only node, so its own ``torch.cuda`` says nothing."""
-    if config.device.device != "auto":
-        return config.device.device
-    current = get_current_placement_group()
-    if current is not None:
-        return "cuda" if any(b.get("GPU", 0) >= 1 for b in current.bundle_specs) else "cpu"
-    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
-
-
-def _checkout_root() -> Path | None:
-    """The source checkout the project runs from, or None when it is installed."""
-    root = Path(__file__).resolve().parents[2]
-    if "site-packages" in root.parts or not (root / "pyproject.toml").is_file():
-        return None
-    return root
-
-
-def _job_runtime_env() -> dict[str, Any] | None:
-    root = _checkout_root()
-    if root is None:
-        return None
-    return {
-        "py_modules": [str(root / name) for name in _PROJECT_PACKAGES],
-        "excludes": ["__pycache__", "*.pyc"],
-    }
-
-
-def _worker_runtime_env() -> dict[str, Any] | None:
-    """From a checkout, put it on the workers' import path (the head's nodes share the path;
-    other nodes get the packages from the job-level ``py_modules`` or an installed copy)."""
-    root = _checkout_root()
-    if root is None:
-        return None
-    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-    return {"env_vars": {"PYTHONPATH": path}}

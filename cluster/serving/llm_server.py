@@ -50,7 +50,7 @@ from engine.client.async_llm_engine import AsyncLLMEngine, EngineStats
 from engine.client.core_client import InProcessCoreClient
 from engine.config import EngineConfig
 from engine.core.data_parallel import build_engine
-from engine.core.llm_engine import load_tokenizer
+from engine.core.input_processor import load_tokenizer
 from engine.errors import (
     ConfigError,
     EngineDeadError,

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from engine.builtin.tiny_models import TINY_MODEL_NAMES, VERSION, make_tiny_model, materialize
 from engine.builtin.tiny_moe_models import TINY_MOE_MODEL_NAMES, materialize_tiny_moe
 from engine.builtin.tiny_pooling_models import TINY_POOLING_MODEL_NAMES, materialize_tiny_pooling
+from engine.builtin.tiny_qwen_vl_models import TINY_QWEN_VL_MODEL_NAMES, materialize_tiny_qwen_vl
 from engine.builtin.tiny_reasoning_models import (
     TINY_REASONING_MODEL_NAMES,
     materialize_tiny_reasoning,
@@ -31,6 +32,7 @@ BUILTIN_MODEL_NAMES: tuple[str, ...] = (
     + TINY_REASONING_MODEL_NAMES
     + TINY_POOLING_MODEL_NAMES
     + TINY_VLM_MODEL_NAMES
+    + TINY_QWEN_VL_MODEL_NAMES
 )
 
 
@@ -61,6 +63,8 @@ def _materialize_builtin(name: str) -> Path:
         return materialize_tiny_pooling(name)
     if name in TINY_VLM_MODEL_NAMES:
         return materialize_tiny_vlm(name)
+    if name in TINY_QWEN_VL_MODEL_NAMES:
+        return materialize_tiny_qwen_vl(name)
     if name in TINY_MODEL_NAMES:
         return materialize(f"{name}-v{VERSION}", lambda out: make_tiny_model(name, out, seed=0))
     raise ValueError(

@@ -26,7 +26,8 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.block_manager import KVCacheStats
-from engine.core.llm_engine import EngineCounters, EngineOutput, LLMEngine, PromptType
+from engine.core.engine_stats import EngineCounters
+from engine.core.llm_engine import EngineOutput, LLMEngine, PromptType
 from engine.core.request import Request
 from engine.errors import EngineDeadError, InvalidRequestError, check_request_id_unused
 from engine.lora_request import LoRARequest

@@ -14,13 +14,16 @@ says why), and their placeholder tokens expanded before any length is checked. W
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
+from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.multimodal.inputs import MultiModalFeature
+from engine.multimodal.mrope import MRopePositions, mrope_positions
 from engine.multimodal.processor import MultiModalProcessor
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -31,6 +34,22 @@ _POOLING_ROUTES = {
     "embed": "embeddings (/v1/embeddings, /score, /rerank)",
     "classify": "class scores (/classify, /score, /rerank)",
 }
+
+
+def load_tokenizer(config: EngineConfig) -> Any:
+    path = config.model.tokenizer or config.model.model_path
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+def eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
+    """EOS ids as HF ``generate`` uses them: generation_config.json's, else the tokenizer's."""
+    ids: set[int] = set()
+    if (Path(model_path) / "generation_config.json").exists():
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
 
 
 class InputProcessor:
@@ -73,6 +92,18 @@ class InputProcessor:
                 )
             return token_ids, self.multimodal.check_features(token_ids, features)
         return self.multimodal.process(token_ids, data)
+
+    def mrope_positions(
+        self, token_ids: list[int], features: list[MultiModalFeature]
+    ) -> MRopePositions | None:
+        """An M-RoPE model's (Qwen2.5-VL's) 3-D positions of the prompt (``engine.multimodal.
+        mrope``); None for other models and for a prompt without images (its positions are
+        the text positions on all three axes)."""
+        hf = self.config.model.hf_config
+        if "mrope_section" not in hf or not features:
+            return None
+        merge = int(hf["vision_config"]["spatial_merge_size"])
+        return mrope_positions(len(token_ids), features, merge)
 
     def check_cache_salt(self, cache_salt: str | None) -> None:
         # Checked here: the prefix-cache hash encodes it on the engine thread, mid-step.

@@ -25,9 +25,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine import hf_config
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -245,3 +248,57 @@ def request_block_capacity(layout: KVCacheLayout, block_size: int, max_model_len
     one sequence's largest step), or a max_model_len sequence's blocks without a full group."""
     full = [n for spec, n in zip(layout.specs, layout.num_blocks) if not spec.is_sliding]
     return min(full, default=-(-max_model_len // block_size))
+
+
+def config_layout(
+    config: EngineConfig,
+    num_blocks: int,
+    num_cpu_blocks: int,
+    group_block_bytes: Sequence[Sequence[int]],
+    *,
+    batches_in_flight: int,
+) -> KVCacheLayout:
+    """The engine's layout from the workers' all-layer block counts: ``plan_group_blocks`` for
+    a model with several groups; an explicit ``num_kv_blocks`` gives every group that many."""
+    specs = kv_cache_group_specs(config.model.hf_config, config.max_model_len)
+    if len(specs) == 1 or config.cache.num_kv_blocks is not None:
+        return KVCacheLayout.uniform(specs, num_blocks, num_cpu_blocks)
+    spec = config.speculative.speculative_config
+    k = spec.num_speculative_tokens if spec is not None else 0
+    lookahead = k if spec is not None and spec.method == "draft_model" else 0
+    return plan_group_blocks(
+        specs,
+        num_blocks,
+        num_cpu_blocks,
+        group_block_bytes,
+        block_size=config.cache.block_size,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        decode_tokens=1 + k + lookahead,
+        batches_in_flight=batches_in_flight,
+    )
+
+
+def describe_layout(
+    layout: KVCacheLayout,
+    group_block_bytes: Sequence[Sequence[int]],
+    block_size: int,
+    max_model_len: int,
+) -> list[str]:
+    """One line per group for the start-up log: blocks, tokens, bytes across workers, swap."""
+    lines = []
+    for g, (spec, n) in enumerate(zip(layout.specs, layout.num_blocks)):
+        block_bytes = sum(worker[g] for worker in group_block_bytes)
+        kind = (
+            "full attention"
+            if spec.sliding_window is None
+            else f"sliding window {spec.sliding_window}"
+        )
+        lines.append(
+            f"KV cache group {g} ({kind}): {n} blocks x {block_size} tokens = {n * block_size} "
+            f"tokens ({n * block_size / max_model_len:.1f}x max_model_len {max_model_len}), "
+            f"{n * block_bytes / (1 << 30):.2f} GiB across workers; swap space: "
+            f"{layout.num_cpu_blocks[g]} blocks"
+        )
+    return lines

@@ -6,16 +6,15 @@ A user request with ``n`` samples becomes n scheduler ``Request``s gathered back
 says how both map). Beam search runs outside the engine core, on top of it
 (``engine.client.beam_search``).
 
-Structured outputs: a sample with ``structured_outputs`` holds its own grammar matcher (see
-``engine.core.structured_output``); each step sends the next-token bitmask of the constrained
-samples that sample, and advances their matchers with the tokens they got.
-
 With batches in flight (pipelined PP, ``Executor.max_concurrent_batches`` > 1) a step sends
 batches until that many are out, then takes the oldest one's output (see ``engine.core.scheduler``).
 
-Checking and tokenizing a request before it is admitted is ``engine.core.input_processor``; the
-per-request output state and the outputs built from it, by ``output_kind``, are
-``engine.core.output_processor``.
+Its parts, each in its own module: checking and tokenizing a request before it is admitted
+(``engine.core.input_processor``); the per-request output state and the outputs built from it
+(``engine.core.output_processor``); what a step adds for structured outputs and speculative
+decoding (``engine.core.guided_steps``); the KV cache groups' pools
+(``engine.core.kv_cache_groups``); sleep mode (``engine.core.sleep_control``); counters and
+integrity checks (``engine.core.engine_stats``).
 """
 
 from __future__ import annotations
@@ -24,22 +23,31 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager, KVCacheStats
 from engine.core.detokenizer import IncrementalDetokenizer
-from engine.core.input_processor import InputProcessor, PromptType, sample_params
-from engine.core.kv_cache_groups import (
-    KVCacheLayout,
-    kv_cache_group_specs,
-    plan_group_blocks,
-    request_block_capacity,
+from engine.core.engine_stats import (
+    EngineCounters,
+    check_scheduler_integrity,
+    engine_counters,
+    scheduler_state_sizes,
 )
+from engine.core.guided_steps import (
+    add_grammar_bitmask,
+    advance_grammar,
+    observe_spec_decode,
+    propose,
+)
+from engine.core.input_processor import (
+    InputProcessor,
+    PromptType,
+    eos_token_ids,
+    load_tokenizer,
+    sample_params,
+)
+from engine.core.kv_cache_groups import config_layout, describe_layout, request_block_capacity
 from engine.core.output_processor import (
     PoolingState,
     RequestGroup,
@@ -53,12 +61,11 @@ from engine.core.output_processor import (
 )
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
-from engine.core.structured_output import StructuredOutputGrammar, StructuredOutputManager
+from engine.core.sleep_control import SleepControl
+from engine.core.structured_output import StructuredOutputManager
 from engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
-    EngineSleepingError,
-    EngineStateError,
     InvalidRequestError,
 )
 from engine.kv_transfer.connector import make_kv_scheduler
@@ -66,12 +73,10 @@ from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.grammar import grammar_proposals, spec_grammar_rows
 from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.ngram import NgramProposer
 from engine.timing import StepTimer
 from engine.worker.executor import Executor, StepFuture, get_executor_class
-from engine.worker.sleep_mode import WAKE_TAGS, check_sleep_level, check_wake_tags
 from engine.worker.step_messages import (
     ExecuteModelRequest,
     LogprobsLists,
@@ -89,23 +94,7 @@ _POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
 TRANSFER_POLL_S = 0.005
 
 
-def load_tokenizer(config: EngineConfig) -> Any:
-    path = config.model.tokenizer or config.model.model_path
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-
-
-def eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
-    """EOS ids as HF ``generate`` uses them: generation_config.json's, else the tokenizer's."""
-    ids: set[int] = set()
-    if (Path(model_path) / "generation_config.json").exists():
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if not ids and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
-class LLMEngine:
+class LLMEngine(SleepControl):
     """The head's per-step cycle: admit, schedule, execute, update, detokenize.
 
     A user request with ``n`` samples becomes n scheduler ``Request``s: sample 0 keeps the request
@@ -134,7 +123,14 @@ class LLMEngine:
         num_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
         if config.scheduler.preemption_mode != "swap":
             num_cpu_blocks = 0
-        layout = self._kv_cache_layout(num_blocks, num_cpu_blocks)
+        group_bytes = self.executor.collective_rpc("kv_group_block_bytes")
+        layout = config_layout(
+            config,
+            num_blocks,
+            num_cpu_blocks,
+            group_bytes,
+            batches_in_flight=self.executor.max_concurrent_batches,
+        )
         self.executor.initialize_cache(list(layout.num_blocks), list(layout.num_cpu_blocks))
         self.block_manager = BlockManager(
             layout,
@@ -182,62 +178,14 @@ class LLMEngine:
             # The workers' draft proposes; the proposer only trims its tokens to the room left.
             self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
         self.spec_decode_stats = SpecDecodeStats()
-        # Sleep mode: the level slept at (None: awake) and what is still asleep.
-        self._sleep_level: int | None = None
-        self._asleep: set[str] = set()
-        self._log_cache_size(layout)
+        for line in describe_layout(
+            layout, group_bytes, config.cache.block_size, config.max_model_len
+        ):
+            logger.info(line)
 
     @classmethod
     def from_engine_args(cls, **engine_args: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**engine_args))
-
-    def _kv_cache_layout(self, num_blocks: int, num_cpu_blocks: int) -> KVCacheLayout:
-        """Each KV cache group's pool from the workers' all-layer block count
-        (``engine.core.kv_cache_groups``); an explicit ``num_kv_blocks`` gives every group that
-        many, as before groups."""
-        config = self.config
-        specs = kv_cache_group_specs(config.model.hf_config, config.max_model_len)
-        if len(specs) == 1 or config.cache.num_kv_blocks is not None:
-            return KVCacheLayout.uniform(specs, num_blocks, num_cpu_blocks)
-        spec = config.speculative.speculative_config
-        k = spec.num_speculative_tokens if spec is not None else 0
-        lookahead = k if spec is not None and spec.method == "draft_model" else 0
-        return plan_group_blocks(
-            specs,
-            num_blocks,
-            num_cpu_blocks,
-            self.executor.collective_rpc("kv_group_block_bytes"),
-            block_size=config.cache.block_size,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            decode_tokens=1 + k + lookahead,
-            batches_in_flight=self.executor.max_concurrent_batches,
-        )
-
-    def _log_cache_size(self, layout: KVCacheLayout) -> None:
-        group_bytes = self.executor.collective_rpc("kv_group_block_bytes")
-        bs = self.config.cache.block_size
-        for g, (spec, n) in enumerate(zip(layout.specs, layout.num_blocks)):
-            block_bytes = sum(worker[g] for worker in group_bytes)
-            kind = (
-                "full attention"
-                if spec.sliding_window is None
-                else (f"sliding window {spec.sliding_window}")
-            )
-            logger.info(
-                "KV cache group %d (%s): %d blocks x %d tokens = %d tokens (%.1fx max_model_len "
-                "%d), %.2f GiB across workers; swap space: %d blocks",
-                g,
-                kind,
-                n,
-                bs,
-                n * bs,
-                n * bs / self.config.max_model_len,
-                self.config.max_model_len,
-                n * block_bytes / (1 << 30),
-                layout.num_cpu_blocks[g],
-            )
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -260,8 +208,7 @@ class LLMEngine:
         adapter is an ``InvalidRequestError`` naming the problem). ``EngineSleepingError``
         while the engine sleeps."""
         self._check_alive()
-        if self._sleep_level is not None:
-            raise EngineSleepingError(self._sleep_level)
+        self._check_awake()
         params = params or SamplingParams()
         if not isinstance(params, (SamplingParams, PoolingParams)):
             raise InvalidRequestError(
@@ -276,6 +223,7 @@ class LLMEngine:
         self.inputs.check_generates()
         text, token_ids = self.inputs.tokenize(prompt)
         token_ids, mm_features = self.inputs.process_multimodal(prompt, token_ids)
+        mrope = self.inputs.mrope_positions(token_ids, mm_features)
         max_tokens = self.inputs.check_lengths(token_ids, params)
         params = self.inputs.check_sampling(params, max_tokens)
         if params.structured_outputs is not None:
@@ -299,6 +247,7 @@ class LLMEngine:
                 index=i,
                 lora_request=lora_request,
                 mm_features=mm_features,
+                mrope=mrope,
             )
             for i, rid in enumerate(sample_ids)
         ]
@@ -521,7 +470,7 @@ class LLMEngine:
         if not (sched.total_num_scheduled_tokens or sched.finished_req_ids or sched.kv_saves):
             return None
         message = make_execute_model_request(sched)
-        self._add_grammar_bitmask(sched, message)
+        add_grammar_bitmask(sched, message, self._sample_of, self.structured_output)
         self._assign_lora_slots(sched, message)
         self.step_timer.lap("schedule")
         return sched, message
@@ -531,10 +480,13 @@ class LLMEngine:
         clock = self.step_timer
         failed = self._fail_lora_loads(output.lora_load_errors)
         if output.kv_load_failures:
-            self._void_failed_loads(sched, output)
+            # Stored KV blocks that did not all load (kv_transfer_config): what the step
+            # computed for those requests is void; they continue from the first block not loaded.
+            self.scheduler.void_failed_loads(sched, output.kv_load_failures)
+            output.drop_requests(output.kv_load_failures)
         texts = decode_logprob_tokens(self.tokenizer, output)
         record_prompt_logprobs(self._samples, output.prompt_logprobs, texts)
-        self._observe_spec_decode(sched, output)
+        observe_spec_decode(self.spec_decode_stats, sched, output)
         updated = self.scheduler.update_from_output(sched, output.req_ids, output.sampled_token_ids)
         pooled = [r for r in updated if r.is_pooling]
         updated = [r for r in updated if not r.is_pooling]
@@ -544,12 +496,12 @@ class LLMEngine:
         for request, num_new in self._new_tokens(updated, output):
             group, index = self._samples[request.request_id]
             sample = group.samples[index]
-            self._advance_grammar(sample, num_new)
+            advance_grammar(sample, num_new, self.scheduler)
             self._process(sample, num_new, logprobs.get(request.request_id), texts)
             if request.is_finished:
                 sample.grammar = None
             else:
-                self._propose(sample, output.draft_token_ids)
+                propose(self.proposer, sample, output.draft_token_ids)
             groups[group.request_id] = group
         outputs: list[EngineOutput] = failed
         for group in groups.values():
@@ -564,49 +516,6 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             self._flush_finished()
         return outputs
-
-    def _void_failed_loads(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
-        """Requests whose stored KV blocks did not all load (``kv_transfer_config``): what the
-        step computed for them is dropped, and they continue from the first block not loaded."""
-        failures = output.kv_load_failures
-        self.scheduler.void_failed_loads(sched, failures)
-        keep = [i for i, rid in enumerate(output.req_ids) if rid not in failures]
-        output.req_ids = [output.req_ids[i] for i in keep]
-        output.sampled_token_ids = [output.sampled_token_ids[i] for i in keep]
-        if output.logprobs is not None:
-            output.logprobs = [output.logprobs[i] for i in keep]
-        for rid in failures:
-            output.pooled.pop(rid, None)
-            output.prompt_logprobs.pop(rid, None)
-            output.draft_token_ids.pop(rid, None)
-
-    def _grammar_of(self, request_id: str) -> StructuredOutputGrammar | None:
-        entry = self._samples.get(request_id)
-        return entry[0].samples[entry[1]].grammar if entry is not None else None
-
-    def _observe_spec_decode(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
-        """Count each verification before stops trim the tokens: accepted = emitted - 1."""
-        if not sched.spec_token_ids:
-            return
-        for rid, tokens in zip(output.req_ids, output.sampled_token_ids):
-            spec = sched.spec_token_ids.get(rid)
-            if spec is not None and tokens:
-                self.spec_decode_stats.observe(len(spec), len(tokens) - 1)
-
-    def _propose(self, sample: SampleState, drafts: dict[str, list[int]]) -> None:
-        """Speculative decoding: the proposals the request's next step verifies (n-gram
-        lookup here, or the workers' draft model's), cut where a grammar (structured outputs)
-        rejects one."""
-        if self.proposer is None:
-            return
-        request = sample.request
-        if self.proposer.config.method == "draft_model":
-            proposals = drafts.get(request.request_id, [])[: self.proposer.room(request)]
-        else:
-            proposals = self.proposer.propose(request)
-        if sample.grammar is not None:
-            proposals = grammar_proposals(sample.grammar, proposals)
-        request.spec_token_ids = proposals
 
     def _fail_lora_loads(self, errors: dict[int, str]) -> list[EngineOutput]:
         """Adapters a worker could not load into their slots this step (their files removed or
@@ -629,48 +538,9 @@ class LLMEngine:
                 self.lora_slots.forget(lid)
         return self.abort_request(list(groups))
 
-    def _add_grammar_bitmask(self, sched: SchedulerOutput, message: ExecuteModelRequest) -> None:
-        """Next-token bitmask rows of the constrained samples that sample this step: those
-        whose scheduled tokens reach the end of their known tokens (mid-prompt chunks and
-        recomputed old tokens are not sampled, so they get no row)."""
-        req_ids, grammars = [], []
-        for rid, num in sched.num_scheduled_tokens.items():
-            entry = self._samples.get(rid)
-            if entry is None:
-                continue
-            sample = entry[0].samples[entry[1]]
-            request = sample.request
-            if sample.grammar is None or request.num_computed_tokens + num != request.num_tokens:
-                continue
-            if not sample.grammar.active:  # a reasoning model still reasoning: unconstrained
-                continue
-            req_ids.append(rid)
-            grammars.append(sample.grammar)
-        spec_ids, spec_rows = spec_grammar_rows(
-            sched.spec_token_ids, self._grammar_of, self.structured_output.vocab_size
-        )
-        if req_ids or spec_ids:
-            message.structured_output_req_ids = req_ids + spec_ids
-            plain = self.structured_output.grammar_bitmask(grammars) if grammars else b""
-            message.grammar_bitmask = plain + spec_rows
-
-    def _advance_grammar(self, sample: SampleState, num_new: int) -> None:
-        """Feed the sampled tokens to the sample's matcher. A complete grammar (its stop token
-        accepted) ends the request as stopped, even with ignore_eos. A rejected token (the
-        mask should make that impossible) also stops it, with a warning, rather than emit
-        output the grammar does not match."""
-        grammar, request = sample.grammar, sample.request
-        if grammar is None:
-            return
-        accepted = grammar.accept_tokens(request.output_token_ids[-num_new:])
-        if not accepted:
-            logger.warning(
-                "%s: the grammar rejected sampled token(s) %s; stopping the request",
-                request.request_id,
-                request.output_token_ids[-num_new:],
-            )
-        if (not accepted or grammar.is_terminated()) and not request.is_finished:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+    def _sample_of(self, request_id: str) -> SampleState | None:
+        entry = self._samples.get(request_id)
+        return entry[0].samples[entry[1]] if entry is not None else None
 
     @staticmethod
     def _new_tokens(updated: list[Request], output: ModelRunnerOutput) -> list[tuple[Request, int]]:
@@ -726,55 +596,6 @@ class LLMEngine:
         """Raise ``EngineDeadError`` if a worker is gone."""
         self.executor.check_health()
 
-    # ---- sleep mode (engine.worker.sleep_mode) -------------------------------------------
-
-    def sleep(self, level: int = 1) -> None:
-        """vLLM's sleep mode, idle only: level 1 frees the workers' KV cache (weights kept in
-        host memory), level 2 the weights too. Lost: the prefix cache; at level 2 the loaded
-        LoRA adapters too (they load again when next used). Requests are refused
-        (``EngineSleepingError``) until ``wake_up``."""
-        level = check_sleep_level(level)
-        if self._sleep_level is not None:
-            raise EngineSleepingError(self._sleep_level)
-        transfer = self.config.kv_transfer.kv_transfer_config
-        if transfer is not None and transfer.kv_connector == "NixlConnector":
-            # Its agents registered the KV cache's memory and handed it to decode engines.
-            raise EngineStateError("sleep: not with kv_connector NixlConnector")
-        self._flush_finished()
-        if self.has_unfinished_requests():
-            raise EngineStateError(
-                f"sleep: {self.get_num_unfinished_requests()} requests are unfinished; "
-                "an engine sleeps idle (let them finish or abort them first)"
-            )
-        self.executor.collective_rpc("sleep", (level,))
-        self.block_manager.reset_prefix_cache()
-        if level == 2 and self.lora_slots is not None:
-            self.lora_slots = LoRASlotTable(self.config.lora.max_loras)
-        self._sleep_level = level
-        self._asleep = set(WAKE_TAGS)
-        logger.info("engine asleep (level %d)", level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake what ``tags`` names (``weights``, ``kv_cache``; default both), the weights
-        first: a cache cannot wake before them. Awake again once both are."""
-        woken = [t for t in check_wake_tags(tags) if t in self._asleep]
-        if "kv_cache" in woken and "weights" in self._asleep and "weights" not in woken:
-            raise InvalidRequestError("the KV cache wakes after the weights (wake 'weights' first)",
-                                      "tags")  # fmt: skip
-        if woken:
-            self.executor.collective_rpc("wake_up", (woken,))
-        self._asleep.difference_update(woken)
-        if not self._asleep and self._sleep_level is not None:
-            self._sleep_level = None
-            logger.info("engine awake")
-
-    def is_sleeping(self) -> bool:
-        return self._sleep_level is not None
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (vLLM's name); False while a request holds blocks."""
-        return self.block_manager.reset_prefix_cache()
-
     # ---- introspection ------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
@@ -796,68 +617,28 @@ class LLMEngine:
 
     def counters(self) -> EngineCounters:
         """The scheduler's and prefix caches' numbers for metrics."""
-        sched, blocks, kv = self.scheduler, self.block_manager, self.scheduler.kv_transfer
-        return EngineCounters(
-            num_running=len(sched.running),
-            num_waiting=sched.num_waiting,
-            num_preemptions=sched.num_preemptions,
-            prefix_cache_queries=blocks.prefix_queries,
-            prefix_cache_hits=blocks.prefix_hits,
-            external_prefix_cache_queries=kv.queried_tokens if kv is not None else 0,
-            external_prefix_cache_hits=kv.hit_tokens if kv is not None else 0,
-        )
+        return engine_counters(self.scheduler, self.block_manager)
 
     def request_state_sizes(self) -> dict[str, int]:
         """How many entries each per-request table of the head holds (all 0 once idle): a
         leak check for soak tests and operators."""
-        sched, blocks = self.scheduler, self.block_manager
         return {
             "groups": len(self._groups),
             "samples": len(self._samples),
             "pooling_requests": len(self._pooling),
-            "scheduler_requests": len(sched.requests),
-            "pending_forks": len(sched.pending_forks),
-            "finished_not_flushed": len(sched._finished_req_ids),
-            "requests_in_flight": len(sched.in_flight),
             "batches_in_flight": len(self._batches),
-            "kv_requests_held_for_transfer": (
-                sched.kv_transfer.num_held if sched.kv_transfer is not None else 0
-            ),
-            **blocks.table_sizes(),
             "grammar_matchers": sum(
                 s.grammar is not None for g in self._groups.values() for s in g.samples
             ),
+            **scheduler_state_sizes(self.scheduler),
         }
 
     def check_integrity(self) -> None:
         """Block manager invariants, plus: every live request is in exactly one queue."""
-        self.block_manager.check_integrity()
-        sched = self.scheduler
-        queued = list(sched.waiting) + sched.running + sched.swapped
-        queued += [r for forks in sched.pending_forks.values() for r in forks]
-        if sorted(r.request_id for r in queued) != sorted(sched.requests):
-            raise RuntimeError("scheduler queues disagree with the set of live requests")
-        for request in sched.running:
-            if request.num_computed_tokens > request.num_tokens:
-                raise RuntimeError(f"{request}: more tokens computed than known")
+        check_scheduler_integrity(self.scheduler)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-@dataclass(frozen=True)
-class EngineCounters:
-    """Requests running and waiting now; preemptions and prefix-cache lookups and hits (in
-    tokens) since the engine started: the device cache's, and the KV store's
-    (``kv_transfer_config``: tokens looked up there after the device's hits, and loaded)."""
-
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    external_prefix_cache_queries: int = 0
-    external_prefix_cache_hits: int = 0

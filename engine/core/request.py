@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.lora import LoRARequest
     from engine.multimodal.inputs import MultiModalFeature
+    from engine.multimodal.mrope import MRopePositions
 
 
 class RequestStatus(enum.Enum):
@@ -66,6 +67,7 @@ class Request:
         skip_prefix_cache: bool = False,
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
+        mrope: MRopePositions | None = None,
     ) -> None:
         self.request_id = request_id
         # Parallel sampling: the user's request id and this sample's index among its n.
@@ -80,6 +82,8 @@ class Request:
         # A VLM prompt's images: their placeholder ranges, hashes and pixels (sent to the
         # workers once, with the request's first scheduled chunk).
         self.mm_features = mm_features or []
+        # An M-RoPE model's 3-D prompt positions (engine.multimodal.mrope), sent with it.
+        self.mrope = mrope
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.max_tokens = max_tokens

@@ -662,6 +662,7 @@ def make_execute_model_request(out: SchedulerOutput) -> ExecuteModelRequest:
                 pooling_params=request.pooling_params,
                 lora_int_id=request.lora_int_id,
                 mm_features=request.mm_features,
+                mrope=request.mrope,
             )
         )
         request.num_tokens_sent = request.num_tokens

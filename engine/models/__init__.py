@@ -19,7 +19,9 @@ from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.pooling_heads import with_head
+from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 if TYPE_CHECKING:
@@ -40,8 +42,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
 }
 
 

@@ -5,10 +5,11 @@
     {"type": "image_pil", "image_pil": PIL.Image}                              (vLLM's)
 
 A message whose content holds an image part becomes one string: its parts in order, joined
-by newlines, each image part replaced by the model's placeholder (``<image>``; Gemma 3's
-``<start_of_image>``), so any chat template renders it; the images come back in prompt
-order. Other messages are left as they are (a template may read text parts itself). Fetching
-http(s) URLs belongs to the API edge (``cluster.api.media``), never to the engine.
+by newlines, each image part replaced by the model's placeholder (``<image>``; Qwen2.5-VL's
+``<|vision_start|><|image_pad|><|vision_end|>``; Gemma 3's ``<start_of_image>``), so any chat
+template renders it; the images come back in prompt order. Other messages are left as they
+are (a template may read text parts itself). Fetching http(s) URLs belongs to
+the API edge (``cluster.api.media``), never to the engine.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ def image_placeholder(hf: dict[str, Any], tokenizer: Any) -> str | None:
     """The text of one image placeholder in the model's prompts (None: a text-only model)."""
     if not is_vlm(hf):
         return None
-    return str(tokenizer.convert_ids_to_tokens(placeholder_token_id(hf)))
+    image = str(tokenizer.convert_ids_to_tokens(placeholder_token_id(hf)))
+    if "vision_start_token_id" in hf:  # Qwen2.5-VL: <|vision_start|><|image_pad|><|vision_end|>
+        start, end = tokenizer.convert_ids_to_tokens(
+            [int(hf["vision_start_token_id"]), int(hf["vision_end_token_id"])]
+        )
+        return f"{start}{image}{end}"
+    return image
 
 
 def split_content_parts(

@@ -5,7 +5,8 @@ content (prefix-cache key and encoder-cache key) and its preprocessed pixels.
 
     prompt:   ... <s> USER : [img img img ... img] \\n What ...
                                ^ offset   length ^
-    pixels:   float32 [C, H, W] as raw bytes (msgpack carries bytes as they are)
+    pixels:   float32 [C, H, W] as raw bytes (msgpack carries bytes as they are); Qwen2.5-VL:
+              [patches, C * temporal_patch * patch * patch] and the patch grid (t, h, w)
 
 Where a chunk may end when an image must be computed whole (``disable_chunked_mm_input``):
 ``stop_before_split_image`` (the scheduler's cut) and ``whole_image_prefix`` (a cache hit's).
@@ -28,6 +29,9 @@ class MultiModalFeature(msgspec.Struct, kw_only=True, frozen=True):
     length: int
     pixel_values: bytes
     shape: tuple[int, ...]
+    # Qwen2.5-VL: the image's (t, h, w) patch grid (its pixels are the patches, flattened, so
+    # the shape alone does not give it); () for models whose pixels are an image.
+    grid_thw: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -61,10 +65,15 @@ def whole_image_prefix(features: list[MultiModalFeature], num_tokens: int, block
         end = min(inside) - min(inside) % block_size
 
 
-def image_feature(pixels: np.ndarray, offset: int, length: int) -> MultiModalFeature:
-    """The record of one preprocessed image (``[C, H, W]``) placed at ``offset``."""
+def image_feature(
+    pixels: np.ndarray, offset: int, length: int, grid_thw: tuple[int, ...] = ()
+) -> MultiModalFeature:
+    """The record of one preprocessed image (``[C, H, W]``, or Qwen2.5-VL's flattened patches
+    of ``grid_thw``) placed at ``offset``."""
     data = np.ascontiguousarray(pixels, dtype=np.float32)
     digest = hashlib.sha256(repr(data.shape).encode())
+    if grid_thw:
+        digest.update(repr(tuple(grid_thw)).encode())
     digest.update(data.tobytes())
     return MultiModalFeature(
         modality="image",
@@ -73,4 +82,5 @@ def image_feature(pixels: np.ndarray, offset: int, length: int) -> MultiModalFea
         length=length,
         pixel_values=data.tobytes(),
         shape=tuple(data.shape),
+        grid_thw=tuple(int(g) for g in grid_thw),
     )

@@ -1,5 +1,5 @@
 """Images of a prompt -> the model's placeholder tokens and preprocessed pixels, as HF's
-``LlavaProcessor`` / ``Gemma3Processor`` make them.
+``LlavaProcessor`` / ``Qwen2_5_VLProcessor`` / ``Gemma3Processor`` make them.
 
 It runs on the CPU before the request is admitted (the head's ``engine.core.input_processor``,
 or a served model's front, ``cluster.serving.request_inputs``, whose pixels and expanded ids
@@ -10,7 +10,8 @@ their step loop).
 The image processor is the checkpoint's own (``preprocessor_config.json`` through
 transformers' ``AutoImageProcessor``; without torchvision its PIL implementation). Each
 ``<image>`` placeholder becomes as many image tokens as the model makes embeddings for that
-image (``engine.vlm_config.image_feature_size``); an expanded prompt is kept. Gemma 3's
+image (``engine.vlm_config.image_feature_size``; Qwen2.5-VL: its merged patch grid,
+``engine.qwen_vl_config.image_token_count``); an expanded prompt is kept. Gemma 3's
 ``<start_of_image>`` becomes ``"\\n\\n" <start_of_image> <image_soft_token> x
 mm_tokens_per_image <end_of_image> "\\n\\n"``, the newlines encoded with the prompt text
 around them as HF's tokenizer encodes the expanded text; the image's span is its soft tokens.
@@ -28,6 +29,7 @@ from transformers import AutoImageProcessor, AutoTokenizer
 
 from engine.errors import ConfigError, InvalidRequestError
 from engine.multimodal.inputs import MultiModalFeature, image_feature
+from engine.qwen_vl_config import QWEN_VL_ARCHITECTURES, image_token_count
 from engine.vlm_config import GEMMA3_VLM, image_feature_size, placeholder_token_id
 
 logger = logging.getLogger("llm_cluster.multimodal")
@@ -71,10 +73,30 @@ class MultiModalProcessor:
         if not images:
             self._check_no_placeholders(token_ids)
             return token_ids, []
-        pixels = self._preprocess(images)
-        sizes = [image_feature_size(self.hf, p.shape[-2], p.shape[-1]) for p in pixels]
+        pixels, grids = self._preprocess(images)
+        sizes = [self.num_tokens(p.shape, g) for p, g in zip(pixels, grids)]
         token_ids, offsets = self._expand(token_ids, sizes)
-        return token_ids, [image_feature(p, o, n) for p, o, n in zip(pixels, offsets, sizes)]
+        return token_ids, [
+            image_feature(p, o, n, g) for p, o, n, g in zip(pixels, offsets, sizes, grids)
+        ]
+
+    def num_tokens(self, shape: tuple[int, ...], grid_thw: tuple[int, ...]) -> int:
+        """Image tokens of preprocessed pixels of ``shape`` (and patch grid); -1 for pixels
+        this model's processor does not make."""
+        if self.hf["architectures"][0] in QWEN_VL_ARCHITECTURES:
+            vision = self.hf["vision_config"]
+            patch = (
+                vision["in_channels"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+            )
+            if len(grid_thw) != 3 or tuple(shape) != (int(np.prod(grid_thw)), patch):
+                return -1
+            merge = vision["spatial_merge_size"]
+            if grid_thw[1] % merge or grid_thw[2] % merge:
+                return -1
+            return image_token_count(self.hf, grid_thw)
+        if len(shape) != 3 or grid_thw:
+            return -1
+        return image_feature_size(self.hf, shape[-2], shape[-1])
 
     def check_features(self, token_ids: list[int], features: Any) -> list[MultiModalFeature]:
         """Features a front preprocessed (``process`` on another host), checked against the
@@ -93,7 +115,7 @@ class MultiModalProcessor:
             )
         token, end = self.image_token_id, 0
         for i, f in enumerate(features):
-            size = image_feature_size(self.hf, *f.shape[-2:]) if len(f.shape) == 3 else -1
+            size = self.num_tokens(f.shape, f.grid_thw)
             whole = len(f.pixel_values) == 4 * int(np.prod(f.shape))
             placed = f.offset >= end and token_ids[f.offset : f.end] == [token] * f.length
             if f.modality != "image" or f.length != size or not whole or not placed:
@@ -138,14 +160,23 @@ class MultiModalProcessor:
             )
         return images
 
-    def _preprocess(self, images: list[Image.Image]) -> list[np.ndarray]:
+    def _preprocess(
+        self, images: list[Image.Image]
+    ) -> tuple[list[np.ndarray], list[tuple[int, ...]]]:
+        """Each image's pixels and patch grid (``()`` unless the processor makes one)."""
         try:
             out = self.image_processor(images=images, return_tensors="np")
         except (ValueError, OSError, TypeError) as exc:
             raise InvalidRequestError(
                 f"the image processor cannot read it: {exc}", param="multi_modal_data.image"
             ) from exc
-        return [np.asarray(p, dtype=np.float32) for p in out["pixel_values"]]
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        if "image_grid_thw" not in out:
+            return list(pixels), [()] * len(pixels)
+        # Qwen2-VL's processor: all images' patches in one array, split by each one's grid.
+        grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"]]
+        ends = np.cumsum([int(np.prod(g)) for g in grids])[:-1]
+        return list(np.split(pixels, ends)), grids
 
     def _check_no_placeholders(self, token_ids: list[int]) -> None:
         count = token_ids.count(self.image_token_id)

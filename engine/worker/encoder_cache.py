@@ -18,7 +18,8 @@ import torch
 
 from engine.multimodal.inputs import MultiModalFeature
 
-Encoder = Callable[[torch.Tensor], torch.Tensor]
+# (pixels [N, ...]) or (pixels, grid_thw=(t, h, w)) -> embeddings [N, tokens, hidden].
+Encoder = Callable[..., torch.Tensor]
 
 
 class EncoderCache:
@@ -83,13 +84,14 @@ class EncoderCache:
         todo = {f.mm_hash: f for f in features if f.mm_hash not in self._outputs}
         if not todo:
             return
-        # Images of one shape in one batch (a tower takes one size; LLaVA's are all equal).
-        by_shape: dict[tuple[int, ...], list[MultiModalFeature]] = {}
+        # Images of one shape (and patch grid) in one batch (a tower takes one size; LLaVA's
+        # are all equal; Qwen2.5-VL's encoder takes the grid too).
+        by_shape: dict[tuple[tuple[int, ...], tuple[int, ...]], list[MultiModalFeature]] = {}
         for feature in todo.values():
-            by_shape.setdefault(feature.shape, []).append(feature)
-        for group in by_shape.values():
-            pixels = torch.from_numpy(np.stack([f.pixels() for f in group]))
-            out = encode(pixels.to(self.device, dtype))
+            by_shape.setdefault((feature.shape, feature.grid_thw), []).append(feature)
+        for (_, grid), group in by_shape.items():
+            pixels = torch.from_numpy(np.stack([f.pixels() for f in group])).to(self.device, dtype)
+            out = encode(pixels, grid_thw=grid) if grid else encode(pixels)
             for feature, embeds in zip(group, out):
                 if embeds.shape[0] != feature.length:
                     raise RuntimeError(

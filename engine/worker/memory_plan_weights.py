@@ -17,6 +17,7 @@ from typing import Any
 from engine import hf_config
 from engine.errors import ConfigError
 from engine.quantization.config import keeps_mxfp4_experts
+from engine.qwen_vl_config import QWEN_VL_ARCHITECTURES, vision_tower_params
 from engine.rope_config import (
     freeze_rope_params,
     rope_head_dim,
@@ -56,6 +57,12 @@ FAMILIES: dict[str, Family] = {
     ),
     "MistralForCausalLM": Family(False, False, False, False, 2, False),
     "Qwen2ForCausalLM": Family(True, False, False, False, 2, False),
+    # The Qwen2 decoder; its vision tower is vision_tower_bytes'.
+    "Qwen2_5_VLForConditionalGeneration": Family(True, False, False, False, 2, False),
+    # The Qwen3 decoder; its vision tower (deepstack mergers too) is vision_tower_bytes'.
+    "Qwen3VLForConditionalGeneration": Family(
+        "attention_bias", "attention_bias", False, True, 2, False
+    ),
     "Qwen3ForCausalLM": Family("attention_bias", "attention_bias", False, True, 2, False),
     "Gemma2ForCausalLM": Family("attention_bias", "attention_bias", False, False, 4, True),
     "Gemma3ForCausalLM": Family("attention_bias", "attention_bias", False, True, 4, True),
@@ -285,8 +292,11 @@ def stage_weight_bytes(
 
 def vision_tower_bytes(hf: Mapping[str, Any], dtype_bytes: int) -> int:
     """A LLaVA's CLIP tower up to ``vision_feature_layer`` and its projector
-    (``engine.models.clip``, ``engine.models.llava``), or Gemma 3's SigLIP tower and projector
-    (``engine.models.siglip``, ``engine.models.gemma3_mm``), whole on every rank of stage 0."""
+    (``engine.models.clip``, ``engine.models.llava``), Qwen2.5-VL's tower, or Gemma 3's SigLIP
+    tower and projector (``engine.models.siglip``, ``engine.models.gemma3_mm``), whole on every
+    rank of stage 0."""
+    if hf["architectures"][0] in QWEN_VL_ARCHITECTURES:
+        return vision_tower_params(dict(hf)) * dtype_bytes
     vision = hf["vision_config"]
     d, inter, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
     layer = 4 * (d * d + d) + 2 * 2 * d + (d * inter + inter) + (inter * d + d)

@@ -51,6 +51,7 @@ from engine.worker.step_inputs import (
     StepInputs,
     block_tables,
     grammar_bitmask_rows,
+    mrope_positions_of,
     pooling_rows,
     prompt_logprobs_rows,
 )
@@ -136,6 +137,8 @@ class ModelRunner:
         self._proposals: dict[str, list[int]] = {}
         # A vision-language model's image embeddings, encoded once per image and request.
         self.encoder_cache = EncoderCache(device) if hasattr(model, "embed_multimodal") else None
+        # Qwen2.5-VL: the rotary reads 3-D positions (StepInputs.mrope_positions).
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         # Data parallelism: the MoE layers' experts that exchange tokens across the DP ranks.
         self._exchanging_experts = [
             m for m in model.modules() if isinstance(m, ParallelExperts) and m.exchanges_tokens
@@ -253,6 +256,8 @@ class ModelRunner:
             self.graph_runner = None
 
     def cuda_graphs_disabled_reason(self) -> str | None:
+        if self.uses_mrope:
+            return "M-RoPE (Qwen2.5-VL): decode positions are per request, not the graphs' 1-D ones"
         return cuda_graphs_disabled_reason(
             device_type=self.device.type,
             kernel_backend=self.model.kernel_ops.name,
@@ -290,6 +295,7 @@ class ModelRunner:
                 eos_token_ids=tuple(new.eos_token_ids),
                 pooling_params=new.pooling_params,
                 lora_int_id=new.lora_int_id,
+                mrope=new.mrope,
             )
             if new.mm_features:
                 if self.encoder_cache is None:
@@ -393,6 +399,11 @@ class ModelRunner:
             if mm_rows is not None and getattr(self.model, "whole_image_attention", False)
             else None
         )  # fmt: skip
+        mrope = (
+            mrope_positions_of(states, starts, seq_lens, cu, positions, self.device)
+            if self.uses_mrope
+            else None
+        )
         metadata = build_group_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens.astype(np.int32),
@@ -423,6 +434,7 @@ class ModelRunner:
             sampling_metadata=sampling_metadata,
             mm_rows=mm_rows,
             mm_embeds=mm_embeds,
+            mrope_positions=mrope,
         )
 
     @torch.inference_mode()
@@ -457,13 +469,18 @@ class ModelRunner:
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        positions = inputs.positions if inputs.mrope_positions is None else inputs.mrope_positions
         if inputs.mm_embeds is None:
-            return self.model(inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual)
+            return self.model(inputs.input_ids, positions, inputs.metadata, hidden, residual)
         # A VLM's chunk that holds image tokens: their rows take the image's embeddings.
         embeds = self.model.embed_input_ids(inputs.input_ids)
-        embeds[inputs.mm_rows] = inputs.mm_embeds.to(embeds.dtype)
+        width = embeds.shape[-1]
+        embeds[inputs.mm_rows] = inputs.mm_embeds[:, :width].to(embeds.dtype)
+        extra = {}
+        if inputs.mm_embeds.shape[-1] > width:  # Qwen3-VL: the rest is deepstack features
+            extra["deepstack"] = (inputs.mm_rows, inputs.mm_embeds[:, width:])
         return self.model(
-            inputs.input_ids, inputs.positions, inputs.metadata, hidden, residual, embeds
+            inputs.input_ids, positions, inputs.metadata, hidden, residual, embeds, **extra
         )
 
     @torch.inference_mode()
@@ -630,7 +647,8 @@ class ModelRunner:
             )
             clock.lap("receive")  # waiting for the previous stage: not this stage's work
         graphs = self.graph_runner
-        if graphs is not None and inputs.mm_embeds is None and graphs.can_run(inputs.metadata):
+        plain = inputs.mm_embeds is None and inputs.mrope_positions is None
+        if graphs is not None and plain and graphs.can_run(inputs.metadata):
             # This stage's layers in one replay; every TP rank of the stage got the same
             # request, so all replay the same bucket's graph (its all-reduces match).
             hidden, residual = graphs.run(

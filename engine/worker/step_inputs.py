@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from engine.core.structured_output import unpack_bitmask
+from engine.multimodal.mrope import MRopePositions
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.worker.sampler import SamplingMetadata
@@ -36,6 +37,8 @@ class CachedRequestState:
     pooled_sum: torch.Tensor | None = None
     num_pooled: int = 0
     lora_int_id: int = 0
+    # An M-RoPE model's 3-D prompt positions (None: text positions on all three axes).
+    mrope: MRopePositions | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -72,6 +75,9 @@ class StepInputs:
     # that replace those rows' token embeddings (engine.worker.encoder_cache).
     mm_rows: torch.Tensor | None = None
     mm_embeds: torch.Tensor | None = None
+    # An M-RoPE model's positions ``[3, num_tokens]`` (t, h, w), which its rotary reads in
+    # place of ``positions`` (those stay the KV-cache positions).
+    mrope_positions: torch.Tensor | None = None
 
 
 def block_tables(states: list[CachedRequestState], num_groups: int) -> list[np.ndarray]:
@@ -145,3 +151,21 @@ def pooling_rows(
         elif finishes:
             rows.append((state.req_id, end - 1, np.array([cu[i + 1] - 1]), True))
     return rows
+
+
+def mrope_positions_of(
+    states: list[CachedRequestState],
+    starts: np.ndarray,
+    ends: np.ndarray,
+    cu: np.ndarray,
+    positions: np.ndarray,
+    device: torch.device,
+) -> torch.Tensor:
+    """An M-RoPE model's ``[3, num_tokens]`` positions: each chunk's slice of its request's
+    3-D positions (``engine.multimodal.mrope``), the text position on all three axes for a
+    request without images."""
+    out = np.repeat(positions[None].astype(np.int64), 3, axis=0)
+    for i, state in enumerate(states):
+        if state.mrope is not None:
+            out[:, cu[i] : cu[i + 1]] = state.mrope.for_range(int(starts[i]), int(ends[i]))
+    return torch.from_numpy(out).to(device)

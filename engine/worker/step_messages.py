@@ -8,11 +8,13 @@ structs with an explicit msgpack codec: nothing here is ever pickled.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
 from engine.multimodal.inputs import MultiModalFeature
+from engine.multimodal.mrope import MRopePositions
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -43,6 +45,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     # A VLM prompt's images (placeholder ranges, hashes, pixels): sent this once; the workers
     # encode each when a chunk first reaches its placeholders and keep the output.
     mm_features: list[MultiModalFeature] = []
+    # An M-RoPE model's (Qwen2.5-VL's) 3-D prompt positions; None: the text positions.
+    mrope: MRopePositions | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -137,6 +141,19 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # how many of its blocks, from the first, it loaded. This step's work for the request is
     # void (the head recomputes from there). Any rank may report it, like lora_load_errors.
     kv_load_failures: dict[str, int] = {}
+
+    def drop_requests(self, req_ids: Iterable[str]) -> None:
+        """Remove everything this output holds for ``req_ids`` (their step is void)."""
+        gone = set(req_ids)
+        keep = [i for i, rid in enumerate(self.req_ids) if rid not in gone]
+        self.req_ids = [self.req_ids[i] for i in keep]
+        self.sampled_token_ids = [self.sampled_token_ids[i] for i in keep]
+        if self.logprobs is not None:
+            self.logprobs = [self.logprobs[i] for i in keep]
+        for rid in gone:
+            self.pooled.pop(rid, None)
+            self.prompt_logprobs.pop(rid, None)
+            self.draft_token_ids.pop(rid, None)
 
 
 class DataParallelStep(msgspec.Struct, kw_only=True):

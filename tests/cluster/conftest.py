@@ -10,6 +10,7 @@ module-owned one is gone and nothing stops it before the session ends."""
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -103,13 +104,29 @@ class ServeCluster:
     http_port: int
     grpc_port: int
 
-    def deploy(self, config: dict[str, Any], name: str, route_prefix: str) -> str:
-        """Deploy a config as application ``name``; returns its OpenAI base URL."""
+    def deploy(
+        self,
+        config: dict[str, Any],
+        name: str,
+        route_prefix: str,
+        api_keys: str | None = None,
+    ) -> str:
+        """Deploy a config as application ``name``; returns its OpenAI base URL. ``api_keys``
+        (comma-separated): the config's ``api_keys`` reads them from an environment variable
+        set only while it deploys (the keys are hashed then)."""
         from ray import serve
 
         from cluster.serving.serve import build_app
 
-        serve.run(build_app({**config, "app_name": name}), name=name, route_prefix=route_prefix)
+        config = {**config, "app_name": name}
+        env = f"{name.upper().replace('-', '_')}_TEST_API_KEYS"
+        if api_keys is not None:
+            config["api_keys"] = {"env": env}
+            os.environ[env] = api_keys
+        try:
+            serve.run(build_app(config), name=name, route_prefix=route_prefix)
+        finally:
+            os.environ.pop(env, None)
         prefix = "" if route_prefix == "/" else route_prefix
         return f"http://127.0.0.1:{self.http_port}{prefix}"
 

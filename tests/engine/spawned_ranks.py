@@ -107,6 +107,7 @@ def greedy_steps(
     idle_after: int = 0,
     group: Any = None,
     mm_features: list[list[Any]] | None = None,
+    mrope: list[Any] | None = None,
 ) -> list[list[int]]:
     """Prefill every prompt, then ``steps`` decode steps; the tokens each request got. The
     driver rank (the last stage's first) samples and tells the others, as the head would
@@ -114,7 +115,8 @@ def greedy_steps(
     data-parallel rank's TP group) when given. ``idle_before`` / ``idle_after``: steps with
     nothing scheduled before the prefill and after the last decode step (a data-parallel core
     without requests still steps with the others). ``mm_features``: each prompt's images
-    (``MultiModalFeature``s, as the head's input processing makes them)."""
+    (``MultiModalFeature``s, as the head's input processing makes them); ``mrope``: each
+    prompt's M-RoPE positions (``MRopePositions`` or None)."""
     import torch.distributed as dist
 
     from engine.worker.step_messages import (
@@ -139,6 +141,7 @@ def greedy_steps(
                 block_ids=_block_table(worker, i, blocks_per_request),
                 num_computed_tokens=0,
                 mm_features=mm_features[i] if mm_features else [],
+                mrope=mrope[i] if mrope else None,
             )
             for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True))
         ],

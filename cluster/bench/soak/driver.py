@@ -84,7 +84,7 @@ async def _report_progress(
 
 
 def _range(text: str) -> tuple[int, int]:
-    from cluster.bench.throughput import _range as parse
+    from cluster.bench.workload import token_range as parse
 
     return parse(text)
 

@@ -20,14 +20,8 @@ from cluster.api.forced_tool_calls import (
     parse_required_tool_calls,
     required_tools_schema,
 )
-from cluster.api.tool_parsers import (
-    TOOL_PARSERS,
-    Delta,
-    ParsedToolCalls,
-    ToolCallStreamer,
-    fold_deltas,
-    get_tool_parser,
-)
+from cluster.api.tool_calls import Delta, ParsedToolCalls, ToolCallStreamer, fold_deltas
+from cluster.api.tool_parsers import TOOL_PARSERS, get_tool_parser
 from engine.builtin import tiny_models
 
 HERMES_TEXTS = {

@@ -47,6 +47,7 @@ def error_of(data: dict[str, Any]) -> str:
         "gpt-oss-120b.yaml",
         "retrieval.yaml",
         "tiny-retrieval.yaml",
+        "tiny-qwen2.5-vl.yaml",
     ],
 )
 def test_shipped_configs_validate(name: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import pytest
 from PIL import Image
 
 from cluster.api.replica_messages import GenerateRequest, StreamDelta
@@ -18,6 +19,8 @@ from cluster.serving.llm_server import LLMServer
 from engine import LLM, SamplingParams
 
 LLAVA_ARGS = {"model": "builtin:tiny-llava", "num_kv_blocks": 64, "device": "cpu"}
+QWEN_VL_ARGS = {"model": "builtin:tiny-qwen2.5-vl", "num_kv_blocks": 64, "device": "cpu"}
+QWEN3_VL_ARGS = {"model": "builtin:tiny-qwen3-vl", "num_kv_blocks": 64, "device": "cpu"}
 PARAMS = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
 
 
@@ -47,14 +50,16 @@ def _collect(server: LLMServer, request: dict[str, Any]) -> list[dict[str, Any]]
     return asyncio.run(run())
 
 
-def test_chat_image_part_reaches_the_engine_as_offline() -> None:
-    server = LLMServer("tiny-llava", LLAVA_ARGS)
+@pytest.mark.parametrize(
+    "args", [LLAVA_ARGS, QWEN_VL_ARGS, QWEN3_VL_ARGS], ids=["llava", "qwen2.5-vl", "qwen3-vl"]
+)
+def test_chat_image_part_reaches_the_engine_as_offline(args: dict[str, Any]) -> None:
+    # Qwen2.5-VL: the patch grid travels in the feature, the head computes the M-RoPE positions.
+    server = LLMServer(args["model"].removeprefix("builtin:"), args)
     try:
         url = _data_url(0)
         items = _collect(server, {"messages": _messages(url), "params": PARAMS})
-        offline = LLM(**LLAVA_ARGS).chat(_messages(url), SamplingParams(**PARAMS), use_tqdm=False)[
-            0
-        ]
+        offline = LLM(**args).chat(_messages(url), SamplingParams(**PARAMS), use_tqdm=False)[0]
         assert items[0]["type"] == "start"
         assert items[0]["prompt_tokens"] == len(offline.prompt_token_ids)
         tokens = [t for i in items[1:] for c in i["choices"] for t in c["token_ids"]]

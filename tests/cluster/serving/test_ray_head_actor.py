@@ -21,7 +21,7 @@ from engine.builtin.catalog import resolve_model_source
 from engine.client.async_llm_engine import AsyncLLMEngine, StreamOutput
 from engine.client.core_messages import StepOutputs
 from engine.config import EngineConfig
-from engine.core.llm_engine import load_tokenizer
+from engine.core.input_processor import load_tokenizer
 from engine.pooling_params import PoolingParams
 from tests.cluster.conftest import wait_for
 

@@ -68,15 +68,19 @@ def base_url(
             "prefill_timeout_s": PREFILL_TIMEOUT_S,
         },
     }
-    # The prefill pool at TP 2, the decode pool at TP 1: blocks re-sharded by KV head.
-    resharded = copy.deepcopy(disaggregated)
-    resharded["model_loading_config"]["model_id"] = PD_TP2
-    resharded["disaggregation"]["prefill"] = {
-        **pool, "engine_kwargs": {"tensor_parallel_size": 2}}  # fmt: skip
-    models = [colocated, disaggregated, resharded]
-    url = serve_cluster.deploy({**config, "models": models}, APP, f"/{APP}")
-    yield url
+    models = [colocated, disaggregated, with_prefill_tp2(disaggregated, PD_TP2)]
+    yield serve_cluster.deploy({**config, "models": models}, APP, f"/{APP}")
     serve.delete(APP)
+
+
+def with_prefill_tp2(disaggregated: dict[str, Any], model_id: str) -> dict[str, Any]:
+    """The same disaggregated model named ``model_id``, its prefill pool at TP 2 (the decode
+    pool stays at TP 1: blocks re-sharded by KV head)."""
+    resharded = copy.deepcopy(disaggregated)
+    resharded["model_loading_config"]["model_id"] = model_id
+    prefill = resharded["disaggregation"]["prefill"]
+    prefill["engine_kwargs"] = {**prefill.get("engine_kwargs", {}), "tensor_parallel_size": 2}
+    return resharded
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +147,15 @@ def test_disaggregated_tokens_equal_colocated(client: OpenAI) -> None:
 
 def test_a_prefill_pool_at_tp2_feeds_a_decode_pool_at_tp1(client: OpenAI) -> None:
     before = store_hits(PD_TP2)
-    for i, topic in enumerate(TOPICS[:2]):
-        got = chat(client, PD_TP2, f"{topic}, twice", stream=i == 1)
-        assert got == chat(client, COLOCATED, f"{topic}, twice")
+    assert_chats_match_colocated(client, PD_TP2, TOPICS[:2])
     assert store_hits(PD_TP2) - before >= 2 * 3 * 16
+
+
+def assert_chats_match_colocated(client: OpenAI, model: str, topics: list[str]) -> None:
+    """A chat per topic (the second streamed) to ``model`` gives the colocated model's tokens."""
+    for i, topic in enumerate(topics):
+        got = chat(client, model, f"{topic}, twice", stream=i == 1)
+        assert got == chat(client, COLOCATED, f"{topic}, twice")
 
 
 def test_prefill_replica_killed_and_timed_out_prefills_still_complete(

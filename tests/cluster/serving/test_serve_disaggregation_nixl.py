@@ -9,7 +9,6 @@ prefix-cache hits), and the prefill pool holds no block once they were read."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +17,12 @@ from openai import OpenAI
 
 from cluster.serving.serve import deployment_name
 from tests.cluster.conftest import ServeCluster, load_yaml, wait_for
-from tests.cluster.serving.test_serve_disaggregation import chat, completion
+from tests.cluster.serving.test_serve_disaggregation import (
+    assert_chats_match_colocated,
+    chat,
+    completion,
+    with_prefill_tp2,
+)
 
 APP = "disagg-nixl"
 COLOCATED, PD, PD_TP2 = "colocated", "pd-nixl", "pd-nixl-tp2"
@@ -43,13 +47,8 @@ def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
     }  # fmt: skip
     # The prefill pool at TP 2, the decode pool at TP 1: each decode worker reads each KV head
     # from the prefill rank holding it.
-    resharded = copy.deepcopy(disaggregated)
-    resharded["model_loading_config"]["model_id"] = PD_TP2
-    resharded["disaggregation"]["prefill"] = {
-        **pool, "engine_kwargs": {"tensor_parallel_size": 2}}  # fmt: skip
-    models = [colocated, disaggregated, resharded]
-    url = serve_cluster.deploy({**config, "models": models}, APP, f"/{APP}")
-    yield url
+    models = [colocated, disaggregated, with_prefill_tp2(disaggregated, PD_TP2)]
+    yield serve_cluster.deploy({**config, "models": models}, APP, f"/{APP}")
     serve.delete(APP)
 
 
@@ -90,9 +89,7 @@ def test_nixl_disaggregated_tokens_equal_colocated(client: OpenAI) -> None:
 
 def test_a_nixl_prefill_pool_at_tp2_feeds_a_decode_pool_at_tp1(client: OpenAI) -> None:
     before = read_tokens(PD_TP2)
-    for i, topic in enumerate(TOPICS[:2]):
-        got = chat(client, PD_TP2, f"{topic}, twice", stream=i == 1)
-        assert got == chat(client, COLOCATED, f"{topic}, twice")
+    assert_chats_match_colocated(client, PD_TP2, TOPICS[:2])
     assert read_tokens(PD_TP2) - before >= 2 * 4 * 16
     wait_for(lambda: idle(PD_TP2, "prefill"), 30, "prefill to release its blocks")
 

@@ -16,7 +16,6 @@ configs/tiny.yaml on a local Ray, behind an API key and a route prefix, with the
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,23 +37,17 @@ from tests.cluster.serving.test_serve_reasoning import (
     _raw,
     _split,
 )
+from tests.cluster.serving.test_serve_responses import WEATHER_PARAMETERS
 
 APP = "messages"
 MODEL = "tiny-llama"
 KEY = "sk-messages-test"
 AUTH = {"x-api-key": KEY}
 GREEDY = {"extra_body": {"temperature": 0}}
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]},
-                   "unit": {"type": "string", "enum": ["c", "f"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}  # fmt: skip
 WEATHER = {"name": "get_weather", "description": "Weather in a city",
-           "input_schema": WEATHER_SCHEMA}  # fmt: skip
+           "input_schema": WEATHER_PARAMETERS}  # fmt: skip
 CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather",
-                "description": "Weather in a city", "parameters": WEATHER_SCHEMA}}  # fmt: skip
+                "description": "Weather in a city", "parameters": WEATHER_PARAMETERS}}  # fmt: skip
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
 
 pytestmark = pytest.mark.slow
@@ -72,13 +65,7 @@ def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
                           "num_kv_blocks": 64, "reasoning_parser": "qwen3"},
         "deployment_config": {"num_replicas": 1},
     })  # fmt: skip
-    config["api_keys"] = {"env": "MESSAGES_TEST_API_KEYS"}
-    os.environ["MESSAGES_TEST_API_KEYS"] = KEY
-    try:
-        url = serve_cluster.deploy(config, APP, f"/{APP}")
-    finally:
-        del os.environ["MESSAGES_TEST_API_KEYS"]
-    yield url
+    yield serve_cluster.deploy(config, APP, f"/{APP}", api_keys=KEY)
     serve.delete(APP)
 
 
@@ -188,7 +175,7 @@ def test_a_named_tool_is_a_tool_use_block_with_parsed_input(client: Anthropic) -
     (call,) = message.content
     assert call.type == "tool_use" and call.name == "get_weather"
     assert call.id.startswith("toolu_") and message.stop_reason == "tool_use"
-    jsonschema.validate(call.input, WEATHER_SCHEMA)
+    jsonschema.validate(call.input, WEATHER_PARAMETERS)
 
 
 def test_tool_choice_any_streams_input_json_deltas(client: Anthropic) -> None:
@@ -206,7 +193,7 @@ def test_tool_choice_any_streams_input_json_deltas(client: Anthropic) -> None:
     assert call.type == "tool_use" and call.name == "get_weather"
     assert final.stop_reason == "tool_use"
     assert json.loads("".join(deltas)) == call.input
-    jsonschema.validate(call.input, WEATHER_SCHEMA)
+    jsonschema.validate(call.input, WEATHER_PARAMETERS)
 
 
 def test_tool_use_and_tool_result_sent_back_render_as_chat_tool_messages(

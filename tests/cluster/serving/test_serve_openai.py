@@ -36,18 +36,12 @@ def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
     from ray import serve
 
     config = load_yaml("tiny.yaml")
-    config["api_keys"] = {"env": "LLM_CLUSTER_TEST_KEYS"}
     queued = {**config["models"][0], "model_loading_config": {
         "model_id": QUEUED, "model_source": "builtin:tiny-llama"}}  # fmt: skip
     queued["engine_kwargs"] = {**queued["engine_kwargs"], "num_kv_blocks": 128,
                                "max_num_seqs": 1, "max_waiting_requests": 1}  # fmt: skip
     config["models"] = [config["models"][0], queued]
-    os.environ["LLM_CLUSTER_TEST_KEYS"] = f"sk-other,{KEY}"
-    try:
-        url = serve_cluster.deploy(config, APP, "/")
-    finally:
-        del os.environ["LLM_CLUSTER_TEST_KEYS"]
-    yield url
+    yield serve_cluster.deploy(config, APP, "/", api_keys=f"sk-other,{KEY}")
     serve.delete(APP)
 
 

@@ -7,7 +7,6 @@ to sleep; ``/metrics`` counts sleeps and wakes; ``cluster sleep`` / ``cluster wa
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -43,14 +42,8 @@ def base_url(serve_cluster: ServeCluster) -> Iterator[str]:
             model["sleep_config"]["sleep_after_idle_s"] = IDLE_S
         models.append(model)
     config = {**load_yaml("tiny.yaml"), "models": models,
-              "sleep_mode": {"max_awake_models": 2},
-              "api_keys": {"env": "SLEEP_TEST_API_KEYS"}}  # fmt: skip
-    os.environ["SLEEP_TEST_API_KEYS"] = KEY
-    try:
-        url = serve_cluster.deploy(config, APP, f"/{APP}")
-    finally:
-        del os.environ["SLEEP_TEST_API_KEYS"]
-    yield url
+              "sleep_mode": {"max_awake_models": 2}}  # fmt: skip
+    yield serve_cluster.deploy(config, APP, f"/{APP}", api_keys=KEY)
     serve.delete(APP)
 
 

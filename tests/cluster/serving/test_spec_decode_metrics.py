@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from cluster.bench import throughput
+from cluster.bench.workload import make_workload
 from cluster.serving.metrics import ModelMetrics
 from engine import SamplingParams
 from engine.client.core_loop import EngineCoreLoop
@@ -64,7 +65,7 @@ def test_bench_throughput_reports_acceptance(capsys: pytest.CaptureFixture[str])
         speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                             "prompt_lookup_min": 1, "prompt_lookup_max": 2},
     )  # fmt: skip
-    wl = throughput.make_workload(8, (16, 32), (16, 32), 1024, 0)
+    wl = make_workload(8, (16, 32), (16, 32), 1024, 0)
     _, profile = throughput._timed_generate(llm, wl)
     spec = profile["spec_decode"]
     # Counted over the timed run only (the warm-up's were reset).

@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 from engine.builtin.tiny_vlm_models import make_tiny_gemma3_vision
 from engine.errors import ConfigError
 from engine.multimodal.inputs import image_feature, stop_before_split_image, whole_image_prefix
-from tests.engine.models.vlm_helpers import (
+from tests.engine.vlm_checks import (
     Reference,
     assert_released,
     encoder_stats,

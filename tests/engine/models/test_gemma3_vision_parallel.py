@@ -5,7 +5,7 @@ equal TP = 1's (the offline engine), which equal HF's (test_gemma3_vision)."""
 
 from __future__ import annotations
 
-from tests.engine.models.vlm_helpers import assert_tp2_equals_tp1, image
+from tests.engine.vlm_checks import assert_tp2_equals_tp1, image
 
 PROMPTS = [
     "USER: <start_of_image>\nWhat is it? ASSISTANT:",

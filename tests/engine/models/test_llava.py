@@ -18,14 +18,14 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.builtin.tiny_vlm_models import make_tiny_llava
-from tests.engine.models.vlm_helpers import (
+from tests.engine.vlm_checks import (
     Reference,
     assert_released,
     encoder_stats,
     features,
     image,
 )
-from tests.engine.models.vlm_helpers import generate as generate_with
+from tests.engine.vlm_checks import generate as generate_with
 
 MAX_TOKENS = 24
 TOKENS_PER_IMAGE = 36  # (48 / 8)^2 patches; the class token is dropped

@@ -3,7 +3,7 @@ language model sharded; greedy tokens equal TP = 1's (the offline engine)."""
 
 from __future__ import annotations
 
-from tests.engine.models.vlm_helpers import assert_tp2_equals_tp1, image
+from tests.engine.vlm_checks import assert_tp2_equals_tp1, image
 
 PROMPTS = ["USER: <image>\nWhat is it? ASSISTANT:", "USER: <image> or <image>? ASSISTANT:"]
 

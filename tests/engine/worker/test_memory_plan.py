@@ -327,6 +327,18 @@ def test_llava_counts_its_vision_tower_on_every_rank_as_a_meta_build(tmp_path: P
     assert plan.problems == ()
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_qwen_vl_counts_its_vision_tower_on_every_rank_as_a_meta_build(
+    tmp_path: Path, name: str
+) -> None:
+    # The tower with its merger(s) (Qwen3-VL: deepstack mergers and position table too),
+    # replicated on both TP ranks.
+    hf = flatten_vlm_config(builtin_config(name))
+    check_against_meta_builds(tmp_path, hf, {"tensor_parallel_size": 2})
+    plan = plan_memory(builtin_config(name), PlanSettings(), H100_BYTES)
+    assert plan.problems == ()
+
+
 def test_gemma3_vision_counts_its_tower_on_every_rank_as_a_meta_build(tmp_path: Path) -> None:
     # SigLIP (no class token, post_layernorm) and Gemma 3's projector, on both TP ranks.
     hf = flatten_vlm_config(builtin_config("tiny-gemma3-vision"))

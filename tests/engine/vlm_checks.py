@@ -1,7 +1,7 @@
-"""What the vision-language model tests share: seeded random images, HF's greedy reference
-(model + processor on the same images), the engine's greedy tokens, the workers' encoder-cache
-counters, the check that a finished run released every block and encoder output, and one
-TP rank's greedy tokens for a spawned TP group."""
+"""Helpers the vision-language model tests share: seeded random images, HF's greedy reference
+(model + processor on the same images), the engine's greedy tokens, the workers' encoder cache
+counters, the check that a finished run released every block, request state and encoder
+output, and TP = 2 against TP = 1 with spawned ranks driving their workers."""
 
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def generate(
 
 
 def features(llm: LLM, prompt: dict[str, Any]) -> list[Any]:
+    """The ``MultiModalFeature``s the engine's input processing makes of ``prompt``."""
     ids = llm.get_tokenizer().encode(prompt["prompt"])
     return llm.llm_engine.inputs.process_multimodal(prompt, ids)[1]
 

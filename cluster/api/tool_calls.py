@@ -1,0 +1,371 @@
+"""The pieces every tool-call parser is built from (``cluster.api.tool_parsers``) and that the
+forced calls reuse (``cluster.api.forced_tool_calls``): the parsed call types, the
+``ToolParser`` / ``ToolCallStreamer`` interfaces, the OpenAI ``delta`` dicts a streamer emits
+(:data:`Delta`, gathered by ``Deltas``; ``fold_deltas`` puts them back together), and a
+streaming scanner of one ``{"name": ..., "arguments": ...}`` object (``CallStream``) whose
+argument fragments concatenate to the ``arguments`` the whole text gives.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+Delta = dict[str, Any]
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+WHITESPACE = " \t\n\r"
+# Characters that may continue a JSON number or literal (true, false, null); anything else ends it.
+_SCALAR_CHARS = frozenset("0123456789+-.eE" + string.ascii_letters)
+_ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+def make_tool_call_id() -> str:
+    """An OpenAI-style tool call id: ``call_`` and 24 random letters and digits."""
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str
+    id: str = field(default_factory=make_tool_call_id)
+
+    def to_openai(self) -> dict[str, Any]:
+        """The entry of an OpenAI chat message's ``tool_calls`` list."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
+class ParsedToolCalls:
+    """A generated message split into its content (None when empty) and its tool calls."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+
+    @property
+    def tools_called(self) -> bool:
+        """Whether the API should answer with ``finish_reason: "tool_calls"``."""
+        return bool(self.tool_calls)
+
+
+class ToolCallStreamer(ABC):
+    """Per-choice state of a streamed message: text deltas in, OpenAI ``delta`` dicts out."""
+
+    @abstractmethod
+    def feed(self, text: str) -> list[Delta]:
+        """Consume the next piece of generated text; return the deltas it decides (maybe none)."""
+
+    @abstractmethod
+    def finish(self) -> list[Delta]:
+        """The generation ended: flush whatever was held back."""
+
+    @property
+    @abstractmethod
+    def tools_called(self) -> bool:
+        """Whether any tool call has been announced so far."""
+
+
+class ToolParser(ABC):
+    """Reads one model family's tool-call format, for one request: ``string_parameters`` are
+    the (function, parameter) pairs its tools declare ``"type": "string"`` (a format that
+    writes argument values as bare text reads the others as JSON)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, string_parameters: frozenset[tuple[str, str]] = frozenset()) -> None:
+        self.string_parameters = string_parameters
+
+    @abstractmethod
+    def parse(self, text: str) -> ParsedToolCalls:
+        """Split a whole generated message into content and tool calls."""
+
+    @abstractmethod
+    def streamer(self) -> ToolCallStreamer:
+        """A fresh streamer for one choice of one request."""
+
+
+def fold_deltas(deltas: Iterable[Delta]) -> ParsedToolCalls:
+    """The message a client assembles from streamed deltas, as :meth:`ToolParser.parse` gives it."""
+    content: list[str] = []
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        content.append(delta.get("content") or "")
+        for entry in delta.get("tool_calls", ()):
+            if "id" in entry:
+                calls[entry["index"]] = [entry["id"], entry["function"]["name"], ""]
+            calls[entry["index"]][2] += entry["function"]["arguments"]
+    tool_calls = [ToolCall(name, arguments, call_id) for call_id, name, arguments in calls.values()]
+    return ParsedToolCalls("".join(content) or None, tool_calls)
+
+
+def fold_stream(streamer: ToolCallStreamer, text: str) -> ParsedToolCalls:
+    """The split a streamer gives ``text`` fed whole: a parser defined by its stream."""
+    return fold_deltas(streamer.feed(text) + streamer.finish())
+
+
+class Deltas:
+    """Deltas of one feed; consecutive content, or arguments of one call, merge into one."""
+
+    def __init__(self) -> None:
+        self.items: list[Delta] = []
+
+    def content(self, text: str) -> None:
+        if not text:
+            return
+        if self.items and "content" in self.items[-1]:
+            self.items[-1]["content"] += text
+        else:
+            self.items.append({"content": text})
+
+    def reasoning(self, text: str) -> None:
+        """A reasoning model's reasoning, in the order it came (harmony's analysis channel)."""
+        if not text:
+            return
+        if self.items and "reasoning_content" in self.items[-1]:
+            self.items[-1]["reasoning_content"] += text
+        else:
+            self.items.append({"reasoning_content": text})
+
+    def header(self, index: int, call_id: str, name: str) -> None:
+        function = {"name": name, "arguments": ""}
+        entry = {"index": index, "id": call_id, "type": "function", "function": function}
+        self.items.append({"tool_calls": [entry]})
+
+    def arguments(self, index: int, fragment: str) -> None:
+        if not fragment:
+            return
+        last = self.items[-1]["tool_calls"][0] if self.items else None
+        if last is not None and last["index"] == index and "id" not in last:
+            last["function"]["arguments"] += fragment
+        else:
+            self.items.append(
+                {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
+            )
+
+
+class JsonNesting:
+    """JSON bracket depth and string state, across characters fed one at a time."""
+
+    __slots__ = ("depth", "escaped", "in_string")
+
+    def __init__(self, in_string: bool = False) -> None:
+        self.depth = 0
+        self.in_string = in_string
+        self.escaped = False
+
+    def step(self, ch: str) -> None:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+        elif ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+
+
+class _CallScanner:
+    """Reads one call object, ``{"name": "f", "arguments": {...}}``, a character at a time.
+
+    Only what the calls need is checked: the object's keys, that the first ``name`` is a string
+    and that the first ``arguments``/``parameters`` is an object or a string (kept as raw text
+    while it arrives). Any other value is skipped by bracket depth; whole-text parsers leave full
+    validation to ``json.loads``. A character the object cannot take is refused, not consumed.
+    """
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.arguments_kind: str | None = None  # "object" or "string", once its value starts
+        self.arguments_text = ""  # raw text of an object value, so far
+        self.arguments_string: str | None = None  # a string value, decoded once it closes
+        self.done = False
+        self.error = False
+        self._state = "start"
+        self._key: str | None = None
+        self._target = "other"  # what the current value is: "name", "arguments" or "other"
+        self._raw = ""  # raw text of the current key or string value
+        self._nesting = JsonNesting()
+
+    @property
+    def arguments(self) -> str:
+        if self.arguments_kind == "object":
+            return self.arguments_text
+        if self.arguments_string is not None:
+            return self.arguments_string
+        return "{}"
+
+    def feed(self, text: str) -> int:
+        """Consume ``text`` up to the end of the object or a refused character; return how many
+        characters were consumed."""
+        for i, ch in enumerate(text):
+            if self.done or self.error or not self._step(ch):
+                return i
+        return len(text)
+
+    def _step(self, ch: str) -> bool:
+        state = self._state
+        if state in ("container", "string"):
+            return self._step_value(ch)
+        if state == "scalar":
+            if ch in _SCALAR_CHARS:
+                return True
+            self._state = "after_value"
+            return self._step(ch)
+        if state == "key":
+            return self._step_key(ch)
+        if ch in WHITESPACE:
+            return True
+        if state == "start" and ch == "{":
+            self._state = "first_key"
+        elif state in ("first_key", "key_expected") and ch == '"':
+            self._state, self._raw, self._nesting = "key", "", JsonNesting(in_string=True)
+        elif state in ("first_key", "after_value") and ch == "}":
+            return self._close()
+        elif state == "colon" and ch == ":":
+            self._state = "value"
+        elif state == "after_value" and ch == ",":
+            self._state = "key_expected"
+        elif state == "value":
+            return self._start_value(ch)
+        else:
+            return self._refuse()
+        return True
+
+    def _step_key(self, ch: str) -> bool:
+        self._nesting.step(ch)
+        if self._nesting.in_string:
+            self._raw += ch
+            return True
+        try:
+            self._key = json.loads('"' + self._raw + '"')
+        except ValueError:
+            return self._refuse()
+        self._state = "colon"
+        return True
+
+    def _start_value(self, ch: str) -> bool:
+        if self._key == "name" and self.name is None:
+            self._target = "name"
+        elif self._key in _ARGUMENT_KEYS and self.arguments_kind is None:
+            self._target = "arguments"
+        else:
+            self._target = "other"
+        if ch == '"':
+            self._state, self._raw, self._nesting = "string", "", JsonNesting(in_string=True)
+            if self._target == "arguments":
+                self.arguments_kind = "string"
+            return True
+        if (ch == "{" and self._target != "name") or (ch == "[" and self._target == "other"):
+            self._state, self._nesting = "container", JsonNesting()
+            if self._target == "arguments":
+                self.arguments_kind = "object"
+            return self._step_value(ch)
+        if ch in _SCALAR_CHARS and self._target == "other":
+            self._state = "scalar"
+            return True
+        return self._refuse()
+
+    def _step_value(self, ch: str) -> bool:
+        self._nesting.step(ch)
+        if self._state == "container":
+            if self._target == "arguments":
+                self.arguments_text += ch
+            if self._nesting.depth == 0:
+                self._state = "after_value"
+            return True
+        if self._nesting.in_string:
+            self._raw += ch
+            return True
+        self._state = "after_value"
+        if self._target == "other":
+            return True
+        try:
+            value = json.loads('"' + self._raw + '"')
+        except ValueError:
+            return self._refuse()
+        if self._target == "name":
+            self.name = value
+        else:
+            self.arguments_string = value
+        return True
+
+    def _close(self) -> bool:
+        if self.name is None:
+            return self._refuse()
+        self.done = True
+        return True
+
+    def _refuse(self) -> bool:
+        self.error = True
+        return False
+
+
+class CallStream:
+    """One call's deltas: its header once it is sure to be a call, then its arguments."""
+
+    def __init__(self, index: int, eager_header: bool = False) -> None:
+        self.index = index
+        self.id = make_tool_call_id()
+        self.scanner = _CallScanner()
+        self.header_sent = False
+        # The header waits for the first character of the arguments (or the object's end), so
+        # that an object with a name but no usable arguments can still fall back to content.
+        # A schema-constrained output cannot go wrong there: its header goes with its name.
+        self._eager_header = eager_header
+        self._sent = 0
+        self._closed = False
+
+    def feed(self, text: str, out: Deltas) -> int:
+        consumed = self.scanner.feed(text)
+        scanner = self.scanner
+        if not self.header_sent:
+            known = scanner.arguments_kind is not None or scanner.done or self._eager_header
+            if scanner.error or scanner.name is None or not known:
+                return consumed
+            out.header(self.index, self.id, scanner.name)
+            self.header_sent = True
+        if scanner.arguments_kind == "object":
+            out.arguments(self.index, scanner.arguments_text[self._sent :])
+            self._sent = len(scanner.arguments_text)
+        elif not self._closed and (scanner.arguments_string is not None or scanner.done):
+            out.arguments(self.index, scanner.arguments)
+            self._closed = True
+        return consumed
+
+
+def call_from_json(text: str) -> ToolCall | None:
+    """The call that ``text``, one JSON object, states; None when it is malformed."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    scanner = _CallScanner()
+    consumed = scanner.feed(text)
+    if not scanner.done or text[consumed:].strip(WHITESPACE):
+        return None
+    return ToolCall(scanner.name or "", scanner.arguments)
+
+
+def held_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
