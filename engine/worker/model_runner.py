@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import EngineConfig
@@ -35,17 +34,17 @@ from engine.core.kv_cache_groups import (
 from engine.core.structured_output import apply_grammar_bitmask
 from engine.kv_transfer.connector import WorkerKVConnector, make_worker_kv_transfer
 from engine.lora import WorkerLoRAManager
-from engine.pooling_params import PoolingParams
 from engine.spec_decode.draft import DraftModel
 from engine.spec_decode.verify import spec_grammar_rows_of, verify_requests
 from engine.timing import StepTimer, device_synchronizer
+from engine.worker import step_outputs
 from engine.worker.cuda_graphs import (
     DecodeBucketRunner,
     DecodeCudaGraphRunner,
     cuda_graphs_disabled_reason,
 )
 from engine.worker.encoder_cache import EncoderCache
-from engine.worker.sampler import LogprobsTensors, SamplingMetadata, gather_logprobs, sample
+from engine.worker.sampler import sample
 from engine.worker.step_inputs import (
     CachedRequestState,
     StepInputs,
@@ -59,7 +58,6 @@ from engine.worker.step_messages import (
     ExecuteModelRequest,
     LogprobsLists,
     ModelRunnerOutput,
-    PromptLogprobs,
 )
 from llm_kernels.attention_metadata import build_group_metadata
 from llm_kernels.kv_quant import kv_cache_torch_dtype
@@ -389,7 +387,11 @@ class ModelRunner:
         spec_req_ids = [states[i].req_id for i in verified]
         spec_grammar_rows, spec_grammar_bitmask = spec_grammar_rows_of(req, spec_req_ids)
         sampling_metadata = (
-            self._sampling_metadata(sampled_req_ids) if self.is_driver and sampled_req_ids else None
+            step_outputs.sampling_metadata(
+                [self.requests[r] for r in sampled_req_ids], self.vocab_size, self.device
+            )
+            if self.is_driver and sampled_req_ids
+            else None
         )
         mm_rows, mm_embeds = self._image_embeddings(states, starts, seq_lens, cu)
         # Gemma 3: each image's tokens attend to each other both ways (whole in this chunk).
@@ -490,7 +492,13 @@ class ModelRunner:
         if self.model.lm_head is None:  # a pooling model: its requests sample nothing
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        prompt_logprobs = (
+            step_outputs.prompt_logprobs(
+                self.model, self.requests, inputs.prompt_logprobs_rows, hidden, self.vocab_size
+            )
+            if inputs.prompt_logprobs_rows
+            else {}
+        )
         self.step_timer.lap("lm_head")
         if logits is None:
             return None
@@ -514,11 +522,13 @@ class ModelRunner:
             apply_grammar_bitmask(logits, inputs.grammar_bitmask, inputs.grammar_rows)
         meta = inputs.sampling_metadata
         if meta is None:
-            meta = self._sampling_metadata(inputs.sampled_req_ids)
+            meta = step_outputs.sampling_metadata(
+                [self.requests[r] for r in inputs.sampled_req_ids], self.vocab_size, self.device
+            )
         out = sample(logits, meta)
         logprobs = None
         if out.logprobs is not None and meta.num_logprobs is not None:
-            logprobs = _split_logprobs(out.logprobs, meta.num_logprobs)
+            logprobs = step_outputs.split_logprobs(out.logprobs, meta.num_logprobs)
         if verified_logprobs is not None:
             logprobs = (logprobs or [None] * num_plain) + verified_logprobs
         elif logprobs is not None and verified:
@@ -545,62 +555,6 @@ class ModelRunner:
             inputs.spec_grammar_rows,
             self.vocab_size,
         )
-
-    def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
-        states = [self.requests[rid] for rid in req_ids]
-        params = [s.sampling_params for s in states]
-        needs_history = any(
-            p.has_penalties or p.bad_words_token_ids or p.min_tokens for p in params
-        )
-        return SamplingMetadata.build(
-            params,
-            [s.generator for s in states],
-            self.vocab_size,
-            self.device,
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states]
-            if needs_history
-            else None,
-            output_token_ids=[s.output_token_ids for s in states] if needs_history else None,
-            eos_token_ids=[s.eos_token_ids for s in states],
-        )
-
-    def _prompt_logprobs(
-        self, inputs: StepInputs, hidden: torch.Tensor
-    ) -> dict[str, PromptLogprobs]:
-        """Raw logprobs of the prompt tokens this step's chunks score (every TP rank joins the
-        logits gather; only rank 0 gets a result)."""
-        if not inputs.prompt_logprobs_rows:
-            return {}
-        rows = np.concatenate([r for _, _, r in inputs.prompt_logprobs_rows])
-        logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
-        if logits is None:
-            return {}
-        targets, ks = [], []
-        for rid, first, req_rows in inputs.prompt_logprobs_rows:
-            state = self.requests[rid]
-            targets.extend(state.token_ids[first : first + len(req_rows)])
-            ks.append(state.sampling_params.prompt_logprobs or 0)
-        raw = logits.to(torch.float32).log_softmax(dim=-1)
-        chosen = torch.tensor(targets, dtype=torch.int64, device=self.device)
-        tensors = gather_logprobs(raw, chosen, min(max(ks), self.vocab_size))
-        token_ids, lps, ranks = (
-            tensors.token_ids.tolist(),
-            tensors.logprobs.tolist(),
-            tensors.ranks.tolist(),
-        )
-        result, offset = {}, 0
-        for (rid, first, req_rows), k in zip(inputs.prompt_logprobs_rows, ks):
-            span = slice(offset, offset + len(req_rows))
-            result[rid] = PromptLogprobs(
-                start=first,
-                lists=LogprobsLists(
-                    token_ids=[t[: k + 1] for t in token_ids[span]],
-                    logprobs=[lp[: k + 1] for lp in lps[span]],
-                    ranks=ranks[span],
-                ),
-            )
-            offset += len(req_rows)
-        return result
 
     def execute_model(self, req: ExecuteModelRequest) -> ModelRunnerOutput | None:
         """One step on this rank. Stages after the first continue from the previous stage's
@@ -666,7 +620,13 @@ class ModelRunner:
         clock.lap("forward")
         output = self.sample(inputs, hidden)
         if output is not None and inputs.pooling_rows:
-            output.pooled = self._pool(inputs, hidden)
+            output.pooled = step_outputs.pool_rows(
+                self.model,
+                self.requests,
+                inputs.pooling_rows,
+                hidden,
+                self.config.pooler.pooling_type,
+            )
         clock.lap("sample")
         if self.draft is not None:
             self._propose_draft(inputs, output)
@@ -708,65 +668,7 @@ class ModelRunner:
         if self.is_driver and output is not None:
             output.draft_token_ids = proposals
 
-    @torch.inference_mode()
-    def _pool(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, list[float]]:
-        """Driver only: fold this step's rows into each pooling request's state; the vectors
-        of the requests whose prompt this step finished."""
-        rows = np.concatenate([r for _, _, r, _ in inputs.pooling_rows])
-        gathered = hidden[torch.from_numpy(rows).to(self.device)].to(torch.float32)
-        pooled: dict[str, list[float]] = {}
-        offset = 0
-        for rid, first, req_rows, finishes in inputs.pooling_rows:
-            state = self.requests[rid]
-            part = gathered[offset : offset + len(req_rows)]
-            offset += len(req_rows)
-            if self.config.pooler.pooling_type == "mean":
-                chunk_sum = part.sum(dim=0)
-                state.pooled_sum = (
-                    chunk_sum if state.pooled_sum is None else state.pooled_sum + chunk_sum
-                )
-                state.num_pooled = first + len(req_rows)
-                if not finishes:
-                    continue
-                vector = state.pooled_sum / state.num_pooled
-            else:
-                vector = part[-1]
-            pooled[rid] = self._pooling_head(vector, state.pooling_params).tolist()
-        return pooled
-
-    def _pooling_head(self, vector: torch.Tensor, params: PoolingParams | None) -> torch.Tensor:
-        """A pooled vector as its request's task returns it: class scores, or the embedding
-        (truncated to ``dimensions``, then normalised)."""
-        params = params or PoolingParams()
-        if params.task == "classify":
-            logits = self.model.classify_hidden(vector[None])[0]
-            if not params.activation:
-                return logits
-            return torch.sigmoid(logits) if len(logits) == 1 else torch.softmax(logits, dim=0)
-        if params.dimensions is not None:
-            vector = vector[: params.dimensions]
-        return F.normalize(vector, dim=0) if params.normalize else vector
-
     @property
     def is_driver(self) -> bool:
         """The rank that samples: TP rank 0 of the last pipeline stage."""
         return self.ctx.pp.is_last and self.ctx.tp.is_first
-
-
-def _split_logprobs(
-    tensors: LogprobsTensors, num_logprobs: list[int | None]
-) -> list[LogprobsLists | None]:
-    """One row per request, trimmed to the k it asked for (None where it asked for none)."""
-    token_ids, lps, ranks = (
-        tensors.token_ids.tolist(),
-        tensors.logprobs.tolist(),
-        tensors.ranks.tolist(),
-    )
-    return [
-        None
-        if k is None
-        else LogprobsLists(
-            token_ids=[token_ids[i][: k + 1]], logprobs=[lps[i][: k + 1]], ranks=[ranks[i]]
-        )
-        for i, k in enumerate(num_logprobs)
-    ]
