@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from llm_kernels import attention as torch_attention
-from llm_kernels.attention import check_attention_args, check_attention_options, check_sinks
+from llm_kernels.attention_checks import check_attention_args, check_attention_options, check_sinks
 from llm_kernels.attention_metadata import AttentionMetadata, effective_window
 from llm_kernels.kv_quant import as_storage, check_kv_scale, is_fp8
 from llm_kernels.triton_common import (

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from llm_kernels.attention import check_block_mapping, check_cache_write_args, check_kv_cache
+from llm_kernels.attention_checks import check_block_mapping, check_cache_write_args, check_kv_cache
 from llm_kernels.kv_quant import FP8_E4M3_MAX, as_storage, check_kv_scale, is_fp8
 from llm_kernels.triton_common import check_triton_device
 from llm_kernels.triton_fp8 import float_to_fp8e4m3_bits

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from llm_kernels.attention import check_attention_args, check_value_dim
+from llm_kernels.attention_checks import check_attention_args, check_value_dim
 from llm_kernels.attention_metadata import AttentionMetadata
 from llm_kernels.kv_quant import as_storage, check_kv_scale, is_fp8
 from llm_kernels.triton_common import (

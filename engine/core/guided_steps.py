@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 from engine.core.output_processor import SampleState
 from engine.core.request import RequestStatus
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 from engine.core.structured_output import StructuredOutputGrammar, StructuredOutputManager
 from engine.spec_decode.grammar import grammar_proposals, spec_grammar_rows
 from engine.spec_decode.metrics import SpecDecodeStats

@@ -60,7 +60,8 @@ from engine.core.output_processor import (
     take_tokens,
 )
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput, make_execute_model_request
 from engine.core.sleep_control import SleepControl
 from engine.core.structured_output import StructuredOutputManager
 from engine.errors import (

@@ -15,101 +15,27 @@ with ``disable_chunked_mm_input`` (Gemma 3) a chunk never ends inside an image: 
 before it, and a prefix-cache hit ending inside one backs off to before it. This module is a
 CPU-only state machine: it never touches a model or a tensor. ``Scheduler``'s docstring has
 the rules for parallel sampling (n > 1), LoRA slots, batches in flight (pipeline parallelism)
-and pooling requests.
+and pooling requests. A step's decision and its wire message are ``engine.core.scheduler_output``;
+the waiting queue, ``engine.core.request_queue``.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import math
 import sys
-from collections import deque
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable
 
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.block_pool import KVCacheBlock
 from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import WaitingQueue
+from engine.core.scheduler_output import SchedulerOutput
 from engine.kv_transfer.connector import KVConnectorScheduler
 from engine.multimodal.inputs import stop_before_split_image, whole_image_prefix
-from engine.worker.step_messages import CachedRequestData, ExecuteModelRequest, NewRequestData
 
 logger = logging.getLogger("llm_cluster.scheduler")
-
-
-class WaitingQueue:
-    """FCFS: a deque (preempted requests go back to the front). Priority: a heap on the sort key."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[tuple[float, ...], int, Request]] = []
-        self._counter = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        if self.policy == "fcfs":
-            return iter(self._fifo)
-        return (entry[2] for entry in sorted(self._heap))
-
-    def add(self, request: Request, *, front: bool = False) -> None:
-        if self.policy == "fcfs":
-            if front:
-                self._fifo.appendleft(request)
-            else:
-                self._fifo.append(request)
-        else:
-            heapq.heappush(self._heap, (request.sort_key("priority"), next(self._counter), request))
-
-    def peek(self) -> Request:
-        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][2]
-
-    def pop(self) -> Request:
-        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[2]
-
-    def remove(self, request: Request) -> None:
-        if self.policy == "fcfs":
-            self._fifo.remove(request)
-        else:
-            self._heap = [e for e in self._heap if e[2] is not request]
-            heapq.heapify(self._heap)
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step computes; ``make_execute_model_request`` turns it into the wire message."""
-
-    new_reqs: list[Request] = field(default_factory=list)
-    cached_reqs: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    resumed_req_ids: set[str] = field(default_factory=set)
-    finished_req_ids: list[str] = field(default_factory=list)
-    preempted_req_ids: list[str] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Speculative decoding: the proposals each request verifies this step (counted in its
-    # num_scheduled_tokens).
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # kv_transfer_config: stored blocks each admitted request loads, (hash, block id) from its
-    # block ``kv_load_first[rid]`` on (NixlConnector: (remote block id, block id)); prompt
-    # blocks earlier steps completed, to store.
-    kv_loads: dict[str, list[tuple[bytes | int, int]]] = field(default_factory=dict)
-    kv_load_first: dict[str, int] = field(default_factory=dict)
-    kv_saves: list[tuple[bytes, int]] = field(default_factory=list)
-    # NixlConnector: where each request's kv_loads are read from (the prefill's agents).
-    kv_load_sources: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
 
 
 class Scheduler:
@@ -644,52 +570,3 @@ def check_token_stop(request: Request, max_model_len: int) -> RequestStatus | No
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None
-
-
-def make_execute_model_request(out: SchedulerOutput) -> ExecuteModelRequest:
-    """The wire message for one step: new requests in full, running ones as deltas."""
-    new = []
-    for request in out.new_reqs:
-        new.append(
-            NewRequestData(
-                req_id=request.request_id,
-                prompt_token_ids=list(request.all_token_ids),
-                sampling_params=request.sampling_params,
-                block_ids=out.new_block_ids[request.request_id],
-                num_computed_tokens=request.num_computed_tokens,
-                num_prompt_tokens=request.num_prompt_tokens,
-                eos_token_ids=sorted(request.eos_token_ids),
-                pooling_params=request.pooling_params,
-                lora_int_id=request.lora_int_id,
-                mm_features=request.mm_features,
-                mrope=request.mrope,
-            )
-        )
-        request.num_tokens_sent = request.num_tokens
-    cached = []
-    for request in out.cached_reqs:
-        rid = request.request_id
-        cached.append(
-            CachedRequestData(
-                req_id=rid,
-                new_token_ids=request.all_token_ids[request.num_tokens_sent :],
-                new_block_ids=out.new_block_ids[rid],
-                num_computed_tokens=request.num_computed_tokens,
-                resumed_from_preemption=rid in out.resumed_req_ids,
-            )
-        )
-        request.num_tokens_sent = request.num_tokens
-    return ExecuteModelRequest(
-        scheduled_new_reqs=new,
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens=dict(out.num_scheduled_tokens),
-        total_num_scheduled_tokens=out.total_num_scheduled_tokens,
-        finished_req_ids=list(out.finished_req_ids),
-        blocks_to_swap_in=out.blocks_to_swap_in,
-        blocks_to_swap_out=out.blocks_to_swap_out,
-        blocks_to_copy=out.blocks_to_copy,
-        scheduled_spec_decode_tokens=dict(out.spec_token_ids),
-        kv_saves=out.kv_saves,
-        kv_loads=out.kv_loads,
-        kv_load_sources=out.kv_load_sources,
-    )

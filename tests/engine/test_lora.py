@@ -414,7 +414,8 @@ def test_scheduler_admits_past_a_request_waiting_for_a_lora_slot() -> None:
     from engine.config import SchedulerConfig
     from engine.core.block_manager import BlockManager
     from engine.core.request import Request
-    from engine.core.scheduler import Scheduler, make_execute_model_request
+    from engine.core.scheduler import Scheduler
+    from engine.core.scheduler_output import make_execute_model_request
 
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     scheduler = Scheduler(config, BlockManager(64, 4), max_loras=2)

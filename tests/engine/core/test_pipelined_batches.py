@@ -20,7 +20,8 @@ from engine.config import EngineConfig, SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.worker.executor import StepFuture, UniProcExecutor

@@ -7,7 +7,8 @@ import numpy as np
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler, SchedulerOutput, make_execute_model_request
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput, make_execute_model_request
 from engine.multimodal.inputs import image_feature
 from engine.sampling_params import SamplingParams
 
