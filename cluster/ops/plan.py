@@ -23,7 +23,8 @@ from cluster.config import DeploymentConfig, ModelDeployment, _build
 from cluster.config import deployment as deployment_config
 from engine.errors import ConfigError
 from engine.kv_transfer.config import KVTransferConfig
-from engine.worker.memory_plan import GiB, MemoryPlan, PlanSettings, plan_memory
+from engine.worker.memory_plan import MemoryPlan, plan_memory
+from engine.worker.memory_plan_estimates import GiB, PlanSettings
 
 # One GPU's memory by Ray's accelerator type name (``ray.util.accelerators``), in GiB as
 # ``torch.cuda.mem_get_info`` reports the total: the HBM less what the driver keeps, e.g.

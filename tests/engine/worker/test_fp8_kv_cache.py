@@ -209,7 +209,8 @@ def test_a_bad_checkpoint_scale_is_refused_with_its_name(tmp_path: Path) -> None
 
 def test_memory_plan_counts_the_fp8_cache_like_the_engine() -> None:
     from engine.config import CacheConfig
-    from engine.worker.memory_plan import PlanSettings, plan_memory
+    from engine.worker.memory_plan import plan_memory
+    from engine.worker.memory_plan_estimates import PlanSettings
     from engine.worker.worker import Worker
 
     assert PlanSettings().kv_cache_dtype == CacheConfig().cache_dtype
@@ -230,7 +231,8 @@ def test_memory_plan_counts_the_fp8_cache_like_the_engine() -> None:
 
 
 def test_memory_plan_of_llama_70b_at_tp4_holds_about_twice_the_tokens_with_fp8() -> None:
-    from engine.worker.memory_plan import PlanSettings, plan_memory
+    from engine.worker.memory_plan import plan_memory
+    from engine.worker.memory_plan_estimates import PlanSettings
     from tests.engine.worker.test_memory_plan import H100_BYTES, LLAMA_3_70B
 
     kwargs = {"tensor_parallel_size": 4, "dtype": "bfloat16", "max_model_len": 8192}

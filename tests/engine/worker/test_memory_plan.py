@@ -19,12 +19,8 @@ from engine.builtin.catalog import resolve_model_source
 from engine.config import EngineConfig
 from engine.models import MODEL_REGISTRY
 from engine.vlm_config import flatten_vlm_config
-from engine.worker.memory_plan import (
-    CUDA_CONTEXT_BYTES,
-    GiB,
-    PlanSettings,
-    plan_memory,
-)
+from engine.worker.memory_plan import plan_memory
+from engine.worker.memory_plan_estimates import CUDA_CONTEXT_BYTES, GiB, PlanSettings
 from engine.worker.memory_plan_weights import FAMILIES
 from engine.worker.model_loader import _default_dtype
 from engine.worker.model_runner import ModelRunner
