@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterable, Mapping
+from typing import Any
 
 
 class InvalidRequestError(ValueError):
@@ -52,3 +53,12 @@ class RequestAbortedError(RuntimeError):
 
 class ConfigError(ValueError):
     """A configuration value is unknown or out of range; the message names the key."""
+
+
+def check_positive_ints(config: Mapping[str, Any], keys: Iterable[str], prefix: str = "") -> None:
+    """Raise ``ConfigError`` naming ``prefix + key`` for the first of ``keys`` whose value in
+    ``config`` is not a positive integer (a bool is not one)."""
+    for key in keys:
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{prefix}{key}: must be a positive integer, got {value!r}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, check_positive_ints
 from engine.model_heads import declared_architecture, family_architecture, num_labels
 from engine.quantization.config import parse_quantization
 from engine.qwen_vl_config import QWEN2_5_VL, QWEN3_VL, QWEN_VL_ARCHITECTURES, check_qwen_vl
@@ -135,10 +135,8 @@ def check_hf_config(hf: dict[str, Any]) -> None:
         raise ConfigError(
             f"{act_field}: {act!r} is not supported ({', '.join(SUPPORTED_ACTIVATIONS)})"
         )
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        value = hf.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{key}: must be a positive integer, got {value!r}")
+    sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    check_positive_ints(hf, sizes)
     if arch in _GEMMA and hf.get("use_bidirectional_attention"):
         raise ConfigError(
             "use_bidirectional_attention: true is not supported (causal decoding only)"
@@ -191,10 +189,8 @@ def check_hf_config(hf: dict[str, Any]) -> None:
 
 
 def _positive_int(hf: dict[str, Any], key: str) -> int:
-    value = hf.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{key}: must be a positive integer, got {value!r}")
-    return value
+    check_positive_ints(hf, (key,))
+    return hf[key]
 
 
 def check_moe(hf: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, check_positive_ints
 
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
@@ -182,10 +182,7 @@ def check_qwen_vl(hf: dict[str, Any]) -> None:
         "in_channels",
     ]
     sizes.append("num_position_embeddings" if qwen3 else "window_size")  # fmt: skip
-    for key in sizes:
-        value = vision.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"vision_config.{key}: must be a positive integer, got {value!r}")
+    check_positive_ints(vision, sizes, prefix="vision_config.")
     if (
         vision["hidden_size"] % vision["num_heads"]
         or (vision["hidden_size"] // vision["num_heads"]) % 4

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, check_positive_ints
 from engine.qwen_vl_config import QWEN_VL_ARCHITECTURES, QWEN_VL_TEXT_FAMILIES, flatten_qwen_vl
 
 LLAVA = "LlavaForConditionalGeneration"
@@ -178,18 +178,7 @@ def check_gemma3_vlm(hf: dict[str, Any]) -> None:
             f"text_config.model_type: {model_type!r} is not supported for {GEMMA3_VLM} "
             "('gemma3_text')"
         )
-    vision = hf.get("vision_config") or {}
-    if vision.get("model_type") != "siglip_vision_model":
-        raise ConfigError(
-            f"vision_config.model_type: {vision.get('model_type')!r} is not supported "
-            "('siglip_vision_model')"
-        )
-    _check_tower_shape(vision)
-    if vision.get("hidden_act") not in VISION_ACTIVATIONS:
-        raise ConfigError(
-            f"vision_config.hidden_act: {vision.get('hidden_act')!r} is not supported "
-            f"({', '.join(VISION_ACTIVATIONS)})"
-        )
+    vision = _check_tower(hf, "siglip_vision_model")
     tokens = hf.get("mm_tokens_per_image")
     patches = vision["image_size"] // vision["patch_size"]
     side = round(tokens**0.5) if isinstance(tokens, int) and tokens > 0 else 0
@@ -209,18 +198,18 @@ def check_gemma3_vlm(hf: dict[str, Any]) -> None:
         )
 
 
-def _check_tower_shape(vision: dict[str, Any]) -> None:
-    for key in (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "image_size",
-        "patch_size",
-    ):
-        value = vision.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"vision_config.{key}: must be a positive integer, got {value!r}")
+def _check_tower(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The ``vision_config`` of a ``model_type`` tower (CLIP's or SigLIP's) the engine builds
+    exactly: its sizes, patch grid and activation; ``ConfigError`` naming the field otherwise."""
+    vision = hf.get("vision_config") or {}
+    if vision.get("model_type") != model_type:
+        raise ConfigError(
+            f"vision_config.model_type: {vision.get('model_type')!r} is not supported "
+            f"({model_type!r})"
+        )
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "image_size", "patch_size")  # fmt: skip
+    check_positive_ints(vision, sizes, prefix="vision_config.")
     if vision["hidden_size"] % vision["num_attention_heads"]:
         raise ConfigError(
             f"vision_config.num_attention_heads: must divide hidden_size "
@@ -231,6 +220,12 @@ def _check_tower_shape(vision: dict[str, Any]) -> None:
             f"vision_config.patch_size: must divide image_size ({vision['image_size']}), "
             f"got {vision['patch_size']}"
         )
+    if vision.get("hidden_act") not in VISION_ACTIVATIONS:
+        raise ConfigError(
+            f"vision_config.hidden_act: {vision.get('hidden_act')!r} is not supported "
+            f"({', '.join(VISION_ACTIVATIONS)})"
+        )
+    return vision
 
 
 def check_llava(hf: dict[str, Any]) -> None:
@@ -243,18 +238,7 @@ def check_llava(hf: dict[str, Any]) -> None:
             f"text_config.model_type: {model_type!r} is not supported for {LLAVA} "
             f"({', '.join(LLAVA_TEXT_FAMILIES)})"
         )
-    vision = hf.get("vision_config") or {}
-    if vision.get("model_type") != "clip_vision_model":
-        raise ConfigError(
-            f"vision_config.model_type: {vision.get('model_type')!r} is not supported "
-            "('clip_vision_model')"
-        )
-    _check_tower_shape(vision)
-    if vision.get("hidden_act") not in VISION_ACTIVATIONS:
-        raise ConfigError(
-            f"vision_config.hidden_act: {vision.get('hidden_act')!r} is not supported "
-            f"({', '.join(VISION_ACTIVATIONS)})"
-        )
+    _check_tower(hf, "clip_vision_model")
     feature_layer(hf)
     strategy = hf.get("vision_feature_select_strategy")
     if strategy not in ("default", "full"):

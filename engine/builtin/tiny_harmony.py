@@ -18,15 +18,16 @@ medium by default; the chat request's field), ``model_identity`` and ``current_d
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer
 
 from engine.builtin.tiny_tokenizer import (
+    IM_END_TOKEN,
+    IM_START_TOKEN,
     TOKENIZER_VOCAB_SIZE,
     build_tokenizer,
-    write_json,
+    declare_special_tokens,
     write_tokenizer,
 )
 
@@ -227,17 +228,9 @@ def write_harmony_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     """The tiny tokenizer's files with the harmony tokens declared special and the harmony chat
     template."""
     write_tokenizer(tokenizer, out)
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    for token, token_id in HARMONY_TOKEN_IDS.items():
-        config["added_tokens_decoder"][str(token_id)] = {
-            "content": token,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-    config["additional_special_tokens"] = [*config["additional_special_tokens"], *HARMONY_TOKENS]
-    config["chat_template"] = HARMONY_CHAT_TEMPLATE
-    write_json(config_path, config)
+    declare_special_tokens(
+        out,
+        HARMONY_TOKEN_IDS,
+        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN, *HARMONY_TOKENS],
+        chat_template=HARMONY_CHAT_TEMPLATE,
+    )

@@ -60,8 +60,9 @@ from engine.builtin.tiny_tokenizer import (  # the tokenizer every tiny model sh
     DEFAULT_TOOL_CALL_PARSER,  # noqa: F401 (re-exported)
     EOS_TOKEN,  # noqa: F401 (re-exported)
     EOS_TOKEN_ID,
+    GENERATION_CONFIG,
     IM_END_TOKEN,  # noqa: F401 (re-exported)
-    IM_END_TOKEN_ID,
+    IM_END_TOKEN_ID,  # noqa: F401 (re-exported)
     IM_START_TOKEN,  # noqa: F401 (re-exported)
     IM_START_TOKEN_ID,  # noqa: F401 (re-exported)
     MAX_POSITION_EMBEDDINGS,
@@ -263,14 +264,7 @@ def write_tiny_checkpoint(
     _write_weights(model, config, out / "model.safetensors")
     _write_config(config, type(model).__name__, out / "config.json")
     write_tokenizer(tokenizer, out)
-    write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
-            "pad_token_id": PAD_TOKEN_ID,
-        },
-    )
+    write_json(out / "generation_config.json", GENERATION_CONFIG)
 
 
 def tiny_variant(name: str, **config_overrides: Any) -> Path:
@@ -477,6 +471,11 @@ def _write_weights(model: PreTrainedModel, config: PretrainedConfig, path: Path)
     if config.tie_word_embeddings:
         # Tied checkpoints store the matrix once, under the embedding's name, as HF does.
         state.pop("lm_head.weight", None)
+    save_weights(state, path)
+
+
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """``state`` as one safetensors file, tensors in name order."""
     tensors = {key: state[key].detach().contiguous().clone() for key in sorted(state)}
     save_file(tensors, str(path), metadata={"format": "pt"})
     # safetensors creates the file private (0600); a shared cache must be readable by others.

@@ -44,14 +44,18 @@ from engine.builtin.tiny_models import (
     _COMMON_CONFIG,
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
-    IM_END_TOKEN_ID,
     PAD_TOKEN_ID,
     VERSION,
     _build_model,
     _write_config,
     materialize,
 )
-from engine.builtin.tiny_tokenizer import build_tokenizer, write_json, write_tokenizer
+from engine.builtin.tiny_tokenizer import (
+    GENERATION_CONFIG,
+    build_tokenizer,
+    write_json,
+    write_tokenizer,
+)
 from engine.hf_config import DEEPSEEK_ARCHITECTURES, config_field
 from llm_kernels.mxfp4 import quantize_mxfp4
 
@@ -246,11 +250,6 @@ _MOE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
 # The _COMMON_CONFIG fields DeepSeek's configs derive themselves (head_dim = qk_rope_head_dim)
 # or take inside rope_parameters.
 _NOT_FOR_DEEPSEEK = ("head_dim", "rope_theta")
-_GENERATION_CONFIG = {
-    "bos_token_id": BOS_TOKEN_ID,
-    "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
-    "pad_token_id": PAD_TOKEN_ID,
-}
 
 
 def _check_moe_name(name: str) -> None:
@@ -286,7 +285,7 @@ def make_tiny_moe_model(
     if harmony:
         write_harmony_tokenizer(tokenizer, out)
         eos = [EOS_TOKEN_ID, *HARMONY_STOP_TOKEN_IDS]
-        write_json(out / "generation_config.json", {**_GENERATION_CONFIG, "eos_token_id": eos})
+        write_json(out / "generation_config.json", {**GENERATION_CONFIG, "eos_token_id": eos})
     else:
         write_tokenizer(tokenizer, out)
     return out
@@ -329,7 +328,7 @@ def _save(model: Any, config: PretrainedConfig, out: Path) -> None:
     for path in out.iterdir():
         path.chmod(0o644)
     _write_config(config, type(model).__name__, out / "config.json")
-    write_json(out / "generation_config.json", _GENERATION_CONFIG)
+    write_json(out / "generation_config.json", GENERATION_CONFIG)
 
 
 def materialize_tiny_moe(name: str) -> Path:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModel, AutoModelForSequenceClassification, PreTrainedModel
 
 from engine.builtin.tiny_models import (
@@ -28,6 +27,7 @@ from engine.builtin.tiny_models import (
     _build_config,
     _write_config,
     materialize,
+    save_weights,
 )
 from engine.builtin.tiny_tokenizer import build_tokenizer, write_tokenizer
 
@@ -57,9 +57,7 @@ def make_tiny_pooling_model(name: str, out_dir: str | os.PathLike[str], seed: in
         auto = AutoModelForSequenceClassification if task == "classify" else AutoModel
         model: PreTrainedModel = auto.from_config(config, dtype=torch.float32).eval()
     _perturb_norms(model, seed)
-    tensors = {k: v.detach().contiguous().clone() for k, v in sorted(model.state_dict().items())}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)
+    save_weights(model.state_dict(), out / "model.safetensors")
     # Qwen3-Embedding's config names the causal LM; its weights are the bare model's.
     architecture = type(model).__name__ if task == "classify" else "Qwen3ForCausalLM"
     _write_config(config, architecture, out / "config.json")

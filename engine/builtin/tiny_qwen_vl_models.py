@@ -17,12 +17,10 @@ interleaved M-RoPE [2, 3, 3]).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from transformers import (
     PreTrainedModel,
     Qwen2_5_VLConfig,
@@ -33,20 +31,14 @@ from transformers import (
 
 from engine.builtin.tiny_models import (
     _COMMON_CONFIG,
-    LM_HEAD_SCALE,
     NORM_WEIGHT_NOISE,
-    SPECIAL_TOKEN_ROW_SCALE,
-    SPECIAL_TOKENS,
-    materialize,
 )
-from engine.builtin.tiny_tokenizer import (
-    BOS_TOKEN_ID,
-    EOS_TOKEN_ID,
-    IM_END_TOKEN_ID,
-    PAD_TOKEN_ID,
-    build_tokenizer,
-    write_json,
-    write_tokenizer,
+from engine.builtin.tiny_tokenizer import build_tokenizer, write_json
+from engine.builtin.tiny_vlm_models import (
+    materialize_vlm,
+    quiet_lm_head,
+    seeded_vlm,
+    write_vlm_checkpoint,
 )
 
 TINY_QWEN_VL_MODEL_NAMES: tuple[str, ...] = ("tiny-qwen2.5-vl", "tiny-qwen3-vl")
@@ -94,11 +86,8 @@ _QWEN3_VISION: dict[str, Any] = {
 
 
 def materialize_tiny_qwen_vl(name: str) -> Path:
-    if name not in TINY_QWEN_VL_MODEL_NAMES:
-        valid = ", ".join(TINY_QWEN_VL_MODEL_NAMES)
-        raise ValueError(f"unknown tiny VLM name {name!r}; valid names are {valid}")
-    make = make_tiny_qwen3_vl if name == "tiny-qwen3-vl" else make_tiny_qwen2_5_vl
-    return materialize(f"{name}-vlm{QWEN_VL_VERSION}", lambda out: make(out, seed=0))
+    makers = {"tiny-qwen2.5-vl": make_tiny_qwen2_5_vl, "tiny-qwen3-vl": make_tiny_qwen3_vl}
+    return materialize_vlm(name, makers, QWEN_VL_VERSION)
 
 
 def make_tiny_qwen2_5_vl(
@@ -159,24 +148,7 @@ def _make(
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    model = _build(config, seed, qwen3)
-    state = {k: v.detach().contiguous().clone() for k, v in sorted(model.state_dict().items())}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)
-    data = config.to_dict()
-    data["architectures"] = [type(model).__name__]
-    data["torch_dtype"] = data["dtype"] = "float32"
-    write_json(out / "config.json", data)
-    write_tokenizer(tokenizer, out)
-    _add_tokens(out / "tokenizer_config.json", ids)
-    write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
-            "pad_token_id": PAD_TOKEN_ID,
-        },
-    )
+    write_vlm_checkpoint(out, _build(config, seed, qwen3), config, tokenizer, ids)
     write_json(
         out / "preprocessor_config.json",
         {
@@ -205,13 +177,8 @@ def _make(
 def _build(config: Any, seed: int, qwen3: bool) -> PreTrainedModel:
     """HF's init under ``seed``, then the tiny models' recipe (``engine.builtin.tiny_models``):
     wide weights, noisy norms and biases, a scaled LM head with quiet special-token rows."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model_class = (
-            Qwen3VLForConditionalGeneration if qwen3 else Qwen2_5_VLForConditionalGeneration
-        )
-        model = model_class(config).to(torch.float32)
-    generator = torch.Generator().manual_seed(seed + 1)
+    model_class = Qwen3VLForConditionalGeneration if qwen3 else Qwen2_5_VLForConditionalGeneration
+    model, generator = seeded_vlm(model_class, config, seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=generator)
@@ -228,24 +195,6 @@ def _build(config: Any, seed: int, qwen3: bool) -> PreTrainedModel:
                 merger.linear_fc2.weight.mul_(MERGER_SCALE)
         else:
             model.model.visual.merger.mlp[2].weight.mul_(MERGER_SCALE)
-        head = model.lm_head.weight
-        head.mul_(LM_HEAD_SCALE)
-        head[: len(SPECIAL_TOKENS)].mul_(SPECIAL_TOKEN_ROW_SCALE)
-        head[min(config.vision_start_token_id, config.image_token_id) :].mul_(
-            SPECIAL_TOKEN_ROW_SCALE
-        )
+        first_vision_token = min(config.vision_start_token_id, config.image_token_id)
+        quiet_lm_head(model, [slice(first_vision_token, None)])
     return model.eval()
-
-
-def _add_tokens(path: Path, ids: dict[str, int]) -> None:
-    config = json.loads(path.read_text())
-    for token, token_id in ids.items():
-        config["added_tokens_decoder"][str(token_id)] = {
-            "content": token,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-    write_json(path, config)

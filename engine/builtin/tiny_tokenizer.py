@@ -193,18 +193,31 @@ def _grown_tokenizer_json(vocab_size: int) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
+# What the tiny models' generation_config.json holds: stop at EOS or ``<|im_end|>``.
+GENERATION_CONFIG: dict[str, Any] = {
+    "bos_token_id": BOS_TOKEN_ID,
+    "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
+    "pad_token_id": PAD_TOKEN_ID,
+}
+
+
+def special_token_entry(content: str) -> dict[str, Any]:
+    """``content``'s entry in tokenizer_config.json's ``added_tokens_decoder``: a special token
+    matched as written."""
+    return {
+        "content": content,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
+
+
 def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     added_tokens_decoder = {
-        str(token_id): {
-            "content": token,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for token_id, token in enumerate(SPECIAL_TOKENS)
+        str(token_id): special_token_entry(token) for token_id, token in enumerate(SPECIAL_TOKENS)
     }
     special_tokens_map = {
         "bos_token": BOS_TOKEN,
@@ -230,6 +243,16 @@ def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     }
     write_json(out / "tokenizer_config.json", tokenizer_config)
     write_json(out / "special_tokens_map.json", special_tokens_map)
+
+
+def declare_special_tokens(out: Path, tokens: dict[str, int], **fields: Any) -> None:
+    """Declare ``tokens`` (content -> id, added to the tokenizer after ``write_tokenizer`` wrote
+    ``out``) special in ``out``'s tokenizer_config.json, and set ``fields`` there."""
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    for content, token_id in tokens.items():
+        config["added_tokens_decoder"][str(token_id)] = special_token_entry(content)
+    write_json(path, {**config, **fields})
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

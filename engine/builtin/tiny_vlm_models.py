@@ -14,12 +14,12 @@ dropped).
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from transformers import (
     CLIPImageProcessor,
     CLIPVisionConfig,
@@ -31,6 +31,8 @@ from transformers import (
     LlavaConfig,
     LlavaForConditionalGeneration,
     MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
     SiglipVisionConfig,
 )
 
@@ -45,13 +47,12 @@ from engine.builtin.tiny_models import (
     SPECIAL_TOKEN_ROW_SCALE,
     SPECIAL_TOKENS,
     materialize,
+    save_weights,
 )
 from engine.builtin.tiny_tokenizer import (
-    BOS_TOKEN_ID,
-    EOS_TOKEN_ID,
-    IM_END_TOKEN_ID,
-    PAD_TOKEN_ID,
+    GENERATION_CONFIG,
     build_tokenizer,
+    declare_special_tokens,
     write_json,
     write_tokenizer,
 )
@@ -78,11 +79,64 @@ _VISION: dict[str, Any] = {
 
 
 def materialize_tiny_vlm(name: str) -> Path:
-    if name not in TINY_VLM_MODEL_NAMES:
-        valid = ", ".join(TINY_VLM_MODEL_NAMES)
+    makers = {"tiny-llava": make_tiny_llava, "tiny-gemma3-vision": make_tiny_gemma3_vision}
+    return materialize_vlm(name, makers, VLM_VERSION)
+
+
+def materialize_vlm(name: str, makers: dict[str, Callable[..., Path]], version: int) -> Path:
+    """The built-in VLM ``name``, written by its maker in ``makers`` (seed 0) into the cache
+    once per recipe ``version``."""
+    if name not in makers:
+        valid = ", ".join(makers)
         raise ValueError(f"unknown tiny VLM name {name!r}; valid names are {valid}")
-    make = make_tiny_gemma3_vision if name == "tiny-gemma3-vision" else make_tiny_llava
-    return materialize(f"{name}-vlm{VLM_VERSION}", lambda out: make(out, seed=0))
+    return materialize(f"{name}-vlm{version}", lambda out: makers[name](out, seed=0))
+
+
+def seeded_vlm(
+    model_class: type[PreTrainedModel], config: PretrainedConfig, seed: int
+) -> tuple[PreTrainedModel, torch.Generator]:
+    """HF's init of ``model_class(config)`` in float32 under ``seed`` (the caller's global RNG
+    left as it was), and the generator (``seed + 1``) the recipe draws its noise from."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config).to(torch.float32)
+    return model, torch.Generator().manual_seed(seed + 1)
+
+
+def quiet_lm_head(model: PreTrainedModel, rows: list[int | slice]) -> None:
+    """The tiny recipe's LM head: scaled, with the shared special tokens' rows and the VLM's
+    own token ``rows`` made quiet (so greedy output is ordinary text)."""
+    head = model.lm_head.weight
+    head.mul_(LM_HEAD_SCALE)
+    for row in [slice(None, len(SPECIAL_TOKENS)), *rows]:
+        head[row].mul_(SPECIAL_TOKEN_ROW_SCALE)
+
+
+def write_vlm_checkpoint(
+    out: Path,
+    model: PreTrainedModel,
+    config: PretrainedConfig,
+    tokenizer: Tokenizer,
+    added_tokens: dict[str, int],
+    *,
+    tied: bool = False,
+    **tokenizer_fields: Any,
+) -> None:
+    """A tiny VLM's files but the processor's into ``out``: the weights (a ``tied`` LM head
+    stored once, under the embedding's name), HF's config with the architecture and dtype, the
+    shared tokenizer with ``added_tokens`` (content -> id) declared special and
+    ``tokenizer_fields`` set in its config, and the generation config."""
+    state = model.state_dict()
+    if tied:
+        state.pop("lm_head.weight", None)
+    save_weights(state, out / "model.safetensors")
+    data = config.to_dict()
+    data["architectures"] = [type(model).__name__]
+    data["torch_dtype"] = data["dtype"] = "float32"
+    write_json(out / "config.json", data)
+    write_tokenizer(tokenizer, out)
+    declare_special_tokens(out, added_tokens, **tokenizer_fields)
+    write_json(out / "generation_config.json", GENERATION_CONFIG)
 
 
 def make_tiny_llava(
@@ -119,23 +173,7 @@ def make_tiny_llava(
         **overrides,
     )
     model = _build(config, seed)
-    state = {k: v.detach().contiguous().clone() for k, v in sorted(model.state_dict().items())}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)
-    data = config.to_dict()
-    data["architectures"] = ["LlavaForConditionalGeneration"]
-    data["torch_dtype"] = data["dtype"] = "float32"
-    write_json(out / "config.json", data)
-    write_tokenizer(tokenizer, out)
-    _add_image_token(out / "tokenizer_config.json", image_token_id)
-    write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
-            "pad_token_id": PAD_TOKEN_ID,
-        },
-    )
+    write_vlm_checkpoint(out, model, config, tokenizer, {IMAGE_TOKEN: image_token_id})
     CLIPImageProcessor(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     ).save_pretrained(str(out))
@@ -155,10 +193,7 @@ def make_tiny_llava(
 def _build(config: LlavaConfig, seed: int) -> LlavaForConditionalGeneration:
     """HF's init under ``seed``, then the tiny models' recipe (``engine.builtin.tiny_models``):
     wide weights, noisy norms and biases, a scaled LM head with quiet special-token rows."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlavaForConditionalGeneration(config).to(torch.float32)
-    generator = torch.Generator().manual_seed(seed + 1)
+    model, generator = seeded_vlm(LlavaForConditionalGeneration, config, seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=generator)
@@ -173,24 +208,8 @@ def _build(config: LlavaConfig, seed: int) -> LlavaForConditionalGeneration:
                 fan_in = param.numel() // param.shape[0]
                 param.copy_(0.2 * noise if "language_model" in name else noise / fan_in**0.5)
         model.model.multi_modal_projector.linear_2.weight.mul_(PROJECTOR_SCALE)
-        head = model.lm_head.weight
-        head.mul_(LM_HEAD_SCALE)
-        head[: len(SPECIAL_TOKENS)].mul_(SPECIAL_TOKEN_ROW_SCALE)
-        head[config.image_token_index].mul_(SPECIAL_TOKEN_ROW_SCALE)
+        quiet_lm_head(model, [config.image_token_index])
     return model.eval()
-
-
-def _add_image_token(path: Path, token_id: int) -> None:
-    config = json.loads(path.read_text())
-    config["added_tokens_decoder"][str(token_id)] = {
-        "content": IMAGE_TOKEN,
-        "lstrip": False,
-        "normalized": False,
-        "rstrip": False,
-        "single_word": False,
-        "special": True,
-    }
-    write_json(path, config)
 
 
 # tiny-gemma3-vision: a 2-layer SigLIP tower on 32x32 images in 4x4 patches (an 8x8 grid),
@@ -254,30 +273,13 @@ def make_tiny_gemma3_vision(
         image_token_index=soft,
         **overrides,
     )
-    model = _build_gemma3(config, seed)
-    state = model.state_dict()
-    state.pop("lm_head.weight", None)  # tied: stored once, under the embedding's name
-    tensors = {k: state[k].detach().contiguous().clone() for k in sorted(state)}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)
-    data = config.to_dict()
-    data["architectures"] = ["Gemma3ForConditionalGeneration"]
-    data["torch_dtype"] = data["dtype"] = "float32"
-    write_json(out / "config.json", data)
-    write_tokenizer(tokenizer, out)
-    _add_special_tokens(
-        out / "tokenizer_config.json",
-        {"boi_token": (BOI_TOKEN, boi), "eoi_token": (EOI_TOKEN, eoi),
-         "image_token": (IMAGE_SOFT_TOKEN, soft)},
+    # Gemma3Processor reads its tokens, by name, from the tokenizer's extra_special_tokens.
+    write_vlm_checkpoint(
+        out, _build_gemma3(config, seed), config, tokenizer,
+        {BOI_TOKEN: boi, EOI_TOKEN: eoi, IMAGE_SOFT_TOKEN: soft}, tied=True,
+        extra_special_tokens={"boi_token": BOI_TOKEN, "eoi_token": EOI_TOKEN,
+                              "image_token": IMAGE_SOFT_TOKEN},
     )  # fmt: skip
-    write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
-            "pad_token_id": PAD_TOKEN_ID,
-        },
-    )
     size = vision["image_size"]
     Gemma3ImageProcessor(size={"height": size, "width": size}).save_pretrained(str(out))
     write_json(
@@ -290,10 +292,7 @@ def make_tiny_gemma3_vision(
 def _build_gemma3(config: Gemma3Config, seed: int) -> Gemma3ForConditionalGeneration:
     """HF's init under ``seed``, then the tiny recipe: noisy norms and biases, tower weights at
     unit gain, Gemma's loud branch norms, a scaled LM head with quiet special-token rows."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Gemma3ForConditionalGeneration(config).to(torch.float32)
-    generator = torch.Generator().manual_seed(seed + 1)
+    model, generator = seeded_vlm(Gemma3ForConditionalGeneration, config, seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=generator)
@@ -307,26 +306,8 @@ def _build_gemma3(config: Gemma3Config, seed: int) -> Gemma3ForConditionalGenera
                 param.copy_(noise / (param.numel() // param.shape[0]) ** 0.5)
             elif name.endswith("mm_input_projection_weight"):
                 param.copy_(GEMMA3_PROJECTOR_SCALE * noise / param.shape[0] ** 0.5)
-        head = model.lm_head.weight  # tied to the embedding
-        head.mul_(LM_HEAD_SCALE)
-        head[: len(SPECIAL_TOKENS)].mul_(SPECIAL_TOKEN_ROW_SCALE)
-        for token in (config.boi_token_index, config.eoi_token_index, config.image_token_index):
-            head[token].mul_(SPECIAL_TOKEN_ROW_SCALE)
+        # The head is tied to the embedding: its rows are the embedding's.
+        quiet_lm_head(
+            model, [config.boi_token_index, config.eoi_token_index, config.image_token_index]
+        )
     return model.eval()
-
-
-def _add_special_tokens(path: Path, tokens: dict[str, tuple[str, int]]) -> None:
-    """Each token in ``added_tokens_decoder``, and named (``boi_token``: the string) in
-    ``extra_special_tokens``, where Gemma3Processor reads them from the tokenizer."""
-    config = json.loads(path.read_text())
-    for content, token_id in tokens.values():
-        config["added_tokens_decoder"][str(token_id)] = {
-            "content": content,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-    config["extra_special_tokens"] = {name: content for name, (content, _) in tokens.items()}
-    write_json(path, config)

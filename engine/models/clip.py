@@ -33,6 +33,18 @@ def vision_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     raise ValueError(f"hidden_act: {name!r} is not supported (quick_gelu, gelu, gelu_pytorch_tanh)")
 
 
+def embed_patches(conv: nn.Conv2d, image_size: int, pixel_values: torch.Tensor) -> torch.Tensor:
+    """``[N, C, H, W]`` -> ``[N, (H/p) * (W/p), D]`` through the patch ``conv`` (stride = patch),
+    in the conv's dtype; images that are not ``image_size`` square are refused."""
+    height, width = pixel_values.shape[-2:]
+    if height != image_size or width != image_size:
+        raise ValueError(
+            f"pixel_values: images must be {image_size}x{image_size} (the tower's "
+            f"image_size), got {height}x{width}"
+        )
+    return conv(pixel_values.to(conv.weight.dtype)).flatten(2).transpose(1, 2)
+
+
 class CLIPVisionEmbeddings(nn.Module):
     def __init__(self, vision: dict[str, Any]) -> None:
         super().__init__()
@@ -46,14 +58,7 @@ class CLIPVisionEmbeddings(nn.Module):
         self.position_embedding = nn.Embedding(num_positions, dim)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        height, width = pixel_values.shape[-2:]
-        if height != self.image_size or width != self.image_size:
-            raise ValueError(
-                f"pixel_values: images must be {self.image_size}x{self.image_size} (the tower's "
-                f"image_size), got {height}x{width}"
-            )
-        weight = self.patch_embedding.weight
-        patches = self.patch_embedding(pixel_values.to(weight.dtype)).flatten(2).transpose(1, 2)
+        patches = embed_patches(self.patch_embedding, self.image_size, pixel_values)
         cls = self.class_embedding.expand(patches.shape[0], 1, -1)
         return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
 

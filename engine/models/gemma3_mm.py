@@ -13,7 +13,7 @@ computes what TP = 1 does. One image's tokens attend to each other both ways on 
 (HF's ``token_type_ids`` blocks: full layers see causal OR same-image keys, sliding layers the
 same within their window); ``whole_image_attention`` tells the model runner to pass each
 image's span to the attention metadata, and the scheduler keeps an image whole in one prefill
-chunk. Checkpoint names as LLaVA's (``engine.models.llava.vlm_checkpoint_name``).
+chunk. Checkpoint names as LLaVA's (``engine.models.llava.VLM_RENAMES``).
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from torch import nn
 
 from engine.models.gemma import Gemma3ForCausalLM
 from engine.models.layers import GemmaRMSNorm
-from engine.models.llava import vlm_checkpoint_name
+from engine.models.llava import VLM_RENAMES, VLM_VISION_PREFIXES
 from engine.models.siglip import SiglipVisionTower
+from engine.models.vlm_checkpoint import VLMCheckpointNames
 from llm_kernels.backend import KernelOps
 from parallel.state import ParallelContext
-
-_VISION = ("vision_tower.", "multi_modal_projector.")
 
 
 class Gemma3MultiModalProjector(nn.Module):
@@ -56,9 +55,12 @@ class Gemma3MultiModalProjector(nn.Module):
         return out.to(features.dtype)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(VLMCheckpointNames, Gemma3ForCausalLM):
     """The language model of ``Gemma3ForCausalLM`` plus ``vision_tower`` and
     ``multi_modal_projector``."""
+
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = VLM_RENAMES
+    vision_prefixes: ClassVar[tuple[str, ...]] = VLM_VISION_PREFIXES
 
     # One image's tokens attend to each other both ways (see the module docstring).
     whole_image_attention: ClassVar[bool] = True
@@ -82,18 +84,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     # ---- checkpoint names ---------------------------------------------------------------
 
-    def checkpoint_target(self, name: str) -> tuple[str, Any]:
-        name = vlm_checkpoint_name(name)
-        if name.startswith(_VISION):
-            return name, None
-        for hf_name, (fused, part) in self.packed_modules_mapping.items():
-            if f".{hf_name}." in name:
-                return name.replace(f".{hf_name}.", f".{fused}."), part
-        return name, None
-
     def checkpoint_skipped(self, name: str) -> bool:
         """SigLIP's attention-pooling head, which a VLM never reads."""
-        return vlm_checkpoint_name(name).startswith("vision_tower.head.")
-
-    def checkpoint_aliases(self, name: str) -> Any:
-        return super().checkpoint_aliases(vlm_checkpoint_name(name))
+        return self.checkpoint_name(name).startswith("vision_tower.head.")

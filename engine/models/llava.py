@@ -14,25 +14,26 @@ passes the merged embeddings as ``inputs_embeds``.
 Checkpoint names come in three layouts (hub: ``language_model.model.*``,
 ``vision_tower.vision_model.*``; transformers >= 4.52: ``model.language_model.*``,
 ``model.vision_tower.*``; transformers 5's save: ``vision_tower.*`` without ``vision_model``);
-``checkpoint_target`` maps each to this module's names.
+``VLMCheckpointNames`` (``engine.models.vlm_checkpoint``) maps each to this module's names.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from engine.models.clip import CLIPVisionTower, vision_activation
 from engine.models.llama import LlamaForCausalLM
+from engine.models.vlm_checkpoint import VLMCheckpointNames
 from engine.vlm_config import feature_layer
 from llm_kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
 # Checkpoint prefix -> ours, first match wins (the loader may have prefixed "model." to a
 # checkpoint with no "model." names at all).
-_RENAMES: tuple[tuple[str, str], ...] = (
+VLM_RENAMES: tuple[tuple[str, str], ...] = (
     ("model.language_model.model.", "model."),
     ("model.language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
@@ -44,15 +45,7 @@ _RENAMES: tuple[tuple[str, str], ...] = (
     ("language_model.", "model."),
     ("vision_tower.vision_model.", "vision_tower."),
 )
-_VISION = ("vision_tower.", "multi_modal_projector.")
-
-
-def vlm_checkpoint_name(name: str) -> str:
-    """A VLM checkpoint name (any of the three layouts above) as this module names it."""
-    for old, new in _RENAMES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
+VLM_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -68,9 +61,12 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(VLMCheckpointNames, LlamaForCausalLM):
     """The language model of ``LlamaForCausalLM`` plus ``vision_tower`` and
     ``multi_modal_projector``."""
+
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = VLM_RENAMES
+    vision_prefixes: ClassVar[tuple[str, ...]] = VLM_VISION_PREFIXES
 
     def __init__(
         self, hf: dict[str, Any], ctx: ParallelContext, ops: KernelOps | None = None
@@ -93,25 +89,13 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     # ---- checkpoint names ---------------------------------------------------------------
 
-    def checkpoint_target(self, name: str) -> tuple[str, Any]:
-        name = vlm_checkpoint_name(name)
-        if name.startswith(_VISION):
-            return name, None
-        for hf_name, (fused, part) in self.packed_modules_mapping.items():
-            if f".{hf_name}." in name:
-                return name.replace(f".{hf_name}.", f".{fused}."), part
-        return name, None
-
     def checkpoint_skipped(self, name: str) -> bool:
         """The tower's parts a LLaVA never reads: ``post_layernorm`` and the encoder layers
         past ``vision_feature_layer``."""
-        name = vlm_checkpoint_name(name)
+        name = self.checkpoint_name(name)
         if name.startswith("vision_tower.post_layernorm."):
             return True
         prefix = "vision_tower.encoder.layers."
         if name.startswith(prefix):
             return int(name[len(prefix) :].split(".", 1)[0]) >= self.num_vision_layers
         return False
-
-    def checkpoint_aliases(self, name: str) -> Any:
-        return super().checkpoint_aliases(vlm_checkpoint_name(name))

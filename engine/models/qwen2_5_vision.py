@@ -18,6 +18,7 @@ every tensor-parallel rank (plain ``nn.Linear``s, no collectives).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,12 +97,20 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, vision: dict[str, Any]) -> None:
+    """``x + attn(norm1(x)); x + mlp(norm2(x))``: ``norm`` makes a norm of a width (Qwen2.5-VL's
+    RMSNorm, Qwen3-VL's LayerNorm), ``mlp`` the MLP of the tower's config."""
+
+    def __init__(
+        self,
+        vision: dict[str, Any],
+        norm: Callable[[int], nn.Module] = VisionRMSNorm,
+        mlp: Callable[[dict[str, Any]], nn.Module] = VisionMLP,
+    ) -> None:
         super().__init__()
-        self.norm1 = VisionRMSNorm(vision["hidden_size"])
-        self.norm2 = VisionRMSNorm(vision["hidden_size"])
+        self.norm1 = norm(vision["hidden_size"])
+        self.norm2 = norm(vision["hidden_size"])
         self.attn = VisionAttention(vision)
-        self.mlp = VisionMLP(vision)
+        self.mlp = mlp(vision)
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
@@ -126,6 +135,39 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.merged))
 
 
+def rotary_inv_freq(vision: dict[str, Any]) -> torch.Tensor:
+    """HF's float32 inverse frequencies of the tower's 2-D rotary (a quarter of a head each for
+    rows and columns); a plain tensor (moved per image; not a buffer)."""
+    head_dim = vision["hidden_size"] // vision["num_heads"]
+    theta = float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    spatial = head_dim // 2
+    exponents = torch.arange(0, spatial, 2, dtype=torch.float32, device="cpu") / spatial
+    return 1.0 / (theta**exponents)
+
+
+def merge_square_positions(t: int, h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each patch's (row, column) in the order the processor writes patches: grouped by merge
+    square (block row, block column, row in square, column in square), frame after frame."""
+    m = merge
+    rows = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
+    cols = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
+    rows = rows.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+    cols = cols.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+    return rows, cols
+
+
+def rotary_cos_sin(
+    rows: torch.Tensor, cols: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin per patch: the row's angles then the column's, twice (rotate-half layout)."""
+    freqs = torch.stack([rows, cols], dim=-1)[..., None].float() * inv_freq  # [S, 2, hd / 4]
+    angles = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+    return (
+        torch.cat([angles.cos(), angles.cos()], dim=-1),
+        torch.cat([angles.sin(), angles.sin()], dim=-1),
+    )
+
+
 class Qwen2_5_VisionTransformer(nn.Module):
     """HF's ``Qwen2_5_VisionTransformerPretrainedModel`` for one image at a time."""
 
@@ -137,12 +179,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(vision)
         self.blocks = nn.ModuleList(VisionBlock(vision) for _ in range(vision["depth"]))
         self.merger = PatchMerger(vision)
-        head_dim = vision["hidden_size"] // vision["num_heads"]
-        theta = float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        spatial = head_dim // 2
-        exponents = torch.arange(0, spatial, 2, dtype=torch.float32, device="cpu") / spatial
-        # HF's float32 inverse frequencies; a plain tensor (moved per image; not a buffer).
-        self.inv_freq = 1.0 / (theta**exponents)
+        self.inv_freq = rotary_inv_freq(vision)
 
     def forward(self, patches: torch.Tensor, grid_thw: tuple[int, ...]) -> torch.Tensor:
         """``[t*h*w, C*T*P*P]`` -> ``[t*h*w / merge**2, out_hidden_size]``."""
@@ -164,18 +201,9 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self, t: int, h: int, w: int, order: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin per patch, window order: the row's angles then the column's, twice."""
-        m = self.merge
-        rows = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-        cols = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-        # Grouped by merge square: (block row, block column, row in square, column in square).
-        rows = rows.permute(0, 2, 1, 3).reshape(-1).repeat(t)
-        cols = cols.permute(0, 2, 1, 3).reshape(-1).repeat(t)
-        inv_freq = self.inv_freq.to(order.device)
-        pos = torch.stack([rows, cols], dim=-1).to(order.device)
-        freqs = pos[..., None].float() * inv_freq  # [S, 2, head_dim / 4]
-        angles = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
-        cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
-        sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
+        rows, cols = merge_square_positions(t, h, w, self.merge)
+        device = order.device
+        cos, sin = rotary_cos_sin(rows.to(device), cols.to(device), self.inv_freq.to(device))
         unit = self.merge**2
 
         def reorder(table: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ Checkpoint names: transformers 5's save (``model.language_model.*``, ``model.vis
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from torch import nn
 from engine.models.llama import Qwen2ForCausalLM
 from engine.models.qwen2_5_vision import Qwen2_5_VisionTransformer
 from engine.models.rotary import RotaryEmbedding
+from engine.models.vlm_checkpoint import VLMCheckpointNames
 from llm_kernels.backend import KernelOps
 from parallel.state import ParallelContext
 
@@ -33,13 +34,6 @@ _RENAMES: tuple[tuple[str, str], ...] = (
     ("model.language_model.", "model."),
     ("model.visual.", "visual."),
 )
-
-
-def _rename(name: str) -> str:
-    for old, new in _RENAMES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
 
 
 def mrope_axes(rotary_dim: int, section: list[int], interleaved: bool = False) -> torch.Tensor:
@@ -88,15 +82,16 @@ class MRotaryEmbedding(nn.Module):
         return torch.cat((q_rot, q[..., dim:]), -1), torch.cat((k_rot, k[..., dim:]), -1)
 
 
-class QwenVLMixin:
+class QwenVLMixin(VLMCheckpointNames):
     """What Qwen2.5-VL and Qwen3-VL add to their decoder family (a ``CausalLM``): M-RoPE, the
     tower (``self.visual``, set by the subclass), image embeddings and checkpoint names."""
 
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = _RENAMES
+    vision_prefixes: ClassVar[tuple[str, ...]] = ("visual.",)
     uses_mrope = True
     hf: dict[str, Any]
     model: nn.Module
     visual: nn.Module
-    packed_modules_mapping: dict[str, tuple[str, Any]]
 
     def rotary(self, layer: int) -> MRotaryEmbedding:
         """One M-RoPE module shared by every layer (built at the first layer's call)."""
@@ -116,20 +111,6 @@ class QwenVLMixin:
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
-
-    # ---- checkpoint names ---------------------------------------------------------------
-
-    def checkpoint_target(self, name: str) -> tuple[str, Any]:
-        name = _rename(name)
-        if name.startswith("visual."):
-            return name, None
-        for hf_name, (fused, part) in self.packed_modules_mapping.items():
-            if f".{hf_name}." in name:
-                return name.replace(f".{hf_name}.", f".{fused}."), part
-        return name, None
-
-    def checkpoint_aliases(self, name: str) -> Any:
-        return super().checkpoint_aliases(_rename(name))  # type: ignore[misc]
 
 
 class Qwen2_5_VLForConditionalGeneration(QwenVLMixin, Qwen2ForCausalLM):

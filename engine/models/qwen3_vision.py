@@ -15,6 +15,7 @@ HF's (``visual.*``). Replicated on every tensor-parallel rank, like Qwen2.5-VL's
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -22,7 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.clip import vision_activation
-from engine.models.qwen2_5_vision import PatchEmbed, VisionAttention
+from engine.models.qwen2_5_vision import (
+    PatchEmbed,
+    VisionBlock,
+    merge_square_positions,
+    rotary_cos_sin,
+    rotary_inv_freq,
+)
 
 
 class VisionMLP(nn.Module):
@@ -34,21 +41,6 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-class VisionBlock(nn.Module):
-    def __init__(self, vision: dict[str, Any]) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(vision["hidden_size"], eps=1e-6)
-        self.norm2 = nn.LayerNorm(vision["hidden_size"], eps=1e-6)
-        self.attn = VisionAttention(vision)
-        self.mlp = VisionMLP(vision)
-
-    def forward(
-        self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
-        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
@@ -78,31 +70,28 @@ class Qwen3VisionModel(nn.Module):
         self.side = int(vision["num_position_embeddings"] ** 0.5)
         self.patch_embed = PatchEmbed(vision, bias=True)
         self.pos_embed = nn.Embedding(vision["num_position_embeddings"], vision["hidden_size"])
-        self.blocks = nn.ModuleList(VisionBlock(vision) for _ in range(vision["depth"]))
+        norm = functools.partial(nn.LayerNorm, eps=1e-6)
+        self.blocks = nn.ModuleList(
+            VisionBlock(vision, norm=norm, mlp=VisionMLP) for _ in range(vision["depth"])
+        )
         self.merger = PatchMerger(vision, postshuffle=False)
         self.deepstack_visual_indexes = list(vision["deepstack_visual_indexes"])
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(vision, postshuffle=True) for _ in self.deepstack_visual_indexes
         )
-        head_dim = vision["hidden_size"] // vision["num_heads"]
-        theta = float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        spatial = head_dim // 2
-        exponents = torch.arange(0, spatial, 2, dtype=torch.float32, device="cpu") / spatial
-        self.inv_freq = 1.0 / (theta**exponents)  # a plain tensor, as in Qwen2.5-VL's tower
+        self.inv_freq = rotary_inv_freq(vision)
 
     def forward(self, patches: torch.Tensor, grid_thw: tuple[int, ...]) -> torch.Tensor:
         """``[t*h*w, C*T*P*P]`` -> ``[t*h*w / merge**2, out_hidden * (1 + deepstack layers)]``:
         the merged embeddings, then each deepstack layer's, side by side."""
         t, h, w = grid_thw
-        rows, cols = self._block_order(t, h, w, patches.device)
+        rows, cols = merge_square_positions(t, h, w, self.merge)
+        rows, cols = rows.to(patches.device), cols.to(patches.device)
         x = self.patch_embed(patches)
         indices, weights = self._interpolation(rows, cols, h, w)
         pos = (self.pos_embed(indices) * weights[:, :, None]).sum(1)
         x = x + pos.to(x.dtype)
-        freqs = torch.stack([rows, cols], dim=-1)[..., None].float() * self.inv_freq.to(x.device)
-        angles = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
-        cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
-        sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
+        cos, sin = rotary_cos_sin(rows, cols, self.inv_freq.to(x.device))
         frames = [i * h * w for i in range(t + 1)]
         deepstack = []
         for i, block in enumerate(self.blocks):
@@ -111,17 +100,6 @@ class Qwen3VisionModel(nn.Module):
                 merger = self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)]
                 deepstack.append(merger(x))
         return torch.cat([self.merger(x), *deepstack], dim=-1)
-
-    def _block_order(
-        self, t: int, h: int, w: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each patch's (row, column), patches grouped by merge square, frame after frame."""
-        m = self.merge
-        rows = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-        cols = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-        rows = rows.permute(0, 2, 1, 3).reshape(-1).repeat(t)
-        cols = cols.permute(0, 2, 1, 3).reshape(-1).repeat(t)
-        return rows.to(device), cols.to(device)
 
     def _interpolation(
         self, rows: torch.Tensor, cols: torch.Tensor, h: int, w: int

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.clip import CLIPEncoder
+from engine.models.clip import CLIPEncoder, embed_patches
 
 
 class SiglipVisionEmbeddings(nn.Module):
@@ -32,14 +32,7 @@ class SiglipVisionEmbeddings(nn.Module):
         self.position_embedding = nn.Embedding((self.image_size // patch) ** 2, dim)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        height, width = pixel_values.shape[-2:]
-        if height != self.image_size or width != self.image_size:
-            raise ValueError(
-                f"pixel_values: images must be {self.image_size}x{self.image_size} (the tower's "
-                f"image_size), got {height}x{width}"
-            )
-        weight = self.patch_embedding.weight
-        patches = self.patch_embedding(pixel_values.to(weight.dtype)).flatten(2).transpose(1, 2)
+        patches = embed_patches(self.patch_embedding, self.image_size, pixel_values)
         return patches + self.position_embedding.weight
 
 

@@ -1,16 +1,21 @@
 """HF's reference for the Qwen2.5-VL and Qwen3-VL tests: the checkpoint's model class, its
 image processor and tokenizer, and the placeholder expansion of HF's Qwen VL processors (whose
-classes need torchvision for their video processors, which this environment lacks)."""
+classes need torchvision for their video processors, which this environment lacks); the check
+that the engine's M-RoPE positions equal HF's ``get_rope_index``."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
+
+from engine import LLM
+from tests.engine.vlm_checks import Case, hf_greedy, mm_prompt
 
 MAX_TOKENS = 20
 
@@ -49,7 +54,25 @@ class Reference:
         }
 
     def generate(self, text: str, images: list[Image.Image], special: bool = True) -> list[int]:
-        inputs = self.inputs(text, images, special)
-        with torch.no_grad():
-            out = self.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1] :].tolist()
+        return hf_greedy(self.model, self.inputs(text, images, special), MAX_TOKENS)
+
+
+def assert_positions_equal_hf(ref: Reference, model: str, cases: list[Case]) -> list[tuple]:
+    """For each case the engine's expanded prompt is the processor's and its M-RoPE positions
+    and delta are HF's ``get_rope_index``; returns (prompt ids, positions, HF's ``[3, n]``
+    positions) per case."""
+    llm = LLM(model)
+    checked = []
+    for text, images in cases:
+        inputs = ref.inputs(text, images)
+        want, delta = ref.model.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
+        )
+        ids = llm.get_tokenizer().encode(text)
+        ids, feats = llm.llm_engine.inputs.process_multimodal(mm_prompt(text, images), ids)
+        assert ids == inputs["input_ids"][0].tolist()
+        mrope = llm.llm_engine.inputs.mrope_positions(ids, feats)
+        assert mrope is not None and mrope.delta == int(delta)
+        assert np.array_equal(mrope.array(), want[:, 0].numpy())
+        checked.append((ids, mrope, want[:, 0].numpy()))
+    return checked

@@ -16,21 +16,26 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import load_file, save_file
-from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+from transformers import Gemma3ForConditionalGeneration
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.builtin.tiny_vlm_models import make_tiny_gemma3_vision
 from engine.errors import ConfigError
 from engine.multimodal.inputs import image_feature, stop_before_split_image, whole_image_prefix
 from tests.engine.vlm_checks import (
     Reference,
+    assert_own_answers_behind_the_same_text,
     assert_released,
-    encoder_stats,
+    assert_same_images_twice_hit_the_prefix_cache,
+    assert_setting_kept_hf_tokens,
+    cases,
     features,
     generate,
-    image,
+    greedy,
+    hf_greedy,
+    mm_prompt,
+    seeded_images,
 )
 
 MODEL = "builtin:tiny-gemma3-vision"
@@ -40,23 +45,13 @@ ONE = "USER: <start_of_image> What is in the picture? ASSISTANT:"
 TWO = "USER: <start_of_image> and then <start_of_image> Compare the two. ASSISTANT:"
 # Sizes on both sides of the processor's 32x32 (each is resized to it).
 SIZES = [(40, 70), (96, 64), (32, 32), (200, 120), (21, 33), (64, 150)]
-IMAGES = [image(i, h, w) for i, (h, w) in enumerate(SIZES)]
-CASES: list[tuple[str, list[Image.Image]]] = [
-    (ONE, [IMAGES[0]]),
-    (ONE, [IMAGES[1]]),
-    (TWO, [IMAGES[2], IMAGES[3]]),
-    (TWO, [IMAGES[4], IMAGES[5]]),
-]
+IMAGES = seeded_images(SIZES)
+CASES = cases(ONE, TWO, IMAGES, ((0,), (1,), (2, 3), (4, 5)))
 
 
 @pytest.fixture(scope="module")
 def ref() -> Reference:
     return Reference("tiny-gemma3-vision", Gemma3ForConditionalGeneration, MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def expected(ref: Reference) -> list[list[int]]:
-    return [ref.generate(text, images) for text, images in CASES]
 
 
 def _record_chunks(llm: LLM) -> list[tuple[int, int, list[Any]]]:
@@ -94,7 +89,8 @@ def test_newlines_around_an_image_merge_as_hf_tokenizes_them(tmp_path: Path) -> 
     # A tokenizer with tokens for runs of newlines (Gemma's): HF tokenizes the expanded text,
     # so the prompt's newlines next to a placeholder merge with the image's "\n\n".
     path = make_tiny_gemma3_vision(tmp_path, seed=1, newline_tokens=True)
-    processor = AutoProcessor.from_pretrained(path)
+    reference = Reference(path, Gemma3ForConditionalGeneration, MAX_TOKENS)
+    processor = reference.processor
     llm = LLM(str(path))
     texts = [
         "USER:\n<start_of_image>\nWhat is it?",
@@ -109,12 +105,8 @@ def test_newlines_around_an_image_merge_as_hf_tokenizes_them(tmp_path: Path) -> 
         got, feats = llm.llm_engine.inputs.process_multimodal(prompt, ids)
         assert got == want, text
         assert all(got[f.offset - 1] == processor.tokenizer.boi_token_id for f in feats)
-    model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    inputs = processor(text=texts[0], images=IMAGES[:1], return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
     _, got_tokens = generate(str(path), [(texts[0], IMAGES[:1])], MAX_TOKENS)
-    assert got_tokens == [out[0, inputs["input_ids"].shape[1] :].tolist()]
+    assert got_tokens == [reference.generate(texts[0], IMAGES[:1])]
 
 
 SETTINGS = {
@@ -130,11 +122,8 @@ SETTINGS = {
 def test_greedy_matches_hf(expected: list[list[int]], setting: str) -> None:
     llm = LLM(MODEL, **SETTINGS[setting])
     chunks = _record_chunks(llm)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in CASES]
-    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"{setting}: case {i} differs"
+    outputs = llm.generate([mm_prompt(*case) for case in CASES], greedy(MAX_TOKENS), use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outputs]
     # No chunk ever ends inside an image (nor starts inside one).
     for start, end, feats in chunks:
         for f in feats:
@@ -144,60 +133,32 @@ def test_greedy_matches_hf(expected: list[list[int]], setting: str) -> None:
         # The text split: some chunk stopped right before an image with budget left over.
         assert any(e - s < 20 and any(e == f.offset for f in feats) for s, e, feats in chunks)
         assert len(prefill) > len(CASES)
-    if setting.startswith("preempt"):
-        assert llm.llm_engine.scheduler.num_preemptions > 0, "the setting did not force preemption"
-    if setting == "preempt_swap":
-        assert llm.llm_engine.scheduler.num_swap_outs > 0, "preemption fell back to recompute"
-    # Once per image and request: not per chunk, not again after a preemption.
-    assert encoder_stats(llm)["num_encoded"] == sum(len(imgs) for _, imgs in CASES)
-    assert_released(llm)
+    assert_setting_kept_hf_tokens(llm, setting, got, expected, CASES)
 
 
 def test_different_images_behind_the_same_text_get_their_own_answers(
     expected: list[list[int]],
 ) -> None:
-    # Cases 0 and 1: the same text (the same placeholder ids), two images. With prefix
-    # caching the second must not reuse the first's blocks.
-    llm = LLM(MODEL, enable_prefix_caching=True, max_num_seqs=1)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    got = []
-    for text, images in CASES[:2]:
-        prompt = {"prompt": text, "multi_modal_data": {"image": images}}
-        got.append(list(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids))
-    assert got == expected[:2]
-    assert got[0] != got[1]
-    assert_released(llm)
+    # Cases 0 and 1: the same text (the same placeholder ids), two images.
+    assert_own_answers_behind_the_same_text(MODEL, CASES[:2], expected[:2])
 
 
 def test_same_images_twice_hit_the_prefix_cache(expected: list[list[int]]) -> None:
-    llm = LLM(MODEL, enable_prefix_caching=True, max_num_seqs=1)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    text, images = CASES[2]
-    prompt = {"prompt": text, "multi_modal_data": {"image": images}}
-    first = llm.generate(prompt, params, use_tqdm=False)[0]
-    assert llm.llm_engine.block_manager.prefix_hits == 0
-    again = {"prompt": text, "multi_modal_data": {"image": [im.copy() for im in images]}}
-    second = llm.generate(again, params, use_tqdm=False)[0]
-    assert list(first.outputs[0].token_ids) == list(second.outputs[0].token_ids) == expected[2]
-    assert llm.llm_engine.block_manager.prefix_hits > 0
-    # Both images' tokens were cached: the second request never ran the vision tower.
-    assert second.num_cached_tokens > max(f.end for f in features(llm, prompt))
-    assert encoder_stats(llm)["num_encoded"] == len(images)
-    assert_released(llm)
+    assert_same_images_twice_hit_the_prefix_cache(MODEL, CASES[2], expected[2])
 
 
 def test_a_prefix_hit_ending_inside_an_image_backs_off(ref: Reference) -> None:
     # Same text and image up to just after the image, then different text: the shared full
     # blocks of 8 end inside the image's tokens, so the hit stops at the block before it.
     llm = LLM(MODEL, enable_prefix_caching=True, max_num_seqs=1, block_size=8)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = greedy(MAX_TOKENS)
     first_text, second_text = ONE, "USER: <start_of_image>!"
     img = [IMAGES[0]]
-    prompt = {"prompt": second_text, "multi_modal_data": {"image": img}}
-    (feature,) = features(llm, prompt)
+    second = mm_prompt(second_text, img)
+    (feature,) = features(llm, second)
     assert feature.offset % 8 and (feature.end // 8) * 8 > feature.offset  # a block ends inside
-    llm.generate({"prompt": first_text, "multi_modal_data": {"image": img}}, params, use_tqdm=False)
-    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    llm.generate(mm_prompt(first_text, img), params, use_tqdm=False)
+    out = llm.generate(second, params, use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == ref.generate(second_text, img)
     assert 0 < out.num_cached_tokens == feature.offset - feature.offset % 8
     assert_released(llm)
@@ -266,8 +227,7 @@ def test_chat_with_an_image_part_equals_hf_on_the_rendered_prompt(ref: Reference
     # processor expands it (the template's <s> is the only BOS).
     llm = LLM(MODEL)
     content = [{"type": "image_pil", "image_pil": IMAGES[3]}, {"type": "text", "text": "What?"}]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
+    out = llm.chat([{"role": "user", "content": content}], greedy(MAX_TOKENS), use_tqdm=False)[0]
     text = ref.processor.tokenizer.apply_chat_template(
         [{"role": "user", "content": "<start_of_image>\nWhat?"}],
         tokenize=False,
@@ -277,9 +237,7 @@ def test_chat_with_an_image_part_equals_hf_on_the_rendered_prompt(ref: Reference
         text=text, images=[IMAGES[3]], return_tensors="pt", add_special_tokens=False
     )
     assert list(out.prompt_token_ids) == inputs["input_ids"][0].tolist()
-    with torch.no_grad():
-        want = ref.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    assert list(out.outputs[0].token_ids) == want[0, inputs["input_ids"].shape[1] :].tolist()
+    assert list(out.outputs[0].token_ids) == hf_greedy(ref.model, inputs, MAX_TOKENS)
 
 
 def test_a_hub_layout_checkpoint_loads_the_same(
@@ -317,15 +275,9 @@ def test_a_tower_with_its_pooling_head_and_coarser_pooling_equals_hf(tmp_path: P
         text_overrides={"sliding_window": 3},
         mm_tokens_per_image=4,
     )
-    processor = AutoProcessor.from_pretrained(path)
-    model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    assert any("head" in n for n, _ in model.model.vision_tower.named_parameters())
-    answers = []
-    for text, images in CASES[1:3]:
-        inputs = processor(text=text, images=images, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        answers.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    reference = Reference(path, Gemma3ForConditionalGeneration, MAX_TOKENS)
+    assert any("head" in n for n, _ in reference.model.model.vision_tower.named_parameters())
+    answers = [reference.generate(*case) for case in CASES[1:3]]
     _, got = generate(str(path), CASES[1:3], MAX_TOKENS, max_num_batched_tokens=8)
     assert got == answers
     assert answers[0] != answers[1]

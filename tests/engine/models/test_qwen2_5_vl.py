@@ -14,18 +14,28 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
-from PIL import Image
 
-from engine import LLM, LoRARequest, SamplingParams
+from engine import LLM
 from engine.builtin.catalog import resolve_model_source
 from engine.builtin.tiny_qwen_vl_models import IMAGE_PLACEHOLDER, make_tiny_qwen2_5_vl
 from engine.errors import ConfigError, InvalidRequestError
 from engine.hf_config import check_hf_config
 from engine.vlm_config import flatten_vlm_config
-from tests.engine.qwen_vl_reference import MAX_TOKENS, Reference
-from tests.engine.vlm_checks import assert_released, encoder_stats, features, image
+from tests.engine.qwen_vl_reference import MAX_TOKENS, Reference, assert_positions_equal_hf
+from tests.engine.vlm_checks import (
+    assert_lora_equals_peft,
+    assert_released,
+    assert_same_images_twice_hit_the_prefix_cache,
+    assert_setting_kept_hf_tokens,
+    cases,
+    generate,
+    greedy,
+    hf_greedy,
+    image,
+    language_model_lora,
+    one_at_a_time,
+    seeded_images,
+)
 
 MODEL = "builtin:tiny-qwen2.5-vl"
 P = IMAGE_PLACEHOLDER
@@ -35,13 +45,8 @@ TWO = f"<|im_start|>user\n{P} and then {P}\nCompare the two.<|im_end|>\n<|im_sta
 # After smart_resize (multiples of 28): grids 4x6, 8x4, 6x10, 14x8, 2x2, 4x10 patches, i.e.
 # 6, 8, 15, 28, 1 and 10 image tokens.
 SIZES = [(56, 84), (112, 60), (90, 150), (200, 120), (33, 33), (64, 150)]
-IMAGES = [image(i, h, w) for i, (h, w) in enumerate(SIZES)]
-CASES: list[tuple[str, list[Image.Image]]] = [
-    (ONE, [IMAGES[0]]),
-    (ONE, [IMAGES[3]]),
-    (TWO, [IMAGES[2], IMAGES[1]]),
-    (TWO, [IMAGES[4], IMAGES[5]]),
-]
+IMAGES = seeded_images(SIZES)
+CASES = cases(ONE, TWO, IMAGES, ((0,), (3,), (2, 1), (4, 5)))
 
 
 @pytest.fixture(scope="module")
@@ -49,42 +54,11 @@ def ref() -> Reference:
     return Reference(resolve_model_source(MODEL))
 
 
-@pytest.fixture(scope="module")
-def expected(ref: Reference) -> list[list[int]]:
-    return [ref.generate(text, images) for text, images in CASES]
-
-
-def _params() -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def _prompt(text: str, images: list[Image.Image]) -> dict[str, Any]:
-    return {"prompt": text, "multi_modal_data": {"image": images}}
-
-
-def _generate(cases: list[tuple[str, list[Image.Image]]], model: str = MODEL, **engine_args: Any):
-    llm = LLM(model, **engine_args)
-    outputs = llm.generate([_prompt(*case) for case in cases], _params(), use_tqdm=False)
-    return llm, [list(o.outputs[0].token_ids) for o in outputs]
-
-
 def test_positions_equal_hf_get_rope_index(ref: Reference) -> None:
-    llm = LLM(MODEL)
-    for text, images in CASES:
-        inputs = ref.inputs(text, images)
-        want, delta = ref.model.model.get_rope_index(
-            inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
-        )
-        ids = llm.get_tokenizer().encode(text)
-        ids, feats = llm.llm_engine.inputs.process_multimodal(_prompt(text, images), ids)
-        assert ids == inputs["input_ids"][0].tolist()
-        mrope = llm.llm_engine.inputs.mrope_positions(ids, feats)
-        assert mrope is not None
-        assert np.array_equal(mrope.array(), want[:, 0].numpy())
-        assert mrope.delta == int(delta)
+    for ids, mrope, want in assert_positions_equal_hf(ref, MODEL, CASES):
         # A range past the prompt: the text position plus the delta on every axis.
         tail = mrope.for_range(len(ids) - 2, len(ids) + 3)
-        assert np.array_equal(tail[:, :2], want[:, 0, -2:].numpy())
+        assert np.array_equal(tail[:, :2], want[:, -2:])
         assert np.array_equal(tail[:, 2:], np.tile(np.arange(3) + len(ids) + mrope.delta, (3, 1)))
 
 
@@ -99,15 +73,8 @@ SETTINGS = {
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_matches_hf(expected: list[list[int]], setting: str) -> None:
-    llm, got = _generate(CASES, **SETTINGS[setting])
-    for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"{setting}: case {i} differs"
-    if setting.startswith("preempt"):
-        assert llm.llm_engine.scheduler.num_preemptions > 0, "the setting did not force preemption"
-    if setting == "preempt_swap":
-        assert llm.llm_engine.scheduler.num_swap_outs > 0, "preemption fell back to recompute"
-    assert encoder_stats(llm)["num_encoded"] == sum(len(imgs) for _, imgs in CASES)
-    assert_released(llm)
+    llm, got = generate(MODEL, CASES, MAX_TOKENS, **SETTINGS[setting])
+    assert_setting_kept_hf_tokens(llm, setting, got, expected, CASES)
 
 
 def test_answers_depend_on_the_image_and_on_its_grid(expected: list[list[int]]) -> None:
@@ -121,43 +88,29 @@ def test_different_images_behind_the_same_text_get_their_own_answers(
     llm = LLM(MODEL, enable_prefix_caching=True, max_num_seqs=1)
     # Two images of one size (one grid: the same placeholder ids and positions), then the
     # first again: each gets its own answer, and the repeat hits the cache.
-    cases = [(ONE, [IMAGES[0]]), (ONE, [image(7, 56, 84)]), (ONE, [IMAGES[0]])]
-    got = [
-        list(llm.generate(_prompt(*case), _params(), use_tqdm=False)[0].outputs[0].token_ids)
-        for case in cases
-    ]
+    three = [(ONE, [IMAGES[0]]), (ONE, [image(7, 56, 84)]), (ONE, [IMAGES[0]])]
+    got = one_at_a_time(llm, three, MAX_TOKENS)
     assert got[0] == expected[0] and got[2] == expected[0]
-    assert got[1] == ref.generate(*cases[1]) != got[0]
+    assert got[1] == ref.generate(*three[1]) != got[0]
     assert llm.llm_engine.block_manager.prefix_hits > 0
     assert_released(llm)
 
 
 def test_same_image_twice_hits_the_prefix_cache(expected: list[list[int]]) -> None:
-    llm = LLM(MODEL, enable_prefix_caching=True, max_num_seqs=1)
-    text, images = CASES[2]
-    first = llm.generate(_prompt(text, images), _params(), use_tqdm=False)[0]
-    assert llm.llm_engine.block_manager.prefix_hits == 0
-    again = _prompt(text, [im.copy() for im in images])
-    second = llm.generate(again, _params(), use_tqdm=False)[0]
-    assert list(first.outputs[0].token_ids) == list(second.outputs[0].token_ids) == expected[2]
-    assert llm.llm_engine.block_manager.prefix_hits > 0
-    # Both images' tokens were cached: the second request never ran the vision tower.
-    assert second.num_cached_tokens > max(f.end for f in features(llm, again))
-    assert encoder_stats(llm)["num_encoded"] == len(images)
-    assert_released(llm)
+    assert_same_images_twice_hit_the_prefix_cache(MODEL, CASES[2], expected[2])
 
 
 def test_prompt_token_ids_and_chat(ref: Reference, expected: list[list[int]]) -> None:
     llm = LLM(MODEL)
     text, images = CASES[2]
     ids = llm.get_tokenizer().encode(text)
-    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, _params(),
-                       use_tqdm=False)[0]  # fmt: skip
+    request = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+    out = llm.generate(request, greedy(MAX_TOKENS), use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == expected[2]
     # Chat content parts: each image part becomes <|vision_start|><|image_pad|><|vision_end|>.
     message = {"role": "user", "content": [{"type": "image_pil", "image_pil": IMAGES[0]},
                                            {"type": "text", "text": "What is it?"}]}  # fmt: skip
-    chat = llm.chat([message], _params(), use_tqdm=False)[0]
+    chat = llm.chat([message], greedy(MAX_TOKENS), use_tqdm=False)[0]
     rendered = ref.tokenizer.apply_chat_template(
         [{"role": "user", "content": f"{P}\nWhat is it?"}], tokenize=False,
         add_generation_prompt=True,
@@ -171,7 +124,9 @@ def test_prompt_token_ids_and_chat(ref: Reference, expected: list[list[int]]) ->
 def test_videos_are_refused_by_name() -> None:
     llm = LLM(MODEL)
     with pytest.raises(InvalidRequestError) as err:
-        llm.generate({"prompt": ONE, "multi_modal_data": {"video": [IMAGES[0]]}}, _params())
+        llm.generate(
+            {"prompt": ONE, "multi_modal_data": {"video": [IMAGES[0]]}}, greedy(MAX_TOKENS)
+        )
     assert err.value.param == "multi_modal_data" and "video" in str(err.value)
 
 
@@ -223,35 +178,15 @@ def test_a_second_seed_with_larger_windows_and_one_full_attention_layer(tmp_path
         text_overrides={"num_hidden_layers": 3},
     )
     reference = Reference(path)
-    cases = [CASES[1], CASES[2]]
-    _, got = _generate(cases, model=str(path), max_num_batched_tokens=12)
-    assert got == [reference.generate(*case) for case in cases]
+    two = [CASES[1], CASES[2]]
+    _, got = generate(str(path), two, MAX_TOKENS, max_num_batched_tokens=12)
+    assert got == [reference.generate(*case) for case in two]
 
 
 def test_lora_on_the_language_model_equals_hf_peft(ref: Reference, tmp_path: Path) -> None:
     # The adapter targets the language model's layers only (the tower has no q/v_proj, but a
     # down_proj: the pattern keeps it out).
-    config = LoraConfig(
-        r=4,
-        lora_alpha=8,
-        target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)",
-        init_lora_weights=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        base = type(ref.model).from_pretrained(ref.path, dtype=torch.float32)
-        peft = get_peft_model(base, config)
-    peft.save_pretrained(str(tmp_path))
+    peft = language_model_lora(type(ref.model), ref.path, tmp_path)
     text, images = CASES[2]
-    inputs = ref.inputs(text, images)
-    with torch.no_grad():
-        out = peft.eval().generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    expected_lora = out[0, inputs["input_ids"].shape[1] :].tolist()
-    llm = LLM(MODEL, enable_lora=True, max_lora_rank=8)
-    prompt = _prompt(text, images)
-    got = llm.generate(
-        [prompt, prompt], _params(), lora_request=[LoRARequest("a", 1, str(tmp_path)), None],
-        use_tqdm=False,
-    )  # fmt: skip
-    assert list(got[0].outputs[0].token_ids) == expected_lora
-    assert list(got[1].outputs[0].token_ids) == ref.generate(text, images) != expected_lora
+    expected_lora = hf_greedy(peft, ref.inputs(text, images), MAX_TOKENS)
+    assert_lora_equals_peft(MODEL, CASES[2], tmp_path, expected_lora, ref.generate(text, images))

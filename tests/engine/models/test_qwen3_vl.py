@@ -8,13 +8,10 @@ HF's ``get_rope_index``; TP = 2 equals TP = 1 is in test_qwen_vl_parallel."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
-from PIL import Image
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.builtin.catalog import resolve_model_source
 from engine.builtin.tiny_qwen_vl_models import IMAGE_PLACEHOLDER as P
 from engine.builtin.tiny_qwen_vl_models import make_tiny_qwen3_vl
@@ -22,8 +19,19 @@ from engine.errors import ConfigError
 from engine.hf_config import check_hf_config
 from engine.models.qwen2_5_vl import mrope_axes
 from engine.vlm_config import flatten_vlm_config
-from tests.engine.qwen_vl_reference import MAX_TOKENS, Reference
-from tests.engine.vlm_checks import assert_released, encoder_stats, features, image
+from tests.engine.qwen_vl_reference import MAX_TOKENS, Reference, assert_positions_equal_hf
+from tests.engine.vlm_checks import (
+    assert_released,
+    assert_setting_kept_hf_tokens,
+    cases,
+    features,
+    generate,
+    greedy,
+    image,
+    mm_prompt,
+    one_at_a_time,
+    seeded_images,
+)
 
 MODEL = "builtin:tiny-qwen3-vl"
 ONE = f"<|im_start|>user\n{P}What is in the picture?<|im_end|>\n<|im_start|>assistant\n"
@@ -31,31 +39,13 @@ TWO = f"<|im_start|>user\n{P} and then {P}\nCompare the two.<|im_end|>\n<|im_sta
 # After smart_resize (multiples of 32): grids 4x6, 8x4, 6x10, 12x8, 4x4 and 6x4 patches, i.e.
 # 6, 8, 15, 24, 4 and 6 image tokens; only the 4x4 one is the position table's own size.
 SIZES = [(64, 96), (128, 64), (100, 160), (200, 120), (40, 40), (96, 64)]
-IMAGES = [image(10 + i, h, w) for i, (h, w) in enumerate(SIZES)]
-CASES: list[tuple[str, list[Image.Image]]] = [
-    (ONE, [IMAGES[0]]),
-    (ONE, [IMAGES[3]]),
-    (TWO, [IMAGES[2], IMAGES[1]]),
-    (TWO, [IMAGES[4], IMAGES[5]]),
-]
+IMAGES = seeded_images(SIZES, first_seed=10)
+CASES = cases(ONE, TWO, IMAGES, ((0,), (3,), (2, 1), (4, 5)))
 
 
 @pytest.fixture(scope="module")
 def ref() -> Reference:
     return Reference(resolve_model_source(MODEL))
-
-
-@pytest.fixture(scope="module")
-def expected(ref: Reference) -> list[list[int]]:
-    return [ref.generate(text, images) for text, images in CASES]
-
-
-def _params() -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def _prompt(text: str, images: list[Image.Image]) -> dict[str, Any]:
-    return {"prompt": text, "multi_modal_data": {"image": images}}
 
 
 def test_interleaved_sections() -> None:
@@ -65,18 +55,7 @@ def test_interleaved_sections() -> None:
 
 
 def test_positions_equal_hf_get_rope_index(ref: Reference) -> None:
-    llm = LLM(MODEL)
-    for text, images in CASES:
-        inputs = ref.inputs(text, images)
-        want, delta = ref.model.model.get_rope_index(
-            inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
-        )
-        ids = llm.get_tokenizer().encode(text)
-        ids, feats = llm.llm_engine.inputs.process_multimodal(_prompt(text, images), ids)
-        assert ids == inputs["input_ids"][0].tolist()
-        mrope = llm.llm_engine.inputs.mrope_positions(ids, feats)
-        assert mrope is not None and mrope.delta == int(delta)
-        assert np.array_equal(mrope.array(), want[:, 0].numpy())
+    assert len(assert_positions_equal_hf(ref, MODEL, CASES)) == len(CASES)
 
 
 SETTINGS = {
@@ -89,29 +68,19 @@ SETTINGS = {
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_matches_hf(expected: list[list[int]], setting: str) -> None:
-    llm = LLM(MODEL, **SETTINGS[setting])
-    outputs = llm.generate([_prompt(*case) for case in CASES], _params(), use_tqdm=False)
-    for i, (out, e) in enumerate(zip(outputs, expected)):
-        assert list(out.outputs[0].token_ids) == e, f"{setting}: case {i} differs"
-    if setting.startswith("preempt"):
-        assert llm.llm_engine.scheduler.num_preemptions > 0, "the setting did not force preemption"
-    assert encoder_stats(llm)["num_encoded"] == sum(len(imgs) for _, imgs in CASES)
+    llm, got = generate(MODEL, CASES, MAX_TOKENS, **SETTINGS[setting])
+    assert_setting_kept_hf_tokens(llm, setting, got, expected, CASES)
     assert len({tuple(e) for e in expected}) == len(expected)
-    assert_released(llm)
 
 
 def test_prefix_caching_by_image(ref: Reference, expected: list[list[int]]) -> None:
     llm = LLM(MODEL, enable_prefix_caching=True, max_num_seqs=1)
     other = (ONE, [image(99, 64, 96)])  # the first case's grid, another image
-    cases = [CASES[0], other, CASES[0]]
-    got = [
-        list(llm.generate(_prompt(*case), _params(), use_tqdm=False)[0].outputs[0].token_ids)
-        for case in cases
-    ]
+    got = one_at_a_time(llm, [CASES[0], other, CASES[0]], MAX_TOKENS)
     assert got[0] == got[2] == expected[0]
     assert got[1] == ref.generate(*other) != got[0]
-    last = llm.generate(_prompt(*CASES[0]), _params(), use_tqdm=False)[0]
-    assert last.num_cached_tokens > max(f.end for f in features(llm, _prompt(*CASES[0])))
+    last = llm.generate(mm_prompt(*CASES[0]), greedy(MAX_TOKENS), use_tqdm=False)[0]
+    assert last.num_cached_tokens > max(f.end for f in features(llm, mm_prompt(*CASES[0])))
     assert llm.llm_engine.block_manager.prefix_hits > 0
     assert_released(llm)
 
@@ -128,7 +97,7 @@ def test_deepstack_past_the_last_layer_and_a_larger_table(tmp_path: Path) -> Non
     reference = Reference(path)
     llm = LLM(str(path), max_num_batched_tokens=6)
     for case in CASES[1:3]:
-        got = llm.generate(_prompt(*case), _params(), use_tqdm=False)[0]
+        got = llm.generate(mm_prompt(*case), greedy(MAX_TOKENS), use_tqdm=False)[0]
         assert list(got.outputs[0].token_ids) == reference.generate(*case)
 
 
