@@ -39,6 +39,7 @@ from engine.quantization.model_setup import (
     release_placeholders,
 )
 from engine.quantization.mxfp4 import Mxfp4Checkpoint, mxfp4_weights
+from engine.startup_timeline import StartupTimeline
 from engine.worker.kv_cache_scales import is_kv_scale_name, load_kv_scale
 from llm_kernels.backend import KernelOps, get_kernel_ops
 from parallel.layers import (
@@ -440,9 +441,12 @@ def load_model(
     ctx: ParallelContext,
     device: torch.device,
     progress: LoadProgressCallback | None = None,
+    timeline: StartupTimeline | None = None,
 ) -> nn.Module:
     """Build this rank's shard of the model and load its weights; ``progress`` (when given)
-    hears how far the read has got: (bytes read, bytes in all), once per tensor."""
+    hears how far the read has got: (bytes read, bytes in all), once per tensor;
+    ``timeline`` gets a mark as the build, the read and the CPU repack end."""
+    timeline = timeline or StartupTimeline("load_model")
     model_class = model_class_of(config.model)
     backend = config.kernel.resolved_backend(device.type)
     dtype = config.model.torch_dtype
@@ -458,6 +462,7 @@ def load_model(
     placeholders = meta_linear_weights() if keep_on is not None else contextlib.nullcontext()
     with torch.device(device), _default_dtype(dtype), placeholders:
         model = model_class(config.model.hf_config, ctx, ops=get_kernel_ops(backend))
+    timeline.mark("model build")
     canonical = _canonical_name(model, headers)
     tensor_bytes = {canonical(name): _nbytes(info) for name, info in headers.items()}
     quantized: QuantizedCheckpoint | Mxfp4Checkpoint | None = None
@@ -482,6 +487,7 @@ def load_model(
         weights = quantized.transform(weights)
     load_weights(model, weights, hf_config=config.model.hf_config)
     meter.finish()
+    timeline.mark("weights read")
     if quantized is not None:
         quantized.attach_activation_quant(model, _target_of(model))
         if keep_on is not None:
@@ -491,4 +497,5 @@ def load_model(
         packed = pack_linear_weights(model)
         experts = pack_expert_weights(model)
         logger.debug("packed %d linear weights and %d expert layers for oneDNN", packed, experts)
+        timeline.mark("oneDNN repack")
     return model
