@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-from transformers import AutoImageProcessor
 
 from engine.errors import InvalidRequestError
 from engine.multimodal.inputs import MultiModalFeature, image_feature
@@ -42,6 +41,10 @@ class MultiModalProcessor:
         self.hf = hf
         self.image_token_id = int(hf["image_token_index"])
         self.limits = limits
+        # Imported for a VLM only: transformers' image processing pulls in its whole modeling
+        # stack (3-8 s of imports on 2 cores), which a text model's head and replica never use.
+        from transformers import AutoImageProcessor
+
         self.image_processor = AutoImageProcessor.from_pretrained(model_path)
 
     def process(self, token_ids: list[int], data: Any) -> tuple[list[int], list[MultiModalFeature]]:
