@@ -185,16 +185,39 @@ def _ray_logs(ray_tmp: Path) -> str:
 
 
 def merged_timeline(
-    text: str, started: float, extra: dict[str, float], whos: tuple[str, ...]
+    text: str, started: float, extra: dict[str, float], model_id: str, driver: bool
 ) -> list[tuple[str, float]]:
-    """The start's phases in the order they ended: the marks of the processes named ``whos``
-    (each one's last line whose marks all come after ``started``), and ``extra`` marks of this
-    script, from ``started`` on; (``who: phase``, seconds)."""
-    chosen: dict[str, list[tuple[str, float]]] = {}
+    """The start's phases in the order they ended, (``who: phase``, seconds) from ``started``
+    on: the marks of one replica of ``model_id`` (``replica <model> <id>``; of several that
+    started, the first ready), its head (``head <model> <id>``), the worker line between the
+    head's config and engine marks, ``cluster serve``'s (``driver``), and ``extra`` marks of
+    this script. Lines with a mark before ``started`` belong to an earlier start."""
+    lines: dict[str, list[tuple[str, float]]] = {}
+    workers: list[list[tuple[str, float]]] = []
     for who, marks in parse_timelines(text):
         kept = [(name, at) for name, at in marks if name not in ("process start", "created")]
-        if who in whos and kept and min(at for _, at in kept) >= started:
-            chosen[who] = kept
+        if not kept or min(at for _, at in kept) < started:
+            continue
+        if who == "worker rank 0":
+            workers.append(kept)
+        else:
+            lines[who] = kept
+    replicas = {
+        who.rpartition(" ")[2]: marks
+        for who, marks in lines.items()
+        if who.startswith(f"replica {model_id} ")
+        and f"head {model_id} {who.rpartition(' ')[2]}" in lines
+    }
+    if not replicas:
+        return [(f"client: {name}", at - started) for name, at in extra.items()]
+    replica_id = min(replicas, key=lambda r: replicas[r][-1][1])
+    head = lines[f"head {model_id} {replica_id}"]
+    chosen = {"replica": replicas[replica_id], "head": head}
+    inside = [w for w in workers if head[0][1] <= w[0][1] and w[-1][1] <= head[-1][1]]
+    if inside:
+        chosen["worker"] = inside[0]
+    if driver and "cluster serve" in lines:
+        chosen["cluster serve"] = lines["cluster serve"]
     marks = [(f"{who}: {name}", at) for who, kept in chosen.items() for name, at in kept]
     marks += [(f"client: {name}", at) for name, at in extra.items()]
     marks.sort(key=lambda mark: mark[1])
@@ -252,12 +275,12 @@ def one_round(
     }
     log_text = log_path.read_text(errors="replace")
     if system != "vllm":
-        whos = ("cluster serve", f"replica {model_id}", f"head {model_id}", "worker rank 0")
         extra = {
             "health 200": started_epoch + ready_s,
             "first token": started_epoch + first_token_s,
         }
-        phases = merged_timeline(log_text + _ray_logs(ray_tmp), started_epoch, extra, whos)
+        text = log_text + _ray_logs(ray_tmp)
+        phases = merged_timeline(text, started_epoch, extra, model_id, driver=True)
         result["phases"] = phases
         result["groups"] = grouped(phases, first_token_s)
     else:
@@ -279,7 +302,6 @@ def replica_rounds(model: Path, args: argparse.Namespace, ray_tmp: Path) -> list
     entry = _model_entry(model, args)
     config = {"models": [entry], "app_name": "coldstart"}
     serve.run(build_app(config), name="coldstart", route_prefix="/")
-    whos = (f"replica {_MODEL_ID}", f"head {_MODEL_ID}", "worker rank 0")
     rounds = []
     try:
         for _ in range(args.rounds):
@@ -288,10 +310,11 @@ def replica_rounds(model: Path, args: argparse.Namespace, ray_tmp: Path) -> list
             serve.run(build_app(config), name="coldstart", route_prefix="/")
             running_s = time.perf_counter() - start
             extra = {"Serve reports it running": started_epoch + running_s}
-            phases = merged_timeline(_ray_logs(ray_tmp), started_epoch, extra, whos)
+            text = _ray_logs(ray_tmp)
+            phases = merged_timeline(text, started_epoch, extra, _MODEL_ID, driver=False)
             # Ready: the new replica's own last mark (Serve's status follows on its own poll).
             names = [name for name, _ in phases]
-            upto = names.index(f"replica {_MODEL_ID}: ready") + 1
+            upto = names.index("replica: ready") + 1
             ready_s = sum(seconds for _, seconds in phases[:upto])
             rounds.append({"ready_s": ready_s, "serve_running_s": running_s, "phases": phases,
                            "groups": grouped(phases[:upto], ready_s)})  # fmt: skip

@@ -156,7 +156,11 @@ class HeadActor:
         """``core_process``: run the engine core in a child process (TP = PP = 1 only); None
         reads ``LLM_CLUSTER_HEAD_CORE_PROCESS``."""
         started = time.monotonic()
-        timeline = StartupTimeline(f"head {model_id}", from_process_start=True)
+        name = ray.get_runtime_context().get_actor_name() or "head"
+        # "head <model> <replica id>": the replica's timeline is "replica <model> <replica id>".
+        timeline = StartupTimeline(
+            f"head {model_id} {name.rpartition(':')[2]}", from_process_start=True
+        )
         timeline.mark("imports")  # a prestarted worker's wait for this actor, then its imports
         config = EngineConfig.from_kwargs(**engine_args)
         timeline.mark("config")
@@ -167,7 +171,7 @@ class HeadActor:
         # A sink request's deltas after its first, held back from the front until its last.
         self._held: dict[str, HeldTally] = {}
         self._pushers: dict[str, SinkPusher] = {}  # the sinks' writers, by sink name
-        self._name = ray.get_runtime_context().get_actor_name() or "head"
+        self._name = name
         self._dead: str | None = None
         self._start_failure: str | None = None
         observer = PublishingObserver(

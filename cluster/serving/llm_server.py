@@ -101,10 +101,12 @@ class LLMServer(PoolingServer, SleepServer):
         core runs on a thread of this process. ``lora_config`` (``dynamic_lora_loading_path``,
         ``max_num_adapters_per_replica``) serves the model's LoRA adapters by name;
         ``sleep_config`` (``cluster.serving.sleep_server``) its idle sleep."""
-        self.startup = StartupTimeline(f"replica {model_id}", from_process_start=True)
+        self.replica_id = _replica_id()
+        self.startup = StartupTimeline(
+            f"replica {model_id} {self.replica_id}", from_process_start=True
+        )
         self.startup.mark("imports")  # a prestarted worker's wait for this replica, its imports
         self.model_id = model_id
-        self.replica_id = _replica_id()
         try:
             self._start_engine(engine_args, head_resources, lora_config)
         except Exception as exc:
