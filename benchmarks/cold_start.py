@@ -397,6 +397,7 @@ def main() -> int:
     if "replica" in systems:
         ray_tmp = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
         results["replica"] = replica_rounds(model, args, ray_tmp)
+    hf = json.loads((model / "config.json").read_text())
     report: dict[str, Any] = {
         "conditions": {
             "machine": platform.processor() or platform.machine(),
@@ -404,7 +405,7 @@ def main() -> int:
             "config": str(args.config),
             "load_average": os.getloadavg(),
             "dtype": args.dtype,
-            "model": {k: getattr(args, k) for k in _SHAPE_ARGS},
+            "model": {k: hf.get(k) for k in _SHAPE_ARGS},
             "checkpoint_bytes": sum(f.stat().st_size for f in model.glob("*.safetensors")),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         },
