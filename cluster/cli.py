@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from cluster.config import DeploymentConfig
     from cluster.ops.stop import StopSignals
+    from engine.startup_timeline import StartupTimeline
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -100,10 +101,12 @@ def _deploy_and_report(
     address: str | None,
     signals: StopSignals,
     direct_ingress: bool = False,
+    timeline: StartupTimeline | None = None,
 ) -> None:
     """``direct_ingress`` (a new local cluster only): the ingress replica serves the config's
     ports itself, without Serve's proxy hop (``deploy.direct_ingress``). A signal meanwhile
-    raises ``StopRequested`` (``signals``) wherever this waits."""
+    raises ``StopRequested`` (``signals``) wherever this waits. ``timeline``: marks as Ray,
+    Serve and the replicas come up, printed once the API serves."""
     import logging
 
     from cluster.ops import deploy, ports, stop
@@ -129,19 +132,26 @@ def _deploy_and_report(
         if exc.code != signal.SIGTERM:
             raise
         raise stop.StopRequested(signal.SIGTERM) from None
+    if timeline is not None:
+        timeline.mark("ray start")
     signals.install()  # over ray.init's handlers (a C++ one dumps a stack and aborts)
     if address != "local":
         _refuse_ports_in_use(lambda: ports.check_cluster_ports(config))
     names = ", ".join(m.model_id for m in config.models)
     print(f"deploying {names} (app {config.app_name!r}); loading models...", flush=True)
     try:
-        deploy.deploy(deployed or config, progress=_with_time_to_ready(time.monotonic()))
+        deploy.deploy(
+            deployed or config, progress=_with_time_to_ready(time.monotonic()), timeline=timeline
+        )
     except deploy.DeployError as exc:
         for reason in exc.reasons.values():
             print(f"error: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     if deployed is not None:
         deploy.wait_for_port(config.http_options.host, config.http_options.port)
+    if timeline is not None:
+        timeline.mark("ingress port")
+        print(timeline.line(), flush=True)
     print(f"ready: OpenAI API at {deploy.endpoint(config)}", flush=True)
     if config.grpc_options is not None:
         print(f"gRPC (llmcluster.LLM) on port {config.grpc_options.port}", flush=True)
@@ -192,15 +202,22 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cluster.ops import deploy, ports
     from cluster.ops import stop as stopping
+    from engine.startup_timeline import StartupTimeline
 
     signals = stopping.StopSignals()  # first of all: a stop during start-up is handled
+    timeline = StartupTimeline("cluster serve", from_process_start=True)
+    timeline.mark("imports")
     local = args.address == "local"
     config = None
     if local:
         _refuse_busy_ports_before_loading(args.config)
     try:
         config = _load_config(args.config)
-        _deploy_and_report(config, args.address, signals, direct_ingress=local and not args.proxy)
+        timeline.mark("config")
+        _deploy_and_report(
+            config, args.address, signals, direct_ingress=local and not args.proxy,
+            timeline=timeline,
+        )  # fmt: skip
         signals.serving()
     except stopping.StopRequested as stop:
         return _stopped_while_starting(config, local, stop.signum)

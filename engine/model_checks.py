@@ -32,11 +32,14 @@ if TYPE_CHECKING:
 
 
 def with_checkpoint(model: ModelConfig) -> ModelConfig:
-    # Imported here (start-up time): the built-in models pull in transformers, which a bare
-    # config check need not load.
-    from engine.builtin.catalog import resolve_model_source
+    path = Path(model.model).expanduser()
+    if not (path / "config.json").is_file():
+        # A built-in (or a bad path, which the catalog names with the built-ins): imported
+        # only then, since the generators pull in torch and transformers' modeling stack
+        # (4-6 s on 2 cores), which the check of a local checkpoint need not load.
+        from engine.builtin.catalog import resolve_model_source
 
-    path = resolve_model_source(model.model)
+        path = resolve_model_source(model.model)
     config_file = Path(path) / "config.json"
     # A VLM's nested config is read flat (engine.vlm_config); hf_overrides apply to that.
     raw = flatten_vlm_config(json.loads(config_file.read_text()))

@@ -26,6 +26,7 @@ from cluster.runtime.load_progress import describe, read_load_progress
 from cluster.serving.responses_store import remove_store
 from cluster.serving.serve import build_app, deployment_name, runtime_env
 from cluster.serving.start_errors import start_failure
+from engine.startup_timeline import StartupTimeline
 
 GRPC_SERVICER = "cluster.proto.llm_pb2_grpc.add_LLMServicer_to_server"
 
@@ -197,6 +198,7 @@ def deploy(
     progress: Callable[[str], None] = print,
     poll_s: float = 2.0,
     route_prefix: str = "/",
+    timeline: StartupTimeline | None = None,
 ) -> None:
     """Deploy (or update in place: same app name) and wait until every deployment runs.
     Prints each deployment's status as it changes while the models load.
@@ -212,10 +214,13 @@ def deploy(
     built, started or placed. While it waits, ``cluster.ops.capacity``: a replica the cluster's
     nodes (and its autoscaler's node types) cannot hold, e.g. a TP group larger than every
     node, is reported through ``progress`` with each node's capacity at once, instead of
-    pending silently (it is placed if nodes join)."""
+    pending silently (it is placed if nodes join). ``timeline`` (``cluster serve``'s) gets a
+    mark as Serve starts, the replicas run and the proxies serve."""
+    timeline = timeline or StartupTimeline("deploy")
     preflight(config)
     app = build_app(config)
     start_serve(config)
+    timeline.mark("serve start")
     name = config.app_name
     updating = name in serve.status().applications
     _submit(app, name, route_prefix)
@@ -238,12 +243,14 @@ def deploy(
         if status is None:
             raise RuntimeError(f"application {name!r} was removed while it was deploying")
         if status.status.value == "RUNNING":
+            timeline.mark("replicas")
             break
         if status.status.value == "DEPLOY_FAILED":  # what serve.run raises
             raise RuntimeError(f"Deploying application {name} failed: {status.message}")
         time.sleep(poll_s)
     _forget_failure(name)
     wait_for_proxies(config)
+    timeline.mark("proxies")
 
 
 def _submit(app: Any, name: str, route_prefix: str) -> None:

@@ -69,6 +69,7 @@ from engine.errors import (
     EngineStateError,
     InvalidRequestError,
 )
+from engine.startup_timeline import StartupTimeline
 from engine.worker.executor import PHASE_READY, StartupObserver, get_executor_class
 
 logger = logging.getLogger("llm_cluster.head")
@@ -155,7 +156,14 @@ class HeadActor:
         """``core_process``: run the engine core in a child process (TP = PP = 1 only); None
         reads ``LLM_CLUSTER_HEAD_CORE_PROCESS``."""
         started = time.monotonic()
+        name = ray.get_runtime_context().get_actor_name() or "head"
+        # "head <model> <replica id>": the replica's timeline is "replica <model> <replica id>".
+        timeline = StartupTimeline(
+            f"head {model_id} {name.rpartition(':')[2]}", from_process_start=True
+        )
+        timeline.mark("imports")  # a prestarted worker's wait for this actor, then its imports
         config = EngineConfig.from_kwargs(**engine_args)
+        timeline.mark("config")
         self._lock = threading.Lock()  # guards the outboxes and the routes below
         self._outbox = _Outbox(self._lock)  # the front's
         self._sinks: dict[str, _Outbox] = {}  # ingress channels', by sink name
@@ -163,7 +171,7 @@ class HeadActor:
         # A sink request's deltas after its first, held back from the front until its last.
         self._held: dict[str, HeldTally] = {}
         self._pushers: dict[str, SinkPusher] = {}  # the sinks' writers, by sink name
-        self._name = ray.get_runtime_context().get_actor_name() or "head"
+        self._name = name
         self._dead: str | None = None
         self._start_failure: str | None = None
         observer = PublishingObserver(
@@ -194,7 +202,9 @@ class HeadActor:
                 executor = self._loop.engine.executor
                 busy_s = sum(executor.startup_timings.values())
                 summary = executor.startup_summary()
+            timeline.mark("engine")
             _log_startup(observer.model_id, started, summary, busy_s)
+            timeline.log(logger)
         except Exception as exc:
             # A known cause is returned by ``ready`` as one line: an actor that dies in its
             # constructor leaves its caller only Ray's text of the traceback.

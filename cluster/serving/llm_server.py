@@ -64,6 +64,7 @@ from engine.lora import LoRARequest
 from engine.multimodal.chat import image_placeholder
 from engine.multimodal.processor import MultiModalProcessor
 from engine.sampling_params import RequestOutputKind
+from engine.startup_timeline import StartupTimeline
 from engine.vlm_config import is_vlm
 
 logger = logging.getLogger("llm_cluster.serve")
@@ -100,8 +101,12 @@ class LLMServer(PoolingServer, SleepServer):
         core runs on a thread of this process. ``lora_config`` (``dynamic_lora_loading_path``,
         ``max_num_adapters_per_replica``) serves the model's LoRA adapters by name;
         ``sleep_config`` (``cluster.serving.sleep_server``) its idle sleep."""
-        self.model_id = model_id
         self.replica_id = _replica_id()
+        self.startup = StartupTimeline(
+            f"replica {model_id} {self.replica_id}", from_process_start=True
+        )
+        self.startup.mark("imports")  # a prestarted worker's wait for this replica, its imports
+        self.model_id = model_id
         try:
             self._start_engine(engine_args, head_resources, lora_config)
         except Exception as exc:
@@ -123,7 +128,9 @@ class LLMServer(PoolingServer, SleepServer):
         self._drain_task: asyncio.Task[None] | None = None
         self._sink_flushes: dict[str, tuple[int, asyncio.Future[bool]]] = {}
         self._init_sleep(sleep_config)
+        self.startup.mark("ready")
         logger.info("model %s ready on replica %s", model_id, self.replica_id)
+        self.startup.log(logger)
 
     def _start_engine(
         self,
@@ -144,6 +151,7 @@ class LLMServer(PoolingServer, SleepServer):
             )
         config = EngineConfig.from_kwargs(**engine_args)
         self.config = config
+        self.startup.mark("config")
         if head_resources is not None:
             from cluster.serving.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
 
@@ -154,7 +162,9 @@ class LLMServer(PoolingServer, SleepServer):
                 bundle_index=HEAD_BUNDLE_INDEX,
                 resources=head_resources,
             )
+            self.startup.mark("head")
             self.engine = AsyncLLMEngine(client, tokenizer=load_tokenizer(config))
+            self.startup.mark("tokenizer")
             # The head writes an ingress's requests' deltas to its token channel.
             self.head_name: str | None = client.name
         else:

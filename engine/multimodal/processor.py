@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-from transformers import AutoImageProcessor, AutoTokenizer
+from transformers import AutoTokenizer
 
 from engine.errors import ConfigError, InvalidRequestError
 from engine.multimodal.inputs import MultiModalFeature, image_feature
@@ -47,6 +47,10 @@ class MultiModalProcessor:
         # The token a prompt holds once per image (Gemma 3: <start_of_image>).
         self.placeholder_id = placeholder_token_id(hf)
         self.limits = limits
+        # Imported for a VLM only: transformers' image processing pulls in its whole modeling
+        # stack (3-8 s of imports on 2 cores), which a text model's head and replica never use.
+        from transformers import AutoImageProcessor
+
         self.image_processor = AutoImageProcessor.from_pretrained(model_path)
         # Gemma 3 wraps each image's run in "\n\n" <start_of_image> ... <end_of_image> "\n\n".
         self.tokenizer: Any = None

@@ -1,9 +1,10 @@
 """Build a model for one worker and stream its weights from safetensors.
 
-Each checkpoint tensor is handed to its parameter's ``weight_loader`` as a lazy safetensors
-slice, so a tensor-parallel layer reads only its shard from disk. HF names of fused
-projections are mapped through the model's ``packed_modules_mapping`` (q,k,v -> qkv_proj;
-gate,up -> gate_up_proj); a fused tensor stored fused (Phi-3) goes to its layer whole.
+Each checkpoint tensor is handed to its parameter's ``weight_loader``: one this rank reads whole
+as a CPU tensor read ahead in parallel (``engine.worker.checkpoint_reader``), one it reads part
+of as a lazy safetensors slice, so a tensor-parallel layer reads only its shard from disk. HF
+names of fused projections are mapped through the model's ``packed_modules_mapping`` (q,k,v ->
+qkv_proj; gate,up -> gate_up_proj); a fused tensor stored fused (Phi-3) goes to its layer whole.
 
 Loading is strict. A meta-device build of the whole model (TP 1, PP 1) says which names exist
 at all, so a tensor this rank does not hold is either another pipeline stage's or an error
@@ -23,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -39,6 +39,8 @@ from engine.quantization.model_setup import (
     release_placeholders,
 )
 from engine.quantization.mxfp4 import Mxfp4Checkpoint, mxfp4_weights
+from engine.startup_timeline import StartupTimeline
+from engine.worker.checkpoint_reader import SAFETENSORS_DTYPES, read_checkpoint_file
 from engine.worker.kv_cache_scales import is_kv_scale_name, load_kv_scale
 from llm_kernels.backend import KernelOps, get_kernel_ops
 from parallel.layers import (
@@ -64,16 +66,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def iterate_checkpoint(
-    model_path: str | Path, *, progress: bool = True
+    model_path: str | Path,
+    *,
+    progress: bool = True,
+    read_whole: Callable[[str], bool] = lambda name: True,
 ) -> Iterator[tuple[str, Any]]:
-    """(name, lazy slice) for every tensor of every ``*.safetensors`` file, shard by shard."""
+    """(name, tensor) for every tensor of every ``*.safetensors`` file, file by file: read
+    ahead in parallel where ``read_whole(name)``, a lazy slice where the rank reads only part
+    (``engine.worker.checkpoint_reader``)."""
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"model: no *.safetensors files in {model_path}")
     for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_slice(name)
+        yield from read_checkpoint_file(file, read_whole)
 
 
 def checkpoint_tensor_bytes(model_path: str | Path) -> dict[str, int]:
@@ -100,20 +105,6 @@ _UNUSED_CHECKPOINT_TENSORS = (
 # Anything else (FP8, int8/uint8/int32 packs) is a quantized format whose numbers mean nothing
 # without its scales; a module the quantization_config describes never gets here as such.
 _WEIGHT_DTYPES = frozenset({"F32", "F16", "BF16"})
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 _MAX_NAMED = 5  # tensor names an error lists
 _MODEL_PREFIX = "model."
 _HEAD_NAMES = ("lm_head.", "score.")  # top-level in every layout
@@ -126,10 +117,10 @@ def _check_dtype(name: str, tensor: Any, raw_params: frozenset[str], target: str
         return  # a parameter that holds a packed format itself (MXFP4 blocks); it checks it
     if hasattr(tensor, "get_dtype"):
         code = tensor.get_dtype()
-        dtype = _SAFETENSORS_DTYPES.get(code)
+        dtype = SAFETENSORS_DTYPES.get(code)
     else:
         dtype = tensor.dtype
-        code = next((c for c, d in _SAFETENSORS_DTYPES.items() if d == dtype), str(dtype))
+        code = next((c for c, d in SAFETENSORS_DTYPES.items() if d == dtype), str(dtype))
     if code in _WEIGHT_DTYPES:
         return
     described = f"{str(dtype).removeprefix('torch.')} ({code})" if dtype is not None else code
@@ -440,9 +431,12 @@ def load_model(
     ctx: ParallelContext,
     device: torch.device,
     progress: LoadProgressCallback | None = None,
+    timeline: StartupTimeline | None = None,
 ) -> nn.Module:
     """Build this rank's shard of the model and load its weights; ``progress`` (when given)
-    hears how far the read has got: (bytes read, bytes in all), once per tensor."""
+    hears how far the read has got: (bytes read, bytes in all), once per tensor;
+    ``timeline`` gets a mark as the build, the read and the CPU repack end."""
+    timeline = timeline or StartupTimeline("load_model")
     model_class = model_class_of(config.model)
     backend = config.kernel.resolved_backend(device.type)
     dtype = config.model.torch_dtype
@@ -458,6 +452,7 @@ def load_model(
     placeholders = meta_linear_weights() if keep_on is not None else contextlib.nullcontext()
     with torch.device(device), _default_dtype(dtype), placeholders:
         model = model_class(config.model.hf_config, ctx, ops=get_kernel_ops(backend))
+    timeline.mark("model build")
     canonical = _canonical_name(model, headers)
     tensor_bytes = {canonical(name): _nbytes(info) for name, info in headers.items()}
     quantized: QuantizedCheckpoint | Mxfp4Checkpoint | None = None
@@ -476,12 +471,15 @@ def load_model(
     shares = rank_read_bytes(model, tensor_bytes, config.model.hf_config, rename)
     meter = LoadMeter(config.parallel.rank, sum(shares.values()), progress)
     show_bar = ctx.tp.rank == 0 and ctx.pp.rank == 0
-    read = iterate_checkpoint(path, progress=show_bar)
+    # Only tensors this rank reads in full are read ahead; a shard stays a lazy slice.
+    whole = {name for name, info in headers.items() if shares[canonical(name)] == _nbytes(info)}
+    read = iterate_checkpoint(path, progress=show_bar, read_whole=whole.__contains__)
     weights = meter.wrap(((canonical(name), tensor) for name, tensor in read), shares)
     if quantized is not None:
         weights = quantized.transform(weights)
     load_weights(model, weights, hf_config=config.model.hf_config)
     meter.finish()
+    timeline.mark("weights read")
     if quantized is not None:
         quantized.attach_activation_quant(model, _target_of(model))
         if keep_on is not None:
@@ -491,4 +489,5 @@ def load_model(
         packed = pack_linear_weights(model)
         experts = pack_expert_weights(model)
         logger.debug("packed %d linear weights and %d expert layers for oneDNN", packed, experts)
+        timeline.mark("oneDNN repack")
     return model

@@ -59,6 +59,7 @@ from engine.worker.step_messages import (
     LogprobsLists,
     ModelRunnerOutput,
 )
+from engine.worker.zeroed_memory import zeroed_tensor
 from llm_kernels.attention_metadata import build_group_metadata
 from llm_kernels.kv_quant import kv_cache_torch_dtype
 from parallel.distributed import recv_intermediate, send_intermediate
@@ -192,11 +193,8 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         for attn in self._kv_layers():
             g = attn.kv_cache_group
-            cache = torch.zeros(
-                attn.kv_cache_shape(blocks[g], self.block_size),
-                dtype=cache_dtype,
-                device=self.device,
-            )
+            shape = attn.kv_cache_shape(blocks[g], self.block_size)
+            cache = zeroed_tensor(shape, cache_dtype, self.device)  # CPU: committed on write
             attn.kv_cache = cache
             self.group_caches[g].append(cache)
             if cpu[g]:

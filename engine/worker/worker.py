@@ -21,6 +21,7 @@ from engine.lora import make_worker_lora_manager
 from engine.models.expert_load import ExpertLoadCounter, attach_expert_load
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft import DraftModel
+from engine.startup_timeline import StartupTimeline
 from engine.worker.kv_sizing import (
     CudaMemoryProbe,
     KVBudget,
@@ -82,6 +83,9 @@ class Worker:
         self.sleep_level: int | None = None
         self._asleep: set[str] = set()
         self._slept_blocks: tuple[list[int], list[int]] = ([], [])
+        # Start-up marks, logged once the cache is allocated (engine.startup_timeline).
+        self.startup = StartupTimeline(f"worker rank {self.rank}")
+        self.startup.mark("created")
 
     @property
     def runner(self) -> ModelRunner:
@@ -98,6 +102,7 @@ class Worker:
         torch.manual_seed(self.config.model.seed)
         if self.memory_probe is not None:
             self._start_memory = MemorySnapshot.take(self.memory_probe)
+        self.startup.mark("device")
 
     def start_rendezvous(self, host: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
         """Rank 0 only: host the rendezvous store on ``host``; returns its OS-assigned port."""
@@ -139,7 +144,7 @@ class Worker:
             self.ctx = dataclasses.replace(self.ctx, layer_partition=partition)
         if self.config.parallel.enable_expert_parallel:
             self.ctx = dataclasses.replace(self.ctx, expert_parallel=True)
-        model = load_model(self.config, self.ctx, self.device, progress)
+        model = load_model(self.config, self.ctx, self.device, progress, self.startup)
         lora_manager = None
         lora = self.config.lora
         if lora.enable_lora:
@@ -160,6 +165,7 @@ class Worker:
         self.expert_load_counter = (
             attach_expert_load(model, self.device) if self.ctx.tp.is_first else None
         )
+        self.startup.mark("model runner")
 
     def _load_draft(self) -> DraftModel | None:
         """speculative_config method draft_model: this rank's shard of the draft."""
@@ -197,6 +203,11 @@ class Worker:
         """(device KV blocks, CPU swap blocks) that fit this worker's memory budget: an explicit
         ``num_kv_blocks``, else the budget measured through the memory probe (see
         ``engine.worker.kv_sizing``), else, on CPU without a probe, ``cpu_kv_cache_space``."""
+        blocks = self._num_available_blocks()
+        self.startup.mark("KV sizing")
+        return blocks
+
+    def _num_available_blocks(self) -> tuple[int, int]:
         runner = self.runner
         block_bytes = runner.kv_block_bytes()
         sched = self.config.scheduler
@@ -354,9 +365,12 @@ class Worker:
         the decode graphs over it (every rank at once: on TP > 1 the capture records the
         stage's collectives)."""
         self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
+        self.startup.mark("KV allocation")
         self.runner.capture_cuda_graphs()
+        self.startup.mark("graphs")
         if self.expert_load_counter is not None:  # the profile run's dummy tokens routed too
             self.expert_load_counter.reset()
+        self.startup.log(logger)
 
     def kv_transfer_metadata(self) -> dict[str, Any] | None:
         """What another engine needs to reach this worker's KV cache (NixlConnector: its
