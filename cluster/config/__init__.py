@@ -1,5 +1,4 @@
-"""The deployment YAML: models in the shape of Ray Serve LLM's ``LLMConfig``, plus HTTP / gRPC
-options and where API keys come from.
+"""The deployment YAML: models in the shape of Ray Serve LLM's ``LLMConfig``, plus the app's.
 
     models:
       - model_loading_config: {model_id: tiny, model_source: builtin:tiny-llama}
