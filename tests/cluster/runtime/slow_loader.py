@@ -40,9 +40,9 @@ def slow_down() -> None:
     delay_file = Path(os.environ[DELAY_FILE_ENV])
     original = loader.iterate_checkpoint
 
-    def slow_iterate(model_path: str | Path, *, progress: bool = True) -> Iterator[Any]:
+    def slow_iterate(model_path: str | Path, **kwargs: Any) -> Iterator[Any]:
         delay = float(delay_file.read_text())
-        for item in original(model_path, progress=progress):
+        for item in original(model_path, **kwargs):
             time.sleep(delay)
             yield item
 
