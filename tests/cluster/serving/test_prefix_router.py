@@ -253,7 +253,9 @@ def test_a_prefix_in_a_nodes_kv_store_draws_its_requests_to_that_nodes_replicas(
     router.on_request_routed(first, a.replica_id, None)  # a computed it: node-1's store has it
     router.on_request_completed(a.replica_id, "1")
     picks = set()
-    for i in range(8):  # a is gone (or full): b shares node-1's store, c does not
+    # 48 picks: with no credit b and c tie and the router breaks ties at random, so both nodes
+    # show up (all on one side: 2^-47); with the credit, b wins every time.
+    for i in range(48):  # a is gone (or full): b shares node-1's store, c does not
         ranks = asyncio.run(router.choose_replicas([b, c], pending(prompt + f"u{i}", f"x{i}")))
         picks.add(ranks[0][0].node_id)
     assert picks == ({"node-1"} if credit else {"node-1", "node-2"})
