@@ -14,10 +14,11 @@ Ray only after it.
 ``StopSignals`` turns SIGINT and SIGTERM into that stop: while ``cluster serve`` starts, by raising
 ``StopRequested`` wherever the main thread waits (so a stop mid-deploy removes what was started);
 once it serves, by setting an event. Where a signal reaches Ray's processes too (a kill of the whole
-cgroup, systemd's default ``KillMode=control-group``) the GCS exits at once and a drain through it
-would wait 60 s on Ray's reconnection: ``drain_unless_gcs_gone`` notices, the replicas abort their
-requests on their own (``cluster.serving.serve_replica.gcs_loss_flag``), and ``exit_without_ray``
-ends the driver within seconds. That path cannot promise every stream its ending (the raylet may
+cgroup, systemd's default ``KillMode=control-group``) the GCS stops at once and a drain through it
+would wait 60 s on Ray's reconnection, or fail at once (raised, that error would leave the driver
+in Ray's excepthook, which waits on the GCS): ``drain_unless_gcs_gone`` notices either, the
+replicas abort their requests on their own (``cluster.serving.serve_replica.gcs_loss_flag``), and
+``exit_without_ray`` ends the driver within seconds. That path cannot promise every stream its ending (the raylet may
 stop the workers first): ``docs/deploy.md`` says to signal the main process alone.
 """
 
@@ -138,11 +139,17 @@ def gcs_gone(gcs_address: str, timeout_s: float = 0.5) -> bool:
 
 
 def drain_unless_gcs_gone(
-    drain: Callable[[], None], gcs_address: str, poll_s: float = 0.2, refusals: int = 2
+    drain: Callable[[], None],
+    gcs_address: str,
+    poll_s: float = 0.2,
+    refusals: int = 2,
+    settle_s: float = 3.0,
 ) -> bool:
     """Run ``drain`` (``deploy.shutdown``); True when it finished, False as soon as the GCS
-    refused ``refusals`` connections in a row (the drain is left to its thread). A drain's
-    own error is raised."""
+    refused ``refusals`` connections in a row (the drain is left to its thread). A drain that
+    failed is looked at for up to ``settle_s`` more: a GCS stopping with this process fails
+    the drain's first call at once, before it refuses connections, and that is the same
+    False; a drain's error with the GCS still there is raised."""
     finished = threading.Event()
     errors: list[BaseException] = []
 
@@ -160,9 +167,16 @@ def drain_unless_gcs_gone(
         refused = refused + 1 if gcs_gone(gcs_address) else 0
         if refused >= refusals:
             return False
-    if errors:
-        raise errors[0]
-    return True
+    if not errors:
+        return True
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        refused = refused + 1 if gcs_gone(gcs_address) else 0
+        if refused >= refusals:
+            logger.info("the drain failed with the GCS gone: %r", errors[0])
+            return False
+        time.sleep(poll_s)
+    raise errors[0]
 
 
 def abort_streams_on_gcs_loss() -> None:

@@ -289,7 +289,11 @@ def test_a_signal_that_reaches_rays_processes_too_still_ends_serve_in_seconds(
         for stream in streams:
             stream.thread.join(30)
             assert not stream.thread.is_alive(), "the stream did not end"
-        assert serving.wait(30) == 0, "".join(output)[-3000:]
+        try:
+            code = serving.wait(30)
+        except subprocess.TimeoutExpired:
+            code = None  # still running: what it printed says where it stopped
+        assert code == 0, "".join(output)[-3000:]
         assert time.monotonic() - signalled < 15, "".join(output)[-3000:]
         assert "nothing left to drain" in "".join(output)
         assert "Failed to connect to GCS" not in "".join(output)

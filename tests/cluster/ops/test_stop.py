@@ -1,16 +1,25 @@
 """How ``cluster serve`` takes a stop (``cluster.ops.stop``), without a cluster: SIGINT and
 SIGTERM raise ``StopRequested`` while it starts and only set the request once it serves; the
-exit codes; and a local Ray's processes started apart from this process's group."""
+exit codes; a local Ray's processes started apart from this process's group; and the drain
+against a GCS that listens (a real socket) or refuses (a port nothing holds)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from cluster.ops.stop import StopRequested, StopSignals, ray_processes_apart
+from cluster.ops.stop import (
+    StopRequested,
+    StopSignals,
+    drain_unless_gcs_gone,
+    ray_processes_apart,
+)
 
 
 @pytest.fixture
@@ -66,3 +75,57 @@ def test_processes_ray_starts_meanwhile_lead_their_own_process_group() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.fixture
+def listening_gcs() -> Iterator[str]:
+    """A GCS address something listens on (the GCS is there)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+
+
+@pytest.fixture
+def gone_gcs() -> str:
+    """A GCS address that refuses connections (its process has exited)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_a_drain_that_finishes_is_true(listening_gcs: str) -> None:
+    drained = []
+    assert drain_unless_gcs_gone(lambda: drained.append(1), listening_gcs) is True
+    assert drained == [1]
+
+
+def test_a_drain_waiting_on_a_gone_gcs_is_left_to_its_thread(gone_gcs: str) -> None:
+    release = threading.Event()
+    started = time.monotonic()
+    try:
+        assert drain_unless_gcs_gone(lambda: release.wait(30), gone_gcs) is False
+    finally:
+        release.set()
+    assert time.monotonic() - started < 5
+
+
+def test_a_drain_failing_at_once_as_the_gcs_stops_is_no_drain_either(gone_gcs: str) -> None:
+    """What a cgroup kill does on a loaded machine: the GCS, stopping, fails the drain's first
+    call before it refuses connections. That is the same stop without a drain, not an error
+    (raised, it would leave the driver in Ray's excepthook, which waits on the dead GCS)."""
+
+    def drain() -> None:
+        raise RuntimeError("Timed out while waiting for GCS to become available.")
+
+    assert drain_unless_gcs_gone(drain, gone_gcs) is False
+
+
+def test_a_drain_failing_with_the_gcs_there_raises_its_error(listening_gcs: str) -> None:
+    def drain() -> None:
+        raise RuntimeError("the drain's own error")
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="the drain's own error"):
+        drain_unless_gcs_gone(drain, listening_gcs, settle_s=0.5)
+    assert time.monotonic() - started >= 0.5  # the GCS was given time to go first
