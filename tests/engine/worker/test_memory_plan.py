@@ -189,10 +189,10 @@ def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
 def runner_kv_bytes_per_token(
     model: torch.nn.Module, model_dir: Path, kwargs: dict[str, Any]
 ) -> int:
-    """``ModelRunner.kv_block_bytes`` of ``model`` over the block size."""
+    """``CacheEngine.block_bytes`` of ``model`` over the block size."""
     config = EngineConfig.from_kwargs(model=str(model_dir), device="cpu", **kwargs)
     runner = ModelRunner(config, model, torch.device("meta"))
-    return runner.kv_block_bytes() // config.cache.block_size
+    return runner.cache_engine.block_bytes() // config.cache.block_size
 
 
 def check_against_meta_builds(
