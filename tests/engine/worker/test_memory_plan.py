@@ -446,7 +446,7 @@ def test_lora_slots_match_what_attach_lora_allocates() -> None:
 
 
 def test_engine_defaults_are_the_plans() -> None:
-    from engine.config import CacheConfig, LoRAConfig, SchedulerConfig
+    from engine.config_sections import CacheConfig, LoRAConfig, SchedulerConfig
 
     defaults = PlanSettings()
     assert defaults.block_size == CacheConfig().block_size
