@@ -5,7 +5,7 @@ APIs. It imports no Ray (distributed executors live in ``cluster/``).
                        PoolingParams, outputs, errors, LoRA, the PP layer partition
       client/          LLM, AsyncLLMEngine, the core's loop and process, core_messages
       core/            LLMEngine, scheduler, block manager, requests, input/output processing
-      worker/          Executor, step_messages, Worker, ModelRunner, sampler, KV sizing
+      worker/          Executor, step_messages, Worker, ModelRunner, CacheEngine, sampler, KV sizing
       models/          the model families            quantization/   checkpoint formats
       spec_decode/     speculative decoding          builtin/        random built-in models
       multimodal/      images: chat parts, preprocessing, the per-image record sent to workers

@@ -28,7 +28,7 @@ from engine.vlm_config import (
 )
 
 if TYPE_CHECKING:
-    from engine.config import DeviceConfig, KernelConfig, ModelConfig, ParallelConfig
+    from engine.config_sections import DeviceConfig, KernelConfig, ModelConfig, ParallelConfig
 
 
 def with_checkpoint(model: ModelConfig) -> ModelConfig:

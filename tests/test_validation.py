@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cluster.config import load_config
-from engine.config import CacheConfig, LoRAConfig, ParallelConfig, SchedulerConfig
+from engine.config_sections import CacheConfig, LoRAConfig, ParallelConfig, SchedulerConfig
 from engine.errors import ConfigError
 from engine.validation import (
     check_bool,

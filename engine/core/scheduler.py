@@ -26,7 +26,7 @@ import math
 import sys
 from collections.abc import Iterable
 
-from engine.config import SchedulerConfig
+from engine.config_sections import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.block_pool import KVCacheBlock
 from engine.core.request import Request, RequestStatus

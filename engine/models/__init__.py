@@ -25,7 +25,7 @@ from engine.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 if TYPE_CHECKING:
-    from engine.config import ModelConfig
+    from engine.config_sections import ModelConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,

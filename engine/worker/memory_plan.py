@@ -54,7 +54,7 @@ from engine.worker.memory_plan_weights import (
     stage_weight_bytes,
 )
 
-# Bytes per element of the dtypes ``engine.config`` accepts (its ``_DTYPES``).
+# Bytes per element of the dtypes ``engine.config_sections`` accepts (its ``_DTYPES``).
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
     "float": 4,

@@ -374,7 +374,7 @@ def lora_bytes(shape: RankShape, num_layers: int, slots: int, rank: int, dtype_b
 
 
 def kv_bytes_per_token(shape: RankShape, num_layers: int, dtype_bytes: int) -> int:
-    """K and V (or the latent) of one token on one rank: ``ModelRunner.kv_block_bytes`` /
+    """K and V (or the latent) of one token on one rank: ``CacheEngine.block_bytes`` /
     block_size."""
     if shape.mla is not None:
         return num_layers * shape.mla.latent * dtype_bytes

@@ -13,8 +13,9 @@ KV cache groups (``engine.core.kv_cache_groups``): each layer reads its group's 
 writes its group's slots; the head's block ids are global, split here into each group's local
 ids, so ``block_ids`` holds one table per group and a step builds one metadata per group.
 ``ModelRunner``'s docstring has what prompt logprobs, LoRA and pooling requests add; the
-per-request state and the step's packed inputs are ``engine.worker.step_inputs``; stored KV
-blocks (``kv_transfer_config``) are saved and loaded by ``engine.kv_transfer.worker``.
+per-request state and the step's packed inputs are ``engine.worker.step_inputs``; the caches
+and the step's block copies and swaps are ``engine.worker.cache_engine``'s; stored KV blocks
+(``kv_transfer_config``) are saved and loaded by ``engine.kv_transfer.worker``.
 """
 
 from __future__ import annotations
@@ -26,11 +27,6 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.core.kv_cache_groups import (
-    KVCacheLayout,
-    group_of_window,
-    kv_cache_group_specs,
-)
 from engine.core.structured_output import apply_grammar_bitmask
 from engine.kv_transfer.connector import WorkerKVConnector, make_worker_kv_transfer
 from engine.lora import WorkerLoRAManager
@@ -38,6 +34,7 @@ from engine.spec_decode.draft import DraftModel
 from engine.spec_decode.verify import spec_grammar_rows_of, verify_requests
 from engine.timing import StepTimer, device_synchronizer
 from engine.worker import step_outputs
+from engine.worker.cache_engine import CacheEngine
 from engine.worker.cuda_graphs import (
     DecodeBucketRunner,
     DecodeCudaGraphRunner,
@@ -59,9 +56,7 @@ from engine.worker.step_messages import (
     LogprobsLists,
     ModelRunnerOutput,
 )
-from engine.worker.zeroed_memory import zeroed_tensor
 from llm_kernels.attention_metadata import build_group_metadata
-from llm_kernels.kv_quant import kv_cache_torch_dtype
 from parallel.distributed import recv_intermediate, send_intermediate
 from parallel.moe import ParallelExperts
 from parallel.state import ParallelContext
@@ -121,14 +116,10 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.step_timer = StepTimer(sync=device_synchronizer(device))
         self.requests: dict[str, CachedRequestState] = {}
-        self.kv_group_specs = kv_cache_group_specs(config.model.hf_config, config.max_model_len)
-        self.kv_layout = KVCacheLayout.uniform(self.kv_group_specs, 0, 0)
-        self._assign_kv_cache_groups()
-        # The target's layers' caches, in layer order (the draft's are the draft's).
-        self.kv_caches: list[torch.Tensor] = []
-        # Per KV cache group: its layers' device caches and swap caches (draft's included).
-        self.group_caches: list[list[torch.Tensor]] = []
-        self.group_cpu_caches: list[list[torch.Tensor]] = []
+        draft_layers = draft.model.attention_layers() if draft is not None else []
+        self.cache_engine = CacheEngine(
+            config, model.attention_layers(), draft_layers, device, model.kernel_ops
+        )
         # Set once the KV cache exists, when decode steps may replay CUDA graphs.
         # (A DecodeBucketRunner runs the same data path without graphs, in CPU tests.)
         self.graph_runner: DecodeBucketRunner | None = None
@@ -143,71 +134,23 @@ class ModelRunner:
             m for m in model.modules() if isinstance(m, ParallelExperts) and m.exchanges_tokens
         ]
 
-    # ---- KV cache -----------------------------------------------------------------------
-
-    def _kv_layers(self) -> list[nn.Module]:
-        """Every paged attention layer on this worker: the model's, then the draft's."""
-        draft = self.draft.model.attention_layers() if self.draft is not None else []
-        return [*self.model.attention_layers(), *draft]
-
-    def _assign_kv_cache_groups(self) -> None:
-        for attn in self._kv_layers():
-            attn.kv_cache_group = group_of_window(
-                self.kv_group_specs, attn.sliding_window, self.config.max_model_len
-            )
-
-    def kv_block_bytes(self) -> int:
-        """Bytes of one block across this worker's layers (K and V, or a latent)."""
-        return sum(self.kv_group_block_bytes())
-
-    def kv_group_block_bytes(self) -> list[int]:
-        """Bytes of one block of each KV cache group's layers on this worker (the draft's
-        included; 0 for a group with no layer here)."""
-        itemsize = self.kv_cache_dtype().itemsize
-        out = [0] * len(self.kv_group_specs)
-        for attn in self._kv_layers():
-            shape = attn.kv_cache_shape(1, self.block_size)
-            out[attn.kv_cache_group] += int(np.prod(shape)) * itemsize
-        return out
-
-    def kv_cache_dtype(self) -> torch.dtype:
-        """The caches' dtype: the model's, or float8_e4m3fn under kv_cache_dtype fp8."""
-        return kv_cache_torch_dtype(self.config.cache.cache_dtype, self.config.model.torch_dtype)
+    # ---- KV cache and decode graphs ------------------------------------------------------
 
     def initialize_kv_cache(
         self, num_blocks: int | Sequence[int], num_cpu_blocks: int | Sequence[int]
     ) -> None:
-        """Allocate the caches (dropping the old ones): per KV cache group, that group's
-        count (an int: every group the same). Decode graphs, where they apply, are set up over
+        """Allocate the caches (``CacheEngine.allocate``: per KV cache group, that group's
+        count, an int: every group the same). Decode graphs, where they apply, are set up over
         the new caches but captured only by ``capture_cuda_graphs``."""
-        dtype = self.config.model.torch_dtype
-        cache_dtype = self.kv_cache_dtype()
-        n = len(self.kv_group_specs)
-        blocks = (num_blocks,) * n if isinstance(num_blocks, int) else tuple(num_blocks)
-        cpu = (num_cpu_blocks,) * n if isinstance(num_cpu_blocks, int) else tuple(num_cpu_blocks)
-        self.kv_layout = KVCacheLayout(self.kv_group_specs, blocks, cpu)
         # Captured graphs hold the old caches' addresses.
         self.release_cuda_graphs()
-        self.group_caches = [[] for _ in range(n)]
-        self.group_cpu_caches = [[] for _ in range(n)]
-        pin = self.device.type == "cuda"
-        for attn in self._kv_layers():
-            g = attn.kv_cache_group
-            shape = attn.kv_cache_shape(blocks[g], self.block_size)
-            cache = zeroed_tensor(shape, cache_dtype, self.device)  # CPU: committed on write
-            attn.kv_cache = cache
-            self.group_caches[g].append(cache)
-            if cpu[g]:
-                # torch.empty: swap space pages are only committed when a block is swapped out.
-                cpu_cache = torch.empty(
-                    attn.kv_cache_shape(cpu[g], self.block_size), dtype=cache_dtype, pin_memory=pin
-                )
-                self.group_cpu_caches[g].append(cpu_cache)
-        self.kv_caches = [a.kv_cache for a in self.model.attention_layers()]
+        cache = self.cache_engine
+        cache.allocate(num_blocks, num_cpu_blocks)
         if self.kv_transfer is not None:
-            self.kv_transfer.register(self.group_caches[0])
+            self.kv_transfer.register(cache.group_caches[0])
         if self.draft is not None:
             self.draft.kv_caches = [a.kv_cache for a in self.draft.model.attention_layers()]
+        blocks = cache.layout.num_blocks
         if max(blocks) and self.uses_cuda_graphs():
             # A stage after the first replays from static hidden/residual inputs.
             hidden_size = (
@@ -219,22 +162,18 @@ class ModelRunner:
                 block_size=self.block_size,
                 max_model_len=self.config.max_model_len,
                 max_num_seqs=self.config.scheduler.max_num_seqs,
-                num_kv_blocks=blocks[0] if n == 1 else blocks,
+                num_kv_blocks=blocks[0] if len(blocks) == 1 else blocks,
                 hidden_size=hidden_size,
-                dtype=dtype,
+                dtype=self.config.model.torch_dtype,
             )
 
     def release_kv_cache(self) -> None:
         """Drop the caches (and the graphs over them), for sleep mode: nothing of the
         cache is referenced after this. ``initialize_kv_cache`` allocates it again."""
         self.release_cuda_graphs()
-        for attn in self._kv_layers():
-            attn.kv_cache = None
-        self.kv_caches = []
+        self.cache_engine.release()
         if self.draft is not None:
             self.draft.kv_caches = []
-        self.group_caches = []
-        self.group_cpu_caches = []
 
     def capture_cuda_graphs(self) -> int:
         """Capture every decode bucket now (a collective on TP > 1: every rank of the stage
@@ -283,7 +222,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids),
-                block_ids=self.kv_layout.split(new.block_ids),
+                block_ids=self.cache_engine.layout.split(new.block_ids),
                 sampling_params=params,
                 generator=generator,
                 num_computed_tokens=new.num_computed_tokens,
@@ -306,44 +245,13 @@ class ModelRunner:
             if state is None:
                 raise RuntimeError(f"worker has no state for running request {cached.req_id!r}")
             state.token_ids.extend(cached.new_token_ids)
-            new_ids = self.kv_layout.split(cached.new_block_ids)
+            new_ids = self.cache_engine.layout.split(cached.new_block_ids)
             if cached.resumed_from_preemption:
                 state.block_ids = new_ids
             else:
                 for table, ids in zip(state.block_ids, new_ids):
                     table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
-
-    def apply_block_ops(self, req: ExecuteModelRequest) -> None:
-        """Copies and swaps, each in the caches of the KV cache group its block ids are in
-        (the draft's layers included: its blocks move with the target's)."""
-        copy_blocks = self.model.kernel_ops.copy_blocks
-        layout = self.kv_layout
-        # Copies first: a copy-on-write destination may be swapped out in the same step (its
-        # request was preempted right after the copy was scheduled), and a copy source is held by
-        # a live request, so it is never a swap-in destination.
-        if req.blocks_to_copy:
-            for g, pairs in enumerate(layout.split_copies(req.blocks_to_copy)):
-                if pairs:
-                    mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
-                    copy_blocks(self.group_caches[g], mapping)
-        if req.blocks_to_swap_out:
-            out = layout.split_pairs(req.blocks_to_swap_out, device_first=True)
-            self._swap(out, to_cpu=True)
-        if req.blocks_to_swap_in:
-            self._swap(layout.split_pairs(req.blocks_to_swap_in, device_first=False), to_cpu=False)
-
-    def _swap(self, pairs_by_group: list[list[tuple[int, int]]], *, to_cpu: bool) -> None:
-        swap_blocks = self.model.kernel_ops.swap_blocks
-        for g, pairs in enumerate(pairs_by_group):
-            if not pairs:
-                continue
-            mapping = torch.tensor(pairs, dtype=torch.int64)
-            for device_cache, cpu_cache in zip(self.group_caches[g], self.group_cpu_caches[g]):
-                if to_cpu:
-                    swap_blocks(device_cache, cpu_cache, mapping)
-                else:
-                    swap_blocks(cpu_cache, device_cache, mapping)
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -407,8 +315,8 @@ class ModelRunner:
         metadata = build_group_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens.astype(np.int32),
-            block_tables=block_tables(states, len(self.kv_layout.specs)),
-            windows=self.kv_layout.windows,
+            block_tables=block_tables(states, len(self.cache_engine.layout.specs)),
+            windows=self.cache_engine.layout.windows,
             positions=positions,
             req_index=req_index,
             block_size=bs,
@@ -567,11 +475,12 @@ class ModelRunner:
         self.update_states(req)
         kv_failures: dict[str, int] = {}
         transfer = self.kv_transfer
+        cache = self.cache_engine
         if transfer is not None and req.kv_saves:  # before anything writes into the cache
-            transfer.save(self.group_caches[0], req.kv_saves)
-        self.apply_block_ops(req)
+            transfer.save(cache.group_caches[0], req.kv_saves)
+        cache.apply_block_ops(req)
         if transfer is not None and req.kv_loads:
-            kv_failures = transfer.load(self.group_caches[0], req.kv_loads, req.kv_load_sources)
+            kv_failures = transfer.load(cache.group_caches[0], req.kv_loads, req.kv_load_sources)
         output = self._execute(req)
         if self._lora_errors or kv_failures:
             if output is None:
@@ -661,7 +570,7 @@ class ModelRunner:
             for i in range(len(inputs.sampled_req_ids)):
                 positions[i] = len(states[i].token_ids)
         proposals = self.draft.propose(
-            req_ids, [s.block_ids for s in states], tokens, positions, self.kv_layout
+            req_ids, [s.block_ids for s in states], tokens, positions, self.cache_engine.layout
         )
         if self.is_driver and output is not None:
             output.draft_token_ids = proposals

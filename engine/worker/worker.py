@@ -188,12 +188,12 @@ class Worker:
         )
 
     def kv_block_bytes(self) -> int:
-        return self.runner.kv_block_bytes()
+        return self.runner.cache_engine.block_bytes()
 
     def kv_group_block_bytes(self) -> list[int]:
         """Bytes of one block of each KV cache group's layers here
         (``engine.core.kv_cache_groups``)."""
-        return self.runner.kv_group_block_bytes()
+        return self.runner.cache_engine.group_block_bytes()
 
     def parameter_bytes(self) -> int:
         draft = self.runner.draft
@@ -209,7 +209,7 @@ class Worker:
 
     def _num_available_blocks(self) -> tuple[int, int]:
         runner = self.runner
-        block_bytes = runner.kv_block_bytes()
+        block_bytes = runner.cache_engine.block_bytes()
         sched = self.config.scheduler
         blocks_per_seq = -(-sched.max_model_len // self.config.cache.block_size)
         max_useful = sched.max_num_seqs * blocks_per_seq
@@ -342,7 +342,7 @@ class Worker:
             logits = runner.model.compute_logits(hidden[-min(sched.max_num_seqs, len(positions)) :])
             if logits is not None:
                 self._profile_sampler(logits)
-        kv_bytes = num_blocks * runner.kv_block_bytes()
+        kv_bytes = num_blocks * runner.cache_engine.block_bytes()
         if self.memory_probe is not None:
             self.memory_probe.synchronize()
         runner.initialize_kv_cache(0, 0)
@@ -388,7 +388,7 @@ class Worker:
         if self.sleep_level is not None:
             raise RuntimeError(f"worker {self.rank}: already asleep (level {self.sleep_level})")
         runner = self.runner
-        layout = runner.kv_layout
+        layout = runner.cache_engine.layout
         self._slept_blocks = (list(layout.num_blocks), list(layout.num_cpu_blocks))
         runner.release_kv_cache()
         if level == 2:

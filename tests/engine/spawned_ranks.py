@@ -86,7 +86,7 @@ def _block_table(worker: Any, index: int, blocks_per_request: int) -> list[int]:
     """Request ``index``'s blocks ``[index * n, (index + 1) * n)`` in every KV cache group (as
     global ids, groups one after the other; a sliding group's from its block 1 on, past its
     null block), as the head's block manager would send them."""
-    layout = worker.runner.kv_layout
+    layout = worker.runner.cache_engine.layout
     first = index * blocks_per_request
     return [
         offset + int(spec.is_sliding) + first + b

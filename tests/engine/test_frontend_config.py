@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, FrontendConfig, check_engine_arg_ranges
+from engine.config import EngineConfig, check_engine_arg_ranges
+from engine.config_sections import FrontendConfig
 from engine.errors import ConfigError
 
 

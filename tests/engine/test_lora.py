@@ -411,7 +411,7 @@ def test_every_tensor_parallel_rank_reports_an_adapter_it_cannot_load(
 
 
 def test_scheduler_admits_past_a_request_waiting_for_a_lora_slot() -> None:
-    from engine.config import SchedulerConfig
+    from engine.config_sections import SchedulerConfig
     from engine.core.block_manager import BlockManager
     from engine.core.request import Request
     from engine.core.scheduler import Scheduler
@@ -434,7 +434,8 @@ def test_scheduler_admits_past_a_request_waiting_for_a_lora_slot() -> None:
 
 
 def test_lora_engine_arguments_are_checked() -> None:
-    from engine.config import ConfigError, EngineConfig, LoRAConfig
+    from engine.config import ConfigError, EngineConfig
+    from engine.config_sections import LoRAConfig
 
     assert LoRAConfig(max_loras=3).max_cpu_loras == 3
     expected = r"max_cpu_loras: must be an integer >= 4 \(max_loras\), got 2"

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine.client.llm import LLM
-from engine.config import ConfigError, EngineConfig, KernelConfig
+from engine.config import ConfigError, EngineConfig
+from engine.config_sections import KernelConfig
 from engine.sampling_params import SamplingParams
 from llm_kernels import attention, cpu_decode
 from llm_kernels.attention_metadata import AttentionMetadata

@@ -37,7 +37,7 @@ def _rss() -> int:
 def _commit_kv_cache(llm: LLM) -> None:
     """Write every KV block: a CPU cache's pages are committed only as blocks are first written
     (``engine.worker.zeroed_memory``), and a full cache is what a busy server holds."""
-    for caches in llm.llm_engine.executor.worker.runner.group_caches:
+    for caches in llm.llm_engine.executor.worker.runner.cache_engine.group_caches:
         for cache in caches:
             cache.zero_()
 

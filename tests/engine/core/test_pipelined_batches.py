@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.config import EngineConfig, SchedulerConfig
+from engine.config import EngineConfig
+from engine.config_sections import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, RequestStatus

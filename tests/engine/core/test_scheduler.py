@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.config import SchedulerConfig
+from engine.config_sections import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler

@@ -100,8 +100,8 @@ def test_the_cache_holds_one_latent_per_token_and_layer(name: str) -> None:
     runner = llm.llm_engine.executor.worker.runner
     hf = llm.llm_engine.config.model.hf_config
     latent = hf["kv_lora_rank"] + hf["qk_rope_head_dim"]  # 32 + 8
-    assert [tuple(c.shape) for c in runner.kv_caches] == [(1, 8, 16, 1, latent)] * 3
-    assert runner.kv_block_bytes() == hf["num_hidden_layers"] * 16 * latent * 4
+    assert [tuple(c.shape) for c in runner.cache_engine.kv_caches] == [(1, 8, 16, 1, latent)] * 3
+    assert runner.cache_engine.block_bytes() == hf["num_hidden_layers"] * 16 * latent * 4
     # Against the expanded K/V an MHA layer of the same heads would cache per token.
     qk_head_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
     mha = hf["num_attention_heads"] * (qk_head_dim + hf["v_head_dim"])

@@ -208,7 +208,7 @@ def test_a_bad_checkpoint_scale_is_refused_with_its_name(tmp_path: Path) -> None
 
 
 def test_memory_plan_counts_the_fp8_cache_like_the_engine() -> None:
-    from engine.config import CacheConfig
+    from engine.config_sections import CacheConfig
     from engine.worker.memory_plan import plan_memory
     from engine.worker.memory_plan_estimates import PlanSettings
     from engine.worker.worker import Worker

@@ -13,7 +13,8 @@ import torch
 
 from engine.builtin.catalog import resolve_model_source
 from engine.client.llm import LLM
-from engine.config import ConfigError, EngineConfig, KernelConfig
+from engine.config import ConfigError, EngineConfig
+from engine.config_sections import KernelConfig
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import decode_batch_buckets
 

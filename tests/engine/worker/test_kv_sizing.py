@@ -150,7 +150,7 @@ class FakeMemoryProbe:
 
 
 def kv_bytes(runner: model_runner_module.ModelRunner) -> int:
-    return sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    return sum(c.numel() * c.element_size() for c in runner.cache_engine.kv_caches)
 
 
 def sized_worker(probe: FakeMemoryProbe, **engine_args: object) -> Worker:
@@ -194,7 +194,7 @@ def test_worker_sizes_kv_cache_from_a_profiling_forward_pass(
     assert worker.kv_budget.activation_peak == MAX_BATCHED * ACTIVATION_PER_TOKEN
     assert worker.kv_budget.kv_cache == expected_budget
     assert num_blocks == expected_budget // worker.kv_block_bytes()
-    assert worker.runner.kv_caches[0].shape[1] == 0  # the profile's cache is gone
+    assert worker.runner.cache_engine.kv_caches[0].shape[1] == 0  # the profile's cache is gone
     (line,) = [r.getMessage() for r in caplog.records if "KV cache sizing" in r.getMessage()]
     assert f"-> {num_blocks} blocks" in line and "activation peak 256.0 MiB" in line
 

@@ -189,10 +189,10 @@ def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
 def runner_kv_bytes_per_token(
     model: torch.nn.Module, model_dir: Path, kwargs: dict[str, Any]
 ) -> int:
-    """``ModelRunner.kv_block_bytes`` of ``model`` over the block size."""
+    """``CacheEngine.block_bytes`` of ``model`` over the block size."""
     config = EngineConfig.from_kwargs(model=str(model_dir), device="cpu", **kwargs)
     runner = ModelRunner(config, model, torch.device("meta"))
-    return runner.kv_block_bytes() // config.cache.block_size
+    return runner.cache_engine.block_bytes() // config.cache.block_size
 
 
 def check_against_meta_builds(
@@ -446,7 +446,7 @@ def test_lora_slots_match_what_attach_lora_allocates() -> None:
 
 
 def test_engine_defaults_are_the_plans() -> None:
-    from engine.config import CacheConfig, LoRAConfig, SchedulerConfig
+    from engine.config_sections import CacheConfig, LoRAConfig, SchedulerConfig
 
     defaults = PlanSettings()
     assert defaults.block_size == CacheConfig().block_size
