@@ -62,15 +62,12 @@ from engine.core.output_processor import (
     take_tokens,
 )
 from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import check_waiting_caps
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput, make_execute_model_request
 from engine.core.sleep_control import SleepControl
 from engine.core.structured_output import StructuredOutputManager
-from engine.errors import (
-    EngineDeadError,
-    EngineOverloadedError,
-    InvalidRequestError,
-)
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.kv_transfer.connector import make_kv_scheduler
 from engine.lora import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -227,7 +224,9 @@ class LLMEngine(SleepControl, LoRAControl):
         if params.structured_outputs is not None:
             # Compiled (or found in the cache) now, so that a bad spec is a 400 here.
             self.structured_output.compile(params.structured_outputs)
-        self._admit(len(token_ids), params.n)
+        check_waiting_caps(
+            self.config.scheduler, self.scheduler.waiting_load, len(token_ids), params.n
+        )
         sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]
         self._check_unused(request_id, sample_ids)
         arrival_time = arrival_time or time.monotonic()
@@ -277,7 +276,7 @@ class LLMEngine(SleepControl, LoRAControl):
         text, token_ids = self.inputs.tokenize(prompt)
         self.inputs.process_multimodal(prompt, token_ids)  # (a VLM never pools: images refused)
         self.inputs.check_pooling_length(token_ids)
-        self._admit(len(token_ids), 1)
+        check_waiting_caps(self.config.scheduler, self.scheduler.waiting_load, len(token_ids), 1)
         self._check_unused(request_id, [request_id])
         request = Request(
             request_id,
@@ -303,27 +302,6 @@ class LLMEngine(SleepControl, LoRAControl):
             or any(r in self.scheduler.requests for r in scheduler_ids)
         ):
             raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
-
-    def _admit(self, num_prompt_tokens: int, n: int) -> None:
-        """Bounded waiting queue: raise ``EngineOverloadedError`` (nothing enqueued) if this
-        request's ``n`` samples or prompt tokens would take the queue past its caps. Checked
-        after validation, so an invalid request is a 400 even under overload."""
-        sched = self.config.scheduler
-        if sched.max_waiting_requests is None and sched.max_waiting_tokens is None:
-            return
-        requests, tokens = self.scheduler.waiting_load()
-        if requests == 0:
-            return
-        cap = sched.max_waiting_requests
-        if cap is not None and requests + n > cap:
-            raise EngineOverloadedError(
-                f"{requests} requests are waiting (max_waiting_requests {cap}); retry later"
-            )
-        cap = sched.max_waiting_tokens
-        if cap is not None and tokens + num_prompt_tokens > cap:
-            raise EngineOverloadedError(
-                f"{tokens} prompt tokens are waiting (max_waiting_tokens {cap}); retry later"
-            )
 
     def _sample_state(self, request: Request) -> SampleState:
         params = request.sampling_params
