@@ -1,8 +1,7 @@
-"""The head of a model replica as a Ray actor of its own: the engine core (``LLMEngine`` —
-scheduler, block manager, executor — in an ``EngineCoreLoop``) in a process that does nothing
-else, placed in the replica's placement group. This is the actor's side of the boundary; the
-replica (the ``LLMServer`` front) reaches it through ``cluster.serving.head_client``'s
-``HeadCoreClient``, which also starts it. All messages are msgspec.
+"""The head of a model replica as a Ray actor of its own: the engine core (``LLMEngine`` in an
+``EngineCoreLoop``) in a process that does nothing else, in the replica's placement group. The
+actor's side; the replica (the ``LLMServer`` front) starts and calls it through
+``cluster.serving.head_client.HeadCoreClient``. All messages are msgspec.
 
     LLMServer replica (front)                     HeadActor (own process)
     ──────────────────────────                    ───────────────────────
