@@ -153,7 +153,8 @@ class LLMServer(PoolingServer, SleepServer):
         self.config = config
         self.startup.mark("config")
         if head_resources is not None:
-            from cluster.serving.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
+            from cluster.serving.head_actor import HEAD_NAME_PREFIX
+            from cluster.serving.head_client import HeadCoreClient
 
             client = HeadCoreClient(
                 config,

@@ -1,7 +1,7 @@
 """How the front (``AsyncLLMEngine``) reaches the engine core: ``EngineCoreClient``.
 
 ``InProcessCoreClient`` runs the ``EngineCoreLoop`` on a thread of this process (offline async
-use, tests). ``cluster.serving.head_actor.HeadCoreClient`` reaches the same loop in a Ray actor
+use, tests). ``cluster.serving.head_client.HeadCoreClient`` reaches the same loop in a Ray actor
 of its own (the head of a Serve replica). Either way the front sees one ``StepOutputs`` per step.
 """
 

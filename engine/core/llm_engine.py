@@ -13,7 +13,8 @@ Its parts, each in its own module: checking and tokenizing a request before it i
 (``engine.core.input_processor``); the per-request output state and the outputs built from it
 (``engine.core.output_processor``); what a step adds for structured outputs and speculative
 decoding (``engine.core.guided_steps``); the KV cache groups' pools
-(``engine.core.kv_cache_groups``); sleep mode (``engine.core.sleep_control``); counters and
+(``engine.core.kv_cache_groups``); LoRA adapters' checks and device slots
+(``engine.core.lora_control``); sleep mode (``engine.core.sleep_control``); counters and
 integrity checks (``engine.core.engine_stats``).
 """
 
@@ -48,6 +49,7 @@ from engine.core.input_processor import (
     sample_params,
 )
 from engine.core.kv_cache_groups import config_layout, describe_layout, request_block_capacity
+from engine.core.lora_control import LoRAControl
 from engine.core.output_processor import (
     PoolingState,
     RequestGroup,
@@ -60,17 +62,14 @@ from engine.core.output_processor import (
     take_tokens,
 )
 from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import check_waiting_caps
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput, make_execute_model_request
 from engine.core.sleep_control import SleepControl
 from engine.core.structured_output import StructuredOutputManager
-from engine.errors import (
-    EngineDeadError,
-    EngineOverloadedError,
-    InvalidRequestError,
-)
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.kv_transfer.connector import make_kv_scheduler
-from engine.lora import LoRARegistry, LoRARequest, LoRASlotTable
+from engine.lora import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -95,7 +94,7 @@ _POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
 TRANSFER_POLL_S = 0.005
 
 
-class LLMEngine(SleepControl):
+class LLMEngine(SleepControl, LoRAControl):
     """The head's per-step cycle: admit, schedule, execute, update, detokenize.
 
     A user request with ``n`` samples becomes n scheduler ``Request``s: sample 0 keeps the request
@@ -143,13 +142,8 @@ class LLMEngine(SleepControl):
             self.tokenizer,
             request_block_capacity(layout, config.cache.block_size, config.max_model_len),
         )
+        self._init_lora()
         lora = config.lora
-        self.lora_registry = (
-            LoRARegistry(config.model.hf_config, lora.max_lora_rank, lora.max_cpu_loras)
-            if lora.enable_lora
-            else None
-        )
-        self.lora_slots = LoRASlotTable(lora.max_loras) if lora.enable_lora else None
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_manager,
@@ -230,7 +224,9 @@ class LLMEngine(SleepControl):
         if params.structured_outputs is not None:
             # Compiled (or found in the cache) now, so that a bad spec is a 400 here.
             self.structured_output.compile(params.structured_outputs)
-        self._admit(len(token_ids), params.n)
+        check_waiting_caps(
+            self.config.scheduler, self.scheduler.waiting_load, len(token_ids), params.n
+        )
         sample_ids = [request_id] + [f"{i}_{request_id}" for i in range(1, params.n)]
         self._check_unused(request_id, sample_ids)
         arrival_time = arrival_time or time.monotonic()
@@ -280,7 +276,7 @@ class LLMEngine(SleepControl):
         text, token_ids = self.inputs.tokenize(prompt)
         self.inputs.process_multimodal(prompt, token_ids)  # (a VLM never pools: images refused)
         self.inputs.check_pooling_length(token_ids)
-        self._admit(len(token_ids), 1)
+        check_waiting_caps(self.config.scheduler, self.scheduler.waiting_load, len(token_ids), 1)
         self._check_unused(request_id, [request_id])
         request = Request(
             request_id,
@@ -299,34 +295,6 @@ class LLMEngine(SleepControl):
         self._pooling[request_id] = PoolingState(request, text)
         return request
 
-    def _check_lora(self, lora_request: LoRARequest | None) -> None:
-        """Read and check the adapter now (cached), so a bad one never reaches the workers."""
-        if lora_request is None:
-            return
-        if self.lora_registry is None:
-            raise InvalidRequestError(
-                "LoRA is not enabled on this engine (start it with enable_lora=True)",
-                param="lora_request",
-            )
-        self.lora_registry.get(lora_request, self._live_loras)
-
-    def _live_loras(self) -> list[LoRARequest]:
-        return [
-            r.lora_request for r in self.scheduler.requests.values() if r.lora_request is not None
-        ]
-
-    def _assign_lora_slots(self, sched: SchedulerOutput, message: ExecuteModelRequest) -> None:
-        """Give this step's adapters device slots; changed slots travel in the message."""
-        if self.lora_slots is None:
-            return
-        adapters = {}
-        for rid in sched.num_scheduled_tokens:
-            request = self.scheduler.requests.get(rid)
-            if request is not None and request.lora_request is not None:
-                adapters[request.lora_int_id] = request.lora_request.lora_path
-        if adapters:
-            message.lora_slots = self.lora_slots.assign(adapters)
-
     def _check_unused(self, request_id: str, scheduler_ids: list[str]) -> None:
         if (
             request_id in self._groups
@@ -334,27 +302,6 @@ class LLMEngine(SleepControl):
             or any(r in self.scheduler.requests for r in scheduler_ids)
         ):
             raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
-
-    def _admit(self, num_prompt_tokens: int, n: int) -> None:
-        """Bounded waiting queue: raise ``EngineOverloadedError`` (nothing enqueued) if this
-        request's ``n`` samples or prompt tokens would take the queue past its caps. Checked
-        after validation, so an invalid request is a 400 even under overload."""
-        sched = self.config.scheduler
-        if sched.max_waiting_requests is None and sched.max_waiting_tokens is None:
-            return
-        requests, tokens = self.scheduler.waiting_load()
-        if requests == 0:
-            return
-        cap = sched.max_waiting_requests
-        if cap is not None and requests + n > cap:
-            raise EngineOverloadedError(
-                f"{requests} requests are waiting (max_waiting_requests {cap}); retry later"
-            )
-        cap = sched.max_waiting_tokens
-        if cap is not None and tokens + num_prompt_tokens > cap:
-            raise EngineOverloadedError(
-                f"{tokens} prompt tokens are waiting (max_waiting_tokens {cap}); retry later"
-            )
 
     def _sample_state(self, request: Request) -> SampleState:
         params = request.sampling_params
@@ -517,27 +464,6 @@ class LLMEngine(SleepControl):
         if not self.scheduler.has_unfinished_requests():
             self._flush_finished()
         return outputs
-
-    def _fail_lora_loads(self, errors: dict[int, str]) -> list[EngineOutput]:
-        """Adapters a worker could not load into their slots this step (their files removed or
-        changed since the head checked them): before this step's tokens are taken, their
-        requests end ("abort", and the error is logged) and the adapter is forgotten, so its
-        next use checks it again (a 400 if it is still gone). Other requests are untouched."""
-        if not errors:
-            return []
-        groups: dict[str, int] = {}
-        for request in list(self.scheduler.requests.values()):
-            if request.lora_int_id in errors and not request.is_finished:
-                entry = self._samples.get(request.request_id)
-                group_id = entry[0].request_id if entry is not None else request.request_id
-                groups[group_id] = request.lora_int_id
-        for lid, why in errors.items():
-            aborted = sorted(g for g, gl in groups.items() if gl == lid)
-            logger.error("LoRA adapter %d: %s; aborting its requests %s", lid, why, aborted)
-            if self.lora_registry is not None and self.lora_slots is not None:
-                self.lora_registry.forget(lid)
-                self.lora_slots.forget(lid)
-        return self.abort_request(list(groups))
 
     def _sample_of(self, request_id: str) -> SampleState | None:
         entry = self._samples.get(request_id)

@@ -1,5 +1,7 @@
 """The scheduler's waiting queue, by ``scheduling_policy``: FCFS (a deque; preempted requests
 go back to the front) or priority (a heap on the request's sort key, arrival breaking ties).
+And the caps that bound what waits (``max_waiting_requests``, ``max_waiting_tokens``), which the
+engine checks before it enqueues a request (``check_waiting_caps``).
 """
 
 from __future__ import annotations
@@ -7,9 +9,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+from engine.config import SchedulerConfig
 from engine.core.request import Request
+from engine.errors import EngineOverloadedError
 
 
 class WaitingQueue:
@@ -50,3 +54,30 @@ class WaitingQueue:
         else:
             self._heap = [e for e in self._heap if e[2] is not request]
             heapq.heapify(self._heap)
+
+
+def check_waiting_caps(
+    config: SchedulerConfig,
+    waiting_load: Callable[[], tuple[int, int]],
+    num_prompt_tokens: int,
+    n: int,
+) -> None:
+    """Bounded waiting queue: raise ``EngineOverloadedError`` (nothing enqueued) if a request's
+    ``n`` samples or ``num_prompt_tokens`` would take the queue past its caps. ``waiting_load``
+    is ``Scheduler.waiting_load``, asked only when a cap is set. The engine checks this after
+    validation, so an invalid request is a 400 even under overload."""
+    if config.max_waiting_requests is None and config.max_waiting_tokens is None:
+        return
+    requests, tokens = waiting_load()
+    if requests == 0:
+        return
+    cap = config.max_waiting_requests
+    if cap is not None and requests + n > cap:
+        raise EngineOverloadedError(
+            f"{requests} requests are waiting (max_waiting_requests {cap}); retry later"
+        )
+    cap = config.max_waiting_tokens
+    if cap is not None and tokens + num_prompt_tokens > cap:
+        raise EngineOverloadedError(
+            f"{tokens} prompt tokens are waiting (max_waiting_tokens {cap}); retry later"
+        )

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.serving.head_actor import HEAD_NAME_PREFIX, HeadCoreClient
+from cluster.serving.head_actor import HEAD_NAME_PREFIX
+from cluster.serving.head_client import HeadCoreClient
 from engine import LLM, EngineDeadError, InvalidRequestError, SamplingParams
 from engine.builtin.catalog import resolve_model_source
 from engine.client.async_llm_engine import AsyncLLMEngine, StreamOutput
