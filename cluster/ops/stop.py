@@ -18,8 +18,9 @@ cgroup, systemd's default ``KillMode=control-group``) the GCS stops at once and 
 would wait 60 s on Ray's reconnection, or fail at once (raised, that error would leave the driver
 in Ray's excepthook, which waits on the GCS): ``drain_unless_gcs_gone`` notices either, the
 replicas abort their requests on their own (``cluster.serving.serve_replica.gcs_loss_flag``), and
-``exit_without_ray`` ends the driver within seconds. That path cannot promise every stream its ending (the raylet may
-stop the workers first): ``docs/deploy.md`` says to signal the main process alone.
+``exit_without_ray`` ends the driver within seconds. That path cannot promise every stream its
+ending (the raylet may stop the workers first): ``docs/deploy.md`` says to signal the main
+process alone.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ class ModelRunner:
         self._proposals: dict[str, list[int]] = {}
         # A vision-language model's image embeddings, encoded once per image and request.
         self.encoder_cache = EncoderCache(device) if hasattr(model, "embed_multimodal") else None
-        # Qwen2.5-VL: the rotary reads 3-D positions (StepInputs.mrope_positions).
+        # Qwen2.5-VL, Qwen3-VL: the rotary reads 3-D positions (StepInputs.mrope_positions).
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         # Data parallelism: the MoE layers' experts that exchange tokens across the DP ranks.
         self._exchanging_experts = [
@@ -192,7 +192,8 @@ class ModelRunner:
 
     def cuda_graphs_disabled_reason(self) -> str | None:
         if self.uses_mrope:
-            return "M-RoPE (Qwen2.5-VL): decode positions are per request, not the graphs' 1-D ones"
+            name = type(self.model).__name__
+            return f"M-RoPE ({name}): decode positions are per request, not the graphs' 1-D ones"
         return cuda_graphs_disabled_reason(
             device_type=self.device.type,
             kernel_backend=self.model.kernel_ops.name,
