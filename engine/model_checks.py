@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import envs
+from engine.builtin.catalog import resolve_model_source
 from engine.checkpoint_headers import checkpoint_headers
 from engine.errors import ConfigError
 from engine.hf_config import check_hf_config, num_experts
@@ -34,11 +35,7 @@ if TYPE_CHECKING:
 def with_checkpoint(model: ModelConfig) -> ModelConfig:
     path = Path(model.model).expanduser()
     if not (path / "config.json").is_file():
-        # A built-in (or a bad path, which the catalog names with the built-ins): imported
-        # only then, since the generators pull in torch and transformers' modeling stack
-        # (4-6 s on 2 cores), which the check of a local checkpoint need not load.
-        from engine.builtin.catalog import resolve_model_source
-
+        # A built-in (or a bad path, which the catalog names with the built-ins).
         path = resolve_model_source(model.model)
     config_file = Path(path) / "config.json"
     # A VLM's nested config is read flat (engine.vlm_config); hf_overrides apply to that.

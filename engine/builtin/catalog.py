@@ -1,49 +1,45 @@
 """Model sources: a local checkpoint directory, or ``builtin:<name>``, one of the generated
 random-weight models (dense ``engine.builtin.tiny_models``, MoE ``engine.builtin.tiny_moe_models``,
 reasoning ``engine.builtin.tiny_reasoning_models``, pooling
-``engine.builtin.tiny_pooling_models``, vision-language ``engine.builtin.tiny_vlm_models``),
-written once into the cache; plus random LoRA adapters for them. It sits above the generator
-modules, which never import it."""
+``engine.builtin.tiny_pooling_models``, vision-language ``engine.builtin.tiny_vlm_models`` and
+``tiny_qwen_vl_models``), written once into the cache; plus random LoRA adapters for them.
+
+A built-in already written resolves through ``engine.builtin.builtin_names`` alone; the
+generators (torch, transformers' modeling stack) are imported only to write one, so a start
+with a built-in pays them once, not in every process. It sits above the generator modules,
+which never import it."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
-
-from engine.builtin.tiny_models import TINY_MODEL_NAMES, VERSION, make_tiny_model, materialize
-from engine.builtin.tiny_moe_models import TINY_MOE_MODEL_NAMES, materialize_tiny_moe
-from engine.builtin.tiny_pooling_models import TINY_POOLING_MODEL_NAMES, materialize_tiny_pooling
-from engine.builtin.tiny_qwen_vl_models import TINY_QWEN_VL_MODEL_NAMES, materialize_tiny_qwen_vl
-from engine.builtin.tiny_reasoning_models import (
+from engine.builtin.builtin_names import (
+    BUILTIN_MODEL_NAMES,
+    TINY_MOE_MODEL_NAMES,
+    TINY_POOLING_MODEL_NAMES,
+    TINY_QWEN_VL_MODEL_NAMES,
     TINY_REASONING_MODEL_NAMES,
-    materialize_tiny_reasoning,
+    TINY_VLM_MODEL_NAMES,
+    builtin_dirname,
+    written_builtin,
 )
-from engine.builtin.tiny_vlm_models import TINY_VLM_MODEL_NAMES, materialize_tiny_vlm
 
 __all__ = ["BUILTIN_MODEL_NAMES", "BUILTIN_PREFIX", "make_tiny_lora", "resolve_model_source"]
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODEL_NAMES: tuple[str, ...] = (
-    TINY_MODEL_NAMES
-    + TINY_MOE_MODEL_NAMES
-    + TINY_REASONING_MODEL_NAMES
-    + TINY_POOLING_MODEL_NAMES
-    + TINY_VLM_MODEL_NAMES
-    + TINY_QWEN_VL_MODEL_NAMES
-)
 
 
 def resolve_model_source(source: str) -> Path:
     """Turn a model source into a local checkpoint directory.
 
-    ``builtin:<name>`` is materialized once into ``<cache_dir>/models/<name>-v<VERSION>``; any
-    other string is a local directory that must hold a ``config.json``. Nothing is downloaded.
+    ``builtin:<name>`` is materialized once into ``<cache_dir>/models/<name>-v<VERSION>``
+    (``engine.builtin.builtin_names`` names it); any other string is a local directory that
+    must hold a ``config.json``. Nothing is downloaded.
     """
     if source.startswith(BUILTIN_PREFIX):
-        return _materialize_builtin(source[len(BUILTIN_PREFIX) :])
+        name = source[len(BUILTIN_PREFIX) :]
+        return written_builtin(name) or _materialize_builtin(name)
     path = Path(source).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -55,21 +51,31 @@ def resolve_model_source(source: str) -> Path:
 
 
 def _materialize_builtin(name: str) -> Path:
+    """Write the built-in ``name`` (its generator imported now: see the module docstring)."""
+    builtin_dirname(name)  # an unknown name: the ValueError listing the built-ins
     if name in TINY_MOE_MODEL_NAMES:
+        from engine.builtin.tiny_moe_models import materialize_tiny_moe
+
         return materialize_tiny_moe(name)
     if name in TINY_REASONING_MODEL_NAMES:
+        from engine.builtin.tiny_reasoning_models import materialize_tiny_reasoning
+
         return materialize_tiny_reasoning(name)
     if name in TINY_POOLING_MODEL_NAMES:
+        from engine.builtin.tiny_pooling_models import materialize_tiny_pooling
+
         return materialize_tiny_pooling(name)
     if name in TINY_VLM_MODEL_NAMES:
+        from engine.builtin.tiny_vlm_models import materialize_tiny_vlm
+
         return materialize_tiny_vlm(name)
     if name in TINY_QWEN_VL_MODEL_NAMES:
+        from engine.builtin.tiny_qwen_vl_models import materialize_tiny_qwen_vl
+
         return materialize_tiny_qwen_vl(name)
-    if name in TINY_MODEL_NAMES:
-        return materialize(f"{name}-v{VERSION}", lambda out: make_tiny_model(name, out, seed=0))
-    raise ValueError(
-        f"unknown tiny model name {name!r}; valid names are {', '.join(BUILTIN_MODEL_NAMES)}"
-    )
+    from engine.builtin.tiny_models import make_tiny_model, materialize
+
+    return materialize(builtin_dirname(name), lambda out: make_tiny_model(name, out, seed=0))
 
 
 def make_tiny_lora(
@@ -88,7 +94,9 @@ def make_tiny_lora(
     directory) into ``out_dir``: ``adapter_config.json`` + ``adapter_model.safetensors``,
     loadable with ``PeftModel.from_pretrained``. ``scale`` multiplies B (how far the adapter
     moves the model). Same arguments, same files."""
+    import torch
     from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
     source = base_name if ":" in base_name or os.sep in base_name else BUILTIN_PREFIX + base_name
     base = AutoModelForCausalLM.from_pretrained(resolve_model_source(source), dtype=torch.float32)

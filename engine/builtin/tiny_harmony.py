@@ -48,8 +48,6 @@ HARMONY_TOKEN_IDS: dict[str, int] = {
 HARMONY_VOCAB_SIZE = TOKENIZER_VOCAB_SIZE + len(HARMONY_TOKENS)
 # gpt-oss's generation_config stops at these two.
 HARMONY_STOP_TOKEN_IDS: tuple[int, ...] = (HARMONY_TOKEN_IDS[RETURN], HARMONY_TOKEN_IDS[CALL])
-# Bump when the tokenizer files written here change (a built-in's cache directory names it).
-HARMONY_VERSION = 1
 
 # JSON schema -> the TypeScript-like types of the spec's function definitions: a parameter per
 # line, its description as a comment above it, "?" when not required, its default after it.

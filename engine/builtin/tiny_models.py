@@ -53,6 +53,7 @@ from transformers import (
 )
 
 from engine import envs
+from engine.builtin.builtin_names import TINY_MODEL_NAMES, VERSION
 from engine.builtin.tiny_tokenizer import (  # the tokenizer every tiny model shares
     BOS_TOKEN,  # noqa: F401 (re-exported)
     BOS_TOKEN_ID,
@@ -74,20 +75,6 @@ from engine.builtin.tiny_tokenizer import (  # the tokenizer every tiny model sh
     build_tokenizer,
     write_json,
     write_tokenizer,
-)
-
-# Bump whenever the recipe (corpus, tokenizer, init, config) changes, so that a cache written by an
-# older recipe is never mistaken for the current one.
-VERSION = 6
-
-TINY_MODEL_NAMES: tuple[str, ...] = (
-    "tiny-llama",
-    "tiny-mistral",
-    "tiny-qwen2",
-    "tiny-qwen3",
-    "tiny-gemma2",
-    "tiny-gemma3",
-    "tiny-phi3",
 )
 
 # HF's default initializer_range of 0.02 makes a 2-layer, 64-wide model nearly uniform over the

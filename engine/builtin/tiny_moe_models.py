@@ -2,7 +2,7 @@
 in Hugging Face format like the dense ones of :mod:`engine.builtin.tiny_models` (same tokenizer,
 same init recipe, same cache), so tests compare the engine with HF transformers offline. The models
 (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5, gpt-oss) and the quirk each one exercises
-are tabled at ``TINY_MOE_MODEL_NAMES``.
+are tabled below (their names, with the recipe's version, in ``engine.builtin.builtin_names``).
 
 The weights are written with ``save_pretrained``, so the checkpoint has the per-expert tensors
 (``experts.N.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.N.w1.weight``) that
@@ -34,9 +34,9 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from engine.builtin.builtin_names import MOE_VERSION, TINY_MOE_MODEL_NAMES, VERSION, builtin_dirname
 from engine.builtin.tiny_harmony import (
     HARMONY_STOP_TOKEN_IDS,
-    HARMONY_VERSION,
     build_harmony_tokenizer,
     write_harmony_tokenizer,
 )
@@ -45,7 +45,6 @@ from engine.builtin.tiny_models import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     PAD_TOKEN_ID,
-    VERSION,
     _build_model,
     _write_config,
     materialize,
@@ -59,9 +58,6 @@ from engine.builtin.tiny_tokenizer import (
 from engine.hf_config import DEEPSEEK_ARCHITECTURES, config_field
 from llm_kernels.mxfp4 import quantize_mxfp4
 
-# Bump whenever an MoE recipe changes (on top of engine.builtin.tiny_models.VERSION, which covers
-# the tokenizer and init shared with the dense models).
-MOE_VERSION = 2
 # The built-in models and what each one tests:
 #
 #  name              family       experts  top-k  layers          quirk
@@ -84,15 +80,7 @@ MOE_VERSION = 2
 #                                                 sliding / full  64 positions, biased router
 #                                                 alternating     and experts, SwiGLU clamped
 #                                                                 often; harmony tokenizer
-TINY_MOE_MODEL_NAMES: tuple[str, ...] = (
-    "tiny-mixtral",
-    "tiny-qwen2-moe",
-    "tiny-qwen3-moe",
-    "tiny-deepseek-v3",
-    "tiny-deepseek-v2",
-    "tiny-glm4-moe",
-    "tiny-gpt-oss",
-)
+
 # Multi-head latent attention at a small scale: 4 heads, q_lora 48 (V3), latent 32 + rope 8.
 _MLA_SHAPE: dict[str, Any] = {
     "num_hidden_layers": 3,
@@ -334,10 +322,7 @@ def _save(model: Any, config: PretrainedConfig, out: Path) -> None:
 def materialize_tiny_moe(name: str) -> Path:
     """``builtin:<name>`` of a tiny MoE model: written once into the model cache."""
     _check_moe_name(name)
-    # tiny-gpt-oss's tokenizer files (its chat template) have a version of their own.
-    harmony = f".h{HARMONY_VERSION}" if name == "tiny-gpt-oss" else ""
-    version = f"{VERSION}.{MOE_VERSION}{harmony}"
-    return materialize(f"{name}-v{version}", lambda out: make_tiny_moe_model(name, out))
+    return materialize(builtin_dirname(name), lambda out: make_tiny_moe_model(name, out))
 
 
 def tiny_moe_variant(name: str, **config_overrides: Any) -> Path:

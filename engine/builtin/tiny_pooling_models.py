@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoModelForSequenceClassification, PreTrainedModel
 
+from engine.builtin.builtin_names import builtin_dirname
 from engine.builtin.tiny_models import (
     NORM_WEIGHT_NOISE,
-    VERSION,
     _build_config,
     _write_config,
     materialize,
@@ -31,8 +31,7 @@ from engine.builtin.tiny_models import (
 )
 from engine.builtin.tiny_tokenizer import build_tokenizer, write_tokenizer
 
-# Bump when this recipe changes (on top of engine.builtin.tiny_models.VERSION).
-POOLING_VERSION = 1
+# One recipe per name of TINY_POOLING_MODEL_NAMES (the version: engine.builtin.builtin_names).
 _RECIPES: dict[str, tuple[str, dict[str, Any], str]] = {
     "tiny-qwen3-classifier": (
         "tiny-qwen3",
@@ -42,7 +41,6 @@ _RECIPES: dict[str, tuple[str, dict[str, Any], str]] = {
     "tiny-llama-cross-encoder": ("tiny-llama", {"num_labels": 1}, "classify"),
     "tiny-qwen3-embedding": ("tiny-qwen3", {"tie_word_embeddings": False}, "embed"),
 }
-TINY_POOLING_MODEL_NAMES: tuple[str, ...] = tuple(_RECIPES)
 
 
 def make_tiny_pooling_model(name: str, out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
@@ -85,9 +83,7 @@ def _add_labels(path: Path, id2label: dict[int, str]) -> None:
 
 
 def materialize_tiny_pooling(name: str) -> Path:
-    return materialize(
-        f"{name}-v{VERSION}.{POOLING_VERSION}", lambda out: make_tiny_pooling_model(name, out)
-    )
+    return materialize(builtin_dirname(name), lambda out: make_tiny_pooling_model(name, out))
 
 
-__all__ = ["TINY_POOLING_MODEL_NAMES", "make_tiny_pooling_model", "materialize_tiny_pooling"]
+__all__ = ["make_tiny_pooling_model", "materialize_tiny_pooling"]

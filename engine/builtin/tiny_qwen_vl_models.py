@@ -41,9 +41,6 @@ from engine.builtin.tiny_vlm_models import (
     write_vlm_checkpoint,
 )
 
-TINY_QWEN_VL_MODEL_NAMES: tuple[str, ...] = ("tiny-qwen2.5-vl", "tiny-qwen3-vl")
-# Bump whenever the recipe changes (the cache directory is named after it).
-QWEN_VL_VERSION = 1
 VISION_TOKENS: tuple[str, ...] = (
     "<|vision_start|>",
     "<|vision_end|>",
@@ -87,7 +84,7 @@ _QWEN3_VISION: dict[str, Any] = {
 
 def materialize_tiny_qwen_vl(name: str) -> Path:
     makers = {"tiny-qwen2.5-vl": make_tiny_qwen2_5_vl, "tiny-qwen3-vl": make_tiny_qwen3_vl}
-    return materialize_vlm(name, makers, QWEN_VL_VERSION)
+    return materialize_vlm(name, makers)
 
 
 def make_tiny_qwen2_5_vl(

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer
 
+from engine.builtin.builtin_names import TINY_REASONING_MODEL_NAMES, builtin_dirname
 from engine.builtin.tiny_models import (
-    VERSION,
     _build_config,
     materialize,
     write_tiny_checkpoint,
@@ -30,9 +30,6 @@ from engine.builtin.tiny_tokenizer import (
     write_json,
 )
 
-TINY_REASONING_MODEL_NAMES: tuple[str, ...] = ("tiny-qwen3-reasoning",)
-# Bump when this recipe changes (on top of engine.builtin.tiny_models.VERSION).
-REASONING_VERSION = 1
 THINK_START, THINK_END = "<think>", "</think>"
 # Added after the trained vocabulary, as Qwen3's tokenizer adds them after its BPE vocabulary.
 THINK_START_ID, THINK_END_ID = TOKENIZER_VOCAB_SIZE, TOKENIZER_VOCAB_SIZE + 1
@@ -96,6 +93,4 @@ def materialize_tiny_reasoning(name: str) -> Path:
     if name not in TINY_REASONING_MODEL_NAMES:
         valid = ", ".join(TINY_REASONING_MODEL_NAMES)
         raise ValueError(f"unknown tiny reasoning model {name!r}; valid names are {valid}")
-    return materialize(
-        f"{name}-v{VERSION}.{REASONING_VERSION}", lambda out: make_tiny_reasoning_model(out)
-    )
+    return materialize(builtin_dirname(name), lambda out: make_tiny_reasoning_model(out))

@@ -36,6 +36,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
+from engine.builtin.builtin_names import builtin_dirname
 from engine.builtin.tiny_models import (
     _COMMON_CONFIG,
     _DROPPED_KEYS,
@@ -57,9 +58,6 @@ from engine.builtin.tiny_tokenizer import (
     write_tokenizer,
 )
 
-TINY_VLM_MODEL_NAMES: tuple[str, ...] = ("tiny-llava", "tiny-gemma3-vision")
-# Bump whenever the recipe changes (the cache directory is named after it).
-VLM_VERSION = 1
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 48
 PATCH_SIZE = 8
@@ -80,16 +78,16 @@ _VISION: dict[str, Any] = {
 
 def materialize_tiny_vlm(name: str) -> Path:
     makers = {"tiny-llava": make_tiny_llava, "tiny-gemma3-vision": make_tiny_gemma3_vision}
-    return materialize_vlm(name, makers, VLM_VERSION)
+    return materialize_vlm(name, makers)
 
 
-def materialize_vlm(name: str, makers: dict[str, Callable[..., Path]], version: int) -> Path:
+def materialize_vlm(name: str, makers: dict[str, Callable[..., Path]]) -> Path:
     """The built-in VLM ``name``, written by its maker in ``makers`` (seed 0) into the cache
-    once per recipe ``version``."""
+    once per recipe version (``engine.builtin.builtin_names``)."""
     if name not in makers:
         valid = ", ".join(makers)
         raise ValueError(f"unknown tiny VLM name {name!r}; valid names are {valid}")
-    return materialize(f"{name}-vlm{version}", lambda out: makers[name](out, seed=0))
+    return materialize(builtin_dirname(name), lambda out: makers[name](out, seed=0))
 
 
 def seeded_vlm(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,16 +16,17 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.builtin import catalog, tiny_models
+from engine.builtin import tiny_models
+from engine.builtin.builtin_names import TINY_MODEL_NAMES, VERSION
 from engine.builtin.catalog import resolve_model_source
 from engine.builtin.tiny_models import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     IM_END_TOKEN_ID,
-    TINY_MODEL_NAMES,
-    VERSION,
     make_tiny_model,
 )
+
+ROOT = Path(__file__).resolve().parents[3]
 
 # (architecture, num_key_value_heads, tie_word_embeddings, head_dim, num_hidden_layers)
 EXPECTED_SHAPE = {
@@ -344,20 +348,55 @@ def test_resolve_builtin_materializes_once(tmp_path: Path, monkeypatch: pytest.M
     assert [p.name for p in (tmp_path / "models").iterdir()] == [first.name]
 
 
+def test_a_written_builtin_resolves_without_importing_a_generator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every process of a start checks its config (the replica, the head, each worker): a
+    built-in written before resolves from its name alone, neither the generators nor
+    transformers imported (they cost 1-3 s per process)."""
+    monkeypatch.setenv("LLM_CLUSTER_CACHE_DIR", str(tmp_path))
+    written = resolve_model_source("builtin:tiny-qwen3-moe")
+    probe = (
+        "import sys; from engine.builtin.catalog import resolve_model_source; "
+        "print(resolve_model_source('builtin:tiny-qwen3-moe')); "
+        "print(sorted(m for m in sys.modules if m.startswith(('engine.builtin.tiny', "
+        "'transformers', 'torch'))))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=env, cwd=ROOT, check=True).stdout.splitlines()  # fmt: skip
+    assert out == [str(written), "[]"]
+
+
+def test_the_name_tables_and_the_generators_agree() -> None:
+    """Each pooling recipe has its name in ``builtin_names`` and the reverse; no two built-ins
+    share a cache directory."""
+    from engine.builtin.builtin_names import (
+        BUILTIN_MODEL_NAMES,
+        TINY_POOLING_MODEL_NAMES,
+        builtin_dirname,
+    )
+    from engine.builtin.tiny_pooling_models import _RECIPES
+
+    assert set(_RECIPES) == set(TINY_POOLING_MODEL_NAMES)
+    dirnames = [builtin_dirname(name) for name in BUILTIN_MODEL_NAMES]
+    assert len(set(dirnames)) == len(dirnames) == len(set(BUILTIN_MODEL_NAMES))
+
+
 def test_losing_the_rename_race_uses_the_winners_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LLM_CLUSTER_CACHE_DIR", str(tmp_path))
-    real_make = catalog.make_tiny_model
+    real_make = tiny_models.make_tiny_model
 
     def make_after_a_rival_finished(name: str, out_dir: Path, seed: int = 0) -> Path:
         # A rival process completes its whole materialization while this one is still writing.
-        monkeypatch.setattr(catalog, "make_tiny_model", real_make)
+        monkeypatch.setattr(tiny_models, "make_tiny_model", real_make)
         winner = resolve_model_source(f"builtin:{name}")
         (winner / "winner").touch()
         return real_make(name, out_dir, seed)
 
-    monkeypatch.setattr(catalog, "make_tiny_model", make_after_a_rival_finished)
+    monkeypatch.setattr(tiny_models, "make_tiny_model", make_after_a_rival_finished)
 
     path = resolve_model_source("builtin:tiny-llama")
 

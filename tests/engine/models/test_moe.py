@@ -18,8 +18,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.builtin.builtin_names import TINY_MOE_MODEL_NAMES
 from engine.builtin.catalog import resolve_model_source
-from engine.builtin.tiny_moe_models import TINY_MOE_MODEL_NAMES, tiny_moe_variant
+from engine.builtin.tiny_moe_models import tiny_moe_variant
 from engine.errors import ConfigError
 from engine.hf_config import check_hf_config
 from engine.models import get_model_class
