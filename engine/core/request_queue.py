@@ -11,7 +11,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from engine.config import SchedulerConfig
+from engine.config_sections import SchedulerConfig
 from engine.core.request import Request
 from engine.errors import EngineOverloadedError
 
