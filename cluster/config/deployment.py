@@ -322,13 +322,21 @@ class DeploymentConfig:
 
     def awake_spec(self) -> tuple[dict[str, int], int, float] | None:
         """What the ingress's awake set needs (``SleepModeConfig``): each sleeping model's
-        level, the limit, and how long a request waits for room."""
+        level (in config order: the first ``max_awake_models`` start awake), the limit, and
+        how long a request waits for room."""
         limit = self.sleep_mode.max_awake_models
         sleepers = [m for m in self.models if m.sleep_config is not None]
         if limit is None or not sleepers:
             return None
         levels = {m.model_id: m.sleep_config.level for m in sleepers if m.sleep_config}
         return levels, limit, max(m.sleep_config.wake_timeout_s for m in sleepers if m.sleep_config)
+
+    def starts_asleep(self, model_id: str) -> bool:
+        """Whether ``model_id``'s replicas start asleep, their engine not started: the models
+        with a ``sleep_config`` after the first ``sleep_mode.max_awake_models``, so that at
+        start-up no more are loaded than may be awake at once."""
+        spec = self.awake_spec()
+        return spec is not None and model_id in list(spec[0])[spec[1] :]
 
     def model(self, model_id: str) -> ModelDeployment:
         for model in self.models:

@@ -9,8 +9,9 @@ request goes on and wakes its model (``cluster.serving.sleep_server``).
   ``wake_timeout_s`` (then a 503).
 - A model used in the last ``RECENT_S`` is not chosen: its request may still be on its way to
   the replica (which would wake it again at once).
-- The ingress keeps the awake set (one ingress replica: the config check requires it). Every
-  model starts awake; the first admission that finds the set over the limit sleeps the rest.
+- The ingress keeps the awake set (one ingress replica: the config check requires it). The
+  first ``limit`` models start awake, the others asleep with no engine started
+  (``DeploymentConfig.starts_asleep``): their first wake starts it.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ PutToSleep = Callable[[str], Awaitable[bool]]  # model -> every replica asleep
 
 
 class AwakeModels:
-    """The awake set of ``models`` under ``limit``; ``put_to_sleep`` sleeps one model."""
+    """The awake set of ``models`` under ``limit`` (the first ``limit`` start awake);
+    ``put_to_sleep`` sleeps one model."""
 
     def __init__(
         self, models: list[str], limit: int, put_to_sleep: PutToSleep, timeout_s: float
     ) -> None:
         self.models = frozenset(models)
         self.limit = limit
-        self.awake = set(models)
+        self.awake = set(models[:limit])
         self.last_used = dict.fromkeys(models, 0.0)
         self._put_to_sleep = put_to_sleep
         self.timeout_s = timeout_s

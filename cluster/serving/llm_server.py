@@ -95,20 +95,27 @@ class LLMServer(PoolingServer, SleepServer):
         head_resources: dict[str, float] | None = None,
         lora_config: dict[str, Any] | None = None,
         sleep_config: dict[str, Any] | None = None,
+        start_asleep: bool = False,
     ) -> None:
         """``head_resources`` (the head's placement bundle, ``HEAD_BUNDLE_INDEX`` of this
         replica's group) starts the engine core in a head actor; without it (outside Serve) the
         core runs on a thread of this process. ``lora_config`` (``dynamic_lora_loading_path``,
         ``max_num_adapters_per_replica``) serves the model's LoRA adapters by name;
-        ``sleep_config`` (``cluster.serving.sleep_server``) its idle sleep."""
+        ``sleep_config`` (``cluster.serving.sleep_server``) its idle sleep; ``start_asleep``
+        leaves the engine unstarted (asleep, holding no memory) until the first wake."""
         self.replica_id = _replica_id()
         self.startup = StartupTimeline(
             f"replica {model_id} {self.replica_id}", from_process_start=True
         )
         self.startup.mark("imports")  # a prestarted worker's wait for this replica, its imports
         self.model_id = model_id
+        self.engine: AsyncLLMEngine | None = None
+        self.head_name: str | None = None
+        self._core_args = (engine_args, head_resources)
         try:
-            self._start_engine(engine_args, head_resources, lora_config)
+            self._configure(engine_args, lora_config)
+            if not start_asleep:
+                self._start_core()
         except Exception as exc:
             # A cause that starting again would meet again: the deployment fails at once with
             # it (cluster.ops.deploy reads it from Serve's status), rather than after Serve's
@@ -127,17 +134,14 @@ class LLMServer(PoolingServer, SleepServer):
         self._stopping = serve_stop_flag()
         self._drain_task: asyncio.Task[None] | None = None
         self._sink_flushes: dict[str, tuple[int, asyncio.Future[bool]]] = {}
-        self._init_sleep(sleep_config)
+        self._init_sleep(sleep_config, started=self.engine is not None)
         self.startup.mark("ready")
         logger.info("model %s ready on replica %s", model_id, self.replica_id)
         self.startup.log(logger)
 
-    def _start_engine(
-        self,
-        engine_args: dict[str, Any],
-        head_resources: dict[str, float] | None,
-        lora_config: dict[str, Any] | None,
-    ) -> None:
+    def _configure(self, engine_args: dict[str, Any], lora_config: dict[str, Any] | None) -> None:
+        """Everything the front needs before the engine: the config, the LoRA catalog, the
+        tokenizer, the image processor and the parsers."""
         self.adapters: AdapterCatalog | None = None
         if lora_config is not None:
             self.adapters = AdapterCatalog(lora_config["dynamic_lora_loading_path"])
@@ -152,26 +156,8 @@ class LLMServer(PoolingServer, SleepServer):
         config = EngineConfig.from_kwargs(**engine_args)
         self.config = config
         self.startup.mark("config")
-        if head_resources is not None:
-            from cluster.serving.head_actor import HEAD_NAME_PREFIX
-            from cluster.serving.head_client import HeadCoreClient
-
-            client = HeadCoreClient(
-                config,
-                engine_args,
-                name=f"{HEAD_NAME_PREFIX}{self.model_id}:{self.replica_id}",
-                bundle_index=HEAD_BUNDLE_INDEX,
-                resources=head_resources,
-            )
-            self.startup.mark("head")
-            self.engine = AsyncLLMEngine(client, tokenizer=load_tokenizer(config))
-            self.startup.mark("tokenizer")
-            # The head writes an ingress's requests' deltas to its token channel.
-            self.head_name: str | None = client.name
-        else:
-            self.engine = AsyncLLMEngine(InProcessCoreClient(lambda: build_engine(config)))
-            self.head_name = None
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = load_tokenizer(config)
+        self.startup.mark("tokenizer")
         # A VLM's images are preprocessed here, on the front (engine.multimodal.processor).
         hf, model = config.model.hf_config, config.model
         self.multimodal = (
@@ -186,6 +172,30 @@ class LLMServer(PoolingServer, SleepServer):
             get_tool_parser(self.tool_call_parser)  # a ValueError naming the valid parsers
         reasoning = config.frontend.reasoning_parser
         self.reasoning = reasoning_front(reasoning, self.tokenizer) if reasoning else None
+
+    def _start_core(self) -> None:
+        """Start the engine core: in a head actor in this replica's placement group, or on a
+        thread of this process outside Serve. Blocks until its model is loaded."""
+        engine_args, head_resources = self._core_args
+        config = self.config
+        if head_resources is not None:
+            from cluster.serving.head_actor import HEAD_NAME_PREFIX
+            from cluster.serving.head_client import HeadCoreClient
+
+            client = HeadCoreClient(
+                config,
+                engine_args,
+                name=f"{HEAD_NAME_PREFIX}{self.model_id}:{self.replica_id}",
+                bundle_index=HEAD_BUNDLE_INDEX,
+                resources=head_resources,
+            )
+            self.startup.mark("head")
+            self.engine = AsyncLLMEngine(client, tokenizer=self.tokenizer)
+            # The head writes an ingress's requests' deltas to its token channel.
+            self.head_name = client.name
+        else:
+            core = InProcessCoreClient(lambda: build_engine(config))
+            self.engine = AsyncLLMEngine(core, tokenizer=self.tokenizer)
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -402,18 +412,19 @@ class LLMServer(PoolingServer, SleepServer):
 
     async def check_health(self) -> None:
         self._ensure_idle_timer()  # (Serve calls this from the start: the timer runs idle too)
-        await self.engine.check_engine_health()
+        if self.engine is not None:  # (None: started asleep, nothing to fail yet)
+            await self.engine.check_engine_health()
 
     async def health(self) -> dict[str, Any]:
         try:
-            await self.engine.check_engine_health()
+            await self.check_health()
         except EngineDeadError:
             logger.exception("model %s: health check failed", self.model_id)
             return {"healthy": False, "error": "the engine is dead"}
         return {"healthy": True}
 
     async def stats(self) -> dict[str, Any]:
-        stats = await self.engine.get_stats()
+        stats = await self._engine_stats()
         return {
             "model_id": self.model_id,
             "replica_id": self.replica_id,
@@ -458,14 +469,20 @@ class LLMServer(PoolingServer, SleepServer):
         now = time.monotonic()
         if self._last_stats is not None and now - self._last_stats[0] <= max_age_s:
             return self._last_stats[1]
-        stats = await self.engine.get_stats()
+        stats = await self._engine_stats()
         self._last_stats = (now, stats)
         return stats
 
+    async def _engine_stats(self) -> EngineStats:
+        if self.engine is None:  # started asleep, not woken yet: it holds nothing
+            return EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
+        return await self.engine.get_stats()
+
     async def request_state(self) -> dict[str, Any]:
         """Per-request state on the head and the workers (all 0 once idle), plus the KV pool."""
-        stats = await self.engine.get_stats()
-        state = await self.engine.request_state()
+        stats = await self._engine_stats()
+        # (Started asleep and not woken yet: nothing held anywhere.)
+        state = await self.engine.request_state() if self.engine else {"head": {}, "workers": []}
         return {
             **state,
             "replica_id": self.replica_id,
@@ -516,7 +533,8 @@ class LLMServer(PoolingServer, SleepServer):
         leftover = list(self._active)
         for request_id in leftover:
             with contextlib.suppress(EngineDeadError):
-                await self.engine.abort(request_id)
+                if self.engine is not None:
+                    await self.engine.abort(request_id)
         if leftover:
             logger.warning("model %s: drain timeout, aborted %d requests",
                            self.model_id, len(leftover))  # fmt: skip
@@ -528,9 +546,9 @@ class LLMServer(PoolingServer, SleepServer):
         if transfer is not None and transfer.kv_connector == "SharedStorageConnector":
             store = engine_store(self.config)
         next_scan = 0.0
-        while not self.engine.is_dead:
+        while self.engine is None or not self.engine.is_dead:
             with contextlib.suppress(EngineDeadError):
-                stats = await self.engine.get_stats()
+                stats = await self._engine_stats()
                 self._last_stats = (time.monotonic(), stats)
                 self.metrics.publish(stats)
             if store is not None and time.monotonic() >= next_scan:
@@ -540,8 +558,8 @@ class LLMServer(PoolingServer, SleepServer):
             await asyncio.sleep(1.0)
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.engine.shutdown()
+        with contextlib.suppress(Exception):  # (also None's AttributeError: never started)
+            self.engine.shutdown()  # type: ignore[union-attr]
 
 
 async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -149,6 +149,10 @@ class ModelMetrics:
         self.sleeping.set(level, self.tags)
         self.sleep_time.observe(seconds, self.tags)
 
+    def on_start_asleep(self) -> None:
+        """A replica that started asleep (no engine yet): level 2, nothing held."""
+        self.sleeping.set(2, self.tags)
+
     def on_wake(self, seconds: float) -> None:
         self.wakes.inc(1, self.tags)
         self.sleeping.set(0, self.tags)

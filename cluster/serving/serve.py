@@ -52,7 +52,9 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
                 connector = pool.engine_kwargs["kv_transfer_config"]["kv_connector"]
                 prefill[m.model_id] = (_server_deployment(pool, role), timeout_s, connector)
             else:
-                servers[m.model_id] = _server_deployment(pool, role)
+                servers[m.model_id] = _server_deployment(
+                    pool, role, start_asleep=config.starts_asleep(m.model_id)
+                )
     hashes = config.api_keys.load_key_hashes() if config.api_keys else []
     # The ingress outlives every model's drain, so aborted streams still reach their clients.
     pools = [pool for m in config.models for _, pool in m.pools()]
@@ -78,7 +80,9 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
     )  # fmt: skip
 
 
-def _server_deployment(model: ModelDeployment, role: str | None = None) -> Any:
+def _server_deployment(
+    model: ModelDeployment, role: str | None = None, *, start_asleep: bool = False
+) -> Any:
     options = model.serve_options()
     bundles = options["placement_group_bundles"]
     # The replica (the front) takes bundle 0; its head actor takes bundle 1 (the device too
@@ -99,7 +103,7 @@ def _server_deployment(model: ModelDeployment, role: str | None = None) -> Any:
     # A prefill pool's replicas name themselves "<model>:prefill" (logs, metrics' model label).
     model_id = model.model_id if role != "prefill" else f"{model.model_id}:prefill"
     return deployment.bind(
-        model_id, model.engine_args(), drain_timeout_s, head_resources, lora, sleep
+        model_id, model.engine_args(), drain_timeout_s, head_resources, lora, sleep, start_asleep
     )
 
 

@@ -7,7 +7,9 @@ the model's idle timer (``sleep_config``) or the next request.
       └──── wakeup(), or a request: it waits (up to wake_timeout_s) and runs ◀───┘
 
 Transitions take one lock, so a request that arrives while the replica falls asleep waits for
-the sleep to finish, then wakes it: nothing accepted is refused for sleeping. A request counts
+the sleep to finish, then wakes it: nothing accepted is refused for sleeping. A replica started
+asleep (``start_asleep``: a model beyond ``sleep_mode.max_awake_models``) reports level 2 and has
+no engine yet; its first wake starts one (any ``tags``: it starts whole). A request counts
 as in flight from its arrival (``_active``), so a replica never sleeps under one. Serve's
 ``Ray Serve LLM`` names: ``sleep``, ``wakeup``, ``is_sleeping``.
 """
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError
@@ -31,20 +34,25 @@ _IDLE_POLL_S = 1.0
 class SleepServer:
     """Sleep state and transitions over ``LLMServer``'s engine and request tracking."""
 
-    engine: Any
+    engine: Any  # None until a replica started asleep first wakes
     model_id: str
     metrics: Any
     _active: set[str]
 
-    def _init_sleep(self, sleep_config: dict[str, Any] | None) -> None:
+    _start_core: Callable[[], None]  # LLMServer's: start the engine (blocks until loaded)
+
+    def _init_sleep(self, sleep_config: dict[str, Any] | None, started: bool = True) -> None:
         config = sleep_config or {}
-        self.sleep_level: int | None = None  # None: awake
+        self.sleep_level: int | None = None if started else 2  # None: awake
         self._transition = asyncio.Lock()
         self._idle_after_s: float | None = config.get("sleep_after_idle_s")
         self._idle_level: int = config.get("level", 1)
         self._wake_timeout_s: float = config.get("wake_timeout_s", 300.0)
         self._last_busy = time.monotonic()
         self._idle_task: asyncio.Task[None] | None = None
+        self._starting: asyncio.Future[None] | None = None
+        if not started:
+            self.metrics.on_start_asleep()
 
     # ---- the handle calls (admin routes, cluster sleep / wake) ---------------------------
 
@@ -110,12 +118,31 @@ class SleepServer:
             if self.sleep_level is None:
                 return
             started = time.monotonic()
-            await self.engine.wake_up(tags)
+            if self.engine is None:
+                await self._start_engine()
+            else:
+                await self.engine.wake_up(tags)
             if not await self.engine.is_sleeping():
                 self.sleep_level = None
                 self.metrics.on_wake(time.monotonic() - started)
                 logger.info("model %s awake in %.2f s", self.model_id,
                             time.monotonic() - started)  # fmt: skip
+
+    async def _start_engine(self) -> None:
+        """Start a replica's engine that started asleep, off the event loop (health checks and
+        the other calls go on meanwhile). One start at a time: a wake that times out leaves
+        it running, and the next wake waits for the same start."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(asyncio.to_thread(self._start_core))
+        starting = self._starting
+        try:
+            await asyncio.shield(starting)
+        except Exception as exc:
+            logger.exception("model %s: its engine failed to start", self.model_id)
+            raise EngineDeadError(f"model {self.model_id!r} failed to start: {exc}") from exc
+        finally:
+            if starting.done():
+                self._starting = None
 
     # ---- the idle timer (sleep_config.sleep_after_idle_s) -----------------------------------
 

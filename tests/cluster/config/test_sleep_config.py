@@ -36,7 +36,19 @@ def test_the_ingress_gets_each_sleeping_models_level_the_limit_and_the_longest_w
 
 
 def test_without_a_limit_models_sleep_only_on_their_own() -> None:
-    assert load_config(sleepy_config(max_awake=None)).awake_spec() is None
+    config = load_config(sleepy_config(max_awake=None))
+    assert config.awake_spec() is None and not config.starts_asleep("tiny-llama-2")
+
+
+def test_the_sleeping_models_beyond_the_limit_start_asleep_in_config_order() -> None:
+    data = sleepy_config(max_awake=1)
+    third = copy.deepcopy(data["models"][0])
+    third["model_loading_config"]["model_id"] = "awake-always"
+    third.pop("sleep_config")
+    data["models"].insert(0, third)  # no sleep_config: not counted, never asleep at start
+    config = load_config(data)
+    starts = {m.model_id: config.starts_asleep(m.model_id) for m in config.models}
+    assert starts == {"awake-always": False, "tiny-llama": False, "tiny-llama-2": True}
 
 
 @pytest.mark.parametrize(

@@ -34,10 +34,13 @@ def no_grace(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(awake_models, "RECENT_S", 0.0)
 
 
-def test_the_first_admission_sleeps_the_models_over_the_limit() -> None:
+def test_the_first_models_up_to_the_limit_start_awake_the_rest_asleep() -> None:
     models = Models()
     awake = AwakeModels(["a", "b", "c"], 2, models.put_to_sleep, timeout_s=1)
+    assert awake.awake == {"a", "b"}
     asyncio.run(awake.admit("a"))
+    assert awake.awake == {"a", "b"} and models.slept == []
+    asyncio.run(awake.admit("c"))  # b is the least recently used
     assert awake.awake == {"a", "c"} and models.slept == ["b"]
 
 
@@ -51,7 +54,7 @@ def test_the_least_recently_used_model_sleeps_to_make_room() -> None:
             assert model in awake.awake and len(awake.awake) <= 2
 
     asyncio.run(turns())
-    assert models.slept == ["b", "c", "a", "b"]
+    assert models.slept == ["a", "b"]
 
 
 def test_a_model_used_within_the_grace_time_is_spared(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,4 +105,4 @@ def test_models_without_a_sleep_config_are_not_counted() -> None:
     models = Models()
     awake = AwakeModels(["a", "b"], 1, models.put_to_sleep, timeout_s=1)
     asyncio.run(awake.admit("other"))
-    assert models.slept == [] and awake.awake == {"a", "b"}
+    assert models.slept == [] and awake.awake == {"a"}

@@ -1,9 +1,10 @@
 """Sleep mode through Serve, with the official ``openai`` client: three tiny models on room for
-two (``sleep_mode.max_awake_models: 2``) answer in turn, each with its own greedy tokens, while
-at most two are awake; the admin routes (``/sleep``, ``/wake_up``, ``/is_sleeping``) behind the
-API key; a request wakes a model put to sleep (level 1 or 2) and gets the same tokens; a busy
-model refuses to sleep (409) and its stream completes; ``sleep_after_idle_s`` puts an idle model
-to sleep; ``/metrics`` counts sleeps and wakes; ``cluster sleep`` / ``cluster wake``."""
+two (``sleep_mode.max_awake_models: 2``): the third starts asleep with no engine, then all answer
+in turn, each with its own greedy tokens, while at most two are awake; the admin routes
+(``/sleep``, ``/wake_up``, ``/is_sleeping``) behind the API key; a request wakes a model put to
+sleep (level 1 or 2) and gets the same tokens; a busy model refuses to sleep (409) and its stream
+completes; ``sleep_after_idle_s`` puts an idle model to sleep; ``/metrics`` counts sleeps and
+wakes; ``cluster sleep`` / ``cluster wake``."""
 
 from __future__ import annotations
 
@@ -67,6 +68,22 @@ def _asleep(base_url: str, model: str) -> bool:
     reply = _admin(base_url, "GET", "/is_sleeping", model=model)
     assert reply.status_code == 200, reply.text
     return reply.json()["is_sleeping"]
+
+
+def _heads_of(model: str) -> list[str]:
+    import ray
+
+    from cluster.serving.head_actor import HEAD_NAME_PREFIX
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    return [n for n in names if n.startswith(f"{HEAD_NAME_PREFIX}{model}:")]
+
+
+def test_the_model_beyond_the_limit_starts_asleep_without_an_engine(base_url: str) -> None:
+    assert [_asleep(base_url, m) for m in MODELS] == [False, False, True]
+    assert _heads_of("nap-c") == [] and len(_heads_of("nap-a")) == 1
+    state = _admin(base_url, "GET", "/is_sleeping", model="nap-c").json()
+    assert state["sleep_level"] == 2
 
 
 def test_three_models_on_room_for_two_answer_in_turn(client: OpenAI, base_url: str) -> None:
