@@ -1,5 +1,5 @@
 """Serve autoscaling on engine signals: a replica count from ongoing requests, the engines'
-waiting queues and their KV usage (each replica reports the last two through
+waiting queues and their KV usage, and whether they sleep (each replica reports the rest through
 ``LLMServer.record_autoscaling_stats``; Serve's controller averages them over
 ``look_back_period_s``).
 
@@ -7,6 +7,8 @@ waiting queues and their KV usage (each replica reports the last two through
     by_waiting  = replicas x mean waiting per replica / target_num_waiting
     by_kv       = replicas x mean KV usage / target_kv_usage          (only when above target)
     desired     = max(by_requests, by_waiting, by_kv)
+                  (held at the current count while a replica sleeps: it wakes for the load
+                  in seconds, a new replica would take a cold start and more devices)
 
 Ongoing requests alone miss an engine that holds few requests but cannot admit them (a full
 KV cache, long prompts queued behind each other); the waiting queue and KV usage are what the
@@ -69,6 +71,8 @@ class EngineSignalPolicy:
             else 0.0,
         }
         signal = max(candidates, key=lambda k: candidates[k])
+        if candidates[signal] > replicas and _mean(metrics.get("asleep")) > 0:
+            return float(replicas), "asleep"
         return candidates[signal], signal
 
 

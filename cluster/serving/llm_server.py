@@ -463,6 +463,7 @@ class LLMServer(PoolingServer, SleepServer):
             "num_running": float(stats.num_running),
             "num_waiting": float(stats.num_waiting),
             "kv_usage": float(stats.kv_usage),
+            "asleep": float(self.sleep_level is not None),
         }
 
     async def _recent_stats(self, max_age_s: float = 1.5) -> EngineStats:

@@ -16,9 +16,9 @@ rule), so one hot prefix cannot pin every request to one replica:
 
 The prompt is hashed as text (chat: role/content text), an approximation of the engine's
 block hashes that costs only hit rate. Load is this router's own count in flight; a replica
-reporting KV usage above ``kv_full`` counts as busy, one asleep is chosen only when all are,
-and a chunk in the node's KV store counts ``kv_store_credit`` (< 1) of one in the replica's
-own cache.
+reporting KV usage above ``kv_full`` counts as busy, one asleep is chosen only when every
+awake one is busy (or none is awake), and a chunk in the node's KV store counts
+``kv_store_credit`` (< 1) of one in the replica's own cache.
 """
 
 from __future__ import annotations
@@ -171,8 +171,10 @@ def choose(
     rng = rng or random.Random()
     order = list(replicas)
     rng.shuffle(order)  # equal replicas are picked at random, not by position
-    awake = [r for r in order if not r.asleep] or order  # a sleeping one costs a wake
-    usable = [r for r in awake if r.kv_usage < KV_FULL] or awake
+    # A sleeping replica costs a wake and holds no prefix: chosen only when every awake one
+    # has a full KV cache (the autoscaler counts it as capacity and adds no replica for it).
+    awake = [r for r in order if not r.asleep]
+    usable = [r for r in awake if r.kv_usage < KV_FULL] or [r for r in order if r.asleep] or order
     least = min(usable, key=lambda r: (r.in_flight, r.chunks_held))
     best = max(usable, key=lambda r: (matches.get(r.key, 0), -r.in_flight))
     matched = matches.get(best.key, 0)

@@ -57,6 +57,17 @@ def test_idle_asks_for_zero_replicas_and_serve_bounds_it_by_min_replicas() -> No
     assert desired == 0.0 and state["llm_cluster_last_ask"] == 0
 
 
+def test_no_replica_is_added_while_one_sleeps_and_the_count_may_still_fall() -> None:
+    ctx = context(2, 64, waiting=[8, 0])
+    ctx.aggregated_metrics["asleep"] = {"r0": 0.0, "r1": 1.0}
+    assert POLICY.desired_replicas(ctx) == (2.0, "asleep")
+    ctx.aggregated_metrics["asleep"] = {"r0": 0.0, "r1": 0.0}
+    assert POLICY.desired_replicas(ctx) == (8.0, "ongoing_requests")
+    idle = context(2, 0)
+    idle.aggregated_metrics["asleep"] = {"r0": 1.0, "r1": 1.0}
+    assert POLICY.desired_replicas(idle) == (0.0, "ongoing_requests")
+
+
 def test_bad_targets_are_refused_naming_them() -> None:
     with pytest.raises(ValueError, match="target_num_waiting"):
         EngineSignalPolicy(target_num_waiting=0)

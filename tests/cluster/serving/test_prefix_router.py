@@ -120,11 +120,15 @@ def test_a_replica_with_a_full_kv_cache_is_not_chosen_for_its_prefix() -> None:
     assert chosen == "r1"
 
 
-def test_a_sleeping_replica_is_chosen_only_when_every_replica_sleeps() -> None:
+def test_a_sleeping_replica_is_chosen_only_when_every_awake_one_is_full_or_none_is_awake() -> None:
     replicas = [ReplicaLoad("r0", 0, 0.0, asleep=True), ReplicaLoad("r1", 3, 0.5)]
     assert choose(replicas, {"r0": 10, "r1": 0}, 12, SETTINGS)[0] == "r1"
     both = [ReplicaLoad("r0", 0, 0.0, asleep=True), ReplicaLoad("r1", 3, 0.0, asleep=True)]
     assert choose(both, {}, 12, SETTINGS) == ("r0", "least_loaded")
+    # The awake one's KV cache is full: the sleeping one wakes for the load (the autoscaler
+    # counts it as capacity, so it adds no replica while one sleeps).
+    full = [ReplicaLoad("r0", 0, 0.0, asleep=True), ReplicaLoad("r1", 9, 0.99)]
+    assert choose(full, {"r1": 10}, 12, SETTINGS)[0] == "r0"
 
 
 def simulate(num_prefixes: int, num_requests: int, settings: RouterSettings) -> Counter[str]:
