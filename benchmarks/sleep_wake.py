@@ -6,9 +6,11 @@ Llama written locally, as ``cluster bench`` writes it).
 - engine (one process): build the engine (weights, KV sizing and allocation: a lower bound on
   a replica's cold start), generate, then per level: sleep, the resident memory freed, the time
   to wake, and the same greedy tokens again.
-- ``--serve`` (a local Ray and Serve): deploy the model (one replica), then per level put it to
-  sleep and wake it through the ingress (every replica, as ``cluster sleep`` / ``wake`` do), then
-  scale it to two replicas and time the new replica's start: what waking replaces.
+- ``--serve`` (a local Ray and Serve): deploy the model twice under ``sleep_mode.max_awake_models:
+  1`` (the second copy starts asleep, no engine), then per level put the first to sleep and wake
+  it through the ingress (every replica, as ``cluster sleep`` / ``wake`` do), then wake the
+  second (the first sleeps for it; its engine starts), then scale the first to two replicas and
+  time the new replica's start: what waking replaces.
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ def serve_report(args: argparse.Namespace) -> dict[str, Any]:
     model = {"model_loading_config": {"model_id": "bench", "model_source": args.model},
              "engine_kwargs": engine_kwargs, "sleep_config": {},
              "deployment_config": {"num_replicas": 1}}  # fmt: skip
-    config = {"models": [model], "app_name": "sleepbench"}
+    asleep = {**model, "model_loading_config": {"model_id": "bench-asleep",
+                                                "model_source": args.model}}  # fmt: skip
+    config = {"models": [model, asleep], "app_name": "sleepbench",
+              "sleep_mode": {"max_awake_models": 1}}  # fmt: skip
     report: dict[str, Any] = {}
     started = time.perf_counter()
     serve.run(build_app(config), name="sleepbench", route_prefix="/")
@@ -74,6 +79,11 @@ def serve_report(args: argparse.Namespace) -> dict[str, Any]:
                                     "wake_s": round(time.perf_counter() - started, 3),
                                     "slept": state["is_sleeping"],
                                     "woke": not woken["is_sleeping"]}  # fmt: skip
+    time.sleep(2.5)  # past the awake set's grace for a model just used (awake_models.RECENT_S)
+    started = time.perf_counter()
+    woken = ingress.wake_model.remote("bench-asleep").result()
+    report["started_asleep_first_wake_s"] = round(time.perf_counter() - started, 2)
+    report["started_asleep_woke"] = not woken["is_sleeping"]
     model["deployment_config"] = {"num_replicas": 2}
     started = time.perf_counter()
     serve.run(build_app(config), name="sleepbench", route_prefix="/")
