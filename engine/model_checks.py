@@ -43,6 +43,11 @@ def with_checkpoint(model: ModelConfig) -> ModelConfig:
     elif not (path / "config.json").is_file():
         # A built-in (or a bad path, which the catalog names with the built-ins).
         path = resolve_model_source(model.model)
+    if is_s3_uri(model.tokenizer):  # a tokenizer of its own in the store: copied likewise
+        local = mirror_checkpoint(
+            model.tokenizer, weights=False, field="tokenizer", require_config=False
+        )
+        model = dataclasses.replace(model, tokenizer=str(local))
     config_file = Path(path) / "config.json"
     # A VLM's nested config is read flat (engine.vlm_config); hf_overrides apply to that.
     raw = flatten_vlm_config(json.loads(config_file.read_text()))

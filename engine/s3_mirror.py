@@ -50,16 +50,22 @@ def mirror_dir(uri: str, cache_root: Path | None = None, field: str = "model") -
 
 
 def mirror_checkpoint(
-    uri: str, *, weights: bool = True, cache_root: Path | None = None, field: str = "model"
+    uri: str,
+    *,
+    weights: bool = True,
+    cache_root: Path | None = None,
+    field: str = "model",
+    require_config: bool = True,
 ) -> Path:
     """The local directory holding ``uri``'s checkpoint: its config and tokenizer files, and
     with ``weights`` its ``*.safetensors`` too, each fetched only when missing or changed.
     A ``ConfigError`` naming ``field`` when the store cannot be read or the prefix holds no
-    ``config.json`` (checked before anything large is fetched)."""
+    ``config.json`` (checked before anything large is fetched; not for a tokenizer alone,
+    ``require_config=False``)."""
     store = S3Checkpoint(uri, field)
     files = [f for f in store.list_files() if not f.name.endswith(_SKIPPED_SUFFIXES)]
     names = [f.name for f in files]
-    if "config.json" not in names:
+    if require_config and "config.json" not in names:
         raise ConfigError(
             f"{field}: {store.uri} holds no config.json (found: {', '.join(names) or 'nothing'})"
         )

@@ -75,14 +75,14 @@ def parse_s3_uri(uri: str, field: str = "model") -> S3Uri:
     return S3Uri(bucket, prefix)
 
 
-def _client() -> Any:
+def _client(field: str, uri: S3Uri) -> Any:
     try:
         import boto3  # the optional extra: imported only where an s3:// model is used
         from botocore.config import Config
     except ImportError as exc:
         raise ConfigError(
-            f"model: an s3:// model needs boto3, which is not installed ({exc}); install "
-            "the extra: pip install 'llm-cluster[s3]'"
+            f"{field}: {uri}: an s3:// checkpoint needs boto3, which is not installed "
+            f"({exc}); install the extra: pip install 'llm-cluster[s3]'"
         ) from None
     # One pool connection per ranged GET in flight; boto3 reads the endpoint, region and
     # credentials from the environment (AWS_ENDPOINT_URL_S3, AWS_REGION, ...).
@@ -126,7 +126,7 @@ class S3Checkpoint:
     def __init__(self, uri: str, field: str = "model") -> None:
         self.uri = parse_s3_uri(uri, field)
         self.field = field
-        self._s3 = _client()
+        self._s3 = _client(field, self.uri)
 
     def errors(self) -> Any:
         return _named_errors(self.uri, self.field)

@@ -1,14 +1,17 @@
 """``model: s3://bucket/prefix`` against moto's S3 server on localhost (``tests/s3_server.py``,
 real boto3 over HTTP): the engine loaded from the store gives the local directory's greedy
 tokens and HF transformers' (fp32); the config check reads only the safetensors headers; a
-node's copy is downloaded once by concurrent processes, reused when complete, fetched again
-when an object changes; a bad URI, a missing bucket, prefix or config.json, no credentials and
-no boto3 are errors naming the field and the URI."""
+node's copy is downloaded once by concurrent copiers (threads, each with its own handle on the
+lock file, as processes have), reused when complete, fetched again when an object changes or
+the local file is damaged; a ``tokenizer`` of its own in the store; a bad URI, a missing
+bucket, prefix or config.json, no credentials, an unreachable store and no boto3 are errors
+naming the field and the URI."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
 import struct
 import sys
 import threading
@@ -185,5 +188,28 @@ def test_no_credentials_and_no_boto3_are_named(
     with pytest.raises(ConfigError, match=r"^model: s3://ckpts/tiny-llama: no credentials"):
         EngineConfig.from_kwargs(model="s3://ckpts/tiny-llama", **ARGS)
     monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
-    with pytest.raises(ConfigError, match=r"^model: an s3:// model needs boto3.*llm-cluster\[s3\]"):
+    needs = r"^model: s3://ckpts/tiny-llama: an s3:// checkpoint needs boto3.*llm-cluster\[s3\]"
+    with pytest.raises(ConfigError, match=needs):
         EngineConfig.from_kwargs(model="s3://ckpts/tiny-llama", **ARGS)
+
+
+def test_an_unreachable_store_is_named(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match=rf"^model: s3://ckpts/x: the store at .*:{port}"):
+        EngineConfig.from_kwargs(model="s3://ckpts/x", **ARGS)
+
+
+def test_a_tokenizer_in_the_store(server: S3Server, local_model: Path, tmp_path: Path) -> None:
+    """``tokenizer: s3://...`` (a prefix of tokenizer files alone, no config.json)."""
+    (tmp_path / "tok").mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(local_model / name, tmp_path / "tok" / name)
+    uri = server.upload_dir(tmp_path / "tok", BUCKET, "tokenizer-only")
+    config = EngineConfig.from_kwargs(model=str(local_model), tokenizer=uri, **ARGS)
+    assert config.model.tokenizer == str(mirror_dir(uri))
+    assert _tokens(LLM(str(local_model), tokenizer=uri, **ARGS)) == _tokens(
+        LLM(str(local_model), **ARGS)
+    )

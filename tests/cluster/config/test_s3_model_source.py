@@ -94,6 +94,15 @@ def test_errors_name_model_source(server: S3Server, source: Any, message: str) -
     assert str(err.value).startswith(message)
 
 
+def test_cluster_plan_reads_config_json_from_the_store(server: S3Server) -> None:
+    from cluster.ops.plan import format_model, plan_model
+
+    plan = plan_model(load_config(_with_source({"bucket_uri": "s3://ckpts/tiny"})).models[0])
+    assert plan.plan is not None
+    assert plan.plan.architecture == "LlamaForCausalLM"
+    assert "s3://ckpts/tiny: LlamaForCausalLM" in format_model(plan)
+
+
 def test_replicas_get_the_store_not_its_credentials(
     server: S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
