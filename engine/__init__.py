@@ -2,7 +2,8 @@
 APIs. It imports no Ray (distributed executors live in ``cluster/``).
 
     engine/            config (EngineConfig, engine args, HF config), SamplingParams,
-                       PoolingParams, outputs, errors, LoRA, the PP layer partition
+                       PoolingParams, outputs, errors, LoRA, the PP layer partition,
+                       s3:// checkpoints (s3_store, s3_mirror)
       client/          LLM, AsyncLLMEngine, the core's loop and process, core_messages
       core/            LLMEngine, scheduler, block manager, requests, input/output processing
       worker/          Executor, step_messages, Worker, ModelRunner, CacheEngine, sampler, KV sizing

@@ -94,7 +94,9 @@ class EngineConfig:
         """Build from vLLM-named engine arguments; unknown keys raise ``ConfigError``."""
         groups = group_engine_args(kwargs)
         if "model" not in kwargs:
-            raise ConfigError("model: is required (a local HF directory or builtin:<name>)")
+            raise ConfigError(
+                "model: is required (a local HF directory, builtin:<name> or s3://bucket/prefix)"
+            )
         model = ModelConfig(**groups["model"])
         model = with_checkpoint(model)
         parallel = ParallelConfig(**groups["parallel"])

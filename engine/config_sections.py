@@ -40,7 +40,8 @@ _DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What to load. ``model`` is a local HF directory or ``builtin:<name>``."""
+    """What to load. ``model`` is a local HF directory, ``builtin:<name>`` or
+    ``s3://bucket/prefix`` (``engine.s3_mirror``)."""
 
     model: str
     tokenizer: str | None = None

@@ -98,3 +98,15 @@ def head_core_process() -> bool:
     did not improve both throughput and concurrency-1 TPOT (BENCHMARKS.md, "After delta outputs; the
     engine core in a child process")."""
     return os.environ.get("LLM_CLUSTER_HEAD_CORE_PROCESS", "0") == "1"
+
+
+# boto3's own settings of an s3:// model's store (boto3 reads them itself, in every process):
+# the endpoint and region reach the replicas with the app; credentials never travel in Ray's
+# runtime_env (each node's environment, profile or instance role supplies them).
+S3_STORE_SETTINGS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
+
+
+def s3_endpoint_url() -> str | None:
+    """The S3-compatible store boto3 talks to: ``AWS_ENDPOINT_URL_S3``, else
+    ``AWS_ENDPOINT_URL`` (MinIO, Ceph, R2, ...); None: AWS S3 itself."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None

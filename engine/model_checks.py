@@ -20,6 +20,8 @@ from engine.hf_config import check_hf_config, num_experts
 from engine.model_heads import classifier_tokens, resolve_task
 from engine.quantization.config import parse_quantization
 from engine.rope_config import rope_max_positions
+from engine.s3_mirror import mirror_checkpoint
+from engine.s3_store import is_s3_uri
 from engine.validation import check_int, require
 from engine.vlm_config import (
     flatten_vlm_config,
@@ -34,9 +36,18 @@ if TYPE_CHECKING:
 
 def with_checkpoint(model: ModelConfig) -> ModelConfig:
     path = Path(model.model).expanduser()
-    if not (path / "config.json").is_file():
+    if is_s3_uri(model.model):
+        # Config and tokenizer files copied to this node; the weights are fetched by the
+        # workers that load them (engine.worker.model_loader), their headers read remotely.
+        path = mirror_checkpoint(model.model, weights=False)
+    elif not (path / "config.json").is_file():
         # A built-in (or a bad path, which the catalog names with the built-ins).
         path = resolve_model_source(model.model)
+    if is_s3_uri(model.tokenizer):  # a tokenizer of its own in the store: copied likewise
+        local = mirror_checkpoint(
+            model.tokenizer, weights=False, field="tokenizer", require_config=False
+        )
+        model = dataclasses.replace(model, tokenizer=str(local))
     config_file = Path(path) / "config.json"
     # A VLM's nested config is read flat (engine.vlm_config); hf_overrides apply to that.
     raw = flatten_vlm_config(json.loads(config_file.read_text()))
@@ -51,14 +62,14 @@ def with_checkpoint(model: ModelConfig) -> ModelConfig:
         f"{model.model} is a vision-language model: it serves runner: generate only",
     )
     if resolve_task(hf_config, model.runner, model.convert) == "generate":
-        _check_lm_head(path, hf_config)
+        _check_lm_head(model.model if is_s3_uri(model.model) else path, hf_config)
     tokens = classifier_tokens(hf_config)
     if not tokens:
         return model
     return dataclasses.replace(model, classifier_token_ids=_token_ids(model, tokens))
 
 
-def _check_lm_head(path: Path, hf_config: dict[str, Any]) -> None:
+def _check_lm_head(path: Path | str, hf_config: dict[str, Any]) -> None:
     """An untied causal LM saved without its LM head (an embedding model's checkpoint) cannot
     generate: refused here, naming the argument that serves it."""
     if hf_config.get("tie_word_embeddings") is not False or is_vlm(hf_config):

@@ -27,6 +27,7 @@ inside ``check_engine_kwargs``).
 from cluster.config.app_sections import APIKeysConfig, GRPCOptions, HTTPOptions
 from cluster.config.deployment import (
     HEAD_BUNDLE_INDEX,
+    BucketMirrorConfig,
     DeploymentConfig,
     DisaggregationConfig,
     LoraConfig,
@@ -65,6 +66,7 @@ __all__ = [
     "APIKeysConfig",
     "AutoscalingConfig",
     "AutoscalingPolicyName",
+    "BucketMirrorConfig",
     "DeploymentConfig",
     "DisaggregationConfig",
     "GRPCOptions",

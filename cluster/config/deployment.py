@@ -29,6 +29,7 @@ from cluster.config.app_sections import (
 from cluster.config.serve_sections import PlacementGroupConfig, ServeDeploymentConfig
 from cluster.config.strict_yaml import build_dataclass
 from engine.errors import ConfigError
+from engine.s3_store import is_s3_uri
 from engine.validation import check_int, check_number, check_str, require
 
 # Where a replica's head actor sits in its placement group (the front, the replica, is 0).
@@ -48,9 +49,34 @@ _DEFAULT_CONNECTOR = {"kv_connector": "SharedStorageConnector"}
 
 
 @dataclass(frozen=True)
+class BucketMirrorConfig:
+    """Ray Serve LLM's mirror form of ``model_source``: ``{bucket_uri: s3://bucket/prefix}``."""
+
+    bucket_uri: str
+
+
+@dataclass(frozen=True)
 class ModelLoadingConfig:
     model_id: str  # the name clients put in the request's ``model`` field
-    model_source: str  # a local HF directory or builtin:<name>; nothing is downloaded
+    # A local HF directory, builtin:<name>, or s3://bucket/prefix (as a string or as
+    # {bucket_uri: ...}): a copy of it on each node (engine.s3_mirror); nothing else is fetched.
+    model_source: str | BucketMirrorConfig
+
+    @property
+    def source(self) -> str:
+        """The engine's ``model``: the string, or the mirror's bucket URI."""
+        if isinstance(self.model_source, BucketMirrorConfig):
+            return self.model_source.bucket_uri
+        return self.model_source
+
+    def check(self, path: str) -> None:
+        if isinstance(self.model_source, BucketMirrorConfig):
+            uri = self.model_source.bucket_uri
+            require(
+                is_s3_uri(uri),
+                f"{path}.model_source.bucket_uri",
+                f"must be an s3://bucket/prefix URI (the only store served), got {uri!r}",
+            )
 
 
 @dataclass(frozen=True)
@@ -200,7 +226,7 @@ class ModelDeployment:
         """The full engine arguments: ``model`` from ``model_source`` plus ``engine_kwargs``;
         with ``lora_config``, LoRA is enabled and the engine's host-side adapter cache holds
         every adapter a replica may keep."""
-        args = {"model": self.model_loading_config.model_source, **self.engine_kwargs}
+        args = {"model": self.model_loading_config.source, **self.engine_kwargs}
         if self.lora_config is not None:
             args["enable_lora"] = True
             wanted = max(self.lora_config.max_num_adapters_per_replica, args.get("max_loras", 1))
@@ -385,6 +411,7 @@ def check_config(config: DeploymentConfig) -> None:
             f"{model_id!r} is used by an earlier model",
         )
         seen.add(model_id)
+        model.model_loading_config.check(f"{path}.model_loading_config")
         model.deployment_config.check(f"{path}.deployment_config")
         if model.lora_config is not None:
             model.lora_config.check(f"{path}.lora_config")
@@ -448,21 +475,30 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
     if isinstance(reasoning, str) and reasoning not in REASONING_PARSERS:
         names = ", ".join(sorted(REASONING_PARSERS))
         raise ConfigError(f"{path}.reasoning_parser: unknown parser {reasoning!r}; one of {names}")
-    source = model.model_loading_config.model_source
+    source = model.model_loading_config.source
+    where = path.removesuffix(".engine_kwargs") + ".model_loading_config.model_source"
     try:
         check_engine_arg_ranges(kwargs)
         if _checkpoint_reachable(source):
             EngineConfig.from_kwargs(**model.engine_args())
     except ConfigError as exc:
+        key, _, rest = str(exc).partition(":")
+        if key == "model":  # the checkpoint itself (an s3:// store it cannot read, ...)
+            raise ConfigError(f"{where}:{rest}") from None
         key = re.split(r"[.:\[]", str(exc), maxsplit=1)[0]
         if key in ENGINE_ARG_NAMES:
             raise ConfigError(f"{path}.{exc}") from None
         # A field of the checkpoint's config.json the engine refuses (its architecture, ...).
-        where = path.removesuffix(".engine_kwargs") + ".model_loading_config.model_source"
         raise ConfigError(f"{where}: {source} (config.json): {exc}") from None
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 
 
 def _checkpoint_reachable(source: str) -> bool:
-    return source.startswith("builtin:") or (Path(source).expanduser() / "config.json").is_file()
+    """A built-in, a local directory with a config.json, or an s3:// URI (whose config check
+    reads the small files and the safetensors headers from the store, not the weights)."""
+    return (
+        source.startswith("builtin:")
+        or is_s3_uri(source)
+        or (Path(source).expanduser() / "config.json").is_file()
+    )

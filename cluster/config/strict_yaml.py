@@ -4,9 +4,10 @@ silently kept: unknown keys, missing required keys and values of the wrong type 
 ``ConfigError`` (``models[0].deployment_config.replicas: unknown key (known keys: ...)``).
 
 Types are read from the fields' annotations: a dataclass (built recursively), ``list[X]``,
-``dict[...]`` (copied as is), ``X | None``, ``Literal[...]``, ``bool``, ``int``, ``float``
-(an integer is widened) and ``str``. Ranges are not checked here but by each section's
-``check(path)`` afterwards, with ``engine.validation``'s helpers and message format.
+``dict[...]`` (copied as is), ``X | None``, ``X | Section`` (a mapping builds the section),
+``Literal[...]``, ``bool``, ``int``, ``float`` (an integer is widened) and ``str``. Ranges are
+not checked here but by each section's ``check(path)`` afterwards, with ``engine.validation``'s
+helpers and message format.
 """
 
 from __future__ import annotations
@@ -56,7 +57,12 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
+        members = [a for a in args if a is not type(None)]
+        # ``str | Section``: a mapping builds the section, anything else the other member.
+        sections = [a for a in members if dataclasses.is_dataclass(a)]
+        if isinstance(value, dict) and sections:
+            return build_dataclass(sections[0], value, path)
+        inner = next((a for a in members if not dataclasses.is_dataclass(a)), members[0])
         return _convert(inner, value, path)
     if origin is Literal:
         check_choice(value, path, args)

@@ -23,6 +23,8 @@ from cluster.config import DeploymentConfig, ModelDeployment, _build
 from cluster.config import deployment as deployment_config
 from engine.errors import ConfigError
 from engine.kv_transfer.config import KVTransferConfig
+from engine.s3_mirror import mirror_checkpoint
+from engine.s3_store import is_s3_uri
 from engine.worker.memory_plan import MemoryPlan, plan_memory
 from engine.worker.memory_plan_estimates import GiB, PlanSettings
 
@@ -145,6 +147,8 @@ def read_hf_config(source: str, model_id: str | None = None) -> tuple[dict[str, 
         from engine.builtin.catalog import resolve_model_source
 
         path: Path | None = resolve_model_source(source) / "config.json"
+    elif is_s3_uri(source):  # config.json copied from the store, no weights
+        path = mirror_checkpoint(source, weights=False, field="model_source") / "config.json"
     else:
         path = Path(source).expanduser() / "config.json"
         # The same test as the config's own engine-argument check: a checkpoint it cannot
@@ -201,7 +205,7 @@ def plan_model(
         else:
             gib = gpu_memory_gib_for(model.accelerator_type)
             origin = f"accelerator_type {model.accelerator_type}" if gib is not None else None
-    source = model.model_loading_config.model_source
+    source = model.model_loading_config.source
     common = {
         "model_id": model.model_id,
         "model_source": source,

@@ -24,17 +24,20 @@ from cluster.config import (
     load_config,
 )
 from cluster.serving.ingress import OpenAIIngress
+from engine import envs
 
 INGRESS_NAME = "OpenAIIngress"
 # Every variable engine/envs.py reads (in the replicas' processes; a test keeps the two in step),
-# and no other: the API keys' variable, say, must not land in Ray's runtime_env.
+# plus an s3:// model's store endpoint and region, and no other: the API keys' variable, say, and
+# the store's credentials must not land in Ray's runtime_env.
 _FORWARDED_ENV = ("LLM_CLUSTER_CACHE_DIR", "LLM_CLUSTER_LOG_LEVEL", "LLM_CLUSTER_STEP_TIMEOUT_S",
                   "LLM_CLUSTER_DIST_TIMEOUT_S", "LLM_CLUSTER_LOAD_TIMEOUT_S",
                   "LLM_CLUSTER_STEP_PROFILE", "HF_HUB_OFFLINE",
                   "OMP_NUM_THREADS", "TRITON_INTERPRET", "LLM_CLUSTER_PP_PIPELINING",
                   "LLM_CLUSTER_HEAD_CORE_PROCESS",
                   "LLM_CLUSTER_CPU_KEEP_QUANTIZED",
-                  "VLLM_PP_LAYER_PARTITION")  # fmt: skip
+                  "VLLM_PP_LAYER_PARTITION",
+                  *envs.S3_STORE_SETTINGS)  # fmt: skip
 
 
 def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig) -> Any:

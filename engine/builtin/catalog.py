@@ -44,7 +44,7 @@ def resolve_model_source(source: str) -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"model source {source!r}: {path} is not a directory with a config.json "
-            f"(local paths only, nothing is downloaded; built-ins are "
+            f"(a local path, s3://bucket/prefix, or a built-in: "
             f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODEL_NAMES)})"
         )
     return path

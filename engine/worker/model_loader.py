@@ -10,7 +10,8 @@ Loading is strict. A meta-device build of the whole model (TP 1, PP 1) says whic
 at all, so a tensor this rank does not hold is either another pipeline stage's or an error
 that names it; dtypes other than F32/F16/BF16 are refused, never cast (a quantized checkpoint's
 tensors are first turned into dense weights by ``engine.quantization.loading``);
-every layer's loader checks the full tensor's shape before copying its shard.
+every layer's loader checks the full tensor's shape before copying its shard. An ``s3://``
+model is read from this node's copy, fetched first where missing (``engine.s3_mirror``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from engine.quantization.model_setup import (
     release_placeholders,
 )
 from engine.quantization.mxfp4 import Mxfp4Checkpoint, mxfp4_weights
+from engine.s3_mirror import mirror_checkpoint
+from engine.s3_store import is_s3_uri
 from engine.startup_timeline import StartupTimeline
 from engine.worker.checkpoint_reader import SAFETENSORS_DTYPES, read_checkpoint_file
 from engine.worker.kv_cache_scales import is_kv_scale_name, load_kv_scale
@@ -442,6 +445,8 @@ def load_model(
     dtype = config.model.torch_dtype
     quant = parse_quantization(config.model.hf_config, config.model.quantization)
     path = config.model.model_path
+    if is_s3_uri(config.model.model):  # this node's copy, the weights fetched now if missing
+        path = str(mirror_checkpoint(config.model.model))
     headers = checkpoint_headers(path)
     mxfp4 = None
     if quant is not None and quant.method == "mxfp4":  # checked before anything is placed
