@@ -6,6 +6,8 @@ measurement) on CPU with a fake memory probe standing in for the CUDA driver."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
+from typing import Any
 
 import pytest
 import torch
@@ -357,3 +359,70 @@ def test_cpu_worker_without_a_probe_sizes_by_cpu_kv_cache_space() -> None:
     assert worker.memory_probe is None
     # 2 sequences x 64 tokens / 16 per block: what the scheduler can fill.
     assert worker.determine_num_available_blocks()[0] == 8
+
+
+# ---- two instances on one real GPU (gpu tier) -----------------------------------------------
+
+
+def _cuda_worker(gpu_memory_utilization: float) -> Worker:
+    config = EngineConfig.from_kwargs(
+        model="builtin:tiny-llama",
+        device="cuda",
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=256,
+        max_num_seqs=8,
+        enforce_eager=True,
+    )
+    return Worker(config)
+
+
+def _hold_an_instance(gpu_memory_utilization: float, out: Any, done: Any) -> None:
+    """A child process: size and allocate one instance's cache, report its budget, and hold
+    the memory until ``done``."""
+    try:
+        worker = _cuda_worker(gpu_memory_utilization)
+        worker.init_device(0)
+        worker.load_model()
+        num_blocks, _ = worker.determine_num_available_blocks()
+        worker.initialize_cache(num_blocks, 0)
+        assert worker.kv_budget is not None
+        torch.cuda.synchronize()
+        out.put(worker.kv_budget.kv_cache)
+        done.wait(600)
+    except BaseException as exc:
+        out.put(repr(exc))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_second_instance_on_the_device_sizes_its_own_share() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    first = ctx.Process(target=_hold_an_instance, args=(0.3, out, done))
+    first.start()
+    try:
+        first_kv = out.get(timeout=600)
+        assert not isinstance(first_kv, str), first_kv
+        # The first holds ~0.3 of the GPU: 0.75 more is not free, and is refused at once.
+        with pytest.raises(RuntimeError, match=r"gpu_memory_utilization=0\.75 asks for"):
+            _cuda_worker(0.75).init_device(0)
+        second = _cuda_worker(0.3)
+        second.init_device(0)
+        second.load_model()
+        num_blocks, _ = second.determine_num_available_blocks()
+        budget = second.kv_budget
+        assert budget is not None
+        assert budget.used_at_start > int(budget.total * 0.25)  # the first instance's memory
+        # Same model and settings: the same cache as the first, whatever the first holds
+        # (within 5%: kernel modules and allocator rounding differ a little between processes).
+        assert abs(budget.kv_cache - first_kv) <= 0.05 * first_kv, budget.describe()
+        second.initialize_cache(num_blocks, 0)
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        # This instance's growth since its start fits its share (2% allocator slack).
+        grown = total - free - budget.used_at_start
+        assert grown <= budget.requested * 1.02, budget.describe()
+        second.shutdown()
+    finally:
+        done.set()
+        first.join(60)
