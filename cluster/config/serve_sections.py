@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.validation import check_int, check_number, require
+from engine.validation import check_int, check_number, is_number, require
 
 Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
 RequestRouterName = Literal["prefix_aware", "pow2"]
@@ -260,7 +260,8 @@ class PlacementGroupConfig:
         return {key: float(value) for key, value in bundle.items()}
 
     def device_share(self, unit: str) -> float:
-        """The device share each worker asks for: 1, or the fraction of a one-worker model."""
-        if self.bundles is None:
-            return 1.0
-        return float(min(bundle[unit] for bundle in self.bundles))
+        """The device share each worker asks for: 1, or the fraction of a one-worker model
+        (1 for a value ``check`` refuses, so that an unchecked config can still be planned)."""
+        shares = [bundle.get(unit) for bundle in self.bundles or []]
+        numbers = [float(share) for share in shares if is_number(share) and 0 < share < 1]
+        return min(numbers, default=1.0)

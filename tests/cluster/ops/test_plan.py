@@ -426,3 +426,18 @@ def test_cluster_plan_shows_a_replica_on_a_fraction_of_a_gpu(
     assert main(["plan", str(path), "--json"]) == 2
     (model,) = json.loads(capsys.readouterr().out)["models"]
     assert model["device_share"] == 0.49
+
+
+def test_cluster_plan_still_plans_a_share_whose_bundles_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = llama70b_yaml(tmp_path, tensor_parallel_size=1, pipeline_parallel_size=1)
+    data = yaml.safe_load(path.read_text())
+    data["models"][0]["placement_group_config"] = {"bundles": [{"GPU": 0.49}, {"GPU": "x"}]}
+    path.write_text(yaml.safe_dump(data))
+    assert main(["plan", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "0.49 of a GPU per replica" in captured.out
+    assert "config error: models[0].placement_group_config.bundles: must list 1 bundle" in (
+        captured.err
+    )
