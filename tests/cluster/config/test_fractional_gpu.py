@@ -5,6 +5,7 @@ group laid out from them, and the Ray resources its head and worker actors then 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -212,3 +213,15 @@ def test_a_disaggregated_pool_is_checked_with_its_own_workers() -> None:
         ConfigError, match="^" + re.escape(f"{PG}[0].GPU: must be 1 with 2 workers")
     ):
         load_config({"models": [model]})
+
+
+def test_the_shipped_shared_gpu_config_puts_three_heads_on_a_third_each() -> None:
+    config = load_config(Path(__file__).resolve().parents[3] / "configs" / "shared-gpu.yaml")
+    assert len(config.models) == 3
+    for model in config.models:
+        assert model.head_resources() == {"CPU": 1.0, "GPU": 0.33}
+        assert model.engine_kwargs["gpu_memory_utilization"] <= 0.33
+    node = {"one H100": {"CPU": 16.0, "GPU": 1.0, "accelerator_type:H100": 1.0}}
+    needed = sum(m.placement_group_bundles()[1]["GPU"] for m in config.models)
+    assert needed <= node["one H100"]["GPU"]
+    assert all(replica_shortfall(m, node) is None for m in config.models)
