@@ -256,26 +256,47 @@ class ModelDeployment:
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """The replica's bundles: its front (bundle 0), its head (``HEAD_BUNDLE_INDEX``), then
         one bundle per pipeline stage (or data-parallel rank) holding its TP group's devices
-        (``{"GPU": TP}``).
+        (``{"GPU": TP}``), each worker's share as ``placement_group_config.bundles`` gives it.
 
         The front (the Serve replica: templates, tokenizing, streams) and the head (the engine
         core) are separate processes. With TP = PP = 1 the head runs the worker itself, so its
-        bundle holds the device; otherwise (or with ``distributed_executor_backend: ray``) the
-        head only schedules and the worker actors each take one device of their stage's
-        bundle. A bundle never spans nodes, so a TP group (an all-reduce per layer) stays on
-        one node whatever the strategy; PACK (the default) still lets stages sit on different
-        nodes when no one node has room for all (``cluster.runtime.ray_executor``).
+        bundle holds the device (``{"CPU": 1, "GPU": 0.49}`` with ``bundles: [{GPU: 0.49}]``:
+        a share of one GPU, which other replicas' heads may hold the rest of); otherwise (or
+        with ``distributed_executor_backend: ray``) the head only schedules and the worker
+        actors each take their share of their stage's bundle. A bundle never spans nodes, so
+        a TP group (an all-reduce per layer) stays on one node whatever the strategy; PACK (the
+        default) still lets stages sit on different nodes when no one node has room for all
+        (``cluster.runtime.ray_executor``).
         """
         unit = "GPU" if self.uses_gpu else "CPU"
         accelerator: dict[str, float] = {}
         if self.uses_gpu and self.accelerator_type:
             accelerator[f"accelerator_type:{self.accelerator_type}"] = 0.001
         front = {"CPU": 1.0}
+        workers = [
+            self.placement_group_config.worker_bundle(rank, unit) for rank in range(self.world_size)
+        ]
         if self.world_size == 1 and self.engine_kwargs.get("distributed_executor_backend") != "ray":
-            device = {unit: 1.0, **accelerator}
-            return [front, {"CPU": 1.0, **device}] if self.uses_gpu else [front, device]
-        tp = {unit: float(self.tensor_parallel_size), **accelerator}
-        return [front, {"CPU": 1.0}] + [dict(tp) for _ in range(self.num_tp_groups)]
+            (worker,) = workers
+            if not self.uses_gpu:
+                return [front, worker]
+            # The head process is the worker: one CPU unless the bundle names its own.
+            return [front, {"CPU": worker.get("CPU", 1.0), "GPU": worker["GPU"], **accelerator}]
+        tp = self.tensor_parallel_size
+        stages = []
+        for stage in range(self.num_tp_groups):
+            bundle: dict[str, float] = {}
+            for worker in workers[stage * tp : (stage + 1) * tp]:
+                for key, amount in worker.items():
+                    bundle[key] = bundle.get(key, 0.0) + amount
+            stages.append({**bundle, **accelerator})
+        return [front, {"CPU": 1.0}] + stages
+
+    def head_resources(self) -> dict[str, float]:
+        """The CPUs and devices of the head's bundle, which its actor asks for (with TP = PP =
+        1 the device share too: ``{"CPU": 1, "GPU": 0.49}``)."""
+        head = self.placement_group_bundles()[HEAD_BUNDLE_INDEX]
+        return {key: amount for key, amount in head.items() if key in ("CPU", "GPU")}
 
     @property
     def max_replicas(self) -> int:
@@ -331,6 +352,23 @@ class SleepModeConfig:
             f"{path}.max_awake_models",
             "needs http_options.ingress_replicas 1 (the ingress keeps the awake set), got "
             f"{config.http_options.ingress_replicas}",
+        )
+        # Models on GPU shares may each ask for more memory than their share (check_placement):
+        # the awake ones, wherever Ray put them (all on one GPU, at worst), must fit together.
+        shared = sorted(
+            (float(pool.engine_kwargs["gpu_memory_utilization"]) * pool.max_replicas, m.model_id)
+            for m in config.models
+            if m.sleep_config is not None
+            for _, pool in m.pools()
+            if pool.uses_gpu and pool.placement_group_config.device_share("GPU") < 1
+        )
+        awake = shared[-self.max_awake_models :]
+        require(
+            sum(u for u, _ in awake) <= 1 + 1e-9,
+            f"{path}.max_awake_models",
+            f"{self.max_awake_models} models on GPU shares may be awake at once and Ray may "
+            "put them on one GPU, so the largest gpu_memory_utilization x max_replicas among "
+            f"them must sum to at most 1, got {' + '.join(f'{u:g} ({m})' for u, m in awake)}",
         )
 
 
@@ -440,6 +478,12 @@ def check_config(config: DeploymentConfig) -> None:
             model.disaggregation.check(f"{path}.disaggregation", model)
             for role, pool in model.pools():
                 check_engine_kwargs(pool, f"{path}.disaggregation.{role}.engine_kwargs")
+        for role, pool in model.pools():
+            kwargs_path = f"{path}.engine_kwargs" if role is None else (
+                f"{path}.disaggregation.{role}.engine_kwargs")  # fmt: skip
+            takes_turns = model.sleep_config is not None and (
+                config.sleep_mode.max_awake_models is not None)  # fmt: skip
+            check_placement(pool, f"{path}.placement_group_config", kwargs_path, takes_turns)
     config.http_options.check("http_options")
     config.responses_store.check("responses_store")
     config.sleep_mode.check("sleep_mode", config)
@@ -447,6 +491,30 @@ def check_config(config: DeploymentConfig) -> None:
         config.grpc_options.check("grpc_options")
     if config.api_keys is not None:
         config.api_keys.check("api_keys")
+
+
+def check_placement(
+    model: ModelDeployment, path: str, kwargs_path: str, takes_turns: bool = False
+) -> None:
+    """``placement_group_config`` against the model's workers; with a fraction of a GPU per
+    replica, ``gpu_memory_utilization`` (the memory each instance may take, whatever else is
+    on its GPU) must be set and at most that fraction: Ray fills a GPU with shares that sum to
+    at most 1, so the instances it puts together then fit its memory together. A model that
+    ``takes_turns`` (``sleep_mode``) may ask for more: ``SleepModeConfig.check`` bounds what
+    the awake ones hold together."""
+    unit = "GPU" if model.uses_gpu else "CPU"
+    model.placement_group_config.check(path, unit, model.world_size)
+    share = model.placement_group_config.device_share(unit)
+    if unit != "GPU" or share == 1:
+        return
+    utilization = model.engine_kwargs.get("gpu_memory_utilization")
+    require(
+        utilization is not None and (takes_turns or utilization <= share),
+        f"{kwargs_path}.gpu_memory_utilization",
+        f"must be set to at most {share:g} (placement_group_config.bundles' GPU share) when "
+        f"replicas share a GPU, got {utilization!r}: each instance takes that fraction of its "
+        "GPU's memory, so the replicas Ray puts on one GPU must fit it together",
+    )
 
 
 def check_engine_kwargs(model: ModelDeployment, path: str) -> None:

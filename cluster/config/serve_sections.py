@@ -1,7 +1,8 @@
 """Serve's per-model options in the deployment YAML (``deployment_config``, with Ray Serve's
 names): replicas and autoscaling, the request router and its knobs, the drain, and the
-placement strategy; each section's ``check(path)`` and what it hands to Serve
-(``serve_options``). ``cluster.config.deployment`` holds the tree they hang in.
+placement group (its strategy, and per-worker bundles that may ask for a fraction of a GPU);
+each section's ``check(path)`` and what it hands to Serve (``serve_options``).
+``cluster.config.deployment`` holds the tree they hang in.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.validation import check_int, check_number, require
+from engine.validation import check_int, check_number, is_number, require
 
 Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
 RequestRouterName = Literal["prefix_aware", "pow2"]
@@ -205,4 +206,62 @@ class ServeDeploymentConfig:
 
 @dataclass(frozen=True)
 class PlacementGroupConfig:
+    """Ray Serve LLM's ``placement_group_config``. ``bundles``: one bundle per worker (or one
+    for all), each the worker's device share (``GPU``, or ``CPU`` on a CPU deployment: 1, or a
+    fraction in (0, 1) when the model has one worker, so that several replicas share one
+    device) and, on a GPU deployment, the ``CPU`` it reserves besides. The replica's own
+    bundles are laid out from them (``ModelDeployment.placement_group_bundles``)."""
+
+    bundles: list[dict[str, float]] | None = None
     strategy: Strategy = "PACK"
+
+    def check(self, path: str, unit: str, num_workers: int) -> None:
+        """``unit``: the device resource (``GPU`` or ``CPU``); ``num_workers``: TP x PP x DP."""
+        if self.bundles is None:
+            return
+        where = f"{path}.bundles"
+        require(
+            len(self.bundles) in (1, num_workers),
+            where,
+            f"must list 1 bundle (every worker's) or one per worker "
+            f"(tensor_parallel_size x pipeline_parallel_size x data_parallel_size = "
+            f"{num_workers}), got {len(self.bundles)}",
+        )
+        allowed = sorted({unit, "CPU"})
+        for i, bundle in enumerate(self.bundles):
+            at = f"{where}[{i}]"
+            for key in bundle:
+                require(
+                    key in allowed,
+                    f"{at}.{key}",
+                    f"unknown resource (allowed: {', '.join(allowed)}; the accelerator type is "
+                    "the model's accelerator_type)",
+                )
+            require(unit in bundle, f"{at}.{unit}", "is required (the worker's device share)")
+            share = bundle[unit]
+            check_number(share, f"{at}.{unit}", gt=0, le=1, note="1, or a fraction < 1")
+            require(
+                share == 1 or num_workers == 1,
+                f"{at}.{unit}",
+                f"must be 1 with {num_workers} workers (tensor_parallel_size x "
+                f"pipeline_parallel_size x data_parallel_size), got {share!r}: a fraction of a "
+                "device is for a model with one worker; Ray may put two fractional workers of "
+                "one placement group on the same device, and NCCL cannot run two ranks of one "
+                "group on one device",
+            )
+            if unit != "CPU":
+                check_number(bundle.get("CPU"), f"{at}.CPU", ge=0, optional=True)
+
+    def worker_bundle(self, rank: int, unit: str) -> dict[str, float]:
+        """Worker ``rank``'s bundle as given (``{unit: 1}`` when ``bundles`` is unset)."""
+        if self.bundles is None:
+            return {unit: 1.0}
+        bundle = self.bundles[rank if len(self.bundles) > 1 else 0]
+        return {key: float(value) for key, value in bundle.items()}
+
+    def device_share(self, unit: str) -> float:
+        """The device share each worker asks for: 1, or the fraction of a one-worker model
+        (1 for a value ``check`` refuses, so that an unchecked config can still be planned)."""
+        shares = [bundle.get(unit) for bundle in self.bundles or []]
+        numbers = [float(share) for share in shares if is_number(share) and 0 < share < 1]
+        return min(numbers, default=1.0)

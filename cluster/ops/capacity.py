@@ -14,7 +14,8 @@ and Serve places the replica then. Only what cannot be placed on those nodes is 
 
 - each pipeline stage's TP group needs one node with TP devices (of ``accelerator_type`` when
   one is named), and there must be one such group per stage (``check_nodes_can_host``, the
-  same check the executor makes for its own placement group);
+  same check the executor makes for its own placement group); a one-worker replica on a
+  fraction of a device (``placement_group_config.bundles``) needs a node with that fraction;
 - every resource in all the bundles together must not exceed the nodes' total.
 
 What is free now is not checked: other replicas may release it, and Serve waits for it.
@@ -27,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cluster.config import DeploymentConfig, ModelDeployment
-from cluster.runtime.placement import PlacementError, check_nodes_can_host
+from cluster.runtime.placement import PlacementError, _describe_nodes, check_nodes_can_host
 
 Nodes = Mapping[str, Mapping[str, float]]
 
@@ -88,11 +89,21 @@ def replica_shortfall(model: ModelDeployment, nodes: Nodes) -> str | None:
             f"no node has accelerator_type {model.accelerator_type!r} (resource "
             f"{accelerator!r}); nodes: {', '.join(nodes) or 'none alive'}"
         )
-    try:
-        strategy = model.placement_group_config.strategy
-        check_nodes_can_host(capacities, tp, pp, unit, strategy, dp)
-    except PlacementError as exc:
-        return str(exc)
+    share = model.placement_group_config.device_share(unit)
+    if share < 1:
+        # One worker on a fraction of a device (placement_group_config.bundles): one node with
+        # that much of one is enough.
+        if not any(amount >= share for amount in capacities.values()):
+            return (
+                f"no node has the {share:g} {unit} the replica's worker needs "
+                f"(placement_group_config.bundles): {_describe_nodes(capacities, unit)}"
+            )
+    else:
+        try:
+            strategy = model.placement_group_config.strategy
+            check_nodes_can_host(capacities, tp, pp, unit, strategy, dp)
+        except PlacementError as exc:
+            return str(exc)
     needed: dict[str, float] = {}
     for bundle in bundles:
         for key, amount in bundle.items():

@@ -88,6 +88,8 @@ def _type_schema(hint: Any) -> JSONSchema:
         return {"type": "array", "items": _type_schema(args[0])}
     if dataclasses.is_dataclass(hint):
         return _dataclass_schema(hint)
+    if origin is dict and args and args[1] is float:  # resource amounts (bundles)
+        return {"type": "object", "additionalProperties": {"type": "number"}}
     if origin is dict:  # free-form fields (hf_overrides): config.json's own keys
         return {"type": "object"}
     if hint in _SCALARS:

@@ -76,6 +76,8 @@ class ModelPlan:
     skipped: str | None = None
     hf_config_from: str | None = None  # where config.json was read (the cache, --hf-config)
     kv_store: KVTransferConfig | None = None  # kv_transfer_config, when the model has one
+    # The fraction of one device each replica asks for (placement_group_config.bundles), or 1.
+    device_share: float = 1.0
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -96,6 +98,7 @@ class ModelPlan:
             "skipped": self.skipped,
             "hf_config_from": self.hf_config_from,
             "kv_store": asdict(self.kv_store) if self.kv_store is not None else None,
+            "device_share": self.device_share,
             "plan": self.plan.to_dict() if self.plan is not None else None,
         }
 
@@ -206,7 +209,9 @@ def plan_model(
             gib = gpu_memory_gib_for(model.accelerator_type)
             origin = f"accelerator_type {model.accelerator_type}" if gib is not None else None
     source = model.model_loading_config.source
+    unit = "GPU" if device == "cuda" else "CPU"
     common = {
+        "device_share": model.placement_group_config.device_share(unit),
         "model_id": model.model_id,
         "model_source": source,
         "accelerator_type": model.accelerator_type,
@@ -312,6 +317,14 @@ def format_model(model: ModelPlan) -> str:
             f"  GPU memory {_size(plan.gpu_memory_bytes)} ({model.gpu_memory_from}), usable "
             f"{_size(plan.usable_gpu_bytes)} at gpu_memory_utilization "
             f"{plan.gpu_memory_utilization}"
+        )
+    if model.device_share < 1:
+        device = unit.split()[0]
+        memory = ", each within its gpu_memory_utilization of the memory" if device == "GPU" else ""
+        lines.append(
+            f"  {model.device_share:g} of a {device} per replica (placement_group_config."
+            f"bundles): replicas share a {device} while their shares sum to at most 1 "
+            f"({int(1 // model.device_share)} of these){memory}"
         )
     if plan.stages:
         lines.extend(_stage_table(plan))

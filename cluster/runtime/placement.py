@@ -13,10 +13,30 @@ class PlacementError(RuntimeError):
     """The workers cannot be placed with each TP group on one node, or not at all."""
 
 
+def _slots_in(spec: dict[str, float], resource: str) -> int:
+    amount = spec.get(resource, 0)
+    return 1 if 0 < amount < 1 else int(amount)
+
+
 def worker_slots(bundle_specs: Sequence[dict[str, float]], resource: str) -> list[int]:
-    """One entry per worker a bundle can hold (one per unit of ``resource``), in bundle
-    order: ``[{"CPU": 1}, {"CPU": 2}]`` gives ``[0, 1, 1]``."""
-    return [i for i, spec in enumerate(bundle_specs) for _ in range(int(spec.get(resource, 0)))]
+    """One entry per worker a bundle can hold (one per unit of ``resource``, or one for a
+    fraction of a unit: a one-worker replica that shares its device), in bundle order:
+    ``[{"CPU": 1}, {"CPU": 2}]`` gives ``[0, 1, 1]``, ``[{"CPU": 1}, {"GPU": 0.49}]`` with
+    ``"GPU"`` gives ``[1]``."""
+    return [i for i, spec in enumerate(bundle_specs) for _ in range(_slots_in(spec, resource))]
+
+
+def worker_actor_resources(spec: dict[str, float], resource: str) -> dict[str, float]:
+    """What a worker actor in a bundle of ``spec`` asks Ray for: its share of the bundle's
+    devices (one, or the bundle's fraction) and, on GPU, of the bundle's CPUs (none unless the
+    bundle reserves some). ``resource``: ``"GPU"`` or ``"CPU"``."""
+    slots = _slots_in(spec, resource)
+    if slots < 1:
+        raise PlacementError(f"placement: bundle {spec} holds no worker ({resource} share 0)")
+    share = min(float(spec[resource]), 1.0)
+    if resource == "CPU":
+        return {"num_cpus": share}
+    return {"num_gpus": share, "num_cpus": float(spec.get("CPU", 0.0)) / slots}
 
 
 def assign_ranks_by_node(

@@ -52,6 +52,7 @@ from cluster.runtime.placement import (
     _describe_nodes,
     assign_ranks_by_node,
     check_nodes_can_host,
+    worker_actor_resources,
     worker_slots,
 )
 from cluster.runtime.step_dispatch import PendingStep, StepDispatch, build_dispatch
@@ -175,7 +176,8 @@ class RayExecutor(Executor):
             if len(slots) < self.world_size:
                 raise PlacementError(
                     f"placement group: the current placement group has {len(slots)} worker "
-                    f"slots ({self._resource} >= 1 per worker); tensor_parallel_size x "
+                    f"slots (one per {self._resource}, or one for a fraction of one); "
+                    f"tensor_parallel_size x "
                     f"pipeline_parallel_size x data_parallel_size needs {self.world_size}"
                 )
             self._pg = current
@@ -255,13 +257,14 @@ class RayExecutor(Executor):
 
     def _spawn_workers(self, bundles: list[int]) -> list[Any]:
         actor_class = ray.remote(WorkerActor)
-        if self._resource == "GPU":
-            resources: dict[str, float] = {"num_gpus": 1, "num_cpus": 0}
-        else:
-            resources = {"num_cpus": 1}
+        if self._pg is None:
+            raise RuntimeError("ray executor: workers spawned before their placement group")
+        specs = self._pg.bundle_specs
         runtime_env = worker_runtime_env()
         workers = []
         for rank, bundle in enumerate(bundles):
+            # One device, or the bundle's fraction of one (a replica sharing its GPU).
+            resources = worker_actor_resources(specs[bundle], self._resource)
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=bundle
             )

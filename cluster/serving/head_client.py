@@ -48,6 +48,12 @@ _CONTROL_DECODER = msgspec.msgpack.Decoder(ControlReply)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
+def head_actor_resources(bundle: dict[str, float]) -> dict[str, float]:
+    """The head actor's Ray resources: all of its bundle's CPUs and devices, so with TP = PP =
+    1 exactly the bundle's share of a GPU (``{"GPU": 0.49}`` asks for ``num_gpus=0.49``)."""
+    return {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0)}
+
+
 class HeadCoreClient(EngineCoreClient):
     """The front's side of a ``HeadActor``: starts it in this replica's placement group (bundle
     ``bundle_index``, holding ``resources``) and waits until its model is loaded."""
@@ -67,8 +73,7 @@ class HeadCoreClient(EngineCoreClient):
         options: dict[str, Any] = {
             "name": name,
             "max_concurrency": _MAX_CONCURRENCY,
-            "num_cpus": resources.get("CPU", 0),
-            "num_gpus": resources.get("GPU", 0),
+            **head_actor_resources(resources),
         }
         pg = get_current_placement_group()
         if pg is not None:

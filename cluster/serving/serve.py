@@ -17,7 +17,6 @@ from typing import Any
 from ray import serve
 
 from cluster.config import (
-    HEAD_BUNDLE_INDEX,
     DeploymentConfig,
     ModelDeployment,
     deployment_name,
@@ -99,8 +98,7 @@ def _server_deployment(
         name=deployment_name(model.model_id, role), ray_actor_options=actor, **options
     )
     drain_timeout_s = model.deployment_config.graceful_shutdown_timeout_s
-    head = bundles[HEAD_BUNDLE_INDEX]
-    head_resources = {k: v for k, v in head.items() if k in ("CPU", "GPU")}
+    head_resources = model.head_resources()
     lora = dataclasses.asdict(model.lora_config) if model.lora_config is not None else None
     sleep = dataclasses.asdict(model.sleep_config) if model.sleep_config is not None else None
     # A prefill pool's replicas name themselves "<model>:prefill" (logs, metrics' model label).

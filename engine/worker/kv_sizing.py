@@ -1,29 +1,26 @@
 """How many KV-cache blocks fit a worker's device: the memory budget and what it counts.
 
-Every figure comes from a :class:`MemoryProbe` (the CUDA driver and torch's caching allocator on
-a GPU; a fake in tests), so the arithmetic below runs anywhere. The worker measures, in order:
+``gpu_memory_utilization`` is vLLM v1's per-instance share: the fraction of the device's memory
+this worker may use; what other processes (another model's replica on the same GPU) hold does
+not count against it, so replicas that share a GPU each size their cache alike. Every figure
+comes from a :class:`MemoryProbe` (the CUDA driver and torch's allocator on a GPU; a fake in
+tests), so the arithmetic runs anywhere. The worker measures, in order:
 
-    init_device            start snapshot: device memory in use before this worker allocated
-                           anything (other processes, plus this process's CUDA context, which
-                           exists as soon as the device is selected)
-    load_model             weights (and LoRA slots): torch memory allocated before profiling
-    warm-up collectives    NCCL allocates its buffers on a communicator's first operation
-    profiling step         activation peak of one full-budget step (max_num_batched_tokens)
-    graph capture          the CUDA-graph pool: torch memory reserved by capturing every
-                           decode bucket over a throw-away cache (the real capture, after
-                           sizing, takes the same room)
-    end                    non-torch growth since start, read while those graphs exist:
-                           communicator buffers, kernel modules, graph executables (device
-                           memory in use minus torch's reservation); then graphs are dropped
+    init_device        start snapshot (others' memory and this CUDA context, not counted);
+                       refused at once when less than total x utilization is free
+    load_model         weights (and LoRA slots): torch memory allocated before profiling
+    warm-up, profile   NCCL buffers on first use; activation peak of one full-budget step
+    graph capture      the CUDA-graph pool: torch memory reserved by capturing every decode
+                       bucket over a throw-away cache (the real capture takes the same room)
+    end                non-torch growth since start (communicators, kernel modules, graph
+                       executables), read while those graphs exist; then they are dropped
 
-and the KV cache gets what is left of ``total x gpu_memory_utilization``:
-
-    kv_budget = total * utilization - used_at_start - non_torch - weights
-                - activation_peak - cuda_graph_pool
+    kv_budget = total * utilization - non_torch - weights - activation_peak - cuda_graph_pool
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +31,7 @@ __all__ = [
     "KVBudget",
     "MemoryProbe",
     "MemorySnapshot",
+    "check_start_memory",
     "compute_kv_budget",
     "format_bytes",
 ]
@@ -125,7 +123,8 @@ class KVBudget:
 
     total: int
     gpu_memory_utilization: float
-    used_at_start: int  # other processes + this process's CUDA context, before any allocation
+    # Outside torch at start: other processes and this process's CUDA context (not counted).
+    used_at_start: int
     non_torch: int  # this process's growth outside torch since start: NCCL buffers, modules
     weights: int  # torch memory allocated before profiling (weights, LoRA slots, buffers)
     activation_peak: int  # extra peak of a full-budget profiling step
@@ -162,7 +161,8 @@ class KVBudget:
         parts = [
             f"total {format_bytes(self.total)} x utilization {self.gpu_memory_utilization:g}"
             f" = {format_bytes(self.requested)}",
-            f"in use at start {format_bytes(self.used_at_start)}",
+            f"in use at start by others and the CUDA context {format_bytes(self.used_at_start)}"
+            " (not counted)",
             f"non-torch (NCCL, modules) {format_bytes(self.non_torch)}",
             f"weights {format_bytes(self.weights)}",
             f"activation peak {format_bytes(self.activation_peak)}",
@@ -170,6 +170,21 @@ class KVBudget:
             f"KV cache {format_bytes(self.kv_cache)}",
         ]
         return ", ".join(parts)
+
+
+def check_start_memory(start: MemorySnapshot, gpu_memory_utilization: float) -> None:
+    """Refuse to start when the device has less free memory than this instance's share
+    (``total x gpu_memory_utilization``): other processes on it hold the rest."""
+    requested = int(start.total * gpu_memory_utilization)
+    if start.free < requested:
+        raise RuntimeError(
+            f"gpu_memory_utilization={gpu_memory_utilization:g} asks for "
+            f"{format_bytes(requested)} of the device's {format_bytes(start.total)}, but only "
+            f"{format_bytes(start.free)} is free at start ({format_bytes(start.used)} in use by "
+            "other processes and this one's CUDA context): lower gpu_memory_utilization to at "
+            f"most {math.floor(start.free / start.total * 100) / 100:g}, or free the device "
+            "(replicas that share a GPU need utilizations that sum to at most 1)"
+        )
 
 
 def compute_kv_budget(
@@ -182,7 +197,9 @@ def compute_kv_budget(
     profile_kv_cache: int,
     cuda_graph_pool: int,
 ) -> KVBudget:
-    """The budget from the measurements (a pure function).
+    """The budget from the measurements (a pure function): this instance's share of the
+    device less what this worker itself took; memory in use at ``start`` (other processes,
+    the CUDA context) is not subtracted.
 
     ``start``: snapshot at ``init_device``; ``end``: snapshot after the warm-up collectives,
     the profiling step and the graph capture (non-torch memory only grows). ``weights``: torch
@@ -203,12 +220,13 @@ def compute_kv_budget(
     ):
         if value < 0:
             raise ValueError(f"{name}: must be >= 0 bytes, got {value}")
-    # What was in use at start, less what torch already held then (counted again below).
-    used_at_start = start.used - start.torch_reserved
-    non_torch = max(end.non_torch - used_at_start, 0)
+    # Outside torch at start (others, the CUDA context): not this instance's to count; torch's
+    # own memory at start is allocated memory, inside ``weights``.
+    used_at_start = start.non_torch
+    non_torch = max(end.non_torch - start.non_torch, 0)
     activation_peak = max(profile_peak - weights - profile_kv_cache, 0)
     requested = int(start.total * gpu_memory_utilization)
-    kv_cache = requested - used_at_start - non_torch - weights - activation_peak - cuda_graph_pool
+    kv_cache = requested - non_torch - weights - activation_peak - cuda_graph_pool
     return KVBudget(
         total=start.total,
         gpu_memory_utilization=gpu_memory_utilization,

@@ -27,6 +27,7 @@ from engine.worker.kv_sizing import (
     KVBudget,
     MemoryProbe,
     MemorySnapshot,
+    check_start_memory,
     compute_kv_budget,
 )
 from engine.worker.model_loader import LoadProgressCallback, load_model
@@ -102,6 +103,9 @@ class Worker:
         torch.manual_seed(self.config.model.seed)
         if self.memory_probe is not None:
             self._start_memory = MemorySnapshot.take(self.memory_probe)
+            if self.config.cache.num_kv_blocks is None:
+                # Before the weights load: this instance's share must be free now.
+                check_start_memory(self._start_memory, self.config.cache.gpu_memory_utilization)
         self.startup.mark("device")
 
     def start_rendezvous(self, host: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:

@@ -413,3 +413,12 @@ def test_lint_reports_the_schema_violation_with_the_key() -> None:
     report = helm.lint(CHART, values={"grpc": {"enabled": "yes", "port": 9000}})
     text = " ".join(report["errors"] + [m["error"] for m in report["messages"]])
     assert "/grpc/enabled" in text
+
+
+def test_fractional_gpu_bundles_validate_and_a_string_amount_is_rejected() -> None:
+    models = preset_values("tiny")["models"]
+    models[0]["placement_group_config"] = {"bundles": [{"CPU": 0.5}]}
+    chart().validate_schema(chart().merge_values({"models": models}))
+    models[0]["placement_group_config"] = {"bundles": [{"GPU": "half"}]}
+    message = render_error({"models": models})
+    assert "/models/0/placement_group_config/bundles/0/GPU" in message

@@ -398,3 +398,46 @@ def test_gpt_oss_120b_plans_as_fitting_one_h100_with_its_experts_in_mxfp4(
     assert 60 * 2**30 < stage["weight_bytes"] < 61 * 2**30
     assert stage["kv_bytes_per_token"] == 36 * 2 * 8 * 64 * 2
     assert plan["max_model_len"] == 131072 < plan["kv_tokens"]
+
+
+def test_cluster_plan_shows_a_replica_on_a_fraction_of_a_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Llama-3-70B's shape is far too big for half an H100; the plan shows the share and sizes
+    # the replica within its 0.45 utilization (refused: the weights exceed it).
+    path = llama70b_yaml(
+        tmp_path, tensor_parallel_size=1, pipeline_parallel_size=1, gpu_memory_utilization=0.45
+    )
+    data = yaml.safe_load(path.read_text())
+    data["models"][0]["placement_group_config"] = {"bundles": [{"GPU": 0.49}]}
+    data["models"][0]["deployment_config"] = {"num_replicas": 2}
+    path.write_text(yaml.safe_dump(data))
+    assert main(["plan", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert (
+        "  0.49 of a GPU per replica (placement_group_config.bundles): replicas share a GPU "
+        "while their shares sum to at most 1 (2 of these), each within its "
+        "gpu_memory_utilization of the memory"
+    ) in captured.out
+    assert "usable 35.64 GiB at gpu_memory_utilization 0.45" in captured.out
+    assert "exceed a GPU's usable 35.64 GiB (79.19 GiB x gpu_memory_utilization 0.45)" in (
+        captured.err
+    )
+    assert main(["plan", str(path), "--json"]) == 2
+    (model,) = json.loads(capsys.readouterr().out)["models"]
+    assert model["device_share"] == 0.49
+
+
+def test_cluster_plan_still_plans_a_share_whose_bundles_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = llama70b_yaml(tmp_path, tensor_parallel_size=1, pipeline_parallel_size=1)
+    data = yaml.safe_load(path.read_text())
+    data["models"][0]["placement_group_config"] = {"bundles": [{"GPU": 0.49}, {"GPU": "x"}]}
+    path.write_text(yaml.safe_dump(data))
+    assert main(["plan", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "0.49 of a GPU per replica" in captured.out
+    assert "config error: models[0].placement_group_config.bundles: must list 1 bundle" in (
+        captured.err
+    )

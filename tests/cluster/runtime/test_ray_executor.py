@@ -202,6 +202,11 @@ def test_dead_executor_kills_surviving_workers_and_removes_its_placement_group(
     assert state == "REMOVED"
 
 
+def _assigned_resources(actor: Any) -> dict[str, float]:
+    """Run in a worker actor (``__ray_call__``): the resources Ray gave it."""
+    return dict(ray.get_runtime_context().get_assigned_resources())
+
+
 class ExecutorHost:
     """Stands in for a Serve replica: an actor in bundle 0 of a placement group it did not make."""
 
@@ -214,6 +219,9 @@ class ExecutorHost:
                 "pg_id": executor._pg.id.hex(),
                 "owns_pg": executor._owns_pg,
                 "param_bytes": executor.collective_rpc("parameter_bytes"),
+                "assigned": ray.get(
+                    [w.__ray_call__.remote(_assigned_resources) for w in executor.workers]
+                ),
             }
         finally:
             executor.shutdown()
@@ -245,6 +253,39 @@ def test_executor_inside_a_placement_group_uses_its_bundles_and_leaves_it_in_pla
         assert not result["owns_pg"]
         assert len(result["param_bytes"]) == 2
         assert ray.util.placement_group_table(pg)["state"] == "CREATED"
+    finally:
+        ray.kill(host)
+        ray.util.remove_placement_group(pg)
+
+
+def test_one_worker_takes_the_fraction_its_bundle_holds() -> None:
+    # A one-worker replica's placement group with half a device in its worker bundle
+    # (placement_group_config.bundles: [{CPU: 0.5}] on a CPU deployment, on the ray backend):
+    # the executor finds the fractional slot (not the head's whole one) and its worker asks
+    # for exactly 0.5.
+    config = EngineConfig.from_kwargs(
+        model="builtin:tiny-llama", distributed_executor_backend="ray", **ENGINE_ARGS
+    )
+    pg = ray.util.placement_group([{"CPU": 1}, {"CPU": 1}, {"CPU": 0.5}])
+    ray.get(pg.ready(), timeout=60)
+    here = Path(__file__).resolve()
+    pythonpath = os.pathsep.join([str(here.parents[3]), str(here.parent)])
+    host = (
+        ray.remote(ExecutorHost)
+        .options(
+            num_cpus=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0
+            ),
+            runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+        )
+        .remote()
+    )
+    try:
+        result = ray.get(host.run.remote(config), timeout=120)
+        assert result["pg_id"] == pg.id.hex()
+        assert len(result["param_bytes"]) == 1
+        assert result["assigned"] == [{"CPU": 0.5}]
     finally:
         ray.kill(host)
         ray.util.remove_placement_group(pg)

@@ -260,9 +260,10 @@ def test_sampled_distribution_equal_with_and_without_a_draft(model, small_draft,
 def test_profiled_budget_is_split_at_target_plus_draft_bytes_per_block():
     from tests.engine.worker.test_kv_sizing import FakeMemoryProbe, GiB, MiB, sized_worker
 
-    plain = sized_worker(FakeMemoryProbe(total=4 * GiB, used_outside_torch=512 * MiB))
+    # 256 MiB in use at start: the default 0.9 share (3.6 GiB) is free.
+    plain = sized_worker(FakeMemoryProbe(total=4 * GiB, used_outside_torch=256 * MiB))
     spec = {"method": "draft_model", "model": "builtin:tiny-llama", "num_speculative_tokens": 2}
-    probe = FakeMemoryProbe(total=4 * GiB, used_outside_torch=512 * MiB)
+    probe = FakeMemoryProbe(total=4 * GiB, used_outside_torch=256 * MiB)
     worker = sized_worker(probe, speculative_config=spec)
     # The draft's weights are the worker's too (the probe saw them allocated).
     assert worker.parameter_bytes() == 2 * plain.parameter_bytes()
