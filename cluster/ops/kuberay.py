@@ -77,8 +77,10 @@ def _type_schema(hint: Any) -> JSONSchema:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        (inner,) = [a for a in args if a is not type(None)]
-        schema = _type_schema(inner)
+        members = [_type_schema(a) for a in args if a is not type(None)]
+        if type(None) not in args:  # one of several forms (model_source: a string or a section)
+            return {"anyOf": members}
+        (schema,) = members
         if "type" in schema and isinstance(schema["type"], str):
             return {**schema, "type": [schema["type"], "null"]}
         return {"anyOf": [schema, {"type": "null"}]}

@@ -422,3 +422,11 @@ def test_fractional_gpu_bundles_validate_and_a_string_amount_is_rejected() -> No
     models[0]["placement_group_config"] = {"bundles": [{"GPU": "half"}]}
     message = render_error({"models": models})
     assert "/models/0/placement_group_config/bundles/0/GPU" in message
+
+
+def test_model_source_is_a_string_or_a_bucket_mirror_and_nothing_else() -> None:
+    models = preset_values("tiny")["models"]
+    models[0]["model_loading_config"]["model_source"] = {"bucket_uri": "s3://models/tiny"}
+    chart().validate_schema(chart().merge_values({"models": models}))
+    models[0]["model_loading_config"]["model_source"] = 42
+    assert "/models/0/model_loading_config/model_source" in render_error({"models": models})
