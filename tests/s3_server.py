@@ -6,6 +6,7 @@ test can tell what a step transferred."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -93,3 +94,22 @@ class S3Server:
 
     def stop(self) -> None:
         self._server.stop()
+
+
+@contextlib.contextmanager
+def serving_checkpoint(local: Path, bucket: str, prefix: str, cache: Path) -> Iterator[S3Server]:
+    """A started server holding ``local`` under ``s3://bucket/prefix/``, with this process's
+    environment pointing at it (endpoint, credentials) and the node's copies under ``cache``
+    (``LLM_CLUSTER_CACHE_DIR``); the environment is restored and the server stopped after."""
+    import pytest
+
+    server = S3Server()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in server.env().items():
+                mp.setenv(name, value)
+            mp.setenv("LLM_CLUSTER_CACHE_DIR", str(cache))
+            server.upload_dir(local, bucket, prefix)
+            yield server
+    finally:
+        server.stop()

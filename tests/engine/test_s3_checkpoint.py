@@ -26,7 +26,7 @@ from engine.builtin.catalog import resolve_model_source
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.s3_mirror import MANIFEST, mirror_checkpoint, mirror_dir
-from tests.s3_server import S3Server
+from tests.s3_server import S3Server, serving_checkpoint
 
 BUCKET = "ckpts"
 PROMPTS = ["The quick brown fox", "Hello, my name is"]
@@ -41,16 +41,11 @@ def local_model() -> Path:
 
 @pytest.fixture(scope="module")
 def server(local_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server()
+    # The node's copies go to a cache of their own; the built-in was resolved above, from the
+    # suite's cache.
     cache = tmp_path_factory.mktemp("s3-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in server.env().items():
-            mp.setenv(name, value)
-        # The node's copies go here; the built-in was resolved above, from the suite's cache.
-        mp.setenv("LLM_CLUSTER_CACHE_DIR", str(cache))
-        server.upload_dir(local_model, BUCKET, "tiny-llama")
+    with serving_checkpoint(local_model, BUCKET, "tiny-llama", cache) as server:
         yield server
-    server.stop()
 
 
 def _tokens(llm: LLM) -> list[list[int]]:

@@ -17,7 +17,7 @@ import pytest
 from cluster.config import load_config
 from engine.builtin.catalog import resolve_model_source
 from engine.errors import ConfigError
-from tests.s3_server import S3Server
+from tests.s3_server import S3Server, serving_checkpoint
 
 BASE: dict[str, Any] = {
     "models": [
@@ -36,14 +36,9 @@ def local_model() -> Path:
 
 @pytest.fixture(scope="module")
 def server(local_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server()
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in server.env().items():
-            mp.setenv(name, value)
-        mp.setenv("LLM_CLUSTER_CACHE_DIR", str(tmp_path_factory.mktemp("s3-cache")))
-        server.upload_dir(local_model, "ckpts", "tiny")
+    cache = tmp_path_factory.mktemp("s3-cache")
+    with serving_checkpoint(local_model, "ckpts", "tiny", cache) as server:
         yield server
-    server.stop()
 
 
 def _with_source(source: Any) -> dict[str, Any]:

@@ -227,16 +227,12 @@ class ExecutorHost:
             executor.shutdown()
 
 
-def test_executor_inside_a_placement_group_uses_its_bundles_and_leaves_it_in_place() -> None:
-    config = EngineConfig.from_kwargs(
-        model="builtin:tiny-llama", tensor_parallel_size=2, **ENGINE_ARGS
-    )
-    pg = ray.util.placement_group([{"CPU": 1}] * 3)
-    ray.get(pg.ready(), timeout=60)
-    # The host actor imports this module (its class) and the project.
+def _executor_host(pg: Any) -> Any:
+    """An ``ExecutorHost`` actor in bundle 0 of ``pg``, as a replica is in its group. It imports
+    this module (its class) and the project."""
     here = Path(__file__).resolve()
     pythonpath = os.pathsep.join([str(here.parents[3]), str(here.parent)])
-    host = (
+    return (
         ray.remote(ExecutorHost)
         .options(
             num_cpus=1,
@@ -247,6 +243,15 @@ def test_executor_inside_a_placement_group_uses_its_bundles_and_leaves_it_in_pla
         )
         .remote()
     )
+
+
+def test_executor_inside_a_placement_group_uses_its_bundles_and_leaves_it_in_place() -> None:
+    config = EngineConfig.from_kwargs(
+        model="builtin:tiny-llama", tensor_parallel_size=2, **ENGINE_ARGS
+    )
+    pg = ray.util.placement_group([{"CPU": 1}] * 3)
+    ray.get(pg.ready(), timeout=60)
+    host = _executor_host(pg)
     try:
         result = ray.get(host.run.remote(config), timeout=120)
         assert result["pg_id"] == pg.id.hex()
@@ -268,19 +273,7 @@ def test_one_worker_takes_the_fraction_its_bundle_holds() -> None:
     )
     pg = ray.util.placement_group([{"CPU": 1}, {"CPU": 1}, {"CPU": 0.5}])
     ray.get(pg.ready(), timeout=60)
-    here = Path(__file__).resolve()
-    pythonpath = os.pathsep.join([str(here.parents[3]), str(here.parent)])
-    host = (
-        ray.remote(ExecutorHost)
-        .options(
-            num_cpus=1,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=0
-            ),
-            runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
-        )
-        .remote()
-    )
+    host = _executor_host(pg)
     try:
         result = ray.get(host.run.remote(config), timeout=120)
         assert result["pg_id"] == pg.id.hex()
