@@ -48,7 +48,7 @@ class LocalRay:
     """The local Ray this module started (by its session name; never one the user started
     or joined) and the process's executors, which say whether it may be restarted.
 
-    A local Ray this module started (no ``RAY_ADDRESS``, no cluster on the machine) belongs to
+    A local Ray this module started (no ``RAY_ADDRESS``, no ``ray start`` cluster) belongs to
     the engine: when a later executor in the process needs more CPUs than it has and no
     executor of the process is alive on it, it is shut down and started again with room
     (logical CPUs are only scheduling tokens here). A Ray the user started or joined is never
@@ -102,15 +102,14 @@ class LocalRay:
         return resources.get("CPU", 0) < config.parallel.world_size
 
     def _join_or_start(self, world_size: int) -> None:
-        """Join the cluster ``RAY_ADDRESS`` or ``ray start`` made, or start a local one.
+        """Join the cluster ``RAY_ADDRESS`` or ``ray start`` made, or start a local one: what
+        ``ray.init()`` (vLLM's call) joins, never any other Ray found running on the machine
+        (``address="auto"``'s legacy fallback, which would join another program's cluster).
         Job-level runtime_env, so that a checkout's packages also reach workers on other
         nodes (per-actor py_modules cannot upload local dirs)."""
-        if os.environ.get("RAY_ADDRESS"):
+        if _address_to_join() is not None:
             ray.init(runtime_env=_job_runtime_env())
-            return
-        try:
-            ray.init(address="auto", runtime_env=_job_runtime_env())
-        except ConnectionError:  # no cluster on this machine: start one sized for the workers
+        else:  # nothing to join: start one sized for the workers
             self._start(world_size)
 
     def _start(self, world_size: int) -> None:
@@ -121,6 +120,18 @@ class LocalRay:
 
 
 LOCAL_RAY = LocalRay()
+
+
+def _address_to_join() -> str | None:
+    """The address ``ray.init()`` joins: ``RAY_ADDRESS``, else the cluster the last ``ray
+    start`` on this machine made (its address file in the Ray temp directory); None when it
+    would start a new one. Ray's own lookup (private, hence the guard: without it, only the
+    environment variable counts)."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:
+        return os.environ.get("RAY_ADDRESS") or None
+    return canonicalize_bootstrap_address(None)
 
 
 def resolve_device(config: EngineConfig) -> str:

@@ -1,11 +1,14 @@
-"""A local Ray with Serve for the serving tests: started once per session (lazily, so the CLI
-test's own ``ray start`` cluster never runs beside it), ports from ``free_port``.
+"""A local Ray with Serve for the serving tests: started once per session, lazily, ports from
+``free_port``.
 
 Isolation between the tests that start a Ray of their own (``ray.init``, a
-``ray.cluster_utils.Cluster``, ``ray start`` / ``ray stop``) and those sharing the session's
-Ray is explicit, not a matter of file names: ``pytest_collection_modifyitems`` runs every test
-that uses ``serve_cluster`` after all the others, so the shared Ray starts once the last
-module-owned one is gone and nothing stops it before the session ends."""
+``ray.cluster_utils.Cluster``) and those sharing the session's Ray is explicit, not a matter of
+file names: ``pytest_collection_modifyitems`` runs every test that uses ``serve_cluster`` after
+all the others, so the shared Ray starts once the last module-owned one is gone and nothing
+stops it before the session ends. ``scripts/test.sh`` runs ``tests/cluster/cli`` and the bench
+command's tests in a second pytest beside this one, under a Ray temp directory of their own:
+they start Ray only in subprocesses (``cluster serve``, ``ray start``), never join one they
+find, and never ``ray stop``, which would stop every Ray on the machine."""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 shut down; while an engine still runs on it, the refusal says why it was not restarted.
 
 Run in a fresh interpreter that sees one core (``os.cpu_count`` patched), so the first Ray is
-started with 1 logical CPU whatever this machine has, and that finds no other Ray of this
-machine to join (its own Ray temp directory, no ``ray start`` address, no detected GCS).
+started with 1 logical CPU whatever this machine has, with its own Ray temp directory (no
+``ray start`` address) and no ``RAY_ADDRESS``, while another program's Ray (3 CPUs) runs on
+this machine: an engine joins only what ``ray.init()`` would, never a Ray it finds running.
 """
 
 from __future__ import annotations
@@ -18,16 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.conftest import start_local_ray
+
 ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = """
-import functools, json, os
+import json, os
 os.cpu_count = lambda: 1
 import ray
-import ray._private.services
-# ray.init(address="auto") would join any Ray running on this machine (its GCS found by
-# pgrep): this process must find none, so that the engine starts its own.
-ray._private.services._cached_find_gcs_addresses = functools.cache(frozenset)
 from engine import LLM, SamplingParams
 from cluster.runtime.ray_executor import PlacementError
 
@@ -57,12 +56,19 @@ def test_an_engine_started_ray_too_small_for_the_next_llm_is_restarted_with_room
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(ROOT)
     env["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as ray_tmp:  # short socket paths
-        env["RAY_TMPDIR"] = ray_tmp
-        result = subprocess.run(
-            [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-            timeout=300,
-        )  # fmt: skip
+    import ray
+
+    start_local_ray(3)  # another program's Ray on this machine
+    try:
+        with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as ray_tmp:  # short paths
+            env["RAY_TMPDIR"] = ray_tmp
+            result = subprocess.run(
+                [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                text=True, timeout=300,
+            )  # fmt: skip
+        assert ray.cluster_resources()["CPU"] == 3  # the other Ray was left alone
+    finally:
+        ray.shutdown()
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
     report = json.loads(line.removeprefix("REPORT "))
