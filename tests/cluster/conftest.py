@@ -5,10 +5,8 @@ Isolation between the tests that start a Ray of their own (``ray.init``, a
 ``ray.cluster_utils.Cluster``) and those sharing the session's Ray is explicit, not a matter of
 file names: ``pytest_collection_modifyitems`` runs every test that uses ``serve_cluster`` after
 all the others, so the shared Ray starts once the last module-owned one is gone and nothing
-stops it before the session ends. ``scripts/test.sh`` runs ``tests/cluster/cli`` and the bench
-command's tests in a second pytest beside this one, under a Ray temp directory of their own:
-they start Ray only in subprocesses (``cluster serve``, ``ray start``), never join one they
-find, and never ``ray stop``, which would stop every Ray on the machine."""
+stops it before the session ends. The ``ray start`` heads of the CLI tests end with their
+process group, never with ``ray stop``, which would stop every Ray on the machine."""
 
 from __future__ import annotations
 

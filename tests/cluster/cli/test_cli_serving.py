@@ -3,8 +3,7 @@ anything is deployed; ``ray start --head`` -> ``cluster deploy`` -> a request ->
 ``cluster status`` -> ``cluster shutdown``; and ``cluster serve`` until Ctrl-C.
 
 The cluster comes from ``ray start --head``, as a user's does, and goes by ending that
-process group (``own_ray_head``): ``ray stop`` would stop every Ray on the machine, and the
-suite runs these tests beside others that hold one (``scripts/test.sh``).
+process group (``own_ray_head``): ``ray stop`` would stop every Ray on the machine.
 """
 
 from __future__ import annotations
