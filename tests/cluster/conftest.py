@@ -5,8 +5,8 @@ Isolation between the tests that start a Ray of their own (``ray.init``, a
 ``ray.cluster_utils.Cluster``) and those sharing the session's Ray is explicit, not a matter of
 file names: ``pytest_collection_modifyitems`` runs every test that uses ``serve_cluster`` after
 all the others, so the shared Ray starts once the last module-owned one is gone and nothing
-stops it before the session ends. The ``ray start`` heads of the CLI tests end with their
-process group, never with ``ray stop``, which would stop every Ray on the machine."""
+stops it before the session ends. (The one ``ray stop``, ending the CLI test's ``ray start``
+head, stops every Ray on the machine: it runs before the shared one starts.)"""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 anything is deployed; ``ray start --head`` -> ``cluster deploy`` -> a request ->
 ``cluster status`` -> ``cluster shutdown``; and ``cluster serve`` until Ctrl-C.
 
-The cluster comes from ``ray start --head``, as a user's does, and goes by ending that
-process group (``own_ray_head``): ``ray stop`` would stop every Ray on the machine.
+The cluster comes from ``ray start --head`` and goes with ``ray stop``, as a user's does.
 """
 
 from __future__ import annotations
@@ -85,6 +84,27 @@ def test_config_error_exits_2_naming_the_key(tmp_path: Path) -> None:
     assert "models[0].engine_kwargs.foo: unknown engine argument" in result.stderr
 
 
+@pytest.fixture
+def ray_head() -> Iterator[str]:
+    """``ray start --head`` and, at the end, ``ray stop`` — the user's own first and last steps.
+    (``ray stop`` stops every Ray on the machine; in the suite none other runs at this point:
+    the shared Serve cluster starts later, lazily.)"""
+    port = free_port()
+    started = subprocess.run(
+        ["ray", "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+         "--disable-usage-stats"],
+        env=cli_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        yield f"127.0.0.1:{port}"
+    finally:
+        stopped = subprocess.run(
+            ["ray", "stop"], env=cli_env(), capture_output=True, text=True, timeout=180
+        )
+        assert stopped.returncode == 0, stopped.stderr[-2000:]
+
+
 def stop_process_group(process: subprocess.Popen[str], grace_s: float = 10) -> None:
     """SIGTERM the group (Ray's own graceful stop signal), SIGKILL whatever outlives the grace."""
     with contextlib.suppress(ProcessLookupError):  # the group may have exited already
@@ -96,15 +116,15 @@ def stop_process_group(process: subprocess.Popen[str], grace_s: float = 10) -> N
     process.wait(30)
 
 
-def test_deploy_request_status_redeploy_shutdown(own_ray_head: str, tmp_path: Path) -> None:
+def test_deploy_request_status_redeploy_shutdown(ray_head: str, tmp_path: Path) -> None:
     config, http_port = tiny_config(tmp_path)
-    deployed = cluster_cli("deploy", str(config), "--address", own_ray_head)
+    deployed = cluster_cli("deploy", str(config), "--address", ray_head)
     assert deployed.returncode == 0, deployed.stderr[-3000:]
     assert f"ready: OpenAI API at http://127.0.0.1:{http_port}/v1" in deployed.stdout
 
     assert complete(http_port)["usage"]["completion_tokens"] == 4
 
-    status = cluster_cli("status", "--address", own_ray_head, "--json", timeout=120)
+    status = cluster_cli("status", "--address", ray_head, "--json", timeout=120)
     assert status.returncode == 0, status.stderr[-3000:]
     model = json.loads(status.stdout)["models"]["tiny-llama"]
     assert model["status"] == "HEALTHY"
@@ -121,10 +141,10 @@ def test_deploy_request_status_redeploy_shutdown(own_ray_head: str, tmp_path: Pa
     changed["models"][0]["deployment_config"]["graceful_shutdown_timeout_s"] = 1
     config.write_text(yaml.safe_dump(changed))
     in_flight = StreamedCompletion(http_port, 200)
-    redeployed = cluster_cli("deploy", str(config), "--address", own_ray_head)
+    redeployed = cluster_cli("deploy", str(config), "--address", ray_head)
     assert redeployed.returncode == 0, redeployed.stderr[-3000:]
     assert in_flight.finish_reasons(60) == ["length"]
-    after = json.loads(cluster_cli("status", "--address", own_ray_head, "--json").stdout)
+    after = json.loads(cluster_cli("status", "--address", ray_head, "--json").stdout)
     assert after["models"]["tiny-llama"]["replicas"] == {"RUNNING": 1}
     assert after["models"]["tiny-llama"]["stats"]["kv_total_blocks"] == 1024
     assert complete(http_port)["usage"]["completion_tokens"] == 4
@@ -133,7 +153,7 @@ def test_deploy_request_status_redeploy_shutdown(own_ray_head: str, tmp_path: Pa
     # (a last chunk, then [DONE]) rather than a cut connection. Eight streams of 2000 tokens
     # share the steps, so they outlast the CLI's start-up and the drain.
     in_flight = [StreamedCompletion(http_port, 2000) for _ in range(8)]
-    shutdown = cluster_cli("shutdown", "--address", own_ray_head, timeout=120)
+    shutdown = cluster_cli("shutdown", "--address", ray_head, timeout=120)
     assert shutdown.returncode == 0, shutdown.stderr[-3000:]
     assert [s.finish_reasons(60) for s in in_flight] == [["abort"]] * 8
     wait_for(lambda: refuses_connections(http_port), 30, "the HTTP endpoint to go away")
