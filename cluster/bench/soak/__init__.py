@@ -5,7 +5,8 @@
     bursts   every --burst-interval s, one-shot streams up to --burst-size in flight (by
              default 10x max_ongoing_requests: admission control must answer 503)
     memory   resident set of each replica, the ingress and Serve's HTTP proxy, every
-             --rss-interval s; growth = second half's median over the first's (after --warmup)
+             --rss-interval s, after each returned its allocator's free pages (malloc_trim);
+             growth = second half's median over the first's (after --warmup)
     idle     after the run every replica must be idle: all KV blocks free, no request state
 
 Every request ends in exactly one outcome (success, error, abort, refused, rejected); anything

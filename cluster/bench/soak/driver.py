@@ -45,7 +45,7 @@ async def soak(
     load = SoakLoad(client, model, settings, records)
     sampler = None
     if probe is not None:
-        sampler = RssSampler(await asyncio.to_thread(probe.pids), settings.rss_interval_s)
+        sampler = RssSampler(await asyncio.to_thread(probe.processes), settings.rss_interval_s)
     stop = asyncio.Event()
     load.start = time.monotonic()
     sampling = asyncio.create_task(sampler.run(load.start, stop)) if sampler else None

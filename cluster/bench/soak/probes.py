@@ -1,19 +1,43 @@
 """The soak's probes of the server side, through the app's Ray cluster: the processes that
-serve it and their resident memory over the run, and every replica's request state (idle
-after the run: no KV block held, no per-request entry left)."""
+serve it and the memory each holds over the run, and every replica's request state (idle
+after the run: no KV block held, no per-request entry left).
+
+Memory is read inside each process (``held_rss``): its resident set once glibc's allocator has
+returned its free pages to the OS. Plain RSS also counts freed memory the allocator keeps for
+reuse, which grows for minutes under a changing load and is given back by ``malloc_trim``
+(BENCHMARKS.md, "Soak"); a leak is memory still held, which trimming cannot return."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
+import ctypes
+import functools
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 
-def _getpid(_actor: Any) -> int:
-    return os.getpid()
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def held_rss(_actor: Any = None) -> int:
+    """This process's resident memory in bytes after its allocator returned its free pages to
+    the OS (``malloc_trim(0)`` where glibc has it). Runs in the process it measures (an actor's
+    ``__ray_call__``)."""
+    import psutil
+
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+    return psutil.Process().memory_info().rss
 
 
 class ServeProbe:
@@ -23,7 +47,7 @@ class ServeProbe:
     Serve routes a handle call to any replica, so every replica is reached by calling until
     each running replica (counted by ``serve.status``) has answered; ``replica_id`` tells them
     apart. The processes are Serve's named actors: ``SERVE_REPLICA::<app>#<deployment>#<id>``
-    and the proxies, ``SERVE_PROXY_ACTOR-<node>``; ``__ray_call__`` asks each for its pid."""
+    and the proxies, ``SERVE_PROXY_ACTOR-<node>``."""
 
     def __init__(self, app_name: str, model_id: str) -> None:
         from cluster.config import deployment_name
@@ -31,10 +55,11 @@ class ServeProbe:
         self.app_name = app_name
         self.deployment = deployment_name(model_id)
 
-    def pids(self) -> dict[str, int]:
+    def processes(self) -> dict[str, Callable[[], Awaitable[int]]]:
+        """Each process's label and a reader of its held memory (``held_rss``, run in it)."""
         import ray
 
-        found: dict[str, int] = {}
+        found: dict[str, Callable[[], Awaitable[int]]] = {}
         for entry in ray.util.list_named_actors(all_namespaces=True):
             name = entry["name"]
             if entry["namespace"] != "serve":
@@ -47,7 +72,7 @@ class ServeProbe:
             else:
                 continue
             actor = ray.get_actor(name, namespace="serve")
-            found[label] = ray.get(actor.__ray_call__.remote(_getpid), timeout=60)
+            found[label] = functools.partial(_read_held_rss, actor)
         return found
 
     def num_replicas(self) -> int:
@@ -97,27 +122,36 @@ def replica_is_idle(state: dict[str, Any]) -> bool:
     )
 
 
+async def _read_held_rss(actor: Any) -> int:
+    return await actor.__ray_call__.remote(held_rss)
+
+
 class RssSampler:
-    """Resident set size of named processes, sampled on a fixed period."""
+    """The held memory of named processes, sampled on a fixed period: ``readers`` maps each name
+    to a coroutine function returning its bytes (``ServeProbe.processes``). A reader that times
+    out skips that sample; one that raises means the process is gone."""
 
-    def __init__(self, pids: dict[str, int], interval_s: float) -> None:
-        import psutil
-
-        self.processes = {name: psutil.Process(pid) for name, pid in pids.items()}
+    def __init__(self, readers: dict[str, Callable[[], Awaitable[int]]], interval_s: float) -> None:
+        self.readers = readers
         self.interval_s = interval_s
-        self.samples: dict[str, list[tuple[float, int]]] = {name: [] for name in pids}
+        self.samples: dict[str, list[tuple[float, int]]] = {name: [] for name in readers}
         self.gone: set[str] = set()
 
     async def run(self, start: float, stop: asyncio.Event) -> None:
-        import psutil
-
         while not stop.is_set():
             now = time.monotonic() - start
-            for name, process in self.processes.items():
-                try:
-                    self.samples[name].append((now, process.memory_info().rss))
-                except psutil.Error:  # the process died: a finding of its own
+            live = [name for name in self.readers if name not in self.gone]
+            read = await asyncio.gather(
+                *(asyncio.wait_for(self.readers[name](), 30) for name in live),
+                return_exceptions=True,
+            )
+            for name, rss in zip(live, read):
+                if isinstance(rss, asyncio.TimeoutError):
+                    continue
+                if isinstance(rss, BaseException):  # the process died: a finding of its own
                     self.gone.add(name)
+                else:
+                    self.samples[name].append((now, rss))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval_s)
 

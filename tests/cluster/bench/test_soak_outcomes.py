@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -23,6 +22,7 @@ from cluster.bench.soak import (
     stream_request,
 )
 from cluster.bench.soak.load import _http
+from cluster.bench.soak.probes import _malloc_trim, held_rss
 
 http = _http()
 
@@ -165,8 +165,12 @@ def test_cli_without_a_target_exits_2_asking_for_one() -> None:
     assert "give --config (deploy locally) or --base-url" in result.stderr
 
 
+async def _held_rss_here() -> int:
+    return held_rss()
+
+
 def test_memory_growth_compares_medians_of_the_halves_after_warmup_without_the_tail() -> None:
-    sampler = RssSampler({"me": os.getpid()}, interval_s=1.0)
+    sampler = RssSampler({"me": _held_rss_here}, interval_s=1.0)
     mb = 2**20
     # Warm-up (t < 10) grows; the halves of [10, 30] hold 100 and 104 MB; the tail is ignored.
     sampler.samples["me"] = [(t, (50 + 5 * t) * mb) for t in range(10)]
@@ -176,3 +180,22 @@ def test_memory_growth_compares_medians_of_the_halves_after_warmup_without_the_t
     entry = sampler.summary(warmup_s=10, end_s=30)["me"]
     assert (entry["first_half_median_mb"], entry["second_half_median_mb"]) == (100.0, 104.0)
     assert entry["growth_pct"] == 4.0 and not entry["gone"]
+
+
+@pytest.mark.skipif(_malloc_trim() is None, reason="the C library has no malloc_trim (not glibc)")
+def test_held_memory_leaves_out_what_the_allocator_freed_but_kept() -> None:
+    """Freed blocks below a live one stay resident under glibc until trimmed: plain RSS counts
+    them, ``held_rss`` does not (its figure is what a leak would keep)."""
+    import psutil
+
+    process = psutil.Process()
+    blocks = [bytearray(4096) for _ in range(40_000)]  # ~160 MB of malloc'd blocks
+    for block in blocks:
+        block[::512] = b"x" * len(block[::512])  # touched: resident
+    kept = blocks[-1]  # the top of the heap stays in use, so free() cannot shrink it
+    before = process.memory_info().rss
+    del blocks
+    plain = process.memory_info().rss
+    held = held_rss()
+    assert kept and plain > before - 20 * 2**20, (before, plain)  # freed, still resident
+    assert held < plain - 100 * 2**20, (plain, held)  # given back
