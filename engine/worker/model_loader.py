@@ -274,7 +274,10 @@ def load_weights(
         target, shard_id = target_of(name)
         _check_dtype(name, tensor, raw, target)
         if target not in whole:
-            unknown.append(name)
+            # A zero-width layer carries no weights: HF writes DeepSeek's and GLM-4.5's shared
+            # experts with n_shared_experts 0 as empty tensors, and the model has none.
+            if tensor.numel() > 0:
+                unknown.append(name)
             continue
         if unknown:
             continue  # the load fails anyway: only gather the remaining unknown names

@@ -127,6 +127,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral-window-48": ("tiny-mixtral", {"sliding_window": 48}),
     # GLM-4.5-Air's switches: one expert group, no q/k norm.
     "glm4-moe-air": ("tiny-glm4-moe", {"n_group": 1, "topk_group": 1, "use_qk_norm": False}),
+    # No shared expert: HF writes its zero-width layer as empty tensors, which load as nothing.
+    "deepseek-v3-no-shared": ("tiny-deepseek-v3", {"n_shared_experts": 0}),
+    "glm4-moe-no-shared": ("tiny-glm4-moe", {"n_shared_experts": 0}),
 }
 
 
