@@ -20,11 +20,15 @@ local Ray the engine started may be restarted with more CPUs (``cluster.runtime.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import threading
 import time
 import uuid
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +203,12 @@ class RayExecutor(Executor):
         stages = parallel.pipeline_parallel_size * parallel.data_parallel_size
         pg = placement_group([{self._resource: float(tp)}] * stages, strategy=strategy)
         self._pg, self._owns_pg = pg, True  # removed by shutdown if it never becomes ready
-        ready, _ = ray.wait([pg.ready()], timeout=self._load_timeout_s)
+        ready, _ = ray.wait([pg.ready()], timeout=min(1.0, self._load_timeout_s))
+        if not ready:
+            # An engine of this process that its user dropped may still hold the CPUs (GPUs)
+            # inside a reference cycle: collected, it frees them (``__del__``).
+            gc.collect()
+            ready, _ = ray.wait([pg.ready()], timeout=max(0.0, self._load_timeout_s - 1.0))
         if not ready:
             raise PlacementError(
                 f"placement group: {stages} bundles of {{{self._resource!r}: {tp}}} (one TP "
@@ -338,17 +347,22 @@ class RayExecutor(Executor):
         data = encode(request)
         with self._lock:
             self._raise_if_dead()  # shut down meanwhile
-            if self._dispatch is None:
-                self._dispatch = build_dispatch(
-                    self._resource,
-                    self.workers,
-                    self.max_concurrent_batches + 1,
-                    self._step_timeout_s,
-                    self._get,
-                    self._die,
-                )
-            dispatch = self._dispatch
+            dispatch = self._dispatcher(self.max_concurrent_batches + 1)
         return _RayStep(self, dispatch.send(data))
+
+    def _dispatcher(self, max_inflight: int) -> StepDispatch:
+        """The step dispatch, built on the first step (under ``_lock``). It calls back into this
+        executor through weak references, so it does not keep an executor nobody holds alive."""
+        if self._dispatch is None:
+            self._dispatch = build_dispatch(
+                self._resource,
+                self.workers,
+                max_inflight,
+                self._step_timeout_s,
+                _weakly(self._get),
+                _weakly(self._die),
+            )
+        return self._dispatch
 
     def execute_data_parallel(self, requests: list[ExecuteModelRequest]) -> list[ModelRunnerOutput]:
         """One step of every data-parallel engine core at once (``requests[d]``: core d's, empty
@@ -357,11 +371,7 @@ class RayExecutor(Executor):
         data = encode(DataParallelStep(requests=requests))
         with self._lock:
             self._raise_if_dead()
-            if self._dispatch is None:
-                self._dispatch = build_dispatch(
-                    self._resource, self.workers, 2, self._step_timeout_s, self._get, self._die
-                )
-            dispatch = self._dispatch
+            dispatch = self._dispatcher(2)
         replies = dispatch.send(data).replies()
         group = len(self.workers) // len(self.driver_ranks)
         return [
@@ -440,6 +450,14 @@ class RayExecutor(Executor):
         self.shutdown()
         raise EngineDeadError(message) from cause
 
+    def __del__(self) -> None:
+        # An executor dropped without shutdown (its LLM gone out of scope) frees its workers
+        # and placement group, so the process's next engine can be placed.
+        if getattr(self, "is_dead", True) or not ray.is_initialized():
+            return
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
     def shutdown(self) -> None:
         """Kill the worker actors and remove the placement group if this executor created it."""
         with self._lock:
@@ -482,3 +500,16 @@ class _RayStep(StepFuture):
             raise RuntimeError("StepFuture.result: this step's output was already taken")
         self._executor._raise_if_dead()  # an earlier step's failure killed the workers
         return self._executor._merge_replies(pending.replies())
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, a bound method of an executor, without a strong reference to it."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise EngineDeadError("the engine's executor was dropped")
+        return bound(*args)
+
+    return call

@@ -1,6 +1,8 @@
 """A local Ray the engine started itself fits what the process asks of it next: a second
 ``LLM`` needing more workers than that Ray has CPUs restarts it with room once the first is
-shut down; while an engine still runs on it, the refusal says why it was not restarted.
+shut down; while an engine still runs on it, the refusal says why it was not restarted. An
+``LLM`` dropped without shutdown (``del``, or out of scope, even inside a reference cycle)
+frees its workers and placement group for the next.
 
 Run in a fresh interpreter that sees one core (``os.cpu_count`` patched), so the first Ray is
 started with 1 logical CPU whatever this machine has, with its own Ray temp directory (no
@@ -46,16 +48,26 @@ try:
     LLM("builtin:tiny-llama", tensor_parallel_size=4, **args)
 except PlacementError as exc:
     report["refusal"] = str(exc)
-second.llm_engine.shutdown()
+# Dropped without shutdown, as a script drops one LLM for the next: its workers and placement
+# group go with it, so the next one on the same 2 CPUs starts, even from a reference cycle.
+del second
+third = LLM("builtin:tiny-llama", tensor_parallel_size=2, **args)
+report["third"] = third.generate("hello", greedy, use_tqdm=False)[0].outputs[0].token_ids
+third.itself = third
+del third
+fourth = LLM("builtin:tiny-llama", tensor_parallel_size=2, **args)
+report["fourth"] = fourth.generate("hello", greedy, use_tqdm=False)[0].outputs[0].token_ids
+fourth.llm_engine.shutdown()
 print("REPORT", json.dumps(report))
 """
 
 
-@pytest.mark.slow  # ~50 s: two local Ray starts in a fresh interpreter, three engines
+@pytest.mark.slow  # ~60 s: two local Ray starts in a fresh interpreter, five engines
 def test_an_engine_started_ray_too_small_for_the_next_llm_is_restarted_with_room() -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(ROOT)
     env["OMP_NUM_THREADS"] = "1"
+    env["LLM_CLUSTER_LOAD_TIMEOUT_S"] = "60"  # a placement that waits fails within a minute
     import ray
 
     start_local_ray(3)  # another program's Ray on this machine
@@ -78,6 +90,7 @@ def test_an_engine_started_ray_too_small_for_the_next_llm_is_restarted_with_room
     # The second engine still runs on it, so the Ray is not restarted under it.
     assert "4 workers need 4 CPU" in report["refusal"]
     assert "restarts it with room only while no engine of the process runs" in report["refusal"]
+    assert report["third"] == report["fourth"] == report["first"]
 
 
 # Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
