@@ -40,13 +40,17 @@ from parallel.lora import LinearLoRA, LoRABatch, attach_lora
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # HF module name -> (our fused module, its shard id); the decoder projections LoRA may target.
+# A checkpoint that fuses them (Phi-3's qkv_proj, gate_up_proj) has adapters on the fused
+# module: one A, and a B over all its parts (shard id None).
 TARGET_MODULES: dict[str, tuple[str, Any]] = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
     "v_proj": ("qkv_proj", "v"),
+    "qkv_proj": ("qkv_proj", None),
     "o_proj": ("o_proj", None),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+    "gate_up_proj": ("gate_up_proj", None),
     "down_proj": ("down_proj", None),
 }
 LORA_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
@@ -57,6 +61,9 @@ _KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
 _PARAM = "lora_request"
+# PEFT initialisations that subtract the initial adapter from the base weights at load
+# (PiSSA, CorDA, OLoRA, LoftQ, LoRA-GA): served on the unchanged base, the adapter is wrong.
+_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 
 
 @dataclass(frozen=True)
@@ -83,9 +90,11 @@ def _module_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, int]]:
         "q_proj": (heads * head_dim, hidden),
         "k_proj": (kv_heads * head_dim, hidden),
         "v_proj": (kv_heads * head_dim, hidden),
+        "qkv_proj": ((heads + 2 * kv_heads) * head_dim, hidden),
         "o_proj": (hidden, heads * head_dim),
         "gate_proj": (inter, hidden),
         "up_proj": (inter, hidden),
+        "gate_up_proj": (2 * inter, hidden),
         "down_proj": (hidden, inter),
     }
 
@@ -127,6 +136,13 @@ def read_adapter_config(path: Path, max_rank: int) -> tuple[int, float]:
     for key, value in unsupported.items():
         if value:
             raise _fail(f"{CONFIG_FILE}: {key}={value!r} is not supported")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise _fail(
+            f"{CONFIG_FILE}: init_lora_weights={init!r} is not supported: PEFT rewrites the base "
+            "model's weights when it loads such an adapter (save it converted, with PEFT's "
+            "path_initial_model_for_weight_conversion)"
+        )
     if config.get("bias", "none") != "none":
         raise _fail(f"{CONFIG_FILE}: bias={config['bias']!r} is not supported (only 'none')")
     targets = config.get("target_modules")
@@ -168,6 +184,9 @@ def load_adapter(path_str: str, hf_config: dict[str, Any], max_rank: int) -> LoR
     for (layer, module), parts in seen.items():
         if parts != {"A", "B"}:
             raise _fail(f"layer {layer} {module}: lora_A and lora_B must both be present")
+        fused, shard_id = TARGET_MODULES[module]
+        if shard_id is not None and (layer, fused) in seen:
+            raise _fail(f"layer {layer}: {module} and {fused} (which holds it) both have weights")
     return LoRAAdapter(str(path), rank, scaling, frozenset(m for _, m in seen))
 
 
@@ -374,7 +393,7 @@ class WorkerLoRAManager:
 
 
 def module_parent(module: str) -> str:
-    return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj") else "mlp"
 
 
 def lora_kernel(backend: str) -> Any:

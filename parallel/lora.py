@@ -10,8 +10,10 @@ Sharding follows the base layer, so the delta needs no communication of its own:
 
 A fused layer (q|k|v, gate|up) stacks one rank block per slice: A's rows [i*R, i*R + r) hold
 slice i's A, and B's columns [i*R, i*R + r) its B on that slice's output rows only (zero
-elsewhere), so one shrink and one expand serve every slice. R = max_lora_rank; the adapter's
-scaling is folded into B when it is loaded.
+elsewhere), so one shrink and one expand serve every slice. An adapter of the fused module
+itself (Phi-3's checkpoint fuses them) has one A and a B over every slice: it takes the first
+block, B on all output rows. R = max_lora_rank; the adapter's scaling is folded into B when it
+is loaded.
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ class LinearLoRA:
         self, slot: int, shard_id: Any, lora_a: Any, lora_b: Any, scaling: float
     ) -> None:
         """Load one slice's A [r, in] and B [out, r] (tensors or lazy safetensors slices) into
-        ``slot``; each rank reads only its shard, like the base weight's loader."""
-        index = self.slices.index(shard_id)
+        ``slot``; each rank reads only its shard, like the base weight's loader. ``shard_id``
+        None on a fused layer: B covers every slice's rows (the weight loader splits them)."""
+        index = 0 if shard_id is None else self.slices.index(shard_id)
         rank = _shape(lora_a)[0]
         if rank > self.max_rank or _shape(lora_b)[1] != rank:
             raise ValueError(f"LoRA rank {rank} exceeds max_lora_rank {self.max_rank}")

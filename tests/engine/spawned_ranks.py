@@ -6,6 +6,7 @@ others)."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import queue
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from engine import SamplingParams
+from engine.config import EngineConfig
 
 
 def run_ranks(
@@ -43,6 +45,12 @@ def run_ranks(
         if isinstance(out, str):
             pytest.fail(f"rank {rank} failed: {out}")
     return collected
+
+
+def rank_config(rank: int, **kwargs: Any) -> EngineConfig:
+    """``EngineConfig.from_kwargs(**kwargs)`` as rank ``rank`` of its parallel group sees it."""
+    config = EngineConfig.from_kwargs(**kwargs)
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
 
 
 def rendezvous(worker: Any, rank: int, world: int, ports: Any) -> None:

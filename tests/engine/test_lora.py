@@ -1,7 +1,8 @@
 """Multi-LoRA serving in the engine: greedy output under each adapter equals HF + PEFT token for
 token (fp32) in mixed batches with chunked prefill and preemption; more adapters than slots all
 finish; the adapter keys the prefix cache; bad adapters are a 400 that harms nothing in flight;
-TP = 2 equals TP = 1 with adapters."""
+TP = 2 equals TP = 1 with adapters; adapters of a checkpoint's fused modules (Phi-3's qkv_proj,
+gate_up_proj) are served exactly too."""
 
 from __future__ import annotations
 
@@ -197,6 +198,9 @@ def _broken_copy(adapters: Adapters, tmp_path: Path, how: str) -> str:
         save_file(weights, str(weights_file))
     elif how == "dora":
         config_file.write_text(json.dumps({**config, "use_dora": True}))
+    elif how in ("pissa", "olora"):  # as PEFT saves an adapter it did not convert
+        init = {"pissa": "pissa_niter_4", "olora": "olora"}[how]
+        config_file.write_text(json.dumps({**config, "init_lora_weights": init}))
     return str(path)
 
 
@@ -207,6 +211,8 @@ BAD_ADAPTERS = {
     "unsupported_target": "target module 'embed_tokens' is not supported",
     "wrong_shape": r"q_proj.lora_B.weight' has shape \[48, 8\].*needs \[64, 8\]",
     "dora": "use_dora=True is not supported",
+    "pissa": "init_lora_weights='pissa_niter_4' is not supported: PEFT rewrites the base",
+    "olora": "init_lora_weights='olora' is not supported: PEFT rewrites the base",
 }
 
 
@@ -272,15 +278,12 @@ def test_bad_adapter_does_not_hurt_a_request_in_flight(
 # ---- TP = 2 equals TP = 1 ------------------------------------------------------------------
 
 
-def _tp_config(tp: int, rank: int) -> Any:
-    import dataclasses
+def _tp_config(tp: int, rank: int, model: str = MODEL) -> Any:
+    from tests.engine.spawned_ranks import rank_config
 
-    from engine.config import EngineConfig
-
-    config = EngineConfig.from_kwargs(
-        model=MODEL, tensor_parallel_size=tp, enable_lora=True, max_loras=2, num_kv_blocks=64
+    return rank_config(
+        rank, model=model, tensor_parallel_size=tp, enable_lora=True, max_loras=2, num_kv_blocks=64
     )
-    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
 
 
 def _prompt_logprobs_step(paths: dict[str, str], prompts: list[list[int]]) -> bytes:
@@ -323,12 +326,18 @@ def _prompt_logprobs_step(paths: dict[str, str], prompts: list[list[int]]) -> by
 
 
 def _run_worker(
-    rank: int, tp: int, message: bytes, ports: Any, results: Any, every_rank: bool = False
+    rank: int,
+    tp: int,
+    message: bytes,
+    ports: Any,
+    results: Any,
+    every_rank: bool = False,
+    model: str = MODEL,
 ) -> None:
     from engine.worker.step_messages import decode_request, encode
     from engine.worker.worker import Worker
 
-    worker = Worker(_tp_config(tp, rank))
+    worker = Worker(_tp_config(tp, rank, model))
     worker.init_device()
     if tp > 1:
         if rank == 0:
@@ -352,17 +361,20 @@ def _lists(output: Any) -> dict[str, np.ndarray]:
     }
 
 
-def test_tensor_parallel_2_equals_1_with_adapters(adapters: Adapters) -> None:
+def _assert_tp2_equals_tp1(model: str, paths: dict[str, str], prompts: list[list[int]]) -> None:
+    """One prefill step of base / A / B requests on TP = 1 and on TP = 2 (spawned ranks): the
+    same prompt logprobs and sampled tokens."""
     from engine.worker.step_messages import decode_output
 
-    paths = {name: str(path) for name, path in adapters.paths.items()}
-    message = _prompt_logprobs_step(paths, adapters.prompts[:6])
+    message = _prompt_logprobs_step(paths, prompts)
     ctx = mp.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()
     outputs = {}
     for tp in (1, 2):
         procs = [
-            ctx.Process(target=_run_worker, args=(r, tp, message, ports, results))
+            ctx.Process(
+                target=_run_worker, args=(r, tp, message, ports, results), kwargs={"model": model}
+            )
             for r in range(tp)
         ]
         for p in procs:
@@ -372,10 +384,83 @@ def test_tensor_parallel_2_equals_1_with_adapters(adapters: Adapters) -> None:
             p.join(timeout=60)
             assert p.exitcode == 0
     single, sharded = _lists(outputs[1]), _lists(outputs[2])
-    assert sorted(single) == [f"r{i}" for i in range(6)]
+    assert sorted(single) == [f"r{i}" for i in range(len(prompts))]
     for rid in single:
         np.testing.assert_allclose(sharded[rid], single[rid], atol=1e-4, rtol=1e-4)
     assert outputs[1].sampled_token_ids == outputs[2].sampled_token_ids
+
+
+def test_tensor_parallel_2_equals_1_with_adapters(adapters: Adapters) -> None:
+    paths = {name: str(path) for name, path in adapters.paths.items()}
+    _assert_tp2_equals_tp1(MODEL, paths, adapters.prompts[:6])
+
+
+# ---- adapters of a checkpoint's fused modules (Phi-3) ----------------------------------------
+
+PHI3 = "builtin:tiny-phi3"
+
+
+@pytest.fixture(scope="module")
+def phi3_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """PEFT adapters on Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` (its checkpoint has no
+    q_proj or gate_proj): every projection, and ``qkv_proj`` alone (PEFT's default for Phi-3)."""
+    root = tmp_path_factory.mktemp("phi3-loras")
+    every = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    return {
+        "a": str(make_tiny_lora(PHI3, root / "a", 8, every, seed=4)),
+        "b": str(make_tiny_lora(PHI3, root / "b", 4, ["qkv_proj"], seed=5, use_rslora=True)),
+    }
+
+
+def test_phi3_fused_module_adapters_equal_hf_peft(phi3_adapters: dict[str, str]) -> None:
+    base = resolve_model_source(PHI3)
+    names: list[str | None] = [None, "a", "b", "a", "b", None]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in (7, 40, 23, 70, 12, 33)]
+    expected = []
+    for name, prompt in zip(names, prompts):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, phi3_adapters[name])
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.eval().generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=MAX_TOKENS, pad_token_id=0,
+            )  # fmt: skip
+        expected.append(out[0, len(prompt) :].tolist())
+    assert len({tuple(e) for e in expected[:3]}) == 3  # each adapter changes the output
+    loras = [None if n is None else LoRARequest(n, ord(n), phi3_adapters[n]) for n in names]
+    llm = LLM(PHI3, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_num_batched_tokens=32)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras,
+                        use_tqdm=False)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    _assert_clean(llm)
+
+
+def test_phi3_fused_module_adapters_tensor_parallel_2_equals_1(
+    phi3_adapters: dict[str, str],
+) -> None:
+    rng = random.Random(4)
+    prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in (9, 30, 17, 44, 5, 21)]
+    _assert_tp2_equals_tp1(PHI3, phi3_adapters, prompts)
+
+
+def test_an_adapter_on_a_fused_module_and_its_part_is_refused(
+    phi3_adapters: dict[str, str], tmp_path: Path
+) -> None:
+    path = tmp_path / "both"
+    shutil.copytree(phi3_adapters["a"], path)
+    weights = load_file(str(path / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.0.self_attn"
+    weights[f"{prefix}.q_proj.lora_A.weight"] = torch.zeros(8, 64)
+    weights[f"{prefix}.q_proj.lora_B.weight"] = torch.zeros(64, 8)
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    llm = LLM(PHI3, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(InvalidRequestError, match="layer 0: q_proj and qkv_proj"):
+        llm.llm_engine.add_request("x", [1, 2], lora_request=LoRARequest("both", 9, str(path)))
 
 
 def test_every_tensor_parallel_rank_reports_an_adapter_it_cannot_load(
