@@ -9,6 +9,12 @@ before any test module imports ``kernels.triton_*``. With CUDA the kernels compi
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.s3_server import S3Server
 
 # Before anything imports transformers: never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,6 +26,27 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir() -> Path:
+    """The built-in ``tiny-llama`` checkpoint's local directory (the suite's cache)."""
+    from engine.builtin.catalog import resolve_model_source
+
+    return resolve_model_source("builtin:tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_store(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[S3Server]:
+    """moto's S3 server holding ``tiny_llama_dir`` at ``s3://ckpts/tiny-llama``, with this
+    process's environment pointing at it and the node's copies in a cache of their own."""
+    from tests.s3_server import serving_checkpoint  # moto, only where a test asks for it
+
+    cache = tmp_path_factory.mktemp("s3-cache")
+    with serving_checkpoint(tiny_llama_dir, "ckpts", "tiny-llama", cache) as server:
+        yield server
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

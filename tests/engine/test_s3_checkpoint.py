@@ -15,37 +15,21 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.builtin.catalog import resolve_model_source
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.s3_mirror import MANIFEST, mirror_checkpoint, mirror_dir
-from tests.s3_server import S3Server, serving_checkpoint
+from tests.s3_server import S3Server
 
 BUCKET = "ckpts"
 PROMPTS = ["The quick brown fox", "Hello, my name is"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ARGS = {"dtype": "float32", "max_model_len": 128, "num_kv_blocks": 32}
-
-
-@pytest.fixture(scope="module")
-def local_model() -> Path:
-    return resolve_model_source("builtin:tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def server(local_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    # The node's copies go to a cache of their own; the built-in was resolved above, from the
-    # suite's cache.
-    cache = tmp_path_factory.mktemp("s3-cache")
-    with serving_checkpoint(local_model, BUCKET, "tiny-llama", cache) as server:
-        yield server
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
@@ -58,33 +42,33 @@ def _header_bytes(file: Path) -> int:
 
 
 def test_engine_from_s3_matches_the_local_directory_and_hf(
-    server: S3Server, local_model: Path
+    tiny_llama_store: S3Server, tiny_llama_dir: Path
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from_s3 = _tokens(LLM("s3://ckpts/tiny-llama", **ARGS))
-    local = _tokens(LLM(str(local_model), **ARGS))
+    local = _tokens(LLM(str(tiny_llama_dir), **ARGS))
     assert from_s3 == local
-    tokenizer = AutoTokenizer.from_pretrained(local_model)
-    hf = AutoModelForCausalLM.from_pretrained(local_model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     for prompt, tokens in zip(PROMPTS, from_s3):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             out = hf.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
         assert tokens == out[0, ids.shape[1] :].tolist()
     copy = mirror_dir("s3://ckpts/tiny-llama")
-    for file in local_model.iterdir():
+    for file in tiny_llama_dir.iterdir():
         assert (copy / file.name).read_bytes() == file.read_bytes()
 
 
 def test_config_check_reads_only_the_safetensors_headers(
-    server: S3Server, local_model: Path
+    tiny_llama_store: S3Server, tiny_llama_dir: Path
 ) -> None:
-    server.upload_dir(local_model, BUCKET, "headers-only")
-    server.served.reset()
+    tiny_llama_store.upload_dir(tiny_llama_dir, BUCKET, "headers-only")
+    tiny_llama_store.served.reset()
     config = EngineConfig.from_kwargs(model="s3://ckpts/headers-only", **ARGS)
-    weights = local_model / "model.safetensors"
-    served = server.served.bytes
+    weights = tiny_llama_dir / "model.safetensors"
+    served = tiny_llama_store.served.bytes
     assert config.model.hf_config["tie_word_embeddings"] is False  # so the headers were read
     assert served[f"{BUCKET}/headers-only/model.safetensors"] == _header_bytes(weights)
     assert _header_bytes(weights) * 20 < weights.stat().st_size
@@ -95,14 +79,17 @@ def test_config_check_reads_only_the_safetensors_headers(
 
 
 def test_concurrent_copies_download_once_then_reuse_then_refetch_a_change(
-    server: S3Server, local_model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    tiny_llama_store: S3Server,
+    tiny_llama_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     monkeypatch.setattr("engine.s3_store.PART_BYTES", 64 << 10)  # many ranged GETs per file
-    server.upload_dir(local_model, BUCKET, "shared")
+    tiny_llama_store.upload_dir(tiny_llama_dir, BUCKET, "shared")
     uri = "s3://ckpts/shared"
     weights_key = f"{BUCKET}/shared/model.safetensors"
-    size = (local_model / "model.safetensors").stat().st_size
-    server.served.reset()
+    size = (tiny_llama_dir / "model.safetensors").stat().st_size
+    tiny_llama_store.served.reset()
     results: list[Path] = []
     errors: list[BaseException] = []
 
@@ -120,36 +107,36 @@ def test_concurrent_copies_download_once_then_reuse_then_refetch_a_change(
     assert not errors
     assert len(set(results)) == 1
     target = results[0]
-    assert server.served.bytes[weights_key] == size  # once, in ranged parts
-    assert server.served.gets[weights_key] == -(-size // (64 << 10))
+    assert tiny_llama_store.served.bytes[weights_key] == size  # once, in ranged parts
+    assert tiny_llama_store.served.gets[weights_key] == -(-size // (64 << 10))
     assert (target / "model.safetensors").read_bytes() == (
-        local_model / "model.safetensors"
+        tiny_llama_dir / "model.safetensors"
     ).read_bytes()
     assert not [p for p in target.iterdir() if p.name.endswith(".s3-part")]
 
-    server.served.reset()
+    tiny_llama_store.served.reset()
     mirror_checkpoint(uri, cache_root=tmp_path)  # complete: nothing is downloaded again
-    assert sum(server.served.bytes.values()) == 0
+    assert sum(tiny_llama_store.served.bytes.values()) == 0
 
-    changed = json.loads((local_model / "generation_config.json").read_text())
+    changed = json.loads((tiny_llama_dir / "generation_config.json").read_text())
     changed["max_new_tokens"] = 7
-    s3 = server.client()
+    s3 = tiny_llama_store.client()
     s3.put_object(
         Bucket=BUCKET, Key="shared/generation_config.json", Body=json.dumps(changed).encode()
     )
     s3.delete_object(Bucket=BUCKET, Key="shared/special_tokens_map.json")
-    server.served.reset()
+    tiny_llama_store.served.reset()
     mirror_checkpoint(uri, cache_root=tmp_path)
-    assert set(server.served.bytes) == {f"{BUCKET}/shared/generation_config.json"}
+    assert set(tiny_llama_store.served.bytes) == {f"{BUCKET}/shared/generation_config.json"}
     assert json.loads((target / "generation_config.json").read_text()) == changed
     assert not (target / "special_tokens_map.json").exists()
     manifest = json.loads((target / MANIFEST).read_text())
     assert "special_tokens_map.json" not in manifest
 
     (target / "model.safetensors").write_bytes(b"cut short")  # a damaged copy is fetched again
-    server.served.reset()
+    tiny_llama_store.served.reset()
     mirror_checkpoint(uri, cache_root=tmp_path)
-    assert server.served.bytes[weights_key] == size
+    assert tiny_llama_store.served.bytes[weights_key] == size
 
 
 @pytest.mark.parametrize(
@@ -163,12 +150,12 @@ def test_concurrent_copies_download_once_then_reuse_then_refetch_a_change(
     ],
 )
 def test_bad_sources_name_the_model_and_the_uri(
-    server: S3Server, local_model: Path, tmp_path: Path, uri: str, message: str
+    tiny_llama_store: S3Server, tiny_llama_dir: Path, tmp_path: Path, uri: str, message: str
 ) -> None:
     if uri.endswith("no-config"):
-        shutil.copytree(local_model, tmp_path / "no-config")
+        shutil.copytree(tiny_llama_dir, tmp_path / "no-config")
         (tmp_path / "no-config" / "config.json").unlink()
-        server.upload_dir(tmp_path / "no-config", BUCKET, "no-config")
+        tiny_llama_store.upload_dir(tmp_path / "no-config", BUCKET, "no-config")
     with pytest.raises(ConfigError, match=r"^model: ") as err:
         LLM(uri, **ARGS)
     assert message in str(err.value)
@@ -176,7 +163,7 @@ def test_bad_sources_name_the_model_and_the_uri(
 
 
 def test_no_credentials_and_no_boto3_are_named(
-    server: S3Server, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_store: S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
@@ -188,7 +175,9 @@ def test_no_credentials_and_no_boto3_are_named(
         EngineConfig.from_kwargs(model="s3://ckpts/tiny-llama", **ARGS)
 
 
-def test_an_unreachable_store_is_named(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unreachable_store_is_named(
+    tiny_llama_store: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -197,14 +186,16 @@ def test_an_unreachable_store_is_named(server: S3Server, monkeypatch: pytest.Mon
         EngineConfig.from_kwargs(model="s3://ckpts/x", **ARGS)
 
 
-def test_a_tokenizer_in_the_store(server: S3Server, local_model: Path, tmp_path: Path) -> None:
+def test_a_tokenizer_in_the_store(
+    tiny_llama_store: S3Server, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
     """``tokenizer: s3://...`` (a prefix of tokenizer files alone, no config.json)."""
     (tmp_path / "tok").mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(local_model / name, tmp_path / "tok" / name)
-    uri = server.upload_dir(tmp_path / "tok", BUCKET, "tokenizer-only")
-    config = EngineConfig.from_kwargs(model=str(local_model), tokenizer=uri, **ARGS)
+        shutil.copy(tiny_llama_dir / name, tmp_path / "tok" / name)
+    uri = tiny_llama_store.upload_dir(tmp_path / "tok", BUCKET, "tokenizer-only")
+    config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), tokenizer=uri, **ARGS)
     assert config.model.tokenizer == str(mirror_dir(uri))
-    assert _tokens(LLM(str(local_model), tokenizer=uri, **ARGS)) == _tokens(
-        LLM(str(local_model), **ARGS)
+    assert _tokens(LLM(str(tiny_llama_dir), tokenizer=uri, **ARGS)) == _tokens(
+        LLM(str(tiny_llama_dir), **ARGS)
     )

@@ -7,7 +7,6 @@ against TP = 1 with spawned ranks driving their workers."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from transformers import AutoProcessor
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.builtin.catalog import resolve_model_source
-from engine.config import EngineConfig
 
 Case = tuple[str, list[Image.Image]]
 
@@ -231,16 +229,14 @@ def _tp2_rank_main(
 
         from engine.multimodal.mrope import mrope_positions
         from engine.multimodal.processor import MultiModalProcessor
-        from tests.engine.spawned_ranks import greedy_steps, workers_on_one_group
+        from tests.engine.spawned_ranks import greedy_steps, rank_config, workers_on_one_group
 
-        config = EngineConfig.from_kwargs(
+        config = rank_config(
+            rank,
             model=str(resolve_model_source(f"builtin:{name}")),
             tensor_parallel_size=2,
             num_kv_blocks=64,
             max_model_len=256,
-        )
-        config = dataclasses.replace(
-            config, parallel=dataclasses.replace(config.parallel, rank=rank)
         )
         model = config.model
         tokenizer = AutoTokenizer.from_pretrained(model.model_path)

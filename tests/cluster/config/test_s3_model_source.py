@@ -8,37 +8,23 @@ from __future__ import annotations
 
 import copy
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cluster.config import load_config
-from engine.builtin.catalog import resolve_model_source
 from engine.errors import ConfigError
-from tests.s3_server import S3Server, serving_checkpoint
+from tests.s3_server import S3Server
 
 BASE: dict[str, Any] = {
     "models": [
         {
-            "model_loading_config": {"model_id": "tiny", "model_source": "s3://ckpts/tiny"},
+            "model_loading_config": {"model_id": "tiny", "model_source": "s3://ckpts/tiny-llama"},
             "engine_kwargs": {"device": "cpu", "dtype": "float32", "max_model_len": 256},
         }
     ]
 }
-
-
-@pytest.fixture(scope="module")
-def local_model() -> Path:
-    return resolve_model_source("builtin:tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def server(local_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    cache = tmp_path_factory.mktemp("s3-cache")
-    with serving_checkpoint(local_model, "ckpts", "tiny", cache) as server:
-        yield server
 
 
 def _with_source(source: Any) -> dict[str, Any]:
@@ -47,18 +33,20 @@ def _with_source(source: Any) -> dict[str, Any]:
     return data
 
 
-@pytest.mark.parametrize("source", ["s3://ckpts/tiny", {"bucket_uri": "s3://ckpts/tiny"}])
+@pytest.mark.parametrize(
+    "source", ["s3://ckpts/tiny-llama", {"bucket_uri": "s3://ckpts/tiny-llama"}]
+)
 def test_the_driver_check_reads_headers_not_weights(
-    server: S3Server, local_model: Path, source: Any
+    tiny_llama_store: S3Server, tiny_llama_dir: Path, source: Any
 ) -> None:
-    server.served.reset()
+    tiny_llama_store.served.reset()
     config = load_config(_with_source(source))
-    assert config.models[0].engine_args()["model"] == "s3://ckpts/tiny"
-    weights = local_model / "model.safetensors"
+    assert config.models[0].engine_args()["model"] == "s3://ckpts/tiny-llama"
+    weights = tiny_llama_dir / "model.safetensors"
     with weights.open("rb") as f:
         header = 8 + struct.unpack("<Q", f.read(8))[0]
-    assert server.served.bytes["ckpts/tiny/model.safetensors"] == header
-    assert sum(server.served.bytes.values()) < weights.stat().st_size / 5
+    assert tiny_llama_store.served.bytes["ckpts/tiny-llama/model.safetensors"] == header
+    assert sum(tiny_llama_store.served.bytes.values()) < weights.stat().st_size / 5
 
 
 @pytest.mark.parametrize(
@@ -78,33 +66,33 @@ def test_the_driver_check_reads_headers_not_weights(
             "models[0].model_loading_config.model_source.bucket_uri: must be an s3://",
         ),
         (
-            {"bucket_uri": "s3://ckpts/tiny", "s3_sync_args": []},
+            {"bucket_uri": "s3://ckpts/tiny-llama", "s3_sync_args": []},
             "models[0].model_loading_config.model_source.s3_sync_args: unknown key",
         ),
     ],
 )
-def test_errors_name_model_source(server: S3Server, source: Any, message: str) -> None:
+def test_errors_name_model_source(tiny_llama_store: S3Server, source: Any, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(_with_source(source))
     assert str(err.value).startswith(message)
 
 
-def test_cluster_plan_reads_config_json_from_the_store(server: S3Server) -> None:
+def test_cluster_plan_reads_config_json_from_the_store(tiny_llama_store: S3Server) -> None:
     from cluster.ops.plan import format_model, plan_model
 
-    plan = plan_model(load_config(_with_source({"bucket_uri": "s3://ckpts/tiny"})).models[0])
+    plan = plan_model(load_config(_with_source({"bucket_uri": "s3://ckpts/tiny-llama"})).models[0])
     assert plan.plan is not None
     assert plan.plan.architecture == "LlamaForCausalLM"
-    assert "s3://ckpts/tiny: LlamaForCausalLM" in format_model(plan)
+    assert "s3://ckpts/tiny-llama: LlamaForCausalLM" in format_model(plan)
 
 
 def test_replicas_get_the_store_not_its_credentials(
-    server: S3Server, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_store: S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from cluster.serving.serve import runtime_env
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", tiny_llama_store.endpoint)
     env = runtime_env()["env_vars"]
-    assert env["AWS_ENDPOINT_URL"] == env["AWS_ENDPOINT_URL_S3"] == server.endpoint
+    assert env["AWS_ENDPOINT_URL"] == env["AWS_ENDPOINT_URL_S3"] == tiny_llama_store.endpoint
     assert env["AWS_REGION"] == "us-east-1"
     assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(env)

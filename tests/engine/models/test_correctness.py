@@ -143,6 +143,16 @@ def _assert_all_blocks_released(llm: LLM) -> None:
     assert engine.executor.collective_rpc("num_request_states") == [0]
 
 
+def assert_setting_held(llm: LLM, setting: str) -> None:
+    """The run under ``SETTINGS[setting]`` did what the setting is for (a preemption, a swap),
+    and left every block free."""
+    if setting.startswith("preempt"):
+        assert llm.llm_engine.scheduler.num_preemptions > 0, "the setting did not force preemption"
+    if setting == "preempt_swap":
+        assert llm.llm_engine.scheduler.num_swap_outs > 0, "preemption fell back to recompute"
+    _assert_all_blocks_released(llm)
+
+
 SETTINGS = {
     "defaults": {},
     "chunked_prefill": {"max_num_batched_tokens": 32, "max_num_seqs": 8},
@@ -156,11 +166,7 @@ def test_greedy_matches_hf(ref: Reference, setting: str) -> None:
     llm, got = _generate(ref, ref.prompts, ref.max_tokens, **SETTINGS[setting])
     for i, (g, e) in enumerate(zip(got, ref.expected)):
         assert g == e, f"{ref.arch}/{setting}: prompt {i} (len {len(ref.prompts[i])}) differs"
-    if setting.startswith("preempt"):
-        assert llm.llm_engine.scheduler.num_preemptions > 0, "the setting did not force preemption"
-    if setting == "preempt_swap":
-        assert llm.llm_engine.scheduler.num_swap_outs > 0, "preemption fell back to recompute"
-    _assert_all_blocks_released(llm)
+    assert_setting_held(llm, setting)
 
 
 def test_greedy_matches_hf_with_shared_prefix_cached(ref: Reference) -> None:

@@ -34,8 +34,9 @@ from tests.engine.models.test_correctness import (
     _assert_all_blocks_released,
     _hf_greedy,
     _prompts,
+    assert_setting_held,
 )
-from tests.engine.spawned_ranks import greedy_steps, run_ranks, workers_on_one_group
+from tests.engine.spawned_ranks import greedy_steps, rank_config, run_ranks, workers_on_one_group
 
 MOE_SETTINGS = SETTINGS  # defaults, chunked prefill, preemption by recompute and by swap
 # The fast tier's prompts: 8 of up to 120 tokens and up to 32 generated. The two longest decode
@@ -91,11 +92,7 @@ def test_greedy_matches_hf(ref: Reference, setting: str) -> None:
     for i, (out, expected) in enumerate(zip(outputs, ref.expected)):
         got = out.outputs[0].token_ids
         assert got == expected, f"{ref.name}/{setting}: prompt {i} differs"
-    if setting.startswith("preempt"):
-        assert llm.llm_engine.scheduler.num_preemptions > 0, "the setting did not force preemption"
-    if setting == "preempt_swap":
-        assert llm.llm_engine.scheduler.num_swap_outs > 0, "preemption fell back to recompute"
-    _assert_all_blocks_released(llm)
+    assert_setting_held(llm, setting)
 
 
 @pytest.mark.slow
@@ -401,16 +398,14 @@ BLOCKS_PER_REQUEST = 4  # 64 tokens: the longest prompt + the decode steps fit
 
 
 def _worker_config(name: str, tp: int, rank: int) -> Any:
-    from engine.config import EngineConfig
-
-    config = EngineConfig.from_kwargs(
+    return rank_config(
+        rank,
         model=str(resolve_model_source(f"builtin:{name}")),
         dtype="float32",
         tensor_parallel_size=tp,
         num_kv_blocks=64,
         max_model_len=128,
     )
-    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
 
 
 def _greedy_steps(worker: Any, prefix: str) -> list[list[int]]:

@@ -34,7 +34,7 @@ from tests.engine.models.test_moe import (
     _CountingGroup,
     _greedy_steps,
 )
-from tests.engine.spawned_ranks import greedy_steps, run_ranks, workers_on_one_group
+from tests.engine.spawned_ranks import greedy_steps, rank_config, run_ranks, workers_on_one_group
 
 # Shared expert or not; DeepSeek's routing and latent attention.
 EP_MODELS = (
@@ -264,7 +264,8 @@ def test_data_parallel_configs_the_engine_cannot_run_are_refused_by_name(tmp_pat
 
 
 def _ep_worker_config(name: str, rank: int, tp: int = 2, dp: int = 1) -> EngineConfig:
-    config = EngineConfig.from_kwargs(
+    return rank_config(
+        rank,
         model=str(resolve_model_source(f"builtin:{name}")),
         dtype="float32",
         tensor_parallel_size=tp,
@@ -273,7 +274,6 @@ def _ep_worker_config(name: str, rank: int, tp: int = 2, dp: int = 1) -> EngineC
         num_kv_blocks=64,
         max_model_len=128,
     )
-    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
 
 
 def _ep_rank_main(rank: int, ports: Any, results: Any) -> None:

@@ -6,7 +6,6 @@ load and kept quantized."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from tests.engine.quantization.quant_checkpoints import CASES, dense_model, write_compressed_tensors
-from tests.engine.spawned_ranks import greedy_steps, run_ranks, workers_on_one_group
+from tests.engine.spawned_ranks import greedy_steps, rank_config, run_ranks, workers_on_one_group
 
 PROMPTS = [[5, 9, 21, 7], [100, 3, 3, 8, 40, 41, 2] * 3, [17, 18, 300, 301, 7]]
 STEPS = 10
@@ -23,10 +22,10 @@ TP_CASES = ("w4a16-asym", "fp8-static")
 
 
 def _config(path: str, rank: int) -> EngineConfig:
-    config = EngineConfig.from_kwargs(
-        model=path, dtype="float32", tensor_parallel_size=2, num_kv_blocks=64, max_model_len=128
-    )
-    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
+    return rank_config(
+        rank, model=path, dtype="float32", tensor_parallel_size=2, num_kv_blocks=64,
+        max_model_len=128,
+    )  # fmt: skip
 
 
 def _rank_main(rank: int, ports: Any, results: Any, paths: dict[str, str]) -> None:

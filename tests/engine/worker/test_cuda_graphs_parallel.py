@@ -10,7 +10,6 @@ with the graphs' data path run eagerly (``DecodeBucketRunner``): all but the cap
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Any
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from tests.engine.spawned_ranks import greedy_steps, rendezvous, run_ranks
+from tests.engine.spawned_ranks import greedy_steps, rank_config, rendezvous, run_ranks
 
 MODEL = "builtin:tiny-llama"
 PROMPTS = [[5, 9, 21, 7], [100, 3, 3, 8, 40, 41, 2], [17, 18], [1, 2, 3, 4, 5, 6], [30] * 11]
@@ -31,7 +30,8 @@ BLOCKS_PER_REQUEST = 4  # 64 tokens: prompt + decode steps fit
 def _config(
     tp: int, pp: int, rank: int = 0, device: str = "cuda", backend: str = "triton", **kwargs: Any
 ) -> EngineConfig:
-    config = EngineConfig.from_kwargs(
+    return rank_config(
+        rank,
         model=MODEL,
         device=device,
         dtype="float32",
@@ -42,7 +42,6 @@ def _config(
         max_model_len=128,
         **kwargs,
     )
-    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
 
 
 def _rank_main(
