@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cluster.api.api_errors import APIError, error_response
 
 # The probes' paths: a load balancer or kubelet has no API key.
-OPEN_PATHS = ("/health", "/livez")
+OPEN_PATHS = ("/health", "/livez", "/ping", "/version")
 MAX_HEADER_COUNT = 64
 MAX_HEADER_BYTES = 16 * 1024
 
@@ -25,9 +25,10 @@ class _BodyTooLarge(Exception):
 
 class GuardMiddleware:
     """Rejects requests with too many or too large headers (431), without a valid API key
-    (every route but the probes' /health and /livez; ``Authorization: Bearer`` or, as Anthropic's
-    SDK sends it, ``x-api-key``; keys compared as sha256 digests in constant time; the path is
-    read from the ASGI scope, not from headers, so ``Host`` or ``X-Forwarded-*`` change nothing)
+    (every route but the probes' /health, /livez, /ping and /version; ``Authorization: Bearer``
+    or, as Anthropic's SDK sends it, ``x-api-key``; keys compared as sha256 digests in constant
+    time; the path is read from the ASGI scope, not from headers, so ``Host`` or
+    ``X-Forwarded-*`` change nothing)
     and bodies over ``max_body_bytes`` (413), whether or not they declare a length.
     Settings come from ``app.state`` so the ingress can set them at startup."""
 

@@ -9,6 +9,7 @@ bodies in ``cluster.api.api_errors`` and the key / size guard in ``cluster.api.a
     POST /v1/responses          GET|DELETE /v1/responses/{id}
     POST /v1/messages           POST /v1/messages/count_tokens   (Anthropic's Messages API)
     GET /health (readiness)     GET /livez (liveness)          GET /metrics
+    GET|POST /ping (= /health)  GET /version   (vLLM's; no API key, like the probes)
     POST /sleep, POST /wake_up, GET /is_sleeping   (sleep mode, vLLM's; the first two: admin)
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the
@@ -22,6 +23,8 @@ Bad input never yields a 500; no error body carries a stack trace, a path or con
 from __future__ import annotations
 
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from typing import Annotated, Any, Protocol
 
 from fastapi import FastAPI, Query, Request
@@ -41,6 +44,10 @@ from cluster.api.pooling_models import ClassificationRequest, RerankRequest, Sco
 from cluster.api.responses_models import ResponsesRequest
 
 TIMEOUT_HEADER = "x-request-timeout"
+try:
+    _VERSION = package_version("llm-cluster")
+except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+    _VERSION = "unknown"
 
 
 def with_header_timeout(req: Any, request: Request) -> Any:
@@ -169,8 +176,14 @@ def make_openai_app(
         return await serving.detokenize(req)
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's name for it (SageMaker's probe), GET and POST
+    @app.post("/ping")
     async def health() -> Any:
         return await serving.health()
+
+    @app.get("/version")
+    async def version() -> Any:
+        return {"version": _VERSION}
 
     @app.get("/livez")
     async def livez() -> Any:

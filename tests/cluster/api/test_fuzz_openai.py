@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from cluster.api.anthropic_models import CountTokensRequest, MessagesRequest
+from cluster.api.api_guard import OPEN_PATHS
 from cluster.api.media import MediaSettings
 from cluster.api.openai_api import make_openai_app
 from cluster.api.openai_models import (
@@ -319,7 +320,7 @@ def _call_authenticated(case: Any) -> None:
 
 def _call_unauthenticated(case: Any) -> None:
     response = case.call()
-    if case.path in ("/health", "/livez"):  # the probes need no key
+    if case.path in OPEN_PATHS:  # the probes and /version need no key
         assert response.status_code == 200, _describe(case, response)
         return
     assert response.status_code == 401, _describe(case, response)
@@ -349,9 +350,9 @@ def test_schema_request_bodies_are_the_request_models(api_schema: Any, app: Any)
         for path, ops in raw["paths"].items()
         if "post" in ops and "requestBody" in ops["post"]
     }
-    # Sleep mode's admin routes take query parameters (vLLM's), no body.
+    # Sleep mode's admin routes take query parameters (vLLM's), no body; /ping (= /health) none.
     bodiless = {path for path, ops in raw["paths"].items() if "post" in ops} - set(bodies)
-    assert bodiless == {"/sleep", "/wake_up"}
+    assert bodiless == {"/sleep", "/wake_up", "/ping"}
     assert bodies == {
         "/v1/completions": "#/components/schemas/CompletionRequest",
         "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",

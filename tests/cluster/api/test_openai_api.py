@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -21,6 +23,8 @@ from cluster.api.replica_messages import GenerateRequest, StreamDelta, StreamSta
 from engine import InvalidRequestError, SamplingParams
 from engine.client.core_messages import ChoiceDelta
 from engine.outputs import Logprob
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def plain(payload: GenerateRequest) -> dict[str, Any]:
@@ -253,6 +257,20 @@ def test_right_api_key_is_accepted(keyed: TestClient) -> None:
 
 def test_health_needs_no_api_key(keyed: TestClient) -> None:
     assert keyed.get("/health").status_code == 200
+
+
+def test_ping_is_health_and_version_is_the_package_s_without_a_key() -> None:
+    class OnlyHealth:  # every route but /health's would call something else
+        async def health(self) -> dict[str, str]:
+            return {"status": "ready"}
+
+    app = make_openai_app(OnlyHealth(), [hashlib.sha256(KEY.encode()).hexdigest()])
+    with TestClient(app) as client:
+        assert client.get("/ping").json() == client.post("/ping").json() == {"status": "ready"}
+        pyproject = (ROOT / "pyproject.toml").read_text()
+        expected = re.search(r'^version = "([^"]+)"$', pyproject, re.MULTILINE).group(1)
+        assert client.get("/version").json() == {"version": expected}
+        assert client.get("/v1/models").status_code == 401  # the key still guards the rest
 
 
 def test_livez_answers_200_without_a_key_and_asks_no_model() -> None:
