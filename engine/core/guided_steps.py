@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 
 from engine.core.output_processor import SampleState
-from engine.core.request import RequestStatus
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.structured_output import StructuredOutputGrammar, StructuredOutputManager
@@ -82,6 +82,22 @@ def advance_grammar(sample: SampleState, num_new: int, scheduler: Scheduler) -> 
         )
     if (not accepted or grammar.is_terminated()) and not request.is_finished:
         scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+    elif not request.is_finished and _grammar_needs_a_banned_stop(grammar, request):
+        # min_tokens bans the stop token, but the document is complete and the grammar
+        # allows nothing else: it ends here (sampling from an all-masked row would emit junk).
+        scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+
+
+def _grammar_needs_a_banned_stop(grammar: StructuredOutputGrammar, request: Request) -> bool:
+    """The sampler bans stop tokens while fewer than ``min_tokens`` are out (EOS too unless
+    ``ignore_eos``); whether the grammar allows only such banned tokens next."""
+    params = request.sampling_params
+    if len(request.output_token_ids) >= params.min_tokens:
+        return False
+    banned = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        banned |= set(grammar.matcher.stop_token_ids)
+    return bool(banned) and grammar.allows_only(banned)
 
 
 def observe_spec_decode(

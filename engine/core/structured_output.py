@@ -58,8 +58,11 @@ class StructuredOutputGrammar:
     until that token is sampled: no bitmask row, sampled tokens not fed to the matcher. The
     token after it is the first the grammar constrains, from its initial state."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher, start_after: int | None = None) -> None:
+    def __init__(
+        self, matcher: xgr.GrammarMatcher, vocab_size: int, start_after: int | None = None
+    ) -> None:
         self.matcher = matcher
+        self.vocab_size = vocab_size
         self.num_accepted_tokens = 0
         self.start_after = start_after
 
@@ -88,6 +91,17 @@ class StructuredOutputGrammar:
         """The grammar is complete and its stop token was accepted."""
         return self.matcher.is_terminated()
 
+    def allows_only(self, token_ids: Iterable[int]) -> bool:
+        """Whether every token the grammar allows next is one of ``token_ids`` (a complete
+        document whose only continuation is its stop token)."""
+        if not self.active or not self.matcher.is_completed():
+            return False
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+        bits = bits[: self.vocab_size]
+        return set(np.flatnonzero(bits).tolist()) <= set(token_ids)
+
 
 class StructuredOutputManager:
     """Head side, one per engine: the tokenizer's xgrammar view and compiler (built on first
@@ -112,13 +126,7 @@ class StructuredOutputManager:
     @property
     def compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer,
-                vocab_size=self.vocab_size,
-                # The engine's EOS ids (generation config first), so that the grammar's end is
-                # the token that ends the request.
-                stop_token_ids=self.stop_token_ids or None,
-            )
+            info = _tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
             # Compiles run on the engine thread during add_request: one thread each. Our LRU
             # is the only cache (xgrammar's own is unbounded by default).
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -170,7 +178,9 @@ class StructuredOutputManager:
 
     def new_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         matcher = xgr.GrammarMatcher(self.compile(params))
-        return StructuredOutputGrammar(matcher, start_after=params.reasoning_end_token_id)
+        return StructuredOutputGrammar(
+            matcher, self.vocab_size, start_after=params.reasoning_end_token_id
+        )
 
     def grammar_bitmask(self, grammars: Sequence[StructuredOutputGrammar]) -> bytes:
         """The next-token bitmask of each grammar, one row each, as the step message carries
@@ -179,6 +189,38 @@ class StructuredOutputManager:
         for row, grammar in enumerate(grammars):
             grammar.fill_bitmask(bitmask, row)
         return bitmask.numpy().astype(_BITMASK_DTYPE, copy=False).tobytes()
+
+
+def _tokenizer_info(
+    tokenizer: Any, vocab_size: int, stop_token_ids: list[int]
+) -> xgr.TokenizerInfo:
+    """xgrammar's view of the tokenizer, with the engine's EOS ids as the grammar's stop tokens
+    (the grammar's end is the token that ends the request) and the tokenizer's special tokens
+    (BOS, padding, chat markers, and EOS inside the document) outside every grammar: xgrammar
+    would match them as their literal text ("<s>"), which detokenizing then drops from the
+    output. xgrammar leaves a token with an empty string out of grammars (a stop token still
+    ends one), so those tokens are given one."""
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
+    )
+    special = set(getattr(tokenizer, "all_special_ids", ())) | set(info.stop_token_ids)
+    special = {i for i in special if 0 <= i < vocab_size}
+    if not special:
+        return info
+    encoded = [""] * vocab_size
+    for token, index in tokenizer.get_vocab().items():
+        if 0 <= index < vocab_size and index not in special:
+            encoded[index] = token
+    blanked = xgr.TokenizerInfo.from_vocab_and_metadata(encoded, info.dump_metadata())
+    same = all(
+        a == b
+        for i, (a, b) in enumerate(zip(info.decoded_vocab, blanked.decoded_vocab))
+        if i not in special
+    )
+    if not same:  # a tokenizer xgrammar reads otherwise than by get_vocab (tiktoken)
+        logger.warning("special tokens left in grammars: the tokenizer's vocabulary differs")
+        return info
+    return blanked
 
 
 def _spec_text(params: StructuredOutputsParams) -> str:

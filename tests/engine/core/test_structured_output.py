@@ -113,6 +113,66 @@ def test_complete_grammar_stops_even_with_ignore_eos(llm: LLM) -> None:
     _assert_valid(out.text)
 
 
+@pytest.mark.parametrize(
+    "so",
+    [
+        StructuredOutputsParams(json={"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                      "required": ["ok"], "additionalProperties": False},
+                                disable_any_whitespace=True),
+        StructuredOutputsParams(choice=["yes", "no"]),
+    ],
+    ids=["json", "choice"],
+)  # fmt: skip
+def test_min_tokens_past_the_document_end_it_with_the_document(
+    llm: LLM, so: StructuredOutputsParams
+) -> None:
+    """The document is complete before ``min_tokens``: the sampler bans the stop token, the
+    grammar allows nothing else, so the request ends there (no token sampled from nothing)."""
+    params = [
+        SamplingParams(temperature=t, seed=i, min_tokens=20, max_tokens=50, structured_outputs=so)
+        for i, t in enumerate([0, 1, 1, 1])
+    ]
+    for out in llm.generate(["Answer:"] * len(params), params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop"
+        assert len(completion.token_ids) < 20
+        assert llm.get_tokenizer().decode(completion.token_ids) == completion.text
+        if so.choice:
+            assert completion.text in so.choice
+        else:
+            assert set(json.loads(completion.text)) == {"ok"}
+
+
+def test_special_tokens_are_never_their_literal_text_in_a_grammar(llm: LLM) -> None:
+    """``<s>``, ``</s>`` and ``<pad>`` are spelled with ordinary tokens, never matched by the
+    special token itself (whose text the output then drops), however the model favours it."""
+    tokenizer = llm.get_tokenizer()
+    special = tokenizer.all_special_ids
+    choices = ["<s>", "</s>", "<pad>"]
+    cases = [
+        StructuredOutputsParams(choice=choices),
+        StructuredOutputsParams(regex=r"[a-z<>/]{6,8}"),
+        StructuredOutputsParams(json={"type": "string", "minLength": 3, "maxLength": 3}),
+    ]
+    for so in cases:
+        params = [
+            SamplingParams(seed=i, max_tokens=20, structured_outputs=so,
+                           logit_bias={t: 50.0 for t in special})
+            for i in range(6)
+        ]  # fmt: skip
+        for out in llm.generate(["x"] * len(params), params, use_tqdm=False):
+            completion = out.outputs[0]
+            assert completion.finish_reason == "stop"
+            body = completion.token_ids[:-1]  # the last one ends the grammar
+            assert not set(body) & set(special), (so, completion.token_ids)
+            if so.choice:
+                assert completion.text in choices
+            elif so.regex:
+                assert re.fullmatch(so.regex, completion.text), completion.text
+            else:
+                assert len(json.loads(completion.text)) == 3
+
+
 def test_regex_output_fullmatches(llm: LLM) -> None:
     pattern = r"\d{3}-[a-z]{2,4}"
     so = StructuredOutputsParams(regex=pattern)
