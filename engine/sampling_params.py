@@ -76,7 +76,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if self._is_set(k)]
         _check(
             len(kinds) == 1,
             "structured_outputs",
@@ -117,7 +117,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def kind(self) -> str:
         """Which constraint is set: one of ``STRUCTURED_OUTPUT_KINDS``."""
-        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if self._is_set(k))
+
+    def _is_set(self, kind: str) -> bool:
+        # json may be the schema ``false`` (refused when compiled); json_object is a flag.
+        value = getattr(self, kind)
+        return value is not None if kind == "json" else value not in (None, False)
 
 
 class RequestOutputKind(enum.IntEnum):

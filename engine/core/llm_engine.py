@@ -223,7 +223,7 @@ class LLMEngine(SleepControl, LoRAControl):
         params = self.inputs.check_sampling(params, max_tokens)
         if params.structured_outputs is not None:
             # Compiled (or found in the cache) now, so that a bad spec is a 400 here.
-            self.structured_output.compile(params.structured_outputs)
+            self.structured_output.compile(params.structured_outputs, params.skip_special_tokens)
         check_waiting_caps(
             self.config.scheduler, self.scheduler.waiting_load, len(token_ids), params.n
         )
@@ -316,7 +316,9 @@ class LLMEngine(SleepControl, LoRAControl):
         wants_logprobs = params.logprobs is not None
         grammar = None
         if params.structured_outputs is not None:
-            grammar = self.structured_output.new_grammar(params.structured_outputs)
+            grammar = self.structured_output.new_grammar(
+                params.structured_outputs, params.skip_special_tokens
+            )
         return SampleState(
             request=request,
             detokenizer=detokenizer,

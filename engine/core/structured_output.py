@@ -19,6 +19,7 @@ they are: a recomputed request recomputes its old tokens without sampling them a
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import OrderedDict
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from engine.core.json_schema_limits import check_json_schema
 from engine.core.json_string_grammar import json_schema_grammar
 from engine.errors import InvalidRequestError
 from engine.sampling_params import StructuredOutputsParams
@@ -104,8 +106,9 @@ class StructuredOutputGrammar:
 
 
 class StructuredOutputManager:
-    """Head side, one per engine: the tokenizer's xgrammar view and compiler (built on first
-    use), compiled grammars in an LRU cache keyed by the spec, and the per-step bitmask."""
+    """Head side, one per engine: the tokenizer's xgrammar views and compilers (built on first
+    use; one for requests whose text drops special tokens, one for those that keep them),
+    compiled grammars in an LRU cache keyed by the spec, and the per-step bitmask."""
 
     def __init__(
         self,
@@ -120,25 +123,33 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.cache_size = cache_size
-        self._compiler: xgr.GrammarCompiler | None = None
-        self._cache: OrderedDict[tuple[str, str, bool], xgr.CompiledGrammar] = OrderedDict()
+        self._compilers: dict[bool, xgr.GrammarCompiler] = {}
+        self._cache: OrderedDict[tuple[str, str, bool, bool], xgr.CompiledGrammar] = OrderedDict()
 
-    @property
-    def compiler(self) -> xgr.GrammarCompiler:
-        if self._compiler is None:
-            info = _tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
+    def compiler(self, skip_special_tokens: bool = True) -> xgr.GrammarCompiler:
+        """The compiler for requests whose text drops special tokens (the default) or keeps
+        them (a grammar may then spell a special token, as a harmony transcript does)."""
+        if skip_special_tokens not in self._compilers:
+            info = _tokenizer_info(
+                self.tokenizer, self.vocab_size, self.stop_token_ids, skip_special_tokens
+            )
             # Compiles run on the engine thread during add_request: one thread each. Our LRU
             # is the only cache (xgrammar's own is unbounded by default).
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+            self._compilers[skip_special_tokens] = xgr.GrammarCompiler(
+                info, max_threads=1, cache_enabled=False
+            )
+        return self._compilers[skip_special_tokens]
 
     @property
     def num_cached_grammars(self) -> int:
         return len(self._cache)
 
-    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """The compiled grammar of ``params`` (cached); an invalid schema, regex or grammar
-        raises ``InvalidRequestError`` naming the field, with xgrammar's reason."""
+    def compile(
+        self, params: StructuredOutputsParams, skip_special_tokens: bool = True
+    ) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``params`` (cached); an invalid schema, regex or grammar, or a
+        schema keyword the grammar would not enforce (``json_schema_limits``), raises
+        ``InvalidRequestError`` naming the field and the reason."""
         end = params.reasoning_end_token_id
         if end is not None and end >= self.vocab_size:
             raise InvalidRequestError(
@@ -147,13 +158,20 @@ class StructuredOutputManager:
             )
         kind = params.kind
         spec = _spec_text(params)
-        key = (kind, spec, params.disable_any_whitespace)
+        key = (kind, spec, params.disable_any_whitespace, skip_special_tokens)
         compiled = self._cache.get(key)
         if compiled is not None:
             self._cache.move_to_end(key)
             return compiled
+        if kind == "json":
+            check_json_schema(json.loads(spec))
         try:
-            compiled = self._compile(kind, spec, any_whitespace=not params.disable_any_whitespace)
+            compiled = self._compile(
+                self.compiler(skip_special_tokens),
+                kind,
+                spec,
+                any_whitespace=not params.disable_any_whitespace,
+            )
         except (RuntimeError, ValueError) as exc:
             raise InvalidRequestError(
                 f"cannot be compiled: {_short_message(exc)}",
@@ -164,20 +182,25 @@ class StructuredOutputManager:
             self._cache.popitem(last=False)
         return compiled
 
-    def _compile(self, kind: str, spec: str, *, any_whitespace: bool) -> xgr.CompiledGrammar:
+    @staticmethod
+    def _compile(
+        compiler: xgr.GrammarCompiler, kind: str, spec: str, *, any_whitespace: bool
+    ) -> xgr.CompiledGrammar:
         if kind in ("json", "json_object"):
             # Not compile_json_schema: xgrammar 0.2.8's length-bounded strings admit raw
             # control characters (see engine/core/json_string_grammar.py).
             grammar = json_schema_grammar(
                 spec, any_whitespace=any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE_RUN
             )
-            return self.compiler.compile_grammar(grammar)
+            return compiler.compile_grammar(grammar)
         if kind == "regex":
-            return self.compiler.compile_regex(spec)
-        return self.compiler.compile_grammar(spec)  # grammar, and choice as a grammar
+            return compiler.compile_regex(spec)
+        return compiler.compile_grammar(spec)  # grammar, and choice as a grammar
 
-    def new_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
-        matcher = xgr.GrammarMatcher(self.compile(params))
+    def new_grammar(
+        self, params: StructuredOutputsParams, skip_special_tokens: bool = True
+    ) -> StructuredOutputGrammar:
+        matcher = xgr.GrammarMatcher(self.compile(params, skip_special_tokens))
         return StructuredOutputGrammar(
             matcher, self.vocab_size, start_after=params.reasoning_end_token_id
         )
@@ -192,18 +215,20 @@ class StructuredOutputManager:
 
 
 def _tokenizer_info(
-    tokenizer: Any, vocab_size: int, stop_token_ids: list[int]
+    tokenizer: Any, vocab_size: int, stop_token_ids: list[int], skip_special_tokens: bool
 ) -> xgr.TokenizerInfo:
     """xgrammar's view of the tokenizer, with the engine's EOS ids as the grammar's stop tokens
-    (the grammar's end is the token that ends the request) and the tokenizer's special tokens
-    (BOS, padding, chat markers, and EOS inside the document) outside every grammar: xgrammar
-    would match them as their literal text ("<s>"), which detokenizing then drops from the
-    output. xgrammar leaves a token with an empty string out of grammars (a stop token still
-    ends one), so those tokens are given one."""
+    (the grammar's end is the token that ends the request). xgrammar would match any token as
+    its literal text; a stop token inside a document would end it there, and with
+    ``skip_special_tokens`` a special token (BOS, padding, chat markers) would vanish from the
+    text. So those tokens are outside every grammar: xgrammar leaves a token whose string is
+    empty out of grammars (a stop token still ends one), and they are given one."""
     info = xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
     )
-    special = set(getattr(tokenizer, "all_special_ids", ())) | set(info.stop_token_ids)
+    special = set(info.stop_token_ids)
+    if skip_special_tokens:
+        special |= set(getattr(tokenizer, "all_special_ids", ()))
     special = {i for i in special if 0 <= i < vocab_size}
     if not special:
         return info

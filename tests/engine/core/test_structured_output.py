@@ -145,7 +145,8 @@ def test_min_tokens_past_the_document_end_it_with_the_document(
 
 def test_special_tokens_are_never_their_literal_text_in_a_grammar(llm: LLM) -> None:
     """``<s>``, ``</s>`` and ``<pad>`` are spelled with ordinary tokens, never matched by the
-    special token itself (whose text the output then drops), however the model favours it."""
+    special token itself (whose text the output then drops), however the model favours it;
+    where the text keeps special tokens, a grammar may match one."""
     tokenizer = llm.get_tokenizer()
     special = tokenizer.all_special_ids
     choices = ["<s>", "</s>", "<pad>"]
@@ -171,6 +172,12 @@ def test_special_tokens_are_never_their_literal_text_in_a_grammar(llm: LLM) -> N
                 assert re.fullmatch(so.regex, completion.text), completion.text
             else:
                 assert len(json.loads(completion.text)) == 3
+    # Text that keeps special tokens (a harmony transcript's reader needs them) may spell them
+    # with the token itself; the stop token still only ends the document.
+    params = SamplingParams(seed=0, max_tokens=20, skip_special_tokens=False,
+                            structured_outputs=cases[0], logit_bias={1: 50.0})  # fmt: skip
+    completion = llm.generate("x", params, use_tqdm=False)[0].outputs[0]
+    assert completion.token_ids[0] == 1 and completion.text == "<s>"
 
 
 def test_regex_output_fullmatches(llm: LLM) -> None:
@@ -321,6 +328,81 @@ def test_uncompilable_spec_is_rejected_naming_the_field(
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+_INT = {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+@pytest.mark.parametrize(
+    ("schema", "reason"),
+    [
+        (False, "the schema false matches no document"),
+        ({"type": "string", "maxLength": -1}, "at /maxLength: is not a valid JSON Schema"),
+        ({"anyOf": []}, "at /anyOf: is not a valid JSON Schema"),
+        ({**_INT, "not": {"const": 3}}, "'not' is not enforced"),
+        ({**_INT, "if": {"minimum": 5}, "then": {"maximum": 6}}, "'if' is not enforced"),
+        ({"type": "array", "items": _INT, "contains": {"const": 7}}, "'contains' is not enforced"),
+        ({"type": "array", "items": _INT, "uniqueItems": True}, "'uniqueItems': true is not"),
+        ({"allOf": [_INT, {"type": "integer", "maximum": 5}]}, "'allOf' of more than one"),
+        ({"type": "number", "multipleOf": 0.5}, "'multipleOf' is enforced only as a whole"),
+        ({"type": "integer", "multipleOf": 2.5}, "'multipleOf' is enforced only as a whole"),
+        ({"type": "string", "pattern": "^a+$", "minLength": 3}, "'minLength' / 'maxLength' with"),
+        ({"type": "object", "required": ["a"]}, "'required' names 'a', which 'properties'"),
+        ({"oneOf": [_INT, {"type": "integer", "minimum": 5}]}, "'oneOf' branches that may overlap"),
+        (
+            {"type": "object", "properties": {"a": {"type": "object", "properties": {
+                "b": {"type": "array", "items": _INT, "uniqueItems": True}}}}},
+            "at /properties/a/properties/b: 'uniqueItems'",
+        ),
+        (
+            {"type": "object", "properties": {"t": {"type": "string", "format": "date",
+                                                    "maxLength": 3}}},
+            "at /properties/t: 'minLength' / 'maxLength' with 'pattern' or 'format'",
+        ),
+    ],
+)  # fmt: skip
+def test_a_schema_the_grammar_would_loosen_is_refused_naming_the_keyword(
+    llm: LLM, schema: Any, reason: str
+) -> None:
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    with pytest.raises(InvalidRequestError) as err:
+        llm.llm_engine.add_request("loose", "x", params)
+    assert err.value.param == "structured_outputs.json"
+    assert reason in err.value.reason
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_exclusive_one_of_single_all_of_and_integer_multiple_of_are_enforced(llm: LLM) -> None:
+    """What the checks let through is enforced exactly: every finished document validates."""
+    pet = {
+        "oneOf": [
+            {"$ref": "#/$defs/cat"},
+            {"type": "object", "properties": {"kind": {"enum": ["dog", "wolf"]},
+                                              "bark": {"type": "boolean"}},
+             "required": ["kind", "bark"], "additionalProperties": False},
+        ],
+    }  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {
+            "pet": pet,
+            "id": {"oneOf": [{"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 99},
+                             {"type": "string", "maxLength": 4}]},
+            "n": {"allOf": [{"type": "integer", "minimum": 1, "maximum": 5}]},
+        },
+        "required": ["pet", "id", "n"],
+        "additionalProperties": False,
+        "$defs": {"cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": _INT},
+                          "required": ["kind", "lives"], "additionalProperties": False}},
+    }  # fmt: skip
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = [SamplingParams(seed=i, max_tokens=200, structured_outputs=so) for i in range(12)]
+    finished = 0
+    for out in llm.generate(["Pet:"] * len(params), params, use_tqdm=False):
+        if out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+            finished += 1
+    assert finished >= 6
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -402,14 +484,14 @@ def test_bitmask_masks_only_its_rows_and_disallowed_tokens(vocab: int, dtype: to
 # go.
 @pytest.mark.xfail(strict=True, reason="xgrammar 0.2.8: maxLength strings admit U+0000-U+001F")
 def test_xgrammar_max_length_string_admits_control_characters(llm: LLM) -> None:
-    compiler = llm.llm_engine.structured_output.compiler
+    compiler = llm.llm_engine.structured_output.compiler()
     matcher = xgr.GrammarMatcher(compiler.compile_json_schema({"type": "string", "maxLength": 4}))
     assert not matcher.accept_string('"a\x01"')
 
 
 @pytest.mark.xfail(strict=True, reason="xgrammar 0.2.8: maxLength strings refuse escapes")
 def test_xgrammar_max_length_string_refuses_escapes(llm: LLM) -> None:
-    compiler = llm.llm_engine.structured_output.compiler
+    compiler = llm.llm_engine.structured_output.compiler()
     matcher = xgr.GrammarMatcher(compiler.compile_json_schema({"type": "string", "maxLength": 4}))
     assert matcher.accept_string('"a\\t"')
 
