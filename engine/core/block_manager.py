@@ -239,6 +239,15 @@ class BlockManager:
             )
         return new_blocks
 
+    def cancel_copies(self, request_id: str) -> dict[int, int]:
+        """Drop the request's copy-on-write pairs not yet taken (it is preempted in the step
+        that queued them); returns their destination -> source, so that a swap-out reads the
+        source (what the destination would have held) and no copy writes into a block the
+        request no longer has."""
+        mine = [c for c in self.pending_copies if c[2] == request_id]
+        self.pending_copies = [c for c in self.pending_copies if c[2] != request_id]
+        return {dst: src for src, dst, _ in mine}
+
     def take_copies(self) -> list[tuple[int, int, str]]:
         """The copy-on-write pairs queued since the last call, for this step's workers."""
         copies, self.pending_copies = self.pending_copies, []

@@ -211,8 +211,9 @@ class Scheduler:
     def _record_copies(self, out: SchedulerOutput) -> None:
         """Hand this step's copy-on-write pairs to the workers. A copy replaced a block in the
         middle of its request's table, so a request the workers already know gets its whole
-        table again (a copy of a request preempted later in the step is harmless: its
-        destination block was freed, or swapped out after the copy)."""
+        table again. (A request preempted later in the step had its copies cancelled; the
+        workers swap out before they copy, so a copy may write into a block swapped out in the
+        same step.)"""
         for src, dst, rid in self.block_manager.take_copies():
             out.blocks_to_copy.append((src, dst))
             request = self.requests.get(rid)
@@ -296,13 +297,16 @@ class Scheduler:
             del out.num_scheduled_tokens[request.request_id]
             out.new_block_ids.pop(request.request_id, None)
             out.spec_token_ids.pop(request.request_id, None)
-            out.cached_reqs.remove(request)
+            # A sample forked this step is new to the workers; any other, cached.
+            (out.cached_reqs if request in out.cached_reqs else out.new_reqs).remove(request)
+        copied = self.block_manager.cancel_copies(request.request_id)
         request.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted_req_ids.append(request.request_id)
         request.needs_full_table = True
         if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(request):
-            out.blocks_to_swap_out.extend(self.block_manager.swap_out(request))
+            pairs = self.block_manager.swap_out(request)
+            out.blocks_to_swap_out.extend((copied.get(gpu, gpu), cpu) for gpu, cpu in pairs)
             self.num_swap_outs += 1
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)

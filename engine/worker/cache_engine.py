@@ -115,21 +115,22 @@ class CacheEngine:
     def apply_block_ops(self, req: ExecuteModelRequest) -> None:
         """Copies and swaps, each in the caches of the KV cache group its block ids are in
         (the draft's layers included: its blocks move with the target's)."""
-        copy_blocks = self.kernel_ops.copy_blocks
         layout = self.layout
-        # Copies first: a copy-on-write destination may be swapped out in the same step (its
-        # request was preempted right after the copy was scheduled), and a copy source is held by
-        # a live request, so it is never a swap-in destination.
-        if req.blocks_to_copy:
-            for g, pairs in enumerate(layout.split_copies(req.blocks_to_copy)):
-                if pairs:
-                    mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
-                    copy_blocks(self.group_caches[g], mapping)
+        # Swap-outs first: a block swapped out may be given, in the same step, to another
+        # request as a copy-on-write destination or a swap-in's (the scheduler cancels the
+        # copies of a request it preempts, so no copy targets a block swapped out after it).
+        # Swap-ins before copies: a copy's source may be a block just swapped in.
         if req.blocks_to_swap_out:
             out = layout.split_pairs(req.blocks_to_swap_out, device_first=True)
             self._swap(out, to_cpu=True)
         if req.blocks_to_swap_in:
             self._swap(layout.split_pairs(req.blocks_to_swap_in, device_first=False), to_cpu=False)
+        if req.blocks_to_copy:
+            copy_blocks = self.kernel_ops.copy_blocks
+            for g, pairs in enumerate(layout.split_copies(req.blocks_to_copy)):
+                if pairs:
+                    mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
+                    copy_blocks(self.group_caches[g], mapping)
 
     def _swap(self, pairs_by_group: list[list[tuple[int, int]]], *, to_cpu: bool) -> None:
         swap_blocks = self.kernel_ops.swap_blocks

@@ -106,6 +106,44 @@ def test_forked_samples_survive_preemption() -> None:
     _assert_all_free(llm.llm_engine)
 
 
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: list[int], n: int) -> list[list]:
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, n=n) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[o.token_ids for o in out.outputs] for out in outs]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forked_samples_of_several_prompts_survive_preemption(llm: LLM, mode: str) -> None:
+    """15 blocks for 3 samples of each of 5 prompts: samples are preempted while others
+    copy-on-write, so a block swapped out is given to a copy in the same step (the workers
+    must swap it out before they copy into it), and a sample that copied is swapped out in
+    the step of its copy (its swap-out must read the copy's source)."""
+    prompts = [_ids(20 + n, n) for n in (2, 43, 13, 70, 1)]
+    max_tokens = [29] * len(prompts)
+    expected = [[single[0]] * 3 for single in _greedy(llm, prompts, max_tokens, 1)]
+    tight = LLM(MODEL, num_kv_blocks=15, max_model_len=256, preemption_mode=mode,
+                swap_space=0.01)  # fmt: skip
+    assert _greedy(tight, prompts, max_tokens, 3) == expected
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert (tight.llm_engine.scheduler.num_swap_outs > 0) == (mode == "swap")
+    _assert_all_free(tight.llm_engine)
+
+
+def test_a_sample_forked_and_preempted_in_one_step(llm: LLM) -> None:
+    """A sample scheduled for the first time (new to the workers) and preempted later in the
+    same step is taken back out of the step like any other."""
+    rng = random.Random(1085)
+    lengths = [2, 16, 4, 2, 2, 1, 1, 16, 17, 17, 10, 90]
+    max_tokens = [5, 5, 1, 40, 5, 5, 5, 5, 11, 7, 40, 5]
+    prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in lengths]
+    tight = LLM(MODEL, num_kv_blocks=13, max_model_len=256, max_num_seqs=16)
+    for a, b in ((0, 6), (6, 12)):
+        expected = [[single[0]] * 3 for single in _greedy(llm, prompts[a:b], max_tokens[a:b], 1)]
+        assert _greedy(tight, prompts[a:b], max_tokens[a:b], 3) == expected
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    _assert_all_free(tight.llm_engine)
+
+
 def test_seeded_samples_differ_from_each_other_and_reproduce(llm: LLM) -> None:
     prompt = {"prompt_token_ids": _ids(2, 30)}
     params = SamplingParams(n=4, temperature=1.0, seed=42, max_tokens=16, ignore_eos=True)
