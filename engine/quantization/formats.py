@@ -125,8 +125,10 @@ def dequantize_fp8(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
 ) -> torch.Tensor:
     """e4m3 [N, K] times its per-tensor ([] / [1]), per-channel ([N, 1]) or block
-    ([ceil(N / bn), ceil(K / bk)]) scale, in the scale's dtype."""
-    dtype = scale.dtype
+    ([ceil(N / bn), ceil(K / bk)]) scale, in float32 whatever the scale's dtype (as HF's
+    compressed-tensors and fp8 loaders compute it: a bf16 scale multiplied in bf16 would round
+    every weight to 8 bits of mantissa)."""
+    dtype = torch.promote_types(scale.dtype, torch.float32)
     if block is None:
         return (
             weight.to(dtype) * scale.reshape(-1, 1)
