@@ -178,6 +178,10 @@ class QuantizedCheckpoint:
             self.schemes[module] = scheme
             optional = [p for p in _optional_parts(scheme) if f"{module}.{p}" in names]
             self.parts_of[module] = (*required_parts(scheme), *optional)
+        # Modules stored dense (``ignore``d): a fused layer may mix them with quantized parts.
+        self.dense = {
+            m for m, leaf in map(_split, names) if leaf == "weight" and m not in self.schemes
+        }
         self._choose_kept(is_linear)
 
     def _choose_kept(self, is_linear: Callable[[str], bool]) -> None:
@@ -235,7 +239,7 @@ class QuantizedCheckpoint:
     ) -> int:
         """Give each layer of this rank whose checkpoint modules quantize activations an
         ``Fp8InputQuant``; returns how many. A fused layer's parts must agree on dynamic vs
-        static; static parts keep their own scales."""
+        static (static parts keep their own scales), and none may be stored dense."""
         by_layer: dict[str, list[tuple[Any, QuantScheme, str]]] = {}
         for module, scheme in sorted(self.schemes.items()):
             if scheme.activations is None or module in self.kept:
@@ -247,10 +251,20 @@ class QuantizedCheckpoint:
             param, part = target_of(f"{module}.weight")
             by_layer.setdefault(param, []).append((part, scheme, module))
         params = dict(model.named_parameters())
+        dense_parts: dict[str, list[str]] = {}
+        for module in self.dense:
+            dense_parts.setdefault(target_of(f"{module}.weight")[0], []).append(module)
         count = 0
         for param, parts in by_layer.items():
             if param not in params:
                 continue  # another pipeline stage's layer
+            if param in dense_parts:
+                raise ValueError(
+                    f"{param.removesuffix('.weight')}: its parts {sorted(dense_parts[param])} "
+                    f"are stored dense and {sorted(m for _, _, m in parts)} quantized with FP8 "
+                    "activations; the fused layer quantizes its one input for all its parts "
+                    "(quantize all of them, or leave all in quantization_config's ignore)"
+                )
             layer_name, _, leaf = param.rpartition(".")
             layer = model.get_submodule(layer_name)
             # Stacked MoE experts (``w13_weight``), an LM head: no per-layer matmul hook.

@@ -178,6 +178,21 @@ def test_fp8_weights_with_bf16_scales_equal_hf(root: Path) -> None:
     _assert_equal_to_hf(hf, prompt, tokens, lps)
 
 
+@pytest.mark.parametrize("case", ["fp8-channel", "fp8-static"])
+def test_a_fused_layer_with_a_dense_part_and_fp8_activations_is_refused(
+    root: Path, case: str, keep: bool
+) -> None:
+    """up_proj left dense beside an FP8-activation gate_proj: the fused gate_up layer would
+    quantize up_proj's input too (or, with static scales, lose its columns)."""
+    scheme, fmt, input_scale = CASES[case]
+    path = root / f"{case}-up-dense"
+    if not path.exists():
+        write_compressed_tensors(dense_model(root, "llama"), path, scheme, fmt, input_scale,
+                                 ignore=("lm_head", "model.layers.0.mlp.up_proj"))  # fmt: skip
+    with pytest.raises(Exception, match=r"model\.layers\.0\.mlp\.(gate_up_proj|up_proj)"):
+        LLM(str(path), num_kv_blocks=64)
+
+
 @pytest.mark.parametrize("case", ["fp8-block", "w4a16-asym"])
 def test_dequantized_weights_equal_the_library_decompression(root: Path, case: str) -> None:
     scheme, fmt, input_scale = CASES[case]
