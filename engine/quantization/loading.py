@@ -143,6 +143,7 @@ class QuantizedCheckpoint:
     ) -> None:
         self.config = config
         self.keep_on = keep_on
+        self._names = names
         # Modules whose weights stay quantized (``kept``): with ``keep_on``, every quantized
         # module that loads into a linear layer; the rest are dequantized.
         self.kept: set[str] = set()
@@ -178,10 +179,6 @@ class QuantizedCheckpoint:
             self.schemes[module] = scheme
             optional = [p for p in _optional_parts(scheme) if f"{module}.{p}" in names]
             self.parts_of[module] = (*required_parts(scheme), *optional)
-        # Modules stored dense (``ignore``d): a fused layer may mix them with quantized parts.
-        self.dense = {
-            m for m, leaf in map(_split, names) if leaf == "weight" and m not in self.schemes
-        }
         self._choose_kept(is_linear)
 
     def _choose_kept(self, is_linear: Callable[[str], bool]) -> None:
@@ -251,9 +248,11 @@ class QuantizedCheckpoint:
             param, part = target_of(f"{module}.weight")
             by_layer.setdefault(param, []).append((part, scheme, module))
         params = dict(model.named_parameters())
+        # Modules stored dense (``ignore``d), by the layer they load into.
         dense_parts: dict[str, list[str]] = {}
-        for module in self.dense:
-            dense_parts.setdefault(target_of(f"{module}.weight")[0], []).append(module)
+        for module, leaf in map(_split, self._names):
+            if leaf == "weight" and module not in self.schemes:
+                dense_parts.setdefault(target_of(f"{module}.weight")[0], []).append(module)
         count = 0
         for param, parts in by_layer.items():
             if param not in params:
