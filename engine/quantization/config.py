@@ -157,6 +157,13 @@ def _refuse(field: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"{_KEY}.{field}: {value!r} is not supported ({allowed})")
 
 
+def _positive_int(value: Any, field: str) -> int:
+    """``value`` if it is an integer > 0, else a ``ConfigError`` naming ``field``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise _refuse(field, value, "a positive integer")
+    return value
+
+
 def _compressed_tensors(raw: Mapping[str, Any]) -> QuantConfig:
     for field in ("sparsity_config", "transform_config"):
         if raw.get(field):
@@ -205,7 +212,8 @@ def _ct_scheme(weights: Any, acts: Any, fmt: str, where: str) -> QuantScheme:
             structure = weights.get("block_structure")
             if not (isinstance(structure, list) and len(structure) == 2):
                 raise _refuse(f"{where}.weights.block_structure", structure, "[rows, cols]")
-            block = (int(structure[0]), int(structure[1]))
+            field = f"{where}.weights.block_structure"
+            block = (_positive_int(structure[0], field), _positive_int(structure[1], field))
         return QuantScheme(
             "fp8", strategy, f"ct-{fmt}", block=block, activations=_ct_acts(acts, where)
         )
@@ -241,7 +249,8 @@ def _ct_acts(acts: Any, where: str) -> ActivationQuant | None:
     if dynamic is True and strategy == "token":
         return ActivationQuant(dynamic=True)
     if dynamic is True and strategy == "group":
-        return ActivationQuant(dynamic=True, group_size=int(acts["group_size"]))
+        group = _positive_int(acts.get("group_size"), f"{key}.group_size")
+        return ActivationQuant(dynamic=True, group_size=group)
     if dynamic is False and strategy == "tensor":
         return ActivationQuant(dynamic=False)
     # A dynamic per-tensor scale spans every token of a batch: its numbers would depend on
@@ -267,7 +276,7 @@ def _gptq(raw: Mapping[str, Any]) -> QuantConfig:
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse("checkpoint_format", fmt, "gptq, gptq_v2")
     group = raw.get("group_size", 128)
-    group = None if group in (-1, None) else int(group)
+    group = None if group in (-1, None) else _positive_int(group, "group_size")
     scheme = QuantScheme(
         "int4",
         "group" if group else "channel",
@@ -286,7 +295,8 @@ def _awq(raw: Mapping[str, Any]) -> QuantConfig:
         raise _refuse("version", raw.get("version"), "gemm")
     if raw.get("zero_point") is False:
         raise _refuse("zero_point", False, "true")
-    group = int(raw.get("group_size", raw.get("q_group_size", 128)))
+    key = "group_size" if "group_size" in raw or "q_group_size" not in raw else "q_group_size"
+    group = _positive_int(raw.get(key, 128), key)
     scheme = QuantScheme("int4", "group", "awq", group_size=group, symmetric=False)
     return QuantConfig("awq", ((("Linear",), scheme),), _ignore(raw), ignore_substrings=True)
 

@@ -85,6 +85,18 @@ def _ct(weights: dict[str, Any], acts: dict[str, Any] | None = None, **top: Any)
         ),
         ({"quant_method": "gptq", "bits": 8}, "quantization_config.bits: 8 is not supported"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version: 'gemv'"),
+        # Sizes that are not positive integers: named, not a ZeroDivisionError at load.
+        ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "quantization_config.group_size: 0"),
+        ({"quant_method": "awq", "bits": 4, "group_size": -1}, "config.group_size: -1"),
+        ({"quant_method": "awq", "bits": 4, "q_group_size": 0}, "quantization_config.q_group_size"),
+        (
+            _ct({**_FP8, "strategy": "block", "block_structure": [0, 32]}),
+            "weights.block_structure: 0 is not supported (a positive integer)",
+        ),
+        (
+            _ct(_FP8, {"num_bits": 8, "type": "float", "strategy": "group", "dynamic": True}),
+            "input_activations.group_size: None is not supported (a positive integer)",
+        ),
     ],
 )
 def test_unsupported_quantization_is_refused_naming_it(quant: dict, message: str) -> None:
