@@ -85,6 +85,8 @@ def dequantize_module(scheme: QuantScheme, parts: dict[str, torch.Tensor]) -> to
     if scheme.source == "fp8-block":
         return dequantize_fp8(parts["weight"], parts["weight_scale_inv"], scheme.block)
     if scheme.kind == "fp8":
+        if scheme.strategy != "block":
+            _check_scale(scheme, parts["weight_scale"], parts["weight"].shape[0], 1)
         return dequantize_fp8(parts["weight"], parts["weight_scale"], scheme.block)
     scale = parts["weight_scale"]
     if scheme.source == "ct-pack-quantized":
@@ -95,7 +97,28 @@ def dequantize_module(scheme: QuantScheme, parts: dict[str, torch.Tensor]) -> to
             zp = unpack_ct_zero_points(zp, n)
     else:  # naive-quantized: int8 values as they are
         q, zp = parts["weight"], parts.get("weight_zero_point")
+    groups = 1 if scheme.group_size is None else -(-q.shape[1] // scheme.group_size)
+    _check_scale(scheme, scale, q.shape[0], groups)
     return dequantize_int4(q, scale, zp, scheme.group_size)
+
+
+def _check_scale(scheme: QuantScheme, scale: torch.Tensor, rows: int, groups: int) -> None:
+    """A compressed-tensors weight_scale has the shape its strategy gives: one value (tensor),
+    one per output row (channel), one per row and group of input columns (group)."""
+    if scheme.strategy == "tensor":
+        ok = scale.numel() == 1
+        want = "one value"
+    else:
+        ok = (
+            tuple(scale.shape) in ((rows, groups), (rows,))
+            if groups == 1
+            else (tuple(scale.shape) == (rows, groups))
+        )
+        want = f"[{rows}, {groups}]"
+    if not ok:
+        raise ValueError(
+            f"weight_scale has shape {list(scale.shape)}; strategy {scheme.strategy!r} needs {want}"
+        )
 
 
 def _int4_from_gptq_awq(

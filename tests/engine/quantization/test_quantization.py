@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,28 @@ def test_a_fused_layer_with_a_dense_part_and_fp8_activations_is_refused(
         write_compressed_tensors(dense_model(root, "llama"), path, scheme, fmt, input_scale,
                                  ignore=("lm_head", "model.layers.0.mlp.up_proj"))  # fmt: skip
     with pytest.raises(Exception, match=r"model\.layers\.0\.mlp\.(gate_up_proj|up_proj)"):
+        LLM(str(path), num_kv_blocks=64)
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "message"),
+    [
+        ("w4a16-asym", lambda s: s.t().contiguous(), r"has shape \[2, 512\]; strategy 'group'"),
+        ("fp8-static", lambda s: s.expand(512, 1).contiguous(), r"strategy 'tensor' needs one"),
+    ],
+    ids=["int4-group-transposed", "fp8-tensor-as-channel"],
+)  # fmt: skip
+def test_a_scale_shaped_against_its_strategy_is_refused(
+    root: Path, case: str, change: Any, message: str
+) -> None:
+    path = root / f"{case}-bad-scale"
+    if not path.exists():
+        shutil.copytree(_ct_checkpoint(root, case, "llama"), path)
+        state = dict(iterate_checkpoint(path, progress=False))
+        name = "model.layers.0.mlp.gate_proj.weight_scale"
+        state[name] = change(state[name])
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(Exception, match=message):
         LLM(str(path), num_kv_blocks=64)
 
 
