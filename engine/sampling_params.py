@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from typing import Any
 
 import msgspec
@@ -249,7 +250,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(
             _is_number(self.temperature) and self.temperature >= 0,
             "temperature",
-            f"must be >= 0, got {self.temperature!r}",
+            f"must be a finite number >= 0, got {self.temperature!r}",
         )
         _check(
             _is_number(self.top_p) and 0 < self.top_p <= 1,
@@ -284,7 +285,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(
             _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",
-            f"must be > 0, got {self.repetition_penalty!r}",
+            f"must be a finite number > 0, got {self.repetition_penalty!r}",
         )
 
     def _check_lengths_and_stops(self) -> None:
@@ -452,4 +453,5 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (inf would turn logits into NaN: every draw the last token)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -108,10 +108,12 @@ class IncrementalDetokenizer:
         # A stop string can straddle old and new text: search from max_stop_len - 1 back.
         search_from = max(0, start - self._max_stop_len + 1)
         window = self.text_between(search_from, self._length)
+        # The stop string that completes first, as if the text came one character at a time
+        # (vLLM's rule); of two that end together, the first listed.
         best: tuple[int, str] | None = None
         for stop in self.stop:
             pos = window.find(stop)
-            if pos != -1 and (best is None or pos < best[0]):
+            if pos != -1 and (best is None or pos + len(stop) < best[0] + len(best[1])):
                 best = (pos, stop)
         if best is None:
             return False

@@ -15,6 +15,9 @@ from engine import LLM, ConfigError, InvalidRequestError, SamplingParams
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        # inf would make the logits NaN (every draw the last token id).
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
         ({"min_p": 1.5}, "min_p"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),

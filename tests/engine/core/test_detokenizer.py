@@ -57,6 +57,23 @@ def test_stop_string_spanning_two_updates_is_found_and_cut() -> None:
     assert detok.output_text == "one tw"
 
 
+def test_of_stop_strings_completed_by_one_update_the_first_to_end_wins() -> None:
+    """As if the text came one character at a time (vLLM's rule): the stop string that ends
+    first, the first listed of two that end together, wherever each starts."""
+    tok = _tokenizer()
+    ids = tok.encode(" too them hundred more", add_special_tokens=False)
+    cases = [
+        (["m hundred", "hun"], False, " too them ", "hun"),
+        (["m hundred", "hun"], True, " too them hun", "hun"),
+        (["them", "too them"], False, " too ", "them"),
+        (["too them", "them"], False, " ", "too them"),
+    ]
+    for stop, include, text, reason in cases:
+        detok = IncrementalDetokenizer(tok, [1], stop=stop, include_stop_str_in_output=include)
+        assert detok.update(ids)  # every token in one update: all matches at once
+        assert (detok.output_text, detok.stop_string) == (text, reason), stop
+
+
 def test_special_tokens_are_skipped_by_default() -> None:
     tok = _tokenizer()
     detok = IncrementalDetokenizer(tok, [1])
