@@ -106,15 +106,10 @@ def _check_scale(scheme: QuantScheme, scale: torch.Tensor, rows: int, groups: in
     """A compressed-tensors weight_scale has the shape its strategy gives: one value (tensor),
     one per output row (channel), one per row and group of input columns (group)."""
     if scheme.strategy == "tensor":
-        ok = scale.numel() == 1
-        want = "one value"
+        ok, want = scale.numel() == 1, "one value"
     else:
-        ok = (
-            tuple(scale.shape) in ((rows, groups), (rows,))
-            if groups == 1
-            else (tuple(scale.shape) == (rows, groups))
-        )
-        want = f"[{rows}, {groups}]"
+        shapes = {(rows, groups), (rows,)} if groups == 1 else {(rows, groups)}
+        ok, want = tuple(scale.shape) in shapes, f"[{rows}, {groups}]"
     if not ok:
         raise ValueError(
             f"weight_scale has shape {list(scale.shape)}; strategy {scheme.strategy!r} needs {want}"
