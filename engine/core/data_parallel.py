@@ -138,14 +138,18 @@ class DataParallelEngine:
         """Schedule every core, run their batches in one step on all workers, update each."""
         self._check_alive()
         batches = []
+        outputs: list[EngineOutput] = []
         for core in self.cores:
             core.step_timer.start()
+            outputs += core.admit_compiled()
             batches.append(core.schedule_batch())
         if all(batch is None for batch in batches):
-            return []
+            for core in self.cores:
+                core.wait_when_idle()
+            self._forget(outputs)
+            return outputs
         requests = [batch[1] if batch is not None else empty_request() for batch in batches]
         step_outputs = self.executor.execute_data_parallel(requests)
-        outputs: list[EngineOutput] = []
         for core, batch, output in zip(self.cores, batches, step_outputs, strict=True):
             if batch is not None:
                 core.step_timer.lap("execute")
@@ -232,6 +236,8 @@ class DataParallelEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        for core in self.cores:
+            core.structured_output.shutdown()
         self.executor.shutdown()
 
 

@@ -24,6 +24,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from engine.config import EngineConfig
@@ -92,6 +93,7 @@ _POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
 # NixlConnector: how often an otherwise idle engine looks for the notifications that release
 # blocks held for a decode engine's read.
 TRANSFER_POLL_S = 0.005
+COMPILE_POLL_S = 0.01  # how long an idle step waits for a grammar compile
 
 
 class LLMEngine(SleepControl, LoRAControl):
@@ -162,6 +164,8 @@ class LLMEngine(SleepControl, LoRAControl):
         # Scheduler request id of every live sample -> (its group, its index).
         self._samples: dict[str, tuple[RequestGroup, int]] = {}
         self._pooling: dict[str, PoolingState] = {}
+        # Groups whose grammar is compiling (held by the scheduler): group id -> the compile.
+        self._compiling: dict[str, Future[Any]] = {}
         # Batches sent and not yet taken, oldest first (more than one only when pipelined).
         self._pipeline_depth = self.executor.max_concurrent_batches
         self.scheduler.pipeline_depth = self._pipeline_depth
@@ -221,9 +225,12 @@ class LLMEngine(SleepControl, LoRAControl):
         mrope = self.inputs.mrope_positions(token_ids, mm_features)
         max_tokens = self.inputs.check_lengths(token_ids, params)
         params = self.inputs.check_sampling(params, max_tokens)
+        compiled = None
         if params.structured_outputs is not None:
-            # Compiled (or found in the cache) now, so that a bad spec is a 400 here.
-            self.structured_output.compile(params.structured_outputs, params.skip_special_tokens)
+            # Checked and parsed now, so that a bad spec is a 400 here; compiled meanwhile.
+            compiled = self.structured_output.prepare(
+                params.structured_outputs, params.skip_special_tokens
+            )
         check_waiting_caps(
             self.config.scheduler, self.scheduler.waiting_load, len(token_ids), params.n
         )
@@ -256,11 +263,46 @@ class LLMEngine(SleepControl, LoRAControl):
             samples=[self._sample_state(r) for r in samples],
             prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
         )
-        self.scheduler.add_request(samples[0], forks=samples[1:])
+        awaiting = compiled is not None and not (compiled.done() and self._attach(group, compiled))
+        self.scheduler.add_request(samples[0], forks=samples[1:], awaiting_grammar=awaiting)
+        if awaiting:
+            self._compiling[request_id] = compiled
         self._groups[request_id] = group
         for i, rid in enumerate(sample_ids):
             self._samples[rid] = (group, i)
         return samples[0]
+
+    def _attach(self, group: RequestGroup, future: Future[Any]) -> bool:
+        """Give each sample of ``group`` a matcher over its compiled grammar (``future``,
+        done); False if the compile failed."""
+        spec, skip = group.params.structured_outputs, group.params.skip_special_tokens
+        if future.exception() is not None:
+            return False
+        for sample in group.samples:
+            sample.grammar = self.structured_output.new_grammar(spec, skip, future.result())
+        return True
+
+    def admit_compiled(self) -> list[EngineOutput]:
+        """Requests whose grammar has compiled join the queue; those whose compile failed end
+        ("abort", the reason logged). Returns the ended requests' outputs."""
+        failed = []
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            group = self._groups[request_id]
+            if self._attach(group, future):
+                self.scheduler.admit(group.samples[0].request)
+            else:
+                logger.error("%s: the grammar did not compile: %s", request_id, future.exception())
+                failed.append(request_id)
+        return self.abort_request(failed) if failed else []
+
+    def _wait_for_compiles(self) -> None:
+        """Nothing to run but grammars compiling: wait for one a little, rather than spin on
+        the cores the compile needs."""
+        if self._compiling and not self.scheduler.waiting and not self.scheduler.running:
+            wait(self._compiling.values(), timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
 
     def _add_pooling_request(
         self,
@@ -314,17 +356,11 @@ class LLMEngine(SleepControl, LoRAControl):
             min_tokens=params.min_tokens,
         )
         wants_logprobs = params.logprobs is not None
-        grammar = None
-        if params.structured_outputs is not None:
-            grammar = self.structured_output.new_grammar(
-                params.structured_outputs, params.skip_special_tokens
-            )
         return SampleState(
             request=request,
             detokenizer=detokenizer,
             logprobs=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
-            grammar=grammar,
             holdback=stop_holdback(params),
         )
 
@@ -357,6 +393,7 @@ class LLMEngine(SleepControl, LoRAControl):
 
     def _forget(self, group: RequestGroup) -> None:
         self._groups.pop(group.request_id, None)
+        self._compiling.pop(group.request_id, None)
         for sample in group.samples:
             self._samples.pop(sample.request.request_id, None)
 
@@ -373,14 +410,20 @@ class LLMEngine(SleepControl, LoRAControl):
         if self._pipeline_depth > 1:
             return self._step_pipelined()
         self.step_timer.start()
+        ended = self.admit_compiled()
         scheduled = self.schedule_batch()
         if scheduled is None:
-            self._wait_for_transfers()
-            return []
+            self.wait_when_idle()
+            return ended
         sched, message = scheduled
         output = self.executor.execute_model(message)
         self.step_timer.lap("execute")
-        return self.finish_batch(sched, output)
+        return ended + self.finish_batch(sched, output)
+
+    def wait_when_idle(self) -> None:
+        """After a step with nothing to send: wait a little for what the requests wait on."""
+        self._wait_for_transfers()
+        self._wait_for_compiles()
 
     def _wait_for_transfers(self) -> None:
         """Nothing to run but blocks held for a decode engine's read (NixlConnector): wait a
@@ -392,6 +435,7 @@ class LLMEngine(SleepControl, LoRAControl):
     def _step_pipelined(self) -> list[EngineOutput]:
         clock = self.step_timer
         clock.start()
+        ended = self.admit_compiled()
         while len(self._batches) < self._pipeline_depth:
             scheduled = self.schedule_batch()
             if scheduled is None:
@@ -401,8 +445,8 @@ class LLMEngine(SleepControl, LoRAControl):
             if sched.total_num_scheduled_tokens == 0:
                 break  # only finished ids to pass on: nothing else is schedulable
         if not self._batches:
-            self._wait_for_transfers()
-            return []
+            self.wait_when_idle()
+            return ended
         sched, future = self._batches.popleft()
         try:
             output = future.result()
@@ -410,7 +454,7 @@ class LLMEngine(SleepControl, LoRAControl):
             self._batches.clear()
             raise
         clock.lap("execute")
-        return self.finish_batch(sched, output)
+        return ended + self.finish_batch(sched, output)
 
     def schedule_batch(self) -> tuple[SchedulerOutput, ExecuteModelRequest] | None:
         """The next batch and its wire message; None when there is nothing to send. With
@@ -570,4 +614,5 @@ class LLMEngine(SleepControl, LoRAControl):
         return self.tokenizer
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()

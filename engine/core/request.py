@@ -20,6 +20,9 @@ class RequestStatus(enum.Enum):
     # A parallel sample (n > 1) waiting for its group's first sample to compute the shared
     # prompt; it then forks from that sample's blocks (see ``Scheduler``).
     WAITING_FOR_PROMPT = "waiting_for_prompt"
+    # Structured outputs: the request's grammar is still compiling; it joins the waiting
+    # queue once it has compiled (``Scheduler.admit``).
+    WAITING_FOR_FSM = "waiting_for_fsm"
     RUNNING = "running"
     PREEMPTED = "preempted"  # recompute: blocks freed, back in the waiting queue
     SWAPPED = "swapped"  # swap: blocks moved to CPU swap space

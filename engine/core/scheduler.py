@@ -91,6 +91,8 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         # Parallel samples waiting for the prompt, by the request id of the sample they fork from.
         self.pending_forks: dict[str, list[Request]] = {}
+        # Requests whose grammar is still compiling (WAITING_FOR_FSM), outside every queue.
+        self.awaiting_grammar: set[Request] = set()
         self.num_preemptions = 0
         self.num_swap_outs = 0
         # Batches the engine may have in flight at once, and the requests in them (a request
@@ -106,21 +108,34 @@ class Scheduler:
 
     # ---- request lifecycle --------------------------------------------------------------
 
-    def add_request(self, request: Request, forks: Iterable[Request] = ()) -> None:
+    def add_request(
+        self, request: Request, forks: Iterable[Request] = (), *, awaiting_grammar: bool = False
+    ) -> None:
         """Enqueue ``request``; ``forks`` (its sibling samples) fork from it once its prompt is
-        computed."""
+        computed. ``awaiting_grammar``: it is held (``WAITING_FOR_FSM``, counted as queued) until
+        ``admit``."""
         forks = list(forks)
         for r in [request, *forks]:
             held = self.kv_transfer is not None and self.kv_transfer.holds(r.request_id)
             if r.request_id in self.requests or held:
                 raise ValueError(f"request_id: {r.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if awaiting_grammar:
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.awaiting_grammar.add(request)
+        else:
+            self.waiting.add(request)
         for fork in forks:
             fork.status = RequestStatus.WAITING_FOR_PROMPT
             self.requests[fork.request_id] = fork
         if forks:
             self.pending_forks[request.request_id] = forks
+
+    def admit(self, request: Request) -> None:
+        """A request held by ``add_request(awaiting_grammar=True)`` joins the waiting queue."""
+        self.awaiting_grammar.remove(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests (abort, or a stop string found by the detokenizer) and free their blocks."""
@@ -133,6 +148,7 @@ class Scheduler:
                 self.waiting.remove(request)
             if request.status is RequestStatus.WAITING_FOR_PROMPT:
                 self._remove_pending_fork(request)
+            self.awaiting_grammar.discard(request)
             request.status = status
             self._free_request(request)
             finished.append(request)
@@ -167,14 +183,14 @@ class Scheduler:
     def waiting_load(self) -> tuple[int, int]:
         """What admission control bounds: the samples not running (waiting, preempted, swapped
         out, or waiting to fork) and the tokens the queued ones still have to compute."""
-        queued = [*self.waiting, *self.swapped]
+        queued = [*self.waiting, *self.swapped, *self.awaiting_grammar]
         forks = sum(len(f) for f in self.pending_forks.values())
         tokens = sum(r.num_tokens - r.num_computed_tokens for r in queued)
         return len(queued) + forks, tokens
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.swapped)
+        return len(self.waiting) + len(self.swapped) + len(self.awaiting_grammar)
 
     # ---- one step -----------------------------------------------------------------------
 

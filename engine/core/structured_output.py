@@ -1,9 +1,13 @@
 """Structured outputs with xgrammar: the head compiles and tracks grammars, the driver masks.
 
     head (LLMEngine)                                 driver worker (ModelRunner.sample)
-    add_request: compile the spec (LRU cache),
-                 one GrammarMatcher per sample
-    step:  for each constrained sample that
+    add_request: check and parse the spec (a 400
+                 if bad), compile it on the compile
+                 thread (LRU cache of futures); the
+                 request waits (WAITING_FOR_FSM)
+    step:  compiled -> a GrammarMatcher per sample,
+           and the request joins the queue;
+           for each constrained sample that
            samples this step, fill its row of the
            next-token bitmask  ───── ExecuteModelRequest ─────▶  logits[row] = -inf where
                                   structured_output_req_ids      the row's bit is 0, before
@@ -24,6 +28,7 @@ import logging
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -108,7 +113,9 @@ class StructuredOutputGrammar:
 class StructuredOutputManager:
     """Head side, one per engine: the tokenizer's xgrammar views and compilers (built on first
     use; one for requests whose text drops special tokens, one for those that keep them),
-    compiled grammars in an LRU cache keyed by the spec, and the per-step bitmask."""
+    compiles on a thread of their own (a large schema takes seconds, and the engine thread
+    keeps stepping the other requests meanwhile; xgrammar releases the GIL), the compiles'
+    futures in an LRU cache keyed by the spec, and the per-step bitmask."""
 
     def __init__(
         self,
@@ -124,7 +131,10 @@ class StructuredOutputManager:
         self.stop_token_ids = sorted(stop_token_ids)
         self.cache_size = cache_size
         self._compilers: dict[bool, xgr.GrammarCompiler] = {}
-        self._cache: OrderedDict[tuple[str, str, bool, bool], xgr.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, bool, bool], Future[xgr.CompiledGrammar]] = (
+            OrderedDict()
+        )
+        self._executor: ThreadPoolExecutor | None = None
 
     def compiler(self, skip_special_tokens: bool = True) -> xgr.GrammarCompiler:
         """The compiler for requests whose text drops special tokens (the default) or keeps
@@ -133,8 +143,8 @@ class StructuredOutputManager:
             info = _tokenizer_info(
                 self.tokenizer, self.vocab_size, self.stop_token_ids, skip_special_tokens
             )
-            # Compiles run on the engine thread during add_request: one thread each. Our LRU
-            # is the only cache (xgrammar's own is unbounded by default).
+            # One compile thread, one xgrammar thread: the model's forward needs the cores.
+            # Our LRU is the only cache (xgrammar's own is unbounded by default).
             self._compilers[skip_special_tokens] = xgr.GrammarCompiler(
                 info, max_threads=1, cache_enabled=False
             )
@@ -144,12 +154,14 @@ class StructuredOutputManager:
     def num_cached_grammars(self) -> int:
         return len(self._cache)
 
-    def compile(
+    def prepare(
         self, params: StructuredOutputsParams, skip_special_tokens: bool = True
-    ) -> xgr.CompiledGrammar:
-        """The compiled grammar of ``params`` (cached); an invalid schema, regex or grammar, or a
-        schema keyword the grammar would not enforce (``json_schema_limits``), raises
-        ``InvalidRequestError`` naming the field and the reason."""
+    ) -> Future[xgr.CompiledGrammar]:
+        """Check and parse ``params`` now, compile on the compile thread: the compile's
+        future (cached; a failed one is compiled again). An invalid schema, regex or grammar,
+        or a schema keyword the grammar would not enforce (``json_schema_limits``), raises
+        ``InvalidRequestError`` naming the field and the reason; so does the future if the
+        compile itself fails."""
         end = params.reasoning_end_token_id
         if end is not None and end >= self.vocab_size:
             raise InvalidRequestError(
@@ -159,51 +171,49 @@ class StructuredOutputManager:
         kind = params.kind
         spec = _spec_text(params)
         key = (kind, spec, params.disable_any_whitespace, skip_special_tokens)
-        compiled = self._cache.get(key)
-        if compiled is not None:
+        cached = self._cache.get(key)
+        if cached is not None and not (cached.done() and cached.exception() is not None):
             self._cache.move_to_end(key)
-            return compiled
+            return cached
         if kind == "json":
             check_json_schema(json.loads(spec))
         try:
-            compiled = self._compile(
-                self.compiler(skip_special_tokens),
-                kind,
-                spec,
-                any_whitespace=not params.disable_any_whitespace,
-            )
+            grammar = _parse(kind, spec, any_whitespace=not params.disable_any_whitespace)
         except (RuntimeError, ValueError) as exc:
-            raise InvalidRequestError(
-                f"cannot be compiled: {_short_message(exc)}",
-                param=f"structured_outputs.{kind}",
-            ) from None
-        self._cache[key] = compiled
+            raise _compile_error(kind, exc) from None
+        compiler = self.compiler(skip_special_tokens)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        future = self._executor.submit(_compile, compiler, grammar, kind)
+        self._cache[key] = future
+        self._cache.move_to_end(key)
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
-        return compiled
+        return future
 
-    @staticmethod
-    def _compile(
-        compiler: xgr.GrammarCompiler, kind: str, spec: str, *, any_whitespace: bool
+    def compile(
+        self, params: StructuredOutputsParams, skip_special_tokens: bool = True
     ) -> xgr.CompiledGrammar:
-        if kind in ("json", "json_object"):
-            # Not compile_json_schema: xgrammar 0.2.8's length-bounded strings admit raw
-            # control characters (see engine/core/json_string_grammar.py).
-            grammar = json_schema_grammar(
-                spec, any_whitespace=any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE_RUN
-            )
-            return compiler.compile_grammar(grammar)
-        if kind == "regex":
-            return compiler.compile_regex(spec)
-        return compiler.compile_grammar(spec)  # grammar, and choice as a grammar
+        """``prepare``, waiting for the compile."""
+        return self.prepare(params, skip_special_tokens).result()
 
     def new_grammar(
-        self, params: StructuredOutputsParams, skip_special_tokens: bool = True
+        self,
+        params: StructuredOutputsParams,
+        skip_special_tokens: bool = True,
+        compiled: xgr.CompiledGrammar | None = None,
     ) -> StructuredOutputGrammar:
-        matcher = xgr.GrammarMatcher(self.compile(params, skip_special_tokens))
+        """A sample's grammar state over ``compiled`` (by default ``params`` compiled now)."""
+        if compiled is None:
+            compiled = self.compile(params, skip_special_tokens)
         return StructuredOutputGrammar(
-            matcher, self.vocab_size, start_after=params.reasoning_end_token_id
+            xgr.GrammarMatcher(compiled), self.vocab_size, start_after=params.reasoning_end_token_id
         )
+
+    def shutdown(self) -> None:
+        """Drop the compiles not started (a running one ends on its own)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     def grammar_bitmask(self, grammars: Sequence[StructuredOutputGrammar]) -> bytes:
         """The next-token bitmask of each grammar, one row each, as the step message carries
@@ -212,6 +222,33 @@ class StructuredOutputManager:
         for row, grammar in enumerate(grammars):
             grammar.fill_bitmask(bitmask, row)
         return bitmask.numpy().astype(_BITMASK_DTYPE, copy=False).tobytes()
+
+
+def _parse(kind: str, spec: str, *, any_whitespace: bool) -> xgr.Grammar:
+    """The spec as an xgrammar ``Grammar`` (quick; the compile is the slow part)."""
+    if kind in ("json", "json_object"):
+        # Not xgrammar's own JSON schema converter: xgrammar 0.2.8's length-bounded strings
+        # admit raw control characters (see engine/core/json_string_grammar.py).
+        return json_schema_grammar(
+            spec, any_whitespace=any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE_RUN
+        )
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec)
+    return xgr.Grammar.from_ebnf(spec)  # grammar, and choice as a grammar
+
+
+def _compile(compiler: xgr.GrammarCompiler, grammar: xgr.Grammar, kind: str) -> xgr.CompiledGrammar:
+    """On the compile thread."""
+    try:
+        return compiler.compile_grammar(grammar)
+    except (RuntimeError, ValueError) as exc:
+        raise _compile_error(kind, exc) from None
+
+
+def _compile_error(kind: str, exc: Exception) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"cannot be compiled: {_short_message(exc)}", param=f"structured_outputs.{kind}"
+    )
 
 
 def _tokenizer_info(

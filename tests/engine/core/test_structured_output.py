@@ -8,6 +8,8 @@ import asyncio
 import json
 import random
 import re
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -18,6 +20,8 @@ import xgrammar as xgr
 
 from engine import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
 from engine.client.async_llm_engine import AsyncLLMEngine
+from engine.core import structured_output
+from engine.core.request import RequestStatus
 from engine.core.structured_output import apply_grammar_bitmask, unpack_bitmask
 from engine.worker.step_messages import ExecuteModelRequest, NewRequestData, decode_request, encode
 
@@ -282,6 +286,7 @@ def test_output_stays_valid_across_preemption(engine_args: dict[str, Any]) -> No
 
 def test_matchers_are_dropped_on_finish_and_abort(llm: LLM) -> None:
     engine = llm.llm_engine
+    engine.structured_output.compile(_json_params().structured_outputs)  # matchers at once
     engine.add_request("keep", "a", _json_params(seed=1, n=2))
     engine.add_request("drop", "b", _json_params(seed=2))
     assert engine.request_state_sizes()["grammar_matchers"] == 3
@@ -291,6 +296,87 @@ def test_matchers_are_dropped_on_finish_and_abort(llm: LLM) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.request_state_sizes()["grammar_matchers"] == 0
+
+
+@pytest.fixture
+def compile_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Grammar compiles wait for the returned event (set at the end of the test)."""
+    gate = threading.Event()
+    compile_now = structured_output._compile
+
+    def gated(*args: Any) -> Any:
+        gate.wait(120)
+        return compile_now(*args)
+
+    monkeypatch.setattr(structured_output, "_compile", gated)
+    yield gate
+    gate.set()
+
+
+def _run_all(engine: Any) -> dict[str, Any]:
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    return finished
+
+
+def test_a_compiling_grammar_holds_only_its_own_request(
+    llm: LLM, compile_gate: threading.Event
+) -> None:
+    """A grammar compiles on a thread of its own (a large schema takes seconds): its request
+    waits (WAITING_FOR_FSM), the others run to their end meanwhile, and then it runs
+    constrained."""
+    engine = llm.llm_engine
+    spec = StructuredOutputsParams(regex="(xy){3}z")
+    engine.add_request("held", "a", SamplingParams(temperature=0, structured_outputs=spec))
+    engine.add_request("free", "b", SamplingParams(temperature=0, max_tokens=6))
+    finished = {}
+    while "free" not in finished:
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert len(finished["free"].outputs[0].token_ids) == 6
+    assert engine.scheduler.requests["held"].status is RequestStatus.WAITING_FOR_FSM
+    assert engine.scheduler.waiting_load()[0] == 1  # counted as queued by admission control
+    compile_gate.set()
+    finished = _run_all(engine)
+    assert finished["held"].outputs[0].text == "xyxyxyz"
+    assert engine.get_kv_cache_stats().used == 0
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(
+    llm: LLM, compile_gate: threading.Event
+) -> None:
+    engine = llm.llm_engine
+    spec = StructuredOutputsParams(regex="(xy){4}z")
+    engine.add_request("gone", "a", SamplingParams(temperature=0, n=2, structured_outputs=spec))
+    engine.step()
+    (final,) = engine.abort_request("gone")
+    assert [c.finish_reason for c in final.outputs] == ["abort", "abort"]
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.waiting_load() == (0, 0)
+    assert engine.request_state_sizes()["grammar_matchers"] == 0
+    compile_gate.set()
+    assert engine.step() == []  # the compile's end finds nothing to admit
+
+
+def test_a_grammar_whose_compile_fails_ends_its_request_only(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spec that parses but does not compile (an xgrammar error) ends its own request with
+    "abort"; the others are untouched, and the failure is not cached."""
+
+    def fails(*args: Any) -> Any:
+        raise InvalidRequestError("cannot be compiled: out of memory", param="x")
+
+    monkeypatch.setattr(structured_output, "_compile", fails)
+    engine = llm.llm_engine
+    spec = StructuredOutputsParams(regex="(xy){5}z")
+    engine.add_request("bad", "a", SamplingParams(temperature=0, structured_outputs=spec))
+    engine.add_request("good", "b", SamplingParams(temperature=0, max_tokens=4))
+    finished = _run_all(engine)
+    assert finished["bad"].outputs[0].finish_reason == "abort"
+    assert finished["good"].outputs[0].finish_reason == "length"
+    monkeypatch.undo()
+    assert isinstance(engine.structured_output.compile(spec), xgr.CompiledGrammar)
 
 
 def test_async_engine_passes_structured_outputs_through() -> None:
