@@ -9,7 +9,8 @@ The readers: per-layer attention (``layer_types``, ``layer_window``), mixture-of
 and routing (``check_deepseek``; Kimi K2 is a DeepSeek-V3), GLM-4.5 / 4.6 (``check_glm4_moe``)
 and gpt-oss (``check_gpt_oss``); each says which fields it reads and what it refuses. A field
 the config.json leaves out takes the default of transformers' config class for that
-architecture, as HF does (``config_field``).
+architecture, as HF does: the checkpoint's read fills it (``engine.hf_defaults``); fields HF
+derives from others (``layer_types``, each layer type's rope) are derived here as HF does.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ _ACTIVATION_FIELD = {
     GEMMA3_VLM: "hidden_activation",
 }
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("gelu_pytorch_tanh", "silu")
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", GEMMA3_VLM)
+_GEMMA3 = ("Gemma3ForCausalLM", GEMMA3_VLM)
+_GEMMA = ("Gemma2ForCausalLM", *_GEMMA3)
 _QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 DEEPSEEK_ARCHITECTURES: tuple[str, ...] = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GLM4_MOE = "Glm4MoeForCausalLM"
@@ -167,6 +169,13 @@ def check_hf_config(hf: dict[str, Any]) -> None:
         cap = hf.get(key)
         if cap is not None and (not isinstance(cap, (int, float)) or cap <= 0):
             raise ConfigError(f"{key}: must be a positive number or null, got {cap!r}")
+    if arch in _GEMMA3 and hf.get("attn_logit_softcapping") is not None:
+        # transformers' Gemma 3 keeps the field but caps no attention score (no attention
+        # implementation of it is passed the cap); Google's Gemma 3 code would cap them.
+        raise ConfigError(
+            f"attn_logit_softcapping: {hf['attn_logit_softcapping']!r} is not supported for "
+            f"{arch} (transformers' Gemma 3 ignores it, so no reference serves it); allowed: null"
+        )
     if arch not in _GEMMA:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if hf.get(key) is not None:
@@ -430,7 +439,7 @@ def layer_types(hf: dict[str, Any]) -> list[str]:
     """``sliding_attention`` or ``full_attention`` for every decoder layer, as HF's
     ``layer_types`` says; configs written before that field existed get the pattern their
     family's HF code derives (every layer for Mistral and Phi-3, layers from
-    ``max_window_layers`` on for Qwen2/Qwen3, even layers for Gemma 2, all but every
+    ``max_window_layers`` on for Qwen2/Qwen3, even layers for Gemma 2 and gpt-oss, all but every
     ``sliding_window_pattern``-th layer for Gemma 3; every layer for Mixtral). Qwen2-MoE /
     Qwen3-MoE with ``use_sliding_window`` are refused (``check_moe``): their HF patterns
     differ from Qwen2's and are not implemented."""
@@ -444,9 +453,9 @@ def layer_types(hf: dict[str, Any]) -> list[str]:
         if window is None and arch not in _GEMMA:
             return [FULL] * len(types)
         return types
-    if arch == "Gemma2ForCausalLM":
+    if arch in ("Gemma2ForCausalLM", GPT_OSS):
         return [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
-    if arch in ("Gemma3ForCausalLM", GEMMA3_VLM):
+    if arch in _GEMMA3:
         pattern = int(hf.get("sliding_window_pattern") or 6)
         return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
     if window is None:

@@ -17,7 +17,8 @@ from engine.builtin.catalog import resolve_model_source
 from engine.checkpoint_headers import checkpoint_headers
 from engine.errors import ConfigError
 from engine.hf_config import check_hf_config, num_experts
-from engine.model_heads import classifier_tokens, resolve_task
+from engine.hf_defaults import HF_MODEL_TYPES, with_hf_defaults
+from engine.model_heads import classifier_tokens, declared_architecture, resolve_task
 from engine.quantization.config import parse_quantization
 from engine.rope_config import rope_max_positions
 from engine.s3_mirror import mirror_checkpoint
@@ -49,11 +50,14 @@ def with_checkpoint(model: ModelConfig) -> ModelConfig:
         )
         model = dataclasses.replace(model, tokenizer=str(local))
     config_file = Path(path) / "config.json"
-    # A VLM's nested config is read flat (engine.vlm_config); hf_overrides apply to that.
-    raw = flatten_vlm_config(json.loads(config_file.read_text()))
-    hf_config = {**raw, **(model.hf_overrides or {})}
+    # A VLM's nested config is read flat (engine.vlm_config); hf_overrides apply to that, and
+    # what both leave out takes transformers' default, as HF's model would (engine.hf_defaults).
+    declared = json.loads(config_file.read_text())
+    raw = flatten_vlm_config(declared)
+    hf_config = with_hf_defaults({**raw, **(model.hf_overrides or {})})
     # Refused here, before anything is placed: what the engine cannot serve exactly.
     check_hf_config(hf_config)
+    _check_tokenizer_source(Path(model.tokenizer or path).expanduser(), declared, model.tokenizer)
     parse_quantization(hf_config, model.quantization)  # online fp8 of a quantized checkpoint
     model = dataclasses.replace(model, hf_config=hf_config, model_path=str(path))
     require(
@@ -67,6 +71,56 @@ def with_checkpoint(model: ModelConfig) -> ModelConfig:
     if not tokens:
         return model
     return dataclasses.replace(model, classifier_token_ids=_token_ids(model, tokens))
+
+
+def _check_tokenizer_source(source: Path, declared: dict[str, Any], tokenizer: str | None) -> None:
+    """A tokenizer that transformers loads only with the checkpoint's own code, which the engine
+    never runs (``trust_remote_code``), is refused here by name rather than failing inside
+    transformers once the engine starts: Kimi K2's tiktoken tokenizer (``auto_map`` to
+    ``TikTokenTokenizer``, no tokenizer.json), or a model directory whose ``model_type`` only
+    that code defines (AutoTokenizer reads the model's config.json too)."""
+    if not source.is_dir():
+        return  # a Hub name: transformers says what it lacks
+    settings_file = source / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+    auto_map = settings.get("auto_map")
+    remote = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
+    has_json = (source / "tokenizer.json").is_file()
+    if remote and not has_json:
+        raise ConfigError(
+            f"tokenizer: {source} holds tokenizer_class "
+            f"{settings.get('tokenizer_class')!r}, which is the checkpoint's own code "
+            f"(auto_map AutoTokenizer: {remote!r}) and which the engine never runs, and no "
+            "tokenizer.json; pass tokenizer: a directory with a transformers tokenizer"
+        )
+    model_type = declared.get("model_type")
+    if tokenizer is not None or not (has_json or settings) or not model_type:
+        return
+    if model_type in HF_MODEL_TYPES.values() or _transformers_config_loads(source, model_type):
+        return
+    raise ConfigError(
+        f"model_type: {model_type!r} is not one transformers knows (the checkpoint's own code "
+        f"defines it, which the engine never runs), and transformers cannot read {source} "
+        "to load the tokenizer from it; pass tokenizer: a directory with a transformers "
+        f"tokenizer (the model itself is served as {declared_architecture(declared)})"
+    )
+
+
+def _transformers_config_loads(source: Path, model_type: str) -> bool:
+    """Whether AutoTokenizer can read the model config in ``source``: its class when transformers
+    knows ``model_type``, else the generic config it falls back to, which fails on some (a
+    scaled rope). Imports transformers; only configs of a model_type outside the engine's
+    families (``engine.hf_defaults.HF_MODEL_TYPES``) get here."""
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES:
+        return True
+    try:
+        PretrainedConfig.from_pretrained(source)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return False
+    return True
 
 
 def _check_lm_head(path: Path | str, hf_config: dict[str, Any]) -> None:

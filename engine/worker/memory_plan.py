@@ -32,6 +32,7 @@ from engine.core.kv_cache_groups import (
     sliding_blocks_per_seq,
 )
 from engine.errors import ConfigError
+from engine.hf_defaults import with_hf_defaults
 from engine.pp_partition import layer_partition, requested_partition, stage_layer_range
 from engine.quantization.config import parse_quantization
 from engine.rope_config import rope_max_positions
@@ -305,7 +306,8 @@ def plan_memory(
     is one of ``problems``; one the plan cannot even size has no stages."""
     problems: list[str] = []
     notes: list[str] = []
-    hf = flatten_vlm_config(dict(hf))  # a VLM's nested config, read as the engine reads it
+    # A VLM's nested config, and the fields a config leaves out, read as the engine reads them.
+    hf = with_hf_defaults(flatten_vlm_config(dict(hf)))
     try:
         hf_config.check_hf_config(dict(hf))
     except ConfigError as exc:

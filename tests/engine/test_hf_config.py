@@ -114,3 +114,18 @@ def test_hf_config_imports_no_torch() -> None:
     code = "import sys, engine.hf_config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_defaults_table_is_the_installed_transformers() -> None:
+    """engine.hf_defaults writes transformers' config-class defaults out (reading a config stays
+    torch-free); a transformers upgrade that changes one fails here until it is regenerated
+    (``python -m engine.hf_defaults``)."""
+    import dataclasses
+
+    from transformers import CONFIG_MAPPING
+
+    from engine.hf_defaults import HF_CONFIG_ALIASES, HF_CONFIG_DEFAULTS, generate_defaults
+
+    if not dataclasses.is_dataclass(CONFIG_MAPPING["llama"]):
+        pytest.skip("transformers before 5: its config classes do not list their defaults")
+    assert generate_defaults() == (HF_CONFIG_DEFAULTS, HF_CONFIG_ALIASES)

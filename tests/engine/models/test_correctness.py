@@ -10,7 +10,9 @@ than most prompts (up to 300 tokens + 64 generated)."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,8 +20,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.builtin.builtin_names import TINY_MOE_MODEL_NAMES
 from engine.builtin.catalog import resolve_model_source
-from engine.builtin.tiny_models import tiny_variant
+from engine.builtin.tiny_models import make_tiny_model, tiny_variant
+from engine.builtin.tiny_moe_models import make_tiny_moe_model
+from engine.errors import ConfigError
 
 # name -> (built-in, HF config overrides)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -180,3 +185,67 @@ def test_greedy_matches_hf_with_shared_prefix_cached(ref: Reference) -> None:
     assert got == ref.prefix_expected
     assert llm.llm_engine.block_manager.prefix_hits > 0
     _assert_all_blocks_released(llm)
+
+
+# ---- fields a config.json leaves out: transformers' defaults -------------------------------------
+
+
+def checkpoint_without(out: Path, name: str, fields: tuple[str, ...], **overrides: Any) -> Path:
+    """The tiny model ``name`` (with config ``overrides``) written to ``out``, then ``fields``
+    removed from its config.json, as an older or hand-written config leaves them out: HF's
+    config class gives them its defaults."""
+    make = make_tiny_moe_model if name in TINY_MOE_MODEL_NAMES else make_tiny_model
+    make(name, out, config_overrides=overrides)
+    config = json.loads((out / "config.json").read_text())
+    assert any(field in config for field in fields), f"{name} writes none of {fields}"
+    for field in fields:
+        config.pop(field, None)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def greedy_against_hf(
+    path: Path,
+    lengths: tuple[int, ...],
+    max_tokens: int,
+    reference: Path | None = None,
+    **engine_args: Any,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(the engine's, HF's) greedy tokens in fp32 for prompts of ``lengths``: the engine serves
+    ``path``, HF loads ``reference`` (default: the same checkpoint)."""
+    hf = AutoModelForCausalLM.from_pretrained(reference or path, dtype=torch.float32).eval()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, hf.config.vocab_size) for _ in range(n)] for n in lengths]
+    with torch.no_grad():
+        expected = [_hf_greedy(hf, p, max_tokens) for p in prompts]
+    llm = LLM(str(path), dtype="float32", **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], expected
+
+
+@pytest.mark.parametrize(
+    ("name", "fields"),
+    [
+        # HF's Gemma2Config / Gemma3TextConfig: 256, i.e. scores scaled by 256^-0.5 whatever
+        # the head dim (the tiny models' is 16).
+        ("tiny-gemma2", ("query_pre_attn_scalar",)),
+        ("tiny-gemma3", ("query_pre_attn_scalar",)),
+        # MixtralConfig's rope_theta is 1e6, not the 10000 of configs in general.
+        ("tiny-mixtral", ("rope_theta", "rope_parameters", "rope_scaling")),
+    ],
+)
+def test_a_field_the_config_leaves_out_takes_transformers_default(
+    tmp_path: Path, name: str, fields: tuple[str, ...]
+) -> None:
+    got, expected = greedy_against_hf(checkpoint_without(tmp_path, name, fields), (2, 17, 45), 16)
+    assert got == expected
+
+
+def test_gemma3_attention_softcap_is_refused_by_name(tmp_path: Path) -> None:
+    """transformers' Gemma 3 keeps ``attn_logit_softcapping`` but passes it to none of its
+    attention implementations (eager, sdpa, flex, flash): a config that sets it has no
+    reference to be served exactly against."""
+    make_tiny_model("tiny-gemma3", tmp_path, config_overrides={"attn_logit_softcapping": 5.0})
+    with pytest.raises(ConfigError, match=r"^attn_logit_softcapping: 5.0 .*allowed: null"):
+        LLM(str(tmp_path), dtype="float32")

@@ -31,7 +31,7 @@ from engine.models.moe import Router
 from engine.worker.model_loader import iterate_checkpoint, load_weights
 from llm_kernels.backend import get_kernel_ops
 from parallel.state import ParallelContext
-from tests.engine.models.test_correctness import _hf_greedy
+from tests.engine.models.test_correctness import _hf_greedy, greedy_against_hf
 
 HIDDEN = 32
 
@@ -258,3 +258,49 @@ def test_a_null_routing_method_means_the_architectures_own() -> None:
     assert config_field(hf, "scoring_func") == "sigmoid"
     with pytest.raises(ConfigError, match=r"^scoring_func: "):
         check_hf_config(_config("tiny-deepseek-v3", scoring_func="softmax"))
+
+
+# ---- Kimi K2's layout: model_type kimi_k2, a tokenizer of its own code --------------------------
+
+
+def _kimi_layout(out: Path) -> Path:
+    """tiny-deepseek-v3 as Kimi K2's config.json writes it: model_type kimi_k2, which only its
+    own remote code defines, and a yarn ``rope_scaling`` beside a top-level ``rope_theta``, which
+    transformers' generic config (its fallback for an unknown model_type) cannot read."""
+    path = tiny_moe_variant("tiny-deepseek-v3", rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})  # fmt: skip
+    for file in path.iterdir():
+        (out / file.name).write_bytes(file.read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config |= {"model_type": "kimi_k2", "rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_model_type_only_remote_code_defines_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^model_type: 'kimi_k2' .*pass tokenizer:"):
+        LLM(str(_kimi_layout(tmp_path)), dtype="float32")
+
+
+def test_a_remote_code_tokenizer_is_refused_naming_its_class(tmp_path: Path) -> None:
+    """Kimi K2's own tokenizer: tiktoken behind auto_map, no tokenizer.json."""
+    path = _kimi_layout(tmp_path)
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    remote = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
+    settings |= {"tokenizer_class": "TikTokenTokenizer", "auto_map": remote}
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"^tokenizer: .*'TikTokenTokenizer'"):
+        LLM(str(path), dtype="float32")
+
+
+def test_kimi_layout_with_a_tokenizer_given_serves_hfs_tokens(tmp_path: Path) -> None:
+    """The model is a DeepSeek-V3: with ``tokenizer`` pointed elsewhere it is served, and gives
+    the tokens HF gives the same checkpoint written as deepseek_v3."""
+    (tmp_path / "kimi").mkdir()
+    kimi = _kimi_layout(tmp_path / "kimi")
+    reference = tiny_moe_variant("tiny-deepseek-v3", rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})  # fmt: skip
+    got, expected = greedy_against_hf(kimi, (3, 40), 8, reference, tokenizer=str(reference))
+    assert got == expected

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from engine.models import get_model_class
 from engine.worker.model_loader import iterate_checkpoint, load_weights
 from llm_kernels.backend import get_kernel_ops, resolve_attention_backend
 from parallel.state import ParallelContext
-from tests.engine.models.test_correctness import _hf_greedy
+from tests.engine.models.test_correctness import _hf_greedy, checkpoint_without, greedy_against_hf
 
 SOURCE = "builtin:tiny-gpt-oss"
 
@@ -69,3 +70,22 @@ def test_greedy_equals_hf_on_each_cpu_attention_backend(
     params = SamplingParams(temperature=0, max_tokens=24)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        # GptOssConfig alternates sliding and full layers (the engine once made all sliding).
+        ("layer_types",),
+        # ... rotates with yarn x32 over 4096 trained positions, theta 150000 (once plain rope).
+        ("rope_parameters", "rope_scaling", "rope_theta"),
+        # ... clamps the SwiGLU at 7.0 (once refused).
+        ("swiglu_limit",),
+    ],
+)
+def test_a_field_the_config_leaves_out_takes_gpt_oss_default(
+    tmp_path: Path, fields: tuple[str, ...]
+) -> None:
+    path = checkpoint_without(tmp_path, "tiny-gpt-oss", fields, sliding_window=5)
+    got, expected = greedy_against_hf(path, (9, 30), 16)
+    assert got == expected
