@@ -248,9 +248,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def _check_filters(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be >= 1, got {self.n!r}")
         _check(
-            _is_number(self.temperature) and self.temperature >= 0,
+            _is_number(self.temperature) and 0 <= self.temperature <= 2,
             "temperature",
-            f"must be a finite number >= 0, got {self.temperature!r}",
+            f"must be in [0, 2], got {self.temperature!r}",
         )
         _check(
             _is_number(self.top_p) and 0 < self.top_p <= 1,

@@ -4,9 +4,10 @@ re-checks every range, so gRPC and offline requests get the same 400s."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import functools
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -24,6 +25,13 @@ def _unicode_text(text: str) -> str:
 
 # Every string field of a request.
 Text = Annotated[str, AfterValidator(_unicode_text)]
+
+_T = TypeVar("_T")
+_NULL_MEANS_DEFAULT = object()
+# A field OpenAI's schema makes nullable (``temperature``, ``n``, ``stream``, ...) whose null
+# means "not given", its default, as in vLLM: clients send null for unset values (the openai
+# client's ``temperature=None``). The model never holds None for it.
+OrNull = Annotated[_T | None, _NULL_MEANS_DEFAULT]
 
 
 def _ranged(default: Any, **bounds: int | float) -> Any:
@@ -45,9 +53,32 @@ class _Model(BaseModel):
     # to change the output are a 400 naming them.
     model_config = ConfigDict(extra="allow", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        """``null`` in an ``OrNull`` field means "not given": its default."""
+        if not isinstance(data, dict):
+            return data
+        names = _null_means_default(cls)
+        if not any(data.get(name, ...) is None for name in names):
+            return data
+        return {k: v for k, v in data.items() if not (v is None and k in names)}
+
+
+@functools.cache
+def _null_means_default(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` (by name and alias) declared ``OrNull``."""
+    names: set[str] = set()
+    for name, info in model.model_fields.items():
+        if any(m is _NULL_MEANS_DEFAULT for m in info.metadata):
+            names.update({name, info.alias or name})
+    return frozenset(names)
+
 
 class StreamOptions(_Model):
-    include_usage: bool = False
+    include_usage: OrNull[bool] = False
+    # vLLM's: every chunk carries the usage so far (only with include_usage).
+    continuous_usage_stats: OrNull[bool] = False
 
 
 class JsonSchemaFormat(_Model):
@@ -79,20 +110,20 @@ class SamplingFields(_Model):
     """Fields every generation request shares (OpenAI names, vLLM extensions last)."""
 
     model: Text
-    temperature: float = _ranged(1.0, minimum=0)
-    top_p: float = _ranged(1.0, exclusiveMinimum=0, maximum=1)
-    n: int = _ranged(1, minimum=1)
-    stream: bool = False
+    temperature: OrNull[float] = _ranged(1.0, minimum=0, maximum=2)
+    top_p: OrNull[float] = _ranged(1.0, exclusiveMinimum=0, maximum=1)
+    n: OrNull[int] = _ranged(1, minimum=1)
+    stream: OrNull[bool] = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
     seed: int | None = _ranged(None, **_INT64)
-    presence_penalty: float = _ranged(0.0, minimum=-2, maximum=2)
-    frequency_penalty: float = _ranged(0.0, minimum=-2, maximum=2)
+    presence_penalty: OrNull[float] = _ranged(0.0, minimum=-2, maximum=2)
+    frequency_penalty: OrNull[float] = _ranged(0.0, minimum=-2, maximum=2)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: Text | None = None
-    top_k: int = _ranged(0, minimum=-1)  # 0 and -1: disabled
-    min_p: float = _ranged(0.0, minimum=0, maximum=1)
-    repetition_penalty: float = _ranged(1.0, exclusiveMinimum=0)
+    top_k: OrNull[int] = _ranged(0, minimum=-1)  # 0 and -1: disabled
+    min_p: OrNull[float] = _ranged(0.0, minimum=0, maximum=1)
+    repetition_penalty: OrNull[float] = _ranged(1.0, exclusiveMinimum=0)
     min_tokens: int = _ranged(0, minimum=0)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
@@ -118,9 +149,11 @@ class CompletionRequest(SamplingFields):
     # 0 only with echo: the prompt scored, nothing generated (lm-evaluation-harness).
     max_tokens: int | None = _ranged(16, minimum=0)
     logprobs: int | None = _ranged(None, minimum=0)
-    echo: bool = False
+    echo: OrNull[bool] = False
     best_of: int | None = None
     suffix: Text | None = None
+    # vLLM's: the tokenizer's special tokens (BOS) around the prompt text.
+    add_special_tokens: bool = True
 
 
 class FunctionCall(_Model):
@@ -170,18 +203,23 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = _ranged(None, minimum=1)
     max_completion_tokens: int | None = _ranged(None, minimum=1)
-    logprobs: bool = False
+    logprobs: OrNull[bool] = False
     top_logprobs: int | None = _ranged(None, minimum=0)
     # Declared so that their 400 says why: only the model's own template is ever rendered.
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # For the model's chat template, as vLLM passes it (gpt-oss's "Reasoning: ..." line).
     reasoning_effort: Literal["low", "medium", "high"] | None = None
-    # vLLM's: the last (assistant) message is a beginning the output continues.
+    # vLLM's: false renders the messages without the template's generation prompt (the
+    # assistant turn's opening); continue_final_message leaves the last (assistant) message
+    # open for the output to continue (a prefill), without one either.
+    add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the tokenizer's special tokens (BOS) on top of those the template writes.
+    add_special_tokens: bool = False
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: OrNull[bool] = True
 
 
 class EmbeddingRequest(_Model):
@@ -193,11 +231,21 @@ class EmbeddingRequest(_Model):
 
 
 class TokenizeRequest(_Model):
-    model: Text
+    """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (with the chat route's template
+    options). ``model`` may be left out when one model is served."""
+
+    model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # None: the route's default, True for a prompt, False for messages (the template has them).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    # Also the token strings (the tokenizer's pieces: "<s>", "▁the").
+    return_token_strs: OrNull[bool] = False
 
 
 class DetokenizeRequest(_Model):
-    model: Text
+    model: Text | None = None
     tokens: list[TokenId]

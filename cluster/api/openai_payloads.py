@@ -19,6 +19,7 @@ from cluster.api.openai_models import (
     ChatMessage,
     CompletionRequest,
     SamplingFields,
+    TokenizeRequest,
 )
 from cluster.api.replica_messages import EmbedRequest, GenerateRequest
 
@@ -141,6 +142,8 @@ def completion_payloads(req: CompletionRequest) -> list[GenerateRequest]:
             params["prompt_logprobs"] = req.logprobs
     prompts = _prompts(req.prompt)
     extras = request_extras(req)
+    if not req.add_special_tokens:
+        extras["add_special_tokens"] = False
     return [
         GenerateRequest(params=params, prompt_token_ids=p, echo=req.echo, **extras)
         if isinstance(p, list)
@@ -214,9 +217,6 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
             else named_tool_schema(find_tool(tools or [], choice.name or ""))
         )
         params["structured_outputs"] = {"json": json.dumps(schema)}
-    if req.continue_final_message and req.messages[-1].role != "assistant":
-        raise APIError(400, "continue_final_message: the last message must be the assistant's "
-                       "to continue", "continue_final_message")  # fmt: skip
     template_kwargs = None
     if req.reasoning_effort is not None:
         template_kwargs = {"reasoning_effort": req.reasoning_effort}
@@ -225,10 +225,54 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
         messages=chat_messages(req.messages),
         tools=tools,
         chat_template_kwargs=template_kwargs,
-        continue_final_message=req.continue_final_message,
         tool_choice=choice.mode if choice is not None else None,
+        **template_options(req),
         **request_extras(req),
     )
+
+
+def template_options(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """The ``GenerateRequest`` fields of a chat request's template options (vLLM's
+    ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``), those
+    that differ from the defaults."""
+    if req.continue_final_message:
+        if req.messages and req.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message: the last message must be the "
+                           "assistant's to continue", "continue_final_message")  # fmt: skip
+        if "add_generation_prompt" in req.model_fields_set and req.add_generation_prompt:
+            raise APIError(400, "add_generation_prompt: cannot be true with "
+                           "continue_final_message", "add_generation_prompt")  # fmt: skip
+    options: dict[str, Any] = {}
+    if not req.add_generation_prompt or req.continue_final_message:
+        options["add_generation_prompt"] = False
+    if req.continue_final_message:
+        options["continue_final_message"] = True
+    if req.add_special_tokens:
+        options["add_special_tokens"] = True
+    return options
+
+
+def tokenize_payload(req: TokenizeRequest) -> GenerateRequest:
+    """The server's request for ``/tokenize``: its prompt, or its messages with the chat
+    route's template options."""
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
+    if req.messages is None:
+        special = {"add_special_tokens": False} if req.add_special_tokens is False else {}
+        return GenerateRequest(prompt=req.prompt, **special)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return GenerateRequest(messages=chat_messages(req.messages), tools=tools,
+                           **template_options(req))  # fmt: skip
+
+
+def stream_usage(req: SamplingFields) -> tuple[bool, bool]:
+    """Whether a stream ends with a usage chunk (``stream_options.include_usage``) and whether
+    every chunk carries the usage so far (vLLM's ``continuous_usage_stats``, only with
+    ``include_usage``)."""
+    options = req.stream_options
+    if options is None or not options.include_usage:
+        return False, False
+    return True, bool(options.continuous_usage_stats)
 
 
 def tool_choice(req: ChatCompletionRequest) -> ToolChoice | None:
@@ -272,9 +316,9 @@ def request_extras(req: SamplingFields) -> dict[str, Any]:
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages for the chat template: text content parts (``[{"type": "text", "text": ...}]``)
-    joined into one string; a message with ``image_url`` parts keeps its parts (text and
-    ``{"type": "image_url", "image_url": {"url": ...}}``, the URL checked and fetched by the
-    ingress: ``cluster.api.media``); other parts are a 400."""
+    joined into one string, one part a line (vLLM's); a message with ``image_url`` parts keeps
+    its parts (text and ``{"type": "image_url", "image_url": {"url": ...}}``, the URL checked
+    and fetched by the ingress: ``cluster.api.media``); other parts are a 400."""
     out = []
     for i, message in enumerate(messages):
         # Undeclared fields clients send back (an assistant's ``refusal``) are left out.
@@ -285,8 +329,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                      for j, p in enumerate(message.content)]  # fmt: skip
             if any(p["type"] == "image_url" for p in parts):
                 entry["content"] = parts
-            else:
-                entry["content"] = "".join(p["text"] for p in parts)
+            else:  # as vLLM joins them for a template that takes text content
+                entry["content"] = "\n".join(p["text"] for p in parts)
         out.append(entry)
     return out
 

@@ -46,10 +46,12 @@ class _Choice:
         # The stop string or stop token id that ended it (vLLM's ``stop_reason``).
         self.stop_reason: int | str | None = None
         self.num_tokens = 0
+        self.prompt_tokens = 0  # its prompt's (a completions request may have several)
         self.text_offset = 0  # where the next token starts in the text (completions logprobs)
         self.logprobs: Any = None  # completions: the OpenAI dict; chat: the content list
         self.started = False
         self.tool_streamer: ToolCallStreamer | None = None  # a streamed chat with tools
+        self.tool_text = ""  # the text it was fed
         self.reasoning: ReasoningStreamer | None = None  # a streamed chat, reasoning model
 
 
@@ -61,7 +63,8 @@ class Completion:
     A completions request may carry several prompts, each its own server stream: items of
     prompt i are absorbed with ``prompt_index=i`` and its sample j is choice ``i * n + j``.
     ``echo`` puts each prompt (and its logprobs) before the generated text; ``echo_only`` (echo
-    with ``max_tokens`` 0) leaves the generated token out."""
+    with ``max_tokens`` 0) leaves the generated token out. ``continuous_usage`` (vLLM's
+    ``stream_options.continuous_usage_stats``) puts each chunk's choice's usage so far in it."""
 
     def __init__(
         self,
@@ -74,8 +77,10 @@ class Completion:
         echo_only: bool = False,
         tools: ToolChoice | None = None,
         stream: bool = False,
+        continuous_usage: bool = False,
     ) -> None:
         self.model, self.chat, self.include_usage = model, chat, include_usage
+        self.continuous_usage = continuous_usage
         self.top_logprobs = top_logprobs
         self.echo, self.echo_only = echo, echo_only
         self.tools, self.stream = tools, stream
@@ -120,6 +125,7 @@ class Completion:
         first = prompt_index * item.n
         while len(self.choices) < first + item.n:
             choice = _Choice(len(self.choices))
+            choice.prompt_tokens = item.prompt_tokens
             if self.stream and self._harmony:
                 choice.tool_streamer = HarmonyStreamer(reasoning=True, read_calls=self._auto)
             elif self.stream:
@@ -213,8 +219,12 @@ class Completion:
         content and ``tool_calls`` deltas (text that may open a call is held back); its
         ``reasoning`` (a reasoning model's) as a ``reasoning_content`` delta before them."""
         deltas = streamer.feed(text) if text else []
+        choice.tool_text += text
         if choice.finish_reason is not None:
             deltas += streamer.finish()
+            cut_off = self._forced_call_cut_off(choice.finish_reason, choice.tool_text)
+            if cut_off and not streamer.tools_called:  # what was generated, as whole ones have
+                deltas.append({"content": choice.tool_text})
             choice.finish_reason = self._tool_finish(choice.finish_reason, streamer.tools_called)
         if self.tools is not None and not self.tools.parallel:
             deltas = _first_call_only(deltas)
@@ -233,6 +243,18 @@ class Completion:
         if chunks and choice.finish_reason is not None:
             chunks[-1]["finish_reason"] = choice.finish_reason
         return chunks
+
+    def _forced_call_cut_off(self, finish: str | None, text: str) -> bool:
+        """A forced call (``required``, named) whose output ended before its JSON did (cut off
+        by ``max_tokens``, or aborted): it is no call, and its text is returned as content
+        (vLLM returns what was generated)."""
+        if self.tools is None or self.tools.mode == "auto" or finish in (None, "stop"):
+            return False
+        try:
+            json.loads(text)
+        except ValueError:
+            return True
+        return False
 
     def _tool_finish(self, finish: str, tools_called: bool) -> str:
         """OpenAI's: "tool_calls" when the model chose to call (auto, required); a call forced
@@ -262,13 +284,14 @@ class Completion:
                 logprobs = {"content": c.logprobs or []} if self.top_logprobs is not None else None
                 message, finish = self._message(c)
                 choices.append({"index": c.index, "logprobs": logprobs, "message": message,
-                                "finish_reason": finish})  # fmt: skip
+                                "finish_reason": finish, "stop_reason": c.stop_reason})  # fmt: skip
             else:
                 logprobs = c.logprobs
                 if logprobs is None and self.top_logprobs is not None:
                     logprobs = completion_logprobs([])
                 choices.append({"index": c.index, "text": c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason})  # fmt: skip
+                                "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})  # fmt: skip
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage}  # fmt: skip
@@ -276,7 +299,7 @@ class Completion:
     def _message(self, choice: _Choice) -> tuple[dict[str, Any], str | None]:
         """A whole chat choice's message and finish reason, tool calls read out of its text
         (out of its answer: a reasoning model's think block is its ``reasoning_content``)."""
-        reasoning, parsed = self._read(choice.text)
+        reasoning, parsed = self._read(choice.text, choice.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if self.reasoning_parser is not None:
             message["reasoning_content"] = reasoning
@@ -289,7 +312,7 @@ class Completion:
             finish = self._tool_finish(finish, bool(calls))
         return message, finish
 
-    def _read(self, text: str) -> tuple[str | None, ParsedToolCalls]:
+    def _read(self, text: str, finish: str | None) -> tuple[str | None, ParsedToolCalls]:
         """A whole chat choice's reasoning, content and tool calls."""
         if self._harmony:
             return parse_harmony(text, read_calls=self._auto)
@@ -299,10 +322,21 @@ class Completion:
             reasoning, answer = self.reasoning_parser.extract(text, in_reasoning=self.in_reasoning)
         if self.tools is None:
             return reasoning, ParsedToolCalls(answer, [])
+        if self._forced_call_cut_off(finish, answer or ""):
+            return reasoning, ParsedToolCalls(answer or None, [])
         return reasoning, parse_tool_calls(self.tools, self.tool_call_parser, answer or "")
 
     def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        return self._chunk_envelope([choice])
+        """The SSE chunk of one choice delta: the choice's ``stop_reason`` (vLLM's) with its
+        finish, and with ``continuous_usage`` its usage so far."""
+        state = self.choices[choice["index"]]
+        stop_reason = state.stop_reason if choice.get("finish_reason") is not None else None
+        envelope = self._chunk_envelope([{**choice, "stop_reason": stop_reason}])
+        if self.continuous_usage:
+            done = state.num_tokens
+            envelope["usage"] = {"prompt_tokens": state.prompt_tokens, "completion_tokens": done,
+                                 "total_tokens": state.prompt_tokens + done}  # fmt: skip
+        return envelope
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._chunk_envelope([]), "usage": self.usage}

@@ -77,9 +77,15 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     tools: list[dict[str, Any]] | None = None
     # Variables for the chat template from the request's own fields (reasoning_effort).
     chat_template_kwargs: dict[str, Any] | None = None
+    # False: the template renders the messages without its generation prompt (the opening
+    # of the assistant's turn).
+    add_generation_prompt: bool = True
     # The last message is an assistant's beginning that the output continues (a prefill): the
     # template renders it open, with no generation prompt after it.
     continue_final_message: bool = False
+    # The tokenizer's special tokens (BOS) around the text: None is the default of the
+    # prompt's kind, True for ``prompt``, False for ``messages`` (their template writes them).
+    add_special_tokens: bool | None = None
     # "auto": the replica checks that its model reads tool calls (enable_auto_tool_choice) and
     # names its tool_call_parser in StreamStart. Forced calls arrive as structured outputs.
     tool_choice: str | None = None
@@ -194,6 +200,7 @@ class TokenizeResult(msgspec.Struct):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # the tokenizer's pieces, when asked for
 
 
 class DetokenizeResult(msgspec.Struct):

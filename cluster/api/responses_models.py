@@ -14,6 +14,7 @@ from pydantic import Field
 
 from cluster.api.openai_models import (
     JsonSchemaFormat,
+    OrNull,
     StructuredOutputs,
     Text,
     TokenId,
@@ -69,15 +70,15 @@ class ResponsesRequest(_Model):
     input: Text | list[dict[str, Any]] | None = None
     instructions: Text | None = None
     max_output_tokens: int | None = _ranged(None, minimum=1)
-    temperature: float | None = _ranged(None, minimum=0)
+    temperature: float | None = _ranged(None, minimum=0, maximum=2)
     top_p: float | None = _ranged(None, exclusiveMinimum=0, maximum=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    stream: bool = False
+    stream: OrNull[bool] = False
     # OpenAI's default: the response is kept for ``previous_response_id`` and GET.
-    store: bool = True
+    store: OrNull[bool] = True
     previous_response_id: Text | None = None
     metadata: dict[str, Text] | None = None
     user: Text | None = None

@@ -26,9 +26,10 @@ from cluster.api.openai_models import (
     TokenizeRequest,
 )
 from cluster.api.openai_payloads import (
-    chat_messages,
     chat_payload,
     completion_payloads,
+    stream_usage,
+    tokenize_payload,
     tool_choice,
 )
 from cluster.api.openai_responses import Completion, stream_sse
@@ -262,17 +263,18 @@ class OpenAIIngress(
 
     async def completions(self, req: CompletionRequest) -> Any:
         payloads = completion_payloads(req)
-        usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage, continuous = stream_usage(req)
         completion = Completion(req.model, False, usage, req.logprobs, echo=req.echo,
-                                echo_only=req.echo and req.max_tokens == 0)  # fmt: skip
+                                echo_only=req.echo and req.max_tokens == 0,
+                                continuous_usage=continuous)  # fmt: skip
         return await self._generate(req, payloads, completion)
 
     async def chat_completions(self, req: ChatCompletionRequest) -> Any:
         payload = chat_payload(req)
-        usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage, continuous = stream_usage(req)
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         completion = Completion(req.model, True, usage, top_logprobs, tools=tool_choice(req),
-                                stream=req.stream)  # fmt: skip
+                                stream=req.stream, continuous_usage=continuous)  # fmt: skip
         try:
             return await self._generate(req, [payload], completion)
         except APIError as exc:
@@ -305,17 +307,24 @@ class OpenAIIngress(
             return []  # its replicas are down (or scaled to zero): list the base model only
 
     async def tokenize(self, req: TokenizeRequest) -> Any:
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
-        payload = GenerateRequest(prompt=req.prompt)
-        if req.messages is not None:
-            payload = await self._with_image_data(
-                GenerateRequest(messages=chat_messages(req.messages))
-            )
-        return _unwrap(await self._server(req.model).tokenize.remote(payload))
+        server = self._server(self._tokenizer_model(req.model))
+        payload = tokenize_payload(req)
+        if payload.messages is not None:
+            payload = await self._with_image_data(payload)
+        return _unwrap(await server.tokenize.remote(payload, bool(req.return_token_strs)))
 
     async def detokenize(self, req: DetokenizeRequest) -> Any:
-        return _unwrap(await self._server(req.model).detokenize.remote(req.tokens))
+        server = self._server(self._tokenizer_model(req.model))
+        return _unwrap(await server.detokenize.remote(req.tokens))
+
+    def _tokenizer_model(self, model: str | None) -> str:
+        """The model a tokenizer route names; as in vLLM it may name none when one is served."""
+        if model is not None:
+            return model
+        if len(self.servers) != 1:
+            raise APIError(400, f"model: required when several models are served (one of "
+                           f"{', '.join(sorted(self.servers))})", "model")  # fmt: skip
+        return next(iter(self.servers))
 
     async def health(self) -> Any:
         """Readiness (``cluster.serving.readiness``): 200 once every model serves, else 503

@@ -42,7 +42,7 @@ from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError
 from cluster.serving.metrics import ModelMetrics
 from cluster.serving.pooling_server import PoolingServer
-from cluster.serving.request_inputs import chat_prompt, sampling_params_from
+from cluster.serving.request_inputs import TemplateOptions, chat_prompt, sampling_params_from
 from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
 from cluster.serving.sleep_server import SleepServer
 from cluster.serving.start_errors import ModelStartError, known_start_failure
@@ -351,16 +351,28 @@ class LLMServer(PoolingServer, SleepServer):
     def _prompt(self, request: GenerateRequest | EmbedRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
         if isinstance(request, GenerateRequest) and request.messages is not None:
-            return chat_prompt(self.tokenizer, request.messages, self.multimodal,
-                               self.image_placeholder, request.tools,
-                               request.chat_template_kwargs,
-                               request.continue_final_message)  # fmt: skip
+            return self._chat_prompt(request)
         if request.prompt_token_ids is not None:
             return {"prompt_token_ids": request.prompt_token_ids}
         prompt = request.prompt
         if isinstance(prompt, str) and prompt:
-            return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
+            special = not (
+                isinstance(request, GenerateRequest) and request.add_special_tokens is False
+            )
+            ids = self.tokenizer.encode(prompt, add_special_tokens=special)
+            return {"prompt": prompt, "prompt_token_ids": ids}
         return prompt  # the core names what is wrong with it
+
+    def _chat_prompt(self, request: GenerateRequest) -> dict[str, Any]:
+        """The core's prompt for a chat request, by the model's chat template."""
+        options = TemplateOptions(
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            add_special_tokens=bool(request.add_special_tokens),
+            template_kwargs=request.chat_template_kwargs,
+        )
+        return chat_prompt(self.tokenizer, request.messages or [], self.multimodal,
+                           self.image_placeholder, request.tools, options)  # fmt: skip
 
     def _refusal(self, exc: Exception) -> StreamError:
         """The error item for a request the engine refused, or aborted before its one output:
@@ -383,22 +395,25 @@ class LLMServer(PoolingServer, SleepServer):
 
     # ---- tokenizer ----------------------------------------------------------------------
 
-    async def tokenize(self, request: GenerateRequest) -> TokenizeResult | StreamError:
+    async def tokenize(
+        self, request: GenerateRequest, return_token_strs: bool = False
+    ) -> TokenizeResult | StreamError:
+        """The prompt ids of the request's ``prompt`` or ``messages`` (vLLM's ``/tokenize``),
+        with the tokenizer's pieces when ``return_token_strs``."""
         try:
             if request.messages is not None:
                 # A VLM's image parts count as their image's tokens, as the engine sees them.
-                ids = chat_prompt(self.tokenizer, request.messages, self.multimodal,
-                                  self.image_placeholder, request.tools,
-                                  request.chat_template_kwargs,
-                                  request.continue_final_message)["prompt_token_ids"]  # fmt: skip
+                ids = self._chat_prompt(request)["prompt_token_ids"]
             else:
                 text = request.prompt
                 if not isinstance(text, str):
                     raise InvalidRequestError("must be a string", param="prompt")
-                ids = self.tokenizer.encode(text)
+                special = request.add_special_tokens is not False
+                ids = self.tokenizer.encode(text, add_special_tokens=special)
         except InvalidRequestError as exc:
             return error_item(400, exc.reason, exc.param)
-        return TokenizeResult(list(ids), len(ids), self.max_model_len)
+        pieces = self.tokenizer.convert_ids_to_tokens(list(ids)) if return_token_strs else None
+        return TokenizeResult(list(ids), len(ids), self.max_model_len, pieces)
 
     async def detokenize(self, tokens: list[int]) -> DetokenizeResult | StreamError:
         vocab = self.config.model.vocab_size

@@ -7,6 +7,7 @@ front, so the head receives pixels and expanded prompt ids (``chat_prompt``). Er
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
@@ -38,34 +39,81 @@ def sampling_params_from(params: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**params)
 
 
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How chat messages are rendered (vLLM's request fields of the same names):
+    ``add_generation_prompt`` puts the template's opening of the assistant's turn after them;
+    ``continue_final_message`` leaves the last message open for the output to continue instead
+    (a prefill); ``add_special_tokens`` adds the tokenizer's special tokens (BOS) on top of
+    those the template writes; ``template_kwargs`` are variables for the template."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    template_kwargs: dict[str, Any] | None = None
+
+
 def chat_prompt_ids(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
-    template_kwargs: dict[str, Any] | None = None,
-    continue_final_message: bool = False,
+    options: TemplateOptions = TemplateOptions(),
 ) -> list[int]:
     """The prompt ids of chat ``messages`` by the model's chat template (a 400 on ``messages``
-    when the template rejects them); ``continue_final_message``: the last message left open for
-    the output to continue, instead of a generation prompt after it."""
-    if getattr(tokenizer, "chat_template", None) is None:
+    when the template rejects them). As vLLM does, ``developer`` messages are ``system`` ones
+    for a template that does not know the role."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
         raise InvalidRequestError("this model has no chat template", param="messages")
+    if not _knows_developer_role(template):
+        messages = developer_as_system(messages)
     try:
-        ids = tokenizer.apply_chat_template(
+        rendered = tokenizer.apply_chat_template(
             messages,
             tools=tools,
-            add_generation_prompt=not continue_final_message,
-            continue_final_message=continue_final_message,
-            tokenize=True,
+            add_generation_prompt=options.add_generation_prompt
+            and not options.continue_final_message,
+            continue_final_message=options.continue_final_message,
+            tokenize=not options.add_special_tokens,
             return_dict=False,
-            **(template_kwargs or {}),
+            **(options.template_kwargs or {}),
         )
     except TemplateError as exc:  # the template's raise_exception: roles, order
         raise InvalidRequestError(f"the chat template rejected them: {exc}", "messages") from exc
     except Exception as exc:  # anything else may quote internals: the log has it
         logger.exception("chat template failed")
         raise InvalidRequestError("the chat template rejected them", "messages") from exc
-    return list(ids)
+    if options.add_special_tokens:
+        return list(tokenizer.encode(rendered, add_special_tokens=True))
+    return list(rendered)
+
+
+def _knows_developer_role(template: Any) -> bool:
+    """vLLM's test: the template (any of several named ones) names the role."""
+    texts = template.values() if isinstance(template, dict) else [template]
+    return any('"developer"' in t or "'developer'" in t for t in texts if isinstance(t, str))
+
+
+def developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``developer`` messages (OpenAI's newer name for ``system``) as ``system`` ones; when that
+    leaves a system message past the first, all of them merged into one first message, their
+    texts a blank line apart (vLLM's ``_consolidate_system_messages``: templates that want the
+    system message first)."""
+    if not any(m.get("role") == "developer" for m in messages):
+        return messages
+    renamed = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    systems = [i for i, m in enumerate(renamed) if m["role"] == "system"]
+    if systems == [0]:
+        return renamed
+    texts = [_text(renamed[i].get("content")) for i in systems]
+    merged = {"role": "system", "content": "\n\n".join(t for t in texts if t)}
+    return [merged, *(m for m in renamed if m["role"] != "system")]
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
+    return content or ""
 
 
 def chat_prompt(
@@ -74,15 +122,14 @@ def chat_prompt(
     multimodal: MultiModalProcessor | None,
     placeholder: str | None,
     tools: list[dict[str, Any]] | None = None,
-    template_kwargs: dict[str, Any] | None = None,
-    continue_final_message: bool = False,
+    options: TemplateOptions = TemplateOptions(),
 ) -> dict[str, Any]:
     """The core's prompt for chat ``messages``: ``{"prompt_token_ids": ...}``, plus
     ``mm_features`` when a message holds image parts (each rendered as ``placeholder``, then
     expanded to its image's tokens; ``placeholder`` None: a text-only model, which refuses
     them)."""
     text_messages, images = split_content_parts(messages, placeholder)
-    ids = chat_prompt_ids(tokenizer, text_messages, tools, template_kwargs, continue_final_message)
+    ids = chat_prompt_ids(tokenizer, text_messages, tools, options)
     if not images or multimodal is None:
         return {"prompt_token_ids": ids}
     ids, features = multimodal.process(ids, {"image": images})

@@ -125,13 +125,10 @@ class IncrementalDetokenizer:
         return True
 
     def finish(self) -> None:
-        """At the end of generation, emit what the stream still holds back, decoded as a full
-        decode would (an incomplete character becomes U+FFFD)."""
-        if self._pending and self.stop_string is None:
-            self._append(
-                self._backend.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
-            )
-            self._pending.clear()
+        """At the end of generation, drop what the stream still holds back: the bytes of a
+        character the output did not finish are no text (vLLM's detokenizer never emits them;
+        a full decode would show them as U+FFFD)."""
+        self._pending.clear()
 
 
 # A UTF-8 character is at most 4 bytes, so at most 4 tokens can hold an unfinished one.

@@ -395,10 +395,11 @@ def test_chat_max_completion_tokens_wins_over_max_tokens() -> None:
     assert chat_payload(req)["params"]["max_tokens"] == 9
 
 
-def test_chat_text_parts_are_joined_for_the_template() -> None:
-    content = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+def test_chat_text_parts_are_joined_one_a_line_for_the_template() -> None:
+    # As vLLM joins them for a template that takes text content.
+    content = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": content}])
-    assert chat_payload(req)["messages"] == [{"role": "user", "content": "Hello, world"}]
+    assert chat_payload(req)["messages"] == [{"role": "user", "content": "Hello\n there"}]
 
 
 def test_chat_reasoning_effort_and_earlier_reasoning_reach_the_template() -> None:
@@ -967,3 +968,166 @@ def test_tool_round_trip_messages_reach_the_template() -> None:
     messages = chat_payload(req)["messages"]
     assert messages[1] == {"role": "assistant", "content": None, "tool_calls": [call]}
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+# ---- vLLM conformance: nulls, stop_reason, usage, template options, forced calls ----
+
+_CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+_COMPLETION = {"model": "m", "prompt": "x"}
+_NULLABLE_SAMPLING = ["temperature", "top_p", "n", "stream", "presence_penalty",
+                      "frequency_penalty", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+                      "logit_bias", "user", "stream_options", "response_format"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [("/v1/chat/completions", _CHAT, f) for f in _NULLABLE_SAMPLING
+     + ["logprobs", "top_logprobs", "parallel_tool_calls", "tools", "tool_choice",
+        "max_completion_tokens", "max_tokens", "reasoning_effort"]]
+    + [("/v1/completions", _COMPLETION, f) for f in _NULLABLE_SAMPLING
+       + ["echo", "logprobs", "best_of", "suffix"]],
+)  # fmt: skip
+def test_null_in_a_nullable_field_is_not_given(
+    route: str, body: dict[str, Any], field: str
+) -> None:
+    # OpenAI's schema makes them nullable and clients send null for unset values (vLLM: 200).
+    client = TestClient(make_openai_app(_PayloadOnly()))  # type: ignore[arg-type]
+    response = client.post(route, json={**body, field: None})
+    assert response.status_code == 200, response.text
+    assert response.json() == client.post(route, json=body).json()
+
+
+def test_null_means_the_default_not_none() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {
+            **_CHAT,
+            "temperature": None,
+            "n": None,
+            "stream": None,
+            "parallel_tool_calls": None,
+            "stream_options": {"include_usage": None},
+        }
+    )
+    assert (req.temperature, req.n, req.stream, req.parallel_tool_calls) == (1.0, 1, False, True)
+    assert "temperature" not in req.model_fields_set
+    completion = CompletionRequest.model_validate({**_COMPLETION, "echo": None})
+    assert completion.echo is False
+    # A required field stays required, a non-nullable one keeps its type check.
+    for bad in ({**_CHAT, "model": None}, {**_CHAT, "ignore_eos": None}):
+        with pytest.raises(ValueError):
+            ChatCompletionRequest.model_validate(bad)
+
+
+def test_temperature_above_2_is_400_naming_it() -> None:
+    # vLLM's range (OpenAI's "between 0 and 2"); the schema states it too.
+    SamplingParams(temperature=2.0)
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(temperature=2.5)
+    assert info.value.param == "temperature" and "[0, 2]" in str(info.value)
+    prop = ChatCompletionRequest.model_json_schema()["properties"]["temperature"]
+    assert prop["maximum"] == 2
+
+
+def _stopped(chat: bool, **kw: Any) -> Completion:
+    completion = Completion("m", chat=chat, include_usage=False, **kw)
+    completion.absorb(StreamStart(3, 1))
+    return completion
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("reason", ["e", 97, None])
+def test_stop_reason_is_in_whole_choices_and_the_finishing_chunk(
+    chat: bool, reason: str | int | None
+) -> None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that matched (None for EOS)."""
+    completion = _stopped(chat)
+    first = completion.absorb(StreamDelta([ChoiceDelta(0, "ab", [1], None, None, None, 1)]))
+    last = completion.absorb(StreamDelta([ChoiceDelta(0, "c", [2], None, "stop", reason, 2)]))
+    chunks = [completion.chunk(c)["choices"][0] for c in first + last]
+    assert [c["stop_reason"] for c in chunks] == [None, reason]
+    assert completion.whole()["choices"][0]["stop_reason"] == reason
+
+
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk() -> None:
+    req = CompletionRequest(model="m", prompt="x", stream=True,
+                            stream_options={"include_usage": True,
+                                            "continuous_usage_stats": True})  # fmt: skip
+    assert openai_payloads.stream_usage(req) == (True, True)
+    # vLLM: only with include_usage.
+    alone = req.model_copy(update={"stream_options": req.stream_options.model_copy(
+        update={"include_usage": False})})  # fmt: skip
+    assert openai_payloads.stream_usage(alone) == (False, False)
+    completion = Completion("m", chat=True, include_usage=True, continuous_usage=True)
+    completion.absorb(StreamStart(4, 2))
+    items = [delta(0, "a", 1), delta(1, "b", 1), delta(0, "c", 2, "length")]
+    usages = [completion.chunk(c)["usage"] for item in items for c in completion.absorb(item)]
+    assert [(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) for u in usages] == [
+        (4, 1, 5), (4, 1, 5), (4, 2, 6)
+    ]  # fmt: skip
+    assert completion.usage_chunk()["usage"]["completion_tokens"] == 3
+    plain_usage = Completion("m", chat=True, include_usage=True)
+    plain_usage.absorb(StreamStart(4, 1))
+    (choice,) = plain_usage.absorb(delta(0, "a", 1))
+    assert plain_usage.chunk(choice)["usage"] is None
+
+
+def test_add_generation_prompt_false_reaches_the_server() -> None:
+    req = ChatCompletionRequest(**_CHAT, add_generation_prompt=False)
+    assert chat_payload(req)["add_generation_prompt"] is False
+    assert "add_generation_prompt" not in chat_payload(ChatCompletionRequest(**_CHAT))
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]
+    both = ChatCompletionRequest(model="m", messages=prefill, continue_final_message=True,
+                                 add_generation_prompt=True)  # fmt: skip
+    with pytest.raises(APIError) as info:
+        chat_payload(both)
+    assert (info.value.status, info.value.param) == (400, "add_generation_prompt")
+
+
+def test_tokenize_request_carries_vllms_options() -> None:
+    from cluster.api.openai_models import TokenizeRequest
+
+    req = TokenizeRequest(prompt="hi", add_special_tokens=False)  # model may be left out
+    assert plain(openai_payloads.tokenize_payload(req)) == {
+        "prompt": "hi", "add_special_tokens": False}  # fmt: skip
+    chat = TokenizeRequest(messages=[{"role": "user", "content": "hi"}],
+                           add_generation_prompt=False)  # fmt: skip
+    payload = plain(openai_payloads.tokenize_payload(chat))
+    assert payload["add_generation_prompt"] is False and "add_special_tokens" not in payload
+
+
+def test_tokenizer_routes_without_a_model_use_the_only_one() -> None:
+    from types import SimpleNamespace
+
+    from cluster.serving.ingress import OpenAIIngress
+
+    one = SimpleNamespace(servers={"tiny": None})
+    assert OpenAIIngress._tokenizer_model(one, None) == "tiny"  # type: ignore[arg-type]
+    two = SimpleNamespace(servers={"a": None, "b": None})
+    with pytest.raises(APIError) as info:
+        OpenAIIngress._tokenizer_model(two, None)  # type: ignore[arg-type]
+    assert (info.value.status, info.value.param) == (400, "model")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_call_cut_off_by_max_tokens_returns_the_text_as_content(stream: bool) -> None:
+    # vLLM returns what was generated rather than nothing (or arguments that are no JSON).
+    req = _tool_request(tool_choice="required")
+    completion = _tool_completion(req, stream, None)
+    chunks = _feed(completion, ['[{"name": "get', "_wea"], finish="length")
+    if stream:
+        content = "".join(c["delta"].get("content") or "" for c in chunks)
+        assert content == '[{"name": "get_wea'
+        assert not [c for c in chunks if c["delta"].get("tool_calls")]
+        assert chunks[-1]["finish_reason"] == "length"
+    else:
+        choice = completion.whole()["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": '[{"name": "get_wea'}
+        assert choice["finish_reason"] == "length"
+
+
+def test_forced_call_that_ends_at_max_tokens_is_still_a_call() -> None:
+    req = _tool_request(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    completion = _tool_completion(req, False, None)
+    _feed(completion, ['{"city": ', '"Oslo"}'], finish="length")
+    message = completion.whole()["choices"][0]["message"]
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'

@@ -296,3 +296,66 @@ def test_drain_aborts_an_embedding_in_flight_with_a_503_draining() -> None:
         assert state["kv_free_blocks"] == state["kv_total_blocks"]
     finally:
         server.engine.shutdown()
+
+
+# ---- chat templates and /tokenize, as vLLM's ----
+
+
+def tokenize(server: LLMServer, return_token_strs: bool = False, **fields: Any) -> Any:
+    return asyncio.run(server.tokenize(GenerateRequest(**fields), return_token_strs))
+
+
+def test_add_generation_prompt_false_renders_no_assistant_opening(server: LLMServer) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    tok = server.tokenizer
+    with_prompt = tokenize(server, messages=messages).tokens
+    without = tokenize(server, messages=messages, add_generation_prompt=False).tokens
+    for ids, add in ((with_prompt, True), (without, False)):
+        assert ids == tok.apply_chat_template(messages, add_generation_prompt=add,
+                                              return_dict=False)  # fmt: skip
+    assert len(without) < len(with_prompt)
+    items = collect(server, {"messages": messages, "add_generation_prompt": False,
+                             "params": {"max_tokens": 1}})  # fmt: skip
+    assert items[0]["prompt_tokens"] == len(without)
+
+
+def test_developer_message_renders_as_system_for_a_template_without_the_role(
+    server: LLMServer,
+) -> None:
+    user = {"role": "user", "content": "hi"}
+    as_system = tokenize(server, messages=[{"role": "system", "content": "Be brief."}, user])
+    as_developer = tokenize(server, messages=[{"role": "developer", "content": "Be brief."}, user])
+    assert as_developer.tokens == as_system.tokens
+
+
+def test_developer_messages_merge_into_one_first_system_message() -> None:
+    from cluster.serving.request_inputs import developer_as_system
+
+    messages = [{"role": "system", "content": "A"}, {"role": "user", "content": "hi"},
+                {"role": "developer", "content": [{"type": "text", "text": "B"}]}]  # fmt: skip
+    assert developer_as_system(messages) == [
+        {"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "hi"}]  # fmt: skip
+    assert developer_as_system(messages[:2]) == messages[:2]  # no developer: unchanged
+
+
+def test_tokenize_honours_add_special_tokens_and_returns_token_strings(
+    server: LLMServer,
+) -> None:
+    tok = server.tokenizer
+    plain_ids = tokenize(server, prompt="hi")
+    assert plain_ids.tokens == tok.encode("hi") and plain_ids.token_strs is None
+    bare = tokenize(server, prompt="hi", add_special_tokens=False)
+    assert bare.tokens == tok.encode("hi", add_special_tokens=False) == plain_ids.tokens[1:]
+    pieces = tokenize(server, True, prompt="hi")
+    assert pieces.token_strs == tok.convert_ids_to_tokens(plain_ids.tokens)
+    assert pieces.token_strs[0] == tok.bos_token
+    messages = [{"role": "user", "content": "hi"}]
+    chat = tokenize(server, messages=messages).tokens
+    assert tokenize(server, messages=messages, add_special_tokens=True).tokens == [
+        tok.bos_token_id, *chat]  # fmt: skip
+
+
+def test_completion_prompt_without_special_tokens(server: LLMServer) -> None:
+    items = collect(server, {"prompt": "hi", "add_special_tokens": False,
+                             "params": {"max_tokens": 1}})  # fmt: skip
+    assert items[0]["prompt_tokens"] == len(server.tokenizer.encode("hi")) - 1

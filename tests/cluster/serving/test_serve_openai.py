@@ -139,6 +139,30 @@ def test_stop_string_ends_the_completion_before_it(client: OpenAI, offline: LLM)
     assert response.choices[0].finish_reason == "stop"
 
 
+def test_stop_reason_names_the_matched_stop_string(client: OpenAI, offline: LLM) -> None:
+    # vLLM's stop_reason, which the openai client keeps as an extra attribute.
+    full = greedy(offline, PROMPT, 20)
+    stop = full[6:9]
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20,
+                              "temperature": 0, "stop": [stop]}  # fmt: skip
+    response = client.completions.create(**kwargs)
+    assert response.choices[0].stop_reason == stop
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].stop_reason == stop
+    ended = client.completions.create(**{**kwargs, "stop": None})
+    assert (ended.choices[0].finish_reason, ended.choices[0].stop_reason) == ("length", None)
+
+
+def test_null_sampling_fields_from_the_client_are_the_defaults(client: OpenAI) -> None:
+    # The openai client sends None as null; OpenAI's schema and vLLM take it as "not given".
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        temperature=None, top_p=None, n=None, presence_penalty=None, logprobs=None,
+    )  # fmt: skip
+    assert len(response.choices) == 1 and response.usage.completion_tokens == 2
+
+
 # ---- n choices, logprobs, penalties ----
 
 
