@@ -203,20 +203,6 @@ def grpc_tokens(grpc_port: int) -> int:
     return replies[-1].completion_tokens
 
 
-def test_serve_blocks_until_ctrl_c_then_shuts_down(tmp_path: Path) -> None:
-    config, http_port = tiny_config(tmp_path)
-    serving = start_serving(config)
-    try:
-        # Both of the config's ports, served by the ingress replica itself (direct ingress).
-        assert complete(http_port)["usage"]["completion_tokens"] == 4
-        assert grpc_tokens(load_yaml_file(config)["grpc_options"]["port"]) == 4
-        serving.send_signal(signal.SIGINT)
-        assert serving.wait(120) == 0
-        assert refuses_connections(http_port)
-    finally:
-        stop_process_group(serving)
-
-
 def test_sigterm_drains_streams_in_flight_and_exits_0(tmp_path: Path) -> None:
     """What systemd, Docker and Kubernetes send: the same drain as Ctrl-C. Streams still
     running after the drain (1 s here) end with finish_reason "abort" and then [DONE]. Eight

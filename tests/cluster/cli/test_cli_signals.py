@@ -1,7 +1,7 @@
 """``cluster serve`` against what its surroundings do to it, as a user (systemd, a terminal,
 Kubernetes) does it: a port another process holds is refused at once, naming the port and the
-holder; SIGTERM to the whole process group (Ctrl-C in a terminal, ``kill -TERM -PGID``) drains
-every stream to its ending; a restart right after a stop binds the same ports; a stop while it
+holder; SIGTERM to the whole process group (``kill -TERM -PGID``) drains every stream to its
+ending; Ctrl-C stops it and a restart right after binds the same ports; a stop while it
 still deploys removes what started and says so in one line; the ingress stopped by SIGTERM ends
 its streams before it exits and comes back on its port; and a signal that reaches Ray's own
 processes too (a whole cgroup) still ends ``cluster serve`` within seconds."""
@@ -28,6 +28,7 @@ from tests.cluster.cli.test_cli_serving import (
     cli_env,
     cluster_cli,
     complete,
+    grpc_tokens,
     own_ray_head,  # noqa: F401 (a fixture)
     refuses_connections,
     start_serving,
@@ -171,11 +172,13 @@ def test_sigterm_to_the_process_group_drains_every_stream_to_its_ending(tmp_path
 
 
 @pytest.mark.slow
-def test_serve_starts_again_on_the_same_ports_right_after_a_stop(tmp_path: Path) -> None:
-    """systemd's ``Restart=``, or a user's Ctrl-C then the same command: the stopped server
-    closed its clients' keep-alive connections first, which then sit in TIME-WAIT on its port;
-    a new ``cluster serve`` at once binds it anyway (SO_REUSEADDR, as every server here binds)
-    and serves within its normal start time."""
+def test_ctrl_c_stops_serve_and_it_starts_again_on_the_same_ports_at_once(tmp_path: Path) -> None:
+    """``cluster serve`` serves both of the config's ports (HTTP and gRPC, from the ingress
+    replica itself) until Ctrl-C, then exits 0 and lets them go. systemd's ``Restart=``, or a
+    user's Ctrl-C then the same command: the stopped server closed its clients' keep-alive
+    connections first, which then sit in TIME-WAIT on its port; a new ``cluster serve`` at once
+    binds it anyway (SO_REUSEADDR, as every server here binds) and serves within its normal
+    start time."""
     config, http_port = tiny_config(tmp_path)
     first = start_serving(config)
     second = None
@@ -188,8 +191,10 @@ def test_serve_starts_again_on_the_same_ports_right_after_a_stop(tmp_path: Path)
                                    json=body) as response:  # fmt: skip
                     assert response.status_code == 200
                     assert "data: [DONE]" in list(response.iter_lines())
-            os.killpg(first.pid, signal.SIGTERM)
-            assert first.wait(60) == 0
+            assert grpc_tokens(_ports(config)[1]) == 4
+            os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: a terminal signals the group
+            assert first.wait(120) == 0
+            assert refuses_connections(http_port)
             second = _serve(config)
             printed = []
             for line in second.stdout:
