@@ -307,5 +307,6 @@ def test_a_signal_that_reaches_rays_processes_too_still_ends_serve_in_seconds(
         stop_process_group(serving)
 
 
-# SIGTERM to the main process alone (KillMode=mixed, docker stop, Kubernetes) drains the same:
-# tests/cluster/cli/test_cli_serving.py::test_sigterm_drains_streams_in_flight_and_exits_0.
+# SIGTERM to the main process alone (KillMode=mixed, docker stop, Kubernetes) is the process
+# group case above: Ray's processes lead groups of their own (asserted there), so the group's
+# signal reaches ``cluster serve`` alone, as a signal to its pid does.
