@@ -182,39 +182,38 @@ class JsonNesting:
 class _CallScanner:
     """Reads one call object, ``{"name": "f", "arguments": {...}}``, a character at a time.
 
-    Only what the calls need is checked: the object's keys, that the first ``name`` is a string
-    and that the first ``arguments``/``parameters`` is an object or a string (kept as raw text
-    while it arrives). Any other value is skipped by bracket depth; whole-text parsers leave full
-    validation to ``json.loads``. A character the object cannot take is refused, not consumed.
+    The first ``name`` must be a string and the first ``arguments``/``parameters`` an object or
+    a string; ``arguments`` is that value's JSON text as written (a string stays a JSON string,
+    as vLLM's ``json.dumps`` of it gives), growing while it arrives. Every value is checked
+    with ``json.loads`` once it ends, so ``done`` means the object is valid JSON. A character
+    the object cannot take is refused, not consumed; a value that ends malformed sets ``error``
+    with its last character consumed.
     """
 
     def __init__(self) -> None:
         self.name: str | None = None
         self.arguments_kind: str | None = None  # "object" or "string", once its value starts
-        self.arguments_text = ""  # raw text of an object value, so far
-        self.arguments_string: str | None = None  # a string value, decoded once it closes
+        self.arguments_text = ""  # raw JSON text of the arguments value, so far
         self.done = False
         self.error = False
         self._state = "start"
         self._key: str | None = None
         self._target = "other"  # what the current value is: "name", "arguments" or "other"
-        self._raw = ""  # raw text of the current key or string value
+        self._raw = ""  # raw text of the current key or value
         self._nesting = JsonNesting()
 
     @property
     def arguments(self) -> str:
-        if self.arguments_kind == "object":
-            return self.arguments_text
-        if self.arguments_string is not None:
-            return self.arguments_string
-        return "{}"
+        return self.arguments_text if self.arguments_kind is not None else "{}"
 
     def feed(self, text: str) -> int:
-        """Consume ``text`` up to the end of the object or a refused character; return how many
-        characters were consumed."""
+        """Consume ``text`` up to the end of the object or an error; return how many characters
+        were consumed."""
         for i, ch in enumerate(text):
-            if self.done or self.error or not self._step(ch):
+            if self.done or self.error:
                 return i
+            if not self._step(ch):
+                return i + 1 if self._state == "ended_bad" else i
         return len(text)
 
     def _step(self, ch: str) -> bool:
@@ -223,8 +222,10 @@ class _CallScanner:
             return self._step_value(ch)
         if state == "scalar":
             if ch in _SCALAR_CHARS:
+                self._raw += ch
                 return True
-            self._state = "after_value"
+            if not self._end_value():
+                return False
             return self._step(ch)
         if state == "key":
             return self._step_key(ch)
@@ -265,43 +266,40 @@ class _CallScanner:
             self._target = "arguments"
         else:
             self._target = "other"
+        self._raw, self._nesting = "", JsonNesting()
         if ch == '"':
-            self._state, self._raw, self._nesting = "string", "", JsonNesting(in_string=True)
-            if self._target == "arguments":
-                self.arguments_kind = "string"
+            self._state = "string"
+        elif (ch == "{" and self._target != "name") or (ch == "[" and self._target == "other"):
+            self._state = "container"
+        elif ch in _SCALAR_CHARS and self._target == "other":
+            self._state, self._raw = "scalar", ch
             return True
-        if (ch == "{" and self._target != "name") or (ch == "[" and self._target == "other"):
-            self._state, self._nesting = "container", JsonNesting()
-            if self._target == "arguments":
-                self.arguments_kind = "object"
-            return self._step_value(ch)
-        if ch in _SCALAR_CHARS and self._target == "other":
-            self._state = "scalar"
-            return True
-        return self._refuse()
+        else:
+            return self._refuse()
+        if self._target == "arguments":
+            self.arguments_kind = "object" if ch == "{" else "string"
+        return self._step_value(ch)
 
     def _step_value(self, ch: str) -> bool:
         self._nesting.step(ch)
-        if self._state == "container":
-            if self._target == "arguments":
-                self.arguments_text += ch
-            if self._nesting.depth == 0:
-                self._state = "after_value"
+        self._raw += ch
+        if self._target == "arguments":
+            self.arguments_text += ch
+        if self._nesting.in_string or self._nesting.depth > 0:
             return True
-        if self._nesting.in_string:
-            self._raw += ch
+        if self._end_value():
             return True
-        self._state = "after_value"
-        if self._target == "other":
-            return True
+        self._state = "ended_bad"  # the value's last character is consumed, then refused
+        return False
+
+    def _end_value(self) -> bool:
         try:
-            value = json.loads('"' + self._raw + '"')
+            value = json.loads(self._raw)
         except ValueError:
             return self._refuse()
         if self._target == "name":
             self.name = value
-        else:
-            self.arguments_string = value
+        self._state = "after_value"
         return True
 
     def _close(self) -> bool:
@@ -316,51 +314,45 @@ class _CallScanner:
 
 
 class CallStream:
-    """One call's deltas: its header once it is sure to be a call, then its arguments."""
+    """One call's deltas: its header once it is sure to be a call, then its arguments.
 
-    def __init__(self, index: int, eager_header: bool = False) -> None:
+    When the header goes out: ``eager_header`` (a schema-constrained output, which cannot go
+    wrong) with the name; by default with the first character of the arguments (or the
+    object's end), so that an object with a name but no usable arguments can still fall back
+    to content; ``whole_text`` (the text is all there, as :meth:`ToolParser.parse` has it) only
+    once the object is whole and valid, so a malformed call is never reported. The header is
+    decided after a feed's text is scanned: a call that goes wrong within the feed that would
+    have announced it is no call.
+    """
+
+    def __init__(self, index: int, eager_header: bool = False, whole_text: bool = False) -> None:
         self.index = index
         self.id = make_tool_call_id()
         self.scanner = _CallScanner()
         self.header_sent = False
-        # The header waits for the first character of the arguments (or the object's end), so
-        # that an object with a name but no usable arguments can still fall back to content.
-        # A schema-constrained output cannot go wrong there: its header goes with its name.
         self._eager_header = eager_header
+        self._whole_text = whole_text
         self._sent = 0
-        self._closed = False
 
     def feed(self, text: str, out: Deltas) -> int:
         consumed = self.scanner.feed(text)
         scanner = self.scanner
         if not self.header_sent:
-            known = scanner.arguments_kind is not None or scanner.done or self._eager_header
+            if self._whole_text:
+                known = scanner.done
+            else:
+                known = scanner.arguments_kind is not None or scanner.done or self._eager_header
             if scanner.error or scanner.name is None or not known:
                 return consumed
             out.header(self.index, self.id, scanner.name)
             self.header_sent = True
-        if scanner.arguments_kind == "object":
+        if scanner.done and scanner.arguments_kind is None:
+            out.arguments(self.index, scanner.arguments[self._sent :])
+            self._sent = len(scanner.arguments)
+        else:
             out.arguments(self.index, scanner.arguments_text[self._sent :])
             self._sent = len(scanner.arguments_text)
-        elif not self._closed and (scanner.arguments_string is not None or scanner.done):
-            out.arguments(self.index, scanner.arguments)
-            self._closed = True
         return consumed
-
-
-def call_from_json(text: str) -> ToolCall | None:
-    """The call that ``text``, one JSON object, states; None when it is malformed."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, dict):
-        return None
-    scanner = _CallScanner()
-    consumed = scanner.feed(text)
-    if not scanner.done or text[consumed:].strip(WHITESPACE):
-        return None
-    return ToolCall(scanner.name or "", scanner.arguments)
 
 
 def held_suffix(text: str, tag: str) -> int:

@@ -27,10 +27,8 @@ from cluster.api.tool_calls import (
     Delta,
     Deltas,
     ParsedToolCalls,
-    ToolCall,
     ToolCallStreamer,
     ToolParser,
-    call_from_json,
     fold_deltas,
     fold_stream,
     held_suffix,
@@ -39,45 +37,42 @@ from cluster.api.tool_calls import (
 
 
 class HermesToolParser(ToolParser):
-    """Hermes / Qwen2.5: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks."""
+    """Hermes / Qwen2.5: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks. A
+    block the generation stopped inside (no end tag) still counts if its JSON is whole. The
+    whole-text split is the stream's, folded, with each call announced only once its object
+    is whole and valid JSON."""
 
     name = "hermes"
     START = "<tool_call>"
     END = "</tool_call>"
-    # A block the generation stopped inside (no end tag) still counts if its JSON is whole.
-    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedToolCalls:
-        calls: list[ToolCall] = []
-        content: list[str] = []
-        start = 0
-        for match in self._BLOCK.finditer(text):
-            call = call_from_json(match.group(1))
-            if call is None:
-                continue  # a malformed block stays in the content around it
-            before = text[start : match.start()]
-            content.append((before.lstrip(WHITESPACE) if calls else before).rstrip(WHITESPACE))
-            calls.append(call)
-            start = match.end()
-        rest = text[start:]
-        content.append(rest.lstrip(WHITESPACE) if calls else rest)
-        return ParsedToolCalls("".join(content) or None, calls)
+        return fold_stream(_HermesStreamer(whole_text=True), text)
 
     def streamer(self) -> ToolCallStreamer:
         return _HermesStreamer()
 
 
 class _HermesStreamer(ToolCallStreamer):
-    """Modes: "text" (content, holding back a possible start tag and the whitespace before it),
-    "call" (inside a block, reading the call object), "after_call" (object read, waiting for the
-    end tag) and "bad_block" (a block that is no call: content through its end tag)."""
+    """Modes: "text" (content, holding back a possible start tag), "call" (inside a block,
+    reading the call object), "after_call" (the call is over: what follows in its block is
+    held until the end tag drops it or the output ends and it is content) and "bad_block" (a
+    block that is no call: content through its end tag).
 
-    def __init__(self) -> None:
+    Content is the text outside call blocks as written, less the whitespace that only
+    separates a call block from the start or end of the message or from another call: the
+    whitespace next to a call is held (``_gap``) until text after it shows that content lies
+    on both sides."""
+
+    def __init__(self, whole_text: bool = False) -> None:
         self._mode = "text"
-        self._pending = ""  # held back: whitespace and a partial tag
-        self._held_ws = ""  # the whitespace before the current block's start tag
+        self._pending = ""  # held back: a partial tag, or the tail of a call's block
+        self._gap = ""  # whitespace not yet sent as content
+        self._gap_at_call = False  # a call block lies next to the gap
+        self._content_sent = False
+        self._keep_tail = False  # whether a call's held tail is content if the output ends
         self._block_raw = ""  # the current block so far, content if it is no call after all
-        self._strip_leading = False  # right after a call's block, whitespace is not content
+        self._whole_text = whole_text
         self._call = CallStream(0)  # the current (or last) block's call
         self._num_calls = 0
 
@@ -99,35 +94,46 @@ class _HermesStreamer(ToolCallStreamer):
 
     def finish(self) -> list[Delta]:
         out = Deltas()
-        if self._mode in ("text", "bad_block"):
-            out.content(self._pending)
-        elif self._mode == "call" and not self._call.header_sent:
-            out.content(self._held_ws + self._block_raw)
-        self._mode, self._pending = "text", ""
+        if self._mode == "call" and not self._call.header_sent:
+            self._say(self._block_raw, out)
+        elif self._mode in ("text", "bad_block") or self._keep_tail:
+            self._say(self._pending, out)
+        # A call cut off after its header went out stays a call (vLLM's stream does the same).
+        if not self._gap_at_call:
+            out.content(self._gap)
+        self._mode, self._pending, self._gap, self._keep_tail = "text", "", "", False
         return out.items
+
+    def _say(self, text: str, out: Deltas) -> None:
+        """Content outside call blocks; trailing whitespace waits in the gap."""
+        full = self._gap + text
+        kept = full.rstrip(WHITESPACE)
+        if not kept:
+            self._gap = full
+            return
+        if self._gap_at_call and not self._content_sent:
+            kept = kept.lstrip(WHITESPACE)
+        out.content(kept)
+        self._content_sent = True
+        self._gap, self._gap_at_call = full[len(full.rstrip(WHITESPACE)) :], False
+
+    def _call_announced(self) -> None:
+        self._num_calls += 1
+        self._gap_at_call = True
 
     def _text(self, text: str, out: Deltas) -> str:
         buf = self._pending + text
         self._pending = ""
-        if self._strip_leading:
-            buf = buf.lstrip(WHITESPACE)
-            if not buf:
-                return ""
-            self._strip_leading = False
         start = buf.find(HermesToolParser.START)
         if start >= 0:
-            before = buf[:start]
-            kept = before.rstrip(WHITESPACE)
-            out.content(kept)
-            self._held_ws = before[len(kept) :]
+            self._say(buf[:start], out)
             self._block_raw = HermesToolParser.START
-            self._call = CallStream(self._num_calls)
+            self._call = CallStream(self._num_calls, whole_text=self._whole_text)
             self._mode = "call"
             return buf[start + len(HermesToolParser.START) :]
         undecided = len(buf) - held_suffix(buf, HermesToolParser.START)
-        kept = buf[:undecided].rstrip(WHITESPACE)
-        out.content(kept)
-        self._pending = buf[len(kept) :]
+        self._say(buf[:undecided], out)
+        self._pending = buf[undecided:]
         return ""
 
     def _in_call(self, text: str, out: Deltas) -> str:
@@ -136,35 +142,42 @@ class _HermesStreamer(ToolCallStreamer):
         consumed = call.feed(text, out)
         self._block_raw += text[:consumed]
         if call.header_sent and not was_sent:
-            self._num_calls += 1
+            self._call_announced()
         if call.scanner.error and not call.header_sent:
-            out.content(self._held_ws + self._block_raw)
+            self._say(self._block_raw, out)
             self._mode = "bad_block"
         elif call.scanner.done or call.scanner.error:
-            self._mode = "after_call"
+            # Malformed after its header went out (a later feed than the one that announced
+            # it), the call stays with the arguments sent so far, as in vLLM's stream (which
+            # also sends the rest of the block raw); the whole text makes it content.
+            self._mode, self._keep_tail = "after_call", call.scanner.done
         return text[consumed:]
 
     def _after_call(self, text: str, out: Deltas) -> str:
         buf = self._pending + text
-        end = buf.find(HermesToolParser.END)
-        if end >= 0:
-            self._pending = ""
-            self._mode, self._strip_leading = "text", True
+        ends = [i for i in (buf.find(HermesToolParser.END), buf.find(HermesToolParser.START))
+                if i >= 0]  # fmt: skip
+        if not ends:
+            self._pending = buf
+            return ""
+        # Text between a call and its block's end tag is dropped; a start tag with no end tag
+        # before it ends the block too.
+        end = min(ends)
+        self._pending, self._mode, self._keep_tail = "", "text", False
+        if buf.startswith(HermesToolParser.END, end):
             return buf[end + len(HermesToolParser.END) :]
-        # Anything but the end tag between the object and it is dropped.
-        self._pending = buf[len(buf) - held_suffix(buf, HermesToolParser.END) :]
-        return ""
+        return buf[end:]
 
     def _bad_block(self, text: str, out: Deltas) -> str:
         buf = self._pending + text
         self._pending = ""
         end = buf.find(HermesToolParser.END)
         if end >= 0:
-            out.content(buf[: end + len(HermesToolParser.END)])
+            self._say(buf[: end + len(HermesToolParser.END)], out)
             self._mode = "text"
             return buf[end + len(HermesToolParser.END) :]
         undecided = len(buf) - held_suffix(buf, HermesToolParser.END)
-        out.content(buf[:undecided])
+        self._say(buf[:undecided], out)
         self._pending = buf[undecided:]
         return ""
 
@@ -197,43 +210,47 @@ class Glm45ToolParser(ToolParser):
         return _Glm45Streamer(self.string_parameters)
 
     @classmethod
-    def read_block(cls, body: str, complete: bool) -> tuple[str, str | None, list[tuple[str, str]]]:
-        """(state, name, pairs) of a block's text so far: state "ok" (well formed so far),
-        "partial" (the name is not whole yet) or "bad"."""
+    def read_block(
+        cls, body: str, complete: bool
+    ) -> tuple[str, str | None, list[tuple[str, str]], int]:
+        """(state, name, pairs, good) of a block's text so far: state "ok" (well formed so
+        far), "partial" (the name is not whole yet) or "bad"; ``good`` is where the well-formed
+        beginning (the name and whole pairs) ends."""
         ends = [i for i in (body.find("\n"), body.find("<arg_key>")) if i >= 0]
         if not ends and not complete:
             return ("bad" if "<" in body and not "<arg_key>".startswith(body[body.find("<") :])
-                    else "partial"), None, []  # fmt: skip
+                    else "partial"), None, [], 0  # fmt: skip
         cut = min(ends) if ends else len(body)
         name = body[:cut].strip(WHITESPACE)
         if not name or any(ch in name for ch in "<>"):
-            return "bad", None, []
+            return "bad", None, [], 0
         pairs: list[tuple[str, str]] = []
-        rest, pos = body[cut:], 0
+        good = cut
         while True:
-            while pos < len(rest) and rest[pos] in WHITESPACE:
+            pos = good
+            while pos < len(body) and body[pos] in WHITESPACE:
                 pos += 1
-            if pos == len(rest):
-                return "ok", name, pairs
-            match = cls._PAIR.match(rest, pos)
+            if pos == len(body):
+                return "ok", name, pairs, good
+            match = cls._PAIR.match(body, pos)
             if match is None:
-                tail = rest[pos:]
+                tail = body[pos:]
                 unfinished = tail.startswith("<arg_key>") and "</arg_value>" not in tail
                 # Not closed yet: a pair still arriving, or the end tag's beginning.
                 pending = unfinished or any(
                     t.startswith(tail) for t in ("<arg_key>", "</tool_call>")
                 )
-                if not complete and pending:
-                    return "ok", name, pairs
-                return "bad", name, pairs
+                return ("ok" if not complete and pending else "bad"), name, pairs, good
             pairs.append((match[1].strip(WHITESPACE), match[2]))
-            pos = match.end()
+            good = match.end()
 
 
 class _Glm45Streamer(_HermesStreamer):
     """The Hermes streamer's text handling (the same block tags) with GLM's block body: a call
-    is announced with its first pair (or at its end tag, with none), so a block that turns out
-    malformed before then is still content."""
+    is announced with its first whole pair (or at its end tag, with none), so a block that is
+    malformed before then is content, in whatever pieces it arrives. Text that breaks a call
+    after that ends its arguments: up to the end tag it is dropped, and where no end tag comes
+    it is content."""
 
     def __init__(self, string_parameters: frozenset[tuple[str, str]]) -> None:
         super().__init__()
@@ -248,24 +265,23 @@ class _Glm45Streamer(_HermesStreamer):
         body = buf[start:] if end < 0 else buf[start:end]
         block = buf if end < 0 else buf[: end + len(HermesToolParser.END)]
         rest = "" if end < 0 else buf[end + len(HermesToolParser.END) :]
-        state, name, pairs = Glm45ToolParser.read_block(body, complete=closed)
-        call = self._call
-        if not closed and (state == "partial" or (state == "ok" and not call.header_sent
-                                                  and not pairs)):  # fmt: skip
+        state, name, pairs, good = Glm45ToolParser.read_block(body, complete=closed)
+        if not closed and (state == "partial" or (state == "ok" and not pairs)):
             self._block_raw = buf
             return ""
-        if state == "bad" and not call.header_sent:
+        if state == "bad" and not pairs:
             # No call after all: the block, through its end tag if it came, is content (the
             # beginning of an end tag at its end waits for the rest of the tag).
             held = 0 if closed else held_suffix(block, HermesToolParser.END)
-            out.content(self._held_ws + block[: len(block) - held])
+            self._say(block[: len(block) - held], out)
             self._block_raw, self._pending = "", block[len(block) - held :]
             self._mode = "text" if closed else "bad_block"
             return rest
+        call = self._call
         if not call.header_sent:
             out.header(call.index, call.id, name or "")
             call.header_sent = True
-            self._num_calls += 1
+            self._call_announced()
             self._pairs_sent = 0
         for key, value in pairs[self._pairs_sent :]:
             lead = "{" if self._pairs_sent == 0 else ", "
@@ -276,9 +292,10 @@ class _Glm45Streamer(_HermesStreamer):
             self._block_raw = buf
             return ""
         out.arguments(call.index, "}" if self._pairs_sent else "{}")
-        self._block_raw, self._strip_leading = "", True
-        # Malformed after the announcement: the rest of the block (to its end tag) is dropped.
-        self._mode = "text" if closed else "after_call"
+        self._block_raw, self._mode = "", "text"
+        cut_in_a_pair = at_end and Glm45ToolParser.read_block(body, complete=False)[0] == "ok"
+        if state == "bad" and end < 0 and not cut_in_a_pair:
+            self._mode, self._pending, self._keep_tail = "after_call", body[good:], True
         return rest
 
     def _value(self, function: str, key: str, value: str) -> str:
@@ -298,57 +315,32 @@ class _Glm45Streamer(_HermesStreamer):
 
 
 class Llama3JsonToolParser(ToolParser):
-    """Llama 3.x JSON calls: ``{"name": ..., "parameters": ...}``, several joined by ``;``, as the
-    whole message, optionally after ``<|python_tag|>``. Anything else is content."""
+    """Llama 3.x JSON calls: ``{"name": ..., "parameters": ...}`` objects, joined by ``;`` or
+    whitespace, from the message's start, optionally after ``<|python_tag|>``; a message that
+    starts otherwise is content, and so is text after the calls. The whole-text split is the
+    stream's, folded, with each call announced only once its object is whole and valid JSON."""
 
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
 
     def parse(self, text: str) -> ParsedToolCalls:
-        body = text.strip(WHITESPACE)
-        if body.startswith(self.PYTHON_TAG):
-            body = body[len(self.PYTHON_TAG) :].lstrip(WHITESPACE)
-        calls: list[ToolCall] = []
-        decoder = json.JSONDecoder()
-        pos = 0
-        while body.startswith("{", pos):
-            try:
-                _, end = decoder.raw_decode(body, pos)
-            except ValueError:
-                break
-            call = call_from_json(body[pos:end])
-            if call is None:
-                break
-            calls.append(call)
-            pos = _skip_whitespace(body, end)
-            if pos == len(body):
-                return ParsedToolCalls(None, calls)
-            if body[pos] != ";":
-                break
-            pos = _skip_whitespace(body, pos + 1)
-            if pos == len(body):
-                return ParsedToolCalls(None, calls)
-        return ParsedToolCalls(text or None, [])
+        return fold_stream(_Llama3JsonStreamer(whole_text=True), text)
 
     def streamer(self) -> ToolCallStreamer:
         return _Llama3JsonStreamer()
 
 
-def _skip_whitespace(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in WHITESPACE:
-        pos += 1
-    return pos
-
-
 class _Llama3JsonStreamer(ToolCallStreamer):
     """Modes: "start" (holding the message's opening until its first character after an optional
-    python tag tells calls from content), "call", "between" (after an object: ";" or the end),
-    "next" (after ";": the next object) and "text" (everything else is content)."""
+    python tag tells calls from content), "call", "between" (after an object: ";", the next
+    object or the end) and "text" (everything else is content)."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole_text: bool = False) -> None:
         self._mode = "start"
-        self._held = ""  # everything so far while no call has been announced
-        self._call = CallStream(0)
+        self._held = ""  # the current call's text while it is not announced (the first's from
+        # the message's start), content if it turns out no call
+        self._whole_text = whole_text
+        self._call = CallStream(0, whole_text=whole_text)
         self._num_calls = 0
 
     @property
@@ -363,7 +355,8 @@ class _Llama3JsonStreamer(ToolCallStreamer):
 
     def finish(self) -> list[Delta]:
         out = Deltas()
-        if self._num_calls == 0:
+        # A call cut off after its header went out stays a call (vLLM's stream does the same).
+        if self._mode in ("start", "call") and not self._call.header_sent:
             out.content(self._held)
         self._held = ""
         self._mode = "text"
@@ -373,23 +366,20 @@ class _Llama3JsonStreamer(ToolCallStreamer):
         if self._mode == "text":
             out.content(text)
             return ""
-        if self._num_calls == 0 and self._mode != "call":
+        if self._mode == "start":
             self._held += text
-            return self._start() if self._mode == "start" else ""
+            return self._start()
         if self._mode == "call":
             return self._in_call(text, out)
         rest = text.lstrip(WHITESPACE)
-        if not rest:
-            return ""
-        if self._mode == "between" and rest[0] == ";":
-            self._mode = "next"
+        if rest.startswith(";"):
             return rest[1:]
-        if self._mode == "next" and rest[0] == "{":
-            self._call = CallStream(self._num_calls)
+        if rest.startswith("{"):
+            self._call = CallStream(self._num_calls, whole_text=self._whole_text)
             self._mode = "call"
-            return rest
-        # Junk after the calls: it cannot take them back, so it is content from here on.
-        self._mode = "text"
+        elif rest:
+            # Text after the calls: it cannot take them back, so it is content from here on.
+            self._mode = "text"
         return rest
 
     def _start(self) -> str:
@@ -412,10 +402,11 @@ class _Llama3JsonStreamer(ToolCallStreamer):
 
     def _in_call(self, text: str, out: Deltas) -> str:
         call = self._call
+        was_sent = call.header_sent
         consumed = call.feed(text, out)
-        if self._num_calls == 0:
+        if not was_sent:
             self._held += text[:consumed]
-        if call.header_sent and call.index == self._num_calls:
+        if call.header_sent and not was_sent:
             self._num_calls += 1
             self._held = ""
         if call.scanner.error and not call.header_sent:
@@ -423,6 +414,8 @@ class _Llama3JsonStreamer(ToolCallStreamer):
             self._mode = "text"
             return held + text[consumed:]
         if call.scanner.error:
+            # Malformed after its header went out (in a later feed): the call stays with what
+            # it sent, as in vLLM's stream; the rest is content. The whole text has no call.
             self._mode = "text"
         elif call.scanner.done:
             self._mode = "between"

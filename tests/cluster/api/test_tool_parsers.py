@@ -52,6 +52,20 @@ HERMES_TEXTS = {
         '{"name": "now", "arguments": {"a": "\\u00e9"}}\n</tool_call>'
     ),
     "empty block": "x <tool_call></tool_call> y",
+    "end tag inside a string": (
+        '<tool_call>{"name": "f", "arguments": {"s": "</tool_call> <tool_call>"}}</tool_call>'
+    ),
+    "plain string arguments": '<tool_call>{"name": "f", "arguments": "hello world"}</tool_call>',
+    "content on both sides": (
+        'Let me check.\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\nDone checking.'
+    ),
+    "a call inside a code fence": (
+        'Example:\n```\n<tool_call>{"name": "now", "arguments": {}}</tool_call>\n```\nend'
+    ),
+    "junk after the object": '<tool_call>{"name": "f", "arguments": {"x": 1}} junk</tool_call>',
+    "text after a block with no end tag": (
+        '<tool_call>{"name": "now", "arguments": {}}\nand then some text'
+    ),
 }
 LLAMA3_TEXTS = {
     "one call": '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
@@ -61,6 +75,12 @@ LLAMA3_TEXTS = {
     "plain text": "The river is wide.",
     "json that is no call": '{"answer": 42}',
     "malformed json": '{"name": "f" "parameters": {"a": 1}}',
+    "string parameters": '{"name": "f", "parameters": "not json"}',
+    "text after a call": '{"name": "f", "parameters": {"x": 1}} hope that helps',
+    "calls separated by a newline": (
+        '{"name": "a", "parameters": {}}\n{"name": "b", "parameters": {}}'
+    ),
+    "cut off inside a later call": '{"name": "a", "parameters": {}}; {"name": "b", "par',
 }
 # GLM-4.5's format as its chat template writes a call (one pair per line, non-string values as
 # JSON), and the ways a block can go wrong.
@@ -92,12 +112,25 @@ GLM_TEXTS = {
     ),
     "cut inside a pair": "so <tool_call>f\n<arg_key>a</arg_key>\n<arg_val",
     "malformed then good": "<tool_call>\n</tool_call> <tool_call>now\n</tool_call>",
+    "text after a pair with no end tag": (
+        "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\nand then some text"
+    ),
+    "junk after a pair": (
+        "<tool_call>now\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\njunk</tool_call> x"
+    ),
+    "cut inside a second pair": (
+        "<tool_call>now\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg"
+    ),
+    "content on both sides": (
+        "Checking now.\n<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n"
+        "</tool_call>\nAfter."
+    ),
 }
-# Malformed only after the name: a stream has announced the call by then and cannot take it back.
+# Arguments that turn out malformed only once they end: a stream that announced the call in an
+# earlier piece cannot take it back.
 BROKEN_ARGUMENTS = {
-    "hermes": '<tool_call>{"name": "now", "arguments": {"a": }}</tool_call>',
+    "hermes": 'Text <tool_call>{"name": "now", "arguments": {bad json}}</tool_call> after',
     "llama3_json": '{"name": "now", "parameters": {"a": }}',
-    "glm45": "<tool_call>now\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\njunk</tool_call>",
 }
 
 
@@ -168,7 +201,8 @@ def test_hermes_keeps_arguments_as_written_including_escaped_quotes_and_braces()
     ("case", "expected"),
     [
         ("name after arguments", ("find", '{"q": 1}')),
-        ("string arguments", ("find", '{"q": 1}')),
+        # A string stays a JSON string, even one that holds an object, as vLLM's json.dumps.
+        ("string arguments", ("find", '"{\\"q\\": 1}"')),
         ("no arguments", ("now", "{}")),
         ("no end tag", ("now", "{}")),
     ],
@@ -193,6 +227,29 @@ def test_hermes_text_without_a_wellformed_call_is_all_content(case: str) -> None
     assert not parsed.tools_called
 
 
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("end tag inside a string", (None, [("f", '{"s": "</tool_call> <tool_call>"}')])),
+        ("plain string arguments", (None, [("f", '"hello world"')])),
+        ("content on both sides", ("Let me check.\n\nDone checking.", [("now", "{}")])),
+        ("a call inside a code fence", ("Example:\n```\n\n```\nend", [("now", "{}")])),
+        ("junk after the object", (None, [("f", '{"x": 1}')])),
+        ("text after a block with no end tag", ("and then some text", [("now", "{}")])),
+    ],
+)
+def test_hermes_whole_text_reads_blocks_as_the_stream_does(
+    case: str, expected: tuple[str | None, list[tuple[str, str]]]
+) -> None:
+    assert _calls(get_tool_parser("hermes").parse(HERMES_TEXTS[case])) == expected
+
+
+def test_hermes_never_reports_a_call_whose_arguments_are_not_json() -> None:
+    text = '<tool_call>{"name": "f", "arguments": {"a": tru}}</tool_call>'
+
+    assert _calls(get_tool_parser("hermes").parse(text)) == (text, [])
+
+
 def test_hermes_malformed_block_stays_content_beside_a_good_call() -> None:
     parsed = get_tool_parser("hermes").parse(HERMES_TEXTS["malformed then good"])
 
@@ -213,6 +270,21 @@ def test_llama3_reads_calls_separated_by_semicolons_with_either_key() -> None:
     parsed = get_tool_parser("llama3_json").parse(LLAMA3_TEXTS["two calls"])
 
     assert _calls(parsed) == (None, [("f", '{"a": "x;y"}'), ("g", "{}")])
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("string parameters", (None, [("f", '"not json"')])),
+        ("text after a call", ("hope that helps", [("f", '{"x": 1}')])),
+        ("calls separated by a newline", (None, [("a", "{}"), ("b", "{}")])),
+        ("cut off inside a later call", ('{"name": "b", "par', [("a", "{}")])),
+    ],
+)
+def test_llama3_whole_text_reads_calls_as_the_stream_does(
+    case: str, expected: tuple[str | None, list[tuple[str, str]]]
+) -> None:
+    assert _calls(get_tool_parser("llama3_json").parse(LLAMA3_TEXTS[case])) == expected
 
 
 def test_llama3_keeps_escaped_quotes_and_braces() -> None:
@@ -250,24 +322,49 @@ def test_streaming_in_any_split_gives_the_whole_text_result(parser_name: str, ca
         assert streamer.tools_called == bool(expected[1])
 
 
+@pytest.mark.parametrize(
+    ("parser_name", "text"),
+    [("hermes", text) for text in HERMES_TEXTS.values()]
+    + [("llama3_json", text) for text in LLAMA3_TEXTS.values()]
+    + [("glm45", text) for text in GLM_TEXTS.values()]
+    + list(BROKEN_ARGUMENTS.items()),
+)
+def test_whole_text_calls_have_json_arguments(parser_name: str, text: str) -> None:
+    for call in get_tool_parser(parser_name).parse(text).tool_calls:
+        json.loads(call.arguments)
+
+
 @pytest.mark.parametrize("parser_name", sorted(BROKEN_ARGUMENTS))
-def test_broken_arguments_are_content_whole_but_stay_an_announced_call_when_streamed(
+def test_broken_arguments_are_content_whole_and_streamed_in_the_piece_that_breaks_them(
     parser_name: str,
 ) -> None:
     parser = get_tool_parser(parser_name)
     text = BROKEN_ARGUMENTS[parser_name]
+    cut = text.index("{", text.index("rguments" if parser_name == "hermes" else "parameters"))
 
-    streamed = fold_deltas(_stream(parser.streamer(), [text]))
-
-    if parser_name == "glm45":
-        # Announced with its first pair, the call keeps the pairs before the break.
-        cut = text.index("</arg_value>") + len("</arg_value>")
-        streamed = fold_deltas(_stream(parser.streamer(), [text[:cut], text[cut:]]))
-        assert _calls(parser.parse(text)) == (text, [])
-        assert _calls(streamed) == (None, [("now", '{"a": 1}')])
-        return
     assert _calls(parser.parse(text)) == (text, [])
-    assert _calls(streamed) == (None, [("now", '{"a": }')])
+    assert _calls(fold_deltas(_stream(parser.streamer(), [text]))) == (text, [])
+    assert _calls(fold_deltas(_stream(parser.streamer(), [text[:cut], text[cut:]]))) == (
+        text,
+        [],
+    )
+
+
+@pytest.mark.parametrize("parser_name", sorted(BROKEN_ARGUMENTS))
+def test_broken_arguments_stay_a_call_where_an_earlier_piece_announced_it(
+    parser_name: str,
+) -> None:
+    parser = get_tool_parser(parser_name)
+    text = BROKEN_ARGUMENTS[parser_name]
+    cut = text.index("{", text.index("rguments" if parser_name == "hermes" else "parameters"))
+
+    streamed = fold_deltas(_stream(parser.streamer(), [text[: cut + 1], text[cut + 1 :]]))
+
+    if parser_name == "hermes":
+        assert _calls(streamed) == ("Text  after", [("now", "{bad json}")])
+    else:
+        # No end tag bounds a llama3 call: what follows the break is content.
+        assert _calls(streamed) == ("}", [("now", '{"a": }')])
 
 
 def test_hermes_stream_holds_back_a_possible_tag_until_it_is_decided() -> None:
@@ -519,6 +616,10 @@ def test_tiny_models_parser_reads_back_the_tool_calls_their_template_renders() -
         ("no end tag", (None, [("now", '{"tz": "UTC"}')])),
         ("content after a call", ("Done.", [("now", "{}")])),
         ("malformed then good", ("<tool_call>\n</tool_call>", [("now", "{}")])),
+        ("text after a pair with no end tag", ("and then some text", [("f", '{"a": 1}')])),
+        ("junk after a pair", ("x", [("now", '{"a": 1}')])),
+        ("cut inside a second pair", (None, [("now", '{"a": 1}')])),
+        ("content on both sides", ("Checking now.\n\nAfter.", [("f", '{"a": 1}')])),
     ],
 )  # fmt: skip
 def test_glm45_reads_calls_into_json_arguments(
