@@ -68,7 +68,11 @@ def ref(request: pytest.FixtureRequest) -> Reference:
     return Reference(request.param)
 
 
-def _run(ref: Reference, **engine_args: Any) -> tuple[LLM, list[list[int]]]:
+def _run(
+    ref: Reference, prompts: list[int] | None = None, **engine_args: Any
+) -> tuple[LLM, list[list[int]]]:
+    """The engine's greedy tokens for the reference's prompts (those at ``prompts``: all)."""
+    chosen = range(len(ref.prompts)) if prompts is None else prompts
     llm = LLM(
         str(ref.path),
         dtype="float32",
@@ -79,8 +83,9 @@ def _run(ref: Reference, **engine_args: Any) -> tuple[LLM, list[list[int]]]:
         enable_prefix_caching=True,
         **engine_args,
     )
-    params = [SamplingParams(temperature=0, max_tokens=m) for m in ref.max_tokens]
-    done = llm.generate([{"prompt_token_ids": p} for p in ref.prompts], params, use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=ref.max_tokens[i]) for i in chosen]
+    inputs = [{"prompt_token_ids": ref.prompts[i]} for i in chosen]
+    done = llm.generate(inputs, params, use_tqdm=False)
     return llm, [list(o.outputs[0].token_ids) for o in done]
 
 
@@ -117,8 +122,10 @@ def test_triton_path_reads_only_held_blocks(ref: Reference) -> None:
     begin in a freed block: it must read the null block there (Triton interpreter on CPU)."""
     if ref.windows != (None, 16):
         pytest.skip("one model is enough for the (slow) interpreter")
-    llm, got = _run(ref, attention_backend="triton")
-    assert got == ref.expected
+    # The longest prompt (150 tokens, windows of 16) and one on the shared prefix: enough
+    # freed blocks under a window's first tile, at half the interpreter's time.
+    llm, got = _run(ref, [0, 3], attention_backend="triton")
+    assert got == [ref.expected[0], ref.expected[3]]
     _check_groups(llm, ref)
 
 
