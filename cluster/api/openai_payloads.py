@@ -34,7 +34,6 @@ UNSUPPORTED_FIELDS = {
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
     "truncate_prompt_tokens": "prompt truncation is not supported",
-    "prompt_logprobs": "not supported; use echo with logprobs (completions)",
     "allowed_token_ids": "not supported; use logit_bias",
     "logits_processors": "custom logits processors are not supported",
     "guided_decoding_backend": "the grammar backend is fixed (xgrammar)",
@@ -84,6 +83,13 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> dict[str, An
     grammar = structured_outputs(req)
     if grammar is not None:
         params["structured_outputs"] = grammar
+    if req.prompt_logprobs is not None:
+        # As in vLLM: a stream has no field for them (0 is accepted and returns nothing).
+        if req.stream and req.prompt_logprobs > 0:
+            raise APIError(400, "prompt_logprobs: not available with stream: true",
+                           "prompt_logprobs")  # fmt: skip
+        if not req.stream:
+            params["prompt_logprobs"] = req.prompt_logprobs
     return params
 
 
@@ -138,8 +144,8 @@ def completion_payloads(req: CompletionRequest) -> list[GenerateRequest]:
     params = sampling_params(req, 1 if req.max_tokens == 0 else req.max_tokens)
     if req.logprobs is not None:
         params["logprobs"] = req.logprobs
-        if req.echo:
-            params["prompt_logprobs"] = req.logprobs
+        if req.echo:  # the echoed prompt's logprobs (vLLM's, unless prompt_logprobs is given)
+            params.setdefault("prompt_logprobs", req.logprobs)
     prompts = _prompts(req.prompt)
     extras = request_extras(req)
     if not req.add_special_tokens:

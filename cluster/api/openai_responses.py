@@ -49,6 +49,7 @@ class _Choice:
         self.prompt_tokens = 0  # its prompt's (a completions request may have several)
         self.text_offset = 0  # where the next token starts in the text (completions logprobs)
         self.logprobs: Any = None  # completions: the OpenAI dict; chat: the content list
+        self.prompt_logprobs: PromptLogprobsJSON | None = None  # completions: vLLM's, its prompt's
         self.started = False
         self.tool_streamer: ToolCallStreamer | None = None  # a streamed chat with tools
         self.tool_text = ""  # the text it was fed
@@ -91,6 +92,8 @@ class Completion:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = 0
+        # A chat request's prompt logprobs (vLLM's response field), when it asked for them.
+        self.prompt_logprobs: PromptLogprobsJSON | None = None
         self.choices: list[_Choice] = []
         self._n = 1
 
@@ -136,6 +139,12 @@ class Completion:
                     assert parser is not None  # _splits_reasoning says so
                     choice.reasoning = parser.streamer(in_reasoning=self.in_reasoning)
             self.choices.append(choice)
+        if item.prompt_logprobs is not None:
+            prompt_logprobs = vllm_prompt_logprobs(item.prompt_logprobs)
+            if self.chat:
+                self.prompt_logprobs = prompt_logprobs
+            for choice in self.choices[first : first + item.n]:
+                choice.prompt_logprobs = prompt_logprobs
         if not self.echo:
             return []
         chunks = []
@@ -143,8 +152,11 @@ class Completion:
             choice.started = True
             choice.text = item.prompt_text or ""
             logprobs = None
-            if item.prompt_logprobs is not None:
-                logprobs = self._logprobs(choice, item.prompt_logprobs)
+            if item.prompt_logprobs is not None and self.top_logprobs is not None:
+                # As vLLM: the sampled token and the top ``logprobs`` of each prompt token,
+                # however many alternatives prompt_logprobs asked for.
+                rows = [row[: self.top_logprobs + 1] for row in item.prompt_logprobs]
+                logprobs = self._logprobs(choice, rows)
             chunks.append({"index": choice.index, "text": choice.text, "logprobs": logprobs,
                            "finish_reason": None})  # fmt: skip
         return chunks
@@ -290,11 +302,14 @@ class Completion:
                 if logprobs is None and self.top_logprobs is not None:
                     logprobs = completion_logprobs([])
                 choices.append({"index": c.index, "text": c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})  # fmt: skip
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": self.usage}  # fmt: skip
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                "prompt_logprobs": c.prompt_logprobs})  # fmt: skip
+        whole = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                 "created": self.created, "model": self.model, "choices": choices,
+                 "usage": self.usage}  # fmt: skip
+        if self.chat:  # vLLM's: on the response, each choice has the same prompt
+            whole["prompt_logprobs"] = self.prompt_logprobs
+        return whole
 
     def _message(self, choice: _Choice) -> tuple[dict[str, Any], str | None]:
         """A whole chat choice's message and finish reason, tool calls read out of its text
@@ -414,6 +429,21 @@ def completion_logprobs(entries: list[Any], text_offset: int = 0) -> dict[str, l
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}  # fmt: skip
+
+
+# vLLM's ``prompt_logprobs``: None for the first prompt token (nothing before it scores it),
+# then per token: token id -> {logprob, rank, decoded_token}, the prompt's token first.
+PromptLogprobsJSON = list[dict[str, dict[str, Any]] | None]
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprobs]) -> PromptLogprobsJSON:
+    """vLLM's ``prompt_logprobs`` of a prompt whose server entries (``StreamStart``'s) are
+    ``entries``."""
+    return [None] + [
+        {str(token): {"logprob": max(logprob, _MIN_LOGPROB), "rank": rank, "decoded_token": text}
+         for token, text, logprob, rank in rows}
+        for rows in entries[1:]
+    ]  # fmt: skip
 
 
 def chat_logprobs(entries: list[Any], top_k: int) -> list[dict[str, Any]]:

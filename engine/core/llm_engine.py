@@ -52,6 +52,7 @@ from engine.core.input_processor import (
 from engine.core.kv_cache_groups import config_layout, describe_layout, request_block_capacity
 from engine.core.lora_control import LoRAControl
 from engine.core.output_processor import (
+    LogprobTexts,
     PoolingState,
     RequestGroup,
     SampleState,
@@ -525,7 +526,7 @@ class LLMEngine(SleepControl, LoRAControl):
         sample: SampleState,
         num_new: int,
         logprobs: LogprobsLists | None,
-        texts: dict[int, str],
+        texts: LogprobTexts,
     ) -> None:
         """Take a sample's new tokens (``take_tokens``); a stop string ends its request."""
         request, detok = sample.request, sample.detokenizer

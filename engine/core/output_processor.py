@@ -14,8 +14,9 @@ it is handed out, as the request's ``SamplingParams.output_kind`` asks:
 
 Each step the engine core (``LLMEngine``) hands this module the step's tokens: ``take_tokens``
 detokenizes a sample's new ones (one at a time when several, dropping those after a completed
-stop string) and records their logprobs; ``record_prompt_logprobs`` fills the prompt's; the
-engine finishes the requests and then builds the outputs here (``make_request_output``).
+stop string) and records their logprobs (their texts as vLLM's: ``LogprobTexts``);
+``record_prompt_logprobs`` fills the prompt's; the engine finishes the requests and then builds
+the outputs here (``make_request_output``).
 """
 
 from __future__ import annotations
@@ -176,20 +177,26 @@ def _request_output(
     )
 
 
-def logprob_dicts(lists: LogprobsLists, texts: dict[int, str]) -> list[dict[int, Logprob]]:
+def logprob_dicts(
+    lists: LogprobsLists, texts: LogprobTexts, context: list[int]
+) -> list[dict[int, Logprob]]:
     """Rows of (chosen, top-k...) as vLLM's dicts: token id -> Logprob(logprob, rank, text); the
-    chosen token first, with its own rank, then the top-k ranked 1..k."""
+    chosen token first, with its own rank, then the top-k ranked 1..k. ``context``: the chosen
+    tokens before the first row (each row's chosen token is the next row's context)."""
     entries = []
+    context = context[-MAX_UTF8_CONTEXT:]
     for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
-        entry = {ids[0]: Logprob(lps[0], rank, texts.get(ids[0]))}
+        entry = {ids[0]: Logprob(lps[0], rank, texts.text(ids[0], context))}
         for r, (token, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
-            entry.setdefault(token, Logprob(lp, r, texts.get(token)))
+            if token not in entry:
+                entry[token] = Logprob(lp, r, texts.text(token, context))
         entries.append(entry)
+        context = [*context, ids[0]][-MAX_UTF8_CONTEXT:]
     return entries
 
 
 def take_tokens(
-    sample: SampleState, num_new: int, logprobs: LogprobsLists | None, texts: dict[int, str]
+    sample: SampleState, num_new: int, logprobs: LogprobsLists | None, texts: LogprobTexts
 ) -> bool:
     """Take the ``num_new`` tokens the sample's request got this step into its output state:
     their text (``_detokenize``) and, when asked for, their logprobs (``texts``: the step's
@@ -197,14 +204,17 @@ def take_tokens(
     request."""
     request = sample.request
     num_before = request.num_output_tokens - num_new
+    if logprobs is None or sample.logprobs is None:
+        return _detokenize(sample, num_new)
+    # The tokens before this step's (their texts finish a character this step's may end).
+    context = request.output_token_ids[max(0, num_before - MAX_UTF8_CONTEXT) : num_before]
     stopped = _detokenize(sample, num_new)
-    if logprobs is not None and sample.logprobs is not None:
-        # A verified run cut by a stop keeps the rows of the tokens it kept.
-        kept = request.num_output_tokens - num_before
-        sample.logprobs.extend(logprob_dicts(logprobs, texts)[:kept])
-        sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + sum(
-            lps[0] for lps in logprobs.logprobs[:kept]
-        )
+    # A verified run cut by a stop keeps the rows of the tokens it kept.
+    kept = request.num_output_tokens - num_before
+    sample.logprobs.extend(logprob_dicts(logprobs, texts, context)[:kept])
+    sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + sum(
+        lps[0] for lps in logprobs.logprobs[:kept]
+    )
     return stopped
 
 
@@ -241,33 +251,84 @@ def _stopped_by_token(request: Request) -> bool:
     )
 
 
-def decode_logprob_tokens(tokenizer: Any, output: ModelRunnerOutput) -> dict[int, str]:
+# A UTF-8 character is at most 4 bytes: the tokens that end one are among the last 4 before.
+MAX_UTF8_CONTEXT = 4
+_REPLACEMENT = "\ufffd"
+
+
+class LogprobTexts:
+    """The ``decoded_token`` of each token in a step's logprobs, as vLLM gives it: the token's
+    own text, except for a token that ends inside a UTF-8 character (a byte of a byte-level or
+    byte-fallback vocabulary), which decodes alone to U+FFFD. Such a token's text is "" while
+    its character is unfinished, and the token that finishes it carries the whole character
+    (what it decodes to after the tokens before it, less their own text), so the texts (and
+    their UTF-8 ``bytes``) of the chosen tokens join into the output's text."""
+
+    def __init__(self, tokenizer: Any, texts: dict[int, str]) -> None:
+        self._tokenizer = tokenizer
+        self._texts = texts  # token id -> its text decoded alone
+
+    def text(self, token_id: int, context: list[int]) -> str:
+        """The text of ``token_id`` after the chosen tokens ``context`` (at most the last
+        ``MAX_UTF8_CONTEXT``)."""
+        alone = self._alone(token_id)
+        if not alone.endswith(_REPLACEMENT):
+            return alone
+        for size in range(1, len(context) + 1):
+            before = context[-size:]
+            whole = self._decode([*before, token_id])
+            if whole.endswith(_REPLACEMENT):
+                continue
+            # The context tokens that end inside this character gave "" when they came: their
+            # bytes are in this token's text. The text of the tokens before them is not.
+            clean = len(before)
+            while clean > 0 and self._alone(before[clean - 1]).endswith(_REPLACEMENT):
+                clean -= 1
+            prefix = self._decode(before[:clean]) if clean else ""
+            common = next((i for i, (a, b) in enumerate(zip(prefix, whole)) if a != b),
+                          min(len(prefix), len(whole)))  # fmt: skip
+            return whole[common:]
+        return ""
+
+    def _alone(self, token_id: int) -> str:
+        if token_id not in self._texts:
+            self._texts[token_id] = self._decode([token_id])
+        return self._texts[token_id]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.backend_tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def decode_logprob_tokens(tokenizer: Any, output: ModelRunnerOutput) -> LogprobTexts:
     """Text of every token id in this step's logprobs (sampled and prompt), decoded in one
     batch."""
     rows = [row for lists in output.logprobs or () if lists for row in lists.token_ids]
     rows += [row for chunk in output.prompt_logprobs.values() for row in chunk.lists.token_ids]
     if not rows:
-        return {}
+        return LogprobTexts(tokenizer, {})
     unique = sorted({t for row in rows for t in row})
     texts = tokenizer.backend_tokenizer.decode_batch(
         [[t] for t in unique], skip_special_tokens=False
     )
-    return dict(zip(unique, texts))
+    return LogprobTexts(tokenizer, dict(zip(unique, texts)))
 
 
 def record_prompt_logprobs(
     samples: Mapping[str, tuple[RequestGroup, int]],
     chunks: dict[str, PromptLogprobs],
-    texts: dict[int, str],
+    texts: LogprobTexts,
 ) -> None:
     """The prompt logprobs a step computed (``chunks``, by request id; a chunked prefill's
-    part at a time) into their groups (``samples``: request id to its group and index)."""
+    part at a time) into their groups (``samples``: request id to its group and index). As in
+    vLLM, a prompt token's text reads the prompt tokens before it from the second on."""
     for rid, chunk in chunks.items():
         group = samples[rid][0] if rid in samples else None
         if group is None or group.prompt_logprobs is None:
             continue
-        for offset, entry in enumerate(logprob_dicts(chunk.lists, texts)):
-            group.prompt_logprobs[chunk.start + offset] = entry
+        start = chunk.start
+        context = group.prompt_token_ids[max(1, start - MAX_UTF8_CONTEXT) : start]
+        for offset, entry in enumerate(logprob_dicts(chunk.lists, texts, context)):
+            group.prompt_logprobs[start + offset] = entry
 
 
 def pooling_output(state: PoolingState, vector: list[float] | None) -> PoolingRequestOutput:

@@ -169,7 +169,7 @@ def test_harmless_unknown_fields_are_accepted_and_ignored(client: TestClient) ->
 
 
 @pytest.mark.parametrize(
-    "field", ["functions", "function_call", "audio", "web_search_options", "prompt_logprobs"]
+    "field", ["functions", "function_call", "audio", "web_search_options", "allowed_token_ids"]
 )
 def test_unknown_fields_that_change_the_output_are_400_naming_them(
     client: TestClient, field: str
@@ -1131,3 +1131,82 @@ def test_forced_call_that_ends_at_max_tokens_is_still_a_call() -> None:
     _feed(completion, ['{"city": ', '"Oslo"}'], finish="length")
     message = completion.whole()["choices"][0]["message"]
     assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+# ---- prompt_logprobs (vLLM's) ----
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_prompt_logprobs_reach_the_engine_by_name(chat: bool) -> None:
+    req = _request(chat, prompt_logprobs=2)
+    assert _payload(chat, req)["params"]["prompt_logprobs"] == 2
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_streamed_prompt_logprobs_are_400_naming_them_as_in_vllm(chat: bool) -> None:
+    with pytest.raises(APIError) as info:
+        _payload(chat, _request(chat, prompt_logprobs=1, stream=True))
+    assert (info.value.status, info.value.param) == (400, "prompt_logprobs")
+    # 0 is accepted (vLLM's rule) and, as no chunk carries them, not computed.
+    assert "prompt_logprobs" not in _payload(chat, _request(chat, prompt_logprobs=0,
+                                                            stream=True))["params"]  # fmt: skip
+
+
+def test_echo_scores_the_prompt_with_the_requests_prompt_logprobs_when_given() -> None:
+    req = CompletionRequest(model="m", prompt="x", echo=True, logprobs=1, prompt_logprobs=3)
+    assert completion_payload(req)["params"]["prompt_logprobs"] == 3
+    echo_only = CompletionRequest(model="m", prompt="x", echo=True, logprobs=1)
+    assert completion_payload(echo_only)["params"]["prompt_logprobs"] == 1
+
+
+# A two-token prompt's entries as StreamStart carries them: the first token has no logprob;
+# the second is scored with the top 2 ("b" at rank 3, below them).
+PROMPT_ENTRIES = [[[4, "a", None, None]], [[8, "b", -3.0, 3], [7, "y", -0.2, 1], [9, "w", -2.0, 2]]]
+VLLM_PROMPT_LOGPROBS = [
+    None,
+    {
+        "8": {"logprob": -3.0, "rank": 3, "decoded_token": "b"},
+        "7": {"logprob": -0.2, "rank": 1, "decoded_token": "y"},
+        "9": {"logprob": -2.0, "rank": 2, "decoded_token": "w"},
+    },
+]
+
+
+def test_completion_prompt_logprobs_are_on_each_choice_in_vllms_shape() -> None:
+    completion = Completion("m", chat=False, include_usage=False)
+    completion.absorb(StreamStart(2, 2, prompt_logprobs=PROMPT_ENTRIES))
+    completion.absorb(StreamDelta([ChoiceDelta(i, "c", [1], None, "length", None, 1)
+                                   for i in range(2)]))  # fmt: skip
+    whole = completion.whole()
+    assert [c["prompt_logprobs"] for c in whole["choices"]] == [VLLM_PROMPT_LOGPROBS] * 2
+    assert "prompt_logprobs" not in whole
+
+
+def test_chat_prompt_logprobs_are_on_the_response_in_vllms_shape() -> None:
+    completion = Completion("m", chat=True, include_usage=False)
+    completion.absorb(StreamStart(2, 1, prompt_logprobs=PROMPT_ENTRIES))
+    completion.absorb(StreamDelta([ChoiceDelta(0, "c", [1], None, "length", None, 1)]))
+    whole = completion.whole()
+    assert whole["prompt_logprobs"] == VLLM_PROMPT_LOGPROBS
+    assert "prompt_logprobs" not in whole["choices"][0]
+
+
+def test_echoed_prompt_has_logprobs_top_alternatives_whatever_prompt_logprobs_asked() -> None:
+    # vLLM: the echoed tokens list the token and the top ``logprobs`` (here 1) alternatives.
+    completion = Completion("m", chat=False, include_usage=False, top_logprobs=1, echo=True)
+    completion.absorb(StreamStart(2, 1, "ab", prompt_logprobs=PROMPT_ENTRIES))
+    completion.absorb(StreamDelta([ChoiceDelta(0, "c", [1], None, "length", None, 1)]))
+    choice = completion.whole()["choices"][0]
+    assert choice["logprobs"]["top_logprobs"] == [None, {"b": -3.0, "y": -0.2}]
+    assert choice["prompt_logprobs"] == VLLM_PROMPT_LOGPROBS
+
+
+def _request(chat: bool, **fields: Any) -> Any:
+    if chat:
+        return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                     **fields)  # fmt: skip
+    return CompletionRequest(model="m", prompt="x", **fields)
+
+
+def _payload(chat: bool, req: Any) -> dict[str, Any]:
+    return chat_payload(req) if chat else completion_payload(req)

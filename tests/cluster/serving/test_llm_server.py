@@ -10,10 +10,22 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
-from cluster.api.replica_messages import EmbedRequest, EmbedResult, GenerateRequest, StreamDelta
+from cluster.api.openai_models import ChatCompletionRequest, CompletionRequest
+from cluster.api.openai_payloads import chat_payload, completion_payloads
+from cluster.api.openai_responses import Completion
+from cluster.api.replica_messages import (
+    EmbedRequest,
+    EmbedResult,
+    GenerateRequest,
+    StreamDelta,
+    StreamError,
+)
 from cluster.serving.llm_server import LLMServer, error_item
 from engine import LLM, EngineDeadError, SamplingParams
+from engine.builtin.catalog import resolve_model_source
 
 ENGINE_ARGS = {"model": "builtin:tiny-llama", "num_kv_blocks": 64, "device": "cpu"}
 
@@ -359,3 +371,111 @@ def test_completion_prompt_without_special_tokens(server: LLMServer) -> None:
     items = collect(server, {"prompt": "hi", "add_special_tokens": False,
                              "params": {"max_tokens": 1}})  # fmt: skip
     assert items[0]["prompt_tokens"] == len(server.tokenizer.encode("hi")) - 1
+
+
+# ---- logprobs in vLLM's OpenAI shapes (the server's items through the ingress's Completion) ----
+
+
+def openai_response(server: LLMServer, completion: Completion, payload: GenerateRequest) -> Any:
+    """The whole OpenAI response ``completion`` makes of the server's items for ``payload``."""
+
+    async def run() -> None:
+        async for item in server.generate(payload):
+            assert not isinstance(item, StreamError), item
+            completion.absorb(item)
+
+    asyncio.run(run())
+    return completion.whole()
+
+
+def hf_log_softmax(token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), V]: row t = HF transformers' log_softmax after token_ids[: t + 1] (fp32)."""
+    path = resolve_model_source(ENGINE_ARGS["model"])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+
+def assert_prompt_logprobs_equal_hf(
+    prompt_logprobs: list[Any], prompt_ids: list[int], k: int, tokenizer: Any
+) -> None:
+    """vLLM's shape (None, then token id -> {logprob, rank, decoded_token}, the prompt's token
+    first, then the top k), its values HF's; the prompt tokens' texts join into the prompt's."""
+    hf = hf_log_softmax(prompt_ids)
+    assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
+    for t in range(1, len(prompt_ids)):
+        entry, row, token = prompt_logprobs[t], hf[t - 1], prompt_ids[t]
+        assert next(iter(entry)) == str(token)
+        top_lp, top_ids = row.topk(k)
+        assert set(entry) == {str(token), *map(str, top_ids.tolist())}
+        assert entry[str(token)]["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[str(token)]["rank"] == int((row > row[token]).sum()) + 1
+        for rank, (alt, lp) in enumerate(zip(top_ids.tolist(), top_lp.tolist()), start=1):
+            assert entry[str(alt)]["logprob"] == pytest.approx(lp, abs=1e-4)
+            if alt != token:
+                assert entry[str(alt)]["rank"] == rank
+    texts = [prompt_logprobs[t][str(prompt_ids[t])]["decoded_token"]
+             for t in range(1, len(prompt_ids))]  # fmt: skip
+    assert "".join(texts) == tokenizer.decode(prompt_ids[1:])
+
+
+def test_completion_prompt_logprobs_are_hfs_in_vllms_shape_on_each_choice(
+    server: LLMServer,
+) -> None:
+    # "Ƿ" is two byte tokens: the first one's text is "" and the second's "Ƿ", as in vLLM.
+    req = CompletionRequest(model="tiny", prompt="Once Ƿ upon a time", max_tokens=2,
+                            temperature=0, n=2, prompt_logprobs=3)  # fmt: skip
+    (payload,) = completion_payloads(req)
+    response = openai_response(server, Completion("tiny", False, False), payload)
+    prompt_ids = server.tokenizer.encode("Once Ƿ upon a time")
+    assert response["usage"]["prompt_tokens"] == len(prompt_ids)
+    for choice in response["choices"]:
+        assert_prompt_logprobs_equal_hf(choice["prompt_logprobs"], prompt_ids, 3, server.tokenizer)
+        assert choice["logprobs"] is None
+
+
+def test_chat_prompt_logprobs_are_hfs_in_vllms_shape_on_the_response(server: LLMServer) -> None:
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    req = ChatCompletionRequest(model="tiny", messages=messages, max_tokens=2, temperature=0,
+                                prompt_logprobs=0)  # fmt: skip
+    response = openai_response(server, Completion("tiny", True, False), chat_payload(req))
+    prompt_ids = server.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      return_dict=False)  # fmt: skip
+    assert_prompt_logprobs_equal_hf(response["prompt_logprobs"], prompt_ids, 0, server.tokenizer)
+    assert "prompt_logprobs" not in response["choices"][0]
+
+
+def test_prompt_logprobs_above_max_logprobs_is_400_naming_it(server: LLMServer) -> None:
+    req = CompletionRequest(model="tiny", prompt="x", max_tokens=1, prompt_logprobs=21)
+    (payload,) = completion_payloads(req)
+    items = collect(server, msgspec.structs.asdict(payload))
+    assert (items[0]["type"], items[0]["status"], items[0]["param"]) == (
+        "error", 400, "prompt_logprobs")  # fmt: skip
+    assert "max_logprobs" in items[0]["message"]
+
+
+def test_chat_logprob_bytes_of_a_character_split_over_tokens_join_into_its_utf8(
+    server: LLMServer,
+) -> None:
+    # "Ƿ" (C7 B7) is two byte tokens, each alone decoding to U+FFFD. As vLLM (and OpenAI: the
+    # tokens' bytes join into the text's UTF-8): the first one is "" with no bytes, the one that
+    # finishes the character carries it.
+    tokenizer = server.tokenizer
+    first, second, *_ = ids = tokenizer.encode("Ƿok", add_special_tokens=False)
+    assert tokenizer.decode([first]) == tokenizer.decode([second]) == "\ufffd"
+    req = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                temperature=0, max_tokens=8, logprobs=True, top_logprobs=2,
+                                structured_outputs={"choice": ["Ƿok"]})  # fmt: skip
+    response = openai_response(server, Completion("tiny", True, False, 2), chat_payload(req))
+    choice = response["choices"][0]
+    assert choice["message"]["content"] == "Ƿok"
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(ids) + 1  # and the stop token that ended it
+    assert [t["token"] for t in content[:-1]] == ["", "Ƿ", "o", "k"]
+    joined = b"".join(bytes(t["bytes"]) for t in content[:-1])
+    assert joined == tokenizer.decode(ids).encode()
+    for token in content:
+        assert token["bytes"] == list(token["token"].encode())
+        for alt in token["top_logprobs"]:
+            assert alt["bytes"] == list(alt["token"].encode())
+            assert "\ufffd" not in alt["token"]

@@ -236,6 +236,27 @@ def test_chat_top_logprobs_over_the_cap_is_400_naming_it(base_url: str) -> None:
     assert (code, payload["error"]["param"]) == (400, "top_logprobs")
 
 
+def test_prompt_logprobs_come_back_where_vllm_puts_them(client: OpenAI, offline: LLM) -> None:
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                           use_tqdm=False)[0].prompt_logprobs  # fmt: skip
+    got = completion.choices[0].prompt_logprobs  # vLLM's extra field, on each choice
+    assert got[0] is None and len(got) == len(ref) == completion.usage.prompt_tokens
+    for entry, expected in zip(got[1:], ref[1:], strict=True):
+        assert list(entry) == [str(t) for t in expected]
+        for token, lp in expected.items():
+            assert entry[str(token)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+            assert (entry[str(token)]["rank"], entry[str(token)]["decoded_token"]) == (
+                lp.rank, lp.decoded_token)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens  # on the response
+
+
 def test_penalties_and_vllm_extras_reach_the_engine(client: OpenAI, offline: LLM) -> None:
     extras = {"repetition_penalty": 1.5, "min_tokens": 4, "logit_bias": {"5": -100}}
     response = client.completions.create(
