@@ -244,6 +244,9 @@ class TokenizeRequest(_Model):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Declared so that their 400 says why, as on the chat route.
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     # Also the token strings (the tokenizer's pieces: "<s>", "▁the").
     return_token_strs: OrNull[bool] = False

@@ -200,10 +200,7 @@ class ToolChoice:
 
 
 def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
-    for name in ("chat_template", "chat_template_kwargs"):
-        if getattr(req, name) is not None:
-            raise APIError(400, f"{name}: request-supplied chat templates are not accepted; the "
-                           "model's own template is used", name, "unsupported")  # fmt: skip
+    options = template_options(req)
     max_tokens = req.max_completion_tokens
     max_tokens = max_tokens if max_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens)
@@ -232,7 +229,7 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
         tools=tools,
         chat_template_kwargs=template_kwargs,
         tool_choice=choice.mode if choice is not None else None,
-        **template_options(req),
+        **options,
         **request_extras(req),
     )
 
@@ -240,7 +237,11 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
 def template_options(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
     """The ``GenerateRequest`` fields of a chat request's template options (vLLM's
     ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``), those
-    that differ from the defaults."""
+    that differ from the defaults. A request-supplied template is a 400."""
+    for name in ("chat_template", "chat_template_kwargs"):
+        if getattr(req, name) is not None:
+            raise APIError(400, f"{name}: request-supplied chat templates are not accepted; the "
+                           "model's own template is used", name, "unsupported")  # fmt: skip
     if req.continue_final_message:
         if req.messages and req.messages[-1].role != "assistant":
             raise APIError(400, "continue_final_message: the last message must be the "

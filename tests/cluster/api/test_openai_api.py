@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from cluster.api import openai_payloads
 from cluster.api.api_errors import APIError
 from cluster.api.openai_api import make_openai_app, new_app
-from cluster.api.openai_models import ChatCompletionRequest, CompletionRequest
+from cluster.api.openai_models import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from cluster.api.openai_responses import Completion, chat_logprobs, completion_logprobs
 from cluster.api.replica_messages import GenerateRequest, StreamDelta, StreamStart, logprob_rows
 from engine import InvalidRequestError, SamplingParams
@@ -609,15 +609,27 @@ def test_chat_whole_response_has_logprobs_content() -> None:
     assert content == chat_logprobs(ENTRIES, 1)
 
 
+@pytest.mark.parametrize("route", ["chat", "tokenize"])
 @pytest.mark.parametrize("field", ["chat_template", "chat_template_kwargs"])
-def test_request_supplied_chat_template_is_400_naming_it(field: str) -> None:
+def test_request_supplied_chat_template_is_400_naming_it(field: str, route: str) -> None:
     value: Any = "{{ messages }}" if field == "chat_template" else {"x": 1}
-    req = ChatCompletionRequest(
-        model="m", messages=[{"role": "user", "content": "hi"}], **{field: value}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(APIError) as info:
+        if route == "chat":
+            chat_payload(ChatCompletionRequest(**body))
+        else:
+            openai_payloads.tokenize_payload(TokenizeRequest(**body))
+    assert (info.value.status, info.value.param) == (400, field)
+
+
+def test_tokenize_refuses_continue_final_message_with_add_generation_prompt() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]
+    req = TokenizeRequest(
+        model="m", messages=messages, continue_final_message=True, add_generation_prompt=True
     )
     with pytest.raises(APIError) as info:
-        chat_payload(req)
-    assert (info.value.status, info.value.param) == (400, field)
+        openai_payloads.tokenize_payload(req)
+    assert (info.value.status, info.value.param) == (400, "add_generation_prompt")
 
 
 def test_cache_salt_and_timeout_reach_the_server_beside_the_params() -> None:
