@@ -42,7 +42,11 @@ from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError
 from cluster.serving.metrics import ModelMetrics
 from cluster.serving.pooling_server import PoolingServer
-from cluster.serving.request_inputs import TemplateOptions, chat_prompt, sampling_params_from
+from cluster.serving.request_inputs import (
+    request_chat_prompt,
+    request_prompt,
+    sampling_params_from,
+)
 from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
 from cluster.serving.sleep_server import SleepServer
 from cluster.serving.start_errors import ModelStartError, known_start_failure
@@ -350,29 +354,7 @@ class LLMServer(PoolingServer, SleepServer):
 
     def _prompt(self, request: GenerateRequest | EmbedRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
-        if isinstance(request, GenerateRequest) and request.messages is not None:
-            return self._chat_prompt(request)
-        if request.prompt_token_ids is not None:
-            return {"prompt_token_ids": request.prompt_token_ids}
-        prompt = request.prompt
-        if isinstance(prompt, str) and prompt:
-            special = not (
-                isinstance(request, GenerateRequest) and request.add_special_tokens is False
-            )
-            ids = self.tokenizer.encode(prompt, add_special_tokens=special)
-            return {"prompt": prompt, "prompt_token_ids": ids}
-        return prompt  # the core names what is wrong with it
-
-    def _chat_prompt(self, request: GenerateRequest) -> dict[str, Any]:
-        """The core's prompt for a chat request, by the model's chat template."""
-        options = TemplateOptions(
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            add_special_tokens=bool(request.add_special_tokens),
-            template_kwargs=request.chat_template_kwargs,
-        )
-        return chat_prompt(self.tokenizer, request.messages or [], self.multimodal,
-                           self.image_placeholder, request.tools, options)  # fmt: skip
+        return request_prompt(self.tokenizer, request, self.multimodal, self.image_placeholder)
 
     def _refusal(self, exc: Exception) -> StreamError:
         """The error item for a request the engine refused, or aborted before its one output:
@@ -403,7 +385,10 @@ class LLMServer(PoolingServer, SleepServer):
         try:
             if request.messages is not None:
                 # A VLM's image parts count as their image's tokens, as the engine sees them.
-                ids = self._chat_prompt(request)["prompt_token_ids"]
+                prompt = request_chat_prompt(
+                    self.tokenizer, request, self.multimodal, self.image_placeholder
+                )
+                ids = prompt["prompt_token_ids"]
             else:
                 text = request.prompt
                 if not isinstance(text, str):

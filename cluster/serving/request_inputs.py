@@ -12,6 +12,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from cluster.api.replica_messages import EmbedRequest, GenerateRequest
 from engine.errors import InvalidRequestError
 from engine.multimodal.chat import split_content_parts
 from engine.multimodal.processor import MultiModalProcessor
@@ -134,3 +135,41 @@ def chat_prompt(
         return {"prompt_token_ids": ids}
     ids, features = multimodal.process(ids, {"image": images})
     return {"prompt_token_ids": ids, "mm_features": features}
+
+
+def request_prompt(
+    tokenizer: Any,
+    request: GenerateRequest | EmbedRequest,
+    multimodal: MultiModalProcessor | None,
+    placeholder: str | None,
+) -> Any:
+    """The core's prompt for a request: chat messages by the template
+    (``request_chat_prompt``), a text prompt tokenized (with the tokenizer's special tokens
+    unless the request turns them off), or the ids it gives."""
+    if isinstance(request, GenerateRequest) and request.messages is not None:
+        return request_chat_prompt(tokenizer, request, multimodal, placeholder)
+    if request.prompt_token_ids is not None:
+        return {"prompt_token_ids": request.prompt_token_ids}
+    prompt = request.prompt
+    if isinstance(prompt, str) and prompt:
+        special = not (isinstance(request, GenerateRequest) and request.add_special_tokens is False)
+        ids = tokenizer.encode(prompt, add_special_tokens=special)
+        return {"prompt": prompt, "prompt_token_ids": ids}
+    return prompt  # the core names what is wrong with it
+
+
+def request_chat_prompt(
+    tokenizer: Any,
+    request: GenerateRequest,
+    multimodal: MultiModalProcessor | None,
+    placeholder: str | None,
+) -> dict[str, Any]:
+    """``chat_prompt`` of a chat request, with its template options."""
+    options = TemplateOptions(
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        add_special_tokens=bool(request.add_special_tokens),
+        template_kwargs=request.chat_template_kwargs,
+    )
+    return chat_prompt(tokenizer, request.messages or [], multimodal, placeholder,
+                       request.tools, options)  # fmt: skip

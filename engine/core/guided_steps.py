@@ -2,7 +2,9 @@
 
 The engine core (``engine.core.llm_engine``) calls these around each batch:
 
-    schedule  -> add_grammar_bitmask   rows of the constrained samples that sample this step
+    add       -> PendingGrammars       requests whose grammar compiles (WAITING_FOR_FSM)
+    schedule  -> admitted once compiled, attach_grammars gives each sample its matcher
+              -> add_grammar_bitmask   rows of the constrained samples that sample this step
     execute
     update    -> observe_spec_decode   count each verification (before stops trim tokens)
               -> advance_grammar       feed the sampled tokens to the sample's matcher
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
-from engine.core.output_processor import SampleState
+from engine.core.output_processor import RequestGroup, SampleState
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
@@ -28,6 +32,47 @@ from engine.spec_decode.ngram import NgramProposer
 from engine.worker.step_messages import ExecuteModelRequest, ModelRunnerOutput
 
 logger = logging.getLogger("llm_cluster.engine")
+
+COMPILE_POLL_S = 0.01  # how long an idle step waits for a grammar compile
+
+
+class PendingGrammars:
+    """The groups whose grammar is compiling (the scheduler holds their first sample in
+    ``WAITING_FOR_FSM``): group id -> the compile's future."""
+
+    def __init__(self) -> None:
+        self._futures: dict[str, Future[Any]] = {}
+
+    def hold(self, request_id: str, future: Future[Any]) -> None:
+        self._futures[request_id] = future
+
+    def forget(self, request_id: str) -> None:
+        self._futures.pop(request_id, None)
+
+    def take_done(self) -> list[tuple[str, Future[Any]]]:
+        """The compiles that have ended, no longer held."""
+        done = [(rid, f) for rid, f in self._futures.items() if f.done()]
+        for rid, _ in done:
+            del self._futures[rid]
+        return done
+
+    def wait(self) -> None:
+        """Wait a little for one compile to end, rather than spin on the cores it needs."""
+        if self._futures:
+            wait(self._futures.values(), timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
+
+
+def attach_grammars(
+    group: RequestGroup, future: Future[Any], structured_output: StructuredOutputManager
+) -> bool:
+    """Give each sample of ``group`` a matcher over its compiled grammar (``future``, done);
+    False if the compile failed."""
+    if future.exception() is not None:
+        return False
+    spec, skip = group.params.structured_outputs, group.params.skip_special_tokens
+    for sample in group.samples:
+        sample.grammar = structured_output.new_grammar(spec, skip, future.result())
+    return True
 
 
 def add_grammar_bitmask(

@@ -24,12 +24,10 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager, KVCacheStats
-from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.engine_stats import (
     EngineCounters,
     check_scheduler_integrity,
@@ -37,8 +35,10 @@ from engine.core.engine_stats import (
     scheduler_state_sizes,
 )
 from engine.core.guided_steps import (
+    PendingGrammars,
     add_grammar_bitmask,
     advance_grammar,
+    attach_grammars,
     observe_spec_decode,
     propose,
 )
@@ -58,9 +58,9 @@ from engine.core.output_processor import (
     SampleState,
     decode_logprob_tokens,
     make_request_output,
+    new_sample_state,
     pooling_output,
     record_prompt_logprobs,
-    stop_holdback,
     take_tokens,
 )
 from engine.core.request import Request, RequestStatus
@@ -94,7 +94,6 @@ _POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
 # NixlConnector: how often an otherwise idle engine looks for the notifications that release
 # blocks held for a decode engine's read.
 TRANSFER_POLL_S = 0.005
-COMPILE_POLL_S = 0.01  # how long an idle step waits for a grammar compile
 
 
 class LLMEngine(SleepControl, LoRAControl):
@@ -165,8 +164,7 @@ class LLMEngine(SleepControl, LoRAControl):
         # Scheduler request id of every live sample -> (its group, its index).
         self._samples: dict[str, tuple[RequestGroup, int]] = {}
         self._pooling: dict[str, PoolingState] = {}
-        # Groups whose grammar is compiling (held by the scheduler): group id -> the compile.
-        self._compiling: dict[str, Future[Any]] = {}
+        self._compiling = PendingGrammars()
         # Batches sent and not yet taken, oldest first (more than one only when pipelined).
         self._pipeline_depth = self.executor.max_concurrent_batches
         self.scheduler.pipeline_depth = self._pipeline_depth
@@ -261,49 +259,32 @@ class LLMEngine(SleepControl, LoRAControl):
             prompt=text,
             prompt_token_ids=token_ids,
             params=params,
-            samples=[self._sample_state(r) for r in samples],
+            samples=[new_sample_state(r, self.tokenizer) for r in samples],
             prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
         )
-        awaiting = compiled is not None and not (compiled.done() and self._attach(group, compiled))
+        awaiting = compiled is not None and not (
+            compiled.done() and attach_grammars(group, compiled, self.structured_output)
+        )
         self.scheduler.add_request(samples[0], forks=samples[1:], awaiting_grammar=awaiting)
         if awaiting:
-            self._compiling[request_id] = compiled
+            self._compiling.hold(request_id, compiled)
         self._groups[request_id] = group
         for i, rid in enumerate(sample_ids):
             self._samples[rid] = (group, i)
         return samples[0]
 
-    def _attach(self, group: RequestGroup, future: Future[Any]) -> bool:
-        """Give each sample of ``group`` a matcher over its compiled grammar (``future``,
-        done); False if the compile failed."""
-        spec, skip = group.params.structured_outputs, group.params.skip_special_tokens
-        if future.exception() is not None:
-            return False
-        for sample in group.samples:
-            sample.grammar = self.structured_output.new_grammar(spec, skip, future.result())
-        return True
-
     def admit_compiled(self) -> list[EngineOutput]:
         """Requests whose grammar has compiled join the queue; those whose compile failed end
         ("abort", the reason logged). Returns the ended requests' outputs."""
         failed = []
-        for request_id, future in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[request_id]
+        for request_id, future in self._compiling.take_done():
             group = self._groups[request_id]
-            if self._attach(group, future):
+            if attach_grammars(group, future, self.structured_output):
                 self.scheduler.admit(group.samples[0].request)
             else:
                 logger.error("%s: the grammar did not compile: %s", request_id, future.exception())
                 failed.append(request_id)
         return self.abort_request(failed) if failed else []
-
-    def _wait_for_compiles(self) -> None:
-        """Nothing to run but grammars compiling: wait for one a little, rather than spin on
-        the cores the compile needs."""
-        if self._compiling and not self.scheduler.waiting and not self.scheduler.running:
-            wait(self._compiling.values(), timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
 
     def _add_pooling_request(
         self,
@@ -346,25 +327,6 @@ class LLMEngine(SleepControl, LoRAControl):
         ):
             raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
 
-    def _sample_state(self, request: Request) -> SampleState:
-        params = request.sampling_params
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            request.prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            min_tokens=params.min_tokens,
-        )
-        wants_logprobs = params.logprobs is not None
-        return SampleState(
-            request=request,
-            detokenizer=detokenizer,
-            logprobs=[] if wants_logprobs else None,
-            cumulative_logprob=0.0 if wants_logprobs else None,
-            holdback=stop_holdback(params),
-        )
-
     def abort_request(self, request_id: str | Iterable[str]) -> list[EngineOutput]:
         """Abort live requests — every one of their samples; unknown or finished ids are
         ignored — and free their blocks now; returns the aborted requests' final outputs
@@ -394,7 +356,7 @@ class LLMEngine(SleepControl, LoRAControl):
 
     def _forget(self, group: RequestGroup) -> None:
         self._groups.pop(group.request_id, None)
-        self._compiling.pop(group.request_id, None)
+        self._compiling.forget(group.request_id)
         for sample in group.samples:
             self._samples.pop(sample.request.request_id, None)
 
@@ -424,7 +386,8 @@ class LLMEngine(SleepControl, LoRAControl):
     def wait_when_idle(self) -> None:
         """After a step with nothing to send: wait a little for what the requests wait on."""
         self._wait_for_transfers()
-        self._wait_for_compiles()
+        if not self.scheduler.waiting and not self.scheduler.running:
+            self._compiling.wait()  # nothing to run but grammars compiling
 
     def _wait_for_transfers(self) -> None:
         """Nothing to run but blocks held for a decode engine's read (NixlConnector): wait a

@@ -82,6 +82,27 @@ class PoolingState:
     prompt: str | None
 
 
+def new_sample_state(request: Request, tokenizer: Any) -> SampleState:
+    """A new sample's output state: its detokenizer (stop strings included) and logprob lists."""
+    params = request.sampling_params
+    detokenizer = IncrementalDetokenizer(
+        tokenizer,
+        request.prompt_token_ids,
+        skip_special_tokens=params.skip_special_tokens,
+        stop=params.stop,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        min_tokens=params.min_tokens,
+    )
+    wants_logprobs = params.logprobs is not None
+    return SampleState(
+        request=request,
+        detokenizer=detokenizer,
+        logprobs=[] if wants_logprobs else None,
+        cumulative_logprob=0.0 if wants_logprobs else None,
+        holdback=stop_holdback(params),
+    )
+
+
 def stop_holdback(params: SamplingParams) -> int:
     """Characters a delta keeps back while one of ``params.stop`` could still match."""
     return max((len(s) for s in params.stop or ()), default=1) - 1
