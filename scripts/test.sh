@@ -13,6 +13,9 @@ bash scripts/setup.sh
 ruff check .
 ruff format --check .
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# A crash after the last test (interpreter shutdown, where pytest's own fault handler is off)
+# still prints every thread's Python stack: one such crash, rc 139, was seen on 2026-12-06.
+export PYTHONFAULTHANDLER=1
 if [[ "${1:-}" == "--fast" ]]; then
   shift
   set -- -m "not slow" "$@"
