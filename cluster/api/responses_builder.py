@@ -11,10 +11,12 @@ deltas as OpenAI's event sequence, each event with its ``sequence_number``:
                call:       response.function_call_arguments.delta …, …arguments.done
                response.output_item.done
     response.completed (or response.incomplete past max_output_tokens; response.failed
-    after an ``error`` event)
+    after an ``error`` event or an aborted generation)
 
 Items follow the order the model wrote them in; a kind of delta other than the open item's
-closes it and opens the next."""
+closes it and opens the next. A forced call (``tool_choice`` required or named) is held back
+until the output ends: cut off, it is no call but a message holding the generated text, as
+the whole (non-stream) response has it."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class ResponseBuilder:
 
     def __init__(self, req: ResponsesRequest, tools: list[dict[str, Any]] | None) -> None:
         self.req = req
-        self.id = _new_id("resp")
+        self.id = req.request_id or _new_id("resp")
         self.created_at = int(time.time())
         self.tools = tools or []
         self.output: list[dict[str, Any]] = []
@@ -63,8 +65,12 @@ class ResponseBuilder:
         self.error: dict[str, Any] | None = None
         self.input_tokens = 0
         self.output_tokens = 0
+        self.reasoning_tokens = 0
         self._sequence = 0
         self._open: _OpenItem | None = None
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+        self._hold_calls = forced and bool(req.tools)
+        self._held: list[dict[str, Any]] = []  # forced calls' chat deltas, until the end
 
     # ---- the response object ----------------------------------------------------------------
 
@@ -78,9 +84,10 @@ class ResponseBuilder:
             usage = {"input_tokens": self.input_tokens,
                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                      "output_tokens": self.output_tokens,
-                     "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                      "total_tokens": self.input_tokens + self.output_tokens}  # fmt: skip
         incomplete = {"reason": self.incomplete_reason} if self.incomplete_reason else None
+        reasoning = (req.model_extra or {}).get("reasoning")
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": self.status, "model": req.model, "output": list(self.output),
@@ -88,10 +95,13 @@ class ResponseBuilder:
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls
             is not False, "previous_response_id": req.previous_response_id,
-            "temperature": req.temperature, "top_p": req.top_p,
+            # The values used: OpenAI's (and the engine's) default is 1.
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": self.tools, "text": {"format": text_format}, "truncation": "disabled",
-            "store": req.store, "user": req.user, "background": False, "reasoning": None,
+            "store": req.store, "user": req.user, "background": False,
+            "reasoning": reasoning if isinstance(reasoning, dict) else None,
             "usage": usage,
         }  # fmt: skip
 
@@ -147,6 +157,9 @@ class ResponseBuilder:
                             part=_part(kind, ""))]  # fmt: skip
 
     def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        if self._hold_calls:
+            self._held.append(call)
+            return []
         events = []
         open_call = self._open
         if "id" in call or open_call is None or open_call.chat_index != call["index"]:
@@ -192,22 +205,49 @@ class ResponseBuilder:
                                   item=dict(item.item)))  # fmt: skip
         return events
 
-    def finish(self, finish_reason: str | None, output_tokens: int) -> list[dict[str, Any]]:
-        """The closing events: the open item's, then ``response.completed`` (or
-        ``response.incomplete`` when the output hit ``max_output_tokens``)."""
+    def finish(
+        self,
+        finish_reason: str | None,
+        output_tokens: int,
+        whole_message: dict[str, Any] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The closing events: the held forced calls' (``whole_message``, the chat message the
+        whole output makes, says whether they are calls or, cut off, its text), the open
+        item's, then ``response.completed`` (``response.incomplete`` when the output hit
+        ``max_output_tokens``, ``response.failed`` when the generation was aborted)."""
         self.output_tokens = output_tokens
-        incomplete = finish_reason == "length"
-        events = []
+        events = self._release_calls(whole_message)
         if not self.output:  # the model wrote nothing: an empty message, as OpenAI sends
-            events = self._open_text_item("message")
-        events += self._close("incomplete" if incomplete else "completed")
+            events += self._open_text_item("message")
+        events += self._close("completed" if finish_reason not in ("length", "abort")
+                              else "incomplete")  # fmt: skip
         self._set_status(finish_reason)
-        name = "response.incomplete" if incomplete else "response.completed"
-        return events + [self._event(name, response=self.response())]
+        name = {"incomplete": "response.incomplete", "failed": "response.failed"}
+        return events + [self._event(name.get(self.status, "response.completed"),
+                                     response=self.response())]  # fmt: skip
+
+    @property
+    def holds_calls(self) -> bool:
+        """Forced calls were held back: ``finish`` needs the whole chat message."""
+        return bool(self._held)
+
+    def _release_calls(self, whole_message: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """The events of the held forced calls, or, when the whole message has no call (its
+        JSON was cut off), of a message holding its text, as a whole response has it."""
+        held, self._held, self._hold_calls = self._held, [], False
+        if not held:
+            return []
+        if whole_message is not None and not whole_message.get("tool_calls"):
+            text = whole_message.get("content") or ""
+            if not text:
+                return self._close() + self._open_text_item("message")
+            return self._text_delta("message", text)
+        return [event for call in held for event in self._call_delta(call)]
 
     def fail(self, message: str, code: str | None = None) -> list[dict[str, Any]]:
         """The events ending a stream the server could not finish: ``error`` and
         ``response.failed`` (OpenAI's error code set has no room for ours but server_error)."""
+        self._held = []  # a forced call the stream broke off is no call
         events = self._close("incomplete")
         self.status = "failed"
         self.error = {"code": "server_error", "message": message}
@@ -229,13 +269,14 @@ class ResponseBuilder:
         self, message: dict[str, Any], finish_reason: str | None, output_tokens: int
     ) -> None:
         """The output of a whole chat message: its reasoning, its text, its tool calls."""
-        item_status = "incomplete" if finish_reason == "length" else "completed"
+        item_status = "incomplete" if finish_reason in ("length", "abort") else "completed"
         if message.get("reasoning_content"):
             self.output.append({"id": _new_id("rs"), "type": "reasoning", "summary": [],
                                 "content": [_part("reasoning", message["reasoning_content"])],
                                 "status": item_status})  # fmt: skip
         calls = message.get("tool_calls") or []
-        if message.get("content") or not calls:
+        # As a stream has it: no empty message beside a call or a reasoning item.
+        if message.get("content") or not (calls or message.get("reasoning_content")):
             content = [_part("message", message.get("content") or "")]
             self.output.append({"id": _new_id("msg"), "type": "message", "role": "assistant",
                                 "status": item_status, "content": content})  # fmt: skip

@@ -61,9 +61,10 @@ class TextConfig(_Model):
 
 class ResponsesRequest(_Model):
     """``POST /v1/responses``. Undeclared fields: harmless ones (``include``, ``reasoning``,
-    ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ...) are ignored; the ones
+    ``service_tier``, ``prompt_cache_key``, ...) are ignored (``reasoning`` is echoed); the ones
     that would change the output and are not supported are a 400 naming them
-    (``cluster.api.responses_payloads.UNSUPPORTED_RESPONSE_FIELDS``)."""
+    (``cluster.api.responses_payloads.UNSUPPORTED_RESPONSE_FIELDS``, output text logprobs in
+    ``include``)."""
 
     model: Text
     # Optional as in OpenAI's API: a continuation (previous_response_id) may add none.
@@ -98,6 +99,11 @@ class ResponsesRequest(_Model):
     logit_bias: dict[str, float] | None = None
     cache_salt: Text | None = None
     timeout: float | None = _ranged(None, exclusiveMinimum=0)
+    include_stop_str_in_output: bool | None = None
+    bad_words: list[Text] | None = None
+    skip_special_tokens: bool | None = None
+    # vLLM's: the response's id (a later one with the same id replaces it in the store).
+    request_id: Text | None = None
     # vLLM's: a grammar, regex, choice or schema over the output (not with text.format).
     structured_outputs: StructuredOutputs | None = None
 
@@ -106,7 +112,8 @@ class ResponsesRequest(_Model):
 SAMPLING_PASSTHROUGH = (
     "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias",
-    "cache_salt", "timeout", "user", "structured_outputs",
+    "cache_salt", "timeout", "user", "structured_outputs", "include_stop_str_in_output",
+    "bad_words", "skip_special_tokens",
 )  # fmt: skip
 
 __all__ = ["SAMPLING_PASSTHROUGH", "ResponsesRequest", "TextConfig", "TextFormat"]

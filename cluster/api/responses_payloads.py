@@ -18,6 +18,7 @@ from cluster.api.openai_models import ChatCompletionRequest
 from cluster.api.openai_payloads import image_part
 from cluster.api.responses_models import SAMPLING_PASSTHROUGH, ResponsesRequest
 
+_NO_TEMPLATE = "request-supplied chat templates are not accepted; the model's own template is used"
 # Undeclared fields that would change the output and are not supported: a 400 naming them
 # (when set to anything but their off value). Others (``include``, ``reasoning``,
 # ``service_tier``, ``prompt_cache_key``, ...) are ignored, as on the chat route.
@@ -27,6 +28,17 @@ UNSUPPORTED_RESPONSE_FIELDS = {
     "prompt": "stored prompt templates are not supported; send instructions and input",
     "max_tool_calls": "not supported",
     "context_management": "not supported",
+    "chat_template": _NO_TEMPLATE,
+    "chat_template_kwargs": _NO_TEMPLATE,
+    "include_reasoning": "not supported; the reasoning item is always returned",
+    "priority": "request priorities are not supported",
+    "vllm_xargs": "not supported",
+}
+# The values of those fields that change nothing (a 400 for any other).
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "include_reasoning": (None, True),
+    "priority": (None, 0),
+    "vllm_xargs": (None, {}),
 }
 # Tool types OpenAI runs itself (search, code, computer, images, MCP, shell): not served here.
 BUILTIN_TOOLS = (
@@ -39,9 +51,15 @@ _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
 def check_request(req: ResponsesRequest) -> None:
     for name, value in (req.model_extra or {}).items():
-        if name in UNSUPPORTED_RESPONSE_FIELDS and value not in (None, False):
+        off_values = _OFF_VALUES.get(name, (None, False))
+        if name in UNSUPPORTED_RESPONSE_FIELDS and value not in off_values:
             raise APIError(400, f"{name}: {UNSUPPORTED_RESPONSE_FIELDS[name]}", name,
                            "unsupported")  # fmt: skip
+    include = (req.model_extra or {}).get("include")
+    if isinstance(include, list) and "message.output_text.logprobs" in include:
+        raise APIError(400, "include: 'message.output_text.logprobs': logprobs are not returned "
+                       "by /v1/responses (use /v1/chat/completions)", "include",
+                       "unsupported")  # fmt: skip
     if req.top_logprobs:
         raise APIError(400, "top_logprobs: logprobs are not returned by /v1/responses (use "
                        "/v1/chat/completions); only 0", "top_logprobs", "unsupported")  # fmt: skip
@@ -233,10 +251,12 @@ def _image_or_text(part: Any, path: str) -> dict[str, Any]:
 
 
 def _text(parts: Any, path: str) -> str:
-    """Text content parts joined; other parts (images, files, audio) are a 400."""
+    """Text content parts joined by newlines, as the chat route joins text parts; other parts
+    (images, files, audio) are a 400."""
     if not isinstance(parts, list):
         raise APIError(400, f"{path}: must be a string or a list of text parts", path)
-    return "".join(_part_text(part, f"{path}.{j}") for j, part in enumerate(parts))
+    texts = [_part_text(part, f"{path}.{j}") for j, part in enumerate(parts)]
+    return "\n".join(t for t, part in zip(texts, parts, strict=True) if part["type"] != "refusal")
 
 
 def _part_text(part: Any, path: str) -> str:

@@ -6,6 +6,7 @@ application's store (``cluster.serving.responses_store``) that every ingress rep
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from cluster.api.api_errors import APIError, api_error
 from cluster.api.openai_payloads import chat_payload, tool_choice
 from cluster.api.openai_responses import Completion
-from cluster.api.replica_messages import StreamError
+from cluster.api.reasoning_parsers import THINK_END, THINK_START, GptOssReasoningParser
+from cluster.api.replica_messages import StreamDelta, StreamError
 from cluster.api.responses_builder import ResponseBuilder, sse_event
 from cluster.api.responses_models import ResponsesRequest
 from cluster.api.responses_payloads import chat_request, check_request, input_items
@@ -61,10 +63,10 @@ class ResponsesServicer:
         replica = _ingress_replica_id()
         return {INGRESS_REPLICA_HEADER: replica} if replica else None
 
-    async def _stored(self, response_id: str, param: str | None) -> dict[str, Any]:
+    async def _stored(self, response_id: str) -> dict[str, Any]:
         record = await self._responses_store().get(response_id)
         if record is None:
-            raise APIError(404, f"Response with id {response_id!r} not found.", param,
+            raise APIError(404, f"Response with id {response_id!r} not found.", "response_id",
                            "response_not_found")  # fmt: skip
         return record
 
@@ -72,34 +74,38 @@ class ResponsesServicer:
         check_request(req)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
-            record = await self._stored(req.previous_response_id, "previous_response_id")
+            record = await self._responses_store().get(req.previous_response_id)
+            if record is None:  # OpenAI's error: the request is wrong, not the URL
+                raise PreviousResponseNotFound(req.previous_response_id)
             history = record["input"] + record["response"]["output"]
         conversation = history + input_items(req.input)
         chat = chat_request(req, conversation)
-        payload = chat_payload(chat)
         completion = Completion(req.model, True, False, None, tools=tool_choice(chat),
                                 stream=req.stream)  # fmt: skip
         try:
-            first, stream = await self.open_stream(req.model, payload)
+            first, stream = await self.open_stream(req.model, chat_payload(chat))
         except APIError as exc:
-            raise _renamed(exc) from exc
+            raise _renamed(exc, req) from exc
         completion.absorb(first)
         builder = ResponseBuilder(req, req.tools)
         builder.input_tokens = first.prompt_tokens
         headers = self._replica_headers()
+        marks = TokenMarks()
         if req.stream:
-            events = self._events(builder, completion, stream, conversation)
+            events = self._events(builder, completion, stream, conversation, marks)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
             async for item in guard_stream(stream, req.model):
                 if isinstance(item, StreamError):
                     raise api_error(item)
+                marks.add(item)
                 completion.absorb(item)
         finally:
             stream.cancel()
         choice = completion.whole()["choices"][0]
         builder.absorb_message(choice["message"], choice["finish_reason"],
                                completion.completion_tokens)  # fmt: skip
+        builder.reasoning_tokens = marks.reasoning_tokens(completion)
         await self._keep(builder, conversation)
         return JSONResponse(builder.response(), headers=headers)
 
@@ -109,6 +115,7 @@ class ResponsesServicer:
         completion: Completion,
         stream: Any,
         conversation: list[dict[str, Any]],
+        marks: TokenMarks,
     ) -> AsyncIterator[bytes]:
         try:
             for event in builder.start():
@@ -117,12 +124,16 @@ class ResponsesServicer:
                 if isinstance(item, StreamError):
                     last = builder.fail(item.message, item.code)
                     break
+                marks.add(item)
                 for chunk in completion.absorb(item):
                     for event in builder.feed(chunk["delta"]):
                         yield sse_event(event)
             else:
                 choice = completion.choices[0]
-                last = builder.finish(choice.finish_reason, completion.completion_tokens)
+                # Held forced calls: the whole output's message says if they are calls.
+                whole = completion.whole()["choices"][0]["message"] if builder.holds_calls else None
+                builder.reasoning_tokens = marks.reasoning_tokens(completion)
+                last = builder.finish(choice.finish_reason, completion.completion_tokens, whole)
             # Kept before the last event goes out: a client may send the next turn at once.
             await self._keep(builder, conversation)
             for event in last:
@@ -142,7 +153,7 @@ class ResponsesServicer:
             logger.warning("response %s not stored: %s", builder.id, type(exc).__name__)
 
     async def get_response(self, response_id: str) -> Any:
-        return (await self._stored(response_id, "response_id"))["response"]
+        return (await self._stored(response_id))["response"]
 
     async def delete_response(self, response_id: str) -> Any:
         if not await self._responses_store().delete(response_id):
@@ -151,12 +162,99 @@ class ResponsesServicer:
         return {"id": response_id, "object": "response", "deleted": True}
 
 
-def _renamed(exc: APIError) -> APIError:
+class PreviousResponseNotFound(APIError):
+    """OpenAI's 404 for an unknown ``previous_response_id``: an ``invalid_request_error``."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(404, f"Previous response with id {response_id!r} not found.",
+                         "previous_response_id", "previous_response_not_found")  # fmt: skip
+        self.response_id = response_id
+
+    def __reduce__(self) -> tuple[type[APIError], tuple[Any, ...]]:
+        return (PreviousResponseNotFound, (self.response_id,))
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"]["type"] = "invalid_request_error"
+        return body
+
+
+class TokenMarks:
+    """The first choice's text length and token count after each delta (O(1) a delta): which
+    tokens wrote its reasoning."""
+
+    def __init__(self) -> None:
+        self.chars: list[int] = []
+        self.tokens: list[int] = []
+
+    def add(self, item: Any) -> None:
+        if not isinstance(item, StreamDelta):
+            return
+        for delta in item.choices:
+            if delta.index == 0:
+                self.chars.append((self.chars[-1] if self.chars else 0) + len(delta.text))
+                self.tokens.append(delta.num_tokens)
+
+    def reasoning_tokens(self, completion: Completion) -> int:
+        """``usage.output_tokens_details.reasoning_tokens``: as vLLM counts them, the tokens
+        between the think tags (to the end when cut off inside; harmony's channels are not
+        split by text: 0)."""
+        parser = completion.reasoning_parser
+        if parser is None or isinstance(parser, GptOssReasoningParser) or not completion.choices:
+            return 0
+        text = completion.choices[0].text
+        in_reasoning = completion.in_reasoning
+        if parser.extract(text, in_reasoning=in_reasoning)[0] is None:
+            return 0
+        if in_reasoning is None:
+            in_reasoning = parser.starts_in_reasoning
+        start = 0 if in_reasoning else text.find(THINK_START) + len(THINK_START)
+        end = text.find(THINK_END, start)
+        return self._tokens_at(len(text) if end < 0 else end) - self._tokens_at(start)
+
+    def _tokens_at(self, chars: int) -> int:
+        """The tokens whose text ends at or before character ``chars``."""
+        i = bisect.bisect_right(self.chars, chars)
+        return self.tokens[i - 1] if i else 0
+
+
+# Chat-side parameter names -> the Responses request's (a prefix of ``param``).
+_RENAMES = (
+    ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
+    ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+    ("messages", "input"), ("prompt", "input"),
+)  # fmt: skip
+
+
+def _renamed(exc: APIError, req: ResponsesRequest) -> APIError:
     """The server's 400 as the Responses request names the field."""
-    if exc.param != "max_tokens":
+    param = exc.param or ""
+    renames: tuple[tuple[str, str], ...] = _RENAMES
+    fmt = req.text.format if req.text is not None else None
+    # text.format's grammar (a forced call's is its tool's schema; text.format with
+    # structured_outputs is a 400 before the server).
+    forced = req.tool_choice not in (None, "none", "auto") and bool(req.tools)
+    if fmt is not None and fmt.type == "json_schema" and not forced:
+        renames += (("structured_outputs.json", "text.format.schema"),)
+    for chat_name, name in renames:
+        if param == chat_name or param.startswith(f"{chat_name}."):
+            # A chat message's index is not its input item's (instructions come first).
+            new_param = name if name == "input" else name + param[len(chat_name) :]
+            break
+    else:
         return exc
-    message = exc.message.replace("max_tokens", "max_output_tokens", 1)
-    return APIError(exc.status, message, "max_output_tokens", exc.code, exc.retry_after)
+    message = exc.message
+    if message.startswith(f"{param}:"):
+        message = new_param + message[len(param) :]
+    if name == "max_output_tokens":  # the engine's message names it more than once
+        message = message.replace(chat_name, name)
+    return APIError(exc.status, message, new_param, exc.code, exc.retry_after)
 
 
-__all__ = ["INGRESS_REPLICA_HEADER", "ResponsesServicer", "responses_store"]
+__all__ = [
+    "INGRESS_REPLICA_HEADER",
+    "PreviousResponseNotFound",
+    "ResponsesServicer",
+    "TokenMarks",
+    "responses_store",
+]

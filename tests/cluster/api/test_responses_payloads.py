@@ -1,0 +1,72 @@
+"""A Responses request as the chat request it becomes (``cluster.api.responses_payloads``):
+text parts joined as the chat route joins them, and the fields that would change the output
+but are not supported refused with a 400 naming them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cluster.api.api_errors import APIError
+from cluster.api.openai_models import ChatCompletionRequest
+from cluster.api.openai_payloads import chat_payload
+from cluster.api.responses_models import ResponsesRequest
+from cluster.api.responses_payloads import chat_request, check_request, input_items
+
+
+def _request(**fields: Any) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "Hi", **fields})
+
+
+def test_input_text_parts_of_a_message_are_joined_by_newlines() -> None:
+    parts = [{"type": "input_text", "text": "ab"}, {"type": "input_text", "text": "cd"}]
+    req = _request(input=[{"role": "user", "content": parts}])
+    chat = chat_request(req, input_items(req.input))
+    assert chat.messages[0].model_dump(exclude_none=True)["content"] == "ab\ncd"
+
+
+def test_a_refusal_part_adds_no_line() -> None:
+    parts = [{"type": "refusal", "refusal": "no"}, {"type": "output_text", "text": "ok"}]
+    req = _request(input=[{"role": "assistant", "content": parts}])
+    chat = chat_request(req, input_items(req.input))
+    assert chat.messages[0].model_dump(exclude_none=True)["content"] == "ok"
+
+
+def _refused(**fields: Any) -> APIError:
+    with pytest.raises(APIError) as info:
+        check_request(_request(**fields))
+    assert info.value.status == 400
+    return info.value
+
+
+def test_chat_template_kwargs_is_the_chat_routes_400() -> None:
+    kwargs = {"enable_thinking": False}
+    error = _refused(chat_template_kwargs=kwargs)
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+         "chat_template_kwargs": kwargs})  # fmt: skip
+    with pytest.raises(APIError) as info:
+        chat_payload(chat)
+    assert (error.message, error.param) == (info.value.message, info.value.param)
+
+
+def test_output_text_logprobs_are_refused_like_top_logprobs() -> None:
+    error = _refused(include=["reasoning.encrypted_content", "message.output_text.logprobs"])
+    assert error.param == "include"
+    assert "logprobs are not returned" in error.message
+    check_request(_request(include=["reasoning.encrypted_content"]))  # changes nothing
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("include_reasoning", False), ("priority", 1), ("vllm_xargs", {"a": 1})]
+)
+def test_vllm_fields_that_change_the_output_are_refused(name: str, value: Any) -> None:
+    assert _refused(**{name: value}).param == name
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("include_reasoning", True), ("priority", 0), ("vllm_xargs", {})]
+)
+def test_their_off_values_are_accepted(name: str, value: Any) -> None:
+    check_request(_request(**{name: value}))
