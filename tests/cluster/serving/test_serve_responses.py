@@ -97,9 +97,10 @@ def test_item_input_renders_every_role_and_text_part(client: OpenAI, base_url: s
         {"role": "user", "content": "Again?"},
     ]  # fmt: skip
     response = client.responses.create(model=MODEL, input=items, max_output_tokens=3, temperature=0)
-    # Developer messages are the system prompt for the chat template.
+    # Developer messages are the system prompt for the chat template; text parts are joined
+    # by newlines, as the chat route (and vLLM) joins them.
     messages = [{"role": "system", "content": "Be terse."},
-                {"role": "user", "content": "Hi you"},
+                {"role": "user", "content": "Hi \nyou"},
                 {"role": "assistant", "content": "Hello."},
                 {"role": "user", "content": "Again?"}]  # fmt: skip
     assert response.usage.input_tokens == prompt_tokens(base_url, messages)
