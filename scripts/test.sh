@@ -4,8 +4,7 @@
 #   scripts/test.sh --fast           the fast tier (-m "not slow", ~5 min): the working loop
 #   scripts/test.sh tests/engine/... a file or test: one pytest, as given
 # Every run prints its 20 slowest tests (CI keeps them in its log).
-# Without paths the suite runs as two pytest processes side by side: tests/cluster (Ray, Serve:
-# mostly waiting on processes, about half a core) and the rest (CPU-bound, one thread each).
+# Without paths the suite runs as two streams of pytest processes side by side (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -25,18 +24,40 @@ for arg in "$@"; do
     exec python -m pytest -q --durations=20 "$@"
   fi
 done
+# Two pytest streams side by side. Stream 1: tests/cluster/cli (its `ray stop` ends every Ray
+# on the machine, so it runs while no other Ray does), then the rest of tests/cluster but
+# runtime/. Stream 2: the Ray-free tests outside tests/cluster (CPU-bound), then, once the CLI
+# tests are done, tests/cluster/runtime (each module its own local Ray, under a Ray temp
+# directory of its own, so no engine there joins stream 1's Ray).
+marker=$(mktemp -d)
 others_log=$(mktemp)
-python -m pytest -q --durations=20 --ignore=tests/cluster "$@" >"$others_log" 2>&1 &
+(
+  rc=0
+  python -m pytest -q --durations=20 --ignore=tests/cluster "$@" || rc=$?
+  while [[ ! -e "$marker/cli-done" ]] && kill -0 $$ 2>/dev/null; do sleep 2; done
+  ray_tmp=$(mktemp -d /tmp/ray2.XXXX)  # short: Ray's socket paths must fit 107 bytes
+  runtime_rc=0
+  RAY_TMPDIR=$ray_tmp python -m pytest -q --durations=20 tests/cluster/runtime "$@" \
+    || runtime_rc=$?
+  rm -rf "$ray_tmp"
+  for r in "$rc" "$runtime_rc"; do
+    if [[ "$r" != 0 && "$r" != 5 ]]; then exit "$r"; fi
+  done
+) >"$others_log" 2>&1 &
 others=$!
+cli_rc=0
+python -m pytest -q --durations=20 tests/cluster/cli "$@" || cli_rc=$?
+touch "$marker/cli-done"
 cluster_rc=0
-python -m pytest -q --durations=20 tests/cluster "$@" || cluster_rc=$?
+python -m pytest -q --durations=20 tests/cluster --ignore=tests/cluster/cli \
+  --ignore=tests/cluster/runtime "$@" || cluster_rc=$?
 others_rc=0
 wait "$others" || others_rc=$?
-echo "==================== tests outside tests/cluster ===================="
+echo "==================== tests outside tests/cluster, then tests/cluster/runtime ===================="
 cat "$others_log"
-rm -f "$others_log"
-# pytest exits 5 when a selection (-m ...) leaves one half with no tests: not a failure.
-for rc in "$cluster_rc" "$others_rc"; do
+rm -rf "$others_log" "$marker"
+# pytest exits 5 when a selection (-m ...) leaves one part with no tests: not a failure.
+for rc in "$cli_rc" "$cluster_rc" "$others_rc"; do
   if [[ "$rc" != 0 && "$rc" != 5 ]]; then
     exit "$rc"
   fi
