@@ -230,6 +230,8 @@ class EmbeddingRequest(_Model):
     input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = _ranged(None, minimum=1)
+    # vLLM's: the tokenizer's special tokens (BOS) around each text input.
+    add_special_tokens: bool = True
     user: Text | None = None
 
 

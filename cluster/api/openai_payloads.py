@@ -43,9 +43,10 @@ _ignored_logged: set[str] = set()
 
 
 def check_extra_fields(req: BaseModel) -> None:
-    """400 for an undeclared field that would change the output; others are ignored."""
+    """400 for an undeclared field that would change the output; others are ignored. A null
+    is "not given" (the default), as in vLLM and for the ``OrNull`` fields."""
     for name, value in (req.model_extra or {}).items():
-        if name in UNSUPPORTED_FIELDS:
+        if name in UNSUPPORTED_FIELDS and value is not None:
             raise APIError(400, f"{name}: {UNSUPPORTED_FIELDS[name]}", name, "unsupported")
         if name == "modalities" and value not in (["text"], None):
             raise APIError(400, "modalities: only text output is supported", name, "unsupported")

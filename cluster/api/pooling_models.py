@@ -16,6 +16,7 @@ _MAX_TEXTS = 1024  # texts per request, as the embeddings route's inputs
 class ClassificationRequest(_Model):
     model: Text
     input: Text | list[Text]
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (BOS)
     user: Text | None = None
 
 

@@ -164,6 +164,7 @@ class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     prompt: Any = None  # a string; anything else is a 400 from the server, naming the field
     prompt_token_ids: list[int] | None = None
+    add_special_tokens: bool = True  # the tokenizer's special tokens (BOS) around ``prompt``
     task: str = "embed"
     normalize: bool = True
     dimensions: int | None = None

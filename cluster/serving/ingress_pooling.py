@@ -2,7 +2,9 @@
 (OpenAI's), ``/classify``, ``/score`` and ``/rerank`` (vLLM's shapes; ``/rerank`` is Jina's and
 Cohere's). Each fans its inputs out to the model's ``LLMServer`` (``embed`` per input,
 ``score`` per request: ``cluster.serving.pooling_server``) and shapes the reply; a
-``StreamError`` from the server becomes its HTTP error."""
+``StreamError`` from the server becomes its HTTP error. vLLM's pooling fields that would change
+the output and are not supported (``use_activation: false``, ``embed_dtype``, ...) are 400s
+naming them."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import ray
+from pydantic import BaseModel
 
 from cluster.api.api_errors import APIError, api_error
 from cluster.api.openai_models import EmbeddingRequest
@@ -23,6 +26,33 @@ from cluster.api.openai_payloads import check_extra_fields, embedding_payloads
 from cluster.api.pooling_models import ClassificationRequest, RerankRequest, ScoreRequest
 from cluster.api.replica_messages import EmbedRequest, StreamError
 from cluster.api.replica_messages import ScoreRequest as ServerScoreRequest
+
+# vLLM's pooling fields that change the output and are not supported: a 400 naming them, unless
+# null (not given) or a value that gives this server's output anyway.
+_POOLING_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_activation": ((True,), "only true is supported (the model's activation, for "
+                                "embeddings the normalisation)"),
+    "normalize": ((), "was removed (as in vLLM); only use_activation: true is supported"),
+    "embed_dtype": (("float32",), "only float32 is supported"),
+    "endianness": (("native", "little"), "only little-endian (native, little) is supported"),
+    "truncation_side": ((), "prompt truncation is not supported"),
+    "padding": (("do_not_pad",), "only do_not_pad is supported"),
+    "max_tokens_per_query": ((0,), "truncation is not supported; only 0 (none)"),
+    "max_tokens_per_doc": ((0,), "truncation is not supported; only 0 (none)"),
+    "instruction": ((), "score instructions are not supported"),
+    "chat_template_kwargs": ((), "chat templates are not used on the pooling routes"),
+}  # fmt: skip
+
+
+def _check_pooling_fields(req: BaseModel) -> None:
+    """``check_extra_fields`` plus the pooling routes' own unsupported fields."""
+    for name, value in (req.model_extra or {}).items():
+        allowed, why = _POOLING_FIELDS.get(name, (None, ""))
+        if allowed is None or value is None:
+            continue
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            raise APIError(400, f"{name}: {why}", name, "unsupported")
+    check_extra_fields(req)
 
 
 def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -60,12 +90,12 @@ class PoolingServicer:
         return list(results)
 
     async def embeddings(self, req: EmbeddingRequest) -> Any:
-        check_extra_fields(req)
+        _check_pooling_fields(req)
         handle = self._server(req.model)
         await self._admit(req.model)
         inputs = embedding_payloads(req.input)
-        if req.dimensions is not None:
-            inputs = [msgspec.structs.replace(p, dimensions=req.dimensions) for p in inputs]
+        changes = {"dimensions": req.dimensions, "add_special_tokens": req.add_special_tokens}
+        inputs = [msgspec.structs.replace(p, **changes) for p in inputs]
         results = await self._call(req.model, [handle.embed.remote(p) for p in inputs])
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode_embedding(r.embedding, req.encoding_format)}
@@ -75,13 +105,16 @@ class PoolingServicer:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
 
     async def classify(self, req: ClassificationRequest) -> Any:
-        check_extra_fields(req)
+        _check_pooling_fields(req)
         handle = self._server(req.model)
         inputs = [req.input] if isinstance(req.input, str) else req.input
         if not inputs:
             raise APIError(400, "input: must not be empty", "input")
         await self._admit(req.model)
-        calls = [handle.embed.remote(EmbedRequest(prompt=t, task="classify")) for t in inputs]
+        special = req.add_special_tokens
+        calls = [handle.embed.remote(EmbedRequest(prompt=t, task="classify",
+                                                  add_special_tokens=special))
+                 for t in inputs]  # fmt: skip
         results = await self._call(req.model, calls)
         data = [{"index": i, "label": r.label, "probs": r.embedding,
                  "num_classes": len(r.embedding)} for i, r in enumerate(results)]  # fmt: skip
@@ -89,16 +122,19 @@ class PoolingServicer:
         return {**_header("classify", req.model), "data": data, "usage": _usage(tokens)}
 
     async def score(self, req: ScoreRequest) -> Any:
-        check_extra_fields(req)
+        _check_pooling_fields(req)
         result = await self._score(req.model, req.text_1, req.text_2)
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(result.scores)]
         return {**_header("score", req.model), "data": data, "usage": _usage(result.prompt_tokens)}
 
     async def rerank(self, req: RerankRequest) -> Any:
-        check_extra_fields(req)
+        _check_pooling_fields(req)
         documents = req.document_texts()
         if not documents:
             raise APIError(400, "documents: must hold at least one document", "documents")
+        if req.top_n is not None and req.top_n < 0:
+            raise APIError(400, f"top_n: must be >= 0 (0: every document), got {req.top_n}",
+                           "top_n")  # fmt: skip
         result = await self._score(req.model, req.query, documents)
         order = sorted(range(len(documents)), key=lambda i: -result.scores[i])
         if req.top_n:

@@ -1,6 +1,8 @@
 """Prometheus metrics per model, through ``ray.util.metrics``: every replica reports to its
 node's Ray metrics agent, so one scrape of the cluster (each node's agent, or the ingress's
-``/metrics``, which gathers them all) shows every replica, tagged by model and replica.
+``/metrics``, which gathers them all) shows every replica, tagged by model and replica. Ray's
+exporter names each with its ``ray_`` prefix (``ray_llm_cluster_requests_running``) and adds
+its own labels (``Component``, ``NodeAddress``, ``SessionName``, ``Version``, ``WorkerId``).
 
 Beyond the engine's queue, KV and latency series, each group below appears where it applies:
 
@@ -32,7 +34,16 @@ if TYPE_CHECKING:
 
 PREFIX = "llm_cluster_"
 _TAGS = ("model", "replica")
+# Seconds. Request latencies take vLLM's bucket sets (vllm/v1/metrics/buckets.py), so its
+# dashboards' quantiles read the same: first token from 1 ms, token gaps from 10 ms, whole
+# requests from 0.3 s to two hours. Sleep and wake times keep the general set.
 _LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+TTFT_BOUNDARIES = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+ITL_BOUNDARIES = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                  7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
+E2E_BOUNDARIES = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 
 
 class ModelMetrics:
@@ -47,12 +58,16 @@ class ModelMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(PREFIX + name, doc, tag_keys=_TAGS)
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(PREFIX + name, doc, _LATENCY_BOUNDARIES, tag_keys=_TAGS)
+        def histogram(
+            name: str, doc: str, boundaries: list[float] = _LATENCY_BOUNDARIES
+        ) -> Histogram:
+            return Histogram(PREFIX + name, doc, boundaries, tag_keys=_TAGS)
 
         self.running = gauge("requests_running", "Requests in the running batch.")
         self.waiting = gauge("requests_waiting", "Requests waiting or swapped out.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache blocks in use, percent.")
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc", "KV cache usage, a fraction: 1 means every block in use."
+        )
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens found cached.")
         self.prefix_queries = counter(
             "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."
@@ -68,9 +83,15 @@ class ModelMetrics:
         self.preemptions = counter("preemptions_total", "Requests preempted.")
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens admitted.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
-        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.")
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token.", TTFT_BOUNDARIES
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between output tokens.", ITL_BOUNDARIES
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Request latency, end to end.", E2E_BOUNDARIES
+        )
         from engine.client.async_llm_engine import EngineStats  # torch: only replicas that have one
 
         self._last = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
@@ -97,7 +118,7 @@ class ModelMetrics:
         )
         self.core_kv_usage = Gauge(
             PREFIX + "core_kv_cache_usage_perc",
-            "The engine core's KV cache blocks in use, percent.",
+            "The engine core's KV cache usage, a fraction: 1 means every block in use.",
             tag_keys=core_tags,
         )
         # Speculative decoding (vLLM's metric names).
@@ -169,7 +190,7 @@ class ModelMetrics:
         """Set gauges from a snapshot and advance counters by what changed since the last."""
         self.running.set(stats.num_running, self.tags)
         self.waiting.set(stats.num_waiting, self.tags)
-        self.kv_usage.set(100.0 * stats.kv_usage, self.tags)
+        self.kv_usage.set(stats.kv_usage, self.tags)  # vLLM's 0-1, not percent
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate, self.tags)
         last, self._last = self._last, stats
         for counter, now, before in (
@@ -199,7 +220,7 @@ class ModelMetrics:
             tags = {**self.tags, "core": str(index)}
             self.core_running.set(core.num_running, tags)
             self.core_waiting.set(core.num_waiting, tags)
-            self.core_kv_usage.set(100.0 * core.kv_usage, tags)
+            self.core_kv_usage.set(core.kv_usage, tags)
         before = last.spec_accepted_per_pos
         for pos, now in enumerate(stats.spec_accepted_per_pos):
             added = now - (before[pos] if pos < len(before) else 0)
@@ -219,6 +240,12 @@ class ModelMetrics:
             imbalance = expert_load_imbalance(counts)
             if imbalance is not None:
                 self.expert_imbalance.set(imbalance, layer_tags)
+
+    def on_pooled(self, start: float, at: float) -> None:
+        """A pooling request's one output, its first output and its end at once (vLLM records
+        both for embeddings, score and classify)."""
+        self.ttft.observe(at - start, self.tags)
+        self.e2e.observe(at - start, self.tags)
 
     def request_timer(self, start: float) -> RequestTimer:
         return RequestTimer(self, start)

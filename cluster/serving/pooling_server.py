@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from cluster.api.replica_messages import (
@@ -41,6 +42,7 @@ class PoolingServer:
 
     engine: Any
     config: Any
+    metrics: Any  # cluster.serving.metrics.ModelMetrics
     tokenizer: Any
     model_id: str
     draining: bool
@@ -96,7 +98,11 @@ class PoolingServer:
         if isinstance(outputs, StreamError):
             return outputs
         vectors = {t: _vector(o) for t, o in zip(texts, outputs, strict=True)}
-        return ScoreResult([cosine(vectors[a], vectors[b]) for a, b in pairs], _tokens(outputs))
+        # Each text is embedded once, but usage counts every text of the request (one text_1
+        # against many: once), as vLLM bills it.
+        counts = {t: len(o.prompt_token_ids) for t, o in zip(texts, outputs, strict=True)}
+        tokens = sum(counts[t] for t in (*request.text_1, *request.text_2))
+        return ScoreResult([cosine(vectors[a], vectors[b]) for a, b in pairs], tokens)
 
     async def _pool(
         self, prompts: list[Any], params: PoolingParams, request_id: str
@@ -111,11 +117,17 @@ class PoolingServer:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self._active.update(ids)
         tasks: list[asyncio.Future[PoolingRequestOutput]] = []
+        start = time.monotonic()
+
+        async def encode(prompt: Any, rid: str) -> PoolingRequestOutput:
+            output = await self.engine.encode(prompt, params, rid)
+            self.metrics.on_pooled(start, time.monotonic())
+            return output
+
         try:
             await self._ensure_awake()
             tasks = [
-                asyncio.ensure_future(self.engine.encode(p, params, rid))
-                for p, rid in zip(prompts, ids, strict=True)
+                asyncio.ensure_future(encode(p, rid)) for p, rid in zip(prompts, ids, strict=True)
             ]
             return list(await asyncio.gather(*tasks))
         except _REFUSED as exc:

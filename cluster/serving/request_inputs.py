@@ -152,7 +152,7 @@ def request_prompt(
         return {"prompt_token_ids": request.prompt_token_ids}
     prompt = request.prompt
     if isinstance(prompt, str) and prompt:
-        special = not (isinstance(request, GenerateRequest) and request.add_special_tokens is False)
+        special = request.add_special_tokens is not False  # None: the default, with them
         ids = tokenizer.encode(prompt, add_special_tokens=special)
         return {"prompt": prompt, "prompt_token_ids": ids}
     return prompt  # the core names what is wrong with it

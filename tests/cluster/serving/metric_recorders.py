@@ -18,6 +18,7 @@ class _Recorded:
     def __init__(self, name: str, description: str = "", *args: Any, **kwargs: Any) -> None:
         self.name = name
         self.tag_keys = tuple(kwargs.get("tag_keys", ()))
+        self.boundaries = list(kwargs.get("boundaries", args[0] if args else []))
 
     def _key(self, tags: dict[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
         if set(tags) != set(self.tag_keys):
@@ -34,7 +35,8 @@ class _Recorded:
         SAMPLES[self._key(tags)] = value
 
     def observe(self, value: float, tags: dict[str, str]) -> None:
-        self._key(tags)
+        name, key = self._key(tags)
+        SAMPLES[name + "_count", key] = SAMPLES.get((name + "_count", key), 0) + 1
 
 
 def recorded_model_metrics(

@@ -8,6 +8,7 @@ the lines ``GET /metrics`` shows."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,8 +63,15 @@ def test_a_data_parallel_replica_publishes_each_cores_load(model_metrics: ModelM
     tags = 'model="moe",replica="r1"'
     assert f'llm_cluster_core_requests_running{{core="0",{tags}}} 3\n' in text
     assert f'llm_cluster_core_requests_waiting{{core="1",{tags}}} 2\n' in text
-    assert f'llm_cluster_core_kv_cache_usage_perc{{core="1",{tags}}} 50\n' in text
+    assert f'llm_cluster_core_kv_cache_usage_perc{{core="1",{tags}}} 0.5\n' in text
     assert f"llm_cluster_requests_running{{{tags}}} 4\n" in text  # the replica's, all cores
+
+
+def test_kv_cache_usage_perc_is_a_fraction_like_vllms(model_metrics: ModelMetrics) -> None:
+    # vLLM's metric of the same name: "1 means 100 percent usage" (Grafana's percentunit).
+    model_metrics.publish(EngineStats(0, 0, 0, 0, 0.375, 0, 0, 0, 0, 0, 0))
+    text = prometheus_text()
+    assert 'llm_cluster_kv_cache_usage_perc{model="moe",replica="r1"} 0.375\n' in text
 
 
 def test_a_single_core_replica_publishes_no_core_series(model_metrics: ModelMetrics) -> None:
@@ -102,3 +110,15 @@ def test_the_nodes_kv_store_size_files_evictions_and_bound_are_gauges(
     (line,) = [x for x in text.splitlines() if x.startswith("llm_cluster_kv_store_capacity")]
     assert line.startswith(f"llm_cluster_kv_store_capacity_bytes{{{tags}}} ")
     assert abs(float(line.split()[-1]) - (1 << 20)) < 100  # (printed to 6 digits)
+
+
+def test_latency_histograms_take_vllms_bucket_sets(model_metrics: ModelMetrics) -> None:
+    # vLLM 0.32's vllm/v1/metrics/buckets.py: (first, last, how many) of each set.
+    def shape(histogram: Any) -> tuple[float, float, int]:
+        bounds = histogram.boundaries
+        assert bounds == sorted(bounds)
+        return bounds[0], bounds[-1], len(bounds)
+
+    assert shape(model_metrics.ttft) == (0.001, 2560.0, 22)
+    assert shape(model_metrics.itl) == (0.01, 80.0, 19)
+    assert shape(model_metrics.e2e) == (0.3, 7680.0, 21)  # a request of 2 h is still in a bucket

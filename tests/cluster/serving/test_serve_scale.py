@@ -97,10 +97,10 @@ def test_health_does_not_wake_a_model_at_zero_replicas(scaled: str) -> None:
 
 def test_routing_and_autoscaling_decisions_are_in_the_metrics(scaled: str) -> None:
     names = (
-        "llm_cluster_routing_decisions_total",
-        "llm_cluster_autoscaling_decisions_total",
-        "llm_cluster_autoscaling_desired_replicas",
-        "llm_cluster_prefix_cache_hit_rate",
+        "ray_llm_cluster_routing_decisions_total",
+        "ray_llm_cluster_autoscaling_decisions_total",
+        "ray_llm_cluster_autoscaling_desired_replicas",
+        "ray_llm_cluster_prefix_cache_hit_rate",
     )
     missing: list[str] = []
 

@@ -95,7 +95,8 @@ def test_three_models_on_room_for_two_answer_in_turn(client: OpenAI, base_url: s
             awake = [m for m in MODELS if not _asleep(base_url, m)]
             assert model in awake and len(awake) <= 2, awake
     metrics = httpx.get(f"{base_url}/metrics", headers=AUTH, timeout=60).text
-    assert "llm_cluster_wakes_total" in metrics and "llm_cluster_sleeps_total" in metrics
+    names = {line.split("{", 1)[0] for line in metrics.splitlines()}
+    assert {"ray_llm_cluster_wakes_total", "ray_llm_cluster_sleeps_total"} <= names
 
 
 @pytest.mark.parametrize("level", [1, 2])

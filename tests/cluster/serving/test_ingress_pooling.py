@@ -1,0 +1,153 @@
+"""The pooling routes of the ingress (``cluster.serving.ingress_pooling``) over a recording
+server, through the real HTTP routes (no engine, no Ray): what reaches the server for each
+field, and the fields that are a 400 naming them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cluster.api.openai_api import make_openai_app
+from cluster.api.replica_messages import EmbedRequest, EmbedResult, ScoreRequest, ScoreResult
+from cluster.serving.ingress_pooling import PoolingServicer
+
+
+class _Method:
+    def __init__(self, answer: Any, calls: list[Any]) -> None:
+        self.answer = answer
+        self.calls = calls
+
+    def remote(self, request: Any) -> Any:
+        self.calls.append(request)
+
+        async def reply() -> Any:
+            return self.answer(request)
+
+        return reply()
+
+
+class _Recording(PoolingServicer):
+    """An ingress whose server embeds every input as [1, 0] and scores pairs 0.3, 0.9, 0.6."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+        self.handle = type("Handle", (), {})()
+        self.handle.embed = _Method(lambda r: EmbedResult([1.0, 0.0], 3, "yes"), self.calls)
+        scores = [0.3, 0.9, 0.6]
+        self.handle.score = _Method(lambda r: ScoreResult(scores[: len(r.text_2)], 7), self.calls)
+
+    def _server(self, model: str) -> Any:
+        return self.handle
+
+    async def _admit(self, model: str) -> None:
+        return None
+
+
+@pytest.fixture
+def ingress() -> _Recording:
+    return _Recording()
+
+
+def _post(ingress: _Recording, path: str, body: dict[str, Any]) -> Any:
+    return TestClient(make_openai_app(ingress)).post(path, json=body)  # type: ignore[arg-type]
+
+
+RERANK = {"model": "m", "query": "q", "documents": ["a", "b", "c"]}
+BODIES = {
+    "/v1/embeddings": {"model": "m", "input": "hi"},
+    "/classify": {"model": "m", "input": "hi"},
+    "/score": {"model": "m", "text_1": "a", "text_2": "b"},
+    "/rerank": RERANK,
+}
+
+
+def test_rerank_top_n_below_zero_is_a_400_naming_top_n(ingress: _Recording) -> None:
+    response = _post(ingress, "/rerank", {**RERANK, "top_n": -1})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "top_n" and "top_n: must be >= 0" in error["message"]
+    assert ingress.calls == []  # refused before any scoring
+
+
+@pytest.mark.parametrize(("top_n", "indices"), [(None, [1, 2, 0]), (0, [1, 2, 0]), (2, [1, 2])])
+def test_rerank_top_n_zero_or_null_keeps_every_document(
+    ingress: _Recording, top_n: int | None, indices: list[int]
+) -> None:
+    response = _post(ingress, "/rerank", {**RERANK, "top_n": top_n})
+    assert response.status_code == 200
+    assert [r["index"] for r in response.json()["results"]] == indices
+
+
+@pytest.mark.parametrize("field", ["truncate_prompt_tokens", "functions", "audio"])
+def test_an_unsupported_field_sent_as_null_is_not_given(ingress: _Recording, field: str) -> None:
+    body = {"model": "m", "input": "hello world", field: None}
+    assert _post(ingress, "/v1/embeddings", body).status_code == 200
+
+
+def test_an_unsupported_field_with_a_value_is_still_a_400(ingress: _Recording) -> None:
+    body = {"model": "m", "input": "hello world", "truncate_prompt_tokens": 3}
+    response = _post(ingress, "/v1/embeddings", body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize(("path", "sent", "expected"),
+                         [("/v1/embeddings", {}, True),
+                          ("/v1/embeddings", {"add_special_tokens": False}, False),
+                          ("/classify", {"add_special_tokens": False}, False)])  # fmt: skip
+def test_add_special_tokens_reaches_the_server(
+    ingress: _Recording, path: str, sent: dict[str, Any], expected: bool
+) -> None:
+    body = {"model": "m", "input": ["hello", "world"], **sent}
+    assert _post(ingress, path, body).status_code == 200
+    assert [c.add_special_tokens for c in ingress.calls] == [expected, expected]
+    assert all(isinstance(c, EmbedRequest) for c in ingress.calls)
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/embeddings", "use_activation", False),
+        ("/v1/embeddings", "normalize", False),
+        ("/v1/embeddings", "embed_dtype", "float16"),
+        ("/v1/embeddings", "endianness", "big"),
+        ("/v1/embeddings", "truncation_side", "left"),
+        ("/v1/embeddings", "padding", "max_length"),
+        ("/classify", "use_activation", False),
+        ("/score", "use_activation", False),
+        ("/score", "max_tokens_per_doc", 8),
+        ("/rerank", "use_activation", False),
+        ("/rerank", "max_tokens_per_query", 8),
+        ("/rerank", "instruction", "Judge relevance"),
+        ("/rerank", "chat_template_kwargs", {"instruction": "x"}),
+    ],
+)
+def test_a_pooling_field_that_changes_the_output_is_a_400_naming_it(
+    ingress: _Recording, path: str, field: str, value: Any
+) -> None:
+    response = _post(ingress, path, {**BODIES[path], field: value})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}: ")
+    assert ingress.calls == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("use_activation", True), ("embed_dtype", "float32"), ("endianness", "native"),
+     ("padding", "do_not_pad"), ("use_activation", None), ("normalize", None)],
+)  # fmt: skip
+def test_a_pooling_field_at_the_servers_own_behaviour_is_accepted(
+    ingress: _Recording, field: str, value: Any
+) -> None:
+    body = {"model": "m", "input": "hi", "encoding_format": "base64", field: value}
+    assert _post(ingress, "/v1/embeddings", body).status_code == 200
+
+
+def test_score_requests_reach_the_server_as_lists(ingress: _Recording) -> None:
+    body = {"model": "m", "text_1": "a", "text_2": ["b", "c"], "max_tokens_per_doc": 0}
+    assert _post(ingress, "/score", body).status_code == 200
+    (call,) = ingress.calls
+    assert isinstance(call, ScoreRequest) and (call.text_1, call.text_2) == (["a"], ["b", "c"])
