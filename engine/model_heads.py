@@ -79,6 +79,19 @@ def two_way_softmax(hf: dict[str, Any]) -> bool:
     return two_way
 
 
+def pair_uses_sep_token(hf: dict[str, Any]) -> bool:
+    """How a cross-encoder's (text_1, text_2) pair becomes one prompt, as vLLM decides it: the
+    tokenizer's pair encoding (its separator between them), except for a causal LM turned into a
+    classifier by ``method`` (Qwen3-Reranker's ``is_original_qwen3_reranker``), whose texts are
+    concatenated and encoded as one; the config's ``use_sep_token`` decides when it is set."""
+    given = hf.get("use_sep_token")
+    if given is not None:
+        if not isinstance(given, bool):
+            raise ConfigError(f"use_sep_token: must be true or false, got {given!r}")
+        return given
+    return hf.get("method") is None and not hf.get("is_original_qwen3_reranker")
+
+
 def num_labels(hf: dict[str, Any]) -> int:
     """Classes of a classifier: one per classifier token (one for a two-way softmax), else
     ``id2label``'s entries (HF's default: 2)."""
@@ -144,6 +157,7 @@ __all__ = [
     "family_architecture",
     "label_names",
     "num_labels",
+    "pair_uses_sep_token",
     "resolve_task",
     "two_way_softmax",
 ]

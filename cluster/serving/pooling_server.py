@@ -27,7 +27,7 @@ from engine.errors import (
     InvalidRequestError,
     RequestAbortedError,
 )
-from engine.model_heads import label_names, num_labels
+from engine.model_heads import label_names, num_labels, pair_uses_sep_token
 from engine.outputs import PoolingRequestOutput
 from engine.pooling_params import PoolingParams
 
@@ -87,7 +87,8 @@ class PoolingServer:
         except InvalidRequestError as exc:
             return self._refusal(exc)
         if model.task == "classify":
-            prompts = [pair_prompt(self.tokenizer, a, b) for a, b in pairs]
+            sep = pair_uses_sep_token(model.hf_config)
+            prompts = [pair_prompt(self.tokenizer, a, b, sep) for a, b in pairs]
             outputs = await self._pool(prompts, PoolingParams(task="classify"), request.request_id)
             if isinstance(outputs, StreamError):
                 return outputs

@@ -19,7 +19,7 @@ from engine.core.data_parallel import build_engine
 from engine.core.llm_engine import PromptType
 from engine.errors import InvalidRequestError
 from engine.lora import LoRARequest
-from engine.model_heads import num_labels
+from engine.model_heads import num_labels, pair_uses_sep_token
 from engine.multimodal.chat import image_placeholder, split_content_parts
 from engine.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
@@ -196,7 +196,8 @@ class LLM:
         if model.task == "classify":
             single_class(num_labels(model.hf_config), model.model)
             tokenizer = self.get_tokenizer()
-            prompts = [pair_prompt(tokenizer, a, b) for a, b in pairs]
+            sep = pair_uses_sep_token(model.hf_config)
+            prompts = [pair_prompt(tokenizer, a, b, sep) for a, b in pairs]
             return self.encode(prompts, PoolingParams(task="classify"), use_tqdm=use_tqdm)
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         vectors = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm), strict=True))

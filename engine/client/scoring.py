@@ -1,8 +1,10 @@
 """Scoring text pairs (vLLM's ``LLM.score`` and ``/score``, ``/rerank``): how a pair becomes
 model input and a score, for both kinds of model the engine serves.
 
-    cross-encoder  (task classify, one class)  the pair as one prompt, the tokenizer's pair
-                   encoding (``tokenizer(text_1, text_2)``); score = its class probability
+    cross-encoder  (task classify, one class)  the pair as one prompt: the tokenizer's pair
+                   encoding (``tokenizer(text_1, text_2)``), or for a causal LM converted by
+                   ``method`` ``text_1 + text_2`` encoded as one (``pair_uses_sep_token``);
+                   score = its class probability
     bi-encoder     (task embed or generate)    each text embedded alone; score = cosine of
                                                the two (normalised) embeddings
 
@@ -38,9 +40,14 @@ def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> lis
     return list(zip(first, second, strict=True))
 
 
-def pair_prompt(tokenizer: Any, text_1: str, text_2: str) -> dict[str, Any]:
-    """A cross-encoder's prompt for one pair: the tokenizer's pair encoding of the texts."""
-    ids = tokenizer(text=text_1, text_pair=text_2)["input_ids"]
+def pair_prompt(tokenizer: Any, text_1: str, text_2: str, sep_token: bool) -> dict[str, Any]:
+    """A cross-encoder's prompt for one pair: the tokenizer's pair encoding of the texts
+    (``sep_token``), else the two concatenated and encoded as one text (vLLM's rule:
+    ``engine.model_heads.pair_uses_sep_token``)."""
+    if sep_token:
+        ids = tokenizer(text=text_1, text_pair=text_2)["input_ids"]
+    else:
+        ids = tokenizer(text=text_1 + text_2)["input_ids"]
     return {"prompt_token_ids": list(ids)}
 
 

@@ -20,6 +20,8 @@ from transformers import (
 
 from engine import LLM, ConfigError, InvalidRequestError, PoolingParams, SamplingParams
 from engine.builtin.catalog import resolve_model_source
+from engine.client.scoring import pair_prompt
+from engine.model_heads import pair_uses_sep_token
 
 ATOL = 1e-4
 LENGTHS = [1, 5, 16, 17, 40, 100]
@@ -99,8 +101,10 @@ def test_causal_lm_as_reranker_matches_hf_token_logits(base: str, two_way: bool)
             last = hf(torch.tensor([prompt["prompt_token_ids"]])).logits[0, -1]
         pair = torch.softmax(last[ids], 0)
         assert close(probs[i].outputs.probs, pair[1:] if two_way else pair), (base, i)
+    # Converted by method (is_original_qwen3_reranker): the pair is the two texts as one, as
+    # vLLM encodes it (no separator between them).
     for doc, out in zip(DOCS, scores or [], strict=False):
-        pair_ids = tokenizer(text=QUERY, text_pair=doc)["input_ids"]
+        pair_ids = tokenizer(text=QUERY + doc)["input_ids"]
         with torch.no_grad():
             last = hf(torch.tensor([pair_ids])).logits[0, -1]
         assert abs(out.outputs.score - torch.softmax(last[ids], 0)[1].item()) < ATOL, doc
@@ -195,3 +199,28 @@ def test_pooling_models_refuse_generation_and_foreign_tasks() -> None:
 def test_config_errors_name_the_argument(name: str, args: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         make_llm(name, **args)
+
+
+@pytest.mark.parametrize(
+    ("hf", "sep"),
+    [
+        ({}, True),  # a *ForSequenceClassification checkpoint: the tokenizer's pair encoding
+        ({"classifier_from_token": RERANK_TOKENS, "is_original_qwen3_reranker": True}, False),
+        ({"classifier_from_token": RERANK_TOKENS, "method": "from_2_way_softmax"}, False),
+        ({"is_original_qwen3_reranker": True, "use_sep_token": True}, True),
+        ({"use_sep_token": False}, False),
+    ],
+)
+def test_a_pair_becomes_one_prompt_as_vllm_encodes_it(hf: dict[str, Any], sep: bool) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_source("builtin:tiny-qwen3"))
+    assert pair_uses_sep_token(hf) is sep
+    ids = pair_prompt(tokenizer, QUERY, DOCS[0], sep)["prompt_token_ids"]
+    joined = tokenizer(text=QUERY + DOCS[0])["input_ids"]
+    paired = tokenizer(text=QUERY, text_pair=DOCS[0])["input_ids"]
+    assert joined != paired
+    assert ids == (paired if sep else joined)
+
+
+def test_use_sep_token_must_be_a_bool() -> None:
+    with pytest.raises(ConfigError, match="use_sep_token: must be true or false, got 'yes'"):
+        pair_uses_sep_token({"use_sep_token": "yes"})

@@ -86,7 +86,7 @@ def hf_rerank_scores(query: str, docs: list[str]) -> list[float]:
     ids = tokenizer.convert_tokens_to_ids(RERANK_TOKENS)
     scores = []
     for doc in docs:
-        prompt = tokenizer(text=query, text_pair=doc)["input_ids"]
+        prompt = tokenizer(text=query + doc)["input_ids"]  # vLLM's rule for a converted LM
         with torch.no_grad():
             last = model(torch.tensor([prompt])).logits[0, -1]
         scores.append(torch.softmax(last[ids], 0)[1].item())
