@@ -6,12 +6,18 @@ Isolation between the tests that start a Ray of their own (``ray.init``, a
 file names: ``pytest_collection_modifyitems`` runs every test that uses ``serve_cluster`` after
 all the others, so the shared Ray starts once the last module-owned one is gone and nothing
 stops it before the session ends. (The one ``ray stop``, ending the CLI test's ``ray start``
-head, stops every Ray on the machine: it runs before the shared one starts.)"""
+head, stops every Ray on the machine: it runs before the shared one starts.)
+
+The process ends with ``os._exit`` once pytest has reported and unconfigured (``pytest_unconfigure``
+below), as ``cluster serve`` ends (``cluster.ops.stop.exit_without_ray``): twice, after every test
+had passed, a Ray driver's interpreter exit died of SIGSEGV in native code (a thread jumping into
+the heap, past Python's fault handler), which failed the run."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,6 +39,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if shared:
         own = [item for item in items if "serve_cluster" not in getattr(item, "fixturenames", ())]
         items[:] = own + shared
+
+
+_SESSION = pytest.StashKey["pytest.Session"]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_SESSION] = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Exit with the session's status now, skipping the interpreter's and native libraries'
+    teardown (the module docstring says why). Every report is written by now."""
+    session = config.stash.get(_SESSION, None)
+    if session is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(int(session.exitstatus))
 
 
 def free_port() -> int:
