@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,32 +25,48 @@ from cluster.api.replica_messages import EmbedRequest, GenerateRequest
 
 logger = logging.getLogger("llm_cluster.api")
 
-# Fields outside the declared ones that would change the output and are not supported: a 400
-# naming them. Any other undeclared field is ignored (logged once at debug), as vLLM does:
-# clients fill in ``metadata``, ``store``, ``service_tier`` and the like.
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A request field this server does not serve: a 400 naming it and saying ``why``, unless
+    null (not given, as in vLLM) or one of ``off``, the values that change nothing, compared
+    with their type (``0`` is not ``false``)."""
+
+    why: str
+    off: tuple[Any, ...] = ()
+
+    def allows(self, value: Any) -> bool:
+        return value is None or any(type(value) is type(v) and value == v for v in self.off)
+
+
+# Fields outside the declared ones that would change the output and are not supported. Any
+# other undeclared field is ignored (logged once at debug), as vLLM does: clients fill in
+# ``metadata``, ``store``, ``service_tier`` and the like.
 UNSUPPORTED_FIELDS = {
-    "functions": "the legacy functions API is not supported; use tools",
-    "function_call": "the legacy functions API is not supported; use tool_choice",
-    "audio": "audio output is not supported",
-    "web_search_options": "web search is not supported",
-    "truncate_prompt_tokens": "prompt truncation is not supported",
-    "allowed_token_ids": "not supported; use logit_bias",
-    "logits_processors": "custom logits processors are not supported",
-    "guided_decoding_backend": "the grammar backend is fixed (xgrammar)",
-    "structural_tag": "not supported",
+    "functions": Unsupported("the legacy functions API is not supported; use tools"),
+    "function_call": Unsupported("the legacy functions API is not supported; use tool_choice"),
+    "audio": Unsupported("audio output is not supported"),
+    "modalities": Unsupported("only text output is supported", (["text"],)),
+    "web_search_options": Unsupported("web search is not supported"),
+    "truncate_prompt_tokens": Unsupported("prompt truncation is not supported"),
+    "allowed_token_ids": Unsupported("not supported; use logit_bias"),
+    "logits_processors": Unsupported("custom logits processors are not supported"),
+    "guided_decoding_backend": Unsupported("the grammar backend is fixed (xgrammar)"),
+    "structural_tag": Unsupported("not supported"),
 }
 _ignored_logged: set[str] = set()
 
 
-def check_extra_fields(req: BaseModel) -> None:
-    """400 for an undeclared field that would change the output; others are ignored. A null
-    is "not given" (the default), as in vLLM and for the ``OrNull`` fields."""
+def check_extra_fields(
+    req: BaseModel, unsupported: Mapping[str, Unsupported] = UNSUPPORTED_FIELDS
+) -> None:
+    """The one check of a request's undeclared fields (every route): a 400 for one in
+    ``unsupported`` that its rule does not allow; any other is ignored."""
     for name, value in (req.model_extra or {}).items():
-        if name in UNSUPPORTED_FIELDS and value is not None:
-            raise APIError(400, f"{name}: {UNSUPPORTED_FIELDS[name]}", name, "unsupported")
-        if name == "modalities" and value not in (["text"], None):
-            raise APIError(400, "modalities: only text output is supported", name, "unsupported")
-        if name not in _ignored_logged:
+        rule = unsupported.get(name)
+        if rule is not None and not rule.allows(value):
+            raise APIError(400, f"{name}: {rule.why}", name, "unsupported")
+        if rule is None and name not in _ignored_logged:
             _ignored_logged.add(name)
             logger.debug("ignoring request field %r (it does not change the output)", name)
 

@@ -15,30 +15,26 @@ from pydantic import ValidationError
 
 from cluster.api.api_errors import APIError
 from cluster.api.openai_models import ChatCompletionRequest
-from cluster.api.openai_payloads import image_part
+from cluster.api.openai_payloads import Unsupported, check_extra_fields, image_part
 from cluster.api.responses_models import SAMPLING_PASSTHROUGH, ResponsesRequest
 
 _NO_TEMPLATE = "request-supplied chat templates are not accepted; the model's own template is used"
-# Undeclared fields that would change the output and are not supported: a 400 naming them
-# (when set to anything but their off value). Others (``include``, ``reasoning``,
-# ``service_tier``, ``prompt_cache_key``, ...) are ignored, as on the chat route.
+# Undeclared fields that would change the output and are not supported (``check_extra_fields``).
+# Others (``include``, ``reasoning``, ``service_tier``, ``prompt_cache_key``, ...) are ignored,
+# as on the chat route.
 UNSUPPORTED_RESPONSE_FIELDS = {
-    "background": "background responses are not supported; use stream",
-    "conversation": "the Conversations API is not supported; use previous_response_id",
-    "prompt": "stored prompt templates are not supported; send instructions and input",
-    "max_tool_calls": "not supported",
-    "context_management": "not supported",
-    "chat_template": _NO_TEMPLATE,
-    "chat_template_kwargs": _NO_TEMPLATE,
-    "include_reasoning": "not supported; the reasoning item is always returned",
-    "priority": "request priorities are not supported",
-    "vllm_xargs": "not supported",
-}
-# The values of those fields that change nothing (a 400 for any other).
-_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "include_reasoning": (None, True),
-    "priority": (None, 0),
-    "vllm_xargs": (None, {}),
+    "background": Unsupported("background responses are not supported; use stream", (False,)),
+    "conversation": Unsupported("the Conversations API is not supported; use previous_response_id"),
+    "prompt": Unsupported("stored prompt templates are not supported; send instructions and input"),
+    "max_tool_calls": Unsupported("not supported"),
+    "context_management": Unsupported("not supported"),
+    "chat_template": Unsupported(_NO_TEMPLATE),
+    "chat_template_kwargs": Unsupported(_NO_TEMPLATE),
+    "include_reasoning": Unsupported(
+        "not supported; the reasoning item is always returned", (True,)
+    ),
+    "priority": Unsupported("request priorities are not supported", (0,)),
+    "vllm_xargs": Unsupported("not supported", ({},)),
 }
 # Tool types OpenAI runs itself (search, code, computer, images, MCP, shell): not served here.
 BUILTIN_TOOLS = (
@@ -50,11 +46,7 @@ _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
 
 def check_request(req: ResponsesRequest) -> None:
-    for name, value in (req.model_extra or {}).items():
-        off_values = _OFF_VALUES.get(name, (None, False))
-        if name in UNSUPPORTED_RESPONSE_FIELDS and value not in off_values:
-            raise APIError(400, f"{name}: {UNSUPPORTED_RESPONSE_FIELDS[name]}", name,
-                           "unsupported")  # fmt: skip
+    check_extra_fields(req, UNSUPPORTED_RESPONSE_FIELDS)
     include = (req.model_extra or {}).get("include")
     if isinstance(include, list) and "message.output_text.logprobs" in include:
         raise APIError(400, "include: 'message.output_text.logprobs': logprobs are not returned "

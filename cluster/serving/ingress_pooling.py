@@ -18,41 +18,36 @@ from typing import Any
 import msgspec
 import numpy as np
 import ray
-from pydantic import BaseModel
 
 from cluster.api.api_errors import APIError, api_error
 from cluster.api.openai_models import EmbeddingRequest
-from cluster.api.openai_payloads import check_extra_fields, embedding_payloads
+from cluster.api.openai_payloads import (
+    UNSUPPORTED_FIELDS,
+    Unsupported,
+    check_extra_fields,
+    embedding_payloads,
+)
 from cluster.api.pooling_models import ClassificationRequest, RerankRequest, ScoreRequest
 from cluster.api.replica_messages import EmbedRequest, StreamError
 from cluster.api.replica_messages import ScoreRequest as ServerScoreRequest
 
-# vLLM's pooling fields that change the output and are not supported: a 400 naming them, unless
-# null (not given) or a value that gives this server's output anyway.
-_POOLING_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_activation": ((True,), "only true is supported (the model's activation, for "
-                                "embeddings the normalisation)"),
-    "normalize": ((), "was removed (as in vLLM); only use_activation: true is supported"),
-    "embed_dtype": (("float32",), "only float32 is supported"),
-    "endianness": (("native", "little"), "only little-endian (native, little) is supported"),
-    "truncation_side": ((), "prompt truncation is not supported"),
-    "padding": (("do_not_pad",), "only do_not_pad is supported"),
-    "max_tokens_per_query": ((0,), "truncation is not supported; only 0 (none)"),
-    "max_tokens_per_doc": ((0,), "truncation is not supported; only 0 (none)"),
-    "instruction": ((), "score instructions are not supported"),
-    "chat_template_kwargs": ((), "chat templates are not used on the pooling routes"),
+# vLLM's pooling fields that change the output and are not supported (``check_extra_fields``),
+# beside those of every route.
+_POOLING_FIELDS = {
+    **UNSUPPORTED_FIELDS,
+    "use_activation": Unsupported("only true is supported (the model's activation, for "
+                                  "embeddings the normalisation)", (True,)),
+    "normalize": Unsupported("was removed (as in vLLM); only use_activation: true is supported"),
+    "embed_dtype": Unsupported("only float32 is supported", ("float32",)),
+    "endianness": Unsupported("only little-endian (native, little) is supported",
+                              ("native", "little")),
+    "truncation_side": Unsupported("prompt truncation is not supported"),
+    "padding": Unsupported("only do_not_pad is supported", ("do_not_pad",)),
+    "max_tokens_per_query": Unsupported("truncation is not supported; only 0 (none)", (0,)),
+    "max_tokens_per_doc": Unsupported("truncation is not supported; only 0 (none)", (0,)),
+    "instruction": Unsupported("score instructions are not supported"),
+    "chat_template_kwargs": Unsupported("chat templates are not used on the pooling routes"),
 }  # fmt: skip
-
-
-def _check_pooling_fields(req: BaseModel) -> None:
-    """``check_extra_fields`` plus the pooling routes' own unsupported fields."""
-    for name, value in (req.model_extra or {}).items():
-        allowed, why = _POOLING_FIELDS.get(name, (None, ""))
-        if allowed is None or value is None:
-            continue
-        if not any(type(value) is type(a) and value == a for a in allowed):
-            raise APIError(400, f"{name}: {why}", name, "unsupported")
-    check_extra_fields(req)
 
 
 def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -90,7 +85,7 @@ class PoolingServicer:
         return list(results)
 
     async def embeddings(self, req: EmbeddingRequest) -> Any:
-        _check_pooling_fields(req)
+        check_extra_fields(req, _POOLING_FIELDS)
         handle = self._server(req.model)
         await self._admit(req.model)
         inputs = embedding_payloads(req.input)
@@ -105,7 +100,7 @@ class PoolingServicer:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
 
     async def classify(self, req: ClassificationRequest) -> Any:
-        _check_pooling_fields(req)
+        check_extra_fields(req, _POOLING_FIELDS)
         handle = self._server(req.model)
         inputs = [req.input] if isinstance(req.input, str) else req.input
         if not inputs:
@@ -122,13 +117,13 @@ class PoolingServicer:
         return {**_header("classify", req.model), "data": data, "usage": _usage(tokens)}
 
     async def score(self, req: ScoreRequest) -> Any:
-        _check_pooling_fields(req)
+        check_extra_fields(req, _POOLING_FIELDS)
         result = await self._score(req.model, req.text_1, req.text_2)
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(result.scores)]
         return {**_header("score", req.model), "data": data, "usage": _usage(result.prompt_tokens)}
 
     async def rerank(self, req: RerankRequest) -> Any:
-        _check_pooling_fields(req)
+        check_extra_fields(req, _POOLING_FIELDS)
         documents = req.document_texts()
         if not documents:
             raise APIError(400, "documents: must hold at least one document", "documents")

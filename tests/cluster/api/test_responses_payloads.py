@@ -59,14 +59,19 @@ def test_output_text_logprobs_are_refused_like_top_logprobs() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "value"), [("include_reasoning", False), ("priority", 1), ("vllm_xargs", {"a": 1})]
-)
+    ("name", "value"),
+    [("include_reasoning", False), ("priority", 1), ("vllm_xargs", {"a": 1}),
+     # an off value of another type is another value (false is not 0, 1 is not true)
+     ("priority", False), ("include_reasoning", 1), ("background", 0), ("background", True)],
+)  # fmt: skip
 def test_vllm_fields_that_change_the_output_are_refused(name: str, value: Any) -> None:
     assert _refused(**{name: value}).param == name
 
 
 @pytest.mark.parametrize(
-    ("name", "value"), [("include_reasoning", True), ("priority", 0), ("vllm_xargs", {})]
-)
+    ("name", "value"),
+    [("include_reasoning", True), ("priority", 0), ("vllm_xargs", {}), ("background", False),
+     ("background", None), ("conversation", None)],
+)  # fmt: skip
 def test_their_off_values_are_accepted(name: str, value: Any) -> None:
     check_request(_request(**{name: value}))
