@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import ConfigError, check_positive_ints
+from engine.hf_defaults import hf_default
 from engine.model_heads import declared_architecture, family_architecture, num_labels
 from engine.quantization.config import parse_quantization
 from engine.qwen_vl_config import QWEN2_5_VL, QWEN3_VL, QWEN_VL_ARCHITECTURES, check_qwen_vl
@@ -72,32 +73,6 @@ MOE_ARCHITECTURES: tuple[str, ...] = (
     *DEEPSEEK_STYLE_MOE,
     GPT_OSS,
 )
-# transformers' DeepseekV2Config / DeepseekV3Config / Glm4MoeConfig defaults of the fields the
-# engine reads, for a config.json that leaves one out.
-_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
-    "DeepseekV2ForCausalLM": {
-        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
-        "n_shared_experts": 2, "moe_intermediate_size": 1407, "first_k_dense_replace": 0,
-        "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": None,
-        "topk_group": None, "norm_topk_prob": False, "scoring_func": "softmax",
-        "rope_interleave": True, "attention_bias": False,
-    },
-    "DeepseekV3ForCausalLM": {
-        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
-        "n_shared_experts": 1, "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
-        "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 8,
-        "topk_group": 4, "norm_topk_prob": True, "scoring_func": "sigmoid",
-        "rope_interleave": True, "attention_bias": False,
-    },
-    GLM4_MOE: {
-        "n_routed_experts": 128, "n_shared_experts": 1, "moe_intermediate_size": 1408,
-        "first_k_dense_replace": 1, "routed_scaling_factor": 1.0, "n_group": 1,
-        "topk_group": 1, "norm_topk_prob": True, "attention_bias": False,
-        "use_qk_norm": False, "partial_rotary_factor": 0.5,
-    },
-}  # fmt: skip
 _UNSET_WHEN_NULL = ("topk_method", "scoring_func")
 # Router options of other MoE families (DeepSeek's grouped, scaled or sigmoid routing) that
 # none of these families' HF code implements: a checkpoint that sets one to anything but the
@@ -246,12 +221,12 @@ def check_moe(hf: dict[str, Any]) -> None:
 
 
 def config_field(hf: dict[str, Any], key: str) -> Any:
-    """A DeepSeek / GLM-4.5 config field, or transformers' default for the architecture when
-    absent (or null where null means unset: transformers' V3 code has no ``topk_method`` /
-    ``scoring_func`` of its own and writes them out as null)."""
+    """A config field, or transformers' default for the architecture when absent
+    (``engine.hf_defaults.hf_default``), or null where null means unset: transformers' V3 code
+    has no ``topk_method`` / ``scoring_func`` of its own and writes them out as null."""
     if key in hf and not (hf[key] is None and key in _UNSET_WHEN_NULL):
         return hf[key]
-    return _CONFIG_DEFAULTS[architecture(hf)][key]
+    return hf_default(hf, key)
 
 
 def _natural(hf: dict[str, Any], key: str, *, positive: bool = True) -> int:

@@ -5,7 +5,8 @@ default (GptOssConfig: ``swiglu_limit`` 7.0, a yarn x32 rope of theta 150000; Mi
 ``rope_theta`` 1e6; Gemma2Config / Gemma3TextConfig: ``query_pre_attn_scalar`` 256, ...).
 ``with_hf_defaults`` gives the engine the same config: the read of a checkpoint
 (``engine.model_checks``, ``engine.worker.memory_plan``) fills the fields it lacks from
-``HF_CONFIG_DEFAULTS`` before anything reads or checks them.
+``HF_CONFIG_DEFAULTS`` before anything reads or checks them. ``hf_default`` reads one field's
+default, including ``HF_CODE_DEFAULTS``: what the modelling code assumes where the class has none.
 
 The table is transformers' own, written out (``python -m engine.hf_defaults`` prints it from the
 installed classes; a test checks the two agree), so reading a config stays torch-free: importing
@@ -23,10 +24,12 @@ from typing import Any
 from engine.model_heads import family_architecture
 
 __all__ = [
+    "HF_CODE_DEFAULTS",
     "HF_CONFIG_ALIASES",
     "HF_CONFIG_DEFAULTS",
     "HF_MODEL_TYPES",
     "generate_defaults",
+    "hf_default",
     "with_hf_defaults",
 ]
 
@@ -194,6 +197,28 @@ HF_CONFIG_ALIASES: dict[str, dict[str, str]] = {
         "num_experts": "num_local_experts",
     },
 }  # fmt: skip
+
+
+# What transformers' modelling code assumes for a field its config class gives no default (None,
+# or no such field): DeepSeek-V2 rotates interleaved pairs and routes by softmax, V3 by sigmoid
+# over a grouped top-k (``noaux_tc``), GLM-4.5 rotates half of each head.
+HF_CODE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "DeepseekV2ForCausalLM": {
+        "rope_interleave": True, "scoring_func": "softmax", "n_group": None, "topk_group": None,
+    },
+    "DeepseekV3ForCausalLM": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+    "Glm4MoeForCausalLM": {"partial_rotary_factor": 0.5},
+}  # fmt: skip
+
+
+def hf_default(hf: dict[str, Any], key: str) -> Any:
+    """transformers' value of ``key`` for ``hf``'s family when the config leaves it out: its
+    config class's default, else what its modelling code assumes. ``KeyError`` for neither."""
+    arch = family_architecture(hf)
+    for table in (HF_CONFIG_DEFAULTS, HF_CODE_DEFAULTS):
+        if key in table.get(arch, {}):
+            return copy.deepcopy(table[arch][key])
+    raise KeyError(f"{arch} has no default for {key!r}")
 
 
 def with_hf_defaults(hf: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.hf_defaults import HF_CODE_DEFAULTS
 from engine.model_heads import family_architecture
 
 __all__ = ["ROPE_TYPES", "check_rope", "rope_max_positions", "rope_parameters"]
@@ -212,18 +213,14 @@ def _theta(
     return _DEFAULT_THETA
 
 
-# transformers' default ``partial_rotary_factor`` where a config class sets one.
-_DEFAULT_PARTIAL_ROTARY = {"Glm4MoeForCausalLM": 0.5}
-
-
 def _partial_rotary_factor(hf: Mapping[str, Any], raw: Mapping[str, Any], where: str) -> float:
     if raw.get("partial_rotary_factor") is not None:
         value, field = raw["partial_rotary_factor"], f"{where}.partial_rotary_factor"
     elif hf.get("partial_rotary_factor") is not None:
         value, field = hf["partial_rotary_factor"], "partial_rotary_factor"
     else:
-        # GLM-4.5's config class rotates half of each head unless told otherwise.
-        return _DEFAULT_PARTIAL_ROTARY.get(family_architecture(hf), 1.0)
+        # (GLM-4.5 rotates half of each head unless told otherwise.)
+        return HF_CODE_DEFAULTS.get(family_architecture(hf), {}).get("partial_rotary_factor", 1.0)
     factor = _positive(value, field)
     if factor > 1.0:
         raise ConfigError(f"{field}: must be in (0, 1], got {value!r}")
