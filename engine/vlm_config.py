@@ -19,9 +19,11 @@ attention mask honour it).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from engine.errors import ConfigError, check_positive_ints
+from engine.hf_defaults import HF_CONFIG_DEFAULTS, HF_MODEL_TYPES
 from engine.qwen_vl_config import QWEN_VL_ARCHITECTURES, QWEN_VL_TEXT_FAMILIES, flatten_qwen_vl
 
 LLAVA = "LlavaForConditionalGeneration"
@@ -49,21 +51,6 @@ _CLIP_VISION_DEFAULTS: dict[str, Any] = {
     "hidden_act": "quick_gelu",
     "layer_norm_eps": 1e-5,
 }
-# LlamaConfig's / MistralConfig's defaults of the fields the engine reads, for a text_config
-# that leaves them out (llava-1.5's names little more than its model_type and vocabulary).
-_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {
-        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-        "hidden_act": "silu", "vocab_size": 32000, "rope_theta": 10000.0,
-    },
-    "mistral": {
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6, "hidden_act": "silu", "vocab_size": 32000, "rope_theta": 10000.0,
-        "sliding_window": 4096,
-    },
-}  # fmt: skip
 VISION_ACTIVATIONS: tuple[str, ...] = ("gelu", "quick_gelu", "gelu_pytorch_tanh")
 _GEMMA3_DEFAULTS: dict[str, Any] = {
     "mm_tokens_per_image": 256,
@@ -84,17 +71,12 @@ _SIGLIP_VISION_DEFAULTS: dict[str, Any] = {
     "layer_norm_eps": 1e-6,
     "vision_use_head": True,
 }
-# Gemma3TextConfig's defaults of the fields the engine reads (transformers 5).
-_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262208,
-    "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
-    "sliding_window": 4096, "max_position_embeddings": 131072, "attention_bias": False,
-    "rope_parameters": {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-    },
-}  # fmt: skip
+# Gemma3TextConfig's rope, one per layer type (its class builds it: not in HF_CONFIG_DEFAULTS).
+_GEMMA3_TEXT_ROPE: dict[str, Any] = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+}
+_TEXT_ARCHITECTURES = {model_type: arch for arch, model_type in HF_MODEL_TYPES.items()}
 
 
 def is_vlm(hf: dict[str, Any]) -> bool:
@@ -113,7 +95,11 @@ def flatten_vlm_config(hf: dict[str, Any]) -> dict[str, Any]:
     text = dict(hf.get("text_config") or {})
     gemma3 = arch == GEMMA3_VLM
     model_type = str(text.get("model_type") or ("gemma3_text" if gemma3 else "llama"))
-    flat = dict(_GEMMA3_TEXT_DEFAULTS if gemma3 else _TEXT_DEFAULTS.get(model_type, {}))
+    # The text config class's defaults (LlamaConfig's, ...), for a text_config that leaves them
+    # out (llava-1.5's names little more than its model_type and vocabulary).
+    flat = copy.deepcopy(HF_CONFIG_DEFAULTS.get(_TEXT_ARCHITECTURES.get(model_type, ""), {}))
+    if gemma3:
+        flat["rope_parameters"] = copy.deepcopy(_GEMMA3_TEXT_ROPE)
     if "rope_parameters" in text or "rope_scaling" in text or "rope_theta" in text:
         # the config's own rope fields say it
         flat.pop("rope_theta", None)
