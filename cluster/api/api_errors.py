@@ -89,6 +89,9 @@ def error_response(error: APIError, scope: Any = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "none", "bytes"})
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     # A union reports every member's error; a lone surrogate anywhere is the one that explains.
@@ -96,10 +99,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Union members show up in the location (``prompt.str``): keep the field path only.
-    loc = [
-        p for p in loc if not p.startswith(("str", "list[", "int", "float", "bool", "function-"))
-    ]
+    # Union members show up in the location (``prompt.str``, ``prompt.list[int]``,
+    # ``x.function-after[...]``): keep the field path only (``stream`` is a field).
+    loc = [p for p in loc if p not in _UNION_MEMBERS and "[" not in p]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return APIError(400, message, param, "invalid_value")

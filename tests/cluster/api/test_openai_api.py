@@ -86,6 +86,18 @@ def test_wrong_type_is_400_naming_the_field(client: TestClient) -> None:
     assert_error(response, 400, "top_k")
 
 
+@pytest.mark.parametrize(
+    ("field", "value"), [("stream", "yes"), ("stream_options", 5), ("stop", 5), ("prompt", 5)]
+)
+def test_a_field_named_like_a_union_member_keeps_its_name(
+    client: TestClient, field: str, value: Any
+) -> None:
+    """``stream`` starts with ``str``, a union member's tag in pydantic's error location."""
+    body = {"model": "m", "prompt": "x", field: value}
+    error = assert_error(client.post("/v1/completions", json=body), 400, field)
+    assert error["message"].startswith(f"{field}: ")
+
+
 def test_malformed_json_is_400(client: TestClient) -> None:
     response = client.post(
         "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
