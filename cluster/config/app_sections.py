@@ -26,6 +26,8 @@ class HTTPOptions:
     def check(self, path: str) -> None:
         check_int(self.port, f"{path}.port", ge=0, le=65535)
         check_int(self.max_body_bytes, f"{path}.max_body_bytes", ge=1024)
+        if self.request_timeout_s is not None:
+            check_number(self.request_timeout_s, f"{path}.request_timeout_s", gt=0)
         check_int(self.ingress_replicas, f"{path}.ingress_replicas", ge=1)
 
 

@@ -174,10 +174,11 @@ def start_serve(config: DeploymentConfig) -> None:
             "port": config.grpc_options.port,
             "grpc_servicer_functions": [GRPC_SERVICER],
         }
-    serve.start(
-        http_options={"host": config.http_options.host, "port": config.http_options.port},
-        grpc_options=grpc_options,
-    )
+    http = config.http_options
+    http_options: dict[str, Any] = {"host": http.host, "port": http.port}
+    if http.request_timeout_s is not None:  # Serve's end-to-end timeout (408), proxy or not
+        http_options["request_timeout_s"] = http.request_timeout_s
+    serve.start(http_options=http_options, grpc_options=grpc_options)
 
 
 class DeployError(RuntimeError):

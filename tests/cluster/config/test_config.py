@@ -312,3 +312,27 @@ def test_replicas_get_every_variable_the_engine_reads_and_not_the_api_keys(
     env = runtime_env()["env_vars"]
     assert {name: env.get(name) for name in names} == dict.fromkeys(names, "7")
     assert "LLM_CLUSTER_API_KEYS" not in env
+
+
+@pytest.mark.parametrize("value", [0, -1.5, "600"])
+def test_request_timeout_must_be_positive_seconds(value: Any) -> None:
+    data = tiny()
+    data.setdefault("http_options", {})["request_timeout_s"] = value
+    assert "http_options.request_timeout_s" in error_of(data)
+
+
+@pytest.mark.parametrize("timeout", [None, 600])
+def test_serve_starts_with_the_configs_request_timeout(
+    monkeypatch: pytest.MonkeyPatch, timeout: float | None
+) -> None:
+    """``http_options.request_timeout_s`` reaches Serve's HTTP options (its 408, behind the
+    proxy and on the ingress replica alike); unset, Serve's own default (none) stays."""
+    from cluster.ops import deploy
+
+    data = tiny()
+    data.setdefault("http_options", {})["request_timeout_s"] = timeout
+    started: list[dict[str, Any]] = []
+    monkeypatch.setattr(deploy.serve, "start", lambda **kwargs: started.append(kwargs))
+    deploy.start_serve(load_config(data))
+    (kwargs,) = started
+    assert kwargs["http_options"].get("request_timeout_s") == timeout
