@@ -1,16 +1,19 @@
 """A chat result -> a Messages API ``message``: its content blocks (``thinking``, ``text``,
-``tool_use``) built from a whole chat message, or from the chat stream's deltas as Anthropic's
-event sequence:
+``tool_use``) built from the chat stream's deltas as Anthropic's event sequence. A whole
+(non-stream) reply is the message those events build, so both have the same blocks:
 
     message_start                       (the message, no content, usage.input_tokens)
     per block:  content_block_start     (thinking | text | tool_use, empty)
                 content_block_delta …   (thinking_delta | text_delta | input_json_delta)
                 content_block_stop
-    message_delta                       (stop_reason, stop_sequence, usage.output_tokens)
+    message_delta                       (stop_reason, stop_sequence, usage)
     message_stop
 
 Blocks follow the order the model wrote them in; a kind of delta other than the open block's
-closes it and opens the next. A stream the server cannot finish ends with an ``error`` event."""
+closes it and opens the next. A forced call (``tool_choice`` any or tool) is held back until
+the output ends: cut off by ``max_tokens``, it is no call but a text block of the generated
+text, as the chat route returns it. A stream the server cannot finish ends with an ``error``
+event."""
 
 from __future__ import annotations
 
@@ -67,10 +70,12 @@ def _empty_block(kind: str, name: str = "") -> dict[str, Any]:
 
 class MessageBuilder:
     """One message as it is built: ``start`` then ``feed`` (chat stream deltas) and ``finish``
-    return its events; ``absorb_message`` builds the content of a whole chat message instead.
-    ``message()`` is the object at any point."""
+    return its events; ``message()`` is the object at any point. ``hold_calls``: the request
+    forces a tool call, whose deltas wait for ``finish``."""
 
-    def __init__(self, model: str, stop_sequences: Sequence[str] = ()) -> None:
+    def __init__(
+        self, model: str, stop_sequences: Sequence[str] = (), hold_calls: bool = False
+    ) -> None:
         self.model = model
         self.stop_sequences = list(stop_sequences)
         self.id = _new_id("msg")
@@ -82,6 +87,8 @@ class MessageBuilder:
         self._open: dict[str, Any] | None = None  # the block being streamed
         self._open_call = -1  # the chat index of the open tool_use block's call
         self._arguments = ""  # the open tool_use block's input JSON so far
+        self._hold_calls = hold_calls
+        self._held: list[dict[str, Any]] = []  # a forced call's chat deltas, until the end
 
     def message(self) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -89,31 +96,6 @@ class MessageBuilder:
                 "stop_sequence": self.stop_sequence,
                 "usage": {"input_tokens": self.input_tokens,
                           "output_tokens": self.output_tokens}}  # fmt: skip
-
-    # ---- a whole chat message ---------------------------------------------------------------
-
-    def absorb_message(
-        self,
-        message: dict[str, Any],
-        finish_reason: str | None,
-        matched: int | str | None,
-        output_tokens: int,
-    ) -> None:
-        """The content of a whole chat message: its reasoning, its text, its tool calls."""
-        if message.get("reasoning_content"):
-            self.content.append({"type": "thinking", "thinking": message["reasoning_content"],
-                                 "signature": ""})  # fmt: skip
-        if message.get("content"):
-            self.content.append({"type": "text", "text": message["content"]})
-        calls = message.get("tool_calls") or []
-        for call in calls:
-            block = _empty_block("tool_use", call["function"]["name"])
-            block["input"] = _tool_input(call["function"]["arguments"])
-            self.content.append(block)
-        self.output_tokens = output_tokens
-        self.stop_reason, self.stop_sequence = stop_reason(
-            finish_reason, matched, self.stop_sequences, bool(calls)
-        )
 
     # ---- a streamed chat message ------------------------------------------------------------
 
@@ -142,6 +124,9 @@ class MessageBuilder:
         return events + [self._delta(text)]
 
     def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        if self._hold_calls:
+            self._held.append(call)
+            return []
         events = []
         if "id" in call or self._open is None or self._open_call != call["index"]:
             events += self._close()
@@ -176,11 +161,23 @@ class MessageBuilder:
             self._arguments, self._open_call = "", -1
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
+    @property
+    def holds_calls(self) -> bool:
+        """Forced call deltas were held back: ``finish`` needs the whole chat message."""
+        return bool(self._held)
+
     def finish(
-        self, finish_reason: str | None, matched: int | str | None, output_tokens: int
+        self,
+        finish_reason: str | None,
+        matched: int | str | None,
+        output_tokens: int,
+        whole_message: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
-        """The closing events: the open block's stop, ``message_delta``, ``message_stop``."""
-        events = self._close()
+        """The closing events: the held forced call's (``whole_message``, the chat message the
+        whole output makes, says whether it is a call or, cut off, text), the open block's
+        stop, ``message_delta``, ``message_stop``."""
+        events = self._release_calls(whole_message)
+        events += self._close()
         self.output_tokens = output_tokens
         tool_used = any(block["type"] == "tool_use" for block in self.content)
         self.stop_reason, self.stop_sequence = stop_reason(
@@ -188,12 +185,24 @@ class MessageBuilder:
         )
         delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
         return events + [
-            {"type": "message_delta", "delta": delta, "usage": {"output_tokens": output_tokens}},
+            {"type": "message_delta", "delta": delta, "usage": dict(self.message()["usage"])},
             {"type": "message_stop"},
         ]
 
+    def _release_calls(self, whole_message: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """The events of the held call deltas, or, when the whole message has no call (its JSON
+        was cut off), of a text block of its text, as the chat route returns it."""
+        held, self._held, self._hold_calls = self._held, [], False
+        if not held:
+            return []
+        if whole_message is not None and not whole_message.get("tool_calls"):
+            text = whole_message.get("content") or ""
+            return self._text_delta("text", text) if text else []
+        return [event for call in held for event in self._call_delta(call)]
+
     def fail(self, status: int, message: str, code: str | None = None) -> list[dict[str, Any]]:
         """The event ending a stream the server could not finish: Anthropic's ``error``."""
+        self._held = []  # a forced call the stream broke off is no call
         return [anthropic_error(status, message, code)[1]]
 
 

@@ -4,7 +4,9 @@ extensions the chat route also takes (a client sends them as extra body fields).
 
 Content blocks (``text``, ``image``, ``tool_use``, ``tool_result``, ``thinking``) are kept as
 plain JSON here: ``cluster.api.anthropic_payloads`` reads each one with an error naming its path
-(``messages.2.content.0.type``) rather than a union's wall of validation errors."""
+(``messages.2.content.0.type``) rather than a union's wall of validation errors. Undeclared fields
+go through ``check_extra_fields`` with the Messages table (``anthropic_payloads``): the few that
+would change the output are a 400 naming them, the rest are ignored."""
 
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from cluster.api.openai_models import Text, TokenId, _Model, _ranged
+from cluster.api.openai_models import OrNull, Text, TokenId, _Model, _ranged
 
 _INT64 = {"minimum": -(2**63), "maximum": 2**63 - 1}
 # Anthropic's least thinking budget.
 MIN_THINKING_BUDGET = 1024
+# Anthropic's temperature range is [0, 1] (the engine's, for the OpenAI routes, [0, 2]).
+MAX_TEMPERATURE = 1
 
 
 class AnthropicMessage(_Model):
@@ -25,11 +29,12 @@ class AnthropicMessage(_Model):
 
 
 class AnthropicTool(_Model):
-    """A client tool; ``type`` is absent or ``custom`` (server tools are a 400 naming them)."""
+    """A client tool; ``type`` is absent or ``custom`` (server tools, which have no
+    ``input_schema``, are a 400 naming them). A client tool's ``input_schema`` is required."""
 
     name: Text
     description: Text | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None
     type: Text | None = None
 
 
@@ -48,6 +53,21 @@ class ThinkingConfig(_Model):
     budget_tokens: int | None = _ranged(None, minimum=MIN_THINKING_BUDGET)
 
 
+class OutputFormat(_Model):
+    """Structured outputs: the reply is JSON matching ``schema`` (the chat's ``response_format``
+    ``json_schema``)."""
+
+    type: Literal["json_schema"]
+    # ``schema`` shadows a BaseModel attribute: the alias keeps Anthropic's field name.
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Model):
+    format: OutputFormat | None = None
+    # The chat template's ``reasoning_effort`` (gpt-oss's "Reasoning: ..." line), as vLLM's.
+    effort: Literal["low", "medium", "high"] | None = None
+
+
 class CountTokensRequest(_Model):
     """``POST /v1/messages/count_tokens``: the prompt's fields of a Messages request."""
 
@@ -57,18 +77,20 @@ class CountTokensRequest(_Model):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
-    """``POST /v1/messages``. ``metadata``, ``service_tier`` and other undeclared fields are
-    accepted and ignored."""
+    """``POST /v1/messages``. ``metadata`` and ``service_tier`` are accepted and ignored;
+    ``output_format`` is the older (beta) place of ``output_config.format``."""
 
     max_tokens: int = _ranged(..., minimum=1)
     stop_sequences: list[Text] | None = None
-    temperature: float | None = _ranged(None, minimum=0, maximum=1)
+    temperature: float | None = _ranged(None, minimum=0, maximum=MAX_TEMPERATURE)
     top_p: float | None = _ranged(None, exclusiveMinimum=0, maximum=1)
     top_k: int | None = _ranged(None, minimum=0)
-    stream: bool = False
+    stream: OrNull[bool] = False
+    output_format: OutputFormat | None = None
     metadata: dict[str, Any] | None = None
     service_tier: Text | None = None
     # vLLM's sampling extensions, as on the chat route.
@@ -93,11 +115,15 @@ SAMPLING_PASSTHROUGH = (
 )  # fmt: skip
 
 __all__ = [
+    "MAX_TEMPERATURE",
+    "MIN_THINKING_BUDGET",
     "SAMPLING_PASSTHROUGH",
     "AnthropicMessage",
     "AnthropicTool",
     "AnthropicToolChoice",
     "CountTokensRequest",
     "MessagesRequest",
+    "OutputConfig",
+    "OutputFormat",
     "ThinkingConfig",
 ]

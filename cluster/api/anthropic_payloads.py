@@ -9,9 +9,12 @@ rest (template, tool parsers, reasoning parser, structured outputs for forced ca
                thinking blocks        -> its reasoning_content
     tool_choice: auto -> auto, any -> required, tool -> the named function, none -> none
 
-A final assistant message is a prefill: the chat's ``continue_final_message``. ``thinking`` is
-no chat field: it is the chat template's ``enable_thinking`` (``template_kwargs``), which
-reasoning models' templates read."""
+Text blocks are joined as vLLM joins them, so prompts render alike: a turn's (and a
+tool_result's) one a line, as the chat route joins text parts; ``system`` blocks with nothing
+between them. A final assistant message is a prefill: the chat's ``continue_final_message``.
+``output_config.format`` is the chat ``response_format`` (json_schema). ``thinking`` is no chat
+field: it is the chat template's ``enable_thinking`` (``template_kwargs``), which reasoning
+models' templates read."""
 
 from __future__ import annotations
 
@@ -21,24 +24,53 @@ from typing import Any
 from pydantic import ValidationError
 
 from cluster.api.anthropic_models import (
+    MAX_TEMPERATURE,
     MIN_THINKING_BUDGET,
     SAMPLING_PASSTHROUGH,
     CountTokensRequest,
     MessagesRequest,
+    OutputFormat,
 )
 from cluster.api.api_errors import APIError
 from cluster.api.openai_models import ChatCompletionRequest
-from cluster.api.openai_payloads import image_part
+from cluster.api.openai_payloads import (
+    UNSUPPORTED_FIELDS,
+    Unsupported,
+    check_extra_fields,
+    image_part,
+)
 
 # Block types the model cannot read (yet): a 400 naming the block.
 _UNSUPPORTED_BLOCKS = {
     "document": "document blocks are not supported yet (text and images only)",
     "search_result": "search_result blocks are not supported (text only)",
 }
+_NO_TEMPLATE = "request-supplied chat templates are not accepted; the model's own template is used"
+_USE_FORMAT = "not a Messages API field; use output_config.format"
+# Undeclared fields that would change the output and are not served (``check_extra_fields``):
+# vLLM's Messages extensions and the chat route's fields a client may send here by mistake.
+# Others (``container``, ``mcp_servers``, ``context_management``, ...) are ignored, as vLLM does.
+UNSUPPORTED_MESSAGES_FIELDS = {
+    "chat_template": Unsupported(_NO_TEMPLATE),
+    "chat_template_kwargs": Unsupported(f"{_NO_TEMPLATE} (thinking sets enable_thinking)"),
+    "vllm_xargs": Unsupported("not supported", ({},)),
+    "watermarking": Unsupported("watermarking is not supported", (False,)),
+    "response_format": Unsupported(_USE_FORMAT),
+    "structured_outputs": Unsupported(_USE_FORMAT),
+    "guided_json": Unsupported(_USE_FORMAT),
+    "guided_regex": Unsupported(_USE_FORMAT),
+    "guided_choice": Unsupported(_USE_FORMAT),
+    "guided_grammar": Unsupported(_USE_FORMAT),
+    "reasoning_effort": Unsupported("not a Messages API field; use output_config.effort"),
+    "n": Unsupported("one message per request", (1,)),
+    **{name: UNSUPPORTED_FIELDS[name] for name in (
+        "truncate_prompt_tokens", "allowed_token_ids", "logits_processors", "structural_tag")},
+}  # fmt: skip
 
 
 def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request generating the reply to ``req`` (a count_tokens request: its prompt)."""
+    check_extra_fields(req, UNSUPPORTED_MESSAGES_FIELDS)
     messages = [{"role": "system", "content": system_text(req.system)}] if req.system else []
     for i, message in enumerate(req.messages):
         messages += chat_messages(message.role, message.content, f"messages.{i}")
@@ -47,12 +79,9 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         _check_prefill(messages[-1], f"messages.{len(req.messages) - 1}")
         body["continue_final_message"] = True
     if isinstance(req, MessagesRequest):
-        body["stream"] = req.stream
-        for name in SAMPLING_PASSTHROUGH:
-            if getattr(req, name) is not None:
-                body[name] = getattr(req, name)
-        if req.stop_sequences:
-            body["stop"] = req.stop_sequences
+        body.update(_generation_fields(req))
+    if req.output_config is not None and req.output_config.effort is not None:
+        body["reasoning_effort"] = req.output_config.effort  # a template variable
     check_thinking(req)
     if req.tools:
         body["tools"] = [chat_tool(t.model_dump(), f"tools.{i}") for i, t in enumerate(req.tools)]
@@ -65,6 +94,40 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise _named_error(exc) from None
+
+
+def _generation_fields(req: MessagesRequest) -> dict[str, Any]:
+    """The chat fields of a Messages request's sampling and output settings."""
+    if req.temperature is not None and not 0 <= req.temperature <= MAX_TEMPERATURE:
+        raise APIError(400, f"temperature: must be in [0, {MAX_TEMPERATURE}], got "
+                       f"{req.temperature}", "temperature")  # fmt: skip
+    body: dict[str, Any] = {"stream": req.stream}
+    for name in SAMPLING_PASSTHROUGH:
+        if getattr(req, name) is not None:
+            body[name] = getattr(req, name)
+    if req.stop_sequences:
+        body["stop"] = req.stop_sequences
+    fmt = _output_format(req)
+    if fmt is not None:
+        schema = {"name": "output", "schema": fmt.json_schema}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    return body
+
+
+def _output_format(req: MessagesRequest) -> OutputFormat | None:
+    """``output_config.format``, or the beta ``output_format`` (one of them): the grammar the
+    reply follows, so no forced tool call (its grammar is the tool's) beside it."""
+    fmt = req.output_config.format if req.output_config is not None else None
+    name = "output_config.format" if fmt is not None else "output_format"
+    if fmt is not None and req.output_format is not None:
+        raise APIError(400, "output_format: give output_config.format or output_format, not "
+                       "both", "output_format")  # fmt: skip
+    fmt = fmt or req.output_format
+    forced = req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
+    if fmt is not None and forced:
+        raise APIError(400, f"{name}: cannot be combined with a forced tool call (tool_choice "
+                       f"{req.tool_choice.type!r})", name)  # fmt: skip
+    return fmt
 
 
 def template_kwargs(req: CountTokensRequest) -> dict[str, Any] | None:
@@ -84,13 +147,25 @@ def check_thinking(req: CountTokensRequest) -> None:
     if thinking.budget_tokens < MIN_THINKING_BUDGET:
         raise APIError(400, f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}, got "
                        f"{thinking.budget_tokens}", "thinking.budget_tokens")  # fmt: skip
+    # Anthropic's rule (and vLLM's): the thinking fits inside the reply.
+    if isinstance(req, MessagesRequest) and thinking.budget_tokens >= req.max_tokens:
+        raise APIError(400, f"thinking.budget_tokens: must be less than max_tokens "
+                       f"({req.max_tokens}), got {thinking.budget_tokens}",
+                       "thinking.budget_tokens")  # fmt: skip
 
 
 def system_text(system: str | list[dict[str, Any]] | None) -> str:
-    """``system`` as one text: a list of text blocks is joined by newlines."""
+    """``system`` as one text: a list of text blocks is joined with nothing between them, as
+    vLLM joins them (so prompts render alike)."""
     if system is None or isinstance(system, str):
         return system or ""
-    return "\n".join(_block_text(block, f"system.{j}") for j, block in enumerate(system))
+    return "".join(_block_text(block, f"system.{j}") for j, block in enumerate(system))
+
+
+def _joined(texts: list[str]) -> str:
+    """A turn's text blocks as one text: one a line, as the chat route (and vLLM) joins text
+    parts."""
+    return "\n".join(texts)
 
 
 def chat_messages(
@@ -116,7 +191,7 @@ def chat_messages(
     if not parts:
         return tool_messages
     if all(p["type"] == "text" for p in parts):
-        return [*tool_messages, {"role": "user", "content": "".join(p["text"] for p in parts)}]
+        return [*tool_messages, {"role": "user", "content": _joined([p["text"] for p in parts])}]
     return [*tool_messages, {"role": "user", "content": parts}]
 
 
@@ -148,7 +223,7 @@ def _assistant_message(blocks: list[dict[str, Any]], path: str) -> dict[str, Any
             reasoning.append(_str(block, "thinking", block_path))
         elif kind != "redacted_thinking":  # encrypted by another server: nothing to show
             texts.append(_block_text(block, block_path))
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    message: dict[str, Any] = {"role": "assistant", "content": _joined(texts) if texts else None}
     if calls:
         message["tool_calls"] = calls
     if reasoning:
@@ -169,7 +244,7 @@ def _tool_message(block: dict[str, Any], path: str) -> dict[str, Any]:
     if isinstance(content, str):
         text = content
     elif isinstance(content, list):
-        text = "".join(_block_text(b, f"{path}.content.{k}") for k, b in enumerate(content))
+        text = _joined([_block_text(b, f"{path}.content.{k}") for k, b in enumerate(content)])
     else:
         raise APIError(400, f"{path}.content: must be a string or a list of text blocks",
                        f"{path}.content")  # fmt: skip
@@ -192,7 +267,11 @@ def _block_text(block: Any, path: str) -> str:
     if kind != "text":
         raise APIError(400, f"{path}.type: expected a text block here, got {kind!r}",
                        f"{path}.type")  # fmt: skip
-    return _str(block, "text", path)
+    text = _str(block, "text", path)
+    if not text:
+        raise APIError(400, f"{path}.text: text content blocks must be non-empty",
+                       f"{path}.text")  # fmt: skip
+    return text
 
 
 def _str(block: dict[str, Any], name: str, path: str) -> str:
@@ -209,7 +288,15 @@ def chat_tool(tool: dict[str, Any], path: str) -> dict[str, Any]:
         raise APIError(400, f"{path}.type: the server tool {tool['type']!r} is not supported; "
                        "only client tools (name, description, input_schema) are",
                        f"{path}.type", "unsupported")  # fmt: skip
-    function = {"name": tool["name"], "parameters": tool["input_schema"]}
+    schema = tool.get("input_schema")
+    if schema is None:
+        raise APIError(400, f"{path}.input_schema: required (a JSON schema of the tool's input)",
+                       f"{path}.input_schema")  # fmt: skip
+    # As vLLM: a schema that leaves out its type is an object's, ``type`` last (the template
+    # shows the schema as written).
+    if "type" not in schema:
+        schema = {**schema, "type": "object"}
+    function = {"name": tool["name"], "parameters": schema}
     if tool.get("description") is not None:
         function["description"] = tool["description"]
     return {"type": "function", "function": function}
@@ -233,8 +320,15 @@ def _named_error(exc: ValidationError) -> APIError:
         loc = loc[:2] + ["input_schema" if p == "parameters" else p for p in loc[3:]]
     elif loc[:1] == ["stop"]:
         loc = ["stop_sequences", *loc[2:]]
-    param = ".".join(p for p in loc if not p.startswith(("str", "list[", "dict[")))
+    # Union members in the location (``stop.list[str]``) are no fields; ``stream`` is one.
+    param = ".".join(p for p in loc if p not in ("str", "int", "float", "bool") and "[" not in p)
     return APIError(400, f"{param}: {first.get('msg')}", param, "invalid_value")
 
 
-__all__ = ["chat_request", "check_thinking", "system_text", "template_kwargs"]
+__all__ = [
+    "UNSUPPORTED_MESSAGES_FIELDS",
+    "chat_request",
+    "check_thinking",
+    "system_text",
+    "template_kwargs",
+]

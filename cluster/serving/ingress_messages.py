@@ -1,7 +1,8 @@
 """Anthropic's Messages API on the ingress (``POST /v1/messages``, ``POST
 /v1/messages/count_tokens``), mixed into ``OpenAIIngress``: the request becomes the chat request
-the chat route serves (``cluster.api.anthropic_payloads``), its result or stream becomes a
-message and its events (``cluster.api.anthropic_builder``). Errors take Anthropic's shape
+the chat route serves (``cluster.api.anthropic_payloads``), its chat stream becomes the
+message's events (``cluster.api.anthropic_builder``): sent as SSE, or, for a whole reply, built
+into the message they make, so both have the same blocks. Errors take Anthropic's shape
 (``cluster.api.api_errors``: the route decides)."""
 
 from __future__ import annotations
@@ -48,28 +49,23 @@ class MessagesServicer:
 
     async def messages(self, req: MessagesRequest) -> Any:
         payload, chat = messages_payload(req)
-        completion = Completion(req.model, True, False, None, tools=tool_choice(chat),
-                                stream=req.stream)  # fmt: skip
+        tools = tool_choice(chat)
+        # Read as a stream either way: a whole reply is the message its events build.
+        completion = Completion(req.model, True, False, None, tools=tools, stream=True)
         first, stream = await self.open_stream(req.model, payload)
         completion.absorb(first)
-        builder = MessageBuilder(req.model, req.stop_sequences or ())
+        forced = tools is not None and tools.mode != "auto"
+        builder = MessageBuilder(req.model, req.stop_sequences or (), hold_calls=forced)
         builder.input_tokens = first.prompt_tokens
+        events = _message_events(builder, completion, stream, req.model)
         if req.stream:
-            events = _events(builder, completion, stream, req.model)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return StreamingResponse(_sse(builder, events, stream),
+                                     media_type="text/event-stream")  # fmt: skip
         try:
-            async for item in guard_stream(stream, req.model):
-                if isinstance(item, StreamError):
-                    raise api_error(item)
-                completion.absorb(item)
+            async for _ in events:
+                pass
         finally:
             stream.cancel()
-        choice = completion.choices[0]
-        if choice.finish_reason == "abort":
-            raise APIError(_ABORTED[0], _ABORTED[1], None, _ABORTED[2])
-        message = completion.whole()["choices"][0]["message"]
-        builder.absorb_message(message, choice.finish_reason, choice.stop_reason,
-                               completion.completion_tokens)  # fmt: skip
         return JSONResponse(builder.message())
 
     async def count_message_tokens(self, req: CountTokensRequest) -> Any:
@@ -87,28 +83,40 @@ class MessagesServicer:
         return {"input_tokens": result.count}
 
 
-async def _events(
+async def _message_events(
     builder: MessageBuilder, completion: Completion, stream: Any, model: str
+) -> AsyncIterator[dict[str, Any]]:
+    """The message's events from the server's stream; a server error or an aborted
+    generation raises its ``APIError``."""
+    for event in builder.start():
+        yield event
+    async for item in guard_stream(stream, model):
+        if isinstance(item, StreamError):
+            raise api_error(item)
+        for chunk in completion.absorb(item):
+            for event in builder.feed(chunk["delta"]):
+                yield event
+    choice = completion.choices[0]
+    if choice.finish_reason == "abort":
+        raise APIError(_ABORTED[0], _ABORTED[1], None, _ABORTED[2])
+    # Held forced calls: the whole output's message says whether they are calls.
+    whole = completion.whole()["choices"][0]["message"] if builder.holds_calls else None
+    for event in builder.finish(choice.finish_reason, choice.stop_reason,
+                                completion.completion_tokens, whole):  # fmt: skip
+        yield event
+
+
+async def _sse(
+    builder: MessageBuilder, events: AsyncIterator[dict[str, Any]], stream: Any
 ) -> AsyncIterator[bytes]:
+    """The events as SSE; an error ends the stream with Anthropic's ``error`` event."""
     try:
-        for event in builder.start():
-            yield sse_event(event)
-        async for item in guard_stream(stream, model):
-            if isinstance(item, StreamError):
-                last = builder.fail(item.status, item.message, item.code)
-                break
-            for chunk in completion.absorb(item):
-                for event in builder.feed(chunk["delta"]):
-                    yield sse_event(event)
-        else:
-            choice = completion.choices[0]
-            if choice.finish_reason == "abort":
-                last = builder.fail(*_ABORTED)
-            else:
-                last = builder.finish(choice.finish_reason, choice.stop_reason,
-                                      completion.completion_tokens)  # fmt: skip
-        for event in last:
-            yield sse_event(event)
+        try:
+            async for event in events:
+                yield sse_event(event)
+        except APIError as exc:
+            for event in builder.fail(exc.status, exc.message, exc.code):
+                yield sse_event(event)
     finally:
         stream.cancel()
 

@@ -34,36 +34,19 @@ def test_stop_reason(finish: str, matched: Any, tool_used: bool, expected: tuple
     assert stop_reason(finish, matched, ["END"], tool_used) == expected
 
 
-def test_a_whole_message_has_thinking_text_and_tool_use_blocks() -> None:
-    builder = MessageBuilder("m")
-    builder.input_tokens = 7
-    message = {"role": "assistant", "content": "Looking.", "reasoning_content": "Hmm.",
-               "tool_calls": [{"id": "call_1", "type": "function",
-                               "function": {"name": "f", "arguments": '{"a": 1}'}},
-                              {"id": "call_2", "type": "function",
-                               "function": {"name": "g", "arguments": '{"b'}}]}  # fmt: skip
-    builder.absorb_message(message, "tool_calls", None, 12)
-    out = builder.message()
-    thinking, text, call, cut = out["content"]
-    assert thinking == {"type": "thinking", "thinking": "Hmm.", "signature": ""}
-    assert text == {"type": "text", "text": "Looking."}
-    assert call["type"] == "tool_use" and call["id"].startswith("toolu_")
-    assert (call["name"], call["input"]) == ("f", {"a": 1})
-    assert cut["input"] == {"arguments": '{"b'}  # cut off: the raw text, not a parse error
-    assert out["id"].startswith("msg_") and out["stop_reason"] == "tool_use"
-    assert out["usage"] == {"input_tokens": 7, "output_tokens": 12}
-
-
 def _events(pieces: list[str], **script: Any) -> tuple[MessageBuilder, list[dict[str, Any]]]:
-    """The events a streamed chat of ``pieces`` makes (stop sequences: ``END``)."""
+    """The events a streamed chat of ``pieces`` makes (stop sequences: ``END``), a forced
+    call's held until the end as the route holds them."""
     completion, chunks = scripted_chat(START, pieces, stream=True, **script)
-    builder = MessageBuilder("m", ["END"])
+    tools = script.get("tools")
+    builder = MessageBuilder("m", ["END"], hold_calls=tools is not None and tools.mode != "auto")
     builder.input_tokens = START.prompt_tokens
     events = builder.start()
     for chunk in chunks:
         events += builder.feed(chunk["delta"])
     choice = completion.choices[0]
-    events += builder.finish(choice.finish_reason, choice.stop_reason, choice.num_tokens)
+    whole = completion.whole()["choices"][0]["message"] if builder.holds_calls else None
+    events += builder.finish(choice.finish_reason, choice.stop_reason, choice.num_tokens, whole)
     return builder, events
 
 
@@ -79,7 +62,8 @@ def test_streamed_text_events_in_anthropic_order() -> None:
                                                  {"type": "text_delta", "text": "lo"}]  # fmt: skip
     assert all(e["index"] == 0 for e in events[1:5])
     assert events[5]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
-    assert events[5]["usage"] == {"output_tokens": 2}
+    # As Anthropic's (and vLLM's) stream: the usage repeats input_tokens.
+    assert events[5]["usage"] == {"input_tokens": 7, "output_tokens": 2}
     assert builder.message()["content"] == [{"type": "text", "text": "Hello"}]
 
 
@@ -99,6 +83,50 @@ def test_a_streamed_named_call_is_a_tool_use_block_of_input_json_deltas() -> Non
     assert "".join(d["partial_json"] for d in deltas) == "".join(pieces)
     assert builder.message()["content"][0]["input"] == {"city": "Oslo"}
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_a_forced_call_cut_off_by_max_tokens_is_the_text_the_chat_route_returns() -> None:
+    pieces = ['[{"name": "get_weather", ', '"parameters": {"ci']
+    for tools in (ToolChoice("required"), ToolChoice("named", name="get_weather")):
+        builder, events = _events(pieces, tools=tools, finish="length")
+        chat, _ = scripted_chat(START, pieces, stream=False, tools=tools, finish="length")
+        (choice,) = chat.whole()["choices"]
+        assert (
+            choice["message"]["content"] == "".join(pieces) and choice["finish_reason"] == "length"
+        )
+        message = builder.message()
+        assert message["content"] == [{"type": "text", "text": "".join(pieces)}]
+        assert message["stop_reason"] == "max_tokens"
+        assert all(e["content_block"]["type"] == "text" for e in events
+                   if e["type"] == "content_block_start")  # fmt: skip
+
+
+def test_a_completed_forced_call_is_a_tool_use_block_after_the_output_ends() -> None:
+    pieces = ['[{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}]']
+    builder, events = _events(pieces, tools=ToolChoice("required"))
+    (block,) = builder.message()["content"]
+    assert (block["type"], block["name"], block["input"]) == ("tool_use", "get_weather",
+                                                            {"city": "Oslo"})  # fmt: skip
+    assert builder.message()["stop_reason"] == "tool_use"
+    deltas = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"]
+    assert json.loads("".join(deltas)) == {"city": "Oslo"}
+
+
+def test_an_auto_call_cut_off_keeps_its_raw_arguments() -> None:
+    _, chunks = scripted_chat(
+        StreamStart(prompt_tokens=7, tool_call_parser="hermes"),
+        ['<tool_call>\n{"name": "f", "arguments": {"b": ', '"x'],
+        stream=True, tools=ToolChoice("auto"), finish="length",
+    )  # fmt: skip
+    builder = MessageBuilder("m")
+    for chunk in chunks:
+        builder.feed(chunk["delta"])
+    builder.finish("length", None, 2)
+    (call,) = builder.message()["content"]
+    # Its input is no JSON object yet: the raw text, not a parse error.
+    assert (call["type"], call["name"], call["input"]) == ("tool_use", "f",
+                                                         {"arguments": '{"b": "x'})  # fmt: skip
+    assert builder.message()["stop_reason"] == "max_tokens"
 
 
 def test_a_kind_change_closes_the_open_block() -> None:

@@ -5,6 +5,7 @@ the field as the Messages request does."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -37,15 +38,26 @@ def _error(**fields: Any) -> APIError:
 
 def test_system_string_and_text_blocks_are_the_system_message() -> None:
     assert _chat(system="Be brief.")["messages"][0] == {"role": "system", "content": "Be brief."}
-    blocks = [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief.", "cache_control":
+    blocks = [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief.", "cache_control":
               {"type": "ephemeral"}}]  # fmt: skip
-    assert _chat(system=blocks)["messages"][0] == {"role": "system", "content": "Be\nbrief."}
+    # As vLLM joins system blocks: nothing between them.
+    assert _chat(system=blocks)["messages"][0] == {"role": "system", "content": "Be brief."}
 
 
-def test_text_blocks_of_a_turn_are_joined() -> None:
-    content = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+def test_text_blocks_of_a_turn_are_joined_one_a_line_as_vllm_joins_them() -> None:
+    content = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
     messages = _chat(messages=[{"role": "user", "content": content}])["messages"]
-    assert messages == [{"role": "user", "content": "Hello there"}]
+    assert messages == [{"role": "user", "content": "Hello\nworld"}]
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": content},
+             {"role": "user", "content": "Go on"}]  # fmt: skip
+    assert _chat(messages=turns)["messages"][1]["content"] == "Hello\nworld"
+
+
+def test_a_tool_results_text_blocks_are_joined_one_a_line() -> None:
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+        {"type": "text", "text": "12 C"}, {"type": "text", "text": "sunny"}]}  # fmt: skip
+    messages = _chat(messages=[{"role": "user", "content": [result]}], tools=[WEATHER])["messages"]
+    assert messages == [{"role": "tool", "tool_call_id": "toolu_1", "content": "12 C\nsunny"}]
 
 
 def test_tool_use_and_tool_result_blocks_are_chat_calls_and_tool_messages() -> None:
@@ -91,6 +103,13 @@ def test_tools_are_chat_function_tools() -> None:
     assert _chat(tools=[WEATHER])["tools"] == [{"type": "function", "function": function}]
 
 
+def test_an_input_schema_without_a_type_is_an_objects() -> None:
+    untyped = {k: v for k, v in SCHEMA.items() if k != "type"}
+    (tool,) = _chat(tools=[{**WEATHER, "input_schema": untyped}])["tools"]
+    # As vLLM adds it: last, so the template renders the same JSON.
+    assert list(tool["function"]["parameters"].items()) == [*untyped.items(), ("type", "object")]
+
+
 @pytest.mark.parametrize(
     ("choice", "chat_choice"),
     [({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none"),
@@ -115,7 +134,7 @@ def test_sampling_fields_keep_or_take_the_chat_names() -> None:
 
 
 def test_thinking_is_the_templates_enable_thinking() -> None:
-    enabled = _request(thinking={"type": "enabled", "budget_tokens": 2048})
+    enabled = _request(thinking={"type": "enabled", "budget_tokens": 2048}, max_tokens=4096)
     assert template_kwargs(enabled) == {"enable_thinking": True}
     payload, _ = messages_payload(enabled)
     assert payload.chat_template_kwargs == {"enable_thinking": True}
@@ -163,6 +182,10 @@ def test_an_image_block_with_another_source_is_a_400_naming_it() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [({"tools": [{**WEATHER, "type": "web_search_20250305"}]}, "tools.0.type"),
+     ({"tools": [{"name": "get_weather"}]}, "tools.0.input_schema"),
+     ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+      "messages.0.content.0.text"),
+     ({"system": [{"type": "text", "text": ""}]}, "system.0.text"),
      ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
      ({"tool_choice": {"type": "any"}}, "tool_choice"),
      ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
@@ -179,3 +202,83 @@ def test_bad_fields_are_400s_naming_them(fields: dict[str, Any], param: str) -> 
 def test_a_thinking_budget_under_1024_is_a_400_naming_it() -> None:
     error = _error(thinking={"type": "enabled", "budget_tokens": 100})
     assert str(error) == "thinking.budget_tokens: must be >= 1024, got 100"
+
+
+def test_a_server_tool_is_a_400_saying_it_is_not_supported() -> None:
+    error = _error(tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    assert error.param == "tools.0.type" and "server tool 'web_search_20250305'" in str(error)
+
+
+def test_a_thinking_budget_of_max_tokens_or_more_is_a_400_naming_it() -> None:
+    error = _error(thinking={"type": "enabled", "budget_tokens": 1024}, max_tokens=1024)
+    assert str(error) == "thinking.budget_tokens: must be less than max_tokens (1024), got 1024"
+    assert chat_request(_request(thinking={"type": "enabled", "budget_tokens": 1024},
+                                 max_tokens=1025)).max_tokens == 1025  # fmt: skip
+
+
+@pytest.mark.parametrize("temperature", [1.5, -0.5])
+def test_a_temperature_outside_anthropics_range_is_a_400_naming_it(temperature: float) -> None:
+    error = _error(temperature=temperature)
+    assert error.param == "temperature" and "must be in [0, 1]" in str(error)
+    assert _chat(temperature=1.0)["temperature"] == 1.0
+
+
+def test_null_stream_is_not_given() -> None:
+    assert _request(stream=None).stream is False
+
+
+JSON_OUT = {"type": "json_schema", "schema": {"type": "object", "properties": {
+    "ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}  # fmt: skip
+
+
+@pytest.mark.parametrize("fields", [{"output_config": {"format": JSON_OUT}},
+                                    {"output_format": JSON_OUT}])  # fmt: skip
+def test_an_output_format_constrains_the_reply_as_the_chats_json_schema(
+    fields: dict[str, Any],
+) -> None:
+    payload, chat = messages_payload(_request(**fields))
+    assert chat.response_format is not None and chat.response_format.type == "json_schema"
+    assert payload.params["structured_outputs"] == {"json": json.dumps(JSON_OUT["schema"])}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"output_config": {"format": JSON_OUT}, "output_format": JSON_OUT}, "output_format"),
+     ({"output_config": {"format": JSON_OUT}, "tools": [WEATHER],
+       "tool_choice": {"type": "any"}}, "output_config.format"),
+     ({"output_format": JSON_OUT, "tools": [WEATHER],
+       "tool_choice": {"type": "tool", "name": "get_weather"}}, "output_format")],
+)  # fmt: skip
+def test_an_output_format_beside_another_grammar_is_a_400(
+    fields: dict[str, Any], param: str
+) -> None:
+    assert _error(**fields).param == param
+
+
+def test_output_config_effort_is_the_templates_reasoning_effort() -> None:
+    payload, _ = messages_payload(_request(output_config={"effort": "low"}))
+    assert payload.chat_template_kwargs == {"reasoning_effort": "low"}
+    # count_tokens renders the same prompt.
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+            "output_config": {"effort": "low"}}  # fmt: skip
+    payload, _ = messages_payload(CountTokensRequest.model_validate(body))
+    assert payload.chat_template_kwargs == {"reasoning_effort": "low"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ x }}"),
+     ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
+     ("vllm_xargs", {"a": 1}), ("watermarking", True), ("n", 2)],
+)  # fmt: skip
+def test_undeclared_fields_that_change_the_output_are_400s_naming_them(
+    field: str, value: Any
+) -> None:
+    error = _error(**{field: value})
+    assert error.param == field and error.code == "unsupported"
+
+
+def test_harmless_undeclared_fields_are_ignored() -> None:
+    chat = _chat(container="c1", context_management={"edits": []}, n=1, vllm_xargs={},
+                 chat_template_kwargs=None)  # fmt: skip
+    assert chat["messages"] == [{"role": "user", "content": "Hi"}]

@@ -1,13 +1,15 @@
 """The Messages routes of the ingress (``cluster.serving.ingress_messages``) over scripted server
 streams, through the real HTTP routes (no engine, no Ray): the matched stop string named, a
 server error in the middle of a stream as Anthropic's ``error`` event, a generation the replica
-aborted as a 503 in Anthropic's shape."""
+aborted as a 503 in Anthropic's shape, the same blocks whole and streamed, and the request
+fields that reach the server's payload (or are 400s naming them)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from cluster.api.openai_api import make_openai_app
@@ -35,21 +37,67 @@ class _Stream:
 class _Scripted(MessagesServicer):
     """An ingress whose server answers every request with ``items``."""
 
-    def __init__(self, items: list[Any]) -> None:
+    def __init__(self, items: list[Any], start: StreamStart | None = None) -> None:
         self.items = items
+        self.start = start or StreamStart(prompt_tokens=5)
         self.payloads: list[GenerateRequest] = []
 
     async def open_stream(self, model: str, payload: GenerateRequest) -> tuple[StreamStart, Any]:
         self.payloads.append(payload)
-        return StreamStart(prompt_tokens=5), _Stream(self.items)
+        return self.start, _Stream(self.items)
 
 
 def _delta(text: str, num_tokens: int, finish: str | None = None, stop: Any = None) -> StreamDelta:
     return StreamDelta([ChoiceDelta(0, text, [num_tokens], None, finish, stop, num_tokens)])
 
 
-def _client(items: list[Any]) -> TestClient:
-    return TestClient(make_openai_app(_Scripted(items)))  # type: ignore[arg-type]
+def _client(items: list[Any], start: StreamStart | None = None) -> TestClient:
+    return TestClient(make_openai_app(_Scripted(items, start)))  # type: ignore[arg-type]
+
+
+def _pieces(pieces: list[str], finish: str = "stop") -> list[StreamDelta]:
+    return [_delta(p, i + 1, finish if i == len(pieces) - 1 else None)
+            for i, p in enumerate(pieces)]  # fmt: skip
+
+
+def _streamed_message(events: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The message a client rebuilds from the events (as the SDK's ``get_final_message``)."""
+    message = events[0][1]["message"]
+    for kind, event in events[1:]:
+        if kind == "content_block_start":
+            message["content"].append(event["content_block"])
+        elif kind == "content_block_delta":
+            block, delta = message["content"][event["index"]], event["delta"]
+            field = {"text_delta": "text", "thinking_delta": "thinking"}.get(delta["type"])
+            if field is None:
+                block["partial_json"] = block.get("partial_json", "") + delta["partial_json"]
+            else:
+                block[field] += delta[field]
+        elif kind == "content_block_stop":
+            block = message["content"][event["index"]]
+            if "partial_json" in block:
+                block["input"] = json.loads(block.pop("partial_json"))
+        elif kind == "message_delta":
+            message.update(event["delta"])
+            message["usage"] = event["usage"]
+    return message
+
+
+def _whole_and_streamed(
+    items: list[Any], start: StreamStart | None = None, **fields: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    body = {**BODY, **fields}
+    whole = _client(items, start).post("/v1/messages", json=body).json()
+    streamed = _client(items, start).post("/v1/messages", json={**body, "stream": True})
+    return whole, _streamed_message(_events(streamed.content))
+
+
+def _same(whole: dict[str, Any], streamed: dict[str, Any]) -> None:
+    def masked(message: dict[str, Any]) -> dict[str, Any]:
+        content = [{k: v for k, v in b.items() if k != "id"} for b in message["content"]]
+        return {**message, "id": None, "content": content}
+
+    assert masked(whole) == masked(streamed)
 
 
 def _events(body: bytes) -> list[tuple[str, dict[str, Any]]]:
@@ -93,3 +141,76 @@ def test_an_aborted_generation_is_a_503_in_anthropics_shape() -> None:
     streamed = {**BODY, "stream": True}
     response = _client([_delta("Hel", 1, "abort")]).post("/v1/messages", json=streamed)
     assert _events(response.content)[-1][0] == "error"
+
+
+def test_text_around_a_think_block_keeps_its_order_whole_and_streamed() -> None:
+    start = StreamStart(prompt_tokens=5, reasoning_parser="qwen3")
+    items = _pieces(["Before", "<think>", "hmm", "</think>", "after"], "length")
+    whole, streamed = _whole_and_streamed(items, start)
+    assert whole["content"] == [{"type": "text", "text": "Before"},
+                                {"type": "thinking", "thinking": "hmm", "signature": ""},
+                                {"type": "text", "text": "after"}]  # fmt: skip
+    _same(whole, streamed)
+
+
+WEATHER = {"name": "get_weather", "input_schema": {"type": "object", "properties": {
+    "city": {"type": "string"}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_a_forced_call_cut_off_by_max_tokens_is_the_same_text_whole_and_streamed(
+    choice: dict[str, Any],
+) -> None:
+    text = ['[{"name": "get_weather", ', '"parameters": {"city": "Os']
+    if choice["type"] == "tool":
+        text = ['{"city": ', '"Os']
+    whole, streamed = _whole_and_streamed(_pieces(text, "length"), tools=[WEATHER],
+                                          tool_choice=choice)  # fmt: skip
+    assert whole["content"] == [{"type": "text", "text": "".join(text)}]
+    assert whole["stop_reason"] == "max_tokens"
+    _same(whole, streamed)
+
+
+def test_a_completed_forced_call_is_the_same_tool_use_whole_and_streamed() -> None:
+    text = ['[{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}]']
+    whole, streamed = _whole_and_streamed(_pieces(text), tools=[WEATHER],
+                                          tool_choice={"type": "any"})  # fmt: skip
+    ((kind, name, city),) = [(b["type"], b["name"], b["input"]["city"]) for b in whole["content"]]
+    assert (kind, name, city, whole["stop_reason"]) == ("tool_use", "get_weather", "Oslo",
+                                                        "tool_use")  # fmt: skip
+    _same(whole, streamed)
+
+
+def test_the_message_delta_usage_repeats_input_tokens() -> None:
+    response = _client(_pieces(["Hi"])).post("/v1/messages", json={**BODY, "stream": True})
+    (delta,) = [event for kind, event in _events(response.content) if kind == "message_delta"]
+    assert delta["usage"] == {"input_tokens": 5, "output_tokens": 1}
+
+
+def test_null_stream_is_a_whole_reply() -> None:
+    response = _client(_pieces(["Hi"])).post("/v1/messages", json={**BODY, "stream": None})
+    assert response.status_code == 200 and response.json()["content"][0]["text"] == "Hi"
+
+
+def test_output_config_format_is_the_grammar_of_the_payload() -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    serving = _Scripted(_pieces(['{"ok": true}']))
+    body = {**BODY, "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    response = TestClient(make_openai_app(serving)).post("/v1/messages", json=body)  # type: ignore[arg-type]
+    assert response.status_code == 200
+    assert serving.payloads[0].params["structured_outputs"] == {"json": json.dumps(schema)}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type"),
+     ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
+     ({"output_format": {"type": "json_schema", "schema": "x"}}, "output_format.schema"),
+     ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+     ({"stream": "yes"}, "stream"), ({"temperature": 1.5}, "temperature")],
+)  # fmt: skip
+def test_bad_fields_are_400s_naming_them(fields: dict[str, Any], param: str) -> None:
+    response = _client(_pieces(["Hi"])).post("/v1/messages", json={**BODY, **fields})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(f"{param}:")

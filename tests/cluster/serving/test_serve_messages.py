@@ -2,12 +2,15 @@
 configs/tiny.yaml on a local Ray, behind an API key and a route prefix, with the official
 ``anthropic`` SDK (its own types and stream helper throughout):
 
-- text: ``system`` as a string and as text blocks, rendered as the equivalent chat prompt
-  (input tokens equal ``/tokenize``'s); ``max_tokens`` and stop sequences (the matched one
-  named); the streamed events in Anthropic's order, accumulating to the greedy whole message;
+- text: ``system`` as a string and as text blocks, and a turn's text blocks, rendered as the
+  chat prompt vLLM renders (input tokens equal ``/tokenize``'s); ``max_tokens`` and stop
+  sequences (the matched one named); the streamed events in Anthropic's order, accumulating to
+  the greedy whole message; ``output_config.format`` constrains the text as the chat route's
+  ``response_format``;
 - tools: a forced call (``tool_choice`` tool, any) is a ``tool_use`` block with parsed input,
-  streamed as ``input_json_delta``; the call and its ``tool_result`` sent back render as the
-  chat template's tool messages;
+  streamed as ``input_json_delta``; cut off by ``max_tokens``, the chat route's text, whole and
+  streamed; the call and its ``tool_result`` sent back render as the chat template's tool
+  messages;
 - ``count_tokens``: the chat template's count, tools included, and a create call's input tokens;
 - errors in Anthropic's shape: 404 unknown model, 400 naming the field, 401 a wrong key;
 - thinking: ``builtin:tiny-qwen3-reasoning`` with the qwen3 reasoning parser (see
@@ -89,6 +92,11 @@ def _text(message: Message) -> str:
     return block.text
 
 
+def _blocks(message: Message) -> list[tuple[str, str]]:
+    return [(b.type, b.thinking if b.type == "thinking" else b.text)  # type: ignore[union-attr]
+            for b in message.content]  # fmt: skip
+
+
 # ---- text ----
 
 
@@ -107,13 +115,39 @@ def test_text_with_a_string_system_is_the_chat_prompt(client: Anthropic, base_ur
     assert message.usage.output_tokens == 6
 
 
-def test_system_text_blocks_are_joined_by_newlines(client: Anthropic, base_url: str) -> None:
+def test_text_blocks_are_joined_as_vllm_joins_them(client: Anthropic, base_url: str) -> None:
+    # System blocks with nothing between them, a turn's text blocks one a line.
     message = client.messages.create(
-        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
-        system=[{"type": "text", "text": "Answer"}, {"type": "text", "text": "briefly."}],
+        model=MODEL, max_tokens=2,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                               {"type": "text", "text": "world"}]}],
+        system=[{"type": "text", "text": "Answer "}, {"type": "text", "text": "briefly."}],
     )  # fmt: skip
-    chat = [{"role": "system", "content": "Answer\nbriefly."}, {"role": "user", "content": "Hi"}]
+    chat = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Hello\nworld"}]  # fmt: skip
     assert message.usage.input_tokens == prompt_tokens(base_url, chat, headers=AUTH)
+
+
+def test_output_config_format_constrains_the_text_as_the_chats_response_format(
+    client: Anthropic, base_url: str
+) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    ask: Any = [{"role": "user", "content": "Answer in JSON."}]
+    message = client.messages.create(
+        model=MODEL, max_tokens=40, messages=ask,
+        extra_body={"temperature": 0,
+                    "output_config": {"format": {"type": "json_schema", "schema": schema}}},
+    )  # fmt: skip
+    openai = OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+    chat = openai.chat.completions.create(
+        model=MODEL, max_tokens=40, messages=ask, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "output",
+                                                                "schema": schema}},
+    )  # fmt: skip
+    assert _text(message) == chat.choices[0].message.content
+    if message.stop_reason == "end_turn":
+        jsonschema.validate(json.loads(_text(message)), schema)
 
 
 def test_a_stop_sequence_ends_the_text_and_is_named(client: Anthropic) -> None:
@@ -196,6 +230,24 @@ def test_tool_choice_any_streams_input_json_deltas(client: Anthropic) -> None:
     jsonschema.validate(call.input, WEATHER_PARAMETERS)
 
 
+def test_a_forced_call_cut_off_by_max_tokens_is_the_chat_routes_text_whole_and_streamed(
+    client: Anthropic, base_url: str
+) -> None:
+    request: Any = {"model": MODEL, "max_tokens": 12, "messages": ASK, "tools": [WEATHER],
+                    "tool_choice": {"type": "any"}, "extra_body": {"seed": 3}}  # fmt: skip
+    whole = client.messages.create(**request)
+    with client.messages.stream(**request) as stream:
+        streamed = stream.get_final_message()
+    openai = OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+    chat = openai.chat.completions.create(
+        model=MODEL, max_tokens=12, messages=ASK, tools=[CHAT_WEATHER], tool_choice="required",
+        seed=3,
+    )  # fmt: skip
+    assert chat.choices[0].finish_reason == "length"
+    assert _text(whole) == _text(streamed) == chat.choices[0].message.content
+    assert whole.stop_reason == streamed.stop_reason == "max_tokens"
+
+
 def test_tool_use_and_tool_result_sent_back_render_as_chat_tool_messages(
     client: Anthropic,
 ) -> None:
@@ -268,31 +320,36 @@ def test_a_wrong_key_is_an_authentication_error_and_a_bearer_token_is_a_key(
 # ---- thinking ----
 
 
-def _thinking_reference(base_url: str) -> tuple[str, str]:
+def _thinking_reference(base_url: str) -> tuple[str, str, str]:
+    """The text before the model's think block, the block (the reasoning), the text after."""
     openai = OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
     raw = _raw(openai, QWEN3, temperature=0, max_tokens=24, logit_bias=QWEN3_BIAS)
-    return _split(QWEN3, raw)
+    reasoning, _ = _split(QWEN3, raw)
+    before, _, rest = raw.partition("<think>")
+    return before, reasoning, rest.partition("</think>")[2]
 
 
-def test_thinking_is_a_thinking_block_then_the_text(client: Anthropic, base_url: str) -> None:
-    reasoning, content = _thinking_reference(base_url)
-    assert reasoning and content  # as measured: both parts are there
-    message = client.messages.create(
-        model=QWEN3, max_tokens=24, messages=[{"role": "user", "content": QUESTION}],
-        thinking={"type": "enabled", "budget_tokens": 1024},
-        extra_body={"temperature": 0, "logit_bias": QWEN3_BIAS},
-    )  # fmt: skip
-    thought, text = message.content
-    assert thought.type == "thinking" and thought.thinking == reasoning
-    assert text.type == "text" and text.text == content
+def test_thinking_is_a_thinking_block_where_the_model_wrote_it(
+    client: Anthropic, base_url: str
+) -> None:
+    before, reasoning, after = _thinking_reference(base_url)
+    assert reasoning and after  # as measured: both parts are there
+    request: Any = {"model": QWEN3, "max_tokens": 24, "thinking": {"type": "adaptive"},
+                    "messages": [{"role": "user", "content": QUESTION}],
+                    "extra_body": {"temperature": 0, "logit_bias": QWEN3_BIAS}}  # fmt: skip
+    expected = [("text", before), ("thinking", reasoning), ("text", after)]
+    expected = [(kind, text) for kind, text in expected if text]
+    assert _blocks(client.messages.create(**request)) == expected
+    with client.messages.stream(**request) as stream:  # the same blocks, streamed
+        assert _blocks(stream.get_final_message()) == expected
 
 
 def test_streamed_thinking_deltas_and_disabled_thinking(client: Anthropic, base_url: str) -> None:
-    reasoning, _ = _thinking_reference(base_url)
+    _, reasoning, _ = _thinking_reference(base_url)
     ask: Any = [{"role": "user", "content": QUESTION}]
     with client.messages.stream(
         model=QWEN3, max_tokens=24, messages=ask,
-        thinking={"type": "enabled", "budget_tokens": 1024},
+        thinking={"type": "adaptive"},
         extra_body={"temperature": 0, "logit_bias": QWEN3_BIAS},
     ) as stream:  # fmt: skip
         deltas = [
