@@ -31,7 +31,7 @@ from cluster.api.anthropic_models import (
     MessagesRequest,
     OutputFormat,
 )
-from cluster.api.api_errors import APIError
+from cluster.api.api_errors import APIError, field_path
 from cluster.api.openai_models import ChatCompletionRequest
 from cluster.api.openai_payloads import (
     UNSUPPORTED_FIELDS,
@@ -320,8 +320,7 @@ def _named_error(exc: ValidationError) -> APIError:
         loc = loc[:2] + ["input_schema" if p == "parameters" else p for p in loc[3:]]
     elif loc[:1] == ["stop"]:
         loc = ["stop_sequences", *loc[2:]]
-    # Union members in the location (``stop.list[str]``) are no fields; ``stream`` is one.
-    param = ".".join(p for p in loc if p not in ("str", "int", "float", "bool") and "[" not in p)
+    param = ".".join(field_path(loc))
     return APIError(400, f"{param}: {first.get('msg')}", param, "invalid_value")
 
 

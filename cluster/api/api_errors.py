@@ -92,6 +92,13 @@ def error_response(error: APIError, scope: Any = None) -> JSONResponse:
 _UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "none", "bytes"})
 
 
+def field_path(loc: list[str]) -> list[str]:
+    """A pydantic error location as the request's field path: union members show up in it
+    (``prompt.str``, ``prompt.list[int]``, ``x.function-after[...]``) and are dropped
+    (``stream`` is a field)."""
+    return [p for p in loc if p not in _UNION_MEMBERS and "[" not in p]
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     # A union reports every member's error; a lone surrogate anywhere is the one that explains.
@@ -99,10 +106,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Union members show up in the location (``prompt.str``, ``prompt.list[int]``,
-    # ``x.function-after[...]``): keep the field path only (``stream`` is a field).
-    loc = [p for p in loc if p not in _UNION_MEMBERS and "[" not in p]
-    param = ".".join(loc) or None
+    param = ".".join(field_path(loc)) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return APIError(400, message, param, "invalid_value")
 
