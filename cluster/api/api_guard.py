@@ -116,11 +116,18 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 def _authorized(scope: Scope, key_hashes: list[str]) -> bool:
-    auth = _header(scope, b"authorization") or ""
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        token = _header(scope, b"x-api-key") or ""
+    token = request_api_key(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
     return api_key_matches(token, key_hashes)
+
+
+def request_api_key(authorization: str | None, x_api_key: str | None) -> str:
+    """The key a request carries, by one rule for HTTP headers and gRPC metadata: the token of
+    ``authorization: Bearer <key>`` (the scheme in any case), else ``x-api-key``; a bare key in
+    ``authorization`` (no scheme) is none. "" when there is none."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer" and token:
+        return token
+    return x_api_key or ""
 
 
 def api_key_matches(token: str, key_hashes: list[str]) -> bool:

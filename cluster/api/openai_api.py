@@ -56,15 +56,21 @@ def with_header_timeout(req: Any, request: Request) -> Any:
     raw = request.headers.get(TIMEOUT_HEADER)
     if raw is None or req.timeout is not None:
         return req
+    return req.model_copy(update={"timeout": timeout_seconds(raw)})
+
+
+def timeout_seconds(raw: str) -> float:
+    """An ``X-Request-Timeout`` value (HTTP header, gRPC metadata) as seconds; a 400 naming it
+    unless a finite number > 0."""
     try:
         seconds = float(raw)
     except ValueError:
         raise APIError(400, f"{TIMEOUT_HEADER}: must be a number of seconds, got {raw[:32]!r}",
                        TIMEOUT_HEADER) from None  # fmt: skip
-    if not seconds > 0 or seconds == float("inf"):
+    if not 0 < seconds < float("inf"):
         raise APIError(400, f"{TIMEOUT_HEADER}: must be > 0 seconds, got {raw[:32]!r}",
                        TIMEOUT_HEADER)  # fmt: skip
-    return req.model_copy(update={"timeout": seconds})
+    return seconds
 
 
 def metrics_response(text: str) -> PlainTextResponse:

@@ -488,6 +488,31 @@ def test_grpc_health_is_ok(grpc_stub: llm_pb2_grpc.LLMStub) -> None:
     assert grpc_stub.Health(llm_pb2.HealthRequest(model=MODEL), metadata=METADATA).healthy
 
 
+def test_grpc_health_needs_no_api_key(grpc_stub: llm_pb2_grpc.LLMStub) -> None:
+    request = llm_pb2.HealthRequest(model=MODEL)
+    assert grpc_stub.Health(request, metadata=(("application", APP),)).healthy
+
+
+def test_grpc_takes_the_api_key_by_http_s_rule(grpc_stub: llm_pb2_grpc.LLMStub) -> None:
+    request = llm_pb2.GenerateRequest(model=MODEL, prompt="x", max_tokens=2)
+    lower_case = (("application", APP), ("authorization", f"bearer {KEY}"))
+    assert list(grpc_stub.Generate(request, metadata=lower_case))
+    bare_key = (("application", APP), ("authorization", KEY))
+    with pytest.raises(grpc.RpcError) as info:
+        list(grpc_stub.Generate(request, metadata=bare_key))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_grpc_request_over_max_body_bytes_is_resource_exhausted(
+    grpc_stub: llm_pb2_grpc.LLMStub,
+) -> None:
+    request = llm_pb2.GenerateRequest(model=MODEL, prompt="x" * (2 << 20), max_tokens=2)
+    with pytest.raises(grpc.RpcError) as info:
+        list(grpc_stub.Generate(request, metadata=METADATA))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_body_bytes" in info.value.details()
+
+
 # ---- admission control ----
 
 
