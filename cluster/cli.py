@@ -154,7 +154,9 @@ def _deploy_and_report(
         print(timeline.line(), flush=True)
     print(f"ready: OpenAI API at {deploy.endpoint(config)}", flush=True)
     if config.grpc_options is not None:
-        print(f"gRPC (llmcluster.LLM) on port {config.grpc_options.port}", flush=True)
+        # Ray Serve binds gRPC to every interface whatever http_options.host says.
+        print(f"gRPC (llmcluster.LLM) on port {config.grpc_options.port}, every interface"
+              f"{'' if config.api_keys is not None else ', no API key'}", flush=True)  # fmt: skip
 
 
 def _refuse_ports_in_use(check: Callable[[], None]) -> None:
