@@ -7,7 +7,8 @@ says which adapter each of the ``max_loras`` device slots holds, and the workers
     step ── LoRASlotTable.assign: adapters of this step's requests -> slots (LRU reuse);
             changed slots travel in ExecuteModelRequest.lora_slots (slot -> id, path)
     worker ── WorkerLoRAManager: reads each changed adapter from disk, its shard only, into
-              the slot; per-token slot indices each step (-1: base model)
+              the slot (an id whose files changed since it was read: an error, never other
+              weights under it); per-token slot indices each step (-1: base model)
 
 PEFT's checkpoint layout: ``adapter_config.json`` (r, lora_alpha, use_rslora, target_modules)
 and ``adapter_model.safetensors`` with ``base_model.model.<module>.lora_A.weight`` [r, in] and
@@ -32,13 +33,17 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from engine.errors import InvalidRequestError
-from engine.lora_request import LoRARequest
+from engine.lora_request import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterFiles,
+    LoRARequest,
+    adapter_files,
+)
 from engine.worker.step_messages import LoRASlotSpec
 from llm_kernels.lora import LoRAMapping, add_lora
 from parallel.lora import LinearLoRA, LoRABatch, attach_lora
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 # HF module name -> (our fused module, its shard id); the decoder projections LoRA may target.
 # A checkpoint that fuses them (Phi-3's qkv_proj, gate_up_proj) has adapters on the fused
 # module: one A, and a B over all its parts (shard id None).
@@ -64,6 +69,19 @@ _PARAM = "lora_request"
 # PEFT initialisations that subtract the initial adapter from the base weights at load
 # (PiSSA, CorDA, OLoRA, LoftQ, LoRA-GA): served on the unchanged base, the adapter is wrong.
 _BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+# How many adapter ids a worker remembers the files of (far more than ever share a batch).
+_MAX_READ_IDS = 1024
+# PEFT's LoRA variants whose forward is not plain ``B A x * scaling`` (weights of their own, a
+# block-diagonal or pooled product, routing), refused by name before any weight is looked at
+# (DoRA, bias and the others that are one field: the ``unsupported`` table below).
+_VARIANTS = {
+    "use_qalora": "QALoRA",
+    "use_bdlora": "BD-LoRA",
+    "kasa_config": "KaSA",
+    "use_kasa": "KaSA",
+    "monteclora_config": "MonteCLoRA",
+    "arrow_config": "Arrow",
+}
 
 
 @dataclass(frozen=True)
@@ -104,16 +122,21 @@ def read_adapter_config(path: Path, max_rank: int) -> tuple[int, float]:
     problem for anything this engine cannot serve exactly."""
     file = path / CONFIG_FILE
     if not file.is_file():
-        raise _fail(f"{path} has no {CONFIG_FILE} (not a PEFT adapter directory?)")
+        raise _fail(f"the adapter directory has no {CONFIG_FILE} (not a PEFT adapter?)")
     try:
         config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except OSError as exc:
+        raise _fail(f"{CONFIG_FILE} cannot be read: {exc.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _fail(f"{CONFIG_FILE} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise _fail(f"{CONFIG_FILE} must hold a JSON object")
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise _fail(f"peft_type {peft_type!r} is not supported (only LORA)")
+    for key, variant in _VARIANTS.items():
+        if config.get(key):
+            raise _fail(f"{CONFIG_FILE}: {key}: not supported ({variant} is not served)")
     rank, alpha = config.get("r"), config.get("lora_alpha", 8)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise _fail(f"{CONFIG_FILE}: r must be a positive integer, got {rank!r}")
@@ -161,11 +184,11 @@ def load_adapter(path_str: str, hf_config: dict[str, Any], max_rank: int) -> LoR
     """Check an adapter against the base model without loading its weights (shapes only)."""
     path = Path(path_str)
     if not path.is_dir():
-        raise _fail(f"lora_path {path_str!r} is not a directory")
+        raise _fail("lora_path is not a directory")
     rank, scaling = read_adapter_config(path, max_rank)
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
-        raise _fail(f"{path} has no {WEIGHTS_FILE} (only safetensors adapters are read)")
+        raise _fail(f"the adapter has no {WEIGHTS_FILE} (only safetensors adapters are read)")
     shapes = _module_shapes(hf_config)
     num_layers = int(hf_config["num_hidden_layers"])
     seen: dict[tuple[int, str], set[str]] = {}
@@ -177,6 +200,8 @@ def load_adapter(path_str: str, hf_config: dict[str, Any], max_rank: int) -> LoR
                 seen.setdefault((layer, module), set()).add(ab)
     except InvalidRequestError:
         raise
+    except OSError as exc:  # (its message would name the file's path)
+        raise _fail(f"{WEIGHTS_FILE} cannot be read: {exc.strerror}") from None
     except Exception as exc:  # a truncated or foreign file: safetensors' own error
         raise _fail(f"{WEIGHTS_FILE} cannot be read: {exc}") from None
     if not seen:
@@ -255,8 +280,8 @@ class LoRARegistry:
                 bound = other
         if bound is not None and bound != lora_request:
             raise _fail(
-                f"lora_int_id {lid} already names adapter {bound.lora_name!r} at "
-                f"{bound.lora_path!r}; one id names one adapter"
+                f"lora_int_id {lid} already names adapter {bound.lora_name!r} (another name or "
+                "path); one id names one adapter"
             )
         adapter = load_adapter(lora_request.lora_path, self.hf_config, self.max_rank)
         self._cache[lid] = (lora_request, adapter)
@@ -336,7 +361,9 @@ class LoRASlotTable:
 class WorkerLoRAManager:
     """Worker side: the model's LoRA layers, the adapter in each slot, and the per-step token
     -> slot mapping. An adapter is read from disk when its slot changes, each layer taking only
-    its shard (as the model weights are loaded)."""
+    its shard (as the model weights are loaded). One id, one set of weights: an id read again
+    (its slot was reused meanwhile) whose files changed since is a load error, so its requests
+    end rather than go on with other weights (or leave such KV blocks under the id)."""
 
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int, batch: LoRABatch) -> None:
         self.batch = batch
@@ -345,6 +372,8 @@ class WorkerLoRAManager:
         )
         self.max_rank = max_rank
         self.slot_of: dict[int, int] = {}
+        # lora_int_id -> its files when this worker read them (most recent last, bounded).
+        self._files: OrderedDict[int, AdapterFiles] = OrderedDict()
 
     def apply_slot_changes(self, changes: dict[int, LoRASlotSpec]) -> dict[int, str]:
         """Load each changed slot's adapter; returns lora_int_id -> error for those that could
@@ -357,14 +386,25 @@ class WorkerLoRAManager:
             for layer in self.layers.values():
                 layer.clear_slot(slot)
             try:
+                self._check_unchanged(spec)
                 self._load(slot, Path(spec.lora_path))
             except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
                 for layer in self.layers.values():
                     layer.clear_slot(slot)
+                self._files.pop(spec.lora_int_id, None)  # (its next use starts afresh)
                 errors[spec.lora_int_id] = f"adapter at {spec.lora_path!r} cannot be loaded: {exc}"
                 continue
             self.slot_of[spec.lora_int_id] = slot
         return errors
+
+    def _check_unchanged(self, spec: LoRASlotSpec) -> None:
+        files = adapter_files(spec.lora_path)
+        read = self._files.setdefault(spec.lora_int_id, files)
+        self._files.move_to_end(spec.lora_int_id)
+        if read != files:
+            raise ValueError("its files changed since this id was read (new files need a new id)")
+        while len(self._files) > _MAX_READ_IDS:
+            self._files.popitem(last=False)
 
     def _load(self, slot: int, path: Path) -> None:
         _, scaling = read_adapter_config(path, self.max_rank)

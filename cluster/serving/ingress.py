@@ -307,15 +307,16 @@ class OpenAIIngress(
             return []  # its replicas are down (or scaled to zero): list the base model only
 
     async def tokenize(self, req: TokenizeRequest) -> Any:
-        server = self._server(self._tokenizer_model(req.model))
-        payload = tokenize_payload(req)
+        # A LoRA adapter tokenizes as its base model (its server 404s an adapter it lacks).
+        server, adapter = self._route(self._tokenizer_model(req.model))
+        payload = msgspec.structs.replace(tokenize_payload(req), adapter=adapter)
         if payload.messages is not None:
             payload = await self._with_image_data(payload)
         return _unwrap(await server.tokenize.remote(payload, bool(req.return_token_strs)))
 
     async def detokenize(self, req: DetokenizeRequest) -> Any:
-        server = self._server(self._tokenizer_model(req.model))
-        return _unwrap(await server.detokenize.remote(req.tokens))
+        server, adapter = self._route(self._tokenizer_model(req.model))
+        return _unwrap(await server.detokenize.remote(req.tokens, adapter))
 
     def _tokenizer_model(self, model: str | None) -> str:
         """The model a tokenizer route names; as in vLLM it may name none when one is served."""

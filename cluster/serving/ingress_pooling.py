@@ -67,10 +67,23 @@ def _header(kind: str, model: str) -> dict[str, Any]:
 
 
 class PoolingServicer:
-    """The pooling routes over ``_server`` (``OpenAIIngress``'s, which mixes this in)."""
+    """The pooling routes over ``_route`` (``OpenAIIngress``'s, which mixes this in)."""
 
-    _server: Any
+    _route: Any
+    _adapters: Any
     _admit: Any
+
+    async def _server_of(self, model: str) -> Any:
+        """The handle serving ``model``, resolved as the generate routes resolve it. The engine
+        pools under the base model only: a LoRA adapter of it is a 400 (an unknown one a 404)."""
+        handle, adapter = self._route(model)
+        if adapter is None:
+            return handle
+        base = model[: -len(adapter) - 1]
+        if adapter not in await self._adapters(base):
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        raise APIError(400, f"`{model}` is a LoRA adapter of {base!r}; the pooling routes serve "
+                       "base models only (LoRA is not supported for pooling)", "model")  # fmt: skip
 
     async def _call(self, model: str, calls: list[Awaitable[Any]]) -> list[Any]:
         """The server replies of ``calls``, or the first error among them as an APIError."""
@@ -86,7 +99,7 @@ class PoolingServicer:
 
     async def embeddings(self, req: EmbeddingRequest) -> Any:
         check_extra_fields(req, _POOLING_FIELDS)
-        handle = self._server(req.model)
+        handle = await self._server_of(req.model)
         await self._admit(req.model)
         inputs = embedding_payloads(req.input)
         changes = {"dimensions": req.dimensions, "add_special_tokens": req.add_special_tokens}
@@ -101,7 +114,7 @@ class PoolingServicer:
 
     async def classify(self, req: ClassificationRequest) -> Any:
         check_extra_fields(req, _POOLING_FIELDS)
-        handle = self._server(req.model)
+        handle = await self._server_of(req.model)
         inputs = [req.input] if isinstance(req.input, str) else req.input
         if not inputs:
             raise APIError(400, "input: must not be empty", "input")
@@ -144,7 +157,7 @@ class PoolingServicer:
                 "usage": {"total_tokens": result.prompt_tokens}}  # fmt: skip
 
     async def _score(self, model: str, text_1: str | list[str], text_2: str | list[str]) -> Any:
-        handle = self._server(model)
+        handle = await self._server_of(model)
         await self._admit(model)
         first = [text_1] if isinstance(text_1, str) else text_1
         second = [text_2] if isinstance(text_2, str) else text_2

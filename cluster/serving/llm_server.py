@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.api.reasoning_parsers import reasoning_front
@@ -39,7 +39,7 @@ from cluster.api.replica_messages import (
 )
 from cluster.api.tool_parsers import get_tool_parser
 from cluster.config import HEAD_BUNDLE_INDEX
-from cluster.serving.lora_adapters import AdapterCatalog, AdapterNotFoundError
+from cluster.serving.lora_adapters import AdapterNotFoundError, ReplicaAdapters
 from cluster.serving.metrics import ModelMetrics
 from cluster.serving.pooling_server import PoolingServer
 from cluster.serving.request_inputs import (
@@ -56,7 +56,6 @@ from engine.config import EngineConfig
 from engine.core.data_parallel import build_engine
 from engine.core.input_processor import load_tokenizer
 from engine.errors import (
-    ConfigError,
     EngineDeadError,
     EngineOverloadedError,
     EngineStateError,
@@ -146,17 +145,9 @@ class LLMServer(PoolingServer, SleepServer):
     def _configure(self, engine_args: dict[str, Any], lora_config: dict[str, Any] | None) -> None:
         """Everything the front needs before the engine: the config, the LoRA catalog, the
         tokenizer, the image processor and the parsers."""
-        self.adapters: AdapterCatalog | None = None
+        self.adapters: ReplicaAdapters | None = None
         if lora_config is not None:
-            self.adapters = AdapterCatalog(lora_config["dynamic_lora_loading_path"])
-            if not self.adapters.root.is_dir():
-                raise ConfigError(
-                    f"lora_config.dynamic_lora_loading_path: {str(self.adapters.root)!r} is not "
-                    "a directory on this node"
-                )
-            self._load_adapter = _adapter_loader(
-                self.adapters, lora_config.get("max_num_adapters_per_replica", 16)
-            )
+            self.adapters = ReplicaAdapters(lora_config, in_replica=self.replica_id != "local")
         config = EngineConfig.from_kwargs(**engine_args)
         self.config = config
         self.startup.mark("config")
@@ -247,20 +238,20 @@ class LLMServer(PoolingServer, SleepServer):
                 first = await stream.__anext__()
         except AdapterNotFoundError:
             self._active.discard(request_id)
-            name = f"{self.model_id}:{request.adapter}"
-            yield error_item(404, f"The model `{name}` does not exist.", "model",
-                             "model_not_found")  # fmt: skip
+            yield self._not_found(str(request.adapter))
             return
         except (InvalidRequestError, EngineOverloadedError, EngineStateError,
                 EngineDeadError) as exc:  # fmt: skip
             self._active.discard(request_id)
             if isinstance(exc, EngineDeadError):
                 logger.exception("model %s: request refused, the engine is dead", self.model_id)
-            yield self._refusal(exc)
+            yield self._refusal(exc, request.adapter)
             return
         except BaseException:
             self._active.discard(request_id)
             raise
+        if request.adapter is not None:  # the engine accepted it
+            self.metrics.on_adapter_request(request.adapter)
         start = self._start(request, first.output, params.n, reasoning is not None, in_reasoning)
         if sink is not None:
             start.head = self.head_name
@@ -335,13 +326,11 @@ class LLMServer(PoolingServer, SleepServer):
             return None
         if self.adapters is None:
             raise AdapterNotFoundError(adapter)
-        lora_request = await self._load_adapter(adapter)
-        self.metrics.on_adapter_request(adapter)
-        return lora_request
+        return await self.adapters.request(adapter)
 
     async def list_adapters(self) -> list[str]:
         """The adapters this model serves by name (those in its adapter directory)."""
-        return self.adapters.available() if self.adapters is not None else []
+        return self.adapters.catalog.available() if self.adapters is not None else []
 
     def _check_tool_choice(self, request: GenerateRequest) -> None:
         if request.tool_choice == "auto" and not self.config.frontend.enable_auto_tool_choice:
@@ -356,11 +345,16 @@ class LLMServer(PoolingServer, SleepServer):
         """The prompt for the core, tokenized here (the head's process only runs the model)."""
         return request_prompt(self.tokenizer, request, self.multimodal, self.image_placeholder)
 
-    def _refusal(self, exc: Exception) -> StreamError:
+    def _refusal(self, exc: Exception, adapter: str | None = None) -> StreamError:
         """The error item for a request the engine refused, or aborted before its one output:
-        400 naming the field; 503 overloaded, draining, or the engine dead (whose cause, a
-        worker's traceback or paths, goes to the log, never to the client)."""
+        400 naming the field (a refused LoRA adapter: the ``model`` the client sent); 503
+        overloaded, draining, or the engine dead (whose cause, a worker's traceback or paths,
+        goes to the log, never to the client)."""
         if isinstance(exc, InvalidRequestError):
+            if adapter is not None and exc.param == "lora_request":
+                name = f"{self.model_id}:{adapter}"
+                return error_item(400, f"LoRA adapter `{name}` cannot be served: {exc.reason}",
+                                  "model")  # fmt: skip
             return error_item(400, str(exc), exc.param)
         if isinstance(exc, EngineOverloadedError):
             return error_item(503, f"model {self.model_id!r}: {exc}", None, "overloaded",
@@ -381,7 +375,9 @@ class LLMServer(PoolingServer, SleepServer):
         self, request: GenerateRequest, return_token_strs: bool = False
     ) -> TokenizeResult | StreamError:
         """The prompt ids of the request's ``prompt`` or ``messages`` (vLLM's ``/tokenize``),
-        with the tokenizer's pieces when ``return_token_strs``."""
+        with the tokenizer's pieces when ``return_token_strs`` (an adapter's: its base model's)."""
+        if (missing := self._missing_adapter(request.adapter)) is not None:
+            return missing
         try:
             if request.messages is not None:
                 # A VLM's image parts count as their image's tokens, as the engine sees them.
@@ -400,13 +396,27 @@ class LLMServer(PoolingServer, SleepServer):
         pieces = self.tokenizer.convert_ids_to_tokens(list(ids)) if return_token_strs else None
         return TokenizeResult(list(ids), len(ids), self.max_model_len, pieces)
 
-    async def detokenize(self, tokens: list[int]) -> DetokenizeResult | StreamError:
+    async def detokenize(
+        self, tokens: list[int], adapter: str | None = None
+    ) -> DetokenizeResult | StreamError:
+        if (missing := self._missing_adapter(adapter)) is not None:
+            return missing
         vocab = self.config.model.vocab_size
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and 0 <= t < vocab for t in tokens
         ):
             return error_item(400, f"must be a list of token ids in [0, {vocab})", "tokens")
         return DetokenizeResult(self.tokenizer.decode(tokens))
+
+    def _missing_adapter(self, adapter: str | None) -> StreamError | None:
+        """The 404 of an adapter this model does not have (None: it has it, or none named)."""
+        if adapter is None or (self.adapters is not None and self.adapters.catalog.has(adapter)):
+            return None
+        return self._not_found(adapter)
+
+    def _not_found(self, adapter: str) -> StreamError:
+        name = f"{self.model_id}:{adapter}"
+        return error_item(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
     # ---- health and stats ---------------------------------------------------------------
 
@@ -571,23 +581,6 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 def _was_aborted(item: Any) -> bool:
     return any(d.finish_reason == "abort" for d in item.deltas)
-
-
-def _adapter_loader(
-    catalog: AdapterCatalog, max_per_replica: int
-) -> Callable[[str], Awaitable[LoRARequest]]:
-    """Inside a Serve replica, a ``serve.multiplexed`` loader: Serve then routes each adapter's
-    requests to replicas that already loaded it, and keeps at most ``max_per_replica`` per
-    replica (LRU). Outside one, a plain lookup."""
-
-    async def load(name: str) -> LoRARequest:
-        return catalog.request(name)
-
-    if _replica_id() == "local":
-        return load
-    from ray import serve
-
-    return serve.multiplexed(max_num_models_per_replica=max_per_replica)(load)
 
 
 def _replica_id() -> str:

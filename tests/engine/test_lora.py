@@ -201,6 +201,19 @@ def _broken_copy(adapters: Adapters, tmp_path: Path, how: str) -> str:
     elif how in ("pissa", "olora"):  # as PEFT saves an adapter it did not convert
         init = {"pissa": "pissa_niter_4", "olora": "olora"}[how]
         config_file.write_text(json.dumps({**config, "init_lora_weights": init}))
+    elif how in ("kasa", "bdlora"):  # as PEFT saves them: a field, and weights of their own
+        weights = load_file(str(weights_file))
+        layer = "base_model.model.model.layers.0.self_attn"
+        if how == "kasa":
+            variant = {"kasa_config": {"beta": 1e-4, "gamma": 1e-3}}
+            weights[f"{layer}.q_proj.lora_diag"] = torch.ones(8)
+        else:  # block-diagonal: B holds one of nblocks=2 blocks
+            variant = {"use_bdlora": {"nblocks": 2, "target_modules_bd_b": ["q_proj"]}}
+            weights[f"{layer}.q_proj.lora_B.weight"] = torch.zeros(64, 4)
+        save_file(weights, str(weights_file))
+        config_file.write_text(json.dumps({**config, **variant}))
+    elif how == "qalora":
+        config_file.write_text(json.dumps({**config, "use_qalora": True}))
     return str(path)
 
 
@@ -213,6 +226,10 @@ BAD_ADAPTERS = {
     "dora": "use_dora=True is not supported",
     "pissa": "init_lora_weights='pissa_niter_4' is not supported: PEFT rewrites the base",
     "olora": "init_lora_weights='olora' is not supported: PEFT rewrites the base",
+    # PEFT's variants refused by name, before their weights' shapes are looked at.
+    "kasa": "kasa_config: not supported",
+    "bdlora": "use_bdlora: not supported",
+    "qalora": "use_qalora: not supported",
 }
 
 
@@ -229,6 +246,7 @@ def test_bad_adapter_is_an_invalid_request_naming_the_problem(
     with pytest.raises(InvalidRequestError, match=BAD_ADAPTERS[how]) as info:
         lora_llm.llm_engine.add_request("bad", [1, 2, 3], lora_request=lora)
     assert info.value.param == "lora_request"
+    assert str(tmp_path) not in str(info.value)  # a server passes it on to its client
     assert lora_llm.llm_engine.get_num_unfinished_requests() == 0
 
 
@@ -490,6 +508,33 @@ def test_every_tensor_parallel_rank_reports_an_adapter_it_cannot_load(
     for output in (driver, other):
         assert list(output.lora_load_errors) == [2]
         assert "removed" in output.lora_load_errors[2]
+
+
+def test_an_id_read_again_after_its_files_changed_is_a_load_error_not_other_weights(
+    adapters: Adapters, tmp_path: Path
+) -> None:
+    """A slot reused meanwhile, then its adapter read again: if its files changed, the worker
+    refuses (the head then ends its requests) instead of serving other weights under the id."""
+    from engine.worker.step_messages import LoRASlotSpec
+
+    llm = LLM(MODEL, enable_lora=True, max_loras=1, max_lora_rank=16)
+    manager = llm.llm_engine.executor.worker.model_runner.lora_manager
+    path = tmp_path / "x"
+    shutil.copytree(adapters.paths["a"], path)
+    x, other = str(path), str(adapters.paths["b"])
+
+    def load(lid: int, path: str) -> dict[int, str]:
+        return manager.apply_slot_changes({0: LoRASlotSpec(lora_int_id=lid, lora_path=path)})
+
+    assert load(5, x) == {} and load(6, other) == {}
+    assert load(5, x) == {} and load(6, other) == {}  # read again, unchanged: fine
+    for file in adapters.paths["c"].iterdir():  # new files, in place
+        shutil.copyfile(file, path / file.name)
+    errors = load(5, x)
+    assert list(errors) == [5] and "files changed since this id was read" in errors[5]
+    assert 5 not in manager.slot_of
+    assert load(7, x) == {}  # a new id: its files are read
+    assert manager.slot_of == {7: 0}
 
 
 # ---- scheduler, config, async API ------------------------------------------------------------

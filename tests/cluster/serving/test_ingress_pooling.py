@@ -1,6 +1,7 @@
 """The pooling routes of the ingress (``cluster.serving.ingress_pooling``) over a recording
-server, through the real HTTP routes (no engine, no Ray): what reaches the server for each
-field, and the fields that are a 400 naming them."""
+server, through the real HTTP routes and the ingress's routing (no engine, no Ray): what reaches
+the server for each field, the fields that are a 400 naming them, and a LoRA adapter's name (a
+400: the engine pools under the base model only; an unknown one a 404)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from cluster.api.openai_api import make_openai_app
 from cluster.api.replica_messages import EmbedRequest, EmbedResult, ScoreRequest, ScoreResult
+from cluster.serving.ingress import OpenAIIngress
 from cluster.serving.ingress_pooling import PoolingServicer
 
 
@@ -28,18 +30,31 @@ class _Method:
         return reply()
 
 
+class _Handle:
+    """A server that embeds every input as [1, 0] and scores pairs 0.3, 0.9, 0.6."""
+
+    def __init__(self, calls: list[Any]) -> None:
+        self.embed = _Method(lambda r: EmbedResult([1.0, 0.0], 3, "yes"), calls)
+        scores = [0.3, 0.9, 0.6]
+        self.score = _Method(lambda r: ScoreResult(scores[: len(r.text_2)], 7), calls)
+
+    def options(self, **kwargs: Any) -> _Handle:  # (a multiplexed model id: the same server)
+        return self
+
+
 class _Recording(PoolingServicer):
-    """An ingress whose server embeds every input as [1, 0] and scores pairs 0.3, 0.9, 0.6."""
+    """An ingress, with the real routing, serving model ``m`` (and its LoRA adapter ``a1``)."""
+
+    _route = OpenAIIngress._route
+    _server = OpenAIIngress._server
 
     def __init__(self) -> None:
         self.calls: list[Any] = []
-        self.handle = type("Handle", (), {})()
-        self.handle.embed = _Method(lambda r: EmbedResult([1.0, 0.0], 3, "yes"), self.calls)
-        scores = [0.3, 0.9, 0.6]
-        self.handle.score = _Method(lambda r: ScoreResult(scores[: len(r.text_2)], 7), self.calls)
+        self.servers = {"m": _Handle(self.calls)}
+        self.lora_models = {"m"}
 
-    def _server(self, model: str) -> Any:
-        return self.handle
+    async def _adapters(self, base: str) -> list[str]:
+        return ["a1"]
 
     async def _admit(self, model: str) -> None:
         return None
@@ -151,3 +166,20 @@ def test_score_requests_reach_the_server_as_lists(ingress: _Recording) -> None:
     assert _post(ingress, "/score", body).status_code == 200
     (call,) = ingress.calls
     assert isinstance(call, ScoreRequest) and (call.text_1, call.text_2) == (["a"], ["b", "c"])
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+def test_a_lora_adapter_of_the_model_is_a_400_naming_it(ingress: _Recording, path: str) -> None:
+    response = _post(ingress, path, {**BODIES[path], "model": "m:a1"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "model"
+    assert error["message"].startswith("`m:a1` is a LoRA adapter of 'm'; the pooling routes")
+    assert ingress.calls == []
+
+
+@pytest.mark.parametrize("model", ["m:nope", "other", "other:a1"])
+def test_an_unknown_model_or_adapter_is_a_404(ingress: _Recording, model: str) -> None:
+    response = _post(ingress, "/v1/embeddings", {"model": model, "input": "hi"})
+    assert response.status_code == 404
+    assert response.json()["error"]["message"] == f"The model `{model}` does not exist."

@@ -9,7 +9,8 @@ and two LoRA adapters, with the official ``openai`` client (one deployment for a
   (``tiny-llama:<adapter>``) exactly as the offline engine does under each adapter;
   ``/v1/models`` lists the adapters; an unknown adapter is a 404; Serve's model multiplexing
   keeps an adapter's requests on the replica that loaded it (seen in the replica header), with
-  per-adapter metrics;
+  per-adapter metrics; an adapter's files replaced in place answer at once, a removed adapter
+  is a 404 at once, a refused one a 400 naming it; ``/tokenize`` takes an adapter's name;
 - the prefix-aware router (the default with two replicas) keeps a shared prompt prefix on one
   replica and spreads unrelated prompts over both. (Its hit rate against one replica and
   against Serve's default router is measured by ``cluster bench prefix``: BENCHMARKS.md.)"""
@@ -19,7 +20,9 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -591,6 +594,70 @@ def test_per_adapter_metrics(client: OpenAI, base_url: str) -> None:
         )
 
     wait_for(scraped, timeout_s=30, what="per-adapter metrics in /metrics", poll_s=2)
+
+
+def _install(source: Path, dest: Path) -> None:
+    """An adapter's files copied over ``dest``'s, in place (same files, new bytes)."""
+    dest.mkdir(exist_ok=True)
+    for file in source.iterdir():
+        shutil.copyfile(file, dest / file.name)
+
+
+def _complete(client: OpenAI, model: str) -> str:
+    response = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0)
+    return response.choices[0].text
+
+
+def test_an_adapter_replaced_in_place_answers_at_once_and_a_removed_one_is_a_404(
+    client: OpenAI, adapter_dir: Path, offline: Any
+) -> None:
+    fresh = adapter_dir / "fresh"
+    try:
+        _install(adapter_dir / "alpha", fresh)
+        assert _complete(client, f"{MODEL}:fresh") == offline("alpha")
+        _install(adapter_dir / "beta", fresh)
+        assert [_complete(client, f"{MODEL}:fresh") for _ in range(2)] == [offline("beta")] * 2
+        shutil.rmtree(fresh)
+        for _ in range(2):  # (Serve's multiplexing still holds it: no matter)
+            with pytest.raises(NotFoundError, match=f"The model `{MODEL}:fresh` does not exist"):
+                _complete(client, f"{MODEL}:fresh")
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
+
+
+def test_a_refused_adapter_is_a_400_naming_the_model_sent(
+    client: OpenAI, adapter_dir: Path
+) -> None:
+    big = make_tiny_lora("tiny-llama", adapter_dir / "big", rank=16, target_modules=("q_proj",))
+    try:
+        with pytest.raises(BadRequestError) as info:
+            _complete(client, f"{MODEL}:big")
+        error: Any = info.value.body
+        assert error["param"] == "model"
+        assert error["message"] == (
+            f"LoRA adapter `{MODEL}:big` cannot be served: adapter rank r=16 exceeds "
+            "max_lora_rank (8)"
+        )
+    finally:
+        shutil.rmtree(big)
+
+
+def test_tokenize_takes_an_adapters_name(base_url: str) -> None:
+    def tokenize(model: str) -> tuple[int, Any]:
+        body = json.dumps({"model": model, "prompt": PROMPT}).encode()
+        request = urllib.request.Request(f"{base_url}/tokenize", body,
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    status, base = tokenize(MODEL)
+    assert status == 200
+    assert tokenize(f"{MODEL}:alpha") == (200, base)
+    status, error = tokenize(f"{MODEL}:gamma")
+    assert status == 404 and error["error"]["param"] == "model"
 
 
 SYSTEM = (

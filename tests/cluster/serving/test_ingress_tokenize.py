@@ -1,0 +1,122 @@
+"""``/tokenize`` and ``/detokenize`` on the ingress (``cluster.serving.ingress``) over a
+recording server, through the real HTTP routes and the ingress's routing (no engine, no Ray): a
+LoRA adapter's name goes to its base model's server with the adapter named (which tokenizes
+with the base model's tokenizer and 404s an adapter it lacks), as the generate routes route it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cluster.api.openai_api import make_openai_app
+from cluster.api.replica_messages import DetokenizeResult, StreamError, TokenizeResult
+from cluster.serving.ingress import OpenAIIngress
+
+
+class _Method:
+    def __init__(self, answer: Any, calls: list[Any]) -> None:
+        self.answer = answer
+        self.calls = calls
+
+    def remote(self, *args: Any) -> Any:
+        self.calls.append(args)
+
+        async def reply() -> Any:
+            return self.answer(*args)
+
+        return reply()
+
+
+def _not_found(adapter: str) -> StreamError:
+    return StreamError(404, f"The model `m:{adapter}` does not exist.", "model", "model_not_found")
+
+
+class _Handle:
+    """Model ``m``'s server: it has adapter ``a1``; every prompt is the tokens [1, 2]."""
+
+    def __init__(self, calls: list[Any]) -> None:
+        def tokenize(payload: Any, strs: bool) -> Any:
+            if payload.adapter not in (None, "a1"):
+                return _not_found(payload.adapter)
+            return TokenizeResult([1, 2], 2, 64)
+
+        def detokenize(tokens: list[int], adapter: str | None) -> Any:
+            return _not_found(adapter) if adapter not in (None, "a1") else DetokenizeResult("hi")
+
+        self.tokenize = _Method(tokenize, calls)
+        self.detokenize = _Method(detokenize, calls)
+        self.multiplexed: list[str] = []
+
+    def options(self, multiplexed_model_id: str) -> _Handle:
+        self.multiplexed.append(multiplexed_model_id)
+        return self
+
+
+class _Tokenizing:
+    _route = OpenAIIngress._route
+    _server = OpenAIIngress._server
+    _tokenizer_model = OpenAIIngress._tokenizer_model
+    tokenize = OpenAIIngress.tokenize
+    detokenize = OpenAIIngress.detokenize
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+        self.servers = {"m": _Handle(self.calls)}
+        self.lora_models = {"m"}
+
+
+@pytest.fixture
+def ingress() -> _Tokenizing:
+    return _Tokenizing()
+
+
+def _post(ingress: _Tokenizing, path: str, body: dict[str, Any]) -> Any:
+    return TestClient(make_openai_app(ingress)).post(path, json=body)  # type: ignore[arg-type]
+
+
+def test_tokenize_with_an_adapter_reaches_the_base_models_server_naming_it(
+    ingress: _Tokenizing,
+) -> None:
+    response = _post(ingress, "/tokenize", {"model": "m:a1", "prompt": "hello"})
+    assert response.status_code == 200 and response.json()["tokens"] == [1, 2]
+    ((payload, _),) = ingress.calls
+    assert (payload.prompt, payload.adapter) == ("hello", "a1")
+    assert ingress.servers["m"].multiplexed == ["a1"]
+
+
+def test_detokenize_with_an_adapter_reaches_the_base_models_server_naming_it(
+    ingress: _Tokenizing,
+) -> None:
+    response = _post(ingress, "/detokenize", {"model": "m:a1", "tokens": [1, 2]})
+    assert response.status_code == 200 and response.json()["prompt"] == "hi"
+    assert ingress.calls == [([1, 2], "a1")]
+
+
+def test_the_base_model_is_served_with_no_adapter_named(ingress: _Tokenizing) -> None:
+    assert _post(ingress, "/tokenize", {"model": "m", "prompt": "hello"}).status_code == 200
+    assert _post(ingress, "/detokenize", {"model": "m", "tokens": [1]}).status_code == 200
+    (payload, _), detokenized = ingress.calls
+    assert payload.adapter is None and detokenized == ([1], None)
+    assert ingress.servers["m"].multiplexed == []
+
+
+BODIES = {"/tokenize": {"prompt": "hello"}, "/detokenize": {"tokens": [1]}}
+
+
+@pytest.mark.parametrize(
+    ("path", "model"),
+    [
+        ("/tokenize", "m:nope"),
+        ("/detokenize", "m:nope"),
+        ("/tokenize", "x:a1"),
+        ("/detokenize", "x"),
+    ],
+)
+def test_an_unknown_model_or_adapter_is_a_404(ingress: _Tokenizing, path: str, model: str) -> None:
+    response = _post(ingress, path, {"model": model, **BODIES[path]})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("model", "model_not_found")
+    assert error["message"] == f"The model `{model}` does not exist."
