@@ -72,7 +72,8 @@ class MessagesServicer:
         """The prompt's token count as the chat template renders it, tools included."""
         payload, _ = messages_payload(req)
         payload = await self._with_image_data(payload)
-        handle, _ = self._route(req.model)
+        handle, adapter = self._route(req.model)  # (its server 404s an adapter it lacks)
+        payload = msgspec.structs.replace(payload, adapter=adapter)
         try:
             result = await handle.tokenize.remote(payload)
         except ray.exceptions.RayError as exc:

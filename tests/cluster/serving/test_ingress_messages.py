@@ -13,7 +13,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cluster.api.openai_api import make_openai_app
-from cluster.api.replica_messages import GenerateRequest, StreamDelta, StreamError, StreamStart
+from cluster.api.replica_messages import (
+    GenerateRequest,
+    StreamDelta,
+    StreamError,
+    StreamStart,
+    TokenizeResult,
+)
+from cluster.serving.ingress import OpenAIIngress
 from cluster.serving.ingress_messages import MessagesServicer
 from engine.client.core_messages import ChoiceDelta
 
@@ -214,3 +221,49 @@ def test_bad_fields_are_400s_naming_them(fields: dict[str, Any], param: str) -> 
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"].startswith(f"{param}:")
+
+
+class _Tokenizer:
+    """A model's handle that counts every prompt as 7 tokens, recording what it was sent."""
+
+    def __init__(self, payloads: list[GenerateRequest]) -> None:
+        self.payloads = payloads
+        self.tokenize = self
+
+    def options(self, multiplexed_model_id: str) -> _Tokenizer:
+        return self
+
+    def remote(self, payload: GenerateRequest) -> Any:
+        self.payloads.append(payload)
+
+        async def reply() -> TokenizeResult:
+            return TokenizeResult([1] * 7, 7, 1024)
+
+        return reply()
+
+
+class _Counting(MessagesServicer):
+    """An ingress with the real routing, serving model ``m`` (which takes LoRA adapters)."""
+
+    _route = OpenAIIngress._route
+    _server = OpenAIIngress._server
+
+    def __init__(self) -> None:
+        self.payloads: list[GenerateRequest] = []
+        self.servers = {"m": _Tokenizer(self.payloads)}
+        self.lora_models = {"m"}
+
+    async def _with_image_data(self, payload: GenerateRequest) -> GenerateRequest:
+        return payload
+
+
+@pytest.mark.parametrize(("model", "adapter"), [("m", None), ("m:a1", "a1")])
+def test_count_tokens_names_the_adapter_to_its_server(model: str, adapter: str | None) -> None:
+    """The server counts an adapter's prompt (and 404s an adapter it lacks) only if told it."""
+    ingress = _Counting()
+    client = TestClient(make_openai_app(ingress))  # type: ignore[arg-type]
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}]}
+    response = client.post("/v1/messages/count_tokens", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json() == {"input_tokens": 7}
+    assert [p.adapter for p in ingress.payloads] == [adapter]
