@@ -20,9 +20,9 @@ from cluster.api.replica_messages import (
     StreamStart,
     TokenizeResult,
 )
-from cluster.serving.ingress import OpenAIIngress
 from cluster.serving.ingress_messages import MessagesServicer
 from engine.client.core_messages import ChoiceDelta
+from tests.cluster.serving.routed_ingress import Method, RoutedIngress
 
 BODY = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
         "stop_sequences": ["END"]}  # fmt: skip
@@ -224,34 +224,18 @@ def test_bad_fields_are_400s_naming_them(fields: dict[str, Any], param: str) -> 
 
 
 class _Tokenizer:
-    """A model's handle that counts every prompt as 7 tokens, recording what it was sent."""
+    """Model ``m``'s server: every prompt is 7 tokens."""
 
-    def __init__(self, payloads: list[GenerateRequest]) -> None:
-        self.payloads = payloads
-        self.tokenize = self
+    def __init__(self, calls: list[Any]) -> None:
+        self.tokenize = Method(lambda payload: TokenizeResult([1] * 7, 7, 1024), calls)
 
     def options(self, multiplexed_model_id: str) -> _Tokenizer:
         return self
 
-    def remote(self, payload: GenerateRequest) -> Any:
-        self.payloads.append(payload)
 
-        async def reply() -> TokenizeResult:
-            return TokenizeResult([1] * 7, 7, 1024)
-
-        return reply()
-
-
-class _Counting(MessagesServicer):
-    """An ingress with the real routing, serving model ``m`` (which takes LoRA adapters)."""
-
-    _route = OpenAIIngress._route
-    _server = OpenAIIngress._server
-
+class _Counting(RoutedIngress, MessagesServicer):
     def __init__(self) -> None:
-        self.payloads: list[GenerateRequest] = []
-        self.servers = {"m": _Tokenizer(self.payloads)}
-        self.lora_models = {"m"}
+        super().__init__(_Tokenizer)
 
     async def _with_image_data(self, payload: GenerateRequest) -> GenerateRequest:
         return payload
@@ -266,4 +250,4 @@ def test_count_tokens_names_the_adapter_to_its_server(model: str, adapter: str |
     response = client.post("/v1/messages/count_tokens", json=body)
     assert response.status_code == 200, response.text
     assert response.json() == {"input_tokens": 7}
-    assert [p.adapter for p in ingress.payloads] == [adapter]
+    assert [p.adapter for p in ingress.calls] == [adapter]

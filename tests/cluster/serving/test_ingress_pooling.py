@@ -12,46 +12,27 @@ from fastapi.testclient import TestClient
 
 from cluster.api.openai_api import make_openai_app
 from cluster.api.replica_messages import EmbedRequest, EmbedResult, ScoreRequest, ScoreResult
-from cluster.serving.ingress import OpenAIIngress
 from cluster.serving.ingress_pooling import PoolingServicer
-
-
-class _Method:
-    def __init__(self, answer: Any, calls: list[Any]) -> None:
-        self.answer = answer
-        self.calls = calls
-
-    def remote(self, request: Any) -> Any:
-        self.calls.append(request)
-
-        async def reply() -> Any:
-            return self.answer(request)
-
-        return reply()
+from tests.cluster.serving.routed_ingress import Method, RoutedIngress
 
 
 class _Handle:
     """A server that embeds every input as [1, 0] and scores pairs 0.3, 0.9, 0.6."""
 
     def __init__(self, calls: list[Any]) -> None:
-        self.embed = _Method(lambda r: EmbedResult([1.0, 0.0], 3, "yes"), calls)
+        self.embed = Method(lambda r: EmbedResult([1.0, 0.0], 3, "yes"), calls)
         scores = [0.3, 0.9, 0.6]
-        self.score = _Method(lambda r: ScoreResult(scores[: len(r.text_2)], 7), calls)
+        self.score = Method(lambda r: ScoreResult(scores[: len(r.text_2)], 7), calls)
 
     def options(self, **kwargs: Any) -> _Handle:  # (a multiplexed model id: the same server)
         return self
 
 
-class _Recording(PoolingServicer):
+class _Recording(RoutedIngress, PoolingServicer):
     """An ingress, with the real routing, serving model ``m`` (and its LoRA adapter ``a1``)."""
 
-    _route = OpenAIIngress._route
-    _server = OpenAIIngress._server
-
     def __init__(self) -> None:
-        self.calls: list[Any] = []
-        self.servers = {"m": _Handle(self.calls)}
-        self.lora_models = {"m"}
+        super().__init__(_Handle)
 
     async def _adapters(self, base: str) -> list[str]:
         return ["a1"]

@@ -13,20 +13,7 @@ from fastapi.testclient import TestClient
 from cluster.api.openai_api import make_openai_app
 from cluster.api.replica_messages import DetokenizeResult, StreamError, TokenizeResult
 from cluster.serving.ingress import OpenAIIngress
-
-
-class _Method:
-    def __init__(self, answer: Any, calls: list[Any]) -> None:
-        self.answer = answer
-        self.calls = calls
-
-    def remote(self, *args: Any) -> Any:
-        self.calls.append(args)
-
-        async def reply() -> Any:
-            return self.answer(*args)
-
-        return reply()
+from tests.cluster.serving.routed_ingress import Method, RoutedIngress
 
 
 def _not_found(adapter: str) -> StreamError:
@@ -45,8 +32,8 @@ class _Handle:
         def detokenize(tokens: list[int], adapter: str | None) -> Any:
             return _not_found(adapter) if adapter not in (None, "a1") else DetokenizeResult("hi")
 
-        self.tokenize = _Method(tokenize, calls)
-        self.detokenize = _Method(detokenize, calls)
+        self.tokenize = Method(tokenize, calls)
+        self.detokenize = Method(detokenize, calls)
         self.multiplexed: list[str] = []
 
     def options(self, multiplexed_model_id: str) -> _Handle:
@@ -54,17 +41,13 @@ class _Handle:
         return self
 
 
-class _Tokenizing:
-    _route = OpenAIIngress._route
-    _server = OpenAIIngress._server
+class _Tokenizing(RoutedIngress):
     _tokenizer_model = OpenAIIngress._tokenizer_model
     tokenize = OpenAIIngress.tokenize
     detokenize = OpenAIIngress.detokenize
 
     def __init__(self) -> None:
-        self.calls: list[Any] = []
-        self.servers = {"m": _Handle(self.calls)}
-        self.lora_models = {"m"}
+        super().__init__(_Handle)
 
 
 @pytest.fixture
