@@ -71,7 +71,8 @@ UNSUPPORTED_MESSAGES_FIELDS = {
 def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request generating the reply to ``req`` (a count_tokens request: its prompt)."""
     check_extra_fields(req, UNSUPPORTED_MESSAGES_FIELDS)
-    messages = [{"role": "system", "content": system_text(req.system)}] if req.system else []
+    system = system_text(req.system)
+    messages = [{"role": "system", "content": system}] if system else []
     for i, message in enumerate(req.messages):
         messages += chat_messages(message.role, message.content, f"messages.{i}")
     body: dict[str, Any] = {"model": req.model, "messages": messages}
@@ -154,12 +155,19 @@ def check_thinking(req: CountTokensRequest) -> None:
                        "thinking.budget_tokens")  # fmt: skip
 
 
+# Claude Code's first system block: a per-request attribution hash, which changes the prompt's
+# first tokens on every request (no prefix cache hit) and says nothing to the model.
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
 def system_text(system: str | list[dict[str, Any]] | None) -> str:
     """``system`` as one text: a list of text blocks is joined with nothing between them, as
-    vLLM joins them (so prompts render alike)."""
+    vLLM joins them (so prompts render alike), less a block holding Claude Code's billing
+    header (as vLLM drops it)."""
     if system is None or isinstance(system, str):
         return system or ""
-    return "".join(_block_text(block, f"system.{j}") for j, block in enumerate(system))
+    texts = (_block_text(block, f"system.{j}") for j, block in enumerate(system))
+    return "".join(text for text in texts if not text.startswith(_BILLING_HEADER))
 
 
 def _joined(texts: list[str]) -> str:

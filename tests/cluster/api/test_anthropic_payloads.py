@@ -44,6 +44,16 @@ def test_system_string_and_text_blocks_are_the_system_message() -> None:
     assert _chat(system=blocks)["messages"][0] == {"role": "system", "content": "Be brief."}
 
 
+def test_claude_codes_billing_header_block_is_left_out_of_the_system_message() -> None:
+    """Its per-request hash would make every prompt's first tokens differ (no prefix hits)."""
+    blocks = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3; cch=9f2"},
+              {"type": "text", "text": "You are Claude Code."}]  # fmt: skip
+    system = _chat(system=blocks)["messages"][0]
+    assert system == {"role": "system", "content": "You are Claude Code."}
+    alone = _chat(system=blocks[:1])["messages"]
+    assert alone[0]["role"] == "user"  # nothing left: no system message
+
+
 def test_text_blocks_of_a_turn_are_joined_one_a_line_as_vllm_joins_them() -> None:
     content = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
     messages = _chat(messages=[{"role": "user", "content": content}])["messages"]
