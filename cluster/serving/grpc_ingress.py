@@ -23,7 +23,7 @@ from cluster.api.api_guard import api_key_matches, request_api_key
 from cluster.api.openai_api import TIMEOUT_HEADER, timeout_seconds
 from cluster.api.replica_messages import GenerateRequest, StreamError, StreamStart, grpc_code_name
 from cluster.proto import llm_pb2
-from cluster.serving.ingress_calls import guard_stream
+from cluster.serving.ingress_calls import base_model, guard_stream
 from cluster.serving.readiness import unready_models
 
 logger = logging.getLogger("llm_cluster.serve")
@@ -173,7 +173,7 @@ class LLMServicer:
         if not model:
             return dict(self.servers)
         _, adapter = self._route(model)  # NOT_FOUND naming it if unknown
-        base = model if adapter is None else model[: -len(adapter) - 1]
+        base = base_model(model, adapter)
         return {base: self.servers[base]}
 
 

@@ -37,6 +37,7 @@ from cluster.api.replica_messages import GenerateRequest, StreamError, StreamSta
 from cluster.serving.grpc_ingress import LLMServicer
 from cluster.serving.ingress_calls import (
     ResponsesInFlight,
+    base_model,
     guard_stream,
     merge_streams,
     wait_until_written,
@@ -160,7 +161,7 @@ class OpenAIIngress(
             raise APIError(503, "the server is shutting down, retry later", None, "draining",
                            retry_after=1)  # fmt: skip
         handle, adapter = self._route(model)
-        base = model if adapter is None else model[: -len(adapter) - 1]
+        base = base_model(model, adapter)
         payload = await self._with_image_data(payload)
         await self._admit(base)
         if base in self.prefill:
@@ -196,8 +197,7 @@ class OpenAIIngress(
         self, handle: DeploymentHandle, payload: GenerateRequest, model: str, adapter: str | None
     ) -> tuple[StreamStart, Any]:
         stream = handle.options(stream=True).generate.remote(payload)
-        base = model if adapter is None else model[: -len(adapter) - 1]
-        timeout_s = self.cold_start_timeouts.get(base)
+        timeout_s = self.cold_start_timeouts.get(base_model(model, adapter))
         try:
             first = await asyncio.wait_for(stream.__anext__(), timeout_s)
         except TimeoutError as exc:
@@ -291,14 +291,17 @@ class OpenAIIngress(
         return {"object": "list", "data": data}
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        _, adapter = self._route(model_id)  # 404 naming it if unknown
-        if adapter is None:
-            return _model_card(model_id)
-        base = model_id[: -len(adapter) - 1]
-        if adapter not in await self._adapters(base):
-            raise APIError(404, f"The model `{model_id}` does not exist.", "model",
+        _, adapter = await self._known_route(model_id)
+        return _model_card(model_id, None if adapter is None else base_model(model_id, adapter))
+
+    async def _known_route(self, model: str) -> tuple[DeploymentHandle, str | None]:
+        """``_route``, and a 404 naming ``model`` for an adapter its base model's directory
+        does not hold (asked of the base model's server)."""
+        handle, adapter = self._route(model)  # 404 naming it if unknown
+        if adapter is not None and adapter not in await self._adapters(base_model(model, adapter)):
+            raise APIError(404, f"The model `{model}` does not exist.", "model",
                            "model_not_found")  # fmt: skip
-        return _model_card(model_id, base)
+        return handle, adapter
 
     async def _adapters(self, base: str) -> list[str]:
         try:

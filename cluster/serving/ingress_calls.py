@@ -17,6 +17,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.api.replica_messages import replica_failed
 
+
+def base_model(model: str, adapter: str | None) -> str:
+    """The base model of a routed ``model`` name: itself, or ``<base>:<adapter>``'s base."""
+    return model if adapter is None else model[: -len(adapter) - 1]
+
+
 _open_streams = 0  # guard_stream generators running in this process
 _responses_in_flight = 0  # HTTP responses not yet fully sent (``ResponsesInFlight``)
 

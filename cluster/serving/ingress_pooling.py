@@ -30,6 +30,7 @@ from cluster.api.openai_payloads import (
 from cluster.api.pooling_models import ClassificationRequest, RerankRequest, ScoreRequest
 from cluster.api.replica_messages import EmbedRequest, StreamError
 from cluster.api.replica_messages import ScoreRequest as ServerScoreRequest
+from cluster.serving.ingress_calls import base_model
 
 # vLLM's pooling fields that change the output and are not supported (``check_extra_fields``),
 # beside those of every route.
@@ -69,21 +70,18 @@ def _header(kind: str, model: str) -> dict[str, Any]:
 class PoolingServicer:
     """The pooling routes over ``_route`` (``OpenAIIngress``'s, which mixes this in)."""
 
-    _route: Any
-    _adapters: Any
+    _known_route: Any
     _admit: Any
 
     async def _server_of(self, model: str) -> Any:
         """The handle serving ``model``, resolved as the generate routes resolve it. The engine
         pools under the base model only: a LoRA adapter of it is a 400 (an unknown one a 404)."""
-        handle, adapter = self._route(model)
+        handle, adapter = await self._known_route(model)
         if adapter is None:
             return handle
-        base = model[: -len(adapter) - 1]
-        if adapter not in await self._adapters(base):
-            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
-        raise APIError(400, f"`{model}` is a LoRA adapter of {base!r}; the pooling routes serve "
-                       "base models only (LoRA is not supported for pooling)", "model")  # fmt: skip
+        raise APIError(400, f"`{model}` is a LoRA adapter of {base_model(model, adapter)!r}; the "
+                       "pooling routes serve base models only (LoRA is not supported for "
+                       "pooling)", "model")  # fmt: skip
 
     async def _call(self, model: str, calls: list[Awaitable[Any]]) -> list[Any]:
         """The server replies of ``calls``, or the first error among them as an APIError."""

@@ -31,6 +31,7 @@ class RoutedIngress:
     what the handle's ``Method``s were sent. ``make_handle(calls)`` builds the handle."""
 
     _route = OpenAIIngress._route
+    _known_route = OpenAIIngress._known_route
     _server = OpenAIIngress._server
 
     def __init__(self, make_handle: Callable[[list[Any]], Any]) -> None:
