@@ -34,6 +34,11 @@ class EngineDeadError(RuntimeError):
     """The engine (or one of its workers) failed; in-flight requests cannot complete."""
 
 
+class RequestFailedError(RuntimeError):
+    """Taking one request raised an error the engine does not expect (its log has the
+    traceback): that request fails, and the engine goes on serving the others."""
+
+
 class EngineStateError(RuntimeError):
     """The engine's state does not allow the call now (busy with requests, or asleep)."""
 

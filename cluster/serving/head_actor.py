@@ -215,6 +215,9 @@ class HeadActor:
         except (InvalidRequestError, EngineOverloadedError, EngineStateError,
                 EngineDeadError) as exc:  # fmt: skip
             reply = AddReply(error=CoreError.of(exc))
+        except Exception as exc:  # this request's alone: raising would read as a dead head
+            logger.exception("taking request %s failed", request and request.request_id)
+            reply = AddReply(error=CoreError.of(exc))
         if reply.error is not None and request is not None and request.sink is not None:
             with self._lock:
                 if self._sink_of.get(request.request_id) == request.sink:

@@ -247,6 +247,11 @@ class LLMServer(PoolingServer, SleepServer):
                 logger.exception("model %s: request refused, the engine is dead", self.model_id)
             yield self._refusal(exc, request.adapter)
             return
+        except Exception:  # a bug, or input that broke a check: this request fails alone
+            self._active.discard(request_id)
+            logger.exception("model %s: request %s failed", self.model_id, request_id)
+            yield error_item(500, "internal server error")
+            return
         except BaseException:
             self._active.discard(request_id)
             raise

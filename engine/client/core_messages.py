@@ -18,6 +18,7 @@ from engine.errors import (
     EngineOverloadedError,
     EngineStateError,
     InvalidRequestError,
+    RequestFailedError,
 )
 from engine.lora_request import LoRARequest
 from engine.multimodal.inputs import MultiModalFeature
@@ -198,7 +199,7 @@ class CoreStats(msgspec.Struct):
 class CoreError(msgspec.Struct, array_like=True):
     """One error table for the head's replies: what kind, for the client, and where."""
 
-    kind: Literal["invalid", "overloaded", "state", "dead"]
+    kind: Literal["invalid", "overloaded", "state", "failed", "dead"]
     message: str
     param: str | None = None
     retry_after_s: int = 1
@@ -210,6 +211,8 @@ class CoreError(msgspec.Struct, array_like=True):
             return EngineOverloadedError(self.message, self.retry_after_s)
         if self.kind == "state":
             return EngineStateError(self.message)
+        if self.kind == "failed":
+            return RequestFailedError(self.message)
         return EngineDeadError(self.message)
 
     @classmethod
@@ -220,7 +223,10 @@ class CoreError(msgspec.Struct, array_like=True):
             return cls("overloaded", str(exc), None, exc.retry_after_s)
         if isinstance(exc, EngineStateError):
             return cls("state", str(exc))
-        return cls("dead", str(exc) or type(exc).__name__)
+        if isinstance(exc, EngineDeadError):
+            return cls("dead", str(exc) or type(exc).__name__)
+        # Anything else failed this request alone; its traceback stays in the engine's log.
+        return cls("failed", f"the engine could not take the request: {type(exc).__name__}")
 
 
 class AddReply(msgspec.Struct, array_like=True):

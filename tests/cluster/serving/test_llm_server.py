@@ -151,6 +151,26 @@ def test_input_that_failed_mid_step_is_400_and_the_engine_lives(
     assert collect(server, {"prompt": "x", "params": {"max_tokens": 2}})[0]["type"] == "start"
 
 
+def test_a_request_that_breaks_an_engine_check_fails_alone_with_a_500(server: LLMServer) -> None:
+    """An error the engine does not expect while taking one request (here the RecursionError a
+    deep enough input once raised in a check) is that request's 500; the engine lives."""
+    llm_engine = server.engine.engine
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RecursionError("maximum recursion depth exceeded in /srv/engine/check.py")
+
+    llm_engine.add_request = broken
+    try:
+        items = collect(server, {"prompt": "x", "params": {"max_tokens": 2}})
+    finally:
+        del llm_engine.add_request
+    assert [(i["type"], i["status"], i["message"]) for i in items] == [
+        ("error", 500, "internal server error")
+    ]
+    assert asyncio.run(server.health()) == {"healthy": True}
+    assert collect(server, {"prompt": "x", "params": {"max_tokens": 2}})[0]["type"] == "start"
+
+
 def test_engine_failure_messages_carry_no_internals() -> None:
     server = LLMServer("tiny", ENGINE_ARGS)
     secret = "/srv/models/secret/worker.py line 12: CUDA error, api_key=sk-123"

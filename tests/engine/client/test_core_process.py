@@ -12,13 +12,14 @@ from collections import defaultdict
 import pytest
 
 from engine import SamplingParams
-from engine.client.core_messages import AddRequest, StepOutputs
+from engine.client.core_messages import AddRequest, CoreError, StepOutputs
 from engine.client.core_process import EngineCoreProcess, EngineStartFailed
 from engine.client.llm import LLM
 from engine.errors import (
     EngineDeadError,
     EngineStateError,
     InvalidRequestError,
+    RequestFailedError,
 )
 
 MODEL = "builtin:tiny-llama"
@@ -176,3 +177,15 @@ def test_the_childs_start_up_phases_and_weight_bytes_reach_the_parents_observer(
         assert "load" in proc.startup_summary and proc.startup_busy_s > 0
     finally:
         proc.shutdown()
+
+
+def test_an_unexpected_error_taking_a_request_fails_that_request_not_the_engine() -> None:
+    """What the child (and the head actor) reply for an error the engine does not expect: the
+    request fails (a 500 at the API), naming no internals; only EngineDeadError reads as dead."""
+    error = CoreError.of(RecursionError("maximum recursion depth exceeded in /srv/x.py"))
+    assert (error.kind, error.message) == (
+        "failed",
+        "the engine could not take the request: RecursionError",
+    )
+    assert isinstance(error.exception(), RequestFailedError)
+    assert isinstance(CoreError.of(EngineDeadError("gone")).exception(), EngineDeadError)
