@@ -48,7 +48,7 @@ from cluster.serving.ingress_prefill import run_prefill
 from cluster.serving.ingress_responses import ResponsesServicer, responses_store
 from cluster.serving.ingress_sleep import SleepServicer
 from cluster.serving.metrics import scrape_cluster_metrics
-from cluster.serving.readiness import unready_models
+from cluster.serving.readiness import replica_states, unready_models
 from cluster.serving.scale_to_zero import cold_start_error
 from cluster.serving.serve_replica import (
     on_sigterm,
@@ -286,7 +286,11 @@ class OpenAIIngress(
 
     async def models(self) -> dict[str, Any]:
         data = [_model_card(m) for m in self.servers]
+        states = await asyncio.to_thread(replica_states, self.lora_models)
         for base in sorted(self.lora_models):
+            replicas = states.get(base) if states is not None else None
+            if replicas is not None and not replicas.get("RUNNING"):
+                continue  # none running (scaled to zero, or loading): asking would start one
             data += [_model_card(f"{base}:{a}", base) for a in await self._adapters(base)]
         return {"object": "list", "data": data}
 
@@ -306,8 +310,8 @@ class OpenAIIngress(
     async def _adapters(self, base: str) -> list[str]:
         try:
             return await self.servers[base].list_adapters.remote()
-        except ray.exceptions.RayError:
-            return []  # its replicas are down (or scaled to zero): list the base model only
+        except (ray.exceptions.RayError, BackPressureError):
+            return []  # its replicas are down, or their queue full: list the base model only
 
     async def tokenize(self, req: TokenizeRequest) -> Any:
         # A LoRA adapter tokenizes as its base model (its server 404s an adapter it lacks).
