@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cluster.api.api_errors import APIError
 from cluster.api.tool_calls import (
     WHITESPACE,
     CallStream,
@@ -149,20 +150,48 @@ def required_tools_schema(
     """JSON schema of the output of ``tool_choice: "required"``: a non-empty array of calls, each
     ``{"name": <one of the tools>, "parameters": <that tool's arguments>}``; at most one call when
     ``parallel_tool_calls`` is False. ``tools`` is not empty: the API's ``tool_choice`` check (a
-    400 on ``tool_choice``) refused "required" without tools."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"enum": [tool_function(tool)["name"]]},
-                "parameters": named_tool_schema(tool),
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
+    400 on ``tool_choice``) refused "required" without tools.
+
+    A tool's parameters sit deep in this schema, but their ``$ref``s point from the root
+    (``#/$defs/Unit``, as pydantic writes them): each tool's ``$defs`` and ``definitions`` move
+    to the root, shared by all the tools (as vLLM does); a name two tools define differently is
+    a 400."""
+    shared: dict[str, dict[str, Any]] = {keyword: {} for keyword in _DEFINITIONS}
+    calls = []
+    for i, tool in enumerate(tools):
+        parameters = named_tool_schema(tool)
+        for keyword, defs in shared.items():
+            _hoist(parameters.pop(keyword, None), defs, f"tools.{i}.function.parameters.{keyword}")
+        name = {"enum": [tool_function(tool)["name"]]}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": name, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
+    schema.update((keyword, defs) for keyword, defs in shared.items() if defs)
     return schema
+
+
+# Where a schema keeps the subschemas its ``$ref``s name (2020-12's name, then draft 7's).
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def _hoist(defs: Any, shared: dict[str, Any], param: str) -> None:
+    """Add one tool's ``defs`` to those of all the tools (``shared``)."""
+    if defs is None:
+        return
+    if not isinstance(defs, dict):
+        raise APIError(400, f"{param}: must be an object of schemas, got {type(defs).__name__}",
+                       param)  # fmt: skip
+    for name, schema in defs.items():
+        if name in shared and shared[name] != schema:
+            raise APIError(400, f"{param}.{name}: another tool defines {name!r} differently; "
+                           'the tools of tool_choice "required" share one namespace of '
+                           "definitions", f"{param}.{name}")  # fmt: skip
+        shared[name] = schema

@@ -51,7 +51,10 @@ UNSUPPORTED_FIELDS = {
     "truncate_prompt_tokens": Unsupported("prompt truncation is not supported"),
     "allowed_token_ids": Unsupported("not supported; use logit_bias"),
     "logits_processors": Unsupported("custom logits processors are not supported"),
-    "guided_decoding_backend": Unsupported("the grammar backend is fixed (xgrammar)"),
+    "guided_decoding_backend": Unsupported(
+        "the grammar backend is xgrammar; only 'xgrammar' or 'auto' is accepted",
+        ("xgrammar", "auto"),
+    ),
     "structural_tag": Unsupported("not supported"),
 }
 _ignored_logged: set[str] = set()
@@ -228,9 +231,7 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
     choice = tool_choice(req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     if choice is not None and choice.mode != "auto":
-        if "structured_outputs" in params:
-            raise APIError(400, "tool_choice: a forced tool call cannot be combined with "
-                           "response_format or structured_outputs", "tool_choice")  # fmt: skip
+        _check_no_grammar_beside(req, choice)
         schema = (
             required_tools_schema(tools or [], choice.parallel)
             if choice.mode == "required"
@@ -249,6 +250,24 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
         **options,
         **request_extras(req),
     )
+
+
+# The request fields that name a grammar outright (``response_format`` describes the text of a
+# message instead).
+_GRAMMAR_FIELDS = (
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+)  # fmt: skip
+
+
+def _check_no_grammar_beside(req: ChatCompletionRequest, choice: ToolChoice) -> None:
+    """A forced call's grammar is the tools' schema, and it replaces the request's own:
+    ``response_format`` shapes a message's text, which a forced call does not write, so it is
+    dropped (as vLLM and OpenAI do, and as the Responses route drops ``text.format``); an
+    explicit grammar (``structured_outputs``, ``guided_*``) is a 400, as in vLLM."""
+    for name in _GRAMMAR_FIELDS:
+        if getattr(req, name) is not None:
+            raise APIError(400, f"{name}: cannot be combined with a forced tool call "
+                           f"(tool_choice {choice.mode!r})", name)  # fmt: skip
 
 
 def template_options(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:

@@ -7,12 +7,16 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import xgrammar as xgr
 from fastapi.testclient import TestClient
+from pydantic import BaseModel
+from transformers import AutoTokenizer
 
 from cluster.api import openai_payloads
 from cluster.api.api_errors import APIError
@@ -20,8 +24,10 @@ from cluster.api.openai_api import make_openai_app, new_app
 from cluster.api.openai_models import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from cluster.api.openai_responses import Completion, chat_logprobs, completion_logprobs
 from cluster.api.replica_messages import GenerateRequest, StreamDelta, StreamStart, logprob_rows
-from engine import InvalidRequestError, SamplingParams
+from engine import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from engine.builtin.catalog import resolve_model_source
 from engine.client.core_messages import ChoiceDelta
+from engine.core.structured_output import StructuredOutputManager
 from engine.outputs import Logprob
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -188,6 +194,26 @@ def test_unknown_fields_that_change_the_output_are_400_naming_them(
 ) -> None:
     response = client.post("/v1/completions", json={"model": "m", "prompt": "x", field: {}})
     assert assert_error(response, 400, field)["code"] == "unsupported"
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "auto"])
+def test_guided_decoding_backend_that_changes_nothing_is_accepted(
+    client: TestClient, backend: str
+) -> None:
+    """vLLM accepts the field and ignores it; old clients send it beside ``guided_json``."""
+    body = {"model": "m", "prompt": "x", "guided_json": {"type": "object"}}
+    response = client.post("/v1/completions", json={**body, "guided_decoding_backend": backend})
+    assert response.status_code == 200
+    assert response.json() == completion_payload(CompletionRequest(**body))
+
+
+def test_other_guided_decoding_backend_is_400_naming_the_accepted_values(
+    client: TestClient,
+) -> None:
+    body = {"model": "m", "prompt": "x", "guided_decoding_backend": "outlines"}
+    error = assert_error(client.post("/v1/completions", json=body), 400, "guided_decoding_backend")
+    assert error["message"].startswith("guided_decoding_backend: ")
+    assert "'xgrammar'" in error["message"] and "'auto'" in error["message"]
 
 
 def test_audio_modality_is_400(client: TestClient) -> None:
@@ -933,12 +959,113 @@ def test_tool_choice_errors_name_the_field() -> None:
     without_tools = ChatCompletionRequest(
         model="m", messages=[{"role": "user", "content": "x"}], tool_choice="required"
     )
-    both = _tool_request(tool_choice="required", response_format={"type": "json_object"})
-    for req, param in ((bad_name, "tool_choice.function.name"), (without_tools, "tool_choice"),
-                       (both, "tool_choice")):  # fmt: skip
+    for req, param in ((bad_name, "tool_choice.function.name"), (without_tools, "tool_choice")):
         with pytest.raises(APIError) as info:
             chat_payload(req)
         assert (info.value.status, info.value.param) == (400, param)
+
+
+_NAMED = {"type": "function", "function": {"name": "get_weather"}}
+_OUT_FORMAT = {"type": "json_schema", "json_schema": {"name": "out", "schema": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("choice", ["required", _NAMED])
+@pytest.mark.parametrize("response_format", [{"type": "json_object"}, _OUT_FORMAT])
+def test_forced_call_replaces_response_format_with_the_tools_schema(
+    choice: Any, response_format: dict[str, Any]
+) -> None:
+    """As vLLM and OpenAI do (the Agents SDK sends both): the format shapes a message's text,
+    and a forced call writes none."""
+    forced = _tool_request(tool_choice=choice, response_format=response_format)
+    alone = _tool_request(tool_choice=choice)
+    params = chat_payload(forced)["params"]
+    assert params["structured_outputs"] == chat_payload(alone)["params"]["structured_outputs"]
+
+
+@pytest.mark.parametrize("choice", ["required", _NAMED])
+@pytest.mark.parametrize(
+    "fields",
+    [{"structured_outputs": {"regex": "a+"}}, {"guided_json": {"type": "object"}},
+     {"guided_choice": ["a", "b"]}],
+)  # fmt: skip
+def test_forced_call_with_an_explicit_grammar_is_400_naming_it(
+    choice: Any, fields: dict[str, Any]
+) -> None:
+    (name,) = fields
+    with pytest.raises(APIError) as info:
+        chat_payload(_tool_request(tool_choice=choice, **fields))
+    assert (info.value.status, info.value.param) == (400, name)
+    assert info.value.message.startswith(f"{name}: cannot be combined with a forced tool call")
+
+
+class Unit(str, Enum):
+    C = "c"
+    F = "f"
+
+
+class Weather(BaseModel):
+    unit: Unit
+
+
+# Tools as pydantic (and the Agents SDK) write them: a nested type is a root-relative $ref.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "weather", "parameters": Weather.model_json_schema()},
+}
+WHEN_TOOL = {"type": "function", "function": {"name": "when", "parameters": {
+    "type": "object", "properties": {"day": {"$ref": "#/definitions/Day"},
+                                     "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["day"], "additionalProperties": False,
+    "definitions": {"Day": {"enum": ["mon", "tue"]}},
+    "$defs": Weather.model_json_schema()["$defs"]}}}  # fmt: skip
+
+
+def _forced(tools: list[dict[str, Any]], choice: Any) -> ChatCompletionRequest:
+    messages = [{"role": "user", "content": "x"}]
+    return ChatCompletionRequest(model="m", messages=messages, tools=tools, tool_choice=choice)
+
+
+@pytest.fixture(scope="module")
+def grammars() -> StructuredOutputManager:
+    """The engine's grammar compiler, over the tiny Llama's tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_source("builtin:tiny-llama"))
+    return StructuredOutputManager(tokenizer, len(tokenizer))
+
+
+def _grammar_accepts(grammars: StructuredOutputManager, payload: dict[str, Any], text: str) -> bool:
+    spec = StructuredOutputsParams(**payload["params"]["structured_outputs"])
+    matcher = xgr.GrammarMatcher(grammars.compile(spec), terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_terminated()
+
+
+def test_required_tools_with_definitions_compile_and_accept_their_calls(
+    grammars: StructuredOutputManager,
+) -> None:
+    payload = chat_payload(_forced([WEATHER_TOOL, WHEN_TOOL], "required"))
+    calls = [{"name": "weather", "parameters": {"unit": "c"}},
+             {"name": "when", "parameters": {"day": "tue", "unit": "f"}}]  # fmt: skip
+    assert _grammar_accepts(grammars, payload, json.dumps(calls))
+    calls[1]["parameters"]["day"] = "sun"
+    assert not _grammar_accepts(grammars, payload, json.dumps(calls))
+
+
+def test_named_tool_with_definitions_compiles_and_accepts_its_arguments(
+    grammars: StructuredOutputManager,
+) -> None:
+    choice = {"type": "function", "function": {"name": "weather"}}
+    payload = chat_payload(_forced([WEATHER_TOOL, WHEN_TOOL], choice))
+    assert _grammar_accepts(grammars, payload, '{"unit": "f"}')
+    assert not _grammar_accepts(grammars, payload, '{"unit": "k"}')
+
+
+def test_required_tools_defining_one_name_differently_are_400_naming_the_definition() -> None:
+    other = json.loads(json.dumps(WHEN_TOOL))
+    other["function"]["parameters"]["$defs"]["Unit"] = {"enum": ["k"]}
+    with pytest.raises(APIError) as info:
+        chat_payload(_forced([WEATHER_TOOL, other], "required"))
+    param = "tools.1.function.parameters.$defs.Unit"
+    assert (info.value.status, info.value.param) == (400, param)
+    assert info.value.message.startswith(f"{param}: ")
 
 
 class _PayloadOnly:
