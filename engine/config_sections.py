@@ -65,6 +65,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_str(self.model, "model", non_empty=True)
+        check_str(self.tokenizer, "tokenizer", non_empty=True, optional=True)
         check_choice(self.dtype, "dtype", ("auto", *_DTYPES))
         check_positive_int(self.max_model_len, "max_model_len", optional=True)
         check_int(self.seed, "seed")
@@ -138,6 +139,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_choice(self.block_size, "block_size", (8, 16, 32, 64, 128))
+        check_bool(self.enable_prefix_caching, "enable_prefix_caching")
         check_choice(self.cache_dtype, "kv_cache_dtype", KV_CACHE_DTYPES)
         check_positive_int(self.num_kv_blocks, "num_kv_blocks", optional=True)
         check_number(self.gpu_memory_utilization, "gpu_memory_utilization", gt=0, le=1)
@@ -164,6 +166,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_positive_int(self.max_num_seqs, "max_num_seqs")
+        check_bool(self.enable_chunked_prefill, "enable_chunked_prefill")
+        check_bool(self.disable_chunked_mm_input, "disable_chunked_mm_input")
         check_positive_int(self.max_waiting_requests, "max_waiting_requests", optional=True)
         check_positive_int(self.max_waiting_tokens, "max_waiting_tokens", optional=True)
         check_positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
@@ -234,6 +238,12 @@ class ParallelConfig:
                 f"replicas (num_replicas)",
             )
         if self.pp_layer_partition is not None:
+            require(
+                isinstance(self.pp_layer_partition, (list, tuple)),
+                "pp_layer_partition",
+                f"must list {self.pipeline_parallel_size} positive layer counts (one per "
+                f"pipeline stage), got {self.pp_layer_partition!r}",
+            )
             # YAML and JSON give lists; keep the frozen config hashable and immutable.
             object.__setattr__(self, "pp_layer_partition", tuple(self.pp_layer_partition))
             require(

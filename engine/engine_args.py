@@ -76,13 +76,76 @@ SECTIONS: tuple[str, ...] = (
 )  # fmt: skip
 
 
+# vLLM engine arguments this engine does not take, with where their equivalent lives ("" when
+# there is none): checked before the close-match suggestion, which would otherwise point a vLLM
+# user at an unrelated name (enable_sleep_mode -> enable_lora).
+_VLLM_ONLY_ARGS: dict[str, str] = {
+    "enable_sleep_mode": "a model's sleep_config (and sleep_mode.max_awake_models) in the "
+    "deployment YAML",
+    "served_model_name": "model_loading_config.model_id",
+    "pooler_config": "pooling_type",
+    "override_pooler_config": "pooling_type",
+    "task": "runner and convert",
+    "num_gpu_blocks_override": "num_kv_blocks",
+    "kv_cache_memory_bytes": "num_kv_blocks or gpu_memory_utilization",
+    "revision": "a model_source holding that revision (nothing is fetched)",
+    "code_revision": "a model_source holding that revision (nothing is fetched)",
+    "tokenizer_revision": "a tokenizer directory holding that revision (nothing is fetched)",
+    "download_dir": "model_source (a local directory, builtin:<name> or s3://; nothing is "
+    "fetched from the Hub)",
+    "load_format": "model_source (safetensors checkpoints are read)",
+    "hf_token": "model_source (nothing is fetched from the Hub)",
+    "rope_scaling": "hf_overrides",
+    "rope_theta": "hf_overrides",
+    "compilation_config": "enforce_eager (CUDA graphs for decode steps are the only compilation)",
+    "max_seq_len_to_capture": "enforce_eager",
+    "generation_config": "",
+    "override_generation_config": "",
+    "async_scheduling": "",
+    "enable_log_requests": "",
+    "disable_log_requests": "",
+    "disable_log_stats": "",
+    "tokenizer_mode": "",
+    "skip_tokenizer_init": "",
+    "cpu_offload_gb": "",
+    "disable_custom_all_reduce": "",
+    "disable_sliding_window": "",
+    "enable_eplb": "",
+    "guided_decoding_backend": "",
+    "structured_outputs_config": "",
+    "mm_processor_kwargs": "",
+    "max_parallel_loading_workers": "",
+    "model_impl": "",
+    "worker_cls": "",
+    "scheduler_cls": "",
+}
+
+
 def check_engine_arg_names(kwargs: dict[str, Any], path: str = "") -> None:
-    """Reject unknown engine arguments, suggesting the closest known name."""
+    """Reject unknown engine arguments: a vLLM argument this engine does not take with where
+    its equivalent lives, any other with the closest known name."""
     for key in kwargs:
-        if key not in ENGINE_ARGS:
-            close = difflib.get_close_matches(key, ENGINE_ARG_NAMES, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{path}{key}: unknown engine argument{hint}")
+        if not isinstance(key, str):
+            yaml_bool = (
+                " (YAML reads an unquoted on/off/yes/no key as one)"
+                if isinstance(key, bool)
+                else ""
+            )
+            raise ConfigError(
+                f"{path}{key}: engine argument names must be strings, got "
+                f"{type(key).__name__} {key!r}{yaml_bool}"
+            )
+        if key in ENGINE_ARGS:
+            continue
+        if key in _VLLM_ONLY_ARGS:
+            pointer = _VLLM_ONLY_ARGS[key]
+            use = f"; use {pointer}" if pointer else ""
+            raise ConfigError(
+                f"{path}{key}: vLLM's engine argument, not supported by this engine{use}"
+            )
+        close = difflib.get_close_matches(key, ENGINE_ARG_NAMES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{path}{key}: unknown engine argument{hint}")
 
 
 def group_engine_args(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:

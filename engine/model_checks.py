@@ -52,11 +52,12 @@ def with_checkpoint(model: ModelConfig) -> ModelConfig:
     config_file = Path(path) / "config.json"
     # A VLM's nested config is read flat (engine.vlm_config); hf_overrides apply to that, and
     # what both leave out takes transformers' default, as HF's model would (engine.hf_defaults).
-    declared = json.loads(config_file.read_text())
+    declared = _read_json(config_file, "model")
     raw = flatten_vlm_config(declared)
     hf_config = with_hf_defaults({**raw, **(model.hf_overrides or {})})
     # Refused here, before anything is placed: what the engine cannot serve exactly.
     check_hf_config(hf_config)
+    _check_local_tokenizer(model.tokenizer)
     _check_tokenizer_source(Path(model.tokenizer or path).expanduser(), declared, model.tokenizer)
     parse_quantization(hf_config, model.quantization)  # online fp8 of a quantized checkpoint
     model = dataclasses.replace(model, hf_config=hf_config, model_path=str(path))
@@ -73,6 +74,31 @@ def with_checkpoint(model: ModelConfig) -> ModelConfig:
     return dataclasses.replace(model, classifier_token_ids=_token_ids(model, tokens))
 
 
+def _read_json(file: Path, key: str) -> dict[str, Any]:
+    """A checkpoint's JSON file (a truncated copy is refused naming the argument, not raised
+    as a ``JSONDecodeError``)."""
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{key}: {file} is not valid JSON ({exc})") from None
+    require(isinstance(data, dict), key, f"{file} must hold a JSON object, got {data!r:.80}")
+    return data
+
+
+def _check_local_tokenizer(tokenizer: str | None) -> None:
+    """A tokenizer written as a path (``/``, ``.`` or ``~`` first) must be a directory here, as
+    ``model_source`` must; any other name is a Hub id, which transformers resolves."""
+    if tokenizer is None or not tokenizer.startswith(("/", ".", "~")):
+        return
+    path = Path(tokenizer).expanduser()
+    require(
+        path.is_dir(),
+        "tokenizer",
+        f"{tokenizer!r} is not a directory on this machine (a path must be a tokenizer's "
+        "local directory; else give a Hub name or s3://bucket/prefix)",
+    )
+
+
 def _check_tokenizer_source(source: Path, declared: dict[str, Any], tokenizer: str | None) -> None:
     """A tokenizer that transformers loads only with the checkpoint's own code, which the engine
     never runs (``trust_remote_code``), is refused here by name rather than failing inside
@@ -82,7 +108,8 @@ def _check_tokenizer_source(source: Path, declared: dict[str, Any], tokenizer: s
     if not source.is_dir():
         return  # a Hub name: transformers says what it lacks
     settings_file = source / "tokenizer_config.json"
-    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+    key = "model" if tokenizer is None else "tokenizer"
+    settings = _read_json(settings_file, key) if settings_file.is_file() else {}
     auto_map = settings.get("auto_map")
     remote = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
     has_json = (source / "tokenizer.json").is_file()

@@ -54,7 +54,7 @@ def setting_config(base: dict[str, Any], name: str, store: str) -> dict[str, Any
         transfer = {"kv_connector": "SharedStorageConnector",
                     "kv_connector_extra_config": {"shared_storage_path": store}}  # fmt: skip
         model["engine_kwargs"]["kv_transfer_config"] = transfer
-        pool = {"deployment_config": {"num_replicas": 1}}
+        pool = {"deployment_config": model.pop("deployment_config")}  # each pool's, not the model's
         model["disaggregation"] = {"prefill": pool, "decode": copy.deepcopy(pool)}
     return config
 

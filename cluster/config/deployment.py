@@ -9,13 +9,12 @@ deployed. Serve's per-model options are ``cluster.config.serve_sections``; the f
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from cluster.api.media import MediaSettings
 from cluster.api.reasoning_parsers import REASONING_PARSERS
@@ -27,7 +26,7 @@ from cluster.config.app_sections import (
     ResponsesStoreConfig,
 )
 from cluster.config.serve_sections import PlacementGroupConfig, ServeDeploymentConfig
-from cluster.config.strict_yaml import build_dataclass
+from cluster.config.strict_yaml import build_dataclass, load_yaml_file
 from engine.errors import ConfigError
 from engine.s3_store import is_s3_uri
 from engine.validation import check_int, check_number, check_str, require
@@ -43,6 +42,24 @@ def deployment_name(model_id: str, role: str | None = None) -> str:
     name = "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
     return name + ":prefill" if role == "prefill" else name
 
+
+# Ray's accelerator type names (the values of ``ray.util.accelerators``, which Ray Serve LLM's
+# ``accelerator_type`` is checked against): a node's resource is ``accelerator_type:<name>``,
+# exactly so spelt. Listed here because this module must import without Ray (the ingress, the
+# CLI); a test keeps the list equal to the installed Ray's.
+RAY_ACCELERATOR_TYPES: frozenset[str] = frozenset((
+    "V100", "P100", "T4", "P4", "K80", "A10G", "L4", "L40S", "A100", "A100-40G", "A100-80G",
+    "H100", "H200", "H20", "B200", "B300", "GB200", "GB300", "RTX-PRO-6000",
+    "Intel-GPU-Max-1550", "Intel-GPU-Max-1100", "Intel-GAUDI",
+    "AMD-Instinct-MI100", "AMD-Instinct-MI250X", "AMD-Instinct-MI250X-MI250",
+    "AMD-Instinct-MI210", "AMD-Instinct-MI300A", "AMD-Instinct-MI300X-OAM",
+    "AMD-Instinct-MI300X-HF", "AMD-Instinct-MI308X", "AMD-Instinct-MI325X-OAM",
+    "AMD-Instinct-MI350X-OAM", "AMD-Instinct-MI355X-OAM", "AMD-Radeon-R9-200-HD-7900",
+    "AMD-Radeon-HD-7900", "aws-neuron-core", "TPU-V2", "TPU-V3", "TPU-V4", "TPU-V5P",
+    "TPU-V5LITEPOD", "TPU-V6E", "TPU-V7X", "Ascend910B", "Ascend910B4", "MXC500", "MXC550",
+    "FURIOSA_RNGD", "M1", "M1-Pro", "M1-Max", "M1-Ultra", "M2", "M2-Pro", "M2-Max", "M2-Ultra",
+    "M3", "M3-Pro", "M3-Max", "Apple-Silicon", "MOBILINT_ARIES", "MOBILINT_REGULUS",
+))  # fmt: skip
 
 # A disaggregated model's KV transfer unless its engine_kwargs name one: the node's store.
 _DEFAULT_CONNECTOR = {"kv_connector": "SharedStorageConnector"}
@@ -423,34 +440,26 @@ def load_config(source: str | os.PathLike[str] | dict[str, Any]) -> DeploymentCo
 def parse_config(source: str | os.PathLike[str] | dict[str, Any]) -> DeploymentConfig:
     """The config's fields and types, not yet their values (``check_config``, which reads the
     checkpoint and takes seconds): what ``cluster serve`` needs to refuse a busy port at once."""
-    if isinstance(source, dict):
-        data = source
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"{path}: no such config file")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    data = source if isinstance(source, dict) else load_yaml_file(source)
     return build_dataclass(DeploymentConfig, data)
 
 
 def check_config(config: DeploymentConfig) -> None:
     require(bool(config.models), "models", "must list at least one model, got []")
-    seen: set[str] = set()
+    seen: dict[str, str] = {}  # Serve deployment name -> the model id it was made from
     for i, model in enumerate(config.models):
         path = f"models[{i}]"
-        model_id = model.model_id
-        check_str(model_id, f"{path}.model_loading_config.model_id", non_empty=True)
-        require(
-            model_id not in seen,
-            f"{path}.model_loading_config.model_id",
-            f"{model_id!r} is used by an earlier model",
-        )
-        seen.add(model_id)
+        _check_model_id(model.model_id, f"{path}.model_loading_config.model_id", seen)
         model.model_loading_config.check(f"{path}.model_loading_config")
         model.deployment_config.check(f"{path}.deployment_config")
+        check_accelerator_type(model.accelerator_type, f"{path}.accelerator_type")
+        require(
+            model.disaggregation is None or model.deployment_config == ServeDeploymentConfig(),
+            f"{path}.deployment_config",
+            "is not used by a disaggregated model: each pool is a Serve deployment of its own; "
+            "put it under disaggregation.prefill.deployment_config and/or "
+            "disaggregation.decode.deployment_config",
+        )
         if model.lora_config is not None:
             model.lora_config.check(f"{path}.lora_config")
             require(
@@ -491,6 +500,39 @@ def check_config(config: DeploymentConfig) -> None:
         config.grpc_options.check("grpc_options")
     if config.api_keys is not None:
         config.api_keys.check("api_keys")
+
+
+def _check_model_id(model_id: str, path: str, seen: dict[str, str]) -> None:
+    """A non-empty id whose Serve deployment name no earlier model's has: Serve would rename
+    the second deployment, and the readiness and status lookups by name would then read the
+    first model's replicas for both."""
+    check_str(model_id, path, non_empty=True)
+    require(model_id not in seen.values(), path, f"{model_id!r} is used by an earlier model")
+    name = deployment_name(model_id)
+    require(
+        name not in seen,
+        path,
+        f"{model_id!r} has the Serve deployment name {name!r} of the earlier model "
+        f"{seen.get(name)!r} (a character other than letters, digits, '_', '.' and '-' becomes "
+        "'-'): choose ids that differ in those",
+    )
+    seen[name] = model_id
+
+
+def check_accelerator_type(name: str | None, path: str) -> None:
+    """None (no accelerator named), or one of Ray's accelerator type names, exactly so spelt:
+    the replica's bundle asks for ``accelerator_type:<name>``, which no node has otherwise."""
+    if name is None or name in RAY_ACCELERATOR_TYPES:
+        return
+    known = sorted(RAY_ACCELERATOR_TYPES)
+    close = [t for t in known if t.lower() == str(name).lower()] or difflib.get_close_matches(
+        str(name), known, n=3
+    )
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise ConfigError(
+        f"{path}: unknown accelerator type {name!r}, not one of Ray's names "
+        f"(ray.util.accelerators: H100, H200, A100-80G, L4, ...){hint}"
+    )
 
 
 def check_placement(
@@ -535,6 +577,12 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
     kwargs = model.engine_kwargs
     check_engine_arg_names(kwargs, path=f"{path}.")
     require("model" not in kwargs, f"{path}.model", "set the model in model_loading_config")
+    require(
+        "placement_group_strategy" not in kwargs,
+        f"{path}.placement_group_strategy",
+        "is the offline engine's: Serve places a deployment's replica by its placement group, "
+        "so set placement_group_config.strategy instead",
+    )
     parser = kwargs.get("tool_call_parser")
     if isinstance(parser, str) and parser not in TOOL_PARSERS:
         names = ", ".join(sorted(TOOL_PARSERS))

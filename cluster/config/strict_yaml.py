@@ -3,6 +3,10 @@ typo or a wrong type in a deployment YAML is an error naming its key path, never
 silently kept: unknown keys, missing required keys and values of the wrong type raise
 ``ConfigError`` (``models[0].deployment_config.replicas: unknown key (known keys: ...)``).
 
+The YAML itself is read by ``load_yaml_file``, which refuses a key given twice in one mapping
+(PyYAML's loaders keep the last, so a duplicated ``engine_kwargs`` block would silently replace
+the first).
+
 Types are read from the fields' annotations: a dataclass (built recursively), ``list[X]``,
 ``dict[...]`` (copied as is), ``X | None``, ``X | Section`` (a mapping builds the section),
 ``Literal[...]``, ``bool``, ``int``, ``float`` (an integer is widened) and ``str``. Ranges are
@@ -14,12 +18,55 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import os
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
+
+import yaml
 
 from engine.errors import ConfigError
 from engine.validation import check_bool, check_choice, check_int, check_number, check_str, require
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a mapping key given twice raises ``ConfigError``
+    naming the key and both lines. Keys merged in with ``<<`` may still be overridden."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    earlier = first_line.get(key)
+                except TypeError:
+                    continue  # an unhashable key: SafeLoader's own error below
+                if earlier is not None:
+                    raise ConfigError(
+                        f"line {line}: key {key!r} given twice (first at line {earlier}); "
+                        "the second would silently replace the first"
+                    )
+                first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_file(path: str | os.PathLike[str]) -> Any:
+    """The plain data of a YAML file; a missing file, invalid YAML or a key given twice in a
+    mapping raise ``ConfigError`` naming the file (and the lines)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def build_dataclass(cls: type, data: Any, path: str = "") -> Any:

@@ -44,12 +44,13 @@ def models_schema() -> JSONSchema:
 
 
 def engine_kwargs_schema() -> JSONSchema:
-    """Every engine argument but ``model`` (that one comes from ``model_loading_config``)."""
+    """Every engine argument but ``model`` (that one comes from ``model_loading_config``) and
+    ``placement_group_strategy`` (a deployment's is ``placement_group_config.strategy``)."""
     hints = typing.get_type_hints(engine_config.EngineConfig)
     properties: dict[str, JSONSchema] = {}
     # The engine's keyword -> (sub-config, field) table is the single source of the names.
     for key, (group, name) in engine_config._ENGINE_ARGS.items():
-        if key == "model":
+        if key in ("model", "placement_group_strategy"):
             continue
         properties[key] = _type_schema(typing.get_type_hints(hints[group])[name])
     return {"type": "object", "additionalProperties": False, "properties": properties}

@@ -17,10 +17,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from cluster.config import DeploymentConfig, ModelDeployment, _build
 from cluster.config import deployment as deployment_config
+from cluster.config.strict_yaml import load_yaml_file
 from engine.errors import ConfigError
 from engine.kv_transfer.config import KVTransferConfig
 from engine.s3_mirror import mirror_checkpoint
@@ -129,8 +128,8 @@ def load_unchecked(path: str) -> DeploymentConfig | None:
     against the checkpoint (``load_config`` refuses what the engine refuses, which a plan
     reports as its problems instead); None when even the structure is wrong."""
     try:
-        return _build(DeploymentConfig, yaml.safe_load(Path(path).read_text()), "")
-    except (ConfigError, OSError, yaml.YAMLError):
+        return _build(DeploymentConfig, load_yaml_file(path), "")
+    except (ConfigError, OSError):
         return None
 
 

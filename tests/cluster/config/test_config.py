@@ -336,3 +336,101 @@ def test_serve_starts_with_the_configs_request_timeout(
     deploy.start_serve(load_config(data))
     (kwargs,) = started
     assert kwargs["http_options"].get("request_timeout_s") == timeout
+
+
+@pytest.mark.parametrize("reader", ["parse_config", "load_unchecked"])
+def test_a_key_given_twice_names_it_and_both_lines(tmp_path: Path, reader: str) -> None:
+    """PyYAML keeps the last of two equal keys: a copied block would silently replace the
+    first (here the device and max_model_len would be gone)."""
+    from cluster.config import parse_config
+    from cluster.ops.plan import load_unchecked
+
+    path = tmp_path / "dup.yaml"
+    path.write_text(
+        "models:\n"
+        "  - model_loading_config: {model_id: m, model_source: builtin:tiny-llama}\n"
+        "    engine_kwargs: {device: cpu, max_model_len: 512}\n"
+        "    deployment_config: {num_replicas: 1}\n"
+        "    engine_kwargs: {max_num_seqs: 8}\n"
+    )
+    if reader == "load_unchecked":  # the plan's reader refuses the structure: no config
+        assert load_unchecked(str(path)) is None
+        return
+    with pytest.raises(ConfigError) as info:
+        parse_config(path)
+    assert str(info.value) == (
+        f"{path}: line 5: key 'engine_kwargs' given twice (first at line 3); "
+        "the second would silently replace the first"
+    )
+
+
+def test_model_ids_with_one_serve_deployment_name_are_refused() -> None:
+    data = tiny()
+    second = copy.deepcopy(data["models"][0])
+    data["models"][0]["model_loading_config"]["model_id"] = "org/m"
+    second["model_loading_config"]["model_id"] = "org m"
+    data["models"].append(second)
+    assert error_of(data) == (
+        "models[1].model_loading_config.model_id: 'org m' has the Serve deployment name "
+        "'LLMServer:org-m' of the earlier model 'org/m' (a character other than letters, "
+        "digits, '_', '.' and '-' becomes '-'): choose ids that differ in those"
+    )
+
+
+@pytest.mark.parametrize(("given", "suggested"), [("h100", "'H100'"), ("H100-SXM", "'H100'")])
+def test_an_unknown_accelerator_type_is_refused_with_rays_name(given: str, suggested: str) -> None:
+    data = tiny()
+    data["models"][0]["accelerator_type"] = given
+    error = error_of(data)
+    assert error.startswith(f"models[0].accelerator_type: unknown accelerator type {given!r}")
+    assert f"did you mean {suggested}" in error
+
+
+def test_the_accelerator_type_names_are_rays() -> None:
+    from ray.util.accelerators import accelerators
+
+    from cluster.config.deployment import RAY_ACCELERATOR_TYPES
+
+    names = {v for k, v in vars(accelerators).items() if not k.startswith("_")
+             and isinstance(v, str)}  # fmt: skip
+    assert names == RAY_ACCELERATOR_TYPES
+
+
+def test_the_engine_placement_strategy_points_to_the_placement_group_config() -> None:
+    data = tiny()
+    data["models"][0]["engine_kwargs"]["placement_group_strategy"] = "STRICT_SPREAD"
+    error = error_of(data)
+    assert error.startswith("models[0].engine_kwargs.placement_group_strategy: ")
+    assert "placement_group_config.strategy" in error
+
+
+@pytest.mark.parametrize(
+    ("engine_kwargs", "message"),
+    [
+        ({"tokenizer": 5}, "tokenizer: must be a non-empty string or null, got 5"),
+        ({"tokenizer": "/nonexistent/tok"}, "tokenizer: '/nonexistent/tok' is not a directory"),
+        (
+            {"pipeline_parallel_size": 2, "pp_layer_partition": 3},
+            "pp_layer_partition: must list 2 positive layer counts (one per pipeline stage), got 3",
+        ),
+        ({1: 2}, "1: engine argument names must be strings, got int 1"),
+        ({True: 2}, "True: engine argument names must be strings, got bool True"),
+    ],
+)
+def test_a_wrong_engine_argument_is_a_config_error_naming_it(
+    engine_kwargs: dict[Any, Any], message: str
+) -> None:
+    data = tiny()
+    data["models"][0]["engine_kwargs"].update(engine_kwargs)
+    assert error_of(data).startswith(f"models[0].engine_kwargs.{message}")
+
+
+def test_a_checkpoint_whose_config_json_is_not_json_names_the_model_source(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],\n')
+    data = tiny()
+    data["models"][0]["model_loading_config"]["model_source"] = str(tmp_path)
+    assert error_of(data).startswith(
+        f"models[0].model_loading_config.model_source: {tmp_path}/config.json is not valid JSON"
+    )

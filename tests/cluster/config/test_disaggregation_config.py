@@ -25,6 +25,7 @@ CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 def pd_config(**disaggregation: Any) -> dict[str, Any]:
     data = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
     model = data["models"][0]
+    del model["deployment_config"]  # each pool has its own
     model["disaggregation"] = {
         "prefill": {"engine_kwargs": {"max_num_seqs": 8},
                     "deployment_config": {"num_replicas": 2}},
@@ -184,3 +185,15 @@ def test_the_kv_store_credit_reaches_the_router_only_with_a_node_kv_store() -> N
         "kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}  # fmt: skip
     stored = load_config(data).models[0].serve_options()["request_router_config"]
     assert stored["request_router_kwargs"]["kv_store_credit"] == 0.5
+
+
+def test_a_model_level_deployment_config_beside_the_pools_is_refused() -> None:
+    """Each pool is a Serve deployment with its own deployment_config: the model's would be
+    ignored."""
+    data = pd_config()
+    data["models"][0]["deployment_config"] = {"num_replicas": 3, "max_ongoing_requests": 7}
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    message = str(info.value)
+    assert message.startswith("models[0].deployment_config: is not used by a disaggregated")
+    assert "disaggregation.decode.deployment_config" in message

@@ -1,0 +1,54 @@
+"""The engine's config sections check their own fields' types: a boolean argument is true or
+false, never a truthy string or number (``"false"`` would turn the feature on)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.config import check_engine_arg_ranges
+from engine.engine_args import ENGINE_ARGS
+from engine.errors import ConfigError
+
+BOOLEAN_ARGS = ("enable_prefix_caching", "enable_chunked_prefill", "disable_chunked_mm_input",
+                "enable_expert_parallel", "enforce_eager", "enable_auto_tool_choice",
+                "enable_lora")  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["false", 1, None])
+@pytest.mark.parametrize("name", BOOLEAN_ARGS)
+def test_a_boolean_engine_argument_must_be_true_or_false(name: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_engine_arg_ranges({name: value})
+    assert str(info.value) == f"{name}: must be true or false, got {value!r}"
+
+
+@pytest.mark.parametrize("name", BOOLEAN_ARGS)
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_engine_argument_takes_a_bool(name: str, value: bool) -> None:
+    check_engine_arg_ranges({name: value})
+
+
+def test_every_boolean_engine_argument_is_checked() -> None:
+    """A new bool field of a section is added here (and checked in its ``__post_init__``)."""
+    import dataclasses
+    import typing
+
+    from engine import config as engine_config
+
+    sections = {f.name: f.type for f in dataclasses.fields(engine_config.EngineConfig)}
+    hints = typing.get_type_hints(engine_config.EngineConfig)
+    booleans = set()
+    for arg, (section, field_name) in ENGINE_ARGS.items():
+        assert section in sections
+        field_hints = typing.get_type_hints(hints[section])
+        if field_hints.get(field_name) is bool:
+            booleans.add(arg)
+    booleans.discard("trust_remote_code")  # must be false: its own check and message
+    assert booleans == set(BOOLEAN_ARGS)
+
+
+def test_pp_layer_partition_must_be_a_list() -> None:
+    with pytest.raises(ConfigError, match=r"^pp_layer_partition: must list 2 .* got '7,5'$"):
+        check_engine_arg_ranges({"pipeline_parallel_size": 2, "pp_layer_partition": "7,5"})
