@@ -42,6 +42,9 @@ _ROLE = re.compile(r"\s*([^\s<]+)")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]*)")
 FUNCTIONS = "functions."
+# Recipients that are no function (vLLM's ``is_function_recipient``): the assistant itself and
+# harmony's built-in tools, by the first dot-separated part (``browser.search``).
+_NOT_FUNCTIONS = frozenset({"assistant", "python", "browser", "container"})
 
 PieceKind = Literal["reasoning", "content", "call", "arguments"]
 
@@ -55,10 +58,14 @@ class Piece:
     text is, as a kind:
 
         channel analysis              "reasoning"
-        recipient functions.NAME      "call" (NAME) then "arguments" (the JSON as written); with
-                                      calls not read (a chat without tools), "content"
+        recipient functions.NAME,     "call" (NAME) then "arguments" (the JSON as written); with
+        or a bare NAME                calls not read (a chat without tools), "content"
         final, commentary (preamble)  "content"
         another recipient or role     dropped (no built-in tools are offered)
+
+    A bare NAME (``to=get_weather``: gpt-oss sometimes leaves the prefix out) is a function
+    unless it is ``assistant`` or a built-in tool (``python``, ``browser.*``, ``container.*``),
+    as in vLLM's chat path; ``functions.`` with no name is no call.
     """
 
     kind: PieceKind
@@ -137,12 +144,13 @@ class HarmonyReader:
         self._role_known = True
         recipient = _RECIPIENT.search(header)
         channel = _CHANNEL.search(header)
+        function = _function_name(recipient.group(1)) if recipient is not None else None
         self._arguments_sent = False
         if role != "assistant":
             self._kind = None
-        elif recipient is not None and recipient.group(1).startswith(FUNCTIONS):
+        elif function is not None:
             if self.read_calls:
-                out.append(Piece("call", recipient.group(1)[len(FUNCTIONS) :]))
+                out.append(Piece("call", function))
                 self._kind = "arguments"
             else:
                 self._kind = "content"
@@ -193,6 +201,16 @@ class HarmonyReader:
         if self._kind == "arguments" and not self._arguments_sent:
             out.append(Piece("arguments", "{}"))  # a call of no arguments
         self._kind = None
+
+
+def _function_name(recipient: str) -> str | None:
+    """The function a message's recipient calls (``functions.NAME`` or a bare ``NAME``), or
+    None when it calls none (``functions.`` alone, ``assistant``, a built-in tool)."""
+    if recipient.startswith(FUNCTIONS):
+        return recipient[len(FUNCTIONS) :] or None
+    if recipient.split(".", 1)[0] in _NOT_FUNCTIONS:
+        return None
+    return recipient
 
 
 def _first_of(text: str, tokens: tuple[str, ...]) -> tuple[int, str] | None:

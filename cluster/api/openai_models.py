@@ -7,7 +7,15 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 
@@ -177,8 +185,28 @@ class ChatMessage(_Model):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool's result answers this call
     # An assistant's earlier reasoning, as responses carry it: a template may show it again
-    # (harmony keeps it before the calls of an unfinished turn).
+    # (harmony keeps it before the calls of an unfinished turn). ``reasoning`` is vLLM 0.32's
+    # name for it (its responses return that): read into reasoning_content, which the template
+    # sees.
     reasoning_content: Text | None = None
+    reasoning: Text | None = Field(None, exclude=True)
+
+    @field_validator("reasoning")
+    @classmethod
+    def _one_reasoning(cls, reasoning: str | None, info: ValidationInfo) -> str | None:
+        content = info.data.get("reasoning_content")
+        if reasoning is not None and content is not None and reasoning != content:
+            raise PydanticCustomError(
+                "reasoning_conflict",
+                "differs from reasoning_content (two names of one field: send one)",
+            )
+        return reasoning
+
+    @model_validator(mode="after")
+    def _reasoning_is_reasoning_content(self) -> ChatMessage:
+        if self.reasoning_content is None:
+            self.reasoning_content = self.reasoning
+        return self
 
 
 class FunctionDefinition(_Model):
@@ -223,6 +251,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: OrNull[bool] = True
+    # vLLM's: false leaves a reasoning model's reasoning (and the logprobs that would show it)
+    # out of the response.
+    include_reasoning: bool = True
 
 
 class EmbeddingRequest(_Model):

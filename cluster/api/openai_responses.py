@@ -65,7 +65,9 @@ class Completion:
     prompt i are absorbed with ``prompt_index=i`` and its sample j is choice ``i * n + j``.
     ``echo`` puts each prompt (and its logprobs) before the generated text; ``echo_only`` (echo
     with ``max_tokens`` 0) leaves the generated token out. ``continuous_usage`` (vLLM's
-    ``stream_options.continuous_usage_stats``) puts each chunk's choice's usage so far in it."""
+    ``stream_options.continuous_usage_stats``) puts each chunk's choice's usage so far in it.
+    ``include_reasoning`` False (vLLM's chat field) leaves a reasoning model's reasoning out of
+    the message and the deltas, and its logprobs with it (their tokens would show it)."""
 
     def __init__(
         self,
@@ -79,12 +81,14 @@ class Completion:
         tools: ToolChoice | None = None,
         stream: bool = False,
         continuous_usage: bool = False,
+        include_reasoning: bool = True,
     ) -> None:
         self.model, self.chat, self.include_usage = model, chat, include_usage
         self.continuous_usage = continuous_usage
         self.top_logprobs = top_logprobs
         self.echo, self.echo_only = echo, echo_only
         self.tools, self.stream = tools, stream
+        self.include_reasoning = include_reasoning
         self.tool_call_parser: str | None = None
         # A chat served with a reasoning_parser: think blocks become reasoning_content.
         self.reasoning_parser: ReasoningParser | None = None
@@ -130,7 +134,9 @@ class Completion:
             choice = _Choice(len(self.choices))
             choice.prompt_tokens = item.prompt_tokens
             if self.stream and self._harmony:
-                choice.tool_streamer = HarmonyStreamer(reasoning=True, read_calls=self._auto)
+                choice.tool_streamer = HarmonyStreamer(
+                    reasoning=self.include_reasoning, read_calls=self._auto
+                )
             elif self.stream:
                 if self.tools is not None:
                     choice.tool_streamer = tool_streamer(self.tools, item.tool_call_parser)
@@ -174,6 +180,11 @@ class Completion:
         return self.tools is not None and self.tools.mode == "auto"
 
     @property
+    def _hides_reasoning(self) -> bool:
+        """A reasoning model's chat that asked for no reasoning (``include_reasoning`` False)."""
+        return self.reasoning_parser is not None and not self.include_reasoning
+
+    @property
     def _splits_reasoning(self) -> bool:
         """The answer is split from a think block before anything else reads it."""
         parser = self.reasoning_parser
@@ -199,6 +210,8 @@ class Completion:
         reasoning, text = "", delta.text
         if choice.reasoning is not None:  # tools and the content deltas see the answer only
             reasoning, text = _split_reasoning(choice.reasoning, text, finish is not None)
+        if self._hides_reasoning:
+            reasoning = ""
         if choice.tool_streamer is not None:
             return self._tool_chunks(choice, choice.tool_streamer, text, first, logprobs,
                                      reasoning)  # fmt: skip
@@ -206,6 +219,8 @@ class Completion:
         # (an incomplete character, a special token), so clients see steady token timing.
         if not (first or delta.text or delta.token_ids or finish or logprobs):
             return []
+        if self._hides_reasoning and not (first or text or finish):
+            return []  # a step of hidden reasoning only (vLLM sends none either)
         if self.chat:
             content: dict[str, Any] = {"content": text}
             if reasoning:
@@ -246,7 +261,10 @@ class Completion:
             deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + (
                 deltas[1:]
             )
-        if choice.finish_reason is not None and not deltas:
+        if not deltas and (choice.finish_reason is not None or logprobs is not None):
+            # A step whose text the streamer holds back (a harmony header, a tag that may open
+            # a call) still sends its tokens' logprobs, as vLLM does: the stream's add up to
+            # the whole response's.
             deltas = [{}]
         chunks = [{"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None}
                   for d in deltas]  # fmt: skip
@@ -277,7 +295,7 @@ class Completion:
     def _logprobs(self, choice: _Choice, entries: list[TokenLogprobs] | None) -> Any:
         """The OpenAI logprobs of new tokens (their rows: ``logprob_rows``, or the echoed
         prompt's from ``StreamStart``), also appended to the choice's."""
-        if self.top_logprobs is None or entries is None:
+        if self.top_logprobs is None or entries is None or self._hides_reasoning:
             return None
         if self.chat:
             new = chat_logprobs(entries, self.top_logprobs)
@@ -293,7 +311,8 @@ class Completion:
         choices = []
         for c in self.choices:
             if self.chat:
-                logprobs = {"content": c.logprobs or []} if self.top_logprobs is not None else None
+                wanted = self.top_logprobs is not None and not self._hides_reasoning
+                logprobs = {"content": c.logprobs or []} if wanted else None
                 message, finish = self._message(c)
                 choices.append({"index": c.index, "logprobs": logprobs, "message": message,
                                 "finish_reason": finish, "stop_reason": c.stop_reason})  # fmt: skip
@@ -316,7 +335,7 @@ class Completion:
         (out of its answer: a reasoning model's think block is its ``reasoning_content``)."""
         reasoning, parsed = self._read(choice.text, choice.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if self.reasoning_parser is not None:
+        if self.reasoning_parser is not None and self.include_reasoning:
             message["reasoning_content"] = reasoning
         parallel = self.tools is None or self.tools.parallel
         calls = parsed.tool_calls if parallel else parsed.tool_calls[:1]

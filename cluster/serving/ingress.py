@@ -274,7 +274,8 @@ class OpenAIIngress(
         usage, continuous = stream_usage(req)
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         completion = Completion(req.model, True, usage, top_logprobs, tools=tool_choice(req),
-                                stream=req.stream, continuous_usage=continuous)  # fmt: skip
+                                stream=req.stream, continuous_usage=continuous,
+                                include_reasoning=req.include_reasoning)  # fmt: skip
         try:
             return await self._generate(req, [payload], completion)
         except APIError as exc:

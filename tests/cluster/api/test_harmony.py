@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from cluster.api.harmony import Piece, read_harmony
-from cluster.api.openai_payloads import ToolChoice
+from cluster.api.openai_models import ChatCompletionRequest
+from cluster.api.openai_payloads import ToolChoice, chat_payload
 from cluster.api.openai_responses import Completion
 from cluster.api.reasoning_parsers import get_reasoning_parser, reasoning_front
 from cluster.api.replica_messages import GenerateRequest, StreamError, StreamStart
 from cluster.api.tool_parsers import HarmonyStreamer, get_tool_parser, parse_harmony
 from cluster.serving.llm_server import LLMServer
+from cluster.serving.request_inputs import chat_prompt_ids
 from engine import ConfigError
 from engine.builtin.tiny_harmony import HARMONY_TOKEN_IDS
 from tests.cluster.api.scripted_chat import scripted_chat
@@ -49,6 +53,16 @@ ROLE_RECIPIENT = (
 )
 FIRST_ROLE_RECIPIENT = " to=functions.get_location<|channel|>commentary json<|message|>{}"
 PLAIN_PREAMBLE = "<|channel|>commentary<|message|>Checking.<|end|>"
+# gpt-oss sometimes leaves out the "functions." of a call's recipient: still the call (vLLM's).
+BARE_RECIPIENT = (
+    "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary "
+    'to=get_weather <|constrain|>json<|message|>{"city":"P"}'
+)
+# "functions." with no name calls nothing: the message is dropped (vLLM's).
+NO_FUNCTION_NAME = (
+    "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary "
+    "to=functions. <|constrain|>json<|message|>{}"
+)
 
 EXPECTED: dict[str, tuple[str | None, str | None, list[tuple[str, str]]]] = {
     SPEC_ANSWER: ('User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.',
@@ -63,6 +77,8 @@ EXPECTED: dict[str, tuple[str | None, str | None, list[tuple[str, str]]]] = {
     FIRST_ROLE_RECIPIENT: (None, None, [("get_location", "{}")]),
     PLAIN_PREAMBLE + "<|start|>assistant<|channel|>final<|message|>Done.": (
         None, "Checking.Done.", []),
+    BARE_RECIPIENT: ("x", None, [("get_weather", '{"city":"P"}')]),
+    NO_FUNCTION_NAME: ("x", None, []),
 }  # fmt: skip
 TRANSCRIPTS = list(EXPECTED)
 WITH_STOP = {SPEC_ANSWER: SPEC_ANSWER + "<|return|>", SPEC_CALL: SPEC_CALL + "<|call|>"}
@@ -151,8 +167,12 @@ def test_output_that_is_no_harmony_is_content() -> None:
 
 
 def test_other_recipients_and_roles_are_dropped() -> None:
+    """Built-in tools (none is offered), the assistant itself, another role."""
     text = (
         "<|channel|>commentary to=python<|message|>print(1)<|end|>"
+        "<|start|>assistant<|channel|>commentary to=browser.search<|message|>{}<|end|>"
+        "<|start|>assistant<|channel|>commentary to=container.exec<|message|>{}<|end|>"
+        "<|start|>assistant<|channel|>commentary to=assistant<|message|>hm<|end|>"
         "<|start|>functions.f to=assistant<|channel|>commentary<|message|>{}<|end|>"
         "<|start|>assistant<|channel|>final<|message|>ok"
     )
@@ -182,14 +202,27 @@ def test_the_openai_gptoss_reasoning_parser_splits_analysis_from_final() -> None
 # ---- chat responses ------------------------------------------------------------------------
 
 
-def _respond(pieces: list[str], *, stream: bool, tools: ToolChoice | None = None
-             ) -> tuple[Completion, list[dict[str, Any]]]:  # fmt: skip
+def _respond(pieces: list[str], *, stream: bool, tools: ToolChoice | None = None,
+             **script: Any) -> tuple[Completion, list[dict[str, Any]]]:  # fmt: skip
     parser = "openai" if tools is not None and tools.mode == "auto" else None
     start = StreamStart(3, tool_call_parser=parser, reasoning_parser="openai_gptoss")
-    return scripted_chat(start, pieces, stream=stream, tools=tools)
+    return scripted_chat(start, pieces, stream=stream, tools=tools, **script)
 
 
-@pytest.mark.parametrize(("text", "finish"), [(SPEC_ANSWER, "stop"), (SPEC_CALL, "tool_calls")])
+def _tokens(text: str) -> list[str]:
+    """``text`` as the model writes it: each special token one token, other text three
+    characters a token."""
+    tokens = []
+    for part in re.split(r"(<\|[a-z]+\|>)", text):
+        tokens += [part] if part.startswith("<|") else re.findall(".{1,3}", part, re.DOTALL)
+    return tokens
+
+
+@pytest.mark.parametrize(
+    ("text", "finish"),
+    [(SPEC_ANSWER, "stop"), (SPEC_CALL, "tool_calls"), (BARE_RECIPIENT, "tool_calls"),
+     (NO_FUNCTION_NAME, "stop")],
+)  # fmt: skip
 def test_chat_message_and_chunks_agree(text: str, finish: str) -> None:
     reasoning, content, calls = EXPECTED[text]
     whole, _ = _respond([text], stream=False, tools=ToolChoice("auto"))
@@ -210,6 +243,43 @@ def test_chat_message_and_chunks_agree(text: str, finish: str) -> None:
     arguments = "".join(t["function"]["arguments"] for c in chunks
                         for t in c["delta"].get("tool_calls", ()))  # fmt: skip
     assert arguments == "".join(a for _, a in calls)
+
+
+@pytest.mark.parametrize("tools", [ToolChoice("auto"), None])
+@pytest.mark.parametrize("text", [SPEC_ANSWER, SPEC_CALL])
+def test_streamed_logprobs_add_up_to_the_whole(text: str, tools: ToolChoice | None) -> None:
+    """Tokens whose text the reader holds back (a header, <|end|>) send their logprobs in a
+    chunk with an empty delta, as vLLM does."""
+    tokens = _tokens(text)
+    whole, _ = _respond(tokens, stream=False, tools=tools, logprobs=True)
+    expected = whole.whole()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in expected] == tokens
+    _, chunks = _respond(tokens, stream=True, tools=tools, logprobs=True)
+    assert [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]] == expected
+    assert {} in [c["delta"] for c in chunks]
+
+
+@pytest.mark.parametrize("text", [SPEC_ANSWER, SPEC_CALL])
+def test_include_reasoning_false_leaves_the_analysis_out(text: str) -> None:
+    """vLLM's chat ``include_reasoning: false``: no reasoning anywhere, nor the logprobs that
+    would show it; content and calls as with it."""
+    _, content, calls = EXPECTED[text]
+    tokens, auto = _tokens(text), ToolChoice("auto")
+    whole, _ = _respond(tokens, stream=False, tools=auto, logprobs=True, include_reasoning=False)
+    choice = whole.whole()["choices"][0]
+    message = choice["message"]
+    assert "reasoning_content" not in message and choice["logprobs"] is None
+    assert message["content"] == content
+    got = [(c["function"]["name"], c["function"]["arguments"])
+           for c in message.get("tool_calls", [])]  # fmt: skip
+    assert got == calls
+    _, chunks = _respond(tokens, stream=True, tools=auto, logprobs=True, include_reasoning=False)
+    assert not any("reasoning_content" in c["delta"] or c["logprobs"] for c in chunks)
+    assert ("".join(c["delta"].get("content") or "" for c in chunks) or None) == content
+    arguments = "".join(t["function"]["arguments"] for c in chunks
+                        for t in c["delta"].get("tool_calls", ()))  # fmt: skip
+    assert arguments == "".join(a for _, a in calls)
+    assert chunks[-1]["finish_reason"] == choice["finish_reason"]
 
 
 def test_chat_without_tools_has_reasoning_and_content() -> None:
@@ -328,6 +398,34 @@ def test_server_reads_the_models_transcript(server: LLMServer, answer: str) -> N
     _, _, chunks = _serve(server, request, stream=True)
     assert not any("<|" in json.dumps(c) for c in chunks)
     assert chunks[-1]["finish_reason"] == choice["finish_reason"]
+
+
+ASSISTANT_CALL = {"role": "assistant", "content": None, "tool_calls": [{
+    "id": "call_1", "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_an_assistant_messages_reasoning_reaches_the_template(
+    server: LLMServer, field: str
+) -> None:
+    """``reasoning`` is vLLM 0.32's name for ``reasoning_content`` (its responses return it):
+    an unfinished turn's analysis is rendered before its call either way."""
+    messages = [*QUESTION, {**ASSISTANT_CALL, field: "Need the weather."},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 20}'}]  # fmt: skip
+    request = ChatCompletionRequest.model_validate({"model": "g", "messages": messages})
+    payload = chat_payload(request)
+    prompt = server.tokenizer.decode(chat_prompt_ids(server.tokenizer, payload.messages))
+    assert "<|channel|>analysis<|message|>Need the weather.<|end|>" in prompt
+
+
+def test_reasoning_and_reasoning_content_that_differ_are_refused() -> None:
+    message = {**ASSISTANT_CALL, "reasoning": "A", "reasoning_content": "B"}
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate({"model": "g", "messages": [*QUESTION, message]})
+    (error,) = refused.value.errors()
+    assert error["loc"] == ("messages", 1, "reasoning")
+    assert "differs from reasoning_content" in error["msg"]
 
 
 def test_reasoning_effort_reaches_the_template(server: LLMServer) -> None:

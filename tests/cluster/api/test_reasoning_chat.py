@@ -13,6 +13,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from cluster.api.openai_models import ChatCompletionRequest
 from cluster.api.openai_payloads import ToolChoice
 from cluster.api.openai_responses import Completion
 from cluster.api.reasoning_parsers import ReasoningFront, get_reasoning_parser
@@ -30,12 +31,12 @@ THOUGHT_CALL = '<tool_call>\n{"name": "ponder", "arguments": {}}\n</tool_call>'
 
 def _respond(
     pieces: list[str], *, stream: bool, parser: str = "qwen3", in_reasoning: bool | None = None,
-    tools: ToolChoice | None = None, tool_call_parser: str | None = None,
+    tools: ToolChoice | None = None, tool_call_parser: str | None = None, **script: Any,
 ) -> tuple[Completion, list[dict[str, Any]]]:  # fmt: skip
     """A chat response built from a server stream whose deltas carry ``pieces``."""
     start = StreamStart(3, tool_call_parser=tool_call_parser, reasoning_parser=parser,
                         in_reasoning=in_reasoning)  # fmt: skip
-    return scripted_chat(start, pieces, stream=stream, tools=tools)
+    return scripted_chat(start, pieces, stream=stream, tools=tools, **script)
 
 
 def _joined(chunks: list[dict[str, Any]], key: str) -> str:
@@ -120,6 +121,39 @@ def test_tool_calls_are_read_from_the_answer_only(stream: bool) -> None:
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
     assert choice["finish_reason"] == "tool_calls"
+
+
+def test_the_chat_request_declares_include_reasoning() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest.model_validate(body).include_reasoning is True
+    request = ChatCompletionRequest.model_validate({**body, "include_reasoning": False})
+    assert request.include_reasoning is False and not request.model_extra
+
+
+@pytest.mark.parametrize("tool_call_parser", [None, "hermes"])
+def test_include_reasoning_false_leaves_the_think_block_out(tool_call_parser: str | None) -> None:
+    """vLLM's ``include_reasoning: false``: no reasoning in the message or any delta, nor the
+    logprobs that would show it; the content and calls as with it."""
+    text = f"<think>Maybe {THOUGHT_CALL} first?</think>Calling.\n{CALL}"
+    tools = ToolChoice("auto") if tool_call_parser else None
+    pieces = [text[i : i + 5] for i in range(0, len(text), 5)]
+    script = {"tools": tools, "tool_call_parser": tool_call_parser, "logprobs": True}
+    shown, _ = _respond(pieces, stream=False, **script)
+    hidden, _ = _respond(pieces, stream=False, include_reasoning=False, **script)
+    choice, expected = hidden.whole()["choices"][0], shown.whole()["choices"][0]
+    del expected["message"]["reasoning_content"]
+    for message in (choice["message"], expected["message"]):
+        for call in message.get("tool_calls", ()):
+            call.pop("id")
+    assert choice["message"] == expected["message"] and choice["logprobs"] is None
+    _, chunks = _respond(pieces, stream=True, include_reasoning=False, **script)
+    assert not any("reasoning_content" in c["delta"] or c["logprobs"] for c in chunks)
+    assert _joined(chunks, "content") == (choice["message"]["content"] or "")
+    calls = [call for c in chunks for call in c["delta"].get("tool_calls", ())]
+    assert "".join(c["function"].get("arguments", "") for c in calls) == "".join(
+        c["function"]["arguments"] for c in choice["message"].get("tool_calls", ())
+    )
+    assert chunks[-1]["finish_reason"] == choice["finish_reason"]
 
 
 def test_front_delays_the_grammar_unless_the_prompt_ended_the_reasoning() -> None:

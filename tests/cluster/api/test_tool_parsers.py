@@ -20,9 +20,12 @@ from cluster.api.forced_tool_calls import (
     parse_required_tool_calls,
     required_tools_schema,
 )
+from cluster.api.openai_payloads import ToolChoice
+from cluster.api.replica_messages import StreamStart
 from cluster.api.tool_calls import Delta, ParsedToolCalls, ToolCallStreamer, fold_deltas
 from cluster.api.tool_parsers import TOOL_PARSERS, get_tool_parser
 from engine.builtin import tiny_models
+from tests.cluster.api.scripted_chat import scripted_chat
 
 HERMES_TEXTS = {
     "one call": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
@@ -404,6 +407,20 @@ def test_hermes_stream_sends_a_header_then_argument_fragments() -> None:
     ]
     assert streamer.finish() == []
     assert streamer.tools_called
+
+
+def test_streamed_chat_logprobs_of_held_back_text_add_up_to_the_whole() -> None:
+    """Tokens whose text the streamer holds back (a tag that may open a call) send their
+    logprobs in a chunk with an empty delta, as vLLM does."""
+    text = HERMES_TEXTS["content before a call"]
+    tokens = [text[i : i + 4] for i in range(0, len(text), 4)]
+    start, tools = StreamStart(3, tool_call_parser="hermes"), ToolChoice("auto")
+    whole, _ = scripted_chat(start, tokens, stream=False, tools=tools, logprobs=True)
+    expected = whole.whole()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in expected] == tokens
+    _, chunks = scripted_chat(start, tokens, stream=True, tools=tools, logprobs=True)
+    assert [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]] == expected
+    assert {} in [c["delta"] for c in chunks]
 
 
 def test_hermes_stream_numbers_parallel_calls_from_zero() -> None:
