@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.builtin.tiny_harmony import (  # the format's special tokens, defined once
+from engine.harmony_template import (  # the format's special tokens, defined once
     CALL,
     CONSTRAIN,
     END,

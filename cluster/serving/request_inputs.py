@@ -1,5 +1,6 @@
 """A request's inputs for the engine, on the model replica's front (``LLMServer``): its sampling
-dict as ``SamplingParams``, and chat messages as prompt ids by the model's chat template; for a
+dict as ``SamplingParams``, and chat messages as prompt ids by the model's chat template (a
+harmony model's by the harmony template, ``engine.harmony_template``); for a
 vision-language model, a chat's image parts (data URLs) decoded and preprocessed here, on the
 front, so the head receives pixels and expanded prompt ids (``chat_prompt``). Errors are
 ``InvalidRequestError``s naming the field, which the front returns as 400s."""
@@ -14,6 +15,7 @@ from jinja2 import TemplateError
 
 from cluster.api.replica_messages import EmbedRequest, GenerateRequest
 from engine.errors import InvalidRequestError
+from engine.harmony_template import HARMONY_CHAT_TEMPLATE, harmony_prompt_ids, is_harmony_tokenizer
 from engine.multimodal.chat import split_content_parts
 from engine.multimodal.processor import MultiModalProcessor
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -62,31 +64,60 @@ def chat_prompt_ids(
 ) -> list[int]:
     """The prompt ids of chat ``messages`` by the model's chat template (a 400 on ``messages``
     when the template rejects them). As vLLM does, ``developer`` messages are ``system`` ones
-    for a template that does not know the role."""
-    template = getattr(tokenizer, "chat_template", None)
+    for a template that does not know the role. A harmony model's (gpt-oss's) chats are
+    rendered by the harmony template, not the checkpoint's, with the request's text as ordinary
+    text (``engine.harmony_template``), as vLLM renders them with openai_harmony."""
+    harmony = is_harmony_tokenizer(tokenizer)
+    template = HARMONY_CHAT_TEMPLATE if harmony else getattr(tokenizer, "chat_template", None)
     if template is None:
         raise InvalidRequestError("this model has no chat template", param="messages")
     if not _knows_developer_role(template):
         messages = developer_as_system(messages)
+    render = _harmony_ids if harmony else _template_ids
     try:
-        rendered = tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=options.add_generation_prompt
-            and not options.continue_final_message,
-            continue_final_message=options.continue_final_message,
-            tokenize=not options.add_special_tokens,
-            return_dict=False,
-            **(options.template_kwargs or {}),
-        )
+        return render(tokenizer, messages, tools, options)
     except TemplateError as exc:  # the template's raise_exception: roles, order
         raise InvalidRequestError(f"the chat template rejected them: {exc}", "messages") from exc
     except Exception as exc:  # anything else may quote internals: the log has it
         logger.exception("chat template failed")
         raise InvalidRequestError("the chat template rejected them", "messages") from exc
+
+
+def _template_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    options: TemplateOptions,
+) -> list[int]:
+    rendered = tokenizer.apply_chat_template(
+        messages,
+        tools=tools,
+        add_generation_prompt=options.add_generation_prompt and not options.continue_final_message,
+        continue_final_message=options.continue_final_message,
+        tokenize=not options.add_special_tokens,
+        return_dict=False,
+        **(options.template_kwargs or {}),
+    )
     if options.add_special_tokens:
         return list(tokenizer.encode(rendered, add_special_tokens=True))
     return list(rendered)
+
+
+def _harmony_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    options: TemplateOptions,
+) -> list[int]:
+    return harmony_prompt_ids(
+        tokenizer,
+        messages,
+        tools,
+        add_generation_prompt=options.add_generation_prompt,
+        continue_final_message=options.continue_final_message,
+        add_special_tokens=options.add_special_tokens,
+        **(options.template_kwargs or {}),
+    )
 
 
 def _knows_developer_role(template: Any) -> bool:

@@ -1,6 +1,6 @@
-"""The harmony chat template of ``builtin:tiny-gpt-oss`` (``engine.builtin.tiny_harmony``) against
-the transcripts of OpenAI's harmony specification (openai/harmony ``docs/format.md``), written out
-here, and its tokens."""
+"""The harmony chat template (``engine.harmony_template``, ``builtin:tiny-gpt-oss``'s own,
+written by ``engine.builtin.tiny_harmony``) against the transcripts of OpenAI's harmony
+specification (openai/harmony ``docs/format.md``), written out here, and its tokens."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from engine.builtin.tiny_harmony import (
     build_harmony_tokenizer,
     write_harmony_tokenizer,
 )
+from engine.harmony_template import HARMONY_CHAT_TEMPLATE
 
 # The spec's system message with functions (its date pinned), and its developer message of
 # three functions ("Function calling: defining available tools").
@@ -235,3 +236,7 @@ def test_the_prompt_encodes_the_harmony_tokens_as_single_special_ids(tokenizer: 
     assert tokenizer.decode(ids, skip_special_tokens=True).endswith("userHiassistant")
     stops = (HARMONY_TOKEN_IDS["<|return|>"], HARMONY_TOKEN_IDS["<|call|>"])
     assert stops == HARMONY_STOP_TOKEN_IDS
+
+
+def test_the_tokenizer_files_carry_the_harmony_template(tokenizer: Any) -> None:
+    assert tokenizer.chat_template == HARMONY_CHAT_TEMPLATE
