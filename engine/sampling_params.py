@@ -49,10 +49,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     it travels through the msgpack step message unchanged; property order is kept, it is the
     order the output follows). ``regex``: a regular expression the whole output matches.
     ``choice``: the output is one of these strings. ``grammar``: an EBNF grammar in xgrammar's
-    syntax (GBNF-like, rule ``root`` is the start). ``json_object``: any JSON object.
+    syntax (GBNF-like, rule ``root`` is the start), or a Lark grammar (rule ``start``), told
+    apart as vLLM does: a grammar with no ``::=`` is Lark. ``json_object``: any JSON object.
 
-    ``disable_any_whitespace``: JSON output without optional whitespace (``{"a": 1}``, never
-    ``{ "a" :1 }`` or newlines), which keeps a weak model from looping on whitespace.
+    ``disable_any_whitespace``: JSON output without optional whitespace (``{"a":1,"b":[1,2]}``,
+    never ``{"a": 1}`` or newlines, as in vLLM), which keeps a weak model from looping on
+    whitespace.
     ``disable_additional_properties``: objects allow no property their schema does not name;
     xgrammar's strict mode, which the engine always uses, already does this for every object
     schema that does not say ``additionalProperties`` (kept for vLLM compatibility).

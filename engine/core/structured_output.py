@@ -47,6 +47,8 @@ _BITMASK_DTYPE = np.dtype("<i4")
 # "Check failed: (...) is false: " preamble; neither helps a client.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _MAX_ERROR_CHARS = 300
+# A comment in either grammar syntax, to the end of its line (as vLLM strips them).
+_GRAMMAR_COMMENT = re.compile(r"(#|//).*$")
 # JSON allows any run of whitespace between tokens; a model that has drifted (small, quantized,
 # or random weights) can emit newlines until max_tokens and never close the object. Capping
 # each run keeps every pretty-printed JSON (indents of a few levels) and rules that out.
@@ -228,13 +230,26 @@ def _parse(kind: str, spec: str, *, any_whitespace: bool) -> xgr.Grammar:
     """The spec as an xgrammar ``Grammar`` (quick; the compile is the slow part)."""
     if kind in ("json", "json_object"):
         # Not xgrammar's own JSON schema converter: xgrammar 0.2.8's length-bounded strings
-        # admit raw control characters (see engine/core/json_string_grammar.py).
+        # admit raw control characters (see engine/core/json_string_grammar.py). Without any
+        # whitespace, no space after "," and ":" either (xgrammar's default writes ", " and
+        # ": "); vLLM passes the same separators.
         return json_schema_grammar(
-            spec, any_whitespace=any_whitespace, max_whitespace_cnt=MAX_JSON_WHITESPACE_RUN
+            spec,
+            any_whitespace=any_whitespace,
+            max_whitespace_cnt=MAX_JSON_WHITESPACE_RUN,
+            separators=None if any_whitespace else (",", ":"),
         )
     if kind == "regex":
         return xgr.Grammar.from_regex(spec)
+    if kind == "grammar" and _is_lark(spec):
+        return xgr.Grammar.from_lark(spec)
     return xgr.Grammar.from_ebnf(spec)  # grammar, and choice as a grammar
+
+
+def _is_lark(grammar: str) -> bool:
+    """Whether a grammar is in Lark's syntax rather than xgrammar's EBNF: no rule is defined
+    with ``::=`` (comments aside), the test vLLM uses to pick the parser."""
+    return all("::=" not in _GRAMMAR_COMMENT.sub("", line) for line in grammar.splitlines())
 
 
 def _compile(compiler: xgr.GrammarCompiler, grammar: xgr.Grammar, kind: str) -> xgr.CompiledGrammar:
@@ -286,7 +301,8 @@ def _tokenizer_info(
 
 
 def _spec_text(params: StructuredOutputsParams) -> str:
-    """What xgrammar compiles: schema text, regex, or EBNF (a choice becomes alternatives)."""
+    """What xgrammar compiles: schema text, regex, or EBNF or Lark (a choice becomes EBNF
+    alternatives)."""
     kind = params.kind
     if kind == "json":
         return str(params.json)

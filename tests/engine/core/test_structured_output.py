@@ -5,18 +5,20 @@ with maxLength, arrays with maxItems, enums, integer ranges, closed objects)."""
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import random
 import re
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import jsonschema
 import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
+from pydantic import BaseModel, Field
 
 from engine import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
 from engine.client.async_llm_engine import AsyncLLMEngine
@@ -200,6 +202,20 @@ def test_choice_output_is_one_of_the_choices(llm: LLM) -> None:
     for out in llm.generate(["Answer:"] * 12, params, use_tqdm=False):
         assert out.outputs[0].finish_reason == "stop"
         assert out.outputs[0].text in choices
+
+
+def test_lark_grammar_output_matches(llm: LLM) -> None:
+    """A grammar with no ``::=`` rule (comments aside) is Lark, as in vLLM."""
+    grammar = (
+        "// an answer (in EBNF it would read: root ::= ...)\n"
+        "start: ANSWER\n"
+        'ANSWER: "yes" | "no"  // either word\n'
+    )
+    so = StructuredOutputsParams(grammar=grammar)
+    params = [SamplingParams(seed=i, max_tokens=20, structured_outputs=so) for i in range(6)]
+    for out in llm.generate(["Answer:"] * 6, params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop"
+        assert out.outputs[0].text in ("yes", "no")
 
 
 def test_ebnf_grammar_output_matches(llm: LLM) -> None:
@@ -401,6 +417,7 @@ def test_async_engine_passes_structured_outputs_through() -> None:
         ({"json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "json"),
         ({"regex": "a(b"}, "regex"),
         ({"grammar": 'root ::= undefined_rule "x"'}, "grammar"),
+        ({"grammar": "start: undefined_rule"}, "grammar"),
     ],
 )
 def test_uncompilable_spec_is_rejected_naming_the_field(
@@ -443,6 +460,93 @@ _INT = {"type": "integer", "minimum": 0, "maximum": 9}
                                                     "maxLength": 3}}},
             "at /properties/t: 'minLength' / 'maxLength' with 'pattern' or 'format'",
         ),
+        # An assertion beside the keyword xgrammar compiles the node from alone.
+        ({"$ref": "#/$defs/a", "maxLength": 2, "$defs": {"a": {"type": "string"}}},
+         "'maxLength' beside '$ref' is not enforced"),
+        (
+            {"type": "object", "properties": {"x": {"$ref": "#/$defs/a", "minimum": 5}},
+             "required": ["x"], "$defs": {"a": {"type": "integer"}}},
+            "at /properties/x: 'minimum' beside '$ref'",
+        ),
+        ({"type": "integer", "minimum": 0, "allOf": [{"maximum": 5}]}, "beside 'allOf'"),
+        (
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+             "allOf": [{"type": "object", "properties": {"b": {"type": "string"}},
+                        "required": ["b"]}]},
+            "beside 'allOf'",
+        ),
+        ({"type": "integer", "minimum": 0, "anyOf": [{"maximum": 5}, {"minimum": 100}]},
+         "beside 'anyOf'"),
+        ({"type": "string", "anyOf": [{"type": "integer"}, {"type": "string"}]},
+         "'type' beside 'anyOf'"),
+        ({"type": "string", "maxLength": 2, "oneOf": [{"type": "string"}, {"type": "integer"}]},
+         "beside 'oneOf'"),
+        ({"type": "string", "enum": ["a", 1]}, "'type' beside 'enum'"),
+        ({"enum": ["a", "abc"], "maxLength": 2}, "'maxLength' beside 'enum'"),
+        ({"type": "integer", "enum": [1, 10], "maximum": 5}, "'maximum' beside 'enum'"),
+        ({"type": "integer", "const": "x"}, "'type' beside 'const'"),
+        ({"const": "abc", "pattern": "^z"}, "'pattern' beside 'const'"),
+        ({"const": 1, "enum": [2]}, "'enum' beside 'const'"),
+        # A local $ref's target is checked wherever it is.
+        (
+            {"components": {"schemas": {"X": {"type": "array", "items": _INT,
+                                              "uniqueItems": True, "maxItems": 3}}},
+             "$ref": "#/components/schemas/X"},
+            "at /components/schemas/X: 'uniqueItems': true is not",
+        ),
+        (
+            {"x-defs": {"N": {**_INT, "not": {"const": 3}}}, "type": "object",
+             "properties": {"n": {"$ref": "#/x-defs/N"}}, "required": ["n"],
+             "additionalProperties": False},
+            "at /x-defs/N: 'not' is not enforced",
+        ),
+        ({"x": {"oneOf": [_INT, {"type": "integer", "minimum": 3}]}, "$ref": "#/x"},
+         "at /x: 'oneOf' branches that may overlap"),
+        ({"x y": {"type": "array", "uniqueItems": True}, "$ref": "#/x%20y"},
+         "at /x y: 'uniqueItems'"),
+        # Only local JSON-pointer references.
+        ({"$ref": "#foo", "$defs": {"a": {"$anchor": "foo", "type": "integer"}}},
+         "'$ref' '#foo' is not enforced by the grammar (only local JSON-pointer references"),
+        ({"$ref": "urn:x:int", "$defs": {"a": {"$id": "urn:x:int", "type": "integer"}}},
+         "'$ref' 'urn:x:int' is not enforced"),
+        (
+            {"type": "object", "properties": {"a": {"$ref": "https://example.com/x.json"}},
+             "required": ["a"]},
+            "at /properties/a: '$ref' 'https://example.com/x.json' is not enforced",
+        ),
+        (
+            {"$defs": {"i": {"type": "string"},
+                       "r": {"$id": "urn:r", "type": "object",
+                             "properties": {"v": {"$ref": "#/$defs/i"}}, "required": ["v"],
+                             "$defs": {"i": {"type": "integer"}}}},
+             "$ref": "#/$defs/r"},
+            "at /$defs/r/properties/v: '$ref' '#/$defs/i' is inside the schema with an '$id' "
+            "at /$defs/r",
+        ),
+        ({"$dynamicRef": "#meta"}, "'$dynamicRef' is not enforced"),
+        ({"$recursiveRef": "#"}, "'$recursiveRef' is not enforced"),
+        ({"$schema": 5, "type": "integer"}, "at /$schema: is not a valid JSON Schema"),
+        # A literal the grammar would write unescaped inside the JSON string.
+        (
+            {"type": "object", "properties": {"s": {"type": "string",
+                                                    "pattern": '^say "hi"$'}},
+             "required": ["s"]},
+            "at /properties/s: 'pattern' matches '\"' outside a character class",
+        ),
+        ({"type": "string", "pattern": r"^a\\b$"}, "'pattern' matches"),
+        ({"type": "string", "pattern": r"^\\q$"}, "'pattern' matches"),
+        ({"type": "string", "pattern": r"^a\nb$"}, "'pattern' matches"),
+        ({"type": "string", "pattern": "^a\tb$"}, "'pattern' matches"),
+        ({"type": "string", "pattern": r"^a\x22$"}, "'pattern' matches"),
+        ({"type": "string", "pattern": r"^a\u0022$"}, "'pattern' matches"),
+        ({"type": "string", "pattern": r'^a\"$'}, "'pattern' matches"),
+        (
+            {"type": "object", "propertyNames": {"pattern": '^k"$'},
+             "additionalProperties": {"type": "integer"}},
+            "at /propertyNames: 'pattern' matches",
+        ),
+        ({"type": "object", "patternProperties": {'^k"$': {"type": "integer"}}},
+         "'patternProperties' name"),
     ],
 )  # fmt: skip
 def test_a_schema_the_grammar_would_loosen_is_refused_naming_the_keyword(
@@ -487,6 +591,109 @@ def test_exclusive_one_of_single_all_of_and_integer_multiple_of_are_enforced(llm
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
             finished += 1
     assert finished >= 6
+
+
+def _matches(compiled: xgr.CompiledGrammar, document: str) -> bool:
+    """Whether the grammar accepts the whole of ``document`` (not just as a prefix)."""
+    matcher = xgr.GrammarMatcher(compiled)
+    return matcher.accept_string(document) and matcher.is_completed()
+
+
+class _Colour(str, enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class _Address(BaseModel):
+    """A postal address."""
+
+    zip: str = Field(pattern=r"^[0-9]{5}$")
+    city: str | None = Field(default=None, max_length=20)
+
+
+class _Cat(BaseModel):
+    kind: Literal["cat"]
+    lives: int = Field(ge=0, le=9)
+
+
+class _Dog(BaseModel):
+    kind: Literal["dog"]
+    bark: bool
+
+
+class _Person(BaseModel):
+    name: str = Field(max_length=8, description="full name")
+    age: int | None = Field(default=None, ge=0, le=120)
+    colour: _Colour = _Colour.RED
+    home: _Address = Field(description="where they live")
+    work: _Address | None = Field(default=None, description="office")
+    pet: Annotated[_Cat | _Dog, Field(discriminator="kind")]
+    mode: Literal["a", "b"] = "a"
+
+
+def test_a_pydantic_models_schema_is_accepted_and_enforced(llm: LLM) -> None:
+    """Pydantic writes annotations beside ``$ref`` and ``anyOf`` (description, default, title),
+    ``type`` beside ``enum`` / ``const`` and a discriminator beside ``oneOf``: none is
+    refused, and the grammar holds documents to the model."""
+    schema = _Person.model_json_schema()
+    assert set(schema["properties"]["home"]) == {"$ref", "description"}
+    assert {"anyOf", "default", "description"} <= set(schema["properties"]["work"])
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    compiled = llm.llm_engine.structured_output.compile(so)
+    person = _Person(name="Ann", age=30, home=_Address(zip="12345"),
+                     pet=_Cat(kind="cat", lives=3))  # fmt: skip
+    assert _matches(compiled, person.model_dump_json())
+    too_old = person.model_copy(update={"age": 121})
+    assert not _matches(compiled, too_old.model_dump_json())
+    dog_with_lives = person.model_dump_json().replace('"kind":"cat"', '"kind":"dog"')
+    assert not _matches(compiled, dog_with_lives)
+
+
+@pytest.mark.parametrize(
+    ("schema", "accepted", "refused"),
+    [
+        ({"type": "integer", "anyOf": [{"type": "integer", "maximum": 0},
+                                       {"type": "integer", "minimum": 10}]},
+         ["-1", "10"], ["5", '"a"']),
+        ({"type": ["number", "null"], "oneOf": [{"type": "integer"}, {"type": "null"}]},
+         ["1", "null"], ["1.5"]),
+        ({"type": "string", "enum": ["a", "b"]}, ['"a"'], ['"c"']),
+        ({"type": "number", "const": 1}, ["1"], ["2"]),
+        ({"$ref": "#/$defs/a", "type": "integer", "description": "d", "x-note": {"pattern": 1},
+          "$defs": {"a": {"type": "integer", "minimum": 3}}}, ["3"], ["2"]),
+        ({"$schema": "http://json-schema.org/draft-07/schema#", "$id": "urn:root",
+          "$ref": "#/definitions/a",
+          "definitions": {"a": {"$id": "#a", "type": "integer", "minimum": 3}}}, ["3"], ["2"]),
+        ({"type": "string", "pattern": r"^[a-z\"]\d\.\w$"}, ['"a1.b"'], ['"a1-b"']),
+    ],
+)  # fmt: skip
+def test_what_the_grammar_enforces_beside_ref_any_of_and_enum_is_accepted(
+    llm: LLM, schema: dict[str, Any], accepted: list[str], refused: list[str]
+) -> None:
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    compiled = llm.llm_engine.structured_output.compile(so)
+    assert all(_matches(compiled, document) for document in accepted)
+    assert not any(_matches(compiled, document) for document in refused)
+
+
+def _outside_strings(text: str) -> str:
+    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+
+
+def test_disable_any_whitespace_writes_no_space_after_commas_and_colons(llm: LLM) -> None:
+    """As in vLLM: ``{"a":1,"b":[1,2]}``, never ``{"a": 1, "b": [1, 2]}``."""
+    manager = llm.llm_engine.structured_output
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+              "b": {"type": "array", "items": {"type": "integer"}}}}  # fmt: skip
+    for so in (StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+               StructuredOutputsParams(json_object=True, disable_any_whitespace=True)):  # fmt: skip
+        compiled = manager.compile(so)
+        assert _matches(compiled, '{"a":1,"b":[1,2]}')
+        assert not _matches(compiled, '{"a": 1, "b": [1, 2]}')
+        assert not _matches(compiled, '{"a":1, "b":[1,2]}')
+    outs = llm.generate(["x"] * 4, [_json_params(seed=i) for i in range(4)], use_tqdm=False)
+    for out in outs:
+        assert not re.search(r"\s", _outside_strings(out.outputs[0].text)), out.outputs[0].text
 
 
 @pytest.mark.parametrize(
