@@ -19,6 +19,9 @@ from engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 _MAX_LOGIT_BIAS = 100.0
+# Objects and arrays a structured output's JSON schema may nest (vLLM's bound): deeper ones
+# would exhaust the recursion of the schema checks and the grammar compiler.
+MAX_JSON_SCHEMA_NESTING = 64
 
 # Fields that must keep their default under beam search: the driver ranks beams by the model's
 # raw log-probabilities, so these would silently do nothing.
@@ -47,10 +50,11 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     ``json``: a JSON schema, as a dict or a JSON string (kept as a compact JSON string, so that
     it travels through the msgpack step message unchanged; property order is kept, it is the
-    order the output follows). ``regex``: a regular expression the whole output matches.
-    ``choice``: the output is one of these strings. ``grammar``: an EBNF grammar in xgrammar's
-    syntax (GBNF-like, rule ``root`` is the start), or a Lark grammar (rule ``start``), told
-    apart as vLLM does: a grammar with no ``::=`` is Lark. ``json_object``: any JSON object.
+    order the output follows), its objects and arrays nested at most 64 levels, as in vLLM.
+    ``regex``: a regular expression the whole output matches. ``choice``: the output is one of
+    these strings. ``grammar``: an EBNF grammar in xgrammar's syntax (GBNF-like, rule ``root``
+    is the start), or a Lark grammar (rule ``start``), told apart as vLLM does: a grammar with
+    no ``::=`` is Lark. ``json_object``: any JSON object.
 
     ``disable_any_whitespace``: JSON output without optional whitespace (``{"a":1,"b":[1,2]}``,
     never ``{"a": 1}`` or newlines, as in vLLM), which keeps a weak model from looping on
@@ -428,16 +432,39 @@ def _check(ok: bool, name: str, message: str) -> None:
 def _json_schema_text(schema: Any) -> str:
     """A JSON schema (dict, bool or JSON text) as compact JSON text, key order kept."""
     param = "structured_outputs.json"
+    too_deep = (
+        f"is nested too deeply: objects and arrays may nest at most {MAX_JSON_SCHEMA_NESTING} "
+        "levels"
+    )
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except ValueError as exc:
             raise InvalidRequestError(f"is not valid JSON: {exc}", param=param) from None
+        except RecursionError:
+            raise InvalidRequestError(too_deep, param=param) from None
     _check(isinstance(schema, (dict, bool)), param, "must be a JSON schema (an object)")
+    _check(not _nests_deeper(schema, MAX_JSON_SCHEMA_NESTING), param, too_deep)
     try:
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(f"is not JSON-serializable: {exc}", param=param) from None
+
+
+def _nests_deeper(document: Any, limit: int) -> bool:
+    """Whether ``document`` nests objects and arrays more than ``limit`` levels (level by
+    level, without recursion)."""
+    level = [document] if isinstance(document, (dict, list)) else []
+    for _ in range(limit):
+        level = [
+            child
+            for node in level
+            for child in (node.values() if isinstance(node, dict) else node)
+            if isinstance(child, (dict, list))
+        ]
+        if not level:
+            return False
+    return True
 
 
 def _json_token_id(key: Any) -> Any:

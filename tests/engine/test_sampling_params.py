@@ -1,11 +1,15 @@
 """Out-of-range sampling parameters and requests above the server's caps are rejected with an
-error naming the parameter, and nothing is enqueued."""
+error naming the parameter, and nothing is enqueued; a JSON schema nested too deeply too."""
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import pytest
 
 from engine import LLM, ConfigError, InvalidRequestError, SamplingParams
+from engine.sampling_params import StructuredOutputsParams
 
 
 @pytest.mark.parametrize(
@@ -166,3 +170,26 @@ def test_include_stop_str_in_output_keeps_the_stop_string(llm: LLM) -> None:
 def test_bad_caps_name_the_engine_argument(kwargs, key) -> None:
     with pytest.raises(ConfigError, match=key):
         LLM("builtin:tiny-llama", **kwargs)
+
+
+def _schema_nested(levels: int) -> dict[str, Any]:
+    """An array schema whose objects nest ``levels`` deep."""
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(levels - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_json_schema_nests_at_most_64_levels_as_in_vllm() -> None:
+    """Deeper ones once raised RecursionError in the schema check (and took the engine down)."""
+    assert StructuredOutputsParams(json=_schema_nested(64)).json is not None
+    too_deep = [
+        _schema_nested(65),
+        _schema_nested(1000),
+        json.dumps(_schema_nested(65)),
+        "[" * 5000,
+    ]
+    for schema in too_deep:
+        with pytest.raises(InvalidRequestError, match="nested too deeply") as info:
+            StructuredOutputsParams(json=schema)
+        assert info.value.param == "structured_outputs.json"
