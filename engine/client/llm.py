@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.core.data_parallel import build_engine
 from engine.core.llm_engine import PromptType
 from engine.errors import InvalidRequestError
+from engine.harmony_template import harmony_prompt_ids, is_harmony_tokenizer
 from engine.lora import LoRARequest
 from engine.model_heads import num_labels, pair_uses_sep_token
 from engine.multimodal.chat import image_placeholder, split_content_parts
@@ -255,8 +256,9 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template, then generate. A message's content may be a list
-        of OpenAI-style parts (``text``, ``image_url`` with a data: URL, ``image_pil``) for a
+        """Apply the model's chat template (a harmony model's, gpt-oss's: the harmony template,
+        ``engine.harmony_template``), then generate. A message's content may be a list of
+        OpenAI-style parts (``text``, ``image_url`` with a data: URL, ``image_pil``) for a
         vision-language model (``engine.multimodal.chat``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
@@ -264,9 +266,12 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             text_messages, images = split_content_parts(list(conversation), placeholder)
-            ids = tokenizer.apply_chat_template(
-                text_messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            if is_harmony_tokenizer(tokenizer):  # gpt-oss: as the server renders it
+                ids = harmony_prompt_ids(tokenizer, text_messages)
+            else:
+                ids = tokenizer.apply_chat_template(
+                    text_messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
             prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
