@@ -217,18 +217,22 @@ class ParallelConfig:
             ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
         )
         check_bool(self.enable_expert_parallel, "enable_expert_parallel")
+        # 'uni' is the in-process executor (vLLM's meaning too): one worker, no process group,
+        # so any parallel size would be dropped without a word.
+        require(
+            self.distributed_executor_backend != "uni" or self.world_size == 1,
+            "distributed_executor_backend",
+            f"'uni' runs one worker in the head's process; tensor_parallel_size "
+            f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size}"
+            f" x data_parallel_size {self.data_parallel_size} = {self.world_size} workers "
+            "needs 'ray' (or 'auto')",
+        )
         if self.data_parallel_size > 1:
             require(
                 self.pipeline_parallel_size == 1,
                 "data_parallel_size",
                 f"does not combine with pipeline parallelism (pipeline_parallel_size "
                 f"{self.pipeline_parallel_size}); got {self.data_parallel_size}",
-            )
-            require(
-                self.distributed_executor_backend != "uni",
-                "distributed_executor_backend",
-                "'uni' runs one worker in the head's process; data_parallel_size > 1 needs "
-                "'ray' (or 'auto')",
             )
             require(
                 self.enable_expert_parallel,

@@ -7,11 +7,18 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.validation import check_int, check_number, require
+from engine.validation import check_int, check_number, check_str, require
+
+# A DNS name: dot-separated labels of letters, digits, '-' (RFC 1123) and '_' (which container
+# runtimes' service names have), each at most 63 long.
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 
 
 @dataclass(frozen=True)
@@ -24,11 +31,37 @@ class HTTPOptions:
     ingress_replicas: int = 1
 
     def check(self, path: str) -> None:
+        check_host(self.host, f"{path}.host")
         check_int(self.port, f"{path}.port", ge=0, le=65535)
         check_int(self.max_body_bytes, f"{path}.max_body_bytes", ge=1024)
         if self.request_timeout_s is not None:
             check_number(self.request_timeout_s, f"{path}.request_timeout_s", gt=0)
         check_int(self.ingress_replicas, f"{path}.ingress_replicas", ge=1)
+
+
+def check_host(host: object, path: str) -> None:
+    """An address to listen on: an IP address (``0.0.0.0``: every interface) or a host name,
+    without a port. Whether it is an address of the machine that binds it is for that machine
+    to say (``cluster.ops.ports``): this check runs wherever the config is read."""
+    check_str(host, path, non_empty=True, note="a host name or IP address")
+    host = str(host)
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    _, colon, port = host.rpartition(":")
+    require(
+        not (colon and port.isdigit()),
+        path,
+        f"must be a host name or IP address without a port, got {host!r}: the port goes in "
+        f"{path.removesuffix('.host')}.port",
+    )
+    require(
+        len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None,
+        path,
+        f"must be a host name or IP address (0.0.0.0: every interface), got {host!r}",
+    )
 
 
 @dataclass(frozen=True)

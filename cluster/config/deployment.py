@@ -61,6 +61,8 @@ RAY_ACCELERATOR_TYPES: frozenset[str] = frozenset((
     "M3", "M3-Pro", "M3-Max", "Apple-Silicon", "MOBILINT_ARIES", "MOBILINT_REGULUS",
 ))  # fmt: skip
 
+_APP_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
 # A disaggregated model's KV transfer unless its engine_kwargs name one: the node's store.
 _DEFAULT_CONNECTOR = {"kv_connector": "SharedStorageConnector"}
 
@@ -493,13 +495,33 @@ def check_config(config: DeploymentConfig) -> None:
             takes_turns = model.sleep_config is not None and (
                 config.sleep_mode.max_awake_models is not None)  # fmt: skip
             check_placement(pool, f"{path}.placement_group_config", kwargs_path, takes_turns)
+    check_app_name(config.app_name, "app_name")
     config.http_options.check("http_options")
     config.responses_store.check("responses_store")
     config.sleep_mode.check("sleep_mode", config)
     if config.grpc_options is not None:
         config.grpc_options.check("grpc_options")
+        http_port = config.http_options.port
+        require(
+            config.grpc_options.port != http_port or http_port == 0,
+            "grpc_options.port",
+            f"must differ from http_options.port ({http_port}): the gRPC and HTTP servers "
+            "each listen on their own port",
+        )
     if config.api_keys is not None:
         config.api_keys.check("api_keys")
+
+
+def check_app_name(name: object, path: str) -> None:
+    """The Serve application's name, as the Helm chart's schema allows it (``appName``):
+    letters, digits, '_' and '-'. Serve itself refuses an empty name, but only once Ray and
+    Serve have started."""
+    check_str(name, path, non_empty=True, note="of letters, digits, '_' and '-'")
+    require(
+        _APP_NAME.fullmatch(str(name)) is not None,
+        path,
+        f"must be letters, digits, '_' and '-' only, got {name!r}",
+    )
 
 
 def _check_model_id(model_id: str, path: str, seen: dict[str, str]) -> None:

@@ -1,4 +1,5 @@
-"""Is a port the config names free to serve on, and if not, who holds it?
+"""Is a port the config names free to serve on, and if not, who holds it (or why its host
+cannot be listened on here: a name this machine does not resolve, an address not its own)?
 
 ``cluster serve`` asks before it starts Ray: a port in use would otherwise surface 20 s later as
 Serve's "Failed to update the deployments ['OpenAIIngress']" without a word of the port.
@@ -7,6 +8,8 @@ Serve keeps the ports it has)."""
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import os
 import socket
 from pathlib import Path
@@ -37,25 +40,55 @@ def config_ports(config: DeploymentConfig) -> list[tuple[str, str, int]]:
 
 
 def check_ports_free(ports: list[tuple[str, str, int]], where: str = "") -> None:
-    """Raise ``PortInUseError`` for the first port that this machine cannot bind."""
+    """Raise ``PortInUseError`` for the first port that this machine cannot bind: in use (by
+    whom, when this machine can tell), or its host not one to listen on here."""
     for field, host, port in ports:
-        if not can_bind(host, port):
-            holder = port_holder(port)
-            if holder is None and _lingering(port):
-                raise PortInUseError(
-                    f"{field} {port} on {host}{where} is held by connections of a server that "
-                    "stopped without SO_REUSEADDR, in TIME-WAIT: they clear within 60 s; wait, "
-                    "or choose another port"
-                )
-            by = f" by {holder}" if holder else " by another process"
+        error = bind_error(host, port)
+        if error is None:
+            continue
+        if error.errno != errno.EADDRINUSE:
+            raise PortInUseError(_cannot_bind(field, host, port, error, where))
+        holder = port_holder(port)
+        if holder is None and _lingering(port):
             raise PortInUseError(
-                f"{field} {port} on {host}{where} is in use{by}: stop it, or choose another port"
+                f"{field} {port} on {host}{where} is held by connections of a server that "
+                "stopped without SO_REUSEADDR, in TIME-WAIT: they clear within 60 s; wait, "
+                "or choose another port"
             )
+        by = f" by {holder}" if holder else " by another process"
+        raise PortInUseError(
+            f"{field} {port} on {host}{where} is in use{by}: stop it, or choose another port"
+        )
+
+
+def _cannot_bind(field: str, host: str, port: int, error: OSError, where: str) -> str:
+    """Why ``host:port`` cannot be bound, other than a server on it, naming the field at fault:
+    the host's (a name that does not resolve, an address not of this machine), else the
+    port's (one below 1024 without the privilege, ...)."""
+    why = ""
+    if isinstance(error, socket.gaierror):
+        field, why = field.rsplit(".", 1)[0] + ".host", " (not a host name this machine resolves)"
+    elif error.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, errno.EINVAL):
+        field, why = field.rsplit(".", 1)[0] + ".host", " (not an address of this machine)"
+    address = f"[{host}]:{port}" if _is_ipv6(host) else f"{host}:{port}"
+    return f"{field}: cannot bind {address}{where}: {error.strerror or error}{why}"
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
 
 
 def can_bind(host: str, port: int) -> bool:
-    """Whether a server could listen on ``host:port`` now. SO_REUSEADDR as every server here
-    sets it (uvicorn, gRPC, Serve's proxies, the direct ingress:
+    """Whether a server could listen on ``host:port`` now (``bind_error``)."""
+    return bind_error(host, port) is None
+
+
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why a server could not listen on ``host:port`` now, or None. SO_REUSEADDR as every
+    server here sets it (uvicorn, gRPC, Serve's proxies, the direct ingress:
     ``serve_replica.reuse_address_on_direct_ingress``), so a port whose old connections linger
     in TIME-WAIT counts as free, as it is for them (Linux lets both bind when the lingering
     connections' listener set it too)."""
@@ -64,9 +97,9 @@ def can_bind(host: str, port: int) -> bool:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except OSError as exc:  # socket.gaierror too: a name that does not resolve
+            return exc
+    return None
 
 
 def port_holder(port: int) -> str | None:
@@ -164,6 +197,7 @@ def _probe_node(ports: list[tuple[str, str, int]], node_ip: str) -> str | None:
 
 __all__ = [
     "PortInUseError",
+    "bind_error",
     "can_bind",
     "check_cluster_ports",
     "check_ports_free",

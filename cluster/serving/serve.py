@@ -47,16 +47,21 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
     # Disaggregated models: model id -> (its prefill pool, how long a prompt waits for it,
     # the KV connector between the pools).
     prefill: dict[str, tuple[Any, float, str]] = {}
+    # Models whose deployment the name routes to (a disaggregated model's decode pool) may be
+    # at zero replicas: model id -> how long a request waits for the first one.
+    cold_start: dict[str, float] = {}
     for m in config.models:
         for role, pool in m.pools():
             if role == "prefill" and m.disaggregation is not None:
                 timeout_s = m.disaggregation.prefill_timeout_s
                 connector = pool.engine_kwargs["kv_transfer_config"]["kv_connector"]
                 prefill[m.model_id] = (_server_deployment(pool, role), timeout_s, connector)
-            else:
-                servers[m.model_id] = _server_deployment(
-                    pool, role, start_asleep=config.starts_asleep(m.model_id)
-                )
+                continue
+            servers[m.model_id] = _server_deployment(
+                pool, role, start_asleep=config.starts_asleep(m.model_id)
+            )
+            if pool.deployment_config.scales_to_zero:
+                cold_start[m.model_id] = pool.deployment_config.cold_start_timeout_s
     hashes = config.api_keys.load_key_hashes() if config.api_keys else []
     # The ingress outlives every model's drain, so aborted streams still reach their clients.
     pools = [pool for m in config.models for _, pool in m.pools()]
@@ -69,11 +74,6 @@ def build_app(config: str | os.PathLike[str] | dict[str, Any] | DeploymentConfig
         ray_actor_options={"num_cpus": 0, "runtime_env": ingress_runtime_env()},
     )
     lora_models = [m.model_id for m in config.models if m.lora_config is not None]
-    cold_start = {
-        m.model_id: m.deployment_config.cold_start_timeout_s
-        for m in config.models
-        if m.deployment_config.scales_to_zero
-    }
     # Every ingress replica reaches the same store of /v1/responses results (named by the app).
     store = (config.app_name, dataclasses.asdict(config.responses_store))
     return ingress.bind(

@@ -52,3 +52,25 @@ def test_every_boolean_engine_argument_is_checked() -> None:
 def test_pp_layer_partition_must_be_a_list() -> None:
     with pytest.raises(ConfigError, match=r"^pp_layer_partition: must list 2 .* got '7,5'$"):
         check_engine_arg_ranges({"pipeline_parallel_size": 2, "pp_layer_partition": "7,5"})
+
+
+@pytest.mark.parametrize(
+    ("sizes", "workers"),
+    [({"tensor_parallel_size": 2}, "2 x pipeline_parallel_size 1 x data_parallel_size 1 = 2"),
+     ({"pipeline_parallel_size": 2}, "1 x pipeline_parallel_size 2 x data_parallel_size 1 = 2")],
+)  # fmt: skip
+def test_the_in_process_executor_refuses_more_than_one_worker(
+    sizes: dict[str, int], workers: str
+) -> None:
+    """'uni' runs the one worker in the head's process: a TP or PP size would be dropped."""
+    with pytest.raises(ConfigError) as info:
+        check_engine_arg_ranges({**sizes, "distributed_executor_backend": "uni"})
+    assert str(info.value) == (
+        "distributed_executor_backend: 'uni' runs one worker in the head's process; "
+        f"tensor_parallel_size {workers} workers needs 'ray' (or 'auto')"
+    )
+
+
+@pytest.mark.parametrize("backend", ["auto", "ray"])
+def test_a_multi_worker_engine_takes_the_ray_or_auto_executor(backend: str) -> None:
+    check_engine_arg_ranges({"tensor_parallel_size": 2, "distributed_executor_backend": backend})

@@ -434,3 +434,71 @@ def test_a_checkpoint_whose_config_json_is_not_json_names_the_model_source(
     assert error_of(data).startswith(
         f"models[0].model_loading_config.model_source: {tmp_path}/config.json is not valid JSON"
     )
+
+
+def test_the_in_process_executor_with_tensor_parallelism_names_the_backend() -> None:
+    data = tiny()
+    data["models"][0]["engine_kwargs"].update(
+        tensor_parallel_size=2, distributed_executor_backend="uni"
+    )
+    assert error_of(data) == (
+        "models[0].engine_kwargs.distributed_executor_backend: 'uni' runs one worker in the "
+        "head's process; tensor_parallel_size 2 x pipeline_parallel_size 1 x data_parallel_size "
+        "1 = 2 workers needs 'ray' (or 'auto')"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("", "must be a non-empty string (of letters, digits, '_' and '-'), got ''"),
+        ("my app", "must be letters, digits, '_' and '-' only, got 'my app'"),
+        ("a/b", "must be letters, digits, '_' and '-' only, got 'a/b'"),
+    ],
+)
+def test_an_app_name_serve_or_the_chart_refuses_is_a_config_error(name: str, message: str) -> None:
+    data = tiny()
+    data["app_name"] = name
+    assert error_of(data) == f"app_name: {message}"
+
+
+def test_an_app_name_of_letters_digits_dashes_and_underscores_is_taken() -> None:
+    data = tiny()
+    data["app_name"] = "llm-prod_2"
+    assert load_config(data).app_name == "llm-prod_2"
+
+
+def test_the_grpc_port_must_differ_from_the_http_port() -> None:
+    data = tiny()
+    data["grpc_options"]["port"] = data["http_options"]["port"]
+    assert error_of(data) == (
+        "grpc_options.port: must differ from http_options.port (8000): the gRPC and HTTP "
+        "servers each listen on their own port"
+    )
+
+
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        ("", "must be a non-empty string (a host name or IP address), got ''"),
+        ("localhost:8000", "must be a host name or IP address without a port, got "
+                           "'localhost:8000': the port goes in http_options.port"),
+        ("[::1]:8000", "must be a host name or IP address without a port, got '[::1]:8000': "
+                       "the port goes in http_options.port"),
+        ("bad host", "must be a host name or IP address (0.0.0.0: every interface), got "
+                     "'bad host'"),
+        ("http://0.0.0.0", "must be a host name or IP address (0.0.0.0: every interface), got "
+                           "'http://0.0.0.0'"),
+    ],
+)  # fmt: skip
+def test_an_http_host_that_is_not_a_host_is_a_config_error(host: str, message: str) -> None:
+    data = tiny()
+    data["http_options"]["host"] = host
+    assert error_of(data) == f"http_options.host: {message}"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1", "::", "::1", "localhost", "node-1.lan"])
+def test_an_http_host_name_or_address_is_taken(host: str) -> None:
+    data = tiny()
+    data["http_options"]["host"] = host
+    assert load_config(data).http_options.host == host

@@ -74,6 +74,26 @@ def test_each_pool_deploys_under_its_own_name() -> None:
     assert prefill_pool.init_args[1]["kv_transfer_config"]["kv_role"] == "kv_producer"
 
 
+def test_a_decode_pool_that_scales_to_zero_gets_the_cold_start_answer() -> None:
+    """The model's name routes to its decode pool: at zero replicas there, a request gets
+    the pool's ``cold_start_timeout_s`` (then 503 cold_start) and /health skips the model."""
+    from cluster.serving.serve import build_app
+
+    data = pd_config(decode={"deployment_config": {
+        "autoscaling_config": {"min_replicas": 0, "max_replicas": 2},
+        "cold_start_timeout_s": 12}})  # fmt: skip
+    cold_start = build_app(data)._bound_deployment.init_args[4]
+    assert cold_start == {"tiny-llama": 12}
+
+
+def test_a_prefill_pool_at_zero_replicas_is_not_the_model_at_zero() -> None:
+    from cluster.serving.serve import build_app
+
+    data = pd_config(prefill={"deployment_config": {
+        "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}}})  # fmt: skip
+    assert build_app(data)._bound_deployment.init_args[4] == {}
+
+
 @pytest.mark.parametrize(
     ("change", "path"),
     [

@@ -1,10 +1,13 @@
 """The port check before ``cluster serve`` starts Ray (``cluster.ops.ports``), on real sockets:
 connections a stopped server closed first, in TIME-WAIT, do not count as a server on the port
 when that server bound it as every server here does (SO_REUSEADDR); where one did not, the
-refusal says what holds the port and that it clears by itself."""
+refusal says what holds the port and that it clears by itself. A host this machine cannot
+listen on is named as the fault, never reported as a port in use."""
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 from pathlib import Path
 
@@ -49,4 +52,36 @@ def test_time_wait_of_a_server_without_it_is_refused_saying_it_clears_by_itself(
     assert str(refused.value).startswith(
         f"http_options.port {port} on 127.0.0.1 is held by connections of a server that stopped "
         "without SO_REUSEADDR, in TIME-WAIT: they clear within 60 s"
+    )
+
+
+def test_a_port_a_server_listens_on_is_in_use_naming_the_server() -> None:
+    port = free_port()
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        with pytest.raises(PortInUseError) as refused:
+            check_ports_free([("http_options.port", "127.0.0.1", port)])
+    assert str(refused.value).startswith(f"http_options.port {port} on 127.0.0.1 is in use by ")
+    assert f"(pid {os.getpid()})" in str(refused.value)
+
+
+def test_a_host_with_a_port_in_it_names_the_host_not_a_port_in_use() -> None:
+    port = free_port()
+    with pytest.raises(PortInUseError) as refused:
+        check_ports_free([("http_options.port", "localhost:8000", port)])
+    message = str(refused.value)
+    assert message.startswith(f"http_options.host: cannot bind localhost:8000:{port}: ")
+    assert message.endswith("(not a host name this machine resolves)")
+    assert "in use" not in message
+
+
+def test_an_address_not_of_this_machine_names_the_host_not_a_port_in_use() -> None:
+    port = free_port()
+    host = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no machine's address
+    with pytest.raises(PortInUseError) as refused:
+        check_ports_free([("http_options.port", host, port)], where=" (node 10.0.0.2)")
+    assert str(refused.value) == (
+        f"http_options.host: cannot bind {host}:{port} (node 10.0.0.2): "
+        f"{os.strerror(errno.EADDRNOTAVAIL)} (not an address of this machine)"
     )
