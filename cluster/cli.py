@@ -91,6 +91,7 @@ def _refuse_busy_ports_before_loading(path: str) -> None:
 
     try:
         config = parse_config(path)
+        config.http_options.check("http_options")  # a host with a port is a config error
     except (TypeError, ValueError):  # ConfigError is a ValueError
         return
     _refuse_ports_in_use(lambda: ports.check_ports_free(ports.config_ports(config)))

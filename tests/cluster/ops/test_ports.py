@@ -85,3 +85,21 @@ def test_an_address_not_of_this_machine_names_the_host_not_a_port_in_use() -> No
         f"http_options.host: cannot bind {host}:{port} (node 10.0.0.2): "
         f"{os.strerror(errno.EADDRNOTAVAIL)} (not an address of this machine)"
     )
+
+
+def test_cluster_serve_leaves_a_host_with_a_port_to_the_config_error(tmp_path: Path) -> None:
+    """The port check before loading does not bind a host that the config check refuses:
+    ``cluster serve`` then exits 2 naming ``http_options.host``, not 1 on a bind error."""
+    from cluster.cli import _refuse_busy_ports_before_loading
+    from cluster.config import load_config
+    from engine.errors import ConfigError
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "models:\n  - model_loading_config: {model_id: m, model_source: builtin:tiny-llama}\n"
+        "    engine_kwargs: {device: cpu}\n"
+        f"http_options: {{host: 'localhost:{free_port()}', port: {free_port()}}}\n"
+    )
+    _refuse_busy_ports_before_loading(str(config))  # no SystemExit(1)
+    with pytest.raises(ConfigError, match=r"^http_options\.host: "):
+        load_config(config)
