@@ -116,19 +116,14 @@ def _generation_fields(req: MessagesRequest) -> dict[str, Any]:
 
 
 def _output_format(req: MessagesRequest) -> OutputFormat | None:
-    """``output_config.format``, or the beta ``output_format`` (one of them): the grammar the
-    reply follows, so no forced tool call (its grammar is the tool's) beside it."""
+    """``output_config.format``, or the beta ``output_format`` (one of them): the grammar of
+    the reply's text, as the chat route's ``response_format``, which a forced tool call's
+    grammar replaces (the turn writes a call, no text)."""
     fmt = req.output_config.format if req.output_config is not None else None
-    name = "output_config.format" if fmt is not None else "output_format"
     if fmt is not None and req.output_format is not None:
         raise APIError(400, "output_format: give output_config.format or output_format, not "
                        "both", "output_format")  # fmt: skip
-    fmt = fmt or req.output_format
-    forced = req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
-    if fmt is not None and forced:
-        raise APIError(400, f"{name}: cannot be combined with a forced tool call (tool_choice "
-                       f"{req.tool_choice.type!r})", name)  # fmt: skip
-    return fmt
+    return fmt or req.output_format
 
 
 def template_kwargs(req: CountTokensRequest) -> dict[str, Any] | None:

@@ -251,18 +251,23 @@ def test_an_output_format_constrains_the_reply_as_the_chats_json_schema(
     assert payload.params["structured_outputs"] == {"json": json.dumps(JSON_OUT["schema"])}
 
 
+def test_both_output_formats_are_a_400() -> None:
+    fields = {"output_config": {"format": JSON_OUT}, "output_format": JSON_OUT}
+    assert _error(**fields).param == "output_format"
+
+
 @pytest.mark.parametrize(
-    ("fields", "param"),
-    [({"output_config": {"format": JSON_OUT}, "output_format": JSON_OUT}, "output_format"),
-     ({"output_config": {"format": JSON_OUT}, "tools": [WEATHER],
-       "tool_choice": {"type": "any"}}, "output_config.format"),
-     ({"output_format": JSON_OUT, "tools": [WEATHER],
-       "tool_choice": {"type": "tool", "name": "get_weather"}}, "output_format")],
+    "fields",
+    [{"output_config": {"format": JSON_OUT}, "tool_choice": {"type": "any"}},
+     {"output_format": JSON_OUT, "tool_choice": {"type": "tool", "name": "get_weather"}}],
 )  # fmt: skip
-def test_an_output_format_beside_another_grammar_is_a_400(
-    fields: dict[str, Any], param: str
-) -> None:
-    assert _error(**fields).param == param
+def test_a_forced_tool_calls_grammar_replaces_the_output_format(fields: dict[str, Any]) -> None:
+    """As the chat route drops ``response_format`` beside a forced call (vLLM's and OpenAI's
+    rule): the turn writes the call, no text for the format to shape."""
+    choice = fields["tool_choice"]
+    payload, _ = messages_payload(_request(tools=[WEATHER], **fields))
+    forced, _ = messages_payload(_request(tools=[WEATHER], tool_choice=choice))
+    assert payload.params["structured_outputs"] == forced.params["structured_outputs"]
 
 
 def test_output_config_effort_is_the_templates_reasoning_effort() -> None:
