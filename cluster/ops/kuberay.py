@@ -1,9 +1,11 @@
-"""The Helm chart's view of the deployment config: the JSON Schema of ``values.models``,
-generated from the dataclasses ``cluster.config`` builds and the engine's own argument table,
-so the chart accepts exactly the model lists that ``cluster deploy`` accepts (same keys, same
-types; ranges and model-shape checks stay with ``load_config``, which Serve runs on the cluster).
+"""The Helm chart's view of the deployment config: the JSON Schema of ``values.models`` and of
+the config's other sections the chart passes verbatim (``values.sleepMode``, ``values.media``,
+``values.responsesStore``), generated from the dataclasses ``cluster.config`` builds and the
+engine's own argument table, so the chart accepts exactly what ``cluster deploy`` accepts (same
+keys, same types; ranges and model-shape checks stay with ``load_config``, which Serve runs on
+the cluster).
 
-    python -m cluster.ops.kuberay helm/llm-cluster/values.schema.json    # rewrite its "models"
+    python -m cluster.ops.kuberay helm/llm-cluster/values.schema.json    # rewrite those parts
 
 The chart's RayService runs ``cluster.serving.serve:build_app`` as a Serve application builder:
 Serve calls it with the ``args`` mapping of ``serveConfigV2``, which is a deployment config as a
@@ -12,6 +14,7 @@ dict.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import json
 import sys
@@ -20,10 +23,17 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from cluster.config import ModelDeployment
+from cluster.config import DeploymentConfig, ModelDeployment
 from engine import config as engine_config
 
 JSONSchema = dict[str, Any]
+
+# values key -> the deployment config's section it is, passed into the app's args verbatim.
+CONFIG_SECTIONS = {
+    "sleepMode": "sleep_mode",
+    "media": "media",
+    "responsesStore": "responses_store",
+}
 
 _SCALARS: dict[type, JSONSchema] = {
     bool: {"type": "boolean"},
@@ -41,6 +51,20 @@ def models_schema() -> JSONSchema:
         "description": "The deployment config's model list (configs/*.yaml `models`), verbatim.",
         "items": _dataclass_schema(ModelDeployment),
     }
+
+
+def section_schema(section: str) -> JSONSchema:
+    """The schema of one of ``DeploymentConfig``'s sections (``sleep_mode``, ``media``, ...)."""
+    schema = _type_schema(typing.get_type_hints(DeploymentConfig)[section])
+    description = f"The deployment config's `{section}` (configs/*.yaml), verbatim; {{}}: defaults."
+    return {**schema, "description": description}
+
+
+def generated_schemas() -> dict[str, JSONSchema]:
+    """Every part of the values schema this module owns: values key -> its schema."""
+    parts = {"models": models_schema()}
+    parts.update({key: section_schema(section) for key, section in CONFIG_SECTIONS.items()})
+    return parts
 
 
 def engine_kwargs_schema() -> JSONSchema:
@@ -87,7 +111,9 @@ def _type_schema(hint: Any) -> JSONSchema:
         return {"anyOf": [schema, {"type": "null"}]}
     if origin is Literal:
         return {"enum": list(args)}
-    if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+    if origin in (list, collections.abc.Sequence) or (
+        origin is tuple and len(args) == 2 and args[1] is Ellipsis
+    ):
         return {"type": "array", "items": _type_schema(args[0])}
     if dataclasses.is_dataclass(hint):
         return _dataclass_schema(hint)
@@ -100,13 +126,14 @@ def _type_schema(hint: Any) -> JSONSchema:
     raise TypeError(f"no JSON Schema for config type {hint!r}")
 
 
-def write_models_schema(values_schema: Path) -> bool:
-    """Rewrite ``properties.models`` of the chart's values schema; True when it changed."""
+def write_generated_schemas(values_schema: Path) -> bool:
+    """Rewrite the generated parts of the chart's values schema; True when it changed."""
     schema = json.loads(values_schema.read_text())
-    generated = models_schema()
-    if schema["properties"].get("models") == generated:
+    properties = schema["properties"]
+    generated = generated_schemas()
+    if all(properties.get(key) == part for key, part in generated.items()):
         return False
-    schema["properties"]["models"] = generated
+    properties.update(generated)
     values_schema.write_text(json.dumps(schema, indent=2) + "\n")
     return True
 
@@ -116,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m cluster.ops.kuberay helm/llm-cluster/values.schema.json")
         return 2
-    changed = write_models_schema(Path(args[0]))
+    changed = write_generated_schemas(Path(args[0]))
     print(f"{args[0]}: {'updated' if changed else 'already up to date'}")
     return 0
 

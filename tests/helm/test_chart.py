@@ -19,7 +19,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
 
 from cluster.config import load_config  # noqa: E402
-from cluster.ops.kuberay import models_schema  # noqa: E402
+from cluster.ops.kuberay import CONFIG_SECTIONS, generated_schemas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "llm-cluster"
@@ -27,6 +27,10 @@ CONFIGS = ROOT / "configs"
 KUBERAY_CRDS = ROOT.parent / "shared" / "kuberay"
 KUBE_VERSION = "1.30.0"
 PRESETS = {"default": None, "tiny": "values-tiny.yaml", "llama70b": "values-llama70b.yaml"}
+# Every shipped deployment config (ray-cluster.*.yaml are `ray up` cluster configs).
+DEPLOYMENT_CONFIGS = sorted(
+    p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("ray-cluster.")
+)
 
 Doc = dict[str, Any]
 
@@ -362,15 +366,63 @@ def test_serve_builds_the_application_from_the_rendered_args() -> None:
 # ---- values schema -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", ["tiny.yaml", "multi-model.yaml", "llama70b.yaml"])
-def test_every_shipped_config_model_list_is_valid_values_models(config: str) -> None:
-    models = yaml.safe_load((CONFIGS / config).read_text())["models"]
-    chart().validate_schema(chart().merge_values({"models": models}))
+def config_values(config: Doc) -> Doc:
+    """The chart values that deploy a deployment config's app: its models and its other
+    sections under their values keys (``values.yaml``: sleepMode, media, ...)."""
+    values: Doc = {"models": config["models"]}
+    for key, section in CONFIG_SECTIONS.items():
+        if section in config:
+            values[key] = config[section]
+    ingress_replicas = config.get("http_options", {}).get("ingress_replicas")
+    if ingress_replicas is not None:
+        values["http"] = {"ingressReplicas": ingress_replicas}
+    return values
 
 
-def test_values_schema_models_part_is_generated_from_cluster_config() -> None:
+@pytest.mark.parametrize("name", DEPLOYMENT_CONFIGS)
+def test_every_shipped_config_deploys_through_values_as_cluster_deploy_reads_it(name: str) -> None:
+    config = yaml.safe_load((CONFIGS / name).read_text())
+    args = serve_config(config_values(config))["applications"][0]["args"]
+    for section in ("models", *CONFIG_SECTIONS.values()):
+        assert args.get(section) == config.get(section), section
+    deployed = load_config(args)
+    http_options = config.get("http_options", {})
+    assert deployed.http_options.ingress_replicas == http_options.get("ingress_replicas", 1)
+
+
+def test_take_turns_config_keeps_its_sleep_mode_through_the_chart() -> None:
+    config = yaml.safe_load((CONFIGS / "gpu-take-turns.yaml").read_text())
+    args = serve_config(config_values(config))["applications"][0]["args"]
+    assert load_config(args).sleep_mode.max_awake_models == 2
+
+
+def test_media_and_responses_store_values_reach_the_config_verbatim() -> None:
+    media = {"allowed_media_domains": ["images.example.com"], "max_image_bytes": 4096}
+    store = {"max_responses": 50, "ttl_s": 60}
+    values = with_overrides("tiny", media=media, responsesStore=store)
+    config = load_config(serve_config(values)["applications"][0]["args"])
+    assert config.media.allowed_media_domains == ("images.example.com",)
+    assert config.media.max_image_bytes == 4096
+    assert (config.responses_store.max_responses, config.responses_store.ttl_s) == (50, 60)
+
+
+def test_ingress_replicas_value_sets_the_configs_ingress_replicas() -> None:
+    values = with_overrides("tiny", http={"port": 8000, "maxBodyBytes": 1 << 20})
+    values["http"]["ingressReplicas"] = 3
+    args = serve_config(values)["applications"][0]["args"]
+    assert load_config(args).http_options.ingress_replicas == 3
+
+
+def test_default_values_leave_the_optional_sections_to_the_configs_defaults() -> None:
+    args = serve_config()["applications"][0]["args"]
+    assert not set(CONFIG_SECTIONS.values()) & set(args)
+    assert args["http_options"]["ingress_replicas"] == 1
+
+
+@pytest.mark.parametrize("key", list(generated_schemas()))
+def test_values_schema_config_parts_are_generated_from_cluster_config(key: str) -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
-    assert schema["properties"]["models"] == models_schema(), (
+    assert schema["properties"][key] == generated_schemas()[key], (
         "run: python -m cluster.ops.kuberay helm/llm-cluster/values.schema.json"
     )
 
@@ -385,6 +437,28 @@ def test_values_with_a_wrong_type_are_rejected_naming_the_key() -> None:
     message = render_error({"http": {"port": "8000"}})
     assert "/http/port" in message
     assert "want integer" in message
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"sleepMode": {"max_awake_models": "two"}}, "/sleepMode/max_awake_models"),
+        (
+            {"media": {"allowed_media_domains": "images.example.com"}},
+            "/media/allowed_media_domains",
+        ),
+        ({"responsesStore": {"ttl_s": "1h"}}, "/responsesStore/ttl_s"),
+        ({"http": {"ingressReplicas": "2"}}, "/http/ingressReplicas"),
+    ],
+)
+def test_a_wrong_type_in_a_config_section_is_rejected_naming_the_key(values: Doc, key: str) -> None:
+    assert key in render_error(values)
+
+
+def test_an_unknown_key_in_a_config_section_is_rejected_naming_it() -> None:
+    message = render_error({"media": {"allowed_domains": ["images.example.com"]}})
+    assert "/media" in message
+    assert "'allowed_domains'" in message
 
 
 def test_values_with_an_unknown_key_are_rejected_naming_it() -> None:

@@ -29,11 +29,23 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/* The Serve application config (serveConfigV2): this project's app builder with the
-deployment config as its args, the same document `cluster deploy CONFIG` reads. */}}
+deployment config as its args, the same document `cluster deploy CONFIG` reads. The app is
+always behind Serve's proxy on every pod (no direct ingress), so any number of ingress
+replicas serve the one port. */}}
 {{- define "llm-cluster.serveConfig" -}}
 {{- $args := dict "app_name" .Values.appName "models" .Values.models -}}
 {{- $http := dict "host" "0.0.0.0" "port" .Values.http.port "max_body_bytes" .Values.http.maxBodyBytes -}}
+{{- $_ := set $http "ingress_replicas" .Values.http.ingressReplicas -}}
 {{- $_ := set $args "http_options" $http -}}
+{{- with .Values.sleepMode -}}
+{{- $_ := set $args "sleep_mode" . -}}
+{{- end -}}
+{{- with .Values.media -}}
+{{- $_ := set $args "media" . -}}
+{{- end -}}
+{{- with .Values.responsesStore -}}
+{{- $_ := set $args "responses_store" . -}}
+{{- end -}}
 {{- if .Values.grpc.enabled -}}
 {{- $_ := set $args "grpc_options" (dict "port" .Values.grpc.port) -}}
 {{- end -}}
