@@ -18,6 +18,9 @@ and Serve places the replica then. Only what cannot be placed on those nodes is 
   fraction of a device (``placement_group_config.bundles``) needs a node with that fraction;
 - every resource in all the bundles together must not exceed the nodes' total.
 
+A disaggregated model is checked per pool (``ModelDeployment.pools``: each its own Serve
+deployment, with its own TP and bundles), reported as ``m (prefill)`` and ``m (decode)``.
+
 What is free now is not checked: other replicas may release it, and Serve waits for it.
 """
 
@@ -28,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cluster.config import DeploymentConfig, ModelDeployment
+from cluster.ops.plan import pool_name
 from cluster.runtime.placement import PlacementError, _describe_nodes, check_nodes_can_host
 
 Nodes = Mapping[str, Mapping[str, float]]
@@ -119,14 +123,16 @@ def replica_shortfall(model: ModelDeployment, nodes: Nodes) -> str | None:
 
 
 def placement_shortfalls(config: DeploymentConfig, nodes: Nodes | None = None) -> dict[str, str]:
-    """Model id -> why the cluster's nodes (``nodes``: name -> total resources; default: the
-    connected cluster's) cannot hold one of its replicas; only the models that cannot."""
+    """Model id (a disaggregated model's pool: ``m (prefill)``) -> why the cluster's nodes
+    (``nodes``: name -> total resources; default: the connected cluster's) cannot hold one of
+    its replicas; only the models that cannot."""
     nodes = cluster_nodes() if nodes is None else nodes
     shortfalls = {}
     for model in config.models:
-        why = replica_shortfall(model, nodes)
-        if why is not None:
-            shortfalls[model.model_id] = why
+        for role, pool in model.pools():
+            why = replica_shortfall(pool, nodes)
+            if why is not None:
+                shortfalls[pool_name(model.model_id, role)] = why
     return shortfalls
 
 

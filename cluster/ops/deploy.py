@@ -167,7 +167,10 @@ def wait_for_port(host: str, port: int, timeout_s: float = 60.0) -> None:
 
 
 def start_serve(config: DeploymentConfig) -> None:
-    """Start Serve's proxies with the config's ports; a running Serve keeps its own ports."""
+    """Start Serve's proxies with the config's ports. Serve's HTTP and gRPC options are the
+    cluster's, fixed once Serve runs (``serve.start`` then keeps them and only logs that the new
+    ones are ignored): a running Serve whose options differ from the config's raises
+    ``DeployError`` naming each field, before anything is deployed."""
     grpc_options = None
     if config.grpc_options is not None:
         grpc_options = {
@@ -178,12 +181,73 @@ def start_serve(config: DeploymentConfig) -> None:
     http_options: dict[str, Any] = {"host": http.host, "port": http.port}
     if http.request_timeout_s is not None:  # Serve's end-to-end timeout (408), proxy or not
         http_options["request_timeout_s"] = http.request_timeout_s
+    running = _running_serve_options()
+    if running is not None:
+        differences = serve_option_differences(config, http_options, *running)
+        if differences:
+            raise DeployError(config.app_name, differences)
     serve.start(http_options=http_options, grpc_options=grpc_options)
+
+
+def _running_serve_options() -> tuple[Any, Any] | None:
+    """The running Serve's ``HTTPOptions`` and ``gRPCOptions`` (its controller's), or None when
+    Serve does not run on the connected cluster (or no cluster is connected)."""
+    if not ray.is_initialized():
+        return None
+    controller = _serve_controller()
+    if controller is None:
+        return None
+    http, grpc = ray.get([controller.get_http_config.remote(), controller.get_grpc_config.remote()])
+    return http, grpc
+
+
+def serve_option_differences(
+    config: DeploymentConfig, http_options: dict[str, Any], running_http: Any, running_grpc: Any
+) -> dict[str, str]:
+    """Field -> how the running Serve's options (``running_http``: ``HTTPOptions``,
+    ``running_grpc``: ``gRPCOptions``) differ from what the config asks ``serve.start`` for
+    (``http_options``, Serve's defaults filled in); empty when they agree. gRPC counts as
+    served only with this project's servicer."""
+    from ray.serve.config import HTTPOptions
+
+    wanted = HTTPOptions.model_validate(http_options)
+    found = {
+        f"http_options.{key}": (getattr(running_http, key), getattr(wanted, key))
+        for key in ("host", "port", "request_timeout_s")
+    }
+    serving_grpc = GRPC_SERVICER in (running_grpc.grpc_servicer_functions or [])
+    running_port = running_grpc.port if serving_grpc else None
+    config_port = config.grpc_options.port if config.grpc_options is not None else None
+    found["grpc_options.port"] = (running_port, config_port)
+    return {
+        field: _option_difference(field, running, wanted)
+        for field, (running, wanted) in found.items()
+        if running != wanted
+    }
+
+
+def _option_difference(field: str, running: Any, wanted: Any) -> str:
+    def shown(value: Any) -> str:
+        if value is None:
+            return "no gRPC" if field.startswith("grpc") else "none"
+        return repr(value)
+
+    if running is None:
+        keep = f"remove {'grpc_options' if field.startswith('grpc') else field} from the config"
+    else:
+        keep = f"set {field} to {running!r} in the config"
+    return (
+        f"Serve already runs on this cluster with {field} {shown(running)}, the config has "
+        f"{shown(wanted)}: Serve's HTTP and gRPC options are fixed while it runs; run "
+        f"'cluster shutdown' first (it removes every application) to change them, or {keep}"
+    )
 
 
 class DeployError(RuntimeError):
     """A model's replicas cannot start, for a known cause: ``reasons`` maps each such model's
-    deployment to "model 'm' cannot start: <reason>" (``cluster.serving.start_errors``)."""
+    deployment to "model 'm' cannot start: <reason>" (``cluster.serving.start_errors``); or
+    the running Serve's options differ from the config's: ``reasons`` maps each such field
+    (``http_options.port``) to how (``start_serve``)."""
 
     def __init__(self, app_name: str, reasons: dict[str, str]) -> None:
         super().__init__("; ".join(reasons.values()))

@@ -5,8 +5,10 @@ Per model: the checkpoint's ``config.json`` (a local ``model_source``, or a buil
 engine arguments go through ``engine.worker.memory_plan``; one GPU's memory comes from the model's
 ``accelerator_type`` (``GPU_MEMORY_GIB``) or ``--gpu-memory-gib``. A checkpoint that is not on
 this machine (``/models/...`` that only the GPU nodes mount) is skipped, not refused: its
-replicas check it when they start (``cluster.serving.start_errors``). Ray-free and torch-free (a
-built-in model source imports the engine's tiny-model writer, which needs torch).
+replicas check it when they start (``cluster.serving.start_errors``). A disaggregated model is
+planned per pool (``ModelDeployment.pools``: its prefill and decode pools, each with its own
+engine arguments over the model's), reported as ``m (prefill)`` and ``m (decode)``. Ray-free and
+torch-free (a built-in model source imports the engine's tiny-model writer, which needs torch).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ GPU_MEMORY_GIB: dict[str, float] = {
 
 
 class PlanError(ConfigError):
-    """Some model of the deployment cannot fit: ``problems`` maps each such model's id to
-    every reason, each naming its numbers. Raised before anything is placed."""
+    """Some model of the deployment cannot fit: ``problems`` maps each such model's id (a
+    disaggregated model's pool: ``m (prefill)``) to every reason, each naming its numbers.
+    Raised before anything is placed."""
 
     def __init__(self, problems: dict[str, list[str]]) -> None:
         lines = [f"model {model!r}: {'; '.join(reasons)}" for model, reasons in problems.items()]
@@ -62,9 +65,16 @@ class PlanError(ConfigError):
         return type(self), (self.problems,)
 
 
+def pool_name(model_id: str, role: str | None) -> str:
+    """How reports name one of a model's Serve deployments (``ModelDeployment.pools``): the
+    model id, with the pool's role for a disaggregated model (``m (prefill)``)."""
+    return model_id if role is None else f"{model_id} ({role})"
+
+
 @dataclass(frozen=True)
 class ModelPlan:
-    """One model of the deployment: its plan, or why there is none (``skipped``)."""
+    """One model of the deployment (or one pool of a disaggregated model: ``role``): its plan,
+    or why there is none (``skipped``)."""
 
     model_id: str
     model_source: str
@@ -77,6 +87,11 @@ class ModelPlan:
     kv_store: KVTransferConfig | None = None  # kv_transfer_config, when the model has one
     # The fraction of one device each replica asks for (placement_group_config.bundles), or 1.
     device_share: float = 1.0
+    role: str | None = None  # "prefill" or "decode" for a disaggregated model's pool
+
+    @property
+    def name(self) -> str:
+        return pool_name(self.model_id, self.role)
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -89,6 +104,7 @@ class ModelPlan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "model_id": self.model_id,
+            "role": self.role,
             "model_source": self.model_source,
             "accelerator_type": self.accelerator_type,
             "gpu_memory_gib": self.gpu_memory_gib,
@@ -111,7 +127,7 @@ class DeploymentPlan:
         return all(m.fits for m in self.models)
 
     def problems(self) -> dict[str, list[str]]:
-        return {m.model_id: list(m.problems) for m in self.models if m.problems}
+        return {m.name: list(m.problems) for m in self.models if m.problems}
 
     def to_dict(self) -> dict[str, Any]:
         return {"fits": self.fits, "models": [m.to_dict() for m in self.models]}
@@ -195,10 +211,12 @@ def plan_model(
     model: ModelDeployment,
     gpu_memory_gib: float | None = None,
     hf_config: dict[str, Any] | None = None,
+    role: str | None = None,
 ) -> ModelPlan:
     """The plan of one model's replica; ``gpu_memory_gib`` overrides its accelerator type and
     ``hf_config`` its checkpoint's config.json (``cluster plan --hf-config``: plan on a machine
-    that lacks the checkpoint)."""
+    that lacks the checkpoint). ``role``: ``model`` is that pool of a disaggregated model
+    (``ModelDeployment.pools``)."""
     device = "cuda" if model.uses_gpu else "cpu"
     gib, origin = None, None
     if device == "cuda":
@@ -216,6 +234,7 @@ def plan_model(
         "accelerator_type": model.accelerator_type,
         "gpu_memory_gib": gib,
         "gpu_memory_from": origin,
+        "role": role,
     }
     found = (
         (hf_config, "--hf-config")
@@ -253,8 +272,9 @@ def plan_deployment(
     gpu_memory_gib: float | None = None,
     hf_configs: dict[str, dict[str, Any]] | None = None,
 ) -> DeploymentPlan:
-    """Every model's plan; ``gpu_memory_gib`` (one GPU's memory) overrides every model's
-    accelerator type, ``hf_configs`` (by model id) their checkpoints' config.json."""
+    """Every model's plan (a disaggregated model's: one per pool); ``gpu_memory_gib`` (one
+    GPU's memory) overrides every model's accelerator type, ``hf_configs`` (by model id) their
+    checkpoints' config.json."""
     if gpu_memory_gib is not None and not gpu_memory_gib > 0:
         raise ConfigError(f"gpu_memory_gib: must be > 0, got {gpu_memory_gib!r}")
     hf_configs = hf_configs or {}
@@ -263,7 +283,11 @@ def plan_deployment(
         ids = ", ".join(repr(m.model_id) for m in config.models)
         raise ConfigError(f"hf_config: no model {unknown[0]!r} in the config (models: {ids})")
     return DeploymentPlan(
-        tuple(plan_model(m, gpu_memory_gib, hf_configs.get(m.model_id)) for m in config.models)
+        tuple(
+            plan_model(pool, gpu_memory_gib, hf_configs.get(m.model_id), role)
+            for m in config.models
+            for role, pool in m.pools()
+        )
     )
 
 
@@ -292,7 +316,7 @@ def _size(n: int | None) -> str:
 
 def format_model(model: ModelPlan) -> str:
     verdict = "not planned" if model.plan is None else "fits" if model.fits else "REFUSED"
-    lines = [f"{model.model_id}: {verdict}"]
+    lines = [f"{model.name}: {verdict}"]
     plan = model.plan
     if plan is None:
         lines.append(f"  {model.skipped}")

@@ -94,6 +94,28 @@ def test_cpu_bundles_in_all_must_fit_the_cpus() -> None:
     assert replica_shortfall(config.models[0], {"a": {"CPU": 2.0}, "b": {"CPU": 4.0}}) is None
 
 
+def test_each_pool_of_a_disaggregated_model_is_checked_with_its_own_tp() -> None:
+    """The prefill pool's TP 8 (its engine_kwargs over the model's TP 4) fits no 4-GPU node;
+    the decode pool, at the model's TP 4, does."""
+    data: dict[str, Any] = {
+        "models": [
+            {
+                "model_loading_config": {
+                    "model_id": "m",
+                    "model_source": "example-org/not-on-this-machine",
+                },
+                "engine_kwargs": {"max_model_len": 128, "tensor_parallel_size": 4},
+                "accelerator_type": "H100",
+                "disaggregation": {"prefill": {"engine_kwargs": {"tensor_parallel_size": 8}}},
+            }
+        ]
+    }
+    nodes = {"node a": _gpu_node(4), "node b": _gpu_node(4)}
+    shortfalls = placement_shortfalls(load_config(data), nodes)
+    assert list(shortfalls) == ["m (prefill)"]
+    assert "tensor_parallel_size 8" in shortfalls["m (prefill)"]
+
+
 def test_node_types_an_autoscaler_may_add_count() -> None:
     cluster_config = autoscaler_pb2.ClusterConfig()
     group = cluster_config.node_group_configs.add()

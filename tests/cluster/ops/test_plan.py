@@ -441,3 +441,43 @@ def test_cluster_plan_still_plans_a_share_whose_bundles_are_refused(
     assert "config error: models[0].placement_group_config.bundles: must list 1 bundle" in (
         captured.err
     )
+
+
+def llama70b_pd_yaml(tmp_path: Path, **prefill_kwargs: Any) -> Path:
+    """configs/llama70b.yaml disaggregated: ``prefill_kwargs`` over the model's engine_kwargs
+    in the prefill pool, the decode pool as the model."""
+    path = llama70b_yaml(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    model = data["models"][0]
+    del model["deployment_config"]  # each pool has its own
+    model["disaggregation"] = {"prefill": {"engine_kwargs": prefill_kwargs}, "decode": {}}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_cluster_plan_plans_each_pool_of_a_disaggregated_model_with_its_own_kwargs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The prefill pool's gpu_memory_utilization 0.2 (over the model's 0.9) leaves a GPU
+    15.84 GiB, less than its stage's 16.83 GiB of weights: that pool is refused, exit 2."""
+    path = llama70b_pd_yaml(tmp_path, gpu_memory_utilization=0.2)
+    assert main(["plan", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert f"{MODEL_ID} (prefill): REFUSED" in captured.out
+    assert f"{MODEL_ID} (decode): fits" in captured.out
+    assert "usable 15.84 GiB at gpu_memory_utilization 0.2" in captured.out
+    assert "KV store (SharedStorageConnector, kv_producer)" in captured.out
+    assert f"refused: {MODEL_ID} (prefill): weights 16.83 GiB" in captured.err
+    assert f"{MODEL_ID} (decode)" not in captured.err
+    assert main(["plan", str(path), "--json"]) == 2
+    models = json.loads(capsys.readouterr().out)["models"]
+    assert [(m["role"], m["fits"]) for m in models] == [("prefill", False), ("decode", True)]
+
+
+def test_preflight_refuses_a_disaggregated_model_whose_prefill_pool_cannot_fit(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(PlanError) as info:
+        preflight(load_config(llama70b_pd_yaml(tmp_path, gpu_memory_utilization=0.2)))
+    assert list(info.value.problems) == [f"{MODEL_ID} (prefill)"]
+    assert preflight(load_config(llama70b_pd_yaml(tmp_path, max_num_seqs=8))).fits
