@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -114,12 +113,9 @@ async def merge_streams(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
 
 async def model_health(handle: DeploymentHandle, timeout_s: float | None = None) -> dict[str, Any]:
     """A model's ``health`` answer (``{"healthy": bool, "error": ...}``); a replica that does
-    not answer (in ``timeout_s``) is unhealthy. The call is a request like any other, so it
-    waits behind ``max_ongoing_requests``: a timeout or a full queue is also ``"busy"``."""
+    not answer (in ``timeout_s``) is unhealthy, whatever the cause."""
     try:
         return await asyncio.wait_for(_response(handle.health.remote()), timeout_s)
-    except (TimeoutError, BackPressureError) as exc:  # queued behind requests, or hung
-        return {"healthy": False, "busy": True, "error": type(exc).__name__}
     except Exception as exc:  # unreachable replica
         return {"healthy": False, "error": type(exc).__name__}
 

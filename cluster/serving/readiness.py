@@ -3,14 +3,11 @@ RPC) answer. Readiness, for load balancers and Kubernetes' readiness probes; ``G
 liveness path (the ingress answers at all).
 
 A model is ready once Serve runs a replica of it and that replica's engine answers its health
-check, or is too busy to answer it in time: the check waits behind the replica's requests, and
-Serve's own health check of a running replica (outside that queue) vouches for its engine, so a
-saturated model stays ready instead of leaving the load balancer at its peak. One that scales
-to zero is ready at zero replicas (a request starts one; a health check must not). Until every
-model is ready ``/health`` is a 503 naming each model that is not and why: its replicas still
-starting (with its workers' start-up phase, ``cluster.runtime.load_progress``), or its engine
-dead. Serve's status says which models have a running replica without waiting on one: a health
-call to a model whose replica still loads would wait for the load.
+check. One that scales to zero is ready at zero replicas (a request starts one; a health check
+must not). Until every model is ready ``/health`` is a 503 naming each model that is not and why:
+its replicas still starting (with its workers' start-up phase, ``cluster.runtime.load_progress``),
+or its engine dead. Serve's status says which models have a running replica without waiting on
+one: a health call to a model whose replica still loads would wait for the load.
 """
 
 from __future__ import annotations
@@ -62,8 +59,6 @@ async def unready_models(
                 problems[model] = await asyncio.to_thread(_not_running_reason, model, replicas)
             continue
         status = await model_health(handle, HEALTH_TIMEOUT_S)
-        if status.get("busy") and replicas is not None:
-            continue  # running, per Serve's status, and serving requests
         if not status["healthy"]:
             problems[model] = status.get("error", "unhealthy")
     return problems
