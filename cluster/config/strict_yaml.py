@@ -62,7 +62,11 @@ def load_yaml_file(path: str | os.PathLike[str]) -> Any:
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
     try:
-        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+        loader = _UniqueKeyLoader(path.read_text())  # what yaml.load does, with this loader
+        try:
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     except ConfigError as exc:
