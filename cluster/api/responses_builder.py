@@ -1,6 +1,6 @@
-"""A chat stream -> a Responses API ``response`` object: its output items (``reasoning``,
-``message``, ``function_call``) built from the chat stream's deltas as OpenAI's event sequence,
-each event with its ``sequence_number``:
+"""A chat result -> a Responses API ``response`` object: its output items (``reasoning``,
+``message``, ``function_call``) built from a whole chat message, or from the chat stream's
+deltas as OpenAI's event sequence, each event with its ``sequence_number``:
 
     response.created, response.in_progress
     per item:  response.output_item.added
@@ -14,9 +14,9 @@ each event with its ``sequence_number``:
     after an ``error`` event or an aborted generation)
 
 Items follow the order the model wrote them in; a kind of delta other than the open item's
-closes it and opens the next. A whole (non-stream) response is the object these events build,
-so both have the same items. A forced call (``tool_choice`` required or named) is held back
-until the output ends: cut off, it is no call but a message holding the generated text."""
+closes it and opens the next. A forced call (``tool_choice`` required or named) is held back
+until the output ends: cut off, it is no call but a message holding the generated text, as
+the whole (non-stream) response has it."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ class _OpenItem:
 
 class ResponseBuilder:
     """One response as it is built: ``start`` then ``feed`` (chat stream deltas) and ``finish``
-    return its events. ``response()`` is the object at any point (what the events carry, what
-    a whole response and GET return)."""
+    return its events; ``absorb_message`` builds the output of a whole chat message instead.
+    ``response()`` is the object at any point (what the events carry, GET returns)."""
 
     def __init__(self, req: ResponsesRequest, tools: list[dict[str, Any]] | None) -> None:
         self.req = req
@@ -233,8 +233,7 @@ class ResponseBuilder:
 
     def _release_calls(self, whole_message: dict[str, Any] | None) -> list[dict[str, Any]]:
         """The events of the held forced calls, or, when the whole message has no call (its
-        JSON was cut off), of a message holding its text (what was generated, as vLLM returns
-        it)."""
+        JSON was cut off), of a message holding its text, as a whole response has it."""
         held, self._held, self._hold_calls = self._held, [], False
         if not held:
             return []
@@ -263,6 +262,31 @@ class ResponseBuilder:
             self.error = {"code": "server_error", "message": "the server stopped the generation"}
         else:
             self.status = "completed"
+
+    # ---- a whole chat message ---------------------------------------------------------------
+
+    def absorb_message(
+        self, message: dict[str, Any], finish_reason: str | None, output_tokens: int
+    ) -> None:
+        """The output of a whole chat message: its reasoning, its text, its tool calls."""
+        item_status = "incomplete" if finish_reason in ("length", "abort") else "completed"
+        if message.get("reasoning_content"):
+            self.output.append({"id": _new_id("rs"), "type": "reasoning", "summary": [],
+                                "content": [_part("reasoning", message["reasoning_content"])],
+                                "status": item_status})  # fmt: skip
+        calls = message.get("tool_calls") or []
+        # As a stream has it: no empty message beside a call or a reasoning item.
+        if message.get("content") or not (calls or message.get("reasoning_content")):
+            content = [_part("message", message.get("content") or "")]
+            self.output.append({"id": _new_id("msg"), "type": "message", "role": "assistant",
+                                "status": item_status, "content": content})  # fmt: skip
+        for call in calls:
+            self.output.append({"id": _new_id("fc"), "type": "function_call",
+                                "status": item_status, "call_id": call["id"],
+                                "name": call["function"]["name"],
+                                "arguments": call["function"]["arguments"]})  # fmt: skip
+        self.output_tokens = output_tokens
+        self._set_status(finish_reason)
 
 
 def _part(kind: str, text: str) -> dict[str, Any]:

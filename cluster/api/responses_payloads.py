@@ -156,14 +156,11 @@ def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
 
 
 def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
-    """Conversation items -> chat messages. An assistant turn (its items up to the next user,
-    system or tool message) is one assistant message as far as a chat message can hold it: a
-    function call joins the assistant message before it in the turn, with the reasoning items
-    before the call (joined by newlines: a message has one ``reasoning_content``), so a
-    preamble stays the text of its calls' message; reasoning before an assistant message
-    item that starts a new message is that message's. A call's output is a ``tool`` message.
-    (The chat template decides whether to show reasoning again: most drop it, harmony keeps it
-    before the calls of an unfinished turn.)"""
+    """Conversation items -> chat messages. A function call joins the assistant message before
+    it (one assistant turn: its text and its calls); a call's output is a ``tool`` message; a
+    reasoning item's text is the ``reasoning_content`` of the assistant message it precedes
+    (the chat template decides whether to show it again: most drop it, harmony keeps it before
+    the calls of an unfinished turn)."""
     messages: list[dict[str, Any]] = []
     reasoning: list[str] = []  # reasoning items not yet given to an assistant message
     for i, item in enumerate(items):
@@ -171,53 +168,34 @@ def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise APIError(400, f"{path}: must be an object", path)
         kind = item.get("type", "message")
-        turn = _open_turn(messages)
+        before = len(messages)
         if kind == "reasoning":
-            reasoning.append("".join(_reasoning_texts(item.get("content"))))
+            reasoning += _reasoning_texts(item.get("content"))
             continue
-        if kind == "function_call":
+        if kind == "message":
+            messages.append(_message(item, path))
+        elif kind == "function_call":
             call = {"id": _str(item, "call_id", path), "type": "function",
                     "function": {"name": _str(item, "name", path),
                                  "arguments": _str(item, "arguments", path)}}  # fmt: skip
-            if turn is None:
-                turn = {"role": "assistant", "content": None}
-                messages.append(turn)
-            turn.setdefault("tool_calls", []).append(call)
-        elif kind == "message":
-            message = _message(item, path)
-            if message["role"] != "assistant":  # the turn ends: its last reasoning is its own
-                _add_reasoning(turn, reasoning)
-            messages.append(message)
-            turn = message if message["role"] == "assistant" else None
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and not reasoning:
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            _add_reasoning(turn, reasoning)
             output = item.get("output")
             text = output if isinstance(output, str) else _text(output, f"{path}.output")
             messages.append({"role": "tool", "tool_call_id": _str(item, "call_id", path),
                              "content": text})  # fmt: skip
-            turn = None
         else:
             raise APIError(400, f"{path}.type: {kind!r} items are not supported (message, "
                            "function_call, function_call_output, reasoning)",
                            f"{path}.type", "unsupported")  # fmt: skip
-        _add_reasoning(turn, reasoning)
-    _add_reasoning(_open_turn(messages), reasoning)
+        if reasoning and len(messages) > before and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = "".join(reasoning)
+        reasoning = []
     return messages
-
-
-def _open_turn(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The assistant message of the turn still open (the last message, when it is one)."""
-    return messages[-1] if messages and messages[-1]["role"] == "assistant" else None
-
-
-def _add_reasoning(message: dict[str, Any] | None, reasoning: list[str]) -> None:
-    """Gives the pending ``reasoning`` texts (emptied) to an assistant ``message``, after its
-    own; with no message, they are dropped."""
-    texts = [t for t in reasoning if t]
-    reasoning.clear()
-    if message is not None and texts:
-        own = message.get("reasoning_content")
-        message["reasoning_content"] = "\n".join([own, *texts] if own else texts)
 
 
 def _reasoning_texts(content: Any) -> list[str]:

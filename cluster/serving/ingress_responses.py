@@ -1,15 +1,13 @@
 """The Responses API on the ingress (``POST /v1/responses``, ``GET`` / ``DELETE
 /v1/responses/{id}``), mixed into ``OpenAIIngress``: the request becomes the chat request the
-chat route serves (``cluster.api.responses_payloads``), its chat stream becomes output items
-and events (``cluster.api.responses_builder``): sent as SSE, or, for a whole response, built
-into the object they make, so both have the same items; the response is kept in the
+chat route serves (``cluster.api.responses_payloads``), its result or stream becomes output
+items and events (``cluster.api.responses_builder``), and the response is kept in the
 application's store (``cluster.serving.responses_store``) that every ingress replica sees."""
 
 from __future__ import annotations
 
 import bisect
 import logging
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +15,6 @@ import ray
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.api.api_errors import APIError, api_error
-from cluster.api.harmony import read_harmony
 from cluster.api.openai_payloads import chat_payload, tool_choice
 from cluster.api.openai_responses import Completion
 from cluster.api.reasoning_parsers import THINK_END, THINK_START, GptOssReasoningParser
@@ -27,7 +24,6 @@ from cluster.api.responses_models import ResponsesRequest
 from cluster.api.responses_payloads import chat_request, check_request, input_items
 from cluster.serving.ingress_calls import guard_stream
 from cluster.serving.responses_store import StoreClient, StoreLimits
-from engine.harmony_template import CALL, END, MESSAGE, RETURN, START
 
 logger = logging.getLogger("llm_cluster.serve")
 
@@ -84,10 +80,8 @@ class ResponsesServicer:
             history = record["input"] + record["response"]["output"]
         conversation = history + input_items(req.input)
         chat = chat_request(req, conversation)
-        # Read as a stream either way: a whole response is the one its events build, so both
-        # have the same output items, in the order the model wrote them.
         completion = Completion(req.model, True, False, None, tools=tool_choice(chat),
-                                stream=True)  # fmt: skip
+                                stream=req.stream)  # fmt: skip
         try:
             first, stream = await self.open_stream(req.model, chat_payload(chat))
         except APIError as exc:
@@ -96,37 +90,56 @@ class ResponsesServicer:
         builder = ResponseBuilder(req, req.tools)
         builder.input_tokens = first.prompt_tokens
         headers = self._replica_headers()
-        read = _ResponseRead(builder, completion, stream)
+        marks = TokenMarks()
         if req.stream:
-            events = self._sse(read, conversation)
+            events = self._events(builder, completion, stream, conversation, marks)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
-            async for _ in read.events():
-                pass
-            read.finish()
+            async for item in guard_stream(stream, req.model):
+                if isinstance(item, StreamError):
+                    raise api_error(item)
+                marks.add(item)
+                completion.absorb(item)
         finally:
             stream.cancel()
+        choice = completion.whole()["choices"][0]
+        builder.absorb_message(choice["message"], choice["finish_reason"],
+                               completion.completion_tokens)  # fmt: skip
+        builder.reasoning_tokens = marks.reasoning_tokens(completion)
         await self._keep(builder, conversation)
         return JSONResponse(builder.response(), headers=headers)
 
-    async def _sse(
-        self, read: _ResponseRead, conversation: list[dict[str, Any]]
+    async def _events(
+        self,
+        builder: ResponseBuilder,
+        completion: Completion,
+        stream: Any,
+        conversation: list[dict[str, Any]],
+        marks: TokenMarks,
     ) -> AsyncIterator[bytes]:
-        """The events as SSE; a server error ends them with ``error`` and ``response.failed``."""
-        builder = read.builder
         try:
-            try:
-                async for event in read.events():
-                    yield sse_event(event)
-                last = read.finish()
-            except APIError as exc:
-                last = builder.fail(exc.message, exc.code)
+            for event in builder.start():
+                yield sse_event(event)
+            async for item in guard_stream(stream, builder.req.model):
+                if isinstance(item, StreamError):
+                    last = builder.fail(item.message, item.code)
+                    break
+                marks.add(item)
+                for chunk in completion.absorb(item):
+                    for event in builder.feed(chunk["delta"]):
+                        yield sse_event(event)
+            else:
+                choice = completion.choices[0]
+                # Held forced calls: the whole output's message says if they are calls.
+                whole = completion.whole()["choices"][0]["message"] if builder.holds_calls else None
+                builder.reasoning_tokens = marks.reasoning_tokens(completion)
+                last = builder.finish(choice.finish_reason, completion.completion_tokens, whole)
             # Kept before the last event goes out: a client may send the next turn at once.
             await self._keep(builder, conversation)
             for event in last:
                 yield sse_event(event)
         finally:
-            read.stream.cancel()
+            stream.cancel()
 
     async def _keep(self, builder: ResponseBuilder, conversation: list[dict[str, Any]]) -> None:
         if not builder.req.store:
@@ -149,35 +162,6 @@ class ResponsesServicer:
         return {"id": response_id, "object": "response", "deleted": True}
 
 
-class _ResponseRead:
-    """One response read from the server's stream: ``events`` (all but the last; a server
-    error raises its ``APIError``), then ``finish`` (the closing events, usage counted)."""
-
-    def __init__(self, builder: ResponseBuilder, completion: Completion, stream: Any) -> None:
-        self.builder, self.completion, self.stream = builder, completion, stream
-        self.marks = TokenMarks()
-
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        builder, completion = self.builder, self.completion
-        for event in builder.start():
-            yield event
-        async for item in guard_stream(self.stream, builder.req.model):
-            if isinstance(item, StreamError):
-                raise api_error(item)
-            self.marks.add(item)
-            for chunk in completion.absorb(item):
-                for event in builder.feed(chunk["delta"]):
-                    yield event
-
-    def finish(self) -> list[dict[str, Any]]:
-        completion, builder = self.completion, self.builder
-        choice = completion.choices[0]
-        # Held forced calls: the whole output's message says if they are calls.
-        whole = completion.whole()["choices"][0]["message"] if builder.holds_calls else None
-        builder.reasoning_tokens = self.marks.reasoning_tokens(completion)
-        return builder.finish(choice.finish_reason, completion.completion_tokens, whole)
-
-
 class PreviousResponseNotFound(APIError):
     """OpenAI's 404 for an unknown ``previous_response_id``: an ``invalid_request_error``."""
 
@@ -197,8 +181,7 @@ class PreviousResponseNotFound(APIError):
 
 class TokenMarks:
     """The first choice's text length and token count after each delta (O(1) a delta): which
-    tokens wrote its reasoning. A count is exact when each delta adds one token; a delta of
-    several (speculative decoding) counts as a whole on the side its text ends."""
+    tokens wrote its reasoning."""
 
     def __init__(self) -> None:
         self.chars: list[int] = []
@@ -214,15 +197,12 @@ class TokenMarks:
 
     def reasoning_tokens(self, completion: Completion) -> int:
         """``usage.output_tokens_details.reasoning_tokens``: as vLLM counts them, the tokens
-        between the think tags (to the end when cut off inside); for gpt-oss (harmony), the
-        tokens of its analysis messages' text."""
+        between the think tags (to the end when cut off inside; harmony's channels are not
+        split by text: 0)."""
         parser = completion.reasoning_parser
-        if parser is None or not completion.choices:
+        if parser is None or isinstance(parser, GptOssReasoningParser) or not completion.choices:
             return 0
         text = completion.choices[0].text
-        if isinstance(parser, GptOssReasoningParser):
-            return sum(self._tokens_at(end) - self._tokens_at(start, first=True)
-                       for start, end in analysis_spans(text))  # fmt: skip
         in_reasoning = completion.in_reasoning
         if parser.extract(text, in_reasoning=in_reasoning)[0] is None:
             return 0
@@ -232,41 +212,10 @@ class TokenMarks:
         end = text.find(THINK_END, start)
         return self._tokens_at(len(text) if end < 0 else end) - self._tokens_at(start)
 
-    def _tokens_at(self, chars: int, first: bool = False) -> int:
-        """The tokens whose text ends at or before character ``chars``; ``first``: only up to
-        the first delta that reaches it (the tokens after it that wrote no text yet, the start
-        of a character, are the next text's)."""
-        i = (bisect.bisect_left if first else bisect.bisect_right)(self.chars, chars)
-        if first and i < len(self.chars) and self.chars[i] == chars:
-            return self.tokens[i]
+    def _tokens_at(self, chars: int) -> int:
+        """The tokens whose text ends at or before character ``chars``."""
+        i = bisect.bisect_right(self.chars, chars)
         return self.tokens[i - 1] if i else 0
-
-
-# Where a harmony message's text ends (a <|start|> without an <|end|> before it too): the
-# output is cut into messages after each end, before each start.
-_MESSAGE_CUTS = re.compile(
-    "|".join(re.escape(token) for token in (END, RETURN, CALL)) + f"|(?={re.escape(START)})"
-)
-
-
-def analysis_spans(text: str) -> list[tuple[int, int]]:
-    """The ``(start, end)`` characters of the text of each analysis message in a harmony
-    output: its header, ``<|message|>`` and its end token left out. Each message is read
-    alone by the harmony reader, which says whether its text is reasoning (the whole text
-    then, which starts after the header's ``<|message|>``); text between messages, which no
-    ``<|start|>`` opens, is outside every message."""
-    spans = []
-    at = 0
-    for cut in [*_MESSAGE_CUTS.finditer(text), None]:
-        end = len(text) if cut is None else cut.end()
-        message, start, at = text[at:end], at, end
-        if not message or (start > 0 and not message.startswith(START)):
-            continue
-        reasoning = [p.text for p in read_harmony(message) if p.kind == "reasoning"]
-        if reasoning:
-            body = start + message.index(MESSAGE) + len(MESSAGE)
-            spans.append((body, body + len("".join(reasoning))))
-    return spans
 
 
 # Chat-side parameter names -> the Responses request's (a prefix of ``param``).
@@ -307,6 +256,5 @@ __all__ = [
     "PreviousResponseNotFound",
     "ResponsesServicer",
     "TokenMarks",
-    "analysis_spans",
     "responses_store",
 ]

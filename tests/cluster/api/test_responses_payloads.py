@@ -12,7 +12,7 @@ from cluster.api.api_errors import APIError
 from cluster.api.openai_models import ChatCompletionRequest
 from cluster.api.openai_payloads import chat_payload
 from cluster.api.responses_models import ResponsesRequest
-from cluster.api.responses_payloads import chat_messages, chat_request, check_request, input_items
+from cluster.api.responses_payloads import chat_request, check_request, input_items
 
 
 def _request(**fields: Any) -> ResponsesRequest:
@@ -75,46 +75,3 @@ def test_vllm_fields_that_change_the_output_are_refused(name: str, value: Any) -
 )  # fmt: skip
 def test_their_off_values_are_accepted(name: str, value: Any) -> None:
     check_request(_request(**{name: value}))
-
-
-def _reasoning(text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
-
-
-def _said(text: str) -> dict[str, Any]:
-    return {"type": "message", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}  # fmt: skip
-
-
-CALL_F = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
-CHAT_CALL_F = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-
-
-def test_an_assistant_turn_is_one_message_until_the_tool_output() -> None:
-    """Reasoning, a preamble, more reasoning and a call (gpt-oss's streamed items): one
-    assistant message, so the preamble stays its calls' text and no analysis is lost."""
-    items = [{"role": "user", "content": "Weather?"}, _reasoning("A1"), _said("P"),
-             _reasoning("A2"), CALL_F,
-             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]  # fmt: skip
-    assert chat_messages(items) == [
-        {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "P", "reasoning_content": "A1\nA2",
-         "tool_calls": [CHAT_CALL_F]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-    ]  # fmt: skip
-
-
-def test_reasoning_before_a_new_assistant_message_is_that_messages() -> None:
-    items = [{"role": "user", "content": "Hi"}, _reasoning("R1"), _said("One"),
-             _reasoning("R2"), _said("Two"), {"role": "user", "content": "Bye"}]  # fmt: skip
-    assert chat_messages(items)[1:3] == [
-        {"role": "assistant", "content": "One", "reasoning_content": "R1"},
-        {"role": "assistant", "content": "Two", "reasoning_content": "R2"},
-    ]
-
-
-def test_reasoning_with_no_assistant_message_in_its_turn_is_dropped() -> None:
-    items = [{"role": "user", "content": "Hi"}, _reasoning("R"), {"role": "user", "content": "?"}]
-    assert chat_messages(items) == [{"role": "user", "content": "Hi"},
-                                    {"role": "user", "content": "?"}]  # fmt: skip

@@ -1,9 +1,8 @@
 """The Responses routes of the ingress (``cluster.serving.ingress_responses``) over scripted
 server streams, through the real HTTP routes (no engine, no Ray): a forced call cut off by
 ``max_output_tokens`` streamed as its whole twin has it, reasoning tokens counted, vLLM's
-sampling fields passed on, the engine's errors naming the Responses fields, OpenAI's 404
-for an unknown ``previous_response_id``, and on gpt-oss's harmony output a whole response with
-the streamed one's items in the order written and its analysis tokens as ``reasoning_tokens``."""
+sampling fields passed on, the engine's errors naming the Responses fields, and OpenAI's 404
+for an unknown ``previous_response_id``."""
 
 from __future__ import annotations
 
@@ -15,8 +14,8 @@ from fastapi.testclient import TestClient
 
 from cluster.api.api_errors import APIError
 from cluster.api.openai_api import make_openai_app
-from cluster.api.replica_messages import GenerateRequest, StreamDelta, StreamError, StreamStart
-from cluster.serving.ingress_responses import ResponsesServicer, analysis_spans
+from cluster.api.replica_messages import GenerateRequest, StreamDelta, StreamStart
+from cluster.serving.ingress_responses import ResponsesServicer
 from engine.client.core_messages import ChoiceDelta
 
 WEATHER = {"type": "function", "name": "get_weather",
@@ -209,111 +208,3 @@ def test_an_unknown_previous_response_id_is_openais_404() -> None:
         "message": "Previous response with id 'resp_gone' not found.",
         "type": "invalid_request_error", "param": "previous_response_id",
         "code": "previous_response_not_found"}  # fmt: skip
-
-
-# gpt-oss (harmony): a whole response has the streamed one's items, in the order the model wrote
-# its messages, and reasoning_tokens counts the tokens of the analysis messages' text.
-
-HARMONY = StreamStart(prompt_tokens=5, tool_call_parser="openai", reasoning_parser="openai_gptoss")
-# One token a piece: analysis, a commentary preamble, analysis again, then a call (its
-# <|call|>, the stop token, is left out of the text, as the engine leaves it).
-A1 = ["Need", " the", " weather"]
-A2 = ["City", " is", " Paris"]
-TOKENS = [
-    "<|channel|>", "analysis", "<|message|>", *A1, "<|end|>",
-    "<|start|>", "assistant", "<|channel|>", "commentary", "<|message|>", "Let", " me", " check",
-    "<|end|>",
-    "<|start|>", "assistant", "<|channel|>", "analysis", "<|message|>", *A2, "<|end|>",
-    "<|start|>", "assistant", "<|channel|>", "commentary to=functions.get_weather",
-    " <|constrain|>", "json", "<|message|>", '{"city"', ': "Paris"}',
-]  # fmt: skip
-
-
-def _harmony_twins(
-    tokens: list[str], finish: str = "stop"
-) -> tuple[dict[str, Any], dict[str, Any], TestClient]:
-    """The streamed response (its last event's) and the whole one, to the same harmony output
-    written one token a delta."""
-    body = {"model": "m", "input": "Weather in Paris?", "tools": [WEATHER]}
-    events, whole, client = _stream_and_whole(body, _deltas(tokens, finish), HARMONY)
-    return events[-1]["response"], whole, client
-
-
-def _harmony_items(output: list[dict[str, Any]]) -> list[tuple[str, ...]]:
-    """Each output item's type, status and text (a call's name and arguments)."""
-    shown = []
-    for item in output:
-        if item["type"] == "function_call":
-            shown.append((item["type"], item["status"], item["name"], item["arguments"]))
-        else:
-            shown.append((item["type"], item["status"], item["content"][0]["text"]))
-    return shown
-
-
-def test_a_whole_response_has_the_streamed_items_in_the_order_written() -> None:
-    streamed, whole, client = _harmony_twins(TOKENS)
-    written = [("reasoning", "completed", "Need the weather"),
-               ("message", "completed", "Let me check"),
-               ("reasoning", "completed", "City is Paris"),
-               ("function_call", "completed", "get_weather", '{"city": "Paris"}')]  # fmt: skip
-    assert _harmony_items(streamed["output"]) == written
-    assert _harmony_items(whole["output"]) == written
-    stored = client.get(f"/v1/responses/{whole['id']}").json()
-    assert _harmony_items(stored["output"]) == written
-    for response in (streamed, whole):
-        assert response["status"] == "completed"
-        assert response["usage"]["output_tokens"] == len(TOKENS)
-
-
-def test_a_cut_off_whole_response_is_its_streamed_twin() -> None:
-    streamed, whole, _ = _harmony_twins(TOKENS[:14], "length")  # inside the preamble
-    cut = [("reasoning", "completed", "Need the weather"),
-           ("message", "incomplete", "Let me")]  # fmt: skip
-    for response in (streamed, whole):
-        assert _harmony_items(response["output"]) == cut
-        assert response["status"] == "incomplete"
-        assert response["incomplete_details"] == {"reason": "max_output_tokens"}
-
-
-def test_a_server_error_fails_the_stream_and_is_the_whole_responses_error() -> None:
-    items = [*_deltas(TOKENS[:5], "stop")[:-1], StreamError(503, "replica lost", None, "gone")]
-    client = _client(_Scripted(items, HARMONY))
-    body = {"model": "m", "input": "Hi"}
-    blocks = client.post("/v1/responses", json={**body, "stream": True}).content.decode()
-    types = [b.split("\n")[0].removeprefix("event: ") for b in blocks.split("\n\n") if b]
-    assert types[-2:] == ["error", "response.failed"]
-    whole = client.post("/v1/responses", json=body)
-    assert (whole.status_code, whole.json()["error"]["message"]) == (503, "replica lost")
-
-
-def test_reasoning_tokens_are_the_tokens_of_the_analysis_messages_text() -> None:
-    """Headers, ``<|message|>`` and ``<|end|>`` are not counted; the preamble and the call's
-    arguments are not reasoning."""
-    streamed, whole, _ = _harmony_twins(TOKENS)
-    for response in (streamed, whole):
-        assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": len(A1 + A2)}
-
-
-def test_analysis_cut_off_counts_to_the_end() -> None:
-    streamed, whole, _ = _harmony_twins(TOKENS[:5], "length")
-    for response in (streamed, whole):
-        assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
-
-
-def test_analysis_spans_leave_out_headers_markers_and_text_outside_messages() -> None:
-    text = ("<|channel|>analysis<|message|>a<b<|end|>"
-            "<|channel|>analysis<|message|>outside<|end|>"  # no <|start|>: in no message
-            "<|start|>assistant<|channel|>final<|message|>F<|end|>"
-            "<|start|>assistant<|channel|>analysis<|message|>cut")  # fmt: skip
-    assert [text[s:e] for s, e in analysis_spans(text)] == ["a<b", "cut"]
-    assert analysis_spans("plain text, no header") == []
-
-
-def test_a_token_that_wrote_no_text_yet_counts_with_the_text_after_it() -> None:
-    """The first token of an analysis message's first character (its text comes with the next
-    token) is a reasoning token."""
-    tokens = ["<|channel|>", "analysis", "<|message|>", "", "é", "<|end|>",
-              "<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "Hi"]  # fmt: skip
-    streamed, whole, _ = _harmony_twins(tokens)
-    for response in (streamed, whole):
-        assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
