@@ -37,10 +37,10 @@ from cluster.config.deployment import (
     _checkpoint_reachable,
     check_config,
     check_engine_kwargs,
-    deployment_name,
     load_config,
     parse_config,
 )
+from cluster.config.ray_names import deployment_name
 from cluster.config.serve_sections import (
     DRAIN_ABORT_MARGIN_S,
     ENGINE_AUTOSCALING_POLICY,

@@ -4,27 +4,22 @@ keyword the converter would drop, is refused naming the keyword and where it is 
 pointer), so no output is ever checked against a looser schema than the client sent.
 
 Refused, because the grammar would accept documents the schema rejects:
-- ``not``, ``if`` / ``then`` / ``else``, ``contains`` (and ``minContains`` / ``maxContains``),
-  ``dependentRequired``, ``dependentSchemas``, ``dependencies``, ``uniqueItems: true``;
-- ``allOf`` of more than one schema;
-- ``multipleOf`` other than a whole number on integers (on numbers, or a fractional one);
-- ``oneOf`` whose branches may overlap (it is enforced as ``anyOf``): accepted when the
-  branches' types are disjoint, or every branch is an object requiring one property whose
-  ``const`` / ``enum`` values differ between branches (a discriminated union);
-- a string's ``pattern`` or ``format`` together with ``minLength`` / ``maxLength``;
-- ``required`` naming a property that ``properties`` does not define;
-- an assertion keyword beside ``$ref``, ``anyOf``, ``oneOf``, ``allOf``, ``enum`` or ``const``
-  (the converter compiles such a node from that one keyword): annotations (``title``,
-  ``description``, ``default``, ...), ``$defs`` and ``type`` where every value or branch has
-  that type are allowed, as pydantic writes them;
-- a ``$ref`` that is not a local JSON pointer (``#`` or ``#/...``), or one inside a schema
-  below the root with an ``$id`` (resolved against it, where the grammar resolves from the
-  root), ``$dynamicRef``, ``$recursiveRef``; every local ``$ref``'s target is checked like the
-  rest, wherever it is;
+- ``not``, ``if``/``then``/``else``, ``contains`` (``minContains``/``maxContains``),
+  ``dependentRequired``, ``dependentSchemas``, ``dependencies``, ``uniqueItems: true``,
+  an ``allOf`` of several schemas, ``multipleOf`` other than whole on integers;
+- ``oneOf`` whose branches may overlap (enforced as ``anyOf``): accepted when the branches'
+  types are disjoint, or they are a discriminated union (one required property whose
+  ``const``/``enum`` values differ);
+- ``pattern`` or ``format`` with ``minLength``/``maxLength``; ``required`` outside ``properties``;
+- an assertion beside ``$ref``, ``anyOf``, ``oneOf``, ``allOf``, ``enum`` or ``const`` (compiled
+  from that one keyword); annotations, ``$defs`` and a ``type`` every value or branch has pass,
+  as pydantic writes them;
+- a ``$ref`` that is not a local JSON pointer, or under a nested ``$id``; ``$dynamicRef``,
+  ``$recursiveRef`` (every local ``$ref``'s target is checked like the rest, wherever it is);
 - a ``pattern`` (or ``patternProperties`` name) with a literal ``"``, ``\\`` or control
-  character outside a character class: the grammar would write it unescaped (invalid JSON).
-Not refused: ``format`` is enforced by xgrammar's own patterns, which differ from a JSON Schema
-validator's at the edges (``ipv4`` takes leading zeros, ``date-time`` any second 60).
+  character outside a class: the grammar would write it unescaped (invalid JSON).
+Not refused: ``format``, enforced by xgrammar's own patterns, which differ from a validator's
+at the edges (``ipv4`` takes leading zeros, ``date-time`` any second 60).
 """
 
 from __future__ import annotations

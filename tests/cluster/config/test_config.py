@@ -389,7 +389,7 @@ def test_an_unknown_accelerator_type_is_refused_with_rays_name(given: str, sugge
 def test_the_accelerator_type_names_are_rays() -> None:
     from ray.util.accelerators import accelerators
 
-    from cluster.config.deployment import RAY_ACCELERATOR_TYPES
+    from cluster.config.ray_names import RAY_ACCELERATOR_TYPES
 
     names = {v for k, v in vars(accelerators).items() if not k.startswith("_")
              and isinstance(v, str)}  # fmt: skip
