@@ -287,6 +287,8 @@ class OpenAIIngress(
 
     async def models(self) -> dict[str, Any]:
         data = [_model_card(m) for m in self.servers]
+        if not self.lora_models:
+            return {"object": "list", "data": data}
         states = await asyncio.to_thread(replica_states, self.lora_models)
         for base in sorted(self.lora_models):
             replicas = states.get(base) if states is not None else None
