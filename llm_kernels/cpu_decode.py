@@ -79,7 +79,7 @@ def _native_module(isa: str) -> ModuleType | None:
 
 def _build(isa: str) -> ModuleType:
     """Compile (or find compiled) and import the extension for ``isa``
-    (``llm_kernels.native_build``: ~20 s once per instruction set, then cached)."""
+    (``llm_kernels.native_build``: ~10 s once per instruction set, then cached)."""
     return build_extension(
         f"llm_cluster_cpu_paged_decode_{isa}", _SOURCE, _ISA_FLAGS[isa] + _COMMON_FLAGS
     )
@@ -87,7 +87,7 @@ def _build(isa: str) -> ModuleType:
 
 @functools.cache
 def native_isa() -> str | None:
-    """The instruction set the kernel runs with here (built on the first call, ~20 s, then
+    """The instruction set the kernel runs with here (built on the first call, ~10 s, then
     loaded from the cache), or None: the torch path."""
     for isa in ISAS:
         if _native_module(isa) is not None:

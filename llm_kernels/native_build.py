@@ -1,7 +1,7 @@
 """Compiling this package's C++ kernels (``csrc/``) with torch's extension builder, once per
 source and flags, into a cache that several processes and machines may share.
 
-g++ and ninja build a source on first use (~20 s) under ``TORCH_EXTENSIONS_DIR``
+g++ and ninja build a source on first use (~10 s) under ``TORCH_EXTENSIONS_DIR``
 (``~/.cache/torch_extensions`` by default), in a folder named by a hash of the source (its text
 and path), the flags and the torch version. Flags name instruction sets explicitly
 (``-mavx512f ...``), never ``-march=native``, so a shared cache holds binaries each machine

@@ -1,5 +1,5 @@
-"""Suite-wide setup: offline, a per-checkout cache for built-in models, Triton's interpreter
-without CUDA.
+"""Suite-wide setup: offline, a per-checkout cache for built-in models, no idle Ray workers
+started ahead, Triton's interpreter without CUDA.
 
 Without CUDA, Triton kernels run on CPU tensors through the Triton interpreter. The switch is
 read when a kernel module is imported (its ``@triton.jit`` decides then), so it is set here,
@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("LLM_CLUSTER_CACHE_DIR", os.path.join(os.getcwd(), ".cache", "llm-cluster"))
+# Every Ray the suite starts (~30, in this process and in `cluster serve` subprocesses) would
+# prestart one idle Python worker per core for its first driver; most are never used and each
+# costs ~1 s of CPU on a 2-core machine. Actors start the workers they need either way.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 import pytest
 import torch
