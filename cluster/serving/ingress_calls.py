@@ -1,8 +1,10 @@
 """The ingress's calls to the model servers, past routing: a replica's own failure turned into
 a final error item (so HTTP streams end with an error chunk and ``[DONE]``, gRPC with
 UNAVAILABLE), the streams of a batched request merged into one, and a model's health asked
-(a replica that does not answer is unhealthy), for both HTTP and gRPC; and what the ingress
-still carries (model streams, HTTP responses being sent), which a stopping ingress waits for."""
+(a replica that does not answer is unhealthy), for both HTTP and gRPC; when each model's
+streams last brought an item (an engine stepping now, which readiness need not ask); and what
+the ingress still carries (model streams, HTTP responses being sent), which a stopping ingress
+waits for."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import ray
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cluster.api.replica_messages import replica_failed
+from cluster.api.replica_messages import StreamError, replica_failed
 
 
 def base_model(model: str, adapter: str | None) -> str:
@@ -25,6 +27,22 @@ def base_model(model: str, adapter: str | None) -> str:
 
 _open_streams = 0  # guard_stream generators running in this process
 _responses_in_flight = 0  # HTTP responses not yet fully sent (``ResponsesInFlight``)
+# Routed model name (``<base>`` or ``<base>:<adapter>``) -> when a stream of it last brought an
+# item; dropped when one of its streams ends in an error.
+_last_item_at: dict[str, float] = {}
+
+
+def streamed_within(model: str, seconds: float) -> bool:
+    """Whether a stream of ``model`` (or of one of its adapters) brought an item in the last
+    ``seconds``: an engine of it is stepping now. Readiness reads this rather than asking a
+    replica whose every request slot is taken (the call would wait for a slot)."""
+    since = time.monotonic() - seconds
+    prefix = model + ":"
+    return any(
+        at >= since
+        for name, at in _last_item_at.items()
+        if name == model or name.startswith(prefix)
+    )
 
 
 def open_streams() -> int:
@@ -71,8 +89,13 @@ async def guard_stream(items: Any, model: str) -> AsyncIterator[Any]:
     _open_streams += 1
     try:
         async for item in items:
+            if isinstance(item, StreamError):
+                _last_item_at.pop(model, None)
+            else:
+                _last_item_at[model] = time.monotonic()
             yield item
     except ray.exceptions.RayError:
+        _last_item_at.pop(model, None)
         yield replica_failed(model)
     finally:
         _open_streams -= 1
@@ -130,5 +153,6 @@ __all__ = [
     "merge_streams",
     "model_health",
     "open_streams",
+    "streamed_within",
     "wait_until_written",
 ]

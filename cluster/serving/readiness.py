@@ -3,11 +3,14 @@ RPC) answer. Readiness, for load balancers and Kubernetes' readiness probes; ``G
 liveness path (the ingress answers at all).
 
 A model is ready once Serve runs a replica of it and that replica's engine answers its health
-check. One that scales to zero is ready at zero replicas (a request starts one; a health check
-must not). Until every model is ready ``/health`` is a 503 naming each model that is not and why:
-its replicas still starting (with its workers' start-up phase, ``cluster.runtime.load_progress``),
-or its engine dead. Serve's status says which models have a running replica without waiting on
-one: a health call to a model whose replica still loads would wait for the load.
+check, or, without asking, while its streams bring items (an engine stepping now): a replica
+whose every request slot is taken answers only once one frees, so asking would make a
+saturated model look dead to a probe, and out of service when it is busiest. One that scales
+to zero is ready at zero replicas (a request starts one; a health check must not). Until every
+model is ready ``/health`` is a 503 naming each model that is not and why: its replicas still
+starting (with its workers' start-up phase, ``cluster.runtime.load_progress``), or its engine
+dead. Serve's status says which models have a running replica without waiting on one: a health
+call to a model whose replica still loads would wait for the load.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.config import deployment_name
 from cluster.runtime.load_progress import describe, read_load_progress
-from cluster.serving.ingress_calls import model_health
+from cluster.serving.ingress_calls import model_health, streamed_within
 
 HEALTH_TIMEOUT_S = 10.0  # a running replica that does not answer in this long is unhealthy
+STREAMING_S = 5.0  # a model whose streams brought an item this recently is serving
 
 
 def replica_states(models: Iterable[str]) -> dict[str, dict[str, int]] | None:
@@ -57,6 +61,8 @@ async def unready_models(
         if replicas is not None and not replicas.get("RUNNING"):
             if model not in idle_ok:
                 problems[model] = await asyncio.to_thread(_not_running_reason, model, replicas)
+            continue
+        if streamed_within(model, STREAMING_S):
             continue
         status = await model_health(handle, HEALTH_TIMEOUT_S)
         if not status["healthy"]:

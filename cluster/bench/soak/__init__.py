@@ -7,6 +7,8 @@
     memory   resident set of each replica, the ingress and Serve's HTTP proxy, every
              --rss-interval s, after each returned its allocator's free pages (malloc_trim);
              growth = second half's median over the first's (after --warmup)
+    ready    GET /health every second during the run: always 200 (a readiness probe would
+             otherwise take the busy endpoint out of service)
     idle     after the run every replica must be idle: all KV blocks free, no request state
 
 Every request ends in exactly one outcome (success, error, abort, refused, rejected); anything
@@ -26,11 +28,12 @@ from __future__ import annotations
 from cluster.bench.soak.driver import add_arguments, main, require_target, run, soak
 from cluster.bench.soak.load import SoakLoad, SoakSettings, make_client, stream_request
 from cluster.bench.soak.outcomes import OUTCOMES, RequestRecord
-from cluster.bench.soak.probes import RssSampler, ServeProbe, replica_is_idle
+from cluster.bench.soak.probes import ReadinessSampler, RssSampler, ServeProbe, replica_is_idle
 from cluster.bench.soak.report import findings, summarize
 
 __all__ = [
     "OUTCOMES",
+    "ReadinessSampler",
     "RequestRecord",
     "RssSampler",
     "ServeProbe",

@@ -22,7 +22,7 @@ from typing import Any
 
 from cluster.bench.soak.load import SoakLoad, SoakSettings, make_client
 from cluster.bench.soak.outcomes import RequestRecord
-from cluster.bench.soak.probes import RssSampler, ServeProbe
+from cluster.bench.soak.probes import ReadinessSampler, RssSampler, ServeProbe, health_url
 from cluster.bench.soak.report import findings, summarize
 
 
@@ -37,8 +37,9 @@ async def soak(
     progress: Callable[[str], None] = lambda _line: None,
 ) -> dict[str, Any]:
     """Run the load for ``settings.duration_s`` (plus the in-flight requests' tails) and return
-    the report (``findings(report)`` lists what failed). With a ``probe``, resident memory is
-    sampled during the run and every replica must go idle after it."""
+    the report (``findings(report)`` lists what failed). ``GET /health`` is asked every second
+    throughout and must answer 200. With a ``probe``, resident memory is sampled during the run
+    and every replica must go idle after it."""
     settings.check()
     records: dict[int, RequestRecord] = {}
     client = make_client(base_url, api_key, records, settings)
@@ -46,9 +47,11 @@ async def soak(
     sampler = None
     if probe is not None:
         sampler = RssSampler(await asyncio.to_thread(probe.processes), settings.rss_interval_s)
+    readiness = ReadinessSampler(health_url(base_url))
     stop = asyncio.Event()
     load.start = time.monotonic()
     sampling = asyncio.create_task(sampler.run(load.start, stop)) if sampler else None
+    probing = asyncio.create_task(readiness.run(load.start, stop))
     ticker = asyncio.create_task(_report_progress(load, settings, progress))
     try:
         await load.run()
@@ -57,9 +60,11 @@ async def soak(
         ticker.cancel()
         if sampling is not None:
             await sampling
+        await probing
         await client.close()
     load_s = time.monotonic() - load.start
     report = summarize(list(records.values()), load, settings, load_s)
+    report["readiness"] = readiness.summary()
     if probe is not None and sampler is not None:
         report["rss"] = sampler.summary(settings.warmup_s, settings.duration_s)
         try:

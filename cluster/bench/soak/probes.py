@@ -1,6 +1,7 @@
-"""The soak's probes of the server side, through the app's Ray cluster: the processes that
-serve it and the memory each holds over the run, and every replica's request state (idle
-after the run: no KV block held, no per-request entry left).
+"""The soak's probes of the server side. Over HTTP, readiness: ``GET /health`` on a period while
+the load runs, as a Kubernetes readiness probe asks it. Through the app's Ray cluster: the
+processes that serve it and the memory each holds over the run, and every replica's request
+state (idle after the run: no KV block held, no per-request entry left).
 
 Memory is read inside each process (``held_rss``): its resident set once glibc's allocator has
 returned its free pages to the OS. Plain RSS also counts freed memory the allocator keeps for
@@ -181,6 +182,59 @@ class RssSampler:
                 )
             out[name] = entry
         return out
+
+
+def health_url(base_url: str) -> str:
+    """``GET /health`` of the app whose OpenAI base URL (``.../v1``) is ``base_url``."""
+    root = base_url.rstrip("/")
+    return (root[: -len("/v1")] if root.endswith("/v1") else root) + "/health"
+
+
+class ReadinessSampler:
+    """``GET url`` (the app's ``/health``) every ``interval_s`` while the load runs, as a
+    readiness probe asks it: each answer's status (or the error's name: no answer within
+    ``timeout_s``, a refused connection) and how long it took. Any answer but 200 would take a
+    busy endpoint out of its load balancer's service."""
+
+    def __init__(self, url: str, interval_s: float = 1.0, timeout_s: float = 10.0) -> None:
+        self.url = url
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.samples: list[tuple[float, int | str, float]] = []  # (at, status, seconds)
+
+    async def run(self, start: float, stop: asyncio.Event) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            while not stop.is_set():
+                sent = time.monotonic()
+                status: int | str
+                try:
+                    status = (await client.get(self.url)).status_code
+                except httpx.HTTPError as exc:
+                    status = type(exc).__name__
+                self.samples.append((sent - start, status, time.monotonic() - sent))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.interval_s)
+
+    def summary(self) -> dict[str, Any]:
+        """The probes, how many were not a 200 (the first ten: when, and what came back), and
+        the answers' latency."""
+        from cluster.bench.stats import percentiles
+
+        failed = [[round(at, 1), status] for at, status, _ in self.samples if status != 200]
+        seconds = [took for _, _, took in self.samples]
+        return {
+            "probes": len(self.samples),
+            "not_ready": len(failed),
+            "not_ready_at": failed[:10],
+            "latency_s": {
+                **percentiles(seconds, (0.5, 0.9, 0.99), 3),
+                "max": round(max(seconds), 3),
+            }
+            if seconds
+            else {},
+        }
 
 
 def _mb(value: float) -> float:

@@ -70,6 +70,12 @@ def findings(report: dict[str, Any], max_rss_growth_pct: float = 5.0) -> list[st
             found.append(f"{name}: too few memory samples to compare the halves")
         elif entry["growth_pct"] >= max_rss_growth_pct:
             found.append(f"{name}: resident memory grew {entry['growth_pct']} % between halves")
+    readiness = report.get("readiness")
+    if readiness is not None and readiness["not_ready"]:
+        found.append(
+            f"GET /health was not 200 in {readiness['not_ready']} of {readiness['probes']} probes"
+            f" under load (at s, answer): {readiness['not_ready_at']}"
+        )
     idle = report.get("idle")
     if idle is not None and not idle["reached"]:
         found.append(f"the replicas were not idle after the run: {idle}")

@@ -85,6 +85,15 @@ def test_bursts_above_capacity_are_refused_with_503_overloaded(report: dict[str,
     assert refused >= sum(burst["sent"] for burst in bursts) // 3, bursts
 
 
+def test_readiness_stays_200_while_every_seat_is_taken(report: dict[str, Any]) -> None:
+    """``GET /health`` every second, as a readiness probe asks it, while 40 clients hold the 32
+    seats and bursts fill the queue behind them: always 200. (Asking the replica, Serve queues
+    the health call behind the streams or refuses it with the queue full: 6 of 18 probes were
+    503 before.)"""
+    readiness = report["readiness"]
+    assert readiness["probes"] >= 15 and readiness["not_ready"] == 0, readiness
+
+
 def test_cancellations_happen_mid_stream(report: dict[str, Any]) -> None:
     aborts = report["aborts"]
     assert aborts["mid_stream"] >= 20

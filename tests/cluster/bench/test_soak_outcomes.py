@@ -8,21 +8,24 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from cluster.bench.soak import (
+    ReadinessSampler,
     RequestRecord,
     RssSampler,
     SoakLoad,
     SoakSettings,
+    findings,
     make_client,
     stream_request,
 )
 from cluster.bench.soak.load import _http
-from cluster.bench.soak.probes import _malloc_trim, held_rss
+from cluster.bench.soak.probes import _malloc_trim, health_url, held_rss
 
 http = _http()
 
@@ -199,3 +202,54 @@ def test_held_memory_leaves_out_what_the_allocator_freed_but_kept() -> None:
     held = held_rss()
     assert kept and plain > before - 20 * 2**20, (before, plain)  # freed, still resident
     assert held < plain - 100 * 2**20, (plain, held)  # given back
+
+
+def test_readiness_probes_count_every_answer_but_200_and_the_report_fails_on_them() -> None:
+    """``GET /health`` of the base URL's app, every interval: 200s pass, a 503 and a probe
+    with no answer in time are findings, each with when it came."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers = iter([200, 503, 200, "hang"])
+    paths: list[str] = []
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            paths.append(self.path)
+            answer = next(answers, 200)
+            if answer == "hang":
+                time.sleep(1.0)
+                answer = 200
+            self.send_response(int(answer))
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base_url = f"http://127.0.0.1:{server.server_address[1]}/app/v1"
+    sampler = ReadinessSampler(health_url(base_url), interval_s=0.05, timeout_s=0.5)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(sampler.run(time.monotonic(), stop))
+        while len(sampler.samples) < 5:
+            await asyncio.sleep(0.02)
+        stop.set()
+        await task
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.shutdown()
+    summary = sampler.summary()
+    assert set(paths) == {"/app/health"}
+    assert [status for _, status, _ in sampler.samples[:4]] == [200, 503, 200, "ReadTimeout"]
+    assert summary["not_ready"] == 2 and summary["probes"] >= 5
+    assert [status for _, status in summary["not_ready_at"]] == [503, "ReadTimeout"]
+    report = {"requests": {"rejected": 0}, "anomalies": {"count": 0}, "readiness": summary}
+    assert findings(report) == [
+        f"GET /health was not 200 in 2 of {summary['probes']} probes under load (at s, "
+        f"answer): {summary['not_ready_at']}"
+    ]
