@@ -144,6 +144,20 @@ def structured_outputs(req: SamplingFields) -> dict[str, Any] | None:
     return next(iter(given.values()), None)
 
 
+def grammar_param(param: str | None, req: SamplingFields) -> str | None:
+    """An engine error's ``structured_outputs.<kind>`` param as this request named the grammar:
+    ``response_format.json_schema.schema`` or ``guided_<kind>``; any other param as it is."""
+    kind = (param or "").removeprefix("structured_outputs.")
+    if param is None or kind == param or req.structured_outputs is not None:
+        return param
+    fmt = req.response_format
+    if kind == "json" and fmt is not None and fmt.type == "json_schema":
+        return "response_format.json_schema.schema"
+    if getattr(req, f"guided_{kind}", None) is not None:
+        return f"guided_{kind}"
+    return param
+
+
 MAX_PROMPTS_PER_REQUEST = 256
 
 

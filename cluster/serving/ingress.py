@@ -28,6 +28,7 @@ from cluster.api.openai_models import (
 from cluster.api.openai_payloads import (
     chat_payload,
     completion_payloads,
+    grammar_param,
     stream_usage,
     tokenize_payload,
     tool_choice,
@@ -233,7 +234,10 @@ class OpenAIIngress(
     async def _generate(
         self, req: Any, payloads: list[GenerateRequest], completion: Completion
     ) -> Any:
-        opened = await self.open_streams(req.model, payloads)
+        try:
+            opened = await self.open_streams(req.model, payloads)
+        except APIError as exc:
+            raise _in_request_terms(exc, req) from None
         first_chunks = []
         for i, (first, _) in enumerate(opened):
             first_chunks += completion.absorb(first, i)
@@ -244,6 +248,8 @@ class OpenAIIngress(
                 stream.cancel()
 
         merged = merge_streams([guard_stream(s, req.model) for s in streams])
+        if tuple(grammar_param(p, req) for p in _GRAMMAR_PARAMS) != _GRAMMAR_PARAMS:
+            merged = _errors_in_request_terms(merged, req)
         replica = opened[0][0].replica_id
         headers = {REPLICA_HEADER: replica} if replica else None
         if req.stream:
@@ -355,6 +361,31 @@ class OpenAIIngress(
 
     async def model_stats(self, model: str) -> dict[str, Any]:
         return await self._server(model).stats.remote()
+
+
+def _in_request_terms(error: Any, req: Any) -> Any:
+    """The server's error (``APIError`` or ``StreamError``) naming the request's own grammar
+    field where it names the engine's (``grammar_param``), in its param and its message."""
+    param = grammar_param(error.param, req)
+    if param == error.param:
+        return error
+    message = error.message
+    if message.startswith(f"{error.param}:"):
+        message = param + message[len(error.param) :]
+    if isinstance(error, StreamError):
+        return msgspec.structs.replace(error, param=param, message=message)
+    return APIError(error.status, message, param, error.code, error.retry_after)
+
+
+_GRAMMAR_PARAMS = tuple(f"structured_outputs.{k}" for k in ("json", "regex", "choice", "grammar"))
+
+
+async def _errors_in_request_terms(items: Any, req: Any) -> Any:
+    try:
+        async for i, item in items:
+            yield i, _in_request_terms(item, req) if isinstance(item, StreamError) else item
+    finally:
+        await items.aclose()
 
 
 __all__ = ["REPLICA_HEADER", "OpenAIIngress"]

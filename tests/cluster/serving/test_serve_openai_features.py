@@ -337,12 +337,37 @@ def test_regex_and_choice_constrain_completions(client: OpenAI) -> None:
     assert text in ("yes", "no")
 
 
-def test_bad_schema_is_400_naming_the_field(client: OpenAI) -> None:
+# A schema the grammar would loosen (a $ref outside the document) and a regex that does not
+# compile, each given the ways a request can give it; the 400 names the field the request used.
+NON_LOCAL_REF = {"type": "object", "properties": {"a": {"$ref": "https://x.test/a.json"}}}
+BAD_GRAMMARS = [
+    ({"guided_regex": "([a-z"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "([a-z"}}, "structured_outputs.regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a",
+      "schema": NON_LOCAL_REF}}}, "response_format.json_schema.schema"),
+    ({"guided_json": NON_LOCAL_REF}, "guided_json"),
+    ({"structured_outputs": {"json": NON_LOCAL_REF}}, "structured_outputs.json"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("body", "param"), BAD_GRAMMARS)
+def test_bad_grammar_is_400_naming_the_field_the_request_used(
+    client: OpenAI, body: dict[str, Any], param: str, stream: bool
+) -> None:
+    messages = [{"role": "user", "content": "x"}]
     with pytest.raises(BadRequestError) as info:
-        client.completions.create(
-            model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_regex": "([a-z"}
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, stream=stream, extra_body=body
         )
-    assert info.value.body["param"] == "structured_outputs.regex"
+    assert info.value.body["param"] == param, info.value.body
+    assert "structured_outputs" not in info.value.body["message"] or param.startswith(
+        "structured_outputs"
+    ), info.value.body
+    if "guided_regex" in body:
+        with pytest.raises(BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=body)
+        assert info.value.body["param"] == param
 
 
 def test_grpc_structured_outputs(serve_cluster: ServeCluster, base_url: str) -> None:
