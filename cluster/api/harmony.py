@@ -227,6 +227,29 @@ def _partial_token_len(text: str) -> int:
     return 0
 
 
+def reasoning_spans(text: str) -> list[tuple[int, int]]:
+    """The character spans of a whole output's message texts that vLLM counts as reasoning
+    tokens (``usage.output_tokens_details.reasoning_tokens``): those on the analysis channel,
+    and those on commentary to a recipient (a call's arguments). Headers and special tokens
+    are not counted; plain output (no header) has none."""
+    if not text.lstrip().startswith(("<|", "to=")):
+        return []
+    spans, at = [], 0
+    while (opened := text.find(MESSAGE, at)) >= 0:
+        header, start = text[at:opened], opened + len(MESSAGE)
+        found = _first_of(text[start:], _TEXT_ENDS)
+        end = len(text) if found is None else start + found[0]
+        channel = _CHANNEL.search(header)
+        name = channel.group(1) if channel is not None else None
+        if name == "analysis" or (name == "commentary" and _RECIPIENT.search(header)):
+            spans.append((start, end))
+        at = text.find(START, end)
+        if at < 0:
+            break
+        at += len(START)
+    return spans
+
+
 def read_harmony(text: str, read_calls: bool = True) -> list[Piece]:
     """The pieces of a whole output: those of the stream, text fed at once."""
     reader = HarmonyReader(read_calls)

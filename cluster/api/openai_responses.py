@@ -23,6 +23,7 @@ from cluster.api.reasoning_parsers import (
     ReasoningStreamer,
     get_reasoning_parser,
 )
+from cluster.api.reasoning_tokens import ReasoningMarks
 from cluster.api.replica_messages import (
     StreamDelta,
     StreamError,
@@ -54,6 +55,7 @@ class _Choice:
         self.tool_streamer: ToolCallStreamer | None = None  # a streamed chat with tools
         self.tool_text = ""  # the text it was fed
         self.reasoning: ReasoningStreamer | None = None  # a streamed chat, reasoning model
+        self.marks: ReasoningMarks | None = None  # a reasoning model's chat: for usage
 
 
 class Completion:
@@ -106,10 +108,22 @@ class Completion:
         return sum(c.num_tokens for c in self.choices)
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """As vLLM's: with a reasoning model's chat, ``completion_tokens_details`` too."""
         total = self.prompt_tokens + self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": total}  # fmt: skip
+        usage: dict[str, Any] = {"prompt_tokens": self.prompt_tokens,
+                                 "completion_tokens": self.completion_tokens,
+                                 "total_tokens": total}  # fmt: skip
+        if self.reasoning_parser is not None:
+            reasoning = sum(self.reasoning_tokens(c) for c in self.choices)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
+
+    def reasoning_tokens(self, choice: _Choice) -> int:
+        """The tokens of the choice's reasoning, as vLLM counts them (``ReasoningMarks``)."""
+        if self.reasoning_parser is None or choice.marks is None:
+            return 0
+        return choice.marks.count(self.reasoning_parser, choice.text, self.in_reasoning)
 
     def absorb(
         self, item: StreamStart | StreamDelta, prompt_index: int = 0
@@ -133,6 +147,8 @@ class Completion:
         while len(self.choices) < first + item.n:
             choice = _Choice(len(self.choices))
             choice.prompt_tokens = item.prompt_tokens
+            if self.reasoning_parser is not None:
+                choice.marks = ReasoningMarks()
             if self.stream and self._harmony:
                 choice.tool_streamer = HarmonyStreamer(
                     reasoning=self.include_reasoning, read_calls=self._auto
@@ -203,6 +219,8 @@ class Completion:
                      "finish_reason": choice.finish_reason}]  # fmt: skip
         choice.text += delta.text
         choice.num_tokens = delta.num_tokens
+        if choice.marks is not None:
+            choice.marks.add(delta.text, delta.num_tokens)
         if finish is not None:
             choice.finish_reason, choice.stop_reason = finish, delta.stop_reason
         rows = None if delta.logprobs is None else [logprob_rows(e) for e in delta.logprobs]
@@ -370,6 +388,9 @@ class Completion:
             done = state.num_tokens
             envelope["usage"] = {"prompt_tokens": state.prompt_tokens, "completion_tokens": done,
                                  "total_tokens": state.prompt_tokens + done}  # fmt: skip
+            if self.reasoning_parser is not None:
+                reasoning = self.reasoning_tokens(state)
+                envelope["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return envelope
 
     def usage_chunk(self) -> dict[str, Any]:

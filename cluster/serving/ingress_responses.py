@@ -6,7 +6,6 @@ application's store (``cluster.serving.responses_store``) that every ingress rep
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,8 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from cluster.api.api_errors import APIError, api_error
 from cluster.api.openai_payloads import chat_payload, tool_choice
 from cluster.api.openai_responses import Completion
-from cluster.api.reasoning_parsers import THINK_END, THINK_START, GptOssReasoningParser
-from cluster.api.replica_messages import StreamDelta, StreamError
+from cluster.api.replica_messages import StreamError
 from cluster.api.responses_builder import ResponseBuilder, sse_event
 from cluster.api.responses_models import ResponsesRequest
 from cluster.api.responses_payloads import chat_request, check_request, input_items
@@ -90,22 +88,20 @@ class ResponsesServicer:
         builder = ResponseBuilder(req, req.tools)
         builder.input_tokens = first.prompt_tokens
         headers = self._replica_headers()
-        marks = TokenMarks()
         if req.stream:
-            events = self._events(builder, completion, stream, conversation, marks)
+            events = self._events(builder, completion, stream, conversation)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
             async for item in guard_stream(stream, req.model):
                 if isinstance(item, StreamError):
                     raise api_error(item)
-                marks.add(item)
                 completion.absorb(item)
         finally:
             stream.cancel()
         choice = completion.whole()["choices"][0]
         builder.absorb_message(choice["message"], choice["finish_reason"],
                                completion.completion_tokens)  # fmt: skip
-        builder.reasoning_tokens = marks.reasoning_tokens(completion)
+        builder.reasoning_tokens = completion.reasoning_tokens(completion.choices[0])
         await self._keep(builder, conversation)
         return JSONResponse(builder.response(), headers=headers)
 
@@ -115,7 +111,6 @@ class ResponsesServicer:
         completion: Completion,
         stream: Any,
         conversation: list[dict[str, Any]],
-        marks: TokenMarks,
     ) -> AsyncIterator[bytes]:
         try:
             for event in builder.start():
@@ -124,7 +119,6 @@ class ResponsesServicer:
                 if isinstance(item, StreamError):
                     last = builder.fail(item.message, item.code)
                     break
-                marks.add(item)
                 for chunk in completion.absorb(item):
                     for event in builder.feed(chunk["delta"]):
                         yield sse_event(event)
@@ -132,7 +126,7 @@ class ResponsesServicer:
                 choice = completion.choices[0]
                 # Held forced calls: the whole output's message says if they are calls.
                 whole = completion.whole()["choices"][0]["message"] if builder.holds_calls else None
-                builder.reasoning_tokens = marks.reasoning_tokens(completion)
+                builder.reasoning_tokens = completion.reasoning_tokens(choice)
                 last = builder.finish(choice.finish_reason, completion.completion_tokens, whole)
             # Kept before the last event goes out: a client may send the next turn at once.
             await self._keep(builder, conversation)
@@ -179,45 +173,6 @@ class PreviousResponseNotFound(APIError):
         return body
 
 
-class TokenMarks:
-    """The first choice's text length and token count after each delta (O(1) a delta): which
-    tokens wrote its reasoning."""
-
-    def __init__(self) -> None:
-        self.chars: list[int] = []
-        self.tokens: list[int] = []
-
-    def add(self, item: Any) -> None:
-        if not isinstance(item, StreamDelta):
-            return
-        for delta in item.choices:
-            if delta.index == 0:
-                self.chars.append((self.chars[-1] if self.chars else 0) + len(delta.text))
-                self.tokens.append(delta.num_tokens)
-
-    def reasoning_tokens(self, completion: Completion) -> int:
-        """``usage.output_tokens_details.reasoning_tokens``: as vLLM counts them, the tokens
-        between the think tags (to the end when cut off inside; harmony's channels are not
-        split by text: 0)."""
-        parser = completion.reasoning_parser
-        if parser is None or isinstance(parser, GptOssReasoningParser) or not completion.choices:
-            return 0
-        text = completion.choices[0].text
-        in_reasoning = completion.in_reasoning
-        if parser.extract(text, in_reasoning=in_reasoning)[0] is None:
-            return 0
-        if in_reasoning is None:
-            in_reasoning = parser.starts_in_reasoning
-        start = 0 if in_reasoning else text.find(THINK_START) + len(THINK_START)
-        end = text.find(THINK_END, start)
-        return self._tokens_at(len(text) if end < 0 else end) - self._tokens_at(start)
-
-    def _tokens_at(self, chars: int) -> int:
-        """The tokens whose text ends at or before character ``chars``."""
-        i = bisect.bisect_right(self.chars, chars)
-        return self.tokens[i - 1] if i else 0
-
-
 # Chat-side parameter names -> the Responses request's (a prefix of ``param``).
 _RENAMES = (
     ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
@@ -255,6 +210,5 @@ __all__ = [
     "INGRESS_REPLICA_HEADER",
     "PreviousResponseNotFound",
     "ResponsesServicer",
-    "TokenMarks",
     "responses_store",
 ]

@@ -88,6 +88,35 @@ def test_each_choice_has_its_own_split() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("pieces", "parser", "in_reasoning", "reasoning_tokens"),
+    [
+        (["<think>", "Let", " me", " see", "</think>", "Four", "."], "qwen3", None, 3),
+        (["Hm", ",", " 2+2", ".", "</think>", "Four"], "deepseek_r1", None, 4),
+        (["Hm", ",", " 2+2", ".", "</think>", "Four"], "qwen3", True, 4),
+        (["Four", "."], "qwen3", None, 0),
+        (["<think>", "Still", " thinking"], "qwen3", None, 2),  # cut off inside
+        (["<|channel|>", "analysis", "<|message|>", "Need", " it", ".", "<|end|>", "<|start|>",
+          "assistant", "<|channel|>", "final", "<|message|>", "Four"], "openai_gptoss", None, 3),
+    ],
+)  # fmt: skip
+def test_usage_counts_the_reasoning_tokens_as_vllm_does(
+    pieces: list[str], parser: str, in_reasoning: bool | None, reasoning_tokens: int
+) -> None:
+    """vLLM's chat usage with a reasoning parser: ``completion_tokens_details.reasoning_tokens``,
+    the tokens inside the think block (harmony: the analysis message's text), whole, streamed
+    (the usage chunk) and in each chunk's continuous usage."""
+    details = {"reasoning_tokens": reasoning_tokens}
+    for stream in (False, True):
+        completion, _ = _respond(pieces, stream=stream, parser=parser, in_reasoning=in_reasoning)
+        assert completion.usage["completion_tokens"] == len(pieces)
+        assert completion.usage["completion_tokens_details"] == details
+    assert completion.usage_chunk()["usage"]["completion_tokens_details"] == details
+    completion.continuous_usage = True
+    chunk = completion.chunk({"index": 0, "delta": {}, "finish_reason": "stop"})
+    assert chunk["usage"]["completion_tokens_details"] == details
+
+
 def test_no_reasoning_parser_leaves_the_text_alone() -> None:
     completion = Completion("m", True, False)
     completion.absorb(StreamStart(3))
@@ -96,6 +125,7 @@ def test_no_reasoning_parser_leaves_the_text_alone() -> None:
     )
     message = completion.whole()["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "<think>a</think>b"}
+    assert "completion_tokens_details" not in completion.whole()["usage"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

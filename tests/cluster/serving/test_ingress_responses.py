@@ -208,3 +208,30 @@ def test_an_unknown_previous_response_id_is_openais_404() -> None:
         "message": "Previous response with id 'resp_gone' not found.",
         "type": "invalid_request_error", "param": "previous_response_id",
         "code": "previous_response_not_found"}  # fmt: skip
+
+
+def test_gpt_oss_reasoning_tokens_are_its_analysis_and_call_argument_tokens() -> None:
+    """As vLLM's harmony parser counts them (openai_harmony's ``StreamableParser`` on the same
+    transcript): every token of an analysis or a call's message text, no header or special
+    token; 4 + 5 here, a preamble and the final answer not at all."""
+    start = StreamStart(prompt_tokens=5, reasoning_parser="openai_gptoss")
+    pieces = ["<|channel|>", "analysis", "<|message|>", "Need", " the", " weather", ".",
+              "<|end|>", "<|start|>", "assistant", "<|channel|>", "commentary", "<|message|>",
+              "Checking", ".", "<|end|>", "<|start|>", "assistant", "<|channel|>", "comment",
+              "ary", " to", "=", "functions", ".get", "_weather", " ", "<|constrain|>", "json",
+              "<|message|>", '{"', "city", '":"', "Paris", '"}']  # fmt: skip
+    body = {"model": "m", "input": "Weather?", "tools": [WEATHER]}
+    events, whole, _ = _stream_and_whole(body, _deltas(pieces, "stop"), start)
+    for response in (whole, events[-1]["response"]):
+        assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 9}
+        assert [o["type"] for o in response["output"]] == ["reasoning", "message", "function_call"]
+
+
+def test_gpt_oss_reasoning_cut_off_counts_to_the_end_and_plain_output_has_none() -> None:
+    start = StreamStart(prompt_tokens=5, reasoning_parser="openai_gptoss")
+    cut = ["<|channel|>", "analysis", "<|message|>", "Need", " the"]
+    _, whole, _ = _stream_and_whole({"model": "m", "input": "Hi"}, _deltas(cut, "length"), start)
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
+    plain = ["Just", " text"]
+    _, whole, _ = _stream_and_whole({"model": "m", "input": "Hi"}, _deltas(plain, "stop"), start)
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}
