@@ -149,7 +149,7 @@ class Completion:
             choice.prompt_tokens = item.prompt_tokens
             if self.reasoning_parser is not None:
                 choice.marks = ReasoningMarks()
-            if self.stream and self._harmony:
+            if self.stream and self.harmony:
                 choice.tool_streamer = HarmonyStreamer(
                     reasoning=self.include_reasoning, read_calls=self._auto
                 )
@@ -184,7 +184,7 @@ class Completion:
         return chunks
 
     @property
-    def _harmony(self) -> bool:
+    def harmony(self) -> bool:
         """A gpt-oss chat (``openai_gptoss``): one reader takes reasoning, content and calls out
         of its harmony channels (vLLM's harmony path). A call the API forces is JSON from the
         output's first token, read as other models' are, with no reasoning."""
@@ -366,7 +366,7 @@ class Completion:
 
     def _read(self, text: str, finish: str | None) -> tuple[str | None, ParsedToolCalls]:
         """A whole chat choice's reasoning, content and tool calls."""
-        if self._harmony:
+        if self.harmony:
             return parse_harmony(text, read_calls=self._auto)
         reasoning: str | None = None
         answer: str | None = text

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from cluster.api.api_errors import APIError, api_error
 from cluster.api.openai_payloads import chat_payload, tool_choice
 from cluster.api.openai_responses import Completion
+from cluster.api.reasoning_parsers import GptOssReasoningParser
 from cluster.api.replica_messages import StreamError
 from cluster.api.responses_builder import ResponseBuilder, sse_event
 from cluster.api.responses_models import ResponsesRequest
@@ -78,12 +79,14 @@ class ResponsesServicer:
             history = record["input"] + record["response"]["output"]
         conversation = history + input_items(req.input)
         chat = chat_request(req, conversation)
-        completion = Completion(req.model, True, False, None, tools=tool_choice(chat),
-                                stream=req.stream)  # fmt: skip
         try:
             first, stream = await self.open_stream(req.model, chat_payload(chat))
         except APIError as exc:
             raise _renamed(exc, req) from exc
+        # gpt-oss, whole too: read as it streams, an item per harmony message in their order.
+        streamed = req.stream or first.reasoning_parser == GptOssReasoningParser.name
+        completion = Completion(req.model, True, False, None, tools=tool_choice(chat),
+                                stream=streamed)  # fmt: skip
         completion.absorb(first)
         builder = ResponseBuilder(req, req.tools)
         builder.input_tokens = first.prompt_tokens
@@ -91,17 +94,24 @@ class ResponsesServicer:
         if req.stream:
             events = self._events(builder, completion, stream, conversation)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        in_order = completion.harmony
         try:
             async for item in guard_stream(stream, req.model):
                 if isinstance(item, StreamError):
                     raise api_error(item)
-                completion.absorb(item)
+                for chunk in completion.absorb(item):
+                    if in_order:
+                        builder.feed(chunk["delta"])
         finally:
             stream.cancel()
         choice = completion.whole()["choices"][0]
-        builder.absorb_message(choice["message"], choice["finish_reason"],
-                               completion.completion_tokens)  # fmt: skip
         builder.reasoning_tokens = completion.reasoning_tokens(completion.choices[0])
+        if in_order:
+            held = choice["message"] if builder.holds_calls else None
+            builder.finish(choice["finish_reason"], completion.completion_tokens, held)
+        else:
+            builder.absorb_message(choice["message"], choice["finish_reason"],
+                                   completion.completion_tokens)  # fmt: skip
         await self._keep(builder, conversation)
         return JSONResponse(builder.response(), headers=headers)
 

@@ -235,3 +235,33 @@ def test_gpt_oss_reasoning_cut_off_counts_to_the_end_and_plain_output_has_none()
     plain = ["Just", " text"]
     _, whole, _ = _stream_and_whole({"model": "m", "input": "Hi"}, _deltas(plain, "stop"), start)
     assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}
+
+
+ANALYSIS = ["<|channel|>", "analysis", "<|message|>"]
+FINAL = ["<|start|>", "assistant", "<|channel|>", "final", "<|message|>"]
+CALL = ["<|start|>", "assistant", "<|channel|>", "commentary to=functions.get_weather",
+        "<|message|>", '{"city":', '"Paris"}']  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("pieces", "kinds"),
+    [
+        ([*ANALYSIS, "A", "<|end|>", *FINAL, "B", "<|end|>", "<|start|>", "assistant",
+          "<|channel|>", "analysis", "<|message|>", "C"], ["reasoning", "message", "reasoning"]),
+        ([*ANALYSIS, "A", "<|end|>", *CALL], ["reasoning", "function_call"]),
+        ([*ANALYSIS, "A", "<|end|>", "<|start|>", "assistant", "<|channel|>", "commentary",
+          "<|message|>", "Let me check.", "<|end|>", "<|start|>", "assistant", *ANALYSIS, "B",
+          "<|end|>", *CALL], ["reasoning", "message", "reasoning", "function_call"]),
+    ],
+)  # fmt: skip
+def test_gpt_oss_whole_output_is_its_messages_in_order_as_streamed(
+    pieces: list[str], kinds: list[str]
+) -> None:
+    """vLLM's harmony path: an output item per harmony message, in their order, whole or
+    streamed (a whole response once merged all reasoning into one item before the rest)."""
+    start = StreamStart(prompt_tokens=5, reasoning_parser="openai_gptoss")
+    body = {"model": "m", "input": "Weather?", "tools": [WEATHER]}
+    events, whole, _ = _stream_and_whole(body, _deltas(pieces, "stop"), start)
+    streamed = events[-1]["response"]["output"]
+    assert [o["type"] for o in whole["output"]] == kinds
+    assert _shape(whole["output"]) == _shape(streamed)
