@@ -178,6 +178,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     while a stop string could still match), or the final output only (what ``LLM.generate``
     uses). The engine builds deltas natively, so a streaming client's per-step cost does not
     grow with the length of its output.
+
+    ``spaces_between_special_tokens`` False (with ``skip_special_tokens`` False): an added
+    token right after another reads as its bare content, without the space a decoder may put
+    before it (vLLM's fast detokenizer). ``detokenize`` False: no text (the outputs' ``text``
+    is "", their logprobs' ``decoded_token`` None), as vLLM.
     """
 
     n: int = 1
@@ -201,6 +206,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
     use_beam_search: bool = False
     beam_width: int | None = None
     length_penalty: float = 1.0
@@ -319,6 +326,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 "must be a string or a list of strings",
             )
             _check(all(self.stop), "stop", "must not contain empty strings")
+            _check(
+                self.detokenize or not self.stop,
+                "stop",
+                "stop strings are only supported when detokenize is True",
+            )
         if self.stop_token_ids is not None:
             _check(
                 isinstance(self.stop_token_ids, list)

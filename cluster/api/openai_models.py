@@ -138,6 +138,7 @@ class SamplingFields(_Model):
     include_stop_str_in_output: bool = False
     bad_words: list[Text] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # vLLM's: each prompt token's logprob and its top-k (the response's ``prompt_logprobs``);
     # above 0 not with ``stream``, as in vLLM.
     prompt_logprobs: int | None = _ranged(None, minimum=0)

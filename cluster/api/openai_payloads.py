@@ -79,6 +79,7 @@ def check_extra_fields(
 _SAME_NAME_FIELDS = (
     "n", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_tokens", "stop_token_ids", "include_stop_str_in_output", "logit_bias", "bad_words",
+    "spaces_between_special_tokens",
 )  # fmt: skip
 
 

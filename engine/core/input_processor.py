@@ -42,12 +42,14 @@ def load_tokenizer(config: EngineConfig) -> Any:
 
 
 def eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
-    """EOS ids as HF ``generate`` uses them: generation_config.json's, else the tokenizer's."""
+    """EOS ids as vLLM stops on them: the tokenizer's and generation_config.json's (HF
+    ``generate`` reads only the latter's where it has one; a checkpoint whose
+    generation_config leaves out the tokenizer's EOS still stops on it in vLLM)."""
     ids: set[int] = set()
     if (Path(model_path) / "generation_config.json").exists():
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if not ids and tokenizer.eos_token_id is not None:
+    if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
 

@@ -21,6 +21,8 @@ the outputs here (``make_request_output``).
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +52,8 @@ class SampleState:
     cumulative_logprob: float | None
     # Structured outputs: this sample's matcher, dropped when the sample finishes.
     grammar: StructuredOutputGrammar | None = None
+    # The tokenizer's EOS: the one EOS whose stop has no ``stop_reason`` (see ``take_tokens``).
+    tokenizer_eos: int | None = None
     # DELTA: characters of text kept back while a stop string could still match.
     holdback: int = 0
     sent_text: int = 0
@@ -89,9 +93,11 @@ def new_sample_state(request: Request, tokenizer: Any) -> SampleState:
         tokenizer,
         request.prompt_token_ids,
         skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
         stop=params.stop,
         include_stop_str_in_output=params.include_stop_str_in_output,
         min_tokens=params.min_tokens,
+        detokenize=params.detokenize,
     )
     wants_logprobs = params.logprobs is not None
     return SampleState(
@@ -100,11 +106,16 @@ def new_sample_state(request: Request, tokenizer: Any) -> SampleState:
         logprobs=[] if wants_logprobs else None,
         cumulative_logprob=0.0 if wants_logprobs else None,
         holdback=stop_holdback(params),
+        tokenizer_eos=getattr(tokenizer, "eos_token_id", None),
     )
 
 
 def stop_holdback(params: SamplingParams) -> int:
-    """Characters a delta keeps back while one of ``params.stop`` could still match."""
+    """Characters a delta keeps back while one of ``params.stop`` could still match: none
+    with ``include_stop_str_in_output``, where a match cuts nothing already sent (vLLM's
+    ``stop_buffer_length``)."""
+    if params.include_stop_str_in_output:
+        return 0
     return max((len(s) for s in params.stop or ()), default=1) - 1
 
 
@@ -199,18 +210,23 @@ def _request_output(
 
 
 def logprob_dicts(
-    lists: LogprobsLists, texts: LogprobTexts, context: list[int]
+    lists: LogprobsLists, texts: LogprobTexts | None, context: list[int]
 ) -> list[dict[int, Logprob]]:
     """Rows of (chosen, top-k...) as vLLM's dicts: token id -> Logprob(logprob, rank, text); the
     chosen token first, with its own rank, then the top-k ranked 1..k. ``context``: the chosen
-    tokens before the first row (each row's chosen token is the next row's context)."""
+    tokens before the first row (each row's chosen token is the next row's context). ``texts``
+    None (``detokenize=False``): no texts (None)."""
     entries = []
     context = context[-MAX_UTF8_CONTEXT:]
+
+    def text(token: int) -> str | None:
+        return texts.text(token, context) if texts is not None else None
+
     for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
-        entry = {ids[0]: Logprob(lps[0], rank, texts.text(ids[0], context))}
+        entry = {ids[0]: Logprob(lps[0], rank, text(ids[0]))}
         for r, (token, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
             if token not in entry:
-                entry[token] = Logprob(lp, r, texts.text(token, context))
+                entry[token] = Logprob(lp, r, text(token))
         entries.append(entry)
         context = [*context, ids[0]][-MAX_UTF8_CONTEXT:]
     return entries
@@ -224,6 +240,7 @@ def take_tokens(
     ``decode_logprob_tokens``). True when a stop string completed: the caller stops the
     request."""
     request = sample.request
+    _set_eos_stop_reason(sample)
     num_before = request.num_output_tokens - num_new
     if logprobs is None or sample.logprobs is None:
         return _detokenize(sample, num_new)
@@ -232,7 +249,8 @@ def take_tokens(
     stopped = _detokenize(sample, num_new)
     # A verified run cut by a stop keeps the rows of the tokens it kept.
     kept = request.num_output_tokens - num_before
-    sample.logprobs.extend(logprob_dicts(logprobs, texts, context)[:kept])
+    row_texts = texts if sample.detokenizer.detokenize else None
+    sample.logprobs.extend(logprob_dicts(logprobs, row_texts, context)[:kept])
     sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + sum(
         lps[0] for lps in logprobs.logprobs[:kept]
     )
@@ -254,6 +272,19 @@ def _detokenize(sample: SampleState, num_new: int) -> bool:
             request.truncate_output(request.num_output_tokens - num_new + i + 1)
             return True
     return False
+
+
+def _set_eos_stop_reason(sample: SampleState) -> None:
+    """A request that ended on an EOS of generation_config.json other than the tokenizer's has
+    that token as its ``stop_reason``: vLLM makes those EOS ids stop tokens (its
+    ``update_from_generation_config``); only the tokenizer's EOS stops with None."""
+    request = sample.request
+    stopped = request.status == RequestStatus.FINISHED_STOPPED
+    if not stopped or request.stop_reason is not None or not request.output_token_ids:
+        return
+    last = request.output_token_ids[-1]
+    if last in request.eos_token_ids and last != sample.tokenizer_eos:
+        request.stop_reason = last
 
 
 def _stopped_by_token(request: Request) -> bool:
@@ -287,7 +318,7 @@ class LogprobTexts:
 
     def __init__(self, tokenizer: Any, texts: dict[int, str]) -> None:
         self._tokenizer = tokenizer
-        self._texts = texts  # token id -> its text decoded alone
+        self._texts = texts  # token id -> its text decoded alone (``_with_leading_spaces``)
 
     def text(self, token_id: int, context: list[int]) -> str:
         """The text of ``token_id`` after the chosen tokens ``context`` (at most the last
@@ -313,7 +344,8 @@ class LogprobTexts:
 
     def _alone(self, token_id: int) -> str:
         if token_id not in self._texts:
-            self._texts[token_id] = self._decode([token_id])
+            text = self._decode([token_id])
+            self._texts[token_id] = _with_leading_spaces(self._tokenizer, [token_id], [text])[0]
         return self._texts[token_id]
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -331,7 +363,47 @@ def decode_logprob_tokens(tokenizer: Any, output: ModelRunnerOutput) -> LogprobT
     texts = tokenizer.backend_tokenizer.decode_batch(
         [[t] for t in unique], skip_special_tokens=False
     )
+    texts = _with_leading_spaces(tokenizer, unique, texts)
     return LogprobTexts(tokenizer, dict(zip(unique, texts)))
+
+
+_SPACE_MARKER_ATTR = "_llm_cluster_space_marker"
+
+
+def _space_marker(tokenizer: Any) -> str | None:
+    """The replacement character of the tokenizer's Metaspace pre-tokenizer (``▁``), or None:
+    only there does a token decoded alone lose the leading space its piece stands for."""
+    marker = getattr(tokenizer, _SPACE_MARKER_ATTR, False)
+    if marker is not False:
+        return marker
+    marker = None
+    try:
+        pre = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+    except Exception:  # a tokenizer that cannot say: no marker
+        pre = {}
+    subs = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
+    for sub in subs:
+        if sub.get("type") == "Metaspace":
+            marker = sub.get("replacement", "\u2581")
+            break
+    with contextlib.suppress(AttributeError):
+        setattr(tokenizer, _SPACE_MARKER_ATTR, marker)
+    return marker
+
+
+def _with_leading_spaces(tokenizer: Any, token_ids: list[int], texts: list[str]) -> list[str]:
+    """``texts`` (each token decoded alone) with the leading spaces a Metaspace decoder strips
+    from the first token put back, one per leading ``▁`` of the token's piece (as vLLM's
+    ``convert_ids_list_to_tokens``): ``▁he`` reads " he", as it does within a text."""
+    marker = _space_marker(tokenizer)
+    if marker is None:
+        return texts
+    out = []
+    for piece, text in zip(tokenizer.convert_ids_to_tokens(token_ids), texts):
+        wanted = len(piece or "") - len((piece or "").lstrip(marker))
+        missing = wanted - (len(text) - len(text.lstrip(" ")))
+        out.append(" " * missing + text if missing > 0 else text)
+    return out
 
 
 def record_prompt_logprobs(
@@ -348,7 +420,8 @@ def record_prompt_logprobs(
             continue
         start = chunk.start
         context = group.prompt_token_ids[max(1, start - MAX_UTF8_CONTEXT) : start]
-        for offset, entry in enumerate(logprob_dicts(chunk.lists, texts, context)):
+        chunk_texts = texts if group.params.detokenize else None
+        for offset, entry in enumerate(logprob_dicts(chunk.lists, chunk_texts, context)):
             group.prompt_logprobs[start + offset] = entry
 
 

@@ -504,6 +504,7 @@ def test_n_penalties_and_vllm_extras_map_by_name() -> None:
         "n": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
         "min_p": 0.1, "min_tokens": 2, "logit_bias": {"7": -100.0, "9": 5.0},
         "include_stop_str_in_output": True, "bad_words": ["bad"],
+        "spaces_between_special_tokens": False,
     }  # fmt: skip
     params = completion_payload(CompletionRequest(model="m", prompt="x", **extras))["params"]
     assert {k: params[k] for k in extras} == extras
