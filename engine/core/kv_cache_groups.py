@@ -242,12 +242,28 @@ def plan_group_blocks(
     return KVCacheLayout(tuple(specs), tuple(counts), (num_cpu_blocks,) * len(specs))
 
 
-def request_block_capacity(layout: KVCacheLayout, block_size: int, max_model_len: int) -> int:
+def request_block_capacity(
+    layout: KVCacheLayout, block_size: int, max_model_len: int, step_tokens: int = 1
+) -> int:
     """The most blocks one request may hold, as the input checks count them: the smallest full
-    group's pool (a sliding group holds only a window of it, and its pool always has room for
-    one sequence's largest step), or a max_model_len sequence's blocks without a full group."""
-    full = [n for spec, n in zip(layout.specs, layout.num_blocks) if not spec.is_sliding]
-    return min(full, default=-(-max_model_len // block_size))
+    group's pool, or a max_model_len sequence's blocks without a full group. A sliding group
+    holds only a window of the request, unless its pool (less the null block) is smaller than
+    one sequence's largest step (``step_tokens``: a full prefill chunk plus lookahead slots,
+    as ``sliding_blocks_per_seq`` counts it): then a request is served only if all its blocks
+    fit that pool, since a step needs every block it writes or reads at once (a fixed small
+    ``num_kv_blocks``; a request past it would wait forever)."""
+    max_blocks = -(-max_model_len // block_size)
+    caps = []
+    for spec, n in zip(layout.specs, layout.num_blocks):
+        if not spec.is_sliding:
+            caps.append(n)
+            continue
+        usable = n - 1  # the null block
+        per_seq = sliding_blocks_per_seq(spec.sliding_window or 0, block_size, step_tokens)
+        step = min(per_seq, max_blocks)
+        if usable < step:
+            caps.append(usable)
+    return min(caps, default=max_blocks)
 
 
 def config_layout(

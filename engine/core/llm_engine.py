@@ -96,6 +96,17 @@ _POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
 TRANSFER_POLL_S = 0.005
 
 
+def _max_step_tokens(config: EngineConfig) -> int:
+    """The most KV slots one request takes in a step: a whole prefill chunk (the token
+    budget, at most max_model_len), plus a draft model's lookahead slots."""
+    spec = config.speculative.speculative_config
+    lookahead = (
+        spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+    )
+    chunk = min(config.scheduler.max_num_batched_tokens, config.max_model_len)
+    return chunk + lookahead
+
+
 class LLMEngine(SleepControl, LoRAControl):
     """The head's per-step cycle: admit, schedule, execute, update, detokenize.
 
@@ -142,7 +153,9 @@ class LLMEngine(SleepControl, LoRAControl):
         self.inputs = InputProcessor(
             config,
             self.tokenizer,
-            request_block_capacity(layout, config.cache.block_size, config.max_model_len),
+            request_block_capacity(
+                layout, config.cache.block_size, config.max_model_len, _max_step_tokens(config)
+            ),
         )
         self._init_lora()
         lora = config.lora
