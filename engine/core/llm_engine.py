@@ -255,6 +255,7 @@ class LLMEngine(SleepControl, LoRAControl):
                 token_ids,
                 sample_params(params, i),
                 eos_token_ids=self.eos_token_ids,
+                eos_token_id=self.tokenizer.eos_token_id,
                 max_tokens=max_tokens,
                 arrival_time=arrival_time,
                 priority=priority,

@@ -52,8 +52,6 @@ class SampleState:
     cumulative_logprob: float | None
     # Structured outputs: this sample's matcher, dropped when the sample finishes.
     grammar: StructuredOutputGrammar | None = None
-    # The tokenizer's EOS: the one EOS whose stop has no ``stop_reason`` (see ``take_tokens``).
-    tokenizer_eos: int | None = None
     # DELTA: characters of text kept back while a stop string could still match.
     holdback: int = 0
     sent_text: int = 0
@@ -106,7 +104,6 @@ def new_sample_state(request: Request, tokenizer: Any) -> SampleState:
         logprobs=[] if wants_logprobs else None,
         cumulative_logprob=0.0 if wants_logprobs else None,
         holdback=stop_holdback(params),
-        tokenizer_eos=getattr(tokenizer, "eos_token_id", None),
     )
 
 
@@ -240,7 +237,6 @@ def take_tokens(
     ``decode_logprob_tokens``). True when a stop string completed: the caller stops the
     request."""
     request = sample.request
-    _set_eos_stop_reason(sample)
     num_before = request.num_output_tokens - num_new
     if logprobs is None or sample.logprobs is None:
         return _detokenize(sample, num_new)
@@ -272,19 +268,6 @@ def _detokenize(sample: SampleState, num_new: int) -> bool:
             request.truncate_output(request.num_output_tokens - num_new + i + 1)
             return True
     return False
-
-
-def _set_eos_stop_reason(sample: SampleState) -> None:
-    """A request that ended on an EOS of generation_config.json other than the tokenizer's has
-    that token as its ``stop_reason``: vLLM makes those EOS ids stop tokens (its
-    ``update_from_generation_config``); only the tokenizer's EOS stops with None."""
-    request = sample.request
-    stopped = request.status == RequestStatus.FINISHED_STOPPED
-    if not stopped or request.stop_reason is not None or not request.output_token_ids:
-        return
-    last = request.output_token_ids[-1]
-    if last in request.eos_token_ids and last != sample.tokenizer_eos:
-        request.stop_reason = last
 
 
 def _stopped_by_token(request: Request) -> bool:

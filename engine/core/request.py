@@ -60,6 +60,7 @@ class Request:
         sampling_params: SamplingParams,
         *,
         eos_token_ids: frozenset[int] = frozenset(),
+        eos_token_id: int | None = None,
         max_tokens: int,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -89,6 +90,9 @@ class Request:
         self.mrope = mrope
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
+        # The tokenizer's EOS, of ``eos_token_ids``: the one whose stop has no stop_reason
+        # (vLLM makes generation_config's other EOS ids stop tokens; ``check_token_stop``).
+        self.eos_token_id = eos_token_id
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority

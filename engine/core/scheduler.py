@@ -582,7 +582,8 @@ def check_token_stop(request: Request, max_model_len: int) -> RequestStatus | No
     last = request.output_token_ids[-1]
     if request.num_output_tokens >= params.min_tokens:
         if not params.ignore_eos and last in request.eos_token_ids:
-            request.stop_reason = None
+            own = request.eos_token_id is None or last == request.eos_token_id
+            request.stop_reason = None if own else last
             return RequestStatus.FINISHED_STOPPED
         if params.stop_token_ids and last in params.stop_token_ids:
             request.stop_reason = last

@@ -19,6 +19,7 @@ from engine.core.output_processor import (
     take_tokens,
 )
 from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import check_token_stop
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.worker.step_messages import LogprobsLists, ModelRunnerOutput
@@ -137,11 +138,13 @@ def test_generation_config_eos_other_than_the_tokenizers_is_the_stop_reason(
         [1, _word("a")],
         SamplingParams(),
         eos_token_ids=frozenset({2, 4}),
+        eos_token_id=tok.eos_token_id,
         max_tokens=8,
     )
     sample = new_sample_state(request, tok)
     request.append_output_token_ids([eos])
-    request.status = RequestStatus.FINISHED_STOPPED  # as the scheduler's check_token_stop
+    request.status = check_token_stop(request, max_model_len=64)
+    assert request.status == RequestStatus.FINISHED_STOPPED
     assert not take_tokens(sample, 1, None, LogprobTexts(tok, {}))
     assert request.stop_reason == reason
     assert sample.detokenizer.output_text == ""
