@@ -22,9 +22,12 @@ makes it a no-op; the strict xfails in tests/engine/core/test_structured_output.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
+from engine.core.xgrammar_lib import xgrammar
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # A rule whose whole body is the bounded-string class, as Grammar.__str__ prints it.
 _BOUNDED_STRING_CHAR_RULE = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
@@ -50,11 +53,11 @@ def json_schema_grammar(schema: str | dict[str, Any], **options: Any) -> xgr.Gra
     """``xgr.Grammar.from_json_schema(schema, **options)`` with every length-bounded string's
     character rule replaced by ``JSON_STRING_CHARACTER``; the unchanged grammar when it has
     none."""
-    grammar = xgr.Grammar.from_json_schema(schema, **options)
+    grammar = xgrammar().Grammar.from_json_schema(schema, **options)
     ebnf = str(grammar)
     fixed, count = _BOUNDED_STRING_CHAR_RULE.subn(
         lambda match: f"{match.group(1)} ::= {JSON_STRING_CHARACTER}", ebnf
     )
     if count == 0:
         return grammar
-    return xgr.Grammar.from_ebnf(fixed, root_rule_name="root")
+    return xgrammar().Grammar.from_ebnf(fixed, root_rule_name="root")

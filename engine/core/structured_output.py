@@ -29,16 +29,19 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from engine.core.json_schema_limits import check_json_schema
 from engine.core.json_string_grammar import json_schema_grammar
+from engine.core.xgrammar_lib import xgrammar
 from engine.errors import InvalidRequestError
 from engine.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger("llm_cluster.structured_output")
 
@@ -105,7 +108,7 @@ class StructuredOutputGrammar:
         document whose only continuation is its stop token)."""
         if not self.active or not self.matcher.is_completed():
             return False
-        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        bitmask = xgrammar().allocate_token_bitmask(1, self.vocab_size)
         self.matcher.fill_next_token_bitmask(bitmask, 0)
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
         bits = bits[: self.vocab_size]
@@ -147,7 +150,7 @@ class StructuredOutputManager:
             )
             # One compile thread, one xgrammar thread: the model's forward needs the cores.
             # Our LRU is the only cache (xgrammar's own is unbounded by default).
-            self._compilers[skip_special_tokens] = xgr.GrammarCompiler(
+            self._compilers[skip_special_tokens] = xgrammar().GrammarCompiler(
                 info, max_threads=1, cache_enabled=False
             )
         return self._compilers[skip_special_tokens]
@@ -209,7 +212,9 @@ class StructuredOutputManager:
         if compiled is None:
             compiled = self.compile(params, skip_special_tokens)
         return StructuredOutputGrammar(
-            xgr.GrammarMatcher(compiled), self.vocab_size, start_after=params.reasoning_end_token_id
+            xgrammar().GrammarMatcher(compiled),
+            self.vocab_size,
+            start_after=params.reasoning_end_token_id,
         )
 
     def shutdown(self) -> None:
@@ -220,7 +225,7 @@ class StructuredOutputManager:
     def grammar_bitmask(self, grammars: Sequence[StructuredOutputGrammar]) -> bytes:
         """The next-token bitmask of each grammar, one row each, as the step message carries
         it."""
-        bitmask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
+        bitmask = xgrammar().allocate_token_bitmask(len(grammars), self.vocab_size)
         for row, grammar in enumerate(grammars):
             grammar.fill_bitmask(bitmask, row)
         return bitmask.numpy().astype(_BITMASK_DTYPE, copy=False).tobytes()
@@ -240,10 +245,10 @@ def _parse(kind: str, spec: str, *, any_whitespace: bool) -> xgr.Grammar:
             separators=None if any_whitespace else (",", ":"),
         )
     if kind == "regex":
-        return xgr.Grammar.from_regex(spec)
+        return xgrammar().Grammar.from_regex(spec)
     if kind == "grammar" and _is_lark(spec):
-        return xgr.Grammar.from_lark(spec)
-    return xgr.Grammar.from_ebnf(spec)  # grammar, and choice as a grammar
+        return xgrammar().Grammar.from_lark(spec)
+    return xgrammar().Grammar.from_ebnf(spec)  # grammar, and choice as a grammar
 
 
 def _is_lark(grammar: str) -> bool:
@@ -275,7 +280,7 @@ def _tokenizer_info(
     ``skip_special_tokens`` a special token (BOS, padding, chat markers) would vanish from the
     text. So those tokens are outside every grammar: xgrammar leaves a token whose string is
     empty out of grammars (a stop token still ends one), and they are given one."""
-    info = xgr.TokenizerInfo.from_huggingface(
+    info = xgrammar().TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
     )
     special = set(info.stop_token_ids)
@@ -288,7 +293,7 @@ def _tokenizer_info(
     for token, index in tokenizer.get_vocab().items():
         if 0 <= index < vocab_size and index not in special:
             encoded[index] = token
-    blanked = xgr.TokenizerInfo.from_vocab_and_metadata(encoded, info.dump_metadata())
+    blanked = xgrammar().TokenizerInfo.from_vocab_and_metadata(encoded, info.dump_metadata())
     same = all(
         a == b
         for i, (a, b) in enumerate(zip(info.decoded_vocab, blanked.decoded_vocab))
@@ -366,7 +371,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: Seque
     # a full-batch bitmask whose other rows allow everything.
     full = torch.full((num_rows, bitmask.shape[1]), -1, dtype=torch.int32)
     full[list(rows)] = torch.from_numpy(np.array(bitmask, dtype=np.int32))
-    xgr.apply_token_bitmask_inplace(
+    xgrammar().apply_token_bitmask_inplace(
         logits, full.to(logits.device), vocab_size=covered, indices=list(rows)
     )
     if covered < width:

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import xgrammar as xgr
 
 from engine.core.structured_output import StructuredOutputGrammar
+from engine.core.xgrammar_lib import xgrammar
 
 
 def grammar_proposals(grammar: StructuredOutputGrammar, proposals: list[int]) -> list[int]:
@@ -46,7 +46,7 @@ def spec_bitmask_rows(
     """[k + 1, words] int32: the grammar's next-token mask before each proposal and after the
     last (``proposals`` were checked by ``grammar_proposals``)."""
     k = len(proposals)
-    bitmask = xgr.allocate_token_bitmask(k + 1, vocab_size)
+    bitmask = xgrammar().allocate_token_bitmask(k + 1, vocab_size)
     matcher = grammar.matcher
     for j in range(k + 1):
         matcher.fill_next_token_bitmask(bitmask, j)
