@@ -72,10 +72,6 @@ class RequiredToolCallStreamer(ToolCallStreamer):
         self._call = CallStream(0, eager_header=True)
         self._num_calls = 0
 
-    @property
-    def tools_called(self) -> bool:
-        return self._num_calls > 0
-
     def feed(self, text: str) -> list[Delta]:
         out = Deltas()
         while text and self._mode != "done":

@@ -59,7 +59,10 @@ class ParsedToolCalls:
 
 
 class ToolCallStreamer(ABC):
-    """Per-choice state of a streamed message: text deltas in, OpenAI ``delta`` dicts out."""
+    """Per-choice state of a streamed message: text deltas in, OpenAI ``delta`` dicts out.
+    A streamer counts the calls it announced in ``_num_calls``."""
+
+    _num_calls = 0
 
     @abstractmethod
     def feed(self, text: str) -> list[Delta]:
@@ -70,9 +73,9 @@ class ToolCallStreamer(ABC):
         """The generation ended: flush whatever was held back."""
 
     @property
-    @abstractmethod
     def tools_called(self) -> bool:
         """Whether any tool call has been announced so far."""
+        return self._num_calls > 0
 
 
 class ToolParser(ABC):
@@ -81,6 +84,9 @@ class ToolParser(ABC):
     writes argument values as bare text reads the others as JSON)."""
 
     name: ClassVar[str]
+    # The format's markers are special tokens: a request this parser reads is decoded with
+    # skip_special_tokens=False (as vLLM's parsers adjust such a request).
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self, string_parameters: frozenset[tuple[str, str]] = frozenset()) -> None:
         self.string_parameters = string_parameters

@@ -37,7 +37,7 @@ from cluster.api.replica_messages import (
     TokenizeResult,
     logprob_rows,
 )
-from cluster.api.tool_parsers import get_tool_parser
+from cluster.api.tool_parsers import TOOL_PARSERS, get_tool_parser
 from cluster.config import HEAD_BUNDLE_INDEX
 from cluster.serving.lora_adapters import AdapterNotFoundError, ReplicaAdapters
 from cluster.serving.metrics import ModelMetrics
@@ -209,7 +209,10 @@ class LLMServer(PoolingServer, SleepServer):
             prompt = self._prompt(request)
             reasoning = self.reasoning if request.messages is not None else None
             raw_params = request.params
-            if reasoning is not None and reasoning.keeps_special_tokens:
+            if (reasoning is not None and reasoning.keeps_special_tokens) or (
+                self._reads_tool_calls(request)
+                and TOOL_PARSERS[self.tool_call_parser].keeps_special_tokens
+            ):
                 raw_params = {**raw_params, "skip_special_tokens": False}
             # The replica forwards each item's new pieces; nothing here reads a whole output.
             params = sampling_params_from({**raw_params, "output_kind": RequestOutputKind.DELTA})
@@ -317,7 +320,7 @@ class LLMServer(PoolingServer, SleepServer):
         if output.prompt_logprobs is not None:
             first = [[ids[0], self.tokenizer.decode(ids[:1]), None, None]]
             prompt_logprobs = [first] + [logprob_rows(e) for e in output.prompt_logprobs[1:]]
-        parser = self.tool_call_parser if request.tool_choice == "auto" else None
+        parser = self.tool_call_parser if self._reads_tool_calls(request) else None
         start = StreamStart(len(ids), n, text, prompt_logprobs, parser, self.replica_id)
         if reasoning and self.reasoning is not None:  # a chat with the model's reasoning_parser
             start.reasoning_parser = self.reasoning.parser.name
@@ -336,6 +339,10 @@ class LLMServer(PoolingServer, SleepServer):
     async def list_adapters(self) -> list[str]:
         """The adapters this model serves by name (those in its adapter directory)."""
         return self.adapters.catalog.available() if self.adapters is not None else []
+
+    def _reads_tool_calls(self, request: GenerateRequest) -> bool:
+        """Whether the model's tool_call_parser reads this request's output."""
+        return request.tool_choice == "auto" and self.tool_call_parser is not None
 
     def _check_tool_choice(self, request: GenerateRequest) -> None:
         if request.tool_choice == "auto" and not self.config.frontend.enable_auto_tool_choice:

@@ -23,11 +23,13 @@ from cluster.api.replica_messages import (
     StreamDelta,
     StreamError,
 )
+from cluster.api.tool_parsers import TOOL_PARSERS
 from cluster.serving.llm_server import LLMServer, error_item
 from engine import LLM, EngineDeadError, SamplingParams
 from engine.builtin.catalog import resolve_model_source
 
 ENGINE_ARGS = {"model": "builtin:tiny-llama", "num_kv_blocks": 64, "device": "cpu"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
@@ -499,3 +501,29 @@ def test_chat_logprob_bytes_of_a_character_split_over_tokens_join_into_its_utf8(
         for alt in token["top_logprobs"]:
             assert alt["bytes"] == list(alt["token"].encode())
             assert "\ufffd" not in alt["token"]
+
+
+# gpt-oss's harmony parser needs a harmony model (tests/cluster/serving/test_serve_harmony.py).
+@pytest.mark.parametrize("parser", sorted(set(TOOL_PARSERS) - {"openai"}))
+def test_a_tool_parser_that_reads_special_tokens_gets_them_in_the_text(parser: str) -> None:
+    """A parser whose markers are special tokens (``keeps_special_tokens``) reads text decoded
+    with them, as vLLM's parsers adjust such a request; the others keep the request's own
+    ``skip_special_tokens``. The model is made to write ``<s>`` (a special token) by
+    ``logit_bias``; only the auto tool choice the parser reads changes the decoding."""
+    server = LLMServer("tools", {**ENGINE_ARGS, "enable_auto_tool_choice": True,
+                                 "tool_call_parser": parser})  # fmt: skip
+    try:
+        bos = server.tokenizer.bos_token_id
+        params = {"temperature": 0, "max_tokens": 3, "logit_bias": {bos: 100.0}}
+        texts = {}
+        for choice in ("auto", None):
+            request = {"messages": [{"role": "user", "content": "Hi"}], "params": params,
+                       "tool_choice": choice, "tools": [TOOL]}  # fmt: skip
+            items = collect(server, request)
+            assert items[0].get("tool_call_parser") == (parser if choice else None)
+            texts[choice] = "".join(c["text"] for i in items[1:] for c in i["choices"])
+    finally:
+        server.engine.shutdown()
+    assert texts[None] == ""  # skip_special_tokens, the default
+    keeps = TOOL_PARSERS[parser].keeps_special_tokens
+    assert texts["auto"] == ("<s>" * 3 if keeps else "")
