@@ -6,6 +6,8 @@ each model family's format (vLLM's ``tool_call_parser`` names):
     glm45        <tool_call>f <arg_key>k</arg_key><arg_value>v</arg_value> ...</tool_call>
     openai       gpt-oss's harmony messages <|channel|>commentary to=functions.f ...<|message|>
                  {...}, read by channel in ``cluster.api.harmony``
+    deepseek_v3, deepseek_v31   ``cluster.api.tool_parsers_deepseek``
+    kimi_k2      ``cluster.api.tool_parsers_kimi``
 
 A streamer turns text deltas into OpenAI ``delta`` dicts (:data:`Delta`): content, a call's
 header once, then its argument fragments, which concatenate to the ``arguments`` that
@@ -34,6 +36,8 @@ from cluster.api.tool_calls import (
     held_suffix,
     make_tool_call_id,
 )
+from cluster.api.tool_parsers_deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from cluster.api.tool_parsers_kimi import KimiK2ToolParser
 
 
 class HermesToolParser(ToolParser):
@@ -75,10 +79,6 @@ class _HermesStreamer(ToolCallStreamer):
         self._whole_text = whole_text
         self._call = CallStream(0)  # the current (or last) block's call
         self._num_calls = 0
-
-    @property
-    def tools_called(self) -> bool:
-        return self._num_calls > 0
 
     def feed(self, text: str) -> list[Delta]:
         out = Deltas()
@@ -343,10 +343,6 @@ class _Llama3JsonStreamer(ToolCallStreamer):
         self._call = CallStream(0, whole_text=whole_text)
         self._num_calls = 0
 
-    @property
-    def tools_called(self) -> bool:
-        return self._num_calls > 0
-
     def feed(self, text: str) -> list[Delta]:
         out = Deltas()
         while text:
@@ -447,10 +443,6 @@ class HarmonyStreamer(ToolCallStreamer):
         self._reasoning = reasoning
         self._num_calls = 0
 
-    @property
-    def tools_called(self) -> bool:
-        return self._num_calls > 0
-
     def feed(self, text: str) -> list[Delta]:
         return self._deltas(self._reader.feed(text))
 
@@ -483,7 +475,15 @@ def parse_harmony(text: str, read_calls: bool = True) -> tuple[str | None, Parse
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
-    for parser in (HermesToolParser, Llama3JsonToolParser, Glm45ToolParser, OpenAIToolParser)
+    for parser in (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        Glm45ToolParser,
+        OpenAIToolParser,
+        KimiK2ToolParser,
+        DeepSeekV3ToolParser,
+        DeepSeekV31ToolParser,
+    )
 }
 
 

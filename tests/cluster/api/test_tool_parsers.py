@@ -148,7 +148,7 @@ def _calls(parsed: ParsedToolCalls) -> tuple[str | None, list[tuple[str, str]]]:
     return parsed.content, [(call.name, call.arguments) for call in parsed.tool_calls]
 
 
-def _splits(text: str) -> Iterable[list[str]]:
+def text_splits(text: str) -> Iterable[list[str]]:
     """Every split into two pieces, one character at a time, and seeded random chunks."""
     for i in range(len(text) + 1):
         yield [text[:i], text[i:]]
@@ -169,7 +169,7 @@ def test_registry_builds_each_parser_by_name(parser_name: str) -> None:
 
 
 def test_unknown_parser_name_raises_value_error_listing_valid_names() -> None:
-    with pytest.raises(ValueError, match=r"'mistral'.*hermes, llama3_json"):
+    with pytest.raises(ValueError, match=r"'mistral'.*glm45, hermes, kimi_k2, llama3_json"):
         get_tool_parser("mistral")
 
 
@@ -318,7 +318,7 @@ def test_streaming_in_any_split_gives_the_whole_text_result(parser_name: str, ca
     text = texts[parser_name][case]
     expected = _calls(parser.parse(text))
 
-    for pieces in _splits(text):
+    for pieces in text_splits(text):
         streamer = parser.streamer()
         streamed = fold_deltas(_stream(streamer, pieces))
         assert _calls(streamed) == expected, pieces
@@ -464,7 +464,7 @@ def test_named_call_is_the_whole_output_as_arguments(text: str) -> None:
 def test_named_call_streamed_in_any_split_gives_the_whole_output_result(text: str) -> None:
     expected = _calls(parse_named_tool_call("get_weather", text))
 
-    for pieces in _splits(text):
+    for pieces in text_splits(text):
         streamed = fold_deltas(_stream(NamedToolCallStreamer("get_weather"), pieces))
         assert _calls(streamed) == expected, pieces
 
@@ -496,7 +496,7 @@ def test_required_calls_are_the_array_elements() -> None:
 def test_required_calls_streamed_in_any_split_give_the_whole_output_result(text: str) -> None:
     expected = _calls(parse_required_tool_calls(text))
 
-    for pieces in _splits(text):
+    for pieces in text_splits(text):
         streamer = RequiredToolCallStreamer()
         assert _calls(fold_deltas(_stream(streamer, pieces))) == expected, pieces
         assert streamer.tools_called
