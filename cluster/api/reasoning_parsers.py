@@ -3,10 +3,11 @@ reasoning (``reasoning_content`` in chat, reasoning items in Responses) and its 
 
 The parsers read ``<think>…</think>`` blocks and differ in where the output starts (each
 class says how): ``deepseek_r1`` (the template opens ``<think>`` in the prompt), ``qwen3`` and
-``glm45`` (the model writes ``<think>`` itself), and ``openai_gptoss`` (harmony messages,
-``cluster.api.harmony``: the analysis channel is the reasoning). Either way, a prompt whose
-last think tag is ``</think>`` (``enable_thinking=False`` renders
-``<think>\\n\\n</think>\\n\\n``) has already ended the reasoning: the output is all content.
+``glm45`` (the model writes ``<think>`` itself), ``deepseek_v3`` and ``kimi_k2`` (thinking on or
+off by the request's ``chat_template_kwargs``: on, the output starts in reasoning; off, it is all
+content), and ``openai_gptoss`` (harmony messages, ``cluster.api.harmony``: the analysis channel
+is the reasoning). Either way, a prompt whose last think tag is ``</think>``
+(``enable_thinking=False`` renders ``<think>\\n\\n</think>\\n\\n``) has ended the reasoning.
 
 One state machine (``ReasoningStreamer``) serves both modes, so a streamed response's deltas
 always add up to the non-streamed split: ``extract(text)`` is ``feed(text)`` then
@@ -21,7 +22,7 @@ The tags are single tokens in the tokenizers of these models (added tokens that 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cluster.api.harmony import HARMONY_TOKENS, HarmonyReader, Piece
@@ -29,6 +30,8 @@ from engine.errors import ConfigError
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+# Kimi K2's tool calls section: in its reasoning, it ends the reasoning (and starts the content).
+KIMI_TOOL_SECTION = "<|tool_calls_section_begin|>"
 
 _PRE, _REASONING, _CONTENT = "pre", "reasoning", "content"
 
@@ -36,10 +39,11 @@ _PRE, _REASONING, _CONTENT = "pre", "reasoning", "content"
 class ReasoningStreamer:
     """One choice's streamed split. ``feed(delta)`` returns what of ``delta`` is reasoning and
     what is content (either may be ""); text that may be the start of a tag is held back until
-    the next delta (or ``finish``) decides it."""
+    the next delta (or ``finish``) decides it. ``opens``: out of the reasoning, a ``<think>``
+    opens a think block (else the output that starts out of it is all content)."""
 
-    def __init__(self, in_reasoning: bool) -> None:
-        self._phase = _REASONING if in_reasoning else _PRE
+    def __init__(self, in_reasoning: bool, opens: bool = True) -> None:
+        self._phase = _REASONING if in_reasoning else _PRE if opens else _CONTENT
         self._start_seen = False  # a <think> after the first is reasoning text, not a tag
         self._held = ""
         self.entered_reasoning = in_reasoning
@@ -64,8 +68,7 @@ class ReasoningStreamer:
                 self._held = text[len(text) - keep :]
                 break
             self._emit(text[:at], reasoning, content)
-            text = text[at + len(tag) :]
-            self._on_tag(tag)
+            text = self._on_tag(tag) + text[at + len(tag) :]
         return "".join(reasoning), "".join(content)
 
     def finish(self) -> tuple[str, str]:
@@ -85,13 +88,15 @@ class ReasoningStreamer:
         if text:
             (reasoning if self._phase == _REASONING else content).append(text)
 
-    def _on_tag(self, tag: str) -> None:
+    def _on_tag(self, tag: str) -> str:
+        """Takes ``tag`` in; returns what of it is text (read on after it)."""
         if tag == THINK_START:  # opens the reasoning, or (already in it) is dropped
             self._start_seen = True
             self._phase = _REASONING
             self.entered_reasoning = True
         else:
             self._phase = _CONTENT
+        return ""
 
 
 def _first_tag(text: str, tags: Sequence[str]) -> tuple[int, str | None]:
@@ -114,9 +119,17 @@ class ReasoningParser:
 
     name = ""
     starts_in_reasoning = False
+    # Out of the reasoning, a <think> the model writes opens a think block.
+    opens_in_output = True
+    # What ends the reasoning in the output, the first of these (reasoning tokens are counted
+    # up to it).
+    end_tags: tuple[str, ...] = (THINK_END,)
+    # An empty reasoning (a think block with nothing in it) is no reasoning (None).
+    empty_reasoning_is_none = False
 
     def streamer(self, *, in_reasoning: bool | None = None) -> ReasoningStreamer:
-        return ReasoningStreamer(self.starts_in_reasoning if in_reasoning is None else in_reasoning)
+        start = self.starts_in_reasoning if in_reasoning is None else in_reasoning
+        return ReasoningStreamer(start, self.opens_in_output)
 
     def extract(
         self, text: str, *, in_reasoning: bool | None = None
@@ -127,14 +140,20 @@ class ReasoningParser:
         r1, c1 = streamer.feed(text)
         r2, c2 = streamer.finish()
         reasoning = r1 + r2 if streamer.entered_reasoning else None
+        if self.empty_reasoning_is_none:
+            reasoning = reasoning or None
         return reasoning, (c1 + c2) or None
 
     def output_starts_in_reasoning(
-        self, prompt_token_ids: Sequence[int], start_id: int, end_id: int
+        self,
+        prompt_token_ids: Sequence[int],
+        start_id: int,
+        end_id: int,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> bool:
         """Whether the output starts inside a think block, given the prompt's tokens: the last
         think tag of the prompt decides (``</think>``: no; ``<think>``: yes); with none, the
-        parser's default."""
+        parser's default. (``chat_template_kwargs``: the request's, for parsers they switch.)"""
         for token in reversed(prompt_token_ids):
             if token == end_id:
                 return False
@@ -182,6 +201,106 @@ class Glm45ReasoningParser(ReasoningParser):
     starts_in_reasoning = False
 
 
+class _ThinkingSwitchedParser(ReasoningParser):
+    """A parser that the request's ``chat_template_kwargs`` switch, as vLLM builds one per
+    request: thinking when ``thinking`` or ``enable_thinking`` is true (a ``reasoning_effort``
+    sets ``enable_thinking`` unless that is given: ``"none"`` off, any other on); with neither,
+    the parser's default (``starts_in_reasoning``). Thinking, the output starts in reasoning (a
+    ``<think>`` the model writes there is dropped) and ``</think>`` ends it; without ``</think>``
+    (cut off) all of it is reasoning and the content None. Not thinking, the output is all
+    content, tags and all, as vLLM's identity parser leaves it; so is it when the prompt's last
+    think tag is ``</think>`` (the template rendered thinking off), as vLLM's stream reads it
+    (its non-streamed parse splits at ``</think>`` there)."""
+
+    opens_in_output = False
+
+    def thinking(self, chat_template_kwargs: Mapping[str, Any] | None) -> bool:
+        """Whether the request thinks, as vLLM's parser reads its ``chat_template_kwargs``."""
+        kwargs = dict(chat_template_kwargs or {})
+        effort = kwargs.get("reasoning_effort")
+        if effort is not None and "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = effort != "none"
+        thinking, enable = kwargs.get("thinking"), kwargs.get("enable_thinking")
+        if thinking is None and enable is None:
+            return self.starts_in_reasoning
+        return bool(thinking) or bool(enable)
+
+    def output_starts_in_reasoning(
+        self,
+        prompt_token_ids: Sequence[int],
+        start_id: int,
+        end_id: int,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> bool:
+        ended = self.reasoning_ended_in_prompt(prompt_token_ids, start_id, end_id)
+        return self.thinking(chat_template_kwargs) and not ended
+
+    def extract(
+        self, text: str, *, in_reasoning: bool | None = None
+    ) -> tuple[str | None, str | None]:
+        if not (self.starts_in_reasoning if in_reasoning is None else in_reasoning):
+            return None, text or None  # vLLM's identity parser: the whole output
+        return super().extract(text, in_reasoning=True)
+
+
+class DeepSeekV3ReasoningParser(_ThinkingSwitchedParser):
+    """DeepSeek-V3.1 (vLLM's ``deepseek_v3``): thinking only when the request asks for it
+    (``chat_template_kwargs``: ``{"thinking": true}``, whose template then opens ``<think>`` in
+    the prompt; without it, the template closes ``</think>`` there): then DeepSeek-R1's reading;
+    otherwise all content."""
+
+    name = "deepseek_v3"
+    starts_in_reasoning = False
+
+
+class KimiK2ReasoningParser(_ThinkingSwitchedParser):
+    """Kimi K2 Thinking (vLLM's ``kimi_k2``): thinking unless the request turns it off
+    (``{"thinking": false}``). In the reasoning every ``<think>`` is dropped, its trailing
+    whitespace is trimmed (an empty reasoning is None), and Kimi's tool calls section
+    (``<|tool_calls_section_begin|>``) ends it too: the section is content, for the tool
+    parser."""
+
+    name = "kimi_k2"
+    starts_in_reasoning = True
+    end_tags = (THINK_END, KIMI_TOOL_SECTION)
+    empty_reasoning_is_none = True
+
+    def streamer(self, *, in_reasoning: bool | None = None) -> ReasoningStreamer:
+        return _KimiStreamer(self.starts_in_reasoning if in_reasoning is None else in_reasoning)
+
+
+class _KimiStreamer(ReasoningStreamer):
+    """Kimi K2's reading of a think block: whitespace at the end of the reasoning so far is
+    held until more reasoning follows it (dropped when the reasoning ends)."""
+
+    def __init__(self, in_reasoning: bool) -> None:
+        super().__init__(in_reasoning, opens=False)
+        self._space = ""
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        reasoning, content = super().feed(delta)
+        return self._trim(reasoning, self.in_reasoning), content
+
+    def finish(self) -> tuple[str, str]:
+        reasoning, content = super().finish()
+        return self._trim(reasoning, False), content
+
+    def _trim(self, reasoning: str, more: bool) -> str:
+        reasoning = self._space + reasoning
+        kept = reasoning.rstrip()
+        self._space = reasoning[len(kept) :] if more else ""
+        return kept
+
+    def _tags(self) -> tuple[str, ...]:
+        return (THINK_START, THINK_END, KIMI_TOOL_SECTION)
+
+    def _on_tag(self, tag: str) -> str:
+        if tag == THINK_START:  # every <think> in the reasoning is dropped
+            return ""
+        super()._on_tag(tag)
+        return tag if tag == KIMI_TOOL_SECTION else ""
+
+
 class GptOssReasoningParser(ReasoningParser):
     """gpt-oss (vLLM's ``openai_gptoss``): harmony's analysis channel is the reasoning; a call
     read without tools is content. The final channel (and commentary preambles) is the content.
@@ -218,6 +337,8 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     parser.name: parser
     for parser in (
         DeepSeekR1ReasoningParser,
+        DeepSeekV3ReasoningParser,
+        KimiK2ReasoningParser,
         Qwen3ReasoningParser,
         Glm45ReasoningParser,
         GptOssReasoningParser,
@@ -270,17 +391,25 @@ class ReasoningFront:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
-    def prepare(self, prompt_token_ids: Sequence[int], structured_outputs: Any) -> bool | None:
-        """For one chat request: whether its output starts inside a think block (None: the
-        parser's default); a structured
+    def prepare(
+        self,
+        prompt_token_ids: Sequence[int],
+        structured_outputs: Any,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> bool | None:
+        """For one chat request (its prompt's tokens and its ``chat_template_kwargs``): whether
+        its output starts inside a think block (None: the parser's default); a structured
         output (``StructuredOutputsParams``) is set to constrain only what follows the
-        reasoning, unless the prompt has already ended it."""
-        ids, start, end = prompt_token_ids, self.start_id, self.end_id
-        if structured_outputs is not None and not self.parser.reasoning_ended_in_prompt(
-            ids, start, end
-        ):
+        reasoning, unless the output has none to come (the prompt ended it, or thinking is off
+        where no ``<think>`` opens it)."""
+        parser, ids, start, end = self.parser, prompt_token_ids, self.start_id, self.end_id
+        in_reasoning = parser.output_starts_in_reasoning(ids, start, end, chat_template_kwargs)
+        ended = parser.reasoning_ended_in_prompt(ids, start, end) or not (
+            in_reasoning or parser.opens_in_output
+        )
+        if structured_outputs is not None and not ended:
             structured_outputs.reasoning_end_token_id = end
-        return self.parser.output_starts_in_reasoning(ids, start, end)
+        return in_reasoning
 
 
 class HarmonyFront(ReasoningFront):
@@ -300,7 +429,12 @@ class HarmonyFront(ReasoningFront):
                     "model's tokenizer (a gpt-oss harmony tokenizer)"
                 )
 
-    def prepare(self, prompt_token_ids: Sequence[int], structured_outputs: Any) -> bool | None:
+    def prepare(
+        self,
+        prompt_token_ids: Sequence[int],
+        structured_outputs: Any,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> bool | None:
         return None
 
 

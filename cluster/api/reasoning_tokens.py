@@ -13,7 +13,6 @@ import bisect
 
 from cluster.api.harmony import reasoning_spans
 from cluster.api.reasoning_parsers import (
-    THINK_END,
     THINK_START,
     GptOssReasoningParser,
     ReasoningParser,
@@ -42,8 +41,8 @@ class ReasoningMarks:
         if in_reasoning is None:
             in_reasoning = parser.starts_in_reasoning
         start = 0 if in_reasoning else text.find(THINK_START) + len(THINK_START)
-        end = text.find(THINK_END, start)
-        return self._at(len(text) if end < 0 else end) - self._at(start)
+        ends = [at for at in (text.find(tag, start) for tag in parser.end_tags) if at >= 0]
+        return self._at(min(ends, default=len(text))) - self._at(start)
 
     def _at(self, chars: int) -> int:
         """The tokens whose text ends at or before character ``chars``."""

@@ -219,7 +219,9 @@ class LLMServer(PoolingServer, SleepServer):
             in_reasoning = None  # chat with a reasoning_parser: where the output starts
             if reasoning is not None:
                 in_reasoning = reasoning.prepare(
-                    prompt["prompt_token_ids"], params.structured_outputs
+                    prompt["prompt_token_ids"],
+                    params.structured_outputs,
+                    request.chat_template_kwargs,
                 )
             timeout = request.timeout
             # With a channel, the deltas go from the head to the ingress, one message per step.

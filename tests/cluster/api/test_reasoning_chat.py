@@ -96,6 +96,11 @@ def test_each_choice_has_its_own_split() -> None:
         (["Hm", ",", " 2+2", ".", "</think>", "Four"], "qwen3", True, 4),
         (["Four", "."], "qwen3", None, 0),
         (["<think>", "Still", " thinking"], "qwen3", None, 2),  # cut off inside
+        (["Hm", "</think>", "Four"], "deepseek_v3", True, 1),  # thinking
+        (["Hm", "</think>", "Four"], "deepseek_v3", False, 0),  # not: all content
+        # Kimi K2: its tool calls section ends the reasoning too.
+        (["Let", " me", " call", "<|tool_calls_section_begin|>", "<|tool_call_begin|>"],
+         "kimi_k2", None, 3),
         (["<|channel|>", "analysis", "<|message|>", "Need", " it", ".", "<|end|>", "<|start|>",
           "assistant", "<|channel|>", "final", "<|message|>", "Four"], "openai_gptoss", None, 3),
     ],
@@ -224,7 +229,9 @@ def server() -> Iterator[LLMServer]:
     server.engine.shutdown()
 
 
-def _serve(server: LLMServer, request: GenerateRequest, stream: bool) -> tuple[Completion, list]:
+def serve_chat(
+    server: LLMServer, request: GenerateRequest, stream: bool
+) -> tuple[Completion, list]:
     async def run() -> tuple[Completion, list]:
         completion = Completion("r", request.messages is not None, False, stream=stream)
         chunks: list[dict[str, Any]] = []
@@ -241,7 +248,7 @@ def _raw(server: LLMServer, params: dict[str, Any]) -> str:
     ids = server.tokenizer.apply_chat_template(
         MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
     )
-    completion, _ = _serve(server, GenerateRequest(prompt_token_ids=ids, params=params), False)
+    completion, _ = serve_chat(server, GenerateRequest(prompt_token_ids=ids, params=params), False)
     return completion.choices[0].text
 
 
@@ -251,11 +258,11 @@ def test_server_splits_the_real_output(server: LLMServer) -> None:
     reasoning, _, after = rest.partition("</think>")
     assert before and reasoning and after and "<think>" in reasoning  # the case measured
     request = GenerateRequest(messages=MESSAGES, params=QWEN3_PARAMS)
-    whole, _ = _serve(server, request, stream=False)
+    whole, _ = serve_chat(server, request, stream=False)
     message = whole.whole()["choices"][0]["message"]
     assert message["reasoning_content"] == reasoning
     assert message["content"] == before + after
-    _, chunks = _serve(server, request, stream=True)
+    _, chunks = serve_chat(server, request, stream=True)
     assert _joined(chunks, "reasoning_content") == reasoning
     assert _joined(chunks, "content") == before + after
 
@@ -264,7 +271,7 @@ def test_server_structured_output_constrains_the_answer_only(server: LLMServer) 
     params = {**QWEN3_PARAMS, "max_tokens": 60, "structured_outputs": {"json": SCHEMA}}
     free = _raw(server, QWEN3_PARAMS)
     request = GenerateRequest(messages=MESSAGES, params=params)
-    whole, _ = _serve(server, request, stream=False)
+    whole, _ = serve_chat(server, request, stream=False)
     message = whole.whole()["choices"][0]["message"]
     # The reasoning is the unconstrained model's; the answer after it is the schema's.
     assert message["reasoning_content"] == free.partition("<think>")[2].partition("</think>")[0]
