@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -229,9 +229,10 @@ class ToolChoice:
     mode: Literal["auto", "required", "named"]
     name: str | None = None
     parallel: bool = True
-    # (function, parameter) pairs the tools declare ``"type": "string"``: a parser whose
-    # format writes values as bare text (``glm45``) reads the others as JSON.
-    string_parameters: frozenset[tuple[str, str]] = frozenset()
+    # The JSON schema the tools declare for each (function, parameter): a parser whose format
+    # writes values as bare text types them by it (``qwen3_coder``; ``glm45`` only asks which
+    # are strings).
+    parameter_schemas: Mapping[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
 
 def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
@@ -344,8 +345,8 @@ def tool_choice(req: ChatCompletionRequest) -> ToolChoice | None:
     if choice == "none":
         return None
     if choice is None or choice == "auto":
-        strings = frozenset(_string_parameters(req.tools))
-        return ToolChoice("auto", parallel=req.parallel_tool_calls, string_parameters=strings)
+        schemas = dict(_parameter_schemas(req.tools))
+        return ToolChoice("auto", parallel=req.parallel_tool_calls, parameter_schemas=schemas)
     if choice == "required":
         return ToolChoice("required", parallel=req.parallel_tool_calls)
     name = choice.function.name
@@ -356,14 +357,14 @@ def tool_choice(req: ChatCompletionRequest) -> ToolChoice | None:
     return ToolChoice("named", name=name)
 
 
-def _string_parameters(tools: list[Any]) -> Iterator[tuple[str, str]]:
-    """(function, parameter) of each parameter the tools' JSON schemas declare a string."""
+def _parameter_schemas(tools: list[Any]) -> Iterator[tuple[tuple[str, str], dict[str, Any]]]:
+    """((function, parameter), schema) of each parameter the tools' JSON schemas declare."""
     for tool in tools:
         properties = (tool.function.parameters or {}).get("properties")
         if isinstance(properties, dict):
             for key, schema in properties.items():
-                if isinstance(schema, dict) and schema.get("type") == "string":
-                    yield tool.function.name, key
+                if isinstance(schema, dict):
+                    yield (tool.function.name, key), schema
 
 
 def request_extras(req: SamplingFields) -> dict[str, Any]:

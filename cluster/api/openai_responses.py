@@ -32,7 +32,7 @@ from cluster.api.replica_messages import (
     TokenLogprobs,
     logprob_rows,
 )
-from cluster.api.tool_calls import ParsedToolCalls, ToolCallStreamer
+from cluster.api.tool_calls import ParsedToolCalls, ToolCallStreamer, ToolParser
 from cluster.api.tool_parsers import HarmonyStreamer, get_tool_parser, parse_harmony
 from engine.client.core_messages import ChoiceDelta
 
@@ -420,7 +420,7 @@ def tool_streamer(tools: ToolChoice, parser: str | None) -> ToolCallStreamer:
         return NamedToolCallStreamer(tools.name or "")
     if tools.mode == "required":
         return RequiredToolCallStreamer()
-    return get_tool_parser(parser or "", tools.string_parameters).streamer()
+    return _auto_parser(tools, parser).streamer()
 
 
 def parse_tool_calls(tools: ToolChoice, parser: str | None, text: str) -> ParsedToolCalls:
@@ -428,7 +428,12 @@ def parse_tool_calls(tools: ToolChoice, parser: str | None, text: str) -> Parsed
         return parse_named_tool_call(tools.name or "", text)
     if tools.mode == "required":
         return parse_required_tool_calls(text)
-    return get_tool_parser(parser or "", tools.string_parameters).parse(text)
+    return _auto_parser(tools, parser).parse(text)
+
+
+def _auto_parser(tools: ToolChoice, parser: str | None) -> ToolParser:
+    """The ``tool_call_parser`` for a request's tools (their parameters' schemas)."""
+    return get_tool_parser(parser or "", tools.parameter_schemas)
 
 
 def _first_call_only(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:

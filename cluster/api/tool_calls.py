@@ -12,7 +12,7 @@ import json
 import secrets
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -79,17 +79,26 @@ class ToolCallStreamer(ABC):
 
 
 class ToolParser(ABC):
-    """Reads one model family's tool-call format, for one request: ``string_parameters`` are
-    the (function, parameter) pairs its tools declare ``"type": "string"`` (a format that
-    writes argument values as bare text reads the others as JSON)."""
+    """Reads one model family's tool-call format, for one request: ``parameter_schemas`` maps
+    each (function, parameter) to the JSON schema its tools declare for it (a format that
+    writes argument values as bare text types them by it: ``qwen3_coder`` by the whole
+    schema, ``glm45`` only by whether it is a string)."""
 
     name: ClassVar[str]
     # The format's markers are special tokens: a request this parser reads is decoded with
     # skip_special_tokens=False (as vLLM's parsers adjust such a request).
     keeps_special_tokens: ClassVar[bool] = False
 
-    def __init__(self, string_parameters: frozenset[tuple[str, str]] = frozenset()) -> None:
-        self.string_parameters = string_parameters
+    def __init__(
+        self, parameter_schemas: Mapping[tuple[str, str], dict[str, Any]] | None = None
+    ) -> None:
+        self.parameter_schemas: Mapping[tuple[str, str], dict[str, Any]] = parameter_schemas or {}
+
+    @property
+    def string_parameters(self) -> frozenset[tuple[str, str]]:
+        """The (function, parameter) pairs the tools declare ``"type": "string"``."""
+        schemas = self.parameter_schemas.items()
+        return frozenset(key for key, schema in schemas if schema.get("type") == "string")
 
     @abstractmethod
     def parse(self, text: str) -> ParsedToolCalls:

@@ -8,6 +8,7 @@ each model family's format (vLLM's ``tool_call_parser`` names):
                  {...}, read by channel in ``cluster.api.harmony``
     deepseek_v3, deepseek_v31   ``cluster.api.tool_parsers_deepseek``
     kimi_k2      ``cluster.api.tool_parsers_kimi``
+    qwen3_coder  ``cluster.api.tool_parsers_qwen3_coder``
 
 A streamer turns text deltas into OpenAI ``delta`` dicts (:data:`Delta`): content, a call's
 header once, then its argument fragments, which concatenate to the ``arguments`` that
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from cluster.api.harmony import HarmonyReader, Piece
 from cluster.api.tool_calls import (
@@ -38,6 +41,7 @@ from cluster.api.tool_calls import (
 )
 from cluster.api.tool_parsers_deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from cluster.api.tool_parsers_kimi import KimiK2ToolParser
+from cluster.api.tool_parsers_qwen3_coder import Qwen3CoderToolParser
 
 
 class HermesToolParser(ToolParser):
@@ -483,17 +487,18 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         KimiK2ToolParser,
         DeepSeekV3ToolParser,
         DeepSeekV31ToolParser,
+        Qwen3CoderToolParser,
     )
 }
 
 
 def get_tool_parser(
-    name: str, string_parameters: frozenset[tuple[str, str]] = frozenset()
+    name: str, parameter_schemas: Mapping[tuple[str, str], dict[str, Any]] | None = None
 ) -> ToolParser:
     """The parser registered as ``name``, for a request whose tools declare
-    ``string_parameters``; ValueError listing the valid names."""
+    ``parameter_schemas``; ValueError listing the valid names."""
     try:
-        return TOOL_PARSERS[name](string_parameters)
+        return TOOL_PARSERS[name](parameter_schemas)
     except KeyError:
         valid = ", ".join(sorted(TOOL_PARSERS))
         raise ValueError(f"unknown tool_call_parser {name!r}; valid names are {valid}") from None

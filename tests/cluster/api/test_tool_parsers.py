@@ -662,7 +662,8 @@ def test_glm45_takes_a_string_parameter_as_written_and_reads_the_others_as_json(
         "<arg_key>limit</arg_key>\n<arg_value>10</arg_value>\n"
         "<arg_key>word</arg_key>\n<arg_value>true</arg_value>\n</tool_call>"
     )
-    typed = get_tool_parser("glm45", frozenset({("lookup", "zip"), ("lookup", "word")}))
+    string = {"type": "string"}
+    typed = get_tool_parser("glm45", {("lookup", "zip"): string, ("lookup", "word"): string})
     untyped = get_tool_parser("glm45")
     assert json.loads(typed.parse(text).tool_calls[0].arguments) == {
         "zip": "0123", "limit": 10, "word": "true"
