@@ -52,7 +52,6 @@ _USE_FORMAT = "not a Messages API field; use output_config.format"
 # Others (``container``, ``mcp_servers``, ``context_management``, ...) are ignored, as vLLM does.
 UNSUPPORTED_MESSAGES_FIELDS = {
     "chat_template": Unsupported(_NO_TEMPLATE),
-    "chat_template_kwargs": Unsupported(f"{_NO_TEMPLATE} (thinking sets enable_thinking)"),
     "vllm_xargs": Unsupported("not supported", ({},)),
     "watermarking": Unsupported("watermarking is not supported", (False,)),
     "response_format": Unsupported(_USE_FORMAT),
@@ -81,6 +80,9 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         body["continue_final_message"] = True
     if isinstance(req, MessagesRequest):
         body.update(_generation_fields(req))
+    kwargs = (req.model_extra or {}).get("chat_template_kwargs")
+    if kwargs is not None:  # vLLM's extension, as on the chat route (thinking goes over it)
+        body["chat_template_kwargs"] = kwargs
     if req.output_config is not None and req.output_config.effort is not None:
         body["reasoning_effort"] = req.output_config.effort  # a template variable
     check_thinking(req)

@@ -254,14 +254,15 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
             else named_tool_schema(find_tool(tools or [], choice.name or ""))
         )
         params["structured_outputs"] = {"json": json.dumps(schema)}
-    template_kwargs = None
-    if req.reasoning_effort is not None:
-        template_kwargs = {"reasoning_effort": req.reasoning_effort}
+    template_kwargs = dict(options.pop("chat_template_kwargs", None) or {})
+    if req.reasoning_effort is not None:  # as vLLM: the effort, and thinking unless "none"
+        template_kwargs["reasoning_effort"] = req.reasoning_effort
+        template_kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
     return GenerateRequest(
         params=params,
         messages=chat_messages(req.messages),
         tools=tools,
-        chat_template_kwargs=template_kwargs,
+        chat_template_kwargs=template_kwargs or None,
         tool_choice=choice.mode if choice is not None else None,
         **options,
         **request_extras(req),
@@ -288,12 +289,18 @@ def _check_no_grammar_beside(req: ChatCompletionRequest, choice: ToolChoice) -> 
 
 def template_options(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
     """The ``GenerateRequest`` fields of a chat request's template options (vLLM's
-    ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``), those
-    that differ from the defaults. A request-supplied template is a 400."""
-    for name in ("chat_template", "chat_template_kwargs"):
-        if getattr(req, name) is not None:
-            raise APIError(400, f"{name}: request-supplied chat templates are not accepted; the "
-                           "model's own template is used", name, "unsupported")  # fmt: skip
+    ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``,
+    ``chat_template_kwargs``), those that differ from the defaults. A request-supplied
+    template is a 400. ``chat_template_kwargs`` are variables for the model's template (those
+    it does not read are dropped where it renders); the request's own fields win over them."""
+    if req.chat_template is not None:
+        raise APIError(400, "chat_template: request-supplied chat templates are not accepted; "
+                       "the model's own is used", "chat_template", "unsupported")  # fmt: skip
+    kwargs = req.chat_template_kwargs or {}
+    refused = sorted(_NOT_TEMPLATE_VARIABLES & kwargs.keys())
+    if refused:
+        raise APIError(400, f"chat_template_kwargs: {refused[0]!r} is not a template variable",
+                       "chat_template_kwargs")  # fmt: skip
     if req.continue_final_message:
         if req.messages and req.messages[-1].role != "assistant":
             raise APIError(400, "continue_final_message: the last message must be the "
@@ -308,7 +315,15 @@ def template_options(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, 
         options["continue_final_message"] = True
     if req.add_special_tokens:
         options["add_special_tokens"] = True
+    variables = {k: v for k, v in kwargs.items() if k not in _REQUEST_FIELDS}
+    if variables:
+        options["chat_template_kwargs"] = variables
     return options
+
+
+# chat_template_kwargs keys vLLM refuses, and those the request's own fields set.
+_NOT_TEMPLATE_VARIABLES = frozenset({"chat_template", "tokenize"})
+_REQUEST_FIELDS = frozenset({"add_generation_prompt", "continue_final_message"})
 
 
 def tokenize_payload(req: TokenizeRequest) -> GenerateRequest:

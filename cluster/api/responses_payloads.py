@@ -29,7 +29,6 @@ UNSUPPORTED_RESPONSE_FIELDS = {
     "max_tool_calls": Unsupported("not supported"),
     "context_management": Unsupported("not supported"),
     "chat_template": Unsupported(_NO_TEMPLATE),
-    "chat_template_kwargs": Unsupported(_NO_TEMPLATE),
     "include_reasoning": Unsupported(
         "not supported; the reasoning item is always returned", (True,)
     ),
@@ -83,7 +82,10 @@ def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComp
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
-    effort = (req.model_extra or {}).get("reasoning")
+    extra = req.model_extra or {}
+    if extra.get("chat_template_kwargs") is not None:  # vLLM's extension, as on the chat route
+        body["chat_template_kwargs"] = extra["chat_template_kwargs"]
+    effort = extra.get("reasoning")
     effort = effort.get("effort") if isinstance(effort, dict) else None
     if effort in ("low", "medium", "high"):  # others (minimal, none) are ignored
         body["reasoning_effort"] = effort

@@ -7,11 +7,14 @@ front, so the head receives pixels and expanded prompt ids (``chat_prompt``). Er
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cluster.api.replica_messages import EmbedRequest, GenerateRequest
 from engine.errors import InvalidRequestError
@@ -73,6 +76,10 @@ def chat_prompt_ids(
         raise InvalidRequestError("this model has no chat template", param="messages")
     if not _knows_developer_role(template):
         messages = developer_as_system(messages)
+    if options.template_kwargs:
+        names = _template_variables(template)
+        kwargs = {k: v for k, v in options.template_kwargs.items() if k in names}
+        options = dataclasses.replace(options, template_kwargs=kwargs)
     render = _harmony_ids if harmony else _template_ids
     try:
         return render(tokenizer, messages, tools, options)
@@ -118,6 +125,30 @@ def _harmony_ids(
         add_special_tokens=options.add_special_tokens,
         **(options.template_kwargs or {}),
     )
+
+
+# Template variables the render sets itself from the request's own fields.
+_RENDER_ARGUMENTS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template"}
+)
+
+
+def _template_variables(template: Any) -> frozenset[str]:
+    """The variables ``template`` (a template, or named ones) reads that a request's
+    ``chat_template_kwargs`` may set: every other kwarg is dropped, as vLLM drops them."""
+    texts = template.values() if isinstance(template, dict) else [template]
+    return frozenset().union(*(_read_variables(t) for t in texts if isinstance(t, str)))
+
+
+@functools.lru_cache(maxsize=16)
+def _read_variables(template: str) -> frozenset[str]:
+    try:
+        parsed = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(
+            template
+        )
+    except TemplateError:  # rendering will say what is wrong with it
+        return frozenset()
+    return frozenset(meta.find_undeclared_variables(parsed)) - _RENDER_ARGUMENTS
 
 
 def _knows_developer_role(template: Any) -> bool:

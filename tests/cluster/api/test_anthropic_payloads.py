@@ -272,17 +272,17 @@ def test_a_forced_tool_calls_grammar_replaces_the_output_format(fields: dict[str
 
 def test_output_config_effort_is_the_templates_reasoning_effort() -> None:
     payload, _ = messages_payload(_request(output_config={"effort": "low"}))
-    assert payload.chat_template_kwargs == {"reasoning_effort": "low"}
+    assert payload.chat_template_kwargs == {"reasoning_effort": "low", "enable_thinking": True}
     # count_tokens renders the same prompt.
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
             "output_config": {"effort": "low"}}  # fmt: skip
     payload, _ = messages_payload(CountTokensRequest.model_validate(body))
-    assert payload.chat_template_kwargs == {"reasoning_effort": "low"}
+    assert payload.chat_template_kwargs == {"reasoning_effort": "low", "enable_thinking": True}
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("chat_template_kwargs", {"enable_thinking": False}), ("chat_template", "{{ x }}"),
+    [("chat_template", "{{ x }}"),
      ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
      ("vllm_xargs", {"a": 1}), ("watermarking", True), ("n", 2)],
 )  # fmt: skip

@@ -70,7 +70,7 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", 
 # Routes that answer in Anthropic's error shape and name each SSE event.
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Valid by the schema, but a 400 by design (see openai_api): nudged cases leave them out.
-_UNSUPPORTED = ("suffix", "best_of", "chat_template", "chat_template_kwargs")
+_UNSUPPORTED = ("suffix", "best_of", "chat_template")
 # Values a schema-driven generator rarely or never draws (hypothesis's text has no surrogates)
 # and that once hung, killed or 500ed the server: ints past 64 bits (torch, msgpack, int64
 # tensors; a huge n), lone surrogates (tokenizer, prefix-cache hash, UTF-8 bodies), digits that

@@ -449,7 +449,7 @@ def test_chat_reasoning_effort_and_earlier_reasoning_reach_the_template() -> Non
                                  "function": {"name": "f", "arguments": "{}"}}]}]  # fmt: skip
     req = ChatCompletionRequest(model="m", messages=messages, reasoning_effort="high")
     payload = chat_payload(req)
-    assert payload["chat_template_kwargs"] == {"reasoning_effort": "high"}
+    assert payload["chat_template_kwargs"] == {"reasoning_effort": "high", "enable_thinking": True}
     assert payload["messages"][1]["reasoning_content"] == "think"
     assert "chat_template_kwargs" not in chat_payload(
         req.model_copy(update={"reasoning_effort": None})
@@ -649,9 +649,14 @@ def test_chat_whole_response_has_logprobs_content() -> None:
 
 
 @pytest.mark.parametrize("route", ["chat", "tokenize"])
-@pytest.mark.parametrize("field", ["chat_template", "chat_template_kwargs"])
-def test_request_supplied_chat_template_is_400_naming_it(field: str, route: str) -> None:
-    value: Any = "{{ messages }}" if field == "chat_template" else {"x": 1}
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"chat_template": "{{ x }}"}),
+     ("chat_template_kwargs", {"tokenize": False})],
+)  # fmt: skip
+def test_request_supplied_chat_template_is_400_naming_it(
+    field: str, value: Any, route: str
+) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
     with pytest.raises(APIError) as info:
         if route == "chat":

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from cluster.api.api_errors import APIError
-from cluster.api.openai_models import ChatCompletionRequest
 from cluster.api.openai_payloads import chat_payload
 from cluster.api.responses_models import ResponsesRequest
 from cluster.api.responses_payloads import chat_request, check_request, input_items
@@ -40,15 +39,16 @@ def _refused(**fields: Any) -> APIError:
     return info.value
 
 
-def test_chat_template_kwargs_is_the_chat_routes_400() -> None:
+def test_chat_template_kwargs_go_to_the_chat_request_as_vllm_takes_them() -> None:
     kwargs = {"enable_thinking": False}
-    error = _refused(chat_template_kwargs=kwargs)
-    chat = ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
-         "chat_template_kwargs": kwargs})  # fmt: skip
+    req = _request(chat_template_kwargs=kwargs)
+    check_request(req)
+    chat = chat_request(req, input_items(req.input))
+    assert chat_payload(chat).chat_template_kwargs == kwargs
+    refused = _request(chat_template_kwargs={"chat_template": "{{ x }}"})
     with pytest.raises(APIError) as info:
-        chat_payload(chat)
-    assert (error.message, error.param) == (info.value.message, info.value.param)
+        chat_payload(chat_request(refused, input_items(refused.input)))
+    assert (info.value.status, info.value.param) == (400, "chat_template_kwargs")
 
 
 def test_output_text_logprobs_are_refused_like_top_logprobs() -> None:

@@ -213,7 +213,7 @@ def test_output_config_format_is_the_grammar_of_the_payload() -> None:
     [({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type"),
      ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
      ({"output_format": {"type": "json_schema", "schema": "x"}}, "output_format.schema"),
-     ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+     ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
      ({"stream": "yes"}, "stream"), ({"temperature": 1.5}, "temperature")],
 )  # fmt: skip
 def test_bad_fields_are_400s_naming_them(fields: dict[str, Any], param: str) -> None:

@@ -1,0 +1,66 @@
+"""``chat_template_kwargs`` as vLLM takes them, through the chat route's payload and the
+front's render: variables for the model's own template (those it does not read are dropped),
+the request's own fields winning over them, ``chat_template`` and ``tokenize`` refused. The
+reference is Hugging Face's ``apply_chat_template`` on the same checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from cluster.api.api_errors import APIError
+from cluster.api.openai_models import ChatCompletionRequest
+from cluster.api.openai_payloads import chat_payload
+from cluster.serving.request_inputs import request_chat_prompt
+from engine.builtin.catalog import resolve_model_source
+
+# Its template reads enable_thinking: False renders an empty, closed think block.
+SOURCE = "builtin:tiny-qwen3-reasoning"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(resolve_model_source(SOURCE))
+
+
+def _prompt_ids(tokenizer: Any, **fields: Any) -> list[int]:
+    request = chat_payload(ChatCompletionRequest(model="m", messages=MESSAGES, **fields))
+    return request_chat_prompt(tokenizer, request, None, None)["prompt_token_ids"]
+
+
+def _hf(tokenizer: Any, **kwargs: Any) -> list[int]:
+    return tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+    )
+
+
+def test_a_variable_the_template_reads_renders_as_hugging_face_renders_it(tokenizer: Any) -> None:
+    off = _prompt_ids(tokenizer, chat_template_kwargs={"enable_thinking": False})
+    assert off == _hf(tokenizer, enable_thinking=False) != _hf(tokenizer)
+    # Variables it does not read are dropped, as are those the request's fields set.
+    noisy = {
+        "enable_thinking": False,
+        "not_read": 1,
+        "messages": [],
+        "add_generation_prompt": False,
+    }
+    assert _prompt_ids(tokenizer, chat_template_kwargs=noisy) == off
+
+
+def test_reasoning_effort_sets_enable_thinking_unless_the_kwargs_do(tokenizer: Any) -> None:
+    on = _prompt_ids(tokenizer, reasoning_effort="low")
+    assert on == _hf(tokenizer, reasoning_effort="low", enable_thinking=True)
+    kwargs = {"enable_thinking": False}
+    off = _prompt_ids(tokenizer, reasoning_effort="low", chat_template_kwargs=kwargs)
+    assert off == _hf(tokenizer, enable_thinking=False) != on
+
+
+@pytest.mark.parametrize("name", ["chat_template", "tokenize"])
+def test_a_kwarg_that_is_no_template_variable_is_a_400_naming_the_field(name: str) -> None:
+    req = ChatCompletionRequest(model="m", messages=MESSAGES, chat_template_kwargs={name: "x"})
+    with pytest.raises(APIError) as info:
+        chat_payload(req)
+    assert (info.value.status, info.value.param) == (400, "chat_template_kwargs")
