@@ -81,7 +81,7 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     if isinstance(req, MessagesRequest):
         body.update(_generation_fields(req))
     kwargs = (req.model_extra or {}).get("chat_template_kwargs")
-    if kwargs is not None:  # vLLM's extension, as on the chat route (thinking goes over it)
+    if kwargs is not None:  # vLLM's extension, as on the chat route (over thinking's)
         body["chat_template_kwargs"] = kwargs
     if req.output_config is not None and req.output_config.effort is not None:
         body["reasoning_effort"] = req.output_config.effort  # a template variable

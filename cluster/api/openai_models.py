@@ -241,7 +241,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # For the model's chat template, as vLLM passes it (gpt-oss's "Reasoning: ..." line).
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM 0.32's values; a model's template (or gpt-oss's harmony prompt) may take fewer.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
     # vLLM's: false renders the messages without the template's generation prompt (the
     # assistant turn's opening); continue_final_message leaves the last (assistant) message
     # open for the output to continue (a prefill), without one either.

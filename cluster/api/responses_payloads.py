@@ -87,7 +87,7 @@ def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComp
         body["chat_template_kwargs"] = extra["chat_template_kwargs"]
     effort = extra.get("reasoning")
     effort = effort.get("effort") if isinstance(effort, dict) else None
-    if effort in ("low", "medium", "high"):  # others (minimal, none) are ignored
+    if effort is not None:  # the chat route checks it (vLLM's values)
         body["reasoning_effort"] = effort
     if req.tools:
         body["tools"] = [chat_tool(t) for t in req.tools]

@@ -80,7 +80,7 @@ def _good_name(name: str) -> bool:
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting past the parser's depth
         return False
     return True
 

@@ -33,8 +33,12 @@ def messages_payload(req: CountTokensRequest) -> tuple[GenerateRequest, Any]:
     chat = chat_request(req)
     payload = chat_payload(chat)
     kwargs = template_kwargs(req)
-    if kwargs is not None:  # thinking: a template variable, beside the chat's own
-        merged = {**(payload.chat_template_kwargs or {}), **kwargs}
+    if kwargs is not None:  # thinking: a template variable; the request's own kwargs win
+        merged = {
+            **(payload.chat_template_kwargs or {}),
+            **kwargs,
+            **(chat.chat_template_kwargs or {}),
+        }
         payload = msgspec.structs.replace(payload, chat_template_kwargs=merged)
     return payload, chat
 

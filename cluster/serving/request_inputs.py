@@ -13,7 +13,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import TemplateError, meta
+from jinja2 import TemplateError, meta, nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cluster.api.replica_messages import EmbedRequest, GenerateRequest
@@ -77,8 +79,7 @@ def chat_prompt_ids(
     if not _knows_developer_role(template):
         messages = developer_as_system(messages)
     if options.template_kwargs:
-        names = _template_variables(template)
-        kwargs = {k: v for k, v in options.template_kwargs.items() if k in names}
+        kwargs = _template_kwargs(template, options.template_kwargs, harmony)
         options = dataclasses.replace(options, template_kwargs=kwargs)
     render = _harmony_ids if harmony else _template_ids
     try:
@@ -127,28 +128,54 @@ def _harmony_ids(
     )
 
 
-# Template variables the render sets itself from the request's own fields.
-_RENDER_ARGUMENTS = frozenset(
-    {"messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template"}
-)
+# Template variables the render sets from the request's own fields, and functions Hugging Face
+# gives every template: a request's chat_template_kwargs never set them.
+_SUPPLIED = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
+     "raise_exception", "strftime_now"}
+)  # fmt: skip
+# gpt-oss's prompt is harmony's system message, not a template's (vLLM renders it with
+# openai_harmony): only its fields reach it, the reasoning effort, identity and date.
+_HARMONY_VARIABLES = frozenset({"reasoning_effort", "model_identity", "current_date"})
+_HARMONY_EFFORTS = ("low", "medium", "high")
 
 
-def _template_variables(template: Any) -> frozenset[str]:
-    """The variables ``template`` (a template, or named ones) reads that a request's
-    ``chat_template_kwargs`` may set: every other kwarg is dropped, as vLLM drops them."""
+def _template_kwargs(template: Any, kwargs: dict[str, Any], harmony: bool) -> dict[str, Any]:
+    """The request's ``chat_template_kwargs`` that ``template`` (one, or named ones) reads:
+    the others are dropped, as vLLM drops them (all kept but the supplied ones when the
+    template cannot be parsed here; rendering says what is wrong with it)."""
+    if harmony:
+        effort = kwargs.get("reasoning_effort")
+        if effort is not None and effort not in _HARMONY_EFFORTS:
+            raise InvalidRequestError(
+                f"gpt-oss takes low, medium or high, got {effort!r}", param="reasoning_effort"
+            )
+        return {k: v for k, v in kwargs.items() if k in _HARMONY_VARIABLES}
     texts = template.values() if isinstance(template, dict) else [template]
-    return frozenset().union(*(_read_variables(t) for t in texts if isinstance(t, str)))
+    read = [_read_variables(t) for t in texts if isinstance(t, str)]
+    names = None if None in read else frozenset().union(*read)
+    return {k: v for k, v in kwargs.items() if k not in _SUPPLIED and (names is None or k in names)}
+
+
+class _GenerationTag(Extension):
+    """Hugging Face's ``{% generation %}`` block (it marks the assistant's tokens for
+    training), read as its body: templates that use it parse here."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2's class attribute)
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 @functools.lru_cache(maxsize=16)
-def _read_variables(template: str) -> frozenset[str]:
+def _read_variables(template: str) -> frozenset[str] | None:
+    """The undeclared variables of ``template`` (None: it does not parse)."""
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols", _GenerationTag])
     try:
-        parsed = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(
-            template
-        )
-    except TemplateError:  # rendering will say what is wrong with it
-        return frozenset()
-    return frozenset(meta.find_undeclared_variables(parsed)) - _RENDER_ARGUMENTS
+        return frozenset(meta.find_undeclared_variables(env.parse(template)))
+    except TemplateError:
+        return None
 
 
 def _knows_developer_role(template: Any) -> bool:

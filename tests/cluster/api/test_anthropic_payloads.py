@@ -149,6 +149,9 @@ def test_thinking_is_the_templates_enable_thinking() -> None:
     payload, _ = messages_payload(enabled)
     assert payload.chat_template_kwargs == {"enable_thinking": True}
     assert template_kwargs(_request(thinking={"type": "disabled"})) == {"enable_thinking": False}
+    # The request's own chat_template_kwargs win over thinking's, as in vLLM.
+    own = _request(thinking={"type": "disabled"}, chat_template_kwargs={"enable_thinking": True})
+    assert messages_payload(own)[0].chat_template_kwargs == {"enable_thinking": True}
     assert (
         template_kwargs(_request()) is None
         and messages_payload(_request())[0].chat_template_kwargs is None

@@ -481,3 +481,13 @@ def test_random_marker_soup_never_raises_and_streams_as_whole_where_no_call_is_c
         for chunks in (parts, list(text)):
             streamed = _calls(fold_deltas(_stream(parser.streamer(), chunks)))
             assert cut or streamed == whole, text
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v31"])
+def test_a_cut_off_call_nested_past_json_depth_is_no_crash(name: str) -> None:
+    """A block cut off with arguments nested deeper than ``json`` parses (a looping model at
+    max_tokens) is read like any cut-off block whose arguments are not whole JSON."""
+    head = "function<｜tool▁sep｜>f\n```json\n" if name == "deepseek_v3" else "f<｜tool▁sep｜>"
+    text = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + head + "[" * 5000
+    parsed = get_tool_parser(name).parse(text)
+    assert not parsed.tool_calls and (parsed.content or "").endswith(head + "[" * 5000)

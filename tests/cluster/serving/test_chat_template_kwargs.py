@@ -15,6 +15,7 @@ from cluster.api.openai_models import ChatCompletionRequest
 from cluster.api.openai_payloads import chat_payload
 from cluster.serving.request_inputs import request_chat_prompt
 from engine.builtin.catalog import resolve_model_source
+from engine.errors import InvalidRequestError
 
 # Its template reads enable_thinking: False renders an empty, closed think block.
 SOURCE = "builtin:tiny-qwen3-reasoning"
@@ -51,6 +52,7 @@ def test_a_variable_the_template_reads_renders_as_hugging_face_renders_it(tokeni
 
 
 def test_reasoning_effort_sets_enable_thinking_unless_the_kwargs_do(tokenizer: Any) -> None:
+    assert _prompt_ids(tokenizer, reasoning_effort="none") == _hf(tokenizer, enable_thinking=False)
     on = _prompt_ids(tokenizer, reasoning_effort="low")
     assert on == _hf(tokenizer, reasoning_effort="low", enable_thinking=True)
     kwargs = {"enable_thinking": False}
@@ -64,3 +66,28 @@ def test_a_kwarg_that_is_no_template_variable_is_a_400_naming_the_field(name: st
     with pytest.raises(APIError) as info:
         chat_payload(req)
     assert (info.value.status, info.value.param) == (400, "chat_template_kwargs")
+
+
+def test_a_template_with_a_generation_block_still_reads_them(tokenizer: Any) -> None:
+    """Hugging Face's ``{% generation %}`` tag (training templates) does not hide the variables."""
+    marked = AutoTokenizer.from_pretrained(resolve_model_source(SOURCE))
+    marked.chat_template = (
+        "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}off{% endif %}"
+    )
+    off = _prompt_ids(marked, chat_template_kwargs={"enable_thinking": False})
+    assert marked.decode(off) == "Hioff"
+
+
+def test_gpt_oss_takes_only_the_reasoning_effort() -> None:
+    """gpt-oss's prompt is harmony's: only its system message's fields reach it (a variable of
+    the template's own, or a function it calls, does not), and an effort harmony has no level
+    for is a 400 naming ``reasoning_effort``."""
+    harmony = AutoTokenizer.from_pretrained(resolve_model_source("builtin:tiny-gpt-oss"))
+    plain = _prompt_ids(harmony, reasoning_effort="high")
+    others = {"strftime_now": 1, "raise_exception": 1, "found": True, "enable_thinking": False}
+    assert _prompt_ids(harmony, reasoning_effort="high", chat_template_kwargs=others) == plain
+    assert plain != _prompt_ids(harmony, reasoning_effort="low")
+    with pytest.raises(InvalidRequestError) as info:
+        _prompt_ids(harmony, reasoning_effort="none")
+    assert info.value.param == "reasoning_effort"
