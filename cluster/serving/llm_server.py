@@ -13,7 +13,8 @@ deltas to that channel (``cluster.serving.token_channel``), and ``StreamStart.he
 head. Its start goes out as soon as the head has the request (after its first delta only when it
 carries the prompt's logprobs); this call still lasts until the request ends, so Serve's routing,
 queue limits and drain see it. The pooling calls (``embed``, ``score``) are
-``cluster.serving.pooling_server``'s.
+``cluster.serving.pooling_server``'s, sleep and wake ``sleep_server``'s, the engine's numbers
+(``stats``, Serve's routing and autoscaling hooks, ``/metrics``) ``stats_server``'s.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from cluster.serving.request_inputs import (
 from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
 from cluster.serving.sleep_server import SleepServer
 from cluster.serving.start_errors import ModelStartError, known_start_failure
-from engine.client.async_llm_engine import AsyncLLMEngine, EngineStats
+from cluster.serving.stats_server import StatsServer
+from engine.client.async_llm_engine import AsyncLLMEngine
 from engine.client.core_client import InProcessCoreClient
 from engine.config import EngineConfig
 from engine.core.data_parallel import build_engine
@@ -62,7 +64,6 @@ from engine.errors import (
     InvalidRequestError,
     RequestAbortedError,
 )
-from engine.kv_transfer.store import engine_store
 from engine.lora import LoRARequest
 from engine.multimodal.chat import image_placeholder
 from engine.multimodal.processor import MultiModalProcessor
@@ -73,7 +74,6 @@ from engine.vlm_config import is_vlm
 logger = logging.getLogger("llm_cluster.serve")
 
 _SINK_FLUSH_S = 3.0
-_STORE_SCAN_S = 15.0  # how often the node's KV store is measured for /metrics
 
 
 def error_item(
@@ -86,7 +86,7 @@ def error_item(
     return StreamError(status, message, param, code, retry_after)
 
 
-class LLMServer(PoolingServer, SleepServer):
+class LLMServer(PoolingServer, SleepServer, StatsServer):
     """The front of one model replica. Serve calls ``check_health`` periodically: it raises
     once the engine is dead, so Serve replaces the replica."""
 
@@ -128,8 +128,7 @@ class LLMServer(PoolingServer, SleepServer):
                 raise
             raise ModelStartError(model_id, reason) from exc
         self.metrics = ModelMetrics(model_id, self.replica_id)
-        self._stats_task: asyncio.Task[None] | None = None
-        self._last_stats: tuple[float, EngineStats] | None = None  # (monotonic time, snapshot)
+        self._init_stats()
         # Graceful drain (scale-down, redeploy, shutdown): see ``_drain``.
         self.drain_timeout_s = drain_timeout_s
         self.draining = False
@@ -447,74 +446,6 @@ class LLMServer(PoolingServer, SleepServer):
             return {"healthy": False, "error": "the engine is dead"}
         return {"healthy": True}
 
-    async def stats(self) -> dict[str, Any]:
-        stats = await self._engine_stats()
-        return {
-            "model_id": self.model_id,
-            "replica_id": self.replica_id,
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting,
-            "kv_total_blocks": stats.kv_total_blocks,
-            "kv_free_blocks": stats.kv_free_blocks,
-            "kv_usage": stats.kv_usage,
-            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
-            "prefix_cache_queries": stats.prefix_cache_queries,
-            "prefix_cache_hits": stats.prefix_cache_hits,
-            "external_prefix_cache_queries": stats.external_prefix_cache_queries,
-            "external_prefix_cache_hits": stats.external_prefix_cache_hits,
-            "num_preemptions": stats.num_preemptions,
-            "prompt_tokens_total": stats.prompt_tokens_total,
-            "generation_tokens_total": stats.generation_tokens_total,
-        }
-
-    async def record_routing_stats(self) -> dict[str, Any]:
-        """Serve's hook for the request router (every ``routing_stats_period_s``): the engine's
-        queue and KV usage, from the last snapshot when it is fresh (no extra round trip)."""
-        stats = await self._recent_stats()
-        return {
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting,
-            "kv_usage": stats.kv_usage,
-            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
-            "sleeping": self.sleep_level is not None,
-        }
-
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's hook for the autoscaling policy (``cluster.serving.autoscaling_policy``): numbers
-        only, aggregated by Serve's controller over ``look_back_period_s``."""
-        stats = await self._recent_stats()
-        return {
-            "num_running": float(stats.num_running),
-            "num_waiting": float(stats.num_waiting),
-            "kv_usage": float(stats.kv_usage),
-            "asleep": float(self.sleep_level is not None),
-        }
-
-    async def _recent_stats(self, max_age_s: float = 1.5) -> EngineStats:
-        now = time.monotonic()
-        if self._last_stats is not None and now - self._last_stats[0] <= max_age_s:
-            return self._last_stats[1]
-        stats = await self._engine_stats()
-        self._last_stats = (now, stats)
-        return stats
-
-    async def _engine_stats(self) -> EngineStats:
-        if self.engine is None:  # started asleep, not woken yet: it holds nothing
-            return EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
-        return await self.engine.get_stats()
-
-    async def request_state(self) -> dict[str, Any]:
-        """Per-request state on the head and the workers (all 0 once idle), plus the KV pool."""
-        stats = await self._engine_stats()
-        # (Started asleep and not woken yet: nothing held anywhere.)
-        state = await self.engine.request_state() if self.engine else {"head": {}, "workers": []}
-        return {
-            **state,
-            "replica_id": self.replica_id,
-            "kv_total_blocks": stats.kv_total_blocks,
-            "kv_free_blocks": stats.kv_free_blocks,
-        }
-
     def _ensure_stats_task(self) -> None:
         loop = asyncio.get_running_loop()
         if self._stats_task is None or self._stats_task.done():
@@ -564,23 +495,6 @@ class LLMServer(PoolingServer, SleepServer):
             logger.warning("model %s: drain timeout, aborted %d requests",
                            self.model_id, len(leftover))  # fmt: skip
         return {"finished": in_flight - len(leftover), "aborted": len(leftover)}
-
-    async def _publish_stats(self) -> None:
-        transfer = self.config.kv_transfer.kv_transfer_config
-        store = None  # the node's KV store (SharedStorageConnector): its size, scanned seldom
-        if transfer is not None and transfer.kv_connector == "SharedStorageConnector":
-            store = engine_store(self.config)
-        next_scan = 0.0
-        while self.engine is None or not self.engine.is_dead:
-            with contextlib.suppress(EngineDeadError):
-                stats = await self._engine_stats()
-                self._last_stats = (time.monotonic(), stats)
-                self.metrics.publish(stats)
-            if store is not None and time.monotonic() >= next_scan:
-                next_scan = time.monotonic() + _STORE_SCAN_S
-                used, files, evicted = await asyncio.to_thread(store.usage)
-                self.metrics.publish_kv_store(used, files, evicted, store.max_bytes)
-            await asyncio.sleep(1.0)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # (also None's AttributeError: never started)
