@@ -370,9 +370,16 @@ class CallStream:
         return consumed
 
 
-def held_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0
+def held_suffix(text: str, *tags: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of one of ``tags``: text
+    a stream holds back, as it may still become a tag."""
+    window = text[-max(len(tag) for tag in tags) :]
+    if not any(tag[0] in window for tag in tags):
+        return 0  # the usual case, decided fast
+    held = 0
+    for tag in tags:
+        for length in range(min(len(tag) - 1, len(text)), held, -1):
+            if text.endswith(tag[:length]):
+                held = length
+                break
+    return held

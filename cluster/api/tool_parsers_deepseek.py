@@ -65,14 +65,6 @@ def _first(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str]:
     return found
 
 
-def _held(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the end of ``text`` that may still become one of ``tags``."""
-    window = text[-max(len(tag) for tag in tags) :]
-    if not any(tag[0] in window for tag in tags):
-        return 0  # the usual case, decided fast
-    return max(held_suffix(text, tag) for tag in tags)
-
-
 def _good_name(name: str) -> bool:
     return bool(name.strip(WHITESPACE)) and "\n" not in name and TOOL_SEP not in name
 
@@ -219,7 +211,7 @@ class DeepSeekStreamer(ToolCallStreamer):
         buf = self._pending + text
         pos, tag = _first(buf, _SECTION_MARKERS)
         run = buf if pos < 0 else buf[:pos]
-        decided = len(run) - (_held(run, _SECTION_MARKERS) if pos < 0 else 0)
+        decided = len(run) - (held_suffix(run, *_SECTION_MARKERS) if pos < 0 else 0)
         self._pending = run[decided:]
         if self._run_is_text:
             out.content(run[:decided])
@@ -260,7 +252,7 @@ class DeepSeekStreamer(ToolCallStreamer):
         if self._bad or state == "bad":
             self._bad = True
             raw = CALL_BEGIN + self._body
-            upto = max(self._said, len(raw) - _held(raw, _BLOCK_ENDS))
+            upto = max(self._said, len(raw) - held_suffix(raw, *_BLOCK_ENDS))
             out.content(raw[self._said : upto])
             self._said = upto
         elif state == "ok" and not self._whole_text:
@@ -285,9 +277,9 @@ class DeepSeekStreamer(ToolCallStreamer):
         if ended:
             fenced = bool(self._close) and text.endswith(self._close)
             return text[: len(text) - len(self._close)] if fenced else text
-        held = _held(text, _BLOCK_ENDS)
+        held = held_suffix(text, *_BLOCK_ENDS)
         if self._close:
-            held = max(held, _held(text, tuple(self._close + tag for tag in _BLOCK_ENDS)))
+            held = max(held, held_suffix(text, *(self._close + tag for tag in _BLOCK_ENDS)))
         return text[: len(text) - held]
 
     def _send(self, name: str, arguments: str, out: Deltas) -> None:

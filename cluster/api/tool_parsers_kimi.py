@@ -98,7 +98,7 @@ class _KimiK2Streamer(ToolCallStreamer):
             markers = self._markers()
             found = _find_marker(text, markers)
             if found is None:
-                held = max(held_suffix(text, marker) for marker in markers)
+                held = held_suffix(text, *markers)
                 self._text(text[: len(text) - held], out)
                 self._pending = text[len(text) - held :]
                 break

@@ -216,7 +216,7 @@ class _Qwen3CoderStreamer(ToolCallStreamer):
         if found:
             where, tag = min(found)
             return where, tag, where
-        held = 0 if at_end else max(held_suffix(self._buf, tag) for tag in tags)
+        held = 0 if at_end else held_suffix(self._buf, *tags)
         return -1, "", len(self._buf) - held
 
     def _in_text(self, out: Deltas, at_end: bool) -> bool:
