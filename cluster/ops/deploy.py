@@ -186,7 +186,15 @@ def start_serve(config: DeploymentConfig) -> None:
         differences = serve_option_differences(config, http_options, *running)
         if differences:
             raise DeployError(config.app_name, differences)
-    serve.start(http_options=http_options, grpc_options=grpc_options)
+    try:
+        serve.start(http_options=http_options, grpc_options=grpc_options)
+    except (ray.exceptions.ActorDiedError, TimeoutError):
+        # ``serve.start`` waits for the first proxies; the controller kills one not ready after
+        # three checks (5 s each, a busy machine) and starts another, ``wait_for_proxies``'s to
+        # wait for. Only a controller that died too fails the start.
+        if _serve_controller() is None:
+            raise
+        logger.warning("Serve's controller replaced a proxy that was slow to start")
 
 
 def _running_serve_options() -> tuple[Any, Any] | None:
