@@ -9,10 +9,15 @@ runtime_env; read at each load, so a test can change it). Production code has no
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import os
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 DELAY_FILE_ENV = "SLOW_LOAD_DELAY_FILE"
@@ -35,8 +40,43 @@ def set_delay(delay_file: Path, seconds_per_tensor: float) -> None:
 
 
 def slow_down() -> None:
-    import engine.worker.model_loader as loader
+    """Slow the loader of this worker process, once it imports it: a worker that never loads a
+    model (Serve's controller and proxies) does not import torch for it. Importing it here
+    made each of them start seconds later, long enough on a busy 2-core machine for Serve to
+    kill a proxy that was still starting (2026-12-07)."""
+    module = sys.modules.get(LOADER)
+    if module is not None:
+        _slow(module)
+    else:
+        sys.meta_path.insert(0, _SlowOnImport())
 
+
+LOADER = "engine.worker.model_loader"
+
+
+class _SlowOnImport(importlib.abc.MetaPathFinder):
+    """Finds ``LOADER`` as the path finder does, and slows the module once it has run."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname != LOADER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def run_and_slow(module: ModuleType) -> None:
+            run(module)
+            _slow(module)
+
+        spec.loader.exec_module = run_and_slow  # type: ignore[method-assign]
+        return spec
+
+
+def _slow(loader: ModuleType) -> None:
     delay_file = Path(os.environ[DELAY_FILE_ENV])
     original = loader.iterate_checkpoint
 
@@ -46,4 +86,4 @@ def slow_down() -> None:
             time.sleep(delay)
             yield item
 
-    loader.iterate_checkpoint = slow_iterate  # type: ignore[assignment]
+    loader.iterate_checkpoint = slow_iterate  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,21 +158,39 @@ def test_a_starting_replica_shows_its_load_and_health_is_not_ready_until_it_serv
     raw.pop("grpc_options")
     raw["app_name"] = "slowload"
     config = load_config(raw)
-    deployer = threading.Thread(target=deploy.deploy, args=(config, lambda line: None, 0.5))
+    lines: list[str] = []
+    raised: list[str] = []
+
+    def run_deploy() -> None:
+        try:
+            deploy.deploy(config, lines.append, 0.5)
+        except BaseException:  # named by the assertions below, not lost in the thread
+            raised.append(traceback.format_exc())
+
+    deployer = threading.Thread(target=run_deploy)
+    started = time.monotonic()
     deployer.start()
     try:
         loading: list[dict[str, Any]] = []
-        deadline = time.monotonic() + 120
+        phases: list[str] = []
+        status: dict[str, Any] = {}
+        deadline = started + 300  # a replica may wait long for a CPU on a busy 2-core machine
         while deployer.is_alive() and time.monotonic() < deadline and not loading:
             status = deploy.cluster_status("slowload")
             entry = status["models"].get("tiny-llama", {})
+            phases.extend(w["phase"] for w in entry.get("loading", []) if w["phase"] not in phases)
             loading = [
                 w
                 for w in entry.get("loading", [])
                 if w["phase"] == "loading weights" and 0 < w["bytes_read"] < w["bytes_total"]
             ]
             time.sleep(0.3)
-        assert loading, "no record of a load under way seen while the replica started"
+        state = "is waiting" if deployer.is_alive() else f"ended, raising {''.join(raised)}"
+        assert loading, (
+            f"no record of a load under way seen while the replica started: after "
+            f"{time.monotonic() - started:.0f} s deploy {state}; phases seen {phases}; "
+            f"deploy printed {lines}; last status {status}"
+        )
         base_url = deploy.endpoint(config).removesuffix("/v1")
         asked = time.monotonic()
         health = _our_answer(f"{base_url}/health", deadline)
@@ -187,6 +206,7 @@ def test_a_starting_replica_shows_its_load_and_health_is_not_ready_until_it_serv
         checkpoint = checkpoint_tensor_bytes(resolve_model_source(MODEL))
         assert worker["bytes_total"] == sum(checkpoint.values())
         deployer.join(timeout=120)
+        assert not raised, "".join(raised)
         status = deploy.cluster_status("slowload")
         assert status["status"] == "RUNNING"
         assert "loading" not in status["models"]["tiny-llama"]
