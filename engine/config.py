@@ -12,7 +12,7 @@ that checks its own fields (``engine.config_sections``), in ``engine.validation`
     ├── kernel:    KernelConfig     (attention_backend, enforce_eager)
     ├── sampling:  SamplingConfig   (server-wide request caps: max_n, max_logprobs)
     ├── pooler:    PoolerConfig     (pooling_type of embedding requests: last | mean)
-    ├── frontend:  FrontendConfig   (tool_call_parser, enable_auto_tool_choice, reasoning_parser)
+    ├── frontend:  FrontendConfig   (tool and reasoning parsers, chat template and its defaults)
     ├── lora:      LoRAConfig       (enable_lora, max_loras, max_lora_rank, max_cpu_loras)
     ├── speculative: SpeculativeArgs (speculative_config; engine.spec_decode.config)
     └── kv_transfer: KVTransferArgs  (kv_transfer_config; engine.kv_transfer.config)
@@ -153,6 +153,12 @@ class EngineConfig:
         )
         frontend = FrontendConfig(**_frontend_defaults(model, groups["frontend"]))
         frontend.check_auto_tool_choice()
+        require(
+            frontend.chat_template is None or model.architecture != GPT_OSS,
+            "chat_template",
+            "gpt-oss's chats are rendered in its harmony format, not by a chat template; "
+            "leave chat_template unset",
+        )
         cache = CacheConfig(**groups["cache"])
         kv_transfer = KVTransferArgs(**groups["kv_transfer"])
         check_kv_transfer_support(

@@ -1,7 +1,7 @@
 """The sections of ``engine.config.EngineConfig``: one small frozen dataclass per concern (what
 to load, the KV cache, the scheduler, parallelism, device, kernels, server-wide sampling caps,
-pooling, the serving front's parsers, LoRA), each checking its own fields in ``__post_init__``
-under the names of vLLM's arguments, in ``engine.validation``'s one message format
+pooling, the serving front's parsers and chat template, LoRA), each checking its own fields in
+``__post_init__`` under the names of vLLM's arguments, in ``engine.validation``'s one message format
 (``max_num_seqs: must be an integer >= 1, got 0``). A section checks only its own fields: what
 needs the checkpoint or another section (heads against tensor_parallel_size, a draft against its
 target) is ``EngineConfig.from_kwargs``'s. The speculative and KV transfer sections live with
@@ -11,10 +11,12 @@ their features (``engine.spec_decode.config``, ``engine.kv_transfer.config``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from engine.errors import ConfigError
 from engine.model_heads import CONVERTS, RUNNERS, Task, family_architecture, resolve_task
 from engine.quantization.config import ONLINE_METHODS
 from engine.validation import (
@@ -392,16 +394,36 @@ class FrontendConfig:
     (vLLM's server option) splits a reasoning model's think block out of chat answers
     (``cluster.api.reasoning_parsers``, which checks the name). gpt-oss's ``openai_gptoss`` and
     ``openai`` come as a pair (naming one names the other) and are ``GptOssForCausalLM``'s
-    default."""
+    default. ``chat_template`` replaces the tokenizer's (vLLM's ``--chat-template``: a Jinja
+    file's path, held here as its text, or the template itself), and
+    ``default_chat_template_kwargs`` are template variables a chat request's own
+    ``chat_template_kwargs`` override (vLLM's server option of that name)."""
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    chat_template: str | None = None
+    default_chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_bool(self.enable_auto_tool_choice, "enable_auto_tool_choice")
         check_str(self.tool_call_parser, "tool_call_parser", note="a parser name", optional=True)
         check_str(self.reasoning_parser, "reasoning_parser", note="a parser name", optional=True)
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
+        defaults = self.default_chat_template_kwargs
+        require(
+            defaults is None
+            or (isinstance(defaults, dict) and all(isinstance(k, str) for k in defaults)),
+            "default_chat_template_kwargs",
+            f"must be a mapping of template variable names to values, got {defaults!r}",
+        )
+        for key in ("chat_template", "tokenize"):  # as a request's chat_template_kwargs
+            require(
+                key not in (defaults or {}),
+                f"default_chat_template_kwargs.{key}",
+                "is not a template variable (set chat_template among the engine arguments)",
+            )
         self._pair_harmony_parsers()
 
     def check_auto_tool_choice(self) -> None:
@@ -425,6 +447,25 @@ class FrontendConfig:
                 f"must be {value!r} (or unset) with {named[0]} {HARMONY_PARSERS[named[0]]!r}: "
                 f"both read gpt-oss's harmony format, got {getattr(self, key)!r}",
             )
+
+
+def load_chat_template(value: object) -> str:
+    """``chat_template`` as vLLM's ``--chat-template`` reads it: text holding ``{``, ``}`` or a
+    line break is the template itself; anything else is the path of a file holding it."""
+    check_str(value, "chat_template", non_empty=True, note="a Jinja template or its file's path")
+    value = str(value)
+    if any(c in value for c in "{}\n"):
+        return value
+    try:
+        text = Path(value).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(
+            f"chat_template: {value!r} is not a template (no '{{', '}}' or line break) and "
+            f"cannot be read as a file: {reason}"
+        ) from None
+    require(bool(text.strip()), "chat_template", f"the file {value!r} is empty")
+    return text
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "enable_auto_tool_choice": ("frontend", "enable_auto_tool_choice"),
     "tool_call_parser": ("frontend", "tool_call_parser"),
     "reasoning_parser": ("frontend", "reasoning_parser"),
+    "chat_template": ("frontend", "chat_template"),
+    "default_chat_template_kwargs": ("frontend", "default_chat_template_kwargs"),
     "enable_lora": ("lora", "enable_lora"),
     "max_loras": ("lora", "max_loras"),
     "max_lora_rank": ("lora", "max_lora_rank"),

@@ -445,6 +445,7 @@ def check_config(config: DeploymentConfig) -> None:
                 f"{path}.engine_kwargs.enable_lora",
                 "cannot be false with lora_config",
             )
+        read_chat_templates(model, path)
         check_engine_kwargs(model, f"{path}.engine_kwargs")
         if model.sleep_config is not None:
             model.sleep_config.check(f"{path}.sleep_config")
@@ -510,6 +511,23 @@ def check_placement(
         f"replicas share a GPU, got {utilization!r}: each instance takes that fraction of its "
         "GPU's memory, so the replicas Ray puts on one GPU must fit it together",
     )
+
+
+def read_chat_templates(model: ModelDeployment, path: str) -> None:
+    """A ``chat_template`` file is read here, where the config is loaded (a relative path from
+    this working directory, as vLLM's): its text goes to the replicas, on other nodes."""
+    from engine.config_sections import load_chat_template  # torch: see check_engine_kwargs
+
+    sides = [("", model.engine_kwargs)]
+    if model.disaggregation is not None:
+        sides += [(f".disaggregation.{role}", getattr(model.disaggregation, role).engine_kwargs)
+                  for role in ("prefill", "decode")]  # fmt: skip
+    for where, kwargs in sides:
+        if "chat_template" in kwargs:
+            try:
+                kwargs["chat_template"] = load_chat_template(kwargs["chat_template"])
+            except ConfigError as exc:
+                raise ConfigError(f"{path}{where}.engine_kwargs.{exc}") from None
 
 
 def check_engine_kwargs(model: ModelDeployment, path: str) -> None:

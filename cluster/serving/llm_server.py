@@ -47,6 +47,7 @@ from cluster.serving.request_inputs import (
     request_chat_prompt,
     request_prompt,
     sampling_params_from,
+    with_template_defaults,
 )
 from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
 from cluster.serving.sleep_server import SleepServer
@@ -199,6 +200,7 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
             yield self._draining_error()
             return
         timer = self.metrics.request_timer(time.monotonic())
+        request = with_template_defaults(request, self.config.frontend.default_chat_template_kwargs)
         request_id = request.request_id
         self._active.add(request_id)
         try:
@@ -394,8 +396,12 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
         try:
             if request.messages is not None:
                 # A VLM's image parts count as their image's tokens, as the engine sees them.
+                defaults = self.config.frontend.default_chat_template_kwargs
                 prompt = request_chat_prompt(
-                    self.tokenizer, request, self.multimodal, self.image_placeholder
+                    self.tokenizer,
+                    with_template_defaults(request, defaults),
+                    self.multimodal,
+                    self.image_placeholder,
                 )
                 ids = prompt["prompt_token_ids"]
             else:

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from jinja2 import TemplateError, meta, nodes
 from jinja2.ext import Extension
 from jinja2.parser import Parser
@@ -245,6 +246,17 @@ def request_prompt(
         ids = tokenizer.encode(prompt, add_special_tokens=special)
         return {"prompt": prompt, "prompt_token_ids": ids}
     return prompt  # the core names what is wrong with it
+
+
+def with_template_defaults(request: GenerateRequest, defaults: dict[str, Any] | None) -> Any:
+    """A chat request with the model's ``default_chat_template_kwargs`` under its own
+    ``chat_template_kwargs`` (vLLM's merge: a request's value of None or "auto" leaves the
+    default); other requests as they are."""
+    if not defaults or request.messages is None:
+        return request
+    own = request.chat_template_kwargs or {}
+    merged = {**defaults, **{k: v for k, v in own.items() if v is not None and v != "auto"}}
+    return msgspec.structs.replace(request, chat_template_kwargs=merged)
 
 
 def request_chat_prompt(

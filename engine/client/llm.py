@@ -255,22 +255,45 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template (a harmony model's, gpt-oss's: the harmony template,
-        ``engine.harmony_template``), then generate. A message's content may be a list of
-        OpenAI-style parts (``text``, ``image_url`` with a data: URL, ``image_pil``) for a
-        vision-language model (``engine.multimodal.chat``)."""
+        """Apply the model's chat template (``chat_template``: another one, for these chats; a
+        harmony model's, gpt-oss's: the harmony template, ``engine.harmony_template``), then
+        generate. The template options are vLLM's ``LLM.chat``'s (``continue_final_message``
+        leaves the last message open, with no generation prompt). A message's content may be a
+        list of OpenAI-style parts (``text``, ``image_url`` with a data: URL, ``image_pil``)
+        for a vision-language model (``engine.multimodal.chat``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         placeholder = image_placeholder(self.llm_engine.config.model.hf_config, tokenizer)
+        harmony = is_harmony_tokenizer(tokenizer)
+        if harmony and chat_template is not None:
+            raise InvalidRequestError(
+                "gpt-oss's chats are rendered in its harmony format, not by a chat template",
+                param="chat_template",
+            )
+        options: dict[str, Any] = {
+            "add_generation_prompt": add_generation_prompt and not continue_final_message,
+            "continue_final_message": continue_final_message,
+            **(chat_template_kwargs or {}),
+        }
         prompts: list[PromptType] = []
         for conversation in conversations:
             text_messages, images = split_content_parts(list(conversation), placeholder)
-            if is_harmony_tokenizer(tokenizer):  # gpt-oss: as the server renders it
-                ids = harmony_prompt_ids(tokenizer, text_messages)
+            if harmony:  # gpt-oss: as the server renders it
+                ids = harmony_prompt_ids(tokenizer, text_messages, tools, **options)
             else:
                 ids = tokenizer.apply_chat_template(
-                    text_messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                    text_messages,
+                    tools=tools,
+                    chat_template=chat_template,
+                    tokenize=True,
+                    return_dict=False,
+                    **options,
                 )
             prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
             if images:

@@ -37,8 +37,12 @@ _POOLING_ROUTES = {
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
+    """The model's tokenizer, with the engine arguments' ``chat_template`` in place of its own."""
     path = config.model.tokenizer or config.model.model_path
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    if config.frontend.chat_template is not None:
+        tokenizer.chat_template = config.frontend.chat_template
+    return tokenizer
 
 
 def eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:

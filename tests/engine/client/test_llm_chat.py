@@ -1,0 +1,79 @@
+"""``LLM.chat``'s template options, vLLM's: ``chat_template`` for these chats,
+``chat_template_kwargs``, ``tools``, ``add_generation_prompt`` and ``continue_final_message``; and
+the engine argument ``chat_template`` in place of the tokenizer's. The reference is Hugging
+Face's ``apply_chat_template`` with the same options on ``builtin:tiny-qwen3-reasoning``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+
+ARGS: dict[str, Any] = {"num_kv_blocks": 32, "max_model_len": 256, "device": "cpu"}
+ONE = SamplingParams(temperature=0, max_tokens=1)
+MESSAGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if tools %}[{{ tools | length }} tools]{% endif %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}{% if persona %}({{ persona }}){% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    llm = LLM("builtin:tiny-qwen3-reasoning", **ARGS)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def _prompt(llm: LLM, **options: Any) -> list[int]:
+    [output] = llm.chat(MESSAGES[:1], ONE, use_tqdm=False, **options)
+    return list(output.prompt_token_ids)
+
+
+def _hf(llm: LLM, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+    options.setdefault("add_generation_prompt", True)
+    return llm.get_tokenizer().apply_chat_template(
+        messages, tokenize=True, return_dict=False, **options
+    )
+
+
+def test_the_options_render_as_hugging_face_renders_them(llm: LLM) -> None:
+    assert _prompt(llm) == _hf(llm, MESSAGES[:1])
+    quiet = _prompt(llm, chat_template_kwargs={"enable_thinking": False})
+    assert quiet == _hf(llm, MESSAGES[:1], enable_thinking=False) != _prompt(llm)
+    mine = _prompt(llm, chat_template=TEMPLATE, tools=TOOLS, chat_template_kwargs={"persona": "x"})
+    assert llm.get_tokenizer().decode(mine) == "<user>Hi[1 tools]<assistant>(x)"
+    bare = _prompt(llm, chat_template=TEMPLATE, add_generation_prompt=False)
+    assert llm.get_tokenizer().decode(bare) == "<user>Hi"
+
+
+def test_continue_final_message_leaves_the_last_message_open(llm: LLM) -> None:
+    [output] = llm.chat(MESSAGES, ONE, use_tqdm=False, continue_final_message=True)
+    expected = _hf(llm, MESSAGES, add_generation_prompt=False, continue_final_message=True)
+    assert list(output.prompt_token_ids) == expected
+    assert llm.get_tokenizer().decode(expected).endswith("Hel")
+
+
+def test_the_engine_argument_replaces_the_tokenizers_template() -> None:
+    llm = LLM("builtin:tiny-llama", chat_template=TEMPLATE, **ARGS)
+    try:
+        [output] = llm.chat(MESSAGES[:1], ONE, use_tqdm=False)
+        assert llm.get_tokenizer().decode(output.prompt_token_ids) == "<user>Hi<assistant>"
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_gpt_oss_refuses_a_chat_template() -> None:
+    llm = LLM("builtin:tiny-gpt-oss", **ARGS)
+    try:
+        with pytest.raises(InvalidRequestError) as info:
+            llm.chat(MESSAGES[:1], ONE, use_tqdm=False, chat_template=TEMPLATE)
+        assert info.value.param == "chat_template"
+    finally:
+        llm.llm_engine.shutdown()
