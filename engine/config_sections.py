@@ -397,16 +397,20 @@ class FrontendConfig:
     default. ``chat_template`` replaces the tokenizer's (vLLM's ``--chat-template``: a Jinja
     file's path, held here as its text, or the template itself), and
     ``default_chat_template_kwargs`` are template variables a chat request's own
-    ``chat_template_kwargs`` override (vLLM's server option of that name)."""
+    ``chat_template_kwargs`` override (vLLM's server option of that name).
+    ``enable_prompt_tokens_details`` adds ``prompt_tokens_details.cached_tokens`` (the prompt's
+    tokens read from the prefix cache) to chat and completions usage, as vLLM's does."""
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     chat_template: str | None = None
     default_chat_template_kwargs: dict[str, Any] | None = None
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         check_bool(self.enable_auto_tool_choice, "enable_auto_tool_choice")
+        check_bool(self.enable_prompt_tokens_details, "enable_prompt_tokens_details")
         check_str(self.tool_call_parser, "tool_call_parser", note="a parser name", optional=True)
         check_str(self.reasoning_parser, "reasoning_parser", note="a parser name", optional=True)
         if self.chat_template is not None:

@@ -61,6 +61,7 @@ ENGINE_ARGS: dict[str, tuple[str, str]] = {
     "reasoning_parser": ("frontend", "reasoning_parser"),
     "chat_template": ("frontend", "chat_template"),
     "default_chat_template_kwargs": ("frontend", "default_chat_template_kwargs"),
+    "enable_prompt_tokens_details": ("frontend", "enable_prompt_tokens_details"),
     "enable_lora": ("lora", "enable_lora"),
     "max_loras": ("lora", "max_loras"),
     "max_lora_rank": ("lora", "max_lora_rank"),

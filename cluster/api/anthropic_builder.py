@@ -83,6 +83,9 @@ class MessageBuilder:
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.input_tokens = 0
+        # Of those, read from the prefix cache: None unless the model reports them
+        # (enable_prompt_tokens_details); Anthropic's input_tokens then leaves them out, as vLLM's.
+        self.cache_read_input_tokens: int | None = None
         self.output_tokens = 0
         self._open: dict[str, Any] | None = None  # the block being streamed
         self._open_call = -1  # the chat index of the open tool_use block's call
@@ -94,8 +97,14 @@ class MessageBuilder:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": list(self.content), "stop_reason": self.stop_reason,
                 "stop_sequence": self.stop_sequence,
-                "usage": {"input_tokens": self.input_tokens,
-                          "output_tokens": self.output_tokens}}  # fmt: skip
+                "usage": self._usage()}  # fmt: skip
+
+    def _usage(self) -> dict[str, Any]:
+        cached = self.cache_read_input_tokens
+        if cached is None:
+            return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
+        return {"input_tokens": max(0, self.input_tokens - cached),
+                "cache_read_input_tokens": cached, "output_tokens": self.output_tokens}  # fmt: skip
 
     # ---- a streamed chat message ------------------------------------------------------------
 

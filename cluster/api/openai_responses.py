@@ -98,6 +98,10 @@ class Completion:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = 0
+        # Each prompt's tokens read from the prefix cache, as its last item says; in usage when
+        # the model reports them.
+        self._cached: dict[int, int] = {}
+        self.prompt_tokens_details = False
         # A chat request's prompt logprobs (vLLM's response field), when it asked for them.
         self.prompt_logprobs: PromptLogprobsJSON | None = None
         self.choices: list[_Choice] = []
@@ -108,12 +112,19 @@ class Completion:
         return sum(c.num_tokens for c in self.choices)
 
     @property
+    def cached_tokens(self) -> int:
+        return sum(self._cached.values())
+
+    @property
     def usage(self) -> dict[str, Any]:
-        """As vLLM's: with a reasoning model's chat, ``completion_tokens_details`` too."""
+        """As vLLM's: with a reasoning model's chat, ``completion_tokens_details`` too; with a
+        model's ``enable_prompt_tokens_details``, ``prompt_tokens_details``."""
         total = self.prompt_tokens + self.completion_tokens
         usage: dict[str, Any] = {"prompt_tokens": self.prompt_tokens,
                                  "completion_tokens": self.completion_tokens,
                                  "total_tokens": total}  # fmt: skip
+        if self.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         if self.reasoning_parser is not None:
             reasoning = sum(self.reasoning_tokens(c) for c in self.choices)
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
@@ -133,12 +144,15 @@ class Completion:
         choice's prompt when its stream starts)."""
         if isinstance(item, StreamStart):
             return self._start(item, prompt_index)
+        self._cached[prompt_index] = item.num_cached_tokens
         first = prompt_index * self._n
         return [c for d in item.choices for c in self._absorb_choice(d, first)]
 
     def _start(self, item: StreamStart, prompt_index: int) -> list[dict[str, Any]]:
         self._n = item.n
         self.prompt_tokens += item.prompt_tokens
+        self._cached[prompt_index] = item.cached_tokens
+        self.prompt_tokens_details = item.prompt_tokens_details
         self.tool_call_parser = item.tool_call_parser
         if self.chat and item.reasoning_parser is not None:
             self.reasoning_parser = get_reasoning_parser(item.reasoning_parser)

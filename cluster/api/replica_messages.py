@@ -114,6 +114,10 @@ class StreamStart(msgspec.Struct, tag="start", omit_defaults=True):
     # parser's default).
     reasoning_parser: str | None = None
     in_reasoning: bool | None = None
+    # The prompt's tokens read from the prefix cache (Responses and Messages usage), and whether
+    # the model reports them in chat and completions usage (enable_prompt_tokens_details).
+    cached_tokens: int = 0
+    prompt_tokens_details: bool = False
 
 
 class StreamDelta(msgspec.Struct, tag="delta"):
@@ -124,6 +128,8 @@ class StreamDelta(msgspec.Struct, tag="delta"):
     # The last delta of a prefill held for a remote decode (NixlConnector): where its blocks
     # are (RequestOutput.kv_transfer_params); the ingress hands them to the decode pool.
     kv_transfer_params: dict[str, Any] | None = None
+    # The prompt's tokens read from the prefix cache (known once the prompt is scheduled).
+    num_cached_tokens: int = 0
 
 
 class StreamError(msgspec.Struct, tag="error"):

@@ -64,6 +64,7 @@ class ResponseBuilder:
         self.incomplete_reason: str | None = None
         self.error: dict[str, Any] | None = None
         self.input_tokens = 0
+        self.cached_tokens = 0  # of the input, read from the prefix cache
         self.output_tokens = 0
         self.reasoning_tokens = 0
         self._sequence = 0
@@ -82,7 +83,8 @@ class ResponseBuilder:
         usage = None
         if self.status != "in_progress":
             usage = {"input_tokens": self.input_tokens,
-                     "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                     "input_tokens_details": {"cached_tokens": self.cached_tokens,
+                                              "cache_write_tokens": 0},
                      "output_tokens": self.output_tokens,
                      "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                      "total_tokens": self.input_tokens + self.output_tokens}  # fmt: skip

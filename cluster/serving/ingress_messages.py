@@ -106,6 +106,8 @@ async def _message_events(
         raise APIError(_ABORTED[0], _ABORTED[1], None, _ABORTED[2])
     # Held forced calls: the whole output's message says whether they are calls.
     whole = completion.whole()["choices"][0]["message"] if builder.holds_calls else None
+    if completion.prompt_tokens_details:
+        builder.cache_read_input_tokens = completion.cached_tokens
     for event in builder.finish(choice.finish_reason, choice.stop_reason,
                                 completion.completion_tokens, whole):  # fmt: skip
         yield event

@@ -106,6 +106,7 @@ class ResponsesServicer:
             stream.cancel()
         choice = completion.whole()["choices"][0]
         builder.reasoning_tokens = completion.reasoning_tokens(completion.choices[0])
+        builder.cached_tokens = completion.cached_tokens
         if in_order:
             held = choice["message"] if builder.holds_calls else None
             builder.finish(choice["finish_reason"], completion.completion_tokens, held)
@@ -137,6 +138,7 @@ class ResponsesServicer:
                 # Held forced calls: the whole output's message says if they are calls.
                 whole = completion.whole()["choices"][0]["message"] if builder.holds_calls else None
                 builder.reasoning_tokens = completion.reasoning_tokens(choice)
+                builder.cached_tokens = completion.cached_tokens
                 last = builder.finish(choice.finish_reason, completion.completion_tokens, whole)
             # Kept before the last event goes out: a client may send the next turn at once.
             await self._keep(builder, conversation)

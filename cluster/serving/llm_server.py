@@ -276,7 +276,9 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
                     self.metrics.on_adapter_tokens(request.adapter, sum(n for _, n in item.steps))
                 last = item
                 if sink is None:
-                    yield StreamDelta(item.deltas, item.output.kv_transfer_params)
+                    output = item.output
+                    yield StreamDelta(item.deltas, output.kv_transfer_params,
+                                      output.num_cached_tokens)  # fmt: skip
             if timeout is not None and _was_aborted(last):
                 yield error_item(408, f"the request exceeded its timeout of {timeout} s",
                                  "timeout")  # fmt: skip
@@ -325,6 +327,8 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
             prompt_logprobs = [first] + [logprob_rows(e) for e in output.prompt_logprobs[1:]]
         parser = self.tool_call_parser if self._reads_tool_calls(request) else None
         start = StreamStart(len(ids), n, text, prompt_logprobs, parser, self.replica_id)
+        start.cached_tokens = output.num_cached_tokens
+        start.prompt_tokens_details = self.config.frontend.enable_prompt_tokens_details
         if reasoning and self.reasoning is not None:  # a chat with the model's reasoning_parser
             start.reasoning_parser = self.reasoning.parser.name
             start.in_reasoning = in_reasoning

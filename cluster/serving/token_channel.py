@@ -185,7 +185,7 @@ class ChannelStream:
                     served = True
                 elif isinstance(item, RequestDelta):
                     finished = item.finished
-                    yield StreamDelta(item.choices)
+                    yield StreamDelta(item.choices, num_cached_tokens=item.num_cached_tokens)
                 else:  # StreamError (the replica's, or the head's failure); a StreamDelta
                     yield item
                     if isinstance(item, StreamError):
