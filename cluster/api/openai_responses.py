@@ -98,7 +98,7 @@ class Completion:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = 0
-        # Each prompt's tokens read from the prefix cache, as its last item says; in usage when
+        # Each prompt's tokens read from the prefix cache, as its last delta says; in usage when
         # the model reports them.
         self._cached: dict[int, int] = {}
         self.prompt_tokens_details = False
@@ -151,7 +151,6 @@ class Completion:
     def _start(self, item: StreamStart, prompt_index: int) -> list[dict[str, Any]]:
         self._n = item.n
         self.prompt_tokens += item.prompt_tokens
-        self._cached[prompt_index] = item.cached_tokens
         self.prompt_tokens_details = item.prompt_tokens_details
         self.tool_call_parser = item.tool_call_parser
         if self.chat and item.reasoning_parser is not None:

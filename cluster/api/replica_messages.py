@@ -114,9 +114,8 @@ class StreamStart(msgspec.Struct, tag="start", omit_defaults=True):
     # parser's default).
     reasoning_parser: str | None = None
     in_reasoning: bool | None = None
-    # The prompt's tokens read from the prefix cache (Responses and Messages usage), and whether
-    # the model reports them in chat and completions usage (enable_prompt_tokens_details).
-    cached_tokens: int = 0
+    # Whether the model reports the prompt's tokens read from the prefix cache (each
+    # StreamDelta's num_cached_tokens) in usage (enable_prompt_tokens_details).
     prompt_tokens_details: bool = False
 
 

@@ -327,7 +327,6 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
             prompt_logprobs = [first] + [logprob_rows(e) for e in output.prompt_logprobs[1:]]
         parser = self.tool_call_parser if self._reads_tool_calls(request) else None
         start = StreamStart(len(ids), n, text, prompt_logprobs, parser, self.replica_id)
-        start.cached_tokens = output.num_cached_tokens
         start.prompt_tokens_details = self.config.frontend.enable_prompt_tokens_details
         if reasoning and self.reasoning is not None:  # a chat with the model's reasoning_parser
             start.reasoning_parser = self.reasoning.parser.name
