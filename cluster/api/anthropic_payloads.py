@@ -62,8 +62,9 @@ UNSUPPORTED_MESSAGES_FIELDS = {
     "guided_grammar": Unsupported(_USE_FORMAT),
     "reasoning_effort": Unsupported("not a Messages API field; use output_config.effort"),
     "n": Unsupported("one message per request", (1,)),
+    "truncate_prompt_tokens": Unsupported("prompt truncation is not supported"),
     **{name: UNSUPPORTED_FIELDS[name] for name in (
-        "truncate_prompt_tokens", "allowed_token_ids", "logits_processors", "structural_tag")},
+        "allowed_token_ids", "logits_processors", "structural_tag")},
 }  # fmt: skip
 
 

@@ -51,6 +51,9 @@ def _ranged(default: Any, **bounds: int | float) -> Any:
 
 
 _INT64 = {"minimum": -(2**63), "maximum": 2**63 - 1}
+# vLLM's truncation_side: "left" keeps a truncated prompt's last tokens, "right" its first;
+# unset, the tokenizer's side.
+TruncationSide = Literal["left", "right"]
 TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0})]
 
 
@@ -146,6 +149,9 @@ class SamplingFields(_Model):
     cache_salt: Text | None = None
     # Seconds: past it the request is aborted, its KV blocks freed, and the client gets a 408.
     timeout: float | None = _ranged(None, exclusiveMinimum=0)
+    # vLLM's: keep this many of the prompt's tokens (-1: as many as the model takes).
+    truncate_prompt_tokens: int | None = _ranged(None, minimum=-1)
+    truncation_side: TruncationSide | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* names (one of them per request).
     response_format: ResponseFormat | None = None
@@ -268,6 +274,8 @@ class EmbeddingRequest(_Model):
     # vLLM's: the tokenizer's special tokens (BOS) around each text input.
     add_special_tokens: bool = True
     user: Text | None = None
+    truncate_prompt_tokens: int | None = _ranged(None, minimum=-1)  # as a generation's
+    truncation_side: TruncationSide | None = None
 
 
 class TokenizeRequest(_Model):

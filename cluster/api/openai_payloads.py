@@ -48,7 +48,6 @@ UNSUPPORTED_FIELDS = {
     "audio": Unsupported("audio output is not supported"),
     "modalities": Unsupported("only text output is supported", (["text"],)),
     "web_search_options": Unsupported("web search is not supported"),
-    "truncate_prompt_tokens": Unsupported("prompt truncation is not supported"),
     "allowed_token_ids": Unsupported("not supported; use logit_bias"),
     "logits_processors": Unsupported("custom logits processors are not supported"),
     "guided_decoding_backend": Unsupported(
@@ -384,7 +383,9 @@ def _parameter_schemas(tools: list[Any]) -> Iterator[tuple[tuple[str, str], dict
 
 def request_extras(req: SamplingFields) -> dict[str, Any]:
     """Per-request settings beside the sampling parameters (the server checks them)."""
-    extras = {"cache_salt": req.cache_salt, "timeout": req.timeout}
+    extras = {"cache_salt": req.cache_salt, "timeout": req.timeout,
+              "truncate_prompt_tokens": req.truncate_prompt_tokens,
+              "truncation_side": req.truncation_side}  # fmt: skip
     return {k: v for k, v in extras.items() if v is not None}
 
 

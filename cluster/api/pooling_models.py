@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from cluster.api.openai_models import Text, _Model
+from cluster.api.openai_models import Text, TruncationSide, _Model
 
 _MAX_TEXTS = 1024  # texts per request, as the embeddings route's inputs
 
@@ -18,6 +18,8 @@ class ClassificationRequest(_Model):
     input: Text | list[Text]
     add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (BOS)
     user: Text | None = None
+    truncate_prompt_tokens: int | None = Field(None, json_schema_extra={"minimum": -1})
+    truncation_side: TruncationSide | None = None
 
 
 class ScoreRequest(_Model):

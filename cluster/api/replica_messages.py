@@ -93,6 +93,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     adapter: str | None = None
     # The ingress's token channel (its sink name at the heads); None: deltas on the stream.
     channel: str | None = None
+    # vLLM's prompt truncation: keep this many of its tokens (-1: as many as fit), the last ones
+    # ("left") or the first ("right"; None: the tokenizer's side).
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
 
 
 # Per token: rows of [token_id, text, logprob, rank], the sampled token first, then the top-k.
@@ -175,6 +179,8 @@ class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     dimensions: int | None = None
     activation: bool = True
     request_id: str = msgspec.field(default_factory=new_request_id)
+    truncate_prompt_tokens: int | None = None  # as GenerateRequest's
+    truncation_side: str | None = None
 
 
 class EmbedResult(msgspec.Struct):

@@ -42,7 +42,9 @@ _POOLING_FIELDS = {
     "embed_dtype": Unsupported("only float32 is supported", ("float32",)),
     "endianness": Unsupported("only little-endian (native, little) is supported",
                               ("native", "little")),
-    "truncation_side": Unsupported("prompt truncation is not supported"),
+    # Declared on /v1/embeddings and /classify: the pairs of /score and /rerank are not cut.
+    "truncate_prompt_tokens": Unsupported("prompt truncation is not supported on this route"),
+    "truncation_side": Unsupported("prompt truncation is not supported on this route"),
     "padding": Unsupported("only do_not_pad is supported", ("do_not_pad",)),
     "max_tokens_per_query": Unsupported("truncation is not supported; only 0 (none)", (0,)),
     "max_tokens_per_doc": Unsupported("truncation is not supported; only 0 (none)", (0,)),
@@ -100,7 +102,9 @@ class PoolingServicer:
         handle = await self._server_of(req.model)
         await self._admit(req.model)
         inputs = embedding_payloads(req.input)
-        changes = {"dimensions": req.dimensions, "add_special_tokens": req.add_special_tokens}
+        changes = {"dimensions": req.dimensions, "add_special_tokens": req.add_special_tokens,
+                   "truncate_prompt_tokens": req.truncate_prompt_tokens,
+                   "truncation_side": req.truncation_side}  # fmt: skip
         inputs = [msgspec.structs.replace(p, **changes) for p in inputs]
         results = await self._call(req.model, [handle.embed.remote(p) for p in inputs])
         data = [{"object": "embedding", "index": i,
@@ -118,8 +122,12 @@ class PoolingServicer:
             raise APIError(400, "input: must not be empty", "input")
         await self._admit(req.model)
         special = req.add_special_tokens
+        cut = {
+            "truncate_prompt_tokens": req.truncate_prompt_tokens,
+            "truncation_side": req.truncation_side,
+        }
         calls = [handle.embed.remote(EmbedRequest(prompt=t, task="classify",
-                                                  add_special_tokens=special))
+                                                  add_special_tokens=special, **cut))
                  for t in inputs]  # fmt: skip
         results = await self._call(req.model, calls)
         data = [{"index": i, "label": r.label, "probs": r.embedding,

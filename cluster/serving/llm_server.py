@@ -47,6 +47,7 @@ from cluster.serving.request_inputs import (
     request_chat_prompt,
     request_prompt,
     sampling_params_from,
+    truncated_prompt,
     with_template_defaults,
 )
 from cluster.serving.serve_replica import gcs_loss_flag, serve_stop_flag
@@ -360,8 +361,10 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
             )
 
     def _prompt(self, request: GenerateRequest | EmbedRequest) -> Any:
-        """The prompt for the core, tokenized here (the head's process only runs the model)."""
-        return request_prompt(self.tokenizer, request, self.multimodal, self.image_placeholder)
+        """The prompt for the core, tokenized here (the head's process only runs the model), cut
+        to the request's ``truncate_prompt_tokens``."""
+        prompt = request_prompt(self.tokenizer, request, self.multimodal, self.image_placeholder)
+        return truncated_prompt(prompt, request, self.tokenizer, self.max_model_len)
 
     def _refusal(self, exc: Exception, adapter: str | None = None) -> StreamError:
         """The error item for a request the engine refused, or aborted before its one output:

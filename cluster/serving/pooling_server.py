@@ -64,9 +64,10 @@ class PoolingServer:
         }
         try:
             params = PoolingParams(**params_of)
+            prompt = self._prompt(request)
         except InvalidRequestError as exc:
             return self._refusal(exc)
-        outputs = await self._pool([self._prompt(request)], params, request.request_id)
+        outputs = await self._pool([prompt], params, request.request_id)
         if isinstance(outputs, StreamError):
             return outputs
         (output,) = outputs

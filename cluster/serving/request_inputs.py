@@ -248,6 +248,37 @@ def request_prompt(
     return prompt  # the core names what is wrong with it
 
 
+def truncated_prompt(
+    prompt: Any, request: GenerateRequest | EmbedRequest, tokenizer: Any, max_model_len: int
+) -> Any:
+    """The prompt cut to the request's ``truncate_prompt_tokens``, as vLLM cuts it: -1 is as
+    many as the model takes (one less for a generation, which needs room for a token); the
+    last tokens are kept with ``truncation_side`` "left", the first with "right" (unset: the
+    tokenizer's side). A bound past ``max_model_len``, or a cut through a prompt's images, is a
+    400 naming the field."""
+    keep, side = request.truncate_prompt_tokens, request.truncation_side
+    if keep is None or not isinstance(prompt, dict):
+        return prompt
+    if not -1 <= keep <= max_model_len:
+        raise InvalidRequestError(
+            f"must be -1 (as many as fit) or 0 to the model's max_model_len {max_model_len}, "
+            f"got {keep}",
+            param="truncate_prompt_tokens",
+        )
+    if side not in (None, "left", "right"):
+        raise InvalidRequestError(f"must be 'left' or 'right', got {side!r}", "truncation_side")
+    if keep < 0:
+        keep = max_model_len - 1 if isinstance(request, GenerateRequest) else max_model_len
+    ids = prompt["prompt_token_ids"]
+    if keep >= len(ids):
+        return prompt
+    if "mm_features" in prompt:
+        raise InvalidRequestError("would cut through the prompt's images",
+                                  param="truncate_prompt_tokens")  # fmt: skip
+    side = side or getattr(tokenizer, "truncation_side", "right")
+    return {"prompt_token_ids": ids[len(ids) - keep :] if side == "left" else ids[:keep]}
+
+
 def with_template_defaults(request: GenerateRequest, defaults: dict[str, Any] | None) -> Any:
     """A chat request with the model's ``default_chat_template_kwargs`` under its own
     ``chat_template_kwargs`` (vLLM's merge: a request's value of None or "auto" leaves the

@@ -82,9 +82,11 @@ def test_an_unsupported_field_sent_as_null_is_not_given(ingress: _Recording, fie
     assert _post(ingress, "/v1/embeddings", body).status_code == 200
 
 
-def test_an_unsupported_field_with_a_value_is_still_a_400(ingress: _Recording) -> None:
-    body = {"model": "m", "input": "hello world", "truncate_prompt_tokens": 3}
-    response = _post(ingress, "/v1/embeddings", body)
+@pytest.mark.parametrize("path", ["/score", "/rerank"])
+def test_an_unsupported_field_with_a_value_is_still_a_400(ingress: _Recording, path: str) -> None:
+    """Truncation cuts an embedding's or a classification's input, not a scored pair."""
+    body = {**BODIES[path], "truncate_prompt_tokens": 3}
+    response = _post(ingress, path, body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "truncate_prompt_tokens"
 
@@ -109,7 +111,7 @@ def test_add_special_tokens_reaches_the_server(
         ("/v1/embeddings", "normalize", False),
         ("/v1/embeddings", "embed_dtype", "float16"),
         ("/v1/embeddings", "endianness", "big"),
-        ("/v1/embeddings", "truncation_side", "left"),
+        ("/rerank", "truncation_side", "left"),
         ("/v1/embeddings", "padding", "max_length"),
         ("/classify", "use_activation", False),
         ("/score", "use_activation", False),
