@@ -36,6 +36,7 @@ _NOT_WITH_BEAM_SEARCH = (
     "min_tokens",
     "logit_bias",
     "bad_words",
+    "allowed_token_ids",
     "prompt_logprobs",
     "structured_outputs",
 )
@@ -158,6 +159,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     token seen in the prompt or the output (HF / CTRL). ``logit_bias`` maps token id -> bias in
     [-100, 100], added to the logits. ``bad_words`` are strings never to generate: the head
     tokenizes them into ``bad_words_token_ids`` (which may also be given directly).
+    ``allowed_token_ids`` (vLLM's): only these tokens can be sampled (a non-empty list).
 
     ``n`` independent samples share the prompt's KV blocks. ``logprobs`` = k returns, per
     generated token, the top-k log-probabilities plus the sampled token's own;
@@ -205,6 +207,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -382,6 +385,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 ),
                 "bad_words_token_ids",
                 "must be a list of non-empty lists of non-negative token ids",
+            )
+        if self.allowed_token_ids is not None:
+            _check(
+                isinstance(self.allowed_token_ids, list)
+                and bool(self.allowed_token_ids)
+                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                f"must be a non-empty list of non-negative token ids, got "
+                f"{self.allowed_token_ids!r}",
             )
 
     def _check_beam_search(self) -> None:

@@ -63,8 +63,8 @@ UNSUPPORTED_MESSAGES_FIELDS = {
     "reasoning_effort": Unsupported("not a Messages API field; use output_config.effort"),
     "n": Unsupported("one message per request", (1,)),
     "truncate_prompt_tokens": Unsupported("prompt truncation is not supported"),
-    **{name: UNSUPPORTED_FIELDS[name] for name in (
-        "allowed_token_ids", "logits_processors", "structural_tag")},
+    "allowed_token_ids": Unsupported("not supported"),
+    **{name: UNSUPPORTED_FIELDS[name] for name in ("logits_processors", "structural_tag")},
 }  # fmt: skip
 
 

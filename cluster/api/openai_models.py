@@ -140,6 +140,7 @@ class SamplingFields(_Model):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     bad_words: list[Text] | None = None
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's: only these can be sampled
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # vLLM's: each prompt token's logprob and its top-k (the response's ``prompt_logprobs``);

@@ -48,7 +48,6 @@ UNSUPPORTED_FIELDS = {
     "audio": Unsupported("audio output is not supported"),
     "modalities": Unsupported("only text output is supported", (["text"],)),
     "web_search_options": Unsupported("web search is not supported"),
-    "allowed_token_ids": Unsupported("not supported; use logit_bias"),
     "logits_processors": Unsupported("custom logits processors are not supported"),
     "guided_decoding_backend": Unsupported(
         "the grammar backend is xgrammar; only 'xgrammar' or 'auto' is accepted",
@@ -78,7 +77,7 @@ def check_extra_fields(
 _SAME_NAME_FIELDS = (
     "n", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_tokens", "stop_token_ids", "include_stop_str_in_output", "logit_bias", "bad_words",
-    "spaces_between_special_tokens",
+    "allowed_token_ids", "spaces_between_special_tokens",
 )  # fmt: skip
 
 

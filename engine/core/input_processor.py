@@ -144,6 +144,7 @@ class InputProcessor:
         for name, ids in (
             ("logit_bias", params.logit_bias),
             ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids),
         ):
             bad = [t for t in ids or () if t >= vocab]
             if bad:

@@ -4,6 +4,7 @@ Order of operations per row (vLLM v1's):
 
     raw logits ──▶ raw logprobs (log_softmax; what ``logprobs`` / ``prompt_logprobs`` report)
         │
+        ├─ allowed_token_ids: every other token masked
         ├─ min_tokens: EOS and stop_token_ids masked until min_tokens are generated
         ├─ logit_bias: added; bad_words: a word's last token masked when its prefix ends the output
         ├─ penalties: repetition (prompt + output), then frequency and presence (output)
@@ -59,6 +60,15 @@ class BadWordsTensors:
 
 
 @dataclass
+class AllowedTokens:
+    """The rows that restrict sampling to some tokens (``allowed_token_ids``)."""
+
+    batch_rows: torch.Tensor  # [R] int64: those rows of the batch
+    rows: torch.Tensor  # [K] int64: per allowed token, its row's index into batch_rows
+    tokens: torch.Tensor  # [K] int64
+
+
+@dataclass
 class SamplingMetadata:
     temperature: torch.Tensor  # [B] float32, 1.0 where greedy (unused there)
     top_k: torch.Tensor | None  # [B] int64, vocab size where disabled; None if no row uses it
@@ -74,6 +84,7 @@ class SamplingMetadata:
     logit_bias: TokenPairs | None = None
     min_tokens_bans: TokenPairs | None = None
     bad_words: BadWordsTensors | None = None
+    allowed: AllowedTokens | None = None
     # Per row: how many top logprobs to return (None: none asked); max over rows, or None.
     num_logprobs: list[int | None] | None = None
     max_num_logprobs: int | None = None
@@ -123,6 +134,7 @@ class SamplingMetadata:
             logit_bias=_build_logit_bias(params, vocab_size, device),
             min_tokens_bans=_build_min_tokens_bans(params, outputs, eos, vocab_size, device),
             bad_words=_build_bad_words(params, vocab_size, device),
+            allowed=_build_allowed(params, vocab_size, device),
             num_logprobs=num_logprobs if asked else None,
             max_num_logprobs=min(max(asked), vocab_size) if asked else None,
         )
@@ -187,6 +199,26 @@ def _build_logit_bias(
                 pairs.append((row, token))
                 values.append(bias)
     return _pairs(pairs, values, device)
+
+
+def _build_allowed(
+    params: list[SamplingParams], vocab_size: int, device: torch.device
+) -> AllowedTokens | None:
+    batch_rows: list[int] = []
+    indices, tokens = [], []
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:  # non-empty, within the vocabulary (the head's check)
+            kept = [t for t in p.allowed_token_ids if t < vocab_size]
+            indices += [len(batch_rows)] * len(kept)
+            tokens += kept
+            batch_rows.append(row)
+    if not batch_rows:
+        return None
+    return AllowedTokens(
+        batch_rows=torch.tensor(batch_rows, dtype=torch.int64, device=device),
+        rows=torch.tensor(indices, dtype=torch.int64, device=device),
+        tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
+    )
 
 
 def _build_min_tokens_bans(
@@ -291,10 +323,22 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def apply_allowed(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
+    """-inf everywhere but the allowed tokens of the rows that name them."""
+    rows = allowed.batch_rows
+    banned = torch.ones(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    banned[allowed.rows, allowed.tokens] = False
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
+    return logits
+
+
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Everything that changes the distribution before temperature: min_tokens, logit_bias,
     bad_words, penalties. Returns fp32 logits (a new tensor when anything applies)."""
     logits = logits.to(torch.float32)
+    if meta.allowed is not None:
+        logits = apply_allowed(logits, meta.allowed)
     if meta.min_tokens_bans is not None:
         bans = meta.min_tokens_bans
         logits = logits.clone()

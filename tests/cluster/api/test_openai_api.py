@@ -187,7 +187,7 @@ def test_harmless_unknown_fields_are_accepted_and_ignored(client: TestClient) ->
 
 
 @pytest.mark.parametrize(
-    "field", ["functions", "function_call", "audio", "web_search_options", "allowed_token_ids"]
+    "field", ["functions", "function_call", "audio", "web_search_options", "logits_processors"]
 )
 def test_unknown_fields_that_change_the_output_are_400_naming_them(
     client: TestClient, field: str

@@ -77,6 +77,23 @@ def test_logit_bias_adds_to_the_named_tokens() -> None:
     assert got == pytest.approx(expected)
 
 
+def test_allowed_token_ids_mask_every_other_token_of_their_rows_only() -> None:
+    params = [SamplingParams(allowed_token_ids=[1, 4]), SamplingParams(),
+              SamplingParams(allowed_token_ids=[5, 5])]  # fmt: skip
+    logits = LOGITS.expand(3, VOCAB).clone()
+    got = process_logits(logits, _meta(params))
+    inf = float("-inf")
+    assert got[0].tolist() == [inf, -1.0, inf, inf, -2.0, inf]
+    assert got[1].tolist() == LOGITS[0].tolist()
+    assert got[2].tolist() == [inf] * 5 + [1.0]
+    # Greedy takes the best allowed token; a draw never leaves the allowed ones.
+    greedy = [SamplingParams(temperature=0, allowed_token_ids=[1, 4])] * 3
+    assert sample(logits, _meta(greedy)).token_ids.tolist() == [1, 1, 1]
+    hot = [SamplingParams(temperature=2.0, allowed_token_ids=[1, 4])] * 400
+    drawn = sample(LOGITS.expand(400, VOCAB).clone(), _meta(hot)).token_ids
+    assert set(drawn.tolist()) == {1, 4}
+
+
 def test_single_token_bad_word_is_always_banned() -> None:
     got = _process(SamplingParams(bad_words_token_ids=[[3]]), outputs=[[]])
     assert got[3] == float("-inf")
@@ -165,13 +182,15 @@ def test_processors_on_cuda_equal_cpu() -> None:
     params = [
         SamplingParams(presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.3),
         SamplingParams(logit_bias={2: 4.0}, bad_words_token_ids=[[0, 1], [5]], min_tokens=3),
+        SamplingParams(allowed_token_ids=[0, 2, 3]),
     ]
-    history = {"outputs": [[1, 1, 4], [0]], "prompts": [[2, 3], [4]], "eos": [[3], [3]]}
-    logits = torch.cat([LOGITS, LOGITS.flip(-1)])
+    history = {"outputs": [[1, 1, 4], [0], []], "prompts": [[2, 3], [4], [1]],
+               "eos": [[3], [3], [3]]}  # fmt: skip
+    logits = torch.cat([LOGITS, LOGITS.flip(-1), LOGITS])
     cpu = process_logits(logits, _meta(params, **history))
     meta = SamplingMetadata.build(
         params,
-        [None, None],
+        [None] * 3,
         VOCAB,
         torch.device("cuda"),
         prompt_token_ids=history["prompts"],
