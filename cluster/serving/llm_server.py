@@ -364,7 +364,7 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
         """The prompt for the core, tokenized here (the head's process only runs the model), cut
         to the request's ``truncate_prompt_tokens``."""
         prompt = request_prompt(self.tokenizer, request, self.multimodal, self.image_placeholder)
-        return truncated_prompt(prompt, request, self.tokenizer, self.max_model_len)
+        return truncated_prompt(prompt, request, self.max_model_len)
 
     def _refusal(self, exc: Exception, adapter: str | None = None) -> StreamError:
         """The error item for a request the engine refused, or aborted before its one output:

@@ -249,13 +249,13 @@ def request_prompt(
 
 
 def truncated_prompt(
-    prompt: Any, request: GenerateRequest | EmbedRequest, tokenizer: Any, max_model_len: int
+    prompt: Any, request: GenerateRequest | EmbedRequest, max_model_len: int
 ) -> Any:
     """The prompt cut to the request's ``truncate_prompt_tokens``, as vLLM cuts it: -1 is as
     many as the model takes (one less for a generation, which needs room for a token); the
-    last tokens are kept with ``truncation_side`` "left", the first with "right" (unset: the
-    tokenizer's side). A bound past ``max_model_len``, or a cut through a prompt's images, is a
-    400 naming the field."""
+    last tokens are kept with ``truncation_side`` "left", the first with "right" (unset: "left"
+    for a generation, "right" for a pooling input, the sides vLLM gives its tokenizer). A bound
+    past ``max_model_len``, or a cut through a prompt's images, is a 400 naming the field."""
     keep, side = request.truncate_prompt_tokens, request.truncation_side
     if keep is None or not isinstance(prompt, dict):
         return prompt
@@ -267,27 +267,29 @@ def truncated_prompt(
         )
     if side not in (None, "left", "right"):
         raise InvalidRequestError(f"must be 'left' or 'right', got {side!r}", "truncation_side")
+    generates = isinstance(request, GenerateRequest)
     if keep < 0:
-        keep = max_model_len - 1 if isinstance(request, GenerateRequest) else max_model_len
+        keep = max_model_len - 1 if generates else max_model_len
     ids = prompt["prompt_token_ids"]
     if keep >= len(ids):
         return prompt
     if "mm_features" in prompt:
         raise InvalidRequestError("would cut through the prompt's images",
                                   param="truncate_prompt_tokens")  # fmt: skip
-    side = side or getattr(tokenizer, "truncation_side", "right")
+    side = side or ("left" if generates else "right")
     return {"prompt_token_ids": ids[len(ids) - keep :] if side == "left" else ids[:keep]}
 
 
 def with_template_defaults(request: GenerateRequest, defaults: dict[str, Any] | None) -> Any:
     """A chat request with the model's ``default_chat_template_kwargs`` under its own
-    ``chat_template_kwargs`` (vLLM's merge: a request's value of None or "auto" leaves the
-    default); other requests as they are."""
-    if not defaults or request.messages is None:
+    ``chat_template_kwargs``, as vLLM merges them: a request's value of None or "auto" is no
+    value (the default stays, if there is one); other requests as they are."""
+    own = request.chat_template_kwargs
+    if request.messages is None or not (defaults or own):
         return request
-    own = request.chat_template_kwargs or {}
-    merged = {**defaults, **{k: v for k, v in own.items() if v is not None and v != "auto"}}
-    return msgspec.structs.replace(request, chat_template_kwargs=merged)
+    set_here = {k: v for k, v in (own or {}).items() if v is not None and v != "auto"}
+    merged = {**(defaults or {}), **set_here}
+    return msgspec.structs.replace(request, chat_template_kwargs=merged or None)
 
 
 def request_chat_prompt(

@@ -264,7 +264,8 @@ class LLM:
         """Apply the model's chat template (``chat_template``: another one, for these chats; a
         harmony model's, gpt-oss's: the harmony template, ``engine.harmony_template``), then
         generate. The template options are vLLM's ``LLM.chat``'s (``continue_final_message``
-        leaves the last message open, with no generation prompt). A message's content may be a
+        leaves the last message open, with no generation prompt); ``chat_template_kwargs`` go over
+        the engine arguments' ``default_chat_template_kwargs``. A message's content may be a
         list of OpenAI-style parts (``text``, ``image_url`` with a data: URL, ``image_pil``)
         for a vision-language model (``engine.multimodal.chat``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -276,11 +277,14 @@ class LLM:
                 "gpt-oss's chats are rendered in its harmony format, not by a chat template",
                 param="chat_template",
             )
-        options: dict[str, Any] = {
-            "add_generation_prompt": add_generation_prompt and not continue_final_message,
-            "continue_final_message": continue_final_message,
-            **(chat_template_kwargs or {}),
-        }
+        # The engine arguments' default_chat_template_kwargs under these (as the server merges
+        # them); the render's own options over both.
+        defaults = self.llm_engine.config.frontend.default_chat_template_kwargs or {}
+        options: dict[str, Any] = {**defaults, **(chat_template_kwargs or {})}
+        for key in ("tools", "chat_template", "tokenize", "return_dict"):
+            options.pop(key, None)
+        options["add_generation_prompt"] = add_generation_prompt and not continue_final_message
+        options["continue_final_message"] = continue_final_message
         prompts: list[PromptType] = []
         for conversation in conversations:
             text_messages, images = split_content_parts(list(conversation), placeholder)

@@ -17,6 +17,7 @@ import pytest
 from cluster.api.replica_messages import GenerateRequest, TokenizeResult
 from cluster.config import load_config
 from cluster.serving.llm_server import LLMServer
+from cluster.serving.request_inputs import with_template_defaults
 from engine import ConfigError
 from engine.config import EngineConfig
 from tests.cluster.api.test_reasoning_chat import ARGS, MESSAGES, serve_chat
@@ -74,6 +75,16 @@ def test_the_prompt_is_the_configured_template_with_the_defaults_under_the_reque
     assert own == _hf(server, enable_thinking=True, persona="chatty")
     # As vLLM merges them, a request's null (or "auto") leaves the default.
     assert _tokenize(server, {"persona": None, "enable_thinking": "auto"}) == quiet
+
+
+def test_a_null_or_auto_variable_is_no_value_with_or_without_defaults() -> None:
+    own = {"enable_thinking": "auto", "persona": None, "x": 1}
+    request = GenerateRequest(messages=MESSAGES, chat_template_kwargs=own)
+    assert with_template_defaults(request, None).chat_template_kwargs == {"x": 1}
+    merged = with_template_defaults(request, {"persona": "p"}).chat_template_kwargs
+    assert merged == {"persona": "p", "x": 1}
+    completion = GenerateRequest(prompt="hi", chat_template_kwargs=own)
+    assert with_template_defaults(completion, {"persona": "p"}) is completion
 
 
 def test_the_reasoning_parser_reads_the_merged_variables(server: LLMServer) -> None:

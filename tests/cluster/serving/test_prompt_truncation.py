@@ -1,9 +1,9 @@
 """vLLM's ``truncate_prompt_tokens`` and ``truncation_side``, on the model replica's front
 (``LLMServer``, no Ray): a completion, a chat and an embedding are cut to that many of their
-prompt's tokens (the last with "left", the first with "right", unset the tokenizer's side;
--1 as many as the model takes, one less for a generation) and come out as the same request sent
-with those tokens; bounds are 400s naming the field; /score and /rerank refuse the field. The
-reference is the tokenizer's own ids, sliced here."""
+prompt's tokens (the last with "left", the first with "right"; unset, vLLM's sides: left for a
+generation, right for a pooling input; -1 as many as the model takes, one less for a
+generation) and come out as the same request sent with those tokens; bounds are 400s naming the
+field. The reference is the tokenizer's own ids, sliced here."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_a_completion_is_the_request_of_the_kept_tokens(
 ) -> None:
     ids = server.tokenizer.encode(TEXT)
     assert len(ids) > 40
-    kept = ids[-20:] if (side or server.tokenizer.truncation_side) == "left" else ids[:20]
+    kept = ids[:20] if side == "right" else ids[-20:]  # unset: vLLM's side for generation
     assert _completion(server, truncate_prompt_tokens=20, truncation_side=side) == (
         _of_ids(server, kept)
     )
@@ -135,5 +135,7 @@ def test_an_embedding_is_that_of_the_kept_tokens(embedder: LLMServer) -> None:
     cut = embed(EmbedRequest(prompt=TEXT, truncate_prompt_tokens=12, truncation_side="left"))
     assert cut == embed(EmbedRequest(prompt_token_ids=ids[-12:]))
     assert cut.prompt_tokens == 12
+    head = embed(EmbedRequest(prompt=TEXT, truncate_prompt_tokens=12))  # unset: the first
+    assert head == embed(EmbedRequest(prompt_token_ids=ids[:12])) != cut
     everything = embed(EmbedRequest(prompt=TEXT, truncate_prompt_tokens=-1))  # fits: uncut
     assert everything == embed(EmbedRequest(prompt=TEXT))

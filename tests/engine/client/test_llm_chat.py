@@ -60,11 +60,17 @@ def test_continue_final_message_leaves_the_last_message_open(llm: LLM) -> None:
     assert llm.get_tokenizer().decode(expected).endswith("Hel")
 
 
-def test_the_engine_argument_replaces_the_tokenizers_template() -> None:
-    llm = LLM("builtin:tiny-llama", chat_template=TEMPLATE, **ARGS)
+def test_the_engine_arguments_replace_the_template_and_set_its_defaults() -> None:
+    llm = LLM("builtin:tiny-llama", chat_template=TEMPLATE,
+              default_chat_template_kwargs={"persona": "d"}, **ARGS)  # fmt: skip
     try:
+        decode = llm.get_tokenizer().decode
         [output] = llm.chat(MESSAGES[:1], ONE, use_tqdm=False)
-        assert llm.get_tokenizer().decode(output.prompt_token_ids) == "<user>Hi<assistant>"
+        assert decode(output.prompt_token_ids) == "<user>Hi<assistant>(d)"
+        # A request's own variables over the defaults; render options in them are not taken.
+        own = {"persona": "e", "tokenize": False, "tools": None}
+        [output] = llm.chat(MESSAGES[:1], ONE, use_tqdm=False, chat_template_kwargs=own)
+        assert decode(output.prompt_token_ids) == "<user>Hi<assistant>(e)"
     finally:
         llm.llm_engine.shutdown()
 
