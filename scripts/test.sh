@@ -15,10 +15,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # A crash after the last test (interpreter shutdown, where pytest's own fault handler is off)
 # still prints every thread's Python stack: one such crash, rc 139, was seen on 2026-12-06.
 export PYTHONFAULTHANDLER=1
-# Ray runs its worker processes at niceness 15 (its default): beside the other stream's pytest
-# at 0 they starved on 2 cores, until Serve killed a proxy not ready after 15 s and a replica
-# took minutes to start (CI, 2026-12-07). Here every process of both streams shares alike.
-export RAY_worker_niceness=${RAY_worker_niceness:-0}
 if [[ "${1:-}" == "--fast" ]]; then
   shift
   set -- -m "not slow" "$@"

@@ -13,7 +13,7 @@ from engine.errors import ConfigError
 
 BOOLEAN_ARGS = ("enable_prefix_caching", "enable_chunked_prefill", "disable_chunked_mm_input",
                 "enable_expert_parallel", "enforce_eager", "enable_auto_tool_choice",
-                "enable_lora")  # fmt: skip
+                "enable_lora", "enable_prompt_tokens_details")  # fmt: skip
 
 
 @pytest.mark.parametrize("value", ["false", 1, None])
