@@ -335,8 +335,8 @@ def apply_allowed(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Everything that changes the distribution before temperature: allowed_token_ids,
-    min_tokens, logit_bias,
-    bad_words, penalties. Returns fp32 logits (a new tensor when anything applies)."""
+    min_tokens, logit_bias, bad_words, penalties. Returns fp32 logits (a new tensor when
+    anything applies)."""
     logits = logits.to(torch.float32)
     if meta.allowed is not None:
         logits = apply_allowed(logits, meta.allowed)
