@@ -20,6 +20,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cluster.api.replica_messages import EmbedRequest, GenerateRequest
+from engine.chat_messages import template_messages
 from engine.errors import InvalidRequestError
 from engine.harmony_template import HARMONY_CHAT_TEMPLATE, harmony_prompt_ids, is_harmony_tokenizer
 from engine.multimodal.chat import split_content_parts
@@ -70,7 +71,8 @@ def chat_prompt_ids(
 ) -> list[int]:
     """The prompt ids of chat ``messages`` by the model's chat template (a 400 on ``messages``
     when the template rejects them). As vLLM does, ``developer`` messages are ``system`` ones
-    for a template that does not know the role. A harmony model's (gpt-oss's) chats are
+    for a template that does not know the role, and an assistant's earlier tool calls carry
+    their arguments as objects (``engine.chat_messages``). A harmony model's (gpt-oss's) chats are
     rendered by the harmony template, not the checkpoint's, with the request's text as ordinary
     text (``engine.harmony_template``), as vLLM renders them with openai_harmony."""
     harmony = is_harmony_tokenizer(tokenizer)
@@ -99,7 +101,7 @@ def _template_ids(
     options: TemplateOptions,
 ) -> list[int]:
     rendered = tokenizer.apply_chat_template(
-        messages,
+        template_messages(messages),
         tools=tools,
         add_generation_prompt=options.add_generation_prompt and not options.continue_final_message,
         continue_final_message=options.continue_final_message,

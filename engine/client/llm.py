@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from tqdm.auto import tqdm
 
+from engine.chat_messages import template_messages
 from engine.client.beam_search import beam_search
 from engine.client.scoring import cosine, pair_prompt, score_pairs, single_class
 from engine.config import EngineConfig
@@ -292,7 +293,7 @@ class LLM:
                 ids = harmony_prompt_ids(tokenizer, text_messages, tools, **options)
             else:
                 ids = tokenizer.apply_chat_template(
-                    text_messages,
+                    template_messages(text_messages),
                     tools=tools,
                     chat_template=chat_template,
                     tokenize=True,

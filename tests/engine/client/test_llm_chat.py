@@ -83,3 +83,51 @@ def test_gpt_oss_refuses_a_chat_template() -> None:
         assert info.value.param == "chat_template"
     finally:
         llm.llm_engine.shutdown()
+
+
+# Qwen3-Coder's way of reading a call's arguments: a mapping, item by item; and Llama 3.1's test
+# for calls, which an empty list passes.
+CALLS_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
+    "{% if 'tool_calls' in m %}{% if m.tool_calls | length != 1 %}"
+    "{{ raise_exception('one call at a time') }}{% endif %}"
+    "{% for call in m.tool_calls %}[{{ call.function.name }}"
+    "{% for k, v in call.function.arguments | items %} {{ k }}={{ v }}{% endfor %}]"
+    "{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+def test_earlier_tool_calls_reach_the_template_with_their_arguments_as_objects(llm: LLM) -> None:
+    def call(arguments: str) -> dict[str, Any]:
+        return {"id": "c", "type": "function",
+                "function": {"name": "f", "arguments": arguments}}  # fmt: skip
+
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call('{"city": "Paris", "n": 2}')]},
+        {"role": "tool", "tool_call_id": "c", "content": "sunny"},
+        {"role": "assistant", "content": "ok", "tool_calls": []},
+        {"role": "assistant", "content": None, "tool_calls": [call("not json")]},
+    ]
+    ids = _prompt_of(llm, history, chat_template=CALLS_TEMPLATE)
+    parsed = [
+        history[0],
+        {
+            **history[1],
+            "tool_calls": [
+                {**call(""), "function": {"name": "f", "arguments": {"city": "Paris", "n": 2}}}
+            ],
+        },
+        history[2],
+        {"role": "assistant", "content": "ok"},
+        {**history[4], "tool_calls": [{**call(""), "function": {"name": "f", "arguments": {}}}]},
+    ]
+    assert ids == _hf(llm, parsed, chat_template=CALLS_TEMPLATE)
+    text = llm.get_tokenizer().decode(ids)
+    assert "[f city=Paris n=2]" in text and "<assistant>ok<assistant>[f]" in text
+    assert history[1]["tool_calls"][0]["function"]["arguments"].startswith("{")  # not modified
+
+
+def _prompt_of(llm: LLM, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+    [output] = llm.chat(messages, ONE, use_tqdm=False, **options)
+    return list(output.prompt_token_ids)
