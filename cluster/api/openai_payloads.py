@@ -83,7 +83,8 @@ _SAME_NAME_FIELDS = (
 
 def sampling_params(req: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
     check_extra_fields(req)
-    if req.stream_options is not None and not req.stream:
+    sent = req.stream_options is not None and req.stream_options.model_fields_set
+    if sent and not req.stream:  # ``{}`` sets no option (vLLM's rule)
         raise APIError(400, "stream_options: only allowed with stream: true", "stream_options")
     params: dict[str, Any] = {
         "temperature": req.temperature,
@@ -238,7 +239,7 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
     max_tokens = req.max_completion_tokens
     max_tokens = max_tokens if max_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens)
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # 0 is the default; vLLM's clients send it
         raise APIError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
     if req.logprobs:
         params["logprobs"] = req.top_logprobs or 0

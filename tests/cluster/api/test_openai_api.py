@@ -538,12 +538,30 @@ def test_chat_top_logprobs_is_the_engine_logprobs() -> None:
     )
 
 
-def test_chat_top_logprobs_without_logprobs_is_400() -> None:
-    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
-                                top_logprobs=2)  # fmt: skip
+def test_chat_top_logprobs_without_logprobs_is_400_unless_0() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    req = ChatCompletionRequest(model="m", messages=messages, top_logprobs=2)
     with pytest.raises(APIError) as info:
         chat_payload(req)
     assert (info.value.status, info.value.param) == (400, "top_logprobs")
+    # 0 is vLLM's default, which its clients send with logprobs off: no logprobs, no 400.
+    for logprobs in (None, False):
+        quiet = ChatCompletionRequest(model="m", messages=messages, top_logprobs=0,
+                                      logprobs=logprobs)  # fmt: skip
+        assert "logprobs" not in chat_payload(quiet)["params"]
+
+
+def test_stream_options_without_stream_is_400_unless_empty() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    req = ChatCompletionRequest(
+        model="m", messages=messages, stream_options={"include_usage": True}
+    )
+    with pytest.raises(APIError) as info:
+        chat_payload(req)
+    assert (info.value.status, info.value.param) == (400, "stream_options")
+    for options in ({}, {"include_usage": None}):  # no option set (a null is no value)
+        empty = ChatCompletionRequest(model="m", messages=messages, stream_options=options)
+        assert chat_payload(empty)["messages"] == messages
 
 
 # ---- responses from the server's items ----
