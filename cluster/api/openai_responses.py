@@ -92,7 +92,7 @@ class Completion:
         self.tools, self.stream = tools, stream
         self.include_reasoning = include_reasoning
         self.tool_call_parser: str | None = None
-        # A chat served with a reasoning_parser: think blocks become reasoning_content.
+        # A chat served with a reasoning_parser: think blocks become its reasoning fields.
         self.reasoning_parser: ReasoningParser | None = None
         self.in_reasoning: bool | None = None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -255,7 +255,7 @@ class Completion:
         if self.chat:
             content: dict[str, Any] = {"content": text}
             if reasoning:
-                content = {"reasoning_content": reasoning, **({"content": text} if text else {})}
+                content = {**_reasoning(reasoning), **({"content": text} if text else {})}
             if first:
                 content = {"role": "assistant", **content}
             chat_lp = {"content": logprobs} if logprobs is not None else None
@@ -275,7 +275,7 @@ class Completion:
     ) -> list[dict[str, Any]]:
         """A streamed chat choice with tools: its text through the tool-call streamer, as
         content and ``tool_calls`` deltas (text that may open a call is held back); its
-        ``reasoning`` (a reasoning model's) as a ``reasoning_content`` delta before them."""
+        ``reasoning`` (a reasoning model's) as a reasoning delta before them."""
         deltas = streamer.feed(text) if text else []
         choice.tool_text += text
         if choice.finish_reason is not None:
@@ -287,7 +287,7 @@ class Completion:
         if self.tools is not None and not self.tools.parallel:
             deltas = _first_call_only(deltas)
         if reasoning:
-            deltas = [{"reasoning_content": reasoning}, *deltas]
+            deltas = [_reasoning(reasoning), *deltas]
         if first:
             deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + (
                 deltas[1:]
@@ -367,7 +367,7 @@ class Completion:
         reasoning, parsed = self._read(choice.text, choice.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if self.reasoning_parser is not None and self.include_reasoning:
-            message["reasoning_content"] = reasoning
+            message.update(_reasoning(reasoning))
         parallel = self.tools is None or self.tools.parallel
         calls = parsed.tool_calls if parallel else parsed.tool_calls[:1]
         if calls:
@@ -550,3 +550,10 @@ async def stream_sse(
         yield sse("[DONE]")
     finally:
         on_close()
+
+
+def _reasoning(text: str | None) -> dict[str, str | None]:
+    """A message's or delta's reasoning under both of its names: ``reasoning`` (vLLM 0.32's,
+    which clients written for it read) and ``reasoning_content`` (DeepSeek's API's, SGLang's and
+    earlier vLLM's)."""
+    return {"reasoning": text, "reasoning_content": text}

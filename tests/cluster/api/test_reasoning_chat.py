@@ -1,7 +1,8 @@
 """Chat responses of a reasoning model (``reasoning_parser``), without Ray: the response
-builder on scripted server items (``reasoning_content``, tool calls read from the answer only,
-streamed and whole alike), and ``LLMServer`` over ``builtin:tiny-qwen3-reasoning`` (the split
-of its real output, the grammar of a structured output starting after ``</think>``)."""
+builder on scripted server items (``reasoning`` and ``reasoning_content``, tool calls read from
+the answer only, streamed and whole alike), and ``LLMServer`` over
+``builtin:tiny-qwen3-reasoning`` (the split of its real output, the grammar of a structured
+output starting after ``</think>``)."""
 
 from __future__ import annotations
 
@@ -59,10 +60,12 @@ def test_message_and_deltas_split_alike(text: str, parser: str, in_reasoning: bo
     message = whole.whole()["choices"][0]["message"]
     reasoning, content = get_reasoning_parser(parser).extract(text, in_reasoning=in_reasoning)
     assert (message["reasoning_content"], message["content"]) == (reasoning, content)
+    assert message["reasoning"] == reasoning  # vLLM 0.32's name, beside the older one
     pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # tags cut mid-way
     _, chunks = _respond(pieces, stream=True, parser=parser, in_reasoning=in_reasoning)
     assert chunks[0]["delta"]["role"] == "assistant"
     assert _joined(chunks, "reasoning_content") == (reasoning or "")
+    assert all(c["delta"].get("reasoning") == c["delta"].get("reasoning_content") for c in chunks)
     assert _joined(chunks, "content") == (content or "")
     assert chunks[-1]["finish_reason"] == "stop"
     # A chunk per step, as without a parser, none carrying a tag.
@@ -176,13 +179,14 @@ def test_include_reasoning_false_leaves_the_think_block_out(tool_call_parser: st
     shown, _ = _respond(pieces, stream=False, **script)
     hidden, _ = _respond(pieces, stream=False, include_reasoning=False, **script)
     choice, expected = hidden.whole()["choices"][0], shown.whole()["choices"][0]
-    del expected["message"]["reasoning_content"]
+    del expected["message"]["reasoning_content"], expected["message"]["reasoning"]
     for message in (choice["message"], expected["message"]):
         for call in message.get("tool_calls", ()):
             call.pop("id")
     assert choice["message"] == expected["message"] and choice["logprobs"] is None
     _, chunks = _respond(pieces, stream=True, include_reasoning=False, **script)
-    assert not any("reasoning_content" in c["delta"] or c["logprobs"] for c in chunks)
+    hidden_keys = {"reasoning", "reasoning_content"}
+    assert not any(hidden_keys & set(c["delta"]) or c["logprobs"] for c in chunks)
     assert _joined(chunks, "content") == (choice["message"]["content"] or "")
     calls = [call for c in chunks for call in c["delta"].get("tool_calls", ())]
     assert "".join(c["function"].get("arguments", "") for c in calls) == "".join(
