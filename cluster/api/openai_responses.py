@@ -286,6 +286,9 @@ class Completion:
             choice.finish_reason = self._tool_finish(choice.finish_reason, streamer.tools_called)
         if self.tools is not None and not self.tools.parallel:
             deltas = _first_call_only(deltas)
+        # A harmony streamer's analysis channel comes as reasoning_content deltas.
+        deltas = [{**d, **_reasoning(d["reasoning_content"])} if "reasoning_content" in d else d
+                  for d in deltas]  # fmt: skip
         if reasoning:
             deltas = [_reasoning(reasoning), *deltas]
         if first:

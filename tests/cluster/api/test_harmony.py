@@ -239,6 +239,8 @@ def test_chat_message_and_chunks_agree(text: str, finish: str) -> None:
     assert not any("<|" in json.dumps(c) for c in chunks)
     streamed = "".join(c["delta"].get("reasoning_content") or "" for c in chunks)
     assert streamed == reasoning
+    assert all(c["delta"].get("reasoning") == c["delta"].get("reasoning_content") for c in chunks)
+    assert message["reasoning"] == message["reasoning_content"]
     assert ("".join(c["delta"].get("content") or "" for c in chunks) or None) == content
     arguments = "".join(t["function"]["arguments"] for c in chunks
                         for t in c["delta"].get("tool_calls", ()))  # fmt: skip
@@ -268,13 +270,14 @@ def test_include_reasoning_false_leaves_the_analysis_out(text: str) -> None:
     whole, _ = _respond(tokens, stream=False, tools=auto, logprobs=True, include_reasoning=False)
     choice = whole.whole()["choices"][0]
     message = choice["message"]
-    assert "reasoning_content" not in message and choice["logprobs"] is None
+    assert not {"reasoning", "reasoning_content"} & set(message) and choice["logprobs"] is None
     assert message["content"] == content
     got = [(c["function"]["name"], c["function"]["arguments"])
            for c in message.get("tool_calls", [])]  # fmt: skip
     assert got == calls
     _, chunks = _respond(tokens, stream=True, tools=auto, logprobs=True, include_reasoning=False)
-    assert not any("reasoning_content" in c["delta"] or c["logprobs"] for c in chunks)
+    assert not any({"reasoning", "reasoning_content"} & set(c["delta"]) or c["logprobs"]
+                   for c in chunks)  # fmt: skip
     assert ("".join(c["delta"].get("content") or "" for c in chunks) or None) == content
     arguments = "".join(t["function"]["arguments"] for c in chunks
                         for t in c["delta"].get("tool_calls", ()))  # fmt: skip
