@@ -65,7 +65,7 @@ class OutputFormat(_Model):
 class OutputConfig(_Model):
     format: OutputFormat | None = None
     # The chat template's ``reasoning_effort`` (gpt-oss's "Reasoning: ..." line), as vLLM's.
-    effort: Literal["low", "medium", "high"] | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # anthropic's values
 
 
 class CountTokensRequest(_Model):

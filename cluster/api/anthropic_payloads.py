@@ -4,7 +4,8 @@ function tools and choice, ``stop_sequences`` the chat ``stop``. The chat path t
 rest (template, tool parsers, reasoning parser, structured outputs for forced calls).
 
     user:      text blocks            -> a user message (texts joined)
-               tool_result blocks     -> tool messages (tool_call_id = tool_use_id), first
+               tool_result blocks     -> tool messages (tool_call_id = tool_use_id), first;
+                                         a result's images a user message after it
     assistant: text / tool_use blocks -> one assistant message with its tool_calls
                thinking blocks        -> its reasoning_content
     tool_choice: auto -> auto, any -> required, tool -> the named function, none -> none
@@ -189,7 +190,7 @@ def chat_messages(
         block_path = f"{path}.content.{j}"
         kind = _block_type(block, block_path)
         if kind == "tool_result":
-            tool_messages.append(_tool_message(block, block_path))
+            tool_messages += _tool_messages(block, block_path)
         elif kind == "image":
             parts.append(image_part(_image_url(block, block_path)))
         else:
@@ -243,20 +244,32 @@ def _check_prefill(message: dict[str, Any], path: str) -> None:
                        "must be non-empty text, with no tool_use", path)  # fmt: skip
 
 
-def _tool_message(block: dict[str, Any], path: str) -> dict[str, Any]:
-    """A ``tool_result`` block: its content (a string or text blocks) as a tool message; the
-    chat has no error flag, so an ``is_error`` result says so in its text."""
+def _tool_messages(block: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    """A ``tool_result`` block: its content (a string, or text and image blocks) as a tool
+    message of its texts, then its images, if any, as a user message of image parts (the chat
+    has no images in tool messages; vLLM's conversion). The chat has no error flag, so an
+    ``is_error`` result says so in its text."""
     content = block.get("content", "")
+    images: list[dict[str, Any]] = []
     if isinstance(content, str):
         text = content
     elif isinstance(content, list):
-        text = _joined([_block_text(b, f"{path}.content.{k}") for k, b in enumerate(content)])
+        texts = []
+        for k, item in enumerate(content):
+            item_path = f"{path}.content.{k}"
+            if _block_type(item, item_path) == "image":
+                images.append(image_part(_image_url(item, item_path)))
+            else:
+                texts.append(_block_text(item, item_path))
+        text = _joined(texts)
     else:
-        raise APIError(400, f"{path}.content: must be a string or a list of text blocks",
-                       f"{path}.content")  # fmt: skip
+        raise APIError(400, f"{path}.content: must be a string or a list of text and image "
+                       "blocks", f"{path}.content")  # fmt: skip
     if block.get("is_error") is True:
         text = f"Error: {text}"
-    return {"role": "tool", "tool_call_id": _str(block, "tool_use_id", path), "content": text}
+    tool_message = {"role": "tool", "tool_call_id": _str(block, "tool_use_id", path),
+                    "content": text}  # fmt: skip
+    return [tool_message, {"role": "user", "content": images}] if images else [tool_message]
 
 
 def _block_type(block: Any, path: str) -> str:

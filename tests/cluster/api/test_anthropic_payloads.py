@@ -70,6 +70,37 @@ def test_a_tool_results_text_blocks_are_joined_one_a_line() -> None:
     assert messages == [{"role": "tool", "tool_call_id": "toolu_1", "content": "12 C\nsunny"}]
 
 
+def test_a_tool_results_images_are_a_user_message_after_its_tool_message() -> None:
+    """A screenshot tool's result (Claude Code, computer use): the texts stay the tool
+    message, the images follow as a user message of image parts (vLLM's conversion)."""
+    png = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "toolu_1",
+        "content": [
+            {"type": "text", "text": "here"},
+            {"type": "image", "source": png},
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+        ],
+    }
+    turn = {"role": "user", "content": [result, {"type": "text", "text": "What is it?"}]}
+    messages = _chat(messages=[turn], tools=[WEATHER])["messages"]
+    assert messages == [
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "here"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            ],
+        },
+        {"role": "user", "content": "What is it?"},
+    ]
+    bad = {**result, "content": [{"type": "image", "source": {"type": "file"}}]}
+    error = _error(messages=[{"role": "user", "content": [bad]}], tools=[WEATHER])
+    assert error.param == "messages.0.content.0.content.0.source.type"
+
+
 def test_tool_use_and_tool_result_blocks_are_chat_calls_and_tool_messages() -> None:
     turns = [
         {"role": "user", "content": "Weather?"},
@@ -281,6 +312,9 @@ def test_output_config_effort_is_the_templates_reasoning_effort() -> None:
             "output_config": {"effort": "low"}}  # fmt: skip
     payload, _ = messages_payload(CountTokensRequest.model_validate(body))
     assert payload.chat_template_kwargs == {"reasoning_effort": "low", "enable_thinking": True}
+    for effort in ("xhigh", "max"):  # the anthropic client's higher levels, as vLLM takes them
+        payload, _ = messages_payload(_request(output_config={"effort": effort}))
+        assert payload.chat_template_kwargs == {"reasoning_effort": effort, "enable_thinking": True}
 
 
 @pytest.mark.parametrize(
