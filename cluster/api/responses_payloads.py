@@ -77,6 +77,8 @@ def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComp
     if not messages:
         raise APIError(400, "input: must not be empty", "input")
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
+    if _is_partial_answer(items[-1] if items else None):  # vLLM's partial message completion
+        body |= {"continue_final_message": True, "add_generation_prompt": False}
     for name in SAMPLING_PASSTHROUGH:
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
@@ -111,6 +113,23 @@ def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComp
         raise _named_error(exc) from None
 
 
+def _is_type_tag(part: str) -> bool:
+    """A union member's tag in a pydantic error's location (``str``, ``list[str]``), not a
+    field's name (``strict``)."""
+    return part in ("str", "int", "float", "bool", "list", "dict") or "[" in part
+
+
+def _is_partial_answer(item: Any) -> bool:
+    """An assistant message left ``in_progress`` or ``incomplete`` (a response cut off by
+    ``max_output_tokens``, or a prefill): the reply continues it rather than opening a turn."""
+    return (
+        isinstance(item, dict)
+        and item.get("type", "message") == "message"
+        and item.get("role") == "assistant"
+        and item.get("status") in ("in_progress", "incomplete")
+    )
+
+
 def _named_error(exc: ValidationError) -> APIError:
     """A chat-side validation error, with the field path as the Responses request names it."""
     first = exc.errors()[0]
@@ -119,7 +138,7 @@ def _named_error(exc: ValidationError) -> APIError:
         loc = loc[:2] + loc[3:]  # a Responses function tool has its fields at the top
     elif loc[:1] == ["response_format"]:
         loc = ["text", "format"] + [p for p in loc[2:] if p != "json_schema"]
-    param = ".".join(p for p in loc if not p.startswith(("str", "list[", "dict[")))
+    param = ".".join(p for p in loc if not _is_type_tag(p))
     return APIError(400, f"{param}: {first.get('msg')}", param, "invalid_value")
 
 

@@ -75,3 +75,30 @@ def test_vllm_fields_that_change_the_output_are_refused(name: str, value: Any) -
 )  # fmt: skip
 def test_their_off_values_are_accepted(name: str, value: Any) -> None:
     check_request(_request(**{name: value}))
+
+
+@pytest.mark.parametrize(("status", "continues"),
+                         [("incomplete", True), ("in_progress", True), ("completed", False),
+                          (None, False)])  # fmt: skip
+def test_a_partial_assistant_message_last_is_continued(status: str | None, continues: bool) -> None:
+    """vLLM's partial message completion: a response cut off (``incomplete``) sent back as the
+    last input item is continued, not answered by a new turn."""
+    answer = {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "1, 2, 3,"}]}  # fmt: skip
+    if status is not None:
+        answer["status"] = status
+    req = _request(input=[{"role": "user", "content": "Count to 10"}, answer])
+    payload = chat_payload(chat_request(req, input_items(req.input)))
+    assert (payload.continue_final_message, payload.add_generation_prompt) == (
+        continues, not continues)  # fmt: skip
+    assert payload.messages[-1]["content"] == "1, 2, 3,"
+    # A user's message last opens the reply's turn whatever its status says.
+    asked = _request(input=[{"role": "user", "content": "Hi", "status": "incomplete"}])
+    assert chat_payload(chat_request(asked, input_items(asked.input))).add_generation_prompt
+
+
+def test_a_bad_tool_field_is_a_400_naming_it() -> None:
+    req = _request(tools=[{"type": "function", "name": "f", "strict": "yes"}])
+    with pytest.raises(APIError) as info:
+        chat_request(req, input_items(req.input))
+    assert (info.value.status, info.value.param) == (400, "tools.0.strict")
