@@ -340,6 +340,14 @@ class LLMEngine(SleepControl, LoRAControl):
             or any(r in self.scheduler.requests for r in scheduler_ids)
         ):
             raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
+        # An aborted request's batch still in flight (pipelined PP) would hand its tokens to a
+        # new request of the same id when it returns.
+        if any(r in self.scheduler.in_flight for r in scheduler_ids):
+            raise InvalidRequestError(
+                f"{request_id!r} is already in use: an aborted request of that id is still in a "
+                "batch being computed; use another id, or send it again after the next step",
+                param="request_id",
+            )
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[EngineOutput]:
         """Abort live requests — every one of their samples; unknown or finished ids are

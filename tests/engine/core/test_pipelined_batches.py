@@ -23,6 +23,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
+from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.worker.executor import StepFuture, UniProcExecutor
@@ -248,3 +249,28 @@ def test_an_abort_with_batches_in_flight_ends_cleanly() -> None:
     engine.check_integrity()
     assert engine.get_kv_cache_stats().used == 0
     assert sum(engine.request_state_sizes().values()) == 0
+
+
+def test_an_aborted_ids_reuse_waits_for_its_batch_in_flight() -> None:
+    """A new request with the id of one aborted while its batch is in flight is refused until
+    that batch is back (its tokens would be the new request's); then it runs as on its own."""
+    prompt, params = _ids(7, 20), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = _engine(LaterExecutor)
+    engine.add_request("x", {"prompt_token_ids": _ids(1, 30)}, params)
+    engine.add_request("y", {"prompt_token_ids": _ids(2, 30)}, params)
+    while "x" not in engine.scheduler.in_flight:
+        engine.step()
+    engine.abort_request("x")
+    with pytest.raises(InvalidRequestError, match="still in a batch") as info:
+        engine.add_request("x", {"prompt_token_ids": prompt}, params)
+    assert info.value.param == "request_id"
+    while "x" in engine.scheduler.in_flight:
+        engine.step()
+    engine.add_request("x", {"prompt_token_ids": prompt}, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    engine.check_integrity()
+    assert final["x"] == _run(_engine(), [prompt], [params])["q0"][0]
