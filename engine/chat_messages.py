@@ -54,7 +54,7 @@ def _arguments(function: dict[str, Any]) -> dict[str, Any]:
         return {}
     try:
         parsed = json.loads(value) if isinstance(value, str | bytes) else value
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         parsed = None
     if not isinstance(parsed, dict):
         logger.warning(

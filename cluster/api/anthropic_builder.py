@@ -55,7 +55,7 @@ def _tool_input(arguments: str) -> Any:
     the raw text under ``"arguments"``: a cut-off call past ``max_tokens``)."""
     try:
         value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return {"arguments": arguments}
     return value if isinstance(value, dict) else {"arguments": arguments}
 

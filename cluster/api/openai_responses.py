@@ -4,6 +4,7 @@ or its SSE chunks, with logprobs in OpenAI's shapes."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -35,6 +36,8 @@ from cluster.api.replica_messages import (
 from cluster.api.tool_calls import ParsedToolCalls, ToolCallStreamer, ToolParser
 from cluster.api.tool_parsers import HarmonyStreamer, get_tool_parser, parse_harmony
 from engine.client.core_messages import ChoiceDelta
+
+logger = logging.getLogger("llm_cluster.serve")
 
 
 class _Choice:
@@ -316,7 +319,7 @@ class Completion:
             return False
         try:
             json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return True
         return False
 
@@ -550,6 +553,10 @@ async def stream_sse(
                 yield sse(completion.chunk(choice))
         if completion.include_usage:
             yield sse(completion.usage_chunk())
+        yield sse("[DONE]")
+    except Exception:  # a fault shaping this response: its client is told, the stream ends
+        logger.exception("a streamed response failed while being built")
+        yield sse(error_body(500, "the server failed while building this response", None))
         yield sse("[DONE]")
     finally:
         on_close()

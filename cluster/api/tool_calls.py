@@ -269,7 +269,7 @@ class _CallScanner:
             return True
         try:
             self._key = json.loads('"' + self._raw + '"')
-        except ValueError:
+        except (ValueError, RecursionError):
             return self._refuse()
         self._state = "colon"
         return True
@@ -310,7 +310,7 @@ class _CallScanner:
     def _end_value(self) -> bool:
         try:
             value = json.loads(self._raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past json's depth
             return self._refuse()
         if self._target == "name":
             self.name = value

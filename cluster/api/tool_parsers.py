@@ -306,7 +306,7 @@ class _Glm45Streamer(_HermesStreamer):
         if (function, key) not in self._string_parameters:
             try:
                 return json.dumps(json.loads(value), ensure_ascii=False)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         return json.dumps(value, ensure_ascii=False)
 

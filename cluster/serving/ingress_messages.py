@@ -7,6 +7,7 @@ into the message they make, so both have the same blocks. Errors take Anthropic'
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +24,8 @@ from cluster.api.openai_responses import Completion
 from cluster.api.replica_messages import GenerateRequest, StreamError
 from cluster.api.responses_builder import sse_event
 from cluster.serving.ingress_calls import guard_stream
+
+logger = logging.getLogger("llm_cluster.serve")
 
 # A generation the replica ended early (shut down past its drain): no message to give.
 _ABORTED = (503, "the server stopped the generation; retry the request", "unavailable")
@@ -123,6 +126,10 @@ async def _sse(
                 yield sse_event(event)
         except APIError as exc:
             for event in builder.fail(exc.status, exc.message, exc.code):
+                yield sse_event(event)
+        except Exception:  # a fault shaping this response: its client is told
+            logger.exception("a streamed message failed while being built")
+            for event in builder.fail(500, "the server failed while building this response"):
                 yield sse_event(event)
     finally:
         stream.cancel()

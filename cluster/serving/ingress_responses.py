@@ -144,6 +144,10 @@ class ResponsesServicer:
             await self._keep(builder, conversation)
             for event in last:
                 yield sse_event(event)
+        except Exception:  # a fault shaping this response: its client is told
+            logger.exception("a streamed response failed while being built")
+            for event in builder.fail("the server failed while building this response"):
+                yield sse_event(event)
         finally:
             stream.cancel()
 

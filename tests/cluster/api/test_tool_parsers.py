@@ -683,3 +683,29 @@ def test_glm45_stream_announces_a_call_with_its_first_pair_and_sends_each_pair_w
     assert first["tool_calls"][0]["function"]["arguments"] == '{"city": "Beijing"'
     rest = streamer.feed(text[first_pair_end:]) + streamer.finish()
     assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in rest) == ', "days": 3}'
+
+
+DEEP = "[" * 3000 + "]" * 3000  # nested past json's recursion limit
+
+
+@pytest.mark.parametrize(
+    ("parser_name", "text"),
+    [("hermes", '<tool_call>{"name": "f", "arguments": {"a": ' + DEEP + "}}</tool_call>"),
+     ("llama3_json", '{"name": "f", "parameters": {"a": ' + DEEP + "}}"),
+     ("glm45", "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>" + DEEP + "</arg_value>\n"
+               "</tool_call>")],
+)  # fmt: skip
+def test_arguments_nested_past_jsons_depth_are_not_an_exception(
+    parser_name: str, text: str
+) -> None:
+    """Such text is no call the client could decode (a RecursionError in ``json.loads``): the
+    whole text is content (glm45: a string value), and neither way is a failed response."""
+    parser = get_tool_parser(parser_name)
+    if parser_name == "glm45":
+        assert _calls(parser.parse(text)) == (None, [("f", json.dumps({"a": DEEP}))])
+    else:
+        assert _calls(parser.parse(text)) == (text, [])
+    # A stream that announced the call before its arguments ended keeps it (BROKEN_ARGUMENTS).
+    pieces = [text[i : i + 7] for i in range(0, len(text), 7)]
+    streamed = fold_deltas(_stream(parser.streamer(), pieces))
+    assert {call.name for call in streamed.tool_calls} <= {"f"}
