@@ -200,7 +200,8 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
         if self.draining:
             yield self._draining_error()
             return
-        timer = self.metrics.request_timer(time.monotonic())
+        arrived = time.monotonic()
+        timer = self.metrics.request_timer(arrived)
         request = with_template_defaults(request, self.config.frontend.default_chat_template_kwargs)
         request_id = request.request_id
         self._active.add(request_id)
@@ -225,7 +226,11 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
                     params.structured_outputs,
                     request.chat_template_kwargs,
                 )
+            # The request's timeout counts from its arrival here: waking the model, loading
+            # its adapter and rendering the prompt are within it (the engine's clock starts
+            # when it takes the request).
             timeout = request.timeout
+            timeout_s = _remaining(timeout, arrived)
             # With a channel, the deltas go from the head to the ingress, one message per step.
             sink = request.channel if self.head_name is not None else None
             stream = self.engine.generate(
@@ -233,7 +238,7 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
                 params,
                 request_id,
                 cache_salt=request.cache_salt,
-                timeout_s=timeout,
+                timeout_s=timeout_s,
                 lora_request=lora_request,
                 sink=sink,
             )
@@ -280,7 +285,9 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
                     output = item.output
                     yield StreamDelta(item.deltas, output.kv_transfer_params,
                                       output.num_cached_tokens)  # fmt: skip
-            if timeout is not None and _was_aborted(last):
+            # Aborted past the deadline: the timeout (not a drain's or a shutdown's abort).
+            past = timeout is not None and time.monotonic() >= arrived + timeout
+            if past and _was_aborted(last):
                 yield error_item(408, f"the request exceeded its timeout of {timeout} s",
                                  "timeout")  # fmt: skip
         except EngineDeadError:
@@ -517,6 +524,15 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield first
     async for item in rest:
         yield item
+
+
+def _remaining(timeout: Any, arrived: float) -> Any:
+    """What is left of a request's ``timeout`` (seconds from ``arrived``), at least a
+    millisecond so that the engine still takes it and ends it as timed out; a value that is not
+    a positive number goes to the engine as it is, which refuses it naming the field."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        return timeout
+    return max(timeout - (time.monotonic() - arrived), 1e-3)
 
 
 def _was_aborted(item: Any) -> bool:

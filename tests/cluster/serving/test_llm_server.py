@@ -125,6 +125,25 @@ def test_request_past_its_timeout_ends_with_abort_then_a_408(server: LLMServer) 
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
 
 
+def test_the_timeout_counts_from_the_requests_arrival(
+    server: LLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Time the replica spends before the engine takes the request (here: waking the model)
+    is within the request's timeout: past it, the engine ends the request at once."""
+    waking = server._ensure_awake
+
+    async def slow_wake() -> None:
+        await asyncio.sleep(0.6)
+        await waking()
+
+    monkeypatch.setattr(server, "_ensure_awake", slow_wake)
+    params = {"temperature": 0, "max_tokens": 900, "ignore_eos": True}
+    items = collect(server, {"prompt": "Once upon", "params": params, "timeout": 0.5})
+    assert (items[-1]["type"], items[-1]["status"], items[-1]["param"]) == ("error", 408, "timeout")
+    # Ended at once, not after the 0.5 s of tokens it had before its deadline was moved.
+    assert items[-2]["choices"][-1]["num_tokens"] < 20
+
+
 def test_invalid_timeout_is_400_naming_it(server: LLMServer) -> None:
     items = collect(server, {"prompt": "x", "params": {}, "timeout": -1})
     assert (items[0]["status"], items[0]["param"]) == (400, "timeout")
@@ -225,11 +244,13 @@ def test_drain_lets_short_requests_finish_aborts_the_rest_and_refuses_new_ones()
     server = LLMServer("tiny", {**ENGINE_ARGS, "max_model_len": 2048, "num_kv_blocks": 256})
 
     async def run() -> tuple[list[Any], list[Any], list[Any], dict[str, int]]:
-        async def one(max_tokens: int) -> list[dict[str, Any]]:
+        async def one(max_tokens: int, **fields: Any) -> list[dict[str, Any]]:
             params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
-            return [item async for item in stream(server, {"prompt": "a", "params": params})]
+            request = {"prompt": "a", "params": params, **fields}
+            return [item async for item in stream(server, request)]
 
-        long = asyncio.ensure_future(one(2000))
+        # A timeout far off: the drain's abort is no timeout (no 408).
+        long = asyncio.ensure_future(one(2000, timeout=600.0))
         while not server._active:
             await asyncio.sleep(0.01)
         # The short request registers in its task's first step, which runs on this yield:
@@ -244,7 +265,7 @@ def test_drain_lets_short_requests_finish_aborts_the_rest_and_refuses_new_ones()
     try:
         short, long, refused, counts = asyncio.run(run())
         assert short[-1]["choices"][-1]["finish_reason"] == "length"
-        assert long[-1]["choices"][-1]["finish_reason"] == "abort"
+        assert long[-1]["type"] == "delta" and long[-1]["choices"][-1]["finish_reason"] == "abort"
         assert long[-1]["choices"][-1]["num_tokens"] < 2000
         draining = error_item(503, refused[0]["message"], None, "draining", 1)
         assert refused == [msgspec.to_builtins(draining)]
