@@ -220,9 +220,14 @@ class OpenAIIngress(
         cancelled and its error raised."""
         if len(payloads) == 1:
             return [await self.open_stream(model, payloads[0])]
-        results = await asyncio.gather(
-            *(self.open_stream(model, p) for p in payloads), return_exceptions=True
-        )
+        tasks = [asyncio.ensure_future(self.open_stream(model, p)) for p in payloads]
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # the client left: gather cancels the ones opening
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result()[1].cancel()  # the ones open: their requests end too
+            raise
         error = next((r for r in results if isinstance(r, BaseException)), None)
         if error is None:
             return list(results)  # type: ignore[arg-type]
