@@ -82,7 +82,7 @@ class ToolParser(ABC):
     """Reads one model family's tool-call format, for one request: ``parameter_schemas`` maps
     each (function, parameter) to the JSON schema its tools declare for it (a format that
     writes argument values as bare text types them by it: ``qwen3_coder`` by the whole
-    schema, ``glm45`` only by whether it is a string)."""
+    schema, ``glm45`` only by whether it is a string or a boolean)."""
 
     name: ClassVar[str]
     # The format's markers are special tokens: a request this parser reads is decoded with

@@ -198,8 +198,8 @@ class Glm45ToolParser(ToolParser):
         </tool_call>
 
     Values are bare text: one the tool declares a string is taken as written; any other is read
-    as JSON (``3`` a number, ``{"a": 1}`` an object) and kept a string where it is not JSON, as
-    vLLM's ``glm45`` parser does. A call's ``arguments`` is the JSON object of its pairs, in
+    as JSON (``3`` a number, ``{"a": 1}`` an object) and kept a string where it is not JSON (but
+    ``True`` / ``False`` for a declared boolean is one), as vLLM's ``glm45`` parser does. A call's ``arguments`` is the JSON object of its pairs, in
     their order; streamed, each pair is sent once its ``</arg_value>`` arrives. A block that is
     no such call (no name, text between the pairs) is content. The whole-text split is the
     stream's, folded (``fold_stream``)."""
@@ -211,7 +211,9 @@ class Glm45ToolParser(ToolParser):
         return fold_stream(self.streamer(), text)
 
     def streamer(self) -> ToolCallStreamer:
-        return _Glm45Streamer(self.string_parameters)
+        schemas = self.parameter_schemas.items()
+        booleans = frozenset(key for key, schema in schemas if schema.get("type") == "boolean")
+        return _Glm45Streamer(self.string_parameters, booleans)
 
     @classmethod
     def read_block(
@@ -256,9 +258,14 @@ class _Glm45Streamer(_HermesStreamer):
     after that ends its arguments: up to the end tag it is dropped, and where no end tag comes
     it is content."""
 
-    def __init__(self, string_parameters: frozenset[tuple[str, str]]) -> None:
+    def __init__(
+        self,
+        string_parameters: frozenset[tuple[str, str]],
+        boolean_parameters: frozenset[tuple[str, str]] = frozenset(),
+    ) -> None:
         super().__init__()
         self._string_parameters = string_parameters
+        self._boolean_parameters = boolean_parameters
         self._pairs_sent = 0
 
     def _in_call(self, text: str, out: Deltas, at_end: bool = False) -> str:
@@ -308,6 +315,9 @@ class _Glm45Streamer(_HermesStreamer):
                 return json.dumps(json.loads(value), ensure_ascii=False)
             except (ValueError, RecursionError):
                 pass
+        word = value.strip().lower()
+        if (function, key) in self._boolean_parameters and word in ("true", "false"):
+            return word  # a boolean written as Python writes it (``True``), as vLLM reads it
         return json.dumps(value, ensure_ascii=False)
 
     def finish(self) -> list[Delta]:

@@ -673,6 +673,20 @@ def test_glm45_takes_a_string_parameter_as_written_and_reads_the_others_as_json(
     }  # fmt: skip
 
 
+def test_glm45_reads_true_and_false_as_written_in_python_for_a_declared_boolean() -> None:
+    text = (
+        "<tool_call>run\n<arg_key>flag</arg_key>\n<arg_value>True</arg_value>\n"
+        "<arg_key>note</arg_key>\n<arg_value>False</arg_value>\n</tool_call>"
+    )
+    parser = get_tool_parser("glm45", {("run", "flag"): {"type": "boolean"}})
+    expected = {"flag": True, "note": "False"}  # only where the tool declares a boolean
+    assert json.loads(parser.parse(text).tool_calls[0].arguments) == expected
+    streamed = fold_deltas(
+        _stream(parser.streamer(), [text[i : i + 5] for i in range(0, len(text), 5)])
+    )
+    assert json.loads(streamed.tool_calls[0].arguments) == expected
+
+
 def test_glm45_stream_announces_a_call_with_its_first_pair_and_sends_each_pair_whole() -> None:
     streamer = get_tool_parser("glm45").streamer()
     text = GLM_TEXTS["one call"]
