@@ -199,10 +199,10 @@ class Glm45ToolParser(ToolParser):
 
     Values are bare text: one the tool declares a string is taken as written; any other is read
     as JSON (``3`` a number, ``{"a": 1}`` an object) and kept a string where it is not JSON (but
-    ``True`` / ``False`` for a declared boolean is one), as vLLM's ``glm45`` parser does. A call's ``arguments`` is the JSON object of its pairs, in
-    their order; streamed, each pair is sent once its ``</arg_value>`` arrives. A block that is
-    no such call (no name, text between the pairs) is content. The whole-text split is the
-    stream's, folded (``fold_stream``)."""
+    ``True`` / ``False`` for a declared boolean is one), as vLLM's ``glm45`` parser does. A
+    call's ``arguments`` is the JSON object of its pairs, in their order; streamed, each pair is
+    sent once its ``</arg_value>`` arrives. A block that is no such call (no name, text between
+    the pairs) is content. The whole-text split is the stream's, folded (``fold_stream``)."""
 
     name = "glm45"
     _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
