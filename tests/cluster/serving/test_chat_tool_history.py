@@ -17,16 +17,9 @@ from cluster.api.openai_payloads import chat_payload
 from cluster.serving.request_inputs import request_chat_prompt
 from engine.builtin.catalog import resolve_model_source
 
-# Qwen3-Coder's way of reading a call's arguments (a mapping, item by item), and Llama 3.1's
-# test for calls, which an empty list would pass.
-TEMPLATE = (
-    "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
-    "{% if 'tool_calls' in m %}{% if m.tool_calls | length != 1 %}"
-    "{{ raise_exception('one call at a time') }}{% endif %}"
-    "{% for call in m.tool_calls %}[{{ call.function.name }}"
-    "{% for k, v in call.function.arguments | items %} {{ k }}={{ v }}{% endfor %}]"
-    "{% endfor %}{% endif %}{% endfor %}"
-)
+# Reads a call's arguments as a mapping and refuses an empty tool_calls list (LLM.chat's test).
+from tests.engine.client.test_llm_chat import CALLS_TEMPLATE as TEMPLATE
+
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 
 
