@@ -159,6 +159,7 @@ def grammar_param(param: str | None, req: SamplingFields) -> str | None:
 
 
 MAX_PROMPTS_PER_REQUEST = 256
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on an embeddings request's inputs
 
 
 def completion_payloads(req: CompletionRequest) -> list[GenerateRequest]:
@@ -201,8 +202,8 @@ def embedding_payloads(value: Any) -> list[EmbedRequest]:
         raise APIError(400, "input: must not be empty", "input")
     if isinstance(value[0], int):
         return [EmbedRequest(prompt_token_ids=value)]
-    if len(value) > MAX_PROMPTS_PER_REQUEST:
-        raise APIError(400, f"input: at most {MAX_PROMPTS_PER_REQUEST} inputs per request, "
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise APIError(400, f"input: at most {MAX_EMBEDDING_INPUTS} inputs per request, "
                        f"got {len(value)}", "input")  # fmt: skip
     return [
         EmbedRequest(prompt=v) if isinstance(v, str) else EmbedRequest(prompt_token_ids=v)

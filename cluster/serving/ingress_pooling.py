@@ -28,8 +28,8 @@ from cluster.api.openai_payloads import (
     embedding_payloads,
 )
 from cluster.api.pooling_models import ClassificationRequest, RerankRequest, ScoreRequest
-from cluster.api.replica_messages import EmbedRequest, StreamError
 from cluster.api.replica_messages import ScoreRequest as ServerScoreRequest
+from cluster.api.replica_messages import StreamError
 from cluster.serving.ingress_calls import base_model
 
 # vLLM's pooling fields that change the output and are not supported (``check_extra_fields``),
@@ -117,18 +117,12 @@ class PoolingServicer:
     async def classify(self, req: ClassificationRequest) -> Any:
         check_extra_fields(req, _POOLING_FIELDS)
         handle = await self._server_of(req.model)
-        inputs = [req.input] if isinstance(req.input, str) else req.input
-        if not inputs:
-            raise APIError(400, "input: must not be empty", "input")
+        inputs = embedding_payloads(req.input)  # text, token ids, or a batch of either
         await self._admit(req.model)
-        special = req.add_special_tokens
-        cut = {
-            "truncate_prompt_tokens": req.truncate_prompt_tokens,
-            "truncation_side": req.truncation_side,
-        }
-        calls = [handle.embed.remote(EmbedRequest(prompt=t, task="classify",
-                                                  add_special_tokens=special, **cut))
-                 for t in inputs]  # fmt: skip
+        changes = {"task": "classify", "add_special_tokens": req.add_special_tokens,
+                   "truncate_prompt_tokens": req.truncate_prompt_tokens,
+                   "truncation_side": req.truncation_side}  # fmt: skip
+        calls = [handle.embed.remote(msgspec.structs.replace(p, **changes)) for p in inputs]
         results = await self._call(req.model, calls)
         data = [{"index": i, "label": r.label, "probs": r.embedding,
                  "num_classes": len(r.embedding)} for i, r in enumerate(results)]  # fmt: skip
@@ -137,7 +131,10 @@ class PoolingServicer:
 
     async def score(self, req: ScoreRequest) -> Any:
         check_extra_fields(req, _POOLING_FIELDS)
-        result = await self._score(req.model, req.text_1, req.text_2)
+        first, second = req.sides()
+        if second is None:  # the field missing of the pair the request began
+            raise APIError(400, f"{first}: Field required", str(first))
+        result = await self._score(req.model, first, second)
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(result.scores)]
         return {**_header("score", req.model), "data": data, "usage": _usage(result.prompt_tokens)}
 
@@ -160,7 +157,8 @@ class PoolingServicer:
                 item["document"] = {"text": documents[i]}
             results.append(item)
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": req.model, "results": results,
-                "usage": {"total_tokens": result.prompt_tokens}}  # fmt: skip
+                "usage": {"prompt_tokens": result.prompt_tokens,
+                          "total_tokens": result.prompt_tokens}}  # fmt: skip
 
     async def _score(self, model: str, text_1: str | list[str], text_2: str | list[str]) -> Any:
         handle = await self._server_of(model)

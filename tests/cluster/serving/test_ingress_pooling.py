@@ -166,3 +166,46 @@ def test_an_unknown_model_or_adapter_is_a_404(ingress: _Recording, model: str) -
     response = _post(ingress, "/v1/embeddings", {"model": model, "input": "hi"})
     assert response.status_code == 404
     assert response.json()["error"]["message"] == f"The model `{model}` does not exist."
+
+
+@pytest.mark.parametrize(("first", "second"), [("queries", "documents"), ("queries", "items"),
+                                               ("data_1", "data_2"), ("text_1", "text_2")])  # fmt: skip
+def test_score_takes_each_of_vllms_names_for_its_sides(
+    ingress: _Recording, first: str, second: str
+) -> None:
+    response = _post(ingress, "/score", {"model": "m", first: "q", second: ["a", "b"]})
+    assert response.status_code == 200
+    assert [d["score"] for d in response.json()["data"]] == [0.3, 0.9]
+    [call] = ingress.calls
+    assert isinstance(call, ScoreRequest) and (call.text_1, call.text_2) == (["q"], ["a", "b"])
+
+
+@pytest.mark.parametrize(("body", "param"), [({"queries": "q"}, "documents"),
+                                             ({"text_2": "b"}, "text_1"), ({}, "queries")])  # fmt: skip
+def test_score_without_both_sides_is_a_400_naming_the_missing_one(
+    ingress: _Recording, body: dict[str, Any], param: str
+) -> None:
+    response = _post(ingress, "/score", {"model": "m", **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    assert ingress.calls == []
+
+
+def test_rerank_takes_one_bare_document_and_reports_its_prompt_tokens(
+    ingress: _Recording,
+) -> None:
+    response = _post(ingress, "/rerank", {"model": "m", "query": "q", "documents": "a"})
+    assert response.status_code == 200
+    body = response.json()
+    assert [r["document"]["text"] for r in body["results"]] == ["a"]
+    assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}  # as vLLM's RerankUsage
+
+
+@pytest.mark.parametrize("value", [[5, 6, 7], [[5, 6], [7]]])
+def test_classify_takes_token_ids_as_the_embeddings_route_does(
+    ingress: _Recording, value: list[Any]
+) -> None:
+    response = _post(ingress, "/classify", {"model": "m", "input": value})
+    assert response.status_code == 200
+    batch = value if isinstance(value[0], list) else [value]
+    assert [c.prompt_token_ids for c in ingress.calls] == batch
+    assert all(isinstance(c, EmbedRequest) and c.task == "classify" for c in ingress.calls)
