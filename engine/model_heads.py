@@ -115,9 +115,59 @@ def label_names(hf: dict[str, Any]) -> tuple[str, ...]:
     return tuple(str(labels.get(str(i), f"LABEL_{i}")) for i in range(num_labels(hf)))
 
 
+Activation = Literal["sigmoid", "softmax", "identity", "tanh"]
+# The sentence-transformers cross-encoder activations (their torch.nn class names) served.
+_NAMED_ACTIVATIONS: dict[str, Activation] = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.Tanh": "tanh",
+}
+
+
+def classifier_activation(hf: dict[str, Any]) -> Activation:
+    """What turns a classifier's logits into its scores, as vLLM and Hugging Face's loss pick
+    it: ``problem_type`` (``regression``: the logits themselves; ``multi_label_classification``:
+    a sigmoid per class), else a cross-encoder's ``sentence_transformers.activation_fn`` (or
+    ``sbert_ce_default_activation_function``), else a sigmoid for one class and a softmax for
+    more. An activation this engine does not have is a ``ConfigError`` naming it."""
+    problem = hf.get("problem_type")
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification":
+        return "sigmoid"
+    if problem != "single_label_classification":
+        st = hf.get("sentence_transformers")
+        for field, named in (
+            (
+                "sentence_transformers.activation_fn",
+                st.get("activation_fn") if isinstance(st, dict) else None,
+            ),
+            (
+                "sbert_ce_default_activation_function",
+                hf.get("sbert_ce_default_activation_function"),
+            ),
+        ):
+            if named is None:
+                continue
+            if named not in _NAMED_ACTIVATIONS:
+                raise ConfigError(
+                    f"{field}: {named!r} is not served (one of {', '.join(_NAMED_ACTIVATIONS)})"
+                )
+            return _NAMED_ACTIVATIONS[named]
+    return "sigmoid" if num_labels(hf) < 2 else "softmax"
+
+
 def resolve_task(hf: dict[str, Any], runner: str, convert: str) -> Task:
     """The model's task from its architecture and the ``runner`` / ``convert`` arguments, or
-    ``ConfigError`` naming the argument that asks for something the checkpoint cannot do."""
+    ``ConfigError`` naming the argument that asks for something the checkpoint cannot do (or a
+    classifier's activation it cannot apply)."""
+    task = _task(hf, runner, convert)
+    if task == "classify":
+        classifier_activation(hf)  # refused here, before anything is placed
+    return task
+
+
+def _task(hf: dict[str, Any], runner: str, convert: str) -> Task:
     arch = declared_architecture(hf)
     split = _split(arch)
     declared: Task = split[1] if split is not None else "generate"
@@ -151,7 +201,9 @@ def resolve_task(hf: dict[str, Any], runner: str, convert: str) -> Task:
 __all__ = [
     "CONVERTS",
     "RUNNERS",
+    "Activation",
     "Task",
+    "classifier_activation",
     "classifier_tokens",
     "declared_architecture",
     "family_architecture",

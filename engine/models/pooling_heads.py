@@ -7,8 +7,8 @@
 
 The class is the family's ``CausalLM`` subclassed once per head, so the loader and the
 meta-device parameter listing build the same model. ``classify_hidden`` maps pooled final
-hidden states to class logits on the driver; ``score`` is kept in float32, replicated on every
-rank of the last stage (it is a few rows).
+hidden states to class logits on the driver and ``class_scores`` those to scores; ``score`` is
+kept in float32, replicated on every rank of the last stage (it is a few rows).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engine.model_heads import num_labels, two_way_softmax
+from engine.model_heads import classifier_activation, num_labels, two_way_softmax
 from engine.models.decoder import CausalLM
 from parallel.state import ParallelContext
 
@@ -51,6 +51,7 @@ class _Classifier(_BareDecoder):
 
     def __init__(self, hf: dict[str, Any], ctx: ParallelContext, ops: Any = None) -> None:
         super().__init__(hf, ctx, ops)  # type: ignore[call-arg]
+        self.activation = classifier_activation(hf)
         self.score: nn.Linear | None = None
         if ctx.pp.is_last:
             self.score = nn.Linear(
@@ -82,6 +83,15 @@ class _Classifier(_BareDecoder):
         if self.score is None:
             raise RuntimeError("classify_hidden called on a pipeline stage without the head")
         return torch.nn.functional.linear(hidden.to(torch.float32), self.score.weight)
+
+    def class_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """One input's scores ``[num_labels]`` from its logits, by the checkpoint's activation
+        (``engine.model_heads.classifier_activation``)."""
+        if self.activation == "softmax":
+            return torch.softmax(logits, dim=-1)
+        if self.activation == "sigmoid":
+            return torch.sigmoid(logits)
+        return torch.tanh(logits) if self.activation == "tanh" else logits
 
 
 def _load_token_rows(

@@ -145,9 +145,7 @@ def pooling_head(
     params = params or PoolingParams()
     if params.task == "classify":
         logits = model.classify_hidden(vector[None])[0]
-        if not params.activation:
-            return logits
-        return torch.sigmoid(logits) if len(logits) == 1 else torch.softmax(logits, dim=0)
+        return model.class_scores(logits) if params.activation else logits
     if params.dimensions is not None:
         vector = vector[: params.dimensions]
     return F.normalize(vector, dim=0) if params.normalize else vector

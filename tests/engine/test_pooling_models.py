@@ -63,6 +63,31 @@ def test_sequence_classifier_matches_hf(name: str) -> None:
         assert len(probs[i].outputs.probs) == hf.config.num_labels
 
 
+@pytest.mark.parametrize(
+    ("overrides", "activate"),
+    [
+        ({"problem_type": "regression"}, lambda x: x),
+        ({"problem_type": "multi_label_classification"}, torch.sigmoid),
+        ({"problem_type": "single_label_classification"}, lambda x: torch.softmax(x, 0)),
+        ({"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}},
+         lambda x: x),
+        ({"sbert_ce_default_activation_function": "torch.nn.modules.activation.Tanh"},
+         torch.tanh),
+    ],
+)  # fmt: skip
+def test_the_checkpoints_activation_makes_the_scores(
+    overrides: dict[str, Any], activate: Any
+) -> None:
+    """As vLLM picks it: ``problem_type`` (a regression's logits are its scores), else a
+    cross-encoder's sentence-transformers activation, else sigmoid / softmax by class count."""
+    llm = make_llm("tiny-qwen3-classifier", hf_overrides=overrides)
+    batch = prompts([5, 17])
+    probs = llm.classify(batch, use_tqdm=False)
+    logits = llm.encode(batch, PoolingParams(task="classify", activation=False), use_tqdm=False)
+    for p, lg in zip(probs, logits, strict=True):
+        assert close(p.outputs.probs, activate(torch.tensor(lg.outputs.data)))
+
+
 def test_cross_encoder_score_is_the_pair_classified_as_hf_does() -> None:
     name = "tiny-llama-cross-encoder"
     path = resolve_model_source(f"builtin:{name}")
@@ -188,6 +213,11 @@ def test_pooling_models_refuse_generation_and_foreign_tasks() -> None:
             r"^classifier_from_token: a two-way softmax scores exactly two",
         ),
         ("tiny-qwen3", {"runner": "encode"}, r"^runner: "),
+        (
+            "tiny-qwen3-classifier",
+            {"hf_overrides": {"sentence_transformers": {"activation_fn": "my.Gelu"}}},
+            r"^sentence_transformers.activation_fn: 'my.Gelu' is not served",
+        ),
         ("tiny-qwen3", {"hf_overrides": ["architectures"]}, r"^hf_overrides: must be a mapping"),
         (
             "tiny-qwen3",
