@@ -168,8 +168,10 @@ def test_an_unknown_model_or_adapter_is_a_404(ingress: _Recording, model: str) -
     assert response.json()["error"]["message"] == f"The model `{model}` does not exist."
 
 
-@pytest.mark.parametrize(("first", "second"), [("queries", "documents"), ("queries", "items"),
-                                               ("data_1", "data_2"), ("text_1", "text_2")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2")],
+)
 def test_score_takes_each_of_vllms_names_for_its_sides(
     ingress: _Recording, first: str, second: str
 ) -> None:
@@ -180,8 +182,10 @@ def test_score_takes_each_of_vllms_names_for_its_sides(
     assert isinstance(call, ScoreRequest) and (call.text_1, call.text_2) == (["q"], ["a", "b"])
 
 
-@pytest.mark.parametrize(("body", "param"), [({"queries": "q"}, "documents"),
-                                             ({"text_2": "b"}, "text_1"), ({}, "queries")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"queries": "q"}, "documents"), ({"text_2": "b"}, "text_1"), ({}, "queries")],
+)
 def test_score_without_both_sides_is_a_400_naming_the_missing_one(
     ingress: _Recording, body: dict[str, Any], param: str
 ) -> None:
