@@ -136,8 +136,9 @@ def find_tool(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any
 def named_tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
     """JSON schema of the output of a call forced by name: the tool's arguments object."""
     parameters = tool_function(tool).get("parameters")
-    # No parameters (or an empty schema) still means an object: the arguments of no parameters.
-    return dict(parameters) if parameters else {"type": "object"}
+    # No parameters (or an empty schema): the arguments of no parameters, ``{}`` (vLLM's
+    # ``{"properties": {}}``, which the grammar closes to other keys).
+    return dict(parameters) if parameters else {"type": "object", "properties": {}}
 
 
 def required_tools_schema(

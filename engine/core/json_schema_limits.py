@@ -11,6 +11,8 @@ Refused, because the grammar would accept documents the schema rejects:
   types are disjoint, or they are a discriminated union (one required property whose
   ``const``/``enum`` values differ);
 - ``pattern`` or ``format`` with ``minLength``/``maxLength``; ``required`` outside ``properties``;
+  ``patternProperties`` / ``propertyNames`` beside ``properties``; a draft-03 schema (its
+  ``required: true``, ``divisibleBy``, ``disallow``, ``extends`` are not read);
 - an assertion beside ``$ref``, ``anyOf``, ``oneOf``, ``allOf``, ``enum`` or ``const`` (compiled
   from that one keyword); annotations, ``$defs`` and a ``type`` every value or branch has pass,
   as pydantic writes them;
@@ -19,8 +21,7 @@ Refused, because the grammar would accept documents the schema rejects:
 - a ``pattern`` (or ``patternProperties`` name) with a literal ``"``, ``\\`` or control
   character outside a class: the grammar would write it unescaped (invalid JSON).
 Not refused: ``format``, enforced by xgrammar's own patterns, which differ from a validator's
-at the edges (``ipv4`` takes leading zeros, ``date-time`` any second 60).
-"""
+at the edges (``ipv4`` takes leading zeros, ``date-time`` any second 60)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from jsonschema.exceptions import SchemaError
-from jsonschema.validators import validator_for
+from jsonschema.validators import Draft3Validator, validator_for
 
 from engine.errors import InvalidRequestError
 
@@ -74,6 +75,9 @@ def check_json_schema(schema: Any) -> None:
         raise _refuse("", "the schema false matches no document")
     if isinstance(schema, dict) and not isinstance(schema.get("$schema", ""), str):
         raise _refuse("/$schema", "is not a valid JSON Schema: '$schema' must be a URI string")
+    if validator_for(schema) is Draft3Validator:
+        raise _refuse("/$schema", "a draft-03 schema is not enforced by the grammar (write it "
+                      "as draft 4 or later)")  # fmt: skip
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as exc:
@@ -147,6 +151,9 @@ def _check_node(root: dict[str, Any] | bool, where: str, node: dict[str, Any]) -
             "grammar (put the length in the pattern)"
         )  # fmt: skip
     _check_required(where, node)
+    beside = [k for k in ("patternProperties", "propertyNames") if k in node]
+    if beside and "properties" in node:
+        raise _refuse(where, f"{beside[0]!r} beside 'properties' is not enforced by the grammar")
     branches = node.get("oneOf") or ()
     if len(branches) > 1 and not _exclusive(root, branches):
         raise _refuse(

@@ -322,7 +322,7 @@ def _spec_text(params: StructuredOutputsParams) -> str:
 
 def _ebnf_literal(text: str) -> str:
     r"""A string literal in xgrammar's EBNF: quotes and backslashes escaped, control characters
-    as \n, \t, \xHH."""
+    as \n, \t, \uHHHH."""
     out = []
     for ch in text:
         if ch in ('"', "\\"):
@@ -333,8 +333,8 @@ def _ebnf_literal(text: str) -> str:
             out.append("\\t")
         elif ch == "\r":
             out.append("\\r")
-        elif ord(ch) < 0x20:
-            out.append(f"\\x{ord(ch):02x}")
+        elif ord(ch) < 0x20:  # fixed width: xgrammar's \x takes every hex digit after it
+            out.append(f"\\u{ord(ch):04x}")
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'

@@ -570,9 +570,17 @@ def test_required_tools_schema_accepts_what_the_required_streamer_reads() -> Non
         assert _valid(schema, instance)
 
 
-def test_named_tool_schema_is_the_tools_parameters_or_any_object() -> None:
+def test_named_tool_schema_is_the_tools_parameters_or_the_empty_object() -> None:
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from engine.core.structured_output import _parse
+
     assert named_tool_schema(WEATHER) == WEATHER["function"]["parameters"]
-    assert named_tool_schema(NOW) == {"type": "object"}
+    # No parameters: vLLM's schema, whose grammar takes {} and no invented argument.
+    assert named_tool_schema(NOW) == {"type": "object", "properties": {}}
+    grammar = _parse("json", json.dumps(named_tool_schema(NOW)), any_whitespace=True)
+    assert _is_grammar_accept_string(grammar, "{}")
+    assert not _is_grammar_accept_string(grammar, '{"tz": "UTC"}')
     assert _valid(named_tool_schema(WEATHER), {"city": "Oslo"})
     assert not _valid(named_tool_schema(WEATHER), {"town": "Oslo"})
     assert not _valid(named_tool_schema(NOW), [])

@@ -204,6 +204,20 @@ def test_choice_output_is_one_of_the_choices(llm: LLM) -> None:
         assert out.outputs[0].text in choices
 
 
+def test_a_choice_with_control_characters_compiles_to_exactly_itself() -> None:
+    """A control character before a hex digit stays itself (xgrammar's ``\\x`` would read
+    every hex digit after it: ``a\\x01b`` is ``a\\x1b``)."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    choices = ["a\x01b", "\x0cF", "x\x021", "tab\there"]
+    so = StructuredOutputsParams(choice=choices)
+    grammar = xgr.Grammar.from_ebnf(structured_output._spec_text(so))
+    for choice in choices:
+        assert _is_grammar_accept_string(grammar, choice), choice
+    for other in ["a\x1b", "\xcf", "x!"]:
+        assert not _is_grammar_accept_string(grammar, other), other
+
+
 def test_lark_grammar_output_matches(llm: LLM) -> None:
     """A grammar with no ``::=`` rule (comments aside) is Lark, as in vLLM."""
     grammar = (
@@ -444,6 +458,13 @@ _INT = {"type": "integer", "minimum": 0, "maximum": 9}
         ({**_INT, "if": {"minimum": 5}, "then": {"maximum": 6}}, "'if' is not enforced"),
         ({"type": "array", "items": _INT, "contains": {"const": 7}}, "'contains' is not enforced"),
         ({"type": "array", "items": _INT, "uniqueItems": True}, "'uniqueItems': true is not"),
+        ({"type": "object", "properties": {"a": _INT}, "patternProperties": {"^b": {}}},
+         "'patternProperties' beside 'properties' is not enforced"),
+        ({"type": "object", "properties": {"a": _INT}, "propertyNames": {"pattern": "^[a-z]+$"}},
+         "'propertyNames' beside 'properties' is not enforced"),
+        ({"$schema": "http://json-schema.org/draft-03/schema#", "type": "object",
+          "properties": {"a": {"type": "integer", "required": True}}},
+         "at /$schema: a draft-03 schema is not enforced"),
         ({"allOf": [_INT, {"type": "integer", "maximum": 5}]}, "'allOf' of more than one"),
         ({"type": "number", "multipleOf": 0.5}, "'multipleOf' is enforced only as a whole"),
         ({"type": "integer", "multipleOf": 2.5}, "'multipleOf' is enforced only as a whole"),
