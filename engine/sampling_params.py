@@ -222,6 +222,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.seed == -1 and _is_int(self.seed):  # vLLM's (and many UIs') "random seed"
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):

@@ -14,6 +14,7 @@ says why), and their placeholder tokens expanded before any length is checked. W
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -167,13 +168,15 @@ class InputProcessor:
         return params
 
     def bad_word_token_ids(self, word: str) -> list[list[int]]:
-        """A bad word as it would appear mid-text and at the start: with and without a leading
-        space (their tokenizations differ for BPE / sentencepiece vocabularies)."""
-        bare = word.lstrip()
-        variants = [bare, " " + bare]
-        return [
-            ids for v in variants if (ids := self.tokenizer.encode(v, add_special_tokens=False))
-        ]
+        """A bad word's token sequences, by vLLM's rule: as written at the start of a text, and
+        with a leading space (as mid-text) where that is a word of its own: its first token
+        differs and it has as many tokens."""
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        bare, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+        out = [bare] if bare else []
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            out.append(spaced)
+        return out
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt

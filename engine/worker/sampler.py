@@ -377,7 +377,7 @@ def gather_logprobs(raw_logprobs: torch.Tensor, chosen: torch.Tensor, k: int) ->
     """Top-k of each row of ``raw_logprobs`` [N, V] plus the ``chosen`` token's own [N]."""
     top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
     chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1))
-    ranks = (raw_logprobs > chosen_lp).sum(dim=-1) + 1
+    ranks = (raw_logprobs >= chosen_lp).sum(dim=-1)  # vLLM's: a tie ranks the token after
     return LogprobsTensors(
         token_ids=torch.cat([chosen.unsqueeze(1), top_ids], dim=1),
         logprobs=torch.cat([chosen_lp, top_lp], dim=1),

@@ -110,6 +110,22 @@ def test_requests_at_the_caps_run(llm: LLM) -> None:
     assert len(out.outputs) == 4 and all(len(o.logprobs[0]) >= 5 for o in out.outputs)
 
 
+def test_a_bad_words_spaced_form_is_banned_only_where_it_is_a_word_of_its_own(llm: LLM) -> None:
+    """vLLM's rule: the space-prefixed tokenization joins the bare one only when its first token
+    differs and it is as long (a longer one would ban a word's pieces mid-text)."""
+    tokenizer, inputs = llm.get_tokenizer(), llm.llm_engine.inputs
+    word = "antidisestablishment"
+    bare = tokenizer.encode(word, add_special_tokens=False)
+    spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+    assert len(spaced) != len(bare)  # the tiny tokenizer splits the two differently
+    assert inputs.bad_word_token_ids(word) == [bare]
+
+
+def test_a_seed_of_minus_one_is_no_seed_as_in_vllm() -> None:
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2
+
+
 def test_bad_words_are_tokenized_on_the_head(llm: LLM) -> None:
     engine = llm.llm_engine
     request = engine.add_request(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.worker.sampler import SamplingMetadata, process_logits, sample
+from engine.worker.sampler import SamplingMetadata, gather_logprobs, process_logits, sample
 
 VOCAB = 6
 LOGITS = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
@@ -175,6 +175,12 @@ def test_logprobs_are_the_raw_log_softmax_not_the_processed_one() -> None:
     assert out.logprobs.token_ids[0].tolist() == [4, 3, 0]
     assert out.logprobs.logprobs[0].tolist() == pytest.approx(raw[[4, 3, 0]].tolist())
     assert out.logprobs.ranks.item() == 6
+
+
+def test_a_token_tied_with_another_ranks_after_it_as_in_vllm() -> None:
+    raw = torch.tensor([[1.0, 1.0, 0.5, 0.0]]).log_softmax(-1).repeat(3, 1)
+    ranks = gather_logprobs(raw, torch.tensor([0, 2, 3]), 2).ranks
+    assert ranks.tolist() == [2, 3, 4]  # vLLM's count of the tokens at least as likely
 
 
 @pytest.mark.gpu
