@@ -150,7 +150,13 @@ class DisaggregationConfig:
             pool: PoolConfig = getattr(self, role)
             pool.deployment_config.check(f"{path}.{role}.deployment_config")
             role_kwargs = model.engine_kwargs | pool.engine_kwargs
-            given = (role_kwargs.get("kv_transfer_config") or {}).get("kv_role")
+            transfer = role_kwargs.get("kv_transfer_config")
+            require(
+                transfer is None or isinstance(transfer, dict),
+                f"{path}.{role}.engine_kwargs.kv_transfer_config",
+                f"must be a mapping (kv_connector, ...), got {transfer!r}",
+            )
+            given = (transfer or {}).get("kv_role")
             require(
                 given in (None, _KV_ROLES[role]),
                 f"{path}.{role}.engine_kwargs.kv_transfer_config.kv_role",
@@ -447,6 +453,10 @@ def check_config(config: DeploymentConfig) -> None:
             )
         read_chat_templates(model, path)
         check_engine_kwargs(model, f"{path}.engine_kwargs")
+        if model.disaggregation is not None:  # first: the checks below read its pools
+            model.disaggregation.check(f"{path}.disaggregation", model)
+            for role, pool in model.pools():
+                check_engine_kwargs(pool, f"{path}.disaggregation.{role}.engine_kwargs")
         if model.sleep_config is not None:
             model.sleep_config.check(f"{path}.sleep_config")
             require(
@@ -462,10 +472,6 @@ def check_config(config: DeploymentConfig) -> None:
                 "cannot be set with kv_connector NixlConnector (its agents registered the KV "
                 "cache's memory for other engines to read)",
             )
-        if model.disaggregation is not None:
-            model.disaggregation.check(f"{path}.disaggregation", model)
-            for role, pool in model.pools():
-                check_engine_kwargs(pool, f"{path}.disaggregation.{role}.engine_kwargs")
         for role, pool in model.pools():
             kwargs_path = f"{path}.engine_kwargs" if role is None else (
                 f"{path}.disaggregation.{role}.engine_kwargs")  # fmt: skip

@@ -105,6 +105,8 @@ def test_a_prefill_pool_at_zero_replicas_is_not_the_model_at_zero() -> None:
             "kv_connector": "SharedStorageConnector", "kv_role": "kv_consumer"}}}},
          "models[0].disaggregation.prefill.engine_kwargs.kv_transfer_config.kv_role: is "
          "'kv_producer'"),
+        ({"prefill": {"engine_kwargs": {"kv_transfer_config": "SharedStorageConnector"}}},
+         "models[0].disaggregation.prefill.engine_kwargs.kv_transfer_config: must be a mapping"),
         ({"prefill_timeout_s": 0}, "models[0].disaggregation.prefill_timeout_s"),
         ({"decode": {"deployment_config": {"num_replicas": 0}}},
          "models[0].disaggregation.decode.deployment_config.num_replicas"),
@@ -113,13 +115,16 @@ def test_a_prefill_pool_at_zero_replicas_is_not_the_model_at_zero() -> None:
     ],
 )  # fmt: skip
 def test_refusals_name_the_key_path(change: dict[str, Any], path: str) -> None:
-    data = pd_config()
-    section = data["models"][0]["disaggregation"]
-    for key, value in copy.deepcopy(change).items():
-        section[key] = value
-    with pytest.raises(ConfigError) as info:
-        load_config(data)
-    assert str(info.value).startswith(path), str(info.value)
+    for sleeps in (False, True):  # a sleep_config's checks read the pools too
+        data = pd_config()
+        if sleeps:
+            data["models"][0]["sleep_config"] = {"sleep_after_idle_s": 60}
+        section = data["models"][0]["disaggregation"]
+        for key, value in copy.deepcopy(change).items():
+            section[key] = value
+        with pytest.raises(ConfigError) as info:
+            load_config(data)
+        assert str(info.value).startswith(path), str(info.value)
 
 
 # ---- the ingress's prefill hop ---------------------------------------------------------------
