@@ -367,7 +367,8 @@ class PoolerConfig:
     vector (vLLM's ``pooler_config.pooling_type``; ``LAST`` / ``MEAN`` accepted as vLLM spells
     them): ``last`` takes the last prompt position's, ``mean`` averages every position's."""
 
-    pooling_type: Literal["last", "mean"] = "last"
+    # "any_case": the chart's values schema takes it in any case too (cluster.ops.kuberay).
+    pooling_type: Literal["last", "mean"] = field(default="last", metadata={"any_case": True})
 
     def __post_init__(self) -> None:
         value = self.pooling_type

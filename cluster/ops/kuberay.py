@@ -77,7 +77,18 @@ def engine_kwargs_schema() -> JSONSchema:
         if key in ("model", "placement_group_strategy"):
             continue
         properties[key] = _type_schema(typing.get_type_hints(hints[group])[name])
+        (spec,) = (f for f in dataclasses.fields(hints[group]) if f.name == name)
+        if spec.metadata.get("any_case"):  # vLLM's spellings too (pooling_type: MEAN)
+            properties[key] = _any_case(properties[key])
     return {"type": "object", "additionalProperties": False, "properties": properties}
+
+
+def _any_case(schema: JSONSchema) -> JSONSchema:
+    """A string enum's schema that takes its values in any case (a pattern: JSON Schema's
+    regexes have no case-insensitive flag)."""
+    words = ["".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in value)
+             for value in schema["enum"]]  # fmt: skip
+    return {"type": "string", "pattern": "^(" + "|".join(words) + ")$"}
 
 
 def _dataclass_schema(cls: type) -> JSONSchema:

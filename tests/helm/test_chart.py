@@ -504,3 +504,12 @@ def test_model_source_is_a_string_or_a_bucket_mirror_and_nothing_else() -> None:
     chart().validate_schema(chart().merge_values({"models": models}))
     models[0]["model_loading_config"]["model_source"] = 42
     assert "/models/0/model_loading_config/model_source" in render_error({"models": models})
+
+
+def test_pooling_type_validates_in_any_case_as_cluster_deploy_takes_it() -> None:
+    models = preset_values("tiny")["models"]
+    for spelling in ("MEAN", "last", "Last"):
+        models[0]["engine_kwargs"]["pooling_type"] = spelling
+        chart().validate_schema(chart().merge_values({"models": models}))
+    models[0]["engine_kwargs"]["pooling_type"] = "max"
+    assert "/models/0/engine_kwargs/pooling_type" in render_error({"models": models})
