@@ -151,11 +151,9 @@ class DisaggregationConfig:
             pool.deployment_config.check(f"{path}.{role}.deployment_config")
             role_kwargs = model.engine_kwargs | pool.engine_kwargs
             transfer = role_kwargs.get("kv_transfer_config")
-            require(
-                transfer is None or isinstance(transfer, dict),
-                f"{path}.{role}.engine_kwargs.kv_transfer_config",
-                f"must be a mapping (kv_connector, ...), got {transfer!r}",
-            )
+            require(transfer is None or isinstance(transfer, dict),
+                    f"{path}.{role}.engine_kwargs.kv_transfer_config",
+                    f"must be a mapping (kv_connector, ...), got {transfer!r}")  # fmt: skip
             given = (transfer or {}).get("kv_role")
             require(
                 given in (None, _KV_ROLES[role]),
@@ -224,10 +222,12 @@ class ModelDeployment:
         return pools
 
     def engine_args(self) -> dict[str, Any]:
-        """The full engine arguments: ``model`` from ``model_source`` plus ``engine_kwargs``;
-        with ``lora_config``, LoRA is enabled and the engine's host-side adapter cache holds
-        every adapter a replica may keep."""
+        """The full engine arguments: ``model`` from ``model_source`` plus ``engine_kwargs``
+        (``device`` cpu where no GPU is reserved); with ``lora_config``, LoRA is enabled and
+        the engine's host-side adapter cache holds every adapter a replica may keep."""
         args = {"model": self.model_loading_config.source, **self.engine_kwargs}
+        if not self.uses_gpu and args.get("device", "auto") == "auto":
+            args["device"] = "cpu"  # placed without a GPU: never one Ray did not reserve
         if self.lora_config is not None:
             args["enable_lora"] = True
             wanted = max(self.lora_config.max_num_adapters_per_replica, args.get("max_loras", 1))
@@ -581,6 +581,8 @@ def check_engine_kwargs(model: ModelDeployment, path: str) -> None:
         key = re.split(r"[.:\[]", str(exc), maxsplit=1)[0]
         if key in ENGINE_ARG_NAMES:
             raise ConfigError(f"{path}.{exc}") from None
+        if key in (kwargs.get("hf_overrides") or {}):  # the override's value, not config.json's
+            raise ConfigError(f"{path}.hf_overrides.{exc}") from None
         # A field of the checkpoint's config.json the engine refuses (its architecture, ...).
         raise ConfigError(f"{where}: {source} (config.json): {exc}") from None
     except FileNotFoundError as exc:

@@ -117,6 +117,36 @@ def test_model_shape_is_checked_when_the_checkpoint_is_reachable() -> None:
     assert error_of(data).startswith("models[0].engine_kwargs.tensor_parallel_size: must divide")
 
 
+def test_a_bad_hf_override_is_named_as_the_override_not_the_checkpoints_config() -> None:
+    data = tiny()
+    data["models"][0]["engine_kwargs"]["hf_overrides"] = {"num_attention_heads": 0}
+    assert error_of(data).startswith(
+        "models[0].engine_kwargs.hf_overrides.num_attention_heads: must be a positive integer"
+    )
+
+
+@pytest.mark.parametrize(
+    ("device", "accelerator", "engine_device"),
+    [(None, None, "cpu"), ("auto", None, "cpu"), (None, "H100", None), ("cuda", None, "cuda"),
+     ("cpu", None, "cpu")],
+)  # fmt: skip
+def test_a_replica_without_a_reserved_gpu_runs_its_engine_on_cpu(
+    device: str | None, accelerator: str | None, engine_device: str | None
+) -> None:
+    """Placed on CPU bundles (no accelerator_type), ``device: auto`` would still take a GPU
+    the node has, one Ray never reserved for it."""
+    data = yaml.safe_load((CONFIGS / "llama70b.yaml").read_text())
+    model = data["models"][0]
+    model.pop("accelerator_type", None)
+    model["engine_kwargs"].pop("device", None)
+    if device is not None:
+        model["engine_kwargs"]["device"] = device
+    if accelerator is not None:
+        model["accelerator_type"] = accelerator
+    args = load_config(data).models[0].engine_args()
+    assert args.get("device") == engine_device
+
+
 def test_absent_checkpoint_still_gets_name_and_range_checks() -> None:
     data = yaml.safe_load((CONFIGS / "llama70b.yaml").read_text())
     data["models"][0]["engine_kwargs"]["block_size"] = 12
