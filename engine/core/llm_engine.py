@@ -334,19 +334,13 @@ class LLMEngine(SleepControl, LoRAControl):
         return request
 
     def _check_unused(self, request_id: str, scheduler_ids: list[str]) -> None:
-        if (
-            request_id in self._groups
-            or request_id in self._pooling
-            or any(r in self.scheduler.requests for r in scheduler_ids)
-        ):
-            raise InvalidRequestError(f"{request_id!r} is already in use", param="request_id")
-        # An aborted request's batch still in flight (pipelined PP) would hand its tokens to a
-        # new request of the same id when it returns.
-        if any(r in self.scheduler.in_flight for r in scheduler_ids):
+        # An aborted request's batch in flight (pipelined PP) would give a new one its tokens.
+        in_flight = any(r in self.scheduler.in_flight for r in scheduler_ids)
+        used = request_id in self._groups or request_id in self._pooling
+        if in_flight or used or any(r in self.scheduler.requests for r in scheduler_ids):
+            why = " (an aborted request of that id is still in a batch being computed)"
             raise InvalidRequestError(
-                f"{request_id!r} is already in use: an aborted request of that id is still in a "
-                "batch being computed; use another id, or send it again after the next step",
-                param="request_id",
+                f"{request_id!r} is already in use{why if in_flight else ''}", param="request_id"
             )
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[EngineOutput]:

@@ -261,7 +261,7 @@ def test_an_aborted_ids_reuse_waits_for_its_batch_in_flight() -> None:
     while "x" not in engine.scheduler.in_flight:
         engine.step()
     engine.abort_request("x")
-    with pytest.raises(InvalidRequestError, match="still in a batch") as info:
+    with pytest.raises(InvalidRequestError, match="still in a batch being computed") as info:
         engine.add_request("x", {"prompt_token_ids": prompt}, params)
     assert info.value.param == "request_id"
     while "x" in engine.scheduler.in_flight:
