@@ -4,9 +4,10 @@ Used by ``LLM.chat`` and by the server's chat, Responses and Messages routes
 (``cluster.serving.request_inputs``). An assistant's earlier tool calls reach a template as
 Hugging Face's templates read them: each call's ``function.arguments`` an object, not the JSON
 text OpenAI sends, and an assistant message with an empty ``tool_calls`` list without the key
-(a template that tests ``'tool_calls' in message`` would take it for a call). vLLM 0.32 does the
-same (``_postprocess_messages``), and coerces arguments that are not a JSON object to ``{}``
-rather than refusing a conversation whose history holds them.
+(a template that tests ``'tool_calls' in message`` would take it for a call); a null
+``content`` (an assistant's turn of calls only) is empty text, never ``None``. vLLM 0.32 does
+the same (``_postprocess_messages``, its content parsing), and coerces arguments that are not a
+JSON object to ``{}`` rather than refusing a conversation whose history holds them.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ logger = logging.getLogger("llm_cluster.engine")
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with each assistant's ``tool_calls`` as templates read them (new dicts where
-    they change; the caller's are not modified)."""
-    return [_assistant_calls(m) if _has_calls(m) else m for m in messages]
+    """``messages`` with each assistant's ``tool_calls`` as templates read them, and a null
+    ``content`` as empty text (new dicts where they change; the caller's are not modified)."""
+    return [_texts(_assistant_calls(m) if _has_calls(m) else m) for m in messages]
+
+
+def _texts(message: Any) -> Any:
+    if isinstance(message, dict) and "content" in message and message["content"] is None:
+        return {**message, "content": ""}  # a template that checks its type refuses None
+    return message
 
 
 def _has_calls(message: Any) -> bool:

@@ -301,13 +301,11 @@ def template_options(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, 
     if refused:
         raise APIError(400, f"chat_template_kwargs: {refused[0]!r} is not a template variable",
                        "chat_template_kwargs")  # fmt: skip
-    if req.continue_final_message:
-        if req.messages and req.messages[-1].role != "assistant":
-            raise APIError(400, "continue_final_message: the last message must be the "
-                           "assistant's to continue", "continue_final_message")  # fmt: skip
-        if "add_generation_prompt" in req.model_fields_set and req.add_generation_prompt:
-            raise APIError(400, "add_generation_prompt: cannot be true with "
-                           "continue_final_message", "add_generation_prompt")  # fmt: skip
+    # continue_final_message leaves the last message open, whoever's it is (as vLLM does).
+    asked = "add_generation_prompt" in req.model_fields_set and req.add_generation_prompt
+    if req.continue_final_message and asked:
+        raise APIError(400, "add_generation_prompt: cannot be true with "
+                       "continue_final_message", "add_generation_prompt")  # fmt: skip
     options: dict[str, Any] = {}
     if not req.add_generation_prompt or req.continue_final_message:
         options["add_generation_prompt"] = False
@@ -403,6 +401,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if isinstance(message.content, list):
             parts = [_content_part(p, f"messages.{i}.content.{j}")
                      for j, p in enumerate(message.content)]  # fmt: skip
+            parts = [p for p in parts if p is not None]
             if any(p["type"] == "image_url" for p in parts):
                 entry["content"] = parts
             else:  # as vLLM joins them for a template that takes text content
@@ -411,10 +410,19 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _content_part(part: Any, param: str) -> dict[str, Any]:
+# Text-like part types and the key of their text (vLLM's ``TEXT_PART_TYPES``).
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
+               "refusal": "refusal", "thinking": "thinking"}  # fmt: skip
+
+
+def _content_part(part: Any, param: str) -> dict[str, Any] | None:
+    """A content part as the template gets it (None: a text part whose text is null, which
+    vLLM skips)."""
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text" and isinstance(part.get("text"), str):
-        return {"type": "text", "text": part["text"]}
+    if kind in _TEXT_PARTS and isinstance(part.get(_TEXT_PARTS[kind]), str):
+        return {"type": "text", "text": part[_TEXT_PARTS[kind]]}
+    if kind in _TEXT_PARTS and part.get(_TEXT_PARTS[kind]) is None:
+        return None
     if kind == "image_url":
         spec = part.get("image_url")
         url = spec.get("url") if isinstance(spec, dict) else None
@@ -422,8 +430,8 @@ def _content_part(part: Any, param: str) -> dict[str, Any]:
             raise APIError(400, f"{param}.image_url.url: must be a string (a data: or http(s) "
                                 "URL)", f"{param}.image_url.url")  # fmt: skip
         return image_part(url)
-    raise APIError(400, f"{param}: only text and image_url parts are supported, got {kind!r}",
-                   param)  # fmt: skip
+    raise APIError(400, f"{param}: only text ({', '.join(_TEXT_PARTS)}) and image_url parts "
+                   f"are supported, got {kind!r}", param)  # fmt: skip
 
 
 def image_part(url: str) -> dict[str, Any]:

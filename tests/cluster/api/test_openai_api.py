@@ -456,16 +456,29 @@ def test_chat_reasoning_effort_and_earlier_reasoning_reach_the_template() -> Non
     )
 
 
-def test_continue_final_message_needs_a_last_assistant_message() -> None:
+def test_continue_final_message_leaves_whoevers_last_message_open() -> None:
     prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]
     req = ChatCompletionRequest(model="m", messages=prefill, continue_final_message=True)
     assert chat_payload(req)["continue_final_message"] is True
     assert "continue_final_message" not in chat_payload(
         ChatCompletionRequest(model="m", messages=prefill)
     )
+    # A user's last message too (vLLM checks no role; the template renders it open).
+    user_last = chat_payload(req.model_copy(update={"messages": req.messages[:1]}))
+    assert user_last["continue_final_message"] is True
+
+
+def test_text_like_content_parts_are_text_as_vllm_reads_them() -> None:
+    parts = [{"type": "input_text", "text": "a"}, {"type": "output_text", "text": "b"},
+             {"type": "refusal", "refusal": "c"}, {"type": "thinking", "thinking": "d"},
+             {"type": "text", "text": None}, {"type": "text", "text": "e"}]  # fmt: skip
+    messages = [{"role": "assistant", "content": parts}, {"role": "user", "content": "go on"}]
+    payload = chat_payload(ChatCompletionRequest(model="m", messages=messages))
+    assert payload["messages"][0]["content"] == "a\nb\nc\nd\ne"  # a null text is skipped
+    bad = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]
     with pytest.raises(APIError) as info:
-        chat_payload(req.model_copy(update={"messages": req.messages[:1]}))
-    assert (info.value.status, info.value.param) == (400, "continue_final_message")
+        chat_payload(ChatCompletionRequest(model="m", messages=bad))
+    assert (info.value.status, info.value.param) == (400, "messages.0.content.0")
 
 
 def test_chat_image_parts_are_kept_with_their_text_and_other_parts_are_400() -> None:

@@ -79,3 +79,24 @@ def test_messages_tool_use_history_renders_with_object_arguments(tokenizer: Any)
     payload = chat_payload(chat_request(request))
     ids = request_chat_prompt(tokenizer, payload, None, None)["prompt_token_ids"]
     assert "[weather city=Paris]" in tokenizer.decode(ids)
+
+
+def test_a_null_content_is_empty_text_to_the_template() -> None:
+    """An assistant's turn of calls only has ``content: null``: it reaches the template as empty
+    text (vLLM's), which one that checks the type (Gemma 3's) takes rather than refusing."""
+    plain = AutoTokenizer.from_pretrained(resolve_model_source("builtin:tiny-llama"))
+    plain.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}"
+        "{% else %}{{ raise_exception('Invalid content type') }}{% endif %}{% endfor %}"
+    )
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [_call('{"city": "Paris"}')]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    request = chat_payload(ChatCompletionRequest(model="m", messages=messages, tools=[WEATHER]))
+    ids = request_chat_prompt(plain, request, None, None)["prompt_token_ids"]
+    expected = [messages[0], {**messages[1], "content": "",
+                              "tool_calls": [_call({"city": "Paris"})]}, messages[2]]  # fmt: skip
+    assert ids == _hf(plain, expected)
+    assert "None" not in plain.decode(ids)
