@@ -1,13 +1,15 @@
 """Chat messages in the shape chat templates expect, before any template renders them.
 
 Used by ``LLM.chat`` and by the server's chat, Responses and Messages routes
-(``cluster.serving.request_inputs``). An assistant's earlier tool calls reach a template as
-Hugging Face's templates read them: each call's ``function.arguments`` an object, not the JSON
-text OpenAI sends, and an assistant message with an empty ``tool_calls`` list without the key
-(a template that tests ``'tool_calls' in message`` would take it for a call); a null
-``content`` (an assistant's turn of calls only) is empty text, never ``None``. vLLM 0.32 does
-the same (``_postprocess_messages``, its content parsing), and coerces arguments that are not a
-JSON object to ``{}`` rather than refusing a conversation whose history holds them.
+(``cluster.serving.request_inputs``). An assistant's earlier tool calls reach a template with
+each call's ``function.arguments`` an object, Hugging Face's convention and vLLM 0.32's rendering
+(Qwen3-Coder's template reads ``arguments|items``; Llama 3.1's ``tojson`` would double-encode
+text). Arguments that are no JSON object are ``{}``, as vLLM coerces them, rather than refusing
+a conversation whose history holds them. A template that instead joins the arguments to text
+(DeepSeek-V3's ``'```json\\n' + arguments``) raises ``TypeError`` on an object; the renderers
+then render again with the JSON text the client sent (``arguments_as_objects=False``). An
+assistant message with an empty ``tool_calls`` list loses the key (a template that tests
+``'tool_calls' in message`` would take it for a call).
 """
 
 from __future__ import annotations
@@ -19,16 +21,12 @@ from typing import Any
 logger = logging.getLogger("llm_cluster.engine")
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with each assistant's ``tool_calls`` as templates read them, and a null
-    ``content`` as empty text (new dicts where they change; the caller's are not modified)."""
-    return [_texts(_assistant_calls(m) if _has_calls(m) else m) for m in messages]
-
-
-def _texts(message: Any) -> Any:
-    if isinstance(message, dict) and "content" in message and message["content"] is None:
-        return {**message, "content": ""}  # a template that checks its type refuses None
-    return message
+def template_messages(
+    messages: list[dict[str, Any]], arguments_as_objects: bool = True
+) -> list[dict[str, Any]]:
+    """``messages`` with each assistant's ``tool_calls`` as templates read them (new dicts where
+    they change; the caller's are not modified)."""
+    return [_assistant_calls(m, arguments_as_objects) if _has_calls(m) else m for m in messages]
 
 
 def _has_calls(message: Any) -> bool:
@@ -39,11 +37,11 @@ def _has_calls(message: Any) -> bool:
     )
 
 
-def _assistant_calls(message: dict[str, Any]) -> dict[str, Any]:
+def _assistant_calls(message: dict[str, Any], as_objects: bool) -> dict[str, Any]:
     calls = message["tool_calls"]
     if not calls:
         return {k: v for k, v in message.items() if k != "tool_calls"}
-    return {**message, "tool_calls": [_call(c) for c in calls]}
+    return {**message, "tool_calls": [_call(c) for c in calls] if as_objects else calls}
 
 
 def _call(call: Any) -> Any:

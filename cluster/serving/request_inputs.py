@@ -100,15 +100,22 @@ def _template_ids(
     tools: list[dict[str, Any]] | None,
     options: TemplateOptions,
 ) -> list[int]:
-    rendered = tokenizer.apply_chat_template(
-        template_messages(messages),
-        tools=tools,
-        add_generation_prompt=options.add_generation_prompt and not options.continue_final_message,
-        continue_final_message=options.continue_final_message,
-        tokenize=not options.add_special_tokens,
-        return_dict=False,
-        **(options.template_kwargs or {}),
-    )
+    def render(as_objects: bool) -> Any:
+        return tokenizer.apply_chat_template(
+            template_messages(messages, as_objects),
+            tools=tools,
+            add_generation_prompt=options.add_generation_prompt
+            and not options.continue_final_message,
+            continue_final_message=options.continue_final_message,
+            tokenize=not options.add_special_tokens,
+            return_dict=False,
+            **(options.template_kwargs or {}),
+        )
+
+    try:
+        rendered = render(as_objects=True)
+    except TypeError:  # it joins a call's arguments to text (DeepSeek's): the text as sent
+        rendered = render(as_objects=False)
     if options.add_special_tokens:
         return list(tokenizer.encode(rendered, add_special_tokens=True))
     return list(rendered)

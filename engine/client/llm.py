@@ -292,19 +292,34 @@ class LLM:
             if harmony:  # gpt-oss: as the server renders it
                 ids = harmony_prompt_ids(tokenizer, text_messages, tools, **options)
             else:
-                ids = tokenizer.apply_chat_template(
-                    template_messages(text_messages),
-                    tools=tools,
-                    chat_template=chat_template,
-                    tokenize=True,
-                    return_dict=False,
-                    **options,
-                )
+                ids = _render(tokenizer, text_messages, tools, chat_template, options)
             prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    chat_template: str | None,
+    options: dict[str, Any],
+) -> list[int]:
+    """A conversation's prompt ids by its template (``engine.chat_messages``: earlier calls'
+    arguments as objects, or as text for a template that joins them to text)."""
+
+    def render(as_objects: bool) -> list[int]:
+        return tokenizer.apply_chat_template(
+            template_messages(messages, as_objects), tools=tools,
+            chat_template=chat_template, tokenize=True, return_dict=False, **options,
+        )  # fmt: skip
+
+    try:
+        return render(as_objects=True)
+    except TypeError:  # it joins a call's arguments to text (DeepSeek's): the text as sent
+        return render(as_objects=False)
 
 
 def _as_lora_list(

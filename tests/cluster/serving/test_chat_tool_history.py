@@ -81,22 +81,22 @@ def test_messages_tool_use_history_renders_with_object_arguments(tokenizer: Any)
     assert "[weather city=Paris]" in tokenizer.decode(ids)
 
 
-def test_a_null_content_is_empty_text_to_the_template() -> None:
-    """An assistant's turn of calls only has ``content: null``: it reaches the template as empty
-    text (vLLM's), which one that checks the type (Gemma 3's) takes rather than refusing."""
-    plain = AutoTokenizer.from_pretrained(resolve_model_source("builtin:tiny-llama"))
-    plain.chat_template = (
-        "{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}"
-        "{% else %}{{ raise_exception('Invalid content type') }}{% endif %}{% endfor %}"
+def test_a_template_that_joins_the_arguments_to_text_gets_the_text_sent() -> None:
+    """DeepSeek-V3's way: each call's arguments joined to text (``'```json\\n' + arguments``):
+    they read as the JSON text the client sent, as Hugging Face renders the request as sent."""
+    deepseek = AutoTokenizer.from_pretrained(resolve_model_source("builtin:tiny-llama"))
+    deepseek.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>"
+        "{% if m.tool_calls %}{% for t in m.tool_calls %}"
+        "{{ '[' + t.function.name + ' ```json' + '\\n' + t.function.arguments + '```]' }}"
+        "{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
     )
     messages = [
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [_call('{"city": "Paris"}')]},
+        {"role": "assistant", "content": None, "tool_calls": [_call('{"city":"Paris"}')]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     request = chat_payload(ChatCompletionRequest(model="m", messages=messages, tools=[WEATHER]))
-    ids = request_chat_prompt(plain, request, None, None)["prompt_token_ids"]
-    expected = [messages[0], {**messages[1], "content": "",
-                              "tool_calls": [_call({"city": "Paris"})]}, messages[2]]  # fmt: skip
-    assert ids == _hf(plain, expected)
-    assert "None" not in plain.decode(ids)
+    ids = request_chat_prompt(deepseek, request, None, None)["prompt_token_ids"]
+    assert ids == _hf(deepseek, messages)
+    assert '[weather ```json\n{"city":"Paris"}```]' in deepseek.decode(ids)

@@ -131,3 +131,13 @@ def test_earlier_tool_calls_reach_the_template_with_their_arguments_as_objects(l
 def _prompt_of(llm: LLM, messages: list[dict[str, Any]], **options: Any) -> list[int]:
     [output] = llm.chat(messages, ONE, use_tqdm=False, **options)
     return list(output.prompt_token_ids)
+
+
+def test_a_template_that_joins_arguments_to_text_gets_the_text_sent(llm: LLM) -> None:
+    joins = "{% for m in messages %}{% for t in m.tool_calls or [] %}{{ '[' + t.function.arguments + ']' }}{% endfor %}{% endfor %}"  # noqa: E501
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": None, "tool_calls": [call]}]  # fmt: skip
+    ids = _prompt_of(llm, history, chat_template=joins)
+    assert ids == _hf(llm, history, chat_template=joins)
+    assert llm.get_tokenizer().decode(ids) == '[{"a":1}]'
