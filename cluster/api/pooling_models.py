@@ -7,6 +7,8 @@ checked here; ranges and what a model can do by the engine (``engine.client.scor
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field
 
 from cluster.api.openai_models import Text, TokenId, TruncationSide, _Model
@@ -62,7 +64,7 @@ class RerankRequest(_Model):
     model: Text
     query: Text
     # One document may come bare, as vLLM takes it.
-    documents: Text | list[Text | RerankDocument] = Field(max_length=_MAX_TEXTS)
+    documents: Text | Annotated[list[Text | RerankDocument], Field(max_length=_MAX_TEXTS)]
     # 0 or None: every document (vLLM's and Jina's default); Cohere's name.
     top_n: int | None = Field(None, json_schema_extra={"minimum": 0})
     return_documents: bool = True

@@ -197,10 +197,11 @@ def test_score_without_both_sides_is_a_400_naming_the_missing_one(
 def test_rerank_takes_one_bare_document_and_reports_its_prompt_tokens(
     ingress: _Recording,
 ) -> None:
-    response = _post(ingress, "/rerank", {"model": "m", "query": "q", "documents": "a"})
+    long = "a " * 1500  # a bare document's length is no count of documents
+    response = _post(ingress, "/rerank", {"model": "m", "query": "q", "documents": long})
     assert response.status_code == 200
     body = response.json()
-    assert [r["document"]["text"] for r in body["results"]] == ["a"]
+    assert [r["document"]["text"] for r in body["results"]] == [long]
     assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}  # as vLLM's RerankUsage
 
 
