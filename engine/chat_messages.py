@@ -6,8 +6,8 @@ each call's ``function.arguments`` an object, Hugging Face's convention and vLLM
 (Qwen3-Coder's template reads ``arguments|items``; Llama 3.1's ``tojson`` would double-encode
 text). Arguments that are no JSON object are ``{}``, as vLLM coerces them, rather than refusing
 a conversation whose history holds them. A template that instead joins the arguments to text
-(DeepSeek-V3's ``'```json\\n' + arguments``) raises ``TypeError`` on an object; the renderers
-then render again with the JSON text the client sent (``arguments_as_objects=False``). An
+(DeepSeek-V3's ``'```json\\n' + arguments``) raises ``TypeError`` on an object; ``rendered``
+then renders again with the JSON text the client sent. An
 assistant message with an empty ``tool_calls`` list loses the key (a template that tests
 ``'tool_calls' in message`` would take it for a call).
 """
@@ -16,9 +16,23 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 logger = logging.getLogger("llm_cluster.engine")
+_Rendered = TypeVar("_Rendered")
+
+
+def rendered(
+    render: Callable[[list[dict[str, Any]]], _Rendered], messages: list[dict[str, Any]]
+) -> _Rendered:
+    """``render`` (a chat template's) of ``messages`` as ``template_messages`` shapes them; for a
+    template that joins a call's arguments to text (a ``TypeError`` on an object), of the
+    arguments as the text sent."""
+    try:
+        return render(template_messages(messages))
+    except TypeError:
+        return render(template_messages(messages, arguments_as_objects=False))
 
 
 def template_messages(

@@ -20,7 +20,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from cluster.api.replica_messages import EmbedRequest, GenerateRequest
-from engine.chat_messages import template_messages
+from engine.chat_messages import rendered
 from engine.errors import InvalidRequestError
 from engine.harmony_template import HARMONY_CHAT_TEMPLATE, harmony_prompt_ids, is_harmony_tokenizer
 from engine.multimodal.chat import split_content_parts
@@ -100,9 +100,9 @@ def _template_ids(
     tools: list[dict[str, Any]] | None,
     options: TemplateOptions,
 ) -> list[int]:
-    def render(as_objects: bool) -> Any:
-        return tokenizer.apply_chat_template(
-            template_messages(messages, as_objects),
+    text_or_ids = rendered(
+        lambda shaped: tokenizer.apply_chat_template(
+            shaped,
             tools=tools,
             add_generation_prompt=options.add_generation_prompt
             and not options.continue_final_message,
@@ -110,15 +110,12 @@ def _template_ids(
             tokenize=not options.add_special_tokens,
             return_dict=False,
             **(options.template_kwargs or {}),
-        )
-
-    try:
-        rendered = render(as_objects=True)
-    except TypeError:  # it joins a call's arguments to text (DeepSeek's): the text as sent
-        rendered = render(as_objects=False)
+        ),
+        messages,
+    )
     if options.add_special_tokens:
-        return list(tokenizer.encode(rendered, add_special_tokens=True))
-    return list(rendered)
+        return list(tokenizer.encode(text_or_ids, add_special_tokens=True))
+    return list(text_or_ids)
 
 
 def _harmony_ids(

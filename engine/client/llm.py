@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 from tqdm.auto import tqdm
 
-from engine.chat_messages import template_messages
+from engine.chat_messages import rendered
 from engine.client.beam_search import beam_search
 from engine.client.scoring import cosine, pair_prompt, score_pairs, single_class
 from engine.config import EngineConfig
@@ -292,34 +292,22 @@ class LLM:
             if harmony:  # gpt-oss: as the server renders it
                 ids = harmony_prompt_ids(tokenizer, text_messages, tools, **options)
             else:
-                ids = _render(tokenizer, text_messages, tools, chat_template, options)
+                ids = rendered(
+                    lambda shaped: tokenizer.apply_chat_template(
+                        shaped,
+                        tools=tools,
+                        chat_template=chat_template,
+                        tokenize=True,
+                        return_dict=False,
+                        **options,
+                    ),
+                    text_messages,
+                )
             prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-
-def _render(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    chat_template: str | None,
-    options: dict[str, Any],
-) -> list[int]:
-    """A conversation's prompt ids by its template (``engine.chat_messages``: earlier calls'
-    arguments as objects, or as text for a template that joins them to text)."""
-
-    def render(as_objects: bool) -> list[int]:
-        return tokenizer.apply_chat_template(
-            template_messages(messages, as_objects), tools=tools,
-            chat_template=chat_template, tokenize=True, return_dict=False, **options,
-        )  # fmt: skip
-
-    try:
-        return render(as_objects=True)
-    except TypeError:  # it joins a call's arguments to text (DeepSeek's): the text as sent
-        return render(as_objects=False)
 
 
 def _as_lora_list(
