@@ -21,6 +21,7 @@ from ray import serve
 from cluster.config import DeploymentConfig
 from cluster.ops.capacity import report_shortfalls
 from cluster.ops.plan import preflight
+from cluster.ops.serve_proxies import serve_controller, serve_start, wait_for_proxies
 from cluster.ops.stop import ray_processes_apart
 from cluster.runtime.load_progress import describe, read_load_progress
 from cluster.serving.responses_store import remove_store
@@ -186,15 +187,7 @@ def start_serve(config: DeploymentConfig) -> None:
         differences = serve_option_differences(config, http_options, *running)
         if differences:
             raise DeployError(config.app_name, differences)
-    try:
-        serve.start(http_options=http_options, grpc_options=grpc_options)
-    except (ray.exceptions.ActorDiedError, TimeoutError):
-        # ``serve.start`` waits for the first proxies; the controller kills one not ready after
-        # three checks (5 s each, a busy machine) and starts another, ``wait_for_proxies``'s to
-        # wait for. Only a controller that died too fails the start.
-        if _serve_controller() is None:
-            raise
-        logger.warning("Serve's controller replaced a proxy that was slow to start")
+    serve_start(http_options=http_options, grpc_options=grpc_options)
 
 
 def _running_serve_options() -> tuple[Any, Any] | None:
@@ -202,7 +195,7 @@ def _running_serve_options() -> tuple[Any, Any] | None:
     Serve does not run on the connected cluster (or no cluster is connected)."""
     if not ray.is_initialized():
         return None
-    controller = _serve_controller()
+    controller = serve_controller()
     if controller is None:
         return None
     http, grpc = ray.get([controller.get_http_config.remote(), controller.get_grpc_config.remote()])
@@ -322,7 +315,8 @@ def deploy(
             raise RuntimeError(f"Deploying application {name} failed: {status.message}")
         time.sleep(poll_s)
     _forget_failure(name)
-    wait_for_proxies(config)
+    grpc = config.grpc_options
+    wait_for_proxies(config.http_options.port, None if grpc is None else grpc.port)
     timeline.mark("proxies")
 
 
@@ -389,28 +383,6 @@ def _forget_failure(app_name: str | None = None) -> None:
         _kv()._internal_kv_del(key, del_by_prefix=app_name is None, namespace=_KV_NAMESPACE)
     except Exception:
         logger.debug("cannot forget failed deploys of %r", app_name, exc_info=True)
-
-
-def wait_for_proxies(config: DeploymentConfig, timeout_s: float = 120.0) -> None:
-    """Wait until every proxy serves. ``serve.run`` returns once the replicas run, but a proxy
-    binds its HTTP (and gRPC) port on its own schedule, and one that cannot bind (the port is
-    taken) restarts forever: "ready" must mean the port accepts requests."""
-    deadline = time.monotonic() + timeout_s
-    proxies: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        proxies = {node: getattr(s, "value", str(s)) for node, s in serve.status().proxies.items()}
-        serving = [s for s in proxies.values() if s not in ("DRAINING", "DRAINED")]
-        if serving and all(s == "HEALTHY" for s in serving):
-            return
-        time.sleep(0.5)
-    ports = f"HTTP port {config.http_options.port}"
-    if config.grpc_options is not None:
-        ports += f", gRPC port {config.grpc_options.port}"
-    raise RuntimeError(
-        f"Serve's proxies are not serving after {timeout_s:.0f} s ({proxies or 'none started'}); "
-        f"is another process using the {ports}? "
-        "Proxy logs: /tmp/ray/session_latest/logs/serve/proxy_*.log"
-    )
 
 
 def deployment_states(app_name: str) -> dict[str, str]:
@@ -543,7 +515,6 @@ __all__ = [
     "recorded_failure",
     "start_failures",
     "start_serve",
-    "wait_for_proxies",
     "wait_healthy",
 ]
 
@@ -553,7 +524,7 @@ def shutdown() -> None:
     and waiting for each: that is what lets their replicas drain (in-flight requests finish
     within ``graceful_shutdown_timeout_s``, the rest end with finish_reason "abort") while the
     proxy still carries their streams; ``serve.shutdown`` alone tears the proxy down with them."""
-    if _serve_controller() is not None:
+    if serve_controller() is not None:
         for app_name in list(serve.status().applications):
             serve.delete(app_name)
             remove_store(app_name)  # its /v1/responses store, a detached actor
@@ -563,19 +534,9 @@ def shutdown() -> None:
 
 def deployed_apps() -> list[str]:
     """The Serve applications on the cluster (none when Serve does not run)."""
-    if _serve_controller() is None:
+    if serve_controller() is None:
         return []
     return list(serve.status().applications)
-
-
-def _serve_controller() -> Any:
-    """Serve's controller actor, or None when Serve does not run on this cluster."""
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-    try:
-        return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    except ValueError:
-        return None
 
 
 def _stop_serve(timeout_s: float = 30.0) -> None:
@@ -585,7 +546,7 @@ def _stop_serve(timeout_s: float = 30.0) -> None:
     graceful_shutdown failed ... killed by `ray.kill`" on every clean stop. The same call
     without retries ends with the controller's death, quietly; ``serve.shutdown`` then only
     forgets its client."""
-    controller = _serve_controller()
+    controller = serve_controller()
     if controller is not None:
         stopping = controller.graceful_shutdown.options(max_task_retries=0).remote()
         with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):

@@ -235,13 +235,15 @@ def simulated_serve_nodes(
     from ray import serve
 
     from cluster.ops.deploy import GRPC_SERVICER
+    from cluster.ops.serve_proxies import serve_start, wait_for_proxies
 
     with simulated_nodes(head_cpus, runtime_env=runtime_env) as cluster:
         grpc_options = None
         if grpc_port is not None:
             grpc_options = {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]}
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+        serve_start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=grpc_options, proxy_location="HeadOnly")  # fmt: skip
+        wait_for_proxies(http_port, grpc_port)
         try:
             yield cluster
         finally:
@@ -254,6 +256,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
     from ray import serve
 
     from cluster.ops.deploy import GRPC_SERVICER
+    from cluster.ops.serve_proxies import serve_start, wait_for_proxies
     from cluster.serving.serve import runtime_env
 
     ray.init(
@@ -265,10 +268,11 @@ def serve_cluster() -> Iterator[ServeCluster]:
         _system_config={"metrics_report_interval_ms": 1000},
     )
     cluster = ServeCluster(free_port(), free_port())
-    serve.start(
+    serve_start(
         http_options={"host": "127.0.0.1", "port": cluster.http_port},
         grpc_options={"port": cluster.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
     )
+    wait_for_proxies(cluster.http_port, cluster.grpc_port)
     try:
         yield cluster
     finally:

@@ -6,7 +6,7 @@
              default 10x max_ongoing_requests: admission control must answer 503)
     memory   resident set of each replica, the ingress and Serve's HTTP proxy, every
              --rss-interval s, after each returned its allocator's free pages (malloc_trim);
-             growth = second half's median over the first's (after --warmup)
+             growth = second half's floor (low decile) over the first's (after --warmup)
     ready    GET /health every second during the run: always 200 (a readiness probe would
              otherwise take the busy endpoint out of service)
     idle     after the run every replica must be idle: all KV blocks free, no request state

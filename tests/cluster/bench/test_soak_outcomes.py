@@ -172,17 +172,31 @@ async def _held_rss_here() -> int:
     return held_rss()
 
 
-def test_memory_growth_compares_medians_of_the_halves_after_warmup_without_the_tail() -> None:
+def test_memory_growth_compares_the_floors_of_the_halves_after_warmup_without_the_tail() -> None:
     sampler = RssSampler({"me": _held_rss_here}, interval_s=1.0)
     mb = 2**20
-    # Warm-up (t < 10) grows; the halves of [10, 30] hold 100 and 104 MB; the tail is ignored.
+    # Warm-up (t < 10) grows; the halves of [10, 30] sit at 100 and 104 MB between bursts of
+    # 130 MB, which take most of the first half and few samples of the second; the tail is
+    # ignored.
     sampler.samples["me"] = [(t, (50 + 5 * t) * mb) for t in range(10)]
-    sampler.samples["me"] += [(t, 100 * mb) for t in range(10, 20)]
-    sampler.samples["me"] += [(t, 104 * mb) for t in range(20, 31)]
+    sampler.samples["me"] += [(t, (130 if t < 17 else 100) * mb) for t in range(10, 20)]
+    sampler.samples["me"] += [(t, (130 if t in (25, 26) else 104) * mb) for t in range(20, 31)]
     sampler.samples["me"] += [(t, 500 * mb) for t in range(31, 40)]
     entry = sampler.summary(warmup_s=10, end_s=30)["me"]
-    assert (entry["first_half_median_mb"], entry["second_half_median_mb"]) == (100.0, 104.0)
+    assert (entry["first_half_floor_mb"], entry["second_half_floor_mb"]) == (100.0, 104.0)
+    assert (entry["first_half_max_mb"], entry["second_half_max_mb"]) == (130.0, 130.0)
     assert entry["growth_pct"] == 4.0 and not entry["gone"]
+
+
+def test_memory_growth_ignores_bursts_held_for_longer_in_one_half() -> None:
+    """Requests in flight hold memory until they end: a second half with more of its samples
+    in bursts (the first's median at the floor, the second's at the peak) has not grown."""
+    sampler = RssSampler({"me": _held_rss_here}, interval_s=1.0)
+    mb = 2**20
+    sampler.samples["me"] = [(t, (115 if t % 10 < 4 else 100) * mb) for t in range(10, 20)]
+    sampler.samples["me"] += [(t, (115 if t % 10 < 7 else 100) * mb) for t in range(20, 31)]
+    entry = sampler.summary(warmup_s=10, end_s=30)["me"]
+    assert entry["growth_pct"] == 0.0, entry
 
 
 @pytest.mark.skipif(_malloc_trim() is None, reason="the C library has no malloc_trim (not glibc)")

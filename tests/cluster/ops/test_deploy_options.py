@@ -67,7 +67,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 
 def run_serve_with(monkeypatch: pytest.MonkeyPatch, controller: FakeController | None) -> None:
-    monkeypatch.setattr(deploy, "_serve_controller", lambda: controller)
+    monkeypatch.setattr(deploy, "serve_controller", lambda: controller)
 
 
 def test_a_running_serve_with_the_configs_options_is_started_as_before(
