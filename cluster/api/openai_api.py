@@ -44,19 +44,37 @@ from cluster.api.pooling_models import ClassificationRequest, RerankRequest, Sco
 from cluster.api.responses_models import ResponsesRequest
 
 TIMEOUT_HEADER = "x-request-timeout"
+PRIORITY_HEADER = "x-vllm-priority"  # vLLM's
 try:
     _VERSION = package_version("llm-cluster")
 except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
     _VERSION = "unknown"
 
 
-def with_header_timeout(req: Any, request: Request) -> Any:
-    """The request with its ``X-Request-Timeout`` header (seconds) as ``timeout`` when the body
-    sets none; the body's field wins. The server checks the range (> 0)."""
+def with_headers(req: Any, request: Request) -> Any:
+    """The request with its headers applied: ``X-Request-Timeout`` (seconds) as ``timeout`` when
+    the body sets none (the body's field wins; the server checks the range, > 0), and vLLM's
+    ``X-Vllm-Priority`` as ``priority`` on the routes that take one (the header wins, as in
+    vLLM; not an int64: a 400 naming it)."""
+    update: dict[str, Any] = {}
     raw = request.headers.get(TIMEOUT_HEADER)
-    if raw is None or req.timeout is not None:
-        return req
-    return req.model_copy(update={"timeout": timeout_seconds(raw)})
+    if raw is not None and req.timeout is None:
+        update["timeout"] = timeout_seconds(raw)
+    raw = request.headers.get(PRIORITY_HEADER)
+    if raw is not None and "priority" in type(req).model_fields:
+        update["priority"] = _header_priority(raw)
+    return req.model_copy(update=update) if update else req
+
+
+def _header_priority(raw: str) -> int:
+    try:
+        priority = int(raw)
+    except ValueError:
+        priority = None
+    if priority is None or not -(2**63) <= priority < 2**63:
+        raise APIError(400, f"{PRIORITY_HEADER}: must be an integer in [-2**63, 2**63 - 1], "
+                       f"got {raw[:32]!r}", PRIORITY_HEADER)  # fmt: skip
+    return priority
 
 
 def timeout_seconds(raw: str) -> float:
@@ -120,15 +138,15 @@ def make_openai_app(
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        return await serving.completions(with_header_timeout(req, request))
+        return await serving.completions(with_headers(req, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
-        return await serving.chat_completions(with_header_timeout(req, request))
+        return await serving.chat_completions(with_headers(req, request))
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request) -> Any:
-        return await serving.responses(with_header_timeout(req, request))
+        return await serving.responses(with_headers(req, request))
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Any:
@@ -140,7 +158,7 @@ def make_openai_app(
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request) -> Any:
-        return await serving.messages(with_header_timeout(req, request))
+        return await serving.messages(with_headers(req, request))
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(req: CountTokensRequest) -> Any:

@@ -150,6 +150,9 @@ class SamplingFields(_Model):
     cache_salt: Text | None = None
     # Seconds: past it the request is aborted, its KV blocks freed, and the client gets a 408.
     timeout: float | None = _ranged(None, exclusiveMinimum=0)
+    # vLLM's: lower is served first under the model's ``scheduling_policy: priority`` (ignored
+    # under FCFS); the ``X-Vllm-Priority`` header, when given, replaces it.
+    priority: int = _ranged(0, **_INT64)
     # vLLM's: keep this many of the prompt's tokens (-1: as many as the model takes).
     truncate_prompt_tokens: int | None = _ranged(None, minimum=-1)
     truncation_side: TruncationSide | None = None
@@ -166,7 +169,7 @@ class SamplingFields(_Model):
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     # 0 only with echo: the prompt scored, nothing generated (lm-evaluation-harness).
-    max_tokens: int | None = _ranged(16, minimum=0)
+    max_tokens: OrNull[int] = _ranged(16, minimum=0)  # null: 16, as vLLM
     logprobs: int | None = _ranged(None, minimum=0)
     echo: OrNull[bool] = False
     best_of: int | None = None

@@ -54,6 +54,21 @@ UNSUPPORTED_FIELDS = {
         ("xgrammar", "auto"),
     ),
     "structural_tag": Unsupported("not supported"),
+    # vLLM's extensions this server does not serve.
+    "use_beam_search": Unsupported(
+        "beam search is not served over HTTP (offline: LLM.beam_search)", (False,)
+    ),
+    "length_penalty": Unsupported("only with beam search, which is not served", (1.0, 1)),
+    "return_tokens_as_token_ids": Unsupported("not supported", (False,)),
+    "return_token_ids": Unsupported("not supported", (False,)),
+    "return_token_offsets": Unsupported("not supported", (False,)),
+    "logprob_token_ids": Unsupported("not supported; use logprobs / top_logprobs", ([],)),
+    "prompt_embeds": Unsupported("prompt embeddings are not supported; send text or token ids"),
+    "mm_payload": Unsupported("not supported; send images as content parts"),
+    "repetition_detection": Unsupported("not supported"),
+    "thinking_token_budget": Unsupported("not supported", (-1,)),
+    "watermarking": Unsupported("not supported", (False,)),
+    "vllm_xargs": Unsupported("not supported", ({},)),
 }
 _ignored_logged: set[str] = set()
 
@@ -384,7 +399,7 @@ def request_extras(req: SamplingFields) -> dict[str, Any]:
     """Per-request settings beside the sampling parameters (the server checks them)."""
     extras = {"cache_salt": req.cache_salt, "timeout": req.timeout,
               "truncate_prompt_tokens": req.truncate_prompt_tokens,
-              "truncation_side": req.truncation_side}  # fmt: skip
+              "truncation_side": req.truncation_side, "priority": req.priority or None}  # fmt: skip
     return {k: v for k, v in extras.items() if v is not None}
 
 

@@ -67,6 +67,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     messages: list[dict[str, Any]] | None = None
     cache_salt: str | None = None
     timeout: float | None = None  # seconds; past it: aborted, then a 408
+    priority: int = 0  # vLLM's: lower first under the priority policy (the engine checks it)
     # The engine's id of the request; the ingress registers it with its token channel before
     # the call, so it is made here, whoever builds the request (ingress, gRPC, tests).
     request_id: str = msgspec.field(default_factory=new_request_id)

@@ -102,6 +102,7 @@ class ResponsesRequest(_Model):
     include_stop_str_in_output: bool | None = None
     bad_words: list[Text] | None = None
     skip_special_tokens: bool | None = None
+    priority: int | None = _ranged(None, **_INT64)  # vLLM's, as on the chat route
     # vLLM's: the response's id (a later one with the same id replaces it in the store).
     request_id: Text | None = None
     # vLLM's: a grammar, regex, choice or schema over the output (not with text.format).
@@ -113,7 +114,7 @@ SAMPLING_PASSTHROUGH = (
     "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias",
     "cache_salt", "timeout", "user", "structured_outputs", "include_stop_str_in_output",
-    "bad_words", "skip_special_tokens",
+    "bad_words", "skip_special_tokens", "priority",
 )  # fmt: skip
 
 __all__ = ["SAMPLING_PASSTHROUGH", "ResponsesRequest", "TextConfig", "TextFormat"]

@@ -32,7 +32,6 @@ UNSUPPORTED_RESPONSE_FIELDS = {
     "include_reasoning": Unsupported(
         "not supported; the reasoning item is always returned", (True,)
     ),
-    "priority": Unsupported("request priorities are not supported", (0,)),
     "vllm_xargs": Unsupported("not supported", ({},)),
 }
 # Tool types OpenAI runs itself (search, code, computer, images, MCP, shell): not served here.

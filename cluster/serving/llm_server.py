@@ -241,6 +241,7 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
                 timeout_s=timeout_s,
                 lora_request=lora_request,
                 sink=sink,
+                priority=request.priority,
             )
             # With a sink the first item comes once the head has the request: the start goes
             # out then (its first token may already be on the channel), unless it carries the

@@ -36,6 +36,7 @@ from engine.client.core_messages import (
 from engine.config import EngineConfig
 from engine.core.data_parallel import build_engine
 from engine.core.llm_engine import LLMEngine, PromptType
+from engine.core.request_queue import check_priority
 from engine.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -404,6 +405,7 @@ class AsyncLLMEngine:
         if self._dead is not None:
             raise self._dead
         check_request_id_unused(request_id, self._streams)
+        check_priority(priority)  # before the message: the core's decoder would refuse a str
         text, token_ids = _split_prompt(prompt)
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
             # The core may be another process: images travel preprocessed (pixels, placeholder

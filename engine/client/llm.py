@@ -59,15 +59,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in input order. A prompt is a string, a list of
         token ids, or ``{"prompt_token_ids": [...]}``. ``lora_request``: one adapter for every
-        prompt, or a list aligned with the prompts (None: the base model). Invalid input
-        raises before anything runs."""
+        prompt, or a list aligned with the prompts (None: the base model); ``priority`` the
+        same (vLLM's: lower first under ``scheduling_policy: priority``). Invalid input raises
+        before anything runs."""
         prompts = _as_prompt_list(prompts)
         loras = _as_lora_list(lora_request, len(prompts))
+        priorities = _as_priority_list(priority, len(prompts))
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -84,22 +86,22 @@ class LLM:
                 raise InvalidRequestError(
                     "beam search does not run with LoRA adapters", param="lora_request"
                 )
-            return self._generate_with_beam_search(prompts, params_list, priority, use_tqdm)
-        ids = self._add_all(prompts, params_list, priority, loras)
+            return self._generate_with_beam_search(prompts, params_list, priorities, use_tqdm)
+        ids = self._add_all(prompts, params_list, priorities, loras)
         return self._run(ids, use_tqdm)
 
     def _generate_with_beam_search(
         self,
         prompts: list[PromptType],
         params: list[SamplingParams],
-        priority: Sequence[int] | None,
+        priority: Sequence[int],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         """Beam-search prompts run one after another on the engine; the others in one batch."""
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         plain = [i for i, p in enumerate(params) if not p.use_beam_search]
         if plain:
-            sub_priority = [priority[i] for i in plain] if priority else None
+            sub_priority = [priority[i] for i in plain]
             ids = self._add_all(
                 [prompts[i] for i in plain], [params[i] for i in plain], sub_priority
             )
@@ -322,6 +324,18 @@ def _as_lora_list(
             f"has {len(loras)} entries for {num_prompts} prompts", param="lora_request"
         )
     return loras
+
+
+def _as_priority_list(priority: int | Sequence[int] | None, num_prompts: int) -> list[int]:
+    """One priority for every prompt (None: 0), or a list that must align with the prompts
+    (vLLM's rule); the engine checks each value."""
+    if priority is None or not isinstance(priority, Sequence):
+        return [0 if priority is None else priority] * num_prompts  # type: ignore[list-item]
+    if len(priority) != num_prompts:
+        raise InvalidRequestError(
+            f"has {len(priority)} entries for {num_prompts} prompts", param="priority"
+        )
+    return list(priority)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -64,7 +64,7 @@ from engine.core.output_processor import (
     take_tokens,
 )
 from engine.core.request import Request, RequestStatus
-from engine.core.request_queue import check_waiting_caps
+from engine.core.request_queue import check_priority, check_waiting_caps
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput, make_execute_model_request
 from engine.core.sleep_control import SleepControl
@@ -220,6 +220,7 @@ class LLMEngine(SleepControl, LoRAControl):
         while the engine sleeps."""
         self._check_alive()
         self._check_awake()
+        check_priority(priority)
         params = params or SamplingParams()
         if not isinstance(params, (SamplingParams, PoolingParams)):
             raise InvalidRequestError(

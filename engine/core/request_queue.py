@@ -1,7 +1,8 @@
 """The scheduler's waiting queue, by ``scheduling_policy``: FCFS (a deque; preempted requests
 go back to the front) or priority (a heap on the request's sort key, arrival breaking ties).
 And the caps that bound what waits (``max_waiting_requests``, ``max_waiting_tokens``), which the
-engine checks before it enqueues a request (``check_waiting_caps``).
+engine checks before it enqueues a request (``check_waiting_caps``), and what a request's
+``priority`` may be (``check_priority``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from collections.abc import Callable, Iterator
 
 from engine.config_sections import SchedulerConfig
 from engine.core.request import Request
-from engine.errors import EngineOverloadedError
+from engine.errors import EngineOverloadedError, InvalidRequestError
+from engine.validation import is_int
+
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)  # vLLM's: an int64
 
 
 class WaitingQueue:
@@ -80,4 +84,15 @@ def check_waiting_caps(
     if cap is not None and tokens + num_prompt_tokens > cap:
         raise EngineOverloadedError(
             f"{tokens} prompt tokens are waiting (max_waiting_tokens {cap}); retry later"
+        )
+
+
+def check_priority(priority: object) -> None:
+    """A request's ``priority`` (lower is served first under the priority policy, ignored under
+    FCFS, as in vLLM): an integer in int64, checked before anything is enqueued (a string would
+    otherwise reach the heap and fail every step's ordering)."""
+    low, high = PRIORITY_RANGE
+    if not is_int(priority) or not low <= priority <= high:  # type: ignore[operator]
+        raise InvalidRequestError(
+            f"must be an integer in [-2**63, 2**63 - 1], got {priority!r}", param="priority"
         )

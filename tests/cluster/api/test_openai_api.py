@@ -196,6 +196,59 @@ def test_unknown_fields_that_change_the_output_are_400_naming_them(
     assert assert_error(response, 400, field)["code"] == "unsupported"
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "off"),
+    [
+        ("use_beam_search", True, False),
+        ("length_penalty", 0.5, 1.0),
+        ("return_tokens_as_token_ids", True, False),
+        ("return_token_ids", True, False),
+        ("logprob_token_ids", [1, 2], []),
+        ("prompt_embeds", "AAAA", None),
+        ("thinking_token_budget", 10, -1),
+        ("vllm_xargs", {"k": 1}, {}),
+    ],
+)
+@pytest.mark.parametrize("chat", [False, True])
+def test_vllm_fields_not_served_are_400_unless_they_change_nothing(
+    chat: bool, field: str, value: Any, off: Any
+) -> None:
+    """vLLM's extensions that would change the output: a 400 naming them, not dropped; their
+    default (what vLLM's clients send unasked) is accepted."""
+
+    def payload(extra: dict[str, Any]) -> Any:
+        if chat:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}
+            return openai_payloads.chat_payload(ChatCompletionRequest.model_validate(body))
+        body = {"model": "m", "prompt": "x", **extra}
+        return openai_payloads.completion_payloads(CompletionRequest.model_validate(body))
+
+    with pytest.raises(APIError) as info:
+        payload({field: value})
+    assert (info.value.status, info.value.param, info.value.code) == (400, field, "unsupported")
+    payload({field: off})
+
+
+def test_max_tokens_null_is_16_on_completions_and_no_limit_on_chat() -> None:
+    """vLLM's defaults: null max_tokens is the field's default, 16, on completions; on chat
+    there is no default (the context's end)."""
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": None})
+    assert completion_payload(req)["params"]["max_tokens"] == 16
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": None}
+    assert chat_payload(ChatCompletionRequest.model_validate(chat))["params"]["max_tokens"] is None
+
+
+def test_priority_reaches_the_replica_and_a_bad_one_is_400(client: TestClient) -> None:
+    req = CompletionRequest(model="m", prompt="x", priority=-3)
+    assert completion_payload(req)["priority"] == -3
+    assert "priority" not in completion_payload(CompletionRequest(model="m", prompt="x"))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": 5}
+    assert chat_payload(ChatCompletionRequest.model_validate(chat))["priority"] == 5
+    for bad in ("high", 1.5, True):  # out of int64: the engine's 400
+        body = {"model": "m", "prompt": "x", "priority": bad}
+        assert_error(client.post("/v1/completions", json=body), 400, "priority")
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "auto"])
 def test_guided_decoding_backend_that_changes_nothing_is_accepted(
     client: TestClient, backend: str
@@ -860,13 +913,17 @@ def test_overload_is_resource_exhausted_over_grpc() -> None:
 
 
 class _Recorder:
-    """An OpenAI serving that answers with the timeout each request arrived with."""
+    """An OpenAI serving that answers with the timeout each request arrived with (and its
+    priority, when not 0)."""
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
-        return {"timeout": req.timeout}
+        return {"timeout": req.timeout} | ({"priority": req.priority} if req.priority else {})
 
     async def chat_completions(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        return {"timeout": req.timeout}
+        return await self.completions(req)  # type: ignore[arg-type]
+
+    async def responses(self, req: Any) -> dict[str, Any]:
+        return {"timeout": req.timeout, "priority": req.priority}
 
 
 @pytest.fixture
@@ -883,6 +940,22 @@ def test_x_request_timeout_header_sets_the_timeout(recorder: TestClient, route: 
         body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     response = recorder.post(route, json=body, headers={"x-request-timeout": "2.5"})
     assert response.json() == {"timeout": 2.5}
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_x_vllm_priority_header_sets_the_priority_over_the_body(
+    recorder: TestClient, route: str
+) -> None:
+    body: dict[str, Any] = {"model": "m", "prompt": "x", "priority": 4}
+    if route.endswith("chat/completions"):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": 4}
+    elif route.endswith("responses"):
+        body = {"model": "m", "input": "x", "priority": 4}
+    assert recorder.post(route, json=body).json()["priority"] == 4
+    response = recorder.post(route, json=body, headers={"x-vllm-priority": "-2"})
+    assert response.json()["priority"] == -2
+    response = recorder.post(route, json=body, headers={"x-vllm-priority": "soon"})
+    assert_error(response, 400, "x-vllm-priority")
 
 
 def test_timeout_field_wins_over_the_header(recorder: TestClient) -> None:

@@ -60,9 +60,9 @@ def test_output_text_logprobs_are_refused_like_top_logprobs() -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("include_reasoning", False), ("priority", 1), ("vllm_xargs", {"a": 1}),
-     # an off value of another type is another value (false is not 0, 1 is not true)
-     ("priority", False), ("include_reasoning", 1), ("background", 0), ("background", True)],
+    [("include_reasoning", False), ("vllm_xargs", {"a": 1}),
+     # an off value of another type is another value (1 is not true, 0 is not false)
+     ("include_reasoning", 1), ("background", 0), ("background", True)],
 )  # fmt: skip
 def test_vllm_fields_that_change_the_output_are_refused(name: str, value: Any) -> None:
     assert _refused(**{name: value}).param == name
@@ -75,6 +75,12 @@ def test_vllm_fields_that_change_the_output_are_refused(name: str, value: Any) -
 )  # fmt: skip
 def test_their_off_values_are_accepted(name: str, value: Any) -> None:
     check_request(_request(**{name: value}))
+
+
+def test_priority_goes_to_the_chat_request_as_on_the_chat_route() -> None:
+    req = _request(priority=-4)
+    check_request(req)
+    assert chat_request(req, [{"role": "user", "content": "hi"}]).priority == -4
 
 
 @pytest.mark.parametrize(("status", "continues"),

@@ -156,6 +156,13 @@ def test_cache_salt_reaches_the_engine(server: LLMServer) -> None:
     assert ok[0]["type"] == "start"
 
 
+def test_priority_reaches_the_engine(server: LLMServer) -> None:
+    items = collect(server, {"prompt": "x", "params": {}, "priority": 2**63})
+    assert (items[0]["status"], items[0]["param"]) == (400, "priority")
+    ok = collect(server, {"prompt": "x", "params": {"max_tokens": 2}, "priority": -7})
+    assert ok[0]["type"] == "start"
+
+
 @pytest.mark.parametrize(
     ("request_fields", "param"),
     [
