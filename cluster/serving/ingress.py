@@ -9,11 +9,9 @@ import asyncio
 from typing import Any
 
 import msgspec
-import ray
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from cluster.api.api_errors import APIError, api_error, error_body, error_response
@@ -37,10 +35,13 @@ from cluster.api.openai_responses import Completion, stream_sse
 from cluster.api.replica_messages import GenerateRequest, StreamError, StreamStart, unavailable
 from cluster.serving.grpc_ingress import LLMServicer
 from cluster.serving.ingress_calls import (
+    REPLICA_ERRORS,
     ResponsesInFlight,
     base_model,
+    call_replica,
     guard_stream,
     merge_streams,
+    replica_unavailable,
     wait_until_written,
 )
 from cluster.serving.ingress_messages import MessagesServicer
@@ -204,11 +205,8 @@ class OpenAIIngress(
         except TimeoutError as exc:
             stream.cancel()
             raise cold_start_error(model, timeout_s) from exc
-        except BackPressureError as exc:
-            raise APIError(503, f"model {model!r} is overloaded, retry later", None,
-                           "overloaded", retry_after=1) from exc  # fmt: skip
-        except (ray.exceptions.RayError, StopAsyncIteration) as exc:
-            raise APIError(503, f"model {model!r} is not available", None, "unavailable") from exc
+        except (*REPLICA_ERRORS, StopAsyncIteration) as exc:
+            raise replica_unavailable(model, exc) from exc
         if isinstance(first, StreamError):
             raise api_error(first)
         return first, stream
@@ -324,7 +322,7 @@ class OpenAIIngress(
     async def _adapters(self, base: str) -> list[str]:
         try:
             return await self.servers[base].list_adapters.remote()
-        except (ray.exceptions.RayError, BackPressureError):
+        except REPLICA_ERRORS:
             return []  # its replicas are down, or their queue full: list the base model only
 
     async def tokenize(self, req: TokenizeRequest) -> Any:
@@ -333,11 +331,14 @@ class OpenAIIngress(
         payload = msgspec.structs.replace(tokenize_payload(req), adapter=adapter)
         if payload.messages is not None:
             payload = await self._with_image_data(payload)
-        return _unwrap(await server.tokenize.remote(payload, bool(req.return_token_strs)))
+        model = self._tokenizer_model(req.model)
+        call = server.tokenize.remote(payload, bool(req.return_token_strs))
+        return _unwrap(await call_replica(model, call))
 
     async def detokenize(self, req: DetokenizeRequest) -> Any:
-        server, adapter = self._route(self._tokenizer_model(req.model))
-        return _unwrap(await server.detokenize.remote(req.tokens, adapter))
+        model = self._tokenizer_model(req.model)
+        server, adapter = self._route(model)
+        return _unwrap(await call_replica(model, server.detokenize.remote(req.tokens, adapter)))
 
     def _tokenizer_model(self, model: str | None) -> str:
         """The model a tokenizer route names; as in vLLM it may name none when one is served."""

@@ -2,22 +2,47 @@
 a final error item (so HTTP streams end with an error chunk and ``[DONE]``, gRPC with
 UNAVAILABLE), the streams of a batched request merged into one, and a model's health asked
 (a replica that does not answer is unhealthy), for both HTTP and gRPC; when each model's
-streams last brought an item (an engine stepping now, which readiness need not ask); and what
+streams last brought an item (an engine stepping now, which readiness need not ask); what
 the ingress still carries (model streams, HTTP responses being sent), which a stopping ingress
-waits for."""
+waits for; and the client's 503 for a call no replica took (``call_replica``)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import ray
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cluster.api.api_errors import APIError
 from cluster.api.replica_messages import StreamError, replica_failed
+
+_T = TypeVar("_T")
+# What a call to a model's replicas raises when none took it or the one that did died.
+REPLICA_ERRORS = (ray.exceptions.RayError, BackPressureError)
+
+
+def replica_unavailable(model: str, exc: BaseException) -> APIError:
+    """The client's error for a call no replica of ``model`` answered: 503 ``overloaded``
+    with ``Retry-After`` (every replica's queue is full: Serve's ``BackPressureError``, which
+    is not a ``RayError``), else 503 ``unavailable`` (none runs, or it died)."""
+    if isinstance(exc, BackPressureError):
+        return APIError(503, f"model {model!r} is overloaded, retry later", None, "overloaded",
+                        retry_after=1)  # fmt: skip
+    return APIError(503, f"model {model!r} is not available", None, "unavailable")
+
+
+async def call_replica(model: str, call: Awaitable[_T]) -> _T:
+    """``await call`` (a model server's method, or a gather of them), its replica errors as
+    ``replica_unavailable``'s 503."""
+    try:
+        return await call
+    except REPLICA_ERRORS as exc:
+        raise replica_unavailable(model, exc) from exc
 
 
 def base_model(model: str, adapter: str | None) -> str:

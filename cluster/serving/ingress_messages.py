@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-import ray
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.api.anthropic_builder import MessageBuilder
@@ -23,7 +22,7 @@ from cluster.api.openai_payloads import chat_payload, tool_choice
 from cluster.api.openai_responses import Completion
 from cluster.api.replica_messages import GenerateRequest, StreamError
 from cluster.api.responses_builder import sse_event
-from cluster.serving.ingress_calls import guard_stream
+from cluster.serving.ingress_calls import call_replica, guard_stream
 
 logger = logging.getLogger("llm_cluster.serve")
 
@@ -81,11 +80,7 @@ class MessagesServicer:
         payload = await self._with_image_data(payload)
         handle, adapter = self._route(req.model)  # (its server 404s an adapter it lacks)
         payload = msgspec.structs.replace(payload, adapter=adapter)
-        try:
-            result = await handle.tokenize.remote(payload)
-        except ray.exceptions.RayError as exc:
-            raise APIError(503, f"model {req.model!r} is not available", None,
-                           "unavailable") from exc  # fmt: skip
+        result = await call_replica(req.model, handle.tokenize.remote(payload))
         if isinstance(result, StreamError):
             raise api_error(result)
         return {"input_tokens": result.count}

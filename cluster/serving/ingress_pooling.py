@@ -17,7 +17,6 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import ray
 
 from cluster.api.api_errors import APIError, api_error
 from cluster.api.openai_models import EmbeddingRequest
@@ -30,7 +29,7 @@ from cluster.api.openai_payloads import (
 from cluster.api.pooling_models import ClassificationRequest, RerankRequest, ScoreRequest
 from cluster.api.replica_messages import ScoreRequest as ServerScoreRequest
 from cluster.api.replica_messages import StreamError
-from cluster.serving.ingress_calls import base_model
+from cluster.serving.ingress_calls import base_model, call_replica
 
 # vLLM's pooling fields that change the output and are not supported (``check_extra_fields``),
 # beside those of every route.
@@ -87,11 +86,7 @@ class PoolingServicer:
 
     async def _call(self, model: str, calls: list[Awaitable[Any]]) -> list[Any]:
         """The server replies of ``calls``, or the first error among them as an APIError."""
-        try:
-            results = await asyncio.gather(*calls)
-        except ray.exceptions.RayError as exc:
-            raise APIError(503, f"model {model!r} is not available", None,
-                           "unavailable") from exc  # fmt: skip
+        results = await call_replica(model, asyncio.gather(*calls))
         error = next((r for r in results if isinstance(r, StreamError)), None)
         if error is not None:
             raise api_error(error)

@@ -20,8 +20,6 @@ import logging
 from typing import Any
 
 import msgspec
-import ray
-from ray.serve.exceptions import BackPressureError
 
 from cluster.api.replica_messages import (
     GenerateRequest,
@@ -29,6 +27,7 @@ from cluster.api.replica_messages import (
     StreamError,
     new_request_id,
 )
+from cluster.serving.ingress_calls import REPLICA_ERRORS
 
 logger = logging.getLogger("llm_cluster.serve")
 
@@ -96,7 +95,7 @@ async def prefill(
         logger.warning("model %s: prefill took over %.3g s; decode computes the prompt", model,
                        timeout_s)  # fmt: skip
         return None
-    except (ray.exceptions.RayError, BackPressureError) as exc:
+    except REPLICA_ERRORS as exc:
         logger.warning("model %s: prefill failed (%s); decode computes the prompt", model,
                        type(exc).__name__)  # fmt: skip
         return None

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from ray.serve.exceptions import BackPressureError
 
 from cluster.api.openai_api import make_openai_app
 from cluster.api.replica_messages import (
@@ -251,3 +252,18 @@ def test_count_tokens_names_the_adapter_to_its_server(model: str, adapter: str |
     assert response.status_code == 200, response.text
     assert response.json() == {"input_tokens": 7}
     assert [p.adapter for p in ingress.calls] == [adapter]
+
+
+def test_count_tokens_on_a_full_queue_is_an_overloaded_error_not_a_500() -> None:
+    """Serve's ``BackPressureError`` is not a ``RayError``: it was a 500 ``api_error``."""
+
+    def full(payload: Any) -> Any:
+        raise BackPressureError(num_queued_requests=1, max_queued_requests=1)
+
+    ingress = _Counting()
+    ingress.servers["m"].tokenize = Method(full, [])
+    client = TestClient(make_openai_app(ingress))  # type: ignore[arg-type]
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+    response = client.post("/v1/messages/count_tokens", json=body)
+    assert response.status_code == 529, response.text
+    assert response.json()["error"]["type"] == "overloaded_error"

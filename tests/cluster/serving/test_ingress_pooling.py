@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from ray.serve.exceptions import BackPressureError
 
 from cluster.api.openai_api import make_openai_app
 from cluster.api.replica_messages import EmbedRequest, EmbedResult, ScoreRequest, ScoreResult
@@ -214,3 +215,19 @@ def test_classify_takes_token_ids_as_the_embeddings_route_does(
     batch = value if isinstance(value[0], list) else [value]
     assert [c.prompt_token_ids for c in ingress.calls] == batch
     assert all(isinstance(c, EmbedRequest) and c.task == "classify" for c in ingress.calls)
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+def test_a_full_queue_is_a_503_with_retry_after_on_every_pooling_route(path: str) -> None:
+    """Serve's ``BackPressureError`` (the model's ``max_queued_requests`` reached) is not a
+    ``RayError``: it was a 500 on these routes."""
+
+    def full(request: Any) -> Any:
+        raise BackPressureError(num_queued_requests=2, max_queued_requests=2)
+
+    ingress = _Recording()
+    ingress.servers["m"].embed = ingress.servers["m"].score = Method(full, [])
+    response = _post(ingress, path, BODIES[path])
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "overloaded"
+    assert response.headers["retry-after"] == "1"

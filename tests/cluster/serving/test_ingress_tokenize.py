@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import ray
 from fastapi.testclient import TestClient
+from ray.serve.exceptions import BackPressureError
 
 from cluster.api.openai_api import make_openai_app
 from cluster.api.replica_messages import DetokenizeResult, StreamError, TokenizeResult
@@ -103,3 +105,37 @@ def test_an_unknown_model_or_adapter_is_a_404(ingress: _Tokenizing, path: str, m
     error = response.json()["error"]
     assert (error["param"], error["code"]) == ("model", "model_not_found")
     assert error["message"] == f"The model `{model}` does not exist."
+
+
+class _Refusing:
+    """Model ``m``'s server when no replica takes the call: every method raises ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        def fail(*args: Any) -> Any:
+            raise error
+
+        self.tokenize = self.detokenize = Method(fail, [])
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "retry_after"),
+    [
+        (BackPressureError(num_queued_requests=4, max_queued_requests=4), "overloaded", "1"),
+        (ray.exceptions.ActorDiedError(), "unavailable", None),
+    ],
+)
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/tokenize", {"model": "m", "prompt": "hi"}), ("/detokenize", {"model": "m", "tokens": [1]})],
+)
+def test_a_full_queue_or_a_dead_replica_is_a_503_not_a_500(
+    path: str, body: dict[str, Any], error: BaseException, code: str, retry_after: str | None
+) -> None:
+    """Serve's ``BackPressureError`` (the model's ``max_queued_requests`` reached) is no
+    ``RayError``: it was a 500 here, where generation answers 503 with ``Retry-After``."""
+    ingress = _Tokenizing()
+    ingress.servers["m"] = _Refusing(error)
+    response = _post(ingress, path, body)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == code
+    assert response.headers.get("retry-after") == retry_after
