@@ -18,7 +18,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.model_heads import CONVERTS, RUNNERS, Task, family_architecture, resolve_task
-from engine.quantization.config import ONLINE_METHODS
+from engine.quantization.config import QUANTIZATION_ARGUMENTS
 from engine.validation import (
     check_bool,
     check_choice,
@@ -51,8 +51,9 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     trust_remote_code: bool = False
-    # vLLM's online quantization of a float checkpoint at load: None or "fp8".
-    quantization: Literal["fp8"] | None = None
+    # vLLM's quantization argument: "fp8" quantizes a float checkpoint at load; a quantized
+    # checkpoint takes null or its own method's name (engine.quantization.config).
+    quantization: str | None = None
     # What the model serves (vLLM's names; engine.model_heads): auto reads the architecture.
     runner: Literal["auto", "generate", "pooling"] = "auto"
     convert: Literal["auto", "none", "embed", "classify"] = "auto"
@@ -71,7 +72,7 @@ class ModelConfig:
         check_choice(self.dtype, "dtype", ("auto", *_DTYPES))
         check_positive_int(self.max_model_len, "max_model_len", optional=True)
         check_int(self.seed, "seed")
-        check_choice(self.quantization, "quantization", (None, *ONLINE_METHODS))
+        check_choice(self.quantization, "quantization", (None, *QUANTIZATION_ARGUMENTS))
         check_choice(self.runner, "runner", RUNNERS)
         check_choice(self.convert, "convert", CONVERTS)
         require(

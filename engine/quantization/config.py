@@ -13,7 +13,10 @@ releases (``quant_method: fp8``, ``weight_block_size`` [bn, bk]: an e4m3 ``weigh
 dynamic``), every linear layer whose checkpoint holds the scale, the others as stored. Online
 FP8 quantizes a float checkpoint's linear weights (per-tensor scale). MXFP4 (``quant_method:
 mxfp4``, gpt-oss): only the stacked MoE experts are quantized (``engine.quantization.mxfp4``);
-the linear layers are dense.
+the linear layers are dense. Experts are dequantized at load and take no activation
+quantization, so a group that gives them one is refused. An older export's
+``compression_config`` is read as ``quantization_config``; the ``quantization`` argument may
+also name the checkpoint's own method (``CHECKPOINT_ARGUMENTS``: vLLM's names and aliases).
 
 Torch-free: ``engine.hf_config.check_hf_config`` runs this where only a config is read.
 """
@@ -30,8 +33,19 @@ from engine.model_heads import family_architecture
 
 SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "mxfp4")  # checkpoint formats
 ONLINE_METHODS = ("fp8",)  # ``quantization=`` values for a float checkpoint
+# vLLM's ``quantization`` values that name each checkpoint method (with its aliases and kernel
+# names): a matching value serves the checkpoint as it is, as vLLM accepts it.
+CHECKPOINT_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "compressed-tensors": ("compressed-tensors",),
+    "gptq": ("gptq", "gptq_marlin", "auto_gptq", "marlin"),
+    "awq": ("awq", "awq_marlin", "auto_awq", "marlin"),
+    "fp8": ("fp8",),
+    "mxfp4": ("mxfp4", "gpt_oss_mxfp4"),
+}
+QUANTIZATION_ARGUMENTS = tuple(dict.fromkeys(a for v in CHECKPOINT_ARGUMENTS.values() for a in v))
 _CT_FORMATS = ("float-quantized", "naive-quantized", "pack-quantized")
 _KEY = "quantization_config"
+_LEGACY_KEY = "compression_config"  # older compressed-tensors exports
 # Families whose experts a checkpoint stores stacked as ``mlp.experts.gate_up_proj`` /
 # ``down_proj``, the tensors an MXFP4 checkpoint quantizes.
 MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
@@ -114,31 +128,67 @@ def _matches(pattern: str, module: str) -> bool:
     return module == pattern
 
 
+def checkpoint_quantization(hf: Mapping[str, Any]) -> tuple[str, Any]:
+    """(key, value) of the checkpoint's quantization section: ``quantization_config``, else
+    the ``compression_config`` of older compressed-tensors exports (vLLM reads it too)."""
+    if hf.get(_KEY) is None and hf.get(_LEGACY_KEY) is not None:
+        return _LEGACY_KEY, hf[_LEGACY_KEY]
+    return _KEY, hf.get(_KEY)
+
+
 def parse_quantization(hf: Mapping[str, Any], online: str | None = None) -> QuantConfig | None:
-    """The checkpoint's quantization (``online``: vLLM's ``quantization`` argument), or None
-    for a float checkpoint served as stored."""
-    raw = hf.get(_KEY)
+    """The checkpoint's quantization (``online``: vLLM's ``quantization`` argument: online
+    FP8 of a float checkpoint, or the checkpoint's own method), or None for a float checkpoint
+    served as stored."""
+    key, raw = checkpoint_quantization(hf)
     if online is not None:
-        if online not in ONLINE_METHODS:
-            raise ConfigError(
-                f"quantization: must be one of {', '.join(map(repr, ONLINE_METHODS))} or null, "
-                f"got {online!r}"
-            )
-        if raw:
-            method = raw.get("quant_method") if isinstance(raw, Mapping) else raw
-            raise ConfigError(
-                f"quantization: {online!r} quantizes a float checkpoint, but this one is "
-                f"already quantized ({_KEY}.quant_method {method!r})"
-            )
-        scheme = QuantScheme("fp8", "tensor", "online-fp8")
-        return QuantConfig("fp8", ((("Linear",), scheme),), ignore=("lm_head",))
+        _check_argument(online, key, raw)
+        if not raw:
+            scheme = QuantScheme("fp8", "tensor", "online-fp8")
+            return QuantConfig("fp8", ((("Linear",), scheme),), ignore=("lm_head",))
     if not raw:
         return None
+    try:
+        return _parse_checkpoint(raw, hf)
+    except ConfigError as e:
+        if key == _KEY:
+            raise
+        raise ConfigError(f"{key} (read as {_KEY}): {e}") from e
+
+
+def _check_argument(online: str, key: str, raw: Any) -> None:
+    """``quantization``: "fp8" for a float checkpoint, else a name of the checkpoint's method."""
+    if online not in QUANTIZATION_ARGUMENTS:
+        raise ConfigError(
+            f"quantization: must be one of {', '.join(map(repr, QUANTIZATION_ARGUMENTS))} or "
+            f"null, got {online!r}"
+        )
+    if not raw:
+        if online not in ONLINE_METHODS:
+            raise ConfigError(
+                f"quantization: {online!r} names a quantized checkpoint format, but this "
+                f"checkpoint has no {_KEY}; a float checkpoint is quantized at load with "
+                f"{', '.join(map(repr, ONLINE_METHODS))} only"
+            )
+        return
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{key}: must be a mapping, got {raw!r}")
+    method = str(raw.get("quant_method", "")).lower()
+    if online not in CHECKPOINT_ARGUMENTS.get(method, ()):
+        matching = CHECKPOINT_ARGUMENTS.get(method)
+        allowed = f"null or one of {', '.join(map(repr, matching))}" if matching else "null"
+        raise ConfigError(
+            f"quantization: {online!r} does not match this checkpoint, which is already "
+            f"quantized ({key}.quant_method {method!r}): set it to {allowed}"
+        )
+
+
+def _parse_checkpoint(raw: Any, hf: Mapping[str, Any]) -> QuantConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{_KEY}: must be a mapping, got {raw!r}")
     method = str(raw.get("quant_method", "")).lower()
     if method == "compressed-tensors":
-        return _compressed_tensors(raw)
+        return _compressed_tensors(raw, hf)
     if method == "gptq":
         return _gptq(raw)
     if method == "awq":
@@ -164,22 +214,28 @@ def _positive_int(value: Any, field: str) -> int:
     return value
 
 
-def _compressed_tensors(raw: Mapping[str, Any]) -> QuantConfig:
+def _compressed_tensors(raw: Mapping[str, Any], hf: Mapping[str, Any]) -> QuantConfig:
     for field in ("sparsity_config", "transform_config"):
         if raw.get(field):
             raise _refuse(field, raw[field], "must be null: not implemented")
     kv = raw.get("kv_cache_scheme")
     # FP8 per-tensor K/V scales: the attention layers take them (engine.worker.kv_cache_scales) when
     # the cache is FP8 (kv_cache_dtype), and ignore them otherwise, as vLLM does.
-    if kv and (kv.get("type"), kv.get("num_bits"), kv.get("strategy")) != ("float", 8, "tensor"):
+    fp8_tensor = ("float", 8, "tensor")
+    if kv and (
+        not isinstance(kv, Mapping)
+        or (kv.get("type"), kv.get("num_bits"), kv.get("strategy")) != fp8_tensor
+    ):
         raise _refuse("kv_cache_scheme", kv, "FP8 per-tensor (type float, 8 bits, tensor) or null")
     top_format = raw.get("format")
     groups_raw = raw.get("config_groups")
     if not isinstance(groups_raw, Mapping) or not groups_raw:
         raise ConfigError(f"{_KEY}.config_groups: must be a non-empty mapping, got {groups_raw!r}")
-    groups = []
+    groups, names = [], []
     for name, group in groups_raw.items():
         where = f"config_groups.{name}"
+        if not isinstance(group, Mapping):
+            raise _refuse(where, group, "a mapping")
         fmt = group.get("format") or top_format
         if fmt not in _CT_FORMATS:
             raise _refuse(f"{where}.format", fmt, f"supported: {', '.join(_CT_FORMATS)}")
@@ -191,8 +247,61 @@ def _compressed_tensors(raw: Mapping[str, Any]) -> QuantConfig:
                 raise _refuse(f"{where}.targets", target, "'Linear' or 're:' patterns")
         scheme = _ct_scheme(group.get("weights"), group.get("input_activations"), fmt, where)
         groups.append((tuple(targets), scheme))
+        names.append(name)
     ignore = raw.get("ignore") or []
-    return QuantConfig("compressed-tensors", tuple(groups), tuple(str(i) for i in ignore))
+    config = QuantConfig("compressed-tensors", tuple(groups), tuple(str(i) for i in ignore))
+    _refuse_expert_activations(config, names, hf)
+    return config
+
+
+def _refuse_expert_activations(
+    config: QuantConfig, names: list[str], hf: Mapping[str, Any]
+) -> None:
+    """FP8 activation quantization runs on linear layers only: MoE experts are dequantized at
+    load and their fused GEMMs take the input unquantized, which would serve a W8A8 expert as
+    W8A16. A group that quantizes an expert's activations is refused here, before the load."""
+    if not any(scheme.activations is not None for scheme in config.schemes()):
+        return
+    for module in expert_modules(hf):
+        scheme = config.scheme_for(module)
+        if scheme is None or scheme.activations is None:
+            continue
+        index = next(i for i, (_, s) in enumerate(config.groups) if s is scheme)
+        where = f"config_groups.{names[index]}"
+        raise ConfigError(
+            f"{_KEY}.{where}.input_activations: FP8 activation quantization of MoE experts "
+            f"(targets {list(config.groups[index][0])} match {module!r}) is not supported: "
+            "experts run with unquantized activations; give them a group without "
+            "input_activations, or ignore them"
+        )
+
+
+def expert_modules(hf: Mapping[str, Any]) -> list[str]:
+    """The checkpoint module names of an MoE model's routed experts (per sparse layer: the
+    first and last expert's projections, or the stacked ones of gpt-oss); empty for a dense
+    model. Config groups tell experts apart by layer and projection, not by index; a group
+    that singles out a middle expert is still refused at load (``loading``)."""
+    from engine import hf_config  # engine.hf_config imports this module
+
+    conf = dict(hf)
+    arch = hf_config.architecture(conf)
+    if arch not in hf_config.MOE_ARCHITECTURES:
+        return []
+    num_experts = int(hf_config.num_experts(conf) or 0)
+    if arch == hf_config.GPT_OSS:
+        suffixes = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    else:
+        mixtral = arch == "MixtralForCausalLM"
+        parent = "block_sparse_moe" if mixtral else "mlp"
+        projections = ("w1", "w2", "w3") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        ends = sorted({0, max(num_experts - 1, 0)})
+        suffixes = [f"{parent}.experts.{e}.{p}" for e in ends for p in projections]
+    return [
+        f"model.layers.{layer}.{suffix}"
+        for layer in range(int(conf.get("num_hidden_layers") or 0))
+        if hf_config.is_sparse_layer(conf, layer)
+        for suffix in suffixes
+    ]
 
 
 def _ct_scheme(weights: Any, acts: Any, fmt: str, where: str) -> QuantScheme:
@@ -222,9 +331,11 @@ def _ct_scheme(weights: Any, acts: Any, fmt: str, where: str) -> QuantScheme:
             raise _refuse(f"{where}.input_activations", acts, "int4 weights: null (W4A16)")
         if strategy not in ("group", "channel"):
             raise _refuse(f"{where}.weights.strategy", strategy, "int4: group, channel")
-        if weights.get("actorder") not in (None, "static"):
-            # Group order differs from column order: an act-order checkpoint needs g_idx.
-            raise _refuse(f"{where}.weights.actorder", weights["actorder"], "null or 'static'")
+        if weights.get("actorder") not in (None, "weight", "static"):
+            # "weight" (its alias "static") only orders GPTQ's passes: groups stay in column
+            # order. "group" ("dynamic") orders the groups themselves (g_idx): not implemented.
+            allowed = "null, 'weight' or 'static'"
+            raise _refuse(f"{where}.weights.actorder", weights["actorder"], allowed)
         group = weights.get("group_size") if strategy == "group" else None
         if strategy == "group" and (not isinstance(group, int) or group <= 0):
             raise _refuse(f"{where}.weights.group_size", group, "a positive integer")
@@ -241,6 +352,8 @@ def _ct_acts(acts: Any, where: str) -> ActivationQuant | None:
     if not acts:
         return None
     key = f"{where}.input_activations"
+    if not isinstance(acts, Mapping):
+        raise _refuse(key, acts, "a mapping or null")
     if (acts.get("type"), acts.get("num_bits")) != ("float", 8):
         raise _refuse(key, f"{acts.get('type')} {acts.get('num_bits')}-bit", "FP8 or null")
     if acts.get("symmetric") is False:
@@ -268,15 +381,27 @@ def _int4_bits(raw: Mapping[str, Any], *keys: str) -> None:
             raise _refuse(key, raw[key], "4 bits only")
 
 
+def _unquantized_lm_head(raw: Mapping[str, Any]) -> None:
+    if raw.get("lm_head"):
+        raise _refuse("lm_head", raw["lm_head"], "false: a quantized LM head is not implemented")
+
+
 def _gptq(raw: Mapping[str, Any]) -> QuantConfig:
     _int4_bits(raw, "bits")
-    if raw.get("desc_act"):
-        raise _refuse("desc_act", True, "false: act-order (g_idx reordering) is not implemented")
+    _unquantized_lm_head(raw)
+    if raw.get("dynamic"):
+        # GPTQModel's per-module overrides (bits, group size, modules left dense).
+        raise _refuse("dynamic", raw["dynamic"], "null or empty: overrides are not implemented")
     fmt = raw.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse("checkpoint_format", fmt, "gptq, gptq_v2")
     group = raw.get("group_size", 128)
     group = None if group in (-1, None) else _positive_int(group, "group_size")
+    # With one group per output channel (group_size -1) act-order changes no scale: vLLM serves
+    # it as none, and the loader checks that g_idx, if stored, is all zeros.
+    if raw.get("desc_act") and group is not None:
+        allowed = "false, or true with group_size -1: act-order (g_idx reordering) of groups"
+        raise _refuse("desc_act", raw["desc_act"], f"{allowed} is not implemented")
     scheme = QuantScheme(
         "int4",
         "group" if group else "channel",
@@ -290,6 +415,7 @@ def _gptq(raw: Mapping[str, Any]) -> QuantConfig:
 
 def _awq(raw: Mapping[str, Any]) -> QuantConfig:
     _int4_bits(raw, "bits", "w_bit")
+    _unquantized_lm_head(raw)
     version = str(raw.get("version", "gemm")).lower()
     if version != "gemm":
         raise _refuse("version", raw.get("version"), "gemm")
@@ -344,7 +470,7 @@ def _mxfp4(raw: Mapping[str, Any], hf: Mapping[str, Any]) -> QuantConfig:
 def keeps_mxfp4_experts(hf: Mapping[str, Any], backend: str) -> bool:
     """Whether a model's experts stay MXFP4: an mxfp4 checkpoint run on the Triton kernels
     (``backend``; CUDA's), which read the format. Elsewhere they are dequantized at load."""
-    raw = hf.get(_KEY)
+    _, raw = checkpoint_quantization(hf)
     mxfp4 = isinstance(raw, Mapping) and str(raw.get("quant_method", "")).lower() == "mxfp4"
     return mxfp4 and backend == "triton"
 

@@ -113,6 +113,11 @@ _MODEL_PREFIX = "model."
 _HEAD_NAMES = ("lm_head.", "score.")  # top-level in every layout
 
 
+def _shape(tensor: Any) -> tuple[int, ...]:
+    """A checkpoint tensor's shape, whether read whole or a lazy safetensors slice."""
+    return tuple(tensor.get_shape()) if hasattr(tensor, "get_shape") else tuple(tensor.shape)
+
+
 def _check_dtype(name: str, tensor: Any, raw_params: frozenset[str], target: str) -> None:
     if hasattr(tensor, "store_into"):
         return  # a weight kept quantized, as quantization_config describes it
@@ -276,7 +281,7 @@ def load_weights(
         if target not in whole:
             # A zero-width layer carries no weights: HF writes DeepSeek's and GLM-4.5's shared
             # experts with n_shared_experts 0 as empty tensors, and the model has none.
-            if tensor.numel() > 0:
+            if math.prod(_shape(tensor)) > 0:
                 unknown.append(name)
             continue
         if unknown:

@@ -163,19 +163,24 @@ def _int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     return q.reshape(n, k).to(torch.int32), zero.to(torch.int32), scale
 
 
-def write_gptq_awq(dense: Path, out: Path, method: str, group: int = 128) -> dict[str, Any]:
+def write_gptq_awq(
+    dense: Path, out: Path, method: str, group: int = 128, desc_act: bool = False
+) -> dict[str, Any]:
     """``dense``'s linear weights quantized to 4 bit and packed as ``method`` ("gptq", v1
-    zeros, or "awq" GEMM) in the formats' documented layouts. Returns the dense weights the
-    format defines, (q_u - z_u) * scale in float32, to build the reference from."""
+    zeros, or "awq" GEMM) in the formats' documented layouts (``group`` -1: one group per
+    output channel, GPTQ's g_idx all zeros, as AutoGPTQ writes it with or without
+    ``desc_act``). Returns the dense weights the format defines, (q_u - z_u) * scale in
+    float32, to build the reference from."""
     out.mkdir(parents=True, exist_ok=True)
     state = load_file(str(dense / "model.safetensors"))
     reference = dict(state)
     awq_order = [0, 2, 4, 6, 1, 3, 5, 7]
     for name in _linear_names(state):
         w = state.pop(f"{name}.weight")
-        q_u, z_u, scale = _int4_groups(w, group)
         n, k = w.shape
-        gi = torch.arange(k) // group
+        size = k if group == -1 else group
+        q_u, z_u, scale = _int4_groups(w, size)
+        gi = torch.arange(k) // size
         reference[f"{name}.weight"] = (q_u - z_u[:, gi]).float() * scale.float()[:, gi]
         if method == "gptq":
             state[f"{name}.qweight"] = _pack_rows_k(q_u)
@@ -192,7 +197,7 @@ def write_gptq_awq(dense: Path, out: Path, method: str, group: int = 128) -> dic
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dense / "config.json").read_text())
     if method == "gptq":
-        quant = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+        quant = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
                  "sym": False, "checkpoint_format": "gptq"}  # fmt: skip
     else:
         quant = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,

@@ -233,24 +233,67 @@ def test_dequantized_weights_equal_the_library_decompression(root: Path, case: s
         assert torch.equal(dense[f"{module}.weight"], hf_params[f"{module}.weight"]), module
 
 
+def _gptq_awq_checkpoint(root: Path, method: str, name: str, **kwargs: Any) -> tuple[Path, Path]:
+    """(the GPTQ / AWQ checkpoint ``name``, the dense one its format defines)."""
+    dense = dense_model(root, "llama")
+    path, ref_dir = root / name, root / f"{name}-dense"
+    if not path.exists():
+        _with_weights(dense, ref_dir, write_gptq_awq(dense, path, method, **kwargs))
+    return path, ref_dir
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_gptq_awq_checkpoint_equals_the_dense_model_of_its_weights(
     root: Path, method: str, keep: bool
 ) -> None:
-    dense = dense_model(root, "llama")
-    path = root / method
-    ref_dir = root / f"{method}-dense"
-    if not path.exists():
-        reference = write_gptq_awq(dense, path, method)
-        ref_dir.mkdir()
-        save_file(reference, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
-        for f in dense.iterdir():
-            if f.suffix != ".safetensors":
-                (ref_dir / f.name).write_bytes(f.read_bytes())
+    path, ref_dir = _gptq_awq_checkpoint(root, method, method)
     hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     prompt = _prompt(seed=3)
     tokens, lps = _engine_run(path, prompt)
     _assert_equal_to_hf(hf, prompt, tokens, lps)
+
+
+def test_gptq_act_order_with_one_group_per_channel_equals_the_dense_model_of_its_weights(
+    root: Path,
+) -> None:
+    """desc_act with group_size -1 changes no scale (vLLM serves it as no act-order); its
+    g_idx is all zeros. Served with vLLM's ``quantization="gptq_marlin"``, which names it."""
+    path, ref_dir = _gptq_awq_checkpoint(root, "gptq", "gptq-act-order", group=-1, desc_act=True)
+    hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    prompt = _prompt(seed=4)
+    tokens, lps = _engine_run(path, prompt, quantization="gptq_marlin")
+    _assert_equal_to_hf(hf, prompt, tokens, lps)
+
+
+def test_compressed_tensors_int4_with_weight_actorder_equals_hf(root: Path) -> None:
+    """actorder "weight" (GPTQ's passes in activation order, groups in column order: no
+    g_idx) is served like none, as vLLM does; the library writes and HF reads it."""
+    scheme = {"weights": {**CASES["w4a16-asym"][0]["weights"], "actorder": "weight"}}
+    path = write_compressed_tensors(
+        dense_model(root, "llama"), root / "w4a16-actorder-weight", scheme, "pack-quantized"
+    )
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] == (
+        "weight"
+    )
+    prompt = _prompt(seed=6)
+    tokens, lps = _engine_run(path, prompt)
+    _assert_equal_to_hf(_hf_quantized(path, int4=True), prompt, tokens, lps)
+
+
+def test_a_legacy_compression_config_is_read_as_the_quantization_config(root: Path) -> None:
+    """Older compressed-tensors exports name the section ``compression_config``: served as
+    HF serves the same checkpoint under ``quantization_config``, W8A8 activations included."""
+    source = _ct_checkpoint(root, "fp8-channel", "llama")
+    path = root / "fp8-channel-legacy-key"
+    if not path.exists():
+        shutil.copytree(source, path)
+        config = json.loads((path / "config.json").read_text())
+        config["compression_config"] = config.pop("quantization_config")
+        (path / "config.json").write_text(json.dumps(config))
+    prompt = _prompt(seed=len("fp8-channel"), length=ACT_PROMPT_LEN)
+    tokens, lps = _engine_run(path, prompt, ACT_NEW_TOKENS, quantization="compressed-tensors")
+    _assert_equal_to_hf(_hf_quantized(source, int4=False), prompt, tokens, lps, ACT_TOL)
 
 
 def _with_weights(source: Path, out: Path, weights: dict[str, torch.Tensor]) -> Path:

@@ -90,6 +90,26 @@ def test_unknown_tensor_is_refused_by_name(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("leaf", ["weight_scale", "extra_proj.weight"])
+def test_unknown_tensor_read_as_a_lazy_slice_is_refused_by_name(tmp_path: Path, leaf: str) -> None:
+    """Through ``load_model``, which reads a tensor no parameter takes as a lazy safetensors
+    slice (no rank reads it whole): named, not an AttributeError on the slice."""
+    from engine.config import EngineConfig
+    from engine.worker.model_loader import load_model
+
+    name = f"model.layers.0.self_attn.{'k_proj.' if leaf == 'weight_scale' else ''}{leaf}"
+
+    def add(t: Tensors) -> None:
+        t[name] = torch.ones(1) if leaf == "weight_scale" else torch.zeros(4, HIDDEN)
+        t["model.layers.0.mlp.shared_experts.down_proj.weight"] = torch.zeros(HIDDEN, 0)
+
+    path = _checkpoint("tiny-llama", tmp_path, add)
+    config = EngineConfig.from_kwargs(model=str(path), dtype="float32", attention_backend="torch")
+    with pytest.raises(ValueError) as err:
+        load_model(config, ParallelContext(), torch.device("cpu"))
+    assert str(err.value) == f"checkpoint tensor {name!r} is not a parameter of LlamaForCausalLM"
+
+
 def test_layer_beyond_num_hidden_layers_is_refused_on_a_later_stage(tmp_path: Path) -> None:
     # Stage 1 of 2 holds layer 1 only; a layer 2 is no stage's, so it is an error, not "elsewhere".
     def add(t: Tensors) -> None:
