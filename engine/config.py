@@ -37,6 +37,7 @@ from engine.config_sections import (
     PoolerConfig,
     SamplingConfig,
     SchedulerConfig,
+    check_batch_budget,
 )
 from engine.engine_args import ENGINE_ARG_NAMES as ENGINE_ARG_NAMES
 from engine.engine_args import ENGINE_ARGS, group_engine_args
@@ -109,6 +110,7 @@ class EngineConfig:
         max_model_len = derive_max_model_len(model)
         model = dataclasses.replace(model, max_model_len=max_model_len)
         sched_kwargs = groups["scheduler"]
+        check_batch_budget(sched_kwargs)
         chunked = sched_kwargs.get("enable_chunked_prefill", True)
         if "max_num_batched_tokens" not in sched_kwargs:
             sched_kwargs["max_num_batched_tokens"] = 2048 if chunked else max(2048, max_model_len)
@@ -209,6 +211,7 @@ def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
     ModelConfig(**{"model": "unchecked", **groups["model"]})
     CacheConfig(**groups["cache"])
     sched = dict(groups["scheduler"])
+    check_batch_budget(sched)
     sched["max_model_len"] = kwargs.get("max_model_len") or 2048
     if not sched.get("enable_chunked_prefill", True):
         sched.setdefault("max_num_batched_tokens", sched["max_model_len"])

@@ -26,6 +26,7 @@ from engine.validation import (
     check_number,
     check_positive_int,
     check_str,
+    is_int,
     require,
 )
 from llm_kernels.backend import resolve_attention_backend, triton_available
@@ -185,6 +186,15 @@ class SchedulerConfig:
                 ge=self.max_model_len,
                 note="max_model_len, as enable_chunked_prefill is false",
             )
+
+
+def check_batch_budget(scheduler_kwargs: dict[str, object]) -> None:
+    """vLLM's rule where both are given: a step's token budget holds a token of every sequence
+    it may run (``max_num_batched_tokens >= max_num_seqs``)."""
+    seqs = scheduler_kwargs.get("max_num_seqs")
+    budget = scheduler_kwargs.get("max_num_batched_tokens")
+    if is_int(seqs) and is_int(budget):
+        check_int(budget, "max_num_batched_tokens", ge=seqs, note="max_num_seqs")
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,13 @@ SECTIONS: tuple[str, ...] = (
 )  # fmt: skip
 
 
+# Arguments vLLM declares ``X | None = None`` and fills in itself: null is their default here
+# too (YAML written for Ray Serve LLM or dumped from vLLM's EngineArgs carries them).
+NULL_IS_DEFAULT = frozenset(
+    ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
+     "enable_chunked_prefill")
+)  # fmt: skip
+
 # vLLM engine arguments this engine does not take, with where their equivalent lives ("" when
 # there is none): checked before the close-match suggestion, which would otherwise point a vLLM
 # user at an unrelated name (enable_sleep_mode -> enable_lora).
@@ -121,6 +128,19 @@ _VLLM_ONLY_ARGS: dict[str, str] = {
     "model_impl": "",
     "worker_cls": "",
     "scheduler_cls": "",
+    "max_num_queued_reqs": "max_waiting_requests",
+    "max_num_queued_tokens": "max_waiting_tokens",
+    "prefix_caching_hash_algo": "",
+    "long_prefill_token_threshold": "",
+    "max_num_partial_prefills": "",
+    "max_long_partial_prefills": "",
+    "scheduler_reserve_full_isl": "",
+    "max_num_active_seqs": "max_num_seqs",
+    "stream_interval": "",
+    "watermark": "",
+    "lora_dtype": "",
+    "fully_sharded_loras": "",
+    "lora_target_modules": "",
 }
 
 
@@ -158,6 +178,8 @@ def group_engine_args(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     check_engine_arg_names(kwargs)
     groups: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     for key, value in kwargs.items():
+        if value is None and key in NULL_IS_DEFAULT:
+            continue
         section, name = ENGINE_ARGS[key]
         groups[section][name] = value
     return groups

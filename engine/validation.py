@@ -130,9 +130,11 @@ def check_number(
 
 
 def check_choice(value: object, key: str, choices: Sequence[object], *, note: str = "") -> None:
-    """One of ``choices`` (compared with ``==``, so unhashable values are refused, not raised)."""
+    """One of ``choices``, of its type too (``16.0`` is not the block size ``16``, ``True`` not
+    ``1``; compared with ``==``, so unhashable values are refused, not raised)."""
     allowed = "one of " + ", ".join(repr(c) for c in choices)
-    require(value in choices, key, f"must be {_allowed(allowed, '', note, False)}, got {value!r}")
+    ok = any(type(value) is type(c) and value == c for c in choices)
+    require(ok, key, f"must be {_allowed(allowed, '', note, False)}, got {value!r}")
 
 
 def check_bool(value: object, key: str) -> None:

@@ -119,6 +119,38 @@ def test_choices_are_listed_with_the_value_given() -> None:
     )
 
 
+def test_a_choice_must_have_its_type_too() -> None:
+    """``16.0 == 16``: a float block size passed the check and failed every step later."""
+    for value in (16.0, True):
+        assert error_of(check_choice, value, "block_size", (1, 16)) == (
+            f"block_size: must be one of 1, 16, got {value!r}"
+        )
+
+
+def test_null_is_the_default_for_the_arguments_vllm_fills_in() -> None:
+    """vLLM declares these ``X | None = None``; YAML written for Ray Serve LLM carries nulls."""
+    from engine.config import check_engine_arg_ranges
+    from engine.engine_args import NULL_IS_DEFAULT, group_engine_args
+
+    nulls = dict.fromkeys(NULL_IS_DEFAULT)
+    check_engine_arg_ranges(nulls)
+    assert group_engine_args(nulls) == group_engine_args({})
+    with pytest.raises(ConfigError, match="max_waiting_requests"):
+        check_engine_arg_ranges({"max_num_queued_reqs": 8})  # vLLM's name: pointed at ours
+
+
+def test_a_batch_budget_below_max_num_seqs_is_refused_when_both_are_given() -> None:
+    from engine.config import check_engine_arg_ranges
+
+    with pytest.raises(ConfigError) as info:
+        check_engine_arg_ranges({"max_num_seqs": 64, "max_num_batched_tokens": 32})
+    assert str(info.value) == (
+        "max_num_batched_tokens: must be an integer >= 64 (max_num_seqs), got 32"
+    )
+    check_engine_arg_ranges({"max_num_seqs": 32, "max_num_batched_tokens": 32})
+    check_engine_arg_ranges({"max_num_batched_tokens": 16})  # the default seqs: not given
+
+
 def test_bools_and_strings() -> None:
     assert error_of(check_bool, 1, "enforce_eager") == "enforce_eager: must be true or false, got 1"
     assert error_of(check_str, "", "model", non_empty=True) == (
