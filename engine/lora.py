@@ -67,8 +67,9 @@ _KEY = re.compile(
 )
 _PARAM = "lora_request"
 # PEFT initialisations that subtract the initial adapter from the base weights at load
-# (PiSSA, CorDA, OLoRA, LoftQ, LoRA-GA): served on the unchanged base, the adapter is wrong.
-_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+# (PiSSA, CorDA, OLoRA, LoftQ): served on the unchanged base, the adapter is wrong. (LoRA-GA's
+# loads as a plain adapter: without its gradients PEFT initialises it as Gaussian, base intact.)
+_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq")
 # How many adapter ids a worker remembers the files of (far more than ever share a batch).
 _MAX_READ_IDS = 1024
 # PEFT's LoRA variants whose forward is not plain ``B A x * scaling`` (weights of their own, a
@@ -168,21 +169,15 @@ def read_adapter_config(path: Path, max_rank: int) -> tuple[int, float]:
         )
     if config.get("bias", "none") != "none":
         raise _fail(f"{CONFIG_FILE}: bias={config['bias']!r} is not supported (only 'none')")
-    targets = config.get("target_modules")
-    if isinstance(targets, list):
-        for name in targets:
-            if str(name).rsplit(".", 1)[-1] not in TARGET_MODULES:
-                raise _fail(
-                    f"target module {name!r} is not supported; supported: "
-                    f"{', '.join(TARGET_MODULES)}"
-                )
+    # target_modules is not checked: the weights are (``_parse_key``), as vLLM does. PEFT skips a
+    # listed module the base model lacks, and saves weights for every module it adapted.
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return rank, float(scaling)
 
 
 def load_adapter(path_str: str, hf_config: dict[str, Any], max_rank: int) -> LoRAAdapter:
     """Check an adapter against the base model without loading its weights (shapes only)."""
-    path = Path(path_str)
+    path = Path(path_str).expanduser()
     if not path.is_dir():
         raise _fail("lora_path is not a directory")
     rank, scaling = read_adapter_config(path, max_rank)
@@ -250,13 +245,15 @@ def _check_shape(
 class LoRARegistry:
     """Head side: checked adapters by ``lora_int_id``, least recently used evicted beyond
     ``max_cpu_loras``. One id names one adapter: a request that reuses a live id for another
-    name or path is refused."""
+    name or path is refused; one with ``load_inplace`` checks its files again (refused if they
+    changed since the id was checked)."""
 
     def __init__(self, hf_config: dict[str, Any], max_rank: int, max_cpu_loras: int) -> None:
         self.hf_config = hf_config
         self.max_rank = max_rank
         self.capacity = max_cpu_loras
-        self._cache: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
+        # lora_int_id -> (its request, the checked adapter, its files when checked)
+        self._cache: OrderedDict[int, tuple[LoRARequest, LoRAAdapter, AdapterFiles]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -269,22 +266,29 @@ class LoRARegistry:
         """The checked adapter; ``live()`` gives the adapters of requests in flight (an id of
         one of them cannot be rebound, even once the cache has evicted it)."""
         check_lora_request(lora_request)
-        lid = lora_request.lora_int_id
+        lid, identity = lora_request.lora_int_id, lora_request.identity
         cached = self._cache.get(lid)
-        if cached is not None and cached[0] == lora_request:
+        if cached is not None and cached[0].identity == identity:
             self._cache.move_to_end(lid)
-            return cached[1]
+            if not lora_request.load_inplace:
+                return cached[1]
+            if adapter_files(lora_request.lora_path) != cached[2]:
+                raise _fail(
+                    f"load_inplace: the files of lora_int_id {lid} changed since it was loaded; "
+                    "new weights need a new lora_int_id (KV blocks are cached under the id)"
+                )
         bound = cached[0] if cached is not None else None
         for other in live():
-            if other.lora_int_id == lid and other != lora_request:
+            if other.lora_int_id == lid and other.identity != identity:
                 bound = other
-        if bound is not None and bound != lora_request:
+        if bound is not None and bound.identity != identity:
             raise _fail(
                 f"lora_int_id {lid} already names adapter {bound.lora_name!r} (another name or "
                 "path); one id names one adapter"
             )
+        files = adapter_files(lora_request.lora_path)
         adapter = load_adapter(lora_request.lora_path, self.hf_config, self.max_rank)
-        self._cache[lid] = (lora_request, adapter)
+        self._cache[lid] = (lora_request, adapter, files)
         while len(self._cache) > self.capacity:
             self._cache.popitem(last=False)
         return adapter
@@ -304,6 +308,11 @@ def check_lora_request(lora_request: Any) -> None:
         raise _fail("lora_name must be a non-empty string")
     if not isinstance(lora_request.lora_path, str) or not lora_request.lora_path:
         raise _fail("lora_path must be a non-empty string (a local PEFT adapter directory)")
+    if not isinstance(lora_request.load_inplace, bool):
+        raise _fail(f"load_inplace must be a boolean, got {lora_request.load_inplace!r}")
+    base = lora_request.base_model_name
+    if base is not None and not isinstance(base, str):
+        raise _fail(f"base_model_name must be a string or None, got {base!r}")
 
 
 class LoRASlotTable:

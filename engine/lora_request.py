@@ -17,14 +17,39 @@ AdapterFiles = tuple[tuple[int, int, int, int] | None, ...]
 
 
 class LoRARequest(msgspec.Struct, frozen=True):
-    """A LoRA adapter for a request (vLLM's names and positional order): ``lora_int_id`` (> 0)
-    identifies the adapter's weights across requests (the prefix cache keys KV blocks by it, and
-    a worker refuses an id whose files changed since it read them: new files at the same path
-    need a new id), ``lora_path`` is a local PEFT directory."""
+    """A LoRA adapter for a request (vLLM's fields, positional order and equality):
+    ``lora_int_id`` (> 0) identifies the adapter's weights across requests (the prefix cache keys
+    KV blocks by it, and a worker refuses an id whose files changed since it read them: new files
+    at the same path need a new id), ``lora_path`` is a local PEFT directory (``~`` expanded and
+    made absolute here, in the caller's directory, so every process reads the same one; empty is
+    refused when a request names it). ``base_model_name`` is recorded, not checked: the adapter's
+    shapes are checked against this engine's model. ``load_inplace`` re-reads and re-checks the
+    adapter's files even if its id is loaded; files changed since that id was loaded are refused
+    (new weights need a new id here, never KV blocks cached under the old ones). Equal and hashed
+    by ``lora_name``, as vLLM's; the engine tells adapters apart by ``identity``."""
 
     lora_name: str
     lora_int_id: int
-    lora_path: str
+    lora_path: str = ""
+    base_model_name: str | None = None
+    load_inplace: bool = False
+
+    def __post_init__(self) -> None:
+        path = self.lora_path
+        if isinstance(path, (str, os.PathLike)) and os.fspath(path):
+            path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+            msgspec.structs.force_setattr(self, "lora_path", path)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoRARequest) and self.lora_name == other.lora_name
+
+    def __hash__(self) -> int:
+        return hash(self.lora_name)
+
+    @property
+    def identity(self) -> tuple[str, int, str]:
+        """What one adapter is to the engine: its name, id and path."""
+        return (self.lora_name, self.lora_int_id, self.lora_path)
 
     @property
     def prefix_key(self) -> str:

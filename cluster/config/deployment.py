@@ -80,20 +80,22 @@ class LoraConfig:
     and loaded on first use from ``<dynamic_lora_loading_path>/<name>`` (a PEFT directory on a
     path every replica's node can read); each replica keeps at most
     ``max_num_adapters_per_replica`` (least recently used unloaded first), and Serve's model
-    multiplexing routes an adapter's requests to replicas that hold it."""
+    multiplexing routes an adapter's requests to replicas that hold it. Adapters are read, never
+    downloaded: Ray's ``download_timeout_s`` (> 0, or null) and ``max_download_tries`` are
+    checked and have no effect."""
 
     dynamic_lora_loading_path: str
     max_num_adapters_per_replica: int = 16
+    download_timeout_s: float | None = 30.0
+    max_download_tries: int = 3
 
     def check(self, path: str) -> None:
-        where = self.dynamic_lora_loading_path
-        check_str(where, f"{path}.dynamic_lora_loading_path", non_empty=True, note="a directory")
-        require(
-            "://" not in where,
-            f"{path}.dynamic_lora_loading_path",
-            f"must be a local or mounted directory, got {where!r}",
-        )
+        where, key = self.dynamic_lora_loading_path, f"{path}.dynamic_lora_loading_path"
+        check_str(where, key, non_empty=True, note="a directory")
+        require("://" not in where, key, f"must be a local or mounted directory, got {where!r}")
         check_int(self.max_num_adapters_per_replica, f"{path}.max_num_adapters_per_replica", ge=1)
+        check_number(self.download_timeout_s, f"{path}.download_timeout_s", gt=0, optional=True)
+        check_int(self.max_download_tries, f"{path}.max_download_tries", ge=1)
 
 
 @dataclass(frozen=True)
@@ -446,11 +448,8 @@ def check_config(config: DeploymentConfig) -> None:
         )
         if model.lora_config is not None:
             model.lora_config.check(f"{path}.lora_config")
-            require(
-                model.engine_kwargs.get("enable_lora", True) is True,
-                f"{path}.engine_kwargs.enable_lora",
-                "cannot be false with lora_config",
-            )
+            enable = model.engine_kwargs.get("enable_lora", True) is True
+            require(enable, f"{path}.engine_kwargs.enable_lora", "cannot be false with lora_config")
         read_chat_templates(model, path)
         check_engine_kwargs(model, f"{path}.engine_kwargs")
         if model.disaggregation is not None:  # first: the checks below read its pools

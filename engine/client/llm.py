@@ -263,6 +263,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (``chat_template``: another one, for these chats; a
         harmony model's, gpt-oss's: the harmony template, ``engine.harmony_template``), then
@@ -270,7 +271,8 @@ class LLM:
         leaves the last message open, with no generation prompt); ``chat_template_kwargs`` go over
         the engine arguments' ``default_chat_template_kwargs``. A message's content may be a
         list of OpenAI-style parts (``text``, ``image_url`` with a data: URL, ``image_pil``)
-        for a vision-language model (``engine.multimodal.chat``)."""
+        for a vision-language model (``engine.multimodal.chat``). ``lora_request``: one adapter
+        for every conversation, or a list aligned with them, as ``generate``'s."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         placeholder = image_placeholder(self.llm_engine.config.model.hf_config, tokenizer)
@@ -309,7 +311,7 @@ class LLM:
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
 def _as_lora_list(

@@ -2,7 +2,8 @@
 token (fp32) in mixed batches with chunked prefill and preemption; more adapters than slots all
 finish; the adapter keys the prefix cache; bad adapters are a 400 that harms nothing in flight;
 TP = 2 equals TP = 1 with adapters; adapters of a checkpoint's fused modules (Phi-3's qkv_proj,
-gate_up_proj) are served exactly too."""
+gate_up_proj), whose target_modules name modules the model lacks, or LoRA-GA's are served exactly
+too; vLLM's ``LoRARequest`` (fields, equality by name, ``~`` paths, ``load_inplace``)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,12 @@ class Adapters:
 
     def lora(self, name: str | None) -> LoRARequest | None:
         return self.requests[name] if name is not None else None
+
+    def add(self, name: str, path: Path, lora_int_id: int) -> LoRARequest:
+        """Another adapter, its HF + PEFT reference read from ``path`` as it is."""
+        self.paths[name] = path
+        self.requests[name] = LoRARequest(name, lora_int_id, str(path))
+        return self.requests[name]
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +196,12 @@ def _broken_copy(adapters: Adapters, tmp_path: Path, how: str) -> str:
         weights = load_file(str(weights_file))
         weights["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
         save_file(weights, str(weights_file))
-    elif how == "unsupported_target":
-        config_file.write_text(json.dumps({**config, "target_modules": ["embed_tokens"]}))
+    elif how == "unsupported_target":  # as PEFT saves an adapter of embed_tokens
+        weights = load_file(str(weights_file))
+        weights["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.zeros(8, 1024)
+        save_file(weights, str(weights_file))
+        targets = [*config["target_modules"], "embed_tokens"]
+        config_file.write_text(json.dumps({**config, "target_modules": targets}))
     elif how == "wrong_shape":
         weights = load_file(str(weights_file))
         key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
@@ -221,7 +232,7 @@ BAD_ADAPTERS = {
     "missing_weights": "has no adapter_model.safetensors",
     "bad_json": "adapter_config.json is not valid JSON",
     "unsupported_module": "lm_head.lora_A.weight' is not supported",
-    "unsupported_target": "target module 'embed_tokens' is not supported",
+    "unsupported_target": "embed_tokens.lora_embedding_A' is not supported",
     "wrong_shape": r"q_proj.lora_B.weight' has shape \[48, 8\].*needs \[64, 8\]",
     "dora": "use_dora=True is not supported",
     "pissa": "init_lora_weights='pissa_niter_4' is not supported: PEFT rewrites the base",
@@ -291,6 +302,108 @@ def test_bad_adapter_does_not_hurt_a_request_in_flight(
         for out in engine.step():
             final = out
     assert final is not None and final.outputs[0].token_ids == adapters.expected(1, "a")
+
+
+# ---- vLLM's adapters and LoRARequest --------------------------------------------------------
+
+
+def _greedy(llm: LLM, adapters: Adapters, index: int, lora: LoRARequest) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    prompt = {"prompt_token_ids": adapters.prompts[index]}
+    [out] = llm.generate(prompt, params, lora_request=lora, use_tqdm=False)
+    return list(out.outputs[0].token_ids)
+
+
+def test_target_modules_naming_modules_the_model_lacks_are_served_as_hf_peft(
+    adapters: Adapters, lora_llm: LLM, tmp_path: Path
+) -> None:
+    """PEFT adapts the listed modules the model has and saves only their weights (a config
+    written for several architectures); the weights say what is adapted, as in vLLM."""
+    targets = ["q_proj", "v_proj", "c_attn", "query_key_value"]
+    path = make_tiny_lora(MODEL, tmp_path / "multi", 8, targets, seed=7)
+    assert "c_attn" in json.loads((path / "adapter_config.json").read_text())["target_modules"]
+    lora = adapters.add("multi", path, 80)
+    assert adapters.expected(4, "multi") != adapters.expected(4, None)
+    assert _greedy(lora_llm, adapters, 4, lora) == adapters.expected(4, "multi")
+
+
+def test_lora_ga_initialised_adapter_is_served_as_hf_peft(
+    adapters: Adapters, lora_llm: LLM, tmp_path: Path
+) -> None:
+    """PEFT loads a saved LoRA-GA adapter as a plain one (no gradients: Gaussian init, then the
+    saved weights), leaving the base model as it is."""
+    path = tmp_path / "lora_ga"
+    shutil.copytree(adapters.paths["a"], path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(
+        json.dumps({**config, "init_lora_weights": "lora_ga"})
+    )
+    lora = adapters.add("lora_ga", path, 81)
+    assert _greedy(lora_llm, adapters, 5, lora) == adapters.expected(5, "lora_ga")
+    assert adapters.expected(5, "lora_ga") == adapters.expected(5, "a")
+
+
+def test_lora_request_has_vllms_fields_and_compares_by_name() -> None:
+    import msgspec
+
+    lora = LoRARequest("sql", 1, "/loras/sql", base_model_name="meta-llama/x", load_inplace=True)
+    assert (lora.base_model_name, lora.load_inplace) == ("meta-llama/x", True)
+    bare = LoRARequest(lora_name="sql", lora_int_id=2)
+    assert (bare.lora_path, bare.base_model_name, bare.load_inplace) == ("", None, False)
+    assert bare == lora and hash(bare) == hash(lora) and {lora: 1}[bare] == 1
+    assert LoRARequest("other", 1, "/loras/sql") != lora
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(lora), type=LoRARequest)
+    assert decoded.identity == lora.identity and decoded.load_inplace
+
+
+def test_lora_path_is_expanded_and_made_absolute_where_the_request_is_made(
+    adapters: Adapters, lora_llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    shutil.copytree(adapters.paths["a"], home / "a")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(home)
+    by_home, relative = LoRARequest("home", 82, "~/a"), LoRARequest("rel", 83, "a")
+    assert by_home.lora_path == relative.lora_path == str(home / "a")
+    monkeypatch.chdir(tmp_path)  # the engine reads the path the request was made with
+    for lora in (by_home, relative):
+        assert _greedy(lora_llm, adapters, 2, lora) == adapters.expected(2, "a")
+
+
+def test_empty_lora_path_is_refused_when_a_request_names_it(lora_llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="lora_path must be a non-empty string"):
+        lora_llm.llm_engine.add_request("x", [1, 2], lora_request=LoRARequest("none", 84))
+
+
+def test_an_id_is_bound_to_its_name_and_path_although_requests_compare_by_name(
+    adapters: Adapters, lora_llm: LLM
+) -> None:
+    engine = lora_llm.llm_engine
+    engine.add_request("x", [1], lora_request=LoRARequest("same", 85, str(adapters.paths["a"])))
+    moved = LoRARequest("same", 85, str(adapters.paths["b"]))
+    with pytest.raises(InvalidRequestError, match="lora_int_id 85 already names adapter 'same'"):
+        engine.add_request("y", [1], lora_request=moved)
+    engine.abort_request("x")
+
+
+def test_load_inplace_checks_the_files_again_and_refuses_changed_ones(
+    adapters: Adapters, lora_llm: LLM, tmp_path: Path
+) -> None:
+    """An id names one set of weights (its KV blocks are cached under it): ``load_inplace``
+    re-reads the adapter, and files changed since its id was loaded need a new id."""
+    path = tmp_path / "x"
+    shutil.copytree(adapters.paths["a"], path)
+    lora = LoRARequest("x", 86, str(path))
+    again = LoRARequest("x", 86, str(path), load_inplace=True)
+    assert _greedy(lora_llm, adapters, 1, lora) == adapters.expected(1, "a")
+    assert _greedy(lora_llm, adapters, 1, again) == adapters.expected(1, "a")
+    for file in adapters.paths["b"].iterdir():  # new files, in place
+        shutil.copyfile(file, path / file.name)
+    with pytest.raises(InvalidRequestError, match="load_inplace: the files of lora_int_id 86"):
+        lora_llm.llm_engine.add_request("y", [1], lora_request=again)
+    assert lora_llm.llm_engine.get_num_unfinished_requests() == 0
+    renewed = LoRARequest("x", 87, str(path), load_inplace=True)
+    assert _greedy(lora_llm, adapters, 1, renewed) == adapters.expected(1, "b")
 
 
 # ---- TP = 2 equals TP = 1 ------------------------------------------------------------------

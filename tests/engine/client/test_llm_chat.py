@@ -6,11 +6,16 @@ Face's ``apply_chat_template`` with the same options on ``builtin:tiny-qwen3-rea
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
+from engine.builtin.catalog import make_tiny_lora, resolve_model_source
 from engine.errors import InvalidRequestError
 
 ARGS: dict[str, Any] = {"num_kv_blocks": 32, "max_model_len": 256, "device": "cpu"}
@@ -141,3 +146,46 @@ def test_a_template_that_joins_arguments_to_text_gets_the_text_sent(llm: LLM) ->
     ids = _prompt_of(llm, history, chat_template=joins)
     assert ids == _hf(llm, history, chat_template=joins)
     assert llm.get_tokenizer().decode(ids) == '[{"a":1}]'
+
+
+def test_chat_under_an_adapter_equals_generate_and_hf_peft_on_the_rendered_prompt(
+    tmp_path: Path,
+) -> None:
+    """``lora_request``, vLLM's: one adapter for every conversation, or a list aligned with
+    them; each chat is greedy HF + PEFT on its rendered prompt."""
+    path = make_tiny_lora("tiny-llama", tmp_path / "a", 8, ["q_proj", "v_proj", "down_proj"], 1)
+    lora = LoRARequest("a", 1, str(path))
+    chats = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Tell me more"}]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    llm = LLM("builtin:tiny-llama", enable_lora=True, max_lora_rank=8, dtype="float32", **ARGS)
+    try:
+        mixed = llm.chat(chats, params, use_tqdm=False, lora_request=[lora, None])
+        every = llm.chat(chats, params, use_tqdm=False, lora_request=lora)
+        base = AutoModelForCausalLM.from_pretrained(
+            resolve_model_source("builtin:tiny-llama"), dtype=torch.float32
+        )
+        for outputs, loras in ((mixed, [lora, None]), (every, [lora, lora])):
+            for output, adapter in zip(outputs, loras):
+                ids = list(output.prompt_token_ids)
+                [direct] = llm.generate([ids], params, use_tqdm=False, lora_request=adapter)
+                assert output.outputs[0].token_ids == direct.outputs[0].token_ids
+                model = PeftModel.from_pretrained(base, str(path)) if adapter else base
+                with torch.no_grad():
+                    reference = (
+                        model.eval()
+                        .generate(
+                            torch.tensor([ids]), do_sample=False, max_new_tokens=8, pad_token_id=0
+                        )[0, len(ids) :]
+                        .tolist()
+                    )
+                if adapter:
+                    model.unload()
+                assert list(output.outputs[0].token_ids) == reference
+        assert mixed[0].outputs[0].token_ids != mixed[1].outputs[0].token_ids
+        [plain] = llm.chat(chats[0], params, use_tqdm=False)
+        assert plain.outputs[0].token_ids != mixed[0].outputs[0].token_ids  # the adapter applied
+        with pytest.raises(InvalidRequestError, match="has 1 entries for 2 prompts") as info:
+            llm.chat(chats, params, use_tqdm=False, lora_request=[lora])
+        assert info.value.param == "lora_request"
+    finally:
+        llm.llm_engine.shutdown()
