@@ -221,6 +221,8 @@ class EngineCoreLoop:
             future.set_exception(EngineDeadError("the engine is shut down"))
         else:
             self._commands.put(_Command(fn, future))
+            if self._dead is not None:  # the loop died between the check and the put: its
+                self._fail_commands(self._dead)  # last drain may have missed this command
         return future
 
     def check_health(self) -> None:
