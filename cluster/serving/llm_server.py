@@ -219,6 +219,7 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
                 raw_params = {**raw_params, "skip_special_tokens": False}
             # The replica forwards each item's new pieces; nothing here reads a whole output.
             params = sampling_params_from({**raw_params, "output_kind": RequestOutputKind.DELTA})
+            timer.sequences = params.n
             in_reasoning = None  # chat with a reasoning_parser: where the output starts
             if reasoning is not None:
                 in_reasoning = reasoning.prepare(

@@ -262,21 +262,25 @@ def expert_load_imbalance(tokens_per_expert: list[int]) -> float | None:
 
 @dataclass
 class RequestTimer:
-    """Latencies of one request: first token, each gap between tokens, and the whole."""
+    """Latencies of one request: first token, each gap between steps, and the whole. As
+    vLLM's: one inter-token sample per sequence per step, the whole gap (a step that gives a
+    sequence several tokens, speculative decoding's, is one gap); ``sequences`` is the
+    request's ``n`` (vLLM runs each as a request of its own)."""
 
     metrics: ModelMetrics
     start: float
     last_token: float | None = None
+    sequences: int = 1
 
     def on_tokens(self, at: float, num_tokens: int) -> None:
+        """``num_tokens`` new tokens at ``at``, over all of the request's sequences."""
         if num_tokens <= 0:
             return
         if self.last_token is None:
             self.metrics.ttft.observe(at - self.start, self.metrics.tags)
         else:
-            # Tokens that arrive together share the gap evenly.
-            gap = (at - self.last_token) / num_tokens
-            for _ in range(num_tokens):
+            gap = at - self.last_token
+            for _ in range(min(num_tokens, self.sequences)):  # the sequences that advanced
                 self.metrics.itl.observe(gap, self.metrics.tags)
         self.last_token = at
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cluster.serving.metrics import ModelMetrics, expert_load_imbalance
+from cluster.serving.metrics import ModelMetrics, RequestTimer, expert_load_imbalance
 from engine.client.async_llm_engine import EngineStats
 from engine.client.core_messages import CoreLoad
 from engine.kv_transfer.store import BlockStore
@@ -122,3 +122,43 @@ def test_latency_histograms_take_vllms_bucket_sets(model_metrics: ModelMetrics) 
     assert shape(model_metrics.ttft) == (0.001, 2560.0, 22)
     assert shape(model_metrics.itl) == (0.01, 80.0, 19)
     assert shape(model_metrics.e2e) == (0.3, 7680.0, 21)  # a request of 2 h is still in a bucket
+
+
+class _Histogram:
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    def observe(self, value: float, tags: Any) -> None:
+        self.samples.append(round(value, 6))
+
+
+class _Latencies:
+    """A model's three latency histograms, recording what they observe."""
+
+    tags: dict[str, str] = {}
+
+    def __init__(self) -> None:
+        self.ttft, self.itl, self.e2e = _Histogram(), _Histogram(), _Histogram()
+
+
+@pytest.mark.parametrize(
+    ("sequences", "steps", "itl"),
+    [
+        (1, [(1.0, 1), (1.05, 1), (1.15, 1)], [0.05, 0.1]),
+        (1, [(1.0, 1), (1.2, 4)], [0.2]),  # speculative decoding: 4 tokens, one step's gap
+        (3, [(1.0, 3), (1.1, 3), (1.3, 2)], [0.1] * 3 + [0.2] * 2),  # one per sequence (vLLM)
+    ],
+)
+def test_inter_token_latency_is_one_sample_per_sequence_per_step(
+    sequences: int, steps: list[tuple[float, int]], itl: list[float]
+) -> None:
+    """As vLLM records it (vllm/v1/metrics/stats.py): a step's whole gap once per sequence
+    that advanced; the tokens of a step did not share the gap (it read 4x low at 4 tokens)."""
+    latencies = _Latencies()
+    timer = RequestTimer(latencies, start=0.5, sequences=sequences)  # type: ignore[arg-type]
+    for at, made in steps:
+        timer.on_tokens(at, made)
+    timer.finish(1.5)
+    assert latencies.ttft.samples == [0.5]
+    assert latencies.itl.samples == itl
+    assert latencies.e2e.samples == [1.0]
