@@ -73,9 +73,13 @@ def grpc_structured_outputs(spec: llm_pb2.StructuredOutputs) -> dict[str, Any]:
 
 def grpc_abort(context: RayServegRPCContext, error: APIError) -> None:
     """Set the status for ``error`` and raise: Serve's proxy sends that status to the client.
-    An overloaded model (a full waiting queue, Serve's back-pressure) is RESOURCE_EXHAUSTED."""
+    An overloaded model (a full waiting queue, Serve's back-pressure) is RESOURCE_EXHAUSTED;
+    HTTP's ``Retry-After`` (overloaded, waking, cold start) is trailing ``retry-after``
+    metadata (seconds)."""
     context.set_code(getattr(grpc.StatusCode, grpc_code_name(error.status, error.code)))
     context.set_details(error.message)
+    if error.retry_after is not None:
+        context.set_trailing_metadata((("retry-after", str(error.retry_after)),))
     raise error
 
 

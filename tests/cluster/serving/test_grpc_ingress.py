@@ -31,6 +31,7 @@ class Context:
         self.metadata = list(metadata)
         self.code: grpc.StatusCode | None = None
         self.details = ""
+        self.trailing: dict[str, str] = {}
 
     def invocation_metadata(self) -> list[tuple[str, str]]:
         return self.metadata
@@ -40,6 +41,9 @@ class Context:
 
     def set_details(self, details: str) -> None:
         self.details = details
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing = dict(metadata)
 
 
 class Items:
@@ -218,6 +222,17 @@ def test_a_request_over_max_body_bytes_is_resource_exhausted_before_any_work() -
     assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_body_bytes" in context.details
     assert not ingress.opened
+
+
+def test_an_overloaded_model_is_resource_exhausted_with_a_retry_after() -> None:
+    """HTTP's 503 overloaded carries ``Retry-After``; gRPC carries it as trailing metadata."""
+    overloaded = APIError(503, "model 'm' is overloaded, retry later", None, "overloaded",
+                          retry_after=1)  # fmt: skip
+    context = refused(generate, Ingress(fails=overloaded), REQUEST, Context())
+    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert context.trailing == {"retry-after": "1"}
+    invalid = APIError(400, "temperature: must be ...", "temperature")
+    assert refused(generate, Ingress(fails=invalid), REQUEST, Context()).trailing == {}
 
 
 def test_a_request_at_max_body_bytes_is_served() -> None:
