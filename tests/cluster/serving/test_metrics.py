@@ -135,9 +135,8 @@ class _Histogram:
 class _Latencies:
     """A model's three latency histograms, recording what they observe."""
 
-    tags: dict[str, str] = {}
-
     def __init__(self) -> None:
+        self.tags: dict[str, str] = {}
         self.ttft, self.itl, self.e2e = _Histogram(), _Histogram(), _Histogram()
 
 
