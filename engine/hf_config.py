@@ -20,7 +20,7 @@ from typing import Any
 from engine.errors import ConfigError, check_positive_ints
 from engine.hf_defaults import hf_default
 from engine.model_heads import declared_architecture, family_architecture, num_labels
-from engine.quantization.config import parse_quantization
+from engine.quantization.config import parse_quantization, refuse_expert_activations
 from engine.qwen_vl_config import QWEN2_5_VL, QWEN3_VL, QWEN_VL_ARCHITECTURES, check_qwen_vl
 from engine.rope_config import check_rope
 from engine.vlm_config import GEMMA3_VLM, LLAVA, check_gemma3_vlm, check_llava
@@ -105,7 +105,7 @@ def check_hf_config(hf: dict[str, Any]) -> None:
         )
     num_labels(hf)  # a malformed id2label or classifier_from_token is named here
     # A quantization method or scheme the engine cannot serve exactly is refused by name.
-    parse_quantization(hf)
+    refuse_expert_activations(parse_quantization(hf), expert_modules(hf))
     act_field = _ACTIVATION_FIELD.get(arch, "hidden_act")
     act = hidden_activation(hf)
     if act not in SUPPORTED_ACTIVATIONS:
@@ -443,3 +443,29 @@ def layer_types(hf: dict[str, Any]) -> list[str]:
 
 def layer_window(hf: dict[str, Any], layer_type: str) -> int | None:
     return sliding_window(hf) if layer_type == SLIDING else None
+
+
+def expert_modules(hf: dict[str, Any]) -> list[str]:
+    """The checkpoint module names of an MoE model's routed experts (per sparse layer: the
+    first and last expert's projections, or the stacked ones of gpt-oss); empty for a dense
+    model. Config groups tell experts apart by layer and projection, not by index; a group
+    that singles out a middle expert is still refused at load (``engine.quantization.loading``)."""
+    conf = dict(hf)
+    arch = architecture(conf)
+    if arch not in MOE_ARCHITECTURES:
+        return []
+    experts = int(num_experts(conf) or 0)
+    if arch == GPT_OSS:
+        suffixes = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    else:
+        mixtral = arch == "MixtralForCausalLM"
+        parent = "block_sparse_moe" if mixtral else "mlp"
+        projections = ("w1", "w2", "w3") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        ends = sorted({0, max(experts - 1, 0)})
+        suffixes = [f"{parent}.experts.{e}.{p}" for e in ends for p in projections]
+    return [
+        f"model.layers.{layer}.{suffix}"
+        for layer in range(int(conf.get("num_hidden_layers") or 0))
+        if is_sparse_layer(conf, layer)
+        for suffix in suffixes
+    ]

@@ -93,6 +93,8 @@ class QuantConfig:
     # GPTQ / AWQ's modules_to_not_convert name parts of module names (transformers' reading);
     # compressed-tensors' ignore names whole modules or ``re:`` patterns.
     ignore_substrings: bool = False
+    # compressed-tensors' config_groups keys, aligned with ``groups`` (for messages).
+    group_names: tuple[str, ...] = ()
 
     @property
     def online(self) -> bool:
@@ -249,20 +251,20 @@ def _compressed_tensors(raw: Mapping[str, Any], hf: Mapping[str, Any]) -> QuantC
         groups.append((tuple(targets), scheme))
         names.append(name)
     ignore = raw.get("ignore") or []
-    config = QuantConfig("compressed-tensors", tuple(groups), tuple(str(i) for i in ignore))
-    _refuse_expert_activations(config, names, hf)
-    return config
+    ignore = tuple(str(i) for i in ignore)
+    return QuantConfig("compressed-tensors", tuple(groups), ignore, group_names=tuple(names))
 
 
-def _refuse_expert_activations(
-    config: QuantConfig, names: list[str], hf: Mapping[str, Any]
-) -> None:
+def refuse_expert_activations(config: QuantConfig | None, experts: list[str]) -> None:
     """FP8 activation quantization runs on linear layers only: MoE experts are dequantized at
     load and their fused GEMMs take the input unquantized, which would serve a W8A8 expert as
-    W8A16. A group that quantizes an expert's activations is refused here, before the load."""
-    if not any(scheme.activations is not None for scheme in config.schemes()):
+    W8A16. A group that quantizes the activations of one of ``experts`` (module names:
+    ``engine.hf_config.expert_modules``) is refused here, with the checkpoint's config, before
+    the load."""
+    if config is None or not any(s.activations is not None for s in config.schemes()):
         return
-    for module in expert_modules(hf):
+    names = config.group_names
+    for module in experts:
         scheme = config.scheme_for(module)
         if scheme is None or scheme.activations is None:
             continue
@@ -274,34 +276,6 @@ def _refuse_expert_activations(
             "experts run with unquantized activations; give them a group without "
             "input_activations, or ignore them"
         )
-
-
-def expert_modules(hf: Mapping[str, Any]) -> list[str]:
-    """The checkpoint module names of an MoE model's routed experts (per sparse layer: the
-    first and last expert's projections, or the stacked ones of gpt-oss); empty for a dense
-    model. Config groups tell experts apart by layer and projection, not by index; a group
-    that singles out a middle expert is still refused at load (``loading``)."""
-    from engine import hf_config  # engine.hf_config imports this module
-
-    conf = dict(hf)
-    arch = hf_config.architecture(conf)
-    if arch not in hf_config.MOE_ARCHITECTURES:
-        return []
-    num_experts = int(hf_config.num_experts(conf) or 0)
-    if arch == hf_config.GPT_OSS:
-        suffixes = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    else:
-        mixtral = arch == "MixtralForCausalLM"
-        parent = "block_sparse_moe" if mixtral else "mlp"
-        projections = ("w1", "w2", "w3") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        ends = sorted({0, max(num_experts - 1, 0)})
-        suffixes = [f"{parent}.experts.{e}.{p}" for e in ends for p in projections]
-    return [
-        f"model.layers.{layer}.{suffix}"
-        for layer in range(int(conf.get("num_hidden_layers") or 0))
-        if hf_config.is_sparse_layer(conf, layer)
-        for suffix in suffixes
-    ]
 
 
 def _ct_scheme(weights: Any, acts: Any, fmt: str, where: str) -> QuantScheme:
