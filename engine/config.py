@@ -39,11 +39,12 @@ from engine.config_sections import (
     SchedulerConfig,
     check_batch_budget,
 )
+from engine.core.kv_cache_groups import group_window, kv_cache_group_specs
 from engine.engine_args import ENGINE_ARG_NAMES as ENGINE_ARG_NAMES
 from engine.engine_args import ENGINE_ARGS, group_engine_args
 from engine.engine_args import check_engine_arg_names as check_engine_arg_names
 from engine.errors import ConfigError
-from engine.hf_config import DEEPSEEK_ARCHITECTURES, GPT_OSS
+from engine.hf_config import DEEPSEEK_ARCHITECTURES, GPT_OSS, layer_types, layer_window
 from engine.kv_transfer.config import KVTransferArgs, check_kv_transfer_support
 from engine.kv_transfer.store import store_namespace
 from engine.model_checks import (
@@ -134,6 +135,8 @@ class EngineConfig:
         check_speculative_support(
             speculative.speculative_config,
             pipeline_parallel_size=parallel.pipeline_parallel_size,
+            tensor_parallel_size=parallel.tensor_parallel_size,
+            max_model_len=max_model_len,
         )
         spec = speculative.speculative_config
         draft_model = None
@@ -227,6 +230,8 @@ def check_engine_arg_ranges(kwargs: dict[str, Any]) -> None:
     check_speculative_support(
         SpeculativeArgs(**groups["speculative"]).speculative_config,
         pipeline_parallel_size=groups["parallel"].get("pipeline_parallel_size", 1),
+        tensor_parallel_size=groups["parallel"].get("tensor_parallel_size", 1),
+        max_model_len=kwargs.get("max_model_len"),
     )
 
 
@@ -262,4 +267,27 @@ def _draft_model_config(
         raise ConfigError(
             f"{key}: the draft {spec.model!r} is sharded like the target and cannot be: {exc}"
         ) from exc
+    _check_draft_windows(spec, target, draft)
     return draft
+
+
+def _check_draft_windows(spec: SpeculativeConfig, target: ModelConfig, draft: ModelConfig) -> None:
+    """The draft's layers keep their KV in the target's KV cache groups (the group of the same
+    sliding window, ``engine.core.kv_cache_groups``), so each draft window must be one of the
+    target's (a window of max_model_len or more counts as full attention)."""
+    max_model_len = target.max_model_len
+    groups = [s.sliding_window for s in kv_cache_group_specs(target.hf_config, max_model_len)]
+    for layer_type in dict.fromkeys(layer_types(draft.hf_config)):
+        window = group_window(layer_window(draft.hf_config, layer_type), max_model_len)
+        require(
+            window in groups,
+            "speculative_config.model",
+            f"the draft {spec.model!r} has {layer_type} layers with {_window(window)}, which "
+            f"the target {target.model!r} keeps no KV cache for (the target has "
+            f"{', '.join(_window(w) for w in groups)} at max_model_len {max_model_len}); a "
+            f"draft's sliding windows must be the target's",
+        )
+
+
+def _window(window: int | None) -> str:
+    return "full attention" if window is None else f"sliding_window {window}"

@@ -3,8 +3,8 @@ token-for-token equal to decoding without speculation, with the target as its ow
 proposal accepted) and with a smaller random draft (other depth and width, same vocabulary and
 tokenizer), under chunked prefill, preemption (recompute and swap) and prefix caching, n = 2,
 stops, structured outputs and LoRA; KV blocks counted at target + draft bytes; seeded sampling
-reproducible and its distribution unchanged (chi-square); a draft the engine cannot use refused
-naming it. Random Llamas, fp32 on
+reproducible and its distribution unchanged (chi-square); vLLM's draft settings at the values
+served accepted; a draft the engine cannot use refused naming it. Random Llamas, fp32 on
 CPU.
 """
 
@@ -135,6 +135,23 @@ def test_seeded_sampling_reproducible(model, small_draft):
     again = generate(LLM(str(model), **BASE, speculative_config=spec), seeded)
     assert first == again
     assert all(len(t) == 24 for t in first)
+
+
+def test_vllm_draft_settings_naming_the_served_values_change_nothing(model, small_draft, reference):
+    # vLLM's spelling ('-' for '_', nulls as unset) and its draft settings at this engine's values.
+    settings = {
+        "model": str(small_draft),
+        "num-speculative-tokens": 3,
+        "method": None,
+        "draft_tensor_parallel_size": 1,
+        "max_model_len": BASE["max_model_len"],
+        "quantization": None,
+        "revision": None,
+        "enforce_eager": True,
+    }
+    llm = LLM(str(model), **BASE, speculative_config=settings)
+    assert generate(llm) == reference
+    assert llm.llm_engine.spec_decode_stats.num_draft_tokens > 0
 
 
 def test_draft_with_another_vocabulary_is_refused(model, tmp_path):

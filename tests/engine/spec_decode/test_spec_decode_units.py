@@ -33,9 +33,27 @@ def spec(**kw):
         (spec(method="medusa2"), "speculative_config.method: must be one of 'ngram', "
          "'draft_model', got"),
         (spec(prompt_lookup_min=0), "speculative_config.prompt_lookup_min: must be an integer "
-         ">= 1, got 0"),
+         "in [1, 32] or null, got 0"),
         (spec(prompt_lookup_min=4, prompt_lookup_max=2), "speculative_config.prompt_lookup_max: "
          "must be an integer in [4, 32] (prompt_lookup_min), got 2"),
+        (spec(prompt_lookup_max=40), "speculative_config.prompt_lookup_max: must be an integer "
+         "in [1, 32] or null, got 40"),
+        (spec(prompt_lookup_min=33), "speculative_config.prompt_lookup_min: must be an integer "
+         "in [1, 32] or null, got 33"),
+        ({"num_speculative_tokens": 3}, "speculative_config.method: must be one of 'ngram', "
+         "'draft_model' when speculative_config.model is not given"),
+        ({"method": None, "num_speculative_tokens": 3}, "speculative_config.method: must be one "
+         "of 'ngram', 'draft_model' when speculative_config.model is not given"),
+        (spec(quantization="fp8"), "speculative_config.quantization: must be null (a draft is "
+         "served unquantized"),
+        (spec(revision="main"), "speculative_config.revision: must be null (nothing is fetched"),
+        (spec(enforce_eager=False), "speculative_config.enforce_eager: must be null or true (the "
+         "draft's passes always run eagerly"),
+        (spec(draft_tensor_parallel_size=0), "speculative_config.draft_tensor_parallel_size: "
+         "must be an integer >= 1 or null, got 0"),
+        ({**spec(), "num-speculative-tokens": 2}, "speculative_config.num_speculative_tokens: is "
+         "given twice"),
+        (spec(code_revision="x"), "speculative_config.code_revision: must be one of the keys"),
         (spec(model="/some/draft"), "speculative_config.model: must be null for method 'ngram'"),
         (spec(num_lookahead=2), "speculative_config.num_lookahead: must be one of the keys"),
         ("ngram", "speculative_config: must be a mapping"),
@@ -53,6 +71,88 @@ def test_vllm_defaults_and_one_sided_lookup_bounds():
     assert SpeculativeConfig.from_arg(spec(prompt_lookup_max=3)).prompt_lookup_min == 3
     assert SpeculativeConfig.from_arg(spec(prompt_lookup_min=2)).prompt_lookup_max == 2
     assert SpeculativeConfig.from_arg(None) is None
+
+
+def test_null_values_are_unset():
+    unset = ("prompt_lookup_min", "prompt_lookup_max", "model", "draft_tensor_parallel_size",
+             "max_model_len", "quantization", "revision", "enforce_eager")  # fmt: skip
+    nulls = spec(**dict.fromkeys(unset))
+    assert SpeculativeConfig.from_arg(nulls) == SpeculativeConfig(prompt_lookup_min=5)
+    inferred = SpeculativeConfig.from_arg(
+        {"method": None, "model": "/d", "num_speculative_tokens": 3}
+    )
+    assert inferred == SpeculativeConfig(method="draft_model", model="/d")
+
+
+def test_hyphenated_keys_read_as_underscores():
+    hyphens = {"method": "ngram", "num-speculative-tokens": 2, "prompt-lookup-max": 3}
+    assert SpeculativeConfig.from_arg(hyphens) == SpeculativeConfig(
+        num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=3
+    )
+
+
+def test_prompt_lookup_max_up_to_32_is_accepted():
+    config = SpeculativeConfig.from_arg(spec(prompt_lookup_max=32))
+    assert config is not None and (config.prompt_lookup_min, config.prompt_lookup_max) == (32, 32)
+
+
+@pytest.mark.parametrize(
+    ("settings", "parallel"),
+    [
+        ({"draft_tensor_parallel_size": 1}, {}),
+        ({"draft_tensor_parallel_size": 2}, {"tensor_parallel_size": 2}),
+        ({"max_model_len": 512}, {"max_model_len": 512}),
+        ({"quantization": None, "revision": None, "enforce_eager": True}, {}),
+    ],
+)
+def test_vllm_draft_settings_naming_the_served_values_are_accepted(settings, parallel):
+    check_engine_arg_ranges({**parallel, "speculative_config": spec(**settings)})
+
+
+@pytest.mark.parametrize(
+    ("settings", "parallel", "message"),
+    [
+        ({"draft_tensor_parallel_size": 1}, {"tensor_parallel_size": 2},
+         "speculative_config.draft_tensor_parallel_size: must be null or 2 (tensor_parallel_size: "
+         "a draft is sharded like the target, on the same ranks), got 1"),
+        ({"max_model_len": 256}, {"max_model_len": 512},
+         "speculative_config.max_model_len: must be null or 512 (the target's max_model_len"),
+        ({"max_model_len": 1024}, {"max_model_len": 512},
+         "speculative_config.max_model_len: must be null or 512"),
+    ],
+)  # fmt: skip
+def test_vllm_draft_settings_the_engine_does_not_serve_are_refused(settings, parallel, message):
+    with pytest.raises(ConfigError) as info:
+        check_engine_arg_ranges({**parallel, "speculative_config": spec(**settings)})
+    assert message in str(info.value)
+
+
+def test_draft_max_model_len_is_checked_against_the_derived_target_length():
+    # builtin:tiny-llama's max_model_len comes from its checkpoint, not from an argument.
+    config = EngineConfig.from_kwargs(model="builtin:tiny-llama", device="cpu")
+    length = config.max_model_len
+    with pytest.raises(ConfigError, match=rf"speculative_config\.max_model_len: must be null or "
+                       rf"{length} "):  # fmt: skip
+        EngineConfig.from_kwargs(
+            model="builtin:tiny-llama",
+            device="cpu",
+            speculative_config=spec(max_model_len=length // 2),
+        )
+    EngineConfig.from_kwargs(
+        model="builtin:tiny-llama", device="cpu", speculative_config=spec(max_model_len=length)
+    )
+
+
+def test_draft_with_a_sliding_window_the_target_lacks_is_refused():
+    # Its layers' KV would belong to no KV cache group of the target (the worker would fail).
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_kwargs(
+            model="builtin:tiny-llama", device="cpu", max_model_len=256,
+            speculative_config={"model": "builtin:tiny-gemma2", "num_speculative_tokens": 3},
+        )  # fmt: skip
+    message = str(info.value)
+    assert message.startswith("speculative_config.model: the draft 'builtin:tiny-gemma2' has ")
+    assert "sliding_window 24" in message and "the target has full attention" in message
 
 
 def test_pipeline_parallel_is_refused_by_name():
