@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -198,7 +199,11 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None
-        self.client.start(self._on_step, self._on_dead)
+        # The core's threads call back through weak references, so an engine dropped without
+        # shutdown() is collected and its core stopped (its weights, KV cache and threads
+        # freed), as vLLM's AsyncLLM is.
+        self.client.start(_weakly(self._on_step), _weakly(self._on_dead))
+        weakref.finalize(self, self.client.shutdown)
 
     @classmethod
     def from_engine_args(cls, **engine_args: Any) -> AsyncLLMEngine:
@@ -485,6 +490,19 @@ class AsyncLLMEngine:
             by_loop.setdefault(stream.loop, []).append((stream, error))
         for loop, items in by_loop.items():
             _post(loop, items)
+
+
+def _weakly(method: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``method`` (a bound method) called through a weak reference to its object: nothing
+    once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(arg: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(arg)
+
+    return call
 
 
 def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
