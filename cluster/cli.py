@@ -212,9 +212,9 @@ def _serve(args: argparse.Namespace) -> int:
     timeline.mark("imports")
     local = args.address == "local"
     config = None
-    if local:
-        _refuse_busy_ports_before_loading(args.config)
     try:
+        if local:
+            _refuse_busy_ports_before_loading(args.config)
         config = _load_config(args.config)
         timeline.mark("config")
         _deploy_and_report(
@@ -229,7 +229,9 @@ def _serve(args: argparse.Namespace) -> int:
     while not signals.requested.wait(1.0):
         pass
     print("shutting down: draining in-flight requests", flush=True)
-    if not stopping.drain_unless_gcs_gone(deploy.shutdown, gcs_address):
+    # On a cluster of its own everything goes; on another's (--address) only its application.
+    own_app = None if local or config is None else config.app_name
+    if not stopping.drain_unless_gcs_gone(lambda: deploy.shutdown(own_app), gcs_address):
         # The signal reached Ray's processes too (a whole cgroup): Ray stopped with us.
         print("Ray's processes were stopped by the same signal: nothing left to drain", flush=True)
         stopping.exit_without_ray(0)
@@ -252,10 +254,13 @@ def _stopped_while_starting(config: DeploymentConfig | None, local: bool, signum
     stopped = []
 
     def remove_deployed() -> None:
-        if deploy.deployed_apps() and config is not None:
+        if config is not None and config.app_name in deploy.deployed_apps():
             models = ", ".join(m.model_id for m in config.models)
             stopped.append(f"removed application {config.app_name!r} ({models})")
-        deploy.shutdown()
+        if local:
+            deploy.shutdown()
+        elif config is not None:  # another's cluster: only what this command deployed
+            deploy.shutdown(config.app_name)
 
     if ray.is_initialized():
         gcs_address = ray.get_runtime_context().gcs_address
@@ -341,7 +346,11 @@ def _deploy(args: argparse.Namespace) -> int:
     from cluster.ops.stop import StopRequested, StopSignals
 
     signals = StopSignals()
-    config = _load_config(args.config)
+    try:
+        config = _load_config(args.config)
+    except StopRequested as stop:  # nothing was deployed yet
+        print("stopped while reading the config; nothing was deployed", flush=True)
+        return StopSignals.exit_code(stop.signum)
     try:
         _deploy_and_report(config, args.address, signals)
     except StopRequested as stop:

@@ -519,17 +519,20 @@ __all__ = [
 ]
 
 
-def shutdown() -> None:
-    """Remove every application, then stop Serve. Applications are deleted first, one by one
-    and waiting for each: that is what lets their replicas drain (in-flight requests finish
-    within ``graceful_shutdown_timeout_s``, the rest end with finish_reason "abort") while the
-    proxy still carries their streams; ``serve.shutdown`` alone tears the proxy down with them."""
+def shutdown(app_name: str | None = None) -> None:
+    """Remove every application (or only ``app_name``, on a cluster others deploy to), then
+    stop Serve unless an application is left. Applications are deleted first, one by one and
+    waiting for each: that is what lets their replicas drain (in-flight requests finish within
+    ``graceful_shutdown_timeout_s``, the rest end with finish_reason "abort") while the proxy
+    still carries their streams; ``serve.shutdown`` alone tears the proxy down with them."""
     if serve_controller() is not None:
-        for app_name in list(serve.status().applications):
-            serve.delete(app_name)
-            remove_store(app_name)  # its /v1/responses store, a detached actor
-        _stop_serve()
-    _forget_failure()
+        apps = list(serve.status().applications)
+        for name in apps if app_name is None else [a for a in apps if a == app_name]:
+            serve.delete(name)
+            remove_store(name)  # its /v1/responses store, a detached actor
+        if not serve.status().applications:
+            _stop_serve()
+    _forget_failure(app_name)
 
 
 def deployed_apps() -> list[str]:

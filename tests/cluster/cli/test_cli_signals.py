@@ -310,3 +310,32 @@ def test_a_signal_that_reaches_rays_processes_too_still_ends_serve_in_seconds(
 # SIGTERM to the main process alone (KillMode=mixed, docker stop, Kubernetes) is the process
 # group case above: Ray's processes lead groups of their own (asserted there), so the group's
 # signal reaches ``cluster serve`` alone, as a signal to its pid does.
+
+
+_STOPPED_WHILE_LOADING = """
+import os, sys, time
+import cluster.cli as cli
+
+def slow_load(path):  # the signal arrives while the config (and its checkpoint) is read
+    os.kill(os.getpid(), {signum})
+    time.sleep(5)
+    raise AssertionError("the signal did not stop the load")
+
+cli._load_config = slow_load
+sys.exit(cli.main([{command!r}, "configs/tiny.yaml"]))
+"""
+
+
+@pytest.mark.parametrize("command", ["deploy", "serve"])
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+def test_a_stop_while_the_config_is_read_exits_with_its_code_and_no_traceback(
+    command: str, signum: int, code: int
+) -> None:
+    """Reading the config reads the checkpoint's (seconds, more for a remote model): a stop
+    then is a stop like any other (it was a traceback and exit 1 for ``cluster deploy``)."""
+    script = _STOPPED_WHILE_LOADING.format(signum=int(signum), command=command)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=cli_env(),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "nothing" in result.stdout, result.stdout  # "nothing was deployed" / "... started"
