@@ -292,11 +292,11 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
             if past and _was_aborted(last):
                 yield error_item(408, f"the request exceeded its timeout of {timeout} s",
                                  "timeout")  # fmt: skip
+            if sink is not None and self.draining:  # a drain's abort ended it: see _flush_sink
+                await self._flush_sink(sink, self.engine.client.acked_steps)  # type: ignore[attr-defined]
         except EngineDeadError:
             logger.exception("model %s: the engine failed mid-request", self.model_id)
             yield error_item(503, f"the engine for {self.model_id!r} failed")
-            if sink is not None and self.draining:
-                await self._flush_sink(sink, self.engine.client.acked_steps)  # type: ignore[attr-defined]
         finally:
             # Closing the engine stream aborts the request if it is still running (the client
             # went away or the ingress cancelled us); its blocks are free within one step.
