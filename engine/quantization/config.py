@@ -258,10 +258,12 @@ def _compressed_tensors(raw: Mapping[str, Any], hf: Mapping[str, Any]) -> QuantC
 def refuse_expert_activations(config: QuantConfig | None, experts: list[str]) -> None:
     """FP8 activation quantization runs on linear layers only: MoE experts are dequantized at
     load and their fused GEMMs take the input unquantized, which would serve a W8A8 expert as
-    W8A16. A group that quantizes the activations of one of ``experts`` (module names:
-    ``engine.hf_config.expert_modules``) is refused here, with the checkpoint's config, before
-    the load."""
-    if config is None or not any(s.activations is not None for s in config.schemes()):
+    W8A16. A compressed-tensors group that quantizes the activations of one of ``experts``
+    (module names: ``engine.hf_config.expert_modules``) is refused here, with the checkpoint's
+    config, before the load."""
+    if config is None or config.method != "compressed-tensors":
+        return  # (fp8's block scheme keeps activations in the model dtype: nothing to refuse)
+    if not any(s.activations is not None for s in config.schemes()):
         return
     names = config.group_names
     for module in experts:

@@ -396,3 +396,17 @@ def test_act_order_with_one_group_per_channel_needs_an_all_zero_g_idx() -> None:
         else:
             with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj: g_idx: "):
                 list(checkpoint.transform(stream))
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-deepseek-v3", "builtin:tiny-qwen3-moe"])
+def test_a_block_fp8_moe_checkpoint_passes_the_expert_activation_check(model: str) -> None:
+    """fp8's block scheme (DeepSeek-V3/R1, Kimi K2, Qwen3-MoE -FP8) quantizes activations per
+    token on CUDA's linear layers only and leaves experts' in the model dtype: the check of
+    compressed-tensors' expert groups must not apply to it (it raised IndexError)."""
+    from engine.hf_config import check_hf_config
+
+    path = Path(resolve_model_source(model))
+    hf = json.loads((path / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                 "activation_scheme": "dynamic", "fmt": "e4m3"}  # fmt: skip
+    check_hf_config(hf)
