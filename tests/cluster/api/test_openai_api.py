@@ -229,6 +229,15 @@ def test_vllm_fields_not_served_are_400_unless_they_change_nothing(
     payload({field: off})
 
 
+@pytest.mark.parametrize(("field", "value"), [("mm_payload", "tensors"), ("mm_payload", "none"),
+                                            ("return_token_offsets", True)])  # fmt: skip
+def test_vllms_render_only_fields_are_ignored_as_vllm_ignores_them(field: str, value: Any) -> None:
+    """vLLM documents them as read by its render endpoints only, ignored on generation (a
+    client dumping vLLM's request model with its defaults sends mm_payload: 'tensors')."""
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
+    assert completion_payload(req) == completion_payload(CompletionRequest(model="m", prompt="x"))
+
+
 def test_max_tokens_null_is_16_on_completions_and_no_limit_on_chat() -> None:
     """vLLM's defaults: null max_tokens is the field's default, 16, on completions; on chat
     there is no default (the context's end)."""
