@@ -23,6 +23,7 @@ its message keeps the same ``must ..., got ...`` shape.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 from engine.errors import ConfigError
@@ -133,8 +134,16 @@ def check_choice(value: object, key: str, choices: Sequence[object], *, note: st
     """One of ``choices``, of its type too (``16.0`` is not the block size ``16``, ``True`` not
     ``1``; compared with ``==``, so unhashable values are refused, not raised)."""
     allowed = "one of " + ", ".join(repr(c) for c in choices)
-    ok = any(type(value) is type(c) and value == c for c in choices)
+    ok = any(_same_kind(value, c) and value == c for c in choices)
     require(ok, key, f"must be {_allowed(allowed, '', note, False)}, got {value!r}")
+
+
+def _same_kind(value: object, choice: object) -> bool:
+    """Whether ``value`` may equal ``choice``: an integer for an integer choice (numpy's too,
+    never a bool or a float), else the choice's own type."""
+    if is_int(choice):
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return type(value) is type(choice)
 
 
 def check_bool(value: object, key: str) -> None:

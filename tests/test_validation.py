@@ -125,6 +125,9 @@ def test_a_choice_must_have_its_type_too() -> None:
         assert error_of(check_choice, value, "block_size", (1, 16)) == (
             f"block_size: must be one of 1, 16, got {value!r}"
         )
+    import numpy as np
+
+    check_choice(np.int64(16), "block_size", (1, 16))  # numpy's integers are integers
 
 
 def test_null_is_the_default_for_the_arguments_vllm_fills_in() -> None:

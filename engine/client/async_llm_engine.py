@@ -411,6 +411,7 @@ class AsyncLLMEngine:
             raise self._dead
         check_request_id_unused(request_id, self._streams)
         check_priority(priority)  # before the message: the core's decoder would refuse a str
+        priority = int(priority)  # (numpy's integers: msgpack takes ints)
         text, token_ids = _split_prompt(prompt)
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
             # The core may be another process: images travel preprocessed (pixels, placeholder

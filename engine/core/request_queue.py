@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import numbers
 from collections import deque
 from collections.abc import Callable, Iterator
 
 from engine.config_sections import SchedulerConfig
 from engine.core.request import Request
 from engine.errors import EngineOverloadedError, InvalidRequestError
-from engine.validation import is_int
 
 PRIORITY_RANGE = (-(2**63), 2**63 - 1)  # vLLM's: an int64
 
@@ -90,9 +90,10 @@ def check_waiting_caps(
 def check_priority(priority: object) -> None:
     """A request's ``priority`` (lower is served first under the priority policy, ignored under
     FCFS, as in vLLM): an integer in int64, checked before anything is enqueued (a string would
-    otherwise reach the heap and fail every step's ordering)."""
+    otherwise reach the heap and fail every step's ordering); numpy's integers too."""
     low, high = PRIORITY_RANGE
-    if not is_int(priority) or not low <= priority <= high:  # type: ignore[operator]
+    integral = isinstance(priority, numbers.Integral) and not isinstance(priority, bool)
+    if not integral or not low <= priority <= high:  # type: ignore[operator]
         raise InvalidRequestError(
             f"must be an integer in [-2**63, 2**63 - 1], got {priority!r}", param="priority"
         )

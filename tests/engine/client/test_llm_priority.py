@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
@@ -42,7 +43,7 @@ def test_the_lower_priority_value_is_served_first(llm: LLM) -> None:
 def test_generate_takes_one_priority_or_one_per_prompt(llm: LLM) -> None:
     prompts = ["a b", "c d"]
     plain = [o.outputs[0].text for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
-    for priority in (3, [1, -1]):
+    for priority in (3, [1, -1], [np.int64(2), np.int32(0)]):
         outs = llm.generate(prompts, PARAMS, priority=priority, use_tqdm=False)
         assert [o.outputs[0].text for o in outs] == plain
     with pytest.raises(InvalidRequestError) as info:
