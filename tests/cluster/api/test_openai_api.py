@@ -912,10 +912,14 @@ def test_overload_is_resource_exhausted_over_grpc() -> None:
         def set_details(self, details: str) -> None:
             self.details = details
 
+        def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+            self.trailing = dict(metadata)
+
     context = Context()
     with pytest.raises(APIError):
         grpc_abort(context, APIError(503, "full", None, "overloaded", 1))  # type: ignore[arg-type]
     assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert context.trailing == {"retry-after": "1"}
     with pytest.raises(APIError):
         grpc_abort(context, APIError(503, "dead", None, "engine_dead"))  # type: ignore[arg-type]
     assert context.code == grpc.StatusCode.UNAVAILABLE

@@ -74,11 +74,13 @@ def test_bursts_above_capacity_are_refused_with_503_overloaded(report: dict[str,
     bursts = report["bursts"]["runs"]
     assert len(bursts) == len(SETTINGS.burst_times()) == 5
     assert report["peak_in_flight"] >= SETTINGS.burst_size
-    # 32 seats and 32 queue slots: the first, full burst is mostly refused, never queued; the
-    # later ones top the burst back up to 320 in flight, and each that alone sends more than the
-    # seats and slots is refused in part at least (a small top-up may fit what has freed up).
+    # 32 seats and 32 queue slots: much of the first, full burst is refused, never queued (how
+    # much depends on how many requests end while it is sent: 147-250 of 320 seen, the fewest on
+    # a loaded CI machine); the later ones top the burst back up to 320 in flight, and each that
+    # alone sends more than the seats and slots is refused in part at least (a small top-up may
+    # fit what has freed up).
     assert bursts[0]["sent"] == SETTINGS.burst_size
-    assert bursts[0].get("refused", 0) >= SETTINGS.burst_size // 2, bursts[0]
+    assert bursts[0].get("refused", 0) >= SETTINGS.burst_size // 3, bursts[0]
     over = [burst for burst in bursts if burst["sent"] > 2 * MAX_ONGOING]
     assert all(burst.get("refused", 0) > 0 for burst in over), bursts
     refused = sum(burst.get("refused", 0) for burst in bursts)
