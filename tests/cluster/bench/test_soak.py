@@ -93,7 +93,9 @@ def test_readiness_stays_200_while_every_seat_is_taken(report: dict[str, Any]) -
     the health call behind the streams or refuses it with the queue full: 6 of 18 probes were
     503 before.)"""
     readiness = report["readiness"]
-    assert readiness["probes"] >= 15 and readiness["not_ready"] == 0, readiness
+    # One probe at a time, a second apart: on a loaded CI machine some answers take 5-7 s (all
+    # 200), so the run fits 14 (CI, fb1455c) where a quiet machine fits more; 10 still cover it.
+    assert readiness["probes"] >= 10 and readiness["not_ready"] == 0, readiness
 
 
 def test_cancellations_happen_mid_stream(report: dict[str, Any]) -> None:
