@@ -68,19 +68,15 @@ class LLM:
         same (vLLM's: lower first under ``scheduling_policy: priority``). Invalid input raises
         before anything runs."""
         prompts = _as_prompt_list(prompts)
-        loras = _as_lora_list(lora_request, len(prompts))
-        priorities = _as_priority_list(priority, len(prompts))
+        single_lora = lora_request is None or isinstance(lora_request, LoRARequest)
+        loras = _per_prompt(lora_request, single_lora, len(prompts), "lora_request")
+        priority = 0 if priority is None else priority
+        single = not isinstance(priority, Sequence)  # (the engine checks each value)
+        priorities = _per_prompt(priority, single, len(prompts), "priority")
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise InvalidRequestError(
-                    f"has {len(params_list)} entries for {len(prompts)} prompts",
-                    param="sampling_params",
-                )
+        single = isinstance(sampling_params, SamplingParams)
+        params_list = _per_prompt(sampling_params, single, len(prompts), "sampling_params")
         if any(p.use_beam_search for p in params_list):
             if any(lora is not None for lora in loras):
                 raise InvalidRequestError(
@@ -152,15 +148,8 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         if pooling_params is None:
             pooling_params = PoolingParams()
-        if isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params] * len(prompts)
-        else:
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompts):
-                raise InvalidRequestError(
-                    f"has {len(params_list)} entries for {len(prompts)} prompts",
-                    param="pooling_params",
-                )
+        single = isinstance(pooling_params, PoolingParams)
+        params_list = _per_prompt(pooling_params, single, len(prompts), "pooling_params")
         ids = self._add_all(prompts, params_list, None)
         return self._run(ids, use_tqdm)
 
@@ -314,30 +303,16 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
-def _as_lora_list(
-    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
-) -> list[LoRARequest | None]:
-    """One adapter (or none) for every prompt, or a list that must align with the prompts."""
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * num_prompts
-    loras = list(lora_request)
-    if len(loras) != num_prompts:
-        raise InvalidRequestError(
-            f"has {len(loras)} entries for {num_prompts} prompts", param="lora_request"
-        )
-    return loras
-
-
-def _as_priority_list(priority: int | Sequence[int] | None, num_prompts: int) -> list[int]:
-    """One priority for every prompt (None: 0), or a list that must align with the prompts
-    (vLLM's rule); the engine checks each value."""
-    if priority is None or not isinstance(priority, Sequence):
-        return [0 if priority is None else priority] * num_prompts  # type: ignore[list-item]
-    if len(priority) != num_prompts:
-        raise InvalidRequestError(
-            f"has {len(priority)} entries for {num_prompts} prompts", param="priority"
-        )
-    return list(priority)
+def _per_prompt(value: Any, single: bool, num_prompts: int, param: str) -> list[Any]:
+    """``value`` for every prompt when ``single``, else a list that must align with the prompts
+    (vLLM's rule for ``lora_request`` and ``priority``)."""
+    if single:
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
+        message = f"has {len(values)} entries for {num_prompts} prompts"
+        raise InvalidRequestError(message, param=param)
+    return values
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

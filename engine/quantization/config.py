@@ -190,7 +190,7 @@ def _parse_checkpoint(raw: Any, hf: Mapping[str, Any]) -> QuantConfig:
         raise ConfigError(f"{_KEY}: must be a mapping, got {raw!r}")
     method = str(raw.get("quant_method", "")).lower()
     if method == "compressed-tensors":
-        return _compressed_tensors(raw, hf)
+        return _compressed_tensors(raw)
     if method == "gptq":
         return _gptq(raw)
     if method == "awq":
@@ -216,7 +216,7 @@ def _positive_int(value: Any, field: str) -> int:
     return value
 
 
-def _compressed_tensors(raw: Mapping[str, Any], hf: Mapping[str, Any]) -> QuantConfig:
+def _compressed_tensors(raw: Mapping[str, Any]) -> QuantConfig:
     for field in ("sparsity_config", "transform_config"):
         if raw.get(field):
             raise _refuse(field, raw[field], "must be null: not implemented")
