@@ -196,7 +196,11 @@ class ReadinessSampler:
     """``GET url`` (the app's ``/health``) every ``interval_s`` while the load runs, as a
     readiness probe asks it: each answer's status (or the error's name: no answer within
     ``timeout_s``, a refused connection) and how long it took. Any answer but 200 would take a
-    busy endpoint out of its load balancer's service."""
+    busy endpoint out of its load balancer's service.
+
+    Probes are sent on the period whether or not the last one has answered, as a kubelet sends
+    them, so their number follows the run's length, not the endpoint's latency; at the stop,
+    the probes still out are waited for (up to ``timeout_s``) and counted."""
 
     def __init__(self, url: str, interval_s: float = 1.0, timeout_s: float = 10.0) -> None:
         self.url = url
@@ -207,17 +211,28 @@ class ReadinessSampler:
     async def run(self, start: float, stop: asyncio.Event) -> None:
         import httpx
 
+        async def probe(client: httpx.AsyncClient) -> None:
+            sent = time.monotonic()
+            status: int | str
+            try:
+                status = (await client.get(self.url)).status_code
+            except httpx.HTTPError as exc:
+                status = type(exc).__name__
+            self.samples.append((sent - start, status, time.monotonic() - sent))
+
         async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            out: set[asyncio.Task[None]] = set()
+            next_at = time.monotonic()
             while not stop.is_set():
-                sent = time.monotonic()
-                status: int | str
-                try:
-                    status = (await client.get(self.url)).status_code
-                except httpx.HTTPError as exc:
-                    status = type(exc).__name__
-                self.samples.append((sent - start, status, time.monotonic() - sent))
+                task = asyncio.create_task(probe(client))
+                out.add(task)
+                task.add_done_callback(out.discard)
+                next_at += self.interval_s
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.interval_s)
+                    await asyncio.wait_for(stop.wait(), max(0.0, next_at - time.monotonic()))
+            if out:
+                await asyncio.wait(out)
+        self.samples.sort()
 
     def summary(self) -> dict[str, Any]:
         """The probes, how many were not a 200 (the first ten: when, and what came back), and

@@ -93,9 +93,10 @@ def test_readiness_stays_200_while_every_seat_is_taken(report: dict[str, Any]) -
     the health call behind the streams or refuses it with the queue full: 6 of 18 probes were
     503 before.)"""
     readiness = report["readiness"]
-    # One probe at a time, a second apart: on a loaded CI machine some answers take 5-7 s (all
-    # 200), so the run fits 14 (CI, fb1455c) where a quiet machine fits more; 10 still cover it.
-    assert readiness["probes"] >= 10 and readiness["not_ready"] == 0, readiness
+    # A probe a second whether or not the last has answered (some take 5-7 s on a loaded CI
+    # machine, all 200): the count follows the run's length, not the latency.
+    assert readiness["probes"] >= SETTINGS.duration_s // 2, readiness
+    assert readiness["not_ready"] == 0, readiness
 
 
 def test_cancellations_happen_mid_stream(report: dict[str, Any]) -> None:
