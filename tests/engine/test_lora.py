@@ -521,6 +521,7 @@ def _assert_tp2_equals_tp1(model: str, paths: dict[str, str], prompts: list[list
     assert outputs[1].sampled_token_ids == outputs[2].sampled_token_ids
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_equals_1_with_adapters(adapters: Adapters) -> None:
     paths = {name: str(path) for name, path in adapters.paths.items()}
     _assert_tp2_equals_tp1(MODEL, paths, adapters.prompts[:6])
@@ -571,6 +572,7 @@ def test_phi3_fused_module_adapters_equal_hf_peft(phi3_adapters: dict[str, str])
     _assert_clean(llm)
 
 
+@pytest.mark.slow
 def test_phi3_fused_module_adapters_tensor_parallel_2_equals_1(
     phi3_adapters: dict[str, str],
 ) -> None:
@@ -594,6 +596,7 @@ def test_an_adapter_on_a_fused_module_and_its_part_is_refused(
         llm.llm_engine.add_request("x", [1, 2], lora_request=LoRARequest("both", 9, str(path)))
 
 
+@pytest.mark.slow
 def test_every_tensor_parallel_rank_reports_an_adapter_it_cannot_load(
     adapters: Adapters, tmp_path: Path
 ) -> None:

@@ -378,6 +378,7 @@ def test_schema_request_bodies_are_the_request_models(api_schema: Any, app: Any)
         assert component.get("additionalProperties", True) is True
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_with_the_key_get_no_server_error(
     api_schema: Any, app: Any, server: LLMServer
 ) -> None:
@@ -398,6 +399,7 @@ def test_fuzzed_requests_with_the_key_get_no_server_error(
     _assert_no_request_state_left(server)
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_without_the_key_are_401(api_schema: Any) -> None:
     _fuzz(api_schema, _call_unauthenticated, UNAUTHENTICATED_EXAMPLES)
 
@@ -418,6 +420,7 @@ def _spiked_bodies(app: Any) -> Iterator[tuple[str, dict[str, Any]]]:
                 yield path, {**valid, "messages": [{"role": "user", "content": value}]}
 
 
+@pytest.mark.slow
 def test_nasty_value_in_any_field_gets_no_server_error(app: Any, server: LLMServer) -> None:
     with TestClient(app) as client:
         for path, body in _spiked_bodies(app):

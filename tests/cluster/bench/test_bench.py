@@ -27,6 +27,7 @@ TINY_SHAPE = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bench_throughput_writes_complete_json(tmp_path) -> None:
     out = tmp_path / "bench.json"
     cmd = [
@@ -78,6 +79,7 @@ def test_bench_throughput_writes_complete_json(tmp_path) -> None:
     assert "ratio engine/hf_static" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "expected_config"),
     [
@@ -167,6 +169,7 @@ def test_bench_expert_options_are_checked_by_name(argv: list[str], message: str)
         _shape(*argv)
 
 
+@pytest.mark.slow
 def test_bench_qwen3_moe_runs_the_engine_on_its_random_checkpoint(tmp_path: Path) -> None:
     """The smallest ``--family qwen3-moe`` run: a 2-layer, 4-expert top-2 checkpoint that HF
     loads as ``Qwen3MoeForCausalLM`` and the engine generates every requested token on."""
@@ -237,6 +240,7 @@ def test_bench_deepseek_v3_options_are_checked_by_name(argv: list[str], message:
         _shape(*argv)
 
 
+@pytest.mark.slow
 def test_bench_deepseek_v3_runs_the_engine_on_its_random_checkpoint(tmp_path: Path) -> None:
     """The smallest ``--family deepseek-v3`` run: a checkpoint HF loads as
     ``DeepseekV3ForCausalLM`` with a latent cache, and the engine generates every token."""
@@ -268,6 +272,7 @@ def test_bench_deepseek_v3_runs_the_engine_on_its_random_checkpoint(tmp_path: Pa
     )
 
 
+@pytest.mark.slow
 def test_bench_gpt_oss_counts_what_hf_builds_and_runs_the_engine(tmp_path: Path) -> None:
     """``--family gpt-oss``: at the defaults its matmul parameters are exactly HF's (meta
     device; biases, sinks and norms aside); the smallest run writes a checkpoint HF reads as
@@ -306,6 +311,7 @@ def test_bench_gpt_oss_counts_what_hf_builds_and_runs_the_engine(tmp_path: Path)
     assert (loaded.sliding_window, loaded.rope_parameters["rope_type"]) == (128, "yarn")
 
 
+@pytest.mark.slow
 def test_bench_serve_compare_writes_complete_json_and_plot(tmp_path) -> None:
     import yaml
 
@@ -352,6 +358,7 @@ def test_bench_serve_compare_writes_complete_json_and_plot(tmp_path) -> None:
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_bench_throughput_vllm_without_vllm_names_the_option(tmp_path) -> None:
     """An interpreter without vLLM is refused before anything runs, naming ``--vllm-python``."""
     cmd = [sys.executable, "-m", "cluster.cli", "bench", "throughput", "--systems", "engine,vllm",

@@ -19,6 +19,7 @@ def _cluster(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_make_model_writes_an_hf_directory(tmp_path) -> None:
     result = _cluster("make-model", "tiny-qwen2", str(tmp_path / "q"))
     assert result.returncode == 0, result.stderr
@@ -27,6 +28,7 @@ def test_make_model_writes_an_hf_directory(tmp_path) -> None:
     assert (tmp_path / "q" / "tokenizer.json").exists()
 
 
+@pytest.mark.slow
 def test_generate_prints_a_completion() -> None:
     result = _cluster(
         "generate", "Hello there", "--max-tokens", "5", "--engine-arg", "num_kv_blocks=64"

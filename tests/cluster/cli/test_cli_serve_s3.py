@@ -40,6 +40,7 @@ def server(
     server.stop()
 
 
+@pytest.mark.slow
 def test_serve_an_s3_model_source(server: S3Server, local_model: Path, tmp_path: Path) -> None:
     local = local_model
     uri = server.upload_dir(local, "ckpts", "tiny-llama")

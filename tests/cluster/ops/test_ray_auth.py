@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = """
@@ -43,6 +45,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_cluster_serve_starts_ray_with_token_authentication(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

@@ -33,6 +33,8 @@ APP = "harmony"
 MODEL = "gpt-oss"
 SOURCE = "builtin:tiny-gpt-oss"
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def client(serve_cluster: ServeCluster) -> Iterator[OpenAI]:

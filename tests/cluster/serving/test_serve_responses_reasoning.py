@@ -28,6 +28,8 @@ from tests.cluster.serving.test_serve_reasoning import (
 APP = "responses-reasoning"
 MAX_TOKENS = 24
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def client(serve_cluster: ServeCluster) -> Iterator[OpenAI]:

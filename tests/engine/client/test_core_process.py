@@ -163,6 +163,7 @@ class Recorder:
         self.calls.append(("weights", (rank, read_bytes, total_bytes)))
 
 
+@pytest.mark.slow
 def test_the_childs_start_up_phases_and_weight_bytes_reach_the_parents_observer() -> None:
     from engine.worker.executor import PHASE_LOADING, PHASE_READY
 

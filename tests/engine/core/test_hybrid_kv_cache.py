@@ -117,6 +117,7 @@ def test_greedy_matches_hf_past_the_window(
     _check_groups(llm, ref)
 
 
+@pytest.mark.slow
 def test_triton_path_reads_only_held_blocks(ref: Reference) -> None:
     """A Triton program starts at the key tile holding its first query's window, which may
     begin in a freed block: it must read the null block there (Triton interpreter on CPU)."""

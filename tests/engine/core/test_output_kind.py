@@ -118,6 +118,7 @@ def test_async_generate_follows_output_kind() -> None:
     # steps' tokens; each token still comes exactly once (the two checks above).
 
 
+@pytest.mark.slow
 def test_per_step_output_of_a_long_request_does_not_grow_with_its_length() -> None:
     """A streaming (``DELTA``) request's step output, encoded, and the Python memory a step
     allocates, at its ~50th token and its ~3,990th: the same within a few bytes of token text

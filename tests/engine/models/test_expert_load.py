@@ -146,6 +146,7 @@ def _tp_rank_main(rank: int, ports: Any, results: Any) -> None:
         results.put((rank, repr(exc)))
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_count_once_on_rank_0() -> None:
     from tests.engine.models.test_moe import TP_DECODE_STEPS, TP_PROMPTS
 

@@ -203,6 +203,7 @@ def test_pan_and_scan_is_refused(ref: Reference, tmp_path: Path) -> None:
         LLM(str(path))
 
 
+@pytest.mark.slow
 def test_triton_backend_attends_image_chunks_on_the_torch_path(expected: list[list[int]]) -> None:
     # The Triton kernels are causal only: a step whose chunk holds an image takes the torch
     # path's masked prefill (here through the Triton interpreter on CPU; the gpu test below

@@ -5,6 +5,8 @@ equal TP = 1's (the offline engine), which equal HF's (test_gemma3_vision)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.engine.vlm_checks import assert_tp2_equals_tp1, image
 
 PROMPTS = [
@@ -13,6 +15,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_tp2_equals_tp1() -> None:
     images = [[image(0, 50, 80)], [image(1, 64, 64), image(2, 30, 90)]]
     assert_tp2_equals_tp1("tiny-gemma3-vision", PROMPTS, images, steps=12)

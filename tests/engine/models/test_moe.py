@@ -436,6 +436,7 @@ def tp2_tokens() -> dict[str, list[list[int]]]:
     return collected[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TP_MODELS)
 def test_tensor_parallel_2_equals_1(tp2_tokens: dict[str, list[list[int]]], name: str) -> None:
     llm = LLM(str(resolve_model_source(f"builtin:{name}")), dtype="float32")

@@ -299,6 +299,7 @@ def ep2_results() -> dict[str, Any]:
     return run_ranks(_ep_rank_main, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EP_MODELS)
 def test_expert_parallel_2_equals_tensor_parallel_1(ep2_results: dict[str, Any], name: str) -> None:
     (tokens0, held0), (tokens1, held1) = ep2_results[0][name], ep2_results[1][name]
@@ -373,6 +374,7 @@ def _exchange_rank_main(rank: int, ports: Any, results: Any, dp: int, tp: int) -
         results.put((rank, f"{exc!r}\n{traceback.format_exc()}"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("dp", "tp"), [(2, 1), (2, 2)], ids=["dp2-tp1", "dp2-tp2"])
 def test_data_parallel_ep_exchanges_tokens_and_equals_the_whole_layer(dp: int, tp: int) -> None:
     """DP x TP ranks, each DP rank with its own tokens (uneven, idle, none at all), every expert

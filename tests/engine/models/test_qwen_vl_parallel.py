@@ -16,6 +16,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
 def test_tp2_equals_tp1(name: str) -> None:
     images = [[image(0, 90, 150)], [image(1, 112, 60), image(2, 56, 84)]]

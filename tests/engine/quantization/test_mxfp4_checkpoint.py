@@ -79,7 +79,7 @@ def hf_greedy() -> list[list[int]]:
         return [_hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_greedy_equals_hf_dequantized_in_float32(hf_greedy: list[list[int]], backend: str) -> None:
     """torch: the experts dequantized at load; triton: kept MXFP4, the fused kernel's."""
     path = str(materialize_tiny_gpt_oss_mxfp4())

@@ -69,6 +69,7 @@ def tp2_tokens(checkpoints: dict[str, str], mode: str) -> dict[int, Any]:
     return run_ranks(_rank_main, 2, checkpoints)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", TP_CASES)
 def test_quantized_tp2_equals_tp1(
     checkpoints: dict[str, str], tp2_tokens: dict[int, Any], case: str, mode: str

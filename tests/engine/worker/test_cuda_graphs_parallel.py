@@ -169,6 +169,7 @@ def test_gpu_parallel_graph_replay_equals_eager_token_for_token(tp: int, pp: int
     assert [ranks[r]["replays"] for r in range(tp * pp)] == [DECODE_STEPS] * (tp * pp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_graph_data_path_equals_eager_with_tp_and_pp_on_cpu(tp: int, pp: int) -> None:
     # Everything a replay does but the capture, on gloo through the Triton interpreter: the
