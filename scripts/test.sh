@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up, lint, and run the whole test suite (CPU; gpu-marked tests skip without CUDA).
-#   scripts/test.sh                  everything (~33 min on 2 cores): what CI runs
-#   scripts/test.sh --fast           the fast tier (-m "not slow", ~5 min): the working loop
+#   scripts/test.sh                  everything (~30 min on 2 cores): what CI runs
+#   scripts/test.sh --fast           the fast tier (-m "not slow", ~4 min): the working loop
 #   scripts/test.sh tests/engine/... a file or test: one pytest, as given
 # Every run prints its 20 slowest tests (CI keeps them in its log).
 # Without paths the suite runs as two streams of pytest processes side by side (below).
@@ -24,23 +24,27 @@ for arg in "$@"; do
     exec python -m pytest -q --durations=20 "$@"
   fi
 done
-# Two pytest streams side by side. Stream 1: tests/cluster/cli (its `ray stop` ends every Ray
-# on the machine, so it runs while no other Ray does), then the rest of tests/cluster but
-# runtime/. Stream 2: the Ray-free tests outside tests/cluster (CPU-bound), then, once the CLI
-# tests are done, tests/cluster/runtime (each module its own local Ray, under a Ray temp
+# Two pytest streams side by side, each about half the work in both tiers (BENCHMARKS.md,
+# "The test suite's two streams"). Stream 1: tests/cluster/cli (its `ray stop` ends every Ray
+# on the machine, so it runs while no other Ray does), then the rest of tests/cluster on one
+# shared Ray (runtime/ and bench/ aside), then the Ray-free SPLIT dirs. Stream 2: the other
+# Ray-free tests, then, once the CLI tests are done, tests/cluster/runtime and bench/ (each
+# runtime module its own local Ray, bench/ a shared one of its own, all under a Ray temp
 # directory of its own, so no engine there joins stream 1's Ray).
+SPLIT=(tests/engine/worker tests/engine/client tests/llm_kernels tests/parallel)
+OWN_RAY=(tests/cluster/runtime tests/cluster/bench)
 marker=$(mktemp -d)
 others_log=$(mktemp)
 (
   rc=0
-  python -m pytest -q --durations=20 --ignore=tests/cluster "$@" || rc=$?
+  python -m pytest -q --durations=20 --ignore=tests/cluster "${SPLIT[@]/#/--ignore=}" "$@" \
+    || rc=$?
   while [[ ! -e "$marker/cli-done" ]] && kill -0 $$ 2>/dev/null; do sleep 2; done
   ray_tmp=$(mktemp -d /tmp/ray2.XXXX)  # short: Ray's socket paths must fit 107 bytes
-  runtime_rc=0
-  RAY_TMPDIR=$ray_tmp python -m pytest -q --durations=20 tests/cluster/runtime "$@" \
-    || runtime_rc=$?
+  own_ray_rc=0
+  RAY_TMPDIR=$ray_tmp python -m pytest -q --durations=20 "${OWN_RAY[@]}" "$@" || own_ray_rc=$?
   rm -rf "$ray_tmp"
-  for r in "$rc" "$runtime_rc"; do
+  for r in "$rc" "$own_ray_rc"; do
     if [[ "$r" != 0 && "$r" != 5 ]]; then exit "$r"; fi
   done
 ) >"$others_log" 2>&1 &
@@ -50,14 +54,16 @@ python -m pytest -q --durations=20 tests/cluster/cli "$@" || cli_rc=$?
 touch "$marker/cli-done"
 cluster_rc=0
 python -m pytest -q --durations=20 tests/cluster --ignore=tests/cluster/cli \
-  --ignore=tests/cluster/runtime "$@" || cluster_rc=$?
+  "${OWN_RAY[@]/#/--ignore=}" "$@" || cluster_rc=$?
+split_rc=0
+python -m pytest -q --durations=20 "${SPLIT[@]}" "$@" || split_rc=$?
 others_rc=0
 wait "$others" || others_rc=$?
-echo "==================== tests outside tests/cluster, then tests/cluster/runtime ===================="
+echo "==================== stream 2: Ray-free tests, then tests/cluster/runtime and bench ===================="
 cat "$others_log"
 rm -rf "$others_log" "$marker"
 # pytest exits 5 when a selection (-m ...) leaves one part with no tests: not a failure.
-for rc in "$cli_rc" "$cluster_rc" "$others_rc"; do
+for rc in "$cli_rc" "$cluster_rc" "$split_rc" "$others_rc"; do
   if [[ "$rc" != 0 && "$rc" != 5 ]]; then
     exit "$rc"
   fi
