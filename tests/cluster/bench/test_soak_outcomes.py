@@ -5,11 +5,13 @@ reports no anomaly has really looked for them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -218,14 +220,12 @@ def test_held_memory_leaves_out_what_the_allocator_freed_but_kept() -> None:
     assert held < plain - 100 * 2**20, (plain, held)  # given back
 
 
-def test_readiness_probes_count_every_answer_but_200_and_the_report_fails_on_them() -> None:
-    """``GET /health`` of the base URL's app, every interval: 200s pass, a 503 and a probe
-    with no answer in time are findings, each with when it came."""
+@contextlib.contextmanager
+def health_server(answers: Iterator[int | str], paths: list[str]) -> Iterator[str]:
+    """A local HTTP server answering each GET with the next of ``answers`` (200 once they run
+    out; ``"hang"``: 200 after a second), recording the paths asked; yields an app's base URL."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    answers = iter([200, 503, 200, "hang"])
-    paths: list[str] = []
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -242,21 +242,33 @@ def test_readiness_probes_count_every_answer_but_200_and_the_report_fails_on_the
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    base_url = f"http://127.0.0.1:{server.server_address[1]}/app/v1"
-    sampler = ReadinessSampler(health_url(base_url), interval_s=0.05, timeout_s=0.5)
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/app/v1"
+    finally:
+        server.shutdown()
+
+
+def sample_readiness(sampler: ReadinessSampler, until: Callable[[], bool]) -> None:
+    """Run ``sampler`` until ``until()`` holds, then stop it and wait for its end."""
 
     async def run() -> None:
         stop = asyncio.Event()
         task = asyncio.create_task(sampler.run(time.monotonic(), stop))
-        while len(sampler.samples) < 5:
+        while not until():
             await asyncio.sleep(0.02)
         stop.set()
         await task
 
-    try:
-        asyncio.run(run())
-    finally:
-        server.shutdown()
+    asyncio.run(run())
+
+
+def test_readiness_probes_count_every_answer_but_200_and_the_report_fails_on_them() -> None:
+    """``GET /health`` of the base URL's app, every interval: 200s pass, a 503 and a probe
+    with no answer in time are findings, each with when it came."""
+    paths: list[str] = []
+    with health_server(iter([200, 503, 200, "hang"]), paths) as base_url:
+        sampler = ReadinessSampler(health_url(base_url), interval_s=0.05, timeout_s=0.5)
+        sample_readiness(sampler, lambda: len(sampler.samples) >= 5)
     summary = sampler.summary()
     assert set(paths) == {"/app/health"}
     assert [status for _, status, _ in sampler.samples[:4]] == [200, 503, 200, "ReadTimeout"]
@@ -267,3 +279,18 @@ def test_readiness_probes_count_every_answer_but_200_and_the_report_fails_on_the
         f"GET /health was not 200 in 2 of {summary['probes']} probes under load (at s, "
         f"answer): {summary['not_ready_at']}"
     ]
+
+
+def test_readiness_probes_go_out_on_their_period_while_the_answers_are_slow() -> None:
+    """A probe every interval whether or not the last has answered, as a kubelet sends them:
+    with every answer taking a second and probes 0.1 s apart, ~1.2 s of sampling sends about
+    twelve, each counted once it answers (one after another, it sent two)."""
+    paths: list[str] = []
+    with health_server(iter(["hang"] * 100), paths) as base_url:
+        sampler = ReadinessSampler(health_url(base_url), interval_s=0.1, timeout_s=5.0)
+        began = time.monotonic()
+        sample_readiness(sampler, lambda: time.monotonic() - began > 1.2)
+    assert len(sampler.samples) >= 8, sampler.samples
+    assert all(status == 200 and took >= 0.9 for _, status, took in sampler.samples)
+    sent = [at for at, _, _ in sampler.samples]
+    assert sent == sorted(sent) and max(b - a for a, b in itertools.pairwise(sent)) < 0.5, sent
