@@ -134,6 +134,9 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
         # Graceful drain (scale-down, redeploy, shutdown): see ``_drain``.
         self.drain_timeout_s = drain_timeout_s
         self.draining = False
+        # Set once a drain has aborted what was left: a request still on its way to the engine
+        # then (waking the model, loading its adapter) is refused instead of started.
+        self.drain_aborted = False
         self._active: set[str] = set()
         self._stopping = serve_stop_flag()
         self._drain_task: asyncio.Task[None] | None = None
@@ -232,6 +235,10 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
             # when it takes the request).
             timeout = request.timeout
             timeout_s = _remaining(timeout, arrived)
+            if self.drain_aborted:  # the drain's abort came before the engine had it
+                self._active.discard(request_id)
+                yield self._draining_error()
+                return
             # With a channel, the deltas go from the head to the ingress, one message per step.
             sink = request.channel if self.head_name is not None else None
             stream = self.engine.generate(
@@ -508,6 +515,7 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         leftover = list(self._active)
+        self.drain_aborted = True
         for request_id in leftover:
             with contextlib.suppress(EngineDeadError):
                 if self.engine is not None:

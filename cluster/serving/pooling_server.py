@@ -46,6 +46,7 @@ class PoolingServer:
     tokenizer: Any
     model_id: str
     draining: bool
+    drain_aborted: bool
     _active: set[str]
     _ensure_stats_task: Any
     _draining_error: Any
@@ -128,6 +129,8 @@ class PoolingServer:
 
         try:
             await self._ensure_awake()
+            if self.drain_aborted:  # the drain's abort came before the engine had them
+                return self._draining_error()
             tasks = [
                 asyncio.ensure_future(encode(p, rid)) for p, rid in zip(prompts, ids, strict=True)
             ]

@@ -360,6 +360,50 @@ def test_drain_aborts_an_embedding_in_flight_with_a_503_draining() -> None:
         server.engine.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["generate", "embed"])
+def test_a_request_the_drain_ends_before_it_reaches_the_engine_is_refused_not_started(
+    kind: str,
+) -> None:
+    """A request still on its way to the engine when the drain's deadline passes (waking the
+    model, loading its adapter: here a wake held open) is refused with 503 ``draining``; it
+    used to reach the engine after the drain and run on a replica Serve is about to kill."""
+    server = LLMServer("tiny", ENGINE_ARGS)
+    woken = asyncio.Event()
+
+    async def slow_wake() -> None:
+        await woken.wait()
+
+    server._ensure_awake = slow_wake  # type: ignore[method-assign]
+
+    async def run() -> tuple[Any, dict[str, int]]:
+        if kind == "generate":
+            params = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+            items = stream(server, {"prompt": "a", "params": params})
+            pending = asyncio.ensure_future(anext(items))
+        else:
+            pending = asyncio.ensure_future(server.embed(EmbedRequest(prompt="a b c")))
+        while not server._active:
+            await asyncio.sleep(0.01)
+        counts = await server.drain(0.05)
+        woken.set()
+        return await pending, counts
+
+    try:
+        answer, counts = asyncio.run(run())
+        if kind == "generate":
+            draining = error_item(503, answer["message"], None, "draining", 1)
+            assert answer == msgspec.to_builtins(draining)
+        else:
+            assert (answer.status, answer.code, answer.retry_after) == (503, "draining", 1)
+        assert counts == {"finished": 0, "aborted": 1}
+        state = asyncio.run(server.request_state())
+        assert not server._active and state["kv_free_blocks"] == state["kv_total_blocks"]
+        stats = asyncio.run(server.stats())
+        assert (stats["num_running"], stats["generation_tokens_total"]) == (0, 0), stats
+    finally:
+        server.engine.shutdown()
+
+
 # ---- chat templates and /tokenize, as vLLM's ----
 
 
