@@ -199,8 +199,8 @@ def _print_loading(workers: list[dict[str, Any]]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Start (a local Ray unless ``--address``), deploy, serve until SIGINT or SIGTERM, drain,
-    stop Ray, and return once the config's ports are free (``cluster.ops.stop``)."""
+    """Start (a local Ray unless ``--address``), deploy, serve until SIGINT, SIGTERM or SIGHUP,
+    drain, stop Ray, and return once the config's ports are free (``cluster.ops.stop``)."""
     import ray
 
     from cluster.ops import deploy, ports
@@ -241,9 +241,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _stopped_while_starting(config: DeploymentConfig | None, local: bool, signum: int) -> int:
-    """SIGINT or SIGTERM while ``cluster serve`` started (``config`` None: before it was
-    read): remove what was deployed, stop the local Ray, and say so in one line; 130 for
-    Ctrl-C, 0 for SIGTERM."""
+    """A stop signal while ``cluster serve`` started (``config`` None: before it was read):
+    remove what was deployed, stop the local Ray, and say so in one line; 130 for Ctrl-C, 0
+    for SIGTERM, 129 for SIGHUP."""
     import ray
 
     from cluster.ops import deploy, ports

@@ -1,8 +1,8 @@
 """Stopping ``cluster serve``: one signal, one orderly stop, whatever it reached.
 
-    Ctrl-C, SIGTERM ──▶ cluster serve ──▶ drain: Serve stops the replicas; requests in flight
-    (to it, or to its     (the driver)      finish, or end with "abort" and [DONE]
-     process group)                     ──▶ stop Ray ──▶ wait until the ports are free ──▶ exit 0
+    Ctrl-C, SIGTERM,  ──▶ cluster serve ──▶ drain: Serve stops the replicas; requests in flight
+    SIGHUP (to it, or     (the driver)      finish, or end with "abort" and [DONE]
+    to its process group)               ──▶ stop Ray ──▶ wait until the ports are free ──▶ exit 0
     Ray's own processes (GCS, raylet, agents) lead process groups of their own.
 
 A signal to ``cluster serve``'s process group (Ctrl-C in a terminal, ``kill -TERM -PGID``) reaches
@@ -11,21 +11,22 @@ worker exits the moment its raylet is gone, the ingress with its streams half wr
 (RELIABILITY.md, "Stopping and restarting"). So every stop is the drain, and the driver stops
 Ray only after it.
 
-``StopSignals`` turns SIGINT and SIGTERM into that stop: while ``cluster serve`` starts, by raising
-``StopRequested`` wherever the main thread waits (so a stop mid-deploy removes what was started);
-once it serves, by setting an event. Where a signal reaches Ray's processes too (a kill of the whole
-cgroup, systemd's default ``KillMode=control-group``) the GCS stops at once and a drain through it
-would wait 60 s on Ray's reconnection, or fail at once (raised, that error would leave the driver
-in Ray's excepthook, which waits on the GCS): ``drain_unless_gcs_gone`` notices either, the
-replicas abort their requests on their own (``cluster.serving.serve_replica.gcs_loss_flag``), and
-``exit_without_ray`` ends the driver within seconds. That path cannot promise every stream its
-ending (the raylet may stop the workers first): ``docs/deploy.md`` says to signal the main
-process alone.
+``StopSignals`` turns SIGINT, SIGTERM and SIGHUP (its terminal closed) into that stop: while
+``cluster serve`` starts, by raising ``StopRequested`` wherever the main thread waits (so a stop
+mid-deploy removes what was started); once it serves, by setting an event. Where a signal reaches
+Ray's processes too (a kill of the whole cgroup, systemd's default ``KillMode=control-group``) the
+GCS stops at once and a drain through it would wait 60 s on Ray's reconnection, or fail at once
+(raised, that error would leave the driver in Ray's excepthook, which waits on the GCS):
+``drain_unless_gcs_gone`` notices either, the replicas abort their requests on their own
+(``cluster.serving.serve_replica.gcs_loss_flag``), and ``exit_without_ray`` ends the driver within
+seconds. That path cannot promise every stream its ending (the raylet may stop the workers first):
+``docs/deploy.md`` says to signal the main process alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -43,11 +44,11 @@ from cluster.serving.serve_replica import ABORT_ON_GCS_LOSS_ENV
 
 logger = logging.getLogger("llm_cluster.stop")
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class StopRequested(BaseException):
-    """SIGINT or SIGTERM arrived while ``cluster serve`` was starting (a BaseException, like
+    """A stop signal arrived while ``cluster serve`` was starting (a BaseException, like
     KeyboardInterrupt: no ``except Exception`` on the way swallows it)."""
 
     def __init__(self, signum: int) -> None:
@@ -56,20 +57,29 @@ class StopRequested(BaseException):
 
 
 class StopSignals:
-    """SIGINT and SIGTERM as a request to stop ``cluster serve`` (installed on the main thread).
-    ``starting`` (the default): the first signal raises ``StopRequested`` in the main thread;
-    after ``serving()`` it only sets ``requested``. Later signals are recorded, never raised.
-    ``ray.init`` installs Ray's own SIGTERM handler (and a C++ one that dumps a stack and
-    aborts): call ``install()`` again once it has returned."""
+    """SIGINT, SIGTERM and SIGHUP as a request to stop ``cluster serve`` (installed on the main
+    thread). ``starting`` (the default): the first signal raises ``StopRequested`` in the main
+    thread; after ``serving()`` it only sets ``requested``. Later signals are recorded, never
+    raised. ``ray.init`` installs Ray's own SIGTERM handler (and a C++ one that dumps a stack and
+    aborts): call ``install()`` again once it has returned.
+
+    SIGHUP is left ignored where it was ignored at start (``nohup``). On a hang-up the terminal
+    is gone and writing to it fails (EIO): the standard streams that were that terminal are
+    pointed at ``/dev/null`` first, so the drain's messages cannot break the stop."""
 
     def __init__(self) -> None:
         self.requested = threading.Event()
         self.signum: int | None = None
         self._raise = True
+        self._signals = tuple(
+            sig
+            for sig in STOP_SIGNALS
+            if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN
+        )
         self.install()
 
     def install(self) -> None:
-        for sig in STOP_SIGNALS:
+        for sig in self._signals:
             signal.signal(sig, self._on_signal)
 
     def serving(self) -> None:
@@ -78,6 +88,8 @@ class StopSignals:
         self.install()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            _detach_from_terminal()
         first = self.signum is None
         if first:
             self.signum = signum
@@ -88,8 +100,38 @@ class StopSignals:
 
     @staticmethod
     def exit_code(signum: int) -> int:
-        """130 for Ctrl-C (a shell's 128 + SIGINT), 0 for SIGTERM (a stop asked for, done)."""
-        return 128 + signal.SIGINT if signum == signal.SIGINT else 0
+        """0 for SIGTERM (a stop asked for, done); a shell's 128 + the signal for the others:
+        130 for Ctrl-C, 129 for a hang-up."""
+        return 0 if signum == signal.SIGTERM else 128 + signum
+
+
+def _detach_from_terminal() -> None:
+    """Point stdin, stdout and stderr at ``/dev/null`` where they are a terminal (one that hung
+    up answers every write with EIO)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in (0, 1, 2):
+            if _is_terminal(fd):
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _is_terminal(fd: int) -> bool:
+    """Whether ``fd`` is a terminal, one that hung up included (``isatty`` says no to those:
+    their ioctls fail with EIO)."""
+    import termios
+
+    try:
+        termios.tcgetattr(fd)
+    except termios.error as exc:
+        return exc.args[0] == errno.EIO
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 @contextlib.contextmanager

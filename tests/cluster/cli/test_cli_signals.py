@@ -4,7 +4,8 @@ holder; SIGTERM to the whole process group (``kill -TERM -PGID``) drains every s
 ending; Ctrl-C stops it and a restart right after binds the same ports; a stop while it
 still deploys removes what started and says so in one line; the ingress stopped by SIGTERM ends
 its streams before it exits and comes back on its port; and a signal that reaches Ray's own
-processes too (a whole cgroup) still ends ``cluster serve`` within seconds."""
+processes too (a whole cgroup) still ends ``cluster serve`` within seconds; a hang-up stops it
+like Ctrl-C, though its terminal is gone, unless it started under ``nohup``."""
 
 from __future__ import annotations
 
@@ -327,7 +328,9 @@ sys.exit(cli.main([{command!r}, "configs/tiny.yaml"]))
 
 
 @pytest.mark.parametrize("command", ["deploy", "serve"])
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0), (signal.SIGHUP, 129)]
+)
 def test_a_stop_while_the_config_is_read_exits_with_its_code_and_no_traceback(
     command: str, signum: int, code: int
 ) -> None:
@@ -339,3 +342,59 @@ def test_a_stop_while_the_config_is_read_exits_with_its_code_and_no_traceback(
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     assert "nothing" in result.stdout, result.stdout  # "nothing was deployed" / "... started"
+
+
+_HUNG_UP_WHILE_LOADING = """
+import os, signal, sys, time
+import cluster.cli as cli
+{prelude}
+
+def slow_load(path):  # a hang-up while the config is read, then a SIGTERM
+    while not os.path.exists({ready!r}):
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGHUP)
+    time.sleep(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    raise AssertionError("no signal stopped the load")
+
+cli._load_config = slow_load
+sys.exit(cli.main(["serve", "configs/tiny.yaml"]))
+"""
+
+
+def test_a_hang_up_while_the_config_is_read_stops_serve_though_its_terminal_is_gone(
+    tmp_path: Path,
+) -> None:
+    """``cluster serve`` on a terminal that closed (a pseudo-terminal whose master is gone:
+    every write to it fails with EIO) and a SIGHUP: it stops as for Ctrl-C, exit 129, its
+    one line lost with the terminal and no traceback. SIGHUP used to kill it without a stop."""
+    import pty
+
+    ready = tmp_path / "terminal-closed"
+    script = _HUNG_UP_WHILE_LOADING.format(prelude="", ready=str(ready))
+    master, terminal = pty.openpty()
+    try:
+        child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=cli_env(),
+                                 stdin=terminal, stdout=terminal, stderr=subprocess.PIPE,
+                                 text=True)  # fmt: skip
+    finally:
+        os.close(terminal)
+        os.close(master)
+    ready.touch()
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 129, stderr
+    assert "Traceback" not in stderr, stderr
+
+
+def test_a_hang_up_is_ignored_by_serve_started_under_nohup(tmp_path: Path) -> None:
+    """Started with SIGHUP ignored (``nohup``), ``cluster serve`` keeps ignoring it: the
+    SIGTERM after it is what stops it (exit 0)."""
+    ready = tmp_path / "ready"
+    ready.touch()
+    prelude = "signal.signal(signal.SIGHUP, signal.SIG_IGN)"
+    script = _HUNG_UP_WHILE_LOADING.format(prelude=prelude, ready=str(ready))
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=cli_env(),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "stopped by SIGTERM while starting" in result.stdout, result.stdout

@@ -24,7 +24,7 @@ from cluster.ops.stop import (
 
 @pytest.fixture
 def signals() -> Iterator[StopSignals]:
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield StopSignals()
     finally:
@@ -57,9 +57,10 @@ def test_install_takes_the_signals_back_from_another_handler(signals: StopSignal
         signal.raise_signal(signal.SIGTERM)
 
 
-def test_exit_codes_are_130_for_ctrl_c_and_0_for_sigterm() -> None:
+def test_exit_codes_are_130_for_ctrl_c_0_for_sigterm_and_129_for_a_hang_up() -> None:
     assert StopSignals.exit_code(signal.SIGINT) == 130
     assert StopSignals.exit_code(signal.SIGTERM) == 0
+    assert StopSignals.exit_code(signal.SIGHUP) == 129
 
 
 def test_processes_ray_starts_meanwhile_lead_their_own_process_group() -> None:
