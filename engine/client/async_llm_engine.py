@@ -197,6 +197,8 @@ class AsyncLLMEngine:
             tokenizer = getattr(self.client, "tokenizer", None)
         self.tokenizer = tokenizer
         self._streams: dict[str, _Stream] = {}
+        # Requests whose add the core has not answered yet: an abort of one waits for it.
+        self._adding: dict[str, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None
         # The core's threads call back through weak references, so an engine dropped without
@@ -339,7 +341,14 @@ class AsyncLLMEngine:
                     self.client.abort([request_id])
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with finish_reason "abort"."""
+        """Abort a request; its stream ends with finish_reason "abort". One whose add the core
+        has not answered yet is aborted again once it has: a core that takes commands in order
+        (in process, a child process) has the abort right after the add, before any step, but
+        a head in another process takes the two as separate calls and may handle the abort
+        first, finding nothing (an unknown or finished id is ignored)."""
+        add = self._adding.get(request_id)
+        if add is not None and not add.done():
+            add.add_done_callback(lambda done: self._abort_if_added(done, request_id))
         self.client.abort([request_id])
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -440,6 +449,8 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         add = asyncio.ensure_future(self.client.add_request(request))
+        self._adding[request_id] = add
+        add.add_done_callback(lambda _: self._adding.pop(request_id, None))
         try:
             added = await asyncio.shield(add)
         except asyncio.CancelledError:

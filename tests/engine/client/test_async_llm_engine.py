@@ -237,6 +237,43 @@ def test_explicit_abort_ends_the_stream_with_abort(engine: AsyncLLMEngine) -> No
     assert asyncio.run(run()).finish_reason == "abort"
 
 
+def test_an_abort_while_the_core_adds_the_request_is_sent_once_the_add_is_done(
+    engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head in another process takes the add and the abort as two calls, so an abort sent
+    while the add is on its way can be handled first and find nothing (a drain aborting a
+    request just sent): the abort waits for the add, and the request ends with "abort"."""
+    real_add = engine.client.add_request
+
+    async def run() -> StreamOutput | None:
+        release = asyncio.Event()
+
+        async def slow_add(request: Any) -> Any:  # the add still on its way to the core
+            await release.wait()
+            return await real_add(request)
+
+        monkeypatch.setattr(engine.client, "add_request", slow_add)
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        last = None
+
+        async def consume() -> None:
+            nonlocal last
+            async for item in engine.generate("x", params, request_id="adding"):
+                last = item
+
+        task = asyncio.create_task(consume())
+        while "adding" not in engine._adding:
+            await asyncio.sleep(0.01)
+        await engine.abort("adding")
+        release.set()
+        await asyncio.wait_for(task, 60)
+        return last
+
+    last = asyncio.run(run())
+    assert last is not None and last.finish_reason == "abort"
+    assert not engine._adding
+
+
 def test_event_loop_keeps_running_during_forward_passes() -> None:
     engine = AsyncLLMEngine.from_engine_args(model=MODEL, num_kv_blocks=32)
     real_execute = engine.engine.executor.execute_model
