@@ -34,6 +34,7 @@ class _Server(PoolingServer):
         self.metrics = metrics
         self.model_id = "m"
         self.draining = False
+        self.drain_aborted = False
         self._active = set()
 
     def _ensure_stats_task(self) -> None:
