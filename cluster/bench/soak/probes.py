@@ -216,7 +216,7 @@ class ReadinessSampler:
             status: int | str
             try:
                 status = (await client.get(self.url)).status_code
-            except httpx.HTTPError as exc:
+            except Exception as exc:  # no answer (httpx's errors, a URL it refuses): not ready
                 status = type(exc).__name__
             self.samples.append((sent - start, status, time.monotonic() - sent))
 
