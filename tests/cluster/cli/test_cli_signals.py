@@ -313,9 +313,11 @@ def test_a_signal_that_reaches_rays_processes_too_still_ends_serve_in_seconds(
 # signal reaches ``cluster serve`` alone, as a signal to its pid does.
 
 
+# SIGHUP at its default, as a terminal starts a command (this suite may run under nohup).
 _STOPPED_WHILE_LOADING = """
-import os, sys, time
+import os, signal, sys, time
 import cluster.cli as cli
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 def slow_load(path):  # the signal arrives while the config (and its checkpoint) is read
     os.kill(os.getpid(), {signum})
@@ -372,7 +374,8 @@ def test_a_hang_up_while_the_config_is_read_stops_serve_though_its_terminal_is_g
     import pty
 
     ready = tmp_path / "terminal-closed"
-    script = _HUNG_UP_WHILE_LOADING.format(prelude="", ready=str(ready))
+    prelude = "signal.signal(signal.SIGHUP, signal.SIG_DFL)"  # (the suite may run under nohup)
+    script = _HUNG_UP_WHILE_LOADING.format(prelude=prelude, ready=str(ready))
     master, terminal = pty.openpty()
     try:
         child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=cli_env(),
