@@ -197,7 +197,7 @@ class AsyncLLMEngine:
             tokenizer = getattr(self.client, "tokenizer", None)
         self.tokenizer = tokenizer
         self._streams: dict[str, _Stream] = {}
-        # Requests whose add the core has not answered yet: an abort of one waits for it.
+        # Requests whose add the core has not answered yet: an abort of one is sent again then.
         self._adding: dict[str, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None

@@ -305,7 +305,7 @@ class LLM:
 
 def _per_prompt(value: Any, single: bool, num_prompts: int, param: str) -> list[Any]:
     """``value`` for every prompt when ``single``, else a list that must align with the prompts
-    (vLLM's rule for ``lora_request`` and ``priority``)."""
+    (vLLM's rule for the sampling and pooling parameters, ``lora_request`` and ``priority``)."""
     if single:
         return [value] * num_prompts
     values = list(value)
