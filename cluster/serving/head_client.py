@@ -56,7 +56,8 @@ def head_actor_resources(bundle: dict[str, float]) -> dict[str, float]:
 
 class HeadCoreClient(EngineCoreClient):
     """The front's side of a ``HeadActor``: starts it in this replica's placement group (bundle
-    ``bundle_index``, holding ``resources``) and waits until its model is loaded."""
+    ``bundle_index``, holding ``resources``) and returns at once; ``wait_started`` then waits
+    until its model is loaded (the front loads its tokenizer meanwhile)."""
 
     def __init__(
         self,
@@ -91,6 +92,10 @@ class HeadCoreClient(EngineCoreClient):
         self._poller: asyncio.Task[None] | None = None
         self._acked = 0  # the last step number handed to on_step
         self._shut_down = False
+
+    def wait_started(self) -> None:
+        """Block until the head's model is loaded. A head that failed to start is stopped and
+        its reason raised (``EngineStartError``; ``RuntimeError`` for a head that died)."""
         try:
             # No deadline: the head's executor bounds each start-up phase itself
             # (LLM_CLUSTER_LOAD_TIMEOUT_S) and a head that dies raises here at once.
@@ -98,7 +103,7 @@ class HeadCoreClient(EngineCoreClient):
         except RayError as exc:
             self.shutdown()
             # The head's own error (a bad config, a worker that failed to start) is the cause.
-            raise RuntimeError(f"the engine head {name} failed to start: {exc}") from exc
+            raise RuntimeError(f"the engine head {self.name} failed to start: {exc}") from exc
         if start_failure is not None:
             self.shutdown()
             raise EngineStartError(start_failure)

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.api.reasoning_parsers import reasoning_front
 from cluster.api.replica_messages import (
@@ -73,6 +73,9 @@ from engine.sampling_params import RequestOutputKind
 from engine.startup_timeline import StartupTimeline
 from engine.vlm_config import is_vlm
 
+if TYPE_CHECKING:
+    from cluster.serving.head_client import HeadCoreClient
+
 logger = logging.getLogger("llm_cluster.serve")
 
 _SINK_FLUSH_S = 3.0
@@ -118,9 +121,18 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
         self.head_name: str | None = None
         self._core_args = (engine_args, head_resources)
         try:
-            self._configure(engine_args, lora_config)
-            if not start_asleep:
-                self._start_core()
+            self.config = EngineConfig.from_kwargs(**engine_args)
+            self.startup.mark("config")
+            # The head starts in a process of its own while this one loads the tokenizer.
+            head = None if start_asleep else self._launch_head()
+            try:
+                self._configure(lora_config)
+                if not start_asleep:
+                    self._start_core(head)
+            except BaseException:
+                if head is not None:
+                    head.shutdown()  # once only: a head that failed to start is stopped already
+                raise
         except Exception as exc:
             # A cause that starting again would meet again: the deployment fails at once with
             # it (cluster.ops.deploy reads it from Serve's status), rather than after Serve's
@@ -146,15 +158,13 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
         logger.info("model %s ready on replica %s", model_id, self.replica_id)
         self.startup.log(logger)
 
-    def _configure(self, engine_args: dict[str, Any], lora_config: dict[str, Any] | None) -> None:
-        """Everything the front needs before the engine: the config, the LoRA catalog, the
-        tokenizer, the image processor and the parsers."""
+    def _configure(self, lora_config: dict[str, Any] | None) -> None:
+        """Everything the front needs besides the engine: the LoRA catalog, the tokenizer, the
+        image processor and the parsers."""
         self.adapters: ReplicaAdapters | None = None
         if lora_config is not None:
             self.adapters = ReplicaAdapters(lora_config, in_replica=self.replica_id != "local")
-        config = EngineConfig.from_kwargs(**engine_args)
-        self.config = config
-        self.startup.mark("config")
+        config = self.config
         self.tokenizer = load_tokenizer(config)
         self.startup.mark("tokenizer")
         # A VLM's images are preprocessed here, on the front (engine.multimodal.processor).
@@ -172,27 +182,36 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
         reasoning = config.frontend.reasoning_parser
         self.reasoning = reasoning_front(reasoning, self.tokenizer) if reasoning else None
 
-    def _start_core(self) -> None:
-        """Start the engine core: in a head actor in this replica's placement group, or on a
-        thread of this process outside Serve. Blocks until its model is loaded."""
+    def _launch_head(self) -> HeadCoreClient | None:
+        """Start the head actor in this replica's placement group, without waiting for it; None
+        outside Serve (no head resources: the core runs on a thread of this process)."""
         engine_args, head_resources = self._core_args
-        config = self.config
-        if head_resources is not None:
-            from cluster.serving.head_actor import HEAD_NAME_PREFIX
-            from cluster.serving.head_client import HeadCoreClient
+        if head_resources is None:
+            return None
+        from cluster.serving.head_actor import HEAD_NAME_PREFIX
+        from cluster.serving.head_client import HeadCoreClient
 
-            client = HeadCoreClient(
-                config,
-                engine_args,
-                name=f"{HEAD_NAME_PREFIX}{self.model_id}:{self.replica_id}",
-                bundle_index=HEAD_BUNDLE_INDEX,
-                resources=head_resources,
-            )
+        return HeadCoreClient(
+            self.config,
+            engine_args,
+            name=f"{HEAD_NAME_PREFIX}{self.model_id}:{self.replica_id}",
+            bundle_index=HEAD_BUNDLE_INDEX,
+            resources=head_resources,
+        )
+
+    def _start_core(self, head: HeadCoreClient | None = None) -> None:
+        """Start the engine core: in a head actor (``head`` when one was launched already), or
+        on a thread of this process outside Serve. Blocks until its model is loaded."""
+        if head is None:
+            head = self._launch_head()
+        if head is not None:
+            head.wait_started()
             self.startup.mark("head")
-            self.engine = AsyncLLMEngine(client, tokenizer=self.tokenizer)
+            self.engine = AsyncLLMEngine(head, tokenizer=self.tokenizer)
             # The head writes an ingress's requests' deltas to its token channel.
-            self.head_name = client.name
+            self.head_name = head.name
         else:
+            config = self.config
             core = InProcessCoreClient(lambda: build_engine(config))
             self.engine = AsyncLLMEngine(core, tokenizer=self.tokenizer)
 

@@ -34,6 +34,7 @@ def remote_engine(core_process: bool | None = None) -> AsyncLLMEngine:
     name = f"{HEAD_NAME_PREFIX}test:{uuid.uuid4().hex[:8]}"
     client = HeadCoreClient(config, ENGINE_ARGS, name=name, bundle_index=0,
                             resources={"CPU": 1}, core_process=core_process)  # fmt: skip
+    client.wait_started()
     return AsyncLLMEngine(client, tokenizer=load_tokenizer(config))
 
 
@@ -200,7 +201,8 @@ def test_a_child_core_that_cannot_load_fails_its_head_with_the_reason(tmp_path: 
     args = {**ENGINE_ARGS, "model": str(checkpoint)}
     with pytest.raises(EngineStartError) as info:
         HeadCoreClient(EngineConfig.from_kwargs(**args), args, name=f"{HEAD_NAME_PREFIX}x:y",
-                       bundle_index=0, resources={"CPU": 1}, core_process=True)  # fmt: skip
+                       bundle_index=0, resources={"CPU": 1},
+                       core_process=True).wait_started()  # fmt: skip
     assert str(info.value) == f"model: no *.safetensors files in {checkpoint}"
 
 
@@ -384,12 +386,30 @@ def test_a_head_whose_model_cannot_load_fails_its_replica_with_the_reason(tmp_pa
     assert str(info.value) == (
         f"model 'broken' cannot start: model: no *.safetensors files in {checkpoint}"
     )
-    broken_head = f"{HEAD_NAME_PREFIX}broken:"
+    wait_for_heads_gone("broken")
 
-    def head_gone() -> bool:
-        return not [a for a in ray.util.list_named_actors() if a.startswith(broken_head)]
 
-    wait_for(head_gone, 30, "the failed head actor to be killed")
+def test_a_front_that_cannot_start_stops_the_head_it_launched() -> None:
+    """The replica starts its head before loading its own tokenizer (the two overlap); a front
+    setting that fails then (a reasoning parser whose tokens the tokenizer lacks) fails the
+    replica with its reason, and the head already started is killed."""
+    from cluster.serving.llm_server import LLMServer
+    from cluster.serving.start_errors import ModelStartError
+
+    args = {**ENGINE_ARGS, "reasoning_parser": "deepseek_r1"}
+    with pytest.raises(ModelStartError, match="reasoning_parser: 'deepseek_r1' needs <think>"):
+        LLMServer("no-think", args, head_resources={"CPU": 1})
+    wait_for_heads_gone("no-think")
+
+
+def wait_for_heads_gone(model_id: str) -> None:
+    """Wait until no head actor of ``model_id`` is alive."""
+    prefix = f"{HEAD_NAME_PREFIX}{model_id}:"
+
+    def gone() -> bool:
+        return not [a for a in ray.util.list_named_actors() if a.startswith(prefix)]
+
+    wait_for(gone, 30, f"the head actors of {model_id!r} to be killed")
 
 
 # Starts Ray (and Serve): the full suite, not the fast tier (scripts/test.sh -m "not slow").
