@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up, lint, and run the whole test suite (CPU; gpu-marked tests skip without CUDA).
-#   scripts/test.sh                  everything (~33 min on 2 cores): what CI runs
+#   scripts/test.sh                  everything (32-35 min on 2 cores): what CI runs
 #   scripts/test.sh --fast           the fast tier (-m "not slow", ~4 min): the working loop
 #   scripts/test.sh tests/engine/... a file or test: one pytest, as given
 # Every run prints its 20 slowest tests (CI keeps them in its log).
