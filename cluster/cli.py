@@ -494,7 +494,11 @@ def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
     shutdown_cmd.set_defaults(func=_shutdown)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser. Given the command line ``argv``, the benchmarks' own options (their
+    modules import torch: over a second) are added only when it is a ``bench`` command, so
+    ``status``, ``shutdown``, ``sleep`` and ``wake`` never import torch (``serve``, ``deploy``
+    and ``plan`` import it to check the config's engine arguments)."""
     parser = argparse.ArgumentParser(prog="cluster", description="llm-cluster: LLM serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -529,6 +533,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serving_commands(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (measurements, printed and written as JSON)")
+    if argv is None or list(argv[:1]) == ["bench"]:
+        _add_bench_commands(bench)
+    return parser
+
+
+def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from cluster.bench import throughput
 
@@ -563,11 +573,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     soak.add_arguments(sk)
     sk.set_defaults(func=lambda a: (soak.run(soak.require_target(sk, a)), 0)[1])
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return args.func(args)
 
 

@@ -214,14 +214,18 @@ def test_the_cycle_check_sees_a_cycle_closed_inside_a_function(tmp_path: pathlib
 
 
 def test_the_ingress_and_the_cli_import_neither_torch_nor_transformers() -> None:
-    """Every ingress replica imports these, and so do ``cluster status`` and ``shutdown``;
-    torch and transformers would add ~3.5 s to each start (BENCHMARKS.md, start-up)."""
+    """Every ingress replica imports these, and so do the CLI's commands, whose command lines
+    are parsed here too: ``status`` and ``shutdown`` never import torch or transformers, which
+    would add ~3.5 s to each start (BENCHMARKS.md, start-up); ``serve`` and ``deploy`` only to
+    check the config."""
     import subprocess
     import sys
 
     code = (
         "import sys, cluster.serving.serve, cluster.ops.deploy, cluster.serving.token_channel, "
-        "cluster.config; "
+        "cluster.config, cluster.cli; "
+        "[cluster.cli.build_parser(a).parse_args(a) for a in (['serve', 'c.yaml'], "
+        "['deploy', 'c.yaml'], ['status'], ['shutdown'])]; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     result = subprocess.run(
