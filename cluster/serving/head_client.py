@@ -1,7 +1,8 @@
 """``HeadCoreClient``: the replica's side of its head (``cluster.serving.head_actor``). The
 ``LLMServer`` front's ``EngineCoreClient`` when the engine core runs in a ``HeadActor``: it starts
-the actor in the replica's placement group, waits until its model is loaded, and then makes the
-Ray calls (msgspec bytes both ways) that the front's ``AsyncLLMEngine`` asks for.
+the actor in the replica's placement group, ``wait_started`` waits until its model is loaded,
+and then it makes the Ray calls (msgspec bytes both ways) that the front's ``AsyncLLMEngine``
+asks for.
 
     add_request / abort / control / stats ──▶ the head's methods, outside any request's context
     one poll always outstanding          ◀── every step the front has not acknowledged
