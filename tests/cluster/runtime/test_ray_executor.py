@@ -143,23 +143,28 @@ def killed_engine() -> Iterator[dict[str, Any]]:
     survivor, victim = executor.workers
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=150))
+    # The time the kill was asked for: the engine may see the worker die before ``ray.kill``
+    # returns on the killing thread.
     killed_at: list[float] = []
 
     def kill() -> None:
-        ray.kill(victim, no_restart=True)
         killed_at.append(time.monotonic())
+        ray.kill(victim, no_restart=True)
 
     error: EngineDeadError | None = None
     steps = 0
+    killer = threading.Thread(target=kill)
     try:
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
             if steps == 3:
-                threading.Thread(target=kill).start()
+                killer.start()
     except EngineDeadError as exc:
         error = exc
     failed_at = time.monotonic()
+    if killer.is_alive():
+        killer.join()
     yield {
         "engine": engine,
         "error": error,
