@@ -4,9 +4,11 @@
              max_tokens); about --cancel-fraction are closed by the client mid-stream
     bursts   every --burst-interval s, one-shot streams up to --burst-size in flight (by
              default 10x max_ongoing_requests: admission control must answer 503)
-    memory   resident set of each replica, the ingress and Serve's HTTP proxy, every
-             --rss-interval s, after each returned its allocator's free pages (malloc_trim);
-             growth = second half's floor (low decile) over the first's (after --warmup)
+    memory   resident set of each replica, the ingress and Serve's HTTP proxy after each
+             returned its allocator's free pages (malloc_trim): every --rss-interval s for
+             the trend, and at rest after each half (the clients pause, every request ends,
+             a full gc); growth = the second reading over the first (halves split midway
+             between --warmup and --duration)
     ready    GET /health every second during the run: always 200 (a readiness probe would
              otherwise take the busy endpoint out of service)
     idle     after the run every replica must be idle: all KV blocks free, no request state

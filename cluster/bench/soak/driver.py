@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -38,8 +38,9 @@ async def soak(
 ) -> dict[str, Any]:
     """Run the load for ``settings.duration_s`` (plus the in-flight requests' tails) and return
     the report (``findings(report)`` lists what failed). ``GET /health`` is asked every second
-    throughout and must answer 200. With a ``probe``, resident memory is sampled during the run
-    and every replica must go idle after it."""
+    throughout and must answer 200. With a ``probe``, resident memory is sampled during the run,
+    and after each half the load rests: every replica must go idle, and then each process's
+    memory is read (the halves' growth compares those readings)."""
     settings.check()
     records: dict[int, RequestRecord] = {}
     client = make_client(base_url, api_key, records, settings)
@@ -53,8 +54,12 @@ async def soak(
     sampling = asyncio.create_task(sampler.run(load.start, stop)) if sampler else None
     probing = asyncio.create_task(readiness.run(load.start, stop))
     ticker = asyncio.create_task(_report_progress(load, settings, progress))
+    rests: list[dict[str, Any]] = []
+    rest = None
+    if probe is not None and sampler is not None:
+        rest = _rest(probe, sampler, load, rests, idle_timeout_s, progress)
     try:
-        await load.run()
+        await load.run(rest)
     finally:
         stop.set()
         ticker.cancel()
@@ -65,15 +70,37 @@ async def soak(
     load_s = time.monotonic() - load.start
     report = summarize(list(records.values()), load, settings, load_s)
     report["readiness"] = readiness.summary()
-    if probe is not None and sampler is not None:
-        report["rss"] = sampler.summary(settings.warmup_s, settings.duration_s)
+    if sampler is not None:
+        report["rss"] = sampler.summary()
+        report["idle_between_halves"], report["idle"] = rests
+    return report
+
+
+def _rest(
+    probe: ServeProbe,
+    sampler: RssSampler,
+    load: SoakLoad,
+    rests: list[dict[str, Any]],
+    idle_timeout_s: float,
+    progress: Callable[[str], None],
+) -> Callable[[str], Awaitable[None]]:
+    """What the load awaits after each half, with nothing in flight: every replica idle (its
+    state appended to ``rests``), then each process's memory read at rest."""
+
+    async def rest(label: str) -> None:
+        at_s = time.monotonic() - load.start
+        progress(f"{at_s:6.0f} s  {label} done: waiting for idle, then memory at rest")
+        entry: dict[str, Any] = {"after": label, "at_s": round(at_s, 1)}
         try:
             idle, states, waited = await asyncio.to_thread(probe.wait_idle, idle_timeout_s)
         except Exception as exc:  # no replica to answer: the finding is that it is gone
-            report["idle"] = {"reached": False, "error": f"{type(exc).__name__}: {exc}"}
+            entry.update(reached=False, error=f"{type(exc).__name__}: {exc}")
         else:
-            report["idle"] = {"reached": idle, "waited_s": round(waited, 1), "replicas": states}
-    return report
+            entry.update(reached=idle, waited_s=round(waited, 1), replicas=states)
+        rests.append(entry)
+        await sampler.read_at_rest(label)
+
+    return rest
 
 
 async def _report_progress(

@@ -7,7 +7,7 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,10 @@ class SoakSettings:
             lo, hi = getattr(self, name)
             if not 0 < lo <= hi:
                 raise ValueError(f"{name}: must be (lo, hi) with 0 < lo <= hi, got {(lo, hi)}")
+
+    def middle_s(self) -> float:
+        """Where the first half ends: halfway between the warm-up's end and the duration."""
+        return (self.warmup_s + self.duration_s) / 2
 
     def burst_times(self) -> list[float]:
         """Seconds from the start: one burst in the middle of the warm-up (so its allocations
@@ -254,13 +258,33 @@ class SoakLoad:
         self.peak_in_flight = 0
         self.burst_log: list[dict[str, Any]] = []
 
-    async def run(self) -> None:
+    async def run(self, rest: Callable[[str], Awaitable[None]] | None = None) -> None:
+        """The whole load. With ``rest``, in two halves: each half's clients stop at its end,
+        its requests run to their ends, then ``rest("first_half")`` (``"second_half"``) is
+        awaited with nothing in flight; the second half's bursts keep their times counted
+        from its start. Without it, one stretch of ``duration_s``."""
         self.start = time.monotonic()
-        deadline = self.start + self.settings.duration_s
+        settings = self.settings
+        if rest is None:
+            await self._stretch(0.0, settings.duration_s)
+            return
+        await self._stretch(0.0, settings.middle_s())
+        await rest("first_half")
+        await self._stretch(settings.middle_s(), settings.duration_s)
+        await rest("second_half")
+
+    async def _stretch(self, begin_s: float, end_s: float) -> None:
+        """The load from ``begin_s`` to ``end_s`` of the load's own time, starting now."""
+        zero = time.monotonic() - begin_s
         clients = [
-            asyncio.create_task(self._client_loop(deadline)) for _ in range(self.settings.clients)
+            asyncio.create_task(self._client_loop(zero + end_s))
+            for _ in range(self.settings.clients)
         ]
-        bursts = [asyncio.create_task(self._burst(at)) for at in self.settings.burst_times()]
+        bursts = [
+            asyncio.create_task(self._burst(zero, at))
+            for at in self.settings.burst_times()
+            if begin_s <= at < end_s
+        ]
         await asyncio.gather(*clients, *bursts)
 
     def _new_record(self, source: str) -> tuple[RequestRecord, dict[str, Any]]:
@@ -313,12 +337,12 @@ class SoakLoad:
             else:
                 await asyncio.sleep(rng.uniform(0, 0.2))
 
-    async def _burst(self, at: float) -> None:
+    async def _burst(self, zero: float, at: float) -> None:
         """Top the burst requests in flight up to ``burst_size`` at once. Accepted ones outlive
         the interval (they queue behind the seats), so a full burst on top of them would raise
         the peak concurrency from burst to burst, and with it the servers' memory high-water
         mark; topped up, every burst reaches the same peak, the first one in the warm-up."""
-        await asyncio.sleep(max(0.0, self.start + at - time.monotonic()))
+        await asyncio.sleep(max(0.0, zero + at - time.monotonic()))
         size = max(0, self.settings.burst_size - self.burst_in_flight)
         results = await asyncio.gather(*(self.send_one("burst") for _ in range(size)))
         outcomes = Counter(r.outcome for r in results)

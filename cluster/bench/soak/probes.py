@@ -6,7 +6,10 @@ state (idle after the run: no KV block held, no per-request entry left).
 Memory is read inside each process (``held_rss``): its resident set once glibc's allocator has
 returned its free pages to the OS. Plain RSS also counts freed memory the allocator keeps for
 reuse, which grows for minutes under a changing load and is given back by ``malloc_trim``
-(BENCHMARKS.md, "Soak"); a leak is memory still held, which trimming cannot return."""
+(BENCHMARKS.md, "Soak"); a leak is memory still held, which trimming cannot return. Growth is
+read at rest, with no request in flight, after each half of the run: under load a process also
+holds what its requests in flight hold, and how many are in flight when a sample lands decides
+its level."""
 
 from __future__ import annotations
 
@@ -28,12 +31,17 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-def held_rss(_actor: Any = None) -> int:
+def held_rss(_actor: Any = None, collect: bool = False) -> int:
     """This process's resident memory in bytes after its allocator returned its free pages to
-    the OS (``malloc_trim(0)`` where glibc has it). Runs in the process it measures (an actor's
-    ``__ray_call__``)."""
+    the OS (``malloc_trim(0)`` where glibc has it); ``collect``: after a full garbage collection
+    first (at rest: cycles still to collect are not held). Runs in the process it measures (an
+    actor's ``__ray_call__``)."""
+    import gc
+
     import psutil
 
+    if collect:
+        gc.collect()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -55,11 +63,11 @@ class ServeProbe:
         self.app_name = app_name
         self.deployment = deployment_name(model_id)
 
-    def processes(self) -> dict[str, Callable[[], Awaitable[int]]]:
+    def processes(self) -> dict[str, Reader]:
         """Each process's label and a reader of its held memory (``held_rss``, run in it)."""
         import ray
 
-        found: dict[str, Callable[[], Awaitable[int]]] = {}
+        found: dict[str, Reader] = {}
         for entry in ray.util.list_named_actors(all_namespaces=True):
             name = entry["name"]
             if entry["namespace"] != "serve":
@@ -122,65 +130,77 @@ def replica_is_idle(state: dict[str, Any]) -> bool:
     )
 
 
-async def _read_held_rss(actor: Any) -> int:
-    return await actor.__ray_call__.remote(held_rss)
+async def _read_held_rss(actor: Any, collect: bool = False) -> int:
+    return await actor.__ray_call__.remote(held_rss, collect)
+
+
+# A process's held memory in bytes, read in it; ``collect`` (at rest): after a full collection.
+Reader = Callable[[bool], Awaitable[int]]
 
 
 class RssSampler:
-    """The held memory of named processes, sampled on a fixed period: ``readers`` maps each name
-    to a coroutine function returning its bytes (``ServeProbe.processes``). A reader that times
-    out skips that sample; one that raises means the process is gone."""
+    """The held memory of named processes: sampled on a fixed period through the run (its
+    trend, for the report) and read at rest after each half (its growth). ``readers`` maps each
+    name to a coroutine function returning its bytes (``ServeProbe.processes``). A reader that
+    times out skips that sample; one that raises means the process is gone."""
 
-    def __init__(self, readers: dict[str, Callable[[], Awaitable[int]]], interval_s: float) -> None:
+    def __init__(self, readers: dict[str, Reader], interval_s: float) -> None:
         self.readers = readers
         self.interval_s = interval_s
         self.samples: dict[str, list[tuple[float, int]]] = {name: [] for name in readers}
+        self.at_rest: dict[str, dict[str, int]] = {}  # "first_half" / "second_half": name: bytes
         self.gone: set[str] = set()
 
     async def run(self, start: float, stop: asyncio.Event) -> None:
         while not stop.is_set():
             now = time.monotonic() - start
             live = [name for name in self.readers if name not in self.gone]
-            read = await asyncio.gather(
-                *(asyncio.wait_for(self.readers[name](), 30) for name in live),
-                return_exceptions=True,
-            )
-            for name, rss in zip(live, read):
-                if isinstance(rss, asyncio.TimeoutError):
-                    continue
-                if isinstance(rss, BaseException):  # the process died: a finding of its own
-                    self.gone.add(name)
-                else:
-                    self.samples[name].append((now, rss))
+            for name, rss in (await self._read(live, collect=False)).items():
+                self.samples[name].append((now, rss))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval_s)
 
-    def summary(self, warmup_s: float, end_s: float) -> dict[str, Any]:
-        """Each process's memory growth: the ``warmup_s`` (allocator pools filling, the first
-        burst) are left out and the rest up to ``end_s`` (the run's duration, not the tail in
-        which the last requests finish) split into two halves by time; growth is the floor of
-        the second half (its low decile) over the floor of the first. Requests in flight raise
-        the peaks (a burst holds ~15 MB in the ingress until it ends); memory a leak keeps is
-        still held between the bursts, so it raises the floor. A median of each half flipped
-        between the two levels with the share of burst samples in it, 6 % with nothing kept."""
-        middle = (warmup_s + end_s) / 2
+    async def read_at_rest(self, label: str) -> None:
+        """Every live process's held memory after a full collection, with nothing in flight:
+        the level ``summary`` compares between the halves."""
+        live = [name for name in self.readers if name not in self.gone]
+        self.at_rest[label] = await self._read(live, collect=True)
+
+    async def _read(self, names: list[str], collect: bool) -> dict[str, int]:
+        read = await asyncio.gather(
+            *(asyncio.wait_for(self.readers[name](collect), 30) for name in names),
+            return_exceptions=True,
+        )
+        found = {}
+        for name, rss in zip(names, read):
+            if isinstance(rss, asyncio.TimeoutError):
+                continue
+            if isinstance(rss, BaseException):  # the process died: a finding of its own
+                self.gone.add(name)
+            else:
+                found[name] = rss
+        return found
+
+    def summary(self) -> dict[str, Any]:
+        """Each process's memory: its sampled trend and peak, its level at rest after each
+        half, and the growth between those two levels. Under load a sample also counts what
+        the requests in flight at that instant hold (a burst's: tens of MB in the ingress),
+        so samples of two halves differ with the load they land in; at rest, both readings
+        count no request."""
+        first, second = self.at_rest.get("first_half", {}), self.at_rest.get("second_half", {})
         out: dict[str, Any] = {}
         for name, samples in self.samples.items():
-            first = [rss for t, rss in samples if warmup_s <= t < middle]
-            second = [rss for t, rss in samples if middle <= t <= end_s]
             entry: dict[str, Any] = {"samples": len(samples), "gone": name in self.gone}
-            # At most ~40 points of the whole run (warm-up included), to see a trend.
+            # At most ~40 points of the whole run, to see a trend.
             step = max(1, len(samples) // 40)
             entry["series_mb"] = [[round(t, 1), _mb(rss)] for t, rss in samples[::step]]
-            if first and second:
-                f1, f2 = _floor(first), _floor(second)
+            if samples:
+                entry["peak_mb"] = _mb(max(rss for _, rss in samples))
+            if name in first and name in second:
                 entry.update(
-                    warmup_end_mb=_mb(max((r for t, r in samples if t < warmup_s), default=0)),
-                    first_half_floor_mb=_mb(f1),
-                    second_half_floor_mb=_mb(f2),
-                    first_half_max_mb=_mb(max(first)),
-                    second_half_max_mb=_mb(max(second)),
-                    growth_pct=round(100 * (f2 - f1) / f1, 2),
+                    first_half_at_rest_mb=_mb(first[name]),
+                    second_half_at_rest_mb=_mb(second[name]),
+                    growth_pct=round(100 * (second[name] - first[name]) / first[name], 2),
                 )
             out[name] = entry
         return out
@@ -256,10 +276,3 @@ class ReadinessSampler:
 
 def _mb(value: float) -> float:
     return round(value / 2**20, 1)
-
-
-def _floor(values: list[int]) -> float:
-    """The low decile of ``values`` (the lowest of fewer than ten): what the process holds
-    between bursts, robust to one low sample."""
-    ordered = sorted(values)
-    return float(ordered[(len(ordered) - 1) // 10])

@@ -67,16 +67,19 @@ def findings(report: dict[str, Any], max_rss_growth_pct: float = 5.0) -> list[st
         if entry["gone"]:
             found.append(f"process {name} went away during the run")
         elif "growth_pct" not in entry:
-            found.append(f"{name}: too few memory samples to compare the halves")
+            found.append(f"{name}: no memory reading at rest after each half to compare")
         elif entry["growth_pct"] >= max_rss_growth_pct:
-            found.append(f"{name}: resident memory grew {entry['growth_pct']} % between halves")
+            found.append(
+                f"{name}: held memory at rest grew {entry['growth_pct']} % between the halves"
+            )
     readiness = report.get("readiness")
     if readiness is not None and readiness["not_ready"]:
         found.append(
             f"GET /health was not 200 in {readiness['not_ready']} of {readiness['probes']} probes"
             f" under load (at s, answer): {readiness['not_ready_at']}"
         )
-    idle = report.get("idle")
-    if idle is not None and not idle["reached"]:
-        found.append(f"the replicas were not idle after the run: {idle}")
+    for key, when in (("idle_between_halves", "between the halves"), ("idle", "after the run")):
+        idle = report.get(key)
+        if idle is not None and not idle["reached"]:
+            found.append(f"the replicas were not idle {when}: {idle}")
     return found

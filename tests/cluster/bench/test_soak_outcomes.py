@@ -170,35 +170,69 @@ def test_cli_without_a_target_exits_2_asking_for_one() -> None:
     assert "give --config (deploy locally) or --base-url" in result.stderr
 
 
-async def _held_rss_here() -> int:
-    return held_rss()
-
-
-def test_memory_growth_compares_the_floors_of_the_halves_after_warmup_without_the_tail() -> None:
-    sampler = RssSampler({"me": _held_rss_here}, interval_s=1.0)
+def test_memory_growth_compares_the_readings_at_rest_after_each_half() -> None:
+    """Samples under load (bursts held longer in one half) give the trend and the peak; the
+    growth is between the two readings at rest, each after a full collection."""
     mb = 2**20
-    # Warm-up (t < 10) grows; the halves of [10, 30] sit at 100 and 104 MB between bursts of
-    # 130 MB, which take most of the first half and few samples of the second; the tail is
-    # ignored.
-    sampler.samples["me"] = [(t, (50 + 5 * t) * mb) for t in range(10)]
-    sampler.samples["me"] += [(t, (130 if t < 17 else 100) * mb) for t in range(10, 20)]
-    sampler.samples["me"] += [(t, (130 if t in (25, 26) else 104) * mb) for t in range(20, 31)]
-    sampler.samples["me"] += [(t, 500 * mb) for t in range(31, 40)]
-    entry = sampler.summary(warmup_s=10, end_s=30)["me"]
-    assert (entry["first_half_floor_mb"], entry["second_half_floor_mb"]) == (100.0, 104.0)
-    assert (entry["first_half_max_mb"], entry["second_half_max_mb"]) == (130.0, 130.0)
-    assert entry["growth_pct"] == 4.0 and not entry["gone"]
+    reads = iter([100 * mb, 104 * mb])
+    collected: list[bool] = []
+
+    async def reader(collect: bool) -> int:
+        collected.append(collect)
+        return next(reads)
+
+    sampler = RssSampler({"me": reader}, interval_s=1.0)
+    sampler.samples["me"] = [(t, (130 if t % 10 < 7 else 100) * mb) for t in range(20)]
+    asyncio.run(sampler.read_at_rest("first_half"))
+    asyncio.run(sampler.read_at_rest("second_half"))
+    entry = sampler.summary()["me"]
+    assert (entry["first_half_at_rest_mb"], entry["second_half_at_rest_mb"]) == (100.0, 104.0)
+    assert entry["growth_pct"] == 4.0 and entry["peak_mb"] == 130.0 and not entry["gone"]
+    assert collected == [True, True]
 
 
-def test_memory_growth_ignores_bursts_held_for_longer_in_one_half() -> None:
-    """Requests in flight hold memory until they end: a second half with more of its samples
-    in bursts (the first's median at the floor, the second's at the peak) has not grown."""
-    sampler = RssSampler({"me": _held_rss_here}, interval_s=1.0)
-    mb = 2**20
-    sampler.samples["me"] = [(t, (115 if t % 10 < 4 else 100) * mb) for t in range(10, 20)]
-    sampler.samples["me"] += [(t, (115 if t % 10 < 7 else 100) * mb) for t in range(20, 31)]
-    entry = sampler.summary(warmup_s=10, end_s=30)["me"]
-    assert entry["growth_pct"] == 0.0, entry
+def test_the_load_rests_with_nothing_in_flight_after_each_half() -> None:
+    """Both halves send requests; each rest comes once every request of its half has ended,
+    and the second half's bursts wait for the rest to end (their times count from its start)."""
+    settings = SoakSettings(
+        duration_s=2.0, warmup_s=1.0, clients=3, burst_size=4, burst_interval_s=0.5,
+        cancel_fraction=0.0, chat_fraction=0.0,
+    )  # fmt: skip
+    rests: list[tuple[str, int, int, float]] = []  # label, in flight, requests sent, at (s)
+
+    async def slow_stream(request: Any) -> Any:
+        async def body() -> AsyncIterator[bytes]:
+            await asyncio.sleep(0.05)
+            for part in (chunk("a"), chunk("b", "length"), DONE):
+                yield part
+
+        return http.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    async def go() -> tuple[SoakLoad, dict[int, RequestRecord]]:
+        records: dict[int, RequestRecord] = {}
+        client = make_client("http://soak.test/v1", None, records, settings,
+                             http.MockTransport(slow_stream))  # fmt: skip
+        load = SoakLoad(client, "m", settings, records)
+
+        async def rest(label: str) -> None:
+            rests.append((label, load.in_flight, len(records), time.monotonic() - load.start))
+            await asyncio.sleep(0.3)
+
+        await load.run(rest)
+        await client.close()
+        return load, records
+
+    load, records = asyncio.run(go())
+    assert [(label, in_flight) for label, in_flight, _, _ in rests] == [
+        ("first_half", 0), ("second_half", 0)
+    ]  # fmt: skip
+    first_half = [r for r in records.values() if r.id < rests[0][2]]
+    second_half = [r for r in records.values() if r.id >= rests[0][2]]
+    assert first_half and second_half
+    assert all(r.end <= rests[0][3] for r in first_half)
+    assert all(r.start >= rests[0][3] + 0.3 for r in second_half)
+    assert [b["at_s"] for b in sorted(load.burst_log, key=lambda b: b["at_s"])] == [0.5, 1.0, 1.5]
+    assert sum(r.source == "burst" for r in second_half) == 4 and rests[1][2] == len(records)
 
 
 @pytest.mark.skipif(_malloc_trim() is None, reason="the C library has no malloc_trim (not glibc)")
