@@ -278,14 +278,23 @@ class Completion:
     ) -> list[dict[str, Any]]:
         """A streamed chat choice with tools: its text through the tool-call streamer, as
         content and ``tool_calls`` deltas (text that may open a call is held back); its
-        ``reasoning`` (a reasoning model's) as a reasoning delta before them."""
-        deltas = streamer.feed(text) if text else []
+        ``reasoning`` (a reasoning model's) as a reasoning delta before them. A forced call
+        (``required``, named) is held back until the output ends, as the Responses and
+        Messages streams hold it: one whose JSON did not end (cut off by ``max_tokens``) is
+        then its text as content, no call, as in the whole response."""
         choice.tool_text += text
+        if self.tools is not None and self.tools.mode != "auto":
+            deltas = []
+            if choice.finish_reason is not None:
+                if self._forced_call_cut_off(choice.finish_reason, choice.tool_text):
+                    deltas = [{"content": choice.tool_text}] if choice.tool_text else []
+                else:
+                    deltas = streamer.feed(choice.tool_text) + streamer.finish()
+        else:
+            deltas = streamer.feed(text) if text else []
+            if choice.finish_reason is not None:
+                deltas += streamer.finish()
         if choice.finish_reason is not None:
-            deltas += streamer.finish()
-            cut_off = self._forced_call_cut_off(choice.finish_reason, choice.tool_text)
-            if cut_off and not streamer.tools_called:  # what was generated, as whole ones have
-                deltas.append({"content": choice.tool_text})
             choice.finish_reason = self._tool_finish(choice.finish_reason, streamer.tools_called)
         if self.tools is not None and not self.tools.parallel:
             deltas = _first_call_only(deltas)
@@ -312,10 +321,11 @@ class Completion:
         return chunks
 
     def _forced_call_cut_off(self, finish: str | None, text: str) -> bool:
-        """A forced call (``required``, named) whose output ended before its JSON did (cut off
-        by ``max_tokens``, or aborted): it is no call, and its text is returned as content
-        (vLLM returns what was generated)."""
-        if self.tools is None or self.tools.mode == "auto" or finish in (None, "stop"):
+        """A forced call (``required``, named) whose output is not one whole JSON value (cut off
+        by ``max_tokens`` or aborted; or, with a reasoning parser, text the grammar did not
+        constrain): it is no call, and its text is returned as content (vLLM returns what was
+        generated), never dropped."""
+        if self.tools is None or self.tools.mode == "auto" or finish is None:
             return False
         try:
             json.loads(text)

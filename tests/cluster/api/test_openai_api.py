@@ -1382,21 +1382,63 @@ def test_tokenizer_routes_without_a_model_use_the_only_one() -> None:
     assert (info.value.status, info.value.param) == (400, "model")
 
 
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+FORCED_CUTS = [  # tool_choice, the output's pieces up to where max_tokens cut it
+    ("required", ['[{"name": "get', "_wea"]),  # in the name
+    ("required", ['[{"name": "get_weather", ', '"parameters": {"ci']),  # the call announced
+    ("required", ['[{"name": "get_weather", "parameters": {}}', ", "]),  # after a whole call
+    (NAMED, ['{"city": ', '"Os']),  # in the arguments
+]
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_forced_call_cut_off_by_max_tokens_returns_the_text_as_content(stream: bool) -> None:
-    # vLLM returns what was generated rather than nothing (or arguments that are no JSON).
-    req = _tool_request(tool_choice="required")
-    completion = _tool_completion(req, stream, None)
-    chunks = _feed(completion, ['[{"name": "get', "_wea"], finish="length")
+@pytest.mark.parametrize(("tool_choice", "pieces"), FORCED_CUTS)
+def test_forced_call_cut_off_by_max_tokens_returns_the_text_as_content(
+    stream: bool, tool_choice: Any, pieces: list[str]
+) -> None:
+    # vLLM returns what was generated rather than nothing (or arguments that are no JSON); a
+    # stream holds the call back until the output ends, so it says the same as a whole one.
+    completion = _tool_completion(_tool_request(tool_choice=tool_choice), stream, None)
+    chunks = _feed(completion, pieces, finish="length")
     if stream:
         content = "".join(c["delta"].get("content") or "" for c in chunks)
-        assert content == '[{"name": "get_wea'
+        assert content == "".join(pieces)
         assert not [c for c in chunks if c["delta"].get("tool_calls")]
         assert chunks[-1]["finish_reason"] == "length"
     else:
         choice = completion.whole()["choices"][0]
-        assert choice["message"] == {"role": "assistant", "content": '[{"name": "get_wea'}
+        assert choice["message"] == {"role": "assistant", "content": "".join(pieces)}
         assert choice["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_forced_output_that_is_no_json_is_content_never_dropped(tool_choice: Any) -> None:
+    """Text the grammar did not constrain (a reasoning split that disagreed with it) is
+    returned, not read as no call and lost."""
+    for stream in (False, True):
+        completion = _tool_completion(_tool_request(tool_choice=tool_choice), stream, None)
+        chunks = _feed(completion, ["over", '[{"name": "get_weather", "parameters": {}}]'])
+        if stream:
+            assert "".join(c["delta"].get("content") or "" for c in chunks).startswith("over[")
+        else:
+            message = completion.whole()["choices"][0]["message"]
+            assert message["content"].startswith("over[") and "tool_calls" not in message
+
+
+def test_a_streamed_forced_call_comes_whole_when_the_output_ends() -> None:
+    completion = _tool_completion(_tool_request(tool_choice=NAMED), True, None)
+    steps = ['{"city": ', '"Oslo"', "}"]
+    chunks = [
+        completion.absorb(StreamDelta([ChoiceDelta(0, text, [1], None, finish, None, i + 1)]))
+        for i, (text, finish) in enumerate(zip(steps, [None, None, "stop"]))
+    ]
+    assert not [c for step in chunks[:2] for c in step if c["delta"].get("tool_calls")]
+    calls = [call for c in chunks[2] for call in c["delta"]["tool_calls"]]
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert "".join(call["function"].get("arguments", "") for call in calls) == steps[0] + "".join(
+        steps[1:]
+    )
+    assert chunks[2][-1]["finish_reason"] == "stop"
 
 
 def test_forced_call_that_ends_at_max_tokens_is_still_a_call() -> None:
