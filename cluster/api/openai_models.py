@@ -268,6 +268,9 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: false leaves a reasoning model's reasoning (and the logprobs that would show it)
     # out of the response.
     include_reasoning: bool = True
+    # vLLM's: the answer starts with the last message's text when that message has the
+    # answer's role (``chat_echo``).
+    echo: OrNull[bool] = False
 
 
 class EmbeddingRequest(_Model):

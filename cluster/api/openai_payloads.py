@@ -350,6 +350,19 @@ def tokenize_payload(req: TokenizeRequest) -> GenerateRequest:
                            **template_options(req))  # fmt: skip
 
 
+def chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the text the answer starts with, the last message's when it has
+    the answer's role (the assistant's; with ``add_generation_prompt`` false, the last
+    message's own), its text parts joined by newlines; else ""."""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    if not req.echo or last.role != role or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part["text"] for part in last.content if part.get("type") == "text")
+
+
 def stream_usage(req: SamplingFields) -> tuple[bool, bool]:
     """Whether a stream ends with a usage chunk (``stream_options.include_usage``) and whether
     every chunk carries the usage so far (vLLM's ``continuous_usage_stats``, only with

@@ -72,7 +72,9 @@ class Completion:
     with ``max_tokens`` 0) leaves the generated token out. ``continuous_usage`` (vLLM's
     ``stream_options.continuous_usage_stats``) puts each chunk's choice's usage so far in it.
     ``include_reasoning`` False (vLLM's chat field) leaves a reasoning model's reasoning out of
-    the message and the deltas, and its logprobs with it (their tokens would show it)."""
+    the message and the deltas, and its logprobs with it (their tokens would show it).
+    ``chat_echo`` (vLLM's chat ``echo``: ``openai_payloads.chat_echo``) starts every chat
+    choice's content, a stream's first delta of each choice."""
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class Completion:
         stream: bool = False,
         continuous_usage: bool = False,
         include_reasoning: bool = True,
+        chat_echo: str = "",
     ) -> None:
         self.model, self.chat, self.include_usage = model, chat, include_usage
         self.continuous_usage = continuous_usage
@@ -94,6 +97,7 @@ class Completion:
         self.echo, self.echo_only = echo, echo_only
         self.tools, self.stream = tools, stream
         self.include_reasoning = include_reasoning
+        self.chat_echo = chat_echo
         self.tool_call_parser: str | None = None
         # A chat served with a reasoning_parser: think blocks become its reasoning fields.
         self.reasoning_parser: ReasoningParser | None = None
@@ -183,6 +187,12 @@ class Completion:
                 self.prompt_logprobs = prompt_logprobs
             for choice in self.choices[first : first + item.n]:
                 choice.prompt_logprobs = prompt_logprobs
+        if self.chat_echo and self.stream:
+            for choice in self.choices[first : first + item.n]:
+                choice.started = True
+            return [{"index": choice.index, "logprobs": None, "finish_reason": None,
+                     "delta": {"role": "assistant", "content": self.chat_echo}}
+                    for choice in self.choices[first : first + item.n]]  # fmt: skip
         if not self.echo:
             return []
         chunks = []
@@ -381,7 +391,8 @@ class Completion:
         """A whole chat choice's message and finish reason, tool calls read out of its text
         (out of its answer: a reasoning model's think block is its ``reasoning_content``)."""
         reasoning, parsed = self._read(choice.text, choice.finish_reason)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        content = self.chat_echo + (parsed.content or "") if self.chat_echo else parsed.content
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if self.reasoning_parser is not None and self.include_reasoning:
             message.update(_reasoning(reasoning))
         parallel = self.tools is None or self.tools.parallel

@@ -24,6 +24,7 @@ from cluster.api.openai_models import (
     TokenizeRequest,
 )
 from cluster.api.openai_payloads import (
+    chat_echo,
     chat_payload,
     completion_payloads,
     grammar_param,
@@ -284,7 +285,8 @@ class OpenAIIngress(
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         completion = Completion(req.model, True, usage, top_logprobs, tools=tool_choice(req),
                                 stream=req.stream, continuous_usage=continuous,
-                                include_reasoning=req.include_reasoning)  # fmt: skip
+                                include_reasoning=req.include_reasoning,
+                                chat_echo=chat_echo(req))  # fmt: skip
         try:
             return await self._generate(req, [payload], completion)
         except APIError as exc:

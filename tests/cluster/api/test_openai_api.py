@@ -1526,3 +1526,41 @@ def _request(chat: bool, **fields: Any) -> Any:
 
 def _payload(chat: bool, req: Any) -> dict[str, Any]:
     return chat_payload(req) if chat else completion_payload(req)
+
+
+# ---- chat echo (vLLM's) ----
+
+PREFILL = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_starts_the_answer_with_the_last_assistant_message(stream: bool) -> None:
+    req = ChatCompletionRequest(
+        model="m", messages=PREFILL, echo=True, stream=stream, add_generation_prompt=False,
+        continue_final_message=True,
+    )  # fmt: skip
+    echo = openai_payloads.chat_echo(req)
+    completion = Completion("m", True, False, stream=stream, chat_echo=echo)
+    chunks = completion.absorb(StreamStart(5, 1)) + _feed(completion, [" cat", " sat"])
+    if stream:
+        assert "".join(c["delta"].get("content") or "" for c in chunks) == "Sure, the cat sat"
+        assert [c["delta"].get("role") for c in chunks] == ["assistant", None, None]
+    else:
+        message = completion.whole()["choices"][0]["message"]
+        assert message == {"role": "assistant", "content": "Sure, the cat sat"}
+
+
+def test_chat_echo_is_the_last_message_only_when_it_has_the_answers_role() -> None:
+    def echo(messages: list[dict[str, Any]], **fields: Any) -> str:
+        req = ChatCompletionRequest(model="m", messages=messages, **fields)
+        return openai_payloads.chat_echo(req)
+
+    assert echo(PREFILL) == ""  # echo not asked
+    assert echo(PREFILL, echo=True) == "Sure, the"
+    user_last = [{"role": "user", "content": "hi"}]
+    assert echo(user_last, echo=True) == ""  # the answer is the assistant's
+    # Without the generation prompt the answer continues the last message, in its role.
+    assert echo(user_last, echo=True, add_generation_prompt=False) == "hi"
+    parts = [{"role": "assistant", "content": [{"type": "text", "text": "a"},
+                                               {"type": "text", "text": "b"}]}]  # fmt: skip
+    assert echo(parts, echo=True) == "a\nb"

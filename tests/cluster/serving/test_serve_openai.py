@@ -163,6 +163,20 @@ def test_null_sampling_fields_from_the_client_are_the_defaults(client: OpenAI) -
     assert len(response.choices) == 1 and response.usage.completion_tokens == 2
 
 
+def test_chat_echo_starts_the_answer_with_the_prefilled_message(client: OpenAI) -> None:
+    """vLLM's chat ``echo`` with a prefill (``continue_final_message``): the answer, whole and
+    streamed, is the last assistant message's text and then what the model wrote after it."""
+    kwargs = {"model": MODEL, "max_tokens": 4, "temperature": 1.0, "seed": 3,
+              "messages": [{"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "Sure, the"}],
+              "extra_body": {"echo": True, "add_generation_prompt": False,
+                             "continue_final_message": True, "ignore_eos": True}}  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert whole.startswith("Sure, the") and len(whole) > len("Sure, the")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+
+
 # ---- n choices, logprobs, penalties ----
 
 
