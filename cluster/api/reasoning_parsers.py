@@ -401,7 +401,10 @@ class ReasoningFront:
         its output starts inside a think block (None: the parser's default); a structured
         output (``StructuredOutputsParams``) is set to constrain only what follows the
         reasoning, unless the output has none to come (the prompt ended it, or thinking is off
-        where no ``<think>`` opens it)."""
+        where no ``<think>`` opens it). The grammar then waits for the first ``</think>``, so
+        the output is read as starting in reasoning too (vLLM's ``qwen3`` reads all output so
+        while thinking is on): what the grammar did not constrain is never content, and a
+        ``<think>`` inside the constrained answer is its text, not a tag."""
         parser, ids, start, end = self.parser, prompt_token_ids, self.start_id, self.end_id
         in_reasoning = parser.output_starts_in_reasoning(ids, start, end, chat_template_kwargs)
         ended = parser.reasoning_ended_in_prompt(ids, start, end) or not (
@@ -409,6 +412,7 @@ class ReasoningFront:
         )
         if structured_outputs is not None and not ended:
             structured_outputs.reasoning_end_token_id = end
+            return True
         return in_reasoning
 
 

@@ -212,6 +212,23 @@ def test_front_delays_the_grammar_unless_the_prompt_ended_the_reasoning() -> Non
     assert closed.reasoning_end_token_id is None
     with pytest.raises(ConfigError, match="reasoning_parser: unknown parser 'r1'"):
         ReasoningFront("r1", Tokenizer())
+    # qwen3 (the model opens <think> itself): with a grammar that waits for </think>, the
+    # output is read from its start as reasoning, as the grammar reads it; without one, it
+    # starts as content until a <think>.
+    qwen3 = ReasoningFront("qwen3", Tokenizer())
+    waits = StructuredOutputsParams(json_object=True)
+    assert qwen3.prepare([5, 6], waits) is True and waits.reasoning_end_token_id == THINK_END_ID
+    assert qwen3.prepare([5, 6], None) is False
+    assert qwen3.prepare([5, THINK_START_ID, 9, THINK_END_ID, 6], closed) is False
+
+
+def test_a_grammar_after_an_unopened_think_end_reads_as_the_engine_constrained_it() -> None:
+    """A qwen3 output with a grammar (the engine starts it at the first </think>) that never
+    opened <think>: what came before </think> is reasoning, and the constrained JSON after it
+    is the content whole, a <think> inside its strings included."""
+    parser = get_reasoning_parser("qwen3")
+    output = 'over</think>{"a": "x<think>y</think>z"}'
+    assert parser.extract(output, in_reasoning=True) == ("over", '{"a": "x<think>y</think>z"}')
 
 
 # ---- LLMServer over the tiny reasoning model ----------------------------------------------
@@ -277,12 +294,15 @@ def test_server_structured_output_constrains_the_answer_only(server: LLMServer) 
     request = GenerateRequest(messages=MESSAGES, params=params)
     whole, _ = serve_chat(server, request, stream=False)
     message = whole.whole()["choices"][0]["message"]
-    # The reasoning is the unconstrained model's; the answer after it is the schema's.
-    assert message["reasoning_content"] == free.partition("<think>")[2].partition("</think>")[0]
-    before = free.partition("<think>")[0]
-    assert message["content"].startswith(before)
-    jsonschema.validate(json.loads(message["content"][len(before) :]), SCHEMA)
+    # The grammar waits for </think>: all before it is the unconstrained model's reasoning
+    # (text before its <think> too, as the grammar reads it), and the answer is the schema's.
+    before, _, rest = free.partition("<think>")
+    assert before and message["reasoning_content"] == before + rest.partition("</think>")[0]
+    jsonschema.validate(json.loads(message["content"]), SCHEMA)
     assert whole.choices[0].finish_reason == "stop"
+    _, chunks = serve_chat(server, request, stream=True)
+    assert _joined(chunks, "reasoning_content") == message["reasoning_content"]
+    assert _joined(chunks, "content") == message["content"]
 
 
 def test_server_refuses_a_tokenizer_without_think_tokens() -> None:
