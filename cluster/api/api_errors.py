@@ -107,8 +107,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(field_path(loc)) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return APIError(400, message, param, "invalid_value")
+    if param is None:  # the body as a whole: none, or not a JSON object
+        message = (f"request body: {first.get('msg')}; send a JSON object with content-type: "
+                   "application/json")  # fmt: skip
+        return APIError(400, message, None, "invalid_value")
+    return APIError(400, f"{param}: {first.get('msg')}", param, "invalid_value")
 
 
 def install_error_handlers(app: FastAPI) -> None:

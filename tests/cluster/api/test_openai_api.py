@@ -112,6 +112,19 @@ def test_malformed_json_is_400(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize(
+    ("content", "content_type"),
+    [(b"", "application/json"), (b'{"model": "m", "prompt": "x"}', "text/plain")],
+)
+def test_a_body_that_is_no_json_object_is_400_saying_what_to_send(
+    client: TestClient, content: bytes, content_type: str
+) -> None:
+    response = client.post("/v1/completions", content=content,
+                           headers={"content-type": content_type})  # fmt: skip
+    message = assert_error(response, 400, None)["message"]
+    assert message.startswith("request body: ") and "application/json" in message, message
+
+
+@pytest.mark.parametrize(
     ("body", "param"),
     [
         (b'{"model": "m", "prompt": "\\ud800"}', "prompt"),
