@@ -356,11 +356,12 @@ def chat_echo(req: ChatCompletionRequest) -> str:
     message's own), its text parts joined by newlines; else ""."""
     last = req.messages[-1]
     role = "assistant" if req.add_generation_prompt else last.role
-    if not req.echo or last.role != role or last.content is None:
+    if not req.echo or last.role != role:
         return ""
-    if isinstance(last.content, str):
-        return last.content
-    return "\n".join(part["text"] for part in last.content if part.get("type") == "text")
+    content = chat_messages([last])[0]["content"]  # its text as the template gets it
+    if isinstance(content, list):  # with images: its text parts
+        return "\n".join(part["text"] for part in content if part["type"] == "text")
+    return content or ""
 
 
 def stream_usage(req: SamplingFields) -> tuple[bool, bool]:

@@ -332,9 +332,8 @@ class Completion:
 
     def _forced_call_cut_off(self, finish: str | None, text: str) -> bool:
         """A forced call (``required``, named) whose output is not one whole JSON value (cut off
-        by ``max_tokens`` or aborted; or, with a reasoning parser, text the grammar did not
-        constrain): it is no call, and its text is returned as content (vLLM returns what was
-        generated), never dropped."""
+        by ``max_tokens``, a stop string or an abort): it is no call, and its text is returned as
+        content (vLLM returns what was generated), never dropped."""
         if self.tools is None or self.tools.mode == "auto" or finish is None:
             return False
         try:

@@ -40,7 +40,12 @@ class ReasoningMarks:
             return 0
         if in_reasoning is None:
             in_reasoning = parser.starts_in_reasoning
-        start = 0 if in_reasoning else text.find(THINK_START) + len(THINK_START)
+        opened = text.find(THINK_START)
+        # Out of a think block, the reasoning starts after the <think> that opens one; in one
+        # from the start, after a <think> the model writes first (a tag, not reasoning).
+        start = opened + len(THINK_START)
+        if in_reasoning and (opened < 0 or text[:opened].strip()):
+            start = 0
         ends = [at for at in (text.find(tag, start) for tag in parser.end_tags) if at >= 0]
         return self._at(min(ends, default=len(text))) - self._at(start)
 

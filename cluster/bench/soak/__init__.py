@@ -1,6 +1,6 @@
 """``cluster bench soak``: a soak test, bounded in time, against an OpenAI-compatible endpoint.
 
-    clients  --clients streaming clients loop until --duration (completions and chat, random
+    clients  --clients streaming clients loop for --duration (completions and chat, random
              max_tokens); about --cancel-fraction are closed by the client mid-stream
     bursts   every --burst-interval s, one-shot streams up to --burst-size in flight (by
              default 10x max_ongoing_requests: admission control must answer 503)
@@ -11,7 +11,8 @@
              between --warmup and --duration)
     ready    GET /health every second during the run: always 200 (a readiness probe would
              otherwise take the busy endpoint out of service)
-    idle     after the run every replica must be idle: all KV blocks free, no request state
+    idle     at each rest (after each half, when memory is read) every replica must be
+             idle: all KV blocks free, no request state
 
 Every request ends in exactly one outcome (success, error, abort, refused, rejected); anything
 else is an anomaly (``outcomes`` defines both). ``python -m cluster.bench.soak --config

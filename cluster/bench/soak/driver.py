@@ -36,11 +36,12 @@ async def soak(
     idle_timeout_s: float = 60.0,
     progress: Callable[[str], None] = lambda _line: None,
 ) -> dict[str, Any]:
-    """Run the load for ``settings.duration_s`` (plus the in-flight requests' tails) and return
-    the report (``findings(report)`` lists what failed). ``GET /health`` is asked every second
-    throughout and must answer 200. With a ``probe``, resident memory is sampled during the run,
-    and after each half the load rests: every replica must go idle, and then each process's
-    memory is read (the halves' growth compares those readings)."""
+    """Run the load for ``settings.duration_s`` and return the report (``findings(report)``
+    lists what failed). ``GET /health`` is asked every second throughout and must answer 200.
+    With a ``probe``, resident memory is sampled during the run, and after each half the load
+    rests: the half's requests run to their ends, every replica must go idle, and then each
+    process's memory is read (the halves' growth compares those readings). The report's
+    ``duration_s`` and throughput leave the rests out."""
     settings.check()
     records: dict[int, RequestRecord] = {}
     client = make_client(base_url, api_key, records, settings)
@@ -67,7 +68,7 @@ async def soak(
             await sampling
         await probing
         await client.close()
-    load_s = time.monotonic() - load.start
+    load_s = time.monotonic() - load.start - sum(rest["took_s"] for rest in rests)
     report = summarize(list(records.values()), load, settings, load_s)
     report["readiness"] = readiness.summary()
     if sampler is not None:
@@ -90,6 +91,7 @@ def _rest(
     async def rest(label: str) -> None:
         at_s = time.monotonic() - load.start
         progress(f"{at_s:6.0f} s  {label} done: waiting for idle, then memory at rest")
+        began = time.monotonic()
         entry: dict[str, Any] = {"after": label, "at_s": round(at_s, 1)}
         try:
             idle, states, waited = await asyncio.to_thread(probe.wait_idle, idle_timeout_s)
@@ -99,6 +101,7 @@ def _rest(
             entry.update(reached=idle, waited_s=round(waited, 1), replicas=states)
         rests.append(entry)
         await sampler.read_at_rest(label)
+        entry["took_s"] = round(time.monotonic() - began, 1)
 
     return rest
 

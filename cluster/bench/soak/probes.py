@@ -48,6 +48,10 @@ def held_rss(_actor: Any = None, collect: bool = False) -> int:
     return psutil.Process().memory_info().rss
 
 
+# A process's held memory in bytes, read in it; ``collect`` (at rest): after a full collection.
+Reader = Callable[[bool], Awaitable[int]]
+
+
 class ServeProbe:
     """What a driver attached to the app's Ray cluster can see beyond HTTP: the processes that
     serve it (for their resident memory) and every replica's request state.
@@ -132,10 +136,6 @@ def replica_is_idle(state: dict[str, Any]) -> bool:
 
 async def _read_held_rss(actor: Any, collect: bool = False) -> int:
     return await actor.__ray_call__.remote(held_rss, collect)
-
-
-# A process's held memory in bytes, read in it; ``collect`` (at rest): after a full collection.
-Reader = Callable[[bool], Awaitable[int]]
 
 
 class RssSampler:

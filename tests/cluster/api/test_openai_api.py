@@ -1424,34 +1424,45 @@ def test_forced_call_cut_off_by_max_tokens_returns_the_text_as_content(
         assert choice["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", ["required", NAMED])
-def test_forced_output_that_is_no_json_is_content_never_dropped(tool_choice: Any) -> None:
-    """Text the grammar did not constrain (a reasoning split that disagreed with it) is
-    returned, not read as no call and lost."""
-    for stream in (False, True):
-        completion = _tool_completion(_tool_request(tool_choice=tool_choice), stream, None)
-        chunks = _feed(completion, ["over", '[{"name": "get_weather", "parameters": {}}]'])
-        if stream:
-            assert "".join(c["delta"].get("content") or "" for c in chunks).startswith("over[")
-        else:
-            message = completion.whole()["choices"][0]["message"]
-            assert message["content"].startswith("over[") and "tool_calls" not in message
+def test_forced_output_that_is_no_json_is_content_never_dropped(
+    tool_choice: Any, stream: bool
+) -> None:
+    """Output that is no whole JSON value at its end (text outside what the grammar
+    constrained) is returned as content, not read as no call and lost."""
+    completion = _tool_completion(_tool_request(tool_choice=tool_choice), stream, None)
+    chunks = _feed(completion, ["over", '[{"name": "get_weather", "parameters": {}}]'])
+    if stream:
+        assert "".join(c["delta"].get("content") or "" for c in chunks).startswith("over[")
+        assert not [c for c in chunks if c["delta"].get("tool_calls")]
+    else:
+        message = completion.whole()["choices"][0]["message"]
+        assert message["content"].startswith("over[") and "tool_calls" not in message
 
 
 def test_a_streamed_forced_call_comes_whole_when_the_output_ends() -> None:
-    completion = _tool_completion(_tool_request(tool_choice=NAMED), True, None)
+    """Its deltas wait for the last step; every step before still sends its tokens' logprobs,
+    which add up to the whole response's."""
     steps = ['{"city": ', '"Oslo"', "}"]
+    req = _tool_request(tool_choice=NAMED, logprobs=True, top_logprobs=1)
+    tools = openai_payloads.tool_choice(req)
+    completion = Completion("m", True, False, 1, tools=tools, stream=True)
+    completion.absorb(StreamStart(5, 1))
     chunks = [
-        completion.absorb(StreamDelta([ChoiceDelta(0, text, [1], None, finish, None, i + 1)]))
+        completion.absorb(delta(0, text, i + 1, finish, logprobs=[LOGPROBS[0]]))
         for i, (text, finish) in enumerate(zip(steps, [None, None, "stop"]))
     ]
     assert not [c for step in chunks[:2] for c in step if c["delta"].get("tool_calls")]
     calls = [call for c in chunks[2] for call in c["delta"]["tool_calls"]]
     assert calls[0]["function"]["name"] == "get_weather"
-    assert "".join(call["function"].get("arguments", "") for call in calls) == steps[0] + "".join(
-        steps[1:]
-    )
+    assert "".join(call["function"].get("arguments", "") for call in calls) == "".join(steps)
     assert chunks[2][-1]["finish_reason"] == "stop"
+    streamed = [row for step in chunks for c in step if c["logprobs"]
+                for row in c["logprobs"]["content"]]  # fmt: skip
+    assert (
+        len(streamed) == 3 and streamed == completion.whole()["choices"][0]["logprobs"]["content"]
+    )
 
 
 def test_forced_call_that_ends_at_max_tokens_is_still_a_call() -> None:
@@ -1574,6 +1585,8 @@ def test_chat_echo_is_the_last_message_only_when_it_has_the_answers_role() -> No
     assert echo(user_last, echo=True) == ""  # the answer is the assistant's
     # Without the generation prompt the answer continues the last message, in its role.
     assert echo(user_last, echo=True, add_generation_prompt=False) == "hi"
-    parts = [{"role": "assistant", "content": [{"type": "text", "text": "a"},
-                                               {"type": "text", "text": "b"}]}]  # fmt: skip
-    assert echo(parts, echo=True) == "a\nb"
+    # Its text as the template gets it: text-like parts one a line, null texts skipped.
+    parts = [{"type": "text", "text": "a"}, {"type": "output_text", "text": "b"},
+             {"type": "text", "text": None}, {"type": "refusal", "refusal": "c"}]  # fmt: skip
+    assert echo([{"role": "assistant", "content": parts}], echo=True) == "a\nb\nc"
+    assert echo([{"role": "assistant", "content": None}], echo=True) == ""

@@ -97,6 +97,9 @@ def test_each_choice_has_its_own_split() -> None:
         (["<think>", "Let", " me", " see", "</think>", "Four", "."], "qwen3", None, 3),
         (["Hm", ",", " 2+2", ".", "</think>", "Four"], "deepseek_r1", None, 4),
         (["Hm", ",", " 2+2", ".", "</think>", "Four"], "qwen3", True, 4),
+        # In reasoning from the start (a grammar waits for </think>), the model's own <think>
+        # is a tag, not reasoning.
+        (["<think>", "Let", " me", "</think>", "{}"], "qwen3", True, 2),
         (["Four", "."], "qwen3", None, 0),
         (["<think>", "Still", " thinking"], "qwen3", None, 2),  # cut off inside
         (["Hm", "</think>", "Four"], "deepseek_v3", True, 1),  # thinking

@@ -328,3 +328,19 @@ def test_readiness_probes_go_out_on_their_period_while_the_answers_are_slow() ->
     assert all(status == 200 and took >= 0.9 for _, status, took in sampler.samples)
     sent = [at for at, _, _ in sampler.samples]
     assert sent == sorted(sent) and max(b - a for a, b in itertools.pairwise(sent)) < 0.5, sent
+
+
+def test_findings_name_a_rest_not_idle_and_memory_without_readings_at_rest() -> None:
+    report = {
+        "requests": {"rejected": 0},
+        "anomalies": {"count": 0},
+        "rss": {"ingress": {"gone": False, "samples": 3}},  # no reading at rest
+        "idle_between_halves": {"reached": False, "after": "first_half"},
+        "idle": {"reached": True, "after": "second_half"},
+    }
+    assert findings(report) == [
+        "ingress: no memory reading at rest after each half to compare",
+        "the replicas were not idle between the halves: {'reached': False, 'after': 'first_half'}",
+    ]
+    report["rss"]["ingress"]["growth_pct"] = 5.0
+    assert findings(report)[0] == "ingress: held memory at rest grew 5.0 % between the halves"
