@@ -10,9 +10,10 @@
     message_stop
 
 Blocks follow the order the model wrote them in; a kind of delta other than the open block's
-closes it and opens the next. A forced call (``tool_choice`` any or tool) is held back until
-the output ends: cut off by ``max_tokens``, it is no call but a text block of the generated
-text, as the chat route returns it. A stream the server cannot finish ends with an ``error``
+closes it and opens the next. A forced call (``tool_choice`` any or tool) comes when the output
+ends, as the chat stream it reads sends it (``openai_responses.Completion``): cut off by
+``max_tokens``, it is no call but a text block of the generated text, as the chat route
+returns it. A stream the server cannot finish ends with an ``error``
 event."""
 
 from __future__ import annotations
@@ -70,12 +71,9 @@ def _empty_block(kind: str, name: str = "") -> dict[str, Any]:
 
 class MessageBuilder:
     """One message as it is built: ``start`` then ``feed`` (chat stream deltas) and ``finish``
-    return its events; ``message()`` is the object at any point. ``hold_calls``: the request
-    forces a tool call, whose deltas wait for ``finish``."""
+    return its events; ``message()`` is the object at any point."""
 
-    def __init__(
-        self, model: str, stop_sequences: Sequence[str] = (), hold_calls: bool = False
-    ) -> None:
+    def __init__(self, model: str, stop_sequences: Sequence[str] = ()) -> None:
         self.model = model
         self.stop_sequences = list(stop_sequences)
         self.id = _new_id("msg")
@@ -90,8 +88,6 @@ class MessageBuilder:
         self._open: dict[str, Any] | None = None  # the block being streamed
         self._open_call = -1  # the chat index of the open tool_use block's call
         self._arguments = ""  # the open tool_use block's input JSON so far
-        self._hold_calls = hold_calls
-        self._held: list[dict[str, Any]] = []  # a forced call's chat deltas, until the end
 
     def message(self) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -133,9 +129,6 @@ class MessageBuilder:
         return events + [self._delta(text)]
 
     def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        if self._hold_calls:
-            self._held.append(call)
-            return []
         events = []
         if "id" in call or self._open is None or self._open_call != call["index"]:
             events += self._close()
@@ -170,23 +163,11 @@ class MessageBuilder:
             self._arguments, self._open_call = "", -1
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
-    @property
-    def holds_calls(self) -> bool:
-        """Forced call deltas were held back: ``finish`` needs the whole chat message."""
-        return bool(self._held)
-
     def finish(
-        self,
-        finish_reason: str | None,
-        matched: int | str | None,
-        output_tokens: int,
-        whole_message: dict[str, Any] | None = None,
+        self, finish_reason: str | None, matched: int | str | None, output_tokens: int
     ) -> list[dict[str, Any]]:
-        """The closing events: the held forced call's (``whole_message``, the chat message the
-        whole output makes, says whether it is a call or, cut off, text), the open block's
-        stop, ``message_delta``, ``message_stop``."""
-        events = self._release_calls(whole_message)
-        events += self._close()
+        """The closing events: the open block's stop, ``message_delta``, ``message_stop``."""
+        events = self._close()
         self.output_tokens = output_tokens
         tool_used = any(block["type"] == "tool_use" for block in self.content)
         self.stop_reason, self.stop_sequence = stop_reason(
@@ -198,20 +179,8 @@ class MessageBuilder:
             {"type": "message_stop"},
         ]
 
-    def _release_calls(self, whole_message: dict[str, Any] | None) -> list[dict[str, Any]]:
-        """The events of the held call deltas, or, when the whole message has no call (its JSON
-        was cut off), of a text block of its text, as the chat route returns it."""
-        held, self._held, self._hold_calls = self._held, [], False
-        if not held:
-            return []
-        if whole_message is not None and not whole_message.get("tool_calls"):
-            text = whole_message.get("content") or ""
-            return self._text_delta("text", text) if text else []
-        return [event for call in held for event in self._call_delta(call)]
-
     def fail(self, status: int, message: str, code: str | None = None) -> list[dict[str, Any]]:
         """The event ending a stream the server could not finish: Anthropic's ``error``."""
-        self._held = []  # a forced call the stream broke off is no call
         return [anthropic_error(status, message, code)[1]]
 
 

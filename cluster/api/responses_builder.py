@@ -14,9 +14,9 @@ deltas as OpenAI's event sequence, each event with its ``sequence_number``:
     after an ``error`` event or an aborted generation)
 
 Items follow the order the model wrote them in; a kind of delta other than the open item's
-closes it and opens the next. A forced call (``tool_choice`` required or named) is held back
-until the output ends: cut off, it is no call but a message holding the generated text, as
-the whole (non-stream) response has it."""
+closes it and opens the next. A forced call (``tool_choice`` required or named) comes when the
+output ends, as the chat stream it reads sends it (``openai_responses.Completion``): cut off,
+it is no call but a message holding the generated text, as the whole response has it."""
 
 from __future__ import annotations
 
@@ -69,9 +69,6 @@ class ResponseBuilder:
         self.reasoning_tokens = 0
         self._sequence = 0
         self._open: _OpenItem | None = None
-        forced = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
-        self._hold_calls = forced and bool(req.tools)
-        self._held: list[dict[str, Any]] = []  # forced calls' chat deltas, until the end
 
     # ---- the response object ----------------------------------------------------------------
 
@@ -159,9 +156,6 @@ class ResponseBuilder:
                             part=_part(kind, ""))]  # fmt: skip
 
     def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        if self._hold_calls:
-            self._held.append(call)
-            return []
         events = []
         open_call = self._open
         if "id" in call or open_call is None or open_call.chat_index != call["index"]:
@@ -207,18 +201,12 @@ class ResponseBuilder:
                                   item=dict(item.item)))  # fmt: skip
         return events
 
-    def finish(
-        self,
-        finish_reason: str | None,
-        output_tokens: int,
-        whole_message: dict[str, Any] | None = None,
-    ) -> list[dict[str, Any]]:
-        """The closing events: the held forced calls' (``whole_message``, the chat message the
-        whole output makes, says whether they are calls or, cut off, its text), the open
-        item's, then ``response.completed`` (``response.incomplete`` when the output hit
-        ``max_output_tokens``, ``response.failed`` when the generation was aborted)."""
+    def finish(self, finish_reason: str | None, output_tokens: int) -> list[dict[str, Any]]:
+        """The closing events: the open item's, then ``response.completed``
+        (``response.incomplete`` when the output hit ``max_output_tokens``,
+        ``response.failed`` when the generation was aborted)."""
         self.output_tokens = output_tokens
-        events = self._release_calls(whole_message)
+        events = []
         if not self.output:  # the model wrote nothing: an empty message, as OpenAI sends
             events += self._open_text_item("message")
         events += self._close("completed" if finish_reason not in ("length", "abort")
@@ -228,28 +216,9 @@ class ResponseBuilder:
         return events + [self._event(name.get(self.status, "response.completed"),
                                      response=self.response())]  # fmt: skip
 
-    @property
-    def holds_calls(self) -> bool:
-        """Forced calls were held back: ``finish`` needs the whole chat message."""
-        return bool(self._held)
-
-    def _release_calls(self, whole_message: dict[str, Any] | None) -> list[dict[str, Any]]:
-        """The events of the held forced calls, or, when the whole message has no call (its
-        JSON was cut off), of a message holding its text, as a whole response has it."""
-        held, self._held, self._hold_calls = self._held, [], False
-        if not held:
-            return []
-        if whole_message is not None and not whole_message.get("tool_calls"):
-            text = whole_message.get("content") or ""
-            if not text:
-                return self._close() + self._open_text_item("message")
-            return self._text_delta("message", text)
-        return [event for call in held for event in self._call_delta(call)]
-
     def fail(self, message: str, code: str | None = None) -> list[dict[str, Any]]:
         """The events ending a stream the server could not finish: ``error`` and
         ``response.failed`` (OpenAI's error code set has no room for ours but server_error)."""
-        self._held = []  # a forced call the stream broke off is no call
         events = self._close("incomplete")
         self.status = "failed"
         self.error = {"code": "server_error", "message": message}

@@ -60,8 +60,7 @@ class MessagesServicer:
         completion = Completion(req.model, True, False, None, tools=tools, stream=True)
         first, stream = await self.open_stream(req.model, payload)
         completion.absorb(first)
-        forced = tools is not None and tools.mode != "auto"
-        builder = MessageBuilder(req.model, req.stop_sequences or (), hold_calls=forced)
+        builder = MessageBuilder(req.model, req.stop_sequences or ())
         builder.input_tokens = first.prompt_tokens
         events = _message_events(builder, completion, stream, req.model)
         if req.stream:
@@ -102,12 +101,10 @@ async def _message_events(
     choice = completion.choices[0]
     if choice.finish_reason == "abort":
         raise APIError(_ABORTED[0], _ABORTED[1], None, _ABORTED[2])
-    # Held forced calls: the whole output's message says whether they are calls.
-    whole = completion.whole()["choices"][0]["message"] if builder.holds_calls else None
     if completion.prompt_tokens_details:
         builder.cache_read_input_tokens = completion.cached_tokens
     for event in builder.finish(choice.finish_reason, choice.stop_reason,
-                                completion.completion_tokens, whole):  # fmt: skip
+                                completion.completion_tokens):  # fmt: skip
         yield event
 
 

@@ -108,8 +108,7 @@ class ResponsesServicer:
         builder.reasoning_tokens = completion.reasoning_tokens(completion.choices[0])
         builder.cached_tokens = completion.cached_tokens
         if in_order:
-            held = choice["message"] if builder.holds_calls else None
-            builder.finish(choice["finish_reason"], completion.completion_tokens, held)
+            builder.finish(choice["finish_reason"], completion.completion_tokens)
         else:
             builder.absorb_message(choice["message"], choice["finish_reason"],
                                    completion.completion_tokens)  # fmt: skip
@@ -135,11 +134,9 @@ class ResponsesServicer:
                         yield sse_event(event)
             else:
                 choice = completion.choices[0]
-                # Held forced calls: the whole output's message says if they are calls.
-                whole = completion.whole()["choices"][0]["message"] if builder.holds_calls else None
                 builder.reasoning_tokens = completion.reasoning_tokens(choice)
                 builder.cached_tokens = completion.cached_tokens
-                last = builder.finish(choice.finish_reason, completion.completion_tokens, whole)
+                last = builder.finish(choice.finish_reason, completion.completion_tokens)
             # Kept before the last event goes out: a client may send the next turn at once.
             await self._keep(builder, conversation)
             for event in last:

@@ -35,18 +35,15 @@ def test_stop_reason(finish: str, matched: Any, tool_used: bool, expected: tuple
 
 
 def _events(pieces: list[str], **script: Any) -> tuple[MessageBuilder, list[dict[str, Any]]]:
-    """The events a streamed chat of ``pieces`` makes (stop sequences: ``END``), a forced
-    call's held until the end as the route holds them."""
+    """The events a streamed chat of ``pieces`` makes (stop sequences: ``END``)."""
     completion, chunks = scripted_chat(START, pieces, stream=True, **script)
-    tools = script.get("tools")
-    builder = MessageBuilder("m", ["END"], hold_calls=tools is not None and tools.mode != "auto")
+    builder = MessageBuilder("m", ["END"])
     builder.input_tokens = START.prompt_tokens
     events = builder.start()
     for chunk in chunks:
         events += builder.feed(chunk["delta"])
     choice = completion.choices[0]
-    whole = completion.whole()["choices"][0]["message"] if builder.holds_calls else None
-    events += builder.finish(choice.finish_reason, choice.stop_reason, choice.num_tokens, whole)
+    events += builder.finish(choice.finish_reason, choice.stop_reason, choice.num_tokens)
     return builder, events
 
 
