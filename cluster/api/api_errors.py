@@ -80,6 +80,20 @@ def api_error(item: StreamError) -> APIError:
     return APIError(item.status, item.message, item.param, item.code, item.retry_after)
 
 
+def renamed(exc: APIError, renames: tuple[tuple[str, str], ...]) -> APIError:
+    """``exc`` with its field named as another API names it: the first ``(chat name, name)``
+    of ``renames`` that is its ``param`` or a prefix of it (its message's leading name too)."""
+    param = exc.param or ""
+    for chat_name, name in renames:
+        if param == chat_name or param.startswith(f"{chat_name}."):
+            new_param = name + param[len(chat_name) :]
+            message = exc.message
+            if message.startswith(f"{param}:"):
+                message = new_param + message[len(param) :]
+            return APIError(exc.status, message, new_param, exc.code, exc.retry_after)
+    return exc
+
+
 def error_response(error: APIError, scope: Any = None) -> JSONResponse:
     """The error's response, in Anthropic's shape when ``scope`` is an Anthropic route's."""
     headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None

@@ -69,10 +69,14 @@ def input_items(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any]
     return list(value)
 
 
-def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat request generating this response to the conversation ``items``."""
+def chat_request(
+    req: ResponsesRequest, items: list[dict[str, Any]], num_history: int = 0
+) -> ChatCompletionRequest:
+    """The chat request generating this response to the conversation ``items``: the
+    ``num_history`` items of ``previous_response_id``'s conversation, then the request's
+    ``input``."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    messages += chat_messages(items)
+    messages += chat_messages(items, num_history)
     if not messages:
         raise APIError(400, "input: must not be empty", "input")
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
@@ -137,6 +141,8 @@ def _named_error(exc: ValidationError) -> APIError:
         loc = loc[:2] + loc[3:]  # a Responses function tool has its fields at the top
     elif loc[:1] == ["response_format"]:
         loc = ["text", "format"] + [p for p in loc[2:] if p != "json_schema"]
+    elif loc[:1] == ["reasoning_effort"]:
+        loc = ["reasoning", "effort"]
     param = ".".join(p for p in loc if not _is_type_tag(p))
     return APIError(400, f"{param}: {first.get('msg')}", param, "invalid_value")
 
@@ -175,16 +181,17 @@ def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
                    f"'function', 'name': ...}}, got type {kind!r}", "tool_choice")  # fmt: skip
 
 
-def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
+def chat_messages(items: list[Any], num_history: int = 0) -> list[dict[str, Any]]:
     """Conversation items -> chat messages. A function call joins the assistant message before
     it (one assistant turn: its text and its calls); a call's output is a ``tool`` message; a
     reasoning item's text is the ``reasoning_content`` of the assistant message it precedes
     (the chat template decides whether to show it again: most drop it, harmony keeps it before
-    the calls of an unfinished turn)."""
+    the calls of an unfinished turn). Errors name the request's own ``input.{i}``: the first
+    ``num_history`` items are the stored conversation before it."""
     messages: list[dict[str, Any]] = []
     reasoning: list[str] = []  # reasoning items not yet given to an assistant message
     for i, item in enumerate(items):
-        path = f"input.{i}"
+        path = f"input.{i - num_history}" if i >= num_history else "previous_response_id"
         if not isinstance(item, dict):
             raise APIError(400, f"{path}: must be an object", path)
         kind = item.get("type", "message")

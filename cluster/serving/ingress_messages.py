@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from cluster.api.anthropic_builder import MessageBuilder
 from cluster.api.anthropic_models import CountTokensRequest, MessagesRequest
 from cluster.api.anthropic_payloads import chat_request, template_kwargs
-from cluster.api.api_errors import APIError, api_error
+from cluster.api.api_errors import APIError, api_error, renamed
 from cluster.api.openai_payloads import chat_payload, tool_choice
 from cluster.api.openai_responses import Completion
 from cluster.api.replica_messages import GenerateRequest, StreamError
@@ -30,10 +30,17 @@ logger = logging.getLogger("llm_cluster.serve")
 _ABORTED = (503, "the server stopped the generation; retry the request", "unavailable")
 
 
+# The chat route's names of the fields the Messages API names otherwise, for its 400s.
+_RENAMES = (("tool_choice.function.name", "tool_choice.name"), ("stop", "stop_sequences"))
+
+
 def messages_payload(req: CountTokensRequest) -> tuple[GenerateRequest, Any]:
     """The server request for ``req`` and the chat request it came from."""
     chat = chat_request(req)
-    payload = chat_payload(chat)
+    try:
+        payload = chat_payload(chat)
+    except APIError as exc:
+        raise renamed(exc, _RENAMES) from exc
     kwargs = template_kwargs(req)
     if kwargs is not None:  # thinking: a template variable; the request's own kwargs win
         merged = {
@@ -58,7 +65,10 @@ class MessagesServicer:
         tools = tool_choice(chat)
         # Read as a stream either way: a whole reply is the message its events build.
         completion = Completion(req.model, True, False, None, tools=tools, stream=True)
-        first, stream = await self.open_stream(req.model, payload)
+        try:
+            first, stream = await self.open_stream(req.model, payload)
+        except APIError as exc:
+            raise renamed(exc, _RENAMES) from exc
         completion.absorb(first)
         builder = MessageBuilder(req.model, req.stop_sequences or ())
         builder.input_tokens = first.prompt_tokens

@@ -13,7 +13,7 @@ from typing import Any
 import ray
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cluster.api.api_errors import APIError, api_error
+from cluster.api.api_errors import APIError, api_error, renamed
 from cluster.api.openai_payloads import chat_payload, tool_choice
 from cluster.api.openai_responses import Completion
 from cluster.api.reasoning_parsers import GptOssReasoningParser
@@ -78,7 +78,7 @@ class ResponsesServicer:
                 raise PreviousResponseNotFound(req.previous_response_id)
             history = record["input"] + record["response"]["output"]
         conversation = history + input_items(req.input)
-        chat = chat_request(req, conversation)
+        chat = chat_request(req, conversation, num_history=len(history))
         try:
             first, stream = await self.open_stream(req.model, chat_payload(chat))
         except APIError as exc:
@@ -190,13 +190,17 @@ class PreviousResponseNotFound(APIError):
 _RENAMES = (
     ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
     ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-    ("messages", "input"), ("prompt", "input"),
+    ("tool_choice.function.name", "tool_choice.name"),
 )  # fmt: skip
+# A chat message's index is not its input item's (instructions come first): the whole input.
+_INPUT = ("messages", "prompt")
 
 
 def _renamed(exc: APIError, req: ResponsesRequest) -> APIError:
     """The server's 400 as the Responses request names the field."""
     param = exc.param or ""
+    if param.split(".")[0] in _INPUT:
+        return renamed(exc, ((param, "input"),))
     renames: tuple[tuple[str, str], ...] = _RENAMES
     fmt = req.text.format if req.text is not None else None
     # text.format's grammar (a forced call's is its tool's schema; text.format with
@@ -204,19 +208,12 @@ def _renamed(exc: APIError, req: ResponsesRequest) -> APIError:
     forced = req.tool_choice not in (None, "none", "auto") and bool(req.tools)
     if fmt is not None and fmt.type == "json_schema" and not forced:
         renames += (("structured_outputs.json", "text.format.schema"),)
-    for chat_name, name in renames:
-        if param == chat_name or param.startswith(f"{chat_name}."):
-            # A chat message's index is not its input item's (instructions come first).
-            new_param = name if name == "input" else name + param[len(chat_name) :]
-            break
-    else:
-        return exc
-    message = exc.message
-    if message.startswith(f"{param}:"):
-        message = new_param + message[len(param) :]
-    if name == "max_output_tokens":  # the engine's message names it more than once
-        message = message.replace(chat_name, name)
-    return APIError(exc.status, message, new_param, exc.code, exc.retry_after)
+    out = renamed(exc, renames)
+    if out.param == "max_output_tokens" and param != "max_output_tokens":
+        # the engine's message names it more than once
+        out = APIError(out.status, out.message.replace(param, "max_output_tokens"), out.param,
+                       out.code, out.retry_after)  # fmt: skip
+    return out
 
 
 __all__ = [

@@ -334,3 +334,13 @@ def test_harmless_undeclared_fields_are_ignored() -> None:
     chat = _chat(container="c1", context_management={"edits": []}, n=1, vllm_xargs={},
                  chat_template_kwargs=None)  # fmt: skip
     assert chat["messages"] == [{"role": "user", "content": "Hi"}]
+
+
+def test_a_tool_choice_naming_no_tool_is_400_naming_tool_choice_name() -> None:
+    """The chat route's check names ``tool_choice.function.name``; the Messages API's field is
+    ``tool_choice.name``."""
+    req = _request(tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"})
+    with pytest.raises(APIError) as info:
+        messages_payload(req)
+    assert info.value.param == "tool_choice.name"
+    assert info.value.message.startswith("tool_choice.name: "), info.value.message

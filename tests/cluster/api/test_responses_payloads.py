@@ -32,6 +32,18 @@ def test_a_refusal_part_adds_no_line() -> None:
     assert chat.messages[0].model_dump(exclude_none=True)["content"] == "ok"
 
 
+def test_an_error_names_the_index_in_this_requests_input_after_a_stored_history() -> None:
+    """With ``previous_response_id`` the stored conversation comes first; an error still names
+    the item's place in the request's own ``input``, as without one."""
+    history = [{"type": "message", "role": "user", "content": "first"},
+               {"type": "message", "role": "assistant", "content": "ok"}]  # fmt: skip
+    req = _request(input=[{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}])
+    for items, num_history in ((input_items(req.input), 0), (history + input_items(req.input), 2)):
+        with pytest.raises(APIError) as info:
+            chat_request(req, items, num_history)
+        assert info.value.param == "input.1.role", info.value.message
+
+
 def _refused(**fields: Any) -> APIError:
     with pytest.raises(APIError) as info:
         check_request(_request(**fields))
@@ -108,3 +120,10 @@ def test_a_bad_tool_field_is_a_400_naming_it() -> None:
     with pytest.raises(APIError) as info:
         chat_request(req, input_items(req.input))
     assert (info.value.status, info.value.param) == (400, "tools.0.strict")
+
+
+def test_a_reasoning_effort_out_of_range_is_400_naming_reasoning_effort() -> None:
+    req = _request(reasoning={"effort": "bogus"})
+    with pytest.raises(APIError) as info:
+        chat_request(req, input_items(req.input))
+    assert info.value.param == "reasoning.effort", info.value.message

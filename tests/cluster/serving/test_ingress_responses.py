@@ -186,6 +186,13 @@ def test_a_prompt_too_long_names_input() -> None:
     assert _error(_Scripted([], error=engine), {"model": "m", "input": "Hi"})["param"] == "input"
 
 
+def test_a_tool_choice_naming_no_tool_names_tool_choice_name() -> None:
+    body = {**BODY, "tool_choice": {"type": "function", "name": "nope"}}
+    error = _error(_Scripted([]), body)
+    assert error["param"] == "tool_choice.name"
+    assert error["message"].startswith("tool_choice.name: "), error["message"]
+
+
 def test_text_format_errors_name_text_format() -> None:
     body = {"model": "m", "input": "Hi", "text": {"format": {"type": "json_schema", "name": "r"}}}
     error = _error(_Scripted([]), body)
