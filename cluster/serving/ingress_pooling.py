@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from cluster.api.api_errors import APIError, api_error
+from cluster.api.api_errors import APIError, api_error, renamed
 from cluster.api.openai_models import EmbeddingRequest
 from cluster.api.openai_payloads import (
     UNSUPPORTED_FIELDS,
@@ -84,12 +84,20 @@ class PoolingServicer:
                        "pooling routes serve base models only (LoRA is not supported for "
                        "pooling)", "model")  # fmt: skip
 
-    async def _call(self, model: str, calls: list[Awaitable[Any]]) -> list[Any]:
-        """The server replies of ``calls``, or the first error among them as an APIError."""
+    async def _call(
+        self, model: str, calls: list[Awaitable[Any]], batch: str | None = None
+    ) -> list[Any]:
+        """The server replies of ``calls``, or the first error among them as an APIError.
+        ``batch``: each call is item i of this request field (its error names ``batch.i``,
+        not the server's ``prompt``)."""
         results = await call_replica(model, asyncio.gather(*calls))
-        error = next((r for r in results if isinstance(r, StreamError)), None)
-        if error is not None:
-            raise api_error(error)
+        for i, result in enumerate(results):
+            if isinstance(result, StreamError):
+                error = api_error(result)
+                if batch is not None:
+                    name = f"{batch}.{i}"
+                    error = renamed(error, (("prompt_token_ids", name), ("prompt", name)))
+                raise error
         return list(results)
 
     async def embeddings(self, req: EmbeddingRequest) -> Any:
@@ -101,7 +109,12 @@ class PoolingServicer:
                    "truncate_prompt_tokens": req.truncate_prompt_tokens,
                    "truncation_side": req.truncation_side}  # fmt: skip
         inputs = [msgspec.structs.replace(p, **changes) for p in inputs]
-        results = await self._call(req.model, [handle.embed.remote(p) for p in inputs])
+        calls = [handle.embed.remote(p) for p in inputs]
+        batch = isinstance(req.input, list) and not isinstance(req.input[0], int)
+        try:
+            results = await self._call(req.model, calls, "input" if batch else None)
+        except APIError as exc:  # one input: the server names it prompt
+            raise renamed(exc, (("prompt_token_ids", "input"), ("prompt", "input"))) from exc
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode_embedding(r.embedding, req.encoding_format)}
                 for i, r in enumerate(results)]  # fmt: skip

@@ -12,16 +12,29 @@ from fastapi.testclient import TestClient
 from ray.serve.exceptions import BackPressureError
 
 from cluster.api.openai_api import make_openai_app
-from cluster.api.replica_messages import EmbedRequest, EmbedResult, ScoreRequest, ScoreResult
+from cluster.api.replica_messages import (
+    EmbedRequest,
+    EmbedResult,
+    ScoreRequest,
+    ScoreResult,
+    StreamError,
+)
 from cluster.serving.ingress_pooling import PoolingServicer
 from tests.cluster.serving.routed_ingress import Method, RoutedIngress
 
 
+def _embedded(request: EmbedRequest) -> EmbedResult | StreamError:
+    if request.prompt == "":  # the engine's check, as the server answers it
+        return StreamError(400, "prompt: must not be empty", "prompt")
+    return EmbedResult([1.0, 0.0], 3, "yes")
+
+
 class _Handle:
-    """A server that embeds every input as [1, 0] and scores pairs 0.3, 0.9, 0.6."""
+    """A server that embeds every input as [1, 0] (an empty prompt: the engine's 400) and scores
+    pairs 0.3, 0.9, 0.6."""
 
     def __init__(self, calls: list[Any]) -> None:
-        self.embed = Method(lambda r: EmbedResult([1.0, 0.0], 3, "yes"), calls)
+        self.embed = Method(_embedded, calls)
         scores = [0.3, 0.9, 0.6]
         self.score = Method(lambda r: ScoreResult(scores[: len(r.text_2)], 7), calls)
 
@@ -52,6 +65,20 @@ def _post(ingress: _Recording, path: str, body: dict[str, Any]) -> Any:
 
 
 RERANK = {"model": "m", "query": "q", "documents": ["a", "b", "c"]}
+
+
+@pytest.mark.parametrize(("value", "param"), [("", "input"), (["a", ""], "input.1")])
+def test_an_empty_input_is_a_400_naming_it_in_the_request(
+    ingress: _Recording, value: Any, param: str
+) -> None:
+    """The engine names its prompt; the embeddings request's field is ``input`` (an item of
+    a batch: ``input.i``)."""
+    response = _post(ingress, "/v1/embeddings", {"model": "m", "input": value})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+
+
 BODIES = {
     "/v1/embeddings": {"model": "m", "input": "hi"},
     "/classify": {"model": "m", "input": "hi"},
