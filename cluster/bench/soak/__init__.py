@@ -4,15 +4,13 @@
              max_tokens); about --cancel-fraction are closed by the client mid-stream
     bursts   every --burst-interval s, one-shot streams up to --burst-size in flight (by
              default 10x max_ongoing_requests: admission control must answer 503)
-    memory   resident set of each replica, the ingress and Serve's HTTP proxy after each
-             returned its allocator's free pages (malloc_trim): every --rss-interval s for
-             the trend, and at rest after each half (the clients pause, every request ends,
-             a full gc); growth = the second reading over the first (halves split midway
-             between --warmup and --duration)
+    rests    after each half (split midway between --warmup and --duration) the clients
+             pause until every request ends: every replica must be idle (all KV blocks
+             free, no request state), then memory is read
+    memory   held memory (after gc and malloc_trim) of each replica, the ingress and Serve's
+             proxy, at each rest (growth: second over first) and every --rss-interval s
     ready    GET /health every second during the run: always 200 (a readiness probe would
              otherwise take the busy endpoint out of service)
-    idle     at each rest (after each half, when memory is read) every replica must be
-             idle: all KV blocks free, no request state
 
 Every request ends in exactly one outcome (success, error, abort, refused, rejected); anything
 else is an anomaly (``outcomes`` defines both). ``python -m cluster.bench.soak --config
