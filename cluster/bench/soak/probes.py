@@ -220,7 +220,10 @@ class ReadinessSampler:
 
     Probes are sent on the period whether or not the last one has answered, as a kubelet sends
     them, so their number follows the run's length, not the endpoint's latency; at the stop,
-    the probes still out are waited for (up to ``timeout_s``) and counted."""
+    the probes still out are waited for (up to ``timeout_s``) and counted. They go out from a
+    thread with an event loop of their own, as a kubelet probes from its own process: on the
+    load's loop, busy with hundreds of streams, an answer waits there for seconds after it came
+    (BENCHMARKS.md, "Soak")."""
 
     def __init__(self, url: str, interval_s: float = 1.0, timeout_s: float = 10.0) -> None:
         self.url = url
@@ -229,6 +232,20 @@ class ReadinessSampler:
         self.samples: list[tuple[float, int | str, float]] = []  # (at, status, seconds)
 
     async def run(self, start: float, stop: asyncio.Event) -> None:
+        """Probe from ``start`` (``time.monotonic()``) until ``stop`` is set."""
+        loop = asyncio.new_event_loop()
+        halt = asyncio.Event()  # set from this loop's thread; waited on in the probes' loop
+        probing = asyncio.ensure_future(
+            asyncio.to_thread(loop.run_until_complete, self._probe(start, halt))
+        )
+        try:
+            await stop.wait()
+        finally:
+            loop.call_soon_threadsafe(halt.set)
+            await probing
+            loop.close()
+
+    async def _probe(self, start: float, stop: asyncio.Event) -> None:
         import httpx
 
         async def probe(client: httpx.AsyncClient) -> None:
