@@ -60,11 +60,11 @@ class TextConfig(_Model):
 
 
 class ResponsesRequest(_Model):
-    """``POST /v1/responses``. Undeclared fields: harmless ones (``include``, ``reasoning``,
-    ``service_tier``, ``prompt_cache_key``, ...) are ignored (``reasoning`` is echoed); the ones
-    that would change the output and are not supported are a 400 naming them
-    (``cluster.api.responses_payloads.UNSUPPORTED_RESPONSE_FIELDS``, output text logprobs in
-    ``include``)."""
+    """``POST /v1/responses``. Undeclared fields: harmless ones (``reasoning``, ``service_tier``,
+    ``prompt_cache_key``, ...) are ignored (``reasoning`` is echoed); the ones that would change
+    the output and are not supported are a 400 naming them
+    (``cluster.api.responses_payloads.UNSUPPORTED_RESPONSE_FIELDS``); ``include`` must hold
+    OpenAI's values, output text logprobs refused (``responses_payloads.check_request``)."""
 
     model: Text
     # Optional as in OpenAI's API: a continuation (previous_response_id) may add none.

@@ -20,8 +20,8 @@ from cluster.api.responses_models import SAMPLING_PASSTHROUGH, ResponsesRequest
 
 _NO_TEMPLATE = "request-supplied chat templates are not accepted; the model's own template is used"
 # Undeclared fields that would change the output and are not supported (``check_extra_fields``).
-# Others (``include``, ``reasoning``, ``service_tier``, ``prompt_cache_key``, ...) are ignored,
-# as on the chat route.
+# Others (``reasoning``, ``service_tier``, ``prompt_cache_key``, ...) are ignored, as on the
+# chat route; ``include`` is checked on its own (``_check_include``).
 UNSUPPORTED_RESPONSE_FIELDS = {
     "background": Unsupported("background responses are not supported; use stream", (False,)),
     "conversation": Unsupported("the Conversations API is not supported; use previous_response_id"),
@@ -39,17 +39,19 @@ BUILTIN_TOOLS = (
     "web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
     "computer", "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom",
 )  # fmt: skip
+# OpenAI's ``include`` values (the ``openai`` client's ``ResponseIncludable``).
+INCLUDABLE = (
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs",
+)  # fmt: skip
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
 
 def check_request(req: ResponsesRequest) -> None:
     check_extra_fields(req, UNSUPPORTED_RESPONSE_FIELDS)
-    include = (req.model_extra or {}).get("include")
-    if isinstance(include, list) and "message.output_text.logprobs" in include:
-        raise APIError(400, "include: 'message.output_text.logprobs': logprobs are not returned "
-                       "by /v1/responses (use /v1/chat/completions)", "include",
-                       "unsupported")  # fmt: skip
+    _check_include((req.model_extra or {}).get("include"))
     if req.top_logprobs:
         raise APIError(400, "top_logprobs: logprobs are not returned by /v1/responses (use "
                        "/v1/chat/completions); only 0", "top_logprobs", "unsupported")  # fmt: skip
@@ -58,6 +60,25 @@ def check_request(req: ResponsesRequest) -> None:
                        "length is a 400)", "truncation", "unsupported")  # fmt: skip
     for i, tool in enumerate(req.tools or ()):
         _check_tool(tool, f"tools.{i}")
+
+
+def _check_include(include: Any) -> None:
+    """``include``: a list of OpenAI's includable values. Those of tools not served here and
+    ``reasoning.encrypted_content`` (reasoning is returned as text) add nothing; output text
+    logprobs are not returned (a 400)."""
+    if include is None:
+        return
+    allowed = ", ".join(INCLUDABLE)
+    if not isinstance(include, list):
+        raise APIError(400, f"include: a list of strings, each one of {allowed}", "include")
+    for i, value in enumerate(include):
+        if value not in INCLUDABLE:
+            raise APIError(400, f"include.{i}: {value!r} is not one of {allowed}",
+                           f"include.{i}")  # fmt: skip
+        if value == "message.output_text.logprobs":
+            raise APIError(400, f"include.{i}: {value!r}: logprobs are not returned by "
+                           "/v1/responses (use /v1/chat/completions)", f"include.{i}",
+                           "unsupported")  # fmt: skip
 
 
 def input_items(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:

@@ -65,9 +65,26 @@ def test_chat_template_kwargs_go_to_the_chat_request_as_vllm_takes_them() -> Non
 
 def test_output_text_logprobs_are_refused_like_top_logprobs() -> None:
     error = _refused(include=["reasoning.encrypted_content", "message.output_text.logprobs"])
-    assert error.param == "include"
+    assert error.param == "include.1"
     assert "logprobs are not returned" in error.message
     check_request(_request(include=["reasoning.encrypted_content"]))  # changes nothing
+
+
+def test_include_holds_openais_values_only() -> None:
+    """As OpenAI (and vLLM) answer: an unknown value is a 400 naming its place and the values
+    allowed; those of tools not served here are accepted and add nothing."""
+    error = _refused(include=["file_search_call.results", "reasoning.summary"])
+    assert error.param == "include.1"
+    assert "'reasoning.summary' is not one of" in error.message
+    assert "code_interpreter_call.outputs" in error.message
+    for bad in ("reasoning.encrypted_content", {"a": 1}, 3):
+        assert _refused(include=bad).param == "include"
+    assert _refused(include=[None]).param == "include.0"
+    check_request(
+        _request(include=["web_search_call.action.sources", "code_interpreter_call.outputs"])
+    )
+    check_request(_request(include=[]))
+    check_request(_request(include=None))
 
 
 @pytest.mark.parametrize(
