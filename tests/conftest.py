@@ -24,10 +24,6 @@ os.environ.setdefault("LLM_CLUSTER_CACHE_DIR", os.path.join(os.getcwd(), ".cache
 # prestart one idle Python worker per core for its first driver; most are never used and each
 # costs ~1 s of CPU on a 2-core machine. Actors start the workers they need either way.
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-# Ray starts its workers at nice 15: beside the suite's other stream (nice 0) every Serve process
-# starves, and under the soak's load /health took 2.3 s at the median (BENCHMARKS.md, "Soak").
-# At 0 they share the cores with the test processes. `cluster serve` keeps Ray's default.
-os.environ.setdefault("RAY_worker_niceness", "0")
 
 import pytest
 import torch
