@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 
 from engine.errors import ConfigError
+from engine.generation_defaults import GENERATION_FIELDS
 from engine.model_heads import CONVERTS, RUNNERS, Task, family_architecture, resolve_task
 from engine.quantization.config import QUANTIZATION_ARGUMENTS
 from engine.validation import (
@@ -356,8 +357,30 @@ class SamplingConfig:
     # vLLM's: the most items of each modality one prompt may hold ({"image": 4}); a modality
     # left out is bounded only by max_model_len.
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    # vLLM's: where unset request fields take their defaults (engine.generation_defaults):
+    # "auto" the model's generation_config.json, "vllm" none, or a directory holding one;
+    # override_generation_config's values (HF names) over those.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        require(
+            isinstance(self.generation_config, str) and self.generation_config != "",
+            "generation_config",
+            f"must be 'auto', 'vllm' or a directory, got {self.generation_config!r}",
+        )
+        override = self.override_generation_config
+        require(
+            isinstance(override, dict),
+            "override_generation_config",
+            f"must map sampling fields to values, got {override!r}",
+        )
+        for key in override:
+            require(
+                key in GENERATION_FIELDS,
+                f"override_generation_config.{key}",
+                f"is not one of {', '.join(GENERATION_FIELDS)}",
+            )
         check_int(self.max_logprobs, "max_logprobs", ge=0)
         check_positive_int(self.max_n, "max_n")
         check_positive_int(self.max_stop_strings, "max_stop_strings")

@@ -88,9 +88,15 @@ def check_extra_fields(
 # Fields passed to the engine under the same name when they differ from its default (the engine
 # checks their ranges and caps, and its 400s name them).
 _SAME_NAME_FIELDS = (
-    "n", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_tokens", "stop_token_ids", "include_stop_str_in_output", "logit_bias", "bad_words",
-    "allowed_token_ids", "spaces_between_special_tokens",
+    "n", "seed", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "logit_bias",
+    "bad_words", "allowed_token_ids", "spaces_between_special_tokens",
+)  # fmt: skip
+# Fields passed only when the request gives them (not null): the replica fills in the rest from
+# the model's generation_config, then the engine's defaults (vLLM's order;
+# ``engine.generation_defaults``).
+_MODEL_DEFAULT_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty",
 )  # fmt: skip
 
 
@@ -100,12 +106,13 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> dict[str, An
     if sent and not req.stream:  # ``{}`` sets no option (vLLM's rule)
         raise APIError(400, "stream_options: only allowed with stream: true", "stream_options")
     params: dict[str, Any] = {
-        "temperature": req.temperature,
-        "top_p": req.top_p,
         "max_tokens": max_tokens,
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
     }
+    for name in _MODEL_DEFAULT_FIELDS:
+        if name in req.model_fields_set:  # (null is not given: ``OrNull``)
+            params[name] = getattr(req, name)
     defaults = SamplingFields.model_fields
     for name in _SAME_NAME_FIELDS:
         value = getattr(req, name)

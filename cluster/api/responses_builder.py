@@ -64,6 +64,9 @@ class ResponseBuilder:
         self.incomplete_reason: str | None = None
         self.error: dict[str, Any] | None = None
         self.input_tokens = 0
+        # What the model samples with (StreamStart's: the model's defaults filled in).
+        self.temperature: float | None = None
+        self.top_p: float | None = None
         self.cached_tokens = 0  # of the input, read from the prefix cache
         self.output_tokens = 0
         self.reasoning_tokens = 0
@@ -94,9 +97,9 @@ class ResponseBuilder:
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls
             is not False, "previous_response_id": req.previous_response_id,
-            # The values used: OpenAI's (and the engine's) default is 1.
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
+            # The values used: the request's, else the model's default, else 1 (OpenAI's).
+            "temperature": _first_set(req.temperature, self.temperature, 1.0),
+            "top_p": _first_set(req.top_p, self.top_p, 1.0),
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": self.tools, "text": {"format": text_format}, "truncation": "disabled",
             "store": req.store, "user": req.user, "background": False,
@@ -264,6 +267,10 @@ def _part(kind: str, text: str) -> dict[str, Any]:
     if kind == "message":
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return {"type": "reasoning_text", "text": text}
+
+
+def _first_set(*values: float | None) -> float | None:
+    return next((v for v in values if v is not None), None)
 
 
 __all__ = ["ResponseBuilder", "sse_event"]

@@ -30,7 +30,8 @@ logger = logging.getLogger("llm_cluster.serve")
 
 
 def grpc_payload(request: llm_pb2.GenerateRequest, timeout: float | None = None) -> GenerateRequest:
-    """The server payload for a gRPC request; unset optional fields keep the engine default.
+    """The server payload for a gRPC request; unset optional fields take the model's defaults
+    (its generation_config), then the engine's.
     ``timeout``: the engine's (``grpc_timeout``)."""
     if not request.model:
         raise APIError(400, "model: required", "model")

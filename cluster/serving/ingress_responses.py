@@ -90,6 +90,7 @@ class ResponsesServicer:
         completion.absorb(first)
         builder = ResponseBuilder(req, req.tools)
         builder.input_tokens = first.prompt_tokens
+        builder.temperature, builder.top_p = first.temperature, first.top_p
         headers = self._replica_headers()
         if req.stream:
             events = self._events(builder, completion, stream, conversation)

@@ -66,10 +66,11 @@ from engine.errors import (
     InvalidRequestError,
     RequestAbortedError,
 )
+from engine.generation_defaults import generation_defaults, with_generation_defaults
 from engine.lora import LoRARequest
 from engine.multimodal.chat import image_placeholder
 from engine.multimodal.processor import MultiModalProcessor
-from engine.sampling_params import RequestOutputKind
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.startup_timeline import StartupTimeline
 from engine.vlm_config import is_vlm
 
@@ -176,6 +177,11 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
         )
         self.image_placeholder = image_placeholder(hf, self.tokenizer)
         self.max_model_len = config.max_model_len
+        sampling = config.sampling
+        # What a request's unset sampling fields take (vLLM's rule; engine.generation_defaults).
+        self.generation_defaults = generation_defaults(
+            model.model_path, sampling.generation_config, sampling.override_generation_config
+        )
         self.tool_call_parser = config.frontend.tool_call_parser
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # a ValueError naming the valid parsers
@@ -233,7 +239,7 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
             lora_request = await self._lora_request(request.adapter)
             prompt = self._prompt(request)
             reasoning = self.reasoning if request.messages is not None else None
-            raw_params = request.params
+            raw_params = self._with_defaults(request.params, prompt)
             if (reasoning is not None and reasoning.keeps_special_tokens) or (
                 self._reads_tool_calls(request)
                 and TOOL_PARSERS[self.tool_call_parser].keeps_special_tokens
@@ -297,7 +303,7 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
             raise
         if request.adapter is not None:  # the engine accepted it
             self.metrics.on_adapter_request(request.adapter)
-        start = self._start(request, first.output, params.n, reasoning is not None, in_reasoning)
+        start = self._start(request, first.output, params, reasoning is not None, in_reasoning)
         if sink is not None:
             start.head = self.head_name
         yield start
@@ -349,7 +355,7 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
         self,
         request: GenerateRequest,
         output: Any,
-        n: int,
+        params: SamplingParams,
         reasoning: bool = False,
         in_reasoning: bool | None = None,
     ) -> StreamStart:
@@ -362,7 +368,8 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
             first = [[ids[0], self.tokenizer.decode(ids[:1]), None, None]]
             prompt_logprobs = [first] + [logprob_rows(e) for e in output.prompt_logprobs[1:]]
         parser = self.tool_call_parser if self._reads_tool_calls(request) else None
-        start = StreamStart(len(ids), n, text, prompt_logprobs, parser, self.replica_id)
+        start = StreamStart(len(ids), params.n, text, prompt_logprobs, parser, self.replica_id)
+        start.temperature, start.top_p = params.temperature, params.top_p
         start.prompt_tokens_details = self.config.frontend.enable_prompt_tokens_details
         if reasoning and self.reasoning is not None:  # a chat with the model's reasoning_parser
             start.reasoning_parser = self.reasoning.parser.name
@@ -394,6 +401,15 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
                 'engine_kwargs), or use tool_choice "required" or a named function',
                 param="tool_choice",
             )
+
+    def _with_defaults(self, params: dict[str, Any], prompt: Any) -> dict[str, Any]:
+        """The request's sampling dict with the model's defaults for the fields it leaves
+        unset; a default ``max_tokens`` fits in what the prompt leaves of the context."""
+        if not self.generation_defaults:
+            return params
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        room = self.max_model_len - len(ids) if ids is not None else 0
+        return with_generation_defaults(params, self.generation_defaults, room)
 
     def _prompt(self, request: GenerateRequest | EmbedRequest) -> Any:
         """The prompt for the core, tokenized here (the head's process only runs the model), cut

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.core.data_parallel import build_engine
 from engine.core.llm_engine import PromptType
 from engine.errors import InvalidRequestError
+from engine.generation_defaults import generation_defaults
 from engine.harmony_template import harmony_prompt_ids, is_harmony_tokenizer
 from engine.lora import LoRARequest
 from engine.model_heads import num_labels, pair_uses_sep_token
@@ -32,8 +33,19 @@ class LLM:
     """Offline batched generation over the engine (vLLM's ``vllm.LLM``)."""
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        self.llm_engine = build_engine(EngineConfig.from_kwargs(model=model, **engine_args))
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        sampling = config.sampling
+        # Before the load: a generation_config that cannot be used fails at once.
+        self._default_sampling = generation_defaults(
+            config.model.model_path, sampling.generation_config, sampling.override_generation_config
+        )
+        self.llm_engine = build_engine(config)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no ``SamplingParams``: the model's
+        ``generation_config`` values over ``SamplingParams()``' (vLLM's)."""
+        return SamplingParams(**self._default_sampling)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -74,7 +86,7 @@ class LLM:
         single = not isinstance(priority, Sequence)  # (the engine checks each value)
         priorities = _per_prompt(priority, single, len(prompts), "priority")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         single = isinstance(sampling_params, SamplingParams)
         params_list = _per_prompt(sampling_params, single, len(prompts), "sampling_params")
         if any(p.use_beam_search for p in params_list):

@@ -600,8 +600,26 @@ def test_n_penalties_and_vllm_extras_map_by_name() -> None:
 
 def test_defaults_are_left_to_the_engine() -> None:
     params = completion_payload(CompletionRequest(model="m", prompt="x"))["params"]
-    assert set(params) == {"temperature", "top_p", "max_tokens", "ignore_eos",
-                           "skip_special_tokens"}  # fmt: skip
+    assert set(params) == {"max_tokens", "ignore_eos", "skip_special_tokens"}
+
+
+@pytest.mark.parametrize(
+    "field", ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty"],
+)  # fmt: skip
+def test_a_model_default_field_goes_to_the_replica_only_when_the_request_gives_it(
+    field: str,
+) -> None:
+    """Unset or null, the replica fills it in from the model's generation_config (vLLM's
+    rule); given, even at OpenAI's default value, it is the request's."""
+    default = ChatCompletionRequest.model_fields[field].default
+    for body in ({}, {field: None}):
+        req = ChatCompletionRequest.model_validate({**_CHAT, **body})
+        assert field not in chat_payload(req)["params"]
+    req = ChatCompletionRequest.model_validate({**_CHAT, field: default})
+    assert chat_payload(req)["params"][field] == default
+    params = completion_payload(CompletionRequest(model="m", prompt="x", **{field: default}))
+    assert params["params"][field] == default
 
 
 def test_best_of_equal_to_n_is_accepted() -> None:

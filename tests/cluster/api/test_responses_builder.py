@@ -39,6 +39,9 @@ def test_sampling_defaults_are_echoed_as_the_values_used() -> None:
     assert (response["temperature"], response["top_p"]) == (1.0, 1.0)
     response = _builder(temperature=0.5, top_p=0.9).response()
     assert (response["temperature"], response["top_p"]) == (0.5, 0.9)
+    builder = _builder(top_p=0.9)  # the replica's values: the model's defaults filled in
+    builder.temperature, builder.top_p = 0.6, 0.95
+    assert (builder.response()["temperature"], builder.response()["top_p"]) == (0.6, 0.9)
 
 
 def test_reasoning_is_echoed_as_sent() -> None:
