@@ -250,6 +250,9 @@ class ChatCompletionRequest(SamplingFields):
     # Declared so that their 400 says why: only the model's own template is ever rendered.
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's RAG documents ({"title": ..., "text": ...}): the template's ``documents`` variable,
+    # over chat_template_kwargs' (a template that does not read it renders without them).
+    documents: list[dict[str, str]] | None = None
     # For the model's chat template, as vLLM passes it (gpt-oss's "Reasoning: ..." line).
     # vLLM 0.32's values; a model's template (or gpt-oss's harmony prompt) may take fewer.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (

@@ -275,6 +275,8 @@ def chat_payload(req: ChatCompletionRequest) -> GenerateRequest:
         )
         params["structured_outputs"] = {"json": json.dumps(schema)}
     template_kwargs = dict(options.pop("chat_template_kwargs", None) or {})
+    if req.documents is not None:
+        template_kwargs["documents"] = req.documents
     if req.reasoning_effort is not None:  # as vLLM: the effort, and thinking unless "none"
         template_kwargs["reasoning_effort"] = req.reasoning_effort
         template_kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")

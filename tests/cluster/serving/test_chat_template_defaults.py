@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from cluster.api.openai_models import ChatCompletionRequest
+from cluster.api.openai_payloads import chat_payload
 from cluster.api.replica_messages import GenerateRequest, TokenizeResult
 from cluster.config import load_config
 from cluster.serving.llm_server import LLMServer
@@ -29,6 +31,8 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<assistant>{% endif %}"
     "{% if enable_thinking is defined and not enable_thinking %}[quiet]{% endif %}"
     "{% if persona is defined %}[{{ persona }}]{% endif %}"
+    "{% if documents is defined and documents %}{% for d in documents %}"
+    "[doc {{ d.title }}: {{ d.text }}]{% endfor %}{% endif %}"
 )
 DEFAULTS = {"enable_thinking": False, "persona": "terse", "thinking": True}
 GREEDY = {"temperature": 0, "max_tokens": 6}
@@ -75,6 +79,22 @@ def test_the_prompt_is_the_configured_template_with_the_defaults_under_the_reque
     assert own == _hf(server, enable_thinking=True, persona="chatty")
     # As vLLM merges them, a request's null (or "auto") leaves the default.
     assert _tokenize(server, {"persona": None, "enable_thinking": "auto"}) == quiet
+
+
+def test_chat_documents_are_the_templates_documents_as_hf_renders_them(
+    server: LLMServer,
+) -> None:
+    """vLLM's ``documents`` (RAG): the template's variable, over chat_template_kwargs'."""
+    docs = [{"title": "Paris", "text": "The capital of France."}, {"title": "b", "text": "c"}]
+    body = {"model": "t", "messages": MESSAGES, "documents": docs,
+            "chat_template_kwargs": {"documents": [{"title": "x", "text": "y"}]}}  # fmt: skip
+    payload = chat_payload(ChatCompletionRequest.model_validate(body))
+    result = asyncio.run(server.tokenize(payload))
+    assert isinstance(result, TokenizeResult), result
+    assert result.tokens == _hf(server, enable_thinking=False, persona="terse", documents=docs)
+    assert "[doc Paris: The capital of France.][doc b: c]" in server.tokenizer.decode(result.tokens)
+    with pytest.raises(ValueError, match="documents"):
+        ChatCompletionRequest.model_validate({**body, "documents": [{"title": 3}]})
 
 
 def test_a_null_or_auto_variable_is_no_value_with_or_without_defaults() -> None:
