@@ -39,6 +39,7 @@ class Unsupported:
         return value is None or any(type(value) is type(v) and value == v for v in self.off)
 
 
+_MM_KWARGS = "per-request multimodal processing settings are not supported"
 # Fields outside the declared ones that would change the output and are not supported. Any
 # other undeclared field is ignored (logged once at debug), as vLLM does: clients fill in
 # ``metadata``, ``store``, ``service_tier`` and the like.
@@ -67,6 +68,16 @@ UNSUPPORTED_FIELDS = {
     "thinking_token_budget": Unsupported("not supported", (-1,)),
     "watermarking": Unsupported("not supported", (False,)),
     "vllm_xargs": Unsupported("not supported", ({},)),
+    # vLLM refuses these unless started with --trust-request-mm-kwargs.
+    "mm_processor_kwargs": Unsupported(_MM_KWARGS, ({},)),
+    "media_io_kwargs": Unsupported(_MM_KWARGS, ({},)),
+    # vLLM's for an external prefill/decode proxy; here the deployment's prefill_config pairs
+    # the pools, and the ingress sets them itself.
+    "kv_transfer_params": Unsupported(
+        "set by the server for its prefill and decode pools (a model's prefill_config), not "
+        "by a request",
+        ({},),
+    ),
 }
 _ignored_logged: set[str] = set()
 

@@ -15,7 +15,12 @@ from pydantic import ValidationError
 
 from cluster.api.api_errors import APIError
 from cluster.api.openai_models import ChatCompletionRequest
-from cluster.api.openai_payloads import Unsupported, check_extra_fields, image_part
+from cluster.api.openai_payloads import (
+    UNSUPPORTED_FIELDS,
+    Unsupported,
+    check_extra_fields,
+    image_part,
+)
 from cluster.api.responses_models import SAMPLING_PASSTHROUGH, ResponsesRequest
 
 _NO_TEMPLATE = "request-supplied chat templates are not accepted; the model's own template is used"
@@ -33,6 +38,8 @@ UNSUPPORTED_RESPONSE_FIELDS = {
         "not supported; the reasoning item is always returned", (True,)
     ),
     "vllm_xargs": Unsupported("not supported", ({},)),
+    "mm_processor_kwargs": UNSUPPORTED_FIELDS["mm_processor_kwargs"],
+    "kv_transfer_params": UNSUPPORTED_FIELDS["kv_transfer_params"],
 }
 # Tool types OpenAI runs itself (search, code, computer, images, MCP, shell): not served here.
 BUILTIN_TOOLS = (

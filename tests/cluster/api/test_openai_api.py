@@ -220,6 +220,9 @@ def test_unknown_fields_that_change_the_output_are_400_naming_them(
         ("prompt_embeds", "AAAA", None),
         ("thinking_token_budget", 10, -1),
         ("vllm_xargs", {"k": 1}, {}),
+        ("mm_processor_kwargs", {"max_pixels": 1024}, {}),
+        ("media_io_kwargs", {"image": {"mode": "RGB"}}, {}),
+        ("kv_transfer_params", {"do_remote_decode": True}, {}),
     ],
 )
 @pytest.mark.parametrize("chat", [False, True])

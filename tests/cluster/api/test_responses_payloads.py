@@ -89,7 +89,8 @@ def test_include_holds_openais_values_only() -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("include_reasoning", False), ("vllm_xargs", {"a": 1}),
+    [("include_reasoning", False), ("vllm_xargs", {"a": 1}), ("mm_processor_kwargs", {"a": 1}),
+     ("kv_transfer_params", {"do_remote_decode": True}),
      # an off value of another type is another value (1 is not true, 0 is not false)
      ("include_reasoning", 1), ("background", 0), ("background", True)],
 )  # fmt: skip
