@@ -122,7 +122,8 @@ class StreamStart(msgspec.Struct, tag="start", omit_defaults=True):
     # Whether the model reports the prompt's tokens read from the prefix cache (each
     # StreamDelta's num_cached_tokens) in usage (enable_prompt_tokens_details).
     prompt_tokens_details: bool = False
-    # What it samples with, the model's defaults filled in (a Responses object names them).
+    # What it samples with, for a model with sampling defaults (generation_config): a Responses
+    # object names them.
     temperature: float | None = None
     top_p: float | None = None
 

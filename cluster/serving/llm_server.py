@@ -369,7 +369,8 @@ class LLMServer(PoolingServer, SleepServer, StatsServer):
             prompt_logprobs = [first] + [logprob_rows(e) for e in output.prompt_logprobs[1:]]
         parser = self.tool_call_parser if self._reads_tool_calls(request) else None
         start = StreamStart(len(ids), params.n, text, prompt_logprobs, parser, self.replica_id)
-        start.temperature, start.top_p = params.temperature, params.top_p
+        if self.generation_defaults:  # what it samples with, the model's defaults filled in
+            start.temperature, start.top_p = params.temperature, params.top_p
         start.prompt_tokens_details = self.config.frontend.enable_prompt_tokens_details
         if reasoning and self.reasoning is not None:  # a chat with the model's reasoning_parser
             start.reasoning_parser = self.reasoning.parser.name
