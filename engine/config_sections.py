@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 
 from engine.errors import ConfigError
-from engine.generation_defaults import GENERATION_FIELDS
+from engine.generation_defaults import GENERATION_FIELDS, check_override
 from engine.model_heads import CONVERTS, RUNNERS, Task, family_architecture, resolve_task
 from engine.quantization.config import QUANTIZATION_ARGUMENTS
 from engine.validation import (
@@ -381,6 +381,7 @@ class SamplingConfig:
                 f"override_generation_config.{key}",
                 f"is not one of {', '.join(GENERATION_FIELDS)}",
             )
+        check_override(override)
         check_int(self.max_logprobs, "max_logprobs", ge=0)
         check_positive_int(self.max_n, "max_n")
         check_positive_int(self.max_stop_strings, "max_stop_strings")

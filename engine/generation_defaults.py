@@ -3,7 +3,8 @@ values of its ``generation_config.json`` (engine argument ``generation_config: a
 default), of the one in another directory (``generation_config: <dir>``) or none
 (``generation_config: vllm``), then ``override_generation_config`` over them. A request field
 left unset (or null) takes the model's value, else ``SamplingParams``' own;
-``max_new_tokens`` is the default ``max_tokens``, capped by the room the prompt leaves.
+``max_new_tokens`` is the default ``max_tokens`` (the server lowers it to what the prompt
+leaves).
 
 Read where a model is served (the replica, ``LLM``), not where configs are made: the
 directory may exist only there."""
@@ -52,16 +53,24 @@ def with_generation_defaults(
     return merged
 
 
+def check_override(override: Mapping[str, Any]) -> None:
+    """``override_generation_config`` as ``SamplingParams`` takes its values, or a
+    ``ConfigError`` naming the field (no checkpoint needed: checked with the config)."""
+    values = {name: value for name, value in override.items() if value is not None}
+    if "max_new_tokens" in values:
+        values["max_tokens"] = values.pop("max_new_tokens")
+    _check(values, "vllm", override)
+
+
 def _generation_config(directory: str, source: str) -> dict[str, Any]:
-    """``generation_config.json`` of ``directory``; without one, the generation fields of its
-    ``config.json`` (as HF's ``GenerationConfig.from_model_config``), else nothing."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(directory) / name
-        if path.is_file():
-            try:
-                return dict(json.loads(path.read_text()))
-            except (OSError, ValueError, TypeError) as exc:
-                raise ConfigError(f"generation_config: cannot read {path}: {exc}") from None
+    """``generation_config.json`` of ``directory``, or nothing without one (a ``config.json``'s
+    sampling fields are not read: transformers 5 drops them, so vLLM has none)."""
+    path = Path(directory) / "generation_config.json"
+    if path.is_file():
+        try:
+            return dict(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(f"generation_config: cannot read {path}: {exc}") from None
     if source != "auto":  # a directory named for it must hold one
         raise ConfigError(
             "generation_config: must be 'auto', 'vllm' or a directory holding "
@@ -84,4 +93,9 @@ def _check(values: dict[str, Any], source: str, override: Mapping[str, Any]) -> 
         raise ConfigError(f"{where}{name}{origin}: {getattr(exc, 'reason', exc)}") from None
 
 
-__all__ = ["GENERATION_FIELDS", "generation_defaults", "with_generation_defaults"]
+__all__ = [
+    "GENERATION_FIELDS",
+    "check_override",
+    "generation_defaults",
+    "with_generation_defaults",
+]

@@ -43,9 +43,11 @@ def test_the_checkpoints_sampling_values_by_sampling_params_names(tmp_path: Path
     assert generation_defaults(str(model), str(other)) == {"repetition_penalty": 1.1, "min_p": 0.05}
 
 
-def test_without_a_generation_config_its_config_json_fields_or_nothing(tmp_path: Path) -> None:
+def test_without_a_generation_config_json_there_are_none(tmp_path: Path) -> None:
+    """A config.json's sampling fields are not read: transformers 5 drops them from a model
+    config, so vLLM has none either."""
     legacy = _checkpoint(tmp_path, "legacy", None, {"model_type": "llama", "temperature": 0.3})
-    assert generation_defaults(str(legacy)) == {"temperature": 0.3}
+    assert generation_defaults(str(legacy)) == {}
     assert generation_defaults(str(tmp_path / "nothing-here")) == {}
 
 
@@ -60,9 +62,13 @@ def test_a_generation_config_that_cannot_be_used_is_refused_naming_it(tmp_path: 
     (model / "generation_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"^generation_config: cannot read "):
         generation_defaults(str(model))
-    with pytest.raises(ConfigError, match=r"^override_generation_config\.do_sample: is not one"):
-        EngineConfig.from_kwargs(model="builtin:tiny-llama", device="cpu",
-                                 override_generation_config={"do_sample": True})  # fmt: skip
+    for override, message in (
+        ({"do_sample": True}, r"^override_generation_config\.do_sample: is not one"),
+        ({"temperature": 5}, r"^override_generation_config\.temperature: must be in \[0, 2\]"),
+    ):  # with the config, before any checkpoint is read
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig.from_kwargs(model="builtin:tiny-llama", device="cpu",
+                                     override_generation_config=override)  # fmt: skip
 
 
 def test_a_requests_unset_fields_take_the_defaults_and_max_tokens_fits_the_prompt() -> None:

@@ -242,8 +242,10 @@ class ReadinessSampler:
             await stop.wait()
         finally:
             loop.call_soon_threadsafe(halt.set)
-            await probing
-            loop.close()
+            try:
+                await probing
+            finally:
+                loop.close()
 
     async def _probe(self, start: float, stop: asyncio.Event) -> None:
         import httpx
