@@ -34,9 +34,7 @@ def generation_defaults(
     directory = model_path if source == "auto" else source
     config = {} if source == "vllm" else _generation_config(directory, source)
     config.update(override or {})
-    values = {name: config[name] for name in GENERATION_FIELDS if config.get(name) is not None}
-    if "max_new_tokens" in values:
-        values["max_tokens"] = values.pop("max_new_tokens")
+    values = _by_sampling_name({name: config.get(name) for name in GENERATION_FIELDS})
     _check(values, source, override or {})
     return values
 
@@ -56,10 +54,16 @@ def with_generation_defaults(
 def check_override(override: Mapping[str, Any]) -> None:
     """``override_generation_config`` as ``SamplingParams`` takes its values, or a
     ``ConfigError`` naming the field (no checkpoint needed: checked with the config)."""
-    values = {name: value for name, value in override.items() if value is not None}
-    if "max_new_tokens" in values:
-        values["max_tokens"] = values.pop("max_new_tokens")
-    _check(values, "vllm", override)
+    _check(_by_sampling_name(override), "vllm", override)
+
+
+def _by_sampling_name(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The values that are set, by ``SamplingParams`` name (``max_new_tokens`` as
+    ``max_tokens``)."""
+    out = {name: value for name, value in values.items() if value is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    return out
 
 
 def _generation_config(directory: str, source: str) -> dict[str, Any]:
